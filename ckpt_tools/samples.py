@@ -1,0 +1,124 @@
+"""Regenerate the bundled sample checkpoints by running the real frameworks on CPU with gloo.
+
+Each sample is made by a worker module in `ckpt_tools/train/workers/`, launched with torchrun
+(`nproc` ranks) so that DeepSpeed, FSDP and Accelerate all see a real process group. A worker writes
+`<out>/<group>/<name>` (a folder or a file) and `<out>/<group>/<name>.manifest.json` beside it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """How to make one sample: `python -m torch.distributed.run --nproc_per_node nproc -m module --sample name`."""
+
+    name: str  # unique, e.g. "zero2_bf16"
+    group: str  # folder under the output dir, e.g. "deepspeed"
+    module: str  # worker module run under torchrun
+    nproc: int
+    path: str  # the checkpoint path relative to <out>/<group>, e.g. "zero2_bf16" or "plain.pt"
+    after: tuple[str, ...] = field(default=())  # samples that must exist first (e.g. universal <- zero2)
+
+
+_W = "ckpt_tools.train.workers."
+SAMPLES: tuple[SampleSpec, ...] = (
+    SampleSpec("zero1_bf16", "deepspeed", _W + "ds_zero", 2, "zero1_bf16"),
+    SampleSpec("zero2_bf16", "deepspeed", _W + "ds_zero", 2, "zero2_bf16"),
+    SampleSpec("zero3_bf16", "deepspeed", _W + "ds_zero", 2, "zero3_bf16"),
+    SampleSpec("zero2_fp32", "deepspeed", _W + "ds_zero", 2, "zero2_fp32"),
+    SampleSpec("zero2_lambdalr", "deepspeed", _W + "ds_zero", 2, "zero2_lambdalr"),
+    SampleSpec("zero2_warmuplr", "deepspeed", _W + "ds_zero", 2, "zero2_warmuplr"),
+    SampleSpec("zero2_bf16_universal", "universal", _W + "ds_universal", 1, "zero2_bf16_universal",
+               after=("zero2_bf16",)),
+    SampleSpec("gpt_tp2_pp2", "megatron", _W + "ds_pipeline", 4, "gpt_tp2_pp2"),
+    SampleSpec("gpt_tp2_pp2_noinfo", "megatron", _W + "ds_pipeline", 4, "gpt_tp2_pp2_noinfo"),
+    SampleSpec("gpt_tp2_pp2_drifted", "megatron", _W + "ds_pipeline", 4, "gpt_tp2_pp2_drifted"),
+    SampleSpec("fsdp2_dcp", "fsdp", _W + "fsdp", 2, "fsdp2_dcp"),
+    SampleSpec("fsdp1_sharded", "fsdp", _W + "fsdp", 2, "fsdp1_sharded"),
+    SampleSpec("accelerate_ddp", "accelerate", _W + "accel", 2, "accelerate_ddp"),
+    SampleSpec("accelerate_deepspeed", "accelerate", _W + "accel", 2, "accelerate_deepspeed"),
+    SampleSpec("plain", "torch", _W + "plain", 1, "plain.pt"),
+    SampleSpec("safetensors_single", "safetensors", _W + "plain", 1, "model.safetensors"),
+    SampleSpec("safetensors_sharded", "safetensors", _W + "plain", 1, "sharded"),
+)
+
+
+def get_spec(name: str) -> SampleSpec:
+    for s in SAMPLES:
+        if s.name == name:
+            return s
+    raise KeyError(f"unknown sample {name!r}; known: {', '.join(s.name for s in SAMPLES)}")
+
+
+def sample_path(out_dir: str | os.PathLike, name: str) -> Path:
+    s = get_spec(name)
+    return Path(out_dir) / s.group / s.path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_env() -> dict[str, str]:
+    """Environment for CPU-only real-framework runs (no CUDA probing, deterministic, quiet)."""
+    env = dict(os.environ)
+    env.update(
+        DS_ACCELERATOR="cpu",
+        CUDA_VISIBLE_DEVICES="",
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONHASHSEED="0",
+    )
+    return env
+
+
+def run_torchrun(module: str, nproc: int, args: list[str], *, log_path: Path | None = None,
+                 timeout: float = 600) -> None:
+    """Run `module` under torchrun on localhost with `nproc` CPU ranks; raise with the log tail on failure."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", module, *args]
+    proc = subprocess.run(cmd, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout)
+    if log_path is not None:
+        log_path.write_text(proc.stdout)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.splitlines()[-40:])
+        raise RuntimeError(f"{' '.join(cmd)} failed with exit code {proc.returncode}:\n{tail}")
+
+
+def make_sample(out_dir: str | os.PathLike, name: str, *, log_dir: Path | None = None) -> Path:
+    """(Re)make one sample under `out_dir`; returns the checkpoint path. Replaces an existing one."""
+    spec = get_spec(name)
+    out = Path(out_dir)
+    for dep in spec.after:
+        if not sample_path(out, dep).exists():
+            make_sample(out, dep, log_dir=log_dir)
+    target = out / spec.group / spec.path
+    if target.is_dir():
+        shutil.rmtree(target)
+    elif target.exists():
+        target.unlink()
+    (out / spec.group).mkdir(parents=True, exist_ok=True)
+    log_path = (log_dir / f"{name}.log") if log_dir else None
+    run_torchrun(spec.module, spec.nproc, ["--sample", name, "--out", str(out / spec.group)],
+                 log_path=log_path)
+    if not target.exists():
+        raise RuntimeError(f"worker {spec.module} did not write {target}")
+    return target
+
+
+def make_samples(out_dir: str | os.PathLike, only: list[str] | None = None,
+                 *, log_dir: Path | None = None):
+    """Make every sample (or those named in `only`); yields each checkpoint path as it is done."""
+    names = only or [s.name for s in SAMPLES]
+    for name in names:
+        yield make_sample(out_dir, name, log_dir=log_dir)

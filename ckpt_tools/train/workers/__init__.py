@@ -1,0 +1,1 @@
+"""One module per framework; each is a script run under torchrun that trains and saves samples."""
