@@ -1,0 +1,42 @@
+"""One module per checkpoint format. Each has `sniff(path) -> bool` and `open(path) -> Checkpoint`.
+
+`detect` asks them in order; the order matters where layouts nest (an Accelerate folder can hold a
+DeepSpeed tag folder, a universal checkpoint holds DeepSpeed model-states files).
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from types import ModuleType
+
+from ..errors import NotACheckpoint
+
+#: detection order: the most specific layouts first
+FORMAT_MODULES = (
+    "safetensors_file", "dcp", "universal", "accelerate", "megatron_pipeline", "deepspeed", "fsdp_sharded",
+    "torch_file",
+)
+
+
+def _module(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name == f"{__name__}.{name}":
+            return None  # format not built yet in this checkout
+        raise
+
+
+def detect(path: Path) -> ModuleType:
+    """The format module that reads `path`; raises NotACheckpoint naming what was looked for."""
+    if not path.exists():
+        raise NotACheckpoint("no such file or folder", path=path, hint="check the path")
+    for name in FORMAT_MODULES:
+        mod = _module(name)
+        if mod is not None and mod.sniff(path):
+            return mod
+    what = "folder" if path.is_dir() else "file"
+    raise NotACheckpoint(
+        f"this {what} is not a supported checkpoint (looked for DeepSpeed mp_rank_*/zero_pp_rank_* files, "
+        "layer_*-model_* files, a DCP .metadata, Accelerate state files, torch.save files, safetensors)",
+        path=path, hint="pass the checkpoint folder, its tag folder, or a checkpoint file")

@@ -1,0 +1,177 @@
+"""Helpers every format module shares: loading files safely, stray-file warnings, `latest` tags."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+from .. import pickle_reader
+from ..errors import MissingFile, NotACheckpoint
+from ..tree import Checkpoint, FileInfo, GroupNode, Node, Warning_, as_int, floats, scalar
+
+#: names that a loader globbing the folder could pick up by mistake, or that show a hand edit
+_STRAY_RE = re.compile(r"(\.orig|\.bak|\.backup|\.old|\.tmp|\.swp|~)$|^\.#|\.pt\.\d+$")
+
+
+class LoadCache:
+    """Parses each file once per `open_checkpoint` call and remembers unknown pickle globals."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._loaded: dict[Path, pickle_reader.Loaded] = {}
+        self.unknown_globals: dict[str, list[str]] = {}
+
+    def load(self, path: Path) -> pickle_reader.Loaded:
+        path = Path(path)
+        hit = self._loaded.get(path)
+        if hit is None:
+            hit = pickle_reader.load(path)
+            self._loaded[path] = hit
+            unknown = hit.unknown_globals
+            if unknown:
+                self.unknown_globals[self.rel(path)] = unknown
+        return hit
+
+    def rel(self, path: Path) -> str:
+        try:
+            return str(Path(path).relative_to(self.root))
+        except ValueError:
+            return str(path)
+
+    def warnings(self) -> list[Warning_]:
+        return [Warning_("unknown-global",
+                         f"pickle names {', '.join(names)}: shown as opaque records, not executed "
+                         "(a plain torch.load would import and run it)", rel)
+                for rel, names in sorted(self.unknown_globals.items())]
+
+
+def stray_file_warnings(folder: Path, root: Path) -> list[Warning_]:
+    """Files beside state files that a loader globbing this folder could pick up."""
+    out = []
+    if not folder.is_dir():
+        return out
+    names = sorted(os.listdir(folder))
+    for name in names:
+        rel = str((folder / name).relative_to(root)) if folder != root else name
+        if _STRAY_RE.search(name):
+            out.append(Warning_("stray-file", f"{name} sits beside state files; a loader that globs this folder "
+                                f"may pick it up. Move it out of the checkpoint folder", rel))
+        elif "custom_checkpoint" in name and not re.fullmatch(r"custom_checkpoint_\d+\.pkl", name):
+            out.append(Warning_("stray-file", f"{name} looks like a copy of custom_checkpoint_N.pkl; "
+                                "Accelerate < 1.x counts every file containing 'custom_checkpoint' and then "
+                                "silently skips loading custom state. Move it out of the folder", rel))
+    return out
+
+
+def read_latest(folder: Path, name: str = "latest") -> str | None:
+    p = folder / name
+    if not p.is_file():
+        return None
+    try:
+        return p.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def resolve_tag(path: Path, marker_glob: str, latest_name: str = "latest") -> tuple[Path, Path, str | None]:
+    """(root given by the user, tag folder holding the state files, tag name). Accepts the tag folder or
+    its parent with `latest`; with no `latest` and exactly one tag folder, that one."""
+    if any(path.glob(marker_glob)):
+        return path, path, path.name
+    tag = read_latest(path, latest_name)
+    if tag is not None:
+        tag_dir = path / tag
+        if not tag_dir.is_dir():
+            raise MissingFile(f"'{latest_name}' names tag '{tag}' but {tag_dir} does not exist",
+                              path=path / latest_name,
+                              hint=f"point {latest_name} at an existing tag folder or pass the tag folder itself")
+        return path, tag_dir, tag
+    cands = [d for d in sorted(path.iterdir()) if d.is_dir() and any(d.glob(marker_glob))]
+    if len(cands) == 1:
+        return path, cands[0], cands[0].name
+    if cands:
+        raise NotACheckpoint(f"several tag folders ({', '.join(c.name for c in cands)}) and no '{latest_name}' file",
+                             path=path, hint="pass one tag folder")
+    raise NotACheckpoint("no checkpoint files found", path=path)
+
+
+def file_info(path: Path, root: Path, role: str, rank: dict | None = None) -> FileInfo:
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = 0
+    rel = str(path.relative_to(root)) if path != root else path.name
+    return FileInfo(rel, size, role, dict(rank or {}))
+
+
+def scheduler_fields(node: Node | None) -> dict[str, Any]:
+    """The scalar fields of a torch scheduler state dict (or DeepSpeed's {last_batch_iteration})."""
+    if not isinstance(node, GroupNode):
+        return {}
+    return {k: scalar(v) for k, v in node.children.items()}
+
+
+def lr_from_scheduler(fields: dict[str, Any]) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
+    return floats(fields.get("base_lrs")), floats(fields.get("_last_lr"))
+
+
+def scheduler_counters(fields: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(last_epoch, _step_count); DeepSpeed's own schedulers save `last_batch_iteration` instead."""
+    last = fields.get("last_epoch", fields.get("last_batch_iteration"))
+    return as_int(last), as_int(fields.get("_step_count"))
+
+
+def param_group_lrs(groups: Node | None) -> tuple[float, ...]:
+    if not isinstance(groups, GroupNode):
+        return ()
+    out = []
+    for g in groups.children.values():
+        lr = scalar(g.children.get("lr")) if isinstance(g, GroupNode) else None
+        if isinstance(lr, (int, float)) and not isinstance(lr, bool):
+            out.append(float(lr))
+    return tuple(out)
+
+
+def optimizer_steps(state: Node | None) -> list[int]:
+    """Every `step` value found under an optimizer `state` subtree (per param or per flat group)."""
+    out = []
+    if not isinstance(state, GroupNode):
+        return out
+    for entry in state.children.values():
+        if isinstance(entry, GroupNode) and "step" in entry.children:
+            v = as_int(scalar(entry.children["step"]))
+            if v is not None:
+                out.append(v)
+    return out
+
+
+def counter_warnings(ckpt_counters, *, accelerate_world_size: int | None = None,
+                     optimizer_steps_seen: Iterable[int] = ()) -> list[Warning_]:
+    """Counters that do not fit each other. Knows that Accelerate steps the scheduler once per process
+    per optimizer step, and that DeepSpeed counts skipped (overflow) steps in global_steps only."""
+    out = []
+    steps = sorted(set(optimizer_steps_seen))
+    if len(steps) > 1:
+        out.append(Warning_("step-mismatch", f"optimizer step counters disagree across ranks/param groups: {steps}"))
+    c = ckpt_counters
+    if c.global_step is not None and c.optimizer_step is not None:
+        expect = c.global_step - (c.skipped_steps or 0)
+        if c.optimizer_step != expect:
+            out.append(Warning_("step-mismatch",
+                                f"optimizer step {c.optimizer_step} != global step {c.global_step}"
+                                + (f" - skipped {c.skipped_steps}" if c.skipped_steps else "")
+                                + " (an Adam step counter that was reset restarts bias correction)"))
+    if c.optimizer_step is not None and c.scheduler_last_epoch is not None:
+        per_step = accelerate_world_size or 1
+        lo, hi = (c.optimizer_step - 1) * per_step, (c.optimizer_step + 1) * per_step
+        if not (lo <= c.scheduler_last_epoch <= hi):
+            hint = (f" (Accelerate steps the scheduler {per_step}x per optimizer step)" if per_step > 1 else "")
+            out.append(Warning_("scheduler-mismatch",
+                                f"scheduler last_epoch {c.scheduler_last_epoch} does not fit optimizer step "
+                                f"{c.optimizer_step}{hint}; the LR schedule may restart or jump on resume"))
+    return out
+
+
+def empty_checkpoint_error(path: Path, what: str) -> NotACheckpoint:
+    return NotACheckpoint(f"no {what} found", path=path)

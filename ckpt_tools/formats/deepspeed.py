@@ -1,0 +1,383 @@
+"""DeepSpeed ZeRO checkpoints (stages 1, 2 and 3; bf16, fp16 and fp32), the tag folder or its parent.
+
+Layout (see shared/FORMATS.md): `mp_rank_TT_model_states.pt` (stage 1/2; stage 3 adds
+`zero_pp_rank_D_mp_rank_TT_model_states.pt` per DP rank) and `[bf16_]zero_pp_rank_D_mp_rank_TT_optim_states.pt`
+per DP rank. The optimizer state is flattened: one flat fp32 master / exp_avg / exp_avg_sq tensor per
+param group and DP rank. This module un-flattens it per parameter name without reading tensor bytes:
+
+- stage 1/2: `param_slice_mappings[g][name] = fragment_address(numel, start)` says where each parameter's
+  piece lies inside the rank's flat partition; a parameter's pieces across ranks follow in rank order.
+- stage 3: every parameter is split across all DP ranks, `ceil(numel / dp)` elements each (the last rank
+  padded), laid out in `param_shapes` order inside each rank's flat group.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import CorruptCheckpoint, MissingFile, NotACheckpoint
+from ..pickle_reader import Opaque, TensorRef
+from ..tree import (Checkpoint, Counters, GroupNode, LearningRates, Piece, TensorNode, Topology, ValueNode,
+                    Warning_, as_int, natural_key, scalar, tensor_node, to_node)
+from . import _common as C
+
+FORMAT = "deepspeed_zero"
+_MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+_Z3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+#: top-level model_states keys DeepSpeed itself writes; everything else is client state
+DS_MODEL_KEYS = {
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
+    "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info",
+}
+
+
+def sniff(path: Path) -> bool:
+    if not path.is_dir():
+        return False
+    if any(path.glob("layer_*-model_*-model_states.pt")):
+        return False
+    if any(path.glob("*mp_rank_*_model_states.pt")):
+        return True
+    tag = C.read_latest(path)
+    return bool(tag) and (path / tag).is_dir() and any((path / tag).glob("*mp_rank_*_model_states.pt")) \
+        and not any((path / tag).glob("layer_*-model_*-model_states.pt"))
+
+
+@dataclass
+class RankFiles:
+    """The files of one model-parallel rank (`mp_rank` TT) in a tag folder."""
+
+    mp_rank: int
+    model_states: Path | None
+    optim: dict[int, Path]  # dp rank -> optim file
+    z3_model: dict[int, Path]
+
+
+def list_rank_files(tag_dir: Path) -> dict[int, RankFiles]:
+    """Group the tag folder's state files by model-parallel rank."""
+    ranks: dict[int, RankFiles] = {}
+    for p in sorted(tag_dir.iterdir()):
+        m = _MODEL_RE.match(p.name)
+        if m:
+            ranks.setdefault(int(m[1]), RankFiles(int(m[1]), None, {}, {})).model_states = p
+            continue
+        m = _OPTIM_RE.match(p.name)
+        if m:
+            ranks.setdefault(int(m[3]), RankFiles(int(m[3]), None, {}, {})).optim[int(m[2])] = p
+            continue
+        m = _Z3_MODEL_RE.match(p.name)
+        if m:
+            ranks.setdefault(int(m[2]), RankFiles(int(m[2]), None, {}, {})).z3_model[int(m[1])] = p
+    return ranks
+
+
+def _dig(obj: Any, *keys):
+    for k in keys:
+        if isinstance(obj, dict) and k in obj:
+            obj = obj[k]
+        else:
+            return None
+    return obj
+
+
+def _zero_stage(osd: dict) -> int | None:
+    z = osd.get("zero_stage")
+    if isinstance(z, Opaque) and z.args:
+        return as_int(z.args[0])
+    return as_int(z)
+
+
+def _shape_groups(param_shapes: Any) -> list[dict[str, tuple[int, ...]]]:
+    if isinstance(param_shapes, dict):
+        param_shapes = [param_shapes]
+    if not isinstance(param_shapes, list):
+        return []
+    return [{str(k): tuple(v) for k, v in g.items()} for g in param_shapes if isinstance(g, dict)]
+
+
+@dataclass
+class ZeroOptimizer:
+    """Per-parameter optimizer state recovered from one mp rank's flat ZeRO partitions."""
+
+    stage: int | None
+    state: dict[str, dict[str, Any]]  # param -> {"fp32": TensorNode, "exp_avg": ..., "exp_avg_sq": ..., "step": v}
+    param_groups: list[dict[str, Any]]  # rank 0's param groups (raw objects)
+    steps_seen: list[int]
+    lrs_by_rank: dict[int, tuple[float, ...]]
+    extras: dict[str, Any]  # loss_scaler, clip_grad, ... from rank 0
+    dtype: str | None = None
+
+
+def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
+                        shape_groups: list[dict[str, tuple[int, ...]]], mp_coords: dict[str, int]) -> ZeroOptimizer:
+    """Un-flatten the optimizer state of one model-parallel rank from all its DP rank files."""
+    dp = len(optim_files)
+    loaded = {r: cache.load(p) for r, p in sorted(optim_files.items())}
+    first = loaded[min(loaded)].obj
+    osd0 = first.get("optimizer_state_dict") if isinstance(first, dict) else None
+    if not isinstance(osd0, dict):
+        raise CorruptCheckpoint("no optimizer_state_dict", path=optim_files[min(loaded)],
+                                hint="this is not a DeepSpeed ZeRO optimizer file")
+    stage = _zero_stage(osd0)
+    pieces: dict[str, dict[str, list[Piece]]] = {}
+    steps_seen: list[int] = []
+    lrs_by_rank: dict[int, tuple[float, ...]] = {}
+    step_value: dict[int, Any] = {}
+    master_dtype = None
+    for r, L in loaded.items():
+        rel = cache.rel(optim_files[r])
+        osd = L.obj.get("optimizer_state_dict") if isinstance(L.obj, dict) else None
+        if not isinstance(osd, dict):
+            raise CorruptCheckpoint("no optimizer_state_dict", path=optim_files[r], hint="re-copy this rank's file")
+        if stage == 3:
+            base = osd.get("optimizer_state_dict") or {}
+            flats = osd.get("fp32_flat_groups") or []
+        else:
+            base = osd.get("base_optimizer_state") or {}
+            flats = osd.get("single_partition_of_fp32_groups") or []
+        state = base.get("state") or {}
+        groups = base.get("param_groups") or []
+        lrs_by_rank[r] = tuple(float(g.get("lr")) for g in groups if isinstance(g, dict)
+                               and isinstance(g.get("lr"), (int, float)))
+        rank = dict(mp_coords, dp=r)
+        for gi, shapes in enumerate(shape_groups):
+            gstate = state.get(gi, state.get(str(gi), {})) if isinstance(state, dict) else {}
+            flat = {"fp32": flats[gi] if gi < len(flats) else None,
+                    "exp_avg": gstate.get("exp_avg") if isinstance(gstate, dict) else None,
+                    "exp_avg_sq": gstate.get("exp_avg_sq") if isinstance(gstate, dict) else None}
+            if isinstance(flat["fp32"], TensorRef):
+                master_dtype = flat["fp32"].dtype
+            stepv = gstate.get("step") if isinstance(gstate, dict) else None
+            if isinstance(stepv, TensorRef):
+                stepv = stepv.item() if stepv.numel == 1 else None
+            if as_int(stepv) is not None:
+                steps_seen.append(as_int(stepv))
+                step_value.setdefault(gi, as_int(stepv))
+            for name, (src, cnt, dst) in _fragments(stage, osd, gi, shapes, r, dp).items():
+                slot = pieces.setdefault(name, {})
+                for key, ref in flat.items():
+                    if not isinstance(ref, TensorRef):
+                        continue
+                    if src + cnt > ref.numel:
+                        raise CorruptCheckpoint(f"param {name} lies outside the flat {key} partition of group {gi}",
+                                                path=optim_files[r], hint="the rank files are from different runs")
+                    slot.setdefault(key, []).append(Piece(rel, ref, src, cnt, dst, rank))
+    state_out: dict[str, dict[str, Any]] = {}
+    for gi, shapes in enumerate(shape_groups):
+        for name, shape in shapes.items():
+            entry: dict[str, Any] = {}
+            for key, plist in pieces.get(name, {}).items():
+                covered = sum(p.numel for p in plist)
+                if covered != math.prod(shape):
+                    raise CorruptCheckpoint(f"param {name}: the {key} pieces cover {covered} of "
+                                            f"{math.prod(shape)} elements", path=optim_files[min(optim_files)],
+                                            hint="a rank file is missing or from another run")
+                entry[key] = TensorNode(shape, plist[0].ref.dtype, tuple(sorted(plist, key=lambda p: p.dst_offset)))
+            if gi in step_value:
+                entry["step"] = step_value[gi]
+            entry["param_group"] = gi
+            state_out[name] = entry
+    extras = {k: v for k, v in osd0.items() if k in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad",
+                                                        "partition_count", "ds_version")}
+    if stage is not None:
+        extras["zero_stage"] = stage
+    groups0 = (_dig(osd0, "optimizer_state_dict", "param_groups") if stage == 3
+               else _dig(osd0, "base_optimizer_state", "param_groups")) or []
+    return ZeroOptimizer(stage, state_out, [g for g in groups0 if isinstance(g, dict)], steps_seen,
+                         lrs_by_rank, extras, master_dtype)
+
+
+def _fragments(stage, osd, gi, shapes, rank, dp) -> dict[str, tuple[int, int, int]]:
+    """name -> (offset in this rank's flat group, count, offset inside the parameter) for one group."""
+    out: dict[str, tuple[int, int, int]] = {}
+    if stage == 3:
+        off = 0
+        for name, shape in shapes.items():
+            numel = math.prod(shape)
+            part = math.ceil(numel / dp) if numel else 0
+            start = rank * part
+            cnt = max(0, min(part, numel - start))
+            if cnt:
+                out[name] = (off, cnt, start)
+            off += part
+        return out
+    mappings = osd.get("param_slice_mappings")
+    if not isinstance(mappings, list) or gi >= len(mappings):
+        raise CorruptCheckpoint("optimizer file has no param_slice_mappings (DeepSpeed < 0.9?)",
+                                hint="re-save with a newer DeepSpeed or use zero_to_fp32")
+    # the logical offset of a fragment is where the partition starts in the group's flat buffer
+    # minus where the parameter starts in it; both follow from param order and partition sizes
+    flat_sizes = osd.get("single_partition_of_fp32_groups") or []
+    part_size = flat_sizes[gi].numel if gi < len(flat_sizes) and isinstance(flat_sizes[gi], TensorRef) else 0
+    part_begin = rank * part_size
+    param_begin = 0
+    begins: dict[str, int] = {}
+    for name, shape in shapes.items():
+        begins[name] = param_begin
+        param_begin += math.prod(shape)
+    for name, frag in mappings[gi].items():
+        if not isinstance(frag, Opaque):
+            continue
+        numel, start = as_int(frag.field("numel")), as_int(frag.field("start"))
+        if numel is None or start is None or name not in begins:
+            continue
+        out[str(name)] = (start, numel, part_begin + start - begins[name])
+    return out
+
+
+def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
+    root, tag_dir, tag = C.resolve_tag(path, "*mp_rank_*_model_states.pt")
+    cache = C.LoadCache(root)
+    ranks = list_rank_files(tag_dir)
+    if not ranks:
+        raise NotACheckpoint("no mp_rank_*_model_states.pt files", path=tag_dir)
+    return build(root, tag_dir, tag, cache, ranks)
+
+
+def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks: dict[int, RankFiles],
+          *, fmt: str = FORMAT) -> Checkpoint:
+    warnings: list[Warning_] = []
+    files = []
+    first_rank = ranks[min(ranks)]
+    ms_path = first_rank.model_states or (first_rank.z3_model and first_rank.z3_model[min(first_rank.z3_model)])
+    if not ms_path:
+        raise MissingFile("mp_rank_00_model_states.pt is missing", path=tag_dir, hint="re-copy the tag folder")
+    ms = cache.load(ms_path).obj
+    if not isinstance(ms, dict):
+        raise CorruptCheckpoint("model states file does not hold a dict", path=ms_path)
+    dp_size = as_int(ms.get("dp_world_size")) or max(len(first_rank.optim), 1)
+    mp_size = as_int(ms.get("mp_world_size")) or len(ranks)
+    _check_rank_files(tag_dir, ranks, dp_size, mp_size, warnings)
+    shape_groups = _shape_groups(ms.get("param_shapes"))
+
+    opt = None
+    if first_rank.optim:
+        in_world = {d: p for d, p in first_rank.optim.items() if d < dp_size}
+        opt = read_zero_optimizer(cache, in_world, shape_groups, {"tp": first_rank.mp_rank})
+    stage = opt.stage if opt else None
+    if stage is None:
+        stage = as_int(_dig(ms, "ds_config", "zero_optimization", "stage"))
+
+    # model weights: module tensors (stage 1/2), else the fp32 master (stage 3 saves placeholders only)
+    model: dict[str, Any] = {}
+    module = ms.get("module") if isinstance(ms.get("module"), dict) else {}
+    rel_ms = cache.rel(ms_path)
+    names = [n for g in shape_groups for n in g]
+    frozen = ms.get("frozen_param_shapes") if isinstance(ms.get("frozen_param_shapes"), dict) else {}
+    weight_source = "module"
+    for name in names + [str(n) for n in frozen]:
+        ref = module.get(name)
+        if isinstance(ref, TensorRef) and ref.numel > 0:
+            model[name] = tensor_node(ref, rel_ms, {"tp": first_rank.mp_rank})
+        elif opt and name in opt.state and "fp32" in opt.state[name]:
+            model[name] = opt.state[name]["fp32"]
+            weight_source = "fp32 master (ZeRO-3 saves no module weights)"
+    buffers = [str(b) for b in ms.get("buffer_names") or []]
+    for name in buffers:
+        if isinstance(module.get(name), TensorRef):
+            model[name] = tensor_node(module[name], rel_ms)
+    param_count = sum(math.prod(s) for g in shape_groups for s in g.values()) + \
+        sum(math.prod(tuple(s)) for s in frozen.values())
+    param_tensors = len(names) + len(frozen)
+
+    tree: dict[str, Any] = {"model": GroupNode(model)}
+    if opt:
+        tree["optimizer"] = _optimizer_node(opt)
+    sched_node = to_node(ms.get("lr_scheduler"), rel_ms) if isinstance(ms.get("lr_scheduler"), dict) else None
+    if sched_node is not None:
+        tree["scheduler"] = sched_node
+    counters_raw = {k: ms.get(k) for k in ("global_steps", "global_samples", "skipped_steps")}
+    tree["counters"] = GroupNode({k: ValueNode(v) for k, v in counters_raw.items()})
+    client = {k: v for k, v in ms.items() if k not in DS_MODEL_KEYS}
+    if client:
+        tree["client_state"] = to_node(client, rel_ms)
+    if "universal_checkpoint_info" in ms:
+        tree["universal_checkpoint_info"] = to_node(ms["universal_checkpoint_info"], rel_ms)
+    if isinstance(ms.get("ds_config"), dict):
+        tree["config"] = to_node(ms["ds_config"], rel_ms)
+
+    sched = C.scheduler_fields(sched_node)
+    base_lrs, last_lr = C.lr_from_scheduler(sched)
+    last_epoch, step_count = C.scheduler_counters(sched)
+    opt_steps = opt.steps_seen if opt else []
+    counters = Counters(
+        global_step=as_int(ms.get("global_steps")),
+        optimizer_step=max(set(opt_steps), key=opt_steps.count) if opt_steps else None,
+        scheduler_last_epoch=last_epoch,
+        scheduler_step_count=step_count,
+        skipped_steps=as_int(ms.get("skipped_steps")),
+    )
+    lrs = opt.lrs_by_rank[min(opt.lrs_by_rank)] if opt and opt.lrs_by_rank else ()
+    if opt and len(set(opt.lrs_by_rank.values())) > 1:
+        warnings.append(Warning_("lr-mismatch", f"param group LRs differ across DP ranks: {opt.lrs_by_rank}"))
+    warnings += C.counter_warnings(counters, optimizer_steps_seen=opt_steps)
+    if sched_node is None and isinstance(_dig(ms, "ds_config", "scheduler"), dict):
+        warnings.append(Warning_("scheduler-missing", "ds_config names a scheduler but lr_scheduler was not saved"))
+
+    for rf in ranks.values():
+        for p in [rf.model_states, *rf.z3_model.values()]:
+            if p:
+                files.append(C.file_info(p, root, "model", {"tp": rf.mp_rank}))
+        for d, p in sorted(rf.optim.items()):
+            files.append(C.file_info(p, root, "optimizer", {"tp": rf.mp_rank, "dp": d}))
+    warnings += C.stray_file_warnings(tag_dir, root)
+    if tag_dir != root:
+        warnings += C.stray_file_warnings(root, root)
+    warnings += cache.warnings()
+    dtypes = sorted({n.dtype for n in model.values()} | ({opt.dtype} if opt and opt.dtype else set()))
+    details = {"tag": tag, "ds_version": ms.get("ds_version"), "weights": weight_source,
+               "optimizer_dtype": opt.dtype if opt else None}
+    if "scheduler" in tree and "last_batch_iteration" in sched and "base_lrs" not in sched:
+        details["scheduler_kind"] = "deepspeed (LR comes from the launch config)"
+    return Checkpoint(
+        format=fmt, path=str(root), topology=Topology(dp=dp_size, tp=mp_size, pp=1, zero_stage=stage),
+        tree=GroupNode(tree), counters=counters,
+        lr=LearningRates(param_groups=lrs, base_lrs=base_lrs, last_lr=last_lr),
+        parameter_count=param_count, parameter_tensors=param_tensors, files=tuple(files),
+        warnings=tuple(warnings), dtypes=tuple(dtypes), details=details)
+
+
+def _optimizer_node(opt: ZeroOptimizer) -> GroupNode:
+    state = {}
+    for name in opt.state:
+        entry = opt.state[name]
+        kids = {k: v for k, v in entry.items() if isinstance(v, TensorNode)}
+        if "step" in entry:
+            kids["step"] = ValueNode(entry["step"])
+        kids["param_group"] = ValueNode(entry["param_group"])
+        state[name] = GroupNode(kids)
+    groups = {str(i): GroupNode({k: to_node(v, "") for k, v in g.items()}) for i, g in enumerate(opt.param_groups)}
+    extras = {k: to_node(v, "") for k, v in opt.extras.items()}
+    return GroupNode({"state": GroupNode(state), "param_groups": GroupNode(groups), **extras})
+
+
+def _check_rank_files(tag_dir: Path, ranks: dict[int, RankFiles], dp: int, mp: int, warnings: list) -> None:
+    """Missing rank files are fatal (the flat state cannot be un-flattened); extra ones are warnings."""
+    for t in range(mp):
+        rf = ranks.get(t)
+        if rf is None or (rf.model_states is None and not rf.z3_model):
+            raise MissingFile(f"mp_rank_{t:02d}_model_states.pt is missing (mp_world_size={mp})", path=tag_dir,
+                              hint="re-copy the tag folder; every model-parallel rank's file is needed")
+        if rf.optim:
+            prefix = next(iter(rf.optim.values())).name.split("zero_pp_rank_")[0]
+            for d in range(dp):
+                if d not in rf.optim:
+                    raise MissingFile(f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt is missing "
+                                      f"(dp_world_size={dp})", path=tag_dir,
+                                      hint="re-copy the tag folder; every DP rank's optimizer file is needed")
+            for d in sorted(rf.optim):
+                if d >= dp:
+                    warnings.append(Warning_("extra-rank-file", f"{rf.optim[d].name} is beyond dp_world_size={dp}: "
+                                             "left over from another run? Move it out of the folder",
+                                             str(rf.optim[d].relative_to(tag_dir.parent))))
+    for t in sorted(ranks):
+        if t >= mp:
+            warnings.append(Warning_("extra-rank-file", f"files for mp_rank {t:02d} are beyond mp_world_size={mp}: "
+                                     "left over from another run? Move them out of the folder"))

@@ -1,0 +1,1 @@
+"""Operations on the checkpoint tree. Read-only ones return data; writing ones return a plan first."""

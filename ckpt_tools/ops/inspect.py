@@ -1,0 +1,155 @@
+"""`ckpt inspect`: the header and tree of a checkpoint as data (the CLI renders it).
+
+The JSON contract (`summary()`), which scripts rely on — keep these names:
+    {"format", "path", "topology": {"dp","tp","pp","zero_stage"}, "parameters": {"count","tensors"},
+     "counters": {"global_step","optimizer_step","scheduler_last_epoch","scheduler_step_count","skipped_steps"},
+     "lr": {"param_groups": [float], "base_lrs": [float]|null, "last_lr": [float]|null},
+     "warnings": [{"code","message","path"}], "tree": {...}}
+plus "dtypes", "files", "details". Unknown values are null, never guessed. In "tree", a tensor is
+{"shape","dtype","numel"} (+ "value" for tiny tensors, "merge" for TP tensors); an object of a class the
+reader does not run is {"class", "fields"}; other values are plain JSON.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator
+
+from ..tree import Checkpoint, GroupNode, Node, OpaqueNode, TensorNode, ValueNode, Warning_, iter_tensors
+
+
+def filter_tree(node: Node, *, grep: str | None = None, depth: int | None = None,
+                rank: dict[str, int] | None = None, _path: str = "", _level: int = 0) -> Node | None:
+    """The subtree whose leaf paths match `grep` (a case-insensitive regex), cut at `depth` levels,
+    keeping only tensors with a piece on `rank` (e.g. {"dp": 1}). None when nothing is left."""
+    pat = re.compile(grep, re.IGNORECASE) if isinstance(grep, str) else grep
+    if isinstance(node, (GroupNode, OpaqueNode)):
+        if depth is not None and _level >= depth:
+            return node if pat is None or pat.search(_path) else None
+        kids = {}
+        for name, child in node.children.items():
+            sub = filter_tree(child, grep=pat, depth=depth, rank=rank,
+                              _path=f"{_path}.{name}" if _path else str(name), _level=_level + 1)
+            if sub is not None:
+                kids[name] = sub
+        if not kids and (pat is not None or rank) and _path:
+            return None
+        return GroupNode(kids) if isinstance(node, GroupNode) else OpaqueNode(node.cls, kids)
+    if pat is not None and not pat.search(_path):
+        return None
+    if rank and isinstance(node, TensorNode) and not _has_rank(node, rank):
+        return None
+    if rank and not isinstance(node, TensorNode):
+        return None
+    return node
+
+
+def _has_rank(t: TensorNode, rank: dict[str, int]) -> bool:
+    pieces = list(t.pieces) + [p for s in t.shards for p in s.pieces]
+    return any(all(p.rank.get(k) == v for k, v in rank.items()) for p in pieces)
+
+
+def rank_pieces(t: TensorNode, rank: dict[str, int]) -> list:
+    pieces = list(t.pieces) + [p for s in t.shards for p in s.pieces]
+    return [p for p in pieces if all(p.rank.get(k) == v for k, v in rank.items())]
+
+
+def node_to_json(node: Node, rank: dict[str, int] | None = None) -> Any:
+    if isinstance(node, TensorNode):
+        out: dict[str, Any] = {"shape": list(node.shape), "dtype": node.dtype, "numel": node.numel}
+        if node.value is not None:
+            out["value"] = _jsonable(node.value)
+        if node.shards:
+            out["merge"] = node.merge
+            out["shards"] = [{"shape": list(s.shape)} for s in node.shards]
+        if rank:
+            out["pieces"] = [{"file": p.file, "rank": dict(p.rank), "numel": p.numel, "offset": p.src_offset,
+                              "dst_offset": p.dst_offset} for p in rank_pieces(node, rank)]
+        return out
+    if isinstance(node, OpaqueNode):
+        return {"class": node.cls, "fields": {k: node_to_json(v, rank) for k, v in node.children.items()}}
+    if isinstance(node, GroupNode):
+        return {k: node_to_json(v, rank) for k, v in node.children.items()}
+    if isinstance(node, ValueNode):
+        return _jsonable(node.value)
+    return None
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return repr(v)
+
+
+def summary(ck: Checkpoint, tree: Node | None = None, rank: dict[str, int] | None = None) -> dict[str, Any]:
+    """The `--json` document (see the module docstring)."""
+    return {
+        "format": ck.format,
+        "path": ck.path,
+        "topology": asdict(ck.topology),
+        "parameters": {"count": ck.parameter_count, "tensors": ck.parameter_tensors},
+        "counters": asdict(ck.counters),
+        "lr": {"param_groups": list(ck.lr.param_groups),
+               "base_lrs": list(ck.lr.base_lrs) if ck.lr.base_lrs is not None else None,
+               "last_lr": list(ck.lr.last_lr) if ck.lr.last_lr is not None else None},
+        "dtypes": list(ck.dtypes),
+        "files": [{"path": f.path, "bytes": f.bytes, "role": f.role, "rank": dict(f.rank)} for f in ck.files],
+        "details": {k: _jsonable(v) for k, v in ck.details.items()},
+        "warnings": [asdict(w) for w in ck.warnings],
+        "tree": node_to_json(tree if tree is not None else ck.tree, rank),
+    }
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    min: float | None
+    max: float | None
+    mean: float | None
+    std: float | None
+    nan: int
+    inf: int
+
+
+def tensor_stats(ck: Checkpoint, grep: str | None = None) -> Iterator[TensorStats]:
+    """Read every (matching) tensor and compute min/max/mean/std and NaN/Inf counts. Slow: reads bytes."""
+    import torch
+
+    pat = re.compile(grep, re.IGNORECASE) if grep else None
+    for path, t in iter_tensors(ck.tree):
+        if pat and not pat.search(path):
+            continue
+        if t.numel == 0 or (not t.pieces and not t.shards):
+            continue
+        try:
+            x = t.read_torch()
+        except ValueError:
+            continue
+        if not (x.is_floating_point() or x.is_complex()):
+            x = x.double()
+        x = x.float() if x.is_floating_point() else x.abs().float()
+        nan = int(torch.isnan(x).sum())
+        inf = int(torch.isinf(x).sum())
+        fin = x[torch.isfinite(x)]
+        if fin.numel():
+            mn, mx, mean = float(fin.min()), float(fin.max()), float(fin.double().mean())
+            std = float(fin.double().std()) if fin.numel() > 1 else 0.0
+        else:
+            mn = mx = mean = std = None
+        yield TensorStats(path, t.shape, t.dtype, mn, mx, mean, std, nan, inf)
+
+
+def stats_warnings(stats: list[TensorStats]) -> list[Warning_]:
+    return [Warning_("non-finite", f"{s.path}: {s.nan} NaN and {s.inf} Inf values", s.path)
+            for s in stats if s.nan or s.inf]
+
+
+def count_tensors(node: Node) -> int:
+    return sum(1 for _ in iter_tensors(node))

@@ -1,0 +1,710 @@
+"""Read torch checkpoints and pickles WITHOUT executing code from them and without reading tensor bytes.
+
+`torch.load` runs whatever the pickle names (`os.system` included) unless `weights_only=True`, and
+`weights_only=True` refuses DeepSpeed's optimizer files. This reader takes a third way: a restricted
+unpickler whose `find_class` never imports anything. Known globals (tensor rebuild functions, storages,
+OrderedDict, ...) map to inert records built here; every other global becomes an `Opaque` placeholder
+class that records its constructor arguments and state and is shown by its dotted name. Nothing named
+in a pickle is ever imported or called.
+
+Tensors become `TensorRef` records (dtype, shape, where the bytes are). Bytes are read only on demand:
+`TensorRef.read_values()` for small tensors (step counters), `TensorRef.read_numpy()` via mmap for big
+ones. Importing this module imports neither torch nor numpy.
+
+Supported containers: torch's zip format (`torch.save` since 1.6), torch's legacy pickle format, and
+plain pickles (DCP `.metadata`, Accelerate `*.pkl`).
+"""
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import pickle
+import struct
+import threading
+import zipfile
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .errors import CorruptCheckpoint, NotACheckpoint
+
+# --- dtypes -----------------------------------------------------------------------------------------
+
+#: element size in bytes per dtype name (torch spelling without the "torch." prefix)
+DTYPE_SIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+    "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "uint16": 2, "uint32": 4,
+    "uint64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+}
+
+_STORAGE_DTYPE = {
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+    "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128",
+    "UntypedStorage": "uint8",
+}
+
+# torch dtype attribute names that alias a canonical name
+_DTYPE_ALIASES = {"float": "float32", "double": "float64", "half": "float16", "long": "int64",
+                  "int": "int32", "short": "int16", "cfloat": "complex64", "cdouble": "complex128"}
+
+_STRUCT = {"float64": "d", "float32": "f", "float16": "e", "int64": "q", "int32": "i", "int16": "h",
+           "int8": "b", "uint8": "B", "bool": "?", "uint16": "H", "uint32": "I", "uint64": "Q"}
+
+#: tensors up to this many elements get their values read when a tree is built (step counters etc.)
+SMALL_TENSOR_NUMEL = 16
+
+
+def _decode(dtype: str, raw: bytes, count: int) -> list:
+    if dtype == "bfloat16":
+        halves = struct.unpack(f"<{count}H", raw[: 2 * count])
+        return [struct.unpack("<f", struct.pack("<I", h << 16))[0] for h in halves]
+    fmt = _STRUCT.get(dtype)
+    if fmt is None:
+        raise ValueError(f"no scalar decoding for dtype {dtype}")
+    return list(struct.unpack(f"<{count}{fmt}", raw[: DTYPE_SIZE[dtype] * count]))
+
+
+# --- inert records --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DType:
+    """A `torch.<dtype>` global seen in a pickle (e.g. a DCP `TensorProperties.dtype`)."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    """One torch storage: its element dtype and size, and where its bytes lie in `source`."""
+
+    key: str
+    dtype: str
+    numel: int
+    location: str
+    source: "Source" = field(repr=False, compare=False)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_SIZE.get(self.dtype, 1)
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor seen in a pickle: metadata plus a pointer to its bytes. Reading them is on demand."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    storage: StorageRef | None  # None for meta/empty tensors that have no storage
+    requires_grad: bool = False
+    is_parameter: bool = False
+    subclass: str | None = None  # e.g. "torch.nn.parameter.Parameter" via _rebuild_from_type_v2
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_SIZE.get(self.dtype, 1)
+
+    @property
+    def is_contiguous(self) -> bool:
+        expected, acc = [], 1
+        for s in reversed(self.shape):
+            expected.append(acc)
+            acc *= s
+        dims = [(sz, st, ex) for sz, st, ex in zip(self.shape, self.stride, reversed(expected))]
+        return all(sz == 1 or st == ex for sz, st, ex in dims)
+
+    def _raw(self, start_elem: int = 0, count: int | None = None) -> memoryview:
+        if self.storage is None:
+            raise ValueError("tensor has no storage")
+        if not self.is_contiguous:
+            raise ValueError("non-contiguous tensor: read it with read_numpy()")
+        esize = DTYPE_SIZE[self.dtype]
+        count = self.numel if count is None else count
+        begin = (self.storage_offset + start_elem) * esize
+        return self.storage.source.read_storage(self.storage, begin, count * esize)
+
+    def read_values(self) -> list:
+        """The elements as Python numbers, flattened (for small tensors: counters, scalars)."""
+        if self.numel == 0:
+            return []
+        return _decode(self.dtype, bytes(self._raw()), self.numel)
+
+    def item(self):
+        """The value of a one-element tensor (e.g. Adam's `step`)."""
+        if self.numel != 1:
+            raise ValueError(f"item() on a tensor of shape {self.shape}")
+        return self.read_values()[0]
+
+    def read_numpy(self, start_elem: int = 0, count: int | None = None):
+        """A read-only numpy view (mmap-backed) of the flattened elements [start, start+count).
+
+        bfloat16 comes back as uint16 bit patterns (numpy has no bf16); use `read_torch()` for a tensor.
+        """
+        import numpy as np
+
+        npd = {"bfloat16": np.uint16, "bool": np.bool_}.get(self.dtype) or np.dtype(self.dtype)
+        if self.is_contiguous:
+            return np.frombuffer(self._raw(start_elem, count), dtype=npd)
+        # a view into a larger storage with odd strides: materialise via as_strided on the storage
+        full = np.frombuffer(self.storage.source.read_storage(self.storage, 0, self.storage.nbytes), dtype=npd)
+        esize = DTYPE_SIZE[self.dtype]
+        arr = np.lib.stride_tricks.as_strided(full[self.storage_offset:], shape=self.shape,
+                                              strides=[s * esize for s in self.stride])
+        flat = arr.reshape(-1)
+        return flat[start_elem: None if count is None else start_elem + count]
+
+    def read_torch(self, start_elem: int = 0, count: int | None = None):
+        """A torch tensor (a copy) of the flattened elements, in the saved dtype; shaped when whole."""
+        import torch
+
+        arr = self.read_numpy(start_elem, count)
+        t = torch.from_numpy(arr.copy())
+        if self.dtype == "bfloat16":
+            t = t.view(torch.bfloat16)
+        if start_elem == 0 and count is None:
+            t = t.reshape(self.shape)
+        return t
+
+
+class Opaque:
+    """An object of a class this reader does not know (or will not run). Records what the pickle says.
+
+    `cls` is the dotted name of the global; `args` the constructor/reduce arguments; `state` what BUILD
+    set; `items`/`list` what SETITEMS/APPENDS added (for dict/list subclasses).
+    """
+
+    cls: str = "?"
+
+    def __init__(self, *args, **kwargs):
+        self.args = args
+        self.kwargs = kwargs
+        if not hasattr(self, "state"):
+            self.state = None
+
+    def __new__(cls, *args, **kwargs):
+        obj = object.__new__(cls)
+        obj.args, obj.kwargs, obj.state = args, kwargs, None
+        return obj
+
+    def __setstate__(self, state):
+        # dataclasses with slots pickle (None, slotsdict); plain objects pickle their __dict__
+        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
+            merged = dict(state[0] or {})
+            merged.update(state[1] or {})
+            state = merged
+        self.state = state
+
+    def __setitem__(self, key, value):
+        self.__dict__.setdefault("items", {})[key] = value
+
+    def append(self, value):
+        self.__dict__.setdefault("list", []).append(value)
+
+    def extend(self, values):
+        self.__dict__.setdefault("list", []).extend(values)
+
+    def field(self, name: str, default=None):
+        """A field from the BUILD state (dataclasses, plain objects), else `default`."""
+        if isinstance(self.state, dict):
+            return self.state.get(name, default)
+        return default
+
+    def __repr__(self) -> str:
+        return f"<{self.cls}>"
+
+
+class Callable_(Opaque):
+    """Base of placeholders for unknown *functions*: calling one records the call instead of running it."""
+
+
+_placeholder_cache: dict[str, type] = {}
+_placeholder_lock = threading.Lock()
+
+
+def opaque_class(dotted: str) -> type:
+    """The placeholder class standing for the global `dotted` (one per name, so identity comparisons work)."""
+    with _placeholder_lock:
+        cls = _placeholder_cache.get(dotted)
+        if cls is None:
+            cls = type(dotted.rsplit(".", 1)[-1], (Opaque,), {"cls": dotted, "__module__": "ckpt_tools.opaque"})
+            _placeholder_cache[dotted] = cls
+        return cls
+
+
+def is_opaque(obj: Any, dotted: str | None = None) -> bool:
+    return isinstance(obj, Opaque) and (dotted is None or obj.cls == dotted or obj.cls.endswith("." + dotted))
+
+
+@dataclass
+class NumpyArray:
+    """A pickled numpy array (RNG states): shape and dtype; the raw bytes are kept (they are in the pickle)."""
+
+    shape: tuple = ()
+    dtype: str = "?"
+    raw: bytes = b""
+
+    def __setstate__(self, state):
+        # (version, shape, dtype, is_fortran, rawdata)
+        try:
+            _, shape, dt, _, raw = state
+            self.shape = tuple(shape)
+            self.dtype = dt.dtype if isinstance(dt, NumpyDType) else str(dt)
+            self.raw = raw if isinstance(raw, (bytes, bytearray)) else b""
+        except (TypeError, ValueError):
+            pass
+
+
+@dataclass
+class NumpyDType:
+    dtype: str = "?"
+
+    def __setstate__(self, state):
+        pass
+
+
+# --- the unpickler --------------------------------------------------------------------------------
+
+
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None,
+                       metadata=None):
+    dtype = storage.dtype if isinstance(storage, StorageRef) else "uint8"
+    return TensorRef(dtype, tuple(size), tuple(stride), int(storage_offset), storage
+                     if isinstance(storage, StorageRef) else None, bool(requires_grad))
+
+
+def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, backward_hooks, dtype,
+                       metadata=None):
+    t = _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad)
+    name = dtype.name if isinstance(dtype, DType) else t.dtype
+    st = t.storage
+    if st is not None and st.dtype != name:
+        st = StorageRef(st.key, name, st.numel // DTYPE_SIZE.get(name, 1) if st.dtype == "uint8" else st.numel,
+                        st.location, st.source)
+    return TensorRef(name, t.shape, t.stride, t.storage_offset, st, t.requires_grad)
+
+
+def _rebuild_legacy(storage, storage_offset, size, stride):
+    return _rebuild_tensor_v2(storage, storage_offset, size, stride)
+
+
+def _rebuild_parameter(data, requires_grad=True, backward_hooks=None, state=None):
+    if isinstance(data, TensorRef):
+        return TensorRef(data.dtype, data.shape, data.stride, data.storage_offset, data.storage,
+                         bool(requires_grad), True, data.subclass)
+    return data
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    ret = func(*args)
+    if isinstance(ret, TensorRef):
+        name = getattr(new_type, "cls", None) or getattr(new_type, "__name__", None)
+        is_param = name is not None and name.endswith("Parameter")
+        return TensorRef(ret.dtype, ret.shape, ret.stride, ret.storage_offset, ret.storage,
+                         ret.requires_grad, ret.is_parameter or is_param, None if is_param else name)
+    return ret
+
+
+def _rebuild_meta(dtype, size, stride, requires_grad=False):
+    name = dtype.name if isinstance(dtype, DType) else "?"
+    return TensorRef(name, tuple(size), tuple(stride), 0, None, bool(requires_grad))
+
+
+def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, device, requires_grad):
+    name = dtype.name if isinstance(dtype, DType) else "?"
+    return TensorRef(name, tuple(size), tuple(stride), int(storage_offset), None, bool(requires_grad),
+                     subclass=getattr(cls, "cls", None))
+
+
+def _safe_getattr(obj, name, *default):
+    # ShardedTensor pickles reach a nested class with getattr(ShardedTensor, "ProcessGroupState").
+    # Only placeholder classes are looked into (giving another placeholder); a real object never is,
+    # since getattr chains on real objects are how hostile pickles reach os.system.
+    if isinstance(obj, type) and issubclass(obj, Opaque) and isinstance(name, str):
+        return opaque_class(f"{obj.cls}.{name}")
+    return opaque_class("builtins.getattr")(obj, name)
+
+
+def _torch_size(dims=()):
+    return tuple(dims)
+
+
+def _codecs_encode(obj, encoding="utf-8", errors="strict"):
+    # protocol-2 pickles of `bytes` go through _codecs.encode(str, "latin1"): pure data, safe to run
+    if not isinstance(obj, str) or encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
+        raise pickle.UnpicklingError("unexpected _codecs.encode call")
+    return obj.encode(encoding, errors)
+
+
+def _reconstructor(cls, base, state=None):
+    # protocol 0/1 object pickles: copyreg._reconstructor(cls, object, None); state follows via BUILD
+    if isinstance(cls, type) and issubclass(cls, Opaque):
+        return cls.__new__(cls)
+    if cls in (dict, list, set, collections_OrderedDict):
+        return cls()
+    raise pickle.UnpicklingError("copyreg._reconstructor on an unexpected class")
+
+
+def _numpy_scalar(dtype, raw=b""):
+    name = dtype.dtype if isinstance(dtype, NumpyDType) else str(dtype)
+    code = name.lstrip("<>|=")
+    fmt = {"f8": "d", "f4": "f", "f2": "e", "i8": "q", "i4": "i", "i2": "h", "i1": "b", "u8": "Q",
+           "u4": "I", "u2": "H", "u1": "B", "b1": "?"}.get(code)
+    if fmt and isinstance(raw, (bytes, bytearray)) and len(raw) == struct.calcsize(fmt):
+        return struct.unpack("<" + fmt, raw)[0]
+    return opaque_class("numpy.generic")(name, raw)
+
+
+def _numpy_reconstruct(cls, shape=(0,), dtype=b"b"):
+    return NumpyArray()
+
+
+def _numpy_dtype(spec, align=False, copy=False):
+    return NumpyDType(str(spec))
+
+
+import collections  # noqa: E402  (kept next to its only use)
+
+collections_OrderedDict = collections.OrderedDict
+
+
+class _DefaultDict(dict):
+    """collections.defaultdict without its factory (the factory would be code)."""
+
+    def __init__(self, factory=None, *args):
+        super().__init__(*args)
+
+
+_SAFE_GLOBALS: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("collections", "defaultdict"): _DefaultDict,
+    ("collections", "Counter"): dict,
+    ("builtins", "getattr"): _safe_getattr,
+    ("__builtin__", "getattr"): _safe_getattr,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "slice"): slice,
+    ("builtins", "complex"): complex,
+    ("builtins", "bytearray"): bytearray,
+    ("builtins", "list"): list,
+    ("builtins", "dict"): dict,
+    ("builtins", "tuple"): tuple,
+    ("builtins", "int"): int,
+    ("builtins", "float"): float,
+    ("builtins", "str"): str,
+    ("builtins", "bytes"): bytes,
+    ("builtins", "bool"): bool,
+    ("__builtin__", "set"): set,
+    ("_codecs", "encode"): _codecs_encode,
+    ("copy_reg", "_reconstructor"): _reconstructor,
+    ("copyreg", "_reconstructor"): _reconstructor,
+    ("torch._utils", "_rebuild_tensor"): _rebuild_legacy,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+    ("torch._utils", "_rebuild_meta_tensor_no_storage"): _rebuild_meta,
+    ("torch._utils", "_rebuild_wrapper_subclass"): _rebuild_wrapper_subclass,
+    ("torch", "Size"): _torch_size,
+    ("numpy.core.multiarray", "scalar"): _numpy_scalar,
+    ("numpy._core.multiarray", "scalar"): _numpy_scalar,
+    ("numpy.core.multiarray", "_reconstruct"): _numpy_reconstruct,
+    ("numpy._core.multiarray", "_reconstruct"): _numpy_reconstruct,
+    ("numpy", "dtype"): _numpy_dtype,
+    ("numpy", "ndarray"): NumpyArray,
+}
+
+#: Globals that are expected in real checkpoints; they still become inert `Opaque` records, but are
+#: not reported as unknown. Prefix match on the dotted name.
+KNOWN_OPAQUE_PREFIXES = (
+    "argparse.Namespace",
+    "torch.device", "torch.nn.parameter.Parameter", "torch.Tensor", "torch._tensor.Tensor",
+    "torch.distributed.checkpoint.", "torch.distributed._shard.", "torch.distributed.tensor.",
+    "torch.distributed._tensor.", "torch.distributed.fsdp.", "torch.distributed.distributed_c10d",
+    "torch.serialization.", "torch.strided", "torch.sparse_coo", "torch.float8",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.fp16.loss_scaler.",
+    "deepspeed.runtime.zero.", "deepspeed.checkpoint.",
+    "numpy.random.", "numpy.generic", "enum.", "datetime.", "pathlib.", "decimal.Decimal",
+    "accelerate.utils.dataclasses.", "accelerate.state.",
+    "megatron.", "transformers.training_args.", "transformers.trainer_utils.",
+)
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, source: "Source | None", persistent: Callable[[tuple], Any] | None):
+        super().__init__(file, encoding="latin1")
+        self._source = source
+        self._persistent = persistent
+        self.globals_seen: set[str] = set()
+
+    def find_class(self, module: str, name: str):
+        self.globals_seen.add(f"{module}.{name}")
+        hit = _SAFE_GLOBALS.get((module, name))
+        if hit is not None:
+            return hit
+        if module == "torch":
+            if name.endswith("Storage"):
+                return opaque_class(f"torch.{name}")  # used only as the storage type in persistent ids
+            canonical = _DTYPE_ALIASES.get(name, name)
+            if canonical in DTYPE_SIZE:
+                return DType(canonical)
+        if module == "torch.storage" and name in ("UntypedStorage", "TypedStorage", "_LegacyStorage"):
+            return opaque_class(f"torch.{name}")
+        return opaque_class(f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        if self._persistent is None:
+            raise pickle.UnpicklingError("persistent id in a plain pickle")
+        return self._persistent(pid)
+
+
+def _storage_dtype(storage_type) -> str:
+    name = getattr(storage_type, "cls", str(storage_type)).rsplit(".", 1)[-1]
+    return _STORAGE_DTYPE.get(name, "uint8")
+
+
+# --- sources: where the bytes are ------------------------------------------------------------------
+
+
+class Source:
+    """An opened checkpoint file. Holds the mmap; `read_storage` returns a view of a storage's bytes."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self._mm: mmap.mmap | None = None
+        self._fh = None
+
+    def _map(self) -> mmap.mmap:
+        if self._mm is None:
+            self._fh = open(self.path, "rb")
+            try:
+                self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
+            except ValueError:  # empty file
+                raise CorruptCheckpoint("file is empty", path=self.path,
+                                        hint="the save was interrupted; restore it from a backup or an earlier step")
+        return self._mm
+
+    def storage_offset(self, storage: StorageRef) -> int:
+        raise NotImplementedError
+
+    def read_storage(self, storage: StorageRef, begin: int, length: int) -> memoryview:
+        mm = self._map()
+        start = self.storage_offset(storage) + begin
+        if begin < 0 or length < 0 or begin + length > storage.nbytes or start + length > len(mm):
+            raise CorruptCheckpoint(f"tensor bytes of storage {storage.key} lie outside the file",
+                                    path=self.path, hint="the file is truncated; re-copy it")
+        return memoryview(mm)[start: start + length]
+
+    def close(self) -> None:
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+class ZipSource(Source):
+    """torch's zip format: `<archive>/data.pkl` plus one stored (uncompressed) member per storage."""
+
+    def __init__(self, path, zf: zipfile.ZipFile, prefix: str):
+        super().__init__(path)
+        self._infos = {i.filename: i for i in zf.infolist()}
+        self.prefix = prefix
+        self._offsets: dict[str, int] = {}
+
+    def member_offset(self, name: str) -> int:
+        off = self._offsets.get(name)
+        if off is None:
+            info = self._infos.get(name)
+            if info is None:
+                raise CorruptCheckpoint(f"zip member {name} is missing", path=self.path,
+                                        hint="the file is truncated or was not written by torch.save")
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise CorruptCheckpoint(f"zip member {name} is compressed", path=self.path,
+                                        hint="torch.save writes stored members; re-save with torch.save")
+            mm = self._map()
+            hdr = mm[info.header_offset: info.header_offset + 30]
+            if len(hdr) < 30 or hdr[:4] != b"PK\x03\x04":
+                raise CorruptCheckpoint(f"bad local header for zip member {name}", path=self.path,
+                                        hint="the file is corrupt; re-copy it")
+            name_len, extra_len = struct.unpack("<HH", hdr[26:30])
+            off = info.header_offset + 30 + name_len + extra_len
+            if off + info.file_size > len(mm):
+                raise CorruptCheckpoint(f"zip member {name} runs past the end of the file", path=self.path,
+                                        hint="the file is truncated; re-copy it")
+            self._offsets[name] = off
+        return off
+
+    def storage_offset(self, storage: StorageRef) -> int:
+        return self.member_offset(f"{self.prefix}data/{storage.key}")
+
+    def member_size(self, name: str) -> int:
+        return self._infos[name].file_size
+
+
+class LegacySource(Source):
+    """torch's pre-1.6 format: pickles in sequence, then each storage as <int64 numel><bytes>."""
+
+    def __init__(self, path, offsets: dict[str, int]):
+        super().__init__(path)
+        self._storage_offsets = offsets
+
+    def storage_offset(self, storage: StorageRef) -> int:
+        return self._storage_offsets[storage.key]
+
+
+# --- entry points ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Loaded:
+    """What a file holds: the unpickled object tree (with `TensorRef`/`Opaque` leaves) and its container."""
+
+    obj: Any
+    kind: str  # "torch_zip", "torch_legacy", "pickle"
+    source: Source | None
+    globals_seen: frozenset[str]
+
+    @property
+    def unknown_globals(self) -> list[str]:
+        """Globals that are neither mapped to a record nor on the list of expected framework classes."""
+        out = []
+        for g in sorted(self.globals_seen):
+            module, _, name = g.rpartition(".")
+            if (module, name) in _SAFE_GLOBALS or (module == "torch" and (
+                    name.endswith("Storage") or _DTYPE_ALIASES.get(name, name) in DTYPE_SIZE)):
+                continue
+            if g.startswith("torch.storage.") or g.startswith(KNOWN_OPAQUE_PREFIXES):
+                continue
+            out.append(g)
+        return out
+
+
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+
+
+def _unpickle(data, source, persistent, path) -> tuple[Any, set[str]]:
+    up = _Unpickler(data if hasattr(data, "read") else io.BytesIO(data), source, persistent)
+    try:
+        obj = up.load()
+    except CorruptCheckpoint:
+        raise
+    except RecursionError:
+        raise CorruptCheckpoint("pickle nests too deeply", path=path, hint="the file is corrupt or hostile")
+    except MemoryError:
+        raise CorruptCheckpoint("pickle asks for too much memory", path=path, hint="the file is corrupt or hostile")
+    except Exception as e:  # any malformed opcode stream ends here: pickle raises many types
+        raise CorruptCheckpoint(f"cannot parse the pickle ({type(e).__name__}: {e})", path=path,
+                                hint="the file is truncated or corrupt; re-copy it or restore a backup")
+    return obj, up.globals_seen
+
+
+def load(path: str | os.PathLike) -> Loaded:
+    """Parse a torch checkpoint file or a pickle without running code or reading tensor bytes."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4)
+    except IsADirectoryError:
+        raise NotACheckpoint("is a folder, not a file", path=path)
+    except OSError as e:
+        raise NotACheckpoint(f"cannot read ({e.strerror})", path=path)
+    if not head:
+        raise CorruptCheckpoint("file is empty", path=path,
+                                hint="the save was interrupted; restore it from a backup or an earlier step")
+    if head[:4] == b"PK\x03\x04" or head[:2] == b"PK":
+        return _load_zip(path)
+    if head[:1] == b"\x80":
+        return _load_pickle_stream(path)
+    raise NotACheckpoint("not a torch checkpoint or pickle (unknown file signature)", path=path)
+
+
+def _load_zip(path: str) -> Loaded:
+    try:
+        zf = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError, ValueError) as e:
+        raise CorruptCheckpoint(f"not a readable zip archive ({e})", path=path,
+                                hint="the file is truncated or corrupt; re-copy it or restore a backup")
+    with zf:
+        pkl = [n for n in zf.namelist() if n.endswith("data.pkl") and n.count("/") <= 1]
+        if not pkl:
+            raise NotACheckpoint("zip archive without data.pkl (not written by torch.save)", path=path)
+        name = min(pkl, key=len)
+        prefix = name[: -len("data.pkl")]
+        source = ZipSource(path, zf, prefix)
+        bo = prefix + "byteorder"
+        if bo in source._infos:
+            try:
+                order = zf.read(bo).decode().strip()
+            except Exception:
+                order = "little"
+            if order != "little":
+                raise CorruptCheckpoint("big-endian checkpoint", path=path, hint="re-save it on a little-endian machine")
+        try:
+            data = zf.read(name)
+        except Exception as e:
+            raise CorruptCheckpoint(f"cannot read {name} ({type(e).__name__}: {e})", path=path,
+                                    hint="the file is truncated or corrupt; re-copy it or restore a backup")
+
+    def persistent(pid):
+        if not isinstance(pid, tuple) or len(pid) < 5 or pid[0] != "storage":
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r:.80}")
+        _, storage_type, key, location, numel = pid[:5]
+        return StorageRef(str(key), _storage_dtype(storage_type), int(numel), str(location), source)
+
+    obj, seen = _unpickle(data, source, persistent, path)
+    return Loaded(obj, "torch_zip", source, frozenset(seen))
+
+
+def _load_pickle_stream(path: str) -> Loaded:
+    with open(path, "rb") as fh:
+        first, seen = _unpickle(fh, None, None, path)
+        if not (isinstance(first, int) and first == _LEGACY_MAGIC):
+            return Loaded(first, "pickle", None, frozenset(seen))
+        # legacy torch.save: magic, protocol version, sys info, the object, the storage keys, the bytes
+        _unpickle(fh, None, None, path)
+        _unpickle(fh, None, None, path)
+        storages: dict[str, StorageRef] = {}
+        offsets: dict[str, int] = {}
+        source = LegacySource(path, offsets)
+
+        def persistent(pid):
+            if not isinstance(pid, tuple) or not pid or pid[0] != "storage":
+                raise pickle.UnpicklingError(f"unexpected persistent id {pid!r:.80}")
+            _, storage_type, key, location, numel = pid[:5]
+            ref = storages.get(str(key))
+            if ref is None:
+                ref = StorageRef(str(key), _storage_dtype(storage_type), int(numel), str(location), source)
+                storages[str(key)] = ref
+            return ref
+
+        obj, seen2 = _unpickle(fh, source, persistent, path)
+        keys, _ = _unpickle(fh, None, None, path)
+        pos = fh.tell()
+        size = os.fstat(fh.fileno()).st_size
+        for key in keys if isinstance(keys, list) else []:
+            ref = storages.get(str(key))
+            if ref is None or pos + 8 > size:
+                raise CorruptCheckpoint(f"legacy storage {key} missing", path=path, hint="the file is truncated")
+            fh.seek(pos)
+            (numel,) = struct.unpack("<q", fh.read(8))
+            offsets[ref.key] = pos + 8
+            pos += 8 + numel * DTYPE_SIZE.get(ref.dtype, 1)
+        return Loaded(obj, "torch_legacy", source, frozenset(seen | seen2))

@@ -1,0 +1,1 @@
+"""The `ckpt` command line: a thin typer app over `ckpt_tools`."""

@@ -1,0 +1,48 @@
+"""`ckpt`: the command line. Mounts one module per command and maps errors to one-line messages.
+
+Exit codes: 0 ok, 1 a check found problems, 2 unusable input (the message names the file and the fix).
+Set CKPT_DEBUG=1 to see tracebacks.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from ckpt_tools.errors import CkptError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="Inspect and repair large-model training checkpoints.",
+                  pretty_exceptions_enable=False)
+
+from . import inspect as _inspect  # noqa: E402
+from . import samples as _samples  # noqa: E402
+
+_inspect.register(app)
+_samples.register(app)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point."""
+    try:
+        rc = app(args=argv, standalone_mode=False)
+    except CkptError as e:
+        if os.environ.get("CKPT_DEBUG"):
+            raise
+        sys.stderr.write(f"ckpt: error: {e.one_line()}\n")
+        sys.exit(2)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        sys.stderr.write("ckpt: aborted\n")
+        sys.exit(130)
+    except __import__("click").exceptions.ClickException as e:
+        e.show()
+        sys.exit(2)
+    if isinstance(rc, int) and rc:
+        sys.exit(rc)
+
+
+if __name__ == "__main__":
+    main()
