@@ -1,0 +1,175 @@
+"""What every sample worker shares: the command line, the run recipe, the loop and the manifest fields.
+
+All samples follow one recipe so that their manifests can be compared: the same tiny GPT with the same
+initial weights on every rank, the same deterministic batches, 6 optimizer steps, one checkpoint saved
+after step 4 (so a resume has steps left to check against), and a per-step history of loss and LR.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from ckpt_tools.train.data import batch_for_step
+from ckpt_tools.train.manifest import write_manifest
+from ckpt_tools.train.models import GPTConfig, TinyGPT, count_parameters
+
+TOTAL_STEPS = 6
+SAVE_AFTER_STEP = 4
+MICRO_BATCH = 4
+PEAK_LR = 3e-3
+WARMUP_STEPS = 3
+WEIGHT_DECAY = 0.01
+BETAS = (0.9, 0.95)
+SEED = 0
+
+HISTORY_NOTE = (
+    "one entry per optimizer step: 'step' is the global step after the update, 'loss' is rank 0's local "
+    "loss on its own micro-batch (not averaged over data-parallel ranks), 'lr' is the LR of each param "
+    "group used for that update; the batch for the update that ends at step s is "
+    "batch_for_step(s - 1, dp_rank=rank)"
+)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Train the tiny GPT and save one sample checkpoint.")
+    parser.add_argument("--sample", required=True, help="sample name from ckpt_tools.samples.SAMPLES")
+    parser.add_argument("--out", required=True, type=Path, help="the group folder the sample goes into")
+    return parser.parse_args()
+
+
+def rank() -> int:
+    """Global rank as torchrun exports it (0 when run without a launcher)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def build_model() -> TinyGPT:
+    """The tiny GPT, seeded so that every rank starts from the same weights without a broadcast."""
+    torch.manual_seed(SEED)
+    return TinyGPT(GPTConfig())
+
+
+PARAM_GROUPS_NOTE = "0: tensors with dim >= 2 (weight decay), 1: biases and norms (no decay)"
+
+
+def param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """Two groups as real LM runs have them: weight decay on matrices (dim >= 2), none on biases and norms.
+
+    Two groups make every per-group field in a checkpoint (lr, weight_decay, flat partitions) a list of
+    two, which is what readers must handle.
+    """
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_factor(step: int) -> float:
+    """Linear warmup over WARMUP_STEPS, then 20% decay per step: every step has a different LR."""
+    if step < WARMUP_STEPS:
+        return (step + 1) / WARMUP_STEPS
+    return 0.8 ** (step - WARMUP_STEPS + 1)
+
+
+def tokens_for_step(step: int, dp_rank: int) -> torch.Tensor:
+    cfg = GPTConfig()
+    return batch_for_step(step, batch_size=MICRO_BATCH, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size,
+                          dp_rank=dp_rank)
+
+
+def lm_loss(forward: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token loss through `forward` (an engine or DDP wrapper, whose hooks must run, not the bare module)."""
+    logits = forward(tokens[:, :-1])
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer that owns the Adam state, under DeepSpeed's / Accelerate's wrappers (`.optimizer`)."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def adam_step(optimizer: Any) -> int:
+    """The live Adam 'step' (one value shared by every parameter or flat partition)."""
+    steps = {int(s["step"]) for s in innermost_optimizer(optimizer).state.values() if "step" in s}
+    if len(steps) != 1:
+        raise RuntimeError(f"expected one Adam step value across the optimizer state, got {sorted(steps)}")
+    return steps.pop()
+
+
+def current_lrs(optimizer: Any) -> list[float]:
+    return [float(g["lr"]) for g in optimizer.param_groups]
+
+
+def snapshot(*, global_step: int, optimizer: Any, scheduler: Any = None,
+             skipped_steps: int | None = None) -> dict[str, dict[str, Any]]:
+    """Manifest `counters` and `lr`, read from the live optimizer and scheduler at save time.
+
+    Handles torch schedulers (`last_epoch`, `_step_count`, `base_lrs`) and DeepSpeed's own schedulers,
+    which only have `last_batch_iteration` and `get_last_lr()`.
+    """
+    if scheduler is None:
+        last_epoch = step_count = base_lrs = last_lr = None
+    else:
+        last_epoch = getattr(scheduler, "last_epoch", getattr(scheduler, "last_batch_iteration", None))
+        step_count = getattr(scheduler, "_step_count", None)
+        base_lrs = [float(x) for x in scheduler.base_lrs] if hasattr(scheduler, "base_lrs") else None
+        last_lr = [float(x) for x in scheduler.get_last_lr()]
+    return {
+        "counters": {
+            "global_step": int(global_step),
+            "optimizer_step": adam_step(optimizer),
+            "scheduler_last_epoch": last_epoch,
+            "scheduler_step_count": step_count,
+            "skipped_steps": skipped_steps,
+        },
+        "lr": {"param_groups": current_lrs(optimizer), "base_lrs": base_lrs, "last_lr": last_lr},
+    }
+
+
+def train(step_fn: Callable[[int], float], lrs_fn: Callable[[], list[float]],
+          save_fn: Callable[[], dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Run TOTAL_STEPS updates; call `save_fn` after update SAVE_AFTER_STEP and keep what it returns.
+
+    `step_fn(step)` does the update that starts at global step `step` and returns rank 0's loss.
+    Returns (history, what save_fn returned).
+    """
+    history: list[dict[str, Any]] = []
+    saved: dict[str, Any] | None = None
+    for step in range(TOTAL_STEPS):
+        lrs = lrs_fn()
+        loss = step_fn(step)
+        history.append({"step": step + 1, "loss": float(loss), "lr": lrs})
+        if step + 1 == SAVE_AFTER_STEP:
+            saved = save_fn()
+    assert saved is not None
+    return history, saved
+
+
+def write_sample_manifest(ckpt_path: Path, *, sample: str, format: str, model: torch.nn.Module,
+                          topology: dict[str, int | None], saved: dict[str, Any],
+                          history: list[dict[str, Any]], extra: dict[str, Any]) -> Path:
+    """The manifest for a sample made with this module's recipe; `saved` is `snapshot()`'s result."""
+    count, tensors = count_parameters(model)
+    return write_manifest(
+        ckpt_path, sample=sample, format=format, world_size=world_size(), topology=topology,
+        steps=SAVE_AFTER_STEP, counters=saved["counters"], lr=saved["lr"],
+        parameters={"count": count, "tensors": tensors},
+        extra={
+            "model_config": GPTConfig().to_dict(),
+            "micro_batch_per_rank": MICRO_BATCH,
+            "total_steps_trained": TOTAL_STEPS,
+            "saved_after_step": SAVE_AFTER_STEP,
+            "history": history,
+            "history_note": HISTORY_NOTE,
+            **extra,
+        },
+    )

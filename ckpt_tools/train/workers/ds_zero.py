@@ -1,0 +1,119 @@
+"""DeepSpeed ZeRO samples: real `engine.save_checkpoint` output from 2 CPU ranks over gloo.
+
+Each sample varies one thing a reader must handle: the ZeRO stage (1/2/3, which changes the file set
+and how the optimizer state is partitioned), the precision (the `bf16_` prefix of the optim files),
+and where the LR schedule lives (nowhere; a torch LambdaLR whose full state_dict is saved; DeepSpeed's
+WarmupLR, which saves only `last_batch_iteration`).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import deepspeed
+import torch
+
+from ckpt_tools.train.workers import _common as c
+
+
+@dataclass(frozen=True)
+class ZeroVariant:
+    stage: int
+    bf16: bool = True
+    scheduler: str | None = None  # None, "lambdalr" (torch, built here) or "warmuplr" (DeepSpeed config)
+
+
+VARIANTS = {
+    "zero1_bf16": ZeroVariant(stage=1),
+    "zero2_bf16": ZeroVariant(stage=2),
+    "zero3_bf16": ZeroVariant(stage=3),
+    "zero2_fp32": ZeroVariant(stage=2, bf16=False),
+    "zero2_lambdalr": ZeroVariant(stage=2, scheduler="lambdalr"),
+    "zero2_warmuplr": ZeroVariant(stage=2, scheduler="warmuplr"),
+}
+
+
+def ds_config(v: ZeroVariant, dp: int) -> dict[str, Any]:
+    """The DeepSpeed config for one variant.
+
+    The optimizer is given in the config (torch's AdamW: DeepSpeed's FusedAdam needs CUDA) unless a torch
+    scheduler is used: a torch scheduler must wrap a torch optimizer we build, so then the config has none.
+    """
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": c.MICRO_BATCH,
+        "train_batch_size": c.MICRO_BATCH * dp,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1000,
+        "bf16": {"enabled": v.bf16},
+        "zero_optimization": {"stage": v.stage},
+    }
+    if v.stage == 3:
+        # The default threshold (1e5 elements) would keep every tensor of the tiny model unpartitioned.
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    if v.scheduler != "lambdalr":
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": c.PEAK_LR, "betas": list(c.BETAS), "eps": 1e-8,
+                                                        "weight_decay": c.WEIGHT_DECAY, "torch_adam": True}}
+    if v.scheduler == "warmuplr":
+        # A non-zero floor: with 0, WarmupLR's first two updates (iterations -1 and 0) would both run at LR 0.
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": c.PEAK_LR / 10,
+                                                           "warmup_max_lr": c.PEAK_LR,
+                                                           "warmup_num_steps": c.WARMUP_STEPS,
+                                                           "warmup_type": "linear"}}
+    return cfg
+
+
+def main() -> None:
+    args = c.parse_args()
+    v = VARIANTS[args.sample]
+    deepspeed.init_distributed(dist_backend="gloo")
+    dp = c.world_size()
+    rank = c.rank()
+    cfg = ds_config(v, dp)
+
+    model = c.build_model()
+    groups = c.param_groups(model)
+    optimizer = scheduler = None
+    if v.scheduler == "lambdalr":
+        optimizer = torch.optim.AdamW(groups, lr=c.PEAK_LR, betas=c.BETAS, eps=1e-8)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, c.lr_factor)
+    # DeepSpeed may fill in defaults in the dict it is given; the manifest keeps what we asked for.
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, optimizer=optimizer,
+                                           lr_scheduler=scheduler, config=copy.deepcopy(cfg))
+
+    def step(global_step: int) -> float:
+        tokens = c.tokens_for_step(global_step, rank)
+        loss = c.lm_loss(engine, tokens)
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    ckpt = args.out / args.sample
+
+    def save() -> dict[str, Any]:
+        engine.save_checkpoint(str(ckpt))
+        return c.snapshot(global_step=engine.global_steps, optimizer=engine.optimizer,
+                          scheduler=engine.lr_scheduler, skipped_steps=engine.skipped_steps)
+
+    history, saved = c.train(step, lambda: c.current_lrs(engine.optimizer), save)
+    if rank == 0:
+        # Parameters are counted on an unwrapped copy: ZeRO-3 leaves the live module's as empty placeholders.
+        c.write_sample_manifest(
+            ckpt, sample=args.sample, format="deepspeed_zero", model=c.build_model(),
+            topology={"dp": dp, "tp": 1, "pp": 1, "zero_stage": v.stage}, saved=saved, history=history,
+            extra={
+                "ds_config": cfg,
+                "dtype": "bfloat16" if v.bf16 else "float32",
+                "tag": f"global_step{c.SAVE_AFTER_STEP}",
+                "scheduler": {None: None, "lambdalr": "torch LambdaLR (warmup then decay), passed to "
+                              "deepspeed.initialize with a torch AdamW",
+                              "warmuplr": "DeepSpeed WarmupLR from the config"}[v.scheduler],
+                "optimizer": type(c.innermost_optimizer(engine.optimizer)).__name__,
+                "param_groups": c.PARAM_GROUPS_NOTE,
+            },
+        )
+
+
+if __name__ == "__main__":
+    main()

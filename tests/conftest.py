@@ -1,0 +1,39 @@
+"""Shared fixtures: the committed sample checkpoints and their manifests (what the real run did)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "sample_ckpts"
+
+
+def sample(group: str, name: str) -> Path:
+    """Path of a committed sample checkpoint (skips nothing: a missing sample is a failure)."""
+    p = SAMPLES / group / name
+    assert p.exists(), f"sample {p} is missing; regenerate with `ckpt samples make sample_ckpts --only {name}`"
+    return p
+
+
+def manifest(group: str, name: str) -> dict:
+    return json.loads((SAMPLES / group / f"{name}.manifest.json").read_text())
+
+
+@pytest.fixture
+def copy_sample(tmp_path):
+    """Copy a sample into tmp_path (for tests that write or break files); returns the copied path."""
+    import shutil
+
+    def _copy(group: str, name: str) -> Path:
+        src = sample(group, name)
+        dst = tmp_path / group / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dst)
+        else:
+            shutil.copy2(src, dst)
+        return dst
+
+    return _copy
