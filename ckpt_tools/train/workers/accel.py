@@ -109,7 +109,9 @@ def main() -> None:
     def save() -> dict[str, Any]:
         accelerator.save_state(str(ckpt))
         saved_progress.update(progress.state_dict())
-        return c.snapshot(global_step=progress.steps, optimizer=optimizer, scheduler=scheduler.scheduler)
+        # the DeepSpeed engine counts overflow-skipped steps; DDP has no such counter
+        return c.snapshot(global_step=progress.steps, optimizer=optimizer, scheduler=scheduler.scheduler,
+                          skipped_steps=getattr(wrapped, "skipped_steps", None))
 
     history, saved = c.train(step, lambda: c.current_lrs(optimizer), save)
     accelerator.wait_for_everyone()

@@ -1,0 +1,159 @@
+"""HF Accelerate `save_state` folders, with plain (DDP/CPU), DeepSpeed or FSDP state inside.
+
+Accelerate writes: `model.safetensors` (or `pytorch_model.bin`; `model_1.*` for a second model),
+`optimizer.bin`, `scheduler.bin` (`optimizer_1.bin`, ... for more), `random_states_{rank}.pkl` (one per
+process: their count is the world size), `custom_checkpoint_{i}.pkl`. With DeepSpeed the model and
+optimizer live in a DeepSpeed tag folder (`pytorch_model/` + `latest`); with FSDP in DCP folders
+(`pytorch_model_fsdp_0/`, `optimizer_0/`). The scheduler always stays in `scheduler.bin`, and Accelerate
+steps it once per process per optimizer step (after 4 steps on 2 ranks `last_epoch` is 8).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ..pickle_reader import TensorRef
+from ..tree import (Checkpoint, Counters, GroupNode, LearningRates, Topology, Warning_, iter_tensors,
+                    tensor_node, to_node)
+from . import _common as C
+
+FORMAT = "accelerate"
+_RNG_RE = re.compile(r"^random_states_(\d+)\.pkl$")
+_CUSTOM_RE = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
+_MARKERS = ("random_states_*.pkl", "scheduler*.bin", "optimizer*.bin", "custom_checkpoint_*.pkl")
+
+
+def sniff(path: Path) -> bool:
+    return path.is_dir() and any(any(path.glob(m)) for m in _MARKERS)
+
+
+def _model_files(path: Path) -> list[Path]:
+    out = []
+    for pat in ("model*.safetensors", "pytorch_model*.bin"):
+        out += [p for p in sorted(path.glob(pat)) if p.is_file()]
+    return out
+
+
+def open(path: Path) -> Checkpoint:  # noqa: A001
+    cache = C.LoadCache(path)
+    tree: dict[str, Any] = {}
+    files = []
+    warnings: list[Warning_] = []
+    details: dict[str, Any] = {}
+    inner = None  # a DeepSpeed or DCP checkpoint inside the folder
+    from . import deepspeed
+
+    tag = C.read_latest(path)
+    ds_dirs = [d for d in sorted(path.iterdir()) if d.is_dir() and any(d.glob("*mp_rank_*_model_states.pt"))]
+    fsdp_model = sorted(d for d in path.glob("pytorch_model_fsdp_*") if d.is_dir())
+    if tag or ds_dirs:
+        inner = deepspeed.open(path)
+        details["engine"] = f"deepspeed (tag {inner.details.get('tag')})"
+    elif fsdp_model:
+        from . import dcp
+
+        inner = dcp.open(fsdp_model[0])
+        details["engine"] = f"fsdp ({fsdp_model[0].name})"
+        opt_dirs = sorted(d for d in path.glob("optimizer_*") if d.is_dir())
+        if opt_dirs:
+            opt_ck = dcp.open(opt_dirs[0])
+            if "optimizer" in opt_ck.tree.children:
+                tree["optimizer"] = opt_ck.tree.children["optimizer"]
+            files += list(opt_ck.files)
+    if inner is not None:
+        for key in ("model", "optimizer", "counters", "config", "client_state"):
+            if key in inner.tree.children and key not in tree:
+                tree[key] = inner.tree.children[key]
+        prefix = Path(inner.path).relative_to(path)
+        files += [replace(f, path=str(prefix / f.path)) for f in inner.files]
+        warnings += [w for w in inner.warnings if w.code != "stray-file"]
+
+    model_names: list[str] = []
+    for mf in _model_files(path):
+        key = "model" if mf.stem in ("model", "pytorch_model") else mf.stem
+        if mf.suffix == ".safetensors":
+            from .safetensors_file import read_header
+
+            refs, _ = read_header(mf)
+            tree[key] = GroupNode({n: tensor_node(r, mf.name) for n, r in refs.items()})
+        else:
+            obj = cache.load(mf).obj
+            tree[key] = to_node(obj, mf.name)
+            # torch.save of a state dict keeps module order, the order torch numbers optimizer params in
+            if key == "model" and isinstance(obj, dict):
+                model_names = [k for k, v in obj.items() if isinstance(v, TensorRef)]
+        files.append(C.file_info(mf, path, "model"))
+
+    from .torch_file import optimizer_tree
+
+    steps_seen: list[int] = []
+    for of in sorted(path.glob("optimizer*.bin")):
+        osd = cache.load(of).obj
+        if not isinstance(osd, dict):
+            continue
+        key = "optimizer" if of.stem == "optimizer" else of.stem
+        # safetensors stores tensors sorted by name, not in parameter order, so optimizer ids can only
+        # be named from a torch state dict or from param_names saved in the param groups
+        named = _param_names_from_groups(osd) or model_names
+        tree[key] = optimizer_tree(osd, named, of.name)
+        steps_seen += C.optimizer_steps(tree[key].children.get("state"))
+        files.append(C.file_info(of, path, "optimizer"))
+        if not named:
+            details["optimizer_state_keys"] = "param ids (torch optimizer state dicts do not record names)"
+    for sf in sorted(path.glob("scheduler*.bin")):
+        key = "scheduler" if sf.stem == "scheduler" else sf.stem
+        tree[key] = to_node(cache.load(sf).obj, sf.name)
+        files.append(C.file_info(sf, path, "scheduler"))
+    rng_files = sorted((p for p in path.iterdir() if _RNG_RE.match(p.name)), key=lambda p: int(_RNG_RE.match(p.name)[1]))
+    if rng_files:
+        tree["rng"] = GroupNode({p.stem: to_node(cache.load(p).obj, p.name) for p in rng_files})
+        files += [C.file_info(p, path, "rng", {"rank": int(_RNG_RE.match(p.name)[1])}) for p in rng_files]
+    customs = [p for p in sorted(path.iterdir()) if _CUSTOM_RE.match(p.name)]
+    if customs:
+        client = dict(tree["client_state"].children) if isinstance(tree.get("client_state"), GroupNode) else {}
+        client.update({p.stem: to_node(cache.load(p).obj, p.name) for p in customs})
+        tree["client_state"] = GroupNode(client)
+        files += [C.file_info(p, path, "other") for p in customs]
+
+    world = len(rng_files) or None
+    ranks_seen = sorted(int(_RNG_RE.match(p.name)[1]) for p in rng_files)
+    if ranks_seen and ranks_seen != list(range(len(ranks_seen))):
+        warnings.append(Warning_("missing-rank-file", f"random_states files for ranks {ranks_seen}: a rank is missing"))
+    sched = C.scheduler_fields(tree.get("scheduler"))
+    base_lrs, last_lr = C.lr_from_scheduler(sched)
+    last_epoch, step_count = C.scheduler_counters(sched)
+    if inner is not None:
+        steps_seen = steps_seen or ([inner.counters.optimizer_step] if inner.counters.optimizer_step is not None else [])
+    opt_step = max(set(steps_seen), key=steps_seen.count) if steps_seen else None
+    counters = Counters(
+        global_step=inner.counters.global_step if inner is not None else None,
+        optimizer_step=opt_step, scheduler_last_epoch=last_epoch, scheduler_step_count=step_count,
+        skipped_steps=inner.counters.skipped_steps if inner is not None else None)
+    warnings += C.counter_warnings(counters, accelerate_world_size=world, optimizer_steps_seen=steps_seen)
+    warnings += C.stray_file_warnings(path, path) + cache.warnings()
+    if inner is not None and Path(inner.path) != path:
+        warnings += C.stray_file_warnings(Path(inner.path), path)
+    lrs = C.param_group_lrs(tree["optimizer"].children.get("param_groups")) if isinstance(tree.get("optimizer"), GroupNode) else ()
+    model_tensors = [t for _, t in iter_tensors(tree["model"])] if "model" in tree else []
+    if inner is not None:
+        count, ntensors, dtypes = inner.parameter_count, inner.parameter_tensors, inner.dtypes
+    else:
+        count, ntensors = sum(t.numel for t in model_tensors), len(model_tensors)
+        dtypes = tuple(sorted({t.dtype for t in model_tensors}))
+    topo = Topology(dp=world, tp=1, pp=1, zero_stage=inner.topology.zero_stage if inner is not None else None)
+    details["world_size"] = world
+    order = ("model", "optimizer", "scheduler", "counters", "rng", "client_state", "config")
+    tree = dict(sorted(tree.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
+    return Checkpoint(
+        format=FORMAT, path=str(path), topology=topo, tree=GroupNode(tree), counters=counters,
+        lr=LearningRates(lrs, base_lrs, last_lr), parameter_count=count, parameter_tensors=ntensors,
+        files=tuple(files), warnings=tuple(warnings), dtypes=tuple(dtypes), details=details)
+
+
+def _param_names_from_groups(osd: dict) -> list[str]:
+    groups = osd.get("param_groups") if isinstance(osd.get("param_groups"), list) else []
+    names = [n for g in groups if isinstance(g, dict) for n in (g.get("param_names") or [])]
+    return [str(n) for n in names]
+

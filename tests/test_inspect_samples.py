@@ -1,0 +1,74 @@
+"""Every committed sample, opened by `ckpt_tools.open_checkpoint`, against what the real run recorded.
+
+The manifests were written by the training workers from the live engine/optimizer/scheduler objects
+at save time (ckpt_tools/train/manifest.py), so these tests compare the reader with the frameworks,
+not with itself.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import ckpt_tools
+from conftest import SAMPLES
+
+MANIFESTS = sorted(SAMPLES.glob("*/*.manifest.json"))
+IDS = [f"{m.parent.name}/{m.name[: -len('.manifest.json')]}" for m in MANIFESTS]
+
+
+def _load(mpath: Path) -> tuple[Path, dict]:
+    return mpath.with_name(mpath.name[: -len(".manifest.json")]), json.loads(mpath.read_text())
+
+
+def test_every_sample_has_a_manifest():
+    from ckpt_tools.samples import SAMPLES as SPECS
+
+    for spec in SPECS:
+        assert (SAMPLES / spec.group / (spec.path + ".manifest.json")).is_file(), spec.name
+
+
+def _what_the_files_hold(m: dict) -> tuple[dict, dict]:
+    """The manifest records the live run; some formats do not save every value. Those must read as
+    None (never guessed), so the expectation is adjusted here, each with the reason."""
+    counters, lr = dict(m["counters"]), dict(m["lr"])
+    if m["format"] == "safetensors":  # weights only: no counters, no optimizer, no scheduler
+        counters = dict.fromkeys(counters)
+        lr = {"param_groups": [], "base_lrs": None, "last_lr": None}
+    if m["format"] == "accelerate" and m["extra"].get("distributed_type") != "DEEPSPEED":
+        counters["global_step"] = None  # Accelerate saves no loop step (DeepSpeed's engine does)
+    if "scheduler" in (m["extra"].get("ds_config") or {}):
+        lr["last_lr"] = None  # DeepSpeed's own schedulers save only last_batch_iteration
+    return counters, lr
+
+
+@pytest.mark.parametrize("mpath", MANIFESTS, ids=IDS)
+def test_header_matches_the_real_run(mpath):
+    path, m = _load(mpath)
+    ck = ckpt_tools.open_checkpoint(path)
+    expected, lr = _what_the_files_hold(m)
+    assert ck.format == m["format"]
+    assert ck.parameter_count == m["parameters"]["count"]
+    assert ck.parameter_tensors == m["parameters"]["tensors"]
+    topo = m["topology"]
+    if m["format"] not in ("safetensors", "torch_file"):
+        assert (ck.topology.dp, ck.topology.tp, ck.topology.pp, ck.topology.zero_stage) == \
+            (topo["dp"], topo["tp"], topo["pp"], topo["zero_stage"])
+    got = ck.counters.__dict__
+    for key, value in expected.items():
+        assert got[key] == value, f"counter {key}: checkpoint says {got[key]}, the run had {value}"
+    assert list(ck.lr.param_groups) == pytest.approx(lr["param_groups"])
+    assert (list(ck.lr.base_lrs) if ck.lr.base_lrs is not None else None) == \
+        (pytest.approx(lr["base_lrs"]) if lr["base_lrs"] is not None else None)
+    want_last = lr["last_lr"]
+    assert (list(ck.lr.last_lr) if ck.lr.last_lr is not None else None) == \
+        (pytest.approx(want_last) if want_last is not None else None)
+
+
+@pytest.mark.parametrize("mpath", MANIFESTS, ids=IDS)
+def test_clean_samples_have_no_warnings(mpath):
+    path, m = _load(mpath)
+    ck = ckpt_tools.open_checkpoint(path)
+    expected_codes = set(m["extra"].get("expected_warnings", []))
+    assert {w.code for w in ck.warnings} == expected_codes, ck.warnings
