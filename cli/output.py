@@ -17,16 +17,21 @@ def print_json(doc: Any) -> None:
 
 
 def console(stderr: bool = False):
+    import os
+
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+    con = Console(stderr=stderr, highlight=False)
+    if not con.is_terminal and "COLUMNS" not in os.environ:
+        # piped into grep/less: long lines stay whole instead of wrapping at 80 columns
+        con = Console(stderr=stderr, highlight=False, width=200)
+    return con
 
 
 def fmt_value(v: Any) -> str:
     if isinstance(v, float):
-        if math.isfinite(v) and v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e6):
-            return f"{v:.6g}"
-        return repr(v)
+        # 10 significant digits: 0.0019200000000000005 reads as 0.00192; --json keeps every bit
+        return f"{v:.10g}" if math.isfinite(v) else repr(v)
     if isinstance(v, (list, tuple)):
         inner = ", ".join(fmt_value(x) for x in v[:8])
         more = f", … {len(v) - 8} more" if len(v) > 8 else ""

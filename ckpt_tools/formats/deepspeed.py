@@ -45,9 +45,10 @@ def sniff(path: Path) -> bool:
         return False
     if any(path.glob("*mp_rank_*_model_states.pt")):
         return True
-    tag = C.read_latest(path)
-    return bool(tag) and (path / tag).is_dir() and any((path / tag).glob("*mp_rank_*_model_states.pt")) \
-        and not any((path / tag).glob("layer_*-model_*-model_states.pt"))
+    # a parent folder: claim it when it has `latest` or a tag folder with DeepSpeed files, even when
+    # `latest` names a missing tag, so that open() can say exactly that
+    tags = [d for d in path.iterdir() if d.is_dir() and any(d.glob("*mp_rank_*_model_states.pt"))]
+    return bool(tags) and not any(any(d.glob("layer_*-model_*-model_states.pt")) for d in tags)
 
 
 @dataclass

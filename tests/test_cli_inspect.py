@@ -1,0 +1,176 @@
+"""`ckpt inspect` as a user runs it: the JSON contract, --grep with values, warnings, exit codes."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import manifest, sample
+
+CLI = [sys.executable, "-c", "from cli.main import main; main()"]
+
+
+def ckpt(*args, check=True):
+    proc = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=120)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}: {proc.stderr}")
+    return proc
+
+
+def test_json_contract_on_zero2():
+    m = manifest("deepspeed", "zero2_bf16")
+    doc = json.loads(ckpt("inspect", sample("deepspeed", "zero2_bf16"), "--json").stdout)
+    assert set(doc) >= {"format", "path", "topology", "parameters", "counters", "lr", "warnings", "tree"}
+    assert doc["format"] == "deepspeed_zero"
+    assert doc["topology"] == {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 2}
+    assert doc["parameters"] == {"count": m["parameters"]["count"], "tensors": m["parameters"]["tensors"]}
+    assert doc["counters"] == m["counters"]
+    assert doc["lr"]["param_groups"] == pytest.approx(m["lr"]["param_groups"])
+    assert doc["lr"]["base_lrs"] is None and doc["lr"]["last_lr"] is None
+    # optimizer state per parameter name, un-flattened from the ZeRO partitions
+    entry = doc["tree"]["optimizer"]["state"]["blocks.0.mlp_proj.weight"]
+    assert entry["exp_avg"]["shape"] == [32, 128] and entry["fp32"]["dtype"] == "float32"
+    assert entry["step"] == m["counters"]["optimizer_step"]
+
+
+def test_grep_shows_step_values():
+    out = ckpt("inspect", sample("deepspeed", "zero2_lambdalr"), "--grep", "step|epoch").stdout
+    assert "global_steps: 4" in out
+    assert "_step_count: 5" in out and "last_epoch: 4" in out
+    assert "exp_avg" not in out
+
+
+def test_grep_json_scheduler_values():
+    doc = json.loads(ckpt("inspect", sample("deepspeed", "zero2_lambdalr"), "--grep", "^scheduler", "--json").stdout)
+    m = manifest("deepspeed", "zero2_lambdalr")
+    assert doc["tree"]["scheduler"]["base_lrs"] == pytest.approx(m["lr"]["base_lrs"])
+    assert doc["tree"]["scheduler"]["_last_lr"] == pytest.approx(m["lr"]["last_lr"])
+    assert list(doc["tree"]) == ["scheduler"]
+
+
+def test_rank_filter_shows_pieces_of_that_rank():
+    doc = json.loads(ckpt("inspect", sample("deepspeed", "zero2_bf16"), "--rank", "1", "--grep",
+                          r"optimizer\.state\.blocks\.0\.mlp_proj\.weight\.fp32", "--json").stdout)
+    t = doc["tree"]["optimizer"]["state"]["blocks.0.mlp_proj.weight"]["fp32"]
+    assert [p["rank"]["dp"] for p in t["pieces"]] == [1]
+    # the piece on rank 1 starts where rank 0's piece ends inside the parameter
+    assert t["pieces"][0]["dst_offset"] > 0 and t["pieces"][0]["offset"] == 0
+
+
+def test_stats_reads_values(tmp_path):
+    doc = json.loads(ckpt("inspect", sample("torch", "plain.pt"), "--stats", "--grep", "ln_f.weight", "--json").stdout)
+    import torch
+
+    sd = torch.load(sample("torch", "plain.pt"), weights_only=False)["model"]
+    row = next(s for s in doc["stats"] if s["path"] == "model.ln_f.weight")
+    assert row["max"] == pytest.approx(float(sd["ln_f.weight"].max()))
+    assert row["mean"] == pytest.approx(float(sd["ln_f.weight"].double().mean()))
+    assert row["nan"] == 0
+
+
+def test_stats_flags_nan(tmp_path):
+    import torch
+
+    f = tmp_path / "nan.pt"
+    torch.save({"model": {"w": torch.tensor([1.0, float("nan"), float("inf")])}}, f)
+    doc = json.loads(ckpt("inspect", f, "--stats", "--json").stdout)
+    assert any(w["code"] == "non-finite" for w in doc["warnings"])
+
+
+def test_stray_files_are_warned(copy_sample):
+    p = copy_sample("accelerate", "accelerate_ddp")
+    shutil.copy(p / "custom_checkpoint_0.pkl", p / "custom_checkpoint_0.pkl.orig")
+    shutil.copy(p / "optimizer.bin", p / "optimizer.bin.bak")
+    doc = json.loads(ckpt("inspect", p, "--json").stdout)
+    stray = sorted(w["path"] for w in doc["warnings"] if w["code"] == "stray-file")
+    assert stray == ["custom_checkpoint_0.pkl.orig", "optimizer.bin.bak"]
+
+
+def test_missing_dp_rank_file_exits_2(copy_sample):
+    p = copy_sample("deepspeed", "zero2_bf16")
+    victim = p / "global_step4" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    victim.unlink()
+    proc = ckpt("inspect", p, check=False)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and victim.name in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_extra_rank_file_is_a_warning(copy_sample):
+    p = copy_sample("deepspeed", "zero2_bf16")
+    tag = p / "global_step4"
+    shutil.copy(tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", tag / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt")
+    doc = json.loads(ckpt("inspect", p, "--json").stdout)
+    assert [w["code"] for w in doc["warnings"]] == ["extra-rank-file"]
+
+
+def test_latest_naming_a_missing_tag_exits_2(copy_sample):
+    p = copy_sample("deepspeed", "zero2_bf16")
+    (p / "latest").write_text("global_step999")
+    proc = ckpt("inspect", p, check=False)
+    assert proc.returncode == 2 and "global_step999" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_truncated_file_exits_2(copy_sample):
+    p = copy_sample("deepspeed", "zero2_bf16")
+    f = p / "global_step4" / "mp_rank_00_model_states.pt"
+    f.write_bytes(f.read_bytes()[:5000])
+    proc = ckpt("inspect", p, check=False)
+    assert proc.returncode == 2 and f.name in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_not_a_checkpoint_exits_2(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    for target in (tmp_path, tmp_path / "notes.txt", tmp_path / "nope"):
+        proc = ckpt("inspect", target, check=False)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_step_counter_disagreement_is_warned(tmp_path):
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][1]["step"] = torch.tensor(0.0)  # the "Adam step reset on resume" story, for one param
+    torch.save({"model": model.state_dict(), "optimizer": sd, "step": 1}, tmp_path / "c.pt")
+    doc = json.loads(ckpt("inspect", tmp_path / "c.pt", "--json").stdout)
+    assert "step-mismatch" in [w["code"] for w in doc["warnings"]]
+
+
+def test_inspect_executes_nothing_from_a_hostile_pickle(copy_sample, tmp_path):
+    """A DeepSpeed model-states file with an os.system payload: inspect shows it by name, runs nothing."""
+    import torch
+
+    p = copy_sample("deepspeed", "zero2_bf16")
+    f = p / "global_step4" / "mp_rank_00_model_states.pt"
+    sd = torch.load(f, weights_only=False)
+    marker = tmp_path / "executed"
+
+    class Payload:
+        def __reduce__(self):
+            import os
+            return (os.system, (f"touch {marker}",))
+
+    sd["client_payload"] = Payload()
+    torch.save(sd, f)
+    doc = json.loads(ckpt("inspect", p, "--json").stdout)
+    assert not marker.exists()
+    unknown = [w for w in doc["warnings"] if w["code"] == "unknown-global"]
+    assert unknown and "system" in unknown[0]["message"]
+    assert doc["parameters"]["count"] == manifest("deepspeed", "zero2_bf16")["parameters"]["count"]
+
+
+def test_inspect_does_not_import_torch_or_deepspeed():
+    code = ("import sys; from cli.main import main\n"
+            "try:\n main(['inspect', sys.argv[1], '--json'])\nexcept SystemExit:\n pass\n"
+            "bad = [m for m in ('torch', 'deepspeed', 'numpy') if m in sys.modules]\n"
+            "assert not bad, bad")
+    for p in (sample("deepspeed", "zero2_bf16"), sample("deepspeed", "zero3_bf16"), sample("torch", "plain.pt"),
+              sample("accelerate", "accelerate_ddp"), sample("safetensors", "sharded")):
+        subprocess.run([sys.executable, "-c", code, str(p)], check=True, capture_output=True)
