@@ -106,6 +106,9 @@ class TensorRef:
     requires_grad: bool = False
     is_parameter: bool = False
     subclass: str | None = None  # e.g. "torch.nn.parameter.Parameter" via _rebuild_from_type_v2
+    # what a tensor subclass's pickle carried beside its metadata: for a ShardedTensor the tuple
+    # (local shards, ShardedTensorMetadata, process-group state, sharding spec, init_rrefs)
+    subclass_state: Any = field(default=None, repr=False, compare=False)
 
     @property
     def numel(self) -> int:
@@ -314,7 +317,8 @@ def _rebuild_from_type_v2(func, new_type, args, state):
         name = getattr(new_type, "cls", None) or getattr(new_type, "__name__", None)
         is_param = name is not None and name.endswith("Parameter")
         return TensorRef(ret.dtype, ret.shape, ret.stride, ret.storage_offset, ret.storage,
-                         ret.requires_grad, ret.is_parameter or is_param, None if is_param else name)
+                         ret.requires_grad, ret.is_parameter or is_param, None if is_param else name,
+                         None if is_param else state)
     return ret
 
 
@@ -435,6 +439,7 @@ KNOWN_OPAQUE_PREFIXES = (
     "torch.device", "torch.nn.parameter.Parameter", "torch.Tensor", "torch._tensor.Tensor",
     "torch.distributed.checkpoint.", "torch.distributed._shard.", "torch.distributed.tensor.",
     "torch.distributed._tensor.", "torch.distributed.fsdp.", "torch.distributed.distributed_c10d",
+    "torch.distributed.remote_device._remote_device",
     "torch.serialization.", "torch.strided", "torch.sparse_coo", "torch.float8",
     "deepspeed.utils.tensor_fragment.fragment_address",
     "deepspeed.runtime.zero.config.ZeroStageEnum",
@@ -523,6 +528,9 @@ class Source:
 class ZipSource(Source):
     """torch's zip format: `<archive>/data.pkl` plus one stored (uncompressed) member per storage."""
 
+    #: where the archive starts in the file (non-zero for an archive embedded in a bigger file)
+    base = 0
+
     def __init__(self, path, zf: zipfile.ZipFile, prefix: str):
         super().__init__(path)
         self._infos = {i.filename: i for i in zf.infolist()}
@@ -540,12 +548,13 @@ class ZipSource(Source):
                 raise CorruptCheckpoint(f"zip member {name} is compressed", path=self.path,
                                         hint="torch.save writes stored members; re-save with torch.save")
             mm = self._map()
-            hdr = mm[info.header_offset: info.header_offset + 30]
+            header = self.base + info.header_offset
+            hdr = mm[header: header + 30]
             if len(hdr) < 30 or hdr[:4] != b"PK\x03\x04":
                 raise CorruptCheckpoint(f"bad local header for zip member {name}", path=self.path,
                                         hint="the file is corrupt; re-copy it")
             name_len, extra_len = struct.unpack("<HH", hdr[26:30])
-            off = info.header_offset + 30 + name_len + extra_len
+            off = header + 30 + name_len + extra_len
             if off + info.file_size > len(mm):
                 raise CorruptCheckpoint(f"zip member {name} runs past the end of the file", path=self.path,
                                         hint="the file is truncated; re-copy it")
@@ -557,6 +566,52 @@ class ZipSource(Source):
 
     def member_size(self, name: str) -> int:
         return self._infos[name].file_size
+
+
+class EmbeddedZipSource(ZipSource):
+    """A torch.save zip stored inside a bigger file (one DCP `.distcp` item). Offsets shift by `base`,
+    and the outer file's mapping is shared: a DCP file holds thousands of items, and one mmap (two
+    file descriptors) per item would exhaust the descriptor limit."""
+
+    def __init__(self, outer: Source, zf: zipfile.ZipFile, prefix: str, base: int):
+        super().__init__(outer.path, zf, prefix)
+        self._outer = outer
+        self.base = base
+
+    def _map(self) -> mmap.mmap:
+        return self._outer._map()
+
+    def close(self) -> None:
+        pass  # the mapping belongs to the outer Source
+
+
+class _Window(io.RawIOBase):
+    """A read-only file over a slice of a mapping, so zipfile can parse an embedded archive by reading
+    only its directory and `data.pkl` (copying the slice would read the tensor bytes too)."""
+
+    def __init__(self, buf: memoryview):
+        self._buf = buf
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._buf)}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), len(self._buf) - self._pos))
+        b[:n] = self._buf[self._pos: self._pos + n]
+        self._pos += n
+        return n
 
 
 class LegacySource(Source):
@@ -636,9 +691,25 @@ def load(path: str | os.PathLike) -> Loaded:
     raise NotACheckpoint("not a torch checkpoint or pickle (unknown file signature)", path=path)
 
 
-def _load_zip(path: str) -> Loaded:
+def load_embedded(outer: Source, offset: int, length: int) -> Loaded:
+    """Parse a torch.save zip stored at bytes [offset, offset+length) of `outer`'s file (a DCP `.distcp`
+    item) without running code or reading tensor bytes; its tensors read through `outer`'s mapping."""
+    mm = outer._map()
+    if offset < 0 or length <= 0 or offset + length > len(mm):
+        raise CorruptCheckpoint(f"item at bytes {offset}..{offset + length} lies outside the file "
+                                f"({len(mm)} bytes)", path=outer.path, hint="the file is truncated; re-copy it")
+    view = memoryview(mm)[offset: offset + length]
     try:
-        zf = zipfile.ZipFile(path)
+        return _load_zip(outer.path, _Window(view),
+                         lambda path, zf, prefix: EmbeddedZipSource(outer, zf, prefix, offset))
+    finally:
+        view.release()
+
+
+def _load_zip(path: str, file: io.RawIOBase | None = None,
+              make_source: Callable[[str, zipfile.ZipFile, str], ZipSource] = ZipSource) -> Loaded:
+    try:
+        zf = zipfile.ZipFile(path if file is None else file)
     except (zipfile.BadZipFile, OSError, ValueError) as e:
         raise CorruptCheckpoint(f"not a readable zip archive ({e})", path=path,
                                 hint="the file is truncated or corrupt; re-copy it or restore a backup")
@@ -648,7 +719,7 @@ def _load_zip(path: str) -> Loaded:
             raise NotACheckpoint("zip archive without data.pkl (not written by torch.save)", path=path)
         name = min(pkl, key=len)
         prefix = name[: -len("data.pkl")]
-        source = ZipSource(path, zf, prefix)
+        source = make_source(path, zf, prefix)
         bo = prefix + "byteorder"
         if bo in source._infos:
             try:

@@ -20,6 +20,7 @@ class LoadCache:
     def __init__(self, root: Path):
         self.root = root
         self._loaded: dict[Path, pickle_reader.Loaded] = {}
+        self._outer: dict[Path, pickle_reader.Source] = {}
         self.unknown_globals: dict[str, list[str]] = {}
 
     def load(self, path: Path) -> pickle_reader.Loaded:
@@ -28,10 +29,24 @@ class LoadCache:
         if hit is None:
             hit = pickle_reader.load(path)
             self._loaded[path] = hit
-            unknown = hit.unknown_globals
-            if unknown:
-                self.unknown_globals[self.rel(path)] = unknown
+            self._note_unknown(path, hit)
         return hit
+
+    def load_embedded(self, path: Path, offset: int, length: int) -> pickle_reader.Loaded:
+        """One torch.save zip stored inside `path` (a DCP `.distcp` item); all items of a file share one mmap."""
+        path = Path(path)
+        outer = self._outer.get(path)
+        if outer is None:
+            outer = self._outer[path] = pickle_reader.Source(path)
+        hit = pickle_reader.load_embedded(outer, offset, length)
+        self._note_unknown(path, hit)
+        return hit
+
+    def _note_unknown(self, path: Path, loaded: pickle_reader.Loaded) -> None:
+        unknown = loaded.unknown_globals
+        if unknown:
+            rel = self.rel(path)
+            self.unknown_globals[rel] = sorted(set(self.unknown_globals.get(rel, [])) | set(unknown))
 
     def rel(self, path: Path) -> str:
         try:

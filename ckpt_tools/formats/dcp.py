@@ -1,0 +1,289 @@
+"""PyTorch distributed checkpoints (`torch.distributed.checkpoint`, what FSDP2 and torchtitan save).
+
+Layout (see shared/FORMATS.md): a folder with `.metadata` (a plain pickle of `Metadata`) and
+`__{rank}_{n}.distcp` files. Every saved item (one chunk of a tensor, or one pickled Python value)
+is its own small torch.save zip inside a `.distcp` file, located by
+`storage_data[MetadataIndex(fqn, chunk offset)] -> _StorageInfo(relative_path, offset, length)`.
+
+Only `.metadata`, the zip directories of the items and the small values are read when opening:
+tensor chunks become `Piece`s pointing into the `.distcp` files, so `read_torch()` reads just their
+bytes. Flat keys are split with `planner_data`, never at dots, because FQNs contain dots
+(`optim.state.blocks.0.ln_1.bias.step` -> ('optim', 'state', 'blocks.0.ln_1.bias', 'step')).
+
+The chunk assembly (`Chunk`, `chunked_tensor`) and the header of a torch training dict
+(`training_checkpoint`) are shared with the FSDP1 ShardedTensor reader, whose shards are the same
+idea: a block of the logical tensor at some offsets, stored by one rank.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import CorruptCheckpoint, MissingFile, UnsupportedCheckpoint
+from ..pickle_reader import SMALL_TENSOR_NUMEL, DType, TensorRef, is_opaque
+from ..tree import (Checkpoint, Counters, FileInfo, GroupNode, LearningRates, Node, OpaqueNode, Piece,
+                    TensorNode, Topology, ValueNode, Warning_, as_int, iter_tensors, scalar, tensor_node,
+                    to_node)
+from . import _common as C
+from .torch_file import STEP_KEYS, split_training_dict
+
+FORMAT = "dcp"
+_DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+#: pickled values larger than this are listed, not parsed, when opening (they are not scalars)
+_MAX_VALUE_BYTES = 1 << 20
+
+
+def sniff(path: Path) -> bool:
+    return path.is_dir() and (path / ".metadata").is_file()
+
+
+# --- chunked tensors (shared with fsdp_sharded) ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A block of a logical tensor stored whole in one file: `ref` has shape `sizes` and sits at
+    `offsets` of the logical tensor (a DCP chunk, a ShardedTensor shard)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    ref: TensorRef
+    file: str
+    rank: Mapping[str, int] = field(default_factory=dict)
+
+
+def _runs(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]):
+    """(src, dst, count) for each run of a chunk's elements that is contiguous in the flattened logical
+    tensor. A split on dim 0 is one run; a split on a later dim gives one run per row of the dims
+    before it, which is what keeps `read_torch` correct for any split."""
+    inner, d = 1, len(shape) - 1
+    while d >= 0 and sizes[d] == shape[d]:
+        inner *= shape[d]
+        d -= 1
+    if d < 0:
+        yield 0, 0, inner
+        return
+    strides = [math.prod(shape[j + 1:]) for j in range(len(shape))]
+    run = sizes[d] * inner
+    src = 0
+    for idx in itertools.product(*(range(s) for s in sizes[:d])):
+        dst = sum((offsets[j] + i) * strides[j] for j, i in enumerate(idx)) + offsets[d] * strides[d]
+        yield src, dst, run
+        src += run
+
+
+def chunked_tensor(key: str, shape: tuple[int, ...], dtype: str, chunks: list[Chunk], where: Path) -> TensorNode:
+    """One logical TensorNode from its chunks, checking that they tile the tensor exactly (a missing
+    or foreign rank's chunk shows up here as a gap or an overlap)."""
+    shape = tuple(shape)
+    numel = math.prod(shape)
+    if len(chunks) == 1 and tuple(chunks[0].sizes) == shape and chunks[0].ref.shape == shape:
+        c = chunks[0]
+        _check_chunk(key, shape, dtype, c, where)
+        return tensor_node(c.ref, c.file, c.rank)
+    pieces = []
+    for c in chunks:
+        _check_chunk(key, shape, dtype, c, where)
+        pieces += [Piece(c.file, c.ref, src, n, dst, dict(c.rank))
+                   for src, dst, n in _runs(shape, tuple(c.offsets), tuple(c.sizes)) if n]
+    pieces.sort(key=lambda p: p.dst_offset)
+    covered = 0
+    for p in pieces:
+        if p.dst_offset != covered:
+            what = "overlap" if p.dst_offset < covered else f"leave elements {covered}..{p.dst_offset} uncovered"
+            raise CorruptCheckpoint(f"{key}: the chunks {what} (shape {list(shape)})", path=where,
+                                    hint="a rank's file is missing or comes from another run")
+        covered += p.numel
+    if covered != numel:
+        raise CorruptCheckpoint(f"{key}: the chunks cover {covered} of {numel} elements", path=where,
+                                hint="a rank's file is missing or comes from another run")
+    return TensorNode(shape, dtype, tuple(pieces), value=_tiny_value(shape, pieces))
+
+
+def _check_chunk(key: str, shape: tuple[int, ...], dtype: str, c: Chunk, where: Path) -> None:
+    if len(c.offsets) != len(shape) or len(c.sizes) != len(shape) or any(
+            o < 0 or o + s > d for o, s, d in zip(c.offsets, c.sizes, shape)):
+        raise CorruptCheckpoint(f"{key}: chunk at {list(c.offsets)} of size {list(c.sizes)} lies outside the "
+                                f"tensor's shape {list(shape)}", path=where, hint="the metadata is corrupt")
+    if c.ref.numel != math.prod(c.sizes) or c.ref.dtype != dtype:
+        raise CorruptCheckpoint(f"{key}: the stored chunk is {c.ref.dtype} {list(c.ref.shape)}, the metadata says "
+                                f"{dtype} {list(c.sizes)}", path=where, hint=f"{c.file} comes from another run")
+
+
+def _tiny_value(shape: tuple[int, ...], pieces: list[Piece]) -> Any:
+    """The values of a tiny chunked tensor, as `tensor_node` gives them for a whole one."""
+    numel = math.prod(shape)
+    if not 0 < numel <= SMALL_TENSOR_NUMEL or any(p.ref.storage is None for p in pieces):
+        return None
+    vals: list = [None] * numel
+    try:
+        for p in pieces:
+            vals[p.dst_offset: p.dst_offset + p.numel] = p.ref.read_values()[p.src_offset: p.src_offset + p.numel]
+    except Exception:  # unreadable bytes show as a missing value, as in tree.tensor_node
+        return None
+    return vals[0] if shape == () else vals
+
+
+# --- the header of a torch training dict (shared with fsdp_sharded) ---------------------------------
+
+
+def _nodes(obj: Any, file: str) -> Node:
+    """Tree nodes for a nested dict whose leaves are already nodes or still raw unpickled objects."""
+    if isinstance(obj, (TensorNode, ValueNode, GroupNode, OpaqueNode)):
+        return obj
+    if isinstance(obj, Mapping):
+        return GroupNode({str(k): _nodes(v, file) for k, v in obj.items()})
+    if isinstance(obj, list) and any(isinstance(v, (Mapping, TensorNode)) for v in obj):
+        return GroupNode({str(i): _nodes(v, file) for i, v in enumerate(obj)})
+    return to_node(obj, file)
+
+
+def training_checkpoint(fmt: str, root: Path, top: Mapping[str, Any], *, file: str, dp: int,
+                        files: list[FileInfo], warnings: list[Warning_], details: dict) -> Checkpoint:
+    """A Checkpoint from the state dict a torch training loop saved ({model, optimizer, scheduler, step});
+    `top` holds nodes (sharded tensors already assembled) or raw objects from `file`."""
+    model, optim, sched, rest = split_training_dict(dict(top))
+    if model is None and rest and all(isinstance(v, TensorNode) for v in rest.values()):
+        model, rest = rest, {}  # a bare model state dict
+    tree: dict[str, Node] = {}
+    if model is not None:
+        tree["model"] = _nodes(model, file)
+    if optim is not None:
+        tree["optimizer"] = _nodes(optim, file)
+    if sched is not None:
+        tree["scheduler"] = _nodes(sched, file)
+    if rest:
+        tree["client_state"] = _nodes(rest, file)
+    opt = tree.get("optimizer")
+    steps = C.optimizer_steps(opt.children.get("state")) if isinstance(opt, GroupNode) else []
+    sf = C.scheduler_fields(tree.get("scheduler"))
+    base_lrs, last_lr = C.lr_from_scheduler(sf)
+    last_epoch, step_count = C.scheduler_counters(sf)
+    client = tree["client_state"].children if "client_state" in tree else {}
+    gstep = next((as_int(scalar(client[k])) for k in STEP_KEYS if as_int(scalar(client.get(k))) is not None), None)
+    counters = Counters(global_step=gstep, optimizer_step=max(set(steps), key=steps.count) if steps else None,
+                        scheduler_last_epoch=last_epoch, scheduler_step_count=step_count)
+    lrs = C.param_group_lrs(opt.children.get("param_groups")) if isinstance(opt, GroupNode) else ()
+    params = [t for _, t in iter_tensors(tree["model"])] if "model" in tree else []
+    return Checkpoint(
+        format=fmt, path=str(root), topology=Topology(dp=dp, tp=1, pp=1, zero_stage=None), tree=GroupNode(tree),
+        counters=counters, lr=LearningRates(lrs, base_lrs, last_lr),
+        parameter_count=sum(t.numel for t in params), parameter_tensors=len(params), files=tuple(files),
+        warnings=tuple(C.counter_warnings(counters, optimizer_steps_seen=steps) + warnings),
+        dtypes=tuple(sorted({t.dtype for t in params})), details=details)
+
+
+# --- DCP ----------------------------------------------------------------------------------------------
+
+
+def _rank(rel: str) -> dict[str, int]:
+    m = _DISTCP_RE.match(Path(rel).name)
+    return {"dp": int(m[1])} if m else {}
+
+
+def _offsets(v: Any) -> tuple[int, ...] | None:
+    return None if v is None else tuple(int(x) for x in v)
+
+
+def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
+    cache = C.LoadCache(path)
+    meta_path = path / ".metadata"
+    md = cache.load(meta_path).obj
+    sdm = md.field("state_dict_metadata") if is_opaque(md, "Metadata") else None
+    storage = md.field("storage_data") if is_opaque(md, "Metadata") else None
+    if not isinstance(sdm, dict) or not isinstance(storage, dict):
+        raise CorruptCheckpoint(".metadata does not hold a torch.distributed.checkpoint Metadata", path=meta_path,
+                                hint="re-copy .metadata from the run that wrote the .distcp files")
+    planner = md.field("planner_data")
+    if not isinstance(planner, dict):
+        planner = {}
+    where: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
+    for idx, info in storage.items():
+        if not (is_opaque(idx, "MetadataIndex") and is_opaque(info)):
+            raise CorruptCheckpoint(f"bad storage_data entry {idx!r}", path=meta_path, hint="the metadata is corrupt")
+        rel, off, length = info.field("relative_path"), as_int(info.field("offset")), as_int(info.field("length"))
+        # a path that leaves the folder is never followed: DCP writes bare file names
+        if not isinstance(rel, str) or Path(rel).name != rel or rel in ("", ".", "..") or off is None or length is None:
+            raise CorruptCheckpoint(f"bad storage entry for {idx.field('fqn')!r}", path=meta_path,
+                                    hint="the metadata is corrupt")
+        if info.field("transform_descriptors"):
+            raise UnsupportedCheckpoint(f"{idx.field('fqn')} is stored with transforms "
+                                        f"{info.field('transform_descriptors')} (compressed?)", path=meta_path,
+                                        hint="re-save without storage transforms to inspect it")
+        where[(idx.field("fqn"), _offsets(idx.field("offset")))] = (rel, off, length)
+    used = sorted({rel for rel, _, _ in where.values()})
+    for rel in used:
+        if not (path / rel).is_file():
+            n = sum(1 for r, _, _ in where.values() if r == rel)
+            raise MissingFile(f"{rel} is missing (.metadata places {n} items in it)", path=path / rel,
+                              hint="re-copy the checkpoint folder; every rank's .distcp file is needed")
+
+    top: dict[Any, Any] = {}
+    for key, meta in sdm.items():
+        if is_opaque(meta, "TensorStorageMetadata"):
+            node = _tensor(cache, path, key, meta, where)
+        elif is_opaque(meta, "BytesStorageMetadata"):
+            node = _value(cache, path, key, where)
+        else:
+            node = ValueNode(repr(meta))
+        keys = planner.get(key) if isinstance(planner.get(key), tuple) else (key,)
+        slot = top
+        for k in keys[:-1]:
+            slot = slot.setdefault(k, {})
+            if not isinstance(slot, dict):
+                raise CorruptCheckpoint(f"{key}: planner_data path {keys} runs through a value", path=meta_path,
+                                        hint="the metadata is corrupt")
+        slot[keys[-1]] = node
+
+    present = sorted(p.name for p in path.iterdir() if _DISTCP_RE.match(p.name))
+    warnings = [Warning_("unreferenced-file", f"{name} is not named by .metadata: left over from another save? "
+                         "Move it out of the folder", name) for name in present if name not in used]
+    warnings += C.stray_file_warnings(path, path) + cache.warnings()
+    files = [C.file_info(meta_path, path, "metadata")] + [
+        C.file_info(path / rel, path, "checkpoint", _rank(rel)) for rel in used]
+    ranks = {r["dp"] for r in map(_rank, used) if r}
+    details = {"dcp_version": md.field("version"), "items": len(sdm)}
+    return training_checkpoint(FORMAT, path, top, file=".metadata", dp=len(ranks) or 1, files=files,
+                               warnings=warnings, details=details)
+
+
+def _item(root: Path, key: str, where: dict, offsets: tuple[int, ...] | None) -> tuple[str, int, int]:
+    """(relative_path, offset, length) of one item: a tensor chunk at `offsets`, or a value (None)."""
+    loc = where.get((key, offsets))
+    if loc is None:
+        raise CorruptCheckpoint(f"{key}: no storage entry for the chunk at {offsets}", path=root / ".metadata",
+                                hint="the metadata is corrupt or from another save")
+    return loc
+
+
+def _tensor(cache: C.LoadCache, root: Path, key: str, meta, where: dict) -> TensorNode:
+    shape = tuple(int(s) for s in meta.field("size") or ())
+    props = meta.field("properties")
+    state = props.state if is_opaque(props) else None
+    dtype = state[0].name if isinstance(state, tuple) and state and isinstance(state[0], DType) else None
+    chunks = []
+    for ch in meta.field("chunks") or []:
+        if not is_opaque(ch, "ChunkStorageMetadata"):
+            raise CorruptCheckpoint(f"{key}: bad chunk entry {ch!r}", path=root / ".metadata",
+                                    hint="the metadata is corrupt")
+        offsets, sizes = _offsets(ch.field("offsets")), _offsets(ch.field("sizes"))
+        rel, off, length = _item(root, key, where, offsets)
+        ref = cache.load_embedded(root / rel, off, length).obj
+        if not isinstance(ref, TensorRef):
+            raise CorruptCheckpoint(f"{key}: the item at {rel}[{off}:{off + length}] is not a tensor", path=root / rel,
+                                    hint="the .distcp file does not match .metadata")
+        chunks.append(Chunk(offsets, sizes, ref, rel, _rank(rel)))
+    if dtype is None and chunks:
+        dtype = chunks[0].ref.dtype
+    return chunked_tensor(key, shape, dtype or "?", chunks, root)
+
+
+def _value(cache: C.LoadCache, root: Path, key: str, where: dict) -> Node:
+    rel, off, length = _item(root, key, where, None)
+    if length > _MAX_VALUE_BYTES:
+        return ValueNode(f"<{length} bytes in {rel}, not read>")
+    return to_node(cache.load_embedded(root / rel, off, length).obj, rel, _rank(rel))
