@@ -78,7 +78,8 @@ def render_tree(node: Node, label: str, extra=None):
             kids = n.children
             head = escape(str(name)) + (f" [magenta]<{escape(n.cls)}>[/]" if isinstance(n, OpaqueNode) else "")
             if kids and len(kids) <= 5 and all(_is_leaf(c) for c in kids.values()):
-                parts = "  ".join(f"{escape(str(k))}: {_leaf_text(c)}" for k, c in kids.items())
+                parts = "  ".join(f"{escape(str(k))}: {_leaf_text(c)}{extra(c) if extra else ''}"
+                                  for k, c in kids.items())
                 parent.add(f"{head}  {parts}")
                 return
             branch = parent.add(head + (f" [dim]({len(kids)})[/]" if len(kids) > 5 else ""))
