@@ -81,6 +81,8 @@ def _jsonable(v: Any) -> Any:
         return str(v)
     if isinstance(v, (list, tuple)):
         return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     return repr(v)

@@ -371,6 +371,8 @@ def main() -> None:
                 "universal_checkpoint_info": uc_info,
                 "torch_rng_seed_per_rank": seeds,
                 "torch_rng_state_differs_across_tp": per_tp_rng,
+                # what `ckpt inspect` must warn about in this sample (seeded per TP rank on purpose)
+                "expected_warnings": ["tp-rng-mismatch"] if per_tp_rng else [],
                 "perturbed": sorted(variant.drift.params) if variant.drift else [],
                 "drifted": saved["drift"],
                 "drifted_note": "TP-replicated tensors whose two TP replicas differ in the saved state, with "
