@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,3 +39,9 @@ def copy_sample(tmp_path):
         return dst
 
     return _copy
+
+
+def run_cli(*args, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `ckpt ARGS...` the way a user does (a fresh process), capturing output; never raises on exit codes."""
+    return subprocess.run([sys.executable, "-c", "from cli.main import main; main()", *map(str, args)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)

@@ -8,13 +8,12 @@ import sys
 
 import pytest
 
-from conftest import manifest, sample
+from conftest import manifest, run_cli, sample
 
-CLI = [sys.executable, "-c", "from cli.main import main; main()"]
 
 
 def ckpt(*args, check=True):
-    proc = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=120)
+    proc = run_cli(*args)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}: {proc.stderr}")
     return proc

@@ -14,7 +14,7 @@ from ckpt_tools import pickle_reader
 from ckpt_tools.errors import CorruptCheckpoint
 from ckpt_tools.formats.dcp import Chunk, chunked_tensor
 
-from conftest import ROOT, manifest, sample
+from conftest import run_cli, ROOT, manifest, sample
 
 GROUP, NAME = "fsdp", "fsdp2_dcp"
 
@@ -33,10 +33,6 @@ def reference(tmp_path_factory):
     dcp_to_torch_save(sample(GROUP, NAME), out)
     return torch.load(out, weights_only=False)
 
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from cli.main import main; main()", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 def test_detected_as_dcp(ck):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ckpt_tools
-from conftest import ROOT, manifest, sample
+from conftest import run_cli, ROOT, manifest, sample
 
 GROUP, NAME = "fsdp", "fsdp1_sharded"
 
@@ -64,10 +64,6 @@ def reference(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out, weights_only=False)
 
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from cli.main import main; main()", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 def test_detected_as_fsdp_sharded(ck):

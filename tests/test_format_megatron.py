@@ -16,7 +16,7 @@ import ckpt_tools
 from ckpt_tools.tp_layout import TPLayout, merge_shards, rule_from_data
 from ckpt_tools.tree import TensorNode
 
-from conftest import ROOT, manifest, sample
+from conftest import run_cli, manifest, sample
 
 GROUP = "megatron"
 NAMES = ["gpt_tp2_pp2", "gpt_tp2_pp2_noinfo", "gpt_tp2_pp2_drifted"]
@@ -44,10 +44,6 @@ def expected_merge(m: dict, manifest_name: str) -> str:
 def opened():
     return {name: ckpt_tools.open_checkpoint(sample(GROUP, name)) for name in NAMES}
 
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from cli.main import main; main()", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 # --- header --------------------------------------------------------------------------------------------

@@ -3,12 +3,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import io
 import os
 import pickle
 import subprocess
 import sys
-import zipfile
 
 import pytest
 import torch

@@ -8,7 +8,7 @@ from typing import Any, Iterable
 
 from .. import pickle_reader
 from ..errors import MissingFile, NotACheckpoint
-from ..tree import Checkpoint, FileInfo, GroupNode, Node, Warning_, as_int, floats, scalar
+from ..tree import FileInfo, GroupNode, Node, Warning_, as_int, floats, scalar
 
 #: names that a loader globbing the folder could pick up by mistake, or that show a hand edit
 _STRAY_RE = re.compile(r"(\.orig|\.bak|\.backup|\.old|\.tmp|\.swp|~)$|^\.#|\.pt\.\d+$")

@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import CorruptCheckpoint, MissingFile, NotACheckpoint
 from ..pickle_reader import Opaque, TensorRef
 from ..tree import (Checkpoint, Counters, GroupNode, LearningRates, Piece, TensorNode, Topology, ValueNode,
-                    Warning_, as_int, natural_key, scalar, tensor_node, to_node)
+                    Warning_, as_int, tensor_node, to_node)
 from . import _common as C
 
 FORMAT = "deepspeed_zero"
