@@ -67,8 +67,9 @@ def inspect_cmd(
         if rank_d:
             def extra(n):
                 ps = ops.rank_pieces(n, rank_d) if isinstance(n, ops.TensorNode) else []
-                return "".join(f"  [dim]{p.file}[{p.src_offset}:{p.src_offset + p.numel}][/]" for p in ps)
-        con.print(output.render_tree(tree, "tree", extra))
+                return "".join("  " + output.style(f"{p.file}[{p.src_offset}:{p.src_offset + p.numel}]", "dim")
+                               for p in ps)
+        output.print_tree(tree, "tree", extra)
 
 
 def _print_header(con, ck, warnings) -> None:

@@ -13,7 +13,9 @@ from ckpt_tools.tree import GroupNode, Node, OpaqueNode, TensorNode, ValueNode
 
 
 def print_json(doc: Any) -> None:
-    sys.stdout.write(json.dumps(doc, indent=1, default=repr) + "\n")
+    # indented for a person at a terminal; compact (C encoder, ~4x faster) for pipes and scripts
+    indent = 1 if sys.stdout.isatty() else None
+    sys.stdout.write(json.dumps(doc, indent=indent, default=repr) + "\n")
 
 
 def console(stderr: bool = False):
@@ -41,15 +43,32 @@ def fmt_value(v: Any) -> str:
     return str(v)
 
 
+_ANSI = {"cyan": "36", "bold": "1", "dim": "2", "magenta": "35", "yellow": "33", "red": "31", "green": "32"}
+
+
+def use_color() -> bool:
+    import os
+
+    return sys.stdout.isatty() and "NO_COLOR" not in os.environ
+
+
+def style(text: str, name: str) -> str:
+    """`text` in an ANSI style when stdout is a terminal, plain otherwise (pipes, files, tests)."""
+    return f"\033[{_ANSI[name]}m{text}\033[0m" if _COLOR[0] else text
+
+
+_COLOR = [False]
+
+
 def fmt_tensor(t: TensorNode) -> str:
     shape = "×".join(map(str, t.shape)) if t.shape else "scalar"
-    s = f"[cyan]{t.dtype}[/] [{shape}]"
+    s = f"{style(t.dtype, 'cyan')} [{shape}]"
     if t.value is not None:
-        s += f" = [bold]{fmt_value(t.value)}[/]"
+        s += " = " + style(fmt_value(t.value), "bold")
     if t.shards:
-        s += f" [dim]({len(t.shards)} TP shards, {t.merge or 'merge unknown'})[/]"
+        s += " " + style(f"({len(t.shards)} TP shards, {t.merge or 'merge unknown'})", "dim")
     elif len(t.pieces) > 1:
-        s += f" [dim]({len(t.pieces)} pieces)[/]"
+        s += " " + style(f"({len(t.pieces)} pieces)", "dim")
     return s
 
 
@@ -60,38 +79,43 @@ def _is_leaf(n: Node) -> bool:
 def _leaf_text(n: Node) -> str:
     if isinstance(n, TensorNode):
         return fmt_tensor(n)
-    from rich.markup import escape
-
-    return f"[bold]{escape(fmt_value(n.value))}[/]"
+    return style(fmt_value(n.value), "bold")
 
 
-def render_tree(node: Node, label: str, extra=None):
-    """A rich Tree. Groups whose children are all leaves (an optimizer entry: exp_avg, exp_avg_sq, fp32,
-    step) fit on one line when short, so a parameter's whole optimizer state reads at a glance."""
-    from rich.markup import escape
-    from rich.tree import Tree
+def tree_lines(node: Node, label: str, extra=None) -> list[str]:
+    """The tree as text lines (box-drawing like `tree`). Plain string building: a checkpoint with
+    thousands of tensors renders in milliseconds, where a rich Tree takes a noticeable fraction of a second.
 
-    root = Tree(f"[bold]{escape(label)}[/]")
+    Groups whose children are all leaves (an optimizer entry: exp_avg, exp_avg_sq, fp32, step) fit on one
+    line when short, so a parameter's whole optimizer state reads at a glance."""
+    _COLOR[0] = use_color()
+    lines = [style(label, "bold")]
 
-    def add(parent, name: str, n: Node):
+    def leaf(n: Node) -> str:
+        return _leaf_text(n) + (extra(n) if extra else "")
+
+    def add(prefix: str, last: bool, name: str, n: Node) -> None:
+        branch = "└── " if last else "├── "
         if isinstance(n, (GroupNode, OpaqueNode)):
             kids = n.children
-            head = escape(str(name)) + (f" [magenta]<{escape(n.cls)}>[/]" if isinstance(n, OpaqueNode) else "")
+            head = str(name) + (" " + style(f"<{n.cls}>", "magenta") if isinstance(n, OpaqueNode) else "")
             if kids and len(kids) <= 5 and all(_is_leaf(c) for c in kids.values()):
-                parts = "  ".join(f"{escape(str(k))}: {_leaf_text(c)}{extra(c) if extra else ''}"
-                                  for k, c in kids.items())
-                parent.add(f"{head}  {parts}")
+                lines.append(prefix + branch + head + "  " + "  ".join(f"{k}: {leaf(c)}" for k, c in kids.items()))
                 return
-            branch = parent.add(head + (f" [dim]({len(kids)})[/]" if len(kids) > 5 else ""))
-            for k, c in kids.items():
-                add(branch, k, c)
+            lines.append(prefix + branch + head + (" " + style(f"({len(kids)})", "dim") if len(kids) > 5 else ""))
+            child_prefix = prefix + ("    " if last else "│   ")
+            items = list(kids.items())
+            for i, (k, c) in enumerate(items):
+                add(child_prefix, i == len(items) - 1, k, c)
         else:
-            line = f"{escape(str(name))}: {_leaf_text(n)}"
-            if extra:
-                line += extra(n)
-            parent.add(line)
+            lines.append(prefix + branch + f"{name}: {leaf(n)}")
 
     if isinstance(node, (GroupNode, OpaqueNode)):
-        for k, c in node.children.items():
-            add(root, k, c)
-    return root
+        items = list(node.children.items())
+        for i, (k, c) in enumerate(items):
+            add("", i == len(items) - 1, k, c)
+    return lines
+
+
+def print_tree(node: Node, label: str, extra=None) -> None:
+    sys.stdout.write("\n".join(tree_lines(node, label, extra)) + "\n")
