@@ -17,10 +17,17 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
                   pretty_exceptions_enable=False)
 
 from . import inspect as _inspect  # noqa: E402
+from . import resume as _resume  # noqa: E402
 from . import samples as _samples  # noqa: E402
 
 _inspect.register(app)
 _samples.register(app)
+_resume.register(app)
+
+
+# typer >= 0.29 vendors click (typer._click): its usage errors are not click's own classes
+_CLICK_ERRORS = (__import__("click").exceptions.ClickException,) + tuple(
+    c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     except (typer.Abort, KeyboardInterrupt):
         sys.stderr.write("ckpt: aborted\n")
         sys.exit(130)
-    except __import__("click").exceptions.ClickException as e:
+    except _CLICK_ERRORS as e:
         e.show()
         sys.exit(2)
     if isinstance(rc, int) and rc:

@@ -78,6 +78,13 @@ def lr_factor(step: int) -> float:
     return 0.8 ** (step - WARMUP_STEPS + 1)
 
 
+def adamw_with_lambdalr(groups: list[dict[str, Any]]) -> tuple[torch.optim.Optimizer, Any]:
+    """The torch AdamW + LambdaLR(`lr_factor`) pair of the samples that pass a torch scheduler to DeepSpeed
+    (the ds_config then has no optimizer). `ckpt resume` rebuilds exactly this pair to resume them."""
+    optimizer = torch.optim.AdamW(groups, lr=PEAK_LR, betas=BETAS, eps=1e-8)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+
+
 def tokens_for_step(step: int, dp_rank: int) -> torch.Tensor:
     cfg = GPTConfig()
     return batch_for_step(step, batch_size=MICRO_BATCH, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size,

@@ -1,0 +1,148 @@
+"""`ckpt resume CKPT --steps N`: train a few real steps from a checkpoint and say whether the run continued.
+
+Exit codes: 0 every check passed (or was not available), 1 a check failed, 2 unusable input.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ckpt_tools.errors import CkptError
+from ckpt_tools.ops import resume as ops
+
+from . import output
+
+
+def resume_cmd(
+    path: str = typer.Argument(..., help="DeepSpeed checkpoint folder (with `latest`), tag folder, or universal"),
+    steps: int = typer.Option(10, "--steps", "-n", help="optimizer steps to train after loading"),
+    nproc: Optional[int] = typer.Option(None, "--nproc", help="processes (default: the checkpoint's DP x TP x PP; "
+                                        "with --universal on CUDA, every visible GPU)"),
+    device: str = typer.Option("auto", "--device", help="auto (CUDA/NCCL if a GPU is visible, else CPU/gloo), "
+                               "cuda or cpu"),
+    universal: bool = typer.Option(False, "--universal", help="load through a DeepSpeed universal checkpoint "
+                                   "(converted into a scratch folder first unless CKPT already is one)"),
+    tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel size to resume at (implies --universal)"),
+    pp: Optional[int] = typer.Option(None, "--pp", help="pipeline-parallel size to resume at (implies --universal)"),
+    model: str = typer.Option("auto", "--model", help="auto, tiny-gpt, megatron-gpt or module:function "
+                              "(a factory returning ckpt_tools.train.resume_worker.TrainSetup)"),
+    data: Optional[str] = typer.Option(None, "--data", help="token file (.bin uint16 or .npy) instead of the "
+                                       "deterministic synthetic batches"),
+    config: Optional[Path] = typer.Option(None, "--config", help="JSON merged over the checkpoint's ds_config"),
+    reference: Optional[Path] = typer.Option(None, "--reference", help="JSON of the uninterrupted run "
+                                             "(--record-reference output or a sample manifest)"),
+    record_reference: Optional[Path] = typer.Option(None, "--record-reference", help="write this run's "
+                                                    "per-step records as a reference JSON"),
+    loss_tol: float = typer.Option(1e-3, "--loss-tol", help="max |loss - reference loss| per step"),
+    jump_tol: float = typer.Option(0.1, "--jump-tol", help="without --reference: allowed relative rise of the "
+                                   "first loss over a loss saved in the client state"),
+    work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="keep scratch files (universal conversion, "
+                                            "worker plan) here instead of a temporary folder"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of loss and LR per step (needs matplotlib)"),
+    json_out: bool = typer.Option(False, "--json", help="machine-readable result"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="verdict only"),
+) -> None:
+    """Load CKPT into a real DeepSpeed engine, train N steps, and check counters, LR and loss continue."""
+    if plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise CkptError("--plot needs matplotlib, which is not installed", hint="pip install matplotlib") from None
+    override = None
+    if config is not None:
+        try:
+            override = json.loads(config.read_text())
+        except (OSError, ValueError) as e:
+            raise CkptError(f"cannot read the config: {e}", path=config) from None
+    ref = ops.load_reference(reference) if reference else None
+    plan = ops.plan_resume(path, steps=steps, nproc=nproc, device=device, universal=universal, tp=tp, pp=pp,
+                           model=model, config=override, data=data)
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=steps, desc="resume", unit="step", disable=json_out or quiet, leave=False)
+
+    def on_event(ev: dict) -> None:
+        if ev["event"] == "converting":
+            bar.set_description("converting to universal")
+        elif ev["event"] == "loaded":
+            bar.set_description(f"resume from step {ev['global_step']}")
+        elif ev["event"] == "step":
+            bar.update(1)
+            bar.set_postfix(step=ev["step"], loss=f"{ev['loss']:.4f}", lr=f"{ev['lr'][0]:.3g}")
+
+    try:
+        result = ops.run_resume(plan, on_event=on_event, reference=ref, loss_tol=loss_tol, jump_tol=jump_tol,
+                                work_dir=work_dir)
+    finally:
+        bar.close()
+    if record_reference is not None:
+        record_reference.write_text(json.dumps(ops.reference_doc(result), indent=1) + "\n")
+    if plot is not None:
+        _plot(result, plot, ref)
+    if json_out:
+        output.print_json(result.to_dict())
+    else:
+        _render(result, quiet)
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+def _render(result: ops.ResumeResult, quiet: bool) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    con = output.console()
+    p = result.plan
+    s = p.saved
+    f = output.fmt_value
+    if not quiet:
+        con.print(f"[bold]{escape(p.path)}[/]  {s.format}  saved at global_step={f(s.global_step)} "
+                  f"adam_step={f(s.optimizer_step)}  dp={s.dp} tp={s.tp} pp={s.pp}")
+        con.print(f"resumed on {p.nproc} {p.device} process(es): dp={p.dp} tp={p.tp} pp={p.pp}  model={p.model}"
+                  f"{'  universal' if p.universal else ''}  micro_batch={p.micro_batch} accumulation={p.gas}")
+        for note in p.notes:
+            con.print(f"  [yellow]note[/]: {escape(note)}")
+        t = Table(show_edge=False)
+        for col in ("step", "loss", "lr", "grad norm", "adam step", "tokens/s"):
+            t.add_column(col, justify="right")
+        for r in result.records:
+            t.add_row(str(r.step), f"{r.loss:.6f}", f(list(r.lr)), f"{r.grad_norm:.4g}" if r.grad_norm else "—",
+                      f(r.optimizer_step), f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "—")
+        con.print(t)
+    v = Table(show_edge=False, title="verdict")
+    v.add_column("check")
+    v.add_column("result")
+    v.add_column("detail")
+    style = {"pass": "[green]pass[/]", "fail": "[red]FAIL[/]", "n/a": "[dim]n/a[/]"}
+    for c in result.checks:
+        v.add_row(c.name, style[c.status], escape(c.detail))
+    con.print(v)
+
+
+def _plot(result: ops.ResumeResult, path: Path, ref: dict[int, float] | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r.step for r in result.records]
+    fig, (a, b) = plt.subplots(2, 1, sharex=True, figsize=(6, 5))
+    a.plot(steps, [r.loss for r in result.records], "o-", label="resumed")
+    if ref:
+        rs = sorted(ref)
+        a.plot(rs, [ref[k] for k in rs], "x--", label="reference")
+    a.axvline(result.plan.saved.global_step or 0, color="grey", lw=0.8)
+    a.set_ylabel("loss")
+    a.legend()
+    b.plot(steps, [r.lr[0] for r in result.records], "o-")
+    b.set_ylabel("lr (group 0)")
+    b.set_xlabel("global step")
+    fig.savefig(path, dpi=100)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("resume")(resume_cmd)
