@@ -79,8 +79,9 @@ def lr_factor(step: int) -> float:
 
 
 def adamw_with_lambdalr(groups: list[dict[str, Any]]) -> tuple[torch.optim.Optimizer, Any]:
-    """The torch AdamW + LambdaLR(`lr_factor`) pair of the samples that pass a torch scheduler to DeepSpeed
-    (the ds_config then has no optimizer). `ckpt resume` rebuilds exactly this pair to resume them."""
+    """The torch AdamW + LambdaLR(`lr_factor`) pair every sample with a torch scheduler uses (DeepSpeed with a
+    torch scheduler, FSDP, Accelerate, plain). `lr_factor` is a plain function, so the scheduler's state dict
+    stores None for it and the checkpoint stays plain data. `ckpt resume` rebuilds exactly this pair."""
     optimizer = torch.optim.AdamW(groups, lr=PEAK_LR, betas=BETAS, eps=1e-8)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
 
 from ckpt_tools.train.workers import _common as c
 
@@ -82,8 +81,7 @@ def main() -> None:
     rank = accelerator.process_index
 
     model = c.build_model()
-    optimizer = torch.optim.AdamW(c.param_groups(model), lr=c.PEAK_LR, betas=c.BETAS, eps=1e-8)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, c.lr_factor)
+    optimizer, scheduler = c.adamw_with_lambdalr(c.param_groups(model))
     progress = TrainProgress()
     accelerator.register_for_checkpointing(progress)
     wrapped, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import deepspeed
-import torch
 
 from ckpt_tools.train.workers import _common as c
 
@@ -76,8 +75,7 @@ def main() -> None:
     groups = c.param_groups(model)
     optimizer = scheduler = None
     if v.scheduler == "lambdalr":
-        optimizer = torch.optim.AdamW(groups, lr=c.PEAK_LR, betas=c.BETAS, eps=1e-8)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, c.lr_factor)
+        optimizer, scheduler = c.adamw_with_lambdalr(groups)
     # DeepSpeed may fill in defaults in the dict it is given; the manifest keeps what we asked for.
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, optimizer=optimizer,
                                            lr_scheduler=scheduler, config=copy.deepcopy(cfg))

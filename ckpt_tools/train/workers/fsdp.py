@@ -24,12 +24,6 @@ FSDP1_FILE_PATTERN = "rank{rank}.pt"
 Saver = Callable[[], dict[str, Any]]
 
 
-def _optimizer(groups: list[dict[str, Any]]) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    optimizer = torch.optim.AdamW(groups, lr=c.PEAK_LR, betas=c.BETAS, eps=1e-8)
-    # c.lr_factor is a plain function, so LambdaLR.state_dict() stores None for it: the checkpoint is plain data.
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, c.lr_factor)
-
-
 def fsdp2_dcp(model: TinyGPT, path: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, Saver]:
     """FSDP2 (`fully_shard` per block, then the root) saved with `torch.distributed.checkpoint.save`.
 
@@ -47,7 +41,7 @@ def fsdp2_dcp(model: TinyGPT, path: Path) -> tuple[torch.nn.Module, torch.optim.
     fully_shard(model, mesh=mesh)
     # fully_shard swaps every parameter for a DTensor one, so the groups are built from the sharded model
     # (DTensor parameters keep their global shape, which is what the grouping looks at).
-    optimizer, scheduler = _optimizer(c.param_groups(model))
+    optimizer, scheduler = c.adamw_with_lambdalr(c.param_groups(model))
 
     def save() -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -72,7 +66,7 @@ def fsdp1_sharded(model: TinyGPT, path: Path) -> tuple[torch.nn.Module, torch.op
     groups = c.param_groups(model)
     wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
                    use_orig_params=True)
-    optimizer, scheduler = _optimizer(groups)
+    optimizer, scheduler = c.adamw_with_lambdalr(groups)
 
     def save() -> dict[str, Any]:
         with FSDP.state_dict_type(wrapped, StateDictType.SHARDED_STATE_DICT):

@@ -67,8 +67,7 @@ def save_sharded(folder: Path, model: torch.nn.Module) -> None:
 def main() -> None:
     args = c.parse_args()
     model = c.build_model()
-    optimizer = torch.optim.AdamW(c.param_groups(model), lr=c.PEAK_LR, betas=c.BETAS, eps=1e-8)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, c.lr_factor)
+    optimizer, scheduler = c.adamw_with_lambdalr(c.param_groups(model))
     savers: dict[str, tuple[str, str, Callable[[Path, int], None]]] = {
         "plain": ("plain.pt", "torch_file", lambda p, s: save_plain(p, model, optimizer, scheduler, s)),
         "safetensors_single": ("model.safetensors", "safetensors", lambda p, s: save_single(p, model)),
