@@ -19,10 +19,12 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
 from . import inspect as _inspect  # noqa: E402
 from . import resume as _resume  # noqa: E402
 from . import samples as _samples  # noqa: E402
+from . import to_universal as _to_universal  # noqa: E402
 from . import tp_sync as _tp_sync  # noqa: E402
 
 _inspect.register(app)
 _samples.register(app)
+_to_universal.register(app)
 _tp_sync.register(app)
 _resume.register(app)
 

@@ -1,0 +1,647 @@
+"""`ckpt to-universal`: DeepSpeed ZeRO / Megatron pipeline / Accelerate checkpoints -> DeepSpeed universal.
+
+What DeepSpeed's `load_universal` reads (deepspeed 0.19: `runtime/base_optimizer.py`,
+`checkpoint/universal_checkpoint.py`, `runtime/zero/stage3.py`, `runtime/engine.py`), and so what we write:
+
+    OUT/latest_universal                      the tag name
+    OUT/<tag>_universal/mp_rank_MM_model_states.pt              ZeRO-1/2 loaders glob these (counters, scheduler)
+    OUT/<tag>_universal/zero_pp_rank_0_mp_rank_MM_model_states.pt  ZeRO-3 loaders glob these instead
+    OUT/<tag>_universal/zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt  {"param": full tensor, "cat_dim": d, ...}
+    OUT/<tag>_universal/zero/<param>/step.pt                    Adam's step (ZeRO-1/2 loaders take it from here)
+    OUT/<tag>_universal/zero/optimizer_state.pt                 param_groups + loss-scaler fields (1/2), and
+                                                                 optimizer_state_dict.{state[g].step,param_groups} (3)
+
+DeepSpeed's own converter writes only one stage's half of this (ZeRO-3 input: bare flat tensors, no step.pt,
+no mp_rank_* file a ZeRO-1/2 loader globs; ZeRO-1/2 input: no zero_pp_rank_0 file, no nested
+optimizer_state_dict), which is why its output cannot change ZeRO stage. Both halves are small.
+
+How: the source is opened as a lazy tree (`Checkpoint`); each parameter's fp32 master / exp_avg /
+exp_avg_sq is a TensorNode whose `pieces` locate its elements inside the flat ZeRO partitions of every DP
+rank (and whose `shards` are its TP ranks). A worker reads those pieces straight into one output buffer
+with `os.preadv` (a read-only mmap would do the same, but every page it touches counts into the process's
+RSS until unmapped; pread copies from the page cache into the buffer and leaves nothing behind), merges TP
+shards by the rule `tp_layout` gives, and `torch.save`s the file once. No fragment files, no second pass.
+The folder is built under `io.new_folder`'s staging name and renamed into place when complete and verified.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from ..errors import CkptError, UnsupportedCheckpoint
+from ..tp_layout import SOURCE_INFO, Rule, TPLayout, merge_shards
+from ..tree import Checkpoint, GroupNode, TensorNode, ValueNode
+
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+OPTIM_SHARDED_KEYS = ("base_optimizer_state", "single_partition_of_fp32_groups", "param_slice_mappings",
+                      "fp32_flat_groups", "optimizer_state_dict")
+VOCAB_TENSOR = "vocab_tensor"  # deepspeed.checkpoint.constants.VOCAB_TENSOR
+PARAM_N_SUB_PARAMS = "param_n_sub_params"
+
+_TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float64": "float64"}
+
+
+class ReplicasDisagree(CkptError):
+    """TP-replicated parameters differ across TP ranks: averaging or picking one is a decision for the user."""
+
+
+# --- the plan -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParamJob:
+    """One parameter's output: where each state's elements are, and how its TP shards merge."""
+
+    name: str
+    shape: tuple[int, ...]  # the logical (merged, vocabulary padding stripped) shape
+    param_group: int
+    states: dict[str, TensorNode] = field(repr=False)  # state -> node (with pieces, or with TP shards)
+    merge: str = "whole"  # "whole" (TP=1), "replicated", "average", "cat:<d>", "cat_sub:<d>"
+    rule: Rule | None = field(default=None, repr=False)
+    how: str = ""  # why this merge (rule source + pattern), for --dry-run
+    extra: dict[str, Any] = field(default_factory=dict)  # cat_dim, vocab_tensor, param_n_sub_params
+    module_only: bool = False  # a module tensor with no optimizer state (DeepSpeed writes fp32.pt for it too)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(4 * math.prod(self.shape) for _ in self.states)
+
+
+@dataclass(frozen=True)
+class UniversalPlan:
+    """Everything `execute` will write, decided (and every refusal raised) before any byte is written."""
+
+    source: Path
+    source_format: str
+    tag_dir: Path
+    tag: str
+    out: Path
+    topology: dict[str, Any]
+    params: tuple[ParamJob, ...]
+    model_files: tuple[Path, ...]  # model-states files copied into the tag folder
+    z3_aliases: tuple[tuple[str, str], ...]  # (name to write, copied file it duplicates) for ZeRO-3 loaders
+    optim_file: Path  # pp0/tp0/dp0 optimizer file: param groups, loss scaler, step
+    ds_version: Any
+    layout: str
+    notes: tuple[str, ...] = ()
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def out_tag(self) -> str:
+        return f"{self.tag}_universal"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(j.nbytes for j in self.params) + sum(p.stat().st_size for p in self.model_files)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": str(self.source), "format": self.source_format, "tag": self.tag, "out": str(self.out),
+            "out_tag": self.out_tag, "topology": self.topology, "tp_layout": self.layout,
+            "bytes": self.nbytes, "files": 2 + len(self.model_files) + len(self.z3_aliases) + sum(
+                len(j.states) + (0 if j.module_only else 1) for j in self.params),
+            "model_files": [p.name for p in self.model_files] + [a for a, _ in self.z3_aliases],
+            "params": [{"name": j.name, "shape": list(j.shape), "merge": j.merge, "how": j.how,
+                        "states": list(j.states), "bytes": j.nbytes} for j in self.params],
+            "notes": list(self.notes),
+        }
+
+
+def _open_source(path: Path, patterns: Sequence[str]) -> tuple[Checkpoint, Path, str]:
+    """(checkpoint, tag folder, kind) for the inputs we convert."""
+    from ..formats import _common as C
+    from ..formats import deepspeed as D
+    from ..formats import detect
+    from ..formats import megatron_pipeline as M
+
+    mod = detect(path)
+    name = mod.__name__.rsplit(".", 1)[-1]
+    if name == "megatron_pipeline":
+        ck = M.open(path, tp_patterns=tuple(patterns))
+        _, tag_dir, _ = C.resolve_tag(path, M.MARKER)
+        return ck, tag_dir, "pipeline"
+    if name in ("deepspeed", "accelerate"):
+        # Accelerate + DeepSpeed: `pytorch_model/` is a plain DeepSpeed tag folder named by `latest`
+        try:
+            _, tag_dir, _ = C.resolve_tag(path, "*mp_rank_*_model_states.pt")
+        except CkptError:
+            raise UnsupportedCheckpoint("no DeepSpeed tag folder inside", path=path,
+                                        hint="to-universal converts DeepSpeed ZeRO, Megatron-DeepSpeed pipeline "
+                                             "and Accelerate+DeepSpeed checkpoints") from None
+        ck = D.open(tag_dir)
+        return ck, tag_dir, "zero"
+    raise UnsupportedCheckpoint(f"to-universal does not convert {name} checkpoints", path=path,
+                                hint="it converts DeepSpeed ZeRO, Megatron-DeepSpeed pipeline and "
+                                     "Accelerate+DeepSpeed checkpoints; `ckpt export` writes plain weights")
+
+
+def _layout_for(info: Any, tp: int, tp_layout: str | None, patterns: Sequence[str], swiglu: bool) -> TPLayout | None:
+    """The merge rules, in the order the issue asks: user patterns, the checkpoint's own info, the named
+    preset. None at TP=1 (nothing to merge)."""
+    if tp <= 1:
+        return None
+    if tp_layout not in (None, "megatron"):
+        raise ValueError(f"--tp-layout {tp_layout!r}: the only preset is 'megatron'")
+    base = None
+    if isinstance(info, dict) and info:
+        base = TPLayout.from_checkpoint_info(info)
+    elif tp_layout == "megatron":
+        base = TPLayout.megatron_preset(swiglu=swiglu)
+    user = TPLayout.from_user_patterns(patterns) if patterns else None
+    if user and base:
+        return user.then(base)
+    return user or base
+
+
+def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_layout: str | None = None,
+                      patterns: Sequence[str] = (), tp_replicated: str | None = None,
+                      target_stage: int | None = None) -> UniversalPlan:
+    """Decide every output file. Reads metadata, plus the bytes of TP-replicated parameters (to check that
+    the TP ranks agree). Raises a CkptError naming the fix when the conversion would be a guess."""
+    if tp_replicated not in (None, "average", "rank0"):
+        raise ValueError(f"--tp-replicated {tp_replicated!r}: use average or rank0")
+    if target_stage not in (None, 1, 2, 3):
+        raise ValueError(f"--target-stage {target_stage!r}: use 1, 2 or 3")
+    src = Path(source)
+    ck, tag_dir, kind = _open_source(src, ())
+    from ..formats import deepspeed as D
+
+    ranks = D.list_rank_files(tag_dir)
+    tp, pp, dp = ck.topology.tp or 1, ck.topology.pp or 1, ck.topology.dp or 1
+    if kind == "zero" and tp > 1:
+        raise UnsupportedCheckpoint(f"a ZeRO checkpoint with mp_world_size={tp} (AutoTP) is not supported yet",
+                                    path=tag_dir, hint="convert it with DeepSpeed's ds_to_universal")
+    first = ranks[min(ranks)]
+    if not first.optim:
+        raise UnsupportedCheckpoint("no optimizer files (*_optim_states.pt): nothing to convert", path=tag_dir,
+                                    hint="a universal checkpoint is built from the ZeRO optimizer state")
+    optim_file = first.optim[min(first.optim)]
+    ms0 = ck.get("universal_checkpoint_info") if "universal_checkpoint_info" in ck.tree.children else None
+    info = _raw_info(tag_dir, ranks) if ms0 is not None else None
+    swiglu = False
+    layout = _layout_for(info, tp, tp_layout, patterns, swiglu)
+    notes: list[str] = []
+    if tp > 1 and layout is None:
+        raise UnsupportedCheckpoint(
+            f"tensor-parallel checkpoint (tp={tp}) without universal_checkpoint_info: which parameters are "
+            "replicated and which are split (and on which dim) is not recorded", path=tag_dir,
+            hint="pass --tp-layout megatron for Megatron-style names, or --pattern REGEX=MERGE for each kind; "
+                 "DeepSpeed's --inject_missing_state would concatenate every tensor on dim 0")
+    layout_name = "tp=1 (nothing to merge)" if layout is None else " > ".join(layout.sources)
+
+    state = ck.optimizer.children.get("state", GroupNode()).children
+    jobs: list[ParamJob] = []
+    unknown: list[str] = []
+    for name, entry in state.items():
+        kids = entry.children
+        nodes = {k: kids[k] for k in STATES if isinstance(kids.get(k), TensorNode)}
+        if set(nodes) != set(STATES):
+            raise UnsupportedCheckpoint(f"parameter {name} lacks {sorted(set(STATES) - set(nodes))}", path=tag_dir,
+                                        hint="only Adam-style optimizer state (exp_avg, exp_avg_sq) converts")
+        group = int(kids["param_group"].value) if isinstance(kids.get("param_group"), ValueNode) else 0
+        fp32 = nodes["fp32"]
+        if layout is None:
+            jobs.append(ParamJob(name, fp32.shape, group, nodes, "whole", None, "tp=1", {"cat_dim": 0}))
+            continue
+        shard_shape = fp32.shards[0].shape if fp32.shards else fp32.shape
+        rule = layout.rule(name)
+        if rule.merge is None:
+            unknown.append(name)
+            continue
+        merge = rule.merge
+        extra: dict[str, Any] = {}
+        shape = list(shard_shape)
+        if merge.startswith(("cat:", "cat_sub:")):
+            d = rule.cat_dim
+            shape[d] *= tp
+            extra["cat_dim"] = d
+            if merge.startswith("cat_sub:"):
+                extra[PARAM_N_SUB_PARAMS] = rule.sub_params or 2
+        if rule.vocab_size and merge.startswith("cat:") and shape[0] >= rule.vocab_size:
+            shape[0] = rule.vocab_size
+            extra[VOCAB_TENSOR] = True
+        jobs.append(ParamJob(name, tuple(shape), group, nodes, merge, rule, rule.describe(), extra))
+    if unknown:
+        raise UnsupportedCheckpoint(
+            f"no TP merge rule for {len(unknown)} parameters ({', '.join(unknown[:6])}"
+            f"{', ...' if len(unknown) > 6 else ''}) under {layout_name}", path=tag_dir,
+            hint="add --pattern REGEX=MERGE (replicated, average, cat:0, cat:1) for them, or --tp-layout megatron")
+
+    # module tensors without optimizer state: DeepSpeed writes {"param": weight.float()} as fp32.pt for them
+    if kind == "zero":
+        for name, node in ck.model.children.items():
+            if name not in state and isinstance(node, TensorNode) and node.numel > 0:
+                jobs.append(ParamJob(name, node.shape, -1, {"fp32": node}, "whole", None, "module weight (no "
+                                     "optimizer state)", {}, module_only=True))
+
+    jobs = _check_replicas(jobs, tp_replicated, tag_dir, notes)
+
+    model_files = tuple(sorted(rf.model_states for rf in ranks.values() if rf.model_states))
+    if kind == "zero" and ck.topology.zero_stage == 3:
+        model_files = tuple(sorted([*model_files, *(p for rf in ranks.values() for p in rf.z3_model.values())]))
+    names = {p.name for p in model_files}
+    aliases = []
+    for rf in sorted(ranks.values(), key=lambda r: r.mp_rank):
+        # ZeRO-1/2 loaders glob mp_rank_MM_model_states.pt, ZeRO-3 loaders zero_pp_rank_0_mp_rank_MM_...;
+        # a source of either stage has only its own name: the other is the same file under a second name
+        plain, z3 = f"mp_rank_{rf.mp_rank:02d}_model_states.pt", f"zero_pp_rank_0_mp_rank_{rf.mp_rank:02d}_model_states.pt"
+        have = rf.model_states.name if rf.model_states else (rf.z3_model[min(rf.z3_model)].name if rf.z3_model else None)
+        if have is None:
+            raise UnsupportedCheckpoint(f"mp_rank {rf.mp_rank:02d} has no model-states file", path=tag_dir)
+        if target_stage in (None, 3) and z3 not in names:
+            aliases.append((z3, have))
+        if target_stage in (None, 1, 2) and plain not in names:
+            aliases.append((plain, have))
+    ds_version = ck.details.get("ds_version")
+    topo = {"dp": dp, "tp": tp, "pp": pp, "zero_stage": ck.topology.zero_stage}
+    if kind == "pipeline" and tp > 1:
+        notes.append(f"TP shards merged by {layout_name}; the loader splits them again for any TP size")
+    return UniversalPlan(src, ck.format, tag_dir, tag_dir.name, Path(out), topo, tuple(jobs), model_files,
+                         tuple(aliases), optim_file, ds_version, layout_name, tuple(notes),
+                         {"tp_layout": tp_layout, "patterns": list(patterns), "tp_replicated": tp_replicated,
+                          "target_stage": target_stage})
+
+
+_MS_RE = re.compile(r"^mp_rank_\d+_model_states\.pt$")
+
+
+def _raw_info(tag_dir: Path, ranks) -> Any:
+    """The universal_checkpoint_info dict of mp_rank 00 as plain Python (our reader keeps it as nodes)."""
+    from ..formats import _common as C
+
+    ms = C.LoadCache(tag_dir).load(ranks[min(ranks)].model_states).obj
+    return ms.get("universal_checkpoint_info") if isinstance(ms, dict) else None
+
+
+# --- replicas ------------------------------------------------------------------------------------------
+
+
+def replica_differences(node: TensorNode) -> float | None:
+    """Max |shard_t - shard_0| over the TP shards of a replicated tensor; None when all are bit-identical.
+    The comparison is `ops.tp_sync.compare_shards` (the one `ckpt sync-tp` reports with)."""
+    from .tp_sync import compare_shards
+
+    if len(node.shards) < 2:
+        return None
+    diff = compare_shards([read_tensor(s) for s in node.shards], "fp32", 0.0, 0.0)
+    return None if diff.bit_exact else diff.max_abs_diff
+
+
+def _check_replicas(jobs: list[ParamJob], policy: str | None, where: Path, notes: list[str]) -> list[ParamJob]:
+    bad: list[tuple[str, str, float]] = []
+    for j in jobs:
+        if j.merge != "replicated":
+            continue
+        for key, node in j.states.items():
+            d = replica_differences(node)
+            if d is not None:
+                bad.append((j.name, key, d))
+    if not bad:
+        return jobs
+    names = sorted({n for n, _, _ in bad})
+    shown = ", ".join(f"{n}.{k} (max |diff| {d:.3g})" for n, k, d in bad[:6])
+    if policy is None:
+        raise ReplicasDisagree(
+            f"{len(names)} TP-replicated parameters differ across TP ranks: {shown}{', ...' if len(bad) > 6 else ''}",
+            path=where, hint="the replicas drifted apart during training; pass --tp-replicated average or "
+                             "--tp-replicated rank0 to choose (or repair them first with `ckpt sync-tp`)")
+    notes.append(f"{len(names)} drifted TP replicas resolved by --tp-replicated {policy}: {', '.join(names[:6])}"
+                 + (", ..." if len(names) > 6 else ""))
+    if policy == "rank0":
+        return jobs
+    return [replace(j, merge="average", how=j.how + "; drifted: averaged (--tp-replicated average)")
+            if j.name in names else j for j in jobs]
+
+
+# --- reading --------------------------------------------------------------------------------------------
+
+
+class _Fds:
+    """One read-only fd per source file, shared by the worker threads (pread has no file position)."""
+
+    def __init__(self):
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def get(self, path: str) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(path)
+                if fd is None:
+                    fd = os.open(path, os.O_RDONLY)
+                    self._fds[path] = fd
+        return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+_FDS = _Fds()
+
+
+def read_tensor(node: TensorNode, fds: _Fds | None = None):
+    """The logical tensor of a node without TP shards, its pieces preadv'd into one buffer."""
+    import torch
+
+    from ..pickle_reader import DTYPE_SIZE
+
+    if node.shards:
+        raise ValueError("read the shards one by one")
+    fds = fds or _FDS
+    out = torch.empty(node.numel, dtype=getattr(torch, _TORCH_DTYPES.get(node.dtype, node.dtype)))
+    raw = out.view(torch.uint8).numpy() if node.numel else None
+    for p in node.pieces:
+        ref = p.ref
+        esize = DTYPE_SIZE[ref.dtype]
+        src = ref.storage.source if ref.storage is not None else None
+        if src is None or not ref.is_contiguous or not hasattr(src, "storage_offset") or ref.dtype != node.dtype:
+            out[p.dst_offset: p.dst_offset + p.numel] = ref.read_torch(p.src_offset, p.numel).view(-1).to(out.dtype)
+            continue
+        try:
+            base = src.storage_offset(ref.storage)
+        except NotImplementedError:
+            out[p.dst_offset: p.dst_offset + p.numel] = ref.read_torch(p.src_offset, p.numel).view(-1)
+            continue
+        offset = base + (ref.storage_offset + p.src_offset) * esize
+        view = memoryview(raw)[p.dst_offset * esize: (p.dst_offset + p.numel) * esize]
+        fd = fds.get(src.path)
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise CkptError("file ended inside a tensor", path=src.path, hint="the file is truncated; re-copy it")
+            done += n
+    return out.view(node.shape)
+
+
+def _merged_read(node: TensorNode, fds: _Fds | None = None):
+    """A node's logical tensor, TP shards merged by the reader's rule (`node.merge`)."""
+    if not node.shards:
+        return read_tensor(node, fds)
+    parts = [read_tensor(s, fds) for s in node.shards]
+    if node.merge in (None, "unknown"):
+        raise ValueError("unknown TP merge rule")
+    return merge_shards(node.merge, parts)
+
+
+def _merged_state(job: ParamJob, key: str, fds: _Fds):
+    import torch
+
+    node = job.states[key]
+    if not node.shards:
+        t = read_tensor(node, fds)
+    else:
+        parts = [read_tensor(s, fds) for s in node.shards]
+        if job.merge == "replicated":
+            t = parts[0]
+        elif job.merge == "average":
+            t = sum(parts) / len(parts)
+        else:
+            t = merge_shards(job.rule, parts)
+        del parts
+    if job.extra.get(VOCAB_TENSOR):
+        t = t[: job.shape[0]]
+    if t.dtype != torch.float32 and job.module_only:
+        t = t.float()
+    return t.contiguous()
+
+
+# --- writing --------------------------------------------------------------------------------------------
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(obj, path)
+
+
+def _steps_and_globals(plan: UniversalPlan) -> tuple[dict[int, Any], dict[str, Any]]:
+    """(step per param group, optimizer_state.pt) from the pp0/tp0/dp0 optimizer file, loaded with
+    mmap=True (the flat partitions in it are never touched, only the small fields are kept) and with
+    torch's weights_only unpickler plus the DeepSpeed allowlist: nothing else in the pickle can run."""
+    import torch
+
+    from .. import safe_load
+
+    sd = safe_load.load(plan.optim_file, mmap=True)
+    osd = sd["optimizer_state_dict"]
+    inner = osd.get("optimizer_state_dict") if "fp32_flat_groups" in osd else osd.get("base_optimizer_state")
+    inner = inner or {}
+    groups = inner.get("param_groups") or []
+    steps = {}
+    for g, st in (inner.get("state") or {}).items():
+        if isinstance(st, dict) and "step" in st:
+            s = st["step"]
+            steps[int(g)] = s.clone() if torch.is_tensor(s) else s
+    out = {k: v for k, v in osd.items() if k not in OPTIM_SHARDED_KEYS}
+    out["param_groups"] = groups
+    if plan.options.get("target_stage") in (None, 3):
+        # the ZeRO-3 loader reads optimizer_state_dict.state[0].step and .param_groups[0]
+        out["optimizer_state_dict"] = {"state": {g: {"step": s} for g, s in steps.items()}, "param_groups": groups}
+    if plan.ds_version and "ds_version" not in out:
+        out["ds_version"] = plan.ds_version  # ZeRO-3 files lack it; ZeRO-1/2 fp16/fp32 loaders assert it
+    return steps, out
+
+
+def _convert_one(job: ParamJob, zero_dir: Path, steps: dict[int, Any], fds: _Fds) -> int:
+    pdir = zero_dir / job.name
+    pdir.mkdir(parents=True, exist_ok=True)
+    written = 0
+    for key in job.states:
+        t = _merged_state(job, key, fds)
+        _torch_save({**job.extra, "param": t}, pdir / f"{key}.pt")
+        written += t.numel() * t.element_size()
+        del t
+    if not job.module_only and job.param_group in steps:
+        _torch_save(steps[job.param_group], pdir / "step.pt")
+    return written
+
+
+@dataclass(frozen=True)
+class UniversalResult:
+    """What `execute` did."""
+
+    out: Path
+    tag: str
+    params: int
+    bytes_written: int
+    files: int
+    problems: tuple[str, ...] = ()
+
+
+def convert_params(plan: UniversalPlan, tag_out: Path, indices: Iterable[int], *, workers: int = 1,
+                   progress: Callable[[int], None] | None = None, steps: dict[int, Any] | None = None) -> int:
+    """Write `zero/<param>/` for the jobs at `indices` into `tag_out`; returns the bytes written."""
+    if steps is None:
+        steps, _ = _steps_and_globals(plan)
+    zero_dir = tag_out / "zero"
+    zero_dir.mkdir(parents=True, exist_ok=True)
+    fds = _Fds()
+    jobs = [plan.params[i] for i in indices]
+    # biggest first: the pool finishes together instead of waiting on one huge tensor at the end
+    jobs.sort(key=lambda j: -math.prod(j.shape))
+    total = 0
+    try:
+        if workers <= 1:
+            for j in jobs:
+                n = _convert_one(j, zero_dir, steps, fds)
+                total += n
+                if progress:
+                    progress(n)
+        else:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                for n in pool.map(lambda j: _convert_one(j, zero_dir, steps, fds), jobs):
+                    total += n
+                    if progress:
+                        progress(n)
+    finally:
+        fds.close()
+    return total
+
+
+def _write_common(plan: UniversalPlan, root: Path, optimizer_state: dict[str, Any]) -> None:
+    """Everything but the per-parameter folders: model-states files, optimizer_state.pt, latest_universal."""
+    tag_out = root / plan.out_tag
+    tag_out.mkdir(parents=True, exist_ok=True)
+    for p in plan.model_files:
+        shutil.copyfile(p, tag_out / p.name)
+    for alias, target in plan.z3_aliases:
+        try:
+            os.link(tag_out / target, tag_out / alias)
+        except OSError:
+            shutil.copyfile(tag_out / target, tag_out / alias)
+    _torch_save(optimizer_state, tag_out / "zero" / "optimizer_state.pt")
+    (root / "latest_universal").write_text(plan.out_tag)
+
+
+def verify(plan: UniversalPlan, root: Path) -> list[str]:
+    """Re-read what was written (pickles only, no tensor bytes): every planned file is there, holds a
+    `param` of the planned shape, and the common files exist."""
+    from ..formats import _common as C
+    from ..pickle_reader import TensorRef
+
+    tag_out = root / plan.out_tag
+    cache = C.LoadCache(tag_out)
+    problems = []
+    for j in plan.params:
+        files = [*j.states] + ([] if j.module_only or j.param_group < 0 else ["step"])
+        for key in files:
+            f = tag_out / "zero" / j.name / f"{key}.pt"
+            if not f.is_file():
+                problems.append(f"{j.name}/{key}.pt: missing")
+                continue
+            if key == "step":
+                continue
+            obj = cache.load(f).obj
+            ref = obj.get("param") if isinstance(obj, dict) else None
+            if not isinstance(ref, TensorRef) or tuple(ref.shape) != tuple(j.shape):
+                problems.append(f"{j.name}/{key}.pt: expected shape {j.shape}, found {getattr(ref, 'shape', None)}")
+    for rel in ["zero/optimizer_state.pt", *(p.name for p in plan.model_files), *(a for a, _ in plan.z3_aliases)]:
+        if not (tag_out / rel).is_file():
+            problems.append(f"{rel}: missing")
+    if (root / "latest_universal").read_text() != plan.out_tag:
+        problems.append("latest_universal does not name the tag folder")
+    return problems
+
+
+def _stale_staging(out: Path) -> None:
+    """Remove staging folders of this OUT left by killed runs (their process is gone): a rerun starts over."""
+    out = out.resolve()
+    for d in out.parent.glob(f".ckpt-staging-{out.name}-*"):
+        pid = d.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def execute(plan: UniversalPlan, *, workers: int = 1, progress: Callable[[int], None] | None = None,
+            distributed: bool = False) -> UniversalResult:
+    """Write the planned universal checkpoint into `plan.out` (atomically), verify it, return a summary.
+
+    With `distributed`, every rank of the initialised torch.distributed group calls this: rank r converts
+    parameters r, r+W, r+2W, ... into rank 0's staging folder (the same filesystem), rank 0 writes the
+    common files, checks that every rank finished, verifies and renames. Output bytes do not depend on W.
+    """
+    from .. import io
+
+    rank, world = 0, 1
+    dist = None
+    if distributed:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise CkptError("--distributed needs torch.distributed: run it under torchrun",
+                            hint="torchrun --nproc_per_node N -m cli.main to-universal CKPT OUT --distributed")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    mine = [i for i in range(len(plan.params)) if i % world == rank]
+    steps, optimizer_state = _steps_and_globals(plan)
+    if world == 1:
+        _stale_staging(plan.out)
+        with io.new_folder(plan.out) as tmp:
+            n = convert_params(plan, tmp / plan.out_tag, mine, workers=workers, progress=progress, steps=steps)
+            _write_common(plan, tmp, optimizer_state)
+            problems = verify(plan, tmp)
+            if problems:
+                raise CkptError("verification of the written universal checkpoint failed: " + "; ".join(problems[:5]),
+                                path=plan.out, hint="nothing was written; please report this")
+        return UniversalResult(plan.out, plan.out_tag, len(plan.params), n, _count_files(plan.out))
+
+    # distributed: rank 0 owns the staging folder; the others write into it
+    import torch
+
+    box: list[Any] = [None]
+    ctx = None
+    if rank == 0:
+        _stale_staging(plan.out)
+        ctx = io.new_folder(plan.out)
+        try:
+            box[0] = str(ctx.__enter__())
+        except BaseException as e:  # out exists etc.: tell the others, then raise
+            box[0] = "!" + str(e)
+    dist.broadcast_object_list(box, src=0)
+    if box[0].startswith("!"):
+        raise CkptError(box[0][1:], path=plan.out)
+    tmp = Path(box[0])
+    ok, err, n = 1, None, 0
+    try:
+        n = convert_params(plan, tmp / plan.out_tag, mine, workers=workers, progress=progress, steps=steps)
+    except BaseException as e:  # noqa: BLE001  every rank must reach the all_reduce below
+        ok, err = 0, e
+    flag = torch.tensor([ok, n], dtype=torch.int64)
+    dist.all_reduce(flag[:1], op=dist.ReduceOp.MIN)
+    totals = torch.tensor([n], dtype=torch.int64)
+    dist.all_reduce(totals)
+    if rank != 0:
+        dist.barrier()  # rank 0 renames after this
+        if err is not None:
+            raise err
+        return UniversalResult(plan.out, plan.out_tag, len(mine), n, 0)
+    try:
+        if not int(flag[0]):
+            raise err or CkptError("another rank failed while converting", path=plan.out,
+                                   hint="nothing was written; see that rank's error")
+        _write_common(plan, tmp, optimizer_state)
+        problems = verify(plan, tmp)
+        if problems:
+            raise CkptError("verification failed: " + "; ".join(problems[:5]), path=plan.out)
+        ctx.__exit__(None, None, None)
+    except BaseException as e:
+        ctx.__exit__(type(e), e, e.__traceback__)
+        dist.barrier()
+        raise
+    dist.barrier()
+    return UniversalResult(plan.out, plan.out_tag, len(plan.params), int(totals[0]), _count_files(plan.out))
+
+
+def _count_files(root: Path) -> int:
+    return sum(len(f) for _, _, f in os.walk(root))

@@ -1,0 +1,38 @@
+"""`torch.load` for the few places that need real objects: `weights_only=True` plus an explicit allowlist.
+
+Reading for inspection never comes here (`pickle_reader` runs nothing). Where a real torch object tree
+is needed (e.g. copying a DeepSpeed optimizer file's small fields into a new file), this is the only way
+the project calls `torch.load`: torch's restricted unpickler, extended by name with the framework classes
+real checkpoints carry. A pickle naming anything else fails loudly instead of running it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from .errors import UnsupportedCheckpoint
+
+
+def allowlist() -> list[Any]:
+    """The framework classes real DeepSpeed/Megatron checkpoints pickle (see shared/FORMATS.md)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, argparse.Namespace]
+
+
+def load(path: str | os.PathLike, *, mmap: bool = True) -> Any:
+    """`torch.load(path, weights_only=True, mmap=mmap)` with `allowlist()` — tensors stay on disk with mmap."""
+    import pickle
+
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(allowlist()):
+            return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UnsupportedCheckpoint(f"refusing to load: the pickle names a class outside the allowlist ({first})",
+                                    path=path, hint="inspect it with `ckpt inspect` to see the unknown global") from e

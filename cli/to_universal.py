@@ -1,0 +1,135 @@
+"""`ckpt to-universal CKPT OUT` and `ckpt export CKPT OUT.safetensors`: thin wrappers over
+`ckpt_tools.ops.to_universal` / `ckpt_tools.ops.export` (plan -> dry-run table or execute -> summary)."""
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+import typer
+
+from . import output
+
+
+def _bar(total: int, disable: bool, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=disable, leave=False)
+
+
+def to_universal_cmd(
+    ckpt: str = typer.Argument(..., help="DeepSpeed ZeRO, Megatron-DeepSpeed pipeline or Accelerate+DeepSpeed "
+                                         "checkpoint (tag folder or its parent with `latest`)"),
+    out: str = typer.Argument(..., help="new folder: OUT/latest_universal + OUT/<tag>_universal/ (load it with "
+                                        "\"checkpoint\": {\"load_universal\": true})"),
+    workers: int = typer.Option(min(8, os.cpu_count() or 1), "--workers", "-w", help="parallel writer threads"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="show what would be written and how TP shards merge"),
+    tp_layout: Optional[str] = typer.Option(None, "--tp-layout", help="named TP merge preset when the checkpoint "
+                                                                      "has no universal_checkpoint_info: megatron"),
+    pattern: Optional[List[str]] = typer.Option(None, "--pattern", help="REGEX=MERGE (replicated, average, cat:0, "
+                                                                        "cat:1); asked before any other rule"),
+    tp_replicated: Optional[str] = typer.Option(None, "--tp-replicated", help="when TP replicas differ: average or "
+                                                                              "rank0 (default: stop)"),
+    target_stage: Optional[int] = typer.Option(None, "--target-stage", help="write only what this ZeRO stage's "
+                                                                            "loader reads (default: 1, 2 and 3)"),
+    distributed: bool = typer.Option(False, "--distributed", help="under torchrun: each rank converts a share "
+                                                                  "of the parameters (one shared filesystem)"),
+    json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
+) -> None:
+    """Convert to DeepSpeed's universal checkpoint: loads at any DP/TP/PP size and ZeRO stage."""
+    from ckpt_tools.ops import to_universal as ops
+
+    try:
+        plan = ops.plan_to_universal(ckpt, out, tp_layout=tp_layout, patterns=pattern or (),
+                                     tp_replicated=tp_replicated, target_stage=target_stage)
+    except ValueError as e:
+        raise typer.BadParameter(str(e))
+    if dry_run:
+        _show_plan(plan, json_out)
+        return
+    rank = 0
+    if distributed:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        rank = dist.get_rank()
+    with _bar(sum(j.nbytes for j in plan.params), json_out or rank != 0, "to-universal") as bar:
+        res = ops.execute(plan, workers=workers, progress=bar.update, distributed=distributed)
+    if rank != 0:
+        return
+    if json_out:
+        output.print_json({"out": str(res.out), "tag": res.tag, "params": res.params,
+                           "bytes_written": res.bytes_written, "files": res.files, "notes": list(plan.notes)})
+        return
+    con = output.console()
+    con.print(f"[green]wrote[/] {res.out}  (tag {res.tag}: {res.params} parameters, {res.files} files, "
+              f"{res.bytes_written:,} tensor bytes)")
+    for n in plan.notes:
+        con.print(f"  note: {n}")
+    con.print(f"  load it with {{\"checkpoint\": {{\"load_universal\": true}}}} and engine.load_checkpoint(\"{res.out}\")")
+
+
+def _show_plan(plan, json_out: bool) -> None:
+    doc = plan.to_json()
+    if json_out:
+        output.print_json(doc)
+        return
+    from rich.table import Table
+
+    con = output.console()
+    con.print(f"[bold]to-universal (dry run)[/] {plan.source} -> {plan.out}/{plan.out_tag}  "
+              f"({doc['files']} files, {doc['bytes']:,} bytes; TP layout: {plan.layout})")
+    t = Table(show_edge=False)
+    for col in ("parameter", "shape", "merge", "why", "bytes"):
+        t.add_column(col, justify="right" if col == "bytes" else "left")
+    for p in doc["params"]:
+        t.add_row(p["name"], "×".join(map(str, p["shape"])), p["merge"], p["how"], f"{p['bytes']:,}")
+    con.print(t)
+    con.print("copied: " + ", ".join(doc["model_files"]))
+    for n in plan.notes:
+        con.print(f"note: {n}")
+
+
+def export_cmd(
+    ckpt: str = typer.Argument(..., help="checkpoint to export"),
+    out: str = typer.Argument(..., help="OUT.safetensors (sharded: OUT-0000i-of-0000N.safetensors + index json)"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16, fp16 or fp32 (default: as stored)"),
+    max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="e.g. 5GB; default one file"),
+    source: str = typer.Option("fp32", "--source", help="fp32 (the fp32 master, like zero_to_fp32) or module"),
+    tp_layout: Optional[str] = typer.Option(None, "--tp-layout", help="megatron (TP checkpoints without info)"),
+    pattern: Optional[List[str]] = typer.Option(None, "--pattern", help="REGEX=MERGE TP merge overrides"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="show the files that would be written"),
+    json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
+) -> None:
+    """Write consolidated model weights as safetensors (loadable by safetensors.torch.load_file)."""
+    from ckpt_tools.ops import export as ops
+
+    try:
+        size = ops.parse_size(max_shard_size) if max_shard_size else None
+        plan = ops.plan_export(ckpt, out, dtype=dtype, max_shard_size=size, source_weights=source,
+                               tp_layout=tp_layout, patterns=pattern or ())
+    except ValueError as e:
+        raise typer.BadParameter(str(e))
+    if dry_run:
+        if json_out:
+            output.print_json(plan.to_json())
+        else:
+            con = output.console()
+            for f in plan.to_json()["files"]:
+                con.print(f"{f['path']}: {f['tensors']} tensors, {f['bytes']:,} bytes ({plan.weights_from})")
+        return
+    with _bar(plan.nbytes, json_out, "export") as bar:
+        res = ops.execute(plan, progress=bar.update)
+    doc = {"files": [str(f) for f in res.files], "index": str(res.index) if res.index else None,
+           "tensors": res.tensors, "bytes": res.bytes, "weights_from": plan.weights_from}
+    if json_out:
+        output.print_json(doc)
+    else:
+        output.console().print(f"[green]wrote[/] {', '.join(doc['files'])}"
+                               + (f" + {doc['index']}" if doc["index"] else "")
+                               + f"  ({res.tensors} tensors, {res.bytes:,} bytes, {plan.weights_from})")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("to-universal")(to_universal_cmd)
+    app.command("export")(export_cmd)
