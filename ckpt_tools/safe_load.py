@@ -14,8 +14,20 @@ from typing import Any
 from .errors import UnsupportedCheckpoint
 
 
+def import_deepspeed():
+    """Import deepspeed with its logger bound to stderr: it logs to stdout at import time (the accelerator
+    it picked), which would corrupt `--json` output. Its handler keeps whichever stream it saw first."""
+    import contextlib
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):
+        import deepspeed
+    return deepspeed
+
+
 def allowlist() -> list[Any]:
     """The framework classes real DeepSpeed/Megatron checkpoints pickle (see shared/FORMATS.md)."""
+    import_deepspeed()
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address

@@ -129,11 +129,10 @@ def test_pipeline_tp2_pp2_resumes_bitwise():
 
 @pytest.mark.slow
 def test_dp2_to_dp1_via_universal(tmp_path):
-    """DeepSpeed's converter makes the universal checkpoint; one process then accumulates both original DP
+    """`ckpt to-universal` makes the universal checkpoint; one process then accumulates both original DP
     ranks' micro-batches, so the global batch and the averaged gradient are the uninterrupted run's."""
-    tag_dir = sample("deepspeed", "zero2_bf16") / "global_step4"
     uni = tmp_path / "zero2_universal"
-    ops.deepspeed_to_universal(tag_dir, uni, inject_missing_state=True)  # the swappable converter
+    ckpt("to-universal", sample("deepspeed", "zero2_bf16"), uni)
     assert (uni / "latest_universal").read_text().strip() == "global_step4_universal"
     doc = json.loads(ckpt("resume", uni, "--steps", "2", "--nproc", "1", "--universal", "--reference",
                           f"{sample('deepspeed', 'zero2_bf16')}.manifest.json", "--loss-tol", RETOPOLOGY_LOSS_TOL,
@@ -147,7 +146,7 @@ def test_dp2_to_dp1_via_universal(tmp_path):
 
 @pytest.mark.slow
 def test_tp2_pp2_to_tp1_pp1_via_universal():
-    """`--tp 1 --pp 1` converts with DeepSpeed's ds_to_universal (strict, driven by the sample's
+    """`--tp 1 --pp 1` converts with `ckpt to-universal` (merges driven by the sample's
     universal_checkpoint_info) into a scratch folder and resumes the TP=1 x PP=1 pipeline model."""
     src = sample("megatron", "gpt_tp2_pp2")
     doc = json.loads(ckpt("resume", src, "--steps", "2", "--tp", "1", "--pp", "1", "--reference",

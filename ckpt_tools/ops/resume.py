@@ -289,11 +289,20 @@ def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None
 # --- universal conversion (swappable) ---------------------------------------------------------------
 
 
+def ckpt_to_universal(tag_dir: Path, out_dir: Path, inject_missing_state: bool) -> None:
+    """`ckpt to-universal` (the default converter): `tag_dir` -> `out_dir/<tag>_universal` +
+    `out_dir/latest_universal`. Plain ZeRO (TP=1) needs no injected state; TP merges follow the
+    checkpoint's universal_checkpoint_info, and disagreeing TP replicas stop the conversion."""
+    from .to_universal import execute, plan_to_universal
+
+    execute(plan_to_universal(tag_dir, out_dir))
+
+
 def deepspeed_to_universal(tag_dir: Path, out_dir: Path, inject_missing_state: bool) -> None:
-    """DeepSpeed's own `ds_to_universal`: `tag_dir` -> `out_dir/<tag>_universal` + `out_dir/latest_universal`.
+    """DeepSpeed's own `ds_to_universal`, kept to compare against: same output layout as `ckpt_to_universal`.
 
     `inject_missing_state` adds an empty universal_checkpoint_info: right at TP=1, wrong at TP>1
-    (`plan_resume` refuses that case). `ckpt to-universal` will replace this function.
+    (`plan_resume` refuses that case).
     """
     cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
            "--output_folder", str(out_dir / f"{tag_dir.name}_universal"), "--num_extract_workers", "2",
@@ -603,7 +612,7 @@ def verdict(plan: ResumePlan, setup: dict[str, Any], loaded: dict[str, Any], rec
 
 
 def run_resume(plan: ResumePlan, *, on_event: Callable[[dict], None] | None = None,
-               converter: Converter = deepspeed_to_universal, reference: dict[int, float] | None = None,
+               converter: Converter = ckpt_to_universal, reference: dict[int, float] | None = None,
                loss_tol: float = 1e-3, jump_tol: float = 0.1, work_dir: str | os.PathLike | None = None,
                timeout: float = 3600) -> ResumeResult:
     """Convert (if the plan says so), launch the training processes, and judge the records.
