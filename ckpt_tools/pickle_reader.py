@@ -23,7 +23,7 @@ import pickle
 import struct
 import threading
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from .errors import CorruptCheckpoint, NotACheckpoint
@@ -88,6 +88,8 @@ class StorageRef:
     numel: int
     location: str
     source: "Source" = field(repr=False, compare=False)
+    #: the storage global the persistent id named ("torch.FloatStorage"); pickle_writer re-emits it
+    storage_type: str = field(default="", repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -109,6 +111,10 @@ class TensorRef:
     # what a tensor subclass's pickle carried beside its metadata: for a ShardedTensor the tuple
     # (local shards, ShardedTensorMetadata, process-group state, sharding spec, init_rrefs)
     subclass_state: Any = field(default=None, repr=False, compare=False)
+    # the rebuild call the pickle made: (global dotted name, args). pickle_writer re-emits exactly this
+    # call (backward hooks, metadata, layout and device included), after checking it still yields this
+    # record; None for a TensorRef built by hand
+    pickled: Any = field(default=None, repr=False, compare=False)
 
     @property
     def numel(self) -> int:
@@ -187,7 +193,10 @@ class Opaque:
     """An object of a class this reader does not know (or will not run). Records what the pickle says.
 
     `cls` is the dotted name of the global; `args` the constructor/reduce arguments; `state` what BUILD
-    set; `items`/`list` what SETITEMS/APPENDS added (for dict/list subclasses).
+    set; `items`/`list` what SETITEMS/APPENDS added (for dict/list subclasses). `made_by` says which
+    opcode built it ("reduce": the global was called; "newobj": `cls.__new__(cls, *args)`;
+    "reconstructor": `copyreg._reconstructor(cls, *reconstructor_args)`), so that pickle_writer can
+    build it the same way again.
     """
 
     cls: str = "?"
@@ -195,17 +204,19 @@ class Opaque:
     def __init__(self, *args, **kwargs):
         self.args = args
         self.kwargs = kwargs
+        self.made_by = "reduce"  # __init__ runs only when the pickle called the global (REDUCE)
         if not hasattr(self, "state"):
             self.state = None
 
     def __new__(cls, *args, **kwargs):
         obj = object.__new__(cls)
-        obj.args, obj.kwargs, obj.state = args, kwargs, None
+        obj.args, obj.kwargs, obj.state, obj.made_by = args, kwargs, None, "newobj"
         return obj
 
     def __setstate__(self, state):
         # dataclasses with slots pickle (None, slotsdict); plain objects pickle their __dict__
         if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
+            self.slot_state = state  # the (dict, slots) pair as pickled: a slotted class needs it back
             merged = dict(state[0] or {})
             merged.update(state[1] or {})
             state = merged
@@ -219,6 +230,11 @@ class Opaque:
 
     def extend(self, values):
         self.__dict__.setdefault("list", []).extend(values)
+
+    def __call__(self, *args, **kwargs):
+        # hostile chains call what a call returned (getattr(__import__('os'), 'system')(cmd)): record that
+        # call as one more inert placeholder, so the file still reads and its globals get reported
+        return opaque_class(f"{self.cls}.__call__")(self, *args)
 
     def field(self, name: str, default=None):
         """A field from the BUILD state (dataclasses, plain objects), else `default`."""
@@ -259,9 +275,13 @@ class NumpyArray:
     shape: tuple = ()
     dtype: str = "?"
     raw: bytes = b""
+    # the `_reconstruct` call and the BUILD state as pickled, for pickle_writer
+    pickled: Any = field(default=None, repr=False, compare=False)
+    pickled_state: Any = field(default=None, repr=False, compare=False)
 
     def __setstate__(self, state):
         # (version, shape, dtype, is_fortran, rawdata)
+        self.pickled_state = state
         try:
             _, shape, dt, _, raw = state
             self.shape = tuple(shape)
@@ -274,9 +294,11 @@ class NumpyArray:
 @dataclass
 class NumpyDType:
     dtype: str = "?"
+    pickled: Any = field(default=None, repr=False, compare=False)
+    pickled_state: Any = field(default=None, repr=False, compare=False)
 
     def __setstate__(self, state):
-        pass
+        self.pickled_state = state  # (version, byte order, ...): only pickle_writer needs it
 
 
 # --- the unpickler --------------------------------------------------------------------------------
@@ -296,7 +318,7 @@ def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, bac
     st = t.storage
     if st is not None and st.dtype != name:
         st = StorageRef(st.key, name, st.numel // DTYPE_SIZE.get(name, 1) if st.dtype == "uint8" else st.numel,
-                        st.location, st.source)
+                        st.location, st.source, st.storage_type)
     return TensorRef(name, t.shape, t.stride, t.storage_offset, st, t.requires_grad)
 
 
@@ -338,12 +360,19 @@ def _safe_getattr(obj, name, *default):
     # Only placeholder classes are looked into (giving another placeholder); a real object never is,
     # since getattr chains on real objects are how hostile pickles reach os.system.
     if isinstance(obj, type) and issubclass(obj, Opaque) and isinstance(name, str):
-        return opaque_class(f"{obj.cls}.{name}")
+        nested = opaque_class(f"{obj.cls}.{name}")
+        nested.getattr_of = (obj, name)  # a pickle can only reach it this way again (no dotted GLOBAL)
+        return nested
     return opaque_class("builtins.getattr")(obj, name)
 
 
+class TorchSize(tuple):
+    """A `torch.Size` seen in a pickle: a tuple that remembers it was a Size, so that a rewrite saves a
+    Size again (DeepSpeed's zero_to_fp32 calls `.numel()` on `param_shapes` values)."""
+
+
 def _torch_size(dims=()):
-    return tuple(dims)
+    return TorchSize(dims)
 
 
 def _codecs_encode(obj, encoding="utf-8", errors="strict"):
@@ -356,7 +385,9 @@ def _codecs_encode(obj, encoding="utf-8", errors="strict"):
 def _reconstructor(cls, base, state=None):
     # protocol 0/1 object pickles: copyreg._reconstructor(cls, object, None); state follows via BUILD
     if isinstance(cls, type) and issubclass(cls, Opaque):
-        return cls.__new__(cls)
+        obj = cls.__new__(cls)
+        obj.made_by, obj.reconstructor_args = "reconstructor", (base, state)
+        return obj
     if cls in (dict, list, set, collections_OrderedDict):
         return cls()
     raise pickle.UnpicklingError("copyreg._reconstructor on an unexpected class")
@@ -368,8 +399,20 @@ def _numpy_scalar(dtype, raw=b""):
     fmt = {"f8": "d", "f4": "f", "f2": "e", "i8": "q", "i4": "i", "i2": "h", "i1": "b", "u8": "Q",
            "u4": "I", "u2": "H", "u1": "B", "b1": "?"}.get(code)
     if fmt and isinstance(raw, (bytes, bytearray)) and len(raw) == struct.calcsize(fmt):
-        return struct.unpack("<" + fmt, raw)[0]
+        value = struct.unpack("<" + fmt, raw)[0]
+        if isinstance(value, bool):  # numpy.bool_ stays a bool: bool cannot be subclassed
+            return value
+        return NumpyFloat(value) if isinstance(value, float) else NumpyInt(value)
     return opaque_class("numpy.generic")(name, raw)
+
+
+class NumpyFloat(float):
+    """A numpy float scalar read as a Python float; `pickled` (set when read) lets a rewrite save it as
+    the numpy scalar it was."""
+
+
+class NumpyInt(int):
+    """A numpy integer scalar read as a Python int (see NumpyFloat)."""
 
 
 def _numpy_reconstruct(cls, shape=(0,), dtype=b"b"):
@@ -380,36 +423,53 @@ def _numpy_dtype(spec, align=False, copy=False):
     return NumpyDType(str(spec))
 
 
+def _no_size_arg(ctor):
+    # bytes(n) / bytearray(n) allocate and zero n bytes: a 60-byte pickle can ask for 64 GiB. Pickles
+    # only ever call them with data (bytes, or text plus an encoding), never with a size.
+    def build(*args):
+        if args and isinstance(args[0], int):
+            raise pickle.UnpicklingError(f"{ctor.__name__}() called with a size ({args[0]})")
+        return ctor(*args)
+
+    return build
+
+
 import collections  # noqa: E402  (kept next to its only use)
 
 collections_OrderedDict = collections.OrderedDict
 
 
 class _DefaultDict(dict):
-    """collections.defaultdict without its factory (the factory would be code)."""
+    """collections.defaultdict without its factory (the factory would be code); `factory` is the inert
+    record of the global it named, kept for pickle_writer."""
 
     def __init__(self, factory=None, *args):
         super().__init__(*args)
+        self.factory = factory
+
+
+class _Counter(dict):
+    """collections.Counter as a plain dict that remembers it was a Counter (for pickle_writer)."""
 
 
 _SAFE_GLOBALS: dict[tuple[str, str], Any] = {
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("collections", "defaultdict"): _DefaultDict,
-    ("collections", "Counter"): dict,
+    ("collections", "Counter"): _Counter,
     ("builtins", "getattr"): _safe_getattr,
     ("__builtin__", "getattr"): _safe_getattr,
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
     ("builtins", "slice"): slice,
     ("builtins", "complex"): complex,
-    ("builtins", "bytearray"): bytearray,
+    ("builtins", "bytearray"): _no_size_arg(bytearray),
     ("builtins", "list"): list,
     ("builtins", "dict"): dict,
     ("builtins", "tuple"): tuple,
     ("builtins", "int"): int,
     ("builtins", "float"): float,
     ("builtins", "str"): str,
-    ("builtins", "bytes"): bytes,
+    ("builtins", "bytes"): _no_size_arg(bytes),
     ("builtins", "bool"): bool,
     ("__builtin__", "set"): set,
     ("_codecs", "encode"): _codecs_encode,
@@ -451,6 +511,37 @@ KNOWN_OPAQUE_PREFIXES = (
 )
 
 
+#: safe globals whose results remember the call that made them (`pickled`), for pickle_writer
+_RECORDED_CALLS = frozenset({
+    "torch._utils._rebuild_tensor", "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3",
+    "torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state",
+    "torch._tensor._rebuild_from_type_v2", "torch._utils._rebuild_meta_tensor_no_storage",
+    "torch._utils._rebuild_wrapper_subclass",
+    "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar",
+    "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct", "numpy.dtype",
+})
+
+
+class RecordedCall:
+    """A safe global function as the pickle named it. Calling it runs the inert rebuild and stores
+    `(name, args)` on the result (`pickled`), because the record alone loses what pickle_writer needs to
+    emit the same call again: which of two aliases was named, backward hooks, layout, device."""
+
+    def __init__(self, name: str, fn: Callable):
+        self.name = name
+        self.fn = fn
+
+    def __call__(self, *args):
+        ret = self.fn(*args)
+        call = (self.name, args)
+        if isinstance(ret, TensorRef):
+            return replace(ret, pickled=call)
+        if type(ret) in (NumpyFloat, NumpyInt, NumpyArray, NumpyDType) or (
+                isinstance(ret, Opaque) and not any(a is ret for a in args)):
+            ret.pickled = call  # e.g. an unknown tensor subclass behind _rebuild_from_type_v2
+        return ret
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, file, source: "Source | None", persistent: Callable[[tuple], Any] | None):
         super().__init__(file, encoding="latin1")
@@ -462,7 +553,8 @@ class _Unpickler(pickle.Unpickler):
         self.globals_seen.add(f"{module}.{name}")
         hit = _SAFE_GLOBALS.get((module, name))
         if hit is not None:
-            return hit
+            dotted = f"{module}.{name}"
+            return RecordedCall(dotted, hit) if dotted in _RECORDED_CALLS else hit
         if module == "torch":
             if name.endswith("Storage"):
                 return opaque_class(f"torch.{name}")  # used only as the storage type in persistent ids
@@ -471,7 +563,10 @@ class _Unpickler(pickle.Unpickler):
                 return DType(canonical)
         if module == "torch.storage" and name in ("UntypedStorage", "TypedStorage", "_LegacyStorage"):
             return opaque_class(f"torch.{name}")
-        return opaque_class(f"{module}.{name}")
+        cls = opaque_class(f"{module}.{name}")
+        if "pickle_global" not in cls.__dict__:
+            cls.pickle_global = (module, name)  # the dotted name alone does not say where the module ends
+        return cls
 
     def persistent_load(self, pid):
         if self._persistent is None:
@@ -482,6 +577,10 @@ class _Unpickler(pickle.Unpickler):
 def _storage_dtype(storage_type) -> str:
     name = getattr(storage_type, "cls", str(storage_type)).rsplit(".", 1)[-1]
     return _STORAGE_DTYPE.get(name, "uint8")
+
+
+def _storage_type_name(storage_type) -> str:
+    return getattr(storage_type, "cls", "")
 
 
 # --- sources: where the bytes are ------------------------------------------------------------------
@@ -738,7 +837,8 @@ def _load_zip(path: str, file: io.RawIOBase | None = None,
         if not isinstance(pid, tuple) or len(pid) < 5 or pid[0] != "storage":
             raise pickle.UnpicklingError(f"unexpected persistent id {pid!r:.80}")
         _, storage_type, key, location, numel = pid[:5]
-        return StorageRef(str(key), _storage_dtype(storage_type), int(numel), str(location), source)
+        return StorageRef(str(key), _storage_dtype(storage_type), int(numel), str(location), source,
+                          _storage_type_name(storage_type))
 
     obj, seen = _unpickle(data, source, persistent, path)
     return Loaded(obj, "torch_zip", source, frozenset(seen))
@@ -762,7 +862,8 @@ def _load_pickle_stream(path: str) -> Loaded:
             _, storage_type, key, location, numel = pid[:5]
             ref = storages.get(str(key))
             if ref is None:
-                ref = StorageRef(str(key), _storage_dtype(storage_type), int(numel), str(location), source)
+                ref = StorageRef(str(key), _storage_dtype(storage_type), int(numel), str(location), source,
+                                 _storage_type_name(storage_type))
                 storages[str(key)] = ref
             return ref
 

@@ -62,7 +62,8 @@ def sample_path(out_dir: str | os.PathLike, name: str) -> Path:
     return Path(out_dir) / s.group / s.path
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for torch.distributed rendezvous)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -85,7 +86,7 @@ def run_torchrun(module: str, nproc: int, args: list[str], *, log_path: Path | N
                  timeout: float = 600) -> None:
     """Run `module` under torchrun on localhost with `nproc` CPU ranks; raise with the log tail on failure."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", module, *args]
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", module, *args]
     proc = subprocess.run(cmd, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=timeout)
     if log_path is not None:

@@ -13,6 +13,7 @@ import torch
 
 from ckpt_tools.errors import CkptError
 from ckpt_tools.ops import to_universal as U
+from ckpt_tools.samples import free_port
 
 from conftest import ROOT, manifest, run_cli, sample
 
@@ -120,7 +121,7 @@ def _full_model_shapes() -> dict[str, tuple[int, ...]]:
 
     mine = not dist.is_initialized()
     if mine:  # the pipeline module asks the (1-process) group for its rank; torn down again below
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29611")
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         deepspeed.init_distributed(dist_backend="gloo")
     try:
         model = GPTModelPipe(MegatronGPTConfig(), PipeModelDataParallelTopology(num_pp=1, num_mp=1, num_dp=1), seed=0)
@@ -213,7 +214,7 @@ def test_distributed_two_ranks_byte_identical(tmp_path):
     assert one.returncode == 0, one.stderr
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          "29531", "-m", "cli.main", "to-universal", str(src), str(tmp_path / "two"), "--distributed",
+                          str(free_port()), "-m", "cli.main", "to-universal", str(src), str(tmp_path / "two"), "--distributed",
                           "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = _tree_digest(tmp_path / "one"), _tree_digest(tmp_path / "two")
@@ -233,7 +234,7 @@ def resume_first_loss(load_dir: Path, ds_config: dict, *, model: str, orig_dp: i
     pf.write_text(json.dumps(plan))
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", MASTER_ADDR="127.0.0.1")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
-                        str(29540 + abs(hash(str(pf))) % 300), "-m", "ckpt_tools.train.resume_worker", "--plan",
+                        str(free_port()), "-m", "ckpt_tools.train.resume_worker", "--plan",
                         str(pf)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     recs = [json.loads(line.split(" ", 1)[1]) for line in r.stdout.splitlines() if line.startswith("CKPT_RESUME ")]

@@ -180,12 +180,38 @@ def _load_location(path: Path, tag: str | None) -> tuple[Path, str | None]:
     return path, tag
 
 
+def untrusted_globals(ck: Checkpoint) -> dict[str, list[str]]:
+    """file -> unknown pickle globals, over EVERY file of the checkpoint: opening it parses only some
+    (one ZeRO-3 model-states file of many), but DeepSpeed's loader unpickles them all."""
+    from .. import pickle_reader
+
+    found = {w.path or "?": [w.message.split(":")[0].removeprefix("pickle names ")]
+             for w in ck.warnings if w.code == "unknown-global"}
+    base = Path(ck.path)
+    base = base if base.is_dir() else base.parent
+    out: dict[str, list[str]] = {}
+    for f in ck.files:
+        try:
+            loaded = pickle_reader.load(base / f.path)
+        except CkptError:
+            continue  # not a pickle (safetensors, text); a broken one fails the load anyway
+        if loaded.source is not None:
+            loaded.source.close()
+        if loaded.unknown_globals:
+            out[f.path] = loaded.unknown_globals
+    return out or found
+
+
 def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None, device: str = "auto",
                 universal: bool = False, tp: int | None = None, pp: int | None = None,
-                model: str = "auto", config: dict[str, Any] | None = None, data: str | None = None) -> ResumePlan:
+                model: str = "auto", config: dict[str, Any] | None = None, data: str | None = None,
+                trust_pickles: bool = False) -> ResumePlan:
     """Decide how to resume the checkpoint at `path`: world size, topology, launch config, model, data.
 
     Bad combinations are rejected here, naming the option, before anything is converted or launched.
+    DeepSpeed's `load_checkpoint` unpickles with torch's full (not weights-only) loader, which runs whatever
+    a pickle names; so a checkpoint whose pickles name globals outside the frameworks' own classes is
+    refused unless `trust_pickles`.
     """
     from .. import open_checkpoint
 
@@ -193,6 +219,15 @@ def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None
         raise CkptError("--steps must be at least 1")
     p = Path(path)
     ck = open_checkpoint(p)
+    if not trust_pickles:
+        unknown = untrusted_globals(ck)
+        if unknown:
+            rel, names = next(iter(unknown.items()))
+            more = f" ({len(unknown) - 1} more files like this)" if len(unknown) > 1 else ""
+            raise UnsupportedCheckpoint(
+                f"{rel}: pickle names {', '.join(names)}; resuming runs DeepSpeed's torch.load, which would "
+                f"execute it{more}", path=p,
+                hint="inspect it with `ckpt inspect`; pass --trust-pickles only if you trust where it came from")
     if ck.format not in SUPPORTED_FORMATS:
         raise UnsupportedCheckpoint(f"`ckpt resume` trains DeepSpeed checkpoints; this is {ck.format}", path=p,
                                     hint=f"supported: {', '.join(SUPPORTED_FORMATS)}")
@@ -339,11 +374,11 @@ class WorkerFailed(CkptError):
 
 def _launch(plan: ResumePlan, plan_file: Path, on_event: Callable[[dict], None] | None,
             timeout: float) -> list[dict[str, Any]]:
-    from ..samples import _free_port
+    from ..samples import free_port
     from ..train.resume_worker import RECORD_PREFIX
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(plan.nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", WORKER_MODULE,
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", WORKER_MODULE,
            "--plan", str(plan_file)]
     events: list[dict[str, Any]] = []
     tail: collections.deque[str] = collections.deque(maxlen=40)
