@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import _compat_pickle
 import collections
-import errno
 import io
 import mmap
 import os
@@ -36,6 +35,7 @@ from dataclasses import replace
 from typing import Any, BinaryIO, Callable, Iterator
 
 from .errors import CkptError, CorruptCheckpoint, UnsupportedCheckpoint
+from .io import copy_range
 from .pickle_reader import (
     DType, NumpyArray, NumpyDType, NumpyFloat, NumpyInt, Opaque, RecordedCall, StorageRef,
     TensorRef, TorchSize, _Counter, _DefaultDict, _SAFE_GLOBALS,
@@ -366,7 +366,6 @@ def _pickle_tree(obj: Any, path: str | None) -> tuple[bytes, dict[str, StorageRe
 _ZIP64_LIMIT = 0xFFFFFFFF  # a size or offset at or above this needs a ZIP64 record (what miniz checks)
 _UTF8 = 0x0800  # general purpose flag bit 11: UTF-8 names
 _DESCRIPTOR = 0x0008  # bit 3: CRC and sizes follow the data; miniz writes no descriptor for an empty member
-_COPY_CHUNK = 64 << 20
 
 
 def _local_header(name: bytes, offset: int, size: int, alignment: int) -> bytes:
@@ -423,25 +422,6 @@ def _end_records(count: int, cd_offset: int, cd_size: int) -> bytes:
             + struct.pack("<IIQI", 0x07064B50, 0, zip64_end, 1)
             + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
                           _field32(cd_size), _field32(cd_offset), 0))
-
-
-def _copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, length: int, src_map) -> None:
-    """Copy bytes between files in the kernel where it can (copy_file_range: reflinks on XFS/btrfs,
-    no user-space buffer), else through sendfile, else through slices of the source's mmap."""
-    done = 0
-    while done < length:
-        n = 0
-        try:
-            n = os.copy_file_range(src_fd, dst_fd, min(length - done, _COPY_CHUNK << 4),
-                                   src_off + done, dst_off + done)
-        except OSError as e:
-            if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM):
-                raise
-        if n <= 0:  # unsupported here (or a short copy): write this chunk from the mapping instead
-            chunk = min(length - done, _COPY_CHUNK)
-            os.pwrite(dst_fd, src_map[src_off + done: src_off + done + chunk], dst_off + done)
-            n = chunk
-        done += n
 
 
 def rewrite_torch_zip(src_path: str | os.PathLike, dst_path: str | os.PathLike, new_obj: Any, *,
@@ -512,8 +492,7 @@ def rewrite_torch_zip(src_path: str | os.PathLike, dst_path: str | os.PathLike, 
                 if new:
                     os.pwrite(dst.fileno(), pickle_bytes, data_at)
                 else:
-                    _copy_range(src.fileno(), dst.fileno(), _data_offset(src_map, info, src_path), data_at,
-                                size, src_map)
+                    copy_range(src.fileno(), dst.fileno(), _data_offset(src_map, info, src_path), data_at, size)
                 descriptor = _data_descriptor(crc, size, offset)
                 os.pwrite(dst.fileno(), descriptor, data_at + size)
                 central.append(_central_entry(name, offset, size, crc))

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Iterable
 
 from .errors import CorruptCheckpoint
+from .io import copy_file
 
 _LOCAL_SIG = b"PK\x03\x04"
 _CENTRAL_SIG = b"PK\x01\x02"
@@ -48,26 +49,6 @@ class _Member:
     info: zipfile.ZipInfo
     data_offset: int  # where its data starts in the file
     central_offset: int  # where its central directory entry starts in the file
-
-
-def copy_file(src: Path, dst: Path) -> None:
-    """Copy `src` to a new file `dst` (in-kernel where possible; never through Python memory whole)."""
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
-        size = os.fstat(fin.fileno()).st_size
-        done = 0
-        try:
-            while done < size:
-                n = os.copy_file_range(fin.fileno(), fout.fileno(), size - done)
-                if n == 0:
-                    break
-                done += n
-        except OSError:
-            done = fout.seek(0, os.SEEK_END)
-        if done < size:  # copy_file_range unsupported or short: finish with chunked reads
-            fin.seek(done)
-            fout.seek(done)
-            while chunk := fin.read(_CHUNK):
-                fout.write(chunk)
 
 
 def _members(path: Path, fh) -> dict[str, _Member]:
