@@ -7,7 +7,10 @@ from typing import List, Optional
 import typer
 
 from ckpt_tools import io
-from ckpt_tools.ops import tp_sync as ops
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the ops module (and what it imports) loads only when the command runs
+    from ckpt_tools.ops import tp_sync as ops
 
 from . import output
 
@@ -37,6 +40,8 @@ def check_tp_sync_cmd(
 
 
 def _check(path: str, atol: float, rtol: float, pattern: List[str]) -> ops.TPSyncReport:
+    from ckpt_tools.ops import tp_sync as ops
+
     try:
         return ops.check_tp_sync(ops.open_for_tp_sync(path, pattern), atol, rtol, pattern)
     except ValueError as e:
@@ -96,6 +101,8 @@ def sync_tp_cmd(
 ) -> int:
     """Make every out-of-sync TP replica identical: fp32 master and Adam moments on every TP rank and DP
     shard, module weights as the cast of the synced master. Backed up, atomic, verified."""
+    from ckpt_tools.ops import tp_sync as ops
+
     if method is None:
         method = "rank0" if from_rank is not None else "average"
     if method not in ops.METHODS:
@@ -142,6 +149,8 @@ def sync_tp_cmd(
 def _print_plan(con, plan: io.WritePlan) -> None:
     """One heading per file (its rank and how it is written), then one line per parameter and
     representation: old max |diff| across TP ranks -> 0, and where the new value comes from."""
+    from ckpt_tools.ops import tp_sync as ops
+
     from rich.markup import escape
 
     con.print(f"[bold]plan: {escape(plan.command)}[/]  ({len(plan.writes)} files under {escape(str(plan.root))})",
