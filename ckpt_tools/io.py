@@ -185,10 +185,17 @@ def execute(plan: WritePlan, *, backup_dir: Path | None = None,
     broot = backups_root(root)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{os.getpid()}"
     slug = "".join(ch if ch.isalnum() else "-" for ch in plan.command.split()[0] if plan.command) or "write"
-    tdir = broot / f"{stamp}-{slug}"
+    broot.mkdir(parents=True, exist_ok=True)
+    for n in range(10_000):  # two writes in one second by one process get their own folders
+        tdir = broot / f"{stamp}-{n:04d}-{slug}"
+        try:
+            tdir.mkdir()
+            break
+        except FileExistsError:
+            continue
     staging = tdir / "staging"
     files_dir = Path(backup_dir).resolve() / tdir.name if backup_dir else tdir / "files"
-    staging.mkdir(parents=True)
+    staging.mkdir()
     files_dir.mkdir(parents=True, exist_ok=True)
     entries = []
     for w in plan.writes:
@@ -355,6 +362,16 @@ def copy_file(src: Path, dst: Path) -> None:
 # --- a new output folder ----------------------------------------------------------------------------
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def new_folder(out: Path) -> Iterator[Path]:
     """Build a new folder (e.g. a universal checkpoint) under a staging name beside it, then rename it
@@ -364,6 +381,11 @@ def new_folder(out: Path) -> Iterator[Path]:
     if out.exists():
         raise CkptError("output folder already exists", path=out, hint="choose a new path or remove it first")
     out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".ckpt-staging-{out.name}-*"):
+        # left by a run that was killed (kill -9 skips the cleanup below); a live run's folder is kept
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = out.parent / f".ckpt-staging-{out.name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)

@@ -809,7 +809,8 @@ def _load_zip(path: str, file: io.RawIOBase | None = None,
               make_source: Callable[[str, zipfile.ZipFile, str], ZipSource] = ZipSource) -> Loaded:
     try:
         zf = zipfile.ZipFile(path if file is None else file)
-    except (zipfile.BadZipFile, OSError, ValueError) as e:
+    except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError, EOFError) as e:
+        # NotImplementedError: a directory entry claims a newer zip version (one flipped byte does it)
         raise CorruptCheckpoint(f"not a readable zip archive ({e})", path=path,
                                 hint="the file is truncated or corrupt; re-copy it or restore a backup")
     with zf:

@@ -425,7 +425,8 @@ def _end_records(count: int, cd_offset: int, cd_size: int) -> bytes:
 
 
 def rewrite_torch_zip(src_path: str | os.PathLike, dst_path: str | os.PathLike, new_obj: Any, *,
-                      progress: Callable[[int, int], None] | None = None) -> None:
+                      progress: Callable[[int, int], None] | None = None,
+                      storage_bytes: "dict[str, bytes] | None" = None) -> None:
     """Write `dst_path`: the torch zip `src_path` with its pickle replaced by `dumps(new_obj)`.
 
     Every other member is copied byte for byte in the original order (tensor bytes are never decoded
@@ -434,6 +435,10 @@ def rewrite_torch_zip(src_path: str | os.PathLike, dst_path: str | os.PathLike, 
     a tree whose tensors point at storages the archive does not hold. `dst_path` is written in place and
     fsynced; callers write it outside the checkpoint and rename it over the original (see `io.execute`).
     `progress(done, total)` is called with bytes written.
+
+    `storage_bytes` {storage key: bytes} gives new VALUES for a few storages (e.g. a 0-d Adam `step`):
+    those members get exactly these bytes (same length as before: metadata cannot change here) and a
+    new CRC-32; every other member is still copied byte for byte.
     """
     src_path, dst_path = os.fspath(src_path), os.fspath(dst_path)
     with open(src_path, "rb") as fh:
@@ -475,6 +480,12 @@ def rewrite_torch_zip(src_path: str | os.PathLike, dst_path: str | os.PathLike, 
             raise UnsupportedCheckpoint(f"storage {key} was read from {s.source.path}, not from this file",
                                         path=src_path, hint="edit the tree read from the file being rewritten")
 
+    replaced = {f"{prefix}data/{key}": bytes(data) for key, data in (storage_bytes or {}).items()}
+    for member, data in replaced.items():
+        if member not in names or names[member].file_size != len(data):
+            raise UnsupportedCheckpoint(f"new bytes for {member} ({len(data)} bytes) do not replace a storage of "
+                                        "the same size", path=src_path,
+                                        hint="only the values of existing storages can be replaced")
     total = sum(i.file_size for i in infos if i.filename != pkl_name) + len(pickle_bytes)
     done = 0
     with open(src_path, "rb") as src, open(dst_path, "wb") as dst:
@@ -484,13 +495,14 @@ def rewrite_torch_zip(src_path: str | os.PathLike, dst_path: str | os.PathLike, 
             for info in infos:
                 name = info.filename.encode("utf-8")
                 new = info.filename == pkl_name
-                size = len(pickle_bytes) if new else info.file_size
-                crc = zlib.crc32(pickle_bytes) if new else info.CRC
+                data = pickle_bytes if new else replaced.get(info.filename)
+                size = len(data) if data is not None else info.file_size
+                crc = zlib.crc32(data) if data is not None else info.CRC
                 header = _local_header(name, offset, size, alignment)
                 os.pwrite(dst.fileno(), header, offset)
                 data_at = offset + len(header)
-                if new:
-                    os.pwrite(dst.fileno(), pickle_bytes, data_at)
+                if data is not None:
+                    os.pwrite(dst.fileno(), data, data_at)
                 else:
                     copy_range(src.fileno(), dst.fileno(), _data_offset(src_map, info, src_path), data_at, size)
                 descriptor = _data_descriptor(crc, size, offset)

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
+from .errors import CorruptCheckpoint
 from .pickle_reader import SMALL_TENSOR_NUMEL, NumpyArray, NumpyDType, Opaque, TensorRef, DType
 
 
@@ -226,32 +227,45 @@ def tensor_node(ref: TensorRef, file: str, rank: Mapping[str, int] | None = None
     return TensorNode(ref.shape, ref.dtype, (Piece(file, ref, 0, ref.numel, 0, dict(rank or {})),), value=value)
 
 
-def to_node(obj: Any, file: str, rank: Mapping[str, int] | None = None, _depth: int = 0) -> Node:
+#: most nodes one `to_node` call may build. A pickle can reference one memoized container many times
+#: ("billion laughs": 40 nested pairs expand to 2**40 nodes); real checkpoints stay far below this.
+MAX_TREE_NODES = 1_000_000
+
+
+def to_node(obj: Any, file: str, rank: Mapping[str, int] | None = None, _depth: int = 0,
+            _budget: list[int] | None = None) -> Node:
     """Convert an unpickled object (from `pickle_reader`) into tree nodes."""
+    if _budget is None:
+        _budget = [MAX_TREE_NODES]
+    _budget[0] -= 1
+    if _budget[0] < 0:
+        raise CorruptCheckpoint(f"the pickled object tree expands to more than {MAX_TREE_NODES:,} nodes "
+                                "(one container referenced over and over)", path=file or None,
+                                hint="the file is corrupt or hostile; do not load it with torch.load")
     if _depth > 64:
         return ValueNode("<nested too deeply>")
     if isinstance(obj, TensorRef):
         return tensor_node(obj, file, rank)
     if isinstance(obj, Mapping):
-        return GroupNode({_key(k): to_node(v, file, rank, _depth + 1) for k, v in obj.items()})
+        return GroupNode({_key(k): to_node(v, file, rank, _depth + 1, _budget) for k, v in obj.items()})
     if isinstance(obj, (list, tuple)):
         if all(_is_scalar(v) for v in obj) and len(obj) <= 64:
             return ValueNode(list(obj) if isinstance(obj, list) else tuple(obj))
-        return GroupNode({str(i): to_node(v, file, rank, _depth + 1) for i, v in enumerate(obj)})
+        return GroupNode({str(i): to_node(v, file, rank, _depth + 1, _budget) for i, v in enumerate(obj)})
     if isinstance(obj, Opaque):
         kids: dict[str, Any] = {}
         if isinstance(obj.state, dict):
-            kids.update({_key(k): to_node(v, file, rank, _depth + 1) for k, v in obj.state.items()})
+            kids.update({_key(k): to_node(v, file, rank, _depth + 1, _budget) for k, v in obj.state.items()})
         elif obj.state is not None:
-            kids["state"] = to_node(obj.state, file, rank, _depth + 1)
+            kids["state"] = to_node(obj.state, file, rank, _depth + 1, _budget)
         if obj.args:
             if len(obj.args) == 1 and _is_scalar(obj.args[0]):
                 kids["value"] = ValueNode(obj.args[0])
             else:
-                kids["args"] = to_node(list(obj.args), file, rank, _depth + 1)
+                kids["args"] = to_node(list(obj.args), file, rank, _depth + 1, _budget)
         for extra in ("items", "list"):
             if extra in obj.__dict__:
-                kids[extra] = to_node(obj.__dict__[extra], file, rank, _depth + 1)
+                kids[extra] = to_node(obj.__dict__[extra], file, rank, _depth + 1, _budget)
         return OpaqueNode(obj.cls, kids)
     if isinstance(obj, NumpyArray):
         return OpaqueNode("numpy.ndarray", {"shape": ValueNode(list(obj.shape)), "dtype": ValueNode(obj.dtype)})

@@ -19,6 +19,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
 from . import inspect as _inspect  # noqa: E402
 from . import resume as _resume  # noqa: E402
 from . import samples as _samples  # noqa: E402
+from . import set_lr as _set_lr  # noqa: E402
 from . import to_universal as _to_universal  # noqa: E402
 from . import tp_sync as _tp_sync  # noqa: E402
 
@@ -27,6 +28,7 @@ _samples.register(app)
 _to_universal.register(app)
 _tp_sync.register(app)
 _resume.register(app)
+_set_lr.register(app)
 
 
 # typer >= 0.29 vendors click (typer._click): its usage errors are not click's own classes
@@ -34,8 +36,45 @@ _CLICK_ERRORS = (__import__("click").exceptions.ClickException,) + tuple(
     c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 
+def _install_test_kill_hook() -> None:
+    """TEST HOOK (tests/test_kill9.py): `CKPT_TEST_KILL_AT=STAGE:N` SIGKILLs this process at the Nth
+    write step named STAGE: an `io.execute` stage (produce, backup, replace, verify, done) or `fsync`
+    (every file `io` fsyncs, including a new output folder's files). Unset, nothing changes."""
+    spec = os.environ.get("CKPT_TEST_KILL_AT")
+    if not spec:
+        return
+    import signal
+
+    from ckpt_tools import io
+
+    stage, _, n = spec.partition(":")
+    seen = [0]
+
+    def hit(name: str) -> None:
+        if name == stage:
+            seen[0] += 1
+            if seen[0] == int(n or 1):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    execute, fsync_file = io.execute, io._fsync_file
+
+    def execute_hooked(plan, *, on_stage=None, **kw):
+        def on(s, f):
+            hit(s)
+            if on_stage:
+                on_stage(s, f)
+        return execute(plan, on_stage=on, **kw)
+
+    def fsync_hooked(p):
+        fsync_file(p)
+        hit("fsync")
+
+    io.execute, io._fsync_file = execute_hooked, fsync_hooked
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
+    _install_test_kill_hook()
     try:
         rc = app(args=argv, standalone_mode=False)
     except CkptError as e:

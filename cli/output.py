@@ -119,3 +119,20 @@ def tree_lines(node: Node, label: str, extra=None) -> list[str]:
 
 def print_tree(node: Node, label: str, extra=None) -> None:
     sys.stdout.write("\n".join(tree_lines(node, label, extra)) + "\n")
+
+
+def print_write_plan(con, plan) -> None:
+    """An `io.WritePlan` as the dry-run table every field-level write shows: one heading per file (how it is
+    written), then one line per field: `field  old -> new  what the field does`, then the plan's notes."""
+    from rich.markup import escape
+
+    con.print(f"[bold]plan: {escape(plan.command)}[/]  ({len(plan.writes)} files under {escape(str(plan.root))})",
+              soft_wrap=True)
+    width = max((len(c.field) for c in plan.changes), default=0)
+    for w in plan.writes:
+        con.print(f"  [cyan]{escape(w.path)}[/]  [dim]{escape(w.method)}[/]", soft_wrap=True)
+        for c in w.changes:
+            change = f"{fmt_value(c.old)} -> {fmt_value(c.new)}"
+            con.print(f"      {escape(c.field):<{width}}  {escape(change)}  [dim]{escape(c.note)}[/]", soft_wrap=True)
+    for n in plan.notes:
+        con.print(f"  {escape(n)}", soft_wrap=True)

@@ -11,7 +11,10 @@ from typing import Optional
 import typer
 
 from ckpt_tools.errors import CkptError
-from ckpt_tools.ops import resume as ops
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the ops module (and what it imports) loads only when the command runs
+    from ckpt_tools.ops import resume as ops
 
 from . import output
 
@@ -44,8 +47,12 @@ def resume_cmd(
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of loss and LR per step (needs matplotlib)"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable result"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="verdict only"),
+    trust_pickles: bool = typer.Option(False, "--trust-pickles", help="resume even when a pickle names "
+                                       "globals outside the frameworks' classes (DeepSpeed's loader runs them)"),
 ) -> None:
     """Load CKPT into a real DeepSpeed engine, train N steps, and check counters, LR and loss continue."""
+    from ckpt_tools.ops import resume as ops
+
     if plot is not None:
         try:
             import matplotlib  # noqa: F401
@@ -59,7 +66,7 @@ def resume_cmd(
             raise CkptError(f"cannot read the config: {e}", path=config) from None
     ref = ops.load_reference(reference) if reference else None
     plan = ops.plan_resume(path, steps=steps, nproc=nproc, device=device, universal=universal, tp=tp, pp=pp,
-                           model=model, config=override, data=data)
+                           model=model, config=override, data=data, trust_pickles=trust_pickles)
 
     from tqdm import tqdm
 

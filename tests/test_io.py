@@ -135,3 +135,14 @@ def test_new_folder_is_atomic(tmp_path):
     with io.new_folder(out) as tmp:
         (tmp / "a.pt").write_bytes(b"x")
     assert (out / "a.pt").read_bytes() == b"x" and sorted(p.name for p in tmp_path.iterdir()) == ["universal"]
+
+
+def test_two_writes_in_the_same_second_get_their_own_transactions(tmp_path):
+    root = make_ckpt(tmp_path)
+    before = snapshot(root)
+    t1 = io.execute(upper_plan(root, files=("global_step4/part0.pt",)))
+    io.restore(root)
+    t2 = io.execute(upper_plan(root, files=("global_step4/part0.pt",)))
+    assert t1.dir != t2.dir
+    io.restore(root)
+    assert snapshot(root) == before

@@ -33,6 +33,8 @@ def sniff(path: Path) -> bool:
     if _is_tag(path):
         return True
     tag = C.read_latest(path, "latest_universal")
+    if tag and not (path / tag).is_dir() and not (path / "latest").is_file():
+        return True  # open() reports the missing tag instead of another format reading a stray folder
     return bool(tag) and _is_tag(path / tag)
 
 

@@ -321,7 +321,8 @@ def check_tp_sync(ck: Checkpoint, atol: float = 0.0, rtol: float = 0.0,
     sources = list(layout.sources)
     if any(p.rule_source == SOURCE_DATA for p in params):
         sources.append(SOURCE_DATA)
-    warnings = tuple(w for w in ck.warnings if w.code.startswith("tp-"))
+    # unknown pickle globals too: a hostile file must be named whichever command opens it
+    warnings = tuple(w for w in ck.warnings if w.code.startswith("tp-") or w.code == "unknown-global")
     return TPSyncReport(ck.path, ck.format, tp, ck.topology.pp, ck.topology.dp, " > ".join(sources), atol, rtol,
                         tuple(reps_seen), tuple(params), families, tuple(undecided), warnings)
 

@@ -1,0 +1,645 @@
+"""`set-lr` / `set-step`: learning-rate and counter surgery that knows which saved field drives the LR.
+
+Which field matters after a resume depends on the scheduler (measured; shared/FORMATS.md):
+
+    LambdaLR & closed forms   base_lrs x f(last_epoch) from the next scheduler.step(); the optimizer's
+                              param_groups lr only for the first resumed update; _last_lr, initial_lr cosmetic
+    StepLR, Cosine... (chain) the optimizer's param_groups lr: the next LR is computed from it
+    OneCycleLR                the optimizer's initial_lr / max_lr / min_lr
+    DeepSpeed's own (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle)
+                              the launch config: the checkpoint holds only last_batch_iteration
+
+So `--scale` edits every LR field the same way (inspect then tells one coherent story and whichever
+field drives, it is right), and each FieldChange says what the field does. For DeepSpeed's own schedulers
+no checkpoint edit can change the trajectory: the plan carries the exact launch-config change, derived
+from the `ds_config` saved in the checkpoint (which is updated too, as the record of the run), and still
+edits the optimizer `lr` so the first resumed update is right.
+
+Every edit is a pickle rewrite through `pickle_writer.rewrite_torch_zip`: the inert tree the safe reader
+produced is edited and re-pickled, every tensor member copied byte for byte (a 2 GB ZeRO optimizer file is
+never materialised, deepspeed is never imported). A new Adam `step` value is new bytes for its 0-d
+storage (`storage_bytes=`). Plain pickles and legacy (pre-1.6) torch files are refused: re-save once in
+zip format. DCP folders are read-only here (their items are zips inside `.distcp` files indexed by byte
+offsets in `.metadata`): the error names the alternative.
+
+Order of use: `plan_set_lr(ck, scale=0.5)` / `plan_set_step(ck, optimizer_step=N)` (pure; reads metadata
+and the pickles) -> `LrPlan.plan` to `io.execute` (staged outside the checkpoint, backed up, atomic,
+re-verified with the reader, rolled back on any failure).
+"""
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from .. import io, pickle_reader
+from ..errors import CkptError, UnsupportedCheckpoint
+from ..pickle_reader import TensorRef
+from ..tree import Checkpoint, as_int
+
+# --- scheduler kinds ------------------------------------------------------------------------------------
+
+CLOSED_FORM, CHAINABLE, ONE_CYCLE, DEEPSPEED, NO_SCHEDULER = "closed-form", "chainable", "one-cycle", "deepspeed", "none"
+
+#: state-dict keys that identify a torch scheduler class
+_ONE_CYCLE_KEYS = {"total_steps", "_schedule_phases"}
+_CLOSED_FORM_KEYS = {"lr_lambdas", "T_0"}  # LambdaLR, MultiplicativeLR (scaled alike), CosineAnnealingWarmRestarts
+
+SCHEDULER_LABEL = {
+    CLOSED_FORM: "torch closed-form scheduler (LambdaLR-style)",
+    CHAINABLE: "torch chainable scheduler (StepLR/CosineAnnealingLR-style)",
+    ONE_CYCLE: "torch OneCycleLR",
+    DEEPSPEED: "DeepSpeed scheduler",
+    NO_SCHEDULER: "no scheduler state",
+}
+
+DRIVER = {
+    CLOSED_FORM: "scheduler base_lrs x f(last_epoch) from the next scheduler.step(); the optimizer lr drives "
+                 "only the first resumed update",
+    CHAINABLE: "the optimizer param_groups lr (each step multiplies/derives from it)",
+    ONE_CYCLE: "the optimizer param_groups initial_lr / max_lr / min_lr",
+    DEEPSPEED: "the launch config (ds_config scheduler/optimizer params); the checkpoint keeps only "
+               "last_batch_iteration; the optimizer lr drives only the first resumed update",
+    NO_SCHEDULER: "the optimizer param_groups lr",
+}
+
+_COSMETIC = "cosmetic (kept consistent)"
+_FIRST_STEP = "drives the first resumed update only"
+
+#: what each LR field does, per scheduler kind (a field missing here is described by `_note`'s default)
+_NOTES = {
+    CLOSED_FORM: {"base_lrs": "DRIVES the LR (x f(last_epoch))", "lr": _FIRST_STEP, "_last_lr": _COSMETIC,
+                  "initial_lr": _COSMETIC, "last_epoch": "DRIVES: position on the schedule",
+                  "_step_count": "bookkeeping"},
+    CHAINABLE: {"lr": "DRIVES the LR (next LR derives from it)", "base_lrs": "kept consistent (CosineAnnealingLR "
+                "also reads it)", "_last_lr": _COSMETIC, "initial_lr": _COSMETIC, "eta_min": "floor of the schedule",
+                "last_epoch": "DRIVES: position on the schedule", "_step_count": "bookkeeping"},
+    ONE_CYCLE: {"initial_lr": "DRIVES the LR", "max_lr": "DRIVES the LR", "min_lr": "DRIVES the LR",
+                "lr": _FIRST_STEP, "base_lrs": _COSMETIC, "_last_lr": _COSMETIC,
+                "last_epoch": "DRIVES: position on the schedule", "_step_count": "bookkeeping"},
+    DEEPSPEED: {"lr": _FIRST_STEP + "; then the launch config", "initial_lr": _COSMETIC,
+                "last_batch_iteration": "DRIVES: position on the launch config's schedule",
+                "ds_config": "record of the run only: DeepSpeed never reads it back; change your launch config"},
+    NO_SCHEDULER: {"lr": "DRIVES the LR", "initial_lr": _COSMETIC},
+}
+
+#: LR-valued fields, scaled together by --scale / --lr
+SCHED_LR_LISTS = ("base_lrs", "_last_lr", "max_lrs", "min_lrs")  # per group (CyclicLR max_lrs, Plateau min_lrs)
+SCHED_LR_SCALARS = ("eta_min",)  # one value for all groups
+GROUP_LR_FIELDS = ("lr", "initial_lr", "max_lr", "min_lr")
+#: DeepSpeed scheduler params that are LRs (scalars or per-group lists)
+DS_SCHED_LR_PARAMS = ("warmup_min_lr", "warmup_max_lr", "cycle_min_lr", "cycle_max_lr")
+
+
+def scheduler_kind(state: Any) -> str:
+    """The scheduler kind a saved scheduler state dict belongs to (from its keys)."""
+    if not isinstance(state, dict) or not state:
+        return NO_SCHEDULER
+    keys = set(map(str, state))
+    if "last_batch_iteration" in keys and "base_lrs" not in keys:
+        return DEEPSPEED
+    if _ONE_CYCLE_KEYS <= keys:
+        return ONE_CYCLE
+    if keys & _CLOSED_FORM_KEYS:
+        return CLOSED_FORM
+    return CHAINABLE
+
+
+def _note(kind: str, name: str, default: str = "") -> str:
+    return _NOTES.get(kind, {}).get(name, default)
+
+
+# --- the plan -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LrPlan:
+    """An `io.WritePlan` plus what the dry run must say about it: the scheduler kind, which field drives the
+    LR, and for DeepSpeed's own schedulers the launch-config change (None otherwise)."""
+
+    plan: io.WritePlan
+    scheduler: str
+    driver: str
+    config_change: dict[str, Any] | None = None
+    world_size: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.plan.to_json(), "scheduler": SCHEDULER_LABEL[self.scheduler], "scheduler_kind": self.scheduler,
+                "lr_driven_by": self.driver, "launch_config_change": self.config_change}
+
+
+@dataclass
+class _File:
+    """One file being edited: its inert tree (edited in place), the changes, and what verify re-reads."""
+
+    rel: str
+    path: Path
+    obj: Any
+    scheds: list[tuple[tuple, dict]] = field(default_factory=list)  # (key path, scheduler state dict)
+    optims: list[tuple[tuple, dict]] = field(default_factory=list)  # (key path, optimizer state dict)
+    step_keys: list[tuple[tuple, dict, str]] = field(default_factory=list)  # loop counters: (path, owner, key)
+    ds_config: tuple[tuple, dict] | None = None
+    changes: list[io.FieldChange] = field(default_factory=list)
+    checks: list[tuple[tuple, Any]] = field(default_factory=list)
+    storage_bytes: dict[str, bytes] = field(default_factory=dict)
+
+    def set(self, owner: dict, path: tuple, key: Any, new: Any, note: str) -> None:
+        old = owner.get(key)
+        if _same(old, new):
+            return
+        owner[key] = new  # replace, never mutate: a list may be shared (memoized) with another field
+        self.changes.append(io.FieldChange(self.rel, _dotted(path + (key,)), _plain(old), _plain(new), note))
+        self.checks.append((path + (key,), new))
+
+    def set_tensor_value(self, owner: dict, path: tuple, key: Any, value: float, note: str) -> None:
+        ref = owner[key]
+        fmt = pickle_reader._STRUCT.get(ref.dtype)
+        if ref.storage is None or ref.numel != 1 or fmt is None or ref.storage.numel != 1:
+            raise UnsupportedCheckpoint(f"{_dotted(path + (key,))} is a {ref.dtype} tensor of shape {ref.shape} "
+                                        "in a shared storage; cannot set its value", path=self.path)
+        new = struct.pack("<" + fmt, value if fmt in "fde" else int(value))
+        if ref.dtype.startswith("float") and struct.unpack("<" + fmt, new)[0] != value:
+            raise CkptError(f"{value} is not exactly representable as {ref.dtype} ({_dotted(path + (key,))})",
+                            path=self.path)
+        old = ref.item()
+        if old == value:
+            return
+        self.storage_bytes[ref.storage.key] = new
+        self.changes.append(io.FieldChange(self.rel, _dotted(path + (key,)), old, value, note))
+        self.checks.append((path + (key,), value))
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return list(v)
+    return v
+
+
+def _dotted(path: tuple) -> str:
+    return ".".join(str(k) for k in path)
+
+
+def _dig(obj: Any, path: tuple) -> Any:
+    for k in path:
+        obj = obj[k]
+    return obj
+
+
+# --- finding the fields in each format ------------------------------------------------------------------
+
+
+def _load(path: Path, rel: str) -> _File:
+    loaded = pickle_reader.load(path)
+    if loaded.kind != "torch_zip":
+        raise UnsupportedCheckpoint(f"{rel} is a {loaded.kind.replace('_', ' ')} file; only torch zip files "
+                                    "(torch.save since 1.6) are rewritten", path=path,
+                                    hint="re-save it once with torch.save (zip format), then run this again")
+    return _File(rel, path, loaded.obj)
+
+
+def _deepspeed_files(root: Path, tag_dir: Path) -> list[_File]:
+    out = []
+    for p in sorted(tag_dir.glob("*model_states.pt")):
+        if p.name.startswith("layer_"):
+            continue  # pipeline layer files hold weights only
+        f = _load(p, str(p.relative_to(root)))
+        if not isinstance(f.obj, dict):
+            continue
+        if isinstance(f.obj.get("lr_scheduler"), dict):
+            f.scheds.append((("lr_scheduler",), f.obj["lr_scheduler"]))
+        for k in ("global_steps", "global_samples"):
+            if as_int(f.obj.get(k)) is not None:
+                f.step_keys.append(((), f.obj, k))
+        if isinstance(f.obj.get("ds_config"), dict):
+            f.ds_config = (("ds_config",), f.obj["ds_config"])
+        out.append(f)
+    for p in sorted(tag_dir.glob("*optim_states.pt")):
+        f = _load(p, str(p.relative_to(root)))
+        osd = f.obj.get("optimizer_state_dict") if isinstance(f.obj, dict) else None
+        if isinstance(osd, dict):
+            for key in ("base_optimizer_state", "optimizer_state_dict"):  # ZeRO-1/2, ZeRO-3
+                if isinstance(osd.get(key), dict) and "param_groups" in osd[key]:
+                    f.optims.append((("optimizer_state_dict", key), osd[key]))
+        out.append(f)
+    return out
+
+
+def _collect(ck: Checkpoint) -> tuple[Path, list[_File], int]:
+    """(plan root, the files holding scheduler / optimizer / counter state, scheduler steps per update)."""
+    from ..formats.torch_file import OPTIM_KEYS, SCHED_KEYS, STEP_KEYS
+
+    fmt = ck.format
+    if fmt == "dcp" or (fmt == "accelerate" and "fsdp" in str(ck.details.get("engine", ""))):
+        raise UnsupportedCheckpoint(
+            "DCP checkpoints are read-only for set-lr/set-step: their scheduler and param_groups are items "
+            "inside .distcp files indexed by byte offsets in .metadata", path=ck.path,
+            hint="load it, then call scheduler.load_state_dict / set group['lr'] in your training script, or "
+                 "convert it with torch.distributed.checkpoint.format_utils.dcp_to_torch_save and edit that file")
+    root = Path(ck.path)
+    if fmt in ("deepspeed_zero", "deepspeed_pipeline"):
+        tag = ck.details.get("tag")
+        tag_dir = root / tag if tag and (root / tag).is_dir() else root
+        return root, _deepspeed_files(root, tag_dir), 1
+    if fmt == "accelerate":
+        files: list[_File] = []
+        from ..formats._common import read_latest
+
+        tag = read_latest(root)
+        if tag and (root / tag).is_dir():
+            files += _deepspeed_files(root, root / tag)
+        for p in sorted(root.glob("scheduler*.bin")):
+            f = _load(p, p.name)
+            if isinstance(f.obj, dict):
+                f.scheds.append(((), f.obj))
+            files.append(f)
+        for p in sorted(root.glob("optimizer*.bin")):
+            f = _load(p, p.name)
+            if isinstance(f.obj, dict) and "param_groups" in f.obj:
+                f.optims.append(((), f.obj))
+            files.append(f)
+        return root, files, int(ck.details.get("world_size") or 1)
+    if fmt == "torch_file":
+        p = root
+        f = _load(p, p.name)
+        obj = f.obj if isinstance(f.obj, dict) else {}
+        sk = next((k for k in SCHED_KEYS if isinstance(obj.get(k), dict)), None)
+        ok = next((k for k in OPTIM_KEYS if isinstance(obj.get(k), dict) and "param_groups" in obj[k]), None)
+        if sk:
+            f.scheds.append(((sk,), obj[sk]))
+        if ok:
+            f.optims.append(((ok,), obj[ok]))
+        f.step_keys += [((), obj, k) for k in STEP_KEYS if as_int(obj.get(k)) is not None and not isinstance(obj.get(k), bool)]
+        return p.parent, [f], 1
+    raise UnsupportedCheckpoint(f"set-lr/set-step do not edit {fmt} checkpoints", path=ck.path,
+                                hint="supported: deepspeed_zero, deepspeed_pipeline, accelerate, torch_file")
+
+
+def _groups(f: _File) -> Iterator[tuple[tuple, list]]:
+    for path, osd in f.optims:
+        groups = osd.get("param_groups")
+        if isinstance(groups, list):
+            yield path + ("param_groups",), groups
+
+
+def _kind(files: list[_File]) -> tuple[str, dict | None]:
+    """The scheduler kind, and for DeepSpeed's own schedulers the saved ds_config."""
+    kinds = {scheduler_kind(s) for f in files for _, s in f.scheds}
+    cfg = next((f.ds_config[1] for f in files if f.ds_config), None)
+    if len(kinds) > 1:
+        raise UnsupportedCheckpoint(f"scheduler states of different kinds in one checkpoint: {sorted(kinds)}")
+    kind = kinds.pop() if kinds else NO_SCHEDULER
+    if kind == NO_SCHEDULER and isinstance(cfg, dict) and isinstance(cfg.get("scheduler"), dict):
+        kind = DEEPSPEED  # a config scheduler whose state was not saved: still the config's trajectory
+    return kind, cfg
+
+
+def _n_groups(files: list[_File]) -> int:
+    for f in files:
+        for _, groups in _groups(f):
+            return len(groups)
+    for f in files:
+        for _, s in f.scheds:
+            if isinstance(s.get("base_lrs"), list):
+                return len(s["base_lrs"])
+    return 0
+
+
+def _select(n: int, group: int | None) -> list[int]:
+    if group is None:
+        return list(range(n))
+    if not 0 <= group < n:
+        raise CkptError(f"--group {group}: the optimizer has {n} param groups (0..{n - 1})")
+    return [group]
+
+
+# --- set-lr ---------------------------------------------------------------------------------------------
+
+
+def _base_lrs(files: list[_File], kind: str, cfg: dict | None, n: int) -> list[float]:
+    """The "base LR" of each group that `--lr` replaces: base_lrs, else the config's peak, else initial_lr/lr."""
+    for f in files:
+        for _, s in f.scheds:
+            if isinstance(s.get("base_lrs"), list) and len(s["base_lrs"]) == n:
+                return [float(x) for x in s["base_lrs"]]
+    if kind == DEEPSPEED and cfg:
+        params = (cfg.get("scheduler") or {}).get("params") or {}
+        peak = params.get("warmup_max_lr", params.get("cycle_max_lr"))
+        if peak is None:
+            peak = ((cfg.get("optimizer") or {}).get("params") or {}).get("lr")
+        if peak is not None:
+            return [float(x) for x in peak] if isinstance(peak, list) else [float(peak)] * n
+    for f in files:
+        for _, groups in _groups(f):
+            return [float(g.get("initial_lr", g.get("lr"))) for g in groups]
+    raise CkptError("no learning rate found in this checkpoint (no optimizer param_groups, no scheduler base_lrs)")
+
+
+def _scaled(v: Any, factors: list[float]) -> Any:
+    if isinstance(v, (list, tuple)) and len(v) == len(factors):
+        return [x * f if isinstance(x, (int, float)) and not isinstance(x, bool) else x for x, f in zip(v, factors)]
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        if len(set(factors)) == 1:
+            return v * factors[0]
+        return [v * f for f in factors]  # DeepSpeed schedulers accept one value per param group
+    return v
+
+
+def config_change(cfg: dict | None, factors: list[float]) -> dict[str, Any] | None:
+    """The launch-config keys to change (nested like ds_config, new values) for DeepSpeed's own schedulers."""
+    if not cfg:
+        return None
+    change: dict[str, Any] = {}
+    sched = cfg.get("scheduler") if isinstance(cfg.get("scheduler"), dict) else {}
+    sparams = sched.get("params") or {}
+    new_s = {k: _scaled(sparams[k], factors) for k in DS_SCHED_LR_PARAMS if sparams.get(k) is not None}
+    new_s = {k: v for k, v in new_s.items() if v != sparams[k]}
+    if new_s:
+        change["scheduler"] = {"params": new_s}
+    oparams = ((cfg.get("optimizer") or {}).get("params") or {}) if isinstance(cfg.get("optimizer"), dict) else {}
+    if oparams.get("lr") is not None and isinstance(oparams["lr"], (int, float)):
+        new_lr = _scaled(oparams["lr"], factors)
+        if new_lr != oparams["lr"]:
+            change["optimizer"] = {"params": {"lr": new_lr}}
+    return change or None
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out
+
+
+def plan_set_lr(ck: Checkpoint, *, scale: float | None = None, lr: float | None = None, group: int | None = None,
+                last_lr: float | None = None, last_epoch: int | None = None,
+                step_count: int | None = None) -> LrPlan:
+    """The write that changes the LR trajectory (and/or the scheduler position) of `ck`.
+
+    `scale`: multiply every LR field (base_lrs, _last_lr, lr, initial_lr, max_lr/min_lr, eta_min, and the
+    DeepSpeed config's LRs) by it. `lr`: the same with factor lr / base LR per group (base_lrs, else the
+    DeepSpeed config's peak, else initial_lr/lr). `last_lr`: the LR in effect now (_last_lr and the optimizer
+    lr). `last_epoch` / `step_count`: the scheduler's position (DeepSpeed: last_batch_iteration). `group`
+    limits LR edits to one param group. Every file of every rank that holds these fields is rewritten.
+    """
+    if scale is not None and lr is not None:
+        raise CkptError("--scale and --lr both set the trajectory: give one")
+    for name, v in (("--scale", scale), ("--lr", lr), ("--last-lr", last_lr)):
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise CkptError(f"{name} {v}: must be a positive finite number")
+    if all(v is None for v in (scale, lr, last_lr, last_epoch, step_count)):
+        raise CkptError("nothing to change: give --scale, --lr, --last-lr, --last-epoch or --step-count")
+    root, files, world = _collect(ck)
+    kind, cfg = _kind(files)
+    n = _n_groups(files)
+    sel = _select(n, group)
+    factors = [1.0] * n
+    if scale is not None:
+        factors = [scale if g in sel else 1.0 for g in range(n)]
+    elif lr is not None:
+        base = _base_lrs(files, kind, cfg, n)
+        factors = [lr / base[g] if g in sel else 1.0 for g in range(n)]
+    change = config_change(cfg, factors) if kind == DEEPSPEED and any(f != 1.0 for f in factors) else None
+
+    for f in files:
+        for path, s in f.scheds:
+            for key in SCHED_LR_LISTS:
+                v = s.get(key)
+                if isinstance(v, list) and len(v) == n:
+                    new = _scaled(v, factors)
+                    if last_lr is not None and key == "_last_lr":
+                        new = [last_lr if g in sel else x for g, x in enumerate(new)]
+                    f.set(s, path, key, new, _note(kind, key, _COSMETIC))
+            for key in SCHED_LR_SCALARS:
+                if isinstance(s.get(key), (int, float)) and len(set(factors)) == 1:
+                    f.set(s, path, key, s[key] * factors[0], _note(kind, key, _COSMETIC))
+            _set_position(f, path, s, kind, last_epoch, step_count)
+        for path, groups in _groups(f):
+            for g, pg in enumerate(groups):
+                if g not in sel or not isinstance(pg, dict):
+                    continue
+                for key in GROUP_LR_FIELDS:
+                    v = pg.get(key)
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        new = v * factors[g]
+                        if last_lr is not None and key == "lr":
+                            new = last_lr
+                        f.set(pg, path + (g,), key, new, _note(kind, key, _COSMETIC))
+        if f.ds_config and change:
+            cpath, c = f.ds_config
+            for section, sub in change.items():
+                params = c[section]["params"]
+                for key, new in sub["params"].items():
+                    f.set(params, cpath + (section, "params"), key, new, _note(DEEPSPEED, "ds_config"))
+    notes = [f"scheduler: {SCHEDULER_LABEL[kind]}; the LR after resume comes from {DRIVER[kind]}"]
+    if scale is not None:
+        notes.append(f"--scale {scale:g}: every LR field scaled alike" + (f" (param group {group})" if group is not None else ""))
+    if lr is not None:
+        notes.append(f"--lr {lr:g}: base LR set; factor per group {', '.join(f'{x:.6g}' for x in factors)} applied to every LR field")
+    if last_lr is not None:
+        notes.append(f"--last-lr {last_lr:g}: the LR in effect now (_last_lr and the optimizer lr)"
+                     + ("; the trajectory is unchanged from the next scheduler.step()" if kind == CLOSED_FORM else ""))
+    if kind == DEEPSPEED:
+        if change:
+            notes.append("DeepSpeed's scheduler takes its LRs from the LAUNCH config: editing the checkpoint "
+                         "cannot change the trajectory. Apply this change to the ds_config you launch with: "
+                         + _json(change))
+        elif scale is not None or lr is not None:
+            notes.append("DeepSpeed's scheduler takes its LRs from the launch config, and the saved ds_config names "
+                         "no LR to change: set the scheduler's LRs in your launch config")
+    if world > 1 and kind != DEEPSPEED and last_epoch is not None:
+        notes.append(f"Accelerate steps the scheduler {world}x per optimizer step: last_epoch should be "
+                     f"{world} x optimizer step")
+    return _finish(ck, root, files, "set-lr", notes, kind, change, world)
+
+
+def _set_position(f: _File, path: tuple, s: dict, kind: str, last_epoch: int | None, step_count: int | None) -> None:
+    if last_epoch is not None:
+        key = "last_batch_iteration" if kind == DEEPSPEED else "last_epoch"
+        if key in s:
+            f.set(s, path, key, int(last_epoch), _note(kind, key, "position on the schedule"))
+    if step_count is not None and "_step_count" in s:
+        f.set(s, path, "_step_count", int(step_count), _note(kind, "_step_count", "bookkeeping"))
+
+
+def _json(d: Any) -> str:
+    import json
+
+    return json.dumps(d, sort_keys=True)
+
+
+# --- set-step -------------------------------------------------------------------------------------------
+
+
+def plan_set_step(ck: Checkpoint, *, step: int | None = None, optimizer_step: int | None = None,
+                  global_step: int | None = None, last_epoch: int | None = None,
+                  step_count: int | None = None) -> LrPlan:
+    """The write that sets step counters in every file, rank and param group.
+
+    `optimizer_step`: Adam's `step` (every state entry; FusedAdam-style group `step` too). `global_step`:
+    DeepSpeed `global_steps` (+ `global_samples` when it was global_steps x train_batch_size) or a plain
+    training dict's `step`/`global_step`/`iteration`. `last_epoch` / `step_count`: the scheduler (DeepSpeed:
+    last_batch_iteration). `step`: all of them coherently for N optimizer updates: Adam step N - skipped,
+    global step N, last_epoch = world_size x (N - skipped) (Accelerate steps the scheduler once per process),
+    _step_count = last_epoch + 1, DeepSpeed last_batch_iteration = N - skipped - 1.
+    """
+    values = (step, optimizer_step, global_step, last_epoch, step_count)
+    if all(v is None for v in values):
+        raise CkptError("nothing to change: give --step, --optimizer-step, --global-step, --last-epoch or --step-count")
+    if any(v is not None and v < 0 for v in values[:3]):
+        raise CkptError("step counters must be >= 0")
+    root, files, world = _collect(ck)
+    kind, _ = _kind(files)
+    if step is not None:
+        skipped = ck.counters.skipped_steps or 0
+        updates = step - skipped
+        optimizer_step = updates if optimizer_step is None else optimizer_step
+        global_step = step if global_step is None else global_step
+        if last_epoch is None:
+            last_epoch = updates - 1 if kind == DEEPSPEED else world * updates
+        if step_count is None and kind != DEEPSPEED:
+            step_count = last_epoch + 1
+    for f in files:
+        for path, s in f.scheds:
+            _set_position(f, path, s, kind, last_epoch, step_count)
+        if optimizer_step is not None:
+            for path, osd in f.optims:
+                state = osd.get("state")
+                for pid, entry in (state.items() if isinstance(state, dict) else ()):
+                    if isinstance(entry, dict) and "step" in entry:
+                        _set_step(f, entry, path + ("state", pid), optimizer_step)
+            for path, groups in _groups(f):
+                for g, pg in enumerate(groups):
+                    if isinstance(pg, dict) and as_int(pg.get("step")) is not None:  # FusedAdam/CPUAdam keep it here
+                        f.set(pg, path + (g,), "step", type(pg["step"])(optimizer_step), "Adam step (bias correction)")
+        if global_step is not None:
+            tbs = as_int(((f.ds_config or ((), {}))[1]).get("train_batch_size"))
+            old_steps = next((o.get(k) for _, o, k in f.step_keys if k == "global_steps"), None)
+            for path, owner, key in f.step_keys:
+                if key == "global_samples":
+                    if tbs and old_steps is not None and owner[key] == old_steps * tbs:
+                        f.set(owner, path, key, global_step * tbs, "samples seen (global_steps x train_batch_size)")
+                    continue
+                f.set(owner, path, key, global_step, "training-loop step counter")
+    _check_steps_shared(files)
+    notes = [f"scheduler: {SCHEDULER_LABEL[kind]}; the LR after resume comes from {DRIVER[kind]}"]
+    if optimizer_step is not None:
+        notes.append(f"Adam step -> {optimizer_step} in every rank and param group: bias correction resumes from it")
+    if world > 1 and kind != DEEPSPEED:
+        notes.append(f"Accelerate: {world} processes step the scheduler once each per optimizer step, so last_epoch "
+                     f"= {world} x optimizer step")
+    if ck.format == "accelerate":
+        notes.append("custom_checkpoint_*.pkl is your script's own state: not changed")
+    return _finish(ck, root, files, "set-step", notes, kind, None, world)
+
+
+def _set_step(f: _File, entry: dict, path: tuple, value: int) -> None:
+    v = entry["step"]
+    note = "Adam step (bias correction)"
+    if isinstance(v, TensorRef):
+        f.set_tensor_value(entry, path, "step", float(value) if v.dtype.startswith("float") else value, note)
+    elif isinstance(v, (int, float)) and not isinstance(v, bool):
+        f.set(entry, path, "step", type(v)(value), note)
+
+
+def _check_steps_shared(files: list[_File]) -> None:
+    """A storage whose bytes we replace must belong to the step tensors alone."""
+    for f in files:
+        if not f.storage_bytes:
+            continue
+        steps = {id(_dig(f.obj, path)) for path, _ in f.checks if path[-1] == "step"}
+        for ref in _tensors(f.obj):
+            if ref.storage is not None and ref.storage.key in f.storage_bytes and id(ref) not in steps:
+                raise UnsupportedCheckpoint(f"storage {ref.storage.key} holds a step counter AND another tensor",
+                                            path=f.path, hint="cannot set one without the other")
+
+
+def _tensors(obj: Any, depth: int = 0) -> Iterator[TensorRef]:
+    if depth > 64:
+        return
+    if isinstance(obj, TensorRef):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v, depth + 1)
+    elif isinstance(obj, pickle_reader.Opaque):
+        for attr in ("state", "args", "items", "list"):
+            if attr in obj.__dict__:
+                yield from _tensors(obj.__dict__[attr], depth + 1)
+
+
+# --- the WritePlan --------------------------------------------------------------------------------------
+
+
+def _finish(ck: Checkpoint, root: Path, files: list[_File], command: str, notes: list[str], kind: str,
+            change: dict | None, world: int) -> LrPlan:
+    from ..pickle_writer import rewrite_torch_zip
+
+    writes = []
+    for f in files:
+        if not f.changes:
+            continue
+        method = "pickle rewrite (tensor bytes copied as they are)"
+        if f.storage_bytes:
+            method += f"; {len(f.storage_bytes)} step storage(s) rewritten"
+
+        def produce(tmp: Path, f: _File = f) -> None:
+            rewrite_torch_zip(f.path, tmp, f.obj, storage_bytes=f.storage_bytes)
+
+        writes.append(io.FileWrite(f.rel, tuple(f.changes), f.path.stat().st_size, produce, method))
+    checks = {f.rel: list(f.checks) for f in files if f.changes}
+
+    def verify(written_root: Path) -> list[str]:
+        from .. import open_checkpoint
+
+        problems = []
+        for rel, items in checks.items():
+            obj = pickle_reader.load(Path(written_root) / rel).obj
+            for path, want in items:
+                try:
+                    got = _dig(obj, path)
+                except (KeyError, IndexError, TypeError):
+                    problems.append(f"{rel}: {_dotted(path)} is missing after the write")
+                    continue
+                if isinstance(got, TensorRef):
+                    got = got.item()
+                if not (_same(got, want) or (isinstance(want, float) and got == want)):
+                    problems.append(f"{rel}: {_dotted(path)} reads back {got!r}, planned {want!r}")
+        try:
+            open_checkpoint(ck.path)
+        except CkptError as e:
+            problems.append(f"the checkpoint no longer opens: {e}")
+        return problems
+
+    if not writes:
+        notes = notes + ["nothing to change: every field already has the requested value"]
+    plan = io.WritePlan(root, command, tuple(writes), tuple(notes), verify)
+    return LrPlan(plan, kind, DRIVER[kind], change, world)
+
+
+def set_lr(path: str | Path, *, backup_dir: Path | None = None, on_stage=None, **kw) -> tuple[LrPlan, io.Transaction | None]:
+    """Open, plan and execute `set-lr` in one call (the library's `ckpt set-lr --yes`)."""
+    from .. import open_checkpoint
+
+    p = plan_set_lr(open_checkpoint(path), **kw)
+    return p, (io.execute(p.plan, backup_dir=backup_dir, on_stage=on_stage) if p.plan.writes else None)
+
+
+def set_step(path: str | Path, *, backup_dir: Path | None = None, on_stage=None, **kw) -> tuple[LrPlan, io.Transaction | None]:
+    """Open, plan and execute `set-step` in one call (the library's `ckpt set-step --yes`)."""
+    from .. import open_checkpoint
+
+    p = plan_set_step(open_checkpoint(path), **kw)
+    return p, (io.execute(p.plan, backup_dir=backup_dir, on_stage=on_stage) if p.plan.writes else None)
+
+
+__all__ = ["LrPlan", "plan_set_lr", "plan_set_step", "set_lr", "set_step", "scheduler_kind", "config_change",
+           "CLOSED_FORM", "CHAINABLE", "ONE_CYCLE", "DEEPSPEED", "NO_SCHEDULER"]
