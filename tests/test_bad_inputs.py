@@ -55,8 +55,6 @@ def _judge(c: B.Case, argv: list, r) -> list[str]:
     if argv[0] == "diff":
         # diff compares an unreadable file byte-level and reports it as a difference (exit 1), naming it
         allowed = allowed | {1}
-        if argv[1] == argv[2]:  # no clean twin: a path against itself (reported: diff then exits 0 even on
-            allowed = allowed | {0}  # a folder that is no checkpoint, without reading it)
     if argv[0] == "set-lr" and 0 in allowed:
         allowed = allowed | {2}  # harmless damage, but set-lr may not edit this format at all: refused
     out = []

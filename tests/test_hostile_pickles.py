@@ -100,8 +100,6 @@ def test_to_universal_dry_run_executes_nothing(corpus, tmp_path):
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.xfail(strict=True, reason="reported: ops/to_universal.py builds its plan notes without the reader's "
-                   "unknown-global warnings, so --dry-run does not name the hostile global")
 def test_to_universal_dry_run_names_the_global(corpus, tmp_path):
     root, markers, cases = corpus
     c = next(c for c in cases if c.name == "p-os_system")

@@ -233,6 +233,10 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, atol: float = 0.0, rtol: fl
     pa, pb = Path(a), Path(b)
     if atol < 0 or rtol < 0:
         raise CkptError("--atol/--rtol must be >= 0")
+    from ..formats import detect
+
+    for p in (pa, pb):
+        detect(p)  # both must be checkpoints: an empty or unrelated folder is an error, not "no difference"
     fa, fb = _files(pa), _files(pb)
     if pa.is_file() and pb.is_file():
         fb = {pa.name: pb}  # two single files: compare them whatever their names

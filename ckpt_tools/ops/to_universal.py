@@ -195,6 +195,8 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
             hint="pass --tp-layout megatron for Megatron-style names, or --pattern REGEX=MERGE for each kind; "
                  "DeepSpeed's --inject_missing_state would concatenate every tensor on dim 0")
     layout_name = "tp=1 (nothing to merge)" if layout is None else " > ".join(layout.sources)
+    # a pickle naming code the reader would not run: the dry run must say so before anything loads it
+    notes += [f"warning {w.code}: {w.message} ({w.path})" for w in ck.warnings if w.code == "unknown-global"]
 
     state = ck.optimizer.children.get("state", GroupNode()).children
     jobs: list[ParamJob] = []
