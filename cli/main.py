@@ -31,9 +31,9 @@ _resume.register(app)
 _set_lr.register(app)
 
 
-# typer >= 0.29 vendors click (typer._click): its usage errors are not click's own classes
-_CLICK_ERRORS = (__import__("click").exceptions.ClickException,) + tuple(
-    c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+# typer >= 0.29 vendors click (typer._click) and does not install click itself: take the usage-error
+# base class from typer's own exception hierarchy (with an older typer that uses click, that is click's class)
+_CLICK_ERRORS = tuple(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 
 def _install_test_kill_hook() -> None:
