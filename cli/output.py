@@ -136,3 +136,19 @@ def print_write_plan(con, plan) -> None:
             con.print(f"      {escape(c.field):<{width}}  {escape(change)}  [dim]{escape(c.note)}[/]", soft_wrap=True)
     for n in plan.notes:
         con.print(f"  {escape(n)}", soft_wrap=True)
+
+
+def confirm_and_execute(con, plan, *, dry_run: bool, yes: bool, backup_dir, verb: str):
+    """The tail every writing command shares: --dry-run stops here; otherwise confirm (unless --yes) and
+    carry the plan out through `ckpt_tools.io.execute`. Returns the transaction, or None for a dry run."""
+    import typer
+
+    from ckpt_tools import io
+
+    if dry_run:
+        con.print("[dim]dry run: nothing written[/]")
+        return None
+    if not yes and not typer.confirm(f"{verb} {len(plan.writes)} files in {plan.root}?", default=False):
+        con.print("nothing written")
+        raise typer.Exit(1)
+    return io.execute(plan, backup_dir=backup_dir)

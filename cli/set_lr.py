@@ -19,8 +19,6 @@ _BACKUP_HELP = "where the originals go (default: <parent>/.ckpt-backups/<name>/,
 
 def _run(lp, *, dry_run: bool, yes: bool, json_out: bool, backup_dir: Optional[Path]) -> int:
     """Show the plan (table or JSON), confirm or --yes, execute through io, report."""
-    from ckpt_tools import io
-
     plan = lp.plan
     if json_out and not (yes or dry_run):
         raise typer.BadParameter("--json cannot prompt: add --yes or --dry-run", param_hint="--json")
@@ -36,13 +34,9 @@ def _run(lp, *, dry_run: bool, yes: bool, json_out: bool, backup_dir: Optional[P
         else:
             con.print("[green]nothing to do[/]")
         return 0
-    if dry_run:
-        con.print("[dim]dry run: nothing written[/]")
+    tx = output.confirm_and_execute(con, plan, dry_run=dry_run, yes=yes, backup_dir=backup_dir, verb="rewrite")
+    if tx is None:
         return 0
-    if not yes and not typer.confirm(f"rewrite {len(plan.writes)} files in {plan.root}?", default=False):
-        con.print("nothing written")
-        return 1
-    tx = io.execute(plan, backup_dir=backup_dir)
     if json_out:
         output.print_json({"dry_run": False, "plan": lp.to_json(), "transaction": str(tx.dir)})
     else:

@@ -128,13 +128,9 @@ def sync_tp_cmd(
         return 0
     if not json_out:
         _print_plan(con, plan)
-    if dry_run:
-        con.print("[dim]dry run: nothing written[/]")
+    tx = output.confirm_and_execute(con, plan, dry_run=dry_run, yes=yes, backup_dir=backup_dir, verb="patch")
+    if tx is None:
         return 0
-    if not yes and not typer.confirm(f"patch {len(plan.writes)} files in {plan.root}?", default=False):
-        con.print("nothing written")
-        return 1
-    tx = io.execute(plan, backup_dir=backup_dir)
     after = ops.check_tp_sync(ops.open_for_tp_sync(path, pattern), patterns=pattern)
     if json_out:
         output.print_json({"dry_run": False, "plan": plan.to_json(), "transaction": str(tx.dir),
@@ -142,7 +138,7 @@ def sync_tp_cmd(
     else:
         con.print(f"[green]patched {len(tx.files)} files; check-tp-sync now: {after.percent_in_sync:.0f}% of "
                   f"{len(after.params)} replicated parameters in sync[/]")
-        con.print(f"backups and journal: {tx.dir}  (undo: ckpt_tools.io.restore({str(plan.root)!r}))")
+        con.print(f"backups and journal: {tx.dir}  (undo: ckpt restore {plan.root})")
     return 0 if after.ok else 1
 
 
