@@ -28,10 +28,13 @@ def main() -> None:
     ap.add_argument("--ckpt", type=Path, default=OUT_DIR / "zero2_2g")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--skip-deepspeed", action="store_true")
+    ap.add_argument("--scratch", type=Path, default=OUT_DIR / "to_universal_scratch",
+                    help="where outputs go; put it (and --ckpt) on tmpfs to measure the converters without the disk")
+    ap.add_argument("--results", default="to_universal_results.json", help="file name under bench/out/")
     args = ap.parse_args()
     ck = args.ckpt.resolve()
     tag = (ck / "latest").read_text().strip()
-    scratch = OUT_DIR / "to_universal_scratch"
+    scratch = args.scratch.resolve()
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
     w = str(args.workers)
@@ -78,7 +81,8 @@ def main() -> None:
         doc["export_rss_ratio_vs_zero_to_fp32"] = (r["ckpt export (fp32, safetensors)"]["peak_rss_bytes"]
                                                    / r["zero_to_fp32 (safetensors)"]["peak_rss_bytes"])
     doc["to_universal_vs_cp"] = r["ckpt to-universal"]["wall_s"] / r["cp -r"]["wall_s"]
-    (OUT_DIR / "to_universal_results.json").write_text(json.dumps(doc, indent=1))
+    doc["scratch"] = str(scratch)
+    (OUT_DIR / args.results).write_text(json.dumps(doc, indent=1))
     print(json.dumps({k: v for k, v in doc.items() if k not in ("results", "machine")}, indent=1))
 
 

@@ -43,3 +43,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    c.shutdown()

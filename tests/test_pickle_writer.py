@@ -155,6 +155,7 @@ ENGINE_SCRIPT = textwrap.dedent("""
         print("RESULT " + json.dumps({"path": path, "global_steps": engine.global_steps,
                                       "lrs": c.current_lrs(engine.optimizer),
                                       "adam_step": c.adam_step(engine.optimizer)}))
+    c.shutdown()
 """)
 
 

@@ -19,8 +19,10 @@ Every edit is a pickle rewrite through `pickle_writer.rewrite_torch_zip`: the in
 produced is edited and re-pickled, every tensor member copied byte for byte (a 2 GB ZeRO optimizer file is
 never materialised, deepspeed is never imported). A new Adam `step` value is new bytes for its 0-d
 storage (`storage_bytes=`). Plain pickles and legacy (pre-1.6) torch files are refused: re-save once in
-zip format. DCP folders are read-only here (their items are zips inside `.distcp` files indexed by byte
-offsets in `.metadata`): the error names the alternative.
+zip format. DCP folders (FSDP2 / torchtitan) are one more target: the same state dict is assembled from
+their items (`dcp_write.DcpFolder.state_tree`), edited by the same code, and each changed item becomes a new
+blob; the `.distcp` files holding them and `.metadata` (moved offsets) go into the same WritePlan.
+Accelerate's FSDP layout (DCP folders beside scheduler.bin) is still refused.
 
 Order of use: `plan_set_lr(ck, scale=0.5)` / `plan_set_step(ck, optimizer_step=N)` (pure; reads metadata
 and the pickles) -> `LrPlan.plan` to `io.execute` (staged outside the checkpoint, backed up, atomic,
@@ -230,18 +232,114 @@ def _deepspeed_files(root: Path, tag_dir: Path) -> list[_File]:
     return out
 
 
+class _DcpFile(_File):
+    """A DCP folder seen as one state dict: `obj` is assembled from its items (scheduler, optimizer
+    param_groups and 0-d Adam steps, the loop step); each edit is recorded against the flat DCP key it came
+    from (`FieldChange.file` is the `.distcp` file holding it) with the item's new blob."""
+
+    def __init__(self, folder, obj: Any, index: dict[tuple, str]):
+        super().__init__(".metadata", folder.root / ".metadata", obj)
+        self.folder = folder
+        self.index = index
+        self.blobs: dict[str, bytes] = {}
+
+    def _record(self, path: tuple, old: Any, new: Any, note: str, blob: bytes) -> None:
+        key = self.index.get(path)
+        if key is None:
+            raise UnsupportedCheckpoint(f"{_dotted(path)} is not one item of this DCP checkpoint; cannot edit it",
+                                        path=self.folder.root)
+        self.blobs[key] = blob
+        self.changes.append(io.FieldChange(self.folder.item(key).rel, key, _plain(old), _plain(new), note))
+        self.checks.append((key, new))
+
+    def set(self, owner: dict, path: tuple, key: Any, new: Any, note: str) -> None:
+        from ..dcp_write import value_blob
+
+        old = owner.get(key)
+        if _same(old, new):
+            return
+        blob = value_blob(new)
+        owner[key] = new
+        self._record(path + (key,), old, new, note, blob)
+
+    def set_tensor_value(self, owner: dict, path: tuple, key: Any, value: float, note: str) -> None:
+        from ..dcp_write import tensor_blob
+
+        ref = owner[key]
+        if ref.shape != () or pickle_reader._STRUCT.get(ref.dtype) is None:
+            raise UnsupportedCheckpoint(f"{_dotted(path + (key,))} is a {ref.dtype} tensor of shape {ref.shape}; "
+                                        "cannot set its value", path=self.folder.root)
+        fmt = pickle_reader._STRUCT[ref.dtype]
+        if ref.dtype.startswith("float") and struct.unpack("<" + fmt, struct.pack("<" + fmt, value))[0] != value:
+            raise CkptError(f"{value} is not exactly representable as {ref.dtype} ({_dotted(path + (key,))})",
+                            path=self.folder.root)
+        old = ref.item()
+        if old == value:
+            return
+        self._record(path + (key,), old, value, note, tensor_blob(ref.dtype, value))
+
+    def writes(self) -> list[io.FileWrite]:
+        by_file: dict[str, list[io.FieldChange]] = {}
+        for c in self.changes:
+            by_file.setdefault(c.file, []).append(c)
+        out = []
+        for rel, nbytes, produce in self.folder.rewrite(self.blobs):
+            method = ("re-pickled with the moved items' offsets/lengths" if rel == ".metadata" else
+                      f"{len(by_file.get(rel, []))} item(s) re-blobbed (torch.save of the new value); every other "
+                      "item copied byte for byte")
+            out.append(io.FileWrite(rel, tuple(by_file.get(rel, ())), nbytes, produce, method))
+        return out
+
+    def verify(self, written_root: Path) -> list[str]:
+        from ..dcp_write import DcpFolder
+
+        folder = DcpFolder(written_root)
+        problems = []
+        for key, want in self.checks:
+            try:
+                got = folder._load(folder.item(key))
+            except CkptError as e:
+                problems.append(f"{key}: unreadable after the write ({e})")
+                continue
+            if isinstance(got, TensorRef):
+                got = got.item()
+            if not (_same(got, want) or (isinstance(want, float) and got == want)):
+                problems.append(f"{key} reads back {got!r}, planned {want!r}")
+        return problems
+
+
+def _dcp_file(root: Path) -> _DcpFile:
+    from ..dcp_write import DcpFolder
+    from ..formats.torch_file import OPTIM_KEYS, SCHED_KEYS, STEP_KEYS
+
+    folder = DcpFolder(root)
+    obj, index = folder.state_tree(OPTIM_KEYS + SCHED_KEYS + STEP_KEYS)
+    f = _DcpFile(folder, obj, index)
+    sk = next((k for k in SCHED_KEYS if isinstance(obj.get(k), dict)), None)
+    ok = next((k for k in OPTIM_KEYS if isinstance(obj.get(k), dict) and "param_groups" in obj[k]), None)
+    if sk:
+        f.scheds.append(((sk,), obj[sk]))
+    if ok:
+        f.optims.append(((ok,), obj[ok]))
+    f.step_keys += [((), obj, k) for k in STEP_KEYS
+                    if as_int(obj.get(k)) is not None and not isinstance(obj.get(k), bool)]
+    return f
+
+
 def _collect(ck: Checkpoint) -> tuple[Path, list[_File], int]:
     """(plan root, the files holding scheduler / optimizer / counter state, scheduler steps per update)."""
     from ..formats.torch_file import OPTIM_KEYS, SCHED_KEYS, STEP_KEYS
 
     fmt = ck.format
-    if fmt == "dcp" or (fmt == "accelerate" and "fsdp" in str(ck.details.get("engine", ""))):
+    if fmt == "accelerate" and "fsdp" in str(ck.details.get("engine", "")):
         raise UnsupportedCheckpoint(
-            "DCP checkpoints are read-only for set-lr/set-step: their scheduler and param_groups are items "
-            "inside .distcp files indexed by byte offsets in .metadata", path=ck.path,
+            "Accelerate FSDP checkpoints are read-only for set-lr/set-step: their optimizer is a DCP folder "
+            "beside scheduler.bin", path=ck.path,
             hint="load it, then call scheduler.load_state_dict / set group['lr'] in your training script, or "
                  "convert it with torch.distributed.checkpoint.format_utils.dcp_to_torch_save and edit that file")
     root = Path(ck.path)
+    if fmt == "dcp":
+        return root, [_dcp_file(root)], 1
     if fmt in ("deepspeed_zero", "deepspeed_pipeline"):
         tag = ck.details.get("tag")
         tag_dir = root / tag if tag and (root / tag).is_dir() else root
@@ -587,6 +685,9 @@ def _finish(ck: Checkpoint, root: Path, files: list[_File], command: str, notes:
     for f in files:
         if not f.changes:
             continue
+        if isinstance(f, _DcpFile):
+            writes += f.writes()
+            continue
         method = "pickle rewrite (tensor bytes copied as they are)"
         if f.storage_bytes:
             method += f"; {len(f.storage_bytes)} step storage(s) rewritten"
@@ -595,12 +696,13 @@ def _finish(ck: Checkpoint, root: Path, files: list[_File], command: str, notes:
             rewrite_torch_zip(f.path, tmp, f.obj, storage_bytes=f.storage_bytes)
 
         writes.append(io.FileWrite(f.rel, tuple(f.changes), f.path.stat().st_size, produce, method))
-    checks = {f.rel: list(f.checks) for f in files if f.changes}
+    checks = {f.rel: list(f.checks) for f in files if f.changes and not isinstance(f, _DcpFile)}
+    dcp_checks = [f.verify for f in files if f.changes and isinstance(f, _DcpFile)]
 
     def verify(written_root: Path) -> list[str]:
         from .. import open_checkpoint
 
-        problems = []
+        problems = [p for check in dcp_checks for p in check(Path(written_root))]
         for rel, items in checks.items():
             obj = pickle_reader.load(Path(written_root) / rel).obj
             for path, want in items:

@@ -51,6 +51,16 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def shutdown() -> None:
+    """End the process group cleanly. gloo aborts a process ("terminate called without an active
+    exception", SIGABRT) when the interpreter exits with a group still alive, failing a run that succeeded."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def build_model() -> TinyGPT:
     """The tiny GPT, seeded so that every rank starts from the same weights without a broadcast."""
     torch.manual_seed(SEED)

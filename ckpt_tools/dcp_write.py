@@ -1,0 +1,250 @@
+"""Replace a few items of a torch distributed checkpoint (DCP) folder: new `.distcp` files and a new `.metadata`.
+
+Every DCP item (a tensor chunk, or a pickled Python value) is its own small torch.save zip inside a
+`.distcp` file, found through `.metadata`'s `storage_data[MetadataIndex] -> _StorageInfo(relative_path,
+offset, length)`. A changed value is a new blob whose length may differ from the old one, so every item
+after it in the same file moves: the file is rewritten (unchanged items and any bytes between them copied
+as they are, in their order; new blobs in place of the changed ones) and `.metadata` is re-pickled with
+the moved items' offsets and lengths (`pickle_writer.dumps` of the inert tree the safe reader produced:
+nothing from the checkpoint is imported or run). When no offset or length changes, `.metadata` is left
+alone.
+
+Order of use: `DcpFolder(root)` (reads `.metadata`) -> `value(key)` / `tensor(key)` / `state_tree(...)`
+to find what to edit -> `rewrite({key: new blob})` -> the `(relative path, nbytes, produce)` triples that
+go into one `io.WritePlan`, so that the `.distcp` files and `.metadata` are replaced (and rolled back)
+together. `read_item(root, key)` re-reads one item for verification.
+"""
+from __future__ import annotations
+
+import io as _io
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import pickle_reader
+from .errors import CorruptCheckpoint, UnsupportedCheckpoint
+from .io import copy_range
+from .pickle_reader import TensorRef, is_opaque
+
+METADATA = ".metadata"
+
+#: the only value types written as new bytes items (our own plain values, never objects from the file)
+_PLAIN = (bool, int, float, str, type(None))
+
+
+@dataclass
+class Item:
+    """One stored item: its flat key, chunk offsets (None for a bytes item), where it lives, and the
+    inert `_StorageInfo` record that `.metadata` holds for it (edited when the item moves)."""
+
+    key: str
+    offsets: tuple[int, ...] | None
+    rel: str
+    offset: int
+    length: int
+    info: Any
+    is_tensor: bool
+
+
+def _offsets(v: Any) -> tuple[int, ...] | None:
+    return None if v is None else tuple(int(x) for x in v)
+
+
+class DcpFolder:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        meta_path = self.root / METADATA
+        self.meta = pickle_reader.load(meta_path).obj
+        md = self.meta
+        sdm = md.field("state_dict_metadata") if is_opaque(md, "Metadata") else None
+        storage = md.field("storage_data") if is_opaque(md, "Metadata") else None
+        if not isinstance(sdm, dict) or not isinstance(storage, dict):
+            raise CorruptCheckpoint(".metadata does not hold a torch.distributed.checkpoint Metadata", path=meta_path)
+        planner = md.field("planner_data")
+        self.planner = planner if isinstance(planner, dict) else {}
+        self.sdm = sdm
+        self.items: dict[tuple[str, tuple[int, ...] | None], Item] = {}
+        for idx, info in storage.items():
+            if not (is_opaque(idx, "MetadataIndex") and is_opaque(info) and isinstance(info.state, dict)):
+                raise UnsupportedCheckpoint(f"storage_data entry {idx!r} is not a plain _StorageInfo", path=meta_path)
+            rel, off, n = info.field("relative_path"), info.field("offset"), info.field("length")
+            if not isinstance(rel, str) or Path(rel).name != rel or not isinstance(off, int) or not isinstance(n, int):
+                raise CorruptCheckpoint(f"bad storage entry for {idx.field('fqn')!r}", path=meta_path)
+            if info.field("transform_descriptors"):
+                raise UnsupportedCheckpoint(f"{idx.field('fqn')} is stored with transforms; cannot rewrite it",
+                                            path=meta_path, hint="re-save without storage transforms")
+            key = idx.field("fqn")
+            offsets = _offsets(idx.field("offset"))
+            self.items[(key, offsets)] = Item(key, offsets, rel, off, n, info,
+                                              is_opaque(sdm.get(key), "TensorStorageMetadata"))
+        self._sources: dict[str, pickle_reader.Source] = {}
+
+    # --- reading ----------------------------------------------------------------------------------------
+
+    def _load(self, it: Item) -> Any:
+        src = self._sources.get(it.rel)
+        if src is None:
+            src = self._sources[it.rel] = pickle_reader.Source(self.root / it.rel)
+        return pickle_reader.load_embedded(src, it.offset, it.length).obj
+
+    def value(self, key: str) -> Any:
+        """The inert value of a bytes item."""
+        return self._load(self.items[(key, None)])
+
+    def tensor(self, key: str) -> TensorRef | None:
+        """A tensor item stored whole as one 0-d chunk (an Adam `step`), else None."""
+        meta = self.sdm.get(key)
+        chunks = meta.field("chunks") if is_opaque(meta, "TensorStorageMetadata") else None
+        if not isinstance(chunks, list) or len(chunks) != 1 or tuple(meta.field("size") or ()) != ():
+            return None
+        it = self.items.get((key, ()))
+        ref = self._load(it) if it else None
+        return ref if isinstance(ref, TensorRef) and ref.shape == () else None
+
+    def item(self, key: str) -> Item:
+        it = self.items.get((key, None)) or self.items.get((key, ()))
+        if it is None:
+            raise CorruptCheckpoint(f"{key}: no storage entry", path=self.root / METADATA)
+        return it
+
+    def state_tree(self, tops: tuple[str, ...]) -> tuple[dict, dict[tuple, str]]:
+        """The nested state dict under the top-level keys `tops` (values read, 0-d tensors as TensorRefs,
+        bigger tensors left out), with dicts keyed 0..n-1 turned into lists (param_groups), and the map from
+        each leaf's key path to its flat DCP key."""
+        tree: dict = {}
+        index: dict[tuple, str] = {}
+        for key, meta in self.sdm.items():
+            path = self.planner.get(key)
+            path = tuple(path) if isinstance(path, (tuple, list)) else (key,)
+            if not path or path[0] not in tops:
+                continue
+            if is_opaque(meta, "BytesStorageMetadata"):
+                leaf = self.value(key)
+            elif is_opaque(meta, "TensorStorageMetadata"):
+                leaf = self.tensor(key)
+                if leaf is None:
+                    continue
+            else:
+                continue
+            slot = tree
+            for k in path[:-1]:
+                slot = slot.setdefault(k, {})
+                if not isinstance(slot, dict):
+                    raise CorruptCheckpoint(f"{key}: planner_data path {path} runs through a value",
+                                            path=self.root / METADATA)
+            slot[path[-1]] = leaf
+            index[path] = key
+        return _listify(tree), index
+
+    # --- writing ----------------------------------------------------------------------------------------
+
+    def rewrite(self, blobs: dict[str, bytes]) -> list[tuple[str, int, Callable[[Path], None]]]:
+        """The files to write so that each flat key in `blobs` holds the new blob: `(rel, nbytes, produce)`
+        for every `.distcp` file holding a changed item, then `.metadata` when an item moved or resized."""
+        changed = {self.item(k).rel for k in blobs}
+        out = []
+        moved = False
+        for rel in sorted(changed):
+            items = sorted((it for it in self.items.values() if it.rel == rel), key=lambda it: it.offset)
+            size = (self.root / rel).stat().st_size
+            segments: list[tuple[str, Any]] = []  # ("copy", (src_off, n)) | ("blob", bytes)
+            cursor = pos = 0
+            for it in items:
+                if it.offset < cursor or it.offset + it.length > size:
+                    raise CorruptCheckpoint(f"{it.key}: item at {rel}[{it.offset}:{it.offset + it.length}] "
+                                            "overlaps another or lies outside the file", path=self.root / rel)
+                if it.offset > cursor:
+                    segments.append(("copy", (cursor, it.offset - cursor)))
+                    pos += it.offset - cursor
+                new = blobs.get(it.key) if not it.is_tensor or it.offsets == () else None
+                if new is None:
+                    segments.append(("copy", (it.offset, it.length)))
+                    n = it.length
+                else:
+                    segments.append(("blob", new))
+                    n = len(new)
+                if (pos, n) != (it.offset, it.length):
+                    moved = True
+                    it.info.state = {**it.info.state, "offset": pos, "length": n}
+                pos += n
+                cursor = it.offset + it.length
+            if cursor < size:
+                segments.append(("copy", (cursor, size - cursor)))
+                pos += size - cursor
+            out.append((rel, pos, _producer(self.root / rel, segments)))
+        if moved:
+            from .pickle_writer import dumps
+
+            data = dumps(self.meta)
+            out.append((METADATA, len(data), lambda tmp, data=data: Path(tmp).write_bytes(data)))
+        return out
+
+
+def _producer(src: Path, segments: list[tuple[str, Any]]) -> Callable[[Path], None]:
+    def produce(tmp: Path) -> None:
+        sfd = os.open(src, os.O_RDONLY)
+        try:
+            dfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                pos = 0
+                for kind, what in segments:
+                    if kind == "copy":
+                        off, n = what
+                        copy_range(sfd, dfd, off, pos, n)
+                    else:
+                        n = os.pwrite(dfd, what, pos)
+                        if n != len(what):
+                            raise OSError(f"short write to {tmp}")
+                    pos += n
+                os.ftruncate(dfd, pos)
+            finally:
+                os.close(dfd)
+        finally:
+            os.close(sfd)
+    return produce
+
+
+def _listify(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        obj = {k: _listify(v) for k, v in obj.items()}
+        if obj and all(isinstance(k, int) for k in obj) and sorted(obj) == list(range(len(obj))):
+            return [obj[i] for i in range(len(obj))]
+    return obj
+
+
+def value_blob(value: Any) -> bytes:
+    """A bytes item as DCP writes it (`torch.save` of the value), for one of our own plain values."""
+    import torch
+
+    if not _is_plain(value):
+        raise UnsupportedCheckpoint(f"refusing to write {type(value).__name__} value {value!r} as a DCP item")
+    buf = _io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def tensor_blob(dtype: str, value: float) -> bytes:
+    """A 0-d tensor item as DCP writes it (`torch.save` of the tensor)."""
+    import torch
+
+    buf = _io.BytesIO()
+    torch.save(torch.tensor(value, dtype=getattr(torch, dtype)), buf)
+    return buf.getvalue()
+
+
+def _is_plain(v: Any, depth: int = 0) -> bool:
+    if isinstance(v, _PLAIN) and type(v) in _PLAIN:
+        return True
+    if isinstance(v, (list, tuple)) and type(v) in (list, tuple) and depth < 8:
+        return all(_is_plain(x, depth + 1) for x in v)
+    return False
+
+
+def read_item(root: Path, key: str) -> Any:
+    """Re-read one item (a bytes item's value, or a 0-d tensor's value) through `.metadata`: for verify."""
+    folder = DcpFolder(root)
+    it = folder.item(key)
+    obj = folder._load(it)
+    return obj.item() if isinstance(obj, TensorRef) else obj
