@@ -173,3 +173,21 @@ def test_inspect_does_not_import_torch_or_deepspeed():
     for p in (sample("deepspeed", "zero2_bf16"), sample("deepspeed", "zero3_bf16"), sample("torch", "plain.pt"),
               sample("accelerate", "accelerate_ddp"), sample("safetensors", "sharded")):
         subprocess.run([sys.executable, "-c", code, str(p)], check=True, capture_output=True)
+
+
+def test_fast_argument_path_matches_typer(capsys):
+    """`ckpt inspect` parses its options without typer's pydantic layer for speed; results must not differ."""
+    from cli import main as cli_main
+
+    p = str(sample("deepspeed", "zero2_lambdalr"))
+    for args in (["--json"], ["--json", "--grep", "step|lr", "-d", "3"], ["--json", "--rank", "dp=1", "-q"]):
+        argv = ["inspect", p, *args]
+        assert cli_main._fast_inspect(argv) is not None
+        cli_main.main(argv)
+        fast = capsys.readouterr().out
+        cli_main.app(args=argv, standalone_mode=False)
+        slow = capsys.readouterr().out
+        assert json.loads(fast) == json.loads(slow)
+    assert cli_main._fast_inspect(["inspect", p, "--help"]) is None
+    assert cli_main._fast_inspect(["inspect", p, "--bogus"]) is None
+    assert cli_main._fast_inspect(["inspect"]) is None
