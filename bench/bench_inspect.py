@@ -206,21 +206,20 @@ PHASES = r'''
 import io, json, sys, time
 t = [time.perf_counter()]
 def lap(): t.append(time.perf_counter())
-import cli.main; lap()                                   # typer, click, rich-free CLI modules, ckpt_tools
-import typer._adapters; lap()                            # what typer imports lazily to coerce params (pydantic)
+import cli.main; lap()                                   # typer, the CLI modules, ckpt_tools (no torch)
+a = cli.main._fast_inspect(["inspect", sys.argv[1], "--json"]); lap()  # option parsing (argparse fast path)
 from ckpt_tools import open_checkpoint
 from ckpt_tools.ops import inspect as ops
 ck = open_checkpoint(sys.argv[1]); lap()                 # format modules + reading the pickles
 doc = ops.summary(ck, ops.filter_tree(ck.tree), None); lap()
-s1 = json.dumps(doc, indent=1, default=repr); lap()      # what cli.output.print_json does
-s2 = json.dumps(doc, separators=(",", ":"), default=repr); lap()  # no indent: the C encoder
+s1 = json.dumps(doc, default=repr); lap()                # what cli.output.print_json does when piped
 from cli import output
-con = output.console(); con.file = io.StringIO(); lap()  # rich import
-con.print(output.render_tree(ck.tree, "tree")); lap()    # the human tree
-names = ["import cli.main", "import typer._adapters (pydantic)", "open_checkpoint", "summary + filter_tree",
-         "json.dumps(indent=1)", "json.dumps(compact)", "import rich Console", "render human tree"]
-print(json.dumps({"phases": dict(zip(names, (b - a for a, b in zip(t, t[1:])))),
-                  "json_bytes_indent1": len(s1), "json_bytes_compact": len(s2)}))
+con = output.console(); con.file = io.StringIO(); lap()  # rich import (the human header)
+lines = output.tree_lines(ck.tree, "tree"); lap()        # the human tree
+names = ["import cli.main", "parse options", "open_checkpoint", "summary + filter_tree", "json.dumps",
+         "import rich Console", "render human tree"]
+print(json.dumps({"phases": dict(zip(names, (b - a for a, b in zip(t, t[1:])))), "json_bytes": len(s1),
+                  "tree_lines": len(lines)}))
 '''
 
 
@@ -236,8 +235,7 @@ def phases(ckpts: list[Path], repeat: int) -> dict:
             run_measured([sys.executable, "-c", PHASES, str(ck)], cwd=REPO_ROOT, stdout_path=f)
             docs.append(json.loads(f.read_text()))
         out[ck.name] = {"phases_s": {k: statistics.median(d["phases"][k] for d in docs) for k in docs[0]["phases"]},
-                        "json_bytes_indent1": docs[0]["json_bytes_indent1"],
-                        "json_bytes_compact": docs[0]["json_bytes_compact"]}
+                        "json_bytes": docs[0]["json_bytes"], "tree_lines": docs[0]["tree_lines"]}
     return out
 
 
@@ -247,7 +245,8 @@ def print_phases(ph: dict) -> None:
     print(f"{'phase':<36}" + "".join(f"{ck:>14}" for ck in ph))
     for n in names:
         print(f"{n:<36}" + "".join(f"{ph[ck]['phases_s'][n]:14.3f}" for ck in ph))
-    print(f"{'--json output bytes (indent=1)':<36}" + "".join(f"{ph[ck]['json_bytes_indent1']:14,}" for ck in ph))
+    print(f"{'--json output bytes':<36}" + "".join(f"{ph[ck]['json_bytes']:14,}" for ck in ph))
+    print(f"{'human tree lines':<36}" + "".join(f"{ph[ck]['tree_lines']:14,}" for ck in ph))
 
 
 def main(argv: list[str] | None = None) -> None:
