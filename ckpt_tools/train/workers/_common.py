@@ -61,6 +61,15 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def drop_deepspeed_scripts(folder: Path) -> None:
+    """DeepSpeed's save_checkpoint copies its own recovery scripts (zero_to_fp32.py, zero_to_torch.py) into
+    the checkpoint's parent folder. They are DeepSpeed's code, not checkpoint state, and this project does
+    not ship DeepSpeed's code, so the samples leave them out (rank 0 removes them after saving)."""
+    if rank() == 0:
+        for name in ("zero_to_fp32.py", "zero_to_torch.py"):
+            (Path(folder) / name).unlink(missing_ok=True)
+
+
 def build_model() -> TinyGPT:
     """The tiny GPT, seeded so that every rank starts from the same weights without a broadcast."""
     torch.manual_seed(SEED)

@@ -106,6 +106,7 @@ def main() -> None:
 
     def save() -> dict[str, Any]:
         accelerator.save_state(str(ckpt))
+        c.drop_deepspeed_scripts(ckpt)
         saved_progress.update(progress.state_dict())
         # the DeepSpeed engine counts overflow-skipped steps; DDP has no such counter
         return c.snapshot(global_step=progress.steps, optimizer=optimizer, scheduler=scheduler.scheduler,

@@ -322,6 +322,7 @@ def main() -> None:
         if uc_info is not None:
             client_state[UNIVERSAL_CHECKPOINT_INFO] = uc_info
         engine.save_checkpoint(str(ckpt), client_state=client_state)
+        c.drop_deepspeed_scripts(ckpt)
         return {**c.snapshot(global_step=engine.global_steps, optimizer=engine.optimizer,
                              scheduler=engine.lr_scheduler, skipped_steps=engine.skipped_steps),
                 "drift": replica_drift(engine, coord.model)}

@@ -91,6 +91,7 @@ def main() -> None:
 
     def save() -> dict[str, Any]:
         engine.save_checkpoint(str(ckpt))
+        c.drop_deepspeed_scripts(ckpt)
         return c.snapshot(global_step=engine.global_steps, optimizer=engine.optimizer,
                           scheduler=engine.lr_scheduler, skipped_steps=engine.skipped_steps)
 
