@@ -146,6 +146,10 @@ class TensorRef:
         begin = (self.storage_offset + start_elem) * esize
         return self.storage.source.read_storage(self.storage, begin, count * esize)
 
+    def read_bytes(self) -> bytes:
+        """The tensor's raw bytes (contiguous tensors; no numpy, no torch)."""
+        return bytes(self._raw())
+
     def read_values(self) -> list:
         """The elements as Python numbers, flattened (for small tensors: counters, scalars)."""
         if self.numel == 0:

@@ -171,7 +171,9 @@ def test_inspect_does_not_import_torch_or_deepspeed():
             "bad = [m for m in ('torch', 'deepspeed', 'numpy') if m in sys.modules]\n"
             "assert not bad, bad")
     for p in (sample("deepspeed", "zero2_bf16"), sample("deepspeed", "zero3_bf16"), sample("torch", "plain.pt"),
-              sample("accelerate", "accelerate_ddp"), sample("safetensors", "sharded")):
+              sample("accelerate", "accelerate_ddp"), sample("safetensors", "sharded"), sample("fsdp", "fsdp2_dcp"),
+              sample("fsdp", "fsdp1_sharded"), sample("megatron", "gpt_tp2_pp2"),
+              sample("universal", "zero2_bf16_universal")):
         subprocess.run([sys.executable, "-c", code, str(p)], check=True, capture_output=True)
 
 

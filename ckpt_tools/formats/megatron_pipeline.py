@@ -443,4 +443,4 @@ def _rng_bytes(ms: dict) -> bytes | None:
         ref = ms["rng_state"][0].get("torch_rng_state")
     if not isinstance(ref, TensorRef) or ref.storage is None:
         return None
-    return ref.read_numpy().tobytes()
+    return ref.read_bytes()
