@@ -1,4 +1,4 @@
-"""Writes survive kill -9: `sync-tp` and `to-universal` (and `set-lr` once it exists) are SIGKILLed at
+"""Writes survive kill -9: `sync-tp`, `to-universal`, `set-lr` and `set-step` are SIGKILLed at
 seeded points of their write path, then the checkpoint must be the original bytes or the complete new
 ones, with no stray file inside any checkpoint folder, and re-running the command must finish the job.
 
@@ -161,31 +161,30 @@ def test_to_universal_kill9(tmp_path):
 
 
 @pytest.mark.slow
-def test_set_lr_kill9(tmp_path):
-    from cli.main import app
-
-    if "set-lr" not in {c.name for c in app.registered_commands}:
-        pytest.skip("`ckpt set-lr` does not exist in this checkout yet (issue 3)")
+@pytest.mark.parametrize("argv", [["set-lr", "--lr", "1e-4"], ["set-step", "--optimizer-step", "1497"]],
+                         ids=["set-lr", "set-step"])
+def test_counter_surgery_kill9(tmp_path, argv):
+    command, options = argv[0], [*argv[1:], "--yes"]
     ck = tmp_path / "zero2_lambdalr"
     shutil.copytree(SAMPLES / "deepspeed" / "zero2_lambdalr", ck)
     before = _files(ck)
     ref = tmp_path / "ref" / "zero2_lambdalr"
     shutil.copytree(ck, ref)
-    r = run("set-lr", ref, "--lr", "1e-4", "--yes")
+    r = run(command, ref, *options)
     assert r.code == 0, r.stderr
     after = _files(ref)
     problems = []
     n = sum(1 for k in before if before[k] != after.get(k))
     points = [f"{s}:{i}" for s in ("produce", "backup", "replace") for i in range(1, n + 1)] + ["verify:1", "done:1"]
     for kill_at in points:
-        _killed_run(["set-lr", ck, "--lr", "1e-4", "--yes"], kill_at)
+        _killed_run([command, ck, *options], kill_at)
         now = _files(ck)
         if set(now) != set(before) or any(now[k] not in (before[k], after[k]) for k in now):
             problems.append(f"{kill_at}: stray or torn files")
         io.recover(ck)
         if _files(ck) not in (before, after):
             problems.append(f"{kill_at}: neither original nor updated after recovery")
-        r = run("set-lr", ck, "--lr", "1e-4", "--yes")
+        r = run(command, ck, *options)
         if r.code != 0 or _files(ck) != after:
             problems.append(f"{kill_at}: re-run exit {r.code} {r.error_lines()[-1:]}")
         # undo every finished write (the killed run's, if it got to "done", and the re-run's)
@@ -193,6 +192,6 @@ def test_set_lr_kill9(tmp_path):
             io.restore(ck)
         if _files(ck) != before:
             problems.append(f"{kill_at}: restore did not give the original bytes back")
-    print(f"\nset-lr kill -9: {len(points)} trials, {len(problems)} problems")
+    print(f"\n{command} kill -9: {len(points)} trials, {len(problems)} problems")
     assert len(points) >= 5
     assert not problems, "\n".join(problems)
