@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .errors import CkptError
+from .tree import jsonable
 
 JOURNAL = "journal.json"
 
@@ -83,18 +84,10 @@ class WritePlan:
             "root": str(self.root),
             "command": self.command,
             "files": [{"path": w.path, "bytes": w.nbytes, "method": w.method,
-                       "changes": [{"field": c.field, "old": _jsonable(c.old), "new": _jsonable(c.new),
+                       "changes": [{"field": c.field, "old": jsonable(c.old), "new": jsonable(c.new),
                                     "note": c.note} for c in w.changes]} for w in self.writes],
             "notes": list(self.notes),
         }
-
-
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    return repr(v)
 
 
 # --- where transactions live ----------------------------------------------------------------------

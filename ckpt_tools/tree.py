@@ -282,6 +282,19 @@ def to_node(obj: Any, file: str, rank: Mapping[str, int] | None = None, _depth: 
     return ValueNode(repr(obj)[:200])
 
 
+def jsonable(v: Any) -> Any:
+    """A value as plain JSON: lists for tuples, string keys, non-finite floats and objects as strings."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if isinstance(v, (list, tuple)):
+        return [jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): jsonable(x) for k, x in v.items()}
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return repr(v)
+
+
 def _key(k: Any) -> str:
     if isinstance(k, Opaque):
         return repr(k)

@@ -45,3 +45,16 @@ def run_cli(*args, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `ckpt ARGS...` the way a user does (a fresh process), capturing output; never raises on exit codes."""
     return subprocess.run([sys.executable, "-c", "from cli.main import main; main()", *map(str, args)],
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def fail_at(stage: str, nth: int = 1):
+    """An `io.execute` on_stage callback that raises at the `nth` (1-based) time it reaches `stage`."""
+    seen = []
+
+    def on_stage(s, f):
+        if s == stage:
+            seen.append(f)
+            if len(seen) == nth:
+                raise RuntimeError(f"injected failure at {s} {f}")
+
+    return on_stage

@@ -69,18 +69,10 @@ def test_detected_as_fsdp_sharded(ck):
     assert ck.format == manifest(GROUP, NAME)["format"] == "fsdp_sharded_torch"
 
 
-def test_header_matches_the_run(ck):
-    m = manifest(GROUP, NAME)
-    assert (ck.parameter_count, ck.parameter_tensors) == (m["parameters"]["count"], m["parameters"]["tensors"])
-    assert ck.counters.__dict__ == m["counters"]
-    assert ck.lr.param_groups == pytest.approx(m["lr"]["param_groups"])
-    assert ck.lr.base_lrs == pytest.approx(m["lr"]["base_lrs"])
-    assert ck.lr.last_lr == pytest.approx(m["lr"]["last_lr"])
-    topo = m["topology"]
-    assert (ck.topology.dp, ck.topology.tp, ck.topology.pp, ck.topology.zero_stage) == \
-        (topo["dp"], topo["tp"], topo["pp"], topo["zero_stage"])
-    assert ck.get("client_state.step").value == m["steps"]
-    assert not ck.warnings, ck.warnings
+def test_saved_loop_step_is_client_state(ck):
+    # the rest of the header (format, counts, counters, LRs, topology) is checked against the manifest
+    # for every sample in tests/test_inspect_samples.py
+    assert ck.get("client_state.step").value == manifest(GROUP, NAME)["steps"]
 
 
 def test_tensors_equal_torch_gather(ck, reference):

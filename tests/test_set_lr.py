@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, manifest, run_cli, sample
+from conftest import fail_at, ROOT, manifest, run_cli, sample
 from ckpt_tools import io, open_checkpoint
 from ckpt_tools.errors import CkptError
 from ckpt_tools.ops import lr as ops
@@ -236,16 +236,8 @@ def test_accelerate_step_keeps_world_size_relation():
 def test_failed_write_leaves_checkpoint_byte_identical(copy_sample, stage, nth):
     ck = copy_sample("deepspeed", "zero2_lambdalr")
     before = snapshot(ck)
-    seen = []
-
-    def boom(s, f):
-        if s == stage:
-            seen.append(f)
-            if len(seen) == nth:
-                raise RuntimeError(f"injected failure at {s}")
-
     with pytest.raises(io.WriteFailed, match="injected failure"):
-        ops.set_lr(ck, scale=0.5, on_stage=boom)
+        ops.set_lr(ck, scale=0.5, on_stage=fail_at(stage, nth))
     assert snapshot(ck) == before  # same files, same bytes: nothing added, nothing left behind
     assert all(t.status == "rolled-back" for t in io.transactions(ck))
 

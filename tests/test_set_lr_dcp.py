@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, manifest
+from conftest import fail_at, ROOT, manifest
 from test_set_lr import cli, halved, snapshot
 
 from ckpt_tools import io, open_checkpoint
@@ -119,16 +119,8 @@ def test_set_optimizer_step_resumes_from_it(copy_sample, tmp_path):
 def test_failed_write_leaves_folder_byte_identical(copy_sample, stage, nth):
     ck = copy_sample(GROUP, NAME)
     before = snapshot(ck)
-    seen = []
-
-    def boom(s, f):
-        if s == stage:
-            seen.append(f)
-            if len(seen) == nth:
-                raise RuntimeError(f"injected failure at {s}")
-
     with pytest.raises(io.WriteFailed, match="injected failure"):
-        ops.set_lr(ck, scale=0.5, on_stage=boom)
+        ops.set_lr(ck, scale=0.5, on_stage=fail_at(stage, nth))
     assert snapshot(ck) == before
     assert all(t.status == "rolled-back" for t in io.transactions(ck))
 

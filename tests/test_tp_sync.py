@@ -16,7 +16,7 @@ import torch
 from ckpt_tools import io
 from ckpt_tools.ops import tp_sync as ops
 
-from conftest import ROOT, manifest, sample
+from conftest import ROOT, fail_at, manifest, sample
 
 GROUP = "megatron"
 DRIFTED = "gpt_tp2_pp2_drifted"
@@ -265,22 +265,14 @@ def test_sync_from_rank(copy_sample):
     assert run_cli("sync-tp", str(ck), "--method", "average", "--from-rank", "0").returncode == 2
 
 
-@pytest.mark.parametrize("fail_stage, nth", [("produce", 3), ("replace", 4), ("verify", 0)])
+@pytest.mark.parametrize("fail_stage, nth", [("produce", 4), ("replace", 5), ("verify", 1)])
 def test_failure_mid_write_leaves_the_checkpoint_byte_identical(copy_sample, fail_stage, nth):
     ck = copy_sample(GROUP, DRIFTED)
     before = snapshot(ck)
-    seen = []
-
-    def on_stage(stage, file):
-        if stage == fail_stage:
-            seen.append(file)
-            if len(seen) > nth:
-                raise RuntimeError(f"injected failure at {stage} {file}")
-
     plan, _ = ops.plan_sync_tp(ops.open_for_tp_sync(ck))
     assert len(plan.writes) == 8
     with pytest.raises(io.WriteFailed, match="injected failure"):
-        io.execute(plan, on_stage=on_stage)
+        io.execute(plan, on_stage=fail_at(fail_stage, nth))
     assert snapshot(ck) == before
     assert [t.status for t in io.transactions(ck)] == ["rolled-back"]
 

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 from .. import pickle_reader
-from ..io import _jsonable
 from ..errors import CkptError, NotACheckpoint
 from ..pickle_reader import DType, NumpyArray, Opaque, TensorRef
+from ..tree import jsonable
 
 _CHUNK_ELEMS = 8 << 20
 
@@ -57,7 +57,7 @@ class DiffReport:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["same"] = self.same
-        d["differences"] = [{k: _jsonable(v) for k, v in asdict(x).items()} for x in self.differences]
+        d["differences"] = [{k: jsonable(v) for k, v in asdict(x).items()} for x in self.differences]
         return d
 
 

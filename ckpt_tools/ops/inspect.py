@@ -11,12 +11,12 @@ reader does not run is {"class", "fields"}; other values are plain JSON.
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
-from ..tree import Checkpoint, GroupNode, Node, OpaqueNode, TensorNode, ValueNode, Warning_, iter_tensors
+from ..tree import (Checkpoint, GroupNode, Node, OpaqueNode, TensorNode, ValueNode, Warning_, iter_tensors,
+                    jsonable)
 
 
 def filter_tree(node: Node, *, grep: str | None = None, depth: int | None = None,
@@ -59,7 +59,7 @@ def node_to_json(node: Node, rank: dict[str, int] | None = None) -> Any:
     if isinstance(node, TensorNode):
         out: dict[str, Any] = {"shape": list(node.shape), "dtype": node.dtype, "numel": node.numel}
         if node.value is not None:
-            out["value"] = _jsonable(node.value)
+            out["value"] = jsonable(node.value)
         if node.shards:
             out["merge"] = node.merge
             out["shards"] = [{"shape": list(s.shape)} for s in node.shards]
@@ -72,20 +72,8 @@ def node_to_json(node: Node, rank: dict[str, int] | None = None) -> Any:
     if isinstance(node, GroupNode):
         return {k: node_to_json(v, rank) for k, v in node.children.items()}
     if isinstance(node, ValueNode):
-        return _jsonable(node.value)
+        return jsonable(node.value)
     return None
-
-
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    return repr(v)
 
 
 def summary(ck: Checkpoint, tree: Node | None = None, rank: dict[str, int] | None = None) -> dict[str, Any]:
@@ -101,7 +89,7 @@ def summary(ck: Checkpoint, tree: Node | None = None, rank: dict[str, int] | Non
                "last_lr": list(ck.lr.last_lr) if ck.lr.last_lr is not None else None},
         "dtypes": list(ck.dtypes),
         "files": [{"path": f.path, "bytes": f.bytes, "role": f.role, "rank": dict(f.rank)} for f in ck.files],
-        "details": {k: _jsonable(v) for k, v in ck.details.items()},
+        "details": {k: jsonable(v) for k, v in ck.details.items()},
         "warnings": [asdict(w) for w in ck.warnings],
         "tree": node_to_json(tree if tree is not None else ck.tree, rank),
     }

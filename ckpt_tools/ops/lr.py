@@ -177,6 +177,15 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
+def _readback_problem(label: str, got: Any, want: Any) -> str | None:
+    """Why a field read back after the write is not what the plan wrote (None when it is)."""
+    if isinstance(got, TensorRef):
+        got = got.item()
+    if _same(got, want) or (isinstance(want, float) and got == want):
+        return None
+    return f"{label} reads back {got!r}, planned {want!r}"
+
+
 def _plain(v: Any) -> Any:
     if isinstance(v, tuple):
         return list(v)
@@ -301,10 +310,9 @@ class _DcpFile(_File):
             except CkptError as e:
                 problems.append(f"{key}: unreadable after the write ({e})")
                 continue
-            if isinstance(got, TensorRef):
-                got = got.item()
-            if not (_same(got, want) or (isinstance(want, float) and got == want)):
-                problems.append(f"{key} reads back {got!r}, planned {want!r}")
+            problem = _readback_problem(key, got, want)
+            if problem:
+                problems.append(problem)
         return problems
 
 
@@ -711,10 +719,9 @@ def _finish(ck: Checkpoint, root: Path, files: list[_File], command: str, notes:
                 except (KeyError, IndexError, TypeError):
                     problems.append(f"{rel}: {_dotted(path)} is missing after the write")
                     continue
-                if isinstance(got, TensorRef):
-                    got = got.item()
-                if not (_same(got, want) or (isinstance(want, float) and got == want)):
-                    problems.append(f"{rel}: {_dotted(path)} reads back {got!r}, planned {want!r}")
+                problem = _readback_problem(f"{rel}: {_dotted(path)}", got, want)
+                if problem:
+                    problems.append(problem)
         try:
             open_checkpoint(ck.path)
         except CkptError as e:

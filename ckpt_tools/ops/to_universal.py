@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from ..errors import CkptError, UnsupportedCheckpoint
-from ..tp_layout import SOURCE_INFO, Rule, TPLayout, merge_shards
+from ..tp_layout import Rule, TPLayout, merge_shards
 from ..tree import Checkpoint, GroupNode, TensorNode, ValueNode
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
