@@ -316,13 +316,11 @@ class _DcpFile(_File):
         return problems
 
 
-def _dcp_file(root: Path) -> _DcpFile:
-    from ..dcp_write import DcpFolder
+def _target_training_dict(f, obj: dict) -> None:
+    """Point `f` at the scheduler, optimizer and loop-step entries of a training dict
+    ({"model", "optimizer", "scheduler", "step", ...}: a plain torch.save file or a DCP folder's state)."""
     from ..formats.torch_file import OPTIM_KEYS, SCHED_KEYS, STEP_KEYS
 
-    folder = DcpFolder(root)
-    obj, index = folder.state_tree(OPTIM_KEYS + SCHED_KEYS + STEP_KEYS)
-    f = _DcpFile(folder, obj, index)
     sk = next((k for k in SCHED_KEYS if isinstance(obj.get(k), dict)), None)
     ok = next((k for k in OPTIM_KEYS if isinstance(obj.get(k), dict) and "param_groups" in obj[k]), None)
     if sk:
@@ -331,12 +329,21 @@ def _dcp_file(root: Path) -> _DcpFile:
         f.optims.append(((ok,), obj[ok]))
     f.step_keys += [((), obj, k) for k in STEP_KEYS
                     if as_int(obj.get(k)) is not None and not isinstance(obj.get(k), bool)]
+
+
+def _dcp_file(root: Path) -> _DcpFile:
+    from ..dcp_write import DcpFolder
+    from ..formats.torch_file import OPTIM_KEYS, SCHED_KEYS, STEP_KEYS
+
+    folder = DcpFolder(root)
+    obj, index = folder.state_tree(OPTIM_KEYS + SCHED_KEYS + STEP_KEYS)
+    f = _DcpFile(folder, obj, index)
+    _target_training_dict(f, obj)
     return f
 
 
 def _collect(ck: Checkpoint) -> tuple[Path, list[_File], int]:
     """(plan root, the files holding scheduler / optimizer / counter state, scheduler steps per update)."""
-    from ..formats.torch_file import OPTIM_KEYS, SCHED_KEYS, STEP_KEYS
 
     fmt = ck.format
     if fmt == "accelerate" and "fsdp" in str(ck.details.get("engine", "")):
@@ -373,14 +380,7 @@ def _collect(ck: Checkpoint) -> tuple[Path, list[_File], int]:
     if fmt == "torch_file":
         p = root
         f = _load(p, p.name)
-        obj = f.obj if isinstance(f.obj, dict) else {}
-        sk = next((k for k in SCHED_KEYS if isinstance(obj.get(k), dict)), None)
-        ok = next((k for k in OPTIM_KEYS if isinstance(obj.get(k), dict) and "param_groups" in obj[k]), None)
-        if sk:
-            f.scheds.append(((sk,), obj[sk]))
-        if ok:
-            f.optims.append(((ok,), obj[ok]))
-        f.step_keys += [((), obj, k) for k in STEP_KEYS if as_int(obj.get(k)) is not None and not isinstance(obj.get(k), bool)]
+        _target_training_dict(f, f.obj if isinstance(f.obj, dict) else {})
         return p.parent, [f], 1
     raise UnsupportedCheckpoint(f"set-lr/set-step do not edit {fmt} checkpoints", path=ck.path,
                                 hint="supported: deepspeed_zero, deepspeed_pipeline, accelerate, torch_file")
