@@ -120,17 +120,30 @@ def main(argv: list[str] | None = None) -> None:
         if os.environ.get("CKPT_DEBUG"):
             raise
         sys.stderr.write(f"ckpt: error: {e.one_line()}\n")
-        sys.exit(2)
+        _exit(2)
     except typer.Exit as e:
-        sys.exit(e.exit_code)
+        _exit(e.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         sys.stderr.write("ckpt: aborted\n")
-        sys.exit(130)
+        _exit(130)
     except _CLICK_ERRORS as e:
         e.show()
-        sys.exit(2)
-    if isinstance(rc, int) and rc:
-        sys.exit(rc)
+        _exit(2)
+    _exit(rc if isinstance(rc, int) else 0)
+
+
+def _exit(code: int) -> None:
+    """Exit with `code`. A command that joined a torch.distributed group (`to-universal --distributed`)
+    leaves it through `ckpt_tools.procgroup.leave`: a plain interpreter exit lets gloo abort the process."""
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            from ckpt_tools.procgroup import leave
+
+            leave(code, barrier=code == 0)
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -46,22 +46,15 @@ def to_universal_cmd(
     if dry_run:
         _show_plan(plan, json_out)
         return
-    rank, own_group = 0, False
-    if distributed:
+    rank = 0
+    if distributed:  # cli.main.main leaves the group (ckpt_tools.procgroup.leave) once the command returns
         import torch.distributed as dist
 
         if not dist.is_initialized():
             dist.init_process_group("gloo")
-            own_group = True
         rank = dist.get_rank()
-    try:
-        with _bar(sum(j.nbytes for j in plan.params), json_out or rank != 0, "to-universal") as bar:
-            res = ops.execute(plan, workers=workers, progress=bar.update, distributed=distributed)
-    finally:
-        if own_group:
-            # gloo aborts the process (SIGABRT) at exit when a group is left alive on another rank
-            dist.barrier()
-            dist.destroy_process_group()
+    with _bar(sum(j.nbytes for j in plan.params), json_out or rank != 0, "to-universal") as bar:
+        res = ops.execute(plan, workers=workers, progress=bar.update, distributed=distributed)
     if rank != 0:
         return
     if json_out:

@@ -23,6 +23,7 @@ _GATHER = textwrap.dedent('''
     import torch
     import torch.distributed as dist
     import torch.multiprocessing as mp
+    from ckpt_tools.procgroup import leave
 
     def gathered(obj):
         from torch.distributed._shard.sharded_tensor import ShardedTensor
@@ -40,8 +41,7 @@ _GATHER = textwrap.dedent('''
         full = {"model": gathered(sd["model"]), "optimizer": {"state": gathered(sd["optimizer"]["state"])}}
         if rank == 0:
             torch.save(full, out)
-        dist.barrier()  # both ranks leave together: gloo aborts a process torn down while its peer still talks
-        dist.destroy_process_group()
+        leave(0)  # barrier, destroy, os._exit: a plain return lets gloo abort a finished process at exit
 
     if __name__ == "__main__":
         mp.spawn(worker, args=tuple(sys.argv[1:4]), nprocs=2)

@@ -27,6 +27,7 @@ FSDP2_RESUME = textwrap.dedent("""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from ckpt_tools.procgroup import leave
     from ckpt_tools.train.workers import _common as c, fsdp
 
     ckpt, out, steps = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
@@ -50,7 +51,7 @@ FSDP2_RESUME = textwrap.dedent("""
                         "last_epoch": scheduler.last_epoch})
     if rank == 0:
         Path(out).write_text(json.dumps(records))
-    dist.destroy_process_group()
+    leave(0)
 """)
 
 

@@ -602,17 +602,18 @@ def execute(plan: UniversalPlan, *, workers: int = 1, progress: Callable[[int], 
     import torch
 
     box: list[Any] = [None]
-    ctx = None
+    ctx, first = None, None
     if rank == 0:
         _stale_staging(plan.out)
         ctx = io.new_folder(plan.out)
         try:
             box[0] = str(ctx.__enter__())
         except BaseException as e:  # out exists etc.: tell the others, then raise
-            box[0] = "!" + str(e)
+            first = e
+            box[0] = "!" + (e.one_line() if isinstance(e, CkptError) else f"{plan.out}: {e}")
     dist.broadcast_object_list(box, src=0)
     if box[0].startswith("!"):
-        raise CkptError(box[0][1:], path=plan.out)
+        raise first or CkptError(box[0][1:])
     tmp = Path(box[0])
     ok, err, n = 1, None, 0
     try:

@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 import torch
 
+from ckpt_tools.procgroup import leave
+
 RECORD_PREFIX = "CKPT_RESUME "
 
 
@@ -286,8 +288,7 @@ def main() -> None:
                  skipped_steps=int(engine.skipped_steps))
     if rank == 0:
         emit("done")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave(0)  # barrier, destroy the group, exit: a plain return lets gloo abort a finished run
 
 
 if __name__ == "__main__":

@@ -52,13 +52,11 @@ def world_size() -> int:
 
 
 def shutdown() -> None:
-    """End the process group cleanly. gloo aborts a process ("terminate called without an active
-    exception", SIGABRT) when the interpreter exits with a group still alive, failing a run that succeeded."""
-    import torch.distributed as dist
+    """End the worker process: barrier, destroy the group, flush, exit 0 (see `ckpt_tools.procgroup`:
+    returning normally lets gloo abort a run that succeeded). Call it last; it never returns."""
+    from ckpt_tools.procgroup import leave
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    leave(0)
 
 
 def drop_deepspeed_scripts(folder: Path) -> None:

@@ -125,8 +125,8 @@ def main() -> None:
                    "scheduler": "torch LambdaLR (warmup then decay)",
                    "param_groups": "0: tensors with dim >= 2 (weight decay), 1: biases and norms (no decay)"},
         )
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    c.shutdown()
