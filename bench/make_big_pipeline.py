@@ -22,6 +22,7 @@ import torch  # noqa: E402
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO  # noqa: E402
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology  # noqa: E402
 
+from ckpt_tools.procgroup import leave  # noqa: E402
 from ckpt_tools.train.megatron import GPTModelPipe, MegatronGPTConfig  # noqa: E402
 from ckpt_tools.train.workers import _common as c  # noqa: E402
 from ckpt_tools.train.workers import ds_pipeline as P  # noqa: E402
@@ -64,3 +65,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave(0)  # ckpt_tools.procgroup: a plain exit lets gloo abort a finished rank

@@ -156,4 +156,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from ckpt_tools.procgroup import leave
+
     main()
+    leave(0)  # ckpt_tools.procgroup: a plain exit lets gloo abort a finished rank
