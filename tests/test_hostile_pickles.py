@@ -6,6 +6,7 @@ with `torch.load(weights_only=False)` / `pickle.load`, so the marker checks belo
 from __future__ import annotations
 
 import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -199,6 +200,72 @@ def test_billion_laughs_is_refused_quickly(tmp_path):
     r = run("inspect", f, timeout=60)
     assert r.code == 2 and not r.traceback and not r.hung
     assert "laughs.pkl" in r.error_lines()[0] and "expands to more than" in r.error_lines()[0]
+
+
+def _chain(depth: int, base: int = 900_000) -> bytes:
+    """Opcodes pushing nothing: memo[base + i] = (memo[base + i-1],) * 2, from memo[base] = (). Memo slots far
+    above any the host pickle uses; the 2**depth-item tuple is memo[base + depth]."""
+    put, get = (lambda i: b"r" + struct.pack("<I", base + i)), (lambda i: b"j" + struct.pack("<I", base + i))
+    b = b")" + put(0) + b"0"
+    for i in range(1, depth + 1):
+        b += get(i - 1) + get(i - 1) + b"\x86" + put(i) + b"0"
+    return b
+
+
+def _top(depth: int, base: int = 900_000) -> bytes:
+    return b"j" + struct.pack("<I", base + depth)
+
+
+#: payloads (opcodes pushing one value) whose construction hashes exponentially shared tuples; each hangs
+#: Python's own pickle.load for minutes to centuries
+HASH_BOMBS = {
+    "dict_key_memo": b"}" + _chain(60) + _top(60) + b"K\x01s",
+    "dict_key_dup": b"})" + b"2\x86" * 60 + b"K\x01s",
+    "frozenset_member": H.glob("builtins", "frozenset") + _chain(60) + b"(" + _top(60) + b"l\x85R",
+    # each member below the per-tuple limit (2**19 items), 20000 references of it in one set (~90 s here)
+    "frozenset_many_refs": H.glob("builtins", "frozenset") + _chain(19) + b"(" + _top(19) * 20_000 + b"l\x85R",
+}
+
+
+@pytest.mark.parametrize("bomb", sorted(HASH_BOMBS))
+def test_hash_bombs_are_live(bomb):
+    """The control: Python's own pickle.loads is still busy with each payload after 3 s."""
+    data = b"\x80\x02" + HASH_BOMBS[bomb] + b"."
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run([sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"],
+                       input=data, capture_output=True, timeout=3)
+
+
+@pytest.mark.parametrize("bomb", sorted(HASH_BOMBS))
+def test_hash_bombs_are_refused_quickly(copy_sample, bomb):
+    """A few hundred bytes of shared tuples inside a real DeepSpeed file: hashing them (a dict key, a set
+    member) cannot be interrupted once started, so the reader must refuse before building them. A fresh
+    process with a hard timeout: a regression hangs, it does not pass."""
+    ck = copy_sample("deepspeed", "zero2_bf16")
+    f = ck / "global_step4" / "mp_rank_00_model_states.pt"
+    H.poison_file(f, HASH_BOMBS[bomb], "setitem")
+    try:
+        r = run_cli("inspect", ck, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{bomb}: ckpt inspect hung")
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "mp_rank_00_model_states.pt" in lines[0] and "hash bomb" in lines[0]
+
+
+def test_hash_bomb_check_passes_every_sample_file():
+    """No false alarm: every pickle of every sample (all formats, all frameworks) passes the expansion check."""
+    from ckpt_tools import pickle_reader
+
+    checked = 0
+    for f in sorted(SAMPLES.rglob("*")):
+        if f.is_file() and f.suffix in (".pt", ".bin", ".pkl", ".pth", ".distcp", ".metadata"):
+            try:
+                pickle_reader.load(f)
+            except pickle_reader.NotACheckpoint:
+                continue
+            checked += 1
+    assert checked >= 40
 
 
 def test_size_allocations_are_refused(tmp_path):

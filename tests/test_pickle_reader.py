@@ -110,3 +110,36 @@ def test_reading_does_not_import_torch(tmp_path):
     code = ("import sys; from ckpt_tools import pickle_reader as pr; o = pr.load(sys.argv[1]).obj; "
             "assert o['step'].item() == 3.0; assert 'torch' not in sys.modules and 'numpy' not in sys.modules")
     subprocess.run([sys.executable, "-c", code, str(f)], check=True)
+
+
+def test_opcode_walker_agrees_with_pickletools():
+    """The hash-bomb check walks pickle bytes with its own argument-size table; on every torch zip pickle of
+    every sample it must see the opcodes, memo indices and offsets that pickletools.genops sees."""
+    import pickletools
+    import zipfile
+
+    from conftest import SAMPLES
+    from ckpt_tools.pickle_reader import _opcodes
+
+    def same(data: bytes, what: str) -> None:
+        ours = [(op.name, arg, pos) for op, arg, pos in _opcodes(data)]
+        ref = [(op.name, arg if op.name.endswith(("GET", "PUT")) else None, pos)
+               for op, arg, pos in pickletools.genops(data)]
+        assert ours == ref, what
+
+    walked = 0
+    for f in sorted(SAMPLES.rglob("*")):
+        if not (f.is_file() and zipfile.is_zipfile(f)):
+            continue
+        with zipfile.ZipFile(f) as z:
+            for member in (n for n in z.namelist() if n.endswith(".pkl")):
+                same(z.read(member), f"{f}:{member}")
+                walked += 1
+    assert walked >= 40
+    # every protocol's argument encodings: text lines, 1/4/8-byte lengths, GLOBAL pairs, memo by text/1/4 bytes
+    shared = ("x" * 300, b"y" * 70_000)
+    obj = {"s": "é" * 5, "b": b"\x00" * 300, "big": 2 ** 70, "f": 1.5, "neg": -3, "t": (shared, shared),
+           "fs": frozenset({1, 2}), "od": collections.OrderedDict(a=1), "ba": bytearray(b"ab"), "none": None,
+           "many": [f"k{i}" for i in range(300)], "ns": argparse.Namespace(k=1)}  # > 256 memo slots
+    for proto in range(6):
+        same(pickle.dumps(obj, protocol=proto), f"protocol {proto}")
