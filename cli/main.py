@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         fast = _fast_inspect(sys.argv[1:] if argv is None else argv)
         rc = fast() if fast else app(args=argv, standalone_mode=False)
+        sys.stdout.flush()  # a closed pipe shows here, not as "Exception ignored" at interpreter exit
     except CkptError as e:
         if os.environ.get("CKPT_DEBUG"):
             raise
@@ -129,6 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     except _CLICK_ERRORS as e:
         e.show()
         _exit(2)
+    except BrokenPipeError:  # `ckpt inspect X | head`: the reader left; end quietly like a C tool (SIGPIPE)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _exit(141)
     _exit(rc if isinstance(rc, int) else 0)
 
 

@@ -23,10 +23,15 @@ def console(stderr: bool = False):
 
     from rich.console import Console
 
-    con = Console(stderr=stderr, highlight=False)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:  # rich exits 1 (our "problems found"); cli.main ends with 141
+            self.quiet = True
+            raise BrokenPipeError
+
+    con = _Console(stderr=stderr, highlight=False)
     if not con.is_terminal and "COLUMNS" not in os.environ:
         # piped into grep/less: long lines stay whole instead of wrapping at 80 columns
-        con = Console(stderr=stderr, highlight=False, width=200)
+        con = _Console(stderr=stderr, highlight=False, width=200)
     return con
 
 

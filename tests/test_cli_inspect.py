@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import manifest, run_cli, sample
+from conftest import ROOT, manifest, run_cli, sample
 
 
 
@@ -193,3 +193,13 @@ def test_fast_argument_path_matches_typer(capsys):
     assert cli_main._fast_inspect(["inspect", p, "--help"]) is None
     assert cli_main._fast_inspect(["inspect", p, "--bogus"]) is None
     assert cli_main._fast_inspect(["inspect"]) is None
+
+
+def test_reader_closing_the_pipe_is_quiet(tmp_path):
+    """`ckpt inspect X | head -1` when the reader has already gone: the process ends quietly (no
+    BrokenPipeError traceback) with the status a SIGPIPE'd C tool has (141). `true` closes its end before
+    ckpt writes anything, so the broken pipe is certain (head's timing is not)."""
+    proc = subprocess.run(["bash", "-c", f"set -o pipefail; {sys.executable} -c 'from cli.main import main; main()' "
+                           f"inspect {sample('deepspeed', 'zero2_bf16')} | true"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 141 and proc.stderr == "", proc.stderr
