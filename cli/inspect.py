@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from typing import Optional
 
 import typer
@@ -58,10 +59,9 @@ def inspect_cmd(
             doc["stats"] = [s.__dict__ for s in stat_rows]
         output.print_json(doc)
         return
-    con = output.console()
-    _print_header(con, ck, warnings)
+    _print_header(ck, warnings)
     if stats:
-        _print_stats(con, stat_rows)
+        _print_stats(output.console(), stat_rows)
     elif not quiet and tree is not None:
         extra = None
         if rank_d:
@@ -72,37 +72,34 @@ def inspect_cmd(
         output.print_tree(tree, "tree", extra)
 
 
-def _print_header(con, ck, warnings) -> None:
-    from rich.markup import escape
-    from rich.table import Table
-
-    t = Table.grid(padding=(0, 2))
-    t.add_column(style="bold")
-    t.add_column()
-    topo = ck.topology
+def _print_header(ck, warnings) -> None:
+    """The summary lines above the tree: a two-column plain-text table (like the tree, no rich: importing
+    and laying out rich costs more than the whole read of a 2 GB checkpoint's metadata)."""
+    style, f = output.style, output.fmt_value
+    output._COLOR[0] = output.use_color()
+    topo, c = ck.topology, ck.counters
     tag = ck.details.get("tag")
-    t.add_row("format", f"[green]{ck.format}[/]  {escape(ck.path)}" + (f"  (tag {escape(str(tag))})" if tag else ""))
-    t.add_row("topology", f"dp={output.fmt_value(topo.dp)} tp={output.fmt_value(topo.tp)} "
-                          f"pp={output.fmt_value(topo.pp)} zero_stage={output.fmt_value(topo.zero_stage)}")
-    t.add_row("parameters", f"{ck.parameter_count:,} in {ck.parameter_tensors:,} tensors"
-                            + (f"   dtypes {', '.join(ck.dtypes)}" if ck.dtypes else ""))
-    nbytes = sum(f.bytes for f in ck.files)
-    t.add_row("files", f"{len(ck.files)} files, {nbytes:,} bytes")
-    c = ck.counters
-    t.add_row("counters", "  ".join(f"{k}={output.fmt_value(getattr(c, k))}" for k in
-                                    ("global_step", "optimizer_step", "scheduler_last_epoch",
-                                     "scheduler_step_count", "skipped_steps")))
-    t.add_row("lr", f"param_groups={output.fmt_value(list(ck.lr.param_groups))}  "
-                    f"base_lrs={output.fmt_value(ck.lr.base_lrs)}  last_lr={output.fmt_value(ck.lr.last_lr)}")
-    for k, v in ck.details.items():
-        if v is not None and k != "tag":
-            t.add_row(k, escape(output.fmt_value(v)))
+    rows = [
+        ("format", style(ck.format, "green") + f"  {ck.path}" + (f"  (tag {tag})" if tag else "")),
+        ("topology", f"dp={f(topo.dp)} tp={f(topo.tp)} pp={f(topo.pp)} zero_stage={f(topo.zero_stage)}"),
+        ("parameters", f"{ck.parameter_count:,} in {ck.parameter_tensors:,} tensors"
+                       + (f"   dtypes {', '.join(ck.dtypes)}" if ck.dtypes else "")),
+        ("files", f"{len(ck.files)} files, {sum(x.bytes for x in ck.files):,} bytes"),
+        ("counters", "  ".join(f"{k}={f(getattr(c, k))}" for k in ("global_step", "optimizer_step",
+                                                                   "scheduler_last_epoch", "scheduler_step_count",
+                                                                   "skipped_steps"))),
+        ("lr", f"param_groups={f(list(ck.lr.param_groups))}  base_lrs={f(ck.lr.base_lrs)}  "
+               f"last_lr={f(ck.lr.last_lr)}"),
+    ]
+    rows += [(k, f(v)) for k, v in ck.details.items() if v is not None and k != "tag"]
     if warnings:
-        t.add_row("[yellow]warnings[/]", f"[yellow]{len(warnings)}[/]")
-    con.print(t)
+        rows.append(("warnings", style(str(len(warnings)), "yellow")))
+    width = max(len(k) for k, _ in rows)
+    lines = [style(k.ljust(width), "yellow" if k == "warnings" else "bold") + "  " + v for k, v in rows]
     for w in warnings:
-        where = f" [dim]({escape(w.path)})[/]" if w.path else ""
-        con.print(f"  [yellow]⚠ {w.code}[/]: {escape(w.message)}{where}")
+        lines.append("  " + style(f"⚠ {w.code}", "yellow") + f": {w.message}"
+                     + (" " + style(f"({w.path})", "dim") if w.path else ""))
+    sys.stdout.write("\n".join(lines) + "\n")
 
 
 def _print_stats(con, rows) -> None:

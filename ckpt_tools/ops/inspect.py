@@ -26,7 +26,13 @@ def filter_tree(node: Node, *, grep: str | None = None, depth: int | None = None
     pat = re.compile(grep, re.IGNORECASE) if isinstance(grep, str) else grep
     if isinstance(node, (GroupNode, OpaqueNode)):
         if depth is not None and _level >= depth:
-            return node if pat is None or pat.search(_path) else None
+            if pat is not None and not pat.search(_path):
+                return None
+            if not node.children:
+                return node
+            n = len(node.children)
+            cut = {"…": ValueNode(f"{n} {'entry' if n == 1 else 'entries'} below --depth {depth}")}
+            return GroupNode(cut) if isinstance(node, GroupNode) else OpaqueNode(node.cls, cut)
         kids = {}
         for name, child in node.children.items():
             sub = filter_tree(child, grep=pat, depth=depth, rank=rank,
