@@ -132,12 +132,17 @@ def diff_cmd(
 def restore_cmd(
     path: Path = typer.Argument(..., help="the checkpoint a ckpt write changed"),
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask for confirmation"),
+    list_: bool = typer.Option(False, "--list", help="show every recorded write, newest first, and which one "
+                                                    "`restore` undoes next; change nothing"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable result"),
 ) -> int:
-    """Undo the last finished ckpt write on this checkpoint: its originals back, byte for byte."""
+    """Undo the last finished ckpt write on this checkpoint: its originals back, byte for byte. Run it again
+    to walk further back, one write at a time (newest first)."""
     from ckpt_tools import io
     from ckpt_tools.errors import CkptError
 
+    if list_:
+        return _list_writes(path, json_out)
     if json_out and not yes:
         raise typer.BadParameter("--json cannot prompt: add --yes", param_hint="--json")
     done = [t for t in io.transactions(path) if t.status == "done"]
@@ -167,3 +172,34 @@ def register(app: typer.Typer) -> None:
     app.command("set-step")(set_step_cmd)
     app.command("diff")(diff_cmd)
     app.command("restore")(restore_cmd)
+
+
+def _list_writes(path: Path, json_out: bool) -> int:
+    from ckpt_tools import io
+
+    io.recover(path)  # a killed write is rolled back first, as every write and restore does
+    history = list(reversed(io.transactions(path)))
+    nxt = next((t for t in history if t.status == "done"), None)
+    rows = [{"transaction": str(t.dir), "command": t.command, "status": t.status, "files": list(t.files),
+             "next_to_undo": t is nxt} for t in history]
+    if json_out:
+        output.print_json({"checkpoint": str(path), "backups": str(io.backups_root(path)), "writes": rows})
+        return 0
+    con = output.console()
+    if not rows:
+        con.print(f"no ckpt writes recorded for {path} (backups would live in {io.backups_root(path)})",
+                  soft_wrap=True)
+        return 0
+    from rich.table import Table
+
+    t = Table(show_edge=False, title=f"ckpt writes on {path}, newest first ({io.backups_root(path)})")
+    for col in ("when", "command", "status", "files", ""):
+        t.add_column(col)
+    for r, tr in zip(rows, history):
+        stamp = tr.dir.name.split("-", 1)[0]  # 20261121T142952
+        when = f"{stamp[:4]}-{stamp[4:6]}-{stamp[6:8]} {stamp[9:11]}:{stamp[11:13]}:{stamp[13:15]}" \
+            if len(stamp) == 15 and stamp[8] == "T" else stamp
+        t.add_row(when, r["command"], r["status"], str(len(r["files"])),
+                  "[bold]<- next `ckpt restore`[/]" if r["next_to_undo"] else "")
+    con.print(t)
+    return 0

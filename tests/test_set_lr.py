@@ -254,6 +254,36 @@ def test_restore_brings_back_the_original_byte_for_byte(copy_sample, tmp_path):
     cli("restore", ck, "--yes", expect=2)  # nothing left to undo
 
 
+def test_restore_walks_back_one_write_at_a_time_and_lists_them(copy_sample):
+    """Two writes (set-lr, then set-step): `restore --list` names both, newest first, and which one the next
+    `restore` undoes; two restores give back the original bytes; `--list` itself changes nothing."""
+    ck = copy_sample("deepspeed", "zero2_lambdalr")
+    before = snapshot(ck)
+
+    def writes() -> list[dict]:
+        return json.loads(cli("restore", ck, "--list", "--json").stdout)["writes"]
+
+    assert writes() == []
+    cli("set-lr", ck, "--scale", "0.5", "--yes")
+    after_lr = snapshot(ck)
+    cli("set-step", ck, "--optimizer-step", "100", "--yes")
+    listed = writes()
+    assert [(w["command"], w["status"], w["next_to_undo"]) for w in listed] == [
+        ("set-step", "done", True), ("set-lr", "done", False)]
+    assert len(listed[0]["files"]) == 2 and len(listed[1]["files"]) == 3
+    human = cli("restore", ck, "--list").stdout
+    assert "set-step" in human and "<- next `ckpt restore`" in human and human.index("set-step") < human.index("set-lr")
+    assert snapshot(ck) != after_lr  # the set-step write is still there: --list restored nothing
+
+    cli("restore", ck, "--yes")
+    assert snapshot(ck) == after_lr
+    assert [(w["status"], w["next_to_undo"]) for w in writes()] == [("restored", False), ("done", True)]
+    cli("restore", ck, "--yes")
+    assert snapshot(ck) == before
+    assert not any(w["next_to_undo"] for w in writes())
+    cli("restore", ck, "--yes", expect=2)
+
+
 def test_optimizer_files_are_pickle_only_rewrites(copy_sample):
     """Every tensor member of the rewritten ZeRO files is the original's, byte for byte; only data.pkl differs
     (and, for set-step, the 4-byte step storages). Runs without importing deepspeed."""
