@@ -21,6 +21,28 @@ import logging
 import os
 import sys
 
+_JOINED = [False]
+
+
+def join(backend: str = "gloo") -> int:
+    """Initialise the default process group from torchrun's environment unless one exists; remember that this
+    process made it (`joined()`), so that its entry point knows to `leave`. Returns this rank."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+        _JOINED[0] = True
+    return dist.get_rank()
+
+
+def joined() -> bool:
+    """Whether `join` created the default process group and it is still alive."""
+    if not _JOINED[0]:
+        return False
+    import torch.distributed as dist
+
+    return dist.is_initialized()
+
 
 def leave(code: int = 0, *, barrier: bool = True) -> None:
     """End this rank: barrier (unless `barrier` is False, e.g. after a failure on one rank), destroy the

@@ -137,15 +137,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _exit(code: int) -> None:
-    """Exit with `code`. A command that joined a torch.distributed group (`to-universal --distributed`)
-    leaves it through `ckpt_tools.procgroup.leave`: a plain interpreter exit lets gloo abort the process."""
-    if "torch.distributed" in sys.modules:
-        import torch.distributed as dist
+    """Exit with `code`. A command that made a torch.distributed group (`to-universal --distributed`) leaves
+    it through `ckpt_tools.procgroup.leave`: a plain interpreter exit lets gloo abort the process. A group
+    the caller made (main() called in-process) is the caller's to end."""
+    if "ckpt_tools.procgroup" in sys.modules:
+        from ckpt_tools import procgroup
 
-        if dist.is_available() and dist.is_initialized():
-            from ckpt_tools.procgroup import leave
-
-            leave(code, barrier=code == 0)
+        if procgroup.joined():
+            procgroup.leave(code, barrier=code == 0)
     if code:
         sys.exit(code)
 

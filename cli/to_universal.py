@@ -48,11 +48,9 @@ def to_universal_cmd(
         return
     rank = 0
     if distributed:  # cli.main.main leaves the group (ckpt_tools.procgroup.leave) once the command returns
-        import torch.distributed as dist
+        from ckpt_tools import procgroup
 
-        if not dist.is_initialized():
-            dist.init_process_group("gloo")
-        rank = dist.get_rank()
+        rank = procgroup.join("gloo")
     with _bar(sum(j.nbytes for j in plan.params), json_out or rank != 0, "to-universal") as bar:
         res = ops.execute(plan, workers=workers, progress=bar.update, distributed=distributed)
     if rank != 0:
