@@ -40,6 +40,7 @@ SAMPLES: tuple[SampleSpec, ...] = (
     SampleSpec("gpt_tp2_pp2", "megatron", _W + "ds_pipeline", 4, "gpt_tp2_pp2"),
     SampleSpec("gpt_tp2_pp2_noinfo", "megatron", _W + "ds_pipeline", 4, "gpt_tp2_pp2_noinfo"),
     SampleSpec("gpt_tp2_pp2_drifted", "megatron", _W + "ds_pipeline", 4, "gpt_tp2_pp2_drifted"),
+    SampleSpec("gpt_tp2_pp2_dp2_drifted", "megatron", _W + "ds_pipeline", 8, "gpt_tp2_pp2_dp2_drifted"),
     SampleSpec("fsdp2_dcp", "fsdp", _W + "fsdp", 2, "fsdp2_dcp"),
     SampleSpec("fsdp1_sharded", "fsdp", _W + "fsdp", 2, "fsdp1_sharded"),
     SampleSpec("accelerate_ddp", "accelerate", _W + "accel", 2, "accelerate_ddp"),

@@ -1,4 +1,4 @@
-"""Run under `torch.distributed.run --nproc_per_node 4`: load a TP=2 x PP=2 pipeline checkpoint into the
+"""Run under `torch.distributed.run --nproc_per_node 4` (or 8 for DP=2): load a TP=2 x PP=2 pipeline checkpoint into the
 real DeepSpeed `PipelineEngine` the samples were trained with, measure the TP replicas' drift on the live
 engine, train one step. Rank 0 prints one line `DS_PIPELINE_STEP {json}`.
 
@@ -23,18 +23,19 @@ from ckpt_tools.train.workers import ds_pipeline as P
 def main() -> None:
     load_dir = sys.argv[1]
     deepspeed.init_distributed(dist_backend="gloo")
-    topology = PipeModelDataParallelTopology(num_pp=P.PP, num_mp=P.TP, num_dp=P.DP)
+    dp = c.world_size() // (P.TP * P.PP)
+    topology = PipeModelDataParallelTopology(num_pp=P.PP, num_mp=P.TP, num_dp=dp)
     coord = topology.get_coord(c.rank())
     torch.manual_seed(P.default_rng_seed(coord.pipe, coord.model, per_tp_rank=False))
     cfg = MegatronGPTConfig()
     model = GPTModelPipe(cfg, topology, seed=c.SEED)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=c.param_groups(model), config=P.ds_config())
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=c.param_groups(model), config=P.ds_config(dp))
     loaded, _ = engine.load_checkpoint(load_dir)
     if loaded is None:
         raise SystemExit(f"DeepSpeed loaded nothing from {load_dir}")
     step_loaded = engine.global_steps
-    drift = P.replica_drift(engine, coord.model)  # collective: every rank calls it
-    loss = float(engine.train_batch(data_iter=P.micro_batches(step_loaded, cfg)))
+    drift = P.replica_drift(engine, coord.model, coord.data)  # collective: every rank calls it
+    loss = float(engine.train_batch(data_iter=P.micro_batches(step_loaded, cfg, coord.data)))
     if c.rank() == 0:
         print("DS_PIPELINE_STEP " + json.dumps({"loaded": loaded, "global_steps_loaded": step_loaded,
                                                  "global_steps_after": engine.global_steps, "drift": drift,

@@ -20,6 +20,8 @@ from conftest import ROOT, fail_at, manifest, sample
 
 GROUP = "megatron"
 DRIFTED = "gpt_tp2_pp2_drifted"
+DRIFTED_DP2 = "gpt_tp2_pp2_dp2_drifted"  # the same drift at DP=2: ZeRO-1 splits each state over two files
+BOTH_DRIFTED = pytest.mark.parametrize("drifted", [DRIFTED, DRIFTED_DP2])
 REPS = ("bf16", "fp32", "exp_avg", "exp_avg_sq")
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
@@ -43,10 +45,13 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 class Direct:
-    """Every representation of a pipeline parameter per TP rank, straight from torch.load of the files."""
+    """Every representation of a pipeline parameter per TP rank, straight from torch.load of the files; at
+    DP > 1 the ZeRO-1 fragments of the DP ranks' files are concatenated in DP order (what ds_to_universal
+    does)."""
 
     def __init__(self, ckpt: Path, name: str = DRIFTED):
         m = manifest(GROUP, name)
+        self.dp = m["topology"]["dp"]
         self.tag = ckpt / m["extra"]["tag"]
         self.stage_of = {lay: int(s) for s, layers in m["extra"]["stage_layers"].items() for lay in layers}
         self._cache: dict[Path, dict] = {}
@@ -61,14 +66,19 @@ class Direct:
         if rep == "bf16":
             return self._load(self.tag / f"layer_{int(layer):02d}-model_{tp_rank:02d}-model_states.pt")[local]
         mp = self.stage_of[int(layer)] * 2 + tp_rank
-        osd = self._load(self.tag / f"bf16_zero_pp_rank_0_mp_rank_{mp:02d}_optim_states.pt")["optimizer_state_dict"]
-        for g, mapping in enumerate(osd["param_slice_mappings"]):
-            if name in mapping:
-                frag = mapping[name]
-                flat = osd["single_partition_of_fp32_groups"][g] if rep == "fp32" else \
-                    osd["base_optimizer_state"]["state"][g][rep]
-                return flat.narrow(0, frag.start, frag.numel)
-        raise KeyError(name)
+        pieces = []
+        for dp_rank in range(self.dp):
+            osd = self._load(self.tag / f"bf16_zero_pp_rank_{dp_rank}_mp_rank_{mp:02d}_optim_states.pt")[
+                "optimizer_state_dict"]
+            for g, mapping in enumerate(osd["param_slice_mappings"]):
+                if name in mapping:
+                    frag = mapping[name]
+                    flat = osd["single_partition_of_fp32_groups"][g] if rep == "fp32" else \
+                        osd["base_optimizer_state"]["state"][g][rep]
+                    pieces.append(flat.narrow(0, frag.start, frag.numel))
+        if not pieces:
+            raise KeyError(name)
+        return torch.cat(pieces)
 
     def max_abs(self, name: str, rep: str) -> float:
         a, b = (self.get(name, rep, t).detach().double().flatten() for t in (0, 1))
@@ -96,9 +106,10 @@ def test_in_sync_sample_is_100_percent_bit_exact(name, source):
     assert "all 27 replicated parameters in sync (100%)" in proc.stdout
 
 
-def test_drifted_sample_reports_exactly_the_measured_drift():
-    m = manifest(GROUP, DRIFTED)
-    ck = sample(GROUP, DRIFTED)
+@BOTH_DRIFTED
+def test_drifted_sample_reports_exactly_the_measured_drift(drifted):
+    m = manifest(GROUP, drifted)
+    ck = sample(GROUP, drifted)
     report = ops.check_tp_sync(ops.open_for_tp_sync(ck))
     assert not report.ok and report.layout_source == "universal_checkpoint_info"
     found = {(p.name, d.representation) for p in report.params for d in p.diffs if not d.bit_exact}
@@ -108,7 +119,7 @@ def test_drifted_sample_reports_exactly_the_measured_drift():
     for n in ("2.post_attention_layernorm.weight", "5.post_attention_layernorm.weight"):
         p = next(q for q in report.params if q.name == n)
         assert p.diff("bf16").bit_exact and not p.diff("fp32").bit_exact
-    direct = Direct(ck)
+    direct = Direct(ck, drifted)
     for p in report.params:
         for d in p.diffs:
             assert d.max_abs_diff == direct.max_abs(p.name, d.representation), (p.name, d.representation)
@@ -176,24 +187,37 @@ def test_dry_run_writes_nothing_and_shows_the_plan(copy_sample):
     assert doc["dry_run"] and len(doc["plan"]["files"]) == 8 and snapshot(ck.parent) == before
 
 
-@pytest.fixture
-def synced(copy_sample):
-    """The drifted sample copied, then `ckpt sync-tp --yes` (the average)."""
-    ck = copy_sample(GROUP, DRIFTED)
+@pytest.fixture(params=[DRIFTED, DRIFTED_DP2])
+def synced(request, copy_sample):
+    """A drifted sample (DP=1 and DP=2) copied, then `ckpt sync-tp --yes` (the average)."""
+    ck = copy_sample(GROUP, request.param)
     orig = snapshot(ck)
     proc = run_cli("sync-tp", str(ck), "--yes")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "100% of 27 replicated parameters in sync" in proc.stdout
-    return ck, orig
+    return ck, orig, request.param
 
 
 def test_sync_average_makes_all_four_representations_identical(synced):
-    ck, orig = synced
+    ck, orig, drifted = synced
     # no file added to or removed from the checkpoint folder; backups live beside it
     assert set(snapshot(ck)) == set(orig)
     changed = {f for f, h in snapshot(ck).items() if orig[f] != h}
-    assert len(changed) == 8 and not any(f.endswith(("model_states.pt",)) and f.startswith("global_step4/mp_rank")
-                                         for f in changed)
+    # exactly the layer files of the drifted tensors (bf16) and the optimizer files holding a ZeRO-1 piece of
+    # one (at DP=2 a drifted state may lie in one DP rank's partition or be split over both)
+    drift_names = {ds_name(n) for n in manifest(GROUP, drifted)["extra"]["drifted"]}
+    holders = set()
+    for f in sorted(ck.glob("global_step4/*optim_states.pt")):
+        osd = torch.load(f, weights_only=False, map_location="cpu")["optimizer_state_dict"]
+        if any(drift_names & set(m) for m in osd["param_slice_mappings"]):
+            holders.add(f"global_step4/{f.name}")
+    layers = {f"global_step4/layer_{int(n.split('.')[0]):02d}-model_{t:02d}-model_states.pt"
+              for n in drift_names for t in (0, 1)}
+    # (a layer file whose averaged replica rounds to the bf16 it already held keeps its bytes)
+    assert holders <= changed <= holders | layers and changed & layers
+    assert len(holders) == (4 if drifted == DRIFTED else 6)
+    if drifted == DRIFTED:
+        assert len(changed) == 8
     tx = io.transactions(ck)
     assert [t.status for t in tx] == ["done"] and not tx[0].dir.is_relative_to(ck)
     for rel in changed:  # the originals, byte for byte, outside the checkpoint
@@ -204,8 +228,8 @@ def test_sync_average_makes_all_four_representations_identical(synced):
     assert [w.code for w in report.warnings] == ["tp-rng-mismatch"]  # reported, never changed
     assert run_cli("check-tp-sync", str(ck)).returncode == 0
 
-    before, after = Direct(sample(GROUP, DRIFTED)), Direct(ck)
-    m = manifest(GROUP, DRIFTED)
+    before, after = Direct(sample(GROUP, drifted), drifted), Direct(ck, drifted)
+    m = manifest(GROUP, drifted)
     for mname in m["extra"]["drifted"]:
         n = ds_name(mname)
         for rep in STATES:
@@ -230,15 +254,16 @@ def test_sync_average_makes_all_four_representations_identical(synced):
 
 
 def test_synced_checkpoint_loads_in_deepspeed_and_trains(synced):
-    """The real PipelineEngine at TP=2 x PP=2 loads the repaired files; on the live engine the replicas
-    agree in bf16, fp32 master and both moments, and a training step gives a finite loss. The untouched
-    drifted sample, loaded the same way, shows the drift: the measurement can fail."""
-    ck, _ = synced
+    """The real PipelineEngine at TP=2 x PP=2 (x DP=2: 8 processes) loads the repaired files; on the live
+    engine the replicas agree in bf16, fp32 master and both moments, and a training step gives a finite
+    loss. The untouched drifted sample, loaded the same way, shows the drift: the measurement can fail."""
+    ck, _, drifted = synced
+    nproc = 4 * manifest(GROUP, drifted)["topology"]["dp"]
 
     def run(path: Path) -> dict:
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-                               str(ROOT / "tests" / "ds_pipeline_step.py"), str(path)],
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                               str(nproc), str(ROOT / "tests" / "ds_pipeline_step.py"), str(path)],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("DS_PIPELINE_STEP ")]
         assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -246,8 +271,11 @@ def test_synced_checkpoint_loads_in_deepspeed_and_trains(synced):
 
     got = run(ck)
     assert got["drift"] == {} and got["finite"] and got["global_steps_loaded"] == 4 and got["global_steps_after"] == 5
-    control = run(sample(GROUP, DRIFTED))
-    assert set(control["drift"]) == set(manifest(GROUP, DRIFTED)["extra"]["drifted"])
+    control = run(sample(GROUP, drifted))
+    want = manifest(GROUP, drifted)["extra"]["drifted"]
+    assert set(control["drift"]) == set(want)
+    for name, reps in want.items():  # the live engine after a load sees what the saving engine measured
+        assert control["drift"][name] == pytest.approx(reps, rel=1e-6, abs=0), name
 
 
 def test_sync_from_rank(copy_sample):

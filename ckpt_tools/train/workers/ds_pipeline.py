@@ -1,7 +1,8 @@
 """Megatron-DeepSpeed pipeline samples: real `PipelineEngine.save_checkpoint` output from TP=2 x PP=2.
 
 Four CPU ranks over gloo train `ckpt_tools.train.megatron.GPTModelPipe` with bf16 and ZeRO stage 1,
-two micro-batches per step. The three samples differ in what a TP-aware reader must handle:
+two micro-batches per step (eight ranks for the DP=2 sample). The samples differ in what a TP-aware reader
+must handle:
 
 - `gpt_tp2_pp2`: the model states carry `universal_checkpoint_info` as Megatron-DeepSpeed writes it,
   so `ds_to_universal` knows which tensors are replicated, row-parallel or vocabulary-split.
@@ -12,6 +13,8 @@ two micro-batches per step. The three samples differ in what a TP-aware reader m
   survives rounding. The drift spreads to other replicated tensors through the activations, so the
   manifest records both the perturbed tensors and the drifted ones, measured on the live engine.
   The default torch RNG is also seeded per TP rank, so `torch_rng_state` differs across TP ranks.
+- `gpt_tp2_pp2_dp2_drifted`: the same drift at DP=2 (8 ranks): ZeRO-1 splits every optimizer state across
+  the two DP ranks, so a replica's fp32 master weight and moments lie in pieces of two files per TP rank.
 """
 from __future__ import annotations
 
@@ -42,7 +45,8 @@ from ckpt_tools.train.manifest import write_manifest
 from ckpt_tools.train.megatron import GPTModelPipe, MegatronGPTConfig, is_tp_split
 from ckpt_tools.train.workers import _common as c
 
-TP, PP, DP = 2, 2, 1
+TP, PP = 2, 2
+DP = 1  # the default data-parallel size; the DP=2 sample's is its variant's `dp`
 MICRO_BATCHES = 2  # gradient accumulation steps: each train_batch runs the 1F1B schedule over two
 MICRO_BATCH = c.MICRO_BATCH // MICRO_BATCHES
 
@@ -57,7 +61,7 @@ HISTORY_NOTE = (
     "one entry per optimizer step (one train_batch): 'step' is the global step after the update, 'loss' "
     "is the pipeline's loss averaged over the micro-batches (the same on every rank), 'lr' is the LR of "
     "each param group used for that update; the batch for the update that ends at step s is "
-    f"batch_for_step(s - 1, batch_size={c.MICRO_BATCH}, dp_rank=0), split into {MICRO_BATCHES} "
+    f"batch_for_step(s - 1, batch_size={c.MICRO_BATCH}, dp_rank=<the rank's DP index>), split into {MICRO_BATCHES} "
     "micro-batches of consecutive rows, and both TP ranks of a stage read the same batch"
 )
 
@@ -75,20 +79,23 @@ class Drift:
 class PipelineVariant:
     universal_info: bool = True
     drift: Drift | None = None
+    dp: int = DP
 
 
+BLOOM_DRIFT = Drift(
+    # One family on both pipeline stages, another in one layer only.
+    params=("02.post_attention_layernorm.weight", "05.post_attention_layernorm.weight",
+            "03.self_attention.dense.bias"),
+    factor=0.5,
+    # Adam is invariant to a constant gradient scale, so the steps halved are not all the steps:
+    # the moments then mix halved and full gradients and the updates really differ.
+    steps=(2, 3, 4),
+)
 VARIANTS = {
     "gpt_tp2_pp2": PipelineVariant(),
     "gpt_tp2_pp2_noinfo": PipelineVariant(universal_info=False),
-    "gpt_tp2_pp2_drifted": PipelineVariant(drift=Drift(
-        # One family on both pipeline stages, another in one layer only.
-        params=("02.post_attention_layernorm.weight", "05.post_attention_layernorm.weight",
-                "03.self_attention.dense.bias"),
-        factor=0.5,
-        # Adam is invariant to a constant gradient scale, so the steps halved are not all the steps:
-        # the moments then mix halved and full gradients and the updates really differ.
-        steps=(2, 3, 4),
-    )),
+    "gpt_tp2_pp2_drifted": PipelineVariant(drift=BLOOM_DRIFT),
+    "gpt_tp2_pp2_dp2_drifted": PipelineVariant(drift=BLOOM_DRIFT, dp=2),
 }
 
 
@@ -98,11 +105,11 @@ def logical_name(module_name: str) -> str:
     return f"{int(layer):02d}.{local}"
 
 
-def ds_config() -> dict[str, Any]:
+def ds_config(dp: int = DP) -> dict[str, Any]:
     """bf16 with ZeRO stage 1 (the only ZeRO stage the pipeline engine supports), torch AdamW (DeepSpeed's
     FusedAdam needs CUDA) and DeepSpeed's WarmupLR, whose state is just `last_batch_iteration`."""
     return {
-        "train_batch_size": c.MICRO_BATCH * DP,
+        "train_batch_size": c.MICRO_BATCH * dp,
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": MICRO_BATCHES,
         "gradient_clipping": 1.0,
@@ -149,14 +156,14 @@ def universal_checkpoint_info(cfg: MegatronGPTConfig) -> dict[str, Any]:
     }
 
 
-def megatron_args(cfg: MegatronGPTConfig) -> argparse.Namespace:
+def megatron_args(cfg: MegatronGPTConfig, dp: int = DP) -> argparse.Namespace:
     """The subset of Megatron's `args` that checkpoint readers and converters look at."""
     return argparse.Namespace(
-        tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP, data_parallel_size=DP,
-        world_size=TP * PP * DP, num_layers=cfg.n_layers, hidden_size=cfg.hidden,
+        tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP, data_parallel_size=dp,
+        world_size=TP * PP * dp, num_layers=cfg.n_layers, hidden_size=cfg.hidden,
         ffn_hidden_size=cfg.ffn_hidden, num_attention_heads=cfg.n_heads, seq_length=cfg.seq_len,
         max_position_embeddings=cfg.seq_len, padded_vocab_size=cfg.vocab_size,
-        micro_batch_size=MICRO_BATCH, global_batch_size=c.MICRO_BATCH, train_iters=c.TOTAL_STEPS,
+        micro_batch_size=MICRO_BATCH, global_batch_size=c.MICRO_BATCH * dp, train_iters=c.TOTAL_STEPS,
         lr=c.PEAK_LR, lr_warmup_iters=c.WARMUP_STEPS, weight_decay=c.WEIGHT_DECAY, adam_beta1=c.BETAS[0],
         adam_beta2=c.BETAS[1], clip_grad=1.0, seed=c.SEED, bf16=True, fp16=False, deepspeed=True,
         zero_stage=1, normalization="layernorm", layernorm_epsilon=cfg.layernorm_eps,
@@ -185,27 +192,32 @@ class ReplicaGradPerturbation:
         return grad * self.factor if self.active else grad
 
 
-def master_and_moments(optimizer: Any, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
-    """The fp32 master weight and Adam moments of `param`, as flat views into ZeRO-1's partitions.
+def master_and_moments(optimizer: Any, param: torch.nn.Parameter) -> tuple[int, dict[str, torch.Tensor]] | None:
+    """(offset into the flattened parameter, {fp32, exp_avg, exp_avg_sq}) of the piece of `param` that this
+    rank's ZeRO-1 partition holds, as flat views; None when this DP rank holds none of it. With DP=1 the
+    piece is the whole tensor.
 
     Read through the parameter's fragment address (what `param_slice_mappings` records) rather than
     `deepspeed.utils.safe_get_full_optimizer_state`: in DeepSpeed 0.19.8 that fails for every parameter
     outside the first param group, because ZeRO links the optimizer-state views right after stepping the
-    first group, before the other groups have any Adam state. With DP=1 the fragment is the whole tensor.
+    first group, before the other groups have any Adam state.
     """
-    mapping = param._hp_mapping
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is None:
+        return None
     address = mapping.hp_fragment_address
-    if address.numel != param.numel():
-        raise RuntimeError(f"expected the whole parameter in one ZeRO partition, got {address} for {param.shape}")
     flat = optimizer.single_partition_of_fp32_groups[mapping.param_group_index]
     state = optimizer.optimizer.state[flat]
-    return {key: t.narrow(0, address.start, address.numel)
-            for key, t in (("fp32", flat), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"]))}
+    return mapping.lp_fragment_address.start, {
+        key: t.narrow(0, address.start, address.numel)
+        for key, t in (("fp32", flat), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"]))}
 
 
-def replica_drift(engine: Any, tp_rank: int) -> dict[str, dict[str, float]]:
+def replica_drift(engine: Any, tp_rank: int, dp_rank: int = 0) -> dict[str, dict[str, float]]:
     """For every TP-replicated parameter whose replicas differ, the largest |TP rank 0 - TP rank 1| of its
     bf16 weight, fp32 master weight and Adam moments, read from the live engine (empty when all agree).
+    At DP > 1 each DP rank compares the pieces its partition holds (the flat layout is the same on both
+    TP ranks of a stage, so they hold the same pieces) and the maximum over DP ranks is reported.
 
     Measured rather than predicted because drift spreads: once a perturbed replica differs, the TP ranks'
     activations differ, and so do the gradients of replicated parameters that were never perturbed.
@@ -213,20 +225,34 @@ def replica_drift(engine: Any, tp_rank: int) -> dict[str, dict[str, float]]:
     local = {}
     for name, p in engine.module.named_parameters():
         if not is_tp_split(p):
-            states = master_and_moments(engine.optimizer, p)
-            local[logical_name(name)] = {"bf16": p.detach().float().flatten(),
-                                         **{k: v.detach().clone() for k, v in states.items()}}
+            states = {"bf16": (0, p.detach().float().flatten())}
+            piece = master_and_moments(engine.optimizer, p)
+            if piece is not None:
+                offset, views = piece
+                states.update({k: (offset, v.detach().clone()) for k, v in views.items()})
+            local[logical_name(name)] = states
     per_rank: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, (tp_rank, local))
-    by_tp: dict[int, dict[str, dict[str, torch.Tensor]]] = {t: {} for t in range(TP)}
-    for t, states in per_rank:
-        by_tp[t].update(states)
-    drift = {}
-    for name, states in by_tp[0].items():
-        diffs = {k: float((v - by_tp[1][name][k]).abs().max()) for k, v in states.items()}
-        if any(diffs.values()):
-            drift[name] = diffs
-    return drift
+    dist.all_gather_object(per_rank, (tp_rank, dp_rank, local))
+    by_key: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+    for t, d, states in per_rank:
+        by_key.setdefault((t, d), {}).update(states)
+    drift: dict[str, dict[str, float]] = {}
+    for (t, d), params in by_key.items():
+        if t != 0:
+            continue
+        other = by_key[(1, d)]
+        for name, states in params.items():
+            for k, (offset, v) in states.items():
+                o_offset, o = other[name][k]
+                if o_offset != offset or o.shape != v.shape:
+                    raise RuntimeError(f"{name} {k}: TP ranks hold different pieces ({offset}+{v.numel()} vs "
+                                       f"{o_offset}+{o.numel()})")
+                diff = float((v - o).abs().max()) if v.numel() else 0.0
+                if diff:
+                    entry = drift.setdefault(name, {})
+                    entry[k] = max(entry.get(k, 0.0), diff)
+    return {name: {k: drift[name].get(k, 0.0) for k in ("bf16", "fp32", "exp_avg", "exp_avg_sq")}
+            for name in sorted(drift)}
 
 
 def default_rng_seed(pp_rank: int, tp_rank: int, per_tp_rank: bool) -> int:
@@ -235,11 +261,12 @@ def default_rng_seed(pp_rank: int, tp_rank: int, per_tp_rank: bool) -> int:
     return c.SEED + 100 * pp_rank + (tp_rank if per_tp_rank else 0)
 
 
-def parameter_inventory(engine: Any, tp_rank: int) -> dict[str, Any]:
-    """Logical parameter names, split dims, full shapes and exact counts, gathered from every rank's live
-    module: split tensors contribute every TP piece, replicated tensors count once (from TP rank 0)."""
+def parameter_inventory(engine: Any, tp_rank: int, dp_rank: int = 0) -> dict[str, Any]:
+    """Logical parameter names, split dims, full shapes and exact counts, gathered from the live modules of
+    DP rank 0 (the other DP ranks hold copies): split tensors contribute every TP piece, replicated
+    tensors count once (from TP rank 0)."""
     local = []
-    for name, p in engine.module.named_parameters():
+    for name, p in engine.module.named_parameters() if dp_rank == 0 else ():
         dim = p.partition_dim if is_tp_split(p) else None
         local.append((logical_name(name), dim, list(p.shape)))
     per_rank: list[Any] = [None] * dist.get_world_size()
@@ -270,10 +297,11 @@ def expected_parameter_count(cfg: MegatronGPTConfig) -> int:
     return cfg.vocab_size * h + cfg.seq_len * h + cfg.n_layers * layer + 2 * h + cfg.vocab_size * h
 
 
-def micro_batches(step: int, cfg: MegatronGPTConfig):
-    """The (inputs, labels) micro-batches of one train_batch; both TP ranks of a stage read the same."""
+def micro_batches(step: int, cfg: MegatronGPTConfig, dp_rank: int = 0):
+    """The (inputs, labels) micro-batches of one train_batch of one DP rank; both TP ranks of a stage read
+    the same."""
     tokens = batch_for_step(step, batch_size=c.MICRO_BATCH, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size,
-                            dp_rank=0)
+                            dp_rank=dp_rank)
     for mb in tokens.split(MICRO_BATCH):
         yield mb[:, :-1].contiguous(), mb[:, 1:].contiguous()
 
@@ -283,10 +311,11 @@ def main() -> None:
     variant = VARIANTS[args.sample]
     deepspeed.init_distributed(dist_backend="gloo")
     rank = c.rank()
-    if c.world_size() != TP * PP * DP:
-        raise SystemExit(f"{args.sample} needs {TP * PP * DP} ranks (TP={TP} x PP={PP} x DP={DP}), "
+    dp = variant.dp
+    if c.world_size() != TP * PP * dp:
+        raise SystemExit(f"{args.sample} needs {TP * PP * dp} ranks (TP={TP} x PP={PP} x DP={dp}), "
                          f"got {c.world_size()}")
-    topology = PipeModelDataParallelTopology(num_pp=PP, num_mp=TP, num_dp=DP)
+    topology = PipeModelDataParallelTopology(num_pp=PP, num_mp=TP, num_dp=dp)
     coord = topology.get_coord(rank)
     per_tp_rng = variant.drift is not None
     rng_seed = default_rng_seed(coord.pipe, coord.model, per_tp_rng)
@@ -298,7 +327,7 @@ def main() -> None:
     if variant.drift and coord.model == 0:
         perturb.attach([p for n, p in model.named_parameters() if logical_name(n) in variant.drift.params])
 
-    ds_cfg = ds_config()
+    ds_cfg = ds_config(dp)
     # DeepSpeed may fill in defaults in the dict it is given; the manifest keeps what we asked for.
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=c.param_groups(model),
                                            config=copy.deepcopy(ds_cfg))
@@ -306,14 +335,14 @@ def main() -> None:
     def step(global_step: int) -> float:
         if perturb is not None:
             perturb.active = global_step + 1 in variant.drift.steps
-        return float(engine.train_batch(data_iter=micro_batches(global_step, cfg)))
+        return float(engine.train_batch(data_iter=micro_batches(global_step, cfg, coord.data)))
 
     ckpt = args.out / args.sample
     uc_info = universal_checkpoint_info(cfg) if variant.universal_info else None
 
     def save() -> dict[str, Any]:
         client_state: dict[str, Any] = {
-            "args": megatron_args(cfg),
+            "args": megatron_args(cfg, dp),
             "checkpoint_version": 3.0,
             "iteration": engine.global_steps,
             "tokens": engine.global_steps * c.MICRO_BATCH * cfg.seq_len,
@@ -325,10 +354,10 @@ def main() -> None:
         c.drop_deepspeed_scripts(ckpt)
         return {**c.snapshot(global_step=engine.global_steps, optimizer=engine.optimizer,
                              scheduler=engine.lr_scheduler, skipped_steps=engine.skipped_steps),
-                "drift": replica_drift(engine, coord.model)}
+                "drift": replica_drift(engine, coord.model, coord.data)}
 
     history, saved = c.train(step, lambda: c.current_lrs(engine.optimizer), save)
-    inventory = parameter_inventory(engine, coord.model)
+    inventory = parameter_inventory(engine, coord.model, coord.data)
     seeds: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(seeds, rng_seed)
     if inventory["count"] != expected_parameter_count(cfg):
@@ -337,7 +366,7 @@ def main() -> None:
     if rank == 0:
         write_manifest(
             ckpt, sample=args.sample, format="deepspeed_pipeline", world_size=c.world_size(),
-            topology={"dp": DP, "tp": TP, "pp": PP, "zero_stage": 1}, steps=c.SAVE_AFTER_STEP,
+            topology={"dp": dp, "tp": TP, "pp": PP, "zero_stage": 1}, steps=c.SAVE_AFTER_STEP,
             counters=saved["counters"], lr=saved["lr"],
             parameters={"count": inventory["count"], "tensors": inventory["tensors"]},
             extra={
@@ -365,7 +394,8 @@ def main() -> None:
                 },
                 "stage_layers": {str(s): list(range(engine.module.parts[s], engine.module.parts[s + 1]))
                                  for s in range(PP)},
-                "rank_coords": "global rank = pp_stage * tp + tp_rank; mp_rank_MM = the same number",
+                "rank_coords": (f"global rank = (pp_stage * {dp} + dp_rank) * {TP} + tp_rank; mp_rank_MM: "
+                                f"MM = pp_stage * {TP} + tp_rank; zero_pp_rank_D: D = dp_rank"),
                 "parameter_shapes": inventory["shapes"],
                 "tp_replicated": inventory["tp_replicated"],
                 "split": inventory["split"],
