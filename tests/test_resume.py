@@ -1,8 +1,11 @@
 """`ckpt resume` on the real samples: DeepSpeed loads them, trains, and the records are compared with what the
 uninterrupted sample run did (its manifest's `extra.history`, steps 5 and 6 after the save at step 4).
 
-Everything runs on CPU with gloo (OMP_NUM_THREADS=1, as the samples were made), so a same-topology resume
-is expected to reproduce the uninterrupted losses bit for bit.
+Everything runs on CPU with gloo and OMP_NUM_THREADS=1 (`samples.worker_env`, for the sample maker and for
+resume alike). Bitwise claims are made only between two runs of the same test on this machine: the sample is
+regenerated here (`fresh_sample`, the uninterrupted run) and resumed, and the resumed losses must equal its
+history bit for bit. Against the committed manifests (recorded on another CPU model) losses get the dtype's
+tolerance from `conftest.LOSS_REL_TOL`; counters and LRs stay exact.
 """
 from __future__ import annotations
 
@@ -15,16 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import manifest, sample
+from conftest import LOSS_REL_TOL, loss_tol, manifest, manifest_of, sample
 from ckpt_tools.ops import resume as ops
 
 CLI = [sys.executable, "-c", "from cli.main import main; main()"]
 
-# Re-topology tolerance on the loss (absolute, loss ~4.1). The resumed run sees the uninterrupted run's
-# global batch and the same fp32 master weights, so what differs is only the order of bf16/fp32 sums
-# (TP-split matmuls and all-reduces, gradient accumulation instead of a DP all-reduce): measured 0 for
-# DP 2 -> 1 and 1.3e-5 / 1.7e-5 for TP 2 x PP 2 -> 1 x 1. A wrongly merged tensor or a lost optimizer
-# state moves the loss by 1e-3 or more.
+# Re-topology tolerance on the loss (absolute, loss ~4.1), against a run made on this machine. The resumed run
+# sees the uninterrupted run's global batch and the same fp32 master weights, so what differs is only the order
+# of bf16/fp32 sums (TP-split matmuls and all-reduces, gradient accumulation instead of a DP all-reduce):
+# measured 0 for DP 2 -> 1 and 1.3e-5 / 1.7e-5 for TP 2 x PP 2 -> 1 x 1. A wrongly merged tensor or a lost
+# optimizer state moves the loss by 1e-3 or more.
 RETOPOLOGY_LOSS_TOL = 1e-4
 
 
@@ -35,7 +38,11 @@ def ckpt(*args, expect=0, env=None):
 
 
 def history(group: str, name: str) -> dict[int, dict]:
-    return {h["step"]: h for h in manifest(group, name)["extra"]["history"]}
+    return by_step(manifest(group, name))
+
+
+def by_step(m: dict) -> dict[int, dict]:
+    return {h["step"]: h for h in m["extra"]["history"]}
 
 
 def checks(doc: dict) -> dict[str, dict]:
@@ -43,16 +50,19 @@ def checks(doc: dict) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("name", ["zero2_bf16", "zero2_lambdalr", "zero2_warmuplr"])
-def test_same_topology_resume_is_bitwise_continuous(name, tmp_path):
-    src = sample("deepspeed", name)
+def test_same_topology_resume_is_bitwise_continuous(name, fresh_sample, tmp_path):
+    """The uninterrupted run (the sample, regenerated now on this machine) and the resume from its step-4
+    checkpoint: the same losses bit for bit (same weights, Adam state, LR and batches)."""
+    src = fresh_sample(name)
     ref_out = tmp_path / "ref.json"
     doc = json.loads(ckpt("resume", src, "--steps", "2", "--reference", f"{src}.manifest.json", "--loss-tol", "0",
                           "--record-reference", ref_out, "--json").stdout)
-    hist = history("deepspeed", name)
-    m = manifest("deepspeed", name)
+    m = manifest_of(src)
+    hist = by_step(m)
+    assert m["counters"] == manifest("deepspeed", name)["counters"]  # the same recipe as the committed sample
     assert [r["step"] for r in doc["records"]] == [5, 6]
     for r in doc["records"]:
-        assert r["loss"] == hist[r["step"]]["loss"]  # bitwise: same weights, Adam state, LR and batches
+        assert r["loss"] == hist[r["step"]]["loss"]  # bitwise: two runs on this machine
         assert r["lr"] == pytest.approx(hist[r["step"]]["lr"], rel=1e-12)
         assert r["optimizer_step"] == m["counters"]["optimizer_step"] + r["step"] - 4
     c = checks(doc)
@@ -61,6 +71,20 @@ def test_same_topology_resume_is_bitwise_continuous(name, tmp_path):
     assert "bitwise equal" in c["loss"]["detail"]
     # the recorded reference reads back as the same step -> loss map
     assert ops.load_reference(ref_out) == {r["step"]: r["loss"] for r in doc["records"]}
+
+
+def test_committed_sample_resumes_within_tolerance():
+    """The committed sample against its committed manifest (another machine): counters and LR exact, the loss
+    within the bf16 tolerance."""
+    src = sample("deepspeed", "zero2_lambdalr")
+    hist = history("deepspeed", "zero2_lambdalr")
+    tol = loss_tol("bfloat16", [h["loss"] for h in hist.values()])
+    doc = json.loads(ckpt("resume", src, "--steps", "2", "--reference", f"{src}.manifest.json", "--loss-tol", tol,
+                          "--json").stdout)
+    assert all(c["status"] == "pass" for c in doc["checks"]), doc["checks"]
+    for r in doc["records"]:
+        assert r["lr"] == pytest.approx(hist[r["step"]]["lr"], rel=1e-12)
+        assert abs(r["loss"] - hist[r["step"]]["loss"]) <= tol
 
 
 def _rewrite_model_states(folder: Path, edit) -> None:
@@ -94,54 +118,66 @@ def test_dropped_scheduler_state_fails_the_lr_check(copy_sample):
 @pytest.mark.slow
 def test_halved_lr_is_reported_as_expected(copy_sample):
     """After `ckpt set-lr --scale 0.5` on a LambdaLR run (base_lrs, _last_lr, lr and initial_lr halved in the
-    scheduler and in every rank's optimizer state): the resumed run uses half the LR and the check agrees."""
+    scheduler and in every rank's optimizer state): the resumed run uses half the LR and the check agrees.
+    Compared with the committed run at the bf16 tolerance, the loss check fails at step 6 (the first loss
+    after a halved update): the tolerance catches a real regression, not only a hand-perturbed number."""
     ck = copy_sample("deepspeed", "zero2_lambdalr")
     ckpt("set-lr", ck, "--scale", "0.5", "--yes")
-    doc = json.loads(ckpt("resume", ck, "--steps", "2", "--json").stdout)
     hist = history("deepspeed", "zero2_lambdalr")
+    tol = loss_tol("bfloat16", [h["loss"] for h in hist.values()])
+    ref = sample("deepspeed", "zero2_lambdalr").with_name("zero2_lambdalr.manifest.json")
+    proc = ckpt("resume", ck, "--steps", "2", "--reference", ref, "--loss-tol", tol, "--json", expect=1)
+    doc = json.loads(proc.stdout)
     assert [r["lr"] for r in doc["records"]] == [pytest.approx([x / 2 for x in hist[s]["lr"]]) for s in (5, 6)]
-    assert checks(doc)["learning rate"]["status"] == "pass"
+    c = checks(doc)
+    assert c["learning rate"]["status"] == "pass"
+    assert c["loss"]["status"] == "fail"
+    rows = {r["step"]: r for r in c["loss"]["rows"]}
+    assert rows[5]["ok"] and not rows[6]["ok"]  # step 5's loss is computed before the first halved update
+    moved = abs(rows[6]["actual"] - rows[6]["expected"]) / abs(rows[6]["expected"])
+    assert moved > 10 * LOSS_REL_TOL["bfloat16"], moved
 
 
 @pytest.mark.slow
-def test_pipeline_tp2_pp2_resumes_bitwise():
-    src = sample("megatron", "gpt_tp2_pp2")
+def test_pipeline_tp2_pp2_resumes_bitwise(fresh_sample):
+    src = fresh_sample("gpt_tp2_pp2")
     doc = json.loads(ckpt("resume", src, "--steps", "2", "--reference", f"{src}.manifest.json", "--loss-tol", "0",
                           "--json").stdout)
     assert doc["plan"]["nproc"] == 4 and doc["setup"]["pipeline"] is True
-    hist = history("megatron", "gpt_tp2_pp2")
-    assert [r["loss"] for r in doc["records"]] == [hist[5]["loss"], hist[6]["loss"]]
+    hist = by_step(manifest_of(src))
+    assert [r["loss"] for r in doc["records"]] == [hist[5]["loss"], hist[6]["loss"]]  # same machine, bitwise
     assert [r["lr"] for r in doc["records"]] == [hist[5]["lr"], hist[6]["lr"]]  # WarmupLR at iterations 3, 4
     assert all(c["status"] == "pass" for c in doc["checks"])
 
 
 @pytest.mark.slow
-def test_dp2_to_dp1_via_universal(tmp_path):
+def test_dp2_to_dp1_via_universal(fresh_sample, tmp_path):
     """`ckpt to-universal` makes the universal checkpoint; one process then accumulates both original DP
-    ranks' micro-batches, so the global batch and the averaged gradient are the uninterrupted run's."""
+    ranks' micro-batches, so the global batch and the averaged gradient are the uninterrupted run's (made
+    on this machine)."""
+    src = fresh_sample("zero2_bf16")
     uni = tmp_path / "zero2_universal"
-    ckpt("to-universal", sample("deepspeed", "zero2_bf16"), uni)
+    ckpt("to-universal", src, uni)
     assert (uni / "latest_universal").read_text().strip() == "global_step4_universal"
     doc = json.loads(ckpt("resume", uni, "--steps", "2", "--nproc", "1", "--universal", "--reference",
-                          f"{sample('deepspeed', 'zero2_bf16')}.manifest.json", "--loss-tol", RETOPOLOGY_LOSS_TOL,
-                          "--json").stdout)
+                          f"{src}.manifest.json", "--loss-tol", RETOPOLOGY_LOSS_TOL, "--json").stdout)
     assert doc["plan"]["dp"] == 1 and doc["plan"]["gas"] == 2
-    hist = history("deepspeed", "zero2_bf16")
+    hist = by_step(manifest_of(src))
     for r in doc["records"]:
         assert abs(r["loss"] - hist[r["step"]]["loss"]) <= RETOPOLOGY_LOSS_TOL
     assert all(c["status"] == "pass" for c in doc["checks"]), doc["checks"]
 
 
 @pytest.mark.slow
-def test_tp2_pp2_to_tp1_pp1_via_universal():
+def test_tp2_pp2_to_tp1_pp1_via_universal(fresh_sample):
     """`--tp 1 --pp 1` converts with `ckpt to-universal` (merges driven by the sample's
     universal_checkpoint_info) into a scratch folder and resumes the TP=1 x PP=1 pipeline model."""
-    src = sample("megatron", "gpt_tp2_pp2")
+    src = fresh_sample("gpt_tp2_pp2")
     doc = json.loads(ckpt("resume", src, "--steps", "2", "--tp", "1", "--pp", "1", "--reference",
                           f"{src}.manifest.json", "--loss-tol", RETOPOLOGY_LOSS_TOL, "--json").stdout)
     p = doc["plan"]
     assert (p["nproc"], p["tp"], p["pp"], p["universal"]) == (1, 1, 1, True)
-    hist = history("megatron", "gpt_tp2_pp2")
+    hist = by_step(manifest_of(src))
     diffs = [abs(r["loss"] - hist[r["step"]]["loss"]) for r in doc["records"]]
     assert max(diffs) <= RETOPOLOGY_LOSS_TOL
     assert all(c["status"] == "pass" for c in doc["checks"]), doc["checks"]
