@@ -45,6 +45,14 @@ SAMPLES: tuple[SampleSpec, ...] = (
     SampleSpec("fsdp1_sharded", "fsdp", _W + "fsdp", 2, "fsdp1_sharded"),
     SampleSpec("accelerate_ddp", "accelerate", _W + "accel", 2, "accelerate_ddp"),
     SampleSpec("accelerate_deepspeed", "accelerate", _W + "accel", 2, "accelerate_deepspeed"),
+    # producers as users run them (the real-producers issue): HF Trainer, Lightning, torchtitan / DCP recipe
+    # layouts, Accelerate with several models
+    SampleSpec("hf_trainer_ddp", "hf_trainer", _W + "hf_trainer", 2, "hf_trainer_ddp"),
+    SampleSpec("hf_trainer_zero2", "hf_trainer", _W + "hf_trainer", 2, "hf_trainer_zero2"),
+    SampleSpec("lightning_onecycle", "lightning", _W + "lightning_run", 1, "onecycle.ckpt"),
+    SampleSpec("torchtitan_fsdp2", "dcp", _W + "dcp_layouts", 2, "torchtitan_fsdp2"),
+    SampleSpec("dcp_recipe_fsdp2", "dcp", _W + "dcp_layouts", 2, "dcp_recipe_fsdp2"),
+    SampleSpec("accelerate_two_models", "accelerate", _W + "accel_multi", 2, "accelerate_two_models"),
     SampleSpec("plain", "torch", _W + "plain", 1, "plain.pt"),
     SampleSpec("safetensors_single", "safetensors", _W + "plain", 1, "model.safetensors"),
     SampleSpec("safetensors_sharded", "safetensors", _W + "plain", 1, "sharded"),
