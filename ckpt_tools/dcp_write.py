@@ -109,8 +109,8 @@ class DcpFolder:
             raise CorruptCheckpoint(f"{key}: no storage entry", path=self.root / METADATA)
         return it
 
-    def state_tree(self, tops: tuple[str, ...]) -> tuple[dict, dict[tuple, str]]:
-        """The nested state dict under the top-level keys `tops` (values read, 0-d tensors as TensorRefs,
+    def state_tree(self, tops: tuple[str, ...] | None = None) -> tuple[dict, dict[tuple, str]]:
+        """The nested state dict under the top-level keys `tops` (all when None; values read, 0-d tensors as TensorRefs,
         bigger tensors left out), with dicts keyed 0..n-1 turned into lists (param_groups), and the map from
         each leaf's key path to its flat DCP key."""
         tree: dict = {}
@@ -118,7 +118,7 @@ class DcpFolder:
         for key, meta in self.sdm.items():
             path = self.planner.get(key)
             path = tuple(path) if isinstance(path, (tuple, list)) else (key,)
-            if not path or path[0] not in tops:
+            if not path or (tops is not None and path[0] not in tops):
                 continue
             if is_opaque(meta, "BytesStorageMetadata"):
                 leaf = self.value(key)

@@ -27,6 +27,21 @@ def _module(name: str) -> ModuleType | None:
         raise
 
 
+def training_state(ck):
+    """Where `ck`'s training state lives (`ckpt_tools.state.StateMap`), as its format module says; a format
+    without a `training_state` is read-only for the writing commands."""
+    from ..state import StateMap
+
+    for name in FORMAT_MODULES:
+        mod = _module(name)
+        if mod is not None and getattr(mod, "FORMAT", None) == ck.format:
+            if hasattr(mod, "training_state"):
+                return mod.training_state(ck)
+            break
+    return StateMap(Path(ck.path), (), read_only=f"set-lr/set-step do not edit {ck.format} checkpoints: they hold no "
+                    "optimizer or scheduler state", hint="edit the training checkpoint the run resumes from")
+
+
 def detect(path: Path) -> ModuleType:
     """The format module that reads `path`; raises NotACheckpoint naming what was looked for."""
     if not path.exists():

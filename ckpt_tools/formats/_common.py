@@ -1,6 +1,7 @@
 """Helpers every format module shares: loading files safely, stray-file warnings, `latest` tags."""
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from pathlib import Path
@@ -8,7 +9,7 @@ from typing import Any, Iterable
 
 from .. import pickle_reader
 from ..errors import MissingFile, NotACheckpoint
-from ..tree import FileInfo, GroupNode, Node, Warning_, as_int, floats, scalar
+from ..tree import Counters, FileInfo, GroupNode, LearningRates, Node, Warning_, as_int, floats, scalar
 
 #: names that a loader globbing the folder could pick up by mistake, or that show a hand edit
 _STRAY_RE = re.compile(r"(\.orig|\.bak|\.backup|\.old|\.tmp|\.swp|~)$|^\.#|\.pt\.\d+$")
@@ -146,6 +147,54 @@ def param_group_lrs(groups: Node | None) -> tuple[float, ...]:
         if isinstance(lr, (int, float)) and not isinstance(lr, bool):
             out.append(float(lr))
     return tuple(out)
+
+
+def _numbered(stem: str, i: int) -> str:
+    return stem if i == 0 else f"{stem}_{i}"
+
+
+def training_header(tree: dict[str, Node]) -> tuple[Counters, LearningRates, list[int]]:
+    """Counters and LRs of a training state tree with `optimizer`, `optimizer_1`, ..., `scheduler`,
+    `scheduler_1`, ... and loop counters in `client_state` (top level or one dict down: torchtitan's
+    `train_state.step`). Several optimizers' groups are listed one after the other. Returns the Adam
+    steps seen too (for the counter warnings)."""
+    steps: list[int] = []
+    lrs: list[float] = []
+    base: list[float] = []
+    last: list[float] = []
+    sched0: dict[str, Any] = {}
+    for i in itertools.count():
+        opt, sch = tree.get(_numbered("optimizer", i)), tree.get(_numbered("scheduler", i))
+        if opt is None and sch is None:
+            break
+        if isinstance(opt, GroupNode):
+            steps += optimizer_steps(opt.children.get("state"))
+            lrs += param_group_lrs(opt.children.get("param_groups"))
+        fields = scheduler_fields(sch)
+        sched0 = sched0 or fields
+        b, l_ = lr_from_scheduler(fields)
+        base += b or ()
+        last += l_ or ()
+    last_epoch, step_count = scheduler_counters(sched0)
+    counters = Counters(global_step=loop_step(tree.get("client_state")),
+                        optimizer_step=max(set(steps), key=steps.count) if steps else None,
+                        scheduler_last_epoch=last_epoch, scheduler_step_count=step_count)
+    return counters, LearningRates(tuple(lrs), tuple(base) or None, tuple(last) or None), steps
+
+
+def loop_step(client: Node | None) -> int | None:
+    """The training loop's step counter among saved client state (top level, then one dict down)."""
+    from ..state import COUNTER_KEYS
+
+    if not isinstance(client, GroupNode):
+        return None
+    levels = [client.children] + [c.children for c in client.children.values() if isinstance(c, GroupNode)]
+    for kids in levels:
+        for k in COUNTER_KEYS:
+            v = as_int(scalar(kids.get(k)))
+            if v is not None and not isinstance(scalar(kids.get(k)), bool):
+                return v
+    return None
 
 
 def optimizer_steps(state: Node | None) -> list[int]:

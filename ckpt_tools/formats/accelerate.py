@@ -157,3 +157,28 @@ def _param_names_from_groups(osd: dict) -> list[str]:
     names = [n for g in groups if isinstance(g, dict) for n in (g.get("param_names") or [])]
     return [str(n) for n in names]
 
+
+def _object_index(stem: str) -> int:
+    """optimizer.bin / scheduler.bin -> 0, optimizer_1.bin -> 1: Accelerate numbers objects in prepare order."""
+    m = re.search(r"_(\d+)$", stem)
+    return int(m[1]) if m else 0
+
+
+def training_state(ck: Checkpoint):
+    from ..state import StateMap, StateSource
+    from .deepspeed import tag_state_sources
+
+    root = Path(ck.path)
+    if "fsdp" in str(ck.details.get("engine", "")):
+        return StateMap(root, (), read_only="Accelerate FSDP checkpoints are read-only for set-lr/set-step: their "
+                        "optimizer is a DCP folder beside scheduler.bin",
+                        hint="load it, then call scheduler.load_state_dict / set group['lr'] in your training "
+                             "script")
+    sources = []
+    tag = C.read_latest(root)
+    if tag and (root / tag).is_dir():
+        sources += tag_state_sources(root, root / tag)
+    for p in sorted(root.glob("scheduler*.bin")) + sorted(root.glob("optimizer*.bin")):
+        sources.append(StateSource(p, p.name, index=_object_index(p.stem)))
+    return StateMap(root, tuple(sources), scheduler_steps_per_update=int(ck.details.get("world_size") or 1))
+

@@ -29,7 +29,8 @@ from ..tree import (Checkpoint, Counters, FileInfo, GroupNode, LearningRates, No
                     TensorNode, Topology, ValueNode, Warning_, as_int, iter_tensors, scalar, tensor_node,
                     to_node)
 from . import _common as C
-from .torch_file import STEP_KEYS, split_training_dict
+from ..state import is_flattened
+from .torch_file import flattened_optimizer_tree, split_training_dict
 
 FORMAT = "dcp"
 _DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -146,32 +147,24 @@ def training_checkpoint(fmt: str, root: Path, top: Mapping[str, Any], *, file: s
                         files: list[FileInfo], warnings: list[Warning_], details: dict) -> Checkpoint:
     """A Checkpoint from the state dict a torch training loop saved ({model, optimizer, scheduler, step});
     `top` holds nodes (sharded tensors already assembled) or raw objects from `file`."""
-    model, optim, sched, rest = split_training_dict(dict(top))
+    model, optims, scheds, rest = split_training_dict(dict(top))
     if model is None and rest and all(isinstance(v, TensorNode) for v in rest.values()):
         model, rest = rest, {}  # a bare model state dict
     tree: dict[str, Node] = {}
     if model is not None:
         tree["model"] = _nodes(model, file)
-    if optim is not None:
-        tree["optimizer"] = _nodes(optim, file)
-    if sched is not None:
-        tree["scheduler"] = _nodes(sched, file)
+    for i, osd in enumerate(optims):
+        tree[C._numbered("optimizer", i)] = (flattened_optimizer_tree(osd, file, _nodes) if is_flattened(osd)
+                                             else _nodes(osd, file))
+    for i, sd in enumerate(scheds):
+        tree[C._numbered("scheduler", i)] = _nodes(sd, file)
     if rest:
         tree["client_state"] = _nodes(rest, file)
-    opt = tree.get("optimizer")
-    steps = C.optimizer_steps(opt.children.get("state")) if isinstance(opt, GroupNode) else []
-    sf = C.scheduler_fields(tree.get("scheduler"))
-    base_lrs, last_lr = C.lr_from_scheduler(sf)
-    last_epoch, step_count = C.scheduler_counters(sf)
-    client = tree["client_state"].children if "client_state" in tree else {}
-    gstep = next((as_int(scalar(client[k])) for k in STEP_KEYS if as_int(scalar(client.get(k))) is not None), None)
-    counters = Counters(global_step=gstep, optimizer_step=max(set(steps), key=steps.count) if steps else None,
-                        scheduler_last_epoch=last_epoch, scheduler_step_count=step_count)
-    lrs = C.param_group_lrs(opt.children.get("param_groups")) if isinstance(opt, GroupNode) else ()
+    counters, lrs, steps = C.training_header(tree)
     params = [t for _, t in iter_tensors(tree["model"])] if "model" in tree else []
     return Checkpoint(
         format=fmt, path=str(root), topology=Topology(dp=dp, tp=1, pp=1, zero_stage=None), tree=GroupNode(tree),
-        counters=counters, lr=LearningRates(lrs, base_lrs, last_lr),
+        counters=counters, lr=lrs,
         parameter_count=sum(t.numel for t in params), parameter_tensors=len(params), files=tuple(files),
         warnings=tuple(C.counter_warnings(counters, optimizer_steps_seen=steps) + warnings),
         dtypes=tuple(sorted({t.dtype for t in params})), details=details)
@@ -287,3 +280,13 @@ def _value(cache: C.LoadCache, root: Path, key: str, where: dict) -> Node:
     if length > _MAX_VALUE_BYTES:
         return ValueNode(f"<{length} bytes in {rel}, not read>")
     return to_node(cache.load_embedded(root / rel, off, length).obj, rel, _rank(rel))
+
+
+def training_state(ck: Checkpoint):
+    """A DCP folder is one state dict over its items: optimizer, scheduler and counters are found by shape at
+    any nesting (torchtitan's top-level `optimizer`/`lr_scheduler`/`train_state`, the recipe's `app.*`)."""
+    from ..state import StateMap, StateSource
+
+    root = Path(ck.path)
+    return StateMap(root, (StateSource(root, ".metadata", kind="dcp"),))
+

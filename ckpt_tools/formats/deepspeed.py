@@ -382,3 +382,23 @@ def _check_rank_files(tag_dir: Path, ranks: dict[int, RankFiles], dp: int, mp: i
         if t >= mp:
             warnings.append(Warning_("extra-rank-file", f"files for mp_rank {t:02d} are beyond mp_world_size={mp}: "
                                      "left over from another run? Move them out of the folder"))
+
+
+def tag_state_sources(root: Path, tag_dir: Path) -> list:
+    """The files of a DeepSpeed tag folder that hold training state: model states (scheduler, counters,
+    ds_config) and optim states (param groups, Adam steps); pipeline `layer_*` files hold weights only."""
+    from ..state import StateSource
+
+    files = [p for p in sorted(tag_dir.glob("*model_states.pt")) if not p.name.startswith("layer_")]
+    files += sorted(tag_dir.glob("*optim_states.pt"))
+    return [StateSource(p, str(p.relative_to(root))) for p in files]
+
+
+def training_state(ck: Checkpoint):
+    from ..state import StateMap
+
+    root = Path(ck.path)
+    tag = ck.details.get("tag")
+    tag_dir = root / tag if tag and (root / tag).is_dir() else root
+    return StateMap(root, tuple(tag_state_sources(root, tag_dir)))
+

@@ -444,3 +444,10 @@ def _rng_bytes(ms: dict) -> bytes | None:
     if not isinstance(ref, TensorRef) or ref.storage is None:
         return None
     return ref.read_bytes()
+
+
+def training_state(ck: Checkpoint):
+    from .deepspeed import training_state as tag_training_state
+
+    return tag_training_state(ck)
+

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 from ..pickle_reader import TensorRef
+from ..state import is_flattened
 from ..tree import (Checkpoint, Counters, GroupNode, LearningRates, TensorNode, Topology, as_int, iter_tensors,
                     to_node)
 from . import _common as C
@@ -34,16 +35,39 @@ def sniff(path: Path) -> bool:
     return head in (b"PK", ) or head[:1] == b"\x80"
 
 
-def split_training_dict(obj: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
-    """(model state dict, optimizer state dict, scheduler state dict, everything else) of a saved dict."""
+def split_training_dict(obj: Any) -> tuple[Any, list, list, dict[str, Any]]:
+    """(model state dict, [optimizer state dicts], [scheduler state dicts], everything else) of a saved dict.
+
+    Optimizer and scheduler states are recognised by shape (`state.is_optimizer_state` / `is_scheduler_state`)
+    under the usual keys or as lists (Lightning's `optimizer_states` / `lr_schedulers`); one wrapper level
+    around a whole training dict (the DCP recipe's `{"app": {model, optim, scheduler}}`) is looked through."""
+    from ..state import is_optimizer_state, is_scheduler_state
+
     if not isinstance(obj, dict):
-        return None, None, None, {"object": obj}
+        return None, [], [], {"object": obj}
     if obj and all(isinstance(v, TensorRef) for v in obj.values()):
-        return obj, None, None, {}
-    pick = lambda keys: next((k for k in keys if isinstance(obj.get(k), dict)), None)  # noqa: E731
-    mk, ok, sk = pick(MODEL_KEYS), pick(OPTIM_KEYS), pick(SCHED_KEYS)
-    rest = {k: v for k, v in obj.items() if k not in (mk, ok, sk)}
-    return (obj.get(mk) if mk else None), (obj.get(ok) if ok else None), (obj.get(sk) if sk else None), rest
+        return obj, [], [], {}
+    if len(obj) == 1:
+        (inner,) = obj.values()
+        if isinstance(inner, dict) and not all(isinstance(v, TensorRef) for v in inner.values()):
+            model, optims, scheds, rest = split_training_dict(inner)
+            if model is not None or optims or scheds:
+                return model, optims, scheds, rest
+    mk = next((k for k in MODEL_KEYS if isinstance(obj.get(k), dict)), None)
+    optims: list = []
+    scheds: list = []
+    rest: dict[str, Any] = {}
+    for k, v in obj.items():
+        if k == mk:
+            continue
+        vals = v if isinstance(v, list) and v else [v]
+        if all(is_optimizer_state(x) for x in vals):
+            optims += vals
+        elif all(is_scheduler_state(x) for x in vals) and (k in SCHED_KEYS or isinstance(v, list)):
+            scheds += vals
+        else:
+            rest[k] = v
+    return (obj.get(mk) if mk else None), optims, scheds, rest
 
 
 def optimizer_tree(osd: dict, param_names: list[str], rel: str) -> GroupNode:
@@ -53,6 +77,8 @@ def optimizer_tree(osd: dict, param_names: list[str], rel: str) -> GroupNode:
     order as `model.parameters()` when it holds no buffers, which is the common case. When the counts
     disagree the ids are kept.
     """
+    if is_flattened(osd):
+        return flattened_optimizer_tree(osd, rel)
     groups = osd.get("param_groups") if isinstance(osd.get("param_groups"), list) else []
     ids = [i for g in groups if isinstance(g, dict) for i in (g.get("params") or [])]
     names = param_names if len(param_names) == len(ids) else None
@@ -64,39 +90,66 @@ def optimizer_tree(osd: dict, param_names: list[str], rel: str) -> GroupNode:
     return GroupNode(kids)
 
 
+def flattened_optimizer_tree(osd: Mapping, rel: str, conv: Callable[[Any, str], Any] = to_node) -> GroupNode:
+    """An optimizer state dict saved with `flatten_optimizer_state_dict=True` (torchtitan): param groups are
+    stored once per parameter FQN. Shown as the groups they were: parameters with the same group fields
+    together, each group listing its parameters (in saved order)."""
+    groups: list[tuple[dict, list[str]]] = []
+    for fqn, g in (osd.get("param_groups") or {}).items():
+        fields = {k: v for k, v in g.items() if k != "params"} if isinstance(g, dict) else {}
+        hit = next((grp for grp in groups if grp[0] == fields), None)
+        if hit is None:
+            groups.append((fields, [str(fqn)]))
+        else:
+            hit[1].append(str(fqn))
+    shown = GroupNode({str(i): GroupNode({**{k: conv(v, rel) for k, v in f.items()},
+                                          "params": to_node(names, rel)}) for i, (f, names) in enumerate(groups)})
+    state = osd.get("state") if isinstance(osd.get("state"), Mapping) else {}
+    return GroupNode({"state": GroupNode({str(k): conv(v, rel) for k, v in state.items()}), "param_groups": shown})
+
+
+def state_nodes(optims: list, scheds: list, tree: dict, rel: str, names: list[str]) -> None:
+    """Put optimizer and scheduler states into `tree` as optimizer, optimizer_1, ..., scheduler, ..."""
+    from ._common import _numbered
+
+    for i, osd in enumerate(optims):
+        tree[_numbered("optimizer", i)] = optimizer_tree(osd, names, rel)
+    for i, sd in enumerate(scheds):
+        tree[_numbered("scheduler", i)] = to_node(sd, rel)
+
+
 def open(path: Path) -> Checkpoint:  # noqa: A001
     cache = C.LoadCache(path.parent)
     loaded = cache.load(path)
     rel = path.name
-    model, optim, sched, rest = split_training_dict(loaded.obj)
+    model, optims, scheds, rest = split_training_dict(loaded.obj)
     tree: dict[str, Any] = {}
     names: list[str] = []
     if isinstance(model, dict):
         tree["model"] = to_node(model, rel)
         names = [k for k, v in model.items() if isinstance(v, TensorRef)]
-    if isinstance(optim, dict):
-        tree["optimizer"] = optimizer_tree(optim, names, rel)
-    if isinstance(sched, dict):
-        tree["scheduler"] = to_node(sched, rel)
+    state_nodes(optims, scheds, tree, rel, names)
     if rest:
         tree["client_state"] = to_node(rest, rel)
     root = GroupNode(tree)
-    sf = C.scheduler_fields(tree.get("scheduler"))
-    base_lrs, last_lr = C.lr_from_scheduler(sf)
-    last_epoch, step_count = C.scheduler_counters(sf)
-    steps = C.optimizer_steps(tree["optimizer"].children.get("state")) if "optimizer" in tree else []
-    gstep = next((as_int(_value(rest.get(k))) for k in STEP_KEYS if as_int(_value(rest.get(k))) is not None), None)
-    counters = Counters(global_step=gstep, optimizer_step=max(set(steps), key=steps.count) if steps else None,
-                        scheduler_last_epoch=last_epoch, scheduler_step_count=step_count)
-    lrs = C.param_group_lrs(tree["optimizer"].children.get("param_groups")) if "optimizer" in tree else ()
+    counters, lrs, steps = C.training_header(tree)
     model_tensors = [t for _, t in iter_tensors(tree["model"])] if "model" in tree else []
     warnings = C.counter_warnings(counters, optimizer_steps_seen=steps) + cache.warnings()
     return Checkpoint(
         format=FORMAT, path=str(path), topology=Topology(dp=None, tp=None, pp=None, zero_stage=None),
-        tree=root, counters=counters, lr=LearningRates(lrs, base_lrs, last_lr),
+        tree=root, counters=counters, lr=lrs,
         parameter_count=sum(math.prod(t.shape) for t in model_tensors), parameter_tensors=len(model_tensors),
         files=(C.file_info(path, path.parent, "checkpoint"),), warnings=tuple(warnings),
         dtypes=tuple(sorted({t.dtype for t in model_tensors})), details={"container": loaded.kind})
+
+
+def training_state(ck: Checkpoint):
+    """One file: a training dict, a Lightning `.ckpt` (lists of optimizer and scheduler states), an HF
+    `optimizer.pt`: its state is found by shape."""
+    from ..state import StateMap, StateSource
+
+    p = Path(ck.path)
+    return StateMap(p.parent, (StateSource(p, p.name),))
 
 
 def _value(v: Any) -> Any:

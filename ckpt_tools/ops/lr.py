@@ -39,6 +39,7 @@ from typing import Any, Iterator
 from .. import io, pickle_reader
 from ..errors import CkptError, UnsupportedCheckpoint
 from ..pickle_reader import TensorRef
+from ..state import Found, StateSource, group_dicts, is_flattened, locate
 from ..tree import Checkpoint, as_int
 
 # --- scheduler kinds ------------------------------------------------------------------------------------
@@ -122,14 +123,17 @@ class LrPlan:
     LR, and for DeepSpeed's own schedulers the launch-config change (None otherwise)."""
 
     plan: io.WritePlan
-    scheduler: str
+    scheduler: str  # the kind of the first optimizer edited (`schedulers` has one per optimizer)
     driver: str
     config_change: dict[str, Any] | None = None
     world_size: int = 1
+    schedulers: dict[int, str] = field(default_factory=dict)  # optimizer number -> scheduler kind
 
     def to_json(self) -> dict[str, Any]:
         return {**self.plan.to_json(), "scheduler": SCHEDULER_LABEL[self.scheduler], "scheduler_kind": self.scheduler,
-                "lr_driven_by": self.driver, "launch_config_change": self.config_change}
+                "lr_driven_by": self.driver, "launch_config_change": self.config_change,
+                "optimizers": [{"optimizer": i, "scheduler_kind": k, "lr_driven_by": DRIVER[k]}
+                               for i, k in sorted(self.schedulers.items())]}
 
 
 @dataclass
@@ -139,15 +143,14 @@ class _File:
     rel: str
     path: Path
     obj: Any
-    scheds: list[tuple[tuple, dict]] = field(default_factory=list)  # (key path, scheduler state dict)
-    optims: list[tuple[tuple, dict]] = field(default_factory=list)  # (key path, optimizer state dict)
-    step_keys: list[tuple[tuple, dict, str]] = field(default_factory=list)  # loop counters: (path, owner, key)
-    ds_config: tuple[tuple, dict] | None = None
+    found: Found = field(default_factory=Found)  # where the scheduler / optimizer / counter state lies in `obj`
     changes: list[io.FieldChange] = field(default_factory=list)
     checks: list[tuple[tuple, Any]] = field(default_factory=list)
     storage_bytes: dict[str, bytes] = field(default_factory=dict)
+    matched: int = 0  # fields the request applied to, changed or already at the value
 
     def set(self, owner: dict, path: tuple, key: Any, new: Any, note: str) -> None:
+        self.matched += 1
         old = owner.get(key)
         if _same(old, new):
             return
@@ -156,6 +159,7 @@ class _File:
         self.checks.append((path + (key,), new))
 
     def set_tensor_value(self, owner: dict, path: tuple, key: Any, value: float, note: str) -> None:
+        self.matched += 1
         ref = owner[key]
         fmt = pickle_reader._STRUCT.get(ref.dtype)
         if ref.storage is None or ref.numel != 1 or fmt is None or ref.storage.numel != 1:
@@ -202,7 +206,7 @@ def _dig(obj: Any, path: tuple) -> Any:
     return obj
 
 
-# --- finding the fields in each format ------------------------------------------------------------------
+# --- the files the format names, and the state found in them by shape ------------------------------------
 
 
 def _load(path: Path, rel: str) -> _File:
@@ -212,33 +216,6 @@ def _load(path: Path, rel: str) -> _File:
                                     "(torch.save since 1.6) are rewritten", path=path,
                                     hint="re-save it once with torch.save (zip format), then run this again")
     return _File(rel, path, loaded.obj)
-
-
-def _deepspeed_files(root: Path, tag_dir: Path) -> list[_File]:
-    out = []
-    for p in sorted(tag_dir.glob("*model_states.pt")):
-        if p.name.startswith("layer_"):
-            continue  # pipeline layer files hold weights only
-        f = _load(p, str(p.relative_to(root)))
-        if not isinstance(f.obj, dict):
-            continue
-        if isinstance(f.obj.get("lr_scheduler"), dict):
-            f.scheds.append((("lr_scheduler",), f.obj["lr_scheduler"]))
-        for k in ("global_steps", "global_samples"):
-            if as_int(f.obj.get(k)) is not None:
-                f.step_keys.append(((), f.obj, k))
-        if isinstance(f.obj.get("ds_config"), dict):
-            f.ds_config = (("ds_config",), f.obj["ds_config"])
-        out.append(f)
-    for p in sorted(tag_dir.glob("*optim_states.pt")):
-        f = _load(p, str(p.relative_to(root)))
-        osd = f.obj.get("optimizer_state_dict") if isinstance(f.obj, dict) else None
-        if isinstance(osd, dict):
-            for key in ("base_optimizer_state", "optimizer_state_dict"):  # ZeRO-1/2, ZeRO-3
-                if isinstance(osd.get(key), dict) and "param_groups" in osd[key]:
-                    f.optims.append((("optimizer_state_dict", key), osd[key]))
-        out.append(f)
-    return out
 
 
 class _DcpFile(_File):
@@ -264,6 +241,7 @@ class _DcpFile(_File):
     def set(self, owner: dict, path: tuple, key: Any, new: Any, note: str) -> None:
         from ..dcp_write import value_blob
 
+        self.matched += 1
         old = owner.get(key)
         if _same(old, new):
             return
@@ -274,6 +252,7 @@ class _DcpFile(_File):
     def set_tensor_value(self, owner: dict, path: tuple, key: Any, value: float, note: str) -> None:
         from ..dcp_write import tensor_blob
 
+        self.matched += 1
         ref = owner[key]
         if ref.shape != () or pickle_reader._STRUCT.get(ref.dtype) is None:
             raise UnsupportedCheckpoint(f"{_dotted(path + (key,))} is a {ref.dtype} tensor of shape {ref.shape}; "
@@ -316,104 +295,79 @@ class _DcpFile(_File):
         return problems
 
 
-def _target_training_dict(f, obj: dict) -> None:
-    """Point `f` at the scheduler, optimizer and loop-step entries of a training dict
-    ({"model", "optimizer", "scheduler", "step", ...}: a plain torch.save file or a DCP folder's state)."""
-    from ..formats.torch_file import OPTIM_KEYS, SCHED_KEYS, STEP_KEYS
+def _open_source(src: StateSource) -> _File:
+    if src.kind == "dcp":
+        from ..dcp_write import DcpFolder
 
-    sk = next((k for k in SCHED_KEYS if isinstance(obj.get(k), dict)), None)
-    ok = next((k for k in OPTIM_KEYS if isinstance(obj.get(k), dict) and "param_groups" in obj[k]), None)
-    if sk:
-        f.scheds.append(((sk,), obj[sk]))
-    if ok:
-        f.optims.append(((ok,), obj[ok]))
-    f.step_keys += [((), obj, k) for k in STEP_KEYS
-                    if as_int(obj.get(k)) is not None and not isinstance(obj.get(k), bool)]
-
-
-def _dcp_file(root: Path) -> _DcpFile:
-    from ..dcp_write import DcpFolder
-    from ..formats.torch_file import OPTIM_KEYS, SCHED_KEYS, STEP_KEYS
-
-    folder = DcpFolder(root)
-    obj, index = folder.state_tree(OPTIM_KEYS + SCHED_KEYS + STEP_KEYS)
-    f = _DcpFile(folder, obj, index)
-    _target_training_dict(f, obj)
+        folder = DcpFolder(src.path)
+        obj, index = folder.state_tree(None)
+        f: _File = _DcpFile(folder, obj, index)
+    else:
+        f = _load(src.path, src.rel)
+    f.found = locate(f.obj, index=src.index, counters=src.counters)
     return f
 
 
 def _collect(ck: Checkpoint) -> tuple[Path, list[_File], int]:
-    """(plan root, the files holding scheduler / optimizer / counter state, scheduler steps per update)."""
+    """(plan root, the files holding scheduler / optimizer / counter state, scheduler steps per update), from
+    the map the checkpoint's format module gives (`formats.training_state`)."""
+    from ..formats import training_state
 
-    fmt = ck.format
-    if fmt == "accelerate" and "fsdp" in str(ck.details.get("engine", "")):
-        raise UnsupportedCheckpoint(
-            "Accelerate FSDP checkpoints are read-only for set-lr/set-step: their optimizer is a DCP folder "
-            "beside scheduler.bin", path=ck.path,
-            hint="load it, then call scheduler.load_state_dict / set group['lr'] in your training script, or "
-                 "convert it with torch.distributed.checkpoint.format_utils.dcp_to_torch_save and edit that file")
-    root = Path(ck.path)
-    if fmt == "dcp":
-        return root, [_dcp_file(root)], 1
-    if fmt in ("deepspeed_zero", "deepspeed_pipeline"):
-        tag = ck.details.get("tag")
-        tag_dir = root / tag if tag and (root / tag).is_dir() else root
-        return root, _deepspeed_files(root, tag_dir), 1
-    if fmt == "accelerate":
-        files: list[_File] = []
-        from ..formats._common import read_latest
-
-        tag = read_latest(root)
-        if tag and (root / tag).is_dir():
-            files += _deepspeed_files(root, root / tag)
-        for p in sorted(root.glob("scheduler*.bin")):
-            f = _load(p, p.name)
-            if isinstance(f.obj, dict):
-                f.scheds.append(((), f.obj))
-            files.append(f)
-        for p in sorted(root.glob("optimizer*.bin")):
-            f = _load(p, p.name)
-            if isinstance(f.obj, dict) and "param_groups" in f.obj:
-                f.optims.append(((), f.obj))
-            files.append(f)
-        return root, files, int(ck.details.get("world_size") or 1)
-    if fmt == "torch_file":
-        p = root
-        f = _load(p, p.name)
-        _target_training_dict(f, f.obj if isinstance(f.obj, dict) else {})
-        return p.parent, [f], 1
-    raise UnsupportedCheckpoint(f"set-lr/set-step do not edit {fmt} checkpoints", path=ck.path,
-                                hint="supported: deepspeed_zero, deepspeed_pipeline, accelerate, torch_file")
+    m = training_state(ck)
+    if m.read_only:
+        raise UnsupportedCheckpoint(m.read_only, path=ck.path, hint=m.hint)
+    files = [_open_source(src) for src in m.sources]
+    if not any(f.found for f in files):
+        searched = ", ".join(src.rel for src in m.sources) or "no file"
+        raise CkptError("no learning-rate or counter state found: no optimizer param_groups, no scheduler state "
+                        f"and no loop counter in {searched}", path=ck.path,
+                        hint="nothing was changed; pass the checkpoint folder that holds the optimizer/scheduler "
+                             "state (`ckpt inspect` shows what it holds)")
+    return m.root, files, m.scheduler_steps_per_update
 
 
-def _groups(f: _File) -> Iterator[tuple[tuple, list]]:
-    for path, osd in f.optims:
+def _groups(f: _File, index: int | None = None) -> Iterator[tuple[tuple, list[tuple[Any, dict]], int]]:
+    """(path to param_groups, [(key, group dict)], optimizer index) for each optimizer state in `f`;
+    flattened state (torchtitan) has one group per parameter, keyed by FQN."""
+    for path, osd, idx in f.found.optimizers:
+        if index is not None and idx != index:
+            continue
         groups = osd.get("param_groups")
-        if isinstance(groups, list):
-            yield path + ("param_groups",), groups
+        items = list(groups.items()) if isinstance(groups, dict) else list(enumerate(groups))
+        yield path + ("param_groups",), [(k, g) for k, g in items if isinstance(g, dict)], idx
 
 
-def _kind(files: list[_File]) -> tuple[str, dict | None]:
-    """The scheduler kind, and for DeepSpeed's own schedulers the saved ds_config."""
-    kinds = {scheduler_kind(s) for f in files for _, s in f.scheds}
-    cfg = next((f.ds_config[1] for f in files if f.ds_config), None)
+def _indices(files: list[_File]) -> list[int]:
+    return sorted({i for f in files for coll in (f.found.optimizers, f.found.schedulers) for _, _, i in coll})
+
+
+def _kind(files: list[_File], index: int) -> tuple[str, dict | None]:
+    """The scheduler kind of optimizer `index`, and for DeepSpeed's own schedulers the saved ds_config."""
+    kinds = {scheduler_kind(s) for f in files for _, s, i in f.found.schedulers if i == index}
+    cfg = next((f.found.ds_config[1] for f in files if f.found.ds_config), None)
     if len(kinds) > 1:
-        raise UnsupportedCheckpoint(f"scheduler states of different kinds in one checkpoint: {sorted(kinds)}")
+        raise UnsupportedCheckpoint(f"scheduler states of different kinds for optimizer {index}: {sorted(kinds)}")
     kind = kinds.pop() if kinds else NO_SCHEDULER
     if kind == NO_SCHEDULER and isinstance(cfg, dict) and isinstance(cfg.get("scheduler"), dict):
         kind = DEEPSPEED  # a config scheduler whose state was not saved: still the config's trajectory
     return kind, cfg
 
 
-def _n_groups(files: list[_File]) -> int:
+def _n_groups(files: list[_File], index: int) -> tuple[int, bool]:
+    """(number of param groups of optimizer `index`, whether its state is flattened per parameter). Flattened
+    state keeps no group numbers: the scheduler's base_lrs tells how many groups there were."""
+    flat = False
     for f in files:
-        for _, groups in _groups(f):
-            return len(groups)
+        for _, osd, i in f.found.optimizers:
+            if i == index:
+                if not is_flattened(osd):
+                    return len(group_dicts(osd)), False
+                flat = True
     for f in files:
-        for _, s in f.scheds:
-            if isinstance(s.get("base_lrs"), list):
-                return len(s["base_lrs"])
-    return 0
+        for _, s, i in f.found.schedulers:
+            if i == index and isinstance(s.get("base_lrs"), list):
+                return len(s["base_lrs"]), flat
+    return 0, flat
 
 
 def _select(n: int, group: int | None) -> list[int]:
@@ -427,11 +381,11 @@ def _select(n: int, group: int | None) -> list[int]:
 # --- set-lr ---------------------------------------------------------------------------------------------
 
 
-def _base_lrs(files: list[_File], kind: str, cfg: dict | None, n: int) -> list[float]:
+def _base_lrs(files: list[_File], kind: str, cfg: dict | None, n: int, index: int) -> list[float]:
     """The "base LR" of each group that `--lr` replaces: base_lrs, else the config's peak, else initial_lr/lr."""
     for f in files:
-        for _, s in f.scheds:
-            if isinstance(s.get("base_lrs"), list) and len(s["base_lrs"]) == n:
+        for _, s, i in f.found.schedulers:
+            if i == index and isinstance(s.get("base_lrs"), list) and len(s["base_lrs"]) == n:
                 return [float(x) for x in s["base_lrs"]]
     if kind == DEEPSPEED and cfg:
         params = (cfg.get("scheduler") or {}).get("params") or {}
@@ -441,8 +395,9 @@ def _base_lrs(files: list[_File], kind: str, cfg: dict | None, n: int) -> list[f
         if peak is not None:
             return [float(x) for x in peak] if isinstance(peak, list) else [float(peak)] * n
     for f in files:
-        for _, groups in _groups(f):
-            return [float(g.get("initial_lr", g.get("lr"))) for g in groups]
+        for _, groups, _i in _groups(f, index):
+            if len(groups) == n:
+                return [float(g.get("initial_lr", g.get("lr"))) for _, g in groups]
     raise CkptError("no learning rate found in this checkpoint (no optimizer param_groups, no scheduler base_lrs)")
 
 
@@ -482,16 +437,29 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+def _pick(files: list[_File], optimizer: int | None) -> list[int]:
+    """The optimizer numbers an edit applies to: all of them, or the one `--optimizer` names."""
+    found = _indices(files)
+    if optimizer is None:
+        return found
+    if optimizer not in found:
+        raise CkptError(f"--optimizer {optimizer}: this checkpoint holds optimizer/scheduler state numbered "
+                        f"{', '.join(map(str, found)) or 'nowhere'}")
+    return [optimizer]
+
+
 def plan_set_lr(ck: Checkpoint, *, scale: float | None = None, lr: float | None = None, group: int | None = None,
                 last_lr: float | None = None, last_epoch: int | None = None,
-                step_count: int | None = None) -> LrPlan:
+                step_count: int | None = None, optimizer: int | None = None) -> LrPlan:
     """The write that changes the LR trajectory (and/or the scheduler position) of `ck`.
 
     `scale`: multiply every LR field (base_lrs, _last_lr, lr, initial_lr, max_lr/min_lr, eta_min, and the
     DeepSpeed config's LRs) by it. `lr`: the same with factor lr / base LR per group (base_lrs, else the
     DeepSpeed config's peak, else initial_lr/lr). `last_lr`: the LR in effect now (_last_lr and the optimizer
     lr). `last_epoch` / `step_count`: the scheduler's position (DeepSpeed: last_batch_iteration). `group`
-    limits LR edits to one param group. Every file of every rank that holds these fields is rewritten.
+    limits LR edits to one param group, `optimizer` to one optimizer and its scheduler (a checkpoint with
+    several: Accelerate's optimizer_1.bin, Lightning's list). Every file of every rank that holds these fields
+    is rewritten; a request that finds no field to change is an error, never a silent success.
     """
     if scale is not None and lr is not None:
         raise CkptError("--scale and --lr both set the trajectory: give one")
@@ -501,19 +469,68 @@ def plan_set_lr(ck: Checkpoint, *, scale: float | None = None, lr: float | None 
     if all(v is None for v in (scale, lr, last_lr, last_epoch, step_count)):
         raise CkptError("nothing to change: give --scale, --lr, --last-lr, --last-epoch or --step-count")
     root, files, world = _collect(ck)
-    kind, cfg = _kind(files)
-    n = _n_groups(files)
-    sel = _select(n, group)
-    factors = [1.0] * n
+    notes: list[str] = []
+    kinds: dict[int, str] = {}
+    change = None
+    picked = _pick(files, optimizer)
+    for idx in picked:
+        kind, cfg = _kind(files, idx)
+        kinds[idx] = kind
+        n, flat = _n_groups(files, idx)
+        sel = _select(n, group)
+        if flat and group is not None:
+            raise CkptError(f"--group {group}: optimizer {idx}'s state is flattened per parameter "
+                            "(flatten_optimizer_state_dict=True) and keeps no group numbers; use --scale for all "
+                            "groups")
+        factors = [1.0] * n
+        if scale is not None:
+            factors = [scale if g in sel else 1.0 for g in range(n)]
+        elif lr is not None:
+            base = _base_lrs(files, kind, cfg, n, idx)
+            factors = [lr / base[g] if g in sel else 1.0 for g in range(n)]
+        if flat and len(set(factors)) > 1:
+            raise CkptError(f"--lr gives the groups of optimizer {idx} different factors "
+                            f"({', '.join(f'{x:.6g}' for x in factors)}), but its state is flattened per parameter: "
+                            "use --scale")
+        idx_change = config_change(cfg, factors) if kind == DEEPSPEED and any(f != 1.0 for f in factors) else None
+        change = change or idx_change
+        _apply_lr(files, idx, kind, factors, sel, flat, last_lr, last_epoch, step_count, idx_change)
+        who = f"optimizer {idx}: " if len(picked) > 1 or idx else ""
+        notes.append(f"{who}scheduler: {SCHEDULER_LABEL[kind]}; the LR after resume comes from {DRIVER[kind]}")
+        if lr is not None:
+            notes.append(f"{who}--lr {lr:g}: base LR set; factor per group {', '.join(f'{x:.6g}' for x in factors)} "
+                         "applied to every LR field")
+        if last_lr is not None:
+            notes.append(f"{who}--last-lr {last_lr:g}: the LR in effect now (_last_lr and the optimizer lr)"
+                         + ("; the trajectory is unchanged from the next scheduler.step()" if kind == CLOSED_FORM
+                            else ""))
+        if kind == DEEPSPEED:
+            if idx_change:
+                notes.append("DeepSpeed's scheduler takes its LRs from the LAUNCH config: editing the checkpoint "
+                             "cannot change the trajectory. Apply this change to the ds_config you launch with: "
+                             + _json(idx_change))
+            elif scale is not None or lr is not None:
+                notes.append("DeepSpeed's scheduler takes its LRs from the launch config, and the saved ds_config "
+                             "names no LR to change: set the scheduler's LRs in your launch config")
+        if flat:
+            notes.append(f"{who}param groups saved per parameter (flatten_optimizer_state_dict): every parameter's "
+                         "lr / initial_lr edited")
     if scale is not None:
-        factors = [scale if g in sel else 1.0 for g in range(n)]
-    elif lr is not None:
-        base = _base_lrs(files, kind, cfg, n)
-        factors = [lr / base[g] if g in sel else 1.0 for g in range(n)]
-    change = config_change(cfg, factors) if kind == DEEPSPEED and any(f != 1.0 for f in factors) else None
+        notes.append(f"--scale {scale:g}: every LR field scaled alike" + (f" (param group {group})" if group is not None else ""))
+    if world > 1 and DEEPSPEED not in kinds.values() and last_epoch is not None:
+        notes.append(f"Accelerate steps the scheduler {world}x per optimizer step: last_epoch should be "
+                     f"{world} x optimizer step")
+    return _finish(ck, root, files, "set-lr", notes, kinds, change, world)
 
+
+def _apply_lr(files: list[_File], idx: int, kind: str, factors: list[float], sel: list[int], flat: bool,
+              last_lr: float | None, last_epoch: int | None, step_count: int | None, change: dict | None) -> None:
+    """Edit every LR field of optimizer `idx` and its scheduler in every file (every rank)."""
+    n = len(factors)
     for f in files:
-        for path, s in f.scheds:
+        for path, s, i in f.found.schedulers:
+            if i != idx:
+                continue
             for key in SCHED_LR_LISTS:
                 v = s.get(key)
                 if isinstance(v, list) and len(v) == n:
@@ -525,43 +542,25 @@ def plan_set_lr(ck: Checkpoint, *, scale: float | None = None, lr: float | None 
                 if isinstance(s.get(key), (int, float)) and len(set(factors)) == 1:
                     f.set(s, path, key, s[key] * factors[0], _note(kind, key, _COSMETIC))
             _set_position(f, path, s, kind, last_epoch, step_count)
-        for path, groups in _groups(f):
-            for g, pg in enumerate(groups):
-                if g not in sel or not isinstance(pg, dict):
+        for path, groups, _i in _groups(f, idx):
+            for pos, (g, pg) in enumerate(groups):
+                gi = 0 if flat else pos
+                if not flat and gi not in sel:
                     continue
+                factor = factors[gi] if factors else 1.0
                 for key in GROUP_LR_FIELDS:
                     v = pg.get(key)
                     if isinstance(v, (int, float)) and not isinstance(v, bool):
-                        new = v * factors[g]
+                        new = v * factor
                         if last_lr is not None and key == "lr":
                             new = last_lr
                         f.set(pg, path + (g,), key, new, _note(kind, key, _COSMETIC))
-        if f.ds_config and change:
-            cpath, c = f.ds_config
+        if f.found.ds_config and change:
+            cpath, c = f.found.ds_config
             for section, sub in change.items():
                 params = c[section]["params"]
                 for key, new in sub["params"].items():
                     f.set(params, cpath + (section, "params"), key, new, _note(DEEPSPEED, "ds_config"))
-    notes = [f"scheduler: {SCHEDULER_LABEL[kind]}; the LR after resume comes from {DRIVER[kind]}"]
-    if scale is not None:
-        notes.append(f"--scale {scale:g}: every LR field scaled alike" + (f" (param group {group})" if group is not None else ""))
-    if lr is not None:
-        notes.append(f"--lr {lr:g}: base LR set; factor per group {', '.join(f'{x:.6g}' for x in factors)} applied to every LR field")
-    if last_lr is not None:
-        notes.append(f"--last-lr {last_lr:g}: the LR in effect now (_last_lr and the optimizer lr)"
-                     + ("; the trajectory is unchanged from the next scheduler.step()" if kind == CLOSED_FORM else ""))
-    if kind == DEEPSPEED:
-        if change:
-            notes.append("DeepSpeed's scheduler takes its LRs from the LAUNCH config: editing the checkpoint "
-                         "cannot change the trajectory. Apply this change to the ds_config you launch with: "
-                         + _json(change))
-        elif scale is not None or lr is not None:
-            notes.append("DeepSpeed's scheduler takes its LRs from the launch config, and the saved ds_config names "
-                         "no LR to change: set the scheduler's LRs in your launch config")
-    if world > 1 and kind != DEEPSPEED and last_epoch is not None:
-        notes.append(f"Accelerate steps the scheduler {world}x per optimizer step: last_epoch should be "
-                     f"{world} x optimizer step")
-    return _finish(ck, root, files, "set-lr", notes, kind, change, world)
 
 
 def _set_position(f: _File, path: tuple, s: dict, kind: str, last_epoch: int | None, step_count: int | None) -> None:
@@ -584,7 +583,7 @@ def _json(d: Any) -> str:
 
 def plan_set_step(ck: Checkpoint, *, step: int | None = None, optimizer_step: int | None = None,
                   global_step: int | None = None, last_epoch: int | None = None,
-                  step_count: int | None = None) -> LrPlan:
+                  step_count: int | None = None, optimizer: int | None = None) -> LrPlan:
     """The write that sets step counters in every file, rank and param group.
 
     `optimizer_step`: Adam's `step` (every state entry; FusedAdam-style group `step` too). `global_step`:
@@ -600,48 +599,57 @@ def plan_set_step(ck: Checkpoint, *, step: int | None = None, optimizer_step: in
     if any(v is not None and v < 0 for v in values[:3]):
         raise CkptError("step counters must be >= 0")
     root, files, world = _collect(ck)
-    kind, _ = _kind(files)
+    picked = _pick(files, optimizer)
+    kinds = {idx: _kind(files, idx)[0] for idx in picked}
+    any_ds = DEEPSPEED in kinds.values()
     if step is not None:
         skipped = ck.counters.skipped_steps or 0
         updates = step - skipped
         optimizer_step = updates if optimizer_step is None else optimizer_step
         global_step = step if global_step is None else global_step
-        if last_epoch is None:
-            last_epoch = updates - 1 if kind == DEEPSPEED else world * updates
-        if step_count is None and kind != DEEPSPEED:
-            step_count = last_epoch + 1
     for f in files:
-        for path, s in f.scheds:
-            _set_position(f, path, s, kind, last_epoch, step_count)
+        for path, s, idx in f.found.schedulers:
+            if idx not in kinds:
+                continue
+            le, sc = last_epoch, step_count
+            if step is not None and le is None:
+                le = updates - 1 if kinds[idx] == DEEPSPEED else world * updates
+            if step is not None and sc is None and kinds[idx] != DEEPSPEED:
+                sc = le + 1
+            _set_position(f, path, s, kinds[idx], le, sc)
         if optimizer_step is not None:
-            for path, osd in f.optims:
+            for path, osd, idx in f.found.optimizers:
+                if idx not in kinds:
+                    continue
                 state = osd.get("state")
                 for pid, entry in (state.items() if isinstance(state, dict) else ()):
                     if isinstance(entry, dict) and "step" in entry:
                         _set_step(f, entry, path + ("state", pid), optimizer_step)
-            for path, groups in _groups(f):
-                for g, pg in enumerate(groups):
-                    if isinstance(pg, dict) and as_int(pg.get("step")) is not None:  # FusedAdam/CPUAdam keep it here
+            for path, groups, idx in _groups(f):
+                for g, pg in groups:
+                    if idx in kinds and as_int(pg.get("step")) is not None:  # FusedAdam/CPUAdam keep it here
                         f.set(pg, path + (g,), "step", type(pg["step"])(optimizer_step), "Adam step (bias correction)")
         if global_step is not None:
-            tbs = as_int(((f.ds_config or ((), {}))[1]).get("train_batch_size"))
-            old_steps = next((o.get(k) for _, o, k in f.step_keys if k == "global_steps"), None)
-            for path, owner, key in f.step_keys:
+            tbs = as_int(((f.found.ds_config or ((), {}))[1]).get("train_batch_size"))
+            old_steps = next((o.get(k) for _, o, k in f.found.counters if k == "global_steps"), None)
+            for path, owner, key in f.found.counters:
                 if key == "global_samples":
                     if tbs and old_steps is not None and owner[key] == old_steps * tbs:
                         f.set(owner, path, key, global_step * tbs, "samples seen (global_steps x train_batch_size)")
                     continue
-                f.set(owner, path, key, global_step, "training-loop step counter")
+                if isinstance(owner[key], TensorRef):
+                    f.set_tensor_value(owner, path, key, global_step, "training-loop step counter")
+                else:
+                    f.set(owner, path, key, global_step, "training-loop step counter")
     _check_steps_shared(files)
-    notes = [f"scheduler: {SCHEDULER_LABEL[kind]}; the LR after resume comes from {DRIVER[kind]}"]
+    notes = [f"{f'optimizer {i}: ' if len(kinds) > 1 else ''}scheduler: {SCHEDULER_LABEL[k]}; the LR after resume "
+             f"comes from {DRIVER[k]}" for i, k in kinds.items()]
     if optimizer_step is not None:
         notes.append(f"Adam step -> {optimizer_step} in every rank and param group: bias correction resumes from it")
-    if world > 1 and kind != DEEPSPEED:
-        notes.append(f"Accelerate: {world} processes step the scheduler once each per optimizer step, so last_epoch "
+    if world > 1 and not any_ds:
+        notes.append(f"{world} processes step the scheduler once each per optimizer step, so last_epoch "
                      f"= {world} x optimizer step")
-    if ck.format == "accelerate":
-        notes.append("custom_checkpoint_*.pkl is your script's own state: not changed")
-    return _finish(ck, root, files, "set-step", notes, kind, None, world)
+    return _finish(ck, root, files, "set-step", notes, kinds, None, world)
 
 
 def _set_step(f: _File, entry: dict, path: tuple, value: int) -> None:
@@ -685,9 +693,15 @@ def _tensors(obj: Any, depth: int = 0) -> Iterator[TensorRef]:
 # --- the WritePlan --------------------------------------------------------------------------------------
 
 
-def _finish(ck: Checkpoint, root: Path, files: list[_File], command: str, notes: list[str], kind: str,
+def _finish(ck: Checkpoint, root: Path, files: list[_File], command: str, notes: list[str], kinds: dict[int, str],
             change: dict | None, world: int) -> LrPlan:
     from ..pickle_writer import rewrite_torch_zip
+
+    if not any(f.matched for f in files):
+        raise CkptError(f"{command}: none of the requested fields exists in this checkpoint (searched "
+                        f"{', '.join(f.rel for f in files)}: optimizer param_groups, scheduler state, Adam step, "
+                        "loop counters); nothing was changed", path=ck.path,
+                        hint="`ckpt inspect` shows which LR and counter fields it holds")
 
     writes = []
     for f in files:
@@ -731,7 +745,8 @@ def _finish(ck: Checkpoint, root: Path, files: list[_File], command: str, notes:
     if not writes:
         notes = notes + ["nothing to change: every field already has the requested value"]
     plan = io.WritePlan(root, command, tuple(writes), tuple(notes), verify)
-    return LrPlan(plan, kind, DRIVER[kind], change, world)
+    kind = kinds[min(kinds)] if kinds else NO_SCHEDULER
+    return LrPlan(plan, kind, DRIVER[kind], change, world, dict(kinds))
 
 
 def set_lr(path: str | Path, *, backup_dir: Path | None = None, on_stage=None, **kw) -> tuple[LrPlan, io.Transaction | None]:

@@ -1,0 +1,264 @@
+"""The producer samples in the torchtitan DCP layout, the PyTorch DCP-recipe layout, and Accelerate with two models.
+
+Each sample's worker has a resume mode that loads a checkpoint the way its producer does (torchtitan: `dcp.load`
+of {model, optimizer, lr_scheduler, dataloader, train_state} then `set_state_dict(flatten_optimizer_state_dict=
+True)`; the recipe: `dcp.load({"app": AppState})`; Accelerate: `accelerator.load_state`) and records the updates
+it makes. `producer_resume` launches it; other tests can resume an edited checkpoint with it and compare with an
+untouched one.
+
+Which saved fields drive the resumed LRs (measured by editing copies, asserted below):
+- torchtitan: the first resumed update uses `optimizer.param_groups.<fqn>.lr` of each group's FIRST parameter
+  (the other parameters' copies are not read); later updates use `lr_scheduler.base_lrs * lr_factor(last_epoch)`.
+- recipe (CosineAnnealingLR, recursive form): `app.optim.param_groups.<i>.lr` drives every resumed update;
+  `app.scheduler.eta_min`, `T_max` and `last_epoch` shape the later ones; `app.scheduler.base_lrs` is not read
+  (until epoch T_max + 1).
+- Accelerate two models: optimizer.bin's lr then scheduler.bin's base_lrs (LambdaLR) for model 0;
+  optimizer_1.bin's lr for every update of model 1 (StepLR, recursive); scheduler_1.bin's base_lrs is not read.
+"""
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import LOSS_REL_TOL, ROOT, manifest, manifest_of, sample
+
+DCP_SAMPLES = [("dcp", "torchtitan_fsdp2"), ("dcp", "dcp_recipe_fsdp2")]
+ALL_SAMPLES = DCP_SAMPLES + [("accelerate", "accelerate_two_models")]
+RESUMED = (5, 6)
+
+
+def producer_resume(name: str, ckpt_path: Path, tmp_path: Path, *, steps: int | None = None,
+                    timeout: float = 300) -> list[dict]:
+    """Resume `ckpt_path` with sample `name`'s own worker (its --resume mode, under torchrun with the sample's
+    number of ranks) and return the records of the updates it made: per update `step`, `lr` (per group, the LR
+    the update used), `optimizer_step` (Adam's step after it), `loss` (rank 0's), and for accelerate_two_models
+    also `lr_1`, `optimizer_step_1`, `loss_1` (the second optimizer / model)."""
+    from ckpt_tools.samples import free_port, get_spec, worker_env
+
+    spec = get_spec(name)
+    n = 0
+    while (record := Path(tmp_path) / f"{name}.resume{n}.json").exists():
+        n += 1
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(spec.nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", spec.module,
+           "--sample", name, "--resume", str(ckpt_path), "--record", str(record)]
+    if steps is not None:
+        cmd += ["--steps", str(steps)]
+    proc = subprocess.run(cmd, env=worker_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(record.read_text())
+
+
+def history(man: dict) -> dict[int, dict]:
+    """A manifest's per-step history by step."""
+    return {h["step"]: h for h in man["extra"]["history"]}
+
+
+def dcp_keys(path: Path) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def edit_dcp(src: Path, dst: Path, edit) -> Path:
+    """Test-only surgery with torch's own tools: the whole folder as one torch.save dict (dcp_to_torch_save),
+    `edit(dict)`, written back as a DCP folder (torch_save_to_dcp: one file, same keys; DCP reshards on load)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    work = dst.parent / f"{dst.name}.work"
+    work.mkdir(parents=True)
+    dcp_to_torch_save(src, work / "full.pt")
+    sd = torch.load(work / "full.pt", weights_only=False)
+    edit(sd)
+    torch.save(sd, work / "edited.pt")
+    torch_save_to_dcp(work / "edited.pt", dst)
+    return dst
+
+
+def assert_resumed_like_history(recs: list[dict], hist: dict[int, dict], *, loss_rel: float) -> None:
+    assert [r["step"] for r in recs] == list(RESUMED)
+    assert [r["optimizer_step"] for r in recs] == list(RESUMED)  # Adam's step continues from the saved 4
+    for r in recs:
+        h = hist[r["step"]]
+        assert r["lr"] == pytest.approx(h["lr"], rel=1e-12), r["step"]
+        assert abs(r["loss"] - h["loss"]) <= loss_rel * abs(h["loss"]), (r["step"], r["loss"], h["loss"])
+        if "lr_1" in h:
+            assert r["lr_1"] == pytest.approx(h["lr_1"], rel=1e-12), r["step"]
+            assert r["optimizer_step_1"] == r["step"]
+            assert abs(r["loss_1"] - h["loss_1"]) <= loss_rel * abs(h["loss_1"]), r["step"]
+
+
+# --- layouts (no training) --------------------------------------------------------------------------------
+
+
+def test_torchtitan_layout_keys():
+    m = manifest("dcp", "torchtitan_fsdp2")
+    keys = dcp_keys(sample("dcp", "torchtitan_fsdp2"))
+    fqns = [f for g in m["extra"]["param_group_fqns"] for f in g]
+    assert len(fqns) == m["parameters"]["tensors"] == 29
+    assert {k for k in keys if k.startswith("model.")} == {f"model.{f}" for f in fqns}
+    assert {k for k in keys if k.startswith("optimizer.state.")} == {
+        f"optimizer.state.{f}.{s}" for f in fqns for s in ("exp_avg", "exp_avg_sq", "step")}
+    per_param = {k for k in keys if k.startswith("optimizer.param_groups.")}
+    hyper = {"lr", "initial_lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable",
+             "differentiable", "fused", "decoupled_weight_decay"}
+    assert {f"optimizer.param_groups.{f}.{h}" for f in fqns for h in hyper} <= per_param
+    assert "optimizer.param_groups.0.lr" not in keys  # flattened: keyed by FQN, never by group index
+    assert {"lr_scheduler.base_lrs", "lr_scheduler.last_epoch", "lr_scheduler._step_count", "lr_scheduler._last_lr",
+            "lr_scheduler.lr_lambdas"} <= keys
+    assert {"dataloader.dp_rank_0", "dataloader.dp_rank_1", "dataloader.world_size", "train_state.step",
+            "train_state.ntokens_seen"} <= keys
+    assert {k.split(".")[0] for k in keys} == {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
+
+
+def test_torchtitan_saved_values_match_the_manifest(tmp_path):
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    m = manifest("dcp", "torchtitan_fsdp2")
+    dcp_to_torch_save(sample("dcp", "torchtitan_fsdp2"), tmp_path / "t.pt")
+    sd = torch.load(tmp_path / "t.pt", weights_only=False)
+    assert sd["train_state"] == m["extra"]["train_state"]
+    assert sd["lr_scheduler"]["last_epoch"] == m["counters"]["scheduler_last_epoch"]
+    assert sd["lr_scheduler"]["base_lrs"] == m["lr"]["base_lrs"]
+    first = [g[0] for g in m["extra"]["param_group_fqns"]]
+    assert [sd["optimizer"][f"param_groups.{f}.lr"] for f in first] == m["extra"]["next_lr"]
+    assert pickle.loads(sd["dataloader"]["dp_rank_1"])["batches_yielded"] == 4
+    assert int(sd["optimizer"]["state.wte.weight.step"]) == m["counters"]["optimizer_step"] == 4
+
+
+def test_recipe_layout_keys():
+    keys = dcp_keys(sample("dcp", "dcp_recipe_fsdp2"))
+    assert {k.split(".")[0] for k in keys} == {"app"}
+    assert {k.split(".")[1] for k in keys} == {"model", "optim", "scheduler", "step"}
+    assert {"app.optim.param_groups.0.lr", "app.optim.param_groups.1.lr", "app.optim.param_groups.0.params",
+            "app.optim.state.wte.weight.exp_avg", "app.optim.state.wte.weight.step", "app.model.wte.weight",
+            "app.scheduler.base_lrs", "app.scheduler.T_max", "app.scheduler.eta_min", "app.scheduler.last_epoch",
+            "app.step"} <= keys
+    assert manifest("dcp", "dcp_recipe_fsdp2")["extra"]["scheduler_kind"] == "CosineAnnealingLR"
+
+
+def test_accelerate_two_models_files_and_manifest():
+    import torch
+    from safetensors import safe_open
+
+    ck = sample("accelerate", "accelerate_two_models")
+    m = manifest("accelerate", "accelerate_two_models")
+    assert sorted(p.name for p in ck.iterdir()) == [
+        "custom_checkpoint_0.pkl", "model.safetensors", "model_1.safetensors", "optimizer.bin", "optimizer_1.bin",
+        "random_states_0.pkl", "random_states_1.pkl", "scheduler.bin", "scheduler_1.bin"]
+    models = m["extra"]["models"]
+    assert m["parameters"]["count"] == sum(x["parameters"] for x in models)
+    for x in models:
+        with safe_open(ck / x["file"], "pt") as f:
+            assert len(list(f.keys())) == x["tensors"]
+            assert sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys()) == x["parameters"]
+    for i, info in enumerate(m["extra"]["optimizers"]):
+        suffix = "" if i == 0 else f"_{i}"
+        sched = torch.load(ck / f"scheduler{suffix}.bin", weights_only=True)
+        opt = torch.load(ck / f"optimizer{suffix}.bin", weights_only=True)
+        assert sched["last_epoch"] == info["last_epoch"] == 8  # Accelerate steps it once per process per step
+        assert sched["base_lrs"] == info["base_lrs"]
+        assert [g["lr"] for g in opt["param_groups"]] == info["lr"]
+        assert {int(s["step"]) for s in opt["state"].values()} == {info["optimizer_step"]} == {4}
+    assert [x["scheduler"] for x in m["extra"]["optimizers"]] == ["LambdaLR", "StepLR"]
+    assert torch.load(ck / "custom_checkpoint_0.pkl", weights_only=True) == m["extra"]["custom_checkpoint_0"]
+    # the two optimizers' LRs differ at every resumed step, so a reader mixing them up is caught
+    hist = history(manifest("accelerate", "accelerate_two_models"))
+    assert all(hist[s]["lr"] != hist[s]["lr_1"] for s in RESUMED)
+
+
+# --- untouched resumes in the real frameworks -------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group,name", ALL_SAMPLES)
+def test_untouched_resume_reproduces_the_manifest(copy_sample, tmp_path, group, name):
+    ck = copy_sample(group, name)
+    recs = producer_resume(name, ck, tmp_path)
+    assert_resumed_like_history(recs, history(manifest(group, name)), loss_rel=LOSS_REL_TOL["float32"])
+    m = manifest(group, name)
+    assert recs[0]["lr"] == m["extra"]["next_lr"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for _, n in ALL_SAMPLES])
+def test_fresh_sample_resumes_bitwise(fresh_sample, tmp_path, name):
+    """Made on this machine and resumed on it: the same losses, bit for bit, and the same LRs."""
+    ck = fresh_sample(name)
+    recs = producer_resume(name, ck, tmp_path)
+    assert_resumed_like_history(recs, history(manifest_of(ck)), loss_rel=0.0)
+
+
+# --- which saved fields drive the resumed LRs ---------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_torchtitan_lr_comes_from_each_groups_first_param_then_base_lrs(tmp_path):
+    m = manifest("dcp", "torchtitan_fsdp2")
+    first_0, second_0 = m["extra"]["param_group_fqns"][0][:2]
+    first_1 = m["extra"]["param_group_fqns"][1][0]
+
+    def edit(sd):
+        sd["optimizer"][f"param_groups.{first_0}.lr"] = 1e-4
+        sd["optimizer"][f"param_groups.{second_0}.lr"] = 7e-4  # not the group's first: not read
+        sd["optimizer"][f"param_groups.{first_1}.lr"] = 2e-4
+        sd["lr_scheduler"]["base_lrs"] = [x / 2 for x in sd["lr_scheduler"]["base_lrs"]]
+
+    ck = edit_dcp(sample("dcp", "torchtitan_fsdp2"), tmp_path / "edited", edit)
+    recs = producer_resume("torchtitan_fsdp2", ck, tmp_path)
+    hist = history(manifest("dcp", "torchtitan_fsdp2"))
+    assert recs[0]["lr"] == [1e-4, 2e-4]
+    assert recs[1]["lr"] == pytest.approx([x / 2 for x in hist[6]["lr"]], rel=1e-12)
+    assert [r["optimizer_step"] for r in recs] == [5, 6]
+
+
+@pytest.mark.slow
+def test_recipe_cosine_lr_follows_the_optimizer_lr_not_base_lrs(tmp_path):
+    m = manifest("dcp", "dcp_recipe_fsdp2")
+    t_max, eta_min = m["extra"]["scheduler_params"]["T_max"], m["extra"]["scheduler_params"]["eta_min"]
+
+    def edit(sd):
+        sd["app"]["optim"]["param_groups"][0]["lr"] /= 2
+        sd["app"]["scheduler"]["base_lrs"] = [1.0, 1.0]  # the recursive form does not read it at epoch 5
+
+    ck = edit_dcp(sample("dcp", "dcp_recipe_fsdp2"), tmp_path / "edited", edit)
+    recs = producer_resume("dcp_recipe_fsdp2", ck, tmp_path)
+    hist = history(manifest("dcp", "dcp_recipe_fsdp2"))
+    lr5 = hist[5]["lr"][0] / 2
+    assert recs[0]["lr"] == pytest.approx([lr5, hist[5]["lr"][1]], rel=1e-12)
+    e = 5  # the scheduler's last_epoch after the first resumed update
+    lr6 = (1 + math.cos(math.pi * e / t_max)) / (1 + math.cos(math.pi * (e - 1) / t_max)) * (lr5 - eta_min) + eta_min
+    assert recs[1]["lr"] == pytest.approx([lr6, hist[6]["lr"][1]], rel=1e-12)
+
+
+@pytest.mark.slow
+def test_accelerate_two_models_each_optimizer_from_its_own_files(copy_sample, tmp_path):
+    import torch
+
+    from ckpt_tools.train.workers import accel_multi
+
+    ck = copy_sample("accelerate", "accelerate_two_models")
+
+    def rewrite(fname, edit):
+        sd = torch.load(ck / fname, weights_only=True)
+        edit(sd)
+        torch.save(sd, ck / fname)
+
+    rewrite("scheduler.bin", lambda sd: sd.__setitem__("base_lrs", [x / 2 for x in sd["base_lrs"]]))
+    rewrite("optimizer_1.bin", lambda sd: [g.__setitem__("lr", 1e-4) for g in sd["param_groups"]])
+    rewrite("scheduler_1.bin", lambda sd: sd.__setitem__("base_lrs", [1.0, 1.0]))  # StepLR's recursive form
+    recs = producer_resume("accelerate_two_models", ck, tmp_path)
+    hist = history(manifest("accelerate", "accelerate_two_models"))
+    gamma = accel_multi.GAMMA_1
+    assert recs[0]["lr"] == hist[5]["lr"]  # optimizer.bin untouched
+    assert recs[1]["lr"] == pytest.approx([x / 2 for x in hist[6]["lr"]], rel=1e-12)
+    assert recs[0]["lr_1"] == [1e-4, 1e-4]
+    assert recs[1]["lr_1"] == pytest.approx([1e-4 * gamma] * 2, rel=1e-12)  # epoch 9: one StepLR decay
+    assert [r["optimizer_step_1"] for r in recs] == [5, 6]
