@@ -26,6 +26,7 @@ from typing import Any
 from . import pickle_reader
 from .errors import CorruptCheckpoint, UnsupportedCheckpoint
 from .io import copy_range
+from .formats.dcp import logical_path
 from .pickle_reader import TensorRef, is_opaque
 
 METADATA = ".metadata"
@@ -116,8 +117,7 @@ class DcpFolder:
         tree: dict = {}
         index: dict[tuple, str] = {}
         for key, meta in self.sdm.items():
-            path = self.planner.get(key)
-            path = tuple(path) if isinstance(path, (tuple, list)) else (key,)
+            path = logical_path(key, self.planner)
             if not path or (tops is not None and path[0] not in tops):
                 continue
             if is_opaque(meta, "BytesStorageMetadata"):

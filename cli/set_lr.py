@@ -46,11 +46,14 @@ def _run(lp, *, dry_run: bool, yes: bool, json_out: bool, backup_dir: Optional[P
 
 
 def set_lr_cmd(
-    path: str = typer.Argument(..., help="checkpoint: DeepSpeed folder/tag folder, Accelerate folder, or torch file"),
+    path: str = typer.Argument(..., help="checkpoint: DeepSpeed / Accelerate / HF Trainer folder, DCP folder, torch or Lightning file"),
     scale: Optional[float] = typer.Option(None, "--scale", help="multiply the LR trajectory (every LR field) by this"),
     lr: Optional[float] = typer.Option(None, "--lr", help="set the base LR (base_lrs / the config's peak); every "
                                        "other LR field scaled by the same factor"),
     group: Optional[int] = typer.Option(None, "--group", help="only this param group (default: all)"),
+    optimizer: Optional[int] = typer.Option(None, "--optimizer", help="only this optimizer and its scheduler, when "
+                                            "the checkpoint holds several (Accelerate optimizer_1.bin = 1, Lightning's "
+                                            "list position); default: all"),
     last_lr: Optional[float] = typer.Option(None, "--last-lr", help="the LR in effect now (_last_lr and optimizer lr)"),
     last_epoch: Optional[int] = typer.Option(None, "--last-epoch", help="scheduler position (DeepSpeed: "
                                              "last_batch_iteration)"),
@@ -68,12 +71,12 @@ def set_lr_cmd(
     if scale is not None and lr is not None:
         raise typer.BadParameter("give --scale or --lr, not both", param_hint="--lr")
     lp = ops.plan_set_lr(open_checkpoint(path), scale=scale, lr=lr, group=group, last_lr=last_lr,
-                         last_epoch=last_epoch, step_count=step_count)
+                         last_epoch=last_epoch, step_count=step_count, optimizer=optimizer)
     return _run(lp, dry_run=dry_run, yes=yes, json_out=json_out, backup_dir=backup_dir)
 
 
 def set_step_cmd(
-    path: str = typer.Argument(..., help="checkpoint: DeepSpeed folder/tag folder, Accelerate folder, or torch file"),
+    path: str = typer.Argument(..., help="checkpoint: DeepSpeed / Accelerate / HF Trainer folder, DCP folder, torch or Lightning file"),
     step: Optional[int] = typer.Option(None, "--step", help="all counters for N optimizer updates, coherently "
                                        "(Accelerate: last_epoch = world_size x N)"),
     optimizer_step: Optional[int] = typer.Option(None, "--optimizer-step", help="Adam `step` in every rank and group"),
@@ -81,6 +84,9 @@ def set_step_cmd(
     last_epoch: Optional[int] = typer.Option(None, "--last-epoch", help="scheduler last_epoch (DeepSpeed: "
                                              "last_batch_iteration)"),
     step_count: Optional[int] = typer.Option(None, "--step-count", help="scheduler _step_count"),
+    optimizer: Optional[int] = typer.Option(None, "--optimizer", help="only this optimizer and its scheduler, when "
+                                            "the checkpoint holds several (Accelerate optimizer_1.bin = 1, Lightning's "
+                                            "list position); default: all"),
     dry_run: bool = typer.Option(False, "--dry-run", help="show the plan, write nothing"),
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask for confirmation"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable plan / result"),
@@ -91,7 +97,7 @@ def set_step_cmd(
     from ckpt_tools.ops import lr as ops
 
     lp = ops.plan_set_step(open_checkpoint(path), step=step, optimizer_step=optimizer_step, global_step=global_step,
-                           last_epoch=last_epoch, step_count=step_count)
+                           last_epoch=last_epoch, step_count=step_count, optimizer=optimizer)
     return _run(lp, dry_run=dry_run, yes=yes, json_out=json_out, backup_dir=backup_dir)
 
 

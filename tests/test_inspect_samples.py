@@ -38,6 +38,10 @@ def _what_the_files_hold(m: dict) -> tuple[dict, dict]:
         lr = {"param_groups": [], "base_lrs": None, "last_lr": None}
     if m["format"] == "accelerate" and m["extra"].get("distributed_type") != "DEEPSPEED":
         counters["global_step"] = None  # Accelerate saves no loop step (DeepSpeed's engine does)
+    if m["extra"].get("optimizers"):  # several optimizers: the header lists every one's groups, in order
+        opts = m["extra"]["optimizers"]
+        lr = {"param_groups": [x for o in opts for x in o["lr"]], "base_lrs": [x for o in opts for x in o["base_lrs"]],
+              "last_lr": [x for o in opts for x in o["last_lr"]]}
     if "scheduler" in (m["extra"].get("ds_config") or {}):
         lr["last_lr"] = None  # DeepSpeed's own schedulers save only last_batch_iteration
     return counters, lr

@@ -13,7 +13,7 @@ from ..errors import NotACheckpoint
 
 #: detection order: the most specific layouts first
 FORMAT_MODULES = (
-    "safetensors_file", "dcp", "universal", "accelerate", "megatron_pipeline", "deepspeed", "fsdp_sharded",
+    "hf_trainer", "safetensors_file", "dcp", "universal", "accelerate", "megatron_pipeline", "deepspeed", "fsdp_sharded",
     "torch_file",
 )
 

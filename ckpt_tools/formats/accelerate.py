@@ -121,34 +121,39 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     ranks_seen = sorted(int(_RNG_RE.match(p.name)[1]) for p in rng_files)
     if ranks_seen and ranks_seen != list(range(len(ranks_seen))):
         warnings.append(Warning_("missing-rank-file", f"random_states files for ranks {ranks_seen}: a rank is missing"))
-    sched = C.scheduler_fields(tree.get("scheduler"))
-    base_lrs, last_lr = C.lr_from_scheduler(sched)
-    last_epoch, step_count = C.scheduler_counters(sched)
+    # several models / optimizers / schedulers (model_1.safetensors, optimizer_1.bin, scheduler_1.bin): the
+    # header lists every optimizer's groups in order; the loop step is the script's own state (not read)
+    header, lrs, _ = C.training_header({k: v for k, v in tree.items() if k != "client_state"})
     if inner is not None:
         steps_seen = steps_seen or ([inner.counters.optimizer_step] if inner.counters.optimizer_step is not None else [])
     opt_step = max(set(steps_seen), key=steps_seen.count) if steps_seen else None
     counters = Counters(
         global_step=inner.counters.global_step if inner is not None else None,
-        optimizer_step=opt_step, scheduler_last_epoch=last_epoch, scheduler_step_count=step_count,
+        optimizer_step=opt_step, scheduler_last_epoch=header.scheduler_last_epoch,
+        scheduler_step_count=header.scheduler_step_count,
         skipped_steps=inner.counters.skipped_steps if inner is not None else None)
     warnings += C.counter_warnings(counters, accelerate_world_size=world, optimizer_steps_seen=steps_seen)
     warnings += C.stray_file_warnings(path, path) + cache.warnings()
     if inner is not None and Path(inner.path) != path:
         warnings += C.stray_file_warnings(Path(inner.path), path)
-    lrs = C.param_group_lrs(tree["optimizer"].children.get("param_groups")) if isinstance(tree.get("optimizer"), GroupNode) else ()
-    model_tensors = [t for _, t in iter_tensors(tree["model"])] if "model" in tree else []
+    if not lrs.param_groups and inner is not None:
+        lrs = LearningRates(inner.lr.param_groups, lrs.base_lrs, lrs.last_lr)
+    model_keys = [k for k in tree if k == "model" or re.fullmatch(r"(model|pytorch_model)_\d+", k)]
+    model_tensors = [t for k in model_keys for _, t in iter_tensors(tree[k])]
     if inner is not None:
         count, ntensors, dtypes = inner.parameter_count, inner.parameter_tensors, inner.dtypes
     else:
         count, ntensors = sum(t.numel for t in model_tensors), len(model_tensors)
         dtypes = tuple(sorted({t.dtype for t in model_tensors}))
+    if len(model_keys) > 1:
+        details["models"] = len(model_keys)
     topo = Topology(dp=world, tp=1, pp=1, zero_stage=inner.topology.zero_stage if inner is not None else None)
     details["world_size"] = world
     order = ("model", "optimizer", "scheduler", "counters", "rng", "client_state", "config")
     tree = dict(sorted(tree.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
     return Checkpoint(
         format=FORMAT, path=str(path), topology=topo, tree=GroupNode(tree), counters=counters,
-        lr=LearningRates(lrs, base_lrs, last_lr), parameter_count=count, parameter_tensors=ntensors,
+        lr=lrs, parameter_count=count, parameter_tensors=ntensors,
         files=tuple(files), warnings=tuple(warnings), dtypes=tuple(dtypes), details=details)
 
 

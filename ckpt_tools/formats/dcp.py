@@ -178,6 +178,23 @@ def _rank(rel: str) -> dict[str, int]:
     return {"dp": int(m[1])} if m else {}
 
 
+_FLAT_OPTIM = ("state.", "param_groups.")
+
+
+def logical_path(key: str, planner: dict) -> tuple:
+    """The nested key path of a flat DCP key: `planner_data`'s tuple (FQNs keep their dots), with an optimizer
+    state dict saved by `flatten_optimizer_state_dict=True` (torchtitan: `optimizer.state.<fqn>.exp_avg`,
+    `optimizer.param_groups.<fqn>.lr` stored as ONE key each) opened up to state/param_groups -> fqn -> field,
+    so it reads like an unflattened one."""
+    keys = planner.get(key) if isinstance(planner.get(key), tuple) else (key,)
+    last = keys[-1]
+    if len(keys) >= 2 and isinstance(last, str) and last.startswith(_FLAT_OPTIM) and last.count(".") >= 2:
+        head, rest = last.split(".", 1)
+        fqn, fld = rest.rsplit(".", 1)
+        return tuple(keys[:-1]) + (head, fqn, fld)
+    return tuple(keys)
+
+
 def _offsets(v: Any) -> tuple[int, ...] | None:
     return None if v is None else tuple(int(x) for x in v)
 
@@ -223,7 +240,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
             node = _value(cache, path, key, where)
         else:
             node = ValueNode(repr(meta))
-        keys = planner.get(key) if isinstance(planner.get(key), tuple) else (key,)
+        keys = logical_path(key, planner)
         slot = top
         for k in keys[:-1]:
             slot = slot.setdefault(k, {})

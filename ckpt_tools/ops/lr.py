@@ -295,7 +295,33 @@ class _DcpFile(_File):
         return problems
 
 
+class _JsonFile(_File):
+    """A JSON file holding loop counters (HF Trainer's trainer_state.json): rewritten the way its writer
+    writes it (indent 2, sorted keys)."""
+
+    def produce(self, tmp: Path) -> None:
+        import json
+
+        tmp.write_text(json.dumps(self.obj, indent=2, sort_keys=True) + "\n")
+
+    def read_back(self, path: Path) -> Any:
+        import json
+
+        return json.loads(path.read_text())
+
+
 def _open_source(src: StateSource) -> _File:
+    if src.kind == "json":
+        import json
+
+        try:
+            obj = json.loads(src.path.read_text())
+        except (OSError, ValueError) as e:
+            raise CkptError(f"cannot read {src.rel} ({e})", path=src.path) from None
+        f = _JsonFile(src.rel, src.path, obj)
+        f.found = locate(obj, counters=src.counters)
+        f.found.optimizers, f.found.schedulers = [], []  # JSON holds logs of LRs, not state that drives them
+        return f
     if src.kind == "dcp":
         from ..dcp_write import DcpFolder
 
@@ -713,20 +739,23 @@ def _finish(ck: Checkpoint, root: Path, files: list[_File], command: str, notes:
         method = "pickle rewrite (tensor bytes copied as they are)"
         if f.storage_bytes:
             method += f"; {len(f.storage_bytes)} step storage(s) rewritten"
-
-        def produce(tmp: Path, f: _File = f) -> None:
-            rewrite_torch_zip(f.path, tmp, f.obj, storage_bytes=f.storage_bytes)
+        if isinstance(f, _JsonFile):
+            method, produce = "JSON rewritten (indent 2, sorted keys)", f.produce
+        else:
+            def produce(tmp: Path, f: _File = f) -> None:
+                rewrite_torch_zip(f.path, tmp, f.obj, storage_bytes=f.storage_bytes)
 
         writes.append(io.FileWrite(f.rel, tuple(f.changes), f.path.stat().st_size, produce, method))
-    checks = {f.rel: list(f.checks) for f in files if f.changes and not isinstance(f, _DcpFile)}
+    checks = {f.rel: (f, list(f.checks)) for f in files if f.changes and not isinstance(f, _DcpFile)}
     dcp_checks = [f.verify for f in files if f.changes and isinstance(f, _DcpFile)]
 
     def verify(written_root: Path) -> list[str]:
         from .. import open_checkpoint
 
         problems = [p for check in dcp_checks for p in check(Path(written_root))]
-        for rel, items in checks.items():
-            obj = pickle_reader.load(Path(written_root) / rel).obj
+        for rel, (f, items) in checks.items():
+            where = Path(written_root) / rel
+            obj = f.read_back(where) if isinstance(f, _JsonFile) else pickle_reader.load(where).obj
             for path, want in items:
                 try:
                     got = _dig(obj, path)

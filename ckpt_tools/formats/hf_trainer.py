@@ -1,0 +1,207 @@
+"""HF `transformers.Trainer` checkpoints: `output_dir/checkpoint-N/` folders, and the output_dir holding them.
+
+A `checkpoint-N` folder holds `trainer_state.json` (the loop's `global_step`, `max_steps`, `log_history` with
+the logged loss / learning_rate per step), `training_args.bin` (a pickled TrainingArguments: read inert, never
+executed), `rng_state[_R].pth` (one per process), `config.json` and the model (`model.safetensors`, sharded
+`model-0000x-of-0000y.safetensors` + index, or `pytorch_model.bin`), and where the optimizer and scheduler are:
+
+    plain / DDP   `optimizer.pt` (torch optimizer state dict) + `scheduler.pt` (torch scheduler state dict)
+    DeepSpeed     `global_stepN/` + `latest` inside the folder; the HF scheduler is handed to the engine and
+                  saved in the model states' `lr_scheduler` (no optimizer.pt / scheduler.pt)
+    FSDP          `pytorch_model_fsdp_0/` and `optimizer_0/` DCP folders + `scheduler.pt`
+
+Given the output_dir, the newest `checkpoint-N` is opened (what `resume_from_checkpoint=True` picks), and the
+others are listed in `details["checkpoints"]`.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import CorruptCheckpoint, NotACheckpoint
+from ..tree import Checkpoint, Counters, GroupNode, Topology, ValueNode, Warning_, iter_tensors, to_node
+from . import _common as C
+
+FORMAT = "hf_trainer"
+_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+_RNG_RE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
+STATE_FILE = "trainer_state.json"
+
+
+def _is_trainer_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / STATE_FILE).is_file()
+
+
+def checkpoints(output_dir: Path) -> list[Path]:
+    """The `checkpoint-N` folders of an output_dir, oldest first (by N)."""
+    found = [d for d in output_dir.iterdir() if _CKPT_RE.match(d.name) and _is_trainer_checkpoint(d)]
+    return sorted(found, key=lambda d: int(_CKPT_RE.match(d.name)[1]))
+
+
+def sniff(path: Path) -> bool:
+    if _is_trainer_checkpoint(path):
+        return True
+    return path.is_dir() and bool(checkpoints(path))
+
+
+def _trainer_state(folder: Path) -> dict[str, Any]:
+    p = folder / STATE_FILE
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpoint(f"cannot read {STATE_FILE} ({e})", path=p, hint="the file is truncated or not JSON")
+    if not isinstance(doc, dict):
+        raise CorruptCheckpoint(f"{STATE_FILE} is not a JSON object", path=p)
+    return doc
+
+
+def last_logged(state: dict[str, Any]) -> dict[str, Any]:
+    """The last logged training loss and learning rate in `log_history` (with the step they were logged at)."""
+    out: dict[str, Any] = {}
+    for entry in state.get("log_history") or []:
+        if not isinstance(entry, dict):
+            continue
+        for key, name in (("loss", "loss"), ("learning_rate", "lr")):
+            if isinstance(entry.get(key), (int, float)):
+                out[name] = entry[key]
+                out[f"{name}_step"] = entry.get("step")
+    return out
+
+
+def open(path: Path) -> Checkpoint:  # noqa: A001
+    folder = path
+    details: dict[str, Any] = {}
+    if not _is_trainer_checkpoint(path):
+        found = checkpoints(path)
+        if not found:
+            raise NotACheckpoint("no checkpoint-N folder with trainer_state.json", path=path)
+        folder = found[-1]
+        details["output_dir"] = str(path)
+        details["checkpoints"] = [d.name for d in reversed(found)]
+        details["opened"] = folder.name
+    state = _trainer_state(folder)
+    cache = C.LoadCache(folder)
+    tree: dict[str, Any] = {}
+    files = [C.file_info(folder / STATE_FILE, path, "trainer_state")]
+    warnings: list[Warning_] = []
+    inner = None
+    from . import dcp, deepspeed, safetensors_file, torch_file
+
+    if C.read_latest(folder) or any(folder.glob("global_step*/*model_states.pt")):
+        inner = deepspeed.open(folder)
+        details["engine"] = f"deepspeed (tag {inner.details.get('tag')})"
+    fsdp_model = sorted(d for d in folder.glob("pytorch_model_fsdp_*") if d.is_dir())
+    if inner is None and fsdp_model:
+        inner = dcp.open(fsdp_model[0])
+        details["engine"] = f"fsdp ({fsdp_model[0].name})"
+        for od in sorted(d for d in folder.glob("optimizer_*") if d.is_dir()):
+            opt_ck = dcp.open(od)
+            for key, node in opt_ck.tree.children.items():
+                if key.startswith("optimizer"):
+                    tree.setdefault(key, node)
+            files += [replace(f, path=str(od.relative_to(path) / f.path)) for f in opt_ck.files]
+    if inner is not None:
+        for key in ("model", "optimizer", "scheduler", "counters", "config"):
+            if key in inner.tree.children:
+                tree.setdefault(key, inner.tree.children[key])
+        files += [replace(f, path=str(Path(inner.path).relative_to(path) / f.path)) for f in inner.files]
+        warnings += [w for w in inner.warnings if w.code not in ("stray-file", "step-mismatch")]
+
+    weights = None
+    if any(folder.glob("*.safetensors")):
+        weights = safetensors_file.open(folder)
+        files += [replace(f, path=str((folder / f.path).relative_to(path))) for f in weights.files]
+    elif (folder / "pytorch_model.bin").is_file():
+        weights = torch_file.open(folder / "pytorch_model.bin")
+        files.append(C.file_info(folder / "pytorch_model.bin", path, "model"))
+    if weights is not None and "model" in weights.tree.children:
+        tree["model"] = weights.tree.children["model"]
+
+    for name, role in (("optimizer.pt", "optimizer"), ("scheduler.pt", "scheduler")):
+        f = folder / name
+        if f.is_file():
+            _, optims, scheds, _rest = torch_file.split_training_dict({role: cache.load(f).obj})
+            torch_file.state_nodes(optims, scheds, tree, name, [])
+            files.append(C.file_info(f, path, role))
+    rng = sorted((p for p in folder.iterdir() if _RNG_RE.match(p.name)), key=lambda p: int(_RNG_RE.match(p.name)[1] or 0))
+    if rng:
+        tree["rng"] = GroupNode({p.stem: to_node(cache.load(p).obj, p.name) for p in rng})
+        files += [C.file_info(p, path, "rng", {"rank": int(_RNG_RE.match(p.name)[1] or 0)}) for p in rng]
+    if (folder / "training_args.bin").is_file():
+        tree["training_args"] = to_node(cache.load(folder / "training_args.bin").obj, "training_args.bin")
+        files.append(C.file_info(folder / "training_args.bin", path, "other"))
+    for name in ("config.json", "generation_config.json"):
+        if (folder / name).is_file():
+            files.append(C.file_info(folder / name, path, "config"))
+    client = {k: v for k, v in state.items() if k != "log_history"}
+    client["log_history"] = f"{len(state.get('log_history') or [])} entries"
+    tree["trainer_state"] = GroupNode({k: to_node(v, STATE_FILE) for k, v in client.items()})
+
+    counters, lrs, steps = C.training_header(tree)
+    opt_step = counters.optimizer_step
+    if opt_step is None and inner is not None:
+        opt_step = inner.counters.optimizer_step
+    if lrs.param_groups == () and inner is not None:
+        lrs = inner.lr
+    sched_epoch, sched_count = counters.scheduler_last_epoch, counters.scheduler_step_count
+    if sched_epoch is None and inner is not None:
+        sched_epoch, sched_count = inner.counters.scheduler_last_epoch, inner.counters.scheduler_step_count
+    gstep = state.get("global_step") if isinstance(state.get("global_step"), int) else None
+    counters = Counters(global_step=gstep, optimizer_step=opt_step, scheduler_last_epoch=sched_epoch,
+                        scheduler_step_count=sched_count,
+                        skipped_steps=inner.counters.skipped_steps if inner is not None else None)
+    logged = last_logged(state)
+    details.update({k: logged[k] for k in ("loss", "loss_step", "lr", "lr_step") if k in logged})
+    details["max_steps"] = state.get("max_steps")
+    world = len(rng) or None
+    details["world_size"] = world
+    warnings += C.counter_warnings(counters, optimizer_steps_seen=steps)
+    warnings += C.stray_file_warnings(folder, path) + cache.warnings()
+    if inner is not None:
+        count, ntensors, dtypes = inner.parameter_count, inner.parameter_tensors, inner.dtypes
+        if weights is not None and inner.details.get("weights") is None:
+            count, ntensors, dtypes = weights.parameter_count, weights.parameter_tensors, weights.dtypes
+    elif weights is not None:
+        count, ntensors, dtypes = weights.parameter_count, weights.parameter_tensors, weights.dtypes
+    else:
+        model_tensors = [t for _, t in iter_tensors(tree["model"])] if "model" in tree else []
+        count, ntensors = sum(t.numel for t in model_tensors), len(model_tensors)
+        dtypes = tuple(sorted({t.dtype for t in model_tensors}))
+    topo = Topology(dp=world, tp=1, pp=1, zero_stage=inner.topology.zero_stage if inner is not None else None)
+    order = ("model", "optimizer", "scheduler", "trainer_state", "counters", "rng", "training_args", "config")
+    tree = dict(sorted(tree.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
+    if details.get("checkpoints"):
+        tree["checkpoints"] = ValueNode(details["checkpoints"])
+    return Checkpoint(
+        format=FORMAT, path=str(path), topology=topo, tree=GroupNode(tree), counters=counters, lr=lrs,
+        parameter_count=count, parameter_tensors=ntensors, files=tuple(files), warnings=tuple(warnings),
+        dtypes=tuple(dtypes), details=details)
+
+
+def checkpoint_folder(ck: Checkpoint) -> Path:
+    """The `checkpoint-N` folder a Checkpoint of this format reads (the newest one of an output_dir)."""
+    p = Path(ck.path)
+    return p / ck.details["opened"] if ck.details.get("opened") else p
+
+
+def training_state(ck: Checkpoint):
+    """optimizer.pt / scheduler.pt, the DeepSpeed tag folder's state files, or the FSDP optimizer DCP folder;
+    trainer_state.json's `global_step` (the loop counter `resume_from_checkpoint` continues from)."""
+    from ..state import StateMap, StateSource
+    from .deepspeed import tag_state_sources
+
+    root = checkpoint_folder(ck)
+    sources: list[StateSource] = []
+    tag = C.read_latest(root)
+    if tag and (root / tag).is_dir():
+        sources += tag_state_sources(root, root / tag)
+    for od in sorted(d for d in root.glob("optimizer_*") if d.is_dir() and (d / ".metadata").is_file()):
+        sources.append(StateSource(od, od.name, kind="dcp"))
+    for name in ("optimizer.pt", "scheduler.pt"):
+        if (root / name).is_file():
+            sources.append(StateSource(root / name, name))
+    sources.append(StateSource(root / STATE_FILE, STATE_FILE, kind="json"))
+    return StateMap(root, tuple(sources))
