@@ -116,3 +116,25 @@ def fail_at(stage: str, nth: int = 1):
                 raise RuntimeError(f"injected failure at {s} {f}")
 
     return on_stage
+
+
+def producer_resume(name: str, ckpt_path: Path, tmp_path: Path, *, steps: int | None = None,
+                    timeout: float = 300) -> list[dict]:
+    """Resume `ckpt_path` with sample `name`'s own worker (its --resume mode, under torchrun with the sample's
+    number of ranks) and return the records of the updates it made: per update `step`, `lr` (per group, the LR
+    the update used), `optimizer_step` (Adam's step after it), `loss` (rank 0's), and for accelerate_two_models
+    also `lr_1`, `optimizer_step_1`, `loss_1` (the second optimizer / model)."""
+    from ckpt_tools.samples import free_port, get_spec, worker_env
+
+    spec = get_spec(name)
+    n = 0
+    while (record := Path(tmp_path) / f"{name}.resume{n}.json").exists():
+        n += 1
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(spec.nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", spec.module,
+           "--sample", name, "--resume", str(ckpt_path), "--record", str(record)]
+    if steps is not None:
+        cmd += ["--steps", str(steps)]
+    proc = subprocess.run(cmd, env=worker_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(record.read_text())

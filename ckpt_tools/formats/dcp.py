@@ -25,9 +25,8 @@ from typing import Any, Mapping
 
 from ..errors import CorruptCheckpoint, MissingFile, UnsupportedCheckpoint
 from ..pickle_reader import SMALL_TENSOR_NUMEL, DType, TensorRef, is_opaque
-from ..tree import (Checkpoint, Counters, FileInfo, GroupNode, LearningRates, Node, OpaqueNode, Piece,
-                    TensorNode, Topology, ValueNode, Warning_, as_int, iter_tensors, scalar, tensor_node,
-                    to_node)
+from ..tree import (Checkpoint, FileInfo, GroupNode, Node, OpaqueNode, Piece, TensorNode, Topology, ValueNode,
+                    Warning_, as_int, iter_tensors, tensor_node, to_node)
 from . import _common as C
 from ..state import is_flattened
 from .torch_file import flattened_optimizer_tree, split_training_dict

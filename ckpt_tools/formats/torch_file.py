@@ -13,8 +13,7 @@ from typing import Any, Callable, Mapping
 
 from ..pickle_reader import TensorRef
 from ..state import is_flattened
-from ..tree import (Checkpoint, Counters, GroupNode, LearningRates, TensorNode, Topology, as_int, iter_tensors,
-                    to_node)
+from ..tree import Checkpoint, GroupNode, TensorNode, Topology, iter_tensors, to_node
 from . import _common as C
 
 FORMAT = "torch_file"

@@ -1,0 +1,123 @@
+"""`set-lr` / `set-step` on checkpoints written the way users write them (HF Trainer, Lightning, torchtitan and
+the DCP recipe layout, Accelerate with two models), proven by a real resume in the framework that wrote each one.
+
+For every sample: an untouched copy and an edited copy are both resumed by the producer's own loader (the sample
+worker's resume mode: `trainer.train(resume_from_checkpoint=)`, `Trainer.fit(ckpt_path=)`, `dcp.load` +
+`set_state_dict`, `accelerator.load_state`) in the same test, and every resumed update of the edited copy must use
+exactly half the LR of the untouched one; after `set-step --optimizer-step 10`, Adam's step continues from 10 and
+the LRs are untouched.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import producer_resume, run_cli, sample
+
+#: (group, name, LR keys in the resume records: one per optimizer)
+PRODUCERS = [
+    ("dcp", "torchtitan_fsdp2", ("lr",)),
+    ("dcp", "dcp_recipe_fsdp2", ("lr",)),
+    ("accelerate", "accelerate_two_models", ("lr", "lr_1")),
+]
+
+
+def cli(*args, expect=0):
+    proc = run_cli(*args)
+    assert proc.returncode == expect, f"exit {proc.returncode} (wanted {expect}):\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def copy_to(group: str, name: str, folder):
+    """A copy of a committed sample in `folder` (a second copy beside copy_sample's)."""
+    import shutil
+
+    folder.mkdir(parents=True)
+    dst = folder / name
+    (shutil.copytree if sample(group, name).is_dir() else shutil.copy2)(sample(group, name), dst)
+    return dst
+
+
+def _halved(recs: list[dict], ref: list[dict], keys: tuple[str, ...]) -> None:
+    assert [r["step"] for r in recs] == [r["step"] for r in ref]
+    for r, u in zip(recs, ref):
+        for k in keys:
+            assert r[k] == pytest.approx([x / 2 for x in u[k]], rel=1e-12), (k, r["step"], r[k], u[k])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group,name,keys", PRODUCERS, ids=[p[1] for p in PRODUCERS])
+def test_scale_half_every_resumed_step_runs_at_half_the_lr(copy_sample, tmp_path, group, name, keys):
+    untouched = producer_resume(name, copy_sample(group, name), tmp_path)
+    ck = copy_to(group, name, tmp_path / "edited")
+    listing = sorted(p.relative_to(ck) for p in ck.rglob("*")) if ck.is_dir() else []
+    cli("set-lr", ck, "--scale", "0.5", "--yes")
+    if ck.is_dir():  # no stray file inside the checkpoint (backups and the journal live outside it)
+        assert sorted(p.relative_to(ck) for p in ck.rglob("*")) == listing
+    _halved(producer_resume(name, ck, tmp_path), untouched, keys)
+    # inspect agrees with what the resumed run used for its first step
+    lr = json.loads(cli("inspect", ck, "--json").stdout)["lr"]
+    first = [x for k in keys for x in untouched[0][k]]
+    assert lr["param_groups"] == pytest.approx([x / 2 for x in first], rel=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group,name,keys", PRODUCERS, ids=[p[1] for p in PRODUCERS])
+def test_set_optimizer_step_continues_adam_from_it(copy_sample, tmp_path, group, name, keys):
+    untouched = producer_resume(name, copy_sample(group, name), tmp_path)
+    ck = copy_to(group, name, tmp_path / "edited")
+    cli("set-step", ck, "--optimizer-step", "10", "--yes")
+    assert json.loads(cli("inspect", ck, "--json").stdout)["counters"]["optimizer_step"] == 10
+    recs = producer_resume(name, ck, tmp_path)
+    assert [r["optimizer_step"] for r in recs] == [11, 12]
+    for r, u in zip(recs, untouched):
+        for k in keys:
+            assert r[k] == u[k]  # the counters only: the LRs are the untouched run's
+
+
+def test_two_optimizers_pick_one(copy_sample):
+    """--optimizer 1 edits optimizer_1.bin / scheduler_1.bin only (StepLR: its lr drives); without it both."""
+    ck = copy_sample("accelerate", "accelerate_two_models")
+    doc = json.loads(cli("set-lr", ck, "--scale", "0.5", "--optimizer", "1", "--dry-run", "--json").stdout)
+    files = {w["path"] for w in doc["plan"]["files"]}
+    assert files == {"optimizer_1.bin", "scheduler_1.bin"}
+    assert [o["scheduler_kind"] for o in doc["plan"]["optimizers"]] == ["chainable"]
+    doc = json.loads(cli("set-lr", ck, "--scale", "0.5", "--dry-run", "--json").stdout)
+    assert [o["scheduler_kind"] for o in doc["plan"]["optimizers"]] == ["closed-form", "chainable"]
+    assert {w["path"] for w in doc["plan"]["files"]} == {"optimizer.bin", "scheduler.bin", "optimizer_1.bin",
+                                                          "scheduler_1.bin"}
+    proc = cli("set-lr", ck, "--scale", "0.5", "--optimizer", "2", "--yes", expect=2)
+    assert "--optimizer 2" in proc.stderr and "0, 1" in proc.stderr
+
+
+def test_torchtitan_flattened_groups_all_edited(copy_sample):
+    """Every parameter's `optimizer.param_groups.<fqn>.lr` item is edited (torch reads each group's first one)."""
+    ck = copy_sample("dcp", "torchtitan_fsdp2")
+    doc = json.loads(cli("set-lr", ck, "--scale", "0.5", "--dry-run", "--json").stdout)
+    fields = [c["field"] for w in doc["plan"]["files"] for c in w["changes"]]
+    lr_items = [f for f in fields if f.startswith("optimizer.param_groups.") and f.endswith(".lr")]
+    assert len(lr_items) == 29  # one per parameter of the tiny GPT
+    assert "lr_scheduler.base_lrs" in fields
+    proc = cli("set-lr", ck, "--scale", "0.5", "--group", "1", "--yes", expect=2)
+    assert "flatten" in proc.stderr
+
+
+@pytest.mark.parametrize("args", [("set-lr", "--scale", "0.5"), ("set-step", "--optimizer-step", "3")])
+def test_nothing_to_edit_is_an_error_not_a_silent_success(tmp_path, args):
+    """A file with weights only: the request finds no field, exits 2 naming what was searched, writes nothing."""
+    import shutil
+    import subprocess
+    import sys
+
+    ck = tmp_path / "weights.pt"
+    code = "import torch, sys; torch.save({'model': {'w': torch.zeros(3)}, 'note': 'x'}, sys.argv[1])"
+    subprocess.run([sys.executable, "-c", code, str(ck)], check=True)
+    before = ck.read_bytes()
+    proc = cli(args[0], ck, *args[1:], "--yes", expect=2)
+    assert "weights.pt" in proc.stderr and "nothing was changed" in proc.stderr
+    assert ck.read_bytes() == before and not (tmp_path / ".ckpt-backups").exists()
+    st = tmp_path / "st"
+    shutil.copytree(sample("safetensors", "sharded"), st)
+    proc = cli(args[0], st, *args[1:], "--yes", expect=2)
+    assert "safetensors" in proc.stderr
