@@ -35,6 +35,7 @@ SAMPLES: tuple[SampleSpec, ...] = (
     SampleSpec("zero2_fp32", "deepspeed", _W + "ds_zero", 2, "zero2_fp32"),
     SampleSpec("zero2_lambdalr", "deepspeed", _W + "ds_zero", 2, "zero2_lambdalr"),
     SampleSpec("zero2_warmuplr", "deepspeed", _W + "ds_zero", 2, "zero2_warmuplr"),
+    SampleSpec("zero1_frozen", "deepspeed", _W + "ds_zero", 2, "zero1_frozen"),
     SampleSpec("zero2_bf16_universal", "universal", _W + "ds_universal", 1, "zero2_bf16_universal",
                after=("zero2_bf16",)),
     SampleSpec("gpt_tp2_pp2", "megatron", _W + "ds_pipeline", 4, "gpt_tp2_pp2"),

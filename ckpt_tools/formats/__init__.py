@@ -14,7 +14,7 @@ from ..errors import NotACheckpoint
 #: detection order: the most specific layouts first
 FORMAT_MODULES = (
     "hf_trainer", "safetensors_file", "dcp", "universal", "accelerate", "megatron_pipeline", "deepspeed", "fsdp_sharded",
-    "torch_file",
+    "lightning", "torch_file",
 )
 
 

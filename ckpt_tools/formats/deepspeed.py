@@ -272,6 +272,14 @@ def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks:
     rel_ms = cache.rel(ms_path)
     names = [n for g in shape_groups for n in g]
     frozen = ms.get("frozen_param_shapes") if isinstance(ms.get("frozen_param_shapes"), dict) else {}
+    buffers = [str(b) for b in ms.get("buffer_names") or []]
+    shared = ms.get("shared_params") if isinstance(ms.get("shared_params"), dict) else {}
+    if not frozen and module and stage is not None and stage < 3:
+        # ZeRO-1 writes no frozen_param_shapes: a frozen weight is only in `module` (not a trainable
+        # param, a buffer or a tied alias)
+        known = set(names) | set(buffers) | {str(k) for k in shared}
+        frozen = {str(n): r.shape for n, r in module.items()
+                  if isinstance(r, TensorRef) and r.numel > 0 and str(n) not in known}
     weight_source = "module"
     for name in names + [str(n) for n in frozen]:
         ref = module.get(name)
@@ -280,7 +288,6 @@ def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks:
         elif opt and name in opt.state and "fp32" in opt.state[name]:
             model[name] = opt.state[name]["fp32"]
             weight_source = "fp32 master (ZeRO-3 saves no module weights)"
-    buffers = [str(b) for b in ms.get("buffer_names") or []]
     for name in buffers:
         if isinstance(module.get(name), TensorRef):
             model[name] = tensor_node(module[name], rel_ms)

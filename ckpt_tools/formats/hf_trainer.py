@@ -62,12 +62,8 @@ def last_logged(state: dict[str, Any]) -> dict[str, Any]:
     """The last logged training loss and learning rate in `log_history` (with the step they were logged at)."""
     out: dict[str, Any] = {}
     for entry in state.get("log_history") or []:
-        if not isinstance(entry, dict):
-            continue
-        for key, name in (("loss", "loss"), ("learning_rate", "lr")):
-            if isinstance(entry.get(key), (int, float)):
-                out[name] = entry[key]
-                out[f"{name}_step"] = entry.get("step")
+        if isinstance(entry, dict) and any(isinstance(entry.get(k), (int, float)) for k in ("loss", "learning_rate")):
+            out = {"step": entry.get("step"), "loss": entry.get("loss"), "learning_rate": entry.get("learning_rate")}
     return out
 
 
@@ -131,7 +127,9 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
         tree["rng"] = GroupNode({p.stem: to_node(cache.load(p).obj, p.name) for p in rng})
         files += [C.file_info(p, path, "rng", {"rank": int(_RNG_RE.match(p.name)[1] or 0)}) for p in rng]
     if (folder / "training_args.bin").is_file():
-        tree["training_args"] = to_node(cache.load(folder / "training_args.bin").obj, "training_args.bin")
+        # a pickled TrainingArguments: transformers classes, always; read inert without the unknown-global warning
+        args_obj = C.LoadCache(folder).load(folder / "training_args.bin").obj
+        tree["training_args"] = to_node(args_obj, "training_args.bin")
         files.append(C.file_info(folder / "training_args.bin", path, "other"))
     for name in ("config.json", "generation_config.json"):
         if (folder / name).is_file():
@@ -154,7 +152,8 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
                         scheduler_step_count=sched_count,
                         skipped_steps=inner.counters.skipped_steps if inner is not None else None)
     logged = last_logged(state)
-    details.update({k: logged[k] for k in ("loss", "loss_step", "lr", "lr_step") if k in logged})
+    if logged:
+        details["last_logged"] = logged
     details["max_steps"] = state.get("max_steps")
     world = len(rng) or None
     details["world_size"] = world

@@ -21,6 +21,7 @@ class ZeroVariant:
     stage: int
     bf16: bool = True
     scheduler: str | None = None  # None, "lambdalr" (torch, built here) or "warmuplr" (DeepSpeed config)
+    frozen: tuple[str, ...] = ()  # parameters with requires_grad=False (ZeRO-1 writes them only in `module`)
 
 
 VARIANTS = {
@@ -30,6 +31,7 @@ VARIANTS = {
     "zero2_fp32": ZeroVariant(stage=2, bf16=False),
     "zero2_lambdalr": ZeroVariant(stage=2, scheduler="lambdalr"),
     "zero2_warmuplr": ZeroVariant(stage=2, scheduler="warmuplr"),
+    "zero1_frozen": ZeroVariant(stage=1, frozen=("wpe.weight",)),
 }
 
 
@@ -72,7 +74,10 @@ def main() -> None:
     cfg = ds_config(v, dp)
 
     model = c.build_model()
-    groups = c.param_groups(model)
+    for name, p in model.named_parameters():
+        if name in v.frozen:
+            p.requires_grad_(False)
+    groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in c.param_groups(model)]
     optimizer = scheduler = None
     if v.scheduler == "lambdalr":
         optimizer, scheduler = c.adamw_with_lambdalr(groups)
@@ -110,6 +115,7 @@ def main() -> None:
                               "warmuplr": "DeepSpeed WarmupLR from the config"}[v.scheduler],
                 "optimizer": type(c.innermost_optimizer(engine.optimizer)).__name__,
                 "param_groups": c.PARAM_GROUPS_NOTE,
+                "frozen": list(v.frozen),
             },
         )
 
