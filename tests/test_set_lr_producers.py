@@ -15,12 +15,23 @@ import pytest
 
 from conftest import producer_resume, run_cli, sample
 
-#: (group, name, LR keys in the resume records: one per optimizer)
+#: (sample, LR keys in the resume records: one per optimizer, what the loader is given inside the sample)
 PRODUCERS = [
-    ("dcp", "torchtitan_fsdp2", ("lr",)),
-    ("dcp", "dcp_recipe_fsdp2", ("lr",)),
-    ("accelerate", "accelerate_two_models", ("lr", "lr_1")),
+    ("hf_trainer_ddp", ("lr",), "checkpoint-4"),  # ckpt is given the output_dir and edits its newest checkpoint
+    ("hf_trainer_zero2", ("lr",), "checkpoint-4"),
+    ("lightning_onecycle", ("lr",), ""),
+    ("torchtitan_fsdp2", ("lr",), ""),
+    ("dcp_recipe_fsdp2", ("lr",), ""),
+    ("accelerate_two_models", ("lr", "lr_1"), ""),
 ]
+IDS = [p[0] for p in PRODUCERS]
+
+
+def where(name: str) -> tuple[str, str]:
+    from ckpt_tools.samples import get_spec
+
+    spec = get_spec(name)
+    return spec.group, spec.path
 
 
 def cli(*args, expect=0):
@@ -47,15 +58,16 @@ def _halved(recs: list[dict], ref: list[dict], keys: tuple[str, ...]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("group,name,keys", PRODUCERS, ids=[p[1] for p in PRODUCERS])
-def test_scale_half_every_resumed_step_runs_at_half_the_lr(copy_sample, tmp_path, group, name, keys):
-    untouched = producer_resume(name, copy_sample(group, name), tmp_path)
-    ck = copy_to(group, name, tmp_path / "edited")
+@pytest.mark.parametrize("name,keys,inner", PRODUCERS, ids=IDS)
+def test_scale_half_every_resumed_step_runs_at_half_the_lr(copy_sample, tmp_path, name, keys, inner):
+    group, path = where(name)
+    untouched = producer_resume(name, copy_sample(group, path) / inner, tmp_path)
+    ck = copy_to(group, path, tmp_path / "edited")
     listing = sorted(p.relative_to(ck) for p in ck.rglob("*")) if ck.is_dir() else []
     cli("set-lr", ck, "--scale", "0.5", "--yes")
     if ck.is_dir():  # no stray file inside the checkpoint (backups and the journal live outside it)
         assert sorted(p.relative_to(ck) for p in ck.rglob("*")) == listing
-    _halved(producer_resume(name, ck, tmp_path), untouched, keys)
+    _halved(producer_resume(name, ck / inner, tmp_path), untouched, keys)
     # inspect agrees with what the resumed run used for its first step
     lr = json.loads(cli("inspect", ck, "--json").stdout)["lr"]
     first = [x for k in keys for x in untouched[0][k]]
@@ -63,13 +75,14 @@ def test_scale_half_every_resumed_step_runs_at_half_the_lr(copy_sample, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("group,name,keys", PRODUCERS, ids=[p[1] for p in PRODUCERS])
-def test_set_optimizer_step_continues_adam_from_it(copy_sample, tmp_path, group, name, keys):
-    untouched = producer_resume(name, copy_sample(group, name), tmp_path)
-    ck = copy_to(group, name, tmp_path / "edited")
+@pytest.mark.parametrize("name,keys,inner", PRODUCERS, ids=IDS)
+def test_set_optimizer_step_continues_adam_from_it(copy_sample, tmp_path, name, keys, inner):
+    group, path = where(name)
+    untouched = producer_resume(name, copy_sample(group, path) / inner, tmp_path)
+    ck = copy_to(group, path, tmp_path / "edited")
     cli("set-step", ck, "--optimizer-step", "10", "--yes")
     assert json.loads(cli("inspect", ck, "--json").stdout)["counters"]["optimizer_step"] == 10
-    recs = producer_resume(name, ck, tmp_path)
+    recs = producer_resume(name, ck / inner, tmp_path)
     assert [r["optimizer_step"] for r in recs] == [11, 12]
     for r, u in zip(recs, untouched):
         for k in keys:

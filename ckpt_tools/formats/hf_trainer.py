@@ -192,15 +192,19 @@ def training_state(ck: Checkpoint):
     from ..state import StateMap, StateSource
     from .deepspeed import tag_state_sources
 
-    root = checkpoint_folder(ck)
+    folder = checkpoint_folder(ck)
+    # writes are planned against the output_dir, so backups and the journal land beside it, never among the
+    # checkpoint-N folders that Trainer globs
+    root = folder.parent if _CKPT_RE.match(folder.name) else folder
+    rel = lambda p: str(p.relative_to(root))  # noqa: E731
     sources: list[StateSource] = []
-    tag = C.read_latest(root)
-    if tag and (root / tag).is_dir():
-        sources += tag_state_sources(root, root / tag)
-    for od in sorted(d for d in root.glob("optimizer_*") if d.is_dir() and (d / ".metadata").is_file()):
-        sources.append(StateSource(od, od.name, kind="dcp"))
+    tag = C.read_latest(folder)
+    if tag and (folder / tag).is_dir():
+        sources += tag_state_sources(root, folder / tag)
+    for od in sorted(d for d in folder.glob("optimizer_*") if d.is_dir() and (d / ".metadata").is_file()):
+        sources.append(StateSource(od, rel(od), kind="dcp"))
     for name in ("optimizer.pt", "scheduler.pt"):
-        if (root / name).is_file():
-            sources.append(StateSource(root / name, name))
-    sources.append(StateSource(root / STATE_FILE, STATE_FILE, kind="json"))
+        if (folder / name).is_file():
+            sources.append(StateSource(folder / name, rel(folder / name)))
+    sources.append(StateSource(folder / STATE_FILE, rel(folder / STATE_FILE), kind="json"))
     return StateMap(root, tuple(sources))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from ..tree import Checkpoint, GroupNode, scalar
+from ..tree import Checkpoint, GroupNode, Topology, scalar
 from . import torch_file
 
 FORMAT = "lightning"
@@ -31,7 +31,8 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     if version is None:  # a .ckpt that Lightning did not write: a plain torch file
         return ck
     details = {**ck.details, "lightning_version": version, "epoch": scalar(kids.get("epoch"))}
-    return replace(ck, format=FORMAT, details=details)
+    # one consolidated file: whatever the run's world size, the file itself is dp=tp=pp=1
+    return replace(ck, format=FORMAT, details=details, topology=Topology(dp=1, tp=1, pp=1, zero_stage=None))
 
 
 def training_state(ck: Checkpoint):

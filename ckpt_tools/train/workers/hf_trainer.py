@@ -16,8 +16,9 @@ the uninterrupted run are in the manifest's history).
   the engine: the model states' `lr_scheduler` is None) and still writes scheduler.pt, which a resume loads.
 
 Resume mode (`--resume CKPT_DIR --record OUT.json`): the same model and Trainer (scratch output_dir, no saving)
-run `trainer.train(resume_from_checkpoint=CKPT_DIR)` up to max_steps; rank 0 writes one record per resumed
-update: {step, lr (per group, the LR that update used), optimizer_step (Adam step after it), loss}.
+run `trainer.train(resume_from_checkpoint=CKPT_DIR)` up to max_steps (or `--steps N` updates, if fewer); rank 0
+writes one record per resumed update: {step, lr (per group, the LR that update used), optimizer_step (Adam step
+after it), loss}.
 """
 from __future__ import annotations
 
@@ -141,7 +142,7 @@ def training_arguments(sample: str, output_dir: Path, *, resume: bool):
     )
 
 
-def make_trainer(sample: str, output_dir: Path, *, resume: bool):
+def make_trainer(sample: str, output_dir: Path, *, resume: bool, max_updates: int | None = None):
     from transformers import Trainer, TrainerCallback
 
     class LossTrainer(Trainer):
@@ -177,6 +178,9 @@ def make_trainer(sample: str, output_dir: Path, *, resume: bool):
             self.steps.append({"step": int(state.global_step), "lr": self.pending_lr,
                                "optimizer_step": c.adam_step(optimizer), "loss": self.trainer.last_loss})
             self.pending_lr = None
+            if max_updates is not None and len(self.steps) >= max_updates:
+                control.should_training_stop = True
+            return control
 
         def on_save(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
             if state.global_step == KEEP_CHECKPOINT:
@@ -200,6 +204,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="the group folder the sample (an output_dir) goes into")
     p.add_argument("--resume", type=Path, help="a checkpoint-N folder to resume from (resume mode)")
     p.add_argument("--record", type=Path, help="resume mode: rank 0 writes the per-step records here (JSON)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="resume mode: stop after this many updates (default: run to max_steps, 6; the run never "
+                        "goes past step 6, which is the length of the LR schedule)")
     args = p.parse_args()
     if (args.out is None) == (args.resume is None):
         p.error("give exactly one of --out (make the sample) or --resume (resume mode)")
@@ -278,10 +285,10 @@ def make_sample(sample: str, out: Path) -> None:
     )
 
 
-def resume(sample: str, ckpt: Path, record: Path) -> None:
+def resume(sample: str, ckpt: Path, record: Path, max_updates: int | None) -> None:
     scratch = Path(tempfile.mkdtemp(prefix=f"hf_trainer_resume_r{c.rank()}_"))
     try:
-        trainer, rec = make_trainer(sample, scratch, resume=True)
+        trainer, rec = make_trainer(sample, scratch, resume=True, max_updates=max_updates)
         trainer.train(resume_from_checkpoint=str(ckpt))
         barrier()
     finally:
@@ -294,7 +301,7 @@ def resume(sample: str, ckpt: Path, record: Path) -> None:
 def main() -> None:
     args = parse_args()
     if args.resume is not None:
-        resume(args.sample, args.resume.resolve(), args.record.resolve())
+        resume(args.sample, args.resume.resolve(), args.record.resolve(), args.steps)
     else:
         make_sample(args.sample, args.out.resolve())
 

@@ -13,8 +13,8 @@ Data: the dataloader is deterministic (no shuffling, one batch index per step); 
 other sample, so a resumed run sees exactly the batches the uninterrupted run saw (Lightning restarts a plain
 dataloader from its first batch when it resumes mid-epoch).
 
-Resume mode (`--resume CKPT --record OUT.json`): the same module, `trainer.fit(model, dl, ckpt_path=CKPT)` with
-max_steps=6; one record per resumed update: {step, lr (per group), optimizer_step (Adam step after it), loss}.
+Resume mode (`--resume CKPT --record OUT.json [--steps N]`): the same module, `trainer.fit(model, dl,
+ckpt_path=CKPT)` with max_steps=6 (stopped after N updates if N is given); one record per resumed update: {step, lr (per group), optimizer_step (Adam step after it), loss}.
 
 Under torchrun with one process Lightning's strategy is the single-device one (devices=1): no process group.
 """
@@ -72,7 +72,7 @@ def make_module():
     return OneCycleGPT()
 
 
-def make_recorder(save_to: Path | None):
+def make_recorder(save_to: Path | None, max_updates: int | None = None):
     import lightning as L
 
     class Recorder(L.Callback):
@@ -94,6 +94,8 @@ def make_recorder(save_to: Path | None):
                                "optimizer_step": c.adam_step(opt), "loss": float(outputs["loss"]),
                                "beta1": self.pending["beta1"]})
             self.pending = None
+            if max_updates is not None and len(self.steps) >= max_updates:
+                trainer.should_stop = True
             if save_to is not None and trainer.global_step == c.SAVE_AFTER_STEP:
                 trainer.save_checkpoint(str(save_to))
                 sched = trainer.lr_scheduler_configs[0].scheduler
@@ -127,6 +129,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="the group folder the sample goes into")
     p.add_argument("--resume", type=Path, help="a .ckpt to resume from (resume mode)")
     p.add_argument("--record", type=Path, help="resume mode: the per-step records are written here (JSON)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="resume mode: stop after this many updates (default: run to max_steps, 6; the run never "
+                        "goes past step 6, the sample run's max_steps)")
     args = p.parse_args()
     if (args.out is None) == (args.resume is None):
         p.error("give exactly one of --out (make the sample) or --resume (resume mode)")
@@ -176,10 +181,10 @@ def make_sample(sample: str, out: Path) -> None:
     )
 
 
-def resume(ckpt: Path, record: Path) -> None:
+def resume(ckpt: Path, record: Path, max_updates: int | None) -> None:
     scratch = Path(tempfile.mkdtemp(prefix="lightning_resume_"))
     try:
-        rec = make_recorder(None)
+        rec = make_recorder(None, max_updates)
         trainer = make_trainer(scratch, [rec])
         trainer.fit(make_module(), data_loader(), ckpt_path=str(ckpt))
     finally:
@@ -192,7 +197,7 @@ def resume(ckpt: Path, record: Path) -> None:
 def main() -> None:
     args = parse_args()
     if args.resume is not None:
-        resume(args.resume.resolve(), args.record.resolve())
+        resume(args.resume.resolve(), args.record.resolve(), args.steps)
     else:
         make_sample(args.sample, args.out.resolve())
 
