@@ -39,6 +39,8 @@ class StateSource:
     kind: str = "torch"  # "torch": a torch.save zip file; "dcp": a DCP folder read as one state dict
     counters: bool = True  # search it for loop counters (False for a script's own custom state)
     index: int | None = None  # the optimizer/scheduler number the format gives this file (optimizer_1.bin -> 1)
+    #: loop counters that shape alone does not find (Lightning's loop progress), as key paths into the file
+    counter_paths: tuple[tuple, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -103,13 +105,20 @@ def _is_weights(d: dict) -> bool:
     return bool(d) and all(isinstance(v, TensorRef) for v in d.values())
 
 
-def locate(obj: Any, *, index: int | None = None, counters: bool = True) -> Found:
-    """Find optimizer and scheduler state dicts, loop counters and ds_config inside one loaded object."""
+def locate(obj: Any, *, index: int | None = None, counters: bool = True, counter_paths: tuple[tuple, ...] = ()) -> Found:
+    """Find optimizer and scheduler state dicts, loop counters and ds_config inside one loaded object
+    (plus the counters at `counter_paths`, which the format names)."""
     found = Found()
     if isinstance(obj, dict) and isinstance(obj.get("ds_config"), dict):
         found.ds_config = (("ds_config",), obj["ds_config"])
     if counters:
         _counters(obj, (), found, depth=0)
+    for path in counter_paths:
+        owner = obj
+        for k in path[:-1]:
+            owner = owner.get(k) if isinstance(owner, dict) else None
+        if isinstance(owner, dict) and _is_int(owner.get(path[-1])):
+            found.counters.append((tuple(path[:-1]), owner, path[-1]))
 
     def walk(node: Any, path: tuple, depth: int, pos: int | None) -> None:
         if depth > _MAX_DEPTH:

@@ -1,10 +1,10 @@
 """Samples written by producers as users run them: HF `transformers.Trainer` (DDP and DeepSpeed ZeRO-2) and
 Lightning (OneCycleLR), each resumed by the real framework in its worker's resume mode.
 
-`producer_resume(name, ckpt_path, tmp_path)` is the reusable part: it resumes a (possibly edited) checkpoint with
-the framework that wrote it and returns one record per resumed update, {step, lr (per group, the LR that update
-used), optimizer_step (Adam step after it), loss}. Compare a resume of an edited checkpoint with one of an
-untouched copy to see what the edit does to a real run.
+`producer_resume(name, ckpt_path, tmp_path)` (conftest's, re-exported here) is the reusable part: it resumes a
+(possibly edited) checkpoint with the framework that wrote it and returns one record per resumed update, {step, lr
+(per group, the LR that update used), optimizer_step (Adam step after it), loss}. Compare a resume of an edited
+checkpoint with one of an untouched copy to see what the edit does to a real run.
 
 Measured with these resumes (transformers 5.23, deepspeed 0.19.8, lightning 2.6.6, torch 2.13):
 - HF Trainer (DDP and ZeRO-2 alike: with no scheduler in the DS config the Trainer keeps its LambdaLR and writes
@@ -18,19 +18,18 @@ Measured with these resumes (transformers 5.23, deepspeed 0.19.8, lightning 2.6.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import LOSS_REL_TOL, manifest, sample
+# producer_resume(name, ckpt_path, tmp_path, *, steps=None) -> list[dict] lives in conftest (shared with the other
+# producer tests) and is re-exported here: it runs the sample worker's resume mode under torchrun
+from conftest import LOSS_REL_TOL, manifest, producer_resume, sample
 
-from ckpt_tools.samples import free_port, get_spec, make_sample, worker_env
+from ckpt_tools.samples import make_sample
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,27 +40,8 @@ PRODUCERS = {
     "lightning_onecycle": ("lightning", "onecycle.ckpt"),
 }
 RESUMED_STEPS = [5, 6]
-_RUNS = itertools.count()
 
-
-def producer_resume(name: str, ckpt_path: Path, tmp_path: Path, *, timeout: float = 600) -> list[dict]:
-    """Resume `ckpt_path` (an HF `checkpoint-N` folder, or a Lightning `.ckpt`) with the real framework, the same
-    model, data and (for ZeRO-2) DeepSpeed config as sample `name`, up to step 6; returns one record per resumed
-    update: {step, lr: [per group], optimizer_step, loss}. Launched under torchrun with the sample's process
-    count; nothing is written into `ckpt_path`'s folder (the Trainer's output_dir is a scratch folder)."""
-    spec = get_spec(name)
-    n = next(_RUNS)
-    record = Path(tmp_path) / f"{name}.resume{n}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(spec.nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", spec.module,
-           "--sample", name, "--resume", str(ckpt_path), "--record", str(record)]
-    proc = subprocess.run(cmd, env=worker_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=timeout)
-    (Path(tmp_path) / f"{name}.resume{n}.log").write_text(proc.stdout)
-    if proc.returncode != 0 or not record.exists():
-        tail = "\n".join(proc.stdout.splitlines()[-40:])
-        raise RuntimeError(f"resume of {ckpt_path} ({name}) failed with exit code {proc.returncode}:\n{tail}")
-    return json.loads(record.read_text())
+__all__ = ["producer_resume", "resume_point", "copy_resume_point", "assert_continues_history", "halve_lr_fields"]
 
 
 def resume_point(name: str, path: Path) -> Path:
@@ -239,3 +219,12 @@ def test_halved_lr_fields_halve_the_resumed_lrs(name, tmp_path):
         assert e["optimizer_step"] == u["optimizer_step"]
     assert edited[0]["loss"] == untouched[0]["loss"]  # same weights before the first resumed update
     assert edited[1]["loss"] != untouched[1]["loss"]  # the halved update moved them differently
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PRODUCERS))
+def test_steps_option_stops_the_resume_early(name, tmp_path):
+    man = manifest(*PRODUCERS[name])
+    records = producer_resume(name, copy_resume_point(name, tmp_path / "ck"), tmp_path, steps=1)
+    assert [(r["step"], r["optimizer_step"]) for r in records] == [(5, 5)]
+    assert records[0]["lr"] == pytest.approx(man["extra"]["history"][4]["lr"], rel=1e-12, abs=0)

@@ -134,3 +134,20 @@ def test_nothing_to_edit_is_an_error_not_a_silent_success(tmp_path, args):
     shutil.copytree(sample("safetensors", "sharded"), st)
     proc = cli(args[0], st, *args[1:], "--yes", expect=2)
     assert "safetensors" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,inner,edited", [("lightning_onecycle", "", "loops.fit_loop."),
+                                               ("hf_trainer_ddp", "checkpoint-4", "trainer_state.json")],
+                         ids=["lightning_onecycle", "hf_trainer_ddp"])
+def test_set_global_step_moves_the_loop(tmp_path, name, inner, edited):
+    """`--global-step 2` edits the counter the loop really restores (Lightning's fit-loop progress, not the
+    top-level `global_step`; HF's trainer_state.json): the resumed run continues at step 3 up to max_steps 6."""
+    group, path = where(name)
+    ck = copy_to(group, path, tmp_path / "edited")
+    doc = json.loads(cli("set-step", ck, "--global-step", "2", "--yes", "--json").stdout)
+    assert any(edited in f"{w['path']}:{c['field']}" for w in doc["plan"]["files"] for c in w["changes"])
+    assert json.loads(cli("inspect", ck, "--json").stdout)["counters"]["global_step"] == 2
+    recs = producer_resume(name, ck / inner, tmp_path)
+    assert [r["step"] for r in recs] == [3, 4, 5, 6]
+    assert [r["optimizer_step"] for r in recs] == [5, 6, 7, 8]  # Adam's own count was not touched

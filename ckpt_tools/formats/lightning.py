@@ -35,5 +35,32 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     return replace(ck, format=FORMAT, details=details, topology=Topology(dp=1, tp=1, pp=1, zero_stage=None))
 
 
+#: where Lightning keeps the optimizer-step count it restores `trainer.global_step` from (the top-level
+#: `global_step` is written for readers only): fit_loop -> epoch_loop.automatic_optimization.optim_progress
+_OPTIM_STEPS = ("loops", "fit_loop", "epoch_loop.automatic_optimization.optim_progress", "optimizer", "step")
+
+
 def training_state(ck: Checkpoint):
-    return torch_file.training_state(ck)
+    """The file, with the loop-progress counters that hold the global step: total and current
+    ready/completed of the automatic optimizer steps (current only where it equals total: the same epoch)."""
+    from ..state import StateMap
+
+    base = torch_file.training_state(ck)
+    if ck.format != FORMAT:
+        return base
+    node = ck.tree
+    for k in ("client_state",) + _OPTIM_STEPS:
+        node = node.children.get(k) if isinstance(node, GroupNode) else None
+    paths = []
+    if isinstance(node, GroupNode):
+        total = node.children.get("total")
+        for part in ("total", "current"):
+            sub = node.children.get(part)
+            if not isinstance(sub, GroupNode):
+                continue
+            for fld in ("ready", "completed"):
+                if part == "total" or (isinstance(total, GroupNode) and
+                                       scalar(sub.children.get(fld)) == scalar(total.children.get(fld))):
+                    paths.append(_OPTIM_STEPS + (part, fld))
+    (src,) = base.sources
+    return StateMap(base.root, (replace(src, counter_paths=tuple(paths)),))

@@ -330,7 +330,7 @@ def _open_source(src: StateSource) -> _File:
         f: _File = _DcpFile(folder, obj, index)
     else:
         f = _load(src.path, src.rel)
-    f.found = locate(f.obj, index=src.index, counters=src.counters)
+    f.found = locate(f.obj, index=src.index, counters=src.counters, counter_paths=src.counter_paths)
     return f
 
 
