@@ -132,7 +132,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
         tree["client_state"] = to_node(rest, rel)
     root = GroupNode(tree)
     counters, lrs, steps = C.training_header(tree)
-    model_tensors = [t for _, t in iter_tensors(tree["model"])] if "model" in tree else []
+    model_tensors = _distinct([t for _, t in iter_tensors(tree["model"])] if "model" in tree else [])
     warnings = C.counter_warnings(counters, optimizer_steps_seen=steps) + cache.warnings()
     return Checkpoint(
         format=FORMAT, path=str(path), topology=Topology(dp=None, tp=None, pp=None, zero_stage=None),
@@ -149,6 +149,21 @@ def training_state(ck: Checkpoint):
 
     p = Path(ck.path)
     return StateMap(p.parent, (StateSource(p, p.name),))
+
+
+def _distinct(tensors: list[TensorNode]) -> list[TensorNode]:
+    """Tensors counted once when several names point at the same bytes: a tied weight (GPT-2's lm_head.weight
+    and wte.weight) is one storage, saved under both names by `state_dict()`."""
+    seen: set[tuple] = set()
+    out = []
+    for t in tensors:
+        ref = t.pieces[0].ref if len(t.pieces) == 1 else None
+        key = ((t.pieces[0].file, ref.storage.key, ref.storage_offset, ref.shape, ref.stride)
+               if ref is not None and ref.storage is not None else (id(t),))
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out
 
 
 def _value(v: Any) -> Any:
