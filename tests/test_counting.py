@@ -4,6 +4,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import ckpt_tools
 from conftest import manifest, sample
 
@@ -36,3 +38,18 @@ def test_zero1_frozen_parameter_is_counted_and_listed():
     assert (ck.parameter_count, ck.parameter_tensors) == (m["parameters"]["count"], m["parameters"]["tensors"])
     assert "wpe.weight" in ck.tree.children["model"].children
     assert "wpe.weight" not in ck.tree.children["optimizer"].children["state"].children
+
+
+@pytest.mark.slow
+def test_excluded_frozen_parameters_are_named_in_a_warning(tmp_path):
+    """ZeRO-2 `save_checkpoint(exclude_frozen_parameters=True)`: the frozen weight is not in the files, so it is
+    not counted, and a warning says so (a checkpoint with nothing frozen has no such warning)."""
+    from ckpt_tools.samples import run_torchrun
+
+    run_torchrun("ckpt_tools.train.workers.ds_zero", 2, ["--sample", "zero2_frozen_excluded", "--out", str(tmp_path)])
+    ck = ckpt_tools.open_checkpoint(tmp_path / "zero2_frozen_excluded")
+    m = manifest("deepspeed", "zero2_bf16")
+    assert ck.parameter_count == m["parameters"]["count"] - 16 * 32  # wpe.weight (16 x 32) left out
+    assert [w.code for w in ck.warnings] == ["frozen-excluded"]
+    assert "exclude_frozen_parameters" in ck.warnings[0].message
+    assert not ckpt_tools.open_checkpoint(sample("deepspeed", "zero2_bf16")).warnings

@@ -328,6 +328,12 @@ def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks:
     warnings += C.counter_warnings(counters, optimizer_steps_seen=opt_steps)
     if sched_node is None and isinstance(_dig(ms, "ds_config", "scheduler"), dict):
         warnings.append(Warning_("scheduler-missing", "ds_config names a scheduler but lr_scheduler was not saved"))
+    if stage in (2, 3) and "frozen_param_shapes" in ms and ms["frozen_param_shapes"] is None:
+        # stages 2/3 record frozen parameters (an empty dict when there are none) unless save_checkpoint was
+        # told exclude_frozen_parameters=True; ZeRO-1 never records them, so there it cannot be told
+        warnings.append(Warning_("frozen-excluded", "saved with exclude_frozen_parameters=True: parameters that do "
+                                 "not train are not in this checkpoint (nor counted); a resume or export takes them "
+                                 "from the model's own initial weights", rel_ms))
 
     for rf in ranks.values():
         for p in [rf.model_states, *rf.z3_model.values()]:

@@ -22,6 +22,7 @@ class ZeroVariant:
     bf16: bool = True
     scheduler: str | None = None  # None, "lambdalr" (torch, built here) or "warmuplr" (DeepSpeed config)
     frozen: tuple[str, ...] = ()  # parameters with requires_grad=False (ZeRO-1 writes them only in `module`)
+    exclude_frozen: bool = False  # save_checkpoint(exclude_frozen_parameters=True)
 
 
 VARIANTS = {
@@ -32,6 +33,8 @@ VARIANTS = {
     "zero2_lambdalr": ZeroVariant(stage=2, scheduler="lambdalr"),
     "zero2_warmuplr": ZeroVariant(stage=2, scheduler="warmuplr"),
     "zero1_frozen": ZeroVariant(stage=1, frozen=("wpe.weight",)),
+    # made by tests only (not a committed sample): the frozen weight left out of the checkpoint
+    "zero2_frozen_excluded": ZeroVariant(stage=2, frozen=("wpe.weight",), exclude_frozen=True),
 }
 
 
@@ -95,7 +98,7 @@ def main() -> None:
     ckpt = args.out / args.sample
 
     def save() -> dict[str, Any]:
-        engine.save_checkpoint(str(ckpt))
+        engine.save_checkpoint(str(ckpt), exclude_frozen_parameters=v.exclude_frozen)
         c.drop_deepspeed_scripts(ckpt)
         return c.snapshot(global_step=engine.global_steps, optimizer=engine.optimizer,
                           scheduler=engine.lr_scheduler, skipped_steps=engine.skipped_steps)

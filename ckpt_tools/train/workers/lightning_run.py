@@ -14,7 +14,8 @@ other sample, so a resumed run sees exactly the batches the uninterrupted run sa
 dataloader from its first batch when it resumes mid-epoch).
 
 Resume mode (`--resume CKPT --record OUT.json [--steps N]`): the same module, `trainer.fit(model, dl,
-ckpt_path=CKPT)` with max_steps=6 (stopped after N updates if N is given); one record per resumed update: {step, lr (per group), optimizer_step (Adam step after it), loss}.
+ckpt_path=CKPT)` with max_steps=6 (stopped after N updates if N is given); one record per resumed update:
+{step, lr (per group), optimizer_step (Adam step after it), loss}.
 
 Under torchrun with one process Lightning's strategy is the single-device one (devices=1): no process group.
 """
