@@ -42,6 +42,25 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def parse_producer_args(description: str, samples, *, default_steps: int | None = None) -> argparse.Namespace:
+    """The command line of a producer worker (HF Trainer, Lightning, DCP layouts, Accelerate with two models):
+    `--sample NAME` and either `--out DIR` (make the sample) or `--resume CKPT --record OUT.json [--steps N]`
+    (load CKPT the way the producer does, train, and write the per-update records)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--sample", required=True, choices=sorted(samples))
+    p.add_argument("--out", type=Path, help="the group folder the sample goes into")
+    p.add_argument("--resume", type=Path, help="a checkpoint of this sample's kind to resume from (resume mode)")
+    p.add_argument("--record", type=Path, help="resume mode: the main process writes the resumed updates here")
+    p.add_argument("--steps", type=int, default=default_steps,
+                   help="resume mode: updates to run (default: the steps the sample run had left)")
+    args = p.parse_args()
+    if (args.out is None) == (args.resume is None):
+        p.error("give exactly one of --out (make the sample) or --resume CKPT --record OUT.json")
+    if args.resume is not None and args.record is None:
+        p.error("--resume needs --record")
+    return args
+
+
 def rank() -> int:
     """Global rank as torchrun exports it (0 when run without a launcher)."""
     return int(os.environ.get("RANK", "0"))

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -85,19 +84,7 @@ def setup():
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Make (or resume) the Accelerate two-model sample.")
-    p.add_argument("--sample", default=SAMPLE, choices=[SAMPLE])
-    p.add_argument("--out", type=Path, help="the group folder the sample goes into")
-    p.add_argument("--resume", type=Path, help="an accelerate_two_models checkpoint folder to load_state from")
-    p.add_argument("--record", type=Path, help="with --resume: the main process writes the resumed updates here")
-    p.add_argument("--steps", type=int, default=c.TOTAL_STEPS - c.SAVE_AFTER_STEP,
-                   help="with --resume: updates to run (default: the steps the sample run had left)")
-    args = p.parse_args()
-    if args.resume is None and args.out is None:
-        p.error("give --out (make the sample) or --resume CKPT --record OUT.json")
-    if args.resume is not None and args.record is None:
-        p.error("--resume needs --record")
-    return args
+    return c.parse_producer_args("Make (or resume) the Accelerate two-model sample.", [SAMPLE], default_steps=c.TOTAL_STEPS - c.SAVE_AFTER_STEP)
 
 
 def main() -> None:

@@ -145,19 +145,7 @@ class AppState(Stateful):
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Make (or resume) a torchtitan-layout / DCP-recipe FSDP2 sample.")
-    p.add_argument("--sample", required=True, choices=sorted(LAYOUTS))
-    p.add_argument("--out", type=Path, help="the group folder the sample goes into")
-    p.add_argument("--resume", type=Path, help="a checkpoint folder of this sample's layout to resume from")
-    p.add_argument("--record", type=Path, help="with --resume: rank 0 writes the resumed updates here (JSON)")
-    p.add_argument("--steps", type=int, default=c.TOTAL_STEPS - c.SAVE_AFTER_STEP,
-                   help="with --resume: updates to run (default: the steps the sample run had left)")
-    args = p.parse_args()
-    if args.resume is None and args.out is None:
-        p.error("give --out (make the sample) or --resume CKPT --record OUT.json")
-    if args.resume is not None and args.record is None:
-        p.error("--resume needs --record")
-    return args
+    return c.parse_producer_args("Make (or resume) a torchtitan-layout / DCP-recipe FSDP2 sample.", LAYOUTS, default_steps=c.TOTAL_STEPS - c.SAVE_AFTER_STEP)
 
 
 def update(model, optimizer, scheduler, batch: int) -> float:

@@ -199,20 +199,7 @@ def make_trainer(sample: str, output_dir: Path, *, resume: bool, max_updates: in
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Train a tiny GPT-2 with transformers.Trainer (sample or resume).")
-    p.add_argument("--sample", required=True, choices=SAMPLES)
-    p.add_argument("--out", type=Path, help="the group folder the sample (an output_dir) goes into")
-    p.add_argument("--resume", type=Path, help="a checkpoint-N folder to resume from (resume mode)")
-    p.add_argument("--record", type=Path, help="resume mode: rank 0 writes the per-step records here (JSON)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="resume mode: stop after this many updates (default: run to max_steps, 6; the run never "
-                        "goes past step 6, which is the length of the LR schedule)")
-    args = p.parse_args()
-    if (args.out is None) == (args.resume is None):
-        p.error("give exactly one of --out (make the sample) or --resume (resume mode)")
-    if args.resume is not None and args.record is None:
-        p.error("--resume needs --record")
-    return args
+    return c.parse_producer_args("Train a tiny GPT-2 with transformers.Trainer (sample or resume).", SAMPLES)
 
 
 def barrier() -> None:

@@ -125,20 +125,7 @@ def make_trainer(root: Path, callbacks: list):
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Train the tiny GPT with Lightning (sample or resume).")
-    p.add_argument("--sample", required=True, choices=SAMPLES)
-    p.add_argument("--out", type=Path, help="the group folder the sample goes into")
-    p.add_argument("--resume", type=Path, help="a .ckpt to resume from (resume mode)")
-    p.add_argument("--record", type=Path, help="resume mode: the per-step records are written here (JSON)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="resume mode: stop after this many updates (default: run to max_steps, 6; the run never "
-                        "goes past step 6, the sample run's max_steps)")
-    args = p.parse_args()
-    if (args.out is None) == (args.resume is None):
-        p.error("give exactly one of --out (make the sample) or --resume (resume mode)")
-    if args.resume is not None and args.record is None:
-        p.error("--resume needs --record")
-    return args
+    return c.parse_producer_args("Train the tiny GPT with Lightning (sample or resume).", SAMPLES)
 
 
 def make_sample(sample: str, out: Path) -> None:
