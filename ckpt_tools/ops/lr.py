@@ -22,7 +22,13 @@ storage (`storage_bytes=`). Plain pickles and legacy (pre-1.6) torch files are r
 zip format. DCP folders (FSDP2 / torchtitan) are one more target: the same state dict is assembled from
 their items (`dcp_write.DcpFolder.state_tree`), edited by the same code, and each changed item becomes a new
 blob; the `.distcp` files holding them and `.metadata` (moved offsets) go into the same WritePlan.
-Accelerate's FSDP layout (DCP folders beside scheduler.bin) is still refused.
+HF Trainer's trainer_state.json (the loop's global_step) is rewritten as JSON.
+
+Which files to edit comes from the checkpoint's format module (`formats.training_state` -> `state.StateMap`);
+what to edit inside them is found by shape (`state.locate`): this module has no branch per format. With
+several optimizers (Accelerate's optimizer_1.bin, Lightning's lists) each is edited under its own
+scheduler's rule; `optimizer=N` picks one. A request that finds none of its fields is an error (exit 2), never
+a silent "nothing to do".
 
 Order of use: `plan_set_lr(ck, scale=0.5)` / `plan_set_step(ck, optimizer_step=N)` (pure; reads metadata
 and the pickles) -> `LrPlan.plan` to `io.execute` (staged outside the checkpoint, backed up, atomic,
