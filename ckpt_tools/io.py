@@ -6,14 +6,24 @@ the same transaction:
 
 1. `WritePlan`: pure data — which files, which fields, old -> new, bytes to write. `--dry-run` shows it.
 2. `execute(plan)`:
-   - recover first: an earlier transaction on this checkpoint that was killed midway is rolled back;
+   - `check_places` first, before any work: every folder the write touches must be writable (the
+     checkpoint folders, where new files are renamed into place, and the transaction folder), and each new
+     file must be able to keep its original's owner and group; otherwise one CkptError names each place and
+     the option that moves it (`--backup-dir`), and nothing is written;
+   - recover: an earlier transaction on this checkpoint that was killed midway is rolled back;
    - a transaction folder OUTSIDE the checkpoint (default `<parent>/.ckpt-backups/<name>/<time>-<cmd>/`,
-     a sibling no framework scans; `backup_dir=` moves the backups elsewhere) with a journal;
-   - every new file is produced into `staging/` there and fsynced — a failure here changes nothing;
+     a sibling no framework scans; `backup_dir=` moves it — journal, backups and staging — to
+     `<backup_dir>/<name>/`, and leaves a link to it in the default place when it can, so a plain
+     `ckpt restore` finds it) with a journal;
+   - every new file is produced into `staging/` there, fsynced, and given the owner, group and mode of the
+     file it replaces — a failure here changes nothing. Staging always lies on the checkpoint's filesystem:
+     a `backup_dir` on another one keeps only the backups and journal, staging stays in the default place;
    - every original is hard-linked (or copied, across filesystems) into `files/` there: the backup;
    - each new file is renamed over its original (atomic per file) and the folder fsynced;
-   - `plan.verify(root)` re-opens the checkpoint with the reader; any problem rolls everything back.
-3. `restore(root)` puts the originals of the last transaction back, byte for byte.
+   - `plan.verify(root)` re-opens the checkpoint with the reader; any problem rolls everything back;
+   - Ctrl-C anywhere rolls everything back too, then raises `Interrupted` saying what was put back, and where.
+3. `restore(root)` undoes the last write: a killed one is rolled back, else the last finished one's
+   originals go back, byte for byte. `interrupted_write(root)` only reports a killed write (for `inspect`).
 
 A kill -9 at any point leaves either the original files or the complete new ones plus a journal
 that the next `execute`/`restore`/`recover` call rolls back; no temporary file ever sits inside a
@@ -25,6 +35,7 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +103,8 @@ class WritePlan:
 
 # --- where transactions live ----------------------------------------------------------------------
 
+ACTIVE = ("preparing", "committing", "verifying")  # journal states of a write that never finished
+
 
 def checkpoint_root(path: Path) -> Path:
     """The outermost checkpoint folder holding `path`: a DeepSpeed tag folder's parent when that
@@ -109,11 +122,12 @@ def checkpoint_root(path: Path) -> Path:
     return p
 
 
-def backups_root(path: Path) -> Path:
-    """`<parent>/.ckpt-backups/<checkpoint name>`: beside the checkpoint, on the same filesystem (so
-    backups are hard links and renames are atomic), and never inside a folder a loader reads."""
+def backups_root(path: Path, backup_dir: Path | None = None) -> Path:
+    """Where the transactions (journal, backups, staging) of this checkpoint live: `<backup_dir>/<name>`, by
+    default `<parent>/.ckpt-backups/<name>` — beside the checkpoint, on the same filesystem (so backups are
+    hard links and renames are atomic), and never inside a folder a loader reads."""
     root = checkpoint_root(path)
-    return root.parent / ".ckpt-backups" / root.name
+    return (Path(backup_dir).resolve() if backup_dir else root.parent / ".ckpt-backups") / root.name
 
 
 def _fsync_dir(d: Path) -> None:
@@ -138,73 +152,310 @@ def _write_json(path: Path, data: dict) -> None:
     _fsync_dir(path.parent)
 
 
+def _keep_owner_and_mode(p: Path, st: os.stat_result) -> None:
+    """Give `p` the owner, group and permission bits of `st` (the file it replaces): a checkpoint in a shared
+    project folder must stay readable to the group, a read-only (0444) one read-only. chown first: it clears
+    set-id bits, which chmod then puts back."""
+    now = p.stat()
+    uid = st.st_uid if st.st_uid != now.st_uid else -1
+    gid = st.st_gid if st.st_gid != now.st_gid else -1
+    if uid != -1 or gid != -1:
+        os.chown(p, uid, gid)
+    os.chmod(p, stat.S_IMODE(st.st_mode))
+
+
 def _link_or_copy(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.link(src, dst)
     except OSError:
         shutil.copy2(src, dst)
+        with contextlib.suppress(OSError):  # a copy is ours; a link kept the owner by itself
+            _keep_owner_and_mode(dst, src.stat())
         _fsync_file(dst)
+
+
+# --- before any work: can every place the write touches be written? ----------------------------------
+
+
+@dataclass(frozen=True)
+class Places:
+    """Where a write puts things, checked by `check_places` before any work.
+
+    `transactions`: one folder per write there, holding its journal and the backups (`files/`).
+    `staging`: where the new files are produced; always on the checkpoint's filesystem, because only a rename
+    within one filesystem is atomic. `link`: with `backup_dir`, the default place, where a link to each
+    transaction is left when it can be, so that a plain `ckpt restore` (and the next write's recovery) finds it."""
+
+    transactions: Path
+    staging: Path
+    link: Path | None = None
+    notes: tuple[str, ...] = ()
+
+
+def _can_write(d: Path) -> tuple[bool, Path]:
+    """Whether folder `d` can be written, or created: the answer for its nearest existing ancestor, asked with
+    the effective ids and capabilities (root without CAP_DAC_OVERRIDE is refused like anyone else)."""
+    p = Path(d)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    kw = {"effective_ids": True} if os.access in os.supports_effective_ids else {}
+    return p.is_dir() and os.access(p, os.W_OK | os.X_OK, **kw), p
+
+
+def _may_chown() -> bool:
+    """Whether this process may give a file to another owner or group (CAP_CHOWN: root, unless dropped)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) & 1)  # CAP_CHOWN is capability 0
+    return os.geteuid() == 0
+
+
+def _refuse(problems: list[tuple[Path, str, str]], root: Path) -> None:
+    """One CkptError (exit 2) naming every place that cannot be written and what to do about each."""
+    if len(problems) == 1:
+        where, what, fix = problems[0]
+        raise CkptError(what, path=where, hint=f"{fix}; nothing was written")
+    raise CkptError("; ".join(f"{where}: {what} ({fix})" for where, what, fix in problems), path=root,
+                    hint="nothing was written")
+
+
+def _folder_problems(folders, who: str) -> list[tuple[Path, str, str]]:
+    out = []
+    for d in sorted(set(folders)):
+        ok, at = _can_write(d)
+        if not ok:
+            out.append((at, f"not writable by {who}: rewritten files are renamed into place in their own folder",
+                        "make it writable (chmod u+w) or run as a user who may write it"))
+    return out
+
+
+def check_places(plan: WritePlan, backup_dir: Path | None = None) -> Places:
+    """Check, before any work, that everything the write touches can be written: the checkpoint folders the
+    new files are renamed into, the transaction folder (journal and backups: `backup_dir` moves it), the
+    staging folder (on the checkpoint's filesystem), and that the new files can keep the owner and group of
+    the ones they replace. Raises CkptError naming each place and the fix; returns where things will go."""
+    root = Path(plan.root).resolve()
+    euid = os.geteuid()
+    who = f"uid {euid}"
+    problems = _folder_problems([(root / w.path).parent for w in plan.writes], who)
+    groups = set(os.getgroups()) | {os.getegid()}
+    may_chown = _may_chown()
+    for w in plan.writes:
+        try:
+            st = (root / w.path).stat()
+        except FileNotFoundError:
+            continue
+        if not may_chown and (st.st_uid != euid or st.st_gid not in groups):
+            problems.append((root / w.path, f"owned by uid {st.st_uid} gid {st.st_gid}: a rewrite by {who} "
+                             "could not keep that owner and group", "run as its owner, or as root"))
+    default = backups_root(root)
+    tx = backups_root(root, backup_dir)
+    ok, at = _can_write(tx)
+    if not ok:
+        fix = ("choose a writable --backup-dir on the checkpoint's filesystem" if backup_dir else
+               "pass --backup-dir DIR, a writable folder on the checkpoint's filesystem")
+        problems.append((at, f"cannot hold the backups and journal ({tx}): not writable by {who}", fix))
+    staging, link, notes = tx, None, []
+    if ok and os.stat(at).st_dev != os.stat(root).st_dev:
+        staging = default
+        ok2, at2 = _can_write(default)
+        if not ok2:
+            problems.append((at2, f"not writable by {who}, and the new files must be staged on the checkpoint's "
+                             f"filesystem to be renamed into place atomically (--backup-dir {backup_dir} is on "
+                             "another one)", "pass a --backup-dir on the checkpoint's filesystem"))
+        else:
+            notes.append(f"the new files are staged in {default}, not in --backup-dir {backup_dir}: it is on "
+                         "another filesystem, and only a rename within the checkpoint's filesystem is atomic "
+                         "(the backups there are copies, not hard links)")
+    if backup_dir and tx != default and _can_write(default)[0]:
+        link = default
+    if problems:
+        _refuse(problems, root)
+    return Places(tx, staging, link, tuple(notes))
+
+
+# --- the record of past writes ---------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Transaction:
-    """A finished (or rolled-back) write: where its journal and the backups of the originals are."""
+    """A write recorded for a checkpoint: where its journal and the backups of the originals are, its state
+    (`done`, `rolled-back`, `restored`, or one of ACTIVE for a write that was killed), when it started
+    (UTC, "YYYY-MM-DD HH:MM:SS") and the fields it changed."""
 
     dir: Path
     status: str
     command: str
     files: tuple[str, ...]
+    started: str = ""
+    changes: tuple[FieldChange, ...] = field(default=(), repr=False, compare=False)
+    nbytes: int = 0  # the originals' size: what a restore puts back
 
 
-def _journals(path: Path) -> list[Path]:
-    broot = backups_root(path)
-    if not broot.is_dir():
-        return []
-    return sorted(broot.glob(f"*/{JOURNAL}"))
+def _when(stamp: str) -> str:
+    s = stamp.split("-", 1)[0]  # 20261121T142952
+    if len(s) == 15 and s[8] == "T":
+        return f"{s[:4]}-{s[4:6]}-{s[6:8]} {s[9:11]}:{s[11:13]}:{s[13:15]}"
+    return s
+
+
+def _journals(path: Path, backup_dir: Path | None = None) -> list[Path]:
+    """The journals of this checkpoint's writes, oldest first: in the default place (where writes made with
+    --backup-dir leave a link when they can) and in `backup_dir`."""
+    ck = checkpoint_root(path)
+    seen, out = set(), []
+    for broot in dict.fromkeys([backups_root(path), backups_root(path, backup_dir)]):
+        if not broot.is_dir():
+            continue
+        for d in broot.iterdir():
+            j = d / JOURNAL
+            if not j.is_file() or j.resolve() in seen:
+                continue
+            try:
+                root = Path(json.loads(j.read_text()).get("root", ""))
+            except (OSError, ValueError):
+                continue
+            if root == ck or ck in root.parents:  # a shared --backup-dir holds other checkpoints of this name
+                seen.add(j.resolve())
+                out.append(j)
+    return sorted(out, key=lambda j: j.parent.name)
+
+
+def _transaction(j: Path, d: dict) -> Transaction:
+    changes = tuple(FieldChange(f["path"], c["field"], c["old"], c["new"], c.get("note", ""))
+                    for f in d.get("plan", {}).get("files", []) for c in f.get("changes", []))
+    return Transaction(j.parent, d.get("status", "?"), d.get("command", "?"),
+                       tuple(e["path"] for e in d.get("files", [])), _when(d.get("started", "")), changes,
+                       sum(e.get("size") or 0 for e in d.get("files", [])))
+
+
+def transactions(path: Path, backup_dir: Path | None = None) -> list[Transaction]:
+    """Every transaction recorded for this checkpoint, oldest first."""
+    out = []
+    for j in _journals(path, backup_dir):
+        try:
+            out.append(_transaction(j, json.loads(j.read_text())))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def last_write(path: Path, command: str, backup_dir: Path | None = None) -> Transaction | None:
+    """The newest finished, not undone, write by `command` ("set-lr") on this checkpoint. Surgery such as
+    `set-lr --scale 0.5` compounds when run twice, so the CLI says what was done before and asks again."""
+    name = command.split()[0] if command else ""
+    done = [t for t in transactions(path, backup_dir) if t.status == "done" and t.command.split()[:1] == [name]]
+    return done[-1] if done else None
+
+
+def _replaced(journal: dict) -> list[str]:
+    """The files of a killed transaction that were already replaced (or created): what a rollback puts back."""
+    root, files_dir = Path(journal["root"]), Path(journal["backups"])
+    out = []
+    for e in journal["files"]:
+        target, backup = root / e["path"], files_dir / e["path"]
+        if e["existed"]:
+            if backup.exists() and not (target.exists() and os.path.samestat(target.stat(), backup.stat())):
+                out.append(e["path"])
+        elif target.exists():
+            out.append(e["path"])
+    return out
+
+
+def replaced_files(t: Transaction) -> list[str]:
+    """The files a killed transaction had already replaced: the ones rolling it back puts back."""
+    return _replaced(json.loads((t.dir / JOURNAL).read_text()))
+
+
+def interrupted_write(path: Path, backup_dir: Path | None = None) -> str | None:
+    """If a ckpt write on this checkpoint was killed before it finished, one sentence saying so and what
+    `ckpt restore` will do about it; else None. Reads only: nothing is rolled back here (`ckpt inspect`
+    calls it, and a checkpoint being inspected must not change)."""
+    ck = checkpoint_root(path)
+    own = _journals(ck, backup_dir)
+    # an HF output_dir is planned as a whole: its journals sit beside the output_dir, not beside checkpoint-N
+    for j in reversed(own + [j for j in _journals(ck.parent) if j not in own]):
+        try:
+            journal = json.loads(j.read_text())
+        except (OSError, ValueError):
+            continue
+        root = Path(journal.get("root", ""))
+        if journal.get("status") not in ACTIVE:
+            continue
+        if root in ck.parents and not any(ck in (root / e["path"]).parents for e in journal["files"]):
+            continue  # a write on the output_dir that touched another checkpoint-N
+        done, n = _replaced(journal), len(journal["files"])
+        what = (f"a ckpt write (`{journal['command']}`, started {_when(journal.get('started', ''))} UTC) was "
+                f"interrupted")
+        if not done:
+            return (f"{what} before it replaced any file: the checkpoint is unchanged; `ckpt restore {root}` "
+                    f"(or the next ckpt write) only clears its leftovers in {j.parent}")
+        return (f"{what} after replacing {len(done)} of {n} files, so the values shown may mix old and new; "
+                f"`ckpt restore {root}` (or the next ckpt write) puts back the original{'s' if len(done) > 1 else ''}"
+                f" of {', '.join(done[:3])}{' …' if len(done) > 3 else ''} from {journal['backups']}")
+    return None
 
 
 # --- execute / rollback / restore ------------------------------------------------------------------
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a write, raised once the checkpoint is consistent again: `str(e)` says what was rolled
+    back or left, and where. A KeyboardInterrupt, so code that stops on Ctrl-C still stops."""
+
+
 def execute(plan: WritePlan, *, backup_dir: Path | None = None,
-            on_stage: Callable[[str, str | None], None] | None = None) -> Transaction:
-    """Carry out `plan` as one transaction (see the module docstring). Raises WriteFailed after putting
-    the checkpoint back as it was. `on_stage(stage, file)` is called at every step (progress bars;
-    tests inject failures there)."""
+            on_stage: Callable[[str, str | None], None] | None = None,
+            progress: Callable[[int], None] | None = None) -> Transaction:
+    """Carry out `plan` as one transaction (see the module docstring). Raises CkptError naming the place when
+    a folder it needs cannot be written (before any work), WriteFailed after putting the checkpoint back as it
+    was, Interrupted on Ctrl-C (after putting it back). `on_stage(stage, file)` is called at every step (tests
+    inject failures there); `progress(nbytes)` after each new file is produced (progress bars)."""
     stage = on_stage or (lambda s, f: None)
     root = Path(plan.root).resolve()
-    recover(root)
-    broot = backups_root(root)
+    places = check_places(plan, backup_dir)
+    recover(root, backup_dir)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{os.getpid()}"
     slug = "".join(ch if ch.isalnum() else "-" for ch in plan.command.split()[0] if plan.command) or "write"
-    broot.mkdir(parents=True, exist_ok=True)
+    places.transactions.mkdir(parents=True, exist_ok=True)
     for n in range(10_000):  # two writes in one second by one process get their own folders
-        tdir = broot / f"{stamp}-{n:04d}-{slug}"
+        tdir = places.transactions / f"{stamp}-{n:04d}-{slug}"
         try:
             tdir.mkdir()
             break
         except FileExistsError:
             continue
-    staging = tdir / "staging"
-    files_dir = Path(backup_dir).resolve() / tdir.name if backup_dir else tdir / "files"
-    staging.mkdir()
-    files_dir.mkdir(parents=True, exist_ok=True)
-    entries = []
+    staging = tdir / "staging" if places.staging == places.transactions else places.staging / f"{tdir.name}.staging"
+    files_dir = tdir / "files"
+    staging.mkdir(parents=True)
+    files_dir.mkdir()
+    entries, stats = [], []
     for w in plan.writes:
         target = root / w.path
         st = target.stat() if target.exists() else None
+        stats.append(st)
         entries.append({"path": w.path, "existed": st is not None, "size": st.st_size if st else None,
                         "mtime_ns": st.st_mtime_ns if st else None})
     journal = {"status": "preparing", "root": str(root), "command": plan.command, "backups": str(files_dir),
-               "files": entries, "started": stamp, "plan": plan.to_json()}
+               "staging": str(staging), "files": entries, "started": stamp, "plan": plan.to_json()}
     _write_json(tdir / JOURNAL, journal)
+    if places.link:
+        places.link.mkdir(parents=True, exist_ok=True)
+        os.symlink(tdir, places.link / tdir.name)
+    replaced = 0
     try:
-        for i, w in enumerate(plan.writes):
+        for i, (w, st) in enumerate(zip(plan.writes, stats)):
             stage("produce", w.path)
             tmp = staging / f"{i:06d}.new"
             w.produce(tmp)
             _fsync_file(tmp)
+            if st is not None:
+                _keep_owner_and_mode(tmp, st)
+            if progress:
+                progress(w.nbytes)
         for w, e in zip(plan.writes, entries):
             if e["existed"]:
                 stage("backup", w.path)
@@ -217,6 +468,7 @@ def execute(plan: WritePlan, *, backup_dir: Path | None = None,
             target = root / w.path
             target.parent.mkdir(parents=True, exist_ok=True)
             os.replace(staging / f"{i:06d}.new", target)
+            replaced += 1
             _fsync_dir(target.parent)
         journal["status"] = "verifying"
         _write_json(tdir / JOURNAL, journal)
@@ -226,9 +478,15 @@ def execute(plan: WritePlan, *, backup_dir: Path | None = None,
             raise WriteFailed("verification after writing failed: " + "; ".join(problems[:5]), path=root,
                               hint="nothing was changed: the originals were put back")
     except BaseException as e:
-        _rollback(tdir, journal)
-        if isinstance(e, (WriteFailed, KeyboardInterrupt)):
-            raise
+        try:
+            _rollback(tdir, journal)
+        except KeyboardInterrupt:
+            raise Interrupted(f"interrupted again while putting the originals of {root} back: the next ckpt "
+                              f"write or `ckpt restore {root}` finishes that (journal: {tdir})") from e
+        if isinstance(e, KeyboardInterrupt):
+            back = (f"the {replaced} file{'s' if replaced > 1 else ''} (of {len(plan.writes)}) it had replaced "
+                    f"{'were' if replaced > 1 else 'was'} put back" if replaced else "no file had been replaced yet")
+            raise Interrupted(f"{root} is unchanged: {back} (the abandoned write's journal: {tdir})") from e
         if isinstance(e, CkptError):
             raise
         raise WriteFailed(f"write failed ({type(e).__name__}: {e})", path=root,
@@ -237,14 +495,16 @@ def execute(plan: WritePlan, *, backup_dir: Path | None = None,
     _write_json(tdir / JOURNAL, journal)
     shutil.rmtree(staging, ignore_errors=True)
     stage("done", None)
-    return Transaction(tdir, "done", plan.command, tuple(w.path for w in plan.writes))
+    return _transaction(tdir / JOURNAL, journal)
 
 
-def _rollback(tdir: Path, journal: dict) -> None:
-    """Put every original back (byte for byte) and remove files the transaction created."""
+def _rollback(tdir: Path, journal: dict, progress: Callable[[int], None] | None = None) -> None:
+    """Put every original back (byte for byte: the backup's own inode, so owner and mode too) and remove
+    files the transaction created. The temporary link goes through the staging folder, which lies on the
+    checkpoint's filesystem (the backups may not)."""
     root = Path(journal["root"])
     files_dir = Path(journal["backups"])
-    staging = tdir / "staging"
+    staging = Path(journal.get("staging") or tdir / "staging")
     staging.mkdir(parents=True, exist_ok=True)
     for e in journal["files"]:
         target = root / e["path"]
@@ -260,6 +520,8 @@ def _rollback(tdir: Path, journal: dict) -> None:
             _link_or_copy(backup, tmp)
             os.replace(tmp, target)
             _fsync_dir(target.parent)
+            if progress:
+                progress(backup.stat().st_size)
         elif target.exists():
             target.unlink()
             _fsync_dir(target.parent)
@@ -268,54 +530,74 @@ def _rollback(tdir: Path, journal: dict) -> None:
     shutil.rmtree(staging, ignore_errors=True)
 
 
-def recover(path: Path) -> list[Path]:
+def recover(path: Path, backup_dir: Path | None = None) -> list[Path]:
     """Roll back transactions on this checkpoint that were interrupted (killed) before they finished.
     Returns their folders. Called by every `execute` and `restore`."""
     rolled = []
-    for j in _journals(path):
+    for j in _journals(path, backup_dir):
         try:
             journal = json.loads(j.read_text())
         except (OSError, ValueError):
             continue
-        if journal.get("status") in ("preparing", "committing", "verifying"):
+        if journal.get("status") in ACTIVE:
             _rollback(j.parent, journal)
             rolled.append(j.parent)
     return rolled
 
 
-def transactions(path: Path) -> list[Transaction]:
-    """Every transaction recorded for this checkpoint, oldest first."""
-    out = []
-    for j in _journals(path):
-        try:
-            d = json.loads(j.read_text())
-        except (OSError, ValueError):
-            continue
-        out.append(Transaction(j.parent, d.get("status", "?"), d.get("command", "?"),
-                               tuple(e["path"] for e in d.get("files", []))))
-    return out
-
-
-def restore(path: Path, transaction: Path | None = None) -> Transaction:
-    """Undo the last finished write on this checkpoint (or `transaction`): originals back, byte for byte."""
-    recover(path)
-    done = [t for t in transactions(path) if t.status == "done"]
-    if transaction is not None:
-        done = [t for t in done if t.dir.resolve() == Path(transaction).resolve()]
-    if not done:
-        raise CkptError("no finished ckpt write to undo for this checkpoint", path=path,
-                        hint=f"backups live in {backups_root(path)}")
-    t = done[-1]
+def check_restore(t: Transaction) -> None:
+    """Before `restore` touches anything: the folders its originals go back into and its journal's folder
+    must be writable (CkptError naming them otherwise)."""
     journal = json.loads((t.dir / JOURNAL).read_text())
+    root = Path(journal["root"])
+    who = f"uid {os.geteuid()}"
+    problems = _folder_problems([(root / e["path"]).parent for e in journal["files"]]
+                                + [t.dir.resolve(), Path(journal.get("staging") or t.dir / "staging").parent], who)
     for e in journal["files"]:
         backup = Path(journal["backups"]) / e["path"]
-        if e["existed"] and not backup.exists():
-            raise CkptError(f"the backup of {e['path']} is missing", path=backup,
-                            hint="it was deleted; nothing was restored")
-    _rollback(t.dir, journal)
+        if e["existed"] and not backup.exists() and t.status == "done":
+            problems.append((backup, f"the backup of {e['path']} is missing", "it was deleted; nothing can be "
+                             "restored from this write"))
+    if problems:
+        _refuse(problems, root)
+
+
+def restore(path: Path, transaction: Path | None = None, *, backup_dir: Path | None = None,
+            progress: Callable[[int], None] | None = None) -> Transaction:
+    """Undo the last write on this checkpoint (or `transaction`): a write that was killed midway is rolled
+    back — and that is all, the finished write before it stays; otherwise the last finished write's
+    originals go back, byte for byte. Raises Interrupted on Ctrl-C, saying how far it got."""
+    history = transactions(path, backup_dir)
+    if transaction is not None:
+        history = [t for t in history if t.dir.resolve() == Path(transaction).resolve()]
+    active = [t for t in history if t.status in ACTIVE]
+    done = [t for t in history if t.status == "done"]
+    if not active and not done:
+        where = backups_root(path, backup_dir)
+        raise CkptError("no ckpt write to undo for this checkpoint", path=path,
+                        hint=f"writes are recorded in {where}" + ("" if backup_dir else
+                             "; for a write made with --backup-dir DIR, pass the same --backup-dir"))
+    t = (active or done)[-1]
+    check_restore(t)
+    journal = json.loads((t.dir / JOURNAL).read_text())
+    n = len(_replaced(journal)) if active else len(journal["files"])
+    put_back = [0]
+
+    def step(nbytes: int) -> None:
+        put_back[0] += 1
+        if progress:
+            progress(nbytes)
+
+    try:
+        _rollback(t.dir, journal, step)
+    except KeyboardInterrupt as e:
+        raise Interrupted(f"restore stopped after putting back {put_back[0]} of {n} files of `{t.command}` in "
+                          f"{journal['root']}; run `ckpt restore` again to finish (journal: {t.dir})") from e
+    if active:
+        return _transaction(t.dir / JOURNAL, journal)
     journal["status"] = "restored"
     _write_json(t.dir / JOURNAL, journal)
-    return Transaction(t.dir, "restored", t.command, t.files)
+    return _transaction(t.dir / JOURNAL, journal)
 
 
 # --- copying bytes -----------------------------------------------------------------------------------
@@ -391,6 +673,8 @@ def new_folder(out: Path) -> Iterator[Path]:
             _fsync_dir(Path(dirpath))
         os.rename(tmp, out)
         _fsync_dir(out.parent)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
+            raise Interrupted(f"{out} was not created: its partial staging folder {tmp} was removed") from e
         raise

@@ -86,7 +86,7 @@ class TensorNode:
 
 @dataclass(frozen=True)
 class ValueNode:
-    """A plain value: number, string, bool, None, or a short list of them."""
+    """A plain value: number, string, bool, None, or a list of them (of any length)."""
 
     value: Any
 
@@ -249,7 +249,9 @@ def to_node(obj: Any, file: str, rank: Mapping[str, int] | None = None, _depth: 
     if isinstance(obj, Mapping):
         return GroupNode({_key(k): to_node(v, file, rank, _depth + 1, _budget) for k, v in obj.items()})
     if isinstance(obj, (list, tuple)):
-        if all(_is_scalar(v) for v in obj) and len(obj) <= 64:
+        # a list of plain values is one value however long (an RNG state's 625 integers): one node, which
+        # `ckpt inspect` shows as type, length and first values, not 625 tree lines
+        if all(_is_scalar(v) for v in obj):
             return ValueNode(list(obj) if isinstance(obj, list) else tuple(obj))
         return GroupNode({str(i): to_node(v, file, rank, _depth + 1, _budget) for i, v in enumerate(obj)})
     if isinstance(obj, Opaque):

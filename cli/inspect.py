@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import re
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
 
-from ckpt_tools import open_checkpoint
+from ckpt_tools.errors import CkptError, NotACheckpoint
 from ckpt_tools.ops import inspect as ops
 
 from . import output
@@ -29,17 +30,35 @@ def parse_rank(spec: str | None) -> dict[str, int] | None:
 
 
 def inspect_cmd(
-    path: str = typer.Argument(..., help="checkpoint file or folder (a tag folder or its parent with `latest`)"),
-    grep: Optional[str] = typer.Option(None, "--grep", "-g", help="only tree entries whose path matches this regex"),
-    depth: Optional[int] = typer.Option(None, "--depth", "-d", help="cut the tree at this many levels"),
-    rank: Optional[str] = typer.Option(None, "--rank", help="only pieces on this rank: N (dp) or dp=N,tp=N,pp=N"),
+    path: str = typer.Argument(..., metavar="PATH", help="checkpoint file or folder (a tag folder or its parent "
+                               "with `latest`); a folder of checkpoints lists them"),
+    grep: Optional[str] = typer.Option(None, "--grep", "-g", metavar="REGEX",
+                                       help="only tree entries whose path matches this regex"),
+    depth: Optional[int] = typer.Option(None, "--depth", "-d", metavar="N", help="cut the tree at this many levels"),
+    rank: Optional[str] = typer.Option(None, "--rank", metavar="RANK",
+                                       help="only pieces on this rank: N (dp) or dp=N,tp=N,pp=N"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable output (see ckpt_tools.ops.inspect)"),
     stats: bool = typer.Option(False, "--stats", help="read tensor data: min/max/mean/std, NaN/Inf (slow)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="header only, no tree"),
+    full: bool = typer.Option(False, "--full", help="every value of long lists (default: type, length and the "
+                              "first values, e.g. of RNG states)"),
 ) -> None:
-    """Show format, topology, counters, learning rates, parameter count, warnings and the state tree."""
-    ck = open_checkpoint(path)
+    """Show format, topology, counters, learning rates, parameter count, warnings and the state tree.
+
+    Exit 2 when PATH is not one checkpoint; for a folder of checkpoints (a run's save folder) the error comes
+    after a listing of them (format, step, size, newest first), so the next command is one copy away."""
+    if depth is not None and depth < 0:
+        raise CkptError(f"--depth {depth}: give 0 or more levels (0 shows only the header and the tree's size)")
+    if stats:
+        output.require("torch", extra="convert", what="--stats (it reads tensor data)")
+    try:
+        ck = ops.open_for_inspect(path)
+    except NotACheckpoint:
+        if Path(path).is_dir():
+            _list_checkpoints(path, json_out)
+        raise
     rank_d = parse_rank(rank)
+    _check_rank(ck, rank, rank_d)
     try:
         tree = ops.filter_tree(ck.tree, grep=grep, depth=depth, rank=rank_d)
     except re.error as e:
@@ -69,7 +88,37 @@ def inspect_cmd(
                 ps = ops.rank_pieces(n, rank_d) if isinstance(n, ops.TensorNode) else []
                 return "".join("  " + output.style(f"{p.file}[{p.src_offset}:{p.src_offset + p.numel}]", "dim")
                                for p in ps)
-        output.print_tree(tree, "tree", extra)
+        output.print_tree(tree, "tree", extra, full=full)
+
+
+def _check_rank(ck, spec: str | None, rank: dict[str, int] | None) -> None:
+    """A --rank outside the checkpoint's topology is a typo, not an empty answer."""
+    for dim, r in (rank or {}).items():
+        size = getattr(ck.topology, dim)
+        if size is not None and r >= size:
+            raise CkptError(f"--rank {spec}: this checkpoint has {dim}={size} ({dim} ranks 0 to {size - 1})",
+                            path=ck.path, hint=f"pass --rank {dim}=N with N below {size}")
+
+
+def _list_checkpoints(path: str, json_out: bool) -> None:
+    """What a folder that is not one checkpoint holds (the error line follows on stderr, exit 2): a run's
+    save folder, `sample_ckpts/deepspeed`. Nothing when it holds none."""
+    rows = ops.list_checkpoints(path)
+    if not rows:
+        return
+    if json_out:
+        output.print_json({"path": path, "format": None, "checkpoints": rows})
+        return
+    cells = [(Path(r["path"]).name, r["format"] or "—", f"step {output.fmt_value(r['step'])}",
+              output.fmt_bytes(r["bytes"]), r["modified"].replace("T", " ")[:16]) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(4)]
+    lines = [f"{path}: {output.plural(len(rows), 'checkpoint')}, newest first"]
+    for r, c in zip(rows, cells):
+        line = f"  {c[0]:<{widths[0]}}  {c[1]:<{widths[1]}}  {c[2]:<{widths[2]}}  {c[3]:>{widths[3]}}  {c[4]}"
+        if r["error"]:
+            line += f"  cannot open: {r['error']}"
+        lines += output.wrap(line, output.columns(), "", "    ")
+    sys.stdout.write("\n".join(lines) + "\n")
 
 
 def _print_header(ck, warnings) -> None:
@@ -82,23 +131,27 @@ def _print_header(ck, warnings) -> None:
     rows = [
         ("format", style(ck.format, "green") + f"  {ck.path}" + (f"  (tag {tag})" if tag else "")),
         ("topology", f"dp={f(topo.dp)} tp={f(topo.tp)} pp={f(topo.pp)} zero_stage={f(topo.zero_stage)}"),
-        ("parameters", f"{ck.parameter_count:,} in {ck.parameter_tensors:,} tensors"
+        ("parameters", f"{ck.parameter_count:,} in {output.plural(ck.parameter_tensors, 'tensor')}"
                        + (f"   dtypes {', '.join(ck.dtypes)}" if ck.dtypes else "")),
-        ("files", f"{len(ck.files)} files, {sum(x.bytes for x in ck.files):,} bytes"),
+        ("files", f"{output.plural(len(ck.files), 'file')}, {sum(x.bytes for x in ck.files):,} bytes"),
         ("counters", "  ".join(f"{k}={f(getattr(c, k))}" for k in ("global_step", "optimizer_step",
                                                                    "scheduler_last_epoch", "scheduler_step_count",
                                                                    "skipped_steps"))),
-        ("lr", f"param_groups={f(list(ck.lr.param_groups))}  base_lrs={f(ck.lr.base_lrs)}  "
+        ("lr", f"param_groups={f(list(ck.lr.param_groups) or None)}  base_lrs={f(ck.lr.base_lrs)}  "
                f"last_lr={f(ck.lr.last_lr)}"),
     ]
     rows += [(k, f(v)) for k, v in ck.details.items() if v is not None and k != "tag"]
     if warnings:
         rows.append(("warnings", style(str(len(warnings)), "yellow")))
     width = max(len(k) for k, _ in rows)
-    lines = [style(k.ljust(width), "yellow" if k == "warnings" else "bold") + "  " + v for k, v in rows]
+    cols = output.columns()  # on a terminal, values break between words under their own column
+    lines = [line for k, v in rows
+             for line in output.wrap(v, cols, style(k.ljust(width), "yellow" if k == "warnings" else "bold") + "  ",
+                                     sep="  ")]
     for w in warnings:
-        lines.append("  " + style(f"⚠ {w.code}", "yellow") + f": {w.message}"
-                     + (" " + style(f"({w.path})", "dim") if w.path else ""))
+        where = " " + style(f"({w.path})", "dim") if w.path and w.path not in w.message else ""
+        lines += output.wrap(w.message + where, cols,
+                             "  " + style(f"⚠ {w.code}", "yellow") + ": ", "    ")
     sys.stdout.write("\n".join(lines) + "\n")
 
 

@@ -1,10 +1,18 @@
 """`ckpt`: the command line. Mounts one module per command and maps errors to one-line messages.
 
-Exit codes: 0 ok, 1 a check found problems, 2 unusable input (the message names the file and the fix).
+Exit codes, for every command:
+    0    ok
+    1    a check found problems (check-tp-sync, diff, resume), and nothing else
+    2    unusable input: one line names the file or folder and the fix (a folder a write needs is not
+         writable, no terminal to confirm on without --yes, ...); nothing was written
+    3    declined at the confirmation prompt; nothing was written
+    130  interrupted (Ctrl-C): one line says what was rolled back or left, and where
+    141  stdout closed early (`ckpt inspect X | head`)
 Set CKPT_DEBUG=1 to see tracebacks.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -13,6 +21,7 @@ import typer
 from ckpt_tools.errors import CkptError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Inspect and repair large-model training checkpoints.",
                   pretty_exceptions_enable=False)
 
@@ -30,6 +39,53 @@ _tp_sync.register(app)
 _resume.register(app)
 _set_lr.register(app)
 
+from . import output  # noqa: E402
+
+for _c in app.registered_commands:  # help that reads `PATH`, `--depth N`; a missing extra named (cli.output)
+    if _c.cls in (None, typer.core.TyperCommand):
+        _c.cls = output.Command
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from ckpt_tools import __version__
+
+        typer.echo(f"ckpt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                       help="print the version and exit")) -> None:
+    pass  # the group's own options; its help text is the Typer(help=...) above
+
+
+class _Interrupted(BaseException):
+    """A Ctrl-C carried past typer, which turns a KeyboardInterrupt into a silent exit 130. main() prints what
+    the interrupted code said it rolled back or left (`ckpt_tools.io.Interrupted`), else _LEFT_ON_INTERRUPT."""
+
+
+def _carry_interrupts(fn):
+    @functools.wraps(fn)
+    def command(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except KeyboardInterrupt as e:
+            raise _Interrupted(e) from e
+    return command
+
+
+for _command in app.registered_commands:
+    _command.callback = _carry_interrupts(_command.callback)
+
+# what a command stopped outside a write leaves (writes say what they put back: io.Interrupted)
+_LEFT_ON_INTERRUPT = {
+    "resume": "resume stopped: the checkpoint was only read, the training processes were stopped and the "
+              "temporary scratch folder removed (a --work-dir keeps its files)",
+    "to-universal": "to-universal stopped: the source was only read, and OUT is either complete or absent, never "
+                    "partial",
+}
+
 
 # typer >= 0.29 vendors click (typer._click) and does not install click itself: take the usage-error
 # base class from typer's own exception hierarchy (with an older typer that uses click, that is click's class)
@@ -39,7 +95,8 @@ _CLICK_ERRORS = tuple(c for c in typer.BadParameter.__mro__ if c.__name__ == "Cl
 def _install_test_kill_hook() -> None:
     """TEST HOOK (tests/test_kill9.py): `CKPT_TEST_KILL_AT=STAGE:N` SIGKILLs this process at the Nth
     write step named STAGE: an `io.execute` stage (produce, backup, replace, verify, done) or `fsync`
-    (every file `io` fsyncs, including a new output folder's files). Unset, nothing changes."""
+    (every file `io` fsyncs, including a new output folder's files); `STAGE:N:INT` sends SIGINT there
+    instead (a Ctrl-C: tests/test_write_safety.py). Unset, nothing changes."""
     spec = os.environ.get("CKPT_TEST_KILL_AT")
     if not spec:
         return
@@ -47,14 +104,15 @@ def _install_test_kill_hook() -> None:
 
     from ckpt_tools import io
 
-    stage, _, n = spec.partition(":")
+    stage, _, rest = spec.partition(":")
+    n, _, sig = rest.partition(":")
     seen = [0]
 
     def hit(name: str) -> None:
         if name == stage:
             seen[0] += 1
             if seen[0] == int(n or 1):
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), getattr(signal, "SIG" + (sig or "KILL")))
 
     execute, fsync_file = io.execute, io._fsync_file
 
@@ -124,7 +182,15 @@ def main(argv: list[str] | None = None) -> None:
         _exit(2)
     except typer.Exit as e:
         _exit(e.exit_code)
-    except (typer.Abort, KeyboardInterrupt):
+    except (_Interrupted, KeyboardInterrupt) as e:
+        said = str(e.args[0] if isinstance(e, _Interrupted) else e)
+        if not said:
+            args = sys.argv[1:] if argv is None else argv
+            cmd = next((a for a in args if not a.startswith("-")), "ckpt")
+            said = _LEFT_ON_INTERRUPT.get(cmd, f"{cmd} stopped")
+        sys.stderr.write(f"ckpt: interrupted: {said}\n")
+        _exit(130)
+    except typer.Abort:
         sys.stderr.write("ckpt: aborted\n")
         _exit(130)
     except _CLICK_ERRORS as e:

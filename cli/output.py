@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
+import textwrap
 from typing import Any
+
+import typer.core  # loaded with typer by every command module anyway
 
 from ckpt_tools.tree import GroupNode, Node, OpaqueNode, TensorNode, ValueNode
 
@@ -35,17 +39,95 @@ def console(stderr: bool = False):
     return con
 
 
-def fmt_value(v: Any) -> str:
+def fmt_value(v: Any, full: bool = False) -> str:
     if isinstance(v, float):
         # 10 significant digits: 0.0019200000000000005 reads as 0.00192; --json keeps every bit
         return f"{v:.10g}" if math.isfinite(v) else repr(v)
     if isinstance(v, (list, tuple)):
-        inner = ", ".join(fmt_value(x) for x in v[:8])
-        more = f", … {len(v) - 8} more" if len(v) > 8 else ""
+        shown = v if full else v[:8]
+        inner = ", ".join(fmt_value(x) for x in shown)
+        more = f", … {len(v) - len(shown)} more" if len(v) > len(shown) else ""
         return f"[{inner}{more}]"
     if v is None:
         return "—"
     return str(v)
+
+
+#: a list longer than this is an array (an RNG state's 625 integers): shown as type, length and first values
+ARRAY_MIN = 9
+
+
+def fmt_array(v: list | tuple, full: bool = False) -> str:
+    """A long list of plain values the way a tensor reads: `int [625] = [3, 2147483648, … 622 more]`; every
+    value with `full` (`ckpt inspect --full`)."""
+    kinds = {type(x).__name__ for x in v}
+    kind = kinds.pop() if len(kinds) == 1 else "mixed"
+    shown = v if full else v[:3]
+    more = f", … {len(v) - len(shown)} more" if len(v) > len(shown) else ""
+    return f"{style(kind, 'cyan')} [{len(v)}] = [{', '.join(fmt_value(x) for x in shown)}{more}]"
+
+
+def short_numbers(text: str) -> str:
+    """Floats inside a message (a JSON snippet, a note) with at most 10 significant digits, as `fmt_value`
+    shows them: 0.00015000000000000001 reads 0.00015. Version strings (0.19.8) and integers stay as they are."""
+    return _LONG_FLOAT.sub(lambda m: fmt_value(float(m[0])), text)
+
+
+_LONG_FLOAT = re.compile(r"(?<![\w.])-?\d+\.\d{11,}(?:e[-+]?\d+)?(?![\w.])")
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """`1 file`, `3 files`, `1 process`, `2 processes` (pass `many` where `s` is not the plural)."""
+    return f"{n:,} {word if n == 1 else (many or word + 's')}"
+
+
+def fmt_bytes(n: int | None) -> str:
+    """A size for people, in powers of 1000 like the sizes frameworks print: 440.4 kB, 2.2 GB."""
+    if n is None:
+        return "—"
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:,} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def columns() -> int | None:
+    """The width to wrap people's text at: a terminal's ($COLUMNS first, as `shutil` reads it); None when
+    stdout is a pipe or a file, so long lines stay whole for grep and scripts. (Not $COLUMNS alone: GNU
+    readline exports it into every child of a process that loaded it, pytest's included.)"""
+    if not sys.stdout.isatty():
+        return None
+    import shutil
+
+    return max(20, shutil.get_terminal_size().columns)
+
+
+def visible_len(text: str) -> int:
+    return len(_ANSI_RE.sub("", text))
+
+
+_ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def wrap(text: str, width: int | None, first: str = "", rest: str | None = None, sep: str | None = None) -> list[str]:
+    """`first + text` as lines of at most `width` columns, broken between words only (a path longer than a
+    line stays whole), continuation lines starting with `rest` (default: spaces as wide as `first`). With
+    `sep` ("  " between the `key=value` items of a header row) lines break at `sep` first, so an item
+    (`base_lrs=[0.003, 0.003]`) stays on one line when it fits one."""
+    rest = " " * visible_len(first) if rest is None else rest
+    if width is None or visible_len(first + text) <= width:
+        return [first + text]
+    room = max(10, width - max(visible_len(first), visible_len(rest)))
+    parts: list[str] = []
+    for item in text.split(sep) if sep else [text]:
+        if parts and visible_len(parts[-1] + sep + item) <= room:
+            parts[-1] += sep + item
+        elif visible_len(item) <= room:
+            parts.append(item)
+        else:
+            parts += textwrap.wrap(item, room, break_long_words=False, break_on_hyphens=False) or [""]
+    return [first + parts[0]] + [rest + t for t in parts[1:]]
 
 
 _ANSI = {"cyan": "36", "bold": "1", "dim": "2", "magenta": "35", "yellow": "33", "red": "31", "green": "32"}
@@ -81,39 +163,46 @@ def _is_leaf(n: Node) -> bool:
     return isinstance(n, (TensorNode, ValueNode))
 
 
-def _leaf_text(n: Node) -> str:
+def _leaf_text(n: Node, full: bool = False) -> str:
     if isinstance(n, TensorNode):
         return fmt_tensor(n)
+    if isinstance(n.value, (list, tuple)) and len(n.value) >= ARRAY_MIN:
+        return fmt_array(n.value, full)
     return style(fmt_value(n.value), "bold")
 
 
-def tree_lines(node: Node, label: str, extra=None) -> list[str]:
+def tree_lines(node: Node, label: str, extra=None, *, full: bool = False, width: int | None = None) -> list[str]:
     """The tree as text lines (box-drawing like `tree`). Plain string building: a checkpoint with
     thousands of tensors renders in milliseconds, where a rich Tree takes a noticeable fraction of a second.
 
     Groups whose children are all leaves (an optimizer entry: exp_avg, exp_avg_sq, fp32, step) fit on one
-    line when short, so a parameter's whole optimizer state reads at a glance."""
+    line when short, so a parameter's whole optimizer state reads at a glance. Long lists of plain values
+    (RNG states) show their type, length and first values unless `full`. With a `width` (a terminal's),
+    lines break between words, continued under their own branch."""
     _COLOR[0] = use_color()
     lines = [style(label, "bold")]
 
     def leaf(n: Node) -> str:
-        return _leaf_text(n) + (extra(n) if extra else "")
+        return _leaf_text(n, full) + (extra(n) if extra else "")
 
     def add(prefix: str, last: bool, name: str, n: Node) -> None:
         branch = "└── " if last else "├── "
+        below = prefix + ("    " if last else "│   ")
         if isinstance(n, (GroupNode, OpaqueNode)):
             kids = n.children
             head = str(name) + (" " + style(f"<{n.cls}>", "magenta") if isinstance(n, OpaqueNode) else "")
             if kids and len(kids) <= 5 and all(_is_leaf(c) for c in kids.values()):
-                lines.append(prefix + branch + head + "  " + "  ".join(f"{k}: {leaf(c)}" for k, c in kids.items()))
-                return
-            lines.append(prefix + branch + head + (" " + style(f"({len(kids)})", "dim") if len(kids) > 5 else ""))
-            child_prefix = prefix + ("    " if last else "│   ")
+                one = prefix + branch + head + "  " + "  ".join(f"{k}: {leaf(c)}" for k, c in kids.items())
+                if width is None or visible_len(one) <= width:
+                    lines.append(one)
+                    return
+            lines.extend(wrap(head + (" " + style(f"({len(kids)})", "dim") if len(kids) > 5 else ""), width,
+                              prefix + branch, below + ("│   " if kids else "    ")))
             items = list(kids.items())
             for i, (k, c) in enumerate(items):
-                add(child_prefix, i == len(items) - 1, k, c)
+                add(below, i == len(items) - 1, k, c)
         else:
-            lines.append(prefix + branch + f"{name}: {leaf(n)}")
+            lines.extend(wrap(f"{name}: {leaf(n)}", width, prefix + branch, below + "    "))
 
     if isinstance(node, (GroupNode, OpaqueNode)):
         items = list(node.children.items())
@@ -122,25 +211,39 @@ def tree_lines(node: Node, label: str, extra=None) -> list[str]:
     return lines
 
 
-def print_tree(node: Node, label: str, extra=None) -> None:
-    sys.stdout.write("\n".join(tree_lines(node, label, extra)) + "\n")
+def print_tree(node: Node, label: str, extra=None, *, full: bool = False) -> None:
+    sys.stdout.write("\n".join(tree_lines(node, label, extra, full=full, width=columns())) + "\n")
 
 
 def print_write_plan(con, plan) -> None:
     """An `io.WritePlan` as the dry-run table every field-level write shows: one heading per file (how it is
-    written), then one line per field: `field  old -> new  what the field does`, then the plan's notes."""
+    written), then one line per field: `field  old -> new  what the field does`, then the plan's notes.
+    On a terminal (or with $COLUMNS) a field line too long for it puts `old -> new  note` on the lines below,
+    broken between words."""
     from rich.markup import escape
 
-    con.print(f"[bold]plan: {escape(plan.command)}[/]  ({len(plan.writes)} files under {escape(str(plan.root))})",
-              soft_wrap=True)
-    width = max((len(c.field) for c in plan.changes), default=0)
+    width = columns()
+    say = lambda text, st=None: con.print(f"[{st}]{escape(text)}[/]" if st else escape(text),  # noqa: E731
+                                          soft_wrap=True)
+    con.print(f"[bold]plan: {escape(plan.command)}[/]  "
+              f"({plural(len(plan.writes), 'file')} under {escape(str(plan.root))})", soft_wrap=True)
+    fw = max((len(c.field) for c in plan.changes), default=0)
     for w in plan.writes:
-        con.print(f"  [cyan]{escape(w.path)}[/]  [dim]{escape(w.method)}[/]", soft_wrap=True)
+        for i, line in enumerate(wrap(f"{w.path}  {w.method}", width, "  ", "      ")):
+            say(line, "cyan" if i == 0 else "dim")
         for c in w.changes:
             change = f"{fmt_value(c.old)} -> {fmt_value(c.new)}"
-            con.print(f"      {escape(c.field):<{width}}  {escape(change)}  [dim]{escape(c.note)}[/]", soft_wrap=True)
+            note = short_numbers(c.note)
+            if width is None or 6 + fw + 2 + len(change) + 2 + len(note) <= width:
+                con.print(f"      {escape(c.field):<{fw}}  {escape(change)}  [dim]{escape(note)}[/]", soft_wrap=True)
+                continue
+            for line in wrap(c.field, width, "      "):
+                say(line)
+            for line in wrap(f"{change}  {note}", width, "          "):
+                say(line)
     for n in plan.notes:
-        con.print(f"  {escape(n)}", soft_wrap=True)
+        for line in wrap(short_numbers(n), width, "  ", "    "):
+            say(line)
 
 
 def confirm_and_execute(con, plan, *, dry_run: bool, yes: bool, backup_dir, verb: str):
@@ -153,7 +256,123 @@ def confirm_and_execute(con, plan, *, dry_run: bool, yes: bool, backup_dir, verb
     if dry_run:
         con.print("[dim]dry run: nothing written[/]")
         return None
-    if not yes and not typer.confirm(f"{verb} {len(plan.writes)} files in {plan.root}?", default=False):
+    if not yes and not typer.confirm(f"{verb} {plural(len(plan.writes), 'file')} in {plan.root}?", default=False):
         con.print("nothing written")
         raise typer.Exit(1)
     return io.execute(plan, backup_dir=backup_dir)
+
+
+def deepspeed_logs_above_bars():
+    """A context in which DeepSpeed's own log lines (its logger writes straight to the terminal: "Setting
+    accelerator to CPU", ...) are printed above the progress bars instead of into them. DeepSpeed is
+    imported first (its logger exists only then; `safe_load.import_deepspeed` binds it to stderr), so a
+    command calls this only where it is about to import DeepSpeed anyway."""
+    import logging
+
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from ckpt_tools.safe_load import import_deepspeed
+
+    import_deepspeed()
+    return logging_redirect_tqdm(loggers=[logging.getLogger("DeepSpeed")])
+
+
+# --- optional dependencies --------------------------------------------------------------------------------
+
+#: the heavy packages some commands need, and the extra of ckpt-tools that installs each (pyproject.toml):
+#: the core install (inspect, diff, set-lr/set-step of torch-zip formats) needs neither torch nor deepspeed
+EXTRAS = {"torch": "convert", "deepspeed": "convert", "safetensors": "convert", "accelerate": "train",
+          "transformers": "train", "lightning": "train", "matplotlib": "all"}
+
+
+def need_extra(module: str, extra: str | None = None, what: str = "this command") -> str:
+    """The one-line message for a missing optional package: what needs it and the pip line that adds it."""
+    return f"{what} needs {module}: pip install 'ckpt-tools[{extra or EXTRAS.get(module, 'all')}]'"
+
+
+def require(*modules: str, extra: str | None = None, what: str = "this command") -> None:
+    """Stop with a one-line error (exit 2) when one of `modules` is not installed, before any work starts.
+    Looks the package up without importing it (importing deepspeed alone takes seconds)."""
+    import importlib.util
+
+    from ckpt_tools.errors import CkptError
+
+    for m in modules:
+        try:
+            missing = importlib.util.find_spec(m) is None
+        except (ImportError, ValueError):
+            missing = True
+        if missing:
+            raise CkptError(need_extra(m, extra, what))
+
+
+# --- help that reads well -----------------------------------------------------------------------------------
+
+_TYPE_METAVAR = {"int": "N", "float": "FLOAT", "str": "TEXT", "path": "PATH", "bool": "BOOL"}
+
+
+def _metavar(p, ctx) -> str:
+    if p.metavar:
+        return p.metavar
+    if p.param_type_name == "argument":
+        return p.name.upper()
+    label = p.display_type(ctx).strip("<>")  # typer's "<int>", "<list[str]>", "<float range>"
+    label = re.sub(r"^list\[(.*)\]$", r"\1", label).split()[0]
+    return _TYPE_METAVAR.get(label, label.upper())
+
+
+def _first_sentence(text: str) -> str:
+    """The help's first sentence: up to a full stop that ends a sentence (not the one in "e.g." or "i.e.")."""
+    text = " ".join(text.split())
+    for m in re.finditer(r"\.(\s|$)", text):
+        if not re.search(r"\b(e\.g|i\.e|etc|vs)$", text[:m.start()]):
+            return text[:m.start() + 1]
+    return text
+
+
+class Command(typer.core.TyperCommand):
+    """The click command class of every `ckpt` command (`cli.main` sets it): help in the usual man-page
+    style (`ckpt inspect [OPTIONS] PATH`, `--depth N`, not typer's `{path}` / `<int>`), a command list
+    that shows each command's whole first sentence, and a missing optional package (torch, deepspeed)
+    as a one-line error naming the extra that installs it, instead of an ImportError traceback."""
+
+    def collect_usage_pieces(self, ctx):
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for p in self.get_params(ctx):
+            if p.param_type_name == "argument":
+                name = _metavar(p, ctx) if p.required else f"[{_metavar(p, ctx)}]"
+                pieces.append(name + ("..." if p.nargs != 1 else ""))
+        return pieces
+
+    def format_options(self, ctx, formatter):
+        args, opts = [], []
+        for p in self.get_params(ctx):
+            record = p.get_help_record(ctx)
+            if record is None:
+                continue
+            if p.param_type_name == "argument":
+                args.append((_metavar(p, ctx), record[1]))
+            else:
+                names = ", ".join(sorted(p.opts + p.secondary_opts, key=lambda o: (o.startswith("--"), o)))
+                opts.append((names if p.is_flag or p.count else f"{names} {_metavar(p, ctx)}", record[1]))
+        for title, rows in (("Arguments", args), ("Options", opts)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+    def get_short_help_str(self, limit: int = 45) -> str:
+        text = self.short_help or _first_sentence(self.help or "")
+        if len(text) <= limit:
+            return text
+        return text[: limit - 1].rsplit(" ", 1)[0].rstrip(",;:(") + "…"
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except ModuleNotFoundError as e:
+            root = (e.name or "").partition(".")[0]
+            if root not in EXTRAS:
+                raise
+            from ckpt_tools.errors import CkptError
+
+            raise CkptError(need_extra(root, what=f"ckpt {ctx.info_name}")) from e

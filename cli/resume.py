@@ -20,44 +20,47 @@ from . import output
 
 
 def resume_cmd(
-    path: str = typer.Argument(..., help="DeepSpeed checkpoint folder (with `latest`), tag folder, or universal"),
-    steps: int = typer.Option(10, "--steps", "-n", help="optimizer steps to train after loading"),
-    nproc: Optional[int] = typer.Option(None, "--nproc", help="processes (default: the checkpoint's DP x TP x PP; "
-                                        "with --universal on CUDA, every visible GPU)"),
-    device: str = typer.Option("auto", "--device", help="auto (CUDA/NCCL if a GPU is visible, else CPU/gloo), "
-                               "cuda or cpu"),
+    path: str = typer.Argument(..., metavar="PATH", help="DeepSpeed checkpoint folder (with `latest`), tag "
+                               "folder, or universal"),
+    steps: int = typer.Option(10, "--steps", "-n", metavar="N", help="optimizer steps to train after loading"),
+    nproc: Optional[int] = typer.Option(None, "--nproc", metavar="N", help="processes (default: the checkpoint's "
+                                        "DP x TP x PP; with --universal on CUDA, every visible GPU)"),
+    device: str = typer.Option("auto", "--device", metavar="DEVICE", help="auto (CUDA/NCCL if a GPU is visible, "
+                               "else CPU/gloo), cuda or cpu"),
     universal: bool = typer.Option(False, "--universal", help="load through a DeepSpeed universal checkpoint "
                                    "(converted into a scratch folder first unless CKPT already is one)"),
-    tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel size to resume at (implies --universal)"),
-    pp: Optional[int] = typer.Option(None, "--pp", help="pipeline-parallel size to resume at (implies --universal)"),
-    model: str = typer.Option("auto", "--model", help="auto, tiny-gpt, megatron-gpt or module:function "
-                              "(a factory returning ckpt_tools.train.resume_worker.TrainSetup)"),
-    data: Optional[str] = typer.Option(None, "--data", help="token file (.bin uint16 or .npy) instead of the "
-                                       "deterministic synthetic batches"),
-    config: Optional[Path] = typer.Option(None, "--config", help="JSON merged over the checkpoint's ds_config"),
-    reference: Optional[Path] = typer.Option(None, "--reference", help="JSON of the uninterrupted run "
-                                             "(--record-reference output or a sample manifest)"),
-    record_reference: Optional[Path] = typer.Option(None, "--record-reference", help="write this run's "
-                                                    "per-step records as a reference JSON"),
-    loss_tol: float = typer.Option(1e-3, "--loss-tol", help="max |loss - reference loss| per step"),
-    jump_tol: float = typer.Option(0.1, "--jump-tol", help="without --reference: allowed relative rise of the "
-                                   "first loss over a loss saved in the client state"),
-    work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="keep scratch files (universal conversion, "
-                                            "worker plan) here instead of a temporary folder"),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of loss and LR per step (needs matplotlib)"),
+    tp: Optional[int] = typer.Option(None, "--tp", metavar="N", help="tensor-parallel size to resume at (implies "
+                                     "--universal)"),
+    pp: Optional[int] = typer.Option(None, "--pp", metavar="N", help="pipeline-parallel size to resume at (implies "
+                                     "--universal)"),
+    model: str = typer.Option("auto", "--model", metavar="MODEL", help="auto, tiny-gpt, megatron-gpt or "
+                              "module:function (a factory returning ckpt_tools.train.resume_worker.TrainSetup)"),
+    data: Optional[str] = typer.Option(None, "--data", metavar="FILE", help="token file (.bin uint16 or .npy) "
+                                       "instead of the deterministic synthetic batches"),
+    config: Optional[Path] = typer.Option(None, "--config", metavar="JSON", help="JSON file merged over the "
+                                          "checkpoint's ds_config"),
+    reference: Optional[Path] = typer.Option(None, "--reference", metavar="JSON", help="JSON of the uninterrupted "
+                                             "run (--record-reference output or a sample manifest)"),
+    record_reference: Optional[Path] = typer.Option(None, "--record-reference", metavar="JSON", help="write this "
+                                                    "run's per-step records as a reference JSON"),
+    loss_tol: float = typer.Option(1e-3, "--loss-tol", metavar="X", help="max |loss - reference loss| per step"),
+    jump_tol: float = typer.Option(0.1, "--jump-tol", metavar="X", help="without --reference: allowed relative "
+                                   "rise of the first loss over a loss saved in the client state"),
+    work_dir: Optional[Path] = typer.Option(None, "--work-dir", metavar="DIR", help="keep scratch files (universal "
+                                            "conversion, worker plan) here instead of a temporary folder"),
+    plot: Optional[Path] = typer.Option(None, "--plot", metavar="PNG", help="PNG of loss and LR per step (needs "
+                                        "matplotlib)"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable result"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="verdict only"),
     trust_pickles: bool = typer.Option(False, "--trust-pickles", help="resume even when a pickle names "
                                        "globals outside the frameworks' classes (DeepSpeed's loader runs them)"),
 ) -> None:
-    """Load CKPT into a real DeepSpeed engine, train N steps, and check counters, LR and loss continue."""
+    """Load PATH into a real DeepSpeed engine, train N steps, and check that counters, LR and loss continue."""
+    output.require("torch", "deepspeed", extra="train", what="ckpt resume")
+    if plot is not None:
+        output.require("matplotlib", extra="all", what="--plot")
     from ckpt_tools.ops import resume as ops
 
-    if plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise CkptError("--plot needs matplotlib, which is not installed", hint="pip install matplotlib") from None
     override = None
     if config is not None:
         try:
@@ -68,22 +71,32 @@ def resume_cmd(
     plan = ops.plan_resume(path, steps=steps, nproc=nproc, device=device, universal=universal, tp=tp, pp=pp,
                            model=model, config=override, data=data, trust_pickles=trust_pickles)
 
+    from contextlib import nullcontext
+
     from tqdm import tqdm
 
-    bar = tqdm(total=steps, desc="resume", unit="step", disable=json_out or quiet, leave=False)
+    # a conversion runs in this process and imports DeepSpeed, which logs to the terminal: its lines go above
+    # the bar, not into it (imported before the bar is drawn, so its import-time line comes first)
+    quiet_bar = json_out or quiet
+    logs = output.deepspeed_logs_above_bars() if plan.convert_from is not None and not quiet_bar else nullcontext()
+    bar = tqdm(total=steps, desc=f"starting {output.plural(plan.nproc, 'process', 'processes')}", unit="step",
+               disable=quiet_bar, leave=False)
 
     def on_event(ev: dict) -> None:
         if ev["event"] == "converting":
             bar.set_description("converting to universal")
         elif ev["event"] == "loaded":
+            # the clock starts here: conversion, process start-up and the engine's load are not step time
+            bar.reset(total=steps)
             bar.set_description(f"resume from step {ev['global_step']}")
         elif ev["event"] == "step":
             bar.update(1)
             bar.set_postfix(step=ev["step"], loss=f"{ev['loss']:.4f}", lr=f"{ev['lr'][0]:.3g}")
 
     try:
-        result = ops.run_resume(plan, on_event=on_event, reference=ref, loss_tol=loss_tol, jump_tol=jump_tol,
-                                work_dir=work_dir)
+        with logs:
+            result = ops.run_resume(plan, on_event=on_event, reference=ref, loss_tol=loss_tol, jump_tol=jump_tol,
+                                    work_dir=work_dir)
     finally:
         bar.close()
     if record_reference is not None:
@@ -109,7 +122,8 @@ def _render(result: ops.ResumeResult, quiet: bool) -> None:
     if not quiet:
         con.print(f"[bold]{escape(p.path)}[/]  {s.format}  saved at global_step={f(s.global_step)} "
                   f"adam_step={f(s.optimizer_step)}  dp={s.dp} tp={s.tp} pp={s.pp}")
-        con.print(f"resumed on {p.nproc} {p.device} process(es): dp={p.dp} tp={p.tp} pp={p.pp}  model={p.model}"
+        con.print(f"resumed on {p.nproc} {p.device} {'process' if p.nproc == 1 else 'processes'}: "
+                  f"dp={p.dp} tp={p.tp} pp={p.pp}  model={p.model}"
                   f"{'  universal' if p.universal else ''}  micro_batch={p.micro_batch} accumulation={p.gas}")
         for note in p.notes:
             con.print(f"  [yellow]note[/]: {escape(note)}")

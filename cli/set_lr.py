@@ -3,10 +3,13 @@
 Every write goes through `ckpt_tools.io.execute` (staged outside the checkpoint, originals hard-linked
 into `<parent>/.ckpt-backups/<name>/<time>-<cmd>/files/` or `--backup-dir`, atomic renames, re-verified,
 rolled back on any failure); `ckpt restore` puts the last write's originals back byte for byte.
-Exit codes: 0 done (diff: same), 1 declined / verification left problems (diff: they differ), 2 unusable input.
+Exit codes (cli/main.py): 0 done (diff: same), 1 diff: they differ, 2 unusable input (a folder the write needs
+is not writable, no terminal to confirm on, ...), 3 declined at the prompt, 130 interrupted (one line says
+what was put back).
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -14,35 +17,139 @@ import typer
 
 from . import output
 
-_BACKUP_HELP = "where the originals go (default: <parent>/.ckpt-backups/<name>/, never inside the checkpoint)"
+_BACKUP_HELP = ("where the backups and the journal go, and the new files are staged when it is on the "
+                "checkpoint's filesystem (default: <parent>/.ckpt-backups/<name>/, never inside the checkpoint)")
+DECLINED = 3  # exit code: the user answered no at the prompt (1 means "a check found problems")
+
+
+def _bar(total: int, json_out: bool, desc: str):
+    """One progress bar on stderr for a rewrite (minutes at TB scale); off with --json and when stderr is not
+    a terminal (tqdm's disable=None)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=True if json_out else None, leave=False)
+
+
+def _confirm(question: str, root) -> bool:
+    """Ask; a closed or empty stdin (`</dev/null`, cron) is unusable input, not an interrupt."""
+    from ckpt_tools import io
+    from ckpt_tools.errors import CkptError
+
+    try:
+        return typer.confirm(question, default=False)
+    except typer.Abort:
+        if not sys.stdin.isatty():
+            raise CkptError("no terminal to ask for confirmation on", path=root,
+                            hint="add --yes to go ahead without asking; nothing was written") from None
+        raise io.Interrupted(f"{root} is unchanged: stopped at the prompt") from None
+
+
+def _describe(t) -> str:
+    """An earlier write in one line: when, which command, and the values it set (the LR then)."""
+    from .output import fmt_value
+
+    shown = [c for c in t.changes if "DRIVES" in c.note] or list(t.changes)
+    values = "; ".join(f"{c.field} {fmt_value(c.old)} -> {fmt_value(c.new)}" for c in shown[:2])
+    more = len(t.changes) - len(shown[:2])
+    more = f", and {more} more field{'s' if more > 1 else ''}" if more else ""
+    return f"`{t.command}` on {t.started} UTC ({values}{more})"
+
+
+def _tx_json(t) -> dict | None:
+    from ckpt_tools.tree import jsonable
+
+    if t is None:
+        return None
+    return {"transaction": str(t.dir), "command": t.command, "started": t.started, "files": list(t.files),
+            "changes": [{"file": c.file, "field": c.field, "old": jsonable(c.old), "new": jsonable(c.new)}
+                        for c in t.changes]}
+
+
+def confirm_and_write(con, plan, *, dry_run: bool, yes: bool, json_out: bool, backup_dir: Optional[Path],
+                      verb: str):
+    """The tail every rewriting command shares (set-lr, set-step, sync-tp), after the plan was shown: check that
+    every place the write touches is writable (exit 2 naming the place, a dry run included: it would fail);
+    say what an earlier run of the same command already did (running `set-lr --scale 0.5` twice compounds);
+    stop for --dry-run; confirm unless --yes (declined: exit 3); execute through `io.execute` under a
+    progress bar. Returns the transaction (None for a dry run)."""
+    from rich.markup import escape
+
+    from ckpt_tools import io
+
+    places = io.check_places(plan, backup_dir)
+    before = io.last_write(plan.root, plan.command, backup_dir)
+    if not json_out:
+        for n in places.notes:
+            con.print(f"  note: {escape(n)}", soft_wrap=True)
+        if before is not None:
+            said = (f"this checkpoint was already changed by {_describe(before)}; this run applies on top of it "
+                    f"(undo that one with `ckpt restore {plan.root}`)")
+            con.print(f"[yellow]note[/]: {escape(said)}", soft_wrap=True)
+    if dry_run:
+        if not json_out:
+            con.print("[dim]dry run: nothing written[/]")
+        return None
+    if not yes:
+        again = " again" if before is not None else ""
+        if not _confirm(f"{verb} {len(plan.writes)} files in {plan.root}{again}?", plan.root):
+            con.print("nothing written")
+            raise typer.Exit(DECLINED)
+    with _bar(sum(w.nbytes for w in plan.writes), json_out, plan.command.split()[0]) as bar:
+        return io.execute(plan, backup_dir=backup_dir, progress=bar.update)
+
+
+def _undo_hint(root, backup_dir: Optional[Path], tx) -> str:
+    """`ckpt restore ROOT`, with --backup-dir when no link to the transaction was left in the default place."""
+    from ckpt_tools import io
+
+    linked = any(t.dir.resolve() == tx.dir.resolve() for t in io.transactions(root))
+    return f"ckpt restore {root}" + ("" if linked or not backup_dir else f" --backup-dir {backup_dir}")
 
 
 def _run(lp, *, dry_run: bool, yes: bool, json_out: bool, backup_dir: Optional[Path]) -> int:
-    """Show the plan (table or JSON), confirm or --yes, execute through io, report."""
+    """Show the plan (table or JSON), check, confirm or --yes, execute through io, report. A Ctrl-C says
+    whether anything was written (io.execute's own Interrupted says what it put back)."""
+    from ckpt_tools import io
+
     plan = lp.plan
     if json_out and not (yes or dry_run):
         raise typer.BadParameter("--json cannot prompt: add --yes or --dry-run", param_hint="--json")
     con = output.console()
-    if json_out and dry_run:
-        output.print_json({"dry_run": True, "plan": lp.to_json()})
-        return 0
-    if not json_out:
-        output.print_write_plan(con, plan)
-    if not plan.writes:
+    tx = None
+    try:
+        if json_out and dry_run:
+            output.print_json({"dry_run": True, "plan": lp.to_json(),
+                               "previous_write": _tx_json(io.last_write(plan.root, plan.command, backup_dir))})
+            if plan.writes:
+                io.check_places(plan, backup_dir)  # a dry run of a write that cannot happen ends in its error
+            return 0
+        if not json_out:
+            output.print_write_plan(con, plan)
+        if not plan.writes:
+            if json_out:
+                output.print_json({"dry_run": dry_run, "plan": lp.to_json(), "transaction": None})
+            else:
+                con.print("[green]nothing to do[/]")
+            return 0
+        before = io.last_write(plan.root, plan.command, backup_dir)
+        tx = confirm_and_write(con, plan, dry_run=dry_run, yes=yes, json_out=json_out, backup_dir=backup_dir,
+                               verb="rewrite")
+        if tx is None:
+            return 0
         if json_out:
-            output.print_json({"dry_run": dry_run, "plan": lp.to_json(), "transaction": None})
+            output.print_json({"dry_run": False, "plan": lp.to_json(), "transaction": str(tx.dir),
+                               "previous_write": _tx_json(before)})
         else:
-            con.print("[green]nothing to do[/]")
+            con.print(f"[green]rewrote {len(tx.files)} files, verified[/]; backups and journal: {tx.dir}",
+                      soft_wrap=True)
+            con.print(f"undo: {_undo_hint(plan.root, backup_dir, tx)}", soft_wrap=True)
         return 0
-    tx = output.confirm_and_execute(con, plan, dry_run=dry_run, yes=yes, backup_dir=backup_dir, verb="rewrite")
-    if tx is None:
-        return 0
-    if json_out:
-        output.print_json({"dry_run": False, "plan": lp.to_json(), "transaction": str(tx.dir)})
-    else:
-        con.print(f"[green]rewrote {len(tx.files)} files, verified[/]; backups and journal: {tx.dir}", soft_wrap=True)
-        con.print(f"undo: ckpt restore {plan.root}", soft_wrap=True)
-    return 0
+    except KeyboardInterrupt as e:
+        if isinstance(e, io.Interrupted):
+            raise
+        raise io.Interrupted(f"the write to {plan.root} had finished and was verified (backups and journal: "
+                             f"{tx.dir}; undo: {_undo_hint(plan.root, backup_dir, tx)})" if tx is not None
+                             else f"{plan.root} is unchanged: nothing had been written") from e
 
 
 def set_lr_cmd(
@@ -141,33 +248,49 @@ def restore_cmd(
     list_: bool = typer.Option(False, "--list", help="show every recorded write, newest first, and which one "
                                                     "`restore` undoes next; change nothing"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable result"),
+    backup_dir: Optional[Path] = typer.Option(None, "--backup-dir", help="the --backup-dir the write was made "
+                                              "with (found without it when a link was left beside the checkpoint)"),
 ) -> int:
-    """Undo the last finished ckpt write on this checkpoint: its originals back, byte for byte. Run it again
-    to walk further back, one write at a time (newest first)."""
+    """Undo the last ckpt write on this checkpoint: a write that was interrupted is rolled back, else the last
+    finished write's originals go back, byte for byte. Run it again to walk further back, one write at a time
+    (newest first)."""
     from ckpt_tools import io
-    from ckpt_tools.errors import CkptError
 
     if list_:
-        return _list_writes(path, json_out)
+        return _list_writes(path, json_out, backup_dir)
     if json_out and not yes:
         raise typer.BadParameter("--json cannot prompt: add --yes", param_hint="--json")
-    done = [t for t in io.transactions(path) if t.status == "done"]
-    if not done:
-        raise CkptError("no finished ckpt write to undo for this checkpoint", path=path,
-                        hint=f"backups live in {io.backups_root(path)}")
-    last = done[-1]
+    history = io.transactions(path, backup_dir)
+    active = [t for t in history if t.status in io.ACTIVE]
+    done = [t for t in history if t.status == "done"]
+    if not active and not done:
+        io.restore(path, backup_dir=backup_dir)  # raises the one-line error: nothing to undo, and where it looked
+    last = (active or done)[-1]
+    io.check_restore(last)
     con = output.console()
     if not json_out:
-        con.print(f"[bold]restore[/] {len(last.files)} files written by `{last.command}` ({last.dir.name})",
-                  soft_wrap=True)
-        for f in last.files:
-            con.print(f"  {f}", soft_wrap=True)
-    if not yes and not typer.confirm("put the originals back?", default=False):
+        if active:
+            back = io.replaced_files(last)
+            con.print(f"[bold]restore[/]: roll back the interrupted write `{last.command}` (started {last.started} "
+                      f"UTC, {last.dir.name}): put back the originals of the {len(back)} of {len(last.files)} files "
+                      "it had replaced", soft_wrap=True)
+            for f in back:
+                con.print(f"  {f}", soft_wrap=True)
+        else:
+            con.print(f"[bold]restore[/] {len(last.files)} files written by `{last.command}` ({last.dir.name})",
+                      soft_wrap=True)
+            for f in last.files:
+                con.print(f"  {f}", soft_wrap=True)
+    if not yes and not _confirm("put the originals back?", path):
         con.print("nothing restored")
-        return 1
-    t = io.restore(path, last.dir)
+        return DECLINED
+    with _bar(last.nbytes, json_out, "restore") as bar:
+        t = io.restore(path, last.dir, backup_dir=backup_dir, progress=bar.update)
     if json_out:
-        output.print_json({"restored": list(t.files), "command": t.command, "transaction": str(t.dir)})
+        output.print_json({"restored": list(t.files), "command": t.command, "transaction": str(t.dir),
+                           "interrupted": bool(active)})
+    elif active:
+        con.print(f"[green]rolled back the interrupted write[/]; its journal: {t.dir}", soft_wrap=True)
     else:
         con.print(f"[green]restored {len(t.files)} files[/] from {t.dir}", soft_wrap=True)
     return 0
@@ -180,32 +303,34 @@ def register(app: typer.Typer) -> None:
     app.command("restore")(restore_cmd)
 
 
-def _list_writes(path: Path, json_out: bool) -> int:
+def _list_writes(path: Path, json_out: bool, backup_dir: Optional[Path] = None) -> int:
+    """Report only (the help says it changes nothing): an interrupted write is shown as such, and as the one
+    the next `ckpt restore` rolls back — it is not rolled back here."""
     from ckpt_tools import io
 
-    io.recover(path)  # a killed write is rolled back first, as every write and restore does
-    history = list(reversed(io.transactions(path)))
-    nxt = next((t for t in history if t.status == "done"), None)
+    history = list(reversed(io.transactions(path, backup_dir)))
+    nxt = next((t for t in history if t.status in io.ACTIVE), None) or next(
+        (t for t in history if t.status == "done"), None)
     rows = [{"transaction": str(t.dir), "command": t.command, "status": t.status, "files": list(t.files),
-             "next_to_undo": t is nxt} for t in history]
+             "started": t.started, "interrupted": t.status in io.ACTIVE, "next_to_undo": t is nxt} for t in history]
+    where = io.backups_root(path, backup_dir)
     if json_out:
-        output.print_json({"checkpoint": str(path), "backups": str(io.backups_root(path)), "writes": rows})
+        output.print_json({"checkpoint": str(path), "backups": str(where), "writes": rows,
+                           "interrupted_write": io.interrupted_write(path, backup_dir)})
         return 0
     con = output.console()
     if not rows:
-        con.print(f"no ckpt writes recorded for {path} (backups would live in {io.backups_root(path)})",
-                  soft_wrap=True)
+        con.print(f"no ckpt writes recorded for {path} (backups would live in {where})", soft_wrap=True)
         return 0
     from rich.table import Table
 
-    t = Table(show_edge=False, title=f"ckpt writes on {path}, newest first ({io.backups_root(path)})")
-    for col in ("when", "command", "status", "files", ""):
+    t = Table(show_edge=False, title=f"ckpt writes on {path}, newest first ({where})")
+    for col in ("when (UTC)", "command", "status", "files", ""):
         t.add_column(col)
-    for r, tr in zip(rows, history):
-        stamp = tr.dir.name.split("-", 1)[0]  # 20261121T142952
-        when = f"{stamp[:4]}-{stamp[4:6]}-{stamp[6:8]} {stamp[9:11]}:{stamp[11:13]}:{stamp[13:15]}" \
-            if len(stamp) == 15 and stamp[8] == "T" else stamp
-        t.add_row(when, r["command"], r["status"], str(len(r["files"])),
-                  "[bold]<- next `ckpt restore`[/]" if r["next_to_undo"] else "")
+    for r in rows:
+        status = f"interrupted ({r['status']})" if r["interrupted"] else r["status"]
+        nxt_note = "rolls it back" if r["interrupted"] else ""
+        t.add_row(r["started"], r["command"], status, str(len(r["files"])),
+                  f"[bold]<- next `ckpt restore` {nxt_note}[/]" if r["next_to_undo"] else "")
     con.print(t)
     return 0

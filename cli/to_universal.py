@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import List, Optional
 
 import typer
+
+from ckpt_tools.errors import CkptError
 
 from . import output
 
@@ -17,25 +20,28 @@ def _bar(total: int, disable: bool, desc: str):
 
 
 def to_universal_cmd(
-    ckpt: str = typer.Argument(..., help="DeepSpeed ZeRO, Megatron-DeepSpeed pipeline or Accelerate+DeepSpeed "
-                                         "checkpoint (tag folder or its parent with `latest`)"),
-    out: str = typer.Argument(..., help="new folder: OUT/latest_universal + OUT/<tag>_universal/ (load it with "
-                                        "\"checkpoint\": {\"load_universal\": true})"),
-    workers: int = typer.Option(min(8, os.cpu_count() or 1), "--workers", "-w", help="parallel writer threads"),
+    ckpt: str = typer.Argument(..., metavar="PATH", help="DeepSpeed ZeRO, Megatron-DeepSpeed pipeline or "
+                               "Accelerate+DeepSpeed checkpoint (tag folder or its parent with `latest`)"),
+    out: str = typer.Argument(..., metavar="OUT", help="new folder outside PATH: OUT/latest_universal + "
+                              "OUT/<tag>_universal/ (load it with \"checkpoint\": {\"load_universal\": true})"),
+    workers: int = typer.Option(min(8, os.cpu_count() or 1), "--workers", "-w", metavar="N",
+                                help="parallel writer threads"),
     dry_run: bool = typer.Option(False, "--dry-run", help="show what would be written and how TP shards merge"),
-    tp_layout: Optional[str] = typer.Option(None, "--tp-layout", help="named TP merge preset when the checkpoint "
-                                                                      "has no universal_checkpoint_info: megatron"),
-    pattern: Optional[List[str]] = typer.Option(None, "--pattern", help="REGEX=MERGE (replicated, average, cat:0, "
-                                                                        "cat:1); asked before any other rule"),
-    tp_replicated: Optional[str] = typer.Option(None, "--tp-replicated", help="when TP replicas differ: average or "
-                                                                              "rank0 (default: stop)"),
-    target_stage: Optional[int] = typer.Option(None, "--target-stage", help="write only what this ZeRO stage's "
-                                                                            "loader reads (default: 1, 2 and 3)"),
+    tp_layout: Optional[str] = typer.Option(None, "--tp-layout", metavar="NAME", help="named TP merge preset when "
+                                            "the checkpoint has no universal_checkpoint_info: megatron"),
+    pattern: Optional[List[str]] = typer.Option(None, "--pattern", metavar="REGEX=MERGE", help="MERGE: replicated, "
+                                                "average, cat:0, cat:1; asked before any other rule (repeatable)"),
+    tp_replicated: Optional[str] = typer.Option(None, "--tp-replicated", metavar="METHOD", help="when TP replicas "
+                                                "differ: average or rank0 (default: stop)"),
+    target_stage: Optional[int] = typer.Option(None, "--target-stage", metavar="N", help="write only what this "
+                                               "ZeRO stage's loader reads (default: 1, 2 and 3)"),
     distributed: bool = typer.Option(False, "--distributed", help="under torchrun: each rank converts a share "
                                                                   "of the parameters (one shared filesystem)"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
 ) -> None:
     """Convert to DeepSpeed's universal checkpoint: loads at any DP/TP/PP size and ZeRO stage."""
+    _refuse_out_inside(ckpt, out)
+    output.require("torch", "deepspeed", extra="convert", what="ckpt to-universal")
     from ckpt_tools.ops import to_universal as ops
 
     try:
@@ -51,7 +57,8 @@ def to_universal_cmd(
         from ckpt_tools import procgroup
 
         rank = procgroup.join("gloo")
-    with _bar(sum(j.nbytes for j in plan.params), json_out or rank != 0, "to-universal") as bar:
+    with output.deepspeed_logs_above_bars(), \
+            _bar(sum(j.nbytes for j in plan.params), json_out or rank != 0, "to-universal") as bar:
         res = ops.execute(plan, workers=workers, progress=bar.update, distributed=distributed)
     if rank != 0:
         return
@@ -60,8 +67,8 @@ def to_universal_cmd(
                            "bytes_written": res.bytes_written, "files": res.files, "notes": list(plan.notes)})
         return
     con = output.console()
-    con.print(f"[green]wrote[/] {res.out}  (tag {res.tag}: {res.params} parameters, {res.files} files, "
-              f"{res.bytes_written:,} tensor bytes)")
+    con.print(f"[green]wrote[/] {res.out}  (tag {res.tag}: {output.plural(res.params, 'parameter')}, "
+              f"{output.plural(res.files, 'file')}, {res.bytes_written:,} tensor bytes)")
     for n in plan.notes:
         con.print(f"  note: {n}")
     con.print(f"  load it with {{\"checkpoint\": {{\"load_universal\": true}}}} and engine.load_checkpoint(\"{res.out}\")")
@@ -89,17 +96,31 @@ def _show_plan(plan, json_out: bool) -> None:
 
 
 def export_cmd(
-    ckpt: str = typer.Argument(..., help="checkpoint to export"),
-    out: str = typer.Argument(..., help="OUT.safetensors (sharded: OUT-0000i-of-0000N.safetensors + index json)"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16, fp16 or fp32 (default: as stored)"),
-    max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="e.g. 5GB; default one file"),
-    source: str = typer.Option("fp32", "--source", help="fp32 (the fp32 master, like zero_to_fp32) or module"),
-    tp_layout: Optional[str] = typer.Option(None, "--tp-layout", help="megatron (TP checkpoints without info)"),
-    pattern: Optional[List[str]] = typer.Option(None, "--pattern", help="REGEX=MERGE TP merge overrides"),
+    ckpt: str = typer.Argument(..., metavar="PATH", help="checkpoint to export"),
+    out: str = typer.Argument(..., metavar="OUT", help="OUT.safetensors in an existing folder (sharded: "
+                              "OUT-0000i-of-0000N.safetensors + index json)"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", metavar="DTYPE", help="bf16, fp16 or fp32 (default: as "
+                                        "stored)"),
+    max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", metavar="SIZE", help="with a unit: "
+                                                 "5GB, 500MB, 2GiB; default one file"),
+    source: str = typer.Option("fp32", "--source", metavar="WEIGHTS", help="fp32 (the fp32 master, like "
+                               "zero_to_fp32) or module"),
+    tp_layout: Optional[str] = typer.Option(None, "--tp-layout", metavar="NAME", help="megatron (TP checkpoints "
+                                            "without info)"),
+    pattern: Optional[List[str]] = typer.Option(None, "--pattern", metavar="REGEX=MERGE", help="TP merge "
+                                                "overrides (repeatable)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="show the files that would be written"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
 ) -> None:
     """Write consolidated model weights as safetensors (loadable by safetensors.torch.load_file)."""
+    folder = Path(out).parent
+    if not folder.is_dir():
+        raise CkptError(f"the folder {folder} does not exist", path=out, hint=f"create it first: mkdir -p {folder}")
+    if max_shard_size is not None and max_shard_size.strip().isdigit():
+        n = int(max_shard_size)
+        raise CkptError(f"--max-shard-size {max_shard_size}: give a unit, e.g. {n}GB or {n}MB (a bare number would "
+                        f"be {output.plural(n, 'byte')} per file)", hint=f"for bytes say so: {n}B")
+    output.require("torch", extra="convert", what="ckpt export")
     from ckpt_tools.ops import export as ops
 
     try:
@@ -114,7 +135,8 @@ def export_cmd(
         else:
             con = output.console()
             for f in plan.to_json()["files"]:
-                con.print(f"{f['path']}: {f['tensors']} tensors, {f['bytes']:,} bytes ({plan.weights_from})")
+                con.print(f"{f['path']}: {output.plural(f['tensors'], 'tensor')}, {f['bytes']:,} bytes "
+                          f"({plan.weights_from})")
         return
     with _bar(plan.nbytes, json_out, "export") as bar:
         res = ops.execute(plan, progress=bar.update)
@@ -125,7 +147,18 @@ def export_cmd(
     else:
         output.console().print(f"[green]wrote[/] {', '.join(doc['files'])}"
                                + (f" + {doc['index']}" if doc["index"] else "")
-                               + f"  ({res.tensors} tensors, {res.bytes:,} bytes, {plan.weights_from})")
+                               + f"  ({output.plural(res.tensors, 'tensor')}, {res.bytes:,} bytes, "
+                                 f"{plan.weights_from})")
+
+
+def _refuse_out_inside(ckpt: str, out: str) -> None:
+    """OUT inside the source checkpoint would change the checkpoint being read (and the next `ckpt inspect`
+    of it would find a universal checkpoint among its files). An OUT that exists (a parent of the source
+    among them) is refused by `ops.to_universal`."""
+    src, dst = Path(ckpt).resolve(), Path(out).resolve()
+    if dst == src or src in dst.parents:
+        raise CkptError(f"OUT {out} is inside the checkpoint {ckpt}", path=out,
+                        hint="write the universal checkpoint to a new folder outside it")
 
 
 def register(app: typer.Typer) -> None:

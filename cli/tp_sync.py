@@ -13,6 +13,7 @@ if TYPE_CHECKING:  # the ops module (and what it imports) loads only when the co
     from ckpt_tools.ops import tp_sync as ops
 
 from . import output
+from .set_lr import _BACKUP_HELP, _undo_hint, confirm_and_write
 
 _PATTERN_HELP = "REGEX (replicated) or REGEX=MERGE naming TP-replicated parameters the checkpoint does not declare"
 
@@ -95,8 +96,7 @@ def sync_tp_cmd(
     dry_run: bool = typer.Option(False, "--dry-run", help="show the plan, write nothing"),
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask for confirmation"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable plan / result"),
-    backup_dir: Optional[Path] = typer.Option(None, "--backup-dir", help="where the originals go (default: "
-                                              "<parent>/.ckpt-backups/<name>/, never inside the checkpoint)"),
+    backup_dir: Optional[Path] = typer.Option(None, "--backup-dir", help=_BACKUP_HELP),
     pattern: List[str] = typer.Option([], "--pattern", help=_PATTERN_HELP),
 ) -> int:
     """Make every out-of-sync TP replica identical: fp32 master and Adam moments on every TP rank and DP
@@ -128,17 +128,23 @@ def sync_tp_cmd(
         return 0
     if not json_out:
         _print_plan(con, plan)
-    tx = output.confirm_and_execute(con, plan, dry_run=dry_run, yes=yes, backup_dir=backup_dir, verb="patch")
+    tx = confirm_and_write(con, plan, dry_run=dry_run, yes=yes, json_out=json_out, backup_dir=backup_dir,
+                           verb="patch")
     if tx is None:
         return 0
-    after = ops.check_tp_sync(ops.open_for_tp_sync(path, pattern), patterns=pattern)
+    try:
+        after = ops.check_tp_sync(ops.open_for_tp_sync(path, pattern), patterns=pattern)
+    except KeyboardInterrupt as e:
+        raise io.Interrupted(f"the write to {plan.root} had finished and was verified (backups and journal: "
+                             f"{tx.dir}; undo: {_undo_hint(plan.root, backup_dir, tx)}); only the report after "
+                             "it was cut short") from e
     if json_out:
         output.print_json({"dry_run": False, "plan": plan.to_json(), "transaction": str(tx.dir),
                            "after": after.to_json()})
     else:
         con.print(f"[green]patched {len(tx.files)} files; check-tp-sync now: {after.percent_in_sync:.0f}% of "
                   f"{len(after.params)} replicated parameters in sync[/]")
-        con.print(f"backups and journal: {tx.dir}  (undo: ckpt restore {plan.root})")
+        con.print(f"backups and journal: {tx.dir}  (undo: {_undo_hint(plan.root, backup_dir, tx)})")
     return 0 if after.ok else 1
 
 

@@ -214,7 +214,8 @@ def test_reader_closing_the_pipe_is_quiet(tmp_path):
 
 def test_depth_cuts_the_tree_and_says_how_much_is_below():
     """`--depth 1`: the top-level sections only, each saying how many entries it hides; `--depth 2` shows one
-    level more. (The whole Accelerate tree is over 1,300 lines: its RNG states alone are 625 numbers.)"""
+    level more. (The whole Accelerate tree is over 100 lines; its RNG states' 625 numbers take one line each
+    state since they are summarised: tests/test_cli_ux.py.)"""
     path = sample("accelerate", "accelerate_ddp")
     full = run_cli("inspect", path)
     one = run_cli("inspect", path, "--depth", "1")
@@ -224,7 +225,7 @@ def test_depth_cuts_the_tree_and_says_how_much_is_below():
     assert tree1 == ["├── model  …: 29 entries below --depth 1", "├── optimizer  …: 2 entries below --depth 1",
                      "├── scheduler  …: 7 entries below --depth 1", "├── rng  …: 2 entries below --depth 1",
                      "└── client_state  …: 1 entry below --depth 1"]
-    assert len(one.stdout.splitlines()) < len(two.stdout.splitlines()) < 100 < 1000 < len(full.stdout.splitlines())
+    assert len(one.stdout.splitlines()) < len(two.stdout.splitlines()) < 100 < len(full.stdout.splitlines())
     assert "blocks.0.ln_1.weight" in two.stdout and "state  …: 29 entries below --depth 2" in two.stdout
     doc = json.loads(run_cli("inspect", path, "--depth", "1", "--json").stdout)
     assert doc["tree"]["model"] == {"…": "29 entries below --depth 1"}

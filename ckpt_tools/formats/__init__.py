@@ -6,10 +6,11 @@ DeepSpeed tag folder, a universal checkpoint holds DeepSpeed model-states files)
 from __future__ import annotations
 
 import importlib
+import re
 from pathlib import Path
 from types import ModuleType
 
-from ..errors import NotACheckpoint
+from ..errors import CkptError, NotACheckpoint
 
 #: detection order: the most specific layouts first
 FORMAT_MODULES = (
@@ -43,15 +44,111 @@ def training_state(ck):
 
 
 def detect(path: Path) -> ModuleType:
-    """The format module that reads `path`; raises NotACheckpoint naming what was looked for."""
+    """The format module that reads `path`; raises NotACheckpoint naming what was looked for, and when the
+    path is the wrong one, the right one: the checkpoints a parent folder holds, or the checkpoint a file
+    or folder sits inside."""
     if not path.exists():
         raise NotACheckpoint("no such file or folder", path=path, hint="check the path")
-    for name in FORMAT_MODULES:
-        mod = _module(name)
-        if mod is not None and mod.sniff(path):
-            return mod
+    mod = claim(path)
+    if mod is not None:
+        return mod
     what = "folder" if path.is_dir() else "file"
+    inside = checkpoints_inside(path) if path.is_dir() else []
+    if inside:
+        names = ", ".join(p.name for p, _ in inside[:5]) + (f", … {len(inside) - 5} more" if len(inside) > 5 else "")
+        n = len(inside)
+        raise NotACheckpoint(f"this folder holds {n} checkpoints, newest first: {names}" if n > 1
+                             else f"this folder holds one checkpoint: {names}",
+                             path=path, hint=f"pass one of them, e.g. ckpt inspect {inside[0][0]}")
+    ups = enclosing(path)
+    if ups:
+        up, up_mod = ups[-1]  # the farthest: a tag folder's parent with `latest`, an HF checkpoint-N
+        raise NotACheckpoint(f"this {what} is part of the {getattr(up_mod, 'FORMAT', up_mod.__name__)} checkpoint "
+                             f"{up}", path=path, hint=f"pass that folder: ckpt inspect {up}")
     raise NotACheckpoint(
         f"this {what} is not a supported checkpoint (looked for DeepSpeed mp_rank_*/zero_pp_rank_* files, "
         "layer_*-model_* files, a DCP .metadata, Accelerate state files, torch.save files, safetensors)",
         path=path, hint="pass the checkpoint folder, its tag folder, or a checkpoint file")
+
+
+def claim(path: Path) -> ModuleType | None:
+    """The first format module whose `sniff` claims `path`, or None."""
+    for name in FORMAT_MODULES:
+        mod = _module(name)
+        if mod is not None and mod.sniff(path):
+            return mod
+    return None
+
+
+#: files that are pieces of a sharded checkpoint, never one by themselves: a folder of them is a damaged
+#: checkpoint (its metadata file missing), not a folder of checkpoints
+_PART_NAME = re.compile(r"(zero_pp_rank_\d+|mp_rank_\d+|layer_\d+-model_\d+|^__\d+_\d+\.distcp$|^rank\d+\.)")
+_CKPT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".safetensors")
+
+
+def checkpoints_inside(folder: Path) -> list[tuple[Path, ModuleType]]:
+    """The checkpoints directly inside `folder` (sub-folders and checkpoint files a format claims), newest
+    first: what a user who passed the parent of their checkpoints meant to choose from. One level only, so
+    that a wrong path (a home folder) costs one directory listing, not a walk."""
+    found = []
+    try:
+        children = sorted(folder.iterdir())
+    except OSError:
+        return []
+    for child in children:
+        if child.name.startswith(".") or (child.is_file() and (child.suffix not in _CKPT_SUFFIXES
+                                                               or _PART_NAME.search(child.name))):
+            continue
+        try:
+            mod = claim(child)
+        except (CkptError, OSError):
+            continue
+        if mod is not None:
+            found.append((child, mod))
+    return sorted(found, key=lambda pm: newest_mtime(pm[0]), reverse=True)
+
+
+def newest_mtime(path: Path) -> float:
+    """When a checkpoint was last written: the newest file in it and in its sub-folders, two levels down
+    (a tag folder, HF's checkpoint-N/global_stepN)."""
+    newest = 0.0
+    stack = [(path, 0)]
+    while stack:
+        p, depth = stack.pop()
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        newest = max(newest, st.st_mtime)
+        if p.is_dir() and depth < 3:
+            try:
+                stack += [(c, depth + 1) for c in p.iterdir()]
+            except OSError:
+                pass
+    return newest
+
+
+def enclosing(path: Path, levels: int = 2) -> list[tuple[Path, ModuleType]]:
+    """The folders above `path`, nearest first and at most `levels` up, that a format claims: the checkpoint
+    a file or folder inside a checkpoint belongs to (a ZeRO rank file's tag folder, a DCP .distcp's folder).
+    Two levels reach every layout's tag folder and its parent; a claim there is cheap to test."""
+    out = []
+    for up in list(path.resolve().parents)[:levels] if path.exists() else []:
+        try:
+            mod = claim(up)
+        except (CkptError, OSError):
+            continue
+        if mod is not None:
+            out.append((_as_given(path, up), mod))
+    return out
+
+
+def _as_given(path: Path, up: Path) -> Path:
+    """`up` (a resolved ancestor of `path`) spelled as the user spelled `path`, relative when they were."""
+    for given in path.parents:
+        try:
+            if given.resolve() == up:
+                return given
+        except OSError:
+            break
+    return up

@@ -38,16 +38,21 @@ DS_MODEL_KEYS = {
 }
 
 
+#: any DeepSpeed ZeRO state file (model states or an optimizer rank file): a tag folder whose model states
+#: file is missing is still claimed, so that open() names the missing file
+_STATE_GLOB = "*mp_rank_*_states.pt"
+
+
 def sniff(path: Path) -> bool:
     if not path.is_dir():
         return False
     if any(path.glob("layer_*-model_*-model_states.pt")):
         return False
-    if any(path.glob("*mp_rank_*_model_states.pt")):
+    if any(path.glob(_STATE_GLOB)):
         return True
     # a parent folder: claim it when it has `latest` or a tag folder with DeepSpeed files, even when
     # `latest` names a missing tag, so that open() can say exactly that
-    tags = [d for d in path.iterdir() if d.is_dir() and any(d.glob("*mp_rank_*_model_states.pt"))]
+    tags = [d for d in path.iterdir() if d.is_dir() and any(d.glob(_STATE_GLOB))]
     return bool(tags) and not any(any(d.glob("layer_*-model_*-model_states.pt")) for d in tags)
 
 
@@ -234,7 +239,7 @@ def _fragments(stage, osd, gi, shapes, rank, dp) -> dict[str, tuple[int, int, in
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
-    root, tag_dir, tag = C.resolve_tag(path, "*mp_rank_*_model_states.pt")
+    root, tag_dir, tag = C.resolve_tag(path, _STATE_GLOB)
     cache = C.LoadCache(root)
     ranks = list_rank_files(tag_dir)
     if not ranks:
@@ -249,7 +254,9 @@ def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks:
     first_rank = ranks[min(ranks)]
     ms_path = first_rank.model_states or (first_rank.z3_model and first_rank.z3_model[min(first_rank.z3_model)])
     if not ms_path:
-        raise MissingFile("mp_rank_00_model_states.pt is missing", path=tag_dir, hint="re-copy the tag folder")
+        raise MissingFile(f"mp_rank_{first_rank.mp_rank:02d}_model_states.pt is missing (the model states file: "
+                          "parameter names and shapes, counters, scheduler)", path=tag_dir,
+                          hint="copy it back from where the checkpoint was saved")
     ms = cache.load(ms_path).obj
     if not isinstance(ms, dict):
         raise CorruptCheckpoint("model states file does not hold a dict", path=ms_path)

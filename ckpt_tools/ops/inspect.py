@@ -3,20 +3,93 @@
 The JSON contract (`summary()`), which scripts rely on — keep these names:
     {"format", "path", "topology": {"dp","tp","pp","zero_stage"}, "parameters": {"count","tensors"},
      "counters": {"global_step","optimizer_step","scheduler_last_epoch","scheduler_step_count","skipped_steps"},
-     "lr": {"param_groups": [float], "base_lrs": [float]|null, "last_lr": [float]|null},
+     "lr": {"param_groups": [float]|null, "base_lrs": [float]|null, "last_lr": [float]|null},
      "warnings": [{"code","message","path"}], "tree": {...}}
-plus "dtypes", "files", "details". Unknown values are null, never guessed. In "tree", a tensor is
+plus "dtypes", "files", "details". Unknown values are null, never guessed: "lr.param_groups" is null when
+the checkpoint holds no optimizer (a safetensors file), not an empty list. In "tree", a tensor is
 {"shape","dtype","numel"} (+ "value" for tiny tensors, "merge" for TP tensors); an object of a class the
 reader does not run is {"class", "fields"}; other values are plain JSON.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any, Iterator
 
+from .. import formats
+from ..errors import CkptError
 from ..tree import (Checkpoint, GroupNode, Node, OpaqueNode, TensorNode, ValueNode, Warning_, iter_tensors,
                     jsonable)
+
+
+def open_for_inspect(path: str | Path) -> Checkpoint:
+    """`open_checkpoint(path)`; when `path` is one file of a larger checkpoint (a ZeRO rank file, a DCP
+    `.distcp`, a safetensors shard), the file's own view with a `part-of-checkpoint` warning naming the
+    folder that opens the whole checkpoint: read alone, such a file looks like an empty or broken one."""
+    from .. import open_checkpoint
+
+    ck = open_checkpoint(path)
+    ck = replace(ck, warnings=(*write_warnings(ck), *ck.warnings))
+    whole = part_of(Path(path)) if Path(path).is_file() else None
+    if whole is None:
+        return ck
+    folder, fmt, nfiles = whole
+    n = f"one of the {nfiles} files" if nfiles else "one file"
+    w = Warning_("part-of-checkpoint", f"shown alone, this file is {n} of the {fmt} checkpoint {folder}; "
+                 f"the whole checkpoint: ckpt inspect {folder}", str(folder))
+    return replace(ck, warnings=(w, *ck.warnings))
+
+
+def write_warnings(ck: Checkpoint) -> list[Warning_]:
+    """`interrupted-write` when a ckpt write on this checkpoint was killed midway: the values shown may mix old
+    and new ones, and the message says what `ckpt restore` will do. Only reads the journal (io.interrupted_write)."""
+    from .. import io
+
+    said = io.interrupted_write(Path(ck.path))
+    return [Warning_("interrupted-write", said, str(ck.path))] if said else []
+
+
+def part_of(file: Path) -> tuple[Path, str, int | None] | None:
+    """(folder, format, file count) of the checkpoint `file` is one of several files of, or None. The folders
+    above it that a format claims are opened, the farthest first (a tag folder's parent with `latest`
+    before the tag folder), and the first that lists the file wins; one that cannot be opened is still
+    named (its own error shows when it is inspected)."""
+    mine = file.resolve()
+    ups = formats.enclosing(file)
+    for up, mod in reversed(ups):
+        try:
+            whole = mod.open(up)
+        except (CkptError, OSError):
+            return up, getattr(mod, "FORMAT", mod.__name__), None
+        files = {(Path(whole.path) / f.path).resolve() for f in whole.files}
+        if mine in files:
+            return (up, whole.format, len(files)) if len(files) > 1 else None
+    return None
+
+
+def list_checkpoints(folder: str | Path) -> list[dict[str, Any]]:
+    """The checkpoints inside a folder that is not one (`formats.checkpoints_inside`), newest first, each
+    {"path", "format", "step", "bytes", "modified", "error"}: `step` is the global step (the optimizer step
+    where no loop counter is saved), `modified` the newest file's time (ISO 8601, local), `error` the
+    one-line reason one cannot be opened (then `step` and `bytes` are null)."""
+    rows = []
+    for path, mod in formats.checkpoints_inside(Path(folder)):
+        row: dict[str, Any] = {"path": str(path), "format": getattr(mod, "FORMAT", None), "step": None,
+                               "bytes": None, "error": None,
+                               "modified": time.strftime("%Y-%m-%dT%H:%M:%S",
+                                                         time.localtime(formats.newest_mtime(path)))}
+        try:
+            ck = mod.open(path)
+        except (CkptError, OSError) as e:
+            row["error"] = e.one_line() if isinstance(e, CkptError) else str(e)
+        else:
+            c = ck.counters
+            row.update(format=ck.format, bytes=sum(f.bytes for f in ck.files),
+                       step=c.global_step if c.global_step is not None else c.optimizer_step)
+        rows.append(row)
+    return rows
 
 
 def filter_tree(node: Node, *, grep: str | None = None, depth: int | None = None,
@@ -90,7 +163,7 @@ def summary(ck: Checkpoint, tree: Node | None = None, rank: dict[str, int] | Non
         "topology": asdict(ck.topology),
         "parameters": {"count": ck.parameter_count, "tensors": ck.parameter_tensors},
         "counters": asdict(ck.counters),
-        "lr": {"param_groups": list(ck.lr.param_groups),
+        "lr": {"param_groups": list(ck.lr.param_groups) if ck.lr.param_groups else None,
                "base_lrs": list(ck.lr.base_lrs) if ck.lr.base_lrs is not None else None,
                "last_lr": list(ck.lr.last_lr) if ck.lr.last_lr is not None else None},
         "dtypes": list(ck.dtypes),

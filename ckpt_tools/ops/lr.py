@@ -183,6 +183,10 @@ class _File:
         self.checks.append((path + (key,), value))
 
 
+def _n(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
 def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
@@ -279,7 +283,7 @@ class _DcpFile(_File):
         out = []
         for rel, nbytes, produce in self.folder.rewrite(self.blobs):
             method = ("re-pickled with the moved items' offsets/lengths" if rel == ".metadata" else
-                      f"{len(by_file.get(rel, []))} item(s) re-blobbed (torch.save of the new value); every other "
+                      f"{_n(len(by_file.get(rel, [])), 'item')} re-blobbed (torch.save of the new value); every other "
                       "item copied byte for byte")
             out.append(io.FileWrite(rel, tuple(by_file.get(rel, ())), nbytes, produce, method))
         return out
@@ -744,7 +748,7 @@ def _finish(ck: Checkpoint, root: Path, files: list[_File], command: str, notes:
             continue
         method = "pickle rewrite (tensor bytes copied as they are)"
         if f.storage_bytes:
-            method += f"; {len(f.storage_bytes)} step storage(s) rewritten"
+            method += f"; {_n(len(f.storage_bytes), 'step storage')} rewritten"
         if isinstance(f, _JsonFile):
             method, produce = "JSON rewritten (indent 2, sorted keys)", f.produce
         else:
