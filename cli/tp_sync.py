@@ -142,7 +142,7 @@ def sync_tp_cmd(
         output.print_json({"dry_run": False, "plan": plan.to_json(), "transaction": str(tx.dir),
                            "after": after.to_json()})
     else:
-        con.print(f"[green]patched {len(tx.files)} files; check-tp-sync now: {after.percent_in_sync:.0f}% of "
+        con.print(f"[green]patched {output.plural(len(tx.files), 'file')}; check-tp-sync now: {after.percent_in_sync:.0f}% of "
                   f"{len(after.params)} replicated parameters in sync[/]")
         con.print(f"backups and journal: {tx.dir}  (undo: {_undo_hint(plan.root, backup_dir, tx)})")
     return 0 if after.ok else 1

@@ -300,10 +300,12 @@ def test_core_commands_run_without_torch_and_the_rest_name_their_extra(copy_samp
     assert proc.returncode == 0 and "dry run: nothing written" in proc.stdout, proc.stderr
     proc = ckpt_without_heavy("diff", sample("deepspeed", "zero2_lambdalr"), ck)
     assert proc.returncode == 0 and "same" in proc.stdout, proc.stderr
+    # check-tp-sync's report compares raw bf16/fp32 bytes with numpy: the drifted sample is found, exit 1
+    proc = ckpt_without_heavy("check-tp-sync", sample("megatron", "gpt_tp2_pp2_drifted"))
+    assert proc.returncode == 1 and "7 of 27 replicated parameters out of sync" in proc.stdout, proc.stderr
     cases = [(("to-universal", ck, tmp_path / "u"), "needs torch: pip install 'ckpt-tools[convert]'"),
              (("export", ck, tmp_path / "w.safetensors"), "needs torch: pip install 'ckpt-tools[convert]'"),
              (("inspect", "--stats", ck), "needs torch: pip install 'ckpt-tools[convert]'"),
-             (("check-tp-sync", sample("megatron", "gpt_tp2_pp2")), "needs torch: pip install 'ckpt-tools[convert]'"),
              (("resume", ck, "--steps", "1"), "needs torch: pip install 'ckpt-tools[train]'")]
     for argv, want in cases:
         assert want in one_error_line(ckpt_without_heavy(*argv)), argv

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ckpt_tools
 from ckpt_tools import io
 from ckpt_tools.ops import tp_sync as ops
 
@@ -156,15 +157,44 @@ def test_tolerance_and_patterns():
     assert proc.returncode == 1 and "query_key_value.bias: 0/4 layers in sync (0%)" in proc.stdout
 
 
+class _Arr:
+    """A shard given as a numpy array (what `shard_values` reads from anything with read_numpy)."""
+
+    def __init__(self, values, dtype="float32"):
+        import numpy as np
+
+        self.a = np.asarray(values, dtype=dtype)
+        self.shape, self.dtype = self.a.shape, dtype
+
+    def read_numpy(self):
+        return self.a
+
+
+def test_shard_values_equal_torch_on_real_bf16_and_fp32_shards():
+    """The numpy read (bf16 widened from its bit patterns) gives torch's values, bit patterns included."""
+    import numpy as np
+
+    ck = ckpt_tools.open_checkpoint(sample(GROUP, DRIFTED))
+    node = ck.model.children["3.post_attention_layernorm.weight"]
+    fp32 = ck.optimizer.children["state"].children["3.post_attention_layernorm.weight"].children["fp32"]
+    for n in (node, fp32):
+        for shard in n.shards:
+            values, bits, dtype = ops.shard_values(shard)
+            t = shard.read_torch()
+            assert dtype == str(t.dtype).replace("torch.", "")
+            assert np.array_equal(values, t.double().reshape(-1).numpy())
+            assert bits.tobytes() == t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
 def test_compare_shards_semantics():
-    a = torch.tensor([1.0, 0.0, -2.0])
-    b = torch.tensor([1.5, 0.0, -2.0])
+    a = _Arr([1.0, 0.0, -2.0])
+    b = _Arr([1.5, 0.0, -2.0])
     d = ops.compare_shards([a, b], "fp32", 0.0, 0.0)
     assert (d.max_abs_diff, d.max_rel_diff, d.bit_exact, d.in_tolerance, d.ranks_differing) == \
         (0.5, 0.5 / 1.5, False, False, (1,))
     assert ops.compare_shards([a, b], "fp32", 0.5, 0.0).in_tolerance
     assert ops.compare_shards([a, b], "fp32", 0.0, 0.5).in_tolerance  # 0.5 <= 0.5 * |1.0|
-    z = ops.compare_shards([torch.tensor([0.0]), torch.tensor([-0.0])], "fp32", 0.0, 0.0)
+    z = ops.compare_shards([_Arr([0.0]), _Arr([-0.0])], "fp32", 0.0, 0.0)
     assert z.in_tolerance and not z.bit_exact  # equal values, different bits: not bit-exact
 
 
@@ -328,12 +358,8 @@ def test_nothing_to_do_on_an_in_sync_checkpoint(copy_sample):
 def test_data_fallback_tells_drifted_replicas_from_split_shards():
     """Names no pattern decides: bit-identical or close equal-shaped shards are replicas, independently
     initialised ones (a split weight) stay undecided."""
-    class Shard:
-        def __init__(self, t):
-            self.t, self.shape, self.dtype = t, tuple(t.shape), "float32"
-
-        def read_torch(self):
-            return self.t
+    def Shard(t):  # noqa: N802
+        return _Arr(t.numpy())
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, generator=g)

@@ -195,9 +195,9 @@ def _rule_from_close_data(shards: Sequence[TensorNode]) -> Rule:
     exact = rule_from_data(shards)
     if exact.merge is not None or len({s.shape for s in shards}) > 1 or len({s.dtype for s in shards}) > 1:
         return exact
-    ts = [s.read_torch().double() for s in shards]
-    scale = max(float(t.abs().max()) for t in ts) if ts[0].numel() else 0.0
-    worst = max(float((t - ts[0]).abs().max()) for t in ts[1:]) if ts[0].numel() else 0.0
+    ts = [shard_values(s)[0] for s in shards]
+    scale = max(float(abs(t).max()) for t in ts) if ts[0].size else 0.0
+    worst = max(float(abs(t - ts[0]).max()) for t in ts[1:]) if ts[0].size else 0.0
     if scale and worst <= DATA_REPLICA_REL * scale:
         return Rule("replicated", SOURCE_DATA, note=f"TP shards equal in shape and within {DATA_REPLICA_REL:g} "
                                                     "of each other: drifted replicas")
@@ -249,38 +249,52 @@ def _replicas(ck: Checkpoint, layout: TPLayout) -> tuple[list[_Replica], list[st
 # --- comparing ----------------------------------------------------------------------------------------------
 
 
-def _bits(t):
-    import torch
+def shard_values(shard: Any):
+    """(float64 values, raw bit patterns, dtype name) of one TP shard, flattened, read with numpy: no torch on
+    the check path (bf16, which numpy lacks, is widened from its bit patterns: the top half of a float32).
+    `shard` is a TensorNode (its pieces read one by one) or anything with `read_numpy()`."""
+    import numpy as np
 
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    dtype = str(getattr(shard, "dtype", ""))
+    pieces = getattr(shard, "pieces", None)
+    if pieces:
+        first = pieces[0].ref.read_numpy(pieces[0].src_offset, pieces[0].numel)
+        raw = np.empty(math.prod(shard.shape), dtype=first.dtype)
+        for p in pieces:
+            raw[p.dst_offset: p.dst_offset + p.numel] = p.ref.read_numpy(p.src_offset, p.numel)
+    else:
+        raw = np.asarray(shard.read_numpy()).reshape(-1)
+    if dtype == "bfloat16":
+        values = (raw.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    else:
+        values = raw.astype(np.float64)
+    bits = raw.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[raw.itemsize])
+    return values, bits, dtype
 
 
-def compare_shards(tensors: Sequence[Any], representation: str, atol: float, rtol: float) -> RepresentationDiff:
-    """Compare TP ranks 1.. with TP rank 0 (torch tensors of one representation, TP rank order)."""
-    import torch
+def compare_shards(shards: Sequence[Any], representation: str, atol: float, rtol: float) -> RepresentationDiff:
+    """Compare TP ranks 1.. with TP rank 0 (the shards of one representation, TP rank order), in numpy."""
+    import numpy as np
 
-    ref = tensors[0]
-    ref64 = ref.double().reshape(-1)
+    ref, ref_bits, dtype = shard_values(shards[0])
     max_abs = max_rel = 0.0
     in_tol, differing = True, []
-    for t, other in enumerate(tensors[1:], start=1):
-        if other.shape != ref.shape:
-            return RepresentationDiff(representation, str(ref.dtype).replace("torch.", ""), math.inf, math.inf,
-                                      False, False, tuple(range(1, len(tensors))))
-        if not torch.equal(_bits(other), _bits(ref)):
+    for t, shard in enumerate(shards[1:], start=1):
+        if tuple(shard.shape) != tuple(shards[0].shape):
+            return RepresentationDiff(representation, dtype, math.inf, math.inf, False, False,
+                                      tuple(range(1, len(shards))))
+        other, bits, _ = shard_values(shard)
+        if not np.array_equal(bits, ref_bits):
             differing.append(t)
-        o64 = other.double().reshape(-1)
-        d = (o64 - ref64).abs()
-        if d.numel():
+        d = np.abs(other - ref)
+        if d.size:
             max_abs = max(max_abs, float(d.max()))
-            denom = torch.maximum(o64.abs(), ref64.abs())
-            rel = torch.where(denom > 0, d / torch.where(denom > 0, denom, torch.ones_like(denom)),
-                              torch.zeros_like(d))
+            denom = np.maximum(np.abs(other), np.abs(ref))
+            rel = np.divide(d, denom, out=np.zeros_like(d), where=denom > 0)
             max_rel = max(max_rel, float(rel.max()))
-            if not bool((d <= atol + rtol * ref64.abs()).all()):
+            if not bool((d <= atol + rtol * np.abs(ref)).all()):
                 in_tol = False
-    return RepresentationDiff(representation, str(ref.dtype).replace("torch.", ""), max_abs, max_rel,
-                              not differing, in_tol, tuple(differing))
+    return RepresentationDiff(representation, dtype, max_abs, max_rel, not differing, in_tol, tuple(differing))
 
 
 def check_tp_sync(ck: Checkpoint, atol: float = 0.0, rtol: float = 0.0,
@@ -309,7 +323,7 @@ def check_tp_sync(ck: Checkpoint, atol: float = 0.0, rtol: float = 0.0,
         for rep, node in r.nodes.items():
             if rep not in reps_seen:
                 reps_seen.append(rep)
-            diffs.append(compare_shards([s.read_torch() for s in node.shards], rep, atol, rtol))
+            diffs.append(compare_shards(node.shards, rep, atol, rtol))
         family, layer = _family(r.name)
         first = r.nodes[next(iter(r.nodes))].shards[0].pieces[0]
         params.append(ParamSync(r.name, family, layer, first.rank.get("pp"), r.nodes[next(iter(r.nodes))].shape,
