@@ -140,7 +140,7 @@ def _run(lp, *, dry_run: bool, yes: bool, json_out: bool, backup_dir: Optional[P
             output.print_json({"dry_run": False, "plan": lp.to_json(), "transaction": str(tx.dir),
                                "previous_write": _tx_json(before)})
         else:
-            con.print(f"[green]rewrote {len(tx.files)} files, verified[/]; backups and journal: {tx.dir}",
+            con.print(f"[green]rewrote {output.plural(len(tx.files), 'file')}, verified[/]; backups and journal: {tx.dir}",
                       soft_wrap=True)
             con.print(f"undo: {_undo_hint(plan.root, backup_dir, tx)}", soft_wrap=True)
         return 0
@@ -232,8 +232,8 @@ def diff_cmd(
         if file != last:
             con.print(f"  [cyan]{escape(file)}[/]", soft_wrap=True)
             last = file
-        con.print(f"      {escape(fieldname) or '(file)'}  {escape(what)}", soft_wrap=True)
-    summary = (f"{report.files_compared} files, {report.tensors_compared} tensors compared "
+        con.print(f"      {escape(fieldname) or '(file)'}  {escape(output.short_numbers(what))}", soft_wrap=True)
+    summary = (f"{output.plural(report.files_compared, 'file')}, {output.plural(report.tensors_compared, 'tensor')} compared "
                f"({report.tensors_read} read)" + (f", {report.within_tolerance} within tolerance" if report.within_tolerance else ""))
     if report.same:
         con.print(f"[green]same[/]: {summary}")
@@ -277,7 +277,7 @@ def restore_cmd(
             for f in back:
                 con.print(f"  {f}", soft_wrap=True)
         else:
-            con.print(f"[bold]restore[/] {len(last.files)} files written by `{last.command}` ({last.dir.name})",
+            con.print(f"[bold]restore[/] {output.plural(len(last.files), 'file')} written by `{last.command}` ({last.dir.name})",
                       soft_wrap=True)
             for f in last.files:
                 con.print(f"  {f}", soft_wrap=True)
@@ -292,7 +292,7 @@ def restore_cmd(
     elif active:
         con.print(f"[green]rolled back the interrupted write[/]; its journal: {t.dir}", soft_wrap=True)
     else:
-        con.print(f"[green]restored {len(t.files)} files[/] from {t.dir}", soft_wrap=True)
+        con.print(f"[green]restored {output.plural(len(t.files), 'file')}[/] from {t.dir}", soft_wrap=True)
     return 0
 
 

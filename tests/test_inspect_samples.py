@@ -42,8 +42,6 @@ def _what_the_files_hold(m: dict) -> tuple[dict, dict]:
         opts = m["extra"]["optimizers"]
         lr = {"param_groups": [x for o in opts for x in o["lr"]], "base_lrs": [x for o in opts for x in o["base_lrs"]],
               "last_lr": [x for o in opts for x in o["last_lr"]]}
-    if "scheduler" in (m["extra"].get("ds_config") or {}):
-        lr["last_lr"] = None  # DeepSpeed's own schedulers save only last_batch_iteration
     return counters, lr
 
 

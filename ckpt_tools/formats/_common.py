@@ -132,6 +132,16 @@ def lr_from_scheduler(fields: dict[str, Any]) -> tuple[tuple[float, ...] | None,
     return floats(fields.get("base_lrs")), floats(fields.get("_last_lr"))
 
 
+def ds_last_lr(fields: dict[str, Any], ds_config: Any, group_lrs: tuple[float, ...]) -> tuple[float, ...] | None:
+    """`last_lr` of a DeepSpeed scheduler, which saves only `last_batch_iteration`: computed from the saved
+    ds_config's scheduler (the launch config of the run that saved it)."""
+    from ..ds_schedules import last_lr
+
+    if "last_batch_iteration" not in fields:
+        return None
+    return last_lr(ds_config, fields["last_batch_iteration"], list(group_lrs))
+
+
 def scheduler_counters(fields: dict[str, Any]) -> tuple[int | None, int | None]:
     """(last_epoch, _step_count); DeepSpeed's own schedulers save `last_batch_iteration` instead."""
     last = fields.get("last_epoch", fields.get("last_batch_iteration"))

@@ -330,6 +330,7 @@ def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks:
         skipped_steps=as_int(ms.get("skipped_steps")),
     )
     lrs = opt.lrs_by_rank[min(opt.lrs_by_rank)] if opt and opt.lrs_by_rank else ()
+    last_lr = last_lr or C.ds_last_lr(sched, ms.get("ds_config"), lrs)
     if opt and len(set(opt.lrs_by_rank.values())) > 1:
         warnings.append(Warning_("lr-mismatch", f"param group LRs differ across DP ranks: {opt.lrs_by_rank}"))
     warnings += C.counter_warnings(counters, optimizer_steps_seen=opt_steps)

@@ -370,7 +370,8 @@ class _Reader:
         return Checkpoint(
             format=FORMAT, path=str(self.root), topology=Topology(dp=dp, tp=tp, pp=pp, zero_stage=stage),
             tree=GroupNode(tree), counters=counters,
-            lr=LearningRates(param_groups=lrs, base_lrs=base_lrs, last_lr=last_lr),
+            lr=LearningRates(param_groups=lrs, base_lrs=base_lrs,
+                             last_lr=last_lr or C.ds_last_lr(sched, ms0.get("ds_config"), tuple(lrs))),
             parameter_count=param_count, parameter_tensors=len(param_names), files=tuple(self._files(tp)),
             warnings=tuple(self.warnings), dtypes=tuple(dtypes), details=details)
 

@@ -30,13 +30,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from ..ds_schedules import DS_SCHEDULERS, lr_at as _ds_scheduler_lr
 from ..errors import CkptError, UnsupportedCheckpoint
 from ..tree import Checkpoint, GroupNode, OpaqueNode, TensorNode, ValueNode
 
 WORKER_MODULE = "ckpt_tools.train.resume_worker"
 REFERENCE_KIND = "ckpt-resume-reference"
 SUPPORTED_FORMATS = ("deepspeed_zero", "deepspeed_pipeline", "deepspeed_universal")
-DS_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 # Keys a training script may keep in the client state for the loss at the checkpoint (Megatron logs it
 # elsewhere; many custom loops save one of these).
 CLIENT_LOSS_KEYS = ("loss", "lm_loss", "train_loss", "last_loss")
@@ -465,53 +465,6 @@ class ResumeResult:
         plan = asdict(self.plan)
         return {"ok": self.ok, "plan": plan, "setup": self.setup, "loaded": self.loaded,
                 "records": [asdict(r) for r in self.records], "checks": [asdict(c) for c in self.checks]}
-
-
-def _ds_scheduler_lr(sched: dict[str, Any], position: int, group_lrs: list[float]) -> list[float]:
-    """The LR DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR give at `last_batch_iteration=position`.
-
-    From their documented semantics: warm up from the min LR (ratio) to the max over `warmup_num_steps`
-    (at least 2) iterations, by log(position + 1) / log(n) or position / n; then WarmupLR stays at the max,
-    WarmupDecayLR falls linearly to 0 at `total_num_steps`, WarmupCosineLR follows a half cosine down to
-    `cos_min_ratio`. Before the first step (position < 0) the LR is the min (0 for the cosine one).
-    """
-    kind, params = sched["type"], sched.get("params", {})
-    n_groups = len(group_lrs)
-
-    def per_group(v: Any) -> list[float]:
-        return [float(x) for x in v] if isinstance(v, (list, tuple)) else [float(v)] * n_groups
-
-    n = max(2, int(params.get("warmup_num_steps", 1000)))
-    log_warmup = params.get("warmup_type", "log") != "linear"
-
-    def warm(pos: int) -> float:
-        return math.log(pos + 1) / math.log(n) if log_warmup else pos / n
-
-    if kind == "WarmupCosineLR":
-        if position < 0:
-            return [0.0] * n_groups
-        if position < n:
-            lo = float(params.get("warmup_min_ratio", 0.0))
-            ratio = lo + warm(position) * (1.0 - lo)
-        else:
-            total = int(params["total_num_steps"])
-            progress = min(1.0, (position - n + 1) / max(1, total - n))
-            cos_min = float(params.get("cos_min_ratio", 0.0001))
-            ratio = max(0.0, cos_min + (1.0 - cos_min) * (1 + math.cos(math.pi * progress)) / 2)
-        return [lr * ratio for lr in group_lrs]
-
-    lo = per_group(params.get("warmup_min_lr", 0.0))
-    hi = per_group(params["warmup_max_lr"]) if params.get("warmup_max_lr") is not None else list(group_lrs)
-    if position < 0:
-        return lo
-    if position < n:
-        gamma = warm(position)
-    elif kind == "WarmupDecayLR":
-        total = int(params["total_num_steps"])
-        gamma = max(0.0, (total - position) / max(1.0, total - n))
-    else:
-        gamma = 1.0
-    return [a + (b - a) * gamma for a, b in zip(lo, hi)]
 
 
 def expected_lrs(plan: ResumePlan, setup: dict[str, Any]) -> tuple[list[list[float]] | None, str]:
