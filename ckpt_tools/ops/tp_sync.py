@@ -252,12 +252,15 @@ def _replicas(ck: Checkpoint, layout: TPLayout) -> tuple[list[_Replica], list[st
 def shard_values(shard: Any):
     """(float64 values, raw bit patterns, dtype name) of one TP shard, flattened, read with numpy: no torch on
     the check path (bf16, which numpy lacks, is widened from its bit patterns: the top half of a float32).
-    `shard` is a TensorNode (its pieces read one by one) or anything with `read_numpy()`."""
+    `shard` is a TensorNode (its pieces read one by one), anything with `read_numpy()`, or a torch tensor."""
     import numpy as np
 
-    dtype = str(getattr(shard, "dtype", ""))
+    dtype = str(getattr(shard, "dtype", "")).replace("torch.", "")
     pieces = getattr(shard, "pieces", None)
-    if pieces:
+    if hasattr(shard, "detach"):  # a torch tensor (to-universal compares tensors it already read)
+        t = shard.detach().contiguous().reshape(-1)
+        raw = (t.view(__import__("torch").int16) if dtype == "bfloat16" else t).numpy()
+    elif pieces:
         first = pieces[0].ref.read_numpy(pieces[0].src_offset, pieces[0].numel)
         raw = np.empty(math.prod(shard.shape), dtype=first.dtype)
         for p in pieces:
