@@ -105,6 +105,38 @@ def run_cli(*args, timeout: float = 300) -> subprocess.CompletedProcess:
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+def run_on_terminal(*args, stream: str = "stdout", columns: int = 80, env: dict | None = None,
+                    timeout: float = 300) -> tuple[int, str, str]:
+    """Run `ckpt ARGS` with `stream` ("stdout" or "stderr") on a pseudo-terminal `columns` wide, as a person
+    does; returns (exit code, everything written to the terminal, the other stream)."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    streams = {"stdout": slave, "stderr": subprocess.PIPE} if stream == "stdout" else \
+        {"stdout": subprocess.PIPE, "stderr": slave}
+    proc = subprocess.Popen([sys.executable, "-c", "from cli.main import main; main()", *map(str, args)], cwd=ROOT,
+                            stdin=subprocess.DEVNULL, env=env, **streams)
+    os.close(slave)
+    seen = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the process closed its side
+            break
+        if not chunk:
+            break
+        seen.append(chunk)
+    other = (proc.stderr if stream == "stdout" else proc.stdout).read().decode(errors="replace")
+    proc.wait(timeout=timeout)
+    os.close(master)
+    return proc.returncode, b"".join(seen).decode(errors="replace"), other
+
+
 def fail_at(stage: str, nth: int = 1):
     """An `io.execute` on_stage callback that raises at the `nth` (1-based) time it reaches `stage`."""
     seen = []

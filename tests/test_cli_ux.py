@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SAMPLES, run_cli, sample
+from conftest import ROOT, SAMPLES, run_cli, run_on_terminal, sample
 
 
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
@@ -27,30 +27,10 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
 def run_tty(*args, columns: int = 80) -> str:
     """`ckpt ARGS` with stdout on a terminal `columns` wide (a pseudo-terminal), as a person runs it; the
     text it printed (no colour: NO_COLOR)."""
-    import fcntl
-    import pty
-    import struct
-    import termios
-
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
     env = {**os.environ, "COLUMNS": str(columns), "NO_COLOR": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", "from cli.main import main; main()", *map(str, args)], cwd=ROOT,
-                            stdout=slave, stderr=subprocess.PIPE, env=env)
-    os.close(slave)
-    out = []
-    while True:
-        try:
-            data = os.read(master, 65536)
-        except OSError:  # EIO: the child closed the terminal
-            break
-        if not data:
-            break
-        out.append(data)
-    os.close(master)
-    err = proc.stderr.read().decode()
-    assert proc.wait(timeout=120) == 0, err
-    return b"".join(out).decode().replace("\r\n", "\n")
+    code, out, err = run_on_terminal(*args, columns=columns, env=env, timeout=120)
+    assert code == 0, err
+    return out.replace("\r\n", "\n")
 
 
 # --- pointing at the wrong path ----------------------------------------------------------------------------

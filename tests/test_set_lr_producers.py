@@ -50,6 +50,13 @@ def copy_to(group: str, name: str, folder):
     return dst
 
 
+def untouched_resume_and_a_copy(copy_sample, tmp_path, name: str, inner: str):
+    """(the records of a resume of an untouched copy of sample `name`, a second copy to edit)."""
+    group, path = where(name)
+    untouched = producer_resume(name, copy_sample(group, path) / inner, tmp_path)
+    return untouched, copy_to(group, path, tmp_path / "edited")
+
+
 def _halved(recs: list[dict], ref: list[dict], keys: tuple[str, ...]) -> None:
     assert [r["step"] for r in recs] == [r["step"] for r in ref]
     for r, u in zip(recs, ref):
@@ -60,9 +67,7 @@ def _halved(recs: list[dict], ref: list[dict], keys: tuple[str, ...]) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name,keys,inner", PRODUCERS, ids=IDS)
 def test_scale_half_every_resumed_step_runs_at_half_the_lr(copy_sample, tmp_path, name, keys, inner):
-    group, path = where(name)
-    untouched = producer_resume(name, copy_sample(group, path) / inner, tmp_path)
-    ck = copy_to(group, path, tmp_path / "edited")
+    untouched, ck = untouched_resume_and_a_copy(copy_sample, tmp_path, name, inner)
     listing = sorted(p.relative_to(ck) for p in ck.rglob("*")) if ck.is_dir() else []
     cli("set-lr", ck, "--scale", "0.5", "--yes")
     if ck.is_dir():  # no stray file inside the checkpoint (backups and the journal live outside it)
@@ -77,9 +82,7 @@ def test_scale_half_every_resumed_step_runs_at_half_the_lr(copy_sample, tmp_path
 @pytest.mark.slow
 @pytest.mark.parametrize("name,keys,inner", PRODUCERS, ids=IDS)
 def test_set_optimizer_step_continues_adam_from_it(copy_sample, tmp_path, name, keys, inner):
-    group, path = where(name)
-    untouched = producer_resume(name, copy_sample(group, path) / inner, tmp_path)
-    ck = copy_to(group, path, tmp_path / "edited")
+    untouched, ck = untouched_resume_and_a_copy(copy_sample, tmp_path, name, inner)
     cli("set-step", ck, "--optimizer-step", "10", "--yes")
     assert json.loads(cli("inspect", ck, "--json").stdout)["counters"]["optimizer_step"] == 10
     recs = producer_resume(name, ck / inner, tmp_path)

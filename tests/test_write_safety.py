@@ -7,25 +7,21 @@ Run as an ordinary user, the same tests need no dropping. They skip only where n
 """
 from __future__ import annotations
 
-import fcntl
 import functools
 import json
 import os
-import pty
 import re
 import shutil
 import signal
 import stat
-import struct
 import subprocess
 import sys
-import termios
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, run_on_terminal
 from hostile.runner import snapshot
 
 from ckpt_tools import io, open_checkpoint
@@ -413,23 +409,8 @@ def test_ctrl_c_during_resume_says_what_it_left(copy_sample, tmp_path):
 def on_a_terminal(*args) -> tuple[int, str]:
     """Run `ckpt ARGS` with stderr on a pseudo-terminal (120 columns), as a person does; returns exit code and
     everything written to that terminal."""
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
-    p = subprocess.Popen([*CLI, *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE, stderr=slave,
-                         stdin=subprocess.DEVNULL)
-    os.close(slave)
-    seen = b""
-    while True:
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:  # EIO: the process closed its side
-            break
-        if not chunk:
-            break
-        seen += chunk
-    p.communicate(timeout=300)
-    os.close(master)
-    return p.returncode, seen.decode(errors="replace")
+    code, term, _ = run_on_terminal(*args, stream="stderr", columns=120)
+    return code, term
 
 
 @pytest.mark.parametrize("argv,desc", [(["set-lr", "--scale", "0.5"], "set-lr"),

@@ -1,9 +1,9 @@
 """A single `torch.save` file (zip or legacy) or pickle: a training dict, a bare state dict, anything.
 
 Recognises the common training-dict conventions to fill the header: `model`/`state_dict`/`module`
-for weights, `optimizer`/`optim` for a torch optimizer state dict, `scheduler`/`lr_scheduler` for a
-scheduler state dict, and `step`/`global_step`/`iteration` for the loop counter. A bare state dict
-(name -> tensor) is the model.
+for weights; optimizer and scheduler state dicts by shape (`state.is_optimizer_state` /
+`is_scheduler_state`), one or a list of them (Lightning); the loop counter by `state.COUNTER_KEYS`. A bare
+state dict (name -> tensor) is the model.
 """
 from __future__ import annotations
 
@@ -18,9 +18,7 @@ from . import _common as C
 
 FORMAT = "torch_file"
 MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module", "model_state")
-OPTIM_KEYS = ("optimizer", "optim", "optimizer_state_dict", "optimizer_state")
 SCHED_KEYS = ("scheduler", "lr_scheduler", "scheduler_state_dict", "sched")
-STEP_KEYS = ("global_step", "step", "iteration", "steps")
 
 
 def sniff(path: Path) -> bool:
