@@ -25,6 +25,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
                   help="Inspect and repair large-model training checkpoints.",
                   pretty_exceptions_enable=False)
 
+from . import export as _export  # noqa: E402
 from . import inspect as _inspect  # noqa: E402
 from . import resume as _resume  # noqa: E402
 from . import samples as _samples  # noqa: E402
@@ -35,6 +36,7 @@ from . import tp_sync as _tp_sync  # noqa: E402
 _inspect.register(app)
 _samples.register(app)
 _to_universal.register(app)
+_export.register(app)
 _tp_sync.register(app)
 _resume.register(app)
 _set_lr.register(app)
