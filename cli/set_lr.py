@@ -1,4 +1,4 @@
-"""`ckpt set-lr`, `ckpt set-step`, `ckpt diff`, `ckpt restore`: LR and counter surgery, planned and undoable.
+"""`ckpt set-lr`, `ckpt set-step`, `ckpt restore` (`ckpt diff`: cli/diff.py): LR and counter surgery, planned and undoable.
 
 Every write goes through `ckpt_tools.io.execute` (staged outside the checkpoint, originals hard-linked
 into `<parent>/.ckpt-backups/<name>/<time>-<cmd>/files/` or `--backup-dir`, atomic renames, re-verified,
@@ -208,40 +208,6 @@ def set_step_cmd(
     return _run(lp, dry_run=dry_run, yes=yes, json_out=json_out, backup_dir=backup_dir)
 
 
-def diff_cmd(
-    before: Path = typer.Argument(..., help="checkpoint (file or folder) before"),
-    after: Path = typer.Argument(..., help="checkpoint (file or folder) after"),
-    atol: float = typer.Option(0.0, "--atol", min=0.0, help="absolute tolerance (default 0: bit-exact)"),
-    rtol: float = typer.Option(0.0, "--rtol", min=0.0, help="relative tolerance (torch.allclose semantics)"),
-    json_out: bool = typer.Option(False, "--json", help="machine-readable report"),
-) -> int:
-    """What changed between two checkpoints, field by field and tensor by tensor. Exit 1 when they differ."""
-    from rich.markup import escape
-
-    from ckpt_tools.ops import diff as ops
-
-    report = ops.diff(before, after, atol, rtol)
-    if json_out:
-        output.print_json(report.to_json())
-        return 0 if report.same else 1
-    con = output.console()
-    tol = f"atol={atol:g} rtol={rtol:g}" + ("  (bit-exact)" if not atol and not rtol else "")
-    con.print(f"[bold]diff[/]  {escape(str(before))} -> {escape(str(after))}  {tol}", soft_wrap=True)
-    last = None
-    for file, fieldname, what in ops.iter_lines(report):
-        if file != last:
-            con.print(f"  [cyan]{escape(file)}[/]", soft_wrap=True)
-            last = file
-        con.print(f"      {escape(fieldname) or '(file)'}  {escape(output.short_numbers(what))}", soft_wrap=True)
-    summary = (f"{output.plural(report.files_compared, 'file')}, {output.plural(report.tensors_compared, 'tensor')} compared "
-               f"({report.tensors_read} read)" + (f", {report.within_tolerance} within tolerance" if report.within_tolerance else ""))
-    if report.same:
-        con.print(f"[green]same[/]: {summary}")
-    else:
-        con.print(f"[red]{len(report.differences)} differences[/]: {summary}")
-    return 0 if report.same else 1
-
-
 def restore_cmd(
     path: Path = typer.Argument(..., help="the checkpoint a ckpt write changed"),
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask for confirmation"),
@@ -299,7 +265,6 @@ def restore_cmd(
 def register(app: typer.Typer) -> None:
     app.command("set-lr")(set_lr_cmd)
     app.command("set-step")(set_step_cmd)
-    app.command("diff")(diff_cmd)
     app.command("restore")(restore_cmd)
 
 
