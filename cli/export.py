@@ -12,27 +12,52 @@ from . import output
 from .to_universal import _bar
 
 
+def _named(e: CkptError) -> CkptError:
+    """The same error, its message naming the command."""
+    if e.message.startswith("ckpt export"):
+        return e
+    new = type(e).__new__(type(e))
+    CkptError.__init__(new, f"ckpt export: {e.message}", path=e.path, hint=e.hint)
+    return new
+
+
 def export_cmd(
-    ckpt: str = typer.Argument(..., metavar="PATH", help="checkpoint to export"),
+    ckpt: str = typer.Argument(..., metavar="PATH", help="checkpoint to export (any format ckpt reads)"),
     out: str = typer.Argument(..., metavar="OUT", help="OUT.safetensors in an existing folder (sharded: "
-                              "OUT-0000i-of-0000N.safetensors + index json)"),
+                              "OUT-0000i-of-0000N.safetensors + index json); with --hf a new folder"),
+    hf: bool = typer.Option(False, "--hf", help="write a folder from_pretrained loads: model[-0000i-of-0000N]"
+                            ".safetensors + index, config.json / generation_config.json copied, tied aliases "
+                            "left out as save_pretrained does"),
     dtype: Optional[str] = typer.Option(None, "--dtype", metavar="DTYPE", help="bf16, fp16 or fp32 (default: as "
                                         "stored)"),
     max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", metavar="SIZE", help="with a unit: "
                                                  "5GB, 500MB, 2GiB; default one file"),
-    source: str = typer.Option("fp32", "--source", metavar="WEIGHTS", help="fp32 (the fp32 master, like "
-                               "zero_to_fp32) or module"),
+    source: str = typer.Option("fp32", "--source", metavar="WEIGHTS", help="fp32 (the fp32 master where saved, "
+                               "like zero_to_fp32) or module"),
+    dedupe_tied: bool = typer.Option(False, "--dedupe-tied", help="write a tied parameter once (default: under "
+                                     "every name, as zero_to_fp32 does)"),
+    exclude_frozen: bool = typer.Option(False, "--exclude-frozen", help="leave out parameters that do not train"),
+    include: Optional[List[str]] = typer.Option(None, "--include", metavar="REGEX", help="only names matching "
+                                                "(repeatable)"),
+    exclude: Optional[List[str]] = typer.Option(None, "--exclude", metavar="REGEX", help="leave out names "
+                                                "matching (repeatable)"),
     tp_layout: Optional[str] = typer.Option(None, "--tp-layout", metavar="NAME", help="megatron (TP checkpoints "
                                             "without info)"),
     pattern: Optional[List[str]] = typer.Option(None, "--pattern", metavar="REGEX=MERGE", help="TP merge "
                                                 "overrides (repeatable)"),
+    verify: bool = typer.Option(False, "--verify", help="re-read the written files and compare them with the "
+                                "checkpoint tensor for tensor before putting them in place"),
     dry_run: bool = typer.Option(False, "--dry-run", help="show the files that would be written"),
+    yes: bool = typer.Option(False, "--yes", "-y", help="do not ask (export writes only new files, so it never "
+                             "asks)"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
 ) -> None:
-    """Write consolidated model weights as safetensors (loadable by safetensors.torch.load_file)."""
+    """Write consolidated model weights as safetensors (loadable by safetensors.torch.load_file; with --hf by
+    transformers' from_pretrained)."""
     folder = Path(out).parent
     if not folder.is_dir():
-        raise CkptError(f"the folder {folder} does not exist", path=out, hint=f"create it first: mkdir -p {folder}")
+        raise CkptError(f"ckpt export: the folder {folder} does not exist", path=out,
+                        hint=f"create it first: mkdir -p {folder}")
     if max_shard_size is not None and max_shard_size.strip().isdigit():
         n = int(max_shard_size)
         raise CkptError(f"--max-shard-size {max_shard_size}: give a unit, e.g. {n}GB or {n}MB (a bare number would "
@@ -41,31 +66,51 @@ def export_cmd(
     from ckpt_tools.ops import export as ops
 
     try:
-        size = ops.parse_size(max_shard_size) if max_shard_size else None
-        plan = ops.plan_export(ckpt, out, dtype=dtype, max_shard_size=size, source_weights=source,
-                               tp_layout=tp_layout, patterns=pattern or ())
-    except ValueError as e:
-        raise typer.BadParameter(str(e))
-    if dry_run:
-        if json_out:
-            output.print_json(plan.to_json())
-        else:
-            con = output.console()
-            for f in plan.to_json()["files"]:
-                con.print(f"{f['path']}: {output.plural(f['tensors'], 'tensor')}, {f['bytes']:,} bytes "
-                          f"({plan.weights_from})")
-        return
-    with _bar(plan.nbytes, json_out, "export") as bar:
-        res = ops.execute(plan, progress=bar.update)
-    doc = {"files": [str(f) for f in res.files], "index": str(res.index) if res.index else None,
-           "tensors": res.tensors, "bytes": res.bytes, "weights_from": plan.weights_from}
+        try:
+            size = ops.parse_size(max_shard_size) if max_shard_size else None
+            plan = ops.plan_export(ckpt, out, dtype=dtype, max_shard_size=size, source_weights=source,
+                                   tp_layout=tp_layout, patterns=pattern or (), hf=hf,
+                                   tied="dedupe" if dedupe_tied else ("all" if not hf else "dedupe"),
+                                   include_frozen=not exclude_frozen, include=include or None,
+                                   exclude=exclude or None)
+        except ValueError as e:
+            raise typer.BadParameter(str(e))
+        doc = plan.to_json()
+        if dry_run:
+            if json_out:
+                output.print_json({**doc, "dry_run": True})
+            else:
+                con = output.console()
+                for f in doc["files"]:
+                    con.print(f"{f['path']}: {output.plural(f['tensors'], 'tensor')}, {f['bytes']:,} bytes "
+                              f"({plan.weights_from})")
+                if doc["index"]:
+                    con.print(f"{doc['index']}: index")
+                for c in doc["copies"]:
+                    con.print(f"{c}: copied")
+                for why, names in doc["left_out"].items():
+                    con.print(f"left out ({why}): {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}")
+                con.print("dry run: nothing written")
+            return
+        with _bar(plan.nbytes, json_out, "export") as bar:
+            res = ops.execute(plan, progress=bar.update, verify=verify)
+    except CkptError as e:
+        raise _named(e) from None
+    files = [str(plan.out / f.name) if plan.hf else str(f) for f in res.files]
+    index = (str(plan.out / res.index.name) if plan.hf else str(res.index)) if res.index else None
+    result = {"out": str(plan.out), "hf": plan.hf, "files": files, "index": index,
+              "copies": [str(c) for c in res.copies], "tensors": res.tensors, "bytes": res.bytes,
+              "kinds": doc["kinds"], "left_out": doc["left_out"], "weights_from": plan.weights_from,
+              "verified": res.verified}
     if json_out:
-        output.print_json(doc)
+        output.print_json(result)
     else:
-        output.console().print(f"[green]wrote[/] {', '.join(doc['files'])}"
-                               + (f" + {doc['index']}" if doc["index"] else "")
-                               + f"  ({output.plural(res.tensors, 'tensor')}, {res.bytes:,} bytes, "
-                                 f"{plan.weights_from})")
+        kinds = ", ".join(f"{n} {k}" for k, n in doc["kinds"].items())
+        output.console().print(f"[green]wrote[/] {plan.out if plan.hf else ', '.join(files)}"
+                               + (f" + {index}" if index and not plan.hf else "")
+                               + f"  ({output.plural(res.tensors, 'tensor')}: {kinds}; {res.bytes:,} bytes, "
+                                 f"{plan.weights_from})"
+                               + (f"; verified {res.verified} tensors" if res.verified is not None else ""))
 
 
 def register(app: typer.Typer) -> None:

@@ -28,7 +28,7 @@ def test_export_equals_zero_to_fp32(name, tmp_path):
     src = sample("deepspeed", name)
     E.execute(E.plan_export(src, tmp_path / "m.safetensors"))
     got, ref = load_file(tmp_path / "m.safetensors"), zero_to_fp32(src)
-    assert list(got) == list(ref) and len(ref) == 29
+    assert set(got) == set(ref) and len(ref) == 29
     for k in ref:
         assert got[k].dtype == ref[k].dtype == torch.float32 and torch.equal(got[k], ref[k]), k
 

@@ -71,6 +71,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
         warnings += [w for w in inner.warnings if w.code != "stray-file"]
 
     model_names: list[str] = []
+    model_shapes: dict[str, Any] | None = None
     for mf in _model_files(path):
         key = "model" if mf.stem in ("model", "pytorch_model") else mf.stem
         if mf.suffix == ".safetensors":
@@ -84,6 +85,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
             # torch.save of a state dict keeps module order, the order torch numbers optimizer params in
             if key == "model" and isinstance(obj, dict):
                 model_names = [k for k, v in obj.items() if isinstance(v, TensorRef)]
+                model_shapes = {k: tuple(v.shape) for k, v in obj.items() if isinstance(v, TensorRef)}
         files.append(C.file_info(mf, path, "model"))
 
     from .torch_file import optimizer_tree
@@ -96,8 +98,9 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
         key = "optimizer" if of.stem == "optimizer" else of.stem
         # safetensors stores tensors sorted by name, not in parameter order, so optimizer ids can only
         # be named from a torch state dict or from param_names saved in the param groups
-        named = _param_names_from_groups(osd) or model_names
-        tree[key] = optimizer_tree(osd, named, of.name)
+        from_groups = _param_names_from_groups(osd)
+        named = from_groups or model_names
+        tree[key] = optimizer_tree(osd, named, of.name, None if from_groups else model_shapes)
         steps_seen += C.optimizer_steps(tree[key].children.get("state"))
         files.append(C.file_info(of, path, "optimizer"))
         if not named:
@@ -187,3 +190,16 @@ def training_state(ck: Checkpoint):
         sources.append(StateSource(p, p.name, index=_object_index(p.stem)))
     return StateMap(root, tuple(sources), scheduler_steps_per_update=int(ck.details.get("world_size") or 1))
 
+
+
+def logical_layout(ck: Checkpoint) -> dict[str, Any]:
+    """Under DeepSpeed, the tag folder's `shared_params` / frozen / buffer names (`ckpt_tools.logical`)."""
+    from . import deepspeed
+
+    root = Path(ck.path)
+    tag = C.read_latest(root)
+    tag_dir = root / tag if tag and (root / tag).is_dir() else None
+    if tag_dir is None:
+        dirs = [d for d in sorted(root.iterdir()) if d.is_dir() and any(d.glob("*mp_rank_*_model_states.pt"))]
+        tag_dir = dirs[0] if len(dirs) == 1 else None
+    return deepspeed.model_layout(tag_dir) if tag_dir is not None else {}

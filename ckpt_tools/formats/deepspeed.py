@@ -158,6 +158,7 @@ def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
             flat = {"fp32": flats[gi] if gi < len(flats) else None,
                     "exp_avg": gstate.get("exp_avg") if isinstance(gstate, dict) else None,
                     "exp_avg_sq": gstate.get("exp_avg_sq") if isinstance(gstate, dict) else None}
+            flat.update(_other_flat_states(gstate, flat["fp32"]))
             if isinstance(flat["fp32"], TensorRef):
                 master_dtype = flat["fp32"].dtype
             stepv = gstate.get("step") if isinstance(gstate, dict) else None
@@ -200,6 +201,17 @@ def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
                          lrs_by_rank, extras, master_dtype)
 
 
+def _other_flat_states(gstate: Any, fp32: Any) -> dict[str, TensorRef]:
+    """Per-element optimizer state other than Adam's moments, flat like the fp32 partition (SGD's
+    `momentum_buffer`, Adagrad's `sum`, a client optimizer's own buffers): every tensor of the group's
+    state with as many elements as the partition. `step` and other small tensors are not per element."""
+    if not isinstance(gstate, dict) or not isinstance(fp32, TensorRef):
+        return {}
+    return {str(k): v for k, v in gstate.items()
+            if k not in ("exp_avg", "exp_avg_sq", "step", "fp32") and isinstance(v, TensorRef)
+            and v.numel == fp32.numel and v.numel > 1}
+
+
 def _fragments(stage, osd, gi, shapes, rank, dp) -> dict[str, tuple[int, int, int]]:
     """name -> (offset in this rank's flat group, count, offset inside the parameter) for one group."""
     out: dict[str, tuple[int, int, int]] = {}
@@ -222,6 +234,11 @@ def _fragments(stage, osd, gi, shapes, rank, dp) -> dict[str, tuple[int, int, in
     # minus where the parameter starts in it; both follow from param order and partition sizes
     flat_sizes = osd.get("single_partition_of_fp32_groups") or []
     part_size = flat_sizes[gi].numel if gi < len(flat_sizes) and isinstance(flat_sizes[gi], TensorRef) else 0
+    # every rank's partition has the same size in the flat buffer; the last rank saves its partition without
+    # the alignment padding at the end of the group (`group_paddings`), so its saved tensor is shorter
+    paddings = osd.get("group_paddings")
+    if isinstance(paddings, list) and gi < len(paddings) and as_int(paddings[gi]):
+        part_size += as_int(paddings[gi])
     part_begin = rank * part_size
     param_begin = 0
     begins: dict[str, int] = {}
@@ -295,6 +312,8 @@ def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks:
         elif opt and name in opt.state and "fp32" in opt.state[name]:
             model[name] = opt.state[name]["fp32"]
             weight_source = "fp32 master (ZeRO-3 saves no module weights)"
+    if stage == 3 and frozen:
+        model.update(_z3_frozen_nodes(cache, first_rank, frozen, dp_size, {n for n in frozen if n not in model}))
     for name in buffers:
         if isinstance(module.get(name), TensorRef):
             model[name] = tensor_node(module[name], rel_ms)
@@ -364,6 +383,88 @@ def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks:
         lr=LearningRates(param_groups=lrs, base_lrs=base_lrs, last_lr=last_lr),
         parameter_count=param_count, parameter_tensors=param_tensors, files=tuple(files),
         warnings=tuple(warnings), dtypes=tuple(dtypes), details=details)
+
+
+def _z3_frozen_nodes(cache: C.LoadCache, rf: RankFiles, frozen: dict, dp: int, wanted: set[str]) -> dict[str, TensorNode]:
+    """ZeRO-3 frozen parameters (requires_grad=False): every DP rank's `zero_pp_rank_D_..._model_states.pt`
+    holds its `ceil(numel / dp)`-element fragment in `frozen_param_fragments` (the last one padded), the same
+    split as a trainable parameter's; the fragments in rank order, cut to numel, are the parameter."""
+    out: dict[str, TensorNode] = {}
+    if not wanted or not rf.z3_model:
+        return out
+    frags: dict[int, dict] = {}
+    for d, p in sorted(rf.z3_model.items()):
+        if d >= dp:
+            continue
+        obj = cache.load(p).obj
+        f = obj.get("frozen_param_fragments") if isinstance(obj, dict) else None
+        frags[d] = (f if isinstance(f, dict) else {}, cache.rel(p))
+    for name in frozen:
+        if name not in wanted:
+            continue
+        shape = tuple(frozen[name])
+        numel = math.prod(shape)
+        part = math.ceil(numel / dp) if numel else 0
+        pieces = []
+        for d in range(dp):
+            frag, rel = frags.get(d, ({}, ""))
+            ref = frag.get(name)
+            cnt = max(0, min(part, numel - d * part))
+            if not cnt:
+                continue
+            if not isinstance(ref, TensorRef) or ref.numel < cnt:
+                raise CorruptCheckpoint(f"frozen parameter {name}: the fragment of DP rank {d} is missing or short",
+                                        path=rf.z3_model.get(d), hint="the rank files are from different runs")
+            pieces.append(Piece(rel, ref, 0, cnt, d * part, {"tp": rf.mp_rank, "dp": d}))
+        if pieces:
+            out[name] = TensorNode(shape, pieces[0].ref.dtype, tuple(pieces))
+    return out
+
+
+def model_layout(tag_dir: Path, cache: C.LoadCache | None = None) -> dict[str, Any]:
+    """What a DeepSpeed tag folder's model-states file says about the model beyond its trainable parameters
+    (what `zero_to_fp32` uses): {"order": every state-dict name in the module's own order (ZeRO-3 keeps
+    empty placeholders under every name), "frozen": names of parameters with requires_grad=False,
+    "tied": {alias: source} (DeepSpeed's `shared_params`: the alias is written with the source's value),
+    "buffers": buffer names, "groups": the trainable names of each param group (`param_shapes`)}. Reads the one model-states file (metadata; no tensor bytes)."""
+    cache = cache or C.LoadCache(tag_dir)
+    ranks = list_rank_files(tag_dir)
+    out: dict[str, Any] = {"order": [], "frozen": [], "tied": {}, "buffers": [], "groups": []}
+    if not ranks:
+        return out
+    rf = ranks[min(ranks)]
+    ms_path = rf.model_states or (rf.z3_model and rf.z3_model[min(rf.z3_model)])
+    if not ms_path:
+        return out
+    ms = cache.load(ms_path).obj
+    if not isinstance(ms, dict):
+        return out
+    module = ms.get("module") if isinstance(ms.get("module"), dict) else {}
+    groups = [list(g) for g in _shape_groups(ms.get("param_shapes"))]
+    names = [n for g in groups for n in g]
+    frozen = ms.get("frozen_param_shapes") if isinstance(ms.get("frozen_param_shapes"), dict) else {}
+    shared = ms.get("shared_params") if isinstance(ms.get("shared_params"), dict) else {}
+    buffers = [str(b) for b in ms.get("buffer_names") or []]
+    frozen_names = [str(n) for n in frozen]
+    if not frozen_names and module:
+        known = set(names) | set(buffers) | {str(k) for k in shared}
+        frozen_names = [str(n) for n, r in module.items()
+                        if isinstance(r, TensorRef) and r.numel > 0 and str(n) not in known]
+    order = [str(n) for n in module] if module else []
+    for n in [*buffers, *frozen_names, *names, *map(str, shared)]:
+        if n not in order:
+            order.append(n)
+    out.update(order=order, frozen=frozen_names, tied={str(k): str(v) for k, v in shared.items()}, buffers=buffers,
+               groups=groups)
+    return out
+
+
+def logical_layout(ck: Checkpoint) -> dict[str, Any]:
+    """`model_layout` of the tag folder this Checkpoint was read from (`ckpt_tools.logical` asks for it)."""
+    root = Path(ck.path)
+    tag = ck.details.get("tag")
+    tag_dir = root / tag if tag and (root / str(tag)).is_dir() else root
+    return model_layout(tag_dir)
 
 
 def _optimizer_node(opt: ZeroOptimizer) -> GroupNode:

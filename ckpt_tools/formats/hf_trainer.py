@@ -208,3 +208,69 @@ def training_state(ck: Checkpoint):
             sources.append(StateSource(folder / name, rel(folder / name)))
     sources.append(StateSource(folder / STATE_FILE, rel(folder / STATE_FILE), kind="json"))
     return StateMap(root, tuple(sources))
+
+
+def logical_layout(ck: Checkpoint) -> dict[str, Any]:
+    """The model beyond its saved tensors (`ckpt_tools.logical`): under DeepSpeed, the tag folder's
+    `shared_params` / frozen / buffer names; and the tied weights `config.json` implies (GPT-2's lm_head, left
+    out of model.safetensors by `save_pretrained` when `tie_word_embeddings`)."""
+    from . import deepspeed
+
+    folder = checkpoint_folder(ck)
+    out: dict[str, Any] = {}
+    tag = C.read_latest(folder)
+    if tag and (folder / tag).is_dir():
+        out = deepspeed.model_layout(folder / tag)
+    hf = hf_model_layout(folder)
+    if hf:
+        out.setdefault("order", [])
+        out["order"] = out["order"] or hf["order"]
+        out["tied"] = {**hf["tied"], **(out.get("tied") or {})}
+        out["buffers"] = out.get("buffers") or hf["buffers"]
+    return out
+
+
+_HF_LAYOUTS: dict[tuple[str, float], dict[str, Any]] = {}
+
+
+def hf_model_layout(folder: Path) -> dict[str, Any]:
+    """{"order", "tied", "buffers"} of the transformers model `folder/config.json` describes, built on the meta
+    device (no weights, no download, no remote code): the state-dict order, {alias: source} for parameters
+    that are one tensor under two names, persistent buffers. {} without a config.json or transformers, or for
+    a config transformers cannot build."""
+    cfg = folder / "config.json"
+    if not cfg.is_file():
+        return {}
+    try:
+        doc = json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(doc, dict) or doc.get("auto_map"):
+        return {}  # a model with its own code: never run it
+    key = (str(cfg.resolve()), cfg.stat().st_mtime)
+    if key in _HF_LAYOUTS:
+        return _HF_LAYOUTS[key]
+    out: dict[str, Any] = {}
+    try:
+        import torch
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
+        with torch.device("meta"):
+            try:
+                model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+            except ValueError:
+                model = transformers.AutoModel.from_config(config, trust_remote_code=False)
+        first: dict[int, str] = {}
+        tied: dict[str, str] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            src = first.setdefault(id(p), n)
+            if src != n:
+                tied[n] = src
+        sd = model.state_dict()
+        param_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        out = {"order": list(sd), "tied": tied, "buffers": [n for n in sd if n not in param_names]}
+    except Exception:  # a config this transformers cannot build: nothing more than the files say
+        out = {}
+    _HF_LAYOUTS[key] = out
+    return out

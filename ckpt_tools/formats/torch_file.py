@@ -67,21 +67,79 @@ def split_training_dict(obj: Any) -> tuple[Any, list, list, dict[str, Any]]:
     return (obj.get(mk) if mk else None), optims, scheds, rest
 
 
-def optimizer_tree(osd: dict, param_names: list[str], rel: str) -> GroupNode:
+def match_param_ids(group_ids: list[list[Any]], id_shapes: Mapping[Any, Any], names: list[str],
+                    name_shapes: Mapping[str, Any]) -> dict[Any, str] | None:
+    """Param id -> name for a torch optimizer state dict, or None when it cannot be told for sure.
+
+    torch numbers parameters in param_groups order (group 0's, then group 1's, ...), not in model order: with
+    a weight-decay split the ids of group 1 start where group 0's end. Each group's parameters are taken to
+    be in model order (`[p for p in model.parameters() if ...]`); every id then goes to the next unused name
+    of its group whose shape is the shape of its state tensors (`id_shapes`; None: no state, any shape). The
+    answer is kept only when it does not depend on the order the groups are matched in (forward and
+    backward give the same names) and every shape fits."""
+    if sum(len(g) for g in group_ids) != len(names):
+        return None
+
+    def run(order: list[int]) -> dict[Any, str] | None:
+        used: set[str] = set()
+        out: dict[Any, str] = {}
+        for gi in order:
+            pos = 0
+            for i in group_ids[gi]:
+                want = id_shapes.get(i)
+                while pos < len(names) and (names[pos] in used or
+                                            (want is not None and tuple(name_shapes.get(names[pos], ())) != tuple(want))):
+                    pos += 1
+                if pos >= len(names):
+                    return None
+                out[i] = names[pos]
+                used.add(names[pos])
+                pos += 1
+        return out
+
+    fwd = run(list(range(len(group_ids))))
+    if fwd is None or len(group_ids) == 1:
+        return fwd
+    return fwd if run(list(reversed(range(len(group_ids))))) == fwd else None
+
+
+def _state_shapes(state: Mapping) -> dict[Any, Any]:
+    """id -> the shape of its per-element state tensors (the first tensor of more than one element)."""
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            for x in v.values():
+                if isinstance(x, TensorRef) and x.numel > 1:
+                    out[k] = tuple(x.shape)
+                    break
+    return out
+
+
+def optimizer_tree(osd: dict, param_names: list[str], rel: str,
+                   param_shapes: Mapping[str, Any] | None = None) -> GroupNode:
     """A torch optimizer state dict with integer param ids mapped to parameter names where possible.
 
-    torch numbers parameters in param_groups order; a model state dict lists parameters in the same
-    order as `model.parameters()` when it holds no buffers, which is the common case. When the counts
-    disagree the ids are kept.
+    torch numbers parameters in param_groups order. With `param_shapes` (name -> shape of the model's
+    parameters, in model order) ids are matched by `match_param_ids` (and kept when that cannot tell);
+    without, a model state dict's order is taken as the ids' order (right for one param group).
+    When the counts disagree the ids are kept.
     """
     if is_flattened(osd):
         return flattened_optimizer_tree(osd, rel)
     groups = osd.get("param_groups") if isinstance(osd.get("param_groups"), list) else []
     ids = [i for g in groups if isinstance(g, dict) for i in (g.get("params") or [])]
-    names = param_names if len(param_names) == len(ids) else None
-    id_to_name = {i: names[k] for k, i in enumerate(ids)} if names else {}
     state = osd.get("state") if isinstance(osd.get("state"), dict) else {}
+    if param_shapes is not None:
+        group_ids = [list(g.get("params") or []) for g in groups if isinstance(g, dict)]
+        id_to_name = match_param_ids(group_ids, _state_shapes(state), list(param_names), param_shapes) or {}
+    else:
+        names = param_names if len(param_names) == len(ids) else None
+        id_to_name = {i: names[k] for k, i in enumerate(ids)} if names else {}
     state_node = GroupNode({id_to_name.get(k, str(k)): to_node(v, rel) for k, v in state.items()})
+    if id_to_name and all(i in id_to_name for i in ids):
+        # the names the ids were matched to, beside the ids, as torch saves them for named parameters
+        groups = [{**g, "param_names": [id_to_name[i] for i in g.get("params") or []]}
+                  if isinstance(g, dict) and "param_names" not in g else g for g in groups]
     kids = {"state": state_node, "param_groups": to_node(groups, rel)}
     kids.update({k: to_node(v, rel) for k, v in osd.items() if k not in ("state", "param_groups")})
     return GroupNode(kids)
@@ -105,12 +163,13 @@ def flattened_optimizer_tree(osd: Mapping, rel: str, conv: Callable[[Any, str], 
     return GroupNode({"state": GroupNode({str(k): conv(v, rel) for k, v in state.items()}), "param_groups": shown})
 
 
-def state_nodes(optims: list, scheds: list, tree: dict, rel: str, names: list[str]) -> None:
+def state_nodes(optims: list, scheds: list, tree: dict, rel: str, names: list[str],
+                shapes: Mapping[str, Any] | None = None) -> None:
     """Put optimizer and scheduler states into `tree` as optimizer, optimizer_1, ..., scheduler, ..."""
     from ._common import _numbered
 
     for i, osd in enumerate(optims):
-        tree[_numbered("optimizer", i)] = optimizer_tree(osd, names, rel)
+        tree[_numbered("optimizer", i)] = optimizer_tree(osd, names, rel, shapes)
     for i, sd in enumerate(scheds):
         tree[_numbered("scheduler", i)] = to_node(sd, rel)
 
@@ -125,7 +184,8 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     if isinstance(model, dict):
         tree["model"] = to_node(model, rel)
         names = [k for k, v in model.items() if isinstance(v, TensorRef)]
-    state_nodes(optims, scheds, tree, rel, names)
+    state_nodes(optims, scheds, tree, rel, names,
+                {k: tuple(v.shape) for k, v in model.items() if isinstance(v, TensorRef)} if names else None)
     if rest:
         tree["client_state"] = to_node(rest, rel)
     root = GroupNode(tree)

@@ -1,11 +1,19 @@
-"""`ckpt export`: consolidated model weights as safetensors, from the fp32 master (like DeepSpeed's
-zero_to_fp32) or from the module weights the checkpoint saved.
+"""`ckpt export`: consolidated model weights as safetensors, from any format the tree reads (DeepSpeed ZeRO 1/2/3,
+the Megatron-DeepSpeed pipeline with TP merged, universal, DCP, FSDP1 sharded, Accelerate, HF Trainer, torch and
+safetensors files), through the logical view `ckpt_tools.logical`.
 
-The file is written as a stream: the safetensors header is computed from the tree's shapes and dtypes
-before any tensor is read, then each tensor is read (its ZeRO pieces / TP shards, `to_universal.read_tensor`)
-and appended. Memory stays at one tensor, whatever the model size. Sharded output (`--max-shard-size`)
-follows the Hugging Face convention: `<stem>-00001-of-0000N.safetensors` + `<stem>.safetensors.index.json`.
-Every file is written under a `.ckpt-staging-` name in the target folder and renamed when complete.
+Nothing is lost: tied parameters come under every name (as DeepSpeed's zero_to_fp32 writes them; `tied="dedupe"`
+writes one), frozen parameters at every ZeRO stage (`include_frozen=False` leaves them out), buffers too.
+Weights are the fp32 master where the format keeps one (zero_to_fp32's values) or the saved module weights.
+
+The files are written as a stream: each file's safetensors header is computed from the logical shapes and
+dtypes before any tensor is read, then each tensor is read (one at a time: its ZeRO pieces / TP shards / DCP
+chunks) and appended. Memory stays at one tensor, whatever the model size. Sharded output (`--max-shard-size`)
+follows Hugging Face: `<stem>-00001-of-0000N.safetensors` + `<stem>.safetensors.index.json`; `hf=True` writes a
+folder `from_pretrained` loads (`model[-0000i-of-0000N].safetensors`, the index, config.json and
+generation_config.json copied when the checkpoint has them, tied aliases left out as `save_pretrained` does).
+Everything is written under `.ckpt-staging-` names (a staging folder for `hf`) and renamed when complete;
+`verify` re-reads the output and compares it tensor for tensor with the source.
 """
 from __future__ import annotations
 
@@ -13,19 +21,21 @@ import json
 import math
 import os
 import re
+import shutil
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import CkptError, UnsupportedCheckpoint
-from ..tree import TensorNode
+from ..logical import LogicalTensor
 
 _ST_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 _SIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
          "uint8": 1, "bool": 1}
 _DTYPE_ARG = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", None: None}
+HF_CONFIG_FILES = ("config.json", "generation_config.json")
 
 
 def parse_size(text: str) -> int:
@@ -40,7 +50,7 @@ def parse_size(text: str) -> int:
 @dataclass(frozen=True)
 class ExportTensor:
     name: str
-    node: TensorNode = field(repr=False)
+    source: LogicalTensor = field(repr=False)
     shape: tuple[int, ...]
     dtype: str  # output dtype
 
@@ -48,10 +58,15 @@ class ExportTensor:
     def nbytes(self) -> int:
         return math.prod(self.shape) * _SIZE[self.dtype]
 
+    @property
+    def node(self):
+        return self.source.node
+
 
 @dataclass(frozen=True)
 class ExportPlan:
-    """The files `execute` writes: `shards[i]` is the list of tensors of file `files[i]`."""
+    """The files `execute` writes: `shards[i]` is the list of tensors of file `files[i]`. With `hf`, `out` is a
+    folder (built under `staging` and renamed) and `copies` the config files copied into it."""
 
     source: Path
     out: Path
@@ -59,66 +74,152 @@ class ExportPlan:
     files: tuple[Path, ...]
     shards: tuple[tuple[ExportTensor, ...], ...]
     index: Path | None
+    hf: bool = False
+    copies: tuple[Path, ...] = ()
+    skipped: dict[str, list[str]] = field(default_factory=dict)  # why -> names left out (tied / frozen / filtered)
+    source_format: str = ""
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for s in self.shards for t in s)
 
+    @property
+    def tensors(self) -> tuple[ExportTensor, ...]:
+        return tuple(t for s in self.shards for t in s)
+
     def to_json(self) -> dict[str, Any]:
-        return {"source": str(self.source), "out": str(self.out), "weights_from": self.weights_from,
-                "bytes": self.nbytes, "index": str(self.index) if self.index else None,
+        kinds: dict[str, int] = {}
+        for t in self.tensors:
+            kinds[t.source.kind] = kinds.get(t.source.kind, 0) + 1
+        return {"source": str(self.source), "format": self.source_format, "out": str(self.out), "hf": self.hf,
+                "weights_from": self.weights_from, "bytes": self.nbytes, "tensors": len(self.tensors),
+                "kinds": kinds, "index": str(self.index) if self.index else None,
                 "files": [{"path": str(f), "tensors": len(s), "bytes": sum(t.nbytes for t in s)}
-                          for f, s in zip(self.files, self.shards)]}
+                          for f, s in zip(self.files, self.shards)],
+                "copies": [str(c) for c in self.copies],
+                "left_out": {k: v for k, v in self.skipped.items() if v}}
+
+
+def _open(src: Path, tp_layout: str | None, patterns: Sequence[str]):
+    from ..formats import detect
+    from ..formats import megatron_pipeline as M
+
+    mod = detect(src)
+    if mod is M:
+        return M.open(src, tp_patterns=tuple(patterns))
+    return mod.open(src)
+
+
+def _inside(child: Path, parent: Path) -> bool:
+    try:
+        child.resolve().relative_to(parent.resolve())
+        return True
+    except ValueError:
+        return False
 
 
 def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str | None = None,
                 max_shard_size: int | None = None, source_weights: str = "fp32",
-                tp_layout: str | None = None, patterns: Sequence[str] = ()) -> ExportPlan:
+                tp_layout: str | None = None, patterns: Sequence[str] = (), tied: str = "all",
+                include_frozen: bool = True, include: Sequence[str] | str | None = None,
+                exclude: Sequence[str] | str | None = None, hf: bool = False) -> ExportPlan:
     """Which tensors go into which file. `source_weights`: "fp32" (the optimizer's fp32 master, the same
-    values zero_to_fp32 writes) or "module" (the saved module weights, e.g. bf16)."""
-    from .to_universal import _open_source
+    values zero_to_fp32 writes, where the format has one) or "module" (the saved module weights, e.g. bf16).
+    `hf`: `out` is a new folder for `from_pretrained` (tied aliases left out unless tied="all" is asked
+    for explicitly by passing tied="keep")."""
+    from .. import logical as L
 
     if source_weights not in ("fp32", "module"):
         raise ValueError(f"--source {source_weights!r}: use fp32 or module")
     if dtype not in _DTYPE_ARG:
         raise ValueError(f"--dtype {dtype!r}: use fp32, bf16 or fp16")
     src = Path(source)
-    ck, _, kind = _open_source(src, patterns)
-    if kind == "pipeline" and (ck.topology.tp or 1) > 1 and "universal_checkpoint_info" not in ck.tree.children \
+    out = Path(out)
+    ck = _open(src, tp_layout, patterns)
+    root = Path(ck.path)
+    if root.is_dir() and (_inside(out, root) or _inside(out.parent, root) and not hf):
+        raise CkptError("the output would be inside the checkpoint folder", path=out,
+                        hint=f"write it outside {root}: a file inside a checkpoint folder is a stray file to loaders")
+    if hf and _inside(root, out):
+        raise CkptError("the output folder would contain the checkpoint", path=out, hint="choose a new folder")
+    tp = ck.topology.tp or 1
+    if ck.format == "deepspeed_pipeline" and tp > 1 and ck.details.get("tp_layout") != "universal_checkpoint_info" \
             and tp_layout != "megatron" and not patterns:
         raise UnsupportedCheckpoint("tensor-parallel checkpoint without universal_checkpoint_info", path=src,
                                     hint="pass --tp-layout megatron or --pattern REGEX=MERGE")
-    state = ck.optimizer.children.get("state")
-    tensors: list[ExportTensor] = []
-    for name, node in ck.model.children.items():
-        if not isinstance(node, TensorNode):
+    if tied == "keep":
+        tied_mode = "all"
+    else:
+        tied_mode = "dedupe" if hf else tied
+    try:
+        tensors = L.model_tensors(ck, weights=source_weights, include_frozen=include_frozen, tied=tied_mode,
+                                  include=include, exclude=exclude)
+    except ValueError as e:
+        raise CkptError(str(e), hint="--include / --exclude take Python regular expressions") from None
+    everything = L.model_tensors(ck, weights=source_weights)
+    kept = {t.name for t in tensors}
+    skipped = {"tied": [], "frozen": [], "filtered": []}
+    for t in everything:
+        if t.name in kept:
             continue
-        if source_weights == "fp32" and state is not None and name in state.children \
-                and isinstance(state.children[name].children.get("fp32"), TensorNode):
-            node = state.children[name].children["fp32"]
-        if node.shards and node.merge not in ("replicated",) and not (node.merge or "").startswith("cat:"):
-            raise UnsupportedCheckpoint(f"no TP merge rule for {name}", path=src,
+        if t.kind == "tied" and tied_mode == "dedupe":
+            skipped["tied"].append(t.name)
+        elif t.kind == "frozen" and not include_frozen:
+            skipped["frozen"].append(t.name)
+        else:
+            skipped["filtered"].append(t.name)
+    for t in tensors:
+        n = t.node
+        if getattr(n, "shards", ()) and n.merge in (None, "unknown"):
+            raise UnsupportedCheckpoint(f"no TP merge rule for {t.name}", path=src,
                                         hint="pass --pattern REGEX=MERGE for it")
-        tensors.append(ExportTensor(name, node, tuple(node.shape), _DTYPE_ARG[dtype] or node.dtype))
+        if t.dtype not in _SIZE:
+            raise UnsupportedCheckpoint(f"{t.name} has dtype {t.dtype}, which safetensors export does not write",
+                                        path=src, hint="leave it out with --exclude")
     if not tensors:
-        raise UnsupportedCheckpoint("no model tensors found", path=src)
-    out = Path(out)
+        raise UnsupportedCheckpoint("no model tensors to export" + (" (every tensor was filtered out)"
+                                                                    if everything else ""), path=src,
+                                    hint="check --include / --exclude" if everything else
+                                    "this checkpoint holds no model weights")
+    want = _DTYPE_ARG[dtype]
+    items = [ExportTensor(t.name, t, tuple(t.shape),
+                          want if want and t.dtype in ("float32", "bfloat16", "float16", "float64") else t.dtype)
+             for t in tensors]
     groups: list[list[ExportTensor]] = [[]]
     size = 0
-    for t in tensors:
+    for t in items:
         if max_shard_size and groups[-1] and size + t.nbytes > max_shard_size:
             groups.append([])
             size = 0
         groups[-1].append(t)
         size += t.nbytes
-    if len(groups) == 1:
-        files, index = (out,), None
+    copies: tuple[Path, ...] = ()
+    if hf:
+        folder = out
+        stem = "model"
+        single = folder / "model.safetensors"
+        copies = tuple(_config_dir(ck) / n for n in HF_CONFIG_FILES if (_config_dir(ck) / n).is_file())
     else:
+        folder = out.parent
         stem = out.name[: -len(".safetensors")] if out.name.endswith(".safetensors") else out.name
-        files = tuple(out.parent / f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups)))
-        index = out.parent / f"{stem}.safetensors.index.json"
-    return ExportPlan(src, out, "fp32 master" if source_weights == "fp32" else "module weights", files,
-                      tuple(tuple(g) for g in groups), index)
+        single = out
+    if len(groups) == 1:
+        files, index = (single,), None
+    else:
+        files = tuple(folder / f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups)))
+        index = folder / f"{stem}.safetensors.index.json"
+    weights_from = ("fp32 master where saved" if source_weights == "fp32" else "module weights")
+    return ExportPlan(src, out, weights_from, files, tuple(tuple(g) for g in groups), index, hf, copies,
+                      skipped, ck.format)
+
+
+def _config_dir(ck) -> Path:
+    """Where a checkpoint keeps config.json: an HF Trainer checkpoint-N folder (the newest of an output_dir)."""
+    p = Path(ck.path)
+    opened = ck.details.get("opened") if isinstance(ck.details, dict) or hasattr(ck.details, "get") else None
+    if opened and (p / str(opened)).is_dir():
+        return p / str(opened)
+    return p if p.is_dir() else p.parent
 
 
 def _header(tensors: Sequence[ExportTensor], metadata: dict[str, str]) -> bytes:
@@ -133,31 +234,26 @@ def _header(tensors: Sequence[ExportTensor], metadata: dict[str, str]) -> bytes:
 
 
 def _write_file(path: Path, tensors: Sequence[ExportTensor], progress: Callable[[int], None] | None) -> None:
+    """Stream `tensors` into `path` (which the caller has made a staging name)."""
+    with open(path, "wb") as fh:
+        fh.write(_header(tensors, {"format": "pt"}))
+        for t in tensors:
+            x = t.source.read(t.dtype)
+            if tuple(x.shape) != tuple(t.shape):
+                raise CkptError(f"{t.name}: read {tuple(x.shape)}, planned {tuple(t.shape)}", path=path,
+                                hint="the checkpoint changed while exporting; run it again")
+            fh.write(x.contiguous().view(-1).view(_u8()).numpy().tobytes() if x.numel() else b"")
+            del x
+            if progress:
+                progress(t.nbytes)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _u8():
     import torch
 
-    from .to_universal import _Fds, _merged_read
-
-    fds = _Fds()
-    tmp = path.parent / f".ckpt-staging-{path.name}-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(_header(tensors, {"format": "pt"}))
-            for t in tensors:
-                x = _merged_read(t.node, fds)
-                want = getattr(torch, t.dtype)
-                if x.dtype != want:
-                    x = x.to(want)
-                fh.write(x.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if x.numel() else b"")
-                if progress:
-                    progress(t.nbytes)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    finally:
-        fds.close()
+    return torch.uint8
 
 
 @dataclass(frozen=True)
@@ -166,20 +262,99 @@ class ExportResult:
     index: Path | None
     tensors: int
     bytes: int
+    out: Path | None = None
+    copies: tuple[Path, ...] = ()
+    verified: int | None = None  # tensors compared by verify, None when not asked
 
 
-def execute(plan: ExportPlan, *, progress: Callable[[int], None] | None = None) -> ExportResult:
-    """Write the planned safetensors file(s) (and index); refuses to overwrite existing files."""
-    for f in (*plan.files, *([plan.index] if plan.index else [])):
+def _index_doc(plan: ExportPlan) -> dict[str, Any]:
+    return {"metadata": {"total_size": plan.nbytes},
+            "weight_map": {t.name: f.name for f, s in zip(plan.files, plan.shards) for t in s}}
+
+
+def execute(plan: ExportPlan, *, progress: Callable[[int], None] | None = None, verify: bool = False) -> ExportResult:
+    """Write the planned safetensors file(s) (and index, and for `hf` the config files); refuses to overwrite.
+    All files are written under staging names and renamed into place only when every one is complete."""
+    targets = [*plan.files, *([plan.index] if plan.index else [])]
+    if plan.hf:
+        if plan.out.exists() and (not plan.out.is_dir() or any(plan.out.iterdir())):
+            raise CkptError("output folder already exists and is not empty", path=plan.out,
+                            hint="choose a new folder or remove it first")
+        if not plan.out.parent.is_dir():
+            raise CkptError(f"the folder {plan.out.parent} does not exist", path=plan.out,
+                            hint=f"create it first: mkdir -p {plan.out.parent}")
+        staging = plan.out.parent / f".ckpt-staging-{plan.out.name}-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        try:
+            for f, tensors in zip(plan.files, plan.shards):
+                _write_file(staging / f.name, tensors, progress)
+            if plan.index:
+                (staging / plan.index.name).write_text(json.dumps(_index_doc(plan), indent=2))
+            for c in plan.copies:
+                shutil.copyfile(c, staging / c.name)
+            verified = len(verify_files(plan, {f: staging / f.name for f in plan.files})) if verify else None
+            if plan.out.exists():
+                plan.out.rmdir()
+            os.replace(staging, plan.out)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return ExportResult(plan.files, plan.index, len(plan.tensors), plan.nbytes, plan.out,
+                            tuple(plan.out / c.name for c in plan.copies), verified)
+
+    for f in targets:
         if f.exists():
             raise CkptError("output file already exists", path=f, hint="choose a new path or remove it first")
-    plan.out.parent.mkdir(parents=True, exist_ok=True)
+    if not plan.out.parent.is_dir():
+        raise CkptError(f"the folder {plan.out.parent} does not exist", path=plan.out,
+                        hint=f"create it first: mkdir -p {plan.out.parent}")
+    staged = {f: f.parent / f".ckpt-staging-{f.name}-{os.getpid()}" for f in targets}
+    try:
+        for f, tensors in zip(plan.files, plan.shards):
+            _write_file(staged[f], tensors, progress)
+        if plan.index:
+            staged[plan.index].write_text(json.dumps(_index_doc(plan), indent=2))
+        verified = len(verify_files(plan, {f: staged[f] for f in plan.files})) if verify else None
+        for f in targets:
+            os.replace(staged[f], f)
+    except BaseException:
+        for tmp in staged.values():
+            tmp.unlink(missing_ok=True)
+        raise
+    return ExportResult(plan.files, plan.index, len(plan.tensors), plan.nbytes, plan.out, (), verified)
+
+
+class VerifyFailed(CkptError):
+    """The written export does not read back equal to the source's logical tensors."""
+
+
+def verify_files(plan: ExportPlan, where: dict[Path, Path] | None = None) -> list[str]:
+    """Re-read every written tensor (one at a time) and compare it with the source's logical tensor, read again
+    and converted to the output dtype: bit for bit, names, shapes and dtypes included. Returns the names
+    compared; raises VerifyFailed naming the first differences."""
+    import torch
+    from safetensors import safe_open
+
+    where = where or {f: f for f in plan.files}
+    bad: list[str] = []
+    done: list[str] = []
     for f, tensors in zip(plan.files, plan.shards):
-        _write_file(f, tensors, progress)
-    if plan.index:
-        doc = {"metadata": {"total_size": plan.nbytes},
-               "weight_map": {t.name: f.name for f, s in zip(plan.files, plan.shards) for t in s}}
-        tmp = plan.index.parent / f".ckpt-staging-{plan.index.name}"
-        tmp.write_text(json.dumps(doc, indent=2))
-        os.replace(tmp, plan.index)
-    return ExportResult(plan.files, plan.index, sum(len(s) for s in plan.shards), plan.nbytes)
+        with safe_open(str(where[f]), framework="pt") as fh:
+            names = set(fh.keys())
+            want = {t.name for t in tensors}
+            if names != want:
+                bad.append(f"{f.name}: holds {sorted(names - want)[:3]} not planned, lacks {sorted(want - names)[:3]}")
+                continue
+            for t in tensors:
+                got = fh.get_tensor(t.name)
+                ref = t.source.read(t.dtype)
+                if got.dtype != ref.dtype or tuple(got.shape) != tuple(ref.shape) or not torch.equal(
+                        got.view(-1).view(torch.uint8) if got.numel() else got,
+                        ref.contiguous().view(-1).view(torch.uint8) if ref.numel() else ref):
+                    bad.append(t.name)
+                done.append(t.name)
+    if bad:
+        raise VerifyFailed(f"the written export differs from the source in {len(bad)} tensors: {', '.join(bad[:5])}",
+                           path=plan.out, hint="nothing was put in place; report this with the checkpoint's format")
+    return done
