@@ -20,8 +20,9 @@ def _bar(total: int, disable: bool, desc: str):
 
 
 def to_universal_cmd(
-    ckpt: str = typer.Argument(..., metavar="PATH", help="DeepSpeed ZeRO, Megatron-DeepSpeed pipeline or "
-                               "Accelerate+DeepSpeed checkpoint (tag folder or its parent with `latest`)"),
+    ckpt: str = typer.Argument(..., metavar="PATH", help="DeepSpeed ZeRO, Megatron-DeepSpeed pipeline, "
+                               "Accelerate+DeepSpeed checkpoint (tag folder or its parent with `latest`) or an HF "
+                               "Trainer+DeepSpeed checkpoint-N folder"),
     out: str = typer.Argument(..., metavar="OUT", help="new folder outside PATH: OUT/latest_universal + "
                               "OUT/<tag>_universal/ (load it with \"checkpoint\": {\"load_universal\": true})"),
     workers: int = typer.Option(min(8, os.cpu_count() or 1), "--workers", "-w", metavar="N",
@@ -33,13 +34,38 @@ def to_universal_cmd(
                                                 "average, cat:0, cat:1; asked before any other rule (repeatable)"),
     tp_replicated: Optional[str] = typer.Option(None, "--tp-replicated", metavar="METHOD", help="when TP replicas "
                                                 "differ: average or rank0 (default: stop)"),
-    target_stage: Optional[int] = typer.Option(None, "--target-stage", metavar="N", help="write only what this "
-                                               "ZeRO stage's loader reads (default: 1, 2 and 3)"),
+    target_stage: Optional[int] = typer.Option(None, "--target-stage", metavar="N", help="the ZeRO stage the "
+                                               "output will be loaded at: write only what that stage's loader "
+                                               "reads, refuse what it cannot load (non-Adam state at 3), and warn "
+                                               "about what it will change (group 0's LR/weight decay copied onto "
+                                               "every group at 3). Default: 1, 2 and 3 where the state allows"),
+    verify: bool = typer.Option(False, "--verify", help="before finishing, compare the output with the source "
+                                "by logical parameter (`ckpt diff --logical`): every fp32 master, optimizer "
+                                "state, param group and counter equal, else nothing is written"),
+    yes: bool = typer.Option(False, "--yes", "-y", help="do not ask (to-universal writes only a new folder, "
+                             "atomically, so it never asks)"),
     distributed: bool = typer.Option(False, "--distributed", help="under torchrun: each rank converts a share "
                                                                   "of the parameters (one shared filesystem)"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
 ) -> None:
-    """Convert to DeepSpeed's universal checkpoint: loads at any DP/TP/PP size and ZeRO stage."""
+    """Convert to DeepSpeed's universal checkpoint: loads at any DP/TP/PP size and ZeRO stage.
+
+    Carries every per-parameter optimizer state (Adam's exp_avg/exp_avg_sq, SGD's momentum_buffer, Adagrad's
+    sum, ...). DeepSpeed's ZeRO-3 universal loader reads Adam state only, and gives every param group group 0's
+    hyper-parameters: the plan says so (a note, a warning, or a refusal with --target-stage 3)."""
+    try:
+        return _to_universal(ckpt, out, workers, dry_run, tp_layout, pattern, tp_replicated, target_stage, verify,
+                             yes, distributed, json_out)
+    except CkptError as e:  # the same error (class, path, hint), its message naming the command
+        if e.message.startswith("ckpt to-universal:"):
+            raise
+        named = type(e).__new__(type(e))
+        CkptError.__init__(named, f"ckpt to-universal: {e.message}", path=e.path, hint=e.hint)
+        raise named from e
+
+
+def _to_universal(ckpt, out, workers, dry_run, tp_layout, pattern, tp_replicated, target_stage, verify, yes,
+                  distributed, json_out) -> None:
     _refuse_out_inside(ckpt, out)
     output.require("torch", "deepspeed", extra="convert", what="ckpt to-universal")
     from ckpt_tools.ops import to_universal as ops
@@ -59,18 +85,27 @@ def to_universal_cmd(
         rank = procgroup.join("gloo")
     with output.deepspeed_logs_above_bars(), \
             _bar(sum(j.nbytes for j in plan.params), json_out or rank != 0, "to-universal") as bar:
-        res = ops.execute(plan, workers=workers, progress=bar.update, distributed=distributed)
+        check = (lambda root: ops.verify_logical(plan, root)) if verify else None
+        res = ops.execute(plan, workers=workers, progress=bar.update, distributed=distributed, check=check)
     if rank != 0:
         return
     if json_out:
         output.print_json({"out": str(res.out), "tag": res.tag, "params": res.params,
-                           "bytes_written": res.bytes_written, "files": res.files, "notes": list(plan.notes)})
+                           "bytes_written": res.bytes_written, "files": res.files, "notes": list(plan.notes),
+                           "warnings": list(plan.warnings), "optimizer_state": list(plan.state_keys),
+                           "loads_at_zero_stages": list(plan.stages), "verified": bool(verify)})
         return
     con = output.console()
     con.print(f"[green]wrote[/] {res.out}  (tag {res.tag}: {output.plural(res.params, 'parameter')}, "
-              f"{output.plural(res.files, 'file')}, {res.bytes_written:,} tensor bytes)")
+              f"{output.plural(res.files, 'file')}, {res.bytes_written:,} tensor bytes; optimizer state: "
+              f"{', '.join(plan.state_keys) or 'none'})")
+    if verify:
+        con.print("  verified: equal to the source by logical parameter (fp32 masters, optimizer state, "
+                  "param groups, counters)")
     for n in plan.notes:
         con.print(f"  note: {n}")
+    for w in plan.warnings:
+        con.print(f"  [yellow]warning:[/] {w}")
     con.print(f"  load it with {{\"checkpoint\": {{\"load_universal\": true}}}} and engine.load_checkpoint(\"{res.out}\")")
 
 
@@ -91,8 +126,12 @@ def _show_plan(plan, json_out: bool) -> None:
         t.add_row(p["name"], "×".join(map(str, p["shape"])), p["merge"], p["how"], f"{p['bytes']:,}")
     con.print(t)
     con.print("copied: " + ", ".join(doc["model_files"]))
+    con.print(f"optimizer state: {', '.join(plan.state_keys) or 'none'}; written for ZeRO stage "
+              f"{'/'.join(map(str, plan.stages))} loaders")
     for n in plan.notes:
         con.print(f"note: {n}")
+    for w in plan.warnings:
+        con.print(f"[yellow]warning:[/] {w}")
 
 
 def _refuse_out_inside(ckpt: str, out: str) -> None:

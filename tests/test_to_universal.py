@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 import os
 import subprocess
@@ -280,3 +281,99 @@ def test_deepspeed_loads_pipeline_output_at_tp1_pp1(tmp_path):
                            orig_gas=e["micro_batches_per_step"], tmp=tmp_path)
     assert ev["loaded"]["global_step"] == 4
     assert ev["step"]["loss"] == pytest.approx(e["history"][4]["loss"], rel=1e-2)
+
+
+# --- reading universal folders ------------------------------------------------------------------------------
+
+
+def test_inspect_universal_of_the_pipeline_sample_by_its_zero_folders(tmp_path):
+    """A universal checkpoint of the TP=2 x PP=2 sample: every stage's parameters, whole (53 tensors, the
+    TP=1/PP=1 model's 15,456 elements), and the source's topology — for our output and DeepSpeed's alike
+    (each copied mp_rank file lists one stage's TP shards; mp_world_size is TP x PP)."""
+    src = sample("megatron", "gpt_tp2_pp2")
+    convert(src, tmp_path / "ours")
+    ds_to_universal(src / "global_step4", tmp_path / "ds" / "global_step4_universal")
+    full = _full_model_shapes()
+    want = sum(math.prod(s) for s in full.values())
+    assert (want, len(full)) == (15456, 53)
+    for out in ("ours", "ds"):
+        r = run_cli("inspect", tmp_path / out, "--json")
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["format"] == "deepspeed_universal"
+        assert (doc["topology"]["tp"], doc["topology"]["pp"], doc["topology"]["dp"]) == (2, 2, 1), out
+        assert (doc["parameters"]["count"], doc["parameters"]["tensors"]) == (15456, 53), out
+    from ckpt_tools import open_checkpoint
+
+    ck = open_checkpoint(tmp_path / "ours")
+    assert {n: tuple(t.shape) for n, t in ck.model.children.items()} == full
+
+
+def test_inspect_universal_counts_a_frozen_parameter(tmp_path):
+    """zero1_frozen: `wpe.weight` does not train; its universal folder holds fp32.pt only and it is counted."""
+    convert(sample("deepspeed", "zero1_frozen"), tmp_path / "u")
+    from ckpt_tools import logical, open_checkpoint
+
+    ck = open_checkpoint(tmp_path / "u")
+    m = manifest("deepspeed", "zero1_frozen")
+    assert (ck.parameter_count, ck.parameter_tensors) == (m["parameters"]["count"], m["parameters"]["tensors"])
+    assert [t.kind for t in logical.model_tensors(ck) if t.name == "wpe.weight"] == ["frozen"]
+    assert "wpe.weight" not in {n for g in logical.param_groups(ck) for n in g["params"]}
+
+
+# --- the command line ----------------------------------------------------------------------------------------
+
+
+def test_cli_dry_run_yes_json_verify(tmp_path):
+    src = sample("deepspeed", "zero2_bf16")
+    r = run_cli("to-universal", src, tmp_path / "u", "--dry-run", "--json")
+    assert r.returncode == 0 and not (tmp_path / "u").exists()
+    doc = json.loads(r.stdout)
+    assert doc["optimizer_state"] == ["exp_avg", "exp_avg_sq"] and doc["loads_at_zero_stages"] == [1, 2, 3]
+    assert doc["warnings"] == ["if loaded at ZeRO-3: DeepSpeed's ZeRO-3 universal loader copies param group 0's "
+                               "hyper-parameters onto every group: group 1 will train with weight_decay 0.01 "
+                               "instead of 0"]
+    r = run_cli("to-universal", src, tmp_path / "u", "--yes", "--json", "--verify")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["verified"] is True and doc["params"] == 29 and (tmp_path / "u" / "latest_universal").is_file()
+    r = run_cli("to-universal", src, tmp_path / "v", "--verify", "--target-stage", "2")
+    said = " ".join(r.stdout.split())
+    assert r.returncode == 0 and "verified: equal to the source by logical parameter" in said and "warning" not in said
+    assert not list((tmp_path / "v" / "global_step4_universal").glob("zero_pp_rank_*"))
+    r = run_cli("to-universal", src, tmp_path / "u", "--yes")
+    assert r.returncode == 2 and "ckpt to-universal: output folder already exists" in r.stderr
+
+
+def test_a_failed_check_writes_nothing(tmp_path):
+    plan = U.plan_to_universal(sample("deepspeed", "zero2_bf16"), tmp_path / "u")
+    seen = []
+
+    def check(root: Path) -> list[str]:
+        seen.append(U.verify_logical(plan, root))  # the real comparison of the staged folder: equal
+        return ["model wte.weight: pretend it differs"]
+
+    with pytest.raises(CkptError, match="differs from the source in 1 places"):
+        U.execute(plan, check=check)
+    assert seen == [[]] and not (tmp_path / "u").exists() and not list(tmp_path.glob(".ckpt-staging-*"))
+
+
+@pytest.mark.parametrize("group,name", [("deepspeed", "zero3_bf16"), ("deepspeed", "zero1_frozen"),
+                                        ("accelerate", "accelerate_deepspeed"), ("megatron", "gpt_tp2_pp2"),
+                                        ("hf_trainer", "hf_trainer_zero2/checkpoint-4")])
+def test_verify_logical_equal_to_the_source(group, name, tmp_path):
+    """--verify: every fp32 master, optimizer state, param group and counter of the output equals the source's
+    (frozen weights: the source's bf16 module weight, written as fp32 like DeepSpeed does: equal values)."""
+    plan = U.plan_to_universal(sample(group, name.split("/")[0]) / "/".join(name.split("/")[1:]), tmp_path / "u")
+    U.execute(plan, check=lambda root: U.verify_logical(plan, root))
+    from ckpt_tools.ops import diff as D
+
+    from ckpt_tools import logical
+
+    rep = D.diff(plan.source, tmp_path / "u")
+    src = U._open_source(plan.source, ())[0]
+    want = len(logical.model_tensors(src)) + sum(len(set(k) - {"fp32", "step"})
+                                                 for k in logical.optimizer_states(src).values())
+    assert rep.mode == "logical" and rep.same and rep.tensors_compared == want >= 29 + 2 * 28
+    if name == "zero1_frozen":
+        assert rep.notes == ("1 tensor holds the same values in another dtype: wpe.weight (bfloat16 -> float32)",)

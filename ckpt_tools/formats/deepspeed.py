@@ -204,12 +204,14 @@ def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
 def _other_flat_states(gstate: Any, fp32: Any) -> dict[str, TensorRef]:
     """Per-element optimizer state other than Adam's moments, flat like the fp32 partition (SGD's
     `momentum_buffer`, Adagrad's `sum`, a client optimizer's own buffers): every tensor of the group's
-    state with as many elements as the partition. `step` and other small tensors are not per element."""
+    state with at least as many elements as the partition (the last DP rank saves its fp32 partition without
+    the group's padding, while the optimizer's state tensors keep it; the bounds check in the caller guards
+    every read). `step` and other small tensors are not per element."""
     if not isinstance(gstate, dict) or not isinstance(fp32, TensorRef):
         return {}
     return {str(k): v for k, v in gstate.items()
             if k not in ("exp_avg", "exp_avg_sq", "step", "fp32") and isinstance(v, TensorRef)
-            and v.numel == fp32.numel and v.numel > 1}
+            and v.numel >= fp32.numel and v.numel > 1}
 
 
 def _fragments(stage, osd, gi, shapes, rank, dp) -> dict[str, tuple[int, int, int]]:

@@ -1,13 +1,16 @@
 """DeepSpeed universal checkpoints (what `ds_to_universal` writes and `load_universal` reads).
 
 Layout: `latest_universal` in the parent names the tag folder; inside it the copied
-`mp_rank_*_model_states.pt` files and `zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt`, each holding
+`mp_rank_*_model_states.pt` files and `zero/<param>/{fp32,<optimizer state>,step}.pt` (exp_avg/exp_avg_sq,
+momentum_buffer, sum, ...), each holding
 `{"param": full tensor, "cat_dim": int, ...}` (ZeRO-1/2 input) or a bare tensor (ZeRO-3 input), plus
-`zero/optimizer_state.pt` with the param groups. Parameters are whole here: no TP or DP pieces.
+`zero/optimizer_state.pt` with the param groups. Parameters are whole here: no TP or DP pieces; the parameter
+set is the `zero/<param>/` folders (a pipeline source's model-states files each list one stage's parameters,
+TP-sharded), and the topology shown is the source run's (`checkpoint_parallel_dimensions`).
 """
 from __future__ import annotations
 
-import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,11 @@ from .deepspeed import DS_MODEL_KEYS, _shape_groups
 
 FORMAT = "deepspeed_universal"
 STATE_FILES = ("fp32", "exp_avg", "exp_avg_sq", "step")
+
+
+def _natural(name: str) -> list:
+    """'10.mlp.weight' after '2.mlp.weight': numbers compare as numbers."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", name)]
 
 
 def _is_tag(path: Path) -> bool:
@@ -51,19 +59,28 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
                              hint="ds_to_universal copies them; re-run the conversion")
     ms = cache.load(model_files[0]).obj
     ms = ms if isinstance(ms, dict) else {}
-    shape_groups = _shape_groups(ms.get("param_shapes"))
-    names = [n for g in shape_groups for n in g] or sorted(p.name for p in zero.iterdir() if p.is_dir())
+    # The parameters are the zero/<param>/ folders (whole tensors, every pipeline stage and TP rank merged);
+    # the copied model-states files give their order: each mp rank's file lists only its own stage's params.
+    folders = {p.name for p in zero.iterdir() if p.is_dir() and (p / "fp32.pt").is_file()} if zero.is_dir() else set()
+    listed: list[str] = []
+    for f in model_files:
+        obj = ms if f == model_files[0] else cache.load(f).obj
+        for g in _shape_groups(obj.get("param_shapes") if isinstance(obj, dict) else None):
+            listed += [n for n in g if n not in listed]
+    names = [n for n in listed if n in folders] + sorted(folders - set(listed), key=_natural)
     warnings: list[Warning_] = []
     state: dict[str, Any] = {}
     steps: list[int] = []
     files = [C.file_info(p, root, "model") for p in model_files]
+    for name in [n for n in listed if n not in folders]:
+        warnings.append(Warning_("missing-state", f"no zero/{name}/fp32.pt for a parameter the model states list",
+                                 str(zero.relative_to(root))))
     for name in names:
         pdir = zero / name
         entry: dict[str, Any] = {}
-        for key in STATE_FILES:
+        keys = sorted(f.name[:-3] for f in pdir.iterdir() if f.name.endswith(".pt") and f.is_file())
+        for key in sorted(keys, key=lambda k: (STATE_FILES.index(k) if k in STATE_FILES else len(STATE_FILES), k)):
             f = pdir / f"{key}.pt"
-            if not f.is_file():
-                continue
             files.append(C.file_info(f, root, "optimizer"))
             obj = cache.load(f).obj
             ref = obj.get("param") if isinstance(obj, dict) else obj
@@ -79,8 +96,6 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
                 entry[key] = node
             if isinstance(obj, dict) and "cat_dim" in obj and key == "fp32":
                 entry["cat_dim"] = ValueNode(obj["cat_dim"])
-        if "fp32" not in entry:
-            warnings.append(Warning_("missing-state", f"no fp32.pt for parameter {name}", str(pdir.relative_to(root))))
         state[name] = GroupNode(entry)
     opt_path = zero / "optimizer_state.pt"
     osd = cache.load(opt_path).obj if opt_path.is_file() else {}
@@ -93,10 +108,11 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     rel_ms = cache.rel(model_files[0])
     for name in names:
         ref = module.get(name)
-        if isinstance(ref, TensorRef) and ref.numel > 0:
-            model[name] = tensor_node(ref, rel_ms)
-        elif isinstance(state.get(name), GroupNode) and "fp32" in state[name].children:
-            model[name] = state[name].children["fp32"]
+        fp32 = state[name].children.get("fp32") if isinstance(state.get(name), GroupNode) else None
+        if isinstance(ref, TensorRef) and ref.numel > 0 and (fp32 is None or tuple(ref.shape) == tuple(fp32.shape)):
+            model[name] = tensor_node(ref, rel_ms)  # the module's own (e.g. bf16) weight, when whole
+        elif isinstance(fp32, TensorNode):
+            model[name] = fp32
     zs = osd.get("zero_stage")
     stage = as_int(zs.args[0]) if isinstance(zs, Opaque) and zs.args else as_int(zs)
     tree: dict[str, Any] = {"model": GroupNode(model)}
@@ -121,14 +137,54 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     warnings += C.counter_warnings(counters, optimizer_steps_seen=steps)
     warnings += C.stray_file_warnings(tag_dir, root) + cache.warnings()
     lrs = C.param_group_lrs(tree["optimizer"].children["param_groups"])
-    count = sum(math.prod(s) for g in shape_groups for s in g.values()) if shape_groups else \
-        sum(t.numel for t in model.values() if isinstance(t, TensorNode))
+    count = sum(t.numel for t in model.values() if isinstance(t, TensorNode))
+    # the source run's topology: DeepSpeed records TP and PP degrees apart (mp_world_size is their product)
+    dims = ms.get("checkpoint_parallel_dimensions") if isinstance(ms.get("checkpoint_parallel_dimensions"), dict) else {}
+    tp, pp = as_int(dims.get("tp_degree")), as_int(dims.get("pp_degree"))
+    if tp is None:
+        tp, pp = as_int(ms.get("mp_world_size")), 1
     return Checkpoint(
         format=FORMAT, path=str(root),
-        topology=Topology(dp=as_int(ms.get("dp_world_size")), tp=as_int(ms.get("mp_world_size")), pp=1,
-                          zero_stage=stage),
+        topology=Topology(dp=as_int(ms.get("dp_world_size")), tp=tp, pp=pp or 1, zero_stage=stage),
         tree=GroupNode(tree), counters=counters, lr=LearningRates(lrs, base_lrs, last_lr),
         parameter_count=count, parameter_tensors=len(names), files=tuple(files), warnings=tuple(warnings),
         dtypes=tuple(sorted({t.dtype for t in model.values() if isinstance(t, TensorNode)})),
         details={"tag": tag, "ds_version": ms.get("ds_version"),
                  "note": "topology is the source run's; a universal checkpoint loads at any DP size"})
+
+
+def logical_layout(ck: Checkpoint) -> dict[str, Any]:
+    """What `ckpt_tools.logical` asks a format for: the parameter order (the zero/<param> folders in model
+    order), each param group's members (the union of every copied model-states file's `param_shapes` group:
+    each mp rank lists its own stage's parameters), frozen parameters (`frozen_param_shapes`, and folders
+    that hold only fp32.pt: DeepSpeed writes one for every module weight without optimizer state) and tied
+    ones (`shared_params`). Reads the model-states pickles again (metadata only)."""
+    root = Path(ck.path)
+    tag = ck.details.get("tag")
+    tag_dir = root / tag if tag and (root / str(tag)).is_dir() else root
+    cache = C.LoadCache(root)
+    state = ck.optimizer.children.get("state")
+    names = list(state.children) if isinstance(state, GroupNode) else []
+    groups: list[list[str]] = []
+    frozen: list[str] = []
+    tied: dict[str, str] = {}
+    for f in sorted(tag_dir.glob("mp_rank_*_model_states.pt")):
+        obj = cache.load(f).obj
+        if not isinstance(obj, dict):
+            continue
+        for gi, g in enumerate(_shape_groups(obj.get("param_shapes"))):
+            while len(groups) <= gi:
+                groups.append([])
+            groups[gi] += [n for n in g if n not in groups[gi] and n in names]
+        fz = obj.get("frozen_param_shapes")
+        if isinstance(fz, dict):
+            frozen += [str(n) for n in fz if str(n) not in frozen]
+        sp = obj.get("shared_params")
+        if isinstance(sp, dict):
+            tied.update({str(k): str(v) for k, v in sp.items()})
+    grouped = {n for g in groups for n in g}
+    for n in names:
+        kids = state.children[n].children if isinstance(state.children.get(n), GroupNode) else {}
+        if n not in grouped and n not in frozen and set(kids) <= {"fp32", "cat_dim"}:
+            frozen.append(n)
+    return {"order": names, "groups": groups, "frozen": frozen, "tied": tied}

@@ -1,4 +1,14 @@
-"""`ckpt diff A B`: what changed between two checkpoints, file by file, field by field, tensor by tensor.
+"""`ckpt diff A B`: what changed between two checkpoints, file by file, field by field, tensor by tensor —
+or, across formats and topologies, parameter by parameter (the logical comparison below).
+
+Two modes (`mode=`; the CLI's --files / --logical force one, "auto" picks):
+  files    two checkpoints of the same format and topology: every file compared by relative path (below).
+  logical  A and B of different formats or topologies (a ZeRO checkpoint and its universal output, its
+           export, a DCP copy, ZeRO-2 vs ZeRO-3): both are read through `ckpt_tools.logical` and compared by
+           logical name — every model tensor (the fp32 master where the format keeps one), every
+           per-parameter optimizer state tensor (exp_avg, momentum_buffer, sum, ...) and scalar (step), each
+           param group's hyper-parameters and members, and the step counters. A side without optimizer state
+           (an export) has its model compared only, and the report says so. One tensor is read at a time.
 
 The comparison runs on each file's inert pickle tree (`pickle_reader`, nothing executed), so a field is
 named by where it lives in its file (`optimizer_state_dict.base_optimizer_state.param_groups.0.lr`) and
@@ -16,7 +26,7 @@ import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .. import pickle_reader
 from ..errors import CkptError, NotACheckpoint
@@ -49,6 +59,8 @@ class DiffReport:
     tensors_compared: int
     tensors_read: int  # tensors whose bytes had to be read
     within_tolerance: int  # values/tensors not bit-identical but inside atol/rtol
+    mode: str = "files"  # "files" or "logical"
+    notes: tuple[str, ...] = ()  # what a logical comparison could not compare, and why
 
     @property
     def same(self) -> bool:
@@ -74,6 +86,7 @@ class _Differ:
         self.atol, self.rtol = atol, rtol
         self.out: list[Difference] = []
         self.tensors = self.read = self.within = 0
+        self.widened: list[str] = []  # logical mode: equal values in another dtype
 
     def close(self, a: float, b: float) -> bool:
         return abs(a - b) <= self.atol + self.rtol * abs(b)
@@ -227,16 +240,48 @@ def _same_bytes(a: Path, b: Path) -> bool:
                 return True
 
 
-def diff(a: str | os.PathLike, b: str | os.PathLike, atol: float = 0.0, rtol: float = 0.0) -> DiffReport:
-    """Compare checkpoint `a` (before) with `b` (after): a file, or a folder compared file by file (same
-    relative paths). Returns every difference beyond `atol`/`rtol`; `report.same` when there is none."""
+MODES = ("auto", "files", "logical")
+
+
+def choose_mode(a: str | os.PathLike, b: str | os.PathLike) -> str:
+    """"files" when A and B are the same format with the same topology (their files correspond one to one),
+    else "logical". When one of them cannot be opened as a whole (a damaged copy), "files": the file by file
+    comparison still names what differs."""
+    from .. import open_checkpoint
+    from ..formats import detect
+
+    if detect(Path(a)) is not detect(Path(b)):
+        return "logical"
+    try:
+        ca, cb = open_checkpoint(a), open_checkpoint(b)
+    except CkptError:
+        return "files"
+    if ca.format != cb.format:
+        return "logical"
+    ta, tb = ca.topology, cb.topology
+    if (ta.dp, ta.tp, ta.pp, ta.zero_stage) != (tb.dp, tb.tp, tb.pp, tb.zero_stage):
+        return "logical"
+    return "files"
+
+
+def diff(a: str | os.PathLike, b: str | os.PathLike, atol: float = 0.0, rtol: float = 0.0, *,
+         mode: str = "auto", progress: Callable[[int], None] | None = None) -> DiffReport:
+    """Compare checkpoint `a` (before) with `b` (after). mode "files": a file, or a folder compared file by
+    file (same relative paths); "logical": by logical parameter and optimizer state (`logical_diff`); "auto":
+    `choose_mode`. Returns every difference beyond `atol`/`rtol`; `report.same` when there is none."""
     pa, pb = Path(a), Path(b)
     if atol < 0 or rtol < 0:
         raise CkptError("--atol/--rtol must be >= 0")
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: use one of {', '.join(MODES)}")
     from ..formats import detect
 
     for p in (pa, pb):
         detect(p)  # both must be checkpoints: an empty or unrelated folder is an error, not "no difference"
+    if mode == "auto":
+        mode = choose_mode(pa, pb)
+    if mode == "logical":
+        return logical_diff(pa, pb, atol, rtol, progress=progress)
     fa, fb = _files(pa), _files(pb)
     if pa.is_file() and pb.is_file():
         fb = {pa.name: pb}  # two single files: compare them whatever their names
@@ -249,6 +294,159 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, atol: float = 0.0, rtol: fl
         else:
             d.file(rel, fa[rel], fb[rel])
     return DiffReport(str(pa), str(pb), atol, rtol, tuple(d.out), len(set(fa) & set(fb)), d.tensors, d.read, d.within)
+
+
+# --- the logical comparison ----------------------------------------------------------------------------------
+
+
+def _read_compare(d: "_Differ", section: str, name: str, ta, tb) -> None:
+    """Compare two LogicalTensors: metadata first, then values (bit-exact, then atol/rtol) one tensor at a time."""
+    import torch
+
+    d.tensors += 1
+    if tuple(ta.shape) != tuple(tb.shape):
+        d.out.append(Difference(section, name, "changed", f"{ta.dtype} {list(ta.shape)}", f"{tb.dtype} {list(tb.shape)}"))
+        return
+    d.read += 1
+    xa, xb = ta.read(), tb.read()
+    if xa.dtype == xb.dtype and (xa.numel() == 0 or torch.equal(xa.reshape(-1).view(torch.uint8) if xa.dtype != torch.bool
+                                                              else xa.reshape(-1),
+                                                              xb.reshape(-1).view(torch.uint8) if xb.dtype != torch.bool
+                                                              else xb.reshape(-1))):
+        return
+    fa, fb = xa.double().reshape(-1), xb.double().reshape(-1)
+    both_nan = torch.isnan(fa) & torch.isnan(fb)
+    delta = (fa - fb).abs()
+    delta[both_nan] = 0
+    worst = float(delta.max()) if delta.numel() else 0.0
+    if xa.dtype != xb.dtype:
+        if worst == 0.0 and bool(torch.all(torch.isnan(fa) == torch.isnan(fb))):
+            d.widened.append(f"{name} ({ta.dtype} -> {tb.dtype})")  # the same values, stored wider/narrower
+            return
+        d.out.append(Difference(section, name, "type", f"{ta.dtype} {list(ta.shape)}", f"{tb.dtype} {list(tb.shape)}",
+                                worst))
+        return
+    ok = bool(torch.all((delta <= d.atol + d.rtol * fb.abs()) | both_nan))
+    if ok:
+        d.within += 1
+        return
+    if xa.numel() == 1:
+        d.out.append(Difference(section, name, "changed", fa.item(), fb.item(), worst))
+    else:
+        d.out.append(Difference(section, name, "changed", f"{ta.dtype} {list(ta.shape)}", f"{tb.dtype} {list(tb.shape)}",
+                                worst))
+
+
+def _names_only(params: Any) -> list[str] | None:
+    if isinstance(params, list) and params and all(isinstance(p, str) and not p.isdigit() for p in params):
+        return sorted(params)
+    return None
+
+
+def logical_diff(a: Any, b: Any, atol: float = 0.0, rtol: float = 0.0, *,
+                 progress: Callable[[int], None] | None = None) -> DiffReport:
+    """Compare A and B by logical parameter (see the module docstring); any two formats the tree reads. A and
+    B: paths or opened `Checkpoint`s."""
+    from .. import logical as L
+
+    ca, cb = L.open_any(a), L.open_any(b)
+    d = _Differ(atol, rtol)
+    notes: list[str] = []
+
+    # the model: every tensor by name, the fp32 master where the format keeps one
+    ma = {t.name: t for t in L.model_tensors(ca, weights="fp32")}
+    mb = {t.name: t for t in L.model_tensors(cb, weights="fp32")}
+    for name in ma:
+        if name not in mb:
+            d.out.append(Difference("model", name, "removed", f"{ma[name].dtype} {list(ma[name].shape)}"))
+    for name in mb:
+        if name not in ma:
+            d.out.append(Difference("model", name, "added", None, f"{mb[name].dtype} {list(mb[name].shape)}"))
+    for name in ma:
+        if name in mb:
+            _read_compare(d, "model", name, ma[name], mb[name])
+            if progress:
+                progress(1)
+
+    # the optimizer: per-parameter state tensors (the fp32 master was compared as the model) and scalars
+    oa, ob = L.optimizer_states(ca), L.optimizer_states(cb)
+    sa, sb = L.optimizer_scalars(ca), L.optimizer_scalars(cb)
+    strip = lambda o: {p: {k: t for k, t in ks.items() if k not in ("fp32", "step")} for p, ks in o.items()}  # noqa: E731
+    oa, ob = {p: ks for p, ks in strip(oa).items() if ks}, {p: ks for p, ks in strip(ob).items() if ks}
+    if bool(oa) != bool(ob):
+        side, other = ("B", "A") if oa else ("A", "B")
+        notes.append(f"{side} has no per-parameter optimizer state (an export?): only the model and what both "
+                     f"record were compared; {other}'s optimizer state was not")
+    elif oa:
+        for p in oa:
+            for k in oa[p]:
+                if k not in ob.get(p, {}):
+                    d.out.append(Difference("optimizer", f"{p}.{k}", "removed", f"{oa[p][k].dtype} {list(oa[p][k].shape)}"))
+        for p in ob:
+            for k in ob[p]:
+                if k not in oa.get(p, {}):
+                    d.out.append(Difference("optimizer", f"{p}.{k}", "added", None, f"{ob[p][k].dtype} {list(ob[p][k].shape)}"))
+        for p in oa:
+            for k in oa[p]:
+                if k in ob.get(p, {}):
+                    _read_compare(d, "optimizer", f"{p}.{k}", oa[p][k], ob[p][k])
+                    if progress:
+                        progress(1)
+        for p in sorted(set(sa) & set(sb)):
+            for k in ("step",):
+                va, vb = _as_number(sa[p].get(k)), _as_number(sb[p].get(k))
+                if va is None and vb is None:
+                    continue
+                if va is None or vb is None:
+                    d.out.append(Difference("optimizer", f"{p}.{k}", "added" if va is None else "removed", va, vb))
+                else:
+                    d.value("optimizer", (p, k), va, vb)
+
+    # the param groups: hyper-parameters, and members where both sides name them
+    ga, gb = L.param_groups(ca), L.param_groups(cb)
+    if ga and gb:
+        if len(ga) != len(gb):
+            d.out.append(Difference("param_groups", "", "changed", f"{len(ga)} groups", f"{len(gb)} groups"))
+        for i, (x, y) in enumerate(zip(ga, gb)):
+            for k in sorted(set(x) | set(y), key=str):
+                if k in ("params", "param_names"):
+                    continue
+                if k not in y:
+                    d.out.append(Difference("param_groups", f"{i}.{k}", "removed", _short(x[k])))
+                elif k not in x:
+                    d.out.append(Difference("param_groups", f"{i}.{k}", "added", None, _short(y[k])))
+                else:
+                    d.value("param_groups", (i, k), x[k], y[k])
+            na, nb = _names_only(x.get("params")), _names_only(y.get("params"))
+            if na is not None and nb is not None and na != nb:
+                gone, new = sorted(set(na) - set(nb)), sorted(set(nb) - set(na))
+                d.out.append(Difference("param_groups", f"{i}.params", "changed",
+                                        f"{len(na)} params" + (f", without {gone[:4]}" if gone else ""),
+                                        f"{len(nb)} params" + (f", with {new[:4]}" if new else "")))
+    elif ga or gb:
+        notes.append(f"{'B' if ga else 'A'} records no param groups: not compared")
+
+    if d.widened:
+        notes.append(f"{len(d.widened)} tensor{'s hold' if len(d.widened) > 1 else ' holds'} the same values in another "
+                     f"dtype: {', '.join(d.widened[:4])}{', ...' if len(d.widened) > 4 else ''}")
+
+    # the counters both sides record
+    for field in ("global_step", "optimizer_step", "scheduler_last_epoch", "scheduler_step_count", "skipped_steps"):
+        va, vb = getattr(ca.counters, field), getattr(cb.counters, field)
+        if va is not None and vb is not None and va != vb:
+            d.out.append(Difference("counters", field, "changed", va, vb, abs(float(va) - float(vb))))
+    return DiffReport(str(ca.path), str(cb.path), atol, rtol, tuple(d.out), 0, d.tensors, d.read, d.within, "logical",
+                      tuple(notes))
+
+
+def _as_number(v: Any) -> float | int | None:
+    if isinstance(v, bool) or v is None:
+        return None
+    if isinstance(v, (int, float)):
+        return v
+    if isinstance(v, (list, tuple)) and len(v) == 1 and isinstance(v[0], (int, float)):
+        return v[0]
+    return None
 
 
 def iter_lines(report: DiffReport) -> Iterator[tuple[str, str, str]]:
@@ -264,4 +462,4 @@ def iter_lines(report: DiffReport) -> Iterator[tuple[str, str, str]]:
         yield x.file, x.field, what
 
 
-__all__ = ["Difference", "DiffReport", "diff", "iter_lines"]
+__all__ = ["Difference", "DiffReport", "MODES", "choose_mode", "diff", "iter_lines", "logical_diff"]

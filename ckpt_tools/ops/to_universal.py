@@ -1,4 +1,4 @@
-"""`ckpt to-universal`: DeepSpeed ZeRO / Megatron pipeline / Accelerate checkpoints -> DeepSpeed universal.
+"""`ckpt to-universal`: DeepSpeed ZeRO / Megatron pipeline / Accelerate / HF Trainer+DeepSpeed -> DeepSpeed universal.
 
 What DeepSpeed's `load_universal` reads (deepspeed 0.19: `runtime/base_optimizer.py`,
 `checkpoint/universal_checkpoint.py`, `runtime/zero/stage3.py`, `runtime/engine.py`), and so what we write:
@@ -6,10 +6,26 @@ What DeepSpeed's `load_universal` reads (deepspeed 0.19: `runtime/base_optimizer
     OUT/latest_universal                      the tag name
     OUT/<tag>_universal/mp_rank_MM_model_states.pt              ZeRO-1/2 loaders glob these (counters, scheduler)
     OUT/<tag>_universal/zero_pp_rank_0_mp_rank_MM_model_states.pt  ZeRO-3 loaders glob these instead
-    OUT/<tag>_universal/zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt  {"param": full tensor, "cat_dim": d, ...}
-    OUT/<tag>_universal/zero/<param>/step.pt                    Adam's step (ZeRO-1/2 loaders take it from here)
+    OUT/<tag>_universal/zero/<param>/{fp32,<state>}.pt         {"param": full tensor, "cat_dim": d, ...}; <state>
+                                                                 is every per-parameter optimizer state the source
+                                                                 keeps: exp_avg/exp_avg_sq (Adam), momentum_buffer
+                                                                 (SGD), sum (Adagrad), ...
+    OUT/<tag>_universal/zero/<param>/step.pt                    the optimizer's step where it keeps one (Adam,
+                                                                 Adagrad; not SGD): ZeRO-1/2 loaders take it here
     OUT/<tag>_universal/zero/optimizer_state.pt                 param_groups + loss-scaler fields (1/2), and
                                                                  optimizer_state_dict.{state[g].step,param_groups} (3)
+
+Which optimizer state each DeepSpeed loader takes (0.19.8, read in its source):
+  ZeRO-1/2 (`base_optimizer.load_hp_checkpoint_state_from_checkpoint_dir` -> `universal_checkpoint.
+  load_hp_checkpoint_state`): every `<key>.pt` in the parameter's folder; fp32 becomes the master weight, step
+  the optimizer step, any other key `optimizer.state[flat partition][key]` (`map_to_flat_opt_states`). So SGD's
+  momentum_buffer, Adagrad's sum or a one-moment optimizer's exp_avg load as they are.
+  ZeRO-3 (`stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3`): exactly fp32, exp_avg, exp_avg_sq
+  (a hard-coded list; a missing file is a FileNotFoundError, any other file is ignored) and
+  `optimizer_state.pt`'s optimizer_state_dict.state[0].step (KeyError without it); then it copies param group
+  0's hyper-parameters (lr, weight_decay, ...) onto every group. Non-Adam state therefore cannot be loaded at
+  ZeRO-3 from any universal checkpoint: `--target-stage 3` is refused for it, and by default only the
+  ZeRO-1/2 half is written, with a note. `zero3_group_warnings` says what the group-0 copy will change.
 
 DeepSpeed's own converter writes only one stage's half of this (ZeRO-3 input: bare flat tensors, no step.pt,
 no mp_rank_* file a ZeRO-1/2 loader globs; ZeRO-1/2 input: no zero_pp_rank_0 file, no nested
@@ -39,7 +55,8 @@ from ..errors import CkptError, UnsupportedCheckpoint
 from ..tp_layout import Rule, TPLayout, merge_shards
 from ..tree import Checkpoint, GroupNode, TensorNode, ValueNode
 
-STATES = ("fp32", "exp_avg", "exp_avg_sq")
+STATES = ("fp32", "exp_avg", "exp_avg_sq")  # what DeepSpeed's ZeRO-3 universal loader reads (and only that)
+ADAM_STATE = frozenset(("exp_avg", "exp_avg_sq"))
 OPTIM_SHARDED_KEYS = ("base_optimizer_state", "single_partition_of_fp32_groups", "param_slice_mappings",
                       "fp32_flat_groups", "optimizer_state_dict")
 VOCAB_TENSOR = "vocab_tensor"  # deepspeed.checkpoint.constants.VOCAB_TENSOR
@@ -68,6 +85,7 @@ class ParamJob:
     how: str = ""  # why this merge (rule source + pattern), for --dry-run
     extra: dict[str, Any] = field(default_factory=dict)  # cat_dim, vocab_tensor, param_n_sub_params
     module_only: bool = False  # a module tensor with no optimizer state (DeepSpeed writes fp32.pt for it too)
+    has_step: bool = True  # the optimizer keeps a step (Adam, Adagrad: step.pt is written; SGD: none)
 
     @property
     def nbytes(self) -> int:
@@ -92,6 +110,9 @@ class UniversalPlan:
     layout: str
     notes: tuple[str, ...] = ()
     options: dict[str, Any] = field(default_factory=dict)
+    state_keys: tuple[str, ...] = STATES[1:]  # the per-parameter optimizer state carried (besides fp32)
+    warnings: tuple[str, ...] = ()  # what DeepSpeed will do wrong with the output (see zero3_group_warnings)
+    stages: tuple[int, ...] = (1, 2, 3)  # the ZeRO stages whose universal loader the output is written for
 
     @property
     def out_tag(self) -> str:
@@ -106,11 +127,12 @@ class UniversalPlan:
             "source": str(self.source), "format": self.source_format, "tag": self.tag, "out": str(self.out),
             "out_tag": self.out_tag, "topology": self.topology, "tp_layout": self.layout,
             "bytes": self.nbytes, "files": 2 + len(self.model_files) + len(self.z3_aliases) + sum(
-                len(j.states) + (0 if j.module_only else 1) for j in self.params),
+                len(j.states) + (0 if j.module_only or not j.has_step else 1) for j in self.params),
             "model_files": [p.name for p in self.model_files] + [a for a, _ in self.z3_aliases],
             "params": [{"name": j.name, "shape": list(j.shape), "merge": j.merge, "how": j.how,
                         "states": list(j.states), "bytes": j.nbytes} for j in self.params],
-            "notes": list(self.notes),
+            "notes": list(self.notes), "warnings": list(self.warnings), "optimizer_state": list(self.state_keys),
+            "loads_at_zero_stages": list(self.stages),
         }
 
 
@@ -127,14 +149,16 @@ def _open_source(path: Path, patterns: Sequence[str]) -> tuple[Checkpoint, Path,
         ck = M.open(path, tp_patterns=tuple(patterns))
         _, tag_dir, _ = C.resolve_tag(path, M.MARKER)
         return ck, tag_dir, "pipeline"
-    if name in ("deepspeed", "accelerate"):
-        # Accelerate + DeepSpeed: `pytorch_model/` is a plain DeepSpeed tag folder named by `latest`
+    if name in ("deepspeed", "accelerate", "hf_trainer"):
+        # Accelerate + DeepSpeed: `pytorch_model/` is a plain DeepSpeed tag folder named by `latest`; an HF
+        # Trainer + DeepSpeed `checkpoint-N/` holds `global_stepN/` named by `latest` the same way
         try:
             _, tag_dir, _ = C.resolve_tag(path, "*mp_rank_*_model_states.pt")
         except CkptError:
             raise UnsupportedCheckpoint("no DeepSpeed tag folder inside", path=path,
-                                        hint="to-universal converts DeepSpeed ZeRO, Megatron-DeepSpeed pipeline "
-                                             "and Accelerate+DeepSpeed checkpoints") from None
+                                        hint="to-universal converts DeepSpeed ZeRO, Megatron-DeepSpeed pipeline, "
+                                             "Accelerate+DeepSpeed checkpoints and HF Trainer+DeepSpeed "
+                                             "checkpoint-N folders (pass one checkpoint-N)") from None
         ck = D.open(tag_dir)
         return ck, tag_dir, "zero"
     raise UnsupportedCheckpoint(f"to-universal does not convert {name} checkpoints", path=path,
@@ -201,16 +225,22 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
     state = ck.optimizer.children.get("state", GroupNode()).children
     jobs: list[ParamJob] = []
     unknown: list[str] = []
+    keys_seen: set[str] = set()
     for name, entry in state.items():
         kids = entry.children
-        nodes = {k: kids[k] for k in STATES if isinstance(kids.get(k), TensorNode)}
-        if set(nodes) != set(STATES):
-            raise UnsupportedCheckpoint(f"parameter {name} lacks {sorted(set(STATES) - set(nodes))}", path=tag_dir,
-                                        hint="only Adam-style optimizer state (exp_avg, exp_avg_sq) converts")
+        # every per-parameter state the format reader found (exp_avg/exp_avg_sq, momentum_buffer, sum, ...)
+        nodes = {k: v for k, v in kids.items() if isinstance(v, TensorNode) and k != "step"}
+        if "fp32" not in nodes:
+            raise UnsupportedCheckpoint(f"parameter {name} has no fp32 master weight in the optimizer files",
+                                        path=tag_dir, hint="the optimizer files are incomplete; re-copy them")
+        nodes = {"fp32": nodes["fp32"], **{k: nodes[k] for k in sorted(nodes) if k != "fp32"}}
+        keys_seen |= set(nodes) - {"fp32"}
         group = int(kids["param_group"].value) if isinstance(kids.get("param_group"), ValueNode) else 0
         fp32 = nodes["fp32"]
+        has_step = "step" in kids
         if layout is None:
-            jobs.append(ParamJob(name, fp32.shape, group, nodes, "whole", None, "tp=1", {"cat_dim": 0}))
+            jobs.append(ParamJob(name, fp32.shape, group, nodes, "whole", None, "tp=1", {"cat_dim": 0},
+                                 has_step=has_step))
             continue
         shard_shape = fp32.shards[0].shape if fp32.shards else fp32.shape
         rule = layout.rule(name)
@@ -229,7 +259,7 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
         if rule.vocab_size and merge.startswith("cat:") and shape[0] >= rule.vocab_size:
             shape[0] = rule.vocab_size
             extra[VOCAB_TENSOR] = True
-        jobs.append(ParamJob(name, tuple(shape), group, nodes, merge, rule, rule.describe(), extra))
+        jobs.append(ParamJob(name, tuple(shape), group, nodes, merge, rule, rule.describe(), extra, has_step=has_step))
     if unknown:
         raise UnsupportedCheckpoint(
             f"no TP merge rule for {len(unknown)} parameters ({', '.join(unknown[:6])}"
@@ -245,6 +275,24 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
 
     jobs = _check_replicas(jobs, tp_replicated, tag_dir, notes)
 
+    # which ZeRO stages can load the state (see the module docstring), and what the stage-3 loader changes
+    state_keys = tuple(sorted(keys_seen))
+    stages: tuple[int, ...] = (1, 2, 3)
+    reason3 = stage3_incompatibility(state_keys)
+    if reason3 is not None:
+        if target_stage == 3:
+            raise UnsupportedCheckpoint(f"the output cannot be loaded at ZeRO-3: {reason3}", path=tag_dir,
+                                        hint="load it at ZeRO stage 1 or 2 (--target-stage 2): their universal "
+                                             "loader takes every state file")
+        stages = (1, 2)
+        notes.append(f"written for ZeRO-1/2 loaders only: {reason3}")
+    elif target_stage is not None:
+        stages = (3,) if target_stage == 3 else (1, 2)
+    warnings: list[str] = []
+    if 3 in stages:
+        groups = _param_groups_of(ck)
+        warnings += [w if target_stage == 3 else f"if loaded at ZeRO-3: {w}" for w in zero3_group_warnings(groups)]
+
     model_files = tuple(sorted(rf.model_states for rf in ranks.values() if rf.model_states))
     if kind == "zero" and ck.topology.zero_stage == 3:
         model_files = tuple(sorted([*model_files, *(p for rf in ranks.values() for p in rf.z3_model.values())]))
@@ -257,9 +305,9 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
         have = rf.model_states.name if rf.model_states else (rf.z3_model[min(rf.z3_model)].name if rf.z3_model else None)
         if have is None:
             raise UnsupportedCheckpoint(f"mp_rank {rf.mp_rank:02d} has no model-states file", path=tag_dir)
-        if target_stage in (None, 3) and z3 not in names:
+        if 3 in stages and z3 not in names:
             aliases.append((z3, have))
-        if target_stage in (None, 1, 2) and plain not in names:
+        if 1 in stages and plain not in names:
             aliases.append((plain, have))
     ds_version = ck.details.get("ds_version")
     topo = {"dp": dp, "tp": tp, "pp": pp, "zero_stage": ck.topology.zero_stage}
@@ -268,7 +316,90 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
     return UniversalPlan(src, ck.format, tag_dir, tag_dir.name, Path(out), topo, tuple(jobs), model_files,
                          tuple(aliases), optim_file, ds_version, layout_name, tuple(notes),
                          {"tp_layout": tp_layout, "patterns": list(patterns), "tp_replicated": tp_replicated,
-                          "target_stage": target_stage})
+                          "target_stage": target_stage}, state_keys, tuple(warnings), stages)
+
+
+# --- optimizer state beyond Adam's ---------------------------------------------------------------------
+
+
+def stage3_incompatibility(state_keys: Sequence[str]) -> str | None:
+    """Why DeepSpeed's ZeRO-3 universal loader cannot load this per-parameter optimizer state (None: it can).
+
+    deepspeed 0.19.8 runtime/zero/stage3.py `load_hp_checkpoint_state_from_checkpoint_dir_stage3` loops over
+    the hard-coded keys ["fp32", "exp_avg", "exp_avg_sq"] (torch.load of `<key>.pt`: FileNotFoundError when
+    one is absent; other files in the folder are never opened) and reads
+    optimizer_state["optimizer_state_dict"]["state"][0]["step"] (KeyError for an optimizer without a step)."""
+    keys = set(state_keys)
+    if keys == ADAM_STATE:
+        return None
+    missing, dropped = sorted(ADAM_STATE - keys), sorted(keys - ADAM_STATE)
+    parts = []
+    if dropped:
+        parts.append(f"it would drop {', '.join(dropped)}")
+    if missing:
+        parts.append(f"it requires {', '.join(k + '.pt' for k in missing)}, which this optimizer does not keep")
+    return ("DeepSpeed's ZeRO-3 universal loader reads only fp32/exp_avg/exp_avg_sq.pt (stage3.py "
+            "load_hp_checkpoint_state_from_checkpoint_dir_stage3): " + " and ".join(parts))
+
+
+#: hyper-parameters every group gets from group 0 when DeepSpeed's ZeRO-3 universal loader runs
+_HPARAM_SKIP = ("params", "param_names")
+
+
+def zero3_group_warnings(param_groups: list[dict]) -> list[str]:
+    """What DeepSpeed's ZeRO-3 universal loader will change in these (saved) param groups.
+
+    deepspeed 0.19.8 runtime/zero/stage3.py `load_hp_checkpoint_state_from_checkpoint_dir_stage3` ends with
+        for param_group in self.optimizer.param_groups:
+            for key, value in optim_sd["optimizer_state_dict"]["param_groups"][0].items(): ...param_group[key] = value
+    i.e. every group gets group 0's lr, weight_decay and every other hyper-parameter. Returns one line per
+    group whose lr or weight_decay differs from group 0's (naming the values DeepSpeed will use instead), plus
+    one line for any other hyper-parameter that differs; [] when all groups agree."""
+    if len(param_groups) < 2:
+        return []
+    g0 = param_groups[0]
+    out: list[str] = []
+    others: dict[str, list[int]] = {}
+    for i, g in enumerate(param_groups[1:], start=1):
+        changes = []
+        for key in ("lr", "weight_decay"):
+            if key in g and g.get(key) != g0.get(key):
+                changes.append(f"{key} {_fmt(g0.get(key))} instead of {_fmt(g.get(key))}")
+        if changes:
+            out.append(f"DeepSpeed's ZeRO-3 universal loader copies param group 0's hyper-parameters onto every "
+                       f"group: group {i} will train with " + " and ".join(changes))
+        for key in g:
+            if key not in _HPARAM_SKIP and key not in ("lr", "weight_decay") and g.get(key) != g0.get(key):
+                others.setdefault(key, []).append(i)
+    for key, idx in sorted(others.items()):
+        out.append(f"DeepSpeed's ZeRO-3 universal loader also sets {key} of group{'s' if len(idx) > 1 else ''} "
+                   f"{', '.join(map(str, idx))} to group 0's {_fmt(g0.get(key))}")
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:g}"
+    return repr(v) if not isinstance(v, (int, list, tuple)) else str(v)
+
+
+def _plain(node: Any) -> Any:
+    if isinstance(node, ValueNode):
+        return node.value
+    if isinstance(node, GroupNode):
+        return {k: _plain(v) for k, v in node.children.items()}
+    if isinstance(node, TensorNode):
+        return node.value
+    return None
+
+
+def _param_groups_of(ck: Checkpoint) -> list[dict]:
+    """The saved param groups as plain dicts (group order), from the tree."""
+    node = ck.optimizer.children.get("param_groups") if ck.optimizer is not None else None
+    raw = _plain(node)
+    if isinstance(raw, dict):
+        raw = [raw[k] for k in sorted(raw, key=lambda k: int(k) if str(k).isdigit() else 0)]
+    return [g for g in (raw or []) if isinstance(g, dict)]
 
 
 _MS_RE = re.compile(r"^mp_rank_\d+_model_states\.pt$")
@@ -448,7 +579,7 @@ def _steps_and_globals(plan: UniversalPlan) -> tuple[dict[int, Any], dict[str, A
             steps[int(g)] = s.clone() if torch.is_tensor(s) else s
     out = {k: v for k, v in osd.items() if k not in OPTIM_SHARDED_KEYS}
     out["param_groups"] = groups
-    if plan.options.get("target_stage") in (None, 3):
+    if 3 in plan.stages:
         # the ZeRO-3 loader reads optimizer_state_dict.state[0].step and .param_groups[0]
         out["optimizer_state_dict"] = {"state": {g: {"step": s} for g, s in steps.items()}, "param_groups": groups}
     if plan.ds_version and "ds_version" not in out:
@@ -537,7 +668,7 @@ def verify(plan: UniversalPlan, root: Path) -> list[str]:
     cache = C.LoadCache(tag_out)
     problems = []
     for j in plan.params:
-        files = [*j.states] + ([] if j.module_only or j.param_group < 0 else ["step"])
+        files = [*j.states] + ([] if j.module_only or j.param_group < 0 or not j.has_step else ["step"])
         for key in files:
             f = tag_out / "zero" / j.name / f"{key}.pt"
             if not f.is_file():
@@ -566,9 +697,24 @@ def _stale_staging(out: Path) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
+def verify_logical(plan: UniversalPlan, root: Path) -> list[str]:
+    """The logical comparison (`ckpt diff --logical`) of the source with the universal checkpoint at `root`:
+    every parameter's fp32 master, every optimizer state tensor and step, the param groups and the counters
+    must be equal, bit for bit. Returns one line per difference ([] when equal)."""
+    from .diff import iter_lines, logical_diff
+
+    src, _, _ = _open_source(plan.source, plan.options.get("patterns") or ())
+    rep = logical_diff(src, root)
+    return [f"{section} {name}: {what}" for section, name, what in iter_lines(rep)]
+
+
 def execute(plan: UniversalPlan, *, workers: int = 1, progress: Callable[[int], None] | None = None,
-            distributed: bool = False) -> UniversalResult:
+            distributed: bool = False, check: Callable[[Path], list[str]] | None = None) -> UniversalResult:
     """Write the planned universal checkpoint into `plan.out` (atomically), verify it, return a summary.
+
+    `check(staging_root)`, when given, runs after the structural verification and before the folder is
+    renamed into place (e.g. `lambda r: verify_logical(plan, r)`, what `--verify` passes): any line it returns
+    stops the conversion with nothing written.
 
     With `distributed`, every rank of the initialised torch.distributed group calls this: rank r converts
     parameters r, r+W, r+2W, ... into rank 0's staging folder (the same filesystem), rank 0 writes the
@@ -596,6 +742,7 @@ def execute(plan: UniversalPlan, *, workers: int = 1, progress: Callable[[int], 
             if problems:
                 raise CkptError("verification of the written universal checkpoint failed: " + "; ".join(problems[:5]),
                                 path=plan.out, hint="nothing was written; please report this")
+            _run_check(check, plan, tmp)
         return UniversalResult(plan.out, plan.out_tag, len(plan.params), n, _count_files(plan.out))
 
     # distributed: rank 0 owns the staging folder; the others write into it
@@ -637,6 +784,7 @@ def execute(plan: UniversalPlan, *, workers: int = 1, progress: Callable[[int], 
         problems = verify(plan, tmp)
         if problems:
             raise CkptError("verification failed: " + "; ".join(problems[:5]), path=plan.out)
+        _run_check(check, plan, tmp)
         ctx.__exit__(None, None, None)
     except BaseException as e:
         ctx.__exit__(type(e), e, e.__traceback__)
@@ -644,6 +792,16 @@ def execute(plan: UniversalPlan, *, workers: int = 1, progress: Callable[[int], 
         raise
     dist.barrier()
     return UniversalResult(plan.out, plan.out_tag, len(plan.params), int(totals[0]), _count_files(plan.out))
+
+
+def _run_check(check: Callable[[Path], list[str]] | None, plan: UniversalPlan, tmp: Path) -> None:
+    if check is None:
+        return
+    problems = check(tmp)
+    if problems:
+        raise CkptError(f"--verify: the written universal checkpoint differs from the source in {len(problems)} "
+                        "places: " + "; ".join(problems[:5]) + ("; ..." if len(problems) > 5 else ""), path=plan.out,
+                        hint="nothing was written; please report this with `ckpt diff --logical` of the two")
 
 
 def _count_files(root: Path) -> int:
