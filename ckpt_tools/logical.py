@@ -198,6 +198,16 @@ def _tensors(node: Any, prefix: str = "") -> Iterable[tuple[str, TensorNode]]:
             yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
 
 
+def models(ck: Checkpoint | str | os.PathLike) -> list[int]:
+    """The model indices a checkpoint holds: [0], or [0, 1, ...] where the tree has `model_1`, ... (Accelerate
+    with several `prepare`d models)."""
+    ck = open_any(ck)
+    out = [0]
+    while f"model_{out[-1] + 1}" in ck.tree.children:
+        out.append(out[-1] + 1)
+    return out
+
+
 def _storage_key(node: TensorNode) -> tuple | None:
     if node.shards or len(node.pieces) != 1:
         return None
@@ -231,16 +241,29 @@ def _resolve(tied: dict[str, str], name: str) -> str:
 
 def model_tensors(ck: Checkpoint | str | os.PathLike, *, weights: str = "fp32", include_frozen: bool = True,
                   tied: str = "all", include: str | Sequence[str] | None = None,
-                  exclude: str | Sequence[str] | None = None) -> list[LogicalTensor]:
-    """The model's tensors by name, in the model's own order (see the module docstring)."""
+                  exclude: str | Sequence[str] | None = None, model: int = 0) -> list[LogicalTensor]:
+    """The model's tensors by name, in the model's own order (see the module docstring). `model`: which
+    model of a checkpoint that holds several (Accelerate's `model_1.safetensors`, ...: the tree's `model_<N>`);
+    the layout and the fp32 masters the format module knows describe model 0, so another model's tensors are
+    its stored weights, in the order stored (ties found by shared storage)."""
     if weights not in ("fp32", "module"):
         raise ValueError(f"weights={weights!r}: use 'fp32' or 'module'")
     if tied not in ("all", "dedupe"):
         raise ValueError(f"tied={tied!r}: use 'all' or 'dedupe'")
     ck = open_any(ck)
-    lay = layout(ck)
-    stored = dict(_tensors(ck.model))
-    state = _state_group(ck)
+    if model:
+        group = ck.tree.children.get(f"model_{model}")
+        if group is None:
+            held = models(ck)
+            raise ValueError(f"model={model}: the checkpoint holds {len(held)} model"
+                             f"{'' if len(held) == 1 else 's'} ({', '.join(map(str, held))})")
+        lay = {"order": [], "frozen": [], "tied": {}, "buffers": [], "groups": []}
+        stored = dict(_tensors(group))
+        state: dict[str, Any] = {}
+    else:
+        lay = layout(ck)
+        stored = dict(_tensors(ck.model))
+        state = _state_group(ck)
     ties: dict[str, str] = {a: s for a, s in lay["tied"].items() if a != s}
     frozen, buffers = set(lay["frozen"]), set(lay["buffers"])
 

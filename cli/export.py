@@ -45,6 +45,8 @@ def export_cmd(
                                             "without info)"),
     pattern: Optional[List[str]] = typer.Option(None, "--pattern", metavar="REGEX=MERGE", help="TP merge "
                                                 "overrides (repeatable)"),
+    model: int = typer.Option(0, "--model", metavar="N", min=0, help="which model of a checkpoint with several "
+                              "(Accelerate's model_1.safetensors ...: --model 1); default the first"),
     verify: bool = typer.Option(False, "--verify", help="re-read the written files and compare them with the "
                                 "checkpoint tensor for tensor before putting them in place"),
     dry_run: bool = typer.Option(False, "--dry-run", help="show the files that would be written"),
@@ -72,7 +74,7 @@ def export_cmd(
                                    tp_layout=tp_layout, patterns=pattern or (), hf=hf,
                                    tied="dedupe" if dedupe_tied else ("all" if not hf else "dedupe"),
                                    include_frozen=not exclude_frozen, include=include or None,
-                                   exclude=exclude or None)
+                                   exclude=exclude or None, model=model)
         except ValueError as e:
             raise typer.BadParameter(str(e))
         doc = plan.to_json()

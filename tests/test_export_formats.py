@@ -225,6 +225,22 @@ def test_accelerate_and_hf_ddp_equal_their_weights_files(tmp_path):
     assert same(got["lm_head.weight"], ref["transformer.wte.weight"])
 
 
+def test_second_model_of_an_accelerate_checkpoint(tmp_path):
+    """`--model 1` exports the second prepared model (model_1.safetensors) as Accelerate saved it; a model the
+    checkpoint does not hold is a one-line error, exit 2, nothing written."""
+    acc = sample("accelerate", "accelerate_two_models")
+    out = tmp_path / "m1.safetensors"
+    r = run_cli("export", acc, out, "--model", "1", "--verify")
+    assert r.returncode == 0, r.stderr
+    got, ref = load_file(out), load_file(acc / "model_1.safetensors")
+    assert list(got) and set(got) == set(ref) and all(same(got[k], ref[k]) for k in ref)
+    first = load_file(acc / "model.safetensors")
+    assert set(got).isdisjoint(first) or any(got[k].shape != first[k].shape for k in set(got) & set(first))
+    r = run_cli("export", acc, tmp_path / "m2.safetensors", "--model", "2")
+    assert r.returncode == 2 and "--model 2" in r.stderr and "2 models (0, 1)" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "m2.safetensors").exists()
+
+
 def test_logical_optimizer_state_by_name():
     """The logical optimizer view names every parameter's state, whole, with the groups' members."""
     src = sample("deepspeed", "zero3_tied_frozen")

@@ -122,7 +122,7 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
                 max_shard_size: int | None = None, source_weights: str = "fp32",
                 tp_layout: str | None = None, patterns: Sequence[str] = (), tied: str = "all",
                 include_frozen: bool = True, include: Sequence[str] | str | None = None,
-                exclude: Sequence[str] | str | None = None, hf: bool = False) -> ExportPlan:
+                exclude: Sequence[str] | str | None = None, hf: bool = False, model: int = 0) -> ExportPlan:
     """Which tensors go into which file. `source_weights`: "fp32" (the optimizer's fp32 master, the same
     values zero_to_fp32 writes, where the format has one) or "module" (the saved module weights, e.g. bf16).
     `hf`: `out` is a new folder for `from_pretrained` (tied aliases left out unless tied="all" is asked
@@ -153,10 +153,13 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
         tied_mode = "dedupe" if hf else tied
     try:
         tensors = L.model_tensors(ck, weights=source_weights, include_frozen=include_frozen, tied=tied_mode,
-                                  include=include, exclude=exclude)
+                                  include=include, exclude=exclude, model=model)
     except ValueError as e:
+        if str(e).startswith("model="):
+            raise CkptError(f"--model {model}: {str(e).split(': ', 1)[1]}", path=src,
+                            hint="pick one of those with --model N") from None
         raise CkptError(str(e), hint="--include / --exclude take Python regular expressions") from None
-    everything = L.model_tensors(ck, weights=source_weights)
+    everything = L.model_tensors(ck, weights=source_weights, model=model)
     kept = {t.name for t in tensors}
     skipped = {"tied": [], "frozen": [], "filtered": []}
     for t in everything:
