@@ -9,10 +9,15 @@ the moved items' offsets and lengths (`pickle_writer.dumps` of the inert tree th
 nothing from the checkpoint is imported or run). When no offset or length changes, `.metadata` is left
 alone.
 
+In O(changed bytes) (`append`, what set-lr / set-step use): each new blob is appended to its `.distcp` file in
+place (journaled by io.execute; the old blob stays as dead bytes no reader visits), and `.metadata` — small —
+is re-pickled with the appended items' offsets and lengths and replaced atomically in the same transaction.
+
 Order of use: `DcpFolder(root)` (reads `.metadata`) -> `value(key)` / `tensor(key)` / `state_tree(...)`
-to find what to edit -> `rewrite({key: new blob})` -> the `(relative path, nbytes, produce)` triples that
-go into one `io.WritePlan`, so that the `.distcp` files and `.metadata` are replaced (and rolled back)
-together. `read_item(root, key)` re-reads one item for verification.
+to find what to edit -> `append({key: new blob})` (or `rewrite(...)`: whole files, items moved) -> the
+`(relative path, nbytes, produce[, edit])` tuples that go into one `io.WritePlan`, so that the `.distcp` files
+and `.metadata` are changed (and rolled back) together. `read_item(root, key)` re-reads one item for
+verification.
 """
 from __future__ import annotations
 
@@ -182,6 +187,53 @@ class DcpFolder:
         return out
 
 
+    def append(self, blobs: dict[str, bytes]) -> list[tuple[str, int, Callable[[Path], None], Any]]:
+        """The files to write so that each flat key in `blobs` holds the new blob, in O(changed bytes): every
+        new blob is APPENDED to the `.distcp` file holding its item (the old bytes stay, dead: no reader visits
+        a byte `.metadata` does not point at), and `.metadata` is re-pickled with those items' new offsets and
+        lengths. `(rel, nbytes, produce, edit)` for each `.distcp` file — `edit(path)` the in-place form
+        (`io.InPlace`: the blobs at the file's old end), `produce(tmp)` the same bytes as a whole new file —
+        then `(".metadata", nbytes, produce, None)`: always replaced whole (small), atomically, in the same
+        transaction."""
+        from .io import ByteEdit, InPlace, copy_file
+        from .pickle_writer import dumps
+
+        by_file: dict[str, list[tuple[Item, bytes]]] = {}
+        for key, blob in blobs.items():
+            it = self.item(key)
+            if it.is_tensor and it.offsets != ():
+                raise UnsupportedCheckpoint(f"{key}: only whole 0-d tensor items can be replaced", path=self.root)
+            by_file.setdefault(it.rel, []).append((it, bytes(blob)))
+        out: list[tuple[str, int, Callable[[Path], None], Any]] = []
+        for rel in sorted(by_file):
+            size = (self.root / rel).stat().st_size
+            tail, pos = [], size
+            for it, blob in sorted(by_file[rel], key=lambda x: x[0].offset):
+                it.info.state = {**it.info.state, "offset": pos, "length": len(blob)}
+                tail.append(blob)
+                pos += len(blob)
+            data = b"".join(tail)
+
+            def edit(path: Path, size=size, data=data, rel=rel) -> InPlace:
+                now = Path(path).stat().st_size
+                if now != size:
+                    raise CorruptCheckpoint(f"{rel} is {now} bytes, it was {size} when planned", path=path,
+                                            hint="the checkpoint changed since it was read; run the command again")
+                return InPlace((ByteEdit(size, data),), size + len(data))
+
+            def produce(tmp: Path, src=self.root / rel, size=size, data=data) -> None:
+                copy_file(src, tmp)
+                with open(tmp, "r+b") as fh:
+                    fh.truncate(size)
+                    fh.seek(size)
+                    fh.write(data)
+
+            out.append((rel, pos, produce, edit))
+        meta = dumps(self.meta)
+        out.append((METADATA, len(meta), lambda tmp, meta=meta: Path(tmp).write_bytes(meta), None))
+        return out
+
+
 def _producer(src: Path, segments: list[tuple[str, Any]]) -> Callable[[Path], None]:
     def produce(tmp: Path) -> None:
         sfd = os.open(src, os.O_RDONLY)
@@ -248,3 +300,120 @@ def read_item(root: Path, key: str) -> Any:
     it = folder.item(key)
     obj = folder._load(it)
     return obj.item() if isinstance(obj, TensorRef) else obj
+
+
+# --- writing a new DCP folder, one item at a time (`ckpt convert --to dcp`) ---------------------------------
+
+
+class DcpStreamWriter:
+    """Write a new torch.distributed.checkpoint folder item by item, as `dcp.save` lays it out for one rank:
+    every item a `torch.save` blob appended to `__0_0.distcp`, every tensor stored whole as one chunk, then
+    `.metadata` (a `Metadata` with `planner_data` mapping each flat key to its state-dict path, the way
+    `flatten_state_dict` does). Only the item being written is in memory, so a model of any size streams.
+
+    Order of use: `w = DcpStreamWriter(folder)`; `w.tensor(path, t)` / `w.value(path, v)` for each leaf
+    (`path`: the tuple of keys in the nested state dict, e.g. ("optim", "state", "wte.weight", "exp_avg"),
+    list positions as ints); `w.close()` writes `.metadata`. `flatten_paths(obj)` yields the leaves of a
+    nested dict the way DCP flattens it (lists of plain values are one value)."""
+
+    FILE = "__0_0.distcp"
+
+    def __init__(self, folder: Path, checkpoint_id: str | None = None):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._fh = open(self.folder / self.FILE, "wb")
+        self._sdm: dict[str, Any] = {}
+        self._storage: dict[Any, Any] = {}
+        self._planner: dict[str, tuple] = {}
+        self._checkpoint_id = checkpoint_id
+        self.bytes_written = 0
+
+    @staticmethod
+    def flat_key(path: tuple) -> str:
+        return ".".join(str(p) for p in path)
+
+    def _claim(self, path: tuple) -> str:
+        key = self.flat_key(path)
+        if key in self._sdm:
+            raise ValueError(f"{key}: written twice")
+        self._planner[key] = tuple(path)
+        return key
+
+    def _append(self, blob_writer: Callable[[Any], None]) -> tuple[int, int]:
+        start = self._fh.tell()
+        blob_writer(self._fh)
+        end = self._fh.tell()
+        self.bytes_written += end - start
+        return start, end - start
+
+    def tensor(self, path: tuple, t: Any) -> None:
+        import torch
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
+                                                           TensorStorageMetadata)
+
+        key = self._claim(path)
+        t = t.detach().cpu().contiguous()
+        if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()  # torch.save writes the whole storage: never a view's neighbours
+        off, n = self._append(lambda fh: torch.save(t, fh))
+        zero = torch.Size([0] * t.dim())
+        self._sdm[key] = TensorStorageMetadata(TensorProperties(dtype=t.dtype), torch.Size(t.shape),
+                                               [ChunkStorageMetadata(offsets=zero, sizes=torch.Size(t.shape))])
+        self._storage[MetadataIndex(key, zero, 0)] = _StorageInfo(self.FILE, off, n)
+
+    def value(self, path: tuple, v: Any) -> None:
+        import torch
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+        key = self._claim(path)
+        buf = _io.BytesIO()
+        torch.save(v, buf)
+        off, n = self._append(lambda fh: fh.write(buf.getbuffer()))
+        self._sdm[key] = BytesStorageMetadata()
+        self._storage[MetadataIndex(key)] = _StorageInfo(self.FILE, off, n)
+
+    def close(self) -> Path:
+        import pickle
+        import uuid
+
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        md = Metadata(state_dict_metadata=self._sdm, planner_data=self._planner, storage_data=self._storage,
+                      storage_meta=StorageMeta(checkpoint_id=self._checkpoint_id, save_id=str(uuid.uuid4())),
+                      version="1.0.0")
+        path = self.folder / METADATA
+        with open(path, "wb") as fh:
+            pickle.dump(md, fh)
+        return path
+
+    def abort(self) -> None:
+        if not self._fh.closed:
+            self._fh.close()
+
+
+def flatten_paths(obj: Any, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
+    """(path, leaf) for a nested state dict, as DCP's `traverse_state_dict` cuts it: dicts are walked (keys
+    as str), a list or tuple is walked when it holds a dict somewhere (else it is one value), anything else
+    is a leaf."""
+    out: list[tuple[tuple, Any]] = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.extend(flatten_paths(v, prefix + (str(k),)))
+    elif isinstance(obj, (list, tuple)) and not _terminal(obj):
+        for i, v in enumerate(obj):
+            out.extend(flatten_paths(v, prefix + (i,)))
+    else:
+        out.append((prefix, obj))
+    return out
+
+
+def _terminal(value: Any) -> bool:
+    for x in value:
+        if isinstance(x, dict) or (isinstance(x, (list, tuple)) and not _terminal(x)):
+            return False
+    return True

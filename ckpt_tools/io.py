@@ -14,20 +14,31 @@ the same transaction:
    - a transaction folder OUTSIDE the checkpoint (default `<parent>/.ckpt-backups/<name>/<time>-<cmd>/`,
      a sibling no framework scans; `backup_dir=` moves it — journal, backups and staging — to
      `<backup_dir>/<name>/`, and leaves a link to it in the default place when it can, so a plain
-     `ckpt restore` finds it) with a journal;
-   - every new file is produced into `staging/` there, fsynced, and given the owner, group and mode of the
-     file it replaces — a failure here changes nothing. Staging always lies on the checkpoint's filesystem:
-     a `backup_dir` on another one keeps only the backups and journal, staging stays in the default place;
-   - every original is hard-linked (or copied, across filesystems) into `files/` there: the backup;
-   - each new file is renamed over its original (atomic per file) and the folder fsynced;
+     `ckpt restore` finds it) with a journal (`journal.json`);
+   - each file is changed one of two ways:
+     * IN PLACE, in O(changed bytes), when the write can say how (`FileWrite.edit`: a torch zip's tensor
+       bytes and CRCs, a new data.pkl member and central directory appended — see zip_patch.py) and the file
+       allows it (`in_place_refusal`: a regular, writable file with no other hard link, and no `copy=True`).
+       The original bytes of every range about to change, and the original length, go to `undo/` in the
+       transaction folder (the rollback journal, SQLite's model), fsynced with the folder and recorded in
+       journal.json before the first byte of the checkpoint changes; then the ranges are written and the
+       file fsynced. The journal is the backup: a finished write keeps it, and `restore` undoes it from it.
+     * as a WHOLE NEW FILE otherwise: produced into `staging/` there, fsynced, and given the owner, group and
+       mode of the file it replaces — a failure here changes nothing (staging always lies on the
+       checkpoint's filesystem: a `backup_dir` on another one keeps only the backups and journal); the
+       original is hard-linked (or copied, across filesystems) into `files/` there: the backup; the new file
+       is renamed over the original (atomic per file) and the folder fsynced;
    - `plan.verify(root)` re-opens the checkpoint with the reader; any problem rolls everything back;
    - Ctrl-C anywhere rolls everything back too, then raises `Interrupted` saying what was put back, and where.
 3. `restore(root)` undoes the last write: a killed one is rolled back, else the last finished one's
-   originals go back, byte for byte. `interrupted_write(root)` only reports a killed write (for `inspect`).
+   originals go back, byte for byte (in place: after checking the file still holds what the write wrote).
+   `interrupted_write(root)` only reports a killed write (for `inspect`).
 
-A kill -9 at any point leaves either the original files or the complete new ones plus a journal
-that the next `execute`/`restore`/`recover` call rolls back; no temporary file ever sits inside a
-checkpoint folder.
+A kill -9 at any point leaves either the original files, the complete new ones, or — while files are being
+changed in place — a mix plus a journal in state "committing"/"verifying" that the next
+`execute`/`restore`/`recover` call rolls back byte for byte (truncate to the original length, write the
+original ranges back; idempotent, so a kill during the rollback is finished by the next one). No temporary
+file ever sits inside a checkpoint folder.
 """
 from __future__ import annotations
 
@@ -37,6 +48,7 @@ import os
 import shutil
 import stat
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -45,6 +57,8 @@ from .errors import CkptError
 from .tree import jsonable
 
 JOURNAL = "journal.json"
+UNDO = "undo"  # the in-place undo records, in the transaction folder
+IN_PLACE = "in-place"
 
 
 class WriteFailed(CkptError):
@@ -66,14 +80,39 @@ class FieldChange:
 
 
 @dataclass(frozen=True)
+class ByteEdit:
+    """`data` written at byte `offset` of a file, in place."""
+
+    offset: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """A change made inside an existing file: sorted, non-overlapping `edits`, then the file's length set to
+    `size` (longer: the last edit ends there; shorter: the tail is cut)."""
+
+    edits: tuple[ByteEdit, ...]
+    size: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(e.data) for e in self.edits)
+
+
+@dataclass(frozen=True)
 class FileWrite:
-    """The new content of one file. `produce(tmp)` writes it to `tmp` (a path outside the checkpoint)."""
+    """The new content of one file. `produce(tmp)` writes it whole to `tmp` (a path outside the checkpoint).
+    `edit(path)`, when given, says how to make the same change in place instead (`InPlace`, computed from the
+    file as it is when the write starts); `execute` uses it unless the file cannot safely be changed in place
+    (see `in_place_refusal`) or the caller asks for copies."""
 
     path: str  # relative to the plan's root
     changes: tuple[FieldChange, ...]
     nbytes: int
     produce: Callable[[Path], None] = field(repr=False, compare=False)
     method: str = "rewrite"  # how: "pickle-only rewrite" (tensor bytes copied as they are), "full", ...
+    edit: Callable[[Path], InPlace] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -103,7 +142,9 @@ class WritePlan:
 
 # --- where transactions live ----------------------------------------------------------------------
 
-ACTIVE = ("preparing", "committing", "verifying")  # journal states of a write that never finished
+# journal states of a write that never finished ("restoring": a `restore` of it was cut short; finishing the
+# undo is what comes next)
+ACTIVE = ("preparing", "committing", "verifying", "restoring")
 
 
 def checkpoint_root(path: Path) -> Path:
@@ -232,18 +273,43 @@ def _folder_problems(folders, who: str) -> list[tuple[Path, str, str]]:
     return out
 
 
-def check_places(plan: WritePlan, backup_dir: Path | None = None) -> Places:
+def in_place_refusal(target: Path, w: FileWrite, copy: bool = False) -> str | None:
+    """Why `w` is written as a whole new file renamed over `target` rather than changed in place (None: it is
+    changed in place, journaled). In place only when the write can say how (`w.edit`), the caller did not ask
+    for copies (`copy`, `--copy`), and the file is a regular file, writable, and has no other hard link (an
+    in-place change would change that other path too: copy-on-write then)."""
+    if w.edit is None:
+        return "this change needs a new file"
+    if copy:
+        return "full copies asked for (--copy)"
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        return "a new file"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_nlink > 1:
+        return f"it has {st.st_nlink} hard links: changing it in place would change the other paths too"
+    kw = {"effective_ids": True} if os.access in os.supports_effective_ids else {}
+    if not st.st_mode & 0o222 or not os.access(target, os.W_OK, **kw):
+        return f"the file is read-only (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def check_places(plan: WritePlan, backup_dir: Path | None = None, *, copy: bool = False) -> Places:
     """Check, before any work, that everything the write touches can be written: the checkpoint folders the
-    new files are renamed into, the transaction folder (journal and backups: `backup_dir` moves it), the
-    staging folder (on the checkpoint's filesystem), and that the new files can keep the owner and group of
-    the ones they replace. Raises CkptError naming each place and the fix; returns where things will go."""
+    new files are renamed into (files changed in place need no folder write), the transaction folder (journal
+    and backups: `backup_dir` moves it), the staging folder (on the checkpoint's filesystem), and that the new
+    files can keep the owner and group of the ones they replace. Raises CkptError naming each place and the
+    fix; returns where things will go."""
     root = Path(plan.root).resolve()
     euid = os.geteuid()
     who = f"uid {euid}"
-    problems = _folder_problems([(root / w.path).parent for w in plan.writes], who)
+    whole = [w for w in plan.writes if in_place_refusal(root / w.path, w, copy) is not None]
+    problems = _folder_problems([(root / w.path).parent for w in whole], who)
     groups = set(os.getgroups()) | {os.getegid()}
     may_chown = _may_chown()
-    for w in plan.writes:
+    for w in whole:
         try:
             st = (root / w.path).stat()
         except FileNotFoundError:
@@ -262,7 +328,9 @@ def check_places(plan: WritePlan, backup_dir: Path | None = None) -> Places:
     if ok and os.stat(at).st_dev != os.stat(root).st_dev:
         staging = default
         ok2, at2 = _can_write(default)
-        if not ok2:
+        if not whole:  # everything changes in place: nothing is staged, the journal may live anywhere
+            staging = default if ok2 else tx
+        elif not ok2:
             problems.append((at2, f"not writable by {who}, and the new files must be staged on the checkpoint's "
                              f"filesystem to be renamed into place atomically (--backup-dir {backup_dir} is on "
                              "another one)", "pass a --backup-dir on the checkpoint's filesystem"))
@@ -292,7 +360,9 @@ class Transaction:
     files: tuple[str, ...]
     started: str = ""
     changes: tuple[FieldChange, ...] = field(default=(), repr=False, compare=False)
-    nbytes: int = 0  # the originals' size: what a restore puts back
+    nbytes: int = 0  # what a restore puts back: the originals' size (in place: the journaled ranges)
+    written: int = 0  # bytes the write put into the checkpoint (in place: the changed ranges only)
+    in_place: tuple[str, ...] = ()  # the files changed in place (journaled), not replaced by a new copy
 
 
 def _when(stamp: str) -> str:
@@ -327,9 +397,13 @@ def _journals(path: Path, backup_dir: Path | None = None) -> list[Path]:
 def _transaction(j: Path, d: dict) -> Transaction:
     changes = tuple(FieldChange(f["path"], c["field"], c["old"], c["new"], c.get("note", ""))
                     for f in d.get("plan", {}).get("files", []) for c in f.get("changes", []))
+    files = d.get("files", [])
     return Transaction(j.parent, d.get("status", "?"), d.get("command", "?"),
-                       tuple(e["path"] for e in d.get("files", [])), _when(d.get("started", "")), changes,
-                       sum(e.get("size") or 0 for e in d.get("files", [])))
+                       tuple(e["path"] for e in files), _when(d.get("started", "")), changes,
+                       sum((e.get("undo_bytes") if e.get("mode") == IN_PLACE else e.get("size")) or 0 for e in files),
+                       sum((e.get("written_bytes") if e.get("mode") == IN_PLACE else e.get("written")) or 0
+                           for e in files),
+                       tuple(e["path"] for e in files if e.get("mode") == IN_PLACE))
 
 
 def transactions(path: Path, backup_dir: Path | None = None) -> list[Transaction]:
@@ -352,12 +426,17 @@ def last_write(path: Path, command: str, backup_dir: Path | None = None) -> Tran
 
 
 def _replaced(journal: dict) -> list[str]:
-    """The files of a killed transaction that were already replaced (or created): what a rollback puts back."""
+    """The files of a killed transaction that were already changed (replaced, created, or changed in place):
+    what a rollback puts back."""
     root, files_dir = Path(journal["root"]), Path(journal["backups"])
+    tdir = files_dir.parent
     out = []
     for e in journal["files"]:
         target, backup = root / e["path"], files_dir / e["path"]
-        if e["existed"]:
+        if e.get("mode") == IN_PLACE:
+            if journal.get("status") != "preparing" and "ranges" in e and _in_place_differs(root, tdir, e):
+                out.append(e["path"])
+        elif e["existed"]:
             if backup.exists() and not (target.exists() and os.path.samestat(target.stat(), backup.stat())):
                 out.append(e["path"])
         elif target.exists():
@@ -389,13 +468,13 @@ def interrupted_write(path: Path, backup_dir: Path | None = None) -> str | None:
             continue  # a write on the output_dir that touched another checkpoint-N
         done, n = _replaced(journal), len(journal["files"])
         what = (f"a ckpt write (`{journal['command']}`, started {_when(journal.get('started', ''))} UTC) was "
-                f"interrupted")
+                f"interrupted" + (" while `ckpt restore` was undoing it" if journal["status"] == "restoring" else ""))
         if not done:
             return (f"{what} before it replaced any file: the checkpoint is unchanged; `ckpt restore {root}` "
                     f"(or the next ckpt write) only clears its leftovers in {j.parent}")
         return (f"{what} after replacing {len(done)} of {n} files, so the values shown may mix old and new; "
                 f"`ckpt restore {root}` (or the next ckpt write) puts back the original{'s' if len(done) > 1 else ''}"
-                f" of {', '.join(done[:3])}{' …' if len(done) > 3 else ''} from {journal['backups']}")
+                f" of {', '.join(done[:3])}{' …' if len(done) > 3 else ''} from {j.parent}")
     return None
 
 
@@ -409,14 +488,15 @@ class Interrupted(KeyboardInterrupt):
 
 def execute(plan: WritePlan, *, backup_dir: Path | None = None,
             on_stage: Callable[[str, str | None], None] | None = None,
-            progress: Callable[[int], None] | None = None) -> Transaction:
+            progress: Callable[[int], None] | None = None, copy: bool = False) -> Transaction:
     """Carry out `plan` as one transaction (see the module docstring). Raises CkptError naming the place when
     a folder it needs cannot be written (before any work), WriteFailed after putting the checkpoint back as it
     was, Interrupted on Ctrl-C (after putting it back). `on_stage(stage, file)` is called at every step (tests
-    inject failures there); `progress(nbytes)` after each new file is produced (progress bars)."""
+    inject failures there; "write" after each range written in place); `progress(nbytes)` after each file is
+    produced (progress bars). `copy`: every file as a whole new copy, nothing in place (`--copy`)."""
     stage = on_stage or (lambda s, f: None)
     root = Path(plan.root).resolve()
-    places = check_places(plan, backup_dir)
+    places = check_places(plan, backup_dir, copy=copy)
     recover(root, backup_dir)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{os.getpid()}"
     slug = "".join(ch if ch.isalnum() else "-" for ch in plan.command.split()[0] if plan.command) or "write"
@@ -432,13 +512,20 @@ def execute(plan: WritePlan, *, backup_dir: Path | None = None,
     files_dir = tdir / "files"
     staging.mkdir(parents=True)
     files_dir.mkdir()
+    (tdir / UNDO).mkdir()
     entries, stats = [], []
-    for w in plan.writes:
+    for i, w in enumerate(plan.writes):
         target = root / w.path
         st = target.stat() if target.exists() else None
         stats.append(st)
-        entries.append({"path": w.path, "existed": st is not None, "size": st.st_size if st else None,
-                        "mtime_ns": st.st_mtime_ns if st else None})
+        why = in_place_refusal(target, w, copy)
+        e = {"path": w.path, "existed": st is not None, "size": st.st_size if st else None,
+             "mtime_ns": st.st_mtime_ns if st else None, "mode": "replace" if why else IN_PLACE}
+        if why and w.edit is not None:
+            e["why_not_in_place"] = why
+        if not why:
+            e["undo"] = f"{UNDO}/{i:06d}.bin"
+        entries.append(e)
     journal = {"status": "preparing", "root": str(root), "command": plan.command, "backups": str(files_dir),
                "staging": str(staging), "files": entries, "started": stamp, "plan": plan.to_json()}
     _write_json(tdir / JOURNAL, journal)
@@ -446,30 +533,43 @@ def execute(plan: WritePlan, *, backup_dir: Path | None = None,
         places.link.mkdir(parents=True, exist_ok=True)
         os.symlink(tdir, places.link / tdir.name)
     replaced = 0
+    changes: dict[int, InPlace] = {}
     try:
-        for i, (w, st) in enumerate(zip(plan.writes, stats)):
+        for i, (w, st, e) in enumerate(zip(plan.writes, stats, entries)):
             stage("produce", w.path)
-            tmp = staging / f"{i:06d}.new"
-            w.produce(tmp)
-            _fsync_file(tmp)
-            if st is not None:
-                _keep_owner_and_mode(tmp, st)
+            if e["mode"] == IN_PLACE:
+                changes[i] = w.edit(root / w.path)
+            else:
+                tmp = staging / f"{i:06d}.new"
+                w.produce(tmp)
+                _fsync_file(tmp)
+                if st is not None:
+                    _keep_owner_and_mode(tmp, st)
             if progress:
                 progress(w.nbytes)
-        for w, e in zip(plan.writes, entries):
+        for i, (w, e) in enumerate(zip(plan.writes, entries)):
             if e["existed"]:
                 stage("backup", w.path)
-                _link_or_copy(root / w.path, files_dir / w.path)
+                if e["mode"] == IN_PLACE:
+                    _save_undo(root / w.path, changes[i], tdir / e["undo"], e)
+                else:
+                    _link_or_copy(root / w.path, files_dir / w.path)
+                    e["written"] = None
         _fsync_dir(files_dir)
-        journal["status"] = "committing"
+        _fsync_dir(tdir / UNDO)
+        journal["status"] = "committing"  # from here on a kill is rolled back from the undo records
         _write_json(tdir / JOURNAL, journal)
-        for i, w in enumerate(plan.writes):
+        for i, (w, e) in enumerate(zip(plan.writes, entries)):
             stage("replace", w.path)
             target = root / w.path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(staging / f"{i:06d}.new", target)
+            if e["mode"] == IN_PLACE:
+                _apply_in_place(target, changes[i], lambda: stage("write", w.path))
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(staging / f"{i:06d}.new", target)
+                _fsync_dir(target.parent)
+                e["written"] = target.stat().st_size
             replaced += 1
-            _fsync_dir(target.parent)
         journal["status"] = "verifying"
         _write_json(tdir / JOURNAL, journal)
         stage("verify", None)
@@ -498,16 +598,168 @@ def execute(plan: WritePlan, *, backup_dir: Path | None = None,
     return _transaction(tdir / JOURNAL, journal)
 
 
+# --- in place: the rollback journal ------------------------------------------------------------------
+#
+# For a file changed in place, the journal entry (journal.json, `files[i]`, "mode": "in-place") holds:
+#   size      the file's original length
+#   undo      "undo/NNNNNN.bin" in the transaction folder: the original bytes of every range about to change,
+#             one after another
+#   ranges    [[offset, length, position in the undo file, crc32 of those original bytes], ...]
+#   new_size  the length after the write; written: [[offset, length, crc32 of the new bytes], ...]
+#   undo_bytes, written_bytes
+# The undo file and the folder are fsynced, then journal.json says "committing" (written to a new name,
+# fsynced, renamed, folder fsynced) before the first byte of the checkpoint changes. Undo = truncate (or
+# extend) the file to `size`, write every range back, fsync: idempotent, so a kill during a rollback is
+# finished by the next one. A finished write ("done") keeps its journal: `restore` undoes it the same way,
+# after checking that the file still holds what the write wrote.
+
+
+def _save_undo(target: Path, change: InPlace, undo: Path, e: dict) -> None:
+    """Record the original bytes of every range `change` overwrites (and of a tail it cuts) in `undo`, fsynced,
+    and describe them in the journal entry `e`."""
+    ranges, chunks, pos = [], [], 0
+    if any(x.offset < 0 or x.offset + len(x.data) > change.size for x in change.edits):
+        raise ValueError(f"an in-place change of {target} writes outside its new length {change.size}")
+    with open(target, "rb") as fh:
+        fd = fh.fileno()
+        orig = os.fstat(fd).st_size
+        spans = [(x.offset, min(x.offset + len(x.data), orig)) for x in change.edits if x.offset < orig]
+        if change.size < orig:
+            spans.append((change.size, orig))
+        for a, b in spans:
+            old = _pread(fd, b - a, a)
+            ranges.append([a, len(old), pos, zlib.crc32(old)])
+            chunks.append(old)
+            pos += len(old)
+    with open(undo, "wb") as out:
+        for c in chunks:
+            out.write(c)
+    _fsync_file(undo)
+    e.update(size=orig, new_size=change.size, ranges=ranges, undo_bytes=pos,
+             written=[[x.offset, len(x.data), zlib.crc32(x.data)] for x in change.edits],
+             written_bytes=change.nbytes)
+
+
+def _pread(fd: int, n: int, offset: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = os.pread(fd, n - len(out), offset + len(out))
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
+
+
+def _pwrite(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _apply_in_place(target: Path, change: InPlace, after_each: Callable[[], None] | None = None) -> None:
+    fd = os.open(target, os.O_WRONLY)
+    try:
+        for x in change.edits:
+            _pwrite(fd, x.data, x.offset)
+            if after_each:
+                after_each()
+        if os.fstat(fd).st_size != change.size:
+            os.ftruncate(fd, change.size)
+    finally:
+        os.close(fd)
+    _fsync_file(target)
+
+
+def _undo_record(tdir: Path, e: dict) -> list[tuple[int, bytes]]:
+    """The original ranges of an in-place entry, checked against their CRCs (a damaged undo file is refused)."""
+    undo = (tdir / e["undo"]).read_bytes()
+    out = []
+    for off, n, pos, crc in e["ranges"]:
+        data = undo[pos: pos + n]
+        if len(data) != n or zlib.crc32(data) != crc:
+            raise WriteFailed(f"the undo record of {e['path']} is damaged ({tdir / e['undo']})", path=tdir,
+                              hint="the file cannot be put back from this journal")
+        out.append((off, data))
+    return out
+
+
+def _undo_in_place(root: Path, tdir: Path, e: dict, staging: Path) -> None:
+    """Put an in-place entry's file back byte for byte: length, then every original range; fsync. A file with
+    other hard links (a restore of an older whole-file write links its backup back) is copied first, the copy
+    put back and renamed over it, so the other paths keep their bytes."""
+    target = root / e["path"]
+    ranges = _undo_record(tdir, e)
+    st = os.stat(target)
+    where = target
+    if st.st_nlink > 1:
+        staging.mkdir(parents=True, exist_ok=True)
+        where = staging / "restore.tmp"
+        with contextlib.suppress(FileNotFoundError):
+            where.unlink()
+        copy_file(target, where)
+        _keep_owner_and_mode(where, st)
+    fd = os.open(where, os.O_WRONLY)
+    try:
+        os.ftruncate(fd, e["size"])
+        for off, data in ranges:
+            _pwrite(fd, data, off)
+    finally:
+        os.close(fd)
+    _fsync_file(where)
+    if where != target:
+        os.replace(where, target)
+        _fsync_dir(target.parent)
+
+
+def _in_place_differs(root: Path, tdir: Path, e: dict) -> bool:
+    """Whether an in-place entry's file differs from its original (what a rollback would put back)."""
+    target = root / e["path"]
+    try:
+        ranges = _undo_record(tdir, e)
+        with open(target, "rb") as fh:
+            if os.fstat(fh.fileno()).st_size != e["size"]:
+                return True
+            return any(_pread(fh.fileno(), len(d), off) != d for off, d in ranges)
+    except (OSError, CkptError):
+        return True
+
+
+def _changed_since(root: Path, e: dict) -> str | None:
+    """For a finished in-place write: why the file no longer holds what the write wrote (None: it does)."""
+    target = root / e["path"]
+    try:
+        with open(target, "rb") as fh:
+            fd = fh.fileno()
+            size = os.fstat(fd).st_size
+            if size != e["new_size"]:
+                return f"it is {size} bytes, the write left {e['new_size']}"
+            for off, n, crc in e["written"]:
+                if zlib.crc32(_pread(fd, n, off)) != crc:
+                    return f"its bytes at {off}..{off + n} changed after the write"
+    except OSError as ex:
+        return f"cannot read it ({ex.strerror})"
+    return None
+
+
 def _rollback(tdir: Path, journal: dict, progress: Callable[[int], None] | None = None) -> None:
-    """Put every original back (byte for byte: the backup's own inode, so owner and mode too) and remove
-    files the transaction created. The temporary link goes through the staging folder, which lies on the
-    checkpoint's filesystem (the backups may not)."""
+    """Put every original back and remove files the transaction created. Whole-file entries: the backup's own
+    inode (byte for byte, owner and mode too), linked through the staging folder, which lies on the
+    checkpoint's filesystem (the backups may not). In-place entries: truncate and write back the journaled
+    ranges — unless the journal never got to "committing" (nothing was written in place then)."""
     root = Path(journal["root"])
     files_dir = Path(journal["backups"])
     staging = Path(journal.get("staging") or tdir / "staging")
     staging.mkdir(parents=True, exist_ok=True)
+    written = journal.get("status") != "preparing"
     for e in journal["files"]:
         target = root / e["path"]
+        if e.get("mode") == IN_PLACE:
+            if written and "ranges" in e and target.exists():
+                _undo_in_place(root, tdir, e, staging)
+                if progress:
+                    progress(e.get("undo_bytes") or 0)
+            continue
         backup = files_dir / e["path"]
         if e["existed"]:
             if not backup.exists():
@@ -525,7 +777,7 @@ def _rollback(tdir: Path, journal: dict, progress: Callable[[int], None] | None 
         elif target.exists():
             target.unlink()
             _fsync_dir(target.parent)
-    journal["status"] = "rolled-back"
+    journal["status"] = "restored" if journal.get("status") == "restoring" else "rolled-back"
     _write_json(tdir / JOURNAL, journal)
     shutil.rmtree(staging, ignore_errors=True)
 
@@ -546,18 +798,42 @@ def recover(path: Path, backup_dir: Path | None = None) -> list[Path]:
 
 
 def check_restore(t: Transaction) -> None:
-    """Before `restore` touches anything: the folders its originals go back into and its journal's folder
-    must be writable (CkptError naming them otherwise)."""
+    """Before `restore` touches anything: the folders its originals go back into (files changed in place: the
+    files themselves) and its journal's folder must be writable; a finished in-place write's undo record must
+    be there and its files must still hold what it wrote (a later change, by training or by hand, would be
+    mixed with the undo). CkptError naming each problem otherwise."""
     journal = json.loads((t.dir / JOURNAL).read_text())
     root = Path(journal["root"])
     who = f"uid {os.geteuid()}"
-    problems = _folder_problems([(root / e["path"]).parent for e in journal["files"]]
-                                + [t.dir.resolve(), Path(journal.get("staging") or t.dir / "staging").parent], who)
+    kw = {"effective_ids": True} if os.access in os.supports_effective_ids else {}
+    folders = [t.dir.resolve(), Path(journal.get("staging") or t.dir / "staging").parent]
+    problems = []
     for e in journal["files"]:
-        backup = Path(journal["backups"]) / e["path"]
-        if e["existed"] and not backup.exists() and t.status == "done":
-            problems.append((backup, f"the backup of {e['path']} is missing", "it was deleted; nothing can be "
-                             "restored from this write"))
+        target = root / e["path"]
+        if e.get("mode") != IN_PLACE:
+            folders.append(target.parent)
+            backup = Path(journal["backups"]) / e["path"]
+            if e["existed"] and not backup.exists() and t.status == "done":
+                problems.append((backup, f"the backup of {e['path']} is missing", "it was deleted; nothing can be "
+                                 "restored from this write"))
+            continue
+        if "ranges" not in e or (t.status not in ACTIVE and t.status != "done"):
+            continue
+        if journal.get("status") == "preparing":
+            continue
+        if not (t.dir / e["undo"]).is_file():
+            problems.append((t.dir / e["undo"], f"the undo record of {e['path']} is missing",
+                             "it was deleted; nothing can be restored from this write"))
+        elif not target.is_file():
+            problems.append((target, "the file is gone", "copy it back first; nothing was restored"))
+        elif not os.access(target, os.W_OK, **kw) and not _can_write(target.parent)[0]:
+            problems.append((target, f"not writable by {who}", "make it writable (chmod u+w)"))
+        elif t.status == "done":
+            why = _changed_since(root, e)
+            if why:
+                problems.append((target, f"changed since `{journal['command']}` wrote it: {why}",
+                                 "restoring would mix the undo with that later change; nothing was restored"))
+    problems = _folder_problems(folders, who) + problems
     if problems:
         _refuse(problems, root)
 
@@ -588,15 +864,16 @@ def restore(path: Path, transaction: Path | None = None, *, backup_dir: Path | N
         if progress:
             progress(nbytes)
 
+    if not active:
+        # from here on a kill leaves a half-undone write: the journal says so, and the next restore or write
+        # finishes the undo (idempotent) instead of refusing a file that no longer holds what the write wrote
+        journal["status"] = "restoring"
+        _write_json(t.dir / JOURNAL, journal)
     try:
         _rollback(t.dir, journal, step)
     except KeyboardInterrupt as e:
         raise Interrupted(f"restore stopped after putting back {put_back[0]} of {n} files of `{t.command}` in "
                           f"{journal['root']}; run `ckpt restore` again to finish (journal: {t.dir})") from e
-    if active:
-        return _transaction(t.dir / JOURNAL, journal)
-    journal["status"] = "restored"
-    _write_json(t.dir / JOURNAL, journal)
     return _transaction(t.dir / JOURNAL, journal)
 
 

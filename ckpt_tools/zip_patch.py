@@ -1,20 +1,28 @@
-"""Rewrite a torch zip file with some bytes of some members replaced, without unpickling anything.
+"""Change a torch zip file in place, in O(changed bytes), or write a patched copy of it.
 
 `torch.save` writes a zip of stored (uncompressed) members: `<archive>/data.pkl` plus one member per
-storage (`<archive>/data/<key>`). When only tensor VALUES change (same shapes, same dtypes), the pickle
-is untouched and the new file differs from the old one only inside those members' data, and in the
-CRC-32 of each changed member. So instead of `torch.load` + `torch.save` (the whole file in memory, the
-pickle re-emitted, objects of classes that must be importable) we:
+storage (`<archive>/data/<key>`), then the central directory and the end records. Every reader (torch's
+miniz, Python's zipfile) finds the members through the central directory, located from the end of the file.
+So a change never needs the whole file rewritten:
 
-1. copy the file to `dst` (outside the checkpoint: the caller's staging path) with
-   `os.copy_file_range` (in-kernel, reflinked on filesystems that can) or chunked reads;
-2. write the new bytes at their offsets inside the member data;
-3. recompute each patched member's CRC-32 (reading that member only) and store it where the zip keeps
-   it: the local header, or — torch/miniz set general-purpose bit 3 and leave the local header's CRC 0 —
-   the data descriptor after the data; and always the central directory entry.
+- new tensor VALUES (same shapes and dtypes: sync-tp, a 0-d Adam `step`) are written over the old bytes
+  inside the member's data, and the member's CRC-32 is updated from the changed range alone: CRC-32 is
+  linear, so crc(new member) = crc(old member) ^ shift(crc(old range) ^ crc(new range), bytes after the
+  range), where `shift` multiplies by x^(8n) modulo the CRC polynomial (zlib's crc32_combine maths,
+  `crc32_combine` below: zlib does not expose it to Python). The CRC is stored where the zip keeps it: the
+  data descriptor after the data (torch/miniz set general-purpose bit 3 and leave the local header's CRC 0),
+  or the local header, and always the central directory entry;
+- a new pickle (set-lr, set-step on plain counters) becomes a NEW `<archive>/data.pkl` member written after
+  the last member's data (over the old central directory), followed by a new central directory and ZIP64 end
+  records. The old pickle stays as dead bytes no reader visits. When data.pkl already is the last member (a
+  file this module changed before), the new one is written over it, so repeated edits do not grow the file.
 
-ZIP64 archives (files > 4 GiB, torch writes them for big optimizer states) keep the CRC at the same
-places: ZIP64 only widens sizes and offsets, which `zipfile` decodes for us and which never change here.
+`plan_in_place(path, patches, pickle_bytes)` computes those writes — `io.InPlace`: byte ranges and the new
+length — without writing; `io.execute` journals the original bytes of every range outside the checkpoint,
+fsyncs the journal, then writes (see io.py). `patch_file(src, dst, patches)` writes a patched COPY instead:
+the whole-file path (hard-linked files, read-only files, `--copy`).
+
+ZIP64 archives (files > 4 GiB) keep the CRC at the same places: ZIP64 only widens sizes and offsets.
 """
 from __future__ import annotations
 
@@ -26,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from .errors import CorruptCheckpoint
-from .io import copy_file
+from .errors import CorruptCheckpoint, UnsupportedCheckpoint
+from .io import ByteEdit, InPlace, copy_file
 
 _LOCAL_SIG = b"PK\x03\x04"
 _CENTRAL_SIG = b"PK\x01\x02"
@@ -157,3 +165,209 @@ def patch_file(src: str | os.PathLike, dst: str | os.PathLike, patches: Iterable
             fh.write(packed)
     return crcs
 
+
+
+# --- CRC-32 arithmetic: zlib's crc32_combine, in Python -------------------------------------------------
+
+_POLY = 0xEDB88320  # CRC-32 (IEEE 802.3), reflected
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a x b modulo the CRC polynomial, in the reflected bit order zlib uses (x^0 is bit 31)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> list[int]:
+    t, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        t.append(p)
+        p = _multmodp(p, p)
+    return t
+
+
+_X2N = _x2n_table()  # x^(2^k) mod p
+
+
+def _x2nmodp(n: int, k: int) -> int:
+    """x^(n * 2^k) modulo the CRC polynomial."""
+    p = 1 << 31  # x^0
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of A + B from crc1 = crc32(A), crc2 = crc32(B) and len(B), without reading A or B
+    (zlib's crc32_combine)."""
+    return _multmodp(_x2nmodp(len2, 3), crc1 & 0xFFFFFFFF) ^ (crc2 & 0xFFFFFFFF)
+
+
+def crc32_update(crc: int, old: bytes, new: bytes, after: int) -> int:
+    """The CRC-32 of a member whose bytes `old` (followed by `after` more bytes) became `new` (same length),
+    from the member's old CRC `crc` and the changed range alone: CRC-32 is affine, so the change of the CRC is
+    crc(old) ^ crc(new) carried through the `after` bytes that follow."""
+    if len(old) != len(new):
+        raise ValueError("a range changed in place keeps its length")
+    return (crc ^ crc32_combine(zlib.crc32(old) ^ zlib.crc32(new), 0, after)) & 0xFFFFFFFF
+
+
+# --- in place --------------------------------------------------------------------------------------------
+
+
+def _central_entries(path: Path, fh, zf: zipfile.ZipFile) -> list[tuple[zipfile.ZipInfo, bytes]]:
+    """Every central directory entry, in order, with its raw bytes."""
+    pos = _central_start(zf)
+    out = []
+    for info in zf.infolist():
+        fh.seek(pos)
+        head = fh.read(46)
+        if head[:4] != _CENTRAL_SIG:
+            raise CorruptCheckpoint(f"bad central directory entry for {info.filename}", path=path,
+                                    hint="the file is corrupt; re-copy it")
+        name_len, extra_len, comment_len = struct.unpack("<HHH", head[28:34])
+        fh.seek(pos)
+        raw = fh.read(46 + name_len + extra_len + comment_len)
+        out.append((info, raw))
+        pos += len(raw)
+    return out
+
+
+def _descriptor_crc_at(fh, m: _Member) -> int:
+    """Where the data descriptor after member `m` keeps its CRC-32 (the signature is optional)."""
+    end = m.data_offset + m.info.compress_size
+    fh.seek(end)
+    return end + 4 if fh.read(4) == _DESCRIPTOR_SIG else end
+
+
+def plan_in_place(path: str | os.PathLike, patches: Iterable[Patch] = (), pickle_bytes: bytes | None = None
+                  ) -> InPlace:
+    """The byte ranges that change the torch zip `path` in place (nothing is written here): `patches` over
+    members' data with each patched member's CRC-32 updated from the changed ranges alone, and, with
+    `pickle_bytes`, a new data.pkl member plus a new central directory and end records (see the module
+    docstring). Reads only the central directory, the patched ranges and a few header bytes. Raises
+    (CorruptCheckpoint / UnsupportedCheckpoint) before anything is written when a patch names a missing or
+    compressed member or runs past a member's end, or the file is not a torch zip."""
+    from .pickle_writer import _central_entry, _data_descriptor, _end_records, _local_header
+
+    path = Path(path)
+    by_member: dict[str, list[Patch]] = {}
+    for p in patches:
+        if p.data:
+            by_member.setdefault(p.member, []).append(p)
+    edits: dict[int, bytes] = {}
+    with open(path, "rb") as fh:
+        if fh.read(2) != b"PK":
+            raise UnsupportedCheckpoint("not a torch zip file; only those are changed in place", path=path)
+        fh.seek(0)
+        size = os.fstat(fh.fileno()).st_size
+        members = _members(path, fh)
+        _check(path, members, by_member)
+        try:
+            zf = zipfile.ZipFile(fh)
+        except zipfile.BadZipFile as e:
+            raise CorruptCheckpoint(f"not a zip file ({e})", path=path) from None
+        entries = _central_entries(path, fh, zf)
+        cd_start = _central_start(zf)
+        crcs: dict[str, int] = {}
+        for name, plist in by_member.items():
+            m = members[name]
+            crc = m.info.CRC
+            for p in sorted(plist, key=lambda q: q.offset):
+                fh.seek(m.data_offset + p.offset)
+                old = fh.read(len(p.data))
+                crc = crc32_update(crc, old, p.data, m.info.file_size - p.offset - len(p.data))
+                edits[m.data_offset + p.offset] = bytes(p.data)
+            crcs[name] = crc
+            packed = struct.pack("<I", crc)
+            if m.info.flag_bits & 0x08:
+                edits[_descriptor_crc_at(fh, m)] = packed
+                fh.seek(m.info.header_offset + 14)
+                if fh.read(4) != b"\0\0\0\0":  # a writer that filled both: keep them equal
+                    edits[m.info.header_offset + 14] = packed
+            else:
+                edits[m.info.header_offset + 14] = packed
+        if pickle_bytes is None:
+            for (info, raw), pos in zip(entries, _positions(cd_start, entries)):
+                if info.filename in crcs:
+                    edits[pos + 16] = struct.pack("<I", crcs[info.filename])
+            return _in_place(edits, size)
+        pkl = [i.filename for i, _ in entries if i.filename.endswith("data.pkl") and i.filename.count("/") <= 1]
+        if not pkl:
+            raise UnsupportedCheckpoint("zip archive without data.pkl (not written by torch.save)", path=path)
+        pkl_name = min(pkl, key=len)
+        prefix = pkl_name[: -len("data.pkl")]
+        align_name = prefix + ".storage_alignment"
+        alignment = int(zf.read(align_name)) if align_name in members else 64
+        last = max(members.values(), key=lambda m: m.info.header_offset)
+        start = last.info.header_offset if last.info.filename == pkl_name else cd_start
+    name = pkl_name.encode("utf-8")
+    header = _local_header(name, start, len(pickle_bytes), alignment)
+    crc = zlib.crc32(pickle_bytes)
+    tail = [header, pickle_bytes, _data_descriptor(crc, len(pickle_bytes), start)]
+    directory = []
+    for info, raw in entries:
+        if info.filename == pkl_name:
+            directory.append(_central_entry(name, start, len(pickle_bytes), crc))
+        elif info.filename in crcs:
+            directory.append(raw[:16] + struct.pack("<I", crcs[info.filename]) + raw[20:])
+        else:
+            directory.append(raw)
+    cd = b"".join(directory)
+    cd_at = start + sum(map(len, tail))
+    tail += [cd, _end_records(len(directory), cd_at, len(cd))]
+    blob = b"".join(tail)
+    edits[start] = blob
+    return _in_place(edits, start + len(blob))
+
+
+def _positions(cd_start: int, entries) -> list[int]:
+    out, pos = [], cd_start
+    for _, raw in entries:
+        out.append(pos)
+        pos += len(raw)
+    return out
+
+
+def _in_place(edits: dict[int, bytes], size: int) -> InPlace:
+    ranges = sorted(edits.items())
+    for (a, da), (b, _) in zip(ranges, ranges[1:]):
+        if a + len(da) > b:
+            raise CorruptCheckpoint("overlapping changes in one zip file", hint="patch each range once")
+    return InPlace(tuple(ByteEdit(off, data) for off, data in ranges), size)
+
+
+def _check(path: Path, members: dict[str, _Member], by_member: dict[str, list[Patch]]) -> None:
+    for name, plist in by_member.items():
+        m = members.get(name)
+        if m is None:
+            raise CorruptCheckpoint(f"zip member {name} is missing", path=path,
+                                    hint="the checkpoint changed since it was read; run the command again")
+        if m.info.compress_type != zipfile.ZIP_STORED:
+            raise CorruptCheckpoint(f"zip member {name} is compressed", path=path,
+                                    hint="only stored members (what torch.save writes) can be patched in place")
+        spans = sorted((p.offset, p.offset + len(p.data)) for p in plist)
+        for p in plist:
+            if p.offset < 0 or p.offset + len(p.data) > m.info.file_size:
+                raise CorruptCheckpoint(f"patch [{p.offset}, {p.offset + len(p.data)}) lies outside member {name} "
+                                        f"({m.info.file_size} bytes)", path=path,
+                                        hint="the checkpoint changed since it was read; run the command again")
+        if any(a_end > b for (_, a_end), (b, _) in zip(spans, spans[1:])):
+            raise CorruptCheckpoint(f"overlapping patches in member {name}", path=path)
+
+
+def apply_in_place(path: str | os.PathLike, change: InPlace) -> None:
+    """Write `change` into `path` (no journal: io.execute journals first; tests and copies use this)."""
+    with open(path, "r+b") as fh:
+        for e in change.edits:
+            os.pwrite(fh.fileno(), e.data, e.offset)
+        os.ftruncate(fh.fileno(), change.size)

@@ -98,8 +98,9 @@ _CLICK_ERRORS = tuple(c for c in typer.BadParameter.__mro__ if c.__name__ == "Cl
 
 def _install_test_kill_hook() -> None:
     """TEST HOOK (tests/test_kill9.py): `CKPT_TEST_KILL_AT=STAGE:N` SIGKILLs this process at the Nth
-    write step named STAGE: an `io.execute` stage (produce, backup, replace, verify, done) or `fsync`
-    (every file `io` fsyncs, including a new output folder's files); `STAGE:N:INT` sends SIGINT there
+    write step named STAGE: an `io.execute` stage (produce, backup, replace, write — after each byte range
+    written into a file changed in place —, verify, done) or `fsync` (every file `io` fsyncs: undo records,
+    files changed in place, staged copies, a new output folder's files); `STAGE:N:INT` sends SIGINT there
     instead (a Ctrl-C: tests/test_write_safety.py). Unset, nothing changes."""
     spec = os.environ.get("CKPT_TEST_KILL_AT")
     if not spec:

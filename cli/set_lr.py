@@ -19,6 +19,8 @@ from . import output
 
 _BACKUP_HELP = ("where the backups and the journal go, and the new files are staged when it is on the "
                 "checkpoint's filesystem (default: <parent>/.ckpt-backups/<name>/, never inside the checkpoint)")
+_COPY_HELP = ("write every changed file as a whole new copy renamed into place (the original kept as a hard-link "
+              "backup), instead of changing it in place in O(changed bytes) under a rollback journal")
 DECLINED = 3  # exit code: the user answered no at the prompt (1 means "a check found problems")
 
 
@@ -66,7 +68,7 @@ def _tx_json(t) -> dict | None:
 
 
 def confirm_and_write(con, plan, *, dry_run: bool, yes: bool, json_out: bool, backup_dir: Optional[Path],
-                      verb: str):
+                      verb: str, copy: bool = False):
     """The tail every rewriting command shares (set-lr, set-step, sync-tp), after the plan was shown: check that
     every place the write touches is writable (exit 2 naming the place, a dry run included: it would fail);
     say what an earlier run of the same command already did (running `set-lr --scale 0.5` twice compounds);
@@ -76,7 +78,7 @@ def confirm_and_write(con, plan, *, dry_run: bool, yes: bool, json_out: bool, ba
 
     from ckpt_tools import io
 
-    places = io.check_places(plan, backup_dir)
+    places = io.check_places(plan, backup_dir, copy=copy)
     before = io.last_write(plan.root, plan.command, backup_dir)
     if not json_out:
         for n in places.notes:
@@ -95,7 +97,7 @@ def confirm_and_write(con, plan, *, dry_run: bool, yes: bool, json_out: bool, ba
             con.print("nothing written")
             raise typer.Exit(DECLINED)
     with _bar(sum(w.nbytes for w in plan.writes), json_out, plan.command.split()[0]) as bar:
-        return io.execute(plan, backup_dir=backup_dir, progress=bar.update)
+        return io.execute(plan, backup_dir=backup_dir, progress=bar.update, copy=copy)
 
 
 def _undo_hint(root, backup_dir: Optional[Path], tx) -> str:
@@ -106,7 +108,18 @@ def _undo_hint(root, backup_dir: Optional[Path], tx) -> str:
     return f"ckpt restore {root}" + ("" if linked or not backup_dir else f" --backup-dir {backup_dir}")
 
 
-def _run(lp, *, dry_run: bool, yes: bool, json_out: bool, backup_dir: Optional[Path]) -> int:
+def written_line(tx) -> str:
+    """How the files were written: in place (bytes written) and/or as new copies, and where the undo lives."""
+    n_in = len(tx.in_place)
+    parts = []
+    if n_in:
+        parts.append(f"{output.plural(n_in, 'file')} changed in place ({tx.written:,} bytes written)")
+    if len(tx.files) > n_in:
+        parts.append(f"{output.plural(len(tx.files) - n_in, 'file')} rewritten as new copies")
+    return "; ".join(parts) + f"; journal and backups: {tx.dir}"
+
+
+def _run(lp, *, dry_run: bool, yes: bool, json_out: bool, backup_dir: Optional[Path], copy: bool = False) -> int:
     """Show the plan (table or JSON), check, confirm or --yes, execute through io, report. A Ctrl-C says
     whether anything was written (io.execute's own Interrupted says what it put back)."""
     from ckpt_tools import io
@@ -121,7 +134,7 @@ def _run(lp, *, dry_run: bool, yes: bool, json_out: bool, backup_dir: Optional[P
             output.print_json({"dry_run": True, "plan": lp.to_json(),
                                "previous_write": _tx_json(io.last_write(plan.root, plan.command, backup_dir))})
             if plan.writes:
-                io.check_places(plan, backup_dir)  # a dry run of a write that cannot happen ends in its error
+                io.check_places(plan, backup_dir, copy=copy)  # a dry run of a write that cannot happen ends in its error
             return 0
         if not json_out:
             output.print_write_plan(con, plan)
@@ -133,14 +146,15 @@ def _run(lp, *, dry_run: bool, yes: bool, json_out: bool, backup_dir: Optional[P
             return 0
         before = io.last_write(plan.root, plan.command, backup_dir)
         tx = confirm_and_write(con, plan, dry_run=dry_run, yes=yes, json_out=json_out, backup_dir=backup_dir,
-                               verb="rewrite")
+                               verb="rewrite", copy=copy)
         if tx is None:
             return 0
         if json_out:
             output.print_json({"dry_run": False, "plan": lp.to_json(), "transaction": str(tx.dir),
-                               "previous_write": _tx_json(before)})
+                               "previous_write": _tx_json(before), "bytes_written": tx.written,
+                               "in_place": list(tx.in_place)})
         else:
-            con.print(f"[green]rewrote {output.plural(len(tx.files), 'file')}, verified[/]; backups and journal: {tx.dir}",
+            con.print(f"[green]rewrote {output.plural(len(tx.files), 'file')}, verified[/]; {written_line(tx)}",
                       soft_wrap=True)
             con.print(f"undo: {_undo_hint(plan.root, backup_dir, tx)}", soft_wrap=True)
         return 0
@@ -169,6 +183,7 @@ def set_lr_cmd(
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask for confirmation"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable plan / result"),
     backup_dir: Optional[Path] = typer.Option(None, "--backup-dir", help=_BACKUP_HELP),
+    copy: bool = typer.Option(False, "--copy", help=_COPY_HELP),
 ) -> int:
     """Change the LR trajectory in every file that holds it, knowing which field drives the LR after resume
     (the plan says so per field). DeepSpeed's own schedulers: prints the launch-config change too."""
@@ -179,7 +194,7 @@ def set_lr_cmd(
         raise typer.BadParameter("give --scale or --lr, not both", param_hint="--lr")
     lp = ops.plan_set_lr(open_checkpoint(path), scale=scale, lr=lr, group=group, last_lr=last_lr,
                          last_epoch=last_epoch, step_count=step_count, optimizer=optimizer)
-    return _run(lp, dry_run=dry_run, yes=yes, json_out=json_out, backup_dir=backup_dir)
+    return _run(lp, dry_run=dry_run, yes=yes, json_out=json_out, backup_dir=backup_dir, copy=copy)
 
 
 def set_step_cmd(
@@ -198,6 +213,7 @@ def set_step_cmd(
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask for confirmation"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable plan / result"),
     backup_dir: Optional[Path] = typer.Option(None, "--backup-dir", help=_BACKUP_HELP),
+    copy: bool = typer.Option(False, "--copy", help=_COPY_HELP),
 ) -> int:
     """Set step counters (e.g. repair a reset Adam step) in every rank file and param group."""
     from ckpt_tools import open_checkpoint
@@ -205,7 +221,7 @@ def set_step_cmd(
 
     lp = ops.plan_set_step(open_checkpoint(path), step=step, optimizer_step=optimizer_step, global_step=global_step,
                            last_epoch=last_epoch, step_count=step_count, optimizer=optimizer)
-    return _run(lp, dry_run=dry_run, yes=yes, json_out=json_out, backup_dir=backup_dir)
+    return _run(lp, dry_run=dry_run, yes=yes, json_out=json_out, backup_dir=backup_dir, copy=copy)
 
 
 def restore_cmd(

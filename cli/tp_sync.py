@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # the ops module (and what it imports) loads only when the co
     from ckpt_tools.ops import tp_sync as ops
 
 from . import output
-from .set_lr import _BACKUP_HELP, _undo_hint, confirm_and_write
+from .set_lr import _BACKUP_HELP, _COPY_HELP, _undo_hint, confirm_and_write, written_line
 
 _PATTERN_HELP = "REGEX (replicated) or REGEX=MERGE naming TP-replicated parameters the checkpoint does not declare"
 
@@ -98,6 +98,7 @@ def sync_tp_cmd(
     json_out: bool = typer.Option(False, "--json", help="machine-readable plan / result"),
     backup_dir: Optional[Path] = typer.Option(None, "--backup-dir", help=_BACKUP_HELP),
     pattern: List[str] = typer.Option([], "--pattern", help=_PATTERN_HELP),
+    copy: bool = typer.Option(False, "--copy", help=_COPY_HELP),
 ) -> int:
     """Make every out-of-sync TP replica identical: fp32 master and Adam moments on every TP rank and DP
     shard, module weights as the cast of the synced master. Backed up, atomic, verified."""
@@ -129,7 +130,7 @@ def sync_tp_cmd(
     if not json_out:
         _print_plan(con, plan)
     tx = confirm_and_write(con, plan, dry_run=dry_run, yes=yes, json_out=json_out, backup_dir=backup_dir,
-                           verb="patch")
+                           verb="patch", copy=copy)
     if tx is None:
         return 0
     try:
@@ -140,11 +141,11 @@ def sync_tp_cmd(
                              "it was cut short") from e
     if json_out:
         output.print_json({"dry_run": False, "plan": plan.to_json(), "transaction": str(tx.dir),
-                           "after": after.to_json()})
+                           "after": after.to_json(), "bytes_written": tx.written, "in_place": list(tx.in_place)})
     else:
         con.print(f"[green]patched {output.plural(len(tx.files), 'file')}; check-tp-sync now: {after.percent_in_sync:.0f}% of "
                   f"{len(after.params)} replicated parameters in sync[/]")
-        con.print(f"backups and journal: {tx.dir}  (undo: {_undo_hint(plan.root, backup_dir, tx)})")
+        con.print(f"{written_line(tx)}  (undo: {_undo_hint(plan.root, backup_dir, tx)})", soft_wrap=True)
     return 0 if after.ok else 1
 
 

@@ -242,12 +242,22 @@ def test_failed_write_leaves_checkpoint_byte_identical(copy_sample, stage, nth):
     assert all(t.status == "rolled-back" for t in io.transactions(ck))
 
 
-def test_restore_brings_back_the_original_byte_for_byte(copy_sample, tmp_path):
+@pytest.mark.parametrize("copy", [False, True], ids=["in-place", "copy"])
+def test_restore_brings_back_the_original_byte_for_byte(copy_sample, tmp_path, copy):
+    """In place (default) the journal's undo records are the backup; with --copy each original is kept whole
+    (a hard link) in the backup folder. Either way restore gives back the original bytes."""
     ck = copy_sample("accelerate", "accelerate_deepspeed")
     before = snapshot(ck)
-    cli("set-lr", ck, "--scale", "0.25", "--yes", "--backup-dir", tmp_path / "bk")
+    cli("set-lr", ck, "--scale", "0.25", "--yes", "--backup-dir", tmp_path / "bk", *(["--copy"] if copy else []))
     assert snapshot(ck) != before and set(snapshot(ck)) == set(before)
-    assert any((tmp_path / "bk").rglob("scheduler.bin"))
+    (journal,) = (tmp_path / "bk").rglob("journal.json")
+    entry = {e["path"]: e for e in json.loads(journal.read_text())["files"]}["scheduler.bin"]
+    if copy:
+        assert entry["mode"] == "replace" and any((tmp_path / "bk").rglob("scheduler.bin"))
+    else:
+        assert entry["mode"] == "in-place" and (journal.parent / entry["undo"]).is_file()
+        assert not any((tmp_path / "bk").rglob("scheduler.bin"))  # no whole copy: only the changed ranges
+        assert entry["written_bytes"] < entry["size"] and entry["undo_bytes"] < entry["size"]
     out = cli("restore", ck, "--yes").stdout
     assert "restored 3 files" in out
     assert snapshot(ck) == before

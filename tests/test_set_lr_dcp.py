@@ -86,7 +86,9 @@ def test_dry_run_writes_nothing_and_says_base_lrs_drives(copy_sample):
     doc = json.loads(cli("set-lr", ck, "--scale", "0.5", "--dry-run", "--json").stdout)["plan"]
     notes = {c["field"]: c["note"] for f in doc["files"] for c in f["changes"]}
     assert notes["scheduler.base_lrs"].startswith("DRIVES") and "first resumed update" in notes["optim.param_groups.1.lr"]
-    assert {f["path"] for f in doc["files"]} == {"__1_0.distcp"}  # the file that holds those items
+    # the file that holds those items (new blobs appended in place) and .metadata (their new offsets)
+    assert {f["path"] for f in doc["files"]} == {"__1_0.distcp", ".metadata"}
+    assert not [c for f in doc["files"] if f["path"] == ".metadata" for c in f["changes"]]
     assert snapshot(ck) == before and not (ck.parent / ".ckpt-backups").exists()
 
 

@@ -250,8 +250,17 @@ def test_sync_average_makes_all_four_representations_identical(synced):
         assert len(changed) == 8
     tx = io.transactions(ck)
     assert [t.status for t in tx] == ["done"] and not tx[0].dir.is_relative_to(ck)
-    for rel in changed:  # the originals, byte for byte, outside the checkpoint
-        assert hashlib.sha256((tx[0].dir / "files" / rel).read_bytes()).hexdigest() == orig[rel]
+    # changed in place: only the patched ranges (tensor bytes, CRC-32 fields) were written, and the journal
+    # outside the checkpoint holds their original bytes — the current file + the undo record is the original
+    assert sorted(tx[0].in_place) == sorted(changed) and not list((tx[0].dir / "files").rglob("*.pt"))
+    assert tx[0].written < sum((ck / rel).stat().st_size for rel in changed) / 10
+    journal = json.loads((tx[0].dir / io.JOURNAL).read_text())
+    for e in journal["files"]:
+        data = bytearray((ck / e["path"]).read_bytes()[: e["size"]])
+        undo = (tx[0].dir / e["undo"]).read_bytes()
+        for off, n, pos, _crc in e["ranges"]:
+            data[off: off + n] = undo[pos: pos + n]
+        assert hashlib.sha256(bytes(data)).hexdigest() == orig[e["path"]]
 
     report = ops.check_tp_sync(ops.open_for_tp_sync(ck))
     assert report.ok and all(p.bit_exact for p in report.params) and report.representations == REPS

@@ -148,8 +148,11 @@ def test_read_only_parent_backup_dir_moves_journal_staging_and_backups(copy_samp
     assert sorted(os.listdir(parent)) == listing  # no .ckpt-backups, no staging, no link: nothing in the parent
     (tx,) = [p for p in (bk / "z").iterdir()]
     assert (tx / "journal.json").is_file() and not (tx / "staging").exists()
-    assert sorted(p.name for p in (tx / "files" / "global_step4").iterdir()) == sorted(
-        p.name for p in (ck / "global_step4").iterdir())
+    # changed in place: the journal's undo records (original bytes of the changed ranges) are the backup
+    entries = json.loads((tx / "journal.json").read_text())["files"]
+    assert sorted(e["path"] for e in entries if e["mode"] == "in-place") == sorted(
+        f"global_step4/{p.name}" for p in (ck / "global_step4").iterdir())
+    assert all((tx / e["undo"]).is_file() for e in entries)
     assert f"undo: ckpt restore {ck} --backup-dir {bk}" in proc.stdout
 
     proc = ckpt("restore", ck, "--yes", prefix=drop)
@@ -184,7 +187,8 @@ def test_backup_dir_on_another_filesystem_keeps_staging_beside_the_checkpoint(co
     bk = shm / f"ckpt-test-{os.getpid()}-{time.time_ns()}"
     try:
         original = tree(ck)
-        proc = ckpt("set-lr", ck, "--scale", "0.5", "--yes", "--backup-dir", bk)
+        # whole-file copies (--copy) are staged; changed in place, nothing is
+        proc = ckpt("set-lr", ck, "--scale", "0.5", "--yes", "--backup-dir", bk, "--copy")
         assert proc.returncode == 0, proc.stderr
         assert f"the new files are staged in {ck.parent}/.ckpt-backups/z, not in --backup-dir {bk}" in proc.stdout
         assert "only a rename within the checkpoint's filesystem is atomic" in proc.stdout
@@ -196,11 +200,18 @@ def test_backup_dir_on_another_filesystem_keeps_staging_beside_the_checkpoint(co
 
         shutil.rmtree(ck.parent / ".ckpt-backups")
         ck.parent.chmod(0o555)
-        proc = ckpt("set-lr", ck, "--scale", "0.5", "--yes", "--backup-dir", bk / "again", prefix=unprivileged())
+        proc = ckpt("set-lr", ck, "--scale", "0.5", "--yes", "--backup-dir", bk / "again", "--copy",
+                    prefix=unprivileged())
         assert proc.returncode == 2, proc.stderr
         line = one_error_line(proc)
         assert "must be staged on the checkpoint's filesystem to be renamed into place atomically" in line
         assert "pass a --backup-dir on the checkpoint's filesystem" in line and tree(ck) == original
+        # in place needs no staging: the same write without --copy goes through, journal on the other filesystem
+        proc = ckpt("set-lr", ck, "--scale", "0.5", "--yes", "--backup-dir", bk / "again", prefix=unprivileged())
+        assert proc.returncode == 0, proc.stderr
+        assert base_lrs(ck) == [0.0015, 0.0015]
+        assert ckpt("restore", ck, "--yes", "--backup-dir", bk / "again", prefix=unprivileged()).returncode == 0
+        assert tree(ck) == original
     finally:
         shutil.rmtree(bk, ignore_errors=True)
 
@@ -227,7 +238,8 @@ def test_owner_group_and_mode_of_rewritten_files_are_kept(copy_sample):
 
 def test_an_owner_that_cannot_be_kept_is_refused(copy_sample):
     """Without CAP_CHOWN (an ordinary user, or root with it dropped) a rewrite of another user's file would hand it
-    to us: refused before any work, naming the file and who owns it."""
+    to us: a whole-file rewrite (--copy) is refused before any work, naming the file and who owns it. Changed in
+    place (the default) the file keeps its inode, so its owner and group, and the write goes through."""
     if os.geteuid() != 0:
         pytest.skip("needs root to make a file of another owner")
     prefix = _drop("chown")
@@ -237,11 +249,14 @@ def test_an_owner_that_cannot_be_kept_is_refused(copy_sample):
     f = ck / "global_step4" / "mp_rank_00_model_states.pt"
     os.chown(f, 65534, 65534)
     before = tree(ck.parent)
-    proc = ckpt("set-lr", ck, "--scale", "0.5", "--yes", prefix=prefix)
+    proc = ckpt("set-lr", ck, "--scale", "0.5", "--yes", "--copy", prefix=prefix)
     assert proc.returncode == 2, proc.stderr
     line = one_error_line(proc)
     assert f"{f}: owned by uid 65534 gid 65534" in line and "could not keep that owner and group" in line
     assert tree(ck.parent) == before
+    proc = ckpt("set-lr", ck, "--scale", "0.5", "--yes", prefix=prefix)
+    assert proc.returncode == 0, proc.stderr
+    assert (f.stat().st_uid, f.stat().st_gid) == (65534, 65534) and base_lrs(ck) == [0.0015, 0.0015]
 
 
 # --- repeated and interrupted writes --------------------------------------------------------------------------
@@ -423,7 +438,8 @@ def test_rewrites_and_restore_show_a_progress_bar_on_a_terminal_only(copy_sample
     assert code == 0
     assert re.search(rf"{desc}:\s+0%\|.*\| 0\.00/\d+k \[", term), term
     code, term = on_a_terminal("restore", ck, "--yes")
-    assert code == 0 and re.search(r"restore:\s+0%\|.*\| 0\.00/\d+k \[", term), term
+    # changed in place, a restore puts back only the journaled ranges: bytes, not kilobytes
+    assert code == 0 and re.search(r"restore:\s+0%\|.*\| 0\.00/[\d.]+k? \[", term), term
     code, term = on_a_terminal(argv[0], ck, *argv[1:], "--yes", "--json")
     assert code == 0 and "%|" not in term
     proc = ckpt(argv[0], ck, *argv[1:], "--yes")

@@ -15,13 +15,19 @@ no checkpoint edit can change the trajectory: the plan carries the exact launch-
 from the `ds_config` saved in the checkpoint (which is updated too, as the record of the run), and still
 edits the optimizer `lr` so the first resumed update is right.
 
-Every edit is a pickle rewrite through `pickle_writer.rewrite_torch_zip`: the inert tree the safe reader
-produced is edited and re-pickled, every tensor member copied byte for byte (a 2 GB ZeRO optimizer file is
-never materialised, deepspeed is never imported). A new Adam `step` value is new bytes for its 0-d
-storage (`storage_bytes=`). Plain pickles and legacy (pre-1.6) torch files are refused: re-save once in
+Every edit of a torch zip file is made IN PLACE, in O(changed bytes) (`_in_place` -> `zip_patch.plan_in_place`):
+the inert tree the safe reader produced is edited and re-pickled by `pickle_writer`, and the new pickle becomes a
+new data.pkl member appended after the file's last member, with a new central directory (the old pickle stays as
+dead bytes; a 2 GB ZeRO optimizer file gets a few KB written, is never materialised, deepspeed is never
+imported). A new Adam `step` value is new bytes for its 0-d storage (`storage_bytes=`), overwritten in place with
+the member's CRC-32 updated from those bytes alone; when only such tensor values change, the pickle is left as it
+is. `io.execute` journals the original bytes first, and falls back to the whole-file rewrite
+(`pickle_writer.rewrite_torch_zip`, every tensor member copied byte for byte) where in place is refused (hard
+links, read-only files, `--copy`). Plain pickles and legacy (pre-1.6) torch files are refused: re-save once in
 zip format. DCP folders (FSDP2 / torchtitan) are one more target: the same state dict is assembled from
 their items (`dcp_write.DcpFolder.state_tree`), edited by the same code, and each changed item becomes a new
-blob; the `.distcp` files holding them and `.metadata` (moved offsets) go into the same WritePlan.
+blob appended to its `.distcp` file in place, with `.metadata` (the new offsets) replaced whole in the same
+WritePlan.
 HF Trainer's trainer_state.json (the loop's global_step) is rewritten as JSON.
 
 Which files to edit comes from the checkpoint's format module (`formats.training_state` -> `state.StateMap`);
@@ -31,7 +37,7 @@ scheduler's rule; `optimizer=N` picks one. A request that finds none of its fiel
 a silent "nothing to do".
 
 Order of use: `plan_set_lr(ck, scale=0.5)` / `plan_set_step(ck, optimizer_step=N)` (pure; reads metadata
-and the pickles) -> `LrPlan.plan` to `io.execute` (staged outside the checkpoint, backed up, atomic,
+and the pickles) -> `LrPlan.plan` to `io.execute` (journaled outside the checkpoint, changed in place or staged and renamed,
 re-verified with the reader, rolled back on any failure).
 """
 from __future__ import annotations
@@ -154,6 +160,7 @@ class _File:
     checks: list[tuple[tuple, Any]] = field(default_factory=list)
     storage_bytes: dict[str, bytes] = field(default_factory=dict)
     matched: int = 0  # fields the request applied to, changed or already at the value
+    pickle_changed: bool = False  # a field of the pickle itself changed (not only tensor values)
 
     def set(self, owner: dict, path: tuple, key: Any, new: Any, note: str) -> None:
         self.matched += 1
@@ -161,6 +168,7 @@ class _File:
         if _same(old, new):
             return
         owner[key] = new  # replace, never mutate: a list may be shared (memoized) with another field
+        self.pickle_changed = True
         self.changes.append(io.FieldChange(self.rel, _dotted(path + (key,)), _plain(old), _plain(new), note))
         self.checks.append((path + (key,), new))
 
@@ -281,11 +289,11 @@ class _DcpFile(_File):
         for c in self.changes:
             by_file.setdefault(c.file, []).append(c)
         out = []
-        for rel, nbytes, produce in self.folder.rewrite(self.blobs):
-            method = ("re-pickled with the moved items' offsets/lengths" if rel == ".metadata" else
-                      f"{_n(len(by_file.get(rel, [])), 'item')} re-blobbed (torch.save of the new value); every other "
-                      "item copied byte for byte")
-            out.append(io.FileWrite(rel, tuple(by_file.get(rel, ())), nbytes, produce, method))
+        for rel, nbytes, produce, edit in self.folder.append(self.blobs):
+            method = ("re-pickled with the appended items' offsets/lengths, replaced whole" if rel == ".metadata" else
+                      f"in place: {_n(len(by_file.get(rel, [])), 'new item blob')} (torch.save of the new value) "
+                      "appended after the last byte; the old ones left unreferenced")
+            out.append(io.FileWrite(rel, tuple(by_file.get(rel, ())), nbytes, produce, method, edit))
         return out
 
     def verify(self, written_root: Path) -> list[str]:
@@ -750,12 +758,18 @@ def _finish(ck: Checkpoint, root: Path, files: list[_File], command: str, notes:
         if f.storage_bytes:
             method += f"; {_n(len(f.storage_bytes), 'step storage')} rewritten"
         if isinstance(f, _JsonFile):
-            method, produce = "JSON rewritten (indent 2, sorted keys)", f.produce
+            method, produce, edit = "JSON rewritten (indent 2, sorted keys)", f.produce, None
         else:
             def produce(tmp: Path, f: _File = f) -> None:
                 rewrite_torch_zip(f.path, tmp, f.obj, storage_bytes=f.storage_bytes)
 
-        writes.append(io.FileWrite(f.rel, tuple(f.changes), f.path.stat().st_size, produce, method))
+            def edit(target: Path, f: _File = f) -> io.InPlace:
+                return _in_place(f, target)
+
+            method = ("in place: " + ("new data.pkl member appended" if f.pickle_changed else "pickle untouched")
+                      + (f"; {_n(len(f.storage_bytes), 'step storage')} overwritten, CRC-32 updated"
+                         if f.storage_bytes else "") + " (else " + method + ")")
+        writes.append(io.FileWrite(f.rel, tuple(f.changes), f.path.stat().st_size, produce, method, edit))
     checks = {f.rel: (f, list(f.checks)) for f in files if f.changes and not isinstance(f, _DcpFile)}
     dcp_checks = [f.verify for f in files if f.changes and isinstance(f, _DcpFile)]
 
@@ -788,20 +802,57 @@ def _finish(ck: Checkpoint, root: Path, files: list[_File], command: str, notes:
     return LrPlan(plan, kind, DRIVER[kind], change, world, dict(kinds))
 
 
-def set_lr(path: str | Path, *, backup_dir: Path | None = None, on_stage=None, **kw) -> tuple[LrPlan, io.Transaction | None]:
+def _in_place(f: _File, target: Path) -> io.InPlace:
+    """The in-place form of a torch zip file's edit: each replaced storage's bytes overwritten (CRC-32 updated
+    from them alone) and, when a pickled field changed, a new data.pkl member (the edited tree, re-pickled by
+    `pickle_writer`) appended with a new central directory (zip_patch.plan_in_place). The same checks as the
+    whole-file rewrite: the tree refers only to storages this file holds, new step bytes replace a storage of
+    the same size."""
+    import zipfile
+
+    from ..pickle_writer import _pickle_tree
+    from ..zip_patch import Patch, plan_in_place
+
+    with zipfile.ZipFile(target) as zf:
+        infos = zf.infolist()
+    pkl = [i.filename for i in infos if i.filename.endswith("data.pkl") and i.filename.count("/") <= 1]
+    if not pkl:
+        raise UnsupportedCheckpoint("zip archive without data.pkl (not written by torch.save)", path=target)
+    prefix = min(pkl, key=len)[: -len("data.pkl")]
+    sizes = {i.filename[len(prefix) + 5:]: i.file_size for i in infos if i.filename.startswith(prefix + "data/")}
+    pickle_bytes = None
+    if f.pickle_changed:
+        pickle_bytes, storages = _pickle_tree(f.obj, str(target))
+        for key, st in storages.items():
+            if sizes.get(key, -1) < st.nbytes:
+                raise UnsupportedCheckpoint(f"the new tree refers to storage {key} ({st.nbytes} bytes), which "
+                                            f"{target.name} does not hold", path=target,
+                                            hint="tensors can only be kept, not added or moved between files")
+    for key, data in f.storage_bytes.items():
+        if sizes.get(key) != len(data):
+            raise UnsupportedCheckpoint(f"new bytes for storage {key} ({len(data)} bytes) do not replace a storage "
+                                        "of the same size", path=target,
+                                        hint="only the values of existing storages can be replaced")
+    patches = [Patch(f"{prefix}data/{key}", 0, bytes(data)) for key, data in f.storage_bytes.items()]
+    return plan_in_place(target, patches, pickle_bytes)
+
+
+def set_lr(path: str | Path, *, backup_dir: Path | None = None, on_stage=None, copy: bool = False,
+           **kw) -> tuple[LrPlan, io.Transaction | None]:
     """Open, plan and execute `set-lr` in one call (the library's `ckpt set-lr --yes`)."""
     from .. import open_checkpoint
 
     p = plan_set_lr(open_checkpoint(path), **kw)
-    return p, (io.execute(p.plan, backup_dir=backup_dir, on_stage=on_stage) if p.plan.writes else None)
+    return p, (io.execute(p.plan, backup_dir=backup_dir, on_stage=on_stage, copy=copy) if p.plan.writes else None)
 
 
-def set_step(path: str | Path, *, backup_dir: Path | None = None, on_stage=None, **kw) -> tuple[LrPlan, io.Transaction | None]:
+def set_step(path: str | Path, *, backup_dir: Path | None = None, on_stage=None, copy: bool = False,
+           **kw) -> tuple[LrPlan, io.Transaction | None]:
     """Open, plan and execute `set-step` in one call (the library's `ckpt set-step --yes`)."""
     from .. import open_checkpoint
 
     p = plan_set_step(open_checkpoint(path), **kw)
-    return p, (io.execute(p.plan, backup_dir=backup_dir, on_stage=on_stage) if p.plan.writes else None)
+    return p, (io.execute(p.plan, backup_dir=backup_dir, on_stage=on_stage, copy=copy) if p.plan.writes else None)
 
 
 __all__ = ["LrPlan", "plan_set_lr", "plan_set_step", "set_lr", "set_step", "scheduler_kind", "config_change",

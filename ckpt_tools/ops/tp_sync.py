@@ -14,7 +14,9 @@ that is why the master and the moments are compared too (they are what keeps the
 
 `check_tp_sync` reads only those tensors' bytes (mmap'd zip members, the pieces of the flat partitions
 that `param_slice_mappings` point at) and compares every TP rank with TP rank 0. `plan_sync_tp` makes an
-`io.WritePlan` that rewrites exactly those byte ranges (`zip_patch`: the pickles are not touched), so
+`io.WritePlan` that overwrites exactly those byte ranges in place (`zip_patch.plan_in_place`: the pickles are
+not touched, each member's CRC-32 is updated from the changed bytes alone; io.execute journals the original
+bytes first, and copies the file whole where in place is refused), so
 that every representation on every TP rank and DP shard holds the average (BLOOM's remedy) or one
 rank's value, and the module weights hold the cast of the synced fp32 master — the value the optimizer
 would have written into them.
@@ -32,7 +34,7 @@ from ..errors import UnsupportedCheckpoint
 from ..pickle_reader import DTYPE_SIZE, ZipSource
 from ..tp_layout import SOURCE_DATA, Rule, TPLayout, rule_from_data
 from ..tree import Checkpoint, GroupNode, OpaqueNode, Piece, TensorNode, ValueNode, Warning_
-from ..zip_patch import Patch, patch_file
+from ..zip_patch import Patch, patch_file, plan_in_place
 
 OPTIMIZER_REPRESENTATIONS = ("fp32", "exp_avg", "exp_avg_sq")
 #: merge rules whose shards are copies of one tensor (DeepSpeed averages the second kind when merging)
@@ -440,8 +442,13 @@ def plan_sync_tp(ck: Checkpoint, method: str = "average", *, from_rank: int = 0,
     def producer(rel: str, patches: list[Patch]) -> Callable[[Path], None]:
         return lambda tmp: patch_file(root / rel, tmp, patches)
 
+    def editor(patches: list[Patch]) -> Callable[[Path], io.InPlace]:
+        return lambda target: plan_in_place(target, patches)
+
     writes = tuple(io.FileWrite(rel, tuple(fp.changes), (root / rel).stat().st_size,
-                                producer(rel, fp.patches), method="byte patch (pickle untouched, CRC-32 fixed)")
+                                producer(rel, fp.patches), edit=editor(fp.patches),
+                                method="byte patch in place (pickle untouched, CRC-32 updated from the changed "
+                                       "bytes; whole-file copy where in place is refused)")
                    for rel, fp in sorted(files.items()))
     notes = [f"method: {method}" + (f" (TP rank {from_rank})" if method == "rank0" else ""),
              f"{len(targets)} replicated parameters out of sync, {len(writes)} files to patch",
@@ -465,12 +472,13 @@ def plan_sync_tp(ck: Checkpoint, method: str = "average", *, from_rank: int = 0,
 
 def sync_tp(path: str | Path, method: str = "average", *, from_rank: int = 0, patterns: Sequence[str] = (),
             backup_dir: Path | None = None,
-            on_stage: Callable[[str, str | None], None] | None = None) -> tuple[io.Transaction | None, TPSyncReport]:
+            on_stage: Callable[[str, str | None], None] | None = None,
+            copy: bool = False) -> tuple[io.Transaction | None, TPSyncReport]:
     """Open, plan, execute and verify in one call (the library's `ckpt sync-tp --yes`). Returns the
     transaction (None when everything was already in sync) and the report after the write."""
     ck = open_for_tp_sync(path, patterns)
     plan, _ = plan_sync_tp(ck, method, from_rank=from_rank, patterns=patterns)
-    tx = io.execute(plan, backup_dir=backup_dir, on_stage=on_stage) if plan.writes else None
+    tx = io.execute(plan, backup_dir=backup_dir, on_stage=on_stage, copy=copy) if plan.writes else None
     return tx, check_tp_sync(open_for_tp_sync(path, patterns), patterns=patterns)
 
 
