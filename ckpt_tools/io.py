@@ -780,6 +780,15 @@ def _rollback(tdir: Path, journal: dict, progress: Callable[[int], None] | None 
     journal["status"] = "restored" if journal.get("status") == "restoring" else "rolled-back"
     _write_json(tdir / JOURNAL, journal)
     shutil.rmtree(staging, ignore_errors=True)
+    # The originals are back in place, and a restored or rolled-back write is never undone again: the backup
+    # folder's second name for each original inode only keeps the file's link count above 1, which would make
+    # every later write rewrite it whole (an in-place change would change the backup too).
+    for e in journal["files"]:
+        backup = files_dir / e["path"]
+        target = root / e["path"]
+        if e.get("mode") != IN_PLACE and e.get("existed") and backup.exists() and target.exists() \
+                and os.path.samestat(target.stat(), backup.stat()):
+            backup.unlink()
 
 
 def recover(path: Path, backup_dir: Path | None = None) -> list[Path]:

@@ -33,8 +33,11 @@ def resume_cmd(
                                      "--universal)"),
     pp: Optional[int] = typer.Option(None, "--pp", metavar="N", help="pipeline-parallel size to resume at (implies "
                                      "--universal)"),
-    model: str = typer.Option("auto", "--model", metavar="MODEL", help="auto, tiny-gpt, megatron-gpt or "
-                              "module:function (a factory returning ckpt_tools.train.resume_worker.TrainSetup)"),
+    model: str = typer.Option("auto", "--model", metavar="MODEL", help="auto (a bundled model when the checkpoint "
+                              "is one, else the model-free check), replica (model-free: a replica of the "
+                              "checkpoint's parameters, synthetic loss, optimizer state checked), tiny-gpt, "
+                              "megatron-gpt or module:function (a factory returning "
+                              "ckpt_tools.train.resume_worker.TrainSetup)"),
     data: Optional[str] = typer.Option(None, "--data", metavar="FILE", help="token file (.bin uint16 or .npy) "
                                        "instead of the deterministic synthetic batches"),
     config: Optional[Path] = typer.Option(None, "--config", metavar="JSON", help="JSON file merged over the "
@@ -54,8 +57,15 @@ def resume_cmd(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="verdict only"),
     trust_pickles: bool = typer.Option(False, "--trust-pickles", help="resume even when a pickle names "
                                        "globals outside the frameworks' classes (DeepSpeed's loader runs them)"),
+    scheduler: Optional[str] = typer.Option(None, "--scheduler", metavar="MODULE:FUNCTION", help="the function "
+                                            "of a LambdaLR (step -> factor, or a list per param group): the "
+                                            "checkpoint does not hold it"),
+    against: Optional[Path] = typer.Option(None, "--against", metavar="CKPT", help="model-free check: take the "
+                                           "saved optimizer state from CKPT (e.g. the ZeRO checkpoint a universal "
+                                           "one was converted from) instead of PATH"),
 ) -> None:
-    """Load PATH into a real DeepSpeed engine, train N steps, and check that counters, LR and loss continue."""
+    """Load PATH into the framework that wrote it, train N steps, and check that counters, LR, optimizer state
+    (model-free) and loss (with a model) continue."""
     output.require("torch", "deepspeed", extra="train", what="ckpt resume")
     if plot is not None:
         output.require("matplotlib", extra="all", what="--plot")
@@ -69,7 +79,8 @@ def resume_cmd(
             raise CkptError(f"cannot read the config: {e}", path=config) from None
     ref = ops.load_reference(reference) if reference else None
     plan = ops.plan_resume(path, steps=steps, nproc=nproc, device=device, universal=universal, tp=tp, pp=pp,
-                           model=model, config=override, data=data, trust_pickles=trust_pickles)
+                           model=model, config=override, data=data, trust_pickles=trust_pickles,
+                           scheduler=scheduler, against=against)
 
     from contextlib import nullcontext
 
@@ -78,7 +89,8 @@ def resume_cmd(
     # a conversion runs in this process and imports DeepSpeed, which logs to the terminal: its lines go above
     # the bar, not into it (imported before the bar is drawn, so its import-time line comes first)
     quiet_bar = json_out or quiet
-    logs = output.deepspeed_logs_above_bars() if plan.convert_from is not None and not quiet_bar else nullcontext()
+    converting = getattr(plan, "convert_from", None) is not None
+    logs = output.deepspeed_logs_above_bars() if converting and not quiet_bar else nullcontext()
     bar = tqdm(total=steps, desc=f"starting {output.plural(plan.nproc, 'process', 'processes')}", unit="step",
                disable=quiet_bar, leave=False)
 
@@ -88,10 +100,11 @@ def resume_cmd(
         elif ev["event"] == "loaded":
             # the clock starts here: conversion, process start-up and the engine's load are not step time
             bar.reset(total=steps)
-            bar.set_description(f"resume from step {ev['global_step']}")
+            bar.set_description(f"resume from step {ev.get('global_step', '?')}")
         elif ev["event"] == "step":
             bar.update(1)
-            bar.set_postfix(step=ev["step"], loss=f"{ev['loss']:.4f}", lr=f"{ev['lr'][0]:.3g}")
+            lr = ev.get("lr") or [float("nan")]
+            bar.set_postfix(step=ev.get("step"), loss=f"{ev.get('loss', float('nan')):.4f}", lr=f"{lr[0]:.3g}")
 
     try:
         with logs:
@@ -117,15 +130,22 @@ def _render(result: ops.ResumeResult, quiet: bool) -> None:
 
     con = output.console()
     p = result.plan
-    s = p.saved
+    s = getattr(p, "saved", None)
     f = output.fmt_value
+
+    def topo(obj) -> str:  # other frameworks' plans may not carry a DP x TP x PP layout
+        return " ".join(f"{k}={getattr(obj, k)}" for k in ("dp", "tp", "pp") if getattr(obj, k, None) is not None)
+
     if not quiet:
-        con.print(f"[bold]{escape(p.path)}[/]  {s.format}  saved at global_step={f(s.global_step)} "
-                  f"adam_step={f(s.optimizer_step)}  dp={s.dp} tp={s.tp} pp={s.pp}")
+        fmt = getattr(s, "format", None) or getattr(p, "framework", "")
+        con.print(f"[bold]{escape(str(p.path))}[/]  {fmt}  saved at global_step={f(getattr(s, 'global_step', None))} "
+                  f"adam_step={f(getattr(s, 'optimizer_step', None))}  {topo(s)}")
+        extras = "".join(f"  {k}={getattr(p, k)}" for k in ("micro_batch",) if getattr(p, k, None) is not None)
+        if getattr(p, "gas", None) is not None:
+            extras += f" accumulation={p.gas}"
         con.print(f"resumed on {p.nproc} {p.device} {'process' if p.nproc == 1 else 'processes'}: "
-                  f"dp={p.dp} tp={p.tp} pp={p.pp}  model={p.model}"
-                  f"{'  universal' if p.universal else ''}  micro_batch={p.micro_batch} accumulation={p.gas}")
-        for note in p.notes:
+                  f"{topo(p)}  model={p.model}{'  universal' if getattr(p, 'universal', False) else ''}{extras}")
+        for note in getattr(p, "notes", ()):
             con.print(f"  [yellow]note[/]: {escape(note)}")
         t = Table(show_edge=False)
         for col in ("step", "loss", "lr", "grad norm", "adam step", "tokens/s"):
@@ -156,7 +176,7 @@ def _plot(result: ops.ResumeResult, path: Path, ref: dict[int, float] | None) ->
     if ref:
         rs = sorted(ref)
         a.plot(rs, [ref[k] for k in rs], "x--", label="reference")
-    a.axvline(result.plan.saved.global_step or 0, color="grey", lw=0.8)
+    a.axvline(getattr(getattr(result.plan, "saved", None), "global_step", None) or 0, color="grey", lw=0.8)
     a.set_ylabel("loss")
     a.legend()
     b.plot(steps, [r.lr[0] for r in result.records], "o-")

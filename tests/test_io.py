@@ -287,19 +287,25 @@ def test_restore_refuses_a_file_changed_after_the_write(tmp_path):
     assert snapshot(root) == changed  # nothing restored
 
 
-def test_undo_over_a_restored_whole_file_write_copies_on_write(tmp_path):
-    """Write 1 in place, write 2 as copies (--copy) and restored: the file is the backup's inode again, and the
-    backup folder links it too (2 links). Undoing write 1 must not change that backup: copy, undo, rename."""
+def test_restored_whole_file_write_leaves_one_link_and_undo_copies_on_write(tmp_path):
+    """Write 1 in place, write 2 as copies (--copy), restored: the file is its original inode again and the
+    backup folder's second name for it is dropped (1 link), so later writes can still change it in place.
+    A file that does have another name (a user's hard link) is undone copy-on-write: the other name keeps its
+    bytes."""
     root = make_ckpt(tmp_path)
     before = snapshot(root)
-    io.execute(edit_plan(root, files=("global_step4/part0.pt",)))
+    target = root / "global_step4" / "part0.pt"
+    t1 = io.execute(edit_plan(root, files=("global_step4/part0.pt",)))
     t2 = io.execute(upper_plan(root, files=("global_step4/part0.pt",)), copy=True)
     io.restore(root)
-    backup = t2.dir / "files" / "global_step4" / "part0.pt"
-    assert (root / "global_step4" / "part0.pt").stat().st_nlink == 2
-    kept = backup.read_bytes()
+    assert target.stat().st_nlink == 1
+    assert not (t2.dir / "files" / "global_step4" / "part0.pt").exists()
+    other = tmp_path / "users-own-link.pt"
+    os.link(target, other)
+    kept = other.read_bytes()
     io.restore(root)
-    assert snapshot(root) == before and backup.read_bytes() == kept
+    assert snapshot(root) == before and other.read_bytes() == kept != target.read_bytes()
+    assert t1.dir.exists()
 
 
 @pytest.mark.parametrize("copy", [False, True], ids=["in-place", "copy"])

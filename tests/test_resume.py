@@ -210,8 +210,8 @@ def test_user_factory_and_token_file(tmp_path):
 def test_unusable_options_exit_2():
     proc = ckpt("resume", sample("deepspeed", "zero2_bf16"), "--nproc", "1", expect=2)
     assert "needs a universal checkpoint" in proc.stderr and "--universal" in proc.stderr
-    proc = ckpt("resume", sample("torch", "plain.pt"), expect=2)
-    assert "trains DeepSpeed checkpoints" in proc.stderr
+    proc = ckpt("resume", sample("torch", "plain.pt"), expect=2)  # a format no framework resumer takes
+    assert "torch_file" in proc.stderr and "Traceback" not in proc.stderr
     proc = ckpt("resume", sample("megatron", "gpt_tp2_pp2_noinfo"), "--tp", "1", expect=2)
     assert "universal_checkpoint_info" in proc.stderr
 

@@ -141,6 +141,9 @@ def test_zero3_group_warnings_function():
     assert w[0].endswith("group 1 will train with lr 0.0007 instead of 0.0014")
     assert w[1].endswith("group 2 will train with weight_decay 0.01 instead of 0")
     assert "betas of group 2 to group 0's (0.9, 0.95)" in w[2] and len(w) == 3
+    # stage3.py also hands every group one step tensor, which Adam increments once per group and update
+    w = U.zero3_group_warnings([{"lr": 1e-3}, {"lr": 1e-3}, {"lr": 1e-3}], shared_step=True)
+    assert len(w) == 1 and "all 3 param groups one shared Adam step tensor" in w[0] and "by 3 instead of 1" in w[0]
 
 
 def test_zero3_load_uses_group0_lr_as_warned(runs, tmp_path, capsys):
@@ -148,11 +151,14 @@ def test_zero3_load_uses_group0_lr_as_warned(runs, tmp_path, capsys):
     [1e-3, 1e-3] (stage3.py copies group 0's hyper-parameters) — the LR the warning names."""
     src = runs / "zero2_adamw_2lr"
     plan = convert(src, tmp_path / "u", target_stage=3)
-    assert plan.stages == (3,) and len(plan.warnings) == 1
+    assert plan.stages == (3,) and len(plan.warnings) == 2
     assert "group 1 will train with lr 0.001 instead of 0.002 and weight_decay 0.01 instead of 0" in plan.warnings[0]
-    recs = resume(tmp_path / "u", "zero2_adamw_2lr", tmp_path, stage=3, steps=1)
+    assert "each update advances the step by 2 instead of 1" in plan.warnings[1]
+    recs = resume(tmp_path / "u", "zero2_adamw_2lr", tmp_path, stage=3, steps=2)
     assert history(runs, "zero2_adamw_2lr")[4]["lr"] == [0.001, 0.002]
     assert recs[0]["lr"] == [0.001, 0.001]
+    # saved at Adam step 4: an uninterrupted run is at 5, then 6; the shared step tensor goes 6, then 8
+    assert [r["optimizer_steps"] for r in recs] == [[6, 6], [8, 8]]
     # default (no --target-stage): the output also serves ZeRO-3, so the same warning, conditional
     default = U.plan_to_universal(src, tmp_path / "v")
     assert default.stages == (1, 2, 3) and default.warnings[0].startswith("if loaded at ZeRO-3: ")

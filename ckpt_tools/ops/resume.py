@@ -14,6 +14,33 @@ Order of use:
 The training runs in `ckpt_tools.train.resume_worker` under `python -m torch.distributed.run` (NCCL on CUDA,
 gloo on CPU, the same code). Re-topology (another DP size, TP or PP) goes through a DeepSpeed universal
 checkpoint made by `converter`, a single function so that `ckpt to-universal` can replace DeepSpeed's.
+
+Model-free resume (DeepSpeed): when the model is not one `ckpt` knows (`--model auto`), or with `--model
+replica` / `none`, the worker builds a replica of the checkpoint's parameters (`ckpt_tools.train.replica`)
+and trains it with a synthetic loss whose gradient is known; after each resumed step the worker writes the
+engine's full fp32 master, exp_avg, exp_avg_sq and step per parameter into the scratch folder, and
+`verdict` compares them with the Adam / SGD formula applied to the state saved in the checkpoint the user
+named (read here with `open_checkpoint`, never through the engine) — the "optimizer state" row.
+
+Other frameworks — the dispatch contract (the module `ckpt_tools.ops.resume_frameworks`, imported lazily):
+
+    plan_resume(path, ...) opens the checkpoint; when `ck.format` is not in SUPPORTED_FORMATS it returns
+        resume_frameworks.plan_resume(ck, path, steps=steps, nproc=nproc, device=device, model=model,
+                                      scheduler=scheduler, trust_pickles=trust_pickles)
+    before the pickle-safety check (the framework module does its own). The DeepSpeed-only options
+    (--universal, --tp, --pp, --config, --data) are refused for other formats here, naming the option.
+    If importing the module raises ImportError, the old UnsupportedCheckpoint ("trains DeepSpeed
+    checkpoints") is raised.
+    The plan it returns must be a dataclass with a truthy `framework` attribute (e.g. "hf_trainer") and the
+    fields the CLI renders: `path`, `steps`, `nproc`, `device`, `model`, `notes` (tuple of str); optional
+    `saved` (with `format`, `global_step`, `optimizer_step`, and `dp`/`tp`/`pp` when known), `dp`, `tp`, `pp`.
+
+    run_resume(plan, on_event=..., work_dir=...) with `getattr(plan, "framework", None)` set returns
+        resume_frameworks.run_resume(plan, on_event=on_event, keep=work_dir)
+    plus `reference=`, `loss_tol=`, `jump_tol=`, `timeout=` for each of those its signature accepts. It must
+    return a `ResumeResult` built from this module's `Check` / `CheckRow` / `StepRecord` (`setup`/`loaded`
+    dicts may be empty); `ResumeResult.to_dict` and the CLI render it like a DeepSpeed result. Use the row
+    names "global step", "optimizer step", "learning rate", "optimizer state", "loss".
 """
 from __future__ import annotations
 
@@ -68,6 +95,12 @@ class SavedState:
     dp: int
     tp: int
     pp: int
+    scheduler_saved: dict[str, Any] | None = None  # a torch scheduler's saved state dict (JSON-safe copy)
+    group_options: tuple[dict[str, Any], ...] = ()  # the saved param groups without `params` (JSON-safe)
+
+
+def _json_safe(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, default=lambda o: dict(o) if isinstance(o, collections.Counter) else repr(o)))
 
 
 def node_to_python(node: Any) -> Any:
@@ -104,6 +137,9 @@ def saved_state(ck: Checkpoint) -> SavedState:
         ds_config=node_to_python(kids.get("config", GroupNode())) or {},
         has_universal_info=bool(node_to_python(kids.get("universal_checkpoint_info", GroupNode()))),
         dp=topo.dp or 1, tp=topo.tp or 1, pp=topo.pp or 1,
+        scheduler_saved=_json_safe(sched) if kind == "torch" else None,
+        group_options=tuple(_json_safe({k: v for k, v in g.items() if k != "params"})
+                            for _, g in sorted(groups.items(), key=lambda kv: int(kv[0]))),
     )
 
 
@@ -136,14 +172,19 @@ class ResumePlan:
     data: str | None
     lambda_epochs: tuple[int, ...]
     notes: tuple[str, ...] = ()
+    replica: dict[str, Any] | None = None  # the model-free layout (model == "replica"), see replica_layout_for
+    scheduler_fn: str | None = None  # --scheduler module:function (a LambdaLR's function)
+    load_optimizer_states: bool = True  # False only to test that the optimizer-state check notices
+    against: str | None = None  # the checkpoint the optimizer-state check reads the saved state from (default: path)
 
     def worker_plan(self) -> dict[str, Any]:
         return {
             "device": self.device, "ds_config": self.ds_config, "dp": self.dp, "tp": self.tp, "pp": self.pp,
             "model": self.model, "lambda_epochs": list(self.lambda_epochs), "load_dir": self.load_dir,
             "tag": self.tag, "load_lr_scheduler_states": self.load_lr_scheduler_states,
+            "load_optimizer_states": self.load_optimizer_states,
             "micro_batch": self.micro_batch, "orig_gas": self.orig_gas, "gas": self.gas, "steps": self.steps,
-            "data": self.data,
+            "data": self.data, "replica": self.replica, "scheduler_fn": self.scheduler_fn,
         }
 
 
@@ -160,14 +201,158 @@ def _visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _auto_model(ck: Checkpoint) -> str:
+MODEL_FREE = ("replica", "none")
+
+
+def _is_pipeline_layout(ck: Checkpoint) -> bool:
     if ck.format == "deepspeed_pipeline":
-        return "megatron-gpt"
+        return True
     # A universal checkpoint of a pipeline run keeps DeepSpeed's '<layer>.<local name>' parameter names.
     names = list(ck.model.children) or list(ck.optimizer.children.get("state", GroupNode()).children)
-    if names and all(n.split(".", 1)[0].isdigit() for n in names):
+    return bool(names) and all(n.split(".", 1)[0].isdigit() for n in names)
+
+
+def _auto_model(ck: Checkpoint, layout: dict[str, Any] | None) -> str:
+    """megatron-gpt for pipeline layouts; tiny-gpt when the checkpoint's parameters are exactly the bundled tiny
+    GPT's (names and shapes); else the model-free replica."""
+    if _is_pipeline_layout(ck):
         return "megatron-gpt"
-    return "tiny-gpt"
+    if layout is None:
+        return "tiny-gpt"
+    try:
+        import torch
+
+        from ..train.models import GPTConfig, TinyGPT
+
+        with torch.device("meta"):
+            known = {n: tuple(p.shape) for n, p in TinyGPT(GPTConfig()).named_parameters()}
+    except Exception:  # noqa: BLE001  no torch model to compare with: model-free
+        return "replica"
+    have = {p["name"]: tuple(p["shape"]) for p in layout["specs"]}
+    return "tiny-gpt" if known == have else "replica"
+
+
+def _names(items: list[str], limit: int = 4) -> str:
+    return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def check_model_matches(model: str, layout: dict[str, Any], ctx_fields: dict[str, Any], path: Path) -> str | None:
+    """Build `model` in this process on the meta device and compare its parameters with the checkpoint's;
+    a mismatch is a CkptError before any process starts. Returns a note when the model could not be built
+    here (the worker then reports its own error)."""
+    import torch
+
+    from ..train.resume_worker import SetupContext, load_factory
+
+    try:
+        factory = load_factory(model)
+    except SystemExit as e:
+        raise CkptError(str(e.code)) from None
+    except (ImportError, AttributeError) as e:
+        raise CkptError(f"--model {model}: cannot load the factory: {e}",
+                        hint="give module:function importable from here (PYTHONPATH)") from None
+    try:
+        with torch.device("meta"):
+            built = factory(SetupContext(rank=0, **ctx_fields)).model
+        have = {n: tuple(p.shape) for n, p in built.named_parameters()}
+    except Exception as e:  # noqa: BLE001  the factory needs a process group or a device: the worker builds it
+        return f"--model {model} could not be built here to compare with the checkpoint ({type(e).__name__})"
+    want = {p["name"]: tuple(p["shape"]) for p in layout["specs"]}
+    missing = [n for n in have if n not in want]
+    unexpected = [n for n in want if n not in have]
+    shapes = [f"{n} {list(have[n])} vs {list(want[n])}" for n in have if n in want and have[n] != want[n]]
+    if not (missing or unexpected or shapes):
+        return None
+    parts = [f"the model has {len(have)} parameters, the checkpoint {len(want)}"]
+    if missing:
+        parts.append(f"missing {_names(missing)}")
+    if unexpected:
+        parts.append(f"unexpected {_names(unexpected)}")
+    if shapes:
+        parts.append(f"shape differs: {_names(shapes, 2)}")
+    raise CkptError(f"--model {model} does not match the checkpoint: {parts[0]}: " + "; ".join(parts[1:]), path=path,
+                    hint="pass --model module:function or drop --model for the model-free check")
+
+
+def _check_scheduler_fn(spec: str) -> None:
+    """`--scheduler module:function`: importable here and callable as function(step) -> factor or list."""
+    import importlib
+
+    module, _, func = spec.partition(":")
+    if not module or not func:
+        raise CkptError(f"--scheduler {spec!r}: use module:function")
+    try:
+        fn = getattr(importlib.import_module(module), func)
+        probe = fn(0)
+    except Exception as e:  # noqa: BLE001  the user's code: any failure is bad input
+        raise CkptError(f"--scheduler {spec}: {type(e).__name__}: {e}",
+                        hint="give module:function, importable from here, with function(step) -> factor") from None
+    values = probe if isinstance(probe, (list, tuple)) else [probe]
+    if not all(isinstance(v, (int, float)) for v in values):
+        raise CkptError(f"--scheduler {spec}: function(0) returned {probe!r}, not a number or a list of numbers")
+
+
+def _against(against: str | os.PathLike | None, layout: dict[str, Any] | None, model: str) -> str | None:
+    """Check `--against CKPT` before launch: a DeepSpeed checkpoint with the same parameters as the one resumed."""
+    from .. import open_checkpoint
+    from ..train import replica as R
+
+    if against is None:
+        return None
+    if model != "replica" or layout is None:
+        raise CkptError("--against is used by the model-free optimizer-state check only",
+                        hint="add --model replica")
+    a = Path(against)
+    ck = open_checkpoint(a)
+    if ck.format not in SUPPORTED_FORMATS:
+        raise CkptError(f"--against: a DeepSpeed checkpoint is needed; this is {ck.format}", path=a)
+    try:
+        specs, _ = R.specs_from_checkpoint(ck)
+    except ValueError as e:
+        raise CkptError(f"--against: {e}", path=a) from None
+    have = {s.name: list(s.shape) for s in specs if s.requires_grad}
+    want = {p["name"]: list(p["shape"]) for p in layout["specs"] if p["requires_grad"]}
+    if have != want:
+        diff = sorted(set(have) ^ set(want)) or [n for n in want if have.get(n) != want[n]]
+        raise CkptError(f"--against has other parameters than the checkpoint resumed: {_names(diff)}", path=a)
+    return str(a)
+
+
+def replica_layout_for(ck: Checkpoint, saved: SavedState, cfg: dict[str, Any], scheduler_fn: str | None,
+                       seed: int = 0) -> dict[str, Any]:
+    """The JSON layout the worker builds the replica from: parameter specs in the model's order, tied aliases,
+    buffers, param groups (members and saved hyper-parameters), the torch optimizer / scheduler to rebuild
+    when the launch config names none, the synthetic gradient's seed and clip."""
+    from ..train import replica as R
+
+    lay = R.replica_layout(ck)
+    opts = list(saved.group_options)
+    groups = [{"names": names, "options": opts[i] if i < len(opts) else {}} for i, names in enumerate(lay["groups"])]
+    state = ck.optimizer.children.get("state", GroupNode()).children
+    first = next(iter(state.values()), None)
+    keys = set(first.children) if isinstance(first, GroupNode) else set()
+    if "momentum_buffer" in keys or (opts and "momentum" in opts[0] and "betas" not in opts[0]):
+        kind = "SGD"
+    elif opts and opts[0].get("decoupled_weight_decay") is False:
+        kind = "Adam"
+    else:
+        kind = "AdamW"
+    sched = None
+    hold = None
+    if saved.scheduler_state == "torch" and saved.scheduler_saved:
+        cls = R.infer_torch_scheduler(saved.scheduler_saved)
+        if cls is None:
+            keys = _names(sorted(saved.scheduler_saved))
+            raise ValueError(f"the saved torch scheduler state (keys {keys}) matches no torch scheduler class; "
+                             "resume with --model module:function, whose factory builds it")
+        sched = {"class": cls, "state": saved.scheduler_saved}
+        if cls in R.LAMBDA_SCHEDULERS and saved.base_lrs:
+            hold = [lr / b if b else 1.0 for lr, b in zip(saved.param_group_lrs, saved.base_lrs)]
+    clip = float(cfg.get("gradient_clipping") or 0.0)
+    return {"specs": [asdict(s) for s in lay["specs"]], "tied": lay["tied"],
+            "buffers": {k: [list(v[0]), v[1]] for k, v in lay["buffers"].items()}, "groups": groups,
+            "optimizer": kind, "scheduler": sched, "lambda_hold": hold, "seed": seed,
+            "max_norm": clip if clip > 0 else None}
 
 
 def _load_location(path: Path, tag: str | None) -> tuple[Path, str | None]:
@@ -205,7 +390,8 @@ def untrusted_globals(ck: Checkpoint) -> dict[str, list[str]]:
 def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None, device: str = "auto",
                 universal: bool = False, tp: int | None = None, pp: int | None = None,
                 model: str = "auto", config: dict[str, Any] | None = None, data: str | None = None,
-                trust_pickles: bool = False) -> ResumePlan:
+                trust_pickles: bool = False, scheduler: str | None = None,
+                against: str | os.PathLike | None = None) -> Any:
     """Decide how to resume the checkpoint at `path`: world size, topology, launch config, model, data.
 
     Bad combinations are rejected here, naming the option, before anything is converted or launched.
@@ -219,6 +405,12 @@ def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None
         raise CkptError("--steps must be at least 1")
     p = Path(path)
     ck = open_checkpoint(p)
+    if ck.format not in SUPPORTED_FORMATS:
+        if against is not None:
+            raise CkptError(f"--against applies to DeepSpeed checkpoints; this is {ck.format}", path=p)
+        return _framework_plan(ck, p, steps=steps, nproc=nproc, device=device, model=model, scheduler=scheduler,
+                               trust_pickles=trust_pickles, universal=universal, tp=tp, pp=pp, config=config,
+                               data=data)
     if not trust_pickles:
         unknown = untrusted_globals(ck)
         if unknown:
@@ -280,6 +472,15 @@ def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None
         micro = int(cfg.get("train_micro_batch_size_per_gpu", micro))
     if universal:
         cfg = _deep_merge(cfg, {"checkpoint": {"load_universal": True}})
+        if int((cfg.get("zero_optimization") or {}).get("stage", 0) or 0) == 3:
+            # issue 12: DeepSpeed's ZeRO-3 universal loader gives every group group 0's hyper-parameters; the
+            # LR check (expected LR per group from the saved state) fails then — say why up front
+            from .to_universal import zero3_group_warnings
+
+            state = ck.optimizer.children.get("state")
+            adam = isinstance(state, GroupNode) and any(
+                isinstance(v, GroupNode) and "exp_avg" in v.children for v in state.children.values())
+            notes.extend(zero3_group_warnings([dict(g) for g in saved.group_options], shared_step=adam))
     gas = int(cfg.get("gradient_accumulation_steps", 1))
 
     convert_from = None
@@ -301,8 +502,45 @@ def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None
         base, t = _load_location(p, tag)
         load_dir, tag = base, t
 
+    if scheduler is not None:
+        _check_scheduler_fn(scheduler)
+    layout = None
+    layout_error = None
+    if not _is_pipeline_layout(ck):
+        try:
+            layout = replica_layout_for(ck, saved, cfg, scheduler)
+        except ValueError as e:
+            layout_error = str(e)
+            layout = None
+            try:  # the parameters alone still tell a known model (or a mismatched --model) apart
+                from ..train.replica import replica_layout
+
+                lay = replica_layout(ck)
+                layout = {"specs": [asdict(x) for x in lay["specs"]]}
+            except ValueError:
+                pass
     if model == "auto":
-        model = _auto_model(ck)
+        model = _auto_model(ck, layout)
+        if model == "replica" and layout_error:
+            raise UnsupportedCheckpoint(f"cannot build a model-free replica: {layout_error}", path=p)
+        if model == "replica":
+            notes.append("the model is not one ckpt knows: model-free check (a replica of the checkpoint's "
+                         "parameters, trained with a synthetic loss of known gradient)")
+    elif model in MODEL_FREE:
+        model = "replica"
+        if layout_error:
+            raise UnsupportedCheckpoint(f"cannot build a model-free replica: {layout_error}", path=p)
+        if layout is None:
+            raise UnsupportedCheckpoint("the model-free check needs a ZeRO or universal checkpoint (this one is "
+                                        "a pipeline layout)", path=p,
+                                        hint="use --model megatron-gpt or module:function")
+    elif layout is not None:
+        note = check_model_matches(model, layout, {"ds_config": cfg, "world_size": nproc, "dp": new_dp,
+                                                    "tp": new_tp, "pp": new_pp, "device": device}, p)
+        if note:
+            notes.append(note)
+    if scheduler and model != "replica":
+        notes.append("--scheduler is used by the model-free check only; the --model factory builds the scheduler")
 
     # The scheduler epochs whose lambda the worker evaluates for the expected LR of a torch LambdaLR:
     # the saved last_epoch onwards, or the global step when the state is missing (what it should have been).
@@ -317,8 +555,37 @@ def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None
         model=model, ds_config=cfg, micro_batch=micro, gas=gas, orig_gas=orig_gas, universal=universal,
         convert_from=convert_from, inject_missing_state=inject, load_dir=str(load_dir) if load_dir else None,
         tag=tag if load_dir is not None else None, load_lr_scheduler_states=load_sched, data=data,
-        lambda_epochs=lambda_epochs, notes=tuple(notes),
+        lambda_epochs=lambda_epochs, notes=tuple(notes), replica=layout if model == "replica" else None,
+        scheduler_fn=scheduler, against=_against(against, layout, model),
     )
+
+
+def _framework_plan(ck: Checkpoint, p: Path, *, steps: int, nproc: int | None, device: str, model: str,
+                    scheduler: str | None, trust_pickles: bool, universal: bool, tp: int | None, pp: int | None,
+                    config: dict[str, Any] | None, data: str | None) -> Any:
+    """A checkpoint of another framework: hand it to `resume_frameworks` (see the module docstring)."""
+    try:
+        from . import resume_frameworks
+    except ImportError:
+        raise UnsupportedCheckpoint(f"`ckpt resume` trains DeepSpeed checkpoints; this is {ck.format}", path=p,
+                                    hint=f"supported: {', '.join(SUPPORTED_FORMATS)}") from None
+    for flag, given in (("--universal", universal), ("--tp", tp is not None), ("--pp", pp is not None),
+                        ("--config", config is not None), ("--data", data is not None)):
+        if given:
+            raise CkptError(f"{flag} applies to DeepSpeed checkpoints; this is {ck.format}", path=p,
+                            hint=f"drop {flag}")
+    return resume_frameworks.plan_resume(ck, p, steps=steps, nproc=nproc, device=device, model=model,
+                                         scheduler=scheduler, trust_pickles=trust_pickles)
+
+
+def _framework_run(plan: Any, *, on_event: Callable[[dict], None] | None, work_dir: Any, **optional: Any) -> Any:
+    import inspect
+
+    from . import resume_frameworks
+
+    accepted = inspect.signature(resume_frameworks.run_resume).parameters
+    extra = {k: v for k, v in optional.items() if k in accepted}
+    return resume_frameworks.run_resume(plan, on_event=on_event, keep=work_dir, **extra)
 
 
 # --- universal conversion (swappable) ---------------------------------------------------------------
@@ -369,50 +636,95 @@ def _env(device: str) -> dict[str, str]:
 
 
 class WorkerFailed(CkptError):
-    """The training processes exited with an error; the message carries the log tail."""
+    """The training processes exited with an error: one line, the failing process's own error; the hint
+    names the log file with the full output."""
 
 
-def _launch(plan: ResumePlan, plan_file: Path, on_event: Callable[[dict], None] | None,
-            timeout: float) -> list[dict[str, Any]]:
+def _launch(plan: Any, plan_file: Path, on_event: Callable[[dict], None] | None,
+            timeout: float, module: str = WORKER_MODULE) -> list[dict[str, Any]]:
+    """Run the training processes (`module` under torchrun, `plan.nproc` ranks on `plan.device`; every
+    framework's resume worker speaks the same `CKPT_RESUME {json}` event lines); parse their event lines. All
+    other output goes to a log file outside the checkpoint (removed after a success or a Ctrl-C). A failure is
+    one line: the first failing process's own error (its `error` event), naming the log file — never the
+    launcher's traceback."""
+    import re
+
     from ..samples import free_port
     from ..train.resume_worker import RECORD_PREFIX
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(plan.nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", WORKER_MODULE,
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", module,
            "--plan", str(plan_file)]
     events: list[dict[str, Any]] = []
-    tail: collections.deque[str] = collections.deque(maxlen=40)
+    errors: list[dict[str, Any]] = []
+    fd, log_name = tempfile.mkstemp(prefix="ckpt-resume-", suffix=".log")
+    log_path = Path(log_name)
+    tail: collections.deque[str] = collections.deque(maxlen=200)
     proc = subprocess.Popen(cmd, env=_env(plan.device), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     timer = None
+    timed_out = []
     try:
         import threading
 
-        timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+        def kill() -> None:
+            timed_out.append(True)
+            os.killpg(proc.pid, signal.SIGKILL)
+
+        timer = threading.Timer(timeout, kill)
         timer.start()
         assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith(RECORD_PREFIX):
-                ev = json.loads(line[len(RECORD_PREFIX):])
-                events.append(ev)
-                if on_event:
-                    on_event(ev)
-            else:
-                tail.append(line.rstrip("\n"))
+        with os.fdopen(fd, "w") as log:
+            for line in proc.stdout:
+                log.write(line)
+                if line.startswith(RECORD_PREFIX):
+                    try:
+                        ev = json.loads(line[len(RECORD_PREFIX):])
+                    except ValueError:
+                        continue  # two ranks' lines interleaved: the log has it
+                    if ev.get("event") == "error":
+                        errors.append(ev)
+                        continue
+                    events.append(ev)
+                    if on_event:
+                        on_event(ev)
+                else:
+                    tail.append(line.rstrip("\n"))
         rc = proc.wait()
+    except KeyboardInterrupt:
+        log_path.unlink(missing_ok=True)  # Ctrl-C: the user stopped it; nothing to read in a log
+        raise
     finally:
         if timer:
             timer.cancel()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    if rc != 0:
-        log = "\n".join(line for line in tail if line.strip())
-        raise WorkerFailed(f"training processes failed (exit {rc}); last output:\n{log}",
-                           hint="rerun with CKPT_DEBUG=1, or check --model/--config")
-    if not events or events[-1].get("event") != "done":
-        raise WorkerFailed("training processes ended without finishing")
-    return events
+    done = bool(events) and events[-1].get("event") == "done"
+    if rc == 0 and done:
+        log_path.unlink(missing_ok=True)
+        return events
+    hint = f"the full output is in {log_path}"
+    if timed_out:
+        raise WorkerFailed(f"training processes did not finish within {timeout:g} s", hint=hint)
+    # a rank whose peer died reports a broken connection: the root cause is another rank's own error
+    peer = re.compile(r"Connection (reset|closed) by peer|remote worker|communicator was aborted|Broken pipe|"
+                      r"Socket Timeout|timed out|NCCL error.*remote", re.IGNORECASE)
+    own = [e for e in errors if not peer.search(str(e.get("message", "")))]
+    if own:
+        first = own[0]
+        raise WorkerFailed(f"rank {first.get('rank', '?')}: {first.get('message')}", hint=hint)
+    aborted = [line.split("what():", 1)[1].strip() for line in tail if "what():" in line]
+    if aborted:
+        raise WorkerFailed(f"a training process aborted: {aborted[0]}", hint=hint)
+    if errors:
+        first = errors[0]
+        raise WorkerFailed(f"rank {first.get('rank', '?')}: {first.get('message')}", hint=hint)
+    # no error event (killed, crashed in the launcher or before the worker ran): the last error-like line
+    pat = re.compile(r"^\s*(?:\[[^]]*\]\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)$")
+    found = [m.group(1) for m in map(pat.match, tail) if m and "ChildFailedError" not in m.group(1)]
+    last = found[-1] if found else (f"exit {rc}" if rc else "ended without finishing")
+    raise WorkerFailed(f"training processes failed: {last}", hint=hint)
 
 
 # --- the verdict ----------------------------------------------------------------------------------
@@ -451,7 +763,7 @@ class Check:
 
 @dataclass(frozen=True)
 class ResumeResult:
-    plan: ResumePlan
+    plan: Any  # a ResumePlan, or another framework's plan (see the dispatch contract above)
     setup: dict[str, Any]
     loaded: dict[str, Any]
     records: tuple[StepRecord, ...]
@@ -462,7 +774,9 @@ class ResumeResult:
         return all(c.status != "fail" for c in self.checks)
 
     def to_dict(self) -> dict[str, Any]:
-        plan = asdict(self.plan)
+        import dataclasses
+
+        plan = asdict(self.plan) if dataclasses.is_dataclass(self.plan) else dict(vars(self.plan))
         return {"ok": self.ok, "plan": plan, "setup": self.setup, "loaded": self.loaded,
                 "records": [asdict(r) for r in self.records], "checks": [asdict(c) for c in self.checks]}
 
@@ -488,8 +802,23 @@ def expected_lrs(plan: ResumePlan, setup: dict[str, Any]) -> tuple[list[list[flo
                 f"{sched_cfg['type']} from the launch config at {src}")
     if s.scheduler_state == "deepspeed":
         return None, "the checkpoint has a DeepSpeed scheduler state but the launch config names no scheduler"
+    from ..train.replica import LAMBDA_SCHEDULERS, expected_torch_lrs, infer_torch_scheduler
+
+    values = setup.get("lambda_values")
+    cls = infer_torch_scheduler(s.scheduler_saved) if s.scheduler_saved else None
+    if s.scheduler_state == "torch" and cls and cls not in LAMBDA_SCHEDULERS:
+        try:
+            want = expected_torch_lrs(s.scheduler_saved, list(s.param_group_lrs), plan.steps,
+                                      saved_groups=list(s.group_options))
+        except (ValueError, TypeError, KeyError) as e:
+            return None, f"cannot rebuild the saved {cls} from its state: {e}"
+        return want, f"torch {cls} rebuilt from its saved state (last_epoch={s.scheduler_position})"
+    if s.scheduler_state == "torch" and cls in LAMBDA_SCHEDULERS and not values:
+        # the function is not in the checkpoint: the first resumed update runs at the saved LR, the rest is unknown
+        return ([list(s.param_group_lrs)] + [None] * (plan.steps - 1),  # type: ignore[list-item]
+                f"{cls}: the first resumed step at the saved param_groups lr; later steps NOT checked (the "
+                f"{cls}'s function is not in the checkpoint: pass --scheduler module:function)")
     if live is not None or s.scheduler_state == "torch":
-        values = setup.get("lambda_values")
         if live != "LambdaLR" or not values:
             return None, (f"the resumed run's scheduler is {live}; the expected LR is computed for LambdaLR "
                           "(give the factory's TrainSetup an lr_lambda)")
@@ -532,8 +861,9 @@ def reference_doc(result: ResumeResult) -> dict[str, Any]:
 
 def verdict(plan: ResumePlan, setup: dict[str, Any], loaded: dict[str, Any], records: list[StepRecord], *,
             reference: dict[int, float] | None = None, loss_tol: float = 1e-3,
-            jump_tol: float = 0.1) -> list[Check]:
-    """The three checks: counters continue, the LR is what the saved schedule prescribes, the loss continues."""
+            jump_tol: float = 0.1, state_dir: Path | None = None) -> list[Check]:
+    """The checks: counters continue, the LR is what the saved schedule prescribes, (model-free) the optimizer
+    state continues, the loss continues."""
     s = plan.saved
     checks: list[Check] = []
 
@@ -567,7 +897,17 @@ def verdict(plan: ResumePlan, setup: dict[str, Any], loaded: dict[str, Any], rec
         checks.append(Check("learning rate", "n/a", how))
     else:
         rows = [CheckRow(r.step, w, list(r.lr), len(w) == len(r.lr) and all(_close(a, b) for a, b in zip(w, r.lr)))
-                for w, r in zip(want, records)]
+                for w, r in zip(want, records) if w is not None]
+        if s.scheduler_state == "torch" and any(w is None for w in want):
+            # what can be checked of a scheduler whose function is missing: the state was loaded
+            pos, base = loaded.get("scheduler_position"), loaded.get("base_lrs")
+            ok_pos = pos == s.scheduler_position
+            ok_base = base is not None and s.base_lrs is not None and len(base) == len(s.base_lrs) and \
+                all(_close(a, b) for a, b in zip(base, s.base_lrs))
+            rows.append(CheckRow(s.global_step or 0, {"last_epoch": s.scheduler_position, "base_lrs": s.base_lrs},
+                                 {"last_epoch": pos, "base_lrs": base}, ok_pos and ok_base))
+            how += ("; the scheduler state was loaded (last_epoch and base_lrs as saved)" if ok_pos and ok_base
+                    else f"; the scheduler state was NOT loaded: last_epoch {pos}, base_lrs {base} after the load")
         ok = all(r.ok for r in rows)
         bad = next((r for r in rows if not r.ok), None)
         detail = f"expected: {how}" if ok else (f"step {bad.step}: expected {bad.expected}, the engine used "
@@ -588,6 +928,9 @@ def verdict(plan: ResumePlan, setup: dict[str, Any], loaded: dict[str, Any], rec
             checks.append(Check("loss", "pass" if ok else "fail",
                                 f"{len(rows)} steps vs the reference: max |diff| {diff:.3g} "
                                 f"({'bitwise equal' if exact else f'tolerance {loss_tol:g}'})", tuple(rows)))
+    elif plan.model == "replica":
+        checks.append(Check("loss", "n/a", "the model-free check trains a stand-in with a synthetic loss: loss "
+                                           "continuity needs --model module:function"))
     elif s.loss is not None and records:
         first = records[0]
         ok = first.loss <= s.loss * (1 + jump_tol)
@@ -596,7 +939,155 @@ def verdict(plan: ResumePlan, setup: dict[str, Any], loaded: dict[str, Any], rec
                             f"(allowed jump {jump_tol:.0%})", (CheckRow(first.step, s.loss, first.loss, ok),)))
     else:
         checks.append(Check("loss", "n/a", "no --reference and no loss saved in the checkpoint's client state"))
+    if plan.model == "replica":
+        checks.insert(-1, optimizer_state_check(plan, records, want, state_dir))
     return checks
+
+
+def _saved_optimizer_state(ck: Checkpoint, names: list[str]) -> dict[str, dict[str, Any]]:
+    import torch
+
+    state = ck.optimizer.children.get("state", GroupNode()).children
+    out: dict[str, dict[str, Any]] = {}
+    for n in names:
+        node = state.get(n)
+        if not isinstance(node, GroupNode):
+            raise KeyError(n)
+        entry: dict[str, Any] = {}
+        for key in ("fp32", "exp_avg", "exp_avg_sq", "momentum_buffer", "max_exp_avg_sq"):
+            t = node.children.get(key)
+            if isinstance(t, TensorNode):
+                entry[key] = t.read_torch().to(torch.float64)
+        st = node.children.get("step")
+        v = st.value if isinstance(st, ValueNode) else (st.read_torch() if isinstance(st, TensorNode) else None)
+        entry["step"] = None if v is None else int(float(v if not hasattr(v, "item") else v.item()))
+        out[n] = entry
+    return out
+
+
+def _decoupled(opts: dict[str, Any], cfg: dict[str, Any], kind: str) -> bool:
+    if "decoupled_weight_decay" in opts:
+        return bool(opts["decoupled_weight_decay"])
+    ds_opt = cfg.get("optimizer") or {}
+    t = str(ds_opt.get("type", kind)).lower()
+    if t == "adamw":
+        return True
+    if t == "adam":  # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false
+        return bool((ds_opt.get("params") or {}).get("adam_w_mode", True)) if ds_opt else False
+    return kind == "AdamW"
+
+
+def optimizer_state_check(plan: ResumePlan, records: list[StepRecord], lrs: list[list[float] | None] | None,
+                          state_dir: Path | None) -> Check:
+    """The model-free "optimizer state" row: after each resumed step, the engine's fp32 master, exp_avg,
+    exp_avg_sq (or SGD momentum) and step equal the closed-form update applied — step after step — to the
+    state saved in the checkpoint the user named (read here, never through the engine), with the known
+    gradient r (times DeepSpeed's clip factor) and the expected LR of each group."""
+    import torch
+
+    from .. import open_checkpoint
+    from ..train import replica as R
+
+    name = "optimizer state"
+    lay = plan.replica or {}
+    if state_dir is None or not records:
+        return Check(name, "n/a", "no resumed step to compare")
+    specs = [R.ParamSpec(p["name"], tuple(p["shape"]), p["dtype"], p["requires_grad"]) for p in lay["specs"]]
+    directions = R.synthetic_directions(specs, lay.get("seed", 0), max_norm=lay.get("max_norm"))
+    factor = R.clip_factor(directions, lay.get("max_norm"))
+    names = [s.name for s in specs if s.requires_grad]
+    try:
+        saved = _saved_optimizer_state(open_checkpoint(plan.against or plan.path), names)
+    except KeyError as e:
+        return Check(name, "n/a", f"the checkpoint holds no optimizer state for {e}")
+    kind = lay.get("optimizer") or "AdamW"
+    adam = all("exp_avg" in saved[n] and "exp_avg_sq" in saved[n] for n in names)
+    sgd = not adam and all("momentum_buffer" in saved[n] for n in names)
+    if not (adam or sgd):
+        return Check(name, "n/a", "the saved optimizer state is neither Adam (exp_avg, exp_avg_sq) nor SGD "
+                                  "momentum: no closed form here")
+    group_of = {n: gi for gi, g in enumerate(lay["groups"]) for n in g["names"]}
+    cur = {n: {"param": saved[n]["fp32"], "exp_avg": saved[n].get("exp_avg"), "exp_avg_sq": saved[n].get("exp_avg_sq"),
+               "max_exp_avg_sq": saved[n].get("max_exp_avg_sq"), "momentum_buffer": saved[n].get("momentum_buffer"),
+               "step": saved[n]["step"]} for n in names}
+    rows: list[CheckRow] = []
+    first_bad = None
+    used_engine_lr = []
+    skipped_before = plan.saved.skipped_steps or 0
+    for i, rec in enumerate(records):
+        f = state_dir / f"step_{rec.step}.pt"
+        if not f.is_file():
+            rows.append(CheckRow(rec.step, "state file", "missing", False))
+            first_bad = first_bad or f"step {rec.step}: the worker wrote no state"
+            continue
+        live = torch.load(f, map_location="cpu", weights_only=True)
+        step_lrs = lrs[i] if lrs is not None and i < len(lrs) and lrs[i] is not None else None
+        if step_lrs is None:
+            step_lrs = list(rec.lr)
+            used_engine_lr.append(rec.step)
+        skipped = rec.skipped_steps > skipped_before
+        skipped_before = rec.skipped_steps
+        worst: tuple[float, str, str, float] = (0.0, "", "", 0.0)  # (ratio, param, field, diff)
+        ok = True
+        for n in names:
+            gi = group_of.get(n, 0)
+            opts = lay["groups"][gi]["options"] if gi < len(lay["groups"]) else {}
+            lr = float(step_lrs[gi] if gi < len(step_lrs) else step_lrs[0])
+            prev = cur[n]
+            if skipped:
+                new = dict(prev)
+            elif adam:
+                new = R.expected_adam(prev["param"], directions[n] * factor, prev.get("exp_avg"),
+                                      prev.get("exp_avg_sq"), prev.get("step"), lr=lr,
+                                      betas=opts.get("betas", (0.9, 0.999)),
+                                      eps=float(opts.get("eps", 1e-8)), weight_decay=float(opts.get("weight_decay", 0)),
+                                      decoupled=_decoupled(opts, plan.ds_config, kind),
+                                      amsgrad=bool(opts.get("amsgrad", False)),
+                                      max_exp_avg_sq=prev.get("max_exp_avg_sq"))
+            else:
+                new = R.expected_sgd(prev["param"], directions[n] * factor, prev.get("momentum_buffer"), lr=lr,
+                                     momentum=float(opts.get("momentum", 0)), dampening=float(opts.get("dampening", 0)),
+                                     weight_decay=float(opts.get("weight_decay", 0)),
+                                     nesterov=bool(opts.get("nesterov", False)))
+                new["step"] = None
+            got = live["params"].get(n, {})
+            fields = [("fp32", "param")] + ([("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")] if adam
+                                             else [("momentum_buffer", "momentum_buffer")])
+            for live_key, want_key in fields:
+                if new.get(want_key) is None:
+                    continue
+                if live_key not in got:
+                    ok, worst = False, (math.inf, n, live_key, math.inf)
+                    continue
+                good, diff, tol = R.state_close(got[live_key], new[want_key], "param" if live_key == "fp32" else "m",
+                                                saved=prev["param"] if live_key == "fp32" else None)
+                ratio = diff / tol if tol > 0 else (0.0 if diff == 0 else math.inf)
+                if ratio > worst[0]:
+                    worst = (ratio, n, live_key, diff)
+                ok = ok and good
+            cur[n] = new
+        want_step = None if not adam or cur[names[0]]["step"] is None else cur[names[0]]["step"]
+        step_ok = want_step is None or live.get("step") == want_step
+        ok = ok and step_ok
+        rows.append(CheckRow(rec.step, {"step": want_step, "tolerance": "fp32"},
+                             {"step": live.get("step"), "worst": worst[1], "field": worst[2], "max_abs_diff": worst[3],
+                              "diff_over_tolerance": worst[0]}, ok))
+        if not ok and first_bad is None:
+            first_bad = (f"step {rec.step}: Adam step {live.get('step')} instead of {want_step}" if not step_ok else
+                         f"step {rec.step}: {worst[2]} of {worst[1]} is {worst[3]:.3g} off the formula applied to the "
+                         f"saved state ({worst[0]:.3g}x the tolerance)")
+    formula = ("Adam" if adam else "SGD") if kind not in ("AdamW", "Adam", "SGD") else kind
+    what = "fp32 master, exp_avg, exp_avg_sq and step" if adam else "fp32 master and momentum buffer"
+    tol = (f"fp32 tolerance: moments {R.MOMENT_RTOL:g} x max|value|, parameters {R.PARAM_ULPS} ulp + "
+           f"{R.UPDATE_RTOL:g} x the update")
+    note = f"; LR of steps {used_engine_lr} taken from the engine (not checked)" if used_engine_lr else ""
+    clip = f"; gradient clipped by {factor:.6g}" if factor != 1.0 else ""
+    src = f" saved in {plan.against}" if plan.against else ""
+    if first_bad:
+        return Check(name, "fail", f"{first_bad}{src}: the optimizer state did not continue ({tol}{note})",
+                     tuple(rows))
+    return Check(name, "pass", f"{what} of {len(names)} parameters follow {formula} applied to the state{src} with "
+                               f"the known gradient ({tol}{clip}{note})", tuple(rows))
 
 
 def run_resume(plan: ResumePlan, *, on_event: Callable[[dict], None] | None = None,
@@ -608,6 +1099,9 @@ def run_resume(plan: ResumePlan, *, on_event: Callable[[dict], None] | None = No
     Scratch files (the worker plan, a universal conversion) go to `work_dir` — never into the checkpoint
     folder — and a temporary `work_dir` is removed afterwards.
     """
+    if getattr(plan, "framework", None):
+        return _framework_run(plan, on_event=on_event, work_dir=work_dir, reference=reference, loss_tol=loss_tol,
+                              jump_tol=jump_tol, timeout=timeout)
     scratch = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="ckpt-resume-"))
     scratch.mkdir(parents=True, exist_ok=True)
     try:
@@ -618,18 +1112,23 @@ def run_resume(plan: ResumePlan, *, on_event: Callable[[dict], None] | None = No
             converter(Path(plan.convert_from), out, plan.inject_missing_state)
             plan = replace(plan, load_dir=str(out), tag=None)
         plan_file = scratch / "worker_plan.json"
-        plan_file.write_text(json.dumps(plan.worker_plan(), indent=1))
+        state_dir = scratch / "state"
+        state_dir.mkdir(exist_ok=True)
+        doc = plan.worker_plan()
+        doc["state_dir"] = str(state_dir)
+        plan_file.write_text(json.dumps(doc, indent=1))
         events = _launch(plan, plan_file, on_event, timeout)
+        setup = next((e for e in events if e["event"] == "setup"), {})
+        loaded = next((e for e in events if e["event"] == "loaded"), {})
+        records = [StepRecord(step=e["step"], loss=e["loss"], loss_mean=e["loss_mean"], lr=tuple(e["lr"]),
+                              grad_norm=e["grad_norm"], optimizer_step=e["optimizer_step"],
+                              tokens_per_s=e["tokens_per_s"], seconds=e["seconds"], skipped_steps=e["skipped_steps"])
+                   for e in events if e["event"] == "step"]
+        checks = verdict(plan, setup, loaded, records, reference=reference, loss_tol=loss_tol, jump_tol=jump_tol,
+                         state_dir=state_dir)
     finally:
         if work_dir is None:
             shutil.rmtree(scratch, ignore_errors=True)
-    setup = next((e for e in events if e["event"] == "setup"), {})
-    loaded = next((e for e in events if e["event"] == "loaded"), {})
-    records = [StepRecord(step=e["step"], loss=e["loss"], loss_mean=e["loss_mean"], lr=tuple(e["lr"]),
-                          grad_norm=e["grad_norm"], optimizer_step=e["optimizer_step"],
-                          tokens_per_s=e["tokens_per_s"], seconds=e["seconds"], skipped_steps=e["skipped_steps"])
-               for e in events if e["event"] == "step"]
-    checks = verdict(plan, setup, loaded, records, reference=reference, loss_tol=loss_tol, jump_tol=jump_tol)
     return ResumeResult(plan=plan, setup=setup, loaded=loaded, records=tuple(records), checks=tuple(checks))
 
 

@@ -166,6 +166,16 @@ def _open_source(path: Path, patterns: Sequence[str]) -> tuple[Checkpoint, Path,
                                      "Accelerate+DeepSpeed checkpoints; `ckpt export` writes plain weights")
 
 
+def handles(path: str | os.PathLike) -> bool:
+    """Whether `path` is a checkpoint this module converts (DeepSpeed ZeRO, pipeline, Accelerate/HF Trainer with
+    a DeepSpeed tag folder): `ckpt convert --to deepspeed-universal` hands those to `ckpt to-universal`."""
+    try:
+        _open_source(Path(path), ())
+    except CkptError:
+        return False
+    return True
+
+
 def _layout_for(info: Any, tp: int, tp_layout: str | None, patterns: Sequence[str], swiglu: bool) -> TPLayout | None:
     """The merge rules, in the order the issue asks: user patterns, the checkpoint's own info, the named
     preset. None at TP=1 (nothing to merge)."""
@@ -291,7 +301,9 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
     warnings: list[str] = []
     if 3 in stages:
         groups = _param_groups_of(ck)
-        warnings += [w if target_stage == 3 else f"if loaded at ZeRO-3: {w}" for w in zero3_group_warnings(groups)]
+        adam = any("exp_avg" in j.states for j in jobs)
+        warnings += [w if target_stage == 3 else f"if loaded at ZeRO-3: {w}"
+                     for w in zero3_group_warnings(groups, shared_step=adam)]
 
     model_files = tuple(sorted(rf.model_states for rf in ranks.values() if rf.model_states))
     if kind == "zero" and ck.topology.zero_stage == 3:
@@ -346,7 +358,7 @@ def stage3_incompatibility(state_keys: Sequence[str]) -> str | None:
 _HPARAM_SKIP = ("params", "param_names")
 
 
-def zero3_group_warnings(param_groups: list[dict]) -> list[str]:
+def zero3_group_warnings(param_groups: list[dict], *, shared_step: bool = False) -> list[str]:
     """What DeepSpeed's ZeRO-3 universal loader will change in these (saved) param groups.
 
     deepspeed 0.19.8 runtime/zero/stage3.py `load_hp_checkpoint_state_from_checkpoint_dir_stage3` ends with
@@ -354,7 +366,12 @@ def zero3_group_warnings(param_groups: list[dict]) -> list[str]:
             for key, value in optim_sd["optimizer_state_dict"]["param_groups"][0].items(): ...param_group[key] = value
     i.e. every group gets group 0's lr, weight_decay and every other hyper-parameter. Returns one line per
     group whose lr or weight_decay differs from group 0's (naming the values DeepSpeed will use instead), plus
-    one line for any other hyper-parameter that differs; [] when all groups agree."""
+    one line for any other hyper-parameter that differs; [] when all groups agree.
+
+    `shared_step` (the optimizer keeps a tensor `step`, as torch's Adam(W) does): the same function also
+    assigns ONE step tensor (`optim_sd["optimizer_state_dict"]["state"][0]["step"]`) to every group's state,
+    and torch's Adam increments it in place once per group, so each update advances the step by the number of
+    groups and the bias correction runs ahead (seen in a real resume: 4 -> 6 -> 8 with two groups)."""
     if len(param_groups) < 2:
         return []
     g0 = param_groups[0]
@@ -374,6 +391,10 @@ def zero3_group_warnings(param_groups: list[dict]) -> list[str]:
     for key, idx in sorted(others.items()):
         out.append(f"DeepSpeed's ZeRO-3 universal loader also sets {key} of group{'s' if len(idx) > 1 else ''} "
                    f"{', '.join(map(str, idx))} to group 0's {_fmt(g0.get(key))}")
+    if shared_step:
+        n = len(param_groups)
+        out.append(f"DeepSpeed's ZeRO-3 universal loader gives all {n} param groups one shared Adam step tensor: "
+                   f"each update advances the step by {n} instead of 1 (bias correction runs ahead)")
     return out
 
 

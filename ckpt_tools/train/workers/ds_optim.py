@@ -206,6 +206,19 @@ def make(name: str, out: Path) -> None:
                    "module parameter after the update (fp32 bytes, named_parameters order)"})
 
 
+def optimizer_steps(engine) -> list[int]:
+    """The `step` the wrapped torch optimizer keeps for each param group (from its first parameter's state),
+    after the update: what the bias correction of the next update will use."""
+    opt = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    out = []
+    for g in opt.param_groups:
+        st = next((opt.state[p] for p in g["params"] if p in opt.state and "step" in opt.state[p]), None)
+        if st is not None:
+            out.append(int(st["step"]))
+    # ZeRO-3 puts a sub-group's fp32 partition into its param group only while it steps: read the state
+    return out or [int(st["step"]) for st in opt.state.values() if "step" in st]
+
+
 def resume(name: str, ckpt: Path, record: Path, steps: int, stage: int | None, universal: bool) -> None:
     v = VARIANTS[name]
     engine, _ = make_engine(v, stage or v.stage, load_universal=universal)
@@ -218,7 +231,7 @@ def resume(name: str, ckpt: Path, record: Path, steps: int, stage: int | None, u
         lrs = c.current_lrs(engine.optimizer)
         loss = one_update(engine, start + i)
         records.append({"step": start + i + 1, "loss": loss, "lr": lrs, "params_sha256": params_sha256(engine),
-                        "state_keys": state_keys(engine)})
+                        "state_keys": state_keys(engine), "optimizer_steps": optimizer_steps(engine)})
     if c.rank() == 0:
         record.write_text(json.dumps(records, indent=1) + "\n")
 
