@@ -122,3 +122,15 @@ def test_same_format_different_topology_is_logical(tmp_path):
     shutil.copytree(sample("deepspeed", "zero2_bf16"), copy)
     assert D.diff(sample("deepspeed", "zero2_bf16"), copy, mode="logical").same
     assert D.diff(sample("deepspeed", "zero2_bf16"), copy).mode == "files"
+
+
+def test_same_format_under_other_file_names_is_compared_logically():
+    """zero2_bf16 and zero2_fp32: one format and topology, but the optimizer files have other names
+    (bf16_zero_pp_rank_* vs zero_pp_rank_*): "auto" compares them by logical parameter (the file by file
+    comparison would only say that files were added and removed)."""
+    from conftest import sample
+
+    a, b = sample("deepspeed", "zero2_bf16"), sample("deepspeed", "zero2_fp32")
+    assert D.choose_mode(a, b) == "logical" and D.choose_mode(a, a) == "files"
+    rep = D.diff(a, b)
+    assert rep.mode == "logical" and not rep.same and rep.tensors_compared == 29 * 3

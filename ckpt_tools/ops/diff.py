@@ -244,8 +244,8 @@ MODES = ("auto", "files", "logical")
 
 
 def choose_mode(a: str | os.PathLike, b: str | os.PathLike) -> str:
-    """"files" when A and B are the same format with the same topology (their files correspond one to one),
-    else "logical". When one of them cannot be opened as a whole (a damaged copy), "files": the file by file
+    """"files" when A and B are the same format with the same topology and one's files are among the other's
+    (their files correspond one to one; an added or removed file is then a difference to name), else "logical". When one of them cannot be opened as a whole (a damaged copy), "files": the file by file
     comparison still names what differs."""
     from .. import open_checkpoint
     from ..formats import detect
@@ -261,6 +261,9 @@ def choose_mode(a: str | os.PathLike, b: str | os.PathLike) -> str:
     ta, tb = ca.topology, cb.topology
     if (ta.dp, ta.tp, ta.pp, ta.zero_stage) != (tb.dp, tb.tp, tb.pp, tb.zero_stage):
         return "logical"
+    fa, fb = {f.path for f in ca.files}, {f.path for f in cb.files}
+    if Path(a).is_dir() and Path(b).is_dir() and not (fa <= fb or fb <= fa):
+        return "logical"  # the same state under other file names (bf16_zero_* vs zero_*, another tag)
     return "files"
 
 
