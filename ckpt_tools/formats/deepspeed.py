@@ -180,9 +180,10 @@ def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
     for gi, shapes in enumerate(shape_groups):
         for name, shape in shapes.items():
             entry: dict[str, Any] = {}
+            numel = math.prod(shape)
             for key, plist in pieces.get(name, {}).items():
-                covered = sum(p.numel for p in plist)
-                if covered != math.prod(shape):
+                covered = plist[0].numel if len(plist) == 1 else sum(p.numel for p in plist)
+                if covered != numel:
                     raise CorruptCheckpoint(f"param {name}: the {key} pieces cover {covered} of "
                                             f"{math.prod(shape)} elements", path=optim_files[min(optim_files)],
                                             hint="a rank file is missing or from another run")

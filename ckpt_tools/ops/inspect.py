@@ -96,6 +96,8 @@ def filter_tree(node: Node, *, grep: str | None = None, depth: int | None = None
                 rank: dict[str, int] | None = None, _path: str = "", _level: int = 0) -> Node | None:
     """The subtree whose leaf paths match `grep` (a case-insensitive regex), cut at `depth` levels,
     keeping only tensors with a piece on `rank` (e.g. {"dp": 1}). None when nothing is left."""
+    if grep is None and depth is None and not rank:
+        return node  # nothing to filter: the tree as it is (no copy of tens of thousands of nodes)
     pat = re.compile(grep, re.IGNORECASE) if isinstance(grep, str) else grep
     if isinstance(node, (GroupNode, OpaqueNode)):
         if depth is not None and _level >= depth:
