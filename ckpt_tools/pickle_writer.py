@@ -424,6 +424,19 @@ def _end_records(count: int, cd_offset: int, cd_size: int) -> bytes:
                           _field32(cd_size), _field32(cd_offset), 0))
 
 
+def _pickle_member(zf: zipfile.ZipFile, names, path) -> tuple[str, str, int]:
+    """The torch zip's data.pkl member name, the archive prefix before it, and the storage alignment
+    (`.storage_alignment` when the archive has one, else 64). `names`: the member names, in archive order."""
+    pkl = [n for n in names if n.endswith("data.pkl") and n.count("/") <= 1]
+    if not pkl:
+        raise UnsupportedCheckpoint("zip archive without data.pkl (not written by torch.save)", path=path)
+    pkl_name = min(pkl, key=len)
+    prefix = pkl_name[: -len("data.pkl")]
+    alignment_name = prefix + ".storage_alignment"
+    alignment = int(zf.read(alignment_name)) if alignment_name in names else 64
+    return pkl_name, prefix, alignment
+
+
 def rewrite_torch_zip(src_path: str | os.PathLike, dst_path: str | os.PathLike, new_obj: Any, *,
                       progress: Callable[[int, int], None] | None = None,
                       storage_bytes: "dict[str, bytes] | None" = None) -> None:
@@ -454,13 +467,7 @@ def rewrite_torch_zip(src_path: str | os.PathLike, dst_path: str | os.PathLike, 
     with zf:
         infos = sorted(zf.infolist(), key=lambda i: i.header_offset)
         names = {i.filename: i for i in infos}
-        pkl = [n for n in names if n.endswith("data.pkl") and n.count("/") <= 1]
-        if not pkl:
-            raise UnsupportedCheckpoint("zip archive without data.pkl (not written by torch.save)", path=src_path)
-        pkl_name = min(pkl, key=len)
-        prefix = pkl_name[: -len("data.pkl")]
-        alignment_name = prefix + ".storage_alignment"
-        alignment = int(zf.read(alignment_name)) if alignment_name in names else 64
+        pkl_name, prefix, alignment = _pickle_member(zf, names, src_path)
     compressed = [i.filename for i in infos if i.compress_type != zipfile.ZIP_STORED]
     if compressed:
         raise UnsupportedCheckpoint(f"compressed zip members ({compressed[0]}, ...)", path=src_path,

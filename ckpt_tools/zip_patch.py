@@ -32,7 +32,7 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from .errors import CorruptCheckpoint, UnsupportedCheckpoint
 from .io import ByteEdit, InPlace, copy_file
@@ -65,19 +65,8 @@ def _members(path: Path, fh) -> dict[str, _Member]:
         zf = zipfile.ZipFile(fh)
     except zipfile.BadZipFile as e:
         raise CorruptCheckpoint(f"not a zip file ({e})", path=path, hint="only torch.save zip files can be patched")
-    infos = zf.infolist()
-    # the central directory: its entries follow one another in infolist() order
     out: dict[str, _Member] = {}
-    pos = _central_start(zf)
-    for info in infos:
-        fh.seek(pos)
-        head = fh.read(46)
-        if head[:4] != _CENTRAL_SIG:
-            raise CorruptCheckpoint(f"bad central directory entry for {info.filename}", path=path,
-                                    hint="the file is corrupt; re-copy it")
-        name_len, extra_len, comment_len = struct.unpack("<HHH", head[28:34])
-        central = pos
-        pos += 46 + name_len + extra_len + comment_len
+    for info, central, _ in _walk_central(path, fh, zf):
         fh.seek(info.header_offset)
         local = fh.read(30)
         if local[:4] != _LOCAL_SIG:
@@ -86,6 +75,22 @@ def _members(path: Path, fh) -> dict[str, _Member]:
         lname, lextra = struct.unpack("<HH", local[26:30])
         out[info.filename] = _Member(info, info.header_offset + 30 + lname + lextra, central)
     return out
+
+
+def _walk_central(path: Path, fh, zf: zipfile.ZipFile) -> Iterator[tuple[zipfile.ZipInfo, int, int]]:
+    """(info, offset, length) of every central directory entry, one at a time: the entries follow one another
+    in infolist() order from the directory's start."""
+    pos = _central_start(zf)
+    for info in zf.infolist():
+        fh.seek(pos)
+        head = fh.read(46)
+        if head[:4] != _CENTRAL_SIG:
+            raise CorruptCheckpoint(f"bad central directory entry for {info.filename}", path=path,
+                                    hint="the file is corrupt; re-copy it")
+        name_len, extra_len, comment_len = struct.unpack("<HHH", head[28:34])
+        size = 46 + name_len + extra_len + comment_len
+        yield info, pos, size
+        pos += size
 
 
 def _central_start(zf: zipfile.ZipFile) -> int:
@@ -122,19 +127,7 @@ def patch_file(src: str | os.PathLike, dst: str | os.PathLike, patches: Iterable
         by_member.setdefault(p.member, []).append(p)
     with open(src, "rb") as fh:
         members = _members(src, fh)
-    for name, plist in by_member.items():
-        m = members.get(name)
-        if m is None:
-            raise CorruptCheckpoint(f"zip member {name} is missing", path=src,
-                                    hint="the checkpoint changed since it was read; run the command again")
-        if m.info.compress_type != zipfile.ZIP_STORED:
-            raise CorruptCheckpoint(f"zip member {name} is compressed", path=src,
-                                    hint="only stored members (what torch.save writes) can be patched in place")
-        for p in plist:
-            if p.offset < 0 or p.offset + len(p.data) > m.info.file_size:
-                raise CorruptCheckpoint(f"patch [{p.offset}, {p.offset + len(p.data)}) lies outside member {name} "
-                                        f"({m.info.file_size} bytes)", path=src,
-                                        hint="the checkpoint changed since it was read; run the command again")
+    _check(src, members, by_member, overlap_ok=True)
     copy_file(src, dst)
     crcs: dict[str, int] = {}
     with open(dst, "r+b") as fh:
@@ -226,19 +219,10 @@ def crc32_update(crc: int, old: bytes, new: bytes, after: int) -> int:
 
 def _central_entries(path: Path, fh, zf: zipfile.ZipFile) -> list[tuple[zipfile.ZipInfo, bytes]]:
     """Every central directory entry, in order, with its raw bytes."""
-    pos = _central_start(zf)
     out = []
-    for info in zf.infolist():
+    for info, pos, size in _walk_central(path, fh, zf):
         fh.seek(pos)
-        head = fh.read(46)
-        if head[:4] != _CENTRAL_SIG:
-            raise CorruptCheckpoint(f"bad central directory entry for {info.filename}", path=path,
-                                    hint="the file is corrupt; re-copy it")
-        name_len, extra_len, comment_len = struct.unpack("<HHH", head[28:34])
-        fh.seek(pos)
-        raw = fh.read(46 + name_len + extra_len + comment_len)
-        out.append((info, raw))
-        pos += len(raw)
+        out.append((info, fh.read(size)))
     return out
 
 
@@ -257,7 +241,7 @@ def plan_in_place(path: str | os.PathLike, patches: Iterable[Patch] = (), pickle
     docstring). Reads only the central directory, the patched ranges and a few header bytes. Raises
     (CorruptCheckpoint / UnsupportedCheckpoint) before anything is written when a patch names a missing or
     compressed member or runs past a member's end, or the file is not a torch zip."""
-    from .pickle_writer import _central_entry, _data_descriptor, _end_records, _local_header
+    from .pickle_writer import _central_entry, _data_descriptor, _end_records, _local_header, _pickle_member
 
     path = Path(path)
     by_member: dict[str, list[Patch]] = {}
@@ -301,13 +285,7 @@ def plan_in_place(path: str | os.PathLike, patches: Iterable[Patch] = (), pickle
                 if info.filename in crcs:
                     edits[pos + 16] = struct.pack("<I", crcs[info.filename])
             return _in_place(edits, size)
-        pkl = [i.filename for i, _ in entries if i.filename.endswith("data.pkl") and i.filename.count("/") <= 1]
-        if not pkl:
-            raise UnsupportedCheckpoint("zip archive without data.pkl (not written by torch.save)", path=path)
-        pkl_name = min(pkl, key=len)
-        prefix = pkl_name[: -len("data.pkl")]
-        align_name = prefix + ".storage_alignment"
-        alignment = int(zf.read(align_name)) if align_name in members else 64
+        pkl_name, prefix, alignment = _pickle_member(zf, members, path)
         last = max(members.values(), key=lambda m: m.info.header_offset)
         start = last.info.header_offset if last.info.filename == pkl_name else cd_start
     name = pkl_name.encode("utf-8")
@@ -346,7 +324,10 @@ def _in_place(edits: dict[int, bytes], size: int) -> InPlace:
     return InPlace(tuple(ByteEdit(off, data) for off, data in ranges), size)
 
 
-def _check(path: Path, members: dict[str, _Member], by_member: dict[str, list[Patch]]) -> None:
+def _check(path: Path, members: dict[str, _Member], by_member: dict[str, list[Patch]],
+           overlap_ok: bool = False) -> None:
+    """Raises unless every patch lies inside a stored (uncompressed) member that exists; with
+    `overlap_ok` False, also when two patches of one member overlap."""
     for name, plist in by_member.items():
         m = members.get(name)
         if m is None:
@@ -361,7 +342,7 @@ def _check(path: Path, members: dict[str, _Member], by_member: dict[str, list[Pa
                 raise CorruptCheckpoint(f"patch [{p.offset}, {p.offset + len(p.data)}) lies outside member {name} "
                                         f"({m.info.file_size} bytes)", path=path,
                                         hint="the checkpoint changed since it was read; run the command again")
-        if any(a_end > b for (_, a_end), (b, _) in zip(spans, spans[1:])):
+        if not overlap_ok and any(a_end > b for (_, a_end), (b, _) in zip(spans, spans[1:])):
             raise CorruptCheckpoint(f"overlapping patches in member {name}", path=path)
 
 

@@ -38,6 +38,38 @@ def upper_plan(root: Path, files=("global_step4/part0.pt", "global_step4/part1.p
     return io.WritePlan(root, "test-write", writes, verify=verify)
 
 
+def fail_at(fail_stage: str, nth: int):
+    """An `on_stage` hook that raises at the nth (0-based) call for `fail_stage`."""
+    seen = {"n": 0}
+
+    def on_stage(stage, f):
+        if stage == fail_stage:
+            if seen["n"] == nth:
+                raise RuntimeError(f"injected failure at {stage} {f}")
+            seen["n"] += 1
+
+    return on_stage
+
+
+def run_killed(root: Path, plan: str, stage: str, at: int, plan_args: str = "") -> subprocess.CompletedProcess:
+    """Runs `io.execute(<plan>(root<plan_args>))` in a child process that dies (like kill -9, exit 9) at the
+    `at`-th (1-based) call of `on_stage` for `stage`."""
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from pathlib import Path
+        from test_io import {plan}
+        from ckpt_tools import io
+        n = {{"k": 0}}
+        def on_stage(stage, f):
+            if stage == {stage!r}:
+                n["k"] += 1
+                if n["k"] == {at}:
+                    os._exit(9)
+        io.execute({plan}(Path({str(root)!r}){plan_args}), on_stage=on_stage)
+    """)
+    return subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent)
+
 def test_execute_writes_backs_up_outside_and_leaves_no_stray_files(tmp_path):
     root = make_ckpt(tmp_path)
     before = snapshot(root)
@@ -65,16 +97,8 @@ def test_tag_folder_given_backs_up_beside_the_parent(tmp_path):
 def test_failure_at_any_stage_leaves_the_checkpoint_byte_identical(tmp_path, fail_stage, nth):
     root = make_ckpt(tmp_path)
     before = snapshot(root)
-    seen = {"n": 0}
-
-    def on_stage(stage, f):
-        if stage == fail_stage:
-            if seen["n"] == nth:
-                raise RuntimeError(f"injected failure at {stage} {f}")
-            seen["n"] += 1
-
     with pytest.raises(io.WriteFailed):
-        io.execute(upper_plan(root), on_stage=on_stage)
+        io.execute(upper_plan(root), on_stage=fail_at(fail_stage, nth))
     assert snapshot(root) == before
 
 
@@ -101,21 +125,7 @@ def test_restore_brings_back_the_original_bytes(tmp_path):
 def test_kill_during_commit_is_rolled_back_by_the_next_call(tmp_path):
     root = make_ckpt(tmp_path)
     before = snapshot(root)
-    script = textwrap.dedent(f"""
-        import os, sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from pathlib import Path
-        from test_io import upper_plan
-        from ckpt_tools import io
-        n = {{"k": 0}}
-        def on_stage(stage, f):
-            if stage == "replace":
-                n["k"] += 1
-                if n["k"] == 2:
-                    os._exit(9)   # like kill -9 after the first file was replaced
-        io.execute(upper_plan(Path({str(root)!r})), on_stage=on_stage)
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent)
+    proc = run_killed(root, "upper_plan", "replace", 2)  # like kill -9 after the first file was replaced
     assert proc.returncode == 9
     half = snapshot(root)
     assert half != before  # one file really was replaced
@@ -207,16 +217,8 @@ def test_in_place_write_journals_only_changed_bytes_and_restore_undoes_it(tmp_pa
 def test_in_place_failure_at_any_stage_puts_the_bytes_back(tmp_path, fail_stage, nth):
     root = make_ckpt(tmp_path)
     before = snapshot(root)
-    seen = {"n": 0}
-
-    def on_stage(stage, f):
-        if stage == fail_stage:
-            if seen["n"] == nth:
-                raise RuntimeError(f"injected failure at {stage} {f}")
-            seen["n"] += 1
-
     with pytest.raises(io.WriteFailed):
-        io.execute(edit_plan(root, grow=-100), on_stage=on_stage)
+        io.execute(edit_plan(root, grow=-100), on_stage=fail_at(fail_stage, nth))
     assert snapshot(root) == before
     assert [t.status for t in io.transactions(root)] == ["rolled-back"]
 
@@ -227,21 +229,7 @@ def test_kill_in_the_middle_of_in_place_writes_is_rolled_back_byte_for_byte(tmp_
     says so, and the next call puts the original length and bytes back."""
     root = make_ckpt(tmp_path)
     before = snapshot(root)
-    script = textwrap.dedent(f"""
-        import os, sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from pathlib import Path
-        from test_io import edit_plan
-        from ckpt_tools import io
-        n = {{"k": 0}}
-        def on_stage(stage, f):
-            if stage == "write":
-                n["k"] += 1
-                if n["k"] == {kill_at}:
-                    os._exit(9)   # like kill -9 between two in-place writes
-        io.execute(edit_plan(Path({str(root)!r}), grow=-100), on_stage=on_stage)
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent)
+    proc = run_killed(root, "edit_plan", "write", kill_at, ", grow=-100")  # kill -9 between two in-place writes
     assert proc.returncode == 9
     assert snapshot(root) != before  # torn: some ranges written, some not
     assert "interrupted" in (io.interrupted_write(root) or "")

@@ -591,10 +591,8 @@ def _plan_accelerate(ck: Checkpoint, path: Path, *, steps: int, nproc: int | Non
         if len(names_by_group) != len(groups):
             raise CkptError(f"optimizer{suffix}: {len(groups)} param groups but the model layout has "
                             f"{len(names_by_group)}", path=folder)
-        sched = node_to_python(kids.get(f"scheduler{suffix}", GroupNode())) or {}
-        kind = torch_scheduler_kind(sched) if sched else None
-        if sched and kind is None:
-            raise CkptError(f"scheduler{suffix}: not a torch scheduler state this resume can rebuild", path=folder)
+        sched, kind = _saved_scheduler(kids, f"scheduler{suffix}", folder,
+                                       f"scheduler{suffix}: not a torch scheduler state this resume can rebuild")
         if not sched:
             gone = gone or _scheduler_gone(groups, f"optimizer{suffix}")
         rows, how = torch_expected_lrs(sched or None, groups, steps, per_update=per_update, lr_fn=lr_fn,
@@ -605,9 +603,7 @@ def _plan_accelerate(ck: Checkpoint, path: Path, *, steps: int, nproc: int | Non
             else:
                 expected_rows[k] = expected_rows[k] + list(rows[k])
         lr_how.append(f"optimizer{suffix}: {how}")
-        models.append({"params": specs, "optimizer_kind": _optimizer_kind(groups),
-                       "groups": [{"names": n, "hyper": _hyper(g)} for n, g in zip(names_by_group, groups)],
-                       "scheduler_kind": kind, "scheduler_state": sched or None, "optimizer_files": opt_files})
+        models.append(_replica_model(specs, groups, names_by_group, sched, kind, optimizer_files=opt_files))
         i += 1
     if not models:
         raise CkptError("no optimizer state: nothing to resume", path=folder)
@@ -649,6 +645,43 @@ def _plan_accelerate(ck: Checkpoint, path: Path, *, steps: int, nproc: int | Non
         micro_batch=1, gas=1)
 
 
+def _specs_and_groups(ck: Checkpoint, path: Path, trust_pickles: bool, who: str, at: Path, *, weights: str,
+                      optimizer: str, hint: str | None = None) -> tuple[list, list[dict[str, Any]]]:
+    """What a model-free replica is built from, after the pickle check: the saved weights' (name, shape,
+    dtype) and the optimizer's param groups; a CkptError naming `at` when either is missing."""
+    _check_pickles(ck, path, trust_pickles, who)
+    specs = _tensor_specs(ck.tree.children.get("model"))
+    if not specs:
+        raise CkptError(f"no {weights}: the replica needs the parameter shapes", path=at)
+    groups = _groups_of(ck.optimizer)
+    if not groups:
+        raise CkptError(f"no {optimizer}: nothing to resume", path=at, hint=hint)
+    return specs, groups
+
+
+def _saved_scheduler(kids: dict[str, Any], key: str, at: Path, not_torch: str) -> tuple[dict[str, Any], str | None]:
+    """The saved scheduler state under `key` ({} when there is none) and its torch scheduler kind; a
+    CkptError (`not_torch`) when it is not a torch scheduler this resume can rebuild."""
+    sched = node_to_python(kids.get(key, GroupNode())) or {}
+    kind = torch_scheduler_kind(sched) if sched else None
+    if sched and kind is None:
+        raise CkptError(not_torch, path=at)
+    return sched, kind
+
+
+def _replica_model(specs: list, groups: list[dict[str, Any]], names_by_group: list[list[str]],
+                   sched: dict[str, Any], kind: str | None, **more: Any) -> dict[str, Any]:
+    """One model of the replica worker's plan: parameters, optimizer groups by name, saved scheduler."""
+    return {"params": specs, "optimizer_kind": _optimizer_kind(groups),
+            "groups": [{"names": nm, "hyper": _hyper(g)} for nm, g in zip(names_by_group, groups)],
+            "scheduler_kind": kind, "scheduler_state": sched or None, **more}
+
+
+def _expected_lrs(rows: list) -> tuple[tuple[float, ...] | None, ...] | None:
+    """Per-update expected LRs as the plan keeps them: None when no update's LRs are determined."""
+    return tuple(None if r is None else tuple(r) for r in rows) if any(r is not None for r in rows) else None
+
+
 def _plan_dcp(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None, device: str, model: str,
               scheduler: str | None, trust_pickles: bool) -> FrameworkPlan:
     if model not in ("auto", "model-free", "replica"):
@@ -656,14 +689,9 @@ def _plan_dcp(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None, devi
     folder = Path(ck.path)
     if not folder.is_dir() or not (folder / ".metadata").is_file():
         raise CkptError("not a DCP folder with .metadata", path=folder)
-    _check_pickles(ck, path, trust_pickles, "torch DCP")
-    kids = ck.tree.children
-    specs = _tensor_specs(kids.get("model"))
-    if not specs:
-        raise CkptError("no model weights in the DCP checkpoint: the replica needs the parameter shapes", path=folder)
-    groups = _groups_of(ck.optimizer)
-    if not groups:
-        raise CkptError("no optimizer param_groups in the DCP checkpoint: nothing to resume", path=folder)
+    specs, groups = _specs_and_groups(ck, path, trust_pickles, "torch DCP", folder,
+                                      weights="model weights in the DCP checkpoint",
+                                      optimizer="optimizer param_groups in the DCP checkpoint")
     known = {n for n, _, _ in specs}
     names_by_group = []
     for i, g in enumerate(groups):
@@ -673,10 +701,8 @@ def _plan_dcp(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None, devi
             raise CkptError(f"optimizer param group {i} lists {missing[:3] or 'no'} parameters the model does not "
                             "have", path=folder, hint="the checkpoint's model and optimizer disagree")
         names_by_group.append(names)
-    sched = node_to_python(kids.get("scheduler", GroupNode())) or {}
-    kind = torch_scheduler_kind(sched) if sched else None
-    if sched and kind is None:
-        raise CkptError("the scheduler state is not a torch scheduler this resume can rebuild", path=folder)
+    sched, kind = _saved_scheduler(ck.tree.children, "scheduler", folder,
+                                   "the scheduler state is not a torch scheduler this resume can rebuild")
     lr_fn = _scheduler_fn(scheduler)
     rows, how = torch_expected_lrs(sched or None, groups, steps, per_update=1, lr_fn=lr_fn, fn_name=scheduler)
     world = ck.topology.dp or 1
@@ -686,14 +712,12 @@ def _plan_dcp(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None, devi
         notes.append(f"resharded by dcp.load: saved by {world} ranks, resumed on {n}")
     saved = _saved_state(ck, sched, global_step=ck.counters.global_step, optimizer_step=ck.counters.optimizer_step,
                          dp=world)
-    spec = {"params": specs, "optimizer_kind": _optimizer_kind(groups),
-            "groups": [{"names": nm, "hyper": _hyper(g)} for nm, g in zip(names_by_group, groups)],
-            "scheduler_kind": kind, "scheduler_state": sched or None}
+    spec = _replica_model(specs, groups, names_by_group, sched, kind)
     return FrameworkPlan(
         framework="dcp", path=str(path), saved=saved, steps=steps, device=device, nproc=n, dp=n,
         model="model-free FSDP2 replica (synthetic loss)", load_dir=str(folder.resolve()),
-        expected_lrs=tuple(None if r is None else tuple(r) for r in rows) if any(r is not None for r in rows)
-        else None, lr_source=how, notes=tuple(notes), lr_missing=None if sched else _scheduler_gone(groups, "optim"),
+        expected_lrs=_expected_lrs(rows), lr_source=how, notes=tuple(notes),
+        lr_missing=None if sched else _scheduler_gone(groups, "optim"),
         worker={"models": [spec], "scheduler_fn": scheduler, "opt_state_source": "the DCP optimizer state "
                                                                                   "(ckpt's reader)"})
 
@@ -704,15 +728,10 @@ def _plan_lightning(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None
         raise CkptError(f"--model {model!r}: Lightning checkpoints resume model-free here", hint="drop --model")
     if nproc not in (None, 1):
         raise CkptError(f"--nproc {nproc}: the Lightning resume runs one process", hint="drop --nproc")
-    _check_pickles(ck, path, trust_pickles, "Lightning")
-    kids = ck.tree.children
-    specs = _tensor_specs(kids.get("model"))
-    if not specs:
-        raise CkptError("no state_dict weights in the .ckpt: the replica needs the parameter shapes", path=path)
-    groups = _groups_of(ck.optimizer)
-    if not groups:
-        raise CkptError("no optimizer_states in the .ckpt: nothing to resume", path=path,
-                        hint="a checkpoint saved with save_weights_only=True has no training state")
+    specs, groups = _specs_and_groups(ck, path, trust_pickles, "Lightning", path,
+                                      weights="state_dict weights in the .ckpt",
+                                      optimizer="optimizer_states in the .ckpt",
+                                      hint="a checkpoint saved with save_weights_only=True has no training state")
     known = {n for n, _, _ in specs}
     if all(g.get("param_names") for g in groups) and all(n in known for g in groups for n in g["param_names"]):
         names_by_group = [[str(n) for n in g["param_names"]] for g in groups]
@@ -720,10 +739,8 @@ def _plan_lightning(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None
     else:
         names_by_group = _match_groups(specs, groups, _state_shapes(ck.optimizer), "optimizer_states[0]")
         how_groups = "shapes"
-    sched = node_to_python(kids.get("scheduler", GroupNode())) or {}
-    kind = torch_scheduler_kind(sched) if sched else None
-    if sched and kind is None:
-        raise CkptError("lr_schedulers[0] is not a torch scheduler state this resume can rebuild", path=path)
+    sched, kind = _saved_scheduler(ck.tree.children, "scheduler", path,
+                                   "lr_schedulers[0] is not a torch scheduler state this resume can rebuild")
     gstep = ck.counters.global_step
     notes = [f"optimizer groups from the saved {how_groups}"]
     interval = "step"
@@ -746,14 +763,11 @@ def _plan_lightning(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None
     else:
         rows, how = torch_expected_lrs(sched or None, groups, steps, per_update=1, lr_fn=lr_fn, fn_name=scheduler)
     saved = _saved_state(ck, sched, global_step=gstep, optimizer_step=ck.counters.optimizer_step, dp=1)
-    spec = {"params": specs, "optimizer_kind": _optimizer_kind(groups),
-            "groups": [{"names": nm, "hyper": _hyper(g)} for nm, g in zip(names_by_group, groups)],
-            "scheduler_kind": kind, "scheduler_state": sched or None}
+    spec = _replica_model(specs, groups, names_by_group, sched, kind)
     return FrameworkPlan(
         framework="lightning", path=str(path), saved=saved, steps=steps, device=device, nproc=1, dp=1,
         model="model-free LightningModule (synthetic loss)", load_dir=str(Path(ck.path).resolve()),
-        expected_lrs=tuple(None if r is None else tuple(r) for r in rows) if any(r is not None for r in rows)
-        else None, lr_source=how, notes=tuple(notes),
+        expected_lrs=_expected_lrs(rows), lr_source=how, notes=tuple(notes),
         lr_missing=None if sched else _scheduler_gone(groups, "optimizer_states[0]"),
         worker={"models": [spec], "scheduler_fn": scheduler, "interval": interval, "global_step": gstep,
                 "opt_state_source": "optimizer_states[0]"})

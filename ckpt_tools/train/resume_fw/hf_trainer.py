@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ckpt_tools.train.resume_fw import _common as c
+from ckpt_tools.train.workers.hf_trainer import Rows, loss_trainer_class, unwrap_scheduler
 
 # TrainingArguments fields that shape the optimization; everything else (output, logging, hub) is ckpt's own.
 ARG_FIELDS = (
@@ -49,17 +50,6 @@ def training_arguments(plan: dict[str, Any], output_dir: Path):
     return TrainingArguments(**kwargs)
 
 
-class Rows(torch.utils.data.Dataset):
-    def __init__(self, rows: list[torch.Tensor]) -> None:
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.rows[i].clone(), "labels": self.rows[i].clone()}
-
-
 def saved_optimizer(plan: dict[str, Any]) -> list | None:
     """This rank's saved optimizer state, in the live optimizer's parameter order (read with safe_load)."""
     from ckpt_tools import safe_load
@@ -77,7 +67,7 @@ def saved_optimizer(plan: dict[str, Any]) -> list | None:
 
 def main(plan: dict[str, Any]) -> None:
     import torch.distributed as dist
-    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback
+    from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
 
     folder = Path(plan["load_dir"])
     config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
@@ -87,15 +77,7 @@ def main(plan: dict[str, Any]) -> None:
     expected = plan.get("expected_lrs")
     scratch = Path(tempfile.mkdtemp(prefix=f"ckpt_resume_hf_r{c.rank()}_"))
 
-    class LossTrainer(Trainer):
-        last_loss: float | None = None
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            out = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                       num_items_in_batch=num_items_in_batch)
-            loss = out[0] if return_outputs else out
-            self.last_loss = float(loss.detach().float())
-            return out
+    LossTrainer = loss_trainer_class()
 
     class Recorder(TrainerCallback):
         def __init__(self) -> None:
@@ -107,11 +89,9 @@ def main(plan: dict[str, Any]) -> None:
         def on_step_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kw):
             if self.check is None:  # first update: the Trainer has loaded everything by now
                 if c.rank() == 0:
-                    sched = lr_scheduler
-                    while hasattr(sched, "scheduler"):
-                        sched = sched.scheduler
                     c.emit("loaded", global_step=int(state.global_step), optimizer_step=c.adam_step(optimizer),
-                           scheduler_position=getattr(sched, "last_epoch", None), lr=c.lrs(optimizer))
+                           scheduler_position=getattr(unwrap_scheduler(lr_scheduler), "last_epoch", None),
+                           lr=c.lrs(optimizer))
                 self.check = c.OptimizerCheck(optimizer, saved_optimizer(plan), expected)
             self.pending = c.lrs(optimizer)
 

@@ -42,10 +42,13 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def parse_producer_args(description: str, samples, *, default_steps: int | None = None) -> argparse.Namespace:
+def parse_producer_args(description: str, samples, *, default_steps: int | None = None,
+                        add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
+                        ) -> argparse.Namespace:
     """The command line of a producer worker (HF Trainer, Lightning, DCP layouts, Accelerate with two models):
     `--sample NAME` and either `--out DIR` (make the sample) or `--resume CKPT --record OUT.json [--steps N]`
-    (load CKPT the way the producer does, train, and write the per-update records)."""
+    (load CKPT the way the producer does, train, and write the per-update records). `add_arguments(parser)`
+    adds a worker's own options."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--sample", required=True, choices=sorted(samples))
     p.add_argument("--out", type=Path, help="the group folder the sample goes into")
@@ -53,6 +56,8 @@ def parse_producer_args(description: str, samples, *, default_steps: int | None 
     p.add_argument("--record", type=Path, help="resume mode: the main process writes the resumed updates here")
     p.add_argument("--steps", type=int, default=default_steps,
                    help="resume mode: updates to run (default: the steps the sample run had left)")
+    if add_arguments is not None:
+        add_arguments(p)
     args = p.parse_args()
     if (args.out is None) == (args.resume is None):
         p.error("give exactly one of --out (make the sample) or --resume CKPT --record OUT.json")
@@ -91,6 +96,16 @@ def build_model() -> TinyGPT:
     """The tiny GPT, seeded so that every rank starts from the same weights without a broadcast."""
     torch.manual_seed(SEED)
     return TinyGPT(GPTConfig())
+
+
+def split_groups(model: torch.nn.Module, matrices: dict[str, Any], vectors: dict[str, Any]
+                 ) -> list[dict[str, Any]]:
+    """Two param groups over the trainable parameters (`parameters()` yields a tied one once): group 0 the
+    matrices (dim >= 2) with the settings `matrices`, group 1 the vectors (biases, norms) with `vectors`. The
+    settings keep their order after "params" (the order the optimizer's state dict saves them in)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in trainable if p.dim() >= 2], **matrices},
+            {"params": [p for p in trainable if p.dim() < 2], **vectors}]
 
 
 PARAM_GROUPS_NOTE = "0: tensors with dim >= 2 (weight decay), 1: biases and norms (no decay)"
@@ -217,3 +232,82 @@ def write_sample_manifest(ckpt_path: Path, *, sample: str, format: str, model: t
             **extra,
         },
     )
+
+
+# --- DeepSpeed ------------------------------------------------------------------------------------------
+
+
+def ds_setup() -> tuple[argparse.Namespace, int, int]:
+    """A DeepSpeed sample worker's start: its command line (`parse_args`), then DeepSpeed's gloo process group.
+    Returns (args, rank, dp world size)."""
+    args = parse_args()
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    return args, rank(), world_size()
+
+
+def ds_config(stage: int, dp: int, **settings: Any) -> dict[str, Any]:
+    """The DeepSpeed config every DeepSpeed sample starts from: this recipe's batch sizes, clipping at 1.0,
+    `settings` (e.g. `bf16={"enabled": True}`), then ZeRO `stage` (at stage 3 with no persistence threshold:
+    the default, 1e5 elements, would keep every tensor of the tiny models unpartitioned). Callers add the
+    optimizer/scheduler sections after it; the key order is what DeepSpeed saves (`ds_config` in the model
+    states), so it stays the same."""
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "train_batch_size": MICRO_BATCH * dp,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1000,
+        **settings,
+        "zero_optimization": {"stage": stage},
+    }
+    if stage == 3:
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    return cfg
+
+
+def ds_adamw(lr: float = PEAK_LR, betas: tuple[float, float] = BETAS, weight_decay: float = WEIGHT_DECAY
+             ) -> dict[str, Any]:
+    """The "optimizer" section for DeepSpeed's AdamW from the config (torch's AdamW: FusedAdam needs CUDA)."""
+    return {"type": "AdamW", "params": {"lr": lr, "betas": list(betas), "eps": 1e-8, "weight_decay": weight_decay,
+                                        "torch_adam": True}}
+
+
+def ds_initialize(model: torch.nn.Module, cfg: dict[str, Any], *, groups: list[dict[str, Any]] | None = None,
+                  optimizer: Any = None, scheduler: Any = None):
+    """`deepspeed.initialize` on a copy of `cfg` (DeepSpeed may fill in defaults in the dict it is given; the
+    manifest keeps what we asked for); returns the engine."""
+    import copy
+
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, optimizer=optimizer,
+                                           lr_scheduler=scheduler, config=copy.deepcopy(cfg))
+    return engine
+
+
+def ds_update(engine: Any, tokens: torch.Tensor) -> float:
+    """One DeepSpeed update on `tokens`; returns this rank's loss."""
+    loss = lm_loss(engine, tokens)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def ds_train(engine: Any, ckpt: Path, tokens: Callable[[int], torch.Tensor], *,
+             saved: Callable[[], dict[str, Any]] | None = None, **save_kwargs: Any
+             ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """`train` with a DeepSpeed engine: update `step` runs on `tokens(step)`; after update SAVE_AFTER_STEP,
+    `engine.save_checkpoint(ckpt, **save_kwargs)` (DeepSpeed's scripts dropped) and the manifest fields from
+    `saved()` (default: `snapshot` of the engine's optimizer, scheduler and skipped steps)."""
+
+    def save() -> dict[str, Any]:
+        engine.save_checkpoint(str(ckpt), **save_kwargs)
+        drop_deepspeed_scripts(ckpt)
+        if saved is not None:
+            return saved()
+        return snapshot(global_step=engine.global_steps, optimizer=engine.optimizer,
+                        scheduler=engine.lr_scheduler, skipped_steps=engine.skipped_steps)
+
+    return train(lambda step: ds_update(engine, tokens(step)), lambda: current_lrs(engine.optimizer), save)

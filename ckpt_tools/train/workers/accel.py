@@ -48,15 +48,7 @@ def ds_plugin_config(dp: int) -> dict[str, Any]:
 
     The batch sizes must be explicit: Accelerate can only fill "auto" from a prepared DataLoader.
     """
-    return {
-        "train_micro_batch_size_per_gpu": c.MICRO_BATCH,
-        "train_batch_size": c.MICRO_BATCH * dp,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
-        "steps_per_print": 1000,
-        "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 2},
-    }
+    return c.ds_config(2, dp, bf16={"enabled": True})
 
 
 def make_accelerator(sample: str):

@@ -31,7 +31,6 @@ Modes (the other producer workers' command line, plus two options):
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import json
 from dataclasses import dataclass
@@ -88,18 +87,7 @@ GROUP1_LR_FACTOR = 2.0
 
 
 def ds_config(stage: int, dp: int) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": c.MICRO_BATCH,
-        "train_batch_size": c.MICRO_BATCH * dp,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
-        "steps_per_print": 1000,
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": stage},
-    }
-    if stage == 3:
-        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    return cfg
+    return c.ds_config(stage, dp, zero_allow_untested_optimizer=True)
 
 
 def build_optimizer(v: OptimVariant, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -143,33 +131,20 @@ def make_engine(v: OptimVariant, stage: int, load_universal: bool = False):
         cfg["checkpoint"] = {"load_universal": True}
     model = c.build_model()
     optimizer = build_optimizer(v, model)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=copy.deepcopy(cfg))
-    return engine, cfg
+    return c.ds_initialize(model, cfg, optimizer=optimizer), cfg
 
 
 def one_update(engine, global_step: int) -> float:
-    tokens = c.tokens_for_step(global_step, c.rank())
-    loss = c.lm_loss(engine, tokens)
-    engine.backward(loss)
-    engine.step()
-    return loss.item()
+    return c.ds_update(engine, c.tokens_for_step(global_step, c.rank()))
 
 
 def parse_args(samples) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="DeepSpeed ZeRO with a non-Adam client optimizer")
-    p.add_argument("--sample", required=True, choices=sorted(samples))
-    p.add_argument("--out", type=Path)
-    p.add_argument("--resume", type=Path)
-    p.add_argument("--record", type=Path)
-    p.add_argument("--steps", type=int, default=c.TOTAL_STEPS - c.SAVE_AFTER_STEP)
-    p.add_argument("--stage", type=int, help="resume mode: the ZeRO stage to load at (default: the sample's)")
-    p.add_argument("--universal", action="store_true", help="resume mode: CKPT is a universal checkpoint")
-    args = p.parse_args()
-    if (args.out is None) == (args.resume is None):
-        p.error("give exactly one of --out (make the sample) or --resume CKPT --record OUT.json")
-    if args.resume is not None and args.record is None:
-        p.error("--resume needs --record")
-    return args
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--stage", type=int, help="resume mode: the ZeRO stage to load at (default: the sample's)")
+        p.add_argument("--universal", action="store_true", help="resume mode: CKPT is a universal checkpoint")
+
+    return c.parse_producer_args("DeepSpeed ZeRO with a non-Adam client optimizer", samples,
+                                 default_steps=c.TOTAL_STEPS - c.SAVE_AFTER_STEP, add_arguments=add_arguments)
 
 
 def make(name: str, out: Path) -> None:

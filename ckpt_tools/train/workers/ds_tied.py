@@ -10,10 +10,8 @@ split evenly over 2 ranks, so ZeRO-3 pads its last fragment). Two param groups w
 """
 from __future__ import annotations
 
-import copy
 from typing import Any
 
-import deepspeed
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -56,56 +54,25 @@ def build_model() -> TiedNet:
 
 
 def param_groups(model: nn.Module) -> list[dict[str, Any]]:
-    trainable = [p for p in model.parameters() if p.requires_grad]  # parameters() yields the tied one once
-    return [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": c.WEIGHT_DECAY,
-             "lr": c.PEAK_LR * GROUP_LR_FACTORS[0]},
-            {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0,
-             "lr": c.PEAK_LR * GROUP_LR_FACTORS[1]}]
+    return c.split_groups(model, {"weight_decay": c.WEIGHT_DECAY, "lr": c.PEAK_LR * GROUP_LR_FACTORS[0]},
+                          {"weight_decay": 0.0, "lr": c.PEAK_LR * GROUP_LR_FACTORS[1]})
 
 
 def ds_config(stage: int, dp: int) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": c.MICRO_BATCH,
-        "train_batch_size": c.MICRO_BATCH * dp,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
-        "steps_per_print": 1000,
-        "bf16": {"enabled": True},
-        "zero_optimization": {"stage": stage},
-        "optimizer": {"type": "AdamW", "params": {"lr": c.PEAK_LR, "betas": list(c.BETAS), "eps": 1e-8,
-                                                  "weight_decay": c.WEIGHT_DECAY, "torch_adam": True}},
-    }
-    if stage == 3:
-        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    cfg = c.ds_config(stage, dp, bf16={"enabled": True})
+    cfg["optimizer"] = c.ds_adamw()
     return cfg
 
 
 def main() -> None:
-    args = c.parse_args()
+    args, rank, dp = c.ds_setup()
     stage = STAGES[args.sample]
-    deepspeed.init_distributed(dist_backend="gloo")
-    dp = c.world_size()
-    rank = c.rank()
     cfg = ds_config(stage, dp)
     model = build_model()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model),
-                                           config=copy.deepcopy(cfg))
-
-    def step(global_step: int) -> float:
-        loss = c.lm_loss(engine, c.tokens_for_step(global_step, rank))
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
-
+    engine = c.ds_initialize(model, cfg, groups=param_groups(model))
     ckpt = args.out / args.sample
-
-    def save() -> dict[str, Any]:
-        engine.save_checkpoint(str(ckpt))
-        c.drop_deepspeed_scripts(ckpt)
-        return c.snapshot(global_step=engine.global_steps, optimizer=engine.optimizer,
-                          skipped_steps=engine.skipped_steps)
-
-    history, saved = c.train(step, lambda: c.current_lrs(engine.optimizer), save)
+    # no scheduler: the config has none, so engine.lr_scheduler is None
+    history, saved = c.ds_train(engine, ckpt, lambda step: c.tokens_for_step(step, rank))
     if rank == 0:
         c.write_sample_manifest(
             ckpt, sample=args.sample, format="deepspeed_zero", model=build_model(),

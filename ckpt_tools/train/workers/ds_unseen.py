@@ -15,11 +15,9 @@ unseen_zero2 --out DIR` (made by tests in a temporary folder; not a committed sa
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
-import deepspeed
 import torch
 import torch.nn.functional as F
 
@@ -91,24 +89,16 @@ def build(v: Variant) -> MLPLM:
 
 
 def groups(model: torch.nn.Module) -> list[dict[str, Any]]:
-    train = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in train if p.dim() >= 2], "lr": LRS[0], "weight_decay": WEIGHT_DECAYS[0]},
-            {"params": [p for p in train if p.dim() < 2], "lr": LRS[1], "weight_decay": WEIGHT_DECAYS[1]}]
+    return c.split_groups(model, {"lr": LRS[0], "weight_decay": WEIGHT_DECAYS[0]},
+                          {"lr": LRS[1], "weight_decay": WEIGHT_DECAYS[1]})
 
 
 def ds_config(v: Variant, dp: int) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": c.MICRO_BATCH, "train_batch_size": c.MICRO_BATCH * dp,
-        "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "steps_per_print": 1000,
-        "bf16": {"enabled": v.bf16}, "zero_optimization": {"stage": v.stage},
-    }
-    if v.stage == 3:
-        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    cfg = c.ds_config(v.stage, dp, bf16={"enabled": v.bf16})
     if v.sgd:
         cfg["zero_allow_untested_optimizer"] = True  # torch SGD is not on ZeRO's list of tested optimizers
     if v.ds_optimizer:
-        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LRS[0], "betas": [0.9, 0.98], "eps": 1e-8,
-                                                        "weight_decay": WEIGHT_DECAYS[0], "torch_adam": True}}
+        cfg["optimizer"] = c.ds_adamw(lr=LRS[0], betas=(0.9, 0.98), weight_decay=WEIGHT_DECAYS[0])
         cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": LRS[0],
                                                            "warmup_num_steps": 3, "warmup_type": "linear"}}
     return cfg
@@ -121,10 +111,8 @@ def tokens(step: int, rank: int) -> torch.Tensor:
 
 
 def main() -> None:
-    args = c.parse_args()
+    args, rank, dp = c.ds_setup()
     v = VARIANTS[args.sample]
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, dp = c.rank(), c.world_size()
     cfg = ds_config(v, dp)
     model = build(v)
     param_groups = groups(model)
@@ -135,32 +123,19 @@ def main() -> None:
     elif not v.ds_optimizer:
         optimizer = torch.optim.AdamW(param_groups, betas=(0.9, 0.98), eps=1e-8)
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10, eta_min=1e-4)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups, optimizer=optimizer,
-                                           lr_scheduler=scheduler, config=copy.deepcopy(cfg))
+    engine = c.ds_initialize(model, cfg, groups=param_groups, optimizer=optimizer, scheduler=scheduler)
 
-    def step(global_step: int) -> float:
-        loss = c.lm_loss(engine, tokens(global_step, rank))
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
+    def sgd_saved() -> dict[str, Any]:  # SGD keeps no step counter: the snapshot's Adam step does not apply
+        sched = engine.lr_scheduler
+        return {"counters": {"global_step": int(engine.global_steps), "optimizer_step": None,
+                             "scheduler_last_epoch": sched.last_epoch, "scheduler_step_count": sched._step_count,
+                             "skipped_steps": engine.skipped_steps},
+                "lr": {"param_groups": c.current_lrs(engine.optimizer),
+                       "base_lrs": [float(x) for x in sched.base_lrs],
+                       "last_lr": [float(x) for x in sched.get_last_lr()]}}
 
     ckpt = args.out / args.sample
-
-    def save() -> dict[str, Any]:
-        engine.save_checkpoint(str(ckpt))
-        c.drop_deepspeed_scripts(ckpt)
-        if v.sgd:  # SGD keeps no step counter: the snapshot's Adam step does not apply
-            sched = engine.lr_scheduler
-            return {"counters": {"global_step": int(engine.global_steps), "optimizer_step": None,
-                                 "scheduler_last_epoch": sched.last_epoch, "scheduler_step_count": sched._step_count,
-                                 "skipped_steps": engine.skipped_steps},
-                    "lr": {"param_groups": c.current_lrs(engine.optimizer),
-                           "base_lrs": [float(x) for x in sched.base_lrs],
-                           "last_lr": [float(x) for x in sched.get_last_lr()]}}
-        return c.snapshot(global_step=engine.global_steps, optimizer=engine.optimizer,
-                          scheduler=engine.lr_scheduler, skipped_steps=engine.skipped_steps)
-
-    history, saved = c.train(step, lambda: c.current_lrs(engine.optimizer), save)
+    history, saved = c.ds_train(engine, ckpt, lambda step: tokens(step, rank), saved=sgd_saved if v.sgd else None)
     if rank == 0:
         c.write_sample_manifest(
             ckpt, sample=args.sample, format="deepspeed_zero", model=build(v),

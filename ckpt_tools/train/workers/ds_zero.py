@@ -7,11 +7,8 @@ WarmupLR, which saves only `last_batch_iteration`).
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
-
-import deepspeed
 
 from ckpt_tools.train.workers import _common as c
 
@@ -44,21 +41,9 @@ def ds_config(v: ZeroVariant, dp: int) -> dict[str, Any]:
     The optimizer is given in the config (torch's AdamW: DeepSpeed's FusedAdam needs CUDA) unless a torch
     scheduler is used: a torch scheduler must wrap a torch optimizer we build, so then the config has none.
     """
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": c.MICRO_BATCH,
-        "train_batch_size": c.MICRO_BATCH * dp,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
-        "steps_per_print": 1000,
-        "bf16": {"enabled": v.bf16},
-        "zero_optimization": {"stage": v.stage},
-    }
-    if v.stage == 3:
-        # The default threshold (1e5 elements) would keep every tensor of the tiny model unpartitioned.
-        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    cfg = c.ds_config(v.stage, dp, bf16={"enabled": v.bf16})
     if v.scheduler != "lambdalr":
-        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": c.PEAK_LR, "betas": list(c.BETAS), "eps": 1e-8,
-                                                        "weight_decay": c.WEIGHT_DECAY, "torch_adam": True}}
+        cfg["optimizer"] = c.ds_adamw()
     if v.scheduler == "warmuplr":
         # A non-zero floor: with 0, WarmupLR's first two updates (iterations -1 and 0) would both run at LR 0.
         cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": c.PEAK_LR / 10,
@@ -69,11 +54,8 @@ def ds_config(v: ZeroVariant, dp: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    args = c.parse_args()
+    args, rank, dp = c.ds_setup()
     v = VARIANTS[args.sample]
-    deepspeed.init_distributed(dist_backend="gloo")
-    dp = c.world_size()
-    rank = c.rank()
     cfg = ds_config(v, dp)
 
     model = c.build_model()
@@ -84,26 +66,10 @@ def main() -> None:
     optimizer = scheduler = None
     if v.scheduler == "lambdalr":
         optimizer, scheduler = c.adamw_with_lambdalr(groups)
-    # DeepSpeed may fill in defaults in the dict it is given; the manifest keeps what we asked for.
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, optimizer=optimizer,
-                                           lr_scheduler=scheduler, config=copy.deepcopy(cfg))
-
-    def step(global_step: int) -> float:
-        tokens = c.tokens_for_step(global_step, rank)
-        loss = c.lm_loss(engine, tokens)
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
-
+    engine = c.ds_initialize(model, cfg, groups=groups, optimizer=optimizer, scheduler=scheduler)
     ckpt = args.out / args.sample
-
-    def save() -> dict[str, Any]:
-        engine.save_checkpoint(str(ckpt), exclude_frozen_parameters=v.exclude_frozen)
-        c.drop_deepspeed_scripts(ckpt)
-        return c.snapshot(global_step=engine.global_steps, optimizer=engine.optimizer,
-                          scheduler=engine.lr_scheduler, skipped_steps=engine.skipped_steps)
-
-    history, saved = c.train(step, lambda: c.current_lrs(engine.optimizer), save)
+    history, saved = c.ds_train(engine, ckpt, lambda step: c.tokens_for_step(step, rank),
+                                exclude_frozen_parameters=v.exclude_frozen)
     if rank == 0:
         # Parameters are counted on an unwrapped copy: ZeRO-3 leaves the live module's as empty placeholders.
         c.write_sample_manifest(

@@ -92,18 +92,25 @@ def build_model():
     return GPT2LMHeadModel(gpt2_config())
 
 
-class TokenDataset(torch.utils.data.Dataset):
-    """Deterministic synthetic sequences (the `batch_for_step` rule), one example per index."""
+class Rows(torch.utils.data.Dataset):
+    """Token rows as causal-LM examples (input_ids == labels; the model shifts them itself)."""
 
-    def __init__(self, n: int) -> None:
-        self.rows = [batch_for_step(i, batch_size=1, seq_len=SEQ_LEN - 1, vocab_size=VOCAB, seed=DATA_SEED)[0]
-                     for i in range(n)]
+    def __init__(self, rows: list[torch.Tensor]) -> None:
+        self.rows = rows
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.rows[i].clone(), "labels": self.rows[i].clone()}
+
+
+class TokenDataset(Rows):
+    """Deterministic synthetic sequences (the `batch_for_step` rule), one example per index."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__([batch_for_step(i, batch_size=1, seq_len=SEQ_LEN - 1, vocab_size=VOCAB, seed=DATA_SEED)[0]
+                          for i in range(n)])
 
 
 def unwrap_scheduler(sched: Any) -> Any:
@@ -142,8 +149,10 @@ def training_arguments(sample: str, output_dir: Path, *, resume: bool):
     )
 
 
-def make_trainer(sample: str, output_dir: Path, *, resume: bool, max_updates: int | None = None):
-    from transformers import Trainer, TrainerCallback
+def loss_trainer_class():
+    """`transformers.Trainer` that only remembers the loss `compute_loss` returned for the last micro-batch
+    (`last_loss`); shared with the resume worker (`ckpt_tools.train.resume_fw.hf_trainer`)."""
+    from transformers import Trainer
 
     class LossTrainer(Trainer):
         """The stock Trainer; only remembers the loss `compute_loss` returned for the last micro-batch."""
@@ -157,12 +166,20 @@ def make_trainer(sample: str, output_dir: Path, *, resume: bool, max_updates: in
             self.last_loss = float(loss.detach().float())
             return out
 
+    return LossTrainer
+
+
+def make_trainer(sample: str, output_dir: Path, *, resume: bool, max_updates: int | None = None):
+    from transformers import TrainerCallback
+
+    LossTrainer = loss_trainer_class()
+
     class Recorder(TrainerCallback):
         """Per update, from the live objects: the LRs it used, rank 0's loss, the Adam step after it; at the
         checkpoint-4 save, the counters and LRs (`_common.snapshot`)."""
 
         def __init__(self) -> None:
-            self.trainer: LossTrainer | None = None
+            self.trainer: Any = None  # the LossTrainer
             self.pending_lr: list[float] | None = None
             self.steps: list[dict[str, Any]] = []
             self.saved: dict[str, Any] | None = None
