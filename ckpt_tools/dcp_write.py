@@ -306,8 +306,11 @@ def read_item(root: Path, key: str) -> Any:
 
 
 class DcpStreamWriter:
-    """Write a new torch.distributed.checkpoint folder item by item, as `dcp.save` lays it out for one rank:
-    every item a `torch.save` blob appended to `__0_0.distcp`, every tensor stored whole as one chunk, then
+    """Write a new torch.distributed.checkpoint folder item by item, as `dcp.save` lays it out: every item a
+    `torch.save` blob appended to a `__<r>_0.distcp` file; with `shards=N` every tensor of N rows or more is
+    cut into N dim-0 chunks, chunk r in `__<r>_0.distcp` (what an FSDP2 run at DP=N saves; DCP reshards at
+    load, so any N loads at any world size), smaller tensors and values whole in `__0_0.distcp` (with `rank=R`,
+    one of several writing processes: every chunk in `__<R>_0.distcp`); then
     `.metadata` (a `Metadata` with `planner_data` mapping each flat key to its state-dict path, the way
     `flatten_state_dict` does). Only the item being written is in memory, so a model of any size streams.
 
@@ -316,12 +319,15 @@ class DcpStreamWriter:
     list positions as ints); `w.close()` writes `.metadata`. `flatten_paths(obj)` yields the leaves of a
     nested dict the way DCP flattens it (lists of plain values are one value)."""
 
-    FILE = "__0_0.distcp"
 
-    def __init__(self, folder: Path, checkpoint_id: str | None = None):
+    def __init__(self, folder: Path, checkpoint_id: str | None = None, shards: int = 1, rank: int | None = None):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.folder / self.FILE, "wb")
+        self.shards = max(1, int(shards))
+        # `rank`: one writer of several processes (`--distributed`): whole tensors into `__<rank>_0.distcp`
+        self._names = [f"__{rank}_0.distcp"] if rank is not None else [f"__{i}_0.distcp" for i in range(self.shards)]
+        self._fhs = [open(self.folder / n, "wb") for n in self._names]
+        self._fh = self._fhs[0]
         self._sdm: dict[str, Any] = {}
         self._storage: dict[Any, Any] = {}
         self._planner: dict[str, tuple] = {}
@@ -339,10 +345,11 @@ class DcpStreamWriter:
         self._planner[key] = tuple(path)
         return key
 
-    def _append(self, blob_writer: Callable[[Any], None]) -> tuple[int, int]:
-        start = self._fh.tell()
-        blob_writer(self._fh)
-        end = self._fh.tell()
+    def _append(self, blob_writer: Callable[[Any], None], shard: int = 0) -> tuple[int, int]:
+        fh = self._fhs[shard]
+        start = fh.tell()
+        blob_writer(fh)
+        end = fh.tell()
         self.bytes_written += end - start
         return start, end - start
 
@@ -353,14 +360,23 @@ class DcpStreamWriter:
                                                            TensorStorageMetadata)
 
         key = self._claim(path)
-        t = t.detach().cpu().contiguous()
-        if t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            t = t.clone()  # torch.save writes the whole storage: never a view's neighbours
-        off, n = self._append(lambda fh: torch.save(t, fh))
-        zero = torch.Size([0] * t.dim())
-        self._sdm[key] = TensorStorageMetadata(TensorProperties(dtype=t.dtype), torch.Size(t.shape),
-                                               [ChunkStorageMetadata(offsets=zero, sizes=torch.Size(t.shape))])
-        self._storage[MetadataIndex(key, zero, 0)] = _StorageInfo(self.FILE, off, n)
+        t = t.detach().cpu()
+        n = self.shards if t.dim() >= 1 and t.shape[0] >= self.shards else 1
+        rows = -(-t.shape[0] // n) if n > 1 else None
+        chunks = []
+        for r in range(n):
+            part = t if n == 1 else t[r * rows: (r + 1) * rows]
+            if part.numel() == 0 and n > 1:
+                continue
+            part = part.contiguous()
+            if part.untyped_storage().nbytes() != part.numel() * part.element_size():
+                part = part.clone()  # torch.save writes the whole storage: never a view's neighbours
+            f = r % len(self._fhs)
+            off, size = self._append(lambda fh, part=part: torch.save(part, fh), f)
+            offsets = torch.Size([r * rows if n > 1 else 0] + [0] * (t.dim() - 1)) if t.dim() else torch.Size([])
+            chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(part.shape)))
+            self._storage[MetadataIndex(key, offsets, len(chunks) - 1)] = _StorageInfo(self._names[f], off, size)
+        self._sdm[key] = TensorStorageMetadata(TensorProperties(dtype=t.dtype), torch.Size(t.shape), chunks)
 
     def value(self, path: tuple, v: Any) -> None:
         import torch
@@ -372,28 +388,51 @@ class DcpStreamWriter:
         torch.save(v, buf)
         off, n = self._append(lambda fh: fh.write(buf.getbuffer()))
         self._sdm[key] = BytesStorageMetadata()
-        self._storage[MetadataIndex(key)] = _StorageInfo(self.FILE, off, n)
+        self._storage[MetadataIndex(key)] = _StorageInfo(self._names[0], off, n)
+
+    def finish(self) -> tuple[dict, dict, dict]:
+        """Close the data files (fsynced); this writer's (state_dict_metadata, storage_data, planner_data) for
+        `write_metadata` (several writers' parts merge into one `.metadata`)."""
+        for fh in self._fhs:
+            fh.flush()
+            os.fsync(fh.fileno())
+            fh.close()
+        return self._sdm, self._storage, self._planner
 
     def close(self) -> Path:
-        import pickle
-        import uuid
-
-        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self._fh.close()
-        md = Metadata(state_dict_metadata=self._sdm, planner_data=self._planner, storage_data=self._storage,
-                      storage_meta=StorageMeta(checkpoint_id=self._checkpoint_id, save_id=str(uuid.uuid4())),
-                      version="1.0.0")
-        path = self.folder / METADATA
-        with open(path, "wb") as fh:
-            pickle.dump(md, fh)
-        return path
+        return write_metadata(self.folder, [self.finish()], self._checkpoint_id)
 
     def abort(self) -> None:
-        if not self._fh.closed:
-            self._fh.close()
+        for fh in self._fhs:
+            if not fh.closed:
+                fh.close()
+
+
+def write_metadata(folder: Path, parts: list[tuple[dict, dict, dict]], checkpoint_id: str | None = None) -> Path:
+    """`.metadata` for the items that one or more `DcpStreamWriter`s wrote into `folder` (`finish()` of each)."""
+    import pickle
+    import uuid
+
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    sdm: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    planner: dict[str, tuple] = {}
+    for s_, st, pl in parts:
+        dup = set(sdm) & set(s_)
+        if dup:
+            raise ValueError(f"{sorted(dup)[:3]}: written by two writers")
+        sdm.update(s_)
+        storage.update(st)
+        planner.update(pl)
+    md = Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=storage,
+                  storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=str(uuid.uuid4())), version="1.0.0")
+    path = Path(folder) / METADATA
+    with open(path, "wb") as fh:
+        pickle.dump(md, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return path
 
 
 def flatten_paths(obj: Any, prefix: tuple = ()) -> list[tuple[tuple, Any]]:

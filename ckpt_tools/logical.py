@@ -215,7 +215,10 @@ def _storage_key(node: TensorNode) -> tuple | None:
     ref = p.ref
     if ref is None or getattr(ref, "storage", None) is None or node.numel == 0:
         return None
-    return (p.file, ref.storage.key, ref.storage_offset, tuple(ref.shape), tuple(ref.stride or ()))
+    # a DCP item is its own serialized blob inside the .distcp, every blob's storage keyed "0": the blob's
+    # offset in the file (its source's base) tells two same-shape items of one file apart
+    base = getattr(getattr(ref.storage, "source", None), "base", None)
+    return (p.file, base, ref.storage.key, ref.storage_offset, tuple(ref.shape), tuple(ref.stride or ()))
 
 
 def _opt_key(optimizer: int) -> str:

@@ -25,6 +25,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
                   help="Inspect and repair large-model training checkpoints.",
                   pretty_exceptions_enable=False)
 
+from . import convert as _convert  # noqa: E402
 from . import diff as _diff  # noqa: E402
 from . import export as _export  # noqa: E402
 from . import inspect as _inspect  # noqa: E402
@@ -42,6 +43,7 @@ _tp_sync.register(app)
 _resume.register(app)
 _set_lr.register(app)
 _diff.register(app)
+_convert.register(app)
 
 from . import output  # noqa: E402
 

@@ -275,3 +275,16 @@ def test_zero3_tree_lists_the_frozen_parameters_its_header_counts():
     assert ck.parameter_tensors == len(model) == 8 and ck.parameter_count == sum(t.numel for t in model.values())
     ref = zero_to_fp32(sample("deepspeed", "zero3_tied_frozen"))
     assert all(same(model[n].read_torch(), ref[n]) for n in FROZEN)
+
+
+def test_plain_dcp_save_of_same_shape_tensors_is_not_taken_for_tied(tmp_path):
+    """`dcp.save` without a process group writes every tensor whole, each a blob of its own in one .distcp:
+    two same-shape tensors (a LayerNorm's weight and bias) must read back as themselves, not as one tied pair."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = {"ln.weight": torch.ones(8), "ln.bias": torch.zeros(8), "w": torch.arange(8.0)}
+    dcp.save(sd, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
+    got = {t.name: t for t in L.model_tensors(tmp_path / "plain")}
+    assert {n for n, t in got.items() if t.kind == "tied"} == set()
+    for name, ref in sd.items():
+        assert same(got[name].read(), ref), name

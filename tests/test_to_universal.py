@@ -332,7 +332,10 @@ def test_cli_dry_run_yes_json_verify(tmp_path):
     assert doc["optimizer_state"] == ["exp_avg", "exp_avg_sq"] and doc["loads_at_zero_stages"] == [1, 2, 3]
     assert doc["warnings"] == ["if loaded at ZeRO-3: DeepSpeed's ZeRO-3 universal loader copies param group 0's "
                                "hyper-parameters onto every group: group 1 will train with weight_decay 0.01 "
-                               "instead of 0"]
+                               "instead of 0",
+                               "if loaded at ZeRO-3: DeepSpeed's ZeRO-3 universal loader gives all 2 param groups "
+                               "one shared Adam step tensor: each update advances the step by 2 instead of 1 (bias "
+                               "correction runs ahead)"]
     r = run_cli("to-universal", src, tmp_path / "u", "--yes", "--json", "--verify")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)

@@ -1,0 +1,697 @@
+"""`ckpt convert CKPT OUT --to dcp|torch|deepspeed-universal`: move a run between frameworks with its whole training
+state.
+
+What moves (read through the logical view, `ckpt_tools.logical`, so every format the tree reads is a source):
+
+    weights          every model tensor by state-dict name; the fp32 master where the source keeps one
+                     (DeepSpeed ZeRO 1/2/3, the pipeline with its TP shards merged, universal)
+    optimizer state  every per-parameter tensor under its own name (Adam(W): exp_avg, exp_avg_sq — torch's
+                     names already; SGD momentum_buffer, Adagrad sum, ... as they are) and `step`, written as
+                     torch keeps it (a 0-d float32 tensor per parameter)
+    param groups     every hyper-parameter (lr, betas, eps, weight_decay, initial_lr, ...) and the members by
+                     FQN (`params`), what `set_optimizer_state_dict` matches groups by
+    scheduler        a torch scheduler's state dict as it is; DeepSpeed's own WarmupLR (linear) as the
+                     equivalent torch LinearLR state (a note says so); other DeepSpeed schedulers are kept as
+                     saved and reported
+    counters         the global step (`step`; torchtitan: `train_state.step`)
+
+and everything else the source holds (RNG states, a data-loader position, client state, the DeepSpeed
+config, loss-scaler fields) is listed in the plan's `not_moved`: nothing is dropped silently.
+
+Targets (`--to`, `--layout`):
+
+    dcp / fsdp2       {model, optim (get_state_dict: `state.<fqn>.<key>`, `param_groups.<i>.*`), scheduler, step}
+                      — what an FSDP2 loop passes to `dcp.load` then `set_state_dict`
+    dcp / torchtitan  {model, optimizer (flattened: `state.<fqn>.<key>`, `param_groups.<fqn>.<hp>`),
+                      lr_scheduler, train_state: {step}}
+    dcp / recipe      {app: {model, optim, scheduler, step}} (the DCP tutorial's AppState)
+    torch             one torch.save file {model, optimizer (a torch state dict: ids, with `param_names`),
+                      scheduler, step} — small runs and tests
+    deepspeed-universal  from DCP (FSDP2 / torchtitan / recipe), FSDP1, HF Trainer, Lightning, torch files:
+                      what DeepSpeed 0.19's `load_universal` reads (see `_write_universal`), loadable at any DP
+                      size; a DeepSpeed source is `ckpt to-universal`'s job (`to_universal.handles`)
+
+`--distributed` (dcp, deepspeed-universal): under torchrun every rank writes a share of the parameters into
+rank 0's staging folder; rank 0 writes the rest, merges the DCP metadata, verifies and renames.
+
+Order of use: `plan = plan_convert(src, out, to="dcp", layout="fsdp2")` (metadata only; every refusal raised
+here) -> `plan.to_json()` for --dry-run -> `execute(plan, progress=...)`: streams one tensor at a time into a
+staging folder beside OUT (`io.new_folder`), re-opens the result and compares it with the source by logical
+parameter (`ops.diff.logical_diff`, bit for bit), and only then renames it into place.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import CkptError, UnsupportedCheckpoint
+
+TARGETS = ("dcp", "torch", "deepspeed-universal")
+DCP_LAYOUTS = ("fsdp2", "torchtitan", "recipe")
+#: tensors are written in this many dim-0 chunks (`__<r>_0.distcp`), as FSDP2 at DP=2 saves them; DCP reshards at
+#: load, so the output loads at any world size
+DCP_SHARDS = 2
+#: tree children the conversion moves (or reads to move); any other top-level child is reported as not moved
+MOVED_CHILDREN = ("model", "optimizer", "scheduler", "counters")
+#: param-group keys that are not hyper-parameters
+_MEMBER_KEYS = ("params", "param_names")
+
+
+@dataclass(frozen=True)
+class ParamItem:
+    """One model tensor and, for a trained parameter, its optimizer state."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str  # "param" | "frozen" | "tied" | "buffer"
+    weight: Any = field(repr=False, compare=False)  # LogicalTensor
+    states: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # key -> LogicalTensor
+    step: float | None = None  # the optimizer's step for this parameter (None: the optimizer keeps none)
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        size = {"float64": 8, "float32": 4, "int64": 8, "int32": 4}.get(self.dtype, 2)
+        return n * size + sum(t.numel * 4 for t in self.states.values())
+
+
+@dataclass(frozen=True)
+class ConvertPlan:
+    source: Path
+    source_format: str
+    out: Path
+    to: str
+    layout: str | None
+    params: tuple[ParamItem, ...]
+    groups: tuple[dict[str, Any], ...]  # hyper-parameters + "params": member names
+    scheduler: dict[str, Any] | None  # the state dict written
+    scheduler_class: str | None  # the torch class it belongs to (None: unknown / none)
+    step: int | None
+    notes: tuple[str, ...] = ()
+    not_moved: tuple[str, ...] = ()
+    #: what the target needs that the source did not record (`param_groups 0.initial_lr`): the logical diff
+    #: reports these as added, and verification expects exactly that
+    added: tuple[str, ...] = ()
+    dp: int | None = None  # the source's data-parallel size (recorded in a universal checkpoint's model states)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.params)
+
+    def to_json(self) -> dict[str, Any]:
+        state_keys = sorted({k for p in self.params for k in p.states})
+        return {
+            "source": str(self.source), "format": self.source_format, "out": str(self.out), "to": self.to,
+            "layout": self.layout, "bytes": self.nbytes,
+            "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype, "kind": p.kind,
+                        "states": sorted(p.states) + (["step"] if p.step is not None else []), "bytes": p.nbytes}
+                       for p in self.params],
+            "optimizer_state": state_keys + (["step"] if any(p.step is not None for p in self.params) else []),
+            "param_groups": [{k: _jsonable(v) for k, v in g.items() if k != "params"} | {"params": len(g["params"])}
+                             for g in self.groups],
+            "scheduler": self.scheduler_class, "scheduler_state": _jsonable(self.scheduler), "step": self.step,
+            "notes": list(self.notes), "not_moved": list(self.not_moved),
+        }
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    return repr(v)
+
+
+# --- the plan -------------------------------------------------------------------------------------------
+
+
+def _refuse_out(src: Path, out: Path) -> None:
+    s, o = src.resolve(), out.resolve()
+    if o == s or s in o.parents:
+        raise CkptError(f"OUT {out} is inside the checkpoint {src}", path=out,
+                        hint="write the converted checkpoint to a new path outside it")
+    if o.exists():
+        raise CkptError("output already exists", path=out, hint="choose a new path or remove it first")
+
+
+def _plain_scheduler(ck) -> dict[str, Any] | None:
+    from .resume import node_to_python
+
+    node = ck.tree.children.get("scheduler")
+    if node is None:
+        return None
+    val = node_to_python(node)
+    return val if isinstance(val, dict) and val else None
+
+
+def _config(ck) -> dict[str, Any]:
+    from .resume import node_to_python
+
+    node = ck.tree.children.get("config")
+    val = node_to_python(node) if node is not None else None
+    return val if isinstance(val, dict) else {}
+
+
+def translate_scheduler(state: dict[str, Any] | None, config: dict[str, Any], groups: list[dict[str, Any]]
+                        ) -> tuple[dict[str, Any] | None, str | None, list[str], list[str]]:
+    """(torch state dict, torch class name, notes, not moved) for the source's scheduler state."""
+    from ..state import is_scheduler_state
+    from ..train.replica import infer_torch_scheduler
+
+    if state is None:
+        return None, None, ["the source has no LR scheduler: the LR stays at the param groups' lr"], []
+    if "last_batch_iteration" not in state:
+        if not is_scheduler_state(state):
+            return None, None, [], [f"scheduler state with keys {sorted(state)}: not a scheduler state dict"]
+        cls = infer_torch_scheduler(state)
+        return dict(state), cls, [f"scheduler: the torch {cls or 'scheduler'} state dict, as saved"], []
+    # DeepSpeed's own scheduler: only the position is saved; its parameters are in the DeepSpeed config
+    sched = config.get("scheduler") if isinstance(config.get("scheduler"), dict) else {}
+    kind, params = sched.get("type"), dict(sched.get("params") or {})
+    it = int(state["last_batch_iteration"])
+    n = len(groups)
+    if kind == "WarmupLR" and params.get("warmup_type", "log") == "linear":
+        lo, hi = params.get("warmup_min_lr", 0.0), params.get("warmup_max_lr", 0.001)
+        lo = lo if isinstance(lo, list) else [lo] * n
+        hi = hi if isinstance(hi, list) else [hi] * n
+        total = int(params.get("warmup_num_steps", 1000))
+        if len(set(zip(lo, hi))) != 1 or not hi[0]:
+            return (dict(state), None, [], [f"DeepSpeed {kind} with per-group limits {lo}->{hi}: no single torch "
+                    "LinearLR equivalent; its state is kept as saved ({'last_batch_iteration': ...})"])
+        start = lo[0] / hi[0]
+        lrs = [float(lo[0] + (hi[0] - lo[0]) * min(1.0, max(it, 0) / total))] * n
+        out = {"start_factor": start, "end_factor": 1.0, "total_iters": total, "base_lrs": [float(h) for h in hi],
+               "last_epoch": it, "_step_count": it + 1, "_is_initial": False, "_get_lr_called_within_step": False,
+               "_last_lr": lrs}
+        note = (f"scheduler: DeepSpeed WarmupLR (linear, {lo[0]:g} -> {hi[0]:g} over {total} steps, "
+                f"last_batch_iteration {it}) translated to torch LinearLR(start_factor={start:g}, end_factor=1.0, "
+                f"total_iters={total}) with last_epoch {it}: the same LR at every step")
+        if start <= 0:
+            note += ("; LinearLR's constructor refuses start_factor 0, so build it with any start_factor and "
+                     "load_state_dict (the saved start_factor 0 is what it then uses)")
+        return out, "LinearLR", [note], []
+    return (dict(state), None, [], [f"DeepSpeed scheduler {kind or '(unknown type)'} {params}: torch has no "
+            "equivalent class; its state is kept as saved ({'last_batch_iteration': "
+            f"{it}}}) and the target loop must rebuild it"])
+
+
+#: tree children that hold a launch configuration (not training state): reported in one line
+_CONFIG_CHILDREN = ("config", "training_args", "args", "hparams", "hyper_parameters")
+_DATA_WORDS = ("tokens", "seen", "consumed", "dataloader", "data_loader", "data_sampler", "batches_yielded",
+               "samples")
+
+
+def _names(keys: list[str], limit: int = 6) -> str:
+    return ", ".join(keys[:limit]) + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+def _not_moved(ck, config: dict[str, Any]) -> list[str]:
+    """What the source holds that the conversion does not carry, one line each."""
+    from ..state import COUNTER_KEYS
+    from .resume import node_to_python
+
+    out: list[str] = []
+    for name, node in ck.tree.children.items():
+        if name in MOVED_CHILDREN or name.startswith(("model_", "optimizer_")):
+            continue
+        if name == "universal_checkpoint_info":
+            out.append(f"{name}: DeepSpeed's TP merge metadata; used to merge the TP shards (the output holds "
+                       "whole tensors)")
+            continue
+        if name in _CONFIG_CHILDREN:
+            out.append(f"{name}: the source framework's launch configuration (for DeepSpeed, ds_config); the "
+                       "target's own training config replaces it")
+            continue
+        val = node_to_python(node)
+        keys = []
+        for k, v in (val.items() if isinstance(val, dict) else ()):
+            if isinstance(v, dict) and v and k not in ("args", "dataloader") and len(v) <= 16:
+                keys += [f"{k}.{kk}" for kk in v if kk not in COUNTER_KEYS]  # train_state.ntokens_seen
+            elif k not in COUNTER_KEYS:  # the step moves as the target's counter
+                keys.append(k)
+        keys.sort()
+        if not keys:
+            continue
+        rng = [k for k in keys if "rng" in k.lower() or "random" in k.lower()]
+        data = [k for k in keys if k not in rng and any(w in k.rsplit(".", 1)[-1].lower() for w in _DATA_WORDS)]
+        rest = [k for k in keys if k not in rng and k not in data]
+        detail = []
+        if rng:
+            detail.append(f"RNG states ({_names(rng)}): the target seeds its own")
+        if data:
+            detail.append(f"data position ({_names(data)}): the target's data loader must be positioned by hand")
+        if rest:
+            detail.append(f"other fields ({_names(rest)})")
+        out.append(f"{name}: " + "; ".join(detail))
+    c = ck.counters
+    if getattr(c, "skipped_steps", None):
+        out.append(f"skipped_steps={c.skipped_steps} (DeepSpeed's overflow count): no equivalent in the target")
+    if isinstance(config.get("fp16"), dict) and config["fp16"].get("enabled"):
+        out.append("fp16 loss scaler state: the target framework keeps its own (torch GradScaler)")
+    return out
+
+
+def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str = "dcp",
+                 layout: str | None = None) -> ConvertPlan:
+    """Decide everything `execute` writes; reads metadata and small values only."""
+    from .. import logical as L
+
+    if to not in TARGETS:
+        raise ValueError(f"--to {to!r}: use one of {', '.join(TARGETS)}")
+    if to == "dcp":
+        layout = layout or "fsdp2"
+        if layout not in DCP_LAYOUTS:
+            raise ValueError(f"--layout {layout!r}: use one of {', '.join(DCP_LAYOUTS)}")
+    elif layout is not None:
+        raise ValueError(f"--layout applies to --to dcp, not --to {to}")
+    src, dst = Path(source), Path(out)
+    _refuse_out(src, dst)
+    ck = L.open_any(src)
+    if to == "deepspeed-universal":
+        from .to_universal import handles
+
+        if handles(src):
+            raise CkptError("a DeepSpeed checkpoint: convert it with `ckpt to-universal`", path=src,
+                            hint=f"ckpt to-universal {src} {dst} (what `ckpt convert --to deepspeed-universal` runs)")
+        if ck.format == "deepspeed_universal":
+            raise CkptError("the checkpoint is already a DeepSpeed universal checkpoint: nothing to convert",
+                            path=src)
+    if to == "dcp" and ck.format == "dcp":
+        raise CkptError("the checkpoint is already a DCP checkpoint: nothing to convert", path=src,
+                        hint="DCP reshards at load; `--to torch` writes one training dict")
+
+    model = L.model_tensors(ck, weights="fp32")
+    if not model:
+        raise UnsupportedCheckpoint("no model tensors found: nothing to convert", path=src)
+    states = L.optimizer_states(ck)
+    scalars = L.optimizer_scalars(ck)
+    raw_groups = L.param_groups(ck)
+    names = {t.name for t in model}
+    unknown = [p for p in states if p not in names]
+    if unknown:
+        raise UnsupportedCheckpoint(f"optimizer state for {len(unknown)} parameters the model does not name "
+                                    f"({', '.join(unknown[:3])})", path=src,
+                                    hint="the optimizer state is keyed by ids that could not be matched to names")
+    params: list[ParamItem] = []
+    for t in model:
+        st = {k: v for k, v in states.get(t.name, {}).items() if k not in ("fp32", "step")}
+        step = None
+        sc = scalars.get(t.name, {})
+        if "step" in sc and sc["step"] is not None:
+            step = float(sc["step"])
+        elif "step" in states.get(t.name, {}):
+            step = float(states[t.name]["step"].read().item())
+        if t.kind == "tied":
+            st, step = {}, None  # the state belongs to the source parameter
+        params.append(ParamItem(t.name, tuple(t.shape), t.dtype, t.kind, t, st, step))
+    groups = []
+    for g in raw_groups:
+        hp = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k not in _MEMBER_KEYS}
+        if "betas" in hp and isinstance(hp["betas"], list):
+            hp["betas"] = tuple(hp["betas"])
+        members = [n for n in g.get("params", []) if n in names]
+        groups.append({**hp, "params": members})
+    notes: list[str] = []
+    if not states:
+        notes.append("the source has no optimizer state: weights only")
+    missing = [p.name for p in params if p.kind == "param" and p.name not in states]
+    if states and missing:
+        notes.append(f"{len(missing)} trainable parameters have no optimizer state in the source "
+                     f"({', '.join(missing[:3])}): written without")
+    config = _config(ck)
+    sched, cls, snotes, sgone = translate_scheduler(_plain_scheduler(ck), config, groups)
+    notes += snotes
+    added: list[str] = []
+    if cls is not None and sched is not None and "base_lrs" in sched and groups:
+        for i, (g, base) in enumerate(zip(groups, sched["base_lrs"])):
+            if "initial_lr" not in g:
+                g["initial_lr"] = float(base)  # torch schedulers attach it; set_state_dict restores it
+                added.append(f"param_groups {i}.initial_lr")
+        if added:
+            notes.append(f"param groups: initial_lr (= the scheduler's base_lrs) added, as a torch {cls} attaches it")
+    step = ck.counters.global_step
+    if step is None:
+        notes.append("the source records no global step: `step` is not written")
+    not_moved = sgone + _not_moved(ck, config)
+    if layout == "torchtitan":
+        notes.append("torchtitan layout: train_state holds `step` only and there is no `dataloader` entry (the "
+                     "source records neither torchtitan's ntokens_seen nor its loader state): load with "
+                     "checkpoint.exclude_from_loading = [\"dataloader\"] and a TrainState without the missing keys")
+    if to == "torch":
+        notes.append("--to torch writes one torch.save file: the whole training state is held in memory while it "
+                     "is written (small runs, tests); --to dcp streams one tensor at a time")
+    if to == "deepspeed-universal" and len(groups) > 1:
+        notes.append("loaded at ZeRO-3, DeepSpeed's universal loader copies param group 0's hyper-parameters "
+                     "(lr, weight_decay, ...) onto every group and shares one step: load it at ZeRO-1/2 to keep "
+                     f"the {len(groups)} groups as they are")
+    if to == "deepspeed-universal" and any(p.kind == "frozen" for p in params):
+        notes.append("frozen parameters are written in the model states' `module` only: DeepSpeed's universal "
+                     "loader restores trained parameters from zero/, so a frozen one keeps its initial value")
+    dtypes = sorted({p.dtype for p in params if p.kind == "param"})
+    if any(t.kind == "param" for t in model) and states and "fp32" in next(iter(states.values())):
+        notes.append("weights: the fp32 master weights (the module's low-precision copy is derived from them)")
+    elif dtypes:
+        notes.append(f"weights: as stored ({', '.join(dtypes)})")
+    return ConvertPlan(src, ck.format, dst, to, layout, tuple(params), tuple(groups), sched, cls,
+                       int(step) if step is not None else None, tuple(notes), tuple(not_moved), tuple(added),
+                       ck.topology.dp)
+
+
+# --- writing --------------------------------------------------------------------------------------------
+
+
+def _step_tensor(value: float):
+    import torch
+
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
+def _dcp_values(plan: ConvertPlan) -> tuple[tuple, dict[str, Any], dict[str, Any]]:
+    """(prefix of everything, the optim dict's small values, the rest of the top level) for the layout."""
+    groups = []
+    for g in plan.groups:
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])})
+    rest: dict[str, Any] = {}
+    if plan.layout == "torchtitan":
+        optim: dict[str, Any] = {}
+        for g in groups:
+            for n in g["params"]:
+                for k, v in g.items():
+                    if k != "params":
+                        optim[f"param_groups.{n}.{k}"] = v
+        if plan.scheduler is not None:
+            rest["lr_scheduler"] = plan.scheduler
+        if plan.step is not None:
+            rest["train_state"] = {"step": plan.step}
+        return (), optim, rest
+    optim = {"param_groups": groups}
+    if plan.scheduler is not None:
+        rest["scheduler"] = plan.scheduler
+    if plan.step is not None:
+        rest["step"] = plan.step
+    return (("app",) if plan.layout == "recipe" else ()), optim, rest
+
+
+def _write_dcp(plan: ConvertPlan, folder: Path, progress: Callable[[int], None] | None, *,
+               indices: list[int] | None = None, rank: int | None = None, values: bool = True):
+    """Write the DCP items of the parameters at `indices` (all when None), and the small values when `values`.
+    Alone (`rank` None): every tensor in DCP_SHARDS chunks and `.metadata`; returns the bytes written. One of
+    several ranks: whole tensors into `__<rank>_0.distcp`; returns (bytes, this writer's metadata parts)."""
+    from ..dcp_write import DcpStreamWriter, flatten_paths
+
+    w = DcpStreamWriter(folder, checkpoint_id=str(plan.out), shards=DCP_SHARDS, rank=rank)
+    prefix, optim_values, rest = _dcp_values(plan)
+    titan = plan.layout == "torchtitan"
+    opt_key = "optimizer" if titan else "optim"
+    params = [plan.params[i] for i in indices] if indices is not None else list(plan.params)
+    try:
+        for p in params:
+            w.tensor(prefix + ("model", p.name), p.weight.read())
+            if progress:
+                progress(p.nbytes - sum(t.numel * 4 for t in p.states.values()))
+        for p in params:
+            keys = dict(p.states)
+            for k, t in keys.items():
+                path = (opt_key, f"state.{p.name}.{k}") if titan else (opt_key, "state", p.name, k)
+                w.tensor(prefix + path, t.read())
+                if progress:
+                    progress(t.numel * 4)
+            if p.step is not None and (keys or p.kind == "param"):
+                path = (opt_key, f"state.{p.name}.step") if titan else (opt_key, "state", p.name, "step")
+                w.tensor(prefix + path, _step_tensor(p.step))
+        if values:
+            for path, v in flatten_paths(optim_values, prefix + (opt_key,)):
+                w.value(path, v)
+            for path, v in flatten_paths(rest, prefix):
+                w.value(path, v)
+    except BaseException:
+        w.abort()
+        raise
+    if rank is None:
+        w.close()
+        return w.bytes_written
+    return w.bytes_written, w.finish()
+
+
+def torch_training_dict(plan: ConvertPlan) -> dict[str, Any]:
+    """The {model, optimizer, scheduler, step} dict `--to torch` saves (every tensor read: small runs)."""
+    model = {p.name: p.weight.read() for p in plan.params}
+    index: dict[str, int] = {}
+    groups = []
+    for g in plan.groups:
+        ids = []
+        for n in g["params"]:
+            index.setdefault(n, len(index))
+            ids.append(index[n])
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids,
+                       "param_names": list(g["params"])})
+    state: dict[int, dict[str, Any]] = {}
+    by_name = {p.name: p for p in plan.params}
+    for n, i in index.items():
+        p = by_name[n]
+        entry: dict[str, Any] = {}
+        if p.step is not None:
+            entry["step"] = _step_tensor(p.step)
+        for k, t in p.states.items():
+            entry[k] = t.read()
+        if entry:
+            state[i] = entry
+    out: dict[str, Any] = {"model": model, "optimizer": {"state": state, "param_groups": groups}}
+    if plan.scheduler is not None:
+        out["scheduler"] = plan.scheduler
+    if plan.step is not None:
+        out["step"] = plan.step
+    return out
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    out: Path
+    params: int
+    bytes_written: int
+    verified: bool
+    problems: tuple[str, ...] = ()
+
+
+def verify_logical(plan: ConvertPlan, root: Path) -> list[str]:
+    """`ckpt diff SRC OUT` (logical): one line per difference between the source and the written checkpoint."""
+    from .diff import iter_lines, logical_diff
+
+    rep = logical_diff(plan.source, root)
+    lines = [f"{section} {name}: {what}" for section, name, what in iter_lines(rep)]
+    return [x for x in lines if not any(x.startswith(f"{a}: added") for a in plan.added)]
+
+
+def execute(plan: ConvertPlan, *, progress: Callable[[int], None] | None = None, verify: bool = True,
+            distributed: bool = False) -> ConvertResult:
+    """Write the planned checkpoint under a staging name beside OUT, compare it with the source by logical
+    parameter (unless `verify=False`), rename it into place. Any difference: nothing is written.
+
+    With `distributed` (dcp and deepspeed-universal targets), every rank of the initialised torch.distributed
+    group calls this: rank r writes parameters r, r+W, ... into rank 0's staging folder (one shared
+    filesystem; DCP: its own `__<r>_0.distcp`), rank 0 writes the rest (`.metadata` from every rank's part),
+    verifies and renames."""
+    from .. import io
+
+    if distributed:
+        return _execute_distributed(plan, progress=progress, verify=verify)
+    _refuse_out(plan.source, plan.out)
+    if plan.to == "dcp":
+        with io.new_folder(plan.out) as tmp:
+            n = _write_dcp(plan, tmp, progress)
+            problems = verify_logical(plan, tmp) if verify else []
+            _raise_problems(problems, plan)
+        return ConvertResult(plan.out, len(plan.params), n, verify)
+    if plan.to == "torch":
+        import shutil
+
+        import torch
+
+        from .to_universal import _stale_staging
+
+        out = plan.out.resolve()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _stale_staging(out)  # left by a killed run
+        tmp = out.parent / f".ckpt-staging-{out.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            f = tmp / out.name
+            torch.save(torch_training_dict(plan), f)
+            if progress:
+                progress(plan.nbytes)
+            problems = verify_logical(plan, f) if verify else []
+            _raise_problems(problems, plan)
+            os.link(f, out)  # refuses if something appeared at OUT meanwhile
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return ConvertResult(out, len(plan.params), out.stat().st_size, verify)
+    if plan.to == "deepspeed-universal":
+        with io.new_folder(plan.out) as tmp:
+            n = _write_universal(plan, tmp, progress)
+            problems = verify_logical(plan, tmp) if verify else []
+            _raise_problems(problems, plan)
+        return ConvertResult(plan.out, len(plan.params), n, verify)
+    raise UnsupportedCheckpoint(f"--to {plan.to} is not implemented", path=plan.source)
+
+
+def _execute_distributed(plan: ConvertPlan, *, progress: Callable[[int], None] | None, verify: bool
+                         ) -> ConvertResult:
+    import torch
+    import torch.distributed as dist
+
+    from .. import io
+
+    if not dist.is_initialized():
+        raise CkptError("--distributed needs torch.distributed: run it under torchrun",
+                        hint="torchrun --nproc_per_node N -m cli.main convert CKPT OUT --to dcp --distributed")
+    if plan.to not in ("dcp", "deepspeed-universal"):
+        raise CkptError(f"--distributed writes --to dcp or deepspeed-universal, not {plan.to}",
+                        hint="--to torch writes one file from one process")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = [i for i in range(len(plan.params)) if i % world == rank]
+    box: list[Any] = [None]
+    ctx, first = None, None
+    if rank == 0:
+        ctx = io.new_folder(plan.out)
+        try:
+            _refuse_out(plan.source, plan.out)
+            box[0] = str(ctx.__enter__())
+        except BaseException as e:  # tell the others, then raise
+            first, ctx = e, None
+            box[0] = "!" + (e.one_line() if isinstance(e, CkptError) else f"{plan.out}: {e}")
+    dist.broadcast_object_list(box, src=0)
+    if box[0].startswith("!"):
+        raise first or CkptError(box[0][1:])
+    tmp = Path(box[0])
+    ok, err, n, part = 1, None, 0, None
+    try:
+        if plan.to == "dcp":
+            n, part = _write_dcp(plan, tmp, progress, indices=mine, rank=rank, values=rank == 0)
+        else:
+            n = _write_universal(plan, tmp, progress, indices=mine, common=rank == 0)
+    except BaseException as e:  # noqa: BLE001  every rank must reach the collectives below
+        ok, err = 0, e
+    parts: list[Any] = [None] * world if rank == 0 else None
+    dist.gather_object(part, parts, dst=0)
+    flag = torch.tensor([ok], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    total = torch.tensor([n], dtype=torch.int64)
+    dist.all_reduce(total)
+    if rank != 0:
+        dist.barrier()  # rank 0 verifies and renames before this
+        if err is not None:
+            raise err
+        return ConvertResult(plan.out, len(mine), n, verify)
+    try:
+        if not int(flag[0]):
+            raise err or CkptError("another rank failed while converting", path=plan.out,
+                                   hint="nothing was written; see that rank's error")
+        if plan.to == "dcp":
+            from ..dcp_write import write_metadata
+
+            write_metadata(tmp, [p for p in parts if p is not None], str(plan.out))
+        _raise_problems(verify_logical(plan, tmp) if verify else [], plan)
+        ctx.__exit__(None, None, None)
+    except BaseException as e:
+        ctx.__exit__(type(e), e, e.__traceback__)
+        dist.barrier()
+        raise
+    dist.barrier()
+    return ConvertResult(plan.out, len(plan.params), int(total[0]), verify)
+
+
+# --- DeepSpeed universal ----------------------------------------------------------------------------------
+
+
+def universal_tag(plan: ConvertPlan) -> str:
+    return f"global_step{plan.step if plan.step is not None else 0}_universal"
+
+
+def _write_universal(plan: ConvertPlan, root: Path, progress: Callable[[int], None] | None, *,
+                     indices: list[int] | None = None, common: bool = True) -> int:
+    """What DeepSpeed 0.19's `load_universal` reads (see `ops.to_universal`'s module docstring), synthesized from
+    the logical view: `zero/<param>/{fp32,<state>}.pt` ({"param": tensor, "cat_dim": 0}) and `step.pt` per
+    trained parameter; `zero/optimizer_state.pt` (param groups, ds_version; the ZeRO-3 loader's
+    optimizer_state_dict.state[0].step); the model-states file the engine globs for counters and the
+    scheduler (`mp_rank_00_model_states.pt`, and `zero_pp_rank_0_mp_rank_00_model_states.pt` for ZeRO-3
+    loaders), with `module` (the fp32 weights) and `param_shapes` (group membership, in group order);
+    `latest_universal`."""
+    import collections
+
+    import torch
+
+    from importlib import metadata
+
+    try:  # the version string DeepSpeed's loaders assert is present (importing deepspeed itself logs to stdout)
+        ds_version = metadata.version("deepspeed")
+    except metadata.PackageNotFoundError:
+        ds_version = "0.19.8"
+    tag = universal_tag(plan)
+    tag_dir = root / tag
+    zero = tag_dir / "zero"
+    zero.mkdir(parents=True, exist_ok=True)
+    written = 0
+    by_name = {p.name: p for p in plan.params}
+    share = [plan.params[i] for i in indices] if indices is not None else list(plan.params)
+    trained = [p for p in share if p.kind == "param" and p.states]
+    for p in trained:
+        d = zero / p.name
+        d.mkdir(parents=True, exist_ok=True)
+        t = p.weight.read(torch.float32)
+        torch.save({"param": t, "cat_dim": 0}, d / "fp32.pt")
+        written += t.numel() * 4
+        for k, st in p.states.items():
+            v = st.read()
+            torch.save({"param": v, "cat_dim": 0}, d / f"{k}.pt")
+            written += v.numel() * v.element_size()
+        if p.step is not None:
+            torch.save(_step_tensor(p.step), d / "step.pt")
+        if progress:
+            progress(p.nbytes)
+    if not common:
+        return written
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [i]} for i, g in enumerate(plan.groups)]
+    steps = {}
+    for i, g in enumerate(plan.groups):
+        s = [by_name[n].step for n in g["params"] if n in by_name and by_name[n].step is not None]
+        if s:
+            steps[i] = _step_tensor(s[0])
+    optim = {"ds_version": ds_version, "param_groups": groups,
+             "optimizer_state_dict": {"state": {i: {"step": s} for i, s in steps.items()}, "param_groups": groups}}
+    torch.save(optim, zero / "optimizer_state.pt")
+    module = collections.OrderedDict((p.name, p.weight.read()) for p in plan.params if p.kind != "tied")
+    shapes = [collections.OrderedDict((n, torch.Size(by_name[n].shape)) for n in g["params"] if n in by_name)
+              for g in plan.groups]
+    frozen = collections.OrderedDict((p.name, torch.Size(p.shape)) for p in plan.params if p.kind == "frozen")
+    states = {
+        "module": module, "buffer_names": [p.name for p in plan.params if p.kind == "buffer"], "optimizer": None,
+        "param_shapes": shapes, "frozen_param_shapes": frozen or None,
+        "shared_params": {p.name: p.weight.tied_to for p in plan.params if p.kind == "tied"},
+        "frozen_param_fragments": None, "lr_scheduler": plan.scheduler, "data_sampler": None, "random_ltd": None,
+        "skipped_steps": 0, "global_steps": plan.step or 0, "dp_world_size": plan.dp or 1, "mp_world_size": 1,
+        "ds_config": {}, "ds_version": ds_version,
+    }
+    torch.save(states, tag_dir / "mp_rank_00_model_states.pt")
+    try:
+        os.link(tag_dir / "mp_rank_00_model_states.pt", tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    except OSError:
+        import shutil
+
+        shutil.copyfile(tag_dir / "mp_rank_00_model_states.pt", tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    (root / "latest_universal").write_text(tag)
+    return written
+
+
+def _raise_problems(problems: list[str], plan: ConvertPlan) -> None:
+    if problems:
+        raise CkptError(f"verification: the converted checkpoint differs from the source in {len(problems)} "
+                        "places: " + "; ".join(problems[:5]) + ("; ..." if len(problems) > 5 else ""),
+                        path=plan.out, hint="nothing was written; please report this with `ckpt diff` of the two")

@@ -1,0 +1,144 @@
+"""`ckpt convert CKPT OUT --to dcp|torch|deepspeed-universal`: a thin wrapper over `ckpt_tools.ops.convert`
+(plan -> dry-run table or execute -> summary with what could not move). `--to deepspeed-universal` from a
+DeepSpeed checkpoint is `ckpt to-universal`."""
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from ckpt_tools.errors import CkptError
+
+from . import output
+
+
+def convert_cmd(
+    ckpt: str = typer.Argument(..., metavar="PATH", help="the checkpoint to convert: DeepSpeed ZeRO 1/2/3, "
+                               "Megatron-DeepSpeed pipeline (TP merged), universal, or any format `ckpt inspect` "
+                               "reads"),
+    out: str = typer.Argument(..., metavar="OUT", help="new folder (file for --to torch) outside PATH; "
+                              "universal: OUT/latest_universal + OUT/global_stepN_universal/, loaded with "
+                              "{\"checkpoint\": {\"load_universal\": true}}"),
+    to: str = typer.Option(..., "--to", metavar="TARGET", help="dcp (FSDP2 / torchtitan / DCP recipe), torch "
+                           "(one training dict), deepspeed-universal (from DCP and other non-DeepSpeed formats; "
+                           "a DeepSpeed source runs `ckpt to-universal`)"),
+    layout: Optional[str] = typer.Option(None, "--layout", metavar="LAYOUT", help="--to dcp: fsdp2 (default: "
+                                         "{model, optim, scheduler, step}), torchtitan ({model, optimizer "
+                                         "(flattened), lr_scheduler, train_state}) or recipe ({app: ...})"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="show what would be written and what cannot move"),
+    no_verify: bool = typer.Option(False, "--no-verify", help="skip the logical comparison with the source "
+                                   "before the output is renamed into place"),
+    yes: bool = typer.Option(False, "--yes", "-y", help="do not ask (convert only writes a new path, atomically, "
+                             "so it never asks)"),
+    distributed: bool = typer.Option(False, "--distributed", help="under torchrun (--to dcp, or --to "
+                                     "deepspeed-universal): each rank writes a share of the parameters (one "
+                                     "shared filesystem)"),
+    json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
+) -> None:
+    """Move a run to another framework with its whole training state.
+
+    Weights (the fp32 master), every per-parameter optimizer state under torch's names, param groups (by
+    FQN), the scheduler (DeepSpeed's WarmupLR as torch LinearLR) and the step counter; the plan lists what
+    cannot move (RNG states, a data-loader position, the DeepSpeed config). The output is written under a
+    staging name, compared with the source by logical parameter (`ckpt diff`), then renamed into place."""
+    try:
+        return _convert(ckpt, out, to, layout, dry_run, not no_verify, json_out, distributed)
+    except CkptError as e:
+        if e.message.startswith("ckpt convert:"):
+            raise
+        named = type(e).__new__(type(e))
+        CkptError.__init__(named, f"ckpt convert: {e.message}", path=e.path, hint=e.hint)
+        raise named from e
+
+
+def _convert(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False) -> None:
+    output.require("torch", extra="convert", what="ckpt convert")
+    if to == "deepspeed-universal" and layout is None:
+        from ckpt_tools.ops.to_universal import handles
+
+        if not handles(ckpt):
+            return _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed)
+        import os
+
+        from . import to_universal as tu
+
+        return tu.to_universal_cmd(ckpt, out, workers=min(8, os.cpu_count() or 1), dry_run=dry_run,
+                                   tp_layout=None, pattern=None, tp_replicated=None, target_stage=None,
+                                   verify=verify, yes=True, distributed=distributed, json_out=json_out)
+    return _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed)
+
+
+def _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False) -> None:
+    from ckpt_tools.ops import convert as ops
+
+    try:
+        plan = ops.plan_convert(ckpt, out, to=to, layout=layout)
+    except ValueError as e:
+        raise typer.BadParameter(str(e))
+    if dry_run:
+        _show_plan(plan, json_out)
+        return
+    rank = 0
+    if distributed:  # cli.main.main leaves the group (ckpt_tools.procgroup.leave) once the command returns
+        from ckpt_tools import procgroup
+
+        rank = procgroup.join("gloo")
+    from tqdm import tqdm
+
+    with tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc="convert", disable=json_out or rank != 0,
+              leave=False) as bar:
+        res = ops.execute(plan, progress=bar.update, verify=verify, distributed=distributed)
+    if rank != 0:
+        return
+    if json_out:
+        doc = plan.to_json()
+        doc.pop("params")
+        output.print_json({**doc, "out": str(res.out), "params": res.params, "bytes_written": res.bytes_written,
+                           "verified": res.verified})
+        return
+    con = output.console()
+    what = f"{plan.to}" + (f" ({plan.layout} layout)" if plan.layout else "")
+    doc = plan.to_json()
+    con.print(f"[green]wrote[/] {res.out}  ({what}: {output.plural(res.params, 'tensor')}, "
+              f"{res.bytes_written:,} bytes; optimizer state: {', '.join(doc['optimizer_state']) or 'none'}; "
+              f"scheduler: {plan.scheduler_class or ('kept as saved' if plan.scheduler else 'none')}; "
+              f"step: {plan.step})")
+    if res.verified:
+        con.print("  verified: equal to the source by logical parameter (weights, optimizer state, param groups, "
+                  "counters)")
+    for n in plan.notes:
+        con.print(f"  note: {n}")
+    for n in plan.not_moved:
+        con.print(f"  [yellow]not moved:[/] {n}")
+
+
+def _show_plan(plan, json_out: bool) -> None:
+    doc = plan.to_json()
+    if json_out:
+        output.print_json(doc)
+        return
+    from rich.table import Table
+
+    con = output.console()
+    con.print(f"[bold]convert (dry run)[/] {plan.source} ({plan.source_format}) -> {plan.out}  "
+              f"[{plan.to}{' / ' + plan.layout if plan.layout else ''}]  {doc['bytes']:,} bytes")
+    t = Table(show_edge=False)
+    for col in ("tensor", "shape", "dtype", "kind", "optimizer state", "bytes"):
+        t.add_column(col, justify="right" if col == "bytes" else "left")
+    for p in doc["params"]:
+        t.add_row(p["name"], "×".join(map(str, p["shape"])), p["dtype"], p["kind"], ", ".join(p["states"]),
+                  f"{p['bytes']:,}")
+    con.print(t)
+    for i, g in enumerate(doc["param_groups"]):
+        hp = ", ".join(f"{k}={v}" for k, v in g.items() if k in ("lr", "betas", "eps", "weight_decay", "initial_lr"))
+        con.print(f"param group {i}: {g['params']} params; {hp}")
+    con.print(f"scheduler: {plan.scheduler_class or ('kept as saved' if plan.scheduler else 'none')}; "
+              f"step: {plan.step}")
+    for n in plan.notes:
+        con.print(f"note: {n}")
+    for n in plan.not_moved:
+        con.print(f"[yellow]not moved:[/] {n}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("convert")(convert_cmd)
