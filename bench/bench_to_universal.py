@@ -47,7 +47,8 @@ def main() -> None:
         "ds_to_universal": [[PY, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ck / tag),
                              "--output_folder", str(scratch / "ds_u" / f"{tag}_universal"), "--inject_missing_state",
                              "--num_extract_workers", w, "--num_merge_workers", w]],
-        "ckpt export (fp32, safetensors)": [[PY, "-m", "cli.main", "export", str(ck), str(scratch / "ckpt_e" /
+        "ckpt export (fp32, safetensors)": [["mkdir", "-p", str(scratch / "ckpt_e")],  # export writes into a folder
+                                            [PY, "-m", "cli.main", "export", str(ck), str(scratch / "ckpt_e" /
                                                                                        "model.safetensors"), "--json"]],
         "zero_to_fp32 (safetensors)": [[PY, "-m", "deepspeed.utils.zero_to_fp32", str(ck), str(scratch / "ds_e"),
                                         "--safe_serialization"]],
