@@ -154,7 +154,7 @@ def _run(lp, *, dry_run: bool, yes: bool, json_out: bool, backup_dir: Optional[P
                                "previous_write": _tx_json(before), "bytes_written": tx.written,
                                "in_place": list(tx.in_place)})
         else:
-            con.print(f"[green]rewrote {output.plural(len(tx.files), 'file')}, verified[/]; {written_line(tx)}",
+            con.print(f"[green]changed {output.plural(len(tx.files), 'file')}, verified[/]; {written_line(tx)}",
                       soft_wrap=True)
             con.print(f"undo: {_undo_hint(plan.root, backup_dir, tx)}", soft_wrap=True)
         return 0
