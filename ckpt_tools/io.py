@@ -933,6 +933,64 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def distributed_new_folder(out: Path, write_share: Callable[[Path], tuple[int, Any]],
+                           finish: Callable[[Path, list], None], *, before: Callable[[], None] | None = None
+                           ) -> tuple[int, int]:
+    """`new_folder` for every rank of an initialised torch.distributed group: rank 0 runs `before()` and owns the
+    staging folder; every rank writes its share into it (`write_share(staging) -> (bytes written, part)`, `part`
+    gathered on rank 0); when every rank succeeded, rank 0 runs `finish(staging, parts)` (common files, verify)
+    and renames the folder into place, else removes it. Every rank reaches every collective whatever fails, so a
+    failure on one rank is an error on all of them, never a hang. Returns (bytes written by all ranks, by this
+    one); only rank 0's first value counts."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    box: list[Any] = [None]
+    ctx, first = None, None
+    if rank == 0:
+        ctx = new_folder(out)
+        try:
+            if before is not None:
+                before()
+            box[0] = str(ctx.__enter__())
+        except BaseException as e:  # out exists etc.: tell the others, then raise
+            first, ctx = e, None
+            box[0] = "!" + (e.one_line() if isinstance(e, CkptError) else f"{out}: {e}")
+    dist.broadcast_object_list(box, src=0)
+    if box[0].startswith("!"):
+        raise first or CkptError(box[0][1:])
+    tmp = Path(box[0])
+    ok, err, n, part = 1, None, 0, None
+    try:
+        n, part = write_share(tmp)
+    except BaseException as e:  # noqa: BLE001  every rank must reach the collectives below
+        ok, err = 0, e
+    parts: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(part, parts, dst=0)
+    flag = torch.tensor([ok], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    total = torch.tensor([n], dtype=torch.int64)
+    dist.all_reduce(total)
+    if rank != 0:
+        dist.barrier()  # rank 0 finishes and renames before this
+        if err is not None:
+            raise err
+        return int(total[0]), n
+    try:
+        if not int(flag[0]):
+            raise err or CkptError("another rank failed while writing", path=out,
+                                   hint="nothing was written; see that rank's error")
+        finish(tmp, parts or [])
+        ctx.__exit__(None, None, None)
+    except BaseException as e:
+        ctx.__exit__(type(e), e, e.__traceback__)
+        dist.barrier()
+        raise
+    dist.barrier()
+    return int(total[0]), n
+
+
 @contextlib.contextmanager
 def new_folder(out: Path) -> Iterator[Path]:
     """Build a new folder (e.g. a universal checkpoint) under a staging name beside it, then rename it

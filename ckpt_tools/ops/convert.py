@@ -544,7 +544,6 @@ def execute(plan: ConvertPlan, *, progress: Callable[[int], None] | None = None,
 
 def _execute_distributed(plan: ConvertPlan, *, progress: Callable[[int], None] | None, verify: bool
                          ) -> ConvertResult:
-    import torch
     import torch.distributed as dist
 
     from .. import io
@@ -557,55 +556,23 @@ def _execute_distributed(plan: ConvertPlan, *, progress: Callable[[int], None] |
                         hint="--to torch writes one file from one process")
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = [i for i in range(len(plan.params)) if i % world == rank]
-    box: list[Any] = [None]
-    ctx, first = None, None
-    if rank == 0:
-        ctx = io.new_folder(plan.out)
-        try:
-            _refuse_out(plan.source, plan.out)
-            box[0] = str(ctx.__enter__())
-        except BaseException as e:  # tell the others, then raise
-            first, ctx = e, None
-            box[0] = "!" + (e.one_line() if isinstance(e, CkptError) else f"{plan.out}: {e}")
-    dist.broadcast_object_list(box, src=0)
-    if box[0].startswith("!"):
-        raise first or CkptError(box[0][1:])
-    tmp = Path(box[0])
-    ok, err, n, part = 1, None, 0, None
-    try:
+
+    def share(tmp: Path) -> tuple[int, Any]:
         if plan.to == "dcp":
-            n, part = _write_dcp(plan, tmp, progress, indices=mine, rank=rank, values=rank == 0)
-        else:
-            n = _write_universal(plan, tmp, progress, indices=mine, common=rank == 0)
-    except BaseException as e:  # noqa: BLE001  every rank must reach the collectives below
-        ok, err = 0, e
-    parts: list[Any] = [None] * world if rank == 0 else None
-    dist.gather_object(part, parts, dst=0)
-    flag = torch.tensor([ok], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    total = torch.tensor([n], dtype=torch.int64)
-    dist.all_reduce(total)
-    if rank != 0:
-        dist.barrier()  # rank 0 verifies and renames before this
-        if err is not None:
-            raise err
-        return ConvertResult(plan.out, len(mine), n, verify)
-    try:
-        if not int(flag[0]):
-            raise err or CkptError("another rank failed while converting", path=plan.out,
-                                   hint="nothing was written; see that rank's error")
+            return _write_dcp(plan, tmp, progress, indices=mine, rank=rank, values=rank == 0)
+        return _write_universal(plan, tmp, progress, indices=mine, common=rank == 0), None
+
+    def finish(tmp: Path, parts: list) -> None:
         if plan.to == "dcp":
             from ..dcp_write import write_metadata
 
             write_metadata(tmp, [p for p in parts if p is not None], str(plan.out))
         _raise_problems(verify_logical(plan, tmp) if verify else [], plan)
-        ctx.__exit__(None, None, None)
-    except BaseException as e:
-        ctx.__exit__(type(e), e, e.__traceback__)
-        dist.barrier()
-        raise
-    dist.barrier()
-    return ConvertResult(plan.out, len(plan.params), int(total[0]), verify)
+
+    total, n = io.distributed_new_folder(plan.out, share, finish, before=lambda: _refuse_out(plan.source, plan.out))
+    if rank != 0:
+        return ConvertResult(plan.out, len(mine), n, verify)
+    return ConvertResult(plan.out, len(plan.params), total, verify)
 
 
 # --- DeepSpeed universal ----------------------------------------------------------------------------------

@@ -767,52 +767,20 @@ def execute(plan: UniversalPlan, *, workers: int = 1, progress: Callable[[int], 
         return UniversalResult(plan.out, plan.out_tag, len(plan.params), n, _count_files(plan.out))
 
     # distributed: rank 0 owns the staging folder; the others write into it
-    import torch
+    def share(tmp: Path) -> tuple[int, None]:
+        return convert_params(plan, tmp / plan.out_tag, mine, workers=workers, progress=progress, steps=steps), None
 
-    box: list[Any] = [None]
-    ctx, first = None, None
-    if rank == 0:
-        _stale_staging(plan.out)
-        ctx = io.new_folder(plan.out)
-        try:
-            box[0] = str(ctx.__enter__())
-        except BaseException as e:  # out exists etc.: tell the others, then raise
-            first = e
-            box[0] = "!" + (e.one_line() if isinstance(e, CkptError) else f"{plan.out}: {e}")
-    dist.broadcast_object_list(box, src=0)
-    if box[0].startswith("!"):
-        raise first or CkptError(box[0][1:])
-    tmp = Path(box[0])
-    ok, err, n = 1, None, 0
-    try:
-        n = convert_params(plan, tmp / plan.out_tag, mine, workers=workers, progress=progress, steps=steps)
-    except BaseException as e:  # noqa: BLE001  every rank must reach the all_reduce below
-        ok, err = 0, e
-    flag = torch.tensor([ok, n], dtype=torch.int64)
-    dist.all_reduce(flag[:1], op=dist.ReduceOp.MIN)
-    totals = torch.tensor([n], dtype=torch.int64)
-    dist.all_reduce(totals)
-    if rank != 0:
-        dist.barrier()  # rank 0 renames after this
-        if err is not None:
-            raise err
-        return UniversalResult(plan.out, plan.out_tag, len(mine), n, 0)
-    try:
-        if not int(flag[0]):
-            raise err or CkptError("another rank failed while converting", path=plan.out,
-                                   hint="nothing was written; see that rank's error")
+    def finish(tmp: Path, parts: list) -> None:
         _write_common(plan, tmp, optimizer_state)
         problems = verify(plan, tmp)
         if problems:
             raise CkptError("verification failed: " + "; ".join(problems[:5]), path=plan.out)
         _run_check(check, plan, tmp)
-        ctx.__exit__(None, None, None)
-    except BaseException as e:
-        ctx.__exit__(type(e), e, e.__traceback__)
-        dist.barrier()
-        raise
-    dist.barrier()
-    return UniversalResult(plan.out, plan.out_tag, len(plan.params), int(totals[0]), _count_files(plan.out))
+
+    total, n = io.distributed_new_folder(plan.out, share, finish, before=lambda: _stale_staging(plan.out))
+    if rank != 0:
+        return UniversalResult(plan.out, plan.out_tag, len(mine), n, 0)
+    return UniversalResult(plan.out, plan.out_tag, len(plan.params), total, _count_files(plan.out))
 
 
 def _run_check(check: Callable[[Path], list[str]] | None, plan: UniversalPlan, tmp: Path) -> None:
