@@ -503,9 +503,10 @@ def execute(plan: ConvertPlan, *, progress: Callable[[int], None] | None = None,
     if distributed:
         return _execute_distributed(plan, progress=progress, verify=verify)
     _refuse_out(plan.source, plan.out)
-    if plan.to == "dcp":
+    if plan.to in ("dcp", "deepspeed-universal"):
+        write = _write_dcp if plan.to == "dcp" else _write_universal
         with io.new_folder(plan.out) as tmp:
-            n = _write_dcp(plan, tmp, progress)
+            n = write(plan, tmp, progress)
             problems = verify_logical(plan, tmp) if verify else []
             _raise_problems(problems, plan)
         return ConvertResult(plan.out, len(plan.params), n, verify)
@@ -533,12 +534,6 @@ def execute(plan: ConvertPlan, *, progress: Callable[[int], None] | None = None,
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return ConvertResult(out, len(plan.params), out.stat().st_size, verify)
-    if plan.to == "deepspeed-universal":
-        with io.new_folder(plan.out) as tmp:
-            n = _write_universal(plan, tmp, progress)
-            problems = verify_logical(plan, tmp) if verify else []
-            _raise_problems(problems, plan)
-        return ConvertResult(plan.out, len(plan.params), n, verify)
     raise UnsupportedCheckpoint(f"--to {plan.to} is not implemented", path=plan.source)
 
 

@@ -236,6 +236,22 @@ def _names(items: list[str], limit: int = 4) -> str:
     return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
+def mismatch(have: dict[str, tuple], want: dict[str, tuple]) -> list[str]:
+    """How a model's parameters (`have`: name -> shape) differ from a checkpoint's (`want`): "missing ...",
+    "unexpected ...", "shape differs: ..." parts, [] when they match."""
+    missing = [n for n in have if n not in want]
+    unexpected = [n for n in want if n not in have]
+    shapes = [f"{n} {list(have[n])} vs {list(want[n])}" for n in have if n in want and have[n] != want[n]]
+    parts = []
+    if missing:
+        parts.append(f"missing {_names(missing)}")
+    if unexpected:
+        parts.append(f"unexpected {_names(unexpected)}")
+    if shapes:
+        parts.append(f"shape differs: {_names(shapes, 2)}")
+    return parts
+
+
 def check_model_matches(model: str, layout: dict[str, Any], ctx_fields: dict[str, Any], path: Path) -> str | None:
     """Build `model` in this process on the meta device and compare its parameters with the checkpoint's;
     a mismatch is a CkptError before any process starts. Returns a note when the model could not be built
@@ -258,19 +274,11 @@ def check_model_matches(model: str, layout: dict[str, Any], ctx_fields: dict[str
     except Exception as e:  # noqa: BLE001  the factory needs a process group or a device: the worker builds it
         return f"--model {model} could not be built here to compare with the checkpoint ({type(e).__name__})"
     want = {p["name"]: tuple(p["shape"]) for p in layout["specs"]}
-    missing = [n for n in have if n not in want]
-    unexpected = [n for n in want if n not in have]
-    shapes = [f"{n} {list(have[n])} vs {list(want[n])}" for n in have if n in want and have[n] != want[n]]
-    if not (missing or unexpected or shapes):
+    parts = mismatch(have, want)
+    if not parts:
         return None
-    parts = [f"the model has {len(have)} parameters, the checkpoint {len(want)}"]
-    if missing:
-        parts.append(f"missing {_names(missing)}")
-    if unexpected:
-        parts.append(f"unexpected {_names(unexpected)}")
-    if shapes:
-        parts.append(f"shape differs: {_names(shapes, 2)}")
-    raise CkptError(f"--model {model} does not match the checkpoint: {parts[0]}: " + "; ".join(parts[1:]), path=path,
+    raise CkptError(f"--model {model} does not match the checkpoint: the model has {len(have)} parameters, the "
+                    f"checkpoint {len(want)}: " + "; ".join(parts), path=path,
                     hint="pass --model module:function or drop --model for the model-free check")
 
 

@@ -51,7 +51,8 @@ from typing import Any, Callable
 
 from ..errors import CkptError, UnsupportedCheckpoint
 from ..tree import Checkpoint, GroupNode
-from .resume import (LR_REL_TOL, Check, CheckRow, ResumeResult, SavedState, StepRecord, node_to_python)
+from .resume import (LR_REL_TOL, Check, CheckRow, ResumeResult, SavedState, StepRecord, mismatch,
+                     node_to_python)
 
 WORKERS = {
     "hf_trainer": "ckpt_tools.train.resume_fw.hf_trainer",
@@ -806,17 +807,10 @@ def _hf_model_matches(folder: Path, ck: Checkpoint) -> None:
     have = {n: tuple(s) for n, s, _ in _tensor_specs(ck.model)}
     if not have:
         return  # weights elsewhere (an FSDP folder): the Trainer's own load decides
-    missing = [n for n in want if n not in have]
-    extra = [n for n in have if n not in sd_keys]
-    bad = [f"{n} {have[n]} vs {want[n]}" for n in want if n in have and have[n] != want[n]]
-    if missing or extra or bad:
-        parts = []
-        if missing:
-            parts.append(f"missing {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
-        if extra:
-            parts.append(f"unexpected {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}")
-        if bad:
-            parts.append(f"shape {', '.join(bad[:2])}")
+    # the checkpoint's names that are the model's state-dict entries but not parameters (tied aliases, buffers)
+    # are no mismatch
+    parts = mismatch(want, {n: have[n] for n in have if n in want or n not in sd_keys})
+    if parts:
         raise CkptError(f"the config.json model has {len(want)} parameters, the checkpoint {len(have)}: "
                         f"{'; '.join(parts)}", path=folder,
                         hint="config.json and the saved weights disagree: restore the run's config.json")
