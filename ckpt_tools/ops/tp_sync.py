@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -277,17 +278,93 @@ def shard_values(shard: Any):
     return values, bits, dtype
 
 
+#: a representation whose TP shards differ is compared in pure Python up to this many elements per shard
+#: (a few drifted layer norms: importing numpy would cost more than the maths), with numpy above it
+PY_COMPARE_MAX = 1 << 16
+
+
+def shard_bytes(shard: Any) -> bytes | None:
+    """The raw bytes of one TP shard (a TensorNode whose pieces are contiguous), in element order; None
+    for anything else (a torch tensor, a numpy-backed shard, a non-contiguous view)."""
+    pieces = getattr(shard, "pieces", None)
+    if not pieces or hasattr(shard, "detach"):
+        return None
+    out, at = [], 0
+    for p in sorted(pieces, key=lambda p: p.dst_offset):
+        if p.dst_offset != at or p.ref.storage is None or not p.ref.is_contiguous:
+            return None
+        out.append(p.ref._raw(p.src_offset, p.numel))
+        at += p.numel
+    if at != math.prod(shard.shape):
+        return None
+    return b"".join(out)
+
+
+def _py_values(raw: bytes, dtype: str):
+    """The elements of `raw` as Python floats (exact for bf16/fp16/fp32/fp64), or None for other dtypes."""
+    from array import array
+
+    if dtype == "bfloat16":  # bf16 is the top half of a float32
+        return array("f", array("I", [h << 16 for h in array("H", raw)]).tobytes())
+    if dtype == "float16":
+        return struct.unpack(f"<{len(raw) // 2}e", raw)
+    if dtype in ("float32", "float64"):
+        return array("f" if dtype == "float32" else "d", raw)
+    return None
+
+
+def _same(representation: str, dtype: str) -> RepresentationDiff:
+    return RepresentationDiff(representation, dtype, 0.0, 0.0, True, True, ())
+
+
 def compare_shards(shards: Sequence[Any], representation: str, atol: float, rtol: float) -> RepresentationDiff:
-    """Compare TP ranks 1.. with TP rank 0 (the shards of one representation, TP rank order), in numpy."""
+    """Compare TP ranks 1.. with TP rank 0 (the shards of one representation, TP rank order).
+
+    Raw bytes first: bit-identical shards (the usual case) need no arithmetic and no numpy. Shards that
+    differ are compared element by element in float64 — in pure Python when small, with numpy above
+    `PY_COMPARE_MAX` elements; both give the same numbers."""
+    dtype = str(getattr(shards[0], "dtype", "")).replace("torch.", "")
+    if any(tuple(s.shape) != tuple(shards[0].shape) for s in shards[1:]):
+        return RepresentationDiff(representation, dtype, math.inf, math.inf, False, False,
+                                  tuple(range(1, len(shards))))
+    raws = [shard_bytes(s) for s in shards]
+    if all(r is not None for r in raws):
+        if all(r == raws[0] for r in raws[1:]):
+            return _same(representation, dtype)
+        if math.prod(shards[0].shape) <= PY_COMPARE_MAX:
+            values = [_py_values(r, dtype) for r in raws]
+            if values[0] is not None:
+                return _compare_py(raws, values, representation, dtype, atol, rtol)
+    return _compare_numpy(shards, representation, atol, rtol)
+
+
+def _compare_py(raws, values, representation: str, dtype: str, atol: float, rtol: float) -> RepresentationDiff:
+    ref = values[0]
+    max_abs = max_rel = 0.0
+    in_tol, differing = True, []
+    for t in range(1, len(values)):
+        if raws[t] == raws[0]:
+            continue
+        differing.append(t)
+        for a, b in zip(ref, values[t]):
+            d = abs(b - a)
+            if d > max_abs:
+                max_abs = d
+            m = max(abs(a), abs(b))
+            if m > 0 and d / m > max_rel:
+                max_rel = d / m
+            if not d <= atol + rtol * abs(a):
+                in_tol = False
+    return RepresentationDiff(representation, dtype, max_abs, max_rel, not differing, in_tol, tuple(differing))
+
+
+def _compare_numpy(shards: Sequence[Any], representation: str, atol: float, rtol: float) -> RepresentationDiff:
     import numpy as np
 
     ref, ref_bits, dtype = shard_values(shards[0])
     max_abs = max_rel = 0.0
     in_tol, differing = True, []
     for t, shard in enumerate(shards[1:], start=1):
-        if tuple(shard.shape) != tuple(shards[0].shape):
-            return RepresentationDiff(representation, dtype, math.inf, math.inf, False, False,
-                                      tuple(range(1, len(shards))))
         other, bits, _ = shard_values(shard)
         if not np.array_equal(bits, ref_bits):
             differing.append(t)
