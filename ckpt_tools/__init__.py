@@ -9,7 +9,9 @@ Opening reads metadata only: pickles are parsed without executing them, tensor b
 """
 from __future__ import annotations
 
+import gc
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import CkptError, CorruptCheckpoint, MissingFile, NotACheckpoint, UnsupportedCheckpoint
@@ -24,7 +26,23 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     from .formats import detect
 
     p = Path(path)
-    return detect(p).open(p)
+    with gc_paused():
+        return detect(p).open(p)
+
+
+@contextmanager
+def gc_paused():
+    """No cyclic garbage collection while a checkpoint's metadata is parsed. Parsing allocates a few objects
+    per tensor and frees none of them, so every collection the allocation count triggers finds nothing and
+    re-traverses the whole growing tree: on an 18,437-tensor ZeRO-2 checkpoint the full collections were
+    0.35 s of a 0.95 s open. Reference counting still frees everything acyclic as usual."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 __all__ = [

@@ -40,8 +40,9 @@ def inspect_cmd(
     json_out: bool = typer.Option(False, "--json", help="machine-readable output (see ckpt_tools.ops.inspect)"),
     stats: bool = typer.Option(False, "--stats", help="read tensor data: min/max/mean/std, NaN/Inf (slow)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="header only, no tree"),
-    full: bool = typer.Option(False, "--full", help="every value of long lists (default: type, length and the "
-                              "first values, e.g. of RNG states)"),
+    full: bool = typer.Option(False, "--full", help="every numbered layer on its own line and every value of "
+                              "long lists (default: layers that read the same as one line, `blocks.{0..47}.…  ×48`; "
+                              "lists as type, length and first values)"),
 ) -> None:
     """Show format, topology, counters, learning rates, parameter count, warnings and the state tree.
 

@@ -13,6 +13,7 @@ Set CKPT_DEBUG=1 to see tracebacks.
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import sys
 
@@ -177,6 +178,10 @@ def _fast_inspect(argv: list[str]):
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
+    # a command lives seconds to minutes and holds a checkpoint tree of up to millions of objects: full
+    # (oldest-generation) collections would re-traverse all of it again and again and find nothing; the
+    # young generations are still collected, and reference counting frees everything acyclic
+    gc.set_threshold(*gc.get_threshold()[:2], 1_000_000_000)
     _install_test_kill_hook()
     try:
         fast = _fast_inspect(sys.argv[1:] if argv is None else argv)

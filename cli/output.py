@@ -171,43 +171,116 @@ def _leaf_text(n: Node, full: bool = False) -> str:
     return style(fmt_value(n.value), "bold")
 
 
+#: numbered siblings (layers, experts) that read the same are shown as one line from this many on
+COLLAPSE_MIN = 3
+_NUM = re.compile(r"(?<![^.])\d+(?![^.])")  # a whole dotted component that is a number: "blocks.12.attn"
+
+
+def collapse_numbered(names: list[str], texts: list[str | None]) -> list[tuple[str, str | None, list[int]]]:
+    """Siblings whose names differ only in numbered components (`blocks.0.attn_qkv.weight` ...
+    `blocks.1535.attn_qkv.weight`) and whose rendered texts are identical, as one row each:
+    (label, text, member indices), the label with each varying number as ranges (`blocks.{0..1535}.…`),
+    in first-appearance order. A sibling whose text differs (another shape, dtype or value) stays its own
+    row, so an odd layer stands out. Texts of None never collapse. Only when the varying numbers form a
+    full grid (every combination present) is a pattern collapsed; otherwise its names stay one per row."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, (name, text) in enumerate(zip(names, texts)):
+        pattern = _NUM.sub("#", name) if text is not None else name
+        if pattern != name:
+            groups.setdefault((pattern, text), []).append(i)
+    collapsed: dict[int, tuple[str, list[int]]] = {}  # first member -> (label, members)
+    hidden: set[int] = set()
+    for (pattern, _), members in groups.items():
+        label = _numbered_label(pattern, [names[i] for i in members]) if len(members) >= COLLAPSE_MIN else None
+        if label is not None:
+            collapsed[members[0]] = (label, members)
+            hidden.update(members[1:])
+    rows: list[tuple[str, str | None, list[int]]] = []
+    for i, (name, text) in enumerate(zip(names, texts)):
+        if i in collapsed:
+            rows.append((collapsed[i][0], text, collapsed[i][1]))
+        elif i not in hidden:
+            rows.append((name, text, [i]))
+    return rows
+
+
+def _numbered_label(pattern: str, names: list[str]) -> str | None:
+    values = [[int(m) for m in _NUM.findall(n)] for n in names]
+    per_slot = [sorted(set(col)) for col in zip(*values)]
+    if math.prod(len(v) for v in per_slot) != len(names) or len(set(map(tuple, values))) != len(names):
+        return None
+    parts = iter(_ranges(v) for v in per_slot)
+    return _NUM.sub(lambda m: next(parts), pattern.replace("#", "0"))
+
+
+def _ranges(values: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8, 9] -> "{0..2,5,7..9}" ([0, 1, 3] -> "{0,1,3}"); one value stays bare."""
+    if len(values) == 1:
+        return str(values[0])
+    runs, start = [], values[0]
+    for a, b in zip(values, values[1:] + [None]):
+        if b != a + 1:
+            runs.append(str(start) if start == a else f"{start},{a}" if a == start + 1 else f"{start}..{a}")
+            start = b
+    return "{" + ",".join(runs) + "}"
+
+
 def tree_lines(node: Node, label: str, extra=None, *, full: bool = False, width: int | None = None) -> list[str]:
     """The tree as text lines (box-drawing like `tree`). Plain string building: a checkpoint with
     thousands of tensors renders in milliseconds, where a rich Tree takes a noticeable fraction of a second.
 
     Groups whose children are all leaves (an optimizer entry: exp_avg, exp_avg_sq, fp32, step) fit on one
-    line when short, so a parameter's whole optimizer state reads at a glance. Long lists of plain values
-    (RNG states) show their type, length and first values unless `full`. With a `width` (a terminal's),
-    lines break between words, continued under their own branch."""
+    line when short, so a parameter's whole optimizer state reads at a glance. Numbered siblings that read
+    the same (a model's layers, an MoE's experts) are one line, `blocks.{0..1535}.mlp_fc.weight: bfloat16
+    [128×32]  ×1536`, unless `full` (torch prints `(0-11): 12 x Block` the same way). Long lists of plain
+    values (RNG states) show their type, length and first values unless `full`. With a `width` (a
+    terminal's), lines break between words, continued under their own branch."""
     _COLOR[0] = use_color()
     lines = [style(label, "bold")]
 
     def leaf(n: Node) -> str:
         return _leaf_text(n, full) + (extra(n) if extra else "")
 
-    def add(prefix: str, last: bool, name: str, n: Node) -> None:
+    def one_line(n: Node) -> str | None:
+        """What follows a child's name when it fits on one line: a leaf, or a short group of leaves."""
+        if _is_leaf(n):
+            return ": " + leaf(n)
+        kids = n.children
+        if kids and len(kids) <= 5 and all(_is_leaf(c) for c in kids.values()):
+            cls = " " + style(f"<{n.cls}>", "magenta") if isinstance(n, OpaqueNode) else ""
+            return cls + "  " + "  ".join(f"{k}: {leaf(c)}" for k, c in kids.items())
+        return None
+
+    def add(prefix: str, last: bool, name: str, n: Node, text: str | None, count: int = 1) -> None:
         branch = "└── " if last else "├── "
         below = prefix + ("    " if last else "│   ")
-        if isinstance(n, (GroupNode, OpaqueNode)):
-            kids = n.children
-            head = str(name) + (" " + style(f"<{n.cls}>", "magenta") if isinstance(n, OpaqueNode) else "")
-            if kids and len(kids) <= 5 and all(_is_leaf(c) for c in kids.values()):
-                one = prefix + branch + head + "  " + "  ".join(f"{k}: {leaf(c)}" for k, c in kids.items())
-                if width is None or visible_len(one) <= width:
-                    lines.append(one)
-                    return
-            lines.extend(wrap(head + (" " + style(f"({len(kids)})", "dim") if len(kids) > 5 else ""), width,
-                              prefix + branch, below + ("│   " if kids else "    ")))
-            items = list(kids.items())
-            for i, (k, c) in enumerate(items):
-                add(below, i == len(items) - 1, k, c)
+        times = "  " + style(f"×{count}", "dim") if count > 1 else ""
+        if text is not None and _is_leaf(n):
+            lines.extend(wrap(f"{name}{text}{times}", width, prefix + branch, below + "    "))
+            return
+        if text is not None:  # a group's count follows its name, as when it is shown expanded
+            one = prefix + branch + str(name) + times + text
+            if width is None or visible_len(one) <= width:
+                lines.append(one)
+                return
+        kids = n.children
+        head = str(name) + (" " + style(f"<{n.cls}>", "magenta") if isinstance(n, OpaqueNode) else "") + times
+        lines.extend(wrap(head + (" " + style(f"({len(kids)})", "dim") if len(kids) > 5 else ""), width,
+                          prefix + branch, below + ("│   " if kids else "    ")))
+        children(below, n)
+
+    def children(prefix: str, n: Node) -> None:
+        items = list(n.children.items())
+        texts = [one_line(c) for _, c in items]
+        if full or extra or len(items) < COLLAPSE_MIN:
+            rows = [(str(k), t, [i]) for i, ((k, _), t) in enumerate(zip(items, texts))]
         else:
-            lines.extend(wrap(f"{name}: {leaf(n)}", width, prefix + branch, below + "    "))
+            rows = collapse_numbered([str(k) for k, _ in items], texts)
+        for r, (name, text, members) in enumerate(rows):
+            add(prefix, r == len(rows) - 1, name, items[members[0]][1], text, len(members))
 
     if isinstance(node, (GroupNode, OpaqueNode)):
-        items = list(node.children.items())
-        for i, (k, c) in enumerate(items):
-            add("", i == len(items) - 1, k, c)
+        children("", node)
     return lines
 
 

@@ -229,3 +229,31 @@ def test_depth_cuts_the_tree_and_says_how_much_is_below():
     assert "blocks.0.ln_1.weight" in two.stdout and "state  …: 29 entries below --depth 2" in two.stdout
     doc = json.loads(run_cli("inspect", path, "--depth", "1", "--json").stdout)
     assert doc["tree"]["model"] == {"…": "29 entries below --depth 1"}
+
+
+def test_numbered_layers_read_as_one_line_and_full_lists_them():
+    """A pipeline checkpoint's layers 2..5 (the same shapes and TP rules) read as one line each per parameter,
+    `{2..5}.input_layernorm.weight: ...  ×4`; `--full` lists every layer; --json always lists every tensor."""
+    path = sample("megatron", "gpt_tp2_pp2_drifted")
+    short = ckpt("inspect", path).stdout
+    assert "├── {2..5}.input_layernorm.weight: bfloat16 [16] (2 TP shards, replicated)  ×4" in short
+    assert "3.input_layernorm.weight" not in short
+    full = ckpt("inspect", path, "--full").stdout
+    for layer in range(2, 6):
+        assert f"── {layer}.input_layernorm.weight: bfloat16 [16]" in full
+    assert "{2..5}" not in full and len(full.splitlines()) > len(short.splitlines())
+    doc = json.loads(ckpt("inspect", path, "--json").stdout)
+    assert {f"{k}.input_layernorm.weight" for k in range(2, 6)} <= set(doc["tree"]["model"])
+
+
+def test_collapse_keeps_odd_layers_and_order():
+    """Layers that read differently stay their own line (an odd layer stands out); fewer than three alike and
+    patterns whose numbers do not form a full grid are not collapsed; order is first appearance."""
+    from cli.output import collapse_numbered
+
+    names = ["emb", "l.0.w", "l.0.b", "l.1.w", "l.1.b", "l.2.w", "l.2.b", "l.3.w", "l.3.b", "x.0.e.0", "x.1.e.1"]
+    texts = ["A", "W", "B", "W", "B", "W2", "B", "W", "B", "E", "E"]
+    rows = collapse_numbered(names, texts)
+    assert [(label, n) for label, _, n in rows] == [
+        ("emb", [0]), ("l.{0,1,3}.w", [1, 3, 7]), ("l.{0..3}.b", [2, 4, 6, 8]), ("l.2.w", [5]),
+        ("x.0.e.0", [9]), ("x.1.e.1", [10])]
