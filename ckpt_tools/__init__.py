@@ -30,6 +30,11 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         return detect(p).open(p)
 
 
+#: set by the CLI (a short-lived process): after a parse, move the parsed objects out of the collector's
+#: sight (`gc.freeze()`), so that the first collection after it does not traverse every one of them
+FREEZE_AFTER_PARSE = False
+
+
 @contextmanager
 def gc_paused():
     """No cyclic garbage collection while a checkpoint's metadata is parsed. Parsing allocates a few objects
@@ -41,6 +46,8 @@ def gc_paused():
     try:
         yield
     finally:
+        if FREEZE_AFTER_PARSE:
+            gc.freeze()
         if was:
             gc.enable()
 

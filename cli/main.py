@@ -19,6 +19,7 @@ import sys
 
 import typer
 
+import ckpt_tools
 from ckpt_tools.errors import CkptError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     # (oldest-generation) collections would re-traverse all of it again and again and find nothing; the
     # young generations are still collected, and reference counting frees everything acyclic
     gc.set_threshold(*gc.get_threshold()[:2], 1_000_000_000)
+    ckpt_tools.FREEZE_AFTER_PARSE = True
     _install_test_kill_hook()
     try:
         fast = _fast_inspect(sys.argv[1:] if argv is None else argv)

@@ -225,6 +225,28 @@ def _ranges(values: list[int]) -> str:
     return "{" + ",".join(runs) + "}"
 
 
+def _line_key(n: Node):
+    """What a child's tree line says, as a hashable key (cheaper than the text): two children with equal keys
+    render the same line. None for a child that spans several lines (never collapsed)."""
+    def leaf(c: Node):
+        if isinstance(c, TensorNode):
+            v = c.value
+            return (c.dtype, c.shape, tuple(v) if isinstance(v, list) else v, len(c.shards), c.merge,
+                    len(c.pieces) > 1)
+        v = c.value
+        return ("v", type(v).__name__, repr(v) if isinstance(v, (list, tuple, dict)) else v)
+
+    try:
+        if _is_leaf(n):
+            return leaf(n)
+        kids = n.children
+        if kids and len(kids) <= 5 and all(_is_leaf(c) for c in kids.values()):
+            return (getattr(n, "cls", None),) + tuple((k, leaf(c)) for k, c in kids.items())
+        return None
+    except TypeError:  # an unhashable value: that child keeps its own line
+        return None
+
+
 def tree_lines(node: Node, label: str, extra=None, *, full: bool = False, width: int | None = None) -> list[str]:
     """The tree as text lines (box-drawing like `tree`). Plain string building: a checkpoint with
     thousands of tensors renders in milliseconds, where a rich Tree takes a noticeable fraction of a second.
@@ -271,13 +293,14 @@ def tree_lines(node: Node, label: str, extra=None, *, full: bool = False, width:
 
     def children(prefix: str, n: Node) -> None:
         items = list(n.children.items())
-        texts = [one_line(c) for _, c in items]
         if full or extra or len(items) < COLLAPSE_MIN:
-            rows = [(str(k), t, [i]) for i, ((k, _), t) in enumerate(zip(items, texts))]
-        else:
-            rows = collapse_numbered([str(k) for k, _ in items], texts)
-        for r, (name, text, members) in enumerate(rows):
-            add(prefix, r == len(rows) - 1, name, items[members[0]][1], text, len(members))
+            rows = [(str(k), [i]) for i, (k, _) in enumerate(items)]
+        else:  # compared by what the line would say, rendered only for the lines shown
+            rows = [(label, members) for label, _, members in
+                    collapse_numbered([str(k) for k, _ in items], [_line_key(c) for _, c in items])]
+        for r, (name, members) in enumerate(rows):
+            child = items[members[0]][1]
+            add(prefix, r == len(rows) - 1, name, child, one_line(child), len(members))
 
     if isinstance(node, (GroupNode, OpaqueNode)):
         children("", node)
