@@ -167,15 +167,18 @@ def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
             if as_int(stepv) is not None:
                 steps_seen.append(as_int(stepv))
                 step_value.setdefault(gi, as_int(stepv))
+            refs = [(key, ref, ref.numel) for key, ref in flat.items() if isinstance(ref, TensorRef)]
             for name, (src, cnt, dst) in _fragments(stage, osd, gi, shapes, r, dp).items():
                 slot = pieces.setdefault(name, {})
-                for key, ref in flat.items():
-                    if not isinstance(ref, TensorRef):
-                        continue
-                    if src + cnt > ref.numel:
+                for key, ref, size in refs:
+                    if src + cnt > size:
                         raise CorruptCheckpoint(f"param {name} lies outside the flat {key} partition of group {gi}",
                                                 path=optim_files[r], hint="the rank files are from different runs")
-                    slot.setdefault(key, []).append(Piece(rel, ref, src, cnt, dst, rank))
+                    plist = slot.get(key)
+                    if plist is None:
+                        slot[key] = [Piece(rel, ref, src, cnt, dst, rank)]
+                    else:
+                        plist.append(Piece(rel, ref, src, cnt, dst, rank))
     state_out: dict[str, dict[str, Any]] = {}
     for gi, shapes in enumerate(shape_groups):
         for name, shape in shapes.items():
@@ -187,7 +190,9 @@ def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
                     raise CorruptCheckpoint(f"param {name}: the {key} pieces cover {covered} of "
                                             f"{math.prod(shape)} elements", path=optim_files[min(optim_files)],
                                             hint="a rank file is missing or from another run")
-                entry[key] = TensorNode(shape, plist[0].ref.dtype, tuple(sorted(plist, key=lambda p: p.dst_offset)))
+                if len(plist) > 1:
+                    plist.sort(key=_dst_offset)
+                entry[key] = TensorNode(shape, plist[0].ref.dtype, tuple(plist))
             if gi in step_value:
                 entry["step"] = step_value[gi]
             entry["param_group"] = gi
@@ -200,6 +205,10 @@ def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
                else _dig(osd0, "base_optimizer_state", "param_groups")) or []
     return ZeroOptimizer(stage, state_out, [g for g in groups0 if isinstance(g, dict)], steps_seen,
                          lrs_by_rank, extras, master_dtype)
+
+
+def _dst_offset(p: Piece) -> int:
+    return p.dst_offset
 
 
 def _other_flat_states(gstate: Any, fp32: Any) -> dict[str, TensorRef]:
