@@ -35,20 +35,27 @@ class Measurement:
     stdout_bytes: int
 
 
+GNU_TIME = "/usr/bin/time"
+
+
 def run_measured(cmd: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
                  stdout_path: str | os.PathLike | None = None, check: bool = True) -> Measurement:
-    """Run `cmd` to completion; return its wall time and peak RSS.
+    """Run `cmd` to completion; return its wall time, CPU time and peak RSS.
 
-    `os.wait4` gives the rusage of exactly this child (including any grandchildren it reaped), unlike
-    `resource.getrusage(RUSAGE_CHILDREN)`, whose max RSS is the max over every child ever reaped by this
-    process. Stdout goes to a file rather than a pipe: reading a pipe would need `communicate()`, which
-    reaps the child itself and loses the rusage; a file also costs the child the same as a redirect in a
-    shell. Stderr is kept in a temp file and shown if the command fails.
+    The peak RSS is the kernel's `ru_maxrss` of the child. Linux folds into it the high-water RSS of the
+    address space the child had *before* its exec: for a child forked or vforked straight from this
+    benchmark process that is the benchmark's own RSS (rich, json results: ~57 MiB), so even `python -c
+    pass` read 56.6 MiB. So the child is started through GNU time (`/usr/bin/time`, ~2 MiB, which forks and
+    execs it and reports `%M`, its ru_maxrss); without GNU time, `os.wait4`'s rusage of the direct child is
+    used (it may include this process's RSS). Stdout goes to a file
+    (a shell redirect costs the child the same); stderr is kept and shown if the command fails.
     """
     out = open(stdout_path, "wb") if stdout_path else open(os.devnull, "wb")
-    with out, tempfile.TemporaryFile() as err:
+    use_time = os.access(GNU_TIME, os.X_OK)
+    with out, tempfile.TemporaryFile() as err, tempfile.NamedTemporaryFile("r", suffix=".time") as tfile:
+        argv = ([GNU_TIME, "-q", "-f", "%M %U %S", "-o", tfile.name] if use_time else []) + list(cmd)
         t0 = time.perf_counter()
-        proc = subprocess.Popen(list(cmd), stdout=out, stderr=err, env=env, cwd=cwd)
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env, cwd=cwd)
         _, status, ru = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - t0
         proc.returncode = os.waitstatus_to_exitcode(status)  # already reaped: keep Popen from waiting again
@@ -57,10 +64,21 @@ def run_measured(cmd: Sequence[str], *, env: dict[str, str] | None = None, cwd: 
             tail = err.read().decode(errors="replace")[-4000:]
             raise RuntimeError(f"{' '.join(map(str, cmd))} exited with {proc.returncode}:\n{tail}")
         size = out.tell() if stdout_path else 0
-    # Linux reports ru_maxrss in KiB (macOS in bytes).
-    rss = ru.ru_maxrss if sys.platform == "darwin" else ru.ru_maxrss * 1024
-    return Measurement(wall_s=wall, cpu_s=ru.ru_utime + ru.ru_stime, peak_rss_bytes=rss,
-                       returncode=proc.returncode, stdout_bytes=size)
+        fields = tfile.read().split() if use_time else []
+    if len(fields) >= 3:
+        rss, cpu = int(fields[-3]) * 1024, float(fields[-2]) + float(fields[-1])
+    else:  # Linux reports ru_maxrss in KiB (macOS in bytes)
+        rss = ru.ru_maxrss if sys.platform == "darwin" else ru.ru_maxrss * 1024
+        cpu = ru.ru_utime + ru.ru_stime
+    return Measurement(wall_s=wall, cpu_s=cpu, peak_rss_bytes=rss, returncode=proc.returncode, stdout_bytes=size)
+
+
+def precompile() -> None:
+    """Write the project's bytecode, as installing a wheel does. These machines set PYTHONDONTWRITEBYTECODE=1,
+    so an editable install would otherwise compile every ckpt module again in every timed process (~40 ms
+    that no installed tool pays; torch and the other references come from wheels with their bytecode)."""
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "ckpt_tools", "cli"], cwd=REPO_ROOT, check=True,
+                   stdout=subprocess.DEVNULL)
 
 
 def drop_caches() -> bool:

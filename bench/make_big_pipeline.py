@@ -2,6 +2,9 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node 4 bench/make_big_pipeline.py \
         --out bench/out/pipe_100m --hidden 1024 --layers 8
+    # many files (bench_inspect's file-count row): TP=2 x PP=2 x DP=2, 8 ranks
+    python -m torch.distributed.run --standalone --nproc_per_node 8 bench/make_big_pipeline.py \
+        --out bench/out/pipe_dp2_l96 --hidden 64 --layers 96 --dp 2
 
 The real `PipelineEngine`, trained for a few steps: the model, ds_config, batches and the replica drift
 are `ckpt_tools.train.workers.ds_pipeline`'s own (the sample worker), only the model is bigger. TP rank 0
@@ -36,9 +39,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel size: run TP*PP*DP = 4*DP ranks")
     args, _ = ap.parse_known_args()
     deepspeed.init_distributed(dist_backend="gloo")
-    topology = PipeModelDataParallelTopology(num_pp=P.PP, num_mp=P.TP, num_dp=P.DP)
+    topology = PipeModelDataParallelTopology(num_pp=P.PP, num_mp=P.TP, num_dp=args.dp)
     coord = topology.get_coord(c.rank())
     torch.manual_seed(P.default_rng_seed(coord.pipe, coord.model, per_tp_rank=False))
     cfg = MegatronGPTConfig(hidden=args.hidden, n_layers=args.layers, ffn_hidden=4 * args.hidden,
@@ -49,14 +53,14 @@ def main() -> None:
     perturb = P.ReplicaGradPerturbation(0.5)
     if coord.model == 0:
         perturb.attach([p for n, p in model.named_parameters() if P.logical_name(n) in drifted])
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=c.param_groups(model), config=P.ds_config())
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=c.param_groups(model), config=P.ds_config(args.dp))
     for step in range(STEPS):
         perturb.active = step + 1 in PERTURBED_STEPS
-        engine.train_batch(data_iter=P.micro_batches(step, cfg))
+        engine.train_batch(data_iter=P.micro_batches(step, cfg, coord.data))
     engine.save_checkpoint(str(args.out), client_state={
-        "args": P.megatron_args(cfg), "iteration": engine.global_steps, "torch_rng_state": torch.get_rng_state(),
+        "args": P.megatron_args(cfg, args.dp), "iteration": engine.global_steps, "torch_rng_state": torch.get_rng_state(),
         UNIVERSAL_CHECKPOINT_INFO: P.universal_checkpoint_info(cfg)})
-    drift = P.replica_drift(engine, coord.model)
+    drift = P.replica_drift(engine, coord.model, coord.data)
     if c.rank() == 0:
         print(f"saved {args.out}: hidden={cfg.hidden} layers={cfg.n_layers}; drifted on the live engine: "
               f"{sorted(drift)}", flush=True)

@@ -50,7 +50,33 @@ def fmt_value(v: Any, full: bool = False) -> str:
         return f"[{inner}{more}]"
     if v is None:
         return "—"
+    if isinstance(v, dict) and len(v) > ARRAY_MIN and not full:
+        return _fmt_runs(v) or str(v)
     return str(v)
+
+
+def _fmt_runs(d: dict) -> str | None:
+    """A long mapping of numbered keys onto a few values (a pipeline's layer -> stage) as key ranges:
+    `01..49 → 0, 50..99 → 1`. None when the keys are not numbers or the values are many."""
+    try:
+        keys = [(int(k), k) for k in d]
+        by: dict[Any, list[int]] = {}
+        for n, k in sorted(keys):
+            by.setdefault(d[k], []).append(n)
+    except (TypeError, ValueError):
+        return None
+    if len(by) > ARRAY_MIN:
+        return None
+    width = max(len(str(k)) for k in d)
+    parts = []
+    for value, nums in by.items():
+        runs, start = [], nums[0]
+        for a, b in zip(nums, nums[1:] + [None]):
+            if b != a + 1:
+                runs.append(f"{start:0{width}d}" if start == a else f"{start:0{width}d}..{a:0{width}d}")
+                start = b
+        parts.append(f"{','.join(runs)} → {value}")
+    return ", ".join(parts)
 
 
 #: a list longer than this is an array (an RNG state's 625 integers): shown as type, length and first values
