@@ -73,6 +73,13 @@ def run_measured(cmd: Sequence[str], *, env: dict[str, str] | None = None, cwd: 
     return Measurement(wall_s=wall, cpu_s=cpu, peak_rss_bytes=rss, returncode=proc.returncode, stdout_bytes=size)
 
 
+def ckpt_command() -> list[str]:
+    """The installed `ckpt` console script beside this interpreter, as a user runs it (not a version
+    manager's shell shim found first on PATH, which adds its own ~50 ms); else the same entry point."""
+    exe = Path(sys.executable).with_name("ckpt")
+    return [str(exe)] if exe.is_file() else [sys.executable, "-c", "from cli.main import main; main()"]
+
+
 def precompile() -> None:
     """Write the project's bytecode, as installing a wheel does. These machines set PYTHONDONTWRITEBYTECODE=1,
     so an editable install would otherwise compile every ckpt module again in every timed process (~40 ms

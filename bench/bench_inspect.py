@@ -42,7 +42,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._util import (OUT_DIR, REPO_ROOT, cpu_busy_fraction, dir_bytes, drop_caches,  # noqa: E402
-                         fmt_bytes, machine_info, precompile, run_measured, summarize, wait_for_idle)
+                         fmt_bytes, machine_info, precompile, run_measured, summarize, wait_for_idle,
+                         ckpt_command)
 
 DEFAULT_CKPTS = ("zero2_200m", "zero2_2g")
 TARGET_S = 0.4  # the issue's target for the whole `ckpt inspect` process at 18.4k tensors
@@ -84,13 +85,6 @@ def tag_dir(ckpt: Path) -> Path:
     """The folder holding the .pt files: `<ckpt>/<contents of latest>`, or `ckpt` itself."""
     latest = ckpt / "latest"
     return ckpt / latest.read_text().strip() if latest.is_file() else ckpt
-
-
-def ckpt_command() -> list[str]:
-    """The installed `ckpt` console script beside this interpreter, as a user runs it (not a version
-    manager's shell shim found first on PATH, which adds its own ~50 ms); else the same entry point."""
-    exe = Path(sys.executable).with_name("ckpt")
-    return [str(exe)] if exe.is_file() else [sys.executable, "-c", "from cli.main import main; main()"]
 
 
 def commands(ckpt: Path) -> dict[str, list[str]]:

@@ -27,8 +27,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._util import (OUT_DIR, REPO_ROOT, cpu_busy_fraction, dir_bytes, fmt_bytes, machine_info,  # noqa: E402
-                         run_measured, summarize)
+from bench._util import (OUT_DIR, REPO_ROOT, ckpt_command, cpu_busy_fraction, dir_bytes, drop_caches,  # noqa: E402
+                         fmt_bytes, machine_info, precompile, run_measured, summarize)
 
 # The full-load reference. Replicated parameters are named by the checkpoint's own
 # universal_checkpoint_info patterns (re.match, as DeepSpeed does), so both sides compare the same set.
@@ -82,52 +82,62 @@ def ours_found(stdout: Path) -> list:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", type=Path, default=OUT_DIR / "pipe_100m")
+    ap.add_argument("--ckpt", type=Path, default=OUT_DIR / "pipe_400m")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache runs")
     args = ap.parse_args()
     tag = args.ckpt / (args.ckpt / "latest").read_text().strip()
     ref = Path(tempfile.mkdtemp()) / "full_load.py"
     ref.write_text(FULL_LOAD)
     py = sys.executable
+    precompile()
     commands = {
-        "ckpt check-tp-sync --json": [py, "-c", "from cli.main import main; main()", "check-tp-sync", str(args.ckpt),
-                                      "--json"],
+        "ckpt check-tp-sync --json": [*ckpt_command(), "check-tp-sync", str(args.ckpt), "--json"],
         "full load: layer files (bf16 only)": [py, str(ref), str(tag), "0"],
         "full load: layer + optimizer files": [py, str(ref), str(tag), "1"],
         "python -c pass": [py, "-c", "pass"],
     }
-    runs: dict[str, list] = {k: [] for k in commands}
+    modes = ["warm"] + (["cold"] if not args.no_cold and drop_caches() else [])
     outs = {k: OUT_DIR / f"tp_sync_stdout_{i}.txt" for i, k in enumerate(commands)}
     busy = cpu_busy_fraction()
-    for _ in range(args.repeat):
-        for name, cmd in commands.items():
-            # check-tp-sync exits 1 when it finds drift: that is its answer, not a failure
-            runs[name].append(run_measured(cmd, cwd=REPO_ROOT, stdout_path=outs[name], check=False))
-            if runs[name][-1].returncode not in (0, 1):
-                raise SystemExit(f"{name} failed ({runs[name][-1].returncode}); see {outs[name]}")
-    found = {"ckpt check-tp-sync --json": ours_found(outs["ckpt check-tp-sync --json"])}
-    for name in ("full load: layer files (bf16 only)", "full load: layer + optimizer files"):
-        # unpickling DeepSpeed's optimizer files imports deepspeed, which prints to stdout: the answer is last
-        found[name] = [list(x) for x in json.loads(outs[name].read_text().strip().splitlines()[-1])]
-    agree = found["ckpt check-tp-sync --json"] == found["full load: layer + optimizer files"]
-    summaries = {k: summarize(v) for k, v in runs.items()}
-    base = summaries["ckpt check-tp-sync --json"]
-    print(f"checkpoint {args.ckpt} ({fmt_bytes(dir_bytes(args.ckpt))}), warm page cache, median of {args.repeat}; "
-          f"CPU busy before: {busy if busy is None else f'{busy:.0%}'}")
-    print(f"{'command':<38} {'wall s':>18} {'peak RSS':>10} {'x ckpt wall':>11} {'x ckpt RSS':>10}  found")
-    for name, s in summaries.items():
-        f = found.get(name)
-        print(f"{name:<38} {s.wall_s_median:>7.2f} ({s.wall_s_min:.2f}-{s.wall_s_max:.2f}) "
-              f"{fmt_bytes(s.peak_rss_bytes_median):>10} {s.wall_s_median / base.wall_s_median:>11.1f} "
-              f"{s.peak_rss_bytes_median / base.peak_rss_bytes_median:>10.1f}  "
-              f"{'' if f is None else f'{len(f)} differing: ' + ', '.join(f'{n} {r}' for n, r in f)}")
-    print(f"check-tp-sync's findings == the full load of the same coverage: {agree}")
     result = {"checkpoint": str(args.ckpt), "bytes": dir_bytes(args.ckpt), "repeat": args.repeat, "cpu_busy": busy,
-              "machine": machine_info(), "found": found, "agree": agree,
-              "results": {k: s.to_dict() for k, s in summaries.items()}}
+              "machine": machine_info(), "modes": modes, "results": {}}
+    for mode in modes:
+        runs: dict[str, list] = {k: [] for k in commands}
+        if mode == "warm":
+            for cmd in commands.values():
+                run_measured(cmd, cwd=REPO_ROOT, check=False)
+        for _ in range(args.repeat):
+            for name, cmd in commands.items():
+                if mode == "cold" and not drop_caches():
+                    raise SystemExit("drop_caches stopped working mid-run")
+                # check-tp-sync exits 1 when it finds drift: that is its answer, not a failure
+                runs[name].append(run_measured(cmd, cwd=REPO_ROOT, stdout_path=outs[name], check=False))
+                if runs[name][-1].returncode not in (0, 1):
+                    raise SystemExit(f"{name} failed ({runs[name][-1].returncode}); see {outs[name]}")
+        found = {"ckpt check-tp-sync --json": ours_found(outs["ckpt check-tp-sync --json"])}
+        for name in ("full load: layer files (bf16 only)", "full load: layer + optimizer files"):
+            # unpickling DeepSpeed's optimizer files imports deepspeed, which prints to stdout: the answer is last
+            found[name] = [list(x) for x in json.loads(outs[name].read_text().strip().splitlines()[-1])]
+        agree = found["ckpt check-tp-sync --json"] == found["full load: layer + optimizer files"]
+        summaries = {k: summarize(v) for k, v in runs.items()}
+        base = summaries["ckpt check-tp-sync --json"]
+        print(f"checkpoint {args.ckpt} ({fmt_bytes(dir_bytes(args.ckpt))}), {mode} page cache, median of "
+              f"{args.repeat}; CPU busy before: {busy if busy is None else f'{busy:.0%}'}")
+        print(f"{'command':<38} {'wall s':>18} {'cpu s':>6} {'peak RSS':>10} {'x ckpt wall':>11} {'x ckpt RSS':>10}"
+              "  found")
+        for name, s in summaries.items():
+            f = found.get(name)
+            print(f"{name:<38} {s.wall_s_median:>7.3f} ({s.wall_s_min:.2f}-{s.wall_s_max:.2f}) {s.cpu_s_median:>6.2f} "
+                  f"{fmt_bytes(s.peak_rss_bytes_median):>10} {s.wall_s_median / base.wall_s_median:>11.1f} "
+                  f"{s.peak_rss_bytes_median / base.peak_rss_bytes_median:>10.1f}  "
+                  f"{'' if f is None else f'{len(f)} differing: ' + ', '.join(f'{n} {r}' for n, r in f)}")
+        print(f"check-tp-sync's findings == the full load of the same coverage: {agree}\n")
+        result["results"][mode] = {"found": found, "agree": agree,
+                                   "summaries": {k: s.to_dict() for k, s in summaries.items()}}
+        if not agree:
+            raise SystemExit("check-tp-sync disagrees with the full-load comparison")
     (OUT_DIR / "tp_sync_results.json").write_text(json.dumps(result, indent=1, default=str))
-    if not agree:
-        raise SystemExit("check-tp-sync disagrees with the full-load comparison")
 
 
 if __name__ == "__main__":
