@@ -98,6 +98,9 @@ class _Category:
     sub_params: Any = None
 
 
+_UNDECIDED = object()
+
+
 @dataclass(frozen=True)
 class TPLayout:
     """Merge rules for the parameters of one checkpoint. Ask `rule(name)` per parameter.
@@ -228,7 +231,25 @@ class TPLayout:
 
     def rule(self, name: str, shards: Sequence[Any] | None = None) -> Rule:
         """The merge rule for parameter `name`. With `shards` (TensorRefs or TensorNodes, one per TP
-        rank) a name no pattern decides is decided from the data (`rule_from_data`)."""
+        rank) a name no pattern decides is decided from the data (`rule_from_data`). The patterns' answer
+        is remembered per name (a pipeline checkpoint asks for every tensor of every TP rank)."""
+        cache = self.__dict__.get("_rules")
+        if cache is None:
+            cache = {}
+            object.__setattr__(self, "_rules", cache)
+        hit = cache.get(name)
+        if hit is None:
+            hit = cache[name] = self._pattern_rule(name)
+        rule, decided = hit
+        if not decided and shards is not None:
+            return rule_from_data(shards)
+        return rule
+
+    def _pattern_rule(self, name: str) -> tuple[Rule, bool]:
+        r = self._rule(name, _UNDECIDED)
+        return (Rule(None, self.source, note="no pattern matched"), False) if r is _UNDECIDED else (r, True)
+
+    def _rule(self, name: str, undecided: Any) -> Any:
         vocab = self.vocab_size if any(self._hit(p, name) for p in self.vocabulary) else None
         for p in self.unsupported:
             if self._hit(p, name):
@@ -244,9 +265,7 @@ class TPLayout:
                 return r
         if self.default is not None:
             return Rule(self.default, self.source, None, vocab_size=vocab, note="no pattern matched: the default")
-        if shards is not None:
-            return rule_from_data(shards)
-        return Rule(None, self.source, note="no pattern matched")
+        return undecided  # no pattern and no default decides this name
 
     def is_pipeline_replicated(self, name: str) -> bool:
         """Tied weights held by several pipeline stages (DeepSpeed keeps the first stage's copy)."""

@@ -22,15 +22,18 @@ class LoadCache:
         self.root = root
         self._loaded: dict[Path, pickle_reader.Loaded] = {}
         self._outer: dict[Path, pickle_reader.Source] = {}
+        self._rel: dict[Any, str] = {}
         self.unknown_globals: dict[str, list[str]] = {}
 
     def load(self, path: Path) -> pickle_reader.Loaded:
-        path = Path(path)
-        hit = self._loaded.get(path)
+        hit = self._loaded.get(path)  # a Path hits without building another; anything else becomes one
         if hit is None:
-            hit = pickle_reader.load(path)
-            self._loaded[path] = hit
-            self._note_unknown(path, hit)
+            path = Path(path)
+            hit = self._loaded.get(path)
+            if hit is None:
+                hit = pickle_reader.load(path)
+                self._loaded[path] = hit
+                self._note_unknown(path, hit)
         return hit
 
     def load_embedded(self, path: Path, offset: int, length: int) -> pickle_reader.Loaded:
@@ -50,10 +53,14 @@ class LoadCache:
             self.unknown_globals[rel] = sorted(set(self.unknown_globals.get(rel, [])) | set(unknown))
 
     def rel(self, path: Path) -> str:
-        try:
-            return str(Path(path).relative_to(self.root))
-        except ValueError:
-            return str(path)
+        hit = self._rel.get(path)
+        if hit is None:
+            try:
+                hit = str(Path(path).relative_to(self.root))
+            except ValueError:
+                hit = str(path)
+            self._rel[path] = hit
+        return hit
 
     def warnings(self) -> list[Warning_]:
         return [Warning_("unknown-global",

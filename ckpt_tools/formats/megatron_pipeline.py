@@ -212,14 +212,18 @@ class _Reader:
         """Sort key: layer index, then the layer file's own (module) order; param_shapes lists names by
         param group, which scatters a layer's tensors."""
         index = {n: i for i, n in enumerate(names)}
+        positions: dict[int, dict[str, int]] = {}  # layer -> its file's key -> position
 
         def key(name: str) -> tuple:
             m = _NAME_RE.match(name)
             if not m or (int(m[1]), 0) not in self.layer_files:
                 return (math.inf, 0, index[name])
-            obj = self.cache.load(self.layer_files[(int(m[1]), 0)]).obj
-            keys = list(obj) if isinstance(obj, dict) else []
-            return (int(m[1]), keys.index(m[2]) if m[2] in keys else len(keys), index[name])
+            layer = int(m[1])
+            pos = positions.get(layer)
+            if pos is None:
+                obj = self.cache.load(self.layer_files[(layer, 0)]).obj
+                pos = positions[layer] = {k: i for i, k in enumerate(obj)} if isinstance(obj, dict) else {}
+            return (layer, pos.get(m[2], len(pos)), index[name])
 
         return key
 
