@@ -16,6 +16,7 @@ plain pickles (DCP `.metadata`, Accelerate `*.pkl`).
 """
 from __future__ import annotations
 
+import functools
 import io
 import mmap
 import os
@@ -116,8 +117,8 @@ class TensorRef:
     # record; None for a TensorRef built by hand
     pickled: Any = field(default=None, repr=False, compare=False)
 
-    @property
-    def numel(self) -> int:
+    @functools.cached_property
+    def numel(self) -> int:  # asked for per piece when un-flattening: computed once (the record is frozen)
         n = 1
         for s in self.shape:
             n *= s

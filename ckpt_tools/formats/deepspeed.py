@@ -260,7 +260,10 @@ def _fragments(stage, osd, gi, shapes, rank, dp) -> dict[str, tuple[int, int, in
     for name, frag in mappings[gi].items():
         if not isinstance(frag, Opaque):
             continue
-        numel, start = as_int(frag.field("numel")), as_int(frag.field("start"))
+        st = frag.state  # fragment_address(numel, start): plain ints in every real file
+        numel, start = (st.get("numel"), st.get("start")) if type(st) is dict else (None, None)
+        if type(numel) is not int or type(start) is not int:
+            numel, start = as_int(frag.field("numel")), as_int(frag.field("start"))
         if numel is None or start is None or name not in begins:
             continue
         out[str(name)] = (start, numel, part_begin + start - begins[name])
@@ -481,12 +484,17 @@ def logical_layout(ck: Checkpoint) -> dict[str, Any]:
 
 def _optimizer_node(opt: ZeroOptimizer) -> GroupNode:
     state = {}
+    values: dict[Any, ValueNode] = {}  # nodes are immutable: one per distinct step / group number, shared
     for name in opt.state:
         entry = opt.state[name]
         kids = {k: v for k, v in entry.items() if isinstance(v, TensorNode)}
-        if "step" in entry:
-            kids["step"] = ValueNode(entry["step"])
-        kids["param_group"] = ValueNode(entry["param_group"])
+        for key in ("step", "param_group"):
+            if key in entry:
+                v = entry[key]
+                node = values.get((type(v), v))
+                if node is None:
+                    node = values[(type(v), v)] = ValueNode(v)
+                kids[key] = node
         state[name] = GroupNode(kids)
     groups = {str(i): GroupNode({k: to_node(v, "") for k, v in g.items()}) for i, g in enumerate(opt.param_groups)}
     extras = {k: to_node(v, "") for k, v in opt.extras.items()}
