@@ -190,31 +190,72 @@ class TensorStats:
 
 
 def tensor_stats(ck: Checkpoint, grep: str | None = None) -> Iterator[TensorStats]:
-    """Read every (matching) tensor and compute min/max/mean/std and NaN/Inf counts. Slow: reads bytes."""
-    import torch
+    """Read every (matching) tensor and compute min/max/mean/std and NaN/Inf counts. Slow: reads bytes.
+
+    Reads `diff.CHUNK_ELEMS` elements at a time into one reused buffer (`diff.ChunkReader`: pread, no mmap
+    whose pages would stay resident), so memory stays flat whatever the tensor and checkpoint sizes. The
+    values are taken as float32 (integers and bools widened, complex as |z|); min/max over the finite ones
+    are exact, mean and the sample std are merged across chunks in float64 (Chan et al.'s pairwise update,
+    stable where a sum of squares would cancel). numpy only: torch is imported for float8 tensors alone."""
+    import math
+
+    import numpy as np
+
+    from . import diff as chunked
+
+    def as_float32(raw, dtype: str):
+        if dtype == "float32":
+            return raw
+        if dtype == "bfloat16":
+            return (raw.astype(np.uint32) << 16).view(np.float32)
+        if dtype in ("float16", "float64"):
+            return raw.astype(np.float32)
+        if dtype.startswith("complex"):
+            return np.abs(raw).astype(np.float32)
+        if dtype.startswith("float8"):
+            return chunked.to_float64(raw, dtype).astype(np.float32)
+        return raw.astype(np.float64).astype(np.float32)  # integers and bools, as torch's .double().float()
 
     pat = re.compile(grep, re.IGNORECASE) if grep else None
-    for path, t in iter_tensors(ck.tree):
-        if pat and not pat.search(path):
-            continue
-        if t.numel == 0 or (not t.pieces and not t.shards):
-            continue
-        try:
-            x = t.read_torch()
-        except ValueError:
-            continue
-        if not (x.is_floating_point() or x.is_complex()):
-            x = x.double()
-        x = x.float() if x.is_floating_point() else x.abs().float()
-        nan = int(torch.isnan(x).sum())
-        inf = int(torch.isinf(x).sum())
-        fin = x[torch.isfinite(x)]
-        if fin.numel():
-            mn, mx, mean = float(fin.min()), float(fin.max()), float(fin.double().mean())
-            std = float(fin.double().std()) if fin.numel() > 1 else 0.0
-        else:
-            mn = mx = mean = std = None
-        yield TensorStats(path, t.shape, t.dtype, mn, mx, mean, std, nan, inf)
+    with chunked.ChunkReader() as reader:
+        for path, t in iter_tensors(ck.tree):
+            if pat and not pat.search(path):
+                continue
+            if t.numel == 0 or (not t.pieces and not t.shards):
+                continue
+            try:
+                runs = chunked.tensor_runs(t)
+            except ValueError:
+                continue
+            n = nan = inf = 0
+            mean = m2 = 0.0
+            mn, mx = math.inf, -math.inf
+            for run in runs:
+                for part in chunked.iter_chunks([run]):
+                    x = as_float32(reader.read(part, run[0].dtype), run[0].dtype)
+                    finite = np.isfinite(x)
+                    k = int(np.count_nonzero(finite))
+                    if k != x.size:
+                        bad_nan = int(np.count_nonzero(np.isnan(x)))
+                        nan, inf = nan + bad_nan, inf + x.size - k - bad_nan
+                        x = x[finite]
+                    if not k:
+                        continue
+                    mn, mx = min(mn, float(x.min())), max(mx, float(x.max()))
+                    xd = x.astype(np.float64)
+                    cmean = float(xd.sum()) / k
+                    xd -= cmean
+                    cm2 = float(np.square(xd, out=xd).sum())  # not np.dot: BLAS threads spin, 2x the CPU
+                    total = n + k
+                    delta = cmean - mean
+                    mean += delta * k / total
+                    m2 += cm2 + delta * delta * n * k / total
+                    n = total
+            if n:
+                std = math.sqrt(m2 / (n - 1)) if n > 1 else 0.0
+                yield TensorStats(path, t.shape, t.dtype, mn, mx, mean, std, nan, inf)
+            else:
+                yield TensorStats(path, t.shape, t.dtype, None, None, None, None, nan, inf)
 
 
 def stats_warnings(stats: list[TensorStats]) -> list[Warning_]:
