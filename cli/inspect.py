@@ -50,8 +50,6 @@ def inspect_cmd(
     after a listing of them (format, step, size, newest first), so the next command is one copy away."""
     if depth is not None and depth < 0:
         raise CkptError(f"--depth {depth}: give 0 or more levels (0 shows only the header and the tree's size)")
-    if stats:
-        output.require("torch", extra="convert", what="--stats (it reads tensor data)")
     try:
         ck = ops.open_for_inspect(path)
     except NotACheckpoint:
@@ -81,7 +79,7 @@ def inspect_cmd(
         return
     _print_header(ck, warnings)
     if stats:
-        _print_stats(output.console(), stat_rows)
+        _print_stats(stat_rows)
     elif not quiet and tree is not None:
         extra = None
         if rank_d:
@@ -156,17 +154,23 @@ def _print_header(ck, warnings) -> None:
     sys.stdout.write("\n".join(lines) + "\n")
 
 
-def _print_stats(con, rows) -> None:
-    from rich.table import Table
+def _print_stats(rows) -> None:
+    """One aligned plain-text line per tensor (like the tree: a rich Table took ~1 s for 5,000 rows)."""
+    f, style = output.fmt_value, output.style
+    head = ("tensor", "shape", "dtype", "min", "max", "mean", "std", "NaN", "Inf")
+    cells = [(s.path, "×".join(map(str, s.shape)) or "scalar", s.dtype, f(s.min), f(s.max), f(s.mean), f(s.std),
+              str(s.nan), str(s.inf)) for s in rows]
+    width = [max(len(c[i]) for c in [head, *cells]) for i in range(len(head))]
 
-    t = Table(show_edge=False)
-    for col in ("tensor", "shape", "dtype", "min", "max", "mean", "std", "NaN", "Inf"):
-        t.add_column(col, justify="right" if col not in ("tensor", "dtype") else "left")
-    for s in rows:
-        f = output.fmt_value
-        t.add_row(s.path, "×".join(map(str, s.shape)) or "scalar", s.dtype, f(s.min), f(s.max), f(s.mean), f(s.std),
-                  f"[red]{s.nan}[/]" if s.nan else "0", f"[red]{s.inf}[/]" if s.inf else "0")
-    con.print(t)
+    def line(c, bad=(False, False)):
+        left = [c[i].ljust(width[i]) for i in range(3)]
+        right = [c[i].rjust(width[i]) for i in range(3, 7)]
+        counts = [style(c[i].rjust(width[i]), "red") if flag else c[i].rjust(width[i])
+                  for i, flag in zip((7, 8), bad)]
+        return "  ".join(left + right + counts).rstrip()
+
+    out = [style(line(head), "bold")] + [line(c, (s.nan > 0, s.inf > 0)) for c, s in zip(cells, rows)]
+    sys.stdout.write("\n".join(out) + "\n")
 
 
 def register(app: typer.Typer) -> None:
