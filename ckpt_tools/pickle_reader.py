@@ -555,6 +555,8 @@ class _Unpickler(pickle.Unpickler):
         super().__init__(file, encoding="latin1")
         self._source = source
         self._persistent = persistent
+        if persistent is not None:  # called straight from C, once per tensor storage
+            self.persistent_load = persistent
         self.globals_seen: set[str] = set()
 
     def find_class(self, module: str, name: str):
@@ -1020,12 +1022,19 @@ def _load_zip(path: str, file: io.RawIOBase | None = None,
             raise CorruptCheckpoint(f"cannot read {name} ({type(e).__name__}: {e})", path=path,
                                     hint="the file is truncated or corrupt; re-copy it or restore a backup")
 
+    types: dict[Any, tuple[str, str]] = {}  # storage type -> (dtype, its name): a few per file
+
     def persistent(pid):
         if not isinstance(pid, tuple) or len(pid) < 5 or pid[0] != "storage":
             raise pickle.UnpicklingError(f"unexpected persistent id {pid!r:.80}")
         _, storage_type, key, location, numel = pid[:5]
-        return StorageRef(str(key), _storage_dtype(storage_type), int(numel), str(location), source,
-                          _storage_type_name(storage_type))
+        try:
+            dtype, type_name = types[storage_type]
+        except (KeyError, TypeError):
+            dtype, type_name = _storage_dtype(storage_type), _storage_type_name(storage_type)
+            if isinstance(storage_type, type):
+                types[storage_type] = (dtype, type_name)
+        return StorageRef(str(key), dtype, int(numel), str(location), source, type_name)
 
     obj, seen = _unpickle(data, source, persistent, path)
     return Loaded(obj, "torch_zip", source, frozenset(seen))
