@@ -34,8 +34,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._util import (OUT_DIR, REPO_ROOT, cpu_busy_fraction, dir_bytes, fmt_bytes, machine_info,  # noqa: E402
-                         run_measured, summarize)
+from bench._util import (OUT_DIR, REPO_ROOT, ckpt_command, cpu_busy_fraction, dir_bytes, fmt_bytes,  # noqa: E402
+                         machine_info, precompile, run_measured, summarize)
 
 BY_HAND = r"""
 import sys, torch
@@ -77,7 +77,7 @@ def _digest(files: list[Path]) -> dict[str, str]:
 
 def bench_one(ck: Path, repeat: int, check: bool) -> dict:
     py = sys.executable
-    ckpt = [py, "-c", "from cli.main import main; main()"]
+    ckpt = ckpt_command()
     plan_out = OUT_DIR / "set_lr_plan.json"
     run_measured([*ckpt, "set-lr", str(ck), "--scale", "0.5", "--dry-run", "--json"], cwd=REPO_ROOT,
                  stdout_path=plan_out)
@@ -130,6 +130,7 @@ def main() -> None:
     ap.add_argument("--check", action="store_true", help="also check bytes after every restore (slower)")
     ap.add_argument("--out", type=Path, default=OUT_DIR / "set_lr_results.json")
     args = ap.parse_args()
+    precompile()
     cks = args.ckpt or [OUT_DIR / "zero2_200m", OUT_DIR / "zero2_2g"]
     missing = [c for c in cks if not c.is_dir()]
     if missing:

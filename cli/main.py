@@ -139,33 +139,55 @@ def _install_test_kill_hook() -> None:
     io.execute, io._fsync_file = execute_hooked, fsync_hooked
 
 
-def _fast_inspect(argv: list[str]):
-    """`ckpt inspect` is meant to answer instantly; typer >= 0.29 builds pydantic validators for every
-    option when it parses (~60 ms, a fifth of the whole run). For plain inspect invocations, parse with
-    argparse from the same typer option declarations; anything unusual (--help, a parse error, an
-    option type this does not know) falls back to typer, so behaviour and messages stay typer's."""
+def _fast_parse(argv: list[str]):
+    """A command is meant to answer instantly; typer >= 0.29 imports pydantic and builds a validator for every
+    option when it parses (~60 ms: a third of a `check-tp-sync` or a `set-lr` run). For plain invocations,
+    parse with argparse from the command's own typer declarations (names, types, defaults, lists); anything
+    unusual (--help, a parse error, a value outside an option's min/max, an option type or feature this does
+    not know) falls back to typer, so behaviour and messages stay typer's. Returns a callable or None."""
     import argparse
     import inspect as pyinspect
     import typing
+    from pathlib import Path
 
-    if not argv or argv[0] != "inspect" or any(a in ("--help", "-h") for a in argv):
+    if not argv or argv[0].startswith("-") or any(a in ("--help", "-h") for a in argv):
         return None
+    command = next((c for c in app.registered_commands
+                    if (c.name or c.callback.__name__.replace("_", "-")) == argv[0]), None)
+    if command is None:
+        return None
+
     class Quiet(argparse.ArgumentParser):
         def error(self, message):  # never print: typer reports the problem in its own words
             raise ValueError(message)
 
-    fn = _inspect.inspect_cmd
+    fn = pyinspect.unwrap(command.callback)
     hints = typing.get_type_hints(fn)
-    parser = Quiet(add_help=False, exit_on_error=False)
+
+    def base_of(kind):  # Optional[X] -> X; anything else as it is (List[str] stays a list)
+        if typing.get_origin(kind) is typing.Union:
+            return next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+        return kind
+
+    parser = Quiet(add_help=False, exit_on_error=False, allow_abbrev=False)
+    bounds = []
     for name, param in pyinspect.signature(fn).parameters.items():
-        info, kind = param.default, hints.get(name)
-        base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
-        if isinstance(info, typer.models.ArgumentInfo) and base is str:
-            parser.add_argument(name)
-        elif isinstance(info, typer.models.OptionInfo) and base is bool:
-            parser.add_argument(*info.param_decls, dest=name, action="store_true", default=bool(info.default))
-        elif isinstance(info, typer.models.OptionInfo) and base in (str, int, float):
-            parser.add_argument(*info.param_decls, dest=name, type=base, default=info.default)
+        info, base = param.default, base_of(hints.get(name))
+        if isinstance(info, typer.models.ArgumentInfo) and base in (str, Path):
+            parser.add_argument(name, type=base, **({} if info.default is ... else {"nargs": "?",
+                                                                                  "default": info.default}))
+            continue
+        if not isinstance(info, typer.models.OptionInfo) or info.callback or info.is_eager or info.envvar \
+                or getattr(info, "count", False) or any("/" in d for d in info.param_decls or ()):
+            return None
+        decls = tuple(info.param_decls or ()) or ("--" + name.replace("_", "-"),)  # typer's name when none given
+        if base is bool and info.default is False:
+            parser.add_argument(*decls, dest=name, action="store_true", default=False)
+        elif base in (str, int, float, Path):
+            parser.add_argument(*decls, dest=name, type=base, default=info.default)
+            bounds.append((name, getattr(info, "min", None), getattr(info, "max", None)))
+        elif typing.get_origin(base) is list and typing.get_args(base) == (str,):
+            parser.add_argument(*decls, dest=name, action="append", default=None)
         else:
             return None
     try:
@@ -174,7 +196,15 @@ def _fast_inspect(argv: list[str]):
         return None
     if rest:
         return None
-    return lambda: fn(**vars(ns))
+    kwargs = vars(ns)
+    for name, lo, hi in bounds:
+        v = kwargs[name]
+        if v is not None and ((lo is not None and v < lo) or (hi is not None and v > hi)):
+            return None
+    for name, param in pyinspect.signature(fn).parameters.items():  # an append option given no times:
+        if kwargs[name] is None and typing.get_origin(base_of(hints.get(name))) is list:  # typer passes []
+            kwargs[name] = list(param.default.default or [])
+    return lambda: command.callback(**kwargs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -186,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     ckpt_tools.FREEZE_AFTER_PARSE = True
     _install_test_kill_hook()
     try:
-        fast = _fast_inspect(sys.argv[1:] if argv is None else argv)
+        fast = _fast_parse(sys.argv[1:] if argv is None else argv)
         rc = fast() if fast else app(args=argv, standalone_mode=False)
         sys.stdout.flush()  # a closed pipe shows here, not as "Exception ignored" at interpreter exit
     except CkptError as e:

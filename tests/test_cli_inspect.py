@@ -177,22 +177,40 @@ def test_inspect_does_not_import_torch_or_deepspeed():
         subprocess.run([sys.executable, "-c", code, str(p)], check=True, capture_output=True)
 
 
+def _run_both(cli_main, argv, capsys):
+    """(fast path output, typer output, typer's return code) of one command line."""
+    assert cli_main._fast_parse(argv) is not None, argv
+    try:
+        cli_main.main(argv)
+    except SystemExit:
+        pass
+    fast = capsys.readouterr().out
+    rc = cli_main.app(args=argv, standalone_mode=False)
+    return fast, capsys.readouterr().out, rc
+
+
 def test_fast_argument_path_matches_typer(capsys):
-    """`ckpt inspect` parses its options without typer's pydantic layer for speed; results must not differ."""
+    """Every command parses plain invocations without typer's pydantic layer for speed (argparse built from the
+    same typer declarations); the results must not differ, and anything unusual goes to typer."""
     from cli import main as cli_main
 
     p = str(sample("deepspeed", "zero2_lambdalr"))
-    for args in (["--json"], ["--json", "--grep", "step|lr", "-d", "3"], ["--json", "--rank", "dp=1", "-q"]):
-        argv = ["inspect", p, *args]
-        assert cli_main._fast_inspect(argv) is not None
-        cli_main.main(argv)
-        fast = capsys.readouterr().out
-        cli_main.app(args=argv, standalone_mode=False)
-        slow = capsys.readouterr().out
-        assert json.loads(fast) == json.loads(slow)
-    assert cli_main._fast_inspect(["inspect", p, "--help"]) is None
-    assert cli_main._fast_inspect(["inspect", p, "--bogus"]) is None
-    assert cli_main._fast_inspect(["inspect"]) is None
+    drifted = str(sample("megatron", "gpt_tp2_pp2_drifted"))
+    for argv in (["inspect", p, "--json"], ["inspect", p, "--json", "--grep", "step|lr", "-d", "3"],
+                 ["inspect", p, "--json", "--rank", "dp=1", "-q"],
+                 ["check-tp-sync", drifted, "--json"],
+                 ["check-tp-sync", drifted, "--json", "--atol", "1e-3", "--rtol", "0.5",
+                  "--pattern", "input_layernorm", "--pattern", "dense.bias"],
+                 ["diff", p, str(sample("deepspeed", "zero2_bf16")), "--json"],
+                 ["set-lr", p, "--scale", "0.5", "--dry-run", "--json"]):
+        fast, slow, _ = _run_both(cli_main, argv, capsys)
+        assert json.loads(fast) == json.loads(slow), argv
+    assert cli_main._fast_parse(["inspect", p, "--help"]) is None
+    assert cli_main._fast_parse(["inspect", p, "--bogus"]) is None
+    assert cli_main._fast_parse(["inspect"]) is None
+    assert cli_main._fast_parse(["check-tp-sync", drifted, "--atol", "-1"]) is None  # typer says what min is
+    assert cli_main._fast_parse(["check-tp-sync", drifted, "--atol", "x"]) is None
+    assert cli_main._fast_parse(["--version"]) is None
 
 
 def test_reader_closing_the_pipe_is_quiet(tmp_path):
