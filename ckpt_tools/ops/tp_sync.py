@@ -398,6 +398,11 @@ def check_tp_sync(ck: Checkpoint, atol: float = 0.0, rtol: float = 0.0,
                                "(layer_*-model_* files) with TP > 1")
     layout = _layout(ck, patterns)
     replicas, undecided = _replicas(ck, layout)
+    for r in replicas:  # every byte range this check reads, requested at once: on a cold cache the disk
+        for node in r.nodes.values():  # serves them in parallel instead of one page fault after another
+            for shard in node.shards:
+                for p in shard.pieces:
+                    p.ref.prefetch(p.src_offset, p.numel)
     params = []
     reps_seen: list[str] = []
     for r in replicas:
