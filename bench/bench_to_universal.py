@@ -65,8 +65,9 @@ def main() -> None:
                 out_dir = out_dir.parent
             results[name] = {"wall_s": round(m.wall_s, 2), "cpu_s": round(m.cpu_s, 2), "peak_rss_bytes": m.peak_rss_bytes,
                              "output_bytes": dir_bytes(out_dir)}
-        print(f"{name:34s} {results[name]['wall_s']:8.2f} s  {fmt_bytes(results[name]['peak_rss_bytes']):>10s}  "
-              f"out {fmt_bytes(results[name]['output_bytes'])}", flush=True)
+        print(f"{name:34s} {results[name]['wall_s']:8.2f} s  cpu {results[name]['cpu_s']:6.2f} s  "
+              f"{fmt_bytes(results[name]['peak_rss_bytes']):>10s}  out {fmt_bytes(results[name]['output_bytes'])}",
+              flush=True)
         if out_dir is not None:
             shutil.rmtree(out_dir, ignore_errors=True)
     shutil.rmtree(scratch, ignore_errors=True)

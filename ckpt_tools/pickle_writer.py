@@ -498,32 +498,108 @@ def rewrite_torch_zip(src_path: str | os.PathLike, dst_path: str | os.PathLike, 
     with open(src_path, "rb") as src, open(dst_path, "wb") as dst:
         src_map = mmap.mmap(src.fileno(), 0, access=mmap.ACCESS_READ)
         try:
-            offset, central = 0, []
+            out = ZipWriter(dst.fileno(), alignment)
+
+            def copied(info: zipfile.ZipInfo) -> Callable[[int, int], int]:
+                def write(fd: int, data_at: int) -> int:  # byte for byte, so the central directory's CRC holds
+                    copy_range(src.fileno(), fd, _data_offset(src_map, info, src_path), data_at, info.file_size)
+                    return info.CRC
+                return write
+
             for info in infos:
-                name = info.filename.encode("utf-8")
-                new = info.filename == pkl_name
-                data = pickle_bytes if new else replaced.get(info.filename)
-                size = len(data) if data is not None else info.file_size
-                crc = zlib.crc32(data) if data is not None else info.CRC
-                header = _local_header(name, offset, size, alignment)
-                os.pwrite(dst.fileno(), header, offset)
-                data_at = offset + len(header)
+                data = pickle_bytes if info.filename == pkl_name else replaced.get(info.filename)
                 if data is not None:
-                    os.pwrite(dst.fileno(), data, data_at)
+                    out.add(info.filename, data)
+                    size = len(data)
                 else:
-                    copy_range(src.fileno(), dst.fileno(), _data_offset(src_map, info, src_path), data_at, size)
-                descriptor = _data_descriptor(crc, size, offset)
-                os.pwrite(dst.fileno(), descriptor, data_at + size)
-                central.append(_central_entry(name, offset, size, crc))
-                offset = data_at + size + len(descriptor)
+                    size = info.file_size
+                    out.add_written(info.filename, size, copied(info))
                 done += size
                 if progress is not None:
                     progress(done, total)
-            directory = b"".join(central)
-            os.pwrite(dst.fileno(), directory + _end_records(len(central), offset, len(directory)), offset)
+            out.finish()
             os.fsync(dst.fileno())
         finally:
             src_map.close()
+
+
+class ZipWriter:
+    """Stored zip members written one after another into the open file `fd` from byte 0, laid out as torch's
+    writer lays them out (`_local_header`, data, `_data_descriptor`; then the central directory and end records).
+
+    Headers and small members are gathered and written with one `pwrite` before each large member and at the
+    end, so a file of a few members costs a few system calls. `add_written(name, size, write)` leaves the data
+    to `write(fd, data_at)`, which puts exactly `size` bytes at `data_at` (a kernel copy from another file,
+    say) and returns their CRC-32."""
+
+    #: members up to this size go through the gathered buffer (the pickle, version records, small tensors)
+    SMALL = 1 << 16
+
+    def __init__(self, fd: int, alignment: int = 64):
+        self.fd, self.alignment = fd, alignment
+        self.offset = 0  # where the next local header goes
+        self.names: list[str] = []
+        self.crcs: list[int] = []
+        self._central: list[bytes] = []
+        self._pending: list[bytes] = []
+        self._pending_at = 0
+
+    def _queue(self, data: bytes) -> None:
+        if not self._pending:
+            self._pending_at = self.offset
+        self._pending.append(data)
+        self.offset += len(data)
+
+    def flush(self) -> None:
+        if self._pending:
+            buf = b"".join(self._pending)
+            self._pending.clear()
+            _pwrite_all(self.fd, memoryview(buf), self._pending_at)
+
+    def _member(self, name: str, size: int, data: bytes | None, write) -> None:
+        encoded = name.encode("utf-8")
+        start = self.offset
+        self._queue(_local_header(encoded, start, size, self.alignment))
+        if data is not None:
+            crc = zlib.crc32(data)
+            if size:
+                self._queue(bytes(data))
+        else:
+            self.flush()
+            crc = write(self.fd, self.offset)
+            self.offset += size
+        self._queue(_data_descriptor(crc, size, start))
+        self._central.append(_central_entry(encoded, start, size, crc))
+        self.names.append(name)
+        self.crcs.append(crc)
+
+    def add(self, name: str, data: bytes | memoryview) -> None:
+        """A member holding `data` (any bytes-like object; a large one is written from where it lies)."""
+        view = memoryview(data).cast("B")
+        if view.nbytes <= self.SMALL:
+            self._member(name, view.nbytes, view, None)
+        else:
+            self._member(name, view.nbytes, None, lambda fd, at: _pwrite_all(fd, view, at))
+
+    def add_written(self, name: str, size: int, write: Callable[[int, int], int]) -> None:
+        """A member of `size` bytes that `write(fd, data_at)` puts in place, returning their CRC-32."""
+        self._member(name, size, None, write)
+
+    def finish(self) -> int:
+        """Write the central directory and the end records; returns the file's size."""
+        directory = b"".join(self._central)
+        at = self.offset
+        self._queue(directory + _end_records(len(self._central), at, len(directory)))
+        self.flush()
+        return self.offset
+
+
+def _pwrite_all(fd: int, view: memoryview, at: int) -> int:
+    """pwrite all of `view` at `at`; returns its CRC-32."""
+    done = 0
+    while done < view.nbytes:
+        done += os.pwrite(fd, view[done:], at + done)
+    return zlib.crc32(view)
 
 
 def _data_offset(src_map, info: zipfile.ZipInfo, path: str) -> int:

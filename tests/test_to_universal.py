@@ -380,3 +380,45 @@ def test_verify_logical_equal_to_the_source(group, name, tmp_path):
     assert rep.mode == "logical" and rep.same and rep.tensors_compared == want >= 29 + 2 * 28
     if name == "zero1_frozen":
         assert rep.notes == ("1 tensor holds the same values in another dtype: wpe.weight (bfloat16 -> float32)",)
+
+
+def test_verify_finds_a_damaged_or_missing_file(tmp_path):
+    """The structural check (`verify`) re-reads every written file: a truncated parameter file, a storage member
+    of the wrong size and a missing file are each reported by name."""
+    import zipfile
+
+    plan = U.plan_to_universal(sample("deepspeed", "zero2_bf16"), tmp_path / "u")
+    U.execute(plan)
+    root = tmp_path / "u"
+    zero = root / plan.out_tag / "zero"
+    assert U.verify(plan, root) == []
+    big = max(plan.params, key=lambda j: math.prod(j.shape))
+    f = zero / big.name / "exp_avg.pt"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # truncated: no zip directory left
+    (zero / "wpe.weight" / "step.pt").unlink()
+    # a storage member that lost bytes: rewrite the zip with data/0 cut short
+    g = zero / "ln_f.bias" / "fp32.pt"
+    with zipfile.ZipFile(g) as zf:
+        items = [(i.filename, zf.read(i)) for i in zf.infolist()]
+    with zipfile.ZipFile(g, "w") as zf:
+        for name, data in items:
+            zf.writestr(name, data[:-4] if name.endswith("data/0") else data)
+    problems = U.verify(plan, root)
+    assert len(problems) == 3, problems
+    assert any(p.startswith(f"{big.name}/exp_avg.pt: unreadable") for p in problems)
+    assert "wpe.weight/step.pt: missing" in problems
+    assert any(p.startswith("ln_f.bias/fp32.pt: data/0 does not hold") for p in problems)
+
+
+def test_zero_conversion_imports_neither_torch_nor_deepspeed(tmp_path):
+    """ZeRO at TP=1 is the direct path: every tensor copied file to file, step/optimizer_state from the
+    optimizer file's records; nothing imports torch or deepspeed (as a process of its own)."""
+    code = ("import sys; from ckpt_tools.ops import to_universal as U; "
+            f"p = U.plan_to_universal({str(sample('deepspeed', 'zero2_bf16'))!r}, {str(tmp_path / 'u')!r}); "
+            "r = U.execute(p, workers=2, check=lambda root: U.verify_logical(p, root)); "
+            "print(r.files, 'torch' in sys.modules, 'deepspeed' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["120", "False", "False"]
+    w = load(tmp_path / "u" / "global_step4_universal" / "zero" / "wte.weight" / "exp_avg.pt")
+    assert w["param"].dtype == torch.float32 and w["param"].shape == (64, 32)

@@ -7,8 +7,10 @@ writes one), frozen parameters at every ZeRO stage (`include_frozen=False` leave
 Weights are the fp32 master where the format keeps one (zero_to_fp32's values) or the saved module weights.
 
 The files are written as a stream: each file's safetensors header is computed from the logical shapes and
-dtypes before any tensor is read, then each tensor is read (one at a time: its ZeRO pieces / TP shards / DCP
-chunks) and appended. Memory stays at one tensor, whatever the model size. Sharded output (`--max-shard-size`)
+dtypes before any tensor is read, then each tensor is appended: copied file to file by the kernel where its
+bytes lie in the source as they are to be written (copy_file_range from its ZeRO pieces: the fp32 master of a
+ZeRO checkpoint, with no torch import), else read (one at a time: its ZeRO pieces / TP shards / DCP chunks),
+merged and converted. Memory stays at one tensor at most, whatever the model size. Sharded output (`--max-shard-size`)
 follows Hugging Face: `<stem>-00001-of-0000N.safetensors` + `<stem>.safetensors.index.json`; `hf=True` writes a
 folder `from_pretrained` loads (`model[-0000i-of-0000N].safetensors`, the index, config.json and
 generation_config.json copied when the checkpoint has them, tied aliases left out as `save_pretrained` does).
@@ -159,7 +161,9 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
             raise CkptError(f"--model {model}: {str(e).split(': ', 1)[1]}", path=src,
                             hint="pick one of those with --model N") from None
         raise CkptError(str(e), hint="--include / --exclude take Python regular expressions") from None
-    everything = L.model_tensors(ck, weights=source_weights, model=model)
+    unfiltered = tied_mode == "all" and include_frozen and all(
+        f is None or not isinstance(f, str) and len(f) == 0 for f in (include, exclude))  # the same call twice
+    everything = tensors if unfiltered else L.model_tensors(ck, weights=source_weights, model=model)
     kept = {t.name for t in tensors}
     skipped = {"tied": [], "frozen": [], "filtered": []}
     for t in everything:
@@ -237,20 +241,69 @@ def _header(tensors: Sequence[ExportTensor], metadata: dict[str, str]) -> bytes:
 
 
 def _write_file(path: Path, tensors: Sequence[ExportTensor], progress: Callable[[int], None] | None) -> None:
-    """Stream `tensors` into `path` (which the caller has made a staging name)."""
-    with open(path, "wb") as fh:
-        fh.write(_header(tensors, {"format": "pt"}))
+    """Stream `tensors` into `path` (which the caller has made a staging name). A tensor stored as it is written
+    (same dtype, its ZeRO pieces / file ranges in order: a fp32 master of any ZeRO stage, a torch or
+    safetensors file's tensor) is copied file to file by the kernel (`io.copy_range`); the others are read,
+    merged and converted in memory, one at a time."""
+    from ..io import copy_range
+    from ..torch_zip import start_writeback
+    from .to_universal import _Fds
+
+    fds = _Fds()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        at = _pwrite(fd, memoryview(_header(tensors, {"format": "pt"})), 0)
+        flushed = at
         for t in tensors:
-            x = t.source.read(t.dtype)
-            if tuple(x.shape) != tuple(t.shape):
-                raise CkptError(f"{t.name}: read {tuple(x.shape)}, planned {tuple(t.shape)}", path=path,
-                                hint="the checkpoint changed while exporting; run it again")
-            fh.write(x.contiguous().view(-1).view(_u8()).numpy().tobytes() if x.numel() else b"")
-            del x
+            if at - flushed >= _WRITEBACK_EVERY:  # the disk writes while the next tensors are copied
+                start_writeback(fd)
+                flushed = at
+            ranges = _ranges(t, fds)
+            if ranges is not None:
+                for r in ranges:
+                    copy_range(r.fd, fd, r.offset, at, r.length)
+                    at += r.length
+            else:
+                x = t.source.read(t.dtype)
+                if tuple(x.shape) != tuple(t.shape):
+                    raise CkptError(f"{t.name}: read {tuple(x.shape)}, planned {tuple(t.shape)}", path=path,
+                                    hint="the checkpoint changed while exporting; run it again")
+                if x.numel():
+                    at = _pwrite(fd, memoryview(x.contiguous().view(-1).view(_u8()).numpy()), at)
+                del x
             if progress:
                 progress(t.nbytes)
-        fh.flush()
-        os.fsync(fh.fileno())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        fds.close()
+
+
+_WRITEBACK_EVERY = 64 << 20
+
+
+def _ranges(t: ExportTensor, fds):
+    """The file ranges holding `t`'s output bytes as they are (`to_universal.source_ranges`), or None when it
+    must be read: another dtype, TP shards to merge, vocabulary padding to strip."""
+    from ..tree import TensorNode
+    from .to_universal import source_ranges
+
+    node = t.node
+    if not isinstance(node, TensorNode) or node.dtype != t.dtype or node.numel != math.prod(t.shape):
+        return None
+    ranges = source_ranges(node, fds)
+    if ranges is None or sum(r.length for r in ranges) != t.nbytes:
+        return None
+    return ranges
+
+
+def _pwrite(fd: int, view: memoryview, at: int) -> int:
+    """Write all of `view` at `at`; returns the offset after it."""
+    view = view.cast("B")
+    done = 0
+    while done < view.nbytes:
+        done += os.pwrite(fd, view[done:], at + done)
+    return at + done
 
 
 def _u8():

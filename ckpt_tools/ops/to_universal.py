@@ -33,10 +33,16 @@ optimizer_state_dict), which is why its output cannot change ZeRO stage. Both ha
 
 How: the source is opened as a lazy tree (`Checkpoint`); each parameter's fp32 master / exp_avg /
 exp_avg_sq is a TensorNode whose `pieces` locate its elements inside the flat ZeRO partitions of every DP
-rank (and whose `shards` are its TP ranks). A worker reads those pieces straight into one output buffer
-with `os.preadv` (a read-only mmap would do the same, but every page it touches counts into the process's
-RSS until unmapped; pread copies from the page cache into the buffer and leaves nothing behind), merges TP
-shards by the rule `tp_layout` gives, and `torch.save`s the file once. No fragment files, no second pass.
+rank (and whose `shards` are its TP ranks). Where a state needs no merge and no dtype change (every ZeRO
+checkpoint at TP=1: the fp32 partitions hold exactly the bytes the output tensor has), its file is written
+directly in torch.save's format (`torch_zip`): a small pickle (`pickle_writer`, the one torch.save would
+write), and the tensor's bytes copied file to file by the kernel from the partitions' ranges
+(copy_file_range), their CRC-32 read through a small buffer. Nothing imports torch on that path, and memory
+stays at that buffer. Otherwise (TP shards to merge, vocabulary padding to strip, a bf16 module weight to
+widen) a worker reads the pieces into one buffer with `os.preadv` (pread copies from the page cache and
+leaves nothing behind in RSS, unlike a touched mmap), merges them by the rule `tp_layout` gives, and writes
+that buffer the same way. step.pt and optimizer_state.pt are the optimizer file's own records (read by
+`pickle_reader`, nothing run) pickled back by `pickle_writer`. No fragment files, no second pass.
 The folder is built under `io.new_folder`'s staging name and renamed into place when complete and verified.
 """
 from __future__ import annotations
@@ -482,6 +488,7 @@ class _Fds:
 
     def __init__(self):
         self._fds: dict[str, int] = {}
+        self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def get(self, path: str) -> int:
@@ -491,13 +498,19 @@ class _Fds:
                 fd = self._fds.get(path)
                 if fd is None:
                     fd = os.open(path, os.O_RDONLY)
+                    self._sizes[path] = os.fstat(fd).st_size
                     self._fds[path] = fd
         return fd
+
+    def size(self, path: str) -> int:
+        self.get(path)
+        return self._sizes[path]
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._sizes.clear()
 
 
 _FDS = _Fds()
@@ -538,6 +551,41 @@ def read_tensor(node: TensorNode, fds: _Fds | None = None):
     return out.view(node.shape)
 
 
+def source_ranges(node: TensorNode, fds: _Fds):
+    """The file ranges (`torch_zip.FileRange`) that hold a node's bytes, in element order, when they can be
+    copied as they are: no TP shards, and every piece a contiguous run of a stored tensor of the node's own
+    dtype whose file offset is known. None otherwise (read it with `read_tensor`). Adjacent ranges merge."""
+    from ..pickle_reader import DTYPE_SIZE
+    from ..torch_zip import FileRange
+
+    if node.shards or node.dtype not in DTYPE_SIZE:
+        return None
+    esize = DTYPE_SIZE[node.dtype]
+    ranges: list[FileRange] = []
+    at = 0
+    for p in sorted(node.pieces, key=lambda p: p.dst_offset):
+        ref = p.ref
+        src = ref.storage.source if ref.storage is not None else None
+        if (src is None or p.dst_offset != at or ref.dtype != node.dtype or not ref.is_contiguous
+                or p.src_offset < 0 or p.src_offset + p.numel > ref.numel
+                or ref.storage_offset + ref.numel > ref.storage.numel):
+            return None
+        try:
+            base = src.storage_offset(ref.storage)
+        except (NotImplementedError, KeyError):
+            return None
+        offset, length = base + (ref.storage_offset + p.src_offset) * esize, p.numel * esize
+        if offset + length > fds.size(src.path):
+            raise CkptError("file ended inside a tensor", path=src.path, hint="the file is truncated; re-copy it")
+        fd = fds.get(src.path)
+        if ranges and ranges[-1].fd == fd and ranges[-1].offset + ranges[-1].length == offset:
+            ranges[-1] = FileRange(fd, ranges[-1].offset, ranges[-1].length + length)
+        elif length:
+            ranges.append(FileRange(fd, offset, length))
+        at += p.numel
+    return ranges if at == node.numel else None
+
+
 def _merged_read(node: TensorNode, fds: _Fds | None = None):
     """A node's logical tensor, TP shards merged by the reader's rule (`node.merge`)."""
     if not node.shards:
@@ -573,31 +621,88 @@ def _merged_state(job: ParamJob, key: str, fds: _Fds):
 # --- writing --------------------------------------------------------------------------------------------
 
 
-def _torch_save(obj: Any, path: Path) -> None:
-    import torch
+#: the globals a written optimizer_state.pt / step.pt may name: what torch.load(weights_only=True) accepts for
+#: tensors and containers, plus `safe_load.allowlist()` (the DeepSpeed classes real optimizer files carry)
+_WRITABLE_GLOBALS = frozenset({
+    "collections OrderedDict", "_codecs encode", "builtins set", "builtins frozenset", "builtins bytearray",
+    "builtins complex", "builtins slice", "torch Size", "torch device",
+    "argparse Namespace", "deepspeed.runtime.fp16.loss_scaler LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler DynamicLossScaler", "deepspeed.runtime.zero.config ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment fragment_address",
+})
 
+
+def _check_globals(pickle_bytes: bytes, source: Path) -> None:
+    """Refuse to copy a pickled global outside `_WRITABLE_GLOBALS` into the output: DeepSpeed loads these
+    files with weights_only=False, so a global copied here would run there (the old torch.load path refused
+    the same globals)."""
+    import pickletools
+
+    for op, arg, _ in pickletools.genops(pickle_bytes):
+        if op.name != "GLOBAL" or arg in _WRITABLE_GLOBALS:
+            continue
+        module, _, name = str(arg).partition(" ")
+        if module == "torch._utils" and name.startswith("_rebuild_") or module == "torch" and (
+                name.endswith("Storage") or name in _TORCH_DTYPE_NAMES):
+            continue
+        raise UnsupportedCheckpoint(f"refusing to load: the pickle names a class outside the allowlist "
+                                    f"({module}.{name})", path=source,
+                                    hint="inspect it with `ckpt inspect` to see the unknown global")
+
+
+_TORCH_DTYPE_NAMES = frozenset({"float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+                                "uint8", "bool", "complex64", "complex128", "float", "double", "half", "long",
+                                "int", "short"})
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A small tree of records from the optimizer file, pickled and checked once, written to many files."""
+
+    obj: Any
+    pickle_bytes: bytes
+    storages: dict
+    data: dict
+
+
+def _prepare(obj: Any, source: Path) -> _Prepared:
+    from ..pickle_writer import _pickle_tree
+
+    pickle_bytes, storages = _pickle_tree(obj, str(source))
+    _check_globals(pickle_bytes, source)
+    # the storages' bytes now (a step is 4 bytes; optimizer_state.pt holds nothing big)
+    data = {k: bytes(s.source.read_storage(s, 0, s.nbytes)) for k, s in storages.items() if s.source is not None}
+    return _Prepared(obj, pickle_bytes, storages, data)
+
+
+def _save_record(obj: Any, path: Path, source: Path) -> None:
+    """`torch.save(obj, path)` for a tree of records read from `source` (their storages copied from it)."""
+    from ..torch_zip import save
+
+    p = obj if isinstance(obj, _Prepared) else _prepare(obj, source)
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(obj, path)
+    save(p.obj, path, p.data, pickle_bytes=p.pickle_bytes, storages=p.storages)
 
 
 def _steps_and_globals(plan: UniversalPlan) -> tuple[dict[int, Any], dict[str, Any]]:
-    """(step per param group, optimizer_state.pt) from the pp0/tp0/dp0 optimizer file, loaded with
-    mmap=True (the flat partitions in it are never touched, only the small fields are kept) and with
-    torch's weights_only unpickler plus the DeepSpeed allowlist: nothing else in the pickle can run."""
-    import torch
+    """(step per param group, optimizer_state.pt) from the pp0/tp0/dp0 optimizer file, as `pickle_reader`
+    records: nothing in the pickle runs, the flat partitions are never read, and `_save_record` writes the
+    small fields back as torch.save would have (refusing any global outside the DeepSpeed allowlist)."""
+    from ..errors import CorruptCheckpoint
+    from ..pickle_reader import load
 
-    from .. import safe_load
-
-    sd = safe_load.load(plan.optim_file, mmap=True)
-    osd = sd["optimizer_state_dict"]
+    sd = load(plan.optim_file).obj
+    osd = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
+    if not isinstance(osd, dict):
+        raise CorruptCheckpoint("the optimizer file has no optimizer_state_dict", path=plan.optim_file,
+                                hint="the optimizer files are incomplete; re-copy them")
     inner = osd.get("optimizer_state_dict") if "fp32_flat_groups" in osd else osd.get("base_optimizer_state")
-    inner = inner or {}
+    inner = inner if isinstance(inner, dict) else {}
     groups = inner.get("param_groups") or []
     steps = {}
     for g, st in (inner.get("state") or {}).items():
         if isinstance(st, dict) and "step" in st:
-            s = st["step"]
-            steps[int(g)] = s.clone() if torch.is_tensor(s) else s
+            steps[int(g)] = st["step"]
     out = {k: v for k, v in osd.items() if k not in OPTIM_SHARDED_KEYS}
     out["param_groups"] = groups
     if 3 in plan.stages:
@@ -608,17 +713,54 @@ def _steps_and_globals(plan: UniversalPlan) -> tuple[dict[int, Any], dict[str, A
     return steps, out
 
 
-def _convert_one(job: ParamJob, zero_dir: Path, steps: dict[int, Any], fds: _Fds) -> int:
+#: (extra items, dtype, shape) -> (pickle, storages) of a `{**extra, "param": tensor}` file: 581 parameters
+#: have a few dozen distinct shapes, and pickling is the per-file cost that remains
+_PICKLES: dict[tuple, tuple[bytes, dict]] = {}
+
+
+def _state_pickle(extra: dict[str, Any], dtype: str, shape: tuple[int, ...]) -> tuple[dict, bytes, dict]:
+    from ..pickle_writer import _pickle_tree
+    from ..torch_zip import tensor_record
+
+    obj = {**extra, "param": tensor_record(dtype, shape)}
+    key = (repr(list(extra.items())), dtype, shape)
+    hit = _PICKLES.get(key)
+    if hit is None:
+        hit = _PICKLES[key] = _pickle_tree(obj, None)
+    return obj, *hit
+
+
+def _write_state(job: ParamJob, key: str, path: Path, fds: _Fds) -> int:
+    """Write `{**job.extra, "param": <state key's tensor>}` as torch.save would; returns its tensor bytes."""
+    from ..torch_zip import save
+
+    node = job.states[key]
+    direct = job.merge == "whole" and not job.extra.get(VOCAB_TENSOR) and (
+        not job.module_only or node.dtype == "float32")
+    ranges = source_ranges(node, fds) if direct else None
+    if ranges is not None:
+        obj, pickle_bytes, storages = _state_pickle(job.extra, node.dtype, tuple(node.shape))
+        return save(obj, path, {"0": ranges}, pickle_bytes=pickle_bytes, storages=storages)
+    t = _merged_state(job, key, fds)  # merged / converted in memory (imports torch)
+    obj, pickle_bytes, storages = _state_pickle(job.extra, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+    raw = t.reshape(-1).view(_torch_uint8()).numpy() if t.numel() else b""
+    return save(obj, path, {"0": raw}, pickle_bytes=pickle_bytes, storages=storages)
+
+
+def _torch_uint8():
+    import torch
+
+    return torch.uint8
+
+
+def _convert_one(job: ParamJob, zero_dir: Path, steps: dict[int, _Prepared], fds: _Fds, source: Path) -> int:
     pdir = zero_dir / job.name
     pdir.mkdir(parents=True, exist_ok=True)
     written = 0
     for key in job.states:
-        t = _merged_state(job, key, fds)
-        _torch_save({**job.extra, "param": t}, pdir / f"{key}.pt")
-        written += t.numel() * t.element_size()
-        del t
+        written += _write_state(job, key, pdir / f"{key}.pt", fds)
     if not job.module_only and job.param_group in steps:
-        _torch_save(steps[job.param_group], pdir / "step.pt")
+        _save_record(steps[job.param_group], pdir / "step.pt", source)
     return written
 
 
@@ -639,6 +781,7 @@ def convert_params(plan: UniversalPlan, tag_out: Path, indices: Iterable[int], *
     """Write `zero/<param>/` for the jobs at `indices` into `tag_out`; returns the bytes written."""
     if steps is None:
         steps, _ = _steps_and_globals(plan)
+    steps = {g: _prepare(s, plan.optim_file) for g, s in steps.items()}  # one pickle per group's step.pt
     zero_dir = tag_out / "zero"
     zero_dir.mkdir(parents=True, exist_ok=True)
     fds = _Fds()
@@ -649,13 +792,13 @@ def convert_params(plan: UniversalPlan, tag_out: Path, indices: Iterable[int], *
     try:
         if workers <= 1:
             for j in jobs:
-                n = _convert_one(j, zero_dir, steps, fds)
+                n = _convert_one(j, zero_dir, steps, fds, plan.optim_file)
                 total += n
                 if progress:
                     progress(n)
         else:
             with ThreadPoolExecutor(max_workers=workers) as pool:
-                for n in pool.map(lambda j: _convert_one(j, zero_dir, steps, fds), jobs):
+                for n in pool.map(lambda j: _convert_one(j, zero_dir, steps, fds, plan.optim_file), jobs):
                     total += n
                     if progress:
                         progress(n)
@@ -666,28 +809,36 @@ def convert_params(plan: UniversalPlan, tag_out: Path, indices: Iterable[int], *
 
 def _write_common(plan: UniversalPlan, root: Path, optimizer_state: dict[str, Any]) -> None:
     """Everything but the per-parameter folders: model-states files, optimizer_state.pt, latest_universal."""
+    from ..torch_zip import copy_file
+
     tag_out = root / plan.out_tag
     tag_out.mkdir(parents=True, exist_ok=True)
     for p in plan.model_files:
-        shutil.copyfile(p, tag_out / p.name)
+        copy_file(p, tag_out / p.name)
     for alias, target in plan.z3_aliases:
         try:
             os.link(tag_out / target, tag_out / alias)
         except OSError:
-            shutil.copyfile(tag_out / target, tag_out / alias)
-    _torch_save(optimizer_state, tag_out / "zero" / "optimizer_state.pt")
+            copy_file(tag_out / target, tag_out / alias)
+    _save_record(optimizer_state, tag_out / "zero" / "optimizer_state.pt", plan.optim_file)
     (root / "latest_universal").write_text(plan.out_tag)
 
 
 def verify(plan: UniversalPlan, root: Path) -> list[str]:
     """Re-read what was written (pickles only, no tensor bytes): every planned file is there, holds a
     `param` of the planned shape, and the common files exist."""
+    import zipfile
+
     from ..formats import _common as C
     from ..pickle_reader import TensorRef
+    from ..torch_zip import archive_name
 
     tag_out = root / plan.out_tag
     cache = C.LoadCache(tag_out)
     problems = []
+    # data.pkl bytes -> (param shape, storage member, its size): equal pickles parse alike, so each distinct
+    # pickle (a few dozen among thousands of files) is parsed once; every file's own zip directory is read
+    parsed: dict[bytes, tuple[Any, str, int]] = {}
     for j in plan.params:
         files = [*j.states] + ([] if j.module_only or j.param_group < 0 or not j.has_step else ["step"])
         for key in files:
@@ -697,10 +848,24 @@ def verify(plan: UniversalPlan, root: Path) -> list[str]:
                 continue
             if key == "step":
                 continue
-            obj = cache.load(f).obj
-            ref = obj.get("param") if isinstance(obj, dict) else None
-            if not isinstance(ref, TensorRef) or tuple(ref.shape) != tuple(j.shape):
-                problems.append(f"{j.name}/{key}.pt: expected shape {j.shape}, found {getattr(ref, 'shape', None)}")
+            try:
+                with zipfile.ZipFile(f) as zf:
+                    prefix = f"{archive_name(f)}/"
+                    pkl = zf.read(prefix + "data.pkl")
+                    got = parsed.get(pkl)
+                    if got is None:
+                        obj = cache.load(f).obj
+                        ref = obj.get("param") if isinstance(obj, dict) else None
+                        got = parsed[pkl] = ((tuple(ref.shape), f"data/{ref.storage.key}", ref.storage.nbytes)
+                                             if isinstance(ref, TensorRef) and ref.storage is not None
+                                             else (getattr(ref, "shape", None), "", 0))
+                    if got[1] and zf.getinfo(prefix + got[1]).file_size != got[2]:
+                        problems.append(f"{j.name}/{key}.pt: {got[1]} does not hold {got[2]} bytes")
+            except (zipfile.BadZipFile, KeyError, OSError, CkptError) as e:
+                problems.append(f"{j.name}/{key}.pt: unreadable ({e})")
+                continue
+            if got[0] != tuple(j.shape):
+                problems.append(f"{j.name}/{key}.pt: expected shape {j.shape}, found {got[0]}")
     for rel in ["zero/optimizer_state.pt", *(p.name for p in plan.model_files), *(a for a, _ in plan.z3_aliases)]:
         if not (tag_out / rel).is_file():
             problems.append(f"{rel}: missing")
