@@ -7,7 +7,6 @@ real checkpoints carry. A pickle naming anything else fails loudly instead of ru
 """
 from __future__ import annotations
 
-import argparse
 import os
 from typing import Any
 
@@ -25,14 +24,24 @@ def import_deepspeed():
     return deepspeed
 
 
-def allowlist() -> list[Any]:
-    """The framework classes real DeepSpeed/Megatron checkpoints pickle (see shared/FORMATS.md)."""
-    import_deepspeed()
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
+#: (module, name) of the framework classes real DeepSpeed/Megatron checkpoints pickle (see shared/FORMATS.md):
+#: what `load` lets torch's restricted unpickler build, and what to-universal lets through into the files
+#: it writes (which DeepSpeed loads with its full unpickler)
+ALLOWED_GLOBALS = (
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+    ("argparse", "Namespace"),
+)
 
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, argparse.Namespace]
+
+def allowlist() -> list[Any]:
+    """The classes of `ALLOWED_GLOBALS` (imports deepspeed)."""
+    import importlib
+
+    import_deepspeed()
+    return [getattr(importlib.import_module(module), name) for module, name in ALLOWED_GLOBALS]
 
 
 def load(path: str | os.PathLike, *, mmap: bool = True) -> Any:

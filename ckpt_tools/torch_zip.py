@@ -5,7 +5,7 @@ A torch.save file is a zip of stored (uncompressed) members under one archive fo
 
     fp32/data.pkl                 the pickle (protocol 2); each storage is a persistent id ("storage", class, key, ...)
     fp32/.format_version          "1"
-    fp32/.storage_alignment       "64": every member's data starts on a 64-byte boundary (torch.load(mmap=True))
+    fp32/.storage_alignment       "64": every member's data starts on a 64-byte boundary (what torch.load with mmap=True needs)
     fp32/byteorder                "little"
     fp32/data/<key>               one member per storage, its raw bytes
     fp32/version                  "3\\n"
@@ -139,7 +139,7 @@ def _source_data(s: StorageRef, path: str, fds: dict[str, int]) -> StorageData:
 def save(obj: Any, path: str | os.PathLike, data: Mapping[str, StorageData] | None = None, *,
          pickle_bytes: bytes | None = None, storages: Mapping[str, StorageRef] | None = None) -> int:
     """Write `obj` (a tree of plain values and `pickle_reader` records) to a new file `path`, as torch.save
-    would: `torch.load(path)` gives back the objects the records stand for.
+    would: torch.load of the file gives back the objects the records stand for.
 
     Each storage the pickle names is written from `data[key]` when given (it must hold exactly the storage's
     bytes), else from the file the record was read from. `pickle_bytes` and `storages` (what

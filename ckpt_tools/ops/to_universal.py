@@ -57,6 +57,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from .. import safe_load
 from ..errors import CkptError, UnsupportedCheckpoint
 from ..tp_layout import Rule, TPLayout, merge_shards
 from ..tree import Checkpoint, GroupNode, TensorNode, ValueNode
@@ -626,15 +627,13 @@ def _merged_state(job: ParamJob, key: str, fds: _Fds):
 _WRITABLE_GLOBALS = frozenset({
     "collections OrderedDict", "_codecs encode", "builtins set", "builtins frozenset", "builtins bytearray",
     "builtins complex", "builtins slice", "torch Size", "torch device",
-    "argparse Namespace", "deepspeed.runtime.fp16.loss_scaler LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler DynamicLossScaler", "deepspeed.runtime.zero.config ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment fragment_address",
+    *(f"{module} {name}" for module, name in safe_load.ALLOWED_GLOBALS),
 })
 
 
 def _check_globals(pickle_bytes: bytes, source: Path) -> None:
     """Refuse to copy a pickled global outside `_WRITABLE_GLOBALS` into the output: DeepSpeed loads these
-    files with weights_only=False, so a global copied here would run there (the old torch.load path refused
+    files with `weights_only=False`, so a global copied here would run there (the old torch.load path refused
     the same globals)."""
     import pickletools
 
