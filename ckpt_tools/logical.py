@@ -111,9 +111,10 @@ class LogicalTensor:
     def read(self, dtype: Any = None):
         """The tensor, merged across ZeRO pieces / TP shards / DCP chunks / ShardedTensor shards. Reads only
         this tensor's bytes; `dtype` converts (None: as stored)."""
-        from .ops.to_universal import _Fds, _merged_read
+        from .ops.to_universal import _merged_read
+        from .pickle_reader import FdCache
 
-        fds = _Fds()
+        fds = FdCache()
         try:
             t = _merged_read(self.node, fds)
         except ValueError as e:

@@ -97,6 +97,37 @@ class StorageRef:
         return self.numel * DTYPE_SIZE.get(self.dtype, 1)
 
 
+class FdCache:
+    """One read-only descriptor per file, shared by threads (pread has no file position), for
+    `TensorRef.read_into`. Close it when done."""
+
+    def __init__(self):
+        self._fds: dict[str, int] = {}
+        self._sizes: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def get(self, path: str) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(path)
+                if fd is None:
+                    fd = os.open(path, os.O_RDONLY)
+                    self._sizes[path] = os.fstat(fd).st_size
+                    self._fds[path] = fd
+        return fd
+
+    def size(self, path: str) -> int:
+        self.get(path)
+        return self._sizes[path]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._sizes.clear()
+
+
 @dataclass(frozen=True)
 class TensorRef:
     """A tensor seen in a pickle: metadata plus a pointer to its bytes. Reading them is on demand."""
@@ -146,6 +177,38 @@ class TensorRef:
         count = self.numel if count is None else count
         begin = (self.storage_offset + start_elem) * esize
         return self.storage.source.read_storage(self.storage, begin, count * esize)
+
+    def read_into(self, out: memoryview, start_elem: int = 0, count: int | None = None,
+                  fds: FdCache | None = None) -> None:
+        """Copy the raw bytes of flattened elements [start, start+count) into `out` with `os.preadv`.
+
+        Unlike the mmap view `read_numpy` gives, nothing stays resident afterwards: each page read through a
+        mapping counts in the process's RSS for as long as the file's Source lives (the whole tree), so
+        reading every tensor of a 2 GB checkpoint that way shows 2 GB of RSS. A strided view or a source
+        without a file offset is copied through the mapping instead. `fds` keeps one descriptor per file."""
+        count = self.numel if count is None else count
+        if self.storage is None:
+            raise ValueError("tensor has no storage")
+        esize = DTYPE_SIZE[self.dtype]
+        src = self.storage.source
+        try:
+            base = src.storage_offset(self.storage) if self.is_contiguous else None
+        except NotImplementedError:
+            base = None
+        if base is None or getattr(src, "path", None) is None or fds is None:
+            out[:] = memoryview(self.read_numpy(start_elem, count).tobytes()).cast("B")
+            return
+        begin = (self.storage_offset + start_elem) * esize
+        if begin < 0 or count < 0 or begin + count * esize > self.storage.nbytes or len(out) != count * esize:
+            raise CorruptCheckpoint(f"tensor bytes of storage {self.storage.key} lie outside the file",
+                                    path=src.path, hint="the file is truncated; re-copy it")
+        fd, offset, done = fds.get(src.path), base + begin, 0
+        while done < len(out):
+            n = os.preadv(fd, [out[done:]], offset + done)
+            if n <= 0:
+                raise CorruptCheckpoint(f"tensor bytes of storage {self.storage.key} lie outside the file",
+                                        path=src.path, hint="the file is truncated; re-copy it")
+            done += n
 
     def prefetch(self, start_elem: int = 0, count: int | None = None) -> None:
         """Start reading elements [start, start+count) from disk in the background (see Source.prefetch)."""

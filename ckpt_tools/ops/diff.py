@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .. import pickle_reader
-from ..errors import CkptError, CorruptCheckpoint, NotACheckpoint
+from ..errors import CkptError, NotACheckpoint
 from ..pickle_reader import DType, NumpyArray, Opaque, TensorRef
 from ..tree import jsonable
 
@@ -47,16 +47,13 @@ _RAW_NP = {"bfloat16": "uint16", "bool": "bool", "float8_e4m3fn": "uint8", "floa
 
 
 class ChunkReader:
-    """Reads runs of stored tensor elements with `os.preadv` into one buffer reused for every read.
-
-    Why not the mmap view `TensorRef.read_numpy` returns: each page read through a mapping stays in the
-    process's RSS for as long as the mapping lives, and a file's `Source` keeps its mapping as long as the
-    tree holds the file's tensors — reading every tensor of a 2 GB checkpoint that way shows 2 GB of RSS.
-    preadv copies from the page cache into this buffer instead, so RSS stays at the buffer's size.
-    """
+    """Reads runs of stored tensor elements (`TensorRef.read_into`: preadv, not the mmap, whose pages would
+    stay resident) into one buffer reused for every read, so RSS stays at the buffer's size."""
 
     def __init__(self):
-        self._fds: dict[str, int] = {}
+        from ..pickle_reader import FdCache
+
+        self._fds = FdCache()
         self._buf = bytearray()
 
     def read(self, runs: list[tuple[TensorRef, int, int]], dtype: str):
@@ -74,38 +71,12 @@ class ChunkReader:
         view = memoryview(self._buf)
         pos = 0
         for ref, start, count in runs:
-            self._read_into(ref, start, count, esize, view[pos: pos + count * esize])
+            ref.read_into(view[pos: pos + count * esize], start, count, self._fds)
             pos += count * esize
         return np.frombuffer(self._buf, dtype=raw_np_dtype(dtype), count=total)
 
-    def _read_into(self, ref: TensorRef, start: int, count: int, esize: int, out: memoryview) -> None:
-        if ref.storage is None:
-            raise ValueError("tensor has no storage")
-        src = ref.storage.source
-        if not ref.is_contiguous or getattr(src, "path", None) is None:
-            # a strided view into a bigger storage (rare): gather through the reader's own mapping
-            out[:] = memoryview(ref.read_numpy(start, count).tobytes()).cast("B")
-            return
-        begin = (ref.storage_offset + start) * esize
-        if begin < 0 or count < 0 or begin + count * esize > ref.storage.nbytes:
-            raise CorruptCheckpoint(f"tensor bytes of storage {ref.storage.key} lie outside the file", path=src.path,
-                                    hint="the file is truncated; re-copy it")
-        offset = src.storage_offset(ref.storage) + begin
-        fd = self._fds.get(src.path)
-        if fd is None:
-            fd = self._fds[src.path] = os.open(src.path, os.O_RDONLY)
-        done = 0
-        while done < len(out):
-            n = os.preadv(fd, [out[done:]], offset + done)
-            if n <= 0:
-                raise CorruptCheckpoint(f"tensor bytes of storage {ref.storage.key} lie outside the file",
-                                        path=src.path, hint="the file is truncated; re-copy it")
-            done += n
-
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._fds.close()
         self._buf = bytearray()
 
     def __enter__(self) -> "ChunkReader":

@@ -247,9 +247,9 @@ def _write_file(path: Path, tensors: Sequence[ExportTensor], progress: Callable[
     merged and converted in memory, one at a time."""
     from ..io import copy_range
     from ..torch_zip import start_writeback
-    from .to_universal import _Fds
+    from ..pickle_reader import FdCache
 
-    fds = _Fds()
+    fds = FdCache()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         at = _pwrite(fd, memoryview(_header(tensors, {"format": "pt"})), 0)

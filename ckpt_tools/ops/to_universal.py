@@ -51,13 +51,13 @@ import math
 import os
 import re
 import shutil
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from .. import safe_load
+from ..pickle_reader import FdCache
 from ..errors import CkptError, UnsupportedCheckpoint
 from ..tp_layout import Rule, TPLayout, merge_shards
 from ..tree import Checkpoint, GroupNode, TensorNode, ValueNode
@@ -484,40 +484,10 @@ def _check_replicas(jobs: list[ParamJob], policy: str | None, where: Path, notes
 # --- reading --------------------------------------------------------------------------------------------
 
 
-class _Fds:
-    """One read-only fd per source file, shared by the worker threads (pread has no file position)."""
-
-    def __init__(self):
-        self._fds: dict[str, int] = {}
-        self._sizes: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def get(self, path: str) -> int:
-        fd = self._fds.get(path)
-        if fd is None:
-            with self._lock:
-                fd = self._fds.get(path)
-                if fd is None:
-                    fd = os.open(path, os.O_RDONLY)
-                    self._sizes[path] = os.fstat(fd).st_size
-                    self._fds[path] = fd
-        return fd
-
-    def size(self, path: str) -> int:
-        self.get(path)
-        return self._sizes[path]
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-        self._sizes.clear()
+_FDS = FdCache()
 
 
-_FDS = _Fds()
-
-
-def read_tensor(node: TensorNode, fds: _Fds | None = None):
+def read_tensor(node: TensorNode, fds: FdCache | None = None):
     """The logical tensor of a node without TP shards, its pieces preadv'd into one buffer."""
     import torch
 
@@ -535,24 +505,12 @@ def read_tensor(node: TensorNode, fds: _Fds | None = None):
         if src is None or not ref.is_contiguous or not hasattr(src, "storage_offset") or ref.dtype != node.dtype:
             out[p.dst_offset: p.dst_offset + p.numel] = ref.read_torch(p.src_offset, p.numel).view(-1).to(out.dtype)
             continue
-        try:
-            base = src.storage_offset(ref.storage)
-        except NotImplementedError:
-            out[p.dst_offset: p.dst_offset + p.numel] = ref.read_torch(p.src_offset, p.numel).view(-1)
-            continue
-        offset = base + (ref.storage_offset + p.src_offset) * esize
-        view = memoryview(raw)[p.dst_offset * esize: (p.dst_offset + p.numel) * esize]
-        fd = fds.get(src.path)
-        done = 0
-        while done < len(view):
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise CkptError("file ended inside a tensor", path=src.path, hint="the file is truncated; re-copy it")
-            done += n
+        ref.read_into(memoryview(raw)[p.dst_offset * esize: (p.dst_offset + p.numel) * esize], p.src_offset,
+                      p.numel, fds)
     return out.view(node.shape)
 
 
-def source_ranges(node: TensorNode, fds: _Fds):
+def source_ranges(node: TensorNode, fds: FdCache):
     """The file ranges (`torch_zip.FileRange`) that hold a node's bytes, in element order, when they can be
     copied as they are: no TP shards, and every piece a contiguous run of a stored tensor of the node's own
     dtype whose file offset is known. None otherwise (read it with `read_tensor`). Adjacent ranges merge."""
@@ -587,7 +545,7 @@ def source_ranges(node: TensorNode, fds: _Fds):
     return ranges if at == node.numel else None
 
 
-def _merged_read(node: TensorNode, fds: _Fds | None = None):
+def _merged_read(node: TensorNode, fds: FdCache | None = None):
     """A node's logical tensor, TP shards merged by the reader's rule (`node.merge`)."""
     if not node.shards:
         return read_tensor(node, fds)
@@ -597,7 +555,7 @@ def _merged_read(node: TensorNode, fds: _Fds | None = None):
     return merge_shards(node.merge, parts)
 
 
-def _merged_state(job: ParamJob, key: str, fds: _Fds):
+def _merged_state(job: ParamJob, key: str, fds: FdCache):
     import torch
 
     node = job.states[key]
@@ -729,7 +687,7 @@ def _state_pickle(extra: dict[str, Any], dtype: str, shape: tuple[int, ...]) -> 
     return obj, *hit
 
 
-def _write_state(job: ParamJob, key: str, path: Path, fds: _Fds) -> int:
+def _write_state(job: ParamJob, key: str, path: Path, fds: FdCache) -> int:
     """Write `{**job.extra, "param": <state key's tensor>}` as torch.save would; returns its tensor bytes."""
     from ..torch_zip import save
 
@@ -752,7 +710,7 @@ def _torch_uint8():
     return torch.uint8
 
 
-def _convert_one(job: ParamJob, zero_dir: Path, steps: dict[int, _Prepared], fds: _Fds, source: Path) -> int:
+def _convert_one(job: ParamJob, zero_dir: Path, steps: dict[int, _Prepared], fds: FdCache, source: Path) -> int:
     pdir = zero_dir / job.name
     pdir.mkdir(parents=True, exist_ok=True)
     written = 0
@@ -783,7 +741,7 @@ def convert_params(plan: UniversalPlan, tag_out: Path, indices: Iterable[int], *
     steps = {g: _prepare(s, plan.optim_file) for g, s in steps.items()}  # one pickle per group's step.pt
     zero_dir = tag_out / "zero"
     zero_dir.mkdir(parents=True, exist_ok=True)
-    fds = _Fds()
+    fds = FdCache()
     jobs = [plan.params[i] for i in indices]
     # biggest first: the pool finishes together instead of waiting on one huge tensor at the end
     jobs.sort(key=lambda j: -math.prod(j.shape))
