@@ -244,7 +244,7 @@ PHASES = r'''
 import io, json, sys, time
 t = [time.perf_counter()]
 def lap(): t.append(time.perf_counter())
-import cli.main; lap()                                   # typer, the CLI modules, ckpt_tools (no torch)
+import cli.main; cli.main.tune_gc(); lap()               # typer, the CLI modules, ckpt_tools (no torch)
 a = cli.main._fast_parse(["inspect", sys.argv[1], "--json"]); lap()  # option parsing (argparse fast path)
 from ckpt_tools import open_checkpoint
 from ckpt_tools.ops import inspect as ops

@@ -207,13 +207,18 @@ def _fast_parse(argv: list[str]):
     return lambda: command.callback(**kwargs)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point."""
-    # a command lives seconds to minutes and holds a checkpoint tree of up to millions of objects: full
-    # (oldest-generation) collections would re-traverse all of it again and again and find nothing; the
-    # young generations are still collected, and reference counting frees everything acyclic
+def tune_gc() -> None:
+    """A command lives seconds to minutes and holds a checkpoint tree of up to millions of objects: full
+    (oldest-generation) collections would re-traverse all of it again and again and find nothing. The young
+    generations are still collected, reference counting frees everything acyclic, and a parsed tree is
+    moved out of the collector's sight (`ckpt_tools.FREEZE_AFTER_PARSE`)."""
     gc.set_threshold(*gc.get_threshold()[:2], 1_000_000_000)
     ckpt_tools.FREEZE_AFTER_PARSE = True
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point."""
+    tune_gc()
     _install_test_kill_hook()
     try:
         fast = _fast_parse(sys.argv[1:] if argv is None else argv)
