@@ -67,16 +67,9 @@ def _fmt_runs(d: dict) -> str | None:
         return None
     if len(by) > ARRAY_MIN:
         return None
-    width = max(len(str(k)) for k in d)
-    parts = []
-    for value, nums in by.items():
-        runs, start = [], nums[0]
-        for a, b in zip(nums, nums[1:] + [None]):
-            if b != a + 1:
-                runs.append(f"{start:0{width}d}" if start == a else f"{start:0{width}d}..{a:0{width}d}")
-                start = b
-        parts.append(f"{','.join(runs)} → {value}")
-    return ", ".join(parts)
+    lengths = {len(str(k)) for k in d}
+    width = lengths.pop() if len(lengths) == 1 else 0  # zero-padded keys ("01") stay padded
+    return ", ".join(_ranges(nums, width, braces=False) + f" → {value}" for value, nums in by.items())
 
 
 #: a list longer than this is an array (an RNG state's 625 integers): shown as type, length and first values
@@ -239,16 +232,18 @@ def _numbered_label(pattern: str, names: list[str]) -> str | None:
     return _NUM.sub(lambda m: next(parts), pattern.replace("#", "0"))
 
 
-def _ranges(values: list[int]) -> str:
-    """[0, 1, 2, 5, 7, 8, 9] -> "{0..2,5,7..9}" ([0, 1, 3] -> "{0,1,3}"); one value stays bare."""
+def _ranges(values: list[int], width: int = 0, braces: bool = True) -> str:
+    """Sorted [0, 1, 2, 5, 7, 8, 9] -> "{0..2,5,7..9}" ([0, 1, 3] -> "{0,1,3}"); one value stays bare.
+    `width` zero-pads every number (layer "01"); without `braces` the runs are joined bare."""
     if len(values) == 1:
-        return str(values[0])
+        return f"{values[0]:0{width}d}"
     runs, start = [], values[0]
     for a, b in zip(values, values[1:] + [None]):
         if b != a + 1:
-            runs.append(str(start) if start == a else f"{start},{a}" if a == start + 1 else f"{start}..{a}")
+            lo, hi = f"{start:0{width}d}", f"{a:0{width}d}"
+            runs.append(lo if start == a else f"{lo},{hi}" if a == start + 1 else f"{lo}..{hi}")
             start = b
-    return "{" + ",".join(runs) + "}"
+    return "{" + ",".join(runs) + "}" if braces else ",".join(runs)
 
 
 def _line_key(n: Node):
@@ -258,7 +253,7 @@ def _line_key(n: Node):
         if isinstance(c, TensorNode):
             v = c.value
             return (c.dtype, c.shape, tuple(v) if isinstance(v, list) else v, len(c.shards), c.merge,
-                    len(c.pieces) > 1)
+                    len(c.pieces))  # fmt_tensor shows "(N pieces)"
         v = c.value
         return ("v", type(v).__name__, repr(v) if isinstance(v, (list, tuple, dict)) else v)
 

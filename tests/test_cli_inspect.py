@@ -275,3 +275,22 @@ def test_collapse_keeps_odd_layers_and_order():
     assert [(label, n) for label, _, n in rows] == [
         ("emb", [0]), ("l.{0,1,3}.w", [1, 3, 7]), ("l.{0..3}.b", [2, 4, 6, 8]), ("l.2.w", [5]),
         ("x.0.e.0", [9]), ("x.1.e.1", [10])]
+
+
+def test_collapsed_lines_say_what_each_member_says():
+    """Numbered siblings collapse only when their lines would read the same: a tensor held in 2 pieces and one in
+    3 ("(N pieces)") stay apart (the members are a real ZeRO-2 sample's nodes, their piece tuples varied)."""
+    import dataclasses
+
+    import ckpt_tools
+    from cli import output
+    from ckpt_tools.tree import GroupNode
+
+    ck = ckpt_tools.open_checkpoint(sample("deepspeed", "zero2_bf16"))
+    node = ck.optimizer.children["state"].children["wte.weight"].children["fp32"]
+    piece = node.pieces[0]
+    kids = {f"l.{i}.w": dataclasses.replace(node, pieces=(piece,) * n) for i, n in enumerate((2, 2, 2, 3, 3, 3))}
+    text = "\n".join(output.tree_lines(GroupNode(kids), "t"))
+    assert "l.{0..2}.w: float32 [64×32] (2 pieces)  ×3" in text, text
+    assert "l.{3..5}.w: float32 [64×32] (3 pieces)  ×3" in text, text
+    assert output._fmt_runs({str(i): i % 2 for i in range(12)}) == "0,2,4,6,8,10 → 0, 1,3,5,7,9,11 → 1"
