@@ -22,12 +22,20 @@ __version__ = "0.1.0"
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Open a checkpoint of any supported format as one lazily-read tree (see `ckpt_tools.tree`)."""
+    """Open a checkpoint of any supported format as one lazily-read tree (see `ckpt_tools.tree`).
+
+    The result accounts for the whole checkpoint (`ckpt_tools.accounting`): `details["accounting"]` lists the
+    files read and the state files no reader took, and the warnings say what the view leaves out (`unread-files`,
+    `part-of-checkpoint` for one piece of a larger checkpoint, `scheduler-state-missing`)."""
+    from .accounting import account
     from .formats import detect
+    from .state import lost_scheduler_warnings
 
     p = Path(path)
     with gc_paused():
-        return detect(p).open(p)
+        ck = detect(p).open(p)
+        ck = account(ck, p)
+        return lost_scheduler_warnings(ck)
 
 
 #: set by the CLI (a short-lived process): after a parse, move the parsed objects out of the collector's

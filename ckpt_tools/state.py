@@ -165,3 +165,42 @@ def _is_int(v: Any) -> bool:
 
 __all__ = ["StateSource", "StateMap", "Found", "locate", "is_optimizer_state", "is_scheduler_state", "group_dicts",
            "is_flattened", "COUNTER_KEYS"]
+
+
+#: param-group fields a torch LR scheduler adds to the optimizer it drives (`initial_lr` by every LRScheduler,
+#: `max_lr` / `min_lr` by OneCycleLR): their presence means a scheduler ran when the checkpoint was saved
+SCHEDULER_TRACES = ("initial_lr", "max_lr")
+
+
+def lost_scheduler_warnings(ck):
+    """`ck` with a `scheduler-state-missing` warning when an optimizer's param groups carry a scheduler's traces
+    (`initial_lr`, OneCycleLR's `max_lr`) while the checkpoint holds no scheduler state: the run that saved it had
+    a scheduler, and a resume from it restarts the schedule from its first step. Megatron's param groups carry
+    `max_lr` natively, and its scheduler is `opt_param_scheduler`: any saved scheduler section counts."""
+    from dataclasses import replace
+
+    from .tree import GroupNode, OpaqueNode, Warning_
+
+    top = ck.tree.children
+    if any(k.startswith(("scheduler", "lr_scheduler", "opt_param_scheduler")) and v is not None
+           and not (isinstance(v, (GroupNode, OpaqueNode)) and not v.children) for k, v in top.items()):
+        return ck
+    client = top.get("client_state")
+    if isinstance(client, GroupNode) and any(
+            k in client.children for k in ("opt_param_scheduler", "lr_scheduler", "lr_schedulers", "scheduler")):
+        return ck
+    traces = set()
+    for name, opt in top.items():
+        if not name.startswith("optimizer") or not isinstance(opt, GroupNode):
+            continue
+        groups = opt.children.get("param_groups")
+        for g in groups.children.values() if isinstance(groups, GroupNode) else ():
+            if isinstance(g, GroupNode):
+                traces |= {t for t in SCHEDULER_TRACES if t in g.children}
+    if not traces:
+        return ck
+    w = Warning_("scheduler-state-missing",
+                 f"the optimizer's param groups carry {', '.join(sorted(traces))} (a learning-rate scheduler drove "
+                 "this run) but the checkpoint holds no scheduler state: a resume restarts the schedule from its "
+                 "first step (warm-up again) unless the run rebuilds it from the step count")
+    return replace(ck, warnings=(w, *ck.warnings))

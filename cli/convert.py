@@ -34,6 +34,7 @@ def convert_cmd(
                                      "deepspeed-universal): each rank writes a share of the parameters (one "
                                      "shared filesystem)"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
+    allow_unread: bool = typer.Option(False, "--allow-unread", help=output.ALLOW_UNREAD_HELP),
 ) -> None:
     """Move a run to another framework with its whole training state.
 
@@ -42,7 +43,7 @@ def convert_cmd(
     cannot move (RNG states, a data-loader position, the DeepSpeed config). The output is written under a
     staging name, compared with the source by logical parameter (`ckpt diff`), then renamed into place."""
     try:
-        return _convert(ckpt, out, to, layout, dry_run, not no_verify, json_out, distributed)
+        return _convert(ckpt, out, to, layout, dry_run, not no_verify, json_out, distributed, allow_unread)
     except CkptError as e:
         if e.message.startswith("ckpt convert:"):
             raise
@@ -51,28 +52,29 @@ def convert_cmd(
         raise named from e
 
 
-def _convert(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False) -> None:
+def _convert(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False, allow_unread=False) -> None:
     output.require("torch", extra="convert", what="ckpt convert")
     if to == "deepspeed-universal" and layout is None:
         from ckpt_tools.ops.to_universal import handles
 
         if not handles(ckpt):
-            return _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed)
+            return _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed, allow_unread)
         import os
 
         from . import to_universal as tu
 
         return tu.to_universal_cmd(ckpt, out, workers=min(8, os.cpu_count() or 1), dry_run=dry_run,
                                    tp_layout=None, pattern=None, tp_replicated=None, target_stage=None,
-                                   verify=verify, yes=True, distributed=distributed, json_out=json_out)
-    return _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed)
+                                   verify=verify, yes=True, distributed=distributed, json_out=json_out,
+                                   allow_unread=allow_unread)
+    return _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed, allow_unread)
 
 
-def _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False) -> None:
+def _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False, allow_unread=False) -> None:
     from ckpt_tools.ops import convert as ops
 
     try:
-        plan = ops.plan_convert(ckpt, out, to=to, layout=layout)
+        plan = ops.plan_convert(ckpt, out, to=to, layout=layout, allow_unread=allow_unread)
     except ValueError as e:
         raise typer.BadParameter(str(e))
     if dry_run:

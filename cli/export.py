@@ -53,6 +53,7 @@ def export_cmd(
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask (export writes only new files, so it never "
                              "asks)"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
+    allow_unread: bool = typer.Option(False, "--allow-unread", help=output.ALLOW_UNREAD_HELP),
 ) -> None:
     """Write consolidated model weights as safetensors (loadable by safetensors.torch.load_file; with --hf by
     transformers' from_pretrained)."""
@@ -74,7 +75,7 @@ def export_cmd(
                                    tp_layout=tp_layout, patterns=pattern or (), hf=hf,
                                    tied="dedupe" if dedupe_tied else ("all" if not hf else "dedupe"),
                                    include_frozen=not exclude_frozen, include=include or None,
-                                   exclude=exclude or None, model=model)
+                                   exclude=exclude or None, model=model, allow_unread=allow_unread)
         except ValueError as e:
             raise typer.BadParameter(str(e))
         doc = plan.to_json()

@@ -132,14 +132,14 @@ def _print_header(ck, warnings) -> None:
         ("topology", f"dp={f(topo.dp)} tp={f(topo.tp)} pp={f(topo.pp)} zero_stage={f(topo.zero_stage)}"),
         ("parameters", f"{ck.parameter_count:,} in {output.plural(ck.parameter_tensors, 'tensor')}"
                        + (f"   dtypes {', '.join(ck.dtypes)}" if ck.dtypes else "")),
-        ("files", f"{output.plural(len(ck.files), 'file')}, {sum(x.bytes for x in ck.files):,} bytes"),
+        ("files", _files_line(ck)),
         ("counters", "  ".join(f"{k}={f(getattr(c, k))}" for k in ("global_step", "optimizer_step",
                                                                    "scheduler_last_epoch", "scheduler_step_count",
                                                                    "skipped_steps"))),
         ("lr", f"param_groups={f(list(ck.lr.param_groups) or None)}  base_lrs={f(ck.lr.base_lrs)}  "
                f"last_lr={f(ck.lr.last_lr)}"),
     ]
-    rows += [(k, f(v)) for k, v in ck.details.items() if v is not None and k != "tag"]
+    rows += [(k, f(v)) for k, v in ck.details.items() if v is not None and k not in ("tag", "accounting")]
     if warnings:
         rows.append(("warnings", style(str(len(warnings)), "yellow")))
     width = max(len(k) for k, _ in rows)
@@ -152,6 +152,15 @@ def _print_header(ck, warnings) -> None:
         lines += output.wrap(w.message + where, cols,
                              "  " + style(f"⚠ {w.code}", "yellow") + ": ", "    ")
     sys.stdout.write("\n".join(lines) + "\n")
+
+
+def _files_line(ck) -> str:
+    """`3 files (3 read), 440,367 bytes`; files the checkpoint holds that no reader took are counted, not
+    read (the `unread-files` warning names them)."""
+    unread = len((ck.details.get("accounting") or {}).get("unread", ()))
+    n = len(ck.files)
+    return (f"{output.plural(n + unread, 'file')} ({n:,} read), {sum(x.bytes for x in ck.files):,} bytes"
+            + (" read" if unread else ""))
 
 
 def _print_stats(rows) -> None:

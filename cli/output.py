@@ -493,3 +493,7 @@ class Command(typer.core.TyperCommand):
             from ckpt_tools.errors import CkptError
 
             raise CkptError(need_extra(root, what=f"ckpt {ctx.info_name}")) from e
+
+ALLOW_UNREAD_HELP = ("go on although the checkpoint folder holds files that may hold model or training state which "
+                     "no reader took (the `unread-files` warning of `ckpt inspect`): they are left behind, "
+                     "unchanged and not carried, and the plan lists them")

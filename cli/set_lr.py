@@ -138,12 +138,6 @@ def _run(lp, *, dry_run: bool, yes: bool, json_out: bool, backup_dir: Optional[P
             return 0
         if not json_out:
             output.print_write_plan(con, plan)
-        if not plan.writes:
-            if json_out:
-                output.print_json({"dry_run": dry_run, "plan": lp.to_json(), "transaction": None})
-            else:
-                con.print("[green]nothing to do[/]")
-            return 0
         before = io.last_write(plan.root, plan.command, backup_dir)
         tx = confirm_and_write(con, plan, dry_run=dry_run, yes=yes, json_out=json_out, backup_dir=backup_dir,
                                verb="rewrite", copy=copy)
@@ -184,6 +178,7 @@ def set_lr_cmd(
     json_out: bool = typer.Option(False, "--json", help="machine-readable plan / result"),
     backup_dir: Optional[Path] = typer.Option(None, "--backup-dir", help=_BACKUP_HELP),
     copy: bool = typer.Option(False, "--copy", help=_COPY_HELP),
+    allow_unread: bool = typer.Option(False, "--allow-unread", help=output.ALLOW_UNREAD_HELP),
 ) -> int:
     """Change the LR trajectory in every file that holds it, knowing which field drives the LR after resume
     (the plan says so per field). DeepSpeed's own schedulers: prints the launch-config change too."""
@@ -193,7 +188,8 @@ def set_lr_cmd(
     if scale is not None and lr is not None:
         raise typer.BadParameter("give --scale or --lr, not both", param_hint="--lr")
     lp = ops.plan_set_lr(open_checkpoint(path), scale=scale, lr=lr, group=group, last_lr=last_lr,
-                         last_epoch=last_epoch, step_count=step_count, optimizer=optimizer)
+                         last_epoch=last_epoch, step_count=step_count, optimizer=optimizer,
+                         allow_unread=allow_unread)
     return _run(lp, dry_run=dry_run, yes=yes, json_out=json_out, backup_dir=backup_dir, copy=copy)
 
 
@@ -214,13 +210,15 @@ def set_step_cmd(
     json_out: bool = typer.Option(False, "--json", help="machine-readable plan / result"),
     backup_dir: Optional[Path] = typer.Option(None, "--backup-dir", help=_BACKUP_HELP),
     copy: bool = typer.Option(False, "--copy", help=_COPY_HELP),
+    allow_unread: bool = typer.Option(False, "--allow-unread", help=output.ALLOW_UNREAD_HELP),
 ) -> int:
     """Set step counters (e.g. repair a reset Adam step) in every rank file and param group."""
     from ckpt_tools import open_checkpoint
     from ckpt_tools.ops import lr as ops
 
     lp = ops.plan_set_step(open_checkpoint(path), step=step, optimizer_step=optimizer_step, global_step=global_step,
-                           last_epoch=last_epoch, step_count=step_count, optimizer=optimizer)
+                           last_epoch=last_epoch, step_count=step_count, optimizer=optimizer,
+                           allow_unread=allow_unread)
     return _run(lp, dry_run=dry_run, yes=yes, json_out=json_out, backup_dir=backup_dir, copy=copy)
 
 

@@ -47,6 +47,7 @@ def to_universal_cmd(
     distributed: bool = typer.Option(False, "--distributed", help="under torchrun: each rank converts a share "
                                                                   "of the parameters (one shared filesystem)"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
+    allow_unread: bool = typer.Option(False, "--allow-unread", help=output.ALLOW_UNREAD_HELP),
 ) -> None:
     """Convert to DeepSpeed's universal checkpoint: loads at any DP/TP/PP size and ZeRO stage.
 
@@ -55,7 +56,7 @@ def to_universal_cmd(
     hyper-parameters: the plan says so (a note, a warning, or a refusal with --target-stage 3)."""
     try:
         return _to_universal(ckpt, out, workers, dry_run, tp_layout, pattern, tp_replicated, target_stage, verify,
-                             yes, distributed, json_out)
+                             yes, distributed, json_out, allow_unread)
     except CkptError as e:  # the same error (class, path, hint), its message naming the command
         if e.message.startswith("ckpt to-universal:"):
             raise
@@ -65,14 +66,15 @@ def to_universal_cmd(
 
 
 def _to_universal(ckpt, out, workers, dry_run, tp_layout, pattern, tp_replicated, target_stage, verify, yes,
-                  distributed, json_out) -> None:
+                  distributed, json_out, allow_unread=False) -> None:
     _refuse_out_inside(ckpt, out)
     output.require("torch", "deepspeed", extra="convert", what="ckpt to-universal")
     from ckpt_tools.ops import to_universal as ops
 
     try:
         plan = ops.plan_to_universal(ckpt, out, tp_layout=tp_layout, patterns=pattern or (),
-                                     tp_replicated=tp_replicated, target_stage=target_stage)
+                                     tp_replicated=tp_replicated, target_stage=target_stage,
+                                     allow_unread=allow_unread)
     except ValueError as e:
         raise typer.BadParameter(str(e))
     if dry_run:

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the ops module (and what it imports) loads only when the command runs
     from ckpt_tools.ops import tp_sync as ops
 
+from ckpt_tools.errors import CkptError
+
 from . import output
 from .set_lr import _BACKUP_HELP, _COPY_HELP, _undo_hint, confirm_and_write, written_line
 
@@ -99,6 +101,7 @@ def sync_tp_cmd(
     backup_dir: Optional[Path] = typer.Option(None, "--backup-dir", help=_BACKUP_HELP),
     pattern: List[str] = typer.Option([], "--pattern", help=_PATTERN_HELP),
     copy: bool = typer.Option(False, "--copy", help=_COPY_HELP),
+    allow_unread: bool = typer.Option(False, "--allow-unread", help=output.ALLOW_UNREAD_HELP),
 ) -> int:
     """Make every out-of-sync TP replica identical: fp32 master and Adam moments on every TP rank and DP
     shard, module weights as the cast of the synced master. Backed up, atomic, verified."""
@@ -121,12 +124,9 @@ def sync_tp_cmd(
     if json_out and dry_run:
         output.print_json({"dry_run": True, "plan": plan.to_json(), "before": report.to_json()})
         return 0
-    if not plan.writes:
-        if json_out:
-            output.print_json({"dry_run": dry_run, "plan": plan.to_json(), "after": report.to_json()})
-        else:
-            con.print(f"[green]nothing to do: all {len(report.params)} replicated parameters are in sync[/]")
-        return 0
+    if not plan.writes:  # a repair that finds nothing to repair is an error, not a success (exit 2)
+        raise CkptError(f"nothing to repair: all {len(report.params)} replicated parameters are in sync; nothing was "
+                        "written", path=str(path), hint=f"ckpt check-tp-sync {path} shows the comparison")
     if not json_out:
         _print_plan(con, plan)
     tx = confirm_and_write(con, plan, dry_run=dry_run, yes=yes, json_out=json_out, backup_dir=backup_dir,

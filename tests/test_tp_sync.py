@@ -356,11 +356,11 @@ def test_verification_failure_rolls_back(copy_sample):
     assert snapshot(ck) == before
 
 
-def test_nothing_to_do_on_an_in_sync_checkpoint(copy_sample):
+def test_nothing_to_repair_on_an_in_sync_checkpoint_is_an_error(copy_sample):
     ck = copy_sample(GROUP, "gpt_tp2_pp2")
     before = snapshot(ck.parent)
     proc = run_cli("sync-tp", str(ck), "--yes")
-    assert proc.returncode == 0 and "nothing to do" in proc.stdout
+    assert proc.returncode == 2 and "nothing to repair" in proc.stderr and proc.stdout == ""
     assert snapshot(ck.parent) == before
 
 

@@ -259,7 +259,7 @@ def _not_moved(ck, config: dict[str, Any]) -> list[str]:
 
 
 def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str = "dcp",
-                 layout: str | None = None) -> ConvertPlan:
+                 layout: str | None = None, allow_unread: bool = False) -> ConvertPlan:
     """Decide everything `execute` writes; reads metadata and small values only."""
     from .. import logical as L
 
@@ -273,7 +273,9 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
         raise ValueError(f"--layout applies to --to dcp, not --to {to}")
     src, dst = Path(source), Path(out)
     _refuse_out(src, dst)
-    ck = L.open_any(src)
+    from ..accounting import guard
+
+    ck = guard(L.open_any(src), src, "convert", allow_unread=allow_unread)
     if to == "deepspeed-universal":
         from .to_universal import handles
 
@@ -318,7 +320,9 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
             hp["betas"] = tuple(hp["betas"])
         members = [n for n in g.get("params", []) if n in names]
         groups.append({**hp, "params": members})
-    notes: list[str] = []
+    from ..accounting import left_behind
+
+    notes: list[str] = left_behind(ck)
     if not states:
         notes.append("the source has no optimizer state: weights only")
     missing = [p.name for p in params if p.kind == "param" and p.name not in states]

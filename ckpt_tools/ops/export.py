@@ -124,7 +124,8 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
                 max_shard_size: int | None = None, source_weights: str = "fp32",
                 tp_layout: str | None = None, patterns: Sequence[str] = (), tied: str = "all",
                 include_frozen: bool = True, include: Sequence[str] | str | None = None,
-                exclude: Sequence[str] | str | None = None, hf: bool = False, model: int = 0) -> ExportPlan:
+                exclude: Sequence[str] | str | None = None, hf: bool = False, model: int = 0,
+                allow_unread: bool = False) -> ExportPlan:
     """Which tensors go into which file. `source_weights`: "fp32" (the optimizer's fp32 master, the same
     values zero_to_fp32 writes, where the format has one) or "module" (the saved module weights, e.g. bf16).
     `hf`: `out` is a new folder for `from_pretrained` (tied aliases left out unless tied="all" is asked
@@ -137,7 +138,9 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
         raise ValueError(f"--dtype {dtype!r}: use fp32, bf16 or fp16")
     src = Path(source)
     out = Path(out)
-    ck = _open(src, tp_layout, patterns)
+    from ..accounting import guard
+
+    ck = guard(_open(src, tp_layout, patterns), src, "export", allow_unread=allow_unread)
     root = Path(ck.path)
     if root.is_dir() and (_inside(out, root) or _inside(out.parent, root) and not hf):
         raise CkptError("the output would be inside the checkpoint folder", path=out,
@@ -165,7 +168,9 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
         f is None or not isinstance(f, str) and len(f) == 0 for f in (include, exclude))  # the same call twice
     everything = tensors if unfiltered else L.model_tensors(ck, weights=source_weights, model=model)
     kept = {t.name for t in tensors}
-    skipped = {"tied": [], "frozen": [], "filtered": []}
+    from ..accounting import unread_files
+
+    skipped = {"tied": [], "frozen": [], "filtered": [], "unread files (--allow-unread)": unread_files(ck)}
     for t in everything:
         if t.name in kept:
             continue

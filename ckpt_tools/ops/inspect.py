@@ -5,7 +5,7 @@ The JSON contract (`summary()`), which scripts rely on — keep these names:
      "counters": {"global_step","optimizer_step","scheduler_last_epoch","scheduler_step_count","skipped_steps"},
      "lr": {"param_groups": [float]|null, "base_lrs": [float]|null, "last_lr": [float]|null},
      "warnings": [{"code","message","path"}], "tree": {...}}
-plus "dtypes", "files", "details". Unknown values are null, never guessed: "lr.param_groups" is null when
+plus "dtypes", "files" (every file read), "files_unread" (state files no reader took), "details". Unknown values are null, never guessed: "lr.param_groups" is null when
 the checkpoint holds no optimizer (a safetensors file), not an empty list. In "tree", a tensor is
 {"shape","dtype","numel"} (+ "value" for tiny tensors, "merge" for TP tensors); an object of a class the
 reader does not run is {"class", "fields"}; other values are plain JSON.
@@ -31,15 +31,7 @@ def open_for_inspect(path: str | Path) -> Checkpoint:
     from .. import open_checkpoint
 
     ck = open_checkpoint(path)
-    ck = replace(ck, warnings=(*write_warnings(ck), *ck.warnings))
-    whole = part_of(Path(path)) if Path(path).is_file() else None
-    if whole is None:
-        return ck
-    folder, fmt, nfiles = whole
-    n = f"one of the {nfiles} files" if nfiles else "one file"
-    w = Warning_("part-of-checkpoint", f"shown alone, this file is {n} of the {fmt} checkpoint {folder}; "
-                 f"the whole checkpoint: ckpt inspect {folder}", str(folder))
-    return replace(ck, warnings=(w, *ck.warnings))
+    return replace(ck, warnings=(*write_warnings(ck), *ck.warnings))
 
 
 def write_warnings(ck: Checkpoint) -> list[Warning_]:
@@ -49,24 +41,6 @@ def write_warnings(ck: Checkpoint) -> list[Warning_]:
 
     said = io.interrupted_write(Path(ck.path))
     return [Warning_("interrupted-write", said, str(ck.path))] if said else []
-
-
-def part_of(file: Path) -> tuple[Path, str, int | None] | None:
-    """(folder, format, file count) of the checkpoint `file` is one of several files of, or None. The folders
-    above it that a format claims are opened, the farthest first (a tag folder's parent with `latest`
-    before the tag folder), and the first that lists the file wins; one that cannot be opened is still
-    named (its own error shows when it is inspected)."""
-    mine = file.resolve()
-    ups = formats.enclosing(file)
-    for up, mod in reversed(ups):
-        try:
-            whole = mod.open(up)
-        except (CkptError, OSError):
-            return up, getattr(mod, "FORMAT", mod.__name__), None
-        files = {(Path(whole.path) / f.path).resolve() for f in whole.files}
-        if mine in files:
-            return (up, whole.format, len(files)) if len(files) > 1 else None
-    return None
 
 
 def list_checkpoints(folder: str | Path) -> list[dict[str, Any]]:
@@ -170,7 +144,8 @@ def summary(ck: Checkpoint, tree: Node | None = None, rank: dict[str, int] | Non
                "last_lr": list(ck.lr.last_lr) if ck.lr.last_lr is not None else None},
         "dtypes": list(ck.dtypes),
         "files": [{"path": f.path, "bytes": f.bytes, "role": f.role, "rank": dict(f.rank)} for f in ck.files],
-        "details": {k: jsonable(v) for k, v in ck.details.items()},
+        "files_unread": list((ck.details.get("accounting") or {}).get("unread", ())),
+        "details": {k: jsonable(v) for k, v in ck.details.items() if k != "accounting"},
         "warnings": [asdict(w) for w in ck.warnings],
         "tree": node_to_json(tree if tree is not None else ck.tree, rank),
     }

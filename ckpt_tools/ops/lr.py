@@ -42,6 +42,7 @@ re-verified with the reader, rolled back on any failure).
 """
 from __future__ import annotations
 
+from ..accounting import guard, left_behind
 import math
 import struct
 from dataclasses import dataclass, field
@@ -494,7 +495,7 @@ def _pick(files: list[_File], optimizer: int | None) -> list[int]:
 
 def plan_set_lr(ck: Checkpoint, *, scale: float | None = None, lr: float | None = None, group: int | None = None,
                 last_lr: float | None = None, last_epoch: int | None = None,
-                step_count: int | None = None, optimizer: int | None = None) -> LrPlan:
+                step_count: int | None = None, optimizer: int | None = None, allow_unread: bool = False) -> LrPlan:
     """The write that changes the LR trajectory (and/or the scheduler position) of `ck`.
 
     `scale`: multiply every LR field (base_lrs, _last_lr, lr, initial_lr, max_lr/min_lr, eta_min, and the
@@ -512,8 +513,9 @@ def plan_set_lr(ck: Checkpoint, *, scale: float | None = None, lr: float | None 
             raise CkptError(f"{name} {v}: must be a positive finite number")
     if all(v is None for v in (scale, lr, last_lr, last_epoch, step_count)):
         raise CkptError("nothing to change: give --scale, --lr, --last-lr, --last-epoch or --step-count")
+    ck = guard(ck, ck.path, "set-lr", allow_unread=allow_unread)
     root, files, world = _collect(ck)
-    notes: list[str] = []
+    notes: list[str] = left_behind(ck)
     kinds: dict[int, str] = {}
     change = None
     picked = _pick(files, optimizer)
@@ -627,7 +629,7 @@ def _json(d: Any) -> str:
 
 def plan_set_step(ck: Checkpoint, *, step: int | None = None, optimizer_step: int | None = None,
                   global_step: int | None = None, last_epoch: int | None = None,
-                  step_count: int | None = None, optimizer: int | None = None) -> LrPlan:
+                  step_count: int | None = None, optimizer: int | None = None, allow_unread: bool = False) -> LrPlan:
     """The write that sets step counters in every file, rank and param group.
 
     `optimizer_step`: Adam's `step` (every state entry; FusedAdam-style group `step` too). `global_step`:
@@ -640,6 +642,7 @@ def plan_set_step(ck: Checkpoint, *, step: int | None = None, optimizer_step: in
     values = (step, optimizer_step, global_step, last_epoch, step_count)
     if all(v is None for v in values):
         raise CkptError("nothing to change: give --step, --optimizer-step, --global-step, --last-epoch or --step-count")
+    ck = guard(ck, ck.path, "set-step", allow_unread=allow_unread)
     if any(v is not None and v < 0 for v in values[:3]):
         raise CkptError("step counters must be >= 0")
     root, files, world = _collect(ck)
@@ -693,7 +696,7 @@ def plan_set_step(ck: Checkpoint, *, step: int | None = None, optimizer_step: in
     if world > 1 and not any_ds:
         notes.append(f"{world} processes step the scheduler once each per optimizer step, so last_epoch "
                      f"= {world} x optimizer step")
-    return _finish(ck, root, files, "set-step", notes, kinds, None, world)
+    return _finish(ck, root, files, "set-step", left_behind(ck) + notes, kinds, None, world)
 
 
 def _set_step(f: _File, entry: dict, path: tuple, value: int) -> None:
@@ -796,7 +799,10 @@ def _finish(ck: Checkpoint, root: Path, files: list[_File], command: str, notes:
         return problems
 
     if not writes:
-        notes = notes + ["nothing to change: every field already has the requested value"]
+        # a no-op is an error: a script that asked for a change must not read exit 0 as "done"
+        raise CkptError(f"{command}: nothing to change: no field that this request edits differs from the requested "
+                        f"value (searched {', '.join(f.rel for f in files)}); nothing was written", path=ck.path,
+                        hint="`ckpt inspect --grep 'lr|step'` shows the fields and their values")
     plan = io.WritePlan(root, command, tuple(writes), tuple(notes), verify)
     kind = kinds[min(kinds)] if kinds else NO_SCHEDULER
     return LrPlan(plan, kind, DRIVER[kind], change, world, dict(kinds))

@@ -143,8 +143,11 @@ class UniversalPlan:
         }
 
 
-def _open_source(path: Path, patterns: Sequence[str]) -> tuple[Checkpoint, Path, str]:
-    """(checkpoint, tag folder, kind) for the inputs we convert."""
+def _open_source(path: Path, patterns: Sequence[str], *, allow_unread: bool = False) -> tuple[Checkpoint, Path, str]:
+    """(checkpoint, tag folder, kind) for the inputs we convert, refused while it is not the whole checkpoint
+    (`accounting.require_whole`)."""
+    from ..accounting import guard
+
     from ..formats import _common as C
     from ..formats import deepspeed as D
     from ..formats import detect
@@ -152,8 +155,10 @@ def _open_source(path: Path, patterns: Sequence[str]) -> tuple[Checkpoint, Path,
 
     mod = detect(path)
     name = mod.__name__.rsplit(".", 1)[-1]
+    if path.is_file():
+        guard(mod.open(path), path, "to-universal", allow_unread=allow_unread)
     if name == "megatron_pipeline":
-        ck = M.open(path, tp_patterns=tuple(patterns))
+        ck = guard(M.open(path, tp_patterns=tuple(patterns)), path, "to-universal", allow_unread=allow_unread)
         _, tag_dir, _ = C.resolve_tag(path, M.MARKER)
         return ck, tag_dir, "pipeline"
     if name in ("deepspeed", "accelerate", "hf_trainer"):
@@ -166,7 +171,7 @@ def _open_source(path: Path, patterns: Sequence[str]) -> tuple[Checkpoint, Path,
                                         hint="to-universal converts DeepSpeed ZeRO, Megatron-DeepSpeed pipeline, "
                                              "Accelerate+DeepSpeed checkpoints and HF Trainer+DeepSpeed "
                                              "checkpoint-N folders (pass one checkpoint-N)") from None
-        ck = D.open(tag_dir)
+        ck = guard(D.open(tag_dir), tag_dir, "to-universal", allow_unread=allow_unread)
         return ck, tag_dir, "zero"
     raise UnsupportedCheckpoint(f"to-universal does not convert {name} checkpoints", path=path,
                                 hint="it converts DeepSpeed ZeRO, Megatron-DeepSpeed pipeline and "
@@ -177,7 +182,7 @@ def handles(path: str | os.PathLike) -> bool:
     """Whether `path` is a checkpoint this module converts (DeepSpeed ZeRO, pipeline, Accelerate/HF Trainer with
     a DeepSpeed tag folder): `ckpt convert --to deepspeed-universal` hands those to `ckpt to-universal`."""
     try:
-        _open_source(Path(path), ())
+        _open_source(Path(path), (), allow_unread=True)
     except CkptError:
         return False
     return True
@@ -203,7 +208,7 @@ def _layout_for(info: Any, tp: int, tp_layout: str | None, patterns: Sequence[st
 
 def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_layout: str | None = None,
                       patterns: Sequence[str] = (), tp_replicated: str | None = None,
-                      target_stage: int | None = None) -> UniversalPlan:
+                      target_stage: int | None = None, allow_unread: bool = False) -> UniversalPlan:
     """Decide every output file. Reads metadata, plus the bytes of TP-replicated parameters (to check that
     the TP ranks agree). Raises a CkptError naming the fix when the conversion would be a guess."""
     if tp_replicated not in (None, "average", "rank0"):
@@ -211,7 +216,7 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
     if target_stage not in (None, 1, 2, 3):
         raise ValueError(f"--target-stage {target_stage!r}: use 1, 2 or 3")
     src = Path(source)
-    ck, tag_dir, kind = _open_source(src, ())
+    ck, tag_dir, kind = _open_source(src, (), allow_unread=allow_unread)
     from ..formats import deepspeed as D
 
     ranks = D.list_rank_files(tag_dir)
@@ -228,7 +233,9 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
     info = _raw_info(tag_dir, ranks) if ms0 is not None else None
     swiglu = False
     layout = _layout_for(info, tp, tp_layout, patterns, swiglu)
-    notes: list[str] = []
+    from ..accounting import left_behind
+
+    notes: list[str] = left_behind(ck)
     if tp > 1 and layout is None:
         raise UnsupportedCheckpoint(
             f"tensor-parallel checkpoint (tp={tp}) without universal_checkpoint_info: which parameters are "
@@ -846,7 +853,7 @@ def verify_logical(plan: UniversalPlan, root: Path) -> list[str]:
     must be equal, bit for bit. Returns one line per difference ([] when equal)."""
     from .diff import iter_lines, logical_diff
 
-    src, _, _ = _open_source(plan.source, plan.options.get("patterns") or ())
+    src, _, _ = _open_source(plan.source, plan.options.get("patterns") or (), allow_unread=True)
     rep = logical_diff(src, root)
     return [f"{section} {name}: {what}" for section, name, what in iter_lines(rep)]
 

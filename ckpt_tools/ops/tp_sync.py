@@ -481,7 +481,7 @@ class _FilePatches:
 
 
 def plan_sync_tp(ck: Checkpoint, method: str = "average", *, from_rank: int = 0, patterns: Sequence[str] = (),
-                 report: TPSyncReport | None = None) -> tuple[io.WritePlan, TPSyncReport]:
+                 report: TPSyncReport | None = None, allow_unread: bool = False) -> tuple[io.WritePlan, TPSyncReport]:
     """The write that makes every out-of-sync replica identical on every TP rank, in every representation.
 
     `method`: "average" (the mean over TP ranks of the fp32 master and of each Adam moment) or "rank0"
@@ -490,6 +490,9 @@ def plan_sync_tp(ck: Checkpoint, method: str = "average", *, from_rank: int = 0,
     DP rank's piece of a flat partition is patched. Replicas only the data fallback vouches for are left
     alone (a note says so): pass `--pattern` to include them. Returns the plan and the report it is based on.
     """
+    from ..accounting import guard
+
+    ck = guard(ck, ck.path, "sync-tp", allow_unread=allow_unread)
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r} (use {' or '.join(METHODS)})")
     report = report or check_tp_sync(ck, patterns=patterns)
