@@ -25,6 +25,9 @@ class SampleSpec:
     nproc: int
     path: str  # the checkpoint path relative to <out>/<group>, e.g. "zero2_bf16" or "plain.pt"
     after: tuple[str, ...] = field(default=())  # samples that must exist first (e.g. universal <- zero2)
+    #: an environment variable the worker needs (Megatron-LM's training code is not on the package registries:
+    #: MEGATRON_LM_DIR names a checkout of its tag core_v0.16.1)
+    needs_env: str | None = None
 
 
 _W = "ckpt_tools.train.workers."
@@ -60,6 +63,18 @@ SAMPLES: tuple[SampleSpec, ...] = (
     SampleSpec("plain", "torch", _W + "plain", 1, "plain.pt"),
     SampleSpec("safetensors_single", "safetensors", _W + "plain", 1, "model.safetensors"),
     SampleSpec("safetensors_sharded", "safetensors", _W + "plain", 1, "sharded"),
+    # DeepSpeed Mixture-of-Experts (deepspeed.moe.layer.MoE, 4 experts, ep_size 2)
+    SampleSpec("moe_zero2_bf16", "moe", _W + "ds_moe", 2, "moe_zero2_bf16"),
+    SampleSpec("moe_stage0", "moe", _W + "ds_moe", 2, "moe_stage0"),
+    # Megatron-LM's own pretrain() + save_checkpoint (megatron-core 0.16.1 + a Megatron-LM checkout)
+    SampleSpec("megatron_tp2_legacy", "megatron_lm", _W + "megatron_lm", 2, "megatron_tp2_legacy",
+               needs_env="MEGATRON_LM_DIR"),
+    SampleSpec("megatron_tp2_torch_dist", "megatron_lm", _W + "megatron_lm", 2, "megatron_tp2_torch_dist",
+               needs_env="MEGATRON_LM_DIR"),
+    SampleSpec("megatron_dp2_distopt_legacy", "megatron_lm", _W + "megatron_lm", 2, "megatron_dp2_distopt_legacy",
+               needs_env="MEGATRON_LM_DIR"),
+    SampleSpec("megatron_dp2_distopt_torch_dist", "megatron_lm", _W + "megatron_lm", 2,
+               "megatron_dp2_distopt_torch_dist", needs_env="MEGATRON_LM_DIR"),
 )
 
 
@@ -113,6 +128,9 @@ def make_sample(out_dir: str | os.PathLike, name: str, *, log_dir: Path | None =
     """(Re)make one sample under `out_dir`; returns the checkpoint path. Replaces an existing one."""
     spec = get_spec(name)
     out = Path(out_dir)
+    if spec.needs_env and not os.environ.get(spec.needs_env):
+        raise RuntimeError(f"sample {name} needs {spec.needs_env} (see {spec.module}'s docstring): set it, or "
+                           "leave this sample out with --only")
     for dep in spec.after:
         if not sample_path(out, dep).exists():
             make_sample(out, dep, log_dir=log_dir)

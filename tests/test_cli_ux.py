@@ -217,7 +217,7 @@ def test_version_and_short_help():
 
 def test_counts_read_in_the_singular():
     out = run_cli("inspect", sample("torch", "plain.pt"), "-q").stdout
-    assert re.search(r"^files +1 file, ", out, re.M) and "1 files" not in out
+    assert re.search(r"^files +1 file \(1 read\), ", out, re.M) and "1 files" not in out
 
 
 def test_numbers_in_plan_notes_print_short(copy_sample):

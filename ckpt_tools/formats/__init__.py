@@ -60,15 +60,34 @@ def detect(path: Path) -> ModuleType:
         raise NotACheckpoint(f"this folder holds {n} checkpoints, newest first: {names}" if n > 1
                              else f"this folder holds one checkpoint: {names}",
                              path=path, hint=f"pass one of them, e.g. ckpt inspect {inside[0][0]}")
-    ups = enclosing(path)
-    if ups:
-        up, up_mod = ups[-1]  # the farthest: a tag folder's parent with `latest`, an HF checkpoint-N
-        raise NotACheckpoint(f"this {what} is part of the {getattr(up_mod, 'FORMAT', up_mod.__name__)} checkpoint "
-                             f"{up}", path=path, hint=f"pass that folder: ckpt inspect {up}")
+    whole = holder(path)
+    if whole is not None:
+        up, fmt = whole
+        raise NotACheckpoint(f"this {what} is part of the {fmt} checkpoint {up}", path=path,
+                             hint=f"pass that folder: ckpt inspect {up}")
     raise NotACheckpoint(
         f"this {what} is not a supported checkpoint (looked for DeepSpeed mp_rank_*/zero_pp_rank_* files, "
         "layer_*-model_* files, a DCP .metadata, Accelerate state files, torch.save files, safetensors)",
         path=path, hint="pass the checkpoint folder, its tag folder, or a checkpoint file")
+
+
+def holder(path: Path) -> tuple[Path, str] | None:
+    """(folder, format) of the checkpoint above `path` that opens and holds it (a file it read or one beside
+    them, such as `latest`; a folder with a file it read inside), farthest first; None when none does. A folder a format merely claims is not enough: a stale
+    `latest_universal` left in a parent by ds_to_universal claims every folder below it and opens nothing."""
+    import os
+
+    mine = os.path.abspath(path.resolve())
+    for up, mod in reversed(enclosing(path)):
+        try:
+            whole = mod.open(up)
+        except (CkptError, OSError):
+            continue
+        held = [os.path.abspath((Path(whole.path) / f.path).resolve()) for f in whole.files]
+        beside = {os.path.dirname(h) for h in held} | {os.path.abspath(Path(whole.path).resolve())}
+        if any(h == mine or h.startswith(mine + os.sep) for h in held) or os.path.dirname(mine) in beside:
+            return up, getattr(mod, "FORMAT", mod.__name__)
+    return None
 
 
 def claim(path: Path) -> ModuleType | None:
