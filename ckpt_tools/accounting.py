@@ -31,7 +31,8 @@ STATE_SUFFIXES = (".pt", ".bin", ".distcp", ".safetensors", ".pth", ".ckpt")
 
 #: warnings that mean the open did not see the whole checkpoint: writing, exporting and converting refuse
 #: while one is present (`require_whole`); `unread-files` alone can be waived with `allow_unread`
-INCOMPLETE = ("unread-files", "part-of-checkpoint", "extra-rank-file", "unreferenced-file", "declared-mismatch")
+INCOMPLETE = ("unread-files", "part-of-checkpoint", "extra-rank-file", "unreferenced-file", "declared-mismatch",
+              "megatron-torch-dist")
 
 #: names that say a file is one piece of a sharded checkpoint whatever folder it sits in
 _PIECE_NAMES = (
@@ -124,12 +125,15 @@ def piece_of_whole(ck: Checkpoint, file: Path) -> Warning_ | None:
     args = _megatron_args(ck)
     if args is not None:
         tp, pp = args.get("tensor_model_parallel_size") or 1, args.get("pipeline_model_parallel_size") or 1
-        if tp * pp > 1:
+        if tp * pp > 1 or (file.parent / "distrib_optim.pt").is_file():
             whole = _megatron_whole(file)
             return Warning_("part-of-checkpoint",
-                            f"this file is one rank's shards of a Megatron-LM checkpoint (its args: "
-                            f"tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}): tensors have "
-                            f"local shapes and the LRs/steps of one rank only; the whole checkpoint is {whole}",
+                            f"this file is one rank's part of a Megatron-LM checkpoint (its args: "
+                            f"tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}"
+                            + ("; the distributed optimizer's state is in distrib_optim.pt beside it"
+                               if (file.parent / "distrib_optim.pt").is_file() else "")
+                            + f"): tensors have local shapes and the LRs/steps of one rank only; the whole "
+                            f"checkpoint is {whole}",
                             str(whole))
     whole = part_of(file)
     if whole is not None:

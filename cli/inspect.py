@@ -127,10 +127,12 @@ def _print_header(ck, warnings) -> None:
     output._COLOR[0] = output.use_color()
     topo, c = ck.topology, ck.counters
     tag = ck.details.get("tag")
+    unread = len((ck.details.get("accounting") or {}).get("unread", ()))
     rows = [
         ("format", style(ck.format, "green") + f"  {ck.path}" + (f"  (tag {tag})" if tag else "")),
         ("topology", f"dp={f(topo.dp)} tp={f(topo.tp)} pp={f(topo.pp)} zero_stage={f(topo.zero_stage)}"),
         ("parameters", f"{ck.parameter_count:,} in {output.plural(ck.parameter_tensors, 'tensor')}"
+                       + (f" (of the files read; {output.plural(unread, 'file')} unread)" if unread else "")
                        + (f"   dtypes {', '.join(ck.dtypes)}" if ck.dtypes else "")),
         ("files", _files_line(ck)),
         ("counters", "  ".join(f"{k}={f(getattr(c, k))}" for k in ("global_step", "optimizer_step",

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from types import ModuleType
 
-from ..errors import CkptError, NotACheckpoint
+from ..errors import CkptError, NotACheckpoint, UnsupportedCheckpoint
 
 #: detection order: the most specific layouts first
 FORMAT_MODULES = (
@@ -65,6 +65,12 @@ def detect(path: Path) -> ModuleType:
         up, fmt = whole
         raise NotACheckpoint(f"this {what} is part of the {fmt} checkpoint {up}", path=path,
                              hint=f"pass that folder: ckpt inspect {up}")
+    megatron = megatron_lm_layout(path)
+    if megatron:
+        raise UnsupportedCheckpoint(f"a Megatron-LM checkpoint ({megatron}): ckpt does not read Megatron-LM's own "
+                                    "layout yet", path=path,
+                                    hint="`ckpt inspect iter_N/mp_rank_00/model_optim_rng.pt` shows one rank's file "
+                                         "(marked part-of-checkpoint); Megatron-LM's load_checkpoint reads the whole")
     raise NotACheckpoint(
         f"this {what} is not a supported checkpoint (looked for DeepSpeed mp_rank_*/zero_pp_rank_* files, "
         "layer_*-model_* files, a DCP .metadata, Accelerate state files, torch.save files, safetensors)",
@@ -90,6 +96,22 @@ def holder(path: Path) -> tuple[Path, str] | None:
     return None
 
 
+def megatron_lm_layout(path: Path) -> str | None:
+    """What marks `path` as Megatron-LM's own save layout (a run folder, an `iter_N` folder, a `mp_rank_XX`
+    folder), or None."""
+    if not path.is_dir():
+        return None
+    if (path / "latest_checkpointed_iteration.txt").is_file():
+        return "latest_checkpointed_iteration.txt"
+    for sub in (path, *[d for d in path.iterdir() if d.is_dir() and re.fullmatch(r"mp_rank_\d+(_\d+)?", d.name)][:1]):
+        for name in ("model_optim_rng.pt", "distrib_optim.pt"):
+            if (sub / name).is_file():
+                return str((sub / name).relative_to(path)) if sub != path else name
+    if (path / "common.pt").is_file() and (path / "metadata.json").is_file():
+        return "torch_dist: common.pt + metadata.json"
+    return None
+
+
 def claim(path: Path) -> ModuleType | None:
     """The first format module whose `sniff` claims `path`, or None."""
     for name in FORMAT_MODULES:
@@ -101,7 +123,8 @@ def claim(path: Path) -> ModuleType | None:
 
 #: files that are pieces of a sharded checkpoint, never one by themselves: a folder of them is a damaged
 #: checkpoint (its metadata file missing), not a folder of checkpoints
-_PART_NAME = re.compile(r"(zero_pp_rank_\d+|mp_rank_\d+|layer_\d+-model_\d+|^__\d+_\d+\.distcp$|^rank\d+\.)")
+_PART_NAME = re.compile(r"(zero_pp_rank_\d+|mp_rank_\d+|layer_\d+-model_\d+|^__\d+_\d+\.distcp$|^rank\d+\.|"
+                        r"^model_optim_rng\.pt$|^distrib_optim\.pt$|^expp_rank_\d+)")
 _CKPT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".safetensors")
 
 

@@ -256,8 +256,20 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         C.file_info(path / rel, path, "checkpoint", _rank(rel)) for rel in used]
     ranks = {r["dp"] for r in map(_rank, used) if r}
     details = {"dcp_version": md.field("version"), "items": len(sdm)}
-    return training_checkpoint(FORMAT, path, top, file=".metadata", dp=len(ranks) or 1, files=files,
-                               warnings=warnings, details=details)
+    ck = training_checkpoint(FORMAT, path, top, file=".metadata", dp=len(ranks) or 1, files=files,
+                             warnings=warnings, details=details)
+    if (path / "common.pt").is_file() and (path / "metadata.json").is_file():
+        # Megatron-LM's torch_dist: global tensors under Megatron's own keys, the topology in common.pt's `args`
+        # (the writer count is not the DP size), the LRs and counters there too: none of it is read here
+        from dataclasses import replace
+
+        from ..tree import Topology
+        w = Warning_("megatron-torch-dist", "a Megatron-LM torch_dist checkpoint (common.pt + metadata.json): read "
+                     "as a generic DCP, so parameters, topology, counters and LRs shown are not Megatron's (they "
+                     "are in common.pt's args and the sharded optimizer items, which ckpt does not map yet)",
+                     "common.pt")
+        ck = replace(ck, topology=Topology(), warnings=(w, *ck.warnings))
+    return ck
 
 
 def _item(root: Path, key: str, where: dict, offsets: tuple[int, ...] | None) -> tuple[str, int, int]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptCheckpoint, MissingFile, NotACheckpoint
+from ..errors import UnsupportedCheckpoint, CorruptCheckpoint, MissingFile, NotACheckpoint
 from ..pickle_reader import Opaque, TensorRef
 from ..tree import (Checkpoint, Counters, GroupNode, LearningRates, Piece, TensorNode, Topology, ValueNode,
                     Warning_, as_int, tensor_node, to_node)
@@ -276,7 +276,25 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     ranks = list_rank_files(tag_dir)
     if not ranks:
         raise NotACheckpoint("no mp_rank_*_model_states.pt files", path=tag_dir)
+    _refuse_partitioned_experts(tag_dir, ranks)
     return build(root, tag_dir, tag, cache, ranks)
+
+
+_EXPERT_FILE = re.compile(r"^layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt$")
+
+
+def _refuse_partitioned_experts(tag_dir: Path, ranks: dict[int, "RankFiles"]) -> None:
+    """A DeepSpeed Mixture-of-Experts checkpoint saved with ZeRO partitions its expert parameters over the
+    expert-data-parallel group, not the data-parallel group its flat partitions are read by here: reading it
+    as a plain ZeRO checkpoint would mis-assemble every expert. Refused with what it is; without ZeRO (whole
+    optimizer in `expp_rank_*` files) the non-expert part opens, and the expert files show as unread."""
+    experts = sorted(p.name for p in tag_dir.iterdir() if _EXPERT_FILE.match(p.name))
+    if experts and any(rf.optim for rf in ranks.values()):
+        raise UnsupportedCheckpoint(
+            f"a DeepSpeed Mixture-of-Experts checkpoint with ZeRO-partitioned experts ({len(experts)} expert files "
+            f"{experts[0]} …): ckpt does not read expert partitions yet, and reading it as a plain ZeRO checkpoint "
+            "would mis-assemble every expert", path=tag_dir,
+            hint="DeepSpeed's own engine.load_checkpoint reads it; ckpt's MoE support is planned")
 
 
 def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks: dict[int, RankFiles],
