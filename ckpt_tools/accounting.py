@@ -32,6 +32,7 @@ STATE_SUFFIXES = (".pt", ".bin", ".distcp", ".safetensors", ".pth", ".ckpt")
 #: warnings that mean the open did not see the whole checkpoint: writing, exporting and converting refuse
 #: while one is present (`require_whole`); `unread-files` alone can be waived with `allow_unread`
 INCOMPLETE = ("unread-files", "part-of-checkpoint", "extra-rank-file", "unreferenced-file", "declared-mismatch",
+              "duplicate-rank-file",
               "megatron-torch-dist")
 
 #: names that say a file is one piece of a sharded checkpoint whatever folder it sits in
@@ -71,7 +72,14 @@ def account(ck: Checkpoint, given: Path) -> Checkpoint:
         part = piece_of_whole(ck, given)
         if part is not None:
             warnings.append(part)
+    tag = ck.details.get("tag")
+    if given.is_dir() and isinstance(tag, str) and (root / tag).is_dir() and not any(
+            (root / n).is_file() for n in ("latest", "latest_universal")):
+        warnings.append(Warning_("latest-missing", f"no `latest` file beside the tag folder: {tag} was taken as the "
+                                 "only tag folder here, but a loader asked for this folder without a tag (DeepSpeed's "
+                                 f"load_checkpoint) finds nothing. Write the tag into {root / 'latest'}", "latest"))
     acc = {"read": sorted(f.path for f in ck.files), "unread": unread}
+    warnings += optimizer_state_warnings(ck) + duplicate_rank_files(ck)
     known = {(w.code, w.path) for w in ck.warnings}
     new = [w for w in warnings if (w.code, w.path) not in known]
     return replace(ck, warnings=(*new, *ck.warnings), details={**ck.details, "accounting": acc})
@@ -242,3 +250,64 @@ def left_behind(ck: Checkpoint) -> list[str]:
         return []
     return [f"left behind (--allow-unread): {len(files)} unread file(s), not read and not carried: "
             f"{', '.join(files[:6])}{', …' if len(files) > 6 else ''}"]
+
+
+def optimizer_state_warnings(ck: Checkpoint) -> list[Warning_]:
+    """Declared vs found inside a torch optimizer state dict: every parameter id its param groups list should have
+    state once any has (a parameter whose state was lost restarts its moments at zero), and every id with state
+    must be listed by a group (a lost param group). Ids only: no tensor bytes."""
+    out = []
+    for name, opt in ck.tree.children.items():
+        if not name.startswith("optimizer") or not isinstance(opt, GroupNode):
+            continue
+        state, groups = opt.children.get("state"), opt.children.get("param_groups")
+        if not isinstance(state, GroupNode) or not isinstance(groups, GroupNode) or not state.children:
+            continue
+        listed: set[str] = set()
+        for g in groups.children.values():
+            ids = scalar(g.children.get("params")) if isinstance(g, GroupNode) else None
+            if not isinstance(ids, (list, tuple)):
+                return out  # groups without id lists (ZeRO's flat groups, DCP by FQN): nothing to reconcile here
+            listed |= {str(i) for i in ids}
+        have = set(state.children)
+        if not listed:
+            continue
+        if all(k.isdigit() for k in have):
+            lost = sorted(listed - have, key=lambda s: (len(s), s))
+            orphan = sorted(have - listed, key=lambda s: (len(s), s))
+        elif len(have) < len(listed):
+            # state keyed by parameter name (the reader mapped torch's ids): only the counts can be reconciled;
+            # more names than ids is a flat (ZeRO) group un-flattened, not a mismatch
+            lost, orphan = [f"{len(listed) - len(have)} id(s)"], []
+        else:
+            continue
+        if lost:
+            out.append(Warning_("optimizer-state-missing", f"{name}: {len(lost)} of {len(listed)} parameters its "
+                                f"param groups list have no state ({', '.join(lost[:6])}{' …' if len(lost) > 6 else ''}): "
+                                "lost, or never updated (frozen in practice); a resume restarts their moments at zero",
+                                f"{name}.state"))
+        if orphan:
+            out.append(Warning_("declared-mismatch", f"{name}: state for {len(orphan)} parameter ids that no param "
+                                f"group lists ({', '.join(orphan[:6])}{' …' if len(orphan) > 6 else ''}): a param "
+                                "group was lost or the state belongs to another optimizer", f"{name}.param_groups"))
+    return out
+
+
+def duplicate_rank_files(ck: Checkpoint, limit: int = 4 << 20) -> list[Warning_]:
+    """Per-rank files (RNG states, small rank shards) that are byte-identical to another rank's: one rank's file
+    copied over another's. Only files up to `limit` bytes are compared (hashing GBs on every open is not cheap)."""
+    import hashlib
+
+    by_hash: dict[tuple[int, str], list[str]] = {}
+    root = Path(ck.path) if Path(ck.path).is_dir() else Path(ck.path).parent
+    for f in ck.files:
+        if not re.search(r"(rank|states)_?\d+|__\d+_\d+", Path(f.path).name) or not 0 < f.bytes <= limit:
+            continue
+        try:
+            digest = hashlib.sha1((root / f.path).read_bytes()).hexdigest()
+        except OSError:
+            continue
+        by_hash.setdefault((f.bytes, digest), []).append(f.path)
+    return [Warning_("duplicate-rank-file", f"{', '.join(paths)} are byte-identical: one rank's file copied over "
+                     "another's? Each rank saves its own", paths[-1])
+            for paths in by_hash.values() if len(paths) > 1]
