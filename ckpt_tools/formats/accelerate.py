@@ -135,6 +135,23 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
         optimizer_step=opt_step, scheduler_last_epoch=header.scheduler_last_epoch,
         scheduler_step_count=header.scheduler_step_count,
         skipped_steps=inner.counters.skipped_steps if inner is not None else None)
+    if world and opt_step and header.scheduler_last_epoch and header.scheduler_last_epoch % opt_step == 0 \
+            and header.scheduler_last_epoch // opt_step > world and inner is None:
+        # Accelerate steps the scheduler once per process per update: the saved position says how many
+        # processes ran, and each saved its own random_states file
+        want = header.scheduler_last_epoch // opt_step
+        missing = [f"random_states_{r}.pkl" for r in range(want) if r not in ranks_seen]
+        warnings.append(Warning_("missing-rank-file", f"the scheduler stepped {want}x per update ({want} processes) "
+                                 f"but random_states files exist for {world}: {', '.join(missing)} missing",
+                                 missing[0]))
+        world = want
+    schedulers = {p.stem.replace("scheduler", "") for p in path.glob("scheduler*.bin")}
+    optimizers = {p.stem.replace("optimizer", "") for p in path.glob("optimizer*.bin")}
+    if inner is None:
+        for suffix in sorted(schedulers - optimizers):
+            warnings.append(Warning_("missing-state", f"scheduler{suffix}.bin is saved but optimizer{suffix}.bin is "
+                                     "not: the optimizer state (Adam moments, step) of this run is missing",
+                                     f"optimizer{suffix}.bin"))
     warnings += C.counter_warnings(counters, accelerate_world_size=world, optimizer_steps_seen=steps_seen)
     warnings += C.stray_file_warnings(path, path) + cache.warnings()
     if inner is not None and Path(inner.path) != path:

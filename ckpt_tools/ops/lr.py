@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .. import io, pickle_reader
-from ..errors import CkptError, UnsupportedCheckpoint
+from ..errors import CkptError, CorruptCheckpoint, UnsupportedCheckpoint
 from ..pickle_reader import TensorRef
 from ..state import Found, StateSource, group_dicts, is_flattened, locate
 from ..tree import Checkpoint, as_int
@@ -604,6 +604,10 @@ def _apply_lr(files: list[_File], idx: int, kind: str, factors: list[float], sel
         if f.found.ds_config and change:
             cpath, c = f.found.ds_config
             for section, sub in change.items():
+                if not isinstance(c.get(section), dict) or not isinstance(c[section].get("params"), dict):
+                    raise CorruptCheckpoint(f"ds_config in {f.rel} has no {section}.params while another file's "
+                                            "ds_config has them: the files of this checkpoint disagree", path=f.path,
+                                            hint="copy the file back from where the checkpoint was saved")
                 params = c[section]["params"]
                 for key, new in sub["params"].items():
                     f.set(params, cpath + (section, "params"), key, new, _note(DEEPSPEED, "ds_config"))

@@ -1037,6 +1037,17 @@ def reference_doc(result: ResumeResult) -> dict[str, Any]:
             "device": result.plan.device, "records": [asdict(r) for r in result.records]}
 
 
+def _scheduler_lost(path: str) -> str | None:
+    """The `scheduler-state-missing` warning of the checkpoint at `path` (`state.lost_scheduler_warnings`), or None."""
+    from .. import open_checkpoint
+
+    try:
+        ck = open_checkpoint(path)
+    except CkptError:
+        return None
+    return next((w.message for w in ck.warnings if w.code == "scheduler-state-missing"), None)
+
+
 def verdict(plan: ResumePlan, setup: dict[str, Any], loaded: dict[str, Any], records: list[StepRecord], *,
             reference: dict[int, float] | None = None, loss_tol: float = 1e-3,
             jump_tol: float = 0.1, state_dir: Path | None = None) -> list[Check]:
@@ -1071,7 +1082,12 @@ def verdict(plan: ResumePlan, setup: dict[str, Any], loaded: dict[str, Any], rec
 
     # (2) LR
     want, how = expected_lrs(plan, setup)
-    if want is None:
+    lost = _scheduler_lost(plan.path)
+    if lost:
+        # the run that saved it had a scheduler whose state is gone: whatever LR the engine uses now is the
+        # schedule restarted, not the saved one continued
+        checks.append(Check("learning rate", "fail", f"{lost} (ckpt inspect: scheduler-state-missing)"))
+    elif want is None:
         checks.append(Check("learning rate", "n/a", how))
     else:
         rows = [CheckRow(r.step, w, list(r.lr), len(w) == len(r.lr) and all(_close(a, b) for a, b in zip(w, r.lr)))
