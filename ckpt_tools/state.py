@@ -187,7 +187,8 @@ def lost_scheduler_warnings(ck):
         return ck
     client = top.get("client_state")
     if isinstance(client, GroupNode) and any(
-            k in client.children for k in ("opt_param_scheduler", "lr_scheduler", "lr_schedulers", "scheduler")):
+            isinstance(client.children.get(k), (GroupNode, OpaqueNode)) and client.children[k].children
+            for k in ("opt_param_scheduler", "lr_scheduler", "lr_schedulers", "scheduler")):
         return ck
     traces = set()
     for name, opt in top.items():

@@ -313,6 +313,19 @@ def run(samples: list[Path], cap: int | None = 6, log=None) -> list[Outcome]:
     return outcomes
 
 
+#: silent outcomes that no reader can turn into a warning, each with the reason (reported, not hidden: the
+#: harness's table counts them as silent)
+KNOWN_GAPS = {
+    "custom_checkpoint_0.pkl": "Accelerate saves one custom_checkpoint_N.pkl per object registered with "
+                               "register_for_checkpointing and records their number nowhere: a deleted last one "
+                               "cannot be told from a run that registered one object fewer",
+}
+
+
+def known_gap(o: Outcome) -> bool:
+    return o.kind == "silent" and o.mutation.startswith("delete ") and Path(o.mutation[7:]).name in KNOWN_GAPS
+
+
 def table(outcomes: list[Outcome]) -> str:
     cnt = Counter((o.command, o.kind) for o in outcomes)
     kinds = ["refused", "warned", "changed", "silent", "crash", "n/a"]

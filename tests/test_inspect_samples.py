@@ -14,7 +14,10 @@ import pytest
 import ckpt_tools
 from conftest import SAMPLES
 
-MANIFESTS = sorted(SAMPLES.glob("*/*.manifest.json"))
+#: samples of layouts ckpt does not read yet (Megatron-LM's own format, DeepSpeed MoE): what ckpt must say on
+#: them today (a refusal or a warning) is pinned in test_accounting.py
+NOT_READ_YET = ("megatron_lm", "moe")
+MANIFESTS = sorted(m for m in SAMPLES.glob("*/*.manifest.json") if m.parent.name not in NOT_READ_YET)
 IDS = [f"{m.parent.name}/{m.name[: -len('.manifest.json')]}" for m in MANIFESTS]
 
 
