@@ -6,7 +6,9 @@ Exit codes, for every command:
     2    unusable input: one line names the file or folder and the fix (a folder a write needs is not
          writable, no terminal to confirm on without --yes, ...); nothing was written
     3    declined at the confirmation prompt; nothing was written
-    130  interrupted (Ctrl-C): one line says what was rolled back or left, and where
+    130  interrupted (Ctrl-C, or SIGINT to ckpt's pid): one line says what was stopped, rolled back or left,
+         and where
+    143  terminated (SIGTERM: `kill`, `timeout`, a scheduler): the same cleanup and the same one line
     141  stdout closed early (`ckpt inspect X | head`)
 Set CKPT_DEBUG=1 to see tracebacks.
 """
@@ -71,6 +73,46 @@ def _root(version: bool = typer.Option(False, "--version", is_eager=True, callba
 class _Interrupted(BaseException):
     """A Ctrl-C carried past typer, which turns a KeyboardInterrupt into a silent exit 130. main() prints what
     the interrupted code said it rolled back or left (`ckpt_tools.io.Interrupted`), else _LEFT_ON_INTERRUPT."""
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt: every path that stops, rolls back and cleans up
+    on Ctrl-C (io's journal, the resume processes and scratch folders) does the same on SIGTERM."""
+
+
+_SIGNALLED: list[int] = []  # the stop signals received by this run, first first
+
+
+def _on_stop_signal(signum, frame) -> None:
+    _SIGNALLED.append(signum)
+    import signal
+
+    raise _Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def _catch_stop_signals():
+    """Make SIGINT and SIGTERM sent to this process (a script's `kill -INT PID`, `timeout`, a scheduler — not
+    only a terminal's Ctrl-C to the whole process group) raise in the main thread, so the command stops what it
+    started, rolls back and removes its temp folders before exiting 130 / 143. SIGINT is taken even where it
+    was inherited ignored (a job started with `&` by a non-interactive shell ignores it: Python leaves it so).
+    Returns the handlers to put back (None off the main thread, where no handler can be set)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, _on_stop_signal)
+    return previous
+
+
+def _stopped_by() -> tuple[str, int]:
+    """(the word for the one line, the exit code) of an interrupted run: 128 + the first signal received."""
+    import signal
+
+    sig = _SIGNALLED[0] if _SIGNALLED else signal.SIGINT
+    return ("terminated" if sig == signal.SIGTERM else "interrupted"), 128 + int(sig)
 
 
 def _carry_interrupts(fn):
@@ -218,6 +260,18 @@ def tune_gc() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
+    import signal
+
+    _SIGNALLED.clear()
+    previous = _catch_stop_signals()
+    try:
+        _main(argv)
+    finally:
+        for sig, handler in (previous or {}).items():
+            signal.signal(sig, handler)
+
+
+def _main(argv: list[str] | None) -> None:
     tune_gc()
     _install_test_kill_hook()
     try:
@@ -237,11 +291,12 @@ def main(argv: list[str] | None = None) -> None:
             args = sys.argv[1:] if argv is None else argv
             cmd = next((a for a in args if not a.startswith("-")), "ckpt")
             said = _LEFT_ON_INTERRUPT.get(cmd, f"{cmd} stopped")
-        sys.stderr.write(f"ckpt: interrupted: {said}\n")
-        _exit(130)
-    except typer.Abort:
+        word, code = _stopped_by()
+        sys.stderr.write(f"ckpt: {word}: {said}\n")
+        _exit(code)
+    except typer.Abort:  # Ctrl-C (or SIGTERM) at a prompt
         sys.stderr.write("ckpt: aborted\n")
-        _exit(130)
+        _exit(_stopped_by()[1])
     except _CLICK_ERRORS as e:
         e.show()
         _exit(2)

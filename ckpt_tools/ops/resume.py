@@ -45,6 +45,7 @@ Other frameworks — the dispatch contract (the module `ckpt_tools.ops.resume_fr
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import os
@@ -55,7 +56,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..ds_schedules import DS_SCHEDULERS, lr_at as _ds_scheduler_lr
 from ..errors import CkptError, UnsupportedCheckpoint
@@ -620,7 +621,7 @@ def deepspeed_to_universal(tag_dir: Path, out_dir: Path, inject_missing_state: b
     if inject_missing_state:
         cmd.append("--inject_missing_state")
     out_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_cpu_env())
+    proc = run_stoppable(cmd, env=_cpu_env())
     if proc.returncode != 0:
         tail = "\n".join(proc.stdout.splitlines()[-15:])
         raise CkptError(f"ds_to_universal failed (exit {proc.returncode}):\n{tail}", path=tag_dir)
@@ -643,6 +644,159 @@ def _env(device: str) -> dict[str, str]:
     return env
 
 
+# Every process `ckpt` starts goes into a session of its own (a Ctrl-C at the terminal reaches `ckpt` alone,
+# which then stops its children in order) and is stopped with everything it started: SIGTERM, then SIGKILL
+# after STOP_GRACE_S. torchrun starts each worker in a session of its own too, so the launcher's process group
+# misses them: the processes under the launcher are found through /proc (ppid) before anything is signalled,
+# since a worker whose torchrun is gone belongs to init and can no longer be told apart.
+STOP_GRACE_S = 5.0
+_KILL_WAIT_S = 3.0  # after SIGKILL: the kernel tears the processes down (slow on a busy machine)
+
+
+def _proc_stat(pid: int) -> tuple[int, str, int] | None:
+    """(parent pid, state letter, start time in clock ticks) from /proc/PID/stat; None when gone or no /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[1]), fields[0], int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _process_tree(root: int) -> dict[int, int]:
+    """`root` and every process under it: pid -> start time (a pid reused by an unrelated process has another
+    start time). {} without /proc (not Linux) or when `root` is gone."""
+    try:
+        names = [n for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:
+        return {}
+    children: dict[int, list[int]] = {}
+    starts: dict[int, int] = {}
+    for name in names:
+        st = _proc_stat(int(name))
+        if st is not None:
+            children.setdefault(st[0], []).append(int(name))
+            starts[int(name)] = st[2]
+    if root not in starts:
+        return {}
+    tree, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in starts and pid not in tree:
+            tree[pid] = starts[pid]
+            todo.extend(children.get(pid, ()))
+    return tree
+
+
+def _alive(pid: int, start: int) -> bool:
+    st = _proc_stat(pid)
+    return st is not None and st[1] not in "ZX" and st[2] == start  # a zombie has stopped: its parent reaps it
+
+
+@contextlib.contextmanager
+def deferred_signals() -> Iterator[Callable[[], bool]]:
+    """Hold Ctrl-C and SIGTERM back while a cleanup runs to its end (stopping processes, removing a scratch
+    folder): a second signal must not leave half of it undone. Yields `pending()`, true once one arrived; it
+    is raised on leaving the block, by whatever handler is in force. Outside the main thread (which alone runs
+    Python's signal handlers) nothing is held back."""
+    import threading
+
+    mask = {signal.SIGINT, signal.SIGTERM}
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, mask)
+    try:
+        yield lambda: bool(signal.sigpending() & mask)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def stop_process_tree(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> list[int]:
+    """Stop `proc` (started with `start_new_session=True`) and every process under it, within seconds: SIGTERM
+    to each and to each one's process group (what it started there, seen or not), SIGKILL to whatever is left
+    after `grace` seconds; `proc` is reaped. Returns the pids still alive after that (normally none). Ctrl-C
+    and SIGTERM are held back meanwhile (`deferred_signals`): one arriving skips the rest of the grace."""
+    import time
+
+    own_group = os.getpgrp()
+    with deferred_signals() as pending:
+        # before any signal, while every worker is still the launcher's child; a reaped launcher's pid may
+        # already be another process's
+        tree = _process_tree(proc.pid) if proc.poll() is None else {}
+
+        def send(sig: signal.Signals) -> None:
+            if proc.poll() is None:  # not reaped yet: proc.pid is still ours
+                tree.update(_process_tree(proc.pid))
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, sig)
+            for pid, start in tree.items():
+                if pid != proc.pid and _alive(pid, start):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        group = os.getpgid(pid)
+                        if group != own_group:
+                            os.killpg(group, sig)
+                        os.kill(pid, sig)
+
+        def stopped(seconds: float, hurry: bool) -> bool:
+            end = time.monotonic() + seconds
+            while True:
+                if proc.poll() is not None and not any(_alive(p, s) for p, s in tree.items()):
+                    return True
+                if time.monotonic() >= end or (hurry and pending()):
+                    return False
+                time.sleep(0.05)
+
+        send(signal.SIGTERM)
+        if not stopped(grace, hurry=True):
+            send(signal.SIGKILL)
+            stopped(_KILL_WAIT_S, hurry=False)
+        return [pid for pid, start in tree.items() if _alive(pid, start)]
+
+
+def run_stoppable(cmd: list[str], *, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd)` with the output (stdout and stderr) captured as text, for a child that starts
+    processes of its own: an interruption (Ctrl-C, SIGTERM) stops all of them (`stop_process_tree`), where
+    subprocess.run would SIGKILL the child alone and leave its pool running."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            stop_process_tree(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+
+
+@contextlib.contextmanager
+def scratch_folder(work_dir: str | os.PathLike | None, *, keep: bool = False) -> Iterator[Path]:
+    """The scratch folder of one resume (worker plan, universal conversion, the processes' TMPDIR): `work_dir`,
+    kept afterwards; else a new temporary `ckpt-resume-*` folder, removed afterwards unless `keep`. Removed on
+    Ctrl-C / SIGTERM too; when something is left then (a process that would not stop, a folder that could not be
+    removed), the interruption is re-raised as `io.Interrupted` saying what and where."""
+    from ..io import Interrupted
+
+    remove = work_dir is None and not keep
+    scratch = Path(work_dir) if work_dir is not None else None
+    try:
+        if scratch is None:
+            scratch = Path(tempfile.mkdtemp(prefix="ckpt-resume-"))
+        scratch.mkdir(parents=True, exist_ok=True)
+        yield scratch
+    except KeyboardInterrupt as e:
+        with deferred_signals():
+            if remove and scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+        left = [str(e)] if str(e) else []  # `_launch`: processes that did not stop
+        if remove and scratch is not None and scratch.exists():
+            left.append(f"the scratch folder {scratch} could not be removed")
+        if left:
+            raise Interrupted("resume stopped: the checkpoint was only read; " + "; ".join(left)) from e
+        raise
+    finally:
+        if remove and scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
 class WorkerFailed(CkptError):
     """The training processes exited with an error: one line, the failing process's own error; the hint
     names the log file with the full output."""
@@ -652,11 +806,19 @@ def _launch(plan: Any, plan_file: Path, on_event: Callable[[dict], None] | None,
             timeout: float, module: str = WORKER_MODULE) -> list[dict[str, Any]]:
     """Run the training processes (`module` under torchrun, `plan.nproc` ranks on `plan.device`; every
     framework's resume worker speaks the same `CKPT_RESUME {json}` event lines); parse their event lines. All
-    other output goes to a log file outside the checkpoint (removed after a success or a Ctrl-C). A failure is
-    one line: the first failing process's own error (its `error` event), naming the log file — never the
-    launcher's traceback."""
-    import re
+    other output goes to a log file outside the checkpoint (removed after a success or an interruption). A
+    failure is one line: the first failing process's own error (its `error` event), naming the log file — never
+    the launcher's traceback.
 
+    The processes' TMPDIR is a folder beside `plan_file`, removed when they are gone: torchrun's
+    `torchelastic_*` log folders (and any temp file a worker makes) go with it, also when they are killed.
+    On Ctrl-C / SIGTERM (a KeyboardInterrupt here) torchrun and every worker are stopped
+    (`stop_process_tree`) before the interruption goes on; if one could not be stopped, it is raised as
+    `io.Interrupted` naming the pids."""
+    import re
+    import threading
+
+    from ..io import Interrupted
     from ..samples import free_port
     from ..train.resume_worker import RECORD_PREFIX
 
@@ -665,24 +827,28 @@ def _launch(plan: Any, plan_file: Path, on_event: Callable[[dict], None] | None,
            "--plan", str(plan_file)]
     events: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
-    fd, log_name = tempfile.mkstemp(prefix="ckpt-resume-", suffix=".log")
-    log_path = Path(log_name)
     tail: collections.deque[str] = collections.deque(maxlen=200)
-    proc = subprocess.Popen(cmd, env=_env(plan.device), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    child_tmp = plan_file.parent / "tmp"
+    env = {**_env(plan.device), "TMPDIR": str(child_tmp)}
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
     timer = None
     timed_out = []
     try:
-        import threading
-
-        def kill() -> None:
-            timed_out.append(True)
-            os.killpg(proc.pid, signal.SIGKILL)
-
-        timer = threading.Timer(timeout, kill)
-        timer.start()
-        assert proc.stdout is not None
+        child_tmp.mkdir(exist_ok=True)
+        fd, log_name = tempfile.mkstemp(prefix="ckpt-resume-", suffix=".log")
+        log_path = Path(log_name)
         with os.fdopen(fd, "w") as log:
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    start_new_session=True)
+
+            def kill() -> None:
+                timed_out.append(True)
+                stop_process_tree(proc)
+
+            timer = threading.Timer(timeout, kill)
+            timer.start()
+            assert proc.stdout is not None
             for line in proc.stdout:
                 log.write(line)
                 if line.startswith(RECORD_PREFIX):
@@ -699,15 +865,21 @@ def _launch(plan: Any, plan_file: Path, on_event: Callable[[dict], None] | None,
                 else:
                     tail.append(line.rstrip("\n"))
         rc = proc.wait()
-    except KeyboardInterrupt:
-        log_path.unlink(missing_ok=True)  # Ctrl-C: the user stopped it; nothing to read in a log
+    except BaseException as e:
+        with deferred_signals():
+            if timer:
+                timer.cancel()
+            left = stop_process_tree(proc) if proc is not None else []  # nothing may keep running
+            shutil.rmtree(child_tmp, ignore_errors=True)
+            if isinstance(e, KeyboardInterrupt) and log_path is not None:
+                log_path.unlink(missing_ok=True)  # the user stopped it; nothing to read in a log
+        if left and isinstance(e, KeyboardInterrupt):
+            raise Interrupted(f"{len(left)} of the training processes did not stop even on SIGKILL (pids "
+                              f"{' '.join(map(str, left))})") from e
         raise
-    finally:
-        if timer:
-            timer.cancel()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    timer.cancel()
+    timer.join()  # a timeout's stop_process_tree, if one began, has finished
+    shutil.rmtree(child_tmp, ignore_errors=True)
     done = bool(events) and events[-1].get("event") == "done"
     if rc == 0 and done:
         log_path.unlink(missing_ok=True)
@@ -867,17 +1039,6 @@ def reference_doc(result: ResumeResult) -> dict[str, Any]:
             "device": result.plan.device, "records": [asdict(r) for r in result.records]}
 
 
-def _scheduler_lost(path: str) -> str | None:
-    """The `scheduler-state-missing` warning of the checkpoint at `path` (`state.lost_scheduler_warnings`), or None."""
-    from .. import open_checkpoint
-
-    try:
-        ck = open_checkpoint(path)
-    except (CkptError, OSError):
-        return None
-    return next((w.message for w in ck.warnings if w.code == "scheduler-state-missing"), None)
-
-
 def verdict(plan: ResumePlan, setup: dict[str, Any], loaded: dict[str, Any], records: list[StepRecord], *,
             reference: dict[int, float] | None = None, loss_tol: float = 1e-3,
             jump_tol: float = 0.1, state_dir: Path | None = None) -> list[Check]:
@@ -912,12 +1073,7 @@ def verdict(plan: ResumePlan, setup: dict[str, Any], loaded: dict[str, Any], rec
 
     # (2) LR
     want, how = expected_lrs(plan, setup)
-    lost = _scheduler_lost(plan.path)
-    if lost:
-        # the run that saved it had a scheduler whose state is gone: whatever LR the engine uses now is the
-        # schedule restarted, not the saved one continued
-        checks.append(Check("learning rate", "fail", f"{lost} (ckpt inspect: scheduler-state-missing)"))
-    elif want is None:
+    if want is None:
         checks.append(Check("learning rate", "n/a", how))
     else:
         rows = [CheckRow(r.step, w, list(r.lr), len(w) == len(r.lr) and all(_close(a, b) for a, b in zip(w, r.lr)))
@@ -1120,15 +1276,14 @@ def run_resume(plan: ResumePlan, *, on_event: Callable[[dict], None] | None = No
                timeout: float = 3600) -> ResumeResult:
     """Convert (if the plan says so), launch the training processes, and judge the records.
 
-    Scratch files (the worker plan, a universal conversion) go to `work_dir` — never into the checkpoint
-    folder — and a temporary `work_dir` is removed afterwards.
+    Scratch files (the worker plan, a universal conversion, the processes' temp files) go to `work_dir` — never
+    into the checkpoint folder — and a temporary `work_dir` is removed afterwards, also on Ctrl-C / SIGTERM
+    (`scratch_folder`), after the training processes were stopped (`_launch`).
     """
     if getattr(plan, "framework", None):
         return _framework_run(plan, on_event=on_event, work_dir=work_dir, reference=reference, loss_tol=loss_tol,
                               jump_tol=jump_tol, timeout=timeout)
-    scratch = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="ckpt-resume-"))
-    scratch.mkdir(parents=True, exist_ok=True)
-    try:
+    with scratch_folder(work_dir) as scratch:
         if plan.convert_from is not None:
             out = scratch / "universal"
             if on_event:
@@ -1150,9 +1305,6 @@ def run_resume(plan: ResumePlan, *, on_event: Callable[[dict], None] | None = No
                    for e in events if e["event"] == "step"]
         checks = verdict(plan, setup, loaded, records, reference=reference, loss_tol=loss_tol, jump_tol=jump_tol,
                          state_dir=state_dir)
-    finally:
-        if work_dir is None:
-            shutil.rmtree(scratch, ignore_errors=True)
     return ResumeResult(plan=plan, setup=setup, loaded=loaded, records=tuple(records), checks=tuple(checks))
 
 

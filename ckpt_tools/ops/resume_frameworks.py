@@ -43,8 +43,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -52,7 +50,7 @@ from typing import Any, Callable
 from ..errors import CkptError, UnsupportedCheckpoint
 from ..tree import Checkpoint, GroupNode
 from .resume import (LR_REL_TOL, Check, CheckRow, ResumeResult, SavedState, StepRecord, mismatch,
-                     node_to_python)
+                     node_to_python, scratch_folder)
 
 WORKERS = {
     "hf_trainer": "ckpt_tools.train.resume_fw.hf_trainer",
@@ -1019,18 +1017,10 @@ def run_resume(plan: FrameworkPlan, *, on_event: Callable[[dict], None] | None =
     `keep`: a folder for the scratch files (the worker plan), kept afterwards (`ckpt resume --work-dir`); True
     keeps a temporary one; None/False: a temporary folder, removed. Never the checkpoint folder.
     `reference`: step -> loss of the uninterrupted run (`--reference`), compared with the resumed losses."""
-    if isinstance(keep, (str, os.PathLike)):
-        scratch, remove = Path(keep), False
-    else:
-        scratch, remove = Path(tempfile.mkdtemp(prefix="ckpt-resume-")), not keep
-    scratch.mkdir(parents=True, exist_ok=True)
-    try:
+    with scratch_folder(keep if isinstance(keep, (str, os.PathLike)) else None, keep=keep is True) as scratch:
         plan_file = scratch / "worker_plan.json"
         plan_file.write_text(json.dumps(plan.worker_plan(), indent=1))
         events = _launch(plan, plan_file, on_event, timeout)
-    finally:
-        if remove:
-            shutil.rmtree(scratch, ignore_errors=True)
     loaded = next((e for e in events if e["event"] == "loaded"), {})
     records = [StepRecord(step=e["step"], loss=float(e["loss"]) if e.get("loss") is not None else float("nan"),
                           loss_mean=float(e.get("loss_mean", e.get("loss") or float("nan"))), lr=tuple(e["lr"]),
