@@ -308,6 +308,7 @@ def duplicate_rank_files(ck: Checkpoint, limit: int = 4 << 20) -> list[Warning_]
         except OSError:
             continue
         by_hash.setdefault((f.bytes, digest), []).append(f.path)
+    flagged = {w.path for w in ck.warnings if w.path}  # an extra rank file is already named for what it is
     return [Warning_("duplicate-rank-file", f"{', '.join(paths)} are byte-identical: one rank's file copied over "
                      "another's? Each rank saves its own", paths[-1])
-            for paths in by_hash.values() if len(paths) > 1]
+            for paths in by_hash.values() if len(paths) > 1 and not flagged & set(paths)]

@@ -113,14 +113,31 @@ def worker_env() -> dict[str, str]:
 def run_torchrun(module: str, nproc: int, args: list[str], *, log_path: Path | None = None,
                  timeout: float = 600) -> None:
     """Run `module` under torchrun on localhost with `nproc` CPU ranks; raise with the log tail on failure."""
+    import tempfile
+
+    from .ops.resume import stop_process_tree
+
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", module, *args]
-    proc = subprocess.run(cmd, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=timeout)
+    # torchrun's workers run in sessions of their own: on Ctrl-C / SIGTERM / the timeout the whole tree is
+    # stopped (not torchrun alone), and torchelastic's temp folders land in a folder removed afterwards
+    with tempfile.TemporaryDirectory(prefix="ckpt-samples-") as tmp:
+        env = worker_env()
+        env["TMPDIR"] = tmp
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop_process_tree(proc)
+            raise RuntimeError(f"{' '.join(cmd)} did not finish within {timeout:.0f} s: stopped") from None
+        finally:
+            if proc.poll() is None:
+                stop_process_tree(proc)
     if log_path is not None:
-        log_path.write_text(proc.stdout)
+        log_path.write_text(out)
     if proc.returncode != 0:
-        tail = "\n".join(proc.stdout.splitlines()[-40:])
+        tail = "\n".join(out.splitlines()[-40:])
         raise RuntimeError(f"{' '.join(cmd)} failed with exit code {proc.returncode}:\n{tail}")
 
 

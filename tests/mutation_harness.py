@@ -123,9 +123,26 @@ def _drop_key(path: Path, what: str) -> bool:
     return done[0]
 
 
+def _in_scope(sample: Path) -> list[Path]:
+    """The files of `sample` that belong to the checkpoint `ckpt` opens there: the files it read and those beside
+    them (a run folder with several `checkpoint-N` opens the newest: the older ones are other checkpoints)."""
+    from ckpt_tools import open_checkpoint
+
+    files = _files(sample)
+    if sample.is_file():
+        return files
+    try:
+        ck = open_checkpoint(sample)
+    except Exception:  # noqa: BLE001  a sample that does not open: every file is in scope
+        return files
+    root = Path(ck.path)
+    dirs = {(root / f.path).resolve().parent for f in ck.files} | {root.resolve()}
+    return [f for f in files if f.resolve().parent in dirs]
+
+
 def mutations(sample: Path, cap: int | None):
     """(name, function(copy_root) -> the piece's name, or None when the mutation does not apply)."""
-    rel = [f.relative_to(sample) if sample.is_dir() else Path(sample.name) for f in _files(sample)]
+    rel = [f.relative_to(sample) if sample.is_dir() else Path(sample.name) for f in _in_scope(sample)]
 
     def at(root: Path, r: Path) -> Path:
         return root / r if root.is_dir() else root

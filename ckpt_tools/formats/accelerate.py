@@ -123,7 +123,9 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     world = len(rng_files) or None
     ranks_seen = sorted(int(_RNG_RE.match(p.name)[1]) for p in rng_files)
     if ranks_seen and ranks_seen != list(range(len(ranks_seen))):
-        warnings.append(Warning_("missing-rank-file", f"random_states files for ranks {ranks_seen}: a rank is missing"))
+        gone = [f"random_states_{r}.pkl" for r in range(max(ranks_seen) + 1) if r not in ranks_seen]
+        warnings.append(Warning_("missing-rank-file", f"random_states files for ranks {ranks_seen}: "
+                                 f"{', '.join(gone)} missing", gone[0]))
     # several models / optimizers / schedulers (model_1.safetensors, optimizer_1.bin, scheduler_1.bin): the
     # header lists every optimizer's groups in order; the loop step is the script's own state (not read)
     header, lrs, _ = C.training_header({k: v for k, v in tree.items() if k != "client_state"})

@@ -533,6 +533,12 @@ def _check_rank_files(tag_dir: Path, ranks: dict[int, RankFiles], dp: int, mp: i
                     raise MissingFile(f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt is missing "
                                       f"(dp_world_size={dp})", path=tag_dir,
                                       hint="re-copy the tag folder; every DP rank's optimizer file is needed")
+            if rf.z3_model:  # ZeRO-3: every DP rank loads its own model-states file
+                for d in range(dp):
+                    if d not in rf.z3_model:
+                        raise MissingFile(f"zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt is missing "
+                                          f"(ZeRO-3, dp_world_size={dp}: each rank loads its own)", path=tag_dir,
+                                          hint="re-copy the tag folder; every DP rank's file is needed")
             for d in sorted(rf.optim):
                 if d >= dp:
                     warnings.append(Warning_("extra-rank-file", f"{rf.optim[d].name} is beyond dp_world_size={dp}: "

@@ -122,6 +122,12 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
             _, optims, scheds, _rest = torch_file.split_training_dict({role: cache.load(f).obj})
             torch_file.state_nodes(optims, scheds, tree, name, [])
             files.append(C.file_info(f, path, role))
+    plain = [n for n in ("optimizer.pt", "scheduler.pt") if (folder / n).is_file()]
+    if len(plain) == 1:  # the Trainer saves both or neither (DeepSpeed / FSDP keep them elsewhere)
+        gone = "scheduler.pt" if plain[0] == "optimizer.pt" else "optimizer.pt"
+        warnings.append(Warning_("missing-state", f"{plain[0]} is saved but {gone} is not: the Trainer writes both; "
+                                 f"a resume from this folder starts without {gone[:-3]} state",
+                                 str((folder / gone).relative_to(path))))
     rng = sorted((p for p in folder.iterdir() if _RNG_RE.match(p.name)), key=lambda p: int(_RNG_RE.match(p.name)[1] or 0))
     if rng:
         tree["rng"] = GroupNode({p.stem: to_node(cache.load(p).obj, p.name) for p in rng})

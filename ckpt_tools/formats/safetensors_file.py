@@ -7,6 +7,7 @@ since a header that lies about offsets is the classic way a truncated or hostile
 from __future__ import annotations
 
 import json
+import re
 import math
 import struct
 from pathlib import Path
@@ -109,7 +110,11 @@ def read_header(path: Path) -> tuple[dict[str, TensorRef], dict[str, str]]:
     return out, {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
 
 
+_SHARD_RE = re.compile(r"-(\d{5})-of-(\d{5})\.safetensors$")
+
+
 def open(path: Path) -> Checkpoint:  # noqa: A001
+    index_missing = False
     index = _index_file(path)
     root = path if path.is_dir() else path.parent
     if index is not None:
@@ -123,6 +128,10 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
         shard_names = [path.name] if path.is_file() else sorted(p.name for p in path.glob("*.safetensors"))
         base = path if path.is_dir() else path.parent
         weight_map = None
+        if path.is_dir() and any(_SHARD_RE.search(n) for n in shard_names):
+            # shards named -0000i-of-0000N were written with an index: without it a loader finds no weights
+            # (from_pretrained) and a missing shard would go unnoticed
+            index_missing = True
     tensors: dict[str, Any] = {}
     files, meta = [], {}
     for shard in shard_names:
@@ -141,6 +150,11 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
         if missing:
             warnings.append(C.Warning_("index-mismatch", f"{len(missing)} tensors named by the index are not in "
                                        f"their shard: {', '.join(missing[:5])}", str(index.relative_to(root))))
+    if index_missing:
+        total = max(int(m[2]) for m in map(_SHARD_RE.search, shard_names) if m)
+        warnings.append(C.Warning_("index-missing", f"sharded safetensors ({len(shard_names)} of {total} shards "
+                                   "here) without their *.safetensors.index.json: from_pretrained finds no weights, "
+                                   "and a missing shard cannot be told", "model.safetensors.index.json"))
     if path.is_dir():
         warnings += C.stray_file_warnings(path, root)
     model = GroupNode(dict(sorted(tensors.items(), key=lambda kv: natural_key(kv[0]))))

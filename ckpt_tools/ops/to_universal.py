@@ -761,11 +761,18 @@ def convert_params(plan: UniversalPlan, tag_out: Path, indices: Iterable[int], *
                 if progress:
                     progress(n)
         else:
-            with ThreadPoolExecutor(max_workers=workers) as pool:
+            pool = ThreadPoolExecutor(max_workers=workers)
+            try:
                 for n in pool.map(lambda j: _convert_one(j, zero_dir, steps, fds, plan.optim_file), jobs):
                     total += n
                     if progress:
                         progress(n)
+            except BaseException:
+                # Ctrl-C / SIGTERM: the tensors being written finish, the queued ones never start (a `with` block
+                # would wait for the whole conversion before the interruption could act)
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+            pool.shutdown()
     finally:
         fds.close()
     return total
