@@ -301,7 +301,7 @@ def duplicate_rank_files(ck: Checkpoint, limit: int = 4 << 20) -> list[Warning_]
     by_hash: dict[tuple[int, str], list[str]] = {}
     root = Path(ck.path) if Path(ck.path).is_dir() else Path(ck.path).parent
     for f in ck.files:
-        if not re.search(r"(rank|states)_?\d+|__\d+_\d+", Path(f.path).name) or not 0 < f.bytes <= limit:
+        if not re.search(r"(rank|states?)_?\d+|__\d+_\d+", Path(f.path).name) or not 0 < f.bytes <= limit:
             continue
         try:
             digest = hashlib.sha1((root / f.path).read_bytes()).hexdigest()

@@ -123,7 +123,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
             torch_file.state_nodes(optims, scheds, tree, name, [])
             files.append(C.file_info(f, path, role))
     plain = [n for n in ("optimizer.pt", "scheduler.pt") if (folder / n).is_file()]
-    if len(plain) == 1:  # the Trainer saves both or neither (DeepSpeed / FSDP keep them elsewhere)
+    if len(plain) == 1 and inner is None:  # plain/DDP: both; DeepSpeed keeps the optimizer in its tag folder
         gone = "scheduler.pt" if plain[0] == "optimizer.pt" else "optimizer.pt"
         warnings.append(Warning_("missing-state", f"{plain[0]} is saved but {gone} is not: the Trainer writes both; "
                                  f"a resume from this folder starts without {gone[:-3]} state",
@@ -140,6 +140,15 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     for name in ("config.json", "generation_config.json"):
         if (folder / name).is_file():
             files.append(C.file_info(folder / name, path, "config"))
+            try:
+                json.loads((folder / name).read_text())
+            except (OSError, ValueError) as e:
+                warnings.append(Warning_("corrupt-file", f"{name} is not valid JSON ({e}): from_pretrained and "
+                                         "`ckpt export --hf` cannot use it", str((folder / name).relative_to(path))))
+    if not (folder / "config.json").is_file() and "model" in tree:
+        warnings.append(Warning_("missing-state", "config.json is missing: the Trainer saves the model's config "
+                                 "beside its weights; from_pretrained on this folder fails",
+                                 str((folder / "config.json").relative_to(path))))
     client = {k: v for k, v in state.items() if k != "log_history"}
     client["log_history"] = f"{len(state.get('log_history') or [])} entries"
     tree["trainer_state"] = GroupNode({k: to_node(v, STATE_FILE) for k, v in client.items()})
