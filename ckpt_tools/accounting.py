@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable
@@ -300,8 +301,11 @@ def duplicate_rank_files(ck: Checkpoint, limit: int = 4 << 20) -> list[Warning_]
 
     by_hash: dict[tuple[int, str], list[str]] = {}
     root = Path(ck.path) if Path(ck.path).is_dir() else Path(ck.path).parent
-    for f in ck.files:
-        if not re.search(r"(rank|states?)_?\d+|__\d+_\d+", Path(f.path).name) or not 0 < f.bytes <= limit:
+    ranked = [f for f in ck.files
+              if re.search(r"(rank|states?)_?\d+|__\d+_\d+", Path(f.path).name) and 0 < f.bytes <= limit]
+    sizes = Counter(f.bytes for f in ranked)
+    for f in ranked:
+        if sizes[f.bytes] < 2:  # a file of a size no other has cannot be a copy: not read at all
             continue
         try:
             digest = hashlib.sha1((root / f.path).read_bytes()).hexdigest()
