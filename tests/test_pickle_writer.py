@@ -29,6 +29,9 @@ ZIP_SAMPLES = sorted(p for p in SAMPLES.rglob("*") if p.suffix in (".pt", ".bin"
                      and p.read_bytes()[:2] == b"PK")
 # FSDP1 ShardedTensor files need a process group to unpickle with torch (FORMATS.md)
 NEEDS_PROCESS_GROUP = {"rank0.pt", "rank1.pt"}
+# Megatron-LM pickles its own enums/namespaces; megatron-core is not a dependency, so where it is absent the
+# byte-for-byte equality above is the whole proof (equal bytes unpickle to equal trees)
+OPTIONAL_PRODUCERS = {"megatron"}
 ZERO2 = ("deepspeed", "zero2_bf16")
 OPTIM0 = "global_step4/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
 
@@ -78,8 +81,14 @@ def test_unedited_rewrite_is_the_same_file(path, tmp_path):
     out = tmp_path / path.name
     pw.rewrite_torch_zip(path, out, pr.load(path).obj)
     assert out.read_bytes() == path.read_bytes()
-    if path.name not in NEEDS_PROCESS_GROUP:
-        assert_same_tree(torch.load(path, weights_only=False), torch.load(out, weights_only=False))
+    if path.name in NEEDS_PROCESS_GROUP:
+        return
+    try:
+        before = torch.load(path, weights_only=False)
+    except ModuleNotFoundError as e:
+        assert (e.name or "").split(".")[0] in OPTIONAL_PRODUCERS, e
+        return
+    assert_same_tree(before, torch.load(out, weights_only=False))
 
 
 @pytest.mark.parametrize("rel", [
