@@ -33,7 +33,7 @@ STATE_SUFFIXES = (".pt", ".bin", ".distcp", ".safetensors", ".pth", ".ckpt")
 #: warnings that mean the open did not see the whole checkpoint: writing, exporting and converting refuse
 #: while one is present (`require_whole`); `unread-files` alone can be waived with `allow_unread`
 INCOMPLETE = ("unread-files", "part-of-checkpoint", "extra-rank-file", "unreferenced-file", "declared-mismatch",
-              "duplicate-rank-file",
+              "duplicate-rank-file", "corrupt-file",
               "megatron-torch-dist")
 
 #: names that say a file is one piece of a sharded checkpoint whatever folder it sits in
@@ -208,10 +208,15 @@ def require_whole(ck: Checkpoint, command: str, *, allow_unread: bool = False) -
     """Refuse (UnsupportedCheckpoint, exit 2) to write, export or convert from a view that is not the whole
     checkpoint: unread state files (unless `allow_unread`), a file that is one piece of a larger checkpoint,
     rank or shard files the checkpoint's own metadata does not account for."""
-    bad = incomplete(ck, allow_unread=allow_unread)
+    order = ("part-of-checkpoint", "megatron-torch-dist", "corrupt-file", "declared-mismatch", "duplicate-rank-file",
+             "extra-rank-file", "unreferenced-file", "unread-files")
+    bad = sorted(incomplete(ck, allow_unread=allow_unread),
+                 key=lambda w: order.index(w.code) if w.code in order else len(order))
     if not bad:
         return
     w = bad[0]
+    more = sorted({b.code for b in bad[1:]} - {w.code})
+    also = f" (also: {', '.join(more)}; `ckpt inspect` lists them)" if more else ""
     if w.code == "part-of-checkpoint":
         raise UnsupportedCheckpoint(f"{command} needs the whole checkpoint: {w.message}", path=ck.path,
                                     hint=f"pass the whole checkpoint: {w.path}")
@@ -220,12 +225,15 @@ def require_whole(ck: Checkpoint, command: str, *, allow_unread: bool = False) -
         raise UnsupportedCheckpoint(
             f"the checkpoint holds {len(files)} file(s) that may hold model or training state which no reader took "
             f"and {command} would leave behind: "
-            f"{', '.join(files[:6])}{', …' if len(files) > 6 else ''}", path=ck.path,
+            f"{', '.join(files[:6])}{', …' if len(files) > 6 else ''}{also}", path=ck.path,
             hint="move them out if they are not part of this checkpoint, or pass --allow-unread to leave them "
                  "behind knowingly")
-    raise UnsupportedCheckpoint(f"{command} refuses an inconsistent checkpoint: {w.message}",
-                                path=w.path and str(Path(ck.path) / w.path) or ck.path,
-                                hint="move the leftover file out of the checkpoint folder, then run it again")
+    if w.code in ("corrupt-file", "declared-mismatch"):
+        hint = "copy the named piece back from where the checkpoint was saved (or use an intact checkpoint)"
+    else:
+        hint = "move the leftover file out of the checkpoint folder, then run it again"
+    raise UnsupportedCheckpoint(f"{command} refuses an inconsistent checkpoint: {w.message}{also}",
+                                path=w.path and str(Path(ck.path) / w.path) or ck.path, hint=hint)
 
 
 def unread_files(ck: Checkpoint) -> list[str]:

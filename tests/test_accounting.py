@@ -186,3 +186,83 @@ def test_mutation_harness_finds_no_silent_outcome(name):
     silent = [o for o in res if o.kind in ("silent", "crash") and not H.known_gap(o)]
     assert len(res) > 20
     assert not silent, "\n".join(f"{o.kind}: {o.mutation} | {o.command} | {o.detail}" for o in silent)
+
+
+def _codes(ck: Path) -> dict[str, list[dict]]:
+    doc = json.loads(run_cli("inspect", str(ck), "--json").stdout)
+    out: dict[str, list[dict]] = {}
+    for w in doc["warnings"]:
+        out.setdefault(w["code"], []).append(w)
+    return out
+
+
+def _refused(ck: Path, tmp_path: Path, *names: str) -> None:
+    before = _tree_bytes(ck)
+    proc = run_cli(*_argv("set-lr", ck, tmp_path))
+    assert proc.returncode == 2 and all(n in proc.stderr for n in names), proc.stderr
+    assert _tree_bytes(ck) == before
+
+
+@pytest.mark.parametrize("gone", ["layer_1_expert_3_mp_rank_00_model_states.pt",
+                                  "expp_rank_1_mp_rank_00_optim_states.pt"])
+def test_a_missing_moe_file_is_named_from_what_the_model_states_declare(tmp_path, gone):
+    """The gates' rows declare 4 experts per MoE layer, the param groups `ep_size_2` two expp files: a deleted
+    last one (no gap in the numbering to see) is still named."""
+    ck = _copy("moe", "moe_stage0", tmp_path)
+    (ck / "global_step4" / gone).unlink()
+    w = _codes(ck)["declared-mismatch"]
+    assert gone in w[0]["message"]
+    _refused(ck, tmp_path, gone)
+    assert "declared-mismatch" not in _codes(sample("moe", "moe_stage0"))
+
+
+def test_a_truncated_zero3_rank_model_states_file_is_named(tmp_path):
+    """ZeRO-3's per-rank model states are listed, not loaded, by the reader: their zip directory is checked."""
+    ck = _copy("deepspeed", "zero3_bf16", tmp_path)
+    f = ck / "global_step4" / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    assert f.name in _codes(ck)["corrupt-file"][0]["message"]
+    _refused(ck, tmp_path, f.name)
+
+
+def test_one_ranks_lost_flat_optimizer_state_is_named(tmp_path):
+    """ZeRO-1: rank 0's Adam moments of group 0 dropped. The parameters wholly inside rank 0's partition would
+    otherwise just have no moments; the other rank's file declares them."""
+    torch = pytest.importorskip("torch")
+    ck = _copy("deepspeed", "zero1_frozen", tmp_path)
+    f = ck / "global_step4" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    obj = torch.load(f, weights_only=False)
+    del obj["optimizer_state_dict"]["base_optimizer_state"]["state"][0]
+    torch.save(obj, f)
+    w = _codes(ck)["declared-mismatch"]
+    assert any("exp_avg" in x["message"] and x["path"].endswith(f.name) for x in w)
+    _refused(ck, tmp_path, f.name)
+
+
+def test_a_rank_files_differing_ds_config_and_a_lost_universal_param_group_are_named(tmp_path):
+    torch = pytest.importorskip("torch")
+    ck = _copy("deepspeed", "zero2_warmuplr", tmp_path)
+    f = ck / "global_step4" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    obj = torch.load(f, weights_only=False)
+    obj["ds_config"]["scheduler"] = None
+    torch.save(obj, f)
+    assert any(f.name in w["message"] and "ds_config" in w["message"] for w in _codes(ck)["declared-mismatch"])
+
+    uni = _copy("universal", "zero2_bf16_universal", tmp_path)
+    f = next(uni.glob("*/zero/optimizer_state.pt"))
+    obj = torch.load(f, weights_only=False)
+    obj["param_groups"].pop()
+    torch.save(obj, f)
+    assert "1 param groups" in _codes(uni)["declared-mismatch"][0]["message"]
+    proc = run_cli("export", str(uni), str(tmp_path / "out.safetensors"))
+    assert proc.returncode == 2 and "param group" in proc.stderr and not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_missing_hf_trainer_rng_state_is_named(tmp_path):
+    """rng_state_N.pth are written one per process (rng_state.pth for one): a deleted last one is named from the
+    DeepSpeed engine's world size inside the checkpoint."""
+    ck = _copy("hf_trainer", "hf_trainer_zero2", tmp_path)
+    f = ck / "checkpoint-4" / "rng_state_1.pth"  # the newest checkpoint-N: what the folder opens as
+    f.unlink()
+    assert "rng_state_1.pth" in _codes(ck)["missing-state"][0]["message"]
+    assert "missing-state" not in _codes(sample("hf_trainer", "hf_trainer_zero2"))

@@ -128,6 +128,22 @@ def file_info(path: Path, root: Path, role: str, rank: dict | None = None) -> Fi
     return FileInfo(rel, size, role, dict(rank or {}))
 
 
+def zip_damage(path: Path) -> str | None:
+    """Why the torch zip `path` cannot be loaded (truncated, not a zip), or None: its central directory only,
+    for rank files a reader lists without loading (ZeRO-3's per-rank model states)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as zf:
+            size = path.stat().st_size
+            for info in zf.infolist():
+                if info.header_offset + info.compress_size > size:
+                    return f"member {info.filename} runs past the end of the file"
+    except (OSError, zipfile.BadZipFile) as e:
+        return f"not a readable torch zip ({e})"
+    return None
+
+
 def scheduler_fields(node: Node | None) -> dict[str, Any]:
     """The scalar fields of a torch scheduler state dict (or DeepSpeed's {last_batch_iteration})."""
     if not isinstance(node, GroupNode):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -119,11 +119,14 @@ class ZeroOptimizer:
     lrs_by_rank: dict[int, tuple[float, ...]]
     extras: dict[str, Any]  # loss_scaler, clip_grad, ... from rank 0
     dtype: str | None = None
+    warnings: list[Warning_] = field(default_factory=list)  # rank files that disagree with the others
 
 
 def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
-                        shape_groups: list[dict[str, tuple[int, ...]]], mp_coords: dict[str, int]) -> ZeroOptimizer:
-    """Un-flatten the optimizer state of one model-parallel rank from all its DP rank files."""
+                        shape_groups: list[dict[str, tuple[int, ...]]], mp_coords: dict[str, int],
+                        ds_config: tuple[str, Any] | None = None) -> ZeroOptimizer:
+    """Un-flatten the optimizer state of one model-parallel rank from all its DP rank files. `ds_config`:
+    (file, the ds_config the model-states file saved), which every rank file's copy must equal."""
     dp = len(optim_files)
     loaded = {r: cache.load(p) for r, p in sorted(optim_files.items())}
     first = loaded[min(loaded)].obj
@@ -137,6 +140,9 @@ def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
     lrs_by_rank: dict[int, tuple[float, ...]] = {}
     step_value: dict[int, Any] = {}
     master_dtype = None
+    state_keys: dict[tuple[int, int], frozenset[str]] = {}  # (dp rank, group) -> the flat state tensors saved
+    configs: dict[str, Any] = dict([ds_config]) if ds_config and isinstance(ds_config[1], dict) else {}
+    warnings: list[Warning_] = []
     for r, L in loaded.items():
         rel = cache.rel(optim_files[r])
         osd = L.obj.get("optimizer_state_dict") if isinstance(L.obj, dict) else None
@@ -150,6 +156,12 @@ def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
             flats = osd.get("single_partition_of_fp32_groups") or []
         state = base.get("state") or {}
         groups = base.get("param_groups") or []
+        if isinstance(L.obj.get("ds_config"), dict):
+            configs.setdefault(rel, L.obj["ds_config"])
+        if shape_groups and isinstance(groups, list) and len(groups) != len(shape_groups):
+            warnings.append(Warning_("declared-mismatch", f"{len(groups)} optimizer param groups where the "
+                                     f"model states' param_shapes declare {len(shape_groups)}: a param group was "
+                                     "lost or the files are from different runs", rel))
         lrs_by_rank[r] = tuple(float(g.get("lr")) for g in groups if isinstance(g, dict)
                                and isinstance(g.get("lr"), (int, float)))
         rank = dict(mp_coords, dp=r)
@@ -159,6 +171,8 @@ def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
                     "exp_avg": gstate.get("exp_avg") if isinstance(gstate, dict) else None,
                     "exp_avg_sq": gstate.get("exp_avg_sq") if isinstance(gstate, dict) else None}
             flat.update(_other_flat_states(gstate, flat["fp32"]))
+            if isinstance(flat["fp32"], TensorRef) and flat["fp32"].numel:
+                state_keys[(r, gi)] = frozenset(k for k, v in flat.items() if k != "fp32" and isinstance(v, TensorRef))
             if isinstance(flat["fp32"], TensorRef):
                 master_dtype = flat["fp32"].dtype
             stepv = gstate.get("step") if isinstance(gstate, dict) else None
@@ -179,6 +193,19 @@ def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
                         slot[key] = [Piece(rel, ref, src, cnt, dst, rank)]
                     else:
                         plist.append(Piece(rel, ref, src, cnt, dst, rank))
+    saved = frozenset().union(*state_keys.values()) if state_keys else frozenset()
+    for (r, gi), keys in sorted(state_keys.items()):
+        if keys != saved:
+            warnings.append(Warning_("declared-mismatch", f"param group {gi} has no {', '.join(sorted(saved - keys))} "
+                                     "in this rank's file while the other ranks' files have it: this rank's optimizer "
+                                     "state was lost (a resume restarts those moments at zero)",
+                                     cache.rel(optim_files[r])))
+    if len({repr(c) for c in configs.values()}) > 1:
+        ref = next(iter(configs))
+        odd = [f for f, c in configs.items() if repr(c) != repr(configs[ref])]
+        warnings.append(Warning_("declared-mismatch", f"the ds_config saved in {', '.join(odd)} differs from "
+                                 f"{ref}'s: the files were written by different launches (a rank file from another "
+                                 "run?)", odd[0]))
     state_out: dict[str, dict[str, Any]] = {}
     for gi, shapes in enumerate(shape_groups):
         for name, shape in shapes.items():
@@ -204,7 +231,7 @@ def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
     groups0 = (_dig(osd0, "optimizer_state_dict", "param_groups") if stage == 3
                else _dig(osd0, "base_optimizer_state", "param_groups")) or []
     return ZeroOptimizer(stage, state_out, [g for g in groups0 if isinstance(g, dict)], steps_seen,
-                         lrs_by_rank, extras, master_dtype)
+                         lrs_by_rank, extras, master_dtype, warnings)
 
 
 def _dst_offset(p: Piece) -> int:
@@ -297,6 +324,48 @@ def _refuse_partitioned_experts(tag_dir: Path, ranks: dict[int, "RankFiles"]) ->
             hint="DeepSpeed's own engine.load_checkpoint reads it; ckpt's MoE support is planned")
 
 
+_EXPP_FILE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_GATE = "deepspeed_moe.gate.wg.weight"
+
+
+def _moe_declared(tag_dir: Path, root: Path, cache: C.LoadCache, module: dict, mp: int) -> list[Warning_]:
+    """Declared vs found for the files of a DeepSpeed MoE layer: each gate `…deepspeed_moe.gate.wg.weight`
+    [num_experts, hidden] in the model states is one MoE layer, whose experts are saved one file per
+    (layer, global expert id, mp rank); without ZeRO the optimizer is in one `expp_rank_R` file per expert-parallel
+    rank, and the MoE param groups are named `ep_size_<N>`. Names the missing and damaged pieces."""
+    gates = [r for n, r in module.items() if str(n).endswith(_GATE) and isinstance(r, TensorRef) and r.shape]
+    present = {p.name: p for p in tag_dir.iterdir() if _EXPERT_FILE.match(p.name) or _EXPP_FILE.match(p.name)}
+    if not gates and not present:
+        return []
+    want = [f"layer_{i}_expert_{e}_mp_rank_{m:02d}_model_states.pt"
+            for i, g in enumerate(gates) for e in range(g.shape[0]) for m in range(mp)]
+    expp = sorted((p for n, p in present.items() if _EXPP_FILE.match(n)), key=lambda p: p.name)
+    if expp:
+        ep = None
+        if not C.zip_damage(expp[0]):
+            obj = cache.load(expp[0]).obj
+            groups = _dig(obj, "optimizer", "param_groups") or []
+            names = {g.get("name") for g in groups if isinstance(g, dict) and g.get("moe")}
+            sizes = {int(n[8:]) for n in names if isinstance(n, str) and re.fullmatch(r"ep_size_\d+", n)}
+            ep = max(sizes) if sizes else None
+        top = max(int(_EXPP_FILE.match(p.name)[1]) for p in expp) + 1
+        want += [f"expp_rank_{r}_mp_rank_{m:02d}_optim_states.pt" for r in range(max(ep or 0, top)) for m in range(mp)]
+    out = []
+    gone = [n for n in want if n not in present]
+    if gone:
+        out.append(Warning_("declared-mismatch", f"{len(gone)} Mixture-of-Experts file(s) missing: "
+                            f"{', '.join(gone[:4])}{' …' if len(gone) > 4 else ''} (the model states declare "
+                            f"{len(gates)} MoE layer(s) of {', '.join(str(g.shape[0]) for g in gates)} experts"
+                            f"{'; the param groups ep_size' if expp else ''}); copy them back from where the "
+                            "checkpoint was saved", str((tag_dir / gone[0]).relative_to(root))))
+    for n in sorted(present):
+        damage = C.zip_damage(present[n])
+        if damage:
+            out.append(Warning_("corrupt-file", f"{n}: {damage} (re-copy it from where the checkpoint was saved)",
+                                str(present[n].relative_to(root))))
+    return out
+
+
 def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks: dict[int, RankFiles],
           *, fmt: str = FORMAT) -> Checkpoint:
     warnings: list[Warning_] = []
@@ -314,11 +383,15 @@ def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks:
     mp_size = as_int(ms.get("mp_world_size")) or len(ranks)
     _check_rank_files(tag_dir, ranks, dp_size, mp_size, warnings)
     shape_groups = _shape_groups(ms.get("param_shapes"))
+    warnings += _moe_declared(tag_dir, root, cache, ms.get("module") if isinstance(ms.get("module"), dict) else {},
+                              mp_size)
 
     opt = None
     if first_rank.optim:
         in_world = {d: p for d, p in first_rank.optim.items() if d < dp_size}
-        opt = read_zero_optimizer(cache, in_world, shape_groups, {"tp": first_rank.mp_rank})
+        opt = read_zero_optimizer(cache, in_world, shape_groups, {"tp": first_rank.mp_rank},
+                                  (cache.rel(ms_path), ms.get("ds_config")))
+        warnings += opt.warnings
     stage = opt.stage if opt else None
     if stage is None:
         stage = as_int(_dig(ms, "ds_config", "zero_optimization", "stage"))
@@ -399,6 +472,10 @@ def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks:
         for p in [rf.model_states, *rf.z3_model.values()]:
             if p:
                 files.append(C.file_info(p, root, "model", {"tp": rf.mp_rank}))
+            damage = C.zip_damage(p) if p and p != ms_path else None  # listed, not loaded: its zip directory only
+            if damage:
+                warnings.append(Warning_("corrupt-file", f"{p.name}: {damage}; the rank that loads it cannot resume "
+                                         "(re-copy it from where the checkpoint was saved)", str(p.relative_to(root))))
         for d, p in sorted(rf.optim.items()):
             files.append(C.file_info(p, root, "optimizer", {"tp": rf.mp_rank, "dp": d}))
     warnings += C.stray_file_warnings(tag_dir, root)

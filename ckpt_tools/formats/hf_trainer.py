@@ -129,6 +129,18 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
                                  f"a resume from this folder starts without {gone[:-3]} state",
                                  str((folder / gone).relative_to(path))))
     rng = sorted((p for p in folder.iterdir() if _RNG_RE.match(p.name)), key=lambda p: int(_RNG_RE.match(p.name)[1] or 0))
+    numbered = {int(_RNG_RE.match(p.name)[1]) for p in rng if _RNG_RE.match(p.name)[1] is not None}
+    if numbered:
+        # the Trainer writes rng_state.pth for one process and rng_state_{process_index}.pth for several: numbered
+        # files are 0..world-1 (world >= 2; a DeepSpeed engine inside says how many)
+        world = max(max(numbered) + 1, 2)
+        if inner is not None and inner.topology and inner.topology.dp:
+            world = max(world, inner.topology.dp * (inner.topology.tp or 1) * (inner.topology.pp or 1))
+        gone = [f"rng_state_{i}.pth" for i in range(world) if i not in numbered]
+        if gone:
+            warnings.append(Warning_("missing-state", f"{', '.join(gone)} missing ({world} processes saved RNG "
+                                     "states): those ranks resume with fresh random streams",
+                                     str((folder / gone[0]).relative_to(path))))
     if rng:
         tree["rng"] = GroupNode({p.stem: to_node(cache.load(p).obj, p.name) for p in rng})
         files += [C.file_info(p, path, "rng", {"rank": int(_RNG_RE.match(p.name)[1] or 0)}) for p in rng]

@@ -305,7 +305,10 @@ class _Reader:
             if rf.optim:
                 s, t = divmod(mm, tp)
                 opts[mm] = D.read_zero_optimizer(self.cache, {d: p for d, p in rf.optim.items() if d < dp},
-                                                 shape_groups[mm], {"tp": t, "pp": s})
+                                                 shape_groups[mm], {"tp": t, "pp": s},
+                                                 (self.rel(rf.model_states), states[mm].get("ds_config"))
+                                                 if rf.model_states and mm in states else None)
+                self.warnings += opts[mm].warnings
         tree: dict[str, Any] = {"model": GroupNode(model)}
         steps_seen: list[int] = []
         lrs: tuple[float, ...] = ()

@@ -103,6 +103,15 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     if opt_path.is_file():
         files.append(C.file_info(opt_path, root, "optimizer"))
     groups = osd.get("param_groups") if isinstance(osd.get("param_groups"), list) else []
+    declared = {"the model states' param_shapes": len(_shape_groups(ms.get("param_shapes")))}
+    if isinstance(osd.get("partition_count"), list):
+        declared["partition_count"] = len(osd["partition_count"])
+    for what, n in declared.items():
+        if opt_path.is_file() and n and len(groups) != n:
+            warnings.append(Warning_("declared-mismatch", f"zero/optimizer_state.pt holds {len(groups)} param groups "
+                                     f"where {what} declare(s) {n}: a param group was lost (DeepSpeed's universal "
+                                     "loader pairs them by position)", "zero/optimizer_state.pt"))
+            break
     module = ms.get("module") if isinstance(ms.get("module"), dict) else {}
     model: dict[str, Any] = {}
     rel_ms = cache.rel(model_files[0])
