@@ -28,6 +28,9 @@ class SampleSpec:
     #: an environment variable the worker needs (Megatron-LM's training code is not on the package registries:
     #: MEGATRON_LM_DIR names a checkout of its tag core_v0.16.1)
     needs_env: str | None = None
+    #: a package the worker imports that is not a dependency of ckpt (torchtitan and what it imports: see the
+    #: worker's docstring for the versions measured)
+    needs_module: str | None = None
 
 
 _W = "ckpt_tools.train.workers."
@@ -58,6 +61,9 @@ SAMPLES: tuple[SampleSpec, ...] = (
     SampleSpec("hf_trainer_zero2", "hf_trainer", _W + "hf_trainer", 2, "hf_trainer_zero2"),
     SampleSpec("lightning_onecycle", "lightning", _W + "lightning_run", 1, "onecycle.ckpt"),
     SampleSpec("torchtitan_fsdp2", "dcp", _W + "dcp_layouts", 2, "torchtitan_fsdp2"),
+    # torchtitan's own Trainer (torchtitan 0.3.0, FSDP2 on 2 gloo ranks): a full save (step-3) and the final
+    # model-only save (step-5)
+    SampleSpec("torchtitan_real", "dcp", _W + "torchtitan_run", 2, "torchtitan_real", needs_module="torchtitan"),
     SampleSpec("dcp_recipe_fsdp2", "dcp", _W + "dcp_layouts", 2, "dcp_recipe_fsdp2"),
     SampleSpec("accelerate_two_models", "accelerate", _W + "accel_multi", 2, "accelerate_two_models"),
     SampleSpec("plain", "torch", _W + "plain", 1, "plain.pt"),
@@ -148,6 +154,12 @@ def make_sample(out_dir: str | os.PathLike, name: str, *, log_dir: Path | None =
     if spec.needs_env and not os.environ.get(spec.needs_env):
         raise RuntimeError(f"sample {name} needs {spec.needs_env} (see {spec.module}'s docstring): set it, or "
                            "leave this sample out with --only")
+    if spec.needs_module:
+        import importlib.util
+
+        if importlib.util.find_spec(spec.needs_module) is None:
+            raise RuntimeError(f"sample {name} needs the {spec.needs_module} package (see {spec.module}'s "
+                               "docstring for the versions and install steps), or leave this sample out with --only")
     for dep in spec.after:
         if not sample_path(out, dep).exists():
             make_sample(out, dep, log_dir=log_dir)

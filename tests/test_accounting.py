@@ -266,3 +266,23 @@ def test_a_missing_hf_trainer_rng_state_is_named(tmp_path):
     f.unlink()
     assert "rng_state_1.pth" in _codes(ck)["missing-state"][0]["message"]
     assert "missing-state" not in _codes(sample("hf_trainer", "hf_trainer_zero2"))
+
+
+def test_real_torchtitan_is_read_whole_and_set_lr_tells_the_truth(tmp_path):
+    """The torchtitan row of the issue, on the checkpoint torchtitan 0.3.0's own Trainer wrote: the flat model keys
+    are the model (the manifest's live count, fused wqkv counted once); set-lr edits the saved per-parameter LRs and
+    says the job config must change too (never "nothing to do"); the model-only final save refuses."""
+    src = sample("dcp", "torchtitan_real")
+    m = json.loads((src.parent / "torchtitan_real.manifest.json").read_text())
+    full = tmp_path / "step-3"
+    shutil.copytree(src / m["extra"]["full_save"], full)
+    doc = json.loads(run_cli("inspect", str(full), "--json").stdout)
+    assert (doc["parameters"]["count"], doc["parameters"]["tensors"]) == (m["parameters"]["count"],
+                                                                         m["parameters"]["tensors"])
+    proc = run_cli("set-lr", str(full), "--scale", "0.5", "--yes")
+    assert proc.returncode == 0, proc.stderr
+    assert "SET THE LR IN YOUR JOB CONFIG" in proc.stdout and "0.0008 -> 0.0004" in proc.stdout
+    after = json.loads(run_cli("inspect", str(full), "--json").stdout)
+    assert after["lr"]["param_groups"] == pytest.approx([x / 2 for x in doc["lr"]["param_groups"]])
+    only_model = run_cli("set-lr", str(src / m["extra"]["model_only_save"]), "--scale", "0.5", "--yes")
+    assert only_model.returncode == 2 and "no learning-rate" in only_model.stderr

@@ -22,7 +22,11 @@ IDS = [f"{m.parent.name}/{m.name[: -len('.manifest.json')]}" for m in MANIFESTS]
 
 
 def _load(mpath: Path) -> tuple[Path, dict]:
-    return mpath.with_name(mpath.name[: -len(".manifest.json")]), json.loads(mpath.read_text())
+    """(the checkpoint the manifest describes, the manifest): a producer's run folder with several saves (torchtitan's
+    `step-N/`) records which one holds the full training state (`extra.full_save`)."""
+    m = json.loads(mpath.read_text())
+    path = mpath.with_name(mpath.name[: -len(".manifest.json")])
+    return (path / m["extra"]["full_save"] if m["extra"].get("full_save") else path), m
 
 
 def test_every_sample_has_a_manifest():
@@ -41,6 +45,11 @@ def _what_the_files_hold(m: dict) -> tuple[dict, dict]:
         lr = {"param_groups": [], "base_lrs": None, "last_lr": None}
     if m["format"] == "accelerate" and m["extra"].get("distributed_type") != "DEEPSPEED":
         counters["global_step"] = None  # Accelerate saves no loop step (DeepSpeed's engine does)
+    if m["extra"].get("layout") == "torchtitan" and m["extra"].get("producer", "").endswith("(real)"):
+        # torchtitan saves only lr_scheduler.last_epoch: base_lrs and the scheduler's LR come back from the job config
+        counters["scheduler_step_count"] = None
+        lr["base_lrs"] = lr["last_lr"] = None
+        counters.pop("ntokens_seen")  # not a header counter: test_torchtitan_train_state checks it in the tree
     if m["extra"].get("optimizers"):  # several optimizers: the header lists every one's groups, in order
         opts = m["extra"]["optimizers"]
         lr = {"param_groups": [x for o in opts for x in o["lr"]], "base_lrs": [x for o in opts for x in o["base_lrs"]],
@@ -77,3 +86,14 @@ def test_clean_samples_have_no_warnings(mpath):
     ck = ckpt_tools.open_checkpoint(path)
     expected_codes = set(m["extra"].get("expected_warnings", []))
     assert {w.code for w in ck.warnings} == expected_codes, ck.warnings
+
+
+def test_torchtitan_train_state():
+    """torchtitan's own counters, as its Trainer recorded them at the full save: train_state.step and
+    ntokens_seen, lr_scheduler.last_epoch."""
+    mpath = SAMPLES / "dcp" / "torchtitan_real.manifest.json"
+    path, m = _load(mpath)
+    tree = ckpt_tools.open_checkpoint(path).tree.children
+    train = tree["client_state"].children["train_state"].children
+    assert (train["step"].value, train["ntokens_seen"].value) == (m["counters"]["global_step"], m["counters"]["ntokens_seen"])
+    assert tree["scheduler"].children["last_epoch"].value == m["counters"]["scheduler_last_epoch"]

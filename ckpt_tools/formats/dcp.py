@@ -149,6 +149,10 @@ def training_checkpoint(fmt: str, root: Path, top: Mapping[str, Any], *, file: s
     model, optims, scheds, rest = split_training_dict(dict(top))
     if model is None and rest and all(isinstance(v, TensorNode) for v in rest.values()):
         model, rest = rest, {}  # a bare model state dict
+    elif model is None and sum(isinstance(v, TensorNode) for v in rest.values()) > 1:
+        # torchtitan: the model's keys sit flat at the top level beside optimizer / lr_scheduler / train_state
+        model = {k: v for k, v in rest.items() if isinstance(v, TensorNode)}
+        rest = {k: v for k, v in rest.items() if k not in model}
     tree: dict[str, Node] = {}
     if model is not None:
         tree["model"] = _nodes(model, file)
@@ -161,12 +165,44 @@ def training_checkpoint(fmt: str, root: Path, top: Mapping[str, Any], *, file: s
         tree["client_state"] = _nodes(rest, file)
     counters, lrs, steps = C.training_header(tree)
     params = [t for _, t in iter_tensors(tree["model"])] if "model" in tree else []
+    fused = _split_saved_fused(tree)
+    if fused:
+        first = next(iter(fused))
+        details = {**details, "fused": f"{len(fused)} fused parameter(s) saved split, counted once "
+                   f"({first} = {' + '.join(p.rsplit('.', 2)[-2] for p in fused[first])}"
+                   f"{', …' if len(fused) > 1 else ''})"}
     return Checkpoint(
         format=fmt, path=str(root), topology=Topology(dp=dp, tp=1, pp=1, zero_stage=None), tree=GroupNode(tree),
         counters=counters, lr=lrs,
-        parameter_count=sum(t.numel for t in params), parameter_tensors=len(params), files=tuple(files),
+        parameter_count=sum(t.numel for t in params),
+        parameter_tensors=len(params) - sum(len(parts) - 1 for parts in fused.values()), files=tuple(files),
         warnings=tuple(C.counter_warnings(counters, optimizer_steps_seen=steps) + warnings),
         dtypes=tuple(sorted({t.dtype for t in params})), details=details)
+
+
+def _split_saved_fused(tree: dict[str, Node]) -> dict[str, list[str]]:
+    """Fused parameters whose model keys were saved split (torchtitan's state-dict hook saves a fused
+    `…qkv_linear.wqkv.weight` as `…wq.weight`, `…wk.weight`, `…wv.weight`; its optimizer state stays under the fused
+    name): {optimizer FQN: [the model keys that hold it]} where the model keys beside it (same module, same leaf
+    name, no optimizer state of their own) add up to its optimizer state's elements. One parameter, counted once."""
+    model = tree.get("model")
+    state = next((o.children.get("state") for k, o in tree.items() if k.startswith("optimizer")
+                  and isinstance(o, GroupNode)), None)
+    if not isinstance(model, GroupNode) or not isinstance(state, GroupNode):
+        return {}
+    names = {k: t for k, t in iter_tensors(model)}
+    out: dict[str, list[str]] = {}
+    for fqn, entry in state.children.items():
+        if fqn in names or not isinstance(entry, GroupNode) or "." not in fqn:
+            continue
+        ref = next((t for t in entry.children.values() if isinstance(t, TensorNode) and t.numel > 1), None)
+        parent, leaf = fqn.rsplit(".", 1)
+        parent = parent.rsplit(".", 1)[0] if "." in parent else ""
+        parts = [k for k in names if k.endswith("." + leaf) and k.rsplit(".", 2)[0] == parent
+                 and k not in state.children]
+        if ref is not None and len(parts) > 1 and sum(names[k].numel for k in parts) == ref.numel:
+            out[fqn] = parts
+    return out
 
 
 # --- DCP ----------------------------------------------------------------------------------------------

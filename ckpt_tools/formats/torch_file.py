@@ -60,7 +60,9 @@ def split_training_dict(obj: Any) -> tuple[Any, list, list, dict[str, Any]]:
         vals = v if isinstance(v, list) and v else [v]
         if all(is_optimizer_state(x) for x in vals):
             optims += vals
-        elif all(is_scheduler_state(x) for x in vals) and (k in SCHED_KEYS or isinstance(v, list)):
+        elif (all(is_scheduler_state(x) for x in vals) and (k in SCHED_KEYS or isinstance(v, list))) or (
+                k in SCHED_KEYS and isinstance(v, dict) and set(map(str, v)) == {"last_epoch"}):
+            # torchtitan's lr_scheduler keeps only {last_epoch} (it rebuilds the rest from its job config)
             scheds += vals
         else:
             rest[k] = v

@@ -58,6 +58,7 @@ from ..tree import Checkpoint, as_int
 # --- scheduler kinds ------------------------------------------------------------------------------------
 
 CLOSED_FORM, CHAINABLE, ONE_CYCLE, DEEPSPEED, NO_SCHEDULER = "closed-form", "chainable", "one-cycle", "deepspeed", "none"
+JOB_CONFIG = "job-config"  # torchtitan: lr_scheduler saved as {last_epoch}; schedule and base LR from the job config
 
 #: state-dict keys that identify a torch scheduler class
 _ONE_CYCLE_KEYS = {"total_steps", "_schedule_phases"}
@@ -69,6 +70,7 @@ SCHEDULER_LABEL = {
     ONE_CYCLE: "torch OneCycleLR",
     DEEPSPEED: "DeepSpeed scheduler",
     NO_SCHEDULER: "no scheduler state",
+    JOB_CONFIG: "torchtitan LRSchedulersContainer (saves only last_epoch; rebuilds the schedule from the job config)",
 }
 
 DRIVER = {
@@ -79,6 +81,8 @@ DRIVER = {
     DEEPSPEED: "the launch config (ds_config scheduler/optimizer params); the checkpoint keeps only "
                "last_batch_iteration; the optimizer lr drives only the first resumed update",
     NO_SCHEDULER: "the optimizer param_groups lr",
+    JOB_CONFIG: "the JOB CONFIG's LR x the schedule at last_epoch; the saved per-parameter lr drives only the first "
+                "resumed update",
 }
 
 _COSMETIC = "cosmetic (kept consistent)"
@@ -98,6 +102,8 @@ _NOTES = {
     DEEPSPEED: {"lr": _FIRST_STEP + "; then the launch config", "initial_lr": _COSMETIC,
                 "last_batch_iteration": "DRIVES: position on the launch config's schedule",
                 "ds_config": "record of the run only: DeepSpeed never reads it back; change your launch config"},
+    JOB_CONFIG: {"lr": _FIRST_STEP + "; then the job config's LR", "initial_lr": _COSMETIC + "; the job config's LR "
+                 "replaces it on resume"},
     NO_SCHEDULER: {"lr": "DRIVES the LR", "initial_lr": _COSMETIC},
 }
 
@@ -395,6 +401,9 @@ def _kind(files: list[_File], index: int) -> tuple[str, dict | None]:
     kind = kinds.pop() if kinds else NO_SCHEDULER
     if kind == NO_SCHEDULER and isinstance(cfg, dict) and isinstance(cfg.get("scheduler"), dict):
         kind = DEEPSPEED  # a config scheduler whose state was not saved: still the config's trajectory
+    if kind == NO_SCHEDULER and any(isinstance(f.obj, dict) and isinstance(f.obj.get("lr_scheduler"), dict)
+                                    and set(map(str, f.obj["lr_scheduler"])) == {"last_epoch"} for f in files):
+        kind = JOB_CONFIG  # torchtitan: only the position is saved; the LR comes back from the job config
     return kind, cfg
 
 
@@ -412,7 +421,7 @@ def _n_groups(files: list[_File], index: int) -> tuple[int, bool]:
         for _, s, i in f.found.schedulers:
             if i == index and isinstance(s.get("base_lrs"), list):
                 return len(s["base_lrs"]), flat
-    return 0, flat
+    return (1 if flat else 0), flat  # flattened without base_lrs: one factor for every parameter (--scale)
 
 
 def _select(n: int, group: int | None) -> list[int]:
@@ -443,6 +452,13 @@ def _base_lrs(files: list[_File], kind: str, cfg: dict | None, n: int, index: in
         for _, groups, _i in _groups(f, index):
             if len(groups) == n:
                 return [float(g.get("initial_lr", g.get("lr"))) for _, g in groups]
+            if n == 1 and groups:  # flattened per parameter: one base LR for all, or --lr is ambiguous
+                bases = sorted({float(g.get("initial_lr", g.get("lr"))) for _, g in groups})
+                if len(bases) > 1:
+                    raise CkptError(f"--lr: the parameters of optimizer {index} are at different base LRs "
+                                    f"({', '.join(f'{b:.6g}' for b in bases)}) and their state is flattened per "
+                                    "parameter (no group numbers)", hint="use --scale to scale every LR alike")
+                return bases
     raise CkptError("no learning rate found in this checkpoint (no optimizer param_groups, no scheduler base_lrs)")
 
 
@@ -540,6 +556,7 @@ def plan_set_lr(ck: Checkpoint, *, scale: float | None = None, lr: float | None 
                             "use --scale")
         idx_change = config_change(cfg, factors) if kind == DEEPSPEED and any(f != 1.0 for f in factors) else None
         change = change or idx_change
+        job_lrs = _job_config_lrs(files, idx, factors[0] if factors else 1.0) if kind == JOB_CONFIG else ""
         _apply_lr(files, idx, kind, factors, sel, flat, last_lr, last_epoch, step_count, idx_change)
         who = f"optimizer {idx}: " if len(picked) > 1 or idx else ""
         notes.append(f"{who}scheduler: {SCHEDULER_LABEL[kind]}; the LR after resume comes from {DRIVER[kind]}")
@@ -561,12 +578,30 @@ def plan_set_lr(ck: Checkpoint, *, scale: float | None = None, lr: float | None 
         if flat:
             notes.append(f"{who}param groups saved per parameter (flatten_optimizer_state_dict): every parameter's "
                          "lr / initial_lr edited")
+        if kind == JOB_CONFIG and (scale is not None or lr is not None):
+            notes.append("SET THE LR IN YOUR JOB CONFIG TOO: torchtitan rebuilds the schedule from the job config on "
+                         "resume, so this edit alone changes only the first resumed update. " + job_lrs)
     if scale is not None:
         notes.append(f"--scale {scale:g}: every LR field scaled alike" + (f" (param group {group})" if group is not None else ""))
     if world > 1 and DEEPSPEED not in kinds.values() and last_epoch is not None:
         notes.append(f"Accelerate steps the scheduler {world}x per optimizer step: last_epoch should be "
                      f"{world} x optimizer step")
     return _finish(ck, root, files, "set-lr", notes, kinds, change, world)
+
+
+def _job_config_lrs(files: list[_File], idx: int, factor: float) -> str:
+    """The job-config LRs that give the edited trajectory: each saved initial_lr (the config LR of the run that
+    saved it) times `factor`, in the groups' saved order."""
+    seen: list[float] = []
+    for f in files:
+        for _path, groups, _i in _groups(f, idx):
+            for _g, pg in groups:
+                v = pg.get("initial_lr", pg.get("lr"))
+                if isinstance(v, (int, float)) and float(v) not in seen:
+                    seen.append(float(v))
+    pairs = ", ".join(f"{v:.6g} -> {v * factor:.6g}" for v in seen)
+    return (f"Config LR per param group ({pairs}): torchtitan 0.3.0 names it "
+            "--optimizer.param-groups.<N>.optimizer-kwargs.lr (one group: --optimizer.lr)")
 
 
 def _apply_lr(files: list[_File], idx: int, kind: str, factors: list[float], sel: list[int], flat: bool,
