@@ -33,7 +33,7 @@ STATE_SUFFIXES = (".pt", ".bin", ".distcp", ".safetensors", ".pth", ".ckpt")
 #: warnings that mean the open did not see the whole checkpoint: writing, exporting and converting refuse
 #: while one is present (`require_whole`); `unread-files` alone can be waived with `allow_unread`
 INCOMPLETE = ("unread-files", "part-of-checkpoint", "extra-rank-file", "unreferenced-file", "declared-mismatch",
-              "duplicate-rank-file", "corrupt-file",
+              "duplicate-rank-file", "corrupt-file", "not-mapped",
               "megatron-torch-dist")
 
 #: names that say a file is one piece of a sharded checkpoint whatever folder it sits in
@@ -75,7 +75,7 @@ def account(ck: Checkpoint, given: Path) -> Checkpoint:
             warnings.append(part)
     tag = ck.details.get("tag")
     if given.is_dir() and isinstance(tag, str) and (root / tag).is_dir() and not any(
-            (root / n).is_file() for n in ("latest", "latest_universal")):
+            (root / n).is_file() for n in ("latest", "latest_universal", "latest_checkpointed_iteration.txt")):
         warnings.append(Warning_("latest-missing", f"no `latest` file beside the tag folder: {tag} was taken as the "
                                  "only tag folder here, but a loader asked for this folder without a tag (DeepSpeed's "
                                  f"load_checkpoint) finds nothing. Write the tag into {root / 'latest'}", "latest"))
@@ -210,7 +210,10 @@ def require_whole(ck: Checkpoint, command: str, *, allow_unread: bool = False) -
     rank or shard files the checkpoint's own metadata does not account for."""
     order = ("part-of-checkpoint", "megatron-torch-dist", "corrupt-file", "declared-mismatch", "duplicate-rank-file",
              "extra-rank-file", "unreferenced-file", "unread-files")
-    bad = sorted(incomplete(ck, allow_unread=allow_unread),
+    # state a reader shows as saved without mapping it to parameters (the distributed optimizer's flat buffers):
+    # LR/step edits touch only the param groups beside it; weight and state movers would leave it behind
+    exempt = {"not-mapped"} if command in ("set-lr", "set-step") else set()
+    bad = sorted((w for w in incomplete(ck, allow_unread=allow_unread) if w.code not in exempt),
                  key=lambda w: order.index(w.code) if w.code in order else len(order))
     if not bad:
         return
@@ -230,6 +233,11 @@ def require_whole(ck: Checkpoint, command: str, *, allow_unread: bool = False) -
                  "behind knowingly")
     if w.code in ("corrupt-file", "declared-mismatch"):
         hint = "copy the named piece back from where the checkpoint was saved (or use an intact checkpoint)"
+    elif w.code == "not-mapped":
+        raise UnsupportedCheckpoint(f"{command} would leave part of this checkpoint behind: {w.message}{also}",
+                                    path=w.path and str(Path(ck.path) / w.path) or ck.path,
+                                    hint="ckpt does not map this state to parameters yet; the framework's own "
+                                         "tools read it (Megatron-LM: tools/checkpoint, load_checkpoint)")
     else:
         hint = "move the leftover file out of the checkpoint folder, then run it again"
     raise UnsupportedCheckpoint(f"{command} refuses an inconsistent checkpoint: {w.message}{also}",

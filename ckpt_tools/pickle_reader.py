@@ -584,6 +584,7 @@ KNOWN_OPAQUE_PREFIXES = (
     "numpy.random.", "numpy.generic", "enum.", "datetime.", "pathlib.", "decimal.Decimal",
     "accelerate.utils.dataclasses.", "accelerate.state.",
     "megatron.", "transformers.training_args.", "transformers.trainer_utils.",
+    "signal.Signals",  # Megatron-LM's args.exit_signal
 )
 
 

@@ -106,10 +106,12 @@ def test_one_megatron_tp_rank_file_is_a_part_and_no_command_treats_it_as_the_who
         assert "needs the whole checkpoint" in proc.stderr and str(run) in proc.stderr
         assert not any(out.iterdir())
     assert _tree_bytes(run) == before
-    # the folders are named for what they are
-    for p in (run, run / "iter_0000010", run / "iter_0000010" / "mp_rank_01"):
-        proc = run_cli("inspect", str(p))
-        assert proc.returncode == 2 and "Megatron-LM checkpoint" in proc.stderr, p
+    # the whole opens as one checkpoint (run folder or iteration folder); a rank folder points at it
+    for p in (run, run / "iter_0000010"):
+        doc = json.loads(run_cli("inspect", str(p), "--json").stdout)
+        assert doc["format"] == "megatron_legacy" and doc["topology"]["tp"] == 2, p
+    proc = run_cli("inspect", str(run / "iter_0000010" / "mp_rank_01"))
+    assert proc.returncode == 2 and "part of the megatron_legacy checkpoint" in proc.stderr
 
 
 def test_megatron_distributed_optimizer_rank_file_is_a_part(tmp_path):

@@ -58,6 +58,7 @@ from ..tree import Checkpoint, as_int
 # --- scheduler kinds ------------------------------------------------------------------------------------
 
 CLOSED_FORM, CHAINABLE, ONE_CYCLE, DEEPSPEED, NO_SCHEDULER = "closed-form", "chainable", "one-cycle", "deepspeed", "none"
+MEGATRON = "megatron"  # Megatron-LM's OptimizerParamScheduler: the LR is recomputed every step from max_lr/min_lr
 JOB_CONFIG = "job-config"  # torchtitan: lr_scheduler saved as {last_epoch}; schedule and base LR from the job config
 
 #: state-dict keys that identify a torch scheduler class
@@ -70,6 +71,7 @@ SCHEDULER_LABEL = {
     ONE_CYCLE: "torch OneCycleLR",
     DEEPSPEED: "DeepSpeed scheduler",
     NO_SCHEDULER: "no scheduler state",
+    MEGATRON: "Megatron OptimizerParamScheduler (opt_param_scheduler)",
     JOB_CONFIG: "torchtitan LRSchedulersContainer (saves only last_epoch; rebuilds the schedule from the job config)",
 }
 
@@ -81,6 +83,8 @@ DRIVER = {
     DEEPSPEED: "the launch config (ds_config scheduler/optimizer params); the checkpoint keeps only "
                "last_batch_iteration; the optimizer lr drives only the first resumed update",
     NO_SCHEDULER: "the optimizer param_groups lr",
+    MEGATRON: "each param group's max_lr / min_lr (restored from the optimizer state) on the schedule at num_steps; "
+              "Megatron recomputes the saved lr every step",
     JOB_CONFIG: "the JOB CONFIG's LR x the schedule at last_epoch; the saved per-parameter lr drives only the first "
                 "resumed update",
 }
@@ -102,6 +106,9 @@ _NOTES = {
     DEEPSPEED: {"lr": _FIRST_STEP + "; then the launch config", "initial_lr": _COSMETIC,
                 "last_batch_iteration": "DRIVES: position on the launch config's schedule",
                 "ds_config": "record of the run only: DeepSpeed never reads it back; change your launch config"},
+    MEGATRON: {"lr": "recomputed by Megatron every step (kept consistent)", "max_lr": "DRIVES the LR (peak)",
+               "min_lr": "DRIVES the LR (floor)", "initial_lr": _COSMETIC,
+               "scheduler": "checked against --lr / --min-lr at relaunch (see the note)"},
     JOB_CONFIG: {"lr": _FIRST_STEP + "; then the job config's LR", "initial_lr": _COSMETIC + "; the job config's LR "
                  "replaces it on resume"},
     NO_SCHEDULER: {"lr": "DRIVES the LR", "initial_lr": _COSMETIC},
@@ -401,10 +408,43 @@ def _kind(files: list[_File], index: int) -> tuple[str, dict | None]:
     kind = kinds.pop() if kinds else NO_SCHEDULER
     if kind == NO_SCHEDULER and isinstance(cfg, dict) and isinstance(cfg.get("scheduler"), dict):
         kind = DEEPSPEED  # a config scheduler whose state was not saved: still the config's trajectory
+    if kind == NO_SCHEDULER and any(_megatron_scheduler(f) is not None for f in files):
+        kind = MEGATRON
     if kind == NO_SCHEDULER and any(isinstance(f.obj, dict) and isinstance(f.obj.get("lr_scheduler"), dict)
                                     and set(map(str, f.obj["lr_scheduler"])) == {"last_epoch"} for f in files):
         kind = JOB_CONFIG  # torchtitan: only the position is saved; the LR comes back from the job config
     return kind, cfg
+
+
+def _megatron_scheduler(f: _File) -> dict | None:
+    """Megatron-LM's saved OptimizerParamScheduler state ({max_lr, min_lr, num_steps, lr_warmup_steps, …})."""
+    s = f.obj.get("opt_param_scheduler") if isinstance(f.obj, dict) else None
+    return s if isinstance(s, dict) and "max_lr" in s and "num_steps" in s else None
+
+
+def _megatron_relaunch(files: list[_File], idx: int, factors: list[float]) -> str:
+    """What the relaunch needs after a Megatron LR edit, with the LR of the first resumed iteration before/after."""
+    from ..formats.megatron_lm import next_lr
+
+    f = next(f for f in files if _megatron_scheduler(f) is not None)
+    s = _megatron_scheduler(f)
+    groups = next((g for _p, g, i in _groups(f, idx)), [])
+    fac = factors[0] if factors and len(set(factors)) == 1 else None
+    before = [next_lr(s, g) for _k, g in groups]
+    lines = []
+    if fac is not None:
+        new_s = {**s, "max_lr": s["max_lr"] * fac, "min_lr": s["min_lr"] * fac}
+        after = [next_lr(new_s, {**g, "max_lr": g.get("max_lr", s["max_lr"]) * fac,
+                                 "min_lr": g.get("min_lr", s["min_lr"]) * fac}) for _k, g in groups]
+        lines.append(f"first resumed iteration's LR per param group: {', '.join(f'{x:.6g}' for x in before)} -> "
+                     f"{', '.join(f'{x:.6g}' for x in after)}")
+        lines.append(f"RELAUNCH: Megatron asserts the checkpoint's scheduler max_lr/min_lr equal the command line; "
+                     f"keep your command line and add --use-checkpoint-opt_param-scheduler, or relaunch with --lr "
+                     f"{s['max_lr'] * fac:.6g} --min-lr {s['min_lr'] * fac:.6g} (add --override-opt_param-scheduler "
+                     "when other schedule flags such as --train-iters change too): the edited param-group "
+                     "max_lr/min_lr then drive the LR (measured with Megatron-LM core_v0.16.1; newer Megatron-LM "
+                     "re-applies the command line's bounds to the param groups under --override-opt_param-scheduler)")
+    return "; ".join(lines)
 
 
 def _n_groups(files: list[_File], index: int) -> tuple[int, bool]:
@@ -441,6 +481,11 @@ def _base_lrs(files: list[_File], kind: str, cfg: dict | None, n: int, index: in
         for _, s, i in f.found.schedulers:
             if i == index and isinstance(s.get("base_lrs"), list) and len(s["base_lrs"]) == n:
                 return [float(x) for x in s["base_lrs"]]
+    if kind == MEGATRON:
+        for f in files:
+            for _, groups, _i in _groups(f, index):
+                if len(groups) == n and all(isinstance(g.get("max_lr"), (int, float)) for _, g in groups):
+                    return [float(g["max_lr"]) for _, g in groups]
     if kind == DEEPSPEED and cfg:
         params = (cfg.get("scheduler") or {}).get("params") or {}
         peak = params.get("warmup_max_lr", params.get("cycle_max_lr"))
@@ -557,6 +602,7 @@ def plan_set_lr(ck: Checkpoint, *, scale: float | None = None, lr: float | None 
         idx_change = config_change(cfg, factors) if kind == DEEPSPEED and any(f != 1.0 for f in factors) else None
         change = change or idx_change
         job_lrs = _job_config_lrs(files, idx, factors[0] if factors else 1.0) if kind == JOB_CONFIG else ""
+        relaunch = _megatron_relaunch(files, idx, factors) if kind == MEGATRON else ""
         _apply_lr(files, idx, kind, factors, sel, flat, last_lr, last_epoch, step_count, idx_change)
         who = f"optimizer {idx}: " if len(picked) > 1 or idx else ""
         notes.append(f"{who}scheduler: {SCHEDULER_LABEL[kind]}; the LR after resume comes from {DRIVER[kind]}")
@@ -578,6 +624,8 @@ def plan_set_lr(ck: Checkpoint, *, scale: float | None = None, lr: float | None 
         if flat:
             notes.append(f"{who}param groups saved per parameter (flatten_optimizer_state_dict): every parameter's "
                          "lr / initial_lr edited")
+        if kind == MEGATRON and relaunch and (scale is not None or lr is not None):
+            notes.append(relaunch)
         if kind == JOB_CONFIG and (scale is not None or lr is not None):
             notes.append("SET THE LR IN YOUR JOB CONFIG TOO: torchtitan rebuilds the schedule from the job config on "
                          "resume, so this edit alone changes only the first resumed update. " + job_lrs)
@@ -636,6 +684,15 @@ def _apply_lr(files: list[_File], idx: int, kind: str, factors: list[float], sel
                         if last_lr is not None and key == "lr":
                             new = last_lr
                         f.set(pg, path + (g,), key, new, _note(kind, key, _COSMETIC))
+        ms = _megatron_scheduler(f) if kind == MEGATRON else None
+        if ms is not None and len(set(factors)) == 1:
+            for key in ("max_lr", "min_lr"):
+                if isinstance(ms.get(key), (int, float)):
+                    f.set(ms, ("opt_param_scheduler",), key, ms[key] * factors[0], _note(kind, "scheduler"))
+        elif ms is not None and any(x != 1.0 for x in factors):
+            raise CkptError("Megatron's scheduler holds one max_lr/min_lr for every param group: --group or an --lr "
+                            "that gives the groups different factors cannot be made consistent with it",
+                            hint="use --scale (or --lr when every group has the same max_lr)")
         if f.found.ds_config and change:
             cpath, c = f.found.ds_config
             for section, sub in change.items():
@@ -727,15 +784,46 @@ def plan_set_step(ck: Checkpoint, *, step: int | None = None, optimizer_step: in
                     f.set_tensor_value(owner, path, key, global_step, "training-loop step counter")
                 else:
                     f.set(owner, path, key, global_step, "training-loop step counter")
+    units = _megatron_position(files, kinds, last_epoch, updates if step is not None else None,
+                               ck.counters.global_step)
     _check_steps_shared(files)
     notes = [f"{f'optimizer {i}: ' if len(kinds) > 1 else ''}scheduler: {SCHEDULER_LABEL[k]}; the LR after resume "
              f"comes from {DRIVER[k]}" for i, k in kinds.items()]
+    if units:
+        notes.append(units)
     if optimizer_step is not None:
         notes.append(f"Adam step -> {optimizer_step} in every rank and param group: bias correction resumes from it")
     if world > 1 and not any_ds:
         notes.append(f"{world} processes step the scheduler once each per optimizer step, so last_epoch "
                      f"= {world} x optimizer step")
     return _finish(ck, root, files, "set-step", left_behind(ck) + notes, kinds, None, world)
+
+
+def _megatron_position(files: list[_File], kinds: dict[int, str], num_steps: int | None, updates: int | None,
+                       iteration: int | None) -> str:
+    """Megatron's scheduler position (`num_steps`, in its own units: samples, i.e. iterations x global batch, when
+    the run's schedule was given in iterations or samples): `--last-epoch` sets it as given; `--step N` sets it to N
+    iterations' worth, the units read off the saved file (num_steps / iteration). Returns the plan note."""
+    if MEGATRON not in kinds.values() or (num_steps is None and updates is None):
+        return ""
+    note = ""
+    for f in files:
+        ms = _megatron_scheduler(f)
+        if ms is None:
+            continue
+        n = num_steps
+        if n is None:
+            it, saved = iteration, as_int(ms.get("num_steps"))  # as opened (the loop above may have set it)
+            if not it or saved is None or saved % it:
+                raise UnsupportedCheckpoint(f"{f.rel}: num_steps {saved} is not a whole number of iterations "
+                                            f"({it}): the per-iteration batch changed (batch-size ramp-up?)",
+                                            path=f.path, hint="give the position in samples with --last-epoch")
+            n = updates * (saved // it)
+            note = (f"Megatron scheduler num_steps -> {n} ({updates} iterations x {saved // it} samples each, as "
+                    "saved); args.consumed_train_samples (the data position) is not changed")
+        f.set(ms, ("opt_param_scheduler",), "num_steps", int(n),
+              "DRIVES: position on the schedule (samples: iterations x global batch)")
+    return note or f"Megatron scheduler num_steps -> {num_steps} (its own units: samples)"
 
 
 def _set_step(f: _File, entry: dict, path: tuple, value: int) -> None:

@@ -592,14 +592,47 @@ def check_sample(args: argparse.Namespace, work: Path) -> int:
     return 0 if ok else 1
 
 
+def resume_sample(args: argparse.Namespace, work: Path) -> int:
+    """Resume `args.resume` in Megatron's own `pretrain` (its `load_checkpoint`, then `--steps` more iterations,
+    no save) with the variant's command line plus `--megatron-args`; rank 0 writes every rank's LR per resumed
+    iteration to `args.record` (JSON: [{rank, tp_rank, dp_rank, history: [{iteration, lr, loss}]}])."""
+    import shlex
+
+    from megatron.core import parallel_state as ps
+
+    v = VARIANTS[args.sample]
+    recorder = Recorder()
+    recorder.install()
+    datasets, model_provider, model_type, forward_step, embedding_ranks = _pretrain_entry()
+    from megatron.training import pretrain
+
+    argv = megatron_argv(v, save=None, load=args.resume.resolve(), work=work)
+    argv[argv.index("--train-iters") + 1] = str(ITERATIONS + args.steps)
+    sys.argv = [sys.argv[0], *argv, *shlex.split(args.megatron_args or "")]
+    pretrain(datasets, model_provider, model_type, forward_step,
+             args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, get_embedding_ranks=embedding_ranks)
+    mine = {"rank": torch.distributed.get_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "dp_rank": ps.get_data_parallel_rank(), "history": recorder.history}
+    every: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, mine)
+    if torch.distributed.get_rank() == 0 and args.record is not None:
+        args.record.write_text(json.dumps(every, indent=1))
+    return 0
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sample", required=True, choices=sorted(VARIANTS))
     p.add_argument("--out", type=Path, help="the group folder: the sample goes to <out>/<sample>")
     p.add_argument("--check", type=Path, help="load this saved run folder with Megatron's load_checkpoint")
+    p.add_argument("--resume", type=Path, help="resume this run folder in Megatron's pretrain and record the LRs")
+    p.add_argument("--steps", type=int, default=3, help="resume: iterations to train after loading (default 3)")
+    p.add_argument("--record", type=Path, help="resume: rank 0 writes every rank's LR per iteration here (JSON)")
+    p.add_argument("--megatron-args", default="", help="resume: extra Megatron flags, one string "
+                   "(e.g. --megatron-args='--use-checkpoint-opt_param-scheduler')")
     args = p.parse_args()
-    if (args.out is None) == (args.check is None):
-        p.error("give exactly one of --out or --check")
+    if sum(x is not None for x in (args.out, args.check, args.resume)) != 1:
+        p.error("give exactly one of --out, --check or --resume")
     from ckpt_tools.procgroup import join, leave
 
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # what Megatron's TP setup asserts (users export it)
@@ -607,7 +640,8 @@ def main() -> None:
     join("gloo")
     work = _shared_tempdir("megatron_lm_work_")  # Megatron's dataset cache, outside the sample
     try:
-        code = (check_sample if args.check is not None else make_sample)(args, work)
+        code = (check_sample if args.check is not None else resume_sample if args.resume is not None
+                else make_sample)(args, work)
         torch.distributed.barrier()
     finally:
         if torch.distributed.get_rank() == 0:

@@ -1,0 +1,456 @@
+"""Megatron-LM's own checkpoints in the legacy format (`--ckpt-format torch`), as `save_checkpoint` writes them.
+
+A run folder holds `latest_checkpointed_iteration.txt` (the iteration, or `release`) and one `iter_{N:07d}/` per
+save; each holds one `mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt` per tensor- (x pipeline-) parallel rank, and
+with the distributed optimizer a `distrib_optim.pt` beside it. Each rank file: `args` (the launch Namespace: the
+parallel sizes, the architecture, the LR schedule), `iteration`, `checkpoint_version`, `model` (this rank's TP shards,
+local shapes, bf16), `optimizer` = {`optimizer` {`state`, `param_groups`}, `fp32_from_fp16_params`} (plain Adam; the
+distributed optimizer keeps only `param_groups` here), `opt_param_scheduler`, `rng_state`,
+`num_floating_point_operations_so_far`. Measured on samples written by Megatron-LM core_v0.16.1 (FORMATS.md).
+
+The checkpoint is the `iter_N` folder (or the run folder, which names it); one rank's file is a part of it (the
+accounting marks it so). Topology comes from `args`, never from the file count: a missing rank folder is fatal, an
+extra one is a warning that blocks writes.
+
+TP merge (Megatron-core's GPT modules): column-parallel layers (`linear_qkv`, `linear_fc1`) and the
+vocabulary-parallel embedding / output layer are split on dim 0; row-parallel weights (`linear_proj`,
+`linear_fc2`) on dim 1, their biases replicated (added after the all-reduce); norms and learned position embeddings
+replicated. Each rule is checked against the global shape `args` implies; a parameter no rule covers, with TP > 1,
+is refused by name rather than guessed.
+
+Where the training state lives: every rank file holds the same param groups (`max_lr`/`min_lr` drive the LR: Megatron
+recomputes it every step from them and `opt_param_scheduler.num_steps`) and its own copy of the scheduler, so an
+edit goes to every rank file (`training_state`). The distributed optimizer's flat buffers (`distrib_optim.pt`) are
+listed and shown as saved, not mapped to parameters: commands that need per-parameter optimizer state refuse.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from ..errors import CorruptCheckpoint, MissingFile, NotACheckpoint, UnsupportedCheckpoint
+from ..pickle_reader import Opaque, TensorRef
+from ..tp_layout import merged_shape
+from ..tree import (Checkpoint, Counters, GroupNode, LearningRates, TensorNode, Topology, ValueNode, Warning_,
+                    as_int, tensor_node, to_node)
+from . import _common as C
+from .torch_file import match_param_ids
+
+FORMAT = "megatron_legacy"
+LATEST = "latest_checkpointed_iteration.txt"
+RANK_FILE = "model_optim_rng.pt"
+DISTRIB = "distrib_optim.pt"
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_ITER_DIR = re.compile(r"^(iter_\d{7}|release)$")
+_LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
+
+#: Megatron-core GPT submodules and how their TP shards form the parameter (ColumnParallelLinear: dim 0,
+#: RowParallelLinear: dim 1 with a replicated bias, VocabParallelEmbedding: dim 0, everything else replicated)
+_TP_RULES = (
+    (re.compile(r"(^|\.)(linear_qkv|linear_fc1)\.(weight|bias)$"), "cat:0"),
+    (re.compile(r"(^|\.)(linear_proj|linear_fc2)\.weight$"), "cat:1"),
+    (re.compile(r"(^|\.)(linear_proj|linear_fc2)\.bias$"), "replicated"),
+    (re.compile(r"^embedding\.word_embeddings\.weight$|^output_layer\.weight$"), "cat:0"),
+    (re.compile(r"^embedding\.position_embeddings\.weight$"), "replicated"),
+    (re.compile(r"(norm|layernorm)[^.]*\.(weight|bias)$|\.layer_norm_(weight|bias)$"), "replicated"),
+)
+
+
+def sniff(path: Path) -> bool:
+    return path.is_dir() and _locate(path) is not None
+
+
+def _rank_dirs(d: Path) -> dict[tuple[int, int], Path]:
+    out = {}
+    if d.is_dir():
+        for sub in d.iterdir():
+            m = _RANK_DIR.match(sub.name)
+            if m and sub.is_dir() and ((sub / RANK_FILE).is_file() or (sub / DISTRIB).is_file()):
+                out[(int(m[1]), int(m[2] or 0))] = sub
+    return out
+
+
+def _locate(path: Path) -> tuple[Path, Path, str] | None:
+    """(root the user gave, the iteration folder, its name) for a run folder or an iteration folder of the legacy
+    layout; a run folder whose latest file names a missing iteration still claims (open names what is missing)."""
+    if (path / LATEST).is_file():
+        try:
+            txt = (path / LATEST).read_text().strip()
+        except OSError:
+            return None
+        name = "release" if txt == "release" else (f"iter_{int(txt):07d}" if txt.isdigit() else txt)
+        if _rank_dirs(path / name) or any(_rank_dirs(d) for d in path.iterdir() if _ITER_DIR.match(d.name)):
+            return path, path / name, name
+        return None
+    if _rank_dirs(path):
+        return path, path, path.name
+    return None
+
+
+def args_of(obj: Any) -> dict[str, Any]:
+    """The launch arguments a rank file saved (an argparse Namespace, read inert), as a dict."""
+    a = obj.get("args") if isinstance(obj, dict) else None
+    if isinstance(a, Opaque) and isinstance(a.state, dict):
+        return dict(a.state)
+    return dict(a) if isinstance(a, dict) else {}
+
+
+def _global_shapes(args: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Name suffix -> the global shape `args` implies (GPT: hidden h, heads n, query groups g, FFN f)."""
+    h, n = as_int(args.get("hidden_size")), as_int(args.get("num_attention_heads"))
+    f = as_int(args.get("ffn_hidden_size"))
+    if not h or not n:
+        return {}
+    kv = as_int(args.get("kv_channels")) or h // n
+    g = as_int(args.get("num_query_groups")) if args.get("group_query_attention") else n
+    fc1 = 2 * f if f and args.get("swiglu") else f
+    out = {"linear_qkv.weight": ((n + 2 * g) * kv, h), "linear_qkv.bias": ((n + 2 * g) * kv,),
+           "linear_proj.weight": (h, n * kv)}
+    if f:
+        out.update({"linear_fc1.weight": (fc1, h), "linear_fc1.bias": (fc1,), "linear_fc2.weight": (h, f)})
+    vocab = as_int(args.get("padded_vocab_size"))
+    if vocab:
+        out["word_embeddings.weight"] = (vocab, h)
+        out["output_layer.weight"] = (vocab, h)
+    return out
+
+
+def _rule(name: str) -> str | None:
+    return next((merge for pat, merge in _TP_RULES if pat.search(name)), None)
+
+
+def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
+    found = _locate(path)
+    if found is None:
+        raise NotACheckpoint("no Megatron-LM iteration folder (mp_rank_*/model_optim_rng.pt)", path=path)
+    root, it, tag = found
+    if not it.is_dir():
+        have = sorted(d.name for d in root.iterdir() if _ITER_DIR.match(d.name))
+        raise MissingFile(f"{LATEST} names {tag}, which is not here (iterations present: "
+                          f"{', '.join(have) or 'none'})", path=root / LATEST,
+                          hint=f"copy {tag} back, or pass one of the iteration folders present")
+    cache = C.LoadCache(root)
+    ranks = _rank_dirs(it)
+    first = ranks[min(ranks)] / RANK_FILE
+    if not first.is_file():
+        raise MissingFile(f"{RANK_FILE} is missing", path=first.parent, hint="copy the rank folder back")
+    obj0 = cache.load(first).obj
+    args = args_of(obj0)
+    tp = as_int(args.get("tensor_model_parallel_size")) or 1
+    pp = as_int(args.get("pipeline_model_parallel_size")) or 1
+    dp = as_int(args.get("data_parallel_size"))
+    if not args:
+        raise CorruptCheckpoint(f"{first.name} holds no `args`", path=first,
+                                hint="Megatron-LM saves its launch arguments in every rank file")
+    if args.get("virtual_pipeline_model_parallel_size") or any(k.startswith("model0") for k in obj0):
+        raise UnsupportedCheckpoint("a Megatron-LM checkpoint with a virtual pipeline (model0, model1, … per rank): "
+                                    "ckpt does not merge interleaved pipeline chunks yet", path=it)
+    warnings: list[Warning_] = []
+    want = {(t, p) for t in range(tp) for p in range(pp)}
+    gone = sorted(want - set(ranks))
+    if gone:
+        names = ", ".join(_dir_name(t, p, pp) for t, p in gone)
+        raise MissingFile(f"rank folder(s) {names} missing (args: tensor_model_parallel_size={tp}, "
+                          f"pipeline_model_parallel_size={pp})", path=it,
+                          hint="copy every rank folder back; each holds that rank's shards and optimizer state")
+    for t, p in sorted(set(ranks) - want):
+        warnings.append(Warning_("extra-rank-file", f"{ranks[(t, p)].name} is beyond the sizes args declare "
+                                 f"(TP={tp}, PP={pp}): left over from another run? Move it out of the folder",
+                                 str(ranks[(t, p)].relative_to(root))))
+    objs: dict[tuple[int, int], dict] = {}
+    files = []
+    for key in sorted(want):
+        f = ranks[key] / RANK_FILE
+        if not f.is_file():
+            raise MissingFile(f"{ranks[key].name}/{RANK_FILE} is missing", path=ranks[key],
+                              hint="copy the rank's file back from where the checkpoint was saved")
+        o = cache.load(f).obj
+        if not isinstance(o, dict) or "model" not in o:
+            raise CorruptCheckpoint(f"{f.name} holds no `model`", path=f, hint="copy the rank's file back")
+        if as_int(o.get("iteration")) != as_int(obj0.get("iteration")):
+            raise CorruptCheckpoint(f"{ranks[key].name} is from iteration {o.get('iteration')}, "
+                                    f"{ranks[min(ranks)].name} from {obj0.get('iteration')}: a rank file from another "
+                                    "save", path=f, hint="copy the rank folder of the same iteration back")
+        a = args_of(o)
+        if (as_int(a.get("tensor_model_parallel_size")) or 1, as_int(a.get("pipeline_model_parallel_size")) or 1) != (tp, pp):
+            raise CorruptCheckpoint(f"{ranks[key].name}'s args say TP={a.get('tensor_model_parallel_size')}, "
+                                    f"PP={a.get('pipeline_model_parallel_size')}; {ranks[min(ranks)].name}'s TP={tp}, "
+                                    f"PP={pp}: files from different runs", path=f)
+        objs[key] = o
+        files.append(C.file_info(f, root, "model", {"tp": key[0], "pp": key[1]}))
+        if (ranks[key] / DISTRIB).is_file():
+            files.append(C.file_info(ranks[key] / DISTRIB, root, "optimizer", {"tp": key[0], "pp": key[1]}))
+
+    model, names_by_rank, local = _model(objs, tp, pp, args, cache, ranks, root)
+    distributed = bool(args.get("use_distributed_optimizer")) or any((d / DISTRIB).is_file() for d in ranks.values())
+    optim, groups, steps = _optimizer(objs, names_by_rank, local, model, tp, pp, distributed, cache, ranks, root)
+    tree: dict[str, Any] = {"model": GroupNode(model)}
+    if optim is not None:
+        tree["optimizer"] = optim
+    if distributed:
+        tree["distributed_optimizer"] = _distrib_nodes(ranks, cache, root)
+        where = next((str((d / DISTRIB).relative_to(root)) for d in ranks.values() if (d / DISTRIB).is_file()), None)
+        warnings.append(Warning_("not-mapped", f"the distributed optimizer's state ({DISTRIB}: flat fp32 master and "
+                                 "Adam buffers per bucket) is shown as saved, not per parameter: set-lr/set-step "
+                                 "edit its param groups; export, convert and to-universal refuse (they would leave "
+                                 "the fp32 master and Adam moments behind)", where))
+    sched = obj0.get("opt_param_scheduler") if isinstance(obj0.get("opt_param_scheduler"), dict) else None
+    if sched is not None:
+        tree["scheduler"] = to_node(sched, cache.rel(first))
+    rel0 = cache.rel(first)
+    tree["counters"] = GroupNode({k: ValueNode(obj0.get(k)) for k in
+                                  ("iteration", "checkpoint_version", "num_floating_point_operations_so_far")})
+    tree["args"] = to_node(args, rel0)
+    warnings += _agreement(objs, ranks, root)
+    warnings += cache.warnings()
+
+    lrs = tuple(float(g["lr"]) for g in groups if isinstance(g.get("lr"), (int, float)))
+    max_lrs = tuple(float(g["max_lr"]) for g in groups if isinstance(g.get("max_lr"), (int, float)))
+    nxt = tuple(next_lr(sched, g) for g in groups) if sched else ()
+    counters = Counters(global_step=as_int(obj0.get("iteration")),
+                        optimizer_step=max(set(steps), key=steps.count) if steps else None)
+    warnings += C.counter_warnings(counters, optimizer_steps_seen=steps)
+    details = {"iteration": obj0.get("iteration"), "checkpoint_version": obj0.get("checkpoint_version"),
+               "consumed_train_samples": args.get("consumed_train_samples"),
+               "floating_point_operations": obj0.get("num_floating_point_operations_so_far"),
+               "optimizer": "distributed (distrib_optim.pt)" if distributed else "Adam (per-parameter state)",
+               "weights": "bf16/fp16 model, fp32 master in the optimizer" if optim is not None and not distributed
+               else "as saved in `model`"}
+    if sched:
+        details["scheduler"] = (f"OptimizerParamScheduler num_steps={sched.get('num_steps')} "
+                                f"({'samples' if args.get('train_samples') is None and (as_int(args.get('global_batch_size')) or 1) > 1 else 'steps'}), "
+                                f"{sched.get('lr_decay_style')}, warmup {sched.get('lr_warmup_steps')}, "
+                                f"decay {sched.get('lr_decay_steps')}; next LR {', '.join(f'{x:.6g}' for x in nxt)}")
+    params = [n for n in model]
+    dtypes = sorted({n.dtype for n in model.values()})
+    return Checkpoint(
+        format=FORMAT, path=str(root), topology=Topology(dp=dp, tp=tp, pp=pp, zero_stage=None),
+        tree=GroupNode(tree), counters=counters,
+        lr=LearningRates(param_groups=lrs, base_lrs=max_lrs or None, last_lr=nxt or None),
+        parameter_count=sum(model[n].numel for n in params), parameter_tensors=len(params), files=tuple(files),
+        warnings=tuple(warnings), dtypes=tuple(dtypes), details={"tag": tag if root != it else None, **details})
+
+
+def _dir_name(t: int, p: int, pp: int) -> str:
+    return f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+
+
+def _model(objs, tp, pp, args, cache, ranks, root):
+    """(global name -> TensorNode over the TP shards, {(tp, pp): [local names in model order]},
+    {(tp, pp): {local name: TensorRef}}). Pipeline stages number their layers from 0: stage p's layer i is
+    global layer p * num_layers / pp + i (uneven stage sizes are refused)."""
+    layers = as_int(args.get("num_layers")) or 0
+    if pp > 1 and (args.get("decoder_first_pipeline_num_layers") or args.get("decoder_last_pipeline_num_layers")
+                   or args.get("pipeline_model_parallel_layout") or layers % pp):
+        raise UnsupportedCheckpoint("a Megatron-LM checkpoint with uneven pipeline stages: ckpt does not renumber "
+                                    "their layers yet", path=root)
+    per_stage = layers // pp if pp else layers
+    shapes = _global_shapes(args)
+    model: dict[str, TensorNode] = {}
+    names_by_rank: dict[tuple[int, int], list[str]] = {}
+    local: dict[tuple[int, int], dict[str, TensorRef]] = {}
+    for (t, p), o in sorted(objs.items()):
+        m = o["model"]
+        refs = {str(k): v for k, v in m.items() if isinstance(v, TensorRef)} if isinstance(m, dict) else {}
+        names_by_rank[(t, p)] = list(refs)
+        local[(t, p)] = refs
+    bad: list[str] = []
+    for p in range(pp):
+        for name in names_by_rank[(0, p)]:
+            g = _LAYER.sub(lambda mm: f"{mm[1]}{int(mm[2]) + p * per_stage}{mm[3]}", name)
+            if g in model:
+                continue  # a weight every stage holds (tied embeddings on the last stage): the first stage's copy
+            shards = []
+            for t in range(tp):
+                ref = local[(t, p)].get(name)
+                if ref is None:
+                    raise CorruptCheckpoint(f"{_dir_name(t, p, pp)} has no {name} while {_dir_name(0, p, pp)} "
+                                            "has it: files from different runs", path=ranks[(t, p)] / RANK_FILE)
+                shards.append(tensor_node(ref, cache.rel(ranks[(t, p)] / RANK_FILE), {"tp": t, "pp": p}))
+            if tp == 1:
+                model[g] = shards[0]
+                continue
+            merge = _rule(name)
+            if merge is None:
+                bad.append(name)
+                continue
+            shape = merged_shape(merge, shards[0].shape, tp)
+            if any(s.shape != shards[0].shape for s in shards):
+                raise CorruptCheckpoint(f"{name}: TP shards of different shapes "
+                                        f"({', '.join(str(tuple(s.shape)) for s in shards)})", path=ranks[(0, p)])
+            expect = next((v for k, v in shapes.items() if name.endswith(k)), None)
+            if expect is not None and tuple(shape) != tuple(expect):
+                raise CorruptCheckpoint(f"{name}: TP shards {tuple(shards[0].shape)} x {tp} merge ({merge}) to "
+                                        f"{tuple(shape)}, but args imply {tuple(expect)}", path=ranks[(0, p)],
+                                        hint="the args and the files disagree: files from different runs?")
+            value = shards[0].value if merge == "replicated" and math.prod(shape) == 1 else None
+            model[g] = TensorNode(tuple(shape), shards[0].dtype, shards=tuple(shards), merge=merge, value=value)
+    if bad:
+        raise UnsupportedCheckpoint(f"no TP merge rule for {len(bad)} parameter(s) of this Megatron-LM checkpoint "
+                                    f"({', '.join(bad[:4])}{' …' if len(bad) > 4 else ''}): ckpt will not guess how "
+                                    "their shards form the tensor", path=root)
+    return model, names_by_rank, local
+
+
+def _optimizer(objs, names_by_rank, local, model, tp, pp, distributed, cache, ranks, root):
+    """(the merged `optimizer` node or None, rank 0's param groups, the Adam steps seen). Plain Adam: the param ids
+    of each rank's groups are mapped to its parameters (Megatron groups by weight decay / LR multiplier, each in
+    model order), the fp32 master from `fp32_from_fp16_params`, then merged across TP like the model."""
+    o0 = objs[min(objs)]
+    osd = o0.get("optimizer") if isinstance(o0.get("optimizer"), dict) else {}
+    inner0 = osd.get("optimizer") if isinstance(osd.get("optimizer"), dict) else osd
+    groups = [g for g in (inner0.get("param_groups") or []) if isinstance(g, dict)]
+    steps: list[int] = []
+    if distributed:
+        for g in groups:
+            if as_int(g.get("step")) is not None:
+                steps.append(as_int(g.get("step")))
+        shown = {str(i): GroupNode({k: to_node(v, "") for k, v in g.items()}) for i, g in enumerate(groups)}
+        return GroupNode({"param_groups": GroupNode(shown)}), groups, steps
+    per_rank: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+    for key, o in objs.items():
+        opt = o.get("optimizer") if isinstance(o.get("optimizer"), dict) else {}
+        inner = opt.get("optimizer") if isinstance(opt.get("optimizer"), dict) else {}
+        state = inner.get("state") if isinstance(inner.get("state"), dict) else {}
+        gids = [list(g.get("params") or []) for g in inner.get("param_groups") or [] if isinstance(g, dict)]
+        names = names_by_rank[key]
+        id_shapes = {i: next((tuple(v.shape) for v in s.values() if isinstance(v, TensorRef) and v.numel > 1), None)
+                     for i, s in state.items() if isinstance(s, dict)}
+        ids = match_param_ids(gids, id_shapes, names, {n: tuple(r.shape) for n, r in local[key].items()})
+        rel = cache.rel(ranks[key] / RANK_FILE)
+        if ids is None:
+            raise UnsupportedCheckpoint(f"{rel}: the optimizer's {sum(map(len, gids))} parameter ids do not map onto "
+                                        f"the {len(names)} model parameters by group and shape: ckpt will not guess",
+                                        path=ranks[key] / RANK_FILE)
+        masters = opt.get("fp32_from_fp16_params") if isinstance(opt.get("fp32_from_fp16_params"), list) else []
+        entries: dict[str, dict[str, Any]] = {}
+        for gi, glist in enumerate(gids):
+            for pos, i in enumerate(glist):
+                name = ids[i]
+                e: dict[str, Any] = {"param_group": gi}
+                s = state.get(i) if isinstance(state.get(i), dict) else {}
+                for k in ("exp_avg", "exp_avg_sq"):
+                    if isinstance(s.get(k), TensorRef):
+                        e[k] = tensor_node(s[k], rel, {"tp": key[0], "pp": key[1]})
+                stepv = s.get("step")
+                stepv = stepv.item() if isinstance(stepv, TensorRef) and stepv.numel == 1 else stepv
+                if as_int(stepv) is not None:
+                    e["step"] = as_int(stepv)
+                    steps.append(as_int(stepv))
+                if gi < len(masters) and isinstance(masters[gi], list) and pos < len(masters[gi]) \
+                        and isinstance(masters[gi][pos], TensorRef):
+                    e["fp32"] = tensor_node(masters[gi][pos], rel, {"tp": key[0], "pp": key[1]})
+                entries[name] = e
+        per_rank[key] = entries
+    state_out: dict[str, GroupNode] = {}
+    per_stage = per_stage_of(names_by_rank)
+    for gname, node in model.items():
+        # the rank-local name of each global parameter: the same on every TP rank of its stage
+        shards = node.shards or (node,)
+        p = shards[0].pieces[0].rank.get("pp", 0) if shards[0].pieces else 0
+        lname = _local_name(gname, p, per_stage)
+        per_tp = [per_rank[(t, p)].get(lname) for t in range(tp)]
+        if any(e is None for e in per_tp):
+            continue
+        kids: dict[str, Any] = {}
+        for k in ("fp32", "exp_avg", "exp_avg_sq"):
+            if all(k in e for e in per_tp):
+                parts = [e[k] for e in per_tp]
+                if tp == 1:
+                    kids[k] = parts[0]
+                else:
+                    kids[k] = TensorNode(node.shape, parts[0].dtype, shards=tuple(parts), merge=node.merge)
+        for k in ("step", "param_group"):
+            if k in per_tp[0]:
+                kids[k] = ValueNode(per_tp[0][k])
+        state_out[gname] = GroupNode(kids)
+    shown = {str(i): GroupNode({k: to_node(v, "") for k, v in g.items()}) for i, g in enumerate(groups)}
+    return GroupNode({"state": GroupNode(state_out), "param_groups": GroupNode(shown)}), groups, steps
+
+
+def per_stage_of(names_by_rank) -> int:
+    """Layers per pipeline stage, from stage 0's layer numbers."""
+    nums = {int(m[2]) for n in names_by_rank[(0, 0)] if (m := _LAYER.match(n))}
+    return (max(nums) + 1) if nums else 0
+
+
+def _local_name(gname: str, p: int, per_stage: int) -> str:
+    if p == 0:
+        return gname
+    return _LAYER.sub(lambda mm: f"{mm[1]}{int(mm[2]) - p * per_stage}{mm[3]}", gname)
+
+
+def _distrib_nodes(ranks, cache, root) -> GroupNode:
+    out = {}
+    for (t, p), d in sorted(ranks.items()):
+        f = d / DISTRIB
+        if f.is_file():
+            out[d.name] = to_node(cache.load(f).obj, cache.rel(f))
+    return GroupNode(out)
+
+
+def _agreement(objs, ranks, root) -> list[Warning_]:
+    """Every rank file must hold the same param-group LRs and scheduler (Megatron saves one copy per rank and each
+    rank resumes from its own): a rank edited alone runs at another LR with no error."""
+    out = []
+    ref_key = min(objs)
+
+    def lrs(o):
+        opt = o.get("optimizer") if isinstance(o.get("optimizer"), dict) else {}
+        inner = opt.get("optimizer") if isinstance(opt.get("optimizer"), dict) else opt
+        return [tuple(g.get(k) for k in ("lr", "max_lr", "min_lr")) for g in inner.get("param_groups") or []
+                if isinstance(g, dict)]
+
+    ref = (lrs(objs[ref_key]), repr(objs[ref_key].get("opt_param_scheduler")))
+    odd = [ranks[k].name for k, o in sorted(objs.items()) if (lrs(o), repr(o.get("opt_param_scheduler"))) != ref]
+    if odd:
+        out.append(Warning_("lr-mismatch", f"{', '.join(odd)} hold other param-group LRs or scheduler state than "
+                            f"{ranks[ref_key].name}: those ranks resume at another LR (edit every rank file, e.g. "
+                            "with ckpt set-lr on the iteration folder)", str(ranks[ref_key].relative_to(root))))
+    return out
+
+
+def next_lr(sched: dict, group: dict) -> float:
+    """The LR Megatron's OptimizerParamScheduler gives `group` at the saved `num_steps` (what the first resumed
+    iteration uses): linear warm-up from `init_lr`, then the decay style between the group's max_lr and min_lr."""
+    mx = float(group.get("max_lr", sched.get("max_lr")))
+    mn = float(group.get("min_lr", sched.get("min_lr")))
+    n = float(sched.get("num_steps") or 0)
+    warm = float(sched.get("lr_warmup_steps") or 0)
+    decay = float(sched.get("lr_decay_steps") or 0)
+    init = float(sched.get("init_lr") or 0.0)
+    style = sched.get("lr_decay_style")
+    mult = float(group.get("lr_mult", 1.0) or 1.0)
+    if warm > 0 and n <= warm:
+        return (init + (mx - init) * n / warm) * mult
+    if style == "constant":
+        return mx * mult
+    if n > decay:
+        return mn * mult
+    if style == "inverse-square-root":
+        w = max(warm, 1.0)
+        return max(mn, mx * math.sqrt(w) / math.sqrt(max(n, 1.0))) * mult
+    ratio = (n - warm) / (decay - warm) if decay > warm else 1.0
+    if style == "linear":
+        coeff = 1.0 - ratio
+    elif style == "cosine":
+        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    else:
+        raise UnsupportedCheckpoint(f"Megatron LR decay style {style!r}: ckpt does not compute it yet")
+    return (mn + coeff * (mx - mn)) * mult
+
+
+def training_state(ck: Checkpoint):
+    """Every rank file holds the param groups (and the distributed optimizer's `param_groups` too) and a copy of
+    the scheduler: an edit goes to all of them."""
+    from ..state import StateMap, StateSource
+
+    root = Path(ck.path)
+    srcs = [StateSource(root / f.path, f.path) for f in ck.files if f.path.endswith(RANK_FILE)]
+    return StateMap(root, tuple(srcs))
+
+
+__all__ = ["sniff", "open", "training_state", "next_lr", "args_of", "FORMAT"]

@@ -1,0 +1,213 @@
+"""Megatron-LM's own legacy checkpoints (`--ckpt-format torch`), written by Megatron-LM core_v0.16.1's
+`save_checkpoint` (sample_ckpts/megatron_lm, made by ckpt_tools/train/workers/megatron_lm.py): read whole, edited on
+every rank, and — where a Megatron-LM checkout is named (MEGATRON_LM_DIR) — resumed by Megatron's own `pretrain`."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ckpt_tools
+from ckpt_tools import pickle_reader as pr
+from ckpt_tools import pickle_writer as pw
+from ckpt_tools.samples import free_port, worker_env
+
+from conftest import ROOT, run_cli, sample
+
+TP2, DISTOPT = "megatron_tp2_legacy", "megatron_dp2_distopt_legacy"
+RANK0 = Path("iter_0000010") / "mp_rank_00" / "model_optim_rng.pt"
+RANK1 = Path("iter_0000010") / "mp_rank_01" / "model_optim_rng.pt"
+
+
+def _manifest(name: str) -> dict:
+    return json.loads((sample("megatron_lm", name).parent / f"{name}.manifest.json").read_text())
+
+
+def _copy(name: str, tmp_path: Path) -> Path:
+    dst = tmp_path / name
+    shutil.copytree(sample("megatron_lm", name), dst)
+    return dst
+
+
+def _rewrite(path: Path, edit) -> None:
+    """Change one field of a rank file with ckpt's own pickle writer (no megatron import, no torch.load)."""
+    obj = pr.load(path).obj
+    edit(obj)
+    tmp = path.with_name(path.name + ".new")
+    pw.rewrite_torch_zip(path, tmp, obj)
+    tmp.replace(path)
+
+
+@pytest.mark.parametrize("name", [TP2, DISTOPT])
+def test_inspect_matches_what_megatron_recorded(name):
+    """The manifest was written from Megatron's live model, optimizer and scheduler at save time."""
+    m = _manifest(name)
+    ck = ckpt_tools.open_checkpoint(sample("megatron_lm", name))
+    assert ck.format == "megatron_legacy" and ck.format == m["format"]
+    assert (ck.parameter_count, ck.parameter_tensors) == (m["parameters"]["count"], m["parameters"]["tensors"])
+    assert (ck.topology.tp, ck.topology.pp, ck.topology.dp) == (m["topology"]["tp"], m["topology"]["pp"],
+                                                                m["topology"]["dp"])
+    assert ck.counters.global_step == m["counters"]["iteration"]
+    assert ck.counters.optimizer_step == m["counters"]["optimizer_step"]
+    assert list(ck.lr.param_groups) == pytest.approx(m["lr"]["param_groups"], rel=1e-12)
+    assert list(ck.lr.base_lrs) == pytest.approx(m["lr"]["max_lr"], rel=1e-12)
+    assert list(ck.lr.last_lr) == pytest.approx(m["lr"]["next_lr"], rel=1e-12)  # computed as Megatron does
+    assert ck.get("scheduler.num_steps").value == m["counters"]["scheduler_num_steps"]
+    codes = {w.code for w in ck.warnings}
+    assert codes == ({"not-mapped"} if name == DISTOPT else set()), ck.warnings
+
+
+def test_tp_shards_merge_by_megatrons_rules():
+    """Every merged bf16 weight is its merged fp32 master rounded (the optimizer ids map onto the right
+    parameters, and each TP rule concatenates the right dim); replicated shards are equal."""
+    torch = pytest.importorskip("torch")
+    ck = ckpt_tools.open_checkpoint(sample("megatron_lm", TP2))
+    state = ck.get("optimizer.state").children
+    merges = {}
+    for name, node in ck.get("model").children.items():
+        w = node.read_torch()
+        master = state[name].children["fp32"].read_torch()
+        assert w.shape == master.shape and torch.equal(w, master.to(w.dtype)), name
+        merges[name] = node.merge
+        if node.merge == "replicated":
+            assert torch.equal(node.shards[0].read_torch(), node.shards[1].read_torch()), name
+    assert merges["embedding.word_embeddings.weight"] == "cat:0"
+    assert merges["decoder.layers.0.self_attention.linear_proj.weight"] == "cat:1"
+    assert merges["decoder.layers.0.mlp.linear_fc2.bias"] == "replicated"
+    assert ck.get("model.decoder.layers.0.self_attention.linear_qkv.weight").shape == (192, 64)
+
+
+def test_set_lr_edits_every_rank_file_and_says_how_to_relaunch(tmp_path):
+    run = _copy(TP2, tmp_path)
+    proc = run_cli("set-lr", run, "--scale", "0.5", "--yes")
+    assert proc.returncode == 0, proc.stderr
+    assert "RELAUNCH" in proc.stdout and "--use-checkpoint-opt_param-scheduler" in proc.stdout
+    assert "--lr 0.0015 --min-lr 0.00015" in proc.stdout
+    for rel in (RANK0, RANK1):
+        obj = pr.load(run / rel).obj
+        for g in obj["optimizer"]["optimizer"]["param_groups"]:
+            assert (g["max_lr"], g["min_lr"]) == (0.0015, 0.00015)
+        assert (obj["opt_param_scheduler"]["max_lr"], obj["opt_param_scheduler"]["min_lr"]) == (0.0015, 0.00015)
+    before = ckpt_tools.open_checkpoint(sample("megatron_lm", TP2))
+    after = ckpt_tools.open_checkpoint(run)
+    assert list(after.lr.last_lr) == pytest.approx([x / 2 for x in before.lr.last_lr], rel=1e-12)
+    assert not [w for w in after.warnings if w.code == "lr-mismatch"]
+
+
+def test_set_step_moves_the_schedule_in_its_own_units(tmp_path):
+    run = _copy(TP2, tmp_path)
+    proc = run_cli("set-step", run, "--step", "5", "--yes")
+    assert proc.returncode == 0, proc.stderr
+    for rel in (RANK0, RANK1):
+        obj = pr.load(run / rel).obj
+        assert obj["iteration"] == 5
+        assert obj["opt_param_scheduler"]["num_steps"] == 20  # 5 iterations x global batch 4 (samples)
+        assert {s["step"].item() for s in obj["optimizer"]["optimizer"]["state"].values()} == {5.0}
+
+
+def test_one_rank_edited_alone_is_named(tmp_path):
+    """BLOOM-style drift in the LR: a hand edit of one TP rank's file; Megatron would run the ranks at different
+    LRs with no error."""
+    run = _copy(TP2, tmp_path)
+
+    def halve(obj):
+        for g in obj["optimizer"]["optimizer"]["param_groups"]:
+            g["max_lr"] = g["max_lr"] / 2
+
+    _rewrite(run / RANK1, halve)
+    doc = json.loads(run_cli("inspect", run, "--json").stdout)
+    assert any(w["code"] == "lr-mismatch" and "mp_rank_01" in w["message"] for w in doc["warnings"])
+
+
+def test_bad_megatron_inputs_are_one_line_exit_2_nothing_written(tmp_path):
+    cases = {}
+    run = _copy(TP2, tmp_path / "gone")
+    shutil.rmtree(run / "iter_0000010" / "mp_rank_01")
+    cases["mp_rank_01"] = run
+    run = _copy(TP2, tmp_path / "other_iter")
+    _rewrite(run / RANK1, lambda o: o.__setitem__("iteration", 9))
+    cases["iteration 9"] = run
+    run = _copy(TP2, tmp_path / "latest")
+    (run / "latest_checkpointed_iteration.txt").write_text("20")
+    cases["iter_0000020"] = run
+    run = _copy(TP2, tmp_path / "args")
+    _rewrite(run / RANK1, lambda o: o["args"].state.__setitem__("tensor_model_parallel_size", 4))
+    cases["TP=4"] = run
+    for needle, ck in cases.items():
+        before = {p: p.read_bytes() for p in ck.rglob("*") if p.is_file()}
+        for argv in (("inspect", ck), ("set-lr", ck, "--scale", "0.5", "--yes"),
+                     ("export", ck, tmp_path / "out.safetensors")):
+            proc = run_cli(*argv)
+            assert proc.returncode == 2, (needle, argv, proc.stdout)
+            assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, (needle, proc.stderr)
+        assert {p: p.read_bytes() for p in ck.rglob("*") if p.is_file()} == before
+        assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_an_extra_rank_folder_is_warned_and_blocks_writes(tmp_path):
+    run = _copy(TP2, tmp_path)
+    shutil.copytree(run / "iter_0000010" / "mp_rank_01", run / "iter_0000010" / "mp_rank_02")
+    doc = json.loads(run_cli("inspect", run, "--json").stdout)
+    assert any(w["code"] == "extra-rank-file" and "mp_rank_02" in w["message"] for w in doc["warnings"])
+    proc = run_cli("set-lr", run, "--scale", "0.5", "--yes")
+    assert proc.returncode == 2 and "mp_rank_02" in proc.stderr
+
+
+def test_distributed_optimizer_lr_edit_and_refusals(tmp_path):
+    """The distributed optimizer's flat buffers are not mapped to parameters: LR/step edits (param groups, in
+    model_optim_rng.pt) go ahead, commands that would carry the optimizer state refuse naming distrib_optim.pt."""
+    run = _copy(DISTOPT, tmp_path)
+    proc = run_cli("export", run, tmp_path / "o.safetensors")
+    assert proc.returncode == 2 and "distrib_optim.pt" in proc.stderr and not (tmp_path / "o.safetensors").exists()
+    proc = run_cli("convert", run, tmp_path / "dcp", "--to", "dcp")
+    assert proc.returncode == 2 and "distrib_optim.pt" in proc.stderr
+    proc = run_cli("set-lr", run, "--scale", "0.5", "--yes")
+    assert proc.returncode == 0, proc.stderr
+    groups = pr.load(run / RANK0).obj["optimizer"]["optimizer"]["param_groups"]
+    assert [(g["max_lr"], g["min_lr"]) for g in groups] == [(0.0015, 0.00015)] * 2
+
+
+def test_a_rank_file_alone_points_at_the_iteration(tmp_path):
+    run = _copy(TP2, tmp_path)
+    proc = run_cli("inspect", run / "iter_0000010" / "mp_rank_01")
+    assert proc.returncode == 2 and "megatron_legacy checkpoint" in proc.stderr
+
+
+MEGATRON = os.environ.get("MEGATRON_LM_DIR")
+
+
+def _resume(run: Path, record: Path, extra: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "ckpt_tools.train.workers.megatron_lm", "--sample", TP2,
+           "--resume", str(run), "--record", str(record), f"--megatron-args={extra}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return sorted(json.loads(record.read_text()), key=lambda r: r["rank"])
+
+
+@pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,
+                    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout: its "
+                           "training code is not on the package registries)")
+def test_megatron_resumes_the_edited_copy_at_half_the_lr_on_every_tp_rank(tmp_path):
+    """The proof of the edit: Megatron's own pretrain loads both copies (load_checkpoint) and trains 3 more
+    iterations; every TP rank's LR at every resumed iteration is exactly half the untouched copy's, relaunched
+    with each flag the plan names; the old command line trips Megatron's own scheduler assertion."""
+    untouched, edited = _copy(TP2, tmp_path / "a"), _copy(TP2, tmp_path / "b")
+    assert run_cli("set-lr", edited, "--scale", "0.5", "--yes").returncode == 0
+    for a_flags, b_flags in (("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"),
+                             ("--override-opt_param-scheduler",
+                              "--override-opt_param-scheduler --lr 0.0015 --min-lr 0.00015")):
+        a = _resume(untouched, tmp_path / "a.json", a_flags)
+        b = _resume(edited, tmp_path / "b.json", b_flags)
+        assert [r["tp_rank"] for r in b] == [0, 1]
+        for ra, rb in zip(a, b, strict=True):
+            assert len(rb["history"]) == 3
+            for ha, hb in zip(ra["history"], rb["history"], strict=True):
+                assert all(math.isclose(y, x / 2, rel_tol=1e-12) for x, y in zip(ha["lr"], hb["lr"], strict=True))
