@@ -46,8 +46,12 @@ def sample_paths() -> list[Path]:
         if not group.is_dir():
             continue
         for p in sorted(group.iterdir()):
-            if not p.name.endswith(".manifest.json"):
-                out.append(p)
+            if p.name.endswith(".manifest.json"):
+                continue
+            m = p.with_name(p.name + ".manifest.json")
+            extra = json.loads(m.read_text()).get("extra", {}) if m.is_file() else {}
+            saves = [extra[k] for k in ("full_save", "model_only_save") if extra.get(k)]
+            out += [p / s for s in saves] if saves else [p]  # a run folder of several saves: each save
     return out
 
 
@@ -291,7 +295,7 @@ def run(samples: list[Path], cap: int | None = 6, log=None) -> list[Outcome]:
         tmp = Path(tmp)
         cmds = commands(tmp / "work")
         for sample in samples:
-            name = f"{sample.parent.name}/{sample.name}"
+            name = str(sample.relative_to(SAMPLES)) if sample.is_relative_to(SAMPLES) else sample.name
             intact_dir = tmp / "intact" / sample.parent.name
             intact_dir.mkdir(parents=True, exist_ok=True)
             intact = intact_dir / sample.name

@@ -178,7 +178,8 @@ def test_a_rank_file_copied_over_another_is_refused_for_writes(tmp_path):
 
 
 @pytest.mark.parametrize("name", [("deepspeed", "zero2_bf16"), ("accelerate", "accelerate_ddp"),
-                                  ("torch", "plain.pt"), ("fsdp", "fsdp2_dcp")])
+                                  ("torch", "plain.pt"), ("fsdp", "fsdp2_dcp"), ("moe", "moe_stage0"),
+                                  ("megatron_lm", "megatron_tp2_legacy"), ("dcp", "torchtitan_real/step-3")])
 def test_mutation_harness_finds_no_silent_outcome(name):
     """A slice of tests/mutation_harness.py (the whole run is in the issue note): up to 3 files of each sample
     deleted / truncated, keys dropped, a rank file copied over another, a stray file; every command."""

@@ -186,7 +186,8 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
 
     model, names_by_rank, local = _model(objs, tp, pp, args, cache, ranks, root)
     distributed = bool(args.get("use_distributed_optimizer")) or any((d / DISTRIB).is_file() for d in ranks.values())
-    optim, groups, steps = _optimizer(objs, names_by_rank, local, model, tp, pp, distributed, cache, ranks, root)
+    optim, groups, steps = _optimizer(objs, names_by_rank, local, model, tp, pp, distributed, cache, ranks, root,
+                                      warnings)
     tree: dict[str, Any] = {"model": GroupNode(model)}
     if optim is not None:
         tree["optimizer"] = optim
@@ -295,7 +296,7 @@ def _model(objs, tp, pp, args, cache, ranks, root):
     return model, names_by_rank, local
 
 
-def _optimizer(objs, names_by_rank, local, model, tp, pp, distributed, cache, ranks, root):
+def _optimizer(objs, names_by_rank, local, model, tp, pp, distributed, cache, ranks, root, problems):
     """(the merged `optimizer` node or None, rank 0's param groups, the Adam steps seen). Plain Adam: the param ids
     of each rank's groups are mapped to its parameters (Megatron groups by weight decay / LR multiplier, each in
     model order), the fp32 master from `fp32_from_fp16_params`, then merged across TP like the model."""
@@ -345,6 +346,14 @@ def _optimizer(objs, names_by_rank, local, model, tp, pp, distributed, cache, ra
                     e["fp32"] = tensor_node(masters[gi][pos], rel, {"tp": key[0], "pp": key[1]})
                 entries[name] = e
         per_rank[key] = entries
+    kinds = {k for es in per_rank.values() for e in es.values() for k in ("exp_avg", "exp_avg_sq") if k in e}
+    for key, es in sorted(per_rank.items()):
+        lost = [n for n, e in es.items() if not kinds <= set(e)]
+        if lost:
+            problems.append(Warning_("declared-mismatch", f"{len(lost)} parameter(s) its param groups list have no "
+                                     f"Adam state in this rank's file ({', '.join(lost[:4])}"
+                                     f"{' …' if len(lost) > 4 else ''}) while the others have it: lost state (a "
+                                     "resume restarts those moments at zero)", cache.rel(ranks[key] / RANK_FILE)))
     state_out: dict[str, GroupNode] = {}
     per_stage = per_stage_of(names_by_rank)
     for gname, node in model.items():
