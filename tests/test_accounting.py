@@ -121,14 +121,12 @@ def test_megatron_distributed_optimizer_rank_file_is_a_part(tmp_path):
     assert proc.returncode == 2 and "distrib_optim.pt" in proc.stderr
 
 
-def test_megatron_torch_dist_read_as_dcp_says_so_and_writes_refuse(tmp_path):
+def test_megatron_torch_dist_is_read_as_megatron_not_as_a_generic_dcp(tmp_path):
+    """The torch_dist iteration folder: topology from common.pt's args (never the writer count), common.pt read."""
     it = _copy("megatron_lm", "megatron_tp2_torch_dist", tmp_path) / "iter_0000010"
     doc = json.loads(run_cli("inspect", str(it), "--json").stdout)
-    codes = {w["code"] for w in doc["warnings"]}
-    assert {"megatron-torch-dist", "unread-files"} <= codes and doc["files_unread"] == ["common.pt"]
-    assert doc["topology"]["dp"] is None  # the writer count is not the DP size: no guess
-    proc = run_cli("set-lr", str(it), "--scale", "0.5", "--yes", "--allow-unread")
-    assert proc.returncode == 2 and "Megatron-LM torch_dist" in proc.stderr
+    assert doc["format"] == "megatron_torch_dist" and doc["files_unread"] == []
+    assert (doc["topology"]["tp"], doc["topology"]["dp"]) == (2, 1)
 
 
 def test_a_stale_latest_universal_does_not_claim_unrelated_paths(tmp_path):

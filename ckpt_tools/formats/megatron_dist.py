@@ -1,0 +1,222 @@
+"""Megatron-LM's torch_dist checkpoints (`--ckpt-format torch_dist`, the default), as `save_checkpoint` writes them.
+
+An iteration folder `iter_{N:07d}/` (beside `latest_checkpointed_iteration.txt`) holds a torch DCP (`.metadata`,
+`__R_0.distcp`), `common.pt` (iteration, `args`, `opt_param_scheduler`, and with plain Adam the optimizer's
+`param_groups` and its common Adam `step`) and `metadata.json` (`sharded_backend: torch_dist`). Tensors are GLOBAL
+(TP and PP merged by Megatron's dist_checkpointing): the per-layer weights are stacked with a leading layer axis
+(`decoder.layers.self_attention.linear_qkv.weight` [num_layers, …]), the input layer norms fused into the next
+linear (`…linear_qkv.layer_norm_weight`), the plain optimizer's state as `optimizer.state.{exp_avg,exp_avg_sq,
+fp32_param}.<param>`. The distributed optimizer saves flat bucket buffers (`optimizer.distributed.…bucket_idx_N.
+{param,exp_avg,exp_avg_sq}`) and its param groups in a sharded object inside the .distcp files.
+
+Read here: the DCP through the generic DCP reader (metadata only), `common.pt` through the safe reader; the layer
+axis unstacked into `decoder.layers.{i}.…` (one parameter per layer, counted once), the optimizer state attached to
+its parameter. Topology from `args` (the writer count is not the DP size). Training state: `common.pt` (param groups
+and scheduler); the distributed optimizer's param groups sit in a sharded object ckpt does not edit yet (LR edits
+refuse, naming it), and its flat buffers are shown unmapped.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import CorruptCheckpoint, NotACheckpoint
+from ..tree import (Checkpoint, Counters, GroupNode, LearningRates, Piece, TensorNode, Topology, ValueNode, Warning_,
+                    as_int, to_node)
+from . import _common as C
+from . import dcp
+from .megatron_lm import LATEST, args_of, next_lr
+
+FORMAT = "megatron_torch_dist"
+COMMON = "common.pt"
+META = "metadata.json"
+_LAYERS = "decoder.layers."
+_STATE = "optimizer.state."
+_DIST = "optimizer.distributed."
+
+
+def _is_iter(d: Path) -> bool:
+    if not ((d / ".metadata").is_file() and (d / COMMON).is_file() and (d / META).is_file()):
+        return False
+    try:
+        return json.loads((d / META).read_text()).get("sharded_backend") == "torch_dist"
+    except (OSError, ValueError):
+        return False
+
+
+def _locate(path: Path) -> tuple[Path, Path, str | None] | None:
+    if path.is_dir() and _is_iter(path):
+        return path, path, None
+    if path.is_dir() and (path / LATEST).is_file():
+        try:
+            txt = (path / LATEST).read_text().strip()
+        except OSError:
+            return None
+        name = "release" if txt == "release" else (f"iter_{int(txt):07d}" if txt.isdigit() else txt)
+        if _is_iter(path / name):
+            return path, path / name, name
+    return None
+
+
+def sniff(path: Path) -> bool:
+    return _locate(path) is not None
+
+
+def _slice(node: TensorNode, i: int) -> TensorNode:
+    """Layer `i` of a tensor stacked on a leading layer axis: the pieces that fall in its range, re-based."""
+    shape = tuple(node.shape[1:])
+    n = math.prod(shape)
+    lo, hi = i * n, (i + 1) * n
+    pieces = []
+    for p in node.pieces:
+        a, b = max(p.dst_offset, lo), min(p.dst_offset + p.numel, hi)
+        if a < b:
+            pieces.append(Piece(p.file, p.ref, p.src_offset + (a - p.dst_offset), b - a, a - lo,
+                                {**dict(p.rank), "layer": i}))
+    value = None
+    if isinstance(node.value, list) and len(node.value) == node.numel:
+        value = node.value[lo:hi] if n > 1 else node.value[lo]
+    return TensorNode(shape, node.dtype, tuple(pieces), value=value)
+
+
+def _unstack(flat: dict[str, TensorNode], layers: int, where: Path) -> dict[str, TensorNode]:
+    out: dict[str, TensorNode] = {}
+    for name, node in flat.items():
+        if not name.startswith(_LAYERS):
+            out[name] = node
+            continue
+        if not node.shape or node.shape[0] != layers:
+            raise CorruptCheckpoint(f"{name}: shape {list(node.shape)} has no leading layer axis of {layers} "
+                                    "(args.num_layers)", path=where, hint="the args and the tensors disagree")
+        rest = name[len(_LAYERS):]
+        for i in range(layers):
+            out[f"{_LAYERS}{i}.{rest}"] = _slice(node, i)
+    return out
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if isinstance(node, GroupNode):
+        for k, v in node.children.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+    else:
+        out[prefix[:-1]] = node
+    return out
+
+
+def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
+    found = _locate(path)
+    if found is None:
+        raise NotACheckpoint("no Megatron-LM torch_dist iteration (.metadata + common.pt + metadata.json)", path=path)
+    root, it, tag = found
+    base = dcp.open(it)
+    cache = C.LoadCache(root)
+    common = cache.load(it / COMMON).obj
+    if not isinstance(common, dict):
+        raise CorruptCheckpoint("common.pt does not hold a dict", path=it / COMMON)
+    args = args_of(common)
+    if not args:
+        raise CorruptCheckpoint("common.pt holds no `args`", path=it / COMMON,
+                                hint="Megatron-LM saves its launch arguments in common.pt")
+    layers = as_int(args.get("num_layers")) or 0
+    tensors = {k: v for k, v in _flat(base.tree.children.get("model", GroupNode({}))).items()
+               if isinstance(v, TensorNode)}
+    weights = {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
+    model = _unstack(weights, layers, it)
+    state: dict[str, dict[str, Any]] = {}
+    for key, node in tensors.items():
+        if key.startswith(_STATE):
+            kind, _, pname = key[len(_STATE):].partition(".")
+            for name, part in _unstack({pname: node}, layers, it).items():
+                state.setdefault(name, {})["fp32" if kind == "fp32_param" else kind] = part
+    distributed = {k: v for k, v in tensors.items() if k.startswith(_DIST)}
+    osd = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
+    osd = osd.get("optimizer") if isinstance(osd.get("optimizer"), dict) else osd  # Megatron's wrapper, then torch's
+    groups = [g for g in osd.get("param_groups") or [] if isinstance(g, dict)]
+    step_ref = (osd.get("state") or {}).get("common_step") if isinstance(osd.get("state"), dict) else None
+    step = as_int(step_ref.item()) if hasattr(step_ref, "item") and getattr(step_ref, "numel", 0) == 1 else None
+
+    warnings = [w for w in base.warnings if w.code not in ("megatron-torch-dist", "unread-files")]
+    orphan = sorted(set(state) - set(model))
+    if orphan:
+        warnings.append(Warning_("declared-mismatch", f"optimizer state for {len(orphan)} name(s) the model does not "
+                                 f"hold ({', '.join(orphan[:4])}{' …' if len(orphan) > 4 else ''})", ".metadata"))
+    lacking = sorted(n for n in model if state and n not in state)
+    if lacking and not distributed:
+        warnings.append(Warning_("declared-mismatch", f"{len(lacking)} parameter(s) without optimizer state while the "
+                                 f"others have it ({', '.join(lacking[:4])}{' …' if len(lacking) > 4 else ''})",
+                                 ".metadata"))
+    tree: dict[str, Any] = {"model": GroupNode(model)}
+    opt_children: dict[str, Any] = {}
+    if state:
+        kids = {n: GroupNode({**s, **({"step": ValueNode(step)} if step is not None else {})}) for n, s in state.items()}
+        opt_children["state"] = GroupNode(kids)
+    opt_children["param_groups"] = GroupNode({str(i): GroupNode({k: to_node(v, COMMON) for k, v in g.items()})
+                                              for i, g in enumerate(groups)})
+    tree["optimizer"] = GroupNode(opt_children)
+    if distributed:
+        tree["distributed_optimizer"] = GroupNode(distributed)
+        warnings.append(Warning_("not-mapped", "the distributed optimizer's state (flat fp32 master and Adam buffers "
+                                 "per bucket, and its param groups in a sharded object) is shown as saved, not per "
+                                 "parameter: set-lr/set-step refuse on it; export, convert and to-universal refuse "
+                                 "(they would leave the fp32 master and Adam moments behind)", ".metadata"))
+    sched = common.get("opt_param_scheduler") if isinstance(common.get("opt_param_scheduler"), dict) else None
+    if sched is not None:
+        tree["scheduler"] = to_node(sched, COMMON)
+    tree["counters"] = GroupNode({k: ValueNode(common.get(k)) for k in
+                                  ("iteration", "checkpoint_version", "num_floating_point_operations_so_far")})
+    tree["args"] = to_node(args, COMMON)
+    rest = base.tree.children.get("client_state")
+    if rest is not None:
+        tree["client_state"] = rest
+    warnings += cache.warnings()
+
+    prefix = "" if it == root else f"{it.name}/"
+    files = [replace(f, path=prefix + f.path) for f in base.files]
+    files += [C.file_info(it / COMMON, root, "optimizer"), C.file_info(it / META, root, "config")]
+    tp = as_int(args.get("tensor_model_parallel_size")) or 1
+    pp = as_int(args.get("pipeline_model_parallel_size")) or 1
+    lrs = tuple(float(g["lr"]) for g in groups if isinstance(g.get("lr"), (int, float)))
+    max_lrs = tuple(float(g["max_lr"]) for g in groups if isinstance(g.get("max_lr"), (int, float)))
+    nxt = tuple(next_lr(sched, g) for g in groups) if sched and groups else ()
+    steps = [step] if step is not None else [as_int(g.get("step")) for g in groups if as_int(g.get("step")) is not None]
+    counters = Counters(global_step=as_int(common.get("iteration")),
+                        optimizer_step=steps[0] if steps and len(set(steps)) == 1 else None)
+    warnings += C.counter_warnings(counters, optimizer_steps_seen=steps)
+    details = {"iteration": common.get("iteration"), "checkpoint_version": common.get("checkpoint_version"),
+               "consumed_train_samples": args.get("consumed_train_samples"),
+               "floating_point_operations": common.get("num_floating_point_operations_so_far"),
+               "optimizer": "distributed (flat buckets)" if distributed else "Adam (per-parameter state)",
+               "layers": f"stacked on a leading axis of {layers} in the files; shown per layer"}
+    if sched:
+        details["scheduler"] = (f"OptimizerParamScheduler num_steps={sched.get('num_steps')}, "
+                                f"{sched.get('lr_decay_style')}, warmup {sched.get('lr_warmup_steps')}, decay "
+                                f"{sched.get('lr_decay_steps')}; next LR {', '.join(f'{x:.6g}' for x in nxt)}")
+    return Checkpoint(
+        format=FORMAT, path=str(root), topology=Topology(dp=as_int(args.get("data_parallel_size")), tp=tp, pp=pp),
+        tree=GroupNode(tree), counters=counters,
+        lr=LearningRates(param_groups=lrs, base_lrs=max_lrs or None, last_lr=nxt or None),
+        parameter_count=sum(n.numel for n in model.values()), parameter_tensors=len(model), files=tuple(files),
+        warnings=tuple(warnings), dtypes=tuple(sorted({n.dtype for n in model.values()})),
+        details={"tag": tag, **details})
+
+
+def training_state(ck: Checkpoint):
+    """common.pt holds the plain optimizer's param groups and the scheduler; the distributed optimizer's param groups
+    are in a sharded object of the DCP, which ckpt does not edit yet."""
+    from ..state import StateMap, StateSource
+
+    root = Path(ck.path)
+    if "distributed_optimizer" in ck.tree.children:
+        return StateMap(root, (), read_only="set-lr/set-step do not edit a Megatron torch_dist checkpoint saved with "
+                        "the distributed optimizer yet: its param groups are a sharded object inside the .distcp files",
+                        hint="have Megatron-LM rewrite it in the legacy format (--ckpt-convert-format torch at a "
+                             "restart), which ckpt set-lr edits")
+    common = next(f.path for f in ck.files if f.path.endswith(COMMON))
+    return StateMap(root, (StateSource(root / common, common),))
+
+
+__all__ = ["sniff", "open", "training_state", "FORMAT"]
