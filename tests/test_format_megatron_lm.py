@@ -239,3 +239,38 @@ def test_megatron_resumes_the_edited_copy_at_half_the_lr_on_every_tp_rank(tmp_pa
             assert len(rb["history"]) == 3
             for ha, hb in zip(ra["history"], rb["history"], strict=True):
                 assert all(math.isclose(y, x / 2, rel_tol=1e-12) for x, y in zip(ha["lr"], hb["lr"], strict=True))
+
+
+def _drift(path: Path, name: str, delta: float) -> None:
+    """Nudge one tensor of a rank file in place of its bytes (ckpt's zip patcher, CRCs fixed): what BLOOM's drifted
+    layer norms looked like, without importing Megatron."""
+    import zipfile
+
+    import torch
+
+    from ckpt_tools import zip_patch
+
+    ref = pr.load(path).obj["model"][name]
+    new = (ref.read_torch().float() + delta).to(torch.bfloat16).contiguous()
+    prefix = zipfile.ZipFile(path).namelist()[0].split("/")[0]
+    patch = zip_patch.Patch(f"{prefix}/data/{ref.storage.key}", ref.storage_offset * 2,
+                            new.view(torch.int16).numpy().tobytes())
+    tmp = path.with_name(path.name + ".new")
+    zip_patch.patch_file(path, tmp, [patch])
+    tmp.replace(path)
+
+
+def test_check_tp_sync_finds_a_drifted_megatron_replica_and_sync_tp_repairs_it(tmp_path):
+    pytest.importorskip("torch")
+    run = _copy(TP2, tmp_path)
+    _drift(run / RANK1, "decoder.final_layernorm.weight", 0.01)
+    proc = run_cli("check-tp-sync", run)
+    assert proc.returncode == 1 and "decoder.final_layernorm.weight" in proc.stdout and "1 of 15" in proc.stdout
+    proc = run_cli("sync-tp", run, "--yes")
+    assert proc.returncode == 0, proc.stderr
+    assert run_cli("check-tp-sync", run).returncode == 0
+    ck = ckpt_tools.open_checkpoint(run)
+    node = ck.get("model.decoder.final_layernorm.weight")
+    import torch
+
+    assert torch.equal(node.shards[0].read_torch(), node.shards[1].read_torch())

@@ -67,10 +67,11 @@ def detect(path: Path) -> ModuleType:
                              hint=f"pass that folder: ckpt inspect {up}")
     megatron = megatron_lm_layout(path)
     if megatron:
-        raise UnsupportedCheckpoint(f"a Megatron-LM checkpoint ({megatron}): ckpt does not read Megatron-LM's own "
-                                    "layout yet", path=path,
-                                    hint="`ckpt inspect iter_N/mp_rank_00/model_optim_rng.pt` shows one rank's file "
-                                         "(marked part-of-checkpoint); Megatron-LM's load_checkpoint reads the whole")
+        raise UnsupportedCheckpoint(f"a Megatron-LM layout ({megatron}) that does not open as a whole checkpoint "
+                                    "here (an iteration folder without its rank folders, or a latest file naming an "
+                                    "iteration that is not here)", path=path,
+                                    hint="pass the run folder or an iter_N folder that holds every mp_rank_* folder "
+                                         "(legacy) or .metadata + common.pt + metadata.json (torch_dist)")
     raise NotACheckpoint(
         f"this {what} is not a supported checkpoint (looked for DeepSpeed mp_rank_*/zero_pp_rank_* files, "
         "layer_*-model_* files, a DCP .metadata, Accelerate state files, torch.save files, safetensors)",
