@@ -59,6 +59,7 @@ def test_inspect_matches_what_megatron_recorded(name):
     if name == DISTOPT_DIST:  # its param groups (and Adam step) are a sharded object ckpt does not read yet
         assert ck.lr.param_groups == () and ck.counters.optimizer_step is None
         assert {w.code for w in ck.warnings} == {"not-mapped"}
+        assert ck.get("scheduler.num_steps").value == m["counters"]["scheduler_num_steps"]
         return
     assert ck.counters.optimizer_step == m["counters"]["optimizer_step"]
     assert list(ck.lr.param_groups) == pytest.approx(m["lr"]["param_groups"], rel=1e-12)
@@ -66,7 +67,7 @@ def test_inspect_matches_what_megatron_recorded(name):
     assert list(ck.lr.last_lr) == pytest.approx(m["lr"]["next_lr"], rel=1e-12)  # computed as Megatron does
     assert ck.get("scheduler.num_steps").value == m["counters"]["scheduler_num_steps"]
     codes = {w.code for w in ck.warnings}
-    assert codes == ({"not-mapped"} if name in (DISTOPT, DISTOPT_DIST) else set()), ck.warnings
+    assert codes == set(), ck.warnings
 
 
 def test_tp_shards_merge_by_megatrons_rules():
@@ -187,18 +188,40 @@ def test_an_extra_rank_folder_is_warned_and_blocks_writes(tmp_path):
     assert proc.returncode == 2 and "mp_rank_02" in proc.stderr
 
 
-def test_distributed_optimizer_lr_edit_and_refusals(tmp_path):
-    """The distributed optimizer's flat buffers are not mapped to parameters: LR/step edits (param groups, in
-    model_optim_rng.pt) go ahead, commands that would carry the optimizer state refuse naming distrib_optim.pt."""
-    run = _copy(DISTOPT, tmp_path)
-    proc = run_cli("export", run, tmp_path / "o.safetensors")
-    assert proc.returncode == 2 and "distrib_optim.pt" in proc.stderr and not (tmp_path / "o.safetensors").exists()
-    proc = run_cli("convert", run, tmp_path / "dcp", "--to", "dcp")
-    assert proc.returncode == 2 and "distrib_optim.pt" in proc.stderr
-    proc = run_cli("set-lr", run, "--scale", "0.5", "--yes")
+def test_distributed_optimizer_buckets_map_to_parameters(tmp_path):
+    """Legacy distrib_optim.pt: Megatron's flat buffer (reverse model order, starts padded to 64) mapped back to each
+    parameter: every bf16 weight is its mapped fp32 master rounded, whole tensors (the reader checks only the first
+    elements of each); export writes the fp32 master; set-lr edits the param groups."""
+    torch = pytest.importorskip("torch")
+    ck = ckpt_tools.open_checkpoint(sample("megatron_lm", DISTOPT))
+    state = ck.get("optimizer.state").children
+    assert len(state) == 28
+    for name, node in ck.get("model").children.items():
+        assert torch.equal(node.read_torch(), state[name].children["fp32"].read_torch().to(torch.bfloat16)), name
+        assert state[name].children["exp_avg_sq"].read_torch().min() >= 0
+    proc = run_cli("export", sample("megatron_lm", DISTOPT), tmp_path / "o.safetensors")
     assert proc.returncode == 0, proc.stderr
+    from safetensors.torch import load_file
+
+    out = load_file(tmp_path / "o.safetensors")
+    assert torch.equal(out["decoder.layers.1.mlp.linear_fc2.weight"],
+                       state["decoder.layers.1.mlp.linear_fc2.weight"].children["fp32"].read_torch())
+    run = _copy(DISTOPT, tmp_path)
+    assert run_cli("set-lr", run, "--scale", "0.5", "--yes").returncode == 0
     groups = pr.load(run / RANK0).obj["optimizer"]["optimizer"]["param_groups"]
     assert [(g["max_lr"], g["min_lr"]) for g in groups] == [(0.0015, 0.00015)] * 2
+
+
+def test_torch_dist_distributed_optimizer_refuses_what_it_cannot_map(tmp_path):
+    """torch_dist with the distributed optimizer: buckets and the param groups (a sharded object) are not read yet:
+    LR edits and movers refuse by name, nothing written."""
+    run = _copy(DISTOPT_DIST, tmp_path)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    proc = run_cli("set-lr", run, "--scale", "0.5", "--yes")
+    assert proc.returncode == 2 and "sharded object" in proc.stderr
+    proc = run_cli("export", run, tmp_path / "o.safetensors")
+    assert proc.returncode == 2 and "distributed optimizer" in proc.stderr
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
 def test_a_rank_file_alone_points_at_the_iteration(tmp_path):

@@ -34,7 +34,7 @@ from typing import Any
 from ..errors import CorruptCheckpoint, MissingFile, NotACheckpoint, UnsupportedCheckpoint
 from ..pickle_reader import Opaque, TensorRef
 from ..tp_layout import merged_shape
-from ..tree import (Checkpoint, Counters, GroupNode, LearningRates, TensorNode, Topology, ValueNode, Warning_,
+from ..tree import (Checkpoint, Counters, GroupNode, LearningRates, Piece, TensorNode, Topology, ValueNode, Warning_,
                     as_int, tensor_node, to_node)
 from . import _common as C
 from .torch_file import match_param_ids
@@ -191,7 +191,11 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     tree: dict[str, Any] = {"model": GroupNode(model)}
     if optim is not None:
         tree["optimizer"] = optim
+    mapped = optim is not None and "state" in optim.children
     if distributed:
+        details_distopt = "distributed (distrib_optim.pt), " + ("buckets mapped to parameters by Megatron's buffer "
+                                                                "layout" if mapped else "buckets not mapped")
+    if distributed and not mapped:
         tree["distributed_optimizer"] = _distrib_nodes(ranks, cache, root)
         where = next((str((d / DISTRIB).relative_to(root)) for d in ranks.values() if (d / DISTRIB).is_file()), None)
         warnings.append(Warning_("not-mapped", f"the distributed optimizer's state ({DISTRIB}: flat fp32 master and "
@@ -217,9 +221,8 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     details = {"iteration": obj0.get("iteration"), "checkpoint_version": obj0.get("checkpoint_version"),
                "consumed_train_samples": args.get("consumed_train_samples"),
                "floating_point_operations": obj0.get("num_floating_point_operations_so_far"),
-               "optimizer": "distributed (distrib_optim.pt)" if distributed else "Adam (per-parameter state)",
-               "weights": "bf16/fp16 model, fp32 master in the optimizer" if optim is not None and not distributed
-               else "as saved in `model`"}
+               "optimizer": details_distopt if distributed else "Adam (per-parameter state)",
+               "weights": "bf16/fp16 model, fp32 master in the optimizer" if mapped else "as saved in `model`"}
     if sched:
         details["scheduler"] = (f"OptimizerParamScheduler num_steps={sched.get('num_steps')} "
                                 f"({'samples' if args.get('train_samples') is None and (as_int(args.get('global_batch_size')) or 1) > 1 else 'steps'}), "
@@ -305,14 +308,22 @@ def _optimizer(objs, names_by_rank, local, model, tp, pp, distributed, cache, ra
     inner0 = osd.get("optimizer") if isinstance(osd.get("optimizer"), dict) else osd
     groups = [g for g in (inner0.get("param_groups") or []) if isinstance(g, dict)]
     steps: list[int] = []
+    per_rank: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
     if distributed:
         for g in groups:
             if as_int(g.get("step")) is not None:
                 steps.append(as_int(g.get("step")))
-        shown = {str(i): GroupNode({k: to_node(v, "") for k, v in g.items()}) for i, g in enumerate(groups)}
-        return GroupNode({"param_groups": GroupNode(shown)}), groups, steps
-    per_rank: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
-    for key, o in objs.items():
+        args = args_of(o0)
+        for key in sorted(objs):
+            f = ranks[key] / DISTRIB
+            entries = _distopt_entries(cache.load(f).obj, names_by_rank[key], local[key], args, cache.rel(f),
+                                       {"tp": key[0], "pp": key[1]}) if f.is_file() else None
+            if entries is None:
+                shown = {str(i): GroupNode({k: to_node(v, "") for k, v in g.items()}) for i, g in enumerate(groups)}
+                return GroupNode({"param_groups": GroupNode(shown)}), groups, steps
+            step = steps[0] if steps and len(set(steps)) == 1 else None
+            per_rank[key] = {n: {**e, **({"step": step} if step is not None else {})} for n, e in entries.items()}
+    for key, o in (() if distributed else objs.items()):
         opt = o.get("optimizer") if isinstance(o.get("optimizer"), dict) else {}
         inner = opt.get("optimizer") if isinstance(opt.get("optimizer"), dict) else {}
         state = inner.get("state") if isinstance(inner.get("state"), dict) else {}
@@ -378,6 +389,65 @@ def _optimizer(objs, names_by_rank, local, model, tp, pp, distributed, cache, ra
         state_out[gname] = GroupNode(kids)
     shown = {str(i): GroupNode({k: to_node(v, "") for k, v in g.items()}) for i, g in enumerate(groups)}
     return GroupNode({"state": GroupNode(state_out), "param_groups": GroupNode(shown)}), groups, steps
+
+
+def _distopt_entries(obj: Any, names: list[str], refs: dict[str, TensorRef], args: dict, rel: str,
+                     rank: dict[str, int]) -> dict[str, dict[str, TensorNode]] | None:
+    """Per-parameter {fp32, exp_avg, exp_avg_sq} inside the distributed optimizer's flat buffers of one rank file, or
+    None when the layout cannot be told for sure. Megatron-core's grad buffer (`_ParamAndGradBuffer`, 0.16): one
+    buffer per (param dtype, grad dtype), parameters in REVERSE model order, each start padded to 64 elements, one
+    bucket unless a bucket size was set (`ddp_bucket_size`/`ddp_num_buckets`, or a shared embedding with PP > 1);
+    the saved buffers hold `numel_unpadded` elements. The layout is accepted only when it adds up exactly."""
+    if not isinstance(obj, dict) or args.get("ddp_bucket_size") or args.get("ddp_num_buckets") or \
+            ((as_int(args.get("pipeline_model_parallel_size")) or 1) > 1 and not args.get("untie_embeddings_and_output_weights")):
+        return None
+    chunks = [v for k, v in obj.items() if isinstance(k, int)]
+    if len(chunks) != 1 or not isinstance(chunks[0], dict):
+        return None  # several model chunks (virtual pipeline): not mapped
+    out: dict[str, dict[str, TensorNode]] = {}
+    for dkey, buf in chunks[0].items():
+        if not isinstance(buf, dict):
+            return None
+        pdtype = str(dkey[0] if isinstance(dkey, tuple) else dkey).replace("torch.", "")
+        mine = [n for n in names if refs[n].dtype == pdtype]
+        pos, where = 0, {}
+        for n in reversed(mine):
+            pos = -(-pos // 64) * 64
+            where[n] = pos
+            pos += refs[n].numel
+        flat = {k: buf.get(k) for k in ("param", "exp_avg", "exp_avg_sq")}
+        if as_int(buf.get("numel_unpadded")) != pos or not all(isinstance(v, TensorRef) and v.numel >= pos
+                                                               for v in flat.values()):
+            return None
+        # the order is Megatron's, not written in the file: every parameter's first elements in the model weights
+        # must be its fp32 master's, rounded (Megatron copies the master into the weights after each step); a few
+        # hundred bytes per parameter, so a wrong order is refused, never shown
+        for n in mine:
+            k = min(refs[n].numel, 128)
+            try:
+                same = _rounds_to(flat["param"].read_numpy(where[n], k), refs[n].read_numpy(0, k), pdtype)
+            except Exception:  # noqa: BLE001  unreadable bytes: not mapped (the reader reports corruption elsewhere)
+                return None
+            if not same:
+                return None
+        for n in mine:
+            out[n] = {("fp32" if k == "param" else k): TensorNode(tuple(refs[n].shape), v.dtype,
+                                                                  (Piece(rel, v, where[n], refs[n].numel, 0, rank),))
+                      for k, v in flat.items()}
+    return out if set(out) == set(names) else None
+
+
+def _rounds_to(master, weights, dtype: str) -> bool:
+    """Whether fp32 `master` rounded to `dtype` (numpy only: bfloat16 as uint16 bit patterns, round to nearest
+    even) equals `weights`."""
+    import numpy as np
+
+    m = np.asarray(master, dtype=np.float32)
+    if dtype == "bfloat16":
+        bits = m.view(np.uint32).astype(np.uint64)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return bool(np.array_equal(rounded, np.asarray(weights, dtype=np.uint16)))
+    return bool(np.array_equal(m.astype(np.dtype(dtype)), np.asarray(weights)))
 
 
 def per_stage_of(names_by_rank) -> int:
