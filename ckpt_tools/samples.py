@@ -31,6 +31,9 @@ class SampleSpec:
     #: a package the worker imports that is not a dependency of ckpt (torchtitan and what it imports: see the
     #: worker's docstring for the versions measured)
     needs_module: str | None = None
+    #: an environment variable naming the Python that runs the worker (a virtualenv with an older release of the
+    #: producer, e.g. DeepSpeed 0.16.9), instead of this one
+    python_env: str | None = None
 
 
 _W = "ckpt_tools.train.workers."
@@ -72,6 +75,10 @@ SAMPLES: tuple[SampleSpec, ...] = (
     # DeepSpeed Mixture-of-Experts (deepspeed.moe.layer.MoE, 4 experts, ep_size 2)
     SampleSpec("moe_zero2_bf16", "moe", _W + "ds_moe", 2, "moe_zero2_bf16"),
     SampleSpec("moe_stage0", "moe", _W + "ds_moe", 2, "moe_stage0"),
+    # the same MoE run written by DeepSpeed 0.16.9 (`python -m venv --system-site-packages V; V/bin/pip install
+    # deepspeed==0.16.9`; DEEPSPEED_0169_PYTHON=V/bin/python; set TORCH_EXTENSIONS_DIR apart from 0.19.8's)
+    SampleSpec("moe_zero2_bf16_ds0169", "moe", _W + "ds_moe", 2, "moe_zero2_bf16_ds0169",
+               python_env="DEEPSPEED_0169_PYTHON"),
     # Megatron-LM's own pretrain() + save_checkpoint (megatron-core 0.16.1 + a Megatron-LM checkout)
     SampleSpec("megatron_tp2_legacy", "megatron_lm", _W + "megatron_lm", 2, "megatron_tp2_legacy",
                needs_env="MEGATRON_LM_DIR"),
@@ -117,13 +124,13 @@ def worker_env() -> dict[str, str]:
 
 
 def run_torchrun(module: str, nproc: int, args: list[str], *, log_path: Path | None = None,
-                 timeout: float = 600) -> None:
+                 timeout: float = 600, python: str | None = None) -> None:
     """Run `module` under torchrun on localhost with `nproc` CPU ranks; raise with the log tail on failure."""
     import tempfile
 
     from .ops.resume import stop_process_tree
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+    cmd = [python or sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", module, *args]
     # torchrun's workers run in sessions of their own: on Ctrl-C / SIGTERM / the timeout the whole tree is
     # stopped (not torchrun alone), and torchelastic's temp folders land in a folder removed afterwards
@@ -154,6 +161,10 @@ def make_sample(out_dir: str | os.PathLike, name: str, *, log_dir: Path | None =
     if spec.needs_env and not os.environ.get(spec.needs_env):
         raise RuntimeError(f"sample {name} needs {spec.needs_env} (see {spec.module}'s docstring): set it, or "
                            "leave this sample out with --only")
+    if spec.python_env and not os.environ.get(spec.python_env):
+        raise RuntimeError(f"sample {name} is written by an older release of its producer: set {spec.python_env} to "
+                           "the Python of a virtualenv holding it (see ckpt_tools/samples.py), or leave this sample "
+                           "out with --only")
     if spec.needs_module:
         import importlib.util
 
@@ -171,7 +182,7 @@ def make_sample(out_dir: str | os.PathLike, name: str, *, log_dir: Path | None =
     (out / spec.group).mkdir(parents=True, exist_ok=True)
     log_path = (log_dir / f"{name}.log") if log_dir else None
     run_torchrun(spec.module, spec.nproc, ["--sample", name, "--out", str(out / spec.group)],
-                 log_path=log_path)
+                 log_path=log_path, python=os.environ.get(spec.python_env) if spec.python_env else None)
     if not target.exists():
         raise RuntimeError(f"worker {spec.module} did not write {target}")
     return target

@@ -82,8 +82,10 @@ def test_deepspeed_moe_stage0_warns_about_every_expert_file_and_writes_refuse(tm
     assert _tree_bytes(ck) == before
 
 
-def test_deepspeed_moe_zero2_is_refused_for_what_it_is(tmp_path):
-    ck = _copy("moe", "moe_zero2_bf16", tmp_path)
+@pytest.mark.parametrize("name", ["moe_zero2_bf16", "moe_zero2_bf16_ds0169"])
+def test_deepspeed_moe_zero2_is_refused_for_what_it_is(tmp_path, name):
+    """DeepSpeed 0.19.8 and 0.16.9 (expp_rank files of {'optimizer': None}, model states without param_shapes)."""
+    ck = _copy("moe", name, tmp_path)
     for argv in (["inspect", str(ck)], *(_argv(c, ck, tmp_path) for c in ("export", "set-lr", "to-universal"))):
         proc = run_cli(*argv)
         assert proc.returncode == 2, argv

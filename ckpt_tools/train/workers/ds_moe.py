@@ -79,6 +79,9 @@ class MoEVariant:
 VARIANTS = {
     "moe_zero2_bf16": MoEVariant(stage=2, bf16=True),
     "moe_stage0": MoEVariant(stage=0, bf16=False),
+    # the same run under an older DeepSpeed (0.16.9: expp_rank files of {'optimizer': None} beside the ZeRO files,
+    # model states without param_shapes / ds_config): run by the Python of a virtualenv holding that release
+    "moe_zero2_bf16_ds0169": MoEVariant(stage=2, bf16=True),
 }
 
 
