@@ -291,6 +291,8 @@ def _is_plain(v: Any, depth: int = 0) -> bool:
         return True
     if isinstance(v, (list, tuple)) and type(v) in (list, tuple) and depth < 8:
         return all(_is_plain(x, depth + 1) for x in v)
+    if type(v) is dict and depth < 8:  # a pickled object of plain values (Megatron's sharded param groups)
+        return all(type(k) in (str, int) and _is_plain(x, depth + 1) for k, x in v.items())
     return False
 
 

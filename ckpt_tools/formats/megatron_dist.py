@@ -12,8 +12,8 @@ fp32_param}.<param>`. The distributed optimizer saves flat bucket buffers (`opti
 Read here: the DCP through the generic DCP reader (metadata only), `common.pt` through the safe reader; the layer
 axis unstacked into `decoder.layers.{i}.…` (one parameter per layer, counted once), the optimizer state attached to
 its parameter. Topology from `args` (the writer count is not the DP size). Training state: `common.pt` (param groups
-and scheduler); the distributed optimizer's param groups sit in a sharded object ckpt does not edit yet (LR edits
-refuse, naming it), and its flat buffers are shown unmapped.
+and scheduler); the distributed optimizer's param groups sit in one sharded object (a pickled DCP item, which
+set-lr rewrites whole), and its flat buffers are shown unmapped.
 """
 from __future__ import annotations
 
@@ -136,6 +136,8 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     osd = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
     osd = osd.get("optimizer") if isinstance(osd.get("optimizer"), dict) else osd  # Megatron's wrapper, then torch's
     groups = [g for g in osd.get("param_groups") or [] if isinstance(g, dict)]
+    if not groups and distributed:
+        groups = _sharded_param_groups(it)
     step_ref = (osd.get("state") or {}).get("common_step") if isinstance(osd.get("state"), dict) else None
     step = as_int(step_ref.item()) if hasattr(step_ref, "item") and getattr(step_ref, "numel", 0) == 1 else None
 
@@ -159,10 +161,10 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     tree["optimizer"] = GroupNode(opt_children)
     if distributed:
         tree["distributed_optimizer"] = GroupNode(distributed)
-        warnings.append(Warning_("not-mapped", "the distributed optimizer's state (flat fp32 master and Adam buffers "
-                                 "per bucket, and its param groups in a sharded object) is shown as saved, not per "
-                                 "parameter: set-lr/set-step refuse on it; export, convert and to-universal refuse "
-                                 "(they would leave the fp32 master and Adam moments behind)", ".metadata"))
+        warnings.append(Warning_("not-mapped", "the distributed optimizer's flat fp32 master and Adam buffers (per "
+                                 "bucket) are shown as saved, not per parameter: set-lr/set-step edit its param "
+                                 "groups (a sharded object); export, convert and to-universal refuse (they would "
+                                 "leave the fp32 master and Adam moments behind)", ".metadata"))
     sched = common.get("opt_param_scheduler") if isinstance(common.get("opt_param_scheduler"), dict) else None
     if sched is not None:
         tree["scheduler"] = to_node(sched, COMMON)
@@ -204,19 +206,34 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         details={"tag": tag, **details})
 
 
+def _sharded_param_groups(it: Path) -> list[dict]:
+    """The distributed optimizer's param groups, saved as one sharded object (`optimizer.distributed.
+    dp_group_idx_N.optimizer/shard_…`: [{param_groups: [...]}]) in the DCP: small pickled items, read inert."""
+    from ..dcp_write import DcpFolder
+
+    obj, _index = DcpFolder(it).state_tree(None)
+    out: list[dict] = []
+    for key, v in obj.items():
+        if str(key).startswith(_DIST) and "/shard_" in str(key) and str(key).split("/")[0].endswith(".optimizer"):
+            for o in v if isinstance(v, list) else [v]:
+                if isinstance(o, dict) and isinstance(o.get("param_groups"), list):
+                    out += [g for g in o["param_groups"] if isinstance(g, dict)]
+    return out
+
+
 def training_state(ck: Checkpoint):
     """common.pt holds the plain optimizer's param groups and the scheduler; the distributed optimizer's param groups
     are in a sharded object of the DCP, which ckpt does not edit yet."""
     from ..state import StateMap, StateSource
 
     root = Path(ck.path)
-    if "distributed_optimizer" in ck.tree.children:
-        return StateMap(root, (), read_only="set-lr/set-step do not edit a Megatron torch_dist checkpoint saved with "
-                        "the distributed optimizer yet: its param groups are a sharded object inside the .distcp files",
-                        hint="have Megatron-LM rewrite it in the legacy format (--ckpt-convert-format torch at a "
-                             "restart), which ckpt set-lr edits")
     common = next(f.path for f in ck.files if f.path.endswith(COMMON))
-    return StateMap(root, (StateSource(root / common, common),))
+    sources = [StateSource(root / common, common)]
+    if "distributed_optimizer" in ck.tree.children:
+        # the distributed optimizer's param groups: a sharded object (one pickled item) inside the .distcp files
+        it = (root / common).parent
+        sources.append(StateSource(it, str((it / ".metadata").relative_to(root)), kind="dcp"))
+    return StateMap(root, tuple(sources))
 
 
 __all__ = ["sniff", "open", "training_state", "FORMAT"]

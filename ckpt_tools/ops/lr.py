@@ -255,11 +255,12 @@ class _DcpFile(_File):
     param_groups and 0-d Adam steps, the loop step); each edit is recorded against the flat DCP key it came
     from (`FieldChange.file` is the `.distcp` file holding it) with the item's new blob."""
 
-    def __init__(self, folder, obj: Any, index: dict[tuple, str]):
-        super().__init__(".metadata", folder.root / ".metadata", obj)
+    def __init__(self, folder, obj: Any, index: dict[tuple, str], prefix: str = ""):
+        super().__init__(prefix + ".metadata", folder.root / ".metadata", obj)
         self.folder = folder
         self.index = index
         self.blobs: dict[str, bytes] = {}
+        self.prefix = prefix  # the DCP folder relative to the plan's root ("" when it is the root)
 
     def _record(self, path: tuple, old: Any, new: Any, note: str, blob: bytes) -> None:
         key = self.index.get(path)
@@ -267,7 +268,7 @@ class _DcpFile(_File):
             raise UnsupportedCheckpoint(f"{_dotted(path)} is not one item of this DCP checkpoint; cannot edit it",
                                         path=self.folder.root)
         self.blobs[key] = blob
-        self.changes.append(io.FieldChange(self.folder.item(key).rel, key, _plain(old), _plain(new), note))
+        self.changes.append(io.FieldChange(self.prefix + self.folder.item(key).rel, key, _plain(old), _plain(new), note))
         self.checks.append((key, new))
 
     def set(self, owner: dict, path: tuple, key: Any, new: Any, note: str) -> None:
@@ -277,9 +278,27 @@ class _DcpFile(_File):
         old = owner.get(key)
         if _same(old, new):
             return
-        blob = value_blob(new)
         owner[key] = new
-        self._record(path + (key,), old, new, note, blob)
+        item = self._item_path(path + (key,))
+        if item is not None and item != path + (key,):
+            # a field inside one pickled item (Megatron's distributed-optimizer param groups, a sharded object):
+            # the whole item is written again, with every edit made to it so far
+            whole = _dig(self.obj, item)
+            dkey = self.index[item]
+            self.blobs[dkey] = value_blob(whole)
+            self.changes.append(io.FieldChange(self.prefix + self.folder.item(dkey).rel,
+                                               f"{dkey}:{_dotted(path[len(item):] + (key,))}", _plain(old),
+                                               _plain(new), note))
+            self.checks = [c for c in self.checks if c[0] != dkey] + [(dkey, whole)]
+            return
+        self._record(path + (key,), old, new, note, value_blob(new))
+
+    def _item_path(self, path: tuple) -> tuple | None:
+        """The key path of the DCP item that holds `path` (itself, or the pickled object it lies inside)."""
+        for n in range(len(path), 0, -1):
+            if path[:n] in self.index:
+                return path[:n]
+        return None
 
     def set_tensor_value(self, owner: dict, path: tuple, key: Any, value: float, note: str) -> None:
         from ..dcp_write import tensor_blob
@@ -304,16 +323,17 @@ class _DcpFile(_File):
             by_file.setdefault(c.file, []).append(c)
         out = []
         for rel, nbytes, produce, edit in self.folder.append(self.blobs):
-            method = ("re-pickled with the appended items' offsets/lengths, replaced whole" if rel == ".metadata" else
-                      f"in place: {_n(len(by_file.get(rel, [])), 'new item blob')} (torch.save of the new value) "
-                      "appended after the last byte; the old ones left unreferenced")
+            rel = self.prefix + rel
+            method = ("re-pickled with the appended items' offsets/lengths, replaced whole" if rel.endswith(".metadata")
+                      else f"in place: {_n(len(by_file.get(rel, [])), 'new item blob')} (torch.save of the new "
+                      "value) appended after the last byte; the old ones left unreferenced")
             out.append(io.FileWrite(rel, tuple(by_file.get(rel, ())), nbytes, produce, method, edit))
         return out
 
     def verify(self, written_root: Path) -> list[str]:
         from ..dcp_write import DcpFolder
 
-        folder = DcpFolder(written_root)
+        folder = DcpFolder(written_root / self.prefix if self.prefix else written_root)
         problems = []
         for key, want in self.checks:
             try:
@@ -359,7 +379,8 @@ def _open_source(src: StateSource) -> _File:
 
         folder = DcpFolder(src.path)
         obj, index = folder.state_tree(None)
-        f: _File = _DcpFile(folder, obj, index)
+        prefix = src.rel[: -len(".metadata")] if src.rel.endswith("/.metadata") else ""
+        f: _File = _DcpFile(folder, obj, index, prefix)
     else:
         f = _load(src.path, src.rel)
     f.found = locate(f.obj, index=src.index, counters=src.counters, counter_paths=src.counter_paths)
@@ -428,7 +449,7 @@ def _megatron_relaunch(files: list[_File], idx: int, factors: list[float]) -> st
 
     f = next(f for f in files if _megatron_scheduler(f) is not None)
     s = _megatron_scheduler(f)
-    groups = next((g for _p, g, i in _groups(f, idx)), [])
+    groups = next((g for f2 in files for _p, g, i in _groups(f2, idx)), [])  # distributed: another file's
     fac = factors[0] if factors and len(set(factors)) == 1 else None
     before = [next_lr(s, g) for _k, g in groups]
     lines = []
