@@ -307,3 +307,9 @@ def test_check_tp_sync_finds_a_drifted_megatron_replica_and_sync_tp_repairs_it(t
     import torch
 
     assert torch.equal(node.shards[0].read_torch(), node.shards[1].read_torch())
+
+
+def test_check_tp_sync_on_torch_dist_says_replicas_are_saved_once():
+    proc = run_cli("check-tp-sync", sample("megatron_lm", TP2_DIST))
+    assert proc.returncode == 2 and "saves each TP-replicated tensor once" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

@@ -192,7 +192,9 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
                "consumed_train_samples": args.get("consumed_train_samples"),
                "floating_point_operations": common.get("num_floating_point_operations_so_far"),
                "optimizer": "distributed (flat buckets)" if distributed else "Adam (per-parameter state)",
-               "layers": f"stacked on a leading axis of {layers} in the files; shown per layer"}
+               "layers": f"stacked on a leading axis of {layers} in the files; shown per layer",
+               "tp_replicas": "Megatron's torch_dist saves each TP-replicated tensor once (one replica id), so the "
+                              "files hold no replicas to compare; the legacy format keeps every TP rank's copy"}
     if sched:
         details["scheduler"] = (f"OptimizerParamScheduler num_steps={sched.get('num_steps')}, "
                                 f"{sched.get('lr_decay_style')}, warmup {sched.get('lr_warmup_steps')}, decay "

@@ -392,10 +392,12 @@ def check_tp_sync(ck: Checkpoint, atol: float = 0.0, rtol: float = 0.0,
         raise ValueError("atol and rtol must be >= 0")
     tp = ck.topology.tp or 1
     if not any(isinstance(n, TensorNode) and n.shards for n in ck.model.children.values()):
+        why = ck.details.get("tp_replicas")  # a format that saves replicas once says so
         raise UnsupportedCheckpoint(
-            f"no tensor-parallel shards in this {ck.format} checkpoint (tp={ck.topology.tp})",
-            path=ck.path, hint="check-tp-sync reads Megatron-DeepSpeed pipeline checkpoints "
-                               "(layer_*-model_* files) with TP > 1")
+            f"no tensor-parallel shards in this {ck.format} checkpoint (tp={ck.topology.tp})" + (f": {why}" if why else ""),
+            path=ck.path, hint="check-tp-sync reads checkpoints that keep one file per TP rank with TP > 1 "
+                               "(Megatron-DeepSpeed pipeline layer_*-model_* files, Megatron-LM legacy mp_rank_* "
+                               "folders)")
     layout = _layout(ck, patterns)
     replicas, undecided = _replicas(ck, layout)
     for r in replicas:  # every byte range this check reads, requested at once: on a cold cache the disk
