@@ -65,13 +65,19 @@ def sniff(path: Path) -> bool:
     return _locate(path) is not None
 
 
-def _slice(node: TensorNode, i: int) -> TensorNode:
-    """Layer `i` of a tensor stacked on a leading layer axis: the pieces that fall in its range, re-based."""
+def _slice(node: TensorNode, i: int, starts: list[int] | None = None) -> TensorNode:
+    """Layer `i` of a tensor stacked on a leading layer axis: the pieces that fall in its range, re-based.
+    `starts`: the pieces' dst offsets (sorted, as the DCP reader leaves them), to find the range by bisection."""
+    import bisect
+
     shape = tuple(node.shape[1:])
     n = math.prod(shape)
     lo, hi = i * n, (i + 1) * n
     pieces = []
-    for p in node.pieces:
+    first = max(bisect.bisect_right(starts, lo) - 1, 0) if starts is not None else 0
+    for p in node.pieces[first:]:
+        if p.dst_offset >= hi:
+            break
         a, b = max(p.dst_offset, lo), min(p.dst_offset + p.numel, hi)
         if a < b:
             pieces.append(Piece(p.file, p.ref, p.src_offset + (a - p.dst_offset), b - a, a - lo,
@@ -92,8 +98,11 @@ def _unstack(flat: dict[str, TensorNode], layers: int, where: Path) -> dict[str,
             raise CorruptCheckpoint(f"{name}: shape {list(node.shape)} has no leading layer axis of {layers} "
                                     "(args.num_layers)", path=where, hint="the args and the tensors disagree")
         rest = name[len(_LAYERS):]
+        starts = [p.dst_offset for p in node.pieces]
+        if starts != sorted(starts):
+            raise CorruptCheckpoint(f"{name}: pieces out of order", path=where)
         for i in range(layers):
-            out[f"{_LAYERS}{i}.{rest}"] = _slice(node, i)
+            out[f"{_LAYERS}{i}.{rest}"] = _slice(node, i, starts)
     return out
 
 

@@ -628,11 +628,14 @@ def main() -> None:
     p.add_argument("--resume", type=Path, help="resume this run folder in Megatron's pretrain and record the LRs")
     p.add_argument("--steps", type=int, default=3, help="resume: iterations to train after loading (default 3)")
     p.add_argument("--record", type=Path, help="resume: rank 0 writes every rank's LR per iteration here (JSON)")
+    p.add_argument("--num-layers", type=int, help="--out: a deeper model than the sample's (bench/make_big_megatron.py)")
     p.add_argument("--megatron-args", default="", help="resume: extra Megatron flags, one string "
                    "(e.g. --megatron-args='--use-checkpoint-opt_param-scheduler')")
     args = p.parse_args()
     if sum(x is not None for x in (args.out, args.check, args.resume)) != 1:
         p.error("give exactly one of --out, --check or --resume")
+    if args.num_layers:
+        MODEL["num_layers"] = args.num_layers  # the same recipe, deeper: for benchmarks, not for samples
     from ckpt_tools.procgroup import join, leave
 
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # what Megatron's TP setup asserts (users export it)
