@@ -876,6 +876,11 @@ def _op_table() -> list:
     return _OPS
 
 
+#: a pickle stream (not a zip member) whose remaining bytes are at most this is read whole for the expansion walk;
+#: a longer one (a legacy torch file with its tensor bytes after the pickles) is delimited with genops first
+_WHOLE_STREAM_BYTES = 64 << 20
+
+
 def check_expansion(data, path: str) -> None:
     """Refuse a pickle whose tuples expand exponentially through shared references.
 
@@ -889,17 +894,29 @@ def check_expansion(data, path: str) -> None:
     stream (legacy torch file, plain pickle) is first delimited with pickletools.genops. A stream the walk
     cannot follow is left to the unpickler's own errors."""
     if hasattr(data, "read"):
-        import pickletools
-
         start = data.tell()
         try:
-            for _ in pickletools.genops(data):
-                pass
-        except Exception:  # noqa: BLE001  malformed: the unpickler gives the error
-            return
-        end = data.tell()
-        data.seek(start)
-        data = data.read(end - start)
+            rest = data.seek(0, 2) - start
+            data.seek(start)
+        except (OSError, ValueError):
+            rest = None
+        if rest is not None and rest <= _WHOLE_STREAM_BYTES:
+            # the walk stops at the pickle's STOP by itself: no need to delimit it first with pickletools.genops
+            # (pure Python, ~10 us per opcode: 8 s for a 2 MB DCP .metadata of 7,000 chunks)
+            buf = data.read(rest)
+            data.seek(start)
+            data = buf
+        else:
+            import pickletools
+
+            try:
+                for _ in pickletools.genops(data):
+                    pass
+            except Exception:  # noqa: BLE001  malformed: the unpickler gives the error
+                return
+            end = data.tell()
+            data.seek(start)
+            data = data.read(end - start)
     try:
         _walk_expansion(data, path)
     except CorruptCheckpoint:

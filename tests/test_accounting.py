@@ -249,7 +249,7 @@ def test_a_rank_files_differing_ds_config_and_a_lost_universal_param_group_are_n
     obj = torch.load(f, weights_only=False)
     obj["ds_config"]["scheduler"] = None
     torch.save(obj, f)
-    assert any(f.name in w["message"] and "ds_config" in w["message"] for w in _codes(ck)["declared-mismatch"])
+    assert any(f.name in w["message"] and "ds_config" in w["message"] for w in _codes(ck)["ds-config-mismatch"])
 
     uni = _copy("universal", "zero2_bf16_universal", tmp_path)
     f = next(uni.glob("*/zero/optimizer_state.pt"))

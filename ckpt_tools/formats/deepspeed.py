@@ -203,7 +203,9 @@ def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
     if len({repr(c) for c in configs.values()}) > 1:
         ref = next(iter(configs))
         odd = [f for f, c in configs.items() if repr(c) != repr(configs[ref])]
-        warnings.append(Warning_("declared-mismatch", f"the ds_config saved in {', '.join(odd)} differs from "
+        # a record only (DeepSpeed never reads it back), so a warning, not a refusal: but files of one save
+        # carry one config, so a difference says they come from different launches
+        warnings.append(Warning_("ds-config-mismatch", f"the ds_config saved in {', '.join(odd)} differs from "
                                  f"{ref}'s: the files were written by different launches (a rank file from another "
                                  "run?)", odd[0]))
     state_out: dict[str, dict[str, Any]] = {}
