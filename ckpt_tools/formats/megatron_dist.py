@@ -28,7 +28,7 @@ from ..tree import (Checkpoint, Counters, GroupNode, LearningRates, Piece, Tenso
                     as_int, to_node)
 from . import _common as C
 from . import dcp
-from .megatron_lm import LATEST, args_of, next_lr
+from .megatron_lm import LATEST, args_of, group_warnings, next_lr
 
 FORMAT = "megatron_torch_dist"
 COMMON = "common.pt"
@@ -160,6 +160,11 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         warnings.append(Warning_("declared-mismatch", f"{len(lacking)} parameter(s) without optimizer state while the "
                                  f"others have it ({', '.join(lacking[:4])}{' …' if len(lacking) > 4 else ''})",
                                  ".metadata"))
+    warnings += group_warnings(groups, {n: tuple(t.shape) for n, t in model.items()}, args, COMMON)
+    if state and step is None and not distributed:
+        warnings.append(Warning_("optimizer-state-missing", "common.pt holds no Adam step (optimizer.state."
+                                 "common_step) beside the saved moments: a resume restarts bias correction",
+                                 COMMON))
     tree: dict[str, Any] = {"model": GroupNode(model)}
     opt_children: dict[str, Any] = {}
     if state:

@@ -210,6 +210,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
                                   ("iteration", "checkpoint_version", "num_floating_point_operations_so_far")})
     tree["args"] = to_node(args, rel0)
     warnings += _agreement(objs, ranks, root)
+    warnings += group_warnings(groups, {n: tuple(t.shape) for n, t in model.items()}, args, cache.rel(first))
     warnings += cache.warnings()
 
     lrs = tuple(float(g["lr"]) for g in groups if isinstance(g.get("lr"), (int, float)))
@@ -435,6 +436,26 @@ def _distopt_entries(obj: Any, names: list[str], refs: dict[str, TensorRef], arg
                                                                   (Piece(rel, v, where[n], refs[n].numel, 0, rank),))
                       for k, v in flat.items()}
     return out if set(out) == set(names) else None
+
+
+def group_warnings(groups: list[dict], shapes: dict[str, tuple], args: dict, where: str | None) -> list[Warning_]:
+    """Declared vs found for the param groups: Megatron's default grouping (`_get_param_groups`, no custom
+    no-weight-decay condition or decoupled LR) puts biases and 1-D parameters at wd_mult 0 and the rest at
+    wd_mult 1, so a model with both holds a group of each. A lost group is named (its parameters would resume
+    without their LR/weight-decay settings)."""
+    if args.get("no_weight_decay_cond_type") or args.get("decoupled_lr") is not None or not groups or \
+            not all("wd_mult" in g for g in groups):
+        return []
+    want = set()
+    for name, shape in shapes.items():
+        want.add(0.0 if name.endswith(".bias") or len(shape) == 1 else 1.0)
+    have = {float(g["wd_mult"]) for g in groups}
+    gone = sorted(want - have)
+    if not gone:
+        return []
+    return [Warning_("declared-mismatch", f"no param group with wd_mult {', '.join(f'{x:g}' for x in gone)} although "
+                     f"the model has parameters Megatron puts there ({len(groups)} group(s) saved): a param group "
+                     "was lost", where)]
 
 
 def _rounds_to(master, weights, dtype: str) -> bool:
