@@ -32,9 +32,9 @@ STATE_SUFFIXES = (".pt", ".bin", ".distcp", ".safetensors", ".pth", ".ckpt")
 
 #: warnings that mean the open did not see the whole checkpoint: writing, exporting and converting refuse
 #: while one is present (`require_whole`); `unread-files` alone can be waived with `allow_unread`
-INCOMPLETE = ("unread-files", "part-of-checkpoint", "extra-rank-file", "unreferenced-file", "declared-mismatch",
-              "duplicate-rank-file", "corrupt-file", "not-mapped",
-              "megatron-torch-dist")
+#: (in the order a refusal names them: the most telling first)
+INCOMPLETE = ("part-of-checkpoint", "megatron-torch-dist", "corrupt-file", "declared-mismatch", "duplicate-rank-file",
+              "extra-rank-file", "unreferenced-file", "not-mapped", "unread-files")
 
 #: names that say a file is one piece of a sharded checkpoint whatever folder it sits in
 _PIECE_NAMES = (
@@ -208,13 +208,11 @@ def require_whole(ck: Checkpoint, command: str, *, allow_unread: bool = False) -
     """Refuse (UnsupportedCheckpoint, exit 2) to write, export or convert from a view that is not the whole
     checkpoint: unread state files (unless `allow_unread`), a file that is one piece of a larger checkpoint,
     rank or shard files the checkpoint's own metadata does not account for."""
-    order = ("part-of-checkpoint", "megatron-torch-dist", "corrupt-file", "declared-mismatch", "duplicate-rank-file",
-             "extra-rank-file", "unreferenced-file", "unread-files")
     # state a reader shows as saved without mapping it to parameters (the distributed optimizer's flat buffers):
     # LR/step edits touch only the param groups beside it; weight and state movers would leave it behind
     exempt = {"not-mapped"} if command in ("set-lr", "set-step") else set()
     bad = sorted((w for w in incomplete(ck, allow_unread=allow_unread) if w.code not in exempt),
-                 key=lambda w: order.index(w.code) if w.code in order else len(order))
+                 key=lambda w: INCOMPLETE.index(w.code))
     if not bad:
         return
     w = bad[0]

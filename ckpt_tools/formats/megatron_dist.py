@@ -227,7 +227,9 @@ def _sharded_param_groups(it: Path) -> list[dict]:
     dp_group_idx_N.optimizer/shard_…`: [{param_groups: [...]}]) in the DCP: small pickled items, read inert."""
     from ..dcp_write import DcpFolder
 
-    obj, _index = DcpFolder(it).state_tree(None)
+    folder = DcpFolder(it)
+    tops = tuple(k for k in folder.sdm if k.startswith(_DIST) and ".optimizer/shard_" in k)
+    obj, _index = folder.state_tree(tops)  # the optimizer's object only, not every small item again
     out: list[dict] = []
     for key, v in obj.items():
         if str(key).startswith(_DIST) and "/shard_" in str(key) and str(key).split("/")[0].endswith(".optimizer"):

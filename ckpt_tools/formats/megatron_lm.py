@@ -184,9 +184,9 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         if (ranks[key] / DISTRIB).is_file():
             files.append(C.file_info(ranks[key] / DISTRIB, root, "optimizer", {"tp": key[0], "pp": key[1]}))
 
-    model, names_by_rank, local = _model(objs, tp, pp, args, cache, ranks, root)
+    model, names_by_rank, local, origin = _model(objs, tp, pp, args, cache, ranks, root)
     distributed = bool(args.get("use_distributed_optimizer")) or any((d / DISTRIB).is_file() for d in ranks.values())
-    optim, groups, steps = _optimizer(objs, names_by_rank, local, model, tp, pp, distributed, cache, ranks, root,
+    optim, groups, steps = _optimizer(objs, names_by_rank, local, model, origin, tp, distributed, cache, ranks,
                                       warnings)
     tree: dict[str, Any] = {"model": GroupNode(model)}
     if optim is not None:
@@ -203,14 +203,14 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
                                  "edit its param groups; export, convert and to-universal refuse (they would leave "
                                  "the fp32 master and Adam moments behind)", where))
     sched = obj0.get("opt_param_scheduler") if isinstance(obj0.get("opt_param_scheduler"), dict) else None
-    if sched is not None:
-        tree["scheduler"] = to_node(sched, cache.rel(first))
     rel0 = cache.rel(first)
+    if sched is not None:
+        tree["scheduler"] = to_node(sched, rel0)
     tree["counters"] = GroupNode({k: ValueNode(obj0.get(k)) for k in
                                   ("iteration", "checkpoint_version", "num_floating_point_operations_so_far")})
     tree["args"] = to_node(args, rel0)
     warnings += _agreement(objs, ranks, root)
-    warnings += group_warnings(groups, {n: tuple(t.shape) for n, t in model.items()}, args, cache.rel(first))
+    warnings += group_warnings(groups, {n: tuple(t.shape) for n, t in model.items()}, args, rel0)
     warnings += cache.warnings()
 
     lrs = tuple(float(g["lr"]) for g in groups if isinstance(g.get("lr"), (int, float)))
@@ -257,6 +257,7 @@ def _model(objs, tp, pp, args, cache, ranks, root):
     model: dict[str, TensorNode] = {}
     names_by_rank: dict[tuple[int, int], list[str]] = {}
     local: dict[tuple[int, int], dict[str, TensorRef]] = {}
+    origin: dict[str, tuple[int, str]] = {}  # global name -> (pipeline stage, the stage's own name for it)
     for (t, p), o in sorted(objs.items()):
         m = o["model"]
         refs = {str(k): v for k, v in m.items() if isinstance(v, TensorRef)} if isinstance(m, dict) else {}
@@ -267,7 +268,8 @@ def _model(objs, tp, pp, args, cache, ranks, root):
         for name in names_by_rank[(0, p)]:
             g = _LAYER.sub(lambda mm: f"{mm[1]}{int(mm[2]) + p * per_stage}{mm[3]}", name)
             if g in model:
-                continue  # a weight every stage holds (tied embeddings on the last stage): the first stage's copy
+                continue
+            origin[g] = (p, name)  # a weight every stage holds (tied embeddings on the last stage): the first stage's copy
             shards = []
             for t in range(tp):
                 ref = local[(t, p)].get(name)
@@ -297,10 +299,10 @@ def _model(objs, tp, pp, args, cache, ranks, root):
         raise UnsupportedCheckpoint(f"no TP merge rule for {len(bad)} parameter(s) of this Megatron-LM checkpoint "
                                     f"({', '.join(bad[:4])}{' …' if len(bad) > 4 else ''}): ckpt will not guess how "
                                     "their shards form the tensor", path=root)
-    return model, names_by_rank, local
+    return model, names_by_rank, local, origin
 
 
-def _optimizer(objs, names_by_rank, local, model, tp, pp, distributed, cache, ranks, root, problems):
+def _optimizer(objs, names_by_rank, local, model, origin, tp, distributed, cache, ranks, problems):
     """(the merged `optimizer` node or None, rank 0's param groups, the Adam steps seen). Plain Adam: the param ids
     of each rank's groups are mapped to its parameters (Megatron groups by weight decay / LR multiplier, each in
     model order), the fp32 master from `fp32_from_fp16_params`, then merged across TP like the model."""
@@ -367,12 +369,8 @@ def _optimizer(objs, names_by_rank, local, model, tp, pp, distributed, cache, ra
                                      f"{' …' if len(lost) > 4 else ''}) while the others have it: lost state (a "
                                      "resume restarts those moments at zero)", cache.rel(ranks[key] / RANK_FILE)))
     state_out: dict[str, GroupNode] = {}
-    per_stage = per_stage_of(names_by_rank)
     for gname, node in model.items():
-        # the rank-local name of each global parameter: the same on every TP rank of its stage
-        shards = node.shards or (node,)
-        p = shards[0].pieces[0].rank.get("pp", 0) if shards[0].pieces else 0
-        lname = _local_name(gname, p, per_stage)
+        p, lname = origin[gname]  # the same local name on every TP rank of its stage
         per_tp = [per_rank[(t, p)].get(lname) for t in range(tp)]
         if any(e is None for e in per_tp):
             continue
@@ -469,18 +467,6 @@ def _rounds_to(master, weights, dtype: str) -> bool:
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
         return bool(np.array_equal(rounded, np.asarray(weights, dtype=np.uint16)))
     return bool(np.array_equal(m.astype(np.dtype(dtype)), np.asarray(weights)))
-
-
-def per_stage_of(names_by_rank) -> int:
-    """Layers per pipeline stage, from stage 0's layer numbers."""
-    nums = {int(m[2]) for n in names_by_rank[(0, 0)] if (m := _LAYER.match(n))}
-    return (max(nums) + 1) if nums else 0
-
-
-def _local_name(gname: str, p: int, per_stage: int) -> str:
-    if p == 0:
-        return gname
-    return _LAYER.sub(lambda mm: f"{mm[1]}{int(mm[2]) - p * per_stage}{mm[3]}", gname)
 
 
 def _distrib_nodes(ranks, cache, root) -> GroupNode:
