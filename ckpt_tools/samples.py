@@ -88,6 +88,14 @@ SAMPLES: tuple[SampleSpec, ...] = (
                needs_env="MEGATRON_LM_DIR"),
     SampleSpec("megatron_dp2_distopt_torch_dist", "megatron_lm", _W + "megatron_lm", 2,
                "megatron_dp2_distopt_torch_dist", needs_env="MEGATRON_LM_DIR"),
+    SampleSpec("megatron_pp2_legacy", "megatron_lm", _W + "megatron_lm", 2, "megatron_pp2_legacy",
+               needs_env="MEGATRON_LM_DIR"),
+    SampleSpec("megatron_pp2_torch_dist", "megatron_lm", _W + "megatron_lm", 2, "megatron_pp2_torch_dist",
+               needs_env="MEGATRON_LM_DIR"),
+    SampleSpec("megatron_pp2_vpp2_legacy", "megatron_lm", _W + "megatron_lm", 2, "megatron_pp2_vpp2_legacy",
+               needs_env="MEGATRON_LM_DIR"),
+    SampleSpec("megatron_pp2_vpp2_torch_dist", "megatron_lm", _W + "megatron_lm", 2,
+               "megatron_pp2_vpp2_torch_dist", needs_env="MEGATRON_LM_DIR"),
 )
 
 

@@ -72,7 +72,8 @@ class TensorNode:
                 return torch.cat(parts, dim=int(self.merge[4:]))
             raise ValueError("unknown TP merge rule for this tensor; read its shards")
         if len(self.pieces) == 1 and self.pieces[0].numel == self.numel and self.pieces[0].ref.numel == self.numel:
-            return self.pieces[0].ref.read_torch()
+            t = self.pieces[0].ref.read_torch()
+            return t if tuple(t.shape) == tuple(self.shape) else t.reshape(self.shape)
         out = None
         for p in self.pieces:
             chunk = p.ref.read_torch(p.src_offset, p.numel)
@@ -115,6 +116,8 @@ class Topology:
     tp: int | None = None
     pp: int | None = None
     zero_stage: int | None = None
+    ep: int | None = None  # expert-parallel size, where the checkpoint declares experts
+    vpp: int | None = None  # virtual pipeline chunks per stage (Megatron's interleaved schedule)
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,8 @@ def _print_header(ck, warnings) -> None:
     unread = len((ck.details.get("accounting") or {}).get("unread", ()))
     rows = [
         ("format", style(ck.format, "green") + f"  {ck.path}" + (f"  (tag {tag})" if tag else "")),
-        ("topology", f"dp={f(topo.dp)} tp={f(topo.tp)} pp={f(topo.pp)} zero_stage={f(topo.zero_stage)}"),
+        ("topology", f"dp={f(topo.dp)} tp={f(topo.tp)} pp={f(topo.pp)} zero_stage={f(topo.zero_stage)}"
+                     + (f" ep={topo.ep}" if topo.ep is not None else "") + (f" vpp={topo.vpp}" if topo.vpp else "")),
         ("parameters", f"{ck.parameter_count:,} in {output.plural(ck.parameter_tensors, 'tensor')}"
                        + (f" (of the files read; {output.plural(unread, 'file')} unread)" if unread else "")
                        + (f"   dtypes {', '.join(ck.dtypes)}" if ck.dtypes else "")),

@@ -13,7 +13,10 @@ Read here: the DCP through the generic DCP reader (metadata only), `common.pt` t
 axis unstacked into `decoder.layers.{i}.…` (one parameter per layer, counted once), the optimizer state attached to
 its parameter. Topology from `args` (the writer count is not the DP size). Training state: `common.pt` (param groups
 and scheduler); the distributed optimizer's param groups sit in one sharded object (a pickled DCP item, which
-set-lr rewrites whole), and its flat buffers are shown unmapped.
+set-lr rewrites whole). Its flat bucket buffers are mapped back to parameters (`_map_buckets`: each parameter's
+range found from the DCP chunk boundaries and confirmed by its weights), or shown unmapped when that fails.
+With PP > 1 and tied embeddings the last stage's output-layer copy is saved under the word embeddings' key with
+another replica id, so the files hold it once.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from ..errors import CorruptCheckpoint, NotACheckpoint
 from ..tree import (Checkpoint, Counters, GroupNode, LearningRates, Piece, TensorNode, Topology, ValueNode, Warning_,
                     as_int, to_node)
 from . import _common as C
-from . import dcp
+from . import dcp, megatron_lm
 from .megatron_lm import LATEST, args_of, group_warnings, next_lr
 
 FORMAT = "megatron_torch_dist"
@@ -142,6 +145,9 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
             for name, part in _unstack({pname: node}, layers, it).items():
                 state.setdefault(name, {})["fp32" if kind == "fp32_param" else kind] = part
     distributed = {k: v for k, v in tensors.items() if k.startswith(_DIST)}
+    mapped = _map_buckets(distributed, model, it) if distributed and not state else None
+    if mapped is not None:
+        state = {n: mapped[n] for n in model}  # shown in model order (the buckets hold them in reverse)
     osd = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
     osd = osd.get("optimizer") if isinstance(osd.get("optimizer"), dict) else osd  # Megatron's wrapper, then torch's
     groups = [g for g in osd.get("param_groups") or [] if isinstance(g, dict)]
@@ -149,6 +155,9 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         groups = _sharded_param_groups(it)
     step_ref = (osd.get("state") or {}).get("common_step") if isinstance(osd.get("state"), dict) else None
     step = as_int(step_ref.item()) if hasattr(step_ref, "item") and getattr(step_ref, "numel", 0) == 1 else None
+    group_steps = {as_int(g.get("step")) for g in groups}
+    if step is None and mapped is not None and len(group_steps) == 1:
+        step = next(iter(group_steps))  # the distributed optimizer keeps Adam's step in its param groups
 
     warnings = [w for w in base.warnings if w.code not in ("megatron-torch-dist", "unread-files")]
     orphan = sorted(set(state) - set(model))
@@ -173,7 +182,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     opt_children["param_groups"] = GroupNode({str(i): GroupNode({k: to_node(v, COMMON) for k, v in g.items()})
                                               for i, g in enumerate(groups)})
     tree["optimizer"] = GroupNode(opt_children)
-    if distributed:
+    if distributed and mapped is None:
         tree["distributed_optimizer"] = GroupNode(distributed)
         warnings.append(Warning_("not-mapped", "the distributed optimizer's flat fp32 master and Adam buffers (per "
                                  "bucket) are shown as saved, not per parameter: set-lr/set-step edit its param "
@@ -205,7 +214,10 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     details = {"iteration": common.get("iteration"), "checkpoint_version": common.get("checkpoint_version"),
                "consumed_train_samples": args.get("consumed_train_samples"),
                "floating_point_operations": common.get("num_floating_point_operations_so_far"),
-               "optimizer": "distributed (flat buckets)" if distributed else "Adam (per-parameter state)",
+               "optimizer": ("distributed (flat buckets" + (", mapped to parameters: each one's range found in "
+                                                             "the bucket and checked against its weights)"
+                                                             if mapped is not None else ", not mapped)"))
+               if distributed else "Adam (per-parameter state)",
                "layers": f"stacked on a leading axis of {layers} in the files; shown per layer",
                "tp_replicas": "Megatron's torch_dist saves each TP-replicated tensor once (one replica id), so the "
                               "files hold no replicas to compare; the legacy format keeps every TP rank's copy"}
@@ -214,12 +226,105 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
                                 f"{sched.get('lr_decay_style')}, warmup {sched.get('lr_warmup_steps')}, decay "
                                 f"{sched.get('lr_decay_steps')}; next LR {', '.join(f'{x:.6g}' for x in nxt)}")
     return Checkpoint(
-        format=FORMAT, path=str(root), topology=Topology(dp=as_int(args.get("data_parallel_size")), tp=tp, pp=pp),
+        format=FORMAT, path=str(root), topology=megatron_lm.topology(args, as_int(args.get("data_parallel_size")), tp, pp),
         tree=GroupNode(tree), counters=counters,
         lr=LearningRates(param_groups=lrs, base_lrs=max_lrs or None, last_lr=nxt or None),
         parameter_count=sum(n.numel for n in model.values()), parameter_tensors=len(model), files=tuple(files),
         warnings=tuple(warnings), dtypes=tuple(sorted({n.dtype for n in model.values()})),
         details={"tag": tag, **details})
+
+
+def _read_flat(node: TensorNode, start: int, count: int):
+    """Elements [start, start+count) of `node` flattened (numpy), from the pieces that hold them."""
+    import numpy as np
+
+    parts, want = [], start
+    for p in node.pieces:
+        if p.dst_offset + p.numel <= want or p.dst_offset > want:
+            continue
+        take = min(p.dst_offset + p.numel, start + count) - want
+        parts.append(np.asarray(p.ref.read_numpy(p.src_offset + want - p.dst_offset, take)))
+        want += take
+        if want >= start + count:
+            break
+    if want < start + count:
+        raise ValueError("range not covered by the pieces")
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def _map_buckets(distributed: dict[str, TensorNode], model: dict[str, TensorNode],
+                 where: Path) -> dict[str, dict[str, TensorNode]] | None:
+    """Per-parameter {fp32, exp_avg, exp_avg_sq} inside the distributed optimizer's flat bucket tensors
+    (`…gbuf_idx_G.dtype_(param dtype, grad dtype).bucket_idx_B.{param,exp_avg,exp_avg_sq}`), or None when the
+    layout cannot be told for sure. The bucket holds its parameters back to back, unpadded, in an order the file
+    does not write (Megatron's: reverse module order), and the DCP's chunk boundaries fall on every parameter's
+    start. So each parameter is FOUND, not assumed: at each start, the parameter of the param dtype whose size
+    reaches a chunk boundary and whose weights are the bucket's fp32 master rounded (first 128 elements, read for
+    every parameter once) is the one; none or two such parameters, a gap, or a parameter left over: not mapped."""
+    import bisect
+
+    import numpy as np
+
+    from .megatron_lm import _rounds_to
+
+    buckets: dict[str, dict[str, TensorNode]] = {}
+    for key, node in distributed.items():
+        prefix, _, kind = key.rpartition(".")
+        if kind in ("param", "exp_avg", "exp_avg_sq") and ".bucket_idx_" in prefix:
+            buckets.setdefault(prefix, {})[kind] = node
+    if not buckets or any(set(b) != {"param", "exp_avg", "exp_avg_sq"} for b in buckets.values()):
+        return None
+    k = 128
+    finger: dict[tuple[str, int, bytes], list[str]] = {}
+    try:
+        for name, node in model.items():
+            finger.setdefault((node.dtype, node.numel, _read_flat(node, 0, min(k, node.numel)).tobytes()),
+                              []).append(name)
+        out: dict[str, dict[str, TensorNode]] = {}
+        for prefix, kinds in sorted(buckets.items()):
+            pdtype = prefix.split("dtype_(", 1)[-1].split(",", 1)[0].replace("torch.", "")
+            flat = kinds["param"]
+            if flat.dtype != "float32" or len(flat.shape) != 1 or any(v.shape != flat.shape for v in kinds.values()):
+                return None
+            total = flat.shape[0]
+            bounds = sorted({p.dst_offset for p in flat.pieces} | {total})
+            pos = 0
+            while pos < total:
+                found = []
+                for b in bounds[bisect.bisect_right(bounds, pos):]:
+                    n = b - pos
+                    m = _read_flat(flat, pos, min(k, n))
+                    bits = _bf16_bits(m) if pdtype == "bfloat16" else np.asarray(m).astype(np.dtype(pdtype))
+                    for name in finger.get((pdtype, n, bits.tobytes()), ()):
+                        if name not in out and _rounds_to(m, _read_flat(model[name], 0, min(k, n)), pdtype):
+                            found.append((name, n))
+                if len(found) != 1:
+                    return None
+                name, n = found[0]
+                out[name] = {("fp32" if kind == "param" else kind): _range(v, pos, n, model[name].shape)
+                             for kind, v in kinds.items()}
+                pos += n
+    except (ValueError, OSError, TypeError):
+        return None
+    return out if set(out) == set(model) else None
+
+
+def _bf16_bits(master):
+    """fp32 values rounded to bfloat16 (round to nearest even), as uint16 bit patterns."""
+    import numpy as np
+
+    bits = np.asarray(master, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _range(flat: TensorNode, start: int, n: int, shape: tuple[int, ...]) -> TensorNode:
+    """Elements [start, start+n) of a flat bucket tensor as a parameter-shaped node."""
+    pieces = []
+    for p in flat.pieces:
+        a, b = max(p.dst_offset, start), min(p.dst_offset + p.numel, start + n)
+        if a < b:
+            pieces.append(Piece(p.file, p.ref, p.src_offset + (a - p.dst_offset), b - a, a - start, p.rank))
+    return TensorNode(tuple(shape), flat.dtype, tuple(pieces))
 
 
 def _sharded_param_groups(it: Path) -> list[dict]:
@@ -247,7 +352,7 @@ def training_state(ck: Checkpoint):
     root = Path(ck.path)
     common = next(f.path for f in ck.files if f.path.endswith(COMMON))
     sources = [StateSource(root / common, common)]
-    if "distributed_optimizer" in ck.tree.children:
+    if str(ck.details.get("optimizer", "")).startswith("distributed"):
         # the distributed optimizer's param groups: a sharded object (one pickled item) inside the .distcp files
         it = (root / common).parent
         sources.append(StateSource(it, str((it / ".metadata").relative_to(root)), kind="dcp"))

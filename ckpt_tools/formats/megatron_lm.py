@@ -18,10 +18,15 @@ vocabulary-parallel embedding / output layer are split on dim 0; row-parallel we
 replicated. Each rule is checked against the global shape `args` implies; a parameter no rule covers, with TP > 1,
 is refused by name rather than guessed.
 
+Pipeline stages (`mp_rank_XX_YYY`) number their layers from 0 and are renumbered globally; with tied embeddings the
+last stage's `output_layer.weight` is Megatron's copy of the word embeddings, shown under `tied_copies` and counted
+once. A virtual pipeline (several model chunks per rank) and uneven stages are refused by name.
+
 Where the training state lives: every rank file holds the same param groups (`max_lr`/`min_lr` drive the LR: Megatron
 recomputes it every step from them and `opt_param_scheduler.num_steps`) and its own copy of the scheduler, so an
 edit goes to every rank file (`training_state`). The distributed optimizer's flat buffers (`distrib_optim.pt`) are
-listed and shown as saved, not mapped to parameters: commands that need per-parameter optimizer state refuse.
+mapped to parameters by Megatron's buffer layout, confirmed by the weights (`_distopt_entries`); where that cannot be
+confirmed they are shown as saved (`not-mapped`) and commands that need per-parameter optimizer state refuse.
 """
 from __future__ import annotations
 
@@ -145,9 +150,6 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     if not args:
         raise CorruptCheckpoint(f"{first.name} holds no `args`", path=first,
                                 hint="Megatron-LM saves its launch arguments in every rank file")
-    if args.get("virtual_pipeline_model_parallel_size") or any(k.startswith("model0") for k in obj0):
-        raise UnsupportedCheckpoint("a Megatron-LM checkpoint with a virtual pipeline (model0, model1, … per rank): "
-                                    "ckpt does not merge interleaved pipeline chunks yet", path=it)
     warnings: list[Warning_] = []
     want = {(t, p) for t in range(tp) for p in range(pp)}
     gone = sorted(want - set(ranks))
@@ -168,8 +170,14 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
             raise MissingFile(f"{ranks[key].name}/{RANK_FILE} is missing", path=ranks[key],
                               hint="copy the rank's file back from where the checkpoint was saved")
         o = cache.load(f).obj
-        if not isinstance(o, dict) or "model" not in o:
+        if not isinstance(o, dict) or ("model" not in o and "model0" not in o):
             raise CorruptCheckpoint(f"{f.name} holds no `model`", path=f, hint="copy the rank's file back")
+        vpp = as_int(args.get("virtual_pipeline_model_parallel_size")) or 0
+        chunks = sorted(k for k in o if isinstance(k, str) and re.fullmatch(r"model\d+", k))
+        if (len(chunks) != vpp) if vpp else (chunks or "model" not in o):
+            raise CorruptCheckpoint(f"{ranks[key].name}/{RANK_FILE} holds {len(chunks) or 1} model chunk(s) "
+                                    f"({', '.join(chunks) or 'model'}) but args say virtual_pipeline_model_parallel_size"
+                                    f"={vpp or None}: files from different runs?", path=f)
         if as_int(o.get("iteration")) != as_int(obj0.get("iteration")):
             raise CorruptCheckpoint(f"{ranks[key].name} is from iteration {o.get('iteration')}, "
                                     f"{ranks[min(ranks)].name} from {obj0.get('iteration')}: a rank file from another "
@@ -184,11 +192,13 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         if (ranks[key] / DISTRIB).is_file():
             files.append(C.file_info(ranks[key] / DISTRIB, root, "optimizer", {"tp": key[0], "pp": key[1]}))
 
-    model, names_by_rank, local, origin = _model(objs, tp, pp, args, cache, ranks, root)
+    model, names_by_rank, local, origin, tied_copies = _model(objs, tp, pp, args, cache, ranks, root)
     distributed = bool(args.get("use_distributed_optimizer")) or any((d / DISTRIB).is_file() for d in ranks.values())
     optim, groups, steps = _optimizer(objs, names_by_rank, local, model, origin, tp, distributed, cache, ranks,
                                       warnings)
     tree: dict[str, Any] = {"model": GroupNode(model)}
+    if tied_copies:
+        tree["tied_copies"] = GroupNode(tied_copies)
     if optim is not None:
         tree["optimizer"] = optim
     mapped = optim is not None and "state" in optim.children
@@ -224,6 +234,10 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
                "floating_point_operations": obj0.get("num_floating_point_operations_so_far"),
                "optimizer": details_distopt if distributed else "Adam (per-parameter state)",
                "weights": "bf16/fp16 model, fp32 master in the optimizer" if mapped else "as saved in `model`"}
+    if tied_copies:
+        details["tied_embeddings"] = ("output_layer.weight on the last pipeline stage is Megatron's copy of "
+                                      "embedding.word_embeddings.weight (tied; kept equal by the embedding group's "
+                                      "all-reduce): shown under tied_copies, counted once")
     if sched:
         details["scheduler"] = (f"OptimizerParamScheduler num_steps={sched.get('num_steps')} "
                                 f"({'samples' if args.get('train_samples') is None and (as_int(args.get('global_batch_size')) or 1) > 1 else 'steps'}), "
@@ -232,11 +246,19 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     params = [n for n in model]
     dtypes = sorted({n.dtype for n in model.values()})
     return Checkpoint(
-        format=FORMAT, path=str(root), topology=Topology(dp=dp, tp=tp, pp=pp, zero_stage=None),
+        format=FORMAT, path=str(root), topology=topology(args, dp, tp, pp),
         tree=GroupNode(tree), counters=counters,
         lr=LearningRates(param_groups=lrs, base_lrs=max_lrs or None, last_lr=nxt or None),
         parameter_count=sum(model[n].numel for n in params), parameter_tensors=len(params), files=tuple(files),
         warnings=tuple(warnings), dtypes=tuple(dtypes), details={"tag": tag if root != it else None, **details})
+
+
+def topology(args: dict[str, Any], dp: int | None, tp: int, pp: int) -> Topology:
+    """The parallel sizes `args` declares (expert parallelism and virtual pipeline chunks where set)."""
+    ep = as_int(args.get("expert_model_parallel_size"))
+    moe = bool(as_int(args.get("num_experts")))
+    return Topology(dp=dp, tp=tp, pp=pp, zero_stage=None, ep=ep if (moe or (ep or 1) > 1) else None,
+                    vpp=as_int(args.get("virtual_pipeline_model_parallel_size")))
 
 
 def _dir_name(t: int, p: int, pp: int) -> str:
@@ -248,31 +270,47 @@ def _model(objs, tp, pp, args, cache, ranks, root):
     {(tp, pp): {local name: TensorRef}}). Pipeline stages number their layers from 0: stage p's layer i is
     global layer p * num_layers / pp + i (uneven stage sizes are refused)."""
     layers = as_int(args.get("num_layers")) or 0
+    vpp = as_int(args.get("virtual_pipeline_model_parallel_size")) or 0
     if pp > 1 and (args.get("decoder_first_pipeline_num_layers") or args.get("decoder_last_pipeline_num_layers")
-                   or args.get("pipeline_model_parallel_layout") or layers % pp):
+                   or args.get("pipeline_model_parallel_layout") or layers % (pp * max(vpp, 1))):
         raise UnsupportedCheckpoint("a Megatron-LM checkpoint with uneven pipeline stages: ckpt does not renumber "
                                     "their layers yet", path=root)
-    per_stage = layers // pp if pp else layers
+    # Megatron's layer offset: model chunk c (virtual pipeline rank) of stage p starts at global layer
+    # c * pp * per_chunk + p * per_chunk (per_chunk = layers / (pp * vpp); without a virtual pipeline c = 0)
+    per_chunk = layers // (pp * max(vpp, 1)) if pp else layers
     shapes = _global_shapes(args)
+    # tied embeddings with PP > 1: the last stage keeps `output_layer.weight` as a copy of the first stage's word
+    # embeddings (Megatron's embedding group all-reduces their gradients so that both stay equal); Megatron's own
+    # converters read the first stage's. Counted once; the copy is shown apart (`tied_copies`).
+    tied = pp > 1 and not args.get("untie_embeddings_and_output_weights")
+    tied_copy: list[int] = []
     model: dict[str, TensorNode] = {}
     names_by_rank: dict[tuple[int, int], list[str]] = {}
     local: dict[tuple[int, int], dict[str, TensorRef]] = {}
     origin: dict[str, tuple[int, str]] = {}  # global name -> (pipeline stage, the stage's own name for it)
     for (t, p), o in sorted(objs.items()):
-        m = o["model"]
-        refs = {str(k): v for k, v in m.items() if isinstance(v, TensorRef)} if isinstance(m, dict) else {}
-        names_by_rank[(t, p)] = list(refs)
+        refs = {}
+        for c, m in enumerate([o[f"model{c}"] for c in range(vpp)] if vpp else [o["model"]]):
+            if isinstance(m, dict):
+                refs.update({_local(c, str(k), vpp): v for k, v in m.items() if isinstance(v, TensorRef)})
+        names_by_rank[(t, p)] = list(refs)  # in model order, chunk after chunk (as Megatron builds its groups)
         local[(t, p)] = refs
     bad: list[str] = []
     for p in range(pp):
-        for name in names_by_rank[(0, p)]:
-            g = _LAYER.sub(lambda mm: f"{mm[1]}{int(mm[2]) + p * per_stage}{mm[3]}", name)
+        for key in names_by_rank[(0, p)]:
+            c, name = _chunk_of(key)
+            start = c * pp * per_chunk + p * per_chunk
+            g = _LAYER.sub(lambda mm: f"{mm[1]}{int(mm[2]) + start}{mm[3]}", name)
             if g in model:
+                raise CorruptCheckpoint(f"{g} is held by two pipeline ranks (stage {origin[g][0]} and {p}): the "
+                                        "args' layer split does not match the files", path=ranks[(0, p)] / RANK_FILE)
+            if p > 0 and name == "output_layer.weight" and tied:
+                tied_copy.append((p, key))  # the word embeddings' copy, not a parameter of its own
                 continue
-            origin[g] = (p, name)  # a weight every stage holds (tied embeddings on the last stage): the first stage's copy
+            origin[g] = (p, key)
             shards = []
             for t in range(tp):
-                ref = local[(t, p)].get(name)
+                ref = local[(t, p)].get(key)
                 if ref is None:
                     raise CorruptCheckpoint(f"{_dir_name(t, p, pp)} has no {name} while {_dir_name(0, p, pp)} "
                                             "has it: files from different runs", path=ranks[(t, p)] / RANK_FILE)
@@ -299,7 +337,27 @@ def _model(objs, tp, pp, args, cache, ranks, root):
         raise UnsupportedCheckpoint(f"no TP merge rule for {len(bad)} parameter(s) of this Megatron-LM checkpoint "
                                     f"({', '.join(bad[:4])}{' …' if len(bad) > 4 else ''}): ckpt will not guess how "
                                     "their shards form the tensor", path=root)
-    return model, names_by_rank, local, origin
+    if tied and "embedding.word_embeddings.weight" not in model and tied_copy:
+        raise CorruptCheckpoint("the last pipeline stage holds output_layer.weight, tied to word embeddings no "
+                                "stage holds: files from different runs?", path=root)
+    copies = {}
+    for p, key in tied_copy:
+        shards = tuple(tensor_node(local[(t, p)][key], cache.rel(ranks[(t, p)] / RANK_FILE),
+                                   {"tp": t, "pp": p}) for t in range(tp))
+        word = model.get("embedding.word_embeddings.weight")
+        copies[f"output_layer.weight (stage {p})"] = shards[0] if tp == 1 else TensorNode(
+            word.shape, shards[0].dtype, shards=shards, merge=word.merge)
+    return model, names_by_rank, local, origin, copies
+
+
+def _local(chunk: int, name: str, vpp: int) -> str:
+    """A rank's own name for a tensor: `name`, or `model<c>/name` in model chunk c of a virtual pipeline."""
+    return f"model{chunk}/{name}" if vpp else name
+
+
+def _chunk_of(key: str) -> tuple[int, str]:
+    head, sep, rest = key.partition("/")
+    return (int(head[5:]), rest) if sep and head.startswith("model") and head[5:].isdigit() else (0, key)
 
 
 def _optimizer(objs, names_by_rank, local, model, origin, tp, distributed, cache, ranks, problems):

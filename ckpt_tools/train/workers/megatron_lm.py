@@ -94,6 +94,8 @@ class Variant:
     tp: int
     ckpt_format: str  # "torch" (legacy per-rank files) or "torch_dist"
     distributed_optimizer: bool = False
+    pp: int = 1
+    vpp: int = 0  # virtual pipeline chunks per stage (0: none); the model then has pp * vpp layers, hidden 32
 
 
 VARIANTS = {
@@ -101,6 +103,10 @@ VARIANTS = {
     "megatron_tp2_torch_dist": Variant(tp=2, ckpt_format="torch_dist"),
     "megatron_dp2_distopt_legacy": Variant(tp=1, ckpt_format="torch", distributed_optimizer=True),
     "megatron_dp2_distopt_torch_dist": Variant(tp=1, ckpt_format="torch_dist", distributed_optimizer=True),
+    "megatron_pp2_legacy": Variant(tp=1, ckpt_format="torch", pp=2),
+    "megatron_pp2_torch_dist": Variant(tp=1, ckpt_format="torch_dist", pp=2),
+    "megatron_pp2_vpp2_legacy": Variant(tp=1, ckpt_format="torch", pp=2, vpp=2),
+    "megatron_pp2_vpp2_torch_dist": Variant(tp=1, ckpt_format="torch_dist", pp=2, vpp=2),
 }
 
 # vocab_size is the model's (padded) vocabulary: Megatron's NullTokenizer adds an EOD token to --vocab-size.
@@ -110,8 +116,10 @@ MODEL = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attent
 
 def megatron_argv(v: Variant, *, save: Path | None, load: Path | None, work: Path) -> list[str]:
     """Megatron's command line for variant `v` (what a user passes to pretrain_gpt.py)."""
+    if v.vpp:  # the interleaved schedule needs a layer per model chunk: 4 layers, kept small (hidden 32, FFN 64)
+        MODEL.update(num_layers=v.pp * v.vpp, hidden_size=32, ffn_hidden_size=64)
     argv = [
-        "--tensor-model-parallel-size", str(v.tp), "--pipeline-model-parallel-size", "1",
+        "--tensor-model-parallel-size", str(v.tp), "--pipeline-model-parallel-size", str(v.pp),
         "--num-layers", str(MODEL["num_layers"]), "--hidden-size", str(MODEL["hidden_size"]),
         "--ffn-hidden-size", str(MODEL["ffn_hidden_size"]),
         "--num-attention-heads", str(MODEL["num_attention_heads"]),
@@ -135,6 +143,8 @@ def megatron_argv(v: Variant, *, save: Path | None, load: Path | None, work: Pat
     ]
     if v.distributed_optimizer:
         argv.append("--use-distributed-optimizer")
+    if v.vpp:
+        argv += ["--num-layers-per-virtual-pipeline-stage", "1"]
     if save is not None:
         argv += ["--save", str(save), "--save-interval", str(ITERATIONS)]
     if load is not None:
@@ -375,13 +385,21 @@ def _scheduler_state(sched: Any) -> dict[str, Any]:
 
 def _parameter_count(model: list[Any]) -> tuple[int, int]:
     """(elements, tensors) of the whole model, each parameter counted once: TP-split tensors summed over the TP
-    ranks, replicated ones taken from TP rank 0, summed over pipeline stages, read on the live modules."""
+    ranks, replicated ones taken from TP rank 0, summed over pipeline stages, read on the live modules. With
+    tied embeddings and PP > 1 the last stage's `output_layer.weight` is Megatron's copy of the first stage's word
+    embeddings (kept equal by the embedding group's all-reduce): one parameter of the model, counted there."""
     from megatron.core import parallel_state as ps
 
     tp_rank = ps.get_tensor_model_parallel_rank()
     count = tensors = 0
     for chunk in model:
-        for p in chunk.parameters():
+        inner = chunk
+        while hasattr(inner, "module"):  # DDP / Float16Module wrappers around the GPTModel
+            inner = inner.module
+        tied = getattr(inner, "share_embeddings_and_output_weights", False) and not ps.is_pipeline_first_stage()
+        for name, p in chunk.named_parameters():
+            if tied and name.endswith("output_layer.weight"):
+                continue
             split = getattr(p, "tensor_model_parallel", False)
             if split or tp_rank == 0:
                 count += p.numel()
@@ -651,6 +669,12 @@ def main() -> None:
             import shutil
 
             shutil.rmtree(work, ignore_errors=True)
+        # Megatron's data loader keeps its worker processes (persistent workers): they would outlive this rank and
+        # hold the pipes of whoever captures its output (`ckpt samples make` would wait on them forever)
+        import multiprocessing
+
+        for child in multiprocessing.active_children():
+            child.terminate()
     leave(code)
 
 
