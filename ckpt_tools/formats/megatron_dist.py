@@ -234,12 +234,16 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         details={"tag": tag, **details})
 
 
-def _read_flat(node: TensorNode, start: int, count: int):
-    """Elements [start, start+count) of `node` flattened (numpy), from the pieces that hold them."""
+def _read_flat(node: TensorNode, start: int, count: int, starts: list[int] | None = None):
+    """Elements [start, start+count) of `node` flattened (numpy), from the pieces that hold them. `starts`: the
+    pieces' dst offsets (sorted), to find the first piece by bisection in a bucket of thousands of chunks."""
+    import bisect
+
     import numpy as np
 
     parts, want = [], start
-    for p in node.pieces:
+    first = max(bisect.bisect_right(starts, start) - 1, 0) if starts is not None else 0
+    for p in node.pieces[first:]:
         if p.dst_offset + p.numel <= want or p.dst_offset > want:
             continue
         take = min(p.dst_offset + p.numel, start + count) - want
@@ -261,8 +265,6 @@ def _map_buckets(distributed: dict[str, TensorNode], model: dict[str, TensorNode
     start. So each parameter is FOUND, not assumed: at each start, the parameter of the param dtype whose size
     reaches a chunk boundary and whose weights are the bucket's fp32 master rounded (first 128 elements, read for
     every parameter once) is the one; none or two such parameters, a gap, or a parameter left over: not mapped."""
-    import bisect
-
     import numpy as np
 
     from .megatron_lm import _rounds_to
@@ -287,13 +289,20 @@ def _map_buckets(distributed: dict[str, TensorNode], model: dict[str, TensorNode
             if flat.dtype != "float32" or len(flat.shape) != 1 or any(v.shape != flat.shape for v in kinds.values()):
                 return None
             total = flat.shape[0]
-            bounds = sorted({p.dst_offset for p in flat.pieces} | {total})
+            offsets = {kind: [p.dst_offset for p in v.pieces] for kind, v in kinds.items()}
+            if any(o != sorted(o) for o in offsets.values()):
+                return None
+            starts = offsets["param"]
+            bounds = set(starts) | {total}
+            sizes = sorted({node.numel for node in model.values() if node.dtype == pdtype})
             pos = 0
             while pos < total:
                 found = []
-                for b in bounds[bisect.bisect_right(bounds, pos):]:
-                    n = b - pos
-                    m = _read_flat(flat, pos, min(k, n))
+                head = _read_flat(flat, pos, min(k, total - pos), starts)  # one read per parameter start
+                for n in sizes:  # only sizes a parameter has that end on a chunk boundary
+                    if pos + n not in bounds:
+                        continue
+                    m = head[:min(k, n)]
                     bits = _bf16_bits(m) if pdtype == "bfloat16" else np.asarray(m).astype(np.dtype(pdtype))
                     for name in finger.get((pdtype, n, bits.tobytes()), ()):
                         if name not in out and _rounds_to(m, _read_flat(model[name], 0, min(k, n)), pdtype):
@@ -301,7 +310,7 @@ def _map_buckets(distributed: dict[str, TensorNode], model: dict[str, TensorNode
                 if len(found) != 1:
                     return None
                 name, n = found[0]
-                out[name] = {("fp32" if kind == "param" else kind): _range(v, pos, n, model[name].shape)
+                out[name] = {("fp32" if kind == "param" else kind): _range(v, pos, n, model[name].shape, offsets[kind])
                              for kind, v in kinds.items()}
                 pos += n
     except (ValueError, OSError, TypeError):
@@ -317,10 +326,15 @@ def _bf16_bits(master):
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-def _range(flat: TensorNode, start: int, n: int, shape: tuple[int, ...]) -> TensorNode:
-    """Elements [start, start+n) of a flat bucket tensor as a parameter-shaped node."""
+def _range(flat: TensorNode, start: int, n: int, shape: tuple[int, ...], starts: list[int]) -> TensorNode:
+    """Elements [start, start+n) of a flat bucket tensor as a parameter-shaped node (`starts`: its pieces' sorted
+    dst offsets)."""
+    import bisect
+
     pieces = []
-    for p in flat.pieces:
+    for p in flat.pieces[max(bisect.bisect_right(starts, start) - 1, 0):]:
+        if p.dst_offset >= start + n:
+            break
         a, b = max(p.dst_offset, start), min(p.dst_offset + p.numel, start + n)
         if a < b:
             pieces.append(Piece(p.file, p.ref, p.src_offset + (a - p.dst_offset), b - a, a - start, p.rank))
