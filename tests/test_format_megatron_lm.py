@@ -379,3 +379,16 @@ def test_check_tp_sync_on_torch_dist_says_replicas_are_saved_once():
     proc = run_cli("check-tp-sync", sample("megatron_lm", TP2_DIST))
     assert proc.returncode == 2 and "saves each TP-replicated tensor once" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_topology_names_expert_and_virtual_pipeline_sizes_from_args():
+    """ep and vpp come from the launch args Megatron saved; ep is shown only for a model with experts (there is no
+    Megatron MoE sample yet: these args are the fields Megatron's MoE runs save)."""
+    from ckpt_tools.formats.megatron_lm import topology
+
+    moe = {"num_experts": 8, "expert_model_parallel_size": 4, "virtual_pipeline_model_parallel_size": None}
+    assert (topology(moe, 2, 2, 1).ep, topology(moe, 2, 2, 1).vpp) == (4, None)
+    dense = {"num_experts": None, "expert_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": 2}
+    assert (topology(dense, 1, 1, 2).ep, topology(dense, 1, 1, 2).vpp) == (None, 2)
+    doc = json.loads(run_cli("inspect", sample("megatron_lm", VPP), "--json").stdout)
+    assert (doc["topology"]["pp"], doc["topology"]["vpp"], doc["topology"]["ep"]) == (2, 2, None)
