@@ -219,6 +219,17 @@ def test_bad_megatron_inputs_are_one_line_exit_2_nothing_written(tmp_path):
         assert not (tmp_path / "out.safetensors").exists()
 
 
+def test_expert_parallel_legacy_folders_are_refused_not_read_as_pipeline_stages(tmp_path):
+    """With EP > 1 Megatron names the legacy folders mp_rank_TT[_PPP]_EEE: mp_rank_00_001 would look like pipeline
+    stage 1. Until expert-parallel ranks are merged, args saying EP > 1 is one line, exit 2."""
+    run = _copy(TP2, tmp_path)
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        _rewrite(run / "iter_0000010" / rank / "model_optim_rng.pt",
+                 lambda o: o["args"].state.update(expert_model_parallel_size=2, num_experts=4))
+    proc = run_cli("inspect", run)
+    assert proc.returncode == 2 and "expert parallelism (EP=2" in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
 def test_an_extra_rank_folder_is_warned_and_blocks_writes(tmp_path):
     run = _copy(TP2, tmp_path)
     shutil.copytree(run / "iter_0000010" / "mp_rank_01", run / "iter_0000010" / "mp_rank_02")

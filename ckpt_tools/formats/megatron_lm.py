@@ -150,6 +150,11 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     if not args:
         raise CorruptCheckpoint(f"{first.name} holds no `args`", path=first,
                                 hint="Megatron-LM saves its launch arguments in every rank file")
+    ep = as_int(args.get("expert_model_parallel_size")) or 1
+    if ep > 1:  # folders mp_rank_TT[_PPP]_EEE: the pattern below would take an EP rank for a pipeline stage
+        raise UnsupportedCheckpoint(f"a Megatron-LM legacy checkpoint with expert parallelism (EP={ep}: one "
+                                    "mp_rank_TT[_PPP]_EEE folder per expert-parallel rank): ckpt does not merge "
+                                    "expert-parallel ranks of this format yet (the torch_dist format is read)", path=it)
     warnings: list[Warning_] = []
     want = {(t, p) for t in range(tp) for p in range(pp)}
     gone = sorted(want - set(ranks))
