@@ -16,7 +16,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import UnsupportedCheckpoint, CorruptCheckpoint, MissingFile, NotACheckpoint
 from ..pickle_reader import Opaque, TensorRef
@@ -124,9 +124,15 @@ class ZeroOptimizer:
 
 def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
                         shape_groups: list[dict[str, tuple[int, ...]]], mp_coords: dict[str, int],
-                        ds_config: tuple[str, Any] | None = None) -> ZeroOptimizer:
+                        ds_config: tuple[str, Any] | None = None, *,
+                        group_layout: Callable[[int, int], tuple[int, Callable[[str], str] | None]] | None = None,
+                        out_groups: list[dict[str, tuple[int, ...]]] | None = None) -> ZeroOptimizer:
     """Un-flatten the optimizer state of one model-parallel rank from all its DP rank files. `ds_config`:
-    (file, the ds_config the model-states file saved), which every rank file's copy must equal."""
+    (file, the ds_config the model-states file saved), which every rank file's copy must equal.
+    `group_layout(group, dp rank)` -> (the rank's index in the group's partitioning, a rename of the names its
+    file uses, or None): for groups partitioned over a sub-group of the DP ranks (MoE experts over the
+    expert-data-parallel group, each expert-parallel rank holding its own experts under local names); then
+    `out_groups` holds every group's parameters under their global names."""
     dp = len(optim_files)
     loaded = {r: cache.load(p) for r, p in sorted(optim_files.items())}
     first = loaded[min(loaded)].obj
@@ -182,7 +188,9 @@ def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
                 steps_seen.append(as_int(stepv))
                 step_value.setdefault(gi, as_int(stepv))
             refs = [(key, ref, ref.numel) for key, ref in flat.items() if isinstance(ref, TensorRef)]
-            for name, (src, cnt, dst) in _fragments(stage, osd, gi, shapes, r, dp).items():
+            grank, rename = group_layout(gi, r) if group_layout else (r, None)
+            for name, (src, cnt, dst) in _fragments(stage, osd, gi, shapes, grank, dp).items():
+                name = rename(name) if rename else name
                 slot = pieces.setdefault(name, {})
                 for key, ref, size in refs:
                     if src + cnt > size:
@@ -209,7 +217,7 @@ def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
                                  f"{ref}'s: the files were written by different launches (a rank file from another "
                                  "run?)", odd[0]))
     state_out: dict[str, dict[str, Any]] = {}
-    for gi, shapes in enumerate(shape_groups):
+    for gi, shapes in enumerate(out_groups if out_groups is not None else shape_groups):
         for name, shape in shapes.items():
             entry: dict[str, Any] = {}
             numel = math.prod(shape)
@@ -368,8 +376,24 @@ def _moe_declared(tag_dir: Path, root: Path, cache: C.LoadCache, module: dict, m
     return out
 
 
+@dataclass
+class Extension:
+    """What a format built on this one adds (DeepSpeed MoE): parameter groups under their global names
+    (`groups`), how each DP rank's file maps onto them (`group_layout`, see read_zero_optimizer), an optimizer
+    read elsewhere, weights kept in other files, those files, and the expert-parallel size."""
+
+    groups: list[dict[str, tuple[int, ...]]] | None = None
+    file_groups: list[dict[str, tuple[int, ...]]] | None = None  # the groups under the names the rank files use
+    group_layout: Callable[[int, int], tuple[int, Callable[[str], str] | None]] | None = None
+    optimizer: ZeroOptimizer | None = None
+    model: dict[str, TensorNode] = field(default_factory=dict)
+    files: list = field(default_factory=list)
+    ep: int | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
 def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks: dict[int, RankFiles],
-          *, fmt: str = FORMAT) -> Checkpoint:
+          *, fmt: str = FORMAT, ext: Extension | None = None) -> Checkpoint:
     warnings: list[Warning_] = []
     files = []
     first_rank = ranks[min(ranks)]
@@ -384,16 +408,21 @@ def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks:
     dp_size = as_int(ms.get("dp_world_size")) or max(len(first_rank.optim), 1)
     mp_size = as_int(ms.get("mp_world_size")) or len(ranks)
     _check_rank_files(tag_dir, ranks, dp_size, mp_size, warnings)
-    shape_groups = _shape_groups(ms.get("param_shapes"))
+    shape_groups = ext.file_groups if ext and ext.file_groups is not None else _shape_groups(ms.get("param_shapes"))
     warnings += _moe_declared(tag_dir, root, cache, ms.get("module") if isinstance(ms.get("module"), dict) else {},
                               mp_size)
 
-    opt = None
-    if first_rank.optim:
+    opt = ext.optimizer if ext else None
+    if opt is None and first_rank.optim:
         in_world = {d: p for d, p in first_rank.optim.items() if d < dp_size}
         opt = read_zero_optimizer(cache, in_world, shape_groups, {"tp": first_rank.mp_rank},
-                                  (cache.rel(ms_path), ms.get("ds_config")))
+                                  (cache.rel(ms_path), ms.get("ds_config")),
+                                  group_layout=ext.group_layout if ext else None,
+                                  out_groups=ext.groups if ext else None)
+    if opt is not None:
         warnings += opt.warnings
+    if ext and ext.groups is not None:
+        shape_groups = ext.groups
     stage = opt.stage if opt else None
     if stage is None:
         stage = as_int(_dig(ms, "ds_config", "zero_optimization", "stage"))
@@ -415,7 +444,9 @@ def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks:
     weight_source = "module"
     for name in names + [str(n) for n in frozen]:
         ref = module.get(name)
-        if isinstance(ref, TensorRef) and ref.numel > 0:
+        if ext and name in ext.model:
+            model[name] = ext.model[name]
+        elif isinstance(ref, TensorRef) and ref.numel > 0:
             model[name] = tensor_node(ref, rel_ms, {"tp": first_rank.mp_rank})
         elif opt and name in opt.state and "fp32" in opt.state[name]:
             model[name] = opt.state[name]["fp32"]
@@ -480,6 +511,8 @@ def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks:
                                          "(re-copy it from where the checkpoint was saved)", str(p.relative_to(root))))
         for d, p in sorted(rf.optim.items()):
             files.append(C.file_info(p, root, "optimizer", {"tp": rf.mp_rank, "dp": d}))
+    if ext:
+        files += ext.files
     warnings += C.stray_file_warnings(tag_dir, root)
     if tag_dir != root:
         warnings += C.stray_file_warnings(root, root)
@@ -489,8 +522,11 @@ def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks:
                "optimizer_dtype": opt.dtype if opt else None}
     if "scheduler" in tree and "last_batch_iteration" in sched and "base_lrs" not in sched:
         details["scheduler_kind"] = "deepspeed (LR comes from the launch config)"
+    if ext:
+        details.update(ext.details)
     return Checkpoint(
-        format=fmt, path=str(root), topology=Topology(dp=dp_size, tp=mp_size, pp=1, zero_stage=stage),
+        format=fmt, path=str(root),
+        topology=Topology(dp=dp_size, tp=mp_size, pp=1, zero_stage=stage, ep=ext.ep if ext else None),
         tree=GroupNode(tree), counters=counters,
         lr=LearningRates(param_groups=lrs, base_lrs=base_lrs, last_lr=last_lr),
         parameter_count=param_count, parameter_tensors=param_tensors, files=tuple(files),

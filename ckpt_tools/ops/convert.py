@@ -276,6 +276,9 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
     from ..accounting import guard
 
     ck = guard(L.open_any(src), src, "convert", allow_unread=allow_unread)
+    unproven = ck.details.get("convert_unproven")
+    if unproven:  # a format reader's own word: its conversions have no resume proving them yet
+        raise UnsupportedCheckpoint(f"convert does not move {ck.format} checkpoints yet: {unproven}", path=src)
     if to == "deepspeed-universal":
         from .to_universal import handles
 

@@ -311,6 +311,26 @@ def saved_weights(ckpt: Path, name: str) -> torch.Tensor:
     return sd[f"blocks.{layer}.moe.deepspeed_moe.experts.deepspeed_experts.{gid}.{rest}"]
 
 
+def dump_fp32(engine: Any, path: Path) -> None:
+    """What DeepSpeed itself holds as each parameter's full fp32 value after load_checkpoint
+    (`deepspeed.utils.safe_get_full_fp32_param`: the optimizer's fp32 master; without ZeRO and mixed precision
+    there is none and the parameter is the fp32 value), under GLOBAL expert names: the reference a reader's
+    export is compared with."""
+    import re
+
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    local = NUM_EXPERTS // EP_SIZE
+    out = {}
+    for name, p in engine.module.named_parameters():
+        v = safe_get_full_fp32_param(p)
+        v = (p if v is None else v).detach().float().clone()
+        name = re.sub(r"(\.deepspeed_experts\.)(\d+)(\.)", lambda m: f"{m[1]}{ep_rank() * local + int(m[2])}{m[3]}",
+                      name)
+        out[name] = v
+    torch.save(out, path)
+
+
 def check(args: argparse.Namespace, rank: int, dp: int) -> None:
     """Reload `args.check` with DeepSpeed and compare with its manifest (see the module docstring)."""
     import torch.distributed as dist
@@ -324,6 +344,8 @@ def check(args: argparse.Namespace, rank: int, dp: int) -> None:
     problems = []
     if load_path is None:
         problems.append("load_checkpoint returned None")
+    if args.dump_fp32 is not None:
+        dump_fp32(engine, args.dump_fp32 / f"fp32_rank{rank}.pt")
     if engine.global_steps != man["counters"]["global_step"]:
         problems.append(f"global_steps {engine.global_steps} != {man['counters']['global_step']}")
     lrs = c.current_lrs(engine.optimizer)
@@ -367,6 +389,8 @@ def main() -> None:
     p.add_argument("--sample", choices=sorted(VARIANTS))
     p.add_argument("--out", type=Path, help="the group folder the sample goes into")
     p.add_argument("--check", type=Path, help="reload this sample checkpoint with DeepSpeed and compare")
+    p.add_argument("--dump-fp32", type=Path, help="--check: each rank writes fp32_rank<R>.pt here: DeepSpeed's "
+                   "safe_get_full_fp32_param of every parameter after the reload, under global expert names")
     args = p.parse_args()
     if (args.out is None) == (args.check is None) or (args.out is not None and args.sample is None):
         p.error("give --sample NAME --out DIR, or --check CKPT")

@@ -1,0 +1,85 @@
+"""DeepSpeed Mixture-of-Experts checkpoints written by DeepSpeed's own save_checkpoint (sample_ckpts/moe, made by
+ckpt_tools/train/workers/ds_moe.py: `deepspeed.moe.layer.MoE`, 4 experts per layer, ep_size 2, 2 ranks): every
+expert read under its global name with its optimizer state, exported equal to what DeepSpeed itself holds after
+load_checkpoint; the commands that write refuse until a DeepSpeed resume proves them."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ckpt_tools
+from ckpt_tools.samples import free_port, worker_env
+
+from conftest import ROOT, run_cli, sample
+
+SAMPLES = ["moe_stage0", "moe_zero2_bf16", "moe_zero2_bf16_ds0169"]
+EXPERT = "blocks.{layer}.moe.deepspeed_moe.experts.deepspeed_experts.{e}.{p}"
+
+
+def _manifest(name: str) -> dict:
+    return json.loads((sample("moe", name).parent / f"{name}.manifest.json").read_text())
+
+
+@pytest.mark.parametrize("name", SAMPLES)
+def test_every_expert_is_read_with_its_optimizer_state(name):
+    """The parameter count DeepSpeed's live model had (manifest), every expert of both MoE layers under its global
+    id, Adam state for every parameter, the expert-parallel size from the MoE param groups, nothing unread."""
+    m = _manifest(name)
+    ck = ckpt_tools.open_checkpoint(sample("moe", name))
+    assert ck.format == "deepspeed_moe" and not ck.warnings, ck.warnings
+    assert (ck.parameter_count, ck.parameter_tensors) == (m["parameters"]["count"], m["parameters"]["tensors"])
+    assert (ck.topology.dp, ck.topology.ep, ck.topology.zero_stage) == (2, 2, m["topology"]["zero_stage"])
+    assert ck.details["accounting"]["unread"] == []
+    model, state = ck.get("model").children, ck.get("optimizer.state").children
+    experts = [EXPERT.format(layer=L, e=e, p=p) for L in (0, 1) for e in range(4)
+               for p in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")]
+    assert set(experts) <= set(model) and set(model) == set(state)
+    assert all({"exp_avg", "exp_avg_sq", "step"} <= set(state[n].children) for n in model)
+    assert ck.counters.optimizer_step == m["counters"]["optimizer_step"]
+    assert list(ck.lr.param_groups) == pytest.approx(m["lr"]["param_groups"])
+
+
+@pytest.mark.parametrize("name", ["moe_zero2_bf16", "moe_stage0"])
+def test_export_equals_what_deepspeed_holds_after_load_checkpoint(tmp_path, name):
+    """DeepSpeed reloads the sample (engine.load_checkpoint on 2 gloo ranks) and dumps safe_get_full_fp32_param of
+    every parameter (each rank its own experts, renamed to global ids): `ckpt export` writes exactly those values,
+    every expert included (ZeRO-2: the fp32 master; no ZeRO: the fp32 weights)."""
+    from safetensors.torch import load_file
+    import torch
+
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    ckpt = tmp_path / name
+    shutil.copytree(sample("moe", name), ckpt)
+    shutil.copy(sample("moe", name).parent / f"{name}.manifest.json", tmp_path / f"{name}.manifest.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "ckpt_tools.train.workers.ds_moe", "--check", str(ckpt),
+           "--dump-fp32", str(dump)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    want: dict = {}
+    for r in (0, 1):
+        want.update(torch.load(dump / f"fp32_rank{r}.pt"))
+    proc = run_cli("export", sample("moe", name), tmp_path / "o.safetensors")
+    assert proc.returncode == 0, proc.stderr
+    got = load_file(tmp_path / "o.safetensors")
+    assert set(got) == set(want) and len(got) == 51
+    assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+
+
+@pytest.mark.parametrize("name", SAMPLES)
+def test_writes_refuse_until_a_resume_proves_them(tmp_path, name):
+    run = tmp_path / name
+    shutil.copytree(sample("moe", name), run)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for argv in (["set-lr", run, "--scale", "0.5", "--yes"], ["set-step", run, "--step", "7", "--yes"],
+                 ["to-universal", run, tmp_path / "u"], ["convert", run, tmp_path / "c", "--to", "dcp"]):
+        proc = run_cli(*argv)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (argv, proc.stderr)
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    assert not (tmp_path / "u").exists() and not (tmp_path / "c").exists()
