@@ -228,9 +228,7 @@ def test_numbers_in_plan_notes_print_short(copy_sample):
 
 
 def test_unknown_is_null_in_json_for_every_sample():
-    # the MoE / Megatron-LM samples are layouts ckpt does not read yet: test_accounting pins their refusals
-    paths = [p for p in sorted(SAMPLES.glob("*/*")) if not p.name.endswith(".manifest.json")
-             and p.parent.name not in ("megatron_lm", "moe")]
+    paths = [p for p in sorted(SAMPLES.glob("*/*")) if not p.name.endswith(".manifest.json")]
     assert len(paths) >= 20
     for p in paths:
         full = json.loads(p.with_name(p.name + ".manifest.json").read_text())["extra"].get("full_save") \

@@ -15,9 +15,8 @@ import ckpt_tools
 from conftest import SAMPLES
 
 #: Megatron-LM's samples have their own manifest fields (iteration, num_steps, next LR) and are checked against
-#: them in test_format_megatron_lm.py; layouts ckpt does not read yet (torch_dist, DeepSpeed MoE): what ckpt must
-#: say on them today (a refusal or a warning) is pinned in test_accounting.py
-NOT_READ_YET = ("megatron_lm", "moe")
+#: them in test_format_megatron_lm.py
+NOT_READ_YET = ("megatron_lm",)
 MANIFESTS = sorted(m for m in SAMPLES.glob("*/*.manifest.json") if m.parent.name not in NOT_READ_YET)
 IDS = [f"{m.parent.name}/{m.name[: -len('.manifest.json')]}" for m in MANIFESTS]
 
