@@ -40,6 +40,8 @@ def test_every_expert_is_read_with_its_optimizer_state(name):
                for p in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")]
     assert set(experts) <= set(model) and set(model) == set(state)
     assert all({"exp_avg", "exp_avg_sq", "step"} <= set(state[n].children) for n in model)
+    pc = m["extra"]["parameter_counts"]
+    assert ck.details["expert_parameters"] == f"{pc['per_expert_count']:,} per expert, {pc['expert_count']:,} in 8 experts"
     assert ck.counters.optimizer_step == m["counters"]["optimizer_step"]
     assert list(ck.lr.param_groups) == pytest.approx(m["lr"]["param_groups"])
 

@@ -102,6 +102,15 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     else:
         raise MissingFile("no optimizer files (ZeRO *_optim_states.pt or expp_rank_*): the experts' optimizer "
                           "state is missing", path=tag_dir, hint="copy the tag folder whole")
+    per = {}
+    for name, node in experts.items():
+        m = _LOCAL.search(name)
+        key = (name[:m.start()], int(m[2]))  # (MoE layer's module, expert id)
+        per[key] = per.get(key, 0) + node.numel
+    if per:
+        sizes = sorted(set(per.values()))
+        ext.details["expert_parameters"] = (f"{'/'.join(f'{x:,}' for x in sizes)} per expert, {sum(per.values()):,} in "
+                                            f"{len(per)} experts")
     ck = D.build(root, tag_dir, tag, cache, ranks, fmt=FORMAT, ext=ext)
     if rf.optim:
         state = ck.get("optimizer.state").children
