@@ -1,7 +1,8 @@
 """DeepSpeed Mixture-of-Experts checkpoints written by DeepSpeed's own save_checkpoint (sample_ckpts/moe, made by
 ckpt_tools/train/workers/ds_moe.py: `deepspeed.moe.layer.MoE`, 4 experts per layer, ep_size 2, 2 ranks): every
 expert read under its global name with its optimizer state, exported equal to what DeepSpeed itself holds after
-load_checkpoint; the commands that write refuse until a DeepSpeed resume proves them."""
+load_checkpoint; set-lr / set-step proven by DeepSpeed resumes of edited copies; conversions refused until a resume
+proves them."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ import pytest
 import ckpt_tools
 from ckpt_tools.samples import free_port, worker_env
 
-from conftest import ROOT, run_cli, sample
+from conftest import ROOT, producer_resume, run_cli, sample
 
 SAMPLES = ["moe_stage0", "moe_zero2_bf16", "moe_zero2_bf16_ds0169"]
 EXPERT = "blocks.{layer}.moe.deepspeed_moe.experts.deepspeed_experts.{e}.{p}"
@@ -74,13 +75,37 @@ def test_export_equals_what_deepspeed_holds_after_load_checkpoint(tmp_path, name
     assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
 
 
+@pytest.mark.parametrize("name", ["moe_zero2_bf16", "moe_stage0"])
+def test_set_lr_and_set_step_resume_in_deepspeed_on_every_rank(tmp_path, name):
+    """The proof of the edits: DeepSpeed's engine.load_checkpoint resumes an untouched and an edited copy on 2 ranks
+    (expert-parallel ranks 0 and 1) in the same test. After `set-lr --scale 0.5` every update of every rank runs
+    every param group (the MoE groups too) at exactly half the LR; after `set-step --optimizer-step 10`, Adam's step
+    continues from 10 and the LRs are the untouched run's. No stray file inside the checkpoint."""
+    untouched, halved, stepped = (tmp_path / x / name for x in ("a", "b", "c"))
+    for d in (untouched, halved, stepped):
+        shutil.copytree(sample("moe", name), d)
+    listing = sorted(p.relative_to(halved) for p in halved.rglob("*"))
+    assert run_cli("set-lr", halved, "--scale", "0.5", "--yes").returncode == 0
+    assert sorted(p.relative_to(halved) for p in halved.rglob("*")) == listing
+    assert run_cli("set-step", stepped, "--optimizer-step", "10", "--yes").returncode == 0
+    ref = producer_resume(name, untouched, tmp_path)
+    half = producer_resume(name, halved, tmp_path)
+    assert [r["step"] for r in ref] == [r["step"] for r in half] == [5, 6]
+    for r, u in zip(half, ref):
+        assert len(r["lr_by_rank"]) == 2 and all(len(x) == 4 for x in r["lr_by_rank"])
+        for mine, theirs in zip(r["lr_by_rank"], u["lr_by_rank"]):
+            assert mine == pytest.approx([x / 2 for x in theirs], rel=1e-12)
+    step = producer_resume(name, stepped, tmp_path)
+    assert [r["optimizer_step"] for r in step] == [11, 12] and [r["optimizer_step"] for r in ref] == [5, 6]
+    assert [r["lr_by_rank"] for r in step] == [r["lr_by_rank"] for r in ref]
+
+
 @pytest.mark.parametrize("name", SAMPLES)
-def test_writes_refuse_until_a_resume_proves_them(tmp_path, name):
+def test_conversions_refuse_until_a_resume_proves_them(tmp_path, name):
     run = tmp_path / name
     shutil.copytree(sample("moe", name), run)
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    for argv in (["set-lr", run, "--scale", "0.5", "--yes"], ["set-step", run, "--step", "7", "--yes"],
-                 ["to-universal", run, tmp_path / "u"], ["convert", run, tmp_path / "c", "--to", "dcp"]):
+    for argv in (["to-universal", run, tmp_path / "u"], ["convert", run, tmp_path / "c", "--to", "dcp"]):
         proc = run_cli(*argv)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (argv, proc.stderr)
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before

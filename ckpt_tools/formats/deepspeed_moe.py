@@ -18,7 +18,8 @@ in their own files. Measured layouts (FORMATS.md, section DeepSpeed Mixture-of-E
 Read here: every expert counted once under its global name, with its optimizer state; where a ZeRO file holds an
 fp32 master, each expert's placement is CONFIRMED by the data (its master rounds to the weights of its expert file),
 never assumed. Where the training state lives: every rank file (model states, ZeRO or expp files). Writes are
-refused for now (no DeepSpeed resume has proven an MoE edit or conversion); inspect, diff and export read it.
+set-lr / set-step edit every rank file (proven by DeepSpeed resumes of edited copies); convert and to-universal are
+refused for now (no resume has proven an MoE conversion).
 """
 from __future__ import annotations
 
@@ -365,11 +366,9 @@ def _expp_optimizer(ext, expp: dict[int, Path], module, experts, cache, root) ->
 
 
 def training_state(ck: Checkpoint):
-    from ..state import StateMap
-
-    return StateMap(Path(ck.path), (), read_only="set-lr/set-step do not edit DeepSpeed Mixture-of-Experts "
-                    "checkpoints yet: no DeepSpeed resume has proven such an edit (the LR lives in every ZeRO / "
-                    "expp_rank file and the model states)", hint="edit it by hand only with a resume to check it")
+    """The model states (scheduler, counters) and every ZeRO / expp_rank optimizer file (each holds the MoE and
+    non-MoE param groups of its rank): DeepSpeed's own tag-folder sources; the expert files hold weights only."""
+    return D.training_state(ck)
 
 
 __all__ = ["sniff", "open", "training_state", "FORMAT"]

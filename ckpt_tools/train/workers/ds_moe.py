@@ -384,6 +384,30 @@ def check(args: argparse.Namespace, rank: int, dp: int) -> None:
         leave(1)
 
 
+def resume(args: argparse.Namespace, rank: int, dp: int) -> None:
+    """DeepSpeed's own engine.load_checkpoint of `args.resume` (the variant's model, optimizer and scheduler on
+    the same ranks), then `args.steps` updates; rank 0 writes one record per update to `args.record`: `step`,
+    `lr` (rank 0's param groups, the LR the update used), `lr_by_rank` (every rank's), `optimizer_step` (Adam's
+    step after it) and `loss` (rank 0's LM loss)."""
+    import torch.distributed as dist
+
+    engine, _, _, _ = build_engine(VARIANTS[args.sample], dp)
+    load_path, _ = engine.load_checkpoint(str(args.resume), load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
+    if load_path is None:
+        raise SystemExit(f"load_checkpoint found nothing in {args.resume}")
+    records = []
+    for _ in range(args.steps):
+        lrs = c.current_lrs(engine.optimizer)
+        loss = update(engine, c.tokens_for_step(engine.global_steps, rank))
+        every: list[Any] = [None] * dp
+        dist.all_gather_object(every, lrs)
+        records.append({"step": engine.global_steps, "lr": lrs, "lr_by_rank": every,
+                        "optimizer_step": c.adam_step(engine.optimizer), "loss": loss})
+    if rank == 0 and args.record is not None:
+        args.record.write_text(json.dumps(records, indent=1))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description="Train the tiny MoE and save one DeepSpeed MoE sample, or --check one.")
     p.add_argument("--sample", choices=sorted(VARIANTS))
@@ -391,14 +415,23 @@ def main() -> None:
     p.add_argument("--check", type=Path, help="reload this sample checkpoint with DeepSpeed and compare")
     p.add_argument("--dump-fp32", type=Path, help="--check: each rank writes fp32_rank<R>.pt here: DeepSpeed's "
                    "safe_get_full_fp32_param of every parameter after the reload, under global expert names")
+    p.add_argument("--resume", type=Path, help="resume this checkpoint with DeepSpeed (--sample names the variant) "
+                   "and record the LR of every update on every rank")
+    p.add_argument("--record", type=Path, help="--resume: rank 0 writes the records here (JSON)")
+    p.add_argument("--steps", type=int, default=2, help="--resume: updates after the reload (default 2)")
     args = p.parse_args()
-    if (args.out is None) == (args.check is None) or (args.out is not None and args.sample is None):
-        p.error("give --sample NAME --out DIR, or --check CKPT")
+    if args.resume is not None:
+        if args.sample is None:
+            p.error("--resume needs --sample (the variant that wrote it)")
+    elif (args.out is None) == (args.check is None) or (args.out is not None and args.sample is None):
+        p.error("give --sample NAME --out DIR, --check CKPT, or --sample NAME --resume CKPT")
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, dp = c.rank(), c.world_size()
-    if args.check is not None:
+    if args.resume is not None:
+        resume(args, rank, dp)
+    elif args.check is not None:
         check(args, rank, dp)
     else:
         make(args, rank, dp)
