@@ -419,7 +419,11 @@ def main() -> None:
                    "and record the LR of every update on every rank")
     p.add_argument("--record", type=Path, help="--resume: rank 0 writes the records here (JSON)")
     p.add_argument("--steps", type=int, default=2, help="--resume: updates after the reload (default 2)")
+    p.add_argument("--experts", type=int, help="--out: experts per MoE layer (bench/bench_moe.py; not for samples)")
+    p.add_argument("--layers", type=int, help="--out: MoE layers (bench/bench_moe.py; not for samples)")
     args = p.parse_args()
+    global NUM_EXPERTS, N_LAYERS
+    NUM_EXPERTS, N_LAYERS = args.experts or NUM_EXPERTS, args.layers or N_LAYERS  # the same recipe, bigger
     if args.resume is not None:
         if args.sample is None:
             p.error("--resume needs --sample (the variant that wrote it)")
