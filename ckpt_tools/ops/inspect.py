@@ -136,7 +136,8 @@ def summary(ck: Checkpoint, tree: Node | None = None, rank: dict[str, int] | Non
     return {
         "format": ck.format,
         "path": ck.path,
-        "topology": asdict(ck.topology),
+        # ep / vpp only where the checkpoint has them: the four sizes every format reports stay the contract
+        "topology": {k: v for k, v in asdict(ck.topology).items() if v is not None or k not in ("ep", "vpp")},
         "parameters": {"count": ck.parameter_count, "tensors": ck.parameter_tensors},
         "counters": asdict(ck.counters),
         "lr": {"param_groups": list(ck.lr.param_groups) if ck.lr.param_groups else None,
