@@ -110,3 +110,27 @@ def test_conversions_refuse_until_a_resume_proves_them(tmp_path, name):
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (argv, proc.stderr)
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
     assert not (tmp_path / "u").exists() and not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda ms: ms.__setitem__("ds_autoep_layers", [0]), "AutoEP"),
+    (lambda ms: ms["ds_config"].__setitem__("use_data_before_expert_parallelism", True),
+     "use_data_before_expert_parallelism"),
+    (lambda ms: ms["frozen_param_shapes"].__setitem__(EXPERT.format(layer=0, e=0, p="fc1.weight"), (32, 32)),
+     "frozen experts"),
+])
+def test_layouts_not_placed_yet_are_refused_by_name(tmp_path, edit, words):
+    """Expert layouts this reader does not place (DeepSpeed AutoEP, data-before-expert parallel groups, frozen
+    experts) are one line naming them, exit 2, never a mis-read or a 'corrupt file' verdict."""
+    from ckpt_tools import pickle_reader as pr
+    from ckpt_tools import pickle_writer as pw
+
+    run = tmp_path / "moe"
+    shutil.copytree(sample("moe", "moe_zero2_bf16"), run)
+    f = run / "global_step4" / "mp_rank_00_model_states.pt"
+    obj = pr.load(f).obj
+    edit(obj)
+    pw.rewrite_torch_zip(f, f.with_name("new.pt"), obj)
+    f.with_name("new.pt").replace(f)
+    proc = run_cli("inspect", run)
+    assert proc.returncode == 2 and words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

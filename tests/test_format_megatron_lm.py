@@ -230,6 +230,16 @@ def test_expert_parallel_legacy_folders_are_refused_not_read_as_pipeline_stages(
     assert proc.returncode == 2 and "expert parallelism (EP=2" in proc.stderr and len(proc.stderr.splitlines()) == 1
 
 
+def test_args_declaring_more_layers_than_the_stages_hold_is_refused(tmp_path):
+    """PP=2 with args saying num_layers=4: stage 1's local layer 0 would become global layer 2 and layers 1 and 3
+    would vanish from the answer; instead one line names the missing layers, exit 2."""
+    run = _copy(PP2, tmp_path)
+    for stage in ("mp_rank_00_000", "mp_rank_00_001"):
+        _rewrite(run / "iter_0000010" / stage / "model_optim_rng.pt", lambda o: o["args"].state.update(num_layers=4))
+    proc = run_cli("inspect", run)
+    assert proc.returncode == 2 and "missing" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_an_extra_rank_folder_is_warned_and_blocks_writes(tmp_path):
     run = _copy(TP2, tmp_path)
     shutil.copytree(run / "iter_0000010" / "mp_rank_01", run / "iter_0000010" / "mp_rank_02")

@@ -313,25 +313,17 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     ranks = list_rank_files(tag_dir)
     if not ranks:
         raise NotACheckpoint("no mp_rank_*_model_states.pt files", path=tag_dir)
-    _refuse_partitioned_experts(tag_dir, ranks)
+    if any(_EXPERT_FILE.match(p.name) for p in tag_dir.iterdir()):
+        # a Mixture-of-Experts tag folder (also when an Accelerate / HF Trainer folder holds it): its experts are
+        # partitioned over the expert-data-parallel group and kept in their own files, which this module's plain
+        # ZeRO reading would mis-assemble or leave unread
+        from . import deepspeed_moe
+
+        return deepspeed_moe.open(tag_dir)
     return build(root, tag_dir, tag, cache, ranks)
 
 
 _EXPERT_FILE = re.compile(r"^layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt$")
-
-
-def _refuse_partitioned_experts(tag_dir: Path, ranks: dict[int, "RankFiles"]) -> None:
-    """A DeepSpeed Mixture-of-Experts checkpoint saved with ZeRO partitions its expert parameters over the
-    expert-data-parallel group, not the data-parallel group its flat partitions are read by here: reading it
-    as a plain ZeRO checkpoint would mis-assemble every expert. Refused with what it is; without ZeRO (whole
-    optimizer in `expp_rank_*` files) the non-expert part opens, and the expert files show as unread."""
-    experts = sorted(p.name for p in tag_dir.iterdir() if _EXPERT_FILE.match(p.name))
-    if experts and any(rf.optim for rf in ranks.values()):
-        raise UnsupportedCheckpoint(
-            f"a DeepSpeed Mixture-of-Experts checkpoint with ZeRO-partitioned experts ({len(experts)} expert files "
-            f"{experts[0]} …): ckpt does not read expert partitions yet, and reading it as a plain ZeRO checkpoint "
-            "would mis-assemble every expert", path=tag_dir,
-            hint="DeepSpeed's own engine.load_checkpoint reads it; ckpt's MoE support is planned")
 
 
 _EXPP_FILE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -450,7 +442,8 @@ def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks:
             model[name] = tensor_node(ref, rel_ms, {"tp": first_rank.mp_rank})
         elif opt and name in opt.state and "fp32" in opt.state[name]:
             model[name] = opt.state[name]["fp32"]
-            weight_source = "fp32 master (ZeRO-3 saves no module weights)"
+            weight_source = ("module and expert files; where an expert file is missing, its fp32 master" if ext
+                             else "fp32 master (ZeRO-3 saves no module weights)")
     if stage == 3 and frozen:
         model.update(_z3_frozen_nodes(cache, first_rank, frozen, dp_size, {n for n in frozen if n not in model}))
     for name in buffers:

@@ -89,6 +89,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         raise CorruptCheckpoint("model states file does not hold a module", path=rf.model_states)
     module = ms["module"]
     dp = as_int(ms.get("dp_world_size")) or max(len(rf.optim), 1)
+    _refuse_variants(ms, rf)
 
     experts, expert_files = _expert_weights(tag_dir, root, cache)
     expp = {int(m[1]): p for p in sorted(tag_dir.iterdir()) if (m := _EXPP.match(p.name))}
@@ -117,6 +118,22 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         state = ck.get("optimizer.state").children
         _confirm_placement({n: state[n].children.get("fp32") if n in state else None for n in experts}, experts, rf)
     return ck
+
+
+def _refuse_variants(ms: dict, rf) -> None:
+    """Layouts this reader does not place yet, refused by name rather than mis-read or called corrupt."""
+    where = rf.model_states
+    if ms.get("ds_autoep_layers"):
+        raise UnsupportedCheckpoint("a DeepSpeed AutoEP checkpoint (ds_autoep_layers): its expert files hold "
+                                    "fused expert weights ckpt does not read yet", path=where)
+    if D._dig(ms, "ds_config", "use_data_before_expert_parallelism"):
+        raise UnsupportedCheckpoint("a DeepSpeed MoE checkpoint saved with use_data_before_expert_parallelism: its "
+                                    "expert-parallel groups are laid out differently, which ckpt does not place yet",
+                                    path=where)
+    frozen = ms.get("frozen_param_shapes")
+    if isinstance(frozen, dict) and any(_LOCAL.search(str(n)) for n in frozen):
+        raise UnsupportedCheckpoint("a DeepSpeed MoE checkpoint with frozen experts (frozen_param_shapes names "
+                                    "expert parameters): ckpt does not place frozen experts yet", path=where)
 
 
 def _expert_weights(tag_dir: Path, root: Path, cache: C.LoadCache):
@@ -272,6 +289,10 @@ def _expp_optimizer(ext, expp: dict[int, Path], module, experts, cache, root) ->
     order (the non-MoE names, then this rank's experts under local names); non-MoE state from rank 0's file
     (the others hold the same replicas), each expert's from its own rank's file."""
     first = expp[min(expp)]
+    wrapped = D._dig(cache.load(first).obj, "optimizer")
+    if isinstance(wrapped, dict) and ("optimizer_state_dict" in wrapped or "fp32_groups" in wrapped):
+        raise UnsupportedCheckpoint(f"{first.name} holds DeepSpeed's mixed-precision optimizer wrapper (bf16/fp16 "
+                                    "without ZeRO: fp32_groups): ckpt does not read it yet", path=first)
     ep = _ep_size(_groups_of(cache.load(first).obj))
     if ep is None:
         raise UnsupportedCheckpoint("the MoE param groups name no single expert-parallel size (ep_size_N)", path=first)
@@ -304,6 +325,9 @@ def _expp_optimizer(ext, expp: dict[int, Path], module, experts, cache, root) ->
     for e, p in sorted(expp.items()):
         obj = cache.load(p).obj
         osd = obj.get("optimizer") if isinstance(obj, dict) else None
+        if isinstance(osd, dict) and ("optimizer_state_dict" in osd or "fp32_groups" in osd):
+            raise UnsupportedCheckpoint(f"{p.name} holds DeepSpeed's mixed-precision optimizer wrapper (bf16/fp16 "
+                                        "without ZeRO: fp32_groups): ckpt does not read it yet", path=p)
         if not isinstance(osd, dict) or not isinstance(osd.get("state"), dict):
             raise CorruptCheckpoint(f"{p.name} holds no optimizer state", path=p, hint="re-copy it")
         groups = [g for g in osd.get("param_groups") or [] if isinstance(g, dict)]

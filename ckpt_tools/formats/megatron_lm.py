@@ -154,7 +154,11 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     if ep > 1:  # folders mp_rank_TT[_PPP]_EEE: the pattern below would take an EP rank for a pipeline stage
         raise UnsupportedCheckpoint(f"a Megatron-LM legacy checkpoint with expert parallelism (EP={ep}: one "
                                     "mp_rank_TT[_PPP]_EEE folder per expert-parallel rank): ckpt does not merge "
-                                    "expert-parallel ranks of this format yet (the torch_dist format is read)", path=it)
+                                    "expert-parallel ranks of this format yet", path=it)
+    if as_int(args.get("mtp_num_layers")):
+        raise UnsupportedCheckpoint(f"a Megatron-LM checkpoint with multi-token prediction (mtp_num_layers="
+                                    f"{args.get('mtp_num_layers')}): its last stage holds its own embedding and MTP "
+                                    "layers, which ckpt does not place yet", path=it)
     warnings: list[Warning_] = []
     want = {(t, p) for t in range(tp) for p in range(pp)}
     gone = sorted(want - set(ranks))
@@ -305,6 +309,11 @@ def _model(objs, tp, pp, args, cache, ranks, root):
         for key in names_by_rank[(0, p)]:
             c, name = _chunk_of(key)
             start = c * pp * per_chunk + p * per_chunk
+            lm = _LAYER.match(name)
+            if lm and int(lm[2]) >= per_chunk:
+                raise CorruptCheckpoint(f"{_dir_name(0, p, pp)} holds local layer {lm[2]} but args (num_layers="
+                                        f"{layers}, PP={pp}{f', VPP={vpp}' if vpp else ''}) give each model chunk "
+                                        f"{per_chunk}: the args and the files disagree", path=ranks[(0, p)] / RANK_FILE)
             g = _LAYER.sub(lambda mm: f"{mm[1]}{int(mm[2]) + start}{mm[3]}", name)
             if g in model:
                 raise CorruptCheckpoint(f"{g} is held by two pipeline ranks (stage {origin[g][0]} and {p}): the "
@@ -342,6 +351,12 @@ def _model(objs, tp, pp, args, cache, ranks, root):
         raise UnsupportedCheckpoint(f"no TP merge rule for {len(bad)} parameter(s) of this Megatron-LM checkpoint "
                                     f"({', '.join(bad[:4])}{' …' if len(bad) > 4 else ''}): ckpt will not guess how "
                                     "their shards form the tensor", path=root)
+    found = {int(m[2]) for n in model if (m := _LAYER.match(n))}
+    if found != set(range(layers)):
+        gone = sorted(set(range(layers)) - found)
+        raise CorruptCheckpoint(f"args say num_layers={layers} but the rank files hold layers "
+                                f"{_ranges(sorted(found))}: layer(s) {_ranges(gone)} missing", path=root,
+                                hint="the args and the files disagree: files from different runs?")
     if tied and "embedding.word_embeddings.weight" not in model and tied_copy:
         raise CorruptCheckpoint("the last pipeline stage holds output_layer.weight, tied to word embeddings no "
                                 "stage holds: files from different runs?", path=root)
@@ -353,6 +368,17 @@ def _model(objs, tp, pp, args, cache, ranks, root):
         copies[f"output_layer.weight (stage {p})"] = shards[0] if tp == 1 else TensorNode(
             word.shape, shards[0].dtype, shards=shards, merge=word.merge)
     return model, names_by_rank, local, origin, copies
+
+
+def _ranges(xs: list[int]) -> str:
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ", ".join(out) or "none"
 
 
 def _local(chunk: int, name: str, vpp: int) -> str:
