@@ -213,3 +213,19 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "versions": {d: ver(d) for d in ("ckpt-tools", "torch", "deepspeed", "typer", "click", "rich")},
     }
+
+
+def report(runs: dict, out_name: str, result: dict, notes: dict[str, str] | None = None) -> None:
+    """Summarize each command's runs into `result["results"]`, print one line per command (median wall, range,
+    peak RSS, and a note such as its exit status), and write `result` to OUT_DIR/out_name."""
+    import json
+
+    result.setdefault("results", {})
+    width = max(len(n) for n in runs) + 2
+    for name, ms in runs.items():
+        s = summarize(ms)
+        result["results"][name] = s.to_dict()
+        print(f"{name:{width}s} {s.wall_s_median:7.3f} s  (min {s.wall_s_min:.3f}, max {s.wall_s_max:.3f})  "
+              f"{s.peak_rss_bytes_median / 2**20:7.1f} MiB" + (f"  {notes[name]}" if notes and name in notes else ""))
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    (OUT_DIR / out_name).write_text(json.dumps(result, indent=1, default=str))

@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._util import (OUT_DIR, REPO_ROOT, ckpt_command, machine_info, precompile, run_measured,  # noqa: E402
-                         summarize)
+from bench._util import (OUT_DIR, REPO_ROOT, ckpt_command, machine_info, precompile, report,  # noqa: E402
+                         run_measured)
 
 TORCH_LOAD = r'''
 import sys, torch
@@ -79,14 +79,7 @@ def main() -> None:
     for label, path in (("legacy", legacy), ("torch_dist", dist)):
         doc = json.loads(subprocess.run(ck + ["inspect", str(path), "--json"], capture_output=True, text=True).stdout)
         counts[label] = {"parameter_tensors": doc["parameters"]["tensors"], "files": len(doc["files"])}
-    result = {"machine": machine_info(), "layers": a.layers, "checkpoints": counts, "results": {}}
-    for name, ms in runs.items():
-        s = summarize(ms)
-        result["results"][name] = s.to_dict()
-        print(f"{name:58s} {s.wall_s_median:7.3f} s  (min {s.wall_s_min:.3f}, max {s.wall_s_max:.3f})  "
-              f"{s.peak_rss_bytes_median / 2**20:7.1f} MiB")
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    (OUT_DIR / "megatron_results.json").write_text(json.dumps(result, indent=1, default=str))
+    report(runs, "megatron_results.json", {"machine": machine_info(), "layers": a.layers, "checkpoints": counts})
 
 
 if __name__ == "__main__":

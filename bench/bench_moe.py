@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._util import (OUT_DIR, REPO_ROOT, ckpt_command, machine_info, precompile, run_measured,  # noqa: E402
-                         summarize)
+from bench._util import (OUT_DIR, REPO_ROOT, ckpt_command, machine_info, precompile, report,  # noqa: E402
+                         run_measured)
 
 TORCH_LOAD = r'''
 import sys, torch
@@ -83,14 +83,8 @@ def main() -> None:
     result = {"machine": machine_info(), "experts": a.experts, "moe_layers": a.layers,
               "checkpoint": {"parameter_tensors": doc["parameters"]["tensors"], "parameters": doc["parameters"]["count"],
                              "files": len(doc["files"]), "unread": doc["files_unread"]},
-              "exit_status": status, "results": {}}
-    for name, ms in runs.items():
-        s = summarize(ms)
-        result["results"][name] = s.to_dict()
-        print(f"{name:40s} {s.wall_s_median:7.3f} s  (min {s.wall_s_min:.3f}, max {s.wall_s_max:.3f})  "
-              f"{s.peak_rss_bytes_median / 2**20:7.1f} MiB  exit {status[name]}")
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    (OUT_DIR / "moe_results.json").write_text(json.dumps(result, indent=1, default=str))
+              "exit_status": status}
+    report(runs, "moe_results.json", result, {n: f"exit {c}" for n, c in status.items()})
 
 
 if __name__ == "__main__":

@@ -80,22 +80,10 @@ SAMPLES: tuple[SampleSpec, ...] = (
     SampleSpec("moe_zero2_bf16_ds0169", "moe", _W + "ds_moe", 2, "moe_zero2_bf16_ds0169",
                python_env="DEEPSPEED_0169_PYTHON"),
     # Megatron-LM's own pretrain() + save_checkpoint (megatron-core 0.16.1 + a Megatron-LM checkout)
-    SampleSpec("megatron_tp2_legacy", "megatron_lm", _W + "megatron_lm", 2, "megatron_tp2_legacy",
-               needs_env="MEGATRON_LM_DIR"),
-    SampleSpec("megatron_tp2_torch_dist", "megatron_lm", _W + "megatron_lm", 2, "megatron_tp2_torch_dist",
-               needs_env="MEGATRON_LM_DIR"),
-    SampleSpec("megatron_dp2_distopt_legacy", "megatron_lm", _W + "megatron_lm", 2, "megatron_dp2_distopt_legacy",
-               needs_env="MEGATRON_LM_DIR"),
-    SampleSpec("megatron_dp2_distopt_torch_dist", "megatron_lm", _W + "megatron_lm", 2,
-               "megatron_dp2_distopt_torch_dist", needs_env="MEGATRON_LM_DIR"),
-    SampleSpec("megatron_pp2_legacy", "megatron_lm", _W + "megatron_lm", 2, "megatron_pp2_legacy",
-               needs_env="MEGATRON_LM_DIR"),
-    SampleSpec("megatron_pp2_torch_dist", "megatron_lm", _W + "megatron_lm", 2, "megatron_pp2_torch_dist",
-               needs_env="MEGATRON_LM_DIR"),
-    SampleSpec("megatron_pp2_vpp2_legacy", "megatron_lm", _W + "megatron_lm", 2, "megatron_pp2_vpp2_legacy",
-               needs_env="MEGATRON_LM_DIR"),
-    SampleSpec("megatron_pp2_vpp2_torch_dist", "megatron_lm", _W + "megatron_lm", 2,
-               "megatron_pp2_vpp2_torch_dist", needs_env="MEGATRON_LM_DIR"),
+    *(SampleSpec(name, "megatron_lm", _W + "megatron_lm", 2, name, needs_env="MEGATRON_LM_DIR")
+      for name in ("megatron_tp2_legacy", "megatron_tp2_torch_dist", "megatron_dp2_distopt_legacy",
+                   "megatron_dp2_distopt_torch_dist", "megatron_pp2_legacy", "megatron_pp2_torch_dist",
+                   "megatron_pp2_vpp2_legacy", "megatron_pp2_vpp2_torch_dist")),
 )
 
 
