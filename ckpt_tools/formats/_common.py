@@ -272,3 +272,48 @@ def counter_warnings(ckpt_counters, *, accelerate_world_size: int | None = None,
 
 def empty_checkpoint_error(path: Path, what: str) -> NotACheckpoint:
     return NotACheckpoint(f"no {what} found", path=path)
+
+
+def read_range(node, start: int, count: int, starts: list[int] | None = None):
+    """Elements [start, start+count) of a TensorNode flattened (numpy; bfloat16 as uint16 bit patterns), read from
+    the pieces that hold them. `starts`: the pieces' dst offsets, sorted, to find the first piece by bisection (a
+    flat optimizer bucket holds thousands of pieces). ValueError when the pieces leave part of the range uncovered."""
+    import bisect
+
+    import numpy as np
+
+    pieces = node.pieces if starts is not None else sorted(node.pieces, key=lambda p: p.dst_offset)
+    first = max(bisect.bisect_right(starts, start) - 1, 0) if starts is not None else 0
+    parts, want = [], start
+    for p in pieces[first:]:
+        if p.dst_offset + p.numel <= want or p.dst_offset > want:
+            continue
+        take = min(p.dst_offset + p.numel, start + count) - want
+        parts.append(np.asarray(p.ref.read_numpy(p.src_offset + want - p.dst_offset, take)))
+        want += take
+        if want >= start + count:
+            break
+    if want < start + count:
+        raise ValueError("range not covered by the pieces")
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def rounded_bits(master, dtype: str):
+    """fp32 `master` rounded to `dtype` as the reader stores that dtype (bfloat16: uint16 bit patterns, round to
+    nearest even, as torch rounds; others: numpy's cast)."""
+    import numpy as np
+
+    m = np.asarray(master, dtype=np.float32)
+    if dtype == "bfloat16":
+        bits = m.view(np.uint32).astype(np.uint64)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return m.astype(np.dtype(dtype))
+
+
+def rounds_to(master, weights, dtype: str) -> bool:
+    """Whether fp32 `master` rounded to `dtype` equals `weights` (as read: bfloat16 as uint16 bit patterns): the
+    check that an fp32 master belongs to the low-precision weight it was copied into after each step."""
+    import numpy as np
+
+    rounded = rounded_bits(master, dtype)
+    return bool(np.array_equal(rounded, np.asarray(weights, dtype=rounded.dtype)))

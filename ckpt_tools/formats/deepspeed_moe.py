@@ -23,13 +23,12 @@ refused for now (no resume has proven an MoE conversion).
 """
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpoint, MissingFile, NotACheckpoint, UnsupportedCheckpoint
-from ..pickle_reader import Opaque, TensorRef
+from ..pickle_reader import TensorRef
 from ..tree import Checkpoint, TensorNode, Warning_, as_int, tensor_node
 from . import _common as C
 from . import deepspeed as D
@@ -60,6 +59,11 @@ def _rename(e: int, n_local: int):
     return lambda name: _LOCAL.sub(lambda m: f"{m[1]}{e * n_local + int(m[2])}{m[3]}", name)
 
 
+def _gate_rows(module: dict) -> list[int]:
+    """Experts per MoE layer, from each layer's gate `…deepspeed_moe.gate.wg.weight` [num_experts, hidden]."""
+    return [r.shape[0] for n, r in module.items() if str(n).endswith(D._GATE) and isinstance(r, TensorRef)]
+
+
 def _is_moe(g: Any) -> bool:
     return isinstance(g, dict) and bool(g.get("moe"))
 
@@ -71,8 +75,7 @@ def _ep_size(groups: list[dict]) -> int | None:
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
-    tag_dir = _tag_dir(path)
-    if tag_dir is None:
+    if not path.is_dir():
         raise NotACheckpoint("no DeepSpeed Mixture-of-Experts tag folder", path=path)
     root, tag_dir, tag = C.resolve_tag(path, D._STATE_GLOB)
     cache = C.LoadCache(root)
@@ -142,19 +145,18 @@ def _expert_weights(tag_dir: Path, root: Path, cache: C.LoadCache):
     files: dict[tuple[int, int], Path] = {}
     found = sorted(((int(m[1]), int(m[2]), p) for p in tag_dir.iterdir() if (m := _EXPERT.match(p.name))),
                    key=lambda x: x[:2])  # (MoE layer, expert) in number order: model order
-    for _, _, p in found:
-        m = _EXPERT.match(p.name)
-        files[(int(m[1]), int(m[2]))] = p
+    for layer, expert, p in found:
+        files[(layer, expert)] = p
         obj = cache.load(p).obj
         if not isinstance(obj, dict) or not any(isinstance(v, TensorRef) for v in obj.values()):
             raise CorruptCheckpoint(f"{p.name} holds no expert tensors", path=p, hint="re-copy it")
         for k, v in obj.items():
             if isinstance(v, TensorRef):
                 ids = [int(x[2]) for x in _LOCAL.finditer(str(k))]
-                if ids != [int(m[2])]:
-                    raise CorruptCheckpoint(f"{p.name} holds {k}, not a tensor of expert {m[2]}", path=p,
+                if ids != [expert]:
+                    raise CorruptCheckpoint(f"{p.name} holds {k}, not a tensor of expert {expert}", path=p,
                                             hint="the file was renamed or comes from another run")
-                out[str(k)] = tensor_node(v, cache.rel(p), {"expert": int(m[2])})
+                out[str(k)] = tensor_node(v, cache.rel(p), {"expert": expert})
     return out, files
 
 
@@ -176,8 +178,7 @@ def _zero_layout(ext, rf, ms, module, experts, dp, cache, expp, root) -> None:
         raise UnsupportedCheckpoint(f"MoE param groups {[g.get('name') for g in groups]} name no single "
                                     f"expert-parallel size dividing dp={dp}: ckpt will not guess where the experts "
                                     "are", path=rf.optim[min(rf.optim)])
-    gates = [r.shape[0] for n, r in module.items() if str(n).endswith(D._GATE) and isinstance(r, TensorRef)]
-    n_experts = {int(x) for x in (ms.get("num_experts") or gates)}
+    n_experts = {int(x) for x in (ms.get("num_experts") or _gate_rows(module))}
     if len(n_experts) != 1 or next(iter(n_experts)) % ep:
         raise UnsupportedCheckpoint(f"MoE layers of {sorted(n_experts)} experts with ep_size {ep}: ckpt reads MoE "
                                     "models whose layers all have the same number of experts", path=rf.model_states)
@@ -255,44 +256,29 @@ def _groups_from_mappings(rf, cache, module, experts, ep, n_local) -> list[dict[
 def _confirm_placement(masters: dict[str, TensorNode | None], experts: dict[str, TensorNode], rf) -> None:
     """Each expert's fp32 master (first 128 elements) rounds to its expert file's weights: the expert-parallel
     rank -> global id mapping is the one DeepSpeed used, not an assumption."""
-    from .megatron_lm import _rounds_to
-
     for name, node in experts.items():
         fp32 = masters.get(name)
         if fp32 is None:
             raise CorruptCheckpoint(f"expert parameter {name} has no fp32 master in the ZeRO files", path=rf.model_states)
         k = min(node.numel, 128)
-        ref = node.pieces[0].ref
-        master = _first(fp32, k)
-        if node.dtype in ("bfloat16", "float16", "float32") and not _rounds_to(master, ref.read_numpy(0, k), node.dtype):
+        if node.dtype in ("bfloat16", "float16", "float32") and \
+                not C.rounds_to(C.read_range(fp32, 0, k), C.read_range(node, 0, k), node.dtype):
             raise UnsupportedCheckpoint(f"the fp32 master ckpt places at {name} does not round to that expert's "
                                         "weights: the experts are not where DeepSpeed's default expert-parallel "
                                         "groups put them (a custom group layout?); ckpt will not guess",
                                         path=rf.model_states)
 
 
-def _first(node: TensorNode, k: int):
-    import numpy as np
-
-    parts, need = [], k
-    for p in sorted(node.pieces, key=lambda p: p.dst_offset):
-        if need <= 0:
-            break
-        take = min(p.numel, need)
-        parts.append(np.asarray(p.ref.read_numpy(p.src_offset, take)))
-        need -= take
-    return np.concatenate(parts)
-
-
 def _expp_optimizer(ext, expp: dict[int, Path], module, experts, cache, root) -> None:
     """No ZeRO: one whole torch optimizer per expert-parallel rank. Ids map to names group by group in model
     order (the non-MoE names, then this rank's experts under local names); non-MoE state from rank 0's file
     (the others hold the same replicas), each expert's from its own rank's file."""
+    for p in expp.values():
+        wrapped = D._dig(cache.load(p).obj, "optimizer")
+        if isinstance(wrapped, dict) and ("optimizer_state_dict" in wrapped or "fp32_groups" in wrapped):
+            raise UnsupportedCheckpoint(f"{p.name} holds DeepSpeed's mixed-precision optimizer wrapper (bf16/fp16 "
+                                        "without ZeRO: fp32_groups): ckpt does not read it yet", path=p)
     first = expp[min(expp)]
-    wrapped = D._dig(cache.load(first).obj, "optimizer")
-    if isinstance(wrapped, dict) and ("optimizer_state_dict" in wrapped or "fp32_groups" in wrapped):
-        raise UnsupportedCheckpoint(f"{first.name} holds DeepSpeed's mixed-precision optimizer wrapper (bf16/fp16 "
-                                    "without ZeRO: fp32_groups): ckpt does not read it yet", path=first)
     ep = _ep_size(_groups_of(cache.load(first).obj))
     if ep is None:
         raise UnsupportedCheckpoint("the MoE param groups name no single expert-parallel size (ep_size_N)", path=first)
@@ -304,7 +290,7 @@ def _expp_optimizer(ext, expp: dict[int, Path], module, experts, cache, root) ->
     if max(expp) >= ep:
         raise CorruptCheckpoint(f"expp_rank_{max(expp)} is beyond ep_size {ep}: files from another run?",
                                 path=expp[max(expp)], hint="move it out of the folder")
-    gates = [r.shape[0] for n, r in module.items() if str(n).endswith(D._GATE) and isinstance(r, TensorRef)]
+    gates = _gate_rows(module)
     if len(set(gates)) != 1 or gates[0] % ep:
         raise UnsupportedCheckpoint(f"MoE layers of {sorted(set(gates))} experts over {ep} expp_rank files",
                                     path=next(iter(expp.values())))
@@ -316,7 +302,7 @@ def _expp_optimizer(ext, expp: dict[int, Path], module, experts, cache, root) ->
                    key=lambda n: order.get(ren0(n), -1))
     shapes = {n: tuple(module[n].shape) for n in dense}
     for n in local:
-        shapes[n] = experts[_rename(0, n_local)(n)].shape
+        shapes[n] = experts[ren0(n)].shape
     state: dict[str, dict[str, Any]] = {}
     steps: list[int] = []
     lrs: dict[int, tuple[float, ...]] = {}
@@ -325,9 +311,6 @@ def _expp_optimizer(ext, expp: dict[int, Path], module, experts, cache, root) ->
     for e, p in sorted(expp.items()):
         obj = cache.load(p).obj
         osd = obj.get("optimizer") if isinstance(obj, dict) else None
-        if isinstance(osd, dict) and ("optimizer_state_dict" in osd or "fp32_groups" in osd):
-            raise UnsupportedCheckpoint(f"{p.name} holds DeepSpeed's mixed-precision optimizer wrapper (bf16/fp16 "
-                                        "without ZeRO: fp32_groups): ckpt does not read it yet", path=p)
         if not isinstance(osd, dict) or not isinstance(osd.get("state"), dict):
             raise CorruptCheckpoint(f"{p.name} holds no optimizer state", path=p, hint="re-copy it")
         groups = [g for g in osd.get("param_groups") or [] if isinstance(g, dict)]

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpoint, NotACheckpoint, UnsupportedCheckpoint
-from ..tree import (Checkpoint, Counters, GroupNode, LearningRates, Piece, TensorNode, Topology, ValueNode, Warning_,
+from ..tree import (Checkpoint, Counters, GroupNode, LearningRates, Piece, TensorNode, ValueNode, Warning_,
                     as_int, to_node)
 from . import _common as C
 from . import dcp, megatron_lm
@@ -69,27 +69,14 @@ def sniff(path: Path) -> bool:
     return _locate(path) is not None
 
 
-def _slice(node: TensorNode, i: int, starts: list[int] | None = None) -> TensorNode:
-    """Layer `i` of a tensor stacked on a leading layer axis: the pieces that fall in its range, re-based.
-    `starts`: the pieces' dst offsets (sorted, as the DCP reader leaves them), to find the range by bisection."""
-    import bisect
-
+def _slice(node: TensorNode, i: int, starts: list[int]) -> TensorNode:
+    """Layer `i` of a tensor stacked on a leading layer axis (`starts`: its pieces' sorted dst offsets)."""
     shape = tuple(node.shape[1:])
     n = math.prod(shape)
-    lo, hi = i * n, (i + 1) * n
-    pieces = []
-    first = max(bisect.bisect_right(starts, lo) - 1, 0) if starts is not None else 0
-    for p in node.pieces[first:]:
-        if p.dst_offset >= hi:
-            break
-        a, b = max(p.dst_offset, lo), min(p.dst_offset + p.numel, hi)
-        if a < b:
-            pieces.append(Piece(p.file, p.ref, p.src_offset + (a - p.dst_offset), b - a, a - lo,
-                                {**dict(p.rank), "layer": i}))
-    value = None
+    out = _range(node, i * n, n, shape, starts, {"layer": i})
     if isinstance(node.value, list) and len(node.value) == node.numel:
-        value = node.value[lo:hi] if n > 1 else node.value[lo]
-    return TensorNode(shape, node.dtype, tuple(pieces), value=value)
+        out = replace(out, value=node.value[i * n:(i + 1) * n] if n > 1 else node.value[i * n])
+    return out
 
 
 def _unstack(flat: dict[str, TensorNode], layers: int, where: Path) -> dict[str, TensorNode]:
@@ -241,28 +228,6 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         details={"tag": tag, **details})
 
 
-def _read_flat(node: TensorNode, start: int, count: int, starts: list[int] | None = None):
-    """Elements [start, start+count) of `node` flattened (numpy), from the pieces that hold them. `starts`: the
-    pieces' dst offsets (sorted), to find the first piece by bisection in a bucket of thousands of chunks."""
-    import bisect
-
-    import numpy as np
-
-    parts, want = [], start
-    first = max(bisect.bisect_right(starts, start) - 1, 0) if starts is not None else 0
-    for p in node.pieces[first:]:
-        if p.dst_offset + p.numel <= want or p.dst_offset > want:
-            continue
-        take = min(p.dst_offset + p.numel, start + count) - want
-        parts.append(np.asarray(p.ref.read_numpy(p.src_offset + want - p.dst_offset, take)))
-        want += take
-        if want >= start + count:
-            break
-    if want < start + count:
-        raise ValueError("range not covered by the pieces")
-    return np.concatenate(parts) if len(parts) > 1 else parts[0]
-
-
 def _map_buckets(distributed: dict[str, TensorNode], model: dict[str, TensorNode],
                  where: Path) -> dict[str, dict[str, TensorNode]] | None:
     """Per-parameter {fp32, exp_avg, exp_avg_sq} inside the distributed optimizer's flat bucket tensors
@@ -272,10 +237,6 @@ def _map_buckets(distributed: dict[str, TensorNode], model: dict[str, TensorNode
     start. So each parameter is FOUND, not assumed: at each start, the parameter of the param dtype whose size
     reaches a chunk boundary and whose weights are the bucket's fp32 master rounded (first 128 elements, read for
     every parameter once) is the one; none or two such parameters, a gap, or a parameter left over: not mapped."""
-    import numpy as np
-
-    from .megatron_lm import _rounds_to
-
     buckets: dict[str, dict[str, TensorNode]] = {}
     for key, node in distributed.items():
         prefix, _, kind = key.rpartition(".")
@@ -287,7 +248,7 @@ def _map_buckets(distributed: dict[str, TensorNode], model: dict[str, TensorNode
     finger: dict[tuple[str, int, bytes], list[str]] = {}
     try:
         for name, node in model.items():
-            finger.setdefault((node.dtype, node.numel, _read_flat(node, 0, min(k, node.numel)).tobytes()),
+            finger.setdefault((node.dtype, node.numel, C.read_range(node, 0, min(k, node.numel)).tobytes()),
                               []).append(name)
         out: dict[str, dict[str, TensorNode]] = {}
         for prefix, kinds in sorted(buckets.items()):
@@ -305,15 +266,13 @@ def _map_buckets(distributed: dict[str, TensorNode], model: dict[str, TensorNode
             pos = 0
             while pos < total:
                 found = []
-                head = _read_flat(flat, pos, min(k, total - pos), starts)  # one read per parameter start
+                # one read per parameter start, rounded once: a parameter matches when its first elements ARE
+                # these rounded bits (the fingerprint holds the weights' own bytes, so the lookup is the check)
+                head = C.rounded_bits(C.read_range(flat, pos, min(k, total - pos), starts), pdtype)
                 for n in sizes:  # only sizes a parameter has that end on a chunk boundary
-                    if pos + n not in bounds:
-                        continue
-                    m = head[:min(k, n)]
-                    bits = _bf16_bits(m) if pdtype == "bfloat16" else np.asarray(m).astype(np.dtype(pdtype))
-                    for name in finger.get((pdtype, n, bits.tobytes()), ()):
-                        if name not in out and _rounds_to(m, _read_flat(model[name], 0, min(k, n)), pdtype):
-                            found.append((name, n))
+                    if pos + n in bounds:
+                        key = (pdtype, n, head[:min(k, n)].tobytes())
+                        found += [(name, n) for name in finger.get(key, ()) if name not in out]
                 if len(found) != 1:
                     return None
                 name, n = found[0]
@@ -325,17 +284,10 @@ def _map_buckets(distributed: dict[str, TensorNode], model: dict[str, TensorNode
     return out if set(out) == set(model) else None
 
 
-def _bf16_bits(master):
-    """fp32 values rounded to bfloat16 (round to nearest even), as uint16 bit patterns."""
-    import numpy as np
-
-    bits = np.asarray(master, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def _range(flat: TensorNode, start: int, n: int, shape: tuple[int, ...], starts: list[int]) -> TensorNode:
-    """Elements [start, start+n) of a flat bucket tensor as a parameter-shaped node (`starts`: its pieces' sorted
-    dst offsets)."""
+def _range(flat: TensorNode, start: int, n: int, shape: tuple[int, ...], starts: list[int],
+           rank: dict[str, int] | None = None) -> TensorNode:
+    """Elements [start, start+n) of a tensor's flat elements as a node of `shape`, its pieces re-based (`starts`:
+    the pieces' sorted dst offsets; `rank`: coordinates added to each piece's, e.g. the layer)."""
     import bisect
 
     pieces = []
@@ -344,7 +296,8 @@ def _range(flat: TensorNode, start: int, n: int, shape: tuple[int, ...], starts:
             break
         a, b = max(p.dst_offset, start), min(p.dst_offset + p.numel, start + n)
         if a < b:
-            pieces.append(Piece(p.file, p.ref, p.src_offset + (a - p.dst_offset), b - a, a - start, p.rank))
+            pieces.append(Piece(p.file, p.ref, p.src_offset + (a - p.dst_offset), b - a, a - start,
+                                {**dict(p.rank), **rank} if rank else p.rank))
     return TensorNode(tuple(shape), flat.dtype, tuple(pieces))
 
 

@@ -18,9 +18,11 @@ vocabulary-parallel embedding / output layer are split on dim 0; row-parallel we
 replicated. Each rule is checked against the global shape `args` implies; a parameter no rule covers, with TP > 1,
 is refused by name rather than guessed.
 
-Pipeline stages (`mp_rank_XX_YYY`) number their layers from 0 and are renumbered globally; with tied embeddings the
-last stage's `output_layer.weight` is Megatron's copy of the word embeddings, shown under `tied_copies` and counted
-once. A virtual pipeline (several model chunks per rank) and uneven stages are refused by name.
+Pipeline stages (`mp_rank_XX_YYY`) and virtual-pipeline model chunks (`model0`, `model1`, … in each rank file) number
+their layers from 0 and are renumbered by Megatron's layer offset; the stages must hold exactly layers
+0..num_layers-1. With tied embeddings the last stage's `output_layer.weight` is Megatron's copy of the word
+embeddings, shown under `tied_copies` and counted once. Uneven stages, expert parallelism and multi-token prediction
+are refused by name.
 
 Where the training state lives: every rank file holds the same param groups (`max_lr`/`min_lr` drive the LR: Megatron
 recomputes it every step from them and `opt_param_scheduler.num_steps`) and its own copy of the scheduler, so an
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +160,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         raise UnsupportedCheckpoint(f"a Megatron-LM checkpoint with multi-token prediction (mtp_num_layers="
                                     f"{args.get('mtp_num_layers')}): its last stage holds its own embedding and MTP "
                                     "layers, which ckpt does not place yet", path=it)
+    vpp = as_int(args.get("virtual_pipeline_model_parallel_size")) or 0
     warnings: list[Warning_] = []
     want = {(t, p) for t in range(tp) for p in range(pp)}
     gone = sorted(want - set(ranks))
@@ -181,7 +183,6 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         o = cache.load(f).obj
         if not isinstance(o, dict) or ("model" not in o and "model0" not in o):
             raise CorruptCheckpoint(f"{f.name} holds no `model`", path=f, hint="copy the rank's file back")
-        vpp = as_int(args.get("virtual_pipeline_model_parallel_size")) or 0
         chunks = sorted(k for k in o if isinstance(k, str) and re.fullmatch(r"model\d+", k))
         if (len(chunks) != vpp) if vpp else (chunks or "model" not in o):
             raise CorruptCheckpoint(f"{ranks[key].name}/{RANK_FILE} holds {len(chunks) or 1} model chunk(s) "
@@ -276,8 +277,9 @@ def _dir_name(t: int, p: int, pp: int) -> str:
 
 def _model(objs, tp, pp, args, cache, ranks, root):
     """(global name -> TensorNode over the TP shards, {(tp, pp): [local names in model order]},
-    {(tp, pp): {local name: TensorRef}}). Pipeline stages number their layers from 0: stage p's layer i is
-    global layer p * num_layers / pp + i (uneven stage sizes are refused)."""
+    {(tp, pp): {local name: TensorRef}}, {global name: (stage, local name)}, {tied copies}). Stages and model
+    chunks number their layers from 0: chunk c of stage p starts at global layer c * pp * per_chunk + p * per_chunk
+    (uneven stage sizes are refused)."""
     layers = as_int(args.get("num_layers")) or 0
     vpp = as_int(args.get("virtual_pipeline_model_parallel_size")) or 0
     if pp > 1 and (args.get("decoder_first_pipeline_num_layers") or args.get("decoder_last_pipeline_num_layers")
@@ -292,7 +294,7 @@ def _model(objs, tp, pp, args, cache, ranks, root):
     # embeddings (Megatron's embedding group all-reduces their gradients so that both stay equal); Megatron's own
     # converters read the first stage's. Counted once; the copy is shown apart (`tied_copies`).
     tied = pp > 1 and not args.get("untie_embeddings_and_output_weights")
-    tied_copy: list[int] = []
+    tied_copy: list[tuple[int, str]] = []  # (stage, local name)
     model: dict[str, TensorNode] = {}
     names_by_rank: dict[tuple[int, int], list[str]] = {}
     local: dict[tuple[int, int], dict[str, TensorRef]] = {}
@@ -513,7 +515,7 @@ def _distopt_entries(obj: Any, names: list[str], refs: dict[str, TensorRef], arg
         for n in mine:
             k = min(refs[n].numel, 128)
             try:
-                same = _rounds_to(flat["param"].read_numpy(where[n], k), refs[n].read_numpy(0, k), pdtype)
+                same = C.rounds_to(flat["param"].read_numpy(where[n], k), refs[n].read_numpy(0, k), pdtype)
             except Exception:  # noqa: BLE001  unreadable bytes: not mapped (the reader reports corruption elsewhere)
                 return None
             if not same:
@@ -543,19 +545,6 @@ def group_warnings(groups: list[dict], shapes: dict[str, tuple], args: dict, whe
     return [Warning_("declared-mismatch", f"no param group with wd_mult {', '.join(f'{x:g}' for x in gone)} although "
                      f"the model has parameters Megatron puts there ({len(groups)} group(s) saved): a param group "
                      "was lost", where)]
-
-
-def _rounds_to(master, weights, dtype: str) -> bool:
-    """Whether fp32 `master` rounded to `dtype` (numpy only: bfloat16 as uint16 bit patterns, round to nearest
-    even) equals `weights`."""
-    import numpy as np
-
-    m = np.asarray(master, dtype=np.float32)
-    if dtype == "bfloat16":
-        bits = m.view(np.uint32).astype(np.uint64)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-        return bool(np.array_equal(rounded, np.asarray(weights, dtype=np.uint16)))
-    return bool(np.array_equal(m.astype(np.dtype(dtype)), np.asarray(weights)))
 
 
 def _distrib_nodes(ranks, cache, root) -> GroupNode:

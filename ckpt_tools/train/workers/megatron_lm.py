@@ -114,17 +114,24 @@ MODEL = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attent
          "vocab_size": 128, "seq_length": 16}
 
 
+def model_config(v: Variant) -> dict[str, int]:
+    """The recipe's model for variant `v`: the interleaved schedule needs a layer per model chunk, so a virtual
+    pipeline gets pp * vpp layers, kept small (hidden 32, FFN 64)."""
+    if v.vpp:
+        return {**MODEL, "num_layers": v.pp * v.vpp, "hidden_size": 32, "ffn_hidden_size": 64}
+    return dict(MODEL)
+
+
 def megatron_argv(v: Variant, *, save: Path | None, load: Path | None, work: Path) -> list[str]:
     """Megatron's command line for variant `v` (what a user passes to pretrain_gpt.py)."""
-    if v.vpp:  # the interleaved schedule needs a layer per model chunk: 4 layers, kept small (hidden 32, FFN 64)
-        MODEL.update(num_layers=v.pp * v.vpp, hidden_size=32, ffn_hidden_size=64)
+    m = model_config(v)
     argv = [
         "--tensor-model-parallel-size", str(v.tp), "--pipeline-model-parallel-size", str(v.pp),
-        "--num-layers", str(MODEL["num_layers"]), "--hidden-size", str(MODEL["hidden_size"]),
-        "--ffn-hidden-size", str(MODEL["ffn_hidden_size"]),
-        "--num-attention-heads", str(MODEL["num_attention_heads"]),
-        "--seq-length", str(MODEL["seq_length"]), "--max-position-embeddings", str(MODEL["seq_length"]),
-        "--vocab-size", str(MODEL["vocab_size"] - 1), "--make-vocab-size-divisible-by", "64",
+        "--num-layers", str(m["num_layers"]), "--hidden-size", str(m["hidden_size"]),
+        "--ffn-hidden-size", str(m["ffn_hidden_size"]),
+        "--num-attention-heads", str(m["num_attention_heads"]),
+        "--seq-length", str(m["seq_length"]), "--max-position-embeddings", str(m["seq_length"]),
+        "--vocab-size", str(m["vocab_size"] - 1), "--make-vocab-size-divisible-by", "64",
         "--tokenizer-type", "NullTokenizer", "--mock-data",
         "--transformer-impl", "local", "--normalization", "LayerNorm",
         "--attention-dropout", "0", "--hidden-dropout", "0",
@@ -501,7 +508,7 @@ def write_manifest(ckpt: Path, sample: str, v: Variant, per_rank: list[dict[str,
             "megatron_lm": {"tag": MEGATRON_LM_TAG, "commit": MEGATRON_LM_COMMIT},
             "megatron_core": megatron.core.__version__,
             "ckpt_format": v.ckpt_format,
-            "model_config": MODEL,
+            "model_config": model_config(v),
             "precision": "bf16 weights, fp32 master (Megatron mixed-precision optimizer)",
             "optimizer": s["optimizer"], "inner_optimizer": s["inner_optimizer"],
             "micro_batch": MICRO_BATCH, "global_batch": GLOBAL_BATCH, "train_iters": ITERATIONS,
