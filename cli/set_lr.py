@@ -151,6 +151,11 @@ def _run(lp, *, dry_run: bool, yes: bool, json_out: bool, backup_dir: Optional[P
             con.print(f"[green]changed {output.plural(len(tx.files), 'file')}, verified[/]; {written_line(tx)}",
                       soft_wrap=True)
             con.print(f"undo: {_undo_hint(plan.root, backup_dir, tx)}", soft_wrap=True)
+            job = (getattr(lp, "config_change", None) or {}).get("job_config")
+            if job:  # torchtitan: the checkpoint edit alone changes only the first resumed update
+                con.print("[bold yellow]NOT DONE YET[/]: relaunch with "
+                          + " ".join(f"{k} {v:.6g}" for k, v in job.items())
+                          + " (the job config's LR drives every resumed step after the first)", soft_wrap=True)
         return 0
     except KeyboardInterrupt as e:
         if isinstance(e, io.Interrupted):

@@ -622,7 +622,10 @@ def plan_set_lr(ck: Checkpoint, *, scale: float | None = None, lr: float | None 
                             "use --scale")
         idx_change = config_change(cfg, factors) if kind == DEEPSPEED and any(f != 1.0 for f in factors) else None
         change = change or idx_change
-        job_lrs = _job_config_lrs(files, idx, factors[0] if factors else 1.0) if kind == JOB_CONFIG else ""
+        job_lrs, job_flags = (_job_config_lrs(files, idx, factors[0] if factors else 1.0) if kind == JOB_CONFIG
+                              else ("", {}))
+        if job_flags and (scale is not None or lr is not None):
+            change = change or {"job_config": job_flags}
         relaunch = _megatron_relaunch(files, idx, factors) if kind == MEGATRON else ""
         _apply_lr(files, idx, kind, factors, sel, flat, last_lr, last_epoch, step_count, idx_change)
         who = f"optimizer {idx}: " if len(picked) > 1 or idx else ""
@@ -658,19 +661,29 @@ def plan_set_lr(ck: Checkpoint, *, scale: float | None = None, lr: float | None 
     return _finish(ck, root, files, "set-lr", notes, kinds, change, world)
 
 
-def _job_config_lrs(files: list[_File], idx: int, factor: float) -> str:
-    """The job-config LRs that give the edited trajectory: each saved initial_lr (the config LR of the run that
-    saved it) times `factor`, in the groups' saved order."""
-    seen: list[float] = []
+def _job_config_lrs(files: list[_File], idx: int, factor: float) -> tuple[str, dict[str, float]]:
+    """The job-config LRs that give the edited trajectory, as the torchtitan flags to relaunch with: each saved
+    group's initial_lr (the config LR of the run that saved it) times `factor`. Groups are the parameters that
+    share every saved hyperparameter, in saved order (torchtitan saves its groups in its config's pattern order)."""
+    groups: list[dict] = []
     for f in files:
-        for _path, groups, _i in _groups(f, idx):
-            for _g, pg in groups:
-                v = pg.get("initial_lr", pg.get("lr"))
-                if isinstance(v, (int, float)) and float(v) not in seen:
-                    seen.append(float(v))
-    pairs = ", ".join(f"{v:.6g} -> {v * factor:.6g}" for v in seen)
-    return (f"Config LR per param group ({pairs}): torchtitan 0.3.0 names it "
-            "--optimizer.param-groups.<N>.optimizer-kwargs.lr (one group: --optimizer.lr)")
+        for _path, found, _i in _groups(f, idx):
+            for _g, pg in found:
+                fields = {k: v for k, v in pg.items() if k != "params"}
+                if fields not in groups:
+                    groups.append(fields)
+    flags: dict[str, float] = {}
+    pairs = []
+    for n, g in enumerate(groups):
+        v = g.get("initial_lr", g.get("lr"))
+        if isinstance(v, (int, float)):
+            flags[f"--optimizer.param-groups.{n}.optimizer-kwargs.lr"] = float(v) * factor
+            pairs.append(f"{float(v):.6g} -> {float(v) * factor:.6g}")
+    text = (f"Config LR per param group ({', '.join(pairs)}): relaunch torchtitan with "
+            + " ".join(f"{k} {v:.6g}" for k, v in flags.items())
+            + " (torchtitan 0.3.0's option; N is the group's place in your config's optimizer.param_groups, "
+            "groups whose pattern matched no parameter are not saved)")
+    return text, flags
 
 
 def _apply_lr(files: list[_File], idx: int, kind: str, factors: list[float], sel: list[int], flat: bool,

@@ -73,7 +73,9 @@ Check mode (resume in torchtitan's own Trainer):
 starts the Trainer with the same config, `--checkpoint.folder` = the step folder's parent,
 `--checkpoint.load-step N`, `--checkpoint.load-only` (no saves), `--training.steps N+steps` and
 `--lr-scheduler.total-steps 5` (the schedule of the original run), trains `steps` step(s) and prints, per
-resumed step, the LR each param group used, the step, the scheduler's last_epoch and the loss.
+resumed step, the LR each param group used, the step, the scheduler's last_epoch and the loss. `--trainer-arg A` (repeatable) appends A
+to torchtitan's job-config arguments, as a user relaunching would (e.g. the config LR `ckpt set-lr` names);
+`--record` holds rank 0's steps and every rank's param-group LRs (`ranks`).
 """
 from __future__ import annotations
 
@@ -528,7 +530,7 @@ def _one(values: list[float]) -> int | None:
 # --- check (resume) ----------------------------------------------------------------------------------------
 
 
-def check(step_folder: Path, record: Path | None, steps: int) -> None:
+def check(step_folder: Path, record: Path | None, steps: int, trainer_args: list[str] = ()) -> None:
     import torch.distributed as dist
 
     step_folder = step_folder.resolve()
@@ -543,13 +545,16 @@ def check(step_folder: Path, record: Path | None, steps: int) -> None:
         argv = trainer_argv(assets=assets, dataset=dataset, dump=work / "dump", ckpt_folder=step_folder.parent,
                             extra=["--checkpoint.load-step", str(load_step), "--checkpoint.load-only",
                                    "--training.steps", str(load_step + steps),
-                                   "--lr-scheduler.total-steps", str(STEPS)])
+                                   "--lr-scheduler.total-steps", str(STEPS), *trainer_args])
         config, trainer = build_trainer(argv)
         rec = Recorder(trainer)
         trainer.train()
         dist.barrier()
         records = [{"step": h["step"], "lr": h["lr"], "lr_after": h["lr_after"],
                     "scheduler_last_epoch": h["scheduler_last_epoch"], "loss": h.get("loss")} for h in rec.history]
+        # every rank's own optimizer LRs (each rank steps its own shard's param groups)
+        per_rank: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, [{"step": h["step"], "lr": h["lr"]} for h in rec.history])
         if rank() == 0:
             original = _original_history(step_folder)
             for r in records:
@@ -562,7 +567,8 @@ def check(step_folder: Path, record: Path | None, steps: int) -> None:
                     print(f"UNINTERRUPTED step {r['step']}: lr {o['lr']}, loss {o['loss']} -> "
                           f"{'SAME' if same else 'DIFFERENT'}", flush=True)
             if record is not None:
-                record.write_text(json.dumps({"loaded_step": load_step, "records": records}, indent=1) + "\n")
+                record.write_text(json.dumps({"loaded_step": load_step, "trainer_args": list(trainer_args),
+                                              "records": records, "ranks": per_rank}, indent=1) + "\n")
         finish(trainer)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -584,6 +590,10 @@ def main() -> None:
     p.add_argument("--check", type=Path, help="a torchtitan step-N folder to resume from in torchtitan's Trainer")
     p.add_argument("--record", type=Path, help="check mode: rank 0 writes the resumed steps here (JSON)")
     p.add_argument("--steps", type=int, default=1, help="check mode: steps to train after loading (default 1)")
+    p.add_argument("--trainer-arg", action="append", default=[], dest="trainer_args",
+                   help="check mode: one more job-config argument for torchtitan's ConfigManager, as a user adds to "
+                        "the launch command (repeat; e.g. --trainer-arg=--optimizer.param-groups.0.optimizer-kwargs.lr "
+                        "--trainer-arg=0.0002)")
     args = p.parse_args()
     if (args.out is None) == (args.check is None):
         p.error("give exactly one of --out or --check")
@@ -593,7 +603,7 @@ def main() -> None:
     code = 0
     try:
         if args.check is not None:
-            check(args.check, args.record, args.steps)
+            check(args.check, args.record, args.steps, args.trainer_args)
         else:
             make(args.sample, args.out)
     except BaseException:

@@ -1,0 +1,83 @@
+"""set-lr on a checkpoint written by the real torchtitan 0.3.0 Trainer, proven by resuming it in the real torchtitan
+Trainer (FSDP2, 2 gloo ranks; `ckpt_tools.train.workers.torchtitan_run --check`), against an untouched resume in
+the same test.
+
+torchtitan is not a dependency of ckpt (it needs `--no-deps` installs: see the worker's docstring): without it
+these tests skip and say so. Measured with torchtitan 0.3.0 on torch 2.13.0+cpu.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+
+import pytest
+
+from conftest import run_cli, sample
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    importlib.util.find_spec("torchtitan") is None,
+    reason="the real torchtitan is not installed (pip install --no-deps torchtitan==0.3.0 and the packages "
+           "listed in ckpt_tools/train/workers/torchtitan_run.py)")]
+
+STEPS = 2
+
+
+def _resume(step_folder, tmp_path, tag, trainer_args=()):
+    from ckpt_tools.samples import run_torchrun
+
+    record = tmp_path / f"{tag}.json"
+    args = ["--sample", "torchtitan_real", "--check", str(step_folder), "--steps", str(STEPS),
+            "--record", str(record)]
+    for a in trainer_args:
+        args.append(f"--trainer-arg={a}")
+    run_torchrun("ckpt_tools.train.workers.torchtitan_run", 2, args, log_path=tmp_path / f"{tag}.log", timeout=400)
+    return json.loads(record.read_text())
+
+
+def _copy(tmp_path, name):
+    src = sample("dcp", "torchtitan_real")
+    m = json.loads((src.parent / "torchtitan_real.manifest.json").read_text())
+    dst = tmp_path / name / m["extra"]["full_save"]
+    shutil.copytree(src / m["extra"]["full_save"], dst)
+    # the check mode compares with the uninterrupted run recorded in the manifest beside the run folder
+    shutil.copy(src.parent / "torchtitan_real.manifest.json", tmp_path / f"{name}.manifest.json")
+    return dst, m
+
+
+def test_set_lr_with_the_job_config_it_names_halves_every_resumed_step_on_every_rank(tmp_path):
+    """Untouched resume vs `set-lr --scale 0.5` resumed with the job-config flags the plan printed: every resumed
+    step's LR, in every param group on both ranks, is exactly half; the Adam step and the schedule position
+    continue (the untouched resume equals the uninterrupted run). The edited copy resumed WITHOUT the config
+    change halves only the first step, which is what the plan says."""
+    base, m = _copy(tmp_path, "untouched")
+    edited, _ = _copy(tmp_path, "edited")
+    plain, _ = _copy(tmp_path, "edited_no_config")
+
+    proc = run_cli("set-lr", str(edited), "--scale", "0.5", "--yes", "--json")
+    assert proc.returncode == 0, proc.stderr
+    flags = json.loads(proc.stdout)["plan"]["launch_config_change"]["job_config"]
+    config_lrs = m["extra"]["config"]["lr"]
+    assert flags == {f"--optimizer.param-groups.{i}.optimizer-kwargs.lr": pytest.approx(lr / 2)
+                     for i, lr in enumerate(config_lrs)}
+    human = run_cli("set-lr", str(plain), "--scale", "0.5", "--yes")
+    assert human.returncode == 0 and "NOT DONE YET" in human.stdout, human.stdout
+
+    untouched = _resume(base, tmp_path, "untouched")
+    halved = _resume(edited, tmp_path, "halved", [x for k, v in flags.items() for x in (k, repr(v))])
+    edit_only = _resume(plain, tmp_path, "edit_only")
+
+    history = {h["step"]: h for h in m["extra"]["history"]}
+    loaded = int(edited.name.split("-")[1])
+    assert [r["step"] for r in untouched["records"]] == list(range(loaded + 1, loaded + 1 + STEPS))
+    for r in untouched["records"]:  # the untouched resume continues the uninterrupted run
+        assert r["lr"] == history[r["step"]]["lr"]
+        assert r["scheduler_last_epoch"] == r["step"]
+    assert len(halved["ranks"]) == len(untouched["ranks"]) == 2
+    for rank_u, rank_h, rank_p in zip(untouched["ranks"], halved["ranks"], edit_only["ranks"]):
+        assert [r["step"] for r in rank_h] == [r["step"] for r in rank_u]
+        for u, h in zip(rank_u, rank_h):
+            assert h["lr"] == pytest.approx([x / 2 for x in u["lr"]], rel=1e-12), (u, h)
+        # the checkpoint edit alone: the first resumed update only
+        assert rank_p[0]["lr"] == pytest.approx([x / 2 for x in rank_u[0]["lr"]], rel=1e-12)
+        assert rank_p[1]["lr"] == pytest.approx(rank_u[1]["lr"], rel=1e-12)
