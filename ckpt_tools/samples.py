@@ -58,12 +58,11 @@ SAMPLES: tuple[SampleSpec, ...] = (
     SampleSpec("fsdp1_sharded", "fsdp", _W + "fsdp", 2, "fsdp1_sharded"),
     SampleSpec("accelerate_ddp", "accelerate", _W + "accel", 2, "accelerate_ddp"),
     SampleSpec("accelerate_deepspeed", "accelerate", _W + "accel", 2, "accelerate_deepspeed"),
-    # producers as users run them (the real-producers issue): HF Trainer, Lightning, torchtitan / DCP recipe
+    # producers as users run them (the real-producers issue): HF Trainer, Lightning, DCP recipe
     # layouts, Accelerate with several models
     SampleSpec("hf_trainer_ddp", "hf_trainer", _W + "hf_trainer", 2, "hf_trainer_ddp"),
     SampleSpec("hf_trainer_zero2", "hf_trainer", _W + "hf_trainer", 2, "hf_trainer_zero2"),
     SampleSpec("lightning_onecycle", "lightning", _W + "lightning_run", 1, "onecycle.ckpt"),
-    SampleSpec("torchtitan_fsdp2", "dcp", _W + "dcp_layouts", 2, "torchtitan_fsdp2"),
     # torchtitan's own Trainer (torchtitan 0.3.0, FSDP2 on 2 gloo ranks): a full save (step-3) and the final
     # model-only save (step-5)
     SampleSpec("torchtitan_real", "dcp", _W + "torchtitan_run", 2, "torchtitan_real", needs_module="torchtitan"),

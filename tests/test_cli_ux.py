@@ -38,7 +38,7 @@ def run_tty(*args, columns: int = 80) -> str:
 
 @pytest.mark.parametrize("group,name,part", [
     ("deepspeed", "zero2_bf16", "global_step4/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"),
-    ("dcp", "torchtitan_fsdp2", "__0_0.distcp"),
+    ("dcp", "torchtitan_real/step-3", "__0_0.distcp"),
     ("safetensors", "sharded", "model-00001-of-00002.safetensors"),
 ])
 def test_a_file_inside_a_checkpoint_names_the_folder_to_open(group, name, part):

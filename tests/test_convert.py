@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckpt_tools import logical as L
 from ckpt_tools.ops import convert as C
 from ckpt_tools.ops.diff import iter_lines, logical_diff
 from ckpt_tools.samples import run_torchrun
@@ -52,8 +53,12 @@ def test_convert_to_dcp_equals_source(tmp_path, group, name, layout):
 
     folder = DcpFolder(out)
     tops = {logical_path(k, folder.planner)[0] for k in folder.sdm}
-    want = {"fsdp2": {"model", "optim", "step"}, "torchtitan": {"model", "optimizer", "train_state"},
+    want = {"fsdp2": {"model", "optim", "step"}, "torchtitan": {"optimizer", "train_state"},
             "recipe": {"app"}}[layout]
+    if layout == "torchtitan":  # torchtitan 0.3.0's layout: the model's keys flat at the top level
+        model = {t.name for t in L.model_tensors(src)}
+        assert model <= tops and "model" not in tops
+        tops -= model
     assert want <= tops and tops - want <= {"scheduler", "lr_scheduler"}
     # no stray file: only what DCP writes
     assert sorted(p.name for p in out.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
@@ -256,8 +261,7 @@ def test_fsdp2_resume_loss_continues(tmp_path):
 
 # --- DCP -> DeepSpeed universal, resumed in DeepSpeed at DP=2 and DP=1 --------------------------------------
 
-DCP_SOURCES = [("fsdp", "fsdp2_dcp", "fsdp2"), ("dcp", "torchtitan_fsdp2", "torchtitan"),
-               ("dcp", "dcp_recipe_fsdp2", "recipe")]
+DCP_SOURCES = [("fsdp", "fsdp2_dcp", "fsdp2"), ("dcp", "dcp_recipe_fsdp2", "recipe")]
 
 
 @pytest.mark.parametrize("group,name,layout", DCP_SOURCES)
@@ -275,8 +279,19 @@ def test_convert_dcp_to_universal_equals_source(tmp_path, group, name, layout):
     assert files == {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero"}
     assert {p.name for p in (out / tag / "zero" / "wte.weight").iterdir()} == {
         "fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt"}
-    if layout == "torchtitan":
-        assert any("dataloader" in x and "ntokens_seen" in x for x in doc["not_moved"])
+
+
+def test_real_torchtitan_fused_state_is_refused_by_name(tmp_path):
+    """torchtitan 0.3.0 saves a fused wqkv's weights split (wq/wk/wv) and its Adam state fused, rows interleaved per
+    KV-head group, and records no n_kv_heads: convert and resume refuse in one line naming the parameter, write
+    nothing; export still writes the weights as saved."""
+    src = sample("dcp", "torchtitan_real") / "step-3"
+    for argv in (["convert", src, tmp_path / "u", "--to", "deepspeed-universal"],
+                 ["convert", src, tmp_path / "d", "--to", "dcp"], ["resume", src]):
+        r = run_cli(*argv)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (argv, r.stderr)
+        assert "layers.0.attention.qkv_linear.wqkv.weight" in r.stderr and "n_kv_heads" in r.stderr, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_convert_to_universal_from_deepspeed_is_to_universal(tmp_path):
@@ -287,7 +302,7 @@ def test_convert_to_universal_from_deepspeed_is_to_universal(tmp_path):
     assert _diff_lines(src, tmp_path / "u") == []
 
 
-@pytest.mark.parametrize("group,name,layout", DCP_SOURCES[:2])
+@pytest.mark.parametrize("group,name,layout", DCP_SOURCES[:1])
 def test_deepspeed_resume_of_universal_matches_fsdp2(tmp_path, group, name, layout):
     """The DCP sample resumed in FSDP2 (2 ranks) and its universal conversion resumed in DeepSpeed ZeRO-2 at
     DP=2 and DP=1, the same replica and synthetic gradient: the first update is the same, the Adam step and
@@ -345,7 +360,7 @@ def test_deepspeed_resume_of_universal_loss_continues(tmp_path):
 
 
 @pytest.mark.parametrize("group,name,to", [("megatron", "gpt_tp2_pp2", "dcp"),
-                                           ("dcp", "torchtitan_fsdp2", "deepspeed-universal")])
+                                           ("dcp", "dcp_recipe_fsdp2", "deepspeed-universal")])
 def test_distributed_two_ranks_equal_to_one(tmp_path, group, name, to):
     import os
     import subprocess

@@ -1,14 +1,14 @@
-"""The producer samples in the torchtitan DCP layout, the PyTorch DCP-recipe layout, and Accelerate with two models.
+"""The producer samples: torchtitan's own Trainer (torchtitan 0.3.0), the PyTorch DCP-recipe layout, and Accelerate
+with two models.
 
-Each sample's worker has a resume mode that loads a checkpoint the way its producer does (torchtitan: `dcp.load`
-of {model, optimizer, lr_scheduler, dataloader, train_state} then `set_state_dict(flatten_optimizer_state_dict=
-True)`; the recipe: `dcp.load({"app": AppState})`; Accelerate: `accelerator.load_state`) and records the updates
-it makes. `producer_resume` launches it; other tests can resume an edited checkpoint with it and compare with an
-untouched one.
+The recipe and Accelerate workers have a resume mode that loads a checkpoint the way its producer does (the recipe:
+`dcp.load({"app": AppState})`; Accelerate: `accelerator.load_state`) and records the updates it makes.
+`producer_resume` launches it; other tests can resume an edited checkpoint with it and compare with an untouched
+one. The torchtitan sample is resumed in the real torchtitan Trainer by tests/test_torchtitan_resume.py.
 
 Which saved fields drive the resumed LRs (measured by editing copies, asserted below):
-- torchtitan: the first resumed update uses `optimizer.param_groups.<fqn>.lr` of each group's FIRST parameter
-  (the other parameters' copies are not read); later updates use `lr_scheduler.base_lrs * lr_factor(last_epoch)`.
+- torchtitan 0.3.0: the saved per-parameter `optimizer.param_groups.<fqn>.lr` drives the first resumed update,
+  the job config's LR x the schedule at the saved `last_epoch` every later one (tests/test_torchtitan_resume.py).
 - recipe (CosineAnnealingLR, recursive form): `app.optim.param_groups.<i>.lr` drives every resumed update;
   `app.scheduler.eta_min`, `T_max` and `last_epoch` shape the later ones; `app.scheduler.base_lrs` is not read
   (until epoch T_max + 1).
@@ -18,13 +18,12 @@ Which saved fields drive the resumed LRs (measured by editing copies, asserted b
 from __future__ import annotations
 
 import math
-import pickle
 from pathlib import Path
 
 import pytest
 from conftest import LOSS_REL_TOL, manifest, manifest_of, producer_resume, sample
 
-DCP_SAMPLES = [("dcp", "torchtitan_fsdp2"), ("dcp", "dcp_recipe_fsdp2")]
+DCP_SAMPLES = [("dcp", "dcp_recipe_fsdp2")]
 ALL_SAMPLES = DCP_SAMPLES + [("accelerate", "accelerate_two_models")]
 RESUMED = (5, 6)
 
@@ -72,40 +71,53 @@ def assert_resumed_like_history(recs: list[dict], hist: dict[int, dict], *, loss
 # --- layouts (no training) --------------------------------------------------------------------------------
 
 
+def _titan() -> tuple[Path, dict]:
+    """The full save (step-3) of the sample torchtitan 0.3.0's own Trainer wrote, and its manifest."""
+    m = manifest("dcp", "torchtitan_real")
+    return sample("dcp", "torchtitan_real") / m["extra"]["full_save"], m
+
+
+def _fqns(m: dict) -> list[str]:
+    """The live parameter names as torchtitan's checkpoint names them (its canonical FQN: without the
+    activation-checkpoint wrapper's `_checkpoint_wrapped_module.`)."""
+    return [n.replace("_checkpoint_wrapped_module.", "") for n in m["extra"]["live_parameter_names"]]
+
+
 def test_torchtitan_layout_keys():
-    m = manifest("dcp", "torchtitan_fsdp2")
-    keys = dcp_keys(sample("dcp", "torchtitan_fsdp2"))
-    fqns = [f for g in m["extra"]["param_group_fqns"] for f in g]
-    assert len(fqns) == m["parameters"]["tensors"] == 29
-    assert {k for k in keys if k.startswith("model.")} == {f"model.{f}" for f in fqns}
+    """What torchtitan's CheckpointManager handed to dcp.save (recorded from the live call) is what the folder
+    holds: model keys flat at the top level (wqkv saved split as wq/wk/wv), the optimizer flattened per FQN
+    (state under the fused wqkv name), lr_scheduler holding only last_epoch."""
+    path, m = _titan()
+    keys = dcp_keys(path)
+    assert keys == set(m["extra"]["saves"][0]["keys"])
+    names = _fqns(m)
+    assert len(names) == m["parameters"]["tensors"] == 17
     assert {k for k in keys if k.startswith("optimizer.state.")} == {
-        f"optimizer.state.{f}.{s}" for f in fqns for s in ("exp_avg", "exp_avg_sq", "step")}
-    per_param = {k for k in keys if k.startswith("optimizer.param_groups.")}
-    hyper = {"lr", "initial_lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable",
-             "differentiable", "fused", "decoupled_weight_decay"}
-    assert {f"optimizer.param_groups.{f}.{h}" for f in fqns for h in hyper} <= per_param
+        f"optimizer.state.{f}.{s}" for f in names for s in ("exp_avg", "exp_avg_sq", "step")}
     assert "optimizer.param_groups.0.lr" not in keys  # flattened: keyed by FQN, never by group index
-    assert {"lr_scheduler.base_lrs", "lr_scheduler.last_epoch", "lr_scheduler._step_count", "lr_scheduler._last_lr",
-            "lr_scheduler.lr_lambdas"} <= keys
-    assert {"dataloader.dp_rank_0", "dataloader.dp_rank_1", "dataloader.world_size", "train_state.step",
-            "train_state.ntokens_seen"} <= keys
-    assert {k.split(".")[0] for k in keys} == {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
+    assert {f"optimizer.param_groups.{f}.lr" for f in names} <= keys
+    assert {k for k in keys if k.startswith("lr_scheduler.")} == {"lr_scheduler.last_epoch"}
+    model = {k for k in keys if k.split(".")[0] not in ("optimizer", "lr_scheduler", "dataloader", "train_state")}
+    assert model == set(m["extra"]["saved_model_keys"]) and len(model) == 21
+    assert not any("wqkv" in k for k in model) and any(k.endswith("qkv_linear.wq.weight") for k in model)
 
 
 def test_torchtitan_saved_values_match_the_manifest(tmp_path):
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    m = manifest("dcp", "torchtitan_fsdp2")
-    dcp_to_torch_save(sample("dcp", "torchtitan_fsdp2"), tmp_path / "t.pt")
+    path, m = _titan()
+    dcp_to_torch_save(path, tmp_path / "t.pt")
     sd = torch.load(tmp_path / "t.pt", weights_only=False)
-    assert sd["train_state"] == m["extra"]["train_state"]
-    assert sd["lr_scheduler"]["last_epoch"] == m["counters"]["scheduler_last_epoch"]
-    assert sd["lr_scheduler"]["base_lrs"] == m["lr"]["base_lrs"]
-    first = [g[0] for g in m["extra"]["param_group_fqns"]]
-    assert [sd["optimizer"][f"param_groups.{f}.lr"] for f in first] == m["extra"]["next_lr"]
-    assert pickle.loads(sd["dataloader"]["dp_rank_1"])["batches_yielded"] == 4
-    assert int(sd["optimizer"]["state.wte.weight.step"]) == m["counters"]["optimizer_step"] == 4
+    assert sd["train_state"] == {"step": m["counters"]["global_step"], "ntokens_seen": m["counters"]["ntokens_seen"]}
+    assert sd["lr_scheduler"] == {"last_epoch": m["counters"]["scheduler_last_epoch"]}
+    groups = m["extra"]["saves"][0]["lr"]
+    norms = [n for n in _fqns(m) if "norm" in n]
+    rest = [n for n in _fqns(m) if "norm" not in n]
+    assert {sd["optimizer"][f"param_groups.{f}.lr"] for f in norms} == {groups["param_groups"][0]}
+    assert {sd["optimizer"][f"param_groups.{f}.lr"] for f in rest} == {groups["param_groups"][1]}
+    assert {sd["optimizer"][f"param_groups.{f}.initial_lr"] for f in rest} == {groups["initial_lr"][1]}
+    assert {int(sd["optimizer"][f"state.{f}.step"]) for f in _fqns(m)} == {3}
 
 
 def test_recipe_layout_keys():
@@ -172,26 +184,6 @@ def test_fresh_sample_resumes_bitwise(fresh_sample, tmp_path, name):
 
 
 # --- which saved fields drive the resumed LRs ---------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_torchtitan_lr_comes_from_each_groups_first_param_then_base_lrs(tmp_path):
-    m = manifest("dcp", "torchtitan_fsdp2")
-    first_0, second_0 = m["extra"]["param_group_fqns"][0][:2]
-    first_1 = m["extra"]["param_group_fqns"][1][0]
-
-    def edit(sd):
-        sd["optimizer"][f"param_groups.{first_0}.lr"] = 1e-4
-        sd["optimizer"][f"param_groups.{second_0}.lr"] = 7e-4  # not the group's first: not read
-        sd["optimizer"][f"param_groups.{first_1}.lr"] = 2e-4
-        sd["lr_scheduler"]["base_lrs"] = [x / 2 for x in sd["lr_scheduler"]["base_lrs"]]
-
-    ck = edit_dcp(sample("dcp", "torchtitan_fsdp2"), tmp_path / "edited", edit)
-    recs = producer_resume("torchtitan_fsdp2", ck, tmp_path)
-    hist = history(manifest("dcp", "torchtitan_fsdp2"))
-    assert recs[0]["lr"] == [1e-4, 2e-4]
-    assert recs[1]["lr"] == pytest.approx([x / 2 for x in hist[6]["lr"]], rel=1e-12)
-    assert [r["optimizer_step"] for r in recs] == [5, 6]
 
 
 @pytest.mark.slow

@@ -198,8 +198,7 @@ def test_accelerate_emptied_optimizer_state_fails(tmp_path):
 # --- torch DCP / FSDP2 -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("group,name", [("fsdp", "fsdp2_dcp"), ("dcp", "torchtitan_fsdp2"),
-                                        ("dcp", "dcp_recipe_fsdp2")])
+@pytest.mark.parametrize("group,name", [("fsdp", "fsdp2_dcp"), ("dcp", "dcp_recipe_fsdp2")])
 def test_dcp_resume_continues(group, name):
     """dcp.load into a fully_shard replica on 2 gloo ranks, in each layout's key names."""
     plan, result = resume(sample(group, name))

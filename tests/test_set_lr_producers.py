@@ -1,5 +1,6 @@
-"""`set-lr` / `set-step` on checkpoints written the way users write them (HF Trainer, Lightning, torchtitan and
-the DCP recipe layout, Accelerate with two models), proven by a real resume in the framework that wrote each one.
+"""`set-lr` / `set-step` on checkpoints written the way users write them (HF Trainer, Lightning, the DCP recipe
+layout, Accelerate with two models), proven by a real resume in the framework that wrote each one (torchtitan's
+own Trainer: tests/test_torchtitan_resume.py).
 
 For every sample: an untouched copy and an edited copy are both resumed by the producer's own loader (the sample
 worker's resume mode: `trainer.train(resume_from_checkpoint=)`, `Trainer.fit(ckpt_path=)`, `dcp.load` +
@@ -20,7 +21,6 @@ PRODUCERS = [
     ("hf_trainer_ddp", ("lr",), "checkpoint-4"),  # ckpt is given the output_dir and edits its newest checkpoint
     ("hf_trainer_zero2", ("lr",), "checkpoint-4"),
     ("lightning_onecycle", ("lr",), ""),
-    ("torchtitan_fsdp2", ("lr",), ""),
     ("dcp_recipe_fsdp2", ("lr",), ""),
     ("accelerate_two_models", ("lr", "lr_1"), ""),
 ]
@@ -107,14 +107,20 @@ def test_two_optimizers_pick_one(copy_sample):
     assert "--optimizer 2" in proc.stderr and "0, 1" in proc.stderr
 
 
-def test_torchtitan_flattened_groups_all_edited(copy_sample):
-    """Every parameter's `optimizer.param_groups.<fqn>.lr` item is edited (torch reads each group's first one)."""
-    ck = copy_sample("dcp", "torchtitan_fsdp2")
+def test_torchtitan_flattened_groups_all_edited(tmp_path):
+    """Every parameter's `optimizer.param_groups.<fqn>.lr` item is edited (torch reads each group's first one),
+    in the checkpoint torchtitan 0.3.0's Trainer wrote; --group cannot pick a group that was not saved."""
+    import shutil
+
+    src = sample("dcp", "torchtitan_real")
+    m = json.loads((src.parent / "torchtitan_real.manifest.json").read_text())
+    ck = tmp_path / "step-3"
+    shutil.copytree(src / m["extra"]["full_save"], ck)
     doc = json.loads(cli("set-lr", ck, "--scale", "0.5", "--dry-run", "--json").stdout)
     fields = [c["field"] for w in doc["plan"]["files"] for c in w["changes"]]
     lr_items = [f for f in fields if f.startswith("optimizer.param_groups.") and f.endswith(".lr")]
-    assert len(lr_items) == 29  # one per parameter of the tiny GPT
-    assert "lr_scheduler.base_lrs" in fields
+    assert len(lr_items) == m["parameters"]["tensors"] == 17  # one per live parameter (wqkv fused)
+    assert not any(f.startswith("lr_scheduler.") for f in fields)  # it holds only last_epoch
     proc = cli("set-lr", ck, "--scale", "0.5", "--group", "1", "--yes", expect=2)
     assert "flatten" in proc.stderr
 

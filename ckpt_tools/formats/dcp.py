@@ -168,9 +168,16 @@ def training_checkpoint(fmt: str, root: Path, top: Mapping[str, Any], *, file: s
     fused = _split_saved_fused(tree)
     if fused:
         first = next(iter(fused))
+        why = (f"its Adam state is saved under the fused name ({first}), with rows interleaved per KV-head group, "
+               "while the weights are saved split; the checkpoint does not record the model's n_kv_heads that "
+               "orders those rows")
         details = {**details, "fused": f"{len(fused)} fused parameter(s) saved split, counted once "
                    f"({first} = {' + '.join(p.rsplit('.', 2)[-2] for p in fused[first])}"
-                   f"{', …' if len(fused) > 1 else ''})"}
+                   f"{', …' if len(fused) > 1 else ''})",
+                   "convert_unproven": f"{why} (export writes the weights as saved)",
+                   "resume_unsupported": f"the Adam state of the fused {first} cannot be matched to its split "
+                                         "weights without the model's n_kv_heads (convert_unproven says why): "
+                                         "resume it in torchtitan itself (--checkpoint.load-step)"}
     return Checkpoint(
         format=fmt, path=str(root), topology=Topology(dp=dp, tp=1, pp=1, zero_stage=None), tree=GroupNode(tree),
         counters=counters, lr=lrs,

@@ -22,8 +22,9 @@ Targets (`--to`, `--layout`):
 
     dcp / fsdp2       {model, optim (get_state_dict: `state.<fqn>.<key>`, `param_groups.<i>.*`), scheduler, step}
                       — what an FSDP2 loop passes to `dcp.load` then `set_state_dict`
-    dcp / torchtitan  {model, optimizer (flattened: `state.<fqn>.<key>`, `param_groups.<fqn>.<hp>`),
-                      lr_scheduler, train_state: {step}}
+    dcp / torchtitan  as torchtitan 0.3.0's CheckpointManager saves: the model's keys flat at the top level,
+                      optimizer (flattened: `state.<fqn>.<key>`, `param_groups.<fqn>.<hp>`),
+                      lr_scheduler {last_epoch} (all torchtitan keeps), train_state: {step}
     dcp / recipe      {app: {model, optim, scheduler, step}} (the DCP tutorial's AppState)
     torch             one torch.save file {model, optimizer (a torch state dict: ids, with `param_names`),
                       scheduler, step} — small runs and tests
@@ -278,7 +279,7 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
     ck = guard(L.open_any(src), src, "convert", allow_unread=allow_unread)
     unproven = ck.details.get("convert_unproven")
     if unproven:  # a format reader's own word: its conversions have no resume proving them yet
-        raise UnsupportedCheckpoint(f"convert does not move {ck.format} checkpoints yet: {unproven}", path=src)
+        raise UnsupportedCheckpoint(f"convert cannot move this {ck.format} checkpoint yet: {unproven}", path=src)
     if to == "deepspeed-universal":
         from .to_universal import handles
 
@@ -348,9 +349,15 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
         notes.append("the source records no global step: `step` is not written")
     not_moved = sgone + _not_moved(ck, config)
     if layout == "torchtitan":
-        notes.append("torchtitan layout: train_state holds `step` only and there is no `dataloader` entry (the "
+        notes.append("torchtitan layout (as torchtitan 0.3.0's CheckpointManager saves): the model's keys flat at the "
+                     "top level; train_state holds `step` only and there is no `dataloader` entry (the "
                      "source records neither torchtitan's ntokens_seen nor its loader state): load with "
                      "checkpoint.exclude_from_loading = [\"dataloader\"] and a TrainState without the missing keys")
+        if sched is not None:
+            not_moved.append(f"scheduler {cls or ''}: torchtitan saves and restores only lr_scheduler.last_epoch "
+                             f"(= {sched.get('last_epoch')}, written) and rebuilds the schedule from its job config: "
+                             "set the source's schedule there (lr_scheduler warmup / decay, the param groups' lr)"
+                             .replace("scheduler : ", "scheduler: "))
     if to == "torch":
         notes.append("--to torch writes one torch.save file: the whole training state is held in memory while it "
                      "is written (small runs, tests); --to dcp streams one tensor at a time")
@@ -393,8 +400,9 @@ def _dcp_values(plan: ConvertPlan) -> tuple[tuple, dict[str, Any], dict[str, Any
                 for k, v in g.items():
                     if k != "params":
                         optim[f"param_groups.{n}.{k}"] = v
-        if plan.scheduler is not None:
-            rest["lr_scheduler"] = plan.scheduler
+        if plan.scheduler is not None and "last_epoch" in plan.scheduler:
+            # torchtitan's LRSchedulersContainer saves and restores only the position
+            rest["lr_scheduler"] = {"last_epoch": plan.scheduler["last_epoch"]}
         if plan.step is not None:
             rest["train_state"] = {"step": plan.step}
         return (), optim, rest
@@ -420,7 +428,8 @@ def _write_dcp(plan: ConvertPlan, folder: Path, progress: Callable[[int], None] 
     params = [plan.params[i] for i in indices] if indices is not None else list(plan.params)
     try:
         for p in params:
-            w.tensor(prefix + ("model", p.name), p.weight.read())
+            # torchtitan saves the model's keys flat at the top level, beside optimizer / lr_scheduler / train_state
+            w.tensor(prefix + ((p.name,) if titan else ("model", p.name)), p.weight.read())
             if progress:
                 progress(p.nbytes - sum(t.numel * 4 for t in p.states.values()))
         for p in params:

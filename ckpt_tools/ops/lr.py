@@ -605,11 +605,11 @@ def plan_set_lr(ck: Checkpoint, *, scale: float | None = None, lr: float | None 
         kind, cfg = _kind(files, idx)
         kinds[idx] = kind
         n, flat = _n_groups(files, idx)
-        sel = _select(n, group)
         if flat and group is not None:
             raise CkptError(f"--group {group}: optimizer {idx}'s state is flattened per parameter "
                             "(flatten_optimizer_state_dict=True) and keeps no group numbers; use --scale for all "
                             "groups")
+        sel = _select(n, group)
         factors = [1.0] * n
         if scale is not None:
             factors = [scale if g in sel else 1.0 for g in range(n)]

@@ -414,6 +414,9 @@ def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None
         raise CkptError("--steps must be at least 1")
     p = Path(path)
     ck = open_checkpoint(p)
+    if ck.details.get("resume_unsupported"):  # a format reader's own word: what a resume here cannot rebuild
+        raise UnsupportedCheckpoint(f"ckpt resume cannot replay this {ck.format} checkpoint: "
+                                    f"{ck.details['resume_unsupported']}", path=p)
     if ck.format not in SUPPORTED_FORMATS:
         if against is not None:
             raise CkptError(f"--against applies to DeepSpeed checkpoints; this is {ck.format}", path=p)

@@ -663,6 +663,10 @@ def _saved_scheduler(kids: dict[str, Any], key: str, at: Path, not_torch: str) -
     CkptError (`not_torch`) when it is not a torch scheduler this resume can rebuild."""
     sched = node_to_python(kids.get(key, GroupNode())) or {}
     kind = torch_scheduler_kind(sched) if sched else None
+    if sched and kind is None and set(map(str, sched)) == {"last_epoch"}:
+        raise CkptError("the scheduler state holds only last_epoch (torchtitan's LRSchedulersContainer): the "
+                        "schedule itself is in the job config, which the checkpoint does not hold", path=at,
+                        hint="resume it in torchtitan with its job config (--checkpoint.load-step)")
     if sched and kind is None:
         raise CkptError(not_torch, path=at)
     return sched, kind

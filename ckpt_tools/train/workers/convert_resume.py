@@ -7,8 +7,9 @@ Run under torchrun with CPU ranks (gloo):
 
 `--framework fsdp2`: FSDP2 (`fully_shard`) loads a DCP checkpoint the way an FSDP2 loop does: build the model,
 optimizer and scheduler, `get_state_dict` (which creates the optimizer state), `dcp.load` into that structure
-(layout `fsdp2`: {model, optim, scheduler, step}; `torchtitan`: {model, optimizer (flattened), lr_scheduler,
-train_state}; `recipe`: {app: {...}}), `set_state_dict`, `scheduler.load_state_dict`.
+(layout `fsdp2`: {model, optim, scheduler, step}; `torchtitan`: {the model's keys flat, optimizer (flattened),
+lr_scheduler {last_epoch} (the schedule from SPEC, as torchtitan's from its job config), train_state};
+`recipe`: {app: {...}}), `set_state_dict`, `scheduler.load_state_dict`.
 `--framework deepspeed`: a DeepSpeed engine (ZeRO `--stage`, bf16 as the source ran) loads a DeepSpeed
 checkpoint with `engine.load_checkpoint` (`--universal`: `"checkpoint": {"load_universal": true}`).
 
@@ -114,10 +115,10 @@ def _fsdp2_state(model, optimizer, scheduler, layout: str) -> dict[str, Any]:
     flatten = layout == "torchtitan"
     model_sd, optim_sd = get_state_dict(model, optimizer,
                                         options=StateDictOptions(flatten_optimizer_state_dict=flatten))
-    if layout == "torchtitan":
-        state = {"model": model_sd, "optimizer": optim_sd, "train_state": {"step": 0}}
+    if layout == "torchtitan":  # torchtitan 0.3.0's CheckpointManager: the model's keys flat at the top level
+        state = {**model_sd, "optimizer": optim_sd, "train_state": {"step": 0}}
         if scheduler is not None:
-            state["lr_scheduler"] = scheduler.state_dict()
+            state["lr_scheduler"] = {"last_epoch": 0}  # all its LRSchedulersContainer saves
         return state
     state = {"model": model_sd, "optim": optim_sd, "step": 0}
     if scheduler is not None:
@@ -149,11 +150,19 @@ def fsdp2_resume(args, spec: dict[str, Any]) -> None:
     dcp.load(state, checkpoint_id=args.ckpt)
     inner = state["app"] if args.layout == "recipe" else state
     opt_key = "optimizer" if args.layout == "torchtitan" else "optim"
-    set_state_dict(model, optimizer, model_state_dict=inner["model"], optim_state_dict=inner[opt_key],
-                   options=StateDictOptions(flatten_optimizer_state_dict=args.layout == "torchtitan"))
-    sched_key = "lr_scheduler" if args.layout == "torchtitan" else "scheduler"
-    if scheduler is not None:
-        scheduler.load_state_dict(inner[sched_key])
+    titan = args.layout == "torchtitan"
+    model_state = {k: v for k, v in inner.items() if k not in ("optimizer", "train_state", "lr_scheduler")} \
+        if titan else inner["model"]
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=inner[opt_key],
+                   options=StateDictOptions(flatten_optimizer_state_dict=titan))
+    if scheduler is not None and titan:
+        # torchtitan's LRSchedulersContainer.load_state_dict: the schedule is the one built from the config (here
+        # SPEC), only the position is restored; the first update uses the optimizer's loaded lr
+        last = int(inner["lr_scheduler"]["last_epoch"])
+        scheduler.last_epoch, scheduler._step_count = last, last + 1
+        scheduler._last_lr = scheduler.get_lr()
+    elif scheduler is not None:
+        scheduler.load_state_dict(inner["scheduler"])
     step = int(inner["train_state"]["step"] if args.layout == "torchtitan" else inner["step"])
     records = []
     for i in range(args.steps):

@@ -1,34 +1,25 @@
-"""DCP samples in the two layouts users actually produce with FSDP2: torchtitan's and PyTorch's DCP recipe.
+"""The DCP sample in the layout of PyTorch's DCP recipe (the tutorial's `AppState(Stateful)`) with FSDP2.
 
 Run under torchrun with 2 CPU ranks (gloo), as `ckpt_tools.samples.run_torchrun` does:
 
     python -m torch.distributed.run --nproc_per_node 2 -m ckpt_tools.train.workers.dcp_layouts \\
-        --sample torchtitan_fsdp2 --out DIR
+        --sample dcp_recipe_fsdp2 --out DIR
 
-and, to resume a checkpoint the way the producer does and record the two updates it makes:
+and, to resume a checkpoint the way the recipe does and record the two updates it makes:
 
     python -m torch.distributed.run --nproc_per_node 2 -m ckpt_tools.train.workers.dcp_layouts \\
-        --sample torchtitan_fsdp2 --resume DIR/torchtitan_fsdp2 --record OUT.json
+        --sample dcp_recipe_fsdp2 --resume DIR/dcp_recipe_fsdp2 --record OUT.json
 
-Both samples follow the recipe in `_common` (the tiny GPT, FSDP2 `fully_shard` per Block then the root, AdamW with
-two param groups, 6 steps, one `dcp.save` after step 4). What differs is how the state is arranged:
-
-- torchtitan_fsdp2 (torchtitan's CheckpointManager): top-level `model` (get_model_state_dict), `optimizer`
-  (get_optimizer_state_dict with `flatten_optimizer_state_dict=True`: `state.<fqn>.<name>` and *per-parameter*
-  `param_groups.<fqn>.<hyperparameter>`), `lr_scheduler` (a LambdaLR's state_dict: linear warmup then decay),
-  `dataloader` (`dp_rank_<r>`: the pickled loader position of each rank, `world_size`) and `train_state`
-  (`step`, `ntokens_seen`). On load, set_optimizer_state_dict takes each group's hyperparameters from the group's
-  FIRST parameter's `param_groups.<fqn>.*` items; the other parameters' copies are not read.
-- dcp_recipe_fsdp2 (the DCP tutorial's `AppState(Stateful)`): everything under `app`: `app.model.*`,
-  `app.optim.*` (get_state_dict, not flattened: `state.<fqn>.*`, `param_groups.<index>.*`),
-  `app.scheduler.*` (a CosineAnnealingLR, chainable: each LR is computed from the optimizer's current LR),
-  `app.step`.
+The sample follows the recipe in `_common` (the tiny GPT, FSDP2 `fully_shard` per Block then the root, AdamW with
+two param groups, 6 steps, one `dcp.save` after step 4), saved the way the tutorial's user code does: everything
+under `app`: `app.model.*`, `app.optim.*` (get_state_dict, not flattened: `state.<fqn>.*`, `param_groups.<index>.*`),
+`app.scheduler.*` (a CosineAnnealingLR, chainable: each LR is computed from the optimizer's current LR),
+`app.step`. (torchtitan's layout is written by torchtitan's own Trainer: `torchtitan_run`.)
 """
 from __future__ import annotations
 
 import argparse
 import json
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +31,9 @@ from ckpt_tools.train.models import TinyGPT
 from ckpt_tools.train.workers import _common as c
 
 DP = 2
-LAYOUTS = {"torchtitan_fsdp2": "torchtitan", "dcp_recipe_fsdp2": "recipe"}
+LAYOUTS = {"dcp_recipe_fsdp2": "recipe"}
 COSINE_T_MAX = c.TOTAL_STEPS
 COSINE_ETA_MIN = c.PEAK_LR * 0.1
-
-
-def flatten_options():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def build(sample: str) -> tuple[TinyGPT, torch.optim.Optimizer, Any]:
@@ -62,59 +47,9 @@ def build(sample: str) -> tuple[TinyGPT, torch.optim.Optimizer, Any]:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     # groups from the sharded model: fully_shard replaced every parameter with a DTensor one
-    if LAYOUTS[sample] == "torchtitan":
-        # torchtitan's scheduler is a LambdaLR (warmup then decay); `_common.lr_factor` is that shape
-        optimizer, scheduler = c.adamw_with_lambdalr(c.param_groups(model))
-    else:
-        optimizer = torch.optim.AdamW(c.param_groups(model), lr=c.PEAK_LR, betas=c.BETAS, eps=1e-8)
-        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=COSINE_T_MAX, eta_min=COSINE_ETA_MIN)
+    optimizer = torch.optim.AdamW(c.param_groups(model), lr=c.PEAK_LR, betas=c.BETAS, eps=1e-8)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=COSINE_T_MAX, eta_min=COSINE_ETA_MIN)
     return model, optimizer, scheduler
-
-
-# --- torchtitan layout ------------------------------------------------------------------------------------
-
-
-def tokens_per_step() -> int:
-    """Input tokens one rank feeds the model per step (torchtitan's `ntokens_seen` counts these)."""
-    return c.MICRO_BATCH * c.GPTConfig().seq_len
-
-
-def loader_state(batches_yielded: int) -> dict[str, Any]:
-    """The position of this rank's data loader, shaped like torchtitan's ParallelAwareDataloader.state_dict():
-    `dp_rank_<r>` holds the pickled loader state (torchtitan keeps the pickle for compatibility), `world_size`
-    the data-parallel degree."""
-    state = {"batches_yielded": batches_yielded, "micro_batch": c.MICRO_BATCH, "dp_rank": c.rank()}
-    return {f"dp_rank_{c.rank()}": pickle.dumps(state), "world_size": DP}
-
-
-def titan_state(model, optimizer, scheduler, *, step: int, batches_yielded: int) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=flatten_options())
-    return {
-        "model": model_sd,
-        "optimizer": optim_sd,
-        "lr_scheduler": scheduler.state_dict(),
-        "dataloader": loader_state(batches_yielded),
-        "train_state": {"step": step, "ntokens_seen": step * tokens_per_step()},
-    }
-
-
-def titan_load(model, optimizer, scheduler, ckpt: Path) -> tuple[int, int]:
-    """dcp.load into the same structure, then hand each part back as torchtitan's Stateful wrappers do.
-    Returns (train_state.step, the batch the data loader yields next)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    state = titan_state(model, optimizer, scheduler, step=0, batches_yielded=0)
-    dcp.load(state, checkpoint_id=ckpt)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=flatten_options())
-    scheduler.load_state_dict(state["lr_scheduler"])
-    if state["dataloader"]["world_size"] != DP:
-        raise RuntimeError(f"data loader saved with world_size {state['dataloader']['world_size']}, not {DP}")
-    loader = pickle.loads(state["dataloader"][f"dp_rank_{c.rank()}"])
-    return int(state["train_state"]["step"]), int(loader["batches_yielded"])
 
 
 # --- PyTorch DCP recipe layout ----------------------------------------------------------------------------
@@ -145,7 +80,7 @@ class AppState(Stateful):
 
 
 def parse_args() -> argparse.Namespace:
-    return c.parse_producer_args("Make (or resume) a torchtitan-layout / DCP-recipe FSDP2 sample.", LAYOUTS, default_steps=c.TOTAL_STEPS - c.SAVE_AFTER_STEP)
+    return c.parse_producer_args("Make (or resume) the DCP-recipe FSDP2 sample.", LAYOUTS, default_steps=c.TOTAL_STEPS - c.SAVE_AFTER_STEP)
 
 
 def update(model, optimizer, scheduler, batch: int) -> float:
@@ -160,16 +95,11 @@ def update(model, optimizer, scheduler, batch: int) -> float:
 def make(sample: str, out: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    layout = LAYOUTS[sample]
     path = out / sample
     model, optimizer, scheduler = build(sample)
 
     def save() -> dict[str, Any]:
-        if layout == "torchtitan":
-            state = titan_state(model, optimizer, scheduler, step=c.SAVE_AFTER_STEP, batches_yielded=c.SAVE_AFTER_STEP)
-        else:
-            state = {"app": AppState(model, optimizer, scheduler, step=c.SAVE_AFTER_STEP)}
-        dcp.save(state, checkpoint_id=path)
+        dcp.save({"app": AppState(model, optimizer, scheduler, step=c.SAVE_AFTER_STEP)}, checkpoint_id=path)
         return c.snapshot(global_step=c.SAVE_AFTER_STEP, optimizer=optimizer, scheduler=scheduler)
 
     history, saved = c.train(lambda s: update(model, optimizer, scheduler, s), lambda: c.current_lrs(optimizer),
@@ -181,34 +111,18 @@ def make(sample: str, out: Path) -> None:
     fresh = c.build_model()
     names = {id(p): n for n, p in fresh.named_parameters()}
     group_fqns = [[names[id(p)] for p in g["params"]] for g in c.param_groups(fresh)]
-    if layout == "torchtitan":
-        extra: dict[str, Any] = {
-            "layout": "torchtitan",
-            "api": "FSDP2 fully_shard per Block and root; dcp.save of {model: get_model_state_dict, optimizer: "
-                   "get_optimizer_state_dict(flatten_optimizer_state_dict=True), lr_scheduler: "
-                   "LambdaLR.state_dict(), dataloader: {dp_rank_<r>: pickled position, world_size}, "
-                   "train_state: {step, ntokens_seen}}",
-            "scheduler": "torch LambdaLR (warmup then decay)",
-            "scheduler_kind": "LambdaLR",
-            "train_state": {"step": c.SAVE_AFTER_STEP, "ntokens_seen": c.SAVE_AFTER_STEP * tokens_per_step()},
-            "dataloader": {"batches_yielded": c.SAVE_AFTER_STEP, "world_size": DP},
-            "lr_source_note": "set_optimizer_state_dict(flatten) takes each group's lr from "
-                              "optimizer.param_groups.<first fqn of the group>.lr; later LRs are "
-                              "lr_scheduler.base_lrs * lr_factor(lr_scheduler.last_epoch)",
-        }
-    else:
-        extra = {
-            "layout": "recipe",
-            "api": "FSDP2 fully_shard per Block and root; dcp.save({'app': AppState}) where AppState.state_dict() "
-                   "is {model, optim (get_state_dict, not flattened), scheduler (CosineAnnealingLR.state_dict()), "
-                   "step}",
-            "scheduler": f"torch CosineAnnealingLR(T_max={COSINE_T_MAX}, eta_min={COSINE_ETA_MIN}) (chainable: "
-                         "each step's LR is computed from the optimizer's current LR)",
-            "scheduler_kind": "CosineAnnealingLR",
-            "scheduler_params": {"T_max": COSINE_T_MAX, "eta_min": COSINE_ETA_MIN},
-            "lr_source_note": "the first resumed update uses app.optim.param_groups.<i>.lr; CosineAnnealingLR's "
-                              "recursive form derives every later LR from the optimizer's current lr",
-        }
+    extra = {
+        "layout": "recipe",
+        "api": "FSDP2 fully_shard per Block and root; dcp.save({'app': AppState}) where AppState.state_dict() "
+               "is {model, optim (get_state_dict, not flattened), scheduler (CosineAnnealingLR.state_dict()), "
+               "step}",
+        "scheduler": f"torch CosineAnnealingLR(T_max={COSINE_T_MAX}, eta_min={COSINE_ETA_MIN}) (chainable: "
+                     "each step's LR is computed from the optimizer's current LR)",
+        "scheduler_kind": "CosineAnnealingLR",
+        "scheduler_params": {"T_max": COSINE_T_MAX, "eta_min": COSINE_ETA_MIN},
+        "lr_source_note": "the first resumed update uses app.optim.param_groups.<i>.lr; CosineAnnealingLR's "
+                          "recursive form derives every later LR from the optimizer's current lr",
+    }
     c.write_sample_manifest(
         path, sample=sample, format="dcp", model=fresh,
         topology={"dp": DP, "tp": 1, "pp": 1, "zero_stage": None}, saved=saved, history=history,
@@ -223,12 +137,9 @@ def resume(sample: str, ckpt: Path, record: Path, steps: int) -> None:
     import torch.distributed.checkpoint as dcp
 
     model, optimizer, scheduler = build(sample)
-    if LAYOUTS[sample] == "torchtitan":
-        step, batch = titan_load(model, optimizer, scheduler, ckpt)
-    else:
-        app = AppState(model, optimizer, scheduler, step=0)
-        dcp.load({"app": app}, checkpoint_id=ckpt)
-        step = batch = app.step
+    app = AppState(model, optimizer, scheduler, step=0)
+    dcp.load({"app": app}, checkpoint_id=ckpt)
+    step = batch = app.step
     records = []
     for i in range(steps):
         lrs = c.current_lrs(optimizer)  # what this update uses: read before optimizer.step()
