@@ -67,6 +67,10 @@ SAMPLES: tuple[SampleSpec, ...] = (
     # model-only save (step-5)
     SampleSpec("torchtitan_real", "dcp", _W + "torchtitan_run", 2, "torchtitan_real", needs_module="torchtitan"),
     SampleSpec("dcp_recipe_fsdp2", "dcp", _W + "dcp_layouts", 2, "dcp_recipe_fsdp2"),
+    # torchtune 0.6.1's own recipes (full_finetune_single_device, lora_finetune_single_device; CPU): the output
+    # folder with epoch_0/ (+ recipe_state/) and the final epoch_1/
+    SampleSpec("torchtune_full", "torchtune", _W + "torchtune_run", 1, "torchtune_full", needs_module="torchtune"),
+    SampleSpec("torchtune_lora", "torchtune", _W + "torchtune_run", 1, "torchtune_lora", needs_module="torchtune"),
     SampleSpec("accelerate_two_models", "accelerate", _W + "accel_multi", 2, "accelerate_two_models"),
     SampleSpec("plain", "torch", _W + "plain", 1, "plain.pt"),
     SampleSpec("safetensors_single", "safetensors", _W + "plain", 1, "model.safetensors"),

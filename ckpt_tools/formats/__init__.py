@@ -14,7 +14,7 @@ from ..errors import CkptError, NotACheckpoint, UnsupportedCheckpoint
 
 #: detection order: the most specific layouts first
 FORMAT_MODULES = (
-    "hf_trainer", "megatron_lm", "megatron_dist", "safetensors_file", "dcp", "universal", "accelerate", "megatron_pipeline", "deepspeed_moe", "deepspeed",
+    "hf_trainer", "torchtune", "megatron_lm", "megatron_dist", "safetensors_file", "dcp", "universal", "accelerate", "megatron_pipeline", "deepspeed_moe", "deepspeed",
     "fsdp_sharded",
     "lightning", "torch_file",
 )

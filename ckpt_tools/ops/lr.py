@@ -60,6 +60,7 @@ from ..tree import Checkpoint, as_int
 CLOSED_FORM, CHAINABLE, ONE_CYCLE, DEEPSPEED, NO_SCHEDULER = "closed-form", "chainable", "one-cycle", "deepspeed", "none"
 MEGATRON = "megatron"  # Megatron-LM's OptimizerParamScheduler: the LR is recomputed every step from max_lr/min_lr
 JOB_CONFIG = "job-config"  # torchtitan: lr_scheduler saved as {last_epoch}; schedule and base LR from the job config
+REBUILT = "rebuilt"  # torchtune: no scheduler state; the recipe rebuilds it from initial_lr at the resumed step
 
 #: state-dict keys that identify a torch scheduler class
 _ONE_CYCLE_KEYS = {"total_steps", "_schedule_phases"}
@@ -73,6 +74,8 @@ SCHEDULER_LABEL = {
     NO_SCHEDULER: "no scheduler state",
     MEGATRON: "Megatron OptimizerParamScheduler (opt_param_scheduler)",
     JOB_CONFIG: "torchtitan LRSchedulersContainer (saves only last_epoch; rebuilds the schedule from the job config)",
+    REBUILT: "torchtune recipe (no scheduler state saved; the recipe rebuilds its scheduler from each param group's "
+             "initial_lr at the resumed step)",
 }
 
 DRIVER = {
@@ -87,6 +90,8 @@ DRIVER = {
               "Megatron recomputes the saved lr every step",
     JOB_CONFIG: "the JOB CONFIG's LR x the schedule at last_epoch; the saved per-parameter lr drives only the first "
                 "resumed update",
+    REBUILT: "each param group's initial_lr x the schedule at the resumed step (the saved lr is replaced: editing it "
+             "alone has no effect)",
 }
 
 _COSMETIC = "cosmetic (kept consistent)"
@@ -112,6 +117,8 @@ _NOTES = {
     JOB_CONFIG: {"lr": _FIRST_STEP + "; then the job config's LR", "initial_lr": _COSMETIC + "; the job config's LR "
                  "replaces it on resume"},
     NO_SCHEDULER: {"lr": "DRIVES the LR", "initial_lr": _COSMETIC},
+    REBUILT: {"initial_lr": "DRIVES the LR (the recipe rebuilds its scheduler from it)",
+              "lr": "replaced on resume by the rebuilt scheduler (kept consistent)"},
 }
 
 #: LR-valued fields, scaled together by --scale / --lr
@@ -434,6 +441,9 @@ def _kind(files: list[_File], index: int) -> tuple[str, dict | None]:
     if kind == NO_SCHEDULER and any(isinstance(f.obj, dict) and isinstance(f.obj.get("lr_scheduler"), dict)
                                     and set(map(str, f.obj["lr_scheduler"])) == {"last_epoch"} for f in files):
         kind = JOB_CONFIG  # torchtitan: only the position is saved; the LR comes back from the job config
+    if kind == NO_SCHEDULER and any(isinstance(f.obj, dict) and "epochs_run" in f.obj and "optimizer" in f.obj
+                                    for f in files):
+        kind = REBUILT  # torchtune's recipe_state.pt: the recipe rebuilds the scheduler from initial_lr
     return kind, cfg
 
 

@@ -1,0 +1,154 @@
+"""torchtune output folders (measured with torchtune 0.6.1's `full_finetune_single_device` and
+`lora_finetune_single_device` recipes, `FullModelHFCheckpointer`).
+
+An intermediate save is TWO places in the recipe's `output_dir`:
+- `epoch_N/`: the weights in Hugging Face names (`model-0000i-of-0000n.safetensors` + index + `config.json`),
+  or for LoRA only the adapter (`adapter_model.safetensors`, PEFT names, + `adapter_config.json`);
+- `recipe_state/recipe_state.pt`: `seed`, `epochs_run`, `total_epochs`, `max_steps_per_epoch`, the data
+  loader's state and `optimizer` (a torch optimizer state dict keyed by integer ids in the order of the
+  trained parameters). Written with every save but the last (the final epoch is saved model-only), so it goes
+  with `epoch_{epochs_run - 1}`.
+
+No global step and no scheduler state are saved: on resume the recipe rebuilds its scheduler from the optimizer's
+`initial_lr` at step `epochs_run x steps per epoch`, so `initial_lr` drives the LR (`ops.lr` says so).
+
+The optimizer ids are mapped to the epoch folder's names in torchtune's own parameter order for its Llama-family
+decoder (`tok_embeddings`, per layer `attn.q/k/v/output_proj`, `mlp.w1/w2/w3`, `sa_norm`, `mlp_norm`, then
+`norm`, `output`), confirmed by the shapes of each id's Adam state (`torch_file.match_param_ids`); weights this
+order does not cover, and LoRA adapters, keep their ids (a warning says so).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ..tree import Checkpoint, GroupNode, Topology, Warning_, iter_tensors, to_node
+from . import _common as C
+from . import safetensors_file, torch_file
+
+FORMAT = "torchtune"
+RECIPE_STATE = Path("recipe_state") / "recipe_state.pt"
+_EPOCH_RE = re.compile(r"^epoch_(\d+)$")
+
+#: Hugging Face Llama name -> its place in torchtune's parameter order ((layer, position) ; layer -1 first,
+#: 10**9 last) -- the order torchtune's llama builders register the modules in
+_LAYER_ORDER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.down_proj.weight", "mlp.up_proj.weight",
+                "input_layernorm.weight", "post_attention_layernorm.weight")
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_TOP = {"model.embed_tokens.weight": (-1, 0), "model.norm.weight": (10**9, 0), "lm_head.weight": (10**9, 1)}
+
+
+def _epochs(folder: Path) -> list[tuple[int, Path]]:
+    out = []
+    for d in folder.iterdir() if folder.is_dir() else ():
+        m = _EPOCH_RE.match(d.name)
+        if m and d.is_dir():
+            out.append((int(m[1]), d))
+    return sorted(out)
+
+
+def sniff(path: Path) -> bool:
+    """A recipe output folder: `recipe_state/recipe_state.pt` beside `epoch_N/` folders."""
+    return path.is_dir() and (path / RECIPE_STATE).is_file() and bool(_epochs(path))
+
+
+def torchtune_order(names: list[str]) -> list[str] | None:
+    """The Hugging Face `names` in torchtune's parameter order for its Llama-family decoder, or None when a
+    name is not one of that family's."""
+    keyed = []
+    for n in names:
+        if n in _TOP:
+            keyed.append((_TOP[n], n))
+            continue
+        m = _LAYER_RE.match(n)
+        if not m or m[2] not in _LAYER_ORDER:
+            return None
+        keyed.append(((int(m[1]), _LAYER_ORDER.index(m[2])), n))
+    return [n for _, n in sorted(keyed)]
+
+
+def _as_int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def open(path: Path) -> Checkpoint:  # noqa: A001
+    folder = path
+    cache = C.LoadCache(folder)
+    loaded = cache.load(folder / RECIPE_STATE)
+    state = loaded.obj if isinstance(loaded.obj, dict) else {}
+    rel = str(RECIPE_STATE)
+    epochs_run = _as_int(state.get("epochs_run"))
+    epochs = _epochs(folder)
+    warnings: list[Warning_] = []
+    details: dict[str, Any] = {"recipe_state": rel, "epochs": [d.name for _, d in epochs],
+                               "scheduler_rebuilt": "not saved: the recipe rebuilds its scheduler from each param "
+                                                    "group's initial_lr at the resumed step"}
+    # the weights saved with the recipe state: epoch_{epochs_run - 1}
+    with_state = next((d for n, d in epochs if epochs_run is not None and n == epochs_run - 1), None)
+    if with_state is None:
+        from ..errors import MissingFile
+
+        want = f"epoch_{epochs_run - 1}" if epochs_run else "epoch_N"
+        raise MissingFile(f"{rel} records epochs_run={epochs_run}, but {want}/ (the weights saved with it) is not "
+                          "here", path=folder / want, hint="restore that epoch folder: a resume reads it")
+    details["weights"] = with_state.name
+    later = [d.name for n, d in epochs if epochs_run is not None and n >= epochs_run]
+    if later:
+        details["model_only_saves"] = later  # the final save: weights only, no recipe state
+    files = []
+    adapter = with_state / "adapter_model.safetensors"
+    if adapter.is_file():
+        weights = safetensors_file.open(adapter)
+        details["adapter"] = f"{with_state.name}/adapter_model.safetensors (LoRA: the base model is not saved)"
+    else:
+        weights = safetensors_file.open(with_state)
+    files += [replace(f, path=str(Path(with_state.name) / f.path)) for f in weights.files]
+    files.append(C.file_info(folder / RECIPE_STATE, folder, "optimizer"))
+    model = weights.tree.children.get("model") if isinstance(weights.tree, GroupNode) else None
+    model = model if isinstance(model, GroupNode) else GroupNode({})
+    shapes = {k: tuple(t.shape) for k, t in iter_tensors(model)}
+    tree: dict[str, Any] = {"model": model}
+    osd = state.get("optimizer") if isinstance(state.get("optimizer"), dict) else None
+    if osd is not None:
+        order = torchtune_order(list(shapes)) if not adapter.is_file() else None
+        node = torch_file.optimizer_tree(osd, order or [], rel, {n: shapes[n] for n in order} if order else None)
+        tree["optimizer"] = node
+        st = node.children.get("state")
+        if isinstance(st, GroupNode) and any(k.isdigit() for k in st.children):
+            why = ("LoRA: the optimizer holds every parameter of the model, the folder only the adapter"
+                   if adapter.is_file() else "the weights are not all in torchtune's Llama-family order")
+            warnings.append(Warning_("optimizer-ids-unnamed", f"{rel}: optimizer state keyed by ids that could not "
+                                     f"be matched to parameter names ({why})", rel))
+    client = {k: v for k, v in state.items() if k != "optimizer"}
+    tree["client_state"] = to_node(client, rel)
+    counters, lrs, steps = C.training_header(tree)
+    steps_per_epoch = _as_int(state.get("max_steps_per_epoch"))
+    if epochs_run is not None and steps_per_epoch:
+        derived = epochs_run * steps_per_epoch
+        details["global_step"] = (f"epochs_run {epochs_run} x max_steps_per_epoch {steps_per_epoch} = {derived}"
+                                  " (what the recipe resumes at when every epoch ran max_steps_per_epoch steps)")
+        if set(steps) <= {derived}:
+            counters = replace(counters, global_step=derived)
+        else:
+            warnings.append(Warning_("step-mismatch", f"epochs_run x max_steps_per_epoch = {derived}, but Adam's "
+                                     f"step is {sorted(set(steps))}: an epoch ran fewer steps (a short dataset)", rel))
+    details.update({k: state[k] for k in ("epochs_run", "total_epochs", "max_steps_per_epoch", "seed")
+                    if isinstance(state.get(k), int)})
+    warnings += C.counter_warnings(counters, optimizer_steps_seen=steps) + cache.warnings()
+    params = [t for _, t in iter_tensors(model)]
+    return Checkpoint(
+        format=FORMAT, path=str(folder), topology=Topology(dp=1, tp=1, pp=1, zero_stage=None), tree=GroupNode(tree),
+        counters=counters, lr=lrs, parameter_count=sum(t.numel for t in params), parameter_tensors=len(params),
+        files=tuple(files), warnings=tuple(warnings), dtypes=tuple(sorted({t.dtype for t in params})),
+        details=details)
+
+
+def training_state(ck: Checkpoint):
+    """`recipe_state/recipe_state.pt`: the optimizer (its param groups' `initial_lr` drive the LR on resume)."""
+    from ..state import StateMap, StateSource
+
+    root = Path(ck.path)
+    return StateMap(root, (StateSource(root / RECIPE_STATE, str(RECIPE_STATE)),))

@@ -1,0 +1,111 @@
+"""torchtune output folders written by torchtune 0.6.1's own recipes (`full_finetune_single_device`,
+`lora_finetune_single_device`; `ckpt_tools.train.workers.torchtune_run`): read as one checkpoint (epoch_N weights +
+recipe_state), optimizer ids named, the step derived, set-lr telling that `initial_lr` drives the LR, proven by
+resuming in the real recipe when torchtune is installed (it is not a dependency of ckpt: those tests skip).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+
+import pytest
+
+from conftest import manifest, run_cli, sample
+
+NEEDS_TORCHTUNE = pytest.mark.skipif(
+    importlib.util.find_spec("torchtune") is None,
+    reason="the real torchtune is not installed (torchtune==0.6.1 and torchao==0.11.0, --no-deps: see "
+           "ckpt_tools/train/workers/torchtune_run.py)")
+
+
+def _inspect(path):
+    proc = run_cli("inspect", path, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_full_finetune_output_folder_is_one_checkpoint():
+    """The output folder: epoch_0's weights with recipe_state (the final epoch_1 listed as a model-only save);
+    the live model's count, the step (epochs_run x max_steps_per_epoch, equal to Adam's step), the LR; every
+    optimizer id named by its parameter (torchtune's order mapped to the Hugging Face names it saved)."""
+    m = manifest("torchtune", "torchtune_full")
+    doc = _inspect(sample("torchtune", "torchtune_full"))
+    assert doc["format"] == "torchtune"
+    assert (doc["parameters"]["count"], doc["parameters"]["tensors"]) == (m["parameters"]["count"],
+                                                                         m["parameters"]["tensors"])
+    assert doc["counters"]["global_step"] == m["counters"]["global_step"] == 3
+    assert doc["counters"]["optimizer_step"] == m["counters"]["optimizer_step"]
+    assert doc["lr"]["param_groups"] == pytest.approx(m["lr"]["param_groups"], rel=1e-12)
+    assert doc["details"]["weights"] == m["extra"]["intermediate_save"]
+    assert doc["details"]["model_only_saves"] == [m["extra"]["final_save"]]
+    assert {w["code"] for w in doc["warnings"]} == set()
+    from ckpt_tools import open_checkpoint
+
+    opt = open_checkpoint(sample("torchtune", "torchtune_full")).tree.children["optimizer"]
+    names = [m["extra"]["hf_names"][n] for n in m["extra"]["optimizer_param_names"]]  # id order, live
+    group = opt.children["param_groups"].children["0"].children
+    assert list(group["param_names"].value) == names
+    assert sorted(opt.children["state"].children) == sorted(names)
+
+
+def test_lora_output_folder_reads_the_adapter_and_says_what_it_cannot_name():
+    m = manifest("torchtune", "torchtune_lora")
+    doc = _inspect(sample("torchtune", "torchtune_lora"))
+    assert doc["format"] == "torchtune" and "adapter" in doc["details"]
+    assert doc["parameters"]["tensors"] == 8 == len(m["extra"]["trainable_parameter_names"])
+    assert doc["counters"]["global_step"] == m["counters"]["global_step"]
+    codes = {w["code"] for w in doc["warnings"]}
+    assert "optimizer-ids-unnamed" in codes  # the optimizer lists the frozen base too: ids kept, said so
+
+
+def test_set_lr_plan_says_initial_lr_drives_it(tmp_path):
+    ck = tmp_path / "run"
+    shutil.copytree(sample("torchtune", "torchtune_full"), ck)
+    doc = json.loads(run_cli("set-lr", ck, "--scale", "0.5", "--dry-run", "--json").stdout)
+    plan = doc["plan"]
+    assert plan["scheduler_kind"] == "rebuilt" and "initial_lr" in plan["lr_driven_by"]
+    notes = {c["field"].rsplit(".", 1)[-1]: c["note"] for f in plan["files"] for c in f["changes"]}
+    assert notes["initial_lr"].startswith("DRIVES") and not notes["lr"].startswith("DRIVES")
+    assert [f["path"] for f in plan["files"]] == ["recipe_state/recipe_state.pt"]
+
+
+def test_export_is_the_epoch_weights(tmp_path):
+    from safetensors.torch import load_file
+
+    src = sample("torchtune", "torchtune_full")
+    r = run_cli("export", src, tmp_path / "m.safetensors")
+    assert r.returncode == 0, r.stderr
+    got = load_file(tmp_path / "m.safetensors")
+    ref = load_file(next((src / "epoch_0").glob("*.safetensors")))
+    assert set(got) == set(ref) and all(got[k].equal(ref[k]) for k in ref)
+
+
+@pytest.mark.slow
+@NEEDS_TORCHTUNE
+def test_set_lr_halves_every_resumed_step_in_the_real_recipe(tmp_path):
+    """Untouched copy and `set-lr --scale 0.5` copy, each resumed by torchtune's own recipe from epoch_0 +
+    recipe_state (`torchtune_run --check`): every resumed step of the edited copy runs at exactly half the LR;
+    the Adam step continues from the saved 3; the untouched resume equals the uninterrupted run."""
+    from ckpt_tools.samples import run_torchrun
+
+    m = manifest("torchtune", "torchtune_full")
+    recs = {}
+    for tag in ("untouched", "edited"):
+        ck = tmp_path / tag / "torchtune_full"
+        shutil.copytree(sample("torchtune", "torchtune_full"), ck)
+        shutil.copy(sample("torchtune", "torchtune_full.manifest.json"), ck.parent)  # the run's recorded history
+        if tag == "edited":
+            r = run_cli("set-lr", ck, "--scale", "0.5", "--yes")
+            assert r.returncode == 0, r.stderr
+        out = tmp_path / f"{tag}.json"
+        run_torchrun("ckpt_tools.train.workers.torchtune_run", 1,
+                     ["--sample", "torchtune_full", "--check", str(ck), "--record", str(out)],
+                     log_path=tmp_path / f"{tag}.log", timeout=300)
+        recs[tag] = json.loads(out.read_text())["records"]
+    history = {h["step"]: h for h in m["extra"]["history"]}
+    assert [r["step"] for r in recs["untouched"]] == [4, 5, 6]
+    for u, e in zip(recs["untouched"], recs["edited"]):
+        assert u["lr"] == history[u["step"]]["lr"] and u["loss"] == pytest.approx(history[u["step"]]["loss"], rel=1e-6)
+        assert e["step"] == u["step"] and e["optimizer_step"] == u["optimizer_step"] == u["step"]
+        assert e["lr"] == pytest.approx([x / 2 for x in u["lr"]], rel=1e-12), (u, e)
