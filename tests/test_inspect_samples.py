@@ -50,6 +50,13 @@ def _what_the_files_hold(m: dict) -> tuple[dict, dict]:
         counters["scheduler_step_count"] = None
         lr["base_lrs"] = lr["last_lr"] = None
         counters.pop("ntokens_seen")  # not a header counter: test_torchtitan_train_state checks it in the tree
+    if m["format"] == "torchtune":
+        # recipe_state.pt saves no scheduler (the recipe rebuilds it from initial_lr); the epoch counters are
+        # checked in tests/test_torchtune.py
+        counters["scheduler_last_epoch"] = counters["scheduler_step_count"] = None
+        lr["base_lrs"] = lr["last_lr"] = None
+        for k in ("epochs_run", "max_steps_per_epoch", "seed", "steps_per_epoch", "total_epochs"):
+            counters.pop(k, None)
     if m["extra"].get("optimizers"):  # several optimizers: the header lists every one's groups, in order
         opts = m["extra"]["optimizers"]
         lr = {"param_groups": [x for o in opts for x in o["lr"]], "base_lrs": [x for o in opts for x in o["base_lrs"]],
@@ -63,12 +70,14 @@ def test_header_matches_the_real_run(mpath):
     ck = ckpt_tools.open_checkpoint(path)
     expected, lr = _what_the_files_hold(m)
     assert ck.format == m["format"]
-    assert ck.parameter_count == m["parameters"]["count"]
-    assert ck.parameter_tensors == m["parameters"]["tensors"]
+    # a LoRA save holds the adapter only: the live model's trainable part
+    params = m["extra"]["trainable_parameters"] if m["extra"].get("lora") else m["parameters"]
+    assert ck.parameter_count == params["count"]
+    assert ck.parameter_tensors == params["tensors"]
     topo = m["topology"]
     if m["format"] not in ("safetensors", "torch_file"):
         assert (ck.topology.dp, ck.topology.tp, ck.topology.pp, ck.topology.zero_stage) == \
-            (topo["dp"], topo["tp"], topo["pp"], topo["zero_stage"])
+            (topo["dp"], topo["tp"], topo["pp"], topo.get("zero_stage"))
     got = ck.counters.__dict__
     for key, value in expected.items():
         assert got[key] == value, f"counter {key}: checkpoint says {got[key]}, the run had {value}"
@@ -84,8 +93,18 @@ def test_header_matches_the_real_run(mpath):
 def test_clean_samples_have_no_warnings(mpath):
     path, m = _load(mpath)
     ck = ckpt_tools.open_checkpoint(path)
-    expected_codes = set(m["extra"].get("expected_warnings", []))
+    expected_codes = set(m["extra"].get("expected_warnings", [])) | KNOWN_WARNINGS.get(mpath.parent.name + "/" +
+                                                                                    path.name, set())
     assert {w.code for w in ck.warnings} == expected_codes, ck.warnings
+
+
+#: what ckpt warns about in a sample whose producer wrote it that way (asserted, so a change shows)
+KNOWN_WARNINGS = {
+    # torchtune's LoRA recipe: the optimizer lists the frozen base model's parameters (no state) beside the adapter,
+    # the folder holds only the adapter (its ids cannot be named) and also an adapter_model.pt copy, and the final
+    # epoch_1/ save
+    "torchtune/torchtune_lora": {"optimizer-ids-unnamed", "optimizer-state-missing", "unread-files"},
+}
 
 
 def test_torchtitan_train_state():
