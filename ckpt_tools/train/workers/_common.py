@@ -42,6 +42,20 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def check_mode_parser(description: str, samples, *, check_help: str, steps_default: int | None,
+                      steps_help: str) -> argparse.ArgumentParser:
+    """The command line of a worker that runs a producer's own entry point (torchtitan's Trainer, torchtune's
+    recipes): `--sample NAME` and either `--out DIR` (make it) or `--check CKPT [--record OUT.json] [--steps N]`
+    (resume it in the producer and record the steps). The worker adds its own pass-through option."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--sample", required=True, choices=samples)
+    p.add_argument("--out", type=Path, help="the group folder the sample goes into")
+    p.add_argument("--check", type=Path, help=check_help)
+    p.add_argument("--record", type=Path, help="check mode: write the resumed steps here (JSON)")
+    p.add_argument("--steps", type=int, default=steps_default, help=steps_help)
+    return p
+
+
 def parse_producer_args(description: str, samples, *, default_steps: int | None = None,
                         add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
                         ) -> argparse.Namespace:

@@ -79,7 +79,6 @@ to torchtitan's job-config arguments, as a user relaunching would (e.g. the conf
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -584,12 +583,11 @@ def _original_history(step_folder: Path) -> dict[int, dict[str, Any]]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="Make (or resume-check) the real torchtitan sample.")
-    p.add_argument("--sample", required=True, choices=SAMPLES)
-    p.add_argument("--out", type=Path, help="the group folder the sample goes into")
-    p.add_argument("--check", type=Path, help="a torchtitan step-N folder to resume from in torchtitan's Trainer")
-    p.add_argument("--record", type=Path, help="check mode: rank 0 writes the resumed steps here (JSON)")
-    p.add_argument("--steps", type=int, default=1, help="check mode: steps to train after loading (default 1)")
+    from ckpt_tools.train.workers._common import check_mode_parser
+
+    p = check_mode_parser("Make (or resume-check) the real torchtitan sample.", SAMPLES,
+                          check_help="a torchtitan step-N folder to resume from in torchtitan's Trainer",
+                          steps_default=1, steps_help="check mode: steps to train after loading (default 1)")
     p.add_argument("--trainer-arg", action="append", default=[], dest="trainer_args",
                    help="check mode: one more job-config argument for torchtitan's ConfigManager, as a user adds to "
                         "the launch command (repeat; e.g. --trainer-arg=--optimizer.param-groups.0.optimizer-kwargs.lr "

@@ -116,7 +116,6 @@ Measured (this machine, 2 CPU cores): make 19-32 s per sample, check 15-26 s; an
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -758,13 +757,12 @@ def check(sample: str, path: Path, record: Path | None, steps: int | None, tune_
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="Make (or resume-check) the torchtune recipe samples.")
-    p.add_argument("--sample", required=True, choices=SAMPLES)
-    p.add_argument("--out", type=Path, help="the group folder the sample goes into")
-    p.add_argument("--check", type=Path, help="a torchtune sample folder (or its epoch_N folder) to resume from")
-    p.add_argument("--record", type=Path, help="check mode: write the resumed steps here (JSON)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="check mode: steps to train after loading (default: the rest of the schedule)")
+    from ckpt_tools.train.workers._common import check_mode_parser
+
+    p = check_mode_parser("Make (or resume-check) the torchtune recipe samples.", SAMPLES,
+                          check_help="a torchtune sample folder (or its epoch_N folder) to resume from",
+                          steps_default=None,
+                          steps_help="check mode: steps to train after loading (default: the rest of the schedule)")
     p.add_argument("--tune-arg", action="append", default=[], dest="tune_args",
                    help="check mode: a torchtune config override key=value, as on the `tune run` command line "
                         "(repeatable)")
