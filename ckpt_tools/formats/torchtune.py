@@ -94,7 +94,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
         want = f"epoch_{epochs_run - 1}" if epochs_run else "epoch_N"
         raise MissingFile(f"{rel} records epochs_run={epochs_run}, but {want}/ (the weights saved with it) is not "
                           "here", path=folder / want, hint="restore that epoch folder: a resume reads it")
-    details["weights"] = with_state.name
+    details["opened"] = with_state.name  # the epoch folder whose weights go with the recipe state (config.json too)
     later = [d.name for n, d in epochs if epochs_run is not None and n >= epochs_run]
     if later:
         details["model_only_saves"] = later  # the final save: weights only, no recipe state

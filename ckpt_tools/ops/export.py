@@ -226,7 +226,8 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
 
 
 def _config_dir(ck) -> Path:
-    """Where a checkpoint keeps config.json: an HF Trainer checkpoint-N folder (the newest of an output_dir)."""
+    """Where a checkpoint keeps config.json: the folder its reader opened inside the path given (an HF Trainer
+    output_dir's newest checkpoint-N, a torchtune output folder's epoch_N)."""
     p = Path(ck.path)
     opened = ck.details.get("opened") if isinstance(ck.details, dict) or hasattr(ck.details, "get") else None
     if opened and (p / str(opened)).is_dir():
