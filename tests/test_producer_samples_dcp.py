@@ -118,6 +118,19 @@ def test_torchtitan_saved_values_match_the_manifest(tmp_path):
     assert {sd["optimizer"][f"param_groups.{f}.lr"] for f in rest} == {groups["param_groups"][1]}
     assert {sd["optimizer"][f"param_groups.{f}.initial_lr"] for f in rest} == {groups["initial_lr"][1]}
     assert {int(sd["optimizer"][f"state.{f}.step"]) for f in _fqns(m)} == {3}
+    # the per-rank data-loader pickles, summarized by ckpt without running them; torch's own loader unpickles
+    import pickle
+
+    import ckpt_tools
+
+    details = ckpt_tools.open_checkpoint(path).details
+    assert details["train_state"] == f"step 3, ntokens_seen {m['counters']['ntokens_seen']}"
+    for r in (0, 1):
+        state = pickle.loads(sd["dataloader"][f"dp_rank_{r}"])
+        ds = state["dataset_state"]
+        assert (f"dp_rank_{r}: {state['_num_yielded']} batches yielded, sample_idx {ds['sample_idx']}, "
+                f"epoch {ds['epoch']}") in details["dataloader"]
+    assert details["dataloader"].startswith(f"world_size {sd['dataloader']['world_size']}; ")
 
 
 def test_recipe_layout_keys():

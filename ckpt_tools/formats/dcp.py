@@ -153,6 +153,7 @@ def training_checkpoint(fmt: str, root: Path, top: Mapping[str, Any], *, file: s
         # torchtitan: the model's keys sit flat at the top level beside optimizer / lr_scheduler / train_state
         model = {k: v for k, v in rest.items() if isinstance(v, TensorNode)}
         rest = {k: v for k, v in rest.items() if k not in model}
+    details = {**details, **_torchtitan_summary(rest, file)}
     tree: dict[str, Node] = {}
     if model is not None:
         tree["model"] = _nodes(model, file)
@@ -185,6 +186,39 @@ def training_checkpoint(fmt: str, root: Path, top: Mapping[str, Any], *, file: s
         parameter_tensors=len(params) - sum(len(parts) - 1 for parts in fused.values()), files=tuple(files),
         warnings=tuple(C.counter_warnings(counters, optimizer_steps_seen=steps) + warnings),
         dtypes=tuple(sorted({t.dtype for t in params})), details=details)
+
+
+def _raw(v: Any) -> Any:
+    return v.value if isinstance(v, ValueNode) else v
+
+
+def _torchtitan_summary(rest: Mapping[str, Any], file: str) -> dict[str, str]:
+    """torchtitan's `train_state` in one line."""
+    train = rest.get("train_state")
+    if isinstance(train, Mapping) and train:
+        return {"train_state": ", ".join(f"{k} {_raw(v)}" for k, v in train.items())}
+    return {}
+
+
+def loader_summary(loader: Mapping[str, Any], world: Any) -> str:
+    """torchtitan's `dataloader` ({dp_rank_<r>: pickled StatefulDataLoader state, world_size}) in one line: each
+    rank's pickle parsed inertly (no code runs): batches yielded, the dataset's sample index and epoch."""
+    from ..pickle_reader import _unpickle
+
+    parts = []
+    for k in sorted(loader, key=lambda k: int(str(k)[8:]) if str(k)[8:].isdigit() else 0):
+        raw = loader[k]
+        try:
+            state, _ = _unpickle(bytes(raw), None, None, f"dataloader.{k}")
+        except Exception as e:  # noqa: BLE001  a loader state we cannot parse is shown as such, never fatal
+            parts.append(f"{k}: unreadable ({type(e).__name__})")
+            continue
+        ds = state.get("dataset_state") if isinstance(state, Mapping) else None
+        bits = [f"{state.get('_num_yielded')} batches yielded"] if isinstance(state, Mapping) else []
+        if isinstance(ds, Mapping):
+            bits += [f"{f} {ds[f]}" for f in ("sample_idx", "epoch") if f in ds]
+        parts.append(f"{k}: {', '.join(bits) or 'state saved'}")
+    return (f"world_size {world}; " if world is not None else "") + "; ".join(parts)
 
 
 def _split_saved_fused(tree: dict[str, Node]) -> dict[str, list[str]]:
@@ -275,14 +309,20 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
                               hint="re-copy the checkpoint folder; every rank's .distcp file is needed")
 
     top: dict[Any, Any] = {}
+    loader: dict[str, bytes] = {}  # torchtitan's per-DP-rank pickled data-loader states
     for key, meta in sdm.items():
+        keys = logical_path(key, planner)
         if is_opaque(meta, "TensorStorageMetadata"):
             node = _tensor(cache, path, key, meta, where)
         elif is_opaque(meta, "BytesStorageMetadata"):
             node = _value(cache, path, key, where)
+            if keys[0] == "dataloader" and str(keys[-1]).startswith("dp_rank_"):
+                rel, off, length = _item(path, key, where, None)
+                obj = cache.load_embedded(path / rel, off, length).obj if length <= _MAX_VALUE_BYTES else None
+                if isinstance(obj, (bytes, bytearray)):
+                    loader[str(keys[-1])] = bytes(obj)
         else:
             node = ValueNode(repr(meta))
-        keys = logical_path(key, planner)
         slot = top
         for k in keys[:-1]:
             slot = slot.setdefault(k, {})
@@ -299,6 +339,9 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         C.file_info(path / rel, path, "checkpoint", _rank(rel)) for rel in used]
     ranks = {r["dp"] for r in map(_rank, used) if r}
     details = {"dcp_version": md.field("version"), "items": len(sdm)}
+    if loader:
+        world = top.get("dataloader", {}).get("world_size") if isinstance(top.get("dataloader"), dict) else None
+        details["dataloader"] = loader_summary(loader, _raw(world))
     ck = training_checkpoint(FORMAT, path, top, file=".metadata", dp=len(ranks) or 1, files=files,
                              warnings=warnings, details=details)
     if (path / "common.pt").is_file() and (path / "metadata.json").is_file():
