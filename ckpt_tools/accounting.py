@@ -62,7 +62,9 @@ def account(ck: Checkpoint, given: Path) -> Checkpoint:
     warnings: list[Warning_] = []
     unread: list[str] = []
     if given.is_dir():
-        unread = sorted(_unread(root, read))
+        # folders the reader names as other saves of the run beside this one (torchtune's final model-only epoch)
+        others = tuple(os.path.join(_norm(root), str(d)) + os.sep for d in ck.details.get("other_saves") or ())
+        unread = sorted(u for u in _unread(root, read) if not (_norm(root / u) + os.sep).startswith(others))
         if unread:
             shown = ", ".join(unread[:6]) + (f", … {len(unread) - 6} more" if len(unread) > 6 else "")
             warnings.append(Warning_(
@@ -290,15 +292,16 @@ def optimizer_state_warnings(ck: Checkpoint) -> list[Warning_]:
         if all(k.isdigit() for k in have):
             lost = sorted(listed - have, key=lambda s: (len(s), s))
             orphan = sorted(have - listed, key=lambda s: (len(s), s))
+            n_lost, shown = len(lost), ", ".join(lost[:6]) + (" …" if len(lost) > 6 else "")
         elif len(have) < len(listed):
             # state keyed by parameter name (the reader mapped torch's ids): only the counts can be reconciled;
             # more names than ids is a flat (ZeRO) group un-flattened, not a mismatch
-            lost, orphan = [f"{len(listed) - len(have)} id(s)"], []
+            n_lost, shown, orphan = len(listed) - len(have), "ids not named", []
         else:
             continue
-        if lost:
-            out.append(Warning_("optimizer-state-missing", f"{name}: {len(lost)} of {len(listed)} parameters its "
-                                f"param groups list have no state ({', '.join(lost[:6])}{' …' if len(lost) > 6 else ''}): "
+        if n_lost:
+            out.append(Warning_("optimizer-state-missing", f"{name}: {n_lost} of {len(listed)} parameters its "
+                                f"param groups list have no state ({shown}): "
                                 "lost, or never updated (frozen in practice); a resume restarts their moments at zero",
                                 f"{name}.state"))
         if orphan:

@@ -100,10 +100,8 @@ def test_clean_samples_have_no_warnings(mpath):
 
 #: what ckpt warns about in a sample whose producer wrote it that way (asserted, so a change shows)
 KNOWN_WARNINGS = {
-    # torchtune's LoRA recipe: the optimizer lists the frozen base model's parameters (no state) beside the adapter,
-    # the folder holds only the adapter (its ids cannot be named) and also an adapter_model.pt copy, and the final
-    # epoch_1/ save
-    "torchtune/torchtune_lora": {"optimizer-ids-unnamed", "optimizer-state-missing", "unread-files"},
+    # torchtune's LoRA recipe: the optimizer lists the frozen base model's parameters (no state) beside the adapter
+    "torchtune/torchtune_lora": {"optimizer-state-missing"},
 }
 
 

@@ -49,14 +49,25 @@ def test_full_finetune_output_folder_is_one_checkpoint():
     assert sorted(opt.children["state"].children) == sorted(names)
 
 
-def test_lora_output_folder_reads_the_adapter_and_says_what_it_cannot_name():
+def test_lora_output_folder_reads_the_adapter_and_names_its_optimizer_state(tmp_path):
+    """LoRA: the adapter (PEFT names) with its torchtune-named copy adapter_model.pt, the optimizer's trainable ids
+    named (the live recipe's trainable parameters, in their order), the frozen base's stateless ids said; the final
+    epoch_1 is another save, not an unread part; set-lr works without --allow-unread."""
+    from ckpt_tools import open_checkpoint
+    from ckpt_tools.formats.torchtune import peft_name
+
     m = manifest("torchtune", "torchtune_lora")
     doc = _inspect(sample("torchtune", "torchtune_lora"))
     assert doc["format"] == "torchtune" and "adapter" in doc["details"]
     assert doc["parameters"]["tensors"] == 8 == len(m["extra"]["trainable_parameter_names"])
     assert doc["counters"]["global_step"] == m["counters"]["global_step"]
-    codes = {w["code"] for w in doc["warnings"]}
-    assert "optimizer-ids-unnamed" in codes  # the optimizer lists the frozen base too: ids kept, said so
+    assert {w["code"] for w in doc["warnings"]} == {"optimizer-state-missing"}  # the frozen base: no state
+    state = open_checkpoint(sample("torchtune", "torchtune_lora")).tree.children["optimizer"].children["state"]
+    assert list(state.children) == [peft_name(n) for n in m["extra"]["trainable_parameter_names"]]
+    ck = tmp_path / "run"
+    shutil.copytree(sample("torchtune", "torchtune_lora"), ck)
+    r = run_cli("set-lr", ck, "--scale", "0.5", "--yes")
+    assert r.returncode == 0, r.stderr
 
 
 def test_set_lr_plan_says_initial_lr_drives_it(tmp_path):
@@ -83,24 +94,25 @@ def test_export_is_the_epoch_weights(tmp_path):
 
 @pytest.mark.slow
 @NEEDS_TORCHTUNE
-def test_set_lr_halves_every_resumed_step_in_the_real_recipe(tmp_path):
+@pytest.mark.parametrize("name", ["torchtune_full", "torchtune_lora"])
+def test_set_lr_halves_every_resumed_step_in_the_real_recipe(tmp_path, name):
     """Untouched copy and `set-lr --scale 0.5` copy, each resumed by torchtune's own recipe from epoch_0 +
     recipe_state (`torchtune_run --check`): every resumed step of the edited copy runs at exactly half the LR;
     the Adam step continues from the saved 3; the untouched resume equals the uninterrupted run."""
     from ckpt_tools.samples import run_torchrun
 
-    m = manifest("torchtune", "torchtune_full")
+    m = manifest("torchtune", name)
     recs = {}
     for tag in ("untouched", "edited"):
-        ck = tmp_path / tag / "torchtune_full"
-        shutil.copytree(sample("torchtune", "torchtune_full"), ck)
-        shutil.copy(sample("torchtune", "torchtune_full.manifest.json"), ck.parent)  # the run's recorded history
+        ck = tmp_path / tag / name
+        shutil.copytree(sample("torchtune", name), ck)
+        shutil.copy(sample("torchtune", f"{name}.manifest.json"), ck.parent)  # the run's recorded history
         if tag == "edited":
             r = run_cli("set-lr", ck, "--scale", "0.5", "--yes")
             assert r.returncode == 0, r.stderr
         out = tmp_path / f"{tag}.json"
         run_torchrun("ckpt_tools.train.workers.torchtune_run", 1,
-                     ["--sample", "torchtune_full", "--check", str(ck), "--record", str(out)],
+                     ["--sample", name, "--check", str(ck), "--record", str(out)],
                      log_path=tmp_path / f"{tag}.log", timeout=300)
         recs[tag] = json.loads(out.read_text())["records"]
     history = {h["step"]: h for h in m["extra"]["history"]}

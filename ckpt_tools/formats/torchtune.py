@@ -70,6 +70,54 @@ def torchtune_order(names: list[str]) -> list[str] | None:
     return [n for _, n in sorted(keyed)]
 
 
+_LORA_RE = re.compile(r"^layers\.(\d+)\.(attn|mlp)\.(\w+)\.lora_(a|b)\.weight$")
+_PEFT_MODULE = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+                "output_proj": "self_attn.o_proj", "w1": "mlp.gate_proj", "w2": "mlp.down_proj", "w3": "mlp.up_proj"}
+
+
+def peft_name(tune: str) -> str | None:
+    """torchtune's LoRA parameter name -> the PEFT name its checkpointer writes to adapter_model.safetensors."""
+    if tune.startswith("output.lora_"):
+        return f"base_model.model.lm_head.lora_{tune[12].upper()}.weight"
+    m = _LORA_RE.match(tune)
+    if not m or m[3] not in _PEFT_MODULE:
+        return None
+    return f"base_model.model.model.layers.{m[1]}.{_PEFT_MODULE[m[3]]}.lora_{m[4].upper()}.weight"
+
+
+def _lora_ids(osd: dict, tune: Any, shapes: dict[str, tuple]) -> dict[Any, str]:
+    """Optimizer id -> adapter name: the ids that have state (the trainable ones), in increasing order, are the
+    adapter's parameters in torchtune's module order (adapter_model.pt's order); kept only when every count,
+    name and shape agrees."""
+    state = osd.get("state") if isinstance(osd.get("state"), dict) else {}
+    if not isinstance(tune, dict):
+        return {}
+    ids = sorted(state, key=lambda i: (not isinstance(i, int), i))
+    names = [peft_name(str(k)) for k in tune]
+    if len(ids) != len(names) or None in names or set(names) != set(shapes):
+        return {}
+    out = {}
+    for i, name, t in zip(ids, names, tune.values()):
+        st = state[i] if isinstance(state[i], dict) else {}
+        ref = next((v for v in st.values() if getattr(v, "numel", 0) > 1), None)
+        if ref is None or tuple(ref.shape) != shapes[name] or tuple(getattr(t, "shape", ())) != shapes[name]:
+            return {}
+        out[i] = name
+    return out
+
+
+def _rename_state(node: GroupNode, names: dict[Any, str]) -> GroupNode:
+    st = node.children.get("state")
+    if not isinstance(st, GroupNode):
+        return node
+    renamed = GroupNode({names.get(_key(k), k): v for k, v in st.children.items()})
+    return GroupNode({**node.children, "state": renamed})
+
+
+def _key(k: str) -> Any:
+    return int(k) if k.isdigit() else k
+
+
 def _as_int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
@@ -98,6 +146,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     later = [d.name for n, d in epochs if epochs_run is not None and n >= epochs_run]
     if later:
         details["model_only_saves"] = later  # the final save: weights only, no recipe state
+        details["other_saves"] = later  # not part of this checkpoint (accounting leaves them to their own open)
     files = []
     adapter = with_state / "adapter_model.safetensors"
     if adapter.is_file():
@@ -112,12 +161,23 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     shapes = {k: tuple(t.shape) for k, t in iter_tensors(model)}
     tree: dict[str, Any] = {"model": model}
     osd = state.get("optimizer") if isinstance(state.get("optimizer"), dict) else None
+    lora_names: dict[Any, str] = {}
+    if adapter.is_file() and (with_state / "adapter_model.pt").is_file():
+        # torchtune writes the adapter twice: adapter_model.pt (its own names, module order) and the PEFT-named
+        # safetensors; the .pt gives the order the optimizer numbered the trainable parameters in
+        pt = with_state / "adapter_model.pt"
+        tune = cache.load(pt).obj
+        files.append(C.file_info(pt, folder, "model (copy in torchtune's names)"))
+        if isinstance(osd, dict):
+            lora_names = _lora_ids(osd, tune, shapes)
     if osd is not None:
         order = torchtune_order(list(shapes)) if not adapter.is_file() else None
         node = torch_file.optimizer_tree(osd, order or [], rel, {n: shapes[n] for n in order} if order else None)
+        if lora_names:
+            node = _rename_state(node, lora_names)
         tree["optimizer"] = node
         st = node.children.get("state")
-        if isinstance(st, GroupNode) and any(k.isdigit() for k in st.children):
+        if isinstance(st, GroupNode) and any(k.isdigit() for k in st.children) and not lora_names:
             why = ("LoRA: the optimizer holds every parameter of the model, the folder only the adapter"
                    if adapter.is_file() else "the weights are not all in torchtune's Llama-family order")
             warnings.append(Warning_("optimizer-ids-unnamed", f"{rel}: optimizer state keyed by ids that could not "
