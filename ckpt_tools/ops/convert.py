@@ -348,6 +348,9 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
     if step is None:
         notes.append("the source records no global step: `step` is not written")
     not_moved = sgone + _not_moved(ck, config)
+    if ck.details.get("scheduler_rebuilt"):  # the producer rebuilds its schedule on resume (torchtune)
+        not_moved.append(f"scheduler: {ck.details['scheduler_rebuilt']} (its shape is in the producer's config, not "
+                         "in the checkpoint): configure the same schedule in the target's launch config")
     if layout == "torchtitan":
         notes.append("torchtitan layout (as torchtitan 0.3.0's CheckpointManager saves): the model's keys flat at the "
                      "top level; train_state holds `step` only and there is no `dataloader` entry (the "
