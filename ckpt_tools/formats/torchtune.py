@@ -15,7 +15,10 @@ No global step and no scheduler state are saved: on resume the recipe rebuilds i
 The optimizer ids are mapped to the epoch folder's names in torchtune's own parameter order for its Llama-family
 decoder (`tok_embeddings`, per layer `attn.q/k/v/output_proj`, `mlp.w1/w2/w3`, `sa_norm`, `mlp_norm`, then
 `norm`, `output`), confirmed by the shapes of each id's Adam state (`torch_file.match_param_ids`); weights this
-order does not cover, and LoRA adapters, keep their ids (a warning says so).
+order does not cover keep their ids (a warning says so). LoRA: the optimizer lists every parameter of the model,
+state only for the adapter's; those ids, in order, are the adapter's parameters in `adapter_model.pt`'s order
+(torchtune's names), shown under the PEFT names of `adapter_model.safetensors`, confirmed by shapes. A later
+`epoch_N` (the final, model-only save) is another save (`other_saves`), not an unread part of this one.
 """
 from __future__ import annotations
 
