@@ -28,6 +28,9 @@ def export_cmd(
     hf: bool = typer.Option(False, "--hf", help="write a folder from_pretrained loads: model[-0000i-of-0000N]"
                             ".safetensors + index, config.json / generation_config.json copied, tied aliases "
                             "left out as save_pretrained does"),
+    hf_config: Optional[Path] = typer.Option(None, "--hf-config", metavar="CONFIG.json", help="with --hf: the "
+                                             "model's Hugging Face config.json (or its folder) to copy; needed for "
+                                             "a torchtitan Llama, whose names and q/k layout are mapped with it"),
     dtype: Optional[str] = typer.Option(None, "--dtype", metavar="DTYPE", help="bf16, fp16 or fp32 (default: as "
                                         "stored)"),
     max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", metavar="SIZE", help="with a unit: "
@@ -75,7 +78,8 @@ def export_cmd(
                                    tp_layout=tp_layout, patterns=pattern or (), hf=hf,
                                    tied="dedupe" if dedupe_tied else ("all" if not hf else "dedupe"),
                                    include_frozen=not exclude_frozen, include=include or None,
-                                   exclude=exclude or None, model=model, allow_unread=allow_unread)
+                                   exclude=exclude or None, model=model, allow_unread=allow_unread,
+                                   hf_config=hf_config)
         except ValueError as e:
             raise typer.BadParameter(str(e))
         doc = plan.to_json()

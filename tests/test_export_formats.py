@@ -5,6 +5,7 @@ and `--hf` output that transformers' from_pretrained loads with the same logits.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 
@@ -291,3 +292,67 @@ def test_plain_dcp_save_of_same_shape_tensors_is_not_taken_for_tied(tmp_path):
     assert {n for n, t in got.items() if t.kind == "tied"} == set()
     for name, ref in sd.items():
         assert same(got[name].read(), ref), name
+
+
+# --- --hf from torchtitan names ----------------------------------------------------------------------------
+
+
+def _titan_hf_config(folder):
+    """The Hugging Face config of the torchtitan sample's model (its worker's llama3: dim 64, 4 heads, no GQA,
+    FFN 96, vocab 64, RoPE theta 5e5 with llama3 scaling, RMSNorm eps 1e-5), written by transformers itself."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, vocab_size=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192},
+                tie_word_embeddings=False, max_position_embeddings=8192).save_pretrained(folder)
+    return folder / "config.json"
+
+
+def test_torchtitan_hf_export_needs_the_config_and_loads_in_transformers(tmp_path):
+    """A torchtitan Llama: --hf without --hf-config exits 2 naming it (the head counts the q/k permutation needs are
+    not in the checkpoint); with it, every tensor under its Hugging Face name (q/k permuted, the rest as saved),
+    verified, and transformers loads the folder with no missing or unexpected key."""
+    from transformers import AutoModelForCausalLM
+
+    src = sample("dcp", "torchtitan_real") / "step-3"
+    r = run_cli("export", src, tmp_path / "no", "--hf")
+    assert r.returncode == 2 and "--hf-config" in r.stderr and not (tmp_path / "no").exists(), r.stderr
+    cfg = _titan_hf_config(tmp_path / "cfg")
+    r = run_cli("export", src, tmp_path / "hf", "--hf", "--hf-config", cfg, "--verify")
+    assert r.returncode == 0, r.stderr
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    saved = {t.name: t.read() for t in L.model_tensors(src)}
+    assert got["model.layers.1.mlp.down_proj.weight"].equal(saved["layers.1.feed_forward.w2.weight"])
+    q = saved["layers.0.attention.qkv_linear.wq.weight"]
+    assert got["model.layers.0.self_attn.q_proj.weight"].equal(
+        q.view(4, 8, 2, 64).transpose(1, 2).reshape(64, 64))  # per head: (x0, y0, x1, y1 ...) -> (x..., y...)
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    bad = _titan_hf_config(tmp_path / "bad")
+    bad.write_text(bad.read_text().replace('"num_attention_heads": 4', '"num_attention_heads": 8'))
+    r = run_cli("export", src, tmp_path / "hf8", "--hf", "--hf-config", bad)
+    assert r.returncode == 2 and "q_proj" not in r.stderr and "wq.weight" in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="the real torchtitan is not installed")
+def test_torchtitan_hf_export_equals_torchtitans_own_adapter(tmp_path):
+    """Tensor for tensor against torchtitan 0.3.0's own `Llama3StateDictAdapter.to_hf` (its HF converter) on the
+    weights `dcp_to_torch_save` reads from the same save, with the sample's model config."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from ckpt_tools.train.workers import torchtitan_run
+
+    src = sample("dcp", "torchtitan_real") / "step-3"
+    assert run_cli("export", src, tmp_path / "hf", "--hf", "--hf-config",
+                   _titan_hf_config(tmp_path / "cfg")).returncode == 0
+    dcp_to_torch_save(str(src), str(tmp_path / "full.pt"))
+    full = torch.load(tmp_path / "full.pt", weights_only=False)
+    model = {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
+    config = torchtitan_run.torchtitan_tiny().model_spec.model
+    adapter = importlib.import_module("torchtitan.models.llama3").Llama3StateDictAdapter(config, None)
+    ref = adapter.to_hf(model)
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(got) == set(ref) and len(ref) == 21
+    assert all(got[k].equal(ref[k]) for k in ref), [k for k in ref if not got[k].equal(ref[k])]

@@ -55,10 +55,16 @@ class ExportTensor:
     source: LogicalTensor = field(repr=False)
     shape: tuple[int, ...]
     dtype: str  # output dtype
+    #: applied to the tensor read (same shape): `--hf` from torchtitan names, the q/k RoPE permutation
+    transform: Callable[[Any], Any] | None = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * _SIZE[self.dtype]
+
+    def read(self):
+        x = self.source.read(self.dtype)
+        return self.transform(x) if self.transform is not None else x
 
     @property
     def node(self):
@@ -125,11 +131,13 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
                 tp_layout: str | None = None, patterns: Sequence[str] = (), tied: str = "all",
                 include_frozen: bool = True, include: Sequence[str] | str | None = None,
                 exclude: Sequence[str] | str | None = None, hf: bool = False, model: int = 0,
-                allow_unread: bool = False) -> ExportPlan:
+                allow_unread: bool = False, hf_config: str | os.PathLike | None = None) -> ExportPlan:
     """Which tensors go into which file. `source_weights`: "fp32" (the optimizer's fp32 master, the same
     values zero_to_fp32 writes, where the format has one) or "module" (the saved module weights, e.g. bf16).
     `hf`: `out` is a new folder for `from_pretrained` (tied aliases left out unless tied="all" is asked
-    for explicitly by passing tied="keep")."""
+    for explicitly by passing tied="keep"); `hf_config`: the model's Hugging Face config.json (or its folder) to
+    copy instead of the checkpoint's, required for a torchtitan Llama (its names and q/k layout are mapped to
+    Hugging Face's with the head counts it gives: `ops.hf_map`)."""
     from .. import logical as L
 
     if source_weights not in ("fp32", "module"):
@@ -197,6 +205,8 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
     items = [ExportTensor(t.name, t, tuple(t.shape),
                           want if want and t.dtype in ("float32", "bfloat16", "float16", "float64") else t.dtype)
              for t in tensors]
+    if hf:
+        items = _hf_names(items, hf_config, src)
     groups: list[list[ExportTensor]] = [[]]
     size = 0
     for t in items:
@@ -206,11 +216,20 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
         groups[-1].append(t)
         size += t.nbytes
     copies: tuple[Path, ...] = ()
+    if hf_config is not None and not hf:
+        raise ValueError("--hf-config applies to --hf")
     if hf:
         folder = out
         stem = "model"
         single = folder / "model.safetensors"
-        copies = tuple(_config_dir(ck) / n for n in HF_CONFIG_FILES if (_config_dir(ck) / n).is_file())
+        cfg_dir = _config_dir(ck)
+        if hf_config is not None:
+            given = Path(hf_config)
+            cfg_dir = given if given.is_dir() else given.parent
+            if not (cfg_dir / "config.json").is_file() or (given.is_file() and given.name != "config.json"):
+                raise CkptError("--hf-config: no config.json there", path=given,
+                                hint="pass the model's Hugging Face config.json (named config.json) or its folder")
+        copies = tuple(cfg_dir / n for n in HF_CONFIG_FILES if (cfg_dir / n).is_file())
     else:
         folder = out.parent
         stem = out.name[: -len(".safetensors")] if out.name.endswith(".safetensors") else out.name
@@ -223,6 +242,30 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
     weights_from = ("fp32 master where saved" if source_weights == "fp32" else "module weights")
     return ExportPlan(src, out, weights_from, files, tuple(tuple(g) for g in groups), index, hf, copies,
                       skipped, ck.format)
+
+
+def _hf_names(items: list[ExportTensor], hf_config: str | os.PathLike | None, src: Path) -> list[ExportTensor]:
+    """`items` under Hugging Face names where the checkpoint's are another framework's: a torchtitan Llama's
+    names and q/k layout mapped with the head counts of the config.json given (`ops.hf_map`)."""
+    from dataclasses import replace
+
+    from . import hf_map
+
+    if not hf_map.is_torchtitan_llama([t.name for t in items]):
+        return items
+    if hf_config is None:
+        raise CkptError("a torchtitan Llama checkpoint: --hf maps its names and q/k layout to Hugging Face's with the "
+                        "head counts, which the checkpoint does not hold", path=src,
+                        hint="add --hf-config CONFIG.json (the model's Hugging Face config: num_attention_heads, "
+                             "num_key_value_heads, ...)")
+    given = Path(hf_config)
+    path = given if given.is_file() else given / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CkptError(f"--hf-config: cannot read it ({e})", path=path, hint="pass a JSON config.json") from None
+    mapping = hf_map.torchtitan_llama_to_hf({t.name: t.shape for t in items}, config, str(path))
+    return [replace(t, name=mapping[t.name][0], transform=mapping[t.name][1]) for t in items]
 
 
 def _config_dir(ck) -> Path:
@@ -270,7 +313,7 @@ def _write_file(path: Path, tensors: Sequence[ExportTensor], progress: Callable[
                     copy_range(r.fd, fd, r.offset, at, r.length)
                     at += r.length
             else:
-                x = t.source.read(t.dtype)
+                x = t.read()
                 if tuple(x.shape) != tuple(t.shape):
                     raise CkptError(f"{t.name}: read {tuple(x.shape)}, planned {tuple(t.shape)}", path=path,
                                     hint="the checkpoint changed while exporting; run it again")
@@ -295,7 +338,8 @@ def _ranges(t: ExportTensor, fds):
     from .to_universal import source_ranges
 
     node = t.node
-    if not isinstance(node, TensorNode) or node.dtype != t.dtype or node.numel != math.prod(t.shape):
+    if t.transform is not None or not isinstance(node, TensorNode) or node.dtype != t.dtype or \
+            node.numel != math.prod(t.shape):
         return None
     ranges = source_ranges(node, fds)
     if ranges is None or sum(r.length for r in ranges) != t.nbytes:
@@ -410,7 +454,7 @@ def verify_files(plan: ExportPlan, where: dict[Path, Path] | None = None) -> lis
                 continue
             for t in tensors:
                 got = fh.get_tensor(t.name)
-                ref = t.source.read(t.dtype)
+                ref = t.read()
                 if got.dtype != ref.dtype or tuple(got.shape) != tuple(ref.shape) or not torch.equal(
                         got.view(-1).view(torch.uint8) if got.numel() else got,
                         ref.contiguous().view(-1).view(torch.uint8) if ref.numel() else ref):
