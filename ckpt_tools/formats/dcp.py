@@ -153,7 +153,7 @@ def training_checkpoint(fmt: str, root: Path, top: Mapping[str, Any], *, file: s
         # torchtitan: the model's keys sit flat at the top level beside optimizer / lr_scheduler / train_state
         model = {k: v for k, v in rest.items() if isinstance(v, TensorNode)}
         rest = {k: v for k, v in rest.items() if k not in model}
-    details = {**details, **_torchtitan_summary(rest, file)}
+    details = {**details, **_train_state_summary(rest)}
     tree: dict[str, Node] = {}
     if model is not None:
         tree["model"] = _nodes(model, file)
@@ -192,7 +192,7 @@ def _raw(v: Any) -> Any:
     return v.value if isinstance(v, ValueNode) else v
 
 
-def _torchtitan_summary(rest: Mapping[str, Any], file: str) -> dict[str, str]:
+def _train_state_summary(rest: Mapping[str, Any]) -> dict[str, str]:
     """torchtitan's `train_state` in one line."""
     train = rest.get("train_state")
     if isinstance(train, Mapping) and train:
@@ -315,12 +315,9 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         if is_opaque(meta, "TensorStorageMetadata"):
             node = _tensor(cache, path, key, meta, where)
         elif is_opaque(meta, "BytesStorageMetadata"):
-            node = _value(cache, path, key, where)
-            if keys[0] == "dataloader" and str(keys[-1]).startswith("dp_rank_"):
-                rel, off, length = _item(path, key, where, None)
-                obj = cache.load_embedded(path / rel, off, length).obj if length <= _MAX_VALUE_BYTES else None
-                if isinstance(obj, (bytes, bytearray)):
-                    loader[str(keys[-1])] = bytes(obj)
+            node, obj = _value(cache, path, key, where)
+            if keys[0] == "dataloader" and str(keys[-1]).startswith("dp_rank_") and isinstance(obj, (bytes, bytearray)):
+                loader[str(keys[-1])] = bytes(obj)
         else:
             node = ValueNode(repr(meta))
         slot = top
@@ -389,11 +386,13 @@ def _tensor(cache: C.LoadCache, root: Path, key: str, meta, where: dict) -> Tens
     return chunked_tensor(key, shape, dtype or "?", chunks, root)
 
 
-def _value(cache: C.LoadCache, root: Path, key: str, where: dict) -> Node:
+def _value(cache: C.LoadCache, root: Path, key: str, where: dict) -> tuple[Node, Any]:
+    """(the node of a non-tensor item, the object read: None when too large to read)."""
     rel, off, length = _item(root, key, where, None)
     if length > _MAX_VALUE_BYTES:
-        return ValueNode(f"<{length} bytes in {rel}, not read>")
-    return to_node(cache.load_embedded(root / rel, off, length).obj, rel, _rank(rel))
+        return ValueNode(f"<{length} bytes in {rel}, not read>"), None
+    obj = cache.load_embedded(root / rel, off, length).obj
+    return to_node(obj, rel, _rank(rel)), obj
 
 
 def training_state(ck: Checkpoint):

@@ -147,18 +147,25 @@ def optimizer_tree(osd: dict, param_names: list[str], rel: str,
     return GroupNode(kids)
 
 
-def flattened_optimizer_tree(osd: Mapping, rel: str, conv: Callable[[Any, str], Any] = to_node) -> GroupNode:
-    """An optimizer state dict saved with `flatten_optimizer_state_dict=True` (torchtitan): param groups are
-    stored once per parameter FQN. Shown as the groups they were: parameters with the same group fields
-    together, each group listing its parameters (in saved order)."""
+def flattened_groups(per_param: Mapping) -> list[tuple[dict, list[str]]]:
+    """Param groups saved once per parameter FQN (`flatten_optimizer_state_dict=True`, torchtitan) as the groups
+    they were: [(the group's fields, its parameters)], parameters with the same fields together, in saved order."""
     groups: list[tuple[dict, list[str]]] = []
-    for fqn, g in (osd.get("param_groups") or {}).items():
-        fields = {k: v for k, v in g.items() if k != "params"} if isinstance(g, dict) else {}
+    for fqn, g in per_param.items():
+        fields = {k: v for k, v in g.items() if k != "params"} if isinstance(g, Mapping) else {}
         hit = next((grp for grp in groups if grp[0] == fields), None)
         if hit is None:
             groups.append((fields, [str(fqn)]))
         else:
             hit[1].append(str(fqn))
+    return groups
+
+
+def flattened_optimizer_tree(osd: Mapping, rel: str, conv: Callable[[Any, str], Any] = to_node) -> GroupNode:
+    """An optimizer state dict saved with `flatten_optimizer_state_dict=True` (torchtitan): param groups are
+    stored once per parameter FQN. Shown as the groups they were (`flattened_groups`), each listing its
+    parameters (in saved order)."""
+    groups = flattened_groups(osd.get("param_groups") or {})
     shown = GroupNode({str(i): GroupNode({**{k: conv(v, rel) for k, v in f.items()},
                                           "params": to_node(names, rel)}) for i, (f, names) in enumerate(groups)})
     state = osd.get("state") if isinstance(osd.get("state"), Mapping) else {}

@@ -357,10 +357,10 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
                      "source records neither torchtitan's ntokens_seen nor its loader state): load with "
                      "checkpoint.exclude_from_loading = [\"dataloader\"] and a TrainState without the missing keys")
         if sched is not None:
-            not_moved.append(f"scheduler {cls or ''}: torchtitan saves and restores only lr_scheduler.last_epoch "
-                             f"(= {sched.get('last_epoch')}, written) and rebuilds the schedule from its job config: "
-                             "set the source's schedule there (lr_scheduler warmup / decay, the param groups' lr)"
-                             .replace("scheduler : ", "scheduler: "))
+            not_moved.append(f"scheduler{' ' + cls if cls else ''}: torchtitan saves and restores only "
+                             f"lr_scheduler.last_epoch (= {sched.get('last_epoch')}, written) and rebuilds the "
+                             "schedule from its job config: set the source's schedule there (lr_scheduler warmup / "
+                             "decay, the param groups' lr)")
     if to == "torch":
         notes.append("--to torch writes one torch.save file: the whole training state is held in memory while it "
                      "is written (small runs, tests); --to dcp streams one tensor at a time")

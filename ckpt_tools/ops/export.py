@@ -205,8 +205,11 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
     items = [ExportTensor(t.name, t, tuple(t.shape),
                           want if want and t.dtype in ("float32", "bfloat16", "float16", "float64") else t.dtype)
              for t in tensors]
+    if hf_config is not None and not hf:
+        raise ValueError("--hf-config applies to --hf")
+    cfg_file = _hf_config_file(hf_config) if hf_config is not None else None
     if hf:
-        items = _hf_names(items, hf_config, src)
+        items = _hf_names(items, cfg_file, src)
     groups: list[list[ExportTensor]] = [[]]
     size = 0
     for t in items:
@@ -216,19 +219,11 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
         groups[-1].append(t)
         size += t.nbytes
     copies: tuple[Path, ...] = ()
-    if hf_config is not None and not hf:
-        raise ValueError("--hf-config applies to --hf")
     if hf:
         folder = out
         stem = "model"
         single = folder / "model.safetensors"
-        cfg_dir = _config_dir(ck)
-        if hf_config is not None:
-            given = Path(hf_config)
-            cfg_dir = given if given.is_dir() else given.parent
-            if not (cfg_dir / "config.json").is_file() or (given.is_file() and given.name != "config.json"):
-                raise CkptError("--hf-config: no config.json there", path=given,
-                                hint="pass the model's Hugging Face config.json (named config.json) or its folder")
+        cfg_dir = cfg_file.parent if cfg_file is not None else _config_dir(ck)
         copies = tuple(cfg_dir / n for n in HF_CONFIG_FILES if (cfg_dir / n).is_file())
     else:
         folder = out.parent
@@ -244,7 +239,17 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
                       skipped, ck.format)
 
 
-def _hf_names(items: list[ExportTensor], hf_config: str | os.PathLike | None, src: Path) -> list[ExportTensor]:
+def _hf_config_file(hf_config: str | os.PathLike) -> Path:
+    """The config.json `--hf-config` names (the file, or the folder holding it)."""
+    given = Path(hf_config)
+    path = given / "config.json" if given.is_dir() else given
+    if path.name != "config.json" or not path.is_file():
+        raise CkptError("--hf-config: no config.json there", path=given,
+                        hint="pass the model's Hugging Face config.json (named config.json) or its folder")
+    return path
+
+
+def _hf_names(items: list[ExportTensor], cfg_file: Path | None, src: Path) -> list[ExportTensor]:
     """`items` under Hugging Face names where the checkpoint's are another framework's: a torchtitan Llama's
     names and q/k layout mapped with the head counts of the config.json given (`ops.hf_map`)."""
     from dataclasses import replace
@@ -253,18 +258,16 @@ def _hf_names(items: list[ExportTensor], hf_config: str | os.PathLike | None, sr
 
     if not hf_map.is_torchtitan_llama([t.name for t in items]):
         return items
-    if hf_config is None:
+    if cfg_file is None:
         raise CkptError("a torchtitan Llama checkpoint: --hf maps its names and q/k layout to Hugging Face's with the "
                         "head counts, which the checkpoint does not hold", path=src,
                         hint="add --hf-config CONFIG.json (the model's Hugging Face config: num_attention_heads, "
                              "num_key_value_heads, ...)")
-    given = Path(hf_config)
-    path = given if given.is_file() else given / "config.json"
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(cfg_file.read_text())
     except (OSError, ValueError) as e:
-        raise CkptError(f"--hf-config: cannot read it ({e})", path=path, hint="pass a JSON config.json") from None
-    mapping = hf_map.torchtitan_llama_to_hf({t.name: t.shape for t in items}, config, str(path))
+        raise CkptError(f"--hf-config: cannot read it ({e})", path=cfg_file, hint="pass a JSON config.json") from None
+    mapping = hf_map.torchtitan_llama_to_hf({t.name: t.shape for t in items}, config, str(cfg_file))
     return [replace(t, name=mapping[t.name][0], transform=mapping[t.name][1]) for t in items]
 
 

@@ -427,8 +427,9 @@ def _indices(files: list[_File]) -> list[int]:
     return sorted({i for f in files for coll in (f.found.optimizers, f.found.schedulers) for _, _, i in coll})
 
 
-def _kind(files: list[_File], index: int) -> tuple[str, dict | None]:
-    """The scheduler kind of optimizer `index`, and for DeepSpeed's own schedulers the saved ds_config."""
+def _kind(files: list[_File], index: int, rebuilt: bool = False) -> tuple[str, dict | None]:
+    """The scheduler kind of optimizer `index`, and for DeepSpeed's own schedulers the saved ds_config.
+    `rebuilt`: the format says its producer rebuilds the schedule on resume (`details["scheduler_rebuilt"]`)."""
     kinds = {scheduler_kind(s) for f in files for _, s, i in f.found.schedulers if i == index}
     cfg = next((f.found.ds_config[1] for f in files if f.found.ds_config), None)
     if len(kinds) > 1:
@@ -441,8 +442,7 @@ def _kind(files: list[_File], index: int) -> tuple[str, dict | None]:
     if kind == NO_SCHEDULER and any(isinstance(f.obj, dict) and isinstance(f.obj.get("lr_scheduler"), dict)
                                     and set(map(str, f.obj["lr_scheduler"])) == {"last_epoch"} for f in files):
         kind = JOB_CONFIG  # torchtitan: only the position is saved; the LR comes back from the job config
-    if kind == NO_SCHEDULER and any(isinstance(f.obj, dict) and "epochs_run" in f.obj and "optimizer" in f.obj
-                                    for f in files):
+    if kind == NO_SCHEDULER and rebuilt:
         kind = REBUILT  # torchtune's recipe_state.pt: the recipe rebuilds the scheduler from initial_lr
     return kind, cfg
 
@@ -612,7 +612,7 @@ def plan_set_lr(ck: Checkpoint, *, scale: float | None = None, lr: float | None 
     change = None
     picked = _pick(files, optimizer)
     for idx in picked:
-        kind, cfg = _kind(files, idx)
+        kind, cfg = _kind(files, idx, bool(ck.details.get("scheduler_rebuilt")))
         kinds[idx] = kind
         n, flat = _n_groups(files, idx)
         if flat and group is not None:
@@ -675,13 +675,12 @@ def _job_config_lrs(files: list[_File], idx: int, factor: float) -> tuple[str, d
     """The job-config LRs that give the edited trajectory, as the torchtitan flags to relaunch with: each saved
     group's initial_lr (the config LR of the run that saved it) times `factor`. Groups are the parameters that
     share every saved hyperparameter, in saved order (torchtitan saves its groups in its config's pattern order)."""
+    from ..formats.torch_file import flattened_groups
+
     groups: list[dict] = []
     for f in files:
         for _path, found, _i in _groups(f, idx):
-            for _g, pg in found:
-                fields = {k: v for k, v in pg.items() if k != "params"}
-                if fields not in groups:
-                    groups.append(fields)
+            groups += [fields for fields, _ in flattened_groups(dict(found)) if fields not in groups]
     flags: dict[str, float] = {}
     pairs = []
     for n, g in enumerate(groups):
@@ -787,7 +786,7 @@ def plan_set_step(ck: Checkpoint, *, step: int | None = None, optimizer_step: in
         raise CkptError("step counters must be >= 0")
     root, files, world = _collect(ck)
     picked = _pick(files, optimizer)
-    kinds = {idx: _kind(files, idx)[0] for idx in picked}
+    kinds = {idx: _kind(files, idx, bool(ck.details.get("scheduler_rebuilt")))[0] for idx in picked}
     any_ds = DEEPSPEED in kinds.values()
     if step is not None:
         skipped = ck.counters.skipped_steps or 0

@@ -149,8 +149,8 @@ def fsdp2_resume(args, spec: dict[str, Any]) -> None:
     state = _fsdp2_state(model, optimizer, scheduler, args.layout)
     dcp.load(state, checkpoint_id=args.ckpt)
     inner = state["app"] if args.layout == "recipe" else state
-    opt_key = "optimizer" if args.layout == "torchtitan" else "optim"
     titan = args.layout == "torchtitan"
+    opt_key = "optimizer" if titan else "optim"
     model_state = {k: v for k, v in inner.items() if k not in ("optimizer", "train_state", "lr_scheduler")} \
         if titan else inner["model"]
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=inner[opt_key],
@@ -163,7 +163,7 @@ def fsdp2_resume(args, spec: dict[str, Any]) -> None:
         scheduler._last_lr = scheduler.get_lr()
     elif scheduler is not None:
         scheduler.load_state_dict(inner["scheduler"])
-    step = int(inner["train_state"]["step"] if args.layout == "torchtitan" else inner["step"])
+    step = int(inner["train_state"]["step"] if titan else inner["step"])
     records = []
     for i in range(args.steps):
         lrs = c.current_lrs(optimizer)
