@@ -68,7 +68,7 @@ from .errors import CkptError
 from .tree import Checkpoint, GroupNode, OpaqueNode, TensorNode, ValueNode, scalar
 
 __all__ = ["LogicalTensor", "model_tensors", "optimizer_states", "optimizer_scalars", "param_groups", "layout",
-           "open_any", "torch_dtype"]
+           "open_any", "torch_dtype", "with_kv_heads"]
 
 KINDS = ("param", "frozen", "tied", "buffer", "state")
 
@@ -100,6 +100,9 @@ class LogicalTensor:
     kind: str
     tied_to: str | None = None
     node: Any = field(default=None, repr=False, compare=False)
+    #: rows of `node` this tensor is (a split parameter's share of a fused optimizer state, see `with_kv_heads`);
+    #: None: all of it
+    rows: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
 
     @property
     def numel(self) -> int:
@@ -122,6 +125,10 @@ class LogicalTensor:
                             "TP shards can be merged") from None
         finally:
             fds.close()
+        if self.rows is not None:
+            import torch
+
+            t = t.reshape(tuple(self.node.shape)).index_select(0, torch.tensor(self.rows))
         shape = tuple(self.shape)
         if tuple(t.shape) != shape:
             if t.numel() == self.numel:
@@ -349,6 +356,9 @@ def _ids_to_names(ck: Checkpoint, optimizer: int) -> dict[str, str]:
     group_ids = [[str(i) for i in (g.get("params") or []) if isinstance(i, int)] for g in groups]
     if not any(group_ids):
         return {}
+    named = [(ids, g.get("param_names")) for ids, g in zip(group_ids, groups)]
+    if all(isinstance(n, list) and len(n) == len(ids) for ids, n in named):
+        return {i: str(n) for ids, names in named for i, n in zip(ids, names)}  # torch saved each id's name
     lay = layout(ck)
     state = _state_group(ck, optimizer)
     named_state = bool(state) and not all(k.isdigit() for k in state)
@@ -390,6 +400,12 @@ def optimizer_states(ck: Checkpoint | str | os.PathLike, optimizer: int = 0) -> 
                 keys[key] = LogicalTensor(f"{name}.{key}", tuple(node.shape), node.dtype, "state", None, node)
         if keys:
             out[name] = keys
+    for fused, parts in _kv_split(ck).items():  # a fused parameter's state, split as its weights were saved
+        keys = out.pop(fused, {})
+        for part, rows in parts.items():  # a 0-d `step` is the whole parameter's
+            out[part] = {k: LogicalTensor(f"{part}.{k}", (len(rows), *t.shape[1:]) if t.shape else t.shape, t.dtype,
+                                          "state", None, t.node, rows if t.shape else None)
+                         for k, t in keys.items()}
     return out
 
 
@@ -410,6 +426,10 @@ def optimizer_scalars(ck: Checkpoint | str | os.PathLike, optimizer: int = 0) ->
                 vals[key] = node.value
         if vals:
             out[rename.get(pname, pname)] = vals
+    for fused, parts in _kv_split(ck).items():
+        if fused in out:
+            vals = out.pop(fused)
+            out.update({part: dict(vals) for part in parts})
     return out
 
 
@@ -466,5 +486,43 @@ def param_groups(ck: Checkpoint | str | os.PathLike, optimizer: int = 0) -> list
         else:
             params = g.get("params") or []
             g["params"] = [rename.get(str(p), str(p)) for p in (params if isinstance(params, list) else [params])]
+        split = _kv_split(ck)
+        if split and optimizer == 0:
+            g["params"] = [n for p in g["params"] for n in (split[p] if p in split else [p])]
         out.append(g)
     return out
+
+
+# --- a fused parameter saved split (torchtitan's FusedQKVLinear, `ckpt_tools.qkv`) ----------------------------
+
+
+def with_kv_heads(ck: Checkpoint | str | os.PathLike, n_kv_heads: int | None) -> Checkpoint:
+    """`ck` read with the model's KV-head count: the optimizer state of a fused wqkv saved split (`qkv`) comes
+    under the split names (`<m>.wq.weight`, ...), each the fused state's rows that train it, so every parameter has
+    its own state and the reader's convert refusal for it is lifted. `ck` unchanged when `n_kv_heads` is None or
+    nothing is fused. CkptError where `n_kv_heads` does not fit the saved shapes."""
+    import dataclasses
+
+    from . import qkv
+
+    ck = open_any(ck)
+    fused = qkv.find_fused(ck.tree)
+    if n_kv_heads is None or not fused:
+        return ck
+    shapes = {t.name: tuple(t.shape) for t in model_tensors(ck, weights="module")}
+    split: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, parts in fused.items():
+        try:
+            q, k, v = qkv.ordered_parts(name, parts)
+            rows = qkv.row_index(shapes[q][0], shapes[k][0], n_kv_heads)
+        except ValueError as e:
+            raise CkptError(f"--n-kv-heads {n_kv_heads}: {e}", path=ck.path,
+                            hint="give the model's number of KV heads (n_kv_heads in its model args)") from None
+        split[name] = {q: tuple(rows[0]), k: tuple(rows[1]), v: tuple(rows[2])}
+    details = {k: v for k, v in ck.details.items() if k != "convert_unproven"}
+    details["n_kv_heads"] = f"{n_kv_heads} (given): the fused optimizer state split by KV-head group"
+    return dataclasses.replace(ck, details=details, state_split=split)
+
+
+def _kv_split(ck: Checkpoint) -> dict[str, dict[str, tuple[int, ...]]]:
+    return ck.state_split

@@ -171,6 +171,9 @@ class Checkpoint:
     warnings: tuple[Warning_, ...] = ()
     dtypes: tuple[str, ...] = ()
     details: Mapping[str, Any] = field(default_factory=dict)  # format-specific facts (tag, versions)
+    #: {fused optimizer FQN: {split model key: the fused rows it owns}} once the reader's user gave what the split
+    #: needs (`logical.with_kv_heads`); the logical view then keys that optimizer state by the split names
+    state_split: Mapping[str, Mapping[str, tuple[int, ...]]] = field(default_factory=dict, repr=False)
 
     def get(self, dotted: str) -> Node:
         """The node at a dotted path. Names may contain dots (`blocks.0.ln_1.weight`), so the longest

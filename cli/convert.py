@@ -35,6 +35,10 @@ def convert_cmd(
                                      "shared filesystem)"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
     allow_unread: bool = typer.Option(False, "--allow-unread", help=output.ALLOW_UNREAD_HELP),
+    n_kv_heads: Optional[int] = typer.Option(None, "--n-kv-heads", metavar="N", help="the model's KV heads: "
+                                             "splits the Adam state of a fused wqkv torchtitan saved (its rows "
+                                             "are grouped per KV head); with --layout torchtitan, writes wq/wk/wv "
+                                             "state fused as torchtitan's llama3 (fuse_qkv=True) loads it"),
 ) -> None:
     """Move a run to another framework with its whole training state.
 
@@ -43,7 +47,8 @@ def convert_cmd(
     cannot move (RNG states, a data-loader position, the DeepSpeed config). The output is written under a
     staging name, compared with the source by logical parameter (`ckpt diff`), then renamed into place."""
     try:
-        return _convert(ckpt, out, to, layout, dry_run, not no_verify, json_out, distributed, allow_unread)
+        return _convert(ckpt, out, to, layout, dry_run, not no_verify, json_out, distributed, allow_unread,
+                        n_kv_heads)
     except CkptError as e:
         if e.message.startswith("ckpt convert:"):
             raise
@@ -52,13 +57,15 @@ def convert_cmd(
         raise named from e
 
 
-def _convert(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False, allow_unread=False) -> None:
+def _convert(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False, allow_unread=False,
+             n_kv_heads=None) -> None:
     output.require("torch", extra="convert", what="ckpt convert")
     if to == "deepspeed-universal" and layout is None:
         from ckpt_tools.ops.to_universal import handles
 
         if not handles(ckpt):
-            return _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed, allow_unread)
+            return _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed, allow_unread,
+                                n_kv_heads)
         import os
 
         from . import to_universal as tu
@@ -67,14 +74,15 @@ def _convert(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False
                                    tp_layout=None, pattern=None, tp_replicated=None, target_stage=None,
                                    verify=verify, yes=True, distributed=distributed, json_out=json_out,
                                    allow_unread=allow_unread)
-    return _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed, allow_unread)
+    return _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed, allow_unread, n_kv_heads)
 
 
-def _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False, allow_unread=False) -> None:
+def _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False, allow_unread=False,
+                 n_kv_heads=None) -> None:
     from ckpt_tools.ops import convert as ops
 
     try:
-        plan = ops.plan_convert(ckpt, out, to=to, layout=layout, allow_unread=allow_unread)
+        plan = ops.plan_convert(ckpt, out, to=to, layout=layout, allow_unread=allow_unread, n_kv_heads=n_kv_heads)
     except ValueError as e:
         raise typer.BadParameter(str(e))
     if dry_run:

@@ -294,6 +294,43 @@ def test_real_torchtitan_fused_state_is_refused_by_name(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def test_real_torchtitan_fused_state_splits_with_n_kv_heads(tmp_path):
+    """With --n-kv-heads the fused wqkv's Adam state is split into the rows that train wq, wk and wv (torchtitan's
+    FusedQKVLinear groups them per KV head): to universal, every split parameter has its own exp_avg / exp_avg_sq /
+    step; to a torch file and back to the torchtitan layout, the fused state is rebuilt bit for bit (the logical diff
+    of the two torchtitan checkpoints compares the fused rows as saved). A count the row shapes rule out exits 2."""
+    import torch
+
+    from ckpt_tools import logical as L
+    from ckpt_tools import qkv
+
+    src = sample("dcp", "torchtitan_real") / "step-3"
+    fused = "layers.0.attention.qkv_linear.wqkv.weight"
+    saved = L.optimizer_states(src)[fused]["exp_avg"].read()
+    r = run_cli("convert", src, tmp_path / "bad", "--to", "deepspeed-universal", "--n-kv-heads", "3")
+    assert r.returncode == 2 and "--n-kv-heads 3" in r.stderr and not (tmp_path / "bad").exists(), r.stderr
+    r = run_cli("convert", src, tmp_path / "u", "--to", "deepspeed-universal", "--n-kv-heads", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    zero = next((tmp_path / "u").glob("global_step*_universal")) / "zero"
+    rows = qkv.row_index(64, 64, 4)
+    for part, idx in zip(("wq", "wk", "wv"), rows):
+        name = f"layers.0.attention.qkv_linear.{part}.weight"
+        got = torch.load(zero / name / "exp_avg.pt", weights_only=True)
+        got = got["param"] if isinstance(got, dict) else got
+        assert torch.equal(got, saved[torch.tensor(idx)]), name
+        assert float(torch.load(zero / name / "step.pt", weights_only=True)) == 3
+    assert not (zero / fused).exists()
+    r = run_cli("convert", src, tmp_path / "t.pt", "--to", "torch", "--n-kv-heads", "4")
+    assert r.returncode == 0, r.stderr
+    r = run_cli("convert", tmp_path / "t.pt", tmp_path / "titan" / "step-3", "--to", "dcp", "--layout", "torchtitan",
+                "--n-kv-heads", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["fused"][fused] == [f"layers.0.attention.qkv_linear.{p}.weight" for p in ("wq", "wk", "wv")]
+    assert _diff_lines(src, tmp_path / "titan" / "step-3") == []
+    back = L.optimizer_states(tmp_path / "titan" / "step-3")[fused]["exp_avg"].read()
+    assert torch.equal(back, saved)
+
+
 def test_convert_to_universal_from_deepspeed_is_to_universal(tmp_path):
     src = sample("deepspeed", "zero2_bf16")
     r = run_cli("convert", src, tmp_path / "u", "--to", "deepspeed-universal", "--json")

@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 from ..errors import CorruptCheckpoint, MissingFile, UnsupportedCheckpoint
 from ..pickle_reader import SMALL_TENSOR_NUMEL, DType, TensorRef, is_opaque
+from ..qkv import find_fused
 from ..tree import (Checkpoint, FileInfo, GroupNode, Node, OpaqueNode, Piece, TensorNode, Topology, ValueNode,
                     Warning_, as_int, iter_tensors, tensor_node, to_node)
 from . import _common as C
@@ -166,7 +167,7 @@ def training_checkpoint(fmt: str, root: Path, top: Mapping[str, Any], *, file: s
         tree["client_state"] = _nodes(rest, file)
     counters, lrs, steps = C.training_header(tree)
     params = [t for _, t in iter_tensors(tree["model"])] if "model" in tree else []
-    fused = _split_saved_fused(tree)
+    fused = find_fused(GroupNode(tree))
     if fused:
         first = next(iter(fused))
         why = (f"its Adam state is saved under the fused name ({first}), with rows interleaved per KV-head group, "
@@ -175,7 +176,8 @@ def training_checkpoint(fmt: str, root: Path, top: Mapping[str, Any], *, file: s
         details = {**details, "fused": f"{len(fused)} fused parameter(s) saved split, counted once "
                    f"({first} = {' + '.join(p.rsplit('.', 2)[-2] for p in fused[first])}"
                    f"{', …' if len(fused) > 1 else ''})",
-                   "convert_unproven": f"{why} (export writes the weights as saved)",
+                   "convert_unproven": f"{why}: pass --n-kv-heads N (the model's KV heads) to split it "
+                                       "(export writes the weights as saved)",
                    "resume_unsupported": f"the Adam state of the fused {first} cannot be matched to its split "
                                          "weights without the model's n_kv_heads (convert_unproven says why): "
                                          "resume it in torchtitan itself (--checkpoint.load-step)"}
@@ -219,31 +221,6 @@ def loader_summary(loader: Mapping[str, Any], world: Any) -> str:
             bits += [f"{f} {ds[f]}" for f in ("sample_idx", "epoch") if f in ds]
         parts.append(f"{k}: {', '.join(bits) or 'state saved'}")
     return (f"world_size {world}; " if world is not None else "") + "; ".join(parts)
-
-
-def _split_saved_fused(tree: dict[str, Node]) -> dict[str, list[str]]:
-    """Fused parameters whose model keys were saved split (torchtitan's state-dict hook saves a fused
-    `…qkv_linear.wqkv.weight` as `…wq.weight`, `…wk.weight`, `…wv.weight`; its optimizer state stays under the fused
-    name): {optimizer FQN: [the model keys that hold it]} where the model keys beside it (same module, same leaf
-    name, no optimizer state of their own) add up to its optimizer state's elements. One parameter, counted once."""
-    model = tree.get("model")
-    state = next((o.children.get("state") for k, o in tree.items() if k.startswith("optimizer")
-                  and isinstance(o, GroupNode)), None)
-    if not isinstance(model, GroupNode) or not isinstance(state, GroupNode):
-        return {}
-    names = {k: t for k, t in iter_tensors(model)}
-    out: dict[str, list[str]] = {}
-    for fqn, entry in state.children.items():
-        if fqn in names or not isinstance(entry, GroupNode) or "." not in fqn:
-            continue
-        ref = next((t for t in entry.children.values() if isinstance(t, TensorNode) and t.numel > 1), None)
-        parent, leaf = fqn.rsplit(".", 1)
-        parent = parent.rsplit(".", 1)[0] if "." in parent else ""
-        parts = [k for k in names if k.endswith("." + leaf) and k.rsplit(".", 2)[0] == parent
-                 and k not in state.children]
-        if ref is not None and len(parts) > 1 and sum(names[k].numel for k in parts) == ref.numel:
-            out[fqn] = parts
-    return out
 
 
 # --- DCP ----------------------------------------------------------------------------------------------

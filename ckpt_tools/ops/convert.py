@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from .. import qkv
 from ..errors import CkptError, UnsupportedCheckpoint
 
 TARGETS = ("dcp", "torch", "deepspeed-universal")
@@ -99,6 +100,10 @@ class ConvertPlan:
     #: reports these as added, and verification expects exactly that
     added: tuple[str, ...] = ()
     dp: int | None = None  # the source's data-parallel size (recorded in a universal checkpoint's model states)
+    #: the model's KV heads (`--n-kv-heads`): splits a fused wqkv state read from the source; with the torchtitan
+    #: layout, `fused` lists the (wqkv name, (wq, wk, wv names)) whose optimizer state is written fused
+    n_kv_heads: int | None = None
+    fused: tuple[tuple[str, tuple[str, str, str]], ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -116,7 +121,8 @@ class ConvertPlan:
             "param_groups": [{k: _jsonable(v) for k, v in g.items() if k != "params"} | {"params": len(g["params"])}
                              for g in self.groups],
             "scheduler": self.scheduler_class, "scheduler_state": _jsonable(self.scheduler), "step": self.step,
-            "notes": list(self.notes), "not_moved": list(self.not_moved),
+            "notes": list(self.notes), "not_moved": list(self.not_moved), "n_kv_heads": self.n_kv_heads,
+            "fused": {name: list(parts) for name, parts in self.fused},
         }
 
 
@@ -260,8 +266,10 @@ def _not_moved(ck, config: dict[str, Any]) -> list[str]:
 
 
 def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str = "dcp",
-                 layout: str | None = None, allow_unread: bool = False) -> ConvertPlan:
-    """Decide everything `execute` writes; reads metadata and small values only."""
+                 layout: str | None = None, allow_unread: bool = False, n_kv_heads: int | None = None) -> ConvertPlan:
+    """Decide everything `execute` writes; reads metadata and small values only. `n_kv_heads`: the model's KV
+    heads, which orders a fused wqkv's optimizer state (`ckpt_tools.qkv`): read from a torchtitan source that
+    saved one, and written fused for the torchtitan layout."""
     from .. import logical as L
 
     if to not in TARGETS:
@@ -276,7 +284,7 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
     _refuse_out(src, dst)
     from ..accounting import guard
 
-    ck = guard(L.open_any(src), src, "convert", allow_unread=allow_unread)
+    ck = L.with_kv_heads(guard(L.open_any(src), src, "convert", allow_unread=allow_unread), n_kv_heads)
     unproven = ck.details.get("convert_unproven")
     if unproven:  # a format reader's own word: its conversions have no resume proving them yet
         raise UnsupportedCheckpoint(f"convert cannot move this {ck.format} checkpoint yet: {unproven}", path=src)
@@ -351,11 +359,20 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
     if ck.details.get("scheduler_rebuilt"):  # the producer rebuilds its schedule on resume (torchtune)
         not_moved.append(f"scheduler: {ck.details['scheduler_rebuilt']} (its shape is in the producer's config, not "
                          "in the checkpoint): configure the same schedule in the target's launch config")
+    fused = _fused_targets(params, n_kv_heads, src) if layout == "torchtitan" else ()
     if layout == "torchtitan":
         notes.append("torchtitan layout (as torchtitan 0.3.0's CheckpointManager saves): the model's keys flat at the "
-                     "top level; train_state holds `step` only and there is no `dataloader` entry (the "
-                     "source records neither torchtitan's ntokens_seen nor its loader state): load with "
-                     "checkpoint.exclude_from_loading = [\"dataloader\"] and a TrainState without the missing keys")
+                     "top level; train_state {step, ntokens_seen: 0} (the source does not count tokens; torchtitan "
+                     "uses it for its tokens-seen metric only) and no `dataloader` entry (the source has no "
+                     "torchtitan loader state): resume with --checkpoint.exclude-from-loading dataloader")
+        if fused:
+            notes.append(f"{len(fused)} wq/wk/wv triple(s) given torchtitan's fused layout (--n-kv-heads "
+                         f"{n_kv_heads}): model keys split as torchtitan saves them, the optimizer state and param "
+                         f"groups under {fused[0][0]}, … with rows grouped per KV head (FusedQKVLinear)")
+        elif any(qkv.fused_name(p.name) for p in params):
+            notes.append("wq/wk/wv optimizer state written unfused, for a torchtitan model built with "
+                         "fuse_qkv=False; torchtitan 0.3.0's llama3 fuses them by default (fuse_qkv=True) and then "
+                         "loads their Adam state under …wqkv.weight: pass --n-kv-heads N to write that")
         if sched is not None:
             not_moved.append(f"scheduler{' ' + cls if cls else ''}: torchtitan saves and restores only "
                              f"lr_scheduler.last_epoch (= {sched.get('last_epoch')}, written) and rebuilds the "
@@ -378,7 +395,30 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
         notes.append(f"weights: as stored ({', '.join(dtypes)})")
     return ConvertPlan(src, ck.format, dst, to, layout, tuple(params), tuple(groups), sched, cls,
                        int(step) if step is not None else None, tuple(notes), tuple(not_moved), tuple(added),
-                       ck.topology.dp)
+                       ck.topology.dp, n_kv_heads, fused)
+
+
+def _fused_targets(params: list[ParamItem], n_kv_heads: int | None, src: Path
+                   ) -> tuple[tuple[str, tuple[str, str, str]], ...]:
+    """The wq/wk/wv triples written as one fused wqkv (torchtitan's layout) when `n_kv_heads` is given."""
+    if n_kv_heads is None:
+        return ()
+    by = {p.name: p for p in params}
+    out = []
+    for p in params:
+        name = qkv.fused_name(p.name)
+        if name is None:
+            continue
+        q, k, v = qkv.split_names(name)
+        if k not in by or v not in by or any(by[n].kind != "param" for n in (q, k, v)):
+            continue
+        try:
+            qkv.row_index(by[q].shape[0], by[k].shape[0], n_kv_heads)
+        except ValueError as e:
+            raise CkptError(f"--n-kv-heads {n_kv_heads}: {e}", path=src, hint="give the model's number of KV "
+                            "heads (n_kv_heads in its model args)") from None
+        out.append((name, (q, k, v)))
+    return tuple(out)
 
 
 # --- writing --------------------------------------------------------------------------------------------
@@ -398,8 +438,10 @@ def _dcp_values(plan: ConvertPlan) -> tuple[tuple, dict[str, Any], dict[str, Any
     rest: dict[str, Any] = {}
     if plan.layout == "torchtitan":
         optim: dict[str, Any] = {}
+        into = {q: name for name, (q, _, _) in plan.fused}  # a fused wqkv: one entry, under its own name
+        gone = {n for _, (_, k, v) in plan.fused for n in (k, v)}
         for g in groups:
-            for n in g["params"]:
+            for n in (into.get(n, n) for n in g["params"] if n not in gone):
                 for k, v in g.items():
                     if k != "params":
                         optim[f"param_groups.{n}.{k}"] = v
@@ -407,7 +449,7 @@ def _dcp_values(plan: ConvertPlan) -> tuple[tuple, dict[str, Any], dict[str, Any
             # torchtitan's LRSchedulersContainer saves and restores only the position
             rest["lr_scheduler"] = {"last_epoch": plan.scheduler["last_epoch"]}
         if plan.step is not None:
-            rest["train_state"] = {"step": plan.step}
+            rest["train_state"] = {"step": plan.step, "ntokens_seen": 0}
         return (), optim, rest
     optim = {"param_groups": groups}
     if plan.scheduler is not None:
@@ -429,6 +471,9 @@ def _write_dcp(plan: ConvertPlan, folder: Path, progress: Callable[[int], None] 
     titan = plan.layout == "torchtitan"
     opt_key = "optimizer" if titan else "optim"
     params = [plan.params[i] for i in indices] if indices is not None else list(plan.params)
+    fused = {q: (name, (q, k, v)) for name, (q, k, v) in plan.fused}
+    members = {n for _, parts in plan.fused for n in parts}
+    by = {p.name: p for p in plan.params}
     try:
         for p in params:
             # torchtitan saves the model's keys flat at the top level, beside optimizer / lr_scheduler / train_state
@@ -436,6 +481,18 @@ def _write_dcp(plan: ConvertPlan, folder: Path, progress: Callable[[int], None] 
             if progress:
                 progress(p.nbytes - sum(t.numel * 4 for t in p.states.values()))
         for p in params:
+            if p.name in fused:  # the fused wqkv's state, from its three split parameters (`qkv.fuse`)
+                name, parts = fused[p.name]
+                for k in p.states:
+                    w.tensor(prefix + (opt_key, f"state.{name}.{k}"),
+                             qkv.fuse(*(by[n].states[k].read() for n in parts), plan.n_kv_heads))
+                    if progress:
+                        progress(sum(by[n].states[k].numel * 4 for n in parts))
+                if p.step is not None:
+                    w.tensor(prefix + (opt_key, f"state.{name}.step"), _step_tensor(p.step))
+                continue
+            if p.name in members:
+                continue
             keys = dict(p.states)
             for k, t in keys.items():
                 path = (opt_key, f"state.{p.name}.{k}") if titan else (opt_key, "state", p.name, k)
@@ -503,7 +560,9 @@ def verify_logical(plan: ConvertPlan, root: Path) -> list[str]:
     """`ckpt diff SRC OUT` (logical): one line per difference between the source and the written checkpoint."""
     from .diff import iter_lines, logical_diff
 
-    rep = logical_diff(plan.source, root)
+    from .. import logical as L
+
+    rep = logical_diff(L.with_kv_heads(plan.source, plan.n_kv_heads), L.with_kv_heads(root, plan.n_kv_heads))
     lines = [f"{section} {name}: {what}" for section, name, what in iter_lines(rep)]
     return [x for x in lines if not any(x.startswith(f"{a}: added") for a in plan.added)]
 

@@ -455,6 +455,8 @@ def _logical_runs(lt) -> list[tuple[TensorRef, int, int]] | None:
     """`_node_runs` of a LogicalTensor's node, cut to the logical tensor where the node holds vocabulary
     padding rows beyond the real vocabulary (the logical tensor is then the stored one's prefix)."""
     node = lt.node
+    if lt.rows is not None:  # some rows of the node (a fused state split): read through the LogicalTensor
+        return None
     runs = _node_runs(node, lt.dtype)
     if runs is None or node.numel == lt.numel:
         return runs
@@ -470,6 +472,8 @@ def _cat_layout(lt) -> tuple[int, list[tuple[list, int]]] | None:
     import math as m
 
     node = lt.node
+    if lt.rows is not None:
+        return None
     merge = getattr(node, "merge", None) or ""
     if not getattr(node, "shards", None) or not merge.startswith("cat:") or merge == "cat:0" or node.dtype != lt.dtype:
         return None
