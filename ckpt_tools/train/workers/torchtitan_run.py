@@ -75,7 +75,10 @@ starts the Trainer with the same config, `--checkpoint.folder` = the step folder
 `--lr-scheduler.total-steps 5` (the schedule of the original run), trains `steps` step(s) and prints, per
 resumed step, the LR each param group used, the step, the scheduler's last_epoch and the loss. `--trainer-arg A` (repeatable) appends A
 to torchtitan's job-config arguments, as a user relaunching would (e.g. the config LR `ckpt set-lr` names);
-`--record` holds rank 0's steps and every rank's param-group LRs (`ranks`).
+`--record` holds rank 0's steps and every rank's param-group LRs (`ranks`); `--dump OUT.pt` saves, after the steps,
+every parameter and its Adam state whole (FSDP2 shards gathered), by the module's parameter names (`full_state`).
+`model_config(fuse_qkv=False)` is the same llama3 with the stock wq/wk/wv (the DeepSpeed worker `ds_torchtitan`
+trains it).
 """
 from __future__ import annotations
 
@@ -123,6 +126,26 @@ CPU_FLAGS = ["--parallelism.spmd-backend", "partial_dtensor"]
 # --- the config (a torchtitan config-registry function, found by ConfigManager via --module/--config) -------
 
 
+def model_config(fuse_qkv: bool = True):
+    """The sample's llama3 (torchtitan's own builders): fused wqkv (llama3's default) or the stock wq/wk/wv."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.llama3 import (Llama3Model, _build_llama3_layers, _EMBEDDING_INIT, _NORM_INIT,
+                                          _output_linear_init)
+
+    return Llama3Model.Config(
+        dim=DIM,
+        vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
+        layers=_build_llama3_layers(
+            fuse_qkv=fuse_qkv, n_layers=N_LAYERS, dim=DIM, n_heads=N_HEADS, hidden_dim=HIDDEN_DIM,
+            rope=ComplexRoPE.Config(dim=DIM // N_HEADS, max_seq_len=SEQ_LEN, theta=500000, scaling="llama"),
+            attn_backend="flex",
+        ),
+    )
+
+
 def torchtitan_tiny():
     """Like torchtitan's `llama3_debugmodel`, with a llama3 small enough for a bundled sample."""
     from torchtitan.components.checkpoint import CheckpointManager
@@ -134,26 +157,13 @@ def torchtitan_tiny():
     from torchtitan.config.configs import DebugConfig
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.config_utils import decoder_vocab_size
-    from torchtitan.models.llama3 import (Llama3Model, Llama3StateDictAdapter, _build_llama3_layers,
-                                          _EMBEDDING_INIT, _NORM_INIT, _output_linear_init, parallelize_llama)
+    from torchtitan.models.llama3 import Llama3StateDictAdapter, parallelize_llama
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
     from torchtitan.protocols.model_spec import ModelSpec
     from torchtitan.trainer import Trainer
 
-    model = Llama3Model.Config(
-        dim=DIM,
-        vocab_size=VOCAB,
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=_EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
-        layers=_build_llama3_layers(
-            fuse_qkv=True, n_layers=N_LAYERS, dim=DIM, n_heads=N_HEADS, hidden_dim=HIDDEN_DIM,
-            rope=ComplexRoPE.Config(dim=DIM // N_HEADS, max_seq_len=SEQ_LEN, theta=500000, scaling="llama"),
-            attn_backend="flex",
-        ),
-    )
+    model = model_config()
     spec = ModelSpec(name="llama3", flavor="tiny", model=model, parallelize_fn=parallelize_llama,
                      pipelining_fn=pipeline_llm, post_optimizer_build_fn=None,
                      state_dict_adapter=Llama3StateDictAdapter)
@@ -529,7 +539,23 @@ def _one(values: list[float]) -> int | None:
 # --- check (resume) ----------------------------------------------------------------------------------------
 
 
-def check(step_folder: Path, record: Path | None, steps: int, trainer_args: list[str] = ()) -> None:
+def full_state(model, optimizers) -> dict[str, Any]:
+    """Every parameter and its Adam state, whole (FSDP2 shards gathered: a collective, on every rank), by the
+    module's parameter name ({name: {"param", "exp_avg", "exp_avg_sq", "step"}})."""
+    out: dict[str, Any] = {}
+    states = {id(p): st for opt in optimizers for p, st in opt.state.items()}
+    for name, p in model.named_parameters():
+        name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        whole = (lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t)
+        entry = {"param": whole(p.detach()).clone()}
+        for k, v in states.get(id(p), {}).items():
+            entry[k] = whole(v).clone() if hasattr(v, "shape") and v.dim() else float(v)
+        out[name] = entry
+    return out
+
+
+def check(step_folder: Path, record: Path | None, steps: int, trainer_args: list[str] = (),
+          dump: Path | None = None) -> None:
     import torch.distributed as dist
 
     step_folder = step_folder.resolve()
@@ -554,6 +580,12 @@ def check(step_folder: Path, record: Path | None, steps: int, trainer_args: list
         # every rank's own optimizer LRs (each rank steps its own shard's param groups)
         per_rank: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, [{"step": h["step"], "lr": h["lr"]} for h in rec.history])
+        if dump is not None:
+            import torch
+
+            state = full_state(trainer.model_parts[0], rec.optimizers())
+            if rank() == 0:
+                torch.save(state, dump)
         if rank() == 0:
             original = _original_history(step_folder)
             for r in records:
@@ -592,6 +624,8 @@ def main() -> None:
                    help="check mode: one more job-config argument for torchtitan's ConfigManager, as a user adds to "
                         "the launch command (repeat; e.g. --trainer-arg=--optimizer.param-groups.0.optimizer-kwargs.lr "
                         "--trainer-arg=0.0002)")
+    p.add_argument("--dump", type=Path, default=None, help="check mode: after the steps, save every parameter and "
+                   "its Adam state, whole, by parameter name (torch.save, rank 0)")
     args = p.parse_args()
     if (args.out is None) == (args.check is None):
         p.error("give exactly one of --out or --check")
@@ -601,7 +635,7 @@ def main() -> None:
     code = 0
     try:
         if args.check is not None:
-            check(args.check, args.record, args.steps, args.trainer_args)
+            check(args.check, args.record, args.steps, args.trainer_args, args.dump)
         else:
             make(args.sample, args.out)
     except BaseException:
