@@ -519,7 +519,7 @@ def with_kv_heads(ck: Checkpoint | str | os.PathLike, n_kv_heads: int | None) ->
             raise CkptError(f"--n-kv-heads {n_kv_heads}: {e}", path=ck.path,
                             hint="give the model's number of KV heads (n_kv_heads in its model args)") from None
         split[name] = {q: tuple(rows[0]), k: tuple(rows[1]), v: tuple(rows[2])}
-    details = {k: v for k, v in ck.details.items() if k != "convert_unproven"}
+    details = {k: v for k, v in ck.details.items() if k not in ("convert_unproven", "resume_unsupported")}
     details["n_kv_heads"] = f"{n_kv_heads} (given): the fused optimizer state split by KV-head group"
     return dataclasses.replace(ck, details=details, state_split=split)
 

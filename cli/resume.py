@@ -64,6 +64,9 @@ def resume_cmd(
     against: Optional[Path] = typer.Option(None, "--against", metavar="CKPT", help="model-free check: take the "
                                            "saved optimizer state from CKPT (e.g. the ZeRO checkpoint a universal "
                                            "one was converted from) instead of PATH"),
+    n_kv_heads: Optional[int] = typer.Option(None, "--n-kv-heads", metavar="N", help="the model's KV heads: "
+                                             "orders the Adam state of a fused wqkv torchtitan saved with its "
+                                             "weights split (wq/wk/wv)"),
 ) -> None:
     """Load PATH into the framework that wrote it, train N steps, and check that counters, LR, optimizer state
     (model-free) and loss (with a model) continue."""
@@ -81,7 +84,7 @@ def resume_cmd(
     ref = ops.load_reference(reference) if reference else None
     plan = ops.plan_resume(path, steps=steps, nproc=nproc, device=device, universal=universal, tp=tp, pp=pp,
                            model=model, config=override, data=data, trust_pickles=trust_pickles,
-                           scheduler=scheduler, against=against)
+                           scheduler=scheduler, against=against, n_kv_heads=n_kv_heads)
 
     from contextlib import nullcontext
 

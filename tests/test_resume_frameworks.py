@@ -210,6 +210,29 @@ def test_dcp_resume_continues(group, name):
     assert checked and all(row.actual == pytest.approx(hist[row.step], rel=1e-9) for row in checked)
 
 
+def test_real_torchtitan_resume_passes_with_n_kv_heads():
+    """torchtitan 0.3.0's own full save (flat model keys, flattened optimizer, lr_scheduler {last_epoch}, a fused
+    wqkv whose weights are saved split): without --n-kv-heads exit 2 naming it; with it, the replica loads the split
+    weights into the fused parameter, and every check passes: the step and the Adam step continue, the scheduler
+    position is the saved one, the first update's LR is the saved lr (what torchtitan resumes with: the later ones
+    come from its job config, not determined by the checkpoint), the Adam state continues in closed form."""
+    path = sample("dcp", "torchtitan_real") / "step-3"
+    rc, doc = cli_json(path, "--steps", "2")
+    assert rc == 2 and "--n-kv-heads" in doc["stderr"], doc
+    rc, doc = cli_json(path, "--steps", "2", "--n-kv-heads", "3")
+    assert rc == 2 and "--n-kv-heads 3" in doc["stderr"], doc
+    rc, doc = cli_json(path, "--steps", "2", "--n-kv-heads", "4")
+    assert rc == 0, doc
+    status = {c["name"]: c["status"] for c in doc["checks"]}
+    assert status == {"global step": "pass", "optimizer step": "pass", "learning rate": "pass",
+                      "scheduler state": "pass", "optimizer state": "pass", "loss": "n/a"}, doc["checks"]
+    history = {h["step"]: h["lr"] for h in json.loads((path.parent.parent / "torchtitan_real.manifest.json")
+                                                      .read_text())["extra"]["history"]}
+    lr = next(c for c in doc["checks"] if c["name"] == "learning rate")
+    assert [r["step"] for r in lr["rows"]] == [4] and lr["rows"][0]["actual"] == pytest.approx(history[4], rel=1e-12)
+    assert "job config" in lr["detail"] and "1 later update(s) not determined" in lr["detail"]
+
+
 def test_dcp_without_scheduler_state_fails(tmp_path):
     """The recipe sample re-saved without its scheduler (torch's own dcp_to_torch_save / torch_save_to_dcp): the
     param groups still carry initial_lr, so the LR row fails. Exit 1."""

@@ -180,7 +180,7 @@ def training_checkpoint(fmt: str, root: Path, top: Mapping[str, Any], *, file: s
                                        "(export writes the weights as saved)",
                    "resume_unsupported": f"the Adam state of the fused {first} cannot be matched to its split "
                                          "weights without the model's n_kv_heads (convert_unproven says why): "
-                                         "resume it in torchtitan itself (--checkpoint.load-step)"}
+                                         "pass --n-kv-heads N"}
     return Checkpoint(
         format=fmt, path=str(root), topology=Topology(dp=dp, tp=1, pp=1, zero_stage=None), tree=GroupNode(tree),
         counters=counters, lr=lrs,

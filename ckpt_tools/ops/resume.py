@@ -400,7 +400,7 @@ def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None
                 universal: bool = False, tp: int | None = None, pp: int | None = None,
                 model: str = "auto", config: dict[str, Any] | None = None, data: str | None = None,
                 trust_pickles: bool = False, scheduler: str | None = None,
-                against: str | os.PathLike | None = None) -> Any:
+                against: str | os.PathLike | None = None, n_kv_heads: int | None = None) -> Any:
     """Decide how to resume the checkpoint at `path`: world size, topology, launch config, model, data.
 
     Bad combinations are rejected here, naming the option, before anything is converted or launched.
@@ -413,7 +413,14 @@ def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None
     if steps < 1:
         raise CkptError("--steps must be at least 1")
     p = Path(path)
+    from ..logical import with_kv_heads
+    from ..qkv import find_fused
+
     ck = open_checkpoint(p)
+    if n_kv_heads is not None and not find_fused(ck.tree):
+        raise CkptError("--n-kv-heads orders a fused wqkv's Adam state saved beside split weights (torchtitan); "
+                        "this checkpoint has none", path=p, hint="drop --n-kv-heads")
+    ck = with_kv_heads(ck, n_kv_heads)
     if ck.details.get("resume_unsupported"):  # a format reader's own word: what a resume here cannot rebuild
         raise UnsupportedCheckpoint(f"ckpt resume cannot replay this {ck.format} checkpoint: "
                                     f"{ck.details['resume_unsupported']}", path=p)

@@ -695,6 +695,7 @@ def _plan_dcp(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None, devi
     specs, groups = _specs_and_groups(ck, path, trust_pickles, "torch DCP", folder,
                                       weights="model weights in the DCP checkpoint",
                                       optimizer="optimizer param_groups in the DCP checkpoint")
+    specs, fused = _fused_specs(specs, ck)
     known = {n for n, _, _ in specs}
     names_by_group = []
     for i, g in enumerate(groups):
@@ -704,25 +705,56 @@ def _plan_dcp(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None, devi
             raise CkptError(f"optimizer param group {i} lists {missing[:3] or 'no'} parameters the model does not "
                             "have", path=folder, hint="the checkpoint's model and optimizer disagree")
         names_by_group.append(names)
-    sched, kind = _saved_scheduler(ck.tree.children, "scheduler", folder,
-                                   "the scheduler state is not a torch scheduler this resume can rebuild")
-    lr_fn = _scheduler_fn(scheduler)
-    rows, how = torch_expected_lrs(sched or None, groups, steps, per_update=1, lr_fn=lr_fn, fn_name=scheduler)
+    position_only = node_to_python(ck.tree.children.get("scheduler", GroupNode())) or {}
+    if set(map(str, position_only)) == {"last_epoch"}:
+        # torchtitan's LRSchedulersContainer: only the position is saved; the schedule comes back from the job
+        # config, while the saved per-parameter lr drives the first resumed update (measured, ../FORMATS.md)
+        sched, kind = {}, None
+        rows: list = [[float(g["lr"]) for g in groups]] + [None] * (steps - 1)
+        how = ("the saved param groups' lr for the first update (the scheduler state holds only last_epoch = "
+               f"{position_only['last_epoch']}: the producer, torchtitan, rebuilds the schedule from its job config, "
+               "which the checkpoint does not hold)")
+    else:
+        position_only = {}
+        sched, kind = _saved_scheduler(ck.tree.children, "scheduler", folder,
+                                       "the scheduler state is not a torch scheduler this resume can rebuild")
+        lr_fn = _scheduler_fn(scheduler)
+        rows, how = torch_expected_lrs(sched or None, groups, steps, per_update=1, lr_fn=lr_fn, fn_name=scheduler)
     world = ck.topology.dp or 1
     n = nproc or world
     notes = []
     if n != world:
         notes.append(f"resharded by dcp.load: saved by {world} ranks, resumed on {n}")
-    saved = _saved_state(ck, sched, global_step=ck.counters.global_step, optimizer_step=ck.counters.optimizer_step,
-                         dp=world)
-    spec = _replica_model(specs, groups, names_by_group, sched, kind)
+    if fused:
+        notes.append(f"{len(fused)} fused parameter(s) ({next(iter(fused))}, …) loaded from their split weights in "
+                     "the row order --n-kv-heads gives (as torchtitan's FusedQKVLinear merges them)")
+    saved = _saved_state(ck, sched or position_only, global_step=ck.counters.global_step,
+                         optimizer_step=ck.counters.optimizer_step, dp=world)
+    spec = _replica_model(specs, groups, names_by_group, sched, kind, fused=fused,
+                          scheduler_position_only=bool(position_only))
     return FrameworkPlan(
         framework="dcp", path=str(path), saved=saved, steps=steps, device=device, nproc=n, dp=n,
         model="model-free FSDP2 replica (synthetic loss)", load_dir=str(folder.resolve()),
         expected_lrs=_expected_lrs(rows), lr_source=how, notes=tuple(notes),
-        lr_missing=None if sched else _scheduler_gone(groups, "optim"),
+        lr_missing=None if sched or position_only else _scheduler_gone(groups, "optim"),
         worker={"models": [spec], "scheduler_fn": scheduler, "opt_state_source": "the DCP optimizer state "
                                                                                   "(ckpt's reader)"})
+
+
+def _fused_specs(specs: list, ck: Checkpoint) -> tuple[list, dict[str, dict[str, list[int]]]]:
+    """The replica's parameters where the checkpoint holds a fused parameter saved split (`logical.with_kv_heads`
+    gave its row order): one fused parameter in place of its split weights, which the worker loads and puts at
+    their fused rows, as the producer's load hook does; {fused: {split name: its rows in the fused one}}."""
+    by = {n: (shape, dtype) for n, shape, dtype in specs}
+    out = list(specs)
+    fused: dict[str, dict[str, list[int]]] = {}
+    for name, parts in ck.state_split.items():
+        first = next(iter(parts))
+        at = next(i for i, (n, _, _) in enumerate(out) if n == first)
+        out = [x for x in out if x[0] not in parts]
+        out.insert(at, (name, [sum(len(r) for r in parts.values()), *by[first][0][1:]], by[first][1]))
+        fused[name] = {part: list(rows) for part, rows in parts.items()}
+    return out, fused
 
 
 def _plan_lightning(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None, device: str, model: str,

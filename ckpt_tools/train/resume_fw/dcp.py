@@ -6,7 +6,10 @@ the saved kind with the saved groups; a scheduler of the saved class rebuilt fro
 handed to `dcp.load` is built the way the layout's producer builds it — `get_state_dict` (flattened optimizer
 keys for torchtitan), the scheduler's `state_dict()`, the step counter — under the key names the checkpoint's
 metadata shows (`model`/`optim`/`optimizer`, `scheduler`/`lr_scheduler`, `step`/`train_state.step`, all under
-`app.` for the recipe), then `set_state_dict` and `scheduler.load_state_dict`, as the producers do. The expected
+`app.` for the recipe), then `set_state_dict` and `scheduler.load_state_dict`, as the producers do. torchtitan's
+`lr_scheduler {last_epoch}` (its schedule is in the job config) is loaded as the position only, with no scheduler
+stepping the replica; a fused parameter saved split (torchtitan's wqkv: `spec["fused"]`) is loaded from its split
+weights and put at its rows, as torchtitan's load hook does. The expected
 optimizer state is read with ckpt's own DCP reader (`open_checkpoint`), not from what `dcp.load` filled in.
 """
 from __future__ import annotations
@@ -28,12 +31,14 @@ def layout(path: str) -> dict[str, Any]:
     tops = {k[len(prefix):].split(".", 1)[0] for k in keys if k.startswith(prefix)}
     opt = next((t for t in ("optim", "optimizer") if t in tops), None)
     sched = next((t for t in ("scheduler", "lr_scheduler") if t in tops), None)
-    if "model" not in tops or opt is None:
-        raise RuntimeError(f"no model/optimizer state in the DCP metadata (top-level keys: {sorted(tops)})")
+    if opt is None:
+        raise RuntimeError(f"no optimizer state in the DCP metadata (top-level keys: {sorted(tops)})")
     groups = [k for k in keys if k.startswith(f"{prefix}{opt}.param_groups.")]
     flat = any(not k[len(f"{prefix}{opt}.param_groups."):].split(".", 1)[0].isdigit() for k in groups)
     step = ("step",) if "step" in tops else (("train_state", "step") if f"{prefix}train_state.step" in keys else None)
+    # torchtitan 0.3.0 saves the model's keys flat at the top level, beside optimizer / lr_scheduler / train_state
     return {"prefix": prefix, "optim": opt, "scheduler": sched, "step": step, "flat": flat,
+            "model_at_top": "model" not in tops,
             "train_state": [k[len(prefix) + len("train_state."):] for k in keys if k.startswith(f"{prefix}train_state.")]}
 
 
@@ -82,16 +87,37 @@ def main(plan: dict[str, Any]) -> None:
                               c.load_callable(plan.get("scheduler_fn")))
     options = StateDictOptions(flatten_optimizer_state_dict=lay["flat"])
     model_sd, optim_sd = get_state_dict(replica, opt, options=options)
-    state: dict[str, Any] = {"model": model_sd, lay["optim"]: optim_sd}
+    fused = spec.get("fused") or {}
+    placeholders = {name: model_sd.pop(name) for name in fused}
+    for name, parts in fused.items():  # the checkpoint holds the fused parameter's weights split: load those
+        like = placeholders[name]
+        for part, rows in parts.items():
+            model_sd[part] = torch.empty((len(rows), *like.shape[1:]), dtype=like.dtype)
+    state: dict[str, Any] = {**model_sd} if lay["model_at_top"] else {"model": model_sd}
+    state[lay["optim"]] = optim_sd
     if lay["scheduler"] and sched is not None:
         state[lay["scheduler"]] = sched.state_dict()
+    elif lay["scheduler"] and spec.get("scheduler_position_only"):
+        state[lay["scheduler"]] = {"last_epoch": -1}  # torchtitan saves only the position
     if lay["step"] == ("step",):
         state["step"] = 0
     elif lay["step"]:
         state["train_state"] = {k: 0 for k in lay["train_state"]}
     top = {"app": state} if lay["prefix"] else state
     dcp.load(top, checkpoint_id=plan["load_dir"])
-    set_state_dict(replica, opt, model_state_dict=state["model"], optim_state_dict=state[lay["optim"]],
+    if lay["model_at_top"]:
+        model_sd = {k: state[k] for k in model_sd}
+    for name, parts in fused.items():  # ... and put them at their rows, as the producer's load hook does
+        like = placeholders[name]
+        whole = torch.empty(tuple(like.shape), dtype=like.dtype)
+        for part, rows in parts.items():
+            whole[torch.tensor(rows)] = model_sd.pop(part)
+        if hasattr(like, "device_mesh"):
+            from torch.distributed.tensor import distribute_tensor
+
+            whole = distribute_tensor(whole.to(like.device), like.device_mesh, like.placements)
+        model_sd[name] = whole
+    set_state_dict(replica, opt, model_state_dict=model_sd, optim_state_dict=state[lay["optim"]],
                    options=options)
     if sched is not None and lay["scheduler"]:
         sched.load_state_dict(state[lay["scheduler"]])
@@ -101,8 +127,10 @@ def main(plan: dict[str, Any]) -> None:
     names = [n for g in spec["groups"] for n in g["names"]]
     check = c.OptimizerCheck(opt, saved_from_tree(plan["load_dir"], names), plan.get("expected_lrs"))
     if c.rank() == 0:
-        c.emit("loaded", global_step=step, optimizer_step=c.adam_step(opt),
-               scheduler_position=getattr(sched, "last_epoch", None), lr=c.lrs(opt))
+        position = (getattr(sched, "last_epoch", None) if sched is not None else
+                    (state.get(lay["scheduler"]) or {}).get("last_epoch") if lay["scheduler"] else None)
+        c.emit("loaded", global_step=step, optimizer_step=c.adam_step(opt), scheduler_position=position,
+               lr=c.lrs(opt))
     for k in range(plan["steps"]):
         used = c.lrs(opt)
         opt.zero_grad(set_to_none=True)
