@@ -614,6 +614,43 @@ def _original_history(step_folder: Path) -> dict[int, dict[str, Any]]:
     return {h["step"]: h for h in history if "loss" in h}
 
 
+def forward_logits(step_folder: Path, tokens: list[list[int]]):
+    """torchtitan's own forward of the sample's llama3 (fused wqkv) with the weights of a saved step: the model
+    built by torchtitan, its state dict (wq/wk/wv, split by its save hook) filled by `dcp.load` from the step folder
+    and loaded through its merge hook, the attention mask from its own `get_attention_masks` (one document per
+    row: causal). Single process; the CPU shims applied first."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    apply_cpu_shims()
+    with torch.device("meta"):
+        model = model_config().build()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    saved = set(dcp.FileSystemReader(str(step_folder)).read_metadata().state_dict_metadata)
+    sd = {k: v for k, v in model.state_dict().items() if k in saved}
+    dcp.load(sd, checkpoint_id=str(step_folder))
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    params = {n for n, _ in model.named_parameters()}
+    if [k for k in missing if k in params] or unexpected:
+        raise RuntimeError(f"the step's weights do not fill the model: missing {missing}, unexpected {unexpected}")
+    model.eval()
+    x = torch.tensor(tokens, dtype=torch.long)
+    positions = torch.arange(x.shape[1]).expand(x.shape[0], -1).contiguous()
+    with torch.no_grad():
+        return model(x, positions=positions, attention_masks=model.get_attention_masks(positions=positions))
+
+
+def logits_main() -> None:
+    """`python -c "from ckpt_tools.train.workers.torchtitan_run import logits_main; logits_main()" STEP OUT.pt
+    TOKENS_JSON`: torch.save of `forward_logits`."""
+    import torch
+
+    step, out, tokens = sys.argv[1:4]
+    torch.save(forward_logits(Path(step), json.loads(tokens)), out)
+
+
 def main() -> None:
     from ckpt_tools.train.workers._common import check_mode_parser
 
