@@ -83,6 +83,70 @@ def test_set_lr_with_the_job_config_it_names_halves_every_resumed_step_on_every_
         assert rank_p[1]["lr"] == pytest.approx(rank_u[1]["lr"], rel=1e-12)
 
 
+#: a resume whose first update a DeepSpeed run can make too: torchtitan's loader starts afresh (the converted
+#: checkpoint has no torchtitan loader state) and computes in fp32 (DeepSpeed runs fp32 here)
+FIRST_UPDATE_ARGS = ("--checkpoint.exclude-from-loading", "dataloader", "--training.mixed-precision-param", "float32")
+
+
+def _first_update_in_torchtitan(step_folder, tmp_path, tag):
+    """torchtitan's Trainer resumes `step_folder` for one update: (its record, every parameter and its Adam state
+    after the update, by parameter name)."""
+    import torch
+
+    from ckpt_tools.samples import run_torchrun
+
+    dump = tmp_path / f"{tag}.pt"
+    args = ["--sample", "torchtitan_real", "--check", str(step_folder), "--steps", "1", "--record",
+            str(tmp_path / f"{tag}.json"), "--dump", str(dump)] + [f"--trainer-arg={a}" for a in FIRST_UPDATE_ARGS]
+    run_torchrun("ckpt_tools.train.workers.torchtitan_run", 2, args, log_path=tmp_path / f"{tag}.log", timeout=400)
+    return json.loads((tmp_path / f"{tag}.json").read_text()), torch.load(dump, weights_only=True)
+
+
+def _deepspeed(tmp_path, tag, *args):
+    """The DeepSpeed worker (`ds_torchtitan`) on 2 ranks: what it recorded after its update."""
+    import torch
+
+    from ckpt_tools.samples import run_torchrun
+
+    ref = tmp_path / f"{tag}.pt"
+    run_torchrun("ckpt_tools.train.workers.ds_torchtitan", 2, [*map(str, args), "--record", str(ref)],
+                 log_path=tmp_path / f"{tag}.log", timeout=400)
+    return torch.load(ref, weights_only=True)
+
+
+def _largest_differences(titan: dict, ds: dict) -> dict[str, float]:
+    """max |torchtitan - DeepSpeed| of the weights and both Adam moments over all parameters, by name: torchtitan's
+    fused wqkv split into DeepSpeed's wq/wk/wv by torchtitan's own save hook (`_split_qkv_on_save`)."""
+    split = importlib.import_module("torchtitan.models.common.attention").FusedQKVLinear._split_qkv_on_save
+    module = type("M", (), {"head_dim": 16, "heads_per_kv": 1, "r_dim": 3})  # the sample's llama3: 4 heads of 16
+    worst: dict[str, float] = {}
+    for name, entry in titan.items():
+        assert entry["step"] == 4.0, name
+        got = {}
+        if name.endswith(".wqkv.weight"):
+            prefix = name[: -len("wqkv.weight")]
+            for k in ("param", "exp_avg", "exp_avg_sq"):
+                sd = {prefix + "wqkv.weight": entry[k]}
+                split(module, sd, prefix, None)
+                for s in ("wq", "wk", "wv"):
+                    got.setdefault(f"{prefix}{s}.weight", {})[k] = sd[f"{prefix}{s}.weight"]
+        else:
+            got[name] = entry
+        for n, e in got.items():
+            for k in ("param", "exp_avg", "exp_avg_sq"):
+                worst[k] = max(worst.get(k, 0.0), float((e[k] - ds[n][k]).abs().max()))
+    return worst
+
+
+def _assert_same_first_update(rec: dict, titan: dict, ds: dict) -> None:
+    (first,) = rec["records"]
+    assert first["step"] == 4 and first["lr"] == pytest.approx(ds["lr"], rel=1e-12)
+    assert first["loss"] == pytest.approx(ds["loss"], rel=1e-6)
+    assert all(r[0]["lr"] == pytest.approx(ds["lr"], rel=1e-12) for r in rec["ranks"])
+    worst = _largest_differences(titan, ds["params"])
+    assert worst["param"] < 1e-6 and worst["exp_avg"] < 1e-7 and worst["exp_avg_sq"] < 1e-8, worst
+
+
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
 def test_deepspeed_checkpoint_converted_to_torchtitan_resumes_in_torchtitans_trainer(tmp_path):
     """DeepSpeed ZeRO-1 (2 gloo ranks) trains torchtitan's own llama3 with the stock wq/wk/wv (the names torchtitan's
@@ -90,60 +154,43 @@ def test_deepspeed_checkpoint_converted_to_torchtitan_resumes_in_torchtitans_tra
     `ckpt convert --to dcp --layout torchtitan --n-kv-heads 4` writes torchtitan's layout with the wq/wk/wv Adam state
     fused into wqkv; the real torchtitan Trainer (FSDP2, 2 ranks, the sample's fused llama3, fp32 compute) resumes
     it and makes its fourth update: the loss, the LR of each group, the fp32 weights and both Adam moments after that
-    update equal DeepSpeed's (the fused wqkv split by torchtitan's own `_split_qkv_on_save`; float32 rounding only),
-    every rank at Adam step 4. The same conversion with a wrong --n-kv-heads (2: the rows grouped per 2 heads) loads
-    too but resumes into different moments: the comparison sees a wrong row order."""
-    import torch
-
-    from ckpt_tools.samples import run_torchrun
-
-    ds, ref_file = tmp_path / "ds", tmp_path / "ds_step4.pt"
-    run_torchrun("ckpt_tools.train.workers.ds_torchtitan", 2, ["--out", str(ds), "--record", str(ref_file)],
-                 log_path=tmp_path / "ds.log", timeout=400)
-    ref = torch.load(ref_file, weights_only=True)
-    split = importlib.import_module("torchtitan.models.common.attention").FusedQKVLinear._split_qkv_on_save
+    update equal DeepSpeed's (float32 rounding only), every rank at Adam step 4. The same conversion with a wrong
+    --n-kv-heads (2: the rows grouped per 2 heads) loads too but resumes into different moments: the comparison
+    sees a wrong row order."""
+    ds_dir = tmp_path / "ds"
+    ds = _deepspeed(tmp_path, "ds_step4", "--out", ds_dir)
 
     def resume(n_kv: int):
         out = tmp_path / f"kv{n_kv}" / "step-3"
-        r = run_cli("convert", ds / "global_step3", out, "--to", "dcp", "--layout", "torchtitan", "--n-kv-heads",
+        r = run_cli("convert", ds_dir / "global_step3", out, "--to", "dcp", "--layout", "torchtitan", "--n-kv-heads",
                     str(n_kv), "--json")
         assert r.returncode == 0, r.stderr
-        dump = tmp_path / f"kv{n_kv}.pt"
-        args = ["--sample", "torchtitan_real", "--check", str(out), "--steps", "1", "--record",
-                str(tmp_path / f"kv{n_kv}.json"), "--dump", str(dump)]
-        for a in ("--checkpoint.exclude-from-loading", "dataloader", "--training.mixed-precision-param", "float32"):
-            args.append(f"--trainer-arg={a}")
-        run_torchrun("ckpt_tools.train.workers.torchtitan_run", 2, args, log_path=tmp_path / f"kv{n_kv}.log",
-                     timeout=400)
-        after = torch.load(dump, weights_only=True)
-        worst = {}
-        for name, entry in after.items():
-            assert entry["step"] == 4.0, name
-            got = {}
-            if name.endswith(".wqkv.weight"):  # torchtitan's own hook splits the fused tensors
-                prefix = name[: -len("wqkv.weight")]
-                module = type("M", (), {"head_dim": 16, "heads_per_kv": 1, "r_dim": 3})
-                for k in ("param", "exp_avg", "exp_avg_sq"):
-                    sd = {prefix + "wqkv.weight": entry[k]}
-                    split(module, sd, prefix, None)
-                    for s in ("wq", "wk", "wv"):
-                        got.setdefault(f"{prefix}{s}.weight", {})[k] = sd[f"{prefix}{s}.weight"]
-            else:
-                got[name] = entry
-            for n, e in got.items():
-                for k in ("param", "exp_avg", "exp_avg_sq"):
-                    worst[k] = max(worst.get(k, 0.0), float((e[k] - ref["params"][n][k]).abs().max()))
-        return json.loads((tmp_path / f"kv{n_kv}.json").read_text()), worst
+        return _first_update_in_torchtitan(out, tmp_path, f"kv{n_kv}")
 
-    rec, worst = resume(4)
-    (first,) = rec["records"]
-    assert first["step"] == 4 and first["lr"] == pytest.approx(ref["lr"], rel=1e-12)
-    assert first["loss"] == pytest.approx(ref["loss"], rel=1e-6)
-    assert all(r[0]["lr"] == pytest.approx(ref["lr"], rel=1e-12) for r in rec["ranks"])
-    assert worst["param"] < 1e-6 and worst["exp_avg"] < 1e-7 and worst["exp_avg_sq"] < 1e-8, worst
+    rec, titan = resume(4)
+    _assert_same_first_update(rec, titan, ds)
     # the update itself is far above that tolerance (~lr per element)
-    saved = importlib.import_module("ckpt_tools.logical").model_tensors(ds / "global_step3")
-    moved = max(float((ref["params"][t.name]["param"] - t.read()).abs().max()) for t in saved)
+    saved = importlib.import_module("ckpt_tools.logical").model_tensors(ds_dir / "global_step3")
+    moved = max(float((ds["params"][t.name]["param"] - t.read()).abs().max()) for t in saved)
     assert moved > 1e-4, moved
     _, wrong = resume(2)
-    assert wrong["exp_avg"] > 1e-5 and wrong["param"] > 1e-5, wrong
+    worst = _largest_differences(wrong, ds["params"])
+    assert worst["exp_avg"] > 1e-5 and worst["param"] > 1e-5, worst
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+def test_torchtitan_checkpoint_converted_to_universal_resumes_in_deepspeed(tmp_path):
+    """The other direction: torchtitan 0.3.0's own step-3, `ckpt convert --to deepspeed-universal --n-kv-heads 4`
+    (the fused wqkv's Adam state split into wq/wk/wv), loaded by DeepSpeed ZeRO-1 (`load_universal`, 2 ranks) into
+    the same llama3 with the stock wq/wk/wv: its first update equals the one torchtitan's own Trainer makes when
+    it resumes the original step-3 (same batch, fp32): LR, loss, weights and moments, Adam step 4."""
+    src = sample("dcp", "torchtitan_real") / "step-3"
+    uni = tmp_path / "universal"
+    r = run_cli("convert", src, uni, "--to", "deepspeed-universal", "--n-kv-heads", "4")
+    assert r.returncode == 0, r.stderr
+    ds = _deepspeed(tmp_path, "ds_from_universal", "--load-universal", uni)
+    assert ds["adam_steps"] == [4.0]
+    original = tmp_path / "original" / "step-3"
+    shutil.copytree(src, original)
+    rec, titan = _first_update_in_torchtitan(original, tmp_path, "titan")
+    _assert_same_first_update(rec, titan, ds)

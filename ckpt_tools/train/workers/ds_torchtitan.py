@@ -21,6 +21,10 @@ on the first batch of a NEW loader: what torchtitan's Trainer sees when it resum
 saves REF.pt: {"params": {name: {"param" (the fp32 master), "exp_avg", "exp_avg_sq"}} after the fourth update,
 read from the live ZeRO optimizer (`_whole_state`), "lr": the fourth update's group LRs, "loss"}.
 
+`--load-universal DIR` instead (the other direction): the same engine without a scheduler and with
+`{"checkpoint": {"load_universal": true}}` loads DIR (a universal checkpoint, e.g. `ckpt convert` of torchtitan's own
+step-3), then makes one update on a new loader's first batch and saves REF.pt the same way (plus the Adam steps).
+
 Run-time changes: torchtitan's CPU shims (`torchtitan_run.apply_cpu_shims`: the device module, FlexAttention's
 attention computed by SDPA on the same mask); nothing else.
 """
@@ -102,9 +106,13 @@ def _whole_state(engine) -> dict[str, dict[str, Any]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="DeepSpeed checkpoint folder to write (global_step3)")
+    p.add_argument("--out", type=Path, default=None, help="DeepSpeed checkpoint folder to write (global_step3)")
+    p.add_argument("--load-universal", type=Path, default=None, help="instead of training: load this universal "
+                   "checkpoint folder (its latest_universal) and make one update on a new loader's first batch")
     p.add_argument("--record", type=Path, required=True, help="rank 0: the fourth update's result (torch.save)")
     args = p.parse_args()
+    if (args.out is None) == (args.load_universal is None):
+        p.error("give exactly one of --out or --load-universal")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     from ckpt_tools.train.workers import torchtitan_run as tt
@@ -136,24 +144,34 @@ def main() -> None:
         opt = torch.optim.AdamW([{"params": norm, "lr": tt.NORM_LR, "weight_decay": 0.0},
                                  {"params": rest, "lr": tt.LR, "weight_decay": tt.WEIGHT_DECAY}],
                                 betas=tt.BETAS, eps=tt.EPS, fused=True)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / tt.WARMUP))
+        sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / tt.WARMUP))
+                 if args.out is not None else None)
         cfg = {"train_micro_batch_size_per_gpu": tt.LOCAL_BATCH, "train_batch_size": tt.LOCAL_BATCH * world,
                "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "steps_per_print": 1000,
                "zero_optimization": {"stage": 1}}
+        if args.load_universal is not None:
+            cfg["checkpoint"] = {"load_universal": True}
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
         # the loss torchtitan's ChunkedLossWrapper applies per sequence chunk, here on the whole sequence (a sum
         # over tokens / the global token count either way); the wrapper itself runs the lm_head's backward inside
         # the loss call, outside DeepSpeed's engine.backward
         loss_fn = config.loss.loss_fn.build(compile_config=config.compile)
-        batches = _batches(config, rank, world)
-        for _ in range(SAVED_STEPS):
-            _update(engine, model, loss_fn, next(batches), world)
-        engine.save_checkpoint(str(args.out), tag=TAG)
+        if args.out is not None:
+            batches = _batches(config, rank, world)
+            for _ in range(SAVED_STEPS):
+                _update(engine, model, loss_fn, next(batches), world)
+            engine.save_checkpoint(str(args.out), tag=TAG)
+        else:
+            path, _ = engine.load_checkpoint(str(args.load_universal), load_lr_scheduler_states=False)
+            if path is None:
+                raise RuntimeError(f"DeepSpeed loaded nothing from {args.load_universal}")
         lrs = [float(g["lr"]) for g in engine.optimizer.param_groups]
         loss = _update(engine, model, loss_fn, next(_batches(config, rank, world)), world)
         params = _whole_state(engine)
         if rank == 0:
-            torch.save({"params": params, "lr": lrs, "loss": loss, "step": SAVED_STEPS + 1}, args.record)
+            adam = sorted({float(st["step"]) for st in engine.optimizer.optimizer.state.values() if "step" in st})
+            torch.save({"params": params, "lr": lrs, "loss": loss, "step": SAVED_STEPS + 1, "adam_steps": adam},
+                       args.record)
             print(f"DS step {SAVED_STEPS + 1}: lr {lrs}, loss {loss}", flush=True)
     except BaseException:
         import traceback
