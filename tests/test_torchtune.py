@@ -181,3 +181,17 @@ def test_convert_to_universal_says_the_schedule_is_not_in_the_checkpoint(tmp_pat
     doc = json.loads(r.stdout)
     assert doc["verified"] and doc["step"] == 3
     assert any(x.startswith("scheduler: not saved") for x in doc["not_moved"]), doc["not_moved"]
+
+
+@pytest.mark.parametrize("name,weights", [("torchtune_full", "checkpointer.checkpoint_files=[epoch_0/model-"),
+                                          ("torchtune_lora", "checkpointer.adapter_checkpoint=epoch_0/adapter_model.pt")])
+def test_resume_names_the_recipe_relaunch(name, weights):
+    """torchtune rebuilds the model, the schedule and the data from its recipe config, which ckpt cannot replay:
+    `ckpt resume` exits 2 in one line with the overrides torchtune 0.6.1 resumes this folder with (the ones the
+    real-recipe resume in test_set_lr_halves_every_resumed_step_in_the_real_recipe uses)."""
+    src = sample("torchtune", name)
+    r = run_cli("resume", src, "--steps", "1")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    for part in ("tune run RECIPE --config", "torchtune_config.yaml", "resume_from_checkpoint=True", weights,
+                 "checkpointer.recipe_checkpoint=recipe_state/recipe_state.pt", f"output_dir={src}"):
+        assert part in r.stderr, (part, r.stderr)

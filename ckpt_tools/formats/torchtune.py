@@ -200,6 +200,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
                                      f"step is {sorted(set(steps))}: an epoch ran fewer steps (a short dataset)", rel))
     details.update({k: state[k] for k in ("epochs_run", "total_epochs", "max_steps_per_epoch", "seed")
                     if isinstance(state.get(k), int)})
+    details["resume_unsupported"] = _recipe_resume(folder, with_state, adapter.is_file())
     warnings += C.counter_warnings(counters, optimizer_steps_seen=steps) + cache.warnings()
     params = [t for _, t in iter_tensors(model)]
     return Checkpoint(
@@ -207,6 +208,24 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
         counters=counters, lr=lrs, parameter_count=sum(t.numel for t in params), parameter_tensors=len(params),
         files=tuple(files), warnings=tuple(warnings), dtypes=tuple(sorted({t.dtype for t in params})),
         details=details)
+
+
+def _recipe_resume(folder: Path, epoch: Path, lora: bool) -> str:
+    """What `ckpt resume` says instead of replaying a torchtune checkpoint: the recipe itself resumes it (it rebuilds
+    the model, the scheduler and the data from its config), with torchtune 0.6.1's overrides for this folder (the
+    ones the real-recipe resume tests use)."""
+    config = folder / "torchtune_config.yaml"
+    cfg = str(config) if config.is_file() else "YOUR_CONFIG.yaml"
+    if lora:
+        weights = (f"checkpointer.adapter_checkpoint={epoch.name}/adapter_model.pt (the base model stays at the "
+                   "config's checkpointer.checkpoint_dir: the original pretrained folder)")
+    else:
+        files = ",".join(f"{epoch.name}/{p.name}" for p in sorted(epoch.glob("model-*.safetensors")))
+        weights = f"checkpointer.checkpoint_dir={epoch} checkpointer.checkpoint_files=[{files}]"
+    return ("torchtune rebuilds the model, the scheduler and the data loader from its recipe config; resume it with "
+            f"the recipe: tune run RECIPE --config {cfg} resume_from_checkpoint=True output_dir={folder} "
+            f"checkpointer.output_dir={folder} {weights} checkpointer.recipe_checkpoint={RECIPE_STATE} "
+            "(the resumed run saves its later epochs into output_dir)")
 
 
 def training_state(ck: Checkpoint):
