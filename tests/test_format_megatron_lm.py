@@ -25,6 +25,7 @@ TP2, DISTOPT = "megatron_tp2_legacy", "megatron_dp2_distopt_legacy"
 TP2_DIST, DISTOPT_DIST = "megatron_tp2_torch_dist", "megatron_dp2_distopt_torch_dist"
 PP2, PP2_DIST = "megatron_pp2_legacy", "megatron_pp2_torch_dist"
 VPP, VPP_DIST = "megatron_pp2_vpp2_legacy", "megatron_pp2_vpp2_torch_dist"
+LLAMA = "megatron_tp2_llama_legacy"  # RoPE, RMSNorm, SwiGLU, untied output, 2 query groups, no biases
 RENAMES = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.", "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
 RANK0 = Path("iter_0000010") / "mp_rank_00" / "model_optim_rng.pt"
 RANK1 = Path("iter_0000010") / "mp_rank_01" / "model_optim_rng.pt"
@@ -49,7 +50,7 @@ def _rewrite(path: Path, edit) -> None:
     tmp.replace(path)
 
 
-@pytest.mark.parametrize("name", [TP2, DISTOPT, TP2_DIST, DISTOPT_DIST, PP2, PP2_DIST, VPP, VPP_DIST])
+@pytest.mark.parametrize("name", [TP2, DISTOPT, TP2_DIST, DISTOPT_DIST, PP2, PP2_DIST, VPP, VPP_DIST, LLAMA])
 def test_inspect_matches_what_megatron_recorded(name):
     """The manifest was written from Megatron's live model, optimizer and scheduler at save time."""
     m = _manifest(name)
@@ -88,6 +89,25 @@ def test_tp_shards_merge_by_megatrons_rules():
     assert merges["decoder.layers.0.self_attention.linear_proj.weight"] == "cat:1"
     assert merges["decoder.layers.0.mlp.linear_fc2.bias"] == "replicated"
     assert ck.get("model.decoder.layers.0.self_attention.linear_qkv.weight").shape == (192, 64)
+
+
+def test_swiglu_fc1_shards_merge_per_sub_parameter():
+    """With SwiGLU each TP rank's linear_fc1 holds [its gate slice; its up slice]: the merge takes the gate slices,
+    then the up slices (cat_sub:0), so the logical tensor is [gate; up] as at TP=1, for the weights and the optimizer
+    state alike; the bf16 weight is its fp32 master rounded."""
+    torch = pytest.importorskip("torch")
+    from ckpt_tools import logical as L
+
+    ck = ckpt_tools.open_checkpoint(sample("megatron_lm", LLAMA))
+    name = "decoder.layers.0.mlp.linear_fc1.weight"
+    node = ck.get(f"model.{name}")
+    assert node.merge == "cat_sub:0" and node.shape == (256, 64)
+    a, b = (s.read_torch() for s in node.shards)
+    weight = next(t for t in L.model_tensors(ck, weights="module") if t.name == name).read()
+    assert torch.equal(weight, torch.cat([a[:64], b[:64], a[64:], b[64:]]))
+    master = L.optimizer_states(ck)[name]["fp32"]
+    assert master.node.merge == "cat_sub:0"
+    assert torch.equal(weight, master.read().to(torch.bfloat16))
 
 
 def test_torch_dist_and_legacy_saves_of_the_same_run_export_the_same_weights(tmp_path):
@@ -413,3 +433,117 @@ def test_topology_names_expert_and_virtual_pipeline_sizes_from_args():
     assert (topology(dense, 1, 1, 2).ep, topology(dense, 1, 1, 2).vpp) == (None, 2)
     doc = json.loads(run_cli("inspect", sample("megatron_lm", VPP), "--json").stdout)
     assert (doc["topology"]["pp"], doc["topology"]["vpp"], "ep" in doc["topology"]) == (2, 2, False)
+
+
+# --- export --hf: a Megatron GPT shaped like GPT-2 ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [TP2, TP2_DIST, PP2, VPP_DIST])
+def test_export_hf_writes_a_gpt2_folder_from_the_args(tmp_path, name):
+    """--hf on Megatron-LM's own saves (TP merged, pipeline stages renumbered): config.json written from the
+    checkpoint's args (GPT2Config: learned positions, LayerNorm, GeLU as the args select, tied output), every tensor
+    under GPT-2's name (Linear weights transposed for Conv1D, the fused QKV's per-head [q, k, v] rows reordered to
+    [q | k | v]), verified, and transformers loads it with no missing or unexpected key."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import GPT2LMHeadModel
+
+    from ckpt_tools import logical as L
+    from ckpt_tools import qkv
+
+    src = sample("megatron_lm", name)
+    r = run_cli("export", src, tmp_path / "hf", "--hf", "--verify", "--json")
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    h = cfg["n_embd"]
+    assert cfg["model_type"] == "gpt2" and cfg["activation_function"] == "gelu" and cfg["tie_word_embeddings"]
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    saved = {t.name: t.read() for t in L.model_tensors(src)}
+    assert len(got) == len(saved)
+    fused = saved["decoder.layers.1.self_attention.linear_qkv.weight"]
+    q, k, v = qkv.row_index(h, h, cfg["n_head"])
+    assert got["transformer.h.1.attn.c_attn.weight"].equal(torch.cat([fused[q], fused[k], fused[v]]).t())
+    assert got["transformer.h.0.mlp.c_fc.weight"].equal(saved["decoder.layers.0.mlp.linear_fc1.weight"].t())
+    model, info = GPT2LMHeadModel.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+def test_export_hf_writes_a_llama_folder_from_the_args(tmp_path):
+    """The Llama-style run (RoPE, RMSNorm, SwiGLU, untied output, GQA): LlamaConfig from its args, the fused QKV
+    split per query group into q/k/v_proj, the [gate; up] fc1 into gate/up_proj, lm_head from output_layer;
+    verified, and transformers loads it with no missing or unexpected key."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from ckpt_tools import logical as L
+
+    src = sample("megatron_lm", LLAMA)
+    r = run_cli("export", src, tmp_path / "hf", "--hf", "--verify")
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (cfg["model_type"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["rope_theta"],
+            cfg["tie_word_embeddings"]) == ("llama", 2, 16, 500000.0, False)
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    saved = {t.name: t.read() for t in L.model_tensors(src)}
+    fused = saved["decoder.layers.0.self_attention.linear_qkv.weight"]  # per group: 2 q heads, k, v (16 rows each)
+    assert got["model.layers.0.self_attn.k_proj.weight"].equal(torch.cat([fused[32:48], fused[96:112]]))
+    assert got["model.layers.0.self_attn.q_proj.weight"].equal(torch.cat([fused[0:32], fused[64:96]]))
+    fc1 = saved["decoder.layers.1.mlp.linear_fc1.weight"]
+    assert got["model.layers.1.mlp.gate_proj.weight"].equal(fc1[:128])
+    assert got["model.layers.1.mlp.up_proj.weight"].equal(fc1[128:])
+    assert got["lm_head.weight"].equal(saved["output_layer.weight"])
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+def test_export_hf_refuses_what_neither_gpt2_nor_llama_holds():
+    """The mapping reads the architecture from args: a mix neither GPT-2 nor Llama has (rotary positions with
+    LayerNorm, SwiGLU with biases, GPT-2 with an untied output or grouped-query attention, interleaved rotary pairs)
+    is one CkptError naming it, before anything is written."""
+    from ckpt_tools.errors import CkptError
+    from ckpt_tools.logical import _plain
+    from ckpt_tools.ops import hf_map
+
+    gpt = _plain(ckpt_tools.open_checkpoint(sample("megatron_lm", TP2)).tree.children["args"])
+    llama = _plain(ckpt_tools.open_checkpoint(sample("megatron_lm", LLAMA)).tree.children["args"])
+    assert hf_map.megatron_hf_config(gpt, "x")["model_type"] == "gpt2"
+    assert hf_map.megatron_hf_config(llama, "x")["model_type"] == "llama"
+    for args, change, word in ((gpt, {"position_embedding_type": "rope"}, "LayerNorm"),
+                               (gpt, {"untie_embeddings_and_output_weights": True}, "untied"),
+                               (gpt, {"group_query_attention": True, "num_query_groups": 2}, "grouped-query"),
+                               (llama, {"add_bias_linear": True}, "linear biases"),
+                               (llama, {"rotary_interleaved": True}, "interleaved"),
+                               (llama, {"normalization": "LayerNorm"}, "LayerNorm")):
+        with pytest.raises(CkptError, match=word):
+            hf_map.megatron_hf_config({**args, **change}, "x")
+
+
+@pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,
+                    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout)")
+@pytest.mark.parametrize("name", [TP2, TP2_DIST, LLAMA])
+def test_export_hf_logits_equal_megatrons_forward(tmp_path, name):
+    """Megatron's own forward (initialize_megatron + load_checkpoint at TP=2, fp32, the vocab-parallel logits
+    gathered) of the saved model weights equals transformers' model (GPT2LMHeadModel; LlamaForCausalLM for the
+    Llama-style run: GQA, RoPE, SwiGLU merged per sub-parameter) on `export --hf --source module` (the same bf16
+    weights the model holds) to float32 rounding."""
+    import torch
+    from transformers import AutoModelForCausalLM as GPT2LMHeadModel
+
+    tokens = [[1, 5, 9, 13, 20, 33, 40, 2, 7, 11, 50, 63, 100, 127, 0, 64], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                                          14, 15, 16, 17, 18]]
+    out = tmp_path / "megatron_logits.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "ckpt_tools.train.workers.megatron_lm", "--sample", name,
+           "--forward", str(sample("megatron_lm", name)), "--tokens", json.dumps(tokens), "--logits", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = run_cli("export", sample("megatron_lm", name), tmp_path / "hf", "--hf", "--source", "module")
+    assert r.returncode == 0, r.stderr
+    model = GPT2LMHeadModel.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf = model(torch.tensor(tokens)).logits
+    megatron = torch.load(out, weights_only=True)
+    assert hf.shape == megatron.shape == (2, 16, 128)
+    assert torch.allclose(hf, megatron, atol=1e-5, rtol=0), float((hf - megatron).abs().max())
+    assert float(megatron.abs().max()) > 0.5

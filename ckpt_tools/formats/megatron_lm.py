@@ -124,7 +124,15 @@ def _global_shapes(args: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _rule(name: str) -> str | None:
+_FC1 = re.compile(r"(^|\.)linear_fc1\.(weight|bias)$")
+
+
+def _rule(name: str, swiglu: bool = False) -> str | None:
+    """The TP merge of `name`. With SwiGLU each TP rank's `linear_fc1` holds its slice of the gate, then its slice
+    of the up projection: the shards merge per sub-parameter (`cat_sub:0`, 2 sub-parameters), so the logical
+    tensor is [gate; up] as a TP=1 run holds it."""
+    if swiglu and _FC1.search(name):
+        return "cat_sub:0"
     return next((merge for pat, merge in _TP_RULES if pat.search(name)), None)
 
 
@@ -334,7 +342,7 @@ def _model(objs, tp, pp, args, cache, ranks, root):
             if tp == 1:
                 model[g] = shards[0]
                 continue
-            merge = _rule(name)
+            merge = _rule(name, bool(args.get("swiglu")))
             if merge is None:
                 bad.append(name)
                 continue

@@ -86,6 +86,8 @@ class ExportPlan:
     copies: tuple[Path, ...] = ()
     skipped: dict[str, list[str]] = field(default_factory=dict)  # why -> names left out (tied / frozen / filtered)
     source_format: str = ""
+    #: with `hf`: the config.json written from the checkpoint itself (a Megatron GPT's `args`), when not copied
+    config: dict[str, Any] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -105,6 +107,7 @@ class ExportPlan:
                 "files": [{"path": str(f), "tensors": len(s), "bytes": sum(t.nbytes for t in s)}
                           for f, s in zip(self.files, self.shards)],
                 "copies": [str(c) for c in self.copies],
+                "config": self.config,
                 "left_out": {k: v for k, v in self.skipped.items() if v}}
 
 
@@ -208,8 +211,9 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
     if hf_config is not None and not hf:
         raise ValueError("--hf-config applies to --hf")
     cfg_file = _hf_config_file(hf_config) if hf_config is not None else None
+    hf_cfg = None
     if hf:
-        items = _hf_names(items, cfg_file, src)
+        items, hf_cfg = _hf_names(items, cfg_file, src, ck)
     groups: list[list[ExportTensor]] = [[]]
     size = 0
     for t in items:
@@ -235,8 +239,10 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
         files = tuple(folder / f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups)))
         index = folder / f"{stem}.safetensors.index.json"
     weights_from = ("fp32 master where saved" if source_weights == "fp32" else "module weights")
+    if hf_cfg is not None:
+        copies = tuple(c for c in copies if c.name != "config.json")
     return ExportPlan(src, out, weights_from, files, tuple(tuple(g) for g in groups), index, hf, copies,
-                      skipped, ck.format)
+                      skipped, ck.format, hf_cfg)
 
 
 def _hf_config_file(hf_config: str | os.PathLike) -> Path:
@@ -249,15 +255,33 @@ def _hf_config_file(hf_config: str | os.PathLike) -> Path:
     return path
 
 
-def _hf_names(items: list[ExportTensor], cfg_file: Path | None, src: Path) -> list[ExportTensor]:
-    """`items` under Hugging Face names where the checkpoint's are another framework's: a torchtitan Llama's
-    names and q/k layout mapped with the head counts of the config.json given (`ops.hf_map`)."""
+def _hf_names(items: list[ExportTensor], cfg_file: Path | None, src: Path, ck: Any
+              ) -> tuple[list[ExportTensor], dict[str, Any] | None]:
+    """`items` under Hugging Face names where the checkpoint's are another framework's (`ops.hf_map`), and the
+    config.json to write when the checkpoint itself describes the model: a torchtitan Llama's names and q/k layout
+    mapped with the head counts of the config.json given; a Megatron GPT shaped like GPT-2 mapped, and its
+    GPT2Config written, from the checkpoint's own `args`."""
     from dataclasses import replace
 
     from . import hf_map
 
-    if not hf_map.is_torchtitan_llama([t.name for t in items]):
-        return items
+    names = [t.name for t in items]
+    if hf_map.is_megatron_gpt(names):
+        from ..logical import _plain
+
+        args = _plain(ck.tree.children["args"]) if "args" in ck.tree.children else None
+        if not isinstance(args, dict):
+            raise CkptError("a Megatron GPT checkpoint without `args`: the Hugging Face config comes from them",
+                            path=src, hint="export without --hf")
+        if cfg_file is not None:
+            raise CkptError("a Megatron GPT: config.json is written from the checkpoint's own args", path=cfg_file,
+                            hint="drop --hf-config")
+        config = hf_map.megatron_hf_config(args, str(src))
+        mapping = hf_map.megatron_to_hf({t.name: t.shape for t in items}, config, str(src))
+        return [replace(t, name=hf, transform=fn, shape=shape) for t in items
+                for hf, fn, shape in mapping[t.name]], config
+    if not hf_map.is_torchtitan_llama(names):
+        return items, None
     if cfg_file is None:
         raise CkptError("a torchtitan Llama checkpoint: --hf maps its names and q/k layout to Hugging Face's with the "
                         "head counts, which the checkpoint does not hold", path=src,
@@ -268,7 +292,7 @@ def _hf_names(items: list[ExportTensor], cfg_file: Path | None, src: Path) -> li
     except (OSError, ValueError) as e:
         raise CkptError(f"--hf-config: cannot read it ({e})", path=cfg_file, hint="pass a JSON config.json") from None
     mapping = hf_map.torchtitan_llama_to_hf({t.name: t.shape for t in items}, config, str(cfg_file))
-    return [replace(t, name=mapping[t.name][0], transform=mapping[t.name][1]) for t in items]
+    return [replace(t, name=mapping[t.name][0], transform=mapping[t.name][1]) for t in items], None
 
 
 def _config_dir(ck) -> Path:
@@ -402,6 +426,8 @@ def execute(plan: ExportPlan, *, progress: Callable[[int], None] | None = None, 
                 (staging / plan.index.name).write_text(json.dumps(_index_doc(plan), indent=2))
             for c in plan.copies:
                 shutil.copyfile(c, staging / c.name)
+            if plan.config is not None:
+                (staging / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
             verified = len(verify_files(plan, {f: staging / f.name for f in plan.files})) if verify else None
             if plan.out.exists():
                 plan.out.rmdir()

@@ -98,3 +98,181 @@ def _check(name: str, shape: tuple[int, ...], want: tuple[int, ...], what: str, 
     if tuple(shape) != tuple(want):
         raise CkptError(f"{name} has shape {list(shape)}, but {config_path} gives [{what}] = {list(want)}",
                         path=config_path, hint="pass this model's config.json")
+
+
+# --- Megatron-LM GPT (megatron-core names) -> Hugging Face GPT-2 or Llama ------------------------------------------
+#
+# The architecture comes from the checkpoint's own `args`: learned absolute positions + LayerNorm + GeLU + biases +
+# multi-head attention + tied output is GPT-2 (GPT2LMHeadModel); rotary positions + RMSNorm + SwiGLU without biases
+# (grouped-query attention and an untied output allowed) is Llama (LlamaForCausalLM). Anything else is refused by
+# name. Megatron's fused QKV groups its rows per query group ([q heads of the group, k, v], head_dim rows each: the
+# layout `qkv.row_index` describes); its SwiGLU `linear_fc1` is [gate; up] (the TP shards merged per sub-parameter
+# by the reader); megatron-core's rotary embedding is the rotate-half layout Hugging Face's Llama uses (refused when
+# `rotary_interleaved`), so q/k need no permutation.
+
+#: name pattern (megatron-core; the TransformerEngine spec keeps the norms in the next linear) -> role
+_MEGATRON_ROLES = (
+    (r"embedding\.word_embeddings\.weight", "embed"),
+    (r"embedding\.position_embeddings\.weight", "positions"),
+    (r"decoder\.layers\.(\d+)\.(?:input_layernorm\.|self_attention\.linear_qkv\.layer_norm_)(weight|bias)", "ln_1"),
+    (r"decoder\.layers\.(\d+)\.self_attention\.linear_qkv\.(weight|bias)", "qkv"),
+    (r"decoder\.layers\.(\d+)\.self_attention\.linear_proj\.(weight|bias)", "proj"),
+    (r"decoder\.layers\.(\d+)\.(?:pre_mlp_layernorm\.|mlp\.linear_fc1\.layer_norm_)(weight|bias)", "ln_2"),
+    (r"decoder\.layers\.(\d+)\.mlp\.linear_fc1\.(weight|bias)", "fc1"),
+    (r"decoder\.layers\.(\d+)\.mlp\.linear_fc2\.(weight|bias)", "fc2"),
+    (r"decoder\.final_layernorm\.(weight|bias)", "ln_f"),
+    (r"output_layer\.weight", "output"),
+)
+_MEGATRON_COMPILED = tuple((re.compile(p + r"$"), role) for p, role in _MEGATRON_ROLES)
+
+#: role -> GPT-2 name template ({L}: layer, {k}: weight/bias) and whether it is a Linear weight (Conv1D: transposed)
+_GPT2 = {"embed": ("transformer.wte.weight", False), "positions": ("transformer.wpe.weight", False),
+         "ln_1": ("transformer.h.{L}.ln_1.{k}", False), "qkv": ("transformer.h.{L}.attn.c_attn.{k}", True),
+         "proj": ("transformer.h.{L}.attn.c_proj.{k}", True), "ln_2": ("transformer.h.{L}.ln_2.{k}", False),
+         "fc1": ("transformer.h.{L}.mlp.c_fc.{k}", True), "fc2": ("transformer.h.{L}.mlp.c_proj.{k}", True),
+         "ln_f": ("transformer.ln_f.{k}", False)}
+_LLAMA = {"embed": "model.embed_tokens.weight", "ln_1": "model.layers.{L}.input_layernorm.{k}",
+          "proj": "model.layers.{L}.self_attn.o_proj.{k}", "ln_2": "model.layers.{L}.post_attention_layernorm.{k}",
+          "fc2": "model.layers.{L}.mlp.down_proj.{k}", "ln_f": "model.norm.{k}", "output": "lm_head.weight"}
+
+Out = tuple  # (Hugging Face name, transform or None, shape written)
+
+
+def is_megatron_gpt(names: list[str]) -> bool:
+    """Megatron-core GPT parameter names: `embedding.word_embeddings.weight` and `decoder.layers.N.…linear_qkv…`."""
+    return "embedding.word_embeddings.weight" in names and any(
+        re.search(r"^decoder\.layers\.\d+\.self_attention\.linear_qkv\.weight$", n) for n in names)
+
+
+def megatron_hf_config(args: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The Hugging Face config.json of a Megatron GPT from its launch `args`: GPT2Config or LlamaConfig (see
+    above); CkptError naming what neither holds."""
+    def arg(*keys: str) -> Any:
+        return next((args[k] for k in keys if args.get(k) is not None), None)
+
+    missing = [k for k in ("hidden_size", "num_attention_heads", "num_layers", "padded_vocab_size",
+                           "max_position_embeddings") if not isinstance(args.get(k), int)]
+    if missing:
+        raise CkptError(f"the checkpoint's args lack {', '.join(missing)}: the Hugging Face config needs them",
+                        path=where, hint="export without --hf")
+    hidden, heads = args["hidden_size"], args["num_attention_heads"]
+    groups = arg("num_query_groups") if arg("group_query_attention") else heads
+    head_dim = arg("kv_channels") or hidden // heads
+    pos, norm = arg("position_embedding_type") or "learned_absolute", arg("normalization") or "LayerNorm"
+    common = [(bool(arg("qk_layernorm")), "QK layer norm"), (bool(arg("multi_latent_attention")), "multi-latent attention"),
+              (bool(arg("num_experts")), "Mixture-of-Experts layers"), (bool(arg("squared_relu")), "squared ReLU"),
+              (bool(arg("apply_residual_connection_post_layernorm")), "residuals after the layer norm")]
+    llama = pos == "rope" or norm == "RMSNorm" or bool(arg("swiglu"))
+    if llama:
+        bad = common + [
+            (pos != "rope", f"position embeddings {pos!r} (Llama: rope)"), (norm != "RMSNorm", f"{norm} (Llama: RMSNorm)"),
+            (not arg("swiglu"), "no SwiGLU (Llama: SwiGLU)"), (arg("add_bias_linear") is not False, "linear biases"),
+            (bool(arg("add_qkv_bias")) and arg("add_bias_linear") is False, "a QKV bias"),
+            (bool(arg("rotary_interleaved")), "interleaved rotary pairs"),
+            ((arg("rotary_percent") or 1.0) != 1.0, f"rotary_percent {arg('rotary_percent')}"),
+            (bool(arg("use_rope_scaling")), "RoPE scaling")]
+    else:
+        bad = common + [
+            (bool(arg("openai_gelu")), "openai_gelu"),
+            (bool(arg("untie_embeddings_and_output_weights")), "an untied output layer (GPT-2 ties it)"),
+            (arg("add_bias_linear") is False, "linear layers without biases (GPT-2 has them)"),
+            (arg("add_qkv_bias") is False, "a QKV projection without bias"),
+            (groups != heads, f"grouped-query attention ({groups} groups; GPT-2 has none)"),
+            (head_dim != hidden // heads, f"kv_channels {head_dim} != hidden_size / num_attention_heads")]
+    named = [what for hit, what in bad if hit]
+    if named:
+        target = "Llama (rope, RMSNorm, SwiGLU, no biases)" if llama else "GPT-2 (learned positions, LayerNorm, GeLU)"
+        raise CkptError(f"--hf maps a Megatron GPT to {target}; this one has {', '.join(named)}", path=where,
+                        hint="export without --hf (the merged weights under Megatron's names)")
+    eps = float(arg("norm_epsilon", "layernorm_epsilon") or 1e-5)
+    special = {"bos_token_id": None, "eos_token_id": None}  # the tokenizer's ids are not in the checkpoint
+    if llama:
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": args["padded_vocab_size"],
+                "hidden_size": hidden, "intermediate_size": arg("ffn_hidden_size") or 4 * hidden,
+                "num_hidden_layers": args["num_layers"], "num_attention_heads": heads, "num_key_value_heads": groups,
+                "head_dim": head_dim, "hidden_act": "silu", "max_position_embeddings": args["max_position_embeddings"],
+                "rms_norm_eps": eps, "rope_theta": float(arg("rotary_base") or 10000),
+                "attention_bias": False, "mlp_bias": False,
+                "tie_word_embeddings": not arg("untie_embeddings_and_output_weights"),
+                "initializer_range": float(arg("init_method_std") or 0.02), "use_cache": True, **special}
+    # megatron-core's MLP: with bias_gelu_fusion the fused bias-GeLU (tanh approximation), else F.gelu (erf)
+    act = "gelu_new" if arg("bias_gelu_fusion", "bias_activation_fusion") else "gelu"
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": args["padded_vocab_size"],
+            "n_positions": args["max_position_embeddings"], "n_embd": hidden, "n_layer": args["num_layers"],
+            "n_head": heads, "n_inner": arg("ffn_hidden_size") or 4 * hidden, "activation_function": act,
+            "layer_norm_epsilon": eps, "resid_pdrop": float(arg("hidden_dropout") or 0.0),
+            "embd_pdrop": float(arg("hidden_dropout") or 0.0), "attn_pdrop": float(arg("attention_dropout") or 0.0),
+            "initializer_range": float(arg("init_method_std") or 0.02), "scale_attn_weights": True,
+            "tie_word_embeddings": True, "use_cache": True, **special}
+
+
+def _rows(idx: list[int], transpose: bool = False) -> Transform:
+    def apply(t):
+        import torch
+
+        t = t.index_select(0, torch.tensor(idx))
+        return t.t().contiguous() if transpose else t
+    return apply
+
+
+def _transposed(t):
+    return t.t().contiguous()
+
+
+def megatron_to_hf(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any],
+                   where: str) -> dict[str, list[Out]]:
+    """{Megatron name: [(Hugging Face name, transform or None, shape written), ...]} for the config
+    `megatron_hf_config` wrote (one entry per tensor; Llama's fused QKV and SwiGLU fc1 give three and two). CkptError
+    naming a tensor the map does not cover or whose shape the config contradicts."""
+    from .. import qkv
+
+    llama = config["model_type"] == "llama"
+    if llama:
+        hidden, heads, groups = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+        head_dim, layers, ffn = config["head_dim"], config["num_hidden_layers"], config["intermediate_size"]
+    else:
+        hidden, heads, layers = config["n_embd"], config["n_head"], config["n_layer"]
+        groups, head_dim, ffn = heads, hidden // heads, config["n_inner"]
+    q, k, v = qkv.row_index(heads * head_dim, groups * head_dim, groups)
+    out: dict[str, list[Out]] = {}
+    seen: set[int] = set()
+    for name, shape in shapes.items():
+        shape = tuple(shape)
+        hit = next(((m, role) for rx, role in _MEGATRON_COMPILED for m in [rx.match(name)] if m), None)
+        if hit is None or (not llama and hit[1] == "output"):
+            raise CkptError(f"{name}: not a Megatron GPT parameter this export maps to {config['model_type']} names",
+                            path=where, hint="export without --hf (the names as saved)")
+        m, role = hit
+        g = m.groups()
+        layer, kind = (g[0], g[1]) if len(g) == 2 else (None, g[0] if g else "weight")
+        if layer is not None:
+            seen.add(int(layer))
+        fill = {"L": layer, "k": kind}
+        if role == "qkv":
+            _check(name, shape, ((heads + 2 * groups) * head_dim, hidden)[: len(shape)],
+                   "(heads + 2 x query groups) x head_dim, hidden", where)
+        if role == "fc1":
+            _check(name, shape, ((2 if llama else 1) * ffn, hidden)[: len(shape)], "FFN rows, hidden", where)
+        if llama:
+            if role == "qkv":
+                out[name] = [(f"model.layers.{layer}.self_attn.{p}_proj.{kind}", _rows(idx), (len(idx), *shape[1:]))
+                             for p, idx in (("q", q), ("k", k), ("v", v))]
+            elif role == "fc1":
+                out[name] = [(f"model.layers.{layer}.mlp.{p}_proj.{kind}", _rows(list(idx)), (ffn, *shape[1:]))
+                             for p, idx in (("gate", range(ffn)), ("up", range(ffn, 2 * ffn)))]
+            elif role in _LLAMA:
+                out[name] = [(_LLAMA[role].format(**fill), None, shape)]
+            else:
+                raise CkptError(f"{name}: a Llama has no {role} tensor", path=where, hint="export without --hf")
+            continue
+        hf, linear = _GPT2[role]
+        hf = hf.format(**fill)
+        flip = linear and len(shape) == 2
+        if role == "qkv":
+            out[name] = [(hf, _rows([*q, *k, *v], transpose=flip), shape[::-1] if flip else shape)]
+        else:
+            out[name] = [(hf, _transposed if flip else None, shape[::-1] if flip else shape)]
+    if len(seen) != layers:
+        raise CkptError(f"the checkpoint has {len(seen)} layers, its args say num_layers={layers}", path=where,
+                        hint="export without --hf")
+    return out

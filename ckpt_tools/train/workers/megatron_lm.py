@@ -28,7 +28,9 @@ absolute positions, tied embeddings, dropout 0 (attention and hidden: with dropo
 dropout share one generator and TP-replicated weights drift apart), mock data (`--mock-data`, NullTokenizer),
 micro batch 2, global batch 4, 10 iterations, LR 3e-3 -> min 3e-4, 3 warm-up iterations, cosine decay over 20
 iterations (so the LR after the save is not yet the floor), weight decay 0.01, clip 1.0, a save after the last
-iteration. The manifest's `history` holds each `train_step`'s own loss (Megatron's log line for iteration 2
+iteration. `megatron_tp2_llama_legacy` is the same run with a Llama-style GPT (`LLAMA_FLAGS`: rotary positions
+with base 5e5, RMSNorm, SwiGLU, an untied output layer, grouped-query attention with 2 query groups, no linear
+biases). `--forward` runs Megatron's own forward of a saved TP sample (`logits_sample`). The manifest's `history` holds each `train_step`'s own loss (Megatron's log line for iteration 2
 averages iterations 1 and 2).
 
 Run-time changes, all in this process (nothing installed is edited; see `install_cpu_shims`):
@@ -96,6 +98,7 @@ class Variant:
     distributed_optimizer: bool = False
     pp: int = 1
     vpp: int = 0  # virtual pipeline chunks per stage (0: none); the model then has pp * vpp layers, hidden 32
+    llama: bool = False  # the Llama-style GPT: RoPE, RMSNorm, SwiGLU, untied output, 2 query groups, no biases
 
 
 VARIANTS = {
@@ -107,7 +110,12 @@ VARIANTS = {
     "megatron_pp2_torch_dist": Variant(tp=1, ckpt_format="torch_dist", pp=2),
     "megatron_pp2_vpp2_legacy": Variant(tp=1, ckpt_format="torch", pp=2, vpp=2),
     "megatron_pp2_vpp2_torch_dist": Variant(tp=1, ckpt_format="torch_dist", pp=2, vpp=2),
+    "megatron_tp2_llama_legacy": Variant(tp=2, ckpt_format="torch", llama=True),
 }
+#: the Llama-style variant's architecture flags (what a Llama run passes to pretrain_gpt.py)
+LLAMA_FLAGS = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--normalization", "RMSNorm",
+               "--swiglu", "--untie-embeddings-and-output-weights", "--group-query-attention",
+               "--num-query-groups", "2", "--disable-bias-linear", "--no-bias-swiglu-fusion", "--no-rope-fusion"]
 
 # vocab_size is the model's (padded) vocabulary: Megatron's NullTokenizer adds an EOD token to --vocab-size.
 MODEL = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
@@ -150,6 +158,9 @@ def megatron_argv(v: Variant, *, save: Path | None, load: Path | None, work: Pat
     ]
     if v.distributed_optimizer:
         argv.append("--use-distributed-optimizer")
+    if v.llama:
+        argv[argv.index("--normalization"): argv.index("--normalization") + 2] = []
+        argv += LLAMA_FLAGS
     if v.vpp:
         argv += ["--num-layers-per-virtual-pipeline-stage", "1"]
     if save is not None:
@@ -617,6 +628,41 @@ def check_sample(args: argparse.Namespace, work: Path) -> int:
     return 0 if ok else 1
 
 
+def logits_sample(args: argparse.Namespace, work: Path) -> int:
+    """Megatron's own forward of a saved sample: `initialize_megatron` with the variant's command line in fp32
+    (`--bf16` left out: the bf16 weights the checkpoint's model holds are loaded into fp32 parameters),
+    `setup_model_and_optimizer` + Megatron's `load_checkpoint` (`--no-load-optim --no-load-rng`), then the GPTModel's
+    forward on `--tokens` (JSON rows) with the causal mask `pretrain_gpt` uses; the vocab-parallel logits gathered
+    over the TP ranks; rank 0 saves them (torch.save, [batch, seq, vocab]) to `args.logits`. Pipeline parallelism is
+    not run here (TP samples only)."""
+    from megatron.core import tensor_parallel
+
+    v = VARIANTS[args.sample]
+    if v.pp > 1:
+        raise SystemExit("--logits runs the TP samples (no pipeline schedule here)")
+    _, model_provider, model_type, _, embedding_ranks = _pretrain_entry()
+    import megatron.training.training as training
+
+    argv = megatron_argv(v, save=None, load=args.forward.resolve(), work=work)
+    argv.remove("--bf16")
+    sys.argv = [sys.argv[0], *argv, "--no-load-optim", "--no-load-rng"]
+    training.initialize_megatron(args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+                                 get_embedding_ranks=embedding_ranks)
+    model, _, _ = training.setup_model_and_optimizer(model_provider, model_type)
+    net = model[0]
+    net.eval()
+    tokens = torch.tensor(json.loads(args.tokens), dtype=torch.long)
+    b, s = tokens.shape
+    positions = torch.arange(s).unsqueeze(0).expand(b, s)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)  # True: masked
+    with torch.no_grad():
+        logits = net(tokens, positions, mask)
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+    if torch.distributed.get_rank() == 0:
+        torch.save(logits.float().clone(), args.logits)
+    return 0
+
+
 def resume_sample(args: argparse.Namespace, work: Path) -> int:
     """Resume `args.resume` in Megatron's own `pretrain` (its `load_checkpoint`, then `--steps` more iterations,
     no save) with the variant's command line plus `--megatron-args`; rank 0 writes every rank's LR per resumed
@@ -651,14 +697,18 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="the group folder: the sample goes to <out>/<sample>")
     p.add_argument("--check", type=Path, help="load this saved run folder with Megatron's load_checkpoint")
     p.add_argument("--resume", type=Path, help="resume this run folder in Megatron's pretrain and record the LRs")
+    p.add_argument("--forward", type=Path, help="run Megatron's forward of this saved run folder (TP samples) on "
+                   "--tokens and save the logits to --logits")
+    p.add_argument("--tokens", help="--forward: token ids, JSON rows")
+    p.add_argument("--logits", type=Path, help="--forward: where rank 0 saves the logits (torch.save)")
     p.add_argument("--steps", type=int, default=3, help="resume: iterations to train after loading (default 3)")
     p.add_argument("--record", type=Path, help="resume: rank 0 writes every rank's LR per iteration here (JSON)")
     p.add_argument("--num-layers", type=int, help="--out: a deeper model than the sample's (bench/make_big_megatron.py)")
     p.add_argument("--megatron-args", default="", help="resume: extra Megatron flags, one string "
                    "(e.g. --megatron-args='--use-checkpoint-opt_param-scheduler')")
     args = p.parse_args()
-    if sum(x is not None for x in (args.out, args.check, args.resume)) != 1:
-        p.error("give exactly one of --out, --check or --resume")
+    if sum(x is not None for x in (args.out, args.check, args.resume, args.forward)) != 1:
+        p.error("give exactly one of --out, --check, --resume or --forward")
     if args.num_layers:
         MODEL["num_layers"] = args.num_layers  # the same recipe, deeper: for benchmarks, not for samples
     from ckpt_tools.procgroup import join, leave
@@ -669,7 +719,7 @@ def main() -> None:
     work = _shared_tempdir("megatron_lm_work_")  # Megatron's dataset cache, outside the sample
     try:
         code = (check_sample if args.check is not None else resume_sample if args.resume is not None
-                else make_sample)(args, work)
+                else logits_sample if args.forward is not None else make_sample)(args, work)
         torch.distributed.barrier()
     finally:
         if torch.distributed.get_rank() == 0:
