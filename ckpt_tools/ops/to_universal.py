@@ -174,8 +174,10 @@ def _open_source(path: Path, patterns: Sequence[str], *, allow_unread: bool = Fa
         ck = guard(D.open(tag_dir), tag_dir, "to-universal", allow_unread=allow_unread)
         return ck, tag_dir, "zero"
     raise UnsupportedCheckpoint(f"to-universal does not convert {name} checkpoints", path=path,
-                                hint="it converts DeepSpeed ZeRO, Megatron-DeepSpeed pipeline and "
-                                     "Accelerate+DeepSpeed checkpoints; `ckpt export` writes plain weights")
+                                hint=f"it converts DeepSpeed ZeRO, Megatron-DeepSpeed pipeline and "
+                                     f"Accelerate+DeepSpeed checkpoints; for this one: ckpt convert {path} OUT "
+                                     "--to deepspeed-universal (weights and optimizer state), or `ckpt export` "
+                                     "(plain weights)")
 
 
 def handles(path: str | os.PathLike) -> bool:
