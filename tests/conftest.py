@@ -170,3 +170,17 @@ def producer_resume(name: str, ckpt_path: Path, tmp_path: Path, *, steps: int | 
     proc = subprocess.run(cmd, env=worker_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(record.read_text())
+
+
+def assert_hf_logits_equal(folder, tokens, reference, shape, *, atol: float = 1e-5) -> None:
+    """transformers' model of an exported `--hf` folder (fp32, eval) gives `reference`'s logits on `tokens` within
+    `atol`: the proof that an export maps a framework's model right (`reference`: that framework's own forward)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf = model(torch.tensor(tokens)).logits
+    assert hf.shape == reference.shape == shape
+    assert torch.allclose(hf, reference, atol=atol, rtol=0), float((hf - reference).abs().max())
+    assert float(reference.abs().max()) > 50 * atol  # not a degenerate all-zero output

@@ -19,7 +19,7 @@ from ckpt_tools import pickle_reader as pr
 from ckpt_tools import pickle_writer as pw
 from ckpt_tools.samples import free_port, worker_env
 
-from conftest import ROOT, run_cli, sample
+from conftest import ROOT, assert_hf_logits_equal, run_cli, sample
 
 TP2, DISTOPT = "megatron_tp2_legacy", "megatron_dp2_distopt_legacy"
 TP2_DIST, DISTOPT_DIST = "megatron_tp2_torch_dist", "megatron_dp2_distopt_torch_dist"
@@ -528,7 +528,6 @@ def test_export_hf_logits_equal_megatrons_forward(tmp_path, name):
     Llama-style run: GQA, RoPE, SwiGLU merged per sub-parameter) on `export --hf --source module` (the same bf16
     weights the model holds) to float32 rounding."""
     import torch
-    from transformers import AutoModelForCausalLM as GPT2LMHeadModel
 
     tokens = [[1, 5, 9, 13, 20, 33, 40, 2, 7, 11, 50, 63, 100, 127, 0, 64], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
                                                                           14, 15, 16, 17, 18]]
@@ -540,10 +539,4 @@ def test_export_hf_logits_equal_megatrons_forward(tmp_path, name):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = run_cli("export", sample("megatron_lm", name), tmp_path / "hf", "--hf", "--source", "module")
     assert r.returncode == 0, r.stderr
-    model = GPT2LMHeadModel.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
-    with torch.no_grad():
-        hf = model(torch.tensor(tokens)).logits
-    megatron = torch.load(out, weights_only=True)
-    assert hf.shape == megatron.shape == (2, 16, 128)
-    assert torch.allclose(hf, megatron, atol=1e-5, rtol=0), float((hf - megatron).abs().max())
-    assert float(megatron.abs().max()) > 0.5
+    assert_hf_logits_equal(tmp_path / "hf", tokens, torch.load(out, weights_only=True), (2, 16, 128))
