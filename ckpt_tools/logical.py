@@ -400,7 +400,7 @@ def optimizer_states(ck: Checkpoint | str | os.PathLike, optimizer: int = 0) -> 
                 keys[key] = LogicalTensor(f"{name}.{key}", tuple(node.shape), node.dtype, "state", None, node)
         if keys:
             out[name] = keys
-    for fused, parts in _kv_split(ck).items():  # a fused parameter's state, split as its weights were saved
+    for fused, parts in (ck.state_split if optimizer == 0 else {}).items():  # split as its weights were saved
         keys = out.pop(fused, {})
         for part, rows in parts.items():  # a 0-d `step` is the whole parameter's
             out[part] = {k: LogicalTensor(f"{part}.{k}", (len(rows), *t.shape[1:]) if t.shape else t.shape, t.dtype,
@@ -426,7 +426,7 @@ def optimizer_scalars(ck: Checkpoint | str | os.PathLike, optimizer: int = 0) ->
                 vals[key] = node.value
         if vals:
             out[rename.get(pname, pname)] = vals
-    for fused, parts in _kv_split(ck).items():
+    for fused, parts in (ck.state_split if optimizer == 0 else {}).items():
         if fused in out:
             vals = out.pop(fused)
             out.update({part: dict(vals) for part in parts})
@@ -486,7 +486,7 @@ def param_groups(ck: Checkpoint | str | os.PathLike, optimizer: int = 0) -> list
         else:
             params = g.get("params") or []
             g["params"] = [rename.get(str(p), str(p)) for p in (params if isinstance(params, list) else [params])]
-        split = _kv_split(ck)
+        split = ck.state_split
         if split and optimizer == 0:
             g["params"] = [n for p in g["params"] for n in (split[p] if p in split else [p])]
         out.append(g)
@@ -514,15 +514,11 @@ def with_kv_heads(ck: Checkpoint | str | os.PathLike, n_kv_heads: int | None) ->
     for name, parts in fused.items():
         try:
             q, k, v = qkv.ordered_parts(name, parts)
-            rows = qkv.row_index(shapes[q][0], shapes[k][0], n_kv_heads)
         except ValueError as e:
-            raise CkptError(f"--n-kv-heads {n_kv_heads}: {e}", path=ck.path,
-                            hint="give the model's number of KV heads (n_kv_heads in its model args)") from None
+            raise CkptError(str(e), path=ck.path, hint="convert and resume know torchtitan's fused wqkv only") from None
+        rows = qkv.rows_or_refuse(shapes[q][0], shapes[k][0], n_kv_heads, ck.path)
         split[name] = {q: tuple(rows[0]), k: tuple(rows[1]), v: tuple(rows[2])}
     details = {k: v for k, v in ck.details.items() if k not in ("convert_unproven", "resume_unsupported")}
     details["n_kv_heads"] = f"{n_kv_heads} (given): the fused optimizer state split by KV-head group"
     return dataclasses.replace(ck, details=details, state_split=split)
 
-
-def _kv_split(ck: Checkpoint) -> dict[str, dict[str, tuple[int, ...]]]:
-    return ck.state_split

@@ -51,6 +51,17 @@ def row_index(q_rows: int, kv_rows: int, n_kv_heads: int) -> tuple[list[int], li
     return q, k, v
 
 
+def rows_or_refuse(q_rows: int, kv_rows: int, n_kv_heads: int, path: Any) -> tuple[list[int], list[int], list[int]]:
+    """`row_index`, or the one-line CkptError for an `--n-kv-heads` the saved shapes rule out."""
+    from .errors import CkptError
+
+    try:
+        return row_index(q_rows, kv_rows, n_kv_heads)
+    except ValueError as e:
+        raise CkptError(f"--n-kv-heads {n_kv_heads}: {e}", path=path,
+                        hint="give the model's number of KV heads (n_kv_heads in its model args)") from None
+
+
 def fuse(q: Any, k: Any, v: Any, n_kv_heads: int) -> Any:
     """The fused tensor from the three split ones (torch tensors, rows first)."""
     import torch

@@ -412,11 +412,7 @@ def _fused_targets(params: list[ParamItem], n_kv_heads: int | None, src: Path
         q, k, v = qkv.split_names(name)
         if k not in by or v not in by or any(by[n].kind != "param" for n in (q, k, v)):
             continue
-        try:
-            qkv.row_index(by[q].shape[0], by[k].shape[0], n_kv_heads)
-        except ValueError as e:
-            raise CkptError(f"--n-kv-heads {n_kv_heads}: {e}", path=src, hint="give the model's number of KV "
-                            "heads (n_kv_heads in its model args)") from None
+        qkv.rows_or_refuse(by[q].shape[0], by[k].shape[0], n_kv_heads, src)
         out.append((name, (q, k, v)))
     return tuple(out)
 
