@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -18,6 +19,9 @@ def diff_cmd(
     files: bool = typer.Option(False, "--files", help="compare file by file (the default for two checkpoints of "
                                "the same format and topology)"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable report"),
+    n_kv_heads: Optional[int] = typer.Option(None, "--n-kv-heads", metavar="N", help="logical: compare a "
+                                             "torchtitan fused wqkv's Adam state split into wq/wk/wv (the "
+                                             "model's KV heads order its rows), as convert carries it"),
 ) -> int:
     """What changed between two checkpoints, field by field and tensor by tensor. Exit 1 when they differ.
 
@@ -31,7 +35,7 @@ def diff_cmd(
         raise typer.BadParameter("give --logical or --files, not both", param_hint="--logical")
     mode = "logical" if logical else "files" if files else "auto"
     with _bar(json_out) as bar:
-        report = ops.diff(before, after, atol, rtol, mode=mode, progress=bar.update)
+        report = ops.diff(before, after, atol, rtol, mode=mode, progress=bar.update, n_kv_heads=n_kv_heads)
     if json_out:
         output.print_json(report.to_json())
         return 0 if report.same else 1

@@ -435,3 +435,19 @@ def test_failed_verification_writes_nothing(tmp_path, monkeypatch, to):
     with pytest.raises(CkptError, match="differs from the source"):
         C.execute(plan)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_diff_with_n_kv_heads_compares_a_torchtitan_conversion_whole(tmp_path):
+    """`ckpt diff` of torchtitan's own save against its universal conversion: without --n-kv-heads the fused wqkv's
+    state and its split wq/wk/wv state differ by name (exit 1, with a note naming the option); with it, the two are
+    equal by logical parameter, bit for bit (exit 0); --files with it is refused."""
+    src = sample("dcp", "torchtitan_real") / "step-3"
+    out = tmp_path / "u"
+    assert run_cli("convert", src, out, "--to", "deepspeed-universal", "--n-kv-heads", "4").returncode == 0
+    r = run_cli("diff", src, out)
+    assert r.returncode == 1 and "--n-kv-heads N compares it split" in r.stdout, r.stdout
+    r = run_cli("diff", src, out, "--n-kv-heads", "4", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout)["same"]
+    r = run_cli("diff", src, out, "--n-kv-heads", "4", "--files")
+    assert r.returncode == 2 and "--logical" in r.stderr

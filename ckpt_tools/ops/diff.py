@@ -372,10 +372,13 @@ def choose_mode(a: str | os.PathLike, b: str | os.PathLike) -> str:
 
 
 def diff(a: str | os.PathLike, b: str | os.PathLike, atol: float = 0.0, rtol: float = 0.0, *,
-         mode: str = "auto", progress: Callable[[int], None] | None = None) -> DiffReport:
+         mode: str = "auto", progress: Callable[[int], None] | None = None,
+         n_kv_heads: int | None = None) -> DiffReport:
     """Compare checkpoint `a` (before) with `b` (after). mode "files": a file, or a folder compared file by
     file (same relative paths); "logical": by logical parameter and optimizer state (`logical_diff`); "auto":
-    `choose_mode`. Returns every difference beyond `atol`/`rtol`; `report.same` when there is none."""
+    `choose_mode`. `n_kv_heads` (logical): a torchtitan fused wqkv's optimizer state is compared split into the
+    rows that train wq/wk/wv (`logical.with_kv_heads`), as its conversions carry it. Returns every difference
+    beyond `atol`/`rtol`; `report.same` when there is none."""
     pa, pb = Path(a), Path(b)
     if atol < 0 or rtol < 0:
         raise CkptError("--atol/--rtol must be >= 0")
@@ -387,7 +390,14 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, atol: float = 0.0, rtol: fl
         detect(p)  # both must be checkpoints: an empty or unrelated folder is an error, not "no difference"
     if mode == "auto":
         mode = choose_mode(pa, pb)
+    if n_kv_heads is not None and mode != "logical":
+        raise CkptError("--n-kv-heads applies to the logical comparison", hint="add --logical")
     if mode == "logical":
+        if n_kv_heads is not None:
+            from ..logical import with_kv_heads
+
+            return logical_diff(with_kv_heads(pa, n_kv_heads), with_kv_heads(pb, n_kv_heads), atol, rtol,
+                                progress=progress)
         return logical_diff(pa, pb, atol, rtol, progress=progress)
     fa, fb = _files(pa), _files(pb)
     if pa.is_file() and pb.is_file():
@@ -612,6 +622,14 @@ def _logical_diff(a: Any, b: Any, d: "_Differ", progress: Callable[[int], None] 
 
     ca, cb = L.open_any(a), L.open_any(b)
     notes: list[str] = []
+    from ..qkv import find_fused
+
+    for side, ck in (("A", ca), ("B", cb)):
+        fused = find_fused(ck.tree)
+        if fused and not ck.state_split:
+            notes.append(f"{side} holds {len(fused)} fused parameter(s) saved split ({next(iter(fused))}, …): its "
+                         "Adam state is compared fused; --n-kv-heads N compares it split into wq/wk/wv, as a "
+                         "conversion carries it")
 
     # the model: every tensor by name, the fp32 master where the format keeps one
     ma = {t.name: t for t in L.model_tensors(ca, weights="fp32")}
