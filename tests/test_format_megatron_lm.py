@@ -25,7 +25,8 @@ TP2, DISTOPT = "megatron_tp2_legacy", "megatron_dp2_distopt_legacy"
 TP2_DIST, DISTOPT_DIST = "megatron_tp2_torch_dist", "megatron_dp2_distopt_torch_dist"
 PP2, PP2_DIST = "megatron_pp2_legacy", "megatron_pp2_torch_dist"
 VPP, VPP_DIST = "megatron_pp2_vpp2_legacy", "megatron_pp2_vpp2_torch_dist"
-LLAMA = "megatron_tp2_llama_legacy"  # RoPE, RMSNorm, SwiGLU, untied output, 2 query groups, no biases
+LLAMA, LLAMA_DIST = "megatron_tp2_llama_legacy", "megatron_tp2_llama_torch_dist"  # RoPE, RMSNorm, SwiGLU, untied,
+# 2 query groups, no biases
 RENAMES = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.", "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
 RANK0 = Path("iter_0000010") / "mp_rank_00" / "model_optim_rng.pt"
 RANK1 = Path("iter_0000010") / "mp_rank_01" / "model_optim_rng.pt"
@@ -50,7 +51,8 @@ def _rewrite(path: Path, edit) -> None:
     tmp.replace(path)
 
 
-@pytest.mark.parametrize("name", [TP2, DISTOPT, TP2_DIST, DISTOPT_DIST, PP2, PP2_DIST, VPP, VPP_DIST, LLAMA])
+@pytest.mark.parametrize("name", [TP2, DISTOPT, TP2_DIST, DISTOPT_DIST, PP2, PP2_DIST, VPP, VPP_DIST, LLAMA,
+                                  LLAMA_DIST])
 def test_inspect_matches_what_megatron_recorded(name):
     """The manifest was written from Megatron's live model, optimizer and scheduler at save time."""
     m = _manifest(name)
@@ -101,28 +103,31 @@ def test_swiglu_fc1_shards_merge_per_sub_parameter():
     ck = ckpt_tools.open_checkpoint(sample("megatron_lm", LLAMA))
     name = "decoder.layers.0.mlp.linear_fc1.weight"
     node = ck.get(f"model.{name}")
-    assert node.merge == "cat_sub:0" and node.shape == (256, 64)
-    a, b = (s.read_torch() for s in node.shards)
+    assert node.merge == "cat_sub:0" and node.shape == (128, 32)  # FFN 64: gate 64 rows, up 64 rows
+    a, b = (s.read_torch() for s in node.shards)  # 64 rows each: 32 of the gate, 32 of the up projection
     weight = next(t for t in L.model_tensors(ck, weights="module") if t.name == name).read()
-    assert torch.equal(weight, torch.cat([a[:64], b[:64], a[64:], b[64:]]))
+    assert torch.equal(weight, torch.cat([a[:32], b[:32], a[32:], b[32:]]))
     master = L.optimizer_states(ck)[name]["fp32"]
     assert master.node.merge == "cat_sub:0"
     assert torch.equal(weight, master.read().to(torch.bfloat16))
 
 
-def test_torch_dist_and_legacy_saves_of_the_same_run_export_the_same_weights(tmp_path):
+@pytest.mark.parametrize("legacy_name,dist_name,tensors", [(TP2, TP2_DIST, 28), (LLAMA, LLAMA_DIST, 15)])
+def test_torch_dist_and_legacy_saves_of_the_same_run_export_the_same_weights(tmp_path, legacy_name, dist_name,
+                                                                              tensors):
     """The two samples ran the same recipe and seed in Megatron's two formats: the torch_dist layer axis unstacked
     and the legacy TP shards merged give the same fp32 master, tensor for tensor (the fused layer-norm names of
-    torch_dist are the legacy input/pre-MLP norms)."""
+    torch_dist are the legacy input/pre-MLP norms; the Llama-style run's SwiGLU fc1, saved by torch_dist as gate
+    and up pieces, equals the legacy shards merged per sub-parameter)."""
     safetensors = pytest.importorskip("safetensors.torch")
     torch = pytest.importorskip("torch")
     out = {}
-    for name in (TP2, TP2_DIST):
+    for name in (legacy_name, dist_name):
         proc = run_cli("export", sample("megatron_lm", name), tmp_path / f"{name}.safetensors")
         assert proc.returncode == 0, proc.stderr
         out[name] = safetensors.load_file(tmp_path / f"{name}.safetensors")
-    legacy, dist = out[TP2], _legacy_names(out[TP2_DIST])
-    assert set(dist) == set(legacy) and len(legacy) == 28
+    legacy, dist = out[legacy_name], _legacy_names(out[dist_name])
+    assert set(dist) == set(legacy) and len(legacy) == tensors
     assert all(torch.equal(dist[k], legacy[k]) for k in legacy)
 
 
@@ -468,30 +473,31 @@ def test_export_hf_writes_a_gpt2_folder_from_the_args(tmp_path, name):
     assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 
-def test_export_hf_writes_a_llama_folder_from_the_args(tmp_path):
-    """The Llama-style run (RoPE, RMSNorm, SwiGLU, untied output, GQA): LlamaConfig from its args, the fused QKV
-    split per query group into q/k/v_proj, the [gate; up] fc1 into gate/up_proj, lm_head from output_layer;
-    verified, and transformers loads it with no missing or unexpected key."""
+@pytest.mark.parametrize("name", [LLAMA, LLAMA_DIST])
+def test_export_hf_writes_a_llama_folder_from_the_args(tmp_path, name):
+    """The Llama-style run (RoPE, RMSNorm, SwiGLU, untied output, GQA), legacy and torch_dist: LlamaConfig from its
+    args, the fused QKV split per query group into q/k/v_proj, the [gate; up] fc1 into gate/up_proj, lm_head from
+    output_layer; verified, and transformers loads it with no missing or unexpected key."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from ckpt_tools import logical as L
 
-    src = sample("megatron_lm", LLAMA)
+    src = sample("megatron_lm", name)
     r = run_cli("export", src, tmp_path / "hf", "--hf", "--verify")
     assert r.returncode == 0, r.stderr
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (cfg["model_type"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["rope_theta"],
-            cfg["tie_word_embeddings"]) == ("llama", 2, 16, 500000.0, False)
+            cfg["tie_word_embeddings"]) == ("llama", 2, 8, 500000.0, False)
     got = load_file(tmp_path / "hf" / "model.safetensors")
     saved = {t.name: t.read() for t in L.model_tensors(src)}
-    fused = saved["decoder.layers.0.self_attention.linear_qkv.weight"]  # per group: 2 q heads, k, v (16 rows each)
-    assert got["model.layers.0.self_attn.k_proj.weight"].equal(torch.cat([fused[32:48], fused[96:112]]))
-    assert got["model.layers.0.self_attn.q_proj.weight"].equal(torch.cat([fused[0:32], fused[64:96]]))
+    fused = saved["decoder.layers.0.self_attention.linear_qkv.weight"]  # per group: 2 q heads, k, v (8 rows each)
+    assert got["model.layers.0.self_attn.k_proj.weight"].equal(torch.cat([fused[16:24], fused[48:56]]))
+    assert got["model.layers.0.self_attn.q_proj.weight"].equal(torch.cat([fused[0:16], fused[32:48]]))
     fc1 = saved["decoder.layers.1.mlp.linear_fc1.weight"]
-    assert got["model.layers.1.mlp.gate_proj.weight"].equal(fc1[:128])
-    assert got["model.layers.1.mlp.up_proj.weight"].equal(fc1[128:])
+    assert got["model.layers.1.mlp.gate_proj.weight"].equal(fc1[:64])
+    assert got["model.layers.1.mlp.up_proj.weight"].equal(fc1[64:])
     assert got["lm_head.weight"].equal(saved["output_layer.weight"])
     _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
@@ -521,7 +527,7 @@ def test_export_hf_refuses_what_neither_gpt2_nor_llama_holds():
 
 @pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,
                     reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout)")
-@pytest.mark.parametrize("name", [TP2, TP2_DIST, LLAMA])
+@pytest.mark.parametrize("name", [TP2, TP2_DIST, LLAMA, LLAMA_DIST])
 def test_export_hf_logits_equal_megatrons_forward(tmp_path, name):
     """Megatron's own forward (initialize_megatron + load_checkpoint at TP=2, fp32, the vocab-parallel logits
     gathered) of the saved model weights equals transformers' model (GPT2LMHeadModel; LlamaForCausalLM for the

@@ -28,7 +28,7 @@ absolute positions, tied embeddings, dropout 0 (attention and hidden: with dropo
 dropout share one generator and TP-replicated weights drift apart), mock data (`--mock-data`, NullTokenizer),
 micro batch 2, global batch 4, 10 iterations, LR 3e-3 -> min 3e-4, 3 warm-up iterations, cosine decay over 20
 iterations (so the LR after the save is not yet the floor), weight decay 0.01, clip 1.0, a save after the last
-iteration. `megatron_tp2_llama_legacy` is the same run with a Llama-style GPT (`LLAMA_FLAGS`: rotary positions
+iteration. `megatron_tp2_llama_legacy` / `_torch_dist` are the same run with a Llama-style GPT (`LLAMA_FLAGS`: rotary positions
 with base 5e5, RMSNorm, SwiGLU, an untied output layer, grouped-query attention with 2 query groups, no linear
 biases). `--forward` runs Megatron's own forward of a saved TP sample (`logits_sample`). The manifest's `history` holds each `train_step`'s own loss (Megatron's log line for iteration 2
 averages iterations 1 and 2).
@@ -111,6 +111,7 @@ VARIANTS = {
     "megatron_pp2_vpp2_legacy": Variant(tp=1, ckpt_format="torch", pp=2, vpp=2),
     "megatron_pp2_vpp2_torch_dist": Variant(tp=1, ckpt_format="torch_dist", pp=2, vpp=2),
     "megatron_tp2_llama_legacy": Variant(tp=2, ckpt_format="torch", llama=True),
+    "megatron_tp2_llama_torch_dist": Variant(tp=2, ckpt_format="torch_dist", llama=True),
 }
 #: the Llama-style variant's architecture flags (what a Llama run passes to pretrain_gpt.py)
 LLAMA_FLAGS = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--normalization", "RMSNorm",
@@ -124,9 +125,11 @@ MODEL = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attent
 
 def model_config(v: Variant) -> dict[str, int]:
     """The recipe's model for variant `v`: the interleaved schedule needs a layer per model chunk, so a virtual
-    pipeline gets pp * vpp layers, kept small (hidden 32, FFN 64)."""
+    pipeline gets pp * vpp layers, kept small (hidden 32, FFN 64); the Llama-style variant is as small."""
     if v.vpp:
         return {**MODEL, "num_layers": v.pp * v.vpp, "hidden_size": 32, "ffn_hidden_size": 64}
+    if v.llama:  # hidden 32 (4 heads of 8, 2 query groups), FFN 64: small samples
+        return {**MODEL, "hidden_size": 32, "ffn_hidden_size": 64}
     return dict(MODEL)
 
 
