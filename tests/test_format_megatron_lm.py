@@ -503,6 +503,17 @@ def test_export_hf_writes_a_llama_folder_from_the_args(tmp_path, name):
     assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 
+def test_export_hf_takes_its_config_from_the_args_not_from_hf_config(tmp_path):
+    """A Megatron GPT's config.json is written from its own args: --hf-config is refused in one line, nothing
+    written."""
+    cfg = tmp_path / "cfg"
+    cfg.mkdir()
+    (cfg / "config.json").write_text("{}")
+    r = run_cli("export", sample("megatron_lm", TP2), tmp_path / "hf", "--hf", "--hf-config", cfg)
+    assert r.returncode == 2 and "drop --hf-config" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "hf").exists()
+
+
 def test_export_hf_refuses_what_neither_gpt2_nor_llama_holds():
     """The mapping reads the architecture from args: a mix neither GPT-2 nor Llama has (rotary positions with
     LayerNorm, SwiGLU with biases, GPT-2 with an untied output or grouped-query attention, interleaved rotary pairs)

@@ -233,6 +233,13 @@ def test_real_torchtitan_resume_passes_with_n_kv_heads():
     assert "job config" in lr["detail"] and "1 later update(s) not determined" in lr["detail"]
 
 
+def test_n_kv_heads_on_a_checkpoint_without_a_fused_parameter_is_refused():
+    """--n-kv-heads orders a fused state saved beside split weights; given for a checkpoint without one it is an
+    error naming the option, not silently ignored."""
+    rc, doc = cli_json(sample("dcp", "dcp_recipe_fsdp2"), "--steps", "1", "--n-kv-heads", "4")
+    assert rc == 2 and "drop --n-kv-heads" in doc["stderr"], doc
+
+
 def test_dcp_without_scheduler_state_fails(tmp_path):
     """The recipe sample re-saved without its scheduler (torch's own dcp_to_torch_save / torch_save_to_dcp): the
     param groups still carry initial_lr, so the LR row fails. Exit 1."""
