@@ -9,8 +9,9 @@ records `wq`'s and `wk`'s row counts (n_heads x head_dim, n_kv_heads x head_dim)
 row order needs: the user gives it (`--n-kv-heads`).
 
 `find_fused` finds such parameters in a checkpoint's tree (generic: an optimizer state under a name the model does
-not hold, beside model keys of the same module and leaf whose elements add up to it); `split_rows` / `fuse` move
-optimizer state between the two layouts, as torchtitan's own save / load hooks move the weight.
+not hold, beside model keys of the same module and leaf whose elements add up to it); `row_index` says which fused
+rows each split tensor is, and `assemble` / `fuse` put split tensors back at their rows, as torchtitan's own save /
+load hooks move the weight.
 """
 from __future__ import annotations
 
@@ -62,15 +63,20 @@ def rows_or_refuse(q_rows: int, kv_rows: int, n_kv_heads: int, path: Any) -> tup
                         hint="give the model's number of KV heads (n_kv_heads in its model args)") from None
 
 
-def fuse(q: Any, k: Any, v: Any, n_kv_heads: int) -> Any:
-    """The fused tensor from the three split ones (torch tensors, rows first)."""
+def assemble(pieces: list[tuple[Any, Any]]) -> Any:
+    """The fused tensor from (rows, split tensor) pairs (torch tensors, rows first; the rows cover it once)."""
     import torch
 
-    iq, ik, iv = row_index(q.shape[0], k.shape[0], n_kv_heads)
-    out = torch.empty((q.shape[0] + k.shape[0] + v.shape[0], *q.shape[1:]), dtype=q.dtype)
-    for idx, t in ((iq, q), (ik, k), (iv, v)):
-        out[torch.tensor(idx)] = t
+    first = pieces[0][1]
+    out = torch.empty((sum(len(rows) for rows, _ in pieces), *first.shape[1:]), dtype=first.dtype)
+    for rows, t in pieces:
+        out[torch.tensor(list(rows))] = t
     return out
+
+
+def fuse(q: Any, k: Any, v: Any, n_kv_heads: int) -> Any:
+    """The fused tensor from the three split ones, rows ordered for `n_kv_heads` KV heads."""
+    return assemble(list(zip(row_index(q.shape[0], k.shape[0], n_kv_heads), (q, k, v))))
 
 
 def find_fused(tree: Any) -> dict[str, list[str]]:
@@ -102,7 +108,10 @@ def find_fused(tree: Any) -> dict[str, list[str]]:
 
 def ordered_parts(fused: str, parts: list[str]) -> tuple[str, str, str]:
     """The split keys of `fused` in (wq, wk, wv) order; ValueError for a fused parameter of another layout."""
-    want = split_names(fused) if fused.rsplit(".", 2)[-2:-1] == [FUSED] else None
+    try:
+        want = split_names(fused)
+    except ValueError:
+        want = None
     if want is None or sorted(want) != sorted(parts):
         raise ValueError(f"{fused} is saved as {', '.join(parts)}: only torchtitan's FusedQKVLinear layout "
                          f"({FUSED} saved as {'/'.join(SPLIT)}) is known")

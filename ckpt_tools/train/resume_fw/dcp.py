@@ -108,10 +108,10 @@ def main(plan: dict[str, Any]) -> None:
     if lay["model_at_top"]:
         model_sd = {k: state[k] for k in model_sd}
     for name, parts in fused.items():  # ... and put them at their rows, as the producer's load hook does
+        from ckpt_tools.qkv import assemble
+
         like = placeholders[name]
-        whole = torch.empty(tuple(like.shape), dtype=like.dtype)
-        for part, rows in parts.items():
-            whole[torch.tensor(rows)] = model_sd.pop(part)
+        whole = assemble([(rows, model_sd.pop(part)) for part, rows in parts.items()])
         if hasattr(like, "device_mesh"):
             from torch.distributed.tensor import distribute_tensor
 

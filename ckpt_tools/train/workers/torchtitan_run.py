@@ -542,11 +542,13 @@ def _one(values: list[float]) -> int | None:
 def full_state(model, optimizers) -> dict[str, Any]:
     """Every parameter and its Adam state, whole (FSDP2 shards gathered: a collective, on every rank), by the
     module's parameter name ({name: {"param", "exp_avg", "exp_avg_sq", "step"}})."""
+    def whole(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
     out: dict[str, Any] = {}
     states = {id(p): st for opt in optimizers for p, st in opt.state.items()}
     for name, p in model.named_parameters():
         name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        whole = (lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t)
         entry = {"param": whole(p.detach()).clone()}
         for k, v in states.get(id(p), {}).items():
             entry[k] = whole(v).clone() if hasattr(v, "shape") and v.dim() else float(v)
