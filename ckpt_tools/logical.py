@@ -479,6 +479,10 @@ def param_groups(ck: Checkpoint | str | os.PathLike, optimizer: int = 0) -> list
     out = []
     for i, g in enumerate(groups):
         g = dict(g)
+        if g.get("moe"):
+            # DeepSpeed's MoE group `name` is the expert group of the run's expert-parallel size (`ep_size_N`):
+            # topology, like the DP size, not a hyper-parameter (a universal checkpoint leaves it to the loader)
+            g.pop("name", None)
         if by_group:
             g["params"] = list(by_group.get(i, []))
         elif isinstance(g.get("param_names"), list) and len(g["param_names"]) == len(g.get("params") or []):

@@ -1,8 +1,9 @@
 """DeepSpeed Mixture-of-Experts checkpoints written by DeepSpeed's own save_checkpoint (sample_ckpts/moe, made by
 ckpt_tools/train/workers/ds_moe.py: `deepspeed.moe.layer.MoE`, 4 experts per layer, ep_size 2, 2 ranks): every
 expert read under its global name with its optimizer state, exported equal to what DeepSpeed itself holds after
-load_checkpoint; set-lr / set-step proven by DeepSpeed resumes of edited copies; conversions refused until a resume
-proves them."""
+load_checkpoint; set-lr / set-step proven by DeepSpeed resumes of edited copies; to-universal carrying every expert,
+and the expert-parallel re-shape (ep_size 2 -> 1, 2 -> 1 ranks) it gives proven by DeepSpeed resumes; convert to DCP
+refused until a resume proves it."""
 from __future__ import annotations
 
 import json
@@ -101,15 +102,86 @@ def test_set_lr_and_set_step_resume_in_deepspeed_on_every_rank(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", SAMPLES)
-def test_conversions_refuse_until_a_resume_proves_them(tmp_path, name):
+def test_to_universal_carries_every_expert_and_dcp_is_refused(tmp_path, name):
+    """to-universal of a ZeRO-2 MoE sample (DeepSpeed 0.19.8 and 0.16.9) writes every expert of both layers under
+    its global id with its fp32 master, moments and step, equal to the source by `ckpt diff --logical` (run by
+    --verify, and again here), the MoE groups without the saved `ep_size_2` name; without ZeRO it is refused
+    naming the reason. convert to DCP stays refused (no resume proves it). The source is untouched."""
+    from ckpt_tools import pickle_reader as pr
+
     run = tmp_path / name
     shutil.copytree(sample("moe", name), run)
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    for argv in (["to-universal", run, tmp_path / "u"], ["convert", run, tmp_path / "c", "--to", "dcp"]):
-        proc = run_cli(*argv)
-        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (argv, proc.stderr)
+    proc = run_cli("convert", run, tmp_path / "c", "--to", "dcp")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "to-universal" in proc.stderr and not (tmp_path / "c").exists()
+    proc = run_cli("to-universal", run, tmp_path / "u", "--yes", "--verify")
+    if name == "moe_stage0":
+        assert proc.returncode == 2 and "without ZeRO" in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "u").exists()
+    else:
+        assert proc.returncode == 0 and "verified" in proc.stdout and "expert-parallel size 1" in proc.stdout, proc
+        zero = tmp_path / "u" / "global_step4_universal" / "zero"
+        experts = {EXPERT.format(layer=L, e=e, p=p) for L in (0, 1) for e in range(4)
+                   for p in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")}
+        assert experts <= {d.name for d in zero.iterdir()}
+        assert all({"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt"} <= {f.name for f in (zero / n).iterdir()}
+                   for n in experts)
+        groups = pr.load(zero / "optimizer_state.pt").obj["param_groups"]
+        assert [g.get("moe", False) for g in groups] == [False, False, True, True]
+        assert [g.get("name") for g in groups] == ["decay", "no_decay", None, None]
+        diff = run_cli("diff", "--logical", run, tmp_path / "u")
+        assert diff.returncode == 0 and "153 tensors compared" in diff.stdout, diff.stdout
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
-    assert not (tmp_path / "u").exists() and not (tmp_path / "c").exists()
+
+
+def _moe_worker(tmp_path: Path, nproc: int, *argv) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+           "127.0.0.1", "--master_port", str(free_port()), "-m", "ckpt_tools.train.workers.ds_moe", *map(str, argv)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, " ".join(cmd) + "\n" + proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_expert_parallel_reshape_2_to_1_resumes_in_deepspeed(tmp_path):
+    """The expert-parallel re-shape: a run saved at ep_size 2 on 2 ranks (DeepSpeed's save_checkpoint, ZeRO-2,
+    made here in fp32 so the sizes can be compared at fp32 rounding) goes through `ckpt to-universal` and
+    DeepSpeed resumes it at ep_size 1 on 2 ranks and on 1 rank (accumulating the 2 ranks' micro-batches). Every
+    parameter's fp32 master and Adam moments right after the load equal, bit for bit, what the saved run's own
+    resume (ep_size 2, 2 ranks) holds; the two updates after it use the same Adam step and per-group LRs and
+    give the same losses, and after the first one every state agrees to fp32 rounding (rel 1e-5: the experts'
+    GEMMs see other token batches at another expert-parallel size)."""
+    import torch
+
+    _moe_worker(tmp_path, 2, "--sample", "moe_zero2_fp32", "--out", tmp_path)
+    src = tmp_path / "moe_zero2_fp32"
+    proc = run_cli("to-universal", src, tmp_path / "u", "--yes", "--verify")
+    assert proc.returncode == 0 and "verified" in proc.stdout, proc.stderr
+    runs = {"ep2_dp2": (2, ["--resume", src]),
+            "ep1_dp2": (2, ["--resume", tmp_path / "u", "--universal", "--ep", "1"]),
+            "ep1_dp1": (1, ["--resume", tmp_path / "u", "--universal", "--ep", "1", "--run-dp", "2"])}
+    got = {}
+    for key, (nproc, argv) in runs.items():
+        (tmp_path / key).mkdir()
+        _moe_worker(tmp_path, nproc, "--sample", "moe_zero2_fp32", *argv, "--steps", "2",
+                    "--record", tmp_path / key / "rec.json", "--dump", tmp_path / key)
+        got[key] = (json.loads((tmp_path / key / "rec.json").read_text()),
+                    {s: torch.load(tmp_path / key / f"state_{s}.pt") for s in ("loaded", "step1")})
+    ref_rec, ref = got.pop("ep2_dp2")
+    assert [r["step"] for r in ref_rec] == [5, 6] and [r["optimizer_step"] for r in ref_rec] == [5, 6]
+    assert len(ref["loaded"]) == 51  # 19 non-expert tensors + 2 layers x 4 experts x 4
+    for key, (rec, state) in got.items():
+        assert [(r["step"], r["optimizer_step"], r["lr"]) for r in rec] == \
+               [(r["step"], r["optimizer_step"], r["lr"]) for r in ref_rec], key
+        assert all(x == r["lr"] for r in rec for x in r["lr_by_rank"]), key
+        assert [r["loss"] for r in rec] == pytest.approx([r["loss"] for r in ref_rec], rel=1e-6, abs=0), key
+        assert set(state["loaded"]) == set(ref["loaded"]), key
+        for n, want in ref["loaded"].items():
+            for k in ("fp32", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(state["loaded"][n][k], want[k]), (key, n, k)
+                after, ref_after = state["step1"][n][k], ref["step1"][n][k]
+                assert torch.allclose(after, ref_after, rtol=1e-5, atol=1e-5 * ref_after.abs().max().item()), \
+                    (key, n, k, (after - ref_after).abs().max())
 
 
 @pytest.mark.parametrize("edit,words", [

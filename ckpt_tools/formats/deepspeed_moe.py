@@ -18,8 +18,10 @@ in their own files. Measured layouts (FORMATS.md, section DeepSpeed Mixture-of-E
 Read here: every expert counted once under its global name, with its optimizer state; where a ZeRO file holds an
 fp32 master, each expert's placement is CONFIRMED by the data (its master rounds to the weights of its expert file),
 never assumed. Where the training state lives: every rank file (model states, ZeRO or expp files). Writes are
-set-lr / set-step edit every rank file (proven by DeepSpeed resumes of edited copies); convert and to-universal are
-refused for now (no resume has proven an MoE conversion).
+set-lr / set-step edit every rank file (proven by DeepSpeed resumes of edited copies). `to-universal` (ZeRO-1/2)
+writes every expert under its global id, which DeepSpeed's universal loader takes at expert-parallel size 1 (any DP
+size): the expert-parallel re-shape, proven by DeepSpeed resumes. convert to DCP / torch is refused for now (no
+resume has proven it).
 """
 from __future__ import annotations
 
@@ -98,8 +100,10 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     expp = {int(m[1]): p for p in sorted(tag_dir.iterdir()) if (m := _EXPP.match(p.name))}
     ext = D.Extension(model=experts, files=[C.file_info(p, root, "model", {"expert": e, "layer": L})
                                             for (L, e), p in sorted(expert_files.items())])
-    ext.details["convert_unproven"] = ("no framework has resumed a converted Mixture-of-Experts checkpoint in a "
-                                       "test yet; export writes every expert")
+    ext.details["convert_unproven"] = ("no framework has resumed a Mixture-of-Experts checkpoint converted to DCP "
+                                       "or torch in a test yet; `ckpt to-universal` carries every expert and its "
+                                       "optimizer state (resumed by DeepSpeed at expert-parallel size 1), and "
+                                       "`ckpt export` writes every expert")
     if rf.optim:
         _zero_layout(ext, rf, ms, module, experts, dp, cache, expp, root)
     elif expp:

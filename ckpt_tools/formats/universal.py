@@ -25,6 +25,9 @@ FORMAT = "deepspeed_universal"
 STATE_FILES = ("fp32", "exp_avg", "exp_avg_sq", "step")
 
 
+_EXPERT_ID = re.compile(r"(\.deepspeed_experts\.)(\d+)(\.)")
+
+
 def _natural(name: str) -> list:
     """'10.mlp.weight' after '2.mlp.weight': numbers compare as numbers."""
     return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", name)]
@@ -192,6 +195,14 @@ def logical_layout(ck: Checkpoint) -> dict[str, Any]:
         if isinstance(sp, dict):
             tied.update({str(k): str(v) for k, v in sp.items()})
     grouped = {n for g in groups for n in g}
+    # DeepSpeed MoE: `param_shapes` lists an MoE group's experts under the saving rank's LOCAL ids; the
+    # folders hold every expert under its global id, in the group of the listed expert of the same shape role
+    role = {_EXPERT_ID.sub(r"\1*\3", n): gi for gi, g in enumerate(groups) for n in g if _EXPERT_ID.search(n)}
+    for n in names:
+        gi = role.get(_EXPERT_ID.sub(r"\1*\3", n)) if n not in grouped and _EXPERT_ID.search(n) else None
+        if gi is not None:
+            groups[gi].append(n)
+            grouped.add(n)
     for n in names:
         kids = state.children[n].children if isinstance(state.children.get(n), GroupNode) else {}
         if n not in grouped and n not in frozen and set(kids) <= {"fp32", "cat_dim"}:

@@ -285,15 +285,16 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
     from ..accounting import guard
 
     ck = L.with_kv_heads(guard(L.open_any(src), src, "convert", allow_unread=allow_unread), n_kv_heads)
-    unproven = ck.details.get("convert_unproven")
-    if unproven:  # a format reader's own word: its conversions have no resume proving them yet
-        raise UnsupportedCheckpoint(f"convert cannot move this {ck.format} checkpoint yet: {unproven}", path=src)
     if to == "deepspeed-universal":
         from .to_universal import handles
 
         if handles(src):
             raise CkptError("a DeepSpeed checkpoint: convert it with `ckpt to-universal`", path=src,
                             hint=f"ckpt to-universal {src} {dst} (what `ckpt convert --to deepspeed-universal` runs)")
+    unproven = ck.details.get("convert_unproven")
+    if unproven:  # a format reader's own word: its conversions have no resume proving them yet
+        raise UnsupportedCheckpoint(f"convert cannot move this {ck.format} checkpoint yet: {unproven}", path=src)
+    if to == "deepspeed-universal":
         if ck.format == "deepspeed_universal":
             raise CkptError("the checkpoint is already a DeepSpeed universal checkpoint: nothing to convert",
                             path=src)

@@ -161,6 +161,16 @@ def _open_source(path: Path, patterns: Sequence[str], *, allow_unread: bool = Fa
         ck = guard(M.open(path, tp_patterns=tuple(patterns)), path, "to-universal", allow_unread=allow_unread)
         _, tag_dir, _ = C.resolve_tag(path, M.MARKER)
         return ck, tag_dir, "pipeline"
+    if name == "deepspeed_moe":
+        # every expert under its global name, with its state from the ZeRO partitions of its expert-parallel rank
+        _, tag_dir, _ = C.resolve_tag(path, D._STATE_GLOB)
+        ck = guard(mod.open(path), path, "to-universal", allow_unread=allow_unread)
+        if ck.topology.zero_stage not in (1, 2):
+            raise UnsupportedCheckpoint(
+                "a Mixture-of-Experts checkpoint without ZeRO (expp_rank_* optimizer files): to-universal converts "
+                "MoE checkpoints saved with ZeRO-1/2", path=path,
+                hint="`ckpt export` writes its weights, every expert included")
+        return ck, tag_dir, "zero"
     if name in ("deepspeed", "accelerate", "hf_trainer"):
         # Accelerate + DeepSpeed: `pytorch_model/` is a plain DeepSpeed tag folder named by `latest`; an HF
         # Trainer + DeepSpeed `checkpoint-N/` holds `global_stepN/` named by `latest` the same way
@@ -314,6 +324,18 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
         notes.append(f"written for ZeRO-1/2 loaders only: {reason3}")
     elif target_stage is not None:
         stages = (3,) if target_stage == 3 else (1, 2)
+    if ck.format == "deepspeed_moe":
+        if target_stage == 3:
+            raise UnsupportedCheckpoint("a deepspeed.moe checkpoint cannot be loaded at ZeRO-3: DeepSpeed's ZeRO-3 "
+                                        "universal loader gives every param group group 0's settings, and its "
+                                        "MoE groups would lose `moe`", path=tag_dir, hint="load it at ZeRO stage 1 or 2")
+        stages = (1, 2)
+        notes += [f"every expert is written under its global id ({ck.details.get('experts', '')}): load it at "
+                  "expert-parallel size 1 (any DP size, ZeRO-1/2). DeepSpeed's universal loader finds each expert's "
+                  "folder by the loading rank's LOCAL expert id, so at ep_size > 1 every expert-parallel rank would "
+                  "load experts 0.. of its layer, not its own",
+                  "the MoE param groups' `name` (ep_size_N, the saved expert-parallel size) is left out: the "
+                  "loading run keeps its own"]
     warnings: list[str] = []
     if 3 in stages:
         groups = _param_groups_of(ck)
@@ -670,6 +692,12 @@ def _steps_and_globals(plan: UniversalPlan) -> tuple[dict[int, Any], dict[str, A
         if isinstance(st, dict) and "step" in st:
             steps[int(g)] = st["step"]
     out = {k: v for k, v in osd.items() if k not in OPTIM_SHARDED_KEYS}
+    if any(isinstance(g, dict) and g.get("moe") for g in groups):
+        # an MoE group's `name` is its expert group at the SAVED expert-parallel size (ep_size_N); DeepSpeed's
+        # loader copies every key of a saved group onto the live one, and the live group must keep the name
+        # of the size it runs at (its optimizer looks the expert process group up by it)
+        groups = [{k: v for k, v in g.items() if k != "name"} if isinstance(g, dict) and g.get("moe") else g
+                  for g in groups]
     out["param_groups"] = groups
     if 3 in plan.stages:
         # the ZeRO-3 loader reads optimizer_state_dict.state[0].step and .param_groups[0]

@@ -79,6 +79,9 @@ class MoEVariant:
 VARIANTS = {
     "moe_zero2_bf16": MoEVariant(stage=2, bf16=True),
     "moe_stage0": MoEVariant(stage=0, bf16=False),
+    # made by tests in a temporary folder (not a stored sample): fp32 ZeRO-2, so that a resume at another expert-
+    # parallel size can be compared with the run's own at fp32 rounding (bf16 GEMMs of other shapes round apart)
+    "moe_zero2_fp32": MoEVariant(stage=2, bf16=False),
     # the same run under an older DeepSpeed (0.16.9: expp_rank files of {'optimizer': None} beside the ZeRO files,
     # model states without param_shapes / ds_config): run by the Python of a virtualenv holding that release
     "moe_zero2_bf16_ds0169": MoEVariant(stage=2, bf16=True),
@@ -176,10 +179,15 @@ def optimizer_groups(model: nn.Module) -> list[dict[str, Any]]:
     return split_params_into_different_moe_groups_for_optimizer(groups)
 
 
-def build_engine(v: MoEVariant, dp: int):
+def build_engine(v: MoEVariant, dp: int, *, gas: int = 1, universal: bool = False):
     """The engine over `build_model()` with the split groups, a torch AdamW and CosineAnnealingLR; the model
-    keeps, in `group_sizes`, what rank 0 gave each group (ZeRO-2's groups then hold one flat partition)."""
+    keeps, in `group_sizes`, what rank 0 gave each group (ZeRO-2's groups then hold one flat partition).
+    `gas`: gradient accumulation steps; `universal`: the config loads universal checkpoints."""
     cfg = c.ds_config(v.stage, dp, bf16={"enabled": v.bf16})
+    if gas > 1:
+        cfg.update(train_batch_size=c.MICRO_BATCH * dp * gas, gradient_accumulation_steps=gas)
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
     model = build_model()
     groups = optimizer_groups(model)
     model.group_sizes = [{"param_tensors_this_rank": len(g["params"]),
@@ -384,26 +392,89 @@ def check(args: argparse.Namespace, rank: int, dp: int) -> None:
         leave(1)
 
 
-def resume(args: argparse.Namespace, rank: int, dp: int) -> None:
-    """DeepSpeed's own engine.load_checkpoint of `args.resume` (the variant's model, optimizer and scheduler on
-    the same ranks), then `args.steps` updates; rank 0 writes one record per update to `args.record`: `step`,
-    `lr` (rank 0's param groups, the LR the update used), `lr_by_rank` (every rank's), `optimizer_step` (Adam's
-    step after it) and `loss` (rank 0's LM loss)."""
+def whole_state(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Every parameter's fp32 master and Adam moments, whole, under GLOBAL expert names: each rank's ZeRO-1/2
+    pieces (read through the parameter's fragment address, `ds_pipeline.master_and_moments`) gathered from all
+    ranks and put at their offsets. An expert's pieces come from the ranks of its expert-data-parallel group
+    only (the other expert-parallel ranks hold other experts under the same local name, renamed apart here);
+    every element must be covered exactly once."""
+    import re
+
     import torch.distributed as dist
 
-    engine, _, _, _ = build_engine(VARIANTS[args.sample], dp)
+    from ckpt_tools.train.workers.ds_pipeline import master_and_moments
+
+    local_n = NUM_EXPERTS // EP_SIZE
+    glob = lambda n: re.sub(r"(\.deepspeed_experts\.)(\d+)(\.)",  # noqa: E731
+                            lambda m: f"{m[1]}{ep_rank() * local_n + int(m[2])}{m[3]}", n)
+    local, shapes = {}, {}
+    for name, prm in engine.module.named_parameters():
+        shapes[glob(name)] = tuple(prm.shape)
+        piece = master_and_moments(engine.optimizer, prm)
+        if piece is not None:
+            offset, views = piece
+            local[glob(name)] = (offset, {k: v.detach().float().clone() for k, v in views.items()})
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (local, shapes))
+    every = {n: s for _, sh in parts for n, s in sh.items()}
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, shape in sorted(every.items()):
+        n = math.prod(shape)
+        whole = {k: torch.full((n,), float("nan")) for k in ("fp32", "exp_avg", "exp_avg_sq")}
+        covered = 0
+        for rank_parts, _ in parts:
+            if name in rank_parts:
+                offset, views = rank_parts[name]
+                for k, v in views.items():
+                    whole[k][offset: offset + v.numel()] = v
+                covered += views["fp32"].numel()
+        if covered != n:
+            raise RuntimeError(f"{name}: the ZeRO pieces cover {covered} of {n} elements")
+        out[name] = {k: v.reshape(shape) for k, v in whole.items()}
+    return out
+
+
+def resume(args: argparse.Namespace, rank: int, dp: int) -> None:
+    """DeepSpeed's own engine.load_checkpoint of `args.resume` (the variant's model, optimizer and scheduler),
+    then `args.steps` updates; rank 0 writes one record per update to `args.record`: `step`, `lr` (rank 0's param
+    groups, the LR the update used), `lr_by_rank` (every rank's), `optimizer_step` (Adam's step after it) and
+    `loss` (rank 0's LM loss, of the first micro-batch).
+
+    Another shape than the run's: `--ep N` builds the MoE layers at expert-parallel size N; `--universal` loads
+    a universal checkpoint (`"checkpoint": {"load_universal": true}`); with fewer ranks than `--run-dp` (the
+    saved run's DP size) each rank accumulates the micro-batches of run-DP / DP ranks (gradient accumulation),
+    so that every update sees the tokens the saved run's updates saw. `--dump DIR`: rank 0 writes
+    `state_loaded.pt` and `state_step1.pt` (`whole_state`: every parameter's fp32 master and moments under
+    global names, right after the load and after the first update)."""
+    import torch.distributed as dist
+
+    run_dp = args.run_dp or dp
+    if run_dp % dp:
+        raise SystemExit(f"--run-dp {run_dp} is not a multiple of the {dp} ranks")
+    gas = run_dp // dp
+    v = VARIANTS[args.sample]
+    engine, _, _, _ = build_engine(v, dp, gas=gas, universal=args.universal)
     load_path, _ = engine.load_checkpoint(str(args.resume), load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
     if load_path is None:
         raise SystemExit(f"load_checkpoint found nothing in {args.resume}")
+    if args.dump is not None:
+        state = whole_state(engine)
+        if rank == 0:
+            torch.save(state, args.dump / "state_loaded.pt")
     records = []
-    for _ in range(args.steps):
+    for i in range(args.steps):
         lrs = c.current_lrs(engine.optimizer)
-        loss = update(engine, c.tokens_for_step(engine.global_steps, rank))
+        step = engine.global_steps
+        losses = [update(engine, c.tokens_for_step(step, rank * gas + k)) for k in range(gas)]
         every: list[Any] = [None] * dp
         dist.all_gather_object(every, lrs)
         records.append({"step": engine.global_steps, "lr": lrs, "lr_by_rank": every,
-                        "optimizer_step": c.adam_step(engine.optimizer), "loss": loss})
+                        "optimizer_step": c.adam_step(engine.optimizer), "loss": losses[0]})
+        if args.dump is not None and i == 0:
+            state = whole_state(engine)
+            if rank == 0:
+                torch.save(state, args.dump / "state_step1.pt")
     if rank == 0 and args.record is not None:
         args.record.write_text(json.dumps(records, indent=1))
 
@@ -419,11 +490,17 @@ def main() -> None:
                    "and record the LR of every update on every rank")
     p.add_argument("--record", type=Path, help="--resume: rank 0 writes the records here (JSON)")
     p.add_argument("--steps", type=int, default=2, help="--resume: updates after the reload (default 2)")
+    p.add_argument("--ep", type=int, help="--resume: the expert-parallel size to run at (default: the sample's, 2)")
+    p.add_argument("--universal", action="store_true", help="--resume: the checkpoint is a universal one")
+    p.add_argument("--run-dp", type=int, help="--resume: the saved run's DP size; fewer ranks accumulate its "
+                   "micro-batches (default: this run's)")
+    p.add_argument("--dump", type=Path, help="--resume: rank 0 writes state_loaded.pt and state_step1.pt here")
     p.add_argument("--experts", type=int, help="--out: experts per MoE layer (bench/bench_moe.py; not for samples)")
     p.add_argument("--layers", type=int, help="--out: MoE layers (bench/bench_moe.py; not for samples)")
     args = p.parse_args()
-    global NUM_EXPERTS, N_LAYERS
+    global NUM_EXPERTS, N_LAYERS, EP_SIZE
     NUM_EXPERTS, N_LAYERS = args.experts or NUM_EXPERTS, args.layers or N_LAYERS  # the same recipe, bigger
+    EP_SIZE = args.ep or EP_SIZE
     if args.resume is not None:
         if args.sample is None:
             p.error("--resume needs --sample (the variant that wrote it)")
