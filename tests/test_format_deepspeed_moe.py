@@ -135,11 +135,11 @@ def test_to_universal_carries_every_expert_and_dcp_is_refused(tmp_path, name):
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
-def _moe_worker(tmp_path: Path, nproc: int, *argv) -> subprocess.CompletedProcess:
+def _moe_worker(nproc: int, *argv, ok: bool = True) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
            "127.0.0.1", "--master_port", str(free_port()), "-m", "ckpt_tools.train.workers.ds_moe", *map(str, argv)]
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, " ".join(cmd) + "\n" + proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert (proc.returncode == 0) == ok, " ".join(cmd) + "\n" + proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
 
 
@@ -150,10 +150,11 @@ def test_expert_parallel_reshape_2_to_1_resumes_in_deepspeed(tmp_path):
     parameter's fp32 master and Adam moments right after the load equal, bit for bit, what the saved run's own
     resume (ep_size 2, 2 ranks) holds; the two updates after it use the same Adam step and per-group LRs and
     give the same losses, and after the first one every state agrees to fp32 rounding (rel 1e-5: the experts'
-    GEMMs see other token batches at another expert-parallel size)."""
+    GEMMs see other token batches at another expert-parallel size). Loaded at ep_size 2, where DeepSpeed's loader
+    would take every rank's experts from the folders of experts 0-1, it stops (the files are marked as experts)."""
     import torch
 
-    _moe_worker(tmp_path, 2, "--sample", "moe_zero2_fp32", "--out", tmp_path)
+    _moe_worker(2, "--sample", "moe_zero2_fp32", "--out", tmp_path)
     src = tmp_path / "moe_zero2_fp32"
     proc = run_cli("to-universal", src, tmp_path / "u", "--yes", "--verify")
     assert proc.returncode == 0 and "verified" in proc.stdout, proc.stderr
@@ -163,10 +164,13 @@ def test_expert_parallel_reshape_2_to_1_resumes_in_deepspeed(tmp_path):
     got = {}
     for key, (nproc, argv) in runs.items():
         (tmp_path / key).mkdir()
-        _moe_worker(tmp_path, nproc, "--sample", "moe_zero2_fp32", *argv, "--steps", "2",
+        _moe_worker(nproc, "--sample", "moe_zero2_fp32", *argv, "--steps", "2",
                     "--record", tmp_path / key / "rec.json", "--dump", tmp_path / key)
         got[key] = (json.loads((tmp_path / key / "rec.json").read_text()),
                     {s: torch.load(tmp_path / key / f"state_{s}.pt") for s in ("loaded", "step1")})
+    stopped = _moe_worker(2, "--sample", "moe_zero2_fp32", "--resume", tmp_path / "u", "--universal", "--steps", "1",
+                          ok=False)
+    assert "ep_num_experts" in stopped.stderr, stopped.stderr[-2000:]
     ref_rec, ref = got.pop("ep2_dp2")
     assert [r["step"] for r in ref_rec] == [5, 6] and [r["optimizer_step"] for r in ref_rec] == [5, 6]
     assert len(ref["loaded"]) == 51  # 19 non-expert tensors + 2 layers x 4 experts x 4

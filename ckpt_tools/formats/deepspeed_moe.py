@@ -215,6 +215,7 @@ def _zero_layout(ext, rf, ms, module, experts, dp, cache, expp, root) -> None:
                                 f"({', '.join(missing[:3])} …)", path=rf.model_states)
     ext.file_groups, ext.groups, ext.group_layout, ext.ep = file_groups, groups_out, layout, ep
     ext.details["experts"] = _experts_line(n_experts, ep, len(groups_out), moe)
+    ext.details["num_experts"] = next(iter(n_experts))
     for e, p in expp.items():  # DeepSpeed 0.14 / 0.16 write them with ZeRO too: {'optimizer': None}
         obj = cache.load(p).obj
         if not (isinstance(obj, dict) and obj.get("optimizer") is None):

@@ -62,6 +62,7 @@ from ..errors import CkptError, UnsupportedCheckpoint
 from ..tp_layout import Rule, TPLayout, merge_shards
 from ..tree import Checkpoint, GroupNode, TensorNode, ValueNode
 
+_EXPERT_NAME = re.compile(r"\.deepspeed_experts\.\d+\.")  # deepspeed.moe's expert parameters
 STATES = ("fp32", "exp_avg", "exp_avg_sq")  # what DeepSpeed's ZeRO-3 universal loader reads (and only that)
 ADAM_STATE = frozenset(("exp_avg", "exp_avg_sq"))
 OPTIM_SHARDED_KEYS = ("base_optimizer_state", "single_partition_of_fp32_groups", "param_slice_mappings",
@@ -330,10 +331,17 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
                                         "universal loader gives every param group group 0's settings, and its "
                                         "MoE groups would lose `moe`", path=tag_dir, hint="load it at ZeRO stage 1 or 2")
         stages = (1, 2)
+        # DeepSpeed's universal loader finds each expert's folder by the loading rank's LOCAL expert id: at
+        # ep_size > 1 every expert-parallel rank would load experts 0.. of its layer. Marked as expert
+        # parameters (`is_expert_param`, `ep_num_experts`: DeepSpeed's own keys), the loader stops instead at
+        # ep_size > 1 (it then asserts a stacked [num_experts, ...] tensor), and loads them as they are at 1
+        n_exp = ck.details.get("num_experts")
+        jobs = [replace(j, extra={**j.extra, "is_expert_param": True, "ep_num_experts": n_exp})
+                if _EXPERT_NAME.search(j.name) else j for j in jobs]
         notes += [f"every expert is written under its global id ({ck.details.get('experts', '')}): load it at "
                   "expert-parallel size 1 (any DP size, ZeRO-1/2). DeepSpeed's universal loader finds each expert's "
-                  "folder by the loading rank's LOCAL expert id, so at ep_size > 1 every expert-parallel rank would "
-                  "load experts 0.. of its layer, not its own",
+                  "folder by the loading rank's LOCAL expert id; the expert files are marked so that it stops with "
+                  "an assertion at ep_size > 1 rather than load every rank's experts from experts 0..",
                   "the MoE param groups' `name` (ep_size_N, the saved expert-parallel size) is left out: the "
                   "loading run keeps its own"]
     warnings: list[str] = []
