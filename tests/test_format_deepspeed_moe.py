@@ -103,10 +103,11 @@ def test_set_lr_and_set_step_resume_in_deepspeed_on_every_rank(tmp_path, name):
 
 @pytest.mark.parametrize("name", SAMPLES)
 def test_to_universal_carries_every_expert_and_dcp_is_refused(tmp_path, name):
-    """to-universal of a ZeRO-2 MoE sample (DeepSpeed 0.19.8 and 0.16.9) writes every expert of both layers under
-    its global id with its fp32 master, moments and step, equal to the source by `ckpt diff --logical` (run by
-    --verify, and again here), the MoE groups without the saved `ep_size_2` name; without ZeRO it is refused
-    naming the reason. convert to DCP stays refused (no resume proves it). The source is untouched."""
+    """to-universal of every MoE sample (ZeRO-2 from DeepSpeed 0.19.8 and 0.16.9; no ZeRO: the expp_rank files'
+    optimizer, the fp32 weights as master) writes every expert of both layers under its global id with its fp32
+    master, moments and step, equal to the source by `ckpt diff --logical` (run by --verify, and again here), the
+    MoE groups without the saved `ep_size_2` name. convert to DCP stays refused (no resume proves it). The source
+    is untouched."""
     from ckpt_tools import pickle_reader as pr
 
     run = tmp_path / name
@@ -116,22 +117,18 @@ def test_to_universal_carries_every_expert_and_dcp_is_refused(tmp_path, name):
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "to-universal" in proc.stderr and not (tmp_path / "c").exists()
     proc = run_cli("to-universal", run, tmp_path / "u", "--yes", "--verify")
-    if name == "moe_stage0":
-        assert proc.returncode == 2 and "without ZeRO" in proc.stderr, proc.stderr
-        assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "u").exists()
-    else:
-        assert proc.returncode == 0 and "verified" in proc.stdout and "expert-parallel size 1" in proc.stdout, proc
-        zero = tmp_path / "u" / "global_step4_universal" / "zero"
-        experts = {EXPERT.format(layer=L, e=e, p=p) for L in (0, 1) for e in range(4)
-                   for p in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")}
-        assert experts <= {d.name for d in zero.iterdir()}
-        assert all({"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt"} <= {f.name for f in (zero / n).iterdir()}
-                   for n in experts)
-        groups = pr.load(zero / "optimizer_state.pt").obj["param_groups"]
-        assert [g.get("moe", False) for g in groups] == [False, False, True, True]
-        assert [g.get("name") for g in groups] == ["decay", "no_decay", None, None]
-        diff = run_cli("diff", "--logical", run, tmp_path / "u")
-        assert diff.returncode == 0 and "153 tensors compared" in diff.stdout, diff.stdout
+    assert proc.returncode == 0 and "verified" in proc.stdout and "expert-parallel size 1" in proc.stdout, proc
+    zero = tmp_path / "u" / "global_step4_universal" / "zero"
+    experts = {EXPERT.format(layer=L, e=e, p=p) for L in (0, 1) for e in range(4)
+               for p in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")}
+    assert experts <= {d.name for d in zero.iterdir()}
+    assert all({"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt"} <= {f.name for f in (zero / n).iterdir()}
+               for n in experts)
+    groups = pr.load(zero / "optimizer_state.pt").obj["param_groups"]
+    assert [g.get("moe", False) for g in groups] == [False, False, True, True]
+    assert [g.get("name") for g in groups] == ["decay", "no_decay", None, None]
+    diff = run_cli("diff", "--logical", run, tmp_path / "u")
+    assert diff.returncode == 0 and "153 tensors compared" in diff.stdout, diff.stdout
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
@@ -143,34 +140,39 @@ def _moe_worker(nproc: int, *argv, ok: bool = True) -> subprocess.CompletedProce
     return proc
 
 
-def test_expert_parallel_reshape_2_to_1_resumes_in_deepspeed(tmp_path):
-    """The expert-parallel re-shape: a run saved at ep_size 2 on 2 ranks (DeepSpeed's save_checkpoint, ZeRO-2,
-    made here in fp32 so the sizes can be compared at fp32 rounding) goes through `ckpt to-universal` and
-    DeepSpeed resumes it at ep_size 1 on 2 ranks and on 1 rank (accumulating the 2 ranks' micro-batches). Every
-    parameter's fp32 master and Adam moments right after the load equal, bit for bit, what the saved run's own
-    resume (ep_size 2, 2 ranks) holds; the two updates after it use the same Adam step and per-group LRs and
-    give the same losses, and after the first one every state agrees to fp32 rounding (rel 1e-5: the experts'
-    GEMMs see other token batches at another expert-parallel size). Loaded at ep_size 2, where DeepSpeed's loader
-    would take every rank's experts from the folders of experts 0-1, it stops (the files are marked as experts)."""
+@pytest.mark.parametrize("source", ["moe_zero2_fp32", "moe_stage0"])
+def test_expert_parallel_reshape_2_to_1_resumes_in_deepspeed(tmp_path, source):
+    """The expert-parallel re-shape: a run saved at ep_size 2 on 2 ranks by DeepSpeed's save_checkpoint (ZeRO-2 fp32,
+    made here so the sizes can be compared at fp32 rounding; and the stored no-ZeRO sample, whose expp_rank files
+    hold the optimizer) goes through `ckpt to-universal`, and DeepSpeed resumes it at ep_size 1 with ZeRO-2 on 2
+    ranks (and, for the ZeRO-2 run, on 1 rank accumulating the 2 ranks' micro-batches). Every parameter's fp32
+    master and Adam moments right after the load equal, bit for bit, what the saved run's own resume (ep_size 2,
+    2 ranks) holds; the two updates after it use the same Adam step and per-group LRs and give the same losses,
+    and after the first one every state agrees to fp32 rounding (rel 1e-5: the experts' GEMMs see other token
+    batches at another expert-parallel size). Loaded at ep_size 2, where DeepSpeed's loader would take every
+    rank's experts from the folders of experts 0-1, it stops (the files are marked as experts)."""
     import torch
 
-    _moe_worker(2, "--sample", "moe_zero2_fp32", "--out", tmp_path)
-    src = tmp_path / "moe_zero2_fp32"
+    if source == "moe_stage0":
+        src = tmp_path / source
+        shutil.copytree(sample("moe", source), src)
+    else:
+        _moe_worker(2, "--sample", source, "--out", tmp_path)
+        src = tmp_path / source
     proc = run_cli("to-universal", src, tmp_path / "u", "--yes", "--verify")
     assert proc.returncode == 0 and "verified" in proc.stdout, proc.stderr
-    runs = {"ep2_dp2": (2, ["--resume", src]),
-            "ep1_dp2": (2, ["--resume", tmp_path / "u", "--universal", "--ep", "1"]),
-            "ep1_dp1": (1, ["--resume", tmp_path / "u", "--universal", "--ep", "1", "--run-dp", "2"])}
+    ep1 = ["--sample", "moe_zero2_fp32", "--resume", tmp_path / "u", "--universal", "--ep", "1"]
+    runs = {"ep2_dp2": (2, ["--sample", source, "--resume", src]), "ep1_dp2": (2, ep1)}
+    if source == "moe_zero2_fp32":
+        runs["ep1_dp1"] = (1, [*ep1, "--run-dp", "2"])
+        stopped = _moe_worker(2, *ep1[:-2], "--steps", "1", ok=False)
+        assert "ep_num_experts" in stopped.stderr, stopped.stderr[-2000:]
     got = {}
     for key, (nproc, argv) in runs.items():
         (tmp_path / key).mkdir()
-        _moe_worker(nproc, "--sample", "moe_zero2_fp32", *argv, "--steps", "2",
-                    "--record", tmp_path / key / "rec.json", "--dump", tmp_path / key)
+        _moe_worker(nproc, *argv, "--steps", "2", "--record", tmp_path / key / "rec.json", "--dump", tmp_path / key)
         got[key] = (json.loads((tmp_path / key / "rec.json").read_text()),
                     {s: torch.load(tmp_path / key / f"state_{s}.pt") for s in ("loaded", "step1")})
-    stopped = _moe_worker(2, "--sample", "moe_zero2_fp32", "--resume", tmp_path / "u", "--universal", "--steps", "1",
-                          ok=False)
-    assert "ep_num_experts" in stopped.stderr, stopped.stderr[-2000:]
     ref_rec, ref = got.pop("ep2_dp2")
     assert [r["step"] for r in ref_rec] == [5, 6] and [r["optimizer_step"] for r in ref_rec] == [5, 6]
     assert len(ref["loaded"]) == 51  # 19 non-expert tensors + 2 layers x 4 experts x 4

@@ -18,8 +18,8 @@ in their own files. Measured layouts (FORMATS.md, section DeepSpeed Mixture-of-E
 Read here: every expert counted once under its global name, with its optimizer state; where a ZeRO file holds an
 fp32 master, each expert's placement is CONFIRMED by the data (its master rounds to the weights of its expert file),
 never assumed. Where the training state lives: every rank file (model states, ZeRO or expp files). Writes are
-set-lr / set-step edit every rank file (proven by DeepSpeed resumes of edited copies). `to-universal` (ZeRO-1/2)
-writes every expert under its global id, which DeepSpeed's universal loader takes at expert-parallel size 1 (any DP
+set-lr / set-step edit every rank file (proven by DeepSpeed resumes of edited copies). `to-universal` writes every
+expert under its global id (without ZeRO: the fp32 weights as master), which DeepSpeed's universal loader takes at expert-parallel size 1 (any DP
 size): the expert-parallel re-shape, proven by DeepSpeed resumes. convert to DCP / torch is refused for now (no
 resume has proven it).
 """

@@ -166,11 +166,6 @@ def _open_source(path: Path, patterns: Sequence[str], *, allow_unread: bool = Fa
         # every expert under its global name, with its state from the ZeRO partitions of its expert-parallel rank
         _, tag_dir, _ = C.resolve_tag(path, D._STATE_GLOB)
         ck = guard(mod.open(path), path, "to-universal", allow_unread=allow_unread)
-        if ck.topology.zero_stage not in (1, 2):
-            raise UnsupportedCheckpoint(
-                "a Mixture-of-Experts checkpoint without ZeRO (expp_rank_* optimizer files): to-universal converts "
-                "MoE checkpoints saved with ZeRO-1/2", path=path,
-                hint="`ckpt export` writes its weights, every expert included")
         return ck, tag_dir, "zero"
     if name in ("deepspeed", "accelerate", "hf_trainer"):
         # Accelerate + DeepSpeed: `pytorch_model/` is a plain DeepSpeed tag folder named by `latest`; an HF
@@ -238,10 +233,13 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
         raise UnsupportedCheckpoint(f"a ZeRO checkpoint with mp_world_size={tp} (AutoTP) is not supported yet",
                                     path=tag_dir, hint="convert it with DeepSpeed's ds_to_universal")
     first = ranks[min(ranks)]
-    if not first.optim:
+    # without ZeRO (a deepspeed.moe run at stage 0): the whole torch optimizer of expert-parallel rank 0, its
+    # fp32 weights the master
+    expp0 = [f for f in ck.files if f.role == "optimizer" and f.rank.get("ep") == 0] if not first.optim else []
+    if not first.optim and not (expp0 and ck.topology.zero_stage == 0):
         raise UnsupportedCheckpoint("no optimizer files (*_optim_states.pt): nothing to convert", path=tag_dir,
                                     hint="a universal checkpoint is built from the ZeRO optimizer state")
-    optim_file = first.optim[min(first.optim)]
+    optim_file = first.optim[min(first.optim)] if first.optim else Path(ck.path) / expp0[0].path
     ms0 = ck.get("universal_checkpoint_info") if "universal_checkpoint_info" in ck.tree.children else None
     info = _raw_info(tag_dir, ranks) if ms0 is not None else None
     swiglu = False
@@ -267,6 +265,9 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
         kids = entry.children
         # every per-parameter state the format reader found (exp_avg/exp_avg_sq, momentum_buffer, sum, ...)
         nodes = {k: v for k, v in kids.items() if isinstance(v, TensorNode) and k != "step"}
+        weight = ck.model.children.get(name) if ck.topology.zero_stage == 0 else None
+        if "fp32" not in nodes and isinstance(weight, TensorNode) and weight.dtype == "float32":
+            nodes["fp32"] = weight  # no ZeRO, fp32 training: the weights are the master
         if "fp32" not in nodes:
             raise UnsupportedCheckpoint(f"parameter {name} has no fp32 master weight in the optimizer files",
                                         path=tag_dir, hint="the optimizer files are incomplete; re-copy them")
@@ -688,6 +689,8 @@ def _steps_and_globals(plan: UniversalPlan) -> tuple[dict[int, Any], dict[str, A
     from ..pickle_reader import load
 
     sd = load(plan.optim_file).obj
+    if plan.topology.get("zero_stage") == 0:
+        return _torch_optimizer_globals(sd, plan)
     osd = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
     if not isinstance(osd, dict):
         raise CorruptCheckpoint("the optimizer file has no optimizer_state_dict", path=plan.optim_file,
@@ -700,19 +703,40 @@ def _steps_and_globals(plan: UniversalPlan) -> tuple[dict[int, Any], dict[str, A
         if isinstance(st, dict) and "step" in st:
             steps[int(g)] = st["step"]
     out = {k: v for k, v in osd.items() if k not in OPTIM_SHARDED_KEYS}
-    if any(isinstance(g, dict) and g.get("moe") for g in groups):
-        # an MoE group's `name` is its expert group at the SAVED expert-parallel size (ep_size_N); DeepSpeed's
-        # loader copies every key of a saved group onto the live one, and the live group must keep the name
-        # of the size it runs at (its optimizer looks the expert process group up by it)
-        groups = [{k: v for k, v in g.items() if k != "name"} if isinstance(g, dict) and g.get("moe") else g
-                  for g in groups]
-    out["param_groups"] = groups
+    out["param_groups"] = _without_ep_names(groups)
     if 3 in plan.stages:
         # the ZeRO-3 loader reads optimizer_state_dict.state[0].step and .param_groups[0]
         out["optimizer_state_dict"] = {"state": {g: {"step": s} for g, s in steps.items()}, "param_groups": groups}
     if plan.ds_version and "ds_version" not in out:
         out["ds_version"] = plan.ds_version  # ZeRO-3 files lack it; ZeRO-1/2 fp16/fp32 loaders assert it
     return steps, out
+
+
+def _without_ep_names(groups: list) -> list:
+    """An MoE group's `name` is its expert group at the SAVED expert-parallel size (ep_size_N); DeepSpeed's
+    loader copies every key of a saved group onto the live one, and the live group must keep the name of the
+    size it runs at (its optimizer looks the expert process group up by it): left out."""
+    return [{k: v for k, v in g.items() if k != "name"} if isinstance(g, dict) and g.get("moe") else g
+            for g in groups]
+
+
+def _torch_optimizer_globals(sd: Any, plan: UniversalPlan) -> tuple[dict[int, Any], dict[str, Any]]:
+    """No ZeRO (`expp_rank_0_…_optim_states.pt`: `{'optimizer': torch state_dict}`): each group's step is its
+    first parameter's (torch's Adam keeps one per parameter, all equal), and optimizer_state.pt holds what the
+    ZeRO-1/2 universal loader reads from it: the param groups and `ds_version` (it asserts one)."""
+    from ..errors import CorruptCheckpoint
+
+    osd = sd.get("optimizer") if isinstance(sd, dict) else None
+    if not isinstance(osd, dict) or not isinstance(osd.get("param_groups"), list):
+        raise CorruptCheckpoint("the optimizer file holds no torch optimizer state", path=plan.optim_file,
+                                hint="re-copy it")
+    state = osd.get("state") if isinstance(osd.get("state"), dict) else {}
+    steps = {}
+    for gi, g in enumerate(osd["param_groups"]):
+        first = next((state[i] for i in g.get("params") or [] if isinstance(state.get(i), dict)), None)
+        if first is not None and "step" in first:
+            steps[gi] = first["step"]
+    return steps, {"param_groups": _without_ep_names(osd["param_groups"]), "ds_version": plan.ds_version}
 
 
 #: (extra items, dtype, shape) -> (pickle, storages) of a `{**extra, "param": tensor}` file: 581 parameters

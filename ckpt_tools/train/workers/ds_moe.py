@@ -394,8 +394,8 @@ def check(args: argparse.Namespace, rank: int, dp: int) -> None:
 
 def whole_state(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
     """Every parameter's fp32 master and Adam moments, whole, under GLOBAL expert names: each rank's ZeRO-1/2
-    pieces (read through the parameter's fragment address, `ds_pipeline.master_and_moments`) gathered from all
-    ranks and put at their offsets. An expert's pieces come from the ranks of its expert-data-parallel group
+    pieces (read through the parameter's fragment address, `ds_pipeline.master_and_moments`; without ZeRO the
+    fp32 weight and torch's Adam state) gathered from all ranks and put at their offsets. An expert's pieces come from the ranks of its expert-data-parallel group
     only (the other expert-parallel ranks hold other experts under the same local name, renamed apart here);
     every element must be covered exactly once."""
     import re
@@ -407,10 +407,20 @@ def whole_state(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
     local_n = NUM_EXPERTS // EP_SIZE
     glob = lambda n: re.sub(r"(\.deepspeed_experts\.)(\d+)(\.)",  # noqa: E731
                             lambda m: f"{m[1]}{ep_rank() * local_n + int(m[2])}{m[3]}", n)
+    from deepspeed.moe.utils import is_moe_param
+
     local, shapes = {}, {}
+    zero = engine.zero_optimization()
+    inner = c.innermost_optimizer(engine.optimizer)
     for name, prm in engine.module.named_parameters():
         shapes[glob(name)] = tuple(prm.shape)
-        piece = master_and_moments(engine.optimizer, prm)
+        if not zero:  # no ZeRO, fp32: the weight is the master; the non-expert ones are replicas, rank 0's taken
+            st = inner.state[prm]
+            piece = None if (c.rank() and not is_moe_param(prm)) else (0, {
+                "fp32": prm.data.reshape(-1), "exp_avg": st["exp_avg"].reshape(-1),
+                "exp_avg_sq": st["exp_avg_sq"].reshape(-1)})
+        else:
+            piece = master_and_moments(engine.optimizer, prm)
         if piece is not None:
             offset, views = piece
             local[glob(name)] = (offset, {k: v.detach().float().clone() for k, v in views.items()})
