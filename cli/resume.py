@@ -67,6 +67,10 @@ def resume_cmd(
     n_kv_heads: Optional[int] = typer.Option(None, "--n-kv-heads", metavar="N", help="the model's KV heads: "
                                              "orders the Adam state of a fused wqkv torchtitan saved with its "
                                              "weights split (wq/wk/wv)"),
+    megatron_args: Optional[str] = typer.Option(None, "--megatron-args", metavar="FLAGS", help="Megatron-LM: "
+                                                "your relaunch flags, one string, added after the ones rebuilt "
+                                                "from the checkpoint's args (e.g. '--use-checkpoint-opt_param-"
+                                                "scheduler'); the expected LR takes them into account"),
 ) -> None:
     """Load PATH into the framework that wrote it, train N steps, and check that counters, LR, optimizer state
     (model-free) and loss (with a model) continue."""
@@ -84,7 +88,8 @@ def resume_cmd(
     ref = ops.load_reference(reference) if reference else None
     plan = ops.plan_resume(path, steps=steps, nproc=nproc, device=device, universal=universal, tp=tp, pp=pp,
                            model=model, config=override, data=data, trust_pickles=trust_pickles,
-                           scheduler=scheduler, against=against, n_kv_heads=n_kv_heads)
+                           scheduler=scheduler, against=against, n_kv_heads=n_kv_heads,
+                           framework_args=megatron_args)
 
     from contextlib import nullcontext
 

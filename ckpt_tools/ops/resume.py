@@ -400,7 +400,8 @@ def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None
                 universal: bool = False, tp: int | None = None, pp: int | None = None,
                 model: str = "auto", config: dict[str, Any] | None = None, data: str | None = None,
                 trust_pickles: bool = False, scheduler: str | None = None,
-                against: str | os.PathLike | None = None, n_kv_heads: int | None = None) -> Any:
+                against: str | os.PathLike | None = None, n_kv_heads: int | None = None,
+                framework_args: str | None = None) -> Any:
     """Decide how to resume the checkpoint at `path`: world size, topology, launch config, model, data.
 
     Bad combinations are rejected here, naming the option, before anything is converted or launched.
@@ -429,7 +430,10 @@ def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None
             raise CkptError(f"--against applies to DeepSpeed checkpoints; this is {ck.format}", path=p)
         return _framework_plan(ck, p, steps=steps, nproc=nproc, device=device, model=model, scheduler=scheduler,
                                trust_pickles=trust_pickles, universal=universal, tp=tp, pp=pp, config=config,
-                               data=data)
+                               data=data, framework_args=framework_args)
+    if framework_args:
+        raise CkptError(f"--megatron-args applies to Megatron-LM checkpoints; this is {ck.format}", path=p,
+                        hint="drop --megatron-args")
     if not trust_pickles:
         unknown = untrusted_globals(ck)
         if unknown:
@@ -581,7 +585,7 @@ def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None
 
 def _framework_plan(ck: Checkpoint, p: Path, *, steps: int, nproc: int | None, device: str, model: str,
                     scheduler: str | None, trust_pickles: bool, universal: bool, tp: int | None, pp: int | None,
-                    config: dict[str, Any] | None, data: str | None) -> Any:
+                    config: dict[str, Any] | None, data: str | None, framework_args: str | None = None) -> Any:
     """A checkpoint of another framework: hand it to `resume_frameworks` (see the module docstring)."""
     try:
         from . import resume_frameworks
@@ -594,7 +598,8 @@ def _framework_plan(ck: Checkpoint, p: Path, *, steps: int, nproc: int | None, d
             raise CkptError(f"{flag} applies to DeepSpeed checkpoints; this is {ck.format}", path=p,
                             hint=f"drop {flag}")
     return resume_frameworks.plan_resume(ck, p, steps=steps, nproc=nproc, device=device, model=model,
-                                         scheduler=scheduler, trust_pickles=trust_pickles)
+                                         scheduler=scheduler, trust_pickles=trust_pickles,
+                                         framework_args=framework_args)
 
 
 def _framework_run(plan: Any, *, on_event: Callable[[dict], None] | None, work_dir: Any, **optional: Any) -> Any:

@@ -57,10 +57,11 @@ WORKERS = {
     "accelerate": "ckpt_tools.train.resume_fw.accelerate",
     "dcp": "ckpt_tools.train.resume_fw.dcp",
     "lightning": "ckpt_tools.train.resume_fw.lightning",
+    "megatron": "ckpt_tools.train.resume_fw.megatron",
 }
 #: checkpoint format -> the framework that resumes it
 FRAMEWORK_OF_FORMAT = {"hf_trainer": "hf_trainer", "accelerate": "accelerate", "dcp": "dcp",
-                       "lightning": "lightning"}
+                       "lightning": "lightning", "megatron_legacy": "megatron", "megatron_torch_dist": "megatron"}
 LOSS_TOL = 1e-3  # absolute, vs a logged loss (the Trainer logs float32 losses rounded by json)
 
 
@@ -367,7 +368,7 @@ def framework_of(ck: Checkpoint) -> str | None:
 
 def plan_resume(ck: Checkpoint, path: str | os.PathLike, *, steps: int, nproc: int | None = None,
                 device: str = "auto", model: str = "auto", scheduler: str | None = None,
-                trust_pickles: bool = False) -> FrameworkPlan:
+                trust_pickles: bool = False, framework_args: str | None = None) -> FrameworkPlan:
     """Decide how to resume `ck` (already opened from `path`) in its framework. Raises CkptError (one line)
     for anything that would make the launch fail."""
     fw = framework_of(ck)
@@ -377,9 +378,16 @@ def plan_resume(ck: Checkpoint, path: str | os.PathLike, *, steps: int, nproc: i
     if steps < 1:
         raise CkptError("--steps must be at least 1")
     dev = _device(device)
-    planner = {"hf_trainer": _plan_hf, "accelerate": _plan_accelerate, "dcp": _plan_dcp, "lightning": _plan_lightning}.get(fw)
+    planner = {"hf_trainer": _plan_hf, "accelerate": _plan_accelerate, "dcp": _plan_dcp, "lightning": _plan_lightning,
+               "megatron": _plan_megatron}.get(fw)
     if planner is None:
         raise UnsupportedCheckpoint(f"`ckpt resume` of {ck.format} checkpoints is not implemented yet", path=path)
+    if fw == "megatron":
+        return _plan_megatron(ck, Path(path), steps=steps, nproc=nproc, device=dev, model=model,
+                              extra_args=framework_args)
+    if framework_args:
+        raise CkptError(f"--megatron-args applies to Megatron-LM checkpoints; this is {ck.format}", path=path,
+                        hint="drop --megatron-args")
     return planner(ck, Path(path), steps=steps, nproc=nproc, device=dev, model=model, scheduler=scheduler,
                    trust_pickles=trust_pickles)
 
@@ -741,6 +749,114 @@ def _plan_dcp(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None, devi
                                                                                   "(ckpt's reader)"})
 
 
+#: Megatron flags that reshape the LR schedule (with --override-opt_param-scheduler they replace the saved one)
+SCHEDULE_FLAGS = frozenset(("--lr", "--min-lr", "--lr-decay-style", "--lr-decay-iters", "--lr-decay-samples",
+                            "--lr-warmup-iters", "--lr-warmup-samples", "--lr-warmup-fraction", "--lr-warmup-init",
+                            "--train-iters", "--train-samples", "--lr-wsd-decay-style", "--lr-wsd-decay-iters",
+                            "--lr-wsd-decay-samples", "--global-batch-size"))
+
+
+def _plan_megatron(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None, device: str, model: str,
+                   extra_args: str | None = None) -> FrameworkPlan:
+    """Megatron-LM's own pretrain rebuilt from the checkpoint's `args` (`resume_fw.megatron`), at the saved TP and PP
+    (DP: `--nproc` / (TP x PP)); the LR each resumed iteration must use from Megatron's schedule formula
+    (`megatron_schedule`) on the saved scheduler state, param groups and args."""
+    from ..megatron_schedule import expected_lrs
+
+    if model not in ("auto", "real"):
+        raise CkptError(f"--model {model!r}: a Megatron-LM checkpoint resumes with the model its args describe",
+                        hint="drop --model")
+    if device != "cpu":
+        raise UnsupportedCheckpoint("`ckpt resume` runs Megatron-LM on the CPU (gloo) in this release: its CUDA "
+                                    "launch has not been tested", path=path, hint="pass --device cpu")
+    args = _plain(node_to_python(ck.tree.children.get("args", GroupNode())) or {})
+    sched = _plain(node_to_python(ck.tree.children.get("scheduler", GroupNode())) or {})
+    raw = node_to_python(ck.optimizer.children.get("param_groups", GroupNode())) if ck.optimizer else None
+    groups = [raw[k] for k in sorted(raw, key=int)] if isinstance(raw, dict) else list(raw or [])
+    if not args:
+        raise CkptError("the checkpoint holds no Megatron `args`: the model and the run cannot be rebuilt from it",
+                        path=path)
+    if args.get("num_experts"):
+        raise UnsupportedCheckpoint("a Megatron MoE checkpoint: `ckpt resume` rebuilds dense GPT runs only", path=path)
+    if args.get("use_distributed_optimizer"):
+        # measured with core_v0.16.1: without Apex / TransformerEngine (none on a CPU) the distributed optimizer's
+        # load reads an Adam `step` the fresh torch optimizer does not have yet (legacy: KeyError 'step' in
+        # _set_main_param_and_optimizer_states; torch_dist: `assert len(steps) == 1` in state_dict)
+        raise UnsupportedCheckpoint("a Megatron-LM checkpoint of the distributed optimizer: Megatron-LM cannot load it "
+                                    "on a CPU (without Apex or TransformerEngine its loader reads an Adam step the "
+                                    "fresh optimizer does not hold yet), and ckpt resumes Megatron on the CPU only",
+                                    path=path, hint="inspect / diff / export it with ckpt; resume it on your GPUs")
+    root = os.environ.get("MEGATRON_LM_DIR")
+    if not root or not (Path(root) / "pretrain_gpt.py").is_file():
+        raise CkptError("resuming a Megatron-LM checkpoint runs Megatron-LM's own pretrain_gpt.py, which is not in "
+                        "the megatron-core wheel", path=path,
+                        hint="set MEGATRON_LM_DIR to a checkout of the Megatron-LM release that wrote it "
+                             "(e.g. git clone -b core_v0.16.1 https://github.com/NVIDIA/Megatron-LM)")
+    tp, pp = ck.topology.tp or 1, ck.topology.pp or 1
+    dp = ck.topology.dp or 1
+    n = nproc or tp * pp * dp
+    if n % (tp * pp):
+        raise CkptError(f"--nproc {n} is not a multiple of TP x PP = {tp * pp}", path=path)
+    iteration = ck.counters.global_step
+    if iteration is None:
+        raise CkptError("the checkpoint records no iteration", path=path)
+    import shlex
+
+    user = shlex.split(extra_args or "")
+    reshaped = sorted(f for f in user if f.split("=", 1)[0] in SCHEDULE_FLAGS)
+    if "--override-opt_param-scheduler" in user and reshaped:
+        rows, how = None, (f"your --override-opt_param-scheduler with {', '.join(reshaped)}: the command line's "
+                           "schedule replaces the saved one, which ckpt does not model")
+    else:
+        try:
+            rows, how = expected_lrs(sched, groups, args, steps)
+        except ValueError as e:
+            rows, how = None, str(e)
+    # how long it runs: Megatron asserts that the launch's schedule (train_iters / train_samples enter the weight
+    # decay schedule) equals the saved one, so the saved length is kept and --exit-interval stops the run after
+    # `steps` iterations; a run that had reached its end is extended, with the saved schedule taken as saved
+    end = iteration + steps
+    gbs = args.get("global_batch_size") or 0
+    if args.get("train_samples"):
+        if (args.get("consumed_train_samples") or 0) + steps * gbs > args["train_samples"]:
+            raise CkptError(f"the run's train_samples {args['train_samples']} end before {steps} more iterations",
+                            path=path, hint="pass fewer --steps")
+        run = ["--train-samples", str(args["train_samples"]), "--exit-interval", str(end)]
+        length = f"the saved train_samples {args['train_samples']}, stopped by --exit-interval {end}"
+    elif args.get("train_iters") and end <= args["train_iters"]:
+        run = ["--train-iters", str(args["train_iters"]), "--exit-interval", str(end)]
+        length = f"the saved train_iters {args['train_iters']}, stopped by --exit-interval {end}"
+    elif "--use-checkpoint-opt_param-scheduler" in user or "--override-opt_param-scheduler" in user:
+        run = ["--train-iters", str(end)]
+        length = f"the run had reached its train_iters {args.get('train_iters')}: extended to {end}"
+    else:
+        run = ["--train-iters", str(end), "--use-checkpoint-opt_param-scheduler"]
+        length = (f"the run had reached its train_iters {args.get('train_iters')}: extended to {end} with "
+                  "--use-checkpoint-opt_param-scheduler (the schedule as saved)")
+    notes = [f"Megatron-LM from {root}, rebuilt from the checkpoint's {len(args)} saved args (the parser's "
+             f"options whose saved value is not the default), at TP {tp}, PP {pp}, DP {n // (tp * pp)}",
+             "CPU run-time changes: CUDA redirected to the CPU, gloo, the local transformer implementation and no "
+             "fused kernels (the same maths in eager PyTorch)"]
+    notes.append(f"length: {length}")
+    if n // (tp * pp) != dp:
+        notes.append(f"saved at DP {dp}, resumed at DP {n // (tp * pp)}")
+    if args.get("mock_data"):
+        notes.append("the run's data: Megatron's mock dataset, as saved")
+    elif args.get("data_path"):
+        notes.append(f"the run's data from the saved data_path {args['data_path']}")
+    saved = SavedState(
+        format=ck.format, global_step=iteration, optimizer_step=ck.counters.optimizer_step,
+        skipped_steps=None, param_group_lrs=tuple(ck.lr.param_groups), initial_lrs=None,
+        scheduler_state="megatron", scheduler_position=sched.get("num_steps"), base_lrs=None, loss=None,
+        loss_key=None, ds_config={}, has_universal_info=False, dp=dp, tp=tp, pp=pp)
+    return FrameworkPlan(
+        framework="megatron", path=str(path), saved=saved, steps=steps, device=device, nproc=n, dp=n // (tp * pp),
+        model="real (Megatron-LM GPT from the saved args)", load_dir=str(Path(ck.path).resolve()),
+        expected_lrs=_expected_lrs(rows) if rows else None, lr_source=how, notes=tuple(notes),
+        tp=tp, pp=pp, worker={"saved_args": args, "iteration": iteration, "tp": tp, "pp": pp, "run_argv": run,
+                              "extra_args": extra_args or ""})
+
+
 def _fused_specs(specs: list, ck: Checkpoint) -> tuple[list, dict[str, dict[str, list[int]]]]:
     """The replica's parameters where the checkpoint holds a fused parameter saved split (`logical.with_kv_heads`
     gave its row order): one fused parameter in place of its split weights, which the worker loads and puts at
@@ -939,6 +1055,27 @@ def verdict(plan: FrameworkPlan, loaded: dict[str, Any], events: list[dict[str, 
         checks.append(Check("learning rate", "pass" if ok else "fail", detail + more, rows))
     if plan.framework in ("accelerate", "lightning", "dcp"):
         checks.append(_scheduler_loaded(plan, loaded))
+    if plan.framework == "megatron":
+        differ = loaded.get("args_differ")
+        if differ is None:
+            checks.append(Check("run rebuilt", "n/a", "the worker did not report the relaunched args"))
+        else:
+            user = {f.split("=", 1)[0][2:].replace("-", "_") for f in str(plan.worker.get("extra_args") or "").split()
+                    if f.startswith("--")}
+            bad = [d for d in differ if d[0] not in user]
+            checks.append(Check("run rebuilt", "pass" if not bad else "fail",
+                                f"the relaunched run holds every saved arg ({len(plan.worker.get('saved_args') or {})})"
+                                + (f" but {len(differ)} you passed" if differ else "")
+                                + " (counters, paths and the CPU run-time flags aside)" if not bad else
+                                f"{len(bad)} saved arg(s) came back with another value: "
+                                + "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in bad[:4]),
+                                tuple(CheckRow(s.global_step or 0, a, b, False) for _, a, b in bad[:8])))
+        live, want = loaded.get("scheduler_position"), s.scheduler_position
+        ok = live is not None and live == want
+        checks.append(Check("scheduler state", "pass" if ok else "fail",
+                            f"OptimizerParamScheduler loaded at num_steps={live}, saved {want}" +
+                            ("" if ok else " (the saved scheduler was not loaded)"),
+                            (CheckRow(s.global_step or 0, want, live, ok),)))
     if plan.framework == "accelerate" and (plan.worker.get("custom_objects") or plan.worker.get("stray_custom")):
         checks.append(_custom_state(plan, loaded))
 
@@ -970,6 +1107,9 @@ def verdict(plan: FrameworkPlan, loaded: dict[str, Any], events: list[dict[str, 
     elif plan.framework == "hf_trainer":
         checks.append(Check("loss", "n/a", "no trainer_state.json log_history entry for the resumed steps "
                                            "(resume an earlier checkpoint-N of the output_dir to compare)"))
+    elif plan.framework == "megatron":
+        checks.append(Check("loss", "n/a", "Megatron saves no loss: pass --reference FILE (the losses of the "
+                                           "uninterrupted run) to check it"))
     else:
         checks.append(Check("loss", "n/a", "model-free resume (synthetic loss): loss continuity needs --model"))
     return checks
@@ -1012,6 +1152,9 @@ def _custom_state(plan: FrameworkPlan, loaded: dict[str, Any]) -> Check:
 def _optimizer_check(plan: FrameworkPlan, events: list[dict[str, Any]]) -> Check:
     steps = [e for e in events if e["event"] == "step"]
     results = [(e["step"], e.get("opt_check")) for e in steps]
+    if plan.framework == "megatron":
+        return Check("optimizer state", "n/a", "loaded by Megatron's own load_checkpoint; not checked in closed form "
+                                               "for Megatron yet (the Adam step continuing is checked above)")
     if not results or any(r is None for _, r in results):
         return Check("optimizer state", "n/a", "the worker reported no optimizer check")
     problem = next((r["problem"] for _, r in results if r.get("problem")), None)

@@ -666,6 +666,81 @@ def logits_sample(args: argparse.Namespace, work: Path) -> int:
     return 0
 
 
+#: saved args never passed back: where this run reads and writes, how long it runs, how it logs, and what this
+#: process sets itself (the resume's own --load, --train-iters, backend, data cache)
+RELAUNCH_SKIP = frozenset((
+    "load", "save", "save_interval", "train_iters", "train_samples", "exit_interval", "exit_duration_in_mins",
+    "exit_signal_handler", "local_rank", "distributed_backend", "data_cache_path", "use_checkpoint_args",
+    "use_mp_args_from_checkpoint_args", "tensorboard_dir", "wandb_project", "wandb_exp_name", "wandb_save_dir",
+    "finetune", "no_load_optim", "no_load_rng", "pretrained_checkpoint", "non_persistent_save_interval",
+    "non_persistent_ckpt_dir", "ckpt_convert_format", "ckpt_convert_save", "yaml_cfg", "exit_on_missing_checkpoint",
+    "auto_detect_ckpt_format", "async_save", "eval_interval", "eval_iters", "log_interval",
+    "one_logger_project", "one_logger_run_name", "structured_logs_dir", "config_logger_dir",
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+    "num_virtual_stages_per_pipeline_rank", "virtual_pipeline_model_parallel_size",
+    # Megatron derives these from the sizes and the vocabulary (validate_args): passing the saved values back
+    # would pin the run to the saved world
+    "expert_tensor_parallel_size", "inprocess_active_world_size", "padded_vocab_size", "encoder_num_layers",
+    "encoder_seq_length",
+))
+#: derived only in some runs: passed back unless validate_args sets them from other options itself
+DERIVED_IF = {"start_weight_decay": lambda a: a.get("weight_decay_incr_style") == "constant",
+              "end_weight_decay": lambda a: a.get("weight_decay_incr_style") == "constant"}
+#: CPU run-time flags (no TransformerEngine, Apex or fused CUDA kernels on a CPU): the same maths, eager PyTorch
+CPU_FLAGS = ["--transformer-impl", "local", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+             "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+             "--no-bias-swiglu-fusion", "--no-rope-fusion"]
+
+
+def relaunch_argv(saved: dict[str, Any]) -> list[str]:
+    """A Megatron command line that rebuilds the run a checkpoint's `args` describe: each option of Megatron's own
+    parser (`add_megatron_arguments`) whose saved value differs from the option's default, written back as that
+    option (a flag where it is one); `RELAUNCH_SKIP` and values Megatron derives itself (not options) left out.
+    The parallel sizes come back separately (`parallel_argv`)."""
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    from megatron.training.arguments import add_megatron_arguments
+
+    add_megatron_arguments(parser)
+    argv: list[str] = []
+    seen: set[str] = set()
+    for action in parser._actions:
+        dest = action.dest
+        if dest in RELAUNCH_SKIP or dest in seen or dest not in saved or not action.option_strings:
+            continue
+        if dest in DERIVED_IF and DERIVED_IF[dest](saved):
+            continue
+        value, default = saved[dest], action.default
+        option = next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
+        if isinstance(action, argparse._StoreTrueAction):
+            if value is True and default is not True:
+                argv.append(option)
+                seen.add(dest)
+            continue
+        if isinstance(action, argparse._StoreFalseAction):
+            if value is False and default is not False:
+                argv.append(option)
+                seen.add(dest)
+            continue
+        if not isinstance(action, argparse._StoreAction) or value is None or value == default:
+            continue
+        if isinstance(value, dict) or (action.choices is not None and not isinstance(value, (list, tuple))
+                                       and value not in action.choices):
+            continue  # an enum or a structure Megatron built from the option: not passed back
+        seen.add(dest)
+        argv.append(option)
+        argv += [str(x) for x in value] if isinstance(value, (list, tuple)) else [str(value)]
+    return argv
+
+
+def parallel_argv(saved: dict[str, Any], tp: int | None = None, pp: int | None = None) -> list[str]:
+    """The saved (or the given) tensor / pipeline sizes, and the saved virtual pipeline."""
+    argv = ["--tensor-model-parallel-size", str(tp or saved.get("tensor_model_parallel_size") or 1),
+            "--pipeline-model-parallel-size", str(pp or saved.get("pipeline_model_parallel_size") or 1)]
+    if saved.get("num_layers_per_virtual_pipeline_stage"):
+        argv += ["--num-layers-per-virtual-pipeline-stage", str(saved["num_layers_per_virtual_pipeline_stage"])]
+    return argv
+
+
 def resume_sample(args: argparse.Namespace, work: Path) -> int:
     """Resume `args.resume` in Megatron's own `pretrain` (its `load_checkpoint`, then `--steps` more iterations,
     no save) with the variant's command line plus `--megatron-args`; rank 0 writes every rank's LR per resumed
