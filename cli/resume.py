@@ -22,7 +22,7 @@ from . import output
 def resume_cmd(
     path: str = typer.Argument(..., metavar="PATH", help="checkpoint: DeepSpeed (folder with `latest`, tag "
                                "folder, universal), HF Trainer checkpoint-N or output_dir, Accelerate folder, DCP "
-                               "folder, Lightning .ckpt"),
+                               "folder, Lightning .ckpt, Megatron-LM run or iter_N folder"),
     steps: int = typer.Option(10, "--steps", "-n", metavar="N", help="optimizer steps to train after loading"),
     nproc: Optional[int] = typer.Option(None, "--nproc", metavar="N", help="processes (default: the checkpoint's "
                                         "DP x TP x PP; with --universal on CUDA, every visible GPU)"),
