@@ -592,14 +592,16 @@ def _framework_plan(ck: Checkpoint, p: Path, *, steps: int, nproc: int | None, d
     except ImportError:
         raise UnsupportedCheckpoint(f"`ckpt resume` trains DeepSpeed checkpoints; this is {ck.format}", path=p,
                                     hint=f"supported: {', '.join(SUPPORTED_FORMATS)}") from None
-    for flag, given in (("--universal", universal), ("--tp", tp is not None), ("--pp", pp is not None),
+    reshard = ck.format == "megatron_torch_dist"  # Megatron's dist-checkpointing loads it at any TP / PP
+    for flag, given in (("--universal", universal), ("--tp", tp is not None and not reshard),
+                        ("--pp", pp is not None and not reshard),
                         ("--config", config is not None), ("--data", data is not None)):
         if given:
             raise CkptError(f"{flag} applies to DeepSpeed checkpoints; this is {ck.format}", path=p,
                             hint=f"drop {flag}")
     return resume_frameworks.plan_resume(ck, p, steps=steps, nproc=nproc, device=device, model=model,
                                          scheduler=scheduler, trust_pickles=trust_pickles,
-                                         framework_args=framework_args)
+                                         framework_args=framework_args, tp=tp, pp=pp)
 
 
 def _framework_run(plan: Any, *, on_event: Callable[[dict], None] | None, work_dir: Any, **optional: Any) -> Any:

@@ -368,7 +368,8 @@ def framework_of(ck: Checkpoint) -> str | None:
 
 def plan_resume(ck: Checkpoint, path: str | os.PathLike, *, steps: int, nproc: int | None = None,
                 device: str = "auto", model: str = "auto", scheduler: str | None = None,
-                trust_pickles: bool = False, framework_args: str | None = None) -> FrameworkPlan:
+                trust_pickles: bool = False, framework_args: str | None = None, tp: int | None = None,
+                pp: int | None = None) -> FrameworkPlan:
     """Decide how to resume `ck` (already opened from `path`) in its framework. Raises CkptError (one line)
     for anything that would make the launch fail."""
     fw = framework_of(ck)
@@ -384,7 +385,7 @@ def plan_resume(ck: Checkpoint, path: str | os.PathLike, *, steps: int, nproc: i
         raise UnsupportedCheckpoint(f"`ckpt resume` of {ck.format} checkpoints is not implemented yet", path=path)
     if fw == "megatron":
         return _plan_megatron(ck, Path(path), steps=steps, nproc=nproc, device=dev, model=model,
-                              extra_args=framework_args)
+                              extra_args=framework_args, tp=tp, pp=pp)
     if framework_args:
         raise CkptError(f"--megatron-args applies to Megatron-LM checkpoints; this is {ck.format}", path=path,
                         hint="drop --megatron-args")
@@ -757,7 +758,7 @@ SCHEDULE_FLAGS = frozenset(("--lr", "--min-lr", "--lr-decay-style", "--lr-decay-
 
 
 def _plan_megatron(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None, device: str, model: str,
-                   extra_args: str | None = None) -> FrameworkPlan:
+                   extra_args: str | None = None, tp: int | None = None, pp: int | None = None) -> FrameworkPlan:
     """Megatron-LM's own pretrain rebuilt from the checkpoint's `args` (`resume_fw.megatron`), at the saved TP and PP
     (DP: `--nproc` / (TP x PP)); the LR each resumed iteration must use from Megatron's schedule formula
     (`megatron_schedule`) on the saved scheduler state, param groups and args."""
@@ -792,8 +793,8 @@ def _plan_megatron(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None,
                         "the megatron-core wheel", path=path,
                         hint="set MEGATRON_LM_DIR to a checkout of the Megatron-LM release that wrote it "
                              "(e.g. git clone -b core_v0.16.1 https://github.com/NVIDIA/Megatron-LM)")
-    tp, pp = ck.topology.tp or 1, ck.topology.pp or 1
-    dp = ck.topology.dp or 1
+    saved_tp, saved_pp, dp = ck.topology.tp or 1, ck.topology.pp or 1, ck.topology.dp or 1
+    tp, pp = tp or saved_tp, pp or saved_pp
     n = nproc or tp * pp * dp
     if n % (tp * pp):
         raise CkptError(f"--nproc {n} is not a multiple of TP x PP = {tp * pp}", path=path)
@@ -838,6 +839,9 @@ def _plan_megatron(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None,
              "CPU run-time changes: CUDA redirected to the CPU, gloo, the local transformer implementation and no "
              "fused kernels (the same maths in eager PyTorch)"]
     notes.append(f"length: {length}")
+    if (tp, pp) != (saved_tp, saved_pp):
+        notes.append(f"saved at TP {saved_tp} x PP {saved_pp}, resumed at TP {tp} x PP {pp}: Megatron's "
+                     "dist-checkpointing reshards the torch_dist checkpoint at load")
     if n // (tp * pp) != dp:
         notes.append(f"saved at DP {dp}, resumed at DP {n // (tp * pp)}")
     if args.get("mock_data"):
@@ -848,7 +852,7 @@ def _plan_megatron(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None,
         format=ck.format, global_step=iteration, optimizer_step=ck.counters.optimizer_step,
         skipped_steps=None, param_group_lrs=tuple(ck.lr.param_groups), initial_lrs=None,
         scheduler_state="megatron", scheduler_position=sched.get("num_steps"), base_lrs=None, loss=None,
-        loss_key=None, ds_config={}, has_universal_info=False, dp=dp, tp=tp, pp=pp)
+        loss_key=None, ds_config={}, has_universal_info=False, dp=dp, tp=saved_tp, pp=saved_pp)
     return FrameworkPlan(
         framework="megatron", path=str(path), saved=saved, steps=steps, device=device, nproc=n, dp=n // (tp * pp),
         model="real (Megatron-LM GPT from the saved args)", load_dir=str(Path(ck.path).resolve()),
@@ -1062,6 +1066,8 @@ def verdict(plan: FrameworkPlan, loaded: dict[str, Any], events: list[dict[str, 
         else:
             user = {f.split("=", 1)[0][2:].replace("-", "_") for f in str(plan.worker.get("extra_args") or "").split()
                     if f.startswith("--")}
+            if plan.nproc != (plan.worker.get("saved_args") or {}).get("world_size"):
+                user |= {"world_size", "data_parallel_size"}  # resumed on another number of ranks, as asked
             bad = [d for d in differ if d[0] not in user]
             checks.append(Check("run rebuilt", "pass" if not bad else "fail",
                                 f"the relaunched run holds every saved arg ({len(plan.worker.get('saved_args') or {})})"
