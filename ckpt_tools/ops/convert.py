@@ -175,6 +175,15 @@ def translate_scheduler(state: dict[str, Any] | None, config: dict[str, Any], gr
     if state is None:
         return None, None, ["the source has no LR scheduler: the LR stays at the param groups' lr"], []
     if "last_batch_iteration" not in state:
+        megatron = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "num_steps")
+        if all(k in state for k in megatron):
+            # Megatron-LM's OptimizerParamScheduler: a closed form over SAMPLES with a clamp at min_lr; no torch
+            # scheduler computes it (LinearLR + CosineAnnealingLR step per call, recursively, and never clamp)
+            return None, None, [], [
+                f"scheduler: Megatron's OptimizerParamScheduler ({state['lr_decay_style']}, LR {state['max_lr']:g} -> "
+                f"{state['min_lr']:g}, warm-up {state['lr_warmup_steps']} and decay {state['lr_decay_steps']} samples, "
+                f"at num_steps {state['num_steps']}): no torch scheduler computes the same schedule; the param "
+                "groups' current lr is carried, so set the target's schedule to continue from there"]
         if not is_scheduler_state(state):
             return None, None, [], [f"scheduler state with keys {sorted(state)}: not a scheduler state dict"]
         cls = infer_torch_scheduler(state)
