@@ -42,7 +42,8 @@ def resume_cmd(
     data: Optional[str] = typer.Option(None, "--data", metavar="FILE", help="token file (.bin uint16 or .npy) "
                                        "instead of the deterministic synthetic batches"),
     config: Optional[Path] = typer.Option(None, "--config", metavar="JSON", help="JSON file merged over the "
-                                          "checkpoint's ds_config"),
+                                          "checkpoint's ds_config (the whole config where it holds none: a "
+                                          "universal converted from another framework)"),
     reference: Optional[Path] = typer.Option(None, "--reference", metavar="JSON", help="JSON of the uninterrupted "
                                              "run (--record-reference output or a sample manifest)"),
     record_reference: Optional[Path] = typer.Option(None, "--record-reference", metavar="JSON", help="write this "

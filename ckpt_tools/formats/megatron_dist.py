@@ -32,7 +32,7 @@ from ..tree import (Checkpoint, Counters, GroupNode, LearningRates, Piece, Tenso
                     as_int, to_node)
 from . import _common as C
 from . import dcp, megatron_lm
-from .megatron_lm import LATEST, args_of, group_warnings, next_lr
+from .megatron_lm import LATEST, args_of, group_rule, group_warnings, next_lr
 
 FORMAT = "megatron_torch_dist"
 COMMON = "common.pt"
@@ -171,7 +171,12 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     tree: dict[str, Any] = {"model": GroupNode(model)}
     opt_children: dict[str, Any] = {}
     if state:
-        kids = {n: GroupNode({**s, **({"step": ValueNode(step)} if step is not None else {})}) for n, s in state.items()}
+        # common.pt's param groups list no members: Megatron re-derives them at load, by its default rule
+        rule = group_rule(groups, args)
+        kids = {n: GroupNode({**s, **({"step": ValueNode(step)} if step is not None else {}),
+                              **({"param_group": ValueNode(rule(n, model[n].shape))}
+                                 if rule and n in model and rule(n, model[n].shape) is not None else {})})
+                for n, s in state.items()}
         opt_children["state"] = GroupNode(kids)
     opt_children["param_groups"] = GroupNode({str(i): GroupNode({k: to_node(v, COMMON) for k, v in g.items()})
                                               for i, g in enumerate(groups)})

@@ -424,7 +424,10 @@ def _optimizer(objs, names_by_rank, local, model, origin, tp, distributed, cache
                 shown = {str(i): GroupNode({k: to_node(v, "") for k, v in g.items()}) for i, g in enumerate(groups)}
                 return GroupNode({"param_groups": GroupNode(shown)}), groups, steps
             step = steps[0] if steps and len(set(steps)) == 1 else None
-            per_rank[key] = {n: {**e, **({"step": step} if step is not None else {})} for n, e in entries.items()}
+            rule = group_rule(groups, args)  # the buffers do not record it: Megatron's own grouping rule
+            per_rank[key] = {n: {**e, **({"step": step} if step is not None else {}),
+                                 **({"param_group": rule(n, local[key][n].shape)} if rule else {})}
+                             for n, e in entries.items()}
     for key, o in (() if distributed else objs.items()):
         opt = o.get("optimizer") if isinstance(o.get("optimizer"), dict) else {}
         inner = opt.get("optimizer") if isinstance(opt.get("optimizer"), dict) else {}
@@ -535,6 +538,29 @@ def _distopt_entries(obj: Any, names: list[str], refs: dict[str, TensorRef], arg
     return out if set(out) == set(names) else None
 
 
+def _wd_mult(name: str, shape: tuple, args: dict) -> float:
+    """Megatron's default weight-decay rule (megatron.core.optimizer.get_standard_config_overrides, 0.16): biases
+    and 1-D parameters at wd_mult 0 (q/k layer norms excepted under --apply-wd-to-qk-layernorm), the rest at 1."""
+    qk = bool(args.get("apply_wd_to_qk_layernorm")) and ("q_layernorm." in name or "k_layernorm." in name)
+    return 0.0 if (name.endswith(".bias") or len(shape) == 1) and not qk else 1.0
+
+
+def group_rule(groups: list[dict], args: dict):
+    """`(name, shape) -> param group index` by Megatron's default grouping (`_get_param_groups`: one group per
+    wd_mult, no LR multiplier, no decoupled LR, no expert parallelism), for the saves that do not record which
+    parameter is in which group (torch_dist's common.pt, the distributed optimizer); None where the args or the
+    saved groups say another grouping (then membership is not guessed)."""
+    if args.get("no_weight_decay_cond_type") or args.get("decoupled_lr") is not None or not groups:
+        return None
+    index: dict[float, int] = {}
+    for i, g in enumerate(groups):
+        if "wd_mult" not in g or float(g.get("lr_mult", 1.0)) != 1.0 or g.get("is_expert_parallel") or \
+                float(g["wd_mult"]) in index:
+            return None
+        index[float(g["wd_mult"])] = i
+    return lambda name, shape: index.get(_wd_mult(name, tuple(shape), args))
+
+
 def group_warnings(groups: list[dict], shapes: dict[str, tuple], args: dict, where: str | None) -> list[Warning_]:
     """Declared vs found for the param groups: Megatron's default grouping (`_get_param_groups`, no custom
     no-weight-decay condition or decoupled LR) puts biases and 1-D parameters at wd_mult 0 and the rest at
@@ -543,9 +569,7 @@ def group_warnings(groups: list[dict], shapes: dict[str, tuple], args: dict, whe
     if args.get("no_weight_decay_cond_type") or args.get("decoupled_lr") is not None or not groups or \
             not all("wd_mult" in g for g in groups):
         return []
-    want = set()
-    for name, shape in shapes.items():
-        want.add(0.0 if name.endswith(".bias") or len(shape) == 1 else 1.0)
+    want = {_wd_mult(name, shape, args) for name, shape in shapes.items()}
     have = {float(g["wd_mult"]) for g in groups}
     gone = sorted(want - have)
     if not gone:

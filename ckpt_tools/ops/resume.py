@@ -479,8 +479,8 @@ def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None
         raise CkptError(f"the checkpoint was saved at DP={saved.dp}; DP={new_dp} needs a universal checkpoint "
                         "(ZeRO refuses to repartition)", hint="add --universal")
 
-    cfg = json.loads(json.dumps(saved.ds_config))
-    if not cfg:
+    cfg = json.loads(json.dumps(saved.ds_config or config or {}))  # a universal made from another framework
+    if not cfg:                                                       # holds none: --config is the whole config
         raise CkptError("the checkpoint holds no ds_config", path=p, hint="pass the run's config with --config")
     micro = int(cfg.get("train_micro_batch_size_per_gpu", 1))
     orig_gas = int(cfg.get("gradient_accumulation_steps", 1))
