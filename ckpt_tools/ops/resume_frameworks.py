@@ -858,7 +858,8 @@ def _plan_megatron(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None,
         model="real (Megatron-LM GPT from the saved args)", load_dir=str(Path(ck.path).resolve()),
         expected_lrs=_expected_lrs(rows) if rows else None, lr_source=how, notes=tuple(notes),
         tp=tp, pp=pp, worker={"saved_args": args, "iteration": iteration, "tp": tp, "pp": pp, "run_argv": run,
-                              "extra_args": extra_args or ""})
+                              "extra_args": extra_args or "", "legacy": ck.format == "megatron_legacy",
+                              "opt_state_source": "each rank's model_optim_rng.pt (ckpt's reader)"})
 
 
 def _fused_specs(specs: list, ck: Checkpoint) -> tuple[list, dict[str, dict[str, list[int]]]]:
@@ -1158,9 +1159,10 @@ def _custom_state(plan: FrameworkPlan, loaded: dict[str, Any]) -> Check:
 def _optimizer_check(plan: FrameworkPlan, events: list[dict[str, Any]]) -> Check:
     steps = [e for e in events if e["event"] == "step"]
     results = [(e["step"], e.get("opt_check")) for e in steps]
-    if plan.framework == "megatron":
-        return Check("optimizer state", "n/a", "loaded by Megatron's own load_checkpoint; not checked in closed form "
-                                               "for Megatron yet (the Adam step continuing is checked above)")
+    if plan.framework == "megatron" and (not results or any(r is None for _, r in results)):
+        return Check("optimizer state", "n/a", "loaded by Megatron's own load_checkpoint; checked in closed form for "
+                                               "a legacy checkpoint resumed at its saved TP / PP only (the Adam step "
+                                               "continuing is checked above)")
     if not results or any(r is None for _, r in results):
         return Check("optimizer state", "n/a", "the worker reported no optimizer check")
     problem = next((r["problem"] for _, r in results if r.get("problem")), None)

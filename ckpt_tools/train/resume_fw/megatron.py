@@ -11,7 +11,8 @@ off: the same maths in eager PyTorch). On CUDA none of those: NCCL and the saved
 
 Events (see `_common`): `loaded` after Megatron's own `load_checkpoint` (the iteration, the Adam step, the
 scheduler's num_steps), one `step` per iteration (the iteration, each group's LR the iteration used, the LM loss
-from the last pipeline stage, the Adam step after it, every rank's LRs), `done`.
+from the last pipeline stage, the Adam step after it, every rank's LRs, and for a legacy checkpoint resumed at its
+saved TP / PP the closed-form AdamW check of the update from the state each rank file saved), `done`.
 """
 from __future__ import annotations
 
@@ -52,6 +53,42 @@ def args_differ(saved: dict[str, Any], live: Any, skip: frozenset) -> list[list[
     return out
 
 
+def inner_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside Megatron's (a ChainedOptimizer of one, a mixed-precision wrapper)."""
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    if len(chained) != 1:
+        return None
+    return c.innermost(chained[0])
+
+
+def saved_legacy_state(plan: dict[str, Any], inner: Any) -> list[dict[str, torch.Tensor]] | None:
+    """This rank's saved Adam state in the live torch optimizer's parameter order, read (inert, ckpt's reader) from
+    its own legacy rank file `iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt`: the torch state dict Megatron saved,
+    its param groups' ids in order. None where the run is not at the saved TP / PP (another rank layout)."""
+    from pathlib import Path
+
+    from megatron.core import parallel_state as ps
+
+    from ckpt_tools import pickle_reader as pr
+
+    saved = plan["saved_args"]
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    if (tp, pp) != (saved.get("tensor_model_parallel_size") or 1, saved.get("pipeline_model_parallel_size") or 1):
+        return None
+    folder = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}" + (
+        f"_{ps.get_pipeline_model_parallel_rank():03d}" if pp > 1 else "")
+    f = Path(plan["load_dir"]) / f"iter_{int(plan['iteration']):07d}" / folder / "model_optim_rng.pt"
+    osd = pr.load(f).obj["optimizer"]
+    osd = osd.get("optimizer", osd)
+    state = osd["state"]
+    out = []
+    for g in osd["param_groups"]:
+        for i in g["params"]:
+            st = state.get(i) or {}
+            out.append({k: v.read_torch().clone() for k, v in st.items() if isinstance(v, pr.TensorRef)})
+    return out if len(out) == sum(len(g["params"]) for g in inner.param_groups) else None
+
+
 def main(plan: dict[str, Any]) -> None:
     from ckpt_tools.train.workers import megatron_lm as W
 
@@ -77,9 +114,15 @@ def main(plan: dict[str, Any]) -> None:
     load_checkpoint, train_step = training.load_checkpoint, training.train_step
     rank = torch.distributed.get_rank()
 
+    check: list[Any] = []
+
     def loaded(model, optimizer, opt_param_scheduler, *a: Any, **k: Any):
         out = load_checkpoint(model, optimizer, opt_param_scheduler, *a, **k)
         steps = sorted(set(W._adam_steps(optimizer)))
+        inner = inner_optimizer(optimizer)
+        if plan.get("legacy") and inner is not None:
+            # the closed-form check of every update from the state this rank's file saved (`_common.OptimizerCheck`)
+            check.append(c.OptimizerCheck(inner, saved_legacy_state(plan, inner), plan.get("expected_lrs")))
         if rank == 0:
             skip = RUN_STATE | W.RELAUNCH_SKIP | (CPU_DESTS if cpu else frozenset())
             c.emit("loaded", global_step=int(out[0]), optimizer_step=steps[-1] if steps else None,
@@ -91,6 +134,7 @@ def main(plan: dict[str, Any]) -> None:
         lrs = [float(g["lr"]) for g in W._groups(optimizer)]
         out = train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *a, **k)
         loss = out[0].get("lm loss") if isinstance(out[0], dict) else None
+        opt_check = check[0].reduced() if check else None  # a collective: every rank closes the update
         mine = (lrs, None if loss is None else float(loss), sorted(set(W._adam_steps(optimizer))), bool(out[1]))
         every: list[Any] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(every, mine)
@@ -99,7 +143,7 @@ def main(plan: dict[str, Any]) -> None:
             adam = sorted({s for x in every for s in x[2]})
             c.emit("step", step=int(get_args().curr_iteration) + 1, loss=losses[0] if losses else None, lr=lrs,
                    lr_by_rank=[x[0] for x in every], optimizer_step=adam[-1] if len(adam) == 1 else None,
-                   optimizer_steps=adam, skipped_steps=int(any(x[3] for x in every)))
+                   optimizer_steps=adam, skipped_steps=int(any(x[3] for x in every)), opt_check=opt_check)
         return out
 
     training.load_checkpoint, training.train_step = loaded, step
