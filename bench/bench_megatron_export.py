@@ -87,7 +87,7 @@ from bench._util import (OUT_DIR, REPO_ROOT, ckpt_command, machine_info, precomp
 from bench.bench_megatron import TORCH_LOAD, make  # noqa: E402
 
 CONVERT = r'''
-import os, runpy, sys, tempfile
+import os, runpy, sys
 load, save = sys.argv[1], sys.argv[2]
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 root = os.environ["MEGATRON_LM_DIR"]
@@ -119,8 +119,9 @@ loader_core.MegatronCheckpointLoaderLLM.import_model_provider = import_model_pro
 def with_groups(original):                                            # change 4
     def initialize_megatron_env(self):
         if not dist.is_initialized():
-            store = tempfile.NamedTemporaryFile(prefix="convert_pg_", delete=False).name
-            dist.init_process_group("gloo", init_method="file://" + store, world_size=1, rank=0)
+            from ckpt_tools.samples import free_port  # a TCP store: nothing left behind in /tmp
+
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0)
         original(self)
         for name in ("_DATA_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP_WITH_CP",
                      "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", "_PIPELINE_MODEL_PARALLEL_GROUP",
