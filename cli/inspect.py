@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from ckpt_tools import remote
 from ckpt_tools.errors import CkptError, NotACheckpoint
 from ckpt_tools.ops import inspect as ops
 
@@ -75,6 +76,8 @@ def inspect_cmd(
         doc["warnings"] = [w.__dict__ for w in warnings]
         if stats:
             doc["stats"] = [s.__dict__ for s in stat_rows]
+        if remote.stats() is not None:  # a URL: what reading it cost
+            doc["remote"] = remote.stats()
         output.print_json(doc)
         return
     _print_header(ck, warnings)
@@ -143,6 +146,10 @@ def _print_header(ck, warnings) -> None:
                f"last_lr={f(ck.lr.last_lr)}"),
     ]
     rows += [(k, f(v)) for k, v in ck.details.items() if v is not None and k not in ("tag", "accounting")]
+    if remote.stats() is not None:
+        from .remote import report_line
+
+        rows.append(("remote", report_line()))
     if warnings:
         rows.append(("warnings", style(str(len(warnings)), "yellow")))
     width = max(len(k) for k, _ in rows)

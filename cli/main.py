@@ -274,9 +274,17 @@ def main(argv: list[str] | None = None) -> None:
 def _main(argv: list[str] | None) -> None:
     tune_gc()
     _install_test_kill_hook()
+    given = sys.argv[1:] if argv is None else argv
+    urls = any("://" in a or a.startswith("--storage-options") for a in given)
     try:
+        if urls:  # s3://, gs://, file://, ...: read-only commands run on a mirror fetched by ranged reads
+            from . import remote as _remote
+
+            argv = _remote.mount_urls(list(given))
         fast = _fast_parse(sys.argv[1:] if argv is None else argv)
         rc = fast() if fast else app(args=argv, standalone_mode=False)
+        if urls and given and given[0] != "inspect" and _remote.report_line():
+            sys.stderr.write(f"ckpt: remote: {_remote.report_line()}\n")
         sys.stdout.flush()  # a closed pipe shows here, not as "Exception ignored" at interpreter exit
     except CkptError as e:
         if os.environ.get("CKPT_DEBUG"):
@@ -303,6 +311,11 @@ def _main(argv: list[str] | None) -> None:
     except BrokenPipeError:  # `ckpt inspect X | head`: the reader left; end quietly like a C tool (SIGPIPE)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         _exit(141)
+    finally:
+        if urls:
+            from . import remote as _remote
+
+            _remote.finish()
     _exit(rc if isinstance(rc, int) else 0)
 
 
