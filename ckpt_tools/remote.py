@@ -406,7 +406,11 @@ def translate(e: BaseException, url: str) -> CkptError:
         return CkptError("access denied", path=url,
                          hint="check the credentials in use (AWS_PROFILE, the bucket policy) or pass another "
                               "profile with --storage-options")
-    if any(w in low for w in ("slowdown", "throttl", "toomanyrequests", "too many requests", "503")):
+    import errno
+
+    if getattr(e, "errno", None) == errno.EBUSY or any(
+            w in low for w in ("slowdown", "throttl", "toomanyrequests", "too many requests", "503",
+                               "reduce your request rate")):  # s3fs: SlowDown -> OSError(EBUSY)
         return CkptError("the store kept throttling the requests after retries", path=url,
                          hint="run the command again later, or raise the client's retries in --storage-options")
     if isinstance(e, FileNotFoundError) or "nosuchkey" in low or "not found" in low or "404" in low:
