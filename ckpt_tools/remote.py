@@ -342,14 +342,16 @@ def _zip_directory(tail: bytes, size: int) -> tuple[int, int] | None:
     tail_start = size - len(tail)
     cd_size, cd_offset = struct.unpack("<II", tail[at + 12: at + 20])
     end = tail_start + at + 22
-    if 0xFFFFFFFF in (cd_size, cd_offset) and at >= 20 and tail[at - 20: at - 16] == b"PK\x06\x07":
+    cd_end = tail_start + at  # the central directory ends where the end records begin
+    if at >= 20 and tail[at - 20: at - 16] == b"PK\x06\x07":  # zip64 end records (torch always writes them)
         (z64,) = struct.unpack("<Q", tail[at - 12: at - 4])
         rec = z64 - tail_start
-        if 0 <= rec and rec + 56 <= len(tail) and tail[rec: rec + 4] == b"PK\x06\x06":
-            cd_size, cd_offset = struct.unpack("<QQ", tail[rec + 40: rec + 56])
-        else:
-            return (max(0, z64 - (1 << 20)), end)  # the record lies before the tail: widen, zipfile reads it
-    if cd_offset + cd_size > size:
+        if not (0 <= rec and rec + 56 <= len(tail) and tail[rec: rec + 4] == b"PK\x06\x06"):
+            return None  # the zip64 record lies before the tail: left to the on-demand reads
+        cd_size, cd_offset = struct.unpack("<QQ", tail[rec + 40: rec + 56])
+        cd_end = z64
+    if cd_offset + cd_size != cd_end:
+        # not one archive from byte 0 (a DCP .distcp: torch.save zips end to end, offsets relative to each)
         return None
     return (cd_offset, end)
 
@@ -459,6 +461,21 @@ def ensure_file(path) -> None:
         f = m._files.get(p)
         if f is not None:
             m.ensure_many([(p, 0, f.size)])
+
+
+def plan(wants) -> None:
+    """Fetch these (path, start, length) ranges now, as one parallel batch per mount: what a reader is about to
+    read, planned up front so that its many small reads cost one round of requests. A no-op for local paths."""
+    if not _MOUNTS:
+        return
+    by_mount: dict[Mount, list] = {}
+    for path, start, length in wants:
+        p = os.path.abspath(os.fspath(path))
+        m = mount_of(p)
+        if m is not None:
+            by_mount.setdefault(m, []).append((p, start, length))
+    for m, ws in by_mount.items():
+        m.ensure_many(ws)
 
 
 def mount(url: str, storage_options: dict | None = None, prime: bool = True) -> Mount:
