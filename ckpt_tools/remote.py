@@ -383,8 +383,11 @@ def _filesystem(url: str, options: dict):
     try:
         fs, key = fsspec.core.url_to_fs(url, **options)
     except ImportError as e:
-        raise CkptError(f"reading {url.split('://')[0]}:// URLs needs a client fsspec could not import ({e})",
-                        path=url, hint="pip install 'ckpt-tools[remote]' (s3fs), or gcsfs / adlfs for gs:// / az://")
+        scheme = url.split("://")[0]
+        package = {"s3": "'ckpt-tools[remote]'", "s3a": "'ckpt-tools[remote]'", "gs": "gcsfs", "gcs": "gcsfs",
+                   "az": "adlfs", "abfs": "adlfs", "hf": "huggingface_hub"}.get(scheme)
+        raise CkptError(f"reading {scheme}:// URLs needs a storage client that is not installed: {e}", path=url,
+                        hint=f"pip install {package}" if package else "install the fsspec implementation it names")
     except (ValueError, TypeError) as e:
         raise CkptError(f"cannot open this URL ({e})", path=url,
                         hint="check the scheme and --storage-options")

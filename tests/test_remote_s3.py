@@ -156,35 +156,66 @@ def test_inspect_stats_on_s3_equals_local(bucket, sample):
     assert got == want
 
 
-def test_partial_ranged_reads_are_exact(bucket, monkeypatch):
-    """With small first-read sizes the tensor bytes stay remote until read: the tree and every statistic still
-    equal the local ones, fewer bytes than the objects hold are fetched for the tree, none twice for all."""
+def _small_first_reads(monkeypatch):
+    """First reads of 1-2 KB, ranges widened to 512 bytes: tensor bytes, zip members and DCP items stay remote
+    until a reader asks for them (the samples are small enough to be fetched whole at the real sizes)."""
     from ckpt_tools import remote
-    from ckpt_tools.ops import inspect as ops
 
     monkeypatch.setattr(remote, "WHOLE_BYTES", 2048)
     monkeypatch.setattr(remote, "EDGE_BYTES", 1024)
     monkeypatch.setattr(remote, "ALIGN", 512)
-    opts = {"key": "testing", "secret": "testing", "skip_instance_cache": True,
-            "client_kwargs": {"endpoint_url": bucket}}
-    for sample in ("deepspeed/zero2_bf16", "dcp/torchtitan_real/step-5", "safetensors/model.safetensors",
-                   "torch/plain.pt"):
-        m = remote.mount(url(sample), opts)
-        try:
-            local_ck, remote_ck = ops.open_for_inspect(str(SAMPLES / sample)), ops.open_for_inspect(m.root)
-            want = json.loads(json.dumps(ops.summary(local_ck, local_ck.tree, None), default=repr))
-            got = json.loads(json.dumps(ops.summary(remote_ck, remote_ck.tree, None), default=repr))
-            want.pop("path"), got.pop("path")
-            assert got == want, sample
-            tree_bytes = m.counters.bytes_fetched
-            assert tree_bytes < m.counters.objects_bytes, sample
-            want_stats = [s.__dict__ for s in ops.tensor_stats(local_ck, None)]
-            got_stats = [s.__dict__ for s in ops.tensor_stats(remote_ck, None)]
-            assert got_stats == want_stats and len(want_stats) > 0, sample
-            assert tree_bytes < m.counters.bytes_fetched <= m.counters.objects_bytes, sample
-        finally:
-            m.close()
-        assert not os.path.exists(m.root)
+    return {"key": "testing", "secret": "testing", "skip_instance_cache": True,
+            "client_kwargs": {"endpoint_url": None}}
+
+
+def _summary_json(ck, root: str) -> dict:
+    from ckpt_tools.ops import inspect as ops
+
+    text = json.dumps(ops.summary(ck, ck.tree, None), default=repr)
+    return json.loads(text.replace(root, "<root>"))
+
+
+@pytest.mark.parametrize("sample", ALL_SAMPLES)
+def test_partial_ranged_reads_are_exact(bucket, monkeypatch, sample):
+    """With small first reads, every sample's tree equals the local one while fewer bytes than the objects hold
+    are fetched: no reader reads a byte the remote layer did not fetch first."""
+    from ckpt_tools import remote
+    from ckpt_tools.ops import inspect as ops
+
+    opts = _small_first_reads(monkeypatch)
+    opts["client_kwargs"]["endpoint_url"] = bucket
+    m = remote.mount(url(sample), opts)
+    try:
+        got = _summary_json(ops.open_for_inspect(m.root), m.root)
+        assert m.counters.list_requests == 1
+        assert 0 < m.counters.bytes_fetched <= m.counters.objects_bytes
+    finally:
+        m.close()
+    assert not os.path.exists(m.root)
+    assert got == _summary_json(ops.open_for_inspect(str(SAMPLES / sample)), str(SAMPLES / sample))
+
+
+@pytest.mark.parametrize("sample", ["deepspeed/zero2_bf16", "dcp/torchtitan_real/step-5",
+                                    "safetensors/model.safetensors", "torch/plain.pt", "megatron_lm/megatron_tp2_legacy"])
+def test_partial_ranged_reads_stats_are_exact(bucket, monkeypatch, sample):
+    """Every statistic of every tensor read through small ranged reads equals the local one; the tree alone
+    fetched less than the objects hold, the statistics never a byte twice."""
+    from ckpt_tools import remote
+    from ckpt_tools.ops import inspect as ops
+
+    opts = _small_first_reads(monkeypatch)
+    opts["client_kwargs"]["endpoint_url"] = bucket
+    m = remote.mount(url(sample), opts)
+    try:
+        local_ck, remote_ck = ops.open_for_inspect(str(SAMPLES / sample)), ops.open_for_inspect(m.root)
+        tree_bytes = m.counters.bytes_fetched
+        assert tree_bytes < m.counters.objects_bytes
+        want = [s.__dict__ for s in ops.tensor_stats(local_ck, None)]
+        got = [s.__dict__ for s in ops.tensor_stats(remote_ck, None)]
+        assert got == want and len(want) > 0
+        assert tree_bytes < m.counters.bytes_fetched <= m.counters.objects_bytes
+    finally:
+        m.close()
 
 
 def test_diff_url_against_local_and_url(bucket):
@@ -218,6 +249,18 @@ def test_export_from_s3_equals_local_export(bucket, tmp_path):
     assert sorted(got) == sorted(want) and len(want) == 29
     for k in want:
         assert got[k].dtype == want[k].dtype and (got[k] == want[k]).all(), k
+
+
+@pytest.mark.parametrize("command", [("to-universal",), ("convert", "--to", "dcp")])
+def test_to_universal_and_convert_from_s3_equal_local(bucket, tmp_path, command):
+    s = "deepspeed/zero2_bf16"
+    remote = ckpt(command[0], url(s), tmp_path / "remote", *command[1:], "--yes", env=_env(bucket))
+    local = ckpt(command[0], SAMPLES / s, tmp_path / "local", *command[1:], "--yes")
+    assert remote.returncode == local.returncode == 0, remote.stderr
+    assert "ckpt: remote: " in remote.stderr
+    same = ckpt("diff", tmp_path / "remote", tmp_path / "local", "--logical")
+    assert same.returncode == 0, same.stdout
+    assert "same: by logical name: " in same.stdout
 
 
 def test_export_to_a_url_is_refused(bucket, tmp_path):
@@ -370,3 +413,24 @@ def test_local_run_mounts_nothing():
     ck = ops.open_for_inspect(str(SAMPLES / "deepspeed/zero2_bf16"))
     list(ops.tensor_stats(ck, None))
     assert remote.active() == [] and remote.stats() is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None, reason="gcsfs is installed")
+def test_a_scheme_whose_client_is_missing():
+    line = _one_error_line(ckpt("inspect", "gs://bucket/run/global_step4"))
+    assert line.startswith("ckpt: error: gs://bucket/run/global_step4: reading gs:// URLs needs a storage client "
+                           "that is not installed: ")
+    assert line.endswith("(pip install gcsfs)")
+
+
+def test_file_url_equals_local():
+    """file:// goes through the same mirror and ranged reads (fsspec's local filesystem), no server."""
+    s = "deepspeed/zero3_bf16"
+    target = f"file://{SAMPLES / s}"
+    remote = ckpt("inspect", target, "--json")
+    local = ckpt("inspect", SAMPLES / s, "--json")
+    assert remote.returncode == local.returncode == 0, remote.stderr
+    got = json.loads(remote.stdout)
+    cost = got.pop("remote")
+    assert got == json.loads(local.stdout.replace(str(SAMPLES / s), target))
+    assert cost["bytes_fetched"] == cost["objects_bytes"] == 398376  # small objects: fetched whole, once
