@@ -32,7 +32,8 @@ def parse_rank(spec: str | None) -> dict[str, int] | None:
 
 def inspect_cmd(
     path: str = typer.Argument(..., metavar="PATH", help="checkpoint file or folder (a tag folder or its parent "
-                               "with `latest`); a folder of checkpoints lists them"),
+                               "with `latest`); a folder of checkpoints lists them; or a URL (s3://, gs://, "
+                               "file://, any fsspec URL; --storage-options JSON for the client)"),
     grep: Optional[str] = typer.Option(None, "--grep", "-g", metavar="REGEX",
                                        help="only tree entries whose path matches this regex"),
     depth: Optional[int] = typer.Option(None, "--depth", "-d", metavar="N", help="cut the tree at this many levels"),

@@ -26,7 +26,9 @@ from ckpt_tools.errors import CkptError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   context_settings={"help_option_names": ["-h", "--help"]},
-                  help="Inspect and repair large-model training checkpoints.",
+                  help="Inspect and repair large-model training checkpoints. The read-only commands (inspect, "
+                       "diff, check-tp-sync, export, convert, to-universal) also read from a URL (s3://, gs://, "
+                       "file://, ...); --storage-options JSON passes options to its fsspec client.",
                   pretty_exceptions_enable=False)
 
 from . import convert as _convert  # noqa: E402
