@@ -74,8 +74,7 @@ def endpoint(tmp_path_factory):
 
 
 def _fs(endpoint: str):
-    import s3fs
-
+    s3fs = importlib.import_module("s3fs")  # optional: imported only when the tests run
     return s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": endpoint},
                              skip_instance_cache=True)
 
@@ -325,19 +324,23 @@ def test_storage_options_endpoint_and_bad_json(bucket):
 
 def test_access_denied(bucket):
     """An authenticated IAM user whose policies allow nothing: S3 answers AccessDenied."""
-    import boto3
-    import requests
+    import urllib.request
 
+    boto3 = importlib.import_module("boto3")  # moto's own dependency
     iam = boto3.client("iam", endpoint_url=bucket, region_name="us-east-1", aws_access_key_id="testing",
                        aws_secret_access_key="testing")
     iam.create_user(UserName="nobody")
     key = iam.create_access_key(UserName="nobody")["AccessKey"]
-    requests.post(f"{bucket}/moto-api/reset-auth", data=b"0").raise_for_status()  # authorise every request now
+    def reset_auth(after: bytes) -> None:  # moto's server: authenticate and authorise requests from now on
+        urllib.request.urlopen(urllib.request.Request(f"{bucket}/moto-api/reset-auth", data=after, method="POST",
+                                                      headers={"Content-Type": "text/plain"})).close()
+
+    reset_auth(b"0")
     try:
         env = _env(bucket, AWS_ACCESS_KEY_ID=key["AccessKeyId"], AWS_SECRET_ACCESS_KEY=key["SecretAccessKey"])
         line = _one_error_line(ckpt("inspect", url("deepspeed/zero2_bf16"), env=env))
     finally:
-        requests.post(f"{bucket}/moto-api/reset-auth", data=b"1000000000").raise_for_status()
+        reset_auth(b"1000000000")
     assert line.startswith(f"ckpt: error: {url('deepspeed/zero2_bf16')}: access denied (")
 
 
