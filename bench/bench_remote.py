@@ -2,6 +2,7 @@
 
     python bench/make_big_zero.py --out bench/out/zero2_200m --params 14e6     # once
     python bench/bench_remote.py --ckpt bench/out/zero2_200m --repeat 3       # table + bench/out/remote_results.json
+    python bench/bench_remote.py --ckpt bench/out/zero2_200m --stats          # every tensor byte: --stats
 
 A real S3-compatible server (moto's server mode, its own process on 127.0.0.1) holds the checkpoint, uploaded
 with s3fs before timing. Each command runs as its own process, timed from spawn to exit, runs interleaved:
@@ -51,7 +52,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", type=Path, default=REPO_ROOT / "bench/out/zero2_200m")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--stats", action="store_true", help="time `inspect --stats` (every tensor byte) instead")
     args = p.parse_args()
+    extra = ["--stats"] if args.stats else []
     src = args.ckpt.resolve()
     if not src.is_dir():
         sys.exit(f"{src}: not there; make it with bench/make_big_zero.py (see this file's docstring)")
@@ -86,7 +89,8 @@ def main() -> None:
         for i in range(args.repeat):
             before = _requests_logged(log)
             out_json = work / "remote.json"
-            m = run_measured([*CKPT, "inspect", url, "--json"], env=env, cwd=REPO_ROOT, stdout_path=out_json)
+            m = run_measured([*CKPT, "inspect", url, "--json", *extra], env=env, cwd=REPO_ROOT,
+                             stdout_path=out_json)
             remote_doc = json.loads(out_json.read_text())
             rows["remote"].append((m, _requests_logged(log) - before, remote_doc["remote"]))
             dest = work / "copy"
@@ -94,7 +98,7 @@ def main() -> None:
             before = _requests_logged(log)
             m = run_measured([sys.executable, "-c", get_script, f"bench/{src.name}", str(dest)], env=env)
             rows["download"].append((m, _requests_logged(log) - before, dir_bytes(dest)))
-            m = run_measured([*CKPT, "inspect", str(dest), "--json"], env=env, cwd=REPO_ROOT,
+            m = run_measured([*CKPT, "inspect", str(dest), "--json", *extra], env=env, cwd=REPO_ROOT,
                              stdout_path=work / "local.json")
             rows["local_inspect"].append((m, 0, None))
         local_doc = json.loads((work / "local.json").read_text())
@@ -108,7 +112,7 @@ def main() -> None:
     rss = lambda k: statistics.median(m.peak_rss_bytes for m, _, _ in rows[k])  # noqa: E731
     r_cost = rows["remote"][-1][2]
     result = {
-        "machine": machine_info(), "ckpt": str(src), "bytes": total, "repeat": args.repeat,
+        "machine": machine_info(), "ckpt": str(src), "bytes": total, "repeat": args.repeat, "stats": args.stats,
         "same_json_as_local": same,
         "remote": {"wall_s_median": med("remote"), "wall_s": [m.wall_s for m, _, _ in rows["remote"]],
                    "peak_rss_bytes": rss("remote"), "reported": r_cost,
@@ -121,10 +125,10 @@ def main() -> None:
     }
     out_dir = REPO_ROOT / "bench/out"
     out_dir.mkdir(exist_ok=True)
-    (out_dir / "remote_results.json").write_text(json.dumps(result, indent=1))
+    (out_dir / f"remote{'_stats' if args.stats else ''}_results.json").write_text(json.dumps(result, indent=1))
     shutil.rmtree(work, ignore_errors=True)
     print(f"{src.name}: {fmt_bytes(total)}, {args.repeat} runs each, medians; same --json as local: {same}")
-    print(f"  ckpt inspect s3://   {med('remote'):7.3f} s  {r_cost['bytes_fetched']:>14,} bytes  "
+    print(f"  ckpt inspect {' '.join(extra)} s3://   {med('remote'):7.3f} s  {r_cost['bytes_fetched']:>14,} bytes  "
           f"{r_cost['requests']:>4} requests (server log: {rows['remote'][-1][1]})  RSS {fmt_bytes(rss('remote'))}")
     print(f"  download + inspect   {med('download') + med('local_inspect'):7.3f} s  "
           f"{rows['download'][-1][2]:>14,} bytes  {'':>4}          (server log: {rows['download'][-1][1]})  "
