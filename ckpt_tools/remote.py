@@ -445,21 +445,28 @@ def mount_of(path: str) -> Mount | None:
     return None
 
 
+def _held_by(path) -> tuple[Mount, str, _File] | None:
+    """(mount, local absolute path, object record) for a mirrored path; None for a local file."""
+    p = os.path.abspath(os.fspath(path))
+    m = mount_of(p)
+    f = m._files.get(p) if m is not None else None
+    return None if f is None else (m, p, f)
+
+
 def ensure(path, start: int, length: int) -> None:
     """Make bytes [start, start+length) of `path` present before a reader touches them: a no-op for a local
     file; for a mirrored object, the missing part is fetched (once)."""
-    if not _MOUNTS:
+    if not _MOUNTS or length <= 0:
         return
-    p = os.path.abspath(os.fspath(path))
-    m = mount_of(p)
-    if m is not None:
-        f = m._files.get(p)
-        if f is not None and length > 0:
-            ahead = _read_ahead(f, start, length)
-            if not m._missing(f, start, start + length):
-                return  # held already (fetched ahead): the next fetch starts where the held bytes end
-            length = max(length, ahead)
-        m.ensure_many([(p, start, length)])
+    held = _held_by(path)
+    if held is None:
+        return
+    m, p, f = held
+    with m._lock:  # readers on several threads (to-universal's workers) share the streams
+        ahead = _read_ahead(f, start, length)
+    if not m._missing(f, start, start + length):
+        return  # held already (fetched ahead): the next fetch starts where the held bytes end
+    m.ensure_many([(p, start, max(length, ahead))])
 
 
 def _read_ahead(f: _File, start: int, length: int) -> int:
@@ -468,13 +475,12 @@ def _read_ahead(f: _File, start: int, length: int) -> int:
     streams) fetch ahead from their third read in a row, in a window that doubles with each read up to
     MAX_RANGE, as the kernel's readahead does: a thousand small tensors cost a few dozen requests, not a
     thousand. A read that follows no stream starts one (at most 8 per file, the oldest dropped)."""
-    for st in f.streams:
+    for i, st in enumerate(f.streams):
         if abs(start - st[0]) <= ALIGN:  # (a zip member's data starts inside the read of its header)
             st[0], st[1] = max(st[0], start + length), st[1] + 1
             if st[1] >= 3:
                 st[2] = min(max(2 * st[2], 4 * ALIGN), MAX_RANGE)
-            f.streams.remove(st)
-            f.streams.append(st)
+            f.streams.append(f.streams.pop(i))
             return st[2]
     f.streams.append([start + length, 1, 0])
     del f.streams[:-8]
@@ -483,14 +489,9 @@ def _read_ahead(f: _File, start: int, length: int) -> int:
 
 def ensure_file(path) -> None:
     """The whole of `path` (a whole-file hash or compare)."""
-    if not _MOUNTS:
-        return
-    p = os.path.abspath(os.fspath(path))
-    m = mount_of(p)
-    if m is not None:
-        f = m._files.get(p)
-        if f is not None:
-            m.ensure_many([(p, 0, f.size)])
+    held = _held_by(path) if _MOUNTS else None
+    if held is not None:
+        held[0].ensure_many([(held[1], 0, held[2].size)])
 
 
 def plan(wants) -> None:
@@ -500,10 +501,9 @@ def plan(wants) -> None:
         return
     by_mount: dict[Mount, list] = {}
     for path, start, length in wants:
-        p = os.path.abspath(os.fspath(path))
-        m = mount_of(p)
-        if m is not None:
-            by_mount.setdefault(m, []).append((p, start, length))
+        held = _held_by(path)
+        if held is not None:
+            by_mount.setdefault(held[0], []).append((held[1], start, length))
     for m, ws in by_mount.items():
         m.ensure_many(ws)
 
