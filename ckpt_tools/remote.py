@@ -121,6 +121,10 @@ class Mount:
         except BaseException:
             shutil.rmtree(self._tmp, ignore_errors=True)
             raise
+        if not _MOUNTS:  # a library caller that never closes its mounts still leaves no mirror behind
+            import atexit
+
+            atexit.register(unmount_all)
         _MOUNTS[self.root] = self
 
     # --- listing and mirror -------------------------------------------------------------------------
