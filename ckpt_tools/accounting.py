@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable
 
+from . import remote
 from .errors import UnsupportedCheckpoint
 from .tree import Checkpoint, GroupNode, OpaqueNode, Warning_, scalar
 
@@ -325,6 +326,7 @@ def duplicate_rank_files(ck: Checkpoint, limit: int = 4 << 20) -> list[Warning_]
         if sizes[f.bytes] < 2:  # a file of a size no other has cannot be a copy: not read at all
             continue
         try:
+            remote.ensure_file(root / f.path)
             digest = hashlib.sha1((root / f.path).read_bytes()).hexdigest()
         except OSError:
             continue

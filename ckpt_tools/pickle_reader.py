@@ -27,6 +27,7 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from . import remote
 from .errors import CorruptCheckpoint, NotACheckpoint
 
 # --- dtypes -----------------------------------------------------------------------------------------
@@ -202,6 +203,8 @@ class TensorRef:
         if begin < 0 or count < 0 or begin + count * esize > self.storage.nbytes or len(out) != count * esize:
             raise CorruptCheckpoint(f"tensor bytes of storage {self.storage.key} lie outside the file",
                                     path=src.path, hint="the file is truncated; re-copy it")
+        if remote._MOUNTS:
+            remote.ensure(src.path, base + begin, len(out))
         fd, offset, done = fds.get(src.path), base + begin, 0
         while done < len(out):
             n = os.preadv(fd, [out[done:]], offset + done)
@@ -692,6 +695,8 @@ class Source:
     def read_storage(self, storage: StorageRef, begin: int, length: int) -> memoryview:
         mm = self._map()
         start = self.storage_offset(storage) + begin
+        if remote._MOUNTS:
+            remote.ensure(self.path, start, length)
         if begin < 0 or length < 0 or begin + length > storage.nbytes or start + length > len(mm):
             raise CorruptCheckpoint(f"tensor bytes of storage {storage.key} lie outside the file",
                                     path=self.path, hint="the file is truncated; re-copy it")
@@ -703,6 +708,8 @@ class Source:
         page cache instead of faulting them in one page cluster after another. A hint: never fails."""
         mm = self._map()
         start = self.storage_offset(storage) + begin
+        if remote._MOUNTS and begin >= 0 and length > 0:
+            remote.ensure(self.path, start, length)  # a remote object: fetch now (the ranges a caller plans)
         fh = self._fh if self._fh is not None else getattr(getattr(self, "_outer", None), "_fh", None)
         if fh is not None and hasattr(os, "posix_fadvise") and begin >= 0 and length > 0 and \
                 start + length <= len(mm):
@@ -744,6 +751,8 @@ class ZipSource(Source):
                                         hint="torch.save writes stored members; re-save with torch.save")
             mm = self._map()
             header = self.base + info.header_offset
+            if remote._MOUNTS:  # the local header (torch pads its extra field to 64-byte alignment)
+                remote.ensure(self.path, header, 30 + len(name.encode()) + 256)
             hdr = mm[header: header + 30]
             if len(hdr) < 30 or hdr[:4] != b"PK\x03\x04":
                 raise CorruptCheckpoint(f"bad local header for zip member {name}", path=self.path,
@@ -784,9 +793,10 @@ class _Window(io.RawIOBase):
     """A read-only file over a slice of a mapping, so zipfile can parse an embedded archive by reading
     only its directory and `data.pkl` (copying the slice would read the tensor bytes too)."""
 
-    def __init__(self, buf: memoryview):
+    def __init__(self, buf: memoryview, before_read: Callable[[int, int], None] | None = None):
         self._buf = buf
         self._pos = 0
+        self._before_read = before_read  # a remote object's window: fetch what is about to be read
 
     def readable(self) -> bool:
         return True
@@ -804,6 +814,8 @@ class _Window(io.RawIOBase):
 
     def readinto(self, b) -> int:
         n = max(0, min(len(b), len(self._buf) - self._pos))
+        if self._before_read is not None and n:
+            self._before_read(self._pos, n)
         b[:n] = self._buf[self._pos: self._pos + n]
         self._pos += n
         return n
@@ -1088,9 +1100,13 @@ def load_embedded(outer: Source, offset: int, length: int) -> Loaded:
     if offset < 0 or length <= 0 or offset + length > len(mm):
         raise CorruptCheckpoint(f"item at bytes {offset}..{offset + length} lies outside the file "
                                 f"({len(mm)} bytes)", path=outer.path, hint="the file is truncated; re-copy it")
+    before = None
+    if remote.mount_of(os.path.abspath(outer.path)) is not None:  # only the item's directory and data.pkl
+        def before(pos: int, n: int) -> None:
+            remote.ensure(outer.path, offset + pos, n)
     view = memoryview(mm)[offset: offset + length]
     try:
-        return _load_zip(outer.path, _Window(view),
+        return _load_zip(outer.path, _Window(view, before),
                          lambda path, zf, prefix: EmbeddedZipSource(outer, zf, prefix, offset))
     finally:
         view.release()

@@ -27,6 +27,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, Union
 
+from . import remote
 from .errors import CorruptCheckpoint
 from .io import copy_range
 from .pickle_reader import StorageRef
@@ -130,6 +131,7 @@ def _source_data(s: StorageRef, path: str, fds: dict[str, int]) -> StorageData:
     if fd is None:
         fd = fds[s.source.path] = os.open(s.source.path, os.O_RDONLY)
     start = s.source.storage_offset(s)
+    remote.ensure(s.source.path, start, s.nbytes)
     if start + s.nbytes > os.fstat(fd).st_size:
         raise CorruptCheckpoint(f"storage {s.key} lies outside the file", path=s.source.path,
                                 hint="the file is truncated; re-copy it")

@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from ckpt_tools import remote
 from ckpt_tools.errors import CkptError, NotACheckpoint
 from ckpt_tools.ops import inspect as ops
 
@@ -31,7 +32,8 @@ def parse_rank(spec: str | None) -> dict[str, int] | None:
 
 def inspect_cmd(
     path: str = typer.Argument(..., metavar="PATH", help="checkpoint file or folder (a tag folder or its parent "
-                               "with `latest`); a folder of checkpoints lists them"),
+                               "with `latest`); a folder of checkpoints lists them; or a URL (s3://, gs://, "
+                               "file://, any fsspec URL; --storage-options JSON for the client)"),
     grep: Optional[str] = typer.Option(None, "--grep", "-g", metavar="REGEX",
                                        help="only tree entries whose path matches this regex"),
     depth: Optional[int] = typer.Option(None, "--depth", "-d", metavar="N", help="cut the tree at this many levels"),
@@ -75,6 +77,8 @@ def inspect_cmd(
         doc["warnings"] = [w.__dict__ for w in warnings]
         if stats:
             doc["stats"] = [s.__dict__ for s in stat_rows]
+        if remote.stats() is not None:  # a URL: what reading it cost
+            doc["remote"] = remote.stats()
         output.print_json(doc)
         return
     _print_header(ck, warnings)
@@ -143,6 +147,10 @@ def _print_header(ck, warnings) -> None:
                f"last_lr={f(ck.lr.last_lr)}"),
     ]
     rows += [(k, f(v)) for k, v in ck.details.items() if v is not None and k not in ("tag", "accounting")]
+    if remote.stats() is not None:
+        from .remote import report_line
+
+        rows.append(("remote", report_line()))
     if warnings:
         rows.append(("warnings", style(str(len(warnings)), "yellow")))
     width = max(len(k) for k, _ in rows)

@@ -26,7 +26,9 @@ from ckpt_tools.errors import CkptError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   context_settings={"help_option_names": ["-h", "--help"]},
-                  help="Inspect and repair large-model training checkpoints.",
+                  help="Inspect and repair large-model training checkpoints. The read-only commands (inspect, "
+                       "diff, check-tp-sync, export, convert, to-universal) also read from a URL (s3://, gs://, "
+                       "file://, ...); --storage-options JSON passes options to its fsspec client.",
                   pretty_exceptions_enable=False)
 
 from . import convert as _convert  # noqa: E402
@@ -274,9 +276,17 @@ def main(argv: list[str] | None = None) -> None:
 def _main(argv: list[str] | None) -> None:
     tune_gc()
     _install_test_kill_hook()
+    given = sys.argv[1:] if argv is None else argv
+    urls = any("://" in a or a.startswith("--storage-options") for a in given)
     try:
+        if urls:  # s3://, gs://, file://, ...: read-only commands run on a mirror fetched by ranged reads
+            from . import remote as _remote
+
+            argv = _remote.mount_urls(list(given))
         fast = _fast_parse(sys.argv[1:] if argv is None else argv)
         rc = fast() if fast else app(args=argv, standalone_mode=False)
+        if urls and given and given[0] != "inspect" and _remote.report_line():
+            sys.stderr.write(f"ckpt: remote: {_remote.report_line()}\n")
         sys.stdout.flush()  # a closed pipe shows here, not as "Exception ignored" at interpreter exit
     except CkptError as e:
         if os.environ.get("CKPT_DEBUG"):
@@ -303,6 +313,11 @@ def _main(argv: list[str] | None) -> None:
     except BrokenPipeError:  # `ckpt inspect X | head`: the reader left; end quietly like a C tool (SIGPIPE)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         _exit(141)
+    finally:
+        if urls:
+            from . import remote as _remote
+
+            _remote.finish()
     _exit(rc if isinstance(rc, int) else 0)
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from .. import remote
 from ..errors import CorruptCheckpoint, MissingFile, UnsupportedCheckpoint
 from ..pickle_reader import SMALL_TENSOR_NUMEL, DType, TensorRef, is_opaque
 from ..qkv import find_fused
@@ -284,6 +285,8 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
             n = sum(1 for r, _, _ in where.values() if r == rel)
             raise MissingFile(f"{rel} is missing (.metadata places {n} items in it)", path=path / rel,
                               hint="re-copy the checkpoint folder; every rank's .distcp file is needed")
+    if remote._MOUNTS:  # a remote checkpoint: what parsing the items reads, planned as one parallel batch
+        remote.plan(_first_reads(path, where))
 
     top: dict[Any, Any] = {}
     loader: dict[str, bytes] = {}  # torchtitan's per-DP-rank pickled data-loader states
@@ -330,6 +333,21 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
                      "common.pt")
         ck = replace(ck, topology=Topology(), warnings=(w, *ck.warnings))
     return ck
+
+
+def _first_reads(root: Path, where: dict) -> list[tuple[Path, int, int]]:
+    """The byte ranges parsing every item reads: a value item whole (up to the size `_value` reads), a tensor
+    item's torch.save zip at both ends (`data.pkl` and the first member's header lead, the central directory
+    ends it); its tensor bytes in between are read only when asked for."""
+    edge = 4096
+    out = []
+    for (_, offsets), (rel, off, length) in where.items():
+        if offsets is None or length <= 2 * edge:
+            if length <= _MAX_VALUE_BYTES:
+                out.append((root / rel, off, length))
+            continue
+        out += [(root / rel, off, edge), (root / rel, off + length - edge, edge)]
+    return out
 
 
 def _item(root: Path, key: str, where: dict, offsets: tuple[int, ...] | None) -> tuple[str, int, int]:

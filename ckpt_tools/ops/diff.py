@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .. import pickle_reader
+from .. import pickle_reader, remote
 from ..errors import CkptError, NotACheckpoint
 from ..pickle_reader import DType, NumpyArray, Opaque, TensorRef
 from ..tree import jsonable
@@ -335,6 +335,8 @@ def _try_load(p: Path):
 def _same_bytes(a: Path, b: Path) -> bool:
     if a.stat().st_size != b.stat().st_size:
         return False
+    remote.ensure_file(a)
+    remote.ensure_file(b)
     with open(a, "rb") as fa, open(b, "rb") as fb:
         while True:
             x, y = fa.read(16 << 20), fb.read(16 << 20)
