@@ -15,6 +15,11 @@ Requests are also counted on the server side, from its access log (one line per 
 The server is on the same machine: no network latency; over a real network each request costs a round trip
 (PERFORMANCE.md: 20 ms makes 50 sequential small reads a second) and the bytes cost bandwidth, so the gap in
 bytes and requests is the figure to carry over, not the wall times.
+
+`--latency-ms N` puts a delaying TCP proxy (`DelayProxy`, threads in this process, on 127.0.0.1) between both
+clients and the server: every chunk a client sends (an HTTP request's head arrives as one) is held N ms before it
+is passed on, so each request costs N ms more — what a store across a network adds, with loopback bandwidth.
+The upload before timing goes to the server directly.
 """
 from __future__ import annotations
 
@@ -43,6 +48,52 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class DelayProxy:
+    """127.0.0.1:<port> -> 127.0.0.1:<target>, each chunk from the client held `delay_s` before it is sent on."""
+
+    def __init__(self, target: int, delay_s: float) -> None:
+        import threading
+
+        self.target, self.delay_s = target, delay_s
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            threading.Thread(target=self._pipe, args=(client, upstream, self.delay_s), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, 0.0), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket, delay_s: float) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if delay_s:
+                    time.sleep(delay_s)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 def _requests_logged(log: Path) -> int:
     return sum(1 for line in log.read_text(errors="replace").splitlines() if '" 20' in line or '" 4' in line
                or '" 5' in line)
@@ -53,6 +104,8 @@ def main() -> None:
     p.add_argument("--ckpt", type=Path, default=REPO_ROOT / "bench/out/zero2_200m")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--stats", action="store_true", help="time `inspect --stats` (every tensor byte) instead")
+    p.add_argument("--latency-ms", type=float, default=0.0, help="add this much to every request (a delaying "
+                   "proxy on loopback)")
     args = p.parse_args()
     extra = ["--stats"] if args.stats else []
     src = args.ckpt.resolve()
@@ -80,6 +133,9 @@ def main() -> None:
                                skip_instance_cache=True)
         fs.mkdir("bench")
         fs.put(str(src), f"bench/{src.name}", recursive=True)
+        if args.latency_ms:  # the timed clients go through the delaying proxy
+            proxy = DelayProxy(port, args.latency_ms / 1000)
+            env["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{proxy.port}"
         url = f"s3://bench/{src.name}"
         total = dir_bytes(src)
         get_script = ("import s3fs,sys; fs=s3fs.S3FileSystem(skip_instance_cache=True); "
@@ -113,6 +169,7 @@ def main() -> None:
     r_cost = rows["remote"][-1][2]
     result = {
         "machine": machine_info(), "ckpt": str(src), "bytes": total, "repeat": args.repeat, "stats": args.stats,
+        "latency_ms": args.latency_ms,
         "same_json_as_local": same,
         "remote": {"wall_s_median": med("remote"), "wall_s": [m.wall_s for m, _, _ in rows["remote"]],
                    "peak_rss_bytes": rss("remote"), "reported": r_cost,
@@ -125,9 +182,11 @@ def main() -> None:
     }
     out_dir = REPO_ROOT / "bench/out"
     out_dir.mkdir(exist_ok=True)
-    (out_dir / f"remote{'_stats' if args.stats else ''}_results.json").write_text(json.dumps(result, indent=1))
+    tag = ("_stats" if args.stats else "") + (f"_latency{args.latency_ms:g}ms" if args.latency_ms else "")
+    (out_dir / f"remote{tag}_results.json").write_text(json.dumps(result, indent=1))
     shutil.rmtree(work, ignore_errors=True)
-    print(f"{src.name}: {fmt_bytes(total)}, {args.repeat} runs each, medians; same --json as local: {same}")
+    print(f"{src.name}: {fmt_bytes(total)}, {args.repeat} runs each, medians; same --json as local: {same}"
+          + (f"; +{args.latency_ms:g} ms per request" if args.latency_ms else ""))
     print(f"  ckpt inspect {' '.join(extra)} s3://   {med('remote'):7.3f} s  {r_cost['bytes_fetched']:>14,} bytes  "
           f"{r_cost['requests']:>4} requests (server log: {rows['remote'][-1][1]})  RSS {fmt_bytes(rss('remote'))}")
     print(f"  download + inspect   {med('download') + med('local_inspect'):7.3f} s  "
