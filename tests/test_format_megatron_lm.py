@@ -606,9 +606,9 @@ def test_ckpt_resume_runs_megatron_from_the_saved_args_with_a_verdict(tmp_path, 
 
 
 def test_ckpt_resume_megatron_refusals_are_one_line(tmp_path):
-    """Without the Megatron-LM checkout (its training code is not in the wheel) and for the distributed optimizer
-    (Megatron cannot load it on a CPU: measured), `ckpt resume` exits 2 with one line naming what to do, before
-    anything starts."""
+    """Without the Megatron-LM checkout (its training code is not in the wheel), for the distributed optimizer
+    (Megatron cannot load it on a CPU: measured) and for a legacy save at another TP (Megatron cannot reshard it),
+    `ckpt resume` exits 2 with one line naming what to do, before anything starts."""
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_LM_DIR"}
     proc = _ckpt_resume(sample("megatron_lm", TP2), env=env)
     assert proc.returncode == 2 and "MEGATRON_LM_DIR" in proc.stderr, proc.stderr
@@ -616,6 +616,9 @@ def test_ckpt_resume_megatron_refusals_are_one_line(tmp_path):
     proc = _ckpt_resume(sample("megatron_lm", DISTOPT), env={**env, "MEGATRON_LM_DIR": str(tmp_path)})
     assert proc.returncode == 2 and "distributed optimizer" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+    proc = _ckpt_resume(sample("megatron_lm", TP2), "--tp", "1", env=env)  # legacy: only at the saved sizes
+    assert proc.returncode == 2 and "saved at" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
+        proc.stderr
 
 
 @pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,

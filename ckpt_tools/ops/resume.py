@@ -593,6 +593,9 @@ def _framework_plan(ck: Checkpoint, p: Path, *, steps: int, nproc: int | None, d
         raise UnsupportedCheckpoint(f"`ckpt resume` trains DeepSpeed checkpoints; this is {ck.format}", path=p,
                                     hint=f"supported: {', '.join(SUPPORTED_FORMATS)}") from None
     reshard = ck.format == "megatron_torch_dist"  # Megatron's dist-checkpointing loads it at any TP / PP
+    if ck.format == "megatron_legacy" and (tp is not None or pp is not None):
+        raise CkptError("Megatron-LM loads a legacy checkpoint only at the TP / PP it was saved at", path=p,
+                        hint="drop --tp / --pp (--nproc changes the DP size; a torch_dist save reshards at load)")
     for flag, given in (("--universal", universal), ("--tp", tp is not None and not reshard),
                         ("--pp", pp is not None and not reshard),
                         ("--config", config is not None), ("--data", data is not None)):
