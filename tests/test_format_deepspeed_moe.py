@@ -124,6 +124,8 @@ def test_to_universal_carries_every_expert_and_dcp_is_refused(tmp_path, name):
     assert experts <= {d.name for d in zero.iterdir()}
     assert all({"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt"} <= {f.name for f in (zero / n).iterdir()}
                for n in experts)
+    marks = pr.load(zero / EXPERT.format(layer=1, e=3, p="fc1.weight") / "fp32.pt").obj
+    assert (marks["is_expert_param"], marks["ep_num_experts"]) == (True, 4)  # DeepSpeed stops at ep_size > 1
     groups = pr.load(zero / "optimizer_state.pt").obj["param_groups"]
     assert [g.get("moe", False) for g in groups] == [False, False, True, True]
     assert [g.get("name") for g in groups] == ["decay", "no_decay", None, None]

@@ -214,8 +214,7 @@ def _zero_layout(ext, rf, ms, module, experts, dp, cache, expp, root) -> None:
         raise CorruptCheckpoint(f"{len(missing)} expert tensor(s) in the expert files belong to no MoE param group "
                                 f"({', '.join(missing[:3])} …)", path=rf.model_states)
     ext.file_groups, ext.groups, ext.group_layout, ext.ep = file_groups, groups_out, layout, ep
-    ext.details["experts"] = _experts_line(n_experts, ep, len(groups_out), moe)
-    ext.details["num_experts"] = next(iter(n_experts))
+    _set_experts(ext, next(iter(n_experts)), ep, len(groups_out), moe)
     for e, p in expp.items():  # DeepSpeed 0.14 / 0.16 write them with ZeRO too: {'optimizer': None}
         obj = cache.load(p).obj
         if not (isinstance(obj, dict) and obj.get("optimizer") is None):
@@ -225,10 +224,11 @@ def _zero_layout(ext, rf, ms, module, experts, dp, cache, expp, root) -> None:
     ext.details["expert_check"] = "each expert's fp32 master rounds to its expert file's weights (checked)"
 
 
-def _experts_line(n_experts: set[int], ep: int, groups: int, moe: list[int]) -> str:
-    n = next(iter(n_experts))
-    return (f"{n} per MoE layer, expert parallel {ep} ({n // ep} per rank); param groups "
-            f"{', '.join(str(i) for i in moe)} of {groups} hold them")
+def _set_experts(ext, n: int, ep: int, groups: int, moe: list[int]) -> None:
+    """The experts per MoE layer (`num_experts`: to-universal marks the expert files with it) and their line."""
+    ext.details["num_experts"] = n
+    ext.details["experts"] = (f"{n} per MoE layer, expert parallel {ep} ({n // ep} per rank); param groups "
+                              f"{', '.join(str(i) for i in moe)} of {groups} hold them")
 
 
 def _groups_from_mappings(rf, cache, module, experts, ep, n_local) -> list[dict[str, tuple[int, ...]]]:
@@ -374,7 +374,7 @@ def _expp_optimizer(ext, expp: dict[int, Path], module, experts, cache, root) ->
     ext.optimizer = D.ZeroOptimizer(0, state, groups0, steps, lrs, {}, warnings=problems)
     ext.groups, ext.ep = out_groups, ep
     moe = [i for i, g in enumerate(groups0) if _is_moe(g)]
-    ext.details["experts"] = _experts_line({gates[0]}, ep, len(out_groups), moe)
+    _set_experts(ext, gates[0], ep, len(out_groups), moe)
 
 
 def training_state(ck: Checkpoint):
