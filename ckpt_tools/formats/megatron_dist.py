@@ -173,9 +173,9 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     if state:
         # common.pt's param groups list no members: Megatron re-derives them at load, by its default rule
         rule = group_rule(groups, args)
+        member = {n: rule(n, model[n].shape) for n in state if n in model} if rule else {}
         kids = {n: GroupNode({**s, **({"step": ValueNode(step)} if step is not None else {}),
-                              **({"param_group": ValueNode(rule(n, model[n].shape))}
-                                 if rule and n in model and rule(n, model[n].shape) is not None else {})})
+                              **({"param_group": ValueNode(member[n])} if member.get(n) is not None else {})})
                 for n, s in state.items()}
         opt_children["state"] = GroupNode(kids)
     opt_children["param_groups"] = GroupNode({str(i): GroupNode({k: to_node(v, COMMON) for k, v in g.items()})

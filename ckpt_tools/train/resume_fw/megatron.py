@@ -78,15 +78,13 @@ def saved_legacy_state(plan: dict[str, Any], inner: Any) -> list[dict[str, torch
     folder = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}" + (
         f"_{ps.get_pipeline_model_parallel_rank():03d}" if pp > 1 else "")
     f = Path(plan["load_dir"]) / f"iter_{int(plan['iteration']):07d}" / folder / "model_optim_rng.pt"
-    osd = pr.load(f).obj["optimizer"]
-    osd = osd.get("optimizer", osd)
-    state = osd["state"]
-    out = []
-    for g in osd["param_groups"]:
-        for i in g["params"]:
-            st = state.get(i) or {}
-            out.append({k: v.read_torch().clone() for k, v in st.items() if isinstance(v, pr.TensorRef)})
-    return out if len(out) == sum(len(g["params"]) for g in inner.param_groups) else None
+    osd = c.find_osd(pr.load(f).obj)  # read inert: the file pickles Megatron's args Namespace
+    if osd is None:
+        return None
+    state = {i: {k: v.read_torch() if isinstance(v, pr.TensorRef) else v for k, v in st.items()}
+             for i, st in (osd.get("state") or {}).items() if isinstance(st, dict)}
+    out = c.saved_states_by_position({**osd, "state": state})
+    return out if out and len(out) == sum(len(g["params"]) for g in inner.param_groups) else None
 
 
 def main(plan: dict[str, Any]) -> None:
