@@ -395,14 +395,12 @@ def check(args: argparse.Namespace, rank: int, dp: int) -> None:
 def whole_state(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
     """Every parameter's fp32 master and Adam moments, whole, under GLOBAL expert names: each rank's ZeRO-1/2
     pieces (read through the parameter's fragment address, `ds_pipeline.master_and_moments`; without ZeRO the
-    fp32 weight and torch's Adam state) gathered from all ranks and put at their offsets. An expert's pieces come from the ranks of its expert-data-parallel group
-    only (the other expert-parallel ranks hold other experts under the same local name, renamed apart here);
-    every element must be covered exactly once."""
+    fp32 weight and torch's Adam state) put together by `ds_pipeline.gather_whole`. An expert's pieces come from
+    the ranks of its expert-data-parallel group only (the other expert-parallel ranks hold other experts under the
+    same local name, renamed apart here)."""
     import re
 
-    import torch.distributed as dist
-
-    from ckpt_tools.train.workers.ds_pipeline import master_and_moments
+    from ckpt_tools.train.workers.ds_pipeline import gather_whole, master_and_moments
 
     local_n = NUM_EXPERTS // EP_SIZE
     glob = lambda n: re.sub(r"(\.deepspeed_experts\.)(\d+)(\.)",  # noqa: E731
@@ -424,24 +422,7 @@ def whole_state(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
         if piece is not None:
             offset, views = piece
             local[glob(name)] = (offset, {k: v.detach().float().clone() for k, v in views.items()})
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (local, shapes))
-    every = {n: s for _, sh in parts for n, s in sh.items()}
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for name, shape in sorted(every.items()):
-        n = math.prod(shape)
-        whole = {k: torch.full((n,), float("nan")) for k in ("fp32", "exp_avg", "exp_avg_sq")}
-        covered = 0
-        for rank_parts, _ in parts:
-            if name in rank_parts:
-                offset, views = rank_parts[name]
-                for k, v in views.items():
-                    whole[k][offset: offset + v.numel()] = v
-                covered += views["fp32"].numel()
-        if covered != n:
-            raise RuntimeError(f"{name}: the ZeRO pieces cover {covered} of {n} elements")
-        out[name] = {k: v.reshape(shape) for k, v in whole.items()}
-    return out
+    return gather_whole(local, shapes)
 
 
 def resume(args: argparse.Namespace, rank: int, dp: int) -> None:

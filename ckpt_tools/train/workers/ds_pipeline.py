@@ -213,6 +213,33 @@ def master_and_moments(optimizer: Any, param: torch.nn.Parameter) -> tuple[int, 
         for key, t in (("fp32", flat), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"]))}
 
 
+def gather_whole(local: dict[str, tuple[int, dict[str, torch.Tensor]]], shapes: dict[str, tuple[int, ...]]
+                 ) -> dict[str, dict[str, torch.Tensor]]:
+    """Every rank's pieces (`local`: name -> (offset into the flattened parameter, flat {fp32, exp_avg,
+    exp_avg_sq}), e.g. from `master_and_moments`; `shapes`: this rank's names -> shapes) all-gathered and put at
+    their offsets: each name's whole tensors, in name order. A collective; every element must be covered once."""
+    import math
+
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (local, shapes))
+    every = {n: s for _, sh in parts for n, s in sh.items()}
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, shape in sorted(every.items()):
+        n = math.prod(shape)
+        whole = {k: torch.full((n,), float("nan")) for k in ("fp32", "exp_avg", "exp_avg_sq")}
+        covered = 0
+        for rank_parts, _ in parts:
+            if name in rank_parts:
+                offset, views = rank_parts[name]
+                for k, v in views.items():
+                    whole[k][offset: offset + v.numel()] = v
+                covered += views["fp32"].numel()
+        if covered != n:
+            raise RuntimeError(f"{name}: the ZeRO pieces cover {covered} of {n} elements")
+        out[name] = {k: v.reshape(shape) for k, v in whole.items()}
+    return out
+
+
 def replica_drift(engine: Any, tp_rank: int, dp_rank: int = 0) -> dict[str, dict[str, float]]:
     """For every TP-replicated parameter whose replicas differ, the largest |TP rank 0 - TP rank 1| of its
     bf16 weight, fp32 master weight and Adam moments, read from the live engine (empty when all agree).

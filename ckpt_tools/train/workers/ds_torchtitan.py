@@ -73,35 +73,19 @@ def _update(engine, model, loss_fn, batch, world: int) -> float:
 def _whole_state(engine) -> dict[str, dict[str, Any]]:
     """Every parameter's fp32 master and Adam moments, whole: each rank's ZeRO-1 pieces (read through the
     parameter's fragment address, `ds_pipeline.master_and_moments`: DeepSpeed 0.19.8's
-    `safe_get_full_optimizer_state` fails outside the first param group) gathered and put at their offsets;
-    every element must be covered once."""
-    import torch
-    import torch.distributed as dist
+    `safe_get_full_optimizer_state` fails outside the first param group) put together by
+    `ds_pipeline.gather_whole`; the master under "param"."""
+    from ckpt_tools.train.workers.ds_pipeline import gather_whole, master_and_moments
 
-    from ckpt_tools.train.workers.ds_pipeline import master_and_moments
-
-    local = {}
+    local, shapes = {}, {}
     for name, prm in engine.module.named_parameters():
+        shapes[name] = tuple(prm.shape)
         piece = master_and_moments(engine.optimizer, prm)
         if piece is not None:
             offset, views = piece
             local[name] = (offset, {k: v.detach().clone() for k, v in views.items()})
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, local)
-    out: dict[str, dict[str, Any]] = {}
-    for name, prm in engine.module.named_parameters():
-        whole = {k: torch.full((prm.numel(),), float("nan")) for k in ("fp32", "exp_avg", "exp_avg_sq")}
-        covered = 0
-        for rank_parts in parts:
-            if name in rank_parts:
-                offset, views = rank_parts[name]
-                for k, v in views.items():
-                    whole[k][offset: offset + v.numel()] = v
-                covered += views["fp32"].numel()
-        if covered != prm.numel():
-            raise RuntimeError(f"{name}: the ZeRO pieces cover {covered} of {prm.numel()} elements")
-        out[name] = {("param" if k == "fp32" else k): v.reshape(prm.shape) for k, v in whole.items()}
-    return out
+    return {name: {("param" if k == "fp32" else k): v for k, v in st.items()}
+            for name, st in gather_whole(local, shapes).items()}
 
 
 def main() -> None:
