@@ -1065,17 +1065,21 @@ def verdict(plan: FrameworkPlan, loaded: dict[str, Any], events: list[dict[str, 
         if differ is None:
             checks.append(Check("run rebuilt", "n/a", "the worker did not report the relaunched args"))
         else:
-            user = {f.split("=", 1)[0][2:].replace("-", "_") for f in str(plan.worker.get("extra_args") or "").split()
-                    if f.startswith("--")}
+            import shlex
+
+            asked = {f.split("=", 1)[0][2:].replace("-", "_")
+                     for f in shlex.split(str(plan.worker.get("extra_args") or "")) if f.startswith("--")}
             if plan.nproc != (plan.worker.get("saved_args") or {}).get("world_size"):
-                user |= {"world_size", "data_parallel_size"}  # resumed on another number of ranks, as asked
-            bad = [d for d in differ if d[0] not in user]
-            checks.append(Check("run rebuilt", "pass" if not bad else "fail",
-                                f"the relaunched run holds every saved arg ({len(plan.worker.get('saved_args') or {})})"
-                                + (f" but {len(differ)} you passed" if differ else "")
-                                + " (counters, paths and the CPU run-time flags aside)" if not bad else
-                                f"{len(bad)} saved arg(s) came back with another value: "
-                                + "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in bad[:4]),
+                asked |= {"world_size", "data_parallel_size"}  # resumed on another number of ranks, as asked
+            bad = [d for d in differ if d[0] not in asked]
+            if bad:
+                detail = (f"{len(bad)} saved arg(s) came back with another value: "
+                          + "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in bad[:4]))
+            else:
+                detail = (f"the relaunched run holds every saved arg ({len(plan.worker.get('saved_args') or {})}), "
+                          f"counters, paths and the CPU run-time flags aside"
+                          + (f"; {len(differ)} changed as asked" if differ else ""))
+            checks.append(Check("run rebuilt", "fail" if bad else "pass", detail,
                                 tuple(CheckRow(s.global_step or 0, a, b, False) for _, a, b in bad[:8])))
         live, want = loaded.get("scheduler_position"), s.scheduler_position
         ok = live is not None and live == want
