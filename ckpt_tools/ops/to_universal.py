@@ -326,7 +326,7 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
         notes.append(f"written for ZeRO-1/2 loaders only: {reason3}")
     elif target_stage is not None:
         stages = (3,) if target_stage == 3 else (1, 2)
-    if ck.format == "deepspeed_moe":
+    if ck.details.get("num_experts"):  # a checkpoint that declares deepspeed.moe experts
         if target_stage == 3:
             raise UnsupportedCheckpoint("a deepspeed.moe checkpoint cannot be loaded at ZeRO-3: DeepSpeed's ZeRO-3 "
                                         "universal loader gives every param group group 0's settings, and its "

@@ -39,17 +39,17 @@ def args_differ(saved: dict[str, Any], live: Any, skip: frozenset) -> list[list[
     """[name, saved, live] for every saved arg the relaunched run holds with another value (`skip` aside)."""
     import json
 
-    from ckpt_tools.ops.resume_frameworks import _plain
+    def plain(x: Any) -> Any:  # as the plan holds the saved args: tuples as lists, enums as their value, else str
+        x = x.value if hasattr(x, "value") and not isinstance(x, (int, float, str)) else x
+        return json.loads(json.dumps(x, default=str))
 
     out = []
     for k, v in saved.items():
         if k in skip or not hasattr(live, k):
             continue
-        lv = getattr(live, k)
-        lv = lv.value if hasattr(lv, "value") and not isinstance(lv, (int, float, str)) else lv
-        a, b = json.dumps(_plain(v), default=str), json.dumps(_plain(lv), default=str)
-        if a != b:
-            out.append([k, _plain(v), _plain(lv)])
+        lv = plain(getattr(live, k))
+        if plain(v) != lv:
+            out.append([k, v, lv])
     return out
 
 
