@@ -859,7 +859,10 @@ def _plan_megatron(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None,
         expected_lrs=_expected_lrs(rows) if rows else None, lr_source=how, notes=tuple(notes),
         tp=tp, pp=pp, worker={"saved_args": args, "iteration": iteration, "tp": tp, "pp": pp, "run_argv": run,
                               "extra_args": extra_args or "", "legacy": ck.format == "megatron_legacy",
-                              "opt_state_source": "each rank's model_optim_rng.pt (ckpt's reader)"})
+                              "opt_state_source": "each rank's model_optim_rng.pt (ckpt's reader)",
+                              "no_opt_check": "loaded by Megatron's own load_checkpoint; checked in closed form for "
+                                              "a legacy checkpoint resumed at its saved TP / PP only (the Adam step "
+                                              "continuing is checked above)"})
 
 
 def _fused_specs(specs: list, ck: Checkpoint) -> tuple[list, dict[str, dict[str, list[int]]]]:
@@ -1163,12 +1166,9 @@ def _custom_state(plan: FrameworkPlan, loaded: dict[str, Any]) -> Check:
 def _optimizer_check(plan: FrameworkPlan, events: list[dict[str, Any]]) -> Check:
     steps = [e for e in events if e["event"] == "step"]
     results = [(e["step"], e.get("opt_check")) for e in steps]
-    if plan.framework == "megatron" and (not results or any(r is None for _, r in results)):
-        return Check("optimizer state", "n/a", "loaded by Megatron's own load_checkpoint; checked in closed form for "
-                                               "a legacy checkpoint resumed at its saved TP / PP only (the Adam step "
-                                               "continuing is checked above)")
     if not results or any(r is None for _, r in results):
-        return Check("optimizer state", "n/a", "the worker reported no optimizer check")
+        return Check("optimizer state", "n/a", plan.worker.get("no_opt_check") or "the worker reported no optimizer "
+                                                                                  "check")
     problem = next((r["problem"] for _, r in results if r.get("problem")), None)
     if problem and "no optimizer state" not in problem and "parameters" not in problem:
         return Check("optimizer state", "n/a", problem)
