@@ -19,6 +19,12 @@ The unchanged readers then run on that folder. Bytes arrive in two ways:
 Every byte is fetched at most once per command (the sparse file is the cache; fetched ranges are recorded).
 The mirror is removed when the command ends (`unmount_all`). `stats()` gives bytes fetched and requests made.
 
+One command reads one version of each object. On S3 every ranged GET carries `If-Match` with the ETag the
+listing gave (and the version id, where the bucket is versioned): an object replaced after the listing fails
+the next read of it (412), whatever its new size. Other stores are listed once more at the end of the command
+(`Mount.check_unchanged`): an object read from whose size, ETag or time changed fails the command before its
+output is shown. A read past an object's new end fails at once on every store.
+
 The remote client (fsspec + s3fs, gcsfs, adlfs, huggingface_hub) is imported only when a URL is given: the
 core install stays light (`pip install 'ckpt-tools[remote]'`).
 """
@@ -80,6 +86,7 @@ class Counters:
 class _File:
     key: str  # the object's path as the filesystem names it
     size: int
+    tag: tuple = ()  # what the listing said identifies this version: (ETag, version id, time), what it gave
     have: list[int] = field(default_factory=list)  # sorted, disjoint [start, end) pairs flattened
     #: read streams through this file, most recent last: [where the last read ended, reads in a row, window]
     streams: list[list[int]] = field(default_factory=list)
@@ -170,7 +177,7 @@ class Mount:
             mtime = _mtime(info)
             if mtime is not None:
                 os.utime(local, (mtime, mtime))
-            self._files[local] = _File(key, size)
+            self._files[local] = _File(key, size, _version_tag(info))
             self.counters.objects += 1
             self.counters.objects_bytes += size
 
@@ -209,7 +216,7 @@ class Mount:
 
     # --- fetching -----------------------------------------------------------------------------------
 
-    def ensure_many(self, wants: list[tuple[str, int, int]]) -> None:
+    def ensure_many(self, wants: list[tuple[str, int, int]], progress=None) -> None:
         """Make bytes [start, start+length) of each local mirror path present: the missing parts, widened to
         `ALIGN` and merged when close, fetched as one parallel batch of ranged GETs."""
         with self._lock:
@@ -245,16 +252,19 @@ class Mount:
                 batch.append(r)
                 held += r[2] - r[1]
                 if held >= MAX_BATCH:
-                    self._fetch(batch)
+                    self._fetch(batch, progress)
                     batch, held = [], 0
             if batch:
-                self._fetch(batch)
+                self._fetch(batch, progress)
 
-    def _fetch(self, ranges: list[tuple[str, int, int]]) -> None:
+    def _fetch(self, ranges: list[tuple[str, int, int]], progress=None) -> None:
         keys = [self._files[p].key for p, _, _ in ranges]
         try:
-            blobs = self.fs.cat_ranges(keys, [s for _, s, _ in ranges], [e for _, _, e in ranges],
-                                       on_error="raise")
+            if _is_s3(self.fs):  # each GET pinned to the listed version
+                blobs = _s3_get_pinned(self.fs, [(self._files[p], s, e) for p, s, e in ranges])
+            else:
+                blobs = self.fs.cat_ranges(keys, [s for _, s, _ in ranges], [e for _, _, e in ranges],
+                                           on_error="raise")
         except Exception as e:  # noqa: BLE001
             raise translate(e, self.url) from e
         self.counters.get_requests += len(ranges)
@@ -276,6 +286,38 @@ class Mount:
             finally:
                 os.close(fd)
             self._add(self._files[path], s, e)
+            if progress is not None:
+                progress(e - s)
+
+    @property
+    def pinned(self) -> bool:
+        """Every read is pinned to the listed version (S3's If-Match): no check at the end is needed."""
+        return _is_s3(self.fs)
+
+    def check_unchanged(self) -> None:
+        """Raise CorruptCheckpoint naming the first object read from that changed since the listing (another
+        size, ETag or time). On S3 every GET was pinned to the listed ETag already: nothing to do. Elsewhere
+        this lists the prefix once more (one request)."""
+        if self.pinned:
+            return
+        read = {f.key.rstrip("/"): (p, f) for p, f in self._files.items() if f.have}
+        if not read:
+            return
+        self.counters.list_requests += 1
+        try:
+            now = self.fs.find(self._key, detail=True, withdirs=False) or {}
+            if not now and self._key.rstrip("/") in read:  # the URL names one object
+                now = {self._key: self.fs.info(self._key)}
+        except Exception as e:  # noqa: BLE001
+            raise translate(e, self.url) from e
+        now = {k.rstrip("/"): v for k, v in now.items()}
+        for key, (path, f) in sorted(read.items()):
+            info = now.get(key)
+            if info is None or int(info.get("size") or 0) != f.size or _version_tag(info) != f.tag:
+                raise CorruptCheckpoint("the object changed while being read (it was replaced or removed after "
+                                        "the listing: what was read may mix two versions)",
+                                        path=self._url_of(path),
+                                        hint="wait until the upload has finished, then run the command again")
 
     def _url_of(self, path: str) -> str:
         rel = os.path.relpath(path, self.root)
@@ -330,14 +372,65 @@ class Mount:
                               30 + len(info.filename.encode()) + 256 + info.compress_size))
         self.ensure_many(third)
 
-    def fetch_all(self) -> None:
+    def missing_bytes(self) -> int:
+        """Bytes not fetched yet, over every object."""
+        return sum(e - s for p, f in self._files.items() for s, e in self._missing(f, 0, f.size))
+
+    def fetch_all(self, progress=None) -> None:
         """Every byte of every object (commands whose readers go through torch.load, which this module
-        cannot see)."""
-        self.ensure_many([(p, 0, f.size) for p, f in self._files.items()])
+        cannot see). `progress(n)` is called with each range's byte count as it lands."""
+        self.ensure_many([(p, 0, f.size) for p, f in self._files.items()], progress)
 
     def close(self) -> None:
         _MOUNTS.pop(self.root, None)
         shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def _version_tag(info: dict) -> tuple:
+    """What a listing entry says identifies this version of the object: ETag (S3, Azure, HF), generation or
+    version id (GCS, versioned S3), checksum, and time, as far as the store gives them."""
+    tag = []
+    for k in ("ETag", "etag", "VersionId", "generation", "md5Hash", "crc32c", "blob_id"):
+        v = info.get(k)
+        if v is not None:
+            tag.append((k, str(v).strip('"')))
+    tag.append(("time", _mtime(info)))
+    return tuple(tag)
+
+
+def _is_s3(fs) -> bool:
+    return hasattr(fs, "_call_s3") and hasattr(fs, "split_path")
+
+
+def _s3_get_pinned(fs, ranges: list[tuple["_File", int, int]]) -> list:
+    """Ranged GETs, in parallel on s3fs's own event loop and client (its retries, credentials, endpoint), each
+    with `If-Match: <listed ETag>` (and the listed version id where there is one): S3 answers 412 for an object
+    replaced since the listing instead of bytes of another version. A failed range comes back as its
+    exception."""
+    import asyncio
+
+    from fsspec.asyn import sync
+
+    async def one(limit, f: _File, start: int, end: int) -> bytes:
+        bucket, key, version = fs.split_path(f.key)
+        tag = dict(f.tag)
+        kw = {}
+        if tag.get("ETag"):
+            kw["IfMatch"] = '"' + tag["ETag"] + '"'
+        if version or tag.get("VersionId"):
+            kw["VersionId"] = version or tag["VersionId"]
+        async with limit:
+            resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **kw)
+            try:
+                return await resp["Body"].read()
+            finally:
+                resp["Body"].close()
+
+    async def every():
+        limit = asyncio.Semaphore(max(1, min(64, int(getattr(fs, "batch_size", None) or 32))))
+        return await asyncio.gather(*(one(limit, *r) for r in ranges), return_exceptions=True)
+
+    return sync(fs.loop, every)  # an exception in place of a range's bytes: the caller names its object
 
 
 def _zip_directory(tail: bytes, size: int) -> tuple[int, int] | None:
@@ -426,6 +519,11 @@ def translate(e: BaseException, url: str) -> CkptError:
                          hint="run the command again later, or raise the client's retries in --storage-options")
     if isinstance(e, FileNotFoundError) or "nosuchkey" in low or "not found" in low or "404" in low:
         return NotACheckpoint("no such object or prefix", path=url, hint="check the URL")
+    if any(w in low for w in ("preconditionfailed", "precondition failed", "pre-conditions you specified",
+                              "conditionnotmet", "(412)")):
+        return CorruptCheckpoint("the object changed while being read (its ETag is no longer the one listed: "
+                                 "it was replaced after the listing)", path=url,
+                                 hint="wait until the upload has finished, then run the command again")
     if "invalidrange" in low or "416" in low or "not satisfiable" in low:
         return CorruptCheckpoint("the object changed or was truncated while being read", path=url,
                                  hint="wait until the upload has finished, then run the command again")
@@ -545,6 +643,12 @@ def to_url(text: str) -> str:
         if root in text:
             text = text.replace(root, m.url)
     return text
+
+
+def check_unchanged() -> None:
+    """Every mount's `check_unchanged` (the end of a command, before its output is shown)."""
+    for m in list(_MOUNTS.values()):
+        m.check_unchanged()
 
 
 def unmount_all() -> None:

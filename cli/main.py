@@ -284,7 +284,14 @@ def _main(argv: list[str] | None) -> None:
 
             argv = _remote.mount_urls(list(given))
         fast = _fast_parse(sys.argv[1:] if argv is None else argv)
-        rc = fast() if fast else app(args=argv, standalone_mode=False)
+        try:
+            rc = fast() if fast else app(args=argv, standalone_mode=False)
+        except typer.Exit:  # a check that found problems (exit 1) read a consistent checkpoint too
+            if urls:
+                _remote.check_unchanged()
+            raise
+        if urls:
+            _remote.check_unchanged()
         if urls and given and given[0] != "inspect" and _remote.report_line():
             sys.stderr.write(f"ckpt: remote: {_remote.report_line()}\n")
         sys.stdout.flush()  # a closed pipe shows here, not as "Exception ignored" at interpreter exit

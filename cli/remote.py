@@ -17,14 +17,28 @@ _READS = {"inspect", "diff", "check-tp-sync", *_WRITES_OUTPUT}
 
 
 class _ToUrl:
-    """A text stream that writes mirror paths as their URLs; everything else goes to the stream it wraps."""
+    """A text stream that writes mirror paths as their URLs; everything else goes to the stream it wraps.
+    Holding, it keeps what is written until `release` (the end of a command whose store is checked for
+    changed objects only at the end: a command that fails that check shows no output)."""
 
-    def __init__(self, stream):
+    def __init__(self, stream, hold: bool = False):
         self._stream = stream
+        self._held: list[str] | None = [] if hold else None
 
     def write(self, text: str) -> int:
-        self._stream.write(remote.to_url(text))
+        if self._held is not None:
+            self._held.append(text)
+        else:
+            self._stream.write(remote.to_url(text))
         return len(text)
+
+    def release(self) -> None:
+        held, self._held = self._held, None
+        if held:
+            self._stream.write(remote.to_url("".join(held)))
+
+    def discard(self) -> None:
+        self._held = None
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
@@ -74,14 +88,37 @@ def mount_urls(argv: list[str]) -> list[str]:
                                 hint="write to a local folder, then upload it")
     opts = remote.storage_options_from(opts_text)
     argv = list(argv)
+    mounts = []
     for i in urls:
         m = remote.mount(argv[i], opts)
         if command in _FETCH_ALL:
-            m.fetch_all()
+            _fetch_all(m, quiet="--json" in argv)
         argv[i] = m.root
-    sys.stdout = _ToUrl(sys.stdout)
+        mounts.append(m)
+    # a store whose reads are not pinned to the listed version is checked at the end: output waits for it
+    sys.stdout = _ToUrl(sys.stdout, hold=not all(m.pinned for m in mounts))
     sys.stderr = _ToUrl(sys.stderr)
     return argv
+
+
+def _fetch_all(m: remote.Mount, quiet: bool) -> None:
+    """Every byte of the source, with a progress bar (convert and to-universal read it in other processes)."""
+    from tqdm import tqdm
+
+    with tqdm(total=m.missing_bytes(), unit="B", unit_scale=True, desc=f"fetching {m.url}", disable=quiet or None,
+              leave=False) as bar:
+        m.fetch_all(progress=bar.update)
+
+
+def check_unchanged() -> None:
+    """The end of a command on a URL: fail (exit 2, no output shown) if an object read changed since the
+    listing."""
+    try:
+        remote.check_unchanged()
+    except CkptError:
+        if isinstance(sys.stdout, _ToUrl):
+            sys.stdout.discard()
+        raise
 
 
 def report_line() -> str | None:
@@ -98,6 +135,7 @@ def finish() -> None:
     """Remove the mirrors and put the streams back (end of a command)."""
     if isinstance(sys.stdout, _ToUrl):
         try:
+            sys.stdout.release()
             sys.stdout.flush()
         except (BrokenPipeError, ValueError):
             pass

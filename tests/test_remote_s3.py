@@ -109,6 +109,12 @@ def url(sample: str) -> str:
     return f"s3://{BUCKET}/samples/{sample}"
 
 
+def _as_local(text: str, sample: str) -> str:
+    """The remote run's output with the URL spelled as the sample's local path. (The other way round would also
+    rewrite paths a sample saved as data, e.g. an HF Trainer's `output_dir` where the sample was made.)"""
+    return text.replace(url(sample), str(SAMPLES / sample))
+
+
 def _as_url(text: str, sample: str) -> str:
     """The local run's output with the sample's path spelled as its URL (what the remote run prints)."""
     return text.replace(str(SAMPLES / sample), url(sample))
@@ -119,9 +125,9 @@ def test_inspect_json_on_s3_equals_local(bucket, sample):
     local = ckpt("inspect", SAMPLES / sample, "--json")
     remote = ckpt("inspect", url(sample), "--json", env=_env(bucket))
     assert remote.returncode == local.returncode == 0, remote.stderr
-    got = json.loads(remote.stdout)
+    got = json.loads(_as_local(remote.stdout, sample))
     cost = got.pop("remote")
-    assert got == json.loads(_as_url(local.stdout, sample))
+    assert got == json.loads(local.stdout)
     listed = sum(p.stat().st_size for p in (SAMPLES / sample).rglob("*") if p.is_file()) \
         if (SAMPLES / sample).is_dir() else (SAMPLES / sample).stat().st_size
     assert cost["objects_bytes"] == listed
@@ -148,9 +154,9 @@ def test_inspect_stats_on_s3_equals_local(bucket, sample):
     local = ckpt("inspect", SAMPLES / sample, "--stats", "--json")
     remote = ckpt("inspect", url(sample), "--stats", "--json", env=_env(bucket))
     assert remote.returncode == local.returncode == 0, remote.stderr
-    got = json.loads(remote.stdout)
+    got = json.loads(_as_local(remote.stdout, sample))
     got.pop("remote")
-    want = json.loads(_as_url(local.stdout, sample))
+    want = json.loads(local.stdout)
     assert len(want["stats"]) > 0
     assert got == want
 
@@ -167,11 +173,13 @@ def _small_first_reads(monkeypatch):
             "client_kwargs": {"endpoint_url": None}}
 
 
-def _summary_json(ck, root: str) -> dict:
+def _summary_json(ck, mirror: str | None = None, local: str | None = None) -> dict:
+    """The summary as JSON; with the mirror's path spelled as the local sample's (never the other way round:
+    a sample may hold its own local path as data)."""
     from ckpt_tools.ops import inspect as ops
 
     text = json.dumps(ops.summary(ck, ck.tree, None), default=repr)
-    return json.loads(text.replace(root, "<root>"))
+    return json.loads(text.replace(mirror, local) if mirror else text)
 
 
 @pytest.mark.parametrize("sample", ALL_SAMPLES)
@@ -185,13 +193,13 @@ def test_partial_ranged_reads_are_exact(bucket, monkeypatch, sample):
     opts["client_kwargs"]["endpoint_url"] = bucket
     m = remote.mount(url(sample), opts)
     try:
-        got = _summary_json(ops.open_for_inspect(m.root), m.root)
+        got = _summary_json(ops.open_for_inspect(m.root), m.root, str(SAMPLES / sample))
         assert m.counters.list_requests == 1
         assert 0 < m.counters.bytes_fetched <= m.counters.objects_bytes
     finally:
         m.close()
     assert not os.path.exists(m.root)
-    assert got == _summary_json(ops.open_for_inspect(str(SAMPLES / sample)), str(SAMPLES / sample))
+    assert got == _summary_json(ops.open_for_inspect(str(SAMPLES / sample)))
 
 
 @pytest.mark.parametrize("sample", ["deepspeed/zero2_bf16", "dcp/torchtitan_real/step-5",
@@ -381,31 +389,124 @@ def test_throttling_after_retries():
     assert _SlowDown.hits >= 2  # retried before giving up
 
 
-def test_object_truncated_while_read(bucket, monkeypatch):
-    """The object is replaced by a shorter copy after the listing: the read that runs past its new end fails
-    with one line naming the object, never a silent short read."""
+def _mount_small(bucket, monkeypatch, key: str, data: bytes):
+    from ckpt_tools import remote
+
+    opts = _small_first_reads(monkeypatch)
+    opts["client_kwargs"]["endpoint_url"] = bucket
+    _fs(bucket).pipe_file(f"{BUCKET}/{key}", data)
+    return remote.mount(f"s3://{BUCKET}/{key}", opts)
+
+
+@pytest.mark.parametrize("how", ["shorter", "same size"])
+def test_object_replaced_while_read(bucket, monkeypatch, how):
+    """The object is replaced after the listing, by a shorter copy or by other bytes of the same size: the next
+    read of it fails (S3 answers 412 to the GET's If-Match) with one line naming the object, never a silent
+    read of two versions."""
+    from ckpt_tools.errors import CorruptCheckpoint
+    from ckpt_tools.ops import inspect as ops
+
+    data = (SAMPLES / "torch/plain.pt").read_bytes()
+    key = f"replaced/{how.replace(' ', '_')}/plain.pt"
+    m = _mount_small(bucket, monkeypatch, key, data)
+    try:
+        ck = ops.open_for_inspect(m.root)
+        before = m.counters.bytes_fetched
+        other = data[: len(data) // 2] if how == "shorter" else bytes(b ^ 0xFF for b in data)
+        _fs(bucket).pipe_file(f"{BUCKET}/{key}", other)
+        with pytest.raises(CorruptCheckpoint) as e:
+            list(ops.tensor_stats(ck, None))
+        assert m.counters.bytes_fetched == before  # the refused GET brought no bytes
+    finally:
+        m.close()
+    assert e.value.path == f"s3://{BUCKET}/{key}"
+    assert e.value.message.startswith("the object changed while being read (its ETag is no longer the one listed")
+
+
+def test_unchanged_object_reads_through_the_pin(bucket, monkeypatch):
+    """The same pinned reads give every statistic of an object nobody touched."""
+    from ckpt_tools.ops import inspect as ops
+
+    data = (SAMPLES / "torch/plain.pt").read_bytes()
+    m = _mount_small(bucket, monkeypatch, "pinned/plain.pt", data)
+    try:
+        got = [s.__dict__ for s in ops.tensor_stats(ops.open_for_inspect(m.root), None)]
+        m.check_unchanged()  # pinned: nothing to list again
+        assert m.pinned and m.counters.list_requests == 1
+    finally:
+        m.close()
+    want = [s.__dict__ for s in ops.tensor_stats(ops.open_for_inspect(str(SAMPLES / "torch/plain.pt")), None)]
+    assert got == want and len(want) > 0
+
+
+def test_a_store_without_pinned_reads_is_listed_again_at_the_end(tmp_path):
+    """file:// (any store other than S3): reads are not pinned, so the command lists the prefix once more at its
+    end; an object read from whose bytes and time changed fails it, naming the object."""
+    import shutil
+
     from ckpt_tools import remote
     from ckpt_tools.errors import CorruptCheckpoint
     from ckpt_tools.ops import inspect as ops
 
-    monkeypatch.setattr(remote, "WHOLE_BYTES", 2048)
-    monkeypatch.setattr(remote, "EDGE_BYTES", 1024)
-    monkeypatch.setattr(remote, "ALIGN", 512)
-    fs = _fs(bucket)
-    src = SAMPLES / "torch/plain.pt"
-    fs.put(str(src), f"{BUCKET}/trunc/plain.pt")
-    opts = {"key": "testing", "secret": "testing", "skip_instance_cache": True,
-            "client_kwargs": {"endpoint_url": bucket}}
-    m = remote.mount(f"s3://{BUCKET}/trunc/plain.pt", opts)
+    src = tmp_path / "zero2"
+    shutil.copytree(SAMPLES / "deepspeed/zero2_bf16", src)
+    m = remote.mount(f"file://{src}")
     try:
-        ck = ops.open_for_inspect(m.root)
-        fs.pipe_file(f"{BUCKET}/trunc/plain.pt", src.read_bytes()[: src.stat().st_size // 2])
+        list(ops.tensor_stats(ops.open_for_inspect(m.root), None))
+        assert not m.pinned
+        m.check_unchanged()  # nothing changed: passes, one more LIST
+        assert m.counters.list_requests == 2
+        victim = next(p for p in sorted(src.rglob("*.pt")))
+        st = victim.stat()
+        victim.write_bytes(bytes(b ^ 0xFF for b in victim.read_bytes()))  # same size, other bytes
+        os.utime(victim, (st.st_atime, st.st_mtime + 5))
         with pytest.raises(CorruptCheckpoint) as e:
-            list(ops.tensor_stats(ck, None))
+            m.check_unchanged()
     finally:
         m.close()
-    assert e.value.path == f"s3://{BUCKET}/trunc/plain.pt"
-    assert "changed or was truncated while being read" in e.value.message
+    assert e.value.path == f"file://{victim}"
+    assert e.value.message.startswith("the object changed while being read")
+
+
+def test_a_command_whose_source_changed_shows_no_output_and_exits_2(tmp_path, monkeypatch, capsys):
+    """Through the CLI (in this process, to change an object between the listing and the end of the command):
+    the end check fails the command with one line naming the object, and the output it held is not shown."""
+    import shutil
+
+    from ckpt_tools import remote
+    from cli.main import main
+
+    src = tmp_path / "zero2"
+    shutil.copytree(SAMPLES / "deepspeed/zero2_bf16", src)
+    victim = sorted(src.rglob("*.pt"))[0]
+    real_mount = remote.mount
+
+    def mount_then_change(*a, **k):  # the upload of a new version lands while the command runs
+        m = real_mount(*a, **k)
+        st = victim.stat()
+        victim.write_bytes(bytes(b ^ 0xFF for b in victim.read_bytes()))
+        os.utime(victim, (st.st_atime, st.st_mtime + 5))
+        return m
+
+    monkeypatch.setattr(remote, "mount", mount_then_change)
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", f"file://{src}", "--json"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == ""
+    assert err.splitlines() == [f"ckpt: error: file://{victim}: the object changed while being read (it was "
+                                "replaced or removed after the listing: what was read may mix two versions) "
+                                "(wait until the upload has finished, then run the command again)"]
+
+
+def test_file_url_output_waits_for_the_end_check(tmp_path):
+    """A command on a store checked at the end shows its output after the check (and all of it)."""
+    import shutil
+
+    src = tmp_path / "zero2"
+    shutil.copytree(SAMPLES / "deepspeed/zero2_bf16", src)
+    r = ckpt("inspect", f"file://{src}", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["remote"]["list_requests"] == 1  # the header's count: before the end check
 
 
 def test_local_run_mounts_nothing():
