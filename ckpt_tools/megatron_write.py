@@ -172,8 +172,8 @@ def _extra_states(obj0: dict) -> list[str]:
     local modules save None, which torch_dist stores per layer and asks for at load. Anything else (Transformer
     Engine's FP8 metadata) is refused: ckpt does not move it."""
     out: list[str] = []
-    model = obj0.get("model") if isinstance(obj0.get("model"), dict) else {}
-    for k, v in model.items():
+    chunks = [v for k, v in obj0.items() if isinstance(k, str) and re.fullmatch(r"model\d*", k) and isinstance(v, dict)]
+    for k, v in ((k, v) for m in chunks for k, v in m.items()):  # a virtual pipeline: model0, model1, ...
         m = _LAYER.match(str(k))
         if m is None or not m[2].endswith("._extra_state"):
             continue
