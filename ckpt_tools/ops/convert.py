@@ -1,5 +1,5 @@
-"""`ckpt convert CKPT OUT --to dcp|torch|deepspeed-universal`: move a run between frameworks with its whole training
-state.
+"""`ckpt convert CKPT OUT --to dcp|torch|deepspeed-universal|megatron`: move a run between frameworks with its whole
+training state.
 
 What moves (read through the logical view, `ckpt_tools.logical`, so every format the tree reads is a source):
 
@@ -31,6 +31,9 @@ Targets (`--to`, `--layout`):
     deepspeed-universal  from DCP (FSDP2 / torchtitan / recipe), FSDP1, HF Trainer, Lightning, torch files:
                       what DeepSpeed 0.19's `load_universal` reads (see `_write_universal`), loadable at any DP
                       size; a DeepSpeed source is `ckpt to-universal`'s job (`to_universal.handles`)
+    megatron          from a Megatron-LM legacy run (plain Adam): Megatron-LM's torch_dist run folder, as its own
+                      save writes it (`ckpt_tools.megatron_write`); the scheduler, args and RNG states are carried
+                      as saved, so nothing is listed as not moved but a pipeline's tied embedding copy
 
 `--distributed` (dcp, deepspeed-universal): under torchrun every rank writes a share of the parameters into
 rank 0's staging folder; rank 0 writes the rest, merges the DCP metadata, verifies and renames.
