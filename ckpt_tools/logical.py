@@ -81,7 +81,8 @@ __all__ = ["LogicalTensor", "model_tensors", "optimizer_states", "optimizer_scal
 #: layer's `sharded_state_dict_keys_map`): one parameter, two names, depending on the checkpoint format
 MEGATRON_FUSED_NORMS = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
                         ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
-_MEGATRON_NORM = re.compile(r"(^|\.)(input_layernorm|pre_mlp_layernorm)\.(weight|bias)$")
+#: Megatron-core's decoder layers only (`decoder.layers.N.`): HF models also name an `input_layernorm`
+_MEGATRON_NORM = re.compile(r"(?:^|\.)decoder\.layers\.\d+\.(input_layernorm|pre_mlp_layernorm)\.(weight|bias)$")
 
 
 def name_key(name: str) -> str:
@@ -89,8 +90,8 @@ def name_key(name: str) -> str:
     m = _MEGATRON_NORM.search(name)
     if m is None:
         return name
-    fused = dict(MEGATRON_FUSED_NORMS)[f"{m[2]}."]
-    return f"{name[:m.start(2)]}{fused}{m[3]}"
+    fused = dict(MEGATRON_FUSED_NORMS)[f"{m[1]}."]
+    return f"{name[:m.start(1)]}{fused}{m[2]}"
 
 KINDS = ("param", "frozen", "tied", "buffer", "state")
 
