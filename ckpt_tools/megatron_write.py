@@ -156,7 +156,9 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
             for i in range(layers):
                 w.value((f"decoder.layers.{rest}._extra_state/shard_{i}_{layers}",), [None])
         for (t, s), f in sorted(ranks.items()):
-            w.value_blob((f"rng_state/shard_{s}.{t}_{pp}.{tp}",), _zip_bytes(f, [pr.load(f).obj["rng_state"]]))
+            rng = pr.load(f).obj.get("rng_state")
+            if rng is not None:  # a run saved with --no-save-rng has none, and its args tell Megatron so
+                w.value_blob((f"rng_state/shard_{s}.{t}_{pp}.{tp}",), _zip_bytes(f, [rng]))
     except BaseException:
         w.abort()
         raise
