@@ -380,6 +380,45 @@ class DcpStreamWriter:
             self._storage[MetadataIndex(key, offsets, len(chunks) - 1)] = _StorageInfo(self._names[f], off, size)
         self._sdm[key] = TensorStorageMetadata(TensorProperties(dtype=t.dtype), torch.Size(t.shape), chunks)
 
+    def tensor_part(self, path: tuple, size: tuple[int, ...], offsets: tuple[int, ...], part: Any) -> None:
+        """One chunk of a global tensor of shape `size` at `offsets` (Megatron's layers stacked on a leading axis:
+        layer i at (i, 0, ...)); the chunks of one key are written by successive calls, chunk i into
+        `__<i % shards>_0.distcp`, and must tile the tensor (DCP reads any region from them)."""
+        import torch
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
+                                                           TensorStorageMetadata)
+
+        key = self.flat_key(path)
+        meta = self._sdm.get(key)
+        part = part.detach().cpu().contiguous()
+        if meta is None:
+            self._claim(path)
+            meta = self._sdm[key] = TensorStorageMetadata(TensorProperties(dtype=part.dtype), torch.Size(size), [])
+        elif not isinstance(meta, TensorStorageMetadata) or tuple(meta.size) != tuple(size) \
+                or meta.properties.dtype != part.dtype:
+            raise ValueError(f"{key}: a part of another shape or dtype than the tensor's first part")
+        if len(offsets) != len(size) or any(o < 0 or o + n > s for o, n, s in zip(offsets, part.shape, size)):
+            raise ValueError(f"{key}: part {tuple(part.shape)} at {tuple(offsets)} lies outside {tuple(size)}")
+        if part.untyped_storage().nbytes() != part.numel() * part.element_size():
+            part = part.clone()  # torch.save writes the whole storage: never a view's neighbours
+        f = len(meta.chunks) % len(self._fhs)
+        off, n = self._append(lambda fh: torch.save(part, fh), f)
+        meta.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(part.shape)))
+        self._storage[MetadataIndex(key, torch.Size(offsets), len(meta.chunks) - 1)] = _StorageInfo(
+            self._names[f], off, n)
+
+    def value_blob(self, path: tuple, blob: bytes) -> None:
+        """A bytes item whose torch.save bytes are already made (`pickle_writer.torch_zip_bytes` of an object read
+        inert from another checkpoint: nothing is unpickled to write it)."""
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+        key = self._claim(path)
+        off, n = self._append(lambda fh: fh.write(blob))
+        self._sdm[key] = BytesStorageMetadata()
+        self._storage[MetadataIndex(key)] = _StorageInfo(self._names[0], off, n)
+
     def value(self, path: tuple, v: Any) -> None:
         import torch
         from torch.distributed.checkpoint.filesystem import _StorageInfo

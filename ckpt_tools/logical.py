@@ -53,6 +53,13 @@ API (stable; `ckpt export`, `export --verify` and the logical `ckpt diff` are bu
 
     layout(ck) -> dict   # what the format module says: {"order", "frozen", "tied", "buffers", "groups"}
 
+    name_key(name) -> str
+        the name two checkpoints of the same model share for one parameter: Megatron-core's local layer-norm
+        modules (`…input_layernorm.weight`, `…pre_mlp_layernorm.weight`, what the legacy format saves) under
+        the names its dist-checkpointing saves them by (`…self_attention.linear_qkv.layer_norm_weight`,
+        `…mlp.linear_fc1.layer_norm_weight`: fused into the next linear, as Transformer Engine holds them);
+        every other name as it is. The logical diff pairs parameters by it.
+
 A format module can tell more than its tree by defining `logical_layout(ck) -> dict` with any of the keys
 "order" (state-dict names in module order), "frozen" (names), "tied" ({alias: source}), "buffers" (names),
 "groups" (the trainable parameter names of each param group, for optimizers that flatten their groups).
@@ -68,7 +75,23 @@ from .errors import CkptError
 from .tree import Checkpoint, GroupNode, OpaqueNode, TensorNode, ValueNode, scalar
 
 __all__ = ["LogicalTensor", "model_tensors", "optimizer_states", "optimizer_scalars", "param_groups", "layout",
-           "open_any", "torch_dtype", "with_kv_heads"]
+           "open_any", "torch_dtype", "with_kv_heads", "name_key"]
+
+#: Megatron-core's local-spec layer norms and the names its sharded state dict gives them (the transformer
+#: layer's `sharded_state_dict_keys_map`): one parameter, two names, depending on the checkpoint format
+MEGATRON_FUSED_NORMS = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+                        ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
+#: Megatron-core's decoder layers only (`decoder.layers.N.`): HF models also name an `input_layernorm`
+_MEGATRON_NORM = re.compile(r"(?:^|\.)decoder\.layers\.\d+\.(input_layernorm|pre_mlp_layernorm)\.(weight|bias)$")
+
+
+def name_key(name: str) -> str:
+    """The name under which `name` is compared with another checkpoint of the same model (module docstring)."""
+    m = _MEGATRON_NORM.search(name)
+    if m is None:
+        return name
+    fused = dict(MEGATRON_FUSED_NORMS)[f"{m[1]}."]
+    return f"{name[:m.start(1)]}{fused}{m[2]}"
 
 KINDS = ("param", "frozen", "tied", "buffer", "state")
 

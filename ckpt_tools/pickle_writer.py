@@ -439,7 +439,7 @@ def _pickle_member(zf: zipfile.ZipFile, names, path) -> tuple[str, str, int]:
 
 def rewrite_torch_zip(src_path: str | os.PathLike, dst_path: str | os.PathLike, new_obj: Any, *,
                       progress: Callable[[int, int], None] | None = None,
-                      storage_bytes: "dict[str, bytes] | None" = None) -> None:
+                      storage_bytes: "dict[str, bytes] | None" = None, prune: bool = False) -> None:
     """Write `dst_path`: the torch zip `src_path` with its pickle replaced by `dumps(new_obj)`.
 
     Every other member is copied byte for byte in the original order (tensor bytes are never decoded
@@ -452,6 +452,9 @@ def rewrite_torch_zip(src_path: str | os.PathLike, dst_path: str | os.PathLike, 
     `storage_bytes` {storage key: bytes} gives new VALUES for a few storages (e.g. a 0-d Adam `step`):
     those members get exactly these bytes (same length as before: metadata cannot change here) and a
     new CRC-32; every other member is still copied byte for byte.
+
+    `prune`: leave out the storages the new tree no longer refers to (a part of a file written as a file of its
+    own: what torch.save of that part would hold).
     """
     src_path, dst_path = os.fspath(src_path), os.fspath(dst_path)
     with open(src_path, "rb") as fh:
@@ -493,6 +496,9 @@ def rewrite_torch_zip(src_path: str | os.PathLike, dst_path: str | os.PathLike, 
             raise UnsupportedCheckpoint(f"new bytes for {member} ({len(data)} bytes) do not replace a storage of "
                                         "the same size", path=src_path,
                                         hint="only the values of existing storages can be replaced")
+    if prune:
+        used = {f"{prefix}data/{key}" for key in storages}
+        infos = [i for i in infos if not i.filename.startswith(f"{prefix}data/") or i.filename in used]
     total = sum(i.file_size for i in infos if i.filename != pkl_name) + len(pickle_bytes)
     done = 0
     with open(src_path, "rb") as src, open(dst_path, "wb") as dst:

@@ -1,4 +1,4 @@
-"""`ckpt convert CKPT OUT --to dcp|torch|deepspeed-universal`: a thin wrapper over `ckpt_tools.ops.convert`
+"""`ckpt convert CKPT OUT --to dcp|torch|deepspeed-universal|megatron`: a thin wrapper over `ckpt_tools.ops.convert`
 (plan -> dry-run table or execute -> summary with what could not move). `--to deepspeed-universal` from a
 DeepSpeed checkpoint is `ckpt to-universal`."""
 from __future__ import annotations
@@ -21,7 +21,8 @@ def convert_cmd(
                               "{\"checkpoint\": {\"load_universal\": true}}"),
     to: str = typer.Option(..., "--to", metavar="TARGET", help="dcp (FSDP2 / torchtitan / DCP recipe), torch "
                            "(one training dict), deepspeed-universal (from DCP and other non-DeepSpeed formats; "
-                           "a DeepSpeed source runs `ckpt to-universal`)"),
+                           "a DeepSpeed source runs `ckpt to-universal`), megatron (a Megatron-LM legacy run as "
+                           "Megatron-LM's torch_dist run folder, with its optimizer state)"),
     layout: Optional[str] = typer.Option(None, "--layout", metavar="LAYOUT", help="--to dcp: fsdp2 (default: "
                                          "{model, optim, scheduler, step}), torchtitan ({model, optimizer "
                                          "(flattened), lr_scheduler, train_state}) or recipe ({app: ...})"),

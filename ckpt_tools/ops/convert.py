@@ -1,5 +1,5 @@
-"""`ckpt convert CKPT OUT --to dcp|torch|deepspeed-universal`: move a run between frameworks with its whole training
-state.
+"""`ckpt convert CKPT OUT --to dcp|torch|deepspeed-universal|megatron`: move a run between frameworks with its whole
+training state.
 
 What moves (read through the logical view, `ckpt_tools.logical`, so every format the tree reads is a source):
 
@@ -31,6 +31,9 @@ Targets (`--to`, `--layout`):
     deepspeed-universal  from DCP (FSDP2 / torchtitan / recipe), FSDP1, HF Trainer, Lightning, torch files:
                       what DeepSpeed 0.19's `load_universal` reads (see `_write_universal`), loadable at any DP
                       size; a DeepSpeed source is `ckpt to-universal`'s job (`to_universal.handles`)
+    megatron          from a Megatron-LM legacy run (plain Adam): Megatron-LM's torch_dist run folder, as its own
+                      save writes it (`ckpt_tools.megatron_write`); the scheduler, args and RNG states are carried
+                      as saved, so nothing is listed as not moved but a pipeline's tied embedding copy
 
 `--distributed` (dcp, deepspeed-universal): under torchrun every rank writes a share of the parameters into
 rank 0's staging folder; rank 0 writes the rest, merges the DCP metadata, verifies and renames.
@@ -50,7 +53,7 @@ from typing import Any, Callable
 from .. import qkv
 from ..errors import CkptError, UnsupportedCheckpoint
 
-TARGETS = ("dcp", "torch", "deepspeed-universal")
+TARGETS = ("dcp", "torch", "deepspeed-universal", "megatron")
 DCP_LAYOUTS = ("fsdp2", "torchtitan", "recipe")
 #: tensors are written in this many dim-0 chunks (`__<r>_0.distcp`), as FSDP2 at DP=2 saves them; DCP reshards at
 #: load, so the output loads at any world size
@@ -307,6 +310,10 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
         if ck.format == "deepspeed_universal":
             raise CkptError("the checkpoint is already a DeepSpeed universal checkpoint: nothing to convert",
                             path=src)
+    if to == "megatron":  # a Megatron-LM legacy source only (its args, names and schedule are what Megatron loads)
+        from ..megatron_write import check_source
+
+        check_source(ck, src)
     if to == "dcp" and ck.format == "dcp":
         raise CkptError("the checkpoint is already a DCP checkpoint: nothing to convert", path=src,
                         hint="DCP reshards at load; `--to torch` writes one training dict")
@@ -352,7 +359,10 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
         notes.append(f"{len(missing)} trainable parameters have no optimizer state in the source "
                      f"({', '.join(missing[:3])}): written without")
     config = _config(ck)
-    sched, cls, snotes, sgone = translate_scheduler(_plain_scheduler(ck), config, groups)
+    if to == "megatron":  # Megatron's own scheduler state, carried as saved into common.pt
+        sched, cls, snotes, sgone = _plain_scheduler(ck), "OptimizerParamScheduler", [], []
+    else:
+        sched, cls, snotes, sgone = translate_scheduler(_plain_scheduler(ck), config, groups)
     notes += snotes
     added: list[str] = []
     if cls is not None and sched is not None and "base_lrs" in sched and groups:
@@ -365,7 +375,13 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
     step = ck.counters.global_step
     if step is None:
         notes.append("the source records no global step: `step` is not written")
-    not_moved = sgone + _not_moved(ck, config)
+    if to == "megatron":
+        from ..megatron_write import plan_lines
+
+        extra_notes, not_moved = plan_lines(ck)
+        notes += extra_notes
+    else:
+        not_moved = sgone + _not_moved(ck, config)
     if ck.details.get("scheduler_rebuilt"):  # the producer rebuilds its schedule on resume (torchtune)
         not_moved.append(f"scheduler: {ck.details['scheduler_rebuilt']} (its shape is in the producer's config, not "
                          "in the checkpoint): configure the same schedule in the target's launch config")
@@ -399,7 +415,9 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
         notes.append("frozen parameters are written in the model states' `module` only: DeepSpeed's universal "
                      "loader restores trained parameters from zero/, so a frozen one keeps its initial value")
     dtypes = sorted({p.dtype for p in params if p.kind == "param"})
-    if any(t.kind == "param" for t in model) and states and "fp32" in next(iter(states.values())):
+    if to == "megatron":
+        pass  # both: the module's weights as saved and the fp32 master (plan_lines says so)
+    elif any(t.kind == "param" for t in model) and states and "fp32" in next(iter(states.values())):
         notes.append("weights: the fp32 master weights (the module's low-precision copy is derived from them)")
     elif dtypes:
         notes.append(f"weights: as stored ({', '.join(dtypes)})")
@@ -587,8 +605,10 @@ def execute(plan: ConvertPlan, *, progress: Callable[[int], None] | None = None,
     if distributed:
         return _execute_distributed(plan, progress=progress, verify=verify)
     _refuse_out(plan.source, plan.out)
-    if plan.to in ("dcp", "deepspeed-universal"):
-        write = _write_dcp if plan.to == "dcp" else _write_universal
+    if plan.to in ("dcp", "deepspeed-universal", "megatron"):
+        from ..megatron_write import write as _write_megatron
+
+        write = {"dcp": _write_dcp, "deepspeed-universal": _write_universal, "megatron": _write_megatron}[plan.to]
         with io.new_folder(plan.out) as tmp:
             n = write(plan, tmp, progress)
             problems = verify_logical(plan, tmp) if verify else []

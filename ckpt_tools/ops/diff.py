@@ -603,8 +603,10 @@ def _read_compare(d: "_Differ", section: str, name: str, ta, tb) -> None:
 
 
 def _names_only(params: Any) -> list[str] | None:
+    from ..logical import name_key
+
     if isinstance(params, list) and params and all(isinstance(p, str) and not p.isdigit() for p in params):
-        return sorted(params)
+        return sorted(name_key(p) for p in params)
     return None
 
 
@@ -634,8 +636,9 @@ def _logical_diff(a: Any, b: Any, d: "_Differ", progress: Callable[[int], None] 
                          "conversion carries it")
 
     # the model: every tensor by name, the fp32 master where the format keeps one
-    ma = {t.name: t for t in L.model_tensors(ca, weights="fp32")}
-    mb = {t.name: t for t in L.model_tensors(cb, weights="fp32")}
+    # paired by `L.name_key`: one parameter the two formats of a framework name apart (Megatron's layer norms)
+    ma = {L.name_key(t.name): t for t in L.model_tensors(ca, weights="fp32")}
+    mb = {L.name_key(t.name): t for t in L.model_tensors(cb, weights="fp32")}
     for name in ma:
         if name not in mb:
             d.out.append(Difference("model", name, "removed", f"{ma[name].dtype} {list(ma[name].shape)}"))
@@ -649,8 +652,9 @@ def _logical_diff(a: Any, b: Any, d: "_Differ", progress: Callable[[int], None] 
                 progress(1)
 
     # the optimizer: per-parameter state tensors (the fp32 master was compared as the model) and scalars
-    oa, ob = L.optimizer_states(ca), L.optimizer_states(cb)
-    sa, sb = L.optimizer_scalars(ca), L.optimizer_scalars(cb)
+    keyed = lambda d: {L.name_key(p): v for p, v in d.items()}  # noqa: E731
+    oa, ob = keyed(L.optimizer_states(ca)), keyed(L.optimizer_states(cb))
+    sa, sb = keyed(L.optimizer_scalars(ca)), keyed(L.optimizer_scalars(cb))
     strip = lambda o: {p: {k: t for k, t in ks.items() if k not in ("fp32", "step")} for p, ks in o.items()}  # noqa: E731
     oa, ob = {p: ks for p, ks in strip(oa).items() if ks}, {p: ks for p, ks in strip(ob).items() if ks}
     if bool(oa) != bool(ob):
