@@ -137,12 +137,12 @@ class LogicalTensor:
     def read(self, dtype: Any = None):
         """The tensor, merged across ZeRO pieces / TP shards / DCP chunks / ShardedTensor shards. Reads only
         this tensor's bytes; `dtype` converts (None: as stored)."""
-        from .ops.to_universal import _merged_read
+        from .tensor_read import merged_read
         from .pickle_reader import FdCache
 
         fds = FdCache()
         try:
-            t = _merged_read(self.node, fds)
+            t = merged_read(self.node, fds)
         except ValueError as e:
             raise CkptError(f"{self.name}: {e}", hint="pass --pattern REGEX=MERGE (or --tp-layout megatron) so the "
                             "TP shards can be merged") from None

@@ -359,10 +359,10 @@ _WRITEBACK_EVERY = 64 << 20
 
 
 def _ranges(t: ExportTensor, fds):
-    """The file ranges holding `t`'s output bytes as they are (`to_universal.source_ranges`), or None when it
+    """The file ranges holding `t`'s output bytes as they are (`tensor_read.source_ranges`), or None when it
     must be read: another dtype, TP shards to merge, vocabulary padding to strip."""
     from ..tree import TensorNode
-    from .to_universal import source_ranges
+    from ..tensor_read import source_ranges
 
     node = t.node
     if t.transform is not None or not isinstance(node, TensorNode) or node.dtype != t.dtype or \
