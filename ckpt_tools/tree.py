@@ -290,6 +290,24 @@ def to_node(obj: Any, file: str, rank: Mapping[str, int] | None = None, _depth: 
     return ValueNode(repr(obj)[:200])
 
 
+def node_to_python(node: Any) -> Any:
+    """A subtree as plain Python: groups as dicts, values as they are, a tensor as its (small) inline value."""
+    if isinstance(node, ValueNode):
+        return node.value
+    if isinstance(node, (GroupNode, OpaqueNode)):
+        return {k: node_to_python(v) for k, v in node.children.items()}
+    if isinstance(node, TensorNode):
+        return node.value
+    return node
+
+
+def saved_config(ck: "Checkpoint") -> dict:
+    """The training config a checkpoint saved beside its state (DeepSpeed's ds_config under `config`), or {}."""
+    node = ck.tree.children.get("config")
+    val = node_to_python(node) if node is not None else None
+    return val if isinstance(val, dict) else {}
+
+
 def jsonable(v: Any) -> Any:
     """A value as plain JSON: lists for tuples, string keys, non-finite floats and objects as strings."""
     if isinstance(v, float) and not math.isfinite(v):

@@ -152,7 +152,7 @@ def _refuse_out(src: Path, out: Path) -> None:
 
 
 def _plain_scheduler(ck) -> dict[str, Any] | None:
-    from .resume import node_to_python
+    from ..tree import node_to_python
 
     node = ck.tree.children.get("scheduler")
     if node is None:
@@ -162,11 +162,9 @@ def _plain_scheduler(ck) -> dict[str, Any] | None:
 
 
 def _config(ck) -> dict[str, Any]:
-    from .resume import node_to_python
+    from ..tree import saved_config
 
-    node = ck.tree.children.get("config")
-    val = node_to_python(node) if node is not None else None
-    return val if isinstance(val, dict) else {}
+    return saved_config(ck)
 
 
 def translate_scheduler(state: dict[str, Any] | None, config: dict[str, Any], groups: list[dict[str, Any]]
@@ -234,7 +232,7 @@ def _names(keys: list[str], limit: int = 6) -> str:
 def _not_moved(ck, config: dict[str, Any]) -> list[str]:
     """What the source holds that the conversion does not carry, one line each."""
     from ..state import COUNTER_KEYS
-    from .resume import node_to_python
+    from ..tree import node_to_python
 
     out: list[str] = []
     for name, node in ck.tree.children.items():

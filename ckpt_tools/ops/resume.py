@@ -60,7 +60,7 @@ from typing import Any, Callable, Iterator
 
 from ..ds_schedules import DS_SCHEDULERS, lr_at as _ds_scheduler_lr
 from ..errors import CkptError, UnsupportedCheckpoint
-from ..tree import Checkpoint, GroupNode, OpaqueNode, TensorNode, ValueNode
+from ..tree import Checkpoint, GroupNode, TensorNode, ValueNode, node_to_python
 
 WORKER_MODULE = "ckpt_tools.train.resume_worker"
 REFERENCE_KIND = "ckpt-resume-reference"
@@ -102,16 +102,6 @@ class SavedState:
 
 def _json_safe(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=lambda o: dict(o) if isinstance(o, collections.Counter) else repr(o)))
-
-
-def node_to_python(node: Any) -> Any:
-    if isinstance(node, ValueNode):
-        return node.value
-    if isinstance(node, (GroupNode, OpaqueNode)):
-        return {k: node_to_python(v) for k, v in node.children.items()}
-    if isinstance(node, TensorNode):
-        return node.value
-    return node
 
 
 def saved_state(ck: Checkpoint) -> SavedState:

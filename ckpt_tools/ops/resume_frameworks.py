@@ -48,9 +48,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import CkptError, UnsupportedCheckpoint
-from ..tree import Checkpoint, GroupNode
-from .resume import (LR_REL_TOL, Check, CheckRow, ResumeResult, SavedState, StepRecord, mismatch,
-                     node_to_python, scratch_folder)
+from ..tree import Checkpoint, GroupNode, node_to_python
+from .resume import LR_REL_TOL, Check, CheckRow, ResumeResult, SavedState, StepRecord, mismatch, scratch_folder
 
 WORKERS = {
     "hf_trainer": "ckpt_tools.train.resume_fw.hf_trainer",

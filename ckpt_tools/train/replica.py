@@ -405,8 +405,7 @@ def specs_from_checkpoint(ck: Any) -> tuple[list[ParamSpec], dict[str, str]]:
 def groups_from_checkpoint(ck: Any) -> list[GroupSpec]:
     """The optimizer param groups as saved: membership and order from `param_shapes`, hyper-parameters
     (lr, betas, eps, weight_decay, ...) from the saved optimizer's param_groups."""
-    from ..ops.resume import node_to_python
-    from ..tree import GroupNode
+    from ..tree import GroupNode, node_to_python
 
     lay = replica_layout(ck)
     saved = node_to_python(ck.optimizer.children.get("param_groups", GroupNode())) or {}

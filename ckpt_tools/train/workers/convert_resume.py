@@ -58,9 +58,9 @@ def spec_from_checkpoint(ck: Any, *, scheduler_class: str | None = None, seed: i
     if scheduler_class:
         hold = [float(g["lr"]) / float(g.get("initial_lr") or g["lr"]) for g in groups]
         sched = {"class": scheduler_class, "hold": hold}
-    from ckpt_tools.ops.convert import _config
+    from ckpt_tools.tree import saved_config
 
-    ds_sched = _config(ck).get("scheduler")
+    ds_sched = saved_config(ck).get("scheduler")
     return {"ds_scheduler": ds_sched if isinstance(ds_sched, dict) else None,
             "specs": specs, "groups": [{"names": list(g["params"]),
                                         "options": {k: g[k] for k in _GROUP_KEYS if k in g}} for g in groups],
