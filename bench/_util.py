@@ -229,3 +229,16 @@ def report(runs: dict, out_name: str, result: dict, notes: dict[str, str] | None
               f"{s.peak_rss_bytes_median / 2**20:7.1f} MiB" + (f"  {notes[name]}" if notes and name in notes else ""))
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     (OUT_DIR / out_name).write_text(json.dumps(result, indent=1, default=str))
+
+
+def report_against(runs: dict, reference: str, label: str, out_name: str, result: dict, busy: list) -> None:
+    """`report` with each command's speed-up over the `reference` command ("<label> / this 2.3x"), then how busy
+    the CPUs were before each run and every command's median CPU seconds."""
+    ref_wall = summarize(runs[reference]).wall_s_median
+    notes = {name: f"{label} / this {ref_wall / summarize(ms).wall_s_median:.1f}x" for name, ms in runs.items()
+             if name != reference}
+    result["cpu_busy_before_runs"] = busy
+    report(runs, out_name, result, notes)
+    print("CPU busy before the runs: " + " ".join("-" if b is None else f"{100 * b:.0f}%" for b in busy))
+    for name, ms in runs.items():
+        print(f"{name}: CPU s median {summarize(ms).cpu_s_median:.2f}")

@@ -46,16 +46,23 @@ def make(layers: int, out: Path) -> None:
         subprocess.run(cmd, check=True, cwd=REPO_ROOT, env=env)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def arguments(ap: argparse.ArgumentParser | None = None) -> tuple[argparse.Namespace, Path]:
+    """The Megatron benchmarks' common options (--layers, --repeat, --make); makes the run when asked; returns the
+    options and the folder holding megatron_tp2_legacy / megatron_tp2_torch_dist."""
+    ap = ap or argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=96)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--make", action="store_true")
     a = ap.parse_args()
-    megatron = os.environ.get("MEGATRON_LM_DIR")
     out = OUT_DIR / f"megatron_L{a.layers}"
     if a.make:
         make(a.layers, out)
+    return a, out
+
+
+def main() -> None:
+    a, out = arguments()
+    megatron = os.environ.get("MEGATRON_LM_DIR")
     legacy, dist = out / "megatron_tp2_legacy", out / "megatron_tp2_torch_dist"
     it = next(dist.glob("iter_*"))
     rank_files = sorted(str(p) for p in legacy.glob("iter_*/mp_rank_*/model_optim_rng.pt"))

@@ -27,7 +27,6 @@ output against the source.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -37,25 +36,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._util import (OUT_DIR, REPO_ROOT, ckpt_command, cpu_busy_fraction, machine_info, precompile,  # noqa: E402
-                         report, run_measured, summarize)
-from bench.bench_megatron import make  # noqa: E402
+                         report_against, run_measured)
+from bench.bench_megatron import arguments  # noqa: E402
 
 CKPT = "ckpt convert --to megatron"
 MEGATRON = "Megatron load + save (--ckpt-convert-format torch_dist)"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=96)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--make", action="store_true")
-    a = ap.parse_args()
+    a, src = arguments()
     megatron = os.environ.get("MEGATRON_LM_DIR")
     if not megatron:
         raise SystemExit("set MEGATRON_LM_DIR to a Megatron-LM checkout (tag core_v0.16.1)")
-    src = OUT_DIR / f"megatron_L{a.layers}"
-    if a.make:
-        make(a.layers, src)
     legacy = src / "megatron_tp2_legacy"
     if len(list(legacy.glob("iter_*/mp_rank_*/model_optim_rng.pt"))) != 2:
         raise SystemExit(f"no TP=2 legacy checkpoint in {legacy}: run with --make --layers {a.layers}")
@@ -91,15 +83,9 @@ def main() -> None:
         compare[label] = {"exit": p.returncode, "last_line": (p.stdout.strip().splitlines() or [""])[-1]}
     sizes = {name: sum(f.stat().st_size for f in t.rglob("*") if f.is_file())
              for name, (_, t) in cmds.items() if t is not None}
-    ref_wall = summarize(runs[MEGATRON]).wall_s_median
-    notes = {name: f"Megatron / this {ref_wall / summarize(ms).wall_s_median:.1f}x" for name, ms in runs.items()
-             if name != MEGATRON}
-    report(runs, "megatron_convert_results.json",
-           {"machine": machine_info(), "layers": a.layers, "checkpoint": str(legacy), "output_bytes": sizes,
-            "cpu_busy_before_runs": busy, "comparison": compare}, notes)
-    print("CPU busy before the runs: " + " ".join("-" if b is None else f"{100 * b:.0f}%" for b in busy))
-    for name, ms in runs.items():
-        print(f"{name}: CPU s median {summarize(ms).cpu_s_median:.2f}")
+    report_against(runs, MEGATRON, "Megatron", "megatron_convert_results.json",
+                   {"machine": machine_info(), "layers": a.layers, "checkpoint": str(legacy), "output_bytes": sizes,
+                    "comparison": compare}, busy)
     print(json.dumps(compare, indent=1))
 
 

@@ -82,9 +82,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._util import (OUT_DIR, REPO_ROOT, ckpt_command, machine_info, precompile, report,  # noqa: E402
-                         cpu_busy_fraction, run_measured, summarize)
-from bench.bench_megatron import TORCH_LOAD, make  # noqa: E402
+from bench._util import (OUT_DIR, REPO_ROOT, ckpt_command, cpu_busy_fraction, machine_info,  # noqa: E402
+                         precompile, report_against, run_measured)
+from bench.bench_megatron import TORCH_LOAD, arguments  # noqa: E402
 
 CONVERT = r'''
 import os, runpy, sys
@@ -173,17 +173,11 @@ print(json.dumps(out))
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=96)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--make", action="store_true")
     ap.add_argument("--no-torch-load", action="store_true", help="leave out the torch.load row")
-    a = ap.parse_args()
+    a, out = arguments(ap)
     megatron = os.environ.get("MEGATRON_LM_DIR")
     if not megatron:
         raise SystemExit("set MEGATRON_LM_DIR to a Megatron-LM checkout (tag core_v0.16.1)")
-    out = OUT_DIR / f"megatron_L{a.layers}"
-    if a.make:
-        make(a.layers, out)
     legacy = out / "megatron_tp2_legacy"
     rank_files = sorted(str(p) for p in legacy.glob("iter_*/mp_rank_*/model_optim_rng.pt"))
     if len(rank_files) != 2:
@@ -221,17 +215,10 @@ def main() -> None:
     sizes = {name: (target.stat().st_size if target.is_file() else
                     sum(f.stat().st_size for f in target.rglob("*") if f.is_file()))
              for name, (_, target) in cmds.items() if target is not None}
-    ref_name = "Megatron convert.py core->core TP2->TP1 (bf16)"
-    ref_wall = summarize(runs[ref_name]).wall_s_median
-    notes = {name: f"convert.py / this {ref_wall / summarize(ms).wall_s_median:.1f}x" for name, ms in runs.items()
-             if name != ref_name}
-    report(runs, "megatron_export_results.json",
-           {"machine": machine_info(), "layers": a.layers, "checkpoint": str(legacy),
-            "rank_file_bytes": [os.path.getsize(f) for f in rank_files], "output_bytes": sizes,
-            "cpu_busy_before_runs": busy, "comparison": comparison}, notes)
-    print("CPU busy before the runs: " + " ".join("-" if b is None else f"{100 * b:.0f}%" for b in busy))
-    for name, ms in runs.items():
-        print(f"{name}: CPU s median {summarize(ms).cpu_s_median:.2f}")
+    report_against(runs, "Megatron convert.py core->core TP2->TP1 (bf16)", "convert.py", "megatron_export_results.json",
+                   {"machine": machine_info(), "layers": a.layers, "checkpoint": str(legacy),
+                    "rank_file_bytes": [os.path.getsize(f) for f in rank_files], "output_bytes": sizes,
+                    "comparison": comparison}, busy)
     print(json.dumps(comparison, indent=1))
 
 
