@@ -57,3 +57,28 @@ def load(path: str | os.PathLike, *, mmap: bool = True) -> Any:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UnsupportedCheckpoint(f"refusing to load: the pickle names a class outside the allowlist ({first})",
                                     path=path, hint="inspect it with `ckpt inspect` to see the unknown global") from e
+
+
+def untrusted_globals(ck: Any) -> dict[str, list[str]]:
+    """file -> unknown pickle globals, over EVERY file of the checkpoint: opening it parses only some
+    (one ZeRO-3 model-states file of many), but DeepSpeed's loader unpickles them all."""
+    from pathlib import Path
+
+    from . import pickle_reader
+    from .errors import CkptError
+
+    found = {w.path or "?": [w.message.split(":")[0].removeprefix("pickle names ")]
+             for w in ck.warnings if w.code == "unknown-global"}
+    base = Path(ck.path)
+    base = base if base.is_dir() else base.parent
+    out: dict[str, list[str]] = {}
+    for f in ck.files:
+        try:
+            loaded = pickle_reader.load(base / f.path)
+        except CkptError:
+            continue  # not a pickle (safetensors, text); a broken one fails the load anyway
+        if loaded.source is not None:
+            loaded.source.close()
+        if loaded.unknown_globals:
+            out[f.path] = loaded.unknown_globals
+    return out or found

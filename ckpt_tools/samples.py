@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .ops.processes import free_port, stop_process_tree, worker_env  # noqa: F401 (free_port, worker_env: API)
 
 
 @dataclass(frozen=True)
@@ -103,32 +104,11 @@ def sample_path(out_dir: str | os.PathLike, name: str) -> Path:
     return Path(out_dir) / s.group / s.path
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (for torch.distributed rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def worker_env() -> dict[str, str]:
-    """Environment for CPU-only real-framework runs (no CUDA probing, deterministic, quiet)."""
-    env = dict(os.environ)
-    env.update(
-        DS_ACCELERATOR="cpu",
-        CUDA_VISIBLE_DEVICES="",
-        OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONHASHSEED="0",
-    )
-    return env
-
-
 def run_torchrun(module: str, nproc: int, args: list[str], *, log_path: Path | None = None,
                  timeout: float = 600, python: str | None = None) -> None:
     """Run `module` under torchrun on localhost with `nproc` CPU ranks; raise with the log tail on failure."""
     import tempfile
 
-    from .ops.resume import stop_process_tree
 
     cmd = [python or sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", module, *args]

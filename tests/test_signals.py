@@ -142,7 +142,7 @@ def test_signal_to_resume_pid_stops_workers_and_removes_temp_folders(tmp_path, s
 def test_stop_process_tree_reaches_workers_in_their_own_sessions():
     """torchrun starts every worker in a session of its own, so signalling the launcher's process group misses
     them. A launcher with a worker like that, which ignores SIGTERM: both are gone after the grace (SIGKILL)."""
-    from ckpt_tools.ops.resume import stop_process_tree
+    from ckpt_tools.ops.processes import stop_process_tree
 
     worker = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
               "time.sleep(600)")
@@ -170,7 +170,7 @@ def test_stop_process_tree_reaches_workers_in_their_own_sessions():
 def test_run_stoppable_stops_the_pool_of_an_interrupted_child(tmp_path):
     """`run_stoppable` (DeepSpeed's ds_to_universal runs through it, with a process pool): a Ctrl-C to this
     process while the child and its pool worker run stops both; subprocess.run SIGKILLed the child alone."""
-    from ckpt_tools.ops.resume import run_stoppable
+    from ckpt_tools.ops.processes import run_stoppable
 
     done = run_stoppable([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"],
                          env=dict(os.environ))

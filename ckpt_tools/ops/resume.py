@@ -38,100 +38,31 @@ Other frameworks — the dispatch contract (the module `ckpt_tools.ops.resume_fr
     run_resume(plan, on_event=..., work_dir=...) with `getattr(plan, "framework", None)` set returns
         resume_frameworks.run_resume(plan, on_event=on_event, keep=work_dir)
     plus `reference=`, `loss_tol=`, `jump_tol=`, `timeout=` for each of those its signature accepts. It must
-    return a `ResumeResult` built from this module's `Check` / `CheckRow` / `StepRecord` (`setup`/`loaded`
+    return a `ResumeResult` built from `ops.verdict`'s `Check` / `CheckRow` / `StepRecord` (`setup`/`loaded`
     dicts may be empty); `ResumeResult.to_dict` and the CLI render it like a DeepSpeed result. Use the row
     names "global step", "optimizer step", "learning rate", "optimizer state", "loss".
 """
 from __future__ import annotations
 
-import collections
-import contextlib
 import json
 import math
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from ..ds_schedules import DS_SCHEDULERS, lr_at as _ds_scheduler_lr
 from ..errors import CkptError, UnsupportedCheckpoint
-from ..tree import Checkpoint, GroupNode, TensorNode, ValueNode, node_to_python
+from ..tree import Checkpoint, GroupNode, TensorNode, ValueNode
+from ..safe_load import untrusted_globals
+from .processes import _cpu_env, launch as _launch, run_stoppable, scratch_folder
+from .verdict import LR_REL_TOL, Check, CheckRow, ResumeResult, SavedState, StepRecord, _names, mismatch, saved_state
 
-WORKER_MODULE = "ckpt_tools.train.resume_worker"
 REFERENCE_KIND = "ckpt-resume-reference"
 SUPPORTED_FORMATS = ("deepspeed_zero", "deepspeed_pipeline", "deepspeed_universal")
-# Keys a training script may keep in the client state for the loss at the checkpoint (Megatron logs it
-# elsewhere; many custom loops save one of these).
-CLIENT_LOSS_KEYS = ("loss", "lm_loss", "train_loss", "last_loss")
-LR_REL_TOL = 1e-6
 
 Converter = Callable[[Path, Path, bool], None]
-
-
-# --- what the checkpoint says, read without the engine --------------------------------------------
-
-
-@dataclass(frozen=True)
-class SavedState:
-    """Counters and scheduler state as the checkpoint records them (None: not recorded)."""
-
-    format: str
-    global_step: int | None
-    optimizer_step: int | None
-    skipped_steps: int | None
-    param_group_lrs: tuple[float, ...]
-    initial_lrs: tuple[float, ...] | None  # torch schedulers' `initial_lr` in the saved param groups
-    scheduler_state: str  # "torch", "deepspeed" or "none"
-    scheduler_position: int | None  # torch `last_epoch` / DeepSpeed `last_batch_iteration`
-    base_lrs: tuple[float, ...] | None
-    loss: float | None  # a loss found in the client state
-    loss_key: str | None
-    ds_config: dict[str, Any]
-    has_universal_info: bool
-    dp: int
-    tp: int
-    pp: int
-    scheduler_saved: dict[str, Any] | None = None  # a torch scheduler's saved state dict (JSON-safe copy)
-    group_options: tuple[dict[str, Any], ...] = ()  # the saved param groups without `params` (JSON-safe)
-
-
-def _json_safe(obj: Any) -> Any:
-    return json.loads(json.dumps(obj, default=lambda o: dict(o) if isinstance(o, collections.Counter) else repr(o)))
-
-
-def saved_state(ck: Checkpoint) -> SavedState:
-    kids = ck.tree.children
-    sched = node_to_python(kids.get("scheduler", GroupNode())) or {}
-    if "last_batch_iteration" in sched:
-        kind, position = "deepspeed", sched["last_batch_iteration"]
-    elif "last_epoch" in sched:
-        kind, position = "torch", sched["last_epoch"]
-    else:
-        kind, position = "none", None
-    groups = node_to_python(ck.optimizer.children.get("param_groups", GroupNode())) or {}
-    initial = [g.get("initial_lr") for _, g in sorted(groups.items(), key=lambda kv: int(kv[0]))]
-    client = node_to_python(kids.get("client_state", GroupNode())) or {}
-    loss_key = next((k for k in CLIENT_LOSS_KEYS if isinstance(client.get(k), (int, float))), None)
-    topo = ck.topology
-    return SavedState(
-        format=ck.format, global_step=ck.counters.global_step, optimizer_step=ck.counters.optimizer_step,
-        skipped_steps=ck.counters.skipped_steps, param_group_lrs=tuple(ck.lr.param_groups),
-        initial_lrs=tuple(initial) if initial and all(x is not None for x in initial) else None,
-        scheduler_state=kind, scheduler_position=position,
-        base_lrs=tuple(ck.lr.base_lrs) if ck.lr.base_lrs else None,
-        loss=float(client[loss_key]) if loss_key else None, loss_key=loss_key,
-        ds_config=node_to_python(kids.get("config", GroupNode())) or {},
-        has_universal_info=bool(node_to_python(kids.get("universal_checkpoint_info", GroupNode()))),
-        dp=topo.dp or 1, tp=topo.tp or 1, pp=topo.pp or 1,
-        scheduler_saved=_json_safe(sched) if kind == "torch" else None,
-        group_options=tuple(_json_safe({k: v for k, v in g.items() if k != "params"})
-                            for _, g in sorted(groups.items(), key=lambda kv: int(kv[0]))),
-    )
 
 
 # --- the plan -------------------------------------------------------------------------------------
@@ -221,26 +152,6 @@ def _auto_model(ck: Checkpoint, layout: dict[str, Any] | None) -> str:
         return "replica"
     have = {p["name"]: tuple(p["shape"]) for p in layout["specs"]}
     return "tiny-gpt" if known == have else "replica"
-
-
-def _names(items: list[str], limit: int = 4) -> str:
-    return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
-
-
-def mismatch(have: dict[str, tuple], want: dict[str, tuple]) -> list[str]:
-    """How a model's parameters (`have`: name -> shape) differ from a checkpoint's (`want`): "missing ...",
-    "unexpected ...", "shape differs: ..." parts, [] when they match."""
-    missing = [n for n in have if n not in want]
-    unexpected = [n for n in want if n not in have]
-    shapes = [f"{n} {list(have[n])} vs {list(want[n])}" for n in have if n in want and have[n] != want[n]]
-    parts = []
-    if missing:
-        parts.append(f"missing {_names(missing)}")
-    if unexpected:
-        parts.append(f"unexpected {_names(unexpected)}")
-    if shapes:
-        parts.append(f"shape differs: {_names(shapes, 2)}")
-    return parts
 
 
 def check_model_matches(model: str, layout: dict[str, Any], ctx_fields: dict[str, Any], path: Path) -> str | None:
@@ -362,28 +273,6 @@ def _load_location(path: Path, tag: str | None) -> tuple[Path, str | None]:
     if tag and path.name == tag:
         return path.parent, tag
     return path, tag
-
-
-def untrusted_globals(ck: Checkpoint) -> dict[str, list[str]]:
-    """file -> unknown pickle globals, over EVERY file of the checkpoint: opening it parses only some
-    (one ZeRO-3 model-states file of many), but DeepSpeed's loader unpickles them all."""
-    from .. import pickle_reader
-
-    found = {w.path or "?": [w.message.split(":")[0].removeprefix("pickle names ")]
-             for w in ck.warnings if w.code == "unknown-global"}
-    base = Path(ck.path)
-    base = base if base.is_dir() else base.parent
-    out: dict[str, list[str]] = {}
-    for f in ck.files:
-        try:
-            loaded = pickle_reader.load(base / f.path)
-        except CkptError:
-            continue  # not a pickle (safetensors, text); a broken one fails the load anyway
-        if loaded.source is not None:
-            loaded.source.close()
-        if loaded.unknown_globals:
-            out[f.path] = loaded.unknown_globals
-    return out or found
 
 
 def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None, device: str = "auto",
@@ -638,337 +527,6 @@ def deepspeed_to_universal(tag_dir: Path, out_dir: Path, inject_missing_state: b
 
 
 # --- launching ------------------------------------------------------------------------------------
-
-
-def _cpu_env() -> dict[str, str]:
-    from ..samples import worker_env
-
-    return worker_env()
-
-
-def _env(device: str) -> dict[str, str]:
-    if device == "cpu":
-        return _cpu_env()
-    env = dict(os.environ)
-    env.update(DS_ACCELERATOR="cuda", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), PYTHONHASHSEED="0")
-    return env
-
-
-# Every process `ckpt` starts goes into a session of its own (a Ctrl-C at the terminal reaches `ckpt` alone,
-# which then stops its children in order) and is stopped with everything it started: SIGTERM, then SIGKILL
-# after STOP_GRACE_S. torchrun starts each worker in a session of its own too, so the launcher's process group
-# misses them: the processes under the launcher are found through /proc (ppid) before anything is signalled,
-# since a worker whose torchrun is gone belongs to init and can no longer be told apart.
-STOP_GRACE_S = 5.0
-_KILL_WAIT_S = 3.0  # after SIGKILL: the kernel tears the processes down (slow on a busy machine)
-
-
-def _proc_stat(pid: int) -> tuple[int, str, int] | None:
-    """(parent pid, state letter, start time in clock ticks) from /proc/PID/stat; None when gone or no /proc."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return int(fields[1]), fields[0], int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _process_tree(root: int) -> dict[int, int]:
-    """`root` and every process under it: pid -> start time (a pid reused by an unrelated process has another
-    start time). {} without /proc (not Linux) or when `root` is gone."""
-    try:
-        names = [n for n in os.listdir("/proc") if n.isdigit()]
-    except OSError:
-        return {}
-    children: dict[int, list[int]] = {}
-    starts: dict[int, int] = {}
-    for name in names:
-        st = _proc_stat(int(name))
-        if st is not None:
-            children.setdefault(st[0], []).append(int(name))
-            starts[int(name)] = st[2]
-    if root not in starts:
-        return {}
-    tree, todo = {}, [root]
-    while todo:
-        pid = todo.pop()
-        if pid in starts and pid not in tree:
-            tree[pid] = starts[pid]
-            todo.extend(children.get(pid, ()))
-    return tree
-
-
-def _alive(pid: int, start: int) -> bool:
-    st = _proc_stat(pid)
-    return st is not None and st[1] not in "ZX" and st[2] == start  # a zombie has stopped: its parent reaps it
-
-
-@contextlib.contextmanager
-def deferred_signals() -> Iterator[Callable[[], bool]]:
-    """Hold Ctrl-C and SIGTERM back while a cleanup runs to its end (stopping processes, removing a scratch
-    folder): a second signal must not leave half of it undone. Yields `pending()`, true once one arrived; it
-    is raised on leaving the block, by whatever handler is in force. Outside the main thread (which alone runs
-    Python's signal handlers) nothing is held back."""
-    import threading
-
-    mask = {signal.SIGINT, signal.SIGTERM}
-    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
-        yield lambda: False
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, mask)
-    try:
-        yield lambda: bool(signal.sigpending() & mask)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-def stop_process_tree(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> list[int]:
-    """Stop `proc` (started with `start_new_session=True`) and every process under it, within seconds: SIGTERM
-    to each and to each one's process group (what it started there, seen or not), SIGKILL to whatever is left
-    after `grace` seconds; `proc` is reaped. Returns the pids still alive after that (normally none). Ctrl-C
-    and SIGTERM are held back meanwhile (`deferred_signals`): one arriving skips the rest of the grace."""
-    import time
-
-    own_group = os.getpgrp()
-    with deferred_signals() as pending:
-        # before any signal, while every worker is still the launcher's child; a reaped launcher's pid may
-        # already be another process's
-        tree = _process_tree(proc.pid) if proc.poll() is None else {}
-
-        def send(sig: signal.Signals) -> None:
-            if proc.poll() is None:  # not reaped yet: proc.pid is still ours
-                tree.update(_process_tree(proc.pid))
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, sig)
-            for pid, start in tree.items():
-                if pid != proc.pid and _alive(pid, start):
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        group = os.getpgid(pid)
-                        if group != own_group:
-                            os.killpg(group, sig)
-                        os.kill(pid, sig)
-
-        def stopped(seconds: float, hurry: bool) -> bool:
-            end = time.monotonic() + seconds
-            while True:
-                if proc.poll() is not None and not any(_alive(p, s) for p, s in tree.items()):
-                    return True
-                if time.monotonic() >= end or (hurry and pending()):
-                    return False
-                time.sleep(0.05)
-
-        send(signal.SIGTERM)
-        if not stopped(grace, hurry=True):
-            send(signal.SIGKILL)
-            stopped(_KILL_WAIT_S, hurry=False)
-        return [pid for pid, start in tree.items() if _alive(pid, start)]
-
-
-def run_stoppable(cmd: list[str], *, env: dict[str, str]) -> subprocess.CompletedProcess:
-    """`subprocess.run(cmd)` with the output (stdout and stderr) captured as text, for a child that starts
-    processes of its own: an interruption (Ctrl-C, SIGTERM) stops all of them (`stop_process_tree`), where
-    subprocess.run would SIGKILL the child alone and leave its pool running."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate()
-    finally:
-        if proc.poll() is None:
-            stop_process_tree(proc)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out)
-
-
-@contextlib.contextmanager
-def scratch_folder(work_dir: str | os.PathLike | None, *, keep: bool = False) -> Iterator[Path]:
-    """The scratch folder of one resume (worker plan, universal conversion, the processes' TMPDIR): `work_dir`,
-    kept afterwards; else a new temporary `ckpt-resume-*` folder, removed afterwards unless `keep`. Removed on
-    Ctrl-C / SIGTERM too; when something is left then (a process that would not stop, a folder that could not be
-    removed), the interruption is re-raised as `io.Interrupted` saying what and where."""
-    from ..io import Interrupted
-
-    remove = work_dir is None and not keep
-    scratch = Path(work_dir) if work_dir is not None else None
-    try:
-        if scratch is None:
-            scratch = Path(tempfile.mkdtemp(prefix="ckpt-resume-"))
-        scratch.mkdir(parents=True, exist_ok=True)
-        yield scratch
-    except KeyboardInterrupt as e:
-        with deferred_signals():
-            if remove and scratch is not None:
-                shutil.rmtree(scratch, ignore_errors=True)
-        left = [str(e)] if str(e) else []  # `_launch`: processes that did not stop
-        if remove and scratch is not None and scratch.exists():
-            left.append(f"the scratch folder {scratch} could not be removed")
-        if left:
-            raise Interrupted("resume stopped: the checkpoint was only read; " + "; ".join(left)) from e
-        raise
-    finally:
-        if remove and scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
-
-
-class WorkerFailed(CkptError):
-    """The training processes exited with an error: one line, the failing process's own error; the hint
-    names the log file with the full output."""
-
-
-def _launch(plan: Any, plan_file: Path, on_event: Callable[[dict], None] | None,
-            timeout: float, module: str = WORKER_MODULE) -> list[dict[str, Any]]:
-    """Run the training processes (`module` under torchrun, `plan.nproc` ranks on `plan.device`; every
-    framework's resume worker speaks the same `CKPT_RESUME {json}` event lines); parse their event lines. All
-    other output goes to a log file outside the checkpoint (removed after a success or an interruption). A
-    failure is one line: the first failing process's own error (its `error` event), naming the log file — never
-    the launcher's traceback.
-
-    The processes' TMPDIR is a folder beside `plan_file`, removed when they are gone: torchrun's
-    `torchelastic_*` log folders (and any temp file a worker makes) go with it, also when they are killed.
-    On Ctrl-C / SIGTERM (a KeyboardInterrupt here) torchrun and every worker are stopped
-    (`stop_process_tree`) before the interruption goes on; if one could not be stopped, it is raised as
-    `io.Interrupted` naming the pids."""
-    import re
-    import threading
-
-    from ..io import Interrupted
-    from ..samples import free_port
-    from ..train.resume_worker import RECORD_PREFIX
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(plan.nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", module,
-           "--plan", str(plan_file)]
-    events: list[dict[str, Any]] = []
-    errors: list[dict[str, Any]] = []
-    tail: collections.deque[str] = collections.deque(maxlen=200)
-    child_tmp = plan_file.parent / "tmp"
-    env = {**_env(plan.device), "TMPDIR": str(child_tmp)}
-    proc: subprocess.Popen | None = None
-    log_path: Path | None = None
-    timer = None
-    timed_out = []
-    try:
-        child_tmp.mkdir(exist_ok=True)
-        fd, log_name = tempfile.mkstemp(prefix="ckpt-resume-", suffix=".log")
-        log_path = Path(log_name)
-        with os.fdopen(fd, "w") as log:
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    start_new_session=True)
-
-            def kill() -> None:
-                timed_out.append(True)
-                stop_process_tree(proc)
-
-            timer = threading.Timer(timeout, kill)
-            timer.start()
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                log.write(line)
-                if line.startswith(RECORD_PREFIX):
-                    try:
-                        ev = json.loads(line[len(RECORD_PREFIX):])
-                    except ValueError:
-                        continue  # two ranks' lines interleaved: the log has it
-                    if ev.get("event") == "error":
-                        errors.append(ev)
-                        continue
-                    events.append(ev)
-                    if on_event:
-                        on_event(ev)
-                else:
-                    tail.append(line.rstrip("\n"))
-        rc = proc.wait()
-    except BaseException as e:
-        with deferred_signals():
-            if timer:
-                timer.cancel()
-            left = stop_process_tree(proc) if proc is not None else []  # nothing may keep running
-            shutil.rmtree(child_tmp, ignore_errors=True)
-            if isinstance(e, KeyboardInterrupt) and log_path is not None:
-                log_path.unlink(missing_ok=True)  # the user stopped it; nothing to read in a log
-        if left and isinstance(e, KeyboardInterrupt):
-            raise Interrupted(f"{len(left)} of the training processes did not stop even on SIGKILL (pids "
-                              f"{' '.join(map(str, left))})") from e
-        raise
-    timer.cancel()
-    timer.join()  # a timeout's stop_process_tree, if one began, has finished
-    shutil.rmtree(child_tmp, ignore_errors=True)
-    done = bool(events) and events[-1].get("event") == "done"
-    if rc == 0 and done:
-        log_path.unlink(missing_ok=True)
-        return events
-    hint = f"the full output is in {log_path}"
-    if timed_out:
-        raise WorkerFailed(f"training processes did not finish within {timeout:g} s", hint=hint)
-    # a rank whose peer died reports a broken connection: the root cause is another rank's own error
-    peer = re.compile(r"Connection (reset|closed) by peer|remote worker|communicator was aborted|Broken pipe|"
-                      r"Socket Timeout|timed out|NCCL error.*remote", re.IGNORECASE)
-    own = [e for e in errors if not peer.search(str(e.get("message", "")))]
-    if own:
-        first = own[0]
-        raise WorkerFailed(f"rank {first.get('rank', '?')}: {first.get('message')}", hint=hint)
-    aborted = [line.split("what():", 1)[1].strip() for line in tail if "what():" in line]
-    if aborted:
-        raise WorkerFailed(f"a training process aborted: {aborted[0]}", hint=hint)
-    if errors:
-        first = errors[0]
-        raise WorkerFailed(f"rank {first.get('rank', '?')}: {first.get('message')}", hint=hint)
-    # no error event (killed, crashed in the launcher or before the worker ran): the last error-like line
-    pat = re.compile(r"^\s*(?:\[[^]]*\]\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)$")
-    found = [m.group(1) for m in map(pat.match, tail) if m and "ChildFailedError" not in m.group(1)]
-    last = found[-1] if found else (f"exit {rc}" if rc else "ended without finishing")
-    raise WorkerFailed(f"training processes failed: {last}", hint=hint)
-
-
-# --- the verdict ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    step: int
-    loss: float
-    loss_mean: float
-    lr: tuple[float, ...]
-    grad_norm: float | None
-    optimizer_step: int | None
-    tokens_per_s: float | None
-    seconds: float
-    skipped_steps: int
-
-
-@dataclass(frozen=True)
-class CheckRow:
-    step: int
-    expected: Any
-    actual: Any
-    ok: bool
-
-
-@dataclass(frozen=True)
-class Check:
-    """One line of the verdict: status is "pass", "fail" or "n/a" (not available, with the reason)."""
-
-    name: str
-    status: str
-    detail: str
-    rows: tuple[CheckRow, ...] = ()
-
-
-@dataclass(frozen=True)
-class ResumeResult:
-    plan: Any  # a ResumePlan, or another framework's plan (see the dispatch contract above)
-    setup: dict[str, Any]
-    loaded: dict[str, Any]
-    records: tuple[StepRecord, ...]
-    checks: tuple[Check, ...]
-
-    @property
-    def ok(self) -> bool:
-        return all(c.status != "fail" for c in self.checks)
-
-    def to_dict(self) -> dict[str, Any]:
-        import dataclasses
-
-        plan = asdict(self.plan) if dataclasses.is_dataclass(self.plan) else dict(vars(self.plan))
-        return {"ok": self.ok, "plan": plan, "setup": self.setup, "loaded": self.loaded,
-                "records": [asdict(r) for r in self.records], "checks": [asdict(c) for c in self.checks]}
 
 
 def expected_lrs(plan: ResumePlan, setup: dict[str, Any]) -> tuple[list[list[float]] | None, str]:

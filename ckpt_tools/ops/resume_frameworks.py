@@ -49,7 +49,8 @@ from typing import Any, Callable
 
 from ..errors import CkptError, UnsupportedCheckpoint
 from ..tree import Checkpoint, GroupNode, node_to_python
-from .resume import LR_REL_TOL, Check, CheckRow, ResumeResult, SavedState, StepRecord, mismatch, scratch_folder
+from .processes import scratch_folder
+from .verdict import LR_REL_TOL, Check, CheckRow, ResumeResult, SavedState, StepRecord, mismatch
 
 WORKERS = {
     "hf_trainer": "ckpt_tools.train.resume_fw.hf_trainer",
@@ -504,7 +505,7 @@ def _check_pickles(ck: Checkpoint, path: Path, trust_pickles: bool, who: str,
     files the framework's loader will unpickle (`never_loaded`: file names it does not read on resume)."""
     if trust_pickles:
         return
-    from .resume import untrusted_globals
+    from ..safe_load import untrusted_globals
 
     unknown = {f: g for f, g in untrusted_globals(ck).items() if Path(f).name not in never_loaded}
     if unknown:
@@ -1005,9 +1006,9 @@ def _launch(plan: FrameworkPlan, plan_file: Path, on_event: Callable[[dict], Non
             timeout: float) -> list[dict[str, Any]]:
     """The framework's worker under torchrun, launched, logged and reported as `ckpt_tools.ops.resume` does
     for DeepSpeed (one launcher for every framework)."""
-    from . import resume as _resume
+    from .processes import launch
 
-    return _resume._launch(plan, plan_file, on_event, timeout, module=WORKERS[plan.framework])
+    return launch(plan, plan_file, on_event, timeout, module=WORKERS[plan.framework])
 
 
 # --- the verdict ----------------------------------------------------------------------------------
