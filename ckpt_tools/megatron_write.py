@@ -52,7 +52,7 @@ def check_source(ck, src: Path) -> None:
     if ck.format == "megatron_torch_dist":
         raise UnsupportedCheckpoint("the checkpoint is already a Megatron-LM torch_dist checkpoint: nothing to convert "
                                     "(Megatron reshards it at load: resume it at any TP / PP)", path=src,
-                                    hint="--ckpt-format torch writes it as legacy rank files (--tp N for another TP)")
+                                    hint="--ckpt-format torch writes it as legacy rank files, --tp N at another TP")
     if ck.format not in SOURCE_FORMATS:
         raise UnsupportedCheckpoint(
             f"--to megatron needs a Megatron-LM legacy checkpoint; this is {ck.format}, which holds no Megatron "
@@ -260,7 +260,7 @@ def check_legacy_target(ck, src: Path, tp: int | None) -> int:
     if ck.format == "megatron_legacy":
         raise UnsupportedCheckpoint("the checkpoint is already in Megatron-LM's legacy format (--ckpt-format "
                                     "torch): nothing to convert", path=src,
-                                    hint="--ckpt-format torch_dist writes the torch_dist layout (it reshards at load)")
+                                    hint="--ckpt-format torch_dist writes the torch_dist layout, which Megatron reshards at load")
     if ck.format != "megatron_torch_dist":
         raise UnsupportedCheckpoint(
             f"--to megatron --ckpt-format torch needs a Megatron-LM torch_dist checkpoint; this is {ck.format}, "
@@ -299,7 +299,7 @@ def check_legacy_target(ck, src: Path, tp: int | None) -> int:
         if bad:
             raise UnsupportedCheckpoint(f"--tp {tp} does not divide {', '.join(bad)}: Megatron splits each of them "
                                         "over the tensor-parallel ranks", path=src,
-                                        hint=f"choose a TP size that divides them (saved at TP {saved})")
+                                        hint=f"choose a TP size that divides them; saved at TP {saved}")
         want = _padded_vocab(args, tp)
         if want is not None and want != sizes["padded_vocab_size"]:
             raise UnsupportedCheckpoint(
@@ -340,7 +340,7 @@ def legacy_plan_lines(ck, tp: int) -> tuple[list[str], list[str]]:
                          f"!= {tp}); a legacy file has no way to say so, so each rank file carries the state of the "
                          f"TP rank it takes its first shard from (rank t <- t x {saved} // {tp}): the Python / NumPy "
                          "/ torch generators are the same on every TP rank, the tensor-parallel CUDA tracker "
-                         "(model-parallel-rng) is that rank's. Relaunch with --no-load-rng for Megatron's fresh "
+                         "(model-parallel-rng) is that rank's (and so is expert-parallel-rng). Relaunch with --no-load-rng for Megatron's fresh "
                          "seeding instead")
     if ck.tree.children.get("tied_copies") is not None or (pp > 1 and not args.get("untie_embeddings_and_output_weights")):
         notes.append("tied embeddings with PP > 1: the last stage's output_layer.weight (Megatron's copy of the word "
