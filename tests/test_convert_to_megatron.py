@@ -342,3 +342,52 @@ def test_legacy_refusals_are_one_line_and_write_nothing(tmp_path):
     proc = run_cli("convert", sample("deepspeed", "zero2_bf16"), out, "--to", "megatron", "--ckpt-format", "torch")
     assert proc.returncode == 2 and "needs a Megatron-LM torch_dist checkpoint" in proc.stderr
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,
+                    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout)")
+def test_megatron_resumes_the_legacy_conversion_at_tp1_and_tp2(tmp_path):
+    """The TP 2 torch_dist sample written as legacy rank files at TP 1 and at TP 2, resumed by Megatron-LM's own
+    pretrain (`ckpt resume`, gloo on the CPU, no extra flag): every check passes — at TP 1 too the closed-form
+    AdamW check of every update from the state the rank file saved (it runs for legacy checkpoints at their saved
+    TP / PP) —, the iteration and Adam step continue from 10, and the LRs and losses equal bit for bit (tolerance
+    0) those of resuming the torch_dist sample at TP 1 (Megatron reshards it at load) and of resuming the original
+    legacy save at TP 2. And Megatron's own legacy conversion of the sample at TP 1 (`--ckpt-convert-format
+    torch`) holds the same model, Adam state, fp32 master, param groups and scheduler as ckpt's --tp 1 output
+    (its RNG is the fresh seeding Megatron falls back to at another TP)."""
+    torch = pytest.importorskip("torch")
+    dist = sample("megatron_lm", "megatron_tp2_torch_dist")
+    tp1, tp2 = tmp_path / "tp1", tmp_path / "tp2"
+    _to_legacy("megatron_tp2_torch_dist", tp1, "--tp", "1")
+    _to_legacy("megatron_tp2_torch_dist", tp2)
+    runs = {"tp1": _ckpt_resume(tp1, "--nproc", "1"), "dist_tp1": _ckpt_resume(dist, "--tp", "1", "--nproc", "1"),
+            "tp2": _ckpt_resume(tp2), "legacy_tp2": _ckpt_resume(sample("megatron_lm", "megatron_tp2_legacy"))}
+    for key, res in runs.items():
+        checks = {c["name"]: c["status"] for c in res["checks"]}
+        assert all(s in ("pass", "n/a") for s in checks.values()), (key, checks)
+        assert [r["step"] for r in res["records"]] == [r["optimizer_step"] for r in res["records"]] == [11, 12]
+    for key in ("tp1", "tp2", "legacy_tp2"):  # legacy at its saved TP / PP: the closed form runs
+        assert {c["name"]: c["status"] for c in runs[key]["checks"]}["optimizer state"] == "pass", key
+    assert [(r["lr"], r["loss"]) for r in runs["tp1"]["records"]] == [(r["lr"], r["loss"])
+                                                                     for r in runs["dist_tp1"]["records"]]
+    assert [(r["lr"], r["loss"]) for r in runs["tp2"]["records"]] == [(r["lr"], r["loss"])
+                                                                     for r in runs["legacy_tp2"]["records"]]
+    # Megatron's own conversion at TP 1, launched through ckpt resume (it exits after saving: no step runs)
+    ref = tmp_path / "megatron_ref"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "cli.main", "resume", str(dist), "-n", "1", "--device", "cpu", "--tp", "1",
+                    "--nproc", "1", "--json", "--megatron-args",
+                    f"--ckpt-convert-format torch --ckpt-convert-save {ref}"], cwd=ROOT, env=env,
+                   capture_output=True, text=True, timeout=900)
+    mine = pr.load(tp1 / ITER / "mp_rank_00/model_optim_rng.pt").obj
+    theirs = pr.load(ref / "torch" / ITER / "mp_rank_00/model_optim_rng.pt").obj
+    assert list(mine) == list(theirs)
+    assert _inert(mine["model"]) == _inert(theirs["model"])
+    om, ot = mine["optimizer"], theirs["optimizer"]
+    assert om["optimizer"]["param_groups"] == ot["optimizer"]["param_groups"]
+    assert list(om["optimizer"]["state"]) == list(ot["optimizer"]["state"])
+    for i, s in ot["optimizer"]["state"].items():  # Megatron's resharding load builds each entry in another order
+        assert sorted(om["optimizer"]["state"][i]) == sorted(s)
+        assert all(torch.equal(om["optimizer"]["state"][i][k].read_torch(), v.read_torch()) for k, v in s.items())
+    assert _inert(om["fp32_from_fp16_params"]) == _inert(ot["fp32_from_fp16_params"])
+    assert _inert(mine["opt_param_scheduler"]) == _inert(theirs["opt_param_scheduler"])
