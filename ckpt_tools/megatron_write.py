@@ -26,6 +26,16 @@ Nothing from the source is unpickled: common.pt and the RNG items are the source
 scheduler, RNG state) written back by `pickle_writer` with only the storages they use; the tensors are read through
 the logical view. The args change in two fields only, what Megatron's own `--ckpt-convert-format torch_dist` save
 would record: `ckpt_format` torch_dist and `use_dist_ckpt` True.
+
+The other direction (`--ckpt-format torch`, `write_legacy`): a torch_dist run (plain Adam) as the legacy run folder
+Megatron's `--ckpt-format torch` save writes, `iter_{N:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt` per rank
+(args, checkpoint_version, iteration, model / model0.., optimizer {optimizer {state, param_groups},
+fp32_from_fp16_params}, opt_param_scheduler, rng_state, num_floating_point_operations_so_far), at the saved TP or
+another (`plan.tp`): each whole tensor split by Megatron's TP rules (`_tp_shard`, the inverse of
+`formats.megatron_lm._rule`). The module order of each rank's `model` is the order the torch_dist .metadata lists the
+layer's modules in (the sharded state dict walks the same modules); param groups list this rank's parameters in that
+order, chunk after chunk, numbered group after group as torch's Optimizer.state_dict numbers them. Equal, file for
+file, to Megatron's own legacy save of the same run (the samples), but for the args' run folders.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """`ckpt convert CKPT OUT --to dcp|torch|deepspeed-universal|megatron`: a thin wrapper over `ckpt_tools.ops.convert`
-(plan -> dry-run table or execute -> summary with what could not move). `--to deepspeed-universal` from a
+(plan -> dry-run table or execute -> summary with what could not move). `--to megatron --ckpt-format torch
+[--tp N]` writes Megatron-LM's legacy rank files from a torch_dist run. `--to deepspeed-universal` from a
 DeepSpeed checkpoint is `ckpt to-universal`."""
 from __future__ import annotations
 

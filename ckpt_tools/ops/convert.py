@@ -33,7 +33,9 @@ Targets (`--to`, `--layout`):
                       size; a DeepSpeed source is `ckpt to-universal`'s job (`to_universal.handles`)
     megatron          from a Megatron-LM legacy run (plain Adam): Megatron-LM's torch_dist run folder, as its own
                       save writes it (`ckpt_tools.megatron_write`); the scheduler, args and RNG states are carried
-                      as saved, so nothing is listed as not moved but a pipeline's tied embedding copy
+                      as saved, so nothing is listed as not moved but a pipeline's tied embedding copy;
+                      with `ckpt_format="torch"` the other way, a torch_dist run as Megatron's legacy rank files at
+                      the saved TP or `tp` (`megatron_write.write_legacy`)
 
 `--distributed` (dcp, deepspeed-universal): under torchrun every rank writes a share of the parameters into
 rank 0's staging folder; rank 0 writes the rest, merges the DCP metadata, verifies and renames.
