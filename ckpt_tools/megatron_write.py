@@ -470,8 +470,9 @@ class _Records:
 
 def write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     """Write Megatron's legacy run folder for `plan` (to="megatron", ckpt_format="torch") into the empty folder
-    `root`: one model_optim_rng.pt per (TP, PP) rank at `plan.tp`. Reads one pipeline stage's tensors at a time
-    (each whole tensor once, split for every TP rank); returns the bytes written."""
+    `root`: one model_optim_rng.pt per (TP, PP) rank at `plan.tp`; returns the bytes written. One rank file is held
+    in memory at a time (what torch.save of it holds) plus one whole tensor; each rank reads the whole tensors it
+    takes a shard of, so a stage is read once per TP rank written (TP x the reads, memory 1/TP of the stage)."""
     import collections
     import copy
 
@@ -501,23 +502,18 @@ def write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> in
     iteration = int(common["iteration"])
     itdir = root / f"iter_{iteration:07d}"
     written = 0
+    def get(name: str, what: str):
+        """One whole tensor of the source, read now (not kept: memory stays at one rank file and one tensor)."""
+        if what == "module":
+            if name not in module:
+                raise UnsupportedCheckpoint(f"{name}: not in the checkpoint's model", path=plan.source)
+            return module[name].read()
+        if what == "fp32":
+            return params[name].weight.read(L.torch_dtype("float32"))
+        return params[name].states[what].read()
+
     for p in range(pp):
         chunks = [layout[(p, c)] for c in range(max(vpp, 1))]
-        whole: dict[tuple[str, str], Any] = {}  # this stage's tensors, read once each
-
-        def get(name: str, what: str):
-            if (name, what) not in whole:
-                item = params.get(name)
-                if what == "module":
-                    if name not in module:
-                        raise UnsupportedCheckpoint(f"{name}: not in the checkpoint's model", path=plan.source)
-                    whole[(name, what)] = module[name].read()
-                elif what == "fp32":
-                    whole[(name, what)] = item.weight.read(L.torch_dtype("float32"))
-                else:
-                    whole[(name, what)] = item.states[what].read()
-            return whole[(name, what)]
-
         for t in range(tp):
             rec = _Records()
             a = copy.copy(common["args"])
