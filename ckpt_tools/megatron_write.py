@@ -26,6 +26,16 @@ Nothing from the source is unpickled: common.pt and the RNG items are the source
 scheduler, RNG state) written back by `pickle_writer` with only the storages they use; the tensors are read through
 the logical view. The args change in two fields only, what Megatron's own `--ckpt-convert-format torch_dist` save
 would record: `ckpt_format` torch_dist and `use_dist_ckpt` True.
+
+The other direction (`--ckpt-format torch`, `write_legacy`): a torch_dist run (plain Adam) as the legacy run folder
+Megatron's `--ckpt-format torch` save writes, `iter_{N:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt` per rank
+(args, checkpoint_version, iteration, model / model0.., optimizer {optimizer {state, param_groups},
+fp32_from_fp16_params}, opt_param_scheduler, rng_state, num_floating_point_operations_so_far), at the saved TP or
+another (`plan.tp`): each whole tensor split by Megatron's TP rules (`_tp_shard`, the inverse of
+`formats.megatron_lm._rule`). The module order of each rank's `model` is the order the torch_dist .metadata lists the
+layer's modules in (the sharded state dict walks the same modules); param groups list this rank's parameters in that
+order, chunk after chunk, numbered group after group as torch's Optimizer.state_dict numbers them. Equal, file for
+file, to Megatron's own legacy save of the same run (the samples), but for the args' run folders.
 """
 from __future__ import annotations
 
@@ -51,7 +61,8 @@ def check_source(ck, src: Path) -> None:
     """Refuse, in one line naming what is missing, a source this writer cannot turn into a loadable Megatron run."""
     if ck.format == "megatron_torch_dist":
         raise UnsupportedCheckpoint("the checkpoint is already a Megatron-LM torch_dist checkpoint: nothing to convert "
-                                    "(Megatron reshards it at load: resume it at any TP / PP)", path=src)
+                                    "(Megatron reshards it at load: resume it at any TP / PP)", path=src,
+                                    hint="--ckpt-format torch writes it as legacy rank files, --tp N at another TP")
     if ck.format not in SOURCE_FORMATS:
         raise UnsupportedCheckpoint(
             f"--to megatron needs a Megatron-LM legacy checkpoint; this is {ck.format}, which holds no Megatron "
@@ -226,4 +237,340 @@ def _write_common(src: Path, obj0: dict, plan, dst: Path) -> None:
     rewrite_torch_zip(src, dst, common, prune=True)
 
 
-__all__ = ["check_source", "plan_lines", "write", "dist_key", "rank_files"]
+
+
+# --- torch_dist -> legacy (`--to megatron --ckpt-format torch [--tp N]`) ------------------------------------------
+
+#: Megatron-LM's two checkpoint formats, spelled as its own `--ckpt-format` flag spells them
+CKPT_FORMATS = ("torch_dist", "torch")
+_EXTRA = re.compile(r"^decoder\.layers\.(.+)\._extra_state/shard_\d+_\d+$")
+
+
+def _dist_iter(ck) -> Path:
+    from .formats.megatron_dist import _locate
+
+    found = _locate(Path(ck.path))
+    if found is None:
+        raise UnsupportedCheckpoint("no Megatron-LM torch_dist iteration folder", path=Path(ck.path))
+    return found[1]
+
+
+def _padded_vocab(args: dict[str, Any], tp: int) -> int | None:
+    """Megatron's `_vocab_size_with_padding` at TP `tp` (what a run launched there builds its embedding with)."""
+    vocab, mult = args.get("vocab_size"), args.get("make_vocab_size_divisible_by")
+    if not isinstance(vocab, int) or not isinstance(mult, int) or mult <= 0:
+        return None
+    step = mult * tp
+    return -(-vocab // step) * step
+
+
+def check_legacy_target(ck, src: Path, tp: int | None) -> int:
+    """Refuse, in one line, a torch_dist source (or a TP size) the legacy writer cannot turn into rank files that
+    Megatron loads at that TP; returns the TP size to write."""
+    if ck.format == "megatron_legacy":
+        raise UnsupportedCheckpoint("the checkpoint is already in Megatron-LM's legacy format (--ckpt-format "
+                                    "torch): nothing to convert", path=src,
+                                    hint="--ckpt-format torch_dist writes the torch_dist layout, which Megatron reshards at load")
+    if ck.format != "megatron_torch_dist":
+        raise UnsupportedCheckpoint(
+            f"--to megatron --ckpt-format torch needs a Megatron-LM torch_dist checkpoint; this is {ck.format}, "
+            "which holds no Megatron `args`, OptimizerParamScheduler state or Megatron-core parameter names", path=src)
+    args = _args(ck)
+    if args.get("use_distributed_optimizer"):
+        raise UnsupportedCheckpoint("--ckpt-format torch writes the plain Adam rank files; this run used Megatron's "
+                                    "distributed optimizer (args.use_distributed_optimizer), whose legacy layout "
+                                    "(distrib_optim.pt buckets) ckpt does not write", path=src)
+    if not (args.get("bf16") or args.get("fp16")):
+        raise UnsupportedCheckpoint("--ckpt-format torch is proven for bf16/fp16 runs (Float16 optimizer with an fp32 "
+                                    "master); this run trained in fp32", path=src)
+    if (args.get("transformer_impl") or "local") != "local":
+        raise UnsupportedCheckpoint(f"a run built with transformer_impl={args.get('transformer_impl')}: its legacy "
+                                    "rank files use Transformer Engine's module names and extra state, which ckpt "
+                                    "does not write (local-spec runs only)", path=src)
+    if ck.tree.children.get("optimizer") is None or "state" not in ck.tree.children["optimizer"].children:
+        raise UnsupportedCheckpoint("the checkpoint holds no per-parameter Adam state to write", path=src)
+    saved = ck.topology.tp or 1
+    tp = saved if tp is None else tp
+    if tp < 1:
+        raise UnsupportedCheckpoint(f"--tp {tp}: a tensor-parallel size is 1 or more", path=src)
+    pp, vpp = ck.topology.pp or 1, ck.topology.vpp or 1
+    layers = int(args.get("num_layers") or 0)
+    if not layers or layers % (pp * vpp) or args.get("decoder_first_pipeline_num_layers") or \
+            args.get("decoder_last_pipeline_num_layers") or args.get("pipeline_model_parallel_layout"):
+        raise UnsupportedCheckpoint(f"num_layers={layers} over PP {pp} x VPP {vpp}: uneven pipeline stages, which "
+                                    "ckpt does not split into legacy rank files yet", path=src)
+    if tp != saved:
+        heads = int(args.get("num_attention_heads") or 0)
+        groups = int(args.get("num_query_groups") or 0) if args.get("group_query_attention") else heads
+        sizes = {"num_attention_heads": heads, "num_query_groups": groups,
+                 "ffn_hidden_size": int(args.get("ffn_hidden_size") or 0),
+                 "padded_vocab_size": int(args.get("padded_vocab_size") or 0)}
+        bad = [f"{k}={v}" for k, v in sizes.items() if not v or v % tp]
+        if bad:
+            raise UnsupportedCheckpoint(f"--tp {tp} does not divide {', '.join(bad)}: Megatron splits each of them "
+                                        "over the tensor-parallel ranks", path=src,
+                                        hint=f"choose a TP size that divides them; saved at TP {saved}")
+        want = _padded_vocab(args, tp)
+        if want is not None and want != sizes["padded_vocab_size"]:
+            raise UnsupportedCheckpoint(
+                f"at --tp {tp} Megatron pads the vocabulary ({args.get('vocab_size')}) to {want} rows "
+                f"(make_vocab_size_divisible_by={args.get('make_vocab_size_divisible_by')} x TP), not the saved "
+                f"{sizes['padded_vocab_size']}: its embedding would not take the saved rows", path=src,
+                hint="choose a TP size at which the padded vocabulary stays the same")
+        if args.get("sequence_parallel") and tp == 1:
+            raise UnsupportedCheckpoint("the run used sequence parallelism, which Megatron turns off at TP 1: "
+                                        "relaunch flags would differ from the saved args", path=src,
+                                        hint="convert to a TP size of 2 or more")
+    return tp
+
+
+def legacy_plan_lines(ck, tp: int) -> tuple[list[str], list[str]]:
+    """(notes, not moved) for a conversion of a torch_dist run into legacy rank files at TP `tp`."""
+    args = _args(ck)
+    saved, pp, vpp = ck.topology.tp or 1, ck.topology.pp or 1, ck.topology.vpp
+    notes = [f"Megatron-LM legacy layout (--ckpt-format torch, plain Adam): iter_N/mp_rank_TT"
+             f"{'_PPP' if pp > 1 else ''}/model_optim_rng.pt for TP {tp} x PP {pp}"
+             f"{f' (virtual pipeline: model0..model{vpp - 1})' if vpp else ''}, saved at TP {saved}; each rank "
+             "file holds its TP shards of the module's weights (bf16) and of the fp32 master and Adam moments, split "
+             "by Megatron's own TP rules (column-parallel and vocabulary-parallel dim 0, SwiGLU fc1 per "
+             "sub-parameter, row-parallel dim 1, norms and row-parallel biases replicated), its stage's layers "
+             "numbered from 0",
+             "optimizer: per rank {state: {id: {step, exp_avg, exp_avg_sq}}, param_groups (as saved, with the ids "
+             "of this rank's parameters in model order)}, fp32_from_fp16_params; opt_param_scheduler, iteration, "
+             "checkpoint_version and floating-point-operation count as saved",
+             f"args: carried as saved with ckpt_format=torch, use_dist_ckpt=False and each file's rank / local_rank"
+             + (f"; tensor_model_parallel_size={tp}, world_size={tp * pp * int(args.get('data_parallel_size') or 1)}"
+                if tp != saved else "")]
+    not_moved = ["content_metadata (common.pt: how Megatron built the sharded state dict): the legacy format has no "
+                 "such field"]
+    if tp == saved:
+        notes.append("RNG: each rank's rng_state as saved (rng_state/shard_{pp}.{tp}_PP.TP)")
+    else:
+        not_moved.append(f"RNG at another TP: Megatron's own resharding load ignores the saved RNG state (TP {saved} "
+                         f"!= {tp}); a legacy file has no way to say so, so each rank file carries the state of the "
+                         f"TP rank it takes its first shard from (rank t <- t x {saved} // {tp}): the Python / NumPy "
+                         "/ torch generators are the same on every TP rank, the tensor-parallel CUDA tracker "
+                         "(model-parallel-rng) is that rank's (and so is expert-parallel-rng). Relaunch with --no-load-rng for Megatron's fresh "
+                         "seeding instead")
+    if ck.tree.children.get("tied_copies") is not None or (pp > 1 and not args.get("untie_embeddings_and_output_weights")):
+        notes.append("tied embeddings with PP > 1: the last stage's output_layer.weight (Megatron's copy of the word "
+                     "embeddings) written from the word embeddings, with their optimizer state")
+    return notes, not_moved
+
+
+def _legacy_name(key: str) -> str:
+    """The local-spec module name of a torch_dist key (the fused layer-norm names back to the layer's own)."""
+    from .logical import MEGATRON_FUSED_NORMS
+
+    for local, fused in MEGATRON_FUSED_NORMS:
+        if key.startswith(fused):
+            return local + key[len(fused):]
+    return key
+
+
+def _stage_layout(keys: list[str], args: dict[str, Any], pp: int, vpp: int) -> dict[tuple[int, int], list]:
+    """{(stage, chunk): [(local legacy name, global logical name or None for an extra state)]} in the order
+    Megatron's GPTModel.state_dict lists them: the embedding (first chunk of stage 0), each layer's modules in the
+    order the torch_dist .metadata lists them (the sharded state dict walks the same modules), the final norm and
+    output layer (last chunk of the last stage)."""
+    from .logical import name_key
+
+    layers = int(args["num_layers"])
+    chunks = max(vpp, 1)
+    per = layers // (pp * chunks)
+    pre, layer, post = [], [], []
+    for k in keys:
+        if k.startswith(("optimizer.", "rng_state/")):
+            continue
+        m = _EXTRA.match(k)
+        if m:
+            rest = m[1] + "._extra_state"
+        elif k.startswith("decoder.layers."):
+            rest = k[len("decoder.layers."):]
+        else:
+            (pre if k.startswith("embedding.") else post).append(k)
+            continue
+        if rest not in layer:
+            layer.append(rest)
+    tied = not args.get("untie_embeddings_and_output_weights")
+    if "output_layer.weight" not in post and (pp > 1 and tied):
+        post.append("output_layer.weight")  # the last stage's copy of the tied word embeddings
+    out: dict[tuple[int, int], list] = {}
+    for p in range(pp):
+        for c in range(chunks):
+            items = []
+            if p == 0 and c == 0:
+                items += [(k, k) for k in pre]
+            start = c * pp * per + p * per
+            for i in range(per):
+                for rest in layer:
+                    local = f"decoder.layers.{i}.{_legacy_name(rest)}"
+                    extra = rest.endswith("._extra_state")
+                    items.append((local, None if extra else name_key(f"decoder.layers.{start + i}.{rest}")))
+            if p == pp - 1 and c == chunks - 1:
+                for k in post:
+                    src = "embedding.word_embeddings.weight" if (k == "output_layer.weight" and tied) else k
+                    items.append((k, src))
+                items.append(("output_layer._extra_state", None))
+            out[(p, c)] = items
+    return out
+
+
+def _tp_shard(name: str, t, rank: int, tp: int, swiglu: bool):
+    """Rank `rank`'s share of the whole tensor `t` of the local-spec parameter `name` at TP `tp` (the inverse of
+    `formats.megatron_lm._rule`'s merge)."""
+    import torch
+
+    from .formats.megatron_lm import _rule
+
+    if tp == 1:
+        return t
+    rule = _rule(name, swiglu)
+    if rule == "replicated":
+        return t
+    if rule in ("cat:0", "cat:1"):
+        return t.chunk(tp, int(rule[-1]))[rank].contiguous()
+    if rule == "cat_sub:0":  # SwiGLU fc1: [gate; up], each split over the ranks
+        return torch.cat([h.chunk(tp, 0)[rank] for h in t.chunk(2, 0)]).contiguous()
+    raise UnsupportedCheckpoint(f"{name}: no TP split rule (Megatron-core GPT local spec): ckpt will not guess how "
+                                "to split it")
+
+
+class _Records:
+    """Tensors of one rank file as `torch_zip` records: storage keys numbered in pickle order, bytes kept."""
+
+    def __init__(self):
+        self.data: dict[str, Any] = {}
+
+    def add(self, t):
+        import torch
+
+        from .torch_zip import tensor_record
+
+        key = str(len(self.data))
+        t = t.detach().contiguous()
+        self.data[key] = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        return tensor_record(str(t.dtype).replace("torch.", ""), tuple(t.shape), key)
+
+    def tree(self, obj: Any) -> Any:
+        """An inert tree (the RNG state) with every tensor re-recorded under this file's storage keys."""
+        from .pickle_reader import TensorRef
+
+        if isinstance(obj, TensorRef):
+            return self.add(obj.read_torch())
+        if isinstance(obj, dict):
+            return type(obj)((k, self.tree(v)) for k, v in obj.items()) if type(obj) is not dict else \
+                {k: self.tree(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [self.tree(v) for v in obj]
+        if isinstance(obj, tuple) and type(obj) is tuple:
+            return tuple(self.tree(v) for v in obj)
+        return obj
+
+
+def write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> int:
+    """Write Megatron's legacy run folder for `plan` (to="megatron", ckpt_format="torch") into the empty folder
+    `root`: one model_optim_rng.pt per (TP, PP) rank at `plan.tp`; returns the bytes written. One rank file is held
+    in memory at a time (what torch.save of it holds) plus one whole tensor; each rank reads the whole tensors it
+    takes a shard of, so a stage is read once per TP rank written (TP x the reads, memory 1/TP of the stage)."""
+    import collections
+    import copy
+
+    from . import logical as L
+    from . import pickle_reader as pr
+    from .dcp_write import DcpFolder
+    from .formats.megatron_lm import _dir_name
+    from .logical import name_key
+    from .torch_zip import save
+
+    ck = L.open_any(plan.source)
+    args = _args(ck)
+    it = _dist_iter(ck)
+    common = pr.load(it / "common.pt").obj
+    saved, pp, vpp = ck.topology.tp or 1, ck.topology.pp or 1, ck.topology.vpp or 0
+    tp = plan.tp or saved
+    dp = int(args.get("data_parallel_size") or 1)
+    swiglu = bool(args.get("swiglu"))
+    folder = DcpFolder(it)
+    layout = _stage_layout(list(folder.sdm), args, pp, vpp)
+    module = {name_key(t.name): t for t in L.model_tensors(ck, weights="module")}
+    params = {name_key(p.name): p for p in plan.params}
+    group_of = {name_key(n): gi for gi, g in enumerate(plan.groups) for n in g["params"]}
+    opt = common["optimizer"]["optimizer"]
+    step = opt["state"]["common_step"].read_torch()
+    groups_hp = [g for g in opt["param_groups"]]
+    iteration = int(common["iteration"])
+    itdir = root / f"iter_{iteration:07d}"
+    written = 0
+    def get(name: str, what: str):
+        """One whole tensor of the source, read now (not kept: memory stays at one rank file and one tensor)."""
+        if what == "module":
+            if name not in module:
+                raise UnsupportedCheckpoint(f"{name}: not in the checkpoint's model", path=plan.source)
+            return module[name].read()
+        if what == "fp32":
+            return params[name].weight.read(L.torch_dtype("float32"))
+        return params[name].states[what].read()
+
+    for p in range(pp):
+        chunks = [layout[(p, c)] for c in range(max(vpp, 1))]
+        for t in range(tp):
+            rec = _Records()
+            a = copy.copy(common["args"])
+            rank = t + tp * dp * p  # Megatron's default rank order (tp-cp-ep-dp-pp), data-parallel rank 0
+            state = {**common["args"].state, "ckpt_format": "torch", "use_dist_ckpt": False}
+            for k in ("rank", "local_rank"):
+                if k in state:
+                    state[k] = rank
+            if tp != saved:
+                state.update(tensor_model_parallel_size=tp, world_size=tp * pp * dp)
+            a.state = state
+            obj: dict[str, Any] = {"args": a, "checkpoint_version": common["checkpoint_version"],
+                                   "iteration": common["iteration"]}
+            members: list[list[str]] = [[] for _ in groups_hp]
+            for c, items in enumerate(chunks):
+                m = collections.OrderedDict()
+                for local, name in items:
+                    if name is None:
+                        m[local] = None
+                        continue
+                    m[local] = rec.add(_tp_shard(local, get(name, "module"), t, tp, swiglu))
+                    if name in params and params[name].states:
+                        if name not in group_of:
+                            raise UnsupportedCheckpoint(f"{name}: in no param group", path=plan.source)
+                        members[group_of[name]].append((local, name))
+                obj[f"model{c}" if vpp else "model"] = m
+            state_out: dict[int, Any] = {}
+            masters: list[list[Any]] = []
+            ids: list[list[int]] = []
+            i = 0
+            for gi, mem in enumerate(members):
+                ids.append(list(range(i, i + len(mem))))
+                for local, name in mem:
+                    state_out[i] = {"step": rec.add(step.clone()),
+                                    **{k: rec.add(_tp_shard(local, get(name, k), t, tp, swiglu))
+                                       for k in ("exp_avg", "exp_avg_sq")}}
+                    i += 1
+            for gi, mem in enumerate(members):
+                masters.append([rec.add(_tp_shard(local, get(name, "fp32"), t, tp, swiglu)) for local, name in mem])
+            groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": ids[gi]}
+                      for gi, g in enumerate(groups_hp)]
+            obj["optimizer"] = {"optimizer": {"state": state_out, "param_groups": groups},
+                                "fp32_from_fp16_params": masters}
+            obj["opt_param_scheduler"] = common["opt_param_scheduler"]
+            src_t = t * saved // tp
+            key = f"rng_state/shard_{p}.{src_t}_{pp}.{saved}"
+            if (key, None) in folder.items:
+                obj["rng_state"] = rec.tree(folder.value(key)[0])
+            obj["num_floating_point_operations_so_far"] = common.get("num_floating_point_operations_so_far")
+            d = itdir / _dir_name(t, p, pp)
+            d.mkdir(parents=True)
+            written += save(obj, d / "model_optim_rng.pt", rec.data)
+            if progress:
+                progress(sum(getattr(v, "nbytes", 0) for v in rec.data.values()))
+    (root / LATEST).write_text(str(iteration))
+    return written
+
+
+__all__ = ["check_source", "plan_lines", "write", "dist_key", "rank_files", "check_legacy_target", "legacy_plan_lines",
+           "write_legacy", "CKPT_FORMATS"]

@@ -1,5 +1,6 @@
 """`ckpt convert CKPT OUT --to dcp|torch|deepspeed-universal|megatron`: a thin wrapper over `ckpt_tools.ops.convert`
-(plan -> dry-run table or execute -> summary with what could not move). `--to deepspeed-universal` from a
+(plan -> dry-run table or execute -> summary with what could not move). `--to megatron --ckpt-format torch
+[--tp N]` writes Megatron-LM's legacy rank files from a torch_dist run. `--to deepspeed-universal` from a
 DeepSpeed checkpoint is `ckpt to-universal`."""
 from __future__ import annotations
 
@@ -21,11 +22,21 @@ def convert_cmd(
                               "{\"checkpoint\": {\"load_universal\": true}}"),
     to: str = typer.Option(..., "--to", metavar="TARGET", help="dcp (FSDP2 / torchtitan / DCP recipe), torch "
                            "(one training dict), deepspeed-universal (from DCP and other non-DeepSpeed formats; "
-                           "a DeepSpeed source runs `ckpt to-universal`), megatron (a Megatron-LM legacy run as "
-                           "Megatron-LM's torch_dist run folder, with its optimizer state)"),
+                           "a DeepSpeed source runs `ckpt to-universal`), megatron (between Megatron-LM's two formats, "
+                           "with the optimizer state: a legacy run as a torch_dist run folder, or with --ckpt-format "
+                           "torch a torch_dist run as legacy rank files)"),
     layout: Optional[str] = typer.Option(None, "--layout", metavar="LAYOUT", help="--to dcp: fsdp2 (default: "
                                          "{model, optim, scheduler, step}), torchtitan ({model, optimizer "
                                          "(flattened), lr_scheduler, train_state}) or recipe ({app: ...})"),
+    ckpt_format: Optional[str] = typer.Option(None, "--ckpt-format", metavar="FORMAT", help="--to megatron: "
+                                              "the format to write, as Megatron's own --ckpt-format flag names it: "
+                                              "torch_dist (default; from a legacy run) or torch (the legacy "
+                                              "iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt rank files; from a "
+                                              "torch_dist run)"),
+    tp: Optional[int] = typer.Option(None, "--tp", metavar="N", help="--to megatron --ckpt-format torch: the "
+                                     "tensor-parallel size of the rank files (default: the saved one); each tensor "
+                                     "split by Megatron's TP rules; N must divide the heads, query groups, FFN size "
+                                     "and padded vocabulary"),
     dry_run: bool = typer.Option(False, "--dry-run", help="show what would be written and what cannot move"),
     no_verify: bool = typer.Option(False, "--no-verify", help="skip the logical comparison with the source "
                                    "before the output is renamed into place"),
@@ -49,7 +60,7 @@ def convert_cmd(
     staging name, compared with the source by logical parameter (`ckpt diff`), then renamed into place."""
     try:
         return _convert(ckpt, out, to, layout, dry_run, not no_verify, json_out, distributed, allow_unread,
-                        n_kv_heads)
+                        n_kv_heads, ckpt_format, tp)
     except CkptError as e:
         if e.message.startswith("ckpt convert:"):
             raise
@@ -59,7 +70,7 @@ def convert_cmd(
 
 
 def _convert(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False, allow_unread=False,
-             n_kv_heads=None) -> None:
+             n_kv_heads=None, ckpt_format=None, tp=None) -> None:
     output.require("torch", extra="convert", what="ckpt convert")
     if to == "deepspeed-universal" and layout is None:
         from ckpt_tools.ops.to_universal import handles
@@ -75,15 +86,17 @@ def _convert(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False
                                    tp_layout=None, pattern=None, tp_replicated=None, target_stage=None,
                                    verify=verify, yes=True, distributed=distributed, json_out=json_out,
                                    allow_unread=allow_unread)
-    return _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed, allow_unread, n_kv_heads)
+    return _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed, allow_unread, n_kv_heads,
+                        ckpt_format, tp)
 
 
 def _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False, allow_unread=False,
-                 n_kv_heads=None) -> None:
+                 n_kv_heads=None, ckpt_format=None, tp=None) -> None:
     from ckpt_tools.ops import convert as ops
 
     try:
-        plan = ops.plan_convert(ckpt, out, to=to, layout=layout, allow_unread=allow_unread, n_kv_heads=n_kv_heads)
+        plan = ops.plan_convert(ckpt, out, to=to, layout=layout, allow_unread=allow_unread, n_kv_heads=n_kv_heads,
+                                ckpt_format=ckpt_format, tp=tp)
     except ValueError as e:
         raise typer.BadParameter(str(e))
     if dry_run:

@@ -187,3 +187,207 @@ def test_megatron_resumes_the_conversion_at_tp2_and_tp1_as_it_resumes_the_origin
     # and at TP 1 bit for bit what Megatron makes of its own torch_dist save of the run
     assert [(r["lr"], r["loss"]) for r in runs["tp1"]["records"]] == [(r["lr"], r["loss"])
                                                                      for r in runs["dist_tp1"]["records"]]
+
+
+# --- torch_dist -> legacy (`--to megatron --ckpt-format torch [--tp N]`) ------------------------------------------
+
+#: the args a conversion into the legacy format changes, as Megatron's own legacy save of the run records them
+LEGACY_ARGS = {"ckpt_format": "torch", "use_dist_ckpt": False}
+
+
+def _to_legacy(name: str, out: Path, *extra: str) -> dict:
+    proc = run_cli("convert", sample("megatron_lm", name), out, "--to", "megatron", "--ckpt-format", "torch",
+                   "--json", *extra)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def _rank_files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def _inert(obj):
+    """An inert tree as comparable values, keeping what a loader sees: dict types and key order, tensor dtype,
+    shape and bytes, Namespace fields."""
+    if isinstance(obj, pr.TensorRef):
+        t = obj.read_torch().contiguous().reshape(-1)
+        import torch
+
+        return ("tensor", obj.dtype, tuple(obj.shape), t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    if isinstance(obj, dict):
+        return (type(obj).__name__, [(k, _inert(v)) for k, v in obj.items()])
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, [_inert(v) for v in obj])
+    if pr.is_opaque(obj):
+        return (type(obj).__name__, _inert(obj.state) if isinstance(obj.state, dict) else repr(obj.state))
+    return repr(obj)
+
+
+@pytest.mark.parametrize("legacy,dist", PAIRS)
+def test_legacy_output_is_megatrons_own_legacy_save_of_the_run(tmp_path, legacy, dist):
+    """torch_dist -> legacy at the saved TP / PP: the same rank folders and files as Megatron's own legacy save of
+    the same run (TP 2, PP 2, PP 2 x VPP 2 with model0/model1, the Llama-style SwiGLU / GQA / untied run), and in
+    every rank file the same top-level keys in the same order, every model tensor (local TP shards, the stage's
+    layers numbered from 0, the layer norms under their own names, the tied output-layer copy on the last stage,
+    the None extra states) bit for bit, the optimizer's state ids, key order and Adam tensors, its param groups
+    (hyper-parameters and member ids), fp32_from_fp16_params, the scheduler, the RNG state, the counters; the args
+    equal but for the two runs' own save folders (`save`, `data_cache_path`) — ckpt_format / use_dist_ckpt are
+    what Megatron's legacy save records (torch, False), as is each file's rank."""
+    pytest.importorskip("torch")
+    out = tmp_path / "out"
+    doc = _to_legacy(dist, out)
+    assert doc["verified"] is True and doc["ckpt_format"] == "torch" and doc["tp"] == 2 - ("pp2" in dist)
+    ref = sample("megatron_lm", legacy)
+    assert _rank_files(out) == _rank_files(ref)
+    files = [f for f in _rank_files(ref) if f.endswith(".pt")]
+    assert len(files) == 2
+    for f in files:
+        a, b = pr.load(out / f).obj, pr.load(ref / f).obj
+        assert list(a) == list(b), f
+        for k in b:
+            if k == "args":
+                sa, sb = a[k].state, b[k].state
+                assert type(a[k]) is type(b[k]) and list(sa) == list(sb)
+                assert {x for x in sb if repr(sa[x]) != repr(sb[x])} == RUN_PATHS, f
+                assert {x: sa[x] for x in LEGACY_ARGS} == LEGACY_ARGS
+            else:
+                assert _inert(a[k]) == _inert(b[k]), (f, k)
+        opt = a["optimizer"]["optimizer"]
+        assert list(opt["state"]) == list(range(sum(len(g["params"]) for g in opt["param_groups"])))
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "10"
+
+
+def test_legacy_at_another_tp_splits_by_megatrons_rules(tmp_path):
+    """--tp 1 from the TP 2 torch_dist sample: one rank file whose tensors are the TP 2 legacy save's shards
+    merged by Megatron's rules (QKV / fc1 / vocabulary dim 0, row-parallel dim 1, replicas once), with the saved
+    optimizer ids, groups and scheduler; the args say TP 1 / world size 1; the RNG is TP rank 0's (listed as not
+    moved). And the Llama-style run (GQA with 2 query groups, SwiGLU fc1 [gate; up]) at TP 1 and the PP 2 x VPP 2
+    run at TP 2 verify against their sources (the logical diff merges the written shards back)."""
+    torch = pytest.importorskip("torch")
+    out = tmp_path / "tp1"
+    doc = _to_legacy("megatron_tp2_torch_dist", out, "--tp", "1")
+    assert doc["verified"] is True and doc["tp"] == 1
+    assert any(x.startswith("RNG at another TP") for x in doc["not_moved"])
+    assert _rank_files(out) == ["iter_0000010/mp_rank_00/model_optim_rng.pt", "latest_checkpointed_iteration.txt"]
+    a = pr.load(out / "iter_0000010/mp_rank_00/model_optim_rng.pt").obj
+    ref = sample("megatron_lm", "megatron_tp2_legacy") / ITER
+    b0, b1 = (pr.load(ref / f"mp_rank_0{t}/model_optim_rng.pt").obj for t in (0, 1))
+    args = a["args"].state
+    assert (args["tensor_model_parallel_size"], args["world_size"], args["ckpt_format"]) == (1, 1, "torch")
+    merge = {"linear_qkv.weight": 0, "linear_qkv.bias": 0, "linear_fc1.weight": 0, "linear_fc1.bias": 0,
+             "word_embeddings.weight": 0, "linear_proj.weight": 1, "linear_fc2.weight": 1}
+    assert list(a["model"]) == list(b0["model"])
+    for k, v in a["model"].items():
+        if v is None:
+            assert b0["model"][k] is None
+            continue
+        dim = next((d for s, d in merge.items() if k.endswith(s)), None)
+        s0, s1 = b0["model"][k].read_torch(), b1["model"][k].read_torch()
+        want = s0 if dim is None else torch.cat([s0, s1], dim)
+        assert torch.equal(v.read_torch(), want), k
+    oa, ob = a["optimizer"], b0["optimizer"]
+    assert [g["params"] for g in oa["optimizer"]["param_groups"]] == [g["params"] for g in ob["optimizer"]["param_groups"]]
+    assert [{k: v for k, v in g.items() if k != "params"} for g in oa["optimizer"]["param_groups"]] == \
+        [{k: v for k, v in g.items() if k != "params"} for g in ob["optimizer"]["param_groups"]]
+    qkv = list(a["model"]).index("decoder.layers.0.self_attention.linear_qkv.weight")
+    params = [k for k, v in a["model"].items() if v is not None]
+    i = [n for g in ob["optimizer"]["param_groups"] for n in g["params"]][0]  # the word embeddings: id 0
+    assert params[0] == "embedding.word_embeddings.weight" and qkv > 0
+    got = oa["optimizer"]["state"][i]["exp_avg"].read_torch()
+    assert torch.equal(got, torch.cat([b0["optimizer"]["optimizer"]["state"][i]["exp_avg"].read_torch(),
+                                       b1["optimizer"]["optimizer"]["state"][i]["exp_avg"].read_torch()]))
+    assert torch.equal(oa["fp32_from_fp16_params"][0][0].read_torch(),
+                       torch.cat([b0["optimizer"]["fp32_from_fp16_params"][0][0].read_torch(),
+                                  b1["optimizer"]["fp32_from_fp16_params"][0][0].read_torch()]))
+    assert _inert(a["rng_state"]) == _inert(b0["rng_state"])
+    assert _inert(a["opt_param_scheduler"]) == _inert(b0["opt_param_scheduler"])
+    for name, extra in (("megatron_tp2_llama_torch_dist", "1"), ("megatron_pp2_vpp2_torch_dist", "2")):
+        doc = _to_legacy(name, tmp_path / name, "--tp", extra)
+        assert doc["verified"] is True and doc["tp"] == int(extra)
+    llama = pr.load(tmp_path / "megatron_tp2_llama_torch_dist" / ITER / "mp_rank_00/model_optim_rng.pt").obj
+    fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
+    l0, l1 = (pr.load(sample("megatron_lm", "megatron_tp2_llama_legacy") / ITER / f"mp_rank_0{t}/model_optim_rng.pt"
+                      ).obj["model"][fc1].read_torch() for t in (0, 1))
+    g0, u0 = l0.chunk(2)
+    g1, u1 = l1.chunk(2)  # each TP rank holds its slice of the gate, then its slice of the up projection
+    assert torch.equal(llama["model"][fc1].read_torch(), torch.cat([g0, g1, u0, u1]))
+    vpp = tmp_path / "megatron_pp2_vpp2_torch_dist" / ITER
+    assert sorted(p.name for p in vpp.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000",
+                                                      "mp_rank_01_001"]
+    assert {k for k in pr.load(vpp / "mp_rank_01_001/model_optim_rng.pt").obj if k.startswith("model")} == {
+        "model0", "model1"}
+
+
+def test_legacy_refusals_are_one_line_and_write_nothing(tmp_path):
+    """A legacy source (already the target), the distributed optimizer, a non-Megatron source and TP sizes that do
+    not divide the heads / FFN / vocabulary or change the vocabulary padding are refused in one line, exit 2,
+    nothing written; --dry-run shows the plan and writes nothing."""
+    out = tmp_path / "out"
+    proc = run_cli("convert", sample("megatron_lm", "megatron_tp2_torch_dist"), out, "--to", "megatron",
+                   "--ckpt-format", "torch", "--tp", "1", "--dry-run", "--json")
+    assert proc.returncode == 0 and not out.exists()
+    doc = json.loads(proc.stdout)
+    assert (doc["ckpt_format"], doc["tp"]) == ("torch", 1) and doc["optimizer_state"] == ["exp_avg", "exp_avg_sq",
+                                                                                          "step"]
+    cases = [("megatron_tp2_legacy", (), "already in Megatron-LM's legacy format"),
+             ("megatron_dp2_distopt_torch_dist", (), "distributed optimizer"),
+             ("megatron_tp2_torch_dist", ("--tp", "3"), "--tp 3 does not divide num_attention_heads=4"),
+             ("megatron_tp2_torch_dist", ("--tp", "4"), "pads the vocabulary (127) to 256 rows")]
+    for name, extra, words in cases:
+        proc = run_cli("convert", sample("megatron_lm", name), out, "--to", "megatron", "--ckpt-format", "torch",
+                       *extra)
+        assert proc.returncode == 2 and words in proc.stderr, (name, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert not out.exists() and not list(tmp_path.iterdir())
+    proc = run_cli("convert", sample("deepspeed", "zero2_bf16"), out, "--to", "megatron", "--ckpt-format", "torch")
+    assert proc.returncode == 2 and "needs a Megatron-LM torch_dist checkpoint" in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,
+                    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout)")
+def test_megatron_resumes_the_legacy_conversion_at_tp1_and_tp2(tmp_path):
+    """The TP 2 torch_dist sample written as legacy rank files at TP 1 and at TP 2, resumed by Megatron-LM's own
+    pretrain (`ckpt resume`, gloo on the CPU, no extra flag): every check passes — at TP 1 too the closed-form
+    AdamW check of every update from the state the rank file saved (it runs for legacy checkpoints at their saved
+    TP / PP) —, the iteration and Adam step continue from 10, and the LRs and losses equal bit for bit (tolerance
+    0) those of resuming the torch_dist sample at TP 1 (Megatron reshards it at load) and of resuming the original
+    legacy save at TP 2. And Megatron's own legacy conversion of the sample at TP 1 (`--ckpt-convert-format
+    torch`) holds the same model, Adam state, fp32 master, param groups and scheduler as ckpt's --tp 1 output
+    (its RNG is the fresh seeding Megatron falls back to at another TP)."""
+    torch = pytest.importorskip("torch")
+    dist = sample("megatron_lm", "megatron_tp2_torch_dist")
+    tp1, tp2 = tmp_path / "tp1", tmp_path / "tp2"
+    _to_legacy("megatron_tp2_torch_dist", tp1, "--tp", "1")
+    _to_legacy("megatron_tp2_torch_dist", tp2)
+    runs = {"tp1": _ckpt_resume(tp1, "--nproc", "1"), "dist_tp1": _ckpt_resume(dist, "--tp", "1", "--nproc", "1"),
+            "tp2": _ckpt_resume(tp2), "legacy_tp2": _ckpt_resume(sample("megatron_lm", "megatron_tp2_legacy"))}
+    for key, res in runs.items():
+        checks = {c["name"]: c["status"] for c in res["checks"]}
+        assert all(s in ("pass", "n/a") for s in checks.values()), (key, checks)
+        assert [r["step"] for r in res["records"]] == [r["optimizer_step"] for r in res["records"]] == [11, 12]
+    for key in ("tp1", "tp2", "legacy_tp2"):  # legacy at its saved TP / PP: the closed form runs
+        assert {c["name"]: c["status"] for c in runs[key]["checks"]}["optimizer state"] == "pass", key
+    assert [(r["lr"], r["loss"]) for r in runs["tp1"]["records"]] == [(r["lr"], r["loss"])
+                                                                     for r in runs["dist_tp1"]["records"]]
+    assert [(r["lr"], r["loss"]) for r in runs["tp2"]["records"]] == [(r["lr"], r["loss"])
+                                                                     for r in runs["legacy_tp2"]["records"]]
+    # Megatron's own conversion at TP 1, launched through ckpt resume (it exits after saving: no step runs)
+    ref = tmp_path / "megatron_ref"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "cli.main", "resume", str(dist), "-n", "1", "--device", "cpu", "--tp", "1",
+                    "--nproc", "1", "--json", "--megatron-args",
+                    f"--ckpt-convert-format torch --ckpt-convert-save {ref}"], cwd=ROOT, env=env,
+                   capture_output=True, text=True, timeout=900)
+    mine = pr.load(tp1 / ITER / "mp_rank_00/model_optim_rng.pt").obj
+    theirs = pr.load(ref / "torch" / ITER / "mp_rank_00/model_optim_rng.pt").obj
+    assert list(mine) == list(theirs)
+    assert _inert(mine["model"]) == _inert(theirs["model"])
+    om, ot = mine["optimizer"], theirs["optimizer"]
+    assert om["optimizer"]["param_groups"] == ot["optimizer"]["param_groups"]
+    assert list(om["optimizer"]["state"]) == list(ot["optimizer"]["state"])
+    for i, s in ot["optimizer"]["state"].items():  # Megatron's resharding load builds each entry in another order
+        assert sorted(om["optimizer"]["state"][i]) == sorted(s)
+        assert all(torch.equal(om["optimizer"]["state"][i][k].read_torch(), v.read_torch()) for k, v in s.items())
+    assert _inert(om["fp32_from_fp16_params"]) == _inert(ot["fp32_from_fp16_params"])
+    assert _inert(mine["opt_param_scheduler"]) == _inert(theirs["opt_param_scheduler"])

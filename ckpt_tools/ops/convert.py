@@ -33,7 +33,9 @@ Targets (`--to`, `--layout`):
                       size; a DeepSpeed source is `ckpt to-universal`'s job (`to_universal.handles`)
     megatron          from a Megatron-LM legacy run (plain Adam): Megatron-LM's torch_dist run folder, as its own
                       save writes it (`ckpt_tools.megatron_write`); the scheduler, args and RNG states are carried
-                      as saved, so nothing is listed as not moved but a pipeline's tied embedding copy
+                      as saved, so nothing is listed as not moved but a pipeline's tied embedding copy;
+                      with `ckpt_format="torch"` the other way, a torch_dist run as Megatron's legacy rank files at
+                      the saved TP or `tp` (`megatron_write.write_legacy`)
 
 `--distributed` (dcp, deepspeed-universal): under torchrun every rank writes a share of the parameters into
 rank 0's staging folder; rank 0 writes the rest, merges the DCP metadata, verifies and renames.
@@ -107,6 +109,10 @@ class ConvertPlan:
     #: layout, `fused` lists the (wqkv name, (wq, wk, wv names)) whose optimizer state is written fused
     n_kv_heads: int | None = None
     fused: tuple[tuple[str, tuple[str, str, str]], ...] = ()
+    #: --to megatron: Megatron's checkpoint format written ("torch_dist" or "torch", the legacy rank files) and,
+    #: for "torch", the tensor-parallel size of the rank files
+    ckpt_format: str | None = None
+    tp: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -126,6 +132,7 @@ class ConvertPlan:
             "scheduler": self.scheduler_class, "scheduler_state": _jsonable(self.scheduler), "step": self.step,
             "notes": list(self.notes), "not_moved": list(self.not_moved), "n_kv_heads": self.n_kv_heads,
             "fused": {name: list(parts) for name, parts in self.fused},
+            "ckpt_format": self.ckpt_format, "tp": self.tp,
         }
 
 
@@ -276,10 +283,13 @@ def _not_moved(ck, config: dict[str, Any]) -> list[str]:
 
 
 def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str = "dcp",
-                 layout: str | None = None, allow_unread: bool = False, n_kv_heads: int | None = None) -> ConvertPlan:
+                 layout: str | None = None, allow_unread: bool = False, n_kv_heads: int | None = None,
+                 ckpt_format: str | None = None, tp: int | None = None) -> ConvertPlan:
     """Decide everything `execute` writes; reads metadata and small values only. `n_kv_heads`: the model's KV
     heads, which orders a fused wqkv's optimizer state (`ckpt_tools.qkv`): read from a torchtitan source that
-    saved one, and written fused for the torchtitan layout."""
+    saved one, and written fused for the torchtitan layout. `ckpt_format` (--to megatron): "torch_dist" (default,
+    from a legacy run) or "torch" (Megatron's legacy rank files, from a torch_dist run) at TP `tp` (default: the
+    saved TP)."""
     from .. import logical as L
 
     if to not in TARGETS:
@@ -290,6 +300,17 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
             raise ValueError(f"--layout {layout!r}: use one of {', '.join(DCP_LAYOUTS)}")
     elif layout is not None:
         raise ValueError(f"--layout applies to --to dcp, not --to {to}")
+    if to != "megatron" and ckpt_format is not None:
+        raise ValueError(f"--ckpt-format applies to --to megatron, not --to {to}")
+    if to == "megatron":
+        from ..megatron_write import CKPT_FORMATS
+
+        ckpt_format = ckpt_format or "torch_dist"
+        if ckpt_format not in CKPT_FORMATS:
+            raise ValueError(f"--ckpt-format {ckpt_format!r}: use one of {', '.join(CKPT_FORMATS)}")
+    if tp is not None and ckpt_format != "torch":
+        raise ValueError("--tp applies to --to megatron --ckpt-format torch (legacy rank files are written per TP "
+                         "rank; torch_dist and the other targets hold whole tensors, resharded at load)")
     src, dst = Path(source), Path(out)
     _refuse_out(src, dst)
     from ..accounting import guard
@@ -308,7 +329,11 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
         if ck.format == "deepspeed_universal":
             raise CkptError("the checkpoint is already a DeepSpeed universal checkpoint: nothing to convert",
                             path=src)
-    if to == "megatron":  # a Megatron-LM legacy source only (its args, names and schedule are what Megatron loads)
+    if to == "megatron" and ckpt_format == "torch":  # a torch_dist source into legacy rank files
+        from ..megatron_write import check_legacy_target
+
+        tp = check_legacy_target(ck, src, tp)
+    elif to == "megatron":  # a Megatron-LM legacy source only (its args, names and schedule are what Megatron loads)
         from ..megatron_write import check_source
 
         check_source(ck, src)
@@ -374,9 +399,9 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
     if step is None:
         notes.append("the source records no global step: `step` is not written")
     if to == "megatron":
-        from ..megatron_write import plan_lines
+        from ..megatron_write import legacy_plan_lines, plan_lines
 
-        extra_notes, not_moved = plan_lines(ck)
+        extra_notes, not_moved = legacy_plan_lines(ck, tp) if ckpt_format == "torch" else plan_lines(ck)
         notes += extra_notes
     else:
         not_moved = sgone + _not_moved(ck, config)
@@ -421,7 +446,7 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
         notes.append(f"weights: as stored ({', '.join(dtypes)})")
     return ConvertPlan(src, ck.format, dst, to, layout, tuple(params), tuple(groups), sched, cls,
                        int(step) if step is not None else None, tuple(notes), tuple(not_moved), tuple(added),
-                       ck.topology.dp, n_kv_heads, fused)
+                       ck.topology.dp, n_kv_heads, fused, ckpt_format, tp)
 
 
 def _fused_targets(params: list[ParamItem], n_kv_heads: int | None, src: Path
@@ -604,9 +629,10 @@ def execute(plan: ConvertPlan, *, progress: Callable[[int], None] | None = None,
         return _execute_distributed(plan, progress=progress, verify=verify)
     _refuse_out(plan.source, plan.out)
     if plan.to in ("dcp", "deepspeed-universal", "megatron"):
-        from ..megatron_write import write as _write_megatron
+        from ..megatron_write import write as _write_megatron, write_legacy
 
-        write = {"dcp": _write_dcp, "deepspeed-universal": _write_universal, "megatron": _write_megatron}[plan.to]
+        write = {"dcp": _write_dcp, "deepspeed-universal": _write_universal,
+                 "megatron": write_legacy if plan.ckpt_format == "torch" else _write_megatron}[plan.to]
         with io.new_folder(plan.out) as tmp:
             n = write(plan, tmp, progress)
             problems = verify_logical(plan, tmp) if verify else []
