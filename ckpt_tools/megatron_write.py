@@ -82,7 +82,7 @@ def check_source(ck, src: Path) -> None:
 
 
 def _args(ck) -> dict[str, Any]:
-    from .ops.resume import node_to_python
+    from .tree import node_to_python
 
     node = ck.tree.children.get("args")
     val = node_to_python(node) if node is not None else None
