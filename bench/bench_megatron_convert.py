@@ -5,6 +5,10 @@ plus a logical comparison of what each wrote.
 
     MEGATRON_LM_DIR=/path/to/Megatron-LM python bench/bench_megatron.py --make --layers 96            # once
     MEGATRON_LM_DIR=/path/to/Megatron-LM python bench/bench_megatron_convert.py --layers 96 --repeat 3
+    MEGATRON_LM_DIR=/path/to/Megatron-LM python bench/bench_megatron_convert.py --to torch --layers 96 --repeat 3
+
+`--to torch` times the other direction: the torch_dist run of the same `--make` -> legacy rank files at the saved TP
+(`ckpt convert --to megatron --ckpt-format torch` vs Megatron's `--ckpt-convert-format torch`).
 
 The checkpoint is `bench_megatron.py --make`'s: bench/out/megatron_L<layers>/megatron_tp2_legacy (Megatron-LM's own
 `save_checkpoint`, plain Adam, bf16 weights + fp32 master). Each command is a whole process, timed from spawn to exit
@@ -39,28 +43,36 @@ from bench._util import (OUT_DIR, REPO_ROOT, ckpt_command, cpu_busy_fraction, ma
                          report_against, run_measured)
 from bench.bench_megatron import arguments  # noqa: E402
 
-CKPT = "ckpt convert --to megatron"
-MEGATRON = "Megatron load + save (--ckpt-convert-format torch_dist)"
+#: --to: (source sample, `ckpt convert` flags, Megatron's --ckpt-convert-format, the format word in the row names)
+DIRECTIONS = {"torch_dist": ("megatron_tp2_legacy", ["--to", "megatron"], "torch_dist"),
+              "torch": ("megatron_tp2_torch_dist", ["--to", "megatron", "--ckpt-format", "torch"], "torch")}
 
 
 def main() -> None:
-    a, src = arguments()
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--to", choices=sorted(DIRECTIONS), default="torch_dist",
+                    help="torch_dist: the legacy run -> torch_dist; torch: the torch_dist run -> legacy (same TP)")
+    a, src = arguments(ap)
     megatron = os.environ.get("MEGATRON_LM_DIR")
     if not megatron:
         raise SystemExit("set MEGATRON_LM_DIR to a Megatron-LM checkout (tag core_v0.16.1)")
-    legacy = src / "megatron_tp2_legacy"
-    if len(list(legacy.glob("iter_*/mp_rank_*/model_optim_rng.pt"))) != 2:
-        raise SystemExit(f"no TP=2 legacy checkpoint in {legacy}: run with --make --layers {a.layers}")
-    work = OUT_DIR / f"megatron_convert_L{a.layers}"
+    sample, flags, fmt = DIRECTIONS[a.to]
+    source = src / sample
+    if not list(source.glob("iter_*")):
+        raise SystemExit(f"no {sample} in {src}: run with --make --layers {a.layers}")
+    work = OUT_DIR / f"megatron_convert_L{a.layers}_{fmt}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    ours, theirs = work / "ckpt_torch_dist", work / "megatron"
+    ours, theirs = work / f"ckpt_{fmt}", work / "megatron"
+    ckpt_row, megatron_row = f"ckpt convert {' '.join(flags)}", f"Megatron load + save (--ckpt-convert-format {fmt})"
     precompile()
     ck = ckpt_command()
     cmds = {
-        CKPT: (ck + ["convert", str(legacy), str(ours), "--to", "megatron"], ours),
-        MEGATRON: (ck + ["resume", str(legacy), "--device", "cpu", "--megatron-args",
-                         f"--ckpt-convert-format torch_dist --ckpt-convert-save {theirs}"], theirs),
+        ckpt_row: (ck + ["convert", str(source), str(ours), *flags], ours),
+        megatron_row: (ck + ["resume", str(source), "--device", "cpu", "--megatron-args",
+                             f"--ckpt-convert-format {fmt} --ckpt-convert-save {theirs}"], theirs),
         "floor: import_megatron() alone": (
             [sys.executable, "-c", "from ckpt_tools.train.workers import megatron_lm as w; w.import_megatron()"], None),
     }
@@ -72,19 +84,19 @@ def main() -> None:
             if target is not None:
                 shutil.rmtree(target, ignore_errors=True)
             busy.append(cpu_busy_fraction())
-            m = run_measured(cmd, env=env, cwd=REPO_ROOT, check=name != MEGATRON)
-            if name == MEGATRON and not list((theirs / "torch_dist").glob("iter_*/.metadata")):
-                raise SystemExit(f"Megatron wrote no torch_dist checkpoint into {theirs} (exit {m.returncode})")
+            m = run_measured(cmd, env=env, cwd=REPO_ROOT, check=name != megatron_row)
+            if name == megatron_row and not (theirs / fmt / "latest_checkpointed_iteration.txt").is_file():
+                raise SystemExit(f"Megatron wrote no {fmt} checkpoint into {theirs} (exit {m.returncode})")
             runs[name].append(m)
     compare = {}
-    for label, (x, y) in {"ckpt vs Megatron": (ours, theirs / "torch_dist"), "ckpt vs source": (legacy, ours)}.items():
+    for label, (x, y) in {"ckpt vs Megatron": (ours, theirs / fmt), "ckpt vs source": (source, ours)}.items():
         p = subprocess.run(ck + ["diff", "--logical", str(x), str(y)], capture_output=True, text=True, env=env,
                            cwd=REPO_ROOT)
         compare[label] = {"exit": p.returncode, "last_line": (p.stdout.strip().splitlines() or [""])[-1]}
     sizes = {name: sum(f.stat().st_size for f in t.rglob("*") if f.is_file())
              for name, (_, t) in cmds.items() if t is not None}
-    report_against(runs, MEGATRON, "Megatron", "megatron_convert_results.json",
-                   {"machine": machine_info(), "layers": a.layers, "checkpoint": str(legacy), "output_bytes": sizes,
+    report_against(runs, megatron_row, "Megatron", f"megatron_convert_{fmt}_results.json",
+                   {"machine": machine_info(), "layers": a.layers, "checkpoint": str(source), "output_bytes": sizes,
                     "comparison": compare}, busy)
     print(json.dumps(compare, indent=1))
 
