@@ -69,14 +69,21 @@ def check_source(ck, src: Path) -> None:
             "`args` (the GPT architecture, parallel sizes and schedule Megatron's load_checkpoint rebuilds the run "
             "from), no OptimizerParamScheduler state and no Megatron-core parameter names", path=src,
             hint="convert a checkpoint Megatron-LM saved (--ckpt-format torch); other frameworks: --to dcp / torch")
+    _check_plain_adam(ck, src, "--to megatron", "writes the plain Adam layout",
+                      "torch_dist layout (flat bucket buffers)")
+
+
+def _check_plain_adam(ck, src: Path, flag: str, writes: str, distopt_layout: str) -> None:
+    """Refuse, in one line, what neither writer carries: the distributed optimizer, an fp32 run (no Float16
+    optimizer with an fp32 master), a checkpoint without per-parameter Adam state."""
     args = _args(ck)
     if args.get("use_distributed_optimizer"):
-        raise UnsupportedCheckpoint("--to megatron writes the plain Adam layout; this run used Megatron's distributed "
-                                    "optimizer (args.use_distributed_optimizer), whose torch_dist layout (flat "
-                                    "bucket buffers) ckpt does not write", path=src)
+        raise UnsupportedCheckpoint(f"{flag} {writes}; this run used Megatron's distributed optimizer "
+                                    f"(args.use_distributed_optimizer), whose {distopt_layout} ckpt does not write",
+                                    path=src)
     if not (args.get("bf16") or args.get("fp16")):
-        raise UnsupportedCheckpoint("--to megatron is proven for bf16/fp16 runs (Float16 optimizer with an fp32 "
-                                    "master); this run trained in fp32", path=src)
+        raise UnsupportedCheckpoint(f"{flag} is proven for bf16/fp16 runs (Float16 optimizer with an fp32 master); "
+                                    "this run trained in fp32", path=src)
     if ck.tree.children.get("optimizer") is None or "state" not in ck.tree.children["optimizer"].children:
         raise UnsupportedCheckpoint("the checkpoint holds no per-parameter Adam state to write", path=src)
 
@@ -276,19 +283,12 @@ def check_legacy_target(ck, src: Path, tp: int | None) -> int:
             f"--to megatron --ckpt-format torch needs a Megatron-LM torch_dist checkpoint; this is {ck.format}, "
             "which holds no Megatron `args`, OptimizerParamScheduler state or Megatron-core parameter names", path=src)
     args = _args(ck)
-    if args.get("use_distributed_optimizer"):
-        raise UnsupportedCheckpoint("--ckpt-format torch writes the plain Adam rank files; this run used Megatron's "
-                                    "distributed optimizer (args.use_distributed_optimizer), whose legacy layout "
-                                    "(distrib_optim.pt buckets) ckpt does not write", path=src)
-    if not (args.get("bf16") or args.get("fp16")):
-        raise UnsupportedCheckpoint("--ckpt-format torch is proven for bf16/fp16 runs (Float16 optimizer with an fp32 "
-                                    "master); this run trained in fp32", path=src)
     if (args.get("transformer_impl") or "local") != "local":
         raise UnsupportedCheckpoint(f"a run built with transformer_impl={args.get('transformer_impl')}: its legacy "
                                     "rank files use Transformer Engine's module names and extra state, which ckpt "
                                     "does not write (local-spec runs only)", path=src)
-    if ck.tree.children.get("optimizer") is None or "state" not in ck.tree.children["optimizer"].children:
-        raise UnsupportedCheckpoint("the checkpoint holds no per-parameter Adam state to write", path=src)
+    _check_plain_adam(ck, src, "--ckpt-format torch", "writes the plain Adam rank files",
+                      "legacy layout (distrib_optim.pt buckets)")
     saved = ck.topology.tp or 1
     tp = saved if tp is None else tp
     if tp < 1:
