@@ -566,8 +566,9 @@ def write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> in
             d = itdir / _dir_name(t, p, pp)
             d.mkdir(parents=True)
             written += save(obj, d / "model_optim_rng.pt", rec.data)
-            if progress:
-                progress(sum(getattr(v, "nbytes", 0) for v in rec.data.values()))
+            if progress:  # in the plan's units (the source's bytes): its share per rank file written
+                k, n = p * tp + t, pp * tp
+                progress(plan.nbytes * (k + 1) // n - plan.nbytes * k // n)
     (root / LATEST).write_text(str(iteration))
     return written
 
