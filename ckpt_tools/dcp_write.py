@@ -356,29 +356,19 @@ class DcpStreamWriter:
         return start, end - start
 
     def tensor(self, path: tuple, t: Any) -> None:
-        import torch
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
-        from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
-                                                           TensorStorageMetadata)
-
-        key = self._claim(path)
+        """A whole tensor, in `shards` dim-0 chunks (one per file, as FSDP2 at that DP size saves it)."""
+        if self.flat_key(path) in self._sdm:
+            raise ValueError(f"{self.flat_key(path)}: written twice")
         t = t.detach().cpu()
         n = self.shards if t.dim() >= 1 and t.shape[0] >= self.shards else 1
-        rows = -(-t.shape[0] // n) if n > 1 else None
-        chunks = []
+        if n == 1:
+            self.tensor_part(path, tuple(t.shape), (0,) * t.dim(), t)
+            return
+        rows = -(-t.shape[0] // n)
         for r in range(n):
-            part = t if n == 1 else t[r * rows: (r + 1) * rows]
-            if part.numel() == 0 and n > 1:
-                continue
-            part = part.contiguous()
-            if part.untyped_storage().nbytes() != part.numel() * part.element_size():
-                part = part.clone()  # torch.save writes the whole storage: never a view's neighbours
-            f = r % len(self._fhs)
-            off, size = self._append(lambda fh, part=part: torch.save(part, fh), f)
-            offsets = torch.Size([r * rows if n > 1 else 0] + [0] * (t.dim() - 1)) if t.dim() else torch.Size([])
-            chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(part.shape)))
-            self._storage[MetadataIndex(key, offsets, len(chunks) - 1)] = _StorageInfo(self._names[f], off, size)
-        self._sdm[key] = TensorStorageMetadata(TensorProperties(dtype=t.dtype), torch.Size(t.shape), chunks)
+            part = t[r * rows: (r + 1) * rows]
+            if part.numel():
+                self.tensor_part(path, tuple(t.shape), (r * rows,) + (0,) * (t.dim() - 1), part)
 
     def tensor_part(self, path: tuple, size: tuple[int, ...], offsets: tuple[int, ...], part: Any) -> None:
         """One chunk of a global tensor of shape `size` at `offsets` (Megatron's layers stacked on a leading axis:
@@ -409,8 +399,8 @@ class DcpStreamWriter:
             self._names[f], off, n)
 
     def value_blob(self, path: tuple, blob: bytes) -> None:
-        """A bytes item whose torch.save bytes are already made (`pickle_writer.torch_zip_bytes` of an object read
-        inert from another checkpoint: nothing is unpickled to write it)."""
+        """A bytes item whose torch.save bytes are already made (an object read inert from another checkpoint and
+        written back by `pickle_writer.rewrite_torch_zip`: nothing is unpickled to write it)."""
         from torch.distributed.checkpoint.filesystem import _StorageInfo
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 

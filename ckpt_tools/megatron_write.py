@@ -27,7 +27,7 @@ scheduler, RNG state) written back by `pickle_writer` with only the storages the
 the logical view. The args change in two fields only, what Megatron's own `--ckpt-convert-format torch_dist` save
 would record: `ckpt_format` torch_dist and `use_dist_ckpt` True.
 
-The other direction (`--ckpt-format torch`, `write_legacy`): a torch_dist run (plain Adam) as the legacy run folder
+The other direction (`--ckpt-format torch`, `_write_legacy`): a torch_dist run (plain Adam) as the legacy run folder
 Megatron's `--ckpt-format torch` save writes, `iter_{N:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt` per rank
 (args, checkpoint_version, iteration, model / model0.., optimizer {optimizer {state, param_groups},
 fp32_from_fp16_params}, opt_param_scheduler, rng_state, num_floating_point_operations_so_far), at the saved TP or
@@ -57,7 +57,7 @@ CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-def check_source(ck, src: Path) -> None:
+def _check_dist_target(ck, src: Path) -> None:
     """Refuse, in one line naming what is missing, a source this writer cannot turn into a loadable Megatron run."""
     if ck.format == "megatron_torch_dist":
         raise UnsupportedCheckpoint("the checkpoint is already a Megatron-LM torch_dist checkpoint: nothing to convert "
@@ -116,7 +116,7 @@ def dist_key(name: str, layers: int) -> tuple[str, int | None]:
     return f"decoder.layers.{m[2]}", int(m[1])
 
 
-def plan_lines(ck) -> tuple[list[str], list[str]]:
+def _dist_plan_lines(ck) -> tuple[list[str], list[str]]:
     """(notes, not moved) for a conversion of `ck` into Megatron's torch_dist."""
     args = _args(ck)
     tp, pp = ck.topology.tp or 1, ck.topology.pp or 1
@@ -137,7 +137,7 @@ def plan_lines(ck) -> tuple[list[str], list[str]]:
     return notes, not_moved
 
 
-def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
+def _write_dist(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     """Write the run folder for `plan` (a `ops.convert.ConvertPlan` with to="megatron") into the empty folder `root`
     (the staging folder `ops.convert.execute` renames into place); returns the bytes written."""
     from . import logical as L
@@ -271,7 +271,7 @@ def _padded_vocab(args: dict[str, Any], tp: int) -> int | None:
     return -(-vocab // step) * step
 
 
-def check_legacy_target(ck, src: Path, tp: int | None) -> int:
+def _check_legacy_target(ck, src: Path, tp: int | None) -> int:
     """Refuse, in one line, a torch_dist source (or a TP size) the legacy writer cannot turn into rank files that
     Megatron loads at that TP; returns the TP size to write."""
     if ck.format == "megatron_legacy":
@@ -324,7 +324,7 @@ def check_legacy_target(ck, src: Path, tp: int | None) -> int:
     return tp
 
 
-def legacy_plan_lines(ck, tp: int) -> tuple[list[str], list[str]]:
+def _legacy_plan_lines(ck, tp: int) -> tuple[list[str], list[str]]:
     """(notes, not moved) for a conversion of a torch_dist run into legacy rank files at TP `tp`."""
     args = _args(ck)
     saved, pp, vpp = ck.topology.tp or 1, ck.topology.pp or 1, ck.topology.vpp
@@ -419,21 +419,14 @@ def _stage_layout(keys: list[str], args: dict[str, Any], pp: int, vpp: int) -> d
 def _tp_shard(name: str, t, rank: int, tp: int, swiglu: bool):
     """Rank `rank`'s share of the whole tensor `t` of the local-spec parameter `name` at TP `tp` (the inverse of
     `formats.megatron_lm._rule`'s merge)."""
-    import torch
-
     from .formats.megatron_lm import _rule
+    from .tp_layout import split_shard
 
-    if tp == 1:
-        return t
     rule = _rule(name, swiglu)
-    if rule == "replicated":
-        return t
-    if rule in ("cat:0", "cat:1"):
-        return t.chunk(tp, int(rule[-1]))[rank].contiguous()
-    if rule == "cat_sub:0":  # SwiGLU fc1: [gate; up], each split over the ranks
-        return torch.cat([h.chunk(tp, 0)[rank] for h in t.chunk(2, 0)]).contiguous()
-    raise UnsupportedCheckpoint(f"{name}: no TP split rule (Megatron-core GPT local spec): ckpt will not guess how "
-                                "to split it")
+    if tp > 1 and rule not in ("replicated", "cat:0", "cat:1", "cat_sub:0"):
+        raise UnsupportedCheckpoint(f"{name}: no TP split rule (Megatron-core GPT local spec): ckpt will not guess "
+                                    "how to split it")
+    return split_shard(rule, t, rank, tp)  # SwiGLU fc1 (cat_sub:0): [gate; up], each split over the ranks
 
 
 class _Records:
@@ -458,9 +451,8 @@ class _Records:
 
         if isinstance(obj, TensorRef):
             return self.add(obj.read_torch())
-        if isinstance(obj, dict):
-            return type(obj)((k, self.tree(v)) for k, v in obj.items()) if type(obj) is not dict else \
-                {k: self.tree(v) for k, v in obj.items()}
+        if isinstance(obj, dict):  # dict or OrderedDict, as saved
+            return type(obj)((k, self.tree(v)) for k, v in obj.items())
         if isinstance(obj, list):
             return [self.tree(v) for v in obj]
         if isinstance(obj, tuple) and type(obj) is tuple:
@@ -468,7 +460,7 @@ class _Records:
         return obj
 
 
-def write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> int:
+def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     """Write Megatron's legacy run folder for `plan` (to="megatron", ckpt_format="torch") into the empty folder
     `root`: one model_optim_rng.pt per (TP, PP) rank at `plan.tp`; returns the bytes written. One rank file is held
     in memory at a time (what torch.save of it holds) plus one whole tensor; each rank reads the whole tensors it
@@ -573,5 +565,26 @@ def write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> in
     return written
 
 
-__all__ = ["check_source", "plan_lines", "write", "dist_key", "rank_files", "check_legacy_target", "legacy_plan_lines",
-           "write_legacy", "CKPT_FORMATS"]
+# --- what `ops.convert` calls: one entry each, the format written chosen here ------------------------------------
+
+
+def check(ck, src: Path, ckpt_format: str, tp: int | None) -> int | None:
+    """Refuse, in one line, a source (or TP size) that cannot be written as Megatron's `ckpt_format`; returns the
+    TP size of the legacy rank files (None for torch_dist, which holds whole tensors)."""
+    if ckpt_format == "torch":
+        return _check_legacy_target(ck, src, tp)
+    _check_dist_target(ck, src)
+    return None
+
+
+def plan_lines(ck, ckpt_format: str, tp: int | None) -> tuple[list[str], list[str]]:
+    """(notes, not moved) of the conversion."""
+    return _legacy_plan_lines(ck, tp) if ckpt_format == "torch" else _dist_plan_lines(ck)
+
+
+def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
+    """Write `plan` (to="megatron") into the empty staging folder `root`; returns the bytes written."""
+    return (_write_legacy if plan.ckpt_format == "torch" else _write_dist)(plan, root, progress)
+
+
+__all__ = ["check", "plan_lines", "write", "dist_key", "rank_files", "CKPT_FORMATS"]

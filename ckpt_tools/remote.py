@@ -258,13 +258,12 @@ class Mount:
                 self._fetch(batch, progress)
 
     def _fetch(self, ranges: list[tuple[str, int, int]], progress=None) -> None:
-        keys = [self._files[p].key for p, _, _ in ranges]
         try:
-            if _is_s3(self.fs):  # each GET pinned to the listed version
+            if self.pinned:  # each GET pinned to the listed version
                 blobs = _s3_get_pinned(self.fs, [(self._files[p], s, e) for p, s, e in ranges])
             else:
-                blobs = self.fs.cat_ranges(keys, [s for _, s, _ in ranges], [e for _, _, e in ranges],
-                                           on_error="raise")
+                blobs = self.fs.cat_ranges([self._files[p].key for p, _, _ in ranges], [s for _, s, _ in ranges],
+                                           [e for _, _, e in ranges], on_error="raise")
         except Exception as e:  # noqa: BLE001
             raise translate(e, self.url) from e
         self.counters.get_requests += len(ranges)
@@ -303,14 +302,11 @@ class Mount:
         read = {f.key.rstrip("/"): (p, f) for p, f in self._files.items() if f.have}
         if not read:
             return
-        self.counters.list_requests += 1
+        self.fs.invalidate_cache(self._key)  # gcsfs / adlfs keep listings: ask the store again
         try:
-            now = self.fs.find(self._key, detail=True, withdirs=False) or {}
-            if not now and self._key.rstrip("/") in read:  # the URL names one object
-                now = {self._key: self.fs.info(self._key)}
-        except Exception as e:  # noqa: BLE001
-            raise translate(e, self.url) from e
-        now = {k.rstrip("/"): v for k, v in now.items()}
+            now = {k.rstrip("/"): v for k, v in self._list().items()}  # the same listing as the mount's
+        except NotACheckpoint:  # every object gone
+            now = {}
         for key, (path, f) in sorted(read.items()):
             info = now.get(key)
             if info is None or int(info.get("size") or 0) != f.size or _version_tag(info) != f.tag:

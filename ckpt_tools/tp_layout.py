@@ -360,3 +360,23 @@ def merge_shards(rule: Rule | str, tensors: Sequence[Any]):
         per_sub = [torch.cat([c[i] for c in chunks], dim=d) for i in range(len(chunks[0]))]
         return torch.cat(per_sub, dim=d)
     raise ValueError(f"no merge rule ({merge!r}); pass --pattern REGEX=MERGE for this parameter")
+
+
+def split_shard(rule: Rule | str, tensor: Any, rank: int, tp: int):
+    """TP rank `rank`'s shard of the logical tensor at TP `tp`: the inverse of `merge_shards` for the rules a
+    split can undo (replicated, `cat:d`, `cat_sub:d`), so `merge_shards(rule, [split_shard(rule, t, r, tp) for r in
+    range(tp)])` is `t`. A copy, never a view of `tensor`."""
+    import torch
+
+    merge = rule.merge if isinstance(rule, Rule) else rule
+    if tp == 1 or merge == "replicated":
+        return tensor
+    if merge and merge.startswith("cat:"):
+        return tensor.chunk(tp, int(merge[4:]))[rank].contiguous()
+    if merge and merge.startswith("cat_sub:"):  # each sub-parameter split over the ranks, this rank's slices joined
+        d = int(merge.rsplit(":", 1)[1])
+        subs = rule.sub_params if isinstance(rule, Rule) and rule.sub_params else 2
+        parts = torch.split(tensor, [int(x) for x in subs], dim=d) if isinstance(subs, (list, tuple)) \
+            else tensor.chunk(int(subs), d)
+        return torch.cat([h.chunk(tp, d)[rank] for h in parts], dim=d).contiguous()
+    raise ValueError(f"no split rule ({merge!r})")

@@ -35,7 +35,7 @@ Targets (`--to`, `--layout`):
                       save writes it (`ckpt_tools.megatron_write`); the scheduler, args and RNG states are carried
                       as saved, so nothing is listed as not moved but a pipeline's tied embedding copy;
                       with `ckpt_format="torch"` the other way, a torch_dist run as Megatron's legacy rank files at
-                      the saved TP or `tp` (`megatron_write.write_legacy`)
+                      the saved TP or `tp` (`megatron_write.write`)
 
 `--distributed` (dcp, deepspeed-universal): under torchrun every rank writes a share of the parameters into
 rank 0's staging folder; rank 0 writes the rest, merges the DCP metadata, verifies and renames.
@@ -329,14 +329,10 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
         if ck.format == "deepspeed_universal":
             raise CkptError("the checkpoint is already a DeepSpeed universal checkpoint: nothing to convert",
                             path=src)
-    if to == "megatron" and ckpt_format == "torch":  # a torch_dist source into legacy rank files
-        from ..megatron_write import check_legacy_target
+    if to == "megatron":  # Megatron-LM sources only (their args, names and schedule are what Megatron loads)
+        from .. import megatron_write
 
-        tp = check_legacy_target(ck, src, tp)
-    elif to == "megatron":  # a Megatron-LM legacy source only (its args, names and schedule are what Megatron loads)
-        from ..megatron_write import check_source
-
-        check_source(ck, src)
+        tp = megatron_write.check(ck, src, ckpt_format, tp)
     if to == "dcp" and ck.format == "dcp":
         raise CkptError("the checkpoint is already a DCP checkpoint: nothing to convert", path=src,
                         hint="DCP reshards at load; `--to torch` writes one training dict")
@@ -399,9 +395,7 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
     if step is None:
         notes.append("the source records no global step: `step` is not written")
     if to == "megatron":
-        from ..megatron_write import legacy_plan_lines, plan_lines
-
-        extra_notes, not_moved = legacy_plan_lines(ck, tp) if ckpt_format == "torch" else plan_lines(ck)
+        extra_notes, not_moved = megatron_write.plan_lines(ck, ckpt_format, tp)
         notes += extra_notes
     else:
         not_moved = sgone + _not_moved(ck, config)
@@ -438,8 +432,8 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
         notes.append("frozen parameters are written in the model states' `module` only: DeepSpeed's universal "
                      "loader restores trained parameters from zero/, so a frozen one keeps its initial value")
     dtypes = sorted({p.dtype for p in params if p.kind == "param"})
-    if to == "megatron":
-        pass  # both: the module's weights as saved and the fp32 master (plan_lines says so)
+    if to == "megatron":  # both: the module's weights as saved and the fp32 master (its plan lines say so)
+        pass
     elif any(t.kind == "param" for t in model) and states and "fp32" in next(iter(states.values())):
         notes.append("weights: the fp32 master weights (the module's low-precision copy is derived from them)")
     elif dtypes:
@@ -629,10 +623,9 @@ def execute(plan: ConvertPlan, *, progress: Callable[[int], None] | None = None,
         return _execute_distributed(plan, progress=progress, verify=verify)
     _refuse_out(plan.source, plan.out)
     if plan.to in ("dcp", "deepspeed-universal", "megatron"):
-        from ..megatron_write import write as _write_megatron, write_legacy
+        from .. import megatron_write
 
-        write = {"dcp": _write_dcp, "deepspeed-universal": _write_universal,
-                 "megatron": write_legacy if plan.ckpt_format == "torch" else _write_megatron}[plan.to]
+        write = {"dcp": _write_dcp, "deepspeed-universal": _write_universal, "megatron": megatron_write.write}[plan.to]
         with io.new_folder(plan.out) as tmp:
             n = write(plan, tmp, progress)
             problems = verify_logical(plan, tmp) if verify else []
