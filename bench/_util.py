@@ -77,7 +77,7 @@ def ckpt_command() -> list[str]:
     """The installed `ckpt` console script beside this interpreter, as a user runs it (not a version
     manager's shell shim found first on PATH, which adds its own ~50 ms); else the same entry point."""
     exe = Path(sys.executable).with_name("ckpt")
-    return [str(exe)] if exe.is_file() else [sys.executable, "-c", "from cli.main import main; main()"]
+    return [str(exe)] if exe.is_file() else [sys.executable, "-c", "from ckpt_cli.main import main; main()"]
 
 
 def precompile() -> None:

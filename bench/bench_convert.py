@@ -40,9 +40,9 @@ def baseline_worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from ckpt_tools.train.resume_worker import full_state
+    from ckpt_tools.resume.workers.deepspeed import full_state
     from ckpt_tools.train.models import GPTConfig, TinyGPT
-    from ckpt_tools.train.workers import _common as c
+    from ckpt_tools.samples.workers import _common as c
 
     manifest = json.loads(Path(str(args.ckpt) + ".manifest.json").read_text())
     extra = manifest.get("extra", manifest)
@@ -119,9 +119,9 @@ def main() -> None:
 
     runs = {
         "cp -r": ["cp", "-r", str(ck), str(scratch / "cp")],
-        "ckpt convert --to dcp": [PY, "-m", "cli.main", "convert", str(ck), str(scratch / "ckpt"), "--to", "dcp",
+        "ckpt convert --to dcp": [PY, "-m", "ckpt_cli.main", "convert", str(ck), str(scratch / "ckpt"), "--to", "dcp",
                                   "--json"],
-        "ckpt convert --to dcp --distributed (2 ranks)": torchrun(2, "-m", "cli.main", "convert", str(ck),
+        "ckpt convert --to dcp --distributed (2 ranks)": torchrun(2, "-m", "ckpt_cli.main", "convert", str(ck),
                                                                   str(scratch / "ckpt_d"), "--to", "dcp",
                                                                   "--distributed", "--json"),
         "load in DeepSpeed + dcp.save": torchrun(dp, str(Path(__file__).resolve()), "--baseline-worker", "--ckpt",

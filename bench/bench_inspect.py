@@ -244,17 +244,17 @@ PHASES = r'''
 import io, json, sys, time
 t = [time.perf_counter()]
 def lap(): t.append(time.perf_counter())
-import cli.main; cli.main.tune_gc(); lap()               # typer, the CLI modules, ckpt_tools (no torch)
-a = cli.main._fast_parse(["inspect", sys.argv[1], "--json"]); lap()  # option parsing (argparse fast path)
+import ckpt_cli.main; ckpt_cli.main.tune_gc(); lap()               # typer, the CLI modules, ckpt_tools (no torch)
+a = ckpt_cli.main._fast_parse(["inspect", sys.argv[1], "--json"]); lap()  # option parsing (argparse fast path)
 from ckpt_tools import open_checkpoint
 from ckpt_tools.ops import inspect as ops
 ck = open_checkpoint(sys.argv[1]); lap()                 # format modules + reading the pickles
 doc = ops.summary(ck, ops.filter_tree(ck.tree), None); lap()
-s1 = json.dumps(doc, default=repr); lap()                # what cli.output.print_json does when piped
-from cli import output
+s1 = json.dumps(doc, default=repr); lap()                # what ckpt_cli.output.print_json does when piped
+from ckpt_cli import output
 con = output.console(); con.file = io.StringIO(); lap()  # rich import (the human header)
 lines = output.tree_lines(ck.tree, "tree"); lap()        # the human tree
-names = ["import cli.main", "parse options", "open_checkpoint", "summary + filter_tree", "json.dumps",
+names = ["import ckpt_cli.main", "parse options", "open_checkpoint", "summary + filter_tree", "json.dumps",
          "import rich Console", "render human tree"]
 print(json.dumps({"phases": dict(zip(names, (b - a for a, b in zip(t, t[1:])))), "json_bytes": len(s1),
                   "tree_lines": len(lines)}))

@@ -4,7 +4,7 @@
     MEGATRON_LM_DIR=/path/to/Megatron-LM python bench/bench_megatron.py --repeat 3           # table + JSON
 
 `--make` writes two checkpoints with Megatron-LM's own `pretrain` / `save_checkpoint` (the sample worker
-`ckpt_tools/train/workers/megatron_lm.py`, the samples' recipe made `--layers` deep: TP=2 on 2 gloo ranks) into
+`ckpt_tools/samples/workers/megatron_lm.py`, the samples' recipe made `--layers` deep: TP=2 on 2 gloo ranks) into
 bench/out/megatron_L<layers>/: the legacy format (one `model_optim_rng.pt` per TP rank) and torch_dist.
 
 Each command is a whole process, timed from spawn to exit with its peak RSS (`_util.run_measured`), runs
@@ -41,7 +41,7 @@ def make(layers: int, out: Path) -> None:
     for sample in ("megatron_tp2_legacy", "megatron_tp2_torch_dist"):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                "--master_port", str(29600 + layers % 50 + (sample.endswith("dist"))), "-m",
-               "ckpt_tools.train.workers.megatron_lm", "--sample", sample, "--out", str(out), "--num-layers", str(layers)]
+               "ckpt_tools.samples.workers.megatron_lm", "--sample", sample, "--out", str(out), "--num-layers", str(layers)]
         env = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
         subprocess.run(cmd, check=True, cwd=REPO_ROOT, env=env)
 

@@ -19,7 +19,7 @@ before the next run writes them again:
   and the OptimizerParamScheduler into Megatron's torch_dist layout, verified (logical diff) before it is put in place;
 - Megatron: `ckpt resume RUN --device cpu --megatron-args "--ckpt-convert-format torch_dist --ckpt-convert-save DIR"`.
   `ckpt resume` is only the launcher here: it starts Megatron-LM's `pretrain` (pretrain_gpt.py's GPT builder) with
-  the run's own saved args and the CPU run-time changes listed in `ckpt_tools/train/workers/megatron_lm.py`; Megatron
+  the run's own saved args and the CPU run-time changes listed in `ckpt_tools/samples/workers/megatron_lm.py`; Megatron
   then loads the checkpoint with its `load_checkpoint`, saves it again with `save_checkpoint` in torch_dist format
   into DIR/torch_dist and exits before training (training.py, "Convert checkpoint format"). The verdict `ckpt resume`
   prints then fails (no step ran): the run counts as done when DIR/torch_dist holds the iteration's `.metadata`;
@@ -74,7 +74,7 @@ def main() -> None:
         megatron_row: (ck + ["resume", str(source), "--device", "cpu", "--megatron-args",
                              f"--ckpt-convert-format {fmt} --ckpt-convert-save {theirs}"], theirs),
         "floor: import_megatron() alone": (
-            [sys.executable, "-c", "from ckpt_tools.train.workers import megatron_lm as w; w.import_megatron()"], None),
+            [sys.executable, "-c", "from ckpt_tools.samples.workers import megatron_lm as w; w.import_megatron()"], None),
     }
     env = dict(os.environ, MEGATRON_LM_DIR=megatron)
     runs: dict[str, list] = {k: [] for k in cmds}

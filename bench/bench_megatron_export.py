@@ -37,7 +37,7 @@ TransformerEngine). The reference is one Python process (`CONVERT` below) that c
 so everything set up before `main` is inherited by the saver. Run-time changes, nothing installed or checked out
 is edited:
 
-  1. The CPU shims of `ckpt_tools.train.workers.megatron_lm.import_megatron()` (its docstring lists them:
+  1. The CPU shims of `ckpt_tools.samples.workers.megatron_lm.import_megatron()` (its docstring lists them:
      `torch.cuda` redirected to the CPU, CUDA RNG = CPU generator, a TorchFunctionMode mapping CUDA device
      arguments to the CPU, `compile_helpers` and `fused_kernels.load` no-ops, a `triton` stand-in during import,
      `jit_fuser` the identity), with `CUDA_DEVICE_MAX_CONNECTIONS=1` in the environment (Megatron's
@@ -91,7 +91,7 @@ import os, runpy, sys
 load, save = sys.argv[1], sys.argv[2]
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 root = os.environ["MEGATRON_LM_DIR"]
-from ckpt_tools.train.workers import megatron_lm
+from ckpt_tools.samples.workers import megatron_lm
 megatron_lm.import_megatron()                                         # change 1
 tools = os.path.join(root, "tools", "checkpoint")
 sys.path.insert(0, tools)
@@ -197,7 +197,7 @@ def main() -> None:
         cmds["torch.load both rank files"] = ([sys.executable, "-c", TORCH_LOAD, *rank_files], None)
     # the reference's fixed cost: importing Megatron's training code with the CPU shims, converting nothing
     cmds["floor: import_megatron() alone"] = (
-        [sys.executable, "-c", "from ckpt_tools.train.workers import megatron_lm as w; w.import_megatron()"], None)
+        [sys.executable, "-c", "from ckpt_tools.samples.workers import megatron_lm as w; w.import_megatron()"], None)
     env = dict(os.environ, MEGATRON_LM_DIR=megatron)
     runs: dict[str, list] = {k: [] for k in cmds}
     busy: list[float | None] = []  # how busy the CPUs were just before each run (other jobs inflate wall times)

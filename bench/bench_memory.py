@@ -32,14 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._util import (OUT_DIR, REPO_ROOT, cpu_busy_fraction, dir_bytes, fmt_bytes, machine_info,  # noqa: E402
                          run_measured, summarize)
 
-CLI = "from cli.main import main; main()"
+CLI = "from ckpt_cli.main import main; main()"
 
 # run in a child: this driver stays small, because a child's ru_maxrss starts at its parent's size
 LARGEST = r'''
 import json, sys
 from ckpt_tools import open_checkpoint
-from ckpt_tools.pickle_reader import DTYPE_SIZE
-from ckpt_tools.tree import iter_tensors
+from ckpt_tools.read.pickle_reader import DTYPE_SIZE
+from ckpt_tools.read.tree import iter_tensors
 
 def refs(node):
     for s in node.shards:
@@ -96,8 +96,8 @@ def main() -> None:
     a = args.ckpt
     py = sys.executable
     commands: dict[str, tuple[list[str], Path | None]] = {
-        "floor: import cli.main": ([py, "-c", "import cli.main"], None),
-        "torch floor: import cli.main, torch": ([py, "-c", "import cli.main, torch"], None),
+        "floor: import ckpt_cli.main": ([py, "-c", "import ckpt_cli.main"], None),
+        "torch floor: import ckpt_cli.main, torch": ([py, "-c", "import ckpt_cli.main, torch"], None),
         "inspect": (cli("inspect", a), a),
         "inspect --json": (cli("inspect", a, "--json"), a),
         "inspect --stats": (cli("inspect", a, "--stats"), a),
@@ -122,7 +122,7 @@ def main() -> None:
                 raise SystemExit(f"{name} failed ({m.returncode}): {' '.join(cmd)}")
             runs[name].append(m)
     summaries = {k: summarize(v) for k, v in runs.items()}
-    floor = summaries["floor: import cli.main"].peak_rss_bytes_median
+    floor = summaries["floor: import ckpt_cli.main"].peak_rss_bytes_median
     print(f"{a} ({fmt_bytes(dir_bytes(a))}); median of {args.repeat}, warm page cache; "
           f"CPU busy before: {busy if busy is None else f'{busy:.0%}'}")
     for p, s in sizes.items():

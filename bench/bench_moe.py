@@ -4,7 +4,7 @@ against what users run today, side by side in one run.
     python bench/bench_moe.py --make --experts 64 --layers 8   # once: the checkpoint (DeepSpeed's own save)
     python bench/bench_moe.py --experts 64 --layers 8 --repeat 3
 
-`--make` trains the sample recipe of `ckpt_tools/train/workers/ds_moe.py` (ZeRO-2 bf16, ep_size 2, 2 gloo
+`--make` trains the sample recipe of `ckpt_tools/samples/workers/ds_moe.py` (ZeRO-2 bf16, ep_size 2, 2 gloo
 ranks) with `--experts` experts in each of `--layers` MoE layers and saves it with DeepSpeed's
 `save_checkpoint` into bench/out/moe_E<experts>_L<layers>/. Each command is a whole process (spawn to exit, peak
 RSS; `_util.run_measured`), runs interleaved, medians of `--repeat`:
@@ -42,7 +42,7 @@ def make(experts: int, layers: int, out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "ckpt_tools.train.workers.ds_moe", "--sample", "moe_zero2_bf16",
+           "--master_port", str(free_port()), "-m", "ckpt_tools.samples.workers.ds_moe", "--sample", "moe_zero2_bf16",
            "--out", str(out), "--experts", str(experts), "--layers", str(layers)]
     subprocess.run(cmd, check=True, cwd=REPO_ROOT, env=worker_env())
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import REPO_ROOT, dir_bytes, fmt_bytes, machine_info, precompile, run_measured  # noqa: E402
 
 KEYS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
-CKPT = [sys.executable, "-c", "from cli.main import main; main()"]
+CKPT = [sys.executable, "-c", "from ckpt_cli.main import main; main()"]
 
 
 def _free_port() -> int:

@@ -40,15 +40,15 @@ def main() -> None:
     w = str(args.workers)
     runs = {
         "cp -r": [["cp", "-r", str(ck), str(scratch / "cp")]],
-        "ckpt to-universal": [[PY, "-m", "cli.main", "to-universal", str(ck), str(scratch / "ckpt_u"), "--workers", w,
+        "ckpt to-universal": [[PY, "-m", "ckpt_cli.main", "to-universal", str(ck), str(scratch / "ckpt_u"), "--workers", w,
                                "--json"]],
-        "ckpt to-universal (1 worker)": [[PY, "-m", "cli.main", "to-universal", str(ck), str(scratch / "ckpt_u1"),
+        "ckpt to-universal (1 worker)": [[PY, "-m", "ckpt_cli.main", "to-universal", str(ck), str(scratch / "ckpt_u1"),
                                           "--workers", "1", "--json"]],
         "ds_to_universal": [[PY, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ck / tag),
                              "--output_folder", str(scratch / "ds_u" / f"{tag}_universal"), "--inject_missing_state",
                              "--num_extract_workers", w, "--num_merge_workers", w]],
         "ckpt export (fp32, safetensors)": [["mkdir", "-p", str(scratch / "ckpt_e")],  # export writes into a folder
-                                            [PY, "-m", "cli.main", "export", str(ck), str(scratch / "ckpt_e" /
+                                            [PY, "-m", "ckpt_cli.main", "export", str(ck), str(scratch / "ckpt_e" /
                                                                                        "model.safetensors"), "--json"]],
         "zero_to_fp32 (safetensors)": [[PY, "-m", "deepspeed.utils.zero_to_fp32", str(ck), str(scratch / "ds_e"),
                                         "--safe_serialization"]],

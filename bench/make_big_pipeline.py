@@ -7,7 +7,7 @@
         --out bench/out/pipe_dp2_l96 --hidden 64 --layers 96 --dp 2
 
 The real `PipelineEngine`, trained for a few steps: the model, ds_config, batches and the replica drift
-are `ckpt_tools.train.workers.ds_pipeline`'s own (the sample worker), only the model is bigger. TP rank 0
+are `ckpt_tools.samples.workers.ds_pipeline`'s own (the sample worker), only the model is bigger. TP rank 0
 halves the gradients of two layer norms for two steps, the BLOOM bug the samples reproduce, so there is
 drift to find.
 """
@@ -25,10 +25,10 @@ import torch  # noqa: E402
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO  # noqa: E402
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology  # noqa: E402
 
-from ckpt_tools.procgroup import leave  # noqa: E402
+from ckpt_tools.train.procgroup import leave  # noqa: E402
 from ckpt_tools.train.megatron import GPTModelPipe, MegatronGPTConfig  # noqa: E402
-from ckpt_tools.train.workers import _common as c  # noqa: E402
-from ckpt_tools.train.workers import ds_pipeline as P  # noqa: E402
+from ckpt_tools.samples.workers import _common as c  # noqa: E402
+from ckpt_tools.samples.workers import ds_pipeline as P  # noqa: E402
 
 STEPS = 3
 PERTURBED_STEPS = (2, 3)
@@ -69,4 +69,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    leave(0)  # ckpt_tools.procgroup: a plain exit lets gloo abort a finished rank
+    leave(0)  # ckpt_tools.train.procgroup: a plain exit lets gloo abort a finished rank

@@ -7,7 +7,7 @@ A synthetic file of the right size would not do: what a reader pays for is the r
 pickled `param_slice_mappings`, `LossScaler`, `ZeroStageEnum`, flat partitions per group, the
 `zero_to_fp32.py` beside the tag folder), so the checkpoint comes from `engine.save_checkpoint` after
 real optimizer steps, on 2 CPU ranks over gloo, with the same recipe as the ZeRO samples
-(`ckpt_tools/train/workers/ds_zero.py`: its DeepSpeed config, param groups and loss), only bigger.
+(`ckpt_tools/samples/workers/ds_zero.py`: its DeepSpeed config, param groups and loss), only bigger.
 
 Size: bf16 weights (2 B/param) + fp32 master (4) + exp_avg (4) + exp_avg_sq (4) = ~14 bytes/param.
 The number of layers is fixed (48 by default: 48 x 12 + 5 = 581 parameter tensors), and `--params`
@@ -97,8 +97,8 @@ def worker(args: argparse.Namespace) -> None:
     from ckpt_tools.train.data import batch_for_step
     from ckpt_tools.train.manifest import write_manifest
     from ckpt_tools.train.models import GPTConfig, TinyGPT, count_parameters
-    from ckpt_tools.train.workers import _common as c
-    from ckpt_tools.train.workers.ds_zero import ZeroVariant, ds_config
+    from ckpt_tools.samples.workers import _common as c
+    from ckpt_tools.samples.workers.ds_zero import ZeroVariant, ds_config
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, dp = c.rank(), c.world_size()
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from ckpt_tools.procgroup import leave
+    from ckpt_tools.train.procgroup import leave
 
     main()
-    leave(0)  # ckpt_tools.procgroup: a plain exit lets gloo abort a finished rank
+    leave(0)  # ckpt_tools.train.procgroup: a plain exit lets gloo abort a finished rank

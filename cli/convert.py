@@ -103,8 +103,8 @@ def _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed=F
         _show_plan(plan, json_out)
         return
     rank = 0
-    if distributed:  # cli.main.main leaves the group (ckpt_tools.procgroup.leave) once the command returns
-        from ckpt_tools import procgroup
+    if distributed:  # ckpt_cli.main.main leaves the group (ckpt_tools.train.procgroup.leave) once the command returns
+        from ckpt_tools.train import procgroup
 
         rank = procgroup.join("gloo")
     from tqdm import tqdm

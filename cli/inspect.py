@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ckpt_tools import remote
+from ckpt_tools.read import remote
 from ckpt_tools.errors import CkptError, NotACheckpoint
 from ckpt_tools.ops import inspect as ops
 

@@ -21,8 +21,8 @@ import sys
 
 import typer
 
-import ckpt_tools
 from ckpt_tools.errors import CkptError
+from ckpt_tools.view import checkpoint as _checkpoint
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   context_settings={"help_option_names": ["-h", "--help"]},
@@ -53,7 +53,7 @@ _convert.register(app)
 
 from . import output  # noqa: E402
 
-for _c in app.registered_commands:  # help that reads `PATH`, `--depth N`; a missing extra named (cli.output)
+for _c in app.registered_commands:  # help that reads `PATH`, `--depth N`; a missing extra named (ckpt_cli.output)
     if _c.cls in (None, typer.core.TyperCommand):
         _c.cls = output.Command
 
@@ -74,7 +74,7 @@ def _root(version: bool = typer.Option(False, "--version", is_eager=True, callba
 
 class _Interrupted(BaseException):
     """A Ctrl-C carried past typer, which turns a KeyboardInterrupt into a silent exit 130. main() prints what
-    the interrupted code said it rolled back or left (`ckpt_tools.io.Interrupted`), else _LEFT_ON_INTERRUPT."""
+    the interrupted code said it rolled back or left (`ckpt_tools.write.io.Interrupted`), else _LEFT_ON_INTERRUPT."""
 
 
 class _Terminated(KeyboardInterrupt):
@@ -155,7 +155,7 @@ def _install_test_kill_hook() -> None:
         return
     import signal
 
-    from ckpt_tools import io
+    from ckpt_tools.write import io
 
     stage, _, rest = spec.partition(":")
     n, _, sig = rest.partition(":")
@@ -255,9 +255,9 @@ def tune_gc() -> None:
     """A command lives seconds to minutes and holds a checkpoint tree of up to millions of objects: full
     (oldest-generation) collections would re-traverse all of it again and again and find nothing. The young
     generations are still collected, reference counting frees everything acyclic, and a parsed tree is
-    moved out of the collector's sight (`ckpt_tools.FREEZE_AFTER_PARSE`)."""
+    moved out of the collector's sight (`ckpt_tools.view.checkpoint.FREEZE_AFTER_PARSE`)."""
     gc.set_threshold(*gc.get_threshold()[:2], 1_000_000_000)
-    ckpt_tools.FREEZE_AFTER_PARSE = True
+    _checkpoint.FREEZE_AFTER_PARSE = True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -330,10 +330,10 @@ def _main(argv: list[str] | None) -> None:
 
 def _exit(code: int) -> None:
     """Exit with `code`. A command that made a torch.distributed group (`to-universal --distributed`) leaves
-    it through `ckpt_tools.procgroup.leave`: a plain interpreter exit lets gloo abort the process. A group
+    it through `ckpt_tools.train.procgroup.leave`: a plain interpreter exit lets gloo abort the process. A group
     the caller made (main() called in-process) is the caller's to end."""
-    if "ckpt_tools.procgroup" in sys.modules:
-        from ckpt_tools import procgroup
+    if "ckpt_tools.train.procgroup" in sys.modules:
+        from ckpt_tools.train import procgroup
 
         if procgroup.joined():
             procgroup.leave(code, barrier=code == 0)

@@ -13,7 +13,7 @@ from typing import Any
 
 import typer.core  # loaded with typer by every command module anyway
 
-from ckpt_tools.tree import GroupNode, Node, OpaqueNode, TensorNode, ValueNode
+from ckpt_tools.read.tree import GroupNode, Node, OpaqueNode, TensorNode, ValueNode
 
 
 def print_json(doc: Any) -> None:
@@ -28,7 +28,7 @@ def console(stderr: bool = False):
     from rich.console import Console
 
     class _Console(Console):
-        def on_broken_pipe(self) -> None:  # rich exits 1 (our "problems found"); cli.main ends with 141
+        def on_broken_pipe(self) -> None:  # rich exits 1 (our "problems found"); ckpt_cli.main ends with 141
             self.quiet = True
             raise BrokenPipeError
 
@@ -365,10 +365,10 @@ def print_write_plan(con, plan) -> None:
 
 def confirm_and_execute(con, plan, *, dry_run: bool, yes: bool, backup_dir, verb: str):
     """The tail every writing command shares: --dry-run stops here; otherwise confirm (unless --yes) and
-    carry the plan out through `ckpt_tools.io.execute`. Returns the transaction, or None for a dry run."""
+    carry the plan out through `ckpt_tools.write.io.execute`. Returns the transaction, or None for a dry run."""
     import typer
 
-    from ckpt_tools import io
+    from ckpt_tools.write import io
 
     if dry_run:
         con.print("[dim]dry run: nothing written[/]")
@@ -388,7 +388,7 @@ def deepspeed_logs_above_bars():
 
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from ckpt_tools.safe_load import import_deepspeed
+    from ckpt_tools.read.safe_load import import_deepspeed
 
     import_deepspeed()
     return logging_redirect_tqdm(loggers=[logging.getLogger("DeepSpeed")])
@@ -448,7 +448,7 @@ def _first_sentence(text: str) -> str:
 
 
 class Command(typer.core.TyperCommand):
-    """The click command class of every `ckpt` command (`cli.main` sets it): help in the usual man-page
+    """The click command class of every `ckpt` command (`ckpt_cli.main` sets it): help in the usual man-page
     style (`ckpt inspect [OPTIONS] PATH`, `--depth N`, not typer's `{path}` / `<int>`), a command list
     that shows each command's whole first sentence, and a missing optional package (torch, deepspeed)
     as a one-line error naming the extra that installs it, instead of an ImportError traceback."""

@@ -1,11 +1,11 @@
 """URLs on the command line (s3://, gs://, az://, hf://, file://, any fsspec URL): read-only commands run on a
-mounted mirror (`ckpt_tools.remote`); writing commands are refused with one line. Output spells the mirror as
+mounted mirror (`ckpt_tools.read.remote`); writing commands are refused with one line. Output spells the mirror as
 the URL."""
 from __future__ import annotations
 
 import sys
 
-from ckpt_tools import remote
+from ckpt_tools.read import remote
 from ckpt_tools.errors import CkptError
 
 #: commands whose second positional argument is a local output; their sources are read through the mirror

@@ -14,7 +14,7 @@ from ckpt_tools.errors import CkptError
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the ops module (and what it imports) loads only when the command runs
-    from ckpt_tools.ops import resume as ops
+    from ckpt_tools.resume import deepspeed as ops
 
 from . import output
 
@@ -38,7 +38,7 @@ def resume_cmd(
                               "is one, else the model-free check), replica (model-free: a replica of the "
                               "checkpoint's parameters, synthetic loss, optimizer state checked), tiny-gpt, "
                               "megatron-gpt or module:function (a factory returning "
-                              "ckpt_tools.train.resume_worker.TrainSetup)"),
+                              "ckpt_tools.resume.workers.deepspeed.TrainSetup)"),
     data: Optional[str] = typer.Option(None, "--data", metavar="FILE", help="token file (.bin uint16 or .npy) "
                                        "instead of the deterministic synthetic batches"),
     config: Optional[Path] = typer.Option(None, "--config", metavar="JSON", help="JSON file merged over the "
@@ -78,7 +78,7 @@ def resume_cmd(
     output.require("torch", "deepspeed", extra="train", what="ckpt resume")
     if plot is not None:
         output.require("matplotlib", extra="all", what="--plot")
-    from ckpt_tools.ops import resume as ops
+    from ckpt_tools.resume import deepspeed as ops
 
     override = None
     if config is not None:

@@ -1,6 +1,6 @@
 """`ckpt set-lr`, `ckpt set-step`, `ckpt restore` (`ckpt diff`: cli/diff.py): LR and counter surgery, planned and undoable.
 
-Every write goes through `ckpt_tools.io.execute` (staged outside the checkpoint, originals hard-linked
+Every write goes through `ckpt_tools.write.io.execute` (staged outside the checkpoint, originals hard-linked
 into `<parent>/.ckpt-backups/<name>/<time>-<cmd>/files/` or `--backup-dir`, atomic renames, re-verified,
 rolled back on any failure); `ckpt restore` puts the last write's originals back byte for byte.
 Exit codes (cli/main.py): 0 done (diff: same), 1 diff: they differ, 2 unusable input (a folder the write needs
@@ -34,7 +34,7 @@ def _bar(total: int, json_out: bool, desc: str):
 
 def _confirm(question: str, root) -> bool:
     """Ask; a closed or empty stdin (`</dev/null`, cron) is unusable input, not an interrupt."""
-    from ckpt_tools import io
+    from ckpt_tools.write import io
     from ckpt_tools.errors import CkptError
 
     try:
@@ -58,7 +58,7 @@ def _describe(t) -> str:
 
 
 def _tx_json(t) -> dict | None:
-    from ckpt_tools.tree import jsonable
+    from ckpt_tools.read.tree import jsonable
 
     if t is None:
         return None
@@ -76,7 +76,7 @@ def confirm_and_write(con, plan, *, dry_run: bool, yes: bool, json_out: bool, ba
     progress bar. Returns the transaction (None for a dry run)."""
     from rich.markup import escape
 
-    from ckpt_tools import io
+    from ckpt_tools.write import io
 
     places = io.check_places(plan, backup_dir, copy=copy)
     before = io.last_write(plan.root, plan.command, backup_dir)
@@ -102,7 +102,7 @@ def confirm_and_write(con, plan, *, dry_run: bool, yes: bool, json_out: bool, ba
 
 def _undo_hint(root, backup_dir: Optional[Path], tx) -> str:
     """`ckpt restore ROOT`, with --backup-dir when no link to the transaction was left in the default place."""
-    from ckpt_tools import io
+    from ckpt_tools.write import io
 
     linked = any(t.dir.resolve() == tx.dir.resolve() for t in io.transactions(root))
     return f"ckpt restore {root}" + ("" if linked or not backup_dir else f" --backup-dir {backup_dir}")
@@ -122,7 +122,7 @@ def written_line(tx) -> str:
 def _run(lp, *, dry_run: bool, yes: bool, json_out: bool, backup_dir: Optional[Path], copy: bool = False) -> int:
     """Show the plan (table or JSON), check, confirm or --yes, execute through io, report. A Ctrl-C says
     whether anything was written (io.execute's own Interrupted says what it put back)."""
-    from ckpt_tools import io
+    from ckpt_tools.write import io
 
     plan = lp.plan
     if json_out and not (yes or dry_run):
@@ -239,7 +239,7 @@ def restore_cmd(
     """Undo the last ckpt write on this checkpoint: a write that was interrupted is rolled back, else the last
     finished write's originals go back, byte for byte. Run it again to walk further back, one write at a time
     (newest first)."""
-    from ckpt_tools import io
+    from ckpt_tools.write import io
 
     if list_:
         return _list_writes(path, json_out, backup_dir)
@@ -290,7 +290,7 @@ def register(app: typer.Typer) -> None:
 def _list_writes(path: Path, json_out: bool, backup_dir: Optional[Path] = None) -> int:
     """Report only (the help says it changes nothing): an interrupted write is shown as such, and as the one
     the next `ckpt restore` rolls back — it is not rolled back here."""
-    from ckpt_tools import io
+    from ckpt_tools.write import io
 
     history = list(reversed(io.transactions(path, backup_dir)))
     nxt = next((t for t in history if t.status in io.ACTIVE), None) or next(

@@ -81,8 +81,8 @@ def _to_universal(ckpt, out, workers, dry_run, tp_layout, pattern, tp_replicated
         _show_plan(plan, json_out)
         return
     rank = 0
-    if distributed:  # cli.main.main leaves the group (ckpt_tools.procgroup.leave) once the command returns
-        from ckpt_tools import procgroup
+    if distributed:  # ckpt_cli.main.main leaves the group (ckpt_tools.train.procgroup.leave) once the command returns
+        from ckpt_tools.train import procgroup
 
         rank = procgroup.join("gloo")
     # no deepspeed import around the conversion: it reads its records with pickle_reader and writes them with

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from ckpt_tools import io
+from ckpt_tools.write import io
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the ops module (and what it imports) loads only when the command runs

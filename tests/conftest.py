@@ -101,7 +101,7 @@ def copy_sample(tmp_path):
 
 def run_cli(*args, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `ckpt ARGS...` the way a user does (a fresh process), capturing output; never raises on exit codes."""
-    return subprocess.run([sys.executable, "-c", "from cli.main import main; main()", *map(str, args)],
+    return subprocess.run([sys.executable, "-c", "from ckpt_cli.main import main; main()", *map(str, args)],
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
@@ -119,7 +119,7 @@ def run_on_terminal(*args, stream: str = "stdout", columns: int = 80, env: dict 
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
     streams = {"stdout": slave, "stderr": subprocess.PIPE} if stream == "stdout" else \
         {"stdout": subprocess.PIPE, "stderr": slave}
-    proc = subprocess.Popen([sys.executable, "-c", "from cli.main import main; main()", *map(str, args)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-c", "from ckpt_cli.main import main; main()", *map(str, args)], cwd=ROOT,
                             stdin=subprocess.DEVNULL, env=env, **streams)
     os.close(slave)
     seen = []

@@ -2,7 +2,7 @@
 real DeepSpeed `PipelineEngine` the samples were trained with, measure the TP replicas' drift on the live
 engine, train one step. Rank 0 prints one line `DS_PIPELINE_STEP {json}`.
 
-The model, config and batches are `ckpt_tools.train.workers.ds_pipeline`'s own functions, so the engine
+The model, config and batches are `ckpt_tools.samples.workers.ds_pipeline`'s own functions, so the engine
 is the one that wrote the samples (with the default RNG seeded alike on every TP rank, as Megatron does).
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from ckpt_tools.train.megatron import GPTModelPipe, MegatronGPTConfig
-from ckpt_tools.train.workers import _common as c
-from ckpt_tools.train.workers import ds_pipeline as P
+from ckpt_tools.samples.workers import _common as c
+from ckpt_tools.samples.workers import ds_pipeline as P
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Bad input never gives a traceback, never hangs, never writes: >= 100 broken checkpoints, every command.
 
-Commands run in-process (`cli.main.main`, SIGALRM time limit) for speed; a sample goes through real
+Commands run in-process (`ckpt_cli.main.main`, SIGALRM time limit) for speed; a sample goes through real
 `ckpt` processes with a subprocess timeout. Exit 2 must come with exactly one stderr line naming the
 damaged file (or folder); exit 0/1 only where the case says why (see `hostile/bad_inputs.py`).
 """
@@ -18,7 +18,7 @@ TIMEOUT = 30.0
 
 
 def _commands() -> set[str]:
-    from cli.main import app
+    from ckpt_cli.main import app
 
     return {c.name for c in app.registered_commands}
 
@@ -127,6 +127,6 @@ def test_debug_variable_shows_the_traceback(corpus):
 
     from conftest import ROOT
 
-    r = subprocess.run([sys.executable, "-c", "from cli.main import main; main()", "inspect", str(c.path)],
+    r = subprocess.run([sys.executable, "-c", "from ckpt_cli.main import main; main()", "inspect", str(c.path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "CKPT_DEBUG": "1"})
     assert r.returncode != 0 and "Traceback" in r.stderr and "MissingFile" in r.stderr

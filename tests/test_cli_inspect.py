@@ -166,7 +166,7 @@ def test_inspect_executes_nothing_from_a_hostile_pickle(copy_sample, tmp_path):
 
 
 def test_inspect_does_not_import_torch_or_deepspeed():
-    code = ("import sys; from cli.main import main\n"
+    code = ("import sys; from ckpt_cli.main import main\n"
             "try:\n main(['inspect', sys.argv[1], '--json'])\nexcept SystemExit:\n pass\n"
             "bad = [m for m in ('torch', 'deepspeed', 'numpy') if m in sys.modules]\n"
             "assert not bad, bad")
@@ -192,7 +192,7 @@ def _run_both(cli_main, argv, capsys):
 def test_fast_argument_path_matches_typer(capsys):
     """Every command parses plain invocations without typer's pydantic layer for speed (argparse built from the
     same typer declarations); the results must not differ, and anything unusual goes to typer."""
-    from cli import main as cli_main
+    from ckpt_cli import main as cli_main
 
     p = str(sample("deepspeed", "zero2_lambdalr"))
     drifted = str(sample("megatron", "gpt_tp2_pp2_drifted"))
@@ -222,7 +222,7 @@ def test_reader_closing_the_pipe_is_quiet(tmp_path):
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        proc = subprocess.run([sys.executable, "-c", "from cli.main import main; main()", "inspect",
+        proc = subprocess.run([sys.executable, "-c", "from ckpt_cli.main import main; main()", "inspect",
                                str(sample("deepspeed", "zero2_bf16"))],
                               cwd=ROOT, stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
     finally:
@@ -267,7 +267,7 @@ def test_numbered_layers_read_as_one_line_and_full_lists_them():
 def test_collapse_keeps_odd_layers_and_order():
     """Layers that read differently stay their own line (an odd layer stands out); fewer than three alike and
     patterns whose numbers do not form a full grid are not collapsed; order is first appearance."""
-    from cli.output import collapse_numbered
+    from ckpt_cli.output import collapse_numbered
 
     names = ["emb", "l.0.w", "l.0.b", "l.1.w", "l.1.b", "l.2.w", "l.2.b", "l.3.w", "l.3.b", "x.0.e.0", "x.1.e.1"]
     texts = ["A", "W", "B", "W", "B", "W2", "B", "W", "B", "E", "E"]
@@ -283,8 +283,8 @@ def test_collapsed_lines_say_what_each_member_says():
     import dataclasses
 
     import ckpt_tools
-    from cli import output
-    from ckpt_tools.tree import GroupNode
+    from ckpt_cli import output
+    from ckpt_tools.read.tree import GroupNode
 
     ck = ckpt_tools.open_checkpoint(sample("deepspeed", "zero2_bf16"))
     node = ck.optimizer.children["state"].children["wte.weight"].children["fp32"]

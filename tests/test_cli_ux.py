@@ -190,7 +190,7 @@ def test_inspect_fits_an_80_column_terminal_without_breaking_words(group, name):
 
 
 def test_help_fits_80_columns_and_names_arguments_plainly():
-    from cli.main import app
+    from ckpt_cli.main import app
 
     commands = [[c.name] for c in app.registered_commands] + [["samples", "make"], ["samples", "list"]]
     for argv in [[], *commands]:
@@ -267,7 +267,7 @@ def test_core_dependencies_are_light_and_extras_name_the_heavy_ones():
 
 #: runs `ckpt` with torch and deepspeed made unimportable, as in an install without the extras
 NO_HEAVY = ("import sys; sys.modules['torch'] = None; sys.modules['deepspeed'] = None\n"
-            "from cli.main import main; main()")
+            "from ckpt_cli.main import main; main()")
 
 
 def ckpt_without_heavy(*args) -> subprocess.CompletedProcess:

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_tools import logical as L
+from ckpt_tools.view import logical as L
 from ckpt_tools.ops import convert as C
 from ckpt_tools.ops.diff import iter_lines, logical_diff
 from ckpt_tools.samples import run_torchrun
 
 from conftest import assert_history_matches, manifest, run_cli, sample
 
-WORKER = "ckpt_tools.train.workers.convert_resume"
+WORKER = "ckpt_tools.resume.workers.convert_resume"
 
 LAYOUT_CASES = [
     ("deepspeed", "zero2_lambdalr", "fsdp2"),
@@ -49,7 +49,7 @@ def test_convert_to_dcp_equals_source(tmp_path, group, name, layout):
         assert lines == []
     # the layout's top-level keys, as the frameworks save them (read with the project's reader)
     from ckpt_tools.formats.dcp import logical_path
-    from ckpt_tools.dcp_write import DcpFolder
+    from ckpt_tools.write.dcp_write import DcpFolder
 
     folder = DcpFolder(out)
     tops = {logical_path(k, folder.planner)[0] for k in folder.sdm}
@@ -77,7 +77,7 @@ def test_dcp_loads_with_dcp_load(tmp_path):
     """torch's own reader (single process) reads every tensor back equal to the source's logical value."""
     import torch.distributed.checkpoint as dcp
 
-    from ckpt_tools import logical as L
+    from ckpt_tools.view import logical as L
 
     src = sample("megatron", "gpt_tp2_pp2")
     plan = C.plan_convert(src, tmp_path / "o", to="dcp")
@@ -169,7 +169,7 @@ def test_warmuplr_translation_follows_deepspeed():
 
 def test_to_torch_training_dict(tmp_path):
     from ckpt_tools.train.models import GPTConfig, TinyGPT
-    from ckpt_tools.train.workers import _common as c
+    from ckpt_tools.samples.workers import _common as c
 
     src = sample("deepspeed", "zero2_lambdalr")
     out = tmp_path / "run.pt"
@@ -211,7 +211,7 @@ def test_fsdp2_resume_matches_deepspeed(tmp_path, group, name, layout):
     DeepSpeed (2 ranks; the pipeline through its universal checkpoint, TP merged) train the same replica with
     the same synthetic gradient: the first update (fp32 master, exp_avg, exp_avg_sq) is the same to fp32
     tolerance, the Adam step and the LR continue as DeepSpeed's do."""
-    from ckpt_tools.train.workers.convert_resume import spec_from_checkpoint
+    from ckpt_tools.resume.workers.convert_resume import spec_from_checkpoint
 
     src = sample(group, name)
     out = tmp_path / "dcp"
@@ -245,7 +245,7 @@ def test_fsdp2_resume_matches_deepspeed(tmp_path, group, name, layout):
 def test_fsdp2_resume_loss_continues(tmp_path):
     """The real model on the real batches: FSDP2 (bf16 mixed precision, as the DeepSpeed bf16 run) resumed from
     the converted zero2_lambdalr continues the uninterrupted DeepSpeed run's loss and LR."""
-    from ckpt_tools.train.workers.convert_resume import spec_from_checkpoint
+    from ckpt_tools.resume.workers.convert_resume import spec_from_checkpoint
 
     src = sample("deepspeed", "zero2_lambdalr")
     out = tmp_path / "dcp"
@@ -301,8 +301,8 @@ def test_real_torchtitan_fused_state_splits_with_n_kv_heads(tmp_path):
     of the two torchtitan checkpoints compares the fused rows as saved). A count the row shapes rule out exits 2."""
     import torch
 
-    from ckpt_tools import logical as L
-    from ckpt_tools import qkv
+    from ckpt_tools.view import logical as L
+    from ckpt_tools.read import qkv
 
     src = sample("dcp", "torchtitan_real") / "step-3"
     fused = "layers.0.attention.qkv_linear.wqkv.weight"
@@ -344,7 +344,7 @@ def test_deepspeed_resume_of_universal_matches_fsdp2(tmp_path, group, name, layo
     """The DCP sample resumed in FSDP2 (2 ranks) and its universal conversion resumed in DeepSpeed ZeRO-2 at
     DP=2 and DP=1, the same replica and synthetic gradient: the first update is the same, the Adam step and
     the LR continue."""
-    from ckpt_tools.train.workers.convert_resume import spec_from_checkpoint
+    from ckpt_tools.resume.workers.convert_resume import spec_from_checkpoint
 
     src = sample(group, name)
     out = tmp_path / "univ"
@@ -375,7 +375,7 @@ def test_deepspeed_resume_of_universal_matches_fsdp2(tmp_path, group, name, layo
 def test_deepspeed_resume_of_universal_loss_continues(tmp_path):
     """The real model on the real batches: DeepSpeed at DP=2 and DP=1 (the two micro-batches accumulated)
     resumed from the universal conversion of the FSDP2 sample continues its loss and LR (fp32 run)."""
-    from ckpt_tools.train.workers.convert_resume import spec_from_checkpoint
+    from ckpt_tools.resume.workers.convert_resume import spec_from_checkpoint
 
     src = sample("fsdp", "fsdp2_dcp")
     out = tmp_path / "univ"
@@ -410,7 +410,7 @@ def test_distributed_two_ranks_equal_to_one(tmp_path, group, name, to):
     src = sample(group, name)
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(free_port()), "-m", "cli.main", "convert", str(src), str(tmp_path / "two"), "--to", to,
+                          str(free_port()), "-m", "ckpt_cli.main", "convert", str(src), str(tmp_path / "two"), "--to", to,
                           "--distributed", "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert two.returncode == 0, two.stderr[-3000:]
     assert json.loads(two.stdout)["verified"] is True  # rank 0 alone prints

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tools import pickle_reader as pr
-from ckpt_tools.dcp_write import DcpFolder
+from ckpt_tools.read import pickle_reader as pr
+from ckpt_tools.write.dcp_write import DcpFolder
 
 from conftest import ROOT, run_cli, sample
 
@@ -152,7 +152,7 @@ def test_dry_run_writes_nothing_and_sources_it_cannot_write_are_refused_in_one_l
 
 def _ckpt_resume(path: Path, *extra: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the workers import this checkout's ckpt_tools
-    proc = subprocess.run([sys.executable, "-m", "cli.main", "resume", str(path), "-n", "2", "--device", "cpu",
+    proc = subprocess.run([sys.executable, "-m", "ckpt_cli.main", "resume", str(path), "-n", "2", "--device", "cpu",
                            "--json", *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return json.loads(proc.stdout)
@@ -375,7 +375,7 @@ def test_megatron_resumes_the_legacy_conversion_at_tp1_and_tp2(tmp_path):
     # Megatron's own conversion at TP 1, launched through ckpt resume (it exits after saving: no step runs)
     ref = tmp_path / "megatron_ref"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-m", "cli.main", "resume", str(dist), "-n", "1", "--device", "cpu", "--tp", "1",
+    subprocess.run([sys.executable, "-m", "ckpt_cli.main", "resume", str(dist), "-n", "1", "--device", "cpu", "--tp", "1",
                     "--nproc", "1", "--json", "--megatron-args",
                     f"--ckpt-convert-format torch --ckpt-convert-save {ref}"], cwd=ROOT, env=env,
                    capture_output=True, text=True, timeout=900)

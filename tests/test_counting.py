@@ -46,7 +46,7 @@ def test_excluded_frozen_parameters_are_named_in_a_warning(tmp_path):
     not counted, and a warning says so (a checkpoint with nothing frozen has no such warning)."""
     from ckpt_tools.samples import run_torchrun
 
-    run_torchrun("ckpt_tools.train.workers.ds_zero", 2, ["--sample", "zero2_frozen_excluded", "--out", str(tmp_path)])
+    run_torchrun("ckpt_tools.samples.workers.ds_zero", 2, ["--sample", "zero2_frozen_excluded", "--out", str(tmp_path)])
     ck = ckpt_tools.open_checkpoint(tmp_path / "zero2_frozen_excluded")
     m = manifest("deepspeed", "zero2_bf16")
     assert ck.parameter_count == m["parameters"]["count"] - 16 * 32  # wpe.weight (16 x 32) left out

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import run_cli, sample
-from ckpt_tools import io
+from ckpt_tools.write import io
 from ckpt_tools.ops import diff as ops
 from ckpt_tools.ops import lr
 

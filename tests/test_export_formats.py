@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckpt_tools import logical as L
+from ckpt_tools.view import logical as L
 from ckpt_tools.ops import export as E
 
 from conftest import assert_hf_logits_equal, run_cli, sample
@@ -342,7 +342,7 @@ def test_torchtitan_hf_export_equals_torchtitans_own_adapter(tmp_path):
     weights `dcp_to_torch_save` reads from the same save, with the sample's model config."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from ckpt_tools.train.workers import torchtitan_run
+    from ckpt_tools.samples.workers import torchtitan_run
 
     src = sample("dcp", "torchtitan_real") / "step-3"
     assert run_cli("export", src, tmp_path / "hf", "--hf", "--hf-config",
@@ -369,7 +369,7 @@ def test_torchtitan_hf_export_logits_equal_torchtitans_forward(tmp_path):
     src = sample("dcp", "torchtitan_real") / "step-3"
     tokens = [[1, 5, 9, 13, 20, 33, 40, 2, 7, 11, 50, 63], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
     out = tmp_path / "titan_logits.pt"
-    proc = subprocess.run([sys.executable, "-c", "from ckpt_tools.train.workers.torchtitan_run import logits_main; "
+    proc = subprocess.run([sys.executable, "-c", "from ckpt_tools.samples.workers.torchtitan_run import logits_main; "
                            "logits_main()", str(src), str(out), json.dumps(tokens)], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ckpt_tools
-from ckpt_tools import pickle_reader
+from ckpt_tools.read import pickle_reader
 from ckpt_tools.errors import CorruptCheckpoint
 from ckpt_tools.formats.dcp import Chunk, chunked_tensor
 

@@ -1,5 +1,5 @@
 """DeepSpeed Mixture-of-Experts checkpoints written by DeepSpeed's own save_checkpoint (sample_ckpts/moe, made by
-ckpt_tools/train/workers/ds_moe.py: `deepspeed.moe.layer.MoE`, 4 experts per layer, ep_size 2, 2 ranks): every
+ckpt_tools/samples/workers/ds_moe.py: `deepspeed.moe.layer.MoE`, 4 experts per layer, ep_size 2, 2 ranks): every
 expert read under its global name with its optimizer state, exported equal to what DeepSpeed itself holds after
 load_checkpoint; set-lr / set-step proven by DeepSpeed resumes of edited copies; to-universal carrying every expert,
 and the expert-parallel re-shape (ep_size 2 -> 1, 2 -> 1 ranks) it gives proven by DeepSpeed resumes; convert to DCP
@@ -62,7 +62,7 @@ def test_export_equals_what_deepspeed_holds_after_load_checkpoint(tmp_path, name
     shutil.copytree(sample("moe", name), ckpt)
     shutil.copy(sample("moe", name).parent / f"{name}.manifest.json", tmp_path / f"{name}.manifest.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "ckpt_tools.train.workers.ds_moe", "--check", str(ckpt),
+           "--master_port", str(free_port()), "-m", "ckpt_tools.samples.workers.ds_moe", "--check", str(ckpt),
            "--dump-fp32", str(dump)]
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -108,7 +108,7 @@ def test_to_universal_carries_every_expert_and_dcp_is_refused(tmp_path, name):
     master, moments and step, equal to the source by `ckpt diff --logical` (run by --verify, and again here), the
     MoE groups without the saved `ep_size_2` name. convert to DCP stays refused (no resume proves it). The source
     is untouched."""
-    from ckpt_tools import pickle_reader as pr
+    from ckpt_tools.read import pickle_reader as pr
 
     run = tmp_path / name
     shutil.copytree(sample("moe", name), run)
@@ -136,7 +136,7 @@ def test_to_universal_carries_every_expert_and_dcp_is_refused(tmp_path, name):
 
 def _moe_worker(nproc: int, *argv, ok: bool = True) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), "-m", "ckpt_tools.train.workers.ds_moe", *map(str, argv)]
+           "127.0.0.1", "--master_port", str(free_port()), "-m", "ckpt_tools.samples.workers.ds_moe", *map(str, argv)]
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=600)
     assert (proc.returncode == 0) == ok, " ".join(cmd) + "\n" + proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
@@ -202,8 +202,8 @@ def test_expert_parallel_reshape_2_to_1_resumes_in_deepspeed(tmp_path, source):
 def test_layouts_not_placed_yet_are_refused_by_name(tmp_path, edit, words):
     """Expert layouts this reader does not place (DeepSpeed AutoEP, data-before-expert parallel groups, frozen
     experts) are one line naming them, exit 2, never a mis-read or a 'corrupt file' verdict."""
-    from ckpt_tools import pickle_reader as pr
-    from ckpt_tools import pickle_writer as pw
+    from ckpt_tools.read import pickle_reader as pr
+    from ckpt_tools.write import pickle_writer as pw
 
     run = tmp_path / "moe"
     shutil.copytree(sample("moe", "moe_zero2_bf16"), run)

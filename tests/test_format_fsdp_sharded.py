@@ -23,7 +23,7 @@ _GATHER = textwrap.dedent('''
     import torch
     import torch.distributed as dist
     import torch.multiprocessing as mp
-    from ckpt_tools.procgroup import leave
+    from ckpt_tools.train.procgroup import leave
 
     def gathered(obj):
         from torch.distributed._shard.sharded_tensor import ShardedTensor

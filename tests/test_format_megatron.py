@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import ckpt_tools
-from ckpt_tools.tp_layout import TPLayout, merge_shards, rule_from_data
-from ckpt_tools.tree import TensorNode
+from ckpt_tools.read.tp_layout import TPLayout, merge_shards, rule_from_data
+from ckpt_tools.read.tree import TensorNode
 
 from conftest import run_cli, manifest, sample
 

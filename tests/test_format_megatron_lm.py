@@ -1,5 +1,5 @@
 """Megatron-LM's own legacy checkpoints (`--ckpt-format torch`), written by Megatron-LM core_v0.16.1's
-`save_checkpoint` (sample_ckpts/megatron_lm, made by ckpt_tools/train/workers/megatron_lm.py): read whole, edited on
+`save_checkpoint` (sample_ckpts/megatron_lm, made by ckpt_tools/samples/workers/megatron_lm.py): read whole, edited on
 every rank, and — where a Megatron-LM checkout is named (MEGATRON_LM_DIR) — resumed by Megatron's own `pretrain`."""
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import ckpt_tools
-from ckpt_tools import pickle_reader as pr
-from ckpt_tools import pickle_writer as pw
+from ckpt_tools.read import pickle_reader as pr
+from ckpt_tools.write import pickle_writer as pw
 from ckpt_tools.samples import free_port, worker_env
 
 from conftest import ROOT, assert_hf_logits_equal, run_cli, sample
@@ -98,7 +98,7 @@ def test_swiglu_fc1_shards_merge_per_sub_parameter():
     then the up slices (cat_sub:0), so the logical tensor is [gate; up] as at TP=1, for the weights and the optimizer
     state alike; the bf16 weight is its fp32 master rounded."""
     torch = pytest.importorskip("torch")
-    from ckpt_tools import logical as L
+    from ckpt_tools.view import logical as L
 
     ck = ckpt_tools.open_checkpoint(sample("megatron_lm", LLAMA))
     name = "decoder.layers.0.mlp.linear_fc1.weight"
@@ -327,7 +327,7 @@ def test_torch_dist_distributed_optimizer_lr_edit(tmp_path):
     set-lr rewrites that item (appended, .metadata re-pointed) and common.pt's scheduler; every edited field read
     back from the files (Megatron cannot reload its distributed-optimizer checkpoints on CPU without Apex/TE, so
     this is the proof the issue asks for there)."""
-    from ckpt_tools.dcp_write import DcpFolder
+    from ckpt_tools.write.dcp_write import DcpFolder
 
     run = _copy(DISTOPT_DIST, tmp_path)
     proc = run_cli("set-lr", run, "--scale", "0.5", "--yes")
@@ -357,7 +357,7 @@ MEGATRON = os.environ.get("MEGATRON_LM_DIR")
 
 def _resume(name: str, run: Path, record: Path, extra: str) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "ckpt_tools.train.workers.megatron_lm", "--sample", name,
+           "--master_port", str(free_port()), "-m", "ckpt_tools.samples.workers.megatron_lm", "--sample", name,
            "--resume", str(run), "--record", str(record), f"--megatron-args={extra}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -393,7 +393,7 @@ def _drift(path: Path, name: str, delta: float) -> None:
 
     import torch
 
-    from ckpt_tools import zip_patch
+    from ckpt_tools.write import zip_patch
 
     ref = pr.load(path).obj["model"][name]
     new = (ref.read_torch().float() + delta).to(torch.bfloat16).contiguous()
@@ -453,8 +453,8 @@ def test_export_hf_writes_a_gpt2_folder_from_the_args(tmp_path, name):
     from safetensors.torch import load_file
     from transformers import GPT2LMHeadModel
 
-    from ckpt_tools import logical as L
-    from ckpt_tools import qkv
+    from ckpt_tools.view import logical as L
+    from ckpt_tools.read import qkv
 
     src = sample("megatron_lm", name)
     r = run_cli("export", src, tmp_path / "hf", "--hf", "--verify", "--json")
@@ -482,7 +482,7 @@ def test_export_hf_writes_a_llama_folder_from_the_args(tmp_path, name):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from ckpt_tools import logical as L
+    from ckpt_tools.view import logical as L
 
     src = sample("megatron_lm", name)
     r = run_cli("export", src, tmp_path / "hf", "--hf", "--verify")
@@ -519,7 +519,7 @@ def test_export_hf_refuses_what_neither_gpt2_nor_llama_holds():
     LayerNorm, SwiGLU with biases, GPT-2 with an untied output or grouped-query attention, interleaved rotary pairs)
     is one CkptError naming it, before anything is written."""
     from ckpt_tools.errors import CkptError
-    from ckpt_tools.logical import _plain
+    from ckpt_tools.view.logical import _plain
     from ckpt_tools.ops import hf_map
 
     gpt = _plain(ckpt_tools.open_checkpoint(sample("megatron_lm", TP2)).tree.children["args"])
@@ -550,7 +550,7 @@ def test_export_hf_logits_equal_megatrons_forward(tmp_path, name):
                                                                           14, 15, 16, 17, 18]]
     out = tmp_path / "megatron_logits.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "ckpt_tools.train.workers.megatron_lm", "--sample", name,
+           "--master_port", str(free_port()), "-m", "ckpt_tools.samples.workers.megatron_lm", "--sample", name,
            "--forward", str(sample("megatron_lm", name)), "--tokens", json.dumps(tokens), "--logits", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -560,7 +560,7 @@ def test_export_hf_logits_equal_megatrons_forward(tmp_path, name):
 
 
 def _ckpt_resume(path: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli.main", "resume", str(path), "-n", "2", "--device", "cpu",
+    return subprocess.run([sys.executable, "-m", "ckpt_cli.main", "resume", str(path), "-n", "2", "--device", "cpu",
                            "--json", *extra], cwd=ROOT, env=env or os.environ.copy(), capture_output=True, text=True,
                           timeout=900)
 
@@ -667,7 +667,7 @@ def test_param_group_members_not_saved_follow_megatrons_own_rule(recorded, deriv
     """torch_dist's common.pt and the distributed optimizer do not record which parameter is in which param group
     (Megatron re-derives it at load): ckpt derives it by Megatron's default rule (biases and 1-D parameters at
     wd_mult 0) and gets exactly the members a legacy plain-Adam save of the same model records by id."""
-    import ckpt_tools.logical as L
+    import ckpt_tools.view.logical as L
 
     want = [sorted(g["params"]) for g in L.param_groups(sample("megatron_lm", recorded))]
     got = [sorted(_legacy_names(dict.fromkeys(g["params"]))) for g in L.param_groups(sample("megatron_lm", derived))]

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from conftest import SAMPLES
 from hostile import pickles as H
 
-from ckpt_tools import pickle_reader
+from ckpt_tools.read import pickle_reader
 from ckpt_tools.errors import CkptError
-from ckpt_tools.tree import to_node
+from ckpt_tools.read.tree import to_node
 
 _TMP = Path(tempfile.mkdtemp(prefix="ckpt-fuzz-"))
 MARKER = _TMP / "EXECUTED"
@@ -149,7 +149,7 @@ def test_mutated_files_read_tensor_bytes_safely(cut, flip):
         loaded = pickle_reader.load(f)
     except CkptError:
         return
-    from ckpt_tools.pickle_reader import TensorRef
+    from ckpt_tools.read.pickle_reader import TensorRef
 
     def tensors(o):
         if isinstance(o, TensorRef):

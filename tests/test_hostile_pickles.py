@@ -19,7 +19,7 @@ from hostile.runner import run, snapshot
 
 
 def _commands() -> set[str]:
-    from cli.main import app
+    from ckpt_cli.main import app
 
     return {c.name for c in app.registered_commands}
 
@@ -152,7 +152,7 @@ def test_subprocess_sample(corpus):
 def test_resume_refuses_unknown_globals(corpus):
     """DeepSpeed's load_checkpoint uses torch.load(weights_only=False): resume must stop before it."""
     from ckpt_tools.errors import UnsupportedCheckpoint
-    from ckpt_tools.ops import resume
+    from ckpt_tools.resume import deepspeed as resume
 
     root, markers, cases = corpus
     c = next(c for c in cases if c.name == "deep-ds-optim-param-group")
@@ -172,7 +172,7 @@ def test_resume_refuses_unknown_globals(corpus):
 
 def test_reader_api_reports_every_global():
     """`Loaded.unknown_globals` names the hostile globals of a file with every payload in it."""
-    from ckpt_tools import pickle_reader
+    from ckpt_tools.read import pickle_reader
 
     import pickle as std_pickle
     import tempfile
@@ -255,7 +255,7 @@ def test_hash_bombs_are_refused_quickly(copy_sample, bomb):
 
 def test_hash_bomb_check_passes_every_sample_file():
     """No false alarm: every pickle of every sample (all formats, all frameworks) passes the expansion check."""
-    from ckpt_tools import pickle_reader
+    from ckpt_tools.read import pickle_reader
 
     checked = 0
     for f in sorted(SAMPLES.rglob("*")):
@@ -296,7 +296,7 @@ def test_resume_gate_scans_files_inspect_does_not_parse(tmp_path):
     import shutil
 
     from ckpt_tools.errors import UnsupportedCheckpoint
-    from ckpt_tools.ops import resume
+    from ckpt_tools.resume import deepspeed as resume
 
     ck = tmp_path / "zero3_bf16"
     shutil.copytree(SAMPLES / "deepspeed" / "zero3_bf16", ck)

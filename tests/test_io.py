@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tools import io
+from ckpt_tools.write import io
 
 
 def snapshot(folder: Path) -> dict[str, str]:

@@ -27,7 +27,7 @@ import pytest
 from conftest import ROOT, SAMPLES
 from hostile.runner import run, snapshot
 
-from ckpt_tools import io
+from ckpt_tools.write import io
 from ckpt_tools.ops import lr as lr_ops
 from ckpt_tools.ops import tp_sync as tp_ops
 
@@ -39,7 +39,7 @@ def _killed_run(argv: list, kill_at: str | None = None, after_s: float | None = 
     env.pop("CKPT_DEBUG", None)
     if kill_at:
         env["CKPT_TEST_KILL_AT"] = kill_at
-    p = subprocess.Popen([sys.executable, "-c", "from cli.main import main; main()", *map(str, argv)], cwd=ROOT,
+    p = subprocess.Popen([sys.executable, "-c", "from ckpt_cli.main import main; main()", *map(str, argv)], cwd=ROOT,
                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     if after_s is not None:
         try:

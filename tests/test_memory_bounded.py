@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from conftest import sample
-from ckpt_tools import logical, open_checkpoint
+from ckpt_tools.view import logical
+from ckpt_tools import open_checkpoint
 from ckpt_tools.ops import diff as diff_ops
 from ckpt_tools.ops import inspect as inspect_ops
-from ckpt_tools.tree import iter_tensors
+from ckpt_tools.read.tree import iter_tensors
 
 SMALL_CHUNK = 5  # elements: smaller than every ZeRO piece and not a divisor of any tensor size
 

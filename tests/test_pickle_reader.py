@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from ckpt_tools import pickle_reader as pr
+from ckpt_tools.read import pickle_reader as pr
 from ckpt_tools.errors import CorruptCheckpoint, NotACheckpoint
 
 
@@ -121,7 +121,7 @@ def test_expansion_walk_reads_every_protocol():
     import zipfile
 
     from conftest import SAMPLES
-    from ckpt_tools.pickle_reader import check_expansion
+    from ckpt_tools.read.pickle_reader import check_expansion
 
     def dag(depth: int) -> tuple:
         t: tuple = ()

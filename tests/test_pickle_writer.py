@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt_tools import pickle_reader as pr
-from ckpt_tools import pickle_writer as pw
+from ckpt_tools.read import pickle_reader as pr
+from ckpt_tools.write import pickle_writer as pw
 from ckpt_tools.errors import UnsupportedCheckpoint
 from ckpt_tools.samples import free_port, worker_env
 
@@ -152,8 +152,8 @@ def test_lr_edit_in_bf16_optim_file(tmp_path):
 ENGINE_SCRIPT = textwrap.dedent("""
     import copy, json, sys
     import deepspeed
-    from ckpt_tools.train.workers import _common as c
-    from ckpt_tools.train.workers.ds_zero import VARIANTS, ds_config
+    from ckpt_tools.samples.workers import _common as c
+    from ckpt_tools.samples.workers.ds_zero import VARIANTS, ds_config
 
     deepspeed.init_distributed(dist_backend="gloo")
     model = c.build_model()

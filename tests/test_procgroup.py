@@ -1,4 +1,4 @@
-"""`ckpt_tools.procgroup.leave`: how every distributed entry point (sample workers, the resume worker,
+"""`ckpt_tools.train.procgroup.leave`: how every distributed entry point (sample workers, the resume worker,
 `to-universal --distributed`) ends. Real 2-rank gloo groups under torchrun."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ SCRIPT = textwrap.dedent("""
     import sys
     import torch
     import torch.distributed as dist
-    from ckpt_tools.procgroup import leave
+    from ckpt_tools.train.procgroup import leave
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -122,7 +122,7 @@ def test_committed_sample_layout_and_manifest(name):
     assert len({tuple(h["lr"]) for h in ex["history"][2:]}) == 4
 
     if name.startswith("hf_trainer"):
-        from ckpt_tools.train.workers.hf_trainer import build_model
+        from ckpt_tools.samples.workers.hf_trainer import build_model
 
         model = build_model()
         assert model.lm_head.weight is model.transformer.wte.weight

@@ -222,7 +222,7 @@ def test_recipe_cosine_lr_follows_the_optimizer_lr_not_base_lrs(tmp_path):
 def test_accelerate_two_models_each_optimizer_from_its_own_files(copy_sample, tmp_path):
     import torch
 
-    from ckpt_tools.train.workers import accel_multi
+    from ckpt_tools.samples.workers import accel_multi
 
     ck = copy_sample("accelerate", "accelerate_two_models")
 

@@ -27,7 +27,7 @@ ROWS = table_rows()
 
 
 def test_the_table_has_every_command():
-    from cli.main import app
+    from ckpt_cli.main import app
 
     assert len(ROWS) >= 10
     listed = {words[0] for words, _ in ROWS}

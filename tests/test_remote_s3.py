@@ -1,4 +1,4 @@
-"""Checkpoints read straight from s3:// (ckpt_tools.remote): a real S3-compatible HTTP server (moto's server mode,
+"""Checkpoints read straight from s3:// (ckpt_tools.read.remote): a real S3-compatible HTTP server (moto's server mode,
 a separate process on 127.0.0.1) holds the bundled samples, uploaded with the real client (s3fs); every read-only
 command run on the s3:// URL must answer what the same command answers on the local folder. Fault cases run
 against the same server. Skipped when moto's server or s3fs is not installed (`pip install -e '.[dev]'`)."""
@@ -101,7 +101,7 @@ def _env(endpoint: str, **extra) -> dict:
 
 
 def ckpt(*args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from cli.main import main; main()", *map(str, args)], cwd=ROOT,
+    return subprocess.run([sys.executable, "-c", "from ckpt_cli.main import main; main()", *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -164,7 +164,7 @@ def test_inspect_stats_on_s3_equals_local(bucket, sample):
 def _small_first_reads(monkeypatch):
     """First reads of 1-2 KB, ranges widened to 512 bytes: tensor bytes, zip members and DCP items stay remote
     until a reader asks for them (the samples are small enough to be fetched whole at the real sizes)."""
-    from ckpt_tools import remote
+    from ckpt_tools.read import remote
 
     monkeypatch.setattr(remote, "WHOLE_BYTES", 2048)
     monkeypatch.setattr(remote, "EDGE_BYTES", 1024)
@@ -186,7 +186,7 @@ def _summary_json(ck, mirror: str | None = None, local: str | None = None) -> di
 def test_partial_ranged_reads_are_exact(bucket, monkeypatch, sample):
     """With small first reads, every sample's tree equals the local one while fewer bytes than the objects hold
     are fetched: no reader reads a byte the remote layer did not fetch first."""
-    from ckpt_tools import remote
+    from ckpt_tools.read import remote
     from ckpt_tools.ops import inspect as ops
 
     opts = _small_first_reads(monkeypatch)
@@ -207,7 +207,7 @@ def test_partial_ranged_reads_are_exact(bucket, monkeypatch, sample):
 def test_partial_ranged_reads_stats_are_exact(bucket, monkeypatch, sample):
     """Every statistic of every tensor read through small ranged reads equals the local one; the tree alone
     fetched less than the objects hold, the statistics never a byte twice."""
-    from ckpt_tools import remote
+    from ckpt_tools.read import remote
     from ckpt_tools.ops import inspect as ops
 
     opts = _small_first_reads(monkeypatch)
@@ -390,7 +390,7 @@ def test_throttling_after_retries():
 
 
 def _mount_small(bucket, monkeypatch, key: str, data: bytes):
-    from ckpt_tools import remote
+    from ckpt_tools.read import remote
 
     opts = _small_first_reads(monkeypatch)
     opts["client_kwargs"]["endpoint_url"] = bucket
@@ -444,7 +444,7 @@ def test_a_store_without_pinned_reads_is_listed_again_at_the_end(tmp_path):
     end; an object read from whose bytes and time changed fails it, naming the object."""
     import shutil
 
-    from ckpt_tools import remote
+    from ckpt_tools.read import remote
     from ckpt_tools.errors import CorruptCheckpoint
     from ckpt_tools.ops import inspect as ops
 
@@ -473,8 +473,8 @@ def test_a_command_whose_source_changed_shows_no_output_and_exits_2(tmp_path, mo
     the end check fails the command with one line naming the object, and the output it held is not shown."""
     import shutil
 
-    from ckpt_tools import remote
-    from cli.main import main
+    from ckpt_tools.read import remote
+    from ckpt_cli.main import main
 
     src = tmp_path / "zero2"
     shutil.copytree(SAMPLES / "deepspeed/zero2_bf16", src)
@@ -511,7 +511,7 @@ def test_file_url_output_waits_for_the_end_check(tmp_path):
 
 def test_local_run_mounts_nothing():
     """A local path never touches the remote layer: nothing is mounted and the hook is a no-op."""
-    from ckpt_tools import remote
+    from ckpt_tools.read import remote
     from ckpt_tools.ops import inspect as ops
 
     ck = ops.open_for_inspect(str(SAMPLES / "deepspeed/zero2_bf16"))

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from conftest import LOSS_REL_TOL, loss_tol, manifest, manifest_of, sample
-from ckpt_tools.ops import resume as ops
+from ckpt_tools.resume import deepspeed as ops
 
-CLI = [sys.executable, "-c", "from cli.main import main; main()"]
+CLI = [sys.executable, "-c", "from ckpt_cli.main import main; main()"]
 
 # Re-topology tolerance on the loss (absolute, loss ~4.1), against a run made on this machine. The resumed run
 # sees the uninterrupted run's global batch and the same fp32 master weights, so what differs is only the order
@@ -191,7 +191,7 @@ def test_user_factory_and_token_file(tmp_path):
     import numpy as np
 
     (tmp_path / "userfac.py").write_text(
-        "from ckpt_tools.train.resume_worker import tiny_gpt\n"
+        "from ckpt_tools.resume.workers.deepspeed import tiny_gpt\n"
         "def build(ctx):\n"
         "    assert ctx.dp == 2 and ctx.tp == 1\n"
         "    return tiny_gpt(ctx)\n")

@@ -18,7 +18,7 @@ from conftest import manifest, run_cli, sample
 
 from ckpt_tools import open_checkpoint
 from ckpt_tools.errors import CkptError
-from ckpt_tools.ops import resume_frameworks as rf
+from ckpt_tools.resume import frameworks as rf
 
 ROWS = ("global step", "optimizer step", "learning rate", "optimizer state", "loss")
 
@@ -138,7 +138,7 @@ def test_accelerate_ddp_resume_with_scheduler_function():
     """load_state into a model-free replica; with the LambdaLR's function named (--scheduler) every resumed LR is
     checked, 2 scheduler steps per update (Accelerate steps it once per process). Through the CLI."""
     rc, doc = cli_json(sample("accelerate", "accelerate_ddp"), "--steps", "2", "--scheduler",
-                       "ckpt_tools.train.workers._common:lr_factor")
+                       "ckpt_tools.samples.workers._common:lr_factor")
     assert rc == 0, doc
     checks = {c["name"]: c for c in doc["checks"]}
     assert checks["learning rate"]["status"] == "pass" and len(checks["learning rate"]["rows"]) == 2
@@ -329,7 +329,7 @@ def test_failing_worker_shows_its_own_error_line(tmp_path):
         "        raise ValueError('factor() is undefined at epoch 0')\n"
         "    return 0.5\n")
     env = dict(__import__("os").environ, PYTHONPATH=f"{tmp_path}:{ROOT}")
-    proc = subprocess.run([sys.executable, "-c", "from cli.main import main; main()", "resume",
+    proc = subprocess.run([sys.executable, "-c", "from ckpt_cli.main import main; main()", "resume",
                            str(sample("accelerate", "accelerate_ddp")), "--steps", "1", "--device", "cpu",
                            "--scheduler", "user_sched:factor", "-q"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -2,7 +2,7 @@
 gradient, and the optimizer state checked against the closed-form Adam step applied to the saved state.
 
 The unseen-model checkpoints are made here by real DeepSpeed (2 CPU ranks, gloo) with
-`ckpt_tools.train.workers.ds_unseen` (a 3-block MLP `ckpt` has no recipe for, two param groups of different LR
+`ckpt_tools.samples.workers.ds_unseen` (a 3-block MLP `ckpt` has no recipe for, two param groups of different LR
 and weight decay, a torch CosineAnnealingLR) in a module-scoped temporary folder.
 """
 from __future__ import annotations
@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from conftest import sample
-from ckpt_tools.ops import resume as ops
+from ckpt_tools.resume import deepspeed as ops
 from ckpt_tools.train import replica as R
 
-CLI = [sys.executable, "-c", "from cli.main import main; main()"]
+CLI = [sys.executable, "-c", "from ckpt_cli.main import main; main()"]
 
 
 def ckpt(*args, expect=0, env=None):
@@ -46,7 +46,7 @@ def unseen(tmp_path_factory):
 
     def get(name: str) -> Path:
         if name not in made:
-            run_torchrun("ckpt_tools.train.workers.ds_unseen", 2, ["--sample", name, "--out", str(out)])
+            run_torchrun("ckpt_tools.samples.workers.ds_unseen", 2, ["--sample", name, "--out", str(out)])
             made[name] = out / name
         return made[name]
 
@@ -115,7 +115,7 @@ def test_expected_sgd_matches_torch(momentum, dampening, nesterov):
 
 def test_replica_mirrors_a_real_model():
     """Names, order, dtypes, frozen and tied parameters of a real model; its state dict loads strictly."""
-    from ckpt_tools.train.workers import ds_unseen
+    from ckpt_tools.samples.workers import ds_unseen
 
     model = ds_unseen.build(ds_unseen.VARIANTS["unseen_zero1_tied"]).to(torch.bfloat16)
     specs = [R.ParamSpec(n, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad)
@@ -279,7 +279,7 @@ def test_lambdalr_without_and_with_its_function():
     assert "state was loaded" in lr["detail"]
     assert c["optimizer state"]["status"] == "pass" and "taken from the engine" in c["optimizer state"]["detail"]
     c = checks(json.loads(ckpt("resume", src, "--model", "replica", "--steps", "2", "--scheduler",
-                               "ckpt_tools.train.workers._common:lr_factor", "--json").stdout))
+                               "ckpt_tools.samples.workers._common:lr_factor", "--json").stdout))
     assert c["learning rate"]["status"] == "pass" and "NOT checked" not in c["learning rate"]["detail"]
     assert len(c["learning rate"]["rows"]) == 2
     assert "taken from the engine" not in c["optimizer state"]["detail"]
@@ -313,7 +313,7 @@ def test_mismatched_model_fails_before_launch(unseen, tmp_path):
 
 def test_worker_error_is_its_own_last_line(tmp_path):
     (tmp_path / "badfac.py").write_text(
-        "from ckpt_tools.train.resume_worker import tiny_gpt\n"
+        "from ckpt_tools.resume.workers.deepspeed import tiny_gpt\n"
         "def build(ctx):\n"
         "    if ctx.rank == 1:\n"
         "        raise ValueError('boom on rank 1:\\n  the factory refused')\n"

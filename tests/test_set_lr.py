@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from conftest import fail_at, ROOT, manifest, run_cli, sample
-from ckpt_tools import io, open_checkpoint
+from ckpt_tools.write import io
+from ckpt_tools import open_checkpoint
 from ckpt_tools.errors import CkptError
 from ckpt_tools.ops import lr as ops
 
@@ -48,7 +49,7 @@ def ds_resume(path: Path, *extra) -> dict:
 ACCEL_RESUME = textwrap.dedent("""
     import json, sys
     from pathlib import Path
-    from ckpt_tools.train.workers import _common as c, accel
+    from ckpt_tools.samples.workers import _common as c, accel
 
     sample, ckpt, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     accelerator = accel.make_accelerator(sample)
@@ -95,7 +96,7 @@ def plain_resume(path: Path, steps: int = 2) -> list[dict]:
 
     import torch
 
-    from ckpt_tools.train.workers import _common as c
+    from ckpt_tools.samples.workers import _common as c
 
     with torch.serialization.safe_globals([argparse.Namespace]):
         sd = torch.load(path, weights_only=True)
@@ -190,7 +191,7 @@ def test_group_and_last_lr_and_position(copy_sample):
     # --last-epoch moves the position on the LambdaLR: last_epoch 2 -> the next updates use f(2), f(3)
     cli("set-lr", ck, "--last-epoch", "2", "--step-count", "3", "--last-lr", "1e-3", "--yes")
     recs = plain_resume(ck)
-    from ckpt_tools.train.workers._common import lr_factor
+    from ckpt_tools.samples.workers._common import lr_factor
 
     assert recs[0]["lr"] == pytest.approx([1e-3, 1e-3])  # the optimizer lr: used once
     assert recs[1]["lr"] == pytest.approx([0.003 * lr_factor(3), 0.0015 * lr_factor(3)])

@@ -1,7 +1,7 @@
 """`ckpt set-lr` / `set-step` on a torch distributed checkpoint (FSDP2 + DCP), proven by a real FSDP2 resume.
 
 The edited folder is loaded by `torch.distributed.checkpoint` itself (`dcp.load` under torchrun with 2 gloo
-ranks, the sample's own model / AdamW / LambdaLR from `ckpt_tools.train.workers.fsdp`), trained for two
+ranks, the sample's own model / AdamW / LambdaLR from `ckpt_tools.samples.workers.fsdp`), trained for two
 steps, and the LR each update used is compared with the uninterrupted run's (manifest `extra.history`).
 """
 from __future__ import annotations
@@ -16,7 +16,8 @@ import pytest
 from conftest import fail_at, ROOT, manifest
 from test_set_lr import cli, halved, snapshot
 
-from ckpt_tools import io, open_checkpoint
+from ckpt_tools.write import io
+from ckpt_tools import open_checkpoint
 from ckpt_tools.ops import lr as ops
 
 GROUP, NAME = "fsdp", "fsdp2_dcp"
@@ -27,8 +28,8 @@ FSDP2_RESUME = textwrap.dedent("""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from ckpt_tools.procgroup import leave
-    from ckpt_tools.train.workers import _common as c, fsdp
+    from ckpt_tools.train.procgroup import leave
+    from ckpt_tools.samples.workers import _common as c, fsdp
 
     ckpt, out, steps = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     dist.init_process_group("gloo")
@@ -134,7 +135,7 @@ def test_moved_items_rewrite_metadata_and_torch_still_loads(copy_sample, tmp_pat
     byte-identical. Failure midway (after .distcp replaced, before .metadata) rolls both back."""
     import torch
 
-    from ckpt_tools.dcp_write import DcpFolder, value_blob
+    from ckpt_tools.write.dcp_write import DcpFolder, value_blob
 
     ck = copy_sample(GROUP, NAME)
     before_sd = torch_save_view(ck, tmp_path)
@@ -177,8 +178,8 @@ def test_restore_brings_back_the_original_bytes(copy_sample, tmp_path):
 def test_metadata_round_trips_through_pickle_writer():
     import pickle
 
-    from ckpt_tools import pickle_reader
-    from ckpt_tools.pickle_writer import dumps
+    from ckpt_tools.read import pickle_reader
+    from ckpt_tools.write.pickle_writer import dumps
 
     meta = ROOT / "sample_ckpts" / GROUP / NAME / ".metadata"
     again = pickle.loads(dumps(pickle_reader.load(meta).obj))

@@ -24,7 +24,7 @@ import pytest
 
 from conftest import ROOT, sample
 
-CLI = [sys.executable, "-c", "from cli.main import main; main()"]
+CLI = [sys.executable, "-c", "from ckpt_cli.main import main; main()"]
 STOP_WITHIN_S = 15  # from the signal to ckpt's exit: SIGTERM, a 5 s grace, SIGKILL, teardown, on a busy 2-core box
 
 
@@ -115,7 +115,7 @@ def test_signal_to_resume_pid_stops_workers_and_removes_temp_folders(tmp_path, s
         assert b"resume from step" in err, f"exit {p.poll()}: {err.decode(errors='replace')[-2000:]}"
         seen = descendants(p.pid)
         launchers = [pid for pid, (_, cmd) in seen.items() if "torch.distributed.run" in cmd]
-        workers = [pid for pid, (_, cmd) in seen.items() if "resume_worker" in cmd and pid not in launchers]
+        workers = [pid for pid, (_, cmd) in seen.items() if "resume.workers.deepspeed" in cmd and pid not in launchers]
         assert len(launchers) == 1 and len(workers) == 2, seen
         before = leftovers(tmp)  # what must go: the processes, the scratch folder, torchrun's log folder in it
         assert still_running(seen) and any("torchelastic_" in f for f in before) and any(
@@ -142,7 +142,7 @@ def test_signal_to_resume_pid_stops_workers_and_removes_temp_folders(tmp_path, s
 def test_stop_process_tree_reaches_workers_in_their_own_sessions():
     """torchrun starts every worker in a session of its own, so signalling the launcher's process group misses
     them. A launcher with a worker like that, which ignores SIGTERM: both are gone after the grace (SIGKILL)."""
-    from ckpt_tools.ops.processes import stop_process_tree
+    from ckpt_tools.train.processes import stop_process_tree
 
     worker = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
               "time.sleep(600)")
@@ -170,7 +170,7 @@ def test_stop_process_tree_reaches_workers_in_their_own_sessions():
 def test_run_stoppable_stops_the_pool_of_an_interrupted_child(tmp_path):
     """`run_stoppable` (DeepSpeed's ds_to_universal runs through it, with a process pool): a Ctrl-C to this
     process while the child and its pool worker run stops both; subprocess.run SIGKILLed the child alone."""
-    from ckpt_tools.ops.processes import run_stoppable
+    from ckpt_tools.train.processes import run_stoppable
 
     done = run_stoppable([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"],
                          env=dict(os.environ))
@@ -214,7 +214,7 @@ def test_sigterm_during_a_write_rolls_back_like_ctrl_c(tmp_path):
     the replaced file is put back, one line says so, exit 143."""
     import shutil
 
-    from ckpt_tools import io
+    from ckpt_tools.write import io
 
     ck = tmp_path / "p" / "z"
     shutil.copytree(sample("deepspeed", "zero2_lambdalr"), ck)

@@ -215,7 +215,7 @@ def test_distributed_two_ranks_byte_identical(tmp_path):
     assert one.returncode == 0, one.stderr
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(free_port()), "-m", "cli.main", "to-universal", str(src), str(tmp_path / "two"), "--distributed",
+                          str(free_port()), "-m", "ckpt_cli.main", "to-universal", str(src), str(tmp_path / "two"), "--distributed",
                           "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = _tree_digest(tmp_path / "one"), _tree_digest(tmp_path / "two")
@@ -235,7 +235,7 @@ def resume_first_loss(load_dir: Path, ds_config: dict, *, model: str, orig_dp: i
     pf.write_text(json.dumps(plan))
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", MASTER_ADDR="127.0.0.1")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
-                        str(free_port()), "-m", "ckpt_tools.train.resume_worker", "--plan",
+                        str(free_port()), "-m", "ckpt_tools.resume.workers.deepspeed", "--plan",
                         str(pf)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     recs = [json.loads(line.split(" ", 1)[1]) for line in r.stdout.splitlines() if line.startswith("CKPT_RESUME ")]
@@ -312,7 +312,8 @@ def test_inspect_universal_of_the_pipeline_sample_by_its_zero_folders(tmp_path):
 def test_inspect_universal_counts_a_frozen_parameter(tmp_path):
     """zero1_frozen: `wpe.weight` does not train; its universal folder holds fp32.pt only and it is counted."""
     convert(sample("deepspeed", "zero1_frozen"), tmp_path / "u")
-    from ckpt_tools import logical, open_checkpoint
+    from ckpt_tools.view import logical
+    from ckpt_tools import open_checkpoint
 
     ck = open_checkpoint(tmp_path / "u")
     m = manifest("deepspeed", "zero1_frozen")
@@ -371,7 +372,7 @@ def test_verify_logical_equal_to_the_source(group, name, tmp_path):
     U.execute(plan, check=lambda root: U.verify_logical(plan, root))
     from ckpt_tools.ops import diff as D
 
-    from ckpt_tools import logical
+    from ckpt_tools.view import logical
 
     rep = D.diff(plan.source, tmp_path / "u")
     src = U._open_source(plan.source, ())[0]

@@ -1,4 +1,4 @@
-"""`ckpt_tools.torch_zip`: files written without torch load in real torch (plain, mmap=True, weights_only=True) and
+"""`ckpt_tools.write.torch_zip`: files written without torch load in real torch (plain, mmap=True, weights_only=True) and
 equal what `torch.save` writes; the files `to-universal` writes that way too."""
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_tools import pickle_reader, safe_load, torch_zip
+from ckpt_tools.read import pickle_reader, safe_load
+from ckpt_tools.write import torch_zip
 from ckpt_tools.ops import to_universal as U
 
 from conftest import sample

@@ -1,5 +1,5 @@
 """set-lr on a checkpoint written by the real torchtitan 0.3.0 Trainer, proven by resuming it in the real torchtitan
-Trainer (FSDP2, 2 gloo ranks; `ckpt_tools.train.workers.torchtitan_run --check`), against an untouched resume in
+Trainer (FSDP2, 2 gloo ranks; `ckpt_tools.samples.workers.torchtitan_run --check`), against an untouched resume in
 the same test.
 
 torchtitan is not a dependency of ckpt (it needs `--no-deps` installs: see the worker's docstring): without it
@@ -18,7 +18,7 @@ from conftest import run_cli, sample
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     importlib.util.find_spec("torchtitan") is None,
     reason="the real torchtitan is not installed (pip install --no-deps torchtitan==0.3.0 and the packages "
-           "listed in ckpt_tools/train/workers/torchtitan_run.py)")]
+           "listed in ckpt_tools/samples/workers/torchtitan_run.py)")]
 
 STEPS = 2
 
@@ -31,7 +31,7 @@ def _resume(step_folder, tmp_path, tag, trainer_args=()):
             "--record", str(record)]
     for a in trainer_args:
         args.append(f"--trainer-arg={a}")
-    run_torchrun("ckpt_tools.train.workers.torchtitan_run", 2, args, log_path=tmp_path / f"{tag}.log", timeout=400)
+    run_torchrun("ckpt_tools.samples.workers.torchtitan_run", 2, args, log_path=tmp_path / f"{tag}.log", timeout=400)
     return json.loads(record.read_text())
 
 
@@ -98,7 +98,7 @@ def _first_update_in_torchtitan(step_folder, tmp_path, tag):
     dump = tmp_path / f"{tag}.pt"
     args = ["--sample", "torchtitan_real", "--check", str(step_folder), "--steps", "1", "--record",
             str(tmp_path / f"{tag}.json"), "--dump", str(dump)] + [f"--trainer-arg={a}" for a in FIRST_UPDATE_ARGS]
-    run_torchrun("ckpt_tools.train.workers.torchtitan_run", 2, args, log_path=tmp_path / f"{tag}.log", timeout=400)
+    run_torchrun("ckpt_tools.samples.workers.torchtitan_run", 2, args, log_path=tmp_path / f"{tag}.log", timeout=400)
     return json.loads((tmp_path / f"{tag}.json").read_text()), torch.load(dump, weights_only=True)
 
 
@@ -109,7 +109,7 @@ def _deepspeed(tmp_path, tag, *args):
     from ckpt_tools.samples import run_torchrun
 
     ref = tmp_path / f"{tag}.pt"
-    run_torchrun("ckpt_tools.train.workers.ds_torchtitan", 2, [*map(str, args), "--record", str(ref)],
+    run_torchrun("ckpt_tools.samples.workers.ds_torchtitan", 2, [*map(str, args), "--record", str(ref)],
                  log_path=tmp_path / f"{tag}.log", timeout=400)
     return torch.load(ref, weights_only=True)
 
@@ -170,7 +170,7 @@ def test_deepspeed_checkpoint_converted_to_torchtitan_resumes_in_torchtitans_tra
     rec, titan = resume(4)
     _assert_same_first_update(rec, titan, ds)
     # the update itself is far above that tolerance (~lr per element)
-    saved = importlib.import_module("ckpt_tools.logical").model_tensors(ds_dir / "global_step3")
+    saved = importlib.import_module("ckpt_tools.view.logical").model_tensors(ds_dir / "global_step3")
     moved = max(float((ds["params"][t.name]["param"] - t.read()).abs().max()) for t in saved)
     assert moved > 1e-4, moved
     _, wrong = resume(2)

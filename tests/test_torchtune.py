@@ -1,5 +1,5 @@
 """torchtune output folders written by torchtune 0.6.1's own recipes (`full_finetune_single_device`,
-`lora_finetune_single_device`; `ckpt_tools.train.workers.torchtune_run`): read as one checkpoint (epoch_N weights +
+`lora_finetune_single_device`; `ckpt_tools.samples.workers.torchtune_run`): read as one checkpoint (epoch_N weights +
 recipe_state), optimizer ids named, the step derived, set-lr telling that `initial_lr` drives the LR, proven by
 resuming in the real recipe when torchtune is installed (it is not a dependency of ckpt: those tests skip).
 """
@@ -16,7 +16,7 @@ from conftest import manifest, run_cli, sample
 NEEDS_TORCHTUNE = pytest.mark.skipif(
     importlib.util.find_spec("torchtune") is None,
     reason="the real torchtune is not installed (torchtune==0.6.1 and torchao==0.11.0, --no-deps: see "
-           "ckpt_tools/train/workers/torchtune_run.py)")
+           "ckpt_tools/samples/workers/torchtune_run.py)")
 
 
 def _inspect(path):
@@ -111,7 +111,7 @@ def test_set_lr_halves_every_resumed_step_in_the_real_recipe(tmp_path, name):
             r = run_cli("set-lr", ck, "--scale", "0.5", "--yes")
             assert r.returncode == 0, r.stderr
         out = tmp_path / f"{tag}.json"
-        run_torchrun("ckpt_tools.train.workers.torchtune_run", 1,
+        run_torchrun("ckpt_tools.samples.workers.torchtune_run", 1,
                      ["--sample", name, "--check", str(ck), "--record", str(out)],
                      log_path=tmp_path / f"{tag}.log", timeout=300)
         recs[tag] = json.loads(out.read_text())["records"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ckpt_tools
-from ckpt_tools import io
+from ckpt_tools.write import io
 from ckpt_tools.ops import tp_sync as ops
 
 from conftest import ROOT, fail_at, manifest, sample
@@ -38,7 +38,7 @@ def snapshot(folder: Path) -> dict[str, str]:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from cli.main import main; main()", *args],
+    return subprocess.run([sys.executable, "-c", "from ckpt_cli.main import main; main()", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
@@ -397,7 +397,7 @@ def test_pure_python_and_numpy_comparisons_agree(drifted, monkeypatch):
 def test_check_path_imports_neither_numpy_nor_torch_when_replicas_are_small():
     """check-tp-sync on the drifted sample (its drifted replicas are layer norms) runs without importing numpy,
     torch or deepspeed: bit-identical shards are compared as bytes, small drifted ones in pure Python."""
-    code = ("import sys; from cli.main import main\n"
+    code = ("import sys; from ckpt_cli.main import main\n"
             "try:\n    main()\nexcept SystemExit as e:\n    rc = e.code\n"
             "print('IMPORTED', sorted(m for m in ('numpy', 'torch', 'deepspeed') if m in sys.modules), rc)")
     proc = subprocess.run([sys.executable, "-c", code, "check-tp-sync", str(sample(GROUP, DRIFTED)), "--json"],

@@ -1,7 +1,7 @@
 """`ckpt to-universal` with optimizers other than Adam, and what DeepSpeed's loaders do with them.
 
 The runs are real DeepSpeed ZeRO runs on 2 CPU ranks (gloo) with torch SGD(momentum), Adagrad, a one-moment
-client optimizer and AdamW with two group LRs (`ckpt_tools/train/workers/ds_optim.py`), made once per session.
+client optimizer and AdamW with two group LRs (`ckpt_tools/samples/workers/ds_optim.py`), made once per session.
 Each conversion is resumed in real DeepSpeed from the universal output and its updates are compared bitwise
 with the uninterrupted run made in the same session (the same worker, the same machine): the weights after the
 first resumed update are a function of the optimizer state, so they match only if the state continued.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_tools import logical
+from ckpt_tools.view import logical
 from ckpt_tools.errors import CkptError
 from ckpt_tools.ops import diff as D
 from ckpt_tools.ops import to_universal as U
@@ -24,7 +24,7 @@ from ckpt_tools.samples import run_torchrun, worker_env
 
 from conftest import ROOT, run_cli
 
-WORKER = "ckpt_tools.train.workers.ds_optim"
+WORKER = "ckpt_tools.samples.workers.ds_optim"
 NAMES = ("zero2_sgd", "zero1_adagrad", "zero2_onemoment", "zero3_sgd", "zero2_adamw_2lr")
 STATE = {"zero2_sgd": ("momentum_buffer",), "zero1_adagrad": ("sum",), "zero2_onemoment": ("exp_avg",),
          "zero3_sgd": ("momentum_buffer",), "zero2_adamw_2lr": ("exp_avg", "exp_avg_sq")}

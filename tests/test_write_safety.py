@@ -24,10 +24,11 @@ import pytest
 from conftest import ROOT, run_on_terminal
 from hostile.runner import snapshot
 
-from ckpt_tools import io, open_checkpoint
+from ckpt_tools.write import io
+from ckpt_tools import open_checkpoint
 
 SAMPLE = ("deepspeed", "zero2_lambdalr")  # 3 files rewritten by set-lr; base_lrs [0.003, 0.003]
-CLI = [sys.executable, "-c", "from cli.main import main; main()"]
+CLI = [sys.executable, "-c", "from ckpt_cli.main import main; main()"]
 
 
 def ckpt(*args, prefix=(), answer: str | None = None, env=None) -> subprocess.CompletedProcess:

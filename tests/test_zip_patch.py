@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ckpt_tools.errors import CorruptCheckpoint
-from ckpt_tools.pickle_reader import load
-from ckpt_tools.zip_patch import Patch, patch_file
+from ckpt_tools.read.pickle_reader import load
+from ckpt_tools.write.zip_patch import Patch, patch_file
 
 
 def members(path) -> dict[str, bytes]:
@@ -116,8 +116,8 @@ def test_zip64_archive(tmp_path, monkeypatch):
 import os  # noqa: E402
 import random  # noqa: E402
 
-from ckpt_tools import pickle_writer  # noqa: E402
-from ckpt_tools.zip_patch import apply_in_place, crc32_combine, crc32_update, plan_in_place  # noqa: E402
+from ckpt_tools.write import pickle_writer  # noqa: E402
+from ckpt_tools.write.zip_patch import apply_in_place, crc32_combine, crc32_update, plan_in_place  # noqa: E402
 
 
 def test_crc32_combine_and_update_match_zlib():

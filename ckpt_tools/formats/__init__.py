@@ -30,9 +30,9 @@ def _module(name: str) -> ModuleType | None:
 
 
 def training_state(ck):
-    """Where `ck`'s training state lives (`ckpt_tools.state.StateMap`), as its format module says; a format
+    """Where `ck`'s training state lives (`ckpt_tools.read.state.StateMap`), as its format module says; a format
     without a `training_state` is read-only for the writing commands."""
-    from ..state import StateMap
+    from ..read.state import StateMap
 
     for name in FORMAT_MODULES:
         mod = _module(name)

@@ -7,9 +7,9 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-from .. import pickle_reader
+from ..read import pickle_reader
 from ..errors import MissingFile, NotACheckpoint
-from ..tree import Counters, FileInfo, GroupNode, LearningRates, Node, Warning_, as_int, floats, scalar
+from ..read.tree import Counters, FileInfo, GroupNode, LearningRates, Node, Warning_, as_int, floats, scalar
 
 #: names that a loader globbing the folder could pick up by mistake, or that show a hand edit
 _STRAY_RE = re.compile(r"(\.orig|\.bak|\.backup|\.old|\.tmp|\.swp|~)$|^\.#|\.pt\.\d+$")
@@ -158,7 +158,7 @@ def lr_from_scheduler(fields: dict[str, Any]) -> tuple[tuple[float, ...] | None,
 def ds_last_lr(fields: dict[str, Any], ds_config: Any, group_lrs: tuple[float, ...]) -> tuple[float, ...] | None:
     """`last_lr` of a DeepSpeed scheduler, which saves only `last_batch_iteration`: computed from the saved
     ds_config's scheduler (the launch config of the run that saved it)."""
-    from ..ds_schedules import last_lr
+    from ..schedules.deepspeed import last_lr
 
     if "last_batch_iteration" not in fields:
         return None
@@ -217,7 +217,7 @@ def training_header(tree: dict[str, Node]) -> tuple[Counters, LearningRates, lis
 
 def loop_step(client: Node | None) -> int | None:
     """The training loop's step counter among saved client state (top level, then one dict down)."""
-    from ..state import COUNTER_KEYS
+    from ..read.state import COUNTER_KEYS
 
     if not isinstance(client, GroupNode):
         return None

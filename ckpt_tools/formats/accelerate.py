@@ -14,9 +14,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..pickle_reader import TensorRef
-from ..tree import (Checkpoint, Counters, GroupNode, LearningRates, Topology, Warning_, iter_tensors,
-                    tensor_node, to_node)
+from ..read.pickle_reader import TensorRef
+from ..read.tree import (Checkpoint, Counters, GroupNode, LearningRates, Topology, Warning_, iter_tensors, tensor_node,
+                         to_node)
 from . import _common as C
 
 FORMAT = "accelerate"
@@ -43,13 +43,13 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     warnings: list[Warning_] = []
     details: dict[str, Any] = {}
     inner = None  # a DeepSpeed or DCP checkpoint inside the folder
-    from . import deepspeed
+    from . import deepspeed_moe
 
     tag = C.read_latest(path)
     ds_dirs = [d for d in sorted(path.iterdir()) if d.is_dir() and any(d.glob("*mp_rank_*_model_states.pt"))]
     fsdp_model = sorted(d for d in path.glob("pytorch_model_fsdp_*") if d.is_dir())
     if tag or ds_dirs:
-        inner = deepspeed.open(path)
+        inner = deepspeed_moe.open_any(path)
         details["engine"] = f"deepspeed (tag {inner.details.get('tag')})"
     elif fsdp_model:
         from . import dcp
@@ -192,7 +192,7 @@ def _object_index(stem: str) -> int:
 
 
 def training_state(ck: Checkpoint):
-    from ..state import StateMap, StateSource
+    from ..read.state import StateMap, StateSource
     from .deepspeed import tag_state_sources
 
     root = Path(ck.path)
@@ -212,7 +212,7 @@ def training_state(ck: Checkpoint):
 
 
 def logical_layout(ck: Checkpoint) -> dict[str, Any]:
-    """Under DeepSpeed, the tag folder's `shared_params` / frozen / buffer names (`ckpt_tools.logical`)."""
+    """Under DeepSpeed, the tag folder's `shared_params` / frozen / buffer names (`ckpt_tools.view.logical`)."""
     from . import deepspeed
 
     root = Path(ck.path)

@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .. import remote
+from ..read import pickle_reader, remote
 from ..errors import CorruptCheckpoint, MissingFile, UnsupportedCheckpoint
-from ..pickle_reader import SMALL_TENSOR_NUMEL, DType, TensorRef, is_opaque
-from ..qkv import find_fused
-from ..tree import (Checkpoint, FileInfo, GroupNode, Node, OpaqueNode, Piece, TensorNode, Topology, ValueNode,
-                    Warning_, as_int, iter_tensors, tensor_node, to_node)
+from ..read.pickle_reader import SMALL_TENSOR_NUMEL, DType, TensorRef, is_opaque
+from ..read.qkv import find_fused
+from ..read.tree import (Checkpoint, FileInfo, GroupNode, Node, OpaqueNode, Piece, TensorNode, Topology, ValueNode,
+                         Warning_, as_int, iter_tensors, tensor_node, to_node)
 from . import _common as C
-from ..state import is_flattened
+from ..read.state import is_flattened
 from .torch_file import flattened_optimizer_tree, split_training_dict
 
 FORMAT = "dcp"
@@ -206,7 +206,7 @@ def _train_state_summary(rest: Mapping[str, Any]) -> dict[str, str]:
 def loader_summary(loader: Mapping[str, Any], world: Any) -> str:
     """torchtitan's `dataloader` ({dp_rank_<r>: pickled StatefulDataLoader state, world_size}) in one line: each
     rank's pickle parsed inertly (no code runs): batches yielded, the dataset's sample index and epoch."""
-    from ..pickle_reader import _unpickle
+    from ..read.pickle_reader import _unpickle
 
     parts = []
     for k in sorted(loader, key=lambda k: int(str(k)[8:]) if str(k)[8:].isdigit() else 0):
@@ -326,7 +326,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         # (the writer count is not the DP size), the LRs and counters there too: none of it is read here
         from dataclasses import replace
 
-        from ..tree import Topology
+        from ..read.tree import Topology
         w = Warning_("megatron-torch-dist", "a Megatron-LM torch_dist checkpoint (common.pt + metadata.json): read "
                      "as a generic DCP, so parameters, topology, counters and LRs shown are not Megatron's (they "
                      "are in common.pt's args and the sharded optimizer items, which ckpt does not map yet)",
@@ -393,8 +393,123 @@ def _value(cache: C.LoadCache, root: Path, key: str, where: dict) -> tuple[Node,
 def training_state(ck: Checkpoint):
     """A DCP folder is one state dict over its items: optimizer, scheduler and counters are found by shape at
     any nesting (torchtitan's top-level `optimizer`/`lr_scheduler`/`train_state`, the recipe's `app.*`)."""
-    from ..state import StateMap, StateSource
+    from ..read.state import StateMap, StateSource
 
     root = Path(ck.path)
     return StateMap(root, (StateSource(root, ".metadata", kind="dcp"),))
 
+
+# --- the stored items of a DCP folder, read inert (the writers and the Megatron reader build on them) ---
+
+METADATA = ".metadata"
+
+
+@dataclass
+class Item:
+    """One stored item: its flat key, chunk offsets (None for a bytes item), where it lives, and the
+    inert `_StorageInfo` record that `.metadata` holds for it (edited when the item moves)."""
+
+    key: str
+    offsets: tuple[int, ...] | None
+    rel: str
+    offset: int
+    length: int
+    info: Any
+    is_tensor: bool
+
+
+class DcpItems:
+    """A DCP folder's stored items, read inert from its `.metadata`: where each lives, bytes items' values,
+    0-d tensors, and the nested state under chosen top-level keys (`write.dcp_write.DcpFolder` adds rewriting)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        meta_path = self.root / METADATA
+        self.meta = pickle_reader.load(meta_path).obj
+        md = self.meta
+        sdm = md.field("state_dict_metadata") if is_opaque(md, "Metadata") else None
+        storage = md.field("storage_data") if is_opaque(md, "Metadata") else None
+        if not isinstance(sdm, dict) or not isinstance(storage, dict):
+            raise CorruptCheckpoint(".metadata does not hold a torch.distributed.checkpoint Metadata", path=meta_path)
+        planner = md.field("planner_data")
+        self.planner = planner if isinstance(planner, dict) else {}
+        self.sdm = sdm
+        self.items: dict[tuple[str, tuple[int, ...] | None], Item] = {}
+        for idx, info in storage.items():
+            if not (is_opaque(idx, "MetadataIndex") and is_opaque(info) and isinstance(info.state, dict)):
+                raise UnsupportedCheckpoint(f"storage_data entry {idx!r} is not a plain _StorageInfo", path=meta_path)
+            rel, off, n = info.field("relative_path"), info.field("offset"), info.field("length")
+            if not isinstance(rel, str) or Path(rel).name != rel or not isinstance(off, int) or not isinstance(n, int):
+                raise CorruptCheckpoint(f"bad storage entry for {idx.field('fqn')!r}", path=meta_path)
+            if info.field("transform_descriptors"):
+                raise UnsupportedCheckpoint(f"{idx.field('fqn')} is stored with transforms; cannot rewrite it",
+                                            path=meta_path, hint="re-save without storage transforms")
+            key = idx.field("fqn")
+            offsets = _offsets(idx.field("offset"))
+            self.items[(key, offsets)] = Item(key, offsets, rel, off, n, info,
+                                              is_opaque(sdm.get(key), "TensorStorageMetadata"))
+        self._sources: dict[str, pickle_reader.Source] = {}
+
+    # --- reading ----------------------------------------------------------------------------------------
+
+    def _load(self, it: Item) -> Any:
+        src = self._sources.get(it.rel)
+        if src is None:
+            src = self._sources[it.rel] = pickle_reader.Source(self.root / it.rel)
+        return pickle_reader.load_embedded(src, it.offset, it.length).obj
+
+    def value(self, key: str) -> Any:
+        """The inert value of a bytes item."""
+        return self._load(self.items[(key, None)])
+
+    def tensor(self, key: str) -> TensorRef | None:
+        """A tensor item stored whole as one 0-d chunk (an Adam `step`), else None."""
+        meta = self.sdm.get(key)
+        chunks = meta.field("chunks") if is_opaque(meta, "TensorStorageMetadata") else None
+        if not isinstance(chunks, list) or len(chunks) != 1 or tuple(meta.field("size") or ()) != ():
+            return None
+        it = self.items.get((key, ()))
+        ref = self._load(it) if it else None
+        return ref if isinstance(ref, TensorRef) and ref.shape == () else None
+
+    def item(self, key: str) -> Item:
+        it = self.items.get((key, None)) or self.items.get((key, ()))
+        if it is None:
+            raise CorruptCheckpoint(f"{key}: no storage entry", path=self.root / METADATA)
+        return it
+
+    def state_tree(self, tops: tuple[str, ...] | None = None) -> tuple[dict, dict[tuple, str]]:
+        """The nested state dict under the top-level keys `tops` (all when None; values read, 0-d tensors as TensorRefs,
+        bigger tensors left out), with dicts keyed 0..n-1 turned into lists (param_groups), and the map from
+        each leaf's key path to its flat DCP key."""
+        tree: dict = {}
+        index: dict[tuple, str] = {}
+        for key, meta in self.sdm.items():
+            path = logical_path(key, self.planner)
+            if not path or (tops is not None and path[0] not in tops):
+                continue
+            if is_opaque(meta, "BytesStorageMetadata"):
+                leaf = self.value(key)
+            elif is_opaque(meta, "TensorStorageMetadata"):
+                leaf = self.tensor(key)
+                if leaf is None:
+                    continue
+            else:
+                continue
+            slot = tree
+            for k in path[:-1]:
+                slot = slot.setdefault(k, {})
+                if not isinstance(slot, dict):
+                    raise CorruptCheckpoint(f"{key}: planner_data path {path} runs through a value",
+                                            path=self.root / METADATA)
+            slot[path[-1]] = leaf
+            index[path] = key
+        return _listify(tree), index
+
+
+def _listify(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        obj = {k: _listify(v) for k, v in obj.items()}
+        if obj and all(isinstance(k, int) for k in obj) and sorted(obj) == list(range(len(obj))):
+            return [obj[i] for i in range(len(obj))]
+    return obj

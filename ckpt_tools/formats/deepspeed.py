@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import UnsupportedCheckpoint, CorruptCheckpoint, MissingFile, NotACheckpoint
-from ..pickle_reader import Opaque, TensorRef
-from ..tree import (Checkpoint, Counters, GroupNode, LearningRates, Piece, TensorNode, Topology, ValueNode,
-                    Warning_, as_int, tensor_node, to_node)
+from ..read.pickle_reader import Opaque, TensorRef
+from ..read.tree import (Checkpoint, Counters, GroupNode, LearningRates, Piece, TensorNode, Topology, ValueNode,
+                         Warning_, as_int, tensor_node, to_node)
 from . import _common as C
 
 FORMAT = "deepspeed_zero"
@@ -314,12 +314,11 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     if not ranks:
         raise NotACheckpoint("no mp_rank_*_model_states.pt files", path=tag_dir)
     if any(_EXPERT_FILE.match(p.name) for p in tag_dir.iterdir()):
-        # a Mixture-of-Experts tag folder (also when an Accelerate / HF Trainer folder holds it): its experts are
-        # partitioned over the expert-data-parallel group and kept in their own files, which this module's plain
-        # ZeRO reading would mis-assemble or leave unread
-        from . import deepspeed_moe
-
-        return deepspeed_moe.open(tag_dir)
+        # a Mixture-of-Experts tag folder: its experts are partitioned over the expert-data-parallel group and kept
+        # in their own files, which this module's plain ZeRO reading would mis-assemble or leave unread.
+        # `detect` gives it to `deepspeed_moe`; callers that hold a DeepSpeed folder use `deepspeed_moe.open_any`.
+        raise UnsupportedCheckpoint("a DeepSpeed Mixture-of-Experts tag folder: read it with formats.deepspeed_moe",
+                                    path=tag_dir, hint="open it with ckpt_tools.open_checkpoint, which detects MoE")
     return build(root, tag_dir, tag, cache, ranks)
 
 
@@ -601,7 +600,7 @@ def model_layout(tag_dir: Path, cache: C.LoadCache | None = None) -> dict[str, A
 
 
 def logical_layout(ck: Checkpoint) -> dict[str, Any]:
-    """`model_layout` of the tag folder this Checkpoint was read from (`ckpt_tools.logical` asks for it)."""
+    """`model_layout` of the tag folder this Checkpoint was read from (`ckpt_tools.view.logical` asks for it)."""
     root = Path(ck.path)
     tag = ck.details.get("tag")
     tag_dir = root / tag if tag and (root / str(tag)).is_dir() else root
@@ -661,7 +660,7 @@ def _check_rank_files(tag_dir: Path, ranks: dict[int, RankFiles], dp: int, mp: i
 def tag_state_sources(root: Path, tag_dir: Path) -> list:
     """The files of a DeepSpeed tag folder that hold training state: model states (scheduler, counters,
     ds_config) and optim states (param groups, Adam steps); pipeline `layer_*` files hold weights only."""
-    from ..state import StateSource
+    from ..read.state import StateSource
 
     files = [p for p in sorted(tag_dir.glob("*model_states.pt")) if not p.name.startswith("layer_")]
     files += sorted(tag_dir.glob("*optim_states.pt"))
@@ -669,7 +668,7 @@ def tag_state_sources(root: Path, tag_dir: Path) -> list:
 
 
 def training_state(ck: Checkpoint):
-    from ..state import StateMap
+    from ..read.state import StateMap
 
     root = Path(ck.path)
     tag = ck.details.get("tag")

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpoint, MissingFile, NotACheckpoint, UnsupportedCheckpoint
-from ..pickle_reader import TensorRef
-from ..tree import Checkpoint, TensorNode, Warning_, as_int, tensor_node
+from ..read.pickle_reader import TensorRef
+from ..read.tree import Checkpoint, TensorNode, Warning_, as_int, tensor_node
 from . import _common as C
 from . import deepspeed as D
 from .torch_file import match_param_ids
@@ -74,6 +74,16 @@ def _ep_size(groups: list[dict]) -> int | None:
     sizes = {int(g["name"][8:]) for g in groups if _is_moe(g) and isinstance(g.get("name"), str)
              and re.fullmatch(r"ep_size_\d+", g["name"])}
     return sizes.pop() if len(sizes) == 1 else None
+
+
+def open_any(path: Path) -> Checkpoint:
+    """A DeepSpeed checkpoint folder (the run folder with `latest`, or a tag folder) found inside another
+    framework's folder (Accelerate, HF Trainer, to-universal's source), MoE or not: read by this module where the
+    tag folder holds expert files, by `deepspeed.open` otherwise."""
+    _, tag_dir, _ = C.resolve_tag(path, D._STATE_GLOB)
+    if any(_EXPERT.match(p.name) for p in tag_dir.iterdir()):
+        return open(tag_dir)
+    return D.open(path)
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)

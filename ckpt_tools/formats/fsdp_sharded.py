@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import CorruptCheckpoint, MissingFile, NotACheckpoint
-from ..pickle_reader import Opaque, TensorRef, is_opaque
-from ..tree import Checkpoint, Warning_, as_int
+from ..read.pickle_reader import Opaque, TensorRef, is_opaque
+from ..read.tree import Checkpoint, Warning_, as_int
 from . import _common as C
 from .dcp import Chunk, chunked_tensor, training_checkpoint
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpoint, NotACheckpoint
-from ..tree import Checkpoint, Counters, GroupNode, Topology, ValueNode, Warning_, iter_tensors, to_node
+from ..read.tree import Checkpoint, Counters, GroupNode, Topology, ValueNode, Warning_, iter_tensors, to_node
 from . import _common as C
 
 FORMAT = "hf_trainer"
@@ -84,10 +84,10 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     files = [C.file_info(folder / STATE_FILE, path, "trainer_state")]
     warnings: list[Warning_] = []
     inner = None
-    from . import dcp, deepspeed, safetensors_file, torch_file
+    from . import dcp, deepspeed_moe, safetensors_file, torch_file
 
     if C.read_latest(folder) or any(folder.glob("global_step*/*model_states.pt")):
-        inner = deepspeed.open(folder)
+        inner = deepspeed_moe.open_any(folder)
         details["engine"] = f"deepspeed (tag {inner.details.get('tag')})"
     fsdp_model = sorted(d for d in folder.glob("pytorch_model_fsdp_*") if d.is_dir())
     if inner is None and fsdp_model:
@@ -216,7 +216,7 @@ def checkpoint_folder(ck: Checkpoint) -> Path:
 def training_state(ck: Checkpoint):
     """optimizer.pt / scheduler.pt, the DeepSpeed tag folder's state files, or the FSDP optimizer DCP folder;
     trainer_state.json's `global_step` (the loop counter `resume_from_checkpoint` continues from)."""
-    from ..state import StateMap, StateSource
+    from ..read.state import StateMap, StateSource
     from .deepspeed import tag_state_sources
 
     folder = checkpoint_folder(ck)
@@ -238,7 +238,7 @@ def training_state(ck: Checkpoint):
 
 
 def logical_layout(ck: Checkpoint) -> dict[str, Any]:
-    """The model beyond its saved tensors (`ckpt_tools.logical`): under DeepSpeed, the tag folder's
+    """The model beyond its saved tensors (`ckpt_tools.view.logical`): under DeepSpeed, the tag folder's
     `shared_params` / frozen / buffer names; and the tied weights `config.json` implies (GPT-2's lm_head, left
     out of model.safetensors by `save_pretrained` when `tie_word_embeddings`)."""
     from . import deepspeed

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpoint, NotACheckpoint, UnsupportedCheckpoint
-from ..tree import (Checkpoint, Counters, GroupNode, LearningRates, Piece, TensorNode, ValueNode, Warning_,
-                    as_int, to_node)
+from ..read.tree import (Checkpoint, Counters, GroupNode, LearningRates, Piece, TensorNode, ValueNode, Warning_, as_int,
+                         to_node)
 from . import _common as C
 from . import dcp, megatron_lm
 from .megatron_lm import LATEST, args_of, group_rule, group_warnings, next_lr
@@ -309,9 +309,9 @@ def _range(flat: TensorNode, start: int, n: int, shape: tuple[int, ...], starts:
 def _sharded_param_groups(it: Path) -> list[dict]:
     """The distributed optimizer's param groups, saved as one sharded object (`optimizer.distributed.
     dp_group_idx_N.optimizer/shard_…`: [{param_groups: [...]}]) in the DCP: small pickled items, read inert."""
-    from ..dcp_write import DcpFolder
+    from .dcp import DcpItems
 
-    folder = DcpFolder(it)
+    folder = DcpItems(it)
     tops = tuple(k for k in folder.sdm if k.startswith(_DIST) and ".optimizer/shard_" in k)
     obj, _index = folder.state_tree(tops)  # the optimizer's object only, not every small item again
     out: list[dict] = []
@@ -326,7 +326,7 @@ def _sharded_param_groups(it: Path) -> list[dict]:
 def training_state(ck: Checkpoint):
     """common.pt holds the plain optimizer's param groups and the scheduler; the distributed optimizer's param groups
     are in a sharded object of the DCP, which ckpt does not edit yet."""
-    from ..state import StateMap, StateSource
+    from ..read.state import StateMap, StateSource
 
     root = Path(ck.path)
     common = next(f.path for f in ck.files if f.path.endswith(COMMON))

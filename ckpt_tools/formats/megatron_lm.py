@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpoint, MissingFile, NotACheckpoint, UnsupportedCheckpoint
-from ..pickle_reader import Opaque, TensorRef
-from ..tp_layout import merged_shape
-from ..tree import (Checkpoint, Counters, GroupNode, LearningRates, Piece, TensorNode, Topology, ValueNode, Warning_,
-                    as_int, tensor_node, to_node)
+from ..read.pickle_reader import Opaque, TensorRef
+from ..read.tp_layout import merged_shape
+from ..read.tree import (Checkpoint, Counters, GroupNode, LearningRates, Piece, TensorNode, Topology, ValueNode,
+                         Warning_, as_int, tensor_node, to_node)
 from . import _common as C
 from .torch_file import match_param_ids
 
@@ -642,7 +642,7 @@ def next_lr(sched: dict, group: dict) -> float:
 def training_state(ck: Checkpoint):
     """Every rank file holds the param groups (and the distributed optimizer's `param_groups` too) and a copy of
     the scheduler: an edit goes to all of them."""
-    from ..state import StateMap, StateSource
+    from ..read.state import StateMap, StateSource
 
     root = Path(ck.path)
     srcs = [StateSource(root / f.path, f.path) for f in ck.files if f.path.endswith(RANK_FILE)]

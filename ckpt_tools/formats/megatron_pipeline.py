@@ -15,7 +15,7 @@ Layout of a tag folder (see shared/FORMATS.md):
 The tree has one logical tensor per DeepSpeed parameter name (`model.2.self_attention.dense.weight`,
 `optimizer.state.2.self_attention.dense.weight.exp_avg`) with the full shape; its `shards` are the TP
 ranks' tensors and `merge` says how they combine ("replicated", "cat:0", "cat:1"), decided by
-`ckpt_tools.tp_layout` from the checkpoint's `universal_checkpoint_info` or, without one, the Megatron
+`ckpt_tools.read.tp_layout` from the checkpoint's `universal_checkpoint_info` or, without one, the Megatron
 naming preset. The source used is in `Checkpoint.details["tp_layout"]`.
 """
 from __future__ import annotations
@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpoint, MissingFile
-from ..pickle_reader import Opaque, TensorRef
-from ..tp_layout import SOURCE_INFO, TPLayout, merged_shape
-from ..tree import (Checkpoint, Counters, GroupNode, LearningRates, TensorNode, Topology, ValueNode, Warning_,
-                    as_int, tensor_node, to_node)
+from ..read.pickle_reader import Opaque, TensorRef
+from ..read.tp_layout import SOURCE_INFO, TPLayout, merged_shape
+from ..read.tree import (Checkpoint, Counters, GroupNode, LearningRates, TensorNode, Topology, ValueNode, Warning_,
+                         as_int, tensor_node, to_node)
 from . import _common as C
 from . import deepspeed as D
 

@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpoint, MissingFile, NotACheckpoint
-from ..pickle_reader import DTYPE_SIZE, Source, StorageRef, TensorRef
-from ..tree import (Checkpoint, Counters, GroupNode, LearningRates, Topology, ValueNode, natural_key,
-                    tensor_node)
+from ..read.pickle_reader import DTYPE_SIZE, Source, StorageRef, TensorRef
+from ..read.tree import Checkpoint, Counters, GroupNode, LearningRates, Topology, ValueNode, natural_key, tensor_node
 from . import _common as C
 
 FORMAT = "safetensors"

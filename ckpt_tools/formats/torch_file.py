@@ -11,9 +11,9 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ..pickle_reader import TensorRef
-from ..state import is_flattened
-from ..tree import Checkpoint, GroupNode, TensorNode, Topology, iter_tensors, to_node
+from ..read.pickle_reader import TensorRef
+from ..read.state import is_flattened
+from ..read.tree import Checkpoint, GroupNode, TensorNode, Topology, iter_tensors, to_node
 from . import _common as C
 
 FORMAT = "torch_file"
@@ -38,7 +38,7 @@ def split_training_dict(obj: Any) -> tuple[Any, list, list, dict[str, Any]]:
     Optimizer and scheduler states are recognised by shape (`state.is_optimizer_state` / `is_scheduler_state`)
     under the usual keys or as lists (Lightning's `optimizer_states` / `lr_schedulers`); one wrapper level
     around a whole training dict (the DCP recipe's `{"app": {model, optim, scheduler}}`) is looked through."""
-    from ..state import is_optimizer_state, is_scheduler_state
+    from ..read.state import is_optimizer_state, is_scheduler_state
 
     if not isinstance(obj, dict):
         return None, [], [], {"object": obj}
@@ -212,7 +212,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
 def training_state(ck: Checkpoint):
     """One file: a training dict, a Lightning `.ckpt` (lists of optimizer and scheduler states), an HF
     `optimizer.pt`: its state is found by shape."""
-    from ..state import StateMap, StateSource
+    from ..read.state import StateMap, StateSource
 
     p = Path(ck.path)
     return StateMap(p.parent, (StateSource(p, p.name),))

@@ -27,7 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..tree import Checkpoint, GroupNode, Topology, Warning_, iter_tensors, to_node
+from ..read.tree import Checkpoint, GroupNode, Topology, Warning_, iter_tensors, to_node
 from . import _common as C
 from . import safetensors_file, torch_file
 
@@ -230,7 +230,7 @@ def _recipe_resume(folder: Path, epoch: Path, lora: bool) -> str:
 
 def training_state(ck: Checkpoint):
     """`recipe_state/recipe_state.pt`: the optimizer (its param groups' `initial_lr` drive the LR on resume)."""
-    from ..state import StateMap, StateSource
+    from ..read.state import StateMap, StateSource
 
     root = Path(ck.path)
     return StateMap(root, (StateSource(root / RECIPE_STATE, str(RECIPE_STATE)),))

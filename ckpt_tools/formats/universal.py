@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import NotACheckpoint
-from ..pickle_reader import Opaque, TensorRef
-from ..tree import (Checkpoint, Counters, GroupNode, LearningRates, TensorNode, Topology, ValueNode, Warning_,
-                    as_int, tensor_node, to_node)
+from ..read.pickle_reader import Opaque, TensorRef
+from ..read.tree import (Checkpoint, Counters, GroupNode, LearningRates, TensorNode, Topology, ValueNode, Warning_,
+                         as_int, tensor_node, to_node)
 from . import _common as C
 from .deepspeed import DS_MODEL_KEYS, _shape_groups
 
@@ -166,7 +166,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
 
 
 def logical_layout(ck: Checkpoint) -> dict[str, Any]:
-    """What `ckpt_tools.logical` asks a format for: the parameter order (the zero/<param> folders in model
+    """What `ckpt_tools.view.logical` asks a format for: the parameter order (the zero/<param> folders in model
     order), each param group's members (the union of every copied model-states file's `param_shapes` group:
     each mp rank lists its own stage's parameters), frozen parameters (`frozen_param_shapes`, and folders
     that hold only fp32.pt: DeepSpeed writes one for every module weight without optimizer state) and tied

@@ -1,7 +1,7 @@
 """`ckpt convert CKPT OUT --to dcp|torch|deepspeed-universal|megatron`: move a run between frameworks with its whole
 training state.
 
-What moves (read through the logical view, `ckpt_tools.logical`, so every format the tree reads is a source):
+What moves (read through the logical view, `ckpt_tools.view.logical`, so every format the tree reads is a source):
 
     weights          every model tensor by state-dict name; the fp32 master where the source keeps one
                      (DeepSpeed ZeRO 1/2/3, the pipeline with its TP shards merged, universal)
@@ -32,7 +32,7 @@ Targets (`--to`, `--layout`):
                       what DeepSpeed 0.19's `load_universal` reads (see `_write_universal`), loadable at any DP
                       size; a DeepSpeed source is `ckpt to-universal`'s job (`to_universal.handles`)
     megatron          from a Megatron-LM legacy run (plain Adam): Megatron-LM's torch_dist run folder, as its own
-                      save writes it (`ckpt_tools.megatron_write`); the scheduler, args and RNG states are carried
+                      save writes it (`ckpt_tools.write.megatron_write`); the scheduler, args and RNG states are carried
                       as saved, so nothing is listed as not moved but a pipeline's tied embedding copy;
                       with `ckpt_format="torch"` the other way, a torch_dist run as Megatron's legacy rank files at
                       the saved TP or `tp` (`megatron_write.write`)
@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import qkv
+from ..read import qkv
 from ..errors import CkptError, UnsupportedCheckpoint
 
 TARGETS = ("dcp", "torch", "deepspeed-universal", "megatron")
@@ -159,7 +159,7 @@ def _refuse_out(src: Path, out: Path) -> None:
 
 
 def _plain_scheduler(ck) -> dict[str, Any] | None:
-    from ..tree import node_to_python
+    from ..read.tree import node_to_python
 
     node = ck.tree.children.get("scheduler")
     if node is None:
@@ -169,7 +169,7 @@ def _plain_scheduler(ck) -> dict[str, Any] | None:
 
 
 def _config(ck) -> dict[str, Any]:
-    from ..tree import saved_config
+    from ..read.tree import saved_config
 
     return saved_config(ck)
 
@@ -177,7 +177,7 @@ def _config(ck) -> dict[str, Any]:
 def translate_scheduler(state: dict[str, Any] | None, config: dict[str, Any], groups: list[dict[str, Any]]
                         ) -> tuple[dict[str, Any] | None, str | None, list[str], list[str]]:
     """(torch state dict, torch class name, notes, not moved) for the source's scheduler state."""
-    from ..state import is_scheduler_state
+    from ..read.state import is_scheduler_state
     from ..train.replica import infer_torch_scheduler
 
     if state is None:
@@ -238,8 +238,8 @@ def _names(keys: list[str], limit: int = 6) -> str:
 
 def _not_moved(ck, config: dict[str, Any]) -> list[str]:
     """What the source holds that the conversion does not carry, one line each."""
-    from ..state import COUNTER_KEYS
-    from ..tree import node_to_python
+    from ..read.state import COUNTER_KEYS
+    from ..read.tree import node_to_python
 
     out: list[str] = []
     for name, node in ck.tree.children.items():
@@ -286,11 +286,11 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
                  layout: str | None = None, allow_unread: bool = False, n_kv_heads: int | None = None,
                  ckpt_format: str | None = None, tp: int | None = None) -> ConvertPlan:
     """Decide everything `execute` writes; reads metadata and small values only. `n_kv_heads`: the model's KV
-    heads, which orders a fused wqkv's optimizer state (`ckpt_tools.qkv`): read from a torchtitan source that
+    heads, which orders a fused wqkv's optimizer state (`ckpt_tools.read.qkv`): read from a torchtitan source that
     saved one, and written fused for the torchtitan layout. `ckpt_format` (--to megatron): "torch_dist" (default,
     from a legacy run) or "torch" (Megatron's legacy rank files, from a torch_dist run) at TP `tp` (default: the
     saved TP)."""
-    from .. import logical as L
+    from ..view import logical as L
 
     if to not in TARGETS:
         raise ValueError(f"--to {to!r}: use one of {', '.join(TARGETS)}")
@@ -303,7 +303,7 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
     if to != "megatron" and ckpt_format is not None:
         raise ValueError(f"--ckpt-format applies to --to megatron, not --to {to}")
     if to == "megatron":
-        from ..megatron_write import CKPT_FORMATS
+        from ..write.megatron_write import CKPT_FORMATS
 
         ckpt_format = ckpt_format or "torch_dist"
         if ckpt_format not in CKPT_FORMATS:
@@ -313,7 +313,7 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
                          "rank; torch_dist and the other targets hold whole tensors, resharded at load)")
     src, dst = Path(source), Path(out)
     _refuse_out(src, dst)
-    from ..accounting import guard
+    from ..view.accounting import guard
 
     ck = L.with_kv_heads(guard(L.open_any(src), src, "convert", allow_unread=allow_unread), n_kv_heads)
     if to == "deepspeed-universal":
@@ -330,7 +330,7 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
             raise CkptError("the checkpoint is already a DeepSpeed universal checkpoint: nothing to convert",
                             path=src)
     if to == "megatron":  # Megatron-LM sources only (their args, names and schedule are what Megatron loads)
-        from .. import megatron_write
+        from ..write import megatron_write
 
         tp = megatron_write.check(ck, src, ckpt_format, tp)
     if to == "dcp" and ck.format == "dcp":
@@ -368,7 +368,7 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
             hp["betas"] = tuple(hp["betas"])
         members = [n for n in g.get("params", []) if n in names]
         groups.append({**hp, "params": members})
-    from ..accounting import left_behind
+    from ..view.accounting import left_behind
 
     notes: list[str] = left_behind(ck)
     if not states:
@@ -505,7 +505,7 @@ def _write_dcp(plan: ConvertPlan, folder: Path, progress: Callable[[int], None] 
     """Write the DCP items of the parameters at `indices` (all when None), and the small values when `values`.
     Alone (`rank` None): every tensor in DCP_SHARDS chunks and `.metadata`; returns the bytes written. One of
     several ranks: whole tensors into `__<rank>_0.distcp`; returns (bytes, this writer's metadata parts)."""
-    from ..dcp_write import DcpStreamWriter, flatten_paths
+    from ..write.dcp_write import DcpStreamWriter, flatten_paths
 
     w = DcpStreamWriter(folder, checkpoint_id=str(plan.out), shards=DCP_SHARDS, rank=rank)
     prefix, optim_values, rest = _dcp_values(plan)
@@ -601,7 +601,7 @@ def verify_logical(plan: ConvertPlan, root: Path) -> list[str]:
     """`ckpt diff SRC OUT` (logical): one line per difference between the source and the written checkpoint."""
     from .diff import iter_lines, logical_diff
 
-    from .. import logical as L
+    from ..view import logical as L
 
     rep = logical_diff(L.with_kv_heads(plan.source, plan.n_kv_heads), L.with_kv_heads(root, plan.n_kv_heads))
     lines = [f"{section} {name}: {what}" for section, name, what in iter_lines(rep)]
@@ -617,13 +617,13 @@ def execute(plan: ConvertPlan, *, progress: Callable[[int], None] | None = None,
     group calls this: rank r writes parameters r, r+W, ... into rank 0's staging folder (one shared
     filesystem; DCP: its own `__<r>_0.distcp`), rank 0 writes the rest (`.metadata` from every rank's part),
     verifies and renames."""
-    from .. import io
+    from ..write import io
 
     if distributed:
         return _execute_distributed(plan, progress=progress, verify=verify)
     _refuse_out(plan.source, plan.out)
     if plan.to in ("dcp", "deepspeed-universal", "megatron"):
-        from .. import megatron_write
+        from ..write import megatron_write
 
         write = {"dcp": _write_dcp, "deepspeed-universal": _write_universal, "megatron": megatron_write.write}[plan.to]
         with io.new_folder(plan.out) as tmp:
@@ -662,11 +662,11 @@ def _execute_distributed(plan: ConvertPlan, *, progress: Callable[[int], None] |
                          ) -> ConvertResult:
     import torch.distributed as dist
 
-    from .. import io
+    from ..write import io
 
     if not dist.is_initialized():
         raise CkptError("--distributed needs torch.distributed: run it under torchrun",
-                        hint="torchrun --nproc_per_node N -m cli.main convert CKPT OUT --to dcp --distributed")
+                        hint="torchrun --nproc_per_node N -m ckpt_cli.main convert CKPT OUT --to dcp --distributed")
     if plan.to not in ("dcp", "deepspeed-universal"):
         raise CkptError(f"--distributed writes --to dcp or deepspeed-universal, not {plan.to}",
                         hint="--to torch writes one file from one process")
@@ -680,7 +680,7 @@ def _execute_distributed(plan: ConvertPlan, *, progress: Callable[[int], None] |
 
     def finish(tmp: Path, parts: list) -> None:
         if plan.to == "dcp":
-            from ..dcp_write import write_metadata
+            from ..write.dcp_write import write_metadata
 
             write_metadata(tmp, [p for p in parts if p is not None], str(plan.out))
         _raise_problems(verify_logical(plan, tmp) if verify else [], plan)

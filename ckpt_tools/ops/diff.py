@@ -4,7 +4,7 @@ or, across formats and topologies, parameter by parameter (the logical compariso
 Two modes (`mode=`; the CLI's --files / --logical force one, "auto" picks):
   files    two checkpoints of the same format and topology: every file compared by relative path (below).
   logical  A and B of different formats or topologies (a ZeRO checkpoint and its universal output, its
-           export, a DCP copy, ZeRO-2 vs ZeRO-3): both are read through `ckpt_tools.logical` and compared by
+           export, a DCP copy, ZeRO-2 vs ZeRO-3): both are read through `ckpt_tools.view.logical` and compared by
            logical name — every model tensor (the fp32 master where the format keeps one), every
            per-parameter optimizer state tensor (exp_avg, momentum_buffer, sum, ...) and scalar (step), each
            param group's hyper-parameters and members, and the step counters. A side without optimizer state
@@ -31,10 +31,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .. import pickle_reader, remote
+from ..read import pickle_reader, remote
 from ..errors import CkptError, NotACheckpoint
-from ..pickle_reader import DType, NumpyArray, Opaque, TensorRef
-from ..tree import jsonable
+from ..read.pickle_reader import DType, NumpyArray, Opaque, TensorRef
+from ..read.tree import jsonable
 
 #: elements read and compared per step, whatever a tensor's size: the read buffers (one per side) and the
 #: float64 temporaries of a comparison are a few times this, so a command's memory stays flat in tensor and
@@ -51,7 +51,7 @@ class ChunkReader:
     stay resident) into one buffer reused for every read, so RSS stays at the buffer's size."""
 
     def __init__(self):
-        from ..pickle_reader import FdCache
+        from ..read.pickle_reader import FdCache
 
         self._fds = FdCache()
         self._buf = bytearray()
@@ -62,7 +62,7 @@ class ChunkReader:
         the reused buffer: valid until the next `read`."""
         import numpy as np
 
-        from ..pickle_reader import DTYPE_SIZE
+        from ..read.pickle_reader import DTYPE_SIZE
 
         esize = DTYPE_SIZE[dtype]
         total = sum(n for _, _, n in runs)
@@ -353,7 +353,7 @@ def choose_mode(a: str | os.PathLike, b: str | os.PathLike) -> str:
     """"files" when A and B are the same format with the same topology and one's files are among the other's
     (their files correspond one to one; an added or removed file is then a difference to name), else "logical". When one of them cannot be opened as a whole (a damaged copy), "files": the file by file
     comparison still names what differs."""
-    from .. import open_checkpoint
+    from ..view.checkpoint import open_checkpoint
     from ..formats import detect
 
     if detect(Path(a)) is not detect(Path(b)):
@@ -396,7 +396,7 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, atol: float = 0.0, rtol: fl
         raise CkptError("--n-kv-heads applies to the logical comparison", hint="add --logical")
     if mode == "logical":
         if n_kv_heads is not None:
-            from ..logical import with_kv_heads
+            from ..view.logical import with_kv_heads
 
             return logical_diff(with_kv_heads(pa, n_kv_heads), with_kv_heads(pb, n_kv_heads), atol, rtol,
                                 progress=progress)
@@ -426,7 +426,7 @@ def _node_runs(node, dtype: str) -> list[tuple[TensorRef, int, int]] | None:
     stored: its pieces (ZeRO partitions, a plain tensor, a safetensors entry), a replicated TP shard's, or
     the shards' one after the other when they are concatenated along dim 0; contiguous and in `dtype`.
     None otherwise."""
-    from ..tree import TensorNode
+    from ..read.tree import TensorNode
 
     if not isinstance(node, TensorNode) or node.dtype != dtype:
         return None
@@ -603,7 +603,7 @@ def _read_compare(d: "_Differ", section: str, name: str, ta, tb) -> None:
 
 
 def _names_only(params: Any) -> list[str] | None:
-    from ..logical import name_key
+    from ..view.logical import name_key
 
     if isinstance(params, list) and params and all(isinstance(p, str) and not p.isdigit() for p in params):
         return sorted(name_key(p) for p in params)
@@ -622,11 +622,11 @@ def logical_diff(a: Any, b: Any, atol: float = 0.0, rtol: float = 0.0, *,
 
 
 def _logical_diff(a: Any, b: Any, d: "_Differ", progress: Callable[[int], None] | None) -> DiffReport:
-    from .. import logical as L
+    from ..view import logical as L
 
     ca, cb = L.open_any(a), L.open_any(b)
     notes: list[str] = []
-    from ..qkv import find_fused
+    from ..read.qkv import find_fused
 
     for side, ck in (("A", ca), ("B", cb)):
         fused = find_fused(ck.tree)

@@ -1,6 +1,6 @@
 """`ckpt export`: consolidated model weights as safetensors, from any format the tree reads (DeepSpeed ZeRO 1/2/3,
 the Megatron-DeepSpeed pipeline with TP merged, universal, DCP, FSDP1 sharded, Accelerate, HF Trainer, torch and
-safetensors files), through the logical view `ckpt_tools.logical`.
+safetensors files), through the logical view `ckpt_tools.view.logical`.
 
 Nothing is lost: tied parameters come under every name (as DeepSpeed's zero_to_fp32 writes them; `tied="dedupe"`
 writes one), frozen parameters at every ZeRO stage (`include_frozen=False` leaves them out), buffers too.
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import CkptError, UnsupportedCheckpoint
-from ..logical import LogicalTensor
+from ..view.logical import LogicalTensor
 
 _ST_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
@@ -141,7 +141,7 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
     for explicitly by passing tied="keep"); `hf_config`: the model's Hugging Face config.json (or its folder) to
     copy instead of the checkpoint's, required for a torchtitan Llama (its names and q/k layout are mapped to
     Hugging Face's with the head counts it gives: `ops.hf_map`)."""
-    from .. import logical as L
+    from ..view import logical as L
 
     if source_weights not in ("fp32", "module"):
         raise ValueError(f"--source {source_weights!r}: use fp32 or module")
@@ -149,7 +149,7 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
         raise ValueError(f"--dtype {dtype!r}: use fp32, bf16 or fp16")
     src = Path(source)
     out = Path(out)
-    from ..accounting import guard
+    from ..view.accounting import guard
 
     ck = guard(_open(src, tp_layout, patterns), src, "export", allow_unread=allow_unread)
     root = Path(ck.path)
@@ -179,7 +179,7 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
         f is None or not isinstance(f, str) and len(f) == 0 for f in (include, exclude))  # the same call twice
     everything = tensors if unfiltered else L.model_tensors(ck, weights=source_weights, model=model)
     kept = {t.name for t in tensors}
-    from ..accounting import unread_files
+    from ..view.accounting import unread_files
 
     skipped = {"tied": [], "frozen": [], "filtered": [], "unread files (--allow-unread)": unread_files(ck)}
     for t in everything:
@@ -267,7 +267,7 @@ def _hf_names(items: list[ExportTensor], cfg_file: Path | None, src: Path, ck: A
 
     names = [t.name for t in items]
     if hf_map.is_megatron_gpt(names):
-        from ..logical import _plain
+        from ..view.logical import _plain
 
         args = _plain(ck.tree.children["args"]) if "args" in ck.tree.children else None
         if not isinstance(args, dict):
@@ -321,9 +321,9 @@ def _write_file(path: Path, tensors: Sequence[ExportTensor], progress: Callable[
     (same dtype, its ZeRO pieces / file ranges in order: a fp32 master of any ZeRO stage, a torch or
     safetensors file's tensor) is copied file to file by the kernel (`io.copy_range`); the others are read,
     merged and converted in memory, one at a time."""
-    from ..io import copy_range
-    from ..torch_zip import start_writeback
-    from ..pickle_reader import FdCache
+    from ..write.io import copy_range
+    from ..write.torch_zip import start_writeback
+    from ..read.pickle_reader import FdCache
 
     fds = FdCache()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -361,8 +361,8 @@ _WRITEBACK_EVERY = 64 << 20
 def _ranges(t: ExportTensor, fds):
     """The file ranges holding `t`'s output bytes as they are (`tensor_read.source_ranges`), or None when it
     must be read: another dtype, TP shards to merge, vocabulary padding to strip."""
-    from ..tree import TensorNode
-    from ..tensor_read import source_ranges
+    from ..read.tree import TensorNode
+    from ..read.tensor_read import source_ranges
 
     node = t.node
     if t.transform is not None or not isinstance(node, TensorNode) or node.dtype != t.dtype or \

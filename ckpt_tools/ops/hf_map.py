@@ -224,7 +224,7 @@ def megatron_to_hf(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, A
     """{Megatron name: [(Hugging Face name, transform or None, shape written), ...]} for the config
     `megatron_hf_config` wrote (one entry per tensor; Llama's fused QKV and SwiGLU fc1 give three and two). CkptError
     naming a tensor the map does not cover or whose shape the config contradicts."""
-    from .. import qkv
+    from ..read import qkv
 
     llama = config["model_type"] == "llama"
     if llama:

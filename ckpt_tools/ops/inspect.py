@@ -20,15 +20,14 @@ from typing import Any, Iterator
 
 from .. import formats
 from ..errors import CkptError
-from ..tree import (Checkpoint, GroupNode, Node, OpaqueNode, TensorNode, ValueNode, Warning_, iter_tensors,
-                    jsonable)
+from ..read.tree import Checkpoint, GroupNode, Node, OpaqueNode, TensorNode, ValueNode, Warning_, iter_tensors, jsonable
 
 
 def open_for_inspect(path: str | Path) -> Checkpoint:
     """`open_checkpoint(path)`; when `path` is one file of a larger checkpoint (a ZeRO rank file, a DCP
     `.distcp`, a safetensors shard), the file's own view with a `part-of-checkpoint` warning naming the
     folder that opens the whole checkpoint: read alone, such a file looks like an empty or broken one."""
-    from .. import open_checkpoint
+    from ..view.checkpoint import open_checkpoint
 
     ck = open_checkpoint(path)
     return replace(ck, warnings=(*write_warnings(ck), *ck.warnings))
@@ -37,7 +36,7 @@ def open_for_inspect(path: str | Path) -> Checkpoint:
 def write_warnings(ck: Checkpoint) -> list[Warning_]:
     """`interrupted-write` when a ckpt write on this checkpoint was killed midway: the values shown may mix old
     and new ones, and the message says what `ckpt restore` will do. Only reads the journal (io.interrupted_write)."""
-    from .. import io
+    from ..write import io
 
     said = io.interrupted_write(Path(ck.path))
     return [Warning_("interrupted-write", said, str(ck.path))] if said else []

@@ -42,18 +42,19 @@ re-verified with the reader, rolled back on any failure).
 """
 from __future__ import annotations
 
-from ..accounting import guard, left_behind
+from ..view.accounting import guard, left_behind
 import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from .. import io, pickle_reader
+from ..write import io
+from ..read import pickle_reader
 from ..errors import CkptError, CorruptCheckpoint, UnsupportedCheckpoint
-from ..pickle_reader import TensorRef
-from ..state import Found, StateSource, group_dicts, is_flattened, locate
-from ..tree import Checkpoint, as_int
+from ..read.pickle_reader import TensorRef
+from ..read.state import Found, StateSource, group_dicts, is_flattened, locate
+from ..read.tree import Checkpoint, as_int
 
 # --- scheduler kinds ------------------------------------------------------------------------------------
 
@@ -279,7 +280,7 @@ class _DcpFile(_File):
         self.checks.append((key, new))
 
     def set(self, owner: dict, path: tuple, key: Any, new: Any, note: str) -> None:
-        from ..dcp_write import value_blob
+        from ..write.dcp_write import value_blob
 
         self.matched += 1
         old = owner.get(key)
@@ -308,7 +309,7 @@ class _DcpFile(_File):
         return None
 
     def set_tensor_value(self, owner: dict, path: tuple, key: Any, value: float, note: str) -> None:
-        from ..dcp_write import tensor_blob
+        from ..write.dcp_write import tensor_blob
 
         self.matched += 1
         ref = owner[key]
@@ -338,7 +339,7 @@ class _DcpFile(_File):
         return out
 
     def verify(self, written_root: Path) -> list[str]:
-        from ..dcp_write import DcpFolder
+        from ..write.dcp_write import DcpFolder
 
         folder = DcpFolder(written_root / self.prefix if self.prefix else written_root)
         problems = []
@@ -382,7 +383,7 @@ def _open_source(src: StateSource) -> _File:
         f.found.optimizers, f.found.schedulers = [], []  # JSON holds logs of LRs, not state that drives them
         return f
     if src.kind == "dcp":
-        from ..dcp_write import DcpFolder
+        from ..write.dcp_write import DcpFolder
 
         folder = DcpFolder(src.path)
         obj, index = folder.state_tree(None)
@@ -912,7 +913,7 @@ def _tensors(obj: Any, depth: int = 0) -> Iterator[TensorRef]:
 
 def _finish(ck: Checkpoint, root: Path, files: list[_File], command: str, notes: list[str], kinds: dict[int, str],
             change: dict | None, world: int) -> LrPlan:
-    from ..pickle_writer import rewrite_torch_zip
+    from ..write.pickle_writer import rewrite_torch_zip
 
     if not any(f.matched for f in files):
         raise CkptError(f"{command}: none of the requested fields exists in this checkpoint (searched "
@@ -947,7 +948,7 @@ def _finish(ck: Checkpoint, root: Path, files: list[_File], command: str, notes:
     dcp_checks = [f.verify for f in files if f.changes and isinstance(f, _DcpFile)]
 
     def verify(written_root: Path) -> list[str]:
-        from .. import open_checkpoint
+        from ..view.checkpoint import open_checkpoint
 
         problems = [p for check in dcp_checks for p in check(Path(written_root))]
         for rel, (f, items) in checks.items():
@@ -986,8 +987,8 @@ def _in_place(f: _File, target: Path) -> io.InPlace:
     the same size."""
     import zipfile
 
-    from ..pickle_writer import _pickle_tree
-    from ..zip_patch import Patch, plan_in_place
+    from ..write.pickle_writer import _pickle_tree
+    from ..write.zip_patch import Patch, plan_in_place
 
     with zipfile.ZipFile(target) as zf:
         infos = zf.infolist()
@@ -1016,7 +1017,7 @@ def _in_place(f: _File, target: Path) -> io.InPlace:
 def set_lr(path: str | Path, *, backup_dir: Path | None = None, on_stage=None, copy: bool = False,
            **kw) -> tuple[LrPlan, io.Transaction | None]:
     """Open, plan and execute `set-lr` in one call (the library's `ckpt set-lr --yes`)."""
-    from .. import open_checkpoint
+    from ..view.checkpoint import open_checkpoint
 
     p = plan_set_lr(open_checkpoint(path), **kw)
     return p, (io.execute(p.plan, backup_dir=backup_dir, on_stage=on_stage, copy=copy) if p.plan.writes else None)
@@ -1025,7 +1026,7 @@ def set_lr(path: str | Path, *, backup_dir: Path | None = None, on_stage=None, c
 def set_step(path: str | Path, *, backup_dir: Path | None = None, on_stage=None, copy: bool = False,
            **kw) -> tuple[LrPlan, io.Transaction | None]:
     """Open, plan and execute `set-step` in one call (the library's `ckpt set-step --yes`)."""
-    from .. import open_checkpoint
+    from ..view.checkpoint import open_checkpoint
 
     p = plan_set_step(open_checkpoint(path), **kw)
     return p, (io.execute(p.plan, backup_dir=backup_dir, on_stage=on_stage, copy=copy) if p.plan.writes else None)

@@ -56,12 +56,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from .. import safe_load
-from ..pickle_reader import FdCache
+from ..read import safe_load
+from ..read.pickle_reader import FdCache
 from ..errors import CkptError, UnsupportedCheckpoint
-from ..tensor_read import read_tensor, source_ranges
-from ..tp_layout import Rule, TPLayout, merge_shards
-from ..tree import Checkpoint, GroupNode, TensorNode, ValueNode
+from ..read.tensor_read import read_tensor, source_ranges
+from ..read.tp_layout import Rule, TPLayout, merge_shards
+from ..read.tree import Checkpoint, GroupNode, TensorNode, ValueNode
 
 _EXPERT_NAME = re.compile(r"\.deepspeed_experts\.\d+\.")  # deepspeed.moe's expert parameters
 STATES = ("fp32", "exp_avg", "exp_avg_sq")  # what DeepSpeed's ZeRO-3 universal loader reads (and only that)
@@ -145,11 +145,11 @@ class UniversalPlan:
 def _open_source(path: Path, patterns: Sequence[str], *, allow_unread: bool = False) -> tuple[Checkpoint, Path, str]:
     """(checkpoint, tag folder, kind) for the inputs we convert, refused while it is not the whole checkpoint
     (`accounting.require_whole`)."""
-    from ..accounting import guard
+    from ..view.accounting import guard
 
     from ..formats import _common as C
     from ..formats import deepspeed as D
-    from ..formats import detect
+    from ..formats import deepspeed_moe, detect
     from ..formats import megatron_pipeline as M
 
     mod = detect(path)
@@ -175,7 +175,7 @@ def _open_source(path: Path, patterns: Sequence[str], *, allow_unread: bool = Fa
                                         hint="to-universal converts DeepSpeed ZeRO, Megatron-DeepSpeed pipeline, "
                                              "Accelerate+DeepSpeed checkpoints and HF Trainer+DeepSpeed "
                                              "checkpoint-N folders (pass one checkpoint-N)") from None
-        ck = guard(D.open(tag_dir), tag_dir, "to-universal", allow_unread=allow_unread)
+        ck = guard(deepspeed_moe.open_any(tag_dir), tag_dir, "to-universal", allow_unread=allow_unread)
         return ck, tag_dir, "zero"
     raise UnsupportedCheckpoint(f"to-universal does not convert {name} checkpoints", path=path,
                                 hint=f"it converts DeepSpeed ZeRO, Megatron-DeepSpeed pipeline and "
@@ -242,7 +242,7 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
     info = _raw_info(tag_dir, ranks) if ms0 is not None else None
     swiglu = False
     layout = _layout_for(info, tp, tp_layout, patterns, swiglu)
-    from ..accounting import left_behind
+    from ..view.accounting import left_behind
 
     notes: list[str] = left_behind(ck)
     if tp > 1 and layout is None:
@@ -590,7 +590,7 @@ class _Prepared:
 
 
 def _prepare(obj: Any, source: Path) -> _Prepared:
-    from ..pickle_writer import _pickle_tree
+    from ..write.pickle_writer import _pickle_tree
 
     pickle_bytes, storages = _pickle_tree(obj, str(source))
     _check_globals(pickle_bytes, source)
@@ -601,7 +601,7 @@ def _prepare(obj: Any, source: Path) -> _Prepared:
 
 def _save_record(obj: Any, path: Path, source: Path) -> None:
     """`torch.save(obj, path)` for a tree of records read from `source` (their storages copied from it)."""
-    from ..torch_zip import save
+    from ..write.torch_zip import save
 
     p = obj if isinstance(obj, _Prepared) else _prepare(obj, source)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -613,7 +613,7 @@ def _steps_and_globals(plan: UniversalPlan) -> tuple[dict[int, Any], dict[str, A
     records: nothing in the pickle runs, the flat partitions are never read, and `_save_record` writes the
     small fields back as torch.save would have (refusing any global outside the DeepSpeed allowlist)."""
     from ..errors import CorruptCheckpoint
-    from ..pickle_reader import load
+    from ..read.pickle_reader import load
 
     sd = load(plan.optim_file).obj
     if plan.topology.get("zero_stage") == 0:
@@ -672,8 +672,8 @@ _PICKLES: dict[tuple, tuple[bytes, dict]] = {}
 
 
 def _state_pickle(extra: dict[str, Any], dtype: str, shape: tuple[int, ...]) -> tuple[dict, bytes, dict]:
-    from ..pickle_writer import _pickle_tree
-    from ..torch_zip import tensor_record
+    from ..write.pickle_writer import _pickle_tree
+    from ..write.torch_zip import tensor_record
 
     obj = {**extra, "param": tensor_record(dtype, shape)}
     key = (repr(list(extra.items())), dtype, shape)
@@ -685,7 +685,7 @@ def _state_pickle(extra: dict[str, Any], dtype: str, shape: tuple[int, ...]) -> 
 
 def _write_state(job: ParamJob, key: str, path: Path, fds: FdCache) -> int:
     """Write `{**job.extra, "param": <state key's tensor>}` as torch.save would; returns its tensor bytes."""
-    from ..torch_zip import save
+    from ..write.torch_zip import save
 
     node = job.states[key]
     direct = job.merge == "whole" and not job.extra.get(VOCAB_TENSOR) and (
@@ -769,7 +769,7 @@ def convert_params(plan: UniversalPlan, tag_out: Path, indices: Iterable[int], *
 
 def _write_common(plan: UniversalPlan, root: Path, optimizer_state: dict[str, Any]) -> None:
     """Everything but the per-parameter folders: model-states files, optimizer_state.pt, latest_universal."""
-    from ..torch_zip import copy_file
+    from ..write.torch_zip import copy_file
 
     tag_out = root / plan.out_tag
     tag_out.mkdir(parents=True, exist_ok=True)
@@ -790,8 +790,8 @@ def verify(plan: UniversalPlan, root: Path) -> list[str]:
     import zipfile
 
     from ..formats import _common as C
-    from ..pickle_reader import TensorRef
-    from ..torch_zip import archive_name
+    from ..read.pickle_reader import TensorRef
+    from ..write.torch_zip import archive_name
 
     tag_out = root / plan.out_tag
     cache = C.LoadCache(tag_out)
@@ -866,7 +866,7 @@ def execute(plan: UniversalPlan, *, workers: int = 1, progress: Callable[[int], 
     parameters r, r+W, r+2W, ... into rank 0's staging folder (the same filesystem), rank 0 writes the
     common files, checks that every rank finished, verifies and renames. Output bytes do not depend on W.
     """
-    from .. import io
+    from ..write import io
 
     rank, world = 0, 1
     dist = None
@@ -875,7 +875,7 @@ def execute(plan: UniversalPlan, *, workers: int = 1, progress: Callable[[int], 
 
         if not dist.is_initialized():
             raise CkptError("--distributed needs torch.distributed: run it under torchrun",
-                            hint="torchrun --nproc_per_node N -m cli.main to-universal CKPT OUT --distributed")
+                            hint="torchrun --nproc_per_node N -m ckpt_cli.main to-universal CKPT OUT --distributed")
         rank, world = dist.get_rank(), dist.get_world_size()
     mine = [i for i in range(len(plan.params)) if i % world == rank]
     steps, optimizer_state = _steps_and_globals(plan)

@@ -30,12 +30,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from .. import io
+from ..write import io
 from ..errors import UnsupportedCheckpoint
-from ..pickle_reader import DTYPE_SIZE, ZipSource
-from ..tp_layout import SOURCE_DATA, Rule, TPLayout, rule_from_data
-from ..tree import Checkpoint, GroupNode, OpaqueNode, Piece, TensorNode, ValueNode, Warning_
-from ..zip_patch import Patch, patch_file, plan_in_place
+from ..read.pickle_reader import DTYPE_SIZE, ZipSource
+from ..read.tp_layout import SOURCE_DATA, Rule, TPLayout, rule_from_data
+from ..read.tree import Checkpoint, GroupNode, OpaqueNode, Piece, TensorNode, ValueNode, Warning_
+from ..write.zip_patch import Patch, patch_file, plan_in_place
 
 OPTIMIZER_REPRESENTATIONS = ("fp32", "exp_avg", "exp_avg_sq")
 #: merge rules whose shards are copies of one tensor (DeepSpeed averages the second kind when merging)
@@ -492,7 +492,7 @@ def plan_sync_tp(ck: Checkpoint, method: str = "average", *, from_rank: int = 0,
     DP rank's piece of a flat partition is patched. Replicas only the data fallback vouches for are left
     alone (a note says so): pass `--pattern` to include them. Returns the plan and the report it is based on.
     """
-    from ..accounting import guard
+    from ..view.accounting import guard
 
     ck = guard(ck, ck.path, "sync-tp", allow_unread=allow_unread)
     if method not in METHODS:

@@ -308,7 +308,7 @@ def state_close(got: Any, want: Any, kind: str, *, saved: Any = None) -> tuple[b
 
 def _model_states(ck: Any) -> dict[str, Any]:
     """The first model-states pickle of a DeepSpeed tree (ZeRO, universal), read with ckpt's safe reader."""
-    from .. import pickle_reader
+    from ..read import pickle_reader
 
     base = Path(ck.path)
     base = base if base.is_dir() else base.parent
@@ -346,7 +346,7 @@ def replica_layout(ck: Any) -> dict[str, Any]:
     Order: the saved `module` state dict's order (the model's own `named_parameters()` order, frozen
     parameters in place), falling back to `param_shapes` order then frozen ones. Group membership and the
     order inside each group: `param_shapes` (DeepSpeed flattens each group in that order)."""
-    from ..pickle_reader import TensorRef
+    from ..read.pickle_reader import TensorRef
 
     ms = _model_states(ck)
     shape_groups = _param_shape_groups(ms)
@@ -405,7 +405,7 @@ def specs_from_checkpoint(ck: Any) -> tuple[list[ParamSpec], dict[str, str]]:
 def groups_from_checkpoint(ck: Any) -> list[GroupSpec]:
     """The optimizer param groups as saved: membership and order from `param_shapes`, hyper-parameters
     (lr, betas, eps, weight_decay, ...) from the saved optimizer's param_groups."""
-    from ..tree import GroupNode, node_to_python
+    from ..read.tree import GroupNode, node_to_python
 
     lay = replica_layout(ck)
     saved = node_to_python(ck.optimizer.children.get("param_groups", GroupNode())) or {}

@@ -37,7 +37,7 @@ def _on_alarm(signum, frame):
 
 def run(*argv, timeout: float = 30.0) -> Result:
     """`ckpt ARGV...` in-process: exit code, stdout, stderr; a traceback or hang is recorded, not raised."""
-    from cli.main import main
+    from ckpt_cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
     old = signal.signal(signal.SIGALRM, _on_alarm)

@@ -1,0 +1,98 @@
+"""Resume a Lightning `.ckpt` with `Trainer.fit(module, ckpt_path=...)`, model-free.
+
+The LightningModule is built from the checkpoint itself: its parameters are the saved `state_dict`'s names,
+shapes and dtypes (registered on the module, so Lightning's strict load matches), `training_step` returns the
+synthetic loss (gradient known exactly), and `configure_optimizers` returns an optimizer of the saved kind with
+the saved groups (`param_names`, or by shape) and the saved scheduler class rebuilt from its state dict, stepped
+every update (interval "step") or every epoch, as the saved positions say. Lightning then restores the weights,
+optimizer, scheduler and loop counters itself.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ckpt_tools.resume.workers import _common as c
+
+
+def main(plan: dict[str, Any]) -> None:
+    import lightning as L
+
+    spec = plan["models"][0]
+    steps = plan["steps"]
+    expected = plan.get("expected_lrs")
+    lr_fn = c.load_callable(plan.get("scheduler_fn"))
+
+    class ReplicaModule(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.replica = c.Replica(spec["params"])
+
+        def state_dict(self, *args: Any, **kwargs: Any):  # the checkpoint's names, without the `replica.` level
+            sd = self.replica.state_dict(*args, **kwargs)
+            return sd
+
+        def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+            return self.replica.load_state_dict(state_dict, strict=strict, assign=assign)
+
+        def training_step(self, batch, batch_idx):
+            return self.replica()
+
+        def configure_optimizers(self):
+            params = dict(self.replica.named_parameters())
+            groups = [dict(g["hyper"], params=[params[n] for n in g["names"]]) for g in spec["groups"]]
+            opt = c.build_optimizer(spec["optimizer_kind"], groups)
+            sched = c.build_scheduler(spec.get("scheduler_kind"), spec.get("scheduler_state"), opt, lr_fn)
+            if sched is None:
+                return opt
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": plan["interval"],
+                                                       "frequency": 1}}
+
+    class Recorder(L.Callback):
+        def __init__(self) -> None:
+            self.check: c.OptimizerCheck | None = None
+            self.pending: list[float] | None = None
+            self.n = 0
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            opt = trainer.optimizers[0]
+            if self.check is None:
+                sched = trainer.lr_scheduler_configs[0].scheduler if trainer.lr_scheduler_configs else None
+                c.emit("loaded", global_step=int(trainer.global_step), optimizer_step=c.adam_step(opt),
+                       scheduler_position=getattr(sched, "last_epoch", None), lr=c.lrs(opt))
+                saved = c.saved_states_by_position(plan_osd) if plan_osd is not None else None
+                self.check = c.OptimizerCheck(opt, saved, expected)
+            self.pending = c.lrs(opt)
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            assert self.check is not None
+            result = self.check.reduced()
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+            c.emit("step", step=int(trainer.global_step), loss=float(loss.detach()) if loss is not None else None,
+                   lr=self.pending, optimizer_step=c.adam_step(trainer.optimizers[0]), opt_check=result)
+            self.n += 1
+            if self.n >= steps:
+                trainer.should_stop = True
+
+    # the saved optimizer state, read with ckpt's allowlisted torch loader (not Lightning's restore)
+    from ckpt_tools.read import safe_load
+
+    loaded = safe_load.load(plan["load_dir"], mmap=False)
+    states = loaded.get("optimizer_states") if isinstance(loaded, dict) else None
+    plan_osd = states[0] if isinstance(states, list) and states else None
+    del loaded
+
+    gstep = plan.get("global_step") or 0
+    n_batches = gstep + steps + 1
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(n_batches)), batch_size=1)
+    trainer = L.Trainer(accelerator="gpu" if plan["device"] == "cuda" else "cpu", devices=1,
+                        max_steps=gstep + steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Recorder()],
+                        num_sanity_val_steps=0)
+    trainer.fit(ReplicaModule(), data, ckpt_path=plan["load_dir"])
+    c.emit("done")
+
+
+if __name__ == "__main__":
+    c.run_main(main)

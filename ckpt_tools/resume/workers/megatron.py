@@ -1,0 +1,172 @@
+"""Resume a Megatron-LM checkpoint (legacy `torch` or `torch_dist`) in Megatron-LM's own `pretrain` (pretrain_gpt.py's
+dataset provider, forward step and GPT builder, imported from the checkout `MEGATRON_LM_DIR` names), with the model
+and the run rebuilt from the checkpoint's own `args`: Megatron's parser options whose saved value differs from
+the default are passed back (`workers.megatron_lm.relaunch_argv`), the parallel sizes from the plan, `--load` the
+checkpoint, the run's length from the plan (the saved train_iters and `--exit-interval` after the plan's steps),
+no save.
+
+On a CPU the run gets the run-time changes the Megatron samples are made with (`workers.megatron_lm`: CUDA
+redirected to the CPU, gloo, no compiled kernels) and `CPU_FLAGS` (the local transformer implementation, fusions
+off: the same maths in eager PyTorch). On CUDA none of those: NCCL and the saved flags as they are.
+
+Events (see `_common`): `loaded` after Megatron's own `load_checkpoint` (the iteration, the Adam step, the
+scheduler's num_steps), one `step` per iteration (the iteration, each group's LR the iteration used, the LM loss
+from the last pipeline stage, the Adam step after it, every rank's LRs, and for a legacy checkpoint resumed at its
+saved TP / PP the closed-form AdamW check of the update from the state each rank file saved), `done`.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from typing import Any
+
+import torch
+
+from ckpt_tools.resume.workers import _common as c
+
+
+#: what a resume changes by design: counters and run state Megatron sets itself, and the CPU run-time flags
+RUN_STATE = frozenset(("iteration", "consumed_train_samples", "consumed_valid_samples", "skipped_train_samples",
+                       "curr_iteration", "do_train", "do_valid", "do_test", "model_type",
+                       "num_floating_point_operations_so_far", "exit_interval", "use_checkpoint_opt_param_scheduler"))
+CPU_DESTS = frozenset(("transformer_impl", "masked_softmax_fusion", "bias_gelu_fusion", "bias_dropout_fusion",
+                       "gradient_accumulation_fusion", "persist_layer_norm", "bias_swiglu_fusion", "apply_rope_fusion",
+                       "distributed_backend"))
+
+
+def args_differ(saved: dict[str, Any], live: Any, skip: frozenset) -> list[list[Any]]:
+    """[name, saved, live] for every saved arg the relaunched run holds with another value (`skip` aside)."""
+    import json
+
+    def plain(x: Any) -> Any:  # as the plan holds the saved args: tuples as lists, enums as their value, else str
+        x = x.value if hasattr(x, "value") and not isinstance(x, (int, float, str)) else x
+        return json.loads(json.dumps(x, default=str))
+
+    out = []
+    for k, v in saved.items():
+        if k in skip or not hasattr(live, k):
+            continue
+        lv = plain(getattr(live, k))
+        if plain(v) != lv:
+            out.append([k, v, lv])
+    return out
+
+
+def inner_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside Megatron's (a ChainedOptimizer of one, a mixed-precision wrapper)."""
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    if len(chained) != 1:
+        return None
+    return c.innermost(chained[0])
+
+
+def saved_legacy_state(plan: dict[str, Any], inner: Any) -> list[dict[str, torch.Tensor]] | None:
+    """This rank's saved Adam state in the live torch optimizer's parameter order, read (inert, ckpt's reader) from
+    its own legacy rank file `iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt`: the torch state dict Megatron saved,
+    its param groups' ids in order. None where the run is not at the saved TP / PP (another rank layout)."""
+    from pathlib import Path
+
+    from megatron.core import parallel_state as ps
+
+    from ckpt_tools.read import pickle_reader as pr
+
+    saved = plan["saved_args"]
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    if (tp, pp) != (saved.get("tensor_model_parallel_size") or 1, saved.get("pipeline_model_parallel_size") or 1):
+        return None
+    folder = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}" + (
+        f"_{ps.get_pipeline_model_parallel_rank():03d}" if pp > 1 else "")
+    f = Path(plan["load_dir"]) / f"iter_{int(plan['iteration']):07d}" / folder / "model_optim_rng.pt"
+    osd = c.find_osd(pr.load(f).obj)  # read inert: the file pickles Megatron's args Namespace
+    if osd is None:
+        return None
+    state = {i: {k: v.read_torch() if isinstance(v, pr.TensorRef) else v for k, v in st.items()}
+             for i, st in (osd.get("state") or {}).items() if isinstance(st, dict)}
+    out = c.saved_states_by_position({**osd, "state": state})
+    return out if out and len(out) == sum(len(g["params"]) for g in inner.param_groups) else None
+
+
+def main(plan: dict[str, Any]) -> None:
+    from ckpt_tools.samples.workers import megatron_lm as W
+
+    cpu = plan["device"] == "cpu"
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # what Megatron's TP setup asserts (users export it)
+    if cpu:
+        W.install_cpu_shims()
+    W.import_megatron()
+    from ckpt_tools.train.procgroup import join
+
+    join("gloo" if cpu else "nccl")
+    import megatron.training.training as training
+    from megatron.training import get_args, pretrain
+
+    saved = plan["saved_args"]
+    work = W._shared_tempdir("ckpt_resume_megatron_")
+    argv = [*W.relaunch_argv(saved), *W.parallel_argv(saved, plan.get("tp"), plan.get("pp")),
+            *(W.CPU_FLAGS if cpu else []), "--distributed-backend", "gloo" if cpu else "nccl",
+            "--load", plan["load_dir"], "--exit-on-missing-checkpoint",
+            *plan["run_argv"],
+            "--eval-iters", "0", "--eval-interval", str(10 ** 9), "--log-interval", "1",
+            "--data-cache-path", str(work / "data_cache"), *shlex.split(plan.get("extra_args") or "")]
+    load_checkpoint, train_step = training.load_checkpoint, training.train_step
+    rank = torch.distributed.get_rank()
+
+    check: list[Any] = []
+
+    def loaded(model, optimizer, opt_param_scheduler, *a: Any, **k: Any):
+        out = load_checkpoint(model, optimizer, opt_param_scheduler, *a, **k)
+        steps = sorted(set(W._adam_steps(optimizer)))
+        inner = inner_optimizer(optimizer)
+        if plan.get("legacy") and inner is not None:
+            # the closed-form check of every update from the state this rank's file saved (`_common.OptimizerCheck`)
+            check.append(c.OptimizerCheck(inner, saved_legacy_state(plan, inner), plan.get("expected_lrs")))
+        if rank == 0:
+            skip = RUN_STATE | W.RELAUNCH_SKIP | (CPU_DESTS if cpu else frozenset())
+            c.emit("loaded", global_step=int(out[0]), optimizer_step=steps[-1] if steps else None,
+                   optimizer_steps=steps, scheduler_position=int(opt_param_scheduler.num_steps),
+                   argv=argv, args_differ=args_differ(saved, get_args(), skip))
+        return out
+
+    def step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *a: Any, **k: Any):
+        lrs = [float(g["lr"]) for g in W._groups(optimizer)]
+        out = train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *a, **k)
+        loss = out[0].get("lm loss") if isinstance(out[0], dict) else None
+        opt_check = check[0].reduced() if check else None  # a collective: every rank closes the update
+        mine = (lrs, None if loss is None else float(loss), sorted(set(W._adam_steps(optimizer))), bool(out[1]))
+        every: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, mine)
+        if rank == 0:
+            losses = [x[1] for x in every if x[1] is not None]
+            adam = sorted({s for x in every for s in x[2]})
+            c.emit("step", step=int(get_args().curr_iteration) + 1, loss=losses[0] if losses else None, lr=lrs,
+                   lr_by_rank=[x[0] for x in every], optimizer_step=adam[-1] if len(adam) == 1 else None,
+                   optimizer_steps=adam, skipped_steps=int(any(x[3] for x in every)), opt_check=opt_check)
+        return out
+
+    training.load_checkpoint, training.train_step = loaded, step
+    datasets, model_provider, model_type, forward_step, embedding_ranks = W._pretrain_entry()
+    sys.argv = [sys.argv[0], *argv]
+    try:
+        try:
+            pretrain(datasets, model_provider, model_type, forward_step,
+                     args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, get_embedding_ranks=embedding_ranks)
+        except SystemExit as e:  # --exit-interval: Megatron's train loop ends with sys.exit(0)
+            if e.code not in (0, None):
+                raise
+        torch.distributed.barrier()
+    finally:
+        if rank == 0:
+            import shutil
+
+            shutil.rmtree(work, ignore_errors=True)
+        import multiprocessing
+
+        for child in multiprocessing.active_children():  # Megatron's persistent data-loader workers
+            child.terminate()
+    if rank == 0:
+        c.emit("done")
+
+
+if __name__ == "__main__":
+    c.run_main(main)

@@ -1,0 +1,817 @@
+"""Megatron-LM samples: what Megatron-LM's own `pretrain()` writes, run on 2 CPU ranks over gloo.
+
+Nothing here re-implements Megatron: the run is `megatron.training.pretrain` with `pretrain_gpt.py`'s dataset
+provider and forward step and `gpt_builders.gpt_builder` (a Megatron-Core `GPTModel`, local layer spec: no
+TransformerEngine, no Apex), Megatron's optimizer (bf16 weights, fp32 master, torch AdamW as Megatron's "adam"
+when Apex/TE are absent), its `OptimizerParamScheduler` (linear warm-up + cosine decay) and its real
+`megatron.training.checkpointing.save_checkpoint`. `--check` loads a sample with Megatron's own
+`load_checkpoint` (through `setup_model_and_optimizer`) and prints what it restored.
+
+Versions: Megatron-LM tag `core_v0.16.1` (commit 55ac7082517c3878ae653c07c09c534b8aed49f6), megatron-core 0.16.1
+(the wheel), torch 2.13 CPU. Megatron-LM's training code is not in the wheel: the environment variable
+`MEGATRON_LM_DIR` names a checkout of that tag; it is put on `sys.path` at run time. Run with e.g.
+
+    MEGATRON_LM_DIR=/tmp/Megatron-LM python -m torch.distributed.run --nproc_per_node 2 \\
+        --master_addr 127.0.0.1 --master_port 29511 -m ckpt_tools.samples.workers.megatron_lm \\
+        --sample megatron_tp2_legacy --out /tmp/mlm_out/megatron_lm
+    ... -m ckpt_tools.samples.workers.megatron_lm --sample megatron_tp2_legacy \\
+        --check /tmp/mlm_out/megatron_lm/megatron_tp2_legacy
+
+`--out` is the group folder (as for every worker that `ckpt_tools.samples` runs): the sample is the run's save
+folder `<out>/<sample>/` (`latest_checkpointed_iteration.txt`, `iter_0000010/`) with
+`<out>/<sample>.manifest.json` beside it. Megatron's dataset cache goes to a temporary folder, removed at the end;
+no logs or TensorBoard files are written into the sample.
+
+The recipe: GPT with 2 layers, hidden 64, FFN 128, 4 heads, vocab 128 (`--vocab-size 127`: the NullTokenizer
+adds an EOD token; `--make-vocab-size-divisible-by 64` keeps 128 unpadded at TP 2), sequence 16, learned
+absolute positions, tied embeddings, dropout 0 (attention and hidden: with dropout on, the CPU data loader and
+dropout share one generator and TP-replicated weights drift apart), mock data (`--mock-data`, NullTokenizer),
+micro batch 2, global batch 4, 10 iterations, LR 3e-3 -> min 3e-4, 3 warm-up iterations, cosine decay over 20
+iterations (so the LR after the save is not yet the floor), weight decay 0.01, clip 1.0, a save after the last
+iteration. `megatron_tp2_llama_legacy` / `_torch_dist` are the same run with a Llama-style GPT (`LLAMA_FLAGS`: rotary positions
+with base 5e5, RMSNorm, SwiGLU, an untied output layer, grouped-query attention with 2 query groups, no linear
+biases). `--forward` runs Megatron's own forward of a saved TP sample (`logits_sample`). The manifest's `history` holds each `train_step`'s own loss (Megatron's log line for iteration 2
+averages iterations 1 and 2).
+
+Run-time changes, all in this process (nothing installed is edited; see `install_cpu_shims`):
+  1. `torch.cuda` redirected to the CPU: `is_available()` True and `device_count()` 1 only while
+     `initialize_megatron` runs (its CUDA assert, model-parallel setup and CUDA RNG tracker need them; later, True
+     would make the data loader pin memory); `current_device()` 0; `set_device`, `synchronize`, `empty_cache`,
+     `set_stream` no-ops; `Stream`, `Event`, `current_stream()`, `stream()` stand-ins; `get_device_capability()`
+     (9, 0), `get_device_name()`, `get_device_properties()`; memory statistics all 0.
+  2. CUDA RNG state = the CPU generator: `torch.cuda.{get,set}_rng_state`, `torch.cuda.random.get_rng_state`,
+     `manual_seed`, `manual_seed_all`, `default_generators` (and `torch.cuda._lazy_call` runs at once, as
+     Megatron's tensor_parallel.random imports it). So Megatron's RNG tracker logs "CPU RNG state changed within
+     GPU RNG context" at each fork: expected here (one generator); the saved `rng_state` holds CPU states.
+  3. A `TorchFunctionMode` for the whole run: `device='cuda'` / `device=<int>` / `torch.device('cuda', i)` arguments
+     of tensor factories and `Tensor.to` become the CPU; `Tensor.cuda()` returns the tensor;
+     `Tensor.type()` (no argument) answers `torch.cuda.<X>Tensor` (Megatron's mixed-precision optimizer selects
+     parameters by those names); `torch.nn.Module.cuda` returns the module unchanged.
+  4. `megatron.core.datasets.utils.compile_helpers` is a no-op: the wheel ships the compiled `helpers_cpp` but not
+     the Makefile that `make -C` needs.
+  5. `megatron.legacy.fused_kernels.load` is a no-op: it only runs `$CUDA_HOME/bin/nvcc -V` (no CUDA_HOME
+     here) and makes a build folder; it compiles nothing for this run.
+  6. A stand-in `triton` module exists only while Megatron's training code is imported: megatron-core imports
+     triton unconditionally for CUDA kernels this run never calls; it is removed again right after.
+  7. `CUDA_DEVICE_MAX_CONNECTIONS=1` is set in the environment (Megatron asserts it for TP; users export it).
+  8. Megatron's `jit_fuser` (torch.compile, bound when megatron.core is first imported) is the identity: inductor
+     on CPU fails under the CUDA redirection (it asks the device properties for `gcnArchName`); the fused
+     functions (bias-GeLU etc.) run as plain eager PyTorch, the same maths.
+  9. The process group is created here (gloo) before Megatron's `initialize_megatron`, which then uses it; Megatron
+     gets `--distributed-backend gloo`.
+  Recording only (no behaviour change): `megatron.training.training.save_checkpoint` and `train_step` are wrapped
+  to read the live model / optimizer / scheduler at save time and each iteration's LR and loss for the manifest.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+MEGATRON_LM_TAG = "core_v0.16.1"
+MEGATRON_LM_COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"
+
+ITERATIONS = 10
+MICRO_BATCH = 2
+GLOBAL_BATCH = 4
+MAX_LR = 3e-3
+MIN_LR = 3e-4
+WARMUP_ITERS = 3
+DECAY_ITERS = 20
+WEIGHT_DECAY = 0.01
+SEED = 1234
+
+
+@dataclass(frozen=True)
+class Variant:
+    tp: int
+    ckpt_format: str  # "torch" (legacy per-rank files) or "torch_dist"
+    distributed_optimizer: bool = False
+    pp: int = 1
+    vpp: int = 0  # virtual pipeline chunks per stage (0: none); the model then has pp * vpp layers, hidden 32
+    llama: bool = False  # the Llama-style GPT: RoPE, RMSNorm, SwiGLU, untied output, 2 query groups, no biases
+
+
+VARIANTS = {
+    "megatron_tp2_legacy": Variant(tp=2, ckpt_format="torch"),
+    "megatron_tp2_torch_dist": Variant(tp=2, ckpt_format="torch_dist"),
+    "megatron_dp2_distopt_legacy": Variant(tp=1, ckpt_format="torch", distributed_optimizer=True),
+    "megatron_dp2_distopt_torch_dist": Variant(tp=1, ckpt_format="torch_dist", distributed_optimizer=True),
+    "megatron_pp2_legacy": Variant(tp=1, ckpt_format="torch", pp=2),
+    "megatron_pp2_torch_dist": Variant(tp=1, ckpt_format="torch_dist", pp=2),
+    "megatron_pp2_vpp2_legacy": Variant(tp=1, ckpt_format="torch", pp=2, vpp=2),
+    "megatron_pp2_vpp2_torch_dist": Variant(tp=1, ckpt_format="torch_dist", pp=2, vpp=2),
+    "megatron_tp2_llama_legacy": Variant(tp=2, ckpt_format="torch", llama=True),
+    "megatron_tp2_llama_torch_dist": Variant(tp=2, ckpt_format="torch_dist", llama=True),
+}
+#: the Llama-style variant's architecture flags (what a Llama run passes to pretrain_gpt.py)
+LLAMA_FLAGS = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--normalization", "RMSNorm",
+               "--swiglu", "--untie-embeddings-and-output-weights", "--group-query-attention",
+               "--num-query-groups", "2", "--disable-bias-linear", "--no-bias-swiglu-fusion", "--no-rope-fusion"]
+
+# vocab_size is the model's (padded) vocabulary: Megatron's NullTokenizer adds an EOD token to --vocab-size.
+MODEL = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
+         "vocab_size": 128, "seq_length": 16}
+
+
+def model_config(v: Variant) -> dict[str, int]:
+    """The recipe's model for variant `v`: the interleaved schedule needs a layer per model chunk, so a virtual
+    pipeline gets pp * vpp layers, kept small (hidden 32, FFN 64); the Llama-style variant is as small."""
+    if v.vpp:
+        return {**MODEL, "num_layers": v.pp * v.vpp, "hidden_size": 32, "ffn_hidden_size": 64}
+    if v.llama:  # hidden 32 (4 heads of 8, 2 query groups), FFN 64: small samples
+        return {**MODEL, "hidden_size": 32, "ffn_hidden_size": 64}
+    return dict(MODEL)
+
+
+def megatron_argv(v: Variant, *, save: Path | None, load: Path | None, work: Path) -> list[str]:
+    """Megatron's command line for variant `v` (what a user passes to pretrain_gpt.py)."""
+    m = model_config(v)
+    argv = [
+        "--tensor-model-parallel-size", str(v.tp), "--pipeline-model-parallel-size", str(v.pp),
+        "--num-layers", str(m["num_layers"]), "--hidden-size", str(m["hidden_size"]),
+        "--ffn-hidden-size", str(m["ffn_hidden_size"]),
+        "--num-attention-heads", str(m["num_attention_heads"]),
+        "--seq-length", str(m["seq_length"]), "--max-position-embeddings", str(m["seq_length"]),
+        "--vocab-size", str(m["vocab_size"] - 1), "--make-vocab-size-divisible-by", "64",
+        "--tokenizer-type", "NullTokenizer", "--mock-data",
+        "--transformer-impl", "local", "--normalization", "LayerNorm",
+        "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+        "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+        "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(GLOBAL_BATCH),
+        "--train-iters", str(ITERATIONS),
+        "--bf16", "--optimizer", "adam", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8",
+        "--lr", str(MAX_LR), "--min-lr", str(MIN_LR), "--lr-warmup-iters", str(WARMUP_ITERS),
+        "--lr-decay-style", "cosine", "--lr-decay-iters", str(DECAY_ITERS),
+        "--weight-decay", str(WEIGHT_DECAY), "--clip-grad", "1.0",
+        "--seed", str(SEED), "--distributed-backend", "gloo",
+        "--eval-iters", "0", "--eval-interval", str(10 * ITERATIONS), "--log-interval", "1",
+        "--ckpt-format", v.ckpt_format,
+        "--data-cache-path", str(work / "data_cache"),
+    ]
+    if v.distributed_optimizer:
+        argv.append("--use-distributed-optimizer")
+    if v.llama:
+        argv[argv.index("--normalization"): argv.index("--normalization") + 2] = []
+        argv += LLAMA_FLAGS
+    if v.vpp:
+        argv += ["--num-layers-per-virtual-pipeline-stage", "1"]
+    if save is not None:
+        argv += ["--save", str(save), "--save-interval", str(ITERATIONS)]
+    if load is not None:
+        argv += ["--load", str(load), "--exit-on-missing-checkpoint"]
+    return argv
+
+
+# --- run-time CPU shims -----------------------------------------------------------------------------------
+
+
+def _to_cpu_device(d: Any) -> Any:
+    if isinstance(d, int) and not isinstance(d, bool):
+        return torch.device("cpu")
+    if isinstance(d, str) and d.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(d, torch.device) and d.type == "cuda":
+        return torch.device("cpu")
+    return d
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA device arguments to the CPU; `Tensor.cuda()` is the identity; `Tensor.type()` answers CUDA
+    type names (Megatron's optimizer sorts parameters by them)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        if func is torch.Tensor.to and len(args) > 1:
+            args = (args[0], _to_cpu_device(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+class _Stream:
+    def __init__(self, *a: Any, **k: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *a, **k: None
+
+
+_CUDA_PRESENT = [False]
+
+
+def install_cpu_shims() -> None:
+    """Point `torch.cuda` at the CPU (see the module docstring for the list); call before importing Megatron."""
+    cuda = torch.cuda
+    gen = torch.default_generator
+    cuda.is_available = lambda: _CUDA_PRESENT[0]
+    cuda.device_count = lambda: 1 if _CUDA_PRESENT[0] else 0
+    cuda.current_device = lambda: 0
+    for name in ("set_device", "synchronize", "empty_cache", "set_stream", "reset_peak_memory_stats",
+                 "ipc_collect"):
+        setattr(cuda, name, lambda *a, **k: None)
+    cuda.Stream = _Stream
+    cuda.Event = _Stream
+    cuda.current_stream = lambda *a, **k: _Stream()
+    cuda.default_stream = lambda *a, **k: _Stream()
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.device = lambda *a, **k: contextlib.nullcontext()
+    cuda.get_device_capability = lambda *a, **k: (9, 0)
+    cuda.get_device_name = lambda *a, **k: "cpu (ckpt_tools shim)"
+    cuda.get_device_properties = lambda *a, **k: argparse.Namespace(
+        name="cpu (ckpt_tools shim)", major=9, minor=0, total_memory=1 << 34, multi_processor_count=1)
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        setattr(cuda, name, lambda *a, **k: 0)
+    cuda.memory_stats = lambda *a, **k: {}
+    cuda.mem_get_info = lambda *a, **k: (1 << 34, 1 << 34)
+    # The CUDA RNG is the CPU generator.
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+    cuda.get_rng_state_all = lambda: [torch.get_rng_state()]
+    cuda.set_rng_state_all = lambda states: torch.set_rng_state(states[0])
+    cuda.manual_seed = lambda seed: gen.manual_seed(seed)
+    cuda.manual_seed_all = lambda seed: gen.manual_seed(seed)
+    cuda.random.manual_seed = cuda.manual_seed
+    cuda.random.manual_seed_all = cuda.manual_seed_all
+    cuda.default_generators = (gen,)
+    cuda._lazy_call = lambda fn, **k: fn()
+    cuda._lazy_init = lambda: None
+    torch.nn.Module.cuda = lambda self, device=None: self
+    _CudaToCpu().__enter__()  # for the rest of the process
+
+
+def _after_megatron_import() -> None:
+    """Shims on names Megatron bound at import time."""
+    import megatron.core.datasets.utils as dutils
+    import megatron.core.tensor_parallel.random as trandom
+
+    dutils.compile_helpers = lambda: None
+    trandom._lazy_call = torch.cuda._lazy_call
+    trandom._lazy_init = torch.cuda._lazy_init
+
+
+class _Anything:
+    """Stands for any triton object at import time: a decorator with or without arguments, an annotation."""
+
+    def __init__(self, *a: Any, **k: Any) -> None:
+        self._fn = a[0] if len(a) == 1 and callable(a[0]) and not k else None
+
+    def __call__(self, *a: Any, **k: Any) -> Any:
+        if len(a) == 1 and callable(a[0]) and not k:
+            return a[0]  # used as a decorator: the kernel stays an uncalled Python function
+        return _Anything(*a, **k)
+
+    def __getattr__(self, name: str) -> Any:
+        return _Anything()
+
+    def __getitem__(self, key: Any) -> Any:
+        return _Anything()
+
+
+@contextlib.contextmanager
+def _triton_stub():
+    """A `triton` module only while Megatron's training code is imported: megatron-core imports triton
+    unconditionally for kernels this CPU run never calls (batch-invariant matmul, inference KV append).
+    Removed afterwards so that torch's own `find_spec("triton")` checks still see no triton."""
+    import types
+
+    if "triton" in sys.modules or __import__("importlib.util").util.find_spec("triton") is not None:
+        yield
+        return
+
+    class _Module(types.ModuleType):
+        def __getattr__(self, name: str) -> Any:
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _Anything()
+
+    names = ("triton", "triton.language", "triton.language.core", "triton.runtime", "triton.runtime.jit")
+    for name in names:
+        sys.modules[name] = _Module(name)
+    sys.modules["triton"].language = sys.modules["triton.language"]
+    try:
+        yield
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+
+
+def _no_compile(fn: Any = None, **kwargs: Any) -> Any:
+    return fn if fn is not None else (lambda f: f)
+
+
+@contextlib.contextmanager
+def _cuda_present():
+    _CUDA_PRESENT[0] = True
+    try:
+        yield
+    finally:
+        _CUDA_PRESENT[0] = False
+
+
+def import_megatron() -> None:
+    """Put MEGATRON_LM_DIR on sys.path and import the training code with the shims in place."""
+    root = os.environ.get("MEGATRON_LM_DIR")
+    if not root or not (Path(root) / "megatron" / "training" / "checkpointing.py").is_file():
+        raise SystemExit("set MEGATRON_LM_DIR to a Megatron-LM checkout (tag core_v0.16.1) holding "
+                         "megatron/training/checkpointing.py")
+    # `megatron` is a namespace package in both the wheel and the checkout; with the checkout last on the path,
+    # megatron.core comes from the wheel and megatron.training (absent from the wheel) from the checkout.
+    sys.path.append(root)
+    install_cpu_shims()
+    compile_ = torch.compile
+    torch.compile = _no_compile  # megatron.core.jit binds `jit_fuser = torch.compile` when first imported
+    try:
+        import megatron.core.jit
+    finally:
+        torch.compile = compile_
+    megatron.core.jit.disable_jit_fuser()
+    _after_megatron_import()
+    with _triton_stub():
+        import megatron.training.initialize as init
+        import megatron.training.training  # noqa: F401
+        import pretrain_gpt  # noqa: F401
+        import gpt_builders  # noqa: F401
+        import model_provider  # noqa: F401
+    import megatron.legacy.fused_kernels as fused_kernels
+
+    # It only reads `$CUDA_HOME/bin/nvcc -V` and makes a build folder: no kernel is compiled for this run.
+    fused_kernels.load = lambda args: None
+
+    original = init.initialize_megatron
+
+    def initialize_megatron(*a: Any, **k: Any):
+        with _cuda_present():
+            return original(*a, **k)
+
+    init.initialize_megatron = initialize_megatron
+    import megatron.training.training as training
+
+    training.initialize_megatron = initialize_megatron
+
+
+# --- what the run did, read from the live objects ---------------------------------------------------------
+
+
+def _groups(optimizer: Any) -> list[dict[str, Any]]:
+    return list(optimizer.param_groups)
+
+
+def _adam_steps(optimizer: Any) -> list[int]:
+    """Every Adam `step` value in this rank's torch optimizer state (one per parameter or flat shard)."""
+    steps: set[int] = set()
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for state in inner.state.values():
+            if "step" in state:
+                steps.add(int(state["step"]))
+    return sorted(steps)
+
+
+def _scheduler_state(sched: Any) -> dict[str, Any]:
+    return {
+        "num_steps": int(sched.num_steps),
+        "num_steps_unit": "samples (iterations x global batch size)",
+        "init_lr": float(sched.init_lr),
+        "max_lr": float(sched.max_lr),
+        "min_lr": float(sched.min_lr),
+        "lr_warmup_steps": int(sched.lr_warmup_steps),
+        "lr_decay_steps": int(sched.lr_decay_steps),
+        "lr_decay_style": sched.lr_decay_style,
+        "start_wd": float(sched.start_wd),
+        "end_wd": float(sched.end_wd),
+        "wd_incr_steps": int(sched.wd_incr_steps),
+        "wd_incr_style": sched.wd_incr_style,
+        "use_checkpoint_opt_param_scheduler": bool(sched.use_checkpoint_opt_param_scheduler),
+        "override_opt_param_scheduler": bool(sched.override_opt_param_scheduler),
+    }
+
+
+def _parameter_count(model: list[Any]) -> tuple[int, int]:
+    """(elements, tensors) of the whole model, each parameter counted once: TP-split tensors summed over the TP
+    ranks, replicated ones taken from TP rank 0, summed over pipeline stages, read on the live modules. With
+    tied embeddings and PP > 1 the last stage's `output_layer.weight` is Megatron's copy of the first stage's word
+    embeddings (kept equal by the embedding group's all-reduce): one parameter of the model, counted there."""
+    from megatron.core import parallel_state as ps
+
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    count = tensors = 0
+    for chunk in model:
+        inner = chunk
+        while hasattr(inner, "module"):  # DDP / Float16Module wrappers around the GPTModel
+            inner = inner.module
+        tied = getattr(inner, "share_embeddings_and_output_weights", False) and not ps.is_pipeline_first_stage()
+        for name, p in chunk.named_parameters():
+            if tied and name.endswith("output_layer.weight"):
+                continue
+            split = getattr(p, "tensor_model_parallel", False)
+            if split or tp_rank == 0:
+                count += p.numel()
+            if tp_rank == 0:
+                tensors += 1
+    t = torch.tensor([count, tensors], dtype=torch.long)
+    torch.distributed.all_reduce(t, group=ps.get_model_parallel_group())
+    return int(t[0]), int(t[1])
+
+
+class Recorder:
+    """Wraps Megatron's `train_step` and `save_checkpoint` (as `megatron.training.training` calls them) to keep
+    each iteration's LR and loss and the live state at save time. Changes nothing they do."""
+
+    def __init__(self) -> None:
+        self.history: list[dict[str, Any]] = []
+        self.saved: dict[str, Any] | None = None
+
+    def install(self) -> None:
+        import megatron.training.training as training
+
+        train_step, save_checkpoint = training.train_step, training.save_checkpoint
+
+        def recorded_train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
+                                *a: Any, **k: Any):
+            lrs = [float(g["lr"]) for g in _groups(optimizer)]
+            out = train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *a, **k)
+            loss = out[0].get("lm loss") if isinstance(out[0], dict) else None
+            self.history.append({"iteration": len(self.history) + 1, "lr": lrs,
+                                 "loss": None if loss is None else float(loss), "skipped": bool(out[1])})
+            return out
+
+        def recorded_save_checkpoint(iteration, model, optimizer, opt_param_scheduler, *a: Any, **k: Any):
+            result = save_checkpoint(iteration, model, optimizer, opt_param_scheduler, *a, **k)
+            self.saved = self.snapshot(iteration, model, optimizer, opt_param_scheduler)
+            return result
+
+        training.train_step = recorded_train_step
+        training.save_checkpoint = recorded_save_checkpoint
+
+    @staticmethod
+    def snapshot(iteration: int, model: list[Any], optimizer: Any, sched: Any) -> dict[str, Any]:
+        from megatron.core import parallel_state as ps
+
+        groups = []
+        for g in _groups(optimizer):
+            groups.append({
+                "lr": float(g["lr"]), "max_lr": float(g.get("max_lr", sched.max_lr)),
+                "min_lr": float(g.get("min_lr", sched.min_lr)), "weight_decay": float(g["weight_decay"]),
+                "wd_mult": g.get("wd_mult"), "lr_mult": g.get("lr_mult"),
+                "params": len(g["params"]),
+                "next_lr": float(sched.get_lr(g)),
+            })
+        count, tensors = _parameter_count(model)
+        return {
+            "iteration": int(iteration),
+            "rank": torch.distributed.get_rank(),
+            "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "dp_rank": ps.get_data_parallel_rank(),
+            "tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size(),
+            "param_groups": groups,
+            "adam_steps": _adam_steps(optimizer),
+            "scheduler": _scheduler_state(sched),
+            "parameters": {"count": count, "tensors": tensors},
+            "optimizer": type(optimizer).__name__,
+            "inner_optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
+        }
+
+
+def write_manifest(ckpt: Path, sample: str, v: Variant, per_rank: list[dict[str, Any]],
+                   history: list[dict[str, Any]]) -> None:
+    from ckpt_tools.train.manifest import write_manifest as write
+
+    import megatron.core
+
+    s = per_rank[0]
+    steps = sorted({x for r in per_rank for x in r["adam_steps"]})
+    if len(steps) != 1:
+        raise RuntimeError(f"expected one Adam step across ranks, got {steps}")
+    sched = s["scheduler"]
+    write(
+        ckpt, sample=sample, format="megatron_legacy" if v.ckpt_format == "torch" else "megatron_torch_dist",
+        world_size=len(per_rank), topology={"tp": s["tp"], "pp": s["pp"], "dp": s["dp"],
+                                            "distributed_optimizer": v.distributed_optimizer},
+        steps=s["iteration"],
+        counters={"global_step": s["iteration"], "iteration": s["iteration"], "optimizer_step": steps[0],
+                  "scheduler_num_steps": sched["num_steps"], "skipped_steps": sum(h["skipped"] for h in history)},
+        lr={"param_groups": [g["lr"] for g in s["param_groups"]],
+            "max_lr": [g["max_lr"] for g in s["param_groups"]],
+            "min_lr": [g["min_lr"] for g in s["param_groups"]],
+            "next_lr": [g["next_lr"] for g in s["param_groups"]],
+            "next_lr_note": "the LR the next iteration uses: OptimizerParamScheduler.get_lr(group) at "
+                            "num_steps (Megatron recomputes it from num_steps and each group's max_lr/min_lr "
+                            "on resume; equal to the saved group 'lr')"},
+        parameters=s["parameters"],
+        extra={
+            "megatron_lm": {"tag": MEGATRON_LM_TAG, "commit": MEGATRON_LM_COMMIT},
+            "megatron_core": megatron.core.__version__,
+            "ckpt_format": v.ckpt_format,
+            "model_config": model_config(v),
+            "precision": "bf16 weights, fp32 master (Megatron mixed-precision optimizer)",
+            "optimizer": s["optimizer"], "inner_optimizer": s["inner_optimizer"],
+            "micro_batch": MICRO_BATCH, "global_batch": GLOBAL_BATCH, "train_iters": ITERATIONS,
+            "param_groups": [{k: g[k] for k in ("weight_decay", "wd_mult", "lr_mult", "params")}
+                             for g in s["param_groups"]],
+            "param_groups_note": "Megatron's default grouping: 0 = weights with decay, 1 = biases and norms "
+                                 "without ('params' counts this rank-0 group's tensors)",
+            "opt_param_scheduler": sched,
+            "adam_step_per_rank": [r["adam_steps"] for r in per_rank],
+            "ranks_agree_on_lr": all(
+                [g["lr"] for g in r["param_groups"]] == [g["lr"] for g in s["param_groups"]] for r in per_rank),
+            "history": history,
+            "history_note": "one entry per iteration: the LR of each param group used for the update, and "
+                            "the 'lm loss' Megatron reports (averaged over data-parallel ranks)",
+            "megatron_argv": megatron_argv(v, save=Path("<save>"), load=None, work=Path("<work>")),
+        },
+    )
+
+
+# --- entry points -----------------------------------------------------------------------------------------
+
+
+def _pretrain_entry() -> tuple[Any, ...]:
+    """What `pretrain_gpt.py`'s __main__ passes to `pretrain` (imported from the checkout, not copied)."""
+    from functools import partial
+
+    import pretrain_gpt
+    from gpt_builders import gpt_builder
+    from megatron.core.enums import ModelType
+    from model_provider import model_provider
+
+    pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
+    return (pretrain_gpt.train_valid_test_datasets_provider, partial(model_provider, gpt_builder),
+            ModelType.encoder_or_decoder, pretrain_gpt.forward_step, pretrain_gpt.get_embedding_ranks)
+
+
+def _shared_tempdir(prefix: str) -> Path:
+    """One temporary folder for all ranks (rank 0 makes it, the others get its name)."""
+    import tempfile
+
+    name = [tempfile.mkdtemp(prefix=prefix) if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(name, src=0)
+    return Path(name[0])
+
+
+def make_sample(args: argparse.Namespace, work: Path) -> int:
+    """Train with Megatron's `pretrain` and save `<out>/<sample>`; rank 0 writes the manifest beside it."""
+    import shutil
+
+    v = VARIANTS[args.sample]
+    ckpt = args.out.resolve() / args.sample
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(ckpt, ignore_errors=True)
+        ckpt.mkdir(parents=True)
+    torch.distributed.barrier()
+    recorder = Recorder()
+    recorder.install()
+    datasets, model_provider, model_type, forward_step, embedding_ranks = _pretrain_entry()
+    from megatron.training import pretrain
+
+    sys.argv = [sys.argv[0], *megatron_argv(v, save=ckpt, load=None, work=work)]
+    pretrain(datasets, model_provider, model_type, forward_step,
+             args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, get_embedding_ranks=embedding_ranks)
+    if recorder.saved is None:
+        raise RuntimeError("Megatron did not save a checkpoint")
+    per_rank: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(per_rank, recorder.saved)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        write_manifest(ckpt, args.sample, v, per_rank, recorder.history)
+    return 0
+
+
+def check_sample(args: argparse.Namespace, work: Path) -> int:
+    """Load `args.check` with Megatron's own `load_checkpoint` (via `setup_model_and_optimizer`) and print the
+    restored iteration and each param group's LR on each rank; compare with the manifest when there is one."""
+    v = VARIANTS[args.sample]
+    ckpt = args.check.resolve()
+    _, model_provider, model_type, _, embedding_ranks = _pretrain_entry()
+    import megatron.training.training as training
+
+    sys.argv = [sys.argv[0], *megatron_argv(v, save=None, load=ckpt, work=work)]
+    training.initialize_megatron(args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+                                 get_embedding_ranks=embedding_ranks)
+    model, optimizer, sched = training.setup_model_and_optimizer(model_provider, model_type)
+    from megatron.training import get_args
+
+    iteration = get_args().iteration
+    lrs = [float(g["lr"]) for g in _groups(optimizer)]
+    state = Recorder.snapshot(iteration, model, optimizer, sched)
+    rank = torch.distributed.get_rank()
+    print(f"[check rank {rank}] loaded {ckpt}: iteration {iteration}, group lr {lrs}, max_lr "
+          f"{[g['max_lr'] for g in state['param_groups']]}, min_lr {[g['min_lr'] for g in state['param_groups']]},"
+          f" scheduler num_steps {state['scheduler']['num_steps']}, adam steps {state['adam_steps']}", flush=True)
+    manifest = ckpt.with_name(ckpt.name + ".manifest.json")
+    ok = True
+    if manifest.is_file():
+        m = json.loads(manifest.read_text())
+        want_lr = m["lr"]["next_lr"]
+        ok = (iteration == m["counters"]["iteration"]
+              and all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(lrs, want_lr, strict=True))
+              and state["scheduler"]["num_steps"] == m["counters"]["scheduler_num_steps"]
+              and state["adam_steps"] == [m["counters"]["optimizer_step"]])
+        print(f"[check rank {rank}] manifest: iteration {m['counters']['iteration']}, next lr {want_lr}, "
+              f"optimizer step {m['counters']['optimizer_step']} -> {'MATCH' if ok else 'MISMATCH'}", flush=True)
+    return 0 if ok else 1
+
+
+def logits_sample(args: argparse.Namespace, work: Path) -> int:
+    """Megatron's own forward of a saved sample: `initialize_megatron` with the variant's command line in fp32
+    (`--bf16` left out: the bf16 weights the checkpoint's model holds are loaded into fp32 parameters),
+    `setup_model_and_optimizer` + Megatron's `load_checkpoint` (`--no-load-optim --no-load-rng`), then the GPTModel's
+    forward on `--tokens` (JSON rows) with the causal mask `pretrain_gpt` uses; the vocab-parallel logits gathered
+    over the TP ranks; rank 0 saves them (torch.save, [batch, seq, vocab]) to `args.logits`. Pipeline parallelism is
+    not run here (TP samples only)."""
+    from megatron.core import tensor_parallel
+
+    v = VARIANTS[args.sample]
+    if v.pp > 1:
+        raise SystemExit("--logits runs the TP samples (no pipeline schedule here)")
+    _, model_provider, model_type, _, embedding_ranks = _pretrain_entry()
+    import megatron.training.training as training
+
+    argv = megatron_argv(v, save=None, load=args.forward.resolve(), work=work)
+    argv.remove("--bf16")
+    sys.argv = [sys.argv[0], *argv, "--no-load-optim", "--no-load-rng"]
+    training.initialize_megatron(args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+                                 get_embedding_ranks=embedding_ranks)
+    model, _, _ = training.setup_model_and_optimizer(model_provider, model_type)
+    net = model[0]
+    net.eval()
+    tokens = torch.tensor(json.loads(args.tokens), dtype=torch.long)
+    b, s = tokens.shape
+    positions = torch.arange(s).unsqueeze(0).expand(b, s)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)  # True: masked
+    with torch.no_grad():
+        logits = net(tokens, positions, mask)
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+    if torch.distributed.get_rank() == 0:
+        torch.save(logits.float().clone(), args.logits)
+    return 0
+
+
+#: saved args never passed back: where this run reads and writes, how long it runs, how it logs, and what this
+#: process sets itself (the resume's own --load, --train-iters, backend, data cache)
+RELAUNCH_SKIP = frozenset((
+    "load", "save", "save_interval", "train_iters", "train_samples", "exit_interval", "exit_duration_in_mins",
+    "exit_signal_handler", "local_rank", "distributed_backend", "data_cache_path", "use_checkpoint_args",
+    "use_mp_args_from_checkpoint_args", "tensorboard_dir", "wandb_project", "wandb_exp_name", "wandb_save_dir",
+    "finetune", "no_load_optim", "no_load_rng", "pretrained_checkpoint", "non_persistent_save_interval",
+    "non_persistent_ckpt_dir", "ckpt_convert_format", "ckpt_convert_save", "yaml_cfg", "exit_on_missing_checkpoint",
+    "auto_detect_ckpt_format", "async_save", "eval_interval", "eval_iters", "log_interval",
+    "one_logger_project", "one_logger_run_name", "structured_logs_dir", "config_logger_dir",
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+    "num_virtual_stages_per_pipeline_rank", "virtual_pipeline_model_parallel_size",
+    # Megatron derives these from the sizes and the vocabulary (validate_args): passing the saved values back
+    # would pin the run to the saved world
+    "expert_tensor_parallel_size", "inprocess_active_world_size", "padded_vocab_size", "encoder_num_layers",
+    "encoder_seq_length",
+))
+#: derived only in some runs: passed back unless validate_args sets them from other options itself
+DERIVED_IF = {"start_weight_decay": lambda a: a.get("weight_decay_incr_style") == "constant",
+              "end_weight_decay": lambda a: a.get("weight_decay_incr_style") == "constant"}
+#: CPU run-time flags (no TransformerEngine, Apex or fused CUDA kernels on a CPU): the same maths, eager PyTorch
+CPU_FLAGS = ["--transformer-impl", "local", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+             "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+             "--no-bias-swiglu-fusion", "--no-rope-fusion"]
+
+
+def relaunch_argv(saved: dict[str, Any]) -> list[str]:
+    """A Megatron command line that rebuilds the run a checkpoint's `args` describe: each option of Megatron's own
+    parser (`add_megatron_arguments`) whose saved value differs from the option's default, written back as that
+    option (a flag where it is one); `RELAUNCH_SKIP` and values Megatron derives itself (not options) left out.
+    The parallel sizes come back separately (`parallel_argv`)."""
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    from megatron.training.arguments import add_megatron_arguments
+
+    add_megatron_arguments(parser)
+    argv: list[str] = []
+    seen: set[str] = set()
+    for action in parser._actions:
+        dest = action.dest
+        if dest in RELAUNCH_SKIP or dest in seen or dest not in saved or not action.option_strings:
+            continue
+        if dest in DERIVED_IF and DERIVED_IF[dest](saved):
+            continue
+        value, default = saved[dest], action.default
+        option = next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
+        if isinstance(action, argparse._StoreTrueAction):
+            if value is True and default is not True:
+                argv.append(option)
+                seen.add(dest)
+            continue
+        if isinstance(action, argparse._StoreFalseAction):
+            if value is False and default is not False:
+                argv.append(option)
+                seen.add(dest)
+            continue
+        if not isinstance(action, argparse._StoreAction) or value is None or value == default:
+            continue
+        if isinstance(value, dict) or (action.choices is not None and not isinstance(value, (list, tuple))
+                                       and value not in action.choices):
+            continue  # an enum or a structure Megatron built from the option: not passed back
+        seen.add(dest)
+        argv.append(option)
+        argv += [str(x) for x in value] if isinstance(value, (list, tuple)) else [str(value)]
+    return argv
+
+
+def parallel_argv(saved: dict[str, Any], tp: int | None = None, pp: int | None = None) -> list[str]:
+    """The saved (or the given) tensor / pipeline sizes, and the saved virtual pipeline."""
+    argv = ["--tensor-model-parallel-size", str(tp or saved.get("tensor_model_parallel_size") or 1),
+            "--pipeline-model-parallel-size", str(pp or saved.get("pipeline_model_parallel_size") or 1)]
+    if saved.get("num_layers_per_virtual_pipeline_stage"):
+        argv += ["--num-layers-per-virtual-pipeline-stage", str(saved["num_layers_per_virtual_pipeline_stage"])]
+    return argv
+
+
+def resume_sample(args: argparse.Namespace, work: Path) -> int:
+    """Resume `args.resume` in Megatron's own `pretrain` (its `load_checkpoint`, then `--steps` more iterations,
+    no save) with the variant's command line plus `--megatron-args`; rank 0 writes every rank's LR per resumed
+    iteration to `args.record` (JSON: [{rank, tp_rank, dp_rank, history: [{iteration, lr, loss}]}])."""
+    import shlex
+
+    from megatron.core import parallel_state as ps
+
+    v = VARIANTS[args.sample]
+    recorder = Recorder()
+    recorder.install()
+    datasets, model_provider, model_type, forward_step, embedding_ranks = _pretrain_entry()
+    from megatron.training import pretrain
+
+    argv = megatron_argv(v, save=None, load=args.resume.resolve(), work=work)
+    argv[argv.index("--train-iters") + 1] = str(ITERATIONS + args.steps)
+    sys.argv = [sys.argv[0], *argv, *shlex.split(args.megatron_args or "")]
+    pretrain(datasets, model_provider, model_type, forward_step,
+             args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, get_embedding_ranks=embedding_ranks)
+    mine = {"rank": torch.distributed.get_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "dp_rank": ps.get_data_parallel_rank(), "history": recorder.history}
+    every: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, mine)
+    if torch.distributed.get_rank() == 0 and args.record is not None:
+        args.record.write_text(json.dumps(every, indent=1))
+    return 0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sample", required=True, choices=sorted(VARIANTS))
+    p.add_argument("--out", type=Path, help="the group folder: the sample goes to <out>/<sample>")
+    p.add_argument("--check", type=Path, help="load this saved run folder with Megatron's load_checkpoint")
+    p.add_argument("--resume", type=Path, help="resume this run folder in Megatron's pretrain and record the LRs")
+    p.add_argument("--forward", type=Path, help="run Megatron's forward of this saved run folder (TP samples) on "
+                   "--tokens and save the logits to --logits")
+    p.add_argument("--tokens", help="--forward: token ids, JSON rows")
+    p.add_argument("--logits", type=Path, help="--forward: where rank 0 saves the logits (torch.save)")
+    p.add_argument("--steps", type=int, default=3, help="resume: iterations to train after loading (default 3)")
+    p.add_argument("--record", type=Path, help="resume: rank 0 writes every rank's LR per iteration here (JSON)")
+    p.add_argument("--num-layers", type=int, help="--out: a deeper model than the sample's (bench/make_big_megatron.py)")
+    p.add_argument("--megatron-args", default="", help="resume: extra Megatron flags, one string "
+                   "(e.g. --megatron-args='--use-checkpoint-opt_param-scheduler')")
+    args = p.parse_args()
+    if sum(x is not None for x in (args.out, args.check, args.resume, args.forward)) != 1:
+        p.error("give exactly one of --out, --check, --resume or --forward")
+    if args.num_layers:
+        MODEL["num_layers"] = args.num_layers  # the same recipe, deeper: for benchmarks, not for samples
+    from ckpt_tools.train.procgroup import join, leave
+
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # what Megatron's TP setup asserts (users export it)
+    import_megatron()
+    join("gloo")
+    work = _shared_tempdir("megatron_lm_work_")  # Megatron's dataset cache, outside the sample
+    try:
+        code = (check_sample if args.check is not None else resume_sample if args.resume is not None
+                else logits_sample if args.forward is not None else make_sample)(args, work)
+        torch.distributed.barrier()
+    finally:
+        if torch.distributed.get_rank() == 0:
+            import shutil
+
+            shutil.rmtree(work, ignore_errors=True)
+        # Megatron's data loader keeps its worker processes (persistent workers): they would outlive this rank and
+        # hold the pipes of whoever captures its output (`ckpt samples make` would wait on them forever)
+        import multiprocessing
+
+        for child in multiprocessing.active_children():
+            child.terminate()
+    leave(code)
+
+
+if __name__ == "__main__":
+    main()

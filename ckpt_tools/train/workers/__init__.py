@@ -1,1 +1,0 @@
-"""One module per framework; each is a script run under torchrun that trains and saves samples."""

@@ -1,0 +1,377 @@
+"""Replace a few items of a torch distributed checkpoint (DCP) folder: new `.distcp` files and a new `.metadata`.
+
+Every DCP item (a tensor chunk, or a pickled Python value) is its own small torch.save zip inside a
+`.distcp` file, found through `.metadata`'s `storage_data[MetadataIndex] -> _StorageInfo(relative_path,
+offset, length)`. A changed value is a new blob whose length may differ from the old one, so every item
+after it in the same file moves: the file is rewritten (unchanged items and any bytes between them copied
+as they are, in their order; new blobs in place of the changed ones) and `.metadata` is re-pickled with
+the moved items' offsets and lengths (`pickle_writer.dumps` of the inert tree the safe reader produced:
+nothing from the checkpoint is imported or run). When no offset or length changes, `.metadata` is left
+alone.
+
+In O(changed bytes) (`append`, what set-lr / set-step use): each new blob is appended to its `.distcp` file in
+place (journaled by io.execute; the old blob stays as dead bytes no reader visits), and `.metadata` — small —
+is re-pickled with the appended items' offsets and lengths and replaced atomically in the same transaction.
+
+Order of use: `DcpFolder(root)` (reads `.metadata`) -> `value(key)` / `tensor(key)` / `state_tree(...)`
+to find what to edit -> `append({key: new blob})` (or `rewrite(...)`: whole files, items moved) -> the
+`(relative path, nbytes, produce[, edit])` tuples that go into one `io.WritePlan`, so that the `.distcp` files
+and `.metadata` are changed (and rolled back) together. `read_item(root, key)` re-reads one item for
+verification.
+"""
+from __future__ import annotations
+
+import io as _io
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import CorruptCheckpoint, UnsupportedCheckpoint
+from .io import copy_range
+from ..formats.dcp import METADATA, DcpItems, Item
+from ..read.pickle_reader import TensorRef
+
+#: the only value types written as new bytes items (our own plain values, never objects from the file)
+_PLAIN = (bool, int, float, str, type(None))
+
+
+class DcpFolder(DcpItems):
+    """A DCP folder's items (`formats.dcp.DcpItems`), and the files that replace or add some of them."""
+
+    # --- writing ----------------------------------------------------------------------------------------
+
+    def rewrite(self, blobs: dict[str, bytes]) -> list[tuple[str, int, Callable[[Path], None]]]:
+        """The files to write so that each flat key in `blobs` holds the new blob: `(rel, nbytes, produce)`
+        for every `.distcp` file holding a changed item, then `.metadata` when an item moved or resized."""
+        changed = {self.item(k).rel for k in blobs}
+        out = []
+        moved = False
+        for rel in sorted(changed):
+            items = sorted((it for it in self.items.values() if it.rel == rel), key=lambda it: it.offset)
+            size = (self.root / rel).stat().st_size
+            segments: list[tuple[str, Any]] = []  # ("copy", (src_off, n)) | ("blob", bytes)
+            cursor = pos = 0
+            for it in items:
+                if it.offset < cursor or it.offset + it.length > size:
+                    raise CorruptCheckpoint(f"{it.key}: item at {rel}[{it.offset}:{it.offset + it.length}] "
+                                            "overlaps another or lies outside the file", path=self.root / rel)
+                if it.offset > cursor:
+                    segments.append(("copy", (cursor, it.offset - cursor)))
+                    pos += it.offset - cursor
+                new = blobs.get(it.key) if not it.is_tensor or it.offsets == () else None
+                if new is None:
+                    segments.append(("copy", (it.offset, it.length)))
+                    n = it.length
+                else:
+                    segments.append(("blob", new))
+                    n = len(new)
+                if (pos, n) != (it.offset, it.length):
+                    moved = True
+                    it.info.state = {**it.info.state, "offset": pos, "length": n}
+                pos += n
+                cursor = it.offset + it.length
+            if cursor < size:
+                segments.append(("copy", (cursor, size - cursor)))
+                pos += size - cursor
+            out.append((rel, pos, _producer(self.root / rel, segments)))
+        if moved:
+            from .pickle_writer import dumps
+
+            data = dumps(self.meta)
+            out.append((METADATA, len(data), lambda tmp, data=data: Path(tmp).write_bytes(data)))
+        return out
+
+
+    def append(self, blobs: dict[str, bytes]) -> list[tuple[str, int, Callable[[Path], None], Any]]:
+        """The files to write so that each flat key in `blobs` holds the new blob, in O(changed bytes): every
+        new blob is APPENDED to the `.distcp` file holding its item (the old bytes stay, dead: no reader visits
+        a byte `.metadata` does not point at), and `.metadata` is re-pickled with those items' new offsets and
+        lengths. `(rel, nbytes, produce, edit)` for each `.distcp` file — `edit(path)` the in-place form
+        (`io.InPlace`: the blobs at the file's old end), `produce(tmp)` the same bytes as a whole new file —
+        then `(".metadata", nbytes, produce, None)`: always replaced whole (small), atomically, in the same
+        transaction."""
+        from .io import ByteEdit, InPlace, copy_file
+        from .pickle_writer import dumps
+
+        by_file: dict[str, list[tuple[Item, bytes]]] = {}
+        for key, blob in blobs.items():
+            it = self.item(key)
+            if it.is_tensor and it.offsets != ():
+                raise UnsupportedCheckpoint(f"{key}: only whole 0-d tensor items can be replaced", path=self.root)
+            by_file.setdefault(it.rel, []).append((it, bytes(blob)))
+        out: list[tuple[str, int, Callable[[Path], None], Any]] = []
+        for rel in sorted(by_file):
+            size = (self.root / rel).stat().st_size
+            tail, pos = [], size
+            for it, blob in sorted(by_file[rel], key=lambda x: x[0].offset):
+                it.info.state = {**it.info.state, "offset": pos, "length": len(blob)}
+                tail.append(blob)
+                pos += len(blob)
+            data = b"".join(tail)
+
+            def edit(path: Path, size=size, data=data, rel=rel) -> InPlace:
+                now = Path(path).stat().st_size
+                if now != size:
+                    raise CorruptCheckpoint(f"{rel} is {now} bytes, it was {size} when planned", path=path,
+                                            hint="the checkpoint changed since it was read; run the command again")
+                return InPlace((ByteEdit(size, data),), size + len(data))
+
+            def produce(tmp: Path, src=self.root / rel, size=size, data=data) -> None:
+                copy_file(src, tmp)
+                with open(tmp, "r+b") as fh:
+                    fh.truncate(size)
+                    fh.seek(size)
+                    fh.write(data)
+
+            out.append((rel, pos, produce, edit))
+        meta = dumps(self.meta)
+        out.append((METADATA, len(meta), lambda tmp, meta=meta: Path(tmp).write_bytes(meta), None))
+        return out
+
+
+def _producer(src: Path, segments: list[tuple[str, Any]]) -> Callable[[Path], None]:
+    def produce(tmp: Path) -> None:
+        sfd = os.open(src, os.O_RDONLY)
+        try:
+            dfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                pos = 0
+                for kind, what in segments:
+                    if kind == "copy":
+                        off, n = what
+                        copy_range(sfd, dfd, off, pos, n)
+                    else:
+                        n = os.pwrite(dfd, what, pos)
+                        if n != len(what):
+                            raise OSError(f"short write to {tmp}")
+                    pos += n
+                os.ftruncate(dfd, pos)
+            finally:
+                os.close(dfd)
+        finally:
+            os.close(sfd)
+    return produce
+
+
+def value_blob(value: Any) -> bytes:
+    """A bytes item as DCP writes it (`torch.save` of the value), for one of our own plain values."""
+    import torch
+
+    if not _is_plain(value):
+        raise UnsupportedCheckpoint(f"refusing to write {type(value).__name__} value {value!r} as a DCP item")
+    buf = _io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def tensor_blob(dtype: str, value: float) -> bytes:
+    """A 0-d tensor item as DCP writes it (`torch.save` of the tensor)."""
+    import torch
+
+    buf = _io.BytesIO()
+    torch.save(torch.tensor(value, dtype=getattr(torch, dtype)), buf)
+    return buf.getvalue()
+
+
+def _is_plain(v: Any, depth: int = 0) -> bool:
+    if isinstance(v, _PLAIN) and type(v) in _PLAIN:
+        return True
+    if isinstance(v, (list, tuple)) and type(v) in (list, tuple) and depth < 8:
+        return all(_is_plain(x, depth + 1) for x in v)
+    if type(v) is dict and depth < 8:  # a pickled object of plain values (Megatron's sharded param groups)
+        return all(type(k) in (str, int) and _is_plain(x, depth + 1) for k, x in v.items())
+    return False
+
+
+def read_item(root: Path, key: str) -> Any:
+    """Re-read one item (a bytes item's value, or a 0-d tensor's value) through `.metadata`: for verify."""
+    folder = DcpFolder(root)
+    it = folder.item(key)
+    obj = folder._load(it)
+    return obj.item() if isinstance(obj, TensorRef) else obj
+
+
+# --- writing a new DCP folder, one item at a time (`ckpt convert --to dcp`) ---------------------------------
+
+
+class DcpStreamWriter:
+    """Write a new torch.distributed.checkpoint folder item by item, as `dcp.save` lays it out: every item a
+    `torch.save` blob appended to a `__<r>_0.distcp` file; with `shards=N` every tensor of N rows or more is
+    cut into N dim-0 chunks, chunk r in `__<r>_0.distcp` (what an FSDP2 run at DP=N saves; DCP reshards at
+    load, so any N loads at any world size), smaller tensors and values whole in `__0_0.distcp` (with `rank=R`,
+    one of several writing processes: every chunk in `__<R>_0.distcp`); then
+    `.metadata` (a `Metadata` with `planner_data` mapping each flat key to its state-dict path, the way
+    `flatten_state_dict` does). Only the item being written is in memory, so a model of any size streams.
+
+    Order of use: `w = DcpStreamWriter(folder)`; `w.tensor(path, t)` / `w.value(path, v)` for each leaf
+    (`path`: the tuple of keys in the nested state dict, e.g. ("optim", "state", "wte.weight", "exp_avg"),
+    list positions as ints); `w.close()` writes `.metadata`. `flatten_paths(obj)` yields the leaves of a
+    nested dict the way DCP flattens it (lists of plain values are one value)."""
+
+
+    def __init__(self, folder: Path, checkpoint_id: str | None = None, shards: int = 1, rank: int | None = None):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.shards = max(1, int(shards))
+        # `rank`: one writer of several processes (`--distributed`): whole tensors into `__<rank>_0.distcp`
+        self._names = [f"__{rank}_0.distcp"] if rank is not None else [f"__{i}_0.distcp" for i in range(self.shards)]
+        self._fhs = [open(self.folder / n, "wb") for n in self._names]
+        self._fh = self._fhs[0]
+        self._sdm: dict[str, Any] = {}
+        self._storage: dict[Any, Any] = {}
+        self._planner: dict[str, tuple] = {}
+        self._checkpoint_id = checkpoint_id
+        self.bytes_written = 0
+
+    @staticmethod
+    def flat_key(path: tuple) -> str:
+        return ".".join(str(p) for p in path)
+
+    def _claim(self, path: tuple) -> str:
+        key = self.flat_key(path)
+        if key in self._sdm:
+            raise ValueError(f"{key}: written twice")
+        self._planner[key] = tuple(path)
+        return key
+
+    def _append(self, blob_writer: Callable[[Any], None], shard: int = 0) -> tuple[int, int]:
+        fh = self._fhs[shard]
+        start = fh.tell()
+        blob_writer(fh)
+        end = fh.tell()
+        self.bytes_written += end - start
+        return start, end - start
+
+    def tensor(self, path: tuple, t: Any) -> None:
+        """A whole tensor, in `shards` dim-0 chunks (one per file, as FSDP2 at that DP size saves it)."""
+        if self.flat_key(path) in self._sdm:
+            raise ValueError(f"{self.flat_key(path)}: written twice")
+        t = t.detach().cpu()
+        n = self.shards if t.dim() >= 1 and t.shape[0] >= self.shards else 1
+        if n == 1:
+            self.tensor_part(path, tuple(t.shape), (0,) * t.dim(), t)
+            return
+        rows = -(-t.shape[0] // n)
+        for r in range(n):
+            part = t[r * rows: (r + 1) * rows]
+            if part.numel():
+                self.tensor_part(path, tuple(t.shape), (r * rows,) + (0,) * (t.dim() - 1), part)
+
+    def tensor_part(self, path: tuple, size: tuple[int, ...], offsets: tuple[int, ...], part: Any) -> None:
+        """One chunk of a global tensor of shape `size` at `offsets` (Megatron's layers stacked on a leading axis:
+        layer i at (i, 0, ...)); the chunks of one key are written by successive calls, chunk i into
+        `__<i % shards>_0.distcp`, and must tile the tensor (DCP reads any region from them)."""
+        import torch
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
+                                                           TensorStorageMetadata)
+
+        key = self.flat_key(path)
+        meta = self._sdm.get(key)
+        part = part.detach().cpu().contiguous()
+        if meta is None:
+            self._claim(path)
+            meta = self._sdm[key] = TensorStorageMetadata(TensorProperties(dtype=part.dtype), torch.Size(size), [])
+        elif not isinstance(meta, TensorStorageMetadata) or tuple(meta.size) != tuple(size) \
+                or meta.properties.dtype != part.dtype:
+            raise ValueError(f"{key}: a part of another shape or dtype than the tensor's first part")
+        if len(offsets) != len(size) or any(o < 0 or o + n > s for o, n, s in zip(offsets, part.shape, size)):
+            raise ValueError(f"{key}: part {tuple(part.shape)} at {tuple(offsets)} lies outside {tuple(size)}")
+        if part.untyped_storage().nbytes() != part.numel() * part.element_size():
+            part = part.clone()  # torch.save writes the whole storage: never a view's neighbours
+        f = len(meta.chunks) % len(self._fhs)
+        off, n = self._append(lambda fh: torch.save(part, fh), f)
+        meta.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(part.shape)))
+        self._storage[MetadataIndex(key, torch.Size(offsets), len(meta.chunks) - 1)] = _StorageInfo(
+            self._names[f], off, n)
+
+    def value_blob(self, path: tuple, blob: bytes) -> None:
+        """A bytes item whose torch.save bytes are already made (an object read inert from another checkpoint and
+        written back by `pickle_writer.rewrite_torch_zip`: nothing is unpickled to write it)."""
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+        key = self._claim(path)
+        off, n = self._append(lambda fh: fh.write(blob))
+        self._sdm[key] = BytesStorageMetadata()
+        self._storage[MetadataIndex(key)] = _StorageInfo(self._names[0], off, n)
+
+    def value(self, path: tuple, v: Any) -> None:
+        import torch
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+        key = self._claim(path)
+        buf = _io.BytesIO()
+        torch.save(v, buf)
+        off, n = self._append(lambda fh: fh.write(buf.getbuffer()))
+        self._sdm[key] = BytesStorageMetadata()
+        self._storage[MetadataIndex(key)] = _StorageInfo(self._names[0], off, n)
+
+    def finish(self) -> tuple[dict, dict, dict]:
+        """Close the data files (fsynced); this writer's (state_dict_metadata, storage_data, planner_data) for
+        `write_metadata` (several writers' parts merge into one `.metadata`)."""
+        for fh in self._fhs:
+            fh.flush()
+            os.fsync(fh.fileno())
+            fh.close()
+        return self._sdm, self._storage, self._planner
+
+    def close(self) -> Path:
+        return write_metadata(self.folder, [self.finish()], self._checkpoint_id)
+
+    def abort(self) -> None:
+        for fh in self._fhs:
+            if not fh.closed:
+                fh.close()
+
+
+def write_metadata(folder: Path, parts: list[tuple[dict, dict, dict]], checkpoint_id: str | None = None) -> Path:
+    """`.metadata` for the items that one or more `DcpStreamWriter`s wrote into `folder` (`finish()` of each)."""
+    import pickle
+    import uuid
+
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    sdm: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    planner: dict[str, tuple] = {}
+    for s_, st, pl in parts:
+        dup = set(sdm) & set(s_)
+        if dup:
+            raise ValueError(f"{sorted(dup)[:3]}: written by two writers")
+        sdm.update(s_)
+        storage.update(st)
+        planner.update(pl)
+    md = Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=storage,
+                  storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=str(uuid.uuid4())), version="1.0.0")
+    path = Path(folder) / METADATA
+    with open(path, "wb") as fh:
+        pickle.dump(md, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return path
+
+
+def flatten_paths(obj: Any, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
+    """(path, leaf) for a nested state dict, as DCP's `traverse_state_dict` cuts it: dicts are walked (keys
+    as str), a list or tuple is walked when it holds a dict somewhere (else it is one value), anything else
+    is a leaf."""
+    out: list[tuple[tuple, Any]] = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.extend(flatten_paths(v, prefix + (str(k),)))
+    elif isinstance(obj, (list, tuple)) and not _terminal(obj):
+        for i, v in enumerate(obj):
+            out.extend(flatten_paths(v, prefix + (i,)))
+    else:
+        out.append((prefix, obj))
+    return out
+
+
+def _terminal(value: Any) -> bool:
+    for x in value:
+        if isinstance(x, dict) or (isinstance(x, (list, tuple)) and not _terminal(x)):
+            return False
+    return True

@@ -1,0 +1,590 @@
+"""Write a Megatron-LM torch_dist run folder (`ckpt convert SRC OUT --to megatron`), as Megatron-LM core_v0.16.1's
+`save_checkpoint` lays it out for plain Adam (not the distributed optimizer), from a Megatron-LM legacy checkpoint.
+
+    OUT/latest_checkpointed_iteration.txt     the iteration
+    OUT/iter_{N:07d}/.metadata, __R_0.distcp  a torch DCP of GLOBAL tensors (TP shards and pipeline stages merged):
+        <param>                               the module's weights as saved (bf16), `decoder.layers.<rest>` stacked
+                                              on a leading layer axis (layer i: the chunk at (i, 0, ...)), the
+                                              local layer norms under the fused names dist-checkpointing gives them
+                                              (`logical.MEGATRON_FUSED_NORMS`)
+        optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<param>   Adam's moments and the fp32 master
+        decoder.layers.<linear>._extra_state/shard_{i}_{L}        each layer's linear extra state ([None] for
+                                              Megatron's local modules: what it saves, what it asks for at load)
+        rng_state/shard_{pp}.{tp}_{PP}.{TP}   each rank file's RNG state, as saved (Megatron loads it when resumed
+                                              at the saved TP x PP and ignores it at another)
+    OUT/iter_{N:07d}/common.pt                iteration, args, checkpoint_version, the optimizer's param groups and
+                                              common Adam step (`optimizer.optimizer.state.common_step`),
+                                              opt_param_scheduler, num_floating_point_operations_so_far,
+                                              content_metadata
+    OUT/iter_{N:07d}/metadata.json            {"sharded_backend": "torch_dist", ...}
+
+Every key, global shape and dtype is the one Megatron's own torch_dist save of the same run holds (the samples
+megatron_*_legacy / megatron_*_torch_dist are one run saved both ways; tests compare them). Megatron reshards
+torch_dist at load, so the output resumes at any TP / PP.
+
+Nothing from the source is unpickled: common.pt and the RNG items are the source's own inert trees (args Namespace,
+scheduler, RNG state) written back by `pickle_writer` with only the storages they use; the tensors are read through
+the logical view. The args change in two fields only, what Megatron's own `--ckpt-convert-format torch_dist` save
+would record: `ckpt_format` torch_dist and `use_dist_ckpt` True.
+
+The other direction (`--ckpt-format torch`, `_write_legacy`): a torch_dist run (plain Adam) as the legacy run folder
+Megatron's `--ckpt-format torch` save writes, `iter_{N:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt` per rank
+(args, checkpoint_version, iteration, model / model0.., optimizer {optimizer {state, param_groups},
+fp32_from_fp16_params}, opt_param_scheduler, rng_state, num_floating_point_operations_so_far), at the saved TP or
+another (`plan.tp`): each whole tensor split by Megatron's TP rules (`_tp_shard`, the inverse of
+`formats.megatron_lm._rule`). The module order of each rank's `model` is the order the torch_dist .metadata lists the
+layer's modules in (the sharded state dict walks the same modules); param groups list this rank's parameters in that
+order, chunk after chunk, numbered group after group as torch's Optimizer.state_dict numbers them. Equal, file for
+file, to Megatron's own legacy save of the same run (the samples), but for the args' run folders.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import UnsupportedCheckpoint
+
+SOURCE_FORMATS = ("megatron_legacy",)
+LATEST = "latest_checkpointed_iteration.txt"
+DIST_META = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+             "common_backend_version": 1}
+#: what Megatron core_v0.16.1 records in common.pt about how the sharded state dict was built (plain optimizer)
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def _check_dist_target(ck, src: Path) -> None:
+    """Refuse, in one line naming what is missing, a source this writer cannot turn into a loadable Megatron run."""
+    if ck.format == "megatron_torch_dist":
+        raise UnsupportedCheckpoint("the checkpoint is already a Megatron-LM torch_dist checkpoint: nothing to convert "
+                                    "(Megatron reshards it at load: resume it at any TP / PP)", path=src,
+                                    hint="--ckpt-format torch writes it as legacy rank files, --tp N at another TP")
+    if ck.format not in SOURCE_FORMATS:
+        raise UnsupportedCheckpoint(
+            f"--to megatron needs a Megatron-LM legacy checkpoint; this is {ck.format}, which holds no Megatron "
+            "`args` (the GPT architecture, parallel sizes and schedule Megatron's load_checkpoint rebuilds the run "
+            "from), no OptimizerParamScheduler state and no Megatron-core parameter names", path=src,
+            hint="convert a checkpoint Megatron-LM saved (--ckpt-format torch); other frameworks: --to dcp / torch")
+    _check_plain_adam(ck, src, "--to megatron", "writes the plain Adam layout",
+                      "torch_dist layout (flat bucket buffers)")
+
+
+def _check_plain_adam(ck, src: Path, flag: str, writes: str, distopt_layout: str) -> None:
+    """Refuse, in one line, what neither writer carries: the distributed optimizer, an fp32 run (no Float16
+    optimizer with an fp32 master), a checkpoint without per-parameter Adam state."""
+    args = _args(ck)
+    if args.get("use_distributed_optimizer"):
+        raise UnsupportedCheckpoint(f"{flag} {writes}; this run used Megatron's distributed optimizer "
+                                    f"(args.use_distributed_optimizer), whose {distopt_layout} ckpt does not write",
+                                    path=src)
+    if not (args.get("bf16") or args.get("fp16")):
+        raise UnsupportedCheckpoint(f"{flag} is proven for bf16/fp16 runs (Float16 optimizer with an fp32 master); "
+                                    "this run trained in fp32", path=src)
+    if ck.tree.children.get("optimizer") is None or "state" not in ck.tree.children["optimizer"].children:
+        raise UnsupportedCheckpoint("the checkpoint holds no per-parameter Adam state to write", path=src)
+
+
+def _args(ck) -> dict[str, Any]:
+    from ..read.tree import node_to_python
+
+    node = ck.tree.children.get("args")
+    val = node_to_python(node) if node is not None else None
+    return val if isinstance(val, dict) else {}
+
+
+def rank_files(ck) -> dict[tuple[int, int], Path]:
+    """{(tp, pp): the rank's model_optim_rng.pt} of a legacy checkpoint."""
+    root = Path(ck.path)
+    return {(f.rank["tp"], f.rank["pp"]): root / f.path for f in ck.files
+            if f.role == "model" and f.path.endswith("model_optim_rng.pt")}
+
+
+def dist_key(name: str, layers: int) -> tuple[str, int | None]:
+    """(the torch_dist key, the layer index or None) of a logical parameter name."""
+    from ..view.logical import name_key
+
+    name = name_key(name)
+    m = _LAYER.match(name)
+    if m is None:
+        return name, None
+    if int(m[1]) >= layers:
+        raise UnsupportedCheckpoint(f"{name}: layer {m[1]} beyond args.num_layers={layers}")
+    return f"decoder.layers.{m[2]}", int(m[1])
+
+
+def _dist_plan_lines(ck) -> tuple[list[str], list[str]]:
+    """(notes, not moved) for a conversion of `ck` into Megatron's torch_dist."""
+    args = _args(ck)
+    tp, pp = ck.topology.tp or 1, ck.topology.pp or 1
+    notes = [f"Megatron-LM torch_dist (plain Adam): global tensors, layers stacked on a leading axis of "
+             f"{args.get('num_layers')}; Megatron reshards them at load, so it resumes at any TP / PP (saved at TP "
+             f"{tp} x PP {pp})",
+             "weights: the module's weights as saved (bf16) and the fp32 master as optimizer.state.fp32_param; Adam's "
+             "exp_avg / exp_avg_sq; the common Adam step, param groups and the OptimizerParamScheduler state in "
+             "common.pt, as saved",
+             "args: carried as saved, with ckpt_format=torch_dist and use_dist_ckpt=True (what Megatron's own "
+             "torch_dist save of the run records)",
+             f"RNG: each rank file's rng_state as the sharded object rng_state/shard_{{pp}}.{{tp}}_{pp}.{tp}: Megatron "
+             "loads it when resumed at the saved TP x PP and ignores it at another (no flag needed)"]
+    not_moved = []
+    if ck.tree.children.get("tied_copies") is not None:
+        not_moved.append("tied_copies: the last pipeline stage's copy of the word embeddings; torch_dist saves the "
+                         "tied weight once and Megatron re-makes the copy at load")
+    return notes, not_moved
+
+
+def _write_dist(plan, root: Path, progress: Callable[[int], None] | None) -> int:
+    """Write the run folder for `plan` (a `ops.convert.ConvertPlan` with to="megatron") into the empty folder `root`
+    (the staging folder `ops.convert.execute` renames into place); returns the bytes written."""
+    from ..view import logical as L
+    from ..read import pickle_reader as pr
+    from .dcp_write import DcpStreamWriter
+
+    ck = L.open_any(plan.source)
+    args = _args(ck)
+    layers = int(args.get("num_layers") or 0)
+    tp, pp = ck.topology.tp or 1, ck.topology.pp or 1
+    ranks = rank_files(ck)
+    obj0 = pr.load(ranks[min(ranks)]).obj
+    iteration = int(obj0["iteration"])
+    it = root / f"iter_{iteration:07d}"
+    module = {t.name: t for t in L.model_tensors(ck, weights="module")}
+    w = DcpStreamWriter(it, checkpoint_id=str(plan.out / it.name), shards=2)
+    try:
+        for p in plan.params:
+            if p.kind == "tied":
+                continue
+            key, layer = dist_key(p.name, layers)
+            tensors = [(key, module[p.name].read())]
+            if p.states:
+                tensors.append((f"optimizer.state.fp32_param.{key}", p.weight.read()))
+                tensors += [(f"optimizer.state.{k}.{key}", t.read()) for k, t in sorted(p.states.items())]
+            for k, t in tensors:
+                if layer is None:
+                    w.tensor_part((k,), tuple(t.shape), (0,) * t.dim(), t)
+                else:
+                    w.tensor_part((k,), (layers, *t.shape), (layer,) + (0,) * t.dim(), t.unsqueeze(0))
+            if progress:
+                progress(p.nbytes)
+        for rest in _extra_states(obj0):
+            for i in range(layers):
+                w.value((f"decoder.layers.{rest}._extra_state/shard_{i}_{layers}",), [None])
+        for (t, s), f in sorted(ranks.items()):
+            rng = pr.load(f).obj.get("rng_state")
+            if rng is not None:  # a run saved with --no-save-rng has none, and its args tell Megatron so
+                w.value_blob((f"rng_state/shard_{s}.{t}_{pp}.{tp}",), _zip_bytes(f, [rng]))
+    except BaseException:
+        w.abort()
+        raise
+    w.close()
+    _write_common(ranks[min(ranks)], obj0, plan, it / "common.pt")
+    (it / "metadata.json").write_text(json.dumps(DIST_META))
+    (root / LATEST).write_text(str(iteration))
+    return w.bytes_written + (it / "common.pt").stat().st_size
+
+
+def _extra_states(obj0: dict) -> list[str]:
+    """The layer modules whose `_extra_state` the rank file saves (`self_attention.linear_qkv`, ...): Megatron's
+    local modules save None, which torch_dist stores per layer and asks for at load. Anything else (Transformer
+    Engine's FP8 metadata) is refused: ckpt does not move it."""
+    out: list[str] = []
+    chunks = [v for k, v in obj0.items() if isinstance(k, str) and re.fullmatch(r"model\d*", k) and isinstance(v, dict)]
+    for k, v in ((k, v) for m in chunks for k, v in m.items()):  # a virtual pipeline: model0, model1, ...
+        m = _LAYER.match(str(k))
+        if m is None or not m[2].endswith("._extra_state"):
+            continue
+        if v is not None:
+            raise UnsupportedCheckpoint(f"{k}: a module extra state that is not None (Transformer Engine FP8 "
+                                        "metadata?): ckpt does not carry it into torch_dist")
+        rest = m[2][: -len("._extra_state")]
+        if rest not in out:
+            out.append(rest)
+    return out
+
+
+def _zip_bytes(src: Path, obj: Any) -> bytes:
+    """torch.save bytes of `obj`, a part of the inert tree read from `src` (its storages copied from there)."""
+    from .pickle_writer import rewrite_torch_zip
+
+    fd, tmp = tempfile.mkstemp(prefix="ckpt-megatron-", suffix=".pt")  # outside the checkpoint being written
+    os.close(fd)
+    try:
+        rewrite_torch_zip(src, tmp, obj, prune=True)
+        return Path(tmp).read_bytes()
+    finally:
+        os.unlink(tmp)
+
+
+def _write_common(src: Path, obj0: dict, plan, dst: Path) -> None:
+    """common.pt from rank 0's inert tree: what Megatron's torch_dist save keeps outside the DCP."""
+    import copy
+
+    from ..read.pickle_reader import TensorRef
+    from .pickle_writer import rewrite_torch_zip
+
+    opt = obj0["optimizer"]["optimizer"]
+    steps = [s.get("step") for s in (opt.get("state") or {}).values() if isinstance(s, dict)]
+    refs = [s for s in steps if isinstance(s, TensorRef) and s.numel == 1]
+    values = {float(r.read_torch().item()) for r in refs}
+    if not refs or len(refs) != len(steps) or len(values) != 1:
+        raise UnsupportedCheckpoint(f"Adam steps {sorted(values)} across parameters: torch_dist keeps one common "
+                                    "step", path=src)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]]
+    args = copy.copy(obj0["args"])
+    args.state = {**obj0["args"].state, "ckpt_format": "torch_dist", "use_dist_ckpt": True}
+    common = {"args": args, "checkpoint_version": obj0["checkpoint_version"], "iteration": obj0["iteration"],
+              "optimizer": {"optimizer": {"state": {"common_step": refs[0]}, "param_groups": groups}},
+              "opt_param_scheduler": obj0["opt_param_scheduler"],
+              "num_floating_point_operations_so_far": obj0.get("num_floating_point_operations_so_far"),
+              "content_metadata": dict(CONTENT_METADATA)}
+    rewrite_torch_zip(src, dst, common, prune=True)
+
+
+
+
+# --- torch_dist -> legacy (`--to megatron --ckpt-format torch [--tp N]`) ------------------------------------------
+
+#: Megatron-LM's two checkpoint formats, spelled as its own `--ckpt-format` flag spells them
+CKPT_FORMATS = ("torch_dist", "torch")
+_EXTRA = re.compile(r"^decoder\.layers\.(.+)\._extra_state/shard_\d+_\d+$")
+
+
+def _dist_iter(ck) -> Path:
+    from ..formats.megatron_dist import _locate
+
+    found = _locate(Path(ck.path))
+    if found is None:
+        raise UnsupportedCheckpoint("no Megatron-LM torch_dist iteration folder", path=Path(ck.path))
+    return found[1]
+
+
+def _padded_vocab(args: dict[str, Any], tp: int) -> int | None:
+    """Megatron's `_vocab_size_with_padding` at TP `tp` (what a run launched there builds its embedding with)."""
+    vocab, mult = args.get("vocab_size"), args.get("make_vocab_size_divisible_by")
+    if not isinstance(vocab, int) or not isinstance(mult, int) or mult <= 0:
+        return None
+    step = mult * tp
+    return -(-vocab // step) * step
+
+
+def _check_legacy_target(ck, src: Path, tp: int | None) -> int:
+    """Refuse, in one line, a torch_dist source (or a TP size) the legacy writer cannot turn into rank files that
+    Megatron loads at that TP; returns the TP size to write."""
+    if ck.format == "megatron_legacy":
+        raise UnsupportedCheckpoint("the checkpoint is already in Megatron-LM's legacy format (--ckpt-format "
+                                    "torch): nothing to convert", path=src,
+                                    hint="--ckpt-format torch_dist writes the torch_dist layout, which Megatron reshards at load")
+    if ck.format != "megatron_torch_dist":
+        raise UnsupportedCheckpoint(
+            f"--to megatron --ckpt-format torch needs a Megatron-LM torch_dist checkpoint; this is {ck.format}, "
+            "which holds no Megatron `args`, OptimizerParamScheduler state or Megatron-core parameter names", path=src)
+    args = _args(ck)
+    if (args.get("transformer_impl") or "local") != "local":
+        raise UnsupportedCheckpoint(f"a run built with transformer_impl={args.get('transformer_impl')}: its legacy "
+                                    "rank files use Transformer Engine's module names and extra state, which ckpt "
+                                    "does not write (local-spec runs only)", path=src)
+    _check_plain_adam(ck, src, "--ckpt-format torch", "writes the plain Adam rank files",
+                      "legacy layout (distrib_optim.pt buckets)")
+    saved = ck.topology.tp or 1
+    tp = saved if tp is None else tp
+    if tp < 1:
+        raise UnsupportedCheckpoint(f"--tp {tp}: a tensor-parallel size is 1 or more", path=src)
+    pp, vpp = ck.topology.pp or 1, ck.topology.vpp or 1
+    layers = int(args.get("num_layers") or 0)
+    if not layers or layers % (pp * vpp) or args.get("decoder_first_pipeline_num_layers") or \
+            args.get("decoder_last_pipeline_num_layers") or args.get("pipeline_model_parallel_layout"):
+        raise UnsupportedCheckpoint(f"num_layers={layers} over PP {pp} x VPP {vpp}: uneven pipeline stages, which "
+                                    "ckpt does not split into legacy rank files yet", path=src)
+    if tp != saved:
+        heads = int(args.get("num_attention_heads") or 0)
+        groups = int(args.get("num_query_groups") or 0) if args.get("group_query_attention") else heads
+        sizes = {"num_attention_heads": heads, "num_query_groups": groups,
+                 "ffn_hidden_size": int(args.get("ffn_hidden_size") or 0),
+                 "padded_vocab_size": int(args.get("padded_vocab_size") or 0)}
+        bad = [f"{k}={v}" for k, v in sizes.items() if not v or v % tp]
+        if bad:
+            raise UnsupportedCheckpoint(f"--tp {tp} does not divide {', '.join(bad)}: Megatron splits each of them "
+                                        "over the tensor-parallel ranks", path=src,
+                                        hint=f"choose a TP size that divides them; saved at TP {saved}")
+        want = _padded_vocab(args, tp)
+        if want is not None and want != sizes["padded_vocab_size"]:
+            raise UnsupportedCheckpoint(
+                f"at --tp {tp} Megatron pads the vocabulary ({args.get('vocab_size')}) to {want} rows "
+                f"(make_vocab_size_divisible_by={args.get('make_vocab_size_divisible_by')} x TP), not the saved "
+                f"{sizes['padded_vocab_size']}: its embedding would not take the saved rows", path=src,
+                hint="choose a TP size at which the padded vocabulary stays the same")
+        if args.get("sequence_parallel") and tp == 1:
+            raise UnsupportedCheckpoint("the run used sequence parallelism, which Megatron turns off at TP 1: "
+                                        "relaunch flags would differ from the saved args", path=src,
+                                        hint="convert to a TP size of 2 or more")
+    return tp
+
+
+def _legacy_plan_lines(ck, tp: int) -> tuple[list[str], list[str]]:
+    """(notes, not moved) for a conversion of a torch_dist run into legacy rank files at TP `tp`."""
+    args = _args(ck)
+    saved, pp, vpp = ck.topology.tp or 1, ck.topology.pp or 1, ck.topology.vpp
+    notes = [f"Megatron-LM legacy layout (--ckpt-format torch, plain Adam): iter_N/mp_rank_TT"
+             f"{'_PPP' if pp > 1 else ''}/model_optim_rng.pt for TP {tp} x PP {pp}"
+             f"{f' (virtual pipeline: model0..model{vpp - 1})' if vpp else ''}, saved at TP {saved}; each rank "
+             "file holds its TP shards of the module's weights (bf16) and of the fp32 master and Adam moments, split "
+             "by Megatron's own TP rules (column-parallel and vocabulary-parallel dim 0, SwiGLU fc1 per "
+             "sub-parameter, row-parallel dim 1, norms and row-parallel biases replicated), its stage's layers "
+             "numbered from 0",
+             "optimizer: per rank {state: {id: {step, exp_avg, exp_avg_sq}}, param_groups (as saved, with the ids "
+             "of this rank's parameters in model order)}, fp32_from_fp16_params; opt_param_scheduler, iteration, "
+             "checkpoint_version and floating-point-operation count as saved",
+             f"args: carried as saved with ckpt_format=torch, use_dist_ckpt=False and each file's rank / local_rank"
+             + (f"; tensor_model_parallel_size={tp}, world_size={tp * pp * int(args.get('data_parallel_size') or 1)}"
+                if tp != saved else "")]
+    not_moved = ["content_metadata (common.pt: how Megatron built the sharded state dict): the legacy format has no "
+                 "such field"]
+    if tp == saved:
+        notes.append("RNG: each rank's rng_state as saved (rng_state/shard_{pp}.{tp}_PP.TP)")
+    else:
+        not_moved.append(f"RNG at another TP: Megatron's own resharding load ignores the saved RNG state (TP {saved} "
+                         f"!= {tp}); a legacy file has no way to say so, so each rank file carries the state of the "
+                         f"TP rank it takes its first shard from (rank t <- t x {saved} // {tp}): the Python / NumPy "
+                         "/ torch generators are the same on every TP rank, the tensor-parallel CUDA tracker "
+                         "(model-parallel-rng) is that rank's (and so is expert-parallel-rng). Relaunch with --no-load-rng for Megatron's fresh "
+                         "seeding instead")
+    if ck.tree.children.get("tied_copies") is not None or (pp > 1 and not args.get("untie_embeddings_and_output_weights")):
+        notes.append("tied embeddings with PP > 1: the last stage's output_layer.weight (Megatron's copy of the word "
+                     "embeddings) written from the word embeddings, with their optimizer state")
+    return notes, not_moved
+
+
+def _legacy_name(key: str) -> str:
+    """The local-spec module name of a torch_dist key (the fused layer-norm names back to the layer's own)."""
+    from ..view.logical import MEGATRON_FUSED_NORMS
+
+    for local, fused in MEGATRON_FUSED_NORMS:
+        if key.startswith(fused):
+            return local + key[len(fused):]
+    return key
+
+
+def _stage_layout(keys: list[str], args: dict[str, Any], pp: int, vpp: int) -> dict[tuple[int, int], list]:
+    """{(stage, chunk): [(local legacy name, global logical name or None for an extra state)]} in the order
+    Megatron's GPTModel.state_dict lists them: the embedding (first chunk of stage 0), each layer's modules in the
+    order the torch_dist .metadata lists them (the sharded state dict walks the same modules), the final norm and
+    output layer (last chunk of the last stage)."""
+    from ..view.logical import name_key
+
+    layers = int(args["num_layers"])
+    chunks = max(vpp, 1)
+    per = layers // (pp * chunks)
+    pre, layer, post = [], [], []
+    for k in keys:
+        if k.startswith(("optimizer.", "rng_state/")):
+            continue
+        m = _EXTRA.match(k)
+        if m:
+            rest = m[1] + "._extra_state"
+        elif k.startswith("decoder.layers."):
+            rest = k[len("decoder.layers."):]
+        else:
+            (pre if k.startswith("embedding.") else post).append(k)
+            continue
+        if rest not in layer:
+            layer.append(rest)
+    tied = not args.get("untie_embeddings_and_output_weights")
+    if "output_layer.weight" not in post and (pp > 1 and tied):
+        post.append("output_layer.weight")  # the last stage's copy of the tied word embeddings
+    out: dict[tuple[int, int], list] = {}
+    for p in range(pp):
+        for c in range(chunks):
+            items = []
+            if p == 0 and c == 0:
+                items += [(k, k) for k in pre]
+            start = c * pp * per + p * per
+            for i in range(per):
+                for rest in layer:
+                    local = f"decoder.layers.{i}.{_legacy_name(rest)}"
+                    extra = rest.endswith("._extra_state")
+                    items.append((local, None if extra else name_key(f"decoder.layers.{start + i}.{rest}")))
+            if p == pp - 1 and c == chunks - 1:
+                for k in post:
+                    src = "embedding.word_embeddings.weight" if (k == "output_layer.weight" and tied) else k
+                    items.append((k, src))
+                items.append(("output_layer._extra_state", None))
+            out[(p, c)] = items
+    return out
+
+
+def _tp_shard(name: str, t, rank: int, tp: int, swiglu: bool):
+    """Rank `rank`'s share of the whole tensor `t` of the local-spec parameter `name` at TP `tp` (the inverse of
+    `formats.megatron_lm._rule`'s merge)."""
+    from ..formats.megatron_lm import _rule
+    from ..read.tp_layout import split_shard
+
+    rule = _rule(name, swiglu)
+    if tp > 1 and rule not in ("replicated", "cat:0", "cat:1", "cat_sub:0"):
+        raise UnsupportedCheckpoint(f"{name}: no TP split rule (Megatron-core GPT local spec): ckpt will not guess "
+                                    "how to split it")
+    return split_shard(rule, t, rank, tp)  # SwiGLU fc1 (cat_sub:0): [gate; up], each split over the ranks
+
+
+class _Records:
+    """Tensors of one rank file as `torch_zip` records: storage keys numbered in pickle order, bytes kept."""
+
+    def __init__(self):
+        self.data: dict[str, Any] = {}
+
+    def add(self, t):
+        import torch
+
+        from .torch_zip import tensor_record
+
+        key = str(len(self.data))
+        t = t.detach().contiguous()
+        self.data[key] = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        return tensor_record(str(t.dtype).replace("torch.", ""), tuple(t.shape), key)
+
+    def tree(self, obj: Any) -> Any:
+        """An inert tree (the RNG state) with every tensor re-recorded under this file's storage keys."""
+        from ..read.pickle_reader import TensorRef
+
+        if isinstance(obj, TensorRef):
+            return self.add(obj.read_torch())
+        if isinstance(obj, dict):  # dict or OrderedDict, as saved
+            return type(obj)((k, self.tree(v)) for k, v in obj.items())
+        if isinstance(obj, list):
+            return [self.tree(v) for v in obj]
+        if isinstance(obj, tuple) and type(obj) is tuple:
+            return tuple(self.tree(v) for v in obj)
+        return obj
+
+
+def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> int:
+    """Write Megatron's legacy run folder for `plan` (to="megatron", ckpt_format="torch") into the empty folder
+    `root`: one model_optim_rng.pt per (TP, PP) rank at `plan.tp`; returns the bytes written. One rank file is held
+    in memory at a time (what torch.save of it holds) plus one whole tensor; each rank reads the whole tensors it
+    takes a shard of, so a stage is read once per TP rank written (TP x the reads, memory 1/TP of the stage)."""
+    import collections
+    import copy
+
+    from ..view import logical as L
+    from ..read import pickle_reader as pr
+    from .dcp_write import DcpFolder
+    from ..formats.megatron_lm import _dir_name
+    from ..view.logical import name_key
+    from .torch_zip import save
+
+    ck = L.open_any(plan.source)
+    args = _args(ck)
+    it = _dist_iter(ck)
+    common = pr.load(it / "common.pt").obj
+    saved, pp, vpp = ck.topology.tp or 1, ck.topology.pp or 1, ck.topology.vpp or 0
+    tp = plan.tp or saved
+    dp = int(args.get("data_parallel_size") or 1)
+    swiglu = bool(args.get("swiglu"))
+    folder = DcpFolder(it)
+    layout = _stage_layout(list(folder.sdm), args, pp, vpp)
+    module = {name_key(t.name): t for t in L.model_tensors(ck, weights="module")}
+    params = {name_key(p.name): p for p in plan.params}
+    group_of = {name_key(n): gi for gi, g in enumerate(plan.groups) for n in g["params"]}
+    opt = common["optimizer"]["optimizer"]
+    step = opt["state"]["common_step"].read_torch()
+    groups_hp = [g for g in opt["param_groups"]]
+    iteration = int(common["iteration"])
+    itdir = root / f"iter_{iteration:07d}"
+    written = 0
+    def get(name: str, what: str):
+        """One whole tensor of the source, read now (not kept: memory stays at one rank file and one tensor)."""
+        if what == "module":
+            if name not in module:
+                raise UnsupportedCheckpoint(f"{name}: not in the checkpoint's model", path=plan.source)
+            return module[name].read()
+        if what == "fp32":
+            return params[name].weight.read(L.torch_dtype("float32"))
+        return params[name].states[what].read()
+
+    for p in range(pp):
+        chunks = [layout[(p, c)] for c in range(max(vpp, 1))]
+        for t in range(tp):
+            rec = _Records()
+            a = copy.copy(common["args"])
+            rank = t + tp * dp * p  # Megatron's default rank order (tp-cp-ep-dp-pp), data-parallel rank 0
+            state = {**common["args"].state, "ckpt_format": "torch", "use_dist_ckpt": False}
+            for k in ("rank", "local_rank"):
+                if k in state:
+                    state[k] = rank
+            if tp != saved:
+                state.update(tensor_model_parallel_size=tp, world_size=tp * pp * dp)
+            a.state = state
+            obj: dict[str, Any] = {"args": a, "checkpoint_version": common["checkpoint_version"],
+                                   "iteration": common["iteration"]}
+            members: list[list[str]] = [[] for _ in groups_hp]
+            for c, items in enumerate(chunks):
+                m = collections.OrderedDict()
+                for local, name in items:
+                    if name is None:
+                        m[local] = None
+                        continue
+                    m[local] = rec.add(_tp_shard(local, get(name, "module"), t, tp, swiglu))
+                    if name in params and params[name].states:
+                        if name not in group_of:
+                            raise UnsupportedCheckpoint(f"{name}: in no param group", path=plan.source)
+                        members[group_of[name]].append((local, name))
+                obj[f"model{c}" if vpp else "model"] = m
+            state_out: dict[int, Any] = {}
+            masters: list[list[Any]] = []
+            ids: list[list[int]] = []
+            i = 0
+            for gi, mem in enumerate(members):
+                ids.append(list(range(i, i + len(mem))))
+                for local, name in mem:
+                    state_out[i] = {"step": rec.add(step.clone()),
+                                    **{k: rec.add(_tp_shard(local, get(name, k), t, tp, swiglu))
+                                       for k in ("exp_avg", "exp_avg_sq")}}
+                    i += 1
+            for gi, mem in enumerate(members):
+                masters.append([rec.add(_tp_shard(local, get(name, "fp32"), t, tp, swiglu)) for local, name in mem])
+            groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": ids[gi]}
+                      for gi, g in enumerate(groups_hp)]
+            obj["optimizer"] = {"optimizer": {"state": state_out, "param_groups": groups},
+                                "fp32_from_fp16_params": masters}
+            obj["opt_param_scheduler"] = common["opt_param_scheduler"]
+            src_t = t * saved // tp
+            key = f"rng_state/shard_{p}.{src_t}_{pp}.{saved}"
+            if (key, None) in folder.items:
+                obj["rng_state"] = rec.tree(folder.value(key)[0])
+            obj["num_floating_point_operations_so_far"] = common.get("num_floating_point_operations_so_far")
+            d = itdir / _dir_name(t, p, pp)
+            d.mkdir(parents=True)
+            written += save(obj, d / "model_optim_rng.pt", rec.data)
+            if progress:  # in the plan's units (the source's bytes): its share per rank file written
+                k, n = p * tp + t, pp * tp
+                progress(plan.nbytes * (k + 1) // n - plan.nbytes * k // n)
+    (root / LATEST).write_text(str(iteration))
+    return written
+
+
+# --- what `ops.convert` calls: one entry each, the format written chosen here ------------------------------------
+
+
+def check(ck, src: Path, ckpt_format: str, tp: int | None) -> int | None:
+    """Refuse, in one line, a source (or TP size) that cannot be written as Megatron's `ckpt_format`; returns the
+    TP size of the legacy rank files (None for torch_dist, which holds whole tensors)."""
+    if ckpt_format == "torch":
+        return _check_legacy_target(ck, src, tp)
+    _check_dist_target(ck, src)
+    return None
+
+
+def plan_lines(ck, ckpt_format: str, tp: int | None) -> tuple[list[str], list[str]]:
+    """(notes, not moved) of the conversion."""
+    return _legacy_plan_lines(ck, tp) if ckpt_format == "torch" else _dist_plan_lines(ck)
+
+
+def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
+    """Write `plan` (to="megatron") into the empty staging folder `root`; returns the bytes written."""
+    return (_write_legacy if plan.ckpt_format == "torch" else _write_dist)(plan, root, progress)
+
+
+__all__ = ["check", "plan_lines", "write", "dist_key", "rank_files", "CKPT_FORMATS"]

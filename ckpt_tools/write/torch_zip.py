@@ -1,0 +1,197 @@
+"""Write files that `torch.load` reads (torch.save's zip format) without torch, copying tensor bytes file to file.
+
+A torch.save file is a zip of stored (uncompressed) members under one archive folder named after the file
+(`fp32.pt` -> `fp32/`), in this order (torch 2.13's `_save` and its PyTorchStreamWriter):
+
+    fp32/data.pkl                 the pickle (protocol 2); each storage is a persistent id ("storage", class, key, ...)
+    fp32/.format_version          "1"
+    fp32/.storage_alignment       "64": every member's data starts on a 64-byte boundary (what torch.load with mmap=True needs)
+    fp32/byteorder                "little"
+    fp32/data/<key>               one member per storage, its raw bytes
+    fp32/version                  "3\\n"
+    fp32/.data/serialization_id   40 digits; torch derives them from the member names and CRCs (so do we,
+                                  differently: nothing reads them back, but equal inputs give equal files)
+
+`pickle_writer` makes the pickle from the inert records `pickle_reader` produces (a hand-built `TensorRef`
+pickles as torch.save pickles a plain tensor) and lays the zip out (`pickle_writer.ZipWriter`). What this
+module adds is where a storage's bytes come from: bytes in memory, or ranges of other files copied by the kernel
+(`io.copy_range`: copy_file_range, a reflink on XFS/btrfs) with their CRC-32 computed from a small reused
+buffer. So writing a tensor that lies in a source file costs one pass over its bytes for the CRC plus a
+kernel copy, and memory stays at that buffer whatever the tensor's size.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import zlib
+from typing import Any, Mapping, Sequence, Union
+
+from ..read import remote
+from ..errors import CorruptCheckpoint
+from .io import copy_range
+from ..read.pickle_reader import StorageRef
+from ..read.tensor_read import FileRange
+from .pickle_writer import ZipWriter, _pickle_tree
+
+FORMAT_VERSION = b"1"
+STORAGE_ALIGNMENT = 64
+VERSION = b"3\n"  # the record format version torch 2.x writes (kProducedFileFormatVersion)
+CRC_CHUNK = 8 << 20  # bytes read at a time to compute a copied range's CRC-32 (per thread)
+
+
+
+#: what one storage member is made of: a buffer (bytes, memoryview, numpy array), or a list/tuple of file
+#: ranges copied one after another
+StorageData = Union[bytes, bytearray, memoryview, Sequence[FileRange]]
+
+_local = threading.local()
+
+
+def _crc_buffer() -> memoryview:
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = memoryview(bytearray(CRC_CHUNK))
+    return buf
+
+
+def range_crc(r: FileRange, crc: int = 0) -> int:
+    """CRC-32 of a file range (continuing `crc`), read through this thread's buffer."""
+    buf = _crc_buffer()
+    done = 0
+    while done < r.length:
+        n = os.preadv(r.fd, [buf[: min(CRC_CHUNK, r.length - done)]], r.offset + done)
+        if n <= 0:
+            raise CorruptCheckpoint(f"file ended inside a tensor (fd {r.fd}, byte {r.offset + done})",
+                                    hint="the source file is truncated; re-copy it")
+        crc = zlib.crc32(buf[:n], crc)
+        done += n
+    return crc
+
+
+def copy_ranges(ranges: Sequence[FileRange], fd: int, at: int) -> int:
+    """Copy `ranges` one after another into `fd` from byte `at` (kernel copies); returns their CRC-32."""
+    crc = 0
+    for r in ranges:
+        crc = range_crc(r, crc)
+        copy_range(r.fd, fd, r.offset, at, r.length)
+        at += r.length
+    return crc
+
+
+_sync_file_range = None
+
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing `fd`'s dirty pages to disk now, without waiting (Linux
+    sync_file_range(SYNC_FILE_RANGE_WRITE)): the fsync that makes the output durable later then finds most of
+    them written, and the disk works while the next files are copied. A no-op where it is unavailable."""
+    global _sync_file_range
+    if _sync_file_range is None:
+        try:
+            import ctypes
+
+            f = ctypes.CDLL(None, use_errno=True).sync_file_range
+            f.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+            _sync_file_range = f
+        except (OSError, AttributeError):
+            _sync_file_range = False
+    if _sync_file_range:
+        _sync_file_range(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE
+
+
+def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Copy a file to a new file `dst` with kernel copies (`io.copy_range`), its writeback started."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        copy_range(fin.fileno(), fout.fileno(), 0, 0, os.fstat(fin.fileno()).st_size)
+        start_writeback(fout.fileno())
+
+
+def archive_name(path: str | os.PathLike) -> str:
+    """The folder torch.save puts the members under: the file name without its last extension."""
+    base = os.path.basename(os.fspath(path))
+    dot = base.rfind(".")
+    return (base[:dot] if dot > 0 else base) or "archive"
+
+
+def _source_data(s: StorageRef, path: str, fds: dict[str, int]) -> StorageData:
+    """The bytes of a storage read by `pickle_reader` (kept where they are; small ones read now)."""
+    if s.source is None:
+        raise ValueError(f"storage {s.key} has no source and no bytes were given for it")
+    if s.nbytes <= ZipWriter.SMALL:
+        return bytes(s.source.read_storage(s, 0, s.nbytes))
+    fd = fds.get(s.source.path)
+    if fd is None:
+        fd = fds[s.source.path] = os.open(s.source.path, os.O_RDONLY)
+    start = s.source.storage_offset(s)
+    remote.ensure(s.source.path, start, s.nbytes)
+    if start + s.nbytes > os.fstat(fd).st_size:
+        raise CorruptCheckpoint(f"storage {s.key} lies outside the file", path=s.source.path,
+                                hint="the file is truncated; re-copy it")
+    return (FileRange(fd, start, s.nbytes),)
+
+
+def save(obj: Any, path: str | os.PathLike, data: Mapping[str, StorageData] | None = None, *,
+         pickle_bytes: bytes | None = None, storages: Mapping[str, StorageRef] | None = None) -> int:
+    """Write `obj` (a tree of plain values and `pickle_reader` records) to a new file `path`, as torch.save
+    would: torch.load of the file gives back the objects the records stand for.
+
+    Each storage the pickle names is written from `data[key]` when given (it must hold exactly the storage's
+    bytes), else from the file the record was read from. `pickle_bytes` and `storages` (what
+    `pickle_writer._pickle_tree(obj)` returns) may be passed to reuse a pickle made once for many files.
+    Returns the number of storage bytes written. The file is not fsynced (the caller's staging does that);
+    its writeback to disk is started (`start_writeback`)."""
+    path = os.fspath(path)
+    if pickle_bytes is None or storages is None:
+        pickle_bytes, storages = _pickle_tree(obj, path)
+    data = data or {}
+    prefix = archive_name(path) + "/"
+    opened: dict[str, int] = {}
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        out = ZipWriter(fd, STORAGE_ALIGNMENT)
+        out.add(prefix + "data.pkl", pickle_bytes)
+        out.add(prefix + ".format_version", FORMAT_VERSION)
+        out.add(prefix + ".storage_alignment", str(STORAGE_ALIGNMENT).encode())
+        out.add(prefix + "byteorder", b"little")
+        total = 0
+        for key, s in storages.items():
+            given = data.get(key)
+            body = given if given is not None else _source_data(s, path, opened)
+            if not isinstance(body, (list, tuple)):  # a buffer: bytes, memoryview, a numpy array
+                size = memoryview(body).nbytes
+                if size != s.nbytes:
+                    raise ValueError(f"storage {key}: {size} bytes given, the pickle says {s.nbytes}")
+                out.add(f"{prefix}data/{key}", body)
+            else:
+                size = sum(r.length for r in body)
+                if size != s.nbytes:
+                    raise ValueError(f"storage {key}: {size} bytes in ranges, the pickle says {s.nbytes}")
+                out.add_written(f"{prefix}data/{key}", size, lambda fd_, at, body=body: copy_ranges(body, fd_, at))
+            total += size
+        out.add(prefix + "version", VERSION)
+        names = "\n".join(out.names).encode()
+        crcs = b"".join(c.to_bytes(4, "little") for c in out.crcs)
+        out.add(prefix + ".data/serialization_id", f"{zlib.crc32(names):020d}{zlib.crc32(crcs):020d}".encode())
+        out.finish()
+        start_writeback(fd)
+    finally:
+        os.close(fd)
+        for f in opened.values():
+            os.close(f)
+    return total
+
+
+def tensor_record(dtype: str, shape: Sequence[int], key: str = "0"):
+    """A `TensorRef` for a new contiguous tensor of its own storage `key` (offset 0, not requiring grad):
+    pickled, it is what torch.save writes for a plain CPU tensor."""
+    from ..read.pickle_reader import TensorRef
+
+    shape = tuple(int(d) for d in shape)
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(d, 1)
+    numel = 1
+    for d in shape:
+        numel *= d
+    return TensorRef(dtype, shape, tuple(reversed(stride)), 0, StorageRef(key, dtype, numel, "cpu", None))
