@@ -38,7 +38,7 @@ Other frameworks — the dispatch contract (the module `ckpt_tools.resume.framew
     run_resume(plan, on_event=..., work_dir=...) with `getattr(plan, "framework", None)` set returns
         resume_frameworks.run_resume(plan, on_event=on_event, keep=work_dir)
     plus `reference=`, `loss_tol=`, `jump_tol=`, `timeout=` for each of those its signature accepts. It must
-    return a `ResumeResult` built from `ops.verdict`'s `Check` / `CheckRow` / `StepRecord` (`setup`/`loaded`
+    return a `ResumeResult` built from `verdict`'s `Check` / `CheckRow` / `StepRecord` (`setup`/`loaded`
     dicts may be empty); `ResumeResult.to_dict` and the CLI render it like a DeepSpeed result. Use the row
     names "global step", "optimizer step", "learning rate", "optimizer state", "loss".
 """

@@ -759,7 +759,7 @@ SCHEDULE_FLAGS = frozenset(("--lr", "--min-lr", "--lr-decay-style", "--lr-decay-
 
 def _plan_megatron(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None, device: str, model: str,
                    extra_args: str | None = None, tp: int | None = None, pp: int | None = None) -> FrameworkPlan:
-    """Megatron-LM's own pretrain rebuilt from the checkpoint's `args` (`resume_fw.megatron`), at the saved TP and PP
+    """Megatron-LM's own pretrain rebuilt from the checkpoint's `args` (`resume.workers.megatron`), at the saved TP and PP
     (DP: `--nproc` / (TP x PP)); the LR each resumed iteration must use from Megatron's schedule formula
     (`megatron_schedule`) on the saved scheduler state, param groups and args."""
     from ..schedules.megatron import expected_lrs

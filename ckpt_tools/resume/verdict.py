@@ -1,5 +1,5 @@
-"""What a resume is judged on, shared by every framework's resume (`ops.resume` for DeepSpeed,
-`ops.resume_frameworks` for the others): the counters and scheduler state a checkpoint records, read without the
+"""What a resume is judged on, shared by every framework's resume (`resume.deepspeed` for DeepSpeed,
+`resume.frameworks` for the others): the counters and scheduler state a checkpoint records, read without the
 engine (`saved_state`), one update's record (`StepRecord`), the verdict's rows (`Check`, `CheckRow`) and the
 result (`ResumeResult`), and how a model's parameters differ from a checkpoint's (`mismatch`)."""
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The processes a resume starts: launched under torchrun with the worker's environment, their events read
 (`launch`), stopped with everything they started on Ctrl-C / SIGTERM, and the resume's scratch folder removed,
-whatever the framework (`ops.resume`, `ops.resume_frameworks`, the sample makers)."""
+whatever the framework (`resume.deepspeed`, `resume.frameworks`, the sample makers)."""
 from __future__ import annotations
 
 import collections
