@@ -109,6 +109,29 @@ def test_tensor_from_file_ranges(tmp_path):
         torch_zip.save({"param": torch_zip.tensor_record("float32", (2,))}, tmp_path / "bad.pt", {"0": ranges[:1]})
 
 
+def test_tensors_made_when_written(tmp_path):
+    """A storage given as a function: called once, when the writer reaches it, in the file's order (so a file of
+    many tensors holds one at a time); the file equals torch.save's. A function that makes the wrong size fails."""
+    a, b = torch.randn(300, 70), torch.arange(5000, dtype=torch.bfloat16)
+    made: list[str] = []
+
+    def make(name, t):
+        def produce():
+            made.append(name)
+            return t.view(-1).view(torch.uint8).numpy()
+        return produce
+
+    obj = {"a": torch_zip.tensor_record("float32", a.shape, "0"),
+           "b": torch_zip.tensor_record("bfloat16", b.shape, "1")}
+    path = tmp_path / "made.pt"
+    n = torch_zip.save(obj, path, {"0": make("a", a), "1": make("b", b)})
+    assert made == ["a", "b"] and n == a.numel() * 4 + b.numel() * 2
+    loads_everywhere(path, {"a": a, "b": b})
+    same_as_torch_save(path, {"a": a, "b": b}, tmp_path)
+    with pytest.raises(ValueError, match="bytes made"):
+        torch_zip.save({"a": torch_zip.tensor_record("float32", (3,))}, tmp_path / "bad.pt", {"0": lambda: b"12"})
+
+
 def test_a_whole_deepspeed_optimizer_file_round_trips(tmp_path):
     """Every record of a real DeepSpeed optimizer file (flat fp32 partitions, Adam state, LossScaler,
     ZeroStageEnum) written back with its storages copied from the source: torch loads the same objects."""

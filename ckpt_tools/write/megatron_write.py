@@ -429,21 +429,34 @@ def _tp_shard(name: str, t, rank: int, tp: int, swiglu: bool):
     return split_shard(rule, t, rank, tp)  # SwiGLU fc1 (cat_sub:0): [gate; up], each split over the ranks
 
 
+def _raw(t):
+    """A tensor's bytes (a view of them when it is contiguous)."""
+    import torch
+
+    t = t.detach().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+
+
 class _Records:
-    """Tensors of one rank file as `torch_zip` records: storage keys numbered in pickle order, bytes kept."""
+    """Tensors of one rank file as `torch_zip` records: storage keys numbered in pickle order; the bytes kept (small
+    values) or made when the file's writer reaches them (`made`: the weights and optimizer states)."""
 
     def __init__(self):
         self.data: dict[str, Any] = {}
 
-    def add(self, t):
-        import torch
-
+    def _record(self, dtype, shape, data):
         from .torch_zip import tensor_record
 
         key = str(len(self.data))
-        t = t.detach().contiguous()
-        self.data[key] = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-        return tensor_record(str(t.dtype).replace("torch.", ""), tuple(t.shape), key)
+        self.data[key] = data
+        return tensor_record(str(dtype).replace("torch.", ""), tuple(shape), key)
+
+    def add(self, t):
+        return self._record(t.dtype, t.shape, _raw(t))
+
+    def made(self, like, make: Callable[[], Any]):
+        """A tensor shaped and typed as `like` (a meta tensor) whose bytes `make()` returns when written."""
+        return self._record(like.dtype, like.shape, lambda: _raw(make()))
 
     def tree(self, obj: Any) -> Any:
         """An inert tree (the RNG state) with every tensor re-recorded under this file's storage keys."""
@@ -462,9 +475,10 @@ class _Records:
 
 def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     """Write Megatron's legacy run folder for `plan` (to="megatron", ckpt_format="torch") into the empty folder
-    `root`: one model_optim_rng.pt per (TP, PP) rank at `plan.tp`; returns the bytes written. One rank file is held
-    in memory at a time (what torch.save of it holds) plus one whole tensor; each rank reads the whole tensors it
-    takes a shard of, so a stage is read once per TP rank written (TP x the reads, memory 1/TP of the stage)."""
+    `root`: one model_optim_rng.pt per (TP, PP) rank at `plan.tp`; returns the bytes written. Each tensor's bytes
+    are read, split and written when the rank file's writer reaches them, so memory holds one whole tensor and its
+    shard (plus the RNG state and the pickle); each rank reads the whole tensors it takes a shard of, so a stage is
+    read once per TP rank written (TP x the reads)."""
     import collections
     import copy
 
@@ -494,15 +508,25 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
     iteration = int(common["iteration"])
     itdir = root / f"iter_{iteration:07d}"
     written = 0
-    def get(name: str, what: str):
-        """One whole tensor of the source, read now (not kept: memory stays at one rank file and one tensor)."""
+    def source(name: str, what: str):
+        """(the logical tensor, the dtype read) of one whole tensor of the source: "module", "fp32" or a state."""
         if what == "module":
             if name not in module:
                 raise UnsupportedCheckpoint(f"{name}: not in the checkpoint's model", path=plan.source)
-            return module[name].read()
+            return module[name], None
         if what == "fp32":
-            return params[name].weight.read(L.torch_dtype("float32"))
-        return params[name].states[what].read()
+            return params[name].weight, "float32"
+        return params[name].states[what], None
+
+    def shard(rec: _Records, local: str, name: str, what: str, t: int):
+        """TP rank t's shard of one whole tensor, as a record: shaped by splitting an empty (meta) tensor now, read
+        and split when the rank file's writer reaches it (memory: one whole tensor and its shard)."""
+        import torch
+
+        node, dtype = source(name, what)
+        like = torch.empty(node.shape, dtype=L.torch_dtype(dtype or node.dtype), device="meta")
+        return rec.made(_tp_shard(local, like, t, tp, swiglu),
+                        lambda: _tp_shard(local, node.read(L.torch_dtype(dtype) if dtype else None), t, tp, swiglu))
 
     for p in range(pp):
         chunks = [layout[(p, c)] for c in range(max(vpp, 1))]
@@ -526,7 +550,7 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
                     if name is None:
                         m[local] = None
                         continue
-                    m[local] = rec.add(_tp_shard(local, get(name, "module"), t, tp, swiglu))
+                    m[local] = shard(rec, local, name, "module", t)
                     if name in params and params[name].states:
                         if name not in group_of:
                             raise UnsupportedCheckpoint(f"{name}: in no param group", path=plan.source)
@@ -540,11 +564,10 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
                 ids.append(list(range(i, i + len(mem))))
                 for local, name in mem:
                     state_out[i] = {"step": rec.add(step.clone()),
-                                    **{k: rec.add(_tp_shard(local, get(name, k), t, tp, swiglu))
-                                       for k in ("exp_avg", "exp_avg_sq")}}
+                                    **{k: shard(rec, local, name, k, t) for k in ("exp_avg", "exp_avg_sq")}}
                     i += 1
             for gi, mem in enumerate(members):
-                masters.append([rec.add(_tp_shard(local, get(name, "fp32"), t, tp, swiglu)) for local, name in mem])
+                masters.append([shard(rec, local, name, "fp32", t) for local, name in mem])
             groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": ids[gi]}
                       for gi, g in enumerate(groups_hp)]
             obj["optimizer"] = {"optimizer": {"state": state_out, "param_groups": groups},

@@ -24,14 +24,14 @@ from __future__ import annotations
 import os
 import threading
 import zlib
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
 from ..read import remote
 from ..errors import CorruptCheckpoint
 from .io import copy_range
 from ..read.pickle_reader import StorageRef
 from ..read.tensor_read import FileRange
-from .pickle_writer import ZipWriter, _pickle_tree
+from .pickle_writer import ZipWriter, _pickle_tree, _pwrite_all
 
 FORMAT_VERSION = b"1"
 STORAGE_ALIGNMENT = 64
@@ -40,9 +40,10 @@ CRC_CHUNK = 8 << 20  # bytes read at a time to compute a copied range's CRC-32 (
 
 
 
-#: what one storage member is made of: a buffer (bytes, memoryview, numpy array), or a list/tuple of file
-#: ranges copied one after another
-StorageData = Union[bytes, bytearray, memoryview, Sequence[FileRange]]
+#: what one storage member is made of: a buffer (bytes, memoryview, numpy array), a list/tuple of file ranges
+#: copied one after another, or a function that makes the buffer when the member is written (so that a file of
+#: many tensors holds one of them in memory at a time)
+StorageData = Union[bytes, bytearray, memoryview, Sequence[FileRange], Callable[[], Any]]
 
 _local = threading.local()
 
@@ -136,7 +137,8 @@ def save(obj: Any, path: str | os.PathLike, data: Mapping[str, StorageData] | No
     would: torch.load of the file gives back the objects the records stand for.
 
     Each storage the pickle names is written from `data[key]` when given (it must hold exactly the storage's
-    bytes), else from the file the record was read from. `pickle_bytes` and `storages` (what
+    bytes; a function is called for them when the member is written, and they are dropped after), else from the
+    file the record was read from. `pickle_bytes` and `storages` (what
     `pickle_writer._pickle_tree(obj)` returns) may be passed to reuse a pickle made once for many files.
     Returns the number of storage bytes written. The file is not fsynced (the caller's staging does that);
     its writeback to disk is started (`start_writeback`)."""
@@ -157,7 +159,11 @@ def save(obj: Any, path: str | os.PathLike, data: Mapping[str, StorageData] | No
         for key, s in storages.items():
             given = data.get(key)
             body = given if given is not None else _source_data(s, path, opened)
-            if not isinstance(body, (list, tuple)):  # a buffer: bytes, memoryview, a numpy array
+            if callable(body):
+                out.add_written(f"{prefix}data/{key}", s.nbytes,
+                                lambda fd_, at, make=body, key=key, n=s.nbytes: _write_made(make, key, n, fd_, at))
+                size = s.nbytes
+            elif not isinstance(body, (list, tuple)):  # a buffer: bytes, memoryview, a numpy array
                 size = memoryview(body).nbytes
                 if size != s.nbytes:
                     raise ValueError(f"storage {key}: {size} bytes given, the pickle says {s.nbytes}")
@@ -179,6 +185,14 @@ def save(obj: Any, path: str | os.PathLike, data: Mapping[str, StorageData] | No
         for f in opened.values():
             os.close(f)
     return total
+
+
+def _write_made(make: Callable[[], Any], key: str, nbytes: int, fd: int, at: int) -> int:
+    """Write the buffer `make()` returns as storage `key` at `at`; returns its CRC-32."""
+    view = memoryview(make()).cast("B")
+    if view.nbytes != nbytes:
+        raise ValueError(f"storage {key}: {view.nbytes} bytes made, the pickle says {nbytes}")
+    return _pwrite_all(fd, view, at)
 
 
 def tensor_record(dtype: str, shape: Sequence[int], key: str = "0"):
