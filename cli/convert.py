@@ -1,6 +1,6 @@
 """`ckpt convert CKPT OUT --to dcp|torch|deepspeed-universal|megatron`: a thin wrapper over `ckpt_tools.ops.convert`
 (plan -> dry-run table or execute -> summary with what could not move). `--to megatron --ckpt-format torch
-[--tp N]` writes Megatron-LM's legacy rank files from a torch_dist run. `--to deepspeed-universal` from a
+[--tp N] [--pp N]` writes Megatron-LM's legacy rank files from a torch_dist run. `--to deepspeed-universal` from a
 DeepSpeed checkpoint is `ckpt to-universal`."""
 from __future__ import annotations
 
@@ -37,6 +37,10 @@ def convert_cmd(
                                      "tensor-parallel size of the rank files (default: the saved one); each tensor "
                                      "split by Megatron's TP rules; N must divide the heads, query groups, FFN size "
                                      "and padded vocabulary"),
+    pp: Optional[int] = typer.Option(None, "--pp", metavar="N", help="--to megatron --ckpt-format torch: the "
+                                     "pipeline-parallel size of the rank files (default: the saved one); the layers "
+                                     "cut into N equal stages, each numbered from 0; N must divide the layers (no "
+                                     "virtual pipeline)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="show what would be written and what cannot move"),
     no_verify: bool = typer.Option(False, "--no-verify", help="skip the logical comparison with the source "
                                    "before the output is renamed into place"),
@@ -60,7 +64,7 @@ def convert_cmd(
     staging name, compared with the source by logical parameter (`ckpt diff`), then renamed into place."""
     try:
         return _convert(ckpt, out, to, layout, dry_run, not no_verify, json_out, distributed, allow_unread,
-                        n_kv_heads, ckpt_format, tp)
+                        n_kv_heads, ckpt_format, tp, pp)
     except CkptError as e:
         if e.message.startswith("ckpt convert:"):
             raise
@@ -70,7 +74,7 @@ def convert_cmd(
 
 
 def _convert(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False, allow_unread=False,
-             n_kv_heads=None, ckpt_format=None, tp=None) -> None:
+             n_kv_heads=None, ckpt_format=None, tp=None, pp=None) -> None:
     output.require("torch", extra="convert", what="ckpt convert")
     if to == "deepspeed-universal" and layout is None:
         from ckpt_tools.ops.to_universal import handles
@@ -87,16 +91,16 @@ def _convert(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False
                                    verify=verify, yes=True, distributed=distributed, json_out=json_out,
                                    allow_unread=allow_unread)
     return _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed, allow_unread, n_kv_heads,
-                        ckpt_format, tp)
+                        ckpt_format, tp, pp)
 
 
 def _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False, allow_unread=False,
-                 n_kv_heads=None, ckpt_format=None, tp=None) -> None:
+                 n_kv_heads=None, ckpt_format=None, tp=None, pp=None) -> None:
     from ckpt_tools.ops import convert as ops
 
     try:
         plan = ops.plan_convert(ckpt, out, to=to, layout=layout, allow_unread=allow_unread, n_kv_heads=n_kv_heads,
-                                ckpt_format=ckpt_format, tp=tp)
+                                ckpt_format=ckpt_format, tp=tp, pp=pp)
     except ValueError as e:
         raise typer.BadParameter(str(e))
     if dry_run:

@@ -35,7 +35,7 @@ Targets (`--to`, `--layout`):
                       save writes it (`ckpt_tools.write.megatron_write`); the scheduler, args and RNG states are carried
                       as saved, so nothing is listed as not moved but a pipeline's tied embedding copy;
                       with `ckpt_format="torch"` the other way, a torch_dist run as Megatron's legacy rank files at
-                      the saved TP or `tp` (`megatron_write.write`)
+                      the saved TP x PP or `tp` x `pp` (`megatron_write.write`)
 
 `--distributed` (dcp, deepspeed-universal): under torchrun every rank writes a share of the parameters into
 rank 0's staging folder; rank 0 writes the rest, merges the DCP metadata, verifies and renames.
@@ -110,9 +110,10 @@ class ConvertPlan:
     n_kv_heads: int | None = None
     fused: tuple[tuple[str, tuple[str, str, str]], ...] = ()
     #: --to megatron: Megatron's checkpoint format written ("torch_dist" or "torch", the legacy rank files) and,
-    #: for "torch", the tensor-parallel size of the rank files
+    #: for "torch", the tensor- and pipeline-parallel sizes of the rank files
     ckpt_format: str | None = None
     tp: int | None = None
+    pp: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -132,7 +133,7 @@ class ConvertPlan:
             "scheduler": self.scheduler_class, "scheduler_state": _jsonable(self.scheduler), "step": self.step,
             "notes": list(self.notes), "not_moved": list(self.not_moved), "n_kv_heads": self.n_kv_heads,
             "fused": {name: list(parts) for name, parts in self.fused},
-            "ckpt_format": self.ckpt_format, "tp": self.tp,
+            "ckpt_format": self.ckpt_format, "tp": self.tp, "pp": self.pp,
         }
 
 
@@ -284,12 +285,12 @@ def _not_moved(ck, config: dict[str, Any]) -> list[str]:
 
 def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str = "dcp",
                  layout: str | None = None, allow_unread: bool = False, n_kv_heads: int | None = None,
-                 ckpt_format: str | None = None, tp: int | None = None) -> ConvertPlan:
+                 ckpt_format: str | None = None, tp: int | None = None, pp: int | None = None) -> ConvertPlan:
     """Decide everything `execute` writes; reads metadata and small values only. `n_kv_heads`: the model's KV
     heads, which orders a fused wqkv's optimizer state (`ckpt_tools.read.qkv`): read from a torchtitan source that
     saved one, and written fused for the torchtitan layout. `ckpt_format` (--to megatron): "torch_dist" (default,
-    from a legacy run) or "torch" (Megatron's legacy rank files, from a torch_dist run) at TP `tp` (default: the
-    saved TP)."""
+    from a legacy run) or "torch" (Megatron's legacy rank files, from a torch_dist run) at TP `tp` x PP `pp`
+    (default: the saved sizes)."""
     from ..view import logical as L
 
     if to not in TARGETS:
@@ -308,9 +309,10 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
         ckpt_format = ckpt_format or "torch_dist"
         if ckpt_format not in CKPT_FORMATS:
             raise ValueError(f"--ckpt-format {ckpt_format!r}: use one of {', '.join(CKPT_FORMATS)}")
-    if tp is not None and ckpt_format != "torch":
-        raise ValueError("--tp applies to --to megatron --ckpt-format torch (legacy rank files are written per TP "
-                         "rank; torch_dist and the other targets hold whole tensors, resharded at load)")
+    for flag, size in (("--tp", tp), ("--pp", pp)):
+        if size is not None and ckpt_format != "torch":
+            raise ValueError(f"{flag} applies to --to megatron --ckpt-format torch (legacy rank files are written per "
+                             "TP x PP rank; torch_dist and the other targets hold whole tensors, resharded at load)")
     src, dst = Path(source), Path(out)
     _refuse_out(src, dst)
     from ..view.accounting import guard
@@ -332,7 +334,7 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
     if to == "megatron":  # Megatron-LM sources only (their args, names and schedule are what Megatron loads)
         from ..write import megatron_write
 
-        tp = megatron_write.check(ck, src, ckpt_format, tp)
+        tp, pp = megatron_write.check(ck, src, ckpt_format, tp, pp)
     if to == "dcp" and ck.format == "dcp":
         raise CkptError("the checkpoint is already a DCP checkpoint: nothing to convert", path=src,
                         hint="DCP reshards at load; `--to torch` writes one training dict")
@@ -395,7 +397,7 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
     if step is None:
         notes.append("the source records no global step: `step` is not written")
     if to == "megatron":
-        extra_notes, not_moved = megatron_write.plan_lines(ck, ckpt_format, tp)
+        extra_notes, not_moved = megatron_write.plan_lines(ck, ckpt_format, tp, pp)
         notes += extra_notes
     else:
         not_moved = sgone + _not_moved(ck, config)
@@ -440,7 +442,7 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
         notes.append(f"weights: as stored ({', '.join(dtypes)})")
     return ConvertPlan(src, ck.format, dst, to, layout, tuple(params), tuple(groups), sched, cls,
                        int(step) if step is not None else None, tuple(notes), tuple(not_moved), tuple(added),
-                       ck.topology.dp, n_kv_heads, fused, ckpt_format, tp)
+                       ck.topology.dp, n_kv_heads, fused, ckpt_format, tp, pp)
 
 
 def _fused_targets(params: list[ParamItem], n_kv_heads: int | None, src: Path

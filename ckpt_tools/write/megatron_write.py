@@ -30,9 +30,9 @@ would record: `ckpt_format` torch_dist and `use_dist_ckpt` True.
 The other direction (`--ckpt-format torch`, `_write_legacy`): a torch_dist run (plain Adam) as the legacy run folder
 Megatron's `--ckpt-format torch` save writes, `iter_{N:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt` per rank
 (args, checkpoint_version, iteration, model / model0.., optimizer {optimizer {state, param_groups},
-fp32_from_fp16_params}, opt_param_scheduler, rng_state, num_floating_point_operations_so_far), at the saved TP or
-another (`plan.tp`): each whole tensor split by Megatron's TP rules (`_tp_shard`, the inverse of
-`formats.megatron_lm._rule`). The module order of each rank's `model` is the order the torch_dist .metadata lists the
+fp32_from_fp16_params}, opt_param_scheduler, rng_state, num_floating_point_operations_so_far), at the saved TP x PP
+or another (`plan.tp`, `plan.pp`): each whole tensor split by Megatron's TP rules (`_tp_shard`, the inverse of
+`formats.megatron_lm._rule`), the layers cut into equal stages (`_stage_layout`). The module order of each rank's `model` is the order the torch_dist .metadata lists the
 layer's modules in (the sharded state dict walks the same modules); param groups list this rank's parameters in that
 order, chunk after chunk, numbered group after group as torch's Optimizer.state_dict numbers them. Equal, file for
 file, to Megatron's own legacy save of the same run (the samples), but for the args' run folders.
@@ -271,9 +271,9 @@ def _padded_vocab(args: dict[str, Any], tp: int) -> int | None:
     return -(-vocab // step) * step
 
 
-def _check_legacy_target(ck, src: Path, tp: int | None) -> int:
-    """Refuse, in one line, a torch_dist source (or a TP size) the legacy writer cannot turn into rank files that
-    Megatron loads at that TP; returns the TP size to write."""
+def _check_legacy_target(ck, src: Path, tp: int | None, pp: int | None) -> tuple[int, int]:
+    """Refuse, in one line, a torch_dist source (or a TP / PP size) the legacy writer cannot turn into rank files
+    that Megatron loads at that TP x PP; returns the (TP, PP) sizes to write."""
     if ck.format == "megatron_legacy":
         raise UnsupportedCheckpoint("the checkpoint is already in Megatron-LM's legacy format (--ckpt-format "
                                     "torch): nothing to convert", path=src,
@@ -293,10 +293,23 @@ def _check_legacy_target(ck, src: Path, tp: int | None) -> int:
     tp = saved if tp is None else tp
     if tp < 1:
         raise UnsupportedCheckpoint(f"--tp {tp}: a tensor-parallel size is 1 or more", path=src)
-    pp, vpp = ck.topology.pp or 1, ck.topology.vpp or 1
+    saved_pp, vpp = ck.topology.pp or 1, ck.topology.vpp or 1
+    pp = saved_pp if pp is None else pp
+    if pp < 1:
+        raise UnsupportedCheckpoint(f"--pp {pp}: a pipeline-parallel size is 1 or more", path=src)
+    if pp != saved_pp and vpp > 1:
+        raise UnsupportedCheckpoint(f"--pp {pp}: the run uses a virtual pipeline (VPP {vpp}), whose chunks ckpt does "
+                                    "not re-cut for another PP size", path=src,
+                                    hint=f"convert at the saved PP ({saved_pp}), or resume the torch_dist run at "
+                                         "the new PP (Megatron reshards it at load)")
     layers = int(args.get("num_layers") or 0)
     if not layers or layers % (pp * vpp) or args.get("decoder_first_pipeline_num_layers") or \
-            args.get("decoder_last_pipeline_num_layers") or args.get("pipeline_model_parallel_layout"):
+            args.get("decoder_last_pipeline_num_layers") or args.get("pipeline_model_parallel_layout") or \
+            args.get("account_for_embedding_in_pipeline_split") or args.get("account_for_loss_in_pipeline_split"):
+        if layers and layers % (pp * vpp) and pp != saved_pp:
+            raise UnsupportedCheckpoint(f"--pp {pp} does not divide num_layers={layers}"
+                                        f"{f' x VPP {vpp}' if vpp > 1 else ''}: ckpt cuts the layers into equal "
+                                        "stages", path=src, hint="choose a PP size that divides the layers")
         raise UnsupportedCheckpoint(f"num_layers={layers} over PP {pp} x VPP {vpp}: uneven pipeline stages, which "
                                     "ckpt does not split into legacy rank files yet", path=src)
     if tp != saved:
@@ -321,16 +334,17 @@ def _check_legacy_target(ck, src: Path, tp: int | None) -> int:
             raise UnsupportedCheckpoint("the run used sequence parallelism, which Megatron turns off at TP 1: "
                                         "relaunch flags would differ from the saved args", path=src,
                                         hint="convert to a TP size of 2 or more")
-    return tp
+    return tp, pp
 
 
-def _legacy_plan_lines(ck, tp: int) -> tuple[list[str], list[str]]:
-    """(notes, not moved) for a conversion of a torch_dist run into legacy rank files at TP `tp`."""
+def _legacy_plan_lines(ck, tp: int, pp: int) -> tuple[list[str], list[str]]:
+    """(notes, not moved) for a conversion of a torch_dist run into legacy rank files at TP `tp` x PP `pp`."""
     args = _args(ck)
-    saved, pp, vpp = ck.topology.tp or 1, ck.topology.pp or 1, ck.topology.vpp
+    saved, saved_pp, vpp = ck.topology.tp or 1, ck.topology.pp or 1, ck.topology.vpp
     notes = [f"Megatron-LM legacy layout (--ckpt-format torch, plain Adam): iter_N/mp_rank_TT"
              f"{'_PPP' if pp > 1 else ''}/model_optim_rng.pt for TP {tp} x PP {pp}"
-             f"{f' (virtual pipeline: model0..model{vpp - 1})' if vpp else ''}, saved at TP {saved}; each rank "
+             f"{f' (virtual pipeline: model0..model{vpp - 1})' if vpp else ''}, saved at TP {saved} x PP {saved_pp}; "
+             f"each stage holds {int(args['num_layers']) // pp} of the {args['num_layers']} layers; each rank "
              "file holds its TP shards of the module's weights (bf16) and of the fp32 master and Adam moments, split "
              "by Megatron's own TP rules (column-parallel and vocabulary-parallel dim 0, SwiGLU fc1 per "
              "sub-parameter, row-parallel dim 1, norms and row-parallel biases replicated), its stage's layers "
@@ -339,19 +353,21 @@ def _legacy_plan_lines(ck, tp: int) -> tuple[list[str], list[str]]:
              "of this rank's parameters in model order)}, fp32_from_fp16_params; opt_param_scheduler, iteration, "
              "checkpoint_version and floating-point-operation count as saved",
              f"args: carried as saved with ckpt_format=torch, use_dist_ckpt=False and each file's rank / local_rank"
-             + (f"; tensor_model_parallel_size={tp}, world_size={tp * pp * int(args.get('data_parallel_size') or 1)}"
-                if tp != saved else "")]
+             + (f"; tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}, "
+                f"world_size={tp * pp * int(args.get('data_parallel_size') or 1)}" if (tp, pp) != (saved, saved_pp)
+                else "")]
     not_moved = ["content_metadata (common.pt: how Megatron built the sharded state dict): the legacy format has no "
                  "such field"]
-    if tp == saved:
+    if (tp, pp) == (saved, saved_pp):
         notes.append("RNG: each rank's rng_state as saved (rng_state/shard_{pp}.{tp}_PP.TP)")
     else:
-        not_moved.append(f"RNG at another TP: Megatron's own resharding load ignores the saved RNG state (TP {saved} "
-                         f"!= {tp}); a legacy file has no way to say so, so each rank file carries the state of the "
-                         f"TP rank it takes its first shard from (rank t <- t x {saved} // {tp}): the Python / NumPy "
-                         "/ torch generators are the same on every TP rank, the tensor-parallel CUDA tracker "
-                         "(model-parallel-rng) is that rank's (and so is expert-parallel-rng). Relaunch with --no-load-rng for Megatron's fresh "
-                         "seeding instead")
+        not_moved.append(f"RNG at another TP x PP: Megatron's own resharding load ignores the saved RNG state (TP "
+                         f"{saved} x PP {saved_pp} != {tp} x {pp}); a legacy file has no way to say so, so each rank "
+                         f"file carries the state of the rank it takes its first shard from (TP rank t <- t x {saved} "
+                         f"// {tp}; stage p <- the saved stage of its first layer): the Python / NumPy / torch "
+                         "generators are that rank's, and so are the tensor-parallel CUDA tracker "
+                         "(model-parallel-rng) and expert-parallel-rng. Relaunch with --no-load-rng for Megatron's "
+                         "fresh seeding instead")
     if ck.tree.children.get("tied_copies") is not None or (pp > 1 and not args.get("untie_embeddings_and_output_weights")):
         notes.append("tied embeddings with PP > 1: the last stage's output_layer.weight (Megatron's copy of the word "
                      "embeddings) written from the word embeddings, with their optimizer state")
@@ -493,8 +509,8 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
     args = _args(ck)
     it = _dist_iter(ck)
     common = pr.load(it / "common.pt").obj
-    saved, pp, vpp = ck.topology.tp or 1, ck.topology.pp or 1, ck.topology.vpp or 0
-    tp = plan.tp or saved
+    saved, saved_pp, vpp = ck.topology.tp or 1, ck.topology.pp or 1, ck.topology.vpp or 0
+    tp, pp = plan.tp or saved, plan.pp or saved_pp
     dp = int(args.get("data_parallel_size") or 1)
     swiglu = bool(args.get("swiglu"))
     folder = DcpFolder(it)
@@ -538,8 +554,10 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
             for k in ("rank", "local_rank"):
                 if k in state:
                     state[k] = rank
-            if tp != saved:
-                state.update(tensor_model_parallel_size=tp, world_size=tp * pp * dp)
+            if (tp, pp) != (saved, saved_pp):
+                state.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp * dp)
+                if "transformer_pipeline_model_parallel_size" in state:
+                    state["transformer_pipeline_model_parallel_size"] = pp
             a.state = state
             obj: dict[str, Any] = {"args": a, "checkpoint_version": common["checkpoint_version"],
                                    "iteration": common["iteration"]}
@@ -574,7 +592,8 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
                                 "fp32_from_fp16_params": masters}
             obj["opt_param_scheduler"] = common["opt_param_scheduler"]
             src_t = t * saved // tp
-            key = f"rng_state/shard_{p}.{src_t}_{pp}.{saved}"
+            src_p = p * saved_pp // pp  # the saved stage of this stage's first layer (even stages: no VPP here)
+            key = f"rng_state/shard_{src_p}.{src_t}_{saved_pp}.{saved}"
             if (key, None) in folder.items:
                 obj["rng_state"] = rec.tree(folder.value(key)[0])
             obj["num_floating_point_operations_so_far"] = common.get("num_floating_point_operations_so_far")
@@ -591,18 +610,18 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
 # --- what `ops.convert` calls: one entry each, the format written chosen here ------------------------------------
 
 
-def check(ck, src: Path, ckpt_format: str, tp: int | None) -> int | None:
-    """Refuse, in one line, a source (or TP size) that cannot be written as Megatron's `ckpt_format`; returns the
-    TP size of the legacy rank files (None for torch_dist, which holds whole tensors)."""
+def check(ck, src: Path, ckpt_format: str, tp: int | None, pp: int | None = None) -> tuple[int | None, int | None]:
+    """Refuse, in one line, a source (or TP / PP size) that cannot be written as Megatron's `ckpt_format`; returns
+    the (TP, PP) sizes of the legacy rank files ((None, None) for torch_dist, which holds whole tensors)."""
     if ckpt_format == "torch":
-        return _check_legacy_target(ck, src, tp)
+        return _check_legacy_target(ck, src, tp, pp)
     _check_dist_target(ck, src)
-    return None
+    return None, None
 
 
-def plan_lines(ck, ckpt_format: str, tp: int | None) -> tuple[list[str], list[str]]:
+def plan_lines(ck, ckpt_format: str, tp: int | None, pp: int | None = None) -> tuple[list[str], list[str]]:
     """(notes, not moved) of the conversion."""
-    return _legacy_plan_lines(ck, tp) if ckpt_format == "torch" else _dist_plan_lines(ck)
+    return _legacy_plan_lines(ck, tp, pp) if ckpt_format == "torch" else _dist_plan_lines(ck)
 
 
 def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
