@@ -9,6 +9,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config):
+    """The CLI is imported by its installed name, `ckpt_cli` (the `cli/` folder is not importable under it from
+    the repository root): stop at once when that name is another checkout's, rather than test its CLI with this
+    checkout's library."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("ckpt_cli")
+    where = Path(spec.origin).resolve().parent if spec and spec.origin else None
+    if where != ROOT / "cli":
+        raise pytest.UsageError(f"ckpt_cli is imported from {where or 'nowhere'}, not from this checkout's cli/: "
+                                f"run `pip install -e .` in {ROOT}")
 SAMPLES = ROOT / "sample_ckpts"
 
 
