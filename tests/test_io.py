@@ -59,7 +59,7 @@ def run_killed(root: Path, plan: str, stage: str, at: int, plan_args: str = "") 
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from pathlib import Path
         from test_io import {plan}
-        from ckpt_tools import io
+        from ckpt_tools.write import io
         n = {{"k": 0}}
         def on_stage(stage, f):
             if stage == {stage!r}:
@@ -307,7 +307,7 @@ def test_kill_during_restore_is_finished_by_the_next_restore_or_write(tmp_path, 
     script = textwrap.dedent(f"""
         import os, sys
         from pathlib import Path
-        from ckpt_tools import io
+        from ckpt_tools.write import io
         io.restore(Path({str(root)!r}), progress=lambda n: os._exit(9))  # killed after the first file
     """)
     proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent)

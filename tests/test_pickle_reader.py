@@ -108,7 +108,7 @@ def test_truncated_and_garbage_files(tmp_path):
 def test_reading_does_not_import_torch(tmp_path):
     f = tmp_path / "x.pt"
     torch.save({"w": torch.randn(4), "step": torch.tensor(3.0)}, f)
-    code = ("import sys; from ckpt_tools import pickle_reader as pr; o = pr.load(sys.argv[1]).obj; "
+    code = ("import sys; from ckpt_tools.read import pickle_reader as pr; o = pr.load(sys.argv[1]).obj; "
             "assert o['step'].item() == 3.0; assert 'torch' not in sys.modules and 'numpy' not in sys.modules")
     subprocess.run([sys.executable, "-c", code, str(f)], check=True)
 
