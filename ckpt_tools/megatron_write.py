@@ -65,7 +65,8 @@ def _check_dist_target(ck, src: Path) -> None:
                                     hint="--ckpt-format torch writes it as legacy rank files, --tp N at another TP")
     if ck.format not in SOURCE_FORMATS:
         raise UnsupportedCheckpoint(
-            f"--to megatron needs a Megatron-LM legacy checkpoint; this is {ck.format}, which holds no Megatron "
+            f"--to megatron needs a Megatron-LM legacy checkpoint (or a Megatron-DeepSpeed pipeline one); this is "
+            f"{ck.format}, which holds no Megatron "
             "`args` (the GPT architecture, parallel sizes and schedule Megatron's load_checkpoint rebuilds the run "
             "from), no OptimizerParamScheduler state and no Megatron-core parameter names", path=src,
             hint="convert a checkpoint Megatron-LM saved (--ckpt-format torch); other frameworks: --to dcp / torch")
@@ -573,17 +574,30 @@ def check(ck, src: Path, ckpt_format: str, tp: int | None) -> int | None:
     TP size of the legacy rank files (None for torch_dist, which holds whole tensors)."""
     if ckpt_format == "torch":
         return _check_legacy_target(ck, src, tp)
+    from . import megatron_in
+
+    if megatron_in.handles(ck):  # the way in: a Megatron-DeepSpeed pipeline run
+        megatron_in.check(ck, src)
+        return None
     _check_dist_target(ck, src)
     return None
 
 
 def plan_lines(ck, ckpt_format: str, tp: int | None) -> tuple[list[str], list[str]]:
     """(notes, not moved) of the conversion."""
+    from . import megatron_in
+
+    if ckpt_format != "torch" and megatron_in.handles(ck):
+        return megatron_in.plan_lines(ck)
     return _legacy_plan_lines(ck, tp) if ckpt_format == "torch" else _dist_plan_lines(ck)
 
 
 def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     """Write `plan` (to="megatron") into the empty staging folder `root`; returns the bytes written."""
+    from . import megatron_in
+
+    if plan.ckpt_format != "torch" and plan.source_format in megatron_in.SOURCE_FORMATS:
+        return megatron_in.write(plan, root, progress)
     return (_write_legacy if plan.ckpt_format == "torch" else _write_dist)(plan, root, progress)
 
 

@@ -378,7 +378,13 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
         notes.append(f"{len(missing)} trainable parameters have no optimizer state in the source "
                      f"({', '.join(missing[:3])}): written without")
     config = _config(ck)
-    if to == "megatron":  # Megatron's own scheduler state, carried as saved into common.pt
+    from .. import megatron_in
+
+    into_megatron = to == "megatron" and ckpt_format == "torch_dist" and megatron_in.handles(ck)
+    if into_megatron:  # a DeepSpeed schedule as Megatron's OptimizerParamScheduler (`megatron_in`'s plan lines)
+        margs = megatron_in.megatron_args(ck, None)
+        sched, cls, snotes, sgone = megatron_in.scheduler_state(ck, margs), "OptimizerParamScheduler", [], []
+    elif to == "megatron":  # Megatron's own scheduler state, carried as saved into common.pt
         sched, cls, snotes, sgone = _plain_scheduler(ck), "OptimizerParamScheduler", [], []
     else:
         sched, cls, snotes, sgone = translate_scheduler(_plain_scheduler(ck), config, groups)
@@ -397,6 +403,8 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
     if to == "megatron":
         extra_notes, not_moved = megatron_write.plan_lines(ck, ckpt_format, tp)
         notes += extra_notes
+        if into_megatron:
+            added += list(megatron_in.added())
     else:
         not_moved = sgone + _not_moved(ck, config)
     if ck.details.get("scheduler_rebuilt"):  # the producer rebuilds its schedule on resume (torchtune)
@@ -603,7 +611,12 @@ def verify_logical(plan: ConvertPlan, root: Path) -> list[str]:
 
     from .. import logical as L
 
-    rep = logical_diff(L.with_kv_heads(plan.source, plan.n_kv_heads), L.with_kv_heads(root, plan.n_kv_heads))
+    from .. import megatron_in
+
+    src = L.with_kv_heads(plan.source, plan.n_kv_heads)
+    if plan.to == "megatron" and megatron_in.handles(src):
+        src = megatron_in.core_view(src)  # the source under the Megatron-core names the writer gave it
+    rep = logical_diff(src, L.with_kv_heads(root, plan.n_kv_heads))
     lines = [f"{section} {name}: {what}" for section, name, what in iter_lines(rep)]
     return [x for x in lines if not any(x.startswith(f"{a}: added") for a in plan.added)]
 
