@@ -278,7 +278,15 @@ def check(ck, src: Path) -> None:
         _refuse(f"{ck.counters.skipped_steps} skipped steps: the Adam step and the iteration differ, which "
                 "Megatron's checkpoint cannot say", ck)
     _architecture(ck)
-    groups, _ = _megatron_groups(ck)
+    _megatron_groups(ck)
+    if (ck.topology.tp or 1) > 1:
+        from .ops.tp_sync import check_tp_sync
+
+        drifted = [p.name for p in check_tp_sync(ck).params if not p.in_sync]
+        if drifted:  # the merge would take TP rank 0's copy silently: Megatron saves a replica once
+            _refuse(f"{len(drifted)} TP-replicated parameters differ across TP ranks ({', '.join(drifted[:4])}"
+                    f"{', ...' if len(drifted) > 4 else ''}): torch_dist keeps one copy", ck,
+                    hint=f"repair them first with `ckpt sync-tp {ck.path}` (average or one rank's value)")
     from . import logical as L
 
     steps = {float(v["step"]) for v in L.optimizer_scalars(ck).values() if v.get("step") is not None}
@@ -332,8 +340,8 @@ def megatron_args(ck, plan) -> dict[str, Any]:
         "optimizer": "adam", "use_distributed_optimizer": False,
         "lr": sched["lr"], "min_lr": sched["min_lr"], "lr_decay_style": sched["style"],
         "lr_warmup_iters": sched["warmup"], "lr_warmup_init": sched["init"],
-        "weight_decay": float(groups[0].get("weight_decay") or 0.0), "start_weight_decay": None,
-        "end_weight_decay": None, "weight_decay_incr_style": "constant",
+        "weight_decay": float(groups[0].get("weight_decay") or 0.0), "start_weight_decay": float(groups[0].get("weight_decay") or 0.0),
+        "end_weight_decay": float(groups[0].get("weight_decay") or 0.0), "weight_decay_incr_style": "constant",
         "adam_beta1": float(betas[0]), "adam_beta2": float(betas[1]), "adam_eps": float(o.get("eps", groups[0].get("eps"))),
         "clip_grad": float(cfg.get("gradient_clipping") or 0.0),
         "micro_batch_size": mbs, "global_batch_size": gbs, "train_iters": train_iters,
