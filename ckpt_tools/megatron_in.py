@@ -61,6 +61,15 @@ EMBEDDING_NAMES = {"word_embeddings.weight": "embedding.word_embeddings.weight",
                    "position_embeddings.weight": "embedding.position_embeddings.weight"}
 FINAL_NORM_NAMES = {"weight": "decoder.final_layernorm.weight", "bias": "decoder.final_layernorm.bias"}
 HEAD_NAMES = {"lm_head.weight": "output_layer.weight"}
+#: a decoder layer's tensors in the order Megatron-core registers its modules (the order its sharded state dict,
+#: and so its torch_dist .metadata, lists them; `megatron_write`'s legacy writer numbers the optimizer's ids by it)
+LAYER_ORDER = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
+               "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+               "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+               "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias", "mlp.linear_fc1.weight",
+               "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+TOP_ORDER = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight", "decoder.layers",
+             "decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
 #: the linears whose `_extra_state` Megatron's local spec saves ([None]) and asks for at load
 EXTRA_STATE_LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 #: param-group fields Megatron-core keeps beside torch's (core_v0.16.1 `_get_param_groups`): written, reported as
@@ -402,6 +411,13 @@ def added() -> tuple[str, ...]:
     return tuple(f"param_groups {i}.{k}" for i in (0, 1) for k in MEGATRON_GROUP_KEYS)
 
 
+def _order(core: str) -> tuple:
+    m = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", core)
+    if m:
+        return (TOP_ORDER.index("decoder.layers"), LAYER_ORDER.index(m[2]), int(m[1]))
+    return (TOP_ORDER.index(core), 0, 0)
+
+
 def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     """Write the run folder for `plan` (to="megatron" from a DeepSpeed pipeline source) into the empty staging
     folder `root`; returns the bytes written. One parameter's tensors in memory at a time."""
@@ -420,25 +436,45 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     iteration = args["iteration"]
     it = root / f"iter_{iteration:07d}"
     module = {t.name: t for t in L.model_tensors(ck, weights="module")}
+    for p in plan.params:
+        if p.kind != "param" or not p.states:
+            raise UnsupportedCheckpoint(f"{p.name}: a {p.kind} tensor without Adam state: ckpt writes trained "
+                                        "parameters only", path=plan.source)
+    # {torch_dist key: [(layer or None, param)]} in Megatron's module order; the groups' keys in that order too
+    keys: dict[str, list] = {}
+    for p in sorted(plan.params, key=lambda p: _order(names[p.name])):
+        key, layer = dist_key(names[p.name], layers)
+        keys.setdefault(key, []).append((layer, p))
+    _, members = _megatron_groups(ck)
+    grouped = [k for g in members for k in keys if names[keys[k][0][1].name] in g]  # a key's layers: one group
     w = DcpStreamWriter(it, checkpoint_id=str(plan.out / it.name), shards=2)
+
+    def put(key: str, layer: int | None, t) -> None:
+        if layer is None:
+            w.tensor_part((key,), tuple(t.shape), (0,) * t.dim(), t)
+        else:
+            w.tensor_part((key,), (layers, *t.shape), (layer,) + (0,) * t.dim(), t.unsqueeze(0))
+
+    extra = {f"decoder.layers.{x}.bias": x for x in EXTRA_STATE_LINEARS}
     try:
-        for p in plan.params:
-            if p.kind != "param" or not p.states:
-                raise UnsupportedCheckpoint(f"{p.name}: a {p.kind} tensor without Adam state: ckpt writes trained "
-                                            "parameters only", path=plan.source)
-            key, layer = dist_key(names[p.name], layers)
-            tensors = [(key, module[p.name].read()), (f"optimizer.state.fp32_param.{key}", p.weight.read())]
-            tensors += [(f"optimizer.state.{k}.{key}", t.read()) for k, t in sorted(p.states.items())]
-            for k, t in tensors:
-                if layer is None:
-                    w.tensor_part((k,), tuple(t.shape), (0,) * t.dim(), t)
-                else:
-                    w.tensor_part((k,), (layers, *t.shape), (layer,) + (0,) * t.dim(), t.unsqueeze(0))
-            if progress:
-                progress(p.nbytes)
-        for rest in EXTRA_STATE_LINEARS:
-            for i in range(layers):
-                w.value((f"decoder.layers.{rest}._extra_state/shard_{i}_{layers}",), [None])
+        for key, items in keys.items():  # the module's weights (bf16), each linear's extra state after its bias
+            for layer, p in items:
+                put(key, layer, module[p.name].read())
+            if key in extra:
+                w.value((f"decoder.layers.{extra[key]}._extra_state/shard_0_{layers}",), [None])
+            if key == "decoder.layers.mlp.linear_fc2.bias":  # the other layers' extra states, as Megatron lists them
+                for i in range(1, layers):
+                    for x in EXTRA_STATE_LINEARS:
+                        w.value((f"decoder.layers.{x}._extra_state/shard_{i}_{layers}",), [None])
+        for key in grouped:  # Adam's moments, param group after param group, then the fp32 master
+            for k in ("exp_avg", "exp_avg_sq"):
+                for layer, p in keys[key]:
+                    put(f"optimizer.state.{k}.{key}", layer, p.states[k].read())
+        for key in grouped:
+            for layer, p in keys[key]:
+                put(f"optimizer.state.fp32_param.{key}", layer, p.weight.read())
+                if progress:
+                    progress(p.nbytes)
     except BaseException:
         w.abort()
         raise
