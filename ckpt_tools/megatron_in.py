@@ -134,8 +134,6 @@ def core_names(ck) -> dict[str, str]:
 
 
 def _rename(node, names: dict[str, str]):
-    from .tree import GroupNode
-
     return dataclasses.replace(node, children={names.get(k, k): v for k, v in node.children.items()})
 
 
@@ -316,7 +314,7 @@ def _vocab_multiple(padded: int, tp: int) -> int:
     return m
 
 
-def megatron_args(ck, plan) -> dict[str, Any]:
+def megatron_args(ck) -> dict[str, Any]:
     """The args Megatron-LM 0.16 rebuilds this run from (`ckpt resume` relaunches from them; Megatron's load
     compares num_layers, hidden_size, num_attention_heads, add_position_embedding with the launch): the
     architecture from the tensors, sizes, batch, optimizer and schedule from the DeepSpeed run."""
@@ -431,7 +429,7 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
 
     ck = L.open_any(plan.source)
     names = core_names(ck)
-    args = megatron_args(ck, plan)
+    args = megatron_args(ck)
     layers = args["num_layers"]
     iteration = args["iteration"]
     it = root / f"iter_{iteration:07d}"

@@ -1,5 +1,6 @@
 """Write a Megatron-LM torch_dist run folder (`ckpt convert SRC OUT --to megatron`), as Megatron-LM core_v0.16.1's
-`save_checkpoint` lays it out for plain Adam (not the distributed optimizer), from a Megatron-LM legacy checkpoint.
+`save_checkpoint` lays it out for plain Adam (not the distributed optimizer), from a Megatron-LM legacy checkpoint
+(a Megatron-DeepSpeed pipeline checkpoint: `megatron_in`, which `check` / `plan_lines` / `write` hand it to).
 
     OUT/latest_checkpointed_iteration.txt     the iteration
     OUT/iter_{N:07d}/.metadata, __R_0.distcp  a torch DCP of GLOBAL tensors (TP shards and pipeline stages merged):

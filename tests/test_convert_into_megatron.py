@@ -16,7 +16,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,8 @@ from ckpt_tools import logical as L
 from ckpt_tools import pickle_reader as pr
 from ckpt_tools.dcp_write import DcpFolder
 
-from conftest import ROOT, manifest, run_cli, sample
+from conftest import manifest, run_cli, sample
+from test_convert_to_megatron import _ckpt_resume  # `ckpt resume -n 2 --device cpu --json` on this checkout
 
 SRC = ("megatron", "gpt_tp2_pp2")
 ITER = "iter_0000004"  # the sample's global step
@@ -258,14 +258,6 @@ def test_dry_run_writes_nothing_and_what_cannot_be_carried_is_refused_in_one_lin
         assert proc.returncode == 2 and words in proc.stderr, (src, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert not out.exists() and not list(tmp_path.iterdir())
-
-
-def _ckpt_resume(path: Path, *extra: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the workers import this checkout's ckpt_tools
-    proc = subprocess.run([sys.executable, "-m", "cli.main", "resume", str(path), "-n", "2", "--device", "cpu",
-                           "--json", *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    return json.loads(proc.stdout)
 
 
 @pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,

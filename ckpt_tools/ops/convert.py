@@ -35,7 +35,9 @@ Targets (`--to`, `--layout`):
                       save writes it (`ckpt_tools.megatron_write`); the scheduler, args and RNG states are carried
                       as saved, so nothing is listed as not moved but a pipeline's tied embedding copy;
                       with `ckpt_format="torch"` the other way, a torch_dist run as Megatron's legacy rank files at
-                      the saved TP or `tp` (`megatron_write.write`)
+                      the saved TP or `tp` (`megatron_write.write`); from a Megatron-DeepSpeed pipeline run
+                      (GPTModelPipe, bf16 + ZeRO-1/2): torch_dist under Megatron-core names with built args, param
+                      groups and schedule (`ckpt_tools.megatron_in`; verified against the source under those names)
 
 `--distributed` (dcp, deepspeed-universal): under torchrun every rank writes a share of the parameters into
 rank 0's staging folder; rank 0 writes the rest, merges the DCP metadata, verifies and renames.
@@ -382,7 +384,7 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
 
     into_megatron = to == "megatron" and ckpt_format == "torch_dist" and megatron_in.handles(ck)
     if into_megatron:  # a DeepSpeed schedule as Megatron's OptimizerParamScheduler (`megatron_in`'s plan lines)
-        margs = megatron_in.megatron_args(ck, None)
+        margs = megatron_in.megatron_args(ck)
         sched, cls, snotes, sgone = megatron_in.scheduler_state(ck, margs), "OptimizerParamScheduler", [], []
     elif to == "megatron":  # Megatron's own scheduler state, carried as saved into common.pt
         sched, cls, snotes, sgone = _plain_scheduler(ck), "OptimizerParamScheduler", [], []
