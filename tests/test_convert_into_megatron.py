@@ -16,6 +16,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -294,3 +295,82 @@ def test_megatron_loads_and_resumes_the_conversion_with_its_optimizer_state(tmp_
     # order (the TP 2 -> 1 resume of the Megatron-LM sample differs by ~1e-4 relative)
     assert [r["loss"] for r in runs["tp1_pp1"]["records"]] == pytest.approx(
         [r["loss"] for r in runs["torch_dist"]["records"]], rel=1e-3)
+
+
+@pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,
+                    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout)")
+def test_megatrons_forward_of_the_conversion_is_the_deepspeed_models_forward(tmp_path):
+    """The architecture mapping, end to end: Megatron-LM builds its GPTModel from the written args (TP 1 x PP 1,
+    one gloo process, fp32 compute) and loads the converted weights with its own load_checkpoint; the DeepSpeed
+    sample's own layers (`ckpt_tools.train.megatron`, TP 1) hold the source's weights read through the logical
+    view. On the same tokens their logits agree within abs 1e-5 (both fp32 over the same bf16 weights, the op
+    order differs; measured 6e-8) and so do their losses (rel 1e-6; measured equal)."""
+    torch = pytest.importorskip("torch")
+    out = tmp_path / "out"
+    assert _convert(out).returncode == 0
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                           str(Path(__file__).resolve()), str(out), str(tmp_path / "lg.pt")],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = torch.load(tmp_path / "lg.pt")
+    mega, ds, tokens = got["megatron"], got["deepspeed"], got["tokens"]
+    assert mega.shape == ds.shape == (*tokens.shape, manifest(*SRC)["extra"]["model_config"]["vocab_size"])
+    assert (mega - ds).abs().max().item() < 1e-5
+    labels = tokens[:, 1:].reshape(-1)
+    loss = [torch.nn.functional.cross_entropy(x[:, :-1].reshape(-1, x.shape[-1]), labels).item() for x in (mega, ds)]
+    assert loss[0] == pytest.approx(loss[1], rel=1e-6)
+    print(f"max |logits diff| {(mega - ds).abs().max().item():.3g}; loss megatron {loss[0]!r} deepspeed {loss[1]!r}")
+
+
+def _forward_both(out: Path, dst: Path) -> None:
+    """(under torchrun, one process) Megatron's forward of the converted folder `out` and the DeepSpeed model's of
+    the source, on the same tokens; saves {megatron, deepspeed, tokens} to `dst`."""
+    import torch
+    import torch.nn as nn
+
+    from ckpt_tools.procgroup import join
+    from ckpt_tools.train import megatron as dsm
+    from ckpt_tools.train.workers import megatron_lm as W
+
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    W.import_megatron()
+    join("gloo")
+    import megatron.training.training as training
+
+    saved = pr.load(out / ITER / "common.pt").obj["args"].state
+    _, model_provider, model_type, _, embedding_ranks = W._pretrain_entry()
+    argv = [*W.relaunch_argv(saved), *W.parallel_argv(saved, 1, 1), *W.CPU_FLAGS, "--distributed-backend", "gloo",
+            "--load", str(out), "--exit-on-missing-checkpoint", "--no-load-optim", "--no-load-rng",
+            "--train-iters", str(saved["train_iters"]), "--eval-iters", "0"]
+    argv.remove("--bf16")  # fp32 compute over the saved bf16 weights, as the DeepSpeed side below
+    sys.argv = [sys.argv[0], *argv]
+    training.initialize_megatron(args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+                                 get_embedding_ranks=embedding_ranks)
+    net = training.setup_model_and_optimizer(model_provider, model_type)[0][0]
+    net.eval()
+    cfg = dsm.MegatronGPTConfig(**manifest(*SRC)["extra"]["model_config"])
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    s = tokens.shape[1]
+    positions = torch.arange(s).unsqueeze(0).expand_as(tokens)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)
+    with torch.no_grad():
+        mega = net(tokens, positions, mask).float()
+    # the DeepSpeed model's own layers at TP 1 (one rank: its all-reduces are the identity), the source's weights
+    tp = dsm.TensorParallel(rank=0, size=1, group=torch.distributed.group.WORLD)
+    layers = [dsm.EmbeddingPipe(cfg, tp, 0, 1), *[dsm.ParallelTransformerLayerPipe(cfg, tp, 0, 2 + i)
+                                                   for i in range(cfg.n_layers)],
+              nn.LayerNorm(cfg.hidden, eps=cfg.layernorm_eps), dsm.LMHeadPipe(cfg, tp, 0, 2 + cfg.n_layers + 1)]
+    weights = {t.name: t.read(torch.float32) for t in L.model_tensors(sample(*SRC), weights="module")}
+    for i, layer in enumerate(layers, start=1):
+        sd = {k[len(f"{i}."):]: v for k, v in weights.items() if k.startswith(f"{i}.")}
+        layer.load_state_dict(sd, strict=True)
+    with torch.no_grad():
+        x = (tokens, positions)
+        for layer in layers:
+            x = layer(x)
+    torch.save({"megatron": mega, "deepspeed": x.float(), "tokens": tokens}, dst)
+
+
+if __name__ == "__main__":  # the forward comparison's worker (torchrun, see the test above)
+    _forward_both(Path(sys.argv[1]), Path(sys.argv[2]))
