@@ -336,7 +336,7 @@ def _forward_both(out: Path, dst: Path) -> None:
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     W.import_megatron()
     join("gloo")
-    import megatron.training.training as training
+    training = sys.modules["megatron.training.training"]  # imported by import_megatron, from the checkout
 
     saved = pr.load(out / ITER / "common.pt").obj["args"].state
     _, model_provider, model_type, _, embedding_ranks = W._pretrain_entry()
