@@ -35,7 +35,9 @@ Targets (`--to`, `--layout`):
                       save writes it (`ckpt_tools.write.megatron_write`); the scheduler, args and RNG states are carried
                       as saved, so nothing is listed as not moved but a pipeline's tied embedding copy;
                       with `ckpt_format="torch"` the other way, a torch_dist run as Megatron's legacy rank files at
-                      the saved TP x PP or `tp` x `pp` (`megatron_write.write`)
+                      the saved TP x PP or `tp` x `pp` (`megatron_write.write`); from a Megatron-DeepSpeed pipeline run
+                      (GPTModelPipe, bf16 + ZeRO-1/2): torch_dist under Megatron-core names with built args, param
+                      groups and schedule (`ckpt_tools.ops.megatron_in`; verified against the source under those names)
 
 `--distributed` (dcp, deepspeed-universal): under torchrun every rank writes a share of the parameters into
 rank 0's staging folder; rank 0 writes the rest, merges the DCP metadata, verifies and renames.
@@ -331,10 +333,9 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
         if ck.format == "deepspeed_universal":
             raise CkptError("the checkpoint is already a DeepSpeed universal checkpoint: nothing to convert",
                             path=src)
-    if to == "megatron":  # Megatron-LM sources only (their args, names and schedule are what Megatron loads)
-        from ..write import megatron_write
-
-        tp, pp = megatron_write.check(ck, src, ckpt_format, tp, pp)
+    if to == "megatron":  # Megatron-LM and Megatron-DeepSpeed pipeline sources (Megatron's args, names, schedule)
+        writer = _megatron_writer(ck.format)
+        tp, pp = writer.check(ck, src, ckpt_format, tp, pp)
     if to == "dcp" and ck.format == "dcp":
         raise CkptError("the checkpoint is already a DCP checkpoint: nothing to convert", path=src,
                         hint="DCP reshards at load; `--to torch` writes one training dict")
@@ -380,7 +381,13 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
         notes.append(f"{len(missing)} trainable parameters have no optimizer state in the source "
                      f"({', '.join(missing[:3])}): written without")
     config = _config(ck)
-    if to == "megatron":  # Megatron's own scheduler state, carried as saved into common.pt
+    from . import megatron_in
+
+    into_megatron = to == "megatron" and ckpt_format == "torch_dist" and megatron_in.handles(ck)
+    if into_megatron:  # a DeepSpeed schedule as Megatron's OptimizerParamScheduler (`megatron_in`'s plan lines)
+        margs = megatron_in.megatron_args(ck)
+        sched, cls, snotes, sgone = megatron_in.scheduler_state(ck, margs), "OptimizerParamScheduler", [], []
+    elif to == "megatron":  # Megatron's own scheduler state, carried as saved into common.pt
         sched, cls, snotes, sgone = _plain_scheduler(ck), "OptimizerParamScheduler", [], []
     else:
         sched, cls, snotes, sgone = translate_scheduler(_plain_scheduler(ck), config, groups)
@@ -397,8 +404,10 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
     if step is None:
         notes.append("the source records no global step: `step` is not written")
     if to == "megatron":
-        extra_notes, not_moved = megatron_write.plan_lines(ck, ckpt_format, tp, pp)
+        extra_notes, not_moved = writer.plan_lines(ck, ckpt_format, tp, pp)
         notes += extra_notes
+        if into_megatron:
+            added += list(megatron_in.added())
     else:
         not_moved = sgone + _not_moved(ck, config)
     if ck.details.get("scheduler_rebuilt"):  # the producer rebuilds its schedule on resume (torchtune)
@@ -599,13 +608,27 @@ class ConvertResult:
     problems: tuple[str, ...] = ()
 
 
+def _megatron_writer(source_format: str):
+    """The module that writes a Megatron-LM run from this source (`check`, `plan_lines`, `write`): the way in from a
+    Megatron-DeepSpeed pipeline (`megatron_in`), else between Megatron-LM's two formats (`write.megatron_write`)."""
+    from ..write import megatron_write
+    from . import megatron_in
+
+    return megatron_in if source_format in megatron_in.SOURCE_FORMATS else megatron_write
+
+
 def verify_logical(plan: ConvertPlan, root: Path) -> list[str]:
     """`ckpt diff SRC OUT` (logical): one line per difference between the source and the written checkpoint."""
     from .diff import iter_lines, logical_diff
 
     from ..view import logical as L
 
-    rep = logical_diff(L.with_kv_heads(plan.source, plan.n_kv_heads), L.with_kv_heads(root, plan.n_kv_heads))
+    from . import megatron_in
+
+    src = L.with_kv_heads(plan.source, plan.n_kv_heads)
+    if plan.to == "megatron" and megatron_in.handles(src):
+        src = megatron_in.core_view(src)  # the source under the Megatron-core names the writer gave it
+    rep = logical_diff(src, L.with_kv_heads(root, plan.n_kv_heads))
     lines = [f"{section} {name}: {what}" for section, name, what in iter_lines(rep)]
     return [x for x in lines if not any(x.startswith(f"{a}: added") for a in plan.added)]
 
@@ -625,9 +648,8 @@ def execute(plan: ConvertPlan, *, progress: Callable[[int], None] | None = None,
         return _execute_distributed(plan, progress=progress, verify=verify)
     _refuse_out(plan.source, plan.out)
     if plan.to in ("dcp", "deepspeed-universal", "megatron"):
-        from ..write import megatron_write
-
-        write = {"dcp": _write_dcp, "deepspeed-universal": _write_universal, "megatron": megatron_write.write}[plan.to]
+        write = {"dcp": _write_dcp, "deepspeed-universal": _write_universal}.get(plan.to) or \
+            _megatron_writer(plan.source_format).write
         with io.new_folder(plan.out) as tmp:
             n = write(plan, tmp, progress)
             problems = verify_logical(plan, tmp) if verify else []

@@ -1,5 +1,6 @@
 """Write a Megatron-LM torch_dist run folder (`ckpt convert SRC OUT --to megatron`), as Megatron-LM core_v0.16.1's
-`save_checkpoint` lays it out for plain Adam (not the distributed optimizer), from a Megatron-LM legacy checkpoint.
+`save_checkpoint` lays it out for plain Adam (not the distributed optimizer), from a Megatron-LM legacy checkpoint
+(from a Megatron-DeepSpeed pipeline checkpoint: `ops.megatron_in`, with the same three entries).
 
     OUT/latest_checkpointed_iteration.txt     the iteration
     OUT/iter_{N:07d}/.metadata, __R_0.distcp  a torch DCP of GLOBAL tensors (TP shards and pipeline stages merged):
@@ -65,7 +66,8 @@ def _check_dist_target(ck, src: Path) -> None:
                                     hint="--ckpt-format torch writes it as legacy rank files, --tp N at another TP")
     if ck.format not in SOURCE_FORMATS:
         raise UnsupportedCheckpoint(
-            f"--to megatron needs a Megatron-LM legacy checkpoint; this is {ck.format}, which holds no Megatron "
+            f"--to megatron needs a Megatron-LM legacy checkpoint (or a Megatron-DeepSpeed pipeline one); this is "
+            f"{ck.format}, which holds no Megatron "
             "`args` (the GPT architecture, parallel sizes and schedule Megatron's load_checkpoint rebuilds the run "
             "from), no OptimizerParamScheduler state and no Megatron-core parameter names", path=src,
             hint="convert a checkpoint Megatron-LM saved (--ckpt-format torch); other frameworks: --to dcp / torch")
@@ -352,7 +354,7 @@ def _legacy_plan_lines(ck, tp: int, pp: int) -> tuple[list[str], list[str]]:
              "optimizer: per rank {state: {id: {step, exp_avg, exp_avg_sq}}, param_groups (as saved, with the ids "
              "of this rank's parameters in model order)}, fp32_from_fp16_params; opt_param_scheduler, iteration, "
              "checkpoint_version and floating-point-operation count as saved",
-             f"args: carried as saved with ckpt_format=torch, use_dist_ckpt=False and each file's rank / local_rank"
+             "args: carried as saved with ckpt_format=torch, use_dist_ckpt=False and each file's rank / local_rank"
              + (f"; tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}, "
                 f"world_size={tp * pp * int(args.get('data_parallel_size') or 1)}" if (tp, pp) != (saved, saved_pp)
                 else "")]
