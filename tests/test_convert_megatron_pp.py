@@ -167,3 +167,21 @@ def test_megatron_resumes_the_pp1_conversion_and_writes_the_same_rank_file(tmp_p
         assert all(torch.equal(om["optimizer"]["state"][i][k].read_torch(), v.read_torch()) for k, v in s.items())
     assert _inert(om["fp32_from_fp16_params"]) == _inert(ot["fp32_from_fp16_params"])
     assert _inert(mine["opt_param_scheduler"]) == _inert(theirs["opt_param_scheduler"])
+
+
+def test_a_source_without_rng_is_said_to_have_none(tmp_path):
+    """A torch_dist run that saved no RNG state (the pipeline's conversion into Megatron: args.no_save_rng): the plan
+    to legacy rank files lists the RNG as not moved, with the relaunch flag, instead of "as saved"."""
+    import json
+
+    dist = tmp_path / "dist"
+    proc = run_cli("convert", sample("megatron", "gpt_tp2_pp2"), dist, "--to", "megatron")
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("convert", dist, tmp_path / "leg", "--to", "megatron", "--ckpt-format", "torch", "--dry-run",
+                   "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert [x for x in doc["not_moved"] if x.startswith("RNG")] == [
+        "RNG: the source saved none (no rng_state items): the rank files hold no rng_state; relaunch with "
+        "--no-load-rng"]
+    assert not [x for x in doc["notes"] if x.startswith("RNG")] and not (tmp_path / "leg").exists()

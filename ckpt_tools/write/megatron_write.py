@@ -360,7 +360,12 @@ def _legacy_plan_lines(ck, tp: int, pp: int) -> tuple[list[str], list[str]]:
                 else "")]
     not_moved = ["content_metadata (common.pt: how Megatron built the sharded state dict): the legacy format has no "
                  "such field"]
-    if (tp, pp) == (saved, saved_pp):
+    from ..formats.dcp import DcpItems
+
+    if not any(k.startswith("rng_state/") for k in DcpItems(_dist_iter(ck)).sdm):
+        not_moved.append("RNG: the source saved none (no rng_state items): the rank files hold no rng_state; "
+                         "relaunch with --no-load-rng")
+    elif (tp, pp) == (saved, saved_pp):
         notes.append("RNG: each rank's rng_state as saved (rng_state/shard_{pp}.{tp}_PP.TP)")
     else:
         not_moved.append(f"RNG at another TP x PP: Megatron's own resharding load ignores the saved RNG state (TP "
