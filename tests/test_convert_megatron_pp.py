@@ -7,16 +7,14 @@ run, and its own conversion at PP 1 writes the same rank file."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 
 from ckpt_tools.read import pickle_reader as pr
 
-from conftest import ROOT, run_cli, sample
-from test_convert_to_megatron import ITER, MEGATRON, _ckpt_resume, _dcp, _global, _inert, _rank_files, _to_legacy
+from conftest import run_cli, sample
+from test_convert_to_megatron import (ITER, MEGATRON, _ckpt_resume, _dcp, _global, _inert, _rank_files, _to_legacy,
+                                      same_as_megatrons_own_legacy_conversion)
 
 
 def _layer(key: str) -> int | None:
@@ -137,7 +135,7 @@ def test_megatron_resumes_the_pp1_conversion_and_writes_the_same_rank_file(tmp_p
     continue from 10, and LRs and losses equal bit for bit those of resuming the torch_dist sample at --pp 1
     (Megatron reshards it at load). Megatron's own conversion of the sample at PP 1 (`--ckpt-convert-format torch`)
     holds the same model, Adam state, fp32 master, param groups and scheduler."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     dist = sample("megatron_lm", "megatron_pp2_torch_dist")
     pp1 = tmp_path / "pp1"
     _to_legacy("megatron_pp2_torch_dist", pp1, "--pp", "1")
@@ -149,24 +147,7 @@ def test_megatron_resumes_the_pp1_conversion_and_writes_the_same_rank_file(tmp_p
     assert {c["name"]: c["status"] for c in runs["pp1"]["checks"]}["optimizer state"] == "pass"
     assert [(r["lr"], r["loss"]) for r in runs["pp1"]["records"]] == [(r["lr"], r["loss"])
                                                                      for r in runs["dist_pp1"]["records"]]
-    ref = tmp_path / "megatron_ref"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-m", "ckpt_cli.main", "resume", str(dist), "-n", "1", "--device", "cpu",
-                    "--pp", "1", "--nproc", "1", "--json", "--megatron-args",
-                    f"--ckpt-convert-format torch --ckpt-convert-save {ref}"], cwd=ROOT, env=env,
-                   capture_output=True, text=True, timeout=900)
-    mine = pr.load(pp1 / ITER / "mp_rank_00/model_optim_rng.pt").obj
-    theirs = pr.load(ref / "torch" / ITER / "mp_rank_00/model_optim_rng.pt").obj
-    assert list(mine) == list(theirs)
-    assert _inert(mine["model"]) == _inert(theirs["model"])
-    om, ot = mine["optimizer"], theirs["optimizer"]
-    assert om["optimizer"]["param_groups"] == ot["optimizer"]["param_groups"]
-    assert list(om["optimizer"]["state"]) == list(ot["optimizer"]["state"])
-    for i, s in ot["optimizer"]["state"].items():
-        assert sorted(om["optimizer"]["state"][i]) == sorted(s)
-        assert all(torch.equal(om["optimizer"]["state"][i][k].read_torch(), v.read_torch()) for k, v in s.items())
-    assert _inert(om["fp32_from_fp16_params"]) == _inert(ot["fp32_from_fp16_params"])
-    assert _inert(mine["opt_param_scheduler"]) == _inert(theirs["opt_param_scheduler"])
+    same_as_megatrons_own_legacy_conversion(dist, pp1, tmp_path / "megatron_ref", "--pp", "1")
 
 
 def test_a_source_without_rng_is_said_to_have_none(tmp_path):

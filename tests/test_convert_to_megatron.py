@@ -355,7 +355,7 @@ def test_megatron_resumes_the_legacy_conversion_at_tp1_and_tp2(tmp_path):
     legacy save at TP 2. And Megatron's own legacy conversion of the sample at TP 1 (`--ckpt-convert-format
     torch`) holds the same model, Adam state, fp32 master, param groups and scheduler as ckpt's --tp 1 output
     (its RNG is the fresh seeding Megatron falls back to at another TP)."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     dist = sample("megatron_lm", "megatron_tp2_torch_dist")
     tp1, tp2 = tmp_path / "tp1", tmp_path / "tp2"
     _to_legacy("megatron_tp2_torch_dist", tp1, "--tp", "1")
@@ -373,13 +373,21 @@ def test_megatron_resumes_the_legacy_conversion_at_tp1_and_tp2(tmp_path):
     assert [(r["lr"], r["loss"]) for r in runs["tp2"]["records"]] == [(r["lr"], r["loss"])
                                                                      for r in runs["legacy_tp2"]["records"]]
     # Megatron's own conversion at TP 1, launched through ckpt resume (it exits after saving: no step runs)
-    ref = tmp_path / "megatron_ref"
+    same_as_megatrons_own_legacy_conversion(dist, tp1, tmp_path / "megatron_ref", "--tp", "1")
+
+
+def same_as_megatrons_own_legacy_conversion(dist: Path, ours: Path, ref: Path, *parallel: str) -> None:
+    """Megatron's own `--ckpt-convert-format torch` of the torch_dist run `dist` at `parallel` (one process, launched
+    through ckpt resume: it exits after saving) writes the rank file `ours` holds: the same keys, model, param
+    groups, Adam state, fp32 master and scheduler."""
+    import torch
+
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-m", "ckpt_cli.main", "resume", str(dist), "-n", "1", "--device", "cpu", "--tp", "1",
-                    "--nproc", "1", "--json", "--megatron-args",
+    subprocess.run([sys.executable, "-m", "ckpt_cli.main", "resume", str(dist), "-n", "1", "--device", "cpu",
+                    *parallel, "--nproc", "1", "--json", "--megatron-args",
                     f"--ckpt-convert-format torch --ckpt-convert-save {ref}"], cwd=ROOT, env=env,
                    capture_output=True, text=True, timeout=900)
-    mine = pr.load(tp1 / ITER / "mp_rank_00/model_optim_rng.pt").obj
+    mine = pr.load(ours / ITER / "mp_rank_00/model_optim_rng.pt").obj
     theirs = pr.load(ref / "torch" / ITER / "mp_rank_00/model_optim_rng.pt").obj
     assert list(mine) == list(theirs)
     assert _inert(mine["model"]) == _inert(theirs["model"])
