@@ -28,8 +28,8 @@ def _renumbered(key: str, shift: int) -> str:
 
 
 def test_pp2_to_pp1_joins_the_stages_of_megatrons_own_pp2_save(tmp_path):
-    """PP 2 -> 1: one rank file whose model is stage 0's embedding and layers, then stage 1's layers numbered on
-    from stage 0's, its final norm and extra states, each tensor bit-equal to Megatron's PP 2 legacy save of the
+    """PP 2 -> 1: one rank file whose model is stage 0's embedding and layers, then stage 1's layers numbered
+    on after stage 0's, its final norm and extra states, each tensor bit-equal to Megatron's PP 2 legacy save of the
     same run; no tied output-layer copy (at PP 1 Megatron shares the word embeddings); the optimizer holds every
     parameter once, with its Adam state and fp32 master equal to the stage file's; args say PP 1, world size 1."""
     torch = pytest.importorskip("torch")
