@@ -87,10 +87,22 @@ def _refuse(msg: str, ck, hint: str | None = None):
     raise UnsupportedCheckpoint(msg, path=Path(ck.path), hint=hint)
 
 
+#: the last checkpoint `core_names` mapped and its map: check, plan and write each ask again for the same tree
+_LAST: list[tuple[Any, dict[str, str]]] = []
+
+
 def core_names(ck) -> dict[str, str]:
     """{DeepSpeed pipeline name (`2.input_layernorm.weight`): Megatron-core name
     (`decoder.layers.0.self_attention.linear_qkv.layer_norm_weight`)} for every model tensor; refuses, naming it,
-    a pipeline layer or a local name that is not Megatron-DeepSpeed's GPT."""
+    a pipeline layer or a local name that is not Megatron-DeepSpeed's GPT. Mapped once per checkpoint object."""
+    if _LAST and _LAST[0][0] is ck:
+        return _LAST[0][1]
+    out = _core_names(ck)
+    _LAST[:] = [(ck, out)]
+    return out
+
+
+def _core_names(ck) -> dict[str, str]:
     from ..view import logical as L
 
     by_spec: dict[int, list[str]] = {}

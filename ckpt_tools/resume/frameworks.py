@@ -1074,9 +1074,6 @@ def verdict(plan: FrameworkPlan, loaded: dict[str, Any], events: list[dict[str, 
                      for f in shlex.split(str(plan.worker.get("extra_args") or "")) if f.startswith("--")}
             if plan.nproc != (plan.worker.get("saved_args") or {}).get("world_size"):
                 asked |= {"world_size", "data_parallel_size"}  # resumed on another number of ranks, as asked
-            saved_args = plan.worker.get("saved_args") or {}
-            if plan.worker.get("pp") != (saved_args.get("pipeline_model_parallel_size") or 1):
-                asked.add("transformer_pipeline_model_parallel_size")  # Megatron derives it from the PP size asked
             bad = [d for d in differ if d[0] not in asked]
             if bad:
                 detail = (f"{len(bad)} saved arg(s) came back with another value: "

@@ -681,7 +681,7 @@ RELAUNCH_SKIP = frozenset((
     # Megatron derives these from the sizes and the vocabulary (validate_args): passing the saved values back
     # would pin the run to the saved world
     "expert_tensor_parallel_size", "inprocess_active_world_size", "padded_vocab_size", "encoder_num_layers",
-    "encoder_seq_length",
+    "encoder_seq_length", "transformer_pipeline_model_parallel_size",
 ))
 #: derived only in some runs: passed back unless validate_args sets them from other options itself
 DERIVED_IF = {"start_weight_decay": lambda a: a.get("weight_decay_incr_style") == "constant",
