@@ -13,8 +13,8 @@ import pytest
 from ckpt_tools.read import pickle_reader as pr
 
 from conftest import run_cli, sample
-from test_convert_to_megatron import (ITER, MEGATRON, _ckpt_resume, _dcp, _global, _inert, _rank_files, _to_legacy,
-                                      same_as_megatrons_own_legacy_conversion)
+from test_convert_to_megatron import (ITER, MEGATRON, RUN_PATHS, _ckpt_resume, _dcp, _global, _inert, _rank_files,
+                                      _to_legacy, same_as_megatrons_own_legacy_conversion)
 
 
 def _layer(key: str) -> int | None:
@@ -111,6 +111,34 @@ def test_pp1_to_pp2_cuts_megatrons_tp2_save_into_stages_and_round_trips(tmp_path
     unequal = [k for k in tensors if kb[k] != ks[k] or not torch.equal(_global(back, k, kb[k][0]),
                                                                       _global(src, k, ks[k][0]))]
     assert unequal == []
+
+
+@pytest.mark.parametrize("run,size", [("megatron_tp2", ("--tp", "1")), ("megatron_pp2", ("--pp", "1")),
+                                      ("megatron_tp2_llama", ("--tp", "1")), ("megatron_pp2_vpp2", ("--tp", "2")),
+                                      ("megatron_tp2", ("--tp", "1", "--pp", "2"))])
+def test_legacy_to_legacy_at_another_size_in_one_step(tmp_path, run, size):
+    """Legacy rank files at another TP / PP straight from legacy rank files (no torch_dist in between): the same
+    rank folders and files, bit for bit, as writing the torch_dist save of the same run at that size (the route
+    the tests above hold against Megatron's own saves and resumes), the args but for the two runs' own save folders;
+    verified by the logical diff. The plan says where it read from."""
+    pytest.importorskip("torch")
+    ours, via_dist = tmp_path / "ours", tmp_path / "via_dist"
+    doc = _to_legacy(f"{run}_legacy", ours, *size)
+    assert doc["verified"] is True and any("read from the legacy rank files" in n for n in doc["notes"])
+    _to_legacy(f"{run}_torch_dist", via_dist, *size)
+    assert _rank_files(ours) == _rank_files(via_dist)
+    for f in _rank_files(ours):
+        if not f.endswith(".pt"):
+            assert (ours / f).read_bytes() == (via_dist / f).read_bytes(), f
+            continue
+        a, b = pr.load(ours / f).obj, pr.load(via_dist / f).obj
+        assert list(a) == list(b), f
+        for k in b:
+            if k == "args":
+                sa, sb = a[k].state, b[k].state
+                assert list(sa) == list(sb) and {x for x in sb if repr(sa[x]) != repr(sb[x])} == RUN_PATHS, f
+            else:
+                assert _inert(a[k]) == _inert(b[k]), (f, k)
 
 
 def test_pp_refusals_are_one_line_and_write_nothing(tmp_path):

@@ -225,8 +225,20 @@ def _write_common(src: Path, obj0: dict, plan, dst: Path) -> None:
     """common.pt from rank 0's inert tree: what Megatron's torch_dist save keeps outside the DCP."""
     import copy
 
-    from ..read.pickle_reader import TensorRef
     from .pickle_writer import rewrite_torch_zip
+
+    common = _common_of_rank_file(src, obj0)
+    args = copy.copy(obj0["args"])
+    args.state = {**obj0["args"].state, "ckpt_format": "torch_dist", "use_dist_ckpt": True}
+    common.update(args=args, content_metadata=dict(CONTENT_METADATA))
+    rewrite_torch_zip(src, dst, common, prune=True)
+
+
+def _common_of_rank_file(src: Path, obj0: dict) -> dict:
+    """What a torch_dist common.pt holds, taken from a legacy rank file's inert tree `obj0`: args (as saved),
+    checkpoint_version, iteration, the param groups without their ids, the one common Adam step (refused when
+    the parameters' steps differ), opt_param_scheduler, num_floating_point_operations_so_far."""
+    from ..read.pickle_reader import TensorRef
 
     opt = obj0["optimizer"]["optimizer"]
     steps = [s.get("step") for s in (opt.get("state") or {}).values() if isinstance(s, dict)]
@@ -236,14 +248,10 @@ def _write_common(src: Path, obj0: dict, plan, dst: Path) -> None:
         raise UnsupportedCheckpoint(f"Adam steps {sorted(values)} across parameters: torch_dist keeps one common "
                                     "step", path=src)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]]
-    args = copy.copy(obj0["args"])
-    args.state = {**obj0["args"].state, "ckpt_format": "torch_dist", "use_dist_ckpt": True}
-    common = {"args": args, "checkpoint_version": obj0["checkpoint_version"], "iteration": obj0["iteration"],
-              "optimizer": {"optimizer": {"state": {"common_step": refs[0]}, "param_groups": groups}},
-              "opt_param_scheduler": obj0["opt_param_scheduler"],
-              "num_floating_point_operations_so_far": obj0.get("num_floating_point_operations_so_far"),
-              "content_metadata": dict(CONTENT_METADATA)}
-    rewrite_torch_zip(src, dst, common, prune=True)
+    return {"args": obj0["args"], "checkpoint_version": obj0["checkpoint_version"], "iteration": obj0["iteration"],
+            "optimizer": {"optimizer": {"state": {"common_step": refs[0]}, "param_groups": groups}},
+            "opt_param_scheduler": obj0["opt_param_scheduler"],
+            "num_floating_point_operations_so_far": obj0.get("num_floating_point_operations_so_far")}
 
 
 
@@ -276,14 +284,11 @@ def _padded_vocab(args: dict[str, Any], tp: int) -> int | None:
 def _check_legacy_target(ck, src: Path, tp: int | None, pp: int | None) -> tuple[int, int]:
     """Refuse, in one line, a torch_dist source (or a TP / PP size) the legacy writer cannot turn into rank files
     that Megatron loads at that TP x PP; returns the (TP, PP) sizes to write."""
-    if ck.format == "megatron_legacy":
-        raise UnsupportedCheckpoint("the checkpoint is already in Megatron-LM's legacy format (--ckpt-format "
-                                    "torch): nothing to convert", path=src,
-                                    hint="--ckpt-format torch_dist writes the torch_dist layout, which Megatron reshards at load")
-    if ck.format != "megatron_torch_dist":
+    if ck.format not in ("megatron_torch_dist", "megatron_legacy"):
         raise UnsupportedCheckpoint(
-            f"--to megatron --ckpt-format torch needs a Megatron-LM torch_dist checkpoint; this is {ck.format}, "
-            "which holds no Megatron `args`, OptimizerParamScheduler state or Megatron-core parameter names", path=src)
+            f"--to megatron --ckpt-format torch needs a Megatron-LM checkpoint (torch_dist, or legacy at another "
+            f"TP / PP); this is {ck.format}, which holds no Megatron `args`, OptimizerParamScheduler state or "
+            "Megatron-core parameter names", path=src)
     args = _args(ck)
     if (args.get("transformer_impl") or "local") != "local":
         raise UnsupportedCheckpoint(f"a run built with transformer_impl={args.get('transformer_impl')}: its legacy "
@@ -304,6 +309,11 @@ def _check_legacy_target(ck, src: Path, tp: int | None, pp: int | None) -> tuple
                                     "not re-cut for another PP size", path=src,
                                     hint=f"convert at the saved PP ({saved_pp}), or resume the torch_dist run at "
                                          "the new PP (Megatron reshards it at load)")
+    if ck.format == "megatron_legacy" and (tp, pp) == (saved, saved_pp):
+        raise UnsupportedCheckpoint(f"the checkpoint is already in Megatron-LM's legacy format (--ckpt-format "
+                                    f"torch) at TP {saved} x PP {saved_pp}: nothing to convert", path=src,
+                                    hint="--tp N / --pp N write the rank files of another TP / PP size; "
+                                         "--ckpt-format torch_dist the layout Megatron reshards at load")
     layers = int(args.get("num_layers") or 0)
     if not layers or layers % (pp * vpp) or args.get("decoder_first_pipeline_num_layers") or \
             args.get("decoder_last_pipeline_num_layers") or args.get("pipeline_model_parallel_layout") or \
@@ -358,15 +368,19 @@ def _legacy_plan_lines(ck, tp: int, pp: int) -> tuple[list[str], list[str]]:
              + (f"; tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}, "
                 f"world_size={tp * pp * int(args.get('data_parallel_size') or 1)}" if (tp, pp) != (saved, saved_pp)
                 else "")]
-    not_moved = ["content_metadata (common.pt: how Megatron built the sharded state dict): the legacy format has no "
-                 "such field"]
-    from ..formats.dcp import DcpItems
-
-    if not any(k.startswith("rng_state/") for k in DcpItems(_dist_iter(ck)).sdm):
-        not_moved.append("RNG: the source saved none (no rng_state items): the rank files hold no rng_state; "
+    source = _legacy_source(ck)
+    not_moved = []
+    if ck.format == "megatron_legacy":
+        notes.append(f"read from the legacy rank files at TP {saved} x PP {saved_pp}: each whole tensor merged by "
+                     "Megatron's TP rules, then split again at the new size (one step, no torch_dist copy)")
+    else:
+        not_moved.append("content_metadata (common.pt: how Megatron built the sharded state dict): the legacy "
+                         "format has no such field")
+    if not source.has_rng:
+        not_moved.append(f"RNG: the source saved none ({source.none}): the rank files hold no rng_state; "
                          "relaunch with --no-load-rng")
     elif (tp, pp) == (saved, saved_pp):
-        notes.append("RNG: each rank's rng_state as saved (rng_state/shard_{pp}.{tp}_PP.TP)")
+        notes.append(f"RNG: each rank's rng_state as saved ({source.label})")
     else:
         not_moved.append(f"RNG at another TP x PP: Megatron's own resharding load ignores the saved RNG state (TP "
                          f"{saved} x PP {saved_pp} != {tp} x {pp}); a legacy file has no way to say so, so each rank "
@@ -379,6 +393,77 @@ def _legacy_plan_lines(ck, tp: int, pp: int) -> tuple[list[str], list[str]]:
         notes.append("tied embeddings with PP > 1: the last stage's output_layer.weight (Megatron's copy of the word "
                      "embeddings) written from the word embeddings, with their optimizer state")
     return notes, not_moved
+
+
+class _DistSource:
+    """What the legacy writer takes from a torch_dist source besides its logical tensors: common.pt, the keys in
+    .metadata order (the module order of a rank file's `model`), each saved rank's RNG state."""
+
+    def __init__(self, ck):
+        from ..formats.dcp import DcpItems
+        from ..read import pickle_reader as pr
+
+        it = _dist_iter(ck)
+        self.common = pr.load(it / "common.pt").obj
+        self._items = DcpItems(it)
+        self.keys = list(self._items.sdm)
+        self.has_rng = any(k.startswith("rng_state/") for k in self.keys)
+        self.label, self.none = "rng_state/shard_{pp}.{tp}_PP.TP", "no rng_state items"
+
+    def rng(self, p: int, t: int, pp: int, tp: int):
+        key = f"rng_state/shard_{p}.{t}_{pp}.{tp}"
+        return self._items.value(key)[0] if (key, None) in self._items.items else None
+
+
+class _LegacySource:
+    """The same, from legacy rank files (legacy -> legacy at another TP / PP): common.pt's fields from rank (0, 0)'s
+    file, the keys in the order the rank files' models list their modules (stage after stage, chunk after chunk:
+    the order Megatron's sharded state dict, so its .metadata, lists them), each rank file's RNG state."""
+
+    def __init__(self, ck):
+        from ..read import pickle_reader as pr
+        from ..view.logical import name_key
+
+        self._files = rank_files(ck)
+        first = self._files[min(self._files)]
+        obj0 = pr.load(first).obj
+        self.common = _common_of_rank_file(first, obj0)
+        args = _args(ck)
+        layers = int(args.get("num_layers") or 0)
+        tied = not args.get("untie_embeddings_and_output_weights")
+        keys: list[str] = []
+        for (t, p), f in sorted(self._files.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            if t:
+                continue
+            o = obj0 if f == first else pr.load(f).obj
+            chunks = sorted((k for k in o if isinstance(k, str) and re.fullmatch(r"model\d*", k)),
+                            key=lambda k: int(k[5:] or 0))
+            for local in (str(k) for c in chunks for k in o[c]):
+                m = _LAYER.match(local)
+                if m and m[2].endswith("._extra_state"):
+                    key = f"decoder.layers.{m[2]}/shard_0_{layers}"
+                elif m:
+                    key = "decoder.layers." + name_key(f"decoder.layers.0.{m[2]}")[len("decoder.layers.0."):]
+                elif local.endswith("._extra_state") or (local == "output_layer.weight" and tied):
+                    continue  # written by the layout itself (the tied copy only where the stage needs it)
+                else:
+                    key = local
+                if key not in keys:
+                    keys.append(key)
+        self.keys = keys
+        self._rng: dict[tuple[int, int], Any] = {}
+        self.has_rng = obj0.get("rng_state") is not None
+        self.label, self.none = "each rank file's rng_state", "no rng_state in its rank files"
+
+    def rng(self, p: int, t: int, pp: int, tp: int):
+        from ..read import pickle_reader as pr
+
+        f = self._files.get((t, p))
+        return pr.load(f).obj.get("rng_state") if f is not None else None
+
+
+def _legacy_source(ck):
+    return _LegacySource(ck) if ck.format == "megatron_legacy" else _DistSource(ck)
 
 
 def _legacy_name(key: str) -> str:
@@ -506,22 +591,19 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
     import copy
 
     from ..view import logical as L
-    from ..read import pickle_reader as pr
-    from .dcp_write import DcpFolder
     from ..formats.megatron_lm import _dir_name
     from ..view.logical import name_key
     from .torch_zip import save
 
     ck = L.open_any(plan.source)
     args = _args(ck)
-    it = _dist_iter(ck)
-    common = pr.load(it / "common.pt").obj
+    src_of = _legacy_source(ck)
+    common = src_of.common
     saved, saved_pp, vpp = ck.topology.tp or 1, ck.topology.pp or 1, ck.topology.vpp or 0
     tp, pp = plan.tp or saved, plan.pp or saved_pp
     dp = int(args.get("data_parallel_size") or 1)
     swiglu = bool(args.get("swiglu"))
-    folder = DcpFolder(it)
-    layout = _stage_layout(list(folder.sdm), args, pp, vpp)
+    layout = _stage_layout(src_of.keys, args, pp, vpp)
     module = {name_key(t.name): t for t in L.model_tensors(ck, weights="module")}
     params = {name_key(p.name): p for p in plan.params}
     group_of = {name_key(n): gi for gi, g in enumerate(plan.groups) for n in g["params"]}
@@ -600,9 +682,9 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
             obj["opt_param_scheduler"] = common["opt_param_scheduler"]
             src_t = t * saved // tp
             src_p = p * saved_pp // pp  # the saved stage of this stage's first layer (even stages: no VPP here)
-            key = f"rng_state/shard_{src_p}.{src_t}_{saved_pp}.{saved}"
-            if (key, None) in folder.items:
-                obj["rng_state"] = rec.tree(folder.value(key)[0])
+            rng = src_of.rng(src_p, src_t, saved_pp, saved)
+            if rng is not None:
+                obj["rng_state"] = rec.tree(rng)
             obj["num_floating_point_operations_so_far"] = common.get("num_floating_point_operations_so_far")
             d = itdir / _dir_name(t, p, pp)
             d.mkdir(parents=True)
