@@ -271,15 +271,17 @@ def test_megatron_loads_and_resumes_the_conversion_with_its_optimizer_state(tmp_
     the ones the DeepSpeed run itself used for those steps (its manifest). The same output written as legacy rank
     files (`--ckpt-format torch`) resumes with the closed-form AdamW check of every update from the saved fp32
     master, exp_avg, exp_avg_sq, step and LR passing, and the same LRs and losses as the torch_dist resume, bit for
-    bit (one state, two layouts; that resume passes --no-load-rng: no RNG state is carried). And Megatron reshards
-    the output at load: resumed at TP 1 x PP 1 every check passes and the losses agree within rel 1e-3."""
+    bit (one state, two layouts; no RNG state is carried, so ckpt relaunches the legacy resume with --no-load-rng
+    and says so). And Megatron reshards the output at load: resumed at TP 1 x PP 1 every check passes and the
+    losses agree within rel 1e-3. Without that flag Megatron's legacy load prints why and calls sys.exit(): the
+    resume then fails with exit 2 and that reason in its one error line (was: a normal end, every check failed)."""
     out, leg = tmp_path / "out", tmp_path / "legacy"
     assert _convert(out).returncode == 0
     proc = run_cli("convert", out, leg, "--to", "megatron", "--ckpt-format", "torch", "--json")
     assert proc.returncode == 0, proc.stderr
     m = manifest(*SRC)
     # the legacy loader asks for each rank file's RNG state unless told not to (torch_dist: args.no_save_rng)
-    runs = {"torch_dist": _ckpt_resume(out), "legacy": _ckpt_resume(leg, "--megatron-args", "--no-load-rng"),
+    runs = {"torch_dist": _ckpt_resume(out), "legacy": _ckpt_resume(leg),
             "tp1_pp1": _ckpt_resume(out, "--tp", "1", "--pp", "1", "--nproc", "1")}
     for key, res in runs.items():
         checks = {c["name"]: c["status"] for c in res["checks"]}
@@ -291,6 +293,17 @@ def test_megatron_loads_and_resumes_the_conversion_with_its_optimizer_state(tmp_
     assert {c["name"]: c["status"] for c in runs["legacy"]["checks"]}["optimizer state"] == "pass"
     assert [(r["lr"], r["loss"]) for r in runs["legacy"]["records"]] == [(r["lr"], r["loss"])
                                                                        for r in runs["torch_dist"]["records"]]
+    assert [n for n in runs["legacy"]["plan"]["notes"] if "--no-load-rng" in n] == [
+        "RNG: the rank files hold no rng_state: relaunched with --no-load-rng (Megatron's legacy load exits without "
+        "it), so the generators are seeded afresh"]
+    # the plan as it was before that flag: Megatron's own exit during its load is an error, with its reason
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run([sys.executable, "-c", "import sys; import ckpt_tools.resume.frameworks as F; "
+                           "F._legacy_has_rng = lambda ck: True; from ckpt_cli.main import main; "
+                           f"sys.argv = ['ckpt', 'resume', {str(leg)!r}, '-n', '2', '--device', 'cpu']; main()"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("ckpt: error:")]
+    assert proc.returncode == 2 and "Megatron-LM exited while loading the checkpoint: Unable to load rng state" in line
     # Megatron reshards the torch_dist output at load: at TP 1 x PP 1 the same run, bf16 matmuls summed in another
     # order (the TP 2 -> 1 resume of the Megatron-LM sample differs by ~1e-4 relative)
     assert [r["loss"] for r in runs["tp1_pp1"]["records"]] == pytest.approx(

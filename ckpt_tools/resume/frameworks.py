@@ -844,6 +844,12 @@ def _plan_megatron(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None,
                      "dist-checkpointing reshards the torch_dist checkpoint at load")
     if n // (tp * pp) != dp:
         notes.append(f"saved at DP {dp}, resumed at DP {n // (tp * pp)}")
+    if ck.format == "megatron_legacy" and not {"--no-load-rng", "--finetune"} & set(user) and \
+            not _legacy_has_rng(ck):
+        # Megatron's legacy load asks for the RNG state unless told not to, and calls sys.exit() without it
+        run.append("--no-load-rng")
+        notes.append("RNG: the rank files hold no rng_state: relaunched with --no-load-rng (Megatron's legacy "
+                     "load exits without it), so the generators are seeded afresh")
     if args.get("mock_data"):
         notes.append("the run's data: Megatron's mock dataset, as saved")
     elif args.get("data_path"):
@@ -863,6 +869,14 @@ def _plan_megatron(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None,
                               "no_opt_check": "loaded by Megatron's own load_checkpoint; checked in closed form for "
                                               "a legacy checkpoint resumed at its saved TP / PP only (the Adam step "
                                               "continuing is checked above)"})
+
+
+def _legacy_has_rng(ck: Checkpoint) -> bool:
+    """Whether every rank file of a Megatron legacy checkpoint holds an `rng_state` (read without unpickling)."""
+    from ..read import pickle_reader as pr
+    from ..write.megatron_write import rank_files
+
+    return all(pr.load(f).obj.get("rng_state") is not None for f in rank_files(ck).values())
 
 
 def _fused_specs(specs: list, ck: Checkpoint) -> tuple[list, dict[str, dict[str, list[int]]]]:

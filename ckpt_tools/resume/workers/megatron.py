@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+import time
 from typing import Any
 
 import torch
@@ -113,9 +114,31 @@ def main(plan: dict[str, Any]) -> None:
     rank = torch.distributed.get_rank()
 
     check: list[Any] = []
+    done_loading: list[bool] = []
 
     def loaded(model, optimizer, opt_param_scheduler, *a: Any, **k: Any):
-        out = load_checkpoint(model, optimizer, opt_param_scheduler, *a, **k)
+        import builtins
+
+        printed: list[str] = []
+        show = builtins.print
+
+        def keep(*words: Any, **kw: Any) -> None:  # Megatron says why before a sys.exit() in its load
+            printed.append(" ".join(map(str, words)))
+            show(*words, **kw)
+
+        builtins.print = keep
+        try:
+            out = load_checkpoint(model, optimizer, opt_param_scheduler, *a, **k)
+        except SystemExit as e:
+            if e.code not in (0, None):
+                raise
+            if not printed:  # print_rank_0: rank 0 has the reason; let its error reach the parent first
+                time.sleep(5)
+            raise RuntimeError("Megatron-LM exited while loading the checkpoint"
+                               + (f": {printed[-1].strip()}" if printed else "")) from None
+        finally:
+            builtins.print = show
+        done_loading.append(True)
         steps = sorted(set(W._adam_steps(optimizer)))
         inner = inner_optimizer(optimizer)
         if plan.get("legacy") and inner is not None:
@@ -154,6 +177,8 @@ def main(plan: dict[str, Any]) -> None:
         except SystemExit as e:  # --exit-interval: Megatron's train loop ends with sys.exit(0)
             if e.code not in (0, None):
                 raise
+            if not done_loading:
+                raise RuntimeError("Megatron-LM exited before it had loaded the checkpoint") from None
         torch.distributed.barrier()
     finally:
         if rank == 0:
