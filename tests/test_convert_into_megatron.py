@@ -240,6 +240,25 @@ def test_common_pt_carries_the_step_groups_schedule_and_args_megatron_rebuilds_t
     assert v["parameters"]["count"] == m["parameters"]["count"]
 
 
+def test_ckpt_diff_by_hand_pairs_the_pipeline_with_the_conversion(tmp_path):
+    """`ckpt diff --logical SRC OUT`, run by a user on the pipeline and its conversion, reads the pipeline under the
+    Megatron-core names (said in a note): every tensor of the source is compared (the reader's count, read from the
+    sample), and the only differences are the param-group fields Megatron-core keeps beside torch's, added."""
+    from ckpt_tools.ops.megatron_in import MEGATRON_GROUP_KEYS
+
+    out = tmp_path / "out"
+    assert _convert(out).returncode == 0
+    proc = run_cli("diff", "--logical", sample(*SRC), out, "--json")
+    assert proc.returncode == 1, proc.stderr  # differences found: the added group fields
+    doc = json.loads(proc.stdout)
+    n = len(L.model_tensors(L.open_any(sample(*SRC)), weights="fp32"))
+    assert doc["tensors_compared"] == doc["tensors_read"] > n
+    assert any("read under the Megatron-core names" in x for x in doc["notes"])
+    groups = len(_common(out / ITER)["optimizer"]["optimizer"]["param_groups"])
+    assert sorted((d["file"], d["field"], d["kind"]) for d in doc["differences"]) == sorted(
+        ("param_groups", f"{g}.{k}", "added") for g in range(groups) for k in MEGATRON_GROUP_KEYS)
+
+
 def test_dry_run_writes_nothing_and_what_cannot_be_carried_is_refused_in_one_line(tmp_path):
     """--dry-run prints the plan (notes, not moved) and writes nothing; refused with exit 2, one line, nothing
     written: the same pipeline whose TP replicas drifted apart (torch_dist keeps one copy), a DCP checkpoint and a

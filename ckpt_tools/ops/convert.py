@@ -623,12 +623,8 @@ def verify_logical(plan: ConvertPlan, root: Path) -> list[str]:
 
     from ..view import logical as L
 
-    from . import megatron_in
-
-    src = L.with_kv_heads(plan.source, plan.n_kv_heads)
-    if plan.to == "megatron" and megatron_in.handles(src):
-        src = megatron_in.core_view(src)  # the source under the Megatron-core names the writer gave it
-    rep = logical_diff(src, L.with_kv_heads(root, plan.n_kv_heads))
+    # a Megatron-DeepSpeed source is read under the Megatron-core names the writer gave it (`diff._megatron_names`)
+    rep = logical_diff(L.with_kv_heads(plan.source, plan.n_kv_heads), L.with_kv_heads(root, plan.n_kv_heads))
     lines = [f"{section} {name}: {what}" for section, name, what in iter_lines(rep)]
     return [x for x in lines if not any(x.startswith(f"{a}: added") for a in plan.added)]
 

@@ -621,11 +621,32 @@ def logical_diff(a: Any, b: Any, atol: float = 0.0, rtol: float = 0.0, *,
         d.close_readers()
 
 
+def _megatron_names(ca, cb, notes: list[str]):
+    """A Megatron-DeepSpeed pipeline checkpoint compared with a Megatron-LM one (what `convert --to megatron` writes
+    from it) is read under the Megatron-core names the conversion gives it (`megatron_in.core_view`), so the two
+    pair by parameter; said in a note. Where the pipeline cannot be named so, the note says why."""
+    from ..errors import UnsupportedCheckpoint
+    from . import megatron_in
+
+    sides = [ca, cb]
+    for i, (ck, other) in enumerate(((ca, cb), (cb, ca))):
+        if megatron_in.handles(ck) and other.format.startswith("megatron_"):
+            try:
+                sides[i] = megatron_in.core_view(ck)
+            except UnsupportedCheckpoint as e:
+                notes.append(f"{'AB'[i]}'s Megatron-DeepSpeed names are not paired with Megatron-core's: {e}")
+            else:
+                notes.append(f"{'AB'[i]} (Megatron-DeepSpeed pipeline) read under the Megatron-core names "
+                             "`convert --to megatron` gives its tensors")
+    return sides[0], sides[1]
+
+
 def _logical_diff(a: Any, b: Any, d: "_Differ", progress: Callable[[int], None] | None) -> DiffReport:
     from ..view import logical as L
 
     ca, cb = L.open_any(a), L.open_any(b)
     notes: list[str] = []
+    ca, cb = _megatron_names(ca, cb, notes)
     from ..read.qkv import find_fused
 
     for side, ck in (("A", ca), ("B", cb)):
