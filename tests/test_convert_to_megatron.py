@@ -109,6 +109,42 @@ def test_the_conversion_writes_what_megatrons_own_torch_dist_save_of_the_run_hol
     assert oa["state"]["common_step"].read_torch().item() == ob["state"]["common_step"].read_torch().item() == 10
 
 
+def test_the_distributed_optimizer_is_written_as_megatrons_own_dp_reshardable_save(tmp_path):
+    """A distributed-optimizer legacy run (DP 2: distrib_optim.pt's coalesced fp32 master / exp_avg / exp_avg_sq
+    buffers) becomes what Megatron's own torch_dist save of the same run holds (`megatron_dp2_distopt_torch_dist`,
+    dp_reshardable): the same keys, global shapes and dtypes, each bucket tensor bit for bit and cut into the same
+    chunks (one per parameter range and DP share: how a reader finds the parameters in the bucket again), the
+    per_bucket_numel / per_bucket_numel_unpadded objects, the inner optimizer's param groups (with the step), the
+    RNG and extra states, and common.pt (optimizer sharding type, content metadata, scheduler, counters; args but
+    for the run folders). ckpt reads the output's buffers mapped to parameters, and the logical diff against the
+    source is clean (convert's own check)."""
+    torch = pytest.importorskip("torch")
+    out = tmp_path / "out"
+    doc = _convert("megatron_dp2_distopt_legacy", out)
+    assert doc["verified"] is True
+    ref = sample("megatron_lm", "megatron_dp2_distopt_torch_dist")
+    (fa, ka), (fb, kb) = _dcp(out), _dcp(ref)
+    assert ka == kb
+    buckets = [k for k in kb if ".bucket_idx_" in k]
+    assert len(buckets) == 3 and not any(k.startswith("optimizer.state.") for k in kb)
+    unequal = [k for k, v in kb.items() if v != "bytes" and not torch.equal(_global(out, k, ka[k][0]),
+                                                                            _global(ref, k, kb[k][0]))]
+    assert unequal == [], unequal
+
+    def chunks(folder, key):
+        return sorted((tuple(c.field("offsets")), tuple(c.field("sizes"))) for c in folder.sdm[key].field("chunks"))
+
+    assert all(chunks(fa, k) == chunks(fb, k) for k in buckets) and len(chunks(fb, buckets[0])) > 20
+    for key in (k for k, v in kb.items() if v == "bytes"):  # per_bucket_numel(_unpadded), param groups, RNG, ...
+        assert _values(fa.value(key)) == _values(fb.value(key)), key
+    ca, cb = _common(out), _common(ref)
+    assert list(ca) == list(cb)
+    assert {k for k in set(ca["args"]) | set(cb["args"]) if repr(ca["args"].get(k)) != repr(cb["args"].get(k))} == RUN_PATHS
+    assert all(repr(ca[k]) == repr(cb[k]) for k in cb if k != "args")
+    doc = json.loads(run_cli("inspect", out, "--json").stdout)
+    assert doc["details"]["optimizer"].startswith("distributed (flat buckets, mapped to parameters")
+
+
 def test_inspect_and_the_logical_diff_see_the_source(tmp_path):
     """`ckpt inspect` of the output reports the source's iteration, Adam step, parameter count and next LR;
     `ckpt diff --logical` against the legacy source (the layer norms paired with their fused torch_dist names)
@@ -133,15 +169,14 @@ def test_inspect_and_the_logical_diff_see_the_source(tmp_path):
 
 
 def test_dry_run_writes_nothing_and_sources_it_cannot_write_are_refused_in_one_line(tmp_path):
-    """--dry-run shows the plan and writes nothing; a non-Megatron source (DeepSpeed, DCP), a distributed-optimizer
-    run and a torch_dist source are refused with one line naming what is missing, exit 2, nothing written."""
+    """--dry-run shows the plan and writes nothing; a non-Megatron source (DeepSpeed, DCP) and a torch_dist source
+    are refused with one line naming what is missing, exit 2, nothing written."""
     out = tmp_path / "out"
     proc = run_cli("convert", sample("megatron_lm", "megatron_tp2_legacy"), out, "--to", "megatron", "--dry-run",
                    "--json")
     assert proc.returncode == 0 and json.loads(proc.stdout)["to"] == "megatron" and not out.exists()
     dcp_sample, ds_sample = sample("dcp", "dcp_recipe_fsdp2"), sample("deepspeed", "zero2_bf16")
-    cases = [(sample("megatron_lm", "megatron_dp2_distopt_legacy"), "distributed optimizer"),
-             (sample("megatron_lm", "megatron_tp2_torch_dist"), "already"),
+    cases = [(sample("megatron_lm", "megatron_tp2_torch_dist"), "already"),
              (dcp_sample, "needs a Megatron-LM legacy checkpoint"), (ds_sample, "needs a Megatron-LM legacy checkpoint")]
     for src, words in cases:
         proc = run_cli("convert", src, out, "--to", "megatron")

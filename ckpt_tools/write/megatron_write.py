@@ -71,8 +71,37 @@ def _check_dist_target(ck, src: Path) -> None:
             "`args` (the GPT architecture, parallel sizes and schedule Megatron's load_checkpoint rebuilds the run "
             "from), no OptimizerParamScheduler state and no Megatron-core parameter names", path=src,
             hint="convert a checkpoint Megatron-LM saved (--ckpt-format torch); other frameworks: --to dcp / torch")
+    if _args(ck).get("use_distributed_optimizer"):
+        _check_distopt_source(ck, src)
+        return
     _check_plain_adam(ck, src, "--to megatron", "writes the plain Adam layout",
                       "torch_dist layout (flat bucket buffers)")
+
+
+def _check_distopt_source(ck, src: Path) -> None:
+    """Refuse, in one line, a distributed-optimizer legacy run whose buffers ckpt cannot lay out as Megatron's
+    dp_reshardable torch_dist save: proven at TP 1 x PP 1 (its torch_dist keys name one DP group), one bucket per
+    buffer (the legacy file coalesces buckets without their boundaries; Megatron makes one bucket unless
+    overlap_grad_reduce), bf16 / fp16."""
+    args = _args(ck)
+    if not (args.get("bf16") or args.get("fp16")):
+        raise UnsupportedCheckpoint("--to megatron is proven for bf16/fp16 runs (an fp32 master in the buffers); "
+                                    "this run trained in fp32", path=src)
+    tp, pp = ck.topology.tp or 1, ck.topology.pp or 1
+    if (tp, pp) != (1, 1):
+        raise UnsupportedCheckpoint(f"a distributed-optimizer run at TP {tp} x PP {pp}: ckpt writes its torch_dist "
+                                    "buffers at TP 1 x PP 1 only (the layout checked against Megatron's own save; "
+                                    "each TP x PP domain's DP-group index is not)", path=src)
+    if args.get("overlap_grad_reduce") or args.get("ddp_num_buckets"):
+        raise UnsupportedCheckpoint("the run split its gradient buffers into several buckets (overlap_grad_reduce / "
+                                    "ddp_num_buckets): distrib_optim.pt coalesces them without their boundaries, "
+                                    "which the torch_dist layout keys bucket by bucket", path=src)
+    if args.get("num_distributed_optimizer_instances", 1) not in (1, None):
+        raise UnsupportedCheckpoint("several distributed-optimizer instances: not handled", path=src)
+    for f in rank_files(ck).values():
+        if not (f.parent / "distrib_optim.pt").is_file():
+            raise UnsupportedCheckpoint("no distrib_optim.pt beside the rank file: the distributed optimizer's "
+                                        "state is missing", path=f.parent)
 
 
 def _check_plain_adam(ck, src: Path, flag: str, writes: str, distopt_layout: str) -> None:
@@ -122,17 +151,33 @@ def _dist_plan_lines(ck) -> tuple[list[str], list[str]]:
     """(notes, not moved) for a conversion of `ck` into Megatron's torch_dist."""
     args = _args(ck)
     tp, pp = ck.topology.tp or 1, ck.topology.pp or 1
-    notes = [f"Megatron-LM torch_dist (plain Adam): global tensors, layers stacked on a leading axis of "
-             f"{args.get('num_layers')}; Megatron reshards them at load, so it resumes at any TP / PP (saved at TP "
-             f"{tp} x PP {pp})",
-             "weights: the module's weights as saved (bf16) and the fp32 master as optimizer.state.fp32_param; Adam's "
-             "exp_avg / exp_avg_sq; the common Adam step, param groups and the OptimizerParamScheduler state in "
-             "common.pt, as saved",
-             "args: carried as saved, with ckpt_format=torch_dist and use_dist_ckpt=True (what Megatron's own "
-             "torch_dist save of the run records)",
-             f"RNG: each rank file's rng_state as the sharded object rng_state/shard_{{pp}}.{{tp}}_{pp}.{tp}: Megatron "
-             "loads it when resumed at the saved TP x PP and ignores it at another (no flag needed)"]
-    not_moved = []
+    if args.get("use_distributed_optimizer"):
+        dp = args.get("data_parallel_size")
+        notes = [f"Megatron-LM torch_dist with the distributed optimizer (dp_reshardable, as Megatron's own save of "
+                 f"it): the model's global tensors, layers stacked on a leading axis of {args.get('num_layers')}; "
+                 f"Megatron reshards the optimizer's buckets over another DP size at load, not over another TP / PP "
+                 f"(saved at TP {tp} x PP {pp} x DP {dp})",
+                 "optimizer: distrib_optim.pt's fp32 master / exp_avg / exp_avg_sq buffers as one bucket tensor each "
+                 "(optimizer.distributed.dp_group_idx_0.gbuf_idx_G.dtype_(...).bucket_idx_0.*), cut at every "
+                 "parameter's range and DP share as Megatron cuts them; per_bucket_numel(_unpadded); the inner "
+                 "optimizer's param groups (with the step) as saved; the OptimizerParamScheduler state in common.pt"]
+    else:
+        notes = [f"Megatron-LM torch_dist (plain Adam): global tensors, layers stacked on a leading axis of "
+                 f"{args.get('num_layers')}; Megatron reshards them at load, so it resumes at any TP / PP (saved at "
+                 f"TP {tp} x PP {pp})",
+                 "weights: the module's weights as saved (bf16) and the fp32 master as optimizer.state.fp32_param; "
+                 "Adam's exp_avg / exp_avg_sq; the common Adam step, param groups and the OptimizerParamScheduler "
+                 "state in common.pt, as saved"]
+    notes += ["args: carried as saved, with ckpt_format=torch_dist and use_dist_ckpt=True (what Megatron's own "
+              "torch_dist save of the run records)",
+              f"RNG: each rank file's rng_state as the sharded object rng_state/shard_{{pp}}.{{tp}}_{pp}.{tp}: "
+              "Megatron loads it when resumed at the saved TP x PP and ignores it at another (no flag needed)"]
+    if args.get("use_distributed_optimizer"):
+        not_moved = ["proof: Megatron-LM cannot load a distributed-optimizer checkpoint on a CPU (without Apex / "
+                     "TransformerEngine), so no resume of this output has been run; it equals Megatron's own "
+                     "dp_reshardable save of the same run key for key, chunk for chunk, bit for bit"]
+    else:
+        not_moved = []
     if ck.tree.children.get("tied_copies") is not None:
         not_moved.append("tied_copies: the last pipeline stage's copy of the word embeddings; torch_dist saves the "
                          "tied weight once and Megatron re-makes the copy at load")
@@ -155,6 +200,7 @@ def _write_dist(plan, root: Path, progress: Callable[[int], None] | None) -> int
     iteration = int(obj0["iteration"])
     it = root / f"iter_{iteration:07d}"
     module = {t.name: t for t in L.model_tensors(ck, weights="module")}
+    distopt = bool(args.get("use_distributed_optimizer"))
     w = DcpStreamWriter(it, checkpoint_id=str(plan.out / it.name), shards=2)
     try:
         for p in plan.params:
@@ -162,7 +208,7 @@ def _write_dist(plan, root: Path, progress: Callable[[int], None] | None) -> int
                 continue
             key, layer = dist_key(p.name, layers)
             tensors = [(key, module[p.name].read())]
-            if p.states:
+            if p.states and not distopt:  # the distributed optimizer's state: its buffers, below
                 tensors.append((f"optimizer.state.fp32_param.{key}", p.weight.read()))
                 tensors += [(f"optimizer.state.{k}.{key}", t.read()) for k, t in sorted(p.states.items())]
             for k, t in tensors:
@@ -175,6 +221,8 @@ def _write_dist(plan, root: Path, progress: Callable[[int], None] | None) -> int
         for rest in _extra_states(obj0):
             for i in range(layers):
                 w.value((f"decoder.layers.{rest}._extra_state/shard_{i}_{layers}",), [None])
+        if distopt:
+            _write_distopt_buffers(w, ranks[(0, 0)], args, [q.weight.node for q in plan.params if q.states])
         for (t, s), f in sorted(ranks.items()):
             rng = pr.load(f).obj.get("rng_state")
             if rng is not None:  # a run saved with --no-save-rng has none, and its args tell Megatron so
@@ -187,6 +235,67 @@ def _write_dist(plan, root: Path, progress: Callable[[int], None] | None) -> int
     (it / "metadata.json").write_text(json.dumps(DIST_META))
     (root / LATEST).write_text(str(iteration))
     return w.bytes_written + (it / "common.pt").stat().st_size
+
+
+#: elements read and written at a time from a distributed-optimizer buffer (4 MiB of fp32)
+_BUFFER_CHUNK = 1 << 20
+
+
+def _write_distopt_buffers(w, rank_file: Path, args: dict[str, Any], masters: list) -> None:
+    """The distributed optimizer's state as Megatron core_v0.16.1's dp_reshardable torch_dist save holds it
+    (`DistributedOptimizer.sharded_param_state_dp_reshardable`): per buffer and dtype, the bucket's fp32 master /
+    exp_avg / exp_avg_sq as one global tensor of the bucket's unpadded length
+    (`optimizer.distributed.dp_group_idx_0.gbuf_idx_G.dtype_(P, M).bucket_idx_0.<state>`), `per_bucket_numel`
+    (padded as Megatron pads a bucket: to lcm(DP, 128), or with 2**16 under ddp_pad_buckets_for_high_nccl_busbw),
+    `per_bucket_numel_unpadded`, and the inner optimizer's param groups (the step is in them). Read from
+    distrib_optim.pt (`buckets_coalesced`: each bucket's world tensor cut to its unpadded length, one bucket per
+    buffer here) a chunk at a time. As in Megatron's save, each parameter's range is its own chunk (and so is each
+    DP rank's share), which is how a reader finds the parameters in the bucket again (`masters`: the source's fp32
+    master nodes, ranges of the buffers)."""
+    import math
+
+    import torch
+
+    from ..read import pickle_reader as pr
+
+    dist = pr.load(rank_file.parent / "distrib_optim.pt").obj
+    if not isinstance(dist, dict) or dist.get("buckets_coalesced") is not True:
+        raise UnsupportedCheckpoint("distrib_optim.pt does not say buckets_coalesced: an older layout ckpt does "
+                                    "not write as torch_dist", path=rank_file.parent / "distrib_optim.pt")
+    dp = int(args.get("data_parallel_size") or 1)
+    divisor = math.lcm(dp, 128, 2 ** 16) if args.get("ddp_pad_buckets_for_high_nccl_busbw") else math.lcm(dp, 128)
+    prefix = "optimizer.distributed.dp_group_idx_0"
+    numel: list[dict] = []
+    unpadded: list[dict] = []
+    for g in sorted(k for k in dist if isinstance(k, int)):
+        padded_g, unpadded_g = {}, {}
+        for dkey, entry in dist[g].items():
+            n = int(entry["numel_unpadded"])
+            bucket = f"{prefix}.gbuf_idx_{g}.dtype_({dkey[0]!r}, {dkey[1]!r}).bucket_idx_0"
+            padded = -(-n // divisor) * divisor
+            key = getattr(getattr(entry["param"], "storage", None), "key", None)
+            bounds = {0, n} | {k * (padded // dp) for k in range(dp) if k * (padded // dp) < n}
+            bounds |= {q.src_offset for m in masters for q in m.pieces
+                       if getattr(getattr(q.ref, "storage", None), "key", None) == key and q.src_offset < n}
+            bounds |= {q.src_offset + q.numel for m in masters for q in m.pieces
+                       if getattr(getattr(q.ref, "storage", None), "key", None) == key and q.src_offset + q.numel < n}
+            edges = sorted(bounds)
+            cuts = [x for a, b in zip(edges, edges[1:]) for x in range(a, b, _BUFFER_CHUNK)] + [n]
+            for state in ("param", "exp_avg", "exp_avg_sq"):
+                ref = entry[state]
+                if tuple(ref.shape) != (n,):
+                    raise UnsupportedCheckpoint(f"distrib_optim.pt buffer {g} {dkey} {state}: {tuple(ref.shape)} "
+                                                f"elements, not its numel_unpadded {n}", path=rank_file.parent)
+                for a, b in zip(cuts, cuts[1:]):
+                    w.tensor_part((f"{bucket}.{state}",), (n,), (a,), ref.read_torch(a, b - a))
+            dtypes = tuple(getattr(torch, repr(x).rsplit(".", 1)[-1]) for x in dkey)
+            padded_g[dtypes], unpadded_g[dtypes] = [padded], [n]
+        numel.append(padded_g)
+        unpadded.append(unpadded_g)
+    w.value((f"{prefix}.per_bucket_numel/shard_0_1",), [numel])
+    w.value((f"{prefix}.per_bucket_numel_unpadded/shard_0_1",), [unpadded])
+    obj = pr.load(rank_file).obj
+    w.value_blob((f"{prefix}.optimizer/shard_0_1",), _zip_bytes(rank_file, [obj["optimizer"]["optimizer"]]))
 
 
 def _extra_states(obj0: dict) -> list[str]:
@@ -227,10 +336,17 @@ def _write_common(src: Path, obj0: dict, plan, dst: Path) -> None:
 
     from .pickle_writer import rewrite_torch_zip
 
-    common = _common_of_rank_file(src, obj0)
     args = copy.copy(obj0["args"])
     args.state = {**obj0["args"].state, "ckpt_format": "torch_dist", "use_dist_ckpt": True}
-    common.update(args=args, content_metadata=dict(CONTENT_METADATA))
+    if args.state.get("use_distributed_optimizer"):  # the step is in the buffers' param groups (the DCP)
+        common = {"args": args, "checkpoint_version": obj0["checkpoint_version"], "iteration": obj0["iteration"],
+                  "optimizer": {"param_state_sharding_type": "dp_reshardable"},
+                  "opt_param_scheduler": obj0["opt_param_scheduler"],
+                  "num_floating_point_operations_so_far": obj0.get("num_floating_point_operations_so_far"),
+                  "content_metadata": {"distrib_optim_sharding_type": "dp_reshardable", **CONTENT_METADATA}}
+    else:
+        common = _common_of_rank_file(src, obj0)
+        common.update(args=args, content_metadata=dict(CONTENT_METADATA))
     rewrite_torch_zip(src, dst, common, prune=True)
 
 
