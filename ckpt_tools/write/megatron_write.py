@@ -173,11 +173,10 @@ def _dist_plan_lines(ck) -> tuple[list[str], list[str]]:
               f"RNG: each rank file's rng_state as the sharded object rng_state/shard_{{pp}}.{{tp}}_{pp}.{tp}: "
               "Megatron loads it when resumed at the saved TP x PP and ignores it at another (no flag needed)"]
     if args.get("use_distributed_optimizer"):
-        not_moved = ["proof: Megatron-LM cannot load a distributed-optimizer checkpoint on a CPU (without Apex / "
-                     "TransformerEngine), so no resume of this output has been run; it equals Megatron's own "
-                     "dp_reshardable save of the same run key for key, chunk for chunk, bit for bit"]
-    else:
-        not_moved = []
+        notes.append("proof: Megatron-LM cannot load a distributed-optimizer checkpoint on a CPU (without Apex / "
+                     "TransformerEngine), so ckpt has not resumed such an output; on its sample it equals Megatron's "
+                     "own dp_reshardable save of the same run key for key, chunk for chunk, bit for bit")
+    not_moved: list[str] = []
     if ck.tree.children.get("tied_copies") is not None:
         not_moved.append("tied_copies: the last pipeline stage's copy of the word embeddings; torch_dist saves the "
                          "tied weight once and Megatron re-makes the copy at load")
