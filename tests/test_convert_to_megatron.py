@@ -292,6 +292,32 @@ def test_legacy_output_is_megatrons_own_legacy_save_of_the_run(tmp_path, legacy,
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "10"
 
 
+def test_the_distributed_optimizer_goes_back_as_megatrons_own_legacy_save(tmp_path):
+    """The dp_reshardable torch_dist save of a distributed-optimizer run (`megatron_dp2_distopt_torch_dist`) written
+    as legacy rank files equals Megatron's own legacy save of the same run (`megatron_dp2_distopt_legacy`) file for
+    file: model_optim_rng.pt (the model in Megatron's module order, the inner optimizer's param groups with the step,
+    scheduler, RNG, counters; args but for the run folders) and distrib_optim.pt (buckets_coalesced, each buffer's
+    fp32 master / exp_avg / exp_avg_sq bit for bit under its (param, main) dtype key, numel_unpadded). ckpt reads
+    the output's buffers mapped to parameters; convert's own logical check passed."""
+    pytest.importorskip("torch")
+    out = tmp_path / "out"
+    doc = _to_legacy("megatron_dp2_distopt_torch_dist", out)
+    assert doc["verified"] is True
+    ref = sample("megatron_lm", "megatron_dp2_distopt_legacy")
+    assert _rank_files(out) == _rank_files(ref) and "iter_0000010/mp_rank_00/distrib_optim.pt" in _rank_files(ref)
+    for f in (f for f in _rank_files(ref) if f.endswith(".pt")):
+        a, b = pr.load(out / f).obj, pr.load(ref / f).obj
+        assert list(a) == list(b), f
+        for k in b:
+            if k == "args":
+                sa, sb = a[k].state, b[k].state
+                assert list(sa) == list(sb) and {x for x in sb if repr(sa[x]) != repr(sb[x])} == RUN_PATHS, f
+            else:
+                assert _inert(a[k]) == _inert(b[k]), (f, k)
+    proc = run_cli("inspect", out, "--json")
+    assert "buckets mapped to parameters" in json.loads(proc.stdout)["details"]["optimizer"]
+
+
 def test_legacy_at_another_tp_splits_by_megatrons_rules(tmp_path):
     """--tp 1 from the TP 2 torch_dist sample: one rank file whose tensors are the TP 2 legacy save's shards
     merged by Megatron's rules (QKV / fc1 / vocabulary dim 0, row-parallel dim 1, replicas once), with the saved
@@ -365,7 +391,7 @@ def test_legacy_refusals_are_one_line_and_write_nothing(tmp_path):
     assert (doc["ckpt_format"], doc["tp"]) == ("torch", 1) and doc["optimizer_state"] == ["exp_avg", "exp_avg_sq",
                                                                                           "step"]
     cases = [("megatron_tp2_legacy", (), "already in Megatron-LM's legacy format"),
-             ("megatron_dp2_distopt_torch_dist", (), "distributed optimizer"),
+             ("megatron_dp2_distopt_torch_dist", ("--tp", "2"), "distributed-optimizer run at TP 1 x PP 1 (to TP 2"),
              ("megatron_tp2_torch_dist", ("--tp", "3"), "--tp 3 does not divide num_attention_heads=4"),
              ("megatron_tp2_torch_dist", ("--tp", "4"), "pads the vocabulary (127) to 256 rows")]
     for name, extra, words in cases:

@@ -78,6 +78,28 @@ def _check_dist_target(ck, src: Path) -> None:
                       "torch_dist layout (flat bucket buffers)")
 
 
+def _check_distopt_dist_source(ck, src: Path, tp: int | None, pp: int | None) -> None:
+    """Refuse, in one line, a distributed-optimizer torch_dist run ckpt cannot write as legacy rank files with
+    distrib_optim.pt: proven at TP 1 x PP 1 and the saved sizes, dp_reshardable buckets, one per buffer."""
+    saved, saved_pp = ck.topology.tp or 1, ck.topology.pp or 1
+    if ck.format != "megatron_torch_dist" or (saved, saved_pp) != (1, 1) or (tp or 1, pp or 1) != (1, 1):
+        raise UnsupportedCheckpoint(f"a distributed-optimizer run at TP {saved} x PP {saved_pp} (to TP {tp or saved} "
+                                    f"x PP {pp or saved_pp}): ckpt writes its legacy distrib_optim.pt from a torch_dist "
+                                    "save at TP 1 x PP 1 only (the layout checked against Megatron's own save)",
+                                    path=src)
+    from ..read import pickle_reader as pr
+
+    common = pr.load(_dist_iter(ck) / "common.pt").obj
+    kind = (common.get("optimizer") or {}).get("param_state_sharding_type")
+    if kind != "dp_reshardable":
+        raise UnsupportedCheckpoint(f"the distributed optimizer's state is saved {kind!r}: ckpt writes the "
+                                    "dp_reshardable buckets into distrib_optim.pt", path=src)
+    if not (_args(ck).get("bf16") or _args(ck).get("fp16")):
+        raise UnsupportedCheckpoint("--ckpt-format torch is proven for bf16/fp16 runs; this run trained in fp32",
+                                    path=src)
+    _distopt_buckets(ck)
+
+
 def _check_distopt_source(ck, src: Path) -> None:
     """Refuse, in one line, a distributed-optimizer legacy run whose buffers ckpt cannot lay out as Megatron's
     dp_reshardable torch_dist save: proven at TP 1 x PP 1 (its torch_dist keys name one DP group), one bucket per
@@ -409,8 +431,11 @@ def _check_legacy_target(ck, src: Path, tp: int | None, pp: int | None) -> tuple
         raise UnsupportedCheckpoint(f"a run built with transformer_impl={args.get('transformer_impl')}: its legacy "
                                     "rank files use Transformer Engine's module names and extra state, which ckpt "
                                     "does not write (local-spec runs only)", path=src)
-    _check_plain_adam(ck, src, "--ckpt-format torch", "writes the plain Adam rank files",
-                      "legacy layout (distrib_optim.pt buckets)")
+    if _args(ck).get("use_distributed_optimizer"):
+        _check_distopt_dist_source(ck, src, tp, pp)
+    else:
+        _check_plain_adam(ck, src, "--ckpt-format torch", "writes the plain Adam rank files",
+                          "legacy layout (distrib_optim.pt buckets)")
     saved = ck.topology.tp or 1
     tp = saved if tp is None else tp
     if tp < 1:
@@ -476,9 +501,13 @@ def _legacy_plan_lines(ck, tp: int, pp: int) -> tuple[list[str], list[str]]:
              "by Megatron's own TP rules (column-parallel and vocabulary-parallel dim 0, SwiGLU fc1 per "
              "sub-parameter, row-parallel dim 1, norms and row-parallel biases replicated), its stage's layers "
              "numbered from 0",
-             "optimizer: per rank {state: {id: {step, exp_avg, exp_avg_sq}}, param_groups (as saved, with the ids "
-             "of this rank's parameters in model order)}, fp32_from_fp16_params; opt_param_scheduler, iteration, "
-             "checkpoint_version and floating-point-operation count as saved",
+             ("optimizer (distributed): the rank file's {optimizer: {param_groups}} (with the step) and "
+              "distrib_optim.pt beside it, as Megatron's legacy save writes it: buckets_coalesced, each buffer's "
+              "fp32 master / exp_avg / exp_avg_sq (its bucket's unpadded elements) and numel_unpadded; "
+              if args.get("use_distributed_optimizer") else
+              "optimizer: per rank {state: {id: {step, exp_avg, exp_avg_sq}}, param_groups (as saved, with the ids "
+              "of this rank's parameters in model order)}, fp32_from_fp16_params; ")
+             + "opt_param_scheduler, iteration, checkpoint_version and floating-point-operation count as saved",
              "args: carried as saved with ckpt_format=torch, use_dist_ckpt=False and each file's rank / local_rank"
              + (f"; tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}, "
                 f"world_size={tp * pp * int(args.get('data_parallel_size') or 1)}" if (tp, pp) != (saved, saved_pp)
@@ -591,6 +620,22 @@ def _legacy_name(key: str) -> str:
     return key
 
 
+#: a local-spec decoder layer's modules in the order Megatron-core's TransformerLayer registers them (so its
+#: state_dict, and a legacy rank file's `model`, lists them): the layer norms under their fused torch_dist names
+_MODULES = ("self_attention.linear_qkv.layer_norm_", "self_attention.linear_proj.", "self_attention.linear_qkv.",
+            "self_attention.q_layernorm.", "self_attention.k_layernorm.", "mlp.linear_fc1.layer_norm_",
+            "mlp.linear_fc1.", "mlp.linear_fc2.")
+_PARAMS = ("weight", "bias", "_extra_state")
+
+
+def _module_rank(rest: str) -> tuple[int, int] | None:
+    """Where a layer's tensor (`self_attention.linear_proj.bias`) comes in Megatron's module order; None if unknown."""
+    for i, prefix in enumerate(_MODULES):
+        if rest.startswith(prefix) and rest[len(prefix):] in _PARAMS:
+            return i, _PARAMS.index(rest[len(prefix):])
+    return None
+
+
 def _stage_layout(keys: list[str], args: dict[str, Any], pp: int, vpp: int) -> dict[tuple[int, int], list]:
     """{(stage, chunk): [(local legacy name, global logical name or None for an extra state)]} in the order
     Megatron's GPTModel.state_dict lists them: the embedding (first chunk of stage 0), each layer's modules in the
@@ -615,6 +660,8 @@ def _stage_layout(keys: list[str], args: dict[str, Any], pp: int, vpp: int) -> d
             continue
         if rest not in layer:
             layer.append(rest)
+    if all(_module_rank(r) is not None for r in layer):  # a distributed-optimizer save lists them otherwise
+        layer.sort(key=_module_rank)
     tied = not args.get("untie_embeddings_and_output_weights")
     if "output_layer.weight" not in post and (pp > 1 and tied):
         post.append("output_layer.weight")  # the last stage's copy of the tied word embeddings
@@ -696,6 +743,58 @@ class _Records:
         return obj
 
 
+_BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\(torch\.(\w+), "
+                     r"torch\.(\w+)\)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
+
+
+def _distopt_buckets(ck) -> dict[tuple[int, str, str], dict[str, Any]]:
+    """{(gbuf, param dtype, main dtype): {state: its bucket's TensorNode}} of a torch_dist distributed-optimizer
+    save (dp_reshardable); refuses, in one line, buckets ckpt does not write into distrib_optim.pt (several
+    buckets per buffer, several DP groups)."""
+    from ..formats import dcp as dcp_format
+    from ..formats.megatron_dist import _flat
+
+    it = _dist_iter(ck)
+    out: dict[tuple[int, str, str], dict[str, Any]] = {}
+    for key, node in _flat(dcp_format.open(it).tree.children.get("model")).items():
+        if not key.startswith("optimizer.distributed.") or "/" in key or not hasattr(node, "pieces"):
+            continue
+        m = _BUCKET.match(key)
+        if m is None or m[1] != "0" or m[5] != "0":
+            raise UnsupportedCheckpoint(f"{key}: ckpt writes one DP group's buffers with one bucket each into "
+                                        "distrib_optim.pt", path=it)
+        out.setdefault((int(m[2]), m[3], m[4]), {})[m[6]] = node
+    if not out or any(set(v) != {"param", "exp_avg", "exp_avg_sq"} for v in out.values()):
+        raise UnsupportedCheckpoint("no complete distributed-optimizer buckets (param, exp_avg, exp_avg_sq) in the "
+                                    "torch_dist save", path=it)
+    return out
+
+
+def _write_distrib_optim(ck, dst: Path) -> int:
+    """distrib_optim.pt as Megatron core_v0.16.1's legacy save of the distributed optimizer writes it
+    (`get_parameter_state_dp_zero`): {"buckets_coalesced": True, gbuf: {(param dtype, main dtype): {param, exp_avg,
+    exp_avg_sq, numel_unpadded}}}, each tensor the buffer's buckets cut to their unpadded length and joined (one
+    bucket: the torch_dist bucket tensor itself); a whole buffer is read when the writer reaches it."""
+    import torch
+
+    from ..read.pickle_reader import DType
+    from ..read.tensor_read import read_tensor
+    from .torch_zip import save
+
+    rec = _Records()
+    obj: dict[Any, Any] = {"buckets_coalesced": True}
+    for (g, pdt, mdt), states in sorted(_distopt_buckets(ck).items()):
+        n = states["param"].shape[0]
+        entry: dict[str, Any] = {}
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            node = states[k]
+            like = torch.empty((n,), dtype=getattr(torch, node.dtype), device="meta")
+            entry[k] = rec.made(like, lambda node=node: read_tensor(node))
+        entry["numel_unpadded"] = n
+        obj.setdefault(g, {})[(DType(pdt), DType(mdt))] = entry  # written as the torch.<dtype> globals
+    return save(obj, dst, rec.data)
+
+
 def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     """Write Megatron's legacy run folder for `plan` (to="megatron", ckpt_format="torch") into the empty folder
     `root`: one model_optim_rng.pt per (TP, PP) rank at `plan.tp`; returns the bytes written. Each tensor's bytes
@@ -722,9 +821,15 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
     module = {name_key(t.name): t for t in L.model_tensors(ck, weights="module")}
     params = {name_key(p.name): p for p in plan.params}
     group_of = {name_key(n): gi for gi, g in enumerate(plan.groups) for n in g["params"]}
-    opt = common["optimizer"]["optimizer"]
-    step = opt["state"]["common_step"].read_torch()
-    groups_hp = [g for g in opt["param_groups"]]
+    distopt = bool(args.get("use_distributed_optimizer"))
+    if distopt:  # the param groups (with the step) are a sharded object; the state is in the buckets
+        from ..formats.megatron_dist import _sharded_param_groups
+
+        groups_hp, step = _sharded_param_groups(_dist_iter(ck)), None
+    else:
+        opt = common["optimizer"]["optimizer"]
+        step = opt["state"]["common_step"].read_torch()
+        groups_hp = [g for g in opt["param_groups"]]
     iteration = int(common["iteration"])
     itdir = root / f"iter_{iteration:07d}"
     written = 0
@@ -784,16 +889,19 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
             i = 0
             for gi, mem in enumerate(members):
                 ids.append(list(range(i, i + len(mem))))
-                for local, name in mem:
+                for local, name in ([] if distopt else mem):
                     state_out[i] = {"step": rec.add(step.clone()),
                                     **{k: shard(rec, local, name, k, t) for k in ("exp_avg", "exp_avg_sq")}}
                     i += 1
-            for gi, mem in enumerate(members):
+            for gi, mem in enumerate([] if distopt else members):
                 masters.append([shard(rec, local, name, "fp32", t) for local, name in mem])
             groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": ids[gi]}
                       for gi, g in enumerate(groups_hp)]
-            obj["optimizer"] = {"optimizer": {"state": state_out, "param_groups": groups},
-                                "fp32_from_fp16_params": masters}
+            if distopt:  # what Megatron's legacy save of the distributed optimizer keeps in the rank file
+                obj["optimizer"] = {"optimizer": {"param_groups": rec.tree(groups_hp)}}
+            else:
+                obj["optimizer"] = {"optimizer": {"state": state_out, "param_groups": groups},
+                                    "fp32_from_fp16_params": masters}
             obj["opt_param_scheduler"] = common["opt_param_scheduler"]
             src_t = t * saved // tp
             src_p = p * saved_pp // pp  # the saved stage of this stage's first layer (even stages: no VPP here)
@@ -804,6 +912,8 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
             d = itdir / _dir_name(t, p, pp)
             d.mkdir(parents=True)
             written += save(obj, d / "model_optim_rng.pt", rec.data)
+            if distopt:
+                written += _write_distrib_optim(ck, d / "distrib_optim.pt")
             if progress:  # in the plan's units (the source's bytes): its share per rank file written
                 k, n = p * tp + t, pp * tp
                 progress(plan.nbytes * (k + 1) // n - plan.nbytes * k // n)
