@@ -774,13 +774,15 @@ def _write_distrib_optim(ck, dst: Path) -> int:
     """distrib_optim.pt as Megatron core_v0.16.1's legacy save of the distributed optimizer writes it
     (`get_parameter_state_dp_zero`): {"buckets_coalesced": True, gbuf: {(param dtype, main dtype): {param, exp_avg,
     exp_avg_sq, numel_unpadded}}}, each tensor the buffer's buckets cut to their unpadded length and joined (one
-    bucket: the torch_dist bucket tensor itself); a whole buffer is read when the writer reaches it."""
+    bucket: the torch_dist bucket tensor itself). Its bytes are copied file range to file range from the .distcp
+    files (no buffer in memory); where the pieces cannot be copied as they are, the buffer is read when written."""
     import torch
 
     from ..read.pickle_reader import DType
-    from ..read.tensor_read import read_tensor
+    from ..read.tensor_read import FdCache, read_tensor, source_ranges
     from .torch_zip import save
 
+    fds = FdCache()
     rec = _Records()
     obj: dict[Any, Any] = {"buckets_coalesced": True}
     for (g, pdt, mdt), states in sorted(_distopt_buckets(ck).items()):
@@ -789,10 +791,17 @@ def _write_distrib_optim(ck, dst: Path) -> int:
         for k in ("param", "exp_avg", "exp_avg_sq"):
             node = states[k]
             like = torch.empty((n,), dtype=getattr(torch, node.dtype), device="meta")
-            entry[k] = rec.made(like, lambda node=node: read_tensor(node))
+            ranges = source_ranges(node, fds)
+            if ranges is not None:
+                entry[k] = rec._record(like.dtype, like.shape, tuple(ranges))
+            else:
+                entry[k] = rec.made(like, lambda node=node: read_tensor(node))
         entry["numel_unpadded"] = n
         obj.setdefault(g, {})[(DType(pdt), DType(mdt))] = entry  # written as the torch.<dtype> globals
-    return save(obj, dst, rec.data)
+    try:
+        return save(obj, dst, rec.data)
+    finally:
+        fds.close()
 
 
 def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> int:
