@@ -181,21 +181,34 @@ def test_run_stoppable_stops_the_pool_of_an_interrupted_child(tmp_path):
              "time.sleep(600)']); open(sys.argv[1], 'w').write(str(w.pid)); time.sleep(600)")
     seen: dict[int, tuple[int, str]] = {}
 
+    waiting = threading.Event()  # set while this thread is inside run_stoppable: only then is Ctrl-C sent
+
     def interrupt_once_started() -> None:
         deadline = time.monotonic() + 60
-        while not (started.exists() and started.read_text()) and time.monotonic() < deadline:
+        while not (started.exists() and started.read_text()) and time.monotonic() < deadline and waiting.is_set():
             time.sleep(0.05)
         me = os.getpid()
         seen.update({pid: v for pid, v in descendants(me).items() if "time.sleep(600)" in v[1]})
-        os.kill(me, signal.SIGINT)
+        if waiting.is_set():
+            os.kill(me, signal.SIGINT)
 
     t = threading.Thread(target=interrupt_once_started)
-    t.start()
     t0 = time.monotonic()
+    returned = None
     try:
-        with pytest.raises(KeyboardInterrupt):
-            run_stoppable([sys.executable, "-c", child, str(started)], env=dict(os.environ))
+        waiting.set()
+        t.start()
+        try:
+            returned = run_stoppable([sys.executable, "-c", child, str(started)], env=dict(os.environ))
+        except KeyboardInterrupt:
+            pass
+        finally:
+            waiting.clear()
         t.join()
+        # what went wrong when it did not stop that way (seen once in a full run, never alone): the child's end
+        assert returned is None, (f"run_stoppable returned after {time.monotonic() - t0:.1f} s: exit "
+                                  f"{returned.returncode}, output {returned.stdout[-2000:]!r}, started "
+                                  f"{started.exists() and started.read_text()!r}, seen {seen}")
         assert len(seen) == 2  # the child and its pool worker
         assert time.monotonic() - t0 < 30
         assert still_running(seen) == []
