@@ -1,6 +1,7 @@
 """Write a Megatron-LM torch_dist run folder (`ckpt convert SRC OUT --to megatron`), as Megatron-LM core_v0.16.1's
-`save_checkpoint` lays it out for plain Adam (not the distributed optimizer), from a Megatron-LM legacy checkpoint
-(from a Megatron-DeepSpeed pipeline checkpoint: `ops.megatron_in`, with the same three entries).
+`save_checkpoint` lays it out for plain Adam (the distributed optimizer: `_write_distopt_buffers`, its dp_reshardable
+buckets), from a Megatron-LM legacy checkpoint (from a Megatron-DeepSpeed pipeline checkpoint: `ops.megatron_in`,
+with the same three entries).
 
     OUT/latest_checkpointed_iteration.txt     the iteration
     OUT/iter_{N:07d}/.metadata, __R_0.distcp  a torch DCP of GLOBAL tensors (TP shards and pipeline stages merged):
@@ -33,10 +34,13 @@ Megatron's `--ckpt-format torch` save writes, `iter_{N:07d}/mp_rank_{tp:02d}[_{p
 (args, checkpoint_version, iteration, model / model0.., optimizer {optimizer {state, param_groups},
 fp32_from_fp16_params}, opt_param_scheduler, rng_state, num_floating_point_operations_so_far), at the saved TP x PP
 or another (`plan.tp`, `plan.pp`): each whole tensor split by Megatron's TP rules (`_tp_shard`, the inverse of
-`formats.megatron_lm._rule`), the layers cut into equal stages (`_stage_layout`). The module order of each rank's `model` is the order the torch_dist .metadata lists the
-layer's modules in (the sharded state dict walks the same modules); param groups list this rank's parameters in that
-order, chunk after chunk, numbered group after group as torch's Optimizer.state_dict numbers them. Equal, file for
-file, to Megatron's own legacy save of the same run (the samples), but for the args' run folders.
+`formats.megatron_lm._rule`), the layers cut into equal stages (`_stage_layout`). The module order of each rank's
+`model` is Megatron-core's registration order (`_MODULES`; a plain torch_dist .metadata lists them so too); param
+groups list this rank's parameters in that order, chunk after chunk, numbered group after group as torch's
+Optimizer.state_dict numbers them. Equal, file for file, to Megatron's own legacy save of the same run (the samples),
+but for the args' run folders. The source is a torch_dist save (`_DistSource`) or legacy rank files at another TP / PP
+(`_LegacySource`: one step, no torch_dist copy); a distributed-optimizer torch_dist save gets `distrib_optim.pt`
+beside each rank file (`_write_distrib_optim`).
 """
 from __future__ import annotations
 
