@@ -116,8 +116,9 @@ def _check_distopt_source(ck, src: Path) -> None:
     tp, pp = ck.topology.tp or 1, ck.topology.pp or 1
     if (tp, pp) != (1, 1):
         raise UnsupportedCheckpoint(f"a distributed-optimizer run at TP {tp} x PP {pp}: ckpt writes its torch_dist "
-                                    "buffers at TP 1 x PP 1 only (the layout checked against Megatron's own save; "
-                                    "each TP x PP domain's DP-group index is not)", path=src)
+                                    "buffers at TP 1 x PP 1 only (Megatron keys each TP x PP domain's buckets apart, "
+                                    "and ckpt's torch_dist reader does not map such buckets to parameters yet, so "
+                                    "the output could not be verified)", path=src)
     if args.get("overlap_grad_reduce") or args.get("ddp_num_buckets"):
         raise UnsupportedCheckpoint("the run split its gradient buffers into several buckets (overlap_grad_reduce / "
                                     "ddp_num_buckets): distrib_optim.pt coalesces them without their boundaries, "
