@@ -145,6 +145,81 @@ def test_the_distributed_optimizer_is_written_as_megatrons_own_dp_reshardable_sa
     assert doc["details"]["optimizer"].startswith("distributed (flat buckets, mapped to parameters")
 
 
+def _megatron_save(name: str, out: Path) -> Path:
+    """Megatron-LM's own pretrain + save_checkpoint of the recipe variant `name` (the sample maker, 4 gloo processes:
+    TP 2 x DP 2), into out/name."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr",
+                           "127.0.0.1", "--master_port", str(port), "-m", "ckpt_tools.samples.workers.megatron_lm",
+                           "--sample", name, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out / name
+
+
+@pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,
+                    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout)")
+def test_the_distributed_optimizer_at_tp2_both_ways_against_megatrons_own_saves(tmp_path):
+    """TP 2 x DP 2 with the distributed optimizer (one run saved both ways by Megatron-LM itself, not bundled):
+    each TP rank's buckets are their own model-parallel domain (dp_group_idx_0, _1). ckpt maps the torch_dist
+    save's sharded buckets to parameters, so the two saves are logically the same (84 tensors). legacy -> torch_dist
+    writes Megatron's keys, chunks, objects and common.pt, and its buckets equal Megatron's on every parameter's
+    range (the logical diff; Megatron fills the padding between parameters with torch.empty, so those elements are
+    whatever memory held); torch_dist -> legacy writes the same rank folders, each rank file equal to Megatron's
+    but for the args' run folders, and distrib_optim.pt with the same keys, dtype keys and lengths."""
+    import torch
+
+    legacy = _megatron_save("megatron_tp2_dp2_distopt_legacy", tmp_path / "saves")
+    dist = _megatron_save("megatron_tp2_dp2_distopt_torch_dist", tmp_path / "saves")
+    for path in (legacy, dist):
+        doc = json.loads(run_cli("inspect", path, "--json").stdout)
+        assert "mapped to parameters" in doc["details"]["optimizer"] and doc["topology"]["tp"] == 2, path
+    proc = run_cli("diff", "--logical", legacy, dist, "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["tensors_compared"] == 84, proc.stdout[-2000:]
+
+    out = tmp_path / "out"
+    proc = run_cli("convert", legacy, out, "--to", "megatron", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["verified"] is True, proc.stderr
+    (fa, ka), (fb, kb) = _dcp(out), _dcp(dist)
+    assert ka == kb and {k.split(".")[2] for k in kb if ".bucket_idx_" in k} == {"dp_group_idx_0", "dp_group_idx_1"}
+
+    def chunks(folder, key):
+        return sorted((tuple(c.field("offsets")), tuple(c.field("sizes"))) for c in folder.sdm[key].field("chunks"))
+
+    assert all(chunks(fa, k) == chunks(fb, k) for k in kb if ".bucket_idx_" in k)
+    assert all(_values(fa.value(k)) == _values(fb.value(k)) for k, v in kb.items() if v == "bytes")
+    assert all(torch.equal(_global(out, k, ka[k][0]), _global(dist, k, kb[k][0]))
+               for k, v in kb.items() if v != "bytes" and not k.startswith("optimizer."))
+    ca, cb = _common(out), _common(dist)
+    assert list(ca) == list(cb) and all(repr(ca[k]) == repr(cb[k]) for k in cb if k != "args")
+    proc = run_cli("diff", "--logical", out, dist)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+
+    back = tmp_path / "back"
+    proc = run_cli("convert", dist, back, "--to", "megatron", "--ckpt-format", "torch", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["verified"] is True, proc.stderr
+    assert _rank_files(back) == _rank_files(legacy)
+    for f in (f for f in _rank_files(legacy) if f.endswith(".pt")):
+        a, b = pr.load(back / f).obj, pr.load(legacy / f).obj
+        if f.endswith("model_optim_rng.pt"):
+            assert list(a) == list(b)
+            assert all(_inert(a[k]) == _inert(b[k]) for k in b if k != "args"), f
+        elif f.endswith("distrib_optim.pt"):
+            assert list(a) == list(b) and a["buckets_coalesced"] is True
+            for g in (k for k in b if isinstance(k, int)):
+                assert list(a[g]) == list(b[g])
+                for dkey, entry in b[g].items():
+                    assert [(k, getattr(v, "shape", v)) for k, v in a[g][dkey].items()] == \
+                        [(k, getattr(v, "shape", v)) for k, v in entry.items()]
+    proc = run_cli("diff", "--logical", back, legacy)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+
+
 def test_inspect_and_the_logical_diff_see_the_source(tmp_path):
     """`ckpt inspect` of the output reports the source's iteration, Adam step, parameter count and next LR;
     `ckpt diff --logical` against the legacy source (the layer norms paired with their fused torch_dist names)

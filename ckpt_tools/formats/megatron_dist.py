@@ -139,7 +139,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
             for name, part in _unstack({pname: node}, layers, it).items():
                 state.setdefault(name, {})["fp32" if kind == "fp32_param" else kind] = part
     distributed = {k: v for k, v in tensors.items() if k.startswith(_DIST)}
-    mapped = _map_buckets(distributed, model, it) if distributed and not state else None
+    mapped = _map_buckets(distributed, model, it, args) if distributed and not state else None
     if mapped is not None:
         state = {n: mapped[n] for n in model}  # shown in model order (the buckets hold them in reverse)
     osd = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
@@ -233,15 +233,15 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         details={"tag": tag, **details})
 
 
-def _map_buckets(distributed: dict[str, TensorNode], model: dict[str, TensorNode],
-                 where: Path) -> dict[str, dict[str, TensorNode]] | None:
+def _map_buckets(distributed: dict[str, TensorNode], model: dict[str, TensorNode], where: Path,
+                 args: dict[str, Any] | None = None) -> dict[str, dict[str, TensorNode]] | None:
     """Per-parameter {fp32, exp_avg, exp_avg_sq} inside the distributed optimizer's flat bucket tensors
-    (`…gbuf_idx_G.dtype_(param dtype, grad dtype).bucket_idx_B.{param,exp_avg,exp_avg_sq}`), or None when the
-    layout cannot be told for sure. The bucket holds its parameters back to back, unpadded, in an order the file
-    does not write (Megatron's: reverse module order), and the DCP's chunk boundaries fall on every parameter's
-    start. So each parameter is FOUND, not assumed: at each start, the parameter of the param dtype whose size
-    reaches a chunk boundary and whose weights are the bucket's fp32 master rounded (first 128 elements, read for
-    every parameter once) is the one; none or two such parameters, a gap, or a parameter left over: not mapped."""
+    (`…dp_group_idx_D.gbuf_idx_G.dtype_(param dtype, grad dtype).bucket_idx_B.{param,exp_avg,exp_avg_sq}`), or None
+    when the layout cannot be told for sure. The bucket holds its parameters back to back, unpadded, in an order the
+    file does not write (Megatron's: reverse module order), and the DCP's chunk boundaries fall on every parameter's
+    start. So each parameter is FOUND, not assumed (`_walk_bucket`). At TP x PP > 1 each model-parallel domain
+    (D = tp + TP x pp) has buckets of its own holding its TP shards: there each parameter's shard is found in the
+    domain's buckets, and the state is the shards merged by Megatron's TP rule (`_map_sharded_buckets`)."""
     buckets: dict[str, dict[str, TensorNode]] = {}
     for key, node in distributed.items():
         prefix, _, kind = key.rpartition(".")
@@ -249,44 +249,126 @@ def _map_buckets(distributed: dict[str, TensorNode], model: dict[str, TensorNode
             buckets.setdefault(prefix, {})[kind] = node
     if not buckets or any(set(b) != {"param", "exp_avg", "exp_avg_sq"} for b in buckets.values()):
         return None
-    k = 128
-    finger: dict[tuple[str, int, bytes], list[str]] = {}
+    domains = {re.search(r"dp_group_idx_(\d+)\.", k)[1] if re.search(r"dp_group_idx_(\d+)\.", k) else None
+               for k in buckets}
     try:
+        if len(domains) > 1 or (args and (as_int(args.get("tensor_model_parallel_size")) or 1) *
+                                (as_int(args.get("pipeline_model_parallel_size")) or 1) > 1):
+            return _map_sharded_buckets(buckets, model, args or {})
+        k = 128
+        finger: dict[tuple[str, int, bytes], list[str]] = {}
         for name, node in model.items():
             finger.setdefault((node.dtype, node.numel, C.read_range(node, 0, min(k, node.numel)).tobytes()),
                               []).append(name)
         out: dict[str, dict[str, TensorNode]] = {}
         for prefix, kinds in sorted(buckets.items()):
-            pdtype = prefix.split("dtype_(", 1)[-1].split(",", 1)[0].replace("torch.", "")
-            flat = kinds["param"]
-            if flat.dtype != "float32" or len(flat.shape) != 1 or any(v.shape != flat.shape for v in kinds.values()):
+            found = _walk_bucket(prefix, kinds, finger, {n: t.numel for n, t in model.items()}, set(out))
+            if found is None:
                 return None
-            total = flat.shape[0]
-            offsets = {kind: [p.dst_offset for p in v.pieces] for kind, v in kinds.items()}
-            if any(o != sorted(o) for o in offsets.values()):
-                return None
-            starts = offsets["param"]
-            bounds = set(starts) | {total}
-            sizes = sorted({node.numel for node in model.values() if node.dtype == pdtype})
-            pos = 0
-            while pos < total:
-                found = []
-                # one read per parameter start, rounded once: a parameter matches when its first elements ARE
-                # these rounded bits (the fingerprint holds the weights' own bytes, so the lookup is the check)
-                head = C.rounded_bits(C.read_range(flat, pos, min(k, total - pos), starts), pdtype)
-                for n in sizes:  # only sizes a parameter has that end on a chunk boundary
-                    if pos + n in bounds:
-                        key = (pdtype, n, head[:min(k, n)].tobytes())
-                        found += [(name, n) for name in finger.get(key, ()) if name not in out]
-                if len(found) != 1:
-                    return None
-                name, n = found[0]
-                out[name] = {("fp32" if kind == "param" else kind): _range(v, pos, n, model[name].shape, offsets[kind])
+            for name, (pos, n) in found.items():
+                offsets = {kind: [q.dst_offset for q in v.pieces] for kind, v in kinds.items()}
+                out[name] = {("fp32" if kind == "param" else kind): _range(v, pos, n, model[name].shape,
+                                                                           offsets[kind])
                              for kind, v in kinds.items()}
-                pos += n
     except (ValueError, OSError, TypeError):
         return None
     return out if set(out) == set(model) else None
+
+
+#: Megatron's distributed optimizer starts each parameter at a multiple of 64 elements in its bucket
+#: (`_ParamAndGradBuffer._pad_start_of_param_if_needed`); the gap before it is padding
+_PARAM_ALIGN = 64
+
+
+def _walk_bucket(prefix: str, kinds: dict[str, TensorNode], finger: dict[tuple[str, int, bytes], list[str]],
+                 numel: dict[str, int], taken: set[str], k: int = 128) -> dict[str, tuple[int, int]] | None:
+    """{name: (start, numel)} of the parameters one bucket holds: at each start, the one parameter (of the bucket's
+    param dtype, not `taken`) whose size reaches a chunk boundary and whose fingerprint (`finger`: its first `k`
+    weights' bytes) is the bucket's fp32 master there rounded; a start off the 64-element alignment that ends on a
+    chunk boundary is Megatron's padding, skipped; none or two such parameters, or a wrong shape: None."""
+    pdtype = prefix.split("dtype_(", 1)[-1].split(",", 1)[0].replace("torch.", "")
+    flat = kinds["param"]
+    if flat.dtype != "float32" or len(flat.shape) != 1 or any(v.shape != flat.shape for v in kinds.values()):
+        return None
+    total = flat.shape[0]
+    offsets = {kind: [q.dst_offset for q in v.pieces] for kind, v in kinds.items()}
+    if any(o != sorted(o) for o in offsets.values()):
+        return None
+    starts = offsets["param"]
+    bounds = set(starts) | {total}
+    sizes = sorted({key[1] for key in finger if key[0] == pdtype})
+    out: dict[str, tuple[int, int]] = {}
+    pos = 0
+    while pos < total:
+        aligned = -(-pos // _PARAM_ALIGN) * _PARAM_ALIGN
+        if aligned != pos and (aligned in bounds or aligned >= total):
+            pos = min(aligned, total)  # Megatron's padding before a parameter start (its own chunk)
+            continue
+        found = []
+        # one read per parameter start, rounded once: a parameter matches when its first elements ARE these
+        # rounded bits (the fingerprint holds the weights' own bytes, so the lookup is the check)
+        head = C.rounded_bits(C.read_range(flat, pos, min(k, total - pos), starts), pdtype)
+        for n in sizes:  # only sizes a parameter has that end on a chunk boundary
+            if pos + n in bounds:
+                key = (pdtype, n, head[:min(k, n)].tobytes())
+                found += [(name, n) for name in finger.get(key, ()) if name not in taken and name not in out]
+        if len(found) != 1:
+            return None
+        name, n = found[0]
+        out[name] = (pos, n)
+        pos += n
+    return out
+
+
+def _map_sharded_buckets(buckets: dict[str, dict[str, TensorNode]], model: dict[str, TensorNode],
+                         args: dict[str, Any], k: int = 128) -> dict[str, dict[str, TensorNode]] | None:
+    """The TP x PP > 1 case of `_map_buckets`: domain D = tp + TP x pp holds TP rank tp's shard of each parameter of
+    stage pp (Megatron's data-parallel group index: the rank in the model-parallel group). Each shard is found by
+    its own fingerprint (the global weight split by `megatron_lm._rule`, as TP rank tp holds it); the state of a
+    parameter is its TP shards, merged by that rule. None unless every parameter is found on every TP rank."""
+    import torch
+
+    from ..read.tp_layout import split_shard
+
+    tp = as_int(args.get("tensor_model_parallel_size")) or 1
+    swiglu = bool(args.get("swiglu"))
+    by_domain: dict[int, dict[str, dict[str, TensorNode]]] = {}
+    for prefix, kinds in buckets.items():
+        m = re.search(r"dp_group_idx_(\d+)\.", prefix)
+        if m is None:
+            return None
+        by_domain.setdefault(int(m[1]), {})[prefix] = kinds
+    rules = {name: megatron_lm._rule(name, swiglu) for name in model}  # fused norm names: replicated
+    if any(r is None for r in rules.values()):
+        return None
+    found: dict[str, dict[int, dict[str, TensorNode]]] = {}  # name -> tp rank -> kind -> range node
+    for domain, domain_buckets in sorted(by_domain.items()):
+        t = domain % tp
+        finger: dict[tuple[str, int, bytes], list[str]] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, node in model.items():
+            shard = split_shard(rules[name], node.read_torch(), t, tp)
+            shapes[name] = tuple(shard.shape)
+            flat = shard.reshape(-1)[:k].contiguous()
+            raw = flat.view(torch.int16) if flat.dtype in (torch.bfloat16, torch.float16) else flat
+            finger.setdefault((node.dtype, shard.numel(), raw.numpy().tobytes()), []).append(name)
+        taken: set[str] = set()
+        for prefix, kinds in sorted(domain_buckets.items()):
+            walked = _walk_bucket(prefix, kinds, finger, {}, taken, k)
+            if walked is None:
+                return None
+            for name, (pos, n) in walked.items():
+                offsets = {kind: [q.dst_offset for q in v.pieces] for kind, v in kinds.items()}
+                found.setdefault(name, {})[t] = {("fp32" if kind == "param" else kind):
+                                                 _range(v, pos, n, shapes[name], offsets[kind])
+                                                 for kind, v in kinds.items()}
+                taken.add(name)
+    if set(found) != set(model) or any(set(v) != set(range(tp)) for v in found.values()):
+        return None
+    return {name: {kind: TensorNode(model[name].shape, "float32",
+                                    shards=tuple(found[name][t][kind] for t in range(tp)), merge=rules[name])
+                   for kind in ("fp32", "exp_avg", "exp_avg_sq")}
+            for name in model}
 
 
 def _range(flat: TensorNode, start: int, n: int, shape: tuple[int, ...], starts: list[int],
@@ -314,13 +396,19 @@ def _sharded_param_groups(it: Path) -> list[dict]:
     folder = DcpItems(it)
     tops = tuple(k for k in folder.sdm if k.startswith(_DIST) and ".optimizer/shard_" in k)
     obj, _index = folder.state_tree(tops)  # the optimizer's object only, not every small item again
-    out: list[dict] = []
-    for key, v in obj.items():
+    per_domain: list[list[dict]] = []
+    for key, v in sorted(obj.items(), key=lambda kv: str(kv[0])):
         if str(key).startswith(_DIST) and "/shard_" in str(key) and str(key).split("/")[0].endswith(".optimizer"):
+            groups: list[dict] = []
             for o in v if isinstance(v, list) else [v]:
                 if isinstance(o, dict) and isinstance(o.get("param_groups"), list):
-                    out += [g for g in o["param_groups"] if isinstance(g, dict)]
-    return out
+                    groups += [g for g in o["param_groups"] if isinstance(g, dict)]
+            per_domain.append(groups)
+    # at TP x PP > 1 each model-parallel domain saves its own copy of the same groups: one copy is the run's;
+    # copies that differ are all shown, so the difference stays visible
+    if per_domain and all(repr(g) == repr(per_domain[0]) for g in per_domain[1:]):
+        return per_domain[0]
+    return [g for groups in per_domain for g in groups]
 
 
 def training_state(ck: Checkpoint):

@@ -84,13 +84,13 @@ def _check_dist_target(ck, src: Path) -> None:
 
 def _check_distopt_dist_source(ck, src: Path, tp: int | None, pp: int | None) -> None:
     """Refuse, in one line, a distributed-optimizer torch_dist run ckpt cannot write as legacy rank files with
-    distrib_optim.pt: proven at TP 1 x PP 1 and the saved sizes, dp_reshardable buckets, one per buffer."""
+    distrib_optim.pt: the saved sizes, dp_reshardable buckets, one per buffer."""
     saved, saved_pp = ck.topology.tp or 1, ck.topology.pp or 1
-    if ck.format != "megatron_torch_dist" or (saved, saved_pp) != (1, 1) or (tp or 1, pp or 1) != (1, 1):
+    if ck.format != "megatron_torch_dist" or (tp or saved, pp or saved_pp) != (saved, saved_pp) or saved_pp > 1:
         raise UnsupportedCheckpoint(f"a distributed-optimizer run at TP {saved} x PP {saved_pp} (to TP {tp or saved} "
                                     f"x PP {pp or saved_pp}): ckpt writes its legacy distrib_optim.pt from a torch_dist "
-                                    "save at TP 1 x PP 1 only (the layout checked against Megatron's own save)",
-                                    path=src)
+                                    "save at the saved TP and PP 1 (each rank's buffers are Megatron's own, not "
+                                    "re-cut; no PP > 1 save of the distributed optimizer was checked)", path=src)
     from ..read import pickle_reader as pr
 
     common = pr.load(_dist_iter(ck) / "common.pt").obj
@@ -106,19 +106,18 @@ def _check_distopt_dist_source(ck, src: Path, tp: int | None, pp: int | None) ->
 
 def _check_distopt_source(ck, src: Path) -> None:
     """Refuse, in one line, a distributed-optimizer legacy run whose buffers ckpt cannot lay out as Megatron's
-    dp_reshardable torch_dist save: proven at TP 1 x PP 1 (its torch_dist keys name one DP group), one bucket per
-    buffer (the legacy file coalesces buckets without their boundaries; Megatron makes one bucket unless
-    overlap_grad_reduce), bf16 / fp16."""
+    dp_reshardable torch_dist save: one bucket per buffer (the legacy file coalesces buckets without their
+    boundaries; Megatron makes one bucket unless overlap_grad_reduce), no virtual pipeline, bf16 / fp16."""
     args = _args(ck)
     if not (args.get("bf16") or args.get("fp16")):
         raise UnsupportedCheckpoint("--to megatron is proven for bf16/fp16 runs (an fp32 master in the buffers); "
                                     "this run trained in fp32", path=src)
-    tp, pp = ck.topology.tp or 1, ck.topology.pp or 1
-    if (tp, pp) != (1, 1):
-        raise UnsupportedCheckpoint(f"a distributed-optimizer run at TP {tp} x PP {pp}: ckpt writes its torch_dist "
-                                    "buffers at TP 1 x PP 1 only (Megatron keys each TP x PP domain's buckets apart, "
-                                    "and ckpt's torch_dist reader does not map such buckets to parameters yet, so "
-                                    "the output could not be verified)", path=src)
+    if (ck.topology.pp or 1) > 1:
+        # with PP > 1 Megatron gives the last stage's copy of tied embeddings a bucket of its own, which the
+        # coalesced legacy buffer does not mark; no PP > 1 save of the distributed optimizer was checked
+        raise UnsupportedCheckpoint(f"a distributed-optimizer run at PP {ck.topology.pp}: ckpt writes its torch_dist "
+                                    "buckets at PP 1 only (checked against Megatron's own saves at TP 1 and TP 2)",
+                                    path=src)
     if args.get("overlap_grad_reduce") or args.get("ddp_num_buckets"):
         raise UnsupportedCheckpoint("the run split its gradient buffers into several buckets (overlap_grad_reduce / "
                                     "ddp_num_buckets): distrib_optim.pt coalesces them without their boundaries, "
@@ -185,7 +184,7 @@ def _dist_plan_lines(ck) -> tuple[list[str], list[str]]:
                  f"Megatron reshards the optimizer's buckets over another DP size at load, not over another TP / PP "
                  f"(saved at TP {tp} x PP {pp} x DP {dp})",
                  "optimizer: distrib_optim.pt's fp32 master / exp_avg / exp_avg_sq buffers as one bucket tensor each "
-                 "(optimizer.distributed.dp_group_idx_0.gbuf_idx_G.dtype_(...).bucket_idx_0.*), cut at every "
+                 "(optimizer.distributed.dp_group_idx_D.gbuf_idx_G.dtype_(...).bucket_idx_0.*, D the rank file's model-parallel rank), cut at every "
                  "parameter's range and DP share as Megatron cuts them; per_bucket_numel(_unpadded); the inner "
                  "optimizer's param groups (with the step) as saved; the OptimizerParamScheduler state in common.pt"]
     else:
@@ -247,8 +246,10 @@ def _write_dist(plan, root: Path, progress: Callable[[int], None] | None) -> int
         for rest in _extra_states(obj0):
             for i in range(layers):
                 w.value((f"decoder.layers.{rest}._extra_state/shard_{i}_{layers}",), [None])
-        if distopt:
-            _write_distopt_buffers(w, ranks[(0, 0)], args, [q.weight.node for q in plan.params if q.states])
+        if distopt:  # Megatron's data-parallel group index: the rank in the model-parallel group, tp + TP x pp
+            masters = [q.weight.node for q in plan.params if q.states]
+            for (t, s), f in sorted(ranks.items()):
+                _write_distopt_buffers(w, f, args, masters, t + tp * s, f.relative_to(Path(ck.path)).parent)
         for (t, s), f in sorted(ranks.items()):
             rng = pr.load(f).obj.get("rng_state")
             if rng is not None:  # a run saved with --no-save-rng has none, and its args tell Megatron so
@@ -267,17 +268,24 @@ def _write_dist(plan, root: Path, progress: Callable[[int], None] | None) -> int
 _BUFFER_CHUNK = 1 << 20
 
 
-def _write_distopt_buffers(w, rank_file: Path, args: dict[str, Any], masters: list) -> None:
+def _pieces(node) -> list:
+    """Every piece of a node, its TP shards' included."""
+    return [*node.pieces, *(q for sh in node.shards for q in _pieces(sh))]
+
+
+def _write_distopt_buffers(w, rank_file: Path, args: dict[str, Any], masters: list, domain: int,
+                           rank_dir: Path) -> None:
     """The distributed optimizer's state as Megatron core_v0.16.1's dp_reshardable torch_dist save holds it
     (`DistributedOptimizer.sharded_param_state_dp_reshardable`): per buffer and dtype, the bucket's fp32 master /
     exp_avg / exp_avg_sq as one global tensor of the bucket's unpadded length
-    (`optimizer.distributed.dp_group_idx_0.gbuf_idx_G.dtype_(P, M).bucket_idx_0.<state>`), `per_bucket_numel`
+    (`optimizer.distributed.dp_group_idx_D.gbuf_idx_G.dtype_(P, M).bucket_idx_0.<state>`), `per_bucket_numel`
     (padded as Megatron pads a bucket: to lcm(DP, 128), or with 2**16 under ddp_pad_buckets_for_high_nccl_busbw),
     `per_bucket_numel_unpadded`, and the inner optimizer's param groups (the step is in them). Read from
     distrib_optim.pt (`buckets_coalesced`: each bucket's world tensor cut to its unpadded length, one bucket per
     buffer here) a chunk at a time. As in Megatron's save, each parameter's range is its own chunk (and so is each
     DP rank's share), which is how a reader finds the parameters in the bucket again (`masters`: the source's fp32
-    master nodes, ranges of the buffers)."""
+    master nodes, ranges of the buffers; the pieces of this rank's file, `rank_dir`, count). `domain`: the rank
+    file's model-parallel rank, Megatron's DP-group index in the keys."""
     import math
 
     import torch
@@ -290,7 +298,8 @@ def _write_distopt_buffers(w, rank_file: Path, args: dict[str, Any], masters: li
                                     "not write as torch_dist", path=rank_file.parent / "distrib_optim.pt")
     dp = int(args.get("data_parallel_size") or 1)
     divisor = math.lcm(dp, 128, 2 ** 16) if args.get("ddp_pad_buckets_for_high_nccl_busbw") else math.lcm(dp, 128)
-    prefix = "optimizer.distributed.dp_group_idx_0"
+    prefix = f"optimizer.distributed.dp_group_idx_{domain}"
+    mine = [q for m in masters for q in _pieces(m) if Path(q.file).parent == rank_dir]
     numel: list[dict] = []
     unpadded: list[dict] = []
     for g in sorted(k for k in dist if isinstance(k, int)):
@@ -301,10 +310,9 @@ def _write_distopt_buffers(w, rank_file: Path, args: dict[str, Any], masters: li
             padded = -(-n // divisor) * divisor
             key = getattr(getattr(entry["param"], "storage", None), "key", None)
             bounds = {0, n} | {k * (padded // dp) for k in range(dp) if k * (padded // dp) < n}
-            bounds |= {q.src_offset for m in masters for q in m.pieces
-                       if getattr(getattr(q.ref, "storage", None), "key", None) == key and q.src_offset < n}
-            bounds |= {q.src_offset + q.numel for m in masters for q in m.pieces
-                       if getattr(getattr(q.ref, "storage", None), "key", None) == key and q.src_offset + q.numel < n}
+            ours = [q for q in mine if getattr(getattr(q.ref, "storage", None), "key", None) == key]
+            bounds |= {q.src_offset for q in ours if q.src_offset < n}
+            bounds |= {q.src_offset + q.numel for q in ours if q.src_offset + q.numel < n}
             edges = sorted(bounds)
             cuts = [x for a, b in zip(edges, edges[1:]) for x in range(a, b, _BUFFER_CHUNK)] + [n]
             for state in ("param", "exp_avg", "exp_avg_sq"):
@@ -752,10 +760,10 @@ _BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d
                      r"torch\.(\w+)\)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
 
 
-def _distopt_buckets(ck) -> dict[tuple[int, str, str], dict[str, Any]]:
-    """{(gbuf, param dtype, main dtype): {state: its bucket's TensorNode}} of a torch_dist distributed-optimizer
-    save (dp_reshardable); refuses, in one line, buckets ckpt does not write into distrib_optim.pt (several
-    buckets per buffer, several DP groups)."""
+def _distopt_buckets(ck) -> dict[tuple[int, int, str, str], dict[str, Any]]:
+    """{(domain, gbuf, param dtype, main dtype): {state: its bucket's TensorNode}} of a torch_dist
+    distributed-optimizer save (dp_reshardable; domain: Megatron's DP-group index, the model-parallel rank
+    tp + TP x pp); refuses, in one line, buckets ckpt does not write into distrib_optim.pt (several per buffer)."""
     from ..formats import dcp as dcp_format
     from ..formats.megatron_dist import _flat
 
@@ -765,17 +773,17 @@ def _distopt_buckets(ck) -> dict[tuple[int, str, str], dict[str, Any]]:
         if not key.startswith("optimizer.distributed.") or "/" in key or not hasattr(node, "pieces"):
             continue
         m = _BUCKET.match(key)
-        if m is None or m[1] != "0" or m[5] != "0":
-            raise UnsupportedCheckpoint(f"{key}: ckpt writes one DP group's buffers with one bucket each into "
-                                        "distrib_optim.pt", path=it)
-        out.setdefault((int(m[2]), m[3], m[4]), {})[m[6]] = node
+        if m is None or m[5] != "0":
+            raise UnsupportedCheckpoint(f"{key}: ckpt writes buffers of one bucket each into distrib_optim.pt",
+                                        path=it)
+        out.setdefault((int(m[1]), int(m[2]), m[3], m[4]), {})[m[6]] = node
     if not out or any(set(v) != {"param", "exp_avg", "exp_avg_sq"} for v in out.values()):
         raise UnsupportedCheckpoint("no complete distributed-optimizer buckets (param, exp_avg, exp_avg_sq) in the "
                                     "torch_dist save", path=it)
     return out
 
 
-def _write_distrib_optim(ck, dst: Path) -> int:
+def _write_distrib_optim(ck, dst: Path, domain: int) -> int:
     """distrib_optim.pt as Megatron core_v0.16.1's legacy save of the distributed optimizer writes it
     (`get_parameter_state_dp_zero`): {"buckets_coalesced": True, gbuf: {(param dtype, main dtype): {param, exp_avg,
     exp_avg_sq, numel_unpadded}}}, each tensor the buffer's buckets cut to their unpadded length and joined (one
@@ -790,7 +798,9 @@ def _write_distrib_optim(ck, dst: Path) -> int:
     fds = FdCache()
     rec = _Records()
     obj: dict[Any, Any] = {"buckets_coalesced": True}
-    for (g, pdt, mdt), states in sorted(_distopt_buckets(ck).items()):
+    for (d, g, pdt, mdt), states in sorted(_distopt_buckets(ck).items()):
+        if d != domain:
+            continue
         n = states["param"].shape[0]
         entry: dict[str, Any] = {}
         for k in ("param", "exp_avg", "exp_avg_sq"):
@@ -927,7 +937,7 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
             d.mkdir(parents=True)
             written += save(obj, d / "model_optim_rng.pt", rec.data)
             if distopt:
-                written += _write_distrib_optim(ck, d / "distrib_optim.pt")
+                written += _write_distrib_optim(ck, d / "distrib_optim.pt", t + tp * p)
             if progress:  # in the plan's units (the source's bytes): its share per rank file written
                 k, n = p * tp + t, pp * tp
                 progress(plan.nbytes * (k + 1) // n - plan.nbytes * k // n)

@@ -112,6 +112,10 @@ VARIANTS = {
     "megatron_pp2_vpp2_torch_dist": Variant(tp=1, ckpt_format="torch_dist", pp=2, vpp=2),
     "megatron_tp2_llama_legacy": Variant(tp=2, ckpt_format="torch", llama=True),
     "megatron_tp2_llama_torch_dist": Variant(tp=2, ckpt_format="torch_dist", llama=True),
+    # not bundled (sample_ckpts/ is at its size budget): made by tests/test_convert_to_megatron.py when
+    # MEGATRON_LM_DIR is set, on 4 processes (TP 2 x DP 2)
+    "megatron_tp2_dp2_distopt_legacy": Variant(tp=2, ckpt_format="torch", distributed_optimizer=True),
+    "megatron_tp2_dp2_distopt_torch_dist": Variant(tp=2, ckpt_format="torch_dist", distributed_optimizer=True),
 }
 #: the Llama-style variant's architecture flags (what a Llama run passes to pretrain_gpt.py)
 LLAMA_FLAGS = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--normalization", "RMSNorm",
