@@ -249,12 +249,11 @@ def _map_buckets(distributed: dict[str, TensorNode], model: dict[str, TensorNode
             buckets.setdefault(prefix, {})[kind] = node
     if not buckets or any(set(b) != {"param", "exp_avg", "exp_avg_sq"} for b in buckets.values()):
         return None
-    domains = {re.search(r"dp_group_idx_(\d+)\.", k)[1] if re.search(r"dp_group_idx_(\d+)\.", k) else None
-               for k in buckets}
+    args = args or {}
     try:
-        if len(domains) > 1 or (args and (as_int(args.get("tensor_model_parallel_size")) or 1) *
-                                (as_int(args.get("pipeline_model_parallel_size")) or 1) > 1):
-            return _map_sharded_buckets(buckets, model, args or {})
+        if (as_int(args.get("tensor_model_parallel_size")) or 1) * \
+                (as_int(args.get("pipeline_model_parallel_size")) or 1) > 1:
+            return _map_sharded_buckets(buckets, model, args)
         k = 128
         finger: dict[tuple[str, int, bytes], list[str]] = {}
         for name, node in model.items():
@@ -324,12 +323,9 @@ def _map_sharded_buckets(buckets: dict[str, dict[str, TensorNode]], model: dict[
                          args: dict[str, Any], k: int = 128) -> dict[str, dict[str, TensorNode]] | None:
     """The TP x PP > 1 case of `_map_buckets`: domain D = tp + TP x pp holds TP rank tp's shard of each parameter of
     stage pp (Megatron's data-parallel group index: the rank in the model-parallel group). Each shard is found by
-    its own fingerprint (the global weight split by `megatron_lm._rule`, as TP rank tp holds it); the state of a
-    parameter is its TP shards, merged by that rule. None unless every parameter is found on every TP rank."""
-    import torch
-
-    from ..read.tp_layout import split_shard
-
+    its own fingerprint (its first `k` elements as TP rank tp holds them under `megatron_lm._rule`, read from the
+    global weight: a few small reads per parameter and TP rank, never the whole tensor); the state of a parameter
+    is its TP shards, merged by that rule. None unless every parameter is found on every TP rank."""
     tp = as_int(args.get("tensor_model_parallel_size")) or 1
     swiglu = bool(args.get("swiglu"))
     by_domain: dict[int, dict[str, dict[str, TensorNode]]] = {}
@@ -341,17 +337,19 @@ def _map_sharded_buckets(buckets: dict[str, dict[str, TensorNode]], model: dict[
     rules = {name: megatron_lm._rule(name, swiglu) for name in model}  # fused norm names: replicated
     if any(r is None for r in rules.values()):
         return None
+    shapes = {name: _shard_shape(node.shape, rules[name], tp) for name, node in model.items()}
+    if any(v is None for v in shapes.values()):
+        return None
+    fingers: dict[int, dict[tuple[str, int, bytes], list[str]]] = {}  # per TP rank: every stage's domain shares it
     found: dict[str, dict[int, dict[str, TensorNode]]] = {}  # name -> tp rank -> kind -> range node
     for domain, domain_buckets in sorted(by_domain.items()):
         t = domain % tp
-        finger: dict[tuple[str, int, bytes], list[str]] = {}
-        shapes: dict[str, tuple[int, ...]] = {}
-        for name, node in model.items():
-            shard = split_shard(rules[name], node.read_torch(), t, tp)
-            shapes[name] = tuple(shard.shape)
-            flat = shard.reshape(-1)[:k].contiguous()
-            raw = flat.view(torch.int16) if flat.dtype in (torch.bfloat16, torch.float16) else flat
-            finger.setdefault((node.dtype, shard.numel(), raw.numpy().tobytes()), []).append(name)
+        if t not in fingers:
+            fingers[t] = {}
+            for name, node in model.items():
+                head = _shard_head(node, rules[name], t, tp, k)
+                fingers[t].setdefault((node.dtype, math.prod(shapes[name]), head), []).append(name)
+        finger = fingers[t]
         taken: set[str] = set()
         for prefix, kinds in sorted(domain_buckets.items()):
             walked = _walk_bucket(prefix, kinds, finger, {}, taken, k)
@@ -369,6 +367,46 @@ def _map_sharded_buckets(buckets: dict[str, dict[str, TensorNode]], model: dict[
                                     shards=tuple(found[name][t][kind] for t in range(tp)), merge=rules[name])
                    for kind in ("fp32", "exp_avg", "exp_avg_sq")}
             for name in model}
+
+
+def _shard_shape(shape: tuple[int, ...], rule: str, tp: int) -> tuple[int, ...] | None:
+    """The shape of one TP rank's shard of a tensor of `shape` under the merge `rule`; None for a rule it cannot
+    split evenly."""
+    if rule == "replicated":
+        return tuple(shape)
+    dim = int(rule.rsplit(":", 1)[1])
+    if dim >= len(shape) or shape[dim] % (tp * (2 if rule.startswith("cat_sub") else 1)):
+        return None
+    return tuple(n // tp if i == dim else n for i, n in enumerate(shape))
+
+
+def _shard_head(node: TensorNode, rule: str, t: int, tp: int, k: int) -> bytes:
+    """The bytes of the first `k` elements (flattened) of TP rank `t`'s shard of the global tensor `node`, as
+    `megatron_lm._rule`'s merge splits it (SwiGLU's cat_sub:0: the rank's slice of the gate, then of the up
+    projection), read as ranges of the global tensor."""
+    import numpy as np
+
+    shape, numel = node.shape, node.numel
+    if rule == "replicated":
+        runs = [(0, numel)]
+    elif rule == "cat:0":
+        runs = [(t * (numel // tp), numel // tp)]
+    elif rule == "cat_sub:0":  # [gate; up], each split over the ranks
+        half, part = numel // 2, numel // 2 // tp
+        runs = [(t * part, part), (half + t * part, part)]
+    else:  # cat:d, d > 0: each slab of the leading dims holds the rank's slice of dim d and what follows it
+        d = int(rule.rsplit(":", 1)[1])
+        inner = math.prod(shape[d:])
+        width = inner // tp
+        runs = ((row * inner + t * width, width) for row in range(numel // inner))
+    parts, got = [], 0
+    for start, count in runs:
+        take = min(count, k - got)
+        parts.append(C.read_range(node, start, take))
+        got += take
+        if got >= min(k, numel // (1 if rule == "replicated" else tp)):
+            break
+    return np.concatenate(parts).tobytes() if len(parts) > 1 else parts[0].tobytes()
 
 
 def _range(flat: TensorNode, start: int, n: int, shape: tuple[int, ...], starts: list[int],
