@@ -98,7 +98,8 @@ def _check_distopt_dist_source(ck, src: Path, tp: int | None, pp: int | None) ->
     if kind != "dp_reshardable":
         raise UnsupportedCheckpoint(f"the distributed optimizer's state is saved {kind!r}: ckpt writes the "
                                     "dp_reshardable buckets into distrib_optim.pt", path=src)
-    if not (_args(ck).get("bf16") or _args(ck).get("fp16")):
+    args = _args(ck)
+    if not (args.get("bf16") or args.get("fp16")):
         raise UnsupportedCheckpoint("--ckpt-format torch is proven for bf16/fp16 runs; this run trained in fp32",
                                     path=src)
     _distopt_buckets(ck)
@@ -186,7 +187,10 @@ def _dist_plan_lines(ck) -> tuple[list[str], list[str]]:
                  "optimizer: distrib_optim.pt's fp32 master / exp_avg / exp_avg_sq buffers as one bucket tensor each "
                  "(optimizer.distributed.dp_group_idx_D.gbuf_idx_G.dtype_(...).bucket_idx_0.*, D the rank file's model-parallel rank), cut at every "
                  "parameter's range and DP share as Megatron cuts them; per_bucket_numel(_unpadded); the inner "
-                 "optimizer's param groups (with the step) as saved; the OptimizerParamScheduler state in common.pt"]
+                 "optimizer's param groups (with the step) as saved; the OptimizerParamScheduler state in common.pt",
+                 "proof: Megatron-LM cannot load a distributed-optimizer checkpoint on a CPU (without Apex / "
+                 "TransformerEngine), so ckpt has not resumed such an output; on its sample it equals Megatron's "
+                 "own dp_reshardable save of the same run key for key, chunk for chunk, bit for bit"]
     else:
         notes = [f"Megatron-LM torch_dist (plain Adam): global tensors, layers stacked on a leading axis of "
                  f"{args.get('num_layers')}; Megatron reshards them at load, so it resumes at any TP / PP (saved at "
@@ -198,10 +202,6 @@ def _dist_plan_lines(ck) -> tuple[list[str], list[str]]:
               "torch_dist save of the run records)",
               f"RNG: each rank file's rng_state as the sharded object rng_state/shard_{{pp}}.{{tp}}_{pp}.{tp}: "
               "Megatron loads it when resumed at the saved TP x PP and ignores it at another (no flag needed)"]
-    if args.get("use_distributed_optimizer"):
-        notes.append("proof: Megatron-LM cannot load a distributed-optimizer checkpoint on a CPU (without Apex / "
-                     "TransformerEngine), so ckpt has not resumed such an output; on its sample it equals Megatron's "
-                     "own dp_reshardable save of the same run key for key, chunk for chunk, bit for bit")
     not_moved: list[str] = []
     if ck.tree.children.get("tied_copies") is not None:
         not_moved.append("tied_copies: the last pipeline stage's copy of the word embeddings; torch_dist saves the "
@@ -246,12 +246,12 @@ def _write_dist(plan, root: Path, progress: Callable[[int], None] | None) -> int
         for rest in _extra_states(obj0):
             for i in range(layers):
                 w.value((f"decoder.layers.{rest}._extra_state/shard_{i}_{layers}",), [None])
-        if distopt:  # Megatron's data-parallel group index: the rank in the model-parallel group, tp + TP x pp
-            masters = [q.weight.node for q in plan.params if q.states]
-            for (t, s), f in sorted(ranks.items()):
-                _write_distopt_buffers(w, f, args, masters, t + tp * s, f.relative_to(Path(ck.path)).parent)
+        masters = [q.weight.node for q in plan.params if q.states] if distopt else []
         for (t, s), f in sorted(ranks.items()):
-            rng = pr.load(f).obj.get("rng_state")
+            obj = obj0 if f == ranks[min(ranks)] else pr.load(f).obj
+            if distopt:  # Megatron's data-parallel group index: the rank in the model-parallel group, tp + TP x pp
+                _write_distopt_buffers(w, f, obj, args, masters, t + tp * s, f.relative_to(Path(ck.path)).parent)
+            rng = obj.get("rng_state")
             if rng is not None:  # a run saved with --no-save-rng has none, and its args tell Megatron so
                 w.value_blob((f"rng_state/shard_{s}.{t}_{pp}.{tp}",), _zip_bytes(f, [rng]))
     except BaseException:
@@ -273,7 +273,7 @@ def _pieces(node) -> list:
     return [*node.pieces, *(q for sh in node.shards for q in _pieces(sh))]
 
 
-def _write_distopt_buffers(w, rank_file: Path, args: dict[str, Any], masters: list, domain: int,
+def _write_distopt_buffers(w, rank_file: Path, obj: dict, args: dict[str, Any], masters: list, domain: int,
                            rank_dir: Path) -> None:
     """The distributed optimizer's state as Megatron core_v0.16.1's dp_reshardable torch_dist save holds it
     (`DistributedOptimizer.sharded_param_state_dp_reshardable`): per buffer and dtype, the bucket's fp32 master /
@@ -284,8 +284,8 @@ def _write_distopt_buffers(w, rank_file: Path, args: dict[str, Any], masters: li
     distrib_optim.pt (`buckets_coalesced`: each bucket's world tensor cut to its unpadded length, one bucket per
     buffer here) a chunk at a time. As in Megatron's save, each parameter's range is its own chunk (and so is each
     DP rank's share), which is how a reader finds the parameters in the bucket again (`masters`: the source's fp32
-    master nodes, ranges of the buffers; the pieces of this rank's file, `rank_dir`, count). `domain`: the rank
-    file's model-parallel rank, Megatron's DP-group index in the keys."""
+    master nodes, ranges of the buffers; the pieces of this rank's file, `rank_dir`, count). `obj`: the rank file's
+    inert tree; `domain`: its model-parallel rank, Megatron's DP-group index in the keys."""
     import math
 
     import torch
@@ -328,7 +328,6 @@ def _write_distopt_buffers(w, rank_file: Path, args: dict[str, Any], masters: li
         unpadded.append(unpadded_g)
     w.value((f"{prefix}.per_bucket_numel/shard_0_1",), [numel])
     w.value((f"{prefix}.per_bucket_numel_unpadded/shard_0_1",), [unpadded])
-    obj = pr.load(rank_file).obj
     w.value_blob((f"{prefix}.optimizer/shard_0_1",), _zip_bytes(rank_file, [obj["optimizer"]["optimizer"]]))
 
 
@@ -444,7 +443,7 @@ def _check_legacy_target(ck, src: Path, tp: int | None, pp: int | None) -> tuple
         raise UnsupportedCheckpoint(f"a run built with transformer_impl={args.get('transformer_impl')}: its legacy "
                                     "rank files use Transformer Engine's module names and extra state, which ckpt "
                                     "does not write (local-spec runs only)", path=src)
-    if _args(ck).get("use_distributed_optimizer"):
+    if args.get("use_distributed_optimizer"):
         _check_distopt_dist_source(ck, src, tp, pp)
     else:
         _check_plain_adam(ck, src, "--ckpt-format torch", "writes the plain Adam rank files",
@@ -608,7 +607,6 @@ class _LegacySource:
                 if key not in keys:
                     keys.append(key)
         self.keys = keys
-        self._rng: dict[tuple[int, int], Any] = {}
         self.has_rng = obj0.get("rng_state") is not None
         self.label, self.none = "each rank file's rng_state", "no rng_state in its rank files"
 
@@ -783,7 +781,7 @@ def _distopt_buckets(ck) -> dict[tuple[int, int, str, str], dict[str, Any]]:
     return out
 
 
-def _write_distrib_optim(ck, dst: Path, domain: int) -> int:
+def _write_distrib_optim(buckets: dict[tuple[int, int, str, str], dict[str, Any]], dst: Path, domain: int) -> int:
     """distrib_optim.pt as Megatron core_v0.16.1's legacy save of the distributed optimizer writes it
     (`get_parameter_state_dp_zero`): {"buckets_coalesced": True, gbuf: {(param dtype, main dtype): {param, exp_avg,
     exp_avg_sq, numel_unpadded}}}, each tensor the buffer's buckets cut to their unpadded length and joined (one
@@ -798,7 +796,7 @@ def _write_distrib_optim(ck, dst: Path, domain: int) -> int:
     fds = FdCache()
     rec = _Records()
     obj: dict[Any, Any] = {"buckets_coalesced": True}
-    for (d, g, pdt, mdt), states in sorted(_distopt_buckets(ck).items()):
+    for (d, g, pdt, mdt), states in sorted(buckets.items()):
         if d != domain:
             continue
         n = states["param"].shape[0]
@@ -850,6 +848,7 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
         from ..formats.megatron_dist import _sharded_param_groups
 
         groups_hp, step = _sharded_param_groups(_dist_iter(ck)), None
+        buckets = _distopt_buckets(ck)  # the DCP's bucket tensors, found once for every rank file
     else:
         opt = common["optimizer"]["optimizer"]
         step = opt["state"]["common_step"].read_torch()
@@ -937,7 +936,7 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
             d.mkdir(parents=True)
             written += save(obj, d / "model_optim_rng.pt", rec.data)
             if distopt:
-                written += _write_distrib_optim(ck, d / "distrib_optim.pt", t + tp * p)
+                written += _write_distrib_optim(buckets, d / "distrib_optim.pt", t + tp * p)
             if progress:  # in the plan's units (the source's bytes): its share per rank file written
                 k, n = p * tp + t, pp * tp
                 progress(plan.nbytes * (k + 1) // n - plan.nbytes * k // n)
