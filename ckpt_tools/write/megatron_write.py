@@ -102,7 +102,11 @@ def _check_distopt_dist_source(ck, src: Path, tp: int | None, pp: int | None) ->
     if not (args.get("bf16") or args.get("fp16")):
         raise UnsupportedCheckpoint("--ckpt-format torch is proven for bf16/fp16 runs; this run trained in fp32",
                                     path=src)
-    _distopt_buckets(ck)
+    domains = {d for d, *_ in _distopt_buckets(ck)}
+    if domains != set(range(saved * saved_pp)):  # one distrib_optim.pt per rank file: none may be left behind
+        raise UnsupportedCheckpoint(f"the distributed optimizer's buckets name model-parallel domains "
+                                    f"{sorted(domains)}, not the {saved * saved_pp} rank files of TP {saved} x PP "
+                                    f"{saved_pp}: ckpt would leave some behind", path=src)
 
 
 def _check_distopt_source(ck, src: Path) -> None:
@@ -296,6 +300,12 @@ def _write_distopt_buffers(w, rank_file: Path, obj: dict, args: dict[str, Any], 
     if not isinstance(dist, dict) or dist.get("buckets_coalesced") is not True:
         raise UnsupportedCheckpoint("distrib_optim.pt does not say buckets_coalesced: an older layout ckpt does "
                                     "not write as torch_dist", path=rank_file.parent / "distrib_optim.pt")
+    unknown = [k for k in dist if k != "buckets_coalesced" and not isinstance(k, int)]
+    unknown += [f"{g}.{dk}.{k}" for g, v in dist.items() if isinstance(g, int) for dk, e in v.items()
+                for k in e if k not in ("param", "exp_avg", "exp_avg_sq", "numel_unpadded")]
+    if unknown:  # another optimizer's state (not Adam) or a newer layout: it would be left behind
+        raise UnsupportedCheckpoint(f"distrib_optim.pt holds {', '.join(map(str, unknown[:4]))}, which ckpt does "
+                                    "not write into the torch_dist buckets", path=rank_file.parent / "distrib_optim.pt")
     dp = int(args.get("data_parallel_size") or 1)
     divisor = math.lcm(dp, 128, 2 ** 16) if args.get("ddp_pad_buckets_for_high_nccl_busbw") else math.lcm(dp, 128)
     prefix = f"optimizer.distributed.dp_group_idx_{domain}"
