@@ -24,7 +24,8 @@ def convert_cmd(
                            "(one training dict), deepspeed-universal (from DCP and other non-DeepSpeed formats; "
                            "a DeepSpeed source runs `ckpt to-universal`), megatron (between Megatron-LM's two formats, "
                            "with the optimizer state: a legacy run as a torch_dist run folder, or with --ckpt-format "
-                           "torch a torch_dist run as legacy rank files)"),
+                           "torch a torch_dist run as legacy rank files; the way in from a Megatron-DeepSpeed "
+                           "pipeline, or from a torchtitan Llama with --hf-config)"),
     layout: Optional[str] = typer.Option(None, "--layout", metavar="LAYOUT", help="--to dcp: fsdp2 (default: "
                                          "{model, optim, scheduler, step}), torchtitan ({model, optimizer "
                                          "(flattened), lr_scheduler, train_state}) or recipe ({app: ...})"),
@@ -55,6 +56,13 @@ def convert_cmd(
                                              "splits the Adam state of a fused wqkv torchtitan saved (its rows "
                                              "are grouped per KV head); with --layout torchtitan, writes wq/wk/wv "
                                              "state fused as torchtitan's llama3 (fuse_qkv=True) loads it"),
+    hf_config: Optional[str] = typer.Option(None, "--hf-config", metavar="CONFIG.json", help="--to megatron "
+                                            "from a torchtitan Llama: the model's Hugging Face config.json (or its "
+                                            "folder): head counts, RoPE base and scaling, norm eps, which the "
+                                            "checkpoint does not hold; checked against every tensor's shape"),
+    seq_length: Optional[int] = typer.Option(None, "--seq-length", metavar="N", help="--to megatron from a "
+                                             "torchtitan Llama: the sequence length the Megatron run trains with "
+                                             "(default: the config's max_position_embeddings)"),
 ) -> None:
     """Move a run to another framework with its whole training state.
 
@@ -64,7 +72,7 @@ def convert_cmd(
     staging name, compared with the source by logical parameter (`ckpt diff`), then renamed into place."""
     try:
         return _convert(ckpt, out, to, layout, dry_run, not no_verify, json_out, distributed, allow_unread,
-                        n_kv_heads, ckpt_format, tp, pp)
+                        n_kv_heads, ckpt_format, tp, pp, hf_config, seq_length)
     except CkptError as e:
         if e.message.startswith("ckpt convert:"):
             raise
@@ -74,7 +82,7 @@ def convert_cmd(
 
 
 def _convert(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False, allow_unread=False,
-             n_kv_heads=None, ckpt_format=None, tp=None, pp=None) -> None:
+             n_kv_heads=None, ckpt_format=None, tp=None, pp=None, hf_config=None, seq_length=None) -> None:
     output.require("torch", extra="convert", what="ckpt convert")
     if to == "deepspeed-universal" and layout is None:
         from ckpt_tools.ops.to_universal import handles
@@ -91,16 +99,16 @@ def _convert(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False
                                    verify=verify, yes=True, distributed=distributed, json_out=json_out,
                                    allow_unread=allow_unread)
     return _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed, allow_unread, n_kv_heads,
-                        ckpt_format, tp, pp)
+                        ckpt_format, tp, pp, hf_config, seq_length)
 
 
 def _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False, allow_unread=False,
-                 n_kv_heads=None, ckpt_format=None, tp=None, pp=None) -> None:
+                 n_kv_heads=None, ckpt_format=None, tp=None, pp=None, hf_config=None, seq_length=None) -> None:
     from ckpt_tools.ops import convert as ops
 
     try:
         plan = ops.plan_convert(ckpt, out, to=to, layout=layout, allow_unread=allow_unread, n_kv_heads=n_kv_heads,
-                                ckpt_format=ckpt_format, tp=tp, pp=pp)
+                                ckpt_format=ckpt_format, tp=tp, pp=pp, hf_config=hf_config, seq_length=seq_length)
     except ValueError as e:
         raise typer.BadParameter(str(e))
     if dry_run:

@@ -116,6 +116,10 @@ class ConvertPlan:
     ckpt_format: str | None = None
     tp: int | None = None
     pp: int | None = None
+    #: --to megatron from torchtitan: the model's Hugging Face config.json (`--hf-config`; the checkpoint holds no
+    #: model config) and the sequence length the run trains with (`--seq-length`)
+    hf_config: str | None = None
+    seq_length: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -135,7 +139,8 @@ class ConvertPlan:
             "scheduler": self.scheduler_class, "scheduler_state": _jsonable(self.scheduler), "step": self.step,
             "notes": list(self.notes), "not_moved": list(self.not_moved), "n_kv_heads": self.n_kv_heads,
             "fused": {name: list(parts) for name, parts in self.fused},
-            "ckpt_format": self.ckpt_format, "tp": self.tp, "pp": self.pp,
+            "ckpt_format": self.ckpt_format, "tp": self.tp, "pp": self.pp, "hf_config": self.hf_config,
+            "seq_length": self.seq_length,
         }
 
 
@@ -287,12 +292,15 @@ def _not_moved(ck, config: dict[str, Any]) -> list[str]:
 
 def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str = "dcp",
                  layout: str | None = None, allow_unread: bool = False, n_kv_heads: int | None = None,
-                 ckpt_format: str | None = None, tp: int | None = None, pp: int | None = None) -> ConvertPlan:
+                 ckpt_format: str | None = None, tp: int | None = None, pp: int | None = None,
+                 hf_config: str | os.PathLike | None = None, seq_length: int | None = None) -> ConvertPlan:
     """Decide everything `execute` writes; reads metadata and small values only. `n_kv_heads`: the model's KV
     heads, which orders a fused wqkv's optimizer state (`ckpt_tools.read.qkv`): read from a torchtitan source that
     saved one, and written fused for the torchtitan layout. `ckpt_format` (--to megatron): "torch_dist" (default,
     from a legacy run) or "torch" (Megatron's legacy rank files, from a torch_dist run) at TP `tp` x PP `pp`
-    (default: the saved sizes)."""
+    (default: the saved sizes). `hf_config` / `seq_length` (--to megatron from a torchtitan Llama): the model's
+    Hugging Face config.json, which the checkpoint does not hold, and Megatron's seq_length (default: the config's
+    max_position_embeddings)."""
     from ..view import logical as L
 
     if to not in TARGETS:
@@ -320,6 +328,12 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
     from ..view.accounting import guard
 
     ck = L.with_kv_heads(guard(L.open_any(src), src, "convert", allow_unread=allow_unread), n_kv_heads)
+    if to == "megatron":  # a torchtitan Llama is read under Megatron-core names (`megatron_in.source_view`)
+        from . import megatron_in
+
+        ck = megatron_in.source_view(ck, hf_config, seq_length)
+    elif hf_config is not None or seq_length is not None:
+        raise ValueError(f"--hf-config / --seq-length apply to --to megatron (from torchtitan), not --to {to}")
     if to == "deepspeed-universal":
         from .to_universal import handles
 
@@ -334,7 +348,7 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
             raise CkptError("the checkpoint is already a DeepSpeed universal checkpoint: nothing to convert",
                             path=src)
     if to == "megatron":  # Megatron-LM and Megatron-DeepSpeed pipeline sources (Megatron's args, names, schedule)
-        writer = _megatron_writer(ck.format)
+        writer = _megatron_writer(ck)
         tp, pp = writer.check(ck, src, ckpt_format, tp, pp)
     if to == "dcp" and ck.format == "dcp":
         raise CkptError("the checkpoint is already a DCP checkpoint: nothing to convert", path=src,
@@ -451,7 +465,9 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
         notes.append(f"weights: as stored ({', '.join(dtypes)})")
     return ConvertPlan(src, ck.format, dst, to, layout, tuple(params), tuple(groups), sched, cls,
                        int(step) if step is not None else None, tuple(notes), tuple(not_moved), tuple(added),
-                       ck.topology.dp, n_kv_heads, fused, ckpt_format, tp, pp)
+                       ck.topology.dp, n_kv_heads, fused, ckpt_format, tp, pp,
+                       str(ck.details["hf_config"]) if to == "megatron" and "hf_config" in ck.details else None,
+                       seq_length)
 
 
 def _fused_targets(params: list[ParamItem], n_kv_heads: int | None, src: Path
@@ -608,13 +624,18 @@ class ConvertResult:
     problems: tuple[str, ...] = ()
 
 
-def _megatron_writer(source_format: str):
-    """The module that writes a Megatron-LM run from this source (`check`, `plan_lines`, `write`): the way in from a
-    Megatron-DeepSpeed pipeline (`megatron_in`), else between Megatron-LM's two formats (`write.megatron_write`)."""
+def _megatron_writer(source):
+    """The module that writes a Megatron-LM run from this source (a Checkpoint, or a ConvertPlan) (`check`,
+    `plan_lines`, `write`): the way in from a Megatron-DeepSpeed pipeline or a torchtitan Llama (`megatron_in`),
+    else between Megatron-LM's two formats (`write.megatron_write`)."""
     from ..write import megatron_write
     from . import megatron_in
 
-    return megatron_in if source_format in megatron_in.SOURCE_FORMATS else megatron_write
+    if isinstance(source, ConvertPlan):
+        way_in = source.source_format in megatron_in.SOURCE_FORMATS or source.hf_config is not None
+    else:
+        way_in = megatron_in.handles(source)
+    return megatron_in if way_in else megatron_write
 
 
 def verify_logical(plan: ConvertPlan, root: Path) -> list[str]:
@@ -645,7 +666,7 @@ def execute(plan: ConvertPlan, *, progress: Callable[[int], None] | None = None,
     _refuse_out(plan.source, plan.out)
     if plan.to in ("dcp", "deepspeed-universal", "megatron"):
         write = {"dcp": _write_dcp, "deepspeed-universal": _write_universal}.get(plan.to) or \
-            _megatron_writer(plan.source_format).write
+            _megatron_writer(plan).write
         with io.new_folder(plan.out) as tmp:
             n = write(plan, tmp, progress)
             problems = verify_logical(plan, tmp) if verify else []

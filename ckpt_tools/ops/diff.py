@@ -622,9 +622,10 @@ def logical_diff(a: Any, b: Any, atol: float = 0.0, rtol: float = 0.0, *,
 
 
 def _megatron_names(ca, cb, notes: list[str]):
-    """A Megatron-DeepSpeed pipeline checkpoint compared with a Megatron-LM one (what `convert --to megatron` writes
-    from it) is read under the Megatron-core names the conversion gives it (`megatron_in.core_view`), so the two
-    pair by parameter; said in a note. Where the pipeline cannot be named so, the note says why."""
+    """A Megatron-DeepSpeed pipeline or torchtitan Llama checkpoint compared with a Megatron-LM one (what `convert
+    --to megatron` writes from it) is read under the Megatron-core names the conversion gives it
+    (`megatron_in.core_view`; torchtitan's head counts from the Megatron side's args), so the two pair by
+    parameter; said in a note. Where the source cannot be named so, the note says why."""
     from ..errors import UnsupportedCheckpoint
     from . import megatron_in
 
@@ -632,12 +633,13 @@ def _megatron_names(ca, cb, notes: list[str]):
     for i, (ck, other) in enumerate(((ca, cb), (cb, ca))):
         if megatron_in.handles(ck) and other.format.startswith("megatron_"):
             try:
-                sides[i] = megatron_in.core_view(ck)
+                sides[i] = megatron_in.core_view(ck, other)
             except UnsupportedCheckpoint as e:
-                notes.append(f"{'AB'[i]}'s Megatron-DeepSpeed names are not paired with Megatron-core's: {e}")
+                notes.append(f"{'AB'[i]}'s {ck.format} names are not paired with Megatron-core's: {e}")
             else:
-                notes.append(f"{'AB'[i]} (Megatron-DeepSpeed pipeline) read under the Megatron-core names "
-                             "`convert --to megatron` gives its tensors")
+                what = "torchtitan Llama" if megatron_in.is_torchtitan(ck) else "Megatron-DeepSpeed pipeline"
+                notes.append(f"{'AB'[i]} ({what}) read under the Megatron-core names `convert --to megatron` "
+                             "gives its tensors")
     return sides[0], sides[1]
 
 

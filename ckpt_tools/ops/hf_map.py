@@ -43,11 +43,9 @@ def is_torchtitan_llama(names: list[str]) -> bool:
 def rope_permute(n_heads: int) -> Transform:
     """Hugging Face's q/k permutation for `n_heads` heads: each head's interleaved (x0, y0, x1, y1, …) rows become
     (x0, x1, …, y0, y1, …)."""
-    def apply(w):
-        rows, cols = w.shape
-        return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()
+    from ..read.qkv import rope_halves
 
-    return apply
+    return lambda w: rope_halves(w, n_heads)
 
 
 def torchtitan_llama_to_hf(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any],
@@ -138,6 +136,10 @@ _LLAMA = {"embed": "model.embed_tokens.weight", "ln_1": "model.layers.{L}.input_
 Out = tuple  # (Hugging Face name, transform or None, shape written)
 
 
+#: megatron-core's llama3 RoPE scaling (`RotaryEmbedding._apply_scaling`, core_v0.16): only the factor is a flag
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
 def is_megatron_gpt(names: list[str]) -> bool:
     """Megatron-core GPT parameter names: `embedding.word_embeddings.weight` and `decoder.layers.N.…linear_qkv…`."""
     return "embedding.word_embeddings.weight" in names and any(
@@ -169,8 +171,7 @@ def megatron_hf_config(args: Mapping[str, Any], where: str) -> dict[str, Any]:
             (not arg("swiglu"), "no SwiGLU (Llama: SwiGLU)"), (arg("add_bias_linear") is not False, "linear biases"),
             (bool(arg("add_qkv_bias")) and arg("add_bias_linear") is False, "a QKV bias"),
             (bool(arg("rotary_interleaved")), "interleaved rotary pairs"),
-            ((arg("rotary_percent") or 1.0) != 1.0, f"rotary_percent {arg('rotary_percent')}"),
-            (bool(arg("use_rope_scaling")), "RoPE scaling")]
+            ((arg("rotary_percent") or 1.0) != 1.0, f"rotary_percent {arg('rotary_percent')}")]
     else:
         bad = common + [
             (bool(arg("openai_gelu")), "openai_gelu"),
@@ -192,6 +193,8 @@ def megatron_hf_config(args: Mapping[str, Any], where: str) -> dict[str, Any]:
                 "num_hidden_layers": args["num_layers"], "num_attention_heads": heads, "num_key_value_heads": groups,
                 "head_dim": head_dim, "hidden_act": "silu", "max_position_embeddings": args["max_position_embeddings"],
                 "rms_norm_eps": eps, "rope_theta": float(arg("rotary_base") or 10000),
+                **({"rope_scaling": {"rope_type": "llama3", "factor": float(arg("rope_scaling_factor") or 8.0),
+                                     **LLAMA3_ROPE}} if arg("use_rope_scaling") else {}),
                 "attention_bias": False, "mlp_bias": False,
                 "tie_word_embeddings": not arg("untie_embeddings_and_output_weights"),
                 "initializer_range": float(arg("init_method_std") or 0.02), "use_cache": True, **special}

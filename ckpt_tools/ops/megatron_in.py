@@ -80,7 +80,12 @@ _NAME = re.compile(r"^(\d+)\.(.+)$")
 
 
 def handles(ck) -> bool:
-    return ck.format in SOURCE_FORMATS
+    return ck.format in SOURCE_FORMATS or _VIEW in ck.details or is_torchtitan(ck)
+
+
+def _titan(ck) -> bool:
+    """`ck` is a torchtitan source read under Megatron-core names (`titan_view`)."""
+    return _VIEW in ck.details
 
 
 def _refuse(msg: str, ck, hint: str | None = None):
@@ -97,6 +102,12 @@ def core_names(ck) -> dict[str, str]:
     a pipeline layer or a local name that is not Megatron-DeepSpeed's GPT. Mapped once per checkpoint object."""
     if _LAST and _LAST[0][0] is ck:
         return _LAST[0][1]
+    if _titan(ck):  # already named so
+        from ..view import logical as L
+
+        out = {t.name: t.name for t in L.model_tensors(ck, weights="module")}
+        _LAST[:] = [(ck, out)]
+        return out
     out = _core_names(ck)
     _LAST[:] = [(ck, out)]
     return out
@@ -149,14 +160,25 @@ def _rename(node, names: dict[str, str]):
     return dataclasses.replace(node, children={names.get(k, k): v for k, v in node.children.items()})
 
 
-def core_view(ck):
+def core_view(ck, other=None):
     """The source read under Megatron-core's names: the model and the optimizer state renamed by `core_names`
-    (values, param-group membership and counters as the reader gives them). What the logical diff compares the
-    written folder with."""
+    (values, param-group membership and counters as the reader gives them); a torchtitan source as `titan_view`,
+    its head counts from `other`'s (the Megatron-LM checkpoint it is compared with) args. What the logical diff
+    compares the written folder with."""
     from ..view import logical as L
     from ..read.tree import GroupNode
 
     ck = L.open_any(ck)
+    if _titan(ck):
+        return ck
+    if is_torchtitan(ck):
+        args = L._plain(other.tree.children["args"]) if other is not None and "args" in other.tree.children else None
+        heads = args.get("num_attention_heads") if isinstance(args, dict) else None
+        if not isinstance(heads, int):
+            _refuse("a torchtitan checkpoint read under Megatron-core names needs the head counts: the other side "
+                    "holds no Megatron args with num_attention_heads", ck)
+        groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
+        return titan_view(ck, heads, int(groups or heads))
     names = core_names(ck)
     kids = dict(ck.tree.children)
     kids["model"] = _rename(ck.tree.children["model"], names)
@@ -192,6 +214,8 @@ def _shapes(ck) -> dict[str, tuple[int, ...]]:
 def _architecture(ck) -> dict[str, Any]:
     """The GPT the checkpoint holds, from its tensors' shapes (checked against the saved Megatron-DeepSpeed args
     where they say more)."""
+    if _titan(ck):
+        return _titan_arch(ck)
     shapes = _shapes(ck)
     a = _ds_args(ck)
     layers = sum(1 for k in shapes if k.endswith(".self_attention.linear_qkv.weight"))
@@ -227,6 +251,9 @@ def _schedule(ck, groups: list[dict[str, Any]]) -> tuple[dict[str, Any], str, st
     not-moved line or None when the schedule carries exactly)."""
     from ..read.tree import node_to_python
 
+    if _titan(ck):  # torchtitan's schedule is in its job config: each group's LR as it stands (see _titan_lines)
+        lr = float(groups[0]["lr"])
+        return ({"lr": lr, "min_lr": lr, "warmup": 0, "init": 0.0, "style": "constant"}, "", None)
     cfg = _config(ck)
     node = ck.tree.children.get("scheduler")
     state = node_to_python(node) if node is not None else None
@@ -275,10 +302,11 @@ def _megatron_groups(ck) -> tuple[list[dict[str, Any]], list[list[str]]]:
     if float(nowd.get("weight_decay") or 0.0) != 0.0:
         _refuse(f"the biases' / norms' param group decays (weight_decay {nowd['weight_decay']}): Megatron-core's "
                 "default gives them wd_mult 0", ck)
-    same = ("lr", "betas", "eps")
+    same = ("betas", "eps") if _titan(ck) else ("lr", "betas", "eps")  # torchtitan: each group's own max_lr
     diff = [k for k in same if wd.get(k) != nowd.get(k)]
     if diff:
-        _refuse(f"the two param groups differ in {', '.join(diff)}: Megatron-core schedules one LR for both", ck)
+        _refuse(f"the two param groups differ in {', '.join(diff)}: Megatron-core has one "
+                f"{'Adam' if 'lr' not in diff else 'LR schedule'} for both", ck)
     return [wd, nowd], [want_decay, want_none]
 
 
@@ -290,6 +318,20 @@ def check(ck, src: Path, ckpt_format: str = "torch_dist", tp: int | None = None,
         raise UnsupportedCheckpoint(
             f"--to megatron --ckpt-format {ckpt_format} needs a Megatron-LM torch_dist checkpoint; this is {ck.format}",
             path=src, hint="convert it with --ckpt-format torch_dist first, then that run with --ckpt-format torch")
+    if _titan(ck):
+        _titan_check(ck)
+    else:
+        _check_deepspeed(ck)
+    _megatron_groups(ck)
+    from ..view import logical as L
+
+    steps = {float(v["step"]) for v in L.optimizer_scalars(ck).values() if v.get("step") is not None}
+    if len(steps) != 1:
+        _refuse(f"Adam steps {sorted(steps)} across parameters: torch_dist keeps one common step", ck)
+    return None, None
+
+
+def _check_deepspeed(ck) -> None:
     cfg = _config(ck)
     if not (isinstance(cfg.get("bf16"), dict) and cfg["bf16"].get("enabled")):
         _refuse("--to megatron from DeepSpeed is proven for bf16 runs (Megatron's bf16 params with an fp32 master); "
@@ -303,7 +345,6 @@ def check(ck, src: Path, ckpt_format: str = "torch_dist", tp: int | None = None,
         _refuse(f"{ck.counters.skipped_steps} skipped steps: the Adam step and the iteration differ, which "
                 "Megatron's checkpoint cannot say", ck)
     _architecture(ck)
-    _megatron_groups(ck)
     if (ck.topology.tp or 1) > 1:
         from .tp_sync import check_tp_sync
 
@@ -312,12 +353,6 @@ def check(ck, src: Path, ckpt_format: str = "torch_dist", tp: int | None = None,
             _refuse(f"{len(drifted)} TP-replicated parameters differ across TP ranks ({', '.join(drifted[:4])}"
                     f"{', ...' if len(drifted) > 4 else ''}): torch_dist keeps one copy", ck,
                     hint=f"repair them first with `ckpt sync-tp {ck.path}` (average or one rank's value)")
-    from ..view import logical as L
-
-    steps = {float(v["step"]) for v in L.optimizer_scalars(ck).values() if v.get("step") is not None}
-    if len(steps) != 1:
-        _refuse(f"Adam steps {sorted(steps)} across parameters: torch_dist keeps one common step", ck)
-    return None, None
 
 
 def _tp_pp(ck) -> tuple[int, int, int]:
@@ -340,25 +375,30 @@ def megatron_args(ck) -> dict[str, Any]:
     import torch
 
     arch = _architecture(ck)
-    cfg = _config(ck)
-    a = _ds_args(ck)
     tp, pp, dp = _tp_pp(ck)
     groups, _ = _megatron_groups(ck)
     sched, _, _ = _schedule(ck, groups)
-    o = dict((cfg.get("optimizer") or {}).get("params") or {})
-    betas = o.get("betas") or groups[0].get("betas") or (0.9, 0.999)
     iteration = int(ck.counters.global_step or 0)
-    gbs = int(cfg.get("train_batch_size") or a.get("global_batch_size"))
-    mbs = int(cfg.get("train_micro_batch_size_per_gpu") or a.get("micro_batch_size"))
-    train_iters = int(a.get("train_iters") or iteration)
     padded = arch["padded_vocab_size"]
+    if _titan(ck):  # no DeepSpeed config: what torchtitan's job config held is listed as not moved
+        cfg, a, o = {}, {}, {"eps": groups[0]["eps"]}
+        betas, gbs, mbs, train_iters = groups[0]["betas"], dp, 1, iteration
+        multiple = _vocab_multiple(padded, 8)  # the saved rows at TP 1 to 8
+    else:
+        cfg, a = _config(ck), _ds_args(ck)
+        o = dict((cfg.get("optimizer") or {}).get("params") or {})
+        betas = o.get("betas") or groups[0].get("betas") or (0.9, 0.999)
+        gbs = int(cfg.get("train_batch_size") or a.get("global_batch_size"))
+        mbs = int(cfg.get("train_micro_batch_size_per_gpu") or a.get("micro_batch_size"))
+        train_iters = int(a.get("train_iters") or iteration)
+        multiple = _vocab_multiple(padded, tp)
     out = {
         **arch,
         "num_query_groups": arch["num_attention_heads"], "kv_channels": arch["hidden_size"] // arch["num_attention_heads"],
         "group_query_attention": False,
         # Megatron's NullTokenizer counts vocab_size + 1 (the end-of-document id): the saved rows, unpadded
         "vocab_size": padded - 1, "tokenizer_type": "NullTokenizer",
-        "make_vocab_size_divisible_by": _vocab_multiple(padded, tp), "mock_data": True,
+        "make_vocab_size_divisible_by": multiple, "mock_data": True,
         "normalization": "LayerNorm", "swiglu": False, "untie_embeddings_and_output_weights": True,
         "position_embedding_type": "learned_absolute", "add_position_embedding": True, "add_bias_linear": True,
         "add_qkv_bias": True, "hidden_dropout": 0.0, "attention_dropout": 0.0, "transformer_impl": "local",
@@ -369,7 +409,7 @@ def megatron_args(ck) -> dict[str, Any]:
         "weight_decay": float(groups[0].get("weight_decay") or 0.0), "start_weight_decay": float(groups[0].get("weight_decay") or 0.0),
         "end_weight_decay": float(groups[0].get("weight_decay") or 0.0), "weight_decay_incr_style": "constant",
         "adam_beta1": float(betas[0]), "adam_beta2": float(betas[1]), "adam_eps": float(o.get("eps", groups[0].get("eps"))),
-        "clip_grad": float(cfg.get("gradient_clipping") or 0.0),
+        "clip_grad": 1.0 if _titan(ck) else float(cfg.get("gradient_clipping") or 0.0),
         "micro_batch_size": mbs, "global_batch_size": gbs, "train_iters": train_iters,
         "seed": int(a.get("seed") or 1234),
         "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "data_parallel_size": dp,
@@ -377,6 +417,8 @@ def megatron_args(ck) -> dict[str, Any]:
         "iteration": iteration, "consumed_train_samples": iteration * gbs, "consumed_valid_samples": 0,
         "skipped_train_samples": 0,
     }
+    if _titan(ck):
+        out.update(arch)
     return out
 
 
@@ -394,6 +436,8 @@ def scheduler_state(ck, args: dict[str, Any]) -> dict[str, Any]:
 def plan_lines(ck, ckpt_format: str = "torch_dist", tp: int | None = None,
                pp: int | None = None) -> tuple[list[str], list[str]]:
     """(notes, not moved) for the conversion."""
+    if _titan(ck):
+        return _titan_lines(ck)
     tp, pp, dp = _tp_pp(ck)
     arch = _architecture(ck)
     groups, _ = _megatron_groups(ck)
@@ -447,7 +491,7 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     from ..write.dcp_write import DcpStreamWriter
     from ..write.megatron_write import CONTENT_METADATA, DIST_META, LATEST, dist_key
 
-    ck = L.open_any(plan.source)
+    ck = source_view(L.open_any(plan.source), plan.hf_config, plan.seq_length)
     names = core_names(ck)
     args = megatron_args(ck)
     layers = args["num_layers"]
@@ -473,14 +517,16 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
         else:
             w.tensor_part((key,), (layers, *t.shape), (layer,) + (0,) * t.dim(), t.unsqueeze(0))
 
-    extra = {f"decoder.layers.{x}.bias": x for x in EXTRA_STATE_LINEARS}
+    # each linear's extra state after its last tensor (its bias; its weight where it has none)
+    extra = {next(k for k in (f"decoder.layers.{x}.bias", f"decoder.layers.{x}.weight") if k in keys): x
+             for x in EXTRA_STATE_LINEARS}
     try:
-        for key, items in keys.items():  # the module's weights (bf16), each linear's extra state after its bias
+        for key, items in keys.items():  # the module's weights (bf16), each linear's extra state after them
             for layer, p in items:
-                put(key, layer, module[p.name].read())
+                put(key, layer, module[p.name].read(torch.bfloat16))
             if key in extra:
                 w.value((f"decoder.layers.{extra[key]}._extra_state/shard_0_{layers}",), [None])
-            if key == "decoder.layers.mlp.linear_fc2.bias":  # the other layers' extra states, as Megatron lists them
+            if extra.get(key) == "mlp.linear_fc2":  # the other layers' extra states, as Megatron lists them
                 for i in range(1, layers):
                     for x in EXTRA_STATE_LINEARS:
                         w.value((f"decoder.layers.{x}._extra_state/shard_{i}_{layers}",), [None])
@@ -501,8 +547,9 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     pgroups = []
     for g, wd_mult in zip(groups, (1.0, 0.0)):
         hp = {k: v for k, v in g.items() if k != "params"}
+        top, low = (float(g["lr"]), float(g["lr"])) if _titan(ck) else (args["lr"], args["min_lr"])
         pgroups.append({"is_expert_parallel": False, "default_config": True, "wd_mult": wd_mult, "lr_mult": 1.0,
-                        "is_decoupled_lr": False, "max_lr": args["lr"], "min_lr": args["min_lr"], **hp})
+                        "is_decoupled_lr": False, "max_lr": top, "min_lr": low, **hp})
     step = next(float(v["step"]) for v in L.optimizer_scalars(ck).values() if v.get("step") is not None)
     common = {"args": argparse.Namespace(**args), "checkpoint_version": 3.0, "iteration": iteration,
               "optimizer": {"optimizer": {"state": {"common_step": torch.tensor(step, dtype=torch.float32)},
@@ -515,4 +562,295 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     return w.bytes_written + (it / "common.pt").stat().st_size
 
 
-__all__ = ["handles", "core_names", "core_view", "check", "plan_lines", "write", "megatron_args", "added"]
+# --- the way in from torchtitan (its Llama, a DCP save of its CheckpointManager) -------------------------------
+#
+# torchtitan's checkpoint holds no model config: the head counts, RoPE and norm settings come from the model's
+# Hugging Face config.json (`--hf-config`, as `export --hf` takes it), checked against every tensor's shape. The
+# source is read as a Megatron-core view (`titan_view`): the same DCP tree, its tensors under Megatron-core names,
+# where Megatron fuses what torchtitan keeps apart the view's tensor is made from the parts at read time (a
+# `TensorNode` whose shards are the parts: `linear_qkv` by `read.qkv.megatron_qkv`, per query group with q / k
+# rows from torchtitan's interleaved RoPE pairs to Megatron's rotate-half order; SwiGLU `linear_fc1` = [w1; w3]).
+# The writer, the plan and the logical diff all read that view.
+
+#: torchtitan Llama name -> Megatron-core name ({}: the layer); the parts of one fused Megatron tensor in order
+_TITAN = (
+    (r"tok_embeddings\.weight", "embedding.word_embeddings.weight"),
+    (r"layers\.(\d+)\.attention\.(?:qkv_linear\.)?w(q|k|v|qkv)\.weight",
+     "decoder.layers.{}.self_attention.linear_qkv.weight"),
+    (r"layers\.(\d+)\.attention\.wo\.weight", "decoder.layers.{}.self_attention.linear_proj.weight"),
+    (r"layers\.(\d+)\.attention_norm\.weight", "decoder.layers.{}.self_attention.linear_qkv.layer_norm_weight"),
+    (r"layers\.(\d+)\.ffn_norm\.weight", "decoder.layers.{}.mlp.linear_fc1.layer_norm_weight"),
+    (r"layers\.(\d+)\.feed_forward\.w(1|3)\.weight", "decoder.layers.{}.mlp.linear_fc1.weight"),
+    (r"layers\.(\d+)\.feed_forward\.w2\.weight", "decoder.layers.{}.mlp.linear_fc2.weight"),
+    (r"norm\.weight", "decoder.final_layernorm.weight"),
+    (r"(?:lm_head|output)\.weight", "output_layer.weight"),
+)
+_TITAN_RX = tuple((re.compile(p + "$"), core) for p, core in _TITAN)
+_PART_ORDER = {"q": 0, "k": 1, "v": 2, "qkv": 0, "1": 0, "3": 1}
+_VIEW = "megatron_in"  # ck.details key marking a torchtitan source read under Megatron-core names
+
+
+def is_torchtitan(ck) -> bool:
+    """A torchtitan Llama DCP save (its model keys flat: `tok_embeddings.weight`, `layers.N.attention.…wq…`)."""
+    from ..read.tree import GroupNode
+    from .hf_map import is_torchtitan_llama
+
+    model = ck.tree.children.get("model")
+    return ck.format == "dcp" and isinstance(model, GroupNode) and is_torchtitan_llama(list(model.children))
+
+
+def _titan_core(name: str, ck) -> tuple[str, int]:
+    """(Megatron-core name, the part's position in it) of a torchtitan name; refuses one it does not map."""
+    for rx, core in _TITAN_RX:
+        m = rx.match(name)
+        if m:
+            g = m.groups()
+            return core.format(g[0]) if g else core, _PART_ORDER.get(g[1], 0) if len(g) > 1 else 0
+    _refuse(f"{name}: not a parameter of torchtitan's Llama (tok_embeddings, layers.N.attention / attention_norm / "
+            "feed_forward / ffn_norm, norm, output): ckpt does not map it to Megatron-core", ck)
+
+
+def _hf_cfg(ck) -> tuple[dict[str, Any], str]:
+    path = ck.details.get("hf_config")
+    if not path:
+        _refuse("a torchtitan checkpoint holds no model config: --to megatron needs the model's Hugging Face "
+                "config.json for the head counts, RoPE and norm settings", ck,
+                hint="add --hf-config CONFIG.json (as for `ckpt export --hf`)")
+    return json.loads(Path(path).read_text()), path
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
+    """(RoPE base, its scaling or None) from a config.json: transformers 5's `rope_parameters` {rope_theta,
+    rope_type, ...} or the older `rope_theta` + `rope_scaling`."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict):
+        kind = params.get("rope_type") or params.get("type") or "default"
+        return params.get("rope_theta", cfg.get("rope_theta")), (None if kind == "default" else params)
+    return cfg.get("rope_theta"), cfg.get("rope_scaling") or None
+
+
+def titan_heads(cfg: dict[str, Any]) -> tuple[int, int]:
+    heads = cfg.get("num_attention_heads")
+    return heads, cfg.get("num_key_value_heads") or heads
+
+
+def titan_view(ck, heads: int, groups: int, hf_config: str | None = None, seq_length: int | None = None):
+    """The torchtitan checkpoint `ck` under Megatron-core names (see above), `heads` query heads in `groups` KV
+    groups; `hf_config` / `seq_length` (the conversion's) kept in its details."""
+    from ..read.qkv import megatron_rule
+    from ..read.tree import GroupNode, TensorNode, ValueNode
+
+    kids = ck.tree.children
+    rule = megatron_rule(heads, groups)
+
+    def composed(core: str, parts: list[tuple[int, Any]]):
+        nodes = [n for _, n in sorted(parts, key=lambda x: x[0])]
+        if len(nodes) == 1 and not core.endswith("linear_qkv.weight"):
+            return nodes[0]
+        if not all(isinstance(n, TensorNode) for n in nodes) or len({n.dtype for n in nodes}) > 1:
+            _refuse(f"{core}: its torchtitan parts are not tensors of one dtype", ck)
+        if core.endswith("linear_qkv.weight"):
+            rows = sum(n.shape[0] for n in nodes)
+            if rows != (heads + 2 * groups) * (rows // (heads + 2 * groups)) or len(nodes) not in (1, 3):
+                _refuse(f"{core}: {rows} q/k/v rows do not fit {heads} heads in {groups} KV groups", ck)
+            return TensorNode((rows, *nodes[0].shape[1:]), nodes[0].dtype, shards=tuple(nodes), merge=rule)
+        return TensorNode((sum(n.shape[0] for n in nodes), *nodes[0].shape[1:]), nodes[0].dtype,
+                          shards=tuple(nodes), merge="cat:0")
+
+    def by_core(items) -> dict[str, list[tuple[int, Any]]]:
+        out: dict[str, list[tuple[int, Any]]] = {}
+        for name, node in items:
+            core, at = _titan_core(name, ck)
+            out.setdefault(core, []).append((at, node))
+        return out
+
+    model = {core: composed(core, parts) for core, parts in by_core(kids["model"].children.items()).items()}
+    new = dict(kids)
+    new["model"] = GroupNode(model)
+    opt = kids.get("optimizer")
+    rename = {}
+    if isinstance(opt, GroupNode) and isinstance(opt.children.get("state"), GroupNode):
+        state = {}
+        for core, parts in by_core(opt.children["state"].children.items()).items():
+            keys = {k for _, e in parts for k in e.children}
+            entry = {}
+            for k in sorted(keys):
+                got = [(at, e.children[k]) for at, e in parts if k in e.children]
+                entry[k] = got[0][1] if k == "step" else composed(core, got)
+            state[core] = GroupNode(entry)
+        rename = {name: _titan_core(name, ck)[0] for name in opt.children["state"].children}
+        groups_node = opt.children.get("param_groups")
+        pg = {}
+        for i, g in (groups_node.children.items() if isinstance(groups_node, GroupNode) else ()):
+            members = g.children.get("params") if isinstance(g, GroupNode) else None
+            if isinstance(members, ValueNode) and isinstance(members.value, list):
+                names = list(dict.fromkeys(rename.get(n) or _titan_core(n, ck)[0] for n in members.value))
+                g = GroupNode({**g.children, "params": ValueNode(names)})
+            pg[i] = g
+
+        def flat(g) -> bool:  # a group of 1-D tensors only: Megatron-core's no-decay group, which it puts last
+            members = g.children.get("params") if isinstance(g, GroupNode) else None
+            names = members.value if isinstance(members, ValueNode) and isinstance(members.value, list) else []
+            return bool(names) and all(len(getattr(model.get(n), "shape", (0, 0))) == 1 for n in names)
+
+        pg = {str(j): g for j, g in enumerate(sorted(pg.values(), key=flat))}  # Megatron-core's group order
+        new["optimizer"] = GroupNode({**opt.children, "state": GroupNode(state),
+                                      **({"param_groups": GroupNode(pg)} if pg else {})})
+    details = {k: v for k, v in ck.details.items() if k not in ("convert_unproven", "resume_unsupported", "fused")}
+    details[_VIEW] = (f"torchtitan Llama read under Megatron-core names ({heads} heads, {groups} KV groups: q/k rows "
+                      "in rotate-half order, wq/wk/wv fused per query group, w1/w3 as linear_fc1)")
+    if hf_config:
+        details["hf_config"] = str(hf_config)
+    if seq_length:
+        details["seq_length"] = int(seq_length)
+    return dataclasses.replace(ck, tree=dataclasses.replace(ck.tree, children=new), details=details, state_split={})
+
+
+def source_view(ck, hf_config: str | None = None, seq_length: int | None = None):
+    """What the conversion into Megatron reads: a torchtitan source as `titan_view` (its heads from the
+    `--hf-config` given, every shape checked against it), any other source as it is."""
+    if not is_torchtitan(ck):
+        if hf_config is not None or seq_length is not None:
+            raise UnsupportedCheckpoint("--hf-config / --seq-length describe a torchtitan model, which carries no "
+                                        f"config; this is a {ck.format} checkpoint", path=Path(ck.path),
+                                        hint="drop them")
+        return ck
+    from .export import _hf_config_file
+
+    if hf_config is None:
+        _hf_cfg(ck)  # refuses, naming --hf-config
+    cfg_file = _hf_config_file(hf_config)
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as e:
+        raise UnsupportedCheckpoint(f"--hf-config: cannot read it ({e})", path=cfg_file,
+                                    hint="pass a JSON config.json") from None
+    _titan_check_config(ck, cfg, str(cfg_file))
+    heads, groups = titan_heads(cfg)
+    return titan_view(ck, heads, groups, str(cfg_file), seq_length)
+
+
+def _titan_check_config(ck, cfg: dict[str, Any], where: str) -> None:
+    """Refuse, naming it, a config.json that does not describe this torchtitan Llama as Megatron-core builds one."""
+    from ..read.tree import iter_tensors
+    from .hf_map import LLAMA3_ROPE as _ROPE_FIXED, torchtitan_llama_to_hf
+
+    shapes = {n: tuple(t.shape) for n, t in iter_tensors(ck.tree.children["model"])}
+    torchtitan_llama_to_hf(shapes, cfg, where)  # every name mapped; q / k / embedding shapes and layer count
+    ffn = next(s[0] for n, s in shapes.items() if n.endswith("feed_forward.w1.weight"))
+    theta, scaling = _rope(cfg)
+    bad = []
+    if cfg.get("intermediate_size") != ffn:
+        bad.append(f"intermediate_size {cfg.get('intermediate_size')} (w1 has {ffn} rows)")
+    if cfg.get("tie_word_embeddings"):
+        bad.append("tie_word_embeddings (torchtitan's Llama keeps its own output weight)")
+    if not any(n in shapes for n in ("output.weight", "lm_head.weight")):
+        bad.append("no output weight in the checkpoint")
+    if (cfg.get("hidden_act") or "silu") != "silu":
+        bad.append(f"hidden_act {cfg.get('hidden_act')!r} (SwiGLU: silu)")
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        bad.append("biases")
+    for key, v in (("rope_theta", theta), ("rms_norm_eps", cfg.get("rms_norm_eps")),
+                   ("max_position_embeddings", cfg.get("max_position_embeddings"))):
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            bad.append(f"no {key}")
+    if isinstance(theta, float) and not theta.is_integer():
+        bad.append(f"rope_theta {theta} (Megatron's --rotary-base is an integer)")
+    if scaling is not None:
+        kind = scaling.get("rope_type") or scaling.get("type")
+        fixed = {k: float(scaling.get(k, -1)) for k in _ROPE_FIXED}
+        if kind != "llama3" or fixed != _ROPE_FIXED:
+            bad.append(f"rope_scaling {scaling} (Megatron-core has llama3 scaling with {_ROPE_FIXED} only)")
+    if bad:
+        _refuse(f"{where} does not describe a torchtitan Llama Megatron-core can build: {'; '.join(bad)}", ck,
+                hint="pass this model's Hugging Face config.json (LlamaConfig)")
+
+
+def _titan_arch(ck) -> dict[str, Any]:
+    """The Llama the config.json describes (checked against the tensors by `source_view`), as Megatron's args."""
+    cfg, _ = _hf_cfg(ck)
+    shapes = _shapes(ck)
+    heads, groups = titan_heads(cfg)
+    hidden = shapes["embedding.word_embeddings.weight"][1]
+    theta, scaling = _rope(cfg)
+    seq = int(ck.details.get("seq_length") or cfg["max_position_embeddings"])
+    return {"num_layers": sum(1 for k in shapes if k.endswith(".self_attention.linear_qkv.weight")),
+            "hidden_size": hidden, "ffn_hidden_size": shapes["decoder.layers.0.mlp.linear_fc2.weight"][1],
+            "num_attention_heads": heads, "num_query_groups": groups, "group_query_attention": groups != heads,
+            "kv_channels": int(cfg.get("head_dim") or hidden // heads),
+            "padded_vocab_size": shapes["embedding.word_embeddings.weight"][0],
+            "max_position_embeddings": int(cfg["max_position_embeddings"]), "seq_length": seq,
+            "layernorm_epsilon": float(cfg["rms_norm_eps"]), "normalization": "RMSNorm", "swiglu": True,
+            "position_embedding_type": "rope", "rotary_base": int(theta), "rotary_percent": 1.0,
+            "rotary_interleaved": False, "use_rope_scaling": scaling is not None,
+            "rope_scaling_factor": float(scaling["factor"]) if scaling else 8.0,
+            "untie_embeddings_and_output_weights": True, "add_position_embedding": True,
+            "add_bias_linear": False, "add_qkv_bias": False, "bias_swiglu_fusion": False, "apply_rope_fusion": False}
+
+
+def _titan_check(ck) -> None:
+    from ..view import logical as L
+
+    if not L.optimizer_states(ck):
+        _refuse("no optimizer state: a model-only save (torchtitan's last save is model-only by default, "
+                "--checkpoint.last-save-model-only); --to megatron carries a run with its Adam state", ck,
+                hint="convert an intermediate step-N folder, or export the weights with `ckpt export`")
+    dtypes = sorted({t.dtype for t in L.model_tensors(ck, weights="module")})
+    if dtypes != ["float32"]:
+        _refuse(f"weights saved as {', '.join(dtypes)}: the fp32 master Megatron's bf16 run keeps would be "
+                "rounded; torchtitan's FSDP2 saves float32", ck)
+    for g in L.param_groups(ck):
+        odd = [k for k in ("amsgrad", "maximize", "nesterov") if g.get(k)]
+        if odd or g.get("decoupled_weight_decay") is False or "betas" not in g:
+            why = ", ".join(odd) or "no betas / coupled weight decay"
+            _refuse(f"param group of {', '.join(g.get('params', [])[:2])}, ...: not AdamW ({why}): Megatron's "
+                    "optimizer here is AdamW", ck)
+    _titan_arch(ck)
+
+
+def _titan_lines(ck) -> tuple[list[str], list[str]]:
+    from ..view import logical as L
+
+    cfg, path = _hf_cfg(ck)
+    arch = _titan_arch(ck)
+    groups, _ = _megatron_groups(ck)
+    lrs = ", ".join(f"{float(g['lr']):g}" for g in groups)
+    dp = ck.topology.dp or 1
+    notes = [f"Megatron-LM torch_dist (plain Adam) from a torchtitan Llama (FSDP2, DP {dp}): global tensors under "
+             f"Megatron-core names, {arch['num_layers']} layers stacked on a leading axis; Megatron reshards them at "
+             "load, so it resumes at any TP / PP",
+             f"attention: wq / wk / wv fused per query group into linear_qkv ({arch['num_attention_heads']} heads, "
+             f"{arch['num_query_groups']} KV groups from {path}); q / k rows permuted per head from torchtitan's "
+             "interleaved RoPE pairs to Megatron's rotate-half order (the permutation torchtitan's own Hugging Face "
+             "converter applies); SwiGLU w1 / w3 as linear_fc1 (gate rows, then up rows); Adam's moments moved with their rows",
+             "weights: the saved float32 weights as optimizer.state.fp32_param, the module's bf16 copy rounded from "
+             "them (Megatron's --bf16, as torchtitan's default bf16 FSDP compute); Adam's exp_avg / exp_avg_sq; the "
+             "common Adam step; param groups in Megatron-core's order (decaying weights; 1-D tensors with wd_mult 0)",
+             f"args: from {path}: RMSNorm (eps {arch['layernorm_epsilon']:g}), SwiGLU, RoPE base "
+             f"{arch['rotary_base']}" + (f" with llama3 scaling (factor {arch['rope_scaling_factor']:g})"
+                                         if arch["use_rope_scaling"] else "") +
+             f", no biases, untied output; seq_length {arch['seq_length']}"
+             f"{'' if ck.details.get('seq_length') else ' (max_position_embeddings; --seq-length sets it)'}; "
+             "no dropout, the local transformer implementation; tokenizer NullTokenizer sized to the saved "
+             "vocabulary rows and mock_data (relaunch with your own tokenizer and data flags)",
+             f"scheduler: Megatron's constant schedule at each param group's saved LR ({lrs}: the LR torchtitan's "
+             "next step uses), each group's own max_lr / min_lr"]
+    not_moved = [f"LR schedule: torchtitan rebuilds its warmup / decay from its job config (the checkpoint's "
+                 f"lr_scheduler holds only last_epoch {ck.counters.scheduler_last_epoch}): written as a constant "
+                 f"schedule at the current LRs ({lrs}); relaunch with your schedule and "
+                 "--override-opt_param-scheduler, and set each group's max_lr / min_lr with `ckpt set-lr`",
+                 "RNG states: torchtitan's generators are not Megatron's (args.no_save_rng=True: Megatron seeds "
+                 "afresh from args.seed)",
+                 "data position: torchtitan's dataloader state and ntokens_seen "
+                 f"({ck.details.get('train_state', 'not recorded')}); consumed_train_samples = iteration x global "
+                 "batch is recorded",
+                 f"batch sizes and gradient clipping live in torchtitan's job config: args record micro batch 1, "
+                 f"global batch {dp} (one sequence per DP rank) and clip_grad 1.0 (torchtitan's and Megatron's default "
+                 "max_norm): relaunch with yours"]
+    if L.optimizer_scalars(ck) and ck.counters.global_step is None:
+        not_moved.append("the step: torchtitan's train_state is missing")
+    return notes, not_moved
+
+
+__all__ = ["handles", "core_names", "core_view", "check", "plan_lines", "write", "megatron_args", "added",
+           "is_torchtitan", "source_view", "titan_view"]

@@ -79,6 +79,37 @@ def fuse(q: Any, k: Any, v: Any, n_kv_heads: int) -> Any:
     return assemble(list(zip(row_index(q.shape[0], k.shape[0], n_kv_heads), (q, k, v))))
 
 
+def rope_halves(w: Any, n_heads: int) -> Any:
+    """Each of `n_heads` heads' rows from interleaved RoPE pairs (x0, y0, x1, y1, ...: torchtitan's complex RoPE)
+    to rotate-half order (x0, x1, ..., y0, y1, ...: Megatron-core's and Hugging Face's rotary embedding), as
+    torchtitan's own Hugging Face converter permutes q and k."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+#: the merge rule of a Megatron-core `linear_qkv` made from a torchtitan attention (`megatron_qkv`)
+MEGATRON_RULE = "megatron_qkv"
+
+
+def megatron_rule(n_heads: int, n_kv_heads: int) -> str:
+    return f"{MEGATRON_RULE}:{n_heads}:{n_kv_heads}"
+
+
+def megatron_qkv(rule: str, parts: list[Any]) -> Any:
+    """Megatron-core's `linear_qkv` rows (per query group: its query heads, its key head, its value head; q and k
+    in rotate-half order) from torchtitan's split `wq`, `wk`, `wv` (three parts) or its fused `wqkv` (one part,
+    already grouped so: an optimizer state), q and k rows in torchtitan's interleaved RoPE order."""
+    _, heads, groups = rule.split(":")
+    heads, groups = int(heads), int(groups)
+    if len(parts) == 1:
+        whole = parts[0]
+        hd = whole.shape[0] // (heads + 2 * groups)
+        q, k, v = (whole[idx] for idx in row_index(heads * hd, groups * hd, groups))
+    else:
+        q, k, v = parts
+    return fuse(rope_halves(q, heads), rope_halves(k, groups), v, groups)
+
+
 def find_fused(tree: Any) -> dict[str, list[str]]:
     """{optimizer FQN: [the model keys that hold it]} for every parameter saved split: an optimizer state (of the
     first optimizer) under a name the model does not hold, whose module has model keys with the same leaf name,

@@ -359,6 +359,10 @@ def merge_shards(rule: Rule | str, tensors: Sequence[Any]):
             chunks = [torch.chunk(t, int(subs), dim=d) for t in tensors]
         per_sub = [torch.cat([c[i] for c in chunks], dim=d) for i in range(len(chunks[0]))]
         return torch.cat(per_sub, dim=d)
+    if merge and merge.startswith("megatron_qkv:"):  # a conversion's view: torchtitan's q/k/v as Megatron's
+        from .qkv import megatron_qkv
+
+        return megatron_qkv(merge, list(tensors))
     raise ValueError(f"no merge rule ({merge!r}); pass --pattern REGEX=MERGE for this parameter")
 
 
