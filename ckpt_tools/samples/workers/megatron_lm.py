@@ -641,17 +641,29 @@ def logits_sample(args: argparse.Namespace, work: Path) -> int:
     `setup_model_and_optimizer` + Megatron's `load_checkpoint` (`--no-load-optim --no-load-rng`), then the GPTModel's
     forward on `--tokens` (JSON rows) with the causal mask `pretrain_gpt` uses; the vocab-parallel logits gathered
     over the TP ranks; rank 0 saves them (torch.save, [batch, seq, vocab]) to `args.logits`. Pipeline parallelism is
-    not run here (TP samples only)."""
+    not run here (TP samples only). Without `--sample`, any run folder (a conversion's output): the command line is
+    rebuilt from its own saved `args` (`relaunch_argv`, as `ckpt resume` does) at TP = the world size, PP 1."""
     from megatron.core import tensor_parallel
 
-    v = VARIANTS[args.sample]
-    if v.pp > 1:
-        raise SystemExit("--logits runs the TP samples (no pipeline schedule here)")
     _, model_provider, model_type, _, embedding_ranks = _pretrain_entry()
     import megatron.training.training as training
 
-    argv = megatron_argv(v, save=None, load=args.forward.resolve(), work=work)
-    argv.remove("--bf16")
+    if args.sample is None:
+        from ckpt_tools.resume.frameworks import _plain
+        from ckpt_tools.read.tree import node_to_python
+        from ckpt_tools.view.logical import open_any
+
+        saved = _plain(node_to_python(open_any(args.forward).tree.children["args"]))
+        argv = [*relaunch_argv(saved), *parallel_argv(saved, torch.distributed.get_world_size(), 1), *CPU_FLAGS,
+                "--distributed-backend", "gloo", "--load", str(args.forward.resolve()), "--train-iters",
+                str(int(saved.get("iteration") or 0) + 1), "--data-cache-path", str(work / "data_cache")]
+        argv = [a for a in argv if a != "--bf16"]
+    else:
+        v = VARIANTS[args.sample]
+        if v.pp > 1:
+            raise SystemExit("--logits runs the TP samples (no pipeline schedule here)")
+        argv = megatron_argv(v, save=None, load=args.forward.resolve(), work=work)
+        argv.remove("--bf16")
     sys.argv = [sys.argv[0], *argv, "--no-load-optim", "--no-load-rng"]
     training.initialize_megatron(args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
                                  get_embedding_ranks=embedding_ranks)
@@ -775,7 +787,8 @@ def resume_sample(args: argparse.Namespace, work: Path) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sample", required=True, choices=sorted(VARIANTS))
+    p.add_argument("--sample", choices=sorted(VARIANTS), help="the variant (required but with --forward, which "
+                   "without it rebuilds the model from the run folder's own args)")
     p.add_argument("--out", type=Path, help="the group folder: the sample goes to <out>/<sample>")
     p.add_argument("--check", type=Path, help="load this saved run folder with Megatron's load_checkpoint")
     p.add_argument("--resume", type=Path, help="resume this run folder in Megatron's pretrain and record the LRs")
@@ -791,6 +804,8 @@ def main() -> None:
     args = p.parse_args()
     if sum(x is not None for x in (args.out, args.check, args.resume, args.forward)) != 1:
         p.error("give exactly one of --out, --check, --resume or --forward")
+    if args.sample is None and args.forward is None:
+        p.error("--sample is required (but with --forward)")
     if args.num_layers:
         MODEL["num_layers"] = args.num_layers  # the same recipe, deeper: for benchmarks, not for samples
     from ckpt_tools.train.procgroup import join, leave

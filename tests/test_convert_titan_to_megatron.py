@@ -1,0 +1,228 @@
+"""`ckpt convert SRC OUT --to megatron --hf-config CONFIG.json` from torchtitan (the way in, issue 23): the real
+torchtitan 0.3.0 Trainer's save `dcp/torchtitan_real/step-3` (llama3, dim 64, 4 heads, fused wqkv, FSDP2 over 2
+ranks, AdamW with two param groups: norms at lr 4e-4 without decay, the rest at 8e-4 with decay 0.1) written as a
+Megatron-LM core_v0.16.1 torch_dist run folder.
+
+The expected tensors are computed here from the source, with the layout rules written out in this file (not the
+converter's): Megatron-core's linear_qkv holds, per query group, its query heads, then its key and value heads;
+its rotary embedding rotates halves where torchtitan's rotates interleaved pairs, so each q / k head's rows are
+permuted; SwiGLU's linear_fc1 is [w1; w3]. `export --hf` of the output must equal `export --hf` of the source
+(that export is held against torchtitan's own Hugging Face converter and forward in test_export_formats). Where a
+Megatron-LM checkout is named (MEGATRON_LM_DIR), Megatron's own load_checkpoint resumes the output through `ckpt
+resume` and Megatron's own forward of it gives torchtitan's logits."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_tools.samples import free_port, worker_env
+from ckpt_tools.view import logical as L
+
+from conftest import ROOT, assert_hf_logits_equal, manifest, run_cli, sample
+from test_convert_to_megatron import _ckpt_resume  # `ckpt resume -n 2 --device cpu --json` on this checkout
+from test_export_formats import _titan_hf_config  # the sample model's LlamaConfig, written by transformers
+
+SRC = ("dcp", "torchtitan_real")
+MEGATRON = os.environ.get("MEGATRON_LM_DIR")
+HEADS, HEAD_DIM = 4, 16  # the sample's llama3: no GQA, so each query group is one head
+TOKENS = [[1, 5, 9, 13, 20, 33, 40, 2, 7, 11, 50, 63], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
+
+
+def _src() -> Path:
+    return sample(*SRC) / "step-3"
+
+
+def _convert(out: Path, cfg: Path | None, *extra: str, src: Path | None = None) -> subprocess.CompletedProcess:
+    flags = ["--hf-config", cfg] if cfg is not None else []
+    return run_cli("convert", src or _src(), out, "--to", "megatron", "--json", *flags, *extra)
+
+
+def _halves(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """Each head's rows from interleaved pairs (x0, y0, x1, y1, ...) to halves (x0, x1, ..., y0, y1, ...)."""
+    per = rows.shape[0] // heads
+    idx = [h * per + (2 * j if j < per // 2 else 2 * (j - per // 2) + 1) for h in range(heads) for j in range(per)]
+    return rows[idx]
+
+
+def _megatron_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Per query group (one head each here): its q head, its k head, its v head, q / k rotate-half."""
+    q, k = _halves(q, HEADS), _halves(k, HEADS)
+    return torch.cat([t[h * HEAD_DIM:(h + 1) * HEAD_DIM] for h in range(HEADS) for t in (q, k, v)])
+
+
+def _titan_fused_split(fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """torchtitan's FusedQKVLinear rows (its optimizer state): per KV group its q heads, k head, v head."""
+    blocks = [fused[h * 3 * HEAD_DIM:(h + 1) * 3 * HEAD_DIM] for h in range(HEADS)]
+    return tuple(torch.cat([b[i * HEAD_DIM:(i + 1) * HEAD_DIM] for b in blocks]) for i in range(3))
+
+
+def test_torchtitan_to_megatron_needs_its_config_then_carries_every_tensor(tmp_path):
+    """Without --hf-config: exit 2 naming it, nothing written. With it: verified; the fp32 master, the bf16
+    module copy and both Adam moments of every Megatron tensor equal the source's rearranged by the rules above;
+    common.pt holds the args the config describes, each param group's own LR as max_lr = min_lr, the step 3; the
+    logical diff pairs 45 tensors bit for bit and reports only Megatron's added param-group fields; `export --hf`
+    of the output equals `export --hf` of the source, tensor for tensor."""
+    cfg = _titan_hf_config(tmp_path / "cfg")
+    r = _convert(tmp_path / "none", None)
+    assert r.returncode == 2 and "--hf-config" in r.stderr and not (tmp_path / "none").exists(), r.stderr
+    out = tmp_path / "out"
+    r = _convert(out, cfg, "--seq-length", "32")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["verified"] is True and res["params"] == 15 and res["step"] == 3
+
+    src = {t.name: t.read() for t in L.model_tensors(_src())}
+    states = {n: {k: t.read() for k, t in s.items() if k != "step"} for n, s in L.optimizer_states(_src()).items()}
+    master = {t.name: t.read() for t in L.model_tensors(out, weights="fp32")}
+    module = {t.name: t for t in L.model_tensors(out, weights="module")}
+    got = {n: {k: t.read() for k, t in s.items() if k not in ("step", "fp32")}  # fp32: the master, above
+           for n, s in L.optimizer_states(out).items()}
+    for i in range(2):
+        a, m, f = f"layers.{i}.attention", f"decoder.layers.{i}", f"layers.{i}.feed_forward"
+        want = {  # Megatron name: (fp32 weight, {state: tensor})
+            f"{m}.self_attention.linear_qkv.weight": (
+                _megatron_qkv(*(src[f"{a}.qkv_linear.w{x}.weight"] for x in "qkv")),
+                {s: _megatron_qkv(*_titan_fused_split(states[f"{a}.qkv_linear.wqkv.weight"][s]))
+                 for s in ("exp_avg", "exp_avg_sq")}),
+            f"{m}.mlp.linear_fc1.weight": (
+                torch.cat([src[f"{f}.w1.weight"], src[f"{f}.w3.weight"]]),
+                {s: torch.cat([states[f"{f}.w1.weight"][s], states[f"{f}.w3.weight"][s]])
+                 for s in ("exp_avg", "exp_avg_sq")}),
+            f"{m}.mlp.linear_fc2.weight": (src[f"{f}.w2.weight"], states[f"{f}.w2.weight"]),
+            f"{m}.self_attention.linear_proj.weight": (src[f"{a}.wo.weight"], states[f"{a}.wo.weight"]),
+            f"{m}.self_attention.linear_qkv.layer_norm_weight": (src[f"layers.{i}.attention_norm.weight"],
+                                                                 states[f"layers.{i}.attention_norm.weight"]),
+            f"{m}.mlp.linear_fc1.layer_norm_weight": (src[f"layers.{i}.ffn_norm.weight"],
+                                                      states[f"layers.{i}.ffn_norm.weight"])}
+        for name, (weight, st) in want.items():
+            key = next(k for k in master if L.name_key(k) == L.name_key(name))
+            assert master[key].equal(weight), name
+            assert module[key].dtype == "bfloat16" and module[key].read().equal(weight.to(torch.bfloat16)), name
+            assert set(got[key]) == {"exp_avg", "exp_avg_sq"} and all(got[key][s].equal(st[s]) for s in st), name
+    for titan, core in (("tok_embeddings.weight", "embedding.word_embeddings.weight"),
+                        ("norm.weight", "decoder.final_layernorm.weight"), ("lm_head.weight", "output_layer.weight")):
+        assert master[core].equal(src[titan]) and all(got[core][s].equal(states[titan][s]) for s in states[titan])
+
+    common = torch.load(next(out.glob("iter_*/common.pt")), weights_only=False)
+    a = vars(common["args"])
+    assert {k: a[k] for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                              "num_query_groups", "kv_channels", "normalization", "swiglu", "position_embedding_type",
+                              "rotary_base", "use_rope_scaling", "rope_scaling_factor", "layernorm_epsilon",
+                              "seq_length", "add_bias_linear", "untie_embeddings_and_output_weights",
+                              "padded_vocab_size", "iteration", "bf16")} == {
+        "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 96, "num_attention_heads": 4, "num_query_groups": 4,
+        "kv_channels": 16, "normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
+        "rotary_base": 500000, "use_rope_scaling": True, "rope_scaling_factor": 8.0, "layernorm_epsilon": 1e-5,
+        "seq_length": 32, "add_bias_linear": False, "untie_embeddings_and_output_weights": True,
+        "padded_vocab_size": 64, "iteration": 3, "bf16": True}
+    groups = common["optimizer"]["optimizer"]["param_groups"]
+    history = {h["step"]: h for h in manifest(*SRC)["extra"]["history"]}
+    norms_lr, rest_lr = history[3]["lr_after"]  # the LRs torchtitan's step 4 uses (group order: norms, rest)
+    assert [(g["wd_mult"], g["weight_decay"], g["max_lr"], g["min_lr"], g["lr"]) for g in groups] == [
+        (1.0, 0.1, rest_lr, rest_lr, rest_lr), (0.0, 0.0, norms_lr, norms_lr, norms_lr)]
+    assert float(common["optimizer"]["optimizer"]["state"]["common_step"]) == 3.0
+    assert common["opt_param_scheduler"]["lr_decay_style"] == "constant"
+
+    d = run_cli("diff", "--logical", _src(), out, "--json")
+    rep = json.loads(d.stdout)
+    assert d.returncode == 1 and rep["tensors_compared"] == 45, d.stdout[-2000:]
+    assert {(x["file"], x["field"], x["kind"]) for x in rep["differences"]} == {
+        ("param_groups", f"{i}.{k}", "added") for i in (0, 1) for k in (
+            "is_expert_parallel", "default_config", "wd_mult", "lr_mult", "is_decoupled_lr", "max_lr", "min_lr")}
+
+    assert run_cli("export", out, tmp_path / "hf_out", "--hf").returncode == 0
+    assert run_cli("export", _src(), tmp_path / "hf_src", "--hf", "--hf-config", cfg).returncode == 0
+    from safetensors.torch import load_file
+
+    x, y = load_file(tmp_path / "hf_out" / "model.safetensors"), load_file(tmp_path / "hf_src" / "model.safetensors")
+    assert set(x) == set(y) and len(y) == 21 and all(x[k].equal(y[k]) for k in y)
+
+
+def test_torchtitan_to_megatron_refuses_what_it_cannot_carry(tmp_path):
+    """Exit 2 with one line naming it, nothing written: the model-only final save (no Adam state), a config whose
+    head count the shapes contradict, a RoPE scaling Megatron-core does not have, the legacy format (written from a
+    torch_dist run), and --hf-config on a source that is not torchtitan's."""
+    cfg = _titan_hf_config(tmp_path / "cfg")
+    heads8 = _titan_hf_config(tmp_path / "heads8")
+    heads8.write_text(heads8.read_text().replace('"num_attention_heads": 4', '"num_attention_heads": 8'))
+    yarn = _titan_hf_config(tmp_path / "yarn")
+    yarn.write_text(yarn.read_text().replace('"llama3"', '"yarn"'))
+    cases = [(_convert(tmp_path / "o1", cfg, src=sample(*SRC) / "step-5"), "model-only"),
+             (_convert(tmp_path / "o2", heads8), "wq.weight"),
+             (_convert(tmp_path / "o3", yarn), "rope_scaling"),
+             (_convert(tmp_path / "o4", cfg, "--ckpt-format", "torch"), "torch_dist"),
+             (_convert(tmp_path / "o5", cfg, src=sample("megatron", "gpt_tp2_pp2")), "--hf-config")]
+    for r, word in cases:
+        lines = [x for x in r.stderr.splitlines() if x.startswith("ckpt: error:")]
+        assert r.returncode == 2 and len(lines) == 1 and word in lines[0], r.stderr[-1500:]
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 6))
+    r = _convert(tmp_path / "dry", cfg, "--dry-run")
+    assert r.returncode == 0 and not (tmp_path / "dry").exists()
+
+
+NEEDS_MEGATRON = pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,
+                                    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 "
+                                           "checkout)")
+
+
+@NEEDS_MEGATRON
+def test_megatron_resumes_the_torchtitan_conversion(tmp_path):
+    """`ckpt resume` runs Megatron-LM's own pretrain on the output (the model rebuilt from the written args, no
+    extra flag): every check passes, the iteration and Adam step continue from 3, and each param group's LR is the
+    one torchtitan's own next step uses (its manifest) — at DP 2, and resharded at TP 2. Written again as legacy
+    rank files, the closed-form AdamW check of every update from the carried fp32 master, exp_avg, exp_avg_sq, step
+    and LR passes, with the torch_dist resume's LRs and losses bit for bit."""
+    out, leg = tmp_path / "out", tmp_path / "legacy"
+    assert _convert(out, _titan_hf_config(tmp_path / "cfg"), "--seq-length", "32").returncode == 0
+    assert run_cli("convert", out, leg, "--to", "megatron", "--ckpt-format", "torch").returncode == 0
+    norms_lr, rest_lr = {h["step"]: h for h in manifest(*SRC)["extra"]["history"]}[3]["lr_after"]
+    runs = {"dp2": _ckpt_resume(out), "tp2": _ckpt_resume(out, "--tp", "2"), "legacy": _ckpt_resume(leg)}
+    for key, res in runs.items():
+        checks = {c["name"]: c["status"] for c in res["checks"]}
+        assert all(s in ("pass", "n/a") for s in checks.values()), (key, checks)
+        assert {"global step", "optimizer step", "learning rate", "run rebuilt", "scheduler state"} <= {
+            n for n, s in checks.items() if s == "pass"}, (key, checks)
+        assert [r["step"] for r in res["records"]] == [r["optimizer_step"] for r in res["records"]] == [4, 5]
+        assert [r["lr"] for r in res["records"]] == [[rest_lr, norms_lr]] * 2, key
+    assert {c["name"]: c["status"] for c in runs["legacy"]["checks"]}["optimizer state"] == "pass"
+    assert [(r["lr"], r["loss"]) for r in runs["legacy"]["records"]] == [(r["lr"], r["loss"])
+                                                                       for r in runs["dp2"]["records"]]
+    assert [r["loss"] for r in runs["tp2"]["records"]] == pytest.approx([r["loss"] for r in runs["dp2"]["records"]],
+                                                                       rel=1e-3)
+
+
+@NEEDS_MEGATRON
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="the real torchtitan is not installed")
+def test_megatrons_forward_of_the_conversion_gives_torchtitans_logits(tmp_path):
+    """Megatron's own forward of the output (initialize_megatron + load_checkpoint, the model from the written args,
+    fp32 compute on the bf16 weights the model holds, llama3 RoPE scaling included) equals transformers' Llama on
+    the same bf16 weights (`export --hf --source module`) to float32 rounding; transformers' Llama on the fp32
+    master (`export --hf`) equals torchtitan's own forward of the source to float32 rounding; so Megatron's forward
+    and torchtitan's differ only by the bf16 rounding of the weights (measured: max |diff| 0.008 on logits of
+    magnitude up to 3.2)."""
+    out = tmp_path / "out"
+    assert _convert(out, _titan_hf_config(tmp_path / "cfg"), "--seq-length", "32").returncode == 0
+    meg = tmp_path / "megatron_logits.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "ckpt_tools.samples.workers.megatron_lm", "--forward", str(out),
+           "--tokens", json.dumps(TOKENS), "--logits", str(meg)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    titan = tmp_path / "titan_logits.pt"
+    proc = subprocess.run([sys.executable, "-c", "from ckpt_tools.samples.workers.torchtitan_run import logits_main; "
+                           "logits_main()", str(_src()), str(titan), json.dumps(TOKENS)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert run_cli("export", out, tmp_path / "hf_module", "--hf", "--source", "module").returncode == 0
+    assert run_cli("export", out, tmp_path / "hf", "--hf").returncode == 0
+    m, t = torch.load(meg, weights_only=True), torch.load(titan, weights_only=True)
+    assert_hf_logits_equal(tmp_path / "hf_module", TOKENS, m, (2, 12, 64))
+    assert_hf_logits_equal(tmp_path / "hf", TOKENS, t, (2, 12, 64))
+    assert torch.allclose(m, t, atol=0.03, rtol=0) and not torch.equal(m, t)
