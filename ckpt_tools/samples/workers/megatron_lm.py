@@ -649,11 +649,9 @@ def logits_sample(args: argparse.Namespace, work: Path) -> int:
     import megatron.training.training as training
 
     if args.sample is None:
-        from ckpt_tools.resume.frameworks import _plain
-        from ckpt_tools.read.tree import node_to_python
-        from ckpt_tools.view.logical import open_any
+        from ckpt_tools.view.logical import _plain, open_any
 
-        saved = _plain(node_to_python(open_any(args.forward).tree.children["args"]))
+        saved = _plain(open_any(args.forward).tree.children["args"])  # read inert, as `ckpt resume` reads them
         argv = [*relaunch_argv(saved), *parallel_argv(saved, torch.distributed.get_world_size(), 1), *CPU_FLAGS,
                 "--distributed-backend", "gloo", "--load", str(args.forward.resolve()), "--train-iters",
                 str(int(saved.get("iteration") or 0) + 1), "--data-cache-path", str(work / "data_cache")]
