@@ -226,3 +226,30 @@ def test_megatrons_forward_of_the_conversion_gives_torchtitans_logits(tmp_path):
     assert_hf_logits_equal(tmp_path / "hf_module", TOKENS, m, (2, 12, 64))
     assert_hf_logits_equal(tmp_path / "hf", TOKENS, t, (2, 12, 64))
     assert torch.allclose(m, t, atol=0.03, rtol=0) and not torch.equal(m, t)
+
+
+def test_grouped_query_attention_fuses_as_megatrons_own_split_undoes():
+    """With grouped-query attention (8 heads in 2 KV groups; the sample has none), the linear_qkv the view builds
+    from torchtitan's wq / wk / wv — and from its fused wqkv optimizer rows — splits back, under the rules `export
+    --hf` applies to a Megatron Llama (held against Megatron's own forward of the GQA sample in
+    test_format_megatron_lm), into torchtitan's q / k rotated to halves per head (the permutation torchtitan's own
+    Hugging Face converter applies, tested in test_export_formats) and v as saved."""
+    from ckpt_tools.ops import hf_map
+    from ckpt_tools.read import qkv
+    from ckpt_tools.read.tp_layout import merge_shards
+
+    heads, groups, hd, hidden = 8, 2, 4, 32
+    g = torch.Generator().manual_seed(0)
+    wq, wk, wv = (torch.randn(n * hd, hidden, generator=g) for n in (heads, groups, groups))
+    rule = qkv.megatron_rule(heads, groups)
+    fused = merge_shards(rule, [wq, wk, wv])
+    titan_rows = qkv.fuse(wq, wk, wv, groups)  # torchtitan's FusedQKVLinear rows (its optimizer state's order)
+    assert merge_shards(rule, [titan_rows]).equal(fused)
+    config = {"model_type": "llama", "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": groups,
+              "head_dim": hd, "num_hidden_layers": 1, "intermediate_size": 8}
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    split = {hf.rsplit(".", 2)[-2]: fn(fused) for hf, fn, _ in hf_map.megatron_to_hf({name: fused.shape}, config,
+                                                                                      "x")[name]}
+    assert split["q_proj"].equal(hf_map.rope_permute(heads)(wq))
+    assert split["k_proj"].equal(hf_map.rope_permute(groups)(wk))
+    assert split["v_proj"].equal(wv)
