@@ -253,3 +253,47 @@ def test_grouped_query_attention_fuses_as_megatrons_own_split_undoes():
     assert split["q_proj"].equal(hf_map.rope_permute(heads)(wq))
     assert split["k_proj"].equal(hf_map.rope_permute(groups)(wk))
     assert split["v_proj"].equal(wv)
+
+
+@NEEDS_MEGATRON
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="the real torchtitan is not installed")
+def test_a_grouped_query_torchtitan_run_moves_onto_megatron(tmp_path):
+    """The real torchtitan Trainer makes the grouped-query variant here (4 heads in 2 KV groups, fused wqkv whose
+    Adam rows torchtitan groups per KV head; not bundled): converted with its config, verified; Megatron's own
+    forward of the output equals transformers' Llama on the same bf16 weights to float32 rounding, transformers'
+    Llama on the fp32 master equals torchtitan's own forward; and Megatron resumes it with every check passing and
+    each group's LR the one torchtitan's next step uses."""
+    from ckpt_tools.samples import run_torchrun
+
+    run_torchrun("ckpt_tools.samples.workers.torchtitan_run", 2,  # raises with the log's tail if it fails
+                 ["--sample", "torchtitan_gqa", "--out", str(tmp_path / "made")], timeout=600)
+    src = tmp_path / "made" / "torchtitan_gqa" / "step-3"
+    cfg = _titan_hf_config(tmp_path / "cfg")
+    cfg.write_text(cfg.read_text().replace('"num_key_value_heads": 4', '"num_key_value_heads": 2'))
+    out = tmp_path / "out"
+    r = _convert(out, cfg, "--seq-length", "32", src=src)
+    assert r.returncode == 0 and json.loads(r.stdout)["verified"] is True, r.stderr
+    a = vars(torch.load(next(out.glob("iter_*/common.pt")), weights_only=False)["args"])
+    assert (a["num_attention_heads"], a["num_query_groups"], a["group_query_attention"]) == (4, 2, True)
+    meg, titan = tmp_path / "megatron_logits.pt", tmp_path / "titan_logits.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "ckpt_tools.samples.workers.megatron_lm", "--forward", str(out),
+           "--tokens", json.dumps(TOKENS), "--logits", str(meg)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "-c", "from ckpt_tools.samples.workers.torchtitan_run import logits_main; "
+                           "logits_main()", str(src), str(titan), json.dumps(TOKENS), "2"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert run_cli("export", out, tmp_path / "hf_module", "--hf", "--source", "module").returncode == 0
+    assert run_cli("export", out, tmp_path / "hf", "--hf").returncode == 0
+    m, t = torch.load(meg, weights_only=True), torch.load(titan, weights_only=True)
+    assert_hf_logits_equal(tmp_path / "hf_module", TOKENS, m, (2, 12, 64))
+    assert_hf_logits_equal(tmp_path / "hf", TOKENS, t, (2, 12, 64))
+    assert torch.allclose(m, t, atol=0.03, rtol=0)
+    made = json.loads((tmp_path / "made" / "torchtitan_gqa.manifest.json").read_text())
+    norms_lr, rest_lr = {h["step"]: h for h in made["extra"]["history"]}[3]["lr_after"]
+    res = _ckpt_resume(out)
+    checks = {c["name"]: c["status"] for c in res["checks"]}
+    assert all(s in ("pass", "n/a") for s in checks.values()), checks
+    assert [r["lr"] for r in res["records"]] == [[rest_lr, norms_lr]] * 2

@@ -1,6 +1,7 @@
 """The way into Megatron-LM: a Megatron-DeepSpeed pipeline checkpoint (DeepSpeed's `PipelineModule` save of
-GPTModelPipe: `layer_LL-model_TT-model_states.pt` + `bf16_zero_pp_rank_*` ZeRO-1/2 optimizer files) written as a
-Megatron-LM core_v0.16.1 torch_dist run folder (`ckpt convert SRC OUT --to megatron`), plain Adam.
+GPTModelPipe: `layer_LL-model_TT-model_states.pt` + `bf16_zero_pp_rank_*` ZeRO-1/2 optimizer files), or a torchtitan
+Llama's DCP save (its own section below: `titan_view`), written as a Megatron-LM core_v0.16.1 torch_dist run folder
+(`ckpt convert SRC OUT --to megatron`), plain Adam.
 
 What is written (the layout of `megatron_write`'s torch_dist writer, the same DCP keys Megatron's own save of a GPT
 with LayerNorm / GeLU / learned positions / untied output holds):

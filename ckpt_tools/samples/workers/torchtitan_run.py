@@ -91,10 +91,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SAMPLES = ("torchtitan_real",)
+SAMPLES = ("torchtitan_real", "torchtitan_gqa")
+#: the grouped-query variant (not bundled: tests make it where torchtitan is installed): 4 heads in 2 KV groups
+N_KV_HEADS = {"torchtitan_real": None, "torchtitan_gqa": 2}
 TORCHTITAN_VERSION = "0.3.0"
 MODULE = "ckpt_tools.samples.workers.torchtitan_run"
 CONFIG_FN = "torchtitan_tiny"
+CONFIG_FNS = {"torchtitan_real": CONFIG_FN, "torchtitan_gqa": "torchtitan_tiny_gqa"}
 
 DP = 2
 # model (torchtitan llama3 builders)
@@ -126,8 +129,9 @@ CPU_FLAGS = ["--parallelism.spmd-backend", "partial_dtensor"]
 # --- the config (a torchtitan config-registry function, found by ConfigManager via --module/--config) -------
 
 
-def model_config(fuse_qkv: bool = True):
-    """The sample's llama3 (torchtitan's own builders): fused wqkv (llama3's default) or the stock wq/wk/wv."""
+def model_config(fuse_qkv: bool = True, n_kv_heads: int | None = None):
+    """The sample's llama3 (torchtitan's own builders): fused wqkv (llama3's default) or the stock wq/wk/wv;
+    `n_kv_heads` < 4: grouped-query attention."""
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.llama3 import (Llama3Model, _build_llama3_layers, _EMBEDDING_INIT, _NORM_INIT,
                                           _output_linear_init)
@@ -140,13 +144,19 @@ def model_config(fuse_qkv: bool = True):
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
         layers=_build_llama3_layers(
             fuse_qkv=fuse_qkv, n_layers=N_LAYERS, dim=DIM, n_heads=N_HEADS, hidden_dim=HIDDEN_DIM,
+            n_kv_heads=n_kv_heads,
             rope=ComplexRoPE.Config(dim=DIM // N_HEADS, max_seq_len=SEQ_LEN, theta=500000, scaling="llama"),
             attn_backend="flex",
         ),
     )
 
 
-def torchtitan_tiny():
+def torchtitan_tiny_gqa():
+    """`torchtitan_tiny` with grouped-query attention (4 heads in 2 KV groups)."""
+    return torchtitan_tiny(n_kv_heads=N_KV_HEADS["torchtitan_gqa"])
+
+
+def torchtitan_tiny(n_kv_heads: int | None = None):
     """Like torchtitan's `llama3_debugmodel`, with a llama3 small enough for a bundled sample."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
@@ -163,7 +173,7 @@ def torchtitan_tiny():
     from torchtitan.protocols.model_spec import ModelSpec
     from torchtitan.trainer import Trainer
 
-    model = model_config()
+    model = model_config(n_kv_heads=n_kv_heads)
     spec = ModelSpec(name="llama3", flavor="tiny", model=model, parallelize_fn=parallelize_llama,
                      pipelining_fn=pipeline_llm, post_optimizer_build_fn=None,
                      state_dict_adapter=Llama3StateDictAdapter)
@@ -330,8 +340,9 @@ class _CpuDeviceModule:
 # --- running the Trainer -----------------------------------------------------------------------------------
 
 
-def trainer_argv(*, assets: Path, dataset: Path, dump: Path, ckpt_folder: Path, extra: list[str] = ()) -> list[str]:
-    return ["--module", MODULE, "--config", CONFIG_FN, *CPU_FLAGS,
+def trainer_argv(*, assets: Path, dataset: Path, dump: Path, ckpt_folder: Path, extra: list[str] = (),
+                 config_fn: str = CONFIG_FN) -> list[str]:
+    return ["--module", MODULE, "--config", config_fn, *CPU_FLAGS,
             "--hf-assets-path", str(assets), "--dataloader.dataset-path", str(dataset),
             "--dump-folder", str(dump), "--checkpoint.folder", str(ckpt_folder), *extra]
 
@@ -452,7 +463,8 @@ def make(sample: str, out: Path) -> None:
     try:
         assets, dataset = write_assets(work / "assets")
         os.environ["HF_DATASETS_CACHE"] = str(work / "hf_cache")
-        argv = trainer_argv(assets=assets, dataset=dataset, dump=work / "dump", ckpt_folder=target)
+        argv = trainer_argv(assets=assets, dataset=dataset, dump=work / "dump", ckpt_folder=target,
+                            config_fn=CONFIG_FNS[sample])
         config, trainer = build_trainer(argv)
         rec = Recorder(trainer)
         model = trainer.model_parts[0]
@@ -518,7 +530,7 @@ def write_make_manifest(sample, target, config, trainer, model, rec: Recorder, a
                 "export_dtype": config.checkpoint.export_dtype,
                 "local_batch_size": config.training.local_batch_size, "seq_len": config.training.seq_len,
                 "model": {"dim": DIM, "n_heads": N_HEADS, "n_layers": N_LAYERS, "hidden_dim": HIDDEN_DIM,
-                          "vocab_size": VOCAB, "fuse_qkv": True},
+                          "vocab_size": VOCAB, "fuse_qkv": True, "n_kv_heads": N_KV_HEADS[sample] or N_HEADS},
                 "seed": SEED,
             },
             "trainer_argv": [a.replace(str(target), "<sample>").replace(str(work), "<per-rank temp>") for a in argv],
@@ -557,7 +569,7 @@ def full_state(model, optimizers) -> dict[str, Any]:
 
 
 def check(step_folder: Path, record: Path | None, steps: int, trainer_args: list[str] = (),
-          dump: Path | None = None) -> None:
+          dump: Path | None = None, config_fn: str = CONFIG_FN) -> None:
     import torch.distributed as dist
 
     step_folder = step_folder.resolve()
@@ -572,7 +584,8 @@ def check(step_folder: Path, record: Path | None, steps: int, trainer_args: list
         argv = trainer_argv(assets=assets, dataset=dataset, dump=work / "dump", ckpt_folder=step_folder.parent,
                             extra=["--checkpoint.load-step", str(load_step), "--checkpoint.load-only",
                                    "--training.steps", str(load_step + steps),
-                                   "--lr-scheduler.total-steps", str(STEPS), *trainer_args])
+                                   "--lr-scheduler.total-steps", str(STEPS), *trainer_args],
+                            config_fn=config_fn)
         config, trainer = build_trainer(argv)
         rec = Recorder(trainer)
         trainer.train()
@@ -616,7 +629,7 @@ def _original_history(step_folder: Path) -> dict[int, dict[str, Any]]:
     return {h["step"]: h for h in history if "loss" in h}
 
 
-def forward_logits(step_folder: Path, tokens: list[list[int]]):
+def forward_logits(step_folder: Path, tokens: list[list[int]], n_kv_heads: int | None = None):
     """torchtitan's own forward of the sample's llama3 (fused wqkv) with the weights of a saved step: the model
     built by torchtitan, its state dict (wq/wk/wv, split by its save hook) filled by `dcp.load` from the step folder
     and loaded through its merge hook, the attention mask from its own `get_attention_masks` (one document per
@@ -626,7 +639,7 @@ def forward_logits(step_folder: Path, tokens: list[list[int]]):
 
     apply_cpu_shims()
     with torch.device("meta"):
-        model = model_config().build()
+        model = model_config(n_kv_heads=n_kv_heads).build()
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device("cpu"))
@@ -646,11 +659,12 @@ def forward_logits(step_folder: Path, tokens: list[list[int]]):
 
 def logits_main() -> None:
     """`python -c "from ckpt_tools.samples.workers.torchtitan_run import logits_main; logits_main()" STEP OUT.pt
-    TOKENS_JSON`: torch.save of `forward_logits`."""
+    TOKENS_JSON [N_KV_HEADS]`: torch.save of `forward_logits` (N_KV_HEADS: the grouped-query variant's)."""
     import torch
 
     step, out, tokens = sys.argv[1:4]
-    torch.save(forward_logits(Path(step), json.loads(tokens)), out)
+    kv = int(sys.argv[4]) if len(sys.argv) > 4 else None  # the KV heads of the grouped-query variant
+    torch.save(forward_logits(Path(step), json.loads(tokens), kv), out)
 
 
 def main() -> None:
@@ -674,7 +688,7 @@ def main() -> None:
     code = 0
     try:
         if args.check is not None:
-            check(args.check, args.record, args.steps, args.trainer_args, args.dump)
+            check(args.check, args.record, args.steps, args.trainer_args, args.dump, CONFIG_FNS[args.sample])
         else:
             make(args.sample, args.out)
     except BaseException:
