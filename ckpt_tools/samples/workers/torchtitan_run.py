@@ -679,7 +679,15 @@ def main() -> None:
                         "--trainer-arg=0.0002)")
     p.add_argument("--dump", type=Path, default=None, help="check mode: after the steps, save every parameter and "
                    "its Adam state, whole, by parameter name (torch.save, rank 0)")
+    p.add_argument("--size", default=None, metavar="LAYERS,DIM,HIDDEN", help="a larger llama3 than the sample's "
+                   "(bench/bench_titan_to_megatron.py; not for samples): layers, model dim (4 heads), FFN hidden")
     args = p.parse_args()
+    if args.size:  # read by model_config when torchtitan's ConfigManager calls the config function, below
+        import importlib
+
+        size = dict(zip(("N_LAYERS", "DIM", "HIDDEN_DIM"), (int(x) for x in args.size.split(","))))
+        globals().update(size)  # this module run as __main__, and the one ConfigManager imports by --module
+        vars(importlib.import_module(MODULE)).update(size)
     if (args.out is None) == (args.check is None):
         p.error("give exactly one of --out or --check")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
