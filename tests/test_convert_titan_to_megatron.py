@@ -209,23 +209,8 @@ def test_megatrons_forward_of_the_conversion_gives_torchtitans_logits(tmp_path):
     magnitude up to 3.2)."""
     out = tmp_path / "out"
     assert _convert(out, _titan_hf_config(tmp_path / "cfg"), "--seq-length", "32").returncode == 0
-    meg = tmp_path / "megatron_logits.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "ckpt_tools.samples.workers.megatron_lm", "--forward", str(out),
-           "--tokens", json.dumps(TOKENS), "--logits", str(meg)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    titan = tmp_path / "titan_logits.pt"
-    proc = subprocess.run([sys.executable, "-c", "from ckpt_tools.samples.workers.torchtitan_run import logits_main; "
-                           "logits_main()", str(_src()), str(titan), json.dumps(TOKENS)], capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert run_cli("export", out, tmp_path / "hf_module", "--hf", "--source", "module").returncode == 0
-    assert run_cli("export", out, tmp_path / "hf", "--hf").returncode == 0
-    m, t = torch.load(meg, weights_only=True), torch.load(titan, weights_only=True)
-    assert_hf_logits_equal(tmp_path / "hf_module", TOKENS, m, (2, 12, 64))
-    assert_hf_logits_equal(tmp_path / "hf", TOKENS, t, (2, 12, 64))
-    assert torch.allclose(m, t, atol=0.03, rtol=0) and not torch.equal(m, t)
+    m, t = _megatron_and_titan_logits(out, _src(), tmp_path)
+    assert not torch.equal(m, t)  # the bf16 module weights: Megatron's forward is not torchtitan's, bit for bit
 
 
 def test_grouped_query_attention_fuses_as_megatrons_own_split_undoes():
@@ -275,6 +260,20 @@ def test_a_grouped_query_torchtitan_run_moves_onto_megatron(tmp_path):
     assert r.returncode == 0 and json.loads(r.stdout)["verified"] is True, r.stderr
     a = vars(torch.load(next(out.glob("iter_*/common.pt")), weights_only=False)["args"])
     assert (a["num_attention_heads"], a["num_query_groups"], a["group_query_attention"]) == (4, 2, True)
+    _megatron_and_titan_logits(out, src, tmp_path, kv_heads=2)
+    made = json.loads((tmp_path / "made" / "torchtitan_gqa.manifest.json").read_text())
+    norms_lr, rest_lr = {h["step"]: h for h in made["extra"]["history"]}[3]["lr_after"]
+    res = _ckpt_resume(out)
+    checks = {c["name"]: c["status"] for c in res["checks"]}
+    assert all(s in ("pass", "n/a") for s in checks.values()), checks
+    assert [r["lr"] for r in res["records"]] == [[rest_lr, norms_lr]] * 2
+
+
+def _megatron_and_titan_logits(out: Path, src: Path, tmp_path: Path, kv_heads: int | None = None):
+    """(Megatron's own forward of the converted `out`, torchtitan's own forward of `src`) on TOKENS, after checking
+    each against transformers' Llama: Megatron's on the same bf16 weights (`export --hf --source module`) to float32
+    rounding, torchtitan's on the fp32 master (`export --hf`) to float32 rounding; the two within the bf16 rounding
+    of the weights (atol 0.03; measured 0.008 on logits up to 3.2)."""
     meg, titan = tmp_path / "megatron_logits.pt", tmp_path / "titan_logits.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), "-m", "ckpt_tools.samples.workers.megatron_lm", "--forward", str(out),
@@ -282,18 +281,13 @@ def test_a_grouped_query_torchtitan_run_moves_onto_megatron(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     proc = subprocess.run([sys.executable, "-c", "from ckpt_tools.samples.workers.torchtitan_run import logits_main; "
-                           "logits_main()", str(src), str(titan), json.dumps(TOKENS), "2"], capture_output=True,
-                          text=True, timeout=300)
+                           "logits_main()", str(src), str(titan), json.dumps(TOKENS),
+                           *([str(kv_heads)] if kv_heads else [])], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert run_cli("export", out, tmp_path / "hf_module", "--hf", "--source", "module").returncode == 0
     assert run_cli("export", out, tmp_path / "hf", "--hf").returncode == 0
     m, t = torch.load(meg, weights_only=True), torch.load(titan, weights_only=True)
     assert_hf_logits_equal(tmp_path / "hf_module", TOKENS, m, (2, 12, 64))
     assert_hf_logits_equal(tmp_path / "hf", TOKENS, t, (2, 12, 64))
-    assert torch.allclose(m, t, atol=0.03, rtol=0)
-    made = json.loads((tmp_path / "made" / "torchtitan_gqa.manifest.json").read_text())
-    norms_lr, rest_lr = {h["step"]: h for h in made["extra"]["history"]}[3]["lr_after"]
-    res = _ckpt_resume(out)
-    checks = {c["name"]: c["status"] for c in res["checks"]}
-    assert all(s in ("pass", "n/a") for s in checks.values()), checks
-    assert [r["lr"] for r in res["records"]] == [[rest_lr, norms_lr]] * 2
+    assert torch.allclose(m, t, atol=0.03, rtol=0), float((m - t).abs().max())
+    return m, t
