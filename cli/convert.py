@@ -63,6 +63,13 @@ def convert_cmd(
     seq_length: Optional[int] = typer.Option(None, "--seq-length", metavar="N", help="--to megatron from a "
                                              "torchtitan Llama: the sequence length the Megatron run trains with "
                                              "(default: the config's max_position_embeddings)"),
+    lr_scheduler: Optional[str] = typer.Option(None, "--lr-scheduler", metavar="SETTINGS", help="--to megatron "
+                                               "from a torchtitan run: its LR schedule, which torchtitan rebuilds from "
+                                               "its job config and does not save, in torchtitan's own names: "
+                                               "warmup_steps=N,decay_ratio=R,decay_type=linear|sqrt|cosine,"
+                                               "min_lr_factor=F,training_steps=N; checked against every param group's "
+                                               "saved LR and written as Megatron's WSD schedule (default: a constant "
+                                               "schedule at the saved LRs)"),
 ) -> None:
     """Move a run to another framework with its whole training state.
 
@@ -72,7 +79,7 @@ def convert_cmd(
     staging name, compared with the source by logical parameter (`ckpt diff`), then renamed into place."""
     try:
         return _convert(ckpt, out, to, layout, dry_run, not no_verify, json_out, distributed, allow_unread,
-                        n_kv_heads, ckpt_format, tp, pp, hf_config, seq_length)
+                        n_kv_heads, ckpt_format, tp, pp, hf_config, seq_length, lr_scheduler)
     except CkptError as e:
         if e.message.startswith("ckpt convert:"):
             raise
@@ -82,7 +89,8 @@ def convert_cmd(
 
 
 def _convert(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False, allow_unread=False,
-             n_kv_heads=None, ckpt_format=None, tp=None, pp=None, hf_config=None, seq_length=None) -> None:
+             n_kv_heads=None, ckpt_format=None, tp=None, pp=None, hf_config=None, seq_length=None,
+             lr_scheduler=None) -> None:
     output.require("torch", extra="convert", what="ckpt convert")
     if to == "deepspeed-universal" and layout is None:
         from ckpt_tools.ops.to_universal import handles
@@ -99,16 +107,18 @@ def _convert(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False
                                    verify=verify, yes=True, distributed=distributed, json_out=json_out,
                                    allow_unread=allow_unread)
     return _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed, allow_unread, n_kv_heads,
-                        ckpt_format, tp, pp, hf_config, seq_length)
+                        ckpt_format, tp, pp, hf_config, seq_length, lr_scheduler)
 
 
 def _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False, allow_unread=False,
-                 n_kv_heads=None, ckpt_format=None, tp=None, pp=None, hf_config=None, seq_length=None) -> None:
+                 n_kv_heads=None, ckpt_format=None, tp=None, pp=None, hf_config=None, seq_length=None,
+                 lr_scheduler=None) -> None:
     from ckpt_tools.ops import convert as ops
 
     try:
         plan = ops.plan_convert(ckpt, out, to=to, layout=layout, allow_unread=allow_unread, n_kv_heads=n_kv_heads,
-                                ckpt_format=ckpt_format, tp=tp, pp=pp, hf_config=hf_config, seq_length=seq_length)
+                                ckpt_format=ckpt_format, tp=tp, pp=pp, hf_config=hf_config, seq_length=seq_length,
+                                lr_scheduler=lr_scheduler)
     except ValueError as e:
         raise typer.BadParameter(str(e))
     if dry_run:

@@ -167,6 +167,45 @@ def test_torchtitan_to_megatron_refuses_what_it_cannot_carry(tmp_path):
     assert r.returncode == 0 and not (tmp_path / "dry").exists()
 
 
+#: the sample's torchtitan schedule (its manifest's config), in torchtitan's own field names
+SCHEDULE = "warmup_steps=2,decay_ratio=0.6,decay_type=linear,min_lr_factor=0,training_steps=5"
+
+
+def test_torchtitan_schedule_is_carried_as_megatrons_wsd(tmp_path):
+    """--lr-scheduler with the run's torchtitan settings: the factors ckpt computes from them reproduce the LR the
+    real run used at every one of its 5 steps (its manifest); the output holds Megatron's WSD schedule, whose own
+    formula (`schedules.megatron`, held against Megatron's resumes) gives, for the two steps after the save, the LRs
+    torchtitan's run used there, group for group; `ckpt inspect` reads the output's next LRs. Settings that do not
+    reproduce the saved LRs (cosine decay; 6 steps) are refused, nothing written."""
+    from ckpt_tools.ops import megatron_in
+    from ckpt_tools.schedules.megatron import expected_lrs
+
+    m = manifest(*SRC)["extra"]
+    assert m["config"]["warmup_steps"] == 2 and m["config"]["decay_ratio"] == 0.6
+    s = megatron_in.parse_titan_schedule(SCHEDULE, None)
+    assert [[base * megatron_in.titan_factor(s, h["step"] - 1) for base in m["config"]["lr"]] for h in m["history"]] \
+        == [h["lr"] for h in m["history"]]
+    cfg, out = _titan_hf_config(tmp_path / "cfg"), tmp_path / "out"
+    r = _convert(out, cfg, "--seq-length", "32", "--lr-scheduler", SCHEDULE)
+    assert r.returncode == 0 and json.loads(r.stdout)["verified"] is True, r.stderr
+    common = torch.load(next(out.glob("iter_*/common.pt")), weights_only=False)
+    a, groups = vars(common["args"]), common["optimizer"]["optimizer"]["param_groups"]
+    assert {k: a[k] for k in ("lr_decay_style", "lr_decay_iters", "lr_wsd_decay_iters", "lr_wsd_decay_style",
+                              "lr_warmup_iters", "train_iters")} == {
+        "lr_decay_style": "WSD", "lr_decay_iters": 5, "lr_wsd_decay_iters": 3, "lr_wsd_decay_style": "linear",
+        "lr_warmup_iters": 1, "train_iters": 5}
+    assert [(g["max_lr"], g["min_lr"]) for g in groups] == [(8e-4, 0.0), (4e-4, 0.0)]
+    rows, _ = expected_lrs(common["opt_param_scheduler"], groups, a, 2)
+    later = [h["lr"] for h in m["history"] if h["step"] > 3]  # group order: norms, rest
+    assert rows == [[rest, norms] for norms, rest in later]
+    r = run_cli("inspect", out, "--json")
+    assert r.returncode == 0, r.stderr
+    for bad in (SCHEDULE.replace("linear", "cosine"), SCHEDULE.replace("=5", "=6")):
+        r = _convert(tmp_path / "bad", cfg, "--lr-scheduler", bad)
+        assert r.returncode == 2 and "not the schedule this run trained with" in r.stderr, r.stderr[-800:]
+        assert not (tmp_path / "bad").exists()
+
+
 NEEDS_MEGATRON = pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,
                                     reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 "
                                            "checkout)")
@@ -176,21 +215,30 @@ NEEDS_MEGATRON = pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("me
 def test_megatron_resumes_the_torchtitan_conversion(tmp_path):
     """`ckpt resume` runs Megatron-LM's own pretrain on the output (the model rebuilt from the written args, no
     extra flag): every check passes, the iteration and Adam step continue from 3, and each param group's LR is the
-    one torchtitan's own next step uses (its manifest) — at DP 2, and resharded at TP 2. Written again as legacy
+    one torchtitan's own next step uses (its manifest) — at DP 2, and resharded at TP 2; converted with the run's
+    --lr-scheduler, the LRs of both resumed steps are torchtitan's own for steps 4 and 5. Written again as legacy
     rank files, the closed-form AdamW check of every update from the carried fp32 master, exp_avg, exp_avg_sq, step
     and LR passes, with the torch_dist resume's LRs and losses bit for bit."""
     out, leg = tmp_path / "out", tmp_path / "legacy"
     assert _convert(out, _titan_hf_config(tmp_path / "cfg"), "--seq-length", "32").returncode == 0
     assert run_cli("convert", out, leg, "--to", "megatron", "--ckpt-format", "torch").returncode == 0
     norms_lr, rest_lr = {h["step"]: h for h in manifest(*SRC)["extra"]["history"]}[3]["lr_after"]
-    runs = {"dp2": _ckpt_resume(out), "tp2": _ckpt_resume(out, "--tp", "2"), "legacy": _ckpt_resume(leg)}
+    wsd = tmp_path / "wsd"
+    assert _convert(wsd, _titan_hf_config(tmp_path / "cfg2"), "--seq-length", "32", "--lr-scheduler",
+                    SCHEDULE).returncode == 0
+    runs = {"dp2": _ckpt_resume(out), "tp2": _ckpt_resume(out, "--tp", "2"), "legacy": _ckpt_resume(leg),
+            "wsd": _ckpt_resume(wsd)}
     for key, res in runs.items():
         checks = {c["name"]: c["status"] for c in res["checks"]}
         assert all(s in ("pass", "n/a") for s in checks.values()), (key, checks)
         assert {"global step", "optimizer step", "learning rate", "run rebuilt", "scheduler state"} <= {
             n for n, s in checks.items() if s == "pass"}, (key, checks)
         assert [r["step"] for r in res["records"]] == [r["optimizer_step"] for r in res["records"]] == [4, 5]
-        assert [r["lr"] for r in res["records"]] == [[rest_lr, norms_lr]] * 2, key
+        if key == "wsd":  # torchtitan's own LRs of steps 4 and 5 (group order there: norms, rest)
+            later = [h["lr"] for h in manifest(*SRC)["extra"]["history"] if h["step"] > 3]
+            assert [r["lr"] for r in res["records"]] == [[rest, norms] for norms, rest in later]
+        else:
+            assert [r["lr"] for r in res["records"]] == [[rest_lr, norms_lr]] * 2, key
     assert {c["name"]: c["status"] for c in runs["legacy"]["checks"]}["optimizer state"] == "pass"
     assert [(r["lr"], r["loss"]) for r in runs["legacy"]["records"]] == [(r["lr"], r["loss"])
                                                                        for r in runs["dp2"]["records"]]
@@ -214,8 +262,8 @@ def test_megatrons_forward_of_the_conversion_gives_torchtitans_logits(tmp_path):
 
 
 def test_grouped_query_attention_fuses_as_megatrons_own_split_undoes():
-    """With grouped-query attention (8 heads in 2 KV groups; the sample has none), the linear_qkv the view builds
-    from torchtitan's wq / wk / wv — and from its fused wqkv optimizer rows — splits back, under the rules `export
+    """With grouped-query attention (8 heads in 2 KV groups; the sample has none), the linear_qkv the view builds out
+    of torchtitan's wq / wk / wv — and out of its fused wqkv optimizer rows — splits back, under the rules `export
     --hf` applies to a Megatron Llama (held against Megatron's own forward of the GQA sample in
     test_format_megatron_lm), into torchtitan's q / k rotated to halves per head (the permutation torchtitan's own
     Hugging Face converter applies, tested in test_export_formats) and v as saved."""

@@ -205,7 +205,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     pp = as_int(args.get("pipeline_model_parallel_size")) or 1
     lrs = tuple(float(g["lr"]) for g in groups if isinstance(g.get("lr"), (int, float)))
     max_lrs = tuple(float(g["max_lr"]) for g in groups if isinstance(g.get("max_lr"), (int, float)))
-    nxt = tuple(next_lr(sched, g) for g in groups) if sched and groups else ()
+    nxt = tuple(next_lr(sched, g, args) for g in groups) if sched and groups else ()
     steps = [step] if step is not None else [as_int(g.get("step")) for g in groups if as_int(g.get("step")) is not None]
     counters = Counters(global_step=as_int(common.get("iteration")),
                         optimizer_step=steps[0] if steps and len(set(steps)) == 1 else None)

@@ -243,7 +243,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
 
     lrs = tuple(float(g["lr"]) for g in groups if isinstance(g.get("lr"), (int, float)))
     max_lrs = tuple(float(g["max_lr"]) for g in groups if isinstance(g.get("max_lr"), (int, float)))
-    nxt = tuple(next_lr(sched, g) for g in groups) if sched else ()
+    nxt = tuple(next_lr(sched, g, args) for g in groups) if sched else ()
     counters = Counters(global_step=as_int(obj0.get("iteration")),
                         optimizer_step=max(set(steps), key=steps.count) if steps else None)
     warnings += C.counter_warnings(counters, optimizer_steps_seen=steps)
@@ -609,34 +609,25 @@ def _agreement(objs, ranks, root) -> list[Warning_]:
     return out
 
 
-def next_lr(sched: dict, group: dict) -> float:
+def next_lr(sched: dict, group: dict, args: dict | None = None) -> float:
     """The LR Megatron's OptimizerParamScheduler gives `group` at the saved `num_steps` (what the first resumed
-    iteration uses): linear warm-up from `init_lr`, then the decay style between the group's max_lr and min_lr."""
-    mx = float(group.get("max_lr", sched.get("max_lr")))
-    mn = float(group.get("min_lr", sched.get("min_lr")))
-    n = float(sched.get("num_steps") or 0)
-    warm = float(sched.get("lr_warmup_steps") or 0)
-    decay = float(sched.get("lr_decay_steps") or 0)
-    init = float(sched.get("init_lr") or 0.0)
-    style = sched.get("lr_decay_style")
-    mult = float(group.get("lr_mult", 1.0) or 1.0)
-    if warm > 0 and n <= warm:
-        return (init + (mx - init) * n / warm) * mult
-    if style == "constant":
-        return mx * mult
-    if n > decay:
-        return mn * mult
-    if style == "inverse-square-root":
-        w = max(warm, 1.0)
-        return max(mn, mx * math.sqrt(w) / math.sqrt(max(n, 1.0))) * mult
-    ratio = (n - warm) / (decay - warm) if decay > warm else 1.0
-    if style == "linear":
-        coeff = 1.0 - ratio
-    elif style == "cosine":
-        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-    else:
-        raise UnsupportedCheckpoint(f"Megatron LR decay style {style!r}: ckpt does not compute it yet")
-    return (mn + coeff * (mx - mn)) * mult
+    iteration uses): `schedules.megatron.lr_at` between the group's max_lr and min_lr, with the warm-up's start
+    (`lr_warmup_init`) and a WSD schedule's decay length from the saved `args`, times the group's lr_mult."""
+    from ..schedules.megatron import lr_at
+
+    args = args or {}
+    gbs = args.get("global_batch_size")
+    wsd = args.get("lr_wsd_decay_samples") or (args["lr_wsd_decay_iters"] * gbs if args.get("lr_wsd_decay_iters")
+                                               and isinstance(gbs, int) else None)
+    try:
+        lr = lr_at(float(sched.get("num_steps") or 0), max_lr=float(group.get("max_lr", sched.get("max_lr"))),
+                   min_lr=float(group.get("min_lr", sched.get("min_lr"))),
+                   warmup=float(sched.get("lr_warmup_steps") or 0), decay=float(sched.get("lr_decay_steps") or 0),
+                   style=str(sched.get("lr_decay_style")), init_lr=float(args.get("lr_warmup_init") or 0.0),
+                   wsd_decay=wsd, wsd_style=args.get("lr_wsd_decay_style"))
+    except ValueError as e:
+        raise UnsupportedCheckpoint(f"Megatron LR schedule: {e}") from None
+    return lr * float(group.get("lr_mult", 1.0) or 1.0)
 
 
 def training_state(ck: Checkpoint):

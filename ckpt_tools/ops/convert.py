@@ -120,6 +120,8 @@ class ConvertPlan:
     #: model config) and the sequence length the run trains with (`--seq-length`)
     hf_config: str | None = None
     seq_length: int | None = None
+    #: --to megatron from torchtitan: its LR schedule's settings (`--lr-scheduler`; not in the checkpoint)
+    lr_scheduler: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -140,7 +142,7 @@ class ConvertPlan:
             "notes": list(self.notes), "not_moved": list(self.not_moved), "n_kv_heads": self.n_kv_heads,
             "fused": {name: list(parts) for name, parts in self.fused},
             "ckpt_format": self.ckpt_format, "tp": self.tp, "pp": self.pp, "hf_config": self.hf_config,
-            "seq_length": self.seq_length,
+            "seq_length": self.seq_length, "lr_scheduler": self.lr_scheduler,
         }
 
 
@@ -293,14 +295,16 @@ def _not_moved(ck, config: dict[str, Any]) -> list[str]:
 def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str = "dcp",
                  layout: str | None = None, allow_unread: bool = False, n_kv_heads: int | None = None,
                  ckpt_format: str | None = None, tp: int | None = None, pp: int | None = None,
-                 hf_config: str | os.PathLike | None = None, seq_length: int | None = None) -> ConvertPlan:
+                 hf_config: str | os.PathLike | None = None, seq_length: int | None = None,
+                 lr_scheduler: str | None = None) -> ConvertPlan:
     """Decide everything `execute` writes; reads metadata and small values only. `n_kv_heads`: the model's KV
     heads, which orders a fused wqkv's optimizer state (`ckpt_tools.read.qkv`): read from a torchtitan source that
     saved one, and written fused for the torchtitan layout. `ckpt_format` (--to megatron): "torch_dist" (default,
     from a legacy run) or "torch" (Megatron's legacy rank files, from a torch_dist run) at TP `tp` x PP `pp`
     (default: the saved sizes). `hf_config` / `seq_length` (--to megatron from a torchtitan Llama): the model's
     Hugging Face config.json, which the checkpoint does not hold, and Megatron's seq_length (default: the config's
-    max_position_embeddings)."""
+    max_position_embeddings); `lr_scheduler`: torchtitan's schedule settings (`warmup_steps=…,decay_ratio=…,
+    decay_type=…,min_lr_factor=…,training_steps=…`), carried as Megatron's WSD schedule."""
     from ..view import logical as L
 
     if to not in TARGETS:
@@ -331,9 +335,10 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
     if to == "megatron":  # a torchtitan Llama is read under Megatron-core names (`megatron_in.source_view`)
         from . import megatron_in
 
-        ck = megatron_in.source_view(ck, hf_config, seq_length)
-    elif hf_config is not None or seq_length is not None:
-        raise ValueError(f"--hf-config / --seq-length apply to --to megatron (from torchtitan), not --to {to}")
+        ck = megatron_in.source_view(ck, hf_config, seq_length, lr_scheduler)
+    elif hf_config is not None or seq_length is not None or lr_scheduler is not None:
+        raise ValueError(f"--hf-config / --seq-length / --lr-scheduler apply to --to megatron (from torchtitan), not "
+                         f"--to {to}")
     if to == "deepspeed-universal":
         from .to_universal import handles
 
@@ -467,7 +472,7 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
                        int(step) if step is not None else None, tuple(notes), tuple(not_moved), tuple(added),
                        ck.topology.dp, n_kv_heads, fused, ckpt_format, tp, pp,
                        str(ck.details["hf_config"]) if to == "megatron" and "hf_config" in ck.details else None,
-                       seq_length)
+                       seq_length, lr_scheduler)
 
 
 def _fused_targets(params: list[ParamItem], n_kv_heads: int | None, src: Path

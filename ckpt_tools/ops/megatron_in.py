@@ -90,7 +90,7 @@ def _titan(ck) -> bool:
 
 
 def _refuse(msg: str, ck, hint: str | None = None):
-    raise UnsupportedCheckpoint(msg, path=Path(ck.path), hint=hint)
+    raise UnsupportedCheckpoint(msg, path=Path(ck.path) if ck is not None else None, hint=hint)
 
 
 #: the last checkpoint `core_names` mapped and its map: check, plan and write each ask again for the same tree
@@ -252,9 +252,15 @@ def _schedule(ck, groups: list[dict[str, Any]]) -> tuple[dict[str, Any], str, st
     not-moved line or None when the schedule carries exactly)."""
     from ..read.tree import node_to_python
 
-    if _titan(ck):  # torchtitan's schedule is in its job config: each group's LR as it stands (see _titan_lines)
-        lr = float(groups[0]["lr"])
-        return ({"lr": lr, "min_lr": lr, "warmup": 0, "init": 0.0, "style": "constant"}, "", None)
+    if _titan(ck):  # torchtitan's schedule is in its job config: --lr-scheduler, or each group's LR as it stands
+        s = _titan_schedule(ck)
+        if s is None:
+            lr = float(groups[0]["lr"])
+            return ({"lr": lr, "min_lr": lr, "warmup": 0, "init": 0.0, "style": "constant"}, "", None)
+        top = float(groups[0]["initial_lr"])
+        return ({"lr": top, "min_lr": top * s["mf"], "warmup": max(s["W"] - 1, 0),
+                 "init": top / s["W"] if s["W"] > 1 else 0.0, "style": "WSD", "wsd_style": _WSD_STYLE[s["type"]],
+                 "wsd_iters": s["D"], "decay_iters": s["T"], "train_iters": s["training_steps"]}, "", None)
     cfg = _config(ck)
     node = ck.tree.children.get("scheduler")
     state = node_to_python(node) if node is not None else None
@@ -383,7 +389,7 @@ def megatron_args(ck) -> dict[str, Any]:
     padded = arch["padded_vocab_size"]
     if _titan(ck):  # no DeepSpeed config: what torchtitan's job config held is listed as not moved
         cfg, a, o = {}, {}, {"eps": groups[0]["eps"]}
-        betas, gbs, mbs, train_iters = groups[0]["betas"], dp, 1, iteration
+        betas, gbs, mbs, train_iters = groups[0]["betas"], dp, 1, int(sched.get("train_iters") or iteration)
         multiple = _vocab_multiple(padded, 8)  # the saved rows at TP 1 to 8
     else:
         cfg, a = _config(ck), _ds_args(ck)
@@ -420,6 +426,9 @@ def megatron_args(ck) -> dict[str, Any]:
     }
     if _titan(ck):
         out.update(arch)
+        if sched["style"] == "WSD":
+            out.update({"lr_decay_iters": sched["decay_iters"], "lr_wsd_decay_style": sched["wsd_style"],
+                        "lr_wsd_decay_iters": sched["wsd_iters"]})
     return out
 
 
@@ -429,7 +438,7 @@ def scheduler_state(ck, args: dict[str, Any]) -> dict[str, Any]:
     gbs = args["global_batch_size"]
     return {"max_lr": args["lr"], "lr_warmup_steps": args["lr_warmup_iters"] * gbs,
             "num_steps": args["iteration"] * gbs, "lr_decay_style": args["lr_decay_style"],
-            "lr_decay_steps": args["train_iters"] * gbs, "min_lr": args["min_lr"],
+            "lr_decay_steps": (args.get("lr_decay_iters") or args["train_iters"]) * gbs, "min_lr": args["min_lr"],
             "start_wd": args["weight_decay"], "end_wd": args["weight_decay"], "wd_incr_style": "constant",
             "wd_incr_steps": args["train_iters"] * gbs}
 
@@ -492,7 +501,7 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     from ..write.dcp_write import DcpStreamWriter
     from ..write.megatron_write import CONTENT_METADATA, DIST_META, LATEST, dist_key
 
-    ck = source_view(L.open_any(plan.source), plan.hf_config, plan.seq_length)
+    ck = source_view(L.open_any(plan.source), plan.hf_config, plan.seq_length, plan.lr_scheduler)
     names = core_names(ck)
     args = megatron_args(ck)
     layers = args["num_layers"]
@@ -548,7 +557,13 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     pgroups = []
     for g, wd_mult in zip(groups, (1.0, 0.0)):
         hp = {k: v for k, v in g.items() if k != "params"}
-        top, low = (float(g["lr"]), float(g["lr"])) if _titan(ck) else (args["lr"], args["min_lr"])
+        if not _titan(ck):
+            top, low = args["lr"], args["min_lr"]
+        elif args["lr_decay_style"] == "WSD":  # each group's own base LR and floor under the one schedule
+            top = float(g["initial_lr"])
+            low = top * _titan_schedule(ck)["mf"]
+        else:
+            top = low = float(g["lr"])
         pgroups.append({"is_expert_parallel": False, "default_config": True, "wd_mult": wd_mult, "lr_mult": 1.0,
                         "is_decoupled_lr": False, "max_lr": top, "min_lr": low, **hp})
     step = next(float(v["step"]) for v in L.optimizer_scalars(ck).values() if v.get("step") is not None)
@@ -635,7 +650,8 @@ def titan_heads(cfg: dict[str, Any]) -> tuple[int, int]:
     return heads, cfg.get("num_key_value_heads") or heads
 
 
-def titan_view(ck, heads: int, groups: int, hf_config: str | None = None, seq_length: int | None = None):
+def titan_view(ck, heads: int, groups: int, hf_config: str | None = None, seq_length: int | None = None,
+               lr_scheduler: str | None = None):
     """The torchtitan checkpoint `ck` under Megatron-core names (see above), `heads` query heads in `groups` KV
     groups; `hf_config` / `seq_length` (the conversion's) kept in its details."""
     from ..read.qkv import megatron_rule
@@ -704,17 +720,19 @@ def titan_view(ck, heads: int, groups: int, hf_config: str | None = None, seq_le
         details["hf_config"] = str(hf_config)
     if seq_length:
         details["seq_length"] = int(seq_length)
+    if lr_scheduler:
+        details["titan_schedule"] = str(lr_scheduler)
     return dataclasses.replace(ck, tree=dataclasses.replace(ck.tree, children=new), details=details, state_split={})
 
 
-def source_view(ck, hf_config: str | None = None, seq_length: int | None = None):
+def source_view(ck, hf_config: str | None = None, seq_length: int | None = None, lr_scheduler: str | None = None):
     """What the conversion into Megatron reads: a torchtitan source as `titan_view` (its heads from the
     `--hf-config` given, every shape checked against it), any other source as it is."""
     if not is_torchtitan(ck):
-        if hf_config is not None or seq_length is not None:
-            raise UnsupportedCheckpoint("--hf-config / --seq-length describe a torchtitan model, which carries no "
-                                        f"config; this is a {ck.format} checkpoint", path=Path(ck.path),
-                                        hint="drop them")
+        if hf_config is not None or seq_length is not None or lr_scheduler is not None:
+            raise UnsupportedCheckpoint("--hf-config / --seq-length / --lr-scheduler describe a torchtitan run, "
+                                        f"which saves no config; this is a {ck.format} checkpoint",
+                                        path=Path(ck.path), hint="drop them")
         return ck
     from .export import _hf_config_file
 
@@ -728,7 +746,7 @@ def source_view(ck, hf_config: str | None = None, seq_length: int | None = None)
                                     hint="pass a JSON config.json") from None
     _titan_check_config(ck, cfg, str(cfg_file))
     heads, groups = titan_heads(cfg)
-    return titan_view(ck, heads, groups, str(cfg_file), seq_length)
+    return titan_view(ck, heads, groups, str(cfg_file), seq_length, lr_scheduler)
 
 
 def _titan_check_config(ck, cfg: dict[str, Any], where: str) -> None:
@@ -765,6 +783,89 @@ def _titan_check_config(ck, cfg: dict[str, Any], where: str) -> None:
     if bad:
         _refuse(f"{where} does not describe a torchtitan Llama Megatron-core can build: {'; '.join(bad)}", ck,
                 hint="pass this model's Hugging Face config.json (LlamaConfig)")
+
+
+# torchtitan 0.3.0's LR schedule (`LRSchedulersContainer.Config.build`: one LambdaLR factor for every group, from its
+# job config, not saved) and its exact Megatron equivalent. With T total steps, W warm-up, D decay steps
+# (round(T x decay_ratio), or T - W) and S = T + 1 - W - D stable steps, update n + 1 uses factor(n):
+#   n < W: (n + 1) / W;   n < W + S: 1;   else mf + (1 - mf) g((n + 1 - W - S) / D)   (g: linear / sqrt / cosine)
+# Megatron's OptimizerParamScheduler (core_v0.16), also at update n + 1 with num_steps = n iterations (x global batch),
+# in WSD style with lr_decay_iters T, lr_wsd_decay_iters D: n <= T - D (= W + S - 1) gives 1, then g((n - T + D) / D),
+# between each group's max_lr and min_lr = max_lr x mf: the same factors; with lr_warmup_iters W - 1 and
+# lr_warmup_init = max_lr / W its warm-up is (n + 1) / W for the group whose max_lr is args.lr (one init for all).
+_TITAN_SCHEDULE_KEYS = ("warmup_steps", "decay_ratio", "decay_type", "min_lr_factor", "training_steps", "total_steps")
+_WSD_STYLE = {"linear": "linear", "cosine": "cosine", "sqrt": "minus_sqrt"}
+
+
+def parse_titan_schedule(spec: str, ck) -> dict[str, Any]:
+    """`warmup_steps=2,decay_ratio=0.6,decay_type=linear,min_lr_factor=0,training_steps=5` (torchtitan's own
+    `lr_scheduler` field names and `training.steps`) -> {T, W, D, S, type, mf}, by torchtitan 0.3.0's build rules."""
+    got: dict[str, str] = {}
+    for part in (p for p in spec.split(",") if p.strip()):
+        key, _, value = part.partition("=")
+        key = key.strip().replace("-", "_")
+        if key not in _TITAN_SCHEDULE_KEYS or not value.strip():
+            _refuse(f"--lr-scheduler {part!r}: use {', '.join(k + '=' for k in _TITAN_SCHEDULE_KEYS)} (torchtitan's "
+                    "lr_scheduler fields and training.steps)", ck)
+        got[key] = value.strip()
+    if "training_steps" not in got and "total_steps" not in got:
+        _refuse("--lr-scheduler needs training_steps= (torchtitan's training.steps) or total_steps=", ck)
+    try:
+        t = int(got.get("total_steps") or got["training_steps"])
+        w = min(int(got.get("warmup_steps", 200)), t)  # torchtitan's defaults where a field is left out
+        ratio = None if got.get("decay_ratio", "none").lower() == "none" else float(got["decay_ratio"])
+        mf = float(got.get("min_lr_factor", 0.0))
+    except ValueError as e:
+        _refuse(f"--lr-scheduler {spec!r}: {e}", ck)
+    kind = got.get("decay_type", "linear")
+    if kind not in _WSD_STYLE:
+        _refuse(f"--lr-scheduler decay_type={kind}: torchtitan's are linear, sqrt, cosine", ck)
+    d = round(t * ratio) if ratio is not None else t - w
+    d = min(d, t - w)
+    if d < 1:
+        _refuse(f"--lr-scheduler {spec!r}: no decay steps (torchtitan's factor is then 1 after the warm-up): not "
+                "mapped", ck, hint="omit --lr-scheduler: a constant schedule at each group's LR is written")
+    return {"T": t, "W": w, "D": d, "S": t + 1 - w - d, "type": kind, "mf": mf,
+            "training_steps": int(got.get("training_steps") or t)}
+
+
+def titan_factor(s: dict[str, Any], n: int) -> float:
+    """torchtitan 0.3.0's LambdaLR factor for update n + 1 (see above)."""
+    import math
+
+    if n < s["W"]:
+        return float((n + 1) / s["W"])
+    if n < s["W"] + s["S"]:
+        return 1.0
+    progress = float(n + 1 - s["W"] - s["S"]) / s["D"]
+    adj = {"linear": lambda: 1 - progress, "sqrt": lambda: 1 - math.sqrt(progress),
+           "cosine": lambda: 0.5 * (1.0 + math.cos(math.pi * progress))}[s["type"]]()
+    return s["mf"] + (1 - s["mf"]) * adj
+
+
+def _titan_schedule(ck) -> dict[str, Any] | None:
+    """The torchtitan schedule `--lr-scheduler` gave, checked against the checkpoint: each group's saved `lr` must be
+    its `initial_lr` x the factor at the saved `last_epoch` (what torchtitan's LambdaLR set), or it is not this run's."""
+    spec = ck.details.get("titan_schedule")
+    if not spec:
+        return None
+    s = parse_titan_schedule(spec, ck)
+    epoch = ck.counters.scheduler_last_epoch
+    if epoch is None:
+        _refuse("the checkpoint holds no lr_scheduler.last_epoch: the schedule's position is unknown", ck)
+    from ..view import logical as L
+
+    for g in L.param_groups(ck):
+        base, lr = g.get("initial_lr"), g.get("lr")
+        if not isinstance(base, (int, float)) or not isinstance(lr, (int, float)):
+            _refuse("a param group without initial_lr / lr: torchtitan's LambdaLR sets both", ck)
+        want = base * titan_factor(s, epoch)
+        if abs(want - lr) > 1e-9 * max(abs(lr), abs(want), 1e-30):
+            _refuse(f"--lr-scheduler {spec!r} gives lr {want:.6g} at last_epoch {epoch} for the group with initial_lr "
+                    f"{base:g}, but the checkpoint holds {lr:.6g}: not the schedule this run trained with", ck,
+                    hint="pass the run's own torchtitan lr_scheduler settings and training.steps")
+    mid_warmup = epoch < s["W"] - 1 and len({float(g["initial_lr"]) for g in L.param_groups(ck)}) > 1
+    return {**s, "last_epoch": epoch, "mid_warmup": mid_warmup}
 
 
 def _titan_arch(ck) -> dict[str, Any]:
@@ -817,6 +918,7 @@ def _titan_lines(ck) -> tuple[list[str], list[str]]:
     groups, _ = _megatron_groups(ck)
     lrs = ", ".join(f"{float(g['lr']):g}" for g in groups)
     dp = ck.topology.dp or 1
+    sched = _titan_schedule(ck)
     notes = [f"Megatron-LM torch_dist (plain Adam) from a torchtitan Llama (FSDP2, DP {dp}): global tensors under "
              f"Megatron-core names, {arch['num_layers']} layers stacked on a leading axis; Megatron reshards them at "
              "load, so it resumes at any TP / PP",
@@ -834,20 +936,31 @@ def _titan_lines(ck) -> tuple[list[str], list[str]]:
              f"{'' if ck.details.get('seq_length') else ' (max_position_embeddings; --seq-length sets it)'}; "
              "no dropout, the local transformer implementation; tokenizer NullTokenizer sized to the saved "
              "vocabulary rows and mock_data (relaunch with your own tokenizer and data flags)",
-             f"scheduler: Megatron's constant schedule at each param group's saved LR ({lrs}: the LR torchtitan's "
-             "next step uses), each group's own max_lr / min_lr"]
-    not_moved = [f"LR schedule: torchtitan rebuilds its warmup / decay from its job config (the checkpoint's "
-                 f"lr_scheduler holds only last_epoch {ck.counters.scheduler_last_epoch}): written as a constant "
-                 f"schedule at the current LRs ({lrs}); relaunch with your schedule and "
-                 "--override-opt_param-scheduler, and set each group's max_lr / min_lr with `ckpt set-lr`",
-                 "RNG states: torchtitan's generators are not Megatron's (args.no_save_rng=True: Megatron seeds "
-                 "afresh from args.seed)",
-                 "data position: torchtitan's dataloader state and ntokens_seen "
-                 f"({ck.details.get('train_state', 'not recorded')}); consumed_train_samples = iteration x global "
-                 "batch is recorded",
-                 f"batch sizes and gradient clipping live in torchtitan's job config: args record micro batch 1, "
-                 f"global batch {dp} (one sequence per DP rank) and clip_grad 1.0 (torchtitan's and Megatron's default "
-                 "max_norm): relaunch with yours"]
+             (f"scheduler: Megatron's constant schedule at each param group's saved LR ({lrs}: the LR torchtitan's "
+              "next step uses), each group's own max_lr / min_lr" if sched is None else
+              f"scheduler: torchtitan's warm-up {sched['W']} / stable {sched['S']} / {sched['type']} decay {sched['D']} "
+              f"over {sched['T']} steps (min_lr_factor {sched['mf']:g}; --lr-scheduler, checked against every group's "
+              f"saved LR at last_epoch {sched['last_epoch']}) as Megatron's WSD schedule (lr_decay_iters {sched['T']}, "
+              f"lr_wsd_decay_iters {sched['D']}, {_WSD_STYLE[sched['type']]}), each group's initial_lr as its max_lr: "
+              "the same LR at every later step")]
+    not_moved = ([f"LR schedule: torchtitan rebuilds its warmup / decay from its job config (the checkpoint's "
+                  f"lr_scheduler holds only last_epoch {ck.counters.scheduler_last_epoch}): written as a constant "
+                  f"schedule at the current LRs ({lrs}); pass --lr-scheduler with the run's settings to carry it"]
+                 if sched is None else [])
+    if sched is not None and sched["mid_warmup"]:
+        not_moved.append(f"the rest of the warm-up (to step {sched['W']}): Megatron has one lr_warmup_init for all "
+                         "groups, so only the first group's warm-up LRs are torchtitan's")
+    if sched is not None:
+        not_moved.append("beyond torchtitan's last step its factor leaves min_lr_factor (its formula is not clamped); "
+                         "Megatron's stays at min_lr (the two agree up to the last step)")
+    not_moved += ["RNG states: torchtitan's generators are not Megatron's (args.no_save_rng=True: Megatron seeds "
+                  "afresh from args.seed)",
+                  "data position: torchtitan's dataloader state and ntokens_seen "
+                  f"({ck.details.get('train_state', 'not recorded')}); consumed_train_samples = iteration x global "
+                  "batch is recorded",
+                  f"batch sizes and gradient clipping live in torchtitan's job config: args record micro batch 1, "
+                  f"global batch {dp} (one sequence per DP rank) and clip_grad 1.0 (torchtitan's and Megatron's default "
+                  "max_norm): relaunch with yours"]
     if L.optimizer_scalars(ck) and ck.counters.global_step is None:
         not_moved.append("the step: torchtitan's train_state is missing")
     return notes, not_moved
