@@ -60,7 +60,7 @@ def convert_cmd(
                                             "from a torchtitan Llama: the model's Hugging Face config.json (or its "
                                             "folder): head counts, RoPE base and scaling, norm eps, which the "
                                             "checkpoint does not hold; checked against every tensor's shape"),
-    seq_length: Optional[int] = typer.Option(None, "--seq-length", metavar="N", help="--to megatron from a "
+    seq_length: Optional[int] = typer.Option(None, "--seq-length", metavar="N", min=1, help="--to megatron from a "
                                              "torchtitan Llama: the sequence length the Megatron run trains with "
                                              "(default: the config's max_position_embeddings)"),
     lr_scheduler: Optional[str] = typer.Option(None, "--lr-scheduler", metavar="SETTINGS", help="--to megatron "

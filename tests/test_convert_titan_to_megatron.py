@@ -154,15 +154,23 @@ def test_torchtitan_to_megatron_refuses_what_it_cannot_carry(tmp_path):
     heads8.write_text(heads8.read_text().replace('"num_attention_heads": 4', '"num_attention_heads": 8'))
     yarn = _titan_hf_config(tmp_path / "yarn")
     yarn.write_text(yarn.read_text().replace('"llama3"', '"yarn"'))
+    no_head_dim = _titan_hf_config(tmp_path / "no_head_dim")  # then 2, 4, 8 or 16 heads would all fit the shapes
+    no_head_dim.write_text(no_head_dim.read_text().replace('"head_dim": 16,', ''))
+    no_factor = _titan_hf_config(tmp_path / "no_factor")
+    no_factor.write_text(no_factor.read_text().replace('"factor": 8.0', '"factor": null'))
     cases = [(_convert(tmp_path / "o1", cfg, src=sample(*SRC) / "step-5"), "model-only"),
              (_convert(tmp_path / "o2", heads8), "wq.weight"),
              (_convert(tmp_path / "o3", yarn), "rope_scaling"),
              (_convert(tmp_path / "o4", cfg, "--ckpt-format", "torch"), "torch_dist"),
-             (_convert(tmp_path / "o5", cfg, src=sample("megatron", "gpt_tp2_pp2")), "--hf-config")]
+             (_convert(tmp_path / "o5", cfg, src=sample("megatron", "gpt_tp2_pp2")), "--hf-config"),
+             (_convert(tmp_path / "o6", no_head_dim), "head_dim"),
+             (_convert(tmp_path / "o7", no_factor), "rope_scaling")]
     for r, word in cases:
         lines = [x for x in r.stderr.splitlines() if x.startswith("ckpt: error:")]
         assert r.returncode == 2 and len(lines) == 1 and word in lines[0], r.stderr[-1500:]
-    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 6))
+    r = _convert(tmp_path / "o8", cfg, "--n-kv-heads", "4")  # the KV heads come from the config
+    assert r.returncode == 2 and "--n-kv-heads" in r.stderr, r.stderr[-1500:]
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 9))
     r = _convert(tmp_path / "dry", cfg, "--dry-run")
     assert r.returncode == 0 and not (tmp_path / "dry").exists()
 

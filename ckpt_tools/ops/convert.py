@@ -335,6 +335,8 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
     if to == "megatron":  # a torchtitan Llama is read under Megatron-core names (`megatron_in.source_view`)
         from . import megatron_in
 
+        if n_kv_heads is not None and megatron_in.is_torchtitan(ck):
+            raise ValueError("--n-kv-heads: --to megatron reads the KV heads from --hf-config's num_key_value_heads")
         ck = megatron_in.source_view(ck, hf_config, seq_length, lr_scheduler)
     elif hf_config is not None or seq_length is not None or lr_scheduler is not None:
         raise ValueError(f"--hf-config / --seq-length / --lr-scheduler apply to --to megatron (from torchtitan), not "

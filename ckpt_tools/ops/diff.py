@@ -637,7 +637,8 @@ def _megatron_names(ca, cb, notes: list[str]):
             except UnsupportedCheckpoint as e:
                 notes.append(f"{'AB'[i]}'s {ck.format} names are not paired with Megatron-core's: {e}")
             else:
-                what = "torchtitan Llama" if megatron_in.is_torchtitan(ck) else "Megatron-DeepSpeed pipeline"
+                titan = megatron_in.is_torchtitan(ck) or megatron_in._titan(ck)
+                what = "torchtitan Llama" if titan else "Megatron-DeepSpeed pipeline"
                 notes.append(f"{'AB'[i]} ({what}) read under the Megatron-core names `convert --to megatron` "
                              "gives its tensors")
     return sides[0], sides[1]

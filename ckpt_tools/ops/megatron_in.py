@@ -4,7 +4,8 @@ Llama's DCP save (its own section below: `titan_view`), written as a Megatron-LM
 (`ckpt convert SRC OUT --to megatron`), plain Adam.
 
 What is written (the layout of `megatron_write`'s torch_dist writer, the same DCP keys Megatron's own save of a GPT
-with LayerNorm / GeLU / learned positions / untied output holds):
+with LayerNorm / GeLU / learned positions / untied output holds; from torchtitan, of its Llama-style GPT: RMSNorm,
+SwiGLU, RoPE, no biases, the norms under the same fused names, each linear's extra state after its weight):
 
     weights       the layer files' module weights (bf16, Megatron's param dtype) under Megatron-core names, decoder
                   layers stacked on a leading layer axis; `optimizer.state.fp32_param.<name>` the ZeRO fp32 master,
@@ -491,8 +492,9 @@ def _order(core: str) -> tuple:
 
 
 def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
-    """Write the run folder for `plan` (to="megatron" from a DeepSpeed pipeline source) into the empty staging
-    folder `root`; returns the bytes written. One parameter's tensors in memory at a time."""
+    """Write the run folder for `plan` (to="megatron" from a DeepSpeed pipeline or a torchtitan source, read as
+    `source_view`) into the empty staging folder `root`; returns the bytes written. One parameter's tensors in
+    memory at a time (a fused one: its parts)."""
     import argparse
 
     import torch
@@ -642,7 +644,10 @@ def _rope(cfg: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
     if isinstance(params, dict):
         kind = params.get("rope_type") or params.get("type") or "default"
         return params.get("rope_theta", cfg.get("rope_theta")), (None if kind == "default" else params)
-    return cfg.get("rope_theta"), cfg.get("rope_scaling") or None
+    scaling = cfg.get("rope_scaling") or None
+    if isinstance(scaling, dict) and (scaling.get("rope_type") or scaling.get("type")) == "default":
+        scaling = None
+    return cfg.get("rope_theta"), scaling
 
 
 def titan_heads(cfg: dict[str, Any]) -> tuple[int, int]:
@@ -755,6 +760,10 @@ def _titan_check_config(ck, cfg: dict[str, Any], where: str) -> None:
     from .hf_map import LLAMA3_ROPE as _ROPE_FIXED, torchtitan_llama_to_hf
 
     shapes = {n: tuple(t.shape) for n, t in iter_tensors(ck.tree.children["model"])}
+    if not isinstance(cfg.get("head_dim"), int):  # without it any head count whose product fits passes the shapes
+        _refuse(f"{where} has no integer head_dim: the head counts, which order the q / k rows, cannot be checked "
+                "against the saved shapes (hidden_size / num_attention_heads would be assumed)", ck,
+                hint='add "head_dim": N (the model\'s head dimension) to the config.json')
     torchtitan_llama_to_hf(shapes, cfg, where)  # every name mapped; q / k / embedding shapes and layer count
     ffn = next(s[0] for n, s in shapes.items() if n.endswith("feed_forward.w1.weight"))
     theta, scaling = _rope(cfg)
@@ -777,8 +786,8 @@ def _titan_check_config(ck, cfg: dict[str, Any], where: str) -> None:
         bad.append(f"rope_theta {theta} (Megatron's --rotary-base is an integer)")
     if scaling is not None:
         kind = scaling.get("rope_type") or scaling.get("type")
-        fixed = {k: float(scaling.get(k, -1)) for k in _ROPE_FIXED}
-        if kind != "llama3" or fixed != _ROPE_FIXED:
+        fixed = {k: scaling.get(k) for k in _ROPE_FIXED}
+        if kind != "llama3" or fixed != _ROPE_FIXED or not isinstance(scaling.get("factor"), (int, float)):
             bad.append(f"rope_scaling {scaling} (Megatron-core has llama3 scaling with {_ROPE_FIXED} only)")
     if bad:
         _refuse(f"{where} does not describe a torchtitan Llama Megatron-core can build: {'; '.join(bad)}", ck,
@@ -853,6 +862,10 @@ def _titan_schedule(ck) -> dict[str, Any] | None:
     epoch = ck.counters.scheduler_last_epoch
     if epoch is None:
         _refuse("the checkpoint holds no lr_scheduler.last_epoch: the schedule's position is unknown", ck)
+    if ck.counters.global_step != epoch:  # Megatron's position is its iteration (train_state.step)
+        _refuse(f"train_state.step {ck.counters.global_step} and lr_scheduler.last_epoch {epoch} differ: Megatron "
+                "places its schedule at its iteration, so the two must agree", ck,
+                hint="convert without --lr-scheduler (a constant schedule at each group's saved LR)")
     from ..view import logical as L
 
     for g in L.param_groups(ck):
@@ -886,7 +899,7 @@ def _titan_arch(ck) -> dict[str, Any]:
             "position_embedding_type": "rope", "rotary_base": int(theta), "rotary_percent": 1.0,
             "rotary_interleaved": False, "use_rope_scaling": scaling is not None,
             "rope_scaling_factor": float(scaling["factor"]) if scaling else 8.0,
-            "untie_embeddings_and_output_weights": True, "add_position_embedding": True,
+            "untie_embeddings_and_output_weights": True, "add_position_embedding": False,
             "add_bias_linear": False, "add_qkv_bias": False, "bias_swiglu_fusion": False, "apply_rope_fusion": False}
 
 
@@ -897,6 +910,9 @@ def _titan_check(ck) -> None:
         _refuse("no optimizer state: a model-only save (torchtitan's last save is model-only by default, "
                 "--checkpoint.last-save-model-only); --to megatron carries a run with its Adam state", ck,
                 hint="convert an intermediate step-N folder, or export the weights with `ckpt export`")
+    moments = sorted({t.dtype for st in L.optimizer_states(ck).values() for k, t in st.items() if k != "step"})
+    if moments != ["float32"]:
+        _refuse(f"Adam moments saved as {', '.join(moments)}: Megatron's optimizer keeps them in float32", ck)
     dtypes = sorted({t.dtype for t in L.model_tensors(ck, weights="module")})
     if dtypes != ["float32"]:
         _refuse(f"weights saved as {', '.join(dtypes)}: the fp32 master Megatron's bf16 run keeps would be "
@@ -913,7 +929,7 @@ def _titan_check(ck) -> None:
 def _titan_lines(ck) -> tuple[list[str], list[str]]:
     from ..view import logical as L
 
-    cfg, path = _hf_cfg(ck)
+    _, path = _hf_cfg(ck)
     arch = _titan_arch(ck)
     groups, _ = _megatron_groups(ck)
     lrs = ", ".join(f"{float(g['lr']):g}" for g in groups)
@@ -929,7 +945,9 @@ def _titan_lines(ck) -> tuple[list[str], list[str]]:
              "weights: the saved float32 weights as optimizer.state.fp32_param, the module's bf16 copy rounded from "
              "them (Megatron's --bf16, as torchtitan's default bf16 FSDP compute); Adam's exp_avg / exp_avg_sq; the "
              "common Adam step; param groups in Megatron-core's order (decaying weights; 1-D tensors with wd_mult 0)",
-             f"args: from {path}: RMSNorm (eps {arch['layernorm_epsilon']:g}), SwiGLU, RoPE base "
+             f"args: from {path} (its head counts checked against the q / k shapes; the RoPE base and scaling and the "
+             "norm eps cannot be checked against a checkpoint and are taken as given): RMSNorm (eps "
+             f"{arch['layernorm_epsilon']:g}), SwiGLU, RoPE base "
              f"{arch['rotary_base']}" + (f" with llama3 scaling (factor {arch['rope_scaling_factor']:g})"
                                          if arch["use_rope_scaling"] else "") +
              f", no biases, untied output; seq_length {arch['seq_length']}"
@@ -960,7 +978,9 @@ def _titan_lines(ck) -> tuple[list[str], list[str]]:
                   "batch is recorded",
                   f"batch sizes and gradient clipping live in torchtitan's job config: args record micro batch 1, "
                   f"global batch {dp} (one sequence per DP rank) and clip_grad 1.0 (torchtitan's and Megatron's default "
-                  "max_norm): relaunch with yours"]
+                  "max_norm): relaunch with yours; Megatron counts its schedule in samples of the saved global "
+                  "batch, so another --global-batch-size needs --override-opt_param-scheduler and moves the "
+                  "schedule's position"]
     if L.optimizer_scalars(ck) and ck.counters.global_step is None:
         not_moved.append("the step: torchtitan's train_state is missing")
     return notes, not_moved

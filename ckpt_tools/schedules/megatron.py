@@ -38,6 +38,8 @@ def lr_at(num_steps: float, *, max_lr: float, min_lr: float, warmup: float, deca
             coeff = 1.0
         else:
             r = float(num_steps - start) / float(wsd_decay)
+            if str(wsd_style) not in ("linear", "cosine", "exponential", "minus_sqrt"):
+                raise ValueError(f"lr_wsd_decay_style {wsd_style!r}: not one of Megatron's")
             coeff = {"linear": lambda: 1.0 - r, "cosine": lambda: 0.5 * (math.cos(math.pi * r) + 1.0),
                      "exponential": lambda: 2.0 * math.pow(0.5, r) - 1.0,
                      "minus_sqrt": lambda: 1.0 - math.sqrt(r)}[str(wsd_style)]()
