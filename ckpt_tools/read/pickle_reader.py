@@ -678,16 +678,27 @@ class Source:
         self.path = os.fspath(path)
         self._mm: mmap.mmap | None = None
         self._fh = None
+        self._lock = threading.Lock()
 
     def _map(self) -> mmap.mmap:
-        if self._mm is None:
-            self._fh = open(self.path, "rb")
-            try:
-                self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
-            except ValueError:  # empty file
-                raise CorruptCheckpoint("file is empty", path=self.path,
-                                        hint="the save was interrupted; restore it from a backup or an earlier step")
-        return self._mm
+        """The file's mapping, made once. Thread-safe: to-universal's worker threads share Sources, and two first
+        calls racing used to replace each other's file object, closing the descriptor the other was mapping
+        ("OSError: [Errno 9] Bad file descriptor", seen once in a full run)."""
+        mm = self._mm
+        if mm is not None:
+            return mm
+        with self._lock:
+            if self._mm is None:
+                fh = open(self.path, "rb")
+                try:
+                    self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+                except ValueError:  # empty file
+                    fh.close()
+                    raise CorruptCheckpoint("file is empty", path=self.path,
+                                            hint="the save was interrupted; restore it from a backup or an earlier "
+                                                 "step") from None
+                self._fh = fh
+            return self._mm
 
     def storage_offset(self, storage: StorageRef) -> int:
         raise NotImplementedError
