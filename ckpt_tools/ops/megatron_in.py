@@ -556,14 +556,15 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
         raise
     w.close()
     groups, _ = _megatron_groups(ck)
+    titan_sched = _titan_schedule(ck) if _titan(ck) else None  # parsed and checked once, not per group
     pgroups = []
     for g, wd_mult in zip(groups, (1.0, 0.0)):
         hp = {k: v for k, v in g.items() if k != "params"}
         if not _titan(ck):
             top, low = args["lr"], args["min_lr"]
-        elif args["lr_decay_style"] == "WSD":  # each group's own base LR and floor under the one schedule
+        elif titan_sched is not None:  # each group's own base LR and floor under the one WSD schedule
             top = float(g["initial_lr"])
-            low = top * _titan_schedule(ck)["mf"]
+            low = top * titan_sched["mf"]
         else:
             top = low = float(g["lr"])
         pgroups.append({"is_expert_parallel": False, "default_config": True, "wd_mult": wd_mult, "lr_mult": 1.0,
