@@ -75,7 +75,7 @@ def resume_cmd(
 ) -> None:
     """Load PATH into the framework that wrote it, train N steps, and check that counters, LR, optimizer state
     (model-free) and loss (with a model) continue."""
-    output.require("torch", "deepspeed", extra="train", what="ckpt resume")
+    output.require("torch", extra="train", what="ckpt resume")
     if plot is not None:
         output.require("matplotlib", extra="all", what="--plot")
     from ckpt_tools.resume import deepspeed as ops
@@ -91,6 +91,15 @@ def resume_cmd(
                            model=model, config=override, data=data, trust_pickles=trust_pickles,
                            scheduler=scheduler, against=against, n_kv_heads=n_kv_heads,
                            framework_args=megatron_args)
+    if getattr(plan, "framework", None) == "megatron":  # Megatron-LM's own training code, no DeepSpeed
+        import importlib.util
+
+        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+            raise CkptError("resuming a Megatron-LM checkpoint needs megatron-core",
+                            hint="pip install megatron-core (the release that wrote the checkpoint: 0.16.1 for "
+                                 "Megatron-LM core_v0.16.1)")
+    else:
+        output.require("deepspeed", extra="train", what="ckpt resume")
 
     from contextlib import nullcontext
 

@@ -607,8 +607,9 @@ def test_ckpt_resume_runs_megatron_from_the_saved_args_with_a_verdict(tmp_path, 
 
 def test_ckpt_resume_megatron_refusals_are_one_line(tmp_path):
     """Without the Megatron-LM checkout (its training code is not in the wheel), for the distributed optimizer
-    (Megatron cannot load it on a CPU: measured) and for a legacy save at another TP (Megatron cannot reshard it),
-    `ckpt resume` exits 2 with one line naming what to do, before anything starts."""
+    (Megatron cannot load it without Apex or TransformerEngine: measured on the CPU), for a legacy save at another
+    TP (Megatron cannot reshard it) and for `--device cuda` where no GPU is visible, `ckpt resume` exits 2 with one
+    line naming what to do, before anything starts."""
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_LM_DIR"}
     proc = _ckpt_resume(sample("megatron_lm", TP2), env=env)
     assert proc.returncode == 2 and "MEGATRON_LM_DIR" in proc.stderr, proc.stderr
@@ -619,6 +620,59 @@ def test_ckpt_resume_megatron_refusals_are_one_line(tmp_path):
     proc = _ckpt_resume(sample("megatron_lm", TP2), "--tp", "1", env=env)  # legacy: only at the saved sizes
     assert proc.returncode == 2 and "saved at" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
         proc.stderr
+    if not _gpus():
+        proc = _ckpt_resume(sample("megatron_lm", TP2_DIST), "--device", "cuda")
+        assert proc.returncode == 2 and "no CUDA device is visible" in proc.stderr, proc.stderr
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def test_ckpt_resume_megatron_needs_no_deepspeed():
+    """A Megatron-LM resume runs Megatron's own code: `ckpt resume` does not ask for DeepSpeed first (on the H100
+    image, which has no DeepSpeed, it refused every Megatron checkpoint with "needs deepspeed"). With DeepSpeed
+    hidden from the process, the refusal it reaches is the next one, the missing Megatron-LM checkout."""
+    code = ("import importlib.util as u, sys\n"
+            "find = u.find_spec\n"
+            "u.find_spec = lambda n, *a: None if n.split('.')[0] == 'deepspeed' else find(n, *a)\n"
+            "sys.modules['deepspeed'] = None\n"
+            f"sys.argv = ['ckpt', 'resume', {str(sample('megatron_lm', TP2_DIST))!r}, '--device', 'cpu']\n"
+            "from ckpt_cli.main import main\n"
+            "main()\n")
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_LM_DIR"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and "MEGATRON_LM_DIR" in proc.stderr and "deepspeed" not in proc.stderr, \
+        proc.stderr
+
+
+def test_ckpt_resume_megatron_on_cuda_is_planned_for_nccl(tmp_path, monkeypatch):
+    """The plan of a resume on CUDA (what `--device cuda` / auto with GPUs gives; the launch itself is proven on
+    an H100 in the session note, as no GPU runs CI): one process per GPU, refused in one line when the sizes need
+    more GPUs than are visible; the saved CUDA generator states of a checkpoint written on a CPU (5056-byte CPU
+    generator states, read without unpickling from legacy rank files and torch_dist items alike) cannot be given
+    to CUDA (`torch.cuda.set_rng_state`: "RNG state is wrong size", measured), so the relaunch adds --no-load-rng
+    and says so; on the CPU the saved states load as they are."""
+    from ckpt_tools.resume import frameworks as F
+
+    for name in (TP2, TP2_DIST, LLAMA_DIST, DISTOPT):
+        assert F._rng_not_cuda(ckpt_tools.open_checkpoint(sample("megatron_lm", name))), name
+    (tmp_path / "pretrain_gpt.py").write_text("")  # the plan checks that the checkout is there; nothing launches
+    monkeypatch.setenv("MEGATRON_LM_DIR", str(tmp_path))
+    monkeypatch.setattr(F, "_gpus", lambda: 1)
+    ck = ckpt_tools.open_checkpoint(sample("megatron_lm", TP2_DIST))
+    with pytest.raises(ckpt_tools.CkptError, match="need 2 GPUs; 1 visible"):
+        F._plan_megatron(ck, Path(ck.path), steps=2, nproc=None, device="cuda", model="auto")
+    plan = F._plan_megatron(ck, Path(ck.path), steps=2, nproc=None, device="cuda", model="auto", tp=1)
+    assert (plan.device, plan.nproc, plan.tp) == ("cuda", 1, 1)
+    assert "--no-load-rng" in plan.worker["run_argv"]
+    assert any(n.startswith("RNG: the saved CUDA generator states are not CUDA's") for n in plan.notes), plan.notes
+    assert any("on CUDA: NCCL" in n for n in plan.notes) and not any("CPU run-time" in n for n in plan.notes)
+    cpu = F._plan_megatron(ck, Path(ck.path), steps=2, nproc=1, device="cpu", model="auto", tp=1)
+    assert "--no-load-rng" not in cpu.worker["run_argv"] and any("CPU run-time" in n for n in cpu.notes)
 
 
 @pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,

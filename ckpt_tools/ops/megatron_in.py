@@ -410,6 +410,10 @@ def megatron_args(ck) -> dict[str, Any]:
         "normalization": "LayerNorm", "swiglu": False, "untie_embeddings_and_output_weights": True,
         "position_embedding_type": "learned_absolute", "add_position_embedding": True, "add_bias_linear": True,
         "add_qkv_bias": True, "hidden_dropout": 0.0, "attention_dropout": 0.0, "transformer_impl": "local",
+        # no fused kernels (Apex / Megatron's own): a run these args rebuild starts on any GPU or CPU, as the
+        # same maths (measured on an H100 without Apex: the persistent LayerNorm default stops the model's build)
+        "no_persist_layer_norm": True, "masked_softmax_fusion": False, "bias_gelu_fusion": False,
+        "bias_dropout_fusion": False, "gradient_accumulation_fusion": False,
         "bf16": True, "fp16": False, "params_dtype": torch.bfloat16, "accumulate_allreduce_grads_in_fp32": True,
         "optimizer": "adam", "use_distributed_optimizer": False,
         "lr": sched["lr"], "min_lr": sched["min_lr"], "lr_decay_style": sched["style"],

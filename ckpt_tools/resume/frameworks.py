@@ -767,9 +767,6 @@ def _plan_megatron(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None,
     if model not in ("auto", "real"):
         raise CkptError(f"--model {model!r}: a Megatron-LM checkpoint resumes with the model its args describe",
                         hint="drop --model")
-    if device != "cpu":
-        raise UnsupportedCheckpoint("`ckpt resume` runs Megatron-LM on the CPU (gloo) in this release: its CUDA "
-                                    "launch has not been tested", path=path, hint="pass --device cpu")
     args = _plain(node_to_python(ck.tree.children.get("args", GroupNode())) or {})
     sched = _plain(node_to_python(ck.tree.children.get("scheduler", GroupNode())) or {})
     raw = node_to_python(ck.optimizer.children.get("param_groups", GroupNode())) if ck.optimizer else None
@@ -783,10 +780,11 @@ def _plan_megatron(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None,
         # measured with core_v0.16.1: without Apex / TransformerEngine (none on a CPU) the distributed optimizer's
         # load reads an Adam `step` the fresh torch optimizer does not have yet (legacy: KeyError 'step' in
         # _set_main_param_and_optimizer_states; torch_dist: `assert len(steps) == 1` in state_dict)
-        raise UnsupportedCheckpoint("a Megatron-LM checkpoint of the distributed optimizer: Megatron-LM cannot load it "
-                                    "on a CPU (without Apex or TransformerEngine its loader reads an Adam step the "
-                                    "fresh optimizer does not hold yet), and ckpt resumes Megatron on the CPU only",
-                                    path=path, hint="inspect / diff / export it with ckpt; resume it on your GPUs")
+        raise UnsupportedCheckpoint("a Megatron-LM checkpoint of the distributed optimizer: Megatron-LM's loader "
+                                    "without Apex or TransformerEngine reads an Adam step the fresh optimizer does "
+                                    "not hold yet, and ckpt's resume has not been run with either",
+                                    path=path, hint="inspect / diff / export it with ckpt, or convert it to the "
+                                                    "plain optimizer (`ckpt convert --to megatron`) and resume that")
     root = os.environ.get("MEGATRON_LM_DIR")
     if not root or not (Path(root) / "pretrain_gpt.py").is_file():
         raise CkptError("resuming a Megatron-LM checkpoint runs Megatron-LM's own pretrain_gpt.py, which is not in "
@@ -798,6 +796,10 @@ def _plan_megatron(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None,
     n = nproc or tp * pp * dp
     if n % (tp * pp):
         raise CkptError(f"--nproc {n} is not a multiple of TP x PP = {tp * pp}", path=path)
+    if device == "cuda" and n > _gpus():
+        raise CkptError(f"{n} processes (TP {tp} x PP {pp} x DP {n // (tp * pp)}) need {n} GPUs; {_gpus()} "
+                        "visible (NCCL takes one GPU per process)", path=path,
+                        hint="resume at a smaller size (--tp / --pp / --nproc) or on the CPU (--device cpu)")
     iteration = ck.counters.global_step
     if iteration is None:
         raise CkptError("the checkpoint records no iteration", path=path)
@@ -837,7 +839,8 @@ def _plan_megatron(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None,
     notes = [f"Megatron-LM from {root}, rebuilt from the checkpoint's {len(args)} saved args (the parser's "
              f"options whose saved value is not the default), at TP {tp}, PP {pp}, DP {n // (tp * pp)}",
              "CPU run-time changes: CUDA redirected to the CPU, gloo, the local transformer implementation and no "
-             "fused kernels (the same maths in eager PyTorch)"]
+             "fused kernels (the same maths in eager PyTorch)" if device == "cpu" else
+             "on CUDA: NCCL, one GPU per process, the saved flags as they are"]
     notes.append(f"length: {length}")
     if (tp, pp) != (saved_tp, saved_pp):
         notes.append(f"saved at TP {saved_tp} x PP {saved_pp}, resumed at TP {tp} x PP {pp}: Megatron's "
@@ -850,6 +853,12 @@ def _plan_megatron(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None,
         run.append("--no-load-rng")
         notes.append("RNG: the rank files hold no rng_state: relaunched with --no-load-rng (Megatron's legacy "
                      "load exits without it), so the generators are seeded afresh")
+    if device == "cuda" and not {"--no-load-rng", "--finetune"} & set(run + user) and _rng_not_cuda(ck):
+        # measured on an H100: Megatron's load hands the saved `cuda_rng_state` to torch.cuda.set_rng_state
+        run.append("--no-load-rng")
+        notes.append("RNG: the saved CUDA generator states are not CUDA's (saved by a run on the CPU, whose "
+                     "generator state is 5056 bytes; CUDA's is 16): relaunched with --no-load-rng, so the "
+                     "generators are seeded afresh")
     if args.get("mock_data"):
         notes.append("the run's data: Megatron's mock dataset, as saved")
     elif args.get("data_path"):
@@ -869,6 +878,38 @@ def _plan_megatron(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None,
                               "no_opt_check": "loaded by Megatron's own load_checkpoint; checked in closed form for "
                                               "a legacy checkpoint resumed at its saved TP / PP only (the Adam step "
                                               "continuing is checked above)"})
+
+
+def _rng_not_cuda(ck: Checkpoint) -> bool:
+    """Whether a saved `cuda_rng_state` (a legacy rank file's `rng_state`, a torch_dist `rng_state/*` item, the RNG
+    tracker's states included) is not a CUDA generator state (16 bytes: seed and offset), read without unpickling."""
+    from ..read import pickle_reader as pr
+    from ..write.megatron_write import rank_files
+
+    def odd(x: Any, key: str = "") -> bool:
+        if isinstance(x, pr.TensorRef):
+            return key in ("cuda_rng_state", "tracker") and tuple(x.shape) != (16,)
+        if isinstance(x, dict):
+            return any(odd(v, "tracker" if key == "rng_tracker_states" else str(k) if key != "tracker" else key)
+                       for k, v in x.items())
+        if isinstance(x, (list, tuple)):
+            return any(odd(v, key) for v in x)
+        return False
+
+    if ck.format == "megatron_legacy":
+        return any(odd(pr.load(f).obj.get("rng_state")) for f in rank_files(ck).values())
+    from ..formats.dcp import DcpItems
+    from ..write.megatron_write import _dist_iter
+
+    items = DcpItems(_dist_iter(ck))
+    return any(odd(items.value(key)) for key in items.sdm if key.split("/", 1)[0] == "rng_state"
+               and (key, None) in items.items)
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _legacy_has_rng(ck: Checkpoint) -> bool:

@@ -265,10 +265,13 @@ class OptimizerCheck:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            if dist.get_backend() == "nccl":  # NCCL reduces CUDA tensors only
+                vals = vals.to(torch.device("cuda", torch.cuda.current_device()))
             checked = vals[5:6].clone()
             dist.all_reduce(vals, op=dist.ReduceOp.MAX)
             dist.all_reduce(checked, op=dist.ReduceOp.SUM)
             vals[5] = checked[0]
+            vals = vals.cpu()
         return {"errors": {n: float(vals[i]) for i, n in enumerate(names)}, "any_step_bad": bool(vals[4]),
                 "steps_bad": r["steps_bad"][:3], "checked": int(vals[5]), "kinds": sorted(r["kinds"]),
                 "lr_from_plan": r["lr_from_plan"], "problem": self.problem or (

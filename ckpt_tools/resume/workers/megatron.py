@@ -7,7 +7,8 @@ no save.
 
 On a CPU the run gets the run-time changes the Megatron samples are made with (`workers.megatron_lm`: CUDA
 redirected to the CPU, gloo, no compiled kernels) and `CPU_FLAGS` (the local transformer implementation, fusions
-off: the same maths in eager PyTorch). On CUDA none of those: NCCL and the saved flags as they are.
+off: the same maths in eager PyTorch). On CUDA none of those: one GPU per process, NCCL and the saved flags as they
+are (`import_megatron(cpu=False)` keeps only its changes that are not about the device).
 
 Events (see `_common`): `loaded` after Megatron's own `load_checkpoint` (the iteration, the Adam step, the
 scheduler's num_steps), one `step` per iteration (the iteration, each group's LR the iteration used, the LM loss
@@ -93,9 +94,9 @@ def main(plan: dict[str, Any]) -> None:
 
     cpu = plan["device"] == "cpu"
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # what Megatron's TP setup asserts (users export it)
-    if cpu:
-        W.install_cpu_shims()
-    W.import_megatron()
+    if not cpu:  # one GPU per process, as torchrun's LOCAL_RANK says (Megatron sets it too, after the group exists)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    W.import_megatron(cpu=cpu)
     from ckpt_tools.train.procgroup import join
 
     join("gloo" if cpu else "nccl")

@@ -330,8 +330,11 @@ def _cuda_present():
         _CUDA_PRESENT[0] = False
 
 
-def import_megatron() -> None:
-    """Put MEGATRON_LM_DIR on sys.path and import the training code with the shims in place."""
+def import_megatron(cpu: bool = True) -> None:
+    """Put MEGATRON_LM_DIR on sys.path and import the training code with the shims in place. With `cpu=False` (a
+    run on CUDA, NCCL: `ckpt resume --device cuda`) changes 1-3 and the CUDA-present window are left out; 4, 5, 6
+    (only where no triton is installed) and 8 stay: none of them is about the device (the wheel has no Makefile,
+    `fused_kernels.load` compiles nothing, the fused functions run eager, the same maths as on the CPU)."""
     root = os.environ.get("MEGATRON_LM_DIR")
     if not root or not (Path(root) / "megatron" / "training" / "checkpointing.py").is_file():
         raise SystemExit("set MEGATRON_LM_DIR to a Megatron-LM checkout (tag core_v0.16.1) holding "
@@ -339,7 +342,8 @@ def import_megatron() -> None:
     # `megatron` is a namespace package in both the wheel and the checkout; with the checkout last on the path,
     # megatron.core comes from the wheel and megatron.training (absent from the wheel) from the checkout.
     sys.path.append(root)
-    install_cpu_shims()
+    if cpu:
+        install_cpu_shims()
     compile_ = torch.compile
     torch.compile = _no_compile  # megatron.core.jit binds `jit_fuser = torch.compile` when first imported
     try:
@@ -359,6 +363,8 @@ def import_megatron() -> None:
     # It only reads `$CUDA_HOME/bin/nvcc -V` and makes a build folder: no kernel is compiled for this run.
     fused_kernels.load = lambda args: None
 
+    if not cpu:
+        return
     original = init.initialize_megatron
 
     def initialize_megatron(*a: Any, **k: Any):
