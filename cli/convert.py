@@ -70,6 +70,11 @@ def convert_cmd(
                                                "min_lr_factor=F,training_steps=N; checked against every param group's "
                                                "saved LR and written as Megatron's WSD schedule (default: a constant "
                                                "schedule at the saved LRs)"),
+    drop_norm_decay: bool = typer.Option(False, "--drop-norm-decay", help="--to megatron from a torchtitan run "
+                                         "whose norms decay (its stock default_adamw: one param group, weight decay "
+                                         "on every parameter): write the norms (1-D tensors) in a group without "
+                                         "weight decay, as Megatron-core trains them; a change to the run, listed in "
+                                         "the plan (without it, such a run is refused)"),
 ) -> None:
     """Move a run to another framework with its whole training state.
 
@@ -79,7 +84,7 @@ def convert_cmd(
     staging name, compared with the source by logical parameter (`ckpt diff`), then renamed into place."""
     try:
         return _convert(ckpt, out, to, layout, dry_run, not no_verify, json_out, distributed, allow_unread,
-                        n_kv_heads, ckpt_format, tp, pp, hf_config, seq_length, lr_scheduler)
+                        n_kv_heads, ckpt_format, tp, pp, hf_config, seq_length, lr_scheduler, drop_norm_decay)
     except CkptError as e:
         if e.message.startswith("ckpt convert:"):
             raise
@@ -90,7 +95,7 @@ def convert_cmd(
 
 def _convert(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False, allow_unread=False,
              n_kv_heads=None, ckpt_format=None, tp=None, pp=None, hf_config=None, seq_length=None,
-             lr_scheduler=None) -> None:
+             lr_scheduler=None, drop_norm_decay=False) -> None:
     output.require("torch", extra="convert", what="ckpt convert")
     if to == "deepspeed-universal" and layout is None:
         from ckpt_tools.ops.to_universal import handles
@@ -107,18 +112,18 @@ def _convert(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False
                                    verify=verify, yes=True, distributed=distributed, json_out=json_out,
                                    allow_unread=allow_unread)
     return _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed, allow_unread, n_kv_heads,
-                        ckpt_format, tp, pp, hf_config, seq_length, lr_scheduler)
+                        ckpt_format, tp, pp, hf_config, seq_length, lr_scheduler, drop_norm_decay)
 
 
 def _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False, allow_unread=False,
                  n_kv_heads=None, ckpt_format=None, tp=None, pp=None, hf_config=None, seq_length=None,
-                 lr_scheduler=None) -> None:
+                 lr_scheduler=None, drop_norm_decay=False) -> None:
     from ckpt_tools.ops import convert as ops
 
     try:
         plan = ops.plan_convert(ckpt, out, to=to, layout=layout, allow_unread=allow_unread, n_kv_heads=n_kv_heads,
                                 ckpt_format=ckpt_format, tp=tp, pp=pp, hf_config=hf_config, seq_length=seq_length,
-                                lr_scheduler=lr_scheduler)
+                                lr_scheduler=lr_scheduler, drop_norm_decay=drop_norm_decay)
     except ValueError as e:
         raise typer.BadParameter(str(e))
     if dry_run:

@@ -347,3 +347,47 @@ def _megatron_and_titan_logits(out: Path, src: Path, tmp_path: Path, kv_heads: i
     assert_hf_logits_equal(tmp_path / "hf", TOKENS, t, (2, 12, 64))
     assert torch.allclose(m, t, atol=0.03, rtol=0), float((m - t).abs().max())
     return m, t
+
+
+@NEEDS_MEGATRON
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="the real torchtitan is not installed")
+def test_a_stock_single_group_torchtitan_run_moves_onto_megatron_with_drop_norm_decay(tmp_path):
+    """torchtitan's own llama3 configs train with its stock `default_adamw`: one AdamW param group, weight decay 0.1
+    on every parameter, the RMSNorm weights included, which Megatron-core never decays (wd_mult 0 for 1-D tensors).
+    The real Trainer makes such a run here (not bundled). Converted as it is: exit 2 naming --drop-norm-decay,
+    nothing written. With it: verified against the source read with that one change; the plan lists the weight
+    decay dropped from the 5 norm weights; the output holds Megatron-core's two groups (10 weights at 0.1, the 5 norms
+    at 0). Megatron resumes the legacy rank files of it with every check passing, the closed-form AdamW check of
+    every update from the carried state included, and the LRs of steps 4 and 5 are torchtitan's own (--lr-scheduler).
+    On a run whose norms do not decay (the bundled sample) the flag has nothing to change: exit 2."""
+    import ckpt_tools
+    from ckpt_tools.samples import run_torchrun
+    from ckpt_tools.view import logical as L
+
+    run_torchrun("ckpt_tools.samples.workers.torchtitan_run", 2,  # raises with the log's tail if it fails
+                 ["--sample", "torchtitan_onegroup", "--out", str(tmp_path / "made")], timeout=600)
+    src = tmp_path / "made" / "torchtitan_onegroup" / "step-3"
+    made = json.loads((tmp_path / "made" / "torchtitan_onegroup.manifest.json").read_text())
+    assert made["extra"]["config"]["weight_decay"] == [0.1] and made["extra"]["config"]["lr"] == [8e-4]
+    cfg = _titan_hf_config(tmp_path / "cfg")
+    r = _convert(tmp_path / "refused", cfg, "--seq-length", "32", src=src)
+    assert r.returncode == 2 and "--drop-norm-decay" in r.stderr and not (tmp_path / "refused").exists(), r.stderr
+    out = tmp_path / "out"
+    r = _convert(out, cfg, "--seq-length", "32", "--lr-scheduler", SCHEDULE, "--drop-norm-decay", src=src)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["verified"] is True
+    assert any(x.startswith("weight decay 0.1 on 5 norm weights") for x in doc["not_moved"]), doc["not_moved"]
+    groups = L.param_groups(out)
+    assert [(g["weight_decay"], len(g["params"])) for g in groups] == [(0.1, 10), (0.0, 5)]
+    assert all(len(ckpt_tools.open_checkpoint(out).get(f"model.{n}").shape) == 1 for n in groups[1]["params"])
+    leg = tmp_path / "legacy"
+    assert run_cli("convert", out, leg, "--to", "megatron", "--ckpt-format", "torch").returncode == 0
+    res = _ckpt_resume(leg)
+    checks = {c["name"]: c["status"] for c in res["checks"]}
+    assert all(s in ("pass", "n/a") for s in checks.values()), checks
+    assert checks["optimizer state"] == checks["learning rate"] == checks["run rebuilt"] == "pass", checks
+    later = [h["lr"] for h in made["extra"]["history"] if h["step"] > 3]
+    assert [r["lr"] for r in res["records"]] == [[lr, lr] for (lr,) in later]
+    r = _convert(tmp_path / "nothing", cfg, "--drop-norm-decay")
+    assert r.returncode == 2 and "nothing to drop" in r.stderr and not (tmp_path / "nothing").exists(), r.stderr

@@ -122,6 +122,8 @@ class ConvertPlan:
     seq_length: int | None = None
     #: --to megatron from torchtitan: its LR schedule's settings (`--lr-scheduler`; not in the checkpoint)
     lr_scheduler: str | None = None
+    #: --to megatron from torchtitan: its decaying norms moved into a group without weight decay (`--drop-norm-decay`)
+    drop_norm_decay: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -142,7 +144,7 @@ class ConvertPlan:
             "notes": list(self.notes), "not_moved": list(self.not_moved), "n_kv_heads": self.n_kv_heads,
             "fused": {name: list(parts) for name, parts in self.fused},
             "ckpt_format": self.ckpt_format, "tp": self.tp, "pp": self.pp, "hf_config": self.hf_config,
-            "seq_length": self.seq_length, "lr_scheduler": self.lr_scheduler,
+            "seq_length": self.seq_length, "lr_scheduler": self.lr_scheduler, "drop_norm_decay": self.drop_norm_decay,
         }
 
 
@@ -296,7 +298,7 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
                  layout: str | None = None, allow_unread: bool = False, n_kv_heads: int | None = None,
                  ckpt_format: str | None = None, tp: int | None = None, pp: int | None = None,
                  hf_config: str | os.PathLike | None = None, seq_length: int | None = None,
-                 lr_scheduler: str | None = None) -> ConvertPlan:
+                 lr_scheduler: str | None = None, drop_norm_decay: bool = False) -> ConvertPlan:
     """Decide everything `execute` writes; reads metadata and small values only. `n_kv_heads`: the model's KV
     heads, which orders a fused wqkv's optimizer state (`ckpt_tools.read.qkv`): read from a torchtitan source that
     saved one, and written fused for the torchtitan layout. `ckpt_format` (--to megatron): "torch_dist" (default,
@@ -304,7 +306,8 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
     (default: the saved sizes). `hf_config` / `seq_length` (--to megatron from a torchtitan Llama): the model's
     Hugging Face config.json, which the checkpoint does not hold, and Megatron's seq_length (default: the config's
     max_position_embeddings); `lr_scheduler`: torchtitan's schedule settings (`warmup_steps=…,decay_ratio=…,
-    decay_type=…,min_lr_factor=…,training_steps=…`), carried as Megatron's WSD schedule."""
+    decay_type=…,min_lr_factor=…,training_steps=…`), carried as Megatron's WSD schedule; `drop_norm_decay`: a
+    torchtitan run that decays its norms converted with them in a group without weight decay (listed)."""
     from ..view import logical as L
 
     if to not in TARGETS:
@@ -337,10 +340,10 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
 
         if n_kv_heads is not None and megatron_in.is_torchtitan(ck):
             raise ValueError("--n-kv-heads: --to megatron reads the KV heads from --hf-config's num_key_value_heads")
-        ck = megatron_in.source_view(ck, hf_config, seq_length, lr_scheduler)
-    elif hf_config is not None or seq_length is not None or lr_scheduler is not None:
-        raise ValueError(f"--hf-config / --seq-length / --lr-scheduler apply to --to megatron (from torchtitan), not "
-                         f"--to {to}")
+        ck = megatron_in.source_view(ck, hf_config, seq_length, lr_scheduler, drop_norm_decay)
+    elif hf_config is not None or seq_length is not None or lr_scheduler is not None or drop_norm_decay:
+        raise ValueError(f"--hf-config / --seq-length / --lr-scheduler / --drop-norm-decay apply to --to megatron "
+                         f"(from torchtitan), not --to {to}")
     if to == "deepspeed-universal":
         from .to_universal import handles
 
@@ -474,7 +477,7 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
                        int(step) if step is not None else None, tuple(notes), tuple(not_moved), tuple(added),
                        ck.topology.dp, n_kv_heads, fused, ckpt_format, tp, pp,
                        str(ck.details["hf_config"]) if to == "megatron" and "hf_config" in ck.details else None,
-                       seq_length, lr_scheduler)
+                       seq_length, lr_scheduler, drop_norm_decay)
 
 
 def _fused_targets(params: list[ParamItem], n_kv_heads: int | None, src: Path
@@ -651,8 +654,15 @@ def verify_logical(plan: ConvertPlan, root: Path) -> list[str]:
 
     from ..view import logical as L
 
-    # a Megatron-DeepSpeed source is read under the Megatron-core names the writer gave it (`diff._megatron_names`)
-    rep = logical_diff(L.with_kv_heads(plan.source, plan.n_kv_heads), L.with_kv_heads(root, plan.n_kv_heads))
+    # a Megatron-DeepSpeed source is read under the Megatron-core names the writer gave it (`diff._megatron_names`);
+    # a torchtitan source whose norms' weight decay the plan drops (listed in not_moved) as the view with that change
+    source: Any = plan.source
+    if plan.drop_norm_decay:
+        from . import megatron_in
+
+        source = megatron_in.source_view(L.open_any(plan.source), plan.hf_config, plan.seq_length,
+                                         plan.lr_scheduler, True)
+    rep = logical_diff(L.with_kv_heads(source, plan.n_kv_heads), L.with_kv_heads(root, plan.n_kv_heads))
     lines = [f"{section} {name}: {what}" for section, name, what in iter_lines(rep)]
     return [x for x in lines if not any(x.startswith(f"{a}: added") for a in plan.added)]
 

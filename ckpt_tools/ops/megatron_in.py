@@ -294,6 +294,11 @@ def _groups(ck) -> list[dict[str, Any]]:
     return L.param_groups(core_view(ck))
 
 
+#: what a torchtitan run whose norms decay (its stock default_adamw: one group) can do about it
+_DROP_HINT = {True: "; --drop-norm-decay converts it with the norms (1-D tensors) in a group without weight decay, "
+                    "as Megatron-core trains them (a change to the run, listed in the plan)"}
+
+
 def _megatron_groups(ck) -> tuple[list[dict[str, Any]], list[list[str]]]:
     """(the source's groups in Megatron's order, their member core names): Megatron-core puts the weights that
     decay in its default group (first) and the biases and 1-D tensors in a wd_mult 0 group; refuses a source whose
@@ -305,11 +310,13 @@ def _megatron_groups(ck) -> tuple[list[dict[str, Any]], list[list[str]]]:
     by = {tuple(sorted(g["params"])): g for g in groups}
     if set(by) != {tuple(want_decay), tuple(want_none)} or len(groups) != 2:
         _refuse(f"{len(groups)} param groups not split as Megatron-core splits them (weights with decay; biases and "
-                "1-D tensors without): Megatron would rebuild other groups and load the state into them", ck)
+                "1-D tensors without): Megatron would rebuild other groups and load the state into them"
+                + (_DROP_HINT[True] if _titan(ck) and len(groups) == 1 and not ck.details.get(
+                    "norm_decay_dropped") else ""), ck)
     wd, nowd = by[tuple(want_decay)], by[tuple(want_none)]
     if float(nowd.get("weight_decay") or 0.0) != 0.0:
         _refuse(f"the biases' / norms' param group decays (weight_decay {nowd['weight_decay']}): Megatron-core's "
-                "default gives them wd_mult 0", ck)
+                "default gives them wd_mult 0" + _DROP_HINT.get(_titan(ck), ""), ck)
     same = ("betas", "eps") if _titan(ck) else ("lr", "betas", "eps")  # torchtitan: each group's own max_lr
     diff = [k for k in same if wd.get(k) != nowd.get(k)]
     if diff:
@@ -507,7 +514,8 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     from ..write.dcp_write import DcpStreamWriter
     from ..write.megatron_write import CONTENT_METADATA, DIST_META, LATEST, dist_key
 
-    ck = source_view(L.open_any(plan.source), plan.hf_config, plan.seq_length, plan.lr_scheduler)
+    ck = source_view(L.open_any(plan.source), plan.hf_config, plan.seq_length, plan.lr_scheduler,
+                     plan.drop_norm_decay)
     names = core_names(ck)
     args = megatron_args(ck)
     layers = args["num_layers"]
@@ -661,9 +669,12 @@ def titan_heads(cfg: dict[str, Any]) -> tuple[int, int]:
 
 
 def titan_view(ck, heads: int, groups: int, hf_config: str | None = None, seq_length: int | None = None,
-               lr_scheduler: str | None = None):
+               lr_scheduler: str | None = None, drop_norm_decay: bool = False):
     """The torchtitan checkpoint `ck` under Megatron-core names (see above), `heads` query heads in `groups` KV
-    groups; `hf_config` / `seq_length` (the conversion's) kept in its details."""
+    groups; `hf_config` / `seq_length` (the conversion's) kept in its details. `drop_norm_decay`
+    (`--drop-norm-decay`): the 1-D tensors of a group that decays (torchtitan's stock `default_adamw`: one group,
+    weight decay on every parameter) moved into a group of their own with weight decay 0, as Megatron-core's own
+    rule groups them; the view then is what Megatron will train, and its details say what changed."""
     from ..read.qkv import megatron_rule
     from ..read.tree import GroupNode, TensorNode, ValueNode
 
@@ -720,6 +731,9 @@ def titan_view(ck, heads: int, groups: int, hf_config: str | None = None, seq_le
             names = members.value if isinstance(members, ValueNode) and isinstance(members.value, list) else []
             return bool(names) and all(len(getattr(model.get(n), "shape", (0, 0))) == 1 for n in names)
 
+        dropped: list[tuple[float, int]] = []
+        if drop_norm_decay:
+            pg, dropped = _split_decaying_norms(pg, model, ck)
         pg = {str(j): g for j, g in enumerate(sorted(pg.values(), key=flat))}  # Megatron-core's group order
         new["optimizer"] = GroupNode({**opt.children, "state": GroupNode(state),
                                       **({"param_groups": GroupNode(pg)} if pg else {})})
@@ -728,6 +742,8 @@ def titan_view(ck, heads: int, groups: int, hf_config: str | None = None, seq_le
                       "in rotate-half order, wq/wk/wv fused per query group, w1/w3 as linear_fc1)")
     if hf_config:
         details["hf_config"] = str(hf_config)
+    if drop_norm_decay:
+        details["norm_decay_dropped"] = dropped
     if seq_length:
         details["seq_length"] = int(seq_length)
     if lr_scheduler:
@@ -735,12 +751,42 @@ def titan_view(ck, heads: int, groups: int, hf_config: str | None = None, seq_le
     return dataclasses.replace(ck, tree=dataclasses.replace(ck.tree, children=new), details=details, state_split={})
 
 
-def source_view(ck, hf_config: str | None = None, seq_length: int | None = None, lr_scheduler: str | None = None):
+def _split_decaying_norms(pg: dict, model: dict, ck) -> tuple[dict, list[tuple[float, int]]]:
+    """`--drop-norm-decay`: each param group that decays and holds 1-D tensors (norm weights) split into its
+    other members, as they were, and its 1-D members with weight decay 0 (Megatron-core's wd_mult 0 group);
+    [(the weight decay dropped, how many tensors)] per split group. Refuses when no group needs it."""
+    from ..read.tree import GroupNode, ValueNode
+
+    out: dict = {}
+    dropped: list[tuple[float, int]] = []
+    for i, g in pg.items():
+        members = g.children.get("params") if isinstance(g, GroupNode) else None
+        wd = g.children.get("weight_decay") if isinstance(g, GroupNode) else None
+        names = members.value if isinstance(members, ValueNode) and isinstance(members.value, list) else []
+        decay = float(wd.value) if isinstance(wd, ValueNode) and isinstance(wd.value, (int, float)) else 0.0
+        flat = [n for n in names if len(getattr(model.get(n), "shape", (0, 0))) == 1]
+        if not decay or not flat:
+            out[i] = g
+            continue
+        rest = [n for n in names if n not in flat]
+        if rest:
+            out[i] = GroupNode({**g.children, "params": ValueNode(rest)})
+        out[f"{i}.norms"] = GroupNode({**g.children, "params": ValueNode(flat), "weight_decay": ValueNode(0.0)})
+        dropped.append((decay, len(flat)))
+    if not dropped:
+        raise UnsupportedCheckpoint("--drop-norm-decay: no param group decays the norms (1-D tensors): nothing to "
+                                    "drop", path=Path(ck.path), hint="drop the flag")
+    return out, dropped
+
+
+def source_view(ck, hf_config: str | None = None, seq_length: int | None = None, lr_scheduler: str | None = None,
+                drop_norm_decay: bool = False):
     """What the conversion into Megatron reads: a torchtitan source as `titan_view` (its heads from the
     `--hf-config` given, every shape checked against it), any other source as it is."""
     if not is_torchtitan(ck):
-        if hf_config is not None or seq_length is not None or lr_scheduler is not None:
-            raise UnsupportedCheckpoint("--hf-config / --seq-length / --lr-scheduler describe a torchtitan run, "
+        if hf_config is not None or seq_length is not None or lr_scheduler is not None or drop_norm_decay:
+            raise UnsupportedCheckpoint("--hf-config / --seq-length / --lr-scheduler / --drop-norm-decay describe a "
+                                        "torchtitan run, "
                                         f"which saves no config; this is a {ck.format} checkpoint",
                                         path=Path(ck.path), hint="drop them")
         return ck
@@ -756,7 +802,7 @@ def source_view(ck, hf_config: str | None = None, seq_length: int | None = None,
                                     hint="pass a JSON config.json") from None
     _titan_check_config(ck, cfg, str(cfg_file))
     heads, groups = titan_heads(cfg)
-    return titan_view(ck, heads, groups, str(cfg_file), seq_length, lr_scheduler)
+    return titan_view(ck, heads, groups, str(cfg_file), seq_length, lr_scheduler, drop_norm_decay)
 
 
 def _titan_check_config(ck, cfg: dict[str, Any], where: str) -> None:
@@ -986,6 +1032,10 @@ def _titan_lines(ck) -> tuple[list[str], list[str]]:
                   "max_norm): relaunch with yours; Megatron counts its schedule in samples of the saved global "
                   "batch, so another --global-batch-size needs --override-opt_param-scheduler and moves the "
                   "schedule's position"]
+    for decay, n in ck.details.get("norm_decay_dropped") or ():
+        not_moved.append(f"weight decay {decay:g} on {n} norm weights (1-D tensors; --drop-norm-decay): torchtitan "
+                         "decayed them, Megatron-core never decays 1-D tensors (wd_mult 0): written in a group of "
+                         "their own with weight_decay 0, with their LR, Adam state and step as saved")
     if L.optimizer_scalars(ck) and ck.counters.global_step is None:
         not_moved.append("the step: torchtitan's train_state is missing")
     return notes, not_moved

@@ -91,13 +91,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SAMPLES = ("torchtitan_real", "torchtitan_gqa")
+SAMPLES = ("torchtitan_real", "torchtitan_gqa", "torchtitan_onegroup")
 #: the grouped-query variant (not bundled: tests make it where torchtitan is installed): 4 heads in 2 KV groups
-N_KV_HEADS = {"torchtitan_real": None, "torchtitan_gqa": 2}
+N_KV_HEADS = {"torchtitan_real": None, "torchtitan_gqa": 2, "torchtitan_onegroup": None}
 TORCHTITAN_VERSION = "0.3.0"
 MODULE = "ckpt_tools.samples.workers.torchtitan_run"
 CONFIG_FN = "torchtitan_tiny"
-CONFIG_FNS = {"torchtitan_real": CONFIG_FN, "torchtitan_gqa": "torchtitan_tiny_gqa"}
+CONFIG_FNS = {"torchtitan_real": CONFIG_FN, "torchtitan_gqa": "torchtitan_tiny_gqa",
+              "torchtitan_onegroup": "torchtitan_tiny_onegroup"}
 
 DP = 2
 # model (torchtitan llama3 builders)
@@ -156,7 +157,15 @@ def torchtitan_tiny_gqa():
     return torchtitan_tiny(n_kv_heads=N_KV_HEADS["torchtitan_gqa"])
 
 
-def torchtitan_tiny(n_kv_heads: int | None = None):
+def torchtitan_tiny_onegroup():
+    """`torchtitan_tiny` with torchtitan's own stock optimizer, `default_adamw(lr=LR)` (what its llama3 configs use):
+    one AdamW param group, weight decay 0.1 on every parameter, the norms included (not bundled: tests make it)."""
+    from torchtitan.components.optimizer import default_adamw
+
+    return torchtitan_tiny(optimizer=default_adamw(lr=LR))
+
+
+def torchtitan_tiny(n_kv_heads: int | None = None, optimizer=None):
     """Like torchtitan's `llama3_debugmodel`, with a llama3 small enough for a bundled sample."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
@@ -182,7 +191,7 @@ def torchtitan_tiny(n_kv_heads: int | None = None):
         loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))),
         hf_assets_path="./tests/assets/tokenizer",  # replaced by --hf-assets-path
         model_spec=spec,
-        optimizer=OptimizersContainer.Config(param_groups=[
+        optimizer=optimizer or OptimizersContainer.Config(param_groups=[
             ParamGroupConfig(pattern=NORM_PATTERN, optimizer_name="AdamW",
                              optimizer_kwargs={"lr": NORM_LR, **adamw, "weight_decay": 0.0}),
             ParamGroupConfig(pattern=r".*", optimizer_name="AdamW",
