@@ -91,14 +91,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SAMPLES = ("torchtitan_real", "torchtitan_gqa", "torchtitan_onegroup")
+SAMPLES = ("torchtitan_real", "torchtitan_gqa", "torchtitan_onegroup", "torchtitan_split")
 #: the grouped-query variant (not bundled: tests make it where torchtitan is installed): 4 heads in 2 KV groups
-N_KV_HEADS = {"torchtitan_real": None, "torchtitan_gqa": 2, "torchtitan_onegroup": None}
+N_KV_HEADS = {"torchtitan_real": None, "torchtitan_gqa": 2, "torchtitan_onegroup": None, "torchtitan_split": None}
+#: llama3's attention as fused wqkv (its default) or torchtitan's stock separate wq / wk / wv (`torchtitan_split`)
+FUSE_QKV = {name: name != "torchtitan_split" for name in SAMPLES}
 TORCHTITAN_VERSION = "0.3.0"
 MODULE = "ckpt_tools.samples.workers.torchtitan_run"
 CONFIG_FN = "torchtitan_tiny"
 CONFIG_FNS = {"torchtitan_real": CONFIG_FN, "torchtitan_gqa": "torchtitan_tiny_gqa",
-              "torchtitan_onegroup": "torchtitan_tiny_onegroup"}
+              "torchtitan_onegroup": "torchtitan_tiny_onegroup", "torchtitan_split": "torchtitan_tiny_split"}
 
 DP = 2
 # model (torchtitan llama3 builders)
@@ -165,7 +167,13 @@ def torchtitan_tiny_onegroup():
     return torchtitan_tiny(optimizer=default_adamw(lr=LR))
 
 
-def torchtitan_tiny(n_kv_heads: int | None = None, optimizer=None):
+def torchtitan_tiny_split():
+    """`torchtitan_tiny` with `fuse_qkv=False`: separate wq / wk / wv parameters, each with its own Adam state (not
+    bundled: tests make it)."""
+    return torchtitan_tiny(fuse_qkv=False)
+
+
+def torchtitan_tiny(n_kv_heads: int | None = None, optimizer=None, fuse_qkv: bool = True):
     """Like torchtitan's `llama3_debugmodel`, with a llama3 small enough for a bundled sample."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
@@ -182,7 +190,7 @@ def torchtitan_tiny(n_kv_heads: int | None = None, optimizer=None):
     from torchtitan.protocols.model_spec import ModelSpec
     from torchtitan.trainer import Trainer
 
-    model = model_config(n_kv_heads=n_kv_heads)
+    model = model_config(fuse_qkv=fuse_qkv, n_kv_heads=n_kv_heads)
     spec = ModelSpec(name="llama3", flavor="tiny", model=model, parallelize_fn=parallelize_llama,
                      pipelining_fn=pipeline_llm, post_optimizer_build_fn=None,
                      state_dict_adapter=Llama3StateDictAdapter)
@@ -539,7 +547,7 @@ def write_make_manifest(sample, target, config, trainer, model, rec: Recorder, a
                 "export_dtype": config.checkpoint.export_dtype,
                 "local_batch_size": config.training.local_batch_size, "seq_len": config.training.seq_len,
                 "model": {"dim": DIM, "n_heads": N_HEADS, "n_layers": N_LAYERS, "hidden_dim": HIDDEN_DIM,
-                          "vocab_size": VOCAB, "fuse_qkv": True, "n_kv_heads": N_KV_HEADS[sample] or N_HEADS},
+                          "vocab_size": VOCAB, "fuse_qkv": FUSE_QKV[sample], "n_kv_heads": N_KV_HEADS[sample] or N_HEADS},
                 "seed": SEED,
             },
             "trainer_argv": [a.replace(str(target), "<sample>").replace(str(work), "<per-rank temp>") for a in argv],
