@@ -164,21 +164,26 @@ def _megatron_save(name: str, out: Path) -> Path:
 
 @pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,
                     reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout)")
-def test_the_distributed_optimizer_at_tp2_both_ways_against_megatrons_own_saves(tmp_path):
-    """TP 2 x DP 2 with the distributed optimizer (one run saved both ways by Megatron-LM itself, not bundled):
-    each TP rank's buckets are their own model-parallel domain (dp_group_idx_0, _1). ckpt maps the torch_dist
-    save's sharded buckets to parameters, so the two saves are logically the same (84 tensors). legacy -> torch_dist
-    writes Megatron's keys, chunks, objects and common.pt, and its buckets equal Megatron's on every parameter's
-    range (the logical diff; Megatron fills the padding between parameters with torch.empty, so those elements are
-    whatever memory held); torch_dist -> legacy writes the same rank folders, each rank file equal to Megatron's
-    but for the args' run folders, and distrib_optim.pt with the same keys, dtype keys and lengths."""
+@pytest.mark.parametrize("run,sizes,buckets", [("megatron_tp2_dp2_distopt", (2, 1), 2),
+                                               ("megatron_pp2_dp2_distopt", (1, 2), 4)])
+def test_the_distributed_optimizer_at_tp2_or_pp2_both_ways_against_megatrons_own_saves(tmp_path, run, sizes, buckets):
+    """TP 2 x DP 2 and PP 2 x DP 2 with the distributed optimizer (one run saved both ways by Megatron-LM itself,
+    not bundled): each model-parallel rank's buckets are their own domain (dp_group_idx_0, _1); at PP 2 the tied
+    embedding's copy on each stage is a bucket of its own (Megatron's shared-embedding bucket: 2 buckets per stage,
+    which the legacy distrib_optim.pt joins without marking). ckpt maps both saves' buffers to parameters, so the
+    two saves are logically the same (84 tensors). legacy -> torch_dist writes Megatron's keys, chunks, objects and
+    common.pt, and its buckets equal Megatron's on every parameter's range (the logical diff; Megatron fills the
+    padding between parameters with torch.empty, so those elements are whatever memory held); torch_dist -> legacy
+    writes the same rank folders, each rank file equal to Megatron's but for the args' run folders, and
+    distrib_optim.pt with the same keys, dtype keys and lengths."""
     import torch
 
-    legacy = _megatron_save("megatron_tp2_dp2_distopt_legacy", tmp_path / "saves")
-    dist = _megatron_save("megatron_tp2_dp2_distopt_torch_dist", tmp_path / "saves")
+    legacy = _megatron_save(f"{run}_legacy", tmp_path / "saves")
+    dist = _megatron_save(f"{run}_torch_dist", tmp_path / "saves")
     for path in (legacy, dist):
         doc = json.loads(run_cli("inspect", path, "--json").stdout)
-        assert "mapped to parameters" in doc["details"]["optimizer"] and doc["topology"]["tp"] == 2, path
+        assert "mapped to parameters" in doc["details"]["optimizer"], (path, doc["details"]["optimizer"])
+        assert (doc["topology"]["tp"], doc["topology"]["pp"]) == sizes, path
     proc = run_cli("diff", "--logical", legacy, dist, "--json")
     assert proc.returncode == 0 and json.loads(proc.stdout)["tensors_compared"] == 84, proc.stdout[-2000:]
 
@@ -187,6 +192,7 @@ def test_the_distributed_optimizer_at_tp2_both_ways_against_megatrons_own_saves(
     assert proc.returncode == 0 and json.loads(proc.stdout)["verified"] is True, proc.stderr
     (fa, ka), (fb, kb) = _dcp(out), _dcp(dist)
     assert ka == kb and {k.split(".")[2] for k in kb if ".bucket_idx_" in k} == {"dp_group_idx_0", "dp_group_idx_1"}
+    assert len({k.rsplit(".", 1)[0] for k in kb if ".bucket_idx_" in k}) == buckets
 
     def chunks(folder, key):
         return sorted((tuple(c.field("offsets")), tuple(c.field("sizes"))) for c in folder.sdm[key].field("chunks"))

@@ -492,15 +492,48 @@ def _optimizer(objs, names_by_rank, local, model, origin, tp, distributed, cache
     return GroupNode({"state": GroupNode(state_out), "param_groups": GroupNode(shown)}), groups, steps
 
 
+def distopt_layout(names: list[str], numel: dict[str, int], args: dict) -> tuple[dict[str, int], list[int]]:
+    """Where each parameter of one distributed-optimizer buffer (`names` in model order) starts in the legacy save's
+    coalesced world tensor, and each bucket's unpadded length, by Megatron-core 0.16's `_ParamAndGradBuffer`:
+    parameters in reverse model order, each start padded to 64 elements; one bucket, except that with PP > 1 and
+    tied embeddings the shared embedding (the first stage's word embeddings, the last stage's output weight) is a
+    bucket of its own; the bucket before it ends at its padded start, the one after it starts right at its end
+    (the save drops the padding between buckets)."""
+    shared = set()
+    if (as_int(args.get("pipeline_model_parallel_size")) or 1) > 1 and not args.get("untie_embeddings_and_output_weights"):
+        shared = {"embedding.word_embeddings.weight", "output_layer.weight"}
+    pos, rel, in_bucket = 0, 0, 0  # the bucket's saved offset, the position in it, its parameters so far
+    where: dict[str, int] = {}
+    buckets: list[int] = []
+    for n in reversed(names):
+        rel = -(-rel // 64) * 64
+        if n in shared and in_bucket:  # the bucket before it closes at its padded start
+            buckets.append(rel)
+            pos, rel, in_bucket = pos + rel, 0, 0
+        where[n] = pos + rel
+        rel += numel[n]
+        in_bucket += 1
+        if n in shared:  # a bucket of its own
+            buckets.append(rel)
+            pos, rel, in_bucket = pos + rel, 0, 0
+    if in_bucket:
+        buckets.append(rel)
+    return where, buckets
+
+
 def _distopt_entries(obj: Any, names: list[str], refs: dict[str, TensorRef], args: dict, rel: str,
                      rank: dict[str, int]) -> dict[str, dict[str, TensorNode]] | None:
     """Per-parameter {fp32, exp_avg, exp_avg_sq} inside the distributed optimizer's flat buffers of one rank file, or
     None when the layout cannot be told for sure. Megatron-core's grad buffer (`_ParamAndGradBuffer`, 0.16): one
     buffer per (param dtype, grad dtype), parameters in REVERSE model order, each start padded to 64 elements, one
-    bucket unless a bucket size was set (`ddp_bucket_size`/`ddp_num_buckets`, or a shared embedding with PP > 1);
-    the saved buffers hold `numel_unpadded` elements. The layout is accepted only when it adds up exactly."""
+    bucket unless a bucket size was set (`ddp_bucket_size`/`ddp_num_buckets`); with PP > 1 and tied embeddings the
+    shared embedding (the first stage's word embeddings, the last stage's output weight) is a bucket of its own
+    (`_does_param_require_new_bucket`). The saved buffers hold each bucket's `numel_unpadded` elements back to back
+    (`get_parameter_state_dp_zero` drops the padding between buckets): a bucket closed before the shared weight
+    ends at that weight's 64-padded start, the bucket after it starts right at its end. The layout is accepted only
+    when it adds up exactly."""
     if not isinstance(obj, dict) or args.get("ddp_bucket_size") or args.get("ddp_num_buckets") or \
-            ((as_int(args.get("pipeline_model_parallel_size")) or 1) > 1 and not args.get("untie_embeddings_and_output_weights")):
+            args.get("mtp_num_layers"):
         return None
     chunks = [v for k, v in obj.items() if isinstance(k, int)]
     if len(chunks) != 1 or not isinstance(chunks[0], dict):
@@ -511,11 +544,8 @@ def _distopt_entries(obj: Any, names: list[str], refs: dict[str, TensorRef], arg
             return None
         pdtype = str(dkey[0] if isinstance(dkey, tuple) else dkey).replace("torch.", "")
         mine = [n for n in names if refs[n].dtype == pdtype]
-        pos, where = 0, {}
-        for n in reversed(mine):
-            pos = -(-pos // 64) * 64
-            where[n] = pos
-            pos += refs[n].numel
+        where, buckets = distopt_layout(mine, {n: refs[n].numel for n in mine}, args)
+        pos = sum(buckets)
         flat = {k: buf.get(k) for k in ("param", "exp_avg", "exp_avg_sq")}
         if as_int(buf.get("numel_unpadded")) != pos or not all(isinstance(v, TensorRef) and v.numel >= pos
                                                                for v in flat.values()):

@@ -783,8 +783,9 @@ def _plan_megatron(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None,
         raise UnsupportedCheckpoint("a Megatron-LM checkpoint of the distributed optimizer: Megatron-LM's loader "
                                     "without Apex or TransformerEngine reads an Adam step the fresh optimizer does "
                                     "not hold yet, and ckpt's resume has not been run with either",
-                                    path=path, hint="inspect / diff / export it with ckpt, or convert it to the "
-                                                    "plain optimizer (`ckpt convert --to megatron`) and resume that")
+                                    path=path, hint="inspect / diff / export / convert it with ckpt; resume it with "
+                                                    "Megatron-LM's own launch where Apex or TransformerEngine is "
+                                                    "installed")
     root = os.environ.get("MEGATRON_LM_DIR")
     if not root or not (Path(root) / "pretrain_gpt.py").is_file():
         raise CkptError("resuming a Megatron-LM checkpoint runs Megatron-LM's own pretrain_gpt.py, which is not in "

@@ -86,11 +86,11 @@ def _check_distopt_dist_source(ck, src: Path, tp: int | None, pp: int | None) ->
     """Refuse, in one line, a distributed-optimizer torch_dist run ckpt cannot write as legacy rank files with
     distrib_optim.pt: the saved sizes, dp_reshardable buckets, one per buffer."""
     saved, saved_pp = ck.topology.tp or 1, ck.topology.pp or 1
-    if ck.format != "megatron_torch_dist" or (tp or saved, pp or saved_pp) != (saved, saved_pp) or saved_pp > 1:
+    if ck.format != "megatron_torch_dist" or (tp or saved, pp or saved_pp) != (saved, saved_pp) or ck.topology.vpp:
         raise UnsupportedCheckpoint(f"a distributed-optimizer run at TP {saved} x PP {saved_pp} (to TP {tp or saved} "
                                     f"x PP {pp or saved_pp}): ckpt writes its legacy distrib_optim.pt from a torch_dist "
-                                    "save at the saved TP and PP 1 (each rank's buffers are Megatron's own, not "
-                                    "re-cut; no PP > 1 save of the distributed optimizer was checked)", path=src)
+                                    "save at the saved TP and PP, without a virtual pipeline (each rank's buffers are "
+                                    "Megatron's own, not re-cut)", path=src)
     from ..read import pickle_reader as pr
 
     common = pr.load(_dist_iter(ck) / "common.pt").obj
@@ -117,12 +117,13 @@ def _check_distopt_source(ck, src: Path) -> None:
     if not (args.get("bf16") or args.get("fp16")):
         raise UnsupportedCheckpoint("--to megatron is proven for bf16/fp16 runs (an fp32 master in the buffers); "
                                     "this run trained in fp32", path=src)
-    if (ck.topology.pp or 1) > 1:
-        # with PP > 1 Megatron gives the last stage's copy of tied embeddings a bucket of its own, which the
-        # coalesced legacy buffer does not mark; no PP > 1 save of the distributed optimizer was checked
-        raise UnsupportedCheckpoint(f"a distributed-optimizer run at PP {ck.topology.pp}: ckpt writes its torch_dist "
-                                    "buckets at PP 1 only (checked against Megatron's own saves at TP 1 and TP 2)",
-                                    path=src)
+    if ck.topology.vpp or args.get("num_layers_per_virtual_pipeline_stage") or \
+            args.get("virtual_pipeline_model_parallel_size"):
+        raise UnsupportedCheckpoint("a distributed-optimizer run with a virtual pipeline: its buffers (one per model "
+                                    "chunk) are not laid out by ckpt", path=src)
+    if args.get("mtp_num_layers"):
+        raise UnsupportedCheckpoint("a distributed-optimizer run with multi-token prediction: its shared embedding "
+                                    "buckets are not laid out by ckpt", path=src)
     if args.get("overlap_grad_reduce") or args.get("ddp_num_buckets"):
         raise UnsupportedCheckpoint("the run split its gradient buffers into several buckets (overlap_grad_reduce / "
                                     "ddp_num_buckets): distrib_optim.pt coalesces them without their boundaries, "
@@ -250,11 +251,10 @@ def _write_dist(plan, root: Path, progress: Callable[[int], None] | None) -> int
         for rest in _extra_states(obj0):
             for i in range(layers):
                 w.value((f"decoder.layers.{rest}._extra_state/shard_{i}_{layers}",), [None])
-        masters = [q.weight.node for q in plan.params if q.states] if distopt else []
         for (t, s), f in sorted(ranks.items()):
             obj = obj0 if f == ranks[min(ranks)] else pr.load(f).obj
             if distopt:  # Megatron's data-parallel group index: the rank in the model-parallel group, tp + TP x pp
-                _write_distopt_buffers(w, f, obj, args, masters, t + tp * s, f.relative_to(Path(ck.path)).parent)
+                _write_distopt_buffers(w, f, obj, args, t + tp * s)
             rng = obj.get("rng_state")
             if rng is not None:  # a run saved with --no-save-rng has none, and its args tell Megatron so
                 w.value_blob((f"rng_state/shard_{s}.{t}_{pp}.{tp}",), _zip_bytes(f, [rng]))
@@ -272,24 +272,18 @@ def _write_dist(plan, root: Path, progress: Callable[[int], None] | None) -> int
 _BUFFER_CHUNK = 1 << 20
 
 
-def _pieces(node) -> list:
-    """Every piece of a node, its TP shards' included."""
-    return [*node.pieces, *(q for sh in node.shards for q in _pieces(sh))]
-
-
-def _write_distopt_buffers(w, rank_file: Path, obj: dict, args: dict[str, Any], masters: list, domain: int,
-                           rank_dir: Path) -> None:
+def _write_distopt_buffers(w, rank_file: Path, obj: dict, args: dict[str, Any], domain: int) -> None:
     """The distributed optimizer's state as Megatron core_v0.16.1's dp_reshardable torch_dist save holds it
-    (`DistributedOptimizer.sharded_param_state_dp_reshardable`): per buffer and dtype, the bucket's fp32 master /
-    exp_avg / exp_avg_sq as one global tensor of the bucket's unpadded length
-    (`optimizer.distributed.dp_group_idx_D.gbuf_idx_G.dtype_(P, M).bucket_idx_0.<state>`), `per_bucket_numel`
+    (`DistributedOptimizer.sharded_param_state_dp_reshardable`): per buffer, dtype and bucket, the bucket's fp32
+    master / exp_avg / exp_avg_sq as one global tensor of the bucket's unpadded length
+    (`optimizer.distributed.dp_group_idx_D.gbuf_idx_G.dtype_(P, M).bucket_idx_B.<state>`), `per_bucket_numel`
     (padded as Megatron pads a bucket: to lcm(DP, 128), or with 2**16 under ddp_pad_buckets_for_high_nccl_busbw),
     `per_bucket_numel_unpadded`, and the inner optimizer's param groups (the step is in them). Read from
-    distrib_optim.pt (`buckets_coalesced`: each bucket's world tensor cut to its unpadded length, one bucket per
-    buffer here) a chunk at a time. As in Megatron's save, each parameter's range is its own chunk (and so is each
-    DP rank's share), which is how a reader finds the parameters in the bucket again (`masters`: the source's fp32
-    master nodes, ranges of the buffers; the pieces of this rank's file, `rank_dir`, count). `obj`: the rank file's
-    inert tree; `domain`: its model-parallel rank, Megatron's DP-group index in the keys."""
+    distrib_optim.pt (`buckets_coalesced`: each bucket's world tensor cut to its unpadded length, joined) a chunk at a
+    time, cut into buckets by Megatron's layout (`formats.megatron_lm.distopt_layout`: one bucket, or with PP > 1
+    and tied embeddings the shared embedding's own). As in Megatron's save, each parameter's range is its own chunk
+    (and so is each DP rank's share), which is how a reader finds the parameters in the bucket again. `obj`: the rank
+    file's inert tree; `domain`: its model-parallel rank, Megatron's DP-group index in the keys."""
     import math
 
     import torch
@@ -306,34 +300,45 @@ def _write_distopt_buffers(w, rank_file: Path, obj: dict, args: dict[str, Any], 
     if unknown:  # another optimizer's state (not Adam) or a newer layout: it would be left behind
         raise UnsupportedCheckpoint(f"distrib_optim.pt holds {', '.join(map(str, unknown[:4]))}, which ckpt does "
                                     "not write into the torch_dist buckets", path=rank_file.parent / "distrib_optim.pt")
+    from ..formats.megatron_lm import distopt_layout
+
     dp = int(args.get("data_parallel_size") or 1)
     divisor = math.lcm(dp, 128, 2 ** 16) if args.get("ddp_pad_buckets_for_high_nccl_busbw") else math.lcm(dp, 128)
     prefix = f"optimizer.distributed.dp_group_idx_{domain}"
-    mine = [q for m in masters for q in _pieces(m) if Path(q.file).parent == rank_dir]
+    model = {k: v for k, v in (obj.get("model") or {}).items() if isinstance(v, pr.TensorRef)}
     numel: list[dict] = []
     unpadded: list[dict] = []
     for g in sorted(k for k in dist if isinstance(k, int)):
         padded_g, unpadded_g = {}, {}
         for dkey, entry in dist[g].items():
             n = int(entry["numel_unpadded"])
-            bucket = f"{prefix}.gbuf_idx_{g}.dtype_({dkey[0]!r}, {dkey[1]!r}).bucket_idx_0"
-            padded = -(-n // divisor) * divisor
-            key = getattr(getattr(entry["param"], "storage", None), "key", None)
-            bounds = {0, n} | {k * (padded // dp) for k in range(dp) if k * (padded // dp) < n}
-            ours = [q for q in mine if getattr(getattr(q.ref, "storage", None), "key", None) == key]
-            bounds |= {q.src_offset for q in ours if q.src_offset < n}
-            bounds |= {q.src_offset + q.numel for q in ours if q.src_offset + q.numel < n}
-            edges = sorted(bounds)
-            cuts = [x for a, b in zip(edges, edges[1:]) for x in range(a, b, _BUFFER_CHUNK)] + [n]
-            for state in ("param", "exp_avg", "exp_avg_sq"):
-                ref = entry[state]
-                if tuple(ref.shape) != (n,):
-                    raise UnsupportedCheckpoint(f"distrib_optim.pt buffer {g} {dkey} {state}: {tuple(ref.shape)} "
-                                                f"elements, not its numel_unpadded {n}", path=rank_file.parent)
-                for a, b in zip(cuts, cuts[1:]):
-                    w.tensor_part((f"{bucket}.{state}",), (n,), (a,), ref.read_torch(a, b - a))
+            names = [k for k, v in model.items() if v.dtype == repr(dkey[0]).replace("torch.", "")]
+            where, sizes = distopt_layout(names, {k: model[k].numel for k in names}, args)
+            if sum(sizes) != n:
+                raise UnsupportedCheckpoint(f"distrib_optim.pt buffer {g} {dkey}: {n} elements, not the {sum(sizes)} "
+                                            "its parameters take in Megatron's bucket layout", path=rank_file.parent)
+            start = 0
+            for b, nb in enumerate(sizes):  # each bucket its own global tensor, as Megatron's save keys them
+                bucket = f"{prefix}.gbuf_idx_{g}.dtype_({dkey[0]!r}, {dkey[1]!r}).bucket_idx_{b}"
+                padded = -(-nb // divisor) * divisor
+                bounds = {0, nb} | {k * (padded // dp) for k in range(dp) if k * (padded // dp) < nb}
+                for name in names:  # each parameter's range is its own chunk
+                    bounds |= {x - start for x in (where[name], where[name] + model[name].numel)
+                               if start < x < start + nb}
+                edges = sorted(bounds)
+                cuts = [x for a, c in zip(edges, edges[1:]) for x in range(a, c, _BUFFER_CHUNK)] + [nb]
+                for state in ("param", "exp_avg", "exp_avg_sq"):
+                    ref = entry[state]
+                    if tuple(ref.shape) != (n,):
+                        raise UnsupportedCheckpoint(f"distrib_optim.pt buffer {g} {dkey} {state}: "
+                                                    f"{tuple(ref.shape)} elements, not its numel_unpadded {n}",
+                                                    path=rank_file.parent)
+                    for a, c in zip(cuts, cuts[1:]):
+                        w.tensor_part((f"{bucket}.{state}",), (nb,), (a,), ref.read_torch(start + a, c - a))
+                start += nb
             dtypes = tuple(getattr(torch, repr(x).rsplit(".", 1)[-1]) for x in dkey)
-            padded_g[dtypes], unpadded_g[dtypes] = [padded], [n]
+            padded_g[dtypes] = [-(-nb // divisor) * divisor for nb in sizes]
+            unpadded_g[dtypes] = list(sizes)
         numel.append(padded_g)
         unpadded.append(unpadded_g)
     w.value((f"{prefix}.per_bucket_numel/shard_0_1",), [numel])
@@ -768,24 +773,30 @@ _BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d
                      r"torch\.(\w+)\)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
 
 
-def _distopt_buckets(ck) -> dict[tuple[int, int, str, str], dict[str, Any]]:
-    """{(domain, gbuf, param dtype, main dtype): {state: its bucket's TensorNode}} of a torch_dist
+def _distopt_buckets(ck) -> dict[tuple[int, int, str, str], dict[str, list[Any]]]:
+    """{(domain, gbuf, param dtype, main dtype): {state: its buckets' TensorNodes, in bucket order}} of a torch_dist
     distributed-optimizer save (dp_reshardable; domain: Megatron's DP-group index, the model-parallel rank
-    tp + TP x pp); refuses, in one line, buckets ckpt does not write into distrib_optim.pt (several per buffer)."""
+    tp + TP x pp); refuses, in one line, buckets that are not numbered 0..n-1 or lack a state."""
     from ..formats import dcp as dcp_format
     from ..formats.megatron_dist import _flat
 
     it = _dist_iter(ck)
-    out: dict[tuple[int, str, str], dict[str, Any]] = {}
+    found: dict[tuple[int, int, str, str], dict[str, dict[int, Any]]] = {}
     for key, node in _flat(dcp_format.open(it).tree.children.get("model")).items():
         if not key.startswith("optimizer.distributed.") or "/" in key or not hasattr(node, "pieces"):
             continue
         m = _BUCKET.match(key)
-        if m is None or m[5] != "0":
-            raise UnsupportedCheckpoint(f"{key}: ckpt writes buffers of one bucket each into distrib_optim.pt",
-                                        path=it)
-        out.setdefault((int(m[1]), int(m[2]), m[3], m[4]), {})[m[6]] = node
-    if not out or any(set(v) != {"param", "exp_avg", "exp_avg_sq"} for v in out.values()):
+        if m is None:
+            raise UnsupportedCheckpoint(f"{key}: not a bucket of Megatron's dp_reshardable layout", path=it)
+        found.setdefault((int(m[1]), int(m[2]), m[3], m[4]), {}).setdefault(m[6], {})[int(m[5])] = node
+    out: dict[tuple[int, int, str, str], dict[str, list[Any]]] = {}
+    for k, states in found.items():
+        if set(states) != {"param", "exp_avg", "exp_avg_sq"} or \
+                any(sorted(b) != list(range(len(b))) or len(b) != len(states["param"]) for b in states.values()):
+            raise UnsupportedCheckpoint(f"distributed-optimizer buffer {k}: its buckets are not param, exp_avg and "
+                                        "exp_avg_sq each numbered 0..n-1", path=it)
+        out[k] = {state: [b[i] for i in range(len(b))] for state, b in states.items()}
+    if not out:
         raise UnsupportedCheckpoint("no complete distributed-optimizer buckets (param, exp_avg, exp_avg_sq) in the "
                                     "torch_dist save", path=it)
     return out
@@ -794,8 +805,8 @@ def _distopt_buckets(ck) -> dict[tuple[int, int, str, str], dict[str, Any]]:
 def _write_distrib_optim(buckets: dict[tuple[int, int, str, str], dict[str, Any]], dst: Path, domain: int) -> int:
     """distrib_optim.pt as Megatron core_v0.16.1's legacy save of the distributed optimizer writes it
     (`get_parameter_state_dp_zero`): {"buckets_coalesced": True, gbuf: {(param dtype, main dtype): {param, exp_avg,
-    exp_avg_sq, numel_unpadded}}}, each tensor the buffer's buckets cut to their unpadded length and joined (one
-    bucket: the torch_dist bucket tensor itself). Its bytes are copied file range to file range from the .distcp
+    exp_avg_sq, numel_unpadded}}}, each tensor the buffer's buckets cut to their unpadded length and joined (the
+    torch_dist bucket tensors, back to back). Its bytes are copied file range to file range from the .distcp
     files (no buffer in memory); where the pieces cannot be copied as they are, the buffer is read when written."""
     import torch
 
@@ -809,16 +820,16 @@ def _write_distrib_optim(buckets: dict[tuple[int, int, str, str], dict[str, Any]
     for (d, g, pdt, mdt), states in sorted(buckets.items()):
         if d != domain:
             continue
-        n = states["param"].shape[0]
+        n = sum(b.shape[0] for b in states["param"])
         entry: dict[str, Any] = {}
         for k in ("param", "exp_avg", "exp_avg_sq"):
-            node = states[k]
-            like = torch.empty((n,), dtype=getattr(torch, node.dtype), device="meta")
-            ranges = source_ranges(node, fds)
-            if ranges is not None:
-                entry[k] = rec._record(like.dtype, like.shape, tuple(ranges))
+            nodes = states[k]  # the buffer's buckets, joined in order
+            like = torch.empty((n,), dtype=getattr(torch, nodes[0].dtype), device="meta")
+            parts = [source_ranges(node, fds) for node in nodes]
+            if all(r is not None for r in parts) and len({node.dtype for node in nodes}) == 1:
+                entry[k] = rec._record(like.dtype, like.shape, tuple(x for r in parts for x in r))
             else:
-                entry[k] = rec.made(like, lambda node=node: read_tensor(node))
+                entry[k] = rec.made(like, lambda nodes=nodes: torch.cat([read_tensor(node) for node in nodes]))
         entry["numel_unpadded"] = n
         obj.setdefault(g, {})[(DType(pdt), DType(mdt))] = entry  # written as the torch.<dtype> globals
     try:

@@ -116,6 +116,9 @@ VARIANTS = {
     # MEGATRON_LM_DIR is set, on 4 processes (TP 2 x DP 2)
     "megatron_tp2_dp2_distopt_legacy": Variant(tp=2, ckpt_format="torch", distributed_optimizer=True),
     "megatron_tp2_dp2_distopt_torch_dist": Variant(tp=2, ckpt_format="torch_dist", distributed_optimizer=True),
+    # not bundled: the distributed optimizer with pipeline stages (PP 2 x DP 2, 4 processes)
+    "megatron_pp2_dp2_distopt_legacy": Variant(tp=1, ckpt_format="torch", distributed_optimizer=True, pp=2),
+    "megatron_pp2_dp2_distopt_torch_dist": Variant(tp=1, ckpt_format="torch_dist", distributed_optimizer=True, pp=2),
 }
 #: the Llama-style variant's architecture flags (what a Llama run passes to pretrain_gpt.py)
 LLAMA_FLAGS = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--normalization", "RMSNorm",
