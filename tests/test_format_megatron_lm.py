@@ -750,3 +750,23 @@ def test_a_converted_megatron_run_loads_in_the_target_and_its_optimizer_continue
     checks = {c["name"]: c["status"] for c in json.loads(proc.stdout)["checks"]}
     assert checks["optimizer state"] == checks["optimizer step"] == checks["learning rate"] == "pass", checks
     assert [r["optimizer_step"] for r in json.loads(proc.stdout)["records"]] == [11, 12]
+
+
+def test_distributed_optimizer_buffer_layout_follows_megatrons_buckets():
+    """`distopt_layout`: parameters in reverse model order, starts padded to 64; with PP > 1 and tied embeddings the
+    shared embedding is a bucket of its own (the bucket before it ends at its padded start, the next one starts at
+    its end, unpadded: the legacy save drops the padding between buckets); otherwise one bucket. Sizes that are not
+    multiples of 64 show each rule (the PP 2 x DP 2 saves of Megatron itself are the proof, in
+    test_convert_to_megatron.py with MEGATRON_LM_DIR)."""
+    from ckpt_tools.formats.megatron_lm import distopt_layout
+
+    tied_pp2 = {"pipeline_model_parallel_size": 2}
+    first = ["embedding.word_embeddings.weight", "x", "y"]
+    numel = {"embedding.word_embeddings.weight": 100, "x": 10, "y": 70, "z": 10, "output_layer.weight": 100}
+    assert distopt_layout(first, numel, tied_pp2) == (
+        {"y": 0, "x": 128, "embedding.word_embeddings.weight": 192}, [192, 100])
+    assert distopt_layout(["z", "output_layer.weight"], numel, tied_pp2) == ({"output_layer.weight": 0, "z": 100},
+                                                                           [100, 10])
+    for args in ({"pipeline_model_parallel_size": 1}, {**tied_pp2, "untie_embeddings_and_output_weights": True}):
+        assert distopt_layout(first, numel, args) == (
+            {"y": 0, "x": 128, "embedding.word_embeddings.weight": 192}, [292])
