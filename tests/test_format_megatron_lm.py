@@ -620,15 +620,11 @@ def test_ckpt_resume_megatron_refusals_are_one_line(tmp_path):
     proc = _ckpt_resume(sample("megatron_lm", TP2), "--tp", "1", env=env)  # legacy: only at the saved sizes
     assert proc.returncode == 2 and "saved at" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
         proc.stderr
+    from ckpt_tools.resume.frameworks import _gpus
+
     if not _gpus():
         proc = _ckpt_resume(sample("megatron_lm", TP2_DIST), "--device", "cuda")
         assert proc.returncode == 2 and "no CUDA device is visible" in proc.stderr, proc.stderr
-
-
-def _gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def test_ckpt_resume_megatron_needs_no_deepspeed():

@@ -295,8 +295,8 @@ def _groups(ck) -> list[dict[str, Any]]:
 
 
 #: what a torchtitan run whose norms decay (its stock default_adamw: one group) can do about it
-_DROP_HINT = {True: "; --drop-norm-decay converts it with the norms (1-D tensors) in a group without weight decay, "
-                    "as Megatron-core trains them (a change to the run, listed in the plan)"}
+_DROP_HINT = ("; --drop-norm-decay converts it with the norms (1-D tensors) in a group without weight decay, as "
+              "Megatron-core trains them (a change to the run, listed in the plan)")
 
 
 def _megatron_groups(ck) -> tuple[list[dict[str, Any]], list[list[str]]]:
@@ -311,12 +311,11 @@ def _megatron_groups(ck) -> tuple[list[dict[str, Any]], list[list[str]]]:
     if set(by) != {tuple(want_decay), tuple(want_none)} or len(groups) != 2:
         _refuse(f"{len(groups)} param groups not split as Megatron-core splits them (weights with decay; biases and "
                 "1-D tensors without): Megatron would rebuild other groups and load the state into them"
-                + (_DROP_HINT[True] if _titan(ck) and len(groups) == 1 and not ck.details.get(
-                    "norm_decay_dropped") else ""), ck)
+                + (_DROP_HINT if _titan(ck) and len(groups) == 1 else ""), ck)
     wd, nowd = by[tuple(want_decay)], by[tuple(want_none)]
     if float(nowd.get("weight_decay") or 0.0) != 0.0:
         _refuse(f"the biases' / norms' param group decays (weight_decay {nowd['weight_decay']}): Megatron-core's "
-                "default gives them wd_mult 0" + _DROP_HINT.get(_titan(ck), ""), ck)
+                "default gives them wd_mult 0" + (_DROP_HINT if _titan(ck) else ""), ck)
     same = ("betas", "eps") if _titan(ck) else ("lr", "betas", "eps")  # torchtitan: each group's own max_lr
     diff = [k for k in same if wd.get(k) != nowd.get(k)]
     if diff:
@@ -768,14 +767,15 @@ def _split_decaying_norms(pg: dict, model: dict, ck) -> tuple[dict, list[tuple[f
         if not decay or not flat:
             out[i] = g
             continue
-        rest = [n for n in names if n not in flat]
+        norms = set(flat)
+        rest = [n for n in names if n not in norms]
         if rest:
             out[i] = GroupNode({**g.children, "params": ValueNode(rest)})
         out[f"{i}.norms"] = GroupNode({**g.children, "params": ValueNode(flat), "weight_decay": ValueNode(0.0)})
         dropped.append((decay, len(flat)))
     if not dropped:
-        raise UnsupportedCheckpoint("--drop-norm-decay: no param group decays the norms (1-D tensors): nothing to "
-                                    "drop", path=Path(ck.path), hint="drop the flag")
+        _refuse("--drop-norm-decay: no param group decays the norms (1-D tensors): nothing to drop", ck,
+                hint="drop the flag")
     return out, dropped
 
 

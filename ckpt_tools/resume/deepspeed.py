@@ -57,6 +57,7 @@ from ..errors import CkptError, UnsupportedCheckpoint
 from ..read.tree import Checkpoint, GroupNode, TensorNode, ValueNode
 from ..read.safe_load import untrusted_globals
 from ..train.processes import _cpu_env, launch as _launch, run_stoppable, scratch_folder
+from .frameworks import _gpus as _visible_gpus
 from .verdict import LR_REL_TOL, Check, CheckRow, ResumeResult, SavedState, StepRecord, _names, mismatch, saved_state
 
 #: the process each rank runs: DeepSpeed's engine loads the checkpoint and trains
@@ -119,11 +120,6 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
         out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
-
-def _visible_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 MODEL_FREE = ("replica", "none")

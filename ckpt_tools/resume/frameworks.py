@@ -350,9 +350,7 @@ def _match_groups(tensors: list[tuple[str, list[int], str]], groups: list[dict[s
 
 
 def _device(device: str) -> str:
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = _gpus()
     if device == "auto":
         return "cuda" if gpus else "cpu"
     if device not in ("cpu", "cuda"):
@@ -887,14 +885,13 @@ def _rng_not_cuda(ck: Checkpoint) -> bool:
     from ..read import pickle_reader as pr
     from ..write.megatron_write import rank_files
 
-    def odd(x: Any, key: str = "") -> bool:
+    def odd(x: Any, cuda: bool = False) -> bool:  # cuda: under `cuda_rng_state` or the tracker's states
         if isinstance(x, pr.TensorRef):
-            return key in ("cuda_rng_state", "tracker") and tuple(x.shape) != (16,)
+            return cuda and tuple(x.shape) != (16,)
         if isinstance(x, dict):
-            return any(odd(v, "tracker" if key == "rng_tracker_states" else str(k) if key != "tracker" else key)
-                       for k, v in x.items())
+            return any(odd(v, cuda or k in ("cuda_rng_state", "rng_tracker_states")) for k, v in x.items())
         if isinstance(x, (list, tuple)):
-            return any(odd(v, key) for v in x)
+            return any(odd(v, cuda) for v in x)
         return False
 
     if ck.format == "megatron_legacy":
@@ -908,6 +905,7 @@ def _rng_not_cuda(ck: Checkpoint) -> bool:
 
 
 def _gpus() -> int:
+    """The CUDA devices this process sees (0 without CUDA); the DeepSpeed planner asks the same."""
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -84,7 +84,7 @@ def _check_dist_target(ck, src: Path) -> None:
 
 def _check_distopt_dist_source(ck, src: Path, tp: int | None, pp: int | None) -> None:
     """Refuse, in one line, a distributed-optimizer torch_dist run ckpt cannot write as legacy rank files with
-    distrib_optim.pt: the saved sizes, dp_reshardable buckets, one per buffer."""
+    distrib_optim.pt: the saved sizes, no virtual pipeline, dp_reshardable buckets (joined per buffer)."""
     saved, saved_pp = ck.topology.tp or 1, ck.topology.pp or 1
     if ck.format != "megatron_torch_dist" or (tp or saved, pp or saved_pp) != (saved, saved_pp) or ck.topology.vpp:
         raise UnsupportedCheckpoint(f"a distributed-optimizer run at TP {saved} x PP {saved_pp} (to TP {tp or saved} "
@@ -111,8 +111,9 @@ def _check_distopt_dist_source(ck, src: Path, tp: int | None, pp: int | None) ->
 
 def _check_distopt_source(ck, src: Path) -> None:
     """Refuse, in one line, a distributed-optimizer legacy run whose buffers ckpt cannot lay out as Megatron's
-    dp_reshardable torch_dist save: one bucket per buffer (the legacy file coalesces buckets without their
-    boundaries; Megatron makes one bucket unless overlap_grad_reduce), no virtual pipeline, bf16 / fp16."""
+    dp_reshardable torch_dist save: the buckets Megatron makes without overlap_grad_reduce (one per buffer, plus the
+    shared embedding's own with PP > 1 and tied embeddings: `distopt_layout`; the legacy file coalesces buckets
+    without their boundaries, so no others), no virtual pipeline, no multi-token prediction, bf16 / fp16."""
     args = _args(ck)
     if not (args.get("bf16") or args.get("fp16")):
         raise UnsupportedCheckpoint("--to megatron is proven for bf16/fp16 runs (an fp32 master in the buffers); "
@@ -317,10 +318,9 @@ def _write_distopt_buffers(w, rank_file: Path, obj: dict, args: dict[str, Any], 
             if sum(sizes) != n:
                 raise UnsupportedCheckpoint(f"distrib_optim.pt buffer {g} {dkey}: {n} elements, not the {sum(sizes)} "
                                             "its parameters take in Megatron's bucket layout", path=rank_file.parent)
-            start = 0
-            for b, nb in enumerate(sizes):  # each bucket its own global tensor, as Megatron's save keys them
+            start, padded_sizes = 0, [-(-nb // divisor) * divisor for nb in sizes]
+            for b, (nb, padded) in enumerate(zip(sizes, padded_sizes)):  # each bucket its own global tensor
                 bucket = f"{prefix}.gbuf_idx_{g}.dtype_({dkey[0]!r}, {dkey[1]!r}).bucket_idx_{b}"
-                padded = -(-nb // divisor) * divisor
                 bounds = {0, nb} | {k * (padded // dp) for k in range(dp) if k * (padded // dp) < nb}
                 for name in names:  # each parameter's range is its own chunk
                     bounds |= {x - start for x in (where[name], where[name] + model[name].numel)
@@ -337,8 +337,7 @@ def _write_distopt_buffers(w, rank_file: Path, obj: dict, args: dict[str, Any], 
                         w.tensor_part((f"{bucket}.{state}",), (nb,), (a,), ref.read_torch(start + a, c - a))
                 start += nb
             dtypes = tuple(getattr(torch, repr(x).rsplit(".", 1)[-1]) for x in dkey)
-            padded_g[dtypes] = [-(-nb // divisor) * divisor for nb in sizes]
-            unpadded_g[dtypes] = list(sizes)
+            padded_g[dtypes], unpadded_g[dtypes] = padded_sizes, list(sizes)
         numel.append(padded_g)
         unpadded.append(unpadded_g)
     w.value((f"{prefix}.per_bucket_numel/shard_0_1",), [numel])
