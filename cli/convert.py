@@ -52,6 +52,7 @@ def convert_cmd(
                                      "shared filesystem)"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
     allow_unread: bool = typer.Option(False, "--allow-unread", help=output.ALLOW_UNREAD_HELP),
+    trust_pickles: bool = typer.Option(False, "--trust-pickles", help=output.TRUST_PICKLES_HELP),
     n_kv_heads: Optional[int] = typer.Option(None, "--n-kv-heads", metavar="N", help="the model's KV heads: "
                                              "splits the Adam state of a fused wqkv torchtitan saved (its rows "
                                              "are grouped per KV head); with --layout torchtitan, writes wq/wk/wv "
@@ -84,7 +85,8 @@ def convert_cmd(
     staging name, compared with the source by logical parameter (`ckpt diff`), then renamed into place."""
     try:
         return _convert(ckpt, out, to, layout, dry_run, not no_verify, json_out, distributed, allow_unread,
-                        n_kv_heads, ckpt_format, tp, pp, hf_config, seq_length, lr_scheduler, drop_norm_decay)
+                        n_kv_heads, ckpt_format, tp, pp, hf_config, seq_length, lr_scheduler, drop_norm_decay,
+                        trust_pickles=trust_pickles)
     except CkptError as e:
         if e.message.startswith("ckpt convert:"):
             raise
@@ -95,14 +97,14 @@ def convert_cmd(
 
 def _convert(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False, allow_unread=False,
              n_kv_heads=None, ckpt_format=None, tp=None, pp=None, hf_config=None, seq_length=None,
-             lr_scheduler=None, drop_norm_decay=False) -> None:
+             lr_scheduler=None, drop_norm_decay=False, trust_pickles=False) -> None:
     output.require("torch", extra="convert", what="ckpt convert")
     if to == "deepspeed-universal" and layout is None:
         from ckpt_tools.ops.to_universal import handles
 
         if not handles(ckpt):
             return _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed, allow_unread,
-                                n_kv_heads)
+                                n_kv_heads, trust_pickles=trust_pickles)
         import os
 
         from . import to_universal as tu
@@ -110,20 +112,22 @@ def _convert(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False
         return tu.to_universal_cmd(ckpt, out, workers=min(8, os.cpu_count() or 1), dry_run=dry_run,
                                    tp_layout=None, pattern=None, tp_replicated=None, target_stage=None,
                                    verify=verify, yes=True, distributed=distributed, json_out=json_out,
-                                   allow_unread=allow_unread)
+                                   allow_unread=allow_unread, trust_pickles=trust_pickles)
     return _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed, allow_unread, n_kv_heads,
-                        ckpt_format, tp, pp, hf_config, seq_length, lr_scheduler, drop_norm_decay)
+                        ckpt_format, tp, pp, hf_config, seq_length, lr_scheduler, drop_norm_decay,
+                        trust_pickles=trust_pickles)
 
 
 def _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False, allow_unread=False,
                  n_kv_heads=None, ckpt_format=None, tp=None, pp=None, hf_config=None, seq_length=None,
-                 lr_scheduler=None, drop_norm_decay=False) -> None:
+                 lr_scheduler=None, drop_norm_decay=False, trust_pickles=False) -> None:
     from ckpt_tools.ops import convert as ops
 
     try:
         plan = ops.plan_convert(ckpt, out, to=to, layout=layout, allow_unread=allow_unread, n_kv_heads=n_kv_heads,
                                 ckpt_format=ckpt_format, tp=tp, pp=pp, hf_config=hf_config, seq_length=seq_length,
-                                lr_scheduler=lr_scheduler, drop_norm_decay=drop_norm_decay)
+                                lr_scheduler=lr_scheduler, drop_norm_decay=drop_norm_decay,
+                                trust_pickles=trust_pickles)
     except ValueError as e:
         raise typer.BadParameter(str(e))
     if dry_run:

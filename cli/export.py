@@ -57,6 +57,7 @@ def export_cmd(
                              "asks)"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
     allow_unread: bool = typer.Option(False, "--allow-unread", help=output.ALLOW_UNREAD_HELP),
+    trust_pickles: bool = typer.Option(False, "--trust-pickles", help=output.TRUST_PICKLES_HELP),
 ) -> None:
     """Write consolidated model weights as safetensors (loadable by safetensors.torch.load_file; with --hf by
     transformers' from_pretrained)."""
@@ -79,7 +80,7 @@ def export_cmd(
                                    tied="dedupe" if dedupe_tied else ("all" if not hf else "dedupe"),
                                    include_frozen=not exclude_frozen, include=include or None,
                                    exclude=exclude or None, model=model, allow_unread=allow_unread,
-                                   hf_config=hf_config)
+                                   hf_config=hf_config, trust_pickles=trust_pickles)
         except ValueError as e:
             raise typer.BadParameter(str(e))
         doc = plan.to_json()

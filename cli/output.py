@@ -494,6 +494,10 @@ class Command(typer.core.TyperCommand):
 
             raise CkptError(need_extra(root, what=f"ckpt {ctx.info_name}")) from e
 
+TRUST_PICKLES_HELP = ("write even though the source's pickles name globals outside ckpt's allowlist (or its zips hold "
+                      "members torch.save does not write): without it such a source is refused (exit 2, naming "
+                      "file, place and global), since the framework loading the output would run them; with it "
+                      "they are carried and the result says so")
 ALLOW_UNREAD_HELP = ("go on although the checkpoint folder holds files that may hold model or training state which "
                      "no reader took (the `unread-files` warning of `ckpt inspect`): they are left behind, "
                      "unchanged and not carried, and the plan lists them")

@@ -184,6 +184,7 @@ def set_lr_cmd(
     backup_dir: Optional[Path] = typer.Option(None, "--backup-dir", help=_BACKUP_HELP),
     copy: bool = typer.Option(False, "--copy", help=_COPY_HELP),
     allow_unread: bool = typer.Option(False, "--allow-unread", help=output.ALLOW_UNREAD_HELP),
+    trust_pickles: bool = typer.Option(False, "--trust-pickles", help=output.TRUST_PICKLES_HELP),
 ) -> int:
     """Change the LR trajectory in every file that holds it, knowing which field drives the LR after resume
     (the plan says so per field). DeepSpeed's own schedulers: prints the launch-config change too."""
@@ -194,7 +195,7 @@ def set_lr_cmd(
         raise typer.BadParameter("give --scale or --lr, not both", param_hint="--lr")
     lp = ops.plan_set_lr(open_checkpoint(path), scale=scale, lr=lr, group=group, last_lr=last_lr,
                          last_epoch=last_epoch, step_count=step_count, optimizer=optimizer,
-                         allow_unread=allow_unread)
+                         allow_unread=allow_unread, trust_pickles=trust_pickles)
     return _run(lp, dry_run=dry_run, yes=yes, json_out=json_out, backup_dir=backup_dir, copy=copy)
 
 
@@ -216,6 +217,7 @@ def set_step_cmd(
     backup_dir: Optional[Path] = typer.Option(None, "--backup-dir", help=_BACKUP_HELP),
     copy: bool = typer.Option(False, "--copy", help=_COPY_HELP),
     allow_unread: bool = typer.Option(False, "--allow-unread", help=output.ALLOW_UNREAD_HELP),
+    trust_pickles: bool = typer.Option(False, "--trust-pickles", help=output.TRUST_PICKLES_HELP),
 ) -> int:
     """Set step counters (e.g. repair a reset Adam step) in every rank file and param group."""
     from ckpt_tools import open_checkpoint
@@ -223,7 +225,7 @@ def set_step_cmd(
 
     lp = ops.plan_set_step(open_checkpoint(path), step=step, optimizer_step=optimizer_step, global_step=global_step,
                            last_epoch=last_epoch, step_count=step_count, optimizer=optimizer,
-                           allow_unread=allow_unread)
+                           allow_unread=allow_unread, trust_pickles=trust_pickles)
     return _run(lp, dry_run=dry_run, yes=yes, json_out=json_out, backup_dir=backup_dir, copy=copy)
 
 

@@ -48,6 +48,7 @@ def to_universal_cmd(
                                                                   "of the parameters (one shared filesystem)"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
     allow_unread: bool = typer.Option(False, "--allow-unread", help=output.ALLOW_UNREAD_HELP),
+    trust_pickles: bool = typer.Option(False, "--trust-pickles", help=output.TRUST_PICKLES_HELP),
 ) -> None:
     """Convert to DeepSpeed's universal checkpoint: loads at any DP/TP/PP size and ZeRO stage.
 
@@ -56,7 +57,7 @@ def to_universal_cmd(
     hyper-parameters: the plan says so (a note, a warning, or a refusal with --target-stage 3)."""
     try:
         return _to_universal(ckpt, out, workers, dry_run, tp_layout, pattern, tp_replicated, target_stage, verify,
-                             yes, distributed, json_out, allow_unread)
+                             yes, distributed, json_out, allow_unread, trust_pickles)
     except CkptError as e:  # the same error (class, path, hint), its message naming the command
         if e.message.startswith("ckpt to-universal:"):
             raise
@@ -66,7 +67,7 @@ def to_universal_cmd(
 
 
 def _to_universal(ckpt, out, workers, dry_run, tp_layout, pattern, tp_replicated, target_stage, verify, yes,
-                  distributed, json_out, allow_unread=False) -> None:
+                  distributed, json_out, allow_unread=False, trust_pickles=False) -> None:
     _refuse_out_inside(ckpt, out)
     output.require("torch", "deepspeed", extra="convert", what="ckpt to-universal")
     from ckpt_tools.ops import to_universal as ops
@@ -74,7 +75,7 @@ def _to_universal(ckpt, out, workers, dry_run, tp_layout, pattern, tp_replicated
     try:
         plan = ops.plan_to_universal(ckpt, out, tp_layout=tp_layout, patterns=pattern or (),
                                      tp_replicated=tp_replicated, target_stage=target_stage,
-                                     allow_unread=allow_unread)
+                                     allow_unread=allow_unread, trust_pickles=trust_pickles)
     except ValueError as e:
         raise typer.BadParameter(str(e))
     if dry_run:

@@ -102,6 +102,7 @@ def sync_tp_cmd(
     pattern: List[str] = typer.Option([], "--pattern", help=_PATTERN_HELP),
     copy: bool = typer.Option(False, "--copy", help=_COPY_HELP),
     allow_unread: bool = typer.Option(False, "--allow-unread", help=output.ALLOW_UNREAD_HELP),
+    trust_pickles: bool = typer.Option(False, "--trust-pickles", help=output.TRUST_PICKLES_HELP),
 ) -> int:
     """Make every out-of-sync TP replica identical: fp32 master and Adam moments on every TP rank and DP
     shard, module weights as the cast of the synced master. Backed up, atomic, verified."""
@@ -117,7 +118,8 @@ def sync_tp_cmd(
         raise typer.BadParameter("--json cannot prompt: add --yes or --dry-run", param_hint="--json")
     ck = ops.open_for_tp_sync(path, pattern)
     try:
-        plan, report = ops.plan_sync_tp(ck, method, from_rank=from_rank or 0, patterns=pattern)
+        plan, report = ops.plan_sync_tp(ck, method, from_rank=from_rank or 0, patterns=pattern,
+                                        allow_unread=allow_unread, trust_pickles=trust_pickles)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--from-rank" if "rank" in str(e) else "--pattern")
     con = output.console()

@@ -87,7 +87,27 @@ def test_check_tp_sync_executes_nothing_and_names_the_global(corpus):
     assert not problems, "\n".join(problems)
 
 
-def test_to_universal_dry_run_executes_nothing(corpus, tmp_path):
+def _refused(c: H.Hostile, argv: list) -> list[str]:
+    """A writer given a hostile source: exit 2, one line naming the file and a global, nothing executed or written."""
+    before = snapshot(c.ckpt.parent)
+    r = run(*argv)
+    cmd = " ".join(map(str, argv[:1]))
+    problems = []
+    if r.traceback or r.hung:
+        problems.append(f"{c.name}: {cmd}: {'hung' if r.hung else r.traceback[-800:]}")
+    if c.marker.exists():
+        problems.append(f"{c.name}: {cmd}: EXECUTED the payload")
+    lines = r.error_lines()
+    if r.code != 2 or len(lines) != 1 or c.poisoned.name not in lines[0] or not any(g in lines[0] for g in c.globals):
+        problems.append(f"{c.name}: {cmd}: exit {r.code}, want 2 and one line naming {c.poisoned.name} and "
+                        f"{c.globals}: {lines[-3:]}")
+    if snapshot(c.ckpt.parent) != before:
+        problems.append(f"{c.name}: {cmd}: wrote into the checkpoint folder")
+    return problems
+
+
+def test_to_universal_dry_run_refuses_the_source(corpus, tmp_path):
+    """A writer never carries a global outside the allowlist: its plan (--dry-run too) refuses the source."""
     root, markers, cases = corpus
     ds = [c for c in cases if c.kind in ("ds", "pipe")]
     assert len(ds) >= 10
@@ -95,25 +115,30 @@ def test_to_universal_dry_run_executes_nothing(corpus, tmp_path):
     for c in ds:
         out = tmp_path / f"{c.name}-universal"
         extra = ["--tp-layout", "megatron"] if "noinfo" in str(c.ckpt) else []
-        problems += _check_one(c, ["to-universal", c.ckpt, out, "--dry-run", *extra], 0, warn=False)
+        problems += _refused(c, ["to-universal", c.ckpt, out, "--dry-run", *extra])
         if out.exists():
             problems.append(f"{c.name}: to-universal --dry-run created {out}")
     assert not problems, "\n".join(problems)
 
 
-def test_to_universal_dry_run_names_the_global(corpus, tmp_path):
+def test_to_universal_dry_run_trusted_names_the_global(corpus, tmp_path):
     root, markers, cases = corpus
     c = next(c for c in cases if c.name == "p-os_system")
-    problems = _check_one(c, ["to-universal", c.ckpt, tmp_path / "u", "--dry-run"], 0)
-    assert not problems, "\n".join(problems)
+    r = run("to-universal", c.ckpt, tmp_path / "u", "--dry-run", "--trust-pickles")
+    assert r.code == 0 and not r.traceback, r.stderr
+    assert "untrusted-pickle" in r.stdout and all(g in r.stdout for g in c.globals), r.stdout
+    assert not c.marker.exists() and not (tmp_path / "u").exists()
 
 
 def test_to_universal_execute_runs_no_pickle(corpus, tmp_path):
-    """The real conversion loads the optimizer file with torch (weights_only + allowlist): it must refuse."""
+    """The real conversion refuses before any byte is written; trusted, the optimizer file's own check (torch's
+    allowlist) still refuses to copy the global into optimizer_state.pt."""
     root, markers, cases = corpus
     c = next(c for c in cases if c.name == "deep-ds-optim-param-group")
     out = tmp_path / "u"
-    r = run("to-universal", c.ckpt, out)
+    problems = _refused(c, ["to-universal", c.ckpt, out])
+    assert not problems, "\n".join(problems)
+    r = run("to-universal", c.ckpt, out, "--trust-pickles")
     assert not c.marker.exists(), "to-universal executed the pickle in the optimizer file"
     assert r.code == 2 and not r.traceback, r.stderr
     lines = r.error_lines()

@@ -124,6 +124,8 @@ class ConvertPlan:
     lr_scheduler: str | None = None
     #: --to megatron from torchtitan: its decaying norms moved into a group without weight decay (`--drop-norm-decay`)
     drop_norm_decay: bool = False
+    #: `--trust-pickles` let the source's globals outside the allowlist through: the output may carry them
+    trust_pickles: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -295,7 +297,8 @@ def _not_moved(ck, config: dict[str, Any]) -> list[str]:
 
 
 def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str = "dcp",
-                 layout: str | None = None, allow_unread: bool = False, n_kv_heads: int | None = None,
+                 layout: str | None = None, allow_unread: bool = False, trust_pickles: bool = False,
+                 n_kv_heads: int | None = None,
                  ckpt_format: str | None = None, tp: int | None = None, pp: int | None = None,
                  hf_config: str | os.PathLike | None = None, seq_length: int | None = None,
                  lr_scheduler: str | None = None, drop_norm_decay: bool = False) -> ConvertPlan:
@@ -334,7 +337,8 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
     _refuse_out(src, dst)
     from ..view.accounting import guard
 
-    ck = L.with_kv_heads(guard(L.open_any(src), src, "convert", allow_unread=allow_unread), n_kv_heads)
+    ck = L.with_kv_heads(guard(L.open_any(src), src, "convert", allow_unread=allow_unread,
+                                   trust_pickles=trust_pickles), n_kv_heads)
     if to == "megatron":  # a torchtitan Llama is read under Megatron-core names (`megatron_in.source_view`)
         from . import megatron_in
 
@@ -477,7 +481,8 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
                        int(step) if step is not None else None, tuple(notes), tuple(not_moved), tuple(added),
                        ck.topology.dp, n_kv_heads, fused, ckpt_format, tp, pp,
                        str(ck.details["hf_config"]) if to == "megatron" and "hf_config" in ck.details else None,
-                       seq_length, lr_scheduler, drop_norm_decay)
+                       seq_length, lr_scheduler, drop_norm_decay,
+                       trust_pickles=bool(ck.details.get("carried_pickles")))
 
 
 def _fused_targets(params: list[ParamItem], n_kv_heads: int | None, src: Path
@@ -684,7 +689,7 @@ def execute(plan: ConvertPlan, *, progress: Callable[[int], None] | None = None,
     if plan.to in ("dcp", "deepspeed-universal", "megatron"):
         write = {"dcp": _write_dcp, "deepspeed-universal": _write_universal}.get(plan.to) or \
             _megatron_writer(plan).write
-        with io.new_folder(plan.out) as tmp:
+        with io.new_folder(plan.out, trust_pickles=plan.trust_pickles) as tmp:
             n = write(plan, tmp, progress)
             problems = verify_logical(plan, tmp) if verify else []
             _raise_problems(problems, plan)
@@ -743,7 +748,8 @@ def _execute_distributed(plan: ConvertPlan, *, progress: Callable[[int], None] |
             write_metadata(tmp, [p for p in parts if p is not None], str(plan.out))
         _raise_problems(verify_logical(plan, tmp) if verify else [], plan)
 
-    total, n = io.distributed_new_folder(plan.out, share, finish, before=lambda: _refuse_out(plan.source, plan.out))
+    total, n = io.distributed_new_folder(plan.out, share, finish, before=lambda: _refuse_out(plan.source, plan.out),
+                                           trust_pickles=plan.trust_pickles)
     if rank != 0:
         return ConvertResult(plan.out, len(mine), n, verify)
     return ConvertResult(plan.out, len(plan.params), total, verify)

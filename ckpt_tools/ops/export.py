@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import CkptError, UnsupportedCheckpoint
+from ..read import gate
 from ..view.logical import LogicalTensor
 
 _ST_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
@@ -134,7 +135,8 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
                 tp_layout: str | None = None, patterns: Sequence[str] = (), tied: str = "all",
                 include_frozen: bool = True, include: Sequence[str] | str | None = None,
                 exclude: Sequence[str] | str | None = None, hf: bool = False, model: int = 0,
-                allow_unread: bool = False, hf_config: str | os.PathLike | None = None) -> ExportPlan:
+                allow_unread: bool = False, hf_config: str | os.PathLike | None = None,
+                trust_pickles: bool = False) -> ExportPlan:
     """Which tensors go into which file. `source_weights`: "fp32" (the optimizer's fp32 master, the same
     values zero_to_fp32 writes, where the format has one) or "module" (the saved module weights, e.g. bf16).
     `hf`: `out` is a new folder for `from_pretrained` (tied aliases left out unless tied="all" is asked
@@ -151,7 +153,7 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
     out = Path(out)
     from ..view.accounting import guard
 
-    ck = guard(_open(src, tp_layout, patterns), src, "export", allow_unread=allow_unread)
+    ck = guard(_open(src, tp_layout, patterns), src, "export", allow_unread=allow_unread, trust_pickles=trust_pickles)
     root = Path(ck.path)
     if root.is_dir() and (_inside(out, root) or _inside(out.parent, root) and not hf):
         raise CkptError("the output would be inside the checkpoint folder", path=out,
@@ -429,6 +431,7 @@ def execute(plan: ExportPlan, *, progress: Callable[[int], None] | None = None, 
             if plan.config is not None:
                 (staging / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
             verified = len(verify_files(plan, {f: staging / f.name for f in plan.files})) if verify else None
+            gate.check_output(staging, trust_pickles=False)  # safetensors and JSON: never a pickle
             if plan.out.exists():
                 plan.out.rmdir()
             os.replace(staging, plan.out)

@@ -588,7 +588,8 @@ def _pick(files: list[_File], optimizer: int | None) -> list[int]:
 
 def plan_set_lr(ck: Checkpoint, *, scale: float | None = None, lr: float | None = None, group: int | None = None,
                 last_lr: float | None = None, last_epoch: int | None = None,
-                step_count: int | None = None, optimizer: int | None = None, allow_unread: bool = False) -> LrPlan:
+                step_count: int | None = None, optimizer: int | None = None, allow_unread: bool = False,
+                trust_pickles: bool = False) -> LrPlan:
     """The write that changes the LR trajectory (and/or the scheduler position) of `ck`.
 
     `scale`: multiply every LR field (base_lrs, _last_lr, lr, initial_lr, max_lr/min_lr, eta_min, and the
@@ -606,7 +607,7 @@ def plan_set_lr(ck: Checkpoint, *, scale: float | None = None, lr: float | None 
             raise CkptError(f"{name} {v}: must be a positive finite number")
     if all(v is None for v in (scale, lr, last_lr, last_epoch, step_count)):
         raise CkptError("nothing to change: give --scale, --lr, --last-lr, --last-epoch or --step-count")
-    ck = guard(ck, ck.path, "set-lr", allow_unread=allow_unread)
+    ck = guard(ck, ck.path, "set-lr", allow_unread=allow_unread, trust_pickles=trust_pickles)
     root, files, world = _collect(ck)
     notes: list[str] = left_behind(ck)
     kinds: dict[int, str] = {}
@@ -769,7 +770,8 @@ def _json(d: Any) -> str:
 
 def plan_set_step(ck: Checkpoint, *, step: int | None = None, optimizer_step: int | None = None,
                   global_step: int | None = None, last_epoch: int | None = None,
-                  step_count: int | None = None, optimizer: int | None = None, allow_unread: bool = False) -> LrPlan:
+                  step_count: int | None = None, optimizer: int | None = None, allow_unread: bool = False,
+                  trust_pickles: bool = False) -> LrPlan:
     """The write that sets step counters in every file, rank and param group.
 
     `optimizer_step`: Adam's `step` (every state entry; FusedAdam-style group `step` too). `global_step`:
@@ -782,7 +784,7 @@ def plan_set_step(ck: Checkpoint, *, step: int | None = None, optimizer_step: in
     values = (step, optimizer_step, global_step, last_epoch, step_count)
     if all(v is None for v in values):
         raise CkptError("nothing to change: give --step, --optimizer-step, --global-step, --last-epoch or --step-count")
-    ck = guard(ck, ck.path, "set-step", allow_unread=allow_unread)
+    ck = guard(ck, ck.path, "set-step", allow_unread=allow_unread, trust_pickles=trust_pickles)
     if any(v is not None and v < 0 for v in values[:3]):
         raise CkptError("step counters must be >= 0")
     root, files, world = _collect(ck)
@@ -974,7 +976,8 @@ def _finish(ck: Checkpoint, root: Path, files: list[_File], command: str, notes:
         raise CkptError(f"{command}: nothing to change: no field that this request edits differs from the requested "
                         f"value (searched {', '.join(f.rel for f in files)}); nothing was written", path=ck.path,
                         hint="`ckpt inspect --grep 'lr|step'` shows the fields and their values")
-    plan = io.WritePlan(root, command, tuple(writes), tuple(notes), verify)
+    plan = io.WritePlan(root, command, tuple(writes), tuple(notes), verify,
+                        trust_pickles=bool(ck.details.get("carried_pickles")))
     kind = kinds[min(kinds)] if kinds else NO_SCHEDULER
     return LrPlan(plan, kind, DRIVER[kind], change, world, dict(kinds))
 

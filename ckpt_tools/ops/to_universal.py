@@ -56,7 +56,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from ..read import safe_load
+from ..read import allowlist, safe_load
 from ..read.pickle_reader import FdCache
 from ..errors import CkptError, UnsupportedCheckpoint
 from ..read.tensor_read import read_tensor, source_ranges
@@ -119,6 +119,8 @@ class UniversalPlan:
     state_keys: tuple[str, ...] = STATES[1:]  # the per-parameter optimizer state carried (besides fp32)
     warnings: tuple[str, ...] = ()  # what DeepSpeed will do wrong with the output (see zero3_group_warnings)
     stages: tuple[int, ...] = (1, 2, 3)  # the ZeRO stages whose universal loader the output is written for
+    #: `--trust-pickles` let the source's globals outside the allowlist through: the output may carry them
+    trust_pickles: bool = False
 
     @property
     def out_tag(self) -> str:
@@ -142,7 +144,8 @@ class UniversalPlan:
         }
 
 
-def _open_source(path: Path, patterns: Sequence[str], *, allow_unread: bool = False) -> tuple[Checkpoint, Path, str]:
+def _open_source(path: Path, patterns: Sequence[str], *, allow_unread: bool = False,
+                 trust_pickles: bool = False) -> tuple[Checkpoint, Path, str]:
     """(checkpoint, tag folder, kind) for the inputs we convert, refused while it is not the whole checkpoint
     (`accounting.require_whole`)."""
     from ..view.accounting import guard
@@ -155,15 +158,15 @@ def _open_source(path: Path, patterns: Sequence[str], *, allow_unread: bool = Fa
     mod = detect(path)
     name = mod.__name__.rsplit(".", 1)[-1]
     if path.is_file():
-        guard(mod.open(path), path, "to-universal", allow_unread=allow_unread)
+        guard(mod.open(path), path, "to-universal", allow_unread=allow_unread, trust_pickles=trust_pickles)
     if name == "megatron_pipeline":
-        ck = guard(M.open(path, tp_patterns=tuple(patterns)), path, "to-universal", allow_unread=allow_unread)
+        ck = guard(M.open(path, tp_patterns=tuple(patterns)), path, "to-universal", allow_unread=allow_unread, trust_pickles=trust_pickles)
         _, tag_dir, _ = C.resolve_tag(path, M.MARKER)
         return ck, tag_dir, "pipeline"
     if name == "deepspeed_moe":
         # every expert under its global name, with its state from the ZeRO partitions of its expert-parallel rank
         _, tag_dir, _ = C.resolve_tag(path, D._STATE_GLOB)
-        ck = guard(mod.open(path), path, "to-universal", allow_unread=allow_unread)
+        ck = guard(mod.open(path), path, "to-universal", allow_unread=allow_unread, trust_pickles=trust_pickles)
         return ck, tag_dir, "zero"
     if name in ("deepspeed", "accelerate", "hf_trainer"):
         # Accelerate + DeepSpeed: `pytorch_model/` is a plain DeepSpeed tag folder named by `latest`; an HF
@@ -175,7 +178,7 @@ def _open_source(path: Path, patterns: Sequence[str], *, allow_unread: bool = Fa
                                         hint="to-universal converts DeepSpeed ZeRO, Megatron-DeepSpeed pipeline, "
                                              "Accelerate+DeepSpeed checkpoints and HF Trainer+DeepSpeed "
                                              "checkpoint-N folders (pass one checkpoint-N)") from None
-        ck = guard(deepspeed_moe.open_any(tag_dir), tag_dir, "to-universal", allow_unread=allow_unread)
+        ck = guard(deepspeed_moe.open_any(tag_dir), tag_dir, "to-universal", allow_unread=allow_unread, trust_pickles=trust_pickles)
         return ck, tag_dir, "zero"
     raise UnsupportedCheckpoint(f"to-universal does not convert {name} checkpoints", path=path,
                                 hint=f"it converts DeepSpeed ZeRO, Megatron-DeepSpeed pipeline and "
@@ -188,7 +191,7 @@ def handles(path: str | os.PathLike) -> bool:
     """Whether `path` is a checkpoint this module converts (DeepSpeed ZeRO, pipeline, Accelerate/HF Trainer with
     a DeepSpeed tag folder): `ckpt convert --to deepspeed-universal` hands those to `ckpt to-universal`."""
     try:
-        _open_source(Path(path), (), allow_unread=True)
+        _open_source(Path(path), (), allow_unread=True, trust_pickles=True)  # a probe: the plan checks
     except CkptError:
         return False
     return True
@@ -214,7 +217,8 @@ def _layout_for(info: Any, tp: int, tp_layout: str | None, patterns: Sequence[st
 
 def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_layout: str | None = None,
                       patterns: Sequence[str] = (), tp_replicated: str | None = None,
-                      target_stage: int | None = None, allow_unread: bool = False) -> UniversalPlan:
+                      target_stage: int | None = None, allow_unread: bool = False,
+                      trust_pickles: bool = False) -> UniversalPlan:
     """Decide every output file. Reads metadata, plus the bytes of TP-replicated parameters (to check that
     the TP ranks agree). Raises a CkptError naming the fix when the conversion would be a guess."""
     if tp_replicated not in (None, "average", "rank0"):
@@ -222,7 +226,7 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
     if target_stage not in (None, 1, 2, 3):
         raise ValueError(f"--target-stage {target_stage!r}: use 1, 2 or 3")
     src = Path(source)
-    ck, tag_dir, kind = _open_source(src, (), allow_unread=allow_unread)
+    ck, tag_dir, kind = _open_source(src, (), allow_unread=allow_unread, trust_pickles=trust_pickles)
     from ..formats import deepspeed as D
 
     ranks = D.list_rank_files(tag_dir)
@@ -373,7 +377,8 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
     return UniversalPlan(src, ck.format, tag_dir, tag_dir.name, Path(out), topo, tuple(jobs), model_files,
                          tuple(aliases), optim_file, ds_version, layout_name, tuple(notes),
                          {"tp_layout": tp_layout, "patterns": list(patterns), "tp_replicated": tp_replicated,
-                          "target_stage": target_stage}, state_keys, tuple(warnings), stages)
+                          "target_stage": target_stage}, state_keys, tuple(warnings), stages,
+                         trust_pickles=bool(ck.details.get("carried_pickles")))
 
 
 # --- optimizer state beyond Adam's ---------------------------------------------------------------------
@@ -547,36 +552,19 @@ def _merged_state(job: ParamJob, key: str, fds: FdCache):
 # --- writing --------------------------------------------------------------------------------------------
 
 
-#: the globals a written optimizer_state.pt / step.pt may name: what torch.load(weights_only=True) accepts for
-#: tensors and containers, plus `safe_load.allowlist()` (the DeepSpeed classes real optimizer files carry)
-_WRITABLE_GLOBALS = frozenset({
-    "collections OrderedDict", "_codecs encode", "builtins set", "builtins frozenset", "builtins bytearray",
-    "builtins complex", "builtins slice", "torch Size", "torch device",
-    *(f"{module} {name}" for module, name in safe_load.ALLOWED_GLOBALS),
-})
-
-
 def _check_globals(pickle_bytes: bytes, source: Path) -> None:
-    """Refuse to copy a pickled global outside `_WRITABLE_GLOBALS` into the output: DeepSpeed loads these
-    files with `weights_only=False`, so a global copied here would run there (the old torch.load path refused
-    the same globals)."""
+    """Refuse to copy a pickled global outside the allowlist (`read.allowlist`) into the output: DeepSpeed loads
+    these files with a full unpickler, so a global copied here would run there."""
     import pickletools
 
     for op, arg, _ in pickletools.genops(pickle_bytes):
-        if op.name != "GLOBAL" or arg in _WRITABLE_GLOBALS:
+        if op.name != "GLOBAL":
             continue
         module, _, name = str(arg).partition(" ")
-        if module == "torch._utils" and name.startswith("_rebuild_") or module == "torch" and (
-                name.endswith("Storage") or name in _TORCH_DTYPE_NAMES):
-            continue
-        raise UnsupportedCheckpoint(f"refusing to load: the pickle names a class outside the allowlist "
-                                    f"({module}.{name})", path=source,
-                                    hint="inspect it with `ckpt inspect` to see the unknown global")
-
-
-_TORCH_DTYPE_NAMES = frozenset({"float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8",
-                                "uint8", "bool", "complex64", "complex128", "float", "double", "half", "long",
-                                "int", "short"})
+        if not allowlist.is_allowed(module, name):
+            raise UnsupportedCheckpoint(f"refusing to load: the pickle names a class outside the allowlist "
+                                        f"({allowlist.dotted(module, name)})", path=source,
+                                        hint="inspect it with `ckpt inspect` to see the unknown global")
 
 
 @dataclass(frozen=True)
@@ -849,7 +837,8 @@ def verify_logical(plan: UniversalPlan, root: Path) -> list[str]:
     must be equal, bit for bit. Returns one line per difference ([] when equal)."""
     from .diff import iter_lines, logical_diff
 
-    src, _, _ = _open_source(plan.source, plan.options.get("patterns") or (), allow_unread=True)
+    src, _, _ = _open_source(plan.source, plan.options.get("patterns") or (), allow_unread=True,
+                             trust_pickles=True)  # the plan checked the source
     rep = logical_diff(src, root)
     return [f"{section} {name}: {what}" for section, name, what in iter_lines(rep)]
 
@@ -881,7 +870,7 @@ def execute(plan: UniversalPlan, *, workers: int = 1, progress: Callable[[int], 
     steps, optimizer_state = _steps_and_globals(plan)
     if world == 1:
         _stale_staging(plan.out)
-        with io.new_folder(plan.out) as tmp:
+        with io.new_folder(plan.out, trust_pickles=plan.trust_pickles) as tmp:
             n = convert_params(plan, tmp / plan.out_tag, mine, workers=workers, progress=progress, steps=steps)
             _write_common(plan, tmp, optimizer_state)
             problems = verify(plan, tmp)
@@ -902,7 +891,8 @@ def execute(plan: UniversalPlan, *, workers: int = 1, progress: Callable[[int], 
             raise CkptError("verification failed: " + "; ".join(problems[:5]), path=plan.out)
         _run_check(check, plan, tmp)
 
-    total, n = io.distributed_new_folder(plan.out, share, finish, before=lambda: _stale_staging(plan.out))
+    total, n = io.distributed_new_folder(plan.out, share, finish, before=lambda: _stale_staging(plan.out),
+                                           trust_pickles=plan.trust_pickles)
     if rank != 0:
         return UniversalResult(plan.out, plan.out_tag, len(mine), n, 0)
     return UniversalResult(plan.out, plan.out_tag, len(plan.params), total, _count_files(plan.out))

@@ -483,7 +483,8 @@ class _FilePatches:
 
 
 def plan_sync_tp(ck: Checkpoint, method: str = "average", *, from_rank: int = 0, patterns: Sequence[str] = (),
-                 report: TPSyncReport | None = None, allow_unread: bool = False) -> tuple[io.WritePlan, TPSyncReport]:
+                 report: TPSyncReport | None = None, allow_unread: bool = False,
+                 trust_pickles: bool = False) -> tuple[io.WritePlan, TPSyncReport]:
     """The write that makes every out-of-sync replica identical on every TP rank, in every representation.
 
     `method`: "average" (the mean over TP ranks of the fp32 master and of each Adam moment) or "rank0"
@@ -494,7 +495,7 @@ def plan_sync_tp(ck: Checkpoint, method: str = "average", *, from_rank: int = 0,
     """
     from ..view.accounting import guard
 
-    ck = guard(ck, ck.path, "sync-tp", allow_unread=allow_unread)
+    ck = guard(ck, ck.path, "sync-tp", allow_unread=allow_unread, trust_pickles=trust_pickles)
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r} (use {' or '.join(METHODS)})")
     report = report or check_tp_sync(ck, patterns=patterns)
@@ -537,7 +538,8 @@ def plan_sync_tp(ck: Checkpoint, method: str = "average", *, from_rank: int = 0,
                                 method="byte patch in place (pickle untouched, CRC-32 updated from the changed "
                                        "bytes; whole-file copy where in place is refused)")
                    for rel, fp in sorted(files.items()))
-    notes = [f"method: {method}" + (f" (TP rank {from_rank})" if method == "rank0" else ""),
+    notes = [*ck.details.get("carried_pickles", ()),
+             f"method: {method}" + (f" (TP rank {from_rank})" if method == "rank0" else ""),
              f"{len(targets)} replicated parameters out of sync, {len(writes)} files to patch",
              "old = max |diff| across TP ranks before, new = after"]
     if left:
@@ -553,7 +555,8 @@ def plan_sync_tp(ck: Checkpoint, method: str = "average", *, from_rank: int = 0,
         return [f"{q.name} still differs across TP ranks after the write"
                 for q in after.params if not q.bit_exact and (q.name in synced or q.rule_source != SOURCE_DATA)]
 
-    plan = io.WritePlan(root, f"sync-tp --method {method}", writes, tuple(notes), verify)
+    plan = io.WritePlan(root, f"sync-tp --method {method}", writes, tuple(notes), verify,
+                        trust_pickles=bool(ck.details.get("carried_pickles")))
     return plan, report
 
 

@@ -16,6 +16,7 @@ plain pickles (DCP `.metadata`, Accelerate `*.pkl`).
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import io
 import mmap
@@ -27,7 +28,7 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import remote
+from . import allowlist, remote
 from ..errors import CorruptCheckpoint, NotACheckpoint
 
 # --- dtypes -----------------------------------------------------------------------------------------
@@ -313,6 +314,7 @@ class Opaque:
     def __call__(self, *args, **kwargs):
         # hostile chains call what a call returned (getattr(__import__('os'), 'system')(cmd)): record that
         # call as one more inert placeholder, so the file still reads and its globals get reported
+        _flag(f"a call of what {self.cls} built")
         return opaque_class(f"{self.cls}.__call__")(self, *args)
 
     def field(self, name: str, default=None):
@@ -434,14 +436,30 @@ def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, 
                      subclass=getattr(cls, "cls", None))
 
 
+#: while a pickle is parsed: the set its flagged calls go to (see `_flag`)
+_FLAGGED: contextvars.ContextVar[set | None] = contextvars.ContextVar("ckpt_pickle_flagged", default=None)
+
+
+def _flag(what: str) -> None:
+    """Record a call a full unpickler would make beyond the globals the pickle names: it joins the file's
+    globals and is reported (and refused) like an unknown one."""
+    seen = _FLAGGED.get()
+    if seen is not None:
+        seen.add(what)
+
+
 def _safe_getattr(obj, name, *default):
     # ShardedTensor pickles reach a nested class with getattr(ShardedTensor, "ProcessGroupState").
     # Only placeholder classes are looked into (giving another placeholder); a real object never is,
-    # since getattr chains on real objects are how hostile pickles reach os.system.
+    # since getattr chains on real objects are how hostile pickles reach os.system. A full unpickler runs the
+    # getattr for real, so anything but a listed nested class is flagged.
     if isinstance(obj, type) and issubclass(obj, Opaque) and isinstance(name, str):
+        if not allowlist.is_allowed_nested(obj.cls, name):
+            _flag(f"getattr({obj.cls}, {name!r})")
         nested = opaque_class(f"{obj.cls}.{name}")
         nested.getattr_of = (obj, name)  # a pickle can only reach it this way again (no dotted GLOBAL)
         return nested
+    _flag(f"getattr(<{getattr(obj, 'cls', type(obj).__name__)}>, {str(name)[:40]!r})")
     return opaque_class("builtins.getattr")(obj, name)
 
 
@@ -571,26 +589,6 @@ _SAFE_GLOBALS: dict[tuple[str, str], Any] = {
     ("numpy", "ndarray"): NumpyArray,
 }
 
-#: Globals that are expected in real checkpoints; they still become inert `Opaque` records, but are
-#: not reported as unknown. Prefix match on the dotted name.
-KNOWN_OPAQUE_PREFIXES = (
-    "argparse.Namespace",
-    "torch.device", "torch.nn.parameter.Parameter", "torch.Tensor", "torch._tensor.Tensor",
-    "torch.distributed.checkpoint.", "torch.distributed._shard.", "torch.distributed.tensor.",
-    "torch.distributed._tensor.", "torch.distributed.fsdp.", "torch.distributed.distributed_c10d",
-    "torch.distributed.remote_device._remote_device",
-    "torch.serialization.", "torch.strided", "torch.sparse_coo", "torch.float8",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.runtime.fp16.loss_scaler.",
-    "deepspeed.runtime.zero.", "deepspeed.checkpoint.",
-    "numpy.random.", "numpy.generic", "enum.", "datetime.", "pathlib.", "decimal.Decimal",
-    "accelerate.utils.dataclasses.", "accelerate.state.",
-    "megatron.", "transformers.training_args.", "transformers.trainer_utils.",
-    "signal.Signals",  # Megatron-LM's args.exit_signal
-)
-
-
 #: safe globals whose results remember the call that made them (`pickled`), for pickle_writer
 _RECORDED_CALLS = frozenset({
     "torch._utils._rebuild_tensor", "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3",
@@ -635,7 +633,7 @@ class _Unpickler(pickle.Unpickler):
         self.globals_seen: set[str] = set()
 
     def find_class(self, module: str, name: str):
-        self.globals_seen.add(f"{module}.{name}")
+        self.globals_seen.add(allowlist.dotted(module, name))
         hit = _SAFE_GLOBALS.get((module, name))
         if hit is not None:
             dotted = f"{module}.{name}"
@@ -857,17 +855,16 @@ class Loaded:
 
     @property
     def unknown_globals(self) -> list[str]:
-        """Globals that are neither mapped to a record nor on the list of expected framework classes."""
+        """Globals outside the exact allowlist (`read.allowlist`), and the calls a framework's full unpickler
+        would make beyond them (getattr on an object, calling what a call returned): what it would import or run
+        beyond the classes real checkpoints carry."""
         out = []
         for g in sorted(self.globals_seen):
-            module, _, name = g.rpartition(".")
-            if (module, name) in _SAFE_GLOBALS or (module == "torch" and (
-                    name.endswith("Storage") or _DTYPE_ALIASES.get(name, name) in DTYPE_SIZE)):
-                continue
-            if g.startswith("torch.storage.") or g.startswith(KNOWN_OPAQUE_PREFIXES):
+            module, _, name = g.partition(":") if ":" in g else g.rpartition(".")
+            if allowlist.is_allowed(module, name, calls_checked=True) or allowlist.is_allowed_nested(module, name):
                 continue
             out.append(g)
-        return out
+        return sorted(out, key=lambda g: ("(" in g or g.startswith("a call"), g))  # the named globals first
 
 
 #: the most items a tuple may expand to (shared sub-tuples counted every time they appear); legitimate
@@ -875,9 +872,19 @@ class Loaded:
 MAX_TUPLE_EXPANSION = 1_000_000
 #: the most expanded tuple items the whole stream may re-reference through the memo or DUP
 MAX_SHARED_EXPANSION = 10_000_000
+#: the most levels containers may nest (a tuple in a tuple, a dict in a list, an object's state, ...). Hashing a
+#: tuple recurses in C without a limit: a 300,000-deep tuple used as a dict key kills the process (SIGSEGV),
+#: whichever unpickler builds the dict. The deepest sample pickle nests 18 levels (FSDP1's sharded state dict:
+#: ShardedTensor metadata inside optimizer state); 256 also keeps what recurses in Python over the tree clear of
+#: its 1,000-frame limit.
+MAX_NESTING = 256
 _U32, _U64 = struct.Struct("<I").unpack_from, struct.Struct("<Q").unpack_from
+# a walk's stack slot packs (nesting depth << _DEPTH_SHIFT) | expanded width (see _walk_expansion)
+_DEPTH_SHIFT = 40
+_WIDTH = (1 << _DEPTH_SHIFT) - 1
 # what the expansion walk does with an opcode
-_GENERIC, _GET, _PUT, _MEMOIZE, _MARKOP, _DUP, _TUPLE_TO_MARK, _OTHER_TO_MARK, _TUPLE_N, _STOP = range(10)
+(_GENERIC, _GET, _PUT, _MEMOIZE, _MARKOP, _DUP, _TUPLE_TO_MARK, _NEW_TO_MARK, _FILL_TO_MARK, _FILL, _TUPLE_N,
+ _STOP) = range(12)
 #: opcode byte -> (kind, argument size as pickletools gives it, two text lines?, pops, pushes, name)
 _OPS: list[tuple[int, int, bool, int, int, str] | None] = []
 
@@ -892,7 +899,10 @@ def _op_table() -> list:
             kind = (_GET if name in ("GET", "BINGET", "LONG_BINGET") else
                     _PUT if name in ("PUT", "BINPUT", "LONG_BINPUT") else
                     _MEMOIZE if name == "MEMOIZE" else _MARKOP if name == "MARK" else _DUP if name == "DUP" else
-                    _TUPLE_TO_MARK if name in ("TUPLE", "FROZENSET") else _OTHER_TO_MARK if to_mark else
+                    _TUPLE_TO_MARK if name in ("TUPLE", "FROZENSET") else
+                    # fill the container below the MARK (it stays on the stack) / build one from what lies above
+                    _FILL_TO_MARK if name in ("APPENDS", "SETITEMS", "ADDITEMS") else _NEW_TO_MARK if to_mark else
+                    _FILL if name in ("APPEND", "SETITEM", "BUILD") else  # fill the container under the items
                     _TUPLE_N if name in ("TUPLE1", "TUPLE2", "TUPLE3") else _STOP if name == "STOP" else _GENERIC)
             _OPS[ord(op.code)] = (kind, 0 if op.arg is None else op.arg.n, name in ("GLOBAL", "INST"),
                                   0 if to_mark else len(op.stack_before), len(op.stack_after), name)
@@ -904,18 +914,26 @@ def _op_table() -> list:
 _WHOLE_STREAM_BYTES = 64 << 20
 
 
-def check_expansion(data, path: str) -> None:
-    """Refuse a pickle whose tuples expand exponentially through shared references.
+def check_expansion(data, path: str) -> int:
+    """Refuse a pickle that would hang or kill whatever unpickles it: tuples that expand exponentially through
+    shared references, or containers nested deeper than MAX_NESTING. Returns the pickle's length in bytes (up to
+    and including its STOP opcode).
 
     `t0 = (); t1 = (t0, t0); t2 = (t1, t1); ...` is a few hundred bytes, and hashing t60 (a dict key, a set
     member) or printing it never ends: Python's tuple hash is not cached, and the C unpickler cannot be
-    interrupted while it hashes. So the opcode stream is walked first (no object is built; arguments are
-    skipped by size, not decoded), keeping for every stack slot how many items it expands to: tuples and
-    frozensets add up their items, memo gets and DUP re-use a slot's count (and add it to a stream-wide
-    budget), everything else (lists, dicts, objects: unhashable or hashed by identity) counts 1. Cost: about
-    0.07 µs per pickle byte (7 ms for the 107 KB model_states pickle of a 2.2 GB ZeRO-2 checkpoint). A
-    stream (legacy torch file, plain pickle) is first delimited with pickletools.genops. A stream the walk
-    cannot follow is left to the unpickler's own errors."""
+    interrupted while it hashes. A 300,000-deep tuple `((((...),),),)` used as a dict key is 300 KB, and hashing
+    it recurses in C without a limit: SIGSEGV, in this reader's unpickler, in `pickle.load` and in
+    `torch.load(weights_only=True)` alike. So the opcode stream is walked first (no object is built; arguments
+    are skipped by size, not decoded), keeping for every stack slot how many items it expands to (tuples and
+    frozensets add up their items, memo gets and DUP re-use a slot's count and add it to a stream-wide budget,
+    everything else counts 1: lists, dicts, objects are unhashable or hashed by identity) and how deep it nests
+    (a container one level above its deepest item; filling a list, dict or object keeps the deeper of it and one
+    above the new item, so a long flat list stays flat). Cost: about 0.07 µs per pickle byte (7 ms for the
+    107 KB model_states pickle of a 2.2 GB ZeRO-2 checkpoint). A stream longer than 64 MB (a legacy torch file
+    with its tensor bytes) is first delimited with pickletools.genops.
+
+    A stream the walk cannot follow (an unknown opcode, an argument running past the end, no STOP) is refused
+    here as well, rather than left to the unpickler: what was not measured must not be built."""
     if hasattr(data, "read"):
         start = data.tell()
         try:
@@ -935,57 +953,86 @@ def check_expansion(data, path: str) -> None:
             try:
                 for _ in pickletools.genops(data):
                     pass
-            except Exception:  # noqa: BLE001  malformed: the unpickler gives the error
-                return
+            except Exception as e:  # noqa: BLE001  pickletools raises many types on a malformed stream
+                raise _unfollowable(e, path) from None
             end = data.tell()
             data.seek(start)
             data = data.read(end - start)
     try:
-        _walk_expansion(data, path)
+        return _walk_expansion(data, path)
     except CorruptCheckpoint:
         raise
-    except Exception:  # noqa: BLE001  malformed stream: the unpickler gives the error
-        return
+    except Exception as e:  # noqa: BLE001  malformed: an argument past the end, a bad text argument, ...
+        raise _unfollowable(e, path) from None
 
 
-def _walk_expansion(data: bytes, path: str) -> None:
+def _unfollowable(e: Exception, path: str) -> CorruptCheckpoint:
+    why = str(e) if isinstance(e, pickle.UnpicklingError) else f"{type(e).__name__}: {e}"
+    return CorruptCheckpoint(f"cannot parse the pickle ({why})", path=path,
+                             hint="the file is truncated or corrupt; re-copy it or restore a backup")
+
+
+def _walk_expansion(data: bytes, path: str) -> int:
     table = _op_table()
+    # One int per stack slot: (nesting depth << _DEPTH_SHIFT) | expanded width. Then one sum() over a tuple's items
+    # gives its width in the low bits, one max() its deepest item in the high bits, and one comparison (>= deep)
+    # finds a slot nested too deep: the depth costs the walk next to nothing. A leaf (a number, a string, an empty
+    # container) is 1: width 1, depth 0. The width bits cannot overflow: widths summed into one tuple stay below
+    # the stream's length plus the shared budget.
     stack: list[int] = []
     marks: list[int] = []
     memo: dict[Any, int] = {}
+    # stack position -> the memo key of the object there (PUT from there, or pushed by GET). Picklers memoize a
+    # dict, list or object as soon as it is made and fill it after (`}` BINPUT, then SETITEMS: every dict
+    # torch.save writes): filling it raises its memo entry too, else a later GET would carry the depth it had
+    # empty, and a chain of such GETs could hide any depth. (An entry left by an object since popped can only
+    # make a depth come out higher.)
+    put_at: dict[int, Any] = {}
     push, shared, i, end = stack.append, 0, 0, len(data)
-    u32, max_w, max_shared = _U32, MAX_TUPLE_EXPANSION, MAX_SHARED_EXPANSION
+    u32, max_w, max_shared, S, W = _U32, MAX_TUPLE_EXPANSION, MAX_SHARED_EXPANSION, _DEPTH_SHIFT, _WIDTH
+    level = 1 << S  # one level of depth, in slot units
+    deep = (MAX_NESTING + 1) << S  # a slot at least this large nests more than MAX_NESTING levels
     while i < end:
         op = data[i]
         # torch.save's protocol-2 opcodes, most frequent first (about 2/3 of the per-opcode cost of the
         # table-driven path below, which handles every opcode and gives the same counts)
         if op == 114:  # LONG_BINPUT
-            memo[u32(data, i + 1)[0]] = stack[-1] if stack else 1
+            k = u32(data, i + 1)[0]
+            memo[k] = stack[-1] if stack else 1
+            put_at[len(stack) - 1] = k
             i += 5
             continue
         if op == 104 or op == 106:  # BINGET, LONG_BINGET
-            w = memo.get(data[i + 1] if op == 104 else u32(data, i + 1)[0], 1)
-            push(w)
-            if w > 1:
-                shared += w - 1
+            k = data[i + 1] if op == 104 else u32(data, i + 1)[0]
+            v = memo.get(k, 1)
+            put_at[len(stack)] = k
+            push(v)
+            if v & W > 1:
+                shared += (v & W) - 1
                 if shared > max_shared:
-                    _hash_bomb(table, data, i, w, shared, path)
+                    _refuse(table, data, i, v, shared, path)
             i += 2 if op == 104 else 5
             continue
         if op == 75:  # BININT1
             push(1)
             i += 2
             continue
-        if op == 82:  # REDUCE: callable and arguments -> one object
-            del stack[-2:]
-            push(1)
+        if op == 82:  # REDUCE: callable and arguments -> one object, a level above the deeper of the two
+            if len(stack) > 1:
+                v = ((max(stack.pop(), stack[-1]) >> S) + 1 << S) | 1
+                stack[-1] = v
+                if v >= deep:
+                    _refuse(table, data, i, v, shared, path)
+            else:
+                stack[:] = [1]
             i += 1
             continue
-        if op == 133:  # TUPLE1
+        if op == 133:  # TUPLE1: one more item wide, one level deeper
             if stack:
-                stack[-1] += 1
-                if stack[-1] > max_w:
-                    _hash_bomb(table, data, i, stack[-1], shared, path)
+                v = stack[-1] + level + 1
+                stack[-1] = v
+                if v >= deep or v & W > max_w:
+                    _refuse(table, data, i, v, shared, path)
             i += 1
             continue
         if op == 88:  # BINUNICODE
@@ -997,11 +1044,16 @@ def _walk_expansion(data: bytes, path: str) -> None:
             i += 1
             continue
         if op == 113:  # BINPUT
-            memo[data[i + 1]] = stack[-1] if stack else 1
+            k = data[i + 1]
+            memo[k] = stack[-1] if stack else 1
+            put_at[len(stack) - 1] = k
             i += 2
             continue
         pos = i
-        kind, n, two_lines, pops, pushes, name = table[op]
+        entry = table[op]
+        if entry is None:
+            raise pickle.UnpicklingError(f"unknown opcode {op:#04x} at byte {pos}")
+        kind, n, two_lines, pops, pushes, name = entry
         i += 1
         arg = None
         if n > 0:
@@ -1020,41 +1072,98 @@ def _walk_expansion(data: bytes, path: str) -> None:
         elif n == -5:  # eight-byte length prefix
             i += 8 + _U64(data, i)[0]
         if kind == _GENERIC:
-            if pops:
+            if pops:  # REDUCE, NEWOBJ, BINPERSID, ...: one object made of what was popped, a level above it
+                top = stack[-pops:]
                 del stack[-pops:]
-            if pushes:
+                if pushes:
+                    v = ((max(top) >> S) + 1 << S) | 1 if top else 1
+                    push(v)
+                    if v >= deep:
+                        _refuse(table, data, pos, v, shared, path)
+            elif pushes:
                 push(1)
             continue
         if kind == _GET or kind == _DUP:
-            w = memo.get(arg, 1) if kind == _GET else (stack[-1] if stack else 1)
-            shared += w - 1
-            push(w)
-        elif kind == _PUT or kind == _MEMOIZE:
-            memo[arg if kind == _PUT else len(memo)] = stack[-1] if stack else 1
+            if kind == _GET:
+                v = memo.get(arg, 1)
+                put_at[len(stack)] = arg
+            else:
+                v = stack[-1] if stack else 1
+                put_at[len(stack)] = put_at.get(len(stack) - 1)
+            push(v)
+            shared += (v & W) - 1
+            if shared > max_shared:
+                _refuse(table, data, pos, v, shared, path)
             continue
-        elif kind == _MARKOP:
+        if kind == _PUT or kind == _MEMOIZE:
+            k = arg if kind == _PUT else len(memo)
+            memo[k] = stack[-1] if stack else 1
+            put_at[len(stack) - 1] = k
+            continue
+        if kind == _MARKOP:
             marks.append(len(stack))
             continue
-        elif kind == _STOP:
-            return
-        elif kind == _TUPLE_N:
-            w = 1 + sum(stack[-pops:])
+        if kind == _STOP:
+            return i
+        if kind == _FILL or kind == _FILL_TO_MARK:
+            # APPEND, SETITEM, BUILD / APPENDS, SETITEMS, ADDITEMS: the container under the items (under the
+            # MARK) takes them in and stays on the stack, one level above its new deepest item
+            if kind == _FILL:
+                top = stack[-pops:]
+                del stack[-pops:]
+                if top:
+                    push(top.pop(0))
+            else:
+                m = marks.pop() if marks else 0
+                top = stack[m:]
+                del stack[m:]
+            if not top or not stack:
+                continue
+            c = stack[-1]
+            d = (max(top) >> S) + 1
+            if d > c >> S:
+                v = (d << S) | (c & W)
+                stack[-1] = v
+                if v >= deep:
+                    _refuse(table, data, pos, v, shared, path)
+                k = put_at.get(len(stack) - 1)
+                held = memo.get(k) if k is not None else None
+                if held is not None and held >> S < d:
+                    memo[k] = (d << S) | (held & W)
+            continue
+        if kind == _TUPLE_N:
+            top = stack[-pops:]
             del stack[-pops:]
-            push(w)
-        else:  # pops down to the topmost MARK
+        else:  # TUPLE, FROZENSET, LIST, DICT, INST, OBJ, POP_MARK: pop down to the topmost MARK
             m = marks.pop() if marks else 0
-            w = 1 + sum(stack[m:]) if kind == _TUPLE_TO_MARK else 1
+            top = stack[m:]
             del stack[m:]
-            if pushes:
-                push(w)
-        if w > max_w or shared > max_shared:
-            _hash_bomb(table, data, pos, w, shared, path)
+            if not pushes:
+                continue
+        if not top:
+            push(1)
+            continue
+        # a tuple or frozenset is as wide as its items together (they are all hashed); anything else counts 1
+        w = (sum(top) & W) + 1 if kind != _NEW_TO_MARK else 1
+        v = ((max(top) >> S) + 1 << S) | w
+        push(v)
+        if v >= deep or w > max_w:
+            _refuse(table, data, pos, v, shared, path)
+    raise pickle.UnpicklingError("the pickle ends before its STOP opcode")
 
 
-def _hash_bomb(table, data: bytes, pos: int, w: int, shared: int, path: str) -> None:
+def _refuse(table, data: bytes, pos: int, v: int, shared: int, path: str) -> None:
+    """Raise CorruptCheckpoint for the slot `v` the opcode at `pos` made: nested too deep, or too wide."""
+    op = table[data[pos]][5]
+    if v >> _DEPTH_SHIFT > MAX_NESTING:
+        raise CorruptCheckpoint(f"pickle nests more than {MAX_NESTING} levels (opcode {op} at byte {pos}): "
+                                "hashing or walking it would overflow the stack", path=path,
+                                hint="the file is hostile or corrupt; do not load it with torch.load or pickle "
+                                     "either")
+    w = v & _WIDTH
     what = (f"builds a tuple of more than {MAX_TUPLE_EXPANSION:,} items" if w > MAX_TUPLE_EXPANSION else
             f"re-references more than {MAX_SHARED_EXPANSION:,} tuple items")
-    raise CorruptCheckpoint(f"pickle {what} out of shared references (opcode {table[data[pos]][5]} at byte {pos}): "
+    raise CorruptCheckpoint(f"pickle {what} out of shared references (opcode {op} at byte {pos}): "
                             "a hash bomb", path=path,
                             hint="the file is hostile or corrupt; do not load it with torch.load either")
 
@@ -1070,6 +1179,7 @@ def _unpickle(data, source, persistent, path) -> tuple[Any, set[str]]:
     else:
         check_expansion(data, path)
     up = _Unpickler(data if hasattr(data, "read") else io.BytesIO(data), source, persistent)
+    token = _FLAGGED.set(up.globals_seen)  # flagged calls join the globals the pickle names
     try:
         obj = up.load()
     except CorruptCheckpoint:
@@ -1081,6 +1191,8 @@ def _unpickle(data, source, persistent, path) -> tuple[Any, set[str]]:
     except Exception as e:  # any malformed opcode stream ends here: pickle raises many types
         raise CorruptCheckpoint(f"cannot parse the pickle ({type(e).__name__}: {e})", path=path,
                                 hint="the file is truncated or corrupt; re-copy it or restore a backup")
+    finally:
+        _FLAGGED.reset(token)
     return obj, up.globals_seen
 
 
@@ -1119,6 +1231,29 @@ def load_embedded(outer: Source, offset: int, length: int) -> Loaded:
     try:
         return _load_zip(outer.path, _Window(view, before),
                          lambda path, zf, prefix: EmbeddedZipSource(outer, zf, prefix, offset))
+    finally:
+        view.release()
+
+
+def loads(data: bytes, path: str) -> Loaded:
+    """Parse a pickle held in memory (one stored as bytes inside a checkpoint) without running code."""
+    obj, seen = _unpickle(data, None, None, path)
+    return Loaded(obj, "pickle", None, frozenset(seen))
+
+
+def embedded_names(outer: Source, offset: int, length: int) -> list[str]:
+    """The member names of the torch.save zip at bytes [offset, offset+length) of `outer`'s file."""
+    mm = outer._map()
+    if offset < 0 or length <= 0 or offset + length > len(mm):
+        raise CorruptCheckpoint(f"item at bytes {offset}..{offset + length} lies outside the file "
+                                f"({len(mm)} bytes)", path=outer.path, hint="the file is truncated; re-copy it")
+    view = memoryview(mm)[offset: offset + length]
+    try:
+        with zipfile.ZipFile(_Window(view)) as zf:
+            return zf.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError, EOFError) as e:
+        raise CorruptCheckpoint(f"item at byte {offset} is not a readable zip archive ({e})", path=outer.path,
+                                hint="the file is truncated or corrupt; re-copy it or restore a backup")
     finally:
         view.release()
 

@@ -60,25 +60,9 @@ def load(path: str | os.PathLike, *, mmap: bool = True) -> Any:
 
 
 def untrusted_globals(ck: Any) -> dict[str, list[str]]:
-    """file -> unknown pickle globals, over EVERY file of the checkpoint: opening it parses only some
-    (one ZeRO-3 model-states file of many), but DeepSpeed's loader unpickles them all."""
-    from pathlib import Path
+    """file -> what a full unpickler would run beyond the allowlist (and foreign zip members), over EVERY file
+    of the checkpoint: opening it parses only some (one ZeRO-3 model-states file of many), but a framework's
+    loader unpickles them all (`read.gate`)."""
+    from . import gate
 
-    from . import pickle_reader
-    from ..errors import CkptError
-
-    found = {w.path or "?": [w.message.split(":")[0].removeprefix("pickle names ")]
-             for w in ck.warnings if w.code == "unknown-global"}
-    base = Path(ck.path)
-    base = base if base.is_dir() else base.parent
-    out: dict[str, list[str]] = {}
-    for f in ck.files:
-        try:
-            loaded = pickle_reader.load(base / f.path)
-        except CkptError:
-            continue  # not a pickle (safetensors, text); a broken one fails the load anyway
-        if loaded.source is not None:
-            loaded.source.close()
-        if loaded.unknown_globals:
-            out[f.path] = loaded.unknown_globals
-    return out or found
+    return gate.by_file(gate.scan_checkpoint(ck))

@@ -55,7 +55,7 @@ from typing import Any, Callable
 from ..schedules.deepspeed import DS_SCHEDULERS, lr_at as _ds_scheduler_lr
 from ..errors import CkptError, UnsupportedCheckpoint
 from ..read.tree import Checkpoint, GroupNode, TensorNode, ValueNode
-from ..read.safe_load import untrusted_globals
+from ..read import gate
 from ..train.processes import _cpu_env, launch as _launch, run_stoppable, scratch_folder
 from .frameworks import _gpus as _visible_gpus
 from .verdict import LR_REL_TOL, Check, CheckRow, ResumeResult, SavedState, StepRecord, _names, mismatch, saved_state
@@ -313,14 +313,8 @@ def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None
         raise CkptError(f"--megatron-args applies to Megatron-LM checkpoints; this is {ck.format}", path=p,
                         hint="drop --megatron-args")
     if not trust_pickles:
-        unknown = untrusted_globals(ck)
-        if unknown:
-            rel, names = next(iter(unknown.items()))
-            more = f" ({len(unknown) - 1} more files like this)" if len(unknown) > 1 else ""
-            raise UnsupportedCheckpoint(
-                f"{rel}: pickle names {', '.join(names)}; resuming runs DeepSpeed's torch.load, which would "
-                f"execute it{more}", path=p,
-                hint="inspect it with `ckpt inspect`; pass --trust-pickles only if you trust where it came from")
+        gate.refuse(gate.scan_checkpoint(ck), p, action="resuming runs DeepSpeed's torch.load, which would "
+                                                        "execute it")
     if ck.format not in SUPPORTED_FORMATS:
         raise UnsupportedCheckpoint(f"`ckpt resume` trains DeepSpeed checkpoints; this is {ck.format}", path=p,
                                     hint=f"supported: {', '.join(SUPPORTED_FORMATS)}")

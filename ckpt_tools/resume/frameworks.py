@@ -382,6 +382,8 @@ def plan_resume(ck: Checkpoint, path: str | os.PathLike, *, steps: int, nproc: i
     if planner is None:
         raise UnsupportedCheckpoint(f"`ckpt resume` of {ck.format} checkpoints is not implemented yet", path=path)
     if fw == "megatron":
+        # Megatron-LM loads every rank file and common.pt with torch.load(weights_only=False)
+        _check_pickles(ck, Path(path), trust_pickles, "Megatron-LM")
         return _plan_megatron(ck, Path(path), steps=steps, nproc=nproc, device=dev, model=model,
                               extra_args=framework_args, tp=tp, pp=pp)
     if framework_args:
@@ -503,15 +505,10 @@ def _check_pickles(ck: Checkpoint, path: Path, trust_pickles: bool, who: str,
     files the framework's loader will unpickle (`never_loaded`: file names it does not read on resume)."""
     if trust_pickles:
         return
-    from ..read.safe_load import untrusted_globals
+    from ..read import gate
 
-    unknown = {f: g for f, g in untrusted_globals(ck).items() if Path(f).name not in never_loaded}
-    if unknown:
-        rel, names = next(iter(unknown.items()))
-        raise UnsupportedCheckpoint(f"{rel}: pickle names {', '.join(names)}; resuming runs {who}'s loader, which "
-                                    "would execute it", path=path,
-                                    hint="inspect it with `ckpt inspect`; pass --trust-pickles only if you trust "
-                                         "where it came from")
+    found = [f for f in gate.scan_checkpoint(ck) if Path(f.file).name not in never_loaded]
+    gate.refuse(found, path, action=f"resuming runs {who}'s loader, which would execute it")
 
 
 def _finite(v: Any) -> Any:

@@ -250,23 +250,32 @@ def unread_files(ck: Checkpoint) -> list[str]:
     return list((ck.details.get("accounting") or {}).get("unread", ()))
 
 
-def guard(ck: Checkpoint, given: str | os.PathLike, command: str, *, allow_unread: bool = False) -> Checkpoint:
-    """`require_whole` on `ck` as opened from `given` (accounted first when a format module's own `open` made
-    it, not `open_checkpoint`); returns the accounted checkpoint."""
+def guard(ck: Checkpoint, given: str | os.PathLike, command: str, *, allow_unread: bool = False,
+          trust_pickles: bool = False) -> Checkpoint:
+    """A writer's checks of its source: `require_whole` on `ck` as opened from `given` (accounted first when a
+    format module's own `open` made it, not `open_checkpoint`), then `read.gate.check_source` (a global outside
+    the allowlist or a foreign zip member anywhere in it is refused unless `trust_pickles`; trusted, the warning
+    is kept in `details["carried_pickles"]` for `left_behind`). Returns the accounted checkpoint."""
+    from ..read import gate
     from ..read.state import lost_scheduler_warnings
 
     if "accounting" not in ck.details:
         ck = lost_scheduler_warnings(account(ck, Path(given)))
     require_whole(ck, command, allow_unread=allow_unread)
+    carried = gate.check_source(ck, given, trust_pickles=trust_pickles, command=command)
+    if carried:
+        ck = replace(ck, details={**ck.details, "carried_pickles": carried})
     return ck
 
 
 def left_behind(ck: Checkpoint) -> list[str]:
-    """One plan line naming the unread state files a command was told to leave behind (`allow_unread`), or []."""
+    """The plan lines every writer shows first: the untrusted pickle globals it carries (`--trust-pickles`), and
+    the unread state files it was told to leave behind (`allow_unread`)."""
+    carried = list(ck.details.get("carried_pickles", ()))
     files = unread_files(ck)
     if not files:
-        return []
-    return [f"left behind (--allow-unread): {len(files)} unread file(s), not read and not carried: "
+        return carried
+    return carried + [f"left behind (--allow-unread): {len(files)} unread file(s), not read and not carried: "
             f"{', '.join(files[:6])}{', …' if len(files) > 6 else ''}"]
 
 

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..errors import CkptError
+from ..read import gate
 from ..read.tree import jsonable
 
 JOURNAL = "journal.json"
@@ -124,6 +125,8 @@ class WritePlan:
     writes: tuple[FileWrite, ...]
     notes: tuple[str, ...] = ()
     verify: Callable[[Path], list[str]] | None = field(default=None, repr=False, compare=False)
+    #: `--trust-pickles`: the files written may carry the source's globals outside the allowlist
+    trust_pickles: bool = False
 
     @property
     def changes(self) -> list[FieldChange]:
@@ -573,6 +576,7 @@ def execute(plan: WritePlan, *, backup_dir: Path | None = None,
         journal["status"] = "verifying"
         _write_json(tdir / JOURNAL, journal)
         stage("verify", None)
+        gate.check_output(root, [w.path for w in plan.writes], trust_pickles=plan.trust_pickles)
         problems = plan.verify(root) if plan.verify else []
         if problems:
             raise WriteFailed("verification after writing failed: " + "; ".join(problems[:5]), path=root,
@@ -934,8 +938,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def distributed_new_folder(out: Path, write_share: Callable[[Path], tuple[int, Any]],
-                           finish: Callable[[Path, list], None], *, before: Callable[[], None] | None = None
-                           ) -> tuple[int, int]:
+                           finish: Callable[[Path, list], None], *, before: Callable[[], None] | None = None,
+                           trust_pickles: bool = False) -> tuple[int, int]:
     """`new_folder` for every rank of an initialised torch.distributed group: rank 0 runs `before()` and owns the
     staging folder; every rank writes its share into it (`write_share(staging) -> (bytes written, part)`, `part`
     gathered on rank 0); when every rank succeeded, rank 0 runs `finish(staging, parts)` (common files, verify)
@@ -949,7 +953,7 @@ def distributed_new_folder(out: Path, write_share: Callable[[Path], tuple[int, A
     box: list[Any] = [None]
     ctx, first = None, None
     if rank == 0:
-        ctx = new_folder(out)
+        ctx = new_folder(out, trust_pickles=trust_pickles)
         try:
             if before is not None:
                 before()
@@ -992,10 +996,11 @@ def distributed_new_folder(out: Path, write_share: Callable[[Path], tuple[int, A
 
 
 @contextlib.contextmanager
-def new_folder(out: Path) -> Iterator[Path]:
+def new_folder(out: Path, *, trust_pickles: bool = False) -> Iterator[Path]:
     """Build a new folder (e.g. a universal checkpoint) under a staging name beside it, then rename it
     into place in one step. A failure or a kill leaves no half-written `out` a loader could pick up;
-    the staging folder's name starts with `.ckpt-staging-` and is removed on failure."""
+    the staging folder's name starts with `.ckpt-staging-` and is removed on failure. Before the rename every
+    file is checked for globals outside the allowlist and foreign zip members (`read.gate.check_output`)."""
     out = Path(out).resolve()
     if out.exists():
         raise CkptError("output folder already exists", path=out, hint="choose a new path or remove it first")
@@ -1011,6 +1016,7 @@ def new_folder(out: Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        gate.check_output(tmp, trust_pickles=trust_pickles)
         for dirpath, _, filenames in os.walk(tmp):
             for f in filenames:
                 _fsync_file(Path(dirpath) / f)
