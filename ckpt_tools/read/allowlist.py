@@ -33,8 +33,13 @@ _PYTHON = {
     ("builtins", "bytearray"), ("builtins", "list"), ("builtins", "dict"), ("builtins", "tuple"),
     ("builtins", "int"), ("builtins", "float"), ("builtins", "str"), ("builtins", "bytes"), ("builtins", "bool"),
     ("__builtin__", "set"), ("_codecs", "encode"), ("copy_reg", "_reconstructor"), ("copyreg", "_reconstructor"),
-    ("argparse", "Namespace"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"), ("pathlib", "Path"), ("signal", "Signals"),
+    ("argparse", "Namespace"), ("types", "SimpleNamespace"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
+    ("pathlib", "Path"), ("pathlib._local", "PosixPath"), ("pathlib._local", "WindowsPath"), ("signal", "Signals"),
+    # protocol-2 names of the builtin types (omegaconf and torch.save write types as values)
+    *(("__builtin__", n) for n in ("frozenset", "bytearray", "complex", "slice", "dict", "list", "long", "unicode",
+                                   "float", "bool", "bytes", "int", "str", "tuple")),
+    ("typing", "Any"), ("typing", "Dict"), ("typing", "List"), ("typing", "Tuple"), ("typing", "Optional"),
     ("datetime", "datetime"), ("datetime", "date"), ("datetime", "time"), ("datetime", "timedelta"),
     ("datetime", "timezone"), ("decimal", "Decimal"),
 }
@@ -46,11 +51,8 @@ _NUMPY = {
     ("numpy", "dtype"), ("numpy", "ndarray"),
     ("numpy.dtypes", "Float64DType"), ("numpy.dtypes", "Float32DType"), ("numpy.dtypes", "Int64DType"),
     ("numpy.dtypes", "UInt32DType"), ("numpy.dtypes", "Int32DType"),
-    ("numpy.random._pickle", "__randomstate_ctor"), ("numpy.random._pickle", "__generator_ctor"),
-    ("numpy.random._pickle", "__bit_generator_ctor"), ("numpy.random.mtrand", "RandomState"),
-    ("numpy.random._generator", "Generator"), ("numpy.random._mt19937", "MT19937"),
-    ("numpy.random._pcg64", "PCG64"), ("numpy.random._pcg64", "PCG64DXSM"), ("numpy.random._philox", "Philox"),
-    ("numpy.random._sfc64", "SFC64"), ("numpy.random.bit_generator", "SeedSequence"),
+    # not numpy.random._pickle's constructors: they call an object the pickle passes in (the frameworks store
+    # np.random.get_state() tuples, plain data)
 }
 
 #: torch.distributed: DCP's .metadata and planner records, ShardedTensor (FSDP1 sharded), DTensor
@@ -73,9 +75,18 @@ _TORCH_DISTRIBUTED = {
     ("torch.distributed._shard.sharded_tensor.shard", "Shard"),
     ("torch.distributed._shard.sharding_spec.chunk_sharding_spec", "ChunkShardingSpec"),
     ("torch.distributed.remote_device", "_remote_device"),
+    # DTensor and its placements (not DeviceMesh: building one creates process groups)
+    ("torch.distributed.tensor", "DTensor"), ("torch.distributed.tensor._api", "DTensor"),
     *(("torch.distributed.tensor.placement_types", n) for n in ("Shard", "Replicate", "Partial", "_StridedShard")),
-    ("torch.distributed.tensor._dtensor_spec", "TensorMeta"),
-    *(("torch.distributed.fsdp.api", n) for n in ("StateDictType", "ShardingStrategy", "BackwardPrefetch")),
+    *(("torch.distributed.tensor._dtensor_spec", n) for n in ("DTensorSpec", "TensorMeta", "ShardOrderEntry")),
+    *(("torch.distributed._tensor.placement_types", n) for n in ("Shard", "Replicate", "Partial", "_Partial",
+                                                                 "DTensorSpec", "TensorMeta")),
+    *(("torch.distributed._tensor._dtensor_spec", n) for n in ("DTensorSpec", "TensorMeta")),
+    ("torch.distributed._tensor.api", "DTensor"),
+    *(("torch.distributed.fsdp.api", n) for n in (
+        "StateDictType", "ShardingStrategy", "BackwardPrefetch", "CPUOffload", "MixedPrecision", "FullStateDictConfig",
+        "ShardedStateDictConfig", "FullOptimStateDictConfig", "ShardedOptimStateDictConfig")),
+    ("torch.distributed.fsdp", "OffloadPolicy"),
 }
 
 #: DeepSpeed's model / optimizer state files
@@ -84,24 +95,31 @@ _DEEPSPEED = {
     ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
     ("deepspeed.utils.tensor_fragment", "fragment_address"),
+    ("deepspeed.runtime.data_pipeline.curriculum_scheduler", "CurriculumScheduler"),  # Megatron-DeepSpeed's args
 }
 
 #: Megatron-LM / Megatron-core / Megatron-DeepSpeed `args` values (enums the argument parser builds)
 _MEGATRON = {
     ("megatron.core.enums", "ModelType"),
-    ("megatron.core.enums", "Fp8Recipe"),
+    ("megatron.core.enums", "Fp8Recipe"), ("megatron.core.enums", "Fp4Recipe"),
     *(("megatron.core.transformer.enums", n) for n in (
-        "AttnBackend", "AttnMaskType", "AttnType", "LayerType", "ModelType", "CudaGraphScope")),
+        "AttnBackend", "AttnMaskType", "AttnType", "LayerType", "ModelType", "CudaGraphScope", "CudaGraphModule",
+        "InferenceCudaGraphScope")),
     *(("megatron.model.enums", n) for n in ("ModelType", "AttnMaskType", "AttnType", "LayerType",
                                             "PositionEmbeddingType")),
     *(("megatron.legacy.model.enums", n) for n in ("AttnMaskType", "AttnType", "LayerType")),
-    ("megatron.enums", "PositionEmbeddingType"),
+    *(("megatron.enums", n) for n in ("PositionEmbeddingType", "AttnMaskType", "AttnType", "LayerType")),
+    *(("megatron.core.rerun_state_machine", n) for n in ("RerunMode", "RerunState", "RerunDiagnostic")),
+    *(("megatron.core.dist_checkpointing.strategies.torch", n) for n in ("MCoreMetadata", "MCoreSavePlan")),
 }
 
 #: HF Trainer's training_args.bin, Accelerate's save_state, Lightning's hyper-parameters
 _HF_AND_LIGHTNING = {
     ("transformers.training_args", "TrainingArguments"), ("transformers.training_args", "OptimizerNames"),
     ("transformers.training_args", "ParallelMode"),
+    ("transformers.training_args_seq2seq", "Seq2SeqTrainingArguments"),
+    ("transformers.generation.configuration_utils", "GenerationConfig"),
+    ("accelerate.parallelism_config", "ParallelismConfig"), ("accelerate.utils.deepspeed", "HfDeepSpeedConfig"),
     *(("transformers.trainer_utils", n) for n in (
         "IntervalStrategy", "SaveStrategy", "HubStrategy", "SchedulerType", "EvaluationStrategy", "FSDPOption",
         "ShardedDDPOption")),
@@ -117,6 +135,12 @@ _HF_AND_LIGHTNING = {
     ("lightning.fabric.utilities.data", "AttributeDict"),
     ("pytorch_lightning.utilities.parsing", "AttributeDict"),
     ("lightning_fabric.utilities.data", "AttributeDict"),
+    ("lightning.pytorch.utilities.parsing", "AttributeDict"),
+    # Lightning hyper-parameters held in an omegaconf DictConfig
+    ("omegaconf.dictconfig", "DictConfig"), ("omegaconf.listconfig", "ListConfig"),
+    ("omegaconf.base", "ContainerMetadata"), ("omegaconf.base", "Metadata"),
+    *(("omegaconf.nodes", n) for n in ("AnyNode", "StringNode", "IntegerNode", "FloatNode", "BooleanNode",
+                                       "EnumNode", "BytesNode", "PathNode")),
 }
 
 #: every allowed pair
