@@ -203,19 +203,24 @@ def _train_state_summary(rest: Mapping[str, Any]) -> dict[str, str]:
     return {}
 
 
-def loader_summary(loader: Mapping[str, Any], world: Any) -> str:
+def loader_summary(loader: Mapping[str, Any], world: Any, unknown: dict[str, Any] | None = None) -> str:
     """torchtitan's `dataloader` ({dp_rank_<r>: pickled StatefulDataLoader state, world_size}) in one line: each
-    rank's pickle parsed inertly (no code runs): batches yielded, the dataset's sample index and epoch."""
-    from ..read.pickle_reader import _unpickle
+    rank's pickle parsed inertly (no code runs): batches yielded, the dataset's sample index and epoch.
+    `unknown`, when given, gets {dp_rank_<r>: its inner pickle as a `pickle_reader.Loaded`} for each one naming
+    unknown globals (torchtitan's loader unpickles it with the full unpickler on resume: reported like a file's)."""
+    from ..read.pickle_reader import Loaded, _unpickle
 
     parts = []
     for k in sorted(loader, key=lambda k: int(str(k)[8:]) if str(k)[8:].isdigit() else 0):
         raw = loader[k]
         try:
-            state, _ = _unpickle(bytes(raw), None, None, f"dataloader.{k}")
+            state, seen = _unpickle(bytes(raw), None, None, f"dataloader.{k}")
         except Exception as e:  # noqa: BLE001  a loader state we cannot parse is shown as such, never fatal
             parts.append(f"{k}: unreadable ({type(e).__name__})")
             continue
+        loaded = Loaded(state, "pickle", None, frozenset(seen))
+        if unknown is not None and loaded.unknown_globals:
+            unknown[k] = loaded
         ds = state.get("dataset_state") if isinstance(state, Mapping) else None
         bits = [f"{state.get('_num_yielded')} batches yielded"] if isinstance(state, Mapping) else []
         if isinstance(ds, Mapping):
@@ -290,6 +295,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
 
     top: dict[Any, Any] = {}
     loader: dict[str, bytes] = {}  # torchtitan's per-DP-rank pickled data-loader states
+    loader_at: dict[str, str] = {}  # ... and the .distcp file holding each
     for key, meta in sdm.items():
         keys = logical_path(key, planner)
         if is_opaque(meta, "TensorStorageMetadata"):
@@ -298,6 +304,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
             node, obj = _value(cache, path, key, where)
             if keys[0] == "dataloader" and str(keys[-1]).startswith("dp_rank_") and isinstance(obj, (bytes, bytearray)):
                 loader[str(keys[-1])] = bytes(obj)
+                loader_at[str(keys[-1])] = where[(key, None)][0]
         else:
             node = ValueNode(repr(meta))
         slot = top
@@ -308,6 +315,13 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
                                         hint="the metadata is corrupt")
         slot[keys[-1]] = node
 
+    details = {"dcp_version": md.field("version"), "items": len(sdm)}
+    if loader:
+        world = top.get("dataloader", {}).get("world_size") if isinstance(top.get("dataloader"), dict) else None
+        inner: dict[str, Any] = {}
+        details["dataloader"] = loader_summary(loader, _raw(world), inner)
+        for k, loaded in inner.items():  # torchtitan's loader unpickles these bytes on resume: an unknown-global
+            cache._note_unknown(path / loader_at[k], loaded)  # warning on the .distcp file that holds them
     present = sorted(p.name for p in path.iterdir() if _DISTCP_RE.match(p.name))
     warnings = [Warning_("unreferenced-file", f"{name} is not named by .metadata: left over from another save? "
                          "Move it out of the folder", name) for name in present if name not in used]
@@ -315,10 +329,6 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     files = [C.file_info(meta_path, path, "metadata")] + [
         C.file_info(path / rel, path, "checkpoint", _rank(rel)) for rel in used]
     ranks = {r["dp"] for r in map(_rank, used) if r}
-    details = {"dcp_version": md.field("version"), "items": len(sdm)}
-    if loader:
-        world = top.get("dataloader", {}).get("world_size") if isinstance(top.get("dataloader"), dict) else None
-        details["dataloader"] = loader_summary(loader, _raw(world))
     ck = training_checkpoint(FORMAT, path, top, file=".metadata", dp=len(ranks) or 1, files=files,
                              warnings=warnings, details=details)
     if (path / "common.pt").is_file() and (path / "metadata.json").is_file():

@@ -232,14 +232,19 @@ class _Differ:
         if isinstance(a, TensorRef) and isinstance(b, TensorRef):
             self.tensor(rel, name, a, b)
         elif isinstance(a, dict) and isinstance(b, dict):
-            for k in a:
-                if k not in b:
-                    self.out.append(Difference(rel, ".".join(map(str, path + (k,))), "removed", _short(a[k]), None))
+            # keys are paired by what they hold, not by identity: a DCP `storage_data` is keyed by MetadataIndex
+            # records, inert placeholders that are a new object in every load (`_key`)
+            ka, kb = {_key(k): k for k in a}, {_key(k): k for k in b}
+            for c, k in ka.items():
+                field = ".".join(map(str, path + (_label(k),)))
+                if c not in kb:
+                    self.out.append(Difference(rel, field, "removed", _short(a[k]), None))
                 else:
-                    self.value(rel, path + (k,), a[k], b[k])
-            for k in b:
-                if k not in a:
-                    self.out.append(Difference(rel, ".".join(map(str, path + (k,))), "added", None, _short(b[k])))
+                    self.value(rel, path + (_label(k),), a[k], b[kb[c]])
+            for c, k in kb.items():
+                if c not in ka:
+                    self.out.append(Difference(rel, ".".join(map(str, path + (_label(k),))), "added", None,
+                                               _short(b[k])))
         elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and type(a) is type(b):
             if a and b and all(map(_scalar, a)) and all(map(_scalar, b)):  # a list of LRs is one field
                 if len(a) != len(b) or not all(self.same_scalar(x, y) for x, y in zip(a, b)):
@@ -305,6 +310,40 @@ class _Differ:
         else:
             self.out.append(Difference(rel, name, "changed", f"{a.dtype} {list(a.shape)}", f"{b.dtype} {list(b.shape)}",
                                        worst))
+
+
+#: fields of a record that are hints, not part of its identity (torch's MetadataIndex.index: compare=False)
+_KEY_HINTS = {"torch.distributed.checkpoint.metadata.MetadataIndex": ("index",)}
+
+
+def _key(k: Any) -> Any:
+    """A dict key as a hashable value equal for equal content: an inert record (`Opaque`, which compares by
+    identity) by its class and fields, so the same key read from two files pairs up; anything else as is."""
+    if isinstance(k, Opaque):
+        state = k.state
+        if isinstance(state, dict):
+            skip = _KEY_HINTS.get(k.cls, ())
+            state = {f: v for f, v in state.items() if f not in skip}
+        return ("<opaque>", k.cls, _key(k.args), _key(state), _key(k.__dict__.get("items")),
+                _key(k.__dict__.get("list")))
+    if isinstance(k, dict):
+        return ("<dict>", frozenset((_key(x), _key(y)) for x, y in k.items()))
+    if isinstance(k, (list, tuple)):
+        return (type(k).__name__, tuple(_key(x) for x in k))
+    try:
+        hash(k)
+    except TypeError:
+        return ("<unhashable>", type(k).__name__, repr(k))
+    return k
+
+
+def _label(k: Any) -> Any:
+    """How a dict key is named in a field path: a record by its fields (`MetadataIndex(fqn='w', offset=(0, 0))`)."""
+    if isinstance(k, Opaque) and isinstance(k.state, dict):
+        skip = _KEY_HINTS.get(k.cls, ())
+        fields = ", ".join(f"{f}={v!r}" for f, v in k.state.items() if f not in skip)
+        return f"{k.cls.rsplit('.', 1)[-1]}({fields})"
+    return k
 
 
 def _number(v: Any) -> bool:

@@ -539,6 +539,8 @@ def _legacy_plan_lines(ck, tp: int, pp: int) -> tuple[list[str], list[str]]:
                 f"world_size={tp * pp * int(args.get('data_parallel_size') or 1)}" if (tp, pp) != (saved, saved_pp)
                 else "")]
     source = _legacy_source(ck)
+    if source.has_rng:
+        source.check_rng()  # every saved rank's RNG state as Megatron's load reads it, before anything is written
     not_moved = []
     if ck.format == "megatron_legacy":
         notes.append(f"read from the legacy rank files at TP {saved} x PP {saved_pp}: each whole tensor merged by "
@@ -582,7 +584,23 @@ class _DistSource:
 
     def rng(self, p: int, t: int, pp: int, tp: int):
         key = f"rng_state/shard_{p}.{t}_{pp}.{tp}"
-        return self._items.value(key)[0] if (key, None) in self._items.items else None
+        return self._rng(key) if (key, None) in self._items.items else None
+
+    def _rng(self, key: str):
+        """The legacy `rng_state` list of item `key`: Megatron's ShardedObject `rng_state` holds [that list]."""
+        it = self._items.item(key)
+        where = self._items.root / it.rel
+        if it.is_tensor:
+            raise _bad_rng(key, "a tensor", where, wrapped=True)
+        obj = self._items.value(key)
+        if not (isinstance(obj, (list, tuple)) and len(obj) == 1):
+            raise _bad_rng(key, _what(obj), where, wrapped=True)
+        return _rng_list(obj[0], key, where)
+
+    def check_rng(self) -> None:
+        for key in self.keys:
+            if key.startswith("rng_state/"):
+                self._rng(key)
 
 
 class _LegacySource:
@@ -625,10 +643,52 @@ class _LegacySource:
         self.label, self.none = "each rank file's rng_state", "no rng_state in its rank files"
 
     def rng(self, p: int, t: int, pp: int, tp: int):
+        f = self._files.get((t, p))
+        return self._rng(f) if f is not None else None
+
+    def _rng(self, f: Path):
         from ..read import pickle_reader as pr
 
-        f = self._files.get((t, p))
-        return pr.load(f).obj.get("rng_state") if f is not None else None
+        obj = pr.load(f).obj
+        rng = obj.get("rng_state") if isinstance(obj, dict) else None
+        return None if rng is None else _rng_list(rng, "rng_state", f)
+
+    def check_rng(self) -> None:
+        for f in self._files.values():
+            self._rng(f)
+
+
+#: what Megatron's legacy load reads from an entry of a rank file's `rng_state` list (`[0]`, or its DP rank's)
+_RNG_FIELDS = ("random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state", "rng_tracker_states")
+
+
+def _what(obj: Any) -> str:
+    return f"a {type(obj).__name__}" + (f" of {len(obj)}" if isinstance(obj, (list, tuple, dict)) else "")
+
+
+def _bad_rng(what: str, found: str, where: Path, wrapped: bool = False):
+    """`what` (an item or field of the file `where`) holds `found`, not an RNG state (`wrapped`: a torch_dist
+    item, Megatron's ShardedObject holding [the list])."""
+    from ..errors import CorruptCheckpoint
+
+    shape = f"a list of dicts with {', '.join(_RNG_FIELDS)}"
+    return CorruptCheckpoint(f"{what} is not the RNG state Megatron saves: {found}, where it saves "
+                             f"{f'[{shape}]' if wrapped else shape}", path=where,
+                             hint=f"re-copy {where.name} from the run that saved it")
+
+
+def _rng_list(rng: Any, what: str, where: Path) -> Any:
+    """`rng` as a legacy rank file's `rng_state` (a non-empty list of dicts holding what Megatron's load reads),
+    or a one-line CorruptCheckpoint naming `what` (the item and its file)."""
+    if not isinstance(rng, (list, tuple)) or not rng:
+        raise _bad_rng(what, _what(rng), where)
+    for i, entry in enumerate(rng):
+        if not isinstance(entry, dict):
+            raise _bad_rng(what, f"entry {i} is {_what(entry)}", where)
+        missing = [f for f in _RNG_FIELDS if f not in entry]
+        if missing:
+            raise _bad_rng(what, f"entry {i} lacks {', '.join(missing)}", where)
+    return rng
 
 
 def _legacy_source(ck):
