@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from ckpt_tools.errors import CkptError
 
@@ -88,7 +89,7 @@ def convert_cmd(
                         n_kv_heads, ckpt_format, tp, pp, hf_config, seq_length, lr_scheduler, drop_norm_decay,
                         trust_pickles=trust_pickles)
     except CkptError as e:
-        if e.message.startswith("ckpt convert:"):
+        if e.message.startswith(("ckpt convert:", "ckpt convert needs")):
             raise
         named = type(e).__new__(type(e))
         CkptError.__init__(named, f"ckpt convert: {e.message}", path=e.path, hint=e.hint)
@@ -154,17 +155,17 @@ def _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed=F
     con = output.console()
     what = f"{plan.to}" + (f" ({plan.layout} layout)" if plan.layout else "")
     doc = plan.to_json()
-    con.print(f"[green]wrote[/] {res.out}  ({what}: {output.plural(res.params, 'tensor')}, "
-              f"{res.bytes_written:,} bytes; optimizer state: {', '.join(doc['optimizer_state']) or 'none'}; "
-              f"scheduler: {plan.scheduler_class or ('kept as saved' if plan.scheduler else 'none')}; "
-              f"step: {plan.step})")
+    con.print(f"[green]wrote[/] {escape(str(res.out))}  ({escape(what)}: {output.plural(res.params, 'tensor')}, "
+              f"{res.bytes_written:,} bytes; optimizer state: {escape(', '.join(doc['optimizer_state']) or 'none')}; "
+              f"scheduler: {escape(str(plan.scheduler_class or ('kept as saved' if plan.scheduler else 'none')))}; "
+              f"step: {escape(str(plan.step))})")
     if res.verified:
         con.print("  verified: equal to the source by logical parameter (weights, optimizer state, param groups, "
                   "counters)")
     for n in plan.notes:
-        con.print(f"  note: {n}")
+        con.print(f"  note: {escape(n)}")
     for n in plan.not_moved:
-        con.print(f"  [yellow]not moved:[/] {n}")
+        con.print(f"  [yellow]not moved:[/] {escape(n)}")
 
 
 def _show_plan(plan, json_out: bool) -> None:
@@ -175,24 +176,25 @@ def _show_plan(plan, json_out: bool) -> None:
     from rich.table import Table
 
     con = output.console()
-    con.print(f"[bold]convert (dry run)[/] {plan.source} ({plan.source_format}) -> {plan.out}  "
-              f"[{plan.to}{' / ' + plan.layout if plan.layout else ''}]  {doc['bytes']:,} bytes")
+    target = f"[{plan.to}{' / ' + plan.layout if plan.layout else ''}]"
+    con.print(f"[bold]convert (dry run)[/] {escape(str(plan.source))} ({escape(str(plan.source_format))}) -> "
+              f"{escape(str(plan.out))}  {escape(target)}  {doc['bytes']:,} bytes")
     t = Table(show_edge=False)
     for col in ("tensor", "shape", "dtype", "kind", "optimizer state", "bytes"):
         t.add_column(col, justify="right" if col == "bytes" else "left")
     for p in doc["params"]:
-        t.add_row(p["name"], "×".join(map(str, p["shape"])), p["dtype"], p["kind"], ", ".join(p["states"]),
-                  f"{p['bytes']:,}")
+        t.add_row(escape(p["name"]), "×".join(map(str, p["shape"])), escape(str(p["dtype"])), escape(str(p["kind"])),
+                  escape(", ".join(p["states"])), f"{p['bytes']:,}")
     con.print(t)
     for i, g in enumerate(doc["param_groups"]):
         hp = ", ".join(f"{k}={v}" for k, v in g.items() if k in ("lr", "betas", "eps", "weight_decay", "initial_lr"))
-        con.print(f"param group {i}: {g['params']} params; {hp}")
-    con.print(f"scheduler: {plan.scheduler_class or ('kept as saved' if plan.scheduler else 'none')}; "
-              f"step: {plan.step}")
+        con.print(escape(f"param group {i}: {g['params']} params; {hp}"))
+    con.print(escape(f"scheduler: {plan.scheduler_class or ('kept as saved' if plan.scheduler else 'none')}; "
+                     f"step: {plan.step}"))
     for n in plan.notes:
-        con.print(f"note: {n}")
+        con.print(f"note: {escape(n)}")
     for n in plan.not_moved:
-        con.print(f"[yellow]not moved:[/] {n}")
+        con.print(f"[yellow]not moved:[/] {escape(n)}")
 
 
 def register(app: typer.Typer) -> None:

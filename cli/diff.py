@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from . import output
 
@@ -54,9 +55,9 @@ def diff_cmd(
     summary = (f"{counted}{output.plural(report.tensors_compared, 'tensor')} compared "
                f"({report.tensors_read} read)" + (f", {report.within_tolerance} within tolerance" if report.within_tolerance else ""))
     if report.same:
-        con.print(f"[green]same[/]: {summary}")
+        con.print(f"[green]same[/]: {escape(summary)}")
     else:
-        con.print(f"[red]{len(report.differences)} differences[/]: {summary}")
+        con.print(f"[red]{len(report.differences)} differences[/]: {escape(summary)}")
     return 0 if report.same else 1
 
 

@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+from rich.markup import escape
 
 from ckpt_tools.errors import CkptError
 
@@ -90,14 +91,14 @@ def export_cmd(
             else:
                 con = output.console()
                 for f in doc["files"]:
-                    con.print(f"{f['path']}: {output.plural(f['tensors'], 'tensor')}, {f['bytes']:,} bytes "
-                              f"({plan.weights_from})")
+                    con.print(escape(f"{f['path']}: {output.plural(f['tensors'], 'tensor')}, {f['bytes']:,} bytes "
+                                     f"({plan.weights_from})"))
                 if doc["index"]:
-                    con.print(f"{doc['index']}: index")
+                    con.print(escape(f"{doc['index']}: index"))
                 for c in doc["copies"]:
-                    con.print(f"{c}: copied")
+                    con.print(escape(f"{c}: copied"))
                 for why, names in doc["left_out"].items():
-                    con.print(f"left out ({why}): {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}")
+                    con.print(escape(f"left out ({why}): {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"))
                 con.print("dry run: nothing written")
             return
         with _bar(plan.nbytes, json_out, "export") as bar:
@@ -114,11 +115,10 @@ def export_cmd(
         output.print_json(result)
     else:
         kinds = ", ".join(f"{n} {k}" for k, n in doc["kinds"].items())
-        output.console().print(f"[green]wrote[/] {plan.out if plan.hf else ', '.join(files)}"
-                               + (f" + {index}" if index and not plan.hf else "")
-                               + f"  ({output.plural(res.tensors, 'tensor')}: {kinds}; {res.bytes:,} bytes, "
-                                 f"{plan.weights_from})"
-                               + (f"; verified {res.verified} tensors" if res.verified is not None else ""))
+        output.console().print("[green]wrote[/] " + escape(
+            f"{plan.out if plan.hf else ', '.join(files)}" + (f" + {index}" if index and not plan.hf else "")
+            + f"  ({output.plural(res.tensors, 'tensor')}: {kinds}; {res.bytes:,} bytes, {plan.weights_from})"
+            + (f"; verified {res.verified} tensors" if res.verified is not None else "")))
 
 
 def register(app: typer.Typer) -> None:

@@ -26,9 +26,10 @@ from ckpt_tools.view import checkpoint as _checkpoint
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   context_settings={"help_option_names": ["-h", "--help"]},
-                  help="Inspect and repair large-model training checkpoints. The read-only commands (inspect, "
-                       "diff, check-tp-sync, export, convert, to-universal) also read from a URL (s3://, gs://, "
-                       "file://, ...); --storage-options JSON passes options to its fsspec client.",
+                  help="Inspect and repair large-model training checkpoints. A checkpoint can also be read from a "
+                       "URL (s3://, gs://, file://, ...) by the commands that do not change it: inspect, diff and "
+                       "check-tp-sync, and export, convert and to-universal, which write their output to a local "
+                       "path; --storage-options JSON passes options to the fsspec client.",
                   pretty_exceptions_enable=False)
 
 from . import convert as _convert  # noqa: E402
@@ -299,6 +300,13 @@ def _main(argv: list[str] | None) -> None:
         if os.environ.get("CKPT_DEBUG"):
             raise
         sys.stderr.write(f"ckpt: error: {e.one_line()}\n")
+        _exit(2)
+    except ModuleNotFoundError as e:  # the fast path skips output.Command.invoke: the same one line here
+        root = (e.name or "").partition(".")[0]
+        if root not in output.EXTRAS or os.environ.get("CKPT_DEBUG"):
+            raise
+        cmd = next((a for a in given if not a.startswith("-")), None)
+        sys.stderr.write(f"ckpt: error: {output.need_extra(root, what=f'ckpt {cmd}' if cmd else 'this command')}\n")
         _exit(2)
     except typer.Exit as e:
         _exit(e.exit_code)

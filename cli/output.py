@@ -447,6 +447,40 @@ def _first_sentence(text: str) -> str:
     return text
 
 
+#: the formats each command works on: "all" (every format id the registry reads), "training_state" (the formats
+#: whose module says where the training state lives), "resume" (the formats a resume planner takes), or ids
+WORKS_ON = {
+    "inspect": "all", "diff": "all", "export": "all", "convert": "all", "restore": "all",
+    "set-lr": "training_state", "set-step": "training_state", "resume": "resume",
+    "check-tp-sync": ("deepspeed_pipeline", "megatron_legacy"), "sync-tp": ("deepspeed_pipeline", "megatron_legacy"),
+    "to-universal": ("deepspeed_zero", "deepspeed_pipeline", "deepspeed_moe", "accelerate", "hf_trainer"),
+}
+#: said under a command's format list where it takes only part of a format
+WORKS_ON_NOTE = {
+    "to-universal": "accelerate and hf_trainer with DeepSpeed inside (a checkpoint-N folder)",
+    "check-tp-sync": "at TP > 1", "sync-tp": "at TP > 1",
+    "resume": "torchtune: says which `tune run` resumes it",
+}
+
+
+def works_on(command: str) -> tuple[str, ...]:
+    """The format ids `command` works on, from the format registry (ckpt_tools.formats) and the resume planners."""
+    from ckpt_tools import formats
+
+    kind = WORKS_ON.get(command, ())
+    if kind == "all":
+        return formats.format_ids()
+    if kind == "training_state":
+        return formats.editable_format_ids()
+    if kind == "resume":
+        from ckpt_tools.resume.deepspeed import SUPPORTED_FORMATS
+        from ckpt_tools.resume.frameworks import FRAMEWORK_OF_FORMAT
+
+        ids = set(SUPPORTED_FORMATS) | set(FRAMEWORK_OF_FORMAT)
+        return tuple(f for f in formats.format_ids() if f in ids)
+    return tuple(f for f in formats.format_ids() if f in kind)
+
+
 class Command(typer.core.TyperCommand):
     """The click command class of every `ckpt` command (`ckpt_cli.main` sets it): help in the usual man-page
     style (`ckpt inspect [OPTIONS] PATH`, `--depth N`, not typer's `{path}` / `<int>`), a command list
@@ -476,6 +510,11 @@ class Command(typer.core.TyperCommand):
             if rows:
                 with formatter.section(title):
                     formatter.write_dl(rows)
+        name = ctx.command_path.split(" ", 1)[-1]
+        if name in WORKS_ON:
+            with formatter.section("Formats"):
+                formatter.write_text(", ".join(works_on(name)) + (f" ({WORKS_ON_NOTE[name]})" if name in WORKS_ON_NOTE
+                                                                   else ""))
 
     def get_short_help_str(self, limit: int = 45) -> str:
         text = self.short_help or _first_sentence(self.help or "")

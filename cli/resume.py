@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from ckpt_tools.errors import CkptError
 from typing import TYPE_CHECKING
@@ -62,6 +63,10 @@ def resume_cmd(
     scheduler: Optional[str] = typer.Option(None, "--scheduler", metavar="MODULE:FUNCTION", help="the function "
                                             "of a LambdaLR (step -> factor, or a list per param group): the "
                                             "checkpoint does not hold it"),
+    no_scheduler: bool = typer.Option(False, "--no-scheduler", help="the run had no LR scheduler: param groups "
+                                      "that carry initial_lr with no scheduler state saved then train at the "
+                                      "saved LR, constant; without it the learning-rate check fails on them (the "
+                                      "real run would restart its schedule)"),
     against: Optional[Path] = typer.Option(None, "--against", metavar="CKPT", help="model-free check: take the "
                                            "saved optimizer state from CKPT (e.g. the ZeRO checkpoint a universal "
                                            "one was converted from) instead of PATH"),
@@ -90,7 +95,7 @@ def resume_cmd(
     plan = ops.plan_resume(path, steps=steps, nproc=nproc, device=device, universal=universal, tp=tp, pp=pp,
                            model=model, config=override, data=data, trust_pickles=trust_pickles,
                            scheduler=scheduler, against=against, n_kv_heads=n_kv_heads,
-                           framework_args=megatron_args)
+                           framework_args=megatron_args, no_scheduler=no_scheduler)
     if getattr(plan, "framework", None) == "megatron":  # Megatron-LM's own training code, no DeepSpeed
         import importlib.util
 
@@ -157,20 +162,21 @@ def _render(result: ops.ResumeResult, quiet: bool) -> None:
 
     if not quiet:
         fmt = getattr(s, "format", None) or getattr(p, "framework", "")
-        con.print(f"[bold]{escape(str(p.path))}[/]  {fmt}  saved at global_step={f(getattr(s, 'global_step', None))} "
-                  f"adam_step={f(getattr(s, 'optimizer_step', None))}  {topo(s)}")
+        con.print(f"[bold]{escape(str(p.path))}[/]  " + escape(
+            f"{fmt}  saved at global_step={f(getattr(s, 'global_step', None))} "
+            f"adam_step={f(getattr(s, 'optimizer_step', None))}  {topo(s)}"))
         extras = "".join(f"  {k}={getattr(p, k)}" for k in ("micro_batch",) if getattr(p, k, None) is not None)
         if getattr(p, "gas", None) is not None:
             extras += f" accumulation={p.gas}"
-        con.print(f"resumed on {p.nproc} {p.device} {'process' if p.nproc == 1 else 'processes'}: "
-                  f"{topo(p)}  model={p.model}{'  universal' if getattr(p, 'universal', False) else ''}{extras}")
+        con.print(escape(f"resumed on {p.nproc} {p.device} {'process' if p.nproc == 1 else 'processes'}: "
+                         f"{topo(p)}  model={p.model}{'  universal' if getattr(p, 'universal', False) else ''}{extras}"))
         for note in getattr(p, "notes", ()):
             con.print(f"  [yellow]note[/]: {escape(note)}")
         t = Table(show_edge=False)
         for col in ("step", "loss", "lr", "grad norm", "adam step", "tokens/s"):
             t.add_column(col, justify="right")
         for r in result.records:
-            t.add_row(str(r.step), f"{r.loss:.6f}", f(list(r.lr)), f"{r.grad_norm:.4g}" if r.grad_norm else "—",
+            t.add_row(str(r.step), f"{r.loss:.6f}", escape(f(list(r.lr))), f"{r.grad_norm:.4g}" if r.grad_norm else "—",
                       f(r.optimizer_step), f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "—")
         con.print(t)
     v = Table(show_edge=False, title="verdict")
@@ -179,7 +185,7 @@ def _render(result: ops.ResumeResult, quiet: bool) -> None:
     v.add_column("detail")
     style = {"pass": "[green]pass[/]", "fail": "[red]FAIL[/]", "n/a": "[dim]n/a[/]"}
     for c in result.checks:
-        v.add_row(c.name, style[c.status], escape(c.detail))
+        v.add_row(escape(c.name), style[c.status], escape(c.detail))
     con.print(v)
 
 

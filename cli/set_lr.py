@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from . import output
 
@@ -21,6 +22,8 @@ _BACKUP_HELP = ("where the backups and the journal go, and the new files are sta
                 "checkpoint's filesystem (default: <parent>/.ckpt-backups/<name>/, never inside the checkpoint)")
 _COPY_HELP = ("write every changed file as a whole new copy renamed into place (the original kept as a hard-link "
               "backup), instead of changing it in place in O(changed bytes) under a rollback journal")
+_PATH_HELP = ("checkpoint: a DeepSpeed, Megatron-LM (run or iter_N folder), torchtune output, Accelerate, HF Trainer "
+              "or DCP folder (torchtitan's too), a torch or Lightning file")
 DECLINED = 3  # exit code: the user answered no at the prompt (1 means "a check found problems")
 
 
@@ -148,13 +151,13 @@ def _run(lp, *, dry_run: bool, yes: bool, json_out: bool, backup_dir: Optional[P
                                "previous_write": _tx_json(before), "bytes_written": tx.written,
                                "in_place": list(tx.in_place)})
         else:
-            con.print(f"[green]changed {output.plural(len(tx.files), 'file')}, verified[/]; {written_line(tx)}",
+            con.print(f"[green]changed {output.plural(len(tx.files), 'file')}, verified[/]; {escape(written_line(tx))}",
                       soft_wrap=True)
-            con.print(f"undo: {_undo_hint(plan.root, backup_dir, tx)}", soft_wrap=True)
+            con.print(f"undo: {escape(_undo_hint(plan.root, backup_dir, tx))}", soft_wrap=True)
             job = (getattr(lp, "config_change", None) or {}).get("job_config")
             if job:  # torchtitan: the checkpoint edit alone changes only the first resumed update
                 con.print("[bold yellow]NOT DONE YET[/]: relaunch with "
-                          + " ".join(f"{k} {v:.6g}" for k, v in job.items())
+                          + escape(" ".join(f"{k} {v:.6g}" for k, v in job.items()))
                           + " (the job config's LR drives every resumed step after the first)", soft_wrap=True)
         return 0
     except KeyboardInterrupt as e:
@@ -166,7 +169,7 @@ def _run(lp, *, dry_run: bool, yes: bool, json_out: bool, backup_dir: Optional[P
 
 
 def set_lr_cmd(
-    path: str = typer.Argument(..., help="checkpoint: DeepSpeed / Accelerate / HF Trainer folder, DCP folder, torch or Lightning file"),
+    path: str = typer.Argument(..., help=_PATH_HELP),
     scale: Optional[float] = typer.Option(None, "--scale", help="multiply the LR trajectory (every LR field) by this"),
     lr: Optional[float] = typer.Option(None, "--lr", help="set the base LR (base_lrs / the config's peak); every "
                                        "other LR field scaled by the same factor"),
@@ -187,7 +190,10 @@ def set_lr_cmd(
     trust_pickles: bool = typer.Option(False, "--trust-pickles", help=output.TRUST_PICKLES_HELP),
 ) -> int:
     """Change the LR trajectory in every file that holds it, knowing which field drives the LR after resume
-    (the plan says so per field). DeepSpeed's own schedulers: prints the launch-config change too."""
+    (the plan says so per field): DeepSpeed, Megatron-LM (legacy and torch_dist; the plan names the relaunch flag),
+    torchtune output folders (initial_lr drives the rebuilt scheduler), torchtitan and other DCP folders, HF
+    Trainer, Accelerate, Lightning and torch.save files. DeepSpeed's own schedulers: prints the launch-config change
+    too."""
     from ckpt_tools import open_checkpoint
     from ckpt_tools.ops import lr as ops
 
@@ -200,7 +206,7 @@ def set_lr_cmd(
 
 
 def set_step_cmd(
-    path: str = typer.Argument(..., help="checkpoint: DeepSpeed / Accelerate / HF Trainer folder, DCP folder, torch or Lightning file"),
+    path: str = typer.Argument(..., help=_PATH_HELP),
     step: Optional[int] = typer.Option(None, "--step", help="all counters for N optimizer updates, coherently "
                                        "(Accelerate: last_epoch = world_size x N)"),
     optimizer_step: Optional[int] = typer.Option(None, "--optimizer-step", help="Adam `step` in every rank and group"),
@@ -237,6 +243,8 @@ def restore_cmd(
     json_out: bool = typer.Option(False, "--json", help="machine-readable result"),
     backup_dir: Optional[Path] = typer.Option(None, "--backup-dir", help="the --backup-dir the write was made "
                                               "with (found without it when a link was left beside the checkpoint)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="show which write would be undone and the files that "
+                                 "would be put back (checked as restore checks them), write nothing"),
 ) -> int:
     """Undo the last ckpt write on this checkpoint: a write that was interrupted is rolled back, else the last
     finished write's originals go back, byte for byte. Run it again to walk further back, one write at a time
@@ -245,7 +253,7 @@ def restore_cmd(
 
     if list_:
         return _list_writes(path, json_out, backup_dir)
-    if json_out and not yes:
+    if json_out and not yes and not dry_run:
         raise typer.BadParameter("--json cannot prompt: add --yes", param_hint="--json")
     history = io.transactions(path, backup_dir)
     active = [t for t in history if t.status in io.ACTIVE]
@@ -258,16 +266,24 @@ def restore_cmd(
     if not json_out:
         if active:
             back = io.replaced_files(last)
-            con.print(f"[bold]restore[/]: roll back the interrupted write `{last.command}` (started {last.started} "
-                      f"UTC, {last.dir.name}): put back the originals of the {len(back)} of {len(last.files)} files "
-                      "it had replaced", soft_wrap=True)
+            con.print("[bold]restore[/]: " + escape(
+                f"roll back the interrupted write `{last.command}` (started {last.started} UTC, {last.dir.name}): put "
+                f"back the originals of the {len(back)} of {len(last.files)} files it had replaced"), soft_wrap=True)
             for f in back:
-                con.print(f"  {f}", soft_wrap=True)
+                con.print(f"  {escape(str(f))}", soft_wrap=True)
         else:
-            con.print(f"[bold]restore[/] {output.plural(len(last.files), 'file')} written by `{last.command}` ({last.dir.name})",
-                      soft_wrap=True)
+            con.print("[bold]restore[/] " + escape(f"{output.plural(len(last.files), 'file')} written by "
+                                                   f"`{last.command}` ({last.dir.name})"), soft_wrap=True)
             for f in last.files:
-                con.print(f"  {f}", soft_wrap=True)
+                con.print(f"  {escape(str(f))}", soft_wrap=True)
+    if dry_run:
+        if json_out:
+            output.print_json({"dry_run": True, "command": last.command, "transaction": str(last.dir),
+                               "interrupted": bool(active),
+                               "files": [str(f) for f in (io.replaced_files(last) if active else last.files)]})
+        else:
+            con.print("[dim]dry run: nothing restored[/]")
+        return 0
     if not yes and not _confirm("put the originals back?", path):
         con.print("nothing restored")
         return DECLINED
@@ -277,9 +293,9 @@ def restore_cmd(
         output.print_json({"restored": list(t.files), "command": t.command, "transaction": str(t.dir),
                            "interrupted": bool(active)})
     elif active:
-        con.print(f"[green]rolled back the interrupted write[/]; its journal: {t.dir}", soft_wrap=True)
+        con.print(f"[green]rolled back the interrupted write[/]; its journal: {escape(str(t.dir))}", soft_wrap=True)
     else:
-        con.print(f"[green]restored {output.plural(len(t.files), 'file')}[/] from {t.dir}", soft_wrap=True)
+        con.print(f"[green]restored {output.plural(len(t.files), 'file')}[/] from {escape(str(t.dir))}", soft_wrap=True)
     return 0
 
 
@@ -306,17 +322,17 @@ def _list_writes(path: Path, json_out: bool, backup_dir: Optional[Path] = None) 
         return 0
     con = output.console()
     if not rows:
-        con.print(f"no ckpt writes recorded for {path} (backups would live in {where})", soft_wrap=True)
+        con.print(escape(f"no ckpt writes recorded for {path} (backups would live in {where})"), soft_wrap=True)
         return 0
     from rich.table import Table
 
-    t = Table(show_edge=False, title=f"ckpt writes on {path}, newest first ({where})")
+    t = Table(show_edge=False, title=escape(f"ckpt writes on {path}, newest first ({where})"))
     for col in ("when (UTC)", "command", "status", "files", ""):
         t.add_column(col)
     for r in rows:
         status = f"interrupted ({r['status']})" if r["interrupted"] else r["status"]
         nxt_note = "rolls it back" if r["interrupted"] else ""
-        t.add_row(r["started"], r["command"], status, str(len(r["files"])),
+        t.add_row(escape(r["started"]), escape(r["command"]), escape(status), str(len(r["files"])),
                   f"[bold]<- next `ckpt restore` {nxt_note}[/]" if r["next_to_undo"] else "")
     con.print(t)
     return 0

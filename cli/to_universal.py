@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+from rich.markup import escape
 
 from ckpt_tools.errors import CkptError
 
@@ -59,7 +60,7 @@ def to_universal_cmd(
         return _to_universal(ckpt, out, workers, dry_run, tp_layout, pattern, tp_replicated, target_stage, verify,
                              yes, distributed, json_out, allow_unread, trust_pickles)
     except CkptError as e:  # the same error (class, path, hint), its message naming the command
-        if e.message.startswith("ckpt to-universal:"):
+        if e.message.startswith(("ckpt to-universal:", "ckpt to-universal needs")):
             raise
         named = type(e).__new__(type(e))
         CkptError.__init__(named, f"ckpt to-universal: {e.message}", path=e.path, hint=e.hint)
@@ -100,17 +101,18 @@ def _to_universal(ckpt, out, workers, dry_run, tp_layout, pattern, tp_replicated
                            "loads_at_zero_stages": list(plan.stages), "verified": bool(verify)})
         return
     con = output.console()
-    con.print(f"[green]wrote[/] {res.out}  (tag {res.tag}: {output.plural(res.params, 'parameter')}, "
-              f"{output.plural(res.files, 'file')}, {res.bytes_written:,} tensor bytes; optimizer state: "
-              f"{', '.join(plan.state_keys) or 'none'})")
+    con.print("[green]wrote[/] " + escape(
+        f"{res.out}  (tag {res.tag}: {output.plural(res.params, 'parameter')}, {output.plural(res.files, 'file')}, "
+        f"{res.bytes_written:,} tensor bytes; optimizer state: {', '.join(plan.state_keys) or 'none'})"))
     if verify:
         con.print("  verified: equal to the source by logical parameter (fp32 masters, optimizer state, "
                   "param groups, counters)")
     for n in plan.notes:
-        con.print(f"  note: {n}")
+        con.print(f"  note: {escape(n)}")
     for w in plan.warnings:
-        con.print(f"  [yellow]warning:[/] {w}")
-    con.print(f"  load it with {{\"checkpoint\": {{\"load_universal\": true}}}} and engine.load_checkpoint(\"{res.out}\")")
+        con.print(f"  [yellow]warning:[/] {escape(w)}")
+    con.print(escape(f"  load it with {{\"checkpoint\": {{\"load_universal\": true}}}} and "
+                     f"engine.load_checkpoint(\"{res.out}\")"))
 
 
 def _show_plan(plan, json_out: bool) -> None:
@@ -121,21 +123,22 @@ def _show_plan(plan, json_out: bool) -> None:
     from rich.table import Table
 
     con = output.console()
-    con.print(f"[bold]to-universal (dry run)[/] {plan.source} -> {plan.out}/{plan.out_tag}  "
-              f"({doc['files']} files, {doc['bytes']:,} bytes; TP layout: {plan.layout})")
+    con.print("[bold]to-universal (dry run)[/] " + escape(
+        f"{plan.source} -> {plan.out}/{plan.out_tag}  ({doc['files']} files, {doc['bytes']:,} bytes; "
+        f"TP layout: {plan.layout})"))
     t = Table(show_edge=False)
     for col in ("parameter", "shape", "merge", "why", "bytes"):
         t.add_column(col, justify="right" if col == "bytes" else "left")
     for p in doc["params"]:
-        t.add_row(p["name"], "×".join(map(str, p["shape"])), p["merge"], p["how"], f"{p['bytes']:,}")
+        t.add_row(*map(escape, (p["name"], "×".join(map(str, p["shape"])), p["merge"], p["how"])), f"{p['bytes']:,}")
     con.print(t)
-    con.print("copied: " + ", ".join(doc["model_files"]))
-    con.print(f"optimizer state: {', '.join(plan.state_keys) or 'none'}; written for ZeRO stage "
-              f"{'/'.join(map(str, plan.stages))} loaders")
+    con.print("copied: " + escape(", ".join(doc["model_files"])))
+    con.print(escape(f"optimizer state: {', '.join(plan.state_keys) or 'none'}; written for ZeRO stage "
+                     f"{'/'.join(map(str, plan.stages))} loaders"))
     for n in plan.notes:
-        con.print(f"note: {n}")
+        con.print(f"note: {escape(n)}")
     for w in plan.warnings:
-        con.print(f"[yellow]warning:[/] {w}")
+        con.print(f"[yellow]warning:[/] {escape(w)}")
 
 
 def _refuse_out_inside(ckpt: str, out: str) -> None:

@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+from rich.markup import escape
 
 from ckpt_tools.write import io
 from typing import TYPE_CHECKING
@@ -54,10 +55,10 @@ def _check(path: str, atol: float, rtol: float, pattern: List[str]) -> ops.TPSyn
 def _print_report(con, report: ops.TPSyncReport, verbose: bool) -> None:
     from rich.markup import escape
 
-    con.print(f"[bold]format[/]  {report.format}  {escape(report.path)}  tp={report.tp} pp={report.pp} dp={report.dp}",
+    con.print(f"[bold]format[/]  {escape(str(report.format))}  {escape(report.path)}  tp={report.tp} pp={report.pp} dp={report.dp}",
               soft_wrap=True)
     con.print(f"[bold]replicas from[/]  {escape(report.layout_source)}   [bold]compared[/]  "
-              f"{', '.join(report.representations)}   [bold]tolerance[/]  atol={report.atol:g} rtol={report.rtol:g}"
+              f"{escape(', '.join(report.representations))}   [bold]tolerance[/]  atol={report.atol:g} rtol={report.rtol:g}"
               + ("  (bit-exact)" if not report.atol and not report.rtol else ""), soft_wrap=True)
     con.print("[bold]per parameter family[/]")
     for f in report.families:
@@ -82,7 +83,7 @@ def _print_report(con, report: ops.TPSyncReport, verbose: bool) -> None:
         con.print(f"[yellow]not compared[/] (no rule, the data cannot tell): {escape(', '.join(report.undecided))} "
                   "— pass --pattern REGEX if they are replicas")
     for w in report.warnings:
-        con.print(f"[yellow]⚠ {w.code}[/]: {escape(w.message)}", soft_wrap=True)
+        con.print(f"[yellow]⚠ {escape(w.code)}[/]: {escape(w.message)}", soft_wrap=True)
     n, bad = len(report.params), len(report.out_of_sync)
     if bad:
         con.print(f"[red]{bad} of {n} replicated parameters out of sync ({report.percent_in_sync:.0f}% in sync)[/]; "
@@ -147,7 +148,7 @@ def sync_tp_cmd(
     else:
         con.print(f"[green]patched {output.plural(len(tx.files), 'file')}; check-tp-sync now: {after.percent_in_sync:.0f}% of "
                   f"{len(after.params)} replicated parameters in sync[/]")
-        con.print(f"{written_line(tx)}  (undo: {_undo_hint(plan.root, backup_dir, tx)})", soft_wrap=True)
+        con.print(escape(f"{written_line(tx)}  (undo: {_undo_hint(plan.root, backup_dir, tx)})"), soft_wrap=True)
     return 0 if after.ok else 1
 
 

@@ -29,6 +29,17 @@ def _module(name: str) -> ModuleType | None:
         raise
 
 
+def format_ids() -> tuple[str, ...]:
+    """Every format id the registry reads (what `ckpt inspect` prints as `format`), in detection order."""
+    return tuple(m.FORMAT for m in map(_module, FORMAT_MODULES) if m is not None)
+
+
+def editable_format_ids() -> tuple[str, ...]:
+    """The format ids whose module says where the LR, step and optimizer state live (`training_state`): the ones
+    `set-lr` / `set-step` edit."""
+    return tuple(m.FORMAT for m in map(_module, FORMAT_MODULES) if m is not None and hasattr(m, "training_state"))
+
+
 def training_state(ck):
     """Where `ck`'s training state lives (`ckpt_tools.read.state.StateMap`), as its format module says; a format
     without a `training_state` is read-only for the writing commands."""

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO checkpoints (stages 1, 2 and 3; bf16, fp16 and fp32), the tag folder or its parent.
 
-Layout (see shared/FORMATS.md): `mp_rank_TT_model_states.pt` (stage 1/2; stage 3 adds
+Layout (docs/formats.md): `mp_rank_TT_model_states.pt` (stage 1/2; stage 3 adds
 `zero_pp_rank_D_mp_rank_TT_model_states.pt` per DP rank) and `[bf16_]zero_pp_rank_D_mp_rank_TT_optim_states.pt`
 per DP rank. The optimizer state is flattened: one flat fp32 master / exp_avg / exp_avg_sq tensor per
 param group and DP rank. This module un-flattens it per parameter name without reading tensor bytes:

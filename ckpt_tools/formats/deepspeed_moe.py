@@ -1,5 +1,5 @@
 """DeepSpeed Mixture-of-Experts checkpoints (`deepspeed.moe.layer.MoE`): a DeepSpeed tag folder whose experts sit
-in their own files. Measured layouts (FORMATS.md, section DeepSpeed Mixture-of-Experts):
+in their own files. Measured layouts (DeepSpeed 0.19.8; docs/deepspeed.md, Mixture-of-Experts):
 
 - `layer_{L}_expert_{E}_mp_rank_{tp:02d}_model_states.pt`: the weights of expert E (a GLOBAL id) of MoE layer L,
   under their global names (`…deepspeed_experts.{E}.…`); `mp_rank_00_model_states.pt` holds the rest of the model,

@@ -1,6 +1,6 @@
 """DeepSpeed pipeline checkpoints as Megatron-DeepSpeed writes them: tensor x pipeline x data parallel.
 
-Layout of a tag folder (see shared/FORMATS.md):
+Layout of a tag folder (docs/formats.md):
 
 - `layer_LL-model_TT-model_states.pt`: the module weights of pipeline layer spec LL on TP rank TT, under
   the layer's LOCAL names (`input_layernorm.weight`; a bare LayerNorm layer holds `weight`/`bias`).

@@ -1,6 +1,6 @@
 """`set-lr` / `set-step`: learning-rate and counter surgery that knows which saved field drives the LR.
 
-Which field matters after a resume depends on the scheduler (measured; shared/FORMATS.md):
+Which field matters after a resume depends on the scheduler (measured by resuming and stepping; docs/formats.md):
 
     LambdaLR & closed forms   base_lrs x f(last_epoch) from the next scheduler.step(); the optimizer's
                               param_groups lr only for the first resumed update; _last_lr, initial_lr cosmetic
@@ -460,7 +460,10 @@ def _megatron_relaunch(files: list[_File], idx: int, factors: list[float]) -> st
 
     f = next(f for f in files if _megatron_scheduler(f) is not None)
     s = _megatron_scheduler(f)
-    groups = next((g for f2 in files for _p, g, i in _groups(f2, idx)), [])  # distributed: another file's
+    # the first file that holds them (distributed: another file's), every optimizer in it (a ChainedOptimizer's
+    # inner ones: dense, expert)
+    groups = next(([kg for _p, g, _i in _groups(f2, idx) for kg in g] for f2 in files
+                   if any(g for _p, g, _i in _groups(f2, idx))), [])
     fac = factors[0] if factors and len(set(factors)) == 1 else None
     before = [next_lr(s, g) for _k, g in groups]
     lines = []

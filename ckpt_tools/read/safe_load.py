@@ -24,7 +24,7 @@ def import_deepspeed():
     return deepspeed
 
 
-#: (module, name) of the framework classes real DeepSpeed/Megatron checkpoints pickle (see shared/FORMATS.md):
+#: (module, name) of the framework classes real DeepSpeed/Megatron checkpoints pickle (docs/safety.md):
 #: what `load` lets torch's restricted unpickler build, and what to-universal lets through into the files
 #: it writes (which DeepSpeed loads with its full unpickler)
 ALLOWED_GLOBALS = (
@@ -50,6 +50,11 @@ def load(path: str | os.PathLike, *, mmap: bool = True) -> Any:
 
     import torch
 
+    from . import pickle_reader
+
+    # torch's unpickler hashes dict keys in C: a tuple nested 300,000 deep kills the process (SIGSEGV). The inert
+    # walk refuses such a file (and hash bombs) first, as every reader here does.
+    pickle_reader.check_pickles(path)
     try:
         with torch.serialization.safe_globals(allowlist()):
             return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)

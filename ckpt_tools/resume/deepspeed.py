@@ -102,6 +102,7 @@ class ResumePlan:
     scheduler_fn: str | None = None  # --scheduler module:function (a LambdaLR's function)
     load_optimizer_states: bool = True  # False only to test that the optimizer-state check notices
     against: str | None = None  # the checkpoint the optimizer-state check reads the saved state from (default: path)
+    no_scheduler: bool = False  # --no-scheduler: the user says the run had no LR scheduler (see lost_scheduler)
 
     def worker_plan(self) -> dict[str, Any]:
         return {
@@ -279,7 +280,7 @@ def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None
                 model: str = "auto", config: dict[str, Any] | None = None, data: str | None = None,
                 trust_pickles: bool = False, scheduler: str | None = None,
                 against: str | os.PathLike | None = None, n_kv_heads: int | None = None,
-                framework_args: str | None = None) -> Any:
+                framework_args: str | None = None, no_scheduler: bool = False) -> Any:
     """Decide how to resume the checkpoint at `path`: world size, topology, launch config, model, data.
 
     Bad combinations are rejected here, naming the option, before anything is converted or launched.
@@ -306,9 +307,12 @@ def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None
     if ck.format not in SUPPORTED_FORMATS:
         if against is not None:
             raise CkptError(f"--against applies to DeepSpeed checkpoints; this is {ck.format}", path=p)
-        return _framework_plan(ck, p, steps=steps, nproc=nproc, device=device, model=model, scheduler=scheduler,
+        plan = _framework_plan(ck, p, steps=steps, nproc=nproc, device=device, model=model, scheduler=scheduler,
                                trust_pickles=trust_pickles, universal=universal, tp=tp, pp=pp, config=config,
                                data=data, framework_args=framework_args)
+        if no_scheduler and getattr(plan, "lr_missing", None):  # the user's word: the traces are not a lost schedule
+            plan = replace(plan, lr_missing=None)
+        return plan
     if framework_args:
         raise CkptError(f"--megatron-args applies to Megatron-LM checkpoints; this is {ck.format}", path=p,
                         hint="drop --megatron-args")
@@ -445,13 +449,20 @@ def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None
     if not load_sched and (cfg.get("scheduler") or saved.base_lrs is not None):
         notes.append("the checkpoint holds no scheduler state: the scheduler starts fresh, as a training "
                      "script that tolerates a missing state would")
+    if not (load_sched or cfg.get("scheduler") or no_scheduler) and saved.initial_lrs and model in MODEL_FREE:
+        notes.append("the param groups carry initial_lr but the checkpoint holds no scheduler state: the "
+                     "learning-rate check fails (the real run restarts its schedule) unless --no-scheduler says the "
+                     "run had none")
+    if no_scheduler and (load_sched or cfg.get("scheduler")):
+        raise CkptError("--no-scheduler says the run had no LR scheduler, but the checkpoint holds scheduler state "
+                        "or its launch config names one", path=p, hint="drop --no-scheduler")
     return ResumePlan(
         path=str(p), saved=saved, steps=steps, device=device, nproc=nproc, dp=new_dp, tp=new_tp, pp=new_pp,
         model=model, ds_config=cfg, micro_batch=micro, gas=gas, orig_gas=orig_gas, universal=universal,
         convert_from=convert_from, inject_missing_state=inject, load_dir=str(load_dir) if load_dir else None,
         tag=tag if load_dir is not None else None, load_lr_scheduler_states=load_sched, data=data,
         lambda_epochs=lambda_epochs, notes=tuple(notes), replica=layout if model == "replica" else None,
-        scheduler_fn=scheduler, against=_against(against, layout, model),
+        scheduler_fn=scheduler, against=_against(against, layout, model), no_scheduler=no_scheduler,
     )
 
 
@@ -573,6 +584,23 @@ def expected_lrs(plan: ResumePlan, setup: dict[str, Any]) -> tuple[list[list[flo
     return [list(s.param_group_lrs) for _ in k], "no scheduler: the saved param_groups lr"
 
 
+def lost_scheduler(plan: ResumePlan, setup: dict[str, Any]) -> str | None:
+    """Why the LR of this resume cannot be the saved run's, or None. A torch scheduler writes `initial_lr` into
+    every param group it drives; groups that carry it while the checkpoint holds no scheduler state (DeepSpeed
+    saved `lr_scheduler` None: the scheduler was not handed to `deepspeed.initialize`, or its state was dropped),
+    no launch config names one and the resumed run builds none, mean the real run would restart its schedule
+    (or lose it) while this resume trains at the saved LR: a pass there would be a false one. The user's
+    --no-scheduler (the run had none) makes it a constant LR."""
+    s = plan.saved
+    if plan.no_scheduler or s.scheduler_state != "none" or plan.ds_config.get("scheduler") \
+            or setup.get("scheduler") is not None or not s.initial_lrs:
+        return None
+    return (f"the saved param groups carry initial_lr={list(s.initial_lrs)}, so an LR scheduler drove this run, but "
+            "the checkpoint holds no scheduler state: the real run restarts its schedule from its first step (or "
+            "runs without it), so the LR it will train at is not the saved run's. Save the scheduler (pass it to "
+            "deepspeed.initialize as lr_scheduler), or pass --no-scheduler if the run really had none")
+
+
 def _close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=LR_REL_TOL, abs_tol=1e-12)
 
@@ -634,7 +662,11 @@ def verdict(plan: ResumePlan, setup: dict[str, Any], loaded: dict[str, Any], rec
 
     # (2) LR
     want, how = expected_lrs(plan, setup)
-    if want is None:
+    lost = lost_scheduler(plan, setup)
+    if lost:
+        checks.append(Check("learning rate", "fail", lost, tuple(CheckRow(r.step, None, list(r.lr), False)
+                                                                  for r in records)))
+    elif want is None:
         checks.append(Check("learning rate", "n/a", how))
     else:
         rows = [CheckRow(r.step, w, list(r.lr), len(w) == len(r.lr) and all(_close(a, b) for a, b in zip(w, r.lr)))

@@ -712,7 +712,7 @@ def _plan_dcp(ck: Checkpoint, path: Path, *, steps: int, nproc: int | None, devi
     position_only = node_to_python(ck.tree.children.get("scheduler", GroupNode())) or {}
     if set(map(str, position_only)) == {"last_epoch"}:
         # torchtitan's LRSchedulersContainer: only the position is saved; the schedule comes back from the job
-        # config, while the saved per-parameter lr drives the first resumed update (measured, ../FORMATS.md)
+        # config, while the saved per-parameter lr drives the first resumed update (measured, docs/torchtitan-torchtune.md)
         sched, kind = {}, None
         rows: list = [[float(g["lr"]) for g in groups]] + [None] * (steps - 1)
         how = ("the saved param groups' lr for the first update (the scheduler state holds only last_epoch = "
