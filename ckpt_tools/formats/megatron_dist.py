@@ -142,13 +142,19 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     mapped = _map_buckets(distributed, model, it, args) if distributed and not state else None
     if mapped is not None:
         state = {n: mapped[n] for n in model}  # shown in model order (the buckets hold them in reverse)
-    osd = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
-    osd = osd.get("optimizer") if isinstance(osd.get("optimizer"), dict) else osd  # Megatron's wrapper, then torch's
-    groups = [g for g in osd.get("param_groups") or [] if isinstance(g, dict)]
+    # plain Adam: Megatron's wrapper around torch's state dict, or a ChainedOptimizer's inner ones (MoE at EP > 1:
+    # dense, expert; `optimizer[0]`, `optimizer[1]`), each with its own param groups and common step
+    inner = megatron_lm.inner_optimizers(common.get("optimizer"))
+    groups, owner, inner_steps = [], [], []
+    for k, osd in enumerate(inner):
+        mine = [g for g in osd.get("param_groups") or [] if isinstance(g, dict)]
+        groups += mine
+        owner += [k] * len(mine)
+        inner_steps.append(_common_step(osd))
     if not groups and distributed:
         groups = _sharded_param_groups(it)
-    step_ref = (osd.get("state") or {}).get("common_step") if isinstance(osd.get("state"), dict) else None
-    step = as_int(step_ref.item()) if hasattr(step_ref, "item") and getattr(step_ref, "numel", 0) == 1 else None
+    found_steps = [x for x in inner_steps if x is not None]
+    step = found_steps[0] if found_steps and len(set(found_steps)) == 1 else None
     group_steps = {as_int(g.get("step")) for g in groups}
     if step is None and mapped is not None and len(group_steps) == 1:
         step = next(iter(group_steps))  # the distributed optimizer keeps Adam's step in its param groups
@@ -164,8 +170,11 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
                                  f"others have it ({', '.join(lacking[:4])}{' …' if len(lacking) > 4 else ''})",
                                  ".metadata"))
     warnings += group_warnings(groups, {n: tuple(t.shape) for n, t in model.items()}, args, COMMON)
-    if state and step is None and not distributed:
-        warnings.append(Warning_("optimizer-state-missing", "common.pt holds no Adam step (optimizer.state."
+    # the distributed optimizer keeps its step in its param groups, not in common.pt's state
+    lost = [k for k, x in enumerate(inner_steps) if x is None] if not distributed else []
+    if state and not distributed and (step is None and not found_steps or lost):
+        which = f" of inner optimizer {', '.join(map(str, lost))} (of {len(inner)})" if len(inner) > 1 else ""
+        warnings.append(Warning_("optimizer-state-missing", f"common.pt holds no Adam step{which} (optimizer.state."
                                  "common_step) beside the saved moments: a resume restarts bias correction",
                                  COMMON))
     tree: dict[str, Any] = {"model": GroupNode(model)}
@@ -174,7 +183,12 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         # common.pt's param groups list no members: Megatron re-derives them at load, by its default rule
         rule = group_rule(groups, args)
         member = {n: rule(n, model[n].shape) for n in state if n in model} if rule else {}
-        kids = {n: GroupNode({**s, **({"step": ValueNode(step)} if step is not None else {}),
+
+        def step_of(n: str) -> int | None:  # a chained optimizer's inner ones each keep their own step
+            if len(inner) > 1 and member.get(n) is not None and member[n] < len(owner):
+                return inner_steps[owner[member[n]]]
+            return None if lost else step  # which inner optimizer holds it is not known: not guessed
+        kids = {n: GroupNode({**s, **({"step": ValueNode(step_of(n))} if step_of(n) is not None else {}),
                               **({"param_group": ValueNode(member[n])} if member.get(n) is not None else {})})
                 for n, s in state.items()}
         opt_children["state"] = GroupNode(kids)
@@ -206,7 +220,8 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     lrs = tuple(float(g["lr"]) for g in groups if isinstance(g.get("lr"), (int, float)))
     max_lrs = tuple(float(g["max_lr"]) for g in groups if isinstance(g.get("max_lr"), (int, float)))
     nxt = tuple(next_lr(sched, g, args) for g in groups) if sched and groups else ()
-    steps = [step] if step is not None else [as_int(g.get("step")) for g in groups if as_int(g.get("step")) is not None]
+    steps = found_steps or ([step] if step is not None else
+                            [as_int(g.get("step")) for g in groups if as_int(g.get("step")) is not None])
     counters = Counters(global_step=as_int(common.get("iteration")),
                         optimizer_step=steps[0] if steps and len(set(steps)) == 1 else None)
     warnings += C.counter_warnings(counters, optimizer_steps_seen=steps)
@@ -216,7 +231,10 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
                "optimizer": ("distributed (flat buckets" + (", mapped to parameters: each one's range found in "
                                                              "the bucket and checked against its weights)"
                                                              if mapped is not None else ", not mapped)"))
-               if distributed else "Adam (per-parameter state)",
+               if distributed else "Adam (per-parameter state)" + (
+                   f", a ChainedOptimizer of {len(inner)} (dense, expert): param groups "
+                   + ", ".join(f"{i} {'expert' if g.get('is_expert_parallel') else 'dense'}"
+                               for i, g in enumerate(groups)) if len(inner) > 1 else ""),
                "layers": f"stacked on a leading axis of {layers} in the files; shown per layer",
                "tp_replicas": "Megatron's torch_dist saves each TP-replicated tensor once (one replica id), so the "
                               "files hold no replicas to compare; the legacy format keeps every TP rank's copy"}
@@ -424,6 +442,13 @@ def _range(flat: TensorNode, start: int, n: int, shape: tuple[int, ...], starts:
             pieces.append(Piece(p.file, p.ref, p.src_offset + (a - p.dst_offset), b - a, a - start,
                                 {**dict(p.rank), **rank} if rank else p.rank))
     return TensorNode(tuple(shape), flat.dtype, tuple(pieces))
+
+
+def _common_step(osd: dict) -> int | None:
+    """torch_dist's common Adam step of one optimizer (`state.common_step`, a 0-d tensor; Megatron restores it
+    into every parameter's `step` at load)."""
+    ref = (osd.get("state") or {}).get("common_step") if isinstance(osd.get("state"), dict) else None
+    return as_int(ref.item()) if hasattr(ref, "item") and getattr(ref, "numel", 0) == 1 else None
 
 
 def _sharded_param_groups(it: Path) -> list[dict]:

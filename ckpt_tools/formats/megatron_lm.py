@@ -6,7 +6,7 @@ with the distributed optimizer a `distrib_optim.pt` beside it. Each rank file: `
 parallel sizes, the architecture, the LR schedule), `iteration`, `checkpoint_version`, `model` (this rank's TP shards,
 local shapes, bf16), `optimizer` = {`optimizer` {`state`, `param_groups`}, `fp32_from_fp16_params`} (plain Adam; the
 distributed optimizer keeps only `param_groups` here), `opt_param_scheduler`, `rng_state`,
-`num_floating_point_operations_so_far`. Measured on samples written by Megatron-LM core_v0.16.1 (FORMATS.md).
+`num_floating_point_operations_so_far`. Measured on samples written by Megatron-LM core_v0.16.1 (docs/megatron.md, docs/samples.md).
 
 The checkpoint is the `iter_N` folder (or the run folder, which names it); one rank's file is a part of it (the
 accounting marks it so). Topology comes from `args`, never from the file count: a missing rank folder is fatal, an
@@ -406,6 +406,11 @@ def _optimizer(objs, names_by_rank, local, model, origin, tp, distributed, cache
     of each rank's groups are mapped to its parameters (Megatron groups by weight decay / LR multiplier, each in
     model order), the fp32 master from `fp32_from_fp16_params`, then merged across TP like the model."""
     o0 = objs[min(objs)]
+    chained = len(inner_optimizers(o0.get("optimizer"))) if o0.get("optimizer") is not None else 0
+    if chained > 1:  # ChainedOptimizer.state_dict(): a list, one entry per inner optimizer (MoE: dense, expert)
+        raise UnsupportedCheckpoint(f"a Megatron-LM legacy rank file whose optimizer is a ChainedOptimizer of "
+                                    f"{chained} (a Mixture-of-Experts run's dense and expert optimizers): ckpt does "
+                                    "not map chained optimizer state of this format yet", path=ranks[min(objs)])
     osd = o0.get("optimizer") if isinstance(o0.get("optimizer"), dict) else {}
     inner0 = osd.get("optimizer") if isinstance(osd.get("optimizer"), dict) else osd
     groups = [g for g in (inner0.get("param_groups") or []) if isinstance(g, dict)]
@@ -568,6 +573,58 @@ def _distopt_entries(obj: Any, names: list[str], refs: dict[str, TensorRef], arg
     return out if set(out) == set(names) else None
 
 
+def inner_optimizers(saved: Any) -> list[dict]:
+    """The torch optimizer state dicts ({`state`, `param_groups`}) in a saved Megatron optimizer, in Megatron's
+    order: one for a plain MegatronOptimizer ({`optimizer`: {...}, `fp32_from_fp16_params`, ...}); one per inner
+    optimizer of a ChainedOptimizer (a Mixture-of-Experts run at EP > 1: dense, then expert), which
+    `ChainedOptimizer.state_dict` saves as a list (legacy) and `sharded_state_dict` as a dict keyed 0, 1
+    (torch_dist's common.pt)."""
+    if isinstance(saved, dict) and saved and all(
+            isinstance(k, int) or (isinstance(k, str) and k.isdigit()) for k in saved):
+        parts = [saved[k] for k in sorted(saved, key=int)]
+    elif isinstance(saved, (list, tuple)):
+        parts = list(saved)
+    else:
+        parts = [saved]
+    return [p["optimizer"] if isinstance(p.get("optimizer"), dict) else p for p in parts if isinstance(p, dict)]
+
+
+def expert_parallel(args: dict) -> bool:
+    """Whether Megatron-core (0.16) gave the experts their own optimizer: it marks expert weights `allreduce=False`
+    only at expert-parallel size > 1 (`tensor_parallel.layers`, `moe.experts`), and `get_megatron_optimizer` then
+    chains a second optimizer over their param groups (`is_expert_parallel: True`); at EP 1 they sit in the dense
+    groups."""
+    return bool(as_int(args.get("num_experts"))) and (as_int(args.get("expert_model_parallel_size")) or 1) > 1
+
+
+def _group_key(name: str, shape: tuple, args: dict) -> tuple[bool, float]:
+    """(is_expert_parallel, wd_mult): the param group Megatron's default grouping puts a parameter in. The routed
+    experts are `….mlp.experts.…` (a shared expert, `….mlp.shared_experts.…`, is dense)."""
+    return (expert_parallel(args) and ".mlp.experts." in f".{name}", _wd_mult(name, shape, args))
+
+
+def declared_groups(shapes: dict[str, tuple], args: dict) -> set[tuple[bool, float]] | None:
+    """The param groups (by `_group_key`) Megatron's default grouping makes for a model of these parameters; None
+    where the args ask for another grouping (a custom no-weight-decay condition, a decoupled LR)."""
+    if args.get("no_weight_decay_cond_type") or args.get("decoupled_lr") is not None:
+        return None
+    return {_group_key(name, tuple(shape), args) for name, shape in shapes.items()}
+
+
+def _found_key(g: dict) -> tuple[bool, float] | None:
+    return (bool(g.get("is_expert_parallel")), float(g["wd_mult"])) if "wd_mult" in g else None
+
+
+def missing_groups(groups: list[dict], shapes: dict[str, tuple], args: dict) -> list[str]:
+    """The param groups the args and the model declare that `groups` lacks, each named ("expert wd_mult 0"); []
+    when all are there or the grouping is not Megatron's default one."""
+    want = declared_groups(shapes, args)
+    if want is None or not all("wd_mult" in g for g in groups):
+        return []
+    have = {_found_key(g) for g in groups}
+    return [f"{'expert' if e else 'dense'} wd_mult {w:g}" for e, w in sorted(want - have)]
+
+
 def _wd_mult(name: str, shape: tuple, args: dict) -> float:
     """Megatron's default weight-decay rule (megatron.core.optimizer.get_standard_config_overrides, 0.16): biases
     and 1-D parameters at wd_mult 0 (q/k layer norms excepted under --apply-wd-to-qk-layernorm), the rest at 1."""
@@ -577,36 +634,33 @@ def _wd_mult(name: str, shape: tuple, args: dict) -> float:
 
 def group_rule(groups: list[dict], args: dict):
     """`(name, shape) -> param group index` by Megatron's default grouping (`_get_param_groups`: one group per
-    wd_mult, no LR multiplier, no decoupled LR, no expert parallelism), for the saves that do not record which
+    wd_mult, dense and expert apart at EP > 1, no LR multiplier, no decoupled LR), for the saves that do not record which
     parameter is in which group (torch_dist's common.pt, the distributed optimizer); None where the args or the
     saved groups say another grouping (then membership is not guessed)."""
     if args.get("no_weight_decay_cond_type") or args.get("decoupled_lr") is not None or not groups:
         return None
-    index: dict[float, int] = {}
+    index: dict[tuple[bool, float], int] = {}
     for i, g in enumerate(groups):
-        if "wd_mult" not in g or float(g.get("lr_mult", 1.0)) != 1.0 or g.get("is_expert_parallel") or \
-                float(g["wd_mult"]) in index:
+        key = _found_key(g)
+        if key is None or float(g.get("lr_mult", 1.0)) != 1.0 or key in index or \
+                (key[0] and not expert_parallel(args)):
             return None
-        index[float(g["wd_mult"])] = i
-    return lambda name, shape: index.get(_wd_mult(name, tuple(shape), args))
+        index[key] = i
+    return lambda name, shape: index.get(_group_key(name, tuple(shape), args))
 
 
 def group_warnings(groups: list[dict], shapes: dict[str, tuple], args: dict, where: str | None) -> list[Warning_]:
     """Declared vs found for the param groups: Megatron's default grouping (`_get_param_groups`, no custom
     no-weight-decay condition or decoupled LR) puts biases and 1-D parameters at wd_mult 0 and the rest at
-    wd_mult 1, so a model with both holds a group of each. A lost group is named (its parameters would resume
-    without their LR/weight-decay settings)."""
-    if args.get("no_weight_decay_cond_type") or args.get("decoupled_lr") is not None or not groups or \
-            not all("wd_mult" in g for g in groups):
+    wd_mult 1, so a model with both holds a group of each (and at EP > 1 the experts a pair of their own). A lost
+    group is named (its parameters would resume without their LR/weight-decay settings)."""
+    if not groups:
         return []
-    want = {_wd_mult(name, shape, args) for name, shape in shapes.items()}
-    have = {float(g["wd_mult"]) for g in groups}
-    gone = sorted(want - have)
+    gone = missing_groups(groups, shapes, args)
     if not gone:
         return []
-    return [Warning_("declared-mismatch", f"no param group with wd_mult {', '.join(f'{x:g}' for x in gone)} although "
-                     f"the model has parameters Megatron puts there ({len(groups)} group(s) saved): a param group "
-                     "was lost", where)]
+    return [Warning_("declared-mismatch", f"no param group {', '.join(gone)} although the model has parameters "
+                     f"Megatron puts there ({len(groups)} group(s) saved): a param group was lost", where)]
 
 
 def _distrib_nodes(ranks, cache, root) -> GroupNode:
@@ -670,4 +724,5 @@ def training_state(ck: Checkpoint):
     return StateMap(root, tuple(srcs))
 
 
-__all__ = ["sniff", "open", "training_state", "next_lr", "args_of", "FORMAT"]
+__all__ = ["sniff", "open", "training_state", "next_lr", "args_of", "inner_optimizers", "expert_parallel",
+           "declared_groups", "missing_groups", "FORMAT"]

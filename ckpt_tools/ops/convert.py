@@ -669,7 +669,28 @@ def verify_logical(plan: ConvertPlan, root: Path) -> list[str]:
                                          plan.lr_scheduler, True)
     rep = logical_diff(L.with_kv_heads(source, plan.n_kv_heads), L.with_kv_heads(root, plan.n_kv_heads))
     lines = [f"{section} {name}: {what}" for section, name, what in iter_lines(rep)]
-    return [x for x in lines if not any(x.startswith(f"{a}: added") for a in plan.added)]
+    return [x for x in lines if not any(x.startswith(f"{a}: added") for a in plan.added)] + _not_carried(plan, root)
+
+
+def _not_carried(plan: ConvertPlan, root: Path) -> list[str]:
+    """What the logical diff only notes, since it also compares a checkpoint with its export (no optimizer): an
+    output without the per-parameter optimizer state, with fewer param groups, or without any step where the plan
+    carries them is a failed conversion (a lost group's parameters resume without their LR and weight decay; a
+    lost step restarts Adam's bias correction)."""
+    from ..view import logical as L
+
+    out = L.open_any(root)
+    problems = []
+    states = L.optimizer_states(out)
+    if any(p.states for p in plan.params) and not states:
+        problems.append("optimizer: the output holds no per-parameter optimizer state; the source's was planned")
+    groups = L.param_groups(out)
+    if len(groups) < len(plan.groups):
+        problems.append(f"param_groups: {len(plan.groups)} groups planned -> {len(groups)} groups written")
+    stepped = any("step" in v for v in L.optimizer_scalars(out).values()) or any("step" in v for v in states.values())
+    if any(p.step is not None for p in plan.params) and not stepped:
+        problems.append("optimizer step: the source's parameters hold Adam's step, no parameter of the output does")
+    return problems
 
 
 def execute(plan: ConvertPlan, *, progress: Callable[[int], None] | None = None, verify: bool = True,

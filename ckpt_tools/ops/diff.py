@@ -739,9 +739,11 @@ def _logical_diff(a: Any, b: Any, d: "_Differ", progress: Callable[[int], None] 
                     _read_compare(d, "optimizer", f"{p}.{k}", oa[p][k], ob[p][k])
                     if progress:
                         progress(1)
-        for p in sorted(set(sa) & set(sb)):
+        # a parameter whose step one side keeps and the other lost (no scalars for it at all) is a difference too:
+        # a conversion that drops the per-parameter step restarts Adam's bias correction
+        for p in sorted((set(sa) | set(sb)) & set(oa) & set(ob)):
             for k in ("step",):
-                va, vb = _as_number(sa[p].get(k)), _as_number(sb[p].get(k))
+                va, vb = _as_number(sa.get(p, {}).get(k)), _as_number(sb.get(p, {}).get(k))
                 if va is None and vb is None:
                     continue
                 if va is None or vb is None:
@@ -770,6 +772,8 @@ def _logical_diff(a: Any, b: Any, d: "_Differ", progress: Callable[[int], None] 
                 d.out.append(Difference("param_groups", f"{i}.params", "changed",
                                         f"{len(na)} params" + (f", without {gone[:4]}" if gone else ""),
                                         f"{len(nb)} params" + (f", with {new[:4]}" if new else "")))
+    elif (ga or gb) and oa and ob:  # both keep per-parameter optimizer state: a side without its groups lost them
+        d.out.append(Difference("param_groups", "", "changed", f"{len(ga)} groups", f"{len(gb)} groups"))
     elif ga or gb:
         notes.append(f"{'B' if ga else 'A'} records no param groups: not compared")
 

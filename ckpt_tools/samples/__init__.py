@@ -88,7 +88,7 @@ SAMPLES: tuple[SampleSpec, ...] = (
       for name in ("megatron_tp2_legacy", "megatron_tp2_torch_dist", "megatron_dp2_distopt_legacy",
                    "megatron_dp2_distopt_torch_dist", "megatron_pp2_legacy", "megatron_pp2_torch_dist",
                    "megatron_pp2_vpp2_legacy", "megatron_pp2_vpp2_torch_dist", "megatron_tp2_llama_legacy",
-                   "megatron_tp2_llama_torch_dist")),
+                   "megatron_tp2_llama_torch_dist", "megatron_moe_ep2_torch_dist")),
 )
 
 

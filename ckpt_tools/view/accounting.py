@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..read import remote
-from ..errors import UnsupportedCheckpoint
+from ..errors import CorruptCheckpoint, UnsupportedCheckpoint
+from ..formats import megatron_dist, megatron_lm
 from ..read.tree import Checkpoint, GroupNode, OpaqueNode, Warning_, scalar
 
 #: suffixes of files that may hold model or training state
@@ -83,6 +84,7 @@ def account(ck: Checkpoint, given: Path) -> Checkpoint:
                                  "only tag folder here, but a loader asked for this folder without a tag (DeepSpeed's "
                                  f"load_checkpoint) finds nothing. Write the tag into {root / 'latest'}", "latest"))
     acc = {"read": sorted(f.path for f in ck.files), "unread": unread}
+    require_declared_groups(ck)
     warnings += optimizer_state_warnings(ck) + duplicate_rank_files(ck)
     known = {(w.code, w.path) for w in ck.warnings}
     new = [w for w in warnings if (w.code, w.path) not in known]
@@ -319,6 +321,40 @@ def optimizer_state_warnings(ck: Checkpoint) -> list[Warning_]:
                                 f"group lists ({', '.join(orphan[:6])}{' …' if len(orphan) > 6 else ''}): a param "
                                 "group was lost or the state belongs to another optimizer", f"{name}.param_groups"))
     return out
+
+
+def require_declared_groups(ck: Checkpoint) -> None:
+    """Refuse (CorruptCheckpoint, exit 2) a Megatron-LM view that holds optimizer state but fewer param groups
+    than the checkpoint declares: Megatron's default grouping (dense weights, dense biases and norms, and at
+    expert-parallel size > 1 the same pair for the experts: `args.num_experts`, `args.expert_model_parallel_size`,
+    the groups' own `is_expert_parallel`) against the groups the reader found. Checked here, on the tree, not in
+    the reader: a reader that looked in the wrong place (a ChainedOptimizer's inner optimizers) finds no group
+    and would otherwise show no LR and convert none, and say nothing."""
+    if ck.format not in (megatron_lm.FORMAT, megatron_dist.FORMAT):
+        return
+    node, opt, model = (ck.tree.children.get(k) for k in ("args", "optimizer", "model"))
+    args = {k: scalar(v) for k, v in node.children.items()} if isinstance(node, (GroupNode, OpaqueNode)) else {}
+    if not args or args.get("no_save_optim") or not isinstance(model, GroupNode):
+        return
+    kids = opt.children if isinstance(opt, GroupNode) else {}
+    held = any(isinstance(kids.get(k), GroupNode) and kids[k].children for k in ("state", "param_groups")) or \
+        "distributed_optimizer" in ck.tree.children
+    if not held:
+        return
+    groups = [{k: scalar(v) for k, v in g.children.items()} for g in kids["param_groups"].children.values()
+              if isinstance(g, GroupNode)] if isinstance(kids.get("param_groups"), GroupNode) else []
+    shapes = {n: tuple(t.shape) for n, t in model.children.items() if hasattr(t, "shape")}
+    gone = megatron_lm.missing_groups(groups, shapes, args)
+    if not gone:
+        return
+    want = megatron_lm.declared_groups(shapes, args) or set()
+    moe = (f" (num_experts={args.get('num_experts')}, expert_model_parallel_size="
+           f"{args.get('expert_model_parallel_size')}: a ChainedOptimizer, dense then expert)"
+           if megatron_lm.expert_parallel(args) else "")
+    raise CorruptCheckpoint(f"the checkpoint declares {len(want)} param groups{moe} but {len(groups)} were found: "
+                            f"{', '.join(gone)} missing: their parameters would have no LR or weight-decay settings",
+                            path=ck.path, hint="copy the optimizer state back from where the run saved it "
+                                               "(Megatron-LM: common.pt's optimizer, every rank file's)")
 
 
 def duplicate_rank_files(ck: Checkpoint, limit: int = 4 << 20) -> list[Warning_]:

@@ -1030,10 +1030,26 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
 def check(ck, src: Path, ckpt_format: str, tp: int | None, pp: int | None = None) -> tuple[int | None, int | None]:
     """Refuse, in one line, a source (or TP / PP size) that cannot be written as Megatron's `ckpt_format`; returns
     the (TP, PP) sizes of the legacy rank files ((None, None) for torch_dist, which holds whole tensors)."""
+    _check_no_experts(ck, src, ckpt_format)
     if ckpt_format == "torch":
         return _check_legacy_target(ck, src, tp, pp)
     _check_dist_target(ck, src)
     return None, None
+
+
+def _check_no_experts(ck, src: Path, ckpt_format: str) -> None:
+    """Refuse a Mixture-of-Experts run: its experts' layout (torch_dist `[layers, experts, ...]`, legacy
+    `mp_rank_TT[_PPP]_EEE` folders per expert-parallel rank, local expert ids) and its ChainedOptimizer (dense,
+    expert) are not written here yet."""
+    args = _args(ck)
+    experts = args.get("num_experts")
+    if experts:
+        ep = args.get("expert_model_parallel_size") or 1
+        raise UnsupportedCheckpoint(
+            f"--to megatron --ckpt-format {ckpt_format} of a Mixture-of-Experts run (num_experts={experts}, "
+            f"expert_model_parallel_size={ep}): ckpt does not write Megatron's expert layout (expert-parallel rank "
+            "folders, chained dense + expert optimizers) yet", path=src,
+            hint="Megatron reshards a torch_dist MoE checkpoint at load: resume it at the new sizes")
 
 
 def plan_lines(ck, ckpt_format: str, tp: int | None, pp: int | None = None) -> tuple[list[str], list[str]]:

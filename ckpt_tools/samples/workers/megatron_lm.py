@@ -30,7 +30,10 @@ micro batch 2, global batch 4, 10 iterations, LR 3e-3 -> min 3e-4, 3 warm-up ite
 iterations (so the LR after the save is not yet the floor), weight decay 0.01, clip 1.0, a save after the last
 iteration. `megatron_tp2_llama_legacy` / `_torch_dist` are the same run with a Llama-style GPT (`LLAMA_FLAGS`: rotary positions
 with base 5e5, RMSNorm, SwiGLU, an untied output layer, grouped-query attention with 2 query groups, no linear
-biases). `--forward` runs Megatron's own forward of a saved TP sample (`logits_sample`). The manifest's `history` holds each `train_step`'s own loss (Megatron's log line for iteration 2
+biases). `megatron_moe_ep2_torch_dist` is a Mixture-of-Experts GPT (hidden 32, FFN 64; `MOE_FLAGS`: 4 experts,
+top-2 routing, expert FFN 64, SequentialMLP) at expert-parallel size 2 over the 2 data-parallel ranks, plain Adam:
+its optimizer is Megatron's ChainedOptimizer (dense, expert: 4 param groups), made with this same maker and
+checked with `--check` (Megatron's own load restores the 4 groups' LRs and the Adam step). `--forward` runs Megatron's own forward of a saved TP sample (`logits_sample`). The manifest's `history` holds each `train_step`'s own loss (Megatron's log line for iteration 2
 averages iterations 1 and 2).
 
 Run-time changes, all in this process (nothing installed is edited; see `install_cpu_shims`):
@@ -59,6 +62,11 @@ Run-time changes, all in this process (nothing installed is edited; see `install
      functions (bias-GeLU etc.) run as plain eager PyTorch, the same maths.
   9. The process group is created here (gloo) before Megatron's `initialize_megatron`, which then uses it; Megatron
      gets `--distributed-backend gloo`.
+ 10. Mixture-of-Experts variants (`megatron_moe_ep2_torch_dist`): `megatron.core.transformer.moe.moe_utils.
+     te_general_gemm` is set to None where megatron-core 0.16.1 leaves it undefined without Transformer Engine
+     (the router's linear asks for it and then uses torch's matmul); the command line picks the `allgather`
+     token dispatcher (`MOE_FLAGS`: the `alltoall` one synchronizes a CUDA event). Nothing else differs from the
+     dense recipe: `pretrain()` builds the ChainedOptimizer (dense, expert) and saves it as Megatron does.
   Recording only (no behaviour change): `megatron.training.training.save_checkpoint` and `train_step` are wrapped
   to read the live model / optimizer / scheduler at save time and each iteration's LR and loss for the manifest.
 """
@@ -99,6 +107,7 @@ class Variant:
     pp: int = 1
     vpp: int = 0  # virtual pipeline chunks per stage (0: none); the model then has pp * vpp layers, hidden 32
     llama: bool = False  # the Llama-style GPT: RoPE, RMSNorm, SwiGLU, untied output, 2 query groups, no biases
+    ep: int = 0  # a Mixture-of-Experts GPT (`MOE_FLAGS`) at this expert-parallel size (0: a dense GPT)
 
 
 VARIANTS = {
@@ -119,11 +128,38 @@ VARIANTS = {
     # not bundled: the distributed optimizer with pipeline stages (PP 2 x DP 2, 4 processes)
     "megatron_pp2_dp2_distopt_legacy": Variant(tp=1, ckpt_format="torch", distributed_optimizer=True, pp=2),
     "megatron_pp2_dp2_distopt_torch_dist": Variant(tp=1, ckpt_format="torch_dist", distributed_optimizer=True, pp=2),
+    # Megatron-core MoE (4 experts, top-2, SequentialMLP) at EP 2 over the 2 data-parallel ranks, plain Adam
+    "megatron_moe_ep2_torch_dist": Variant(tp=1, ckpt_format="torch_dist", ep=2),
 }
 #: the Llama-style variant's architecture flags (what a Llama run passes to pretrain_gpt.py)
 LLAMA_FLAGS = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--normalization", "RMSNorm",
                "--swiglu", "--untie-embeddings-and-output-weights", "--group-query-attention",
                "--num-query-groups", "2", "--disable-bias-linear", "--no-bias-swiglu-fusion", "--no-rope-fusion"]
+
+#: the MoE variants' flags: 4 experts with top-2 routing (SequentialMLP: the local spec without grouped GEMM), the
+#: allgather dispatcher (the alltoall one synchronizes a CUDA event, which the CPU run has not got)
+MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
+             "--moe-token-dispatcher-type", "allgather"]
+
+#: what this process changes at run time (the module docstring's list, in short), recorded in each manifest
+RUN_TIME_CHANGES = [
+    "torch.cuda redirected to the CPU (is_available/device_count 1 only during initialize_megatron; streams, "
+    "events, device properties, memory statistics stand-ins)",
+    "the CUDA RNG state is the CPU generator's",
+    "a TorchFunctionMode: device='cuda' arguments -> CPU, Tensor.cuda() identity, Tensor.type() answers torch.cuda.* "
+    "names; Module.cuda returns the module",
+    "megatron.core.datasets.utils.compile_helpers a no-op (the wheel has helpers_cpp but no Makefile)",
+    "megatron.legacy.fused_kernels.load a no-op (it only runs nvcc -V)",
+    "a stand-in triton module while Megatron's training code is imported",
+    "CUDA_DEVICE_MAX_CONNECTIONS=1",
+    "megatron.core.jit's jit_fuser is the identity (fused functions run eager)",
+    "the gloo process group is created before initialize_megatron (--distributed-backend gloo)",
+]
+MOE_RUN_TIME_CHANGES = [
+    "megatron.core.transformer.moe.moe_utils.te_general_gemm = None (undefined in megatron-core 0.16.1 without "
+    "Transformer Engine)",
+    "--moe-token-dispatcher-type allgather (the alltoall dispatcher synchronizes a CUDA event)",
+]
 
 # vocab_size is the model's (padded) vocabulary: Megatron's NullTokenizer adds an EOD token to --vocab-size.
 MODEL = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
@@ -135,7 +171,7 @@ def model_config(v: Variant) -> dict[str, int]:
     pipeline gets pp * vpp layers, kept small (hidden 32, FFN 64); the Llama-style variant is as small."""
     if v.vpp:
         return {**MODEL, "num_layers": v.pp * v.vpp, "hidden_size": 32, "ffn_hidden_size": 64}
-    if v.llama:  # hidden 32 (4 heads of 8, 2 query groups), FFN 64: small samples
+    if v.llama or v.ep:  # hidden 32 (4 heads of 8; Llama: 2 query groups), FFN 64: small samples
         return {**MODEL, "hidden_size": 32, "ffn_hidden_size": 64}
     return dict(MODEL)
 
@@ -173,6 +209,8 @@ def megatron_argv(v: Variant, *, save: Path | None, load: Path | None, work: Pat
         argv += LLAMA_FLAGS
     if v.vpp:
         argv += ["--num-layers-per-virtual-pipeline-stage", "1"]
+    if v.ep:
+        argv += [*MOE_FLAGS, "--expert-model-parallel-size", str(v.ep)]
     if save is not None:
         argv += ["--save", str(save), "--save-interval", str(ITERATIONS)]
     if load is not None:
@@ -270,6 +308,10 @@ def _after_megatron_import() -> None:
     import megatron.core.tensor_parallel.random as trandom
 
     dutils.compile_helpers = lambda: None
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 leaves it undefined without TE; the router asks for it
+        moe_utils.te_general_gemm = None
     trandom._lazy_call = torch.cuda._lazy_call
     trandom._lazy_init = torch.cuda._lazy_init
 
@@ -421,11 +463,14 @@ def _parameter_count(model: list[Any]) -> tuple[int, int]:
     """(elements, tensors) of the whole model, each parameter counted once: TP-split tensors summed over the TP
     ranks, replicated ones taken from TP rank 0, summed over pipeline stages, read on the live modules. With
     tied embeddings and PP > 1 the last stage's `output_layer.weight` is Megatron's copy of the first stage's word
-    embeddings (kept equal by the embedding group's all-reduce): one parameter of the model, counted there."""
+    embeddings (kept equal by the embedding group's all-reduce): one parameter of the model, counted there.
+    Expert parameters (Megatron marks them `allreduce=False`) are each EP rank's own experts: summed over the
+    expert-parallel group (at expert TP 1), each local expert tensor counted once per EP rank."""
     from megatron.core import parallel_state as ps
 
     tp_rank = ps.get_tensor_model_parallel_rank()
     count = tensors = 0
+    expert_count = expert_tensors = 0
     for chunk in model:
         inner = chunk
         while hasattr(inner, "module"):  # DDP / Float16Module wrappers around the GPTModel
@@ -434,6 +479,10 @@ def _parameter_count(model: list[Any]) -> tuple[int, int]:
         for name, p in chunk.named_parameters():
             if tied and name.endswith("output_layer.weight"):
                 continue
+            if not getattr(p, "allreduce", True):
+                expert_count += p.numel()
+                expert_tensors += 1
+                continue
             split = getattr(p, "tensor_model_parallel", False)
             if split or tp_rank == 0:
                 count += p.numel()
@@ -441,6 +490,12 @@ def _parameter_count(model: list[Any]) -> tuple[int, int]:
                 tensors += 1
     t = torch.tensor([count, tensors], dtype=torch.long)
     torch.distributed.all_reduce(t, group=ps.get_model_parallel_group())
+    if ps.get_expert_model_parallel_world_size() > 1 or expert_count:
+        if ps.get_expert_tensor_parallel_world_size() != 1 or ps.get_pipeline_model_parallel_world_size() != 1:
+            raise RuntimeError("counting expert parameters at expert TP or PP > 1 is not written")
+        e = torch.tensor([expert_count, expert_tensors], dtype=torch.long)
+        torch.distributed.all_reduce(e, group=ps.get_expert_model_parallel_group())
+        t += e
     return int(t[0]), int(t[1])
 
 
@@ -484,7 +539,7 @@ class Recorder:
                 "lr": float(g["lr"]), "max_lr": float(g.get("max_lr", sched.max_lr)),
                 "min_lr": float(g.get("min_lr", sched.min_lr)), "weight_decay": float(g["weight_decay"]),
                 "wd_mult": g.get("wd_mult"), "lr_mult": g.get("lr_mult"),
-                "params": len(g["params"]),
+                "params": len(g["params"]), "is_expert_parallel": bool(g.get("is_expert_parallel", False)),
                 "next_lr": float(sched.get_lr(g)),
             })
         count, tensors = _parameter_count(model)
@@ -496,12 +551,15 @@ class Recorder:
             "tp": ps.get_tensor_model_parallel_world_size(),
             "pp": ps.get_pipeline_model_parallel_world_size(),
             "dp": ps.get_data_parallel_world_size(),
+            "ep": ps.get_expert_model_parallel_world_size(),
             "param_groups": groups,
             "adam_steps": _adam_steps(optimizer),
             "scheduler": _scheduler_state(sched),
             "parameters": {"count": count, "tensors": tensors},
             "optimizer": type(optimizer).__name__,
-            "inner_optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
+            # a ChainedOptimizer (MoE: dense, expert) has no single `.optimizer`: each inner one's torch optimizer
+            "inner_optimizer": ", ".join(type(o.optimizer).__name__
+                                         for o in getattr(optimizer, "chained_optimizers", [optimizer])),
         }
 
 
@@ -519,7 +577,8 @@ def write_manifest(ckpt: Path, sample: str, v: Variant, per_rank: list[dict[str,
     write(
         ckpt, sample=sample, format="megatron_legacy" if v.ckpt_format == "torch" else "megatron_torch_dist",
         world_size=len(per_rank), topology={"tp": s["tp"], "pp": s["pp"], "dp": s["dp"],
-                                            "distributed_optimizer": v.distributed_optimizer},
+                                            "distributed_optimizer": v.distributed_optimizer,
+                                            **({"ep": s["ep"]} if v.ep else {})},
         steps=s["iteration"],
         counters={"global_step": s["iteration"], "iteration": s["iteration"], "optimizer_step": steps[0],
                   "scheduler_num_steps": sched["num_steps"], "skipped_steps": sum(h["skipped"] for h in history)},
@@ -533,16 +592,20 @@ def write_manifest(ckpt: Path, sample: str, v: Variant, per_rank: list[dict[str,
         parameters=s["parameters"],
         extra={
             "megatron_lm": {"tag": MEGATRON_LM_TAG, "commit": MEGATRON_LM_COMMIT},
+            "run_time_changes": RUN_TIME_CHANGES + (MOE_RUN_TIME_CHANGES if v.ep else []),
             "megatron_core": megatron.core.__version__,
             "ckpt_format": v.ckpt_format,
             "model_config": model_config(v),
             "precision": "bf16 weights, fp32 master (Megatron mixed-precision optimizer)",
             "optimizer": s["optimizer"], "inner_optimizer": s["inner_optimizer"],
             "micro_batch": MICRO_BATCH, "global_batch": GLOBAL_BATCH, "train_iters": ITERATIONS,
-            "param_groups": [{k: g[k] for k in ("weight_decay", "wd_mult", "lr_mult", "params")}
+            "param_groups": [{k: g[k] for k in ("weight_decay", "wd_mult", "lr_mult", "params",
+                                                 *(("is_expert_parallel",) if v.ep else ()))}
                              for g in s["param_groups"]],
             "param_groups_note": "Megatron's default grouping: 0 = weights with decay, 1 = biases and norms "
-                                 "without ('params' counts this rank-0 group's tensors)",
+                                 "without ('params' counts this rank-0 group's tensors)"
+                                 + ("; with experts (a ChainedOptimizer: dense, expert) 2, 3 = the same for the "
+                                    "expert parameters (is_expert_parallel)" if v.ep else ""),
             "opt_param_scheduler": sched,
             "adam_step_per_rank": [r["adam_steps"] for r in per_rank],
             "ranks_agree_on_lr": all(
