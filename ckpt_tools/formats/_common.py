@@ -39,12 +39,24 @@ class LoadCache:
     def load_embedded(self, path: Path, offset: int, length: int) -> pickle_reader.Loaded:
         """One torch.save zip stored inside `path` (a DCP `.distcp` item); all items of a file share one mmap."""
         path = Path(path)
+        hit = pickle_reader.load_embedded(self.outer(path), offset, length)
+        self._note_unknown(path, hit)
+        return hit
+
+    def load_embedded_head(self, path: Path, offset: int, length: int,
+                           head_bytes: int = pickle_reader.ITEM_HEAD_BYTES) -> pickle_reader.Loaded:
+        """`load_embedded` read from the item's first `head_bytes` (`pickle_reader.load_embedded_head`)."""
+        path = Path(path)
+        hit = pickle_reader.load_embedded_head(self.outer(path), offset, length, head_bytes)
+        self._note_unknown(path, hit)
+        return hit
+
+    def outer(self, path: Path) -> pickle_reader.Source:
+        """The one Source (one mmap) every item of the file `path` reads through."""
         outer = self._outer.get(path)
         if outer is None:
             outer = self._outer[path] = pickle_reader.Source(path)
-        hit = pickle_reader.load_embedded(outer, offset, length)
-        self._note_unknown(path, hit)
-        return hit
+        return outer
 
     def _note_unknown(self, path: Path, loaded: pickle_reader.Loaded) -> None:
         unknown = loaded.unknown_globals

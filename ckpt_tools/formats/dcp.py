@@ -1,13 +1,15 @@
 """PyTorch distributed checkpoints (`torch.distributed.checkpoint`, what FSDP2 and torchtitan save).
 
-Layout (see shared/FORMATS.md): a folder with `.metadata` (a plain pickle of `Metadata`) and
+Layout (docs/formats.md): a folder with `.metadata` (a plain pickle of `Metadata`) and
 `__{rank}_{n}.distcp` files. Every saved item (one chunk of a tensor, or one pickled Python value)
 is its own small torch.save zip inside a `.distcp` file, located by
 `storage_data[MetadataIndex(fqn, chunk offset)] -> _StorageInfo(relative_path, offset, length)`.
 
-Only `.metadata`, the zip directories of the items and the small values are read when opening:
-tensor chunks become `Piece`s pointing into the `.distcp` files, so `read_torch()` reads just their
-bytes. Flat keys are split with `planner_data`, never at dots, because FQNs contain dots
+Only `.metadata` and the small items are read when opening (the values: bytes items up to 1 MiB, and
+the tensors of up to 16 elements whose values show, such as Adam's `step`): every other tensor chunk
+becomes a `Piece` whose `LazyTensorRef` has the dtype and shape `.metadata` gives, and reads its item's
+record (the head of its embedded torch.save zip: strides, where its bytes start) only when its bytes
+are read, checked then against `.metadata`. Flat keys are split with `planner_data`, never at dots, because FQNs contain dots
 (`optim.state.blocks.0.ln_1.bias.step` -> ('optim', 'state', 'blocks.0.ln_1.bias', 'step')).
 
 The chunk assembly (`Chunk`, `chunked_tensor`) and the header of a torch training dict
@@ -25,7 +27,7 @@ from typing import Any, Mapping
 
 from ..read import pickle_reader, remote
 from ..errors import CorruptCheckpoint, MissingFile, UnsupportedCheckpoint
-from ..read.pickle_reader import SMALL_TENSOR_NUMEL, DType, TensorRef, is_opaque
+from ..read.pickle_reader import DTYPE_SIZE, SMALL_TENSOR_NUMEL, DType, LazyTensorRef, TensorRef, is_opaque
 from ..read.qkv import find_fused
 from ..read.tree import (Checkpoint, FileInfo, GroupNode, Node, OpaqueNode, Piece, TensorNode, Topology, ValueNode,
                          Warning_, as_int, iter_tensors, tensor_node, to_node)
@@ -86,6 +88,8 @@ def chunked_tensor(key: str, shape: tuple[int, ...], dtype: str, chunks: list[Ch
     if len(chunks) == 1 and tuple(chunks[0].sizes) == shape and chunks[0].ref.shape == shape:
         c = chunks[0]
         _check_chunk(key, shape, dtype, c, where)
+        if not 0 < c.ref.numel <= SMALL_TENSOR_NUMEL:  # tensor_node's node, its piece sharing the chunk's rank
+            return TensorNode(c.ref.shape, c.ref.dtype, (Piece(c.file, c.ref, 0, c.ref.numel, 0, c.rank),))
         return tensor_node(c.ref, c.file, c.rank)
     pieces = []
     for c in chunks:
@@ -255,13 +259,16 @@ def logical_path(key: str, planner: dict) -> tuple:
 
 
 def _offsets(v: Any) -> tuple[int, ...] | None:
-    return None if v is None else tuple(int(x) for x in v)
+    return None if v is None else tuple(map(int, v))
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     cache = C.LoadCache(path)
     meta_path = path / ".metadata"
-    md = cache.load(meta_path).obj
+    loaded = pickle_reader.load(meta_path)  # not kept in the cache: its records are dropped as they are used
+    cache._note_unknown(meta_path, loaded)
+    md = loaded.obj
+    del loaded
     sdm = md.field("state_dict_metadata") if is_opaque(md, "Metadata") else None
     storage = md.field("storage_data") if is_opaque(md, "Metadata") else None
     if not isinstance(sdm, dict) or not isinstance(storage, dict):
@@ -270,38 +277,43 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     planner = md.field("planner_data")
     if not isinstance(planner, dict):
         planner = {}
-    where: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
-    for idx, info in storage.items():
-        if not (is_opaque(idx, "MetadataIndex") and is_opaque(info)):
-            raise CorruptCheckpoint(f"bad storage_data entry {idx!r}", path=meta_path, hint="the metadata is corrupt")
-        rel, off, length = info.field("relative_path"), as_int(info.field("offset")), as_int(info.field("length"))
-        # a path that leaves the folder is never followed: DCP writes bare file names
-        if not isinstance(rel, str) or Path(rel).name != rel or rel in ("", ".", "..") or off is None or length is None:
-            raise CorruptCheckpoint(f"bad storage entry for {idx.field('fqn')!r}", path=meta_path,
-                                    hint="the metadata is corrupt")
-        if info.field("transform_descriptors"):
-            raise UnsupportedCheckpoint(f"{idx.field('fqn')} is stored with transforms "
-                                        f"{info.field('transform_descriptors')} (compressed?)", path=meta_path,
-                                        hint="re-save without storage transforms to inspect it")
-        where[(idx.field("fqn"), _offsets(idx.field("offset")))] = (rel, off, length)
+    where = _storage_index(storage, meta_path)
+    # .metadata's records are this open's alone: each goes once used, so that the tree's nodes reuse their memory
+    # (a 120k-item .metadata parses to ~300 MB of records; the tree is as big again)
+    storage.clear()
+    del storage
+    details = {"dcp_version": md.field("version"), "items": len(sdm)}
     used = sorted({rel for rel, _, _ in where.values()})
+    sizes: dict[str, int] = {}
     for rel in used:
-        if not (path / rel).is_file():
+        try:
+            sizes[rel] = (path / rel).stat().st_size
+        except OSError:
+            sizes[rel] = -1
+        if sizes[rel] < 0 or not (path / rel).is_file():
             n = sum(1 for r, _, _ in where.values() if r == rel)
             raise MissingFile(f"{rel} is missing (.metadata places {n} items in it)", path=path / rel,
                               hint="re-copy the checkpoint folder; every rank's .distcp file is needed")
-    if remote._MOUNTS:  # a remote checkpoint: what parsing the items reads, planned as one parallel batch
-        remote.plan(_first_reads(path, where))
+    if remote._MOUNTS:  # a remote checkpoint: what opening reads of the items, planned as one parallel batch
+        remote.plan(_first_reads(path, sdm, where), exact=True)
 
+    files = {rel: _File(path / rel, _rank(rel), sizes[rel], cache.outer(path / rel)) for rel in used}
     top: dict[Any, Any] = {}
     loader: dict[str, bytes] = {}  # torchtitan's per-DP-rank pickled data-loader states
     loader_at: dict[str, str] = {}  # ... and the .distcp file holding each
-    for key, meta in sdm.items():
+    kinds: dict[type, str] = {}  # what `is_opaque` says of each record class (one answer per class)
+    meta = None
+    for key in list(sdm):
+        meta = sdm.pop(key)
         keys = logical_path(key, planner)
-        if is_opaque(meta, "TensorStorageMetadata"):
-            node = _tensor(cache, path, key, meta, where)
-        elif is_opaque(meta, "BytesStorageMetadata"):
-            node, obj = _value(cache, path, key, where)
+        kind = kinds.get(type(meta))
+        if kind is None:
+            kind = kinds[type(meta)] = ("tensor" if is_opaque(meta, "TensorStorageMetadata") else
+                                        "bytes" if is_opaque(meta, "BytesStorageMetadata") else "other")
+        if kind == "tensor":
+            node = _tensor(cache, path, key, meta, where, files)
+        elif kind == "bytes":
+            node, obj = _value(cache, path, key, where, files)
             if keys[0] == "dataloader" and str(keys[-1]).startswith("dp_rank_") and isinstance(obj, (bytes, bytearray)):
                 loader[str(keys[-1])] = bytes(obj)
                 loader_at[str(keys[-1])] = where[(key, None)][0]
@@ -314,8 +326,8 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
                 raise CorruptCheckpoint(f"{key}: planner_data path {keys} runs through a value", path=meta_path,
                                         hint="the metadata is corrupt")
         slot[keys[-1]] = node
+    del md, meta, sdm, planner
 
-    details = {"dcp_version": md.field("version"), "items": len(sdm)}
     if loader:
         world = top.get("dataloader", {}).get("world_size") if isinstance(top.get("dataloader"), dict) else None
         inner: dict[str, Any] = {}
@@ -345,59 +357,156 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     return ck
 
 
-def _first_reads(root: Path, where: dict) -> list[tuple[Path, int, int]]:
-    """The byte ranges parsing every item reads: a value item whole (up to the size `_value` reads), a tensor
-    item's torch.save zip at both ends (`data.pkl` and the first member's header lead, the central directory
-    ends it); its tensor bytes in between are read only when asked for."""
-    edge = 4096
+#: a tiny tensor's item up to this size is fetched whole from a remote store (its record and its bytes)
+_SMALL_ITEM_BYTES = 64 << 10
+
+
+def _storage_index(storage: dict, meta_path: Path) -> dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]]:
+    """{(fqn, chunk offsets or None): (relative_path, offset, length)} from `.metadata`'s `storage_data`, every entry
+    checked (one record class, one file name checked once: a folder holds a few files and 10^5-10^6 entries)."""
+    where: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
+    index_types: set[type] = set()
+    names: set[str] = set()
+    for idx, info in storage.items():
+        if type(idx) not in index_types:
+            if not (is_opaque(idx, "MetadataIndex")):
+                raise CorruptCheckpoint(f"bad storage_data entry {idx!r}", path=meta_path,
+                                        hint="the metadata is corrupt")
+            index_types.add(type(idx))
+        if not is_opaque(info):
+            raise CorruptCheckpoint(f"bad storage_data entry {idx!r}", path=meta_path, hint="the metadata is corrupt")
+        st = info.state if isinstance(info.state, dict) else {}  # what Opaque.field reads
+        rel, off, length = st.get("relative_path"), st.get("offset"), st.get("length")
+        off = off if type(off) is int else as_int(off)
+        length = length if type(length) is int else as_int(length)
+        # a path that leaves the folder is never followed: DCP writes bare file names
+        if type(rel) is not str or rel not in names:
+            if not isinstance(rel, str) or Path(rel).name != rel or rel in ("", ".", ".."):
+                off = None
+            else:
+                names.add(rel)
+        if off is None or length is None:
+            raise CorruptCheckpoint(f"bad storage entry for {idx.field('fqn')!r}", path=meta_path,
+                                    hint="the metadata is corrupt")
+        if st.get("transform_descriptors"):
+            raise UnsupportedCheckpoint(f"{idx.field('fqn')} is stored with transforms "
+                                        f"{info.field('transform_descriptors')} (compressed?)", path=meta_path,
+                                        hint="re-save without storage transforms to inspect it")
+        ist = idx.state if isinstance(idx.state, dict) else {}
+        where[(ist.get("fqn"), _offsets(ist.get("offset")))] = (rel, off, length)
+    return where
+
+
+def _first_reads(root: Path, sdm: dict, where: dict) -> list[tuple[Path, int, int]]:
+    """The byte ranges opening reads of the items: each value item whole (up to the size `_value` reads) and
+    each tiny tensor's item (`_shows_values`: its record and bytes). Other tensor chunks are read only when
+    their bytes are asked for (their record's head then, `LazyTensorRef`)."""
     out = []
-    for (_, offsets), (rel, off, length) in where.items():
-        if offsets is None or length <= 2 * edge:
+    for (key, offsets), (rel, off, length) in where.items():
+        if offsets is None:
             if length <= _MAX_VALUE_BYTES:
                 out.append((root / rel, off, length))
-            continue
-        out += [(root / rel, off, edge), (root / rel, off + length - edge, edge)]
+        elif _shows_values(sdm.get(key)):
+            out.append((root / rel, off, min(length, _SMALL_ITEM_BYTES)))
     return out
 
 
-def _item(root: Path, key: str, where: dict, offsets: tuple[int, ...] | None) -> tuple[str, int, int]:
-    """(relative_path, offset, length) of one item: a tensor chunk at `offsets`, or a value (None)."""
+def _shows_values(meta) -> bool:
+    """A tensor whose values the tree shows (`tree.SMALL_TENSOR_NUMEL` elements or fewer): its chunks are read
+    when opening. So is a tensor whose `.metadata` gives no dtype (or one without a known size): its chunks'
+    records say it."""
+    if not is_opaque(meta, "TensorStorageMetadata"):
+        return False
+    try:
+        numel = math.prod(int(s) for s in meta.field("size") or ())
+    except (TypeError, ValueError):
+        return True
+    return numel <= SMALL_TENSOR_NUMEL or DTYPE_SIZE.get(_dtype(meta)) is None
+
+
+def _dtype(meta) -> str | None:
+    props = meta.field("properties")
+    state = props.state if is_opaque(props) else None
+    return state[0].name if isinstance(state, tuple) and state and isinstance(state[0], DType) else None
+
+
+#: the record class of the last ChunkStorageMetadata seen (`is_opaque` says the same of every one)
+_ChunkType: list[type | None] = [None]
+
+
+@dataclass(frozen=True)
+class _File:
+    """A `.distcp` file named by `.metadata`: its path, the rank its name gives, its size in bytes, the Source
+    (one mmap) every item in it reads through."""
+
+    path: Path
+    rank: Mapping[str, int]
+    size: int
+    outer: Any
+
+
+def _item(root: Path, key: str, where: dict, offsets: tuple[int, ...] | None,
+          files: dict[str, _File]) -> tuple[str, int, int]:
+    """(relative_path, offset, length) of one item: a tensor chunk at `offsets`, or a value (None); inside its
+    file (checked from the file's size: nothing of the item is read here)."""
     loc = where.get((key, offsets))
     if loc is None:
         raise CorruptCheckpoint(f"{key}: no storage entry for the chunk at {offsets}", path=root / ".metadata",
                                 hint="the metadata is corrupt or from another save")
+    rel, off, length = loc
+    size = files[rel].size
+    if off < 0 or length <= 0 or off + length > size:
+        raise CorruptCheckpoint(f"item at bytes {off}..{off + length} lies outside the file ({size} bytes)",
+                                path=root / rel, hint="the file is truncated; re-copy it")
     return loc
 
 
-def _tensor(cache: C.LoadCache, root: Path, key: str, meta, where: dict) -> TensorNode:
-    shape = tuple(int(s) for s in meta.field("size") or ())
-    props = meta.field("properties")
-    state = props.state if is_opaque(props) else None
-    dtype = state[0].name if isinstance(state, tuple) and state and isinstance(state[0], DType) else None
+def _tensor(cache: C.LoadCache, root: Path, key: str, meta, where: dict, files: dict[str, _File]) -> TensorNode:
+    st = meta.state if isinstance(meta.state, dict) else {}  # what Opaque.field reads
+    shape = tuple(map(int, st.get("size") or ()))
+    dtype = _dtype(meta)
+    esize = DTYPE_SIZE.get(dtype)
+    shows = esize is None or math.prod(shape) <= SMALL_TENSOR_NUMEL  # `_shows_values`
+    metas = st.get("chunks") or []
     chunks = []
-    for ch in meta.field("chunks") or []:
-        if not is_opaque(ch, "ChunkStorageMetadata"):
-            raise CorruptCheckpoint(f"{key}: bad chunk entry {ch!r}", path=root / ".metadata",
-                                    hint="the metadata is corrupt")
-        offsets, sizes = _offsets(ch.field("offsets")), _offsets(ch.field("sizes"))
-        rel, off, length = _item(root, key, where, offsets)
-        ref = cache.load_embedded(root / rel, off, length).obj
-        if not isinstance(ref, TensorRef):
-            raise CorruptCheckpoint(f"{key}: the item at {rel}[{off}:{off + length}] is not a tensor", path=root / rel,
-                                    hint="the .distcp file does not match .metadata")
-        chunks.append(Chunk(offsets, sizes, ref, rel, _rank(rel)))
+    for ch in metas:
+        if type(ch) is not _ChunkType[0]:
+            if not is_opaque(ch, "ChunkStorageMetadata"):
+                raise CorruptCheckpoint(f"{key}: bad chunk entry {ch!r}", path=root / ".metadata",
+                                        hint="the metadata is corrupt")
+            _ChunkType[0] = type(ch)
+        cst = ch.state if isinstance(ch.state, dict) else {}
+        offsets, sizes = _offsets(cst.get("offsets")), _offsets(cst.get("sizes"))
+        rel, off, length = _item(root, key, where, offsets, files)
+        f = files[rel]
+        numel = math.prod(sizes) if sizes is not None else 0
+        if shows or sizes is None or numel * esize > length:
+            # its values show; or its item is too short for the chunk .metadata declares: its record says why
+            ref = cache.load_embedded_head(f.path, off, length).obj
+            if not isinstance(ref, TensorRef):
+                raise CorruptCheckpoint(f"{key}: the item at {rel}[{off}:{off + length}] is not a tensor",
+                                        path=f.path, hint="the .distcp file does not match .metadata")
+        else:  # dtype and shape from .metadata; the record is read (and checked) when its bytes are
+            ref = LazyTensorRef(dtype, sizes, f.outer, off, length, key, numel)
+            if len(metas) == 1 and sizes == shape and offsets is not None and len(offsets) == len(shape) \
+                    and not any(offsets):
+                # one chunk, the whole tensor (most items): the node `chunked_tensor` makes of it, without the checks
+                # that hold by construction (the record is checked against .metadata when read)
+                return TensorNode(shape, dtype, (Piece(rel, ref, 0, numel, 0, f.rank),))
+        chunks.append(Chunk(offsets, sizes, ref, rel, f.rank))
     if dtype is None and chunks:
         dtype = chunks[0].ref.dtype
     return chunked_tensor(key, shape, dtype or "?", chunks, root)
 
 
-def _value(cache: C.LoadCache, root: Path, key: str, where: dict) -> tuple[Node, Any]:
+def _value(cache: C.LoadCache, root: Path, key: str, where: dict, files: dict[str, _File]) -> tuple[Node, Any]:
     """(the node of a non-tensor item, the object read: None when too large to read)."""
-    rel, off, length = _item(root, key, where, None)
+    rel, off, length = _item(root, key, where, None, files)
     if length > _MAX_VALUE_BYTES:
         return ValueNode(f"<{length} bytes in {rel}, not read>"), None
-    obj = cache.load_embedded(root / rel, off, length).obj
-    return to_node(obj, rel, _rank(rel)), obj
+    f = files[rel]
+    obj = cache.load_embedded_head(f.path, off, length, length).obj
+    return to_node(obj, rel, f.rank), obj
 
 
 def training_state(ck: Checkpoint):

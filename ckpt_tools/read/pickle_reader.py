@@ -24,11 +24,13 @@ import os
 import pickle
 import struct
 import threading
+import types
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import allowlist, remote
+from . import allowlist, native_walk, remote
 from ..errors import CorruptCheckpoint, NotACheckpoint
 
 # --- dtypes -----------------------------------------------------------------------------------------
@@ -269,6 +271,10 @@ class TensorRef:
         return t
 
 
+#: the keyword arguments of an Opaque built without any (shared, read-only)
+_NO_KWARGS = types.MappingProxyType({})
+
+
 class Opaque:
     """An object of a class this reader does not know (or will not run). Records what the pickle says.
 
@@ -290,7 +296,8 @@ class Opaque:
 
     def __new__(cls, *args, **kwargs):
         obj = object.__new__(cls)
-        obj.args, obj.kwargs, obj.state, obj.made_by = args, kwargs, None, "newobj"
+        # no empty dict of its own: a 120k-item DCP .metadata is 600k records (38 MB of empty dicts)
+        obj.args, obj.kwargs, obj.state, obj.made_by = args, kwargs or _NO_KWARGS, None, "newobj"
         return obj
 
     def __setstate__(self, state):
@@ -388,8 +395,8 @@ class NumpyDType:
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None,
                        metadata=None):
     dtype = storage.dtype if isinstance(storage, StorageRef) else "uint8"
-    return TensorRef(dtype, tuple(size), tuple(stride), int(storage_offset), storage
-                     if isinstance(storage, StorageRef) else None, bool(requires_grad))
+    return TensorRef(dtype, _flat_tuple(size, "tensor size"), _flat_tuple(stride, "tensor stride"),
+                     int(storage_offset), storage if isinstance(storage, StorageRef) else None, bool(requires_grad))
 
 
 def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, backward_hooks, dtype,
@@ -427,13 +434,14 @@ def _rebuild_from_type_v2(func, new_type, args, state):
 
 def _rebuild_meta(dtype, size, stride, requires_grad=False):
     name = dtype.name if isinstance(dtype, DType) else "?"
-    return TensorRef(name, tuple(size), tuple(stride), 0, None, bool(requires_grad))
+    return TensorRef(name, _flat_tuple(size, "tensor size"), _flat_tuple(stride, "tensor stride"), 0, None,
+                     bool(requires_grad))
 
 
 def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, device, requires_grad):
     name = dtype.name if isinstance(dtype, DType) else "?"
-    return TensorRef(name, tuple(size), tuple(stride), int(storage_offset), None, bool(requires_grad),
-                     subclass=getattr(cls, "cls", None))
+    return TensorRef(name, _flat_tuple(size, "tensor size"), _flat_tuple(stride, "tensor stride"),
+                     int(storage_offset), None, bool(requires_grad), subclass=getattr(cls, "cls", None))
 
 
 #: while a pickle is parsed: the set its flagged calls go to (see `_flag`)
@@ -469,7 +477,30 @@ class TorchSize(tuple):
 
 
 def _torch_size(dims=()):
-    return TorchSize(dims)
+    return TorchSize(_flat_tuple(dims, "torch.Size"))
+
+
+def _tuple_call(items=()):
+    return _flat_tuple(items, "tuple()")
+
+
+#: what hashing recurses into: a tuple made by a call may not hold one (see _flat_tuple)
+_NESTING_TYPES = frozenset({tuple, TorchSize, slice})
+
+
+def _flat_tuple(items, what: str) -> tuple:
+    """tuple(items) for a call the pickle makes (`tuple(x)`, `torch.Size(x)`, a tensor's size and stride),
+    refused when an item is a tuple or a slice.
+
+    check_expansion bounds how deep the tuples the pickle's opcodes build nest, but a call reads a list's items
+    as they are when it is made: a list filled after the walk last saw it (through a memo reference) hands over
+    items the walk did not count, and hashing a tuple (a dict key) recurses in C without a limit. Other items
+    (numbers, strings, tensors, objects) hash without recursing, or not at all, so a tuple made by a call stays
+    a few levels deep whatever the list held. No pickler calls these with tuples inside."""
+    t = tuple(items)
+    if any(map(_NESTING_TYPES.__contains__, map(type, t))):
+        raise pickle.UnpicklingError(f"{what} of items that are tuples (a tuple nested out of the walk's sight)")
+    return t
 
 
 def _codecs_encode(obj, encoding="utf-8", errors="strict"):
@@ -562,7 +593,7 @@ _SAFE_GLOBALS: dict[tuple[str, str], Any] = {
     ("builtins", "bytearray"): _no_size_arg(bytearray),
     ("builtins", "list"): list,
     ("builtins", "dict"): dict,
-    ("builtins", "tuple"): tuple,
+    ("builtins", "tuple"): _tuple_call,  # a RecordedCall: stays writable as the `tuple` global
     ("builtins", "int"): int,
     ("builtins", "float"): float,
     ("builtins", "str"): str,
@@ -597,6 +628,7 @@ _RECORDED_CALLS = frozenset({
     "torch._utils._rebuild_wrapper_subclass",
     "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar",
     "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct", "numpy.dtype",
+    "builtins.tuple",  # only so that the call goes through _tuple_call, and the global still reads as itself
 })
 
 
@@ -608,6 +640,9 @@ class RecordedCall:
     def __init__(self, name: str, fn: Callable):
         self.name = name
         self.fn = fn
+
+    def __repr__(self) -> str:  # a global as a value (a type annotation saved in a config) prints as its name
+        return self.name
 
     def __call__(self, *args):
         ret = self.fn(*args)
@@ -885,6 +920,9 @@ _WIDTH = (1 << _DEPTH_SHIFT) - 1
 # what the expansion walk does with an opcode
 (_GENERIC, _GET, _PUT, _MEMOIZE, _MARKOP, _DUP, _TUPLE_TO_MARK, _NEW_TO_MARK, _FILL_TO_MARK, _FILL, _TUPLE_N,
  _STOP) = range(12)
+#: opcodes pushing a leaf (width 1) / an empty container that may be filled (width 0), without an argument
+_LEAF_OPS = frozenset(b")N\x88\x89")  # EMPTY_TUPLE, NONE, NEWTRUE, NEWFALSE
+_EMPTY_CONTAINER_OPS = frozenset(b"}]\x8f")  # EMPTY_DICT, EMPTY_LIST, EMPTY_SET
 #: opcode byte -> (kind, argument size as pickletools gives it, two text lines?, pops, pushes, name)
 _OPS: list[tuple[int, int, bool, int, int, str] | None] = []
 
@@ -925,12 +963,13 @@ def check_expansion(data, path: str) -> int:
     it recurses in C without a limit: SIGSEGV, in this reader's unpickler, in `pickle.load` and in
     `torch.load(weights_only=True)` alike. So the opcode stream is walked first (no object is built; arguments
     are skipped by size, not decoded), keeping for every stack slot how many items it expands to (tuples and
-    frozensets add up their items, memo gets and DUP re-use a slot's count and add it to a stream-wide budget,
-    everything else counts 1: lists, dicts, objects are unhashable or hashed by identity) and how deep it nests
-    (a container one level above its deepest item; filling a list, dict or object keeps the deeper of it and one
-    above the new item, so a long flat list stays flat). Cost: about 0.07 µs per pickle byte (7 ms for the
-    107 KB model_states pickle of a 2.2 GB ZeRO-2 checkpoint). A stream longer than 64 MB (a legacy torch file
-    with its tensor bytes) is first delimited with pickletools.genops.
+    frozensets add up their items, memo gets and DUP re-use a slot's count and add it to a stream-wide budget; a
+    leaf counts 1, a list, dict, set or object 0: unhashable or hashed by identity) and how deep it nests (a
+    container one level above its deepest item; filling a list, dict or object keeps the deeper of it and one
+    above the new item, so a long flat list stays flat). Cost of the Python walk: about 0.1 µs per pickle byte
+    (11 ms for an 89 KB DCP `.metadata`, 4 s for a 35 MB torch.save pickle); the C copy (`native_walk`) runs
+    instead where it is built. A stream longer than 64 MB (a legacy torch file with its tensor bytes) is first
+    delimited with pickletools.genops.
 
     A stream the walk cannot follow (an unknown opcode, an argument running past the end, no STOP) is refused
     here as well, rather than left to the unpickler: what was not measured must not be built."""
@@ -958,12 +997,53 @@ def check_expansion(data, path: str) -> int:
             end = data.tell()
             data.seek(start)
             data = data.read(end - start)
+    native = _native_walk()
+    if native is not None:
+        end = native(data)
+        if end >= 0:  # passed; anything else is decided (and its error worded) by the Python walk below
+            return end
     try:
         return _walk_expansion(data, path)
     except CorruptCheckpoint:
         raise
     except Exception as e:  # noqa: BLE001  malformed: an argument past the end, a bad text argument, ...
         raise _unfollowable(e, path) from None
+
+
+_native: list = []  # [the C walk or None], once built
+
+
+def _native_walk() -> Callable[[bytes], int] | None:
+    """`native_walk`'s C copy of `_walk_expansion`, with this module's opcode table and bounds; None without a
+    C compiler, with CKPT_NATIVE=0 (re-read on each call, so a test can switch it off), or when the Python walk
+    is no longer the one the C copy mirrors (`walk_fingerprint`): an edit here must not leave a stale C walk
+    deciding alone."""
+    if not native_walk.enabled():
+        return None
+    if not _native:
+        fn = None
+        if walk_fingerprint() == native_walk.MIRRORS:
+            table = []
+            for entry in _op_table():
+                table += [0] * 6 if entry is None else [1, entry[0], entry[1], int(entry[2]), entry[3], entry[4]]
+            fn = native_walk.walker(table, MAX_TUPLE_EXPANSION, MAX_SHARED_EXPANSION, MAX_NESTING)
+        _native.append(fn)
+    return _native[0]
+
+
+def walk_fingerprint() -> str:
+    """A hash of the Python walk's source (`_walk_expansion`, `_refill`, `_op_table`) and of the constants the C copy
+    hard-codes: what `native_walk.MIRRORS` must equal for the C walk to be used."""
+    import hashlib
+    import linecache
+
+    text = []
+    for fn in (_walk_expansion, _refill, _op_table):
+        code = fn.__code__
+        last = max(line for _, _, line in code.co_lines() if line is not None)
+        text += linecache.getlines(code.co_filename)[code.co_firstlineno - 1: last]
+    text.append(repr((_DEPTH_SHIFT, sorted(_LEAF_OPS), sorted(_EMPTY_CONTAINER_OPS))))
+    return hashlib.sha256("".join(text).encode()).hexdigest()[:16]
 
 
 def _unfollowable(e: Exception, path: str) -> CorruptCheckpoint:
@@ -974,40 +1054,39 @@ def _unfollowable(e: Exception, path: str) -> CorruptCheckpoint:
 
 def _walk_expansion(data: bytes, path: str) -> int:
     table = _op_table()
-    # One int per stack slot: (nesting depth << _DEPTH_SHIFT) | expanded width. Then one sum() over a tuple's items
-    # gives its width in the low bits, one max() its deepest item in the high bits, and one comparison (>= deep)
-    # finds a slot nested too deep: the depth costs the walk next to nothing. A leaf (a number, a string, an empty
-    # container) is 1: width 1, depth 0. The width bits cannot overflow: widths summed into one tuple stay below
-    # the stream's length plus the shared budget.
+    # One int per stack slot: (nesting depth << _DEPTH_SHIFT) | width. One sum() over a tuple's items then gives
+    # its width in the low bits (the widths summed stay far below 2**40), one max() its deepest item in the high
+    # bits, and one comparison (>= deep) finds a slot nested too deep. Width: a leaf (a number, a string, None,
+    # an empty tuple) is 1, a tuple 1 + its items; a dict, list, set or object is 0: it can be filled after it
+    # is made, and hashing stops at it (unhashable, or hashed by identity) but its walls still count 1 in depth.
     stack: list[int] = []
     marks: list[int] = []
     memo: dict[Any, int] = {}
-    # stack position -> the memo key of the object there (PUT from there, or pushed by GET). Picklers memoize a
-    # dict, list or object as soon as it is made and fill it after (`}` BINPUT, then SETITEMS: every dict
-    # torch.save writes): filling it raises its memo entry too, else a later GET would carry the depth it had
-    # empty, and a chain of such GETs could hide any depth. (An entry left by an object since popped can only
-    # make a depth come out higher.)
+    # stack position -> the memo key of the container PUT from there. Picklers memoize a dict, list or object as
+    # soon as it is made and fill it after (`}` BINPUT, then SETITEMS: every dict torch.save writes): filling it
+    # raises its memo entry too, so that a later GET carries the depth it was filled to, not the depth it had
+    # empty. (A key left there by a container since popped can only make a depth come out higher.)
     put_at: dict[int, Any] = {}
-    push, shared, i, end = stack.append, 0, 0, len(data)
+    push, pop, shared, i, end = stack.append, stack.pop, 0, 0, len(data)
     u32, max_w, max_shared, S, W = _U32, MAX_TUPLE_EXPANSION, MAX_SHARED_EXPANSION, _DEPTH_SHIFT, _WIDTH
+    leaves, empties = _LEAF_OPS, _EMPTY_CONTAINER_OPS
     level = 1 << S  # one level of depth, in slot units
     deep = (MAX_NESTING + 1) << S  # a slot at least this large nests more than MAX_NESTING levels
     while i < end:
         op = data[i]
-        # torch.save's protocol-2 opcodes, most frequent first (about 2/3 of the per-opcode cost of the
-        # table-driven path below, which handles every opcode and gives the same counts)
+        # the opcodes torch.save's protocol-2 pickles are made of, most frequent first; the table-driven path
+        # below handles every opcode (these included) the same way, at about twice the cost per opcode
         if op == 114:  # LONG_BINPUT
             k = u32(data, i + 1)[0]
-            memo[k] = stack[-1] if stack else 1
-            put_at[len(stack) - 1] = k
+            v = memo[k] = stack[-1] if stack else 1
+            if not v & W:
+                put_at[len(stack) - 1] = k
             i += 5
             continue
         if op == 104 or op == 106:  # BINGET, LONG_BINGET
-            k = data[i + 1] if op == 104 else u32(data, i + 1)[0]
-            v = memo.get(k, 1)
-            put_at[len(stack)] = k
+            v = memo.get(data[i + 1] if op == 104 else u32(data, i + 1)[0], 1)
             push(v)
-            if v & W > 1:
+            if v > 1 and v & W > 1:  # a tuple: hashing the reference hashes its items again
                 shared += (v & W) - 1
                 if shared > max_shared:
                     _refuse(table, data, i, v, shared, path)
@@ -1017,17 +1096,38 @@ def _walk_expansion(data: bytes, path: str) -> int:
             push(1)
             i += 2
             continue
-        if op == 82:  # REDUCE: callable and arguments -> one object, a level above the deeper of the two
+        if op == 40:  # MARK
+            marks.append(len(stack))
+            i += 1
+            continue
+        if op == 82 or op == 129:  # REDUCE, NEWOBJ: callable/class and arguments -> an object a level above both
             if len(stack) > 1:
-                v = ((max(stack.pop(), stack[-1]) >> S) + 1 << S) | 1
+                v = (max(pop(), stack[-1]) >> S) + 1 << S
                 stack[-1] = v
                 if v >= deep:
                     _refuse(table, data, i, v, shared, path)
             else:
-                stack[:] = [1]
+                stack[:] = [0]
             i += 1
             continue
-        if op == 133:  # TUPLE1: one more item wide, one level deeper
+        if op == 116:  # TUPLE: of the items above the topmost MARK
+            m = marks.pop() if marks else 0
+            if m < len(stack):
+                top = stack[m:]
+                del stack[m:]
+                v = ((max(top) >> S) + 1 << S) | ((sum(top) & W) + 1)
+                push(v)
+                if v >= deep or v & W > max_w:
+                    _refuse(table, data, i, v, shared, path)
+            else:
+                push(1)
+            i += 1
+            continue
+        if op in leaves:  # EMPTY_TUPLE, NONE, NEWTRUE, NEWFALSE
+            push(1)
+            i += 1
+            continue
+        if op == 133:  # TUPLE1: one item wider, one level deeper
             if stack:
                 v = stack[-1] + level + 1
                 stack[-1] = v
@@ -1035,19 +1135,65 @@ def _walk_expansion(data: bytes, path: str) -> int:
                     _refuse(table, data, i, v, shared, path)
             i += 1
             continue
-        if op == 88:  # BINUNICODE
-            push(1)
-            i += 5 + u32(data, i + 1)[0]
-            continue
-        if op == 40:  # MARK
-            marks.append(len(stack))
+        if op == 81:  # BINPERSID: a persistent id -> the object it names (a storage), a level above it
+            if stack:
+                v = (stack[-1] >> S) + 1 << S
+                stack[-1] = v
+                if v >= deep:
+                    _refuse(table, data, i, v, shared, path)
             i += 1
             continue
-        if op == 113:  # BINPUT
-            k = data[i + 1]
-            memo[k] = stack[-1] if stack else 1
-            put_at[len(stack) - 1] = k
-            i += 2
+        if op == 88 or op == 140:  # BINUNICODE, SHORT_BINUNICODE
+            push(1)
+            i += 5 + u32(data, i + 1)[0] if op == 88 else 2 + data[i + 1]
+            continue
+        if op in empties:  # EMPTY_DICT, EMPTY_LIST, EMPTY_SET
+            push(0)
+            i += 1
+            continue
+        if op == 148 or op == 113:  # MEMOIZE, BINPUT
+            k = len(memo) if op == 148 else data[i + 1]
+            v = memo[k] = stack[-1] if stack else 1
+            if not v & W:
+                put_at[len(stack) - 1] = k
+            i += 1 if op == 148 else 2
+            continue
+        if op == 134:  # TUPLE2
+            if len(stack) > 1:
+                a = pop()
+                b = stack[-1]
+                v = ((max(a, b) >> S) + 1 << S) | (((a + b) & W) + 1)
+                stack[-1] = v
+                if v >= deep or v & W > max_w:
+                    _refuse(table, data, i, v, shared, path)
+            else:
+                stack[:] = [1]
+            i += 1
+            continue
+        if op == 98 or op == 97 or op == 117 or op == 101:
+            # BUILD, APPEND / SETITEMS, APPENDS: the object or list under the item (under the MARK) takes in what
+            # lies above it and stays on the stack, one level above its new deepest item
+            if op == 98 or op == 97:
+                if len(stack) < 2:
+                    stack.clear()
+                    i += 1
+                    continue
+                d = (pop() >> S) + 1
+            else:
+                m = marks.pop() if marks else 0
+                if not 0 < m < len(stack):
+                    del stack[m:]
+                    i += 1
+                    continue
+                d = (max(stack[m:]) >> S) + 1
+                del stack[m:]
+            c = stack[-1]
+            if d > c >> S:
+                v = stack[-1] = (d << S) | (c & W)
+                if v >= deep:
+                    _refuse(table, data, i, v, shared, path)
+                _refill(memo, put_at.get(len(stack) - 1), d)
+            i += 1
             continue
         pos = i
         entry = table[op]
@@ -1072,42 +1218,41 @@ def _walk_expansion(data: bytes, path: str) -> int:
         elif n == -5:  # eight-byte length prefix
             i += 8 + _U64(data, i)[0]
         if kind == _GENERIC:
-            if pops:  # REDUCE, NEWOBJ, BINPERSID, ...: one object made of what was popped, a level above it
+            if pops:  # REDUCE, NEWOBJ(_EX), BINPERSID, STACK_GLOBAL, ...: an object made of what was popped
                 top = stack[-pops:]
                 del stack[-pops:]
                 if pushes:
-                    v = ((max(top) >> S) + 1 << S) | 1 if top else 1
+                    v = (max(top) >> S) + 1 << S if top else 0
                     push(v)
                     if v >= deep:
                         _refuse(table, data, pos, v, shared, path)
-            elif pushes:
-                push(1)
+            elif pushes:  # a leaf, or an empty dict / list / set (width 0: it may be filled)
+                push(0 if op in empties else 1)
             continue
         if kind == _GET or kind == _DUP:
             if kind == _GET:
                 v = memo.get(arg, 1)
-                put_at[len(stack)] = arg
             else:
                 v = stack[-1] if stack else 1
                 put_at[len(stack)] = put_at.get(len(stack) - 1)
             push(v)
-            shared += (v & W) - 1
-            if shared > max_shared:
-                _refuse(table, data, pos, v, shared, path)
+            if v & W > 1:
+                shared += (v & W) - 1
+                if shared > max_shared:
+                    _refuse(table, data, pos, v, shared, path)
             continue
         if kind == _PUT or kind == _MEMOIZE:
             k = arg if kind == _PUT else len(memo)
-            memo[k] = stack[-1] if stack else 1
-            put_at[len(stack) - 1] = k
+            v = memo[k] = stack[-1] if stack else 1
+            if not v & W:
+                put_at[len(stack) - 1] = k
             continue
         if kind == _MARKOP:
             marks.append(len(stack))
             continue
         if kind == _STOP:
             return i
-        if kind == _FILL or kind == _FILL_TO_MARK:
-            # APPEND, SETITEM, BUILD / APPENDS, SETITEMS, ADDITEMS: the container under the items (under the
-            # MARK) takes them in and stays on the stack, one level above its new deepest item
+        if kind == _FILL or kind == _FILL_TO_MARK:  # SETITEM, ADDITEMS and the fast ones above
             if kind == _FILL:
                 top = stack[-pops:]
                 del stack[-pops:]
@@ -1119,37 +1264,38 @@ def _walk_expansion(data: bytes, path: str) -> int:
                 del stack[m:]
             if not top or not stack:
                 continue
-            c = stack[-1]
             d = (max(top) >> S) + 1
+            c = stack[-1]
             if d > c >> S:
-                v = (d << S) | (c & W)
-                stack[-1] = v
+                v = stack[-1] = (d << S) | (c & W)
                 if v >= deep:
                     _refuse(table, data, pos, v, shared, path)
-                k = put_at.get(len(stack) - 1)
-                held = memo.get(k) if k is not None else None
-                if held is not None and held >> S < d:
-                    memo[k] = (d << S) | (held & W)
+                _refill(memo, put_at.get(len(stack) - 1), d)
             continue
         if kind == _TUPLE_N:
             top = stack[-pops:]
             del stack[-pops:]
-        else:  # TUPLE, FROZENSET, LIST, DICT, INST, OBJ, POP_MARK: pop down to the topmost MARK
+        else:  # TUPLE, FROZENSET, LIST, DICT, INST, OBJ, POP_MARK: what lies above the topmost MARK
             m = marks.pop() if marks else 0
             top = stack[m:]
             del stack[m:]
             if not pushes:
                 continue
-        if not top:
-            push(1)
-            continue
-        # a tuple or frozenset is as wide as its items together (they are all hashed); anything else counts 1
-        w = (sum(top) & W) + 1 if kind != _NEW_TO_MARK else 1
-        v = ((max(top) >> S) + 1 << S) | w
+        if kind == _NEW_TO_MARK:  # a list, dict or object: width 0
+            v = (max(top) >> S) + 1 << S if top else 0
+        else:  # a tuple or frozenset: its items are hashed, it is as wide as they are together
+            v = ((max(top) >> S) + 1 << S) | ((sum(top) & W) + 1) if top else 1
         push(v)
-        if v >= deep or w > max_w:
+        if v >= deep or v & W > max_w:
             _refuse(table, data, pos, v, shared, path)
     raise pickle.UnpicklingError("the pickle ends before its STOP opcode")
+
+
+def _refill(memo: dict, k, d: int) -> None:
+    """The container memoized under `k` was filled to depth `d`: its memo entry follows."""
+    held = memo.get(k) if k is not None else None
+    if held is not None and held >> _DEPTH_SHIFT < d:
+        memo[k] = (d << _DEPTH_SHIFT) | (held & _WIDTH)
 
 
 def _refuse(table, data: bytes, pos: int, v: int, shared: int, path: str) -> None:
@@ -1171,8 +1317,13 @@ def _refuse(table, data: bytes, pos: int, v: int, shared: int, path: str) -> Non
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 
 
-def _unpickle(data, source, persistent, path) -> tuple[Any, set[str]]:
-    if hasattr(data, "read"):
+def _unpickle(data, source, persistent, path, walked: bool = False) -> tuple[Any, set[str]]:
+    """The inert object tree of the pickle `data` (bytes or a file at the pickle's start) and the globals it
+    names. `walked`: `check_expansion` already passed these very bytes (`load_embedded_head` walks data.pkl to find
+    where it ends)."""
+    if walked:
+        pass
+    elif hasattr(data, "read"):
         start = data.tell()
         check_expansion(data, path)
         data.seek(start)
@@ -1214,6 +1365,41 @@ def load(path: str | os.PathLike) -> Loaded:
     if head[:1] == b"\x80":
         return _load_pickle_stream(path)
     raise NotACheckpoint("not a torch checkpoint or pickle (unknown file signature)", path=path)
+
+
+def check_pickles(path: str | os.PathLike) -> None:
+    """Run `check_expansion` over every pickle `torch.load` would unpickle in the file at `path` (a zip's
+    `data.pkl`; the pickles of a legacy file, one after the other; a plain pickle's first), building no object:
+    refuse (CorruptCheckpoint) what would hang or kill a real unpickler before one sees it. A path that is not a
+    file is left to the loader's own error."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+        if head[:2] == b"PK":
+            try:
+                with zipfile.ZipFile(fh) as zf:
+                    names = [n for n in zf.namelist() if n.endswith("data.pkl") and n.count("/") <= 1]
+                    blobs = [(n, zf.read(n)) for n in names]
+            except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError, EOFError) as e:
+                # torch reads zips with its own reader: one zipfile cannot read is not handed on unchecked
+                raise CorruptCheckpoint(f"not a readable zip archive ({e})", path=path,
+                                        hint="the file is truncated or corrupt; re-copy it or restore a backup")
+            for name, blob in blobs:
+                check_expansion(blob, f"{path}:{name}")
+            return
+        fh.seek(0)
+        first = check_expansion(fh, path)
+        if first > 64:
+            return  # not the legacy magic number: torch.load unpickles this one pickle and stops
+        try:
+            magic = _Unpickler(io.BytesIO(fh.read(first)), None, None).load()  # inert: the walk has passed it
+        except Exception:  # noqa: BLE001  torch.load fails on it the same way, having unpickled nothing more
+            return
+        if isinstance(magic, int) and magic == _LEGACY_MAGIC:
+            for _ in range(4):  # protocol version, system info, the object, the storage keys
+                fh.seek(fh.tell() + check_expansion(fh, path))
 
 
 def load_embedded(outer: Source, offset: int, length: int) -> Loaded:
@@ -1258,6 +1444,285 @@ def embedded_names(outer: Source, offset: int, length: int) -> list[str]:
         view.release()
 
 
+#: how much of an embedded torch.save zip `load_embedded_head` reads at once: torch.save writes data.pkl first (a few
+#: hundred bytes for one tensor), then `.format_version`, `.storage_alignment`, `byteorder`, then each storage; a DCP
+#: tensor item's members up to its storage's local header take under 1 KB
+ITEM_HEAD_BYTES = 4096
+#: a zip local file header: signature, version, flags, method, time, date, CRC-32, sizes, name and extra lengths
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
+#: the data descriptor torch.save writes after each member (flag bit 3: the header's sizes are zero)
+_DESCRIPTOR = struct.Struct("<4sIII")
+_CENTRAL = (b"PK\x01\x02", b"PK\x05\x06", b"PK\x06\x06")
+
+
+class _NotTorchLayout(Exception):
+    """An embedded zip whose head is not laid out as torch.save writes it: read it with zipfile instead."""
+
+
+class HeadZipSource(Source):
+    """A torch.save zip embedded in a bigger file, its storages located from the zip's head (`load_embedded_head`):
+    storage key -> absolute offset of its bytes in the outer file, whose mapping is shared."""
+
+    def __init__(self, outer: Source, base: int, prefix: str):
+        # not Source.__init__: no mapping or lock of its own (one of these per DCP item read)
+        self.path, self._mm, self._fh = outer.path, None, None
+        self._outer = outer
+        self.base = base
+        self.prefix = prefix
+        self.data_at: dict[str, int] = {}
+
+    def _map(self) -> mmap.mmap:
+        return self._outer._map()
+
+    def storage_offset(self, storage: StorageRef) -> int:
+        try:
+            return self.data_at[storage.key]
+        except KeyError:  # load_embedded_head located every storage its pickle names
+            raise CorruptCheckpoint(f"zip member {self.prefix}data/{storage.key} is missing", path=self.path,
+                                    hint="the file is truncated or was not written by torch.save") from None
+
+    def close(self) -> None:
+        pass  # the mapping belongs to the outer Source
+
+
+def load_embedded_head(outer: Source, offset: int, length: int, head_bytes: int = ITEM_HEAD_BYTES) -> Loaded:
+    """`load_embedded` from the zip's head alone: one read of `head_bytes` (one ranged GET remotely) where zipfile
+    reads the central directory at the item's end, then data.pkl, then each member's local header.
+
+    torch.save streams its members (flag bit 3: each local header's sizes are zero, a data descriptor follows the
+    data), so each member before the storages ends at the first data descriptor whose sizes and CRC-32 match what
+    precedes it; data.pkl must also end with its pickle's STOP (`check_expansion`'s walk, the one the parse needs
+    anyway). The walk stops at the first storage's local header: where its bytes start.
+    Anything laid out otherwise (another member first, a compressed member, a pickle or header past the head read, a
+    hostile pickle, a storage not found) goes through `load_embedded` unchanged: its checks, its messages."""
+    mm = outer._map()
+    if offset < 0 or length <= 0 or offset + length > len(mm):
+        return load_embedded(outer, offset, length)  # raises, naming the file
+    n = min(length, head_bytes)
+    if remote._MOUNTS:
+        remote.ensure(outer.path, offset, n)
+    head = mm[offset: offset + n]
+    try:
+        return _from_head(outer, offset, length, head)
+    except _NotTorchLayout:
+        return load_embedded(outer, offset, length)
+
+
+def _member(head: bytes, pos: int) -> tuple[str, int, int, int, int, int]:
+    """(name, flags, CRC-32, compressed size, where its data starts) of the local header at `pos` of `head`."""
+    if pos + 30 > len(head):
+        raise _NotTorchLayout
+    sig, _, flags, method, _, _, crc, csize, _, nlen, xlen = _LOCAL_HEADER.unpack_from(head, pos)
+    start = pos + 30 + nlen + xlen
+    if sig != b"PK\x03\x04" or method != zipfile.ZIP_STORED or start > len(head):
+        raise _NotTorchLayout
+    name = head[pos + 30: pos + 30 + nlen].decode("utf-8" if flags & 0x800 else "cp437")
+    return name, flags, crc, csize, start, nlen
+
+
+def _member_end(head: bytes, flags: int, crc: int, csize: int, start: int, size: int | None) -> tuple[bytes, int]:
+    """(the member's data, where the next header starts) for a member whose data starts at `start`: its size from the
+    header, else `size` (data.pkl: its pickle's length), else the first data descriptor that fits; the sizes and
+    the CRC-32 checked."""
+    if not flags & 8:
+        if size is not None and size != csize:
+            raise _NotTorchLayout
+        end, nxt = start + csize, start + csize
+    else:
+        at = start + size if size is not None else head.find(b"PK\x07\x08", start)
+        while True:
+            if at < 0 or at + _DESCRIPTOR.size > len(head):
+                raise _NotTorchLayout
+            sig, crc, csize, usize = _DESCRIPTOR.unpack_from(head, at)
+            if sig == b"PK\x07\x08" and csize == usize == at - start:
+                break
+            if size is not None:
+                raise _NotTorchLayout
+            at = head.find(b"PK\x07\x08", at + 1)  # the signature's bytes inside the data: look further
+        end, nxt = at, at + _DESCRIPTOR.size
+    if end > len(head):
+        raise _NotTorchLayout
+    data = head[start:end]
+    if zlib.crc32(data) != crc:
+        raise _NotTorchLayout
+    return data, nxt
+
+
+def _from_head(outer: Source, offset: int, length: int, head: bytes) -> Loaded:
+    name, flags, crc, csize, start, _ = _member(head, 0)
+    if not name.endswith("data.pkl") or name.count("/") > 1:
+        raise _NotTorchLayout
+    pkl, pos = _member_end(head, flags, crc, csize, start, None)
+    with _resolved_lock:
+        walked = pkl in _SEEN_PICKLES
+    if not walked:
+        try:
+            walked = check_expansion(pkl, outer.path) == len(pkl)  # the pickle's STOP ends the member
+        except CorruptCheckpoint:
+            pass
+        if not walked:  # load_embedded reads it through zipfile and names what is wrong
+            raise _NotTorchLayout
+    prefix = name[: -len("data.pkl")]
+    source = HeadZipSource(outer, offset, prefix)
+    while True:  # the members after data.pkl, up to the first storage
+        if head[pos: pos + 4] in _CENTRAL:
+            break
+        name, flags, crc, csize, start, _ = _member(head, pos)
+        if name.startswith(prefix + "data/"):
+            source.data_at[name[len(prefix) + 5:]] = offset + start
+            break
+        data, pos = _member_end(head, flags, crc, csize, start, None)
+        if name == prefix + "byteorder":
+            try:
+                order = data.decode().strip()
+            except UnicodeDecodeError:
+                order = "little"
+            if order != "little":
+                raise CorruptCheckpoint("big-endian checkpoint", path=outer.path,
+                                        hint="re-save it on a little-endian machine")
+    hit = _same_pickle(pkl, source)
+    if hit is not None:
+        obj, seen, named = hit
+    else:
+        named = []
+        obj, seen = _unpickle(pkl, source, _zip_persistent(source, named), outer.path, walked=True)
+        seen = frozenset(seen)
+        _remember_pickle(pkl, obj, seen, named)
+    for st in named:  # every storage named must be the one found, whole inside the item
+        at = source.data_at.get(st.key)
+        if at is None or at + st.nbytes > offset + length:
+            raise _NotTorchLayout
+    return Loaded(obj, "torch_zip", source, seen)
+
+
+#: the last few data.pkl parsed by `load_embedded_head` that held one plain tensor, by their bytes: a DCP folder's
+#: chunks repeat a handful of them (every Adam `step` is the same 0-d float32 pickle), and parsing one costs ~40 us
+_SEEN_PICKLES: "collections.OrderedDict[bytes, tuple[TensorRef, frozenset[str]]]" = collections.OrderedDict()
+_SEEN_KEPT = 64
+
+
+def _remember_pickle(pkl: bytes, obj: Any, seen: frozenset[str], named: list[StorageRef]) -> None:
+    """Keep a parse `_same_pickle` can repeat: a plain tensor (`_rebuild_tensor_v2` of its one storage), no more."""
+    call = getattr(obj, "pickled", None) if type(obj) is TensorRef else None
+    if (call is None or call[0] != "torch._utils._rebuild_tensor_v2" or len(named) != 1 or not call[1]
+            or call[1][0] is not obj.storage or obj.storage is not named[0] or obj.subclass is not None):
+        return
+    s = obj.storage  # kept without its source: a template must not hold a file's mapping open
+    storage = StorageRef(s.key, s.dtype, s.numel, s.location, None, s.storage_type)
+    template = TensorRef(obj.dtype, obj.shape, obj.stride, obj.storage_offset, storage, obj.requires_grad,
+                         obj.is_parameter, None, None, (call[0], (storage, *call[1][1:])))
+    with _resolved_lock:
+        _SEEN_PICKLES[pkl] = (template, seen)
+        while len(_SEEN_PICKLES) > _SEEN_KEPT:
+            _SEEN_PICKLES.popitem(last=False)
+
+
+def _same_pickle(pkl: bytes, source: Source) -> tuple[TensorRef, frozenset[str], list[StorageRef]] | None:
+    """The parse of these very bytes again (the same bytes parse to the same records), its storage read through
+    `source`; None when they were not seen lately."""
+    with _resolved_lock:
+        hit = _SEEN_PICKLES.get(pkl)
+    if hit is None:
+        return None
+    t, seen = hit
+    s = t.storage
+    storage = StorageRef(s.key, s.dtype, s.numel, s.location, source, s.storage_type)
+    name, args = t.pickled
+    obj = TensorRef(t.dtype, t.shape, t.stride, t.storage_offset, storage, t.requires_grad, t.is_parameter,
+                    None, None, (name, (storage, *args[1:])))
+    return obj, seen, [storage]
+
+
+#: how many records of `LazyTensorRef`s are kept once read (the least recently used go first): reading every chunk
+#: of a 700k-chunk checkpoint must not keep 700k records
+RESOLVED_KEPT = 4096
+_resolved: "collections.OrderedDict[int, tuple[LazyTensorRef, TensorRef]]" = collections.OrderedDict()
+_resolved_lock = threading.Lock()
+
+
+class LazyTensorRef(TensorRef):
+    """A tensor stored as a torch.save zip embedded in a bigger file (a DCP chunk: `outer`'s bytes [offset,
+    offset+length)) whose dtype and shape are known without reading it (from `.metadata`). Its record (strides,
+    storage, where its bytes start) is read with `load_embedded_head` the first time anything else is asked for, and
+    must be a tensor of that dtype and element count; every byte read goes through that record. `what` names the
+    tensor in errors."""
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], outer: Source, offset: int, length: int, what: str,
+                 numel: int | None = None):
+        if numel is None:
+            numel = 1
+            for s in shape:
+                numel *= s
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "numel", numel)  # what the cached property would hold, set with the rest
+        object.__setattr__(self, "_at", (outer, offset, length, what))
+
+    def resolve(self) -> TensorRef:
+        """The record as stored (read once, kept among the RESOLVED_KEPT most recent)."""
+        with _resolved_lock:
+            hit = _resolved.get(id(self))
+            if hit is not None:
+                _resolved.move_to_end(id(self))
+                return hit[1]
+        outer, offset, length, what = self._at
+        real = load_embedded_head(outer, offset, length).obj
+        where = f"{os.path.basename(outer.path)}[{offset}:{offset + length}]"
+        if not isinstance(real, TensorRef):
+            raise CorruptCheckpoint(f"{what}: the item at {where} is not a tensor", path=outer.path,
+                                    hint="the .distcp file does not match .metadata")
+        if real.numel != self.numel or real.dtype != self.dtype:
+            raise CorruptCheckpoint(f"{what}: the stored chunk at {where} is {real.dtype} {list(real.shape)}, the "
+                                    f"metadata says {self.dtype} {list(self.shape)}", path=outer.path,
+                                    hint=f"{os.path.basename(outer.path)} comes from another run")
+        with _resolved_lock:
+            _resolved[id(self)] = (self, real)
+            while len(_resolved) > RESOLVED_KEPT:
+                _resolved.popitem(last=False)
+        return real
+
+    # what the record alone says: read it
+    stride = property(lambda self: self.resolve().stride)
+    storage_offset = property(lambda self: self.resolve().storage_offset)
+    storage = property(lambda self: self.resolve().storage)
+    requires_grad = property(lambda self: self.resolve().requires_grad)
+    is_parameter = property(lambda self: self.resolve().is_parameter)
+    subclass = property(lambda self: self.resolve().subclass)
+    subclass_state = property(lambda self: self.resolve().subclass_state)
+    pickled = property(lambda self: self.resolve().pickled)
+    is_contiguous = property(lambda self: self.resolve().is_contiguous)  # of the stored shape and strides
+
+    def _raw(self, start_elem: int = 0, count: int | None = None) -> memoryview:
+        return self.resolve()._raw(start_elem, count)
+
+    def read_into(self, out: memoryview, start_elem: int = 0, count: int | None = None,
+                  fds: FdCache | None = None) -> None:
+        self.resolve().read_into(out, start_elem, count, fds)
+
+    def prefetch(self, start_elem: int = 0, count: int | None = None) -> None:
+        self.resolve().prefetch(start_elem, count)
+
+    def read_numpy(self, start_elem: int = 0, count: int | None = None):
+        return self.resolve().read_numpy(start_elem, count)
+
+    def read_torch(self, start_elem: int = 0, count: int | None = None):
+        t = self.resolve().read_torch(start_elem, count)
+        return t.reshape(self.shape) if start_elem == 0 and count is None and tuple(t.shape) != self.shape else t
+
+    # the stored record decides equality (pickle_writer compares a rebuilt record with it)
+    def __eq__(self, other):
+        other = other.resolve() if isinstance(other, LazyTensorRef) else other
+        return self.resolve() == other if isinstance(other, TensorRef) else NotImplemented
+
+    def __hash__(self):
+        return hash(self.resolve())
+
+    def __repr__(self) -> str:
+        outer, offset, length, _ = self._at
+        return (f"LazyTensorRef(dtype={self.dtype!r}, shape={self.shape!r}, "
+                f"at={os.path.basename(outer.path)}[{offset}:{offset + length}])")
+
+
 def _load_zip(path: str, file: io.RawIOBase | None = None,
               make_source: Callable[[str, zipfile.ZipFile, str], ZipSource] = ZipSource) -> Loaded:
     try:
@@ -1287,6 +1752,13 @@ def _load_zip(path: str, file: io.RawIOBase | None = None,
             raise CorruptCheckpoint(f"cannot read {name} ({type(e).__name__}: {e})", path=path,
                                     hint="the file is truncated or corrupt; re-copy it or restore a backup")
 
+    obj, seen = _unpickle(data, source, _zip_persistent(source), path)
+    return Loaded(obj, "torch_zip", source, frozenset(seen))
+
+
+def _zip_persistent(source: Source, named: list[StorageRef] | None = None) -> Callable[[Any], StorageRef]:
+    """The persistent-id hook of a torch zip's data.pkl: ("storage", type, key, location, numel) -> a StorageRef
+    read through `source`; `named`, when given, collects them."""
     types: dict[Any, tuple[str, str]] = {}  # storage type -> (dtype, its name): a few per file
 
     def persistent(pid):
@@ -1299,10 +1771,12 @@ def _load_zip(path: str, file: io.RawIOBase | None = None,
             dtype, type_name = _storage_dtype(storage_type), _storage_type_name(storage_type)
             if isinstance(storage_type, type):
                 types[storage_type] = (dtype, type_name)
-        return StorageRef(str(key), dtype, int(numel), str(location), source, type_name)
+        ref = StorageRef(str(key), dtype, int(numel), str(location), source, type_name)
+        if named is not None:
+            named.append(ref)
+        return ref
 
-    obj, seen = _unpickle(data, source, persistent, path)
-    return Loaded(obj, "torch_zip", source, frozenset(seen))
+    return persistent
 
 
 def _load_pickle_stream(path: str) -> Loaded:

@@ -17,7 +17,9 @@ The unchanged readers then run on that folder. Bytes arrive in two ways:
    when nothing is mounted, so local runs are unchanged.
 
 Every byte is fetched at most once per command (the sparse file is the cache; fetched ranges are recorded).
-The mirror is removed when the command ends (`unmount_all`). `stats()` gives bytes fetched and requests made.
+The mirror is removed when the command ends (`unmount_all`: also on an exception, Ctrl-C, SIGTERM and at exit);
+its folder is named after the process that owns it, so one left by a killed process is removed by the next
+mount. `stats()` gives bytes fetched and requests made.
 
 One command reads one version of each object. On S3 every ranged GET carries `If-Match` with the ETag the
 listing gave (and the version id, where the bucket is versioned): an object replaced after the listing fails
@@ -119,7 +121,10 @@ class Mount:
         self.fs, self._key = _filesystem(self.url, storage_options or {})
         entries = self._list()
         name = self._key.rstrip("/").rsplit("/", 1)[-1] or "root"
-        self._tmp = tempfile.mkdtemp(prefix="ckpt-remote-")
+        _remove_orphans()
+        # the owner's pid in the name: a mirror left by a process that died (SIGKILL, a crash) is removed by the
+        # next mount, and never one whose process is alive
+        self._tmp = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
         # two empty levels above the mirror: readers look up to two folders up for the checkpoint that holds
         # a path (formats.enclosing), and must find nothing else there
         self.root = os.path.join(self._tmp, "url", name)
@@ -132,6 +137,7 @@ class Mount:
             import atexit
 
             atexit.register(unmount_all)
+            _catch_sigterm()
         _MOUNTS[self.root] = self
 
     # --- listing and mirror -------------------------------------------------------------------------
@@ -158,6 +164,7 @@ class Mount:
 
     def _build(self, entries: dict[str, dict]) -> None:
         base = self._key.rstrip("/")
+        self._check_nesting(base, entries)
         for key, info in sorted(entries.items()):
             key = key.rstrip("/")
             if key == base:  # the URL names one object
@@ -180,6 +187,24 @@ class Mount:
             self._files[local] = _File(key, size, _version_tag(info))
             self.counters.objects += 1
             self.counters.objects_bytes += size
+
+    def _check_nesting(self, base: str, entries: dict[str, dict]) -> None:
+        """Refuse a listing in which one object's name is a "folder" of another's (`p/.metadata` and
+        `p/.metadata/evil`): a store holds both, a local mirror cannot (a file and a folder of one name)."""
+        rels = {}
+        for key in entries:
+            key = key.rstrip("/")
+            if key == base or key.startswith(base + "/"):
+                rels[key[len(base) + 1:] if key != base else ""] = key
+        for rel in sorted(rels):
+            parts = rel.split("/") if rel else []
+            for n in range(len(parts)):
+                outer = "/".join(parts[:n])
+                if outer in rels:
+                    shown = [self.url + ("/" + r if r else "") for r in (outer, rel)]
+                    raise CorruptCheckpoint(f"object {shown[0]} and object {shown[1]} cannot both be mirrored: "
+                                            "the second lies inside the first as if it were a folder",
+                                            path=self.url, hint="remove or rename one of the two objects")
 
     # --- what is held -------------------------------------------------------------------------------
 
@@ -216,17 +241,17 @@ class Mount:
 
     # --- fetching -----------------------------------------------------------------------------------
 
-    def ensure_many(self, wants: list[tuple[str, int, int]], progress=None) -> None:
+    def ensure_many(self, wants: list[tuple[str, int, int]], progress=None, align: int = ALIGN) -> None:
         """Make bytes [start, start+length) of each local mirror path present: the missing parts, widened to
-        `ALIGN` and merged when close, fetched as one parallel batch of ranged GETs."""
+        `align` and merged when close, fetched as one parallel batch of ranged GETs."""
         with self._lock:
             plan: dict[str, list[tuple[int, int]]] = {}
             for path, start, length in wants:
                 f = self._files.get(path)
                 if f is None or length <= 0:
                     continue
-                lo = max(0, start - start % ALIGN)
-                hi = min(f.size, -(-(start + length) // ALIGN) * ALIGN)
+                lo = max(0, start - start % align)
+                hi = min(f.size, -(-(start + length) // align) * align)
                 for s, e in self._missing(f, lo, hi):
                     plan.setdefault(path, []).append((s, e))
             ranges: list[tuple[str, int, int]] = []
@@ -380,6 +405,90 @@ class Mount:
     def close(self) -> None:
         _MOUNTS.pop(self.root, None)
         shutil.rmtree(self._tmp, ignore_errors=True)
+        if not _MOUNTS:
+            _release_sigterm()
+
+
+#: the mirror folders' name in the temp folder: `ckpt-remote-<owner pid>-<random>`
+_PREFIX = "ckpt-remote-"
+_ORPHAN = re.compile(r"^ckpt-remote-(\d+)-")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not a pid this module wrote: leave it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
+
+
+def _remove_orphans() -> None:
+    """Remove the mirror folders of processes that are gone (killed before they could clean up): only folders
+    named by this module, owned by this user, whose pid is not running."""
+    import stat
+
+    tmp = tempfile.gettempdir()
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return
+    for name in names:
+        m = _ORPHAN.match(name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(tmp, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+#: the SIGTERM handler in place before the first mount, while this module's own is installed (else empty)
+_SIGTERM_BEFORE: list = []
+
+
+def _on_sigterm(signum, frame) -> None:
+    # a library caller's process ends on SIGTERM without atexit: remove the mirrors, then end as it would have
+    import signal
+
+    unmount_all()
+    signal.signal(signum, _SIGTERM_BEFORE.pop() if _SIGTERM_BEFORE else signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _catch_sigterm() -> None:
+    """While a mirror exists, SIGTERM removes it before the process ends. Only where SIGTERM would end the
+    process at once (the default handler, on the main thread): a handler someone else set (the CLI's, which
+    raises and cleans up through `finally`) is left alone."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread() or _SIGTERM_BEFORE:
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+        _SIGTERM_BEFORE.append(signal.signal(signal.SIGTERM, _on_sigterm))
+    except (ValueError, OSError):
+        pass
+
+
+def _release_sigterm() -> None:
+    import signal
+
+    if not _SIGTERM_BEFORE or threading.current_thread() is not threading.main_thread():
+        return
+    before = _SIGTERM_BEFORE.pop()
+    try:
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm:  # else someone set another since: theirs stays
+            signal.signal(signal.SIGTERM, before)
+    except (ValueError, OSError):
+        pass
 
 
 def _version_tag(info: dict) -> tuple:
@@ -592,9 +701,11 @@ def ensure_file(path) -> None:
         held[0].ensure_many([(held[1], 0, held[2].size)])
 
 
-def plan(wants) -> None:
+def plan(wants, exact: bool = False) -> None:
     """Fetch these (path, start, length) ranges now, as one parallel batch per mount: what a reader is about to
-    read, planned up front so that its many small reads cost one round of requests. A no-op for local paths."""
+    read, planned up front so that its many small reads cost one round of requests. A no-op for local paths.
+    `exact`: fetch just these ranges (merged when close), not widened to ALIGN each: many small reads far apart
+    (one DCP item per tensor) would each cost ALIGN bytes."""
     if not _MOUNTS:
         return
     by_mount: dict[Mount, list] = {}
@@ -603,7 +714,7 @@ def plan(wants) -> None:
         if held is not None:
             by_mount.setdefault(held[0], []).append((held[1], start, length))
     for m, ws in by_mount.items():
-        m.ensure_many(ws)
+        m.ensure_many(ws, align=1 if exact else ALIGN)
 
 
 def mount(url: str, storage_options: dict | None = None, prime: bool = True) -> Mount:

@@ -224,7 +224,8 @@ def iter_tensors(node: Node, prefix: str = "") -> Iterator[tuple[str, TensorNode
 def tensor_node(ref: TensorRef, file: str, rank: Mapping[str, int] | None = None) -> TensorNode:
     """A TensorNode for a tensor stored whole in one file; tiny tensors get their values read."""
     value = None
-    if ref.storage is not None and 0 < ref.numel <= SMALL_TENSOR_NUMEL:
+    # numel first: a lazily read record (a DCP chunk's `LazyTensorRef`) is read only for a tensor whose values show
+    if 0 < ref.numel <= SMALL_TENSOR_NUMEL and ref.storage is not None:
         try:
             vals = ref.read_values()
             value = vals[0] if ref.shape == () else vals
