@@ -310,6 +310,12 @@ def _main(argv: list[str] | None) -> None:
         _exit(2)
     except typer.Exit as e:
         _exit(e.exit_code)
+    except RecursionError:  # a list or dict filled after it was referenced can hide its depth from the pickle walk
+        if os.environ.get("CKPT_DEBUG"):
+            raise
+        sys.stderr.write("ckpt: error: a structure in the checkpoint nests too deeply to walk (the file is corrupt "
+                         "or hostile; do not load it with torch.load either)\n")
+        _exit(2)
     except (_Interrupted, KeyboardInterrupt) as e:
         said = str(e.args[0] if isinstance(e, _Interrupted) else e)
         if not said:

@@ -155,6 +155,11 @@ def _scan_other(path: Path, rel: str) -> list[Finding]:
             head = fh.read(1 << 20)
     except OSError:
         return []
+    try:  # a protocol-0 hash bomb or deep structure crashes a full unpickler before its parse error
+        pickle_reader.check_expansion(head, str(path))
+    except CkptError as e:
+        if "cannot parse" not in e.message:
+            return [Finding(rel, f"a pickle the reader refuses ({e.message})")]
     found: list[str] = []
     try:
         for op, arg, _ in pickletools.genops(head):
