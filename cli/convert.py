@@ -4,6 +4,7 @@
 DeepSpeed checkpoint is `ckpt to-universal`."""
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import typer
@@ -85,6 +86,10 @@ def convert_cmd(
     cannot move (RNG states, a data-loader position, the DeepSpeed config). The output is written under a
     staging name, compared with the source by logical parameter (`ckpt diff`), then renamed into place."""
     try:
+        from ckpt_tools.train.procgroup import under_torchrun
+
+        # a rank of a torchrun job of more than one process writes its share without --distributed
+        distributed = distributed or (under_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1)
         return _convert(ckpt, out, to, layout, dry_run, not no_verify, json_out, distributed, allow_unread,
                         n_kv_heads, ckpt_format, tp, pp, hf_config, seq_length, lr_scheduler, drop_norm_decay,
                         trust_pickles=trust_pickles)
@@ -112,7 +117,8 @@ def _convert(ckpt, out, to, layout, dry_run, verify, json_out, distributed=False
 
         return tu.to_universal_cmd(ckpt, out, workers=min(8, os.cpu_count() or 1), dry_run=dry_run,
                                    tp_layout=None, pattern=None, tp_replicated=None, target_stage=None,
-                                   verify=verify, yes=True, distributed=distributed, json_out=json_out,
+                                   verify=verify, yes=True, distributed=distributed, nproc=None, restart=False,
+                                   json_out=json_out,
                                    allow_unread=allow_unread, trust_pickles=trust_pickles)
     return _convert_ops(ckpt, out, to, layout, dry_run, verify, json_out, distributed, allow_unread, n_kv_heads,
                         ckpt_format, tp, pp, hf_config, seq_length, lr_scheduler, drop_norm_decay,

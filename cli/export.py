@@ -62,6 +62,7 @@ def export_cmd(
 ) -> None:
     """Write consolidated model weights as safetensors (loadable by safetensors.torch.load_file; with --hf by
     transformers' from_pretrained)."""
+    _refuse_torchrun_job()
     folder = Path(out).parent
     if not folder.is_dir():
         raise CkptError(f"ckpt export: the folder {folder} does not exist", path=out,
@@ -119,6 +120,18 @@ def export_cmd(
             f"{plan.out if plan.hf else ', '.join(files)}" + (f" + {index}" if index and not plan.hf else "")
             + f"  ({output.plural(res.tensors, 'tensor')}: {kinds}; {res.bytes:,} bytes, {plan.weights_from})"
             + (f"; verified {res.verified} tensors" if res.verified is not None else "")))
+
+
+def _refuse_torchrun_job() -> None:
+    """Every rank of a torchrun job would write the same files: refused before any work (to-universal and
+    convert share their work between ranks; export does not yet)."""
+    import os
+
+    from ckpt_tools.train.procgroup import under_torchrun
+
+    if under_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise CkptError(f"ckpt export runs in one process, not as rank {os.environ.get('RANK')} of a torchrun job "
+                        f"of {os.environ.get('WORLD_SIZE')}", hint="run `ckpt export` without torchrun")
 
 
 def register(app: typer.Typer) -> None:

@@ -45,8 +45,13 @@ def to_universal_cmd(
                                 "state, param group and counter equal, else nothing is written"),
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask (to-universal writes only a new folder, "
                              "atomically, so it never asks)"),
-    distributed: bool = typer.Option(False, "--distributed", help="under torchrun: each rank converts a share "
-                                                                  "of the parameters (one shared filesystem)"),
+    distributed: bool = typer.Option(False, "--distributed", help="under torchrun (detected from its environment "
+                                     "without this flag): each rank converts a share of the parameters (one "
+                                     "shared filesystem); a rerun resumes"),
+    nproc: Optional[int] = typer.Option(None, "--nproc", metavar="M", min=1, help="run as M processes on this "
+                                        "machine (launches torchrun --standalone itself)"),
+    restart: bool = typer.Option(False, "--restart", help="throw away what an interrupted many-process run "
+                                 "left to resume and start over"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
     allow_unread: bool = typer.Option(False, "--allow-unread", help=output.ALLOW_UNREAD_HELP),
     trust_pickles: bool = typer.Option(False, "--trust-pickles", help=output.TRUST_PICKLES_HELP),
@@ -57,8 +62,13 @@ def to_universal_cmd(
     sum, ...). DeepSpeed's ZeRO-3 universal loader reads Adam state only, and gives every param group group 0's
     hyper-parameters: the plan says so (a note, a warning, or a refusal with --target-stage 3)."""
     try:
+        if nproc is not None and not _under_torchrun():
+            code = _launch(nproc)  # the job's rank 0 printed the result
+            if code:
+                raise typer.Exit(code)
+            return None
         return _to_universal(ckpt, out, workers, dry_run, tp_layout, pattern, tp_replicated, target_stage, verify,
-                             yes, distributed, json_out, allow_unread, trust_pickles)
+                             yes, distributed or _under_torchrun(), json_out, allow_unread, trust_pickles, restart)
     except CkptError as e:  # the same error (class, path, hint), its message naming the command
         if e.message.startswith(("ckpt to-universal:", "ckpt to-universal needs")):
             raise
@@ -67,8 +77,32 @@ def to_universal_cmd(
         raise named from e
 
 
+def _under_torchrun() -> bool:
+    from ckpt_tools.train.procgroup import under_torchrun
+
+    return under_torchrun()
+
+
+def _launch(nproc: int) -> int:
+    """`--nproc M`: the same command line, less `--nproc`, as a one-node torchrun job; returns its exit code."""
+    import subprocess
+    import sys
+
+    argv, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            argv.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "ckpt_cli.main", *argv]
+    return subprocess.call(cmd)
+
+
 def _to_universal(ckpt, out, workers, dry_run, tp_layout, pattern, tp_replicated, target_stage, verify, yes,
-                  distributed, json_out, allow_unread=False, trust_pickles=False) -> None:
+                  distributed, json_out, allow_unread=False, trust_pickles=False, restart=False) -> None:
     _refuse_out_inside(ckpt, out)
     output.require("torch", "deepspeed", extra="convert", what="ckpt to-universal")
     from ckpt_tools.ops import to_universal as ops
@@ -80,7 +114,8 @@ def _to_universal(ckpt, out, workers, dry_run, tp_layout, pattern, tp_replicated
     except ValueError as e:
         raise typer.BadParameter(str(e))
     if dry_run:
-        _show_plan(plan, json_out)
+        if os.environ.get("RANK", "0") == "0" or not _under_torchrun():  # one plan for the whole job
+            _show_plan(plan, json_out)
         return
     rank = 0
     if distributed:  # ckpt_cli.main.main leaves the group (ckpt_tools.train.procgroup.leave) once the command returns
@@ -91,19 +126,29 @@ def _to_universal(ckpt, out, workers, dry_run, tp_layout, pattern, tp_replicated
     # torch_zip, and importing DeepSpeed alone (to route its log lines above the bar) costs ~2 s and ~220 MiB
     with _bar(sum(j.nbytes for j in plan.params), json_out or rank != 0, "to-universal") as bar:
         check = (lambda root: ops.verify_logical(plan, root)) if verify else None
-        res = ops.execute(plan, workers=workers, progress=bar.update, distributed=distributed, check=check)
+        res = ops.execute(plan, workers=workers, progress=bar.update, distributed=distributed, check=check,
+                          restart=restart)
     if rank != 0:
         return
     if json_out:
         output.print_json({"out": str(res.out), "tag": res.tag, "params": res.params,
                            "bytes_written": res.bytes_written, "files": res.files, "notes": list(plan.notes),
                            "warnings": list(plan.warnings), "optimizer_state": list(plan.state_keys),
-                           "loads_at_zero_stages": list(plan.stages), "verified": bool(verify)})
+                           "loads_at_zero_stages": list(plan.stages), "verified": bool(verify),
+                           **({"converted": res.converted, "resumed": res.resumed, "ranks": list(res.ranks)}
+                              if res.ranks else {})})
         return
     con = output.console()
+    if res.resumed:
+        con.print(escape(f"resumed: {output.plural(res.resumed, 'parameter')} found finished and verified in the "
+                         f"journal, {res.converted} converted by this run"))
     con.print("[green]wrote[/] " + escape(
         f"{res.out}  (tag {res.tag}: {output.plural(res.params, 'parameter')}, {output.plural(res.files, 'file')}, "
         f"{res.bytes_written:,} tensor bytes; optimizer state: {', '.join(plan.state_keys) or 'none'})"))
+    if len(res.ranks) > 1:
+        b, t = [r["bytes"] for r in res.ranks], [r["seconds"] for r in res.ranks]
+        con.print(escape(f"  {len(res.ranks)} ranks on {len({r['host'] for r in res.ranks})} host(s): {min(b):,}-"
+                         f"{max(b):,} bytes and {min(t):.1f}-{max(t):.1f} s each (--json: per rank)"))
     if verify:
         con.print("  verified: equal to the source by logical parameter (fp32 masters, optimizer state, "
                   "param groups, counters)")

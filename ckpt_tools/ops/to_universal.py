@@ -44,9 +44,12 @@ leaves nothing behind in RSS, unlike a touched mmap), merges them by the rule `t
 that buffer the same way. step.pt and optimizer_state.pt are the optimizer file's own records (read by
 `pickle_reader`, nothing run) pickled back by `pickle_writer`. No fragment files, no second pass.
 The folder is built under `io.new_folder`'s staging name and renamed into place when complete and verified.
+Under torchrun (`execute(distributed=True)`, `_execute_job`) the ranks share the parameters by bytes in a staging
+folder of a fixed name with a journal (`write/shares`), so that the same command resumes an interrupted job.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -715,11 +718,18 @@ class UniversalResult:
     bytes_written: int
     files: int
     problems: tuple[str, ...] = ()
+    #: a many-process job: parameters converted by this run and found finished in the journal, and each
+    #: rank's figures ({rank, host, params, resumed, bytes, seconds})
+    converted: int = -1
+    resumed: int = 0
+    ranks: tuple[dict, ...] = ()
 
 
 def convert_params(plan: UniversalPlan, tag_out: Path, indices: Iterable[int], *, workers: int = 1,
-                   progress: Callable[[int], None] | None = None, steps: dict[int, Any] | None = None) -> int:
-    """Write `zero/<param>/` for the jobs at `indices` into `tag_out`; returns the bytes written."""
+                   progress: Callable[[int], None] | None = None, steps: dict[int, Any] | None = None,
+                   on_done: Callable[[ParamJob], None] | None = None) -> int:
+    """Write `zero/<param>/` for the jobs at `indices` into `tag_out`; returns the bytes written. `on_done(job)`
+    runs in the calling thread after each parameter is written (the resumable job verifies and journals it)."""
     if steps is None:
         steps, _ = _steps_and_globals(plan)
     steps = {g: _prepare(s, plan.optim_file) for g, s in steps.items()}  # one pickle per group's step.pt
@@ -735,13 +745,18 @@ def convert_params(plan: UniversalPlan, tag_out: Path, indices: Iterable[int], *
             for j in jobs:
                 n = _convert_one(j, zero_dir, steps, fds, plan.optim_file)
                 total += n
+                if on_done:
+                    on_done(j)
                 if progress:
                     progress(n)
         else:
             pool = ThreadPoolExecutor(max_workers=workers)
             try:
-                for n in pool.map(lambda j: _convert_one(j, zero_dir, steps, fds, plan.optim_file), jobs):
+                for j, n in zip(jobs, pool.map(lambda j: _convert_one(j, zero_dir, steps, fds, plan.optim_file),
+                                                jobs)):
                     total += n
+                    if on_done:
+                        on_done(j)
                     if progress:
                         progress(n)
             except BaseException:
@@ -772,9 +787,11 @@ def _write_common(plan: UniversalPlan, root: Path, optimizer_state: dict[str, An
     (root / "latest_universal").write_text(plan.out_tag)
 
 
-def verify(plan: UniversalPlan, root: Path) -> list[str]:
+def verify(plan: UniversalPlan, root: Path, indices: Iterable[int] | None = None, *, common: bool = True,
+           parsed: dict | None = None) -> list[str]:
     """Re-read what was written (pickles only, no tensor bytes): every planned file is there, holds a
-    `param` of the planned shape, and the common files exist."""
+    `param` of the planned shape, and the common files exist. `indices`: only those parameters (a rank's
+    share); `common=False`: not the common files; `parsed`: a cache kept across calls."""
     import zipfile
 
     from ..formats import _common as C
@@ -786,8 +803,8 @@ def verify(plan: UniversalPlan, root: Path) -> list[str]:
     problems = []
     # data.pkl bytes -> (param shape, storage member, its size): equal pickles parse alike, so each distinct
     # pickle (a few dozen among thousands of files) is parsed once; every file's own zip directory is read
-    parsed: dict[bytes, tuple[Any, str, int]] = {}
-    for j in plan.params:
+    parsed = {} if parsed is None else parsed
+    for j in (plan.params if indices is None else [plan.params[i] for i in indices]):
         files = [*j.states] + ([] if j.module_only or j.param_group < 0 or not j.has_step else ["step"])
         for key in files:
             f = tag_out / "zero" / j.name / f"{key}.pt"
@@ -814,6 +831,8 @@ def verify(plan: UniversalPlan, root: Path) -> list[str]:
                 continue
             if got[0] != tuple(j.shape):
                 problems.append(f"{j.name}/{key}.pt: expected shape {j.shape}, found {got[0]}")
+    if not common:
+        return problems
     for rel in ["zero/optimizer_state.pt", *(p.name for p in plan.model_files), *(a for a, _ in plan.z3_aliases)]:
         if not (tag_out / rel).is_file():
             problems.append(f"{rel}: missing")
@@ -844,58 +863,196 @@ def verify_logical(plan: UniversalPlan, root: Path) -> list[str]:
 
 
 def execute(plan: UniversalPlan, *, workers: int = 1, progress: Callable[[int], None] | None = None,
-            distributed: bool = False, check: Callable[[Path], list[str]] | None = None) -> UniversalResult:
+            distributed: bool = False, check: Callable[[Path], list[str]] | None = None,
+            restart: bool = False) -> UniversalResult:
     """Write the planned universal checkpoint into `plan.out` (atomically), verify it, return a summary.
 
     `check(staging_root)`, when given, runs after the structural verification and before the folder is
     renamed into place (e.g. `lambda r: verify_logical(plan, r)`, what `--verify` passes): any line it returns
     stops the conversion with nothing written.
 
-    With `distributed`, every rank of the initialised torch.distributed group calls this: rank r converts
-    parameters r, r+W, r+2W, ... into rank 0's staging folder (the same filesystem), rank 0 writes the
-    common files, checks that every rank finished, verifies and renames. Output bytes do not depend on W.
+    With `distributed`, every rank of the initialised torch.distributed group (a torchrun job) calls this:
+    `_execute_job`. Output bytes do not depend on the number of ranks.
     """
-    from ..write import io
+    from ..write import io, shares
 
-    rank, world = 0, 1
-    dist = None
     if distributed:
         import torch.distributed as dist
 
         if not dist.is_initialized():
             raise CkptError("--distributed needs torch.distributed: run it under torchrun",
-                            hint="torchrun --nproc_per_node N -m ckpt_cli.main to-universal CKPT OUT --distributed")
-        rank, world = dist.get_rank(), dist.get_world_size()
-    mine = [i for i in range(len(plan.params)) if i % world == rank]
+                            hint="torchrun --nproc-per-node N --no-python ckpt to-universal CKPT OUT")
+        job = shares.Job(dist.get_rank(), dist.get_world_size())
+        return _execute_job(plan, job, workers=workers, progress=progress, check=check, restart=restart)
+    if job_staging(plan.out).exists():  # a job was interrupted: this process resumes it alone
+        return _execute_job(plan, shares.LocalJob(), workers=workers, progress=progress, check=check,
+                            restart=restart)
     steps, optimizer_state = _steps_and_globals(plan)
-    if world == 1:
-        _stale_staging(plan.out)
-        with io.new_folder(plan.out, trust_pickles=plan.trust_pickles) as tmp:
-            n = convert_params(plan, tmp / plan.out_tag, mine, workers=workers, progress=progress, steps=steps)
-            _write_common(plan, tmp, optimizer_state)
-            problems = verify(plan, tmp)
-            if problems:
-                raise CkptError("verification of the written universal checkpoint failed: " + "; ".join(problems[:5]),
-                                path=plan.out, hint="nothing was written; please report this")
-            _run_check(check, plan, tmp)
-        return UniversalResult(plan.out, plan.out_tag, len(plan.params), n, _count_files(plan.out))
-
-    # distributed: rank 0 owns the staging folder; the others write into it
-    def share(tmp: Path) -> tuple[int, None]:
-        return convert_params(plan, tmp / plan.out_tag, mine, workers=workers, progress=progress, steps=steps), None
-
-    def finish(tmp: Path, parts: list) -> None:
+    _stale_staging(plan.out)
+    with io.new_folder(plan.out, trust_pickles=plan.trust_pickles) as tmp:
+        n = convert_params(plan, tmp / plan.out_tag, range(len(plan.params)), workers=workers, progress=progress,
+                           steps=steps)
         _write_common(plan, tmp, optimizer_state)
         problems = verify(plan, tmp)
         if problems:
-            raise CkptError("verification failed: " + "; ".join(problems[:5]), path=plan.out)
+            raise CkptError("verification of the written universal checkpoint failed: " + "; ".join(problems[:5]),
+                            path=plan.out, hint="nothing was written; please report this")
         _run_check(check, plan, tmp)
+    return UniversalResult(plan.out, plan.out_tag, len(plan.params), n, _count_files(plan.out))
 
-    total, n = io.distributed_new_folder(plan.out, share, finish, before=lambda: _stale_staging(plan.out),
-                                           trust_pickles=plan.trust_pickles)
-    if rank != 0:
-        return UniversalResult(plan.out, plan.out_tag, len(mine), n, 0)
-    return UniversalResult(plan.out, plan.out_tag, len(plan.params), total, _count_files(plan.out))
+
+def job_staging(out: Path) -> Path:
+    """The staging folder of a many-process conversion into `out`: a fixed name, so that a rerun finds it."""
+    out = Path(out).resolve()
+    return out.parent / f".ckpt-staging-{out.name}-job"
+
+
+def _plan_digest(plan: UniversalPlan) -> str:
+    import hashlib
+
+    doc = [str(plan.source), plan.out_tag, repr(sorted(plan.options.items(), key=str)),
+           [(p.name, list(p.shape), p.nbytes, p.merge, sorted(p.states)) for p in plan.params]]
+    return hashlib.sha256(json.dumps(doc, default=str).encode()).hexdigest()
+
+
+def _prepare_staging(plan: UniversalPlan, staging: Path, restart: bool) -> None:
+    """(rank 0) Refuse an existing OUT; keep a staging folder of the same plan (its journal is resumed), throw
+    away one of another plan or with `restart`."""
+    from ..write.shares import JOURNAL
+
+    out = plan.out.resolve()
+    if out.exists():
+        raise CkptError("output folder already exists", path=out, hint="choose a new path or remove it first")
+    _stale_staging(out)
+    digest, mark = _plan_digest(plan), staging / JOURNAL / "plan"
+    if staging.exists() and (restart or not mark.is_file() or mark.read_text() != digest):
+        shutil.rmtree(staging)
+    (staging / plan.out_tag / "zero").mkdir(parents=True, exist_ok=True)
+    mark.parent.mkdir(exist_ok=True)
+    mark.write_text(digest)
+
+
+def _execute_job(plan: UniversalPlan, job, *, workers: int, progress: Callable[[int], None] | None,
+                 check: Callable[[Path], list[str]] | None, restart: bool) -> UniversalResult:
+    """A torchrun job: rank 0 prepares the staging folder (`job_staging`); every rank converts a share of the
+    parameters balanced by bytes (`shares.balanced_shares`), skipping those its journal says are finished,
+    verifies and journals each one; when every rank reported success, rank 0 writes the common files, verifies
+    them (and runs `check`) and renames the folder into place. A lost rank fails every other one in bounded time
+    (`shares.RankLost`, naming it) with the staging folder kept: the same command resumes it."""
+    import time
+
+    start = time.monotonic()
+    try:
+        staging, err = job_staging(plan.out), None
+        if job.rank == 0:
+            try:
+                _prepare_staging(plan, staging, restart)
+            except (CkptError, OSError) as e:
+                err = e
+        said = job.exchange("staged", "" if err is None else
+                            (err.one_line() if isinstance(err, CkptError) else f"{staging}: {err}"))[0]
+        if said:
+            raise err or CkptError(f"rank 0 could not start: {said}")
+        if progress is not None and job.rank == 0:
+            job.on_others = progress  # rank 0's bar counts every rank's bytes
+
+        def counted(n: int) -> None:
+            job.done += n
+            if progress is not None:
+                progress(n)
+
+        fig, line, failure = _convert_share(plan, staging, job, workers, counted)
+        fig["seconds"] = round(time.monotonic() - start, 3)
+        reports = job.exchange("converted", (line, fig))
+        figs = tuple(f for _, f in reports)
+        bad = [l for l, _ in reports if l]
+        if bad:
+            raise failure or CkptError(f"{len(bad)} rank(s) failed, nothing was put in place: {bad[0]}",
+                                       hint="fix the cause, then rerun the same command to resume")
+        failure, said = None, ""
+        if job.rank == 0:
+            try:
+                _finish_job(plan, staging, check)
+            except BaseException as e:
+                failure, said = e, (e.one_line() if isinstance(e, CkptError) else repr(e))
+        said = job.exchange("placed", said)[0]
+        if said:
+            raise failure or CkptError(f"rank 0 could not finish: {said}")
+    finally:
+        job.close()
+    total = sum(f["bytes"] for f in figs)
+    return UniversalResult(plan.out, plan.out_tag, len(plan.params), total if job.rank == 0 else fig["bytes"],
+                           _count_files(plan.out) if job.rank == 0 else 0,
+                           converted=sum(f["params"] for f in figs), resumed=sum(f["resumed"] for f in figs),
+                           ranks=figs)
+
+
+def _share(plan: UniversalPlan, indices: list[int], job) -> list[int]:
+    from ..write.shares import balanced_shares
+
+    return [indices[k] for k in balanced_shares([plan.params[i].nbytes for i in indices], job.world)[job.rank]]
+
+
+def _convert_share(plan: UniversalPlan, staging: Path, job, workers: int,
+                   progress: Callable[[int], None] | None) -> tuple[dict, str, CkptError | None]:
+    """Two balanced splits: the parameters the journal names as finished are re-checked (sizes, checksums),
+    a share per rank; then those not finished are converted, a share per rank, each verified and journaled.
+    Returns this rank's figures, its one-line error ('' on success) and that error."""
+    from ..write.shares import Journal
+
+    journal = Journal(staging, job.rank)
+    rel = {i: f"{plan.out_tag}/zero/{p.name}" for i, p in enumerate(plan.params)}
+    mine_to_check = _share(plan, [i for i in rel if rel[i] in journal.done], job)
+    resumed = [i for i in mine_to_check if journal.finished(rel[i])]
+    finished = {i for part in job.exchange("checked", resumed) for i in part}
+    todo = _share(plan, [i for i in rel if i not in finished], job)
+    if progress and resumed:
+        progress(sum(plan.params[i].nbytes for i in resumed))
+    index = {plan.params[i].name: i for i in todo}
+    parsed: dict = {}
+
+    def done(j: ParamJob) -> None:
+        problems = verify(plan, staging, [index[j.name]], common=False, parsed=parsed)
+        if problems:
+            raise CkptError("verification of a written parameter failed: " + "; ".join(problems[:5]),
+                            path=staging / rel[index[j.name]], hint="please report this")
+        journal.record(rel[index[j.name]])
+
+    n, line, failure = 0, "", None
+    try:
+        steps, _ = _steps_and_globals(plan)
+        n = convert_params(plan, staging / plan.out_tag, todo, workers=workers, progress=progress, steps=steps,
+                           on_done=done)
+    except CkptError as e:
+        failure, line = e, f"{job.who(job.rank)}: {e.one_line()}"
+    except (OSError, ValueError, RuntimeError) as e:
+        failure = CkptError(f"{job.who(job.rank)}: {e}", path=staging)
+        line = failure.one_line()
+    finally:
+        journal.close()
+    fig = {"rank": job.rank, "host": job.hosts[job.rank], "params": len(todo), "resumed": len(resumed), "bytes": n}
+    return fig, line, failure
+
+
+def _finish_job(plan: UniversalPlan, staging: Path, check: Callable[[Path], list[str]] | None) -> None:
+    """(rank 0) The common files, their verification, `check`, then in place; a failure here removes the
+    staging folder (what it holds did not verify), an interruption keeps it."""
+    from ..write import io
+    from ..write.shares import JOURNAL
+
+    try:
+        _, optimizer_state = _steps_and_globals(plan)
+        _write_common(plan, staging, optimizer_state)
+        problems = verify(plan, staging, [], common=True)
+        if problems:
+            raise CkptError("verification failed: " + "; ".join(problems[:5]), path=plan.out,
+                            hint="nothing was written; please report this")
+        _run_check(check, plan, staging)
+        shutil.rmtree(staging / JOURNAL)
+        io.put_in_place(staging, plan.out.resolve(), trust_pickles=plan.trust_pickles)
+    except Exception:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def _run_check(check: Callable[[Path], list[str]] | None, plan: UniversalPlan, tmp: Path) -> None:

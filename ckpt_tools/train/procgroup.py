@@ -24,13 +24,25 @@ import sys
 _JOINED = [False]
 
 
+def under_torchrun() -> bool:
+    """Whether this process is a rank of a torchrun job (the variables torchrun sets are all there)."""
+    return all(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
 def join(backend: str = "gloo") -> int:
     """Initialise the default process group from torchrun's environment unless one exists; remember that this
-    process made it (`joined()`), so that its entry point knows to `leave`. Returns this rank."""
+    process made it (`joined()`), so that its entry point knows to `leave`. Returns this rank. Every collective
+    of the group times out after `CKPT_DIST_TIMEOUT_S` seconds (default 600): a lost peer never hangs a rank."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        try:
+            seconds = float(os.environ.get("CKPT_DIST_TIMEOUT_S", 600))
+        except ValueError:
+            seconds = 600.0
+        dist.init_process_group(backend, timeout=timedelta(seconds=seconds))
         _JOINED[0] = True
     return dist.get_rank()
 

@@ -995,6 +995,18 @@ def distributed_new_folder(out: Path, write_share: Callable[[Path], tuple[int, A
     return int(total[0]), n
 
 
+def put_in_place(tmp: Path, out: Path, *, trust_pickles: bool = False) -> None:
+    """The end of `new_folder` for a staging folder built elsewhere (a resumable, many-process conversion):
+    the output gate (`read.gate.check_output`), fsync of every file, then one rename to `out`."""
+    gate.check_output(tmp, trust_pickles=trust_pickles)
+    for dirpath, _, filenames in os.walk(tmp):
+        for f in filenames:
+            _fsync_file(Path(dirpath) / f)
+        _fsync_dir(Path(dirpath))
+    os.rename(tmp, out)
+    _fsync_dir(out.parent)
+
+
 @contextlib.contextmanager
 def new_folder(out: Path, *, trust_pickles: bool = False) -> Iterator[Path]:
     """Build a new folder (e.g. a universal checkpoint) under a staging name beside it, then rename it
@@ -1016,13 +1028,7 @@ def new_folder(out: Path, *, trust_pickles: bool = False) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-        gate.check_output(tmp, trust_pickles=trust_pickles)
-        for dirpath, _, filenames in os.walk(tmp):
-            for f in filenames:
-                _fsync_file(Path(dirpath) / f)
-            _fsync_dir(Path(dirpath))
-        os.rename(tmp, out)
-        _fsync_dir(out.parent)
+        put_in_place(tmp, out, trust_pickles=trust_pickles)  # gate.check_output, fsync, rename
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):

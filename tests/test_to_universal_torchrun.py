@@ -1,0 +1,189 @@
+"""`ckpt to-universal` as a torchrun job on 127.0.0.1: two nodes (two torchrun processes, --node-rank 0 / 1) and
+one node of two processes, byte-identical to one process; a rank killed with SIGKILL fails the job in bounded
+time naming it, with nothing in place; the rerun resumes from the journal (`--restart` starts over)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ckpt_tools.samples import free_port
+from ckpt_tools.write.shares import Journal, balanced_shares
+
+from conftest import ROOT, run_cli, sample
+
+SAMPLES = {"zero2": ("deepspeed", "zero2_bf16"), "pipeline": ("megatron", "gpt_tp2_pp2")}
+
+
+def _digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Each sample's one-process output, converted once for the module: file -> sha256."""
+    made: dict[str, dict[str, str]] = {}
+
+    def get(key: str) -> dict[str, str]:
+        if key not in made:
+            out = tmp_path_factory.mktemp("ref") / key
+            r = run_cli("to-universal", sample(*SAMPLES[key]), out, "--json")
+            assert r.returncode == 0, r.stderr
+            made[key] = _digest(out)
+        return made[key]
+
+    return get
+
+
+def _program() -> list[str]:
+    exe = shutil.which("ckpt")  # the installed command, as users run it
+    return ["--no-python", exe] if exe else ["-m", "ckpt_cli.main"]  # else: torchrun's own python
+
+
+def _launch(nnodes: int, nproc: int, args: list, *, env: dict | None = None, port: int | None = None,
+            command: tuple[str, ...] = ("to-universal", "--workers", "1")):
+    """Start the torchrun processes of one job (one per node); returns them (stdout / stderr piped)."""
+    port = port or free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    procs = []
+    for node in range(nnodes):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node",
+               str(nproc), "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+               *_program(), command[0], *map(str, args), "--yes", "--json", *command[1:]]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    return procs
+
+
+def _wait(procs, timeout: float = 120) -> list[tuple[int, str, str]]:
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    return [(p.returncode, *o) for p, o in zip(procs, outs)]
+
+
+def _job(nnodes: int, nproc: int, args: list, **kw) -> tuple[dict, list]:
+    done = _wait(_launch(nnodes, nproc, args, **kw))
+    for rc, _, err in done:
+        assert rc == 0, err[-3000:]
+    return json.loads(done[0][1]), done  # rank 0 (on node 0) alone prints
+
+
+def test_balanced_shares_by_bytes():
+    shares = balanced_shares([100, 1, 1, 50, 50, 1], 2)
+    assert shares == [[0, 1, 5], [2, 3, 4]]  # 102 and 101 bytes
+    assert balanced_shares([3, 3], 4) == [[0], [1], [], []]
+
+
+def test_journal_redoes_a_changed_file(tmp_path):
+    (tmp_path / "t" / "p").mkdir(parents=True)
+    (tmp_path / "t" / "p" / "fp32.pt").write_bytes(b"abcd")
+    j = Journal(tmp_path, 0)
+    j.record("t/p")
+    j.close()
+    assert Journal(tmp_path, 1).finished("t/p")
+    (tmp_path / "t" / "p" / "fp32.pt").write_bytes(b"abce")  # same size, other bytes
+    assert not Journal(tmp_path, 1).finished("t/p")
+
+
+def test_journal_reads_a_zip_again_on_resume(tmp_path):
+    """A torch.save file is journaled by its members' CRC-32s; a rerun reads the bytes back against them."""
+    import zipfile
+
+    f = tmp_path / "t" / "p" / "fp32.pt"
+    f.parent.mkdir(parents=True)
+    with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr("fp32/data/0", b"\x01" * 4096)
+    j = Journal(tmp_path, 0)
+    j.record("t/p")
+    j.close()
+    assert Journal(tmp_path, 0).finished("t/p")
+    raw = bytearray(f.read_bytes())
+    raw[raw.index(b"\x01" * 16) + 100] = 2  # one byte of the member's data, same size
+    f.write_bytes(bytes(raw))
+    assert not Journal(tmp_path, 0).finished("t/p")
+
+
+@pytest.mark.parametrize("key", ["zero2", "pipeline"])
+def test_two_nodes_byte_identical_to_one_process(tmp_path, reference, key):
+    doc, _ = _job(2, 1, [sample(*SAMPLES[key]), tmp_path / "u"])
+    assert _digest(tmp_path / "u") == reference(key)
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1] and doc["resumed"] == 0
+    assert doc["converted"] == doc["params"] and all(r["params"] > 0 for r in doc["ranks"])
+    assert sum(r["bytes"] for r in doc["ranks"]) == doc["bytes_written"]
+    assert not list(tmp_path.glob(".ckpt-staging-*"))
+
+
+def test_nproc_shorthand_one_node_two_processes(tmp_path, reference):
+    r = run_cli("to-universal", sample(*SAMPLES["pipeline"]), tmp_path / "u", "--nproc", "2", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [x["rank"] for x in json.loads(r.stdout)["ranks"]] == [0, 1]
+    assert _digest(tmp_path / "u") == reference("pipeline")
+
+
+def test_lost_rank_fails_in_bounded_time_and_the_rerun_resumes(tmp_path, reference):
+    """Node 1's rank is killed (SIGKILL) after it journaled 3 parameters: rank 0 names it and exits 2 within
+    the lost-rank window, OUT is absent; the same command then converts only the rest, byte-identical."""
+    src, out = sample(*SAMPLES["zero2"]), tmp_path / "u"
+    t0 = time.monotonic()
+    done = _wait(_launch(2, 1, [src, out], env={"CKPT_TEST_KILL_AFTER": "1:3", "CKPT_DIST_LOST_S": "4"}))
+    assert time.monotonic() - t0 < 60
+    assert all(rc != 0 for rc, _, _ in done)
+    errors = [line for line in done[0][2].splitlines() if line.startswith("ckpt: error:")]
+    assert len(errors) == 1 and "rank 1 (host " in errors[0] and "was lost" in errors[0], done[0][2][-3000:]
+    assert "exitcode: 2" in done[0][2]  # torchrun's report of rank 0
+    assert not out.exists() and (tmp_path / ".ckpt-staging-u-job" / ".journal").is_dir()
+
+    doc, _ = _job(2, 1, [src, out])
+    assert doc["resumed"] >= 3 and doc["converted"] + doc["resumed"] == doc["params"]
+    assert doc["converted"] < doc["params"]
+    assert _digest(out) == reference("zero2")
+    assert not list(tmp_path.glob(".ckpt-staging-*"))
+
+
+def test_lost_node_0_fails_the_other_node(tmp_path):
+    """Rank 0 killed: node 0's torchrun (the job's store) goes with it; node 1's rank says so and exits 2."""
+    out = tmp_path / "u"
+    done = _wait(_launch(2, 1, [sample(*SAMPLES["zero2"]), out],
+                         env={"CKPT_TEST_KILL_AFTER": "0:3", "CKPT_DIST_LOST_S": "4"}))
+    errors = [line for line in done[1][2].splitlines() if line.startswith("ckpt: error:")]
+    assert len(errors) == 1 and "node 0 was lost (rank 0 (host " in errors[0], done[1][2][-3000:]
+    assert "exitcode: 2" in done[1][2] and not out.exists()
+
+
+def test_restart_throws_the_staging_away(tmp_path, reference):
+    """One node, two processes: rank 1 killed (torchrun stops rank 0), nothing in place; the same command in one
+    process without torchrun, with `--restart`, converts everything again."""
+    src, out = sample(*SAMPLES["zero2"]), tmp_path / "u"
+    done = _wait(_launch(1, 2, [src, out], env={"CKPT_TEST_KILL_AFTER": "1:2"}))
+    assert done[0][0] != 0 and not out.exists()
+    assert len((tmp_path / ".ckpt-staging-u-job" / ".journal" / "rank1.jsonl").read_text().splitlines()) == 2
+    r = run_cli("to-universal", src, out, "--restart", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    assert doc["resumed"] == 0 and doc["converted"] == doc["params"] and len(doc["ranks"]) == 1
+    assert _digest(out) == reference("zero2")
+
+
+def test_convert_under_torchrun_needs_no_flag(tmp_path, reference):
+    """`ckpt convert --to deepspeed-universal` as a 1 x 2 job without --distributed: the ranks share the work."""
+    doc, _ = _job(1, 2, [sample(*SAMPLES["zero2"]), tmp_path / "u", "--to", "deepspeed-universal"],
+                  command=("convert",))
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1]
+    assert _digest(tmp_path / "u") == reference("zero2")
+
+
+def test_export_refuses_to_run_as_a_rank_of_a_job(tmp_path):
+    """`ckpt export` does not share its work: as one rank of many it stops (exit 2) before writing anything."""
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    r = subprocess.run([sys.executable, "-m", "ckpt_cli.main", "export", str(sample(*SAMPLES["zero2"])),
+                        str(tmp_path / "w.safetensors")], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "rank 1 of a torchrun job of 2" in r.stderr
+    assert list(tmp_path.iterdir()) == []
