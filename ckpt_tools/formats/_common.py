@@ -24,6 +24,7 @@ class LoadCache:
         self._outer: dict[Path, pickle_reader.Source] = {}
         self._rel: dict[Any, str] = {}
         self.unknown_globals: dict[str, list[str]] = {}
+        self._known: set[frozenset[str]] = set()  # sets of globals seen that name no unknown one
 
     def load(self, path: Path) -> pickle_reader.Loaded:
         hit = self._loaded.get(path)  # a Path hits without building another; anything else becomes one
@@ -46,9 +47,12 @@ class LoadCache:
     def load_embedded_head(self, path: Path, offset: int, length: int,
                            head_bytes: int = pickle_reader.ITEM_HEAD_BYTES) -> pickle_reader.Loaded:
         """`load_embedded` read from the item's first `head_bytes` (`pickle_reader.load_embedded_head`)."""
-        path = Path(path)
+        path = path if isinstance(path, Path) else Path(path)
         hit = pickle_reader.load_embedded_head(self.outer(path), offset, length, head_bytes)
-        self._note_unknown(path, hit)
+        if hit.globals_seen not in self._known:  # items parsed alike share their set of globals: judged once
+            self._note_unknown(path, hit)
+            if not hit.unknown_globals:
+                self._known.add(hit.globals_seen)
         return hit
 
     def outer(self, path: Path) -> pickle_reader.Source:

@@ -9,7 +9,8 @@ Only `.metadata` and the small items are read when opening (the values: bytes it
 the tensors of up to 16 elements whose values show, such as Adam's `step`): every other tensor chunk
 becomes a `Piece` whose `LazyTensorRef` has the dtype and shape `.metadata` gives, and reads its item's
 record (the head of its embedded torch.save zip: strides, where its bytes start) only when its bytes
-are read, checked then against `.metadata`. Flat keys are split with `planner_data`, never at dots, because FQNs contain dots
+are read, checked then against `.metadata` (a chunk its item is too short to hold is read when opening).
+Flat keys are split with `planner_data`, never at dots, because FQNs contain dots
 (`optim.state.blocks.0.ln_1.bias.step` -> ('optim', 'state', 'blocks.0.ln_1.bias', 'step')).
 
 The chunk assembly (`Chunk`, `chunked_tensor`) and the header of a torch training dict
@@ -369,7 +370,7 @@ def _storage_index(storage: dict, meta_path: Path) -> dict[tuple[str, tuple[int,
     names: set[str] = set()
     for idx, info in storage.items():
         if type(idx) not in index_types:
-            if not (is_opaque(idx, "MetadataIndex")):
+            if not is_opaque(idx, "MetadataIndex"):
                 raise CorruptCheckpoint(f"bad storage_data entry {idx!r}", path=meta_path,
                                         hint="the metadata is corrupt")
             index_types.add(type(idx))

@@ -4,8 +4,8 @@ runs; both give the same answer, because the C walk only ever says "this pickle 
 pickle it would refuse, or cannot follow exactly as the Python walk does (a protocol-0 memo key that is not plain
 digits), it says "ask Python", and the Python walk runs on the same bytes and raises its own error.
 
-Why: the walk is a loop over every opcode, about 0.2-1 us per opcode in Python: 2-4 s for a 30 MB DCP `.metadata`
-(120k items), most of opening it. In C it is ~100x faster. The source is kept here as a string (no package data to
+Why: the walk is a loop over every opcode, about 0.2-0.5 us per opcode in Python: 5.5 CPU-s for the 22 MB `.metadata`
+of a 100k-item DCP checkpoint (10M opcodes), more than the rest of opening it. In C: 0.11 s. The source is kept here as a string (no package data to
 ship); the library is cached per user in $CKPT_NATIVE_DIR, else $XDG_CACHE_HOME/ckpt-tools, else
 ~/.cache/ckpt-tools, under a name holding the source's hash, and used only from a folder the user owns that no one
 else can write to.
@@ -161,7 +161,9 @@ static int memo_set(memo_t *m, uint64_t key, uint64_t val) {
     return hash_set(m, key, val);
 }
 
-static uint32_t rd32(const unsigned char *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
+static uint32_t rd32(const unsigned char *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
 static uint64_t rd64(const unsigned char *p) { return (uint64_t)rd32(p) | (uint64_t)rd32(p + 4) << 32; }
 
 /* after filling the container memoized under k (NONE: none) to depth d, its memo entry follows (Python's _refill) */

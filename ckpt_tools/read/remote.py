@@ -241,9 +241,10 @@ class Mount:
 
     # --- fetching -----------------------------------------------------------------------------------
 
-    def ensure_many(self, wants: list[tuple[str, int, int]], progress=None, align: int = ALIGN) -> None:
+    def ensure_many(self, wants: list[tuple[str, int, int]], progress=None, align: int | None = None) -> None:
         """Make bytes [start, start+length) of each local mirror path present: the missing parts, widened to
-        `align` and merged when close, fetched as one parallel batch of ranged GETs."""
+        `align` (ALIGN when None) and merged when close, fetched as one parallel batch of ranged GETs."""
+        align = ALIGN if align is None else align
         with self._lock:
             plan: dict[str, list[tuple[int, int]]] = {}
             for path, start, length in wants:
@@ -714,7 +715,7 @@ def plan(wants, exact: bool = False) -> None:
         if held is not None:
             by_mount.setdefault(held[0], []).append((held[1], start, length))
     for m, ws in by_mount.items():
-        m.ensure_many(ws, align=1 if exact else ALIGN)
+        m.ensure_many(ws, align=1 if exact else None)
 
 
 def mount(url: str, storage_options: dict | None = None, prime: bool = True) -> Mount:
