@@ -218,23 +218,13 @@ def test_inspect_over_s3_fetches_metadata_and_small_items_only(tmp_path_factory,
     folder = tmp_path / "ck"
     _dcp_save(folder, 12)
     total = sum(p.stat().st_size for p in folder.iterdir())
-    port = S._free_port()
-    log = tmp_path_factory.mktemp("moto") / "server.log"
-    with open(log, "wb") as out:
-        server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                  stdout=out, stderr=subprocess.STDOUT)
-    try:
-        S._wait_listening(port, server, log)
-        endpoint = f"http://127.0.0.1:{port}"
+    with S.moto_server(tmp_path_factory.mktemp("moto") / "server.log") as endpoint:
         fs = S._fs(endpoint)
         fs.mkdir(S.BUCKET)
         fs.put(str(folder), f"{S.BUCKET}/lazy/ck", recursive=True)
         r = subprocess.run([sys.executable, "-c", "from ckpt_cli.main import main; main()", "inspect",
                             f"s3://{S.BUCKET}/lazy/ck", "--json"], capture_output=True, text=True, timeout=300,
                            env=S._env(endpoint), cwd=S.ROOT)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
     assert r.returncode == 0, r.stderr
     remote = json.loads(r.stdout)
     cost = remote.pop("remote", None) or {}

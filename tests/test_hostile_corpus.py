@@ -198,14 +198,7 @@ def test_corpus_over_s3(corpus, tmp_path):
     picked = [c for c in cases if c.name.startswith(("t00-", "t03-", "t11-", "t13-", "deep-dcp", "x-megatron_pp2",
                                                       "x-megatron_tp2", "x-torchtitan", "x-torchtune"))]
     assert len(picked) >= 8
-    port = S._free_port()
-    log = tmp_path / "moto.log"
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                stdout=fh, stderr=subprocess.STDOUT)
-    try:
-        S._wait_listening(port, proc, log)
-        endpoint = f"http://127.0.0.1:{port}"
+    with S.moto_server(tmp_path / "moto.log") as endpoint:
         fs = S._fs(endpoint)
         fs.mkdir("corpus")
         urls = {}
@@ -226,6 +219,3 @@ def test_corpus_over_s3(corpus, tmp_path):
         assert gated >= 40
         assert not problems, "\n".join(problems[:40])
         assert not list(tmpdir.glob("ckpt-remote-*")), "a remote mirror was left behind"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SAMPLES
+from conftest import SAMPLES
 from hostile import pickles as H
 from hostile.runner import run, snapshot
 from hostile.scan import file_globals
@@ -308,14 +308,7 @@ def test_hostile_sources_over_s3(tmp_path):
     pytest.importorskip("s3fs")
     import test_remote_s3 as S
 
-    port = S._free_port()
-    log = tmp_path / "moto.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT)
-    try:
-        S._wait_listening(port, proc, log)
-        endpoint = f"http://127.0.0.1:{port}"
+    with S.moto_server(tmp_path / "moto.log") as endpoint:
         fs = S._fs(endpoint)
         fs.mkdir("hostile")
         marker = tmp_path / "marker"
@@ -346,6 +339,3 @@ def test_hostile_sources_over_s3(tmp_path):
         assert runs == 7
         assert not marker.exists()
         assert not list(tmpdir.glob("ckpt-remote-*")), list(tmpdir.iterdir())
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)

@@ -4,6 +4,7 @@ command run on the s3:// URL must answer what the same command answers on the lo
 against the same server. Skipped when moto's server or s3fs is not installed (`pip install -e '.[dev]'`)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -53,11 +54,10 @@ def _wait_listening(port: int, proc: subprocess.Popen, log: Path, timeout: float
     raise RuntimeError("moto server did not start listening")
 
 
-@pytest.fixture(scope="module")
-def endpoint(tmp_path_factory):
-    """A moto S3 server in its own process, stopped at the end of the module."""
+@contextlib.contextmanager
+def moto_server(log: Path):
+    """A moto S3 server in its own process on 127.0.0.1 (its output in `log`); yields its endpoint URL."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("moto") / "server.log"
     with open(log, "wb") as out:  # a pipe nobody reads would fill up and stall the server
         proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                                 stdout=out, stderr=subprocess.STDOUT)
@@ -71,6 +71,13 @@ def endpoint(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory):
+    """A moto S3 server in its own process, stopped at the end of the module."""
+    with moto_server(tmp_path_factory.mktemp("moto") / "server.log") as url:
+        yield url
 
 
 def _fs(endpoint: str):
