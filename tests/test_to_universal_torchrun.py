@@ -181,7 +181,8 @@ def test_convert_under_torchrun_needs_no_flag(tmp_path, reference):
 
 def test_export_refuses_to_run_as_a_rank_of_a_job(tmp_path):
     """`ckpt export` does not share its work: as one rank of many it stops (exit 2) before writing anything."""
-    env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
+               TORCHELASTIC_RUN_ID="test")
     r = subprocess.run([sys.executable, "-m", "ckpt_cli.main", "export", str(sample(*SAMPLES["zero2"])),
                         str(tmp_path / "w.safetensors")], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=120)

@@ -149,11 +149,17 @@ def _scan_distcp(path: Path, rel: str, items: list[tuple[int, int]]) -> list[Fin
 
 def _scan_other(path: Path, rel: str) -> list[Finding]:
     """A file that is neither a zip nor a protocol-2+ pickle but that a loader may still unpickle (a protocol-0
-    pickle runs its globals before torch.load's magic-number check fails): the globals its opcodes name."""
+    pickle runs its globals before torch.load's magic-number check fails), or whose pickle does not parse (a
+    full unpickler runs what comes before the break): the globals its opcodes name. A zip: its data.pkl."""
     try:
-        with open(path, "rb") as fh:
-            head = fh.read(1 << 20)
-    except OSError:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as zf:
+                pkl = [n for n in zf.namelist() if n.endswith("data.pkl")]
+                head = zf.read(min(pkl, key=len))[: 1 << 20] if pkl else b""
+        else:
+            with open(path, "rb") as fh:
+                head = fh.read(1 << 20)
+    except (OSError, zipfile.BadZipFile, ValueError, NotImplementedError, EOFError):
         return []
     try:  # a protocol-0 hash bomb or deep structure crashes a full unpickler before its parse error
         pickle_reader.check_expansion(head, str(path))
@@ -186,9 +192,19 @@ def scan_file(path: Path, rel: str, distcp: dict[str, list[tuple[int, int]]] | N
     if path.suffix == ".distcp" and distcp is not None and path.name in distcp:
         return _scan_distcp(path, rel, distcp[path.name])
     if head[:2] == b"PK":
-        return _scan_zip(path, rel)
+        try:
+            return _scan_zip(path, rel)
+        except CkptError as e:  # not readable as torch.save writes it: the globals its opcodes name, at least
+            if "cannot parse" not in e.message and "not a readable zip" not in e.message:
+                raise
+            return _scan_other(path, rel)
     if head[:1] == b"\x80":
-        loaded = pickle_reader.load(path)
+        try:
+            loaded = pickle_reader.load(path)
+        except CkptError as e:  # a stream that does not parse: a full unpickler still runs what comes before
+            if "cannot parse" not in e.message:
+                raise
+            return _scan_other(path, rel)
         try:
             return _from_loaded(rel, loaded) + _inner_pickles(rel, loaded.obj)
         finally:

@@ -25,8 +25,11 @@ _JOINED = [False]
 
 
 def under_torchrun() -> bool:
-    """Whether this process is a rank of a torchrun job (the variables torchrun sets are all there)."""
-    return all(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+    """Whether this process is a rank of a torchrun job: the variables torchrun sets are all there, its elastic
+    agent's run id included (a process that merely inherited RANK / WORLD_SIZE from an in-process DeepSpeed or
+    torch.distributed init is not a job rank)."""
+    return all(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                                          "TORCHELASTIC_RUN_ID"))
 
 
 def join(backend: str = "gloo") -> int:
