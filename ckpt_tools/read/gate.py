@@ -99,19 +99,12 @@ def _inner_pickles(rel: str, obj: Any, depth: int = 0) -> list[Finding]:
     return out
 
 
-def _members(rel: str, zf: zipfile.ZipFile) -> list[Finding]:
-    return [Finding(rel, f"zip member {name!r}") for name in foreign_members(zf.namelist())]
-
-
 def _scan_zip(path: Path, rel: str) -> list[Finding]:
+    loaded = pickle_reader.load(path)  # one parse: its zip source keeps the member names
+    names = loaded.source.member_names() if isinstance(loaded.source, pickle_reader.ZipSource) else []
     try:
-        with zipfile.ZipFile(path) as zf:
-            out = _members(rel, zf)
-    except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError, EOFError):
-        out = []  # the load below names what is wrong
-    loaded = pickle_reader.load(path)
-    try:
-        return out + _from_loaded(rel, loaded) + _inner_pickles(rel, loaded.obj)
+        return ([Finding(rel, f"zip member {name!r}") for name in foreign_members(names)]
+                + _from_loaded(rel, loaded) + _inner_pickles(rel, loaded.obj))
     finally:
         if loaded.source is not None:
             loaded.source.close()

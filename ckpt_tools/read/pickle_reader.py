@@ -783,6 +783,10 @@ class ZipSource(Source):
         self.prefix = prefix
         self._offsets: dict[str, int] = {}
 
+
+    def member_names(self) -> list[str]:
+        """The archive's member names, as its central directory lists them."""
+        return list(self._infos)
     def member_offset(self, name: str) -> int:
         off = self._offsets.get(name)
         if off is None:
