@@ -4,6 +4,7 @@ cache, and a record of the machine the numbers came from.
 Stdlib only, on purpose: a benchmark driver that imported torch would pay for it in every number it
 reports about its children (and the driver's own RSS is never measured, only the child's).
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -38,8 +39,14 @@ class Measurement:
 GNU_TIME = "/usr/bin/time"
 
 
-def run_measured(cmd: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
-                 stdout_path: str | os.PathLike | None = None, check: bool = True) -> Measurement:
+def run_measured(
+    cmd: Sequence[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    stdout_path: str | os.PathLike | None = None,
+    check: bool = True,
+) -> Measurement:
     """Run `cmd` to completion; return its wall time, CPU time and peak RSS.
 
     The peak RSS is the kernel's `ru_maxrss` of the child. Linux folds into it the high-water RSS of the
@@ -84,8 +91,12 @@ def precompile() -> None:
     """Write the project's bytecode, as installing a wheel does. These machines set PYTHONDONTWRITEBYTECODE=1,
     so an editable install would otherwise compile every ckpt module again in every timed process (~40 ms
     that no installed tool pays; torch and the other references come from wheels with their bytecode)."""
-    subprocess.run([sys.executable, "-m", "compileall", "-q", "ckpt_tools", "cli"], cwd=REPO_ROOT, check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", "ckpt_tools", "cli"],
+        cwd=REPO_ROOT,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
 
 
 def drop_caches() -> bool:
@@ -120,9 +131,15 @@ class Summary:
 
 def summarize(runs: Sequence[Measurement]) -> Summary:
     walls = [m.wall_s for m in runs]
-    return Summary(n=len(runs), wall_s_median=statistics.median(walls), wall_s_min=min(walls),
-                   wall_s_max=max(walls), cpu_s_median=statistics.median(m.cpu_s for m in runs),
-                   peak_rss_bytes_median=int(statistics.median(m.peak_rss_bytes for m in runs)), runs=list(runs))
+    return Summary(
+        n=len(runs),
+        wall_s_median=statistics.median(walls),
+        wall_s_min=min(walls),
+        wall_s_max=max(walls),
+        cpu_s_median=statistics.median(m.cpu_s for m in runs),
+        peak_rss_bytes_median=int(statistics.median(m.peak_rss_bytes for m in runs)),
+        runs=list(runs),
+    )
 
 
 def measure(cmd: Sequence[str], *, repeat: int, cold: bool, **kwargs) -> Summary:
@@ -194,6 +211,7 @@ def _cpu_model() -> str | None:
 def machine_info() -> dict:
     """Where and when the numbers were taken: date, CPU, cores, RAM, and the versions that matter.
     Versions come from package metadata so that recording them imports nothing heavy."""
+
     def ver(dist: str) -> str | None:
         try:
             return metadata.version(dist)
@@ -225,8 +243,10 @@ def report(runs: dict, out_name: str, result: dict, notes: dict[str, str] | None
     for name, ms in runs.items():
         s = summarize(ms)
         result["results"][name] = s.to_dict()
-        print(f"{name:{width}s} {s.wall_s_median:7.3f} s  (min {s.wall_s_min:.3f}, max {s.wall_s_max:.3f})  "
-              f"{s.peak_rss_bytes_median / 2**20:7.1f} MiB" + (f"  {notes[name]}" if notes and name in notes else ""))
+        print(
+            f"{name:{width}s} {s.wall_s_median:7.3f} s  (min {s.wall_s_min:.3f}, max {s.wall_s_max:.3f})  "
+            f"{s.peak_rss_bytes_median / 2**20:7.1f} MiB" + (f"  {notes[name]}" if notes and name in notes else "")
+        )
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     (OUT_DIR / out_name).write_text(json.dumps(result, indent=1, default=str))
 
@@ -235,8 +255,11 @@ def report_against(runs: dict, reference: str, label: str, out_name: str, result
     """`report` with each command's speed-up over the `reference` command ("<label> / this 2.3x"), then how busy
     the CPUs were before each run and every command's median CPU seconds."""
     ref_wall = summarize(runs[reference]).wall_s_median
-    notes = {name: f"{label} / this {ref_wall / summarize(ms).wall_s_median:.1f}x" for name, ms in runs.items()
-             if name != reference}
+    notes = {
+        name: f"{label} / this {ref_wall / summarize(ms).wall_s_median:.1f}x"
+        for name, ms in runs.items()
+        if name != reference
+    }
     result["cpu_busy_before_runs"] = busy
     report(runs, out_name, result, notes)
     print("CPU busy before the runs: " + " ".join("-" if b is None else f"{100 * b:.0f}%" for b in busy))

@@ -19,6 +19,7 @@ Outputs are deleted after each run; the page cache is warm for every contender (
 `cp -r` first). Results: stdout table and bench/out/convert_results.json. Both outputs are checked equal by
 `ckpt diff` (logical) before they are deleted, so a fast wrong answer cannot pass.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,9 @@ def baseline_worker(args: argparse.Namespace) -> None:
     cfg = GPTConfig(**extra["model_config"])
     torch.manual_seed(c.SEED)
     model = TinyGPT(cfg)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=c.param_groups(model),
-                                           config=extra["ds_config"])
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=c.param_groups(model), config=extra["ds_config"]
+    )
     engine.load_checkpoint(str(args.ckpt))
     # DeepSpeed links each parameter to its optimizer-state fragments at the first step; a conversion script
     # that never steps links them itself (ZeRO-1/2) before `safe_get_full_optimizer_state` can see them
@@ -67,11 +69,18 @@ def baseline_worker(args: argparse.Namespace) -> None:
     state = {n: {**e, "step": step.clone()} for n, e in full.items()}
     groups = []
     for g in engine.optimizer.param_groups:
-        groups.append({**{k: v for k, v in g.items() if k != "params"},
-                       "params": [names[id(p)] for p in g["params"] if id(p) in names]})
+        groups.append(
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [names[id(p)] for p in g["params"] if id(p) in names],
+            }
+        )
     if c.rank() == 0:
-        dcp.save({"model": weights, "optim": {"state": state, "param_groups": groups},
-                  "step": int(engine.global_steps)}, checkpoint_id=args.out, no_dist=True)
+        dcp.save(
+            {"model": weights, "optim": {"state": state, "param_groups": groups}, "step": int(engine.global_steps)},
+            checkpoint_id=args.out,
+            no_dist=True,
+        )
     c.shutdown()
 
 
@@ -114,28 +123,70 @@ def main() -> None:
     env = {**worker_env(), "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
 
     def torchrun(n: int, *rest: str) -> list[str]:
-        return [PY, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_addr", "127.0.0.1",
-                "--master_port", str(free_port()), *rest]
+        return [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(n),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            *rest,
+        ]
 
     runs = {
         "cp -r": ["cp", "-r", str(ck), str(scratch / "cp")],
-        "ckpt convert --to dcp": [PY, "-m", "ckpt_cli.main", "convert", str(ck), str(scratch / "ckpt"), "--to", "dcp",
-                                  "--json"],
-        "ckpt convert --to dcp --distributed (2 ranks)": torchrun(2, "-m", "ckpt_cli.main", "convert", str(ck),
-                                                                  str(scratch / "ckpt_d"), "--to", "dcp",
-                                                                  "--distributed", "--json"),
-        "load in DeepSpeed + dcp.save": torchrun(dp, str(Path(__file__).resolve()), "--baseline-worker", "--ckpt",
-                                                 str(ck), "--out", str(scratch / "baseline")),
+        "ckpt convert --to dcp": [
+            PY,
+            "-m",
+            "ckpt_cli.main",
+            "convert",
+            str(ck),
+            str(scratch / "ckpt"),
+            "--to",
+            "dcp",
+            "--json",
+        ],
+        "ckpt convert --to dcp --distributed (2 ranks)": torchrun(
+            2,
+            "-m",
+            "ckpt_cli.main",
+            "convert",
+            str(ck),
+            str(scratch / "ckpt_d"),
+            "--to",
+            "dcp",
+            "--distributed",
+            "--json",
+        ),
+        "load in DeepSpeed + dcp.save": torchrun(
+            dp,
+            str(Path(__file__).resolve()),
+            "--baseline-worker",
+            "--ckpt",
+            str(ck),
+            "--out",
+            str(scratch / "baseline"),
+        ),
     }
     results = {}
     kept = None
     for name, cmd in runs.items():
         m = run_measured(cmd, cwd=REPO_ROOT, env=env)
         out_dir = Path(cmd[-1] if cmd[0] == "cp" else next(a for a in cmd if a.startswith(str(scratch))))
-        results[name] = {"wall_s": round(m.wall_s, 2), "cpu_s": round(m.cpu_s, 2), "peak_rss_bytes": m.peak_rss_bytes,
-                         "output_bytes": dir_bytes(out_dir)}
-        print(f"{name:48s} {results[name]['wall_s']:8.2f} s  {fmt_bytes(results[name]['peak_rss_bytes']):>10s}  "
-              f"out {fmt_bytes(results[name]['output_bytes'])}", flush=True)
+        results[name] = {
+            "wall_s": round(m.wall_s, 2),
+            "cpu_s": round(m.cpu_s, 2),
+            "peak_rss_bytes": m.peak_rss_bytes,
+            "output_bytes": dir_bytes(out_dir),
+        }
+        print(
+            f"{name:48s} {results[name]['wall_s']:8.2f} s  {fmt_bytes(results[name]['peak_rss_bytes']):>10s}  "
+            f"out {fmt_bytes(results[name]['output_bytes'])}",
+            flush=True,
+        )
         if name == "ckpt convert --to dcp":
             kept = out_dir  # compared with the baseline's output below
             continue
@@ -145,10 +196,16 @@ def main() -> None:
         shutil.rmtree(out_dir, ignore_errors=True)
     shutil.rmtree(scratch, ignore_errors=True)
     r = results
-    doc = {"checkpoint": str(ck), "checkpoint_bytes": dir_bytes(ck), "machine": machine_info(), "results": r,
-           "speedup_vs_load_save": r["load in DeepSpeed + dcp.save"]["wall_s"] / r["ckpt convert --to dcp"]["wall_s"],
-           "rss_ratio_vs_load_save": (r["ckpt convert --to dcp"]["peak_rss_bytes"]
-                                      / r["load in DeepSpeed + dcp.save"]["peak_rss_bytes"])}
+    doc = {
+        "checkpoint": str(ck),
+        "checkpoint_bytes": dir_bytes(ck),
+        "machine": machine_info(),
+        "results": r,
+        "speedup_vs_load_save": r["load in DeepSpeed + dcp.save"]["wall_s"] / r["ckpt convert --to dcp"]["wall_s"],
+        "rss_ratio_vs_load_save": (
+            r["ckpt convert --to dcp"]["peak_rss_bytes"] / r["load in DeepSpeed + dcp.save"]["peak_rss_bytes"]
+        ),
+    }
     (OUT_DIR / args.results).write_text(json.dumps(doc, indent=1))
     print(json.dumps({k: v for k, v in doc.items() if k not in ("results", "machine")}, indent=1))
 

@@ -20,6 +20,7 @@ runs interleaved, medians of `--repeat`:
   time, and the bytes and GET requests `ckpt` reports fetching. moto serves ranged GETs one at a time and reads
   the whole object for each: its wall times are not a network's; bytes and requests are the figures to carry over.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,14 +35,29 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import (OUT_DIR, REPO_ROOT, ckpt_command, cpu_busy_fraction, dir_bytes, fmt_bytes,  # noqa: E402
-                   machine_info, precompile, run_measured, summarize)
+from _util import (
+    OUT_DIR,
+    REPO_ROOT,
+    ckpt_command,
+    cpu_busy_fraction,
+    dir_bytes,
+    fmt_bytes,  # noqa: E402
+    machine_info,
+    precompile,
+    run_measured,
+    summarize,
+)
 
 #: name -> (parameters, processes, each parameter's shape); the per-item fit takes the one-process 16 x 8 ones
-CHECKPOINTS = {"dcp_10k": (2500, 1, (16, 8)), "dcp_100k": (25000, 1, (16, 8)), "dcp_120k": (30000, 1, (16, 8)),
-               "dcp_10k_2p": (1430, 2, (16, 8)), "dcp_wide": (500, 1, (64, 512))}
+CHECKPOINTS = {
+    "dcp_10k": (2500, 1, (16, 8)),
+    "dcp_100k": (25000, 1, (16, 8)),
+    "dcp_120k": (30000, 1, (16, 8)),
+    "dcp_10k_2p": (1430, 2, (16, 8)),
+    "dcp_wide": (500, 1, (64, 512)),
+}
 
-TORCH_READ = r'''
+TORCH_READ = r"""
 import json, sys, time
 t0 = time.perf_counter()
 from torch.distributed.checkpoint import FileSystemReader
@@ -50,7 +66,7 @@ md = FileSystemReader(sys.argv[1]).read_metadata()
 t2 = time.perf_counter()
 print(json.dumps({"import_s": t1 - t0, "read_s": t2 - t1, "keys": len(md.state_dict_metadata),
                   "items": len(md.storage_data)}))
-'''
+"""
 S3_KEYS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
@@ -68,8 +84,12 @@ def _moto(work: Path):
         port = s.getsockname()[1]
     log = work / "moto.log"
     with open(log, "wb") as out:
-        server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                  stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, **S3_KEYS))
+        server = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, **S3_KEYS),
+        )
     for _ in range(300):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
@@ -106,8 +126,9 @@ def main() -> None:
         env.update(S3_KEYS, AWS_ENDPOINT_URL=endpoint)
         import s3fs
 
-        fs = s3fs.S3FileSystem(key="bench", secret="bench", client_kwargs={"endpoint_url": endpoint},
-                               skip_instance_cache=True)
+        fs = s3fs.S3FileSystem(
+            key="bench", secret="bench", client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True
+        )
         fs.mkdir("bench")
         for name in names:
             fs.put(str(OUT_DIR / name), f"bench/{name}", recursive=True)
@@ -128,9 +149,11 @@ def main() -> None:
                 out = work / "out.json"
                 runs[label].append(run_measured(cmd, env=env, cwd=REPO_ROOT, stdout_path=out))
                 text = out.read_text()
-                outputs[label].append(json.loads(text) if "torch" in label else
-                                      {"items": json.loads(text)["details"]["items"],
-                                       "remote": json.loads(text).get("remote")})
+                outputs[label].append(
+                    json.loads(text)
+                    if "torch" in label
+                    else {"items": json.loads(text)["details"]["items"], "remote": json.loads(text).get("remote")}
+                )
     finally:
         if server is not None:
             server.terminate()
@@ -147,24 +170,38 @@ def main() -> None:
         if shown != keys:
             raise SystemExit(f"{name}: ckpt inspect reports {shown} items, torch's .metadata holds {keys} keys")
         read_s = statistics.median(o["read_s"] for o in told)
-        entry = {"path": str(OUT_DIR / name), "bytes": dir_bytes(OUT_DIR / name), "keys": keys, "items": items,
-                 "processes": CHECKPOINTS[name][1], "shape": CHECKPOINTS[name][2], "ckpt_inspect": mine.to_dict(),
-                 "torch_read_metadata": torch_.to_dict(), "torch_read_metadata_in_process_s": read_s,
-                 "torch_import_s": statistics.median(o["import_s"] for o in told)}
-        print(f"{name:12s} {items:8,d} {'ckpt inspect --json':28s} {mine.wall_s_median:8.3f} {mine.cpu_s_median:7.2f} "
-              f"{fmt_bytes(mine.peak_rss_bytes_median):>10s}  torch whole / this "
-              f"{torch_.wall_s_median / mine.wall_s_median:.2f}x")
-        print(f"{'':12s} {'':8s} {'torch read_metadata process':28s} {torch_.wall_s_median:8.3f} "
-              f"{torch_.cpu_s_median:7.2f} {fmt_bytes(torch_.peak_rss_bytes_median):>10s}  the call alone "
-              f"{read_s:.3f} s (import {entry['torch_import_s']:.2f} s)")
+        entry = {
+            "path": str(OUT_DIR / name),
+            "bytes": dir_bytes(OUT_DIR / name),
+            "keys": keys,
+            "items": items,
+            "processes": CHECKPOINTS[name][1],
+            "shape": CHECKPOINTS[name][2],
+            "ckpt_inspect": mine.to_dict(),
+            "torch_read_metadata": torch_.to_dict(),
+            "torch_read_metadata_in_process_s": read_s,
+            "torch_import_s": statistics.median(o["import_s"] for o in told),
+        }
+        print(
+            f"{name:12s} {items:8,d} {'ckpt inspect --json':28s} {mine.wall_s_median:8.3f} {mine.cpu_s_median:7.2f} "
+            f"{fmt_bytes(mine.peak_rss_bytes_median):>10s}  torch whole / this "
+            f"{torch_.wall_s_median / mine.wall_s_median:.2f}x"
+        )
+        print(
+            f"{'':12s} {'':8s} {'torch read_metadata process':28s} {torch_.wall_s_median:8.3f} "
+            f"{torch_.cpu_s_median:7.2f} {fmt_bytes(torch_.peak_rss_bytes_median):>10s}  the call alone "
+            f"{read_s:.3f} s (import {entry['torch_import_s']:.2f} s)"
+        )
         if a.s3:
             s3 = summarize(runs[f"{name}: ckpt inspect s3:// --json"])
             cost = outputs[f"{name}: ckpt inspect s3:// --json"][-1]["remote"]
             entry["ckpt_inspect_s3"] = {**s3.to_dict(), "remote": cost}
-            print(f"{'':12s} {'':8s} {'ckpt inspect s3:// --json':28s} {s3.wall_s_median:8.3f} {s3.cpu_s_median:7.2f} "
-                  f"{fmt_bytes(s3.peak_rss_bytes_median):>10s}  fetched {cost['bytes_fetched']:,} of "
-                  f"{entry['bytes']:,} bytes ({100 * cost['bytes_fetched'] / entry['bytes']:.1f} %), "
-                  f"{cost['get_requests']} GET + {cost['list_requests']} LIST requests")
+            print(
+                f"{'':12s} {'':8s} {'ckpt inspect s3:// --json':28s} {s3.wall_s_median:8.3f} {s3.cpu_s_median:7.2f} "
+                f"{fmt_bytes(s3.peak_rss_bytes_median):>10s}  fetched {cost['bytes_fetched']:,} of "
+                f"{entry['bytes']:,} bytes ({100 * cost['bytes_fetched'] / entry['bytes']:.1f} %), "
+                f"{cost['get_requests']} GET + {cost['list_requests']} LIST requests"
+            )
         result["checkpoints"][name] = entry
         if entry["processes"] == 1 and entry["shape"] == (16, 8):
             points["ckpt"].append((items, mine.wall_s_median))
@@ -174,9 +211,11 @@ def main() -> None:
     if len(points["ckpt"]) >= 2:
         fit = {k: _slope(v) * 1e6 for k, v in points.items()}
         result["per_item_us"] = fit
-        print(f"per item (least squares over the one-process checkpoints): ckpt inspect {fit['ckpt']:.1f} us wall "
-              f"({fit['ckpt_cpu']:.1f} us CPU), torch read_metadata {fit['torch']:.1f} us whole process / "
-              f"{fit['torch_read']:.1f} us the call alone")
+        print(
+            f"per item (least squares over the one-process checkpoints): ckpt inspect {fit['ckpt']:.1f} us wall "
+            f"({fit['ckpt_cpu']:.1f} us CPU), torch read_metadata {fit['torch']:.1f} us whole process / "
+            f"{fit['torch_read']:.1f} us the call alone"
+        )
     print("CPU busy before the runs: " + " ".join("-" if b is None else f"{100 * b:.0f}%" for b in busy))
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     (OUT_DIR / "dcp_results.json").write_text(json.dumps(result, indent=1, default=str))

@@ -32,6 +32,7 @@ each run (needs root and a writable /proc/sys/vm/drop_caches; the script says wh
 warm only). Cold means everything is cold: the checkpoint files *and* Python's own modules (torch,
 typer, rich), which is what the first command after a reboot or on a fresh node sees.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,9 +42,20 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._util import (OUT_DIR, REPO_ROOT, cpu_busy_fraction, dir_bytes, drop_caches,  # noqa: E402
-                         fmt_bytes, machine_info, precompile, run_measured, summarize, wait_for_idle,
-                         ckpt_command)
+from bench._util import (
+    OUT_DIR,
+    REPO_ROOT,
+    cpu_busy_fraction,
+    dir_bytes,
+    drop_caches,  # noqa: E402
+    fmt_bytes,
+    machine_info,
+    precompile,
+    run_measured,
+    summarize,
+    wait_for_idle,
+    ckpt_command,
+)
 
 DEFAULT_CKPTS = ("zero2_200m", "zero2_2g")
 TARGET_S = 0.4  # the issue's target for the whole `ckpt inspect` process at 18.4k tensors
@@ -51,7 +63,7 @@ PER_TENSOR_TARGET_US = 15.0
 
 # Megatron-DeepSpeed tools/inspect_checkpoint.py, looped over the tag folder's files. Kept verbatim in
 # spirit: type() checks, not isinstance (so OrderedDict/argparse etc. fall to "[other]" and get str()'d).
-REFERENCE = r'''
+REFERENCE = r"""
 import os, sys
 from collections import OrderedDict
 import torch
@@ -78,7 +90,7 @@ for name in sorted(os.listdir(tag_dir)):
         sd = torch.load(ckpt_file, map_location=torch.device('cpu'), weights_only=False)
         dump_data(sd)
         del sd
-'''
+"""
 
 
 def tag_dir(ckpt: Path) -> Path:
@@ -106,7 +118,9 @@ def check_json(out_file: Path, ckpt: Path) -> dict:
         got = (doc["parameters"]["count"], doc["parameters"]["tensors"], doc["counters"]["global_step"])
         want = (m["parameters"]["count"], m["parameters"]["tensors"], m["counters"]["global_step"])
         if got != want:
-            raise RuntimeError(f"ckpt inspect --json on {ckpt}: (params, tensors, global_step) {got} != manifest {want}")
+            raise RuntimeError(
+                f"ckpt inspect --json on {ckpt}: (params, tensors, global_step) {got} != manifest {want}"
+            )
     return doc
 
 
@@ -134,14 +148,26 @@ def run(ckpts: list[Path], *, repeat: int, modes: list[str], wait_idle_s: float)
                     doc = check_json(out, ck)
                     shape[ck] = (doc["parameters"]["tensors"], len(doc["files"]))
                 runs[(ck, name)].append(m)
-                print(f"  {mode} run {i + 1}/{repeat} {ck.name:<12} {name:<30} {m.wall_s:7.3f} s wall "
-                      f"{m.cpu_s:7.3f} s cpu {fmt_bytes(m.peak_rss_bytes):>10}  (CPUs {_pct(b)} busy before)",
-                      file=sys.stderr)
+                print(
+                    f"  {mode} run {i + 1}/{repeat} {ck.name:<12} {name:<30} {m.wall_s:7.3f} s wall "
+                    f"{m.cpu_s:7.3f} s cpu {fmt_bytes(m.peak_rss_bytes):>10}  (CPUs {_pct(b)} busy before)",
+                    file=sys.stderr,
+                )
         for (ck, name), ms in runs.items():
-            rows.append({"checkpoint": ck.name, "path": str(ck), "bytes": dir_bytes(tag_dir(ck)), "cache": mode,
-                         "tensors": shape[ck][0], "files": shape[ck][1],
-                         "tool": name, "cmd": commands(ck)[name], "cpu_busy_before": busy[(ck, name)],
-                         **summarize(ms).to_dict()})
+            rows.append(
+                {
+                    "checkpoint": ck.name,
+                    "path": str(ck),
+                    "bytes": dir_bytes(tag_dir(ck)),
+                    "cache": mode,
+                    "tensors": shape[ck][0],
+                    "files": shape[ck][1],
+                    "tool": name,
+                    "cmd": commands(ck)[name],
+                    "cpu_busy_before": busy[(ck, name)],
+                    **summarize(ms).to_dict(),
+                }
+            )
     return rows
 
 
@@ -155,9 +181,15 @@ def ratios(rows: list[dict]) -> list[dict]:
             continue
         for mine in ("ckpt inspect --json", "ckpt inspect"):
             c = by[(ck, mode, mine)]
-            out.append({"checkpoint": ck, "cache": mode, "vs": mine,
-                        "wall_ratio": r["wall_s_median"] / c["wall_s_median"],
-                        "rss_ratio": r["peak_rss_bytes_median"] / c["peak_rss_bytes_median"]})
+            out.append(
+                {
+                    "checkpoint": ck,
+                    "cache": mode,
+                    "vs": mine,
+                    "wall_ratio": r["wall_s_median"] / c["wall_s_median"],
+                    "rss_ratio": r["peak_rss_bytes_median"] / c["peak_rss_bytes_median"],
+                }
+            )
     return out
 
 
@@ -168,9 +200,15 @@ def flatness(rows: list[dict]) -> list[dict]:
             rs = sorted((r for r in rows if r["cache"] == mode and r["tool"] == tool), key=lambda r: r["bytes"])
             if len(rs) >= 2:
                 lo, hi = rs[0], rs[-1]
-                out.append({"cache": mode, "tool": tool, "bytes_ratio": hi["bytes"] / lo["bytes"],
-                            "wall_ratio": hi["wall_s_median"] / lo["wall_s_median"],
-                            "rss_ratio": hi["peak_rss_bytes_median"] / lo["peak_rss_bytes_median"]})
+                out.append(
+                    {
+                        "cache": mode,
+                        "tool": tool,
+                        "bytes_ratio": hi["bytes"] / lo["bytes"],
+                        "wall_ratio": hi["wall_s_median"] / lo["wall_s_median"],
+                        "rss_ratio": hi["peak_rss_bytes_median"] / lo["peak_rss_bytes_median"],
+                    }
+                )
     return out
 
 
@@ -190,9 +228,18 @@ def per_tensor(rows: list[dict], series: str) -> list[dict]:
                 mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
                 slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
                 fit[key] = (slope * 1e6, my - slope * mx)
-            out.append({"cache": mode, "tool": tool, "checkpoints": [r["checkpoint"] for r in rs], "tensors": xs,
-                        "us_per_tensor_wall": fit["wall_s_median"][0], "intercept_s_wall": fit["wall_s_median"][1],
-                        "us_per_tensor_cpu": fit["cpu_s_median"][0], "intercept_s_cpu": fit["cpu_s_median"][1]})
+            out.append(
+                {
+                    "cache": mode,
+                    "tool": tool,
+                    "checkpoints": [r["checkpoint"] for r in rs],
+                    "tensors": xs,
+                    "us_per_tensor_wall": fit["wall_s_median"][0],
+                    "intercept_s_wall": fit["wall_s_median"][1],
+                    "us_per_tensor_cpu": fit["cpu_s_median"][0],
+                    "intercept_s_cpu": fit["cpu_s_median"][1],
+                }
+            )
     return out
 
 
@@ -206,8 +253,19 @@ def print_table(rows: list[dict], rat: list[dict], flat: list[dict], repeat: int
 
     con = Console(highlight=False, width=max(150, shutil.get_terminal_size().columns))
     t = Table(title=f"whole process, spawn to exit: median of {repeat} runs", show_edge=False)
-    for col in ("checkpoint", "tensors", "files", "cache", "command", "wall s", "min-max", "cpu s", "peak RSS",
-                "ref/this wall", "busy"):
+    for col in (
+        "checkpoint",
+        "tensors",
+        "files",
+        "cache",
+        "command",
+        "wall s",
+        "min-max",
+        "cpu s",
+        "peak RSS",
+        "ref/this wall",
+        "busy",
+    ):
         t.add_column(col, justify="left" if col in ("checkpoint", "cache", "command") else "right")
     ref = {(r["checkpoint"], r["cache"]): r for r in rows if r["tool"] == "reference (torch.load + walk)"}
     for r in rows:
@@ -216,31 +274,46 @@ def print_table(rows: list[dict], rat: list[dict], flat: list[dict], repeat: int
         if r["tool"].startswith("ckpt"):
             wall = f"[{'green' if r['wall_s_median'] <= TARGET_S else 'red'}]{wall}[/]"
         busy = [b for b in r["cpu_busy_before"] if b is not None]
-        t.add_row(f"{r['checkpoint']} ({fmt_bytes(r['bytes'])})", f"{r['tensors']:,}", str(r["files"]), r["cache"],
-                  r["tool"], wall,
-                  f"{r['wall_s_min']:.3f}-{r['wall_s_max']:.3f}", f"{r['cpu_s_median']:.3f}",
-                  fmt_bytes(r["peak_rss_bytes_median"]),
-                  "" if r is rr else f"{rr['wall_s_median'] / r['wall_s_median']:.1f}x",
-                  _pct(max(busy)) if busy else "?")
+        t.add_row(
+            f"{r['checkpoint']} ({fmt_bytes(r['bytes'])})",
+            f"{r['tensors']:,}",
+            str(r["files"]),
+            r["cache"],
+            r["tool"],
+            wall,
+            f"{r['wall_s_min']:.3f}-{r['wall_s_max']:.3f}",
+            f"{r['cpu_s_median']:.3f}",
+            fmt_bytes(r["peak_rss_bytes_median"]),
+            "" if r is rr else f"{rr['wall_s_median'] / r['wall_s_median']:.1f}x",
+            _pct(max(busy)) if busy else "?",
+        )
     con.print(t)
-    con.print("[dim]busy: the highest CPU load seen just before a run (other jobs on the machine); "
-              f"green/red: within/over the {TARGET_S} s target[/]")
+    con.print(
+        "[dim]busy: the highest CPU load seen just before a run (other jobs on the machine); "
+        f"green/red: within/over the {TARGET_S} s target[/]"
+    )
     for f in flat:
-        con.print(f"{f['cache']:>4} {f['tool']:<30} largest/smallest checkpoint: bytes x{f['bytes_ratio']:.1f} -> "
-                  f"wall x{f['wall_ratio']:.2f}, RSS x{f['rss_ratio']:.2f}")
+        con.print(
+            f"{f['cache']:>4} {f['tool']:<30} largest/smallest checkpoint: bytes x{f['bytes_ratio']:.1f} -> "
+            f"wall x{f['wall_ratio']:.2f}, RSS x{f['rss_ratio']:.2f}"
+        )
     for r in rat:
-        con.print(f"{r['cache']:>4} {r['checkpoint']:<12} reference / {r['vs']:<20} wall {r['wall_ratio']:6.1f}x  "
-                  f"RSS {r['rss_ratio']:6.1f}x")
+        con.print(
+            f"{r['cache']:>4} {r['checkpoint']:<12} reference / {r['vs']:<20} wall {r['wall_ratio']:6.1f}x  "
+            f"RSS {r['rss_ratio']:6.1f}x"
+        )
     for f in fits:
         ok = f["us_per_tensor_wall"] <= PER_TENSOR_TARGET_US
-        con.print(f"{f['cache']:>4} {f['tool']:<30} per tensor ({', '.join(f['checkpoints'])}): "
-                  f"[{'green' if ok or not f['tool'].startswith('ckpt') else 'red'}]{f['us_per_tensor_wall']:.1f} us[/] "
-                  f"wall, {f['us_per_tensor_cpu']:.1f} us CPU (intercept {f['intercept_s_wall']:.3f} s)")
+        con.print(
+            f"{f['cache']:>4} {f['tool']:<30} per tensor ({', '.join(f['checkpoints'])}): "
+            f"[{'green' if ok or not f['tool'].startswith('ckpt') else 'red'}]{f['us_per_tensor_wall']:.1f} us[/] "
+            f"wall, {f['us_per_tensor_cpu']:.1f} us CPU (intercept {f['intercept_s_wall']:.3f} s)"
+        )
 
 
 # Where the time of `ckpt inspect --json` goes, phase by phase, inside one process (the interpreter's own
 # start is `python -c pass` in the main table). Each phase is timed once, in the order the CLI runs them.
-PHASES = r'''
+PHASES = r"""
 import io, json, sys, time
 t = [time.perf_counter()]
 def lap(): t.append(time.perf_counter())
@@ -258,7 +331,7 @@ names = ["import ckpt_cli.main", "parse options", "open_checkpoint", "summary + 
          "import rich Console", "render human tree"]
 print(json.dumps({"phases": dict(zip(names, (b - a for a, b in zip(t, t[1:])))), "json_bytes": len(s1),
                   "tree_lines": len(lines)}))
-'''
+"""
 
 
 def phases(ckpts: list[Path], repeat: int) -> dict:
@@ -272,8 +345,11 @@ def phases(ckpts: list[Path], repeat: int) -> dict:
             f = OUT_DIR / "inspect_phases.txt"
             run_measured([sys.executable, "-c", PHASES, str(ck)], cwd=REPO_ROOT, stdout_path=f)
             docs.append(json.loads(f.read_text()))
-        out[ck.name] = {"phases_s": {k: statistics.median(d["phases"][k] for d in docs) for k in docs[0]["phases"]},
-                        "json_bytes": docs[0]["json_bytes"], "tree_lines": docs[0]["tree_lines"]}
+        out[ck.name] = {
+            "phases_s": {k: statistics.median(d["phases"][k] for d in docs) for k in docs[0]["phases"]},
+            "json_bytes": docs[0]["json_bytes"],
+            "tree_lines": docs[0]["tree_lines"],
+        }
     return out
 
 
@@ -289,12 +365,21 @@ def print_phases(ph: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="ckpt inspect vs torch.load-and-walk, whole processes, one run.")
-    p.add_argument("--ckpt", type=Path, action="append",
-                   help=f"checkpoint folder (repeatable; default: bench/out/{{{','.join(DEFAULT_CKPTS)}}})")
+    p.add_argument(
+        "--ckpt",
+        type=Path,
+        action="append",
+        help=f"checkpoint folder (repeatable; default: bench/out/{{{','.join(DEFAULT_CKPTS)}}})",
+    )
     p.add_argument("--repeat", "-n", type=int, default=3, help="runs per command and cache state (median)")
     p.add_argument("--no-cold", action="store_true", help="skip the cold-cache runs even if caches can be dropped")
-    p.add_argument("--wait-idle", type=float, default=20.0, metavar="S",
-                   help="before each run, wait up to S seconds for the CPUs to be < 20%% busy (0: don't)")
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=20.0,
+        metavar="S",
+        help="before each run, wait up to S seconds for the CPUs to be < 20%% busy (0: don't)",
+    )
     p.add_argument("--no-phases", action="store_true", help="skip the in-process phase breakdown")
     p.add_argument("--results", type=Path, default=OUT_DIR / "inspect_results.json")
     p.add_argument("--series", default="L", help="name prefix of the tensor-count series checkpoints (default L)")
@@ -303,26 +388,44 @@ def main(argv: list[str] | None = None) -> None:
     ckpts = [c.resolve() for c in (args.ckpt or [OUT_DIR / n for n in DEFAULT_CKPTS])]
     missing = [c for c in ckpts if not tag_dir(c).is_dir()]
     if missing:
-        p.error(f"no checkpoint at {', '.join(map(str, missing))}: make it with bench/make_big_zero.py "
-                "(see bench/README.md)")
+        p.error(
+            f"no checkpoint at {', '.join(map(str, missing))}: make it with bench/make_big_zero.py "
+            "(see bench/README.md)"
+        )
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     can_drop = drop_caches()
     modes = ["warm"] + (["cold"] if can_drop and not args.no_cold else [])
     if not can_drop:
-        print("cannot drop the page cache here (needs root and a writable /proc/sys/vm/drop_caches): warm only",
-              file=sys.stderr)
+        print(
+            "cannot drop the page cache here (needs root and a writable /proc/sys/vm/drop_caches): warm only",
+            file=sys.stderr,
+        )
     precompile()
     busy_start = cpu_busy_fraction(1.0)
     rows = run(ckpts, repeat=args.repeat, modes=modes, wait_idle_s=args.wait_idle)
     ph = {} if args.no_phases else phases(ckpts, args.repeat)
     rat, flat, fits = ratios(rows), flatness(rows), per_tensor(rows, args.series)
-    args.results.write_text(json.dumps({
-        "benchmark": "inspect", "machine": machine_info(), "repeat": args.repeat, "target_s": TARGET_S,
-        "drop_caches_works": can_drop, "modes": modes, "cpu_busy_at_start": busy_start,
-        "cpu_busy_at_end": cpu_busy_fraction(1.0), "results": rows, "ratios": rat, "flatness": flat,
-        "per_tensor": fits,
-        "phases_warm": ph,
-    }, indent=1) + "\n")
+    args.results.write_text(
+        json.dumps(
+            {
+                "benchmark": "inspect",
+                "machine": machine_info(),
+                "repeat": args.repeat,
+                "target_s": TARGET_S,
+                "drop_caches_works": can_drop,
+                "modes": modes,
+                "cpu_busy_at_start": busy_start,
+                "cpu_busy_at_end": cpu_busy_fraction(1.0),
+                "results": rows,
+                "ratios": rat,
+                "flatness": flat,
+                "per_tensor": fits,
+                "phases_warm": ph,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print_table(rows, rat, flat, args.repeat, fits)
     if ph:
         print_phases(ph)

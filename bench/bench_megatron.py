@@ -15,6 +15,7 @@ interleaved, medians of `--repeat`:
 - torch_dist: `ckpt inspect RUN --json` vs Megatron-LM's own `tools/checkpoint/checkpoint_inspector.py inspect
   ITER_DIR` (it reads the DCP metadata and prints every key; run with the checkout on PYTHONPATH).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,23 +26,46 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._util import (OUT_DIR, REPO_ROOT, ckpt_command, machine_info, precompile, report,  # noqa: E402
-                         run_measured)
+from bench._util import (
+    OUT_DIR,
+    REPO_ROOT,
+    ckpt_command,
+    machine_info,
+    precompile,
+    report,  # noqa: E402
+    run_measured,
+)
 
-TORCH_LOAD = r'''
+TORCH_LOAD = r"""
 import sys, torch
 for f in sys.argv[1:]:
     obj = torch.load(f, map_location="cpu", weights_only=False)
     print(f, len(obj["model"]), flush=True)
-'''
+"""
 
 
 def make(layers: int, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for sample in ("megatron_tp2_legacy", "megatron_tp2_torch_dist"):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(29600 + layers % 50 + (sample.endswith("dist"))), "-m",
-               "ckpt_tools.samples.workers.megatron_lm", "--sample", sample, "--out", str(out), "--num-layers", str(layers)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(29600 + layers % 50 + (sample.endswith("dist"))),
+            "-m",
+            "ckpt_tools.samples.workers.megatron_lm",
+            "--sample",
+            sample,
+            "--out",
+            str(out),
+            "--num-layers",
+            str(layers),
+        ]
         env = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
         subprocess.run(cmd, check=True, cwd=REPO_ROOT, env=env)
 
@@ -76,7 +100,11 @@ def main() -> None:
     env = dict(os.environ)
     if megatron:
         cmds["Megatron checkpoint_inspector.py inspect (torch_dist)"] = [
-            sys.executable, str(Path(megatron) / "tools" / "checkpoint" / "checkpoint_inspector.py"), "inspect", str(it)]
+            sys.executable,
+            str(Path(megatron) / "tools" / "checkpoint" / "checkpoint_inspector.py"),
+            "inspect",
+            str(it),
+        ]
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(megatron), env.get("PYTHONPATH")]))
     runs: dict[str, list] = {k: [] for k in cmds}
     for _ in range(a.repeat):

@@ -29,6 +29,7 @@ before the next run writes them again:
 Then (untimed) `ckpt diff --logical` of the two outputs (every tensor by its logical name, bit-exact), and of ckpt's
 output against the source.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,21 +40,35 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._util import (OUT_DIR, REPO_ROOT, ckpt_command, cpu_busy_fraction, machine_info, precompile,  # noqa: E402
-                         report_against, run_measured)
+from bench._util import (
+    OUT_DIR,
+    REPO_ROOT,
+    ckpt_command,
+    cpu_busy_fraction,
+    machine_info,
+    precompile,  # noqa: E402
+    report_against,
+    run_measured,
+)
 from bench.bench_megatron import arguments  # noqa: E402
 
 #: --to: (source sample, `ckpt convert` flags, Megatron's --ckpt-convert-format, the format word in the row names)
-DIRECTIONS = {"torch_dist": ("megatron_tp2_legacy", ["--to", "megatron"], "torch_dist"),
-              "torch": ("megatron_tp2_torch_dist", ["--to", "megatron", "--ckpt-format", "torch"], "torch")}
+DIRECTIONS = {
+    "torch_dist": ("megatron_tp2_legacy", ["--to", "megatron"], "torch_dist"),
+    "torch": ("megatron_tp2_torch_dist", ["--to", "megatron", "--ckpt-format", "torch"], "torch"),
+}
 
 
 def main() -> None:
     import argparse
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--to", choices=sorted(DIRECTIONS), default="torch_dist",
-                    help="torch_dist: the legacy run -> torch_dist; torch: the torch_dist run -> legacy (same TP)")
+    ap.add_argument(
+        "--to",
+        choices=sorted(DIRECTIONS),
+        default="torch_dist",
+        help="torch_dist: the legacy run -> torch_dist; torch: the torch_dist run -> legacy (same TP)",
+    )
     a, src = arguments(ap)
     megatron = os.environ.get("MEGATRON_LM_DIR")
     if not megatron:
@@ -71,10 +86,22 @@ def main() -> None:
     ck = ckpt_command()
     cmds = {
         ckpt_row: (ck + ["convert", str(source), str(ours), *flags], ours),
-        megatron_row: (ck + ["resume", str(source), "--device", "cpu", "--megatron-args",
-                             f"--ckpt-convert-format {fmt} --ckpt-convert-save {theirs}"], theirs),
+        megatron_row: (
+            ck
+            + [
+                "resume",
+                str(source),
+                "--device",
+                "cpu",
+                "--megatron-args",
+                f"--ckpt-convert-format {fmt} --ckpt-convert-save {theirs}",
+            ],
+            theirs,
+        ),
         "floor: import_megatron() alone": (
-            [sys.executable, "-c", "from ckpt_tools.samples.workers import megatron_lm as w; w.import_megatron()"], None),
+            [sys.executable, "-c", "from ckpt_tools.samples.workers import megatron_lm as w; w.import_megatron()"],
+            None,
+        ),
     }
     env = dict(os.environ, MEGATRON_LM_DIR=megatron)
     runs: dict[str, list] = {k: [] for k in cmds}
@@ -90,14 +117,29 @@ def main() -> None:
             runs[name].append(m)
     compare = {}
     for label, (x, y) in {"ckpt vs Megatron": (ours, theirs / fmt), "ckpt vs source": (source, ours)}.items():
-        p = subprocess.run(ck + ["diff", "--logical", str(x), str(y)], capture_output=True, text=True, env=env,
-                           cwd=REPO_ROOT)
+        p = subprocess.run(
+            ck + ["diff", "--logical", str(x), str(y)], capture_output=True, text=True, env=env, cwd=REPO_ROOT
+        )
         compare[label] = {"exit": p.returncode, "last_line": (p.stdout.strip().splitlines() or [""])[-1]}
-    sizes = {name: sum(f.stat().st_size for f in t.rglob("*") if f.is_file())
-             for name, (_, t) in cmds.items() if t is not None}
-    report_against(runs, megatron_row, "Megatron", f"megatron_convert_{fmt}_results.json",
-                   {"machine": machine_info(), "layers": a.layers, "checkpoint": str(source), "output_bytes": sizes,
-                    "comparison": compare}, busy)
+    sizes = {
+        name: sum(f.stat().st_size for f in t.rglob("*") if f.is_file())
+        for name, (_, t) in cmds.items()
+        if t is not None
+    }
+    report_against(
+        runs,
+        megatron_row,
+        "Megatron",
+        f"megatron_convert_{fmt}_results.json",
+        {
+            "machine": machine_info(),
+            "layers": a.layers,
+            "checkpoint": str(source),
+            "output_bytes": sizes,
+            "comparison": compare,
+        },
+        busy,
+    )
     print(json.dumps(compare, indent=1))
 
 

@@ -71,6 +71,7 @@ is edited:
   6. After `main` returns, the process exits 1 unless the save folder holds `latest_checkpointed_iteration.txt`:
      convert.py joins its saver but never checks the saver's exit code (a failed saver still exits 0).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,11 +83,19 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._util import (OUT_DIR, REPO_ROOT, ckpt_command, cpu_busy_fraction, machine_info,  # noqa: E402
-                         precompile, report_against, run_measured)
+from bench._util import (
+    OUT_DIR,
+    REPO_ROOT,
+    ckpt_command,
+    cpu_busy_fraction,
+    machine_info,  # noqa: E402
+    precompile,
+    report_against,
+    run_measured,
+)
 from bench.bench_megatron import TORCH_LOAD, arguments  # noqa: E402
 
-CONVERT = r'''
+CONVERT = r"""
 import os, runpy, sys
 load, save = sys.argv[1], sys.argv[2]
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
@@ -143,9 +152,9 @@ sys.argv = ["convert.py", "--model-type", "GPT", "--loader", "core", "--saver", 
 runpy.run_path(os.path.join(tools, "convert.py"), run_name="__main__")
 if not os.path.isfile(os.path.join(save, "latest_checkpointed_iteration.txt")):   # change 6
     sys.exit("convert.py wrote no checkpoint: its saver failed (convert.py does not check the saver's exit code)")
-'''
+"""
 
-COMPARE = r'''
+COMPARE = r"""
 import glob, json, sys, torch
 from safetensors.torch import load_file
 fp32, module, ref_dir = sys.argv[1:4]
@@ -168,7 +177,7 @@ out = {
     "megatron_file_bytes": __import__("os").path.getsize(ref_file),
 }
 print(json.dumps(out))
-'''
+"""
 
 
 def main() -> None:
@@ -197,7 +206,9 @@ def main() -> None:
         cmds["torch.load both rank files"] = ([sys.executable, "-c", TORCH_LOAD, *rank_files], None)
     # the reference's fixed cost: importing Megatron's training code with the CPU shims, converting nothing
     cmds["floor: import_megatron() alone"] = (
-        [sys.executable, "-c", "from ckpt_tools.samples.workers import megatron_lm as w; w.import_megatron()"], None)
+        [sys.executable, "-c", "from ckpt_tools.samples.workers import megatron_lm as w; w.import_megatron()"],
+        None,
+    )
     env = dict(os.environ, MEGATRON_LM_DIR=megatron)
     runs: dict[str, list] = {k: [] for k in cmds}
     busy: list[float | None] = []  # how busy the CPUs were just before each run (other jobs inflate wall times)
@@ -207,18 +218,40 @@ def main() -> None:
                 shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
             busy.append(cpu_busy_fraction())
             runs[name].append(run_measured(cmd, env=env, cwd=REPO_ROOT))
-    proc = subprocess.run([sys.executable, "-c", COMPARE, str(fp32), str(module), str(ref)], capture_output=True,
-                          text=True, env=env, cwd=REPO_ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", COMPARE, str(fp32), str(module), str(ref)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"comparison failed:\n{proc.stderr[-4000:]}")
     comparison = json.loads(proc.stdout.strip().splitlines()[-1])
-    sizes = {name: (target.stat().st_size if target.is_file() else
-                    sum(f.stat().st_size for f in target.rglob("*") if f.is_file()))
-             for name, (_, target) in cmds.items() if target is not None}
-    report_against(runs, "Megatron convert.py core->core TP2->TP1 (bf16)", "convert.py", "megatron_export_results.json",
-                   {"machine": machine_info(), "layers": a.layers, "checkpoint": str(legacy),
-                    "rank_file_bytes": [os.path.getsize(f) for f in rank_files], "output_bytes": sizes,
-                    "comparison": comparison}, busy)
+    sizes = {
+        name: (
+            target.stat().st_size
+            if target.is_file()
+            else sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
+        )
+        for name, (_, target) in cmds.items()
+        if target is not None
+    }
+    report_against(
+        runs,
+        "Megatron convert.py core->core TP2->TP1 (bf16)",
+        "convert.py",
+        "megatron_export_results.json",
+        {
+            "machine": machine_info(),
+            "layers": a.layers,
+            "checkpoint": str(legacy),
+            "rank_file_bytes": [os.path.getsize(f) for f in rank_files],
+            "output_bytes": sizes,
+            "comparison": comparison,
+        },
+        busy,
+    )
     print(json.dumps(comparison, indent=1))
 
 

@@ -19,6 +19,7 @@ The second checkpoints `diff` needs are made once under --scratch (kept for the 
 `ckpt set-lr --scale 0.5 --yes` applied, an identical `cp -r`, and `ckpt export` to fp32 safetensors.
 Results go to bench/out/memory_results.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,13 +30,21 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._util import (OUT_DIR, REPO_ROOT, cpu_busy_fraction, dir_bytes, fmt_bytes, machine_info,  # noqa: E402
-                         run_measured, summarize)
+from bench._util import (
+    OUT_DIR,
+    REPO_ROOT,
+    cpu_busy_fraction,
+    dir_bytes,
+    fmt_bytes,
+    machine_info,  # noqa: E402
+    run_measured,
+    summarize,
+)
 
 CLI = "from ckpt_cli.main import main; main()"
 
 # run in a child: this driver stays small, because a child's ru_maxrss starts at its parent's size
-LARGEST = r'''
+LARGEST = r"""
 import json, sys
 from ckpt_tools import open_checkpoint
 from ckpt_tools.read.pickle_reader import DTYPE_SIZE
@@ -54,7 +63,7 @@ for path, t in iter_tensors(ck.tree):
     for r in refs(t):
         stored = max(stored, (r.nbytes, f"{path} ({r.dtype} {list(r.shape)})"))
 print(json.dumps({"logical_bytes": logical[0], "logical": logical[1], "stored_bytes": stored[0], "stored": stored[1]}))
-'''
+"""
 
 
 def cli(*args) -> list[str]:
@@ -69,26 +78,40 @@ def prepare(ckpt: Path, scratch: Path) -> dict[str, Path]:
         if not out[name].exists():
             shutil.copytree(ckpt, out[name].with_suffix(".partial"))
             if name == "lr_halved":
-                subprocess.run(cli("set-lr", out[name].with_suffix(".partial"), "--scale", "0.5", "--yes"),
-                               cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL)
+                subprocess.run(
+                    cli("set-lr", out[name].with_suffix(".partial"), "--scale", "0.5", "--yes"),
+                    cwd=REPO_ROOT,
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                )
             out[name].with_suffix(".partial").rename(out[name])
     if not out["export"].exists():
-        subprocess.run(cli("export", ckpt, out["export"]), cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
+        subprocess.run(
+            cli("export", ckpt, out["export"]),
+            cwd=REPO_ROOT,
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     return out
 
 
 def largest(ckpt: Path) -> dict:
-    proc = subprocess.run([sys.executable, "-c", LARGEST, str(ckpt)], cwd=REPO_ROOT, check=True,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", LARGEST, str(ckpt)], cwd=REPO_ROOT, check=True, capture_output=True, text=True
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", type=Path, default=OUT_DIR / "zero2_2g")
-    ap.add_argument("--pipe", type=Path, default=OUT_DIR / "pipe_400m", help="TP x PP checkpoint for check-tp-sync "
-                    "(skipped if missing)")
+    ap.add_argument(
+        "--pipe",
+        type=Path,
+        default=OUT_DIR / "pipe_400m",
+        help="TP x PP checkpoint for check-tp-sync (skipped if missing)",
+    )
     ap.add_argument("--scratch", type=Path, default=Path("/tmp/ckpt_bench_memory"))
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
@@ -123,25 +146,45 @@ def main() -> None:
             runs[name].append(m)
     summaries = {k: summarize(v) for k, v in runs.items()}
     floor = summaries["floor: import ckpt_cli.main"].peak_rss_bytes_median
-    print(f"{a} ({fmt_bytes(dir_bytes(a))}); median of {args.repeat}, warm page cache; "
-          f"CPU busy before: {busy if busy is None else f'{busy:.0%}'}")
+    print(
+        f"{a} ({fmt_bytes(dir_bytes(a))}); median of {args.repeat}, warm page cache; "
+        f"CPU busy before: {busy if busy is None else f'{busy:.0%}'}"
+    )
     for p, s in sizes.items():
-        print(f"  largest tensor in {p}: stored {fmt_bytes(s['stored_bytes'])} ({s['stored']}), "
-              f"logical {fmt_bytes(s['logical_bytes'])} ({s['logical']})")
-    print(f"{'command':<38} {'wall s':>7} {'CPU s':>6} {'peak RSS':>10} {'RSS - floor':>11} "
-          f"{'largest stored':>14} {'largest logical':>15}")
+        print(
+            f"  largest tensor in {p}: stored {fmt_bytes(s['stored_bytes'])} ({s['stored']}), "
+            f"logical {fmt_bytes(s['logical_bytes'])} ({s['logical']})"
+        )
+    print(
+        f"{'command':<38} {'wall s':>7} {'CPU s':>6} {'peak RSS':>10} {'RSS - floor':>11} "
+        f"{'largest stored':>14} {'largest logical':>15}"
+    )
     rows = {}
     for name, s in summaries.items():
         size = sizes.get(commands[name][1])
         over = s.peak_rss_bytes_median - floor
-        print(f"{name:<38} {s.wall_s_median:>7.2f} {s.cpu_s_median:>6.2f} {fmt_bytes(s.peak_rss_bytes_median):>10} "
-              f"{fmt_bytes(over):>11} {fmt_bytes(size['stored_bytes']) if size else '':>14} "
-              f"{fmt_bytes(size['logical_bytes']) if size else '':>15}")
+        print(
+            f"{name:<38} {s.wall_s_median:>7.2f} {s.cpu_s_median:>6.2f} {fmt_bytes(s.peak_rss_bytes_median):>10} "
+            f"{fmt_bytes(over):>11} {fmt_bytes(size['stored_bytes']) if size else '':>14} "
+            f"{fmt_bytes(size['logical_bytes']) if size else '':>15}"
+        )
         cmd = commands[name][0]
-        rows[name] = {"command": cmd[3:] if cmd[1:3] == ["-c", CLI] else cmd[1:], "rss_minus_floor_bytes": over,
-                      "largest": size, **s.to_dict()}
-    result = {"checkpoint": str(a), "bytes": dir_bytes(a), "pipe": str(args.pipe), "repeat": args.repeat,
-              "cpu_busy": busy, "machine": machine_info(), "floor_rss_bytes": floor, "results": rows}
+        rows[name] = {
+            "command": cmd[3:] if cmd[1:3] == ["-c", CLI] else cmd[1:],
+            "rss_minus_floor_bytes": over,
+            "largest": size,
+            **s.to_dict(),
+        }
+    result = {
+        "checkpoint": str(a),
+        "bytes": dir_bytes(a),
+        "pipe": str(args.pipe),
+        "repeat": args.repeat,
+        "cpu_busy": busy,
+        "machine": machine_info(),
+        "floor_rss_bytes": floor,
+        "results": rows,
+    }
     (OUT_DIR / "memory_results.json").write_text(json.dumps(result, indent=1, default=str))
 
 

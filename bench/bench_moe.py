@@ -14,6 +14,7 @@ RSS; `_util.run_measured`), runs interleaved, medians of `--repeat`:
 - `ckpt export` (every expert's fp32 master to safetensors) vs DeepSpeed's own `zero_to_fp32`, which stops at the
   first expert file on MoE checkpoints (its exit status is recorded, not hidden).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,26 +25,51 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._util import (OUT_DIR, REPO_ROOT, ckpt_command, machine_info, precompile, report,  # noqa: E402
-                         run_measured)
+from bench._util import (
+    OUT_DIR,
+    REPO_ROOT,
+    ckpt_command,
+    machine_info,
+    precompile,
+    report,  # noqa: E402
+    run_measured,
+)
 
-TORCH_LOAD = r'''
+TORCH_LOAD = r"""
 import sys, torch
 n = 0
 for f in sys.argv[1:]:
     obj = torch.load(f, map_location="cpu", weights_only=False)
     n += 1
 print(n, "files", flush=True)
-'''
+"""
 
 
 def make(experts: int, layers: int, out: Path) -> None:
     from ckpt_tools.samples import free_port, worker_env
 
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "ckpt_tools.samples.workers.ds_moe", "--sample", "moe_zero2_bf16",
-           "--out", str(out), "--experts", str(experts), "--layers", str(layers)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "ckpt_tools.samples.workers.ds_moe",
+        "--sample",
+        "moe_zero2_bf16",
+        "--out",
+        str(out),
+        "--experts",
+        str(experts),
+        "--layers",
+        str(layers),
+    ]
     subprocess.run(cmd, check=True, cwd=REPO_ROOT, env=worker_env())
 
 
@@ -80,10 +106,18 @@ def main() -> None:
             runs[name].append(m)
             status[name] = m.returncode
     doc = json.loads(subprocess.run(ck + ["inspect", str(ckpt), "--json"], capture_output=True, text=True).stdout)
-    result = {"machine": machine_info(), "experts": a.experts, "moe_layers": a.layers,
-              "checkpoint": {"parameter_tensors": doc["parameters"]["tensors"], "parameters": doc["parameters"]["count"],
-                             "files": len(doc["files"]), "unread": doc["files_unread"]},
-              "exit_status": status}
+    result = {
+        "machine": machine_info(),
+        "experts": a.experts,
+        "moe_layers": a.layers,
+        "checkpoint": {
+            "parameter_tensors": doc["parameters"]["tensors"],
+            "parameters": doc["parameters"]["count"],
+            "files": len(doc["files"]),
+            "unread": doc["files_unread"],
+        },
+        "exit_status": status,
+    }
     report(runs, "moe_results.json", result, {n: f"exit {c}" for n, c in status.items()})
 
 

@@ -21,6 +21,7 @@ clients and the server: every chunk a client sends (an HTTP request's head arriv
 is passed on, so each request costs N ms more — what a store across a network adds, with loopback bandwidth.
 The upload before timing goes to the server directly.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -95,8 +96,9 @@ class DelayProxy:
 
 
 def _requests_logged(log: Path) -> int:
-    return sum(1 for line in log.read_text(errors="replace").splitlines() if '" 20' in line or '" 4' in line
-               or '" 5' in line)
+    return sum(
+        1 for line in log.read_text(errors="replace").splitlines() if '" 20' in line or '" 4' in line or '" 5' in line
+    )
 
 
 def main() -> None:
@@ -104,8 +106,9 @@ def main() -> None:
     p.add_argument("--ckpt", type=Path, default=REPO_ROOT / "bench/out/zero2_200m")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--stats", action="store_true", help="time `inspect --stats` (every tensor byte) instead")
-    p.add_argument("--latency-ms", type=float, default=0.0, help="add this much to every request (a delaying "
-                   "proxy on loopback)")
+    p.add_argument(
+        "--latency-ms", type=float, default=0.0, help="add this much to every request (a delaying proxy on loopback)"
+    )
     args = p.parse_args()
     extra = ["--stats"] if args.stats else []
     src = args.ckpt.resolve()
@@ -118,8 +121,12 @@ def main() -> None:
     endpoint = f"http://127.0.0.1:{port}"
     env = dict(os.environ, **KEYS, AWS_ENDPOINT_URL=endpoint, PYTHONPATH=str(REPO_ROOT))
     with open(log, "wb") as out:
-        server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                  stdout=out, stderr=subprocess.STDOUT, env=env)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     try:
         for _ in range(300):
             try:
@@ -129,8 +136,9 @@ def main() -> None:
                 time.sleep(0.1)
         import s3fs
 
-        fs = s3fs.S3FileSystem(key="bench", secret="bench", client_kwargs={"endpoint_url": endpoint},
-                               skip_instance_cache=True)
+        fs = s3fs.S3FileSystem(
+            key="bench", secret="bench", client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True
+        )
         fs.mkdir("bench")
         fs.put(str(src), f"bench/{src.name}", recursive=True)
         if args.latency_ms:  # the timed clients go through the delaying proxy
@@ -138,15 +146,16 @@ def main() -> None:
             env["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{proxy.port}"
         url = f"s3://bench/{src.name}"
         total = dir_bytes(src)
-        get_script = ("import s3fs,sys; fs=s3fs.S3FileSystem(skip_instance_cache=True); "
-                      "fs.get(sys.argv[1], sys.argv[2], recursive=True)")
+        get_script = (
+            "import s3fs,sys; fs=s3fs.S3FileSystem(skip_instance_cache=True); "
+            "fs.get(sys.argv[1], sys.argv[2], recursive=True)"
+        )
         rows = {"remote": [], "download": [], "local_inspect": []}
         remote_doc = None
         for i in range(args.repeat):
             before = _requests_logged(log)
             out_json = work / "remote.json"
-            m = run_measured([*CKPT, "inspect", url, "--json", *extra], env=env, cwd=REPO_ROOT,
-                             stdout_path=out_json)
+            m = run_measured([*CKPT, "inspect", url, "--json", *extra], env=env, cwd=REPO_ROOT, stdout_path=out_json)
             remote_doc = json.loads(out_json.read_text())
             rows["remote"].append((m, _requests_logged(log) - before, remote_doc["remote"]))
             dest = work / "copy"
@@ -154,8 +163,9 @@ def main() -> None:
             before = _requests_logged(log)
             m = run_measured([sys.executable, "-c", get_script, f"bench/{src.name}", str(dest)], env=env)
             rows["download"].append((m, _requests_logged(log) - before, dir_bytes(dest)))
-            m = run_measured([*CKPT, "inspect", str(dest), "--json", *extra], env=env, cwd=REPO_ROOT,
-                             stdout_path=work / "local.json")
+            m = run_measured(
+                [*CKPT, "inspect", str(dest), "--json", *extra], env=env, cwd=REPO_ROOT, stdout_path=work / "local.json"
+            )
             rows["local_inspect"].append((m, 0, None))
         local_doc = json.loads((work / "local.json").read_text())
         remote_doc.pop("remote"), remote_doc.pop("path"), local_doc.pop("path")
@@ -168,30 +178,46 @@ def main() -> None:
     rss = lambda k: statistics.median(m.peak_rss_bytes for m, _, _ in rows[k])  # noqa: E731
     r_cost = rows["remote"][-1][2]
     result = {
-        "machine": machine_info(), "ckpt": str(src), "bytes": total, "repeat": args.repeat, "stats": args.stats,
+        "machine": machine_info(),
+        "ckpt": str(src),
+        "bytes": total,
+        "repeat": args.repeat,
+        "stats": args.stats,
         "latency_ms": args.latency_ms,
         "same_json_as_local": same,
-        "remote": {"wall_s_median": med("remote"), "wall_s": [m.wall_s for m, _, _ in rows["remote"]],
-                   "peak_rss_bytes": rss("remote"), "reported": r_cost,
-                   "server_requests": [n for _, n, _ in rows["remote"]]},
-        "download_then_inspect": {"wall_s_median": med("download") + med("local_inspect"),
-                                  "download_wall_s": [m.wall_s for m, _, _ in rows["download"]],
-                                  "inspect_wall_s": [m.wall_s for m, _, _ in rows["local_inspect"]],
-                                  "bytes": rows["download"][-1][2],
-                                  "server_requests": [n for _, n, _ in rows["download"]]},
+        "remote": {
+            "wall_s_median": med("remote"),
+            "wall_s": [m.wall_s for m, _, _ in rows["remote"]],
+            "peak_rss_bytes": rss("remote"),
+            "reported": r_cost,
+            "server_requests": [n for _, n, _ in rows["remote"]],
+        },
+        "download_then_inspect": {
+            "wall_s_median": med("download") + med("local_inspect"),
+            "download_wall_s": [m.wall_s for m, _, _ in rows["download"]],
+            "inspect_wall_s": [m.wall_s for m, _, _ in rows["local_inspect"]],
+            "bytes": rows["download"][-1][2],
+            "server_requests": [n for _, n, _ in rows["download"]],
+        },
     }
     out_dir = REPO_ROOT / "bench/out"
     out_dir.mkdir(exist_ok=True)
     tag = ("_stats" if args.stats else "") + (f"_latency{args.latency_ms:g}ms" if args.latency_ms else "")
     (out_dir / f"remote{tag}_results.json").write_text(json.dumps(result, indent=1))
     shutil.rmtree(work, ignore_errors=True)
-    print(f"{src.name}: {fmt_bytes(total)}, {args.repeat} runs each, medians; same --json as local: {same}"
-          + (f"; +{args.latency_ms:g} ms per request" if args.latency_ms else ""))
-    print(f"  ckpt inspect {' '.join(extra)} s3://   {med('remote'):7.3f} s  {r_cost['bytes_fetched']:>14,} bytes  "
-          f"{r_cost['requests']:>4} requests (server log: {rows['remote'][-1][1]})  RSS {fmt_bytes(rss('remote'))}")
-    print(f"  download + inspect   {med('download') + med('local_inspect'):7.3f} s  "
-          f"{rows['download'][-1][2]:>14,} bytes  {'':>4}          (server log: {rows['download'][-1][1]})  "
-          f"(download {med('download'):.3f} s + inspect {med('local_inspect'):.3f} s)")
+    print(
+        f"{src.name}: {fmt_bytes(total)}, {args.repeat} runs each, medians; same --json as local: {same}"
+        + (f"; +{args.latency_ms:g} ms per request" if args.latency_ms else "")
+    )
+    print(
+        f"  ckpt inspect {' '.join(extra)} s3://   {med('remote'):7.3f} s  {r_cost['bytes_fetched']:>14,} bytes  "
+        f"{r_cost['requests']:>4} requests (server log: {rows['remote'][-1][1]})  RSS {fmt_bytes(rss('remote'))}"
+    )
+    print(
+        f"  download + inspect   {med('download') + med('local_inspect'):7.3f} s  "
+        f"{rows['download'][-1][2]:>14,} bytes  {'':>4}          (server log: {rows['download'][-1][1]})  "
+        f"(download {med('download'):.3f} s + inspect {med('local_inspect'):.3f} s)"
+    )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ Each command is its own process, timed from spawn to exit with its peak RSS (`be
 Results go to bench/out/set_lr_results.json. Every checkpoint is left byte-identical (restore after each run).
 `--check` (used once on a small checkpoint for correctness, not for figures) also checks that.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,18 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._util import (OUT_DIR, REPO_ROOT, ckpt_command, cpu_busy_fraction, dir_bytes, fmt_bytes,  # noqa: E402
-                         machine_info, precompile, run_measured, summarize)
+from bench._util import (
+    OUT_DIR,
+    REPO_ROOT,
+    ckpt_command,
+    cpu_busy_fraction,
+    dir_bytes,
+    fmt_bytes,  # noqa: E402
+    machine_info,
+    precompile,
+    run_measured,
+    summarize,
+)
 
 BY_HAND = r"""
 import sys, torch
@@ -79,8 +90,9 @@ def bench_one(ck: Path, repeat: int, check: bool) -> dict:
     py = sys.executable
     ckpt = ckpt_command()
     plan_out = OUT_DIR / "set_lr_plan.json"
-    run_measured([*ckpt, "set-lr", str(ck), "--scale", "0.5", "--dry-run", "--json"], cwd=REPO_ROOT,
-                 stdout_path=plan_out)
+    run_measured(
+        [*ckpt, "set-lr", str(ck), "--scale", "0.5", "--dry-run", "--json"], cwd=REPO_ROOT, stdout_path=plan_out
+    )
     plan = json.loads(plan_out.read_text())["plan"]
     root = Path(plan["root"])
     files = [root / f["path"] for f in plan["files"]]
@@ -116,16 +128,27 @@ def bench_one(ck: Path, repeat: int, check: bool) -> dict:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     summaries = {k: summarize(v) for k, v in runs.items()}
-    return {"checkpoint": str(ck), "bytes": dir_bytes(ck), "files": [str(f) for f in files], "file_bytes": nbytes,
-            "bytes_written_in_place": written[-1] if written else None, "repeat": repeat,
-            "results": {k: s.to_dict() for k, s in summaries.items()}, "_summaries": summaries,
-            "problems": problems}
+    return {
+        "checkpoint": str(ck),
+        "bytes": dir_bytes(ck),
+        "files": [str(f) for f in files],
+        "file_bytes": nbytes,
+        "bytes_written_in_place": written[-1] if written else None,
+        "repeat": repeat,
+        "results": {k: s.to_dict() for k, s in summaries.items()},
+        "_summaries": summaries,
+        "problems": problems,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", type=Path, action="append",
-                    help="checkpoint (repeatable); default bench/out/zero2_200m and bench/out/zero2_2g")
+    ap.add_argument(
+        "--ckpt",
+        type=Path,
+        action="append",
+        help="checkpoint (repeatable); default bench/out/zero2_200m and bench/out/zero2_2g",
+    )
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--check", action="store_true", help="also check bytes after every restore (slower)")
     ap.add_argument("--out", type=Path, default=OUT_DIR / "set_lr_results.json")
@@ -138,17 +161,23 @@ def main() -> None:
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     busy = cpu_busy_fraction()
     results = [bench_one(c, args.repeat, args.check) for c in cks]
-    print(f"set-lr --scale 0.5: warm page cache, median of {args.repeat} (min-max); CPU busy before: "
-          f"{busy if busy is None else f'{busy:.0%}'}")
+    print(
+        f"set-lr --scale 0.5: warm page cache, median of {args.repeat} (min-max); CPU busy before: "
+        f"{busy if busy is None else f'{busy:.0%}'}"
+    )
     for r in results:
         s = r.pop("_summaries")
         base = s["cp + sync"].wall_s_median
-        print(f"\n{r['checkpoint']} ({fmt_bytes(r['bytes'])}): set-lr changes {len(r['files'])} files "
-              f"({fmt_bytes(r['file_bytes'])}); in place it writes {r['bytes_written_in_place']:,} bytes")
+        print(
+            f"\n{r['checkpoint']} ({fmt_bytes(r['bytes'])}): set-lr changes {len(r['files'])} files "
+            f"({fmt_bytes(r['file_bytes'])}); in place it writes {r['bytes_written_in_place']:,} bytes"
+        )
         print(f"{'command':<32} {'wall s':>18} {'cpu s':>7} {'peak RSS':>10} {'x cp+sync':>9}")
         for name, m in s.items():
-            print(f"{name:<32} {m.wall_s_median:>7.2f} ({m.wall_s_min:.2f}-{m.wall_s_max:.2f}) {m.cpu_s_median:>7.2f} "
-                  f"{fmt_bytes(m.peak_rss_bytes_median):>10} {m.wall_s_median / base:>9.2f}")
+            print(
+                f"{name:<32} {m.wall_s_median:>7.2f} ({m.wall_s_min:.2f}-{m.wall_s_max:.2f}) {m.cpu_s_median:>7.2f} "
+                f"{fmt_bytes(m.peak_rss_bytes_median):>10} {m.wall_s_median / base:>9.2f}"
+            )
         for p in r["problems"]:
             print(f"PROBLEM: {p}")
     if len(results) > 1:

@@ -20,6 +20,7 @@ module's docstring). Each command is a whole process, timed from spawn to exit w
 
 There is no Megatron-LM or torchtitan tool that writes a Megatron checkpoint from a torchtitan one to compare with.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,12 @@ def make(size: str) -> Path:
 
     out = folder(size)
     shutil.rmtree(out, ignore_errors=True)
-    run_torchrun("ckpt_tools.samples.workers.torchtitan_run", 2,
-                 ["--sample", "torchtitan_real", "--out", str(out), "--size", size], timeout=3600)
+    run_torchrun(
+        "ckpt_tools.samples.workers.torchtitan_run",
+        2,
+        ["--sample", "torchtitan_real", "--out", str(out), "--size", size],
+        timeout=3600,
+    )
     shutil.rmtree(out / "torchtitan_real" / "step-5", ignore_errors=True)  # the model-only final save
     return out
 
@@ -54,11 +59,25 @@ def hf_config(size: str, path: Path) -> Path:
     from transformers import LlamaConfig
 
     layers, dim, hidden = (int(x) for x in size.split(","))
-    LlamaConfig(hidden_size=dim, intermediate_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-                num_key_value_heads=4, vocab_size=64, rms_norm_eps=1e-5, rope_theta=500000.0,
-                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                              "original_max_position_embeddings": 8192},
-                tie_word_embeddings=False, max_position_embeddings=8192).save_pretrained(path)
+    LlamaConfig(
+        hidden_size=dim,
+        intermediate_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=64,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        tie_word_embeddings=False,
+        max_position_embeddings=8192,
+    ).save_pretrained(path)
     return path / "config.json"
 
 
@@ -79,11 +98,27 @@ def main() -> None:
     cfg = hf_config(a.size, work / "cfg")
     out, full = work / "megatron", work / "full.pt"
     commands = {
-        "ckpt convert --to megatron": [*_util.ckpt_command(), "convert", str(step), str(out), "--to", "megatron",
-                                       "--hf-config", str(cfg), "--seq-length", "32", "--json"],
-        "dcp_to_torch_save": [sys.executable, "-c", "import sys; from torch.distributed.checkpoint.format_utils "
-                              "import dcp_to_torch_save; dcp_to_torch_save(sys.argv[1], sys.argv[2])", str(step),
-                              str(full)],
+        "ckpt convert --to megatron": [
+            *_util.ckpt_command(),
+            "convert",
+            str(step),
+            str(out),
+            "--to",
+            "megatron",
+            "--hf-config",
+            str(cfg),
+            "--seq-length",
+            "32",
+            "--json",
+        ],
+        "dcp_to_torch_save": [
+            sys.executable,
+            "-c",
+            "import sys; from torch.distributed.checkpoint.format_utils "
+            "import dcp_to_torch_save; dcp_to_torch_save(sys.argv[1], sys.argv[2])",
+            str(step),
+            str(full),
+        ],
     }
     _util.precompile()
     runs: dict[str, list] = {k: [] for k in commands}
@@ -97,14 +132,21 @@ def main() -> None:
             busy.append(_util.cpu_busy_fraction())
             runs[name].append(_util.run_measured(cmd, cwd=ROOT, stdout_path=work / f"{name.split()[0]}.out"))
     res = json.loads((work / "ckpt.out").read_text())
-    result = {"machine": _util.machine_info(), "checkpoint": str(step), "checkpoint_bytes": _util.dir_bytes(step),
-              "params": res["params"], "verified": res["verified"], "megatron_bytes": _util.dir_bytes(out),
-              "torch_save_bytes": full.stat().st_size}
-    print(f"checkpoint {_util.fmt_bytes(result['checkpoint_bytes'])}; Megatron output "
-          f"{_util.fmt_bytes(result['megatron_bytes'])} ({res['params']} tensors, verified {res['verified']}); "
-          f"dcp_to_torch_save file {_util.fmt_bytes(result['torch_save_bytes'])}")
-    _util.report_against(runs, "dcp_to_torch_save", "dcp_to_torch_save", "titan_to_megatron_results.json", result,
-                         busy)
+    result = {
+        "machine": _util.machine_info(),
+        "checkpoint": str(step),
+        "checkpoint_bytes": _util.dir_bytes(step),
+        "params": res["params"],
+        "verified": res["verified"],
+        "megatron_bytes": _util.dir_bytes(out),
+        "torch_save_bytes": full.stat().st_size,
+    }
+    print(
+        f"checkpoint {_util.fmt_bytes(result['checkpoint_bytes'])}; Megatron output "
+        f"{_util.fmt_bytes(result['megatron_bytes'])} ({res['params']} tensors, verified {res['verified']}); "
+        f"dcp_to_torch_save file {_util.fmt_bytes(result['torch_save_bytes'])}"
+    )
+    _util.report_against(runs, "dcp_to_torch_save", "dcp_to_torch_save", "titan_to_megatron_results.json", result, busy)
 
 
 if __name__ == "__main__":

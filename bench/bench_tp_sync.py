@@ -18,6 +18,7 @@ Every command prints the set of (parameter, representation) pairs it found diffe
 that the full-load answer for the same coverage equals check-tp-sync's. Runs are interleaved; the table
 shows medians (min-max). Results go to bench/out/tp_sync_results.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,12 +28,23 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._util import (OUT_DIR, REPO_ROOT, ckpt_command, cpu_busy_fraction, dir_bytes, drop_caches,  # noqa: E402
-                         fmt_bytes, machine_info, precompile, run_measured, summarize)
+from bench._util import (
+    OUT_DIR,
+    REPO_ROOT,
+    ckpt_command,
+    cpu_busy_fraction,
+    dir_bytes,
+    drop_caches,  # noqa: E402
+    fmt_bytes,
+    machine_info,
+    precompile,
+    run_measured,
+    summarize,
+)
 
 # The full-load reference. Replicated parameters are named by the checkpoint's own
 # universal_checkpoint_info patterns (re.match, as DeepSpeed does), so both sides compare the same set.
-FULL_LOAD = r'''
+FULL_LOAD = r"""
 import glob, json, os, re, sys
 import torch
 
@@ -72,7 +84,7 @@ if with_optim:
             if any(not torch.equal(v[key], ref) for v in per_tp[1:]):
                 found.add(key)
 print(json.dumps(sorted(found)))
-'''
+"""
 
 
 def ours_found(stdout: Path) -> list:
@@ -100,8 +112,15 @@ def main() -> None:
     modes = ["warm"] + (["cold"] if not args.no_cold and drop_caches() else [])
     outs = {k: OUT_DIR / f"tp_sync_stdout_{i}.txt" for i, k in enumerate(commands)}
     busy = cpu_busy_fraction()
-    result = {"checkpoint": str(args.ckpt), "bytes": dir_bytes(args.ckpt), "repeat": args.repeat, "cpu_busy": busy,
-              "machine": machine_info(), "modes": modes, "results": {}}
+    result = {
+        "checkpoint": str(args.ckpt),
+        "bytes": dir_bytes(args.ckpt),
+        "repeat": args.repeat,
+        "cpu_busy": busy,
+        "machine": machine_info(),
+        "modes": modes,
+        "results": {},
+    }
     for mode in modes:
         runs: dict[str, list] = {k: [] for k in commands}
         if mode == "warm":
@@ -122,19 +141,28 @@ def main() -> None:
         agree = found["ckpt check-tp-sync --json"] == found["full load: layer + optimizer files"]
         summaries = {k: summarize(v) for k, v in runs.items()}
         base = summaries["ckpt check-tp-sync --json"]
-        print(f"checkpoint {args.ckpt} ({fmt_bytes(dir_bytes(args.ckpt))}), {mode} page cache, median of "
-              f"{args.repeat}; CPU busy before: {busy if busy is None else f'{busy:.0%}'}")
-        print(f"{'command':<38} {'wall s':>18} {'cpu s':>6} {'peak RSS':>10} {'x ckpt wall':>11} {'x ckpt RSS':>10}"
-              "  found")
+        print(
+            f"checkpoint {args.ckpt} ({fmt_bytes(dir_bytes(args.ckpt))}), {mode} page cache, median of "
+            f"{args.repeat}; CPU busy before: {busy if busy is None else f'{busy:.0%}'}"
+        )
+        print(
+            f"{'command':<38} {'wall s':>18} {'cpu s':>6} {'peak RSS':>10} {'x ckpt wall':>11} {'x ckpt RSS':>10}"
+            "  found"
+        )
         for name, s in summaries.items():
             f = found.get(name)
-            print(f"{name:<38} {s.wall_s_median:>7.3f} ({s.wall_s_min:.2f}-{s.wall_s_max:.2f}) {s.cpu_s_median:>6.2f} "
-                  f"{fmt_bytes(s.peak_rss_bytes_median):>10} {s.wall_s_median / base.wall_s_median:>11.1f} "
-                  f"{s.peak_rss_bytes_median / base.peak_rss_bytes_median:>10.1f}  "
-                  f"{'' if f is None else f'{len(f)} differing: ' + ', '.join(f'{n} {r}' for n, r in f)}")
+            print(
+                f"{name:<38} {s.wall_s_median:>7.3f} ({s.wall_s_min:.2f}-{s.wall_s_max:.2f}) {s.cpu_s_median:>6.2f} "
+                f"{fmt_bytes(s.peak_rss_bytes_median):>10} {s.wall_s_median / base.wall_s_median:>11.1f} "
+                f"{s.peak_rss_bytes_median / base.peak_rss_bytes_median:>10.1f}  "
+                f"{'' if f is None else f'{len(f)} differing: ' + ', '.join(f'{n} {r}' for n, r in f)}"
+            )
         print(f"check-tp-sync's findings == the full load of the same coverage: {agree}\n")
-        result["results"][mode] = {"found": found, "agree": agree,
-                                   "summaries": {k: s.to_dict() for k, s in summaries.items()}}
+        result["results"][mode] = {
+            "found": found,
+            "agree": agree,
+            "summaries": {k: s.to_dict() for k, s in summaries.items()},
+        }
         if not agree:
             raise SystemExit("check-tp-sync disagrees with the full-load comparison")
     (OUT_DIR / "tp_sync_results.json").write_text(json.dumps(result, indent=1, default=str))

@@ -11,6 +11,7 @@ param group's items and `step`. `--procs 2` saves from two gloo processes over a
 an FSDP2-style DTensor sharded on dim 0, so each of its 3 big items is 2 chunks, one per `.distcp` file.
 Skips an existing complete checkpoint (its `.metadata` is written last); `--force` remakes it.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -11,6 +11,7 @@ are `ckpt_tools.samples.workers.ds_pipeline`'s own (the sample worker), only the
 halves the gradients of two layer norms for two steps, the BLOOM bug the samples reproduce, so there is
 drift to find.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,25 +46,36 @@ def main() -> None:
     topology = PipeModelDataParallelTopology(num_pp=P.PP, num_mp=P.TP, num_dp=args.dp)
     coord = topology.get_coord(c.rank())
     torch.manual_seed(P.default_rng_seed(coord.pipe, coord.model, per_tp_rank=False))
-    cfg = MegatronGPTConfig(hidden=args.hidden, n_layers=args.layers, ffn_hidden=4 * args.hidden,
-                            n_heads=max(4, args.hidden // 64))
+    cfg = MegatronGPTConfig(
+        hidden=args.hidden, n_layers=args.layers, ffn_hidden=4 * args.hidden, n_heads=max(4, args.hidden // 64)
+    )
     model = GPTModelPipe(cfg, topology, seed=c.SEED)
     # the first and the last transformer layer's post-attention norm: one per pipeline stage
     drifted = {f"{2:02d}.post_attention_layernorm.weight", f"{1 + args.layers:02d}.post_attention_layernorm.weight"}
     perturb = P.ReplicaGradPerturbation(0.5)
     if coord.model == 0:
         perturb.attach([p for n, p in model.named_parameters() if P.logical_name(n) in drifted])
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=c.param_groups(model), config=P.ds_config(args.dp))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=c.param_groups(model), config=P.ds_config(args.dp)
+    )
     for step in range(STEPS):
         perturb.active = step + 1 in PERTURBED_STEPS
         engine.train_batch(data_iter=P.micro_batches(step, cfg, coord.data))
-    engine.save_checkpoint(str(args.out), client_state={
-        "args": P.megatron_args(cfg, args.dp), "iteration": engine.global_steps, "torch_rng_state": torch.get_rng_state(),
-        UNIVERSAL_CHECKPOINT_INFO: P.universal_checkpoint_info(cfg)})
+    engine.save_checkpoint(
+        str(args.out),
+        client_state={
+            "args": P.megatron_args(cfg, args.dp),
+            "iteration": engine.global_steps,
+            "torch_rng_state": torch.get_rng_state(),
+            UNIVERSAL_CHECKPOINT_INFO: P.universal_checkpoint_info(cfg),
+        },
+    )
     drift = P.replica_drift(engine, coord.model, coord.data)
     if c.rank() == 0:
-        print(f"saved {args.out}: hidden={cfg.hidden} layers={cfg.n_layers}; drifted on the live engine: "
-              f"{sorted(drift)}", flush=True)
+        print(
+            f"saved {args.out}: hidden={cfg.hidden} layers={cfg.n_layers}; drifted on the live engine: {sorted(drift)}",
+            flush=True,
+        )
     os.sync()
 
 

@@ -21,6 +21,7 @@ Run it from anywhere; it skips a checkpoint that is already complete (use --forc
 `<out>/` (with `latest` and the tag folder) it writes `<out>.manifest.json` (model config, counters, LR,
 parameter count, versions) and `<out>.log` (the torchrun output).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,12 +53,16 @@ def model_config(params: float, *, layers: int, vocab: int, seq_len: int, heads:
 
 def is_complete(out: Path, steps: int) -> bool:
     tag = out / TAG.format(steps=steps)
-    return ((out / "latest").is_file() and (tag / "mp_rank_00_model_states.pt").is_file()
-            and all((tag / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt").is_file() for r in (0, 1)))
+    return (
+        (out / "latest").is_file()
+        and (tag / "mp_rank_00_model_states.pt").is_file()
+        and all((tag / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt").is_file() for r in (0, 1))
+    )
 
 
-def make(out: Path, *, params: float, layers: int, vocab: int, seq_len: int, heads: int, steps: int,
-         force: bool = False) -> Path:
+def make(
+    out: Path, *, params: float, layers: int, vocab: int, seq_len: int, heads: int, steps: int, force: bool = False
+) -> Path:
     """Train and save unless `out` already holds a complete checkpoint; returns `out`."""
     import os
 
@@ -68,8 +73,10 @@ def make(out: Path, *, params: float, layers: int, vocab: int, seq_len: int, hea
         print(f"{out}: already there, skipping (--force to remake)")
         return out
     cfg, count, tensors = model_config(params, layers=layers, vocab=vocab, seq_len=seq_len, heads=heads)
-    print(f"{out}: TinyGPT hidden={cfg.hidden} layers={cfg.n_layers} vocab={cfg.vocab_size}: {count:,} params "
-          f"in {tensors} tensors, ~{count * 14 / 1e9:.2f} GB expected; training {steps} steps on 2 CPU ranks")
+    print(
+        f"{out}: TinyGPT hidden={cfg.hidden} layers={cfg.n_layers} vocab={cfg.vocab_size}: {count:,} params "
+        f"in {tensors} tensors, ~{count * 14 / 1e9:.2f} GB expected; training {steps} steps on 2 CPU ranks"
+    )
     if out.exists():
         shutil.rmtree(out)  # a partial run: start clean so no stale tag folder is left behind
     manifest_path(out).unlink(missing_ok=True)
@@ -78,10 +85,29 @@ def make(out: Path, *, params: float, layers: int, vocab: int, seq_len: int, hea
     # and worker_env() passes os.environ through.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     t0 = time.perf_counter()
-    run_torchrun(WORKER_MODULE, 2, ["--worker", "--out", str(out), "--hidden", str(cfg.hidden), "--layers",
-                                    str(cfg.n_layers), "--vocab", str(cfg.vocab_size), "--seq-len",
-                                    str(cfg.seq_len), "--heads", str(cfg.n_heads), "--steps", str(steps)],
-                 log_path=out.with_name(out.name + ".log"), timeout=3600)
+    run_torchrun(
+        WORKER_MODULE,
+        2,
+        [
+            "--worker",
+            "--out",
+            str(out),
+            "--hidden",
+            str(cfg.hidden),
+            "--layers",
+            str(cfg.n_layers),
+            "--vocab",
+            str(cfg.vocab_size),
+            "--seq-len",
+            str(cfg.seq_len),
+            "--heads",
+            str(cfg.n_heads),
+            "--steps",
+            str(steps),
+        ],
+        log_path=out.with_name(out.name + ".log"),
+        timeout=3600,
+    )
     if not is_complete(out, steps):
         raise RuntimeError(f"the DeepSpeed run finished but {out} is not a complete checkpoint; see {out}.log")
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
@@ -103,34 +129,53 @@ def worker(args: argparse.Namespace) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank, dp = c.rank(), c.world_size()
     variant = ZeroVariant(stage=2)
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, hidden=args.hidden, n_layers=args.layers,
-                    n_heads=args.heads)
+    cfg = GPTConfig(
+        vocab_size=args.vocab, seq_len=args.seq_len, hidden=args.hidden, n_layers=args.layers, n_heads=args.heads
+    )
     torch.manual_seed(c.SEED)  # the same initial weights on every rank without a broadcast
     model = TinyGPT(cfg)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=c.param_groups(model),
-                                           config=ds_config(variant, dp))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=c.param_groups(model), config=ds_config(variant, dp)
+    )
     history = []
     for step in range(args.steps):
         lrs = c.current_lrs(engine.optimizer)
-        tokens = batch_for_step(step, batch_size=c.MICRO_BATCH, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size,
-                                dp_rank=rank)
+        tokens = batch_for_step(
+            step, batch_size=c.MICRO_BATCH, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size, dp_rank=rank
+        )
         loss = c.lm_loss(engine, tokens)
         engine.backward(loss)
         engine.step()
         history.append({"step": step + 1, "loss": float(loss.item()), "lr": lrs})
     engine.save_checkpoint(str(args.out))
-    saved = c.snapshot(global_step=engine.global_steps, optimizer=engine.optimizer,
-                       scheduler=engine.lr_scheduler, skipped_steps=engine.skipped_steps)
+    saved = c.snapshot(
+        global_step=engine.global_steps,
+        optimizer=engine.optimizer,
+        scheduler=engine.lr_scheduler,
+        skipped_steps=engine.skipped_steps,
+    )
     if rank == 0:
         count, tensors = count_parameters(model)
-        write_manifest(args.out, sample=args.out.name, format="deepspeed_zero", world_size=dp,
-                       topology={"dp": dp, "tp": 1, "pp": 1, "zero_stage": variant.stage}, steps=args.steps,
-                       counters=saved["counters"], lr=saved["lr"],
-                       parameters={"count": count, "tensors": tensors},
-                       extra={"model_config": cfg.to_dict(), "micro_batch_per_rank": c.MICRO_BATCH,
-                              "ds_config": ds_config(variant, dp), "dtype": "bfloat16",
-                              "tag": TAG.format(steps=args.steps), "history": history,
-                              "made_by": "bench/make_big_zero.py"})
+        write_manifest(
+            args.out,
+            sample=args.out.name,
+            format="deepspeed_zero",
+            world_size=dp,
+            topology={"dp": dp, "tp": 1, "pp": 1, "zero_stage": variant.stage},
+            steps=args.steps,
+            counters=saved["counters"],
+            lr=saved["lr"],
+            parameters={"count": count, "tensors": tensors},
+            extra={
+                "model_config": cfg.to_dict(),
+                "micro_batch_per_rank": c.MICRO_BATCH,
+                "ds_config": ds_config(variant, dp),
+                "dtype": "bfloat16",
+                "tag": TAG.format(steps=args.steps),
+                "history": history,
+                "made_by": "bench/make_big_zero.py",
+            },
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -151,8 +196,16 @@ def main(argv: list[str] | None = None) -> None:
         return
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
-    make(args.out.resolve(), params=args.params, layers=args.layers, vocab=args.vocab, seq_len=args.seq_len,
-         heads=args.heads, steps=args.steps, force=args.force)
+    make(
+        args.out.resolve(),
+        params=args.params,
+        layers=args.layers,
+        vocab=args.vocab,
+        seq_len=args.seq_len,
+        heads=args.heads,
+        steps=args.steps,
+        force=args.force,
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 The CLI turns any `CkptError` into one line on stderr and exit code 2; a traceback only with
 `CKPT_DEBUG=1`.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """`ckpt export CKPT OUT`: a thin wrapper over `ckpt_tools.ops.export` (plan -> dry-run table or execute -> summary)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,38 +25,68 @@ def _named(e: CkptError) -> CkptError:
 
 def export_cmd(
     ckpt: str = typer.Argument(..., metavar="PATH", help="checkpoint to export (any format ckpt reads)"),
-    out: str = typer.Argument(..., metavar="OUT", help="OUT.safetensors in an existing folder (sharded: "
-                              "OUT-0000i-of-0000N.safetensors + index json); with --hf a new folder"),
-    hf: bool = typer.Option(False, "--hf", help="write a folder from_pretrained loads: model[-0000i-of-0000N]"
-                            ".safetensors + index, config.json / generation_config.json copied, tied aliases "
-                            "left out as save_pretrained does"),
-    hf_config: Optional[Path] = typer.Option(None, "--hf-config", metavar="CONFIG.json", help="with --hf: the "
-                                             "model's Hugging Face config.json (or its folder) to copy; needed for "
-                                             "a torchtitan Llama, whose names and q/k layout are mapped with it"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", metavar="DTYPE", help="bf16, fp16 or fp32 (default: as "
-                                        "stored)"),
-    max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", metavar="SIZE", help="with a unit: "
-                                                 "5GB, 500MB, 2GiB; default one file"),
-    source: str = typer.Option("fp32", "--source", metavar="WEIGHTS", help="fp32 (the fp32 master where saved, "
-                               "like zero_to_fp32) or module"),
-    dedupe_tied: bool = typer.Option(False, "--dedupe-tied", help="write a tied parameter once (default: under "
-                                     "every name, as zero_to_fp32 does)"),
+    out: str = typer.Argument(
+        ...,
+        metavar="OUT",
+        help="OUT.safetensors in an existing folder (sharded: "
+        "OUT-0000i-of-0000N.safetensors + index json); with --hf a new folder",
+    ),
+    hf: bool = typer.Option(
+        False,
+        "--hf",
+        help="write a folder from_pretrained loads: model[-0000i-of-0000N]"
+        ".safetensors + index, config.json / generation_config.json copied, tied aliases "
+        "left out as save_pretrained does",
+    ),
+    hf_config: Optional[Path] = typer.Option(
+        None,
+        "--hf-config",
+        metavar="CONFIG.json",
+        help="with --hf: the "
+        "model's Hugging Face config.json (or its folder) to copy; needed for "
+        "a torchtitan Llama, whose names and q/k layout are mapped with it",
+    ),
+    dtype: Optional[str] = typer.Option(
+        None, "--dtype", metavar="DTYPE", help="bf16, fp16 or fp32 (default: as stored)"
+    ),
+    max_shard_size: Optional[str] = typer.Option(
+        None, "--max-shard-size", metavar="SIZE", help="with a unit: 5GB, 500MB, 2GiB; default one file"
+    ),
+    source: str = typer.Option(
+        "fp32", "--source", metavar="WEIGHTS", help="fp32 (the fp32 master where saved, like zero_to_fp32) or module"
+    ),
+    dedupe_tied: bool = typer.Option(
+        False, "--dedupe-tied", help="write a tied parameter once (default: under every name, as zero_to_fp32 does)"
+    ),
     exclude_frozen: bool = typer.Option(False, "--exclude-frozen", help="leave out parameters that do not train"),
-    include: Optional[List[str]] = typer.Option(None, "--include", metavar="REGEX", help="only names matching "
-                                                "(repeatable)"),
-    exclude: Optional[List[str]] = typer.Option(None, "--exclude", metavar="REGEX", help="leave out names "
-                                                "matching (repeatable)"),
-    tp_layout: Optional[str] = typer.Option(None, "--tp-layout", metavar="NAME", help="megatron (TP checkpoints "
-                                            "without info)"),
-    pattern: Optional[List[str]] = typer.Option(None, "--pattern", metavar="REGEX=MERGE", help="TP merge "
-                                                "overrides (repeatable)"),
-    model: int = typer.Option(0, "--model", metavar="N", min=0, help="which model of a checkpoint with several "
-                              "(Accelerate's model_1.safetensors ...: --model 1); default the first"),
-    verify: bool = typer.Option(False, "--verify", help="re-read the written files and compare them with the "
-                                "checkpoint tensor for tensor before putting them in place"),
+    include: Optional[List[str]] = typer.Option(
+        None, "--include", metavar="REGEX", help="only names matching (repeatable)"
+    ),
+    exclude: Optional[List[str]] = typer.Option(
+        None, "--exclude", metavar="REGEX", help="leave out names matching (repeatable)"
+    ),
+    tp_layout: Optional[str] = typer.Option(
+        None, "--tp-layout", metavar="NAME", help="megatron (TP checkpoints without info)"
+    ),
+    pattern: Optional[List[str]] = typer.Option(
+        None, "--pattern", metavar="REGEX=MERGE", help="TP merge overrides (repeatable)"
+    ),
+    model: int = typer.Option(
+        0,
+        "--model",
+        metavar="N",
+        min=0,
+        help="which model of a checkpoint with several "
+        "(Accelerate's model_1.safetensors ...: --model 1); default the first",
+    ),
+    verify: bool = typer.Option(
+        False,
+        "--verify",
+        help="re-read the written files and compare them with the "
+        "checkpoint tensor for tensor before putting them in place",
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="show the files that would be written"),
-    yes: bool = typer.Option(False, "--yes", "-y", help="do not ask (export writes only new files, so it never "
-                             "asks)"),
+    yes: bool = typer.Option(False, "--yes", "-y", help="do not ask (export writes only new files, so it never asks)"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
     allow_unread: bool = typer.Option(False, "--allow-unread", help=output.ALLOW_UNREAD_HELP),
     trust_pickles: bool = typer.Option(False, "--trust-pickles", help=output.TRUST_PICKLES_HELP),
@@ -65,24 +96,40 @@ def export_cmd(
     _refuse_torchrun_job()
     folder = Path(out).parent
     if not folder.is_dir():
-        raise CkptError(f"ckpt export: the folder {folder} does not exist", path=out,
-                        hint=f"create it first: mkdir -p {folder}")
+        raise CkptError(
+            f"ckpt export: the folder {folder} does not exist", path=out, hint=f"create it first: mkdir -p {folder}"
+        )
     if max_shard_size is not None and max_shard_size.strip().isdigit():
         n = int(max_shard_size)
-        raise CkptError(f"--max-shard-size {max_shard_size}: give a unit, e.g. {n}GB or {n}MB (a bare number would "
-                        f"be {output.plural(n, 'byte')} per file)", hint=f"for bytes say so: {n}B")
+        raise CkptError(
+            f"--max-shard-size {max_shard_size}: give a unit, e.g. {n}GB or {n}MB (a bare number would "
+            f"be {output.plural(n, 'byte')} per file)",
+            hint=f"for bytes say so: {n}B",
+        )
     output.require("torch", extra="convert", what="ckpt export")
     from ckpt_tools.ops import export as ops
 
     try:
         try:
             size = ops.parse_size(max_shard_size) if max_shard_size else None
-            plan = ops.plan_export(ckpt, out, dtype=dtype, max_shard_size=size, source_weights=source,
-                                   tp_layout=tp_layout, patterns=pattern or (), hf=hf,
-                                   tied="dedupe" if dedupe_tied else ("all" if not hf else "dedupe"),
-                                   include_frozen=not exclude_frozen, include=include or None,
-                                   exclude=exclude or None, model=model, allow_unread=allow_unread,
-                                   hf_config=hf_config, trust_pickles=trust_pickles)
+            plan = ops.plan_export(
+                ckpt,
+                out,
+                dtype=dtype,
+                max_shard_size=size,
+                source_weights=source,
+                tp_layout=tp_layout,
+                patterns=pattern or (),
+                hf=hf,
+                tied="dedupe" if dedupe_tied else ("all" if not hf else "dedupe"),
+                include_frozen=not exclude_frozen,
+                include=include or None,
+                exclude=exclude or None,
+                model=model,
+                allow_unread=allow_unread,
+                hf_config=hf_config,
+                trust_pickles=trust_pickles,
+            )
         except ValueError as e:
             raise typer.BadParameter(str(e))
         doc = plan.to_json()
@@ -92,8 +139,12 @@ def export_cmd(
             else:
                 con = output.console()
                 for f in doc["files"]:
-                    con.print(escape(f"{f['path']}: {output.plural(f['tensors'], 'tensor')}, {f['bytes']:,} bytes "
-                                     f"({plan.weights_from})"))
+                    con.print(
+                        escape(
+                            f"{f['path']}: {output.plural(f['tensors'], 'tensor')}, {f['bytes']:,} bytes "
+                            f"({plan.weights_from})"
+                        )
+                    )
                 if doc["index"]:
                     con.print(escape(f"{doc['index']}: index"))
                 for c in doc["copies"]:
@@ -108,18 +159,32 @@ def export_cmd(
         raise _named(e) from None
     files = [str(plan.out / f.name) if plan.hf else str(f) for f in res.files]
     index = (str(plan.out / res.index.name) if plan.hf else str(res.index)) if res.index else None
-    result = {"out": str(plan.out), "hf": plan.hf, "files": files, "index": index,
-              "copies": [str(c) for c in res.copies], "tensors": res.tensors, "bytes": res.bytes,
-              "kinds": doc["kinds"], "left_out": doc["left_out"], "weights_from": plan.weights_from,
-              "verified": res.verified}
+    result = {
+        "out": str(plan.out),
+        "hf": plan.hf,
+        "files": files,
+        "index": index,
+        "copies": [str(c) for c in res.copies],
+        "tensors": res.tensors,
+        "bytes": res.bytes,
+        "kinds": doc["kinds"],
+        "left_out": doc["left_out"],
+        "weights_from": plan.weights_from,
+        "verified": res.verified,
+    }
     if json_out:
         output.print_json(result)
     else:
         kinds = ", ".join(f"{n} {k}" for k, n in doc["kinds"].items())
-        output.console().print("[green]wrote[/] " + escape(
-            f"{plan.out if plan.hf else ', '.join(files)}" + (f" + {index}" if index and not plan.hf else "")
-            + f"  ({output.plural(res.tensors, 'tensor')}: {kinds}; {res.bytes:,} bytes, {plan.weights_from})"
-            + (f"; verified {res.verified} tensors" if res.verified is not None else "")))
+        output.console().print(
+            "[green]wrote[/] "
+            + escape(
+                f"{plan.out if plan.hf else ', '.join(files)}"
+                + (f" + {index}" if index and not plan.hf else "")
+                + f"  ({output.plural(res.tensors, 'tensor')}: {kinds}; {res.bytes:,} bytes, {plan.weights_from})"
+                + (f"; verified {res.verified} tensors" if res.verified is not None else "")
+            )
+        )
 
 
 def _refuse_torchrun_job() -> None:
@@ -130,8 +195,11 @@ def _refuse_torchrun_job() -> None:
     from ckpt_tools.train.procgroup import under_torchrun
 
     if under_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise CkptError(f"ckpt export runs in one process, not as rank {os.environ.get('RANK')} of a torchrun job "
-                        f"of {os.environ.get('WORLD_SIZE')}", hint="run `ckpt export` without torchrun")
+        raise CkptError(
+            f"ckpt export runs in one process, not as rank {os.environ.get('RANK')} of a torchrun job "
+            f"of {os.environ.get('WORLD_SIZE')}",
+            hint="run `ckpt export` without torchrun",
+        )
 
 
 def register(app: typer.Typer) -> None:

@@ -1,4 +1,5 @@
 """`ckpt inspect PATH`: what is inside a checkpoint, instantly, without loading tensor bytes."""
+
 from __future__ import annotations
 
 import re
@@ -31,20 +32,30 @@ def parse_rank(spec: str | None) -> dict[str, int] | None:
 
 
 def inspect_cmd(
-    path: str = typer.Argument(..., metavar="PATH", help="checkpoint file or folder (a tag folder or its parent "
-                               "with `latest`); a folder of checkpoints lists them; or a URL (s3://, gs://, "
-                               "file://, any fsspec URL; --storage-options JSON for the client)"),
-    grep: Optional[str] = typer.Option(None, "--grep", "-g", metavar="REGEX",
-                                       help="only tree entries whose path matches this regex"),
+    path: str = typer.Argument(
+        ...,
+        metavar="PATH",
+        help="checkpoint file or folder (a tag folder or its parent "
+        "with `latest`); a folder of checkpoints lists them; or a URL (s3://, gs://, "
+        "file://, any fsspec URL; --storage-options JSON for the client)",
+    ),
+    grep: Optional[str] = typer.Option(
+        None, "--grep", "-g", metavar="REGEX", help="only tree entries whose path matches this regex"
+    ),
     depth: Optional[int] = typer.Option(None, "--depth", "-d", metavar="N", help="cut the tree at this many levels"),
-    rank: Optional[str] = typer.Option(None, "--rank", metavar="RANK",
-                                       help="only pieces on this rank: N (dp) or dp=N,tp=N,pp=N"),
+    rank: Optional[str] = typer.Option(
+        None, "--rank", metavar="RANK", help="only pieces on this rank: N (dp) or dp=N,tp=N,pp=N"
+    ),
     json_out: bool = typer.Option(False, "--json", help="machine-readable output (see ckpt_tools.ops.inspect)"),
     stats: bool = typer.Option(False, "--stats", help="read tensor data: min/max/mean/std, NaN/Inf (slow)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="header only, no tree"),
-    full: bool = typer.Option(False, "--full", help="every numbered layer on its own line and every value of "
-                              "long lists (default: layers that read the same as one line, `blocks.{0..47}.…  ×48`; "
-                              "lists as type, length and first values)"),
+    full: bool = typer.Option(
+        False,
+        "--full",
+        help="every numbered layer on its own line and every value of "
+        "long lists (default: layers that read the same as one line, `blocks.{0..47}.…  ×48`; "
+        "lists as type, length and first values)",
+    ),
 ) -> None:
     """Show format, topology, counters, learning rates, parameter count, warnings and the state tree.
 
@@ -69,8 +80,16 @@ def inspect_cmd(
         from tqdm import tqdm
 
         total = sum(1 for _ in ops.iter_tensors(ck.tree))
-        stat_rows = list(tqdm(ops.tensor_stats(ck, grep), total=total, desc="reading tensors", unit="tensor",
-                              disable=json_out or quiet, leave=False))
+        stat_rows = list(
+            tqdm(
+                ops.tensor_stats(ck, grep),
+                total=total,
+                desc="reading tensors",
+                unit="tensor",
+                disable=json_out or quiet,
+                leave=False,
+            )
+        )
     warnings = list(ck.warnings) + ops.stats_warnings(stat_rows)
     if json_out:
         doc = ops.summary(ck, tree if tree is not None else ops.GroupNode(), rank_d)
@@ -87,10 +106,13 @@ def inspect_cmd(
     elif not quiet and tree is not None:
         extra = None
         if rank_d:
+
             def extra(n):
                 ps = ops.rank_pieces(n, rank_d) if isinstance(n, ops.TensorNode) else []
-                return "".join("  " + output.style(f"{p.file}[{p.src_offset}:{p.src_offset + p.numel}]", "dim")
-                               for p in ps)
+                return "".join(
+                    "  " + output.style(f"{p.file}[{p.src_offset}:{p.src_offset + p.numel}]", "dim") for p in ps
+                )
+
         output.print_tree(tree, "tree", extra, full=full)
 
 
@@ -99,8 +121,11 @@ def _check_rank(ck, spec: str | None, rank: dict[str, int] | None) -> None:
     for dim, r in (rank or {}).items():
         size = getattr(ck.topology, dim)
         if size is not None and r >= size:
-            raise CkptError(f"--rank {spec}: this checkpoint has {dim}={size} ({dim} ranks 0 to {size - 1})",
-                            path=ck.path, hint=f"pass --rank {dim}=N with N below {size}")
+            raise CkptError(
+                f"--rank {spec}: this checkpoint has {dim}={size} ({dim} ranks 0 to {size - 1})",
+                path=ck.path,
+                hint=f"pass --rank {dim}=N with N below {size}",
+            )
 
 
 def _list_checkpoints(path: str, json_out: bool) -> None:
@@ -112,8 +137,16 @@ def _list_checkpoints(path: str, json_out: bool) -> None:
     if json_out:
         output.print_json({"path": path, "format": None, "checkpoints": rows})
         return
-    cells = [(Path(r["path"]).name, r["format"] or "—", f"step {output.fmt_value(r['step'])}",
-              output.fmt_bytes(r["bytes"]), r["modified"].replace("T", " ")[:16]) for r in rows]
+    cells = [
+        (
+            Path(r["path"]).name,
+            r["format"] or "—",
+            f"step {output.fmt_value(r['step'])}",
+            output.fmt_bytes(r["bytes"]),
+            r["modified"].replace("T", " ")[:16],
+        )
+        for r in rows
+    ]
     widths = [max(len(c[i]) for c in cells) for i in range(4)]
     lines = [f"{path}: {output.plural(len(rows), 'checkpoint')}, newest first"]
     for r, c in zip(rows, cells):
@@ -134,17 +167,37 @@ def _print_header(ck, warnings) -> None:
     unread = len((ck.details.get("accounting") or {}).get("unread", ()))
     rows = [
         ("format", style(ck.format, "green") + f"  {ck.path}" + (f"  (tag {tag})" if tag else "")),
-        ("topology", f"dp={f(topo.dp)} tp={f(topo.tp)} pp={f(topo.pp)} zero_stage={f(topo.zero_stage)}"
-                     + (f" ep={topo.ep}" if topo.ep is not None else "") + (f" vpp={topo.vpp}" if topo.vpp else "")),
-        ("parameters", f"{ck.parameter_count:,} in {output.plural(ck.parameter_tensors, 'tensor')}"
-                       + (f" (of the files read; {output.plural(unread, 'file')} unread)" if unread else "")
-                       + (f"   dtypes {', '.join(ck.dtypes)}" if ck.dtypes else "")),
+        (
+            "topology",
+            f"dp={f(topo.dp)} tp={f(topo.tp)} pp={f(topo.pp)} zero_stage={f(topo.zero_stage)}"
+            + (f" ep={topo.ep}" if topo.ep is not None else "")
+            + (f" vpp={topo.vpp}" if topo.vpp else ""),
+        ),
+        (
+            "parameters",
+            f"{ck.parameter_count:,} in {output.plural(ck.parameter_tensors, 'tensor')}"
+            + (f" (of the files read; {output.plural(unread, 'file')} unread)" if unread else "")
+            + (f"   dtypes {', '.join(ck.dtypes)}" if ck.dtypes else ""),
+        ),
         ("files", _files_line(ck)),
-        ("counters", "  ".join(f"{k}={f(getattr(c, k))}" for k in ("global_step", "optimizer_step",
-                                                                   "scheduler_last_epoch", "scheduler_step_count",
-                                                                   "skipped_steps"))),
-        ("lr", f"param_groups={f(list(ck.lr.param_groups) or None)}  base_lrs={f(ck.lr.base_lrs)}  "
-               f"last_lr={f(ck.lr.last_lr)}"),
+        (
+            "counters",
+            "  ".join(
+                f"{k}={f(getattr(c, k))}"
+                for k in (
+                    "global_step",
+                    "optimizer_step",
+                    "scheduler_last_epoch",
+                    "scheduler_step_count",
+                    "skipped_steps",
+                )
+            ),
+        ),
+        (
+            "lr",
+            f"param_groups={f(list(ck.lr.param_groups) or None)}  base_lrs={f(ck.lr.base_lrs)}  "
+            f"last_lr={f(ck.lr.last_lr)}",
+        ),
     ]
     rows += [(k, f(v)) for k, v in ck.details.items() if v is not None and k not in ("tag", "accounting")]
     if remote.stats() is not None:
@@ -155,13 +208,16 @@ def _print_header(ck, warnings) -> None:
         rows.append(("warnings", style(str(len(warnings)), "yellow")))
     width = max(len(k) for k, _ in rows)
     cols = output.columns()  # on a terminal, values break between words under their own column
-    lines = [line for k, v in rows
-             for line in output.wrap(v, cols, style(k.ljust(width), "yellow" if k == "warnings" else "bold") + "  ",
-                                     sep="  ")]
+    lines = [
+        line
+        for k, v in rows
+        for line in output.wrap(
+            v, cols, style(k.ljust(width), "yellow" if k == "warnings" else "bold") + "  ", sep="  "
+        )
+    ]
     for w in warnings:
         where = " " + style(f"({w.path})", "dim") if w.path and w.path not in w.message else ""
-        lines += output.wrap(w.message + where, cols,
-                             "  " + style(f"⚠ {w.code}", "yellow") + ": ", "    ")
+        lines += output.wrap(w.message + where, cols, "  " + style(f"⚠ {w.code}", "yellow") + ": ", "    ")
     sys.stdout.write("\n".join(lines) + "\n")
 
 
@@ -170,23 +226,35 @@ def _files_line(ck) -> str:
     read (the `unread-files` warning names them)."""
     unread = len((ck.details.get("accounting") or {}).get("unread", ()))
     n = len(ck.files)
-    return (f"{output.plural(n + unread, 'file')} ({n:,} read), {sum(x.bytes for x in ck.files):,} bytes"
-            + (" read" if unread else ""))
+    return f"{output.plural(n + unread, 'file')} ({n:,} read), {sum(x.bytes for x in ck.files):,} bytes" + (
+        " read" if unread else ""
+    )
 
 
 def _print_stats(rows) -> None:
     """One aligned plain-text line per tensor (like the tree: a rich Table took ~1 s for 5,000 rows)."""
     f, style = output.fmt_value, output.style
     head = ("tensor", "shape", "dtype", "min", "max", "mean", "std", "NaN", "Inf")
-    cells = [(s.path, "×".join(map(str, s.shape)) or "scalar", s.dtype, f(s.min), f(s.max), f(s.mean), f(s.std),
-              str(s.nan), str(s.inf)) for s in rows]
+    cells = [
+        (
+            s.path,
+            "×".join(map(str, s.shape)) or "scalar",
+            s.dtype,
+            f(s.min),
+            f(s.max),
+            f(s.mean),
+            f(s.std),
+            str(s.nan),
+            str(s.inf),
+        )
+        for s in rows
+    ]
     width = [max(len(c[i]) for c in [head, *cells]) for i in range(len(head))]
 
     def line(c, bad=(False, False)):
         left = [c[i].ljust(width[i]) for i in range(3)]
         right = [c[i].rjust(width[i]) for i in range(3, 7)]
-        counts = [style(c[i].rjust(width[i]), "red") if flag else c[i].rjust(width[i])
-                  for i, flag in zip((7, 8), bad)]
+        counts = [style(c[i].rjust(width[i]), "red") if flag else c[i].rjust(width[i]) for i, flag in zip((7, 8), bad)]
         return "  ".join(left + right + counts).rstrip()
 
     out = [style(line(head), "bold")] + [line(c, (s.nan > 0, s.inf > 0)) for c, s in zip(cells, rows)]

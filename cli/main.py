@@ -12,6 +12,7 @@ Exit codes, for every command:
     141  stdout closed early (`ckpt inspect X | head`)
 Set CKPT_DEBUG=1 to see tracebacks.
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,13 +25,17 @@ import typer
 from ckpt_tools.errors import CkptError
 from ckpt_tools.view import checkpoint as _checkpoint
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
-                  context_settings={"help_option_names": ["-h", "--help"]},
-                  help="Inspect and repair large-model training checkpoints. A checkpoint can also be read from a "
-                       "URL (s3://, gs://, file://, ...) by the commands that do not change it: inspect, diff and "
-                       "check-tp-sync, and export, convert and to-universal, which write their output to a local "
-                       "path; --storage-options JSON passes options to the fsspec client.",
-                  pretty_exceptions_enable=False)
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    help="Inspect and repair large-model training checkpoints. A checkpoint can also be read from a "
+    "URL (s3://, gs://, file://, ...) by the commands that do not change it: inspect, diff and "
+    "check-tp-sync, and export, convert and to-universal, which write their output to a local "
+    "path; --storage-options JSON passes options to the fsspec client.",
+    pretty_exceptions_enable=False,
+)
 
 from . import convert as _convert  # noqa: E402
 from . import diff as _diff  # noqa: E402
@@ -68,8 +73,11 @@ def _print_version(value: bool) -> None:
 
 
 @app.callback()
-def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
-                                       help="print the version and exit")) -> None:
+def _root(
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_print_version, help="print the version and exit"
+    ),
+) -> None:
     pass  # the group's own options; its help text is the Typer(help=...) above
 
 
@@ -125,6 +133,7 @@ def _carry_interrupts(fn):
             return fn(*args, **kwargs)
         except KeyboardInterrupt as e:
             raise _Interrupted(e) from e
+
     return command
 
 
@@ -134,9 +143,9 @@ for _command in app.registered_commands:
 # what a command stopped outside a write leaves (writes say what they put back: io.Interrupted)
 _LEFT_ON_INTERRUPT = {
     "resume": "resume stopped: the checkpoint was only read, the training processes were stopped and the "
-              "temporary scratch folder removed (a --work-dir keeps its files)",
+    "temporary scratch folder removed (a --work-dir keeps its files)",
     "to-universal": "to-universal stopped: the source was only read, and OUT is either complete or absent, never "
-                    "partial",
+    "partial",
 }
 
 
@@ -175,6 +184,7 @@ def _install_test_kill_hook() -> None:
             hit(s)
             if on_stage:
                 on_stage(s, f)
+
         return execute(plan, on_stage=on, **kw)
 
     def fsync_hooked(p):
@@ -197,8 +207,9 @@ def _fast_parse(argv: list[str]):
 
     if not argv or argv[0].startswith("-") or any(a in ("--help", "-h") for a in argv):
         return None
-    command = next((c for c in app.registered_commands
-                    if (c.name or c.callback.__name__.replace("_", "-")) == argv[0]), None)
+    command = next(
+        (c for c in app.registered_commands if (c.name or c.callback.__name__.replace("_", "-")) == argv[0]), None
+    )
     if command is None:
         return None
 
@@ -219,11 +230,18 @@ def _fast_parse(argv: list[str]):
     for name, param in pyinspect.signature(fn).parameters.items():
         info, base = param.default, base_of(hints.get(name))
         if isinstance(info, typer.models.ArgumentInfo) and base in (str, Path):
-            parser.add_argument(name, type=base, **({} if info.default is ... else {"nargs": "?",
-                                                                                  "default": info.default}))
+            parser.add_argument(
+                name, type=base, **({} if info.default is ... else {"nargs": "?", "default": info.default})
+            )
             continue
-        if not isinstance(info, typer.models.OptionInfo) or info.callback or info.is_eager or info.envvar \
-                or getattr(info, "count", False) or any("/" in d for d in info.param_decls or ()):
+        if (
+            not isinstance(info, typer.models.OptionInfo)
+            or info.callback
+            or info.is_eager
+            or info.envvar
+            or getattr(info, "count", False)
+            or any("/" in d for d in info.param_decls or ())
+        ):
             return None
         decls = tuple(info.param_decls or ()) or ("--" + name.replace("_", "-"),)  # typer's name when none given
         if base is bool and info.default is False:
@@ -313,8 +331,10 @@ def _main(argv: list[str] | None) -> None:
     except RecursionError:  # a list or dict filled after it was referenced can hide its depth from the pickle walk
         if os.environ.get("CKPT_DEBUG"):
             raise
-        sys.stderr.write("ckpt: error: a structure in the checkpoint nests too deeply to walk (the file is corrupt "
-                         "or hostile; do not load it with torch.load either)\n")
+        sys.stderr.write(
+            "ckpt: error: a structure in the checkpoint nests too deeply to walk (the file is corrupt "
+            "or hostile; do not load it with torch.load either)\n"
+        )
         _exit(2)
     except (_Interrupted, KeyboardInterrupt) as e:
         said = str(e.args[0] if isinstance(e, _Interrupted) else e)

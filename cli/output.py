@@ -2,6 +2,7 @@
 
 Progress bars go to stderr and are turned off when output is machine-readable (`--json`) or quiet.
 """
+
 from __future__ import annotations
 
 import json
@@ -249,11 +250,18 @@ def _ranges(values: list[int], width: int = 0, braces: bool = True) -> str:
 def _line_key(n: Node):
     """What a child's tree line says, as a hashable key (cheaper than the text): two children with equal keys
     render the same line. None for a child that spans several lines (never collapsed)."""
+
     def leaf(c: Node):
         if isinstance(c, TensorNode):
             v = c.value
-            return (c.dtype, c.shape, tuple(v) if isinstance(v, list) else v, len(c.shards), c.merge,
-                    len(c.pieces))  # fmt_tensor shows "(N pieces)"
+            return (
+                c.dtype,
+                c.shape,
+                tuple(v) if isinstance(v, list) else v,
+                len(c.shards),
+                c.merge,
+                len(c.pieces),
+            )  # fmt_tensor shows "(N pieces)"
         v = c.value
         return ("v", type(v).__name__, repr(v) if isinstance(v, (list, tuple, dict)) else v)
 
@@ -308,8 +316,14 @@ def tree_lines(node: Node, label: str, extra=None, *, full: bool = False, width:
                 return
         kids = n.children
         head = str(name) + (" " + style(f"<{n.cls}>", "magenta") if isinstance(n, OpaqueNode) else "") + times
-        lines.extend(wrap(head + (" " + style(f"({len(kids)})", "dim") if len(kids) > 5 else ""), width,
-                          prefix + branch, below + ("│   " if kids else "    ")))
+        lines.extend(
+            wrap(
+                head + (" " + style(f"({len(kids)})", "dim") if len(kids) > 5 else ""),
+                width,
+                prefix + branch,
+                below + ("│   " if kids else "    "),
+            )
+        )
         children(below, n)
 
     def children(prefix: str, n: Node) -> None:
@@ -317,8 +331,10 @@ def tree_lines(node: Node, label: str, extra=None, *, full: bool = False, width:
         if full or extra or len(items) < COLLAPSE_MIN:
             rows = [(str(k), [i]) for i, (k, _) in enumerate(items)]
         else:  # compared by what the line would say, rendered only for the lines shown
-            rows = [(label, members) for label, _, members in
-                    collapse_numbered([str(k) for k, _ in items], [_line_key(c) for _, c in items])]
+            rows = [
+                (label, members)
+                for label, _, members in collapse_numbered([str(k) for k, _ in items], [_line_key(c) for _, c in items])
+            ]
         for r, (name, members) in enumerate(rows):
             child = items[members[0]][1]
             add(prefix, r == len(rows) - 1, name, child, one_line(child), len(members))
@@ -340,10 +356,17 @@ def print_write_plan(con, plan) -> None:
     from rich.markup import escape
 
     width = columns()
-    say = lambda text, st=None: con.print(f"[{st}]{escape(text)}[/]" if st else escape(text),  # noqa: E731
-                                          soft_wrap=True)
-    con.print(f"[bold]plan: {escape(plan.command)}[/]  "
-              f"({plural(len(plan.writes), 'file')} under {escape(str(plan.root))})", soft_wrap=True)
+
+    def say(text, st=None):
+        return con.print(
+            f"[{st}]{escape(text)}[/]" if st else escape(text),
+            soft_wrap=True,
+        )
+
+    con.print(
+        f"[bold]plan: {escape(plan.command)}[/]  ({plural(len(plan.writes), 'file')} under {escape(str(plan.root))})",
+        soft_wrap=True,
+    )
     fw = max((len(c.field) for c in plan.changes), default=0)
     for w in plan.writes:
         for i, line in enumerate(wrap(f"{w.path}  {w.method}", width, "  ", "      ")):
@@ -398,8 +421,15 @@ def deepspeed_logs_above_bars():
 
 #: the heavy packages some commands need, and the extra of ckpt-tools that installs each (pyproject.toml):
 #: the core install (inspect, diff, set-lr/set-step of torch-zip formats) needs neither torch nor deepspeed
-EXTRAS = {"torch": "convert", "deepspeed": "convert", "safetensors": "convert", "accelerate": "train",
-          "transformers": "train", "lightning": "train", "matplotlib": "all"}
+EXTRAS = {
+    "torch": "convert",
+    "deepspeed": "convert",
+    "safetensors": "convert",
+    "accelerate": "train",
+    "transformers": "train",
+    "lightning": "train",
+    "matplotlib": "all",
+}
 
 
 def need_extra(module: str, extra: str | None = None, what: str = "this command") -> str:
@@ -442,23 +472,31 @@ def _first_sentence(text: str) -> str:
     """The help's first sentence: up to a full stop that ends a sentence (not the one in "e.g." or "i.e.")."""
     text = " ".join(text.split())
     for m in re.finditer(r"\.(\s|$)", text):
-        if not re.search(r"\b(e\.g|i\.e|etc|vs)$", text[:m.start()]):
-            return text[:m.start() + 1]
+        if not re.search(r"\b(e\.g|i\.e|etc|vs)$", text[: m.start()]):
+            return text[: m.start() + 1]
     return text
 
 
 #: the formats each command works on: "all" (every format id the registry reads), "training_state" (the formats
 #: whose module says where the training state lives), "resume" (the formats a resume planner takes), or ids
 WORKS_ON = {
-    "inspect": "all", "diff": "all", "export": "all", "convert": "all", "restore": "all",
-    "set-lr": "training_state", "set-step": "training_state", "resume": "resume",
-    "check-tp-sync": ("deepspeed_pipeline", "megatron_legacy"), "sync-tp": ("deepspeed_pipeline", "megatron_legacy"),
+    "inspect": "all",
+    "diff": "all",
+    "export": "all",
+    "convert": "all",
+    "restore": "all",
+    "set-lr": "training_state",
+    "set-step": "training_state",
+    "resume": "resume",
+    "check-tp-sync": ("deepspeed_pipeline", "megatron_legacy"),
+    "sync-tp": ("deepspeed_pipeline", "megatron_legacy"),
     "to-universal": ("deepspeed_zero", "deepspeed_pipeline", "deepspeed_moe", "accelerate", "hf_trainer"),
 }
 #: said under a command's format list where it takes only part of a format
 WORKS_ON_NOTE = {
     "to-universal": "accelerate and hf_trainer with DeepSpeed inside (a checkpoint-N folder)",
-    "check-tp-sync": "at TP > 1", "sync-tp": "at TP > 1",
+    "check-tp-sync": "at TP > 1",
+    "sync-tp": "at TP > 1",
     "resume": "torchtune: says which `tune run` resumes it",
 }
 
@@ -513,8 +551,9 @@ class Command(typer.core.TyperCommand):
         name = ctx.command_path.split(" ", 1)[-1]
         if name in WORKS_ON:
             with formatter.section("Formats"):
-                formatter.write_text(", ".join(works_on(name)) + (f" ({WORKS_ON_NOTE[name]})" if name in WORKS_ON_NOTE
-                                                                   else ""))
+                formatter.write_text(
+                    ", ".join(works_on(name)) + (f" ({WORKS_ON_NOTE[name]})" if name in WORKS_ON_NOTE else "")
+                )
 
     def get_short_help_str(self, limit: int = 45) -> str:
         text = self.short_help or _first_sentence(self.help or "")
@@ -533,10 +572,15 @@ class Command(typer.core.TyperCommand):
 
             raise CkptError(need_extra(root, what=f"ckpt {ctx.info_name}")) from e
 
-TRUST_PICKLES_HELP = ("write even though the source's pickles name globals outside ckpt's allowlist (or its zips hold "
-                      "members torch.save does not write): without it such a source is refused (exit 2, naming "
-                      "file, place and global), since the framework loading the output would run them; with it "
-                      "they are carried and the result says so")
-ALLOW_UNREAD_HELP = ("go on although the checkpoint folder holds files that may hold model or training state which "
-                     "no reader took (the `unread-files` warning of `ckpt inspect`): they are left behind, "
-                     "unchanged and not carried, and the plan lists them")
+
+TRUST_PICKLES_HELP = (
+    "write even though the source's pickles name globals outside ckpt's allowlist (or its zips hold "
+    "members torch.save does not write): without it such a source is refused (exit 2, naming "
+    "file, place and global), since the framework loading the output would run them; with it "
+    "they are carried and the result says so"
+)
+ALLOW_UNREAD_HELP = (
+    "go on although the checkpoint folder holds files that may hold model or training state which "
+    "no reader took (the `unread-files` warning of `ckpt inspect`): they are left behind, "
+    "unchanged and not carried, and the plan lists them"
+)

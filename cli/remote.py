@@ -1,6 +1,7 @@
 """URLs on the command line (s3://, gs://, az://, hf://, file://, any fsspec URL): read-only commands run on a
 mounted mirror (`ckpt_tools.read.remote`); writing commands are refused with one line. Output spells the mirror as
 the URL."""
+
 from __future__ import annotations
 
 import sys
@@ -51,7 +52,9 @@ def take_storage_options(argv: list[str]) -> tuple[list[str], str | None]:
         a = argv[i]
         if a == "--storage-options":
             if i + 1 >= len(argv):
-                raise CkptError("--storage-options needs a JSON object", hint='e.g. --storage-options \'{"anon": true}\'')
+                raise CkptError(
+                    "--storage-options needs a JSON object", hint="e.g. --storage-options '{\"anon\": true}'"
+                )
             value, i = argv[i + 1], i + 2
             continue
         if a.startswith("--storage-options="):
@@ -73,19 +76,28 @@ def mount_urls(argv: list[str]) -> list[str]:
     command = argv[0] if argv and not argv[0].startswith("-") else ""
     url = argv[urls[0]]
     if command in remote.WRITING_COMMANDS:
-        raise CkptError(f"ckpt {command} {remote.WRITING_COMMANDS[command]} a checkpoint in place and does not "
-                        "write to object storage", path=url,
-                        hint="copy it to a local folder (aws s3 sync / gsutil rsync / fsspec), run the command "
-                             "there, then upload the result")
+        raise CkptError(
+            f"ckpt {command} {remote.WRITING_COMMANDS[command]} a checkpoint in place and does not "
+            "write to object storage",
+            path=url,
+            hint="copy it to a local folder (aws s3 sync / gsutil rsync / fsspec), run the command "
+            "there, then upload the result",
+        )
     if command not in _READS:
-        raise CkptError(f"ckpt {command or '(no command)'} does not read URLs", path=url,
-                        hint="copy the checkpoint to a local folder first")
+        raise CkptError(
+            f"ckpt {command or '(no command)'} does not read URLs",
+            path=url,
+            hint="copy the checkpoint to a local folder first",
+        )
     if command in _WRITES_OUTPUT:
         positional = [i for i, a in enumerate(argv[1:], 1) if not a.startswith("-")]
         for i in urls:
             if positional and i != positional[0]:
-                raise CkptError(f"ckpt {command} writes its output to a local path, not to a URL", path=argv[i],
-                                hint="write to a local folder, then upload it")
+                raise CkptError(
+                    f"ckpt {command} writes its output to a local path, not to a URL",
+                    path=argv[i],
+                    hint="write to a local folder, then upload it",
+                )
     opts = remote.storage_options_from(opts_text)
     argv = list(argv)
     mounts = []
@@ -105,8 +117,9 @@ def _fetch_all(m: remote.Mount, quiet: bool) -> None:
     """Every byte of the source, with a progress bar (convert and to-universal read it in other processes)."""
     from tqdm import tqdm
 
-    with tqdm(total=m.missing_bytes(), unit="B", unit_scale=True, desc=f"fetching {m.url}", disable=quiet or None,
-              leave=False) as bar:
+    with tqdm(
+        total=m.missing_bytes(), unit="B", unit_scale=True, desc=f"fetching {m.url}", disable=quiet or None, leave=False
+    ) as bar:
         m.fetch_all(progress=bar.update)
 
 
@@ -126,9 +139,11 @@ def report_line() -> str | None:
     s = remote.stats()
     if s is None:
         return None
-    return (f"{s['requests']:,} requests ({s['list_requests']:,} list, {s['get_requests']:,} ranged GET"
-            f"{'s' if s['get_requests'] != 1 else ''}), {s['bytes_fetched']:,} bytes fetched of "
-            f"{s['objects_bytes']:,} listed in {s['objects']:,} object{'s' if s['objects'] != 1 else ''}")
+    return (
+        f"{s['requests']:,} requests ({s['list_requests']:,} list, {s['get_requests']:,} ranged GET"
+        f"{'s' if s['get_requests'] != 1 else ''}), {s['bytes_fetched']:,} bytes fetched of "
+        f"{s['objects_bytes']:,} listed in {s['objects']:,} object{'s' if s['objects'] != 1 else ''}"
+    )
 
 
 def finish() -> None:

@@ -2,6 +2,7 @@
 
 Exit codes: 0 every check passed (or was not available), 1 a check failed, 2 unusable input.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,62 +22,130 @@ from . import output
 
 
 def resume_cmd(
-    path: str = typer.Argument(..., metavar="PATH", help="checkpoint: DeepSpeed (folder with `latest`, tag "
-                               "folder, universal), HF Trainer checkpoint-N or output_dir, Accelerate folder, DCP "
-                               "folder, Lightning .ckpt, Megatron-LM run or iter_N folder"),
+    path: str = typer.Argument(
+        ...,
+        metavar="PATH",
+        help="checkpoint: DeepSpeed (folder with `latest`, tag "
+        "folder, universal), HF Trainer checkpoint-N or output_dir, Accelerate folder, DCP "
+        "folder, Lightning .ckpt, Megatron-LM run or iter_N folder",
+    ),
     steps: int = typer.Option(10, "--steps", "-n", metavar="N", help="optimizer steps to train after loading"),
-    nproc: Optional[int] = typer.Option(None, "--nproc", metavar="N", help="processes (default: the checkpoint's "
-                                        "DP x TP x PP; with --universal on CUDA, every visible GPU)"),
-    device: str = typer.Option("auto", "--device", metavar="DEVICE", help="auto (CUDA/NCCL if a GPU is visible, "
-                               "else CPU/gloo), cuda or cpu"),
-    universal: bool = typer.Option(False, "--universal", help="load through a DeepSpeed universal checkpoint "
-                                   "(converted into a scratch folder first unless CKPT already is one)"),
-    tp: Optional[int] = typer.Option(None, "--tp", metavar="N", help="tensor-parallel size to resume at (implies "
-                                     "--universal)"),
-    pp: Optional[int] = typer.Option(None, "--pp", metavar="N", help="pipeline-parallel size to resume at (implies "
-                                     "--universal)"),
-    model: str = typer.Option("auto", "--model", metavar="MODEL", help="auto (a bundled model when the checkpoint "
-                              "is one, else the model-free check), replica (model-free: a replica of the "
-                              "checkpoint's parameters, synthetic loss, optimizer state checked), tiny-gpt, "
-                              "megatron-gpt or module:function (a factory returning "
-                              "ckpt_tools.resume.workers.deepspeed.TrainSetup)"),
-    data: Optional[str] = typer.Option(None, "--data", metavar="FILE", help="token file (.bin uint16 or .npy) "
-                                       "instead of the deterministic synthetic batches"),
-    config: Optional[Path] = typer.Option(None, "--config", metavar="JSON", help="JSON file merged over the "
-                                          "checkpoint's ds_config (the whole config where it holds none: a "
-                                          "universal converted from another framework)"),
-    reference: Optional[Path] = typer.Option(None, "--reference", metavar="JSON", help="JSON of the uninterrupted "
-                                             "run (--record-reference output or a sample manifest)"),
-    record_reference: Optional[Path] = typer.Option(None, "--record-reference", metavar="JSON", help="write this "
-                                                    "run's per-step records as a reference JSON"),
+    nproc: Optional[int] = typer.Option(
+        None,
+        "--nproc",
+        metavar="N",
+        help="processes (default: the checkpoint's DP x TP x PP; with --universal on CUDA, every visible GPU)",
+    ),
+    device: str = typer.Option(
+        "auto", "--device", metavar="DEVICE", help="auto (CUDA/NCCL if a GPU is visible, else CPU/gloo), cuda or cpu"
+    ),
+    universal: bool = typer.Option(
+        False,
+        "--universal",
+        help="load through a DeepSpeed universal checkpoint "
+        "(converted into a scratch folder first unless CKPT already is one)",
+    ),
+    tp: Optional[int] = typer.Option(
+        None, "--tp", metavar="N", help="tensor-parallel size to resume at (implies --universal)"
+    ),
+    pp: Optional[int] = typer.Option(
+        None, "--pp", metavar="N", help="pipeline-parallel size to resume at (implies --universal)"
+    ),
+    model: str = typer.Option(
+        "auto",
+        "--model",
+        metavar="MODEL",
+        help="auto (a bundled model when the checkpoint "
+        "is one, else the model-free check), replica (model-free: a replica of the "
+        "checkpoint's parameters, synthetic loss, optimizer state checked), tiny-gpt, "
+        "megatron-gpt or module:function (a factory returning "
+        "ckpt_tools.resume.workers.deepspeed.TrainSetup)",
+    ),
+    data: Optional[str] = typer.Option(
+        None,
+        "--data",
+        metavar="FILE",
+        help="token file (.bin uint16 or .npy) instead of the deterministic synthetic batches",
+    ),
+    config: Optional[Path] = typer.Option(
+        None,
+        "--config",
+        metavar="JSON",
+        help="JSON file merged over the "
+        "checkpoint's ds_config (the whole config where it holds none: a "
+        "universal converted from another framework)",
+    ),
+    reference: Optional[Path] = typer.Option(
+        None,
+        "--reference",
+        metavar="JSON",
+        help="JSON of the uninterrupted run (--record-reference output or a sample manifest)",
+    ),
+    record_reference: Optional[Path] = typer.Option(
+        None, "--record-reference", metavar="JSON", help="write this run's per-step records as a reference JSON"
+    ),
     loss_tol: float = typer.Option(1e-3, "--loss-tol", metavar="X", help="max |loss - reference loss| per step"),
-    jump_tol: float = typer.Option(0.1, "--jump-tol", metavar="X", help="without --reference: allowed relative "
-                                   "rise of the first loss over a loss saved in the client state"),
-    work_dir: Optional[Path] = typer.Option(None, "--work-dir", metavar="DIR", help="keep scratch files (universal "
-                                            "conversion, worker plan) here instead of a temporary folder"),
-    plot: Optional[Path] = typer.Option(None, "--plot", metavar="PNG", help="PNG of loss and LR per step (needs "
-                                        "matplotlib)"),
+    jump_tol: float = typer.Option(
+        0.1,
+        "--jump-tol",
+        metavar="X",
+        help="without --reference: allowed relative rise of the first loss over a loss saved in the client state",
+    ),
+    work_dir: Optional[Path] = typer.Option(
+        None,
+        "--work-dir",
+        metavar="DIR",
+        help="keep scratch files (universal conversion, worker plan) here instead of a temporary folder",
+    ),
+    plot: Optional[Path] = typer.Option(
+        None, "--plot", metavar="PNG", help="PNG of loss and LR per step (needs matplotlib)"
+    ),
     json_out: bool = typer.Option(False, "--json", help="machine-readable result"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="verdict only"),
-    trust_pickles: bool = typer.Option(False, "--trust-pickles", help="resume even when a pickle names "
-                                       "globals outside the frameworks' classes (DeepSpeed's loader runs them)"),
-    scheduler: Optional[str] = typer.Option(None, "--scheduler", metavar="MODULE:FUNCTION", help="the function "
-                                            "of a LambdaLR (step -> factor, or a list per param group): the "
-                                            "checkpoint does not hold it"),
-    no_scheduler: bool = typer.Option(False, "--no-scheduler", help="the run had no LR scheduler: param groups "
-                                      "that carry initial_lr with no scheduler state saved then train at the "
-                                      "saved LR, constant; without it the learning-rate check fails on them (the "
-                                      "real run would restart its schedule)"),
-    against: Optional[Path] = typer.Option(None, "--against", metavar="CKPT", help="model-free check: take the "
-                                           "saved optimizer state from CKPT (e.g. the ZeRO checkpoint a universal "
-                                           "one was converted from) instead of PATH"),
-    n_kv_heads: Optional[int] = typer.Option(None, "--n-kv-heads", metavar="N", help="the model's KV heads: "
-                                             "orders the Adam state of a fused wqkv torchtitan saved with its "
-                                             "weights split (wq/wk/wv)"),
-    megatron_args: Optional[str] = typer.Option(None, "--megatron-args", metavar="FLAGS", help="Megatron-LM: "
-                                                "your relaunch flags, one string, added after the ones rebuilt "
-                                                "from the checkpoint's args (e.g. '--use-checkpoint-opt_param-"
-                                                "scheduler'); the expected LR takes them into account"),
+    trust_pickles: bool = typer.Option(
+        False,
+        "--trust-pickles",
+        help="resume even when a pickle names globals outside the frameworks' classes (DeepSpeed's loader runs them)",
+    ),
+    scheduler: Optional[str] = typer.Option(
+        None,
+        "--scheduler",
+        metavar="MODULE:FUNCTION",
+        help="the function of a LambdaLR (step -> factor, or a list per param group): the checkpoint does not hold it",
+    ),
+    no_scheduler: bool = typer.Option(
+        False,
+        "--no-scheduler",
+        help="the run had no LR scheduler: param groups "
+        "that carry initial_lr with no scheduler state saved then train at the "
+        "saved LR, constant; without it the learning-rate check fails on them (the "
+        "real run would restart its schedule)",
+    ),
+    against: Optional[Path] = typer.Option(
+        None,
+        "--against",
+        metavar="CKPT",
+        help="model-free check: take the "
+        "saved optimizer state from CKPT (e.g. the ZeRO checkpoint a universal "
+        "one was converted from) instead of PATH",
+    ),
+    n_kv_heads: Optional[int] = typer.Option(
+        None,
+        "--n-kv-heads",
+        metavar="N",
+        help="the model's KV heads: "
+        "orders the Adam state of a fused wqkv torchtitan saved with its "
+        "weights split (wq/wk/wv)",
+    ),
+    megatron_args: Optional[str] = typer.Option(
+        None,
+        "--megatron-args",
+        metavar="FLAGS",
+        help="Megatron-LM: "
+        "your relaunch flags, one string, added after the ones rebuilt "
+        "from the checkpoint's args (e.g. '--use-checkpoint-opt_param-"
+        "scheduler'); the expected LR takes them into account",
+    ),
 ) -> None:
     """Load PATH into the framework that wrote it, train N steps, and check that counters, LR, optimizer state
     (model-free) and loss (with a model) continue."""
@@ -92,17 +161,33 @@ def resume_cmd(
         except (OSError, ValueError) as e:
             raise CkptError(f"cannot read the config: {e}", path=config) from None
     ref = ops.load_reference(reference) if reference else None
-    plan = ops.plan_resume(path, steps=steps, nproc=nproc, device=device, universal=universal, tp=tp, pp=pp,
-                           model=model, config=override, data=data, trust_pickles=trust_pickles,
-                           scheduler=scheduler, against=against, n_kv_heads=n_kv_heads,
-                           framework_args=megatron_args, no_scheduler=no_scheduler)
+    plan = ops.plan_resume(
+        path,
+        steps=steps,
+        nproc=nproc,
+        device=device,
+        universal=universal,
+        tp=tp,
+        pp=pp,
+        model=model,
+        config=override,
+        data=data,
+        trust_pickles=trust_pickles,
+        scheduler=scheduler,
+        against=against,
+        n_kv_heads=n_kv_heads,
+        framework_args=megatron_args,
+        no_scheduler=no_scheduler,
+    )
     if getattr(plan, "framework", None) == "megatron":  # Megatron-LM's own training code, no DeepSpeed
         import importlib.util
 
         if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-            raise CkptError("resuming a Megatron-LM checkpoint needs megatron-core",
-                            hint="pip install megatron-core (the release that wrote the checkpoint: 0.16.1 for "
-                                 "Megatron-LM core_v0.16.1)")
+            raise CkptError(
+                "resuming a Megatron-LM checkpoint needs megatron-core",
+                hint="pip install megatron-core (the release that wrote the checkpoint: 0.16.1 for "
+                "Megatron-LM core_v0.16.1)",
+            )
     else:
         output.require("deepspeed", extra="train", what="ckpt resume")
 
@@ -115,8 +200,13 @@ def resume_cmd(
     quiet_bar = json_out or quiet
     converting = getattr(plan, "convert_from", None) is not None
     logs = output.deepspeed_logs_above_bars() if converting and not quiet_bar else nullcontext()
-    bar = tqdm(total=steps, desc=f"starting {output.plural(plan.nproc, 'process', 'processes')}", unit="step",
-               disable=quiet_bar, leave=False)
+    bar = tqdm(
+        total=steps,
+        desc=f"starting {output.plural(plan.nproc, 'process', 'processes')}",
+        unit="step",
+        disable=quiet_bar,
+        leave=False,
+    )
 
     def on_event(ev: dict) -> None:
         if ev["event"] == "converting":
@@ -132,8 +222,9 @@ def resume_cmd(
 
     try:
         with logs:
-            result = ops.run_resume(plan, on_event=on_event, reference=ref, loss_tol=loss_tol, jump_tol=jump_tol,
-                                    work_dir=work_dir)
+            result = ops.run_resume(
+                plan, on_event=on_event, reference=ref, loss_tol=loss_tol, jump_tol=jump_tol, work_dir=work_dir
+            )
     finally:
         bar.close()
     if record_reference is not None:
@@ -149,7 +240,6 @@ def resume_cmd(
 
 
 def _render(result: ops.ResumeResult, quiet: bool) -> None:
-    from rich.markup import escape
     from rich.table import Table
 
     con = output.console()
@@ -162,22 +252,36 @@ def _render(result: ops.ResumeResult, quiet: bool) -> None:
 
     if not quiet:
         fmt = getattr(s, "format", None) or getattr(p, "framework", "")
-        con.print(f"[bold]{escape(str(p.path))}[/]  " + escape(
-            f"{fmt}  saved at global_step={f(getattr(s, 'global_step', None))} "
-            f"adam_step={f(getattr(s, 'optimizer_step', None))}  {topo(s)}"))
+        con.print(
+            f"[bold]{escape(str(p.path))}[/]  "
+            + escape(
+                f"{fmt}  saved at global_step={f(getattr(s, 'global_step', None))} "
+                f"adam_step={f(getattr(s, 'optimizer_step', None))}  {topo(s)}"
+            )
+        )
         extras = "".join(f"  {k}={getattr(p, k)}" for k in ("micro_batch",) if getattr(p, k, None) is not None)
         if getattr(p, "gas", None) is not None:
             extras += f" accumulation={p.gas}"
-        con.print(escape(f"resumed on {p.nproc} {p.device} {'process' if p.nproc == 1 else 'processes'}: "
-                         f"{topo(p)}  model={p.model}{'  universal' if getattr(p, 'universal', False) else ''}{extras}"))
+        con.print(
+            escape(
+                f"resumed on {p.nproc} {p.device} {'process' if p.nproc == 1 else 'processes'}: "
+                f"{topo(p)}  model={p.model}{'  universal' if getattr(p, 'universal', False) else ''}{extras}"
+            )
+        )
         for note in getattr(p, "notes", ()):
             con.print(f"  [yellow]note[/]: {escape(note)}")
         t = Table(show_edge=False)
         for col in ("step", "loss", "lr", "grad norm", "adam step", "tokens/s"):
             t.add_column(col, justify="right")
         for r in result.records:
-            t.add_row(str(r.step), f"{r.loss:.6f}", escape(f(list(r.lr))), f"{r.grad_norm:.4g}" if r.grad_norm else "—",
-                      f(r.optimizer_step), f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "—")
+            t.add_row(
+                str(r.step),
+                f"{r.loss:.6f}",
+                escape(f(list(r.lr))),
+                f"{r.grad_norm:.4g}" if r.grad_norm else "—",
+                f(r.optimizer_step),
+                f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "—",
+            )
         con.print(t)
     v = Table(show_edge=False, title="verdict")
     v.add_column("check")

@@ -1,4 +1,5 @@
 """`ckpt samples make DIR`: regenerate the sample checkpoints with the real frameworks (CPU, gloo)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,8 +15,9 @@ samples_app = typer.Typer(help="The bundled sample checkpoints.", no_args_is_hel
 @samples_app.command("make", cls=output.Command)
 def make_cmd(
     out_dir: Path = typer.Argument(Path("sample_ckpts"), metavar="DIR", help="where to write the samples"),
-    only: Optional[List[str]] = typer.Option(None, "--only", metavar="NAME", help="a sample name from `ckpt "
-                                             "samples list` (repeatable); default: all"),
+    only: Optional[List[str]] = typer.Option(
+        None, "--only", metavar="NAME", help="a sample name from `ckpt samples list` (repeatable); default: all"
+    ),
     log_dir: Optional[Path] = typer.Option(None, "--log-dir", metavar="DIR", help="keep each worker's log here"),
 ) -> None:
     """Train tiny models with DeepSpeed / FSDP / Accelerate on CPU and save every sample checkpoint."""
@@ -26,8 +28,16 @@ def make_cmd(
     unknown = [n for n in only or () if n not in known]
     if unknown:
         raise CkptError(f"--only {', '.join(unknown)}: no such sample", hint="`ckpt samples list` shows the names")
-    output.require("torch", "deepspeed", "accelerate", "transformers", "lightning", "safetensors", extra="train",
-                   what="ckpt samples make")
+    output.require(
+        "torch",
+        "deepspeed",
+        "accelerate",
+        "transformers",
+        "lightning",
+        "safetensors",
+        extra="train",
+        what="ckpt samples make",
+    )
     from tqdm import tqdm
 
     names = only or known

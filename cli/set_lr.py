@@ -1,4 +1,5 @@
-"""`ckpt set-lr`, `ckpt set-step`, `ckpt restore` (`ckpt diff`: cli/diff.py): LR and counter surgery, planned and undoable.
+"""`ckpt set-lr`, `ckpt set-step`, `ckpt restore` (`ckpt diff`: cli/diff.py): LR and counter surgery, planned and
+undoable.
 
 Every write goes through `ckpt_tools.write.io.execute` (staged outside the checkpoint, originals hard-linked
 into `<parent>/.ckpt-backups/<name>/<time>-<cmd>/files/` or `--backup-dir`, atomic renames, re-verified,
@@ -7,6 +8,7 @@ Exit codes (cli/main.py): 0 done (diff: same), 1 diff: they differ, 2 unusable i
 is not writable, no terminal to confirm on, ...), 3 declined at the prompt, 130 interrupted (one line says
 what was put back).
 """
+
 from __future__ import annotations
 
 import sys
@@ -18,12 +20,18 @@ from rich.markup import escape
 
 from . import output
 
-_BACKUP_HELP = ("where the backups and the journal go, and the new files are staged when it is on the "
-                "checkpoint's filesystem (default: <parent>/.ckpt-backups/<name>/, never inside the checkpoint)")
-_COPY_HELP = ("write every changed file as a whole new copy renamed into place (the original kept as a hard-link "
-              "backup), instead of changing it in place in O(changed bytes) under a rollback journal")
-_PATH_HELP = ("checkpoint: a DeepSpeed, Megatron-LM (run or iter_N folder), torchtune output, Accelerate, HF Trainer "
-              "or DCP folder (torchtitan's too), a torch or Lightning file")
+_BACKUP_HELP = (
+    "where the backups and the journal go, and the new files are staged when it is on the "
+    "checkpoint's filesystem (default: <parent>/.ckpt-backups/<name>/, never inside the checkpoint)"
+)
+_COPY_HELP = (
+    "write every changed file as a whole new copy renamed into place (the original kept as a hard-link "
+    "backup), instead of changing it in place in O(changed bytes) under a rollback journal"
+)
+_PATH_HELP = (
+    "checkpoint: a DeepSpeed, Megatron-LM (run or iter_N folder), torchtune output, Accelerate, HF Trainer "
+    "or DCP folder (torchtitan's too), a torch or Lightning file"
+)
 DECLINED = 3  # exit code: the user answered no at the prompt (1 means "a check found problems")
 
 
@@ -44,8 +52,11 @@ def _confirm(question: str, root) -> bool:
         return typer.confirm(question, default=False)
     except typer.Abort:
         if not sys.stdin.isatty():
-            raise CkptError("no terminal to ask for confirmation on", path=root,
-                            hint="add --yes to go ahead without asking; nothing was written") from None
+            raise CkptError(
+                "no terminal to ask for confirmation on",
+                path=root,
+                hint="add --yes to go ahead without asking; nothing was written",
+            ) from None
         raise io.Interrupted(f"{root} is unchanged: stopped at the prompt") from None
 
 
@@ -65,13 +76,20 @@ def _tx_json(t) -> dict | None:
 
     if t is None:
         return None
-    return {"transaction": str(t.dir), "command": t.command, "started": t.started, "files": list(t.files),
-            "changes": [{"file": c.file, "field": c.field, "old": jsonable(c.old), "new": jsonable(c.new)}
-                        for c in t.changes]}
+    return {
+        "transaction": str(t.dir),
+        "command": t.command,
+        "started": t.started,
+        "files": list(t.files),
+        "changes": [
+            {"file": c.file, "field": c.field, "old": jsonable(c.old), "new": jsonable(c.new)} for c in t.changes
+        ],
+    }
 
 
-def confirm_and_write(con, plan, *, dry_run: bool, yes: bool, json_out: bool, backup_dir: Optional[Path],
-                      verb: str, copy: bool = False):
+def confirm_and_write(
+    con, plan, *, dry_run: bool, yes: bool, json_out: bool, backup_dir: Optional[Path], verb: str, copy: bool = False
+):
     """The tail every rewriting command shares (set-lr, set-step, sync-tp), after the plan was shown: check that
     every place the write touches is writable (exit 2 naming the place, a dry run included: it would fail);
     say what an earlier run of the same command already did (running `set-lr --scale 0.5` twice compounds);
@@ -87,8 +105,10 @@ def confirm_and_write(con, plan, *, dry_run: bool, yes: bool, json_out: bool, ba
         for n in places.notes:
             con.print(f"  note: {escape(n)}", soft_wrap=True)
         if before is not None:
-            said = (f"this checkpoint was already changed by {_describe(before)}; this run applies on top of it "
-                    f"(undo that one with `ckpt restore {plan.root}`)")
+            said = (
+                f"this checkpoint was already changed by {_describe(before)}; this run applies on top of it "
+                f"(undo that one with `ckpt restore {plan.root}`)"
+            )
             con.print(f"[yellow]note[/]: {escape(said)}", soft_wrap=True)
     if dry_run:
         if not json_out:
@@ -134,52 +154,83 @@ def _run(lp, *, dry_run: bool, yes: bool, json_out: bool, backup_dir: Optional[P
     tx = None
     try:
         if json_out and dry_run:
-            output.print_json({"dry_run": True, "plan": lp.to_json(),
-                               "previous_write": _tx_json(io.last_write(plan.root, plan.command, backup_dir))})
+            output.print_json(
+                {
+                    "dry_run": True,
+                    "plan": lp.to_json(),
+                    "previous_write": _tx_json(io.last_write(plan.root, plan.command, backup_dir)),
+                }
+            )
             if plan.writes:
-                io.check_places(plan, backup_dir, copy=copy)  # a dry run of a write that cannot happen ends in its error
+                io.check_places(
+                    plan, backup_dir, copy=copy
+                )  # a dry run of a write that cannot happen ends in its error
             return 0
         if not json_out:
             output.print_write_plan(con, plan)
         before = io.last_write(plan.root, plan.command, backup_dir)
-        tx = confirm_and_write(con, plan, dry_run=dry_run, yes=yes, json_out=json_out, backup_dir=backup_dir,
-                               verb="rewrite", copy=copy)
+        tx = confirm_and_write(
+            con, plan, dry_run=dry_run, yes=yes, json_out=json_out, backup_dir=backup_dir, verb="rewrite", copy=copy
+        )
         if tx is None:
             return 0
         if json_out:
-            output.print_json({"dry_run": False, "plan": lp.to_json(), "transaction": str(tx.dir),
-                               "previous_write": _tx_json(before), "bytes_written": tx.written,
-                               "in_place": list(tx.in_place)})
+            output.print_json(
+                {
+                    "dry_run": False,
+                    "plan": lp.to_json(),
+                    "transaction": str(tx.dir),
+                    "previous_write": _tx_json(before),
+                    "bytes_written": tx.written,
+                    "in_place": list(tx.in_place),
+                }
+            )
         else:
-            con.print(f"[green]changed {output.plural(len(tx.files), 'file')}, verified[/]; {escape(written_line(tx))}",
-                      soft_wrap=True)
+            con.print(
+                f"[green]changed {output.plural(len(tx.files), 'file')}, verified[/]; {escape(written_line(tx))}",
+                soft_wrap=True,
+            )
             con.print(f"undo: {escape(_undo_hint(plan.root, backup_dir, tx))}", soft_wrap=True)
             job = (getattr(lp, "config_change", None) or {}).get("job_config")
             if job:  # torchtitan: the checkpoint edit alone changes only the first resumed update
-                con.print("[bold yellow]NOT DONE YET[/]: relaunch with "
-                          + escape(" ".join(f"{k} {v:.6g}" for k, v in job.items()))
-                          + " (the job config's LR drives every resumed step after the first)", soft_wrap=True)
+                con.print(
+                    "[bold yellow]NOT DONE YET[/]: relaunch with "
+                    + escape(" ".join(f"{k} {v:.6g}" for k, v in job.items()))
+                    + " (the job config's LR drives every resumed step after the first)",
+                    soft_wrap=True,
+                )
         return 0
     except KeyboardInterrupt as e:
         if isinstance(e, io.Interrupted):
             raise
-        raise io.Interrupted(f"the write to {plan.root} had finished and was verified (backups and journal: "
-                             f"{tx.dir}; undo: {_undo_hint(plan.root, backup_dir, tx)})" if tx is not None
-                             else f"{plan.root} is unchanged: nothing had been written") from e
+        raise io.Interrupted(
+            f"the write to {plan.root} had finished and was verified (backups and journal: "
+            f"{tx.dir}; undo: {_undo_hint(plan.root, backup_dir, tx)})"
+            if tx is not None
+            else f"{plan.root} is unchanged: nothing had been written"
+        ) from e
 
 
 def set_lr_cmd(
     path: str = typer.Argument(..., help=_PATH_HELP),
     scale: Optional[float] = typer.Option(None, "--scale", help="multiply the LR trajectory (every LR field) by this"),
-    lr: Optional[float] = typer.Option(None, "--lr", help="set the base LR (base_lrs / the config's peak); every "
-                                       "other LR field scaled by the same factor"),
+    lr: Optional[float] = typer.Option(
+        None,
+        "--lr",
+        help="set the base LR (base_lrs / the config's peak); every other LR field scaled by the same factor",
+    ),
     group: Optional[int] = typer.Option(None, "--group", help="only this param group (default: all)"),
-    optimizer: Optional[int] = typer.Option(None, "--optimizer", help="only this optimizer and its scheduler, when "
-                                            "the checkpoint holds several (Accelerate optimizer_1.bin = 1, Lightning's "
-                                            "list position); default: all"),
+    optimizer: Optional[int] = typer.Option(
+        None,
+        "--optimizer",
+        help="only this optimizer and its scheduler, when "
+        "the checkpoint holds several (Accelerate optimizer_1.bin = 1, Lightning's "
+        "list position); default: all",
+    ),
     last_lr: Optional[float] = typer.Option(None, "--last-lr", help="the LR in effect now (_last_lr and optimizer lr)"),
-    last_epoch: Optional[int] = typer.Option(None, "--last-epoch", help="scheduler position (DeepSpeed: "
-                                             "last_batch_iteration)"),
+    last_epoch: Optional[int] = typer.Option(
+        None, "--last-epoch", help="scheduler position (DeepSpeed: last_batch_iteration)"
+    ),
     step_count: Optional[int] = typer.Option(None, "--step-count", help="scheduler _step_count"),
     dry_run: bool = typer.Option(False, "--dry-run", help="show the plan, write nothing"),
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask for confirmation"),
@@ -199,24 +250,41 @@ def set_lr_cmd(
 
     if scale is not None and lr is not None:
         raise typer.BadParameter("give --scale or --lr, not both", param_hint="--lr")
-    lp = ops.plan_set_lr(open_checkpoint(path), scale=scale, lr=lr, group=group, last_lr=last_lr,
-                         last_epoch=last_epoch, step_count=step_count, optimizer=optimizer,
-                         allow_unread=allow_unread, trust_pickles=trust_pickles)
+    lp = ops.plan_set_lr(
+        open_checkpoint(path),
+        scale=scale,
+        lr=lr,
+        group=group,
+        last_lr=last_lr,
+        last_epoch=last_epoch,
+        step_count=step_count,
+        optimizer=optimizer,
+        allow_unread=allow_unread,
+        trust_pickles=trust_pickles,
+    )
     return _run(lp, dry_run=dry_run, yes=yes, json_out=json_out, backup_dir=backup_dir, copy=copy)
 
 
 def set_step_cmd(
     path: str = typer.Argument(..., help=_PATH_HELP),
-    step: Optional[int] = typer.Option(None, "--step", help="all counters for N optimizer updates, coherently "
-                                       "(Accelerate: last_epoch = world_size x N)"),
+    step: Optional[int] = typer.Option(
+        None,
+        "--step",
+        help="all counters for N optimizer updates, coherently (Accelerate: last_epoch = world_size x N)",
+    ),
     optimizer_step: Optional[int] = typer.Option(None, "--optimizer-step", help="Adam `step` in every rank and group"),
     global_step: Optional[int] = typer.Option(None, "--global-step", help="DeepSpeed global_steps / the loop's step"),
-    last_epoch: Optional[int] = typer.Option(None, "--last-epoch", help="scheduler last_epoch (DeepSpeed: "
-                                             "last_batch_iteration)"),
+    last_epoch: Optional[int] = typer.Option(
+        None, "--last-epoch", help="scheduler last_epoch (DeepSpeed: last_batch_iteration)"
+    ),
     step_count: Optional[int] = typer.Option(None, "--step-count", help="scheduler _step_count"),
-    optimizer: Optional[int] = typer.Option(None, "--optimizer", help="only this optimizer and its scheduler, when "
-                                            "the checkpoint holds several (Accelerate optimizer_1.bin = 1, Lightning's "
-                                            "list position); default: all"),
+    optimizer: Optional[int] = typer.Option(
+        None,
+        "--optimizer",
+        help="only this optimizer and its scheduler, when "
+        "the checkpoint holds several (Accelerate optimizer_1.bin = 1, Lightning's "
+        "list position); default: all",
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="show the plan, write nothing"),
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask for confirmation"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable plan / result"),
@@ -229,22 +297,40 @@ def set_step_cmd(
     from ckpt_tools import open_checkpoint
     from ckpt_tools.ops import lr as ops
 
-    lp = ops.plan_set_step(open_checkpoint(path), step=step, optimizer_step=optimizer_step, global_step=global_step,
-                           last_epoch=last_epoch, step_count=step_count, optimizer=optimizer,
-                           allow_unread=allow_unread, trust_pickles=trust_pickles)
+    lp = ops.plan_set_step(
+        open_checkpoint(path),
+        step=step,
+        optimizer_step=optimizer_step,
+        global_step=global_step,
+        last_epoch=last_epoch,
+        step_count=step_count,
+        optimizer=optimizer,
+        allow_unread=allow_unread,
+        trust_pickles=trust_pickles,
+    )
     return _run(lp, dry_run=dry_run, yes=yes, json_out=json_out, backup_dir=backup_dir, copy=copy)
 
 
 def restore_cmd(
     path: Path = typer.Argument(..., help="the checkpoint a ckpt write changed"),
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask for confirmation"),
-    list_: bool = typer.Option(False, "--list", help="show every recorded write, newest first, and which one "
-                                                    "`restore` undoes next; change nothing"),
+    list_: bool = typer.Option(
+        False,
+        "--list",
+        help="show every recorded write, newest first, and which one `restore` undoes next; change nothing",
+    ),
     json_out: bool = typer.Option(False, "--json", help="machine-readable result"),
-    backup_dir: Optional[Path] = typer.Option(None, "--backup-dir", help="the --backup-dir the write was made "
-                                              "with (found without it when a link was left beside the checkpoint)"),
-    dry_run: bool = typer.Option(False, "--dry-run", help="show which write would be undone and the files that "
-                                 "would be put back (checked as restore checks them), write nothing"),
+    backup_dir: Optional[Path] = typer.Option(
+        None,
+        "--backup-dir",
+        help="the --backup-dir the write was made with (found without it when a link was left beside the checkpoint)",
+    ),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="show which write would be undone and the files that "
+        "would be put back (checked as restore checks them), write nothing",
+    ),
 ) -> int:
     """Undo the last ckpt write on this checkpoint: a write that was interrupted is rolled back, else the last
     finished write's originals go back, byte for byte. Run it again to walk further back, one write at a time
@@ -266,21 +352,36 @@ def restore_cmd(
     if not json_out:
         if active:
             back = io.replaced_files(last)
-            con.print("[bold]restore[/]: " + escape(
-                f"roll back the interrupted write `{last.command}` (started {last.started} UTC, {last.dir.name}): put "
-                f"back the originals of the {len(back)} of {len(last.files)} files it had replaced"), soft_wrap=True)
+            con.print(
+                "[bold]restore[/]: "
+                + escape(
+                    f"roll back the interrupted write `{last.command}` (started {last.started} UTC, "
+                    f"{last.dir.name}): put "
+                    f"back the originals of the {len(back)} of {len(last.files)} files it had replaced"
+                ),
+                soft_wrap=True,
+            )
             for f in back:
                 con.print(f"  {escape(str(f))}", soft_wrap=True)
         else:
-            con.print("[bold]restore[/] " + escape(f"{output.plural(len(last.files), 'file')} written by "
-                                                   f"`{last.command}` ({last.dir.name})"), soft_wrap=True)
+            con.print(
+                "[bold]restore[/] "
+                + escape(f"{output.plural(len(last.files), 'file')} written by `{last.command}` ({last.dir.name})"),
+                soft_wrap=True,
+            )
             for f in last.files:
                 con.print(f"  {escape(str(f))}", soft_wrap=True)
     if dry_run:
         if json_out:
-            output.print_json({"dry_run": True, "command": last.command, "transaction": str(last.dir),
-                               "interrupted": bool(active),
-                               "files": [str(f) for f in (io.replaced_files(last) if active else last.files)]})
+            output.print_json(
+                {
+                    "dry_run": True,
+                    "command": last.command,
+                    "transaction": str(last.dir),
+                    "interrupted": bool(active),
+                    "files": [str(f) for f in (io.replaced_files(last) if active else last.files)],
+                }
+            )
         else:
             con.print("[dim]dry run: nothing restored[/]")
         return 0
@@ -290,8 +391,9 @@ def restore_cmd(
     with _bar(last.nbytes, json_out, "restore") as bar:
         t = io.restore(path, last.dir, backup_dir=backup_dir, progress=bar.update)
     if json_out:
-        output.print_json({"restored": list(t.files), "command": t.command, "transaction": str(t.dir),
-                           "interrupted": bool(active)})
+        output.print_json(
+            {"restored": list(t.files), "command": t.command, "transaction": str(t.dir), "interrupted": bool(active)}
+        )
     elif active:
         con.print(f"[green]rolled back the interrupted write[/]; its journal: {escape(str(t.dir))}", soft_wrap=True)
     else:
@@ -312,13 +414,30 @@ def _list_writes(path: Path, json_out: bool, backup_dir: Optional[Path] = None) 
 
     history = list(reversed(io.transactions(path, backup_dir)))
     nxt = next((t for t in history if t.status in io.ACTIVE), None) or next(
-        (t for t in history if t.status == "done"), None)
-    rows = [{"transaction": str(t.dir), "command": t.command, "status": t.status, "files": list(t.files),
-             "started": t.started, "interrupted": t.status in io.ACTIVE, "next_to_undo": t is nxt} for t in history]
+        (t for t in history if t.status == "done"), None
+    )
+    rows = [
+        {
+            "transaction": str(t.dir),
+            "command": t.command,
+            "status": t.status,
+            "files": list(t.files),
+            "started": t.started,
+            "interrupted": t.status in io.ACTIVE,
+            "next_to_undo": t is nxt,
+        }
+        for t in history
+    ]
     where = io.backups_root(path, backup_dir)
     if json_out:
-        output.print_json({"checkpoint": str(path), "backups": str(where), "writes": rows,
-                           "interrupted_write": io.interrupted_write(path, backup_dir)})
+        output.print_json(
+            {
+                "checkpoint": str(path),
+                "backups": str(where),
+                "writes": rows,
+                "interrupted_write": io.interrupted_write(path, backup_dir),
+            }
+        )
         return 0
     con = output.console()
     if not rows:
@@ -332,7 +451,12 @@ def _list_writes(path: Path, json_out: bool, backup_dir: Optional[Path] = None) 
     for r in rows:
         status = f"interrupted ({r['status']})" if r["interrupted"] else r["status"]
         nxt_note = "rolls it back" if r["interrupted"] else ""
-        t.add_row(escape(r["started"]), escape(r["command"]), escape(status), str(len(r["files"])),
-                  f"[bold]<- next `ckpt restore` {nxt_note}[/]" if r["next_to_undo"] else "")
+        t.add_row(
+            escape(r["started"]),
+            escape(r["command"]),
+            escape(status),
+            str(len(r["files"])),
+            f"[bold]<- next `ckpt restore` {nxt_note}[/]" if r["next_to_undo"] else "",
+        )
     con.print(t)
     return 0

@@ -1,4 +1,5 @@
 """Shared fixtures: the committed sample checkpoints and their manifests (what the real run did)."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,12 @@ def pytest_configure(config):
     spec = importlib.util.find_spec("ckpt_cli")
     where = Path(spec.origin).resolve().parent if spec and spec.origin else None
     if where != ROOT / "cli":
-        raise pytest.UsageError(f"ckpt_cli is imported from {where or 'nowhere'}, not from this checkout's cli/: "
-                                f"run `pip install -e .` in {ROOT}")
+        raise pytest.UsageError(
+            f"ckpt_cli is imported from {where or 'nowhere'}, not from this checkout's cli/: "
+            f"run `pip install -e .` in {ROOT}"
+        )
+
+
 SAMPLES = ROOT / "sample_ckpts"
 
 
@@ -69,7 +74,8 @@ def assert_history_matches(new: list[dict], old: list[dict], dtype: str) -> None
         tol = LOSS_REL_TOL[dtype] * abs(o["loss"])
         assert abs(n["loss"] - o["loss"]) <= tol, (
             f"step {n['step']}: loss {n['loss']!r} vs recorded {o['loss']!r}: |diff| {abs(n['loss'] - o['loss']):.3g} "
-            f"> {tol:.3g} ({dtype} tolerance {LOSS_REL_TOL[dtype]:g} relative)")
+            f"> {tol:.3g} ({dtype} tolerance {LOSS_REL_TOL[dtype]:g} relative)"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -114,12 +120,18 @@ def copy_sample(tmp_path):
 
 def run_cli(*args, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `ckpt ARGS...` the way a user does (a fresh process), capturing output; never raises on exit codes."""
-    return subprocess.run([sys.executable, "-c", "from ckpt_cli.main import main; main()", *map(str, args)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", "from ckpt_cli.main import main; main()", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-def run_on_terminal(*args, stream: str = "stdout", columns: int = 80, env: dict | None = None,
-                    timeout: float = 300) -> tuple[int, str, str]:
+def run_on_terminal(
+    *args, stream: str = "stdout", columns: int = 80, env: dict | None = None, timeout: float = 300
+) -> tuple[int, str, str]:
     """Run `ckpt ARGS` with `stream` ("stdout" or "stderr") on a pseudo-terminal `columns` wide, as a person
     does; returns (exit code, everything written to the terminal, the other stream)."""
     import fcntl
@@ -130,10 +142,18 @@ def run_on_terminal(*args, stream: str = "stdout", columns: int = 80, env: dict 
 
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
-    streams = {"stdout": slave, "stderr": subprocess.PIPE} if stream == "stdout" else \
-        {"stdout": subprocess.PIPE, "stderr": slave}
-    proc = subprocess.Popen([sys.executable, "-c", "from ckpt_cli.main import main; main()", *map(str, args)], cwd=ROOT,
-                            stdin=subprocess.DEVNULL, env=env, **streams)
+    streams = (
+        {"stdout": slave, "stderr": subprocess.PIPE}
+        if stream == "stdout"
+        else {"stdout": subprocess.PIPE, "stderr": slave}
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from ckpt_cli.main import main; main()", *map(str, args)],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        **streams,
+    )
     os.close(slave)
     seen = []
     while True:
@@ -163,8 +183,9 @@ def fail_at(stage: str, nth: int = 1):
     return on_stage
 
 
-def producer_resume(name: str, ckpt_path: Path, tmp_path: Path, *, steps: int | None = None,
-                    timeout: float = 300) -> list[dict]:
+def producer_resume(
+    name: str, ckpt_path: Path, tmp_path: Path, *, steps: int | None = None, timeout: float = 300
+) -> list[dict]:
     """Resume `ckpt_path` with sample `name`'s own worker (its --resume mode, under torchrun with the sample's
     number of ranks) and return the records of the updates it made: per update `step`, `lr` (per group, the LR
     the update used), `optimizer_step` (Adam's step after it), `loss` (rank 0's), and for accelerate_two_models
@@ -175,9 +196,25 @@ def producer_resume(name: str, ckpt_path: Path, tmp_path: Path, *, steps: int | 
     n = 0
     while (record := Path(tmp_path) / f"{name}.resume{n}.json").exists():
         n += 1
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(spec.nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", spec.module,
-           "--sample", name, "--resume", str(ckpt_path), "--record", str(record)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(spec.nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        spec.module,
+        "--sample",
+        name,
+        "--resume",
+        str(ckpt_path),
+        "--record",
+        str(record),
+    ]
     if steps is not None:
         cmd += ["--steps", str(steps)]
     proc = subprocess.run(cmd, env=worker_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)

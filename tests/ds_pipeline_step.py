@@ -5,6 +5,7 @@ engine, train one step. Rank 0 prints one line `DS_PIPELINE_STEP {json}`.
 The model, config and batches are `ckpt_tools.samples.workers.ds_pipeline`'s own functions, so the engine
 is the one that wrote the samples (with the default RNG seeded alike on every TP rank, as Megatron does).
 """
+
 from __future__ import annotations
 
 import json
@@ -37,9 +38,20 @@ def main() -> None:
     drift = P.replica_drift(engine, coord.model, coord.data)  # collective: every rank calls it
     loss = float(engine.train_batch(data_iter=P.micro_batches(step_loaded, cfg, coord.data)))
     if c.rank() == 0:
-        print("DS_PIPELINE_STEP " + json.dumps({"loaded": loaded, "global_steps_loaded": step_loaded,
-                                                 "global_steps_after": engine.global_steps, "drift": drift,
-                                                 "loss": loss, "finite": math.isfinite(loss)}), flush=True)
+        print(
+            "DS_PIPELINE_STEP "
+            + json.dumps(
+                {
+                    "loaded": loaded,
+                    "global_steps_loaded": step_loaded,
+                    "global_steps_after": engine.global_steps,
+                    "drift": drift,
+                    "loss": loss,
+                    "finite": math.isfinite(loss),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

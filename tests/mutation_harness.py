@@ -12,6 +12,7 @@ to-universal (planned), convert (planned), diff (logical, against the intact cop
 
 `tests/test_mutations.py` runs it on every sample with a cap on files per sample and asserts 0 silent outcomes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,8 +74,15 @@ def _ranked_pairs(files: list[Path]) -> list[tuple[Path, Path]]:
     """(rank 0's file, rank 1's file) pairs: names that differ only in a rank number."""
     import re
 
-    pats = [r"(zero_pp_rank_)1(_)", r"(__)1(_\d+\.distcp)", r"(random_states_)1(\.pkl)", r"(rng_state_)1(\.pth)",
-            r"(mp_rank_0)1(\b|_)", r"(expp_rank_)1(_)", r"(rank)1(\.)"]
+    pats = [
+        r"(zero_pp_rank_)1(_)",
+        r"(__)1(_\d+\.distcp)",
+        r"(random_states_)1(\.pkl)",
+        r"(rng_state_)1(\.pth)",
+        r"(mp_rank_0)1(\b|_)",
+        r"(expp_rank_)1(_)",
+        r"(rank)1(\.)",
+    ]
     out = []
     for f in files:
         for pat in pats:
@@ -155,6 +163,7 @@ def mutations(sample: Path, cap: int | None):
         def f(root):
             at(root, r).unlink()
             return r.name
+
         return f
 
     def truncate(r):
@@ -166,6 +175,7 @@ def mutations(sample: Path, cap: int | None):
             with open(p, "r+b") as fh:
                 fh.truncate(size // 2)
             return r.name
+
         return f
 
     def drop(what):
@@ -175,6 +185,7 @@ def mutations(sample: Path, cap: int | None):
                 if p.suffix in (".pt", ".bin", ".pth", ".ckpt") and _drop_key(p, what):
                     return r.name
             return None
+
         return f
 
     def copy_rank(root):
@@ -270,8 +281,14 @@ def commands(work: Path):
         rep = D.logical_diff(intact, p)
         return sorted(map(str, D.iter_lines(rep)))
 
-    return {"inspect": inspect, "export": export, "set-lr --dry-run": set_lr, "to-universal": to_universal,
-            "convert": convert, "diff": diff}
+    return {
+        "inspect": inspect,
+        "export": export,
+        "set-lr --dry-run": set_lr,
+        "to-universal": to_universal,
+        "convert": convert,
+        "diff": diff,
+    }
 
 
 def _warned(path: Path, piece: str) -> bool:
@@ -286,7 +303,8 @@ def _warned(path: Path, piece: str) -> bool:
     except Exception:  # noqa: BLE001
         return False
     return any(piece in (w.message + " " + (w.path or "")) for w in ck.warnings) or (
-        piece in ("param-state", "param-group", "scheduler") and bool(ck.warnings))
+        piece in ("param-state", "param-group", "scheduler") and bool(ck.warnings)
+    )
 
 
 def run(samples: list[Path], cap: int | None = 6, log=None) -> list[Outcome]:
@@ -338,8 +356,8 @@ def run(samples: list[Path], cap: int | None = 6, log=None) -> list[Outcome]:
 #: harness's table counts them as silent)
 KNOWN_GAPS = {
     "custom_checkpoint_0.pkl": "Accelerate saves one custom_checkpoint_N.pkl per object registered with "
-                               "register_for_checkpointing and records their number nowhere: a deleted last one "
-                               "cannot be told from a run that registered one object fewer",
+    "register_for_checkpointing and records their number nowhere: a deleted last one "
+    "cannot be told from a run that registered one object fewer",
 }
 
 

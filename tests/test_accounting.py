@@ -4,6 +4,7 @@ Real checkpoints written by the real producers: DeepSpeed MoE (`sample_ckpts/moe
 Megatron-LM's own save_checkpoint (`sample_ckpts/megatron_lm`), and the bundled samples broken one piece at a
 time. Until a format's own support lands, the right answer on it is a refusal or a warning, and these tests pin it.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,12 +19,14 @@ WRITERS = ("export", "set-lr", "set-step", "convert", "to-universal", "sync-tp")
 
 
 def _argv(cmd: str, path: Path, tmp: Path) -> list[str]:
-    return {"export": ["export", str(path), str(tmp / "out.safetensors")],
-            "set-lr": ["set-lr", str(path), "--scale", "0.5", "--yes"],
-            "set-step": ["set-step", str(path), "--optimizer-step", "3", "--yes"],
-            "convert": ["convert", str(path), str(tmp / "dcp"), "--to", "dcp"],
-            "to-universal": ["to-universal", str(path), str(tmp / "universal")],
-            "sync-tp": ["sync-tp", str(path), "--yes"]}[cmd]
+    return {
+        "export": ["export", str(path), str(tmp / "out.safetensors")],
+        "set-lr": ["set-lr", str(path), "--scale", "0.5", "--yes"],
+        "set-step": ["set-step", str(path), "--optimizer-step", "3", "--yes"],
+        "convert": ["convert", str(path), str(tmp / "dcp"), "--to", "dcp"],
+        "to-universal": ["to-universal", str(path), str(tmp / "universal")],
+        "sync-tp": ["sync-tp", str(path), "--yes"],
+    }[cmd]
 
 
 def _tree_bytes(p: Path) -> dict[str, bytes]:
@@ -157,9 +160,18 @@ def test_a_rank_file_copied_over_another_is_refused_for_writes(tmp_path):
     assert proc.returncode == 2 and "byte-identical" in proc.stderr
 
 
-@pytest.mark.parametrize("name", [("deepspeed", "zero2_bf16"), ("accelerate", "accelerate_ddp"),
-                                  ("torch", "plain.pt"), ("fsdp", "fsdp2_dcp"), ("moe", "moe_stage0"),
-                                  ("megatron_lm", "megatron_tp2_legacy"), ("dcp", "torchtitan_real/step-3")])
+@pytest.mark.parametrize(
+    "name",
+    [
+        ("deepspeed", "zero2_bf16"),
+        ("accelerate", "accelerate_ddp"),
+        ("torch", "plain.pt"),
+        ("fsdp", "fsdp2_dcp"),
+        ("moe", "moe_stage0"),
+        ("megatron_lm", "megatron_tp2_legacy"),
+        ("dcp", "torchtitan_real/step-3"),
+    ],
+)
 def test_mutation_harness_finds_no_silent_outcome(name):
     """A slice of tests/mutation_harness.py (the whole run is in the issue note): up to 3 files of each sample
     deleted / truncated, keys dropped, a rank file copied over another, a stray file; every command."""
@@ -186,8 +198,9 @@ def _refused(ck: Path, tmp_path: Path, *names: str) -> None:
     assert _tree_bytes(ck) == before
 
 
-@pytest.mark.parametrize("gone", ["layer_1_expert_3_mp_rank_00_model_states.pt",
-                                  "expp_rank_1_mp_rank_00_optim_states.pt"])
+@pytest.mark.parametrize(
+    "gone", ["layer_1_expert_3_mp_rank_00_model_states.pt", "expp_rank_1_mp_rank_00_optim_states.pt"]
+)
 def test_a_missing_moe_file_is_named_from_what_the_model_states_declare(tmp_path, gone):
     """The gates' rows declare 4 experts per MoE layer, the param groups `ep_size_2` two expp files: a deleted
     last one (no gap in the numbering to see) is still named."""
@@ -264,8 +277,10 @@ def test_real_torchtitan_is_read_whole_and_set_lr_tells_the_truth(tmp_path):
     full = tmp_path / "step-3"
     shutil.copytree(src / m["extra"]["full_save"], full)
     doc = json.loads(run_cli("inspect", str(full), "--json").stdout)
-    assert (doc["parameters"]["count"], doc["parameters"]["tensors"]) == (m["parameters"]["count"],
-                                                                         m["parameters"]["tensors"])
+    assert (doc["parameters"]["count"], doc["parameters"]["tensors"]) == (
+        m["parameters"]["count"],
+        m["parameters"]["tensors"],
+    )
     proc = run_cli("set-lr", str(full), "--scale", "0.5", "--yes")
     assert proc.returncode == 0, proc.stderr
     assert "SET THE LR IN YOUR JOB CONFIG" in proc.stdout and "0.0008 -> 0.0004" in proc.stdout

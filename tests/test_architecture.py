@@ -2,6 +2,7 @@
 level and inside functions, read with `ast`) goes to its own package or one below it, no module imports itself
 back through others, the root holds only the public API and the errors, and the wheel lists every package (the
 command line installs as `ckpt_cli`, not as a top-level `cli` another distribution could also install)."""
+
 from __future__ import annotations
 
 import ast
@@ -13,8 +14,18 @@ from conftest import ROOT
 
 PKG = ROOT / "ckpt_tools"
 #: bottom to top: a module may import its own package and those on earlier rows, never a later row
-LAYERS = [("errors", "schedules"), ("read",), ("formats",), ("view",), ("write",), ("train",), ("ops",), ("samples",),
-          ("resume",), ("",)]
+LAYERS = [
+    ("errors", "schedules"),
+    ("read",),
+    ("formats",),
+    ("view",),
+    ("write",),
+    ("train",),
+    ("ops",),
+    ("samples",),
+    ("resume",),
+    ("",),
+]
 LEVEL = {pkg: i for i, row in enumerate(LAYERS) for pkg in row}
 
 
@@ -38,7 +49,7 @@ def _imports(mods: dict[str, Path]) -> dict[str, set[str]]:
             if isinstance(node, ast.ImportFrom):
                 src = node.module or ""
                 if node.level:
-                    src = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
+                    src = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
                 for alias in node.names:
                     target = f"{src}.{alias.name}"
                     if target in mods:
@@ -57,9 +68,15 @@ def _layer(mod: str) -> str:
 
 def test_every_import_goes_to_its_own_package_or_below():
     mods = _modules()
-    assert {_layer(m) for m in mods} <= set(LEVEL), f"packages not in LAYERS: {sorted({_layer(m) for m in mods} - set(LEVEL))}"
-    upward = [f"{m} -> {t}" for m, targets in _imports(mods).items() for t in sorted(targets)
-              if LEVEL[_layer(t)] > LEVEL[_layer(m)]]
+    assert {_layer(m) for m in mods} <= set(LEVEL), (
+        f"packages not in LAYERS: {sorted({_layer(m) for m in mods} - set(LEVEL))}"
+    )
+    upward = [
+        f"{m} -> {t}"
+        for m, targets in _imports(mods).items()
+        for t in sorted(targets)
+        if LEVEL[_layer(t)] > LEVEL[_layer(m)]
+    ]
     assert upward == []
     assert len(mods) > 90 and len(LAYERS) == 10  # the scan saw the package (not an empty glob)
 

@@ -4,6 +4,7 @@ Commands run in-process (`ckpt_cli.main.main`, SIGALRM time limit) for speed; a 
 `ckpt` processes with a subprocess timeout. Exit 2 must come with exactly one stderr line naming the
 damaged file (or folder); exit 0/1 only where the case says why (see `hostile/bad_inputs.py`).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -93,15 +94,27 @@ def test_corpus_every_command(corpus, tmp_path):
             problems.append(f"{c.name}: WROTE {diff_snapshots(pre, post)[:5]}")
         if (tmp_path / "universal-out").exists():
             problems.append(f"{c.name}: to-universal --dry-run created its output folder")
-    print(f"\nbad inputs: {len(cases)} checkpoints, {stats['runs']} command runs, {stats['tracebacks']} tracebacks, "
-          f"{stats['hangs']} hangs, exit codes {dict((k, v) for k, v in stats.items() if k.startswith('exit'))}")
+    print(
+        f"\nbad inputs: {len(cases)} checkpoints, {stats['runs']} command runs, {stats['tracebacks']} tracebacks, "
+        f"{stats['hangs']} hangs, exit codes {dict((k, v) for k, v in stats.items() if k.startswith('exit'))}"
+    )
     assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems[:40])
     assert stats["tracebacks"] == 0 and stats["hangs"] == 0
 
 
-@pytest.mark.parametrize("case_name", ["trunc0", "zero-zero2_bf16-mp_rank_00", "st-offsets-past-end",
-                                       "latest-missing-tag", "dcp-no-metadata", "unrelated-files",
-                                       "megatron-missing-layer", "symlink-loop"])
+@pytest.mark.parametrize(
+    "case_name",
+    [
+        "trunc0",
+        "zero-zero2_bf16-mp_rank_00",
+        "st-offsets-past-end",
+        "latest-missing-tag",
+        "dcp-no-metadata",
+        "unrelated-files",
+        "megatron-missing-layer",
+        "symlink-loop",
+    ],
+)
 def test_subprocess_sample(corpus, case_name):
     """The same invariants through a real `ckpt` process, bounded by a subprocess timeout."""
     root, cases = corpus
@@ -127,6 +140,12 @@ def test_debug_variable_shows_the_traceback(corpus):
 
     from conftest import ROOT
 
-    r = subprocess.run([sys.executable, "-c", "from ckpt_cli.main import main; main()", "inspect", str(c.path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "CKPT_DEBUG": "1"})
+    r = subprocess.run(
+        [sys.executable, "-c", "from ckpt_cli.main import main; main()", "inspect", str(c.path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CKPT_DEBUG": "1"},
+    )
     assert r.returncode != 0 and "Traceback" in r.stderr and "MissingFile" in r.stderr

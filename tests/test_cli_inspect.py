@@ -1,4 +1,5 @@
 """`ckpt inspect` as a user runs it: the JSON contract, --grep with values, warnings, exit codes."""
+
 from __future__ import annotations
 
 import json
@@ -9,7 +10,6 @@ import sys
 import pytest
 
 from conftest import ROOT, manifest, run_cli, sample
-
 
 
 def ckpt(*args, check=True):
@@ -51,8 +51,17 @@ def test_grep_json_scheduler_values():
 
 
 def test_rank_filter_shows_pieces_of_that_rank():
-    doc = json.loads(ckpt("inspect", sample("deepspeed", "zero2_bf16"), "--rank", "1", "--grep",
-                          r"optimizer\.state\.blocks\.0\.mlp_proj\.weight\.fp32", "--json").stdout)
+    doc = json.loads(
+        ckpt(
+            "inspect",
+            sample("deepspeed", "zero2_bf16"),
+            "--rank",
+            "1",
+            "--grep",
+            r"optimizer\.state\.blocks\.0\.mlp_proj\.weight\.fp32",
+            "--json",
+        ).stdout
+    )
     t = doc["tree"]["optimizer"]["state"]["blocks.0.mlp_proj.weight"]["fp32"]
     assert [p["rank"]["dp"] for p in t["pieces"]] == [1]
     # the piece on rank 1 starts where rank 0's piece ends inside the parameter
@@ -101,7 +110,9 @@ def test_missing_dp_rank_file_exits_2(copy_sample):
 def test_extra_rank_file_is_a_warning(copy_sample):
     p = copy_sample("deepspeed", "zero2_bf16")
     tag = p / "global_step4"
-    shutil.copy(tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", tag / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt")
+    shutil.copy(
+        tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", tag / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt"
+    )
     doc = json.loads(ckpt("inspect", p, "--json").stdout)
     assert [w["code"] for w in doc["warnings"]] == ["extra-rank-file"]
 
@@ -154,6 +165,7 @@ def test_inspect_executes_nothing_from_a_hostile_pickle(copy_sample, tmp_path):
     class Payload:
         def __reduce__(self):
             import os
+
             return (os.system, (f"touch {marker}",))
 
     sd["client_payload"] = Payload()
@@ -166,14 +178,23 @@ def test_inspect_executes_nothing_from_a_hostile_pickle(copy_sample, tmp_path):
 
 
 def test_inspect_does_not_import_torch_or_deepspeed():
-    code = ("import sys; from ckpt_cli.main import main\n"
-            "try:\n main(['inspect', sys.argv[1], '--json'])\nexcept SystemExit:\n pass\n"
-            "bad = [m for m in ('torch', 'deepspeed', 'numpy') if m in sys.modules]\n"
-            "assert not bad, bad")
-    for p in (sample("deepspeed", "zero2_bf16"), sample("deepspeed", "zero3_bf16"), sample("torch", "plain.pt"),
-              sample("accelerate", "accelerate_ddp"), sample("safetensors", "sharded"), sample("fsdp", "fsdp2_dcp"),
-              sample("fsdp", "fsdp1_sharded"), sample("megatron", "gpt_tp2_pp2"),
-              sample("universal", "zero2_bf16_universal")):
+    code = (
+        "import sys; from ckpt_cli.main import main\n"
+        "try:\n main(['inspect', sys.argv[1], '--json'])\nexcept SystemExit:\n pass\n"
+        "bad = [m for m in ('torch', 'deepspeed', 'numpy') if m in sys.modules]\n"
+        "assert not bad, bad"
+    )
+    for p in (
+        sample("deepspeed", "zero2_bf16"),
+        sample("deepspeed", "zero3_bf16"),
+        sample("torch", "plain.pt"),
+        sample("accelerate", "accelerate_ddp"),
+        sample("safetensors", "sharded"),
+        sample("fsdp", "fsdp2_dcp"),
+        sample("fsdp", "fsdp1_sharded"),
+        sample("megatron", "gpt_tp2_pp2"),
+        sample("universal", "zero2_bf16_universal"),
+    ):
         subprocess.run([sys.executable, "-c", code, str(p)], check=True, capture_output=True)
 
 
@@ -196,13 +217,27 @@ def test_fast_argument_path_matches_typer(capsys):
 
     p = str(sample("deepspeed", "zero2_lambdalr"))
     drifted = str(sample("megatron", "gpt_tp2_pp2_drifted"))
-    for argv in (["inspect", p, "--json"], ["inspect", p, "--json", "--grep", "step|lr", "-d", "3"],
-                 ["inspect", p, "--json", "--rank", "dp=1", "-q"],
-                 ["check-tp-sync", drifted, "--json"],
-                 ["check-tp-sync", drifted, "--json", "--atol", "1e-3", "--rtol", "0.5",
-                  "--pattern", "input_layernorm", "--pattern", "dense.bias"],
-                 ["diff", p, str(sample("deepspeed", "zero2_bf16")), "--json"],
-                 ["set-lr", p, "--scale", "0.5", "--dry-run", "--json"]):
+    for argv in (
+        ["inspect", p, "--json"],
+        ["inspect", p, "--json", "--grep", "step|lr", "-d", "3"],
+        ["inspect", p, "--json", "--rank", "dp=1", "-q"],
+        ["check-tp-sync", drifted, "--json"],
+        [
+            "check-tp-sync",
+            drifted,
+            "--json",
+            "--atol",
+            "1e-3",
+            "--rtol",
+            "0.5",
+            "--pattern",
+            "input_layernorm",
+            "--pattern",
+            "dense.bias",
+        ],
+        ["diff", p, str(sample("deepspeed", "zero2_bf16")), "--json"],
+        ["set-lr", p, "--scale", "0.5", "--dry-run", "--json"],
+    ):
         fast, slow, _ = _run_both(cli_main, argv, capsys)
         assert json.loads(fast) == json.loads(slow), argv
     assert cli_main._fast_parse(["inspect", p, "--help"]) is None
@@ -222,9 +257,20 @@ def test_reader_closing_the_pipe_is_quiet(tmp_path):
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        proc = subprocess.run([sys.executable, "-c", "from ckpt_cli.main import main; main()", "inspect",
-                               str(sample("deepspeed", "zero2_bf16"))],
-                              cwd=ROOT, stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "from ckpt_cli.main import main; main()",
+                "inspect",
+                str(sample("deepspeed", "zero2_bf16")),
+            ],
+            cwd=ROOT,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
     finally:
         os.close(write_end)
     assert proc.returncode == 141 and proc.stderr == "", proc.stderr
@@ -240,9 +286,13 @@ def test_depth_cuts_the_tree_and_says_how_much_is_below():
     two = run_cli("inspect", path, "-d", "2")
     assert full.returncode == one.returncode == two.returncode == 0
     tree1 = one.stdout.split("\ntree\n", 1)[1].splitlines()
-    assert tree1 == ["├── model  …: 29 entries below --depth 1", "├── optimizer  …: 2 entries below --depth 1",
-                     "├── scheduler  …: 7 entries below --depth 1", "├── rng  …: 2 entries below --depth 1",
-                     "└── client_state  …: 1 entry below --depth 1"]
+    assert tree1 == [
+        "├── model  …: 29 entries below --depth 1",
+        "├── optimizer  …: 2 entries below --depth 1",
+        "├── scheduler  …: 7 entries below --depth 1",
+        "├── rng  …: 2 entries below --depth 1",
+        "└── client_state  …: 1 entry below --depth 1",
+    ]
     assert len(one.stdout.splitlines()) < len(two.stdout.splitlines()) < 100 < len(full.stdout.splitlines())
     assert "blocks.0.ln_1.weight" in two.stdout and "state  …: 29 entries below --depth 2" in two.stdout
     doc = json.loads(run_cli("inspect", path, "--depth", "1", "--json").stdout)
@@ -273,8 +323,13 @@ def test_collapse_keeps_odd_layers_and_order():
     texts = ["A", "W", "B", "W", "B", "W2", "B", "W", "B", "E", "E"]
     rows = collapse_numbered(names, texts)
     assert [(label, n) for label, _, n in rows] == [
-        ("emb", [0]), ("l.{0,1,3}.w", [1, 3, 7]), ("l.{0..3}.b", [2, 4, 6, 8]), ("l.2.w", [5]),
-        ("x.0.e.0", [9]), ("x.1.e.1", [10])]
+        ("emb", [0]),
+        ("l.{0,1,3}.w", [1, 3, 7]),
+        ("l.{0..3}.b", [2, 4, 6, 8]),
+        ("l.2.w", [5]),
+        ("x.0.e.0", [9]),
+        ("x.1.e.1", [10]),
+    ]
 
 
 def test_collapsed_lines_say_what_each_member_says():

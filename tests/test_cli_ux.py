@@ -1,6 +1,7 @@
 """The command line as a person meets it (issue 13): a wrong path gets the right one back, option mistakes are
 one-line errors, output fits a terminal and reads short, unknowns are null, and the core install runs
 without torch or deepspeed."""
+
 from __future__ import annotations
 
 import json
@@ -36,11 +37,14 @@ def run_tty(*args, columns: int = 80) -> str:
 # --- pointing at the wrong path ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("group,name,part", [
-    ("deepspeed", "zero2_bf16", "global_step4/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"),
-    ("dcp", "torchtitan_real/step-3", "__0_0.distcp"),
-    ("safetensors", "sharded", "model-00001-of-00002.safetensors"),
-])
+@pytest.mark.parametrize(
+    "group,name,part",
+    [
+        ("deepspeed", "zero2_bf16", "global_step4/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+        ("dcp", "torchtitan_real/step-3", "__0_0.distcp"),
+        ("safetensors", "sharded", "model-00001-of-00002.safetensors"),
+    ],
+)
 def test_a_file_inside_a_checkpoint_names_the_folder_to_open(group, name, part):
     folder = sample(group, name)
     proc = run_cli("inspect", folder / part, "-q")
@@ -55,8 +59,11 @@ def test_a_file_inside_a_checkpoint_names_the_folder_to_open(group, name, part):
 
 
 def test_a_standalone_file_gets_no_part_of_hint():
-    for p in (sample("torch", "plain.pt"), sample("safetensors", "model.safetensors"),
-              sample("lightning", "onecycle.ckpt")):
+    for p in (
+        sample("torch", "plain.pt"),
+        sample("safetensors", "model.safetensors"),
+        sample("lightning", "onecycle.ckpt"),
+    ):
         doc = json.loads(run_cli("inspect", p, "--json").stdout)
         assert "part-of-checkpoint" not in [w["code"] for w in doc["warnings"]], p
 
@@ -133,7 +140,8 @@ def test_to_universal_into_its_own_source_is_a_one_line_error(copy_sample):
         assert "inside the checkpoint" in one_error_line(run_cli("to-universal", src, out))
     assert sorted(p.name for p in src.iterdir()) == ["global_step4", "latest"]
     assert sorted(p.name for p in (src / "global_step4").iterdir()) == sorted(
-        p.name for p in (sample("deepspeed", "zero2_lambdalr") / "global_step4").iterdir())
+        p.name for p in (sample("deepspeed", "zero2_lambdalr") / "global_step4").iterdir()
+    )
 
 
 def test_an_unknown_sample_name_is_a_one_line_error(tmp_path):
@@ -149,8 +157,16 @@ def test_resume_bar_counts_only_steps_and_keeps_deepspeed_logs_out(tmp_path):
     """The bar's clock starts when the engine has loaded (conversion and start-up are not step time), and the
     line DeepSpeed logs while converting prints above the bar, not inside one of its redraws."""
     ref = tmp_path / "records.json"
-    proc = run_cli("resume", sample("deepspeed", "zero2_bf16"), "--steps", "2", "--universal",
-                   "--record-reference", ref, timeout=600)
+    proc = run_cli(
+        "resume",
+        sample("deepspeed", "zero2_bf16"),
+        "--steps",
+        "2",
+        "--universal",
+        "--record-reference",
+        ref,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed on 2 cpu processes" in proc.stdout
     step_s = max(r["seconds"] for r in json.loads(ref.read_text())["records"])
@@ -176,8 +192,15 @@ def test_rng_states_are_summarised_unless_full():
     assert state["0"] == 3 and len(state["1"]) == 625 and all(isinstance(x, int) for x in state["1"])
 
 
-@pytest.mark.parametrize("group,name", [("accelerate", "accelerate_ddp"), ("deepspeed", "zero2_lambdalr"),
-                                        ("hf_trainer", "hf_trainer_zero2"), ("megatron", "gpt_tp2_pp2")])
+@pytest.mark.parametrize(
+    "group,name",
+    [
+        ("accelerate", "accelerate_ddp"),
+        ("deepspeed", "zero2_lambdalr"),
+        ("hf_trainer", "hf_trainer_zero2"),
+        ("megatron", "gpt_tp2_pp2"),
+    ],
+)
 def test_inspect_fits_an_80_column_terminal_without_breaking_words(group, name):
     path = sample(group, name).relative_to(ROOT)
     tty = run_tty("inspect", path)
@@ -231,13 +254,19 @@ def test_unknown_is_null_in_json_for_every_sample():
     paths = [p for p in sorted(SAMPLES.glob("*/*")) if not p.name.endswith(".manifest.json")]
     assert len(paths) >= 20
     for p in paths:
-        full = json.loads(p.with_name(p.name + ".manifest.json").read_text())["extra"].get("full_save") \
-            if p.with_name(p.name + ".manifest.json").is_file() else None
+        full = (
+            json.loads(p.with_name(p.name + ".manifest.json").read_text())["extra"].get("full_save")
+            if p.with_name(p.name + ".manifest.json").is_file()
+            else None
+        )
         p = p / full if full else p  # a run folder of several saves (torchtitan's step-N): the full one
         doc = json.loads(run_cli("inspect", p, "--json", "-q").stdout)
-        assert {"dp", "tp", "pp", "zero_stage"} <= set(doc["topology"]) <= {"dp", "tp", "pp", "zero_stage", "ep", "vpp"}, p
-        assert all(v is None or (isinstance(v, int) and v >= 1) for k, v in doc["topology"].items()
-                   if k != "zero_stage"), p
+        assert (
+            {"dp", "tp", "pp", "zero_stage"} <= set(doc["topology"]) <= {"dp", "tp", "pp", "zero_stage", "ep", "vpp"}
+        ), p
+        assert all(
+            v is None or (isinstance(v, int) and v >= 1) for k, v in doc["topology"].items() if k != "zero_stage"
+        ), p
         for k in ("param_groups", "base_lrs", "last_lr"):
             assert doc["lr"][k] is None or (isinstance(doc["lr"][k], list) and doc["lr"][k]), (p, k)
     for p in (sample("safetensors", "model.safetensors"), sample("safetensors", "sharded")):
@@ -266,13 +295,15 @@ def test_core_dependencies_are_light_and_extras_name_the_heavy_ones():
 
 
 #: runs `ckpt` with torch and deepspeed made unimportable, as in an install without the extras
-NO_HEAVY = ("import sys; sys.modules['torch'] = None; sys.modules['deepspeed'] = None\n"
-            "from ckpt_cli.main import main; main()")
+NO_HEAVY = (
+    "import sys; sys.modules['torch'] = None; sys.modules['deepspeed'] = None\nfrom ckpt_cli.main import main; main()"
+)
 
 
 def ckpt_without_heavy(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", NO_HEAVY, *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", NO_HEAVY, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_core_commands_run_without_torch_and_the_rest_name_their_extra(copy_sample, tmp_path):
@@ -289,9 +320,11 @@ def test_core_commands_run_without_torch_and_the_rest_name_their_extra(copy_samp
     # --stats reads tensor data in chunks with numpy (bf16 widened from its bit patterns): no torch either
     proc = ckpt_without_heavy("inspect", "--stats", "--json", ck)
     assert proc.returncode == 0 and json.loads(proc.stdout)["stats"], proc.stderr
-    cases = [(("to-universal", ck, tmp_path / "u"), "needs torch: pip install 'ckpt-tools[convert]'"),
-             (("export", ck, tmp_path / "w.safetensors"), "needs torch: pip install 'ckpt-tools[convert]'"),
-             (("resume", ck, "--steps", "1"), "needs torch: pip install 'ckpt-tools[train]'")]
+    cases = [
+        (("to-universal", ck, tmp_path / "u"), "needs torch: pip install 'ckpt-tools[convert]'"),
+        (("export", ck, tmp_path / "w.safetensors"), "needs torch: pip install 'ckpt-tools[convert]'"),
+        (("resume", ck, "--steps", "1"), "needs torch: pip install 'ckpt-tools[train]'"),
+    ]
     for argv, want in cases:
         assert want in one_error_line(ckpt_without_heavy(*argv)), argv
 

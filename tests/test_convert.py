@@ -1,6 +1,7 @@
 """`ckpt convert`: DeepSpeed ZeRO / pipeline -> torch DCP (FSDP2, torchtitan, recipe layouts) and -> one torch
 training dict, checked by the logical diff against the source and by resuming in the target framework (FSDP2,
 2 gloo ranks) next to DeepSpeed resuming the source in the same test."""
+
 from __future__ import annotations
 
 import json
@@ -53,8 +54,7 @@ def test_convert_to_dcp_equals_source(tmp_path, group, name, layout):
 
     folder = DcpFolder(out)
     tops = {logical_path(k, folder.planner)[0] for k in folder.sdm}
-    want = {"fsdp2": {"model", "optim", "step"}, "torchtitan": {"optimizer", "train_state"},
-            "recipe": {"app"}}[layout]
+    want = {"fsdp2": {"model", "optim", "step"}, "torchtitan": {"optimizer", "train_state"}, "recipe": {"app"}}[layout]
     if layout == "torchtitan":  # torchtitan 0.3.0's layout: the model's keys flat at the top level
         model = {t.name for t in L.model_tensors(src)}
         assert model <= tops and "model" not in tops
@@ -84,9 +84,14 @@ def test_dcp_loads_with_dcp_load(tmp_path):
     C.execute(plan)
     model = {t.name: t.read() for t in L.model_tensors(src)}
     states = L.optimizer_states(src)
-    target = {"model": {k: torch.zeros_like(v) for k, v in model.items()},
-              "optim": {"state": {p: {k: torch.zeros_like(t.read()) for k, t in ks.items() if k != "fp32"}
-                                  for p, ks in states.items()}}}
+    target = {
+        "model": {k: torch.zeros_like(v) for k, v in model.items()},
+        "optim": {
+            "state": {
+                p: {k: torch.zeros_like(t.read()) for k, t in ks.items() if k != "fp32"} for p, ks in states.items()
+            }
+        },
+    }
     import warnings
 
     with warnings.catch_warnings():
@@ -138,11 +143,16 @@ def test_warmuplr_translation_follows_deepspeed():
     from deepspeed.runtime.lr_schedules import WarmupLR
 
     def opt():
-        return torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.zeros(2))]},
-                                  {"params": [torch.nn.Parameter(torch.zeros(2))]}], lr=1.0)
+        return torch.optim.AdamW(
+            [{"params": [torch.nn.Parameter(torch.zeros(2))]}, {"params": [torch.nn.Parameter(torch.zeros(2))]}], lr=1.0
+        )
 
-    cfg = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 3e-3,
-                                                         "warmup_num_steps": 6, "warmup_type": "linear"}}}
+    cfg = {
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 3e-3, "warmup_num_steps": 6, "warmup_type": "linear"},
+        }
+    }
     ds_opt = opt()
     ds = WarmupLR(ds_opt, warmup_min_lr=1e-4, warmup_max_lr=3e-3, warmup_num_steps=6, warmup_type="linear")
     for _ in range(3):
@@ -163,8 +173,7 @@ def test_warmuplr_translation_follows_deepspeed():
         ds.step()
         t_opt.step()
         t.step()
-        assert [g["lr"] for g in t_opt.param_groups] == pytest.approx([g["lr"] for g in ds_opt.param_groups],
-                                                                       rel=1e-12)
+        assert [g["lr"] for g in t_opt.param_groups] == pytest.approx([g["lr"] for g in ds_opt.param_groups], rel=1e-12)
 
 
 def test_to_torch_training_dict(tmp_path):
@@ -196,13 +205,32 @@ def test_to_torch_training_dict(tmp_path):
 
 def _resume(framework: str, ckpt: Path, spec: Path, work: Path, tag: str, *extra: str) -> tuple[list, dict | None]:
     record, state = work / f"{tag}.json", work / f"{tag}.pt"
-    run_torchrun(WORKER, 2, ["--framework", framework, "--ckpt", str(ckpt), "--spec", str(spec), "--record",
-                             str(record), "--state", str(state), *extra], log_path=work / f"{tag}.log")
+    run_torchrun(
+        WORKER,
+        2,
+        [
+            "--framework",
+            framework,
+            "--ckpt",
+            str(ckpt),
+            "--spec",
+            str(spec),
+            "--record",
+            str(record),
+            "--state",
+            str(state),
+            *extra,
+        ],
+        log_path=work / f"{tag}.log",
+    )
     return json.loads(record.read_text()), (torch.load(state, weights_only=True) if state.exists() else None)
 
 
-RESUME_CASES = [("deepspeed", "zero2_lambdalr", "fsdp2"), ("megatron", "gpt_tp2_pp2", "fsdp2"),
-                ("deepspeed", "zero2_bf16", "torchtitan")]
+RESUME_CASES = [
+    ("deepspeed", "zero2_lambdalr", "fsdp2"),
+    ("megatron", "gpt_tp2_pp2", "fsdp2"),
+    ("deepspeed", "zero2_bf16", "torchtitan"),
+]
 
 
 @pytest.mark.parametrize("group,name,layout", RESUME_CASES)
@@ -255,8 +283,9 @@ def test_fsdp2_resume_loss_continues(tmp_path):
     rec, _ = _resume("fsdp2", out, spec, tmp_path, "gpt", "--model", "tinygpt")
     history = manifest("deepspeed", "zero2_lambdalr")["extra"]["history"]
     assert [r["optimizer_step"] for r in rec] == [5, 6]
-    assert_history_matches([{"step": r["step"], "loss": r["loss"], "lr": r["lr"]} for r in rec], history[4:6],
-                           "bfloat16")
+    assert_history_matches(
+        [{"step": r["step"], "loss": r["loss"], "lr": r["lr"]} for r in rec], history[4:6], "bfloat16"
+    )
 
 
 # --- DCP -> DeepSpeed universal, resumed in DeepSpeed at DP=2 and DP=1 --------------------------------------
@@ -278,7 +307,11 @@ def test_convert_dcp_to_universal_equals_source(tmp_path, group, name, layout):
     files = {p.name for p in (out / tag).iterdir()}
     assert files == {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero"}
     assert {p.name for p in (out / tag / "zero" / "wte.weight").iterdir()} == {
-        "fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt"}
+        "fp32.pt",
+        "exp_avg.pt",
+        "exp_avg_sq.pt",
+        "step.pt",
+    }
 
 
 def test_real_torchtitan_fused_state_is_refused_by_name(tmp_path):
@@ -286,8 +319,11 @@ def test_real_torchtitan_fused_state_is_refused_by_name(tmp_path):
     KV-head group, and records no n_kv_heads: convert and resume refuse in one line naming the parameter, write
     nothing; export still writes the weights as saved."""
     src = sample("dcp", "torchtitan_real") / "step-3"
-    for argv in (["convert", src, tmp_path / "u", "--to", "deepspeed-universal"],
-                 ["convert", src, tmp_path / "d", "--to", "dcp"], ["resume", src]):
+    for argv in (
+        ["convert", src, tmp_path / "u", "--to", "deepspeed-universal"],
+        ["convert", src, tmp_path / "d", "--to", "dcp"],
+        ["resume", src],
+    ):
         r = run_cli(*argv)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (argv, r.stderr)
         assert "layers.0.attention.qkv_linear.wqkv.weight" in r.stderr and "n_kv_heads" in r.stderr, r.stderr
@@ -322,10 +358,22 @@ def test_real_torchtitan_fused_state_splits_with_n_kv_heads(tmp_path):
     assert not (zero / fused).exists()
     r = run_cli("convert", src, tmp_path / "t.pt", "--to", "torch", "--n-kv-heads", "4")
     assert r.returncode == 0, r.stderr
-    r = run_cli("convert", tmp_path / "t.pt", tmp_path / "titan" / "step-3", "--to", "dcp", "--layout", "torchtitan",
-                "--n-kv-heads", "4", "--json")
+    r = run_cli(
+        "convert",
+        tmp_path / "t.pt",
+        tmp_path / "titan" / "step-3",
+        "--to",
+        "dcp",
+        "--layout",
+        "torchtitan",
+        "--n-kv-heads",
+        "4",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["fused"][fused] == [f"layers.0.attention.qkv_linear.{p}.weight" for p in ("wq", "wk", "wv")]
+    assert json.loads(r.stdout)["fused"][fused] == [
+        f"layers.0.attention.qkv_linear.{p}.weight" for p in ("wq", "wk", "wv")
+    ]
     assert _diff_lines(src, tmp_path / "titan" / "step-3") == []
     back = L.optimizer_states(tmp_path / "titan" / "step-3")[fused]["exp_avg"].read()
     assert torch.equal(back, saved)
@@ -356,8 +404,24 @@ def test_deepspeed_resume_of_universal_matches_fsdp2(tmp_path, group, name, layo
     assert [r["optimizer_step"] for r in fs_rec] == [5, 6]
     for dp in (2, 1):
         record, state = tmp_path / f"ds{dp}.json", tmp_path / f"ds{dp}.pt"
-        run_torchrun(WORKER, dp, ["--framework", "deepspeed", "--universal", "--ckpt", str(out), "--spec", str(spec),
-                                  "--record", str(record), "--state", str(state)], log_path=tmp_path / f"ds{dp}.log")
+        run_torchrun(
+            WORKER,
+            dp,
+            [
+                "--framework",
+                "deepspeed",
+                "--universal",
+                "--ckpt",
+                str(out),
+                "--spec",
+                str(spec),
+                "--record",
+                str(record),
+                "--state",
+                str(state),
+            ],
+            log_path=tmp_path / f"ds{dp}.log",
+        )
         ds_rec, ds_state = json.loads(record.read_text()), torch.load(state, weights_only=True)
         assert [r["step"] for r in ds_rec] == [5, 6]
         assert [r["optimizer_step"] for r in ds_rec] == [5, 6]
@@ -368,8 +432,9 @@ def test_deepspeed_resume_of_universal_matches_fsdp2(tmp_path, group, name, layo
         assert set(ds_state) == set(fs_state)
         for n in fs_state:
             for k in ("fp32", "exp_avg", "exp_avg_sq"):
-                torch.testing.assert_close(ds_state[n][k], fs_state[n][k], rtol=1.3e-6, atol=1e-8,
-                                           msg=f"DP={dp} {n}.{k}")
+                torch.testing.assert_close(
+                    ds_state[n][k], fs_state[n][k], rtol=1.3e-6, atol=1e-8, msg=f"DP={dp} {n}.{k}"
+                )
 
 
 def test_deepspeed_resume_of_universal_loss_continues(tmp_path):
@@ -385,19 +450,37 @@ def test_deepspeed_resume_of_universal_loss_continues(tmp_path):
     history = manifest("fsdp", "fsdp2_dcp")["extra"]["history"]
     for dp in (2, 1):
         record = tmp_path / f"gpt{dp}.json"
-        run_torchrun(WORKER, dp, ["--framework", "deepspeed", "--model", "tinygpt", "--universal", "--ckpt", str(out),
-                                  "--spec", str(spec), "--record", str(record)], log_path=tmp_path / f"gpt{dp}.log")
+        run_torchrun(
+            WORKER,
+            dp,
+            [
+                "--framework",
+                "deepspeed",
+                "--model",
+                "tinygpt",
+                "--universal",
+                "--ckpt",
+                str(out),
+                "--spec",
+                str(spec),
+                "--record",
+                str(record),
+            ],
+            log_path=tmp_path / f"gpt{dp}.log",
+        )
         rec = json.loads(record.read_text())
         assert [r["optimizer_step"] for r in rec] == [5, 6]
-        assert_history_matches([{"step": r["step"], "loss": r["loss"], "lr": r["lr"]} for r in rec], history[4:6],
-                               "float32")
+        assert_history_matches(
+            [{"step": r["step"], "loss": r["loss"], "lr": r["lr"]} for r in rec], history[4:6], "float32"
+        )
 
 
 # --- --distributed: each rank writes its share -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("group,name,to", [("megatron", "gpt_tp2_pp2", "dcp"),
-                                           ("dcp", "dcp_recipe_fsdp2", "deepspeed-universal")])
+@pytest.mark.parametrize(
+    "group,name,to", [("megatron", "gpt_tp2_pp2", "dcp"), ("dcp", "dcp_recipe_fsdp2", "deepspeed-universal")]
+)
 def test_distributed_two_ranks_equal_to_one(tmp_path, group, name, to):
     import os
     import subprocess
@@ -409,9 +492,31 @@ def test_distributed_two_ranks_equal_to_one(tmp_path, group, name, to):
 
     src = sample(group, name)
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(free_port()), "-m", "ckpt_cli.main", "convert", str(src), str(tmp_path / "two"), "--to", to,
-                          "--distributed", "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "ckpt_cli.main",
+            "convert",
+            str(src),
+            str(tmp_path / "two"),
+            "--to",
+            to,
+            "--distributed",
+            "--json",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     assert json.loads(two.stdout)["verified"] is True  # rank 0 alone prints
     one = run_cli("convert", src, tmp_path / "one", "--to", to)

@@ -9,6 +9,7 @@ The values are compared tensor for tensor with the source read through `ckpt_too
 written here (not the converter's), and the QKV rows with the per-TP-rank layer files, head by head. Where a
 Megatron-LM checkout is named (MEGATRON_LM_DIR), Megatron's own `load_checkpoint` resumes the output through
 `ckpt resume`."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -32,20 +33,27 @@ SRC = ("megatron", "gpt_tp2_pp2")
 ITER = "iter_0000004"  # the sample's global step
 MEGATRON = os.environ.get("MEGATRON_LM_DIR")
 #: Megatron-DeepSpeed's local names -> Megatron-core's (the issue's table; the layer norms under the fused names)
-LAYER = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-         "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
-         "self_attention.query_key_value.weight": "self_attention.linear_qkv.weight",
-         "self_attention.query_key_value.bias": "self_attention.linear_qkv.bias",
-         "self_attention.dense.weight": "self_attention.linear_proj.weight",
-         "self_attention.dense.bias": "self_attention.linear_proj.bias",
-         "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-         "post_attention_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
-         "mlp.dense_h_to_4h.weight": "mlp.linear_fc1.weight", "mlp.dense_h_to_4h.bias": "mlp.linear_fc1.bias",
-         "mlp.dense_4h_to_h.weight": "mlp.linear_fc2.weight", "mlp.dense_4h_to_h.bias": "mlp.linear_fc2.bias"}
-OTHER = {"1.word_embeddings.weight": "embedding.word_embeddings.weight",
-         "1.position_embeddings.weight": "embedding.position_embeddings.weight",
-         "6.weight": "decoder.final_layernorm.weight", "6.bias": "decoder.final_layernorm.bias",
-         "7.lm_head.weight": "output_layer.weight"}
+LAYER = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+    "self_attention.query_key_value.weight": "self_attention.linear_qkv.weight",
+    "self_attention.query_key_value.bias": "self_attention.linear_qkv.bias",
+    "self_attention.dense.weight": "self_attention.linear_proj.weight",
+    "self_attention.dense.bias": "self_attention.linear_proj.bias",
+    "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "post_attention_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
+    "mlp.dense_h_to_4h.weight": "mlp.linear_fc1.weight",
+    "mlp.dense_h_to_4h.bias": "mlp.linear_fc1.bias",
+    "mlp.dense_4h_to_h.weight": "mlp.linear_fc2.weight",
+    "mlp.dense_4h_to_h.bias": "mlp.linear_fc2.bias",
+}
+OTHER = {
+    "1.word_embeddings.weight": "embedding.word_embeddings.weight",
+    "1.position_embeddings.weight": "embedding.position_embeddings.weight",
+    "6.weight": "decoder.final_layernorm.weight",
+    "6.bias": "decoder.final_layernorm.bias",
+    "7.lm_head.weight": "output_layer.weight",
+}
 
 
 def _core(name: str) -> tuple[str, int | None]:
@@ -87,17 +95,27 @@ def _pattern(key: str) -> str:
 def _shape_rule(key: str, d: dict) -> tuple:
     """The global shape Megatron-core's torch_dist gives `key` for a GPT (LayerNorm, GeLU, learned positions, one
     head per query group) of these sizes: the layers stacked first, QKV 3 x hidden rows, fc1 ffn rows."""
-    h, f, v, s, n = d["hidden_size"], d["ffn_hidden_size"], d["padded_vocab_size"], d["max_position_embeddings"], \
-        d["num_layers"]
+    h, f, v, s, n = (
+        d["hidden_size"],
+        d["ffn_hidden_size"],
+        d["padded_vocab_size"],
+        d["max_position_embeddings"],
+        d["num_layers"],
+    )
     base = key.split("optimizer.state.", 1)[-1].split(".", 1)[-1] if key.startswith("optimizer.") else key
-    rules = {"embedding.word_embeddings.weight": (v, h), "output_layer.weight": (v, h),
-             "embedding.position_embeddings.weight": (s, h), "decoder.final_layernorm.weight": (h,),
-             "decoder.final_layernorm.bias": (h,),
-             "decoder.layers.self_attention.linear_qkv.weight": (n, 3 * h, h),
-             "decoder.layers.self_attention.linear_qkv.bias": (n, 3 * h),
-             "decoder.layers.self_attention.linear_proj.weight": (n, h, h),
-             "decoder.layers.mlp.linear_fc1.weight": (n, f, h), "decoder.layers.mlp.linear_fc1.bias": (n, f),
-             "decoder.layers.mlp.linear_fc2.weight": (n, h, f)}
+    rules = {
+        "embedding.word_embeddings.weight": (v, h),
+        "output_layer.weight": (v, h),
+        "embedding.position_embeddings.weight": (s, h),
+        "decoder.final_layernorm.weight": (h,),
+        "decoder.final_layernorm.bias": (h,),
+        "decoder.layers.self_attention.linear_qkv.weight": (n, 3 * h, h),
+        "decoder.layers.self_attention.linear_qkv.bias": (n, 3 * h),
+        "decoder.layers.self_attention.linear_proj.weight": (n, h, h),
+        "decoder.layers.mlp.linear_fc1.weight": (n, f, h),
+        "decoder.layers.mlp.linear_fc1.bias": (n, f),
+        "decoder.layers.mlp.linear_fc2.weight": (n, h, f),
+    }
     if base in rules:
         return rules[base]
     assert base.startswith("decoder.layers.") and base.endswith(("bias", "layer_norm_weight", "layer_norm_bias")), key
@@ -139,14 +157,21 @@ def test_the_output_holds_megatrons_key_pattern_shapes_dtypes_and_the_sources_va
     cfg = m["extra"]["model_config"]
     assert sum(1 for k in ka if "_extra_state/" in k) == 4 * cfg["n_layers"]
     sizes_ref = _common(ref_it)["args"].state
-    sizes_out = {"hidden_size": cfg["hidden"], "ffn_hidden_size": cfg["ffn_hidden"], "padded_vocab_size":
-                 cfg["vocab_size"], "max_position_embeddings": cfg["seq_len"], "num_layers": cfg["n_layers"]}
+    sizes_out = {
+        "hidden_size": cfg["hidden"],
+        "ffn_hidden_size": cfg["ffn_hidden"],
+        "padded_vocab_size": cfg["vocab_size"],
+        "max_position_embeddings": cfg["seq_len"],
+        "num_layers": cfg["n_layers"],
+    }
     for keys, sizes in ((kr, sizes_ref), (ka, sizes_out)):
         for k, v in keys.items():
             if v != "bytes":
                 assert v[0] == _shape_rule(k, sizes), (k, v)
     dtype_of = {_pattern(k): v[1] for k, v in {**kr, **ku}.items() if v != "bytes"}
-    assert {k: v[1] for k, v in ka.items() if v != "bytes"} == {k: dtype_of[_pattern(k)] for k in ka if ka[k] != "bytes"}
+    assert {k: v[1] for k, v in ka.items() if v != "bytes"} == {
+        k: dtype_of[_pattern(k)] for k in ka if ka[k] != "bytes"
+    }
     assert {v[1] for k, v in ka.items() if v != "bytes" and not k.startswith("optimizer.")} == {"torch.bfloat16"}
 
     # values, tensor for tensor, against the source's logical view
@@ -166,9 +191,12 @@ def test_the_output_holds_megatrons_key_pattern_shapes_dtypes_and_the_sources_va
     for name, t in fp32.items():
         key, layer = _core(name)
         pick = (lambda x: x) if layer is None else (lambda x: x[layer])
-        pairs = [(key, bf16[name].read()), (f"optimizer.state.fp32_param.{key}", t.read()),
-                 (f"optimizer.state.exp_avg.{key}", states[name]["exp_avg"].read()),
-                 (f"optimizer.state.exp_avg_sq.{key}", states[name]["exp_avg_sq"].read())]
+        pairs = [
+            (key, bf16[name].read()),
+            (f"optimizer.state.fp32_param.{key}", t.read()),
+            (f"optimizer.state.exp_avg.{key}", states[name]["exp_avg"].read()),
+            (f"optimizer.state.exp_avg_sq.{key}", states[name]["exp_avg_sq"].read()),
+        ]
         for k, want_t in pairs:
             assert torch.equal(pick(got(k)), want_t), (name, k)
             compared += 1
@@ -221,17 +249,29 @@ def test_common_pt_carries_the_step_groups_schedule_and_args_megatron_rebuilds_t
     rows, _ = expected_lrs(c["opt_param_scheduler"], groups, args, 2)
     assert rows == [h["lr"] for h in m["extra"]["history"] if h["step"] > m["counters"]["global_step"]]
     sizes = m["extra"]["model_config"]
-    assert (args["num_layers"], args["hidden_size"], args["ffn_hidden_size"], args["num_attention_heads"],
-            args["max_position_embeddings"], args["padded_vocab_size"]) == (
-        sizes["n_layers"], sizes["hidden"], sizes["ffn_hidden"], sizes["n_heads"], sizes["seq_len"],
-        sizes["vocab_size"])
+    assert (
+        args["num_layers"],
+        args["hidden_size"],
+        args["ffn_hidden_size"],
+        args["num_attention_heads"],
+        args["max_position_embeddings"],
+        args["padded_vocab_size"],
+    ) == (
+        sizes["n_layers"],
+        sizes["hidden"],
+        sizes["ffn_hidden"],
+        sizes["n_heads"],
+        sizes["seq_len"],
+        sizes["vocab_size"],
+    )
     assert (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]) == (2, 2)
     assert args["untie_embeddings_and_output_weights"] is True and args["normalization"] == "LayerNorm"
     assert args["global_batch_size"] == m["extra"]["ds_config"]["train_batch_size"]
     doc = json.loads(proc.stdout)
     assert any("WarmupLR" in n and "constant" in n for n in doc["notes"])
-    assert any(x.startswith("RNG") for x in doc["not_moved"]) and any(x.startswith("data position")
-                                                                       for x in doc["not_moved"])
+    assert any(x.startswith("RNG") for x in doc["not_moved"]) and any(
+        x.startswith("data position") for x in doc["not_moved"]
+    )
     view = run_cli("inspect", out, "--json")
     assert view.returncode == 0, view.stderr
     v = json.loads(view.stdout)
@@ -256,7 +296,8 @@ def test_ckpt_diff_by_hand_pairs_the_pipeline_with_the_conversion(tmp_path):
     assert any("read under the Megatron-core names" in x for x in doc["notes"])
     groups = len(_common(out / ITER)["optimizer"]["optimizer"]["param_groups"])
     assert sorted((d["file"], d["field"], d["kind"]) for d in doc["differences"]) == sorted(
-        ("param_groups", f"{g}.{k}", "added") for g in range(groups) for k in MEGATRON_GROUP_KEYS)
+        ("param_groups", f"{g}.{k}", "added") for g in range(groups) for k in MEGATRON_GROUP_KEYS
+    )
 
 
 def test_dry_run_writes_nothing_and_what_cannot_be_carried_is_refused_in_one_line(tmp_path):
@@ -269,10 +310,12 @@ def test_dry_run_writes_nothing_and_what_cannot_be_carried_is_refused_in_one_lin
     doc = json.loads(proc.stdout)
     assert doc["format"] == "deepspeed_pipeline" and doc["scheduler"] == "OptimizerParamScheduler"
     assert doc["not_moved"] and not out.exists() and not list(tmp_path.iterdir())
-    cases = [(sample("megatron", "gpt_tp2_pp2_drifted"), (), "TP-replicated parameters differ across TP ranks"),
-             (sample("dcp", "dcp_recipe_fsdp2"), (), "needs a Megatron-LM legacy checkpoint"),
-             (sample("deepspeed", "zero2_bf16"), (), "needs a Megatron-LM legacy checkpoint"),
-             (sample(*SRC), ("--ckpt-format", "torch"), "needs a Megatron-LM torch_dist checkpoint")]
+    cases = [
+        (sample("megatron", "gpt_tp2_pp2_drifted"), (), "TP-replicated parameters differ across TP ranks"),
+        (sample("dcp", "dcp_recipe_fsdp2"), (), "needs a Megatron-LM legacy checkpoint"),
+        (sample("deepspeed", "zero2_bf16"), (), "needs a Megatron-LM legacy checkpoint"),
+        (sample(*SRC), ("--ckpt-format", "torch"), "needs a Megatron-LM torch_dist checkpoint"),
+    ]
     for src, extra, words in cases:
         proc = run_cli("convert", src, out, "--to", "megatron", *extra)
         assert proc.returncode == 2 and words in proc.stderr, (src, proc.stderr)
@@ -280,9 +323,11 @@ def test_dry_run_writes_nothing_and_what_cannot_be_carried_is_refused_in_one_lin
         assert not out.exists() and not list(tmp_path.iterdir())
 
 
-@pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,
-                    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout: its "
-                           "training code is not on the package registries)")
+@pytest.mark.skipif(
+    not MEGATRON or importlib.util.find_spec("megatron") is None,
+    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout: its "
+    "training code is not on the package registries)",
+)
 def test_megatron_loads_and_resumes_the_conversion_with_its_optimizer_state(tmp_path):
     """`ckpt resume` runs Megatron-LM's own pretrain on the output (TP 2 x PP 2, 4 gloo processes on the CPU, the
     model rebuilt from the written args, no extra flag): Megatron's load_checkpoint takes the weights, the Adam
@@ -300,37 +345,55 @@ def test_megatron_loads_and_resumes_the_conversion_with_its_optimizer_state(tmp_
     assert proc.returncode == 0, proc.stderr
     m = manifest(*SRC)
     # the legacy loader asks for each rank file's RNG state unless told not to (torch_dist: args.no_save_rng)
-    runs = {"torch_dist": _ckpt_resume(out), "legacy": _ckpt_resume(leg),
-            "tp1_pp1": _ckpt_resume(out, "--tp", "1", "--pp", "1", "--nproc", "1")}
+    runs = {
+        "torch_dist": _ckpt_resume(out),
+        "legacy": _ckpt_resume(leg),
+        "tp1_pp1": _ckpt_resume(out, "--tp", "1", "--pp", "1", "--nproc", "1"),
+    }
     for key, res in runs.items():
         checks = {c["name"]: c["status"] for c in res["checks"]}
         assert all(s in ("pass", "n/a") for s in checks.values()), (key, checks)
         assert {"global step", "optimizer step", "learning rate", "run rebuilt", "scheduler state"} <= {
-            n for n, s in checks.items() if s == "pass"}, (key, checks)
+            n for n, s in checks.items() if s == "pass"
+        }, (key, checks)
         assert [r["step"] for r in res["records"]] == [r["optimizer_step"] for r in res["records"]] == [5, 6]
         assert [r["lr"] for r in res["records"]] == [h["lr"] for h in m["extra"]["history"] if h["step"] > 4]
     assert {c["name"]: c["status"] for c in runs["legacy"]["checks"]}["optimizer state"] == "pass"
-    assert [(r["lr"], r["loss"]) for r in runs["legacy"]["records"]] == [(r["lr"], r["loss"])
-                                                                       for r in runs["torch_dist"]["records"]]
+    assert [(r["lr"], r["loss"]) for r in runs["legacy"]["records"]] == [
+        (r["lr"], r["loss"]) for r in runs["torch_dist"]["records"]
+    ]
     assert [n for n in runs["legacy"]["plan"]["notes"] if "--no-load-rng" in n] == [
         "RNG: the rank files hold no rng_state: relaunched with --no-load-rng (Megatron's legacy load exits without "
-        "it), so the generators are seeded afresh"]
+        "it), so the generators are seeded afresh"
+    ]
     # the plan as it was before that flag: Megatron's own exit during its load is an error, with its reason
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    proc = subprocess.run([sys.executable, "-c", "import sys; import ckpt_tools.resume.frameworks as F; "
-                           "F._legacy_has_rng = lambda ck: True; from ckpt_cli.main import main; "
-                           f"sys.argv = ['ckpt', 'resume', {str(leg)!r}, '-n', '2', '--device', 'cpu']; main()"],
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; import ckpt_tools.resume.frameworks as F; "
+            "F._legacy_has_rng = lambda ck: True; from ckpt_cli.main import main; "
+            f"sys.argv = ['ckpt', 'resume', {str(leg)!r}, '-n', '2', '--device', 'cpu']; main()",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("ckpt: error:")]
     assert proc.returncode == 2 and "Megatron-LM exited while loading the checkpoint: Unable to load rng state" in line
     # Megatron reshards the torch_dist output at load: at TP 1 x PP 1 the same run, bf16 matmuls summed in another
     # order (the TP 2 -> 1 resume of the Megatron-LM sample differs by ~1e-4 relative)
     assert [r["loss"] for r in runs["tp1_pp1"]["records"]] == pytest.approx(
-        [r["loss"] for r in runs["torch_dist"]["records"]], rel=1e-3)
+        [r["loss"] for r in runs["torch_dist"]["records"]], rel=1e-3
+    )
 
 
-@pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,
-                    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout)")
+@pytest.mark.skipif(
+    not MEGATRON or importlib.util.find_spec("megatron") is None,
+    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout)",
+)
 def test_megatrons_forward_of_the_conversion_is_the_deepspeed_models_forward(tmp_path):
     """The architecture mapping, end to end: Megatron-LM builds its GPTModel from the written args (TP 1 x PP 1,
     one gloo process, fp32 compute) and loads the converted weights with its own load_checkpoint; the DeepSpeed
@@ -341,9 +404,23 @@ def test_megatrons_forward_of_the_conversion_is_the_deepspeed_models_forward(tmp
     out = tmp_path / "out"
     assert _convert(out).returncode == 0
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-                           str(Path(__file__).resolve()), str(out), str(tmp_path / "lg.pt")],
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "1",
+            str(Path(__file__).resolve()),
+            str(out),
+            str(tmp_path / "lg.pt"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = torch.load(tmp_path / "lg.pt")
     mega, ds, tokens = got["megatron"], got["deepspeed"], got["tokens"]
@@ -372,13 +449,27 @@ def _forward_both(out: Path, dst: Path) -> None:
 
     saved = pr.load(out / ITER / "common.pt").obj["args"].state
     _, model_provider, model_type, _, embedding_ranks = W._pretrain_entry()
-    argv = [*W.relaunch_argv(saved), *W.parallel_argv(saved, 1, 1), *W.CPU_FLAGS, "--distributed-backend", "gloo",
-            "--load", str(out), "--exit-on-missing-checkpoint", "--no-load-optim", "--no-load-rng",
-            "--train-iters", str(saved["train_iters"]), "--eval-iters", "0"]
+    argv = [
+        *W.relaunch_argv(saved),
+        *W.parallel_argv(saved, 1, 1),
+        *W.CPU_FLAGS,
+        "--distributed-backend",
+        "gloo",
+        "--load",
+        str(out),
+        "--exit-on-missing-checkpoint",
+        "--no-load-optim",
+        "--no-load-rng",
+        "--train-iters",
+        str(saved["train_iters"]),
+        "--eval-iters",
+        "0",
+    ]
     argv.remove("--bf16")  # fp32 compute over the saved bf16 weights, as the DeepSpeed side below
     sys.argv = [sys.argv[0], *argv]
-    training.initialize_megatron(args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-                                 get_embedding_ranks=embedding_ranks)
+    training.initialize_megatron(
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, get_embedding_ranks=embedding_ranks
+    )
     net = training.setup_model_and_optimizer(model_provider, model_type)[0][0]
     net.eval()
     cfg = dsm.MegatronGPTConfig(**manifest(*SRC)["extra"]["model_config"])
@@ -390,12 +481,15 @@ def _forward_both(out: Path, dst: Path) -> None:
         mega = net(tokens, positions, mask).float()
     # the DeepSpeed model's own layers at TP 1 (one rank: its all-reduces are the identity), the source's weights
     tp = dsm.TensorParallel(rank=0, size=1, group=torch.distributed.group.WORLD)
-    layers = [dsm.EmbeddingPipe(cfg, tp, 0, 1), *[dsm.ParallelTransformerLayerPipe(cfg, tp, 0, 2 + i)
-                                                   for i in range(cfg.n_layers)],
-              nn.LayerNorm(cfg.hidden, eps=cfg.layernorm_eps), dsm.LMHeadPipe(cfg, tp, 0, 2 + cfg.n_layers + 1)]
+    layers = [
+        dsm.EmbeddingPipe(cfg, tp, 0, 1),
+        *[dsm.ParallelTransformerLayerPipe(cfg, tp, 0, 2 + i) for i in range(cfg.n_layers)],
+        nn.LayerNorm(cfg.hidden, eps=cfg.layernorm_eps),
+        dsm.LMHeadPipe(cfg, tp, 0, 2 + cfg.n_layers + 1),
+    ]
     weights = {t.name: t.read(torch.float32) for t in L.model_tensors(sample(*SRC), weights="module")}
     for i, layer in enumerate(layers, start=1):
-        sd = {k[len(f"{i}."):]: v for k, v in weights.items() if k.startswith(f"{i}.")}
+        sd = {k[len(f"{i}.") :]: v for k, v in weights.items() if k.startswith(f"{i}.")}
         layer.load_state_dict(sd, strict=True)
     with torch.no_grad():
         x = (tokens, positions)

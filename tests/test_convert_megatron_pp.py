@@ -4,6 +4,7 @@ legacy save (`megatron_pp2_legacy`, the run `megatron_pp2_torch_dist` saved the 
 PP 1 output must hold, stage by stage; the TP 2 legacy save holds the shards the TP 2 x PP 2 output cuts into
 stages. Where a Megatron-LM checkout is named (MEGATRON_LM_DIR), Megatron loads the PP 1 output and continues the
 run, and its own conversion at PP 1 writes the same rank file."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -13,8 +14,18 @@ import pytest
 from ckpt_tools.read import pickle_reader as pr
 
 from conftest import run_cli, sample
-from test_convert_to_megatron import (ITER, MEGATRON, _ckpt_resume, _dcp, _global, _inert, _rank_files, _to_legacy,
-                                      same_as_megatrons_own_legacy_conversion, same_rank_files)
+from test_convert_to_megatron import (
+    ITER,
+    MEGATRON,
+    _ckpt_resume,
+    _dcp,
+    _global,
+    _inert,
+    _rank_files,
+    _to_legacy,
+    same_as_megatrons_own_legacy_conversion,
+    same_rank_files,
+)
 
 
 def _layer(key: str) -> int | None:
@@ -43,8 +54,9 @@ def test_pp2_to_pp1_joins_the_stages_of_megatrons_own_pp2_save(tmp_path):
     s0, s1 = (pr.load(ref / f"mp_rank_00_00{p}/model_optim_rng.pt").obj for p in (0, 1))
     per = 1 + max(_layer(k) for k in s0["model"] if _layer(k) is not None)
     want = [(k, s0, k) for k in s0["model"]]
-    want += [(_renumbered(k, per) if _layer(k) is not None else k, s1, k) for k in s1["model"]
-             if k != "output_layer.weight"]  # the last stage's copy of the tied word embeddings
+    want += [
+        (_renumbered(k, per) if _layer(k) is not None else k, s1, k) for k in s1["model"] if k != "output_layer.weight"
+    ]  # the last stage's copy of the tied word embeddings
     assert list(a["model"]) == [k for k, _, _ in want]
     for k, stage, src in want:
         v, w = a["model"][k], stage["model"][src]
@@ -61,16 +73,21 @@ def test_pp2_to_pp1_joins_the_stages_of_megatrons_own_pp2_save(tmp_path):
         opt = f["optimizer"]
         out = []
         for g, masters in zip(opt["optimizer"]["param_groups"], opt["fp32_from_fp16_params"]):
-            out += [(opt["optimizer"]["state"][i]["exp_avg"], opt["optimizer"]["state"][i]["exp_avg_sq"], m)
-                    for i, m in zip(g["params"], masters)]
+            out += [
+                (opt["optimizer"]["state"][i]["exp_avg"], opt["optimizer"]["state"][i]["exp_avg_sq"], m)
+                for i, m in zip(g["params"], masters)
+            ]
         return out
 
     mine = states(a)
     theirs = states(s0) + states(s1)
     assert len(theirs) == len(mine) + 1  # stage 1's tied copy is the one parameter more
     for m in mine:
-        match = [t for t in theirs if all(x.shape == y.shape and torch.equal(x.read_torch(), y.read_torch())
-                                          for x, y in zip(m, t))]
+        match = [
+            t
+            for t in theirs
+            if all(x.shape == y.shape and torch.equal(x.read_torch(), y.read_torch()) for x, y in zip(m, t))
+        ]
         assert match, "an optimizer entry with no equal entry in Megatron's stage files"
     assert _inert(a["opt_param_scheduler"]) == _inert(s0["opt_param_scheduler"])
 
@@ -84,8 +101,12 @@ def test_pp1_to_pp2_cuts_megatrons_tp2_save_into_stages_and_round_trips(tmp_path
     out = tmp_path / "pp2"
     doc = _to_legacy("megatron_tp2_torch_dist", out, "--pp", "2")
     assert doc["verified"] is True and (doc["tp"], doc["pp"]) == (2, 2)
-    assert sorted(p.name for p in (out / ITER).iterdir()) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000",
-                                                              "mp_rank_01_001"]
+    assert sorted(p.name for p in (out / ITER).iterdir()) == [
+        "mp_rank_00_000",
+        "mp_rank_00_001",
+        "mp_rank_01_000",
+        "mp_rank_01_001",
+    ]
     ref = sample("megatron_lm", "megatron_tp2_legacy") / ITER
     for t in (0, 1):
         whole = pr.load(ref / f"mp_rank_0{t}/model_optim_rng.pt").obj["model"]
@@ -108,14 +129,22 @@ def test_pp1_to_pp2_cuts_megatrons_tp2_save_into_stages_and_round_trips(tmp_path
     tensors = sorted(k for k, v in ks.items() if v != "bytes")
     assert sorted(k for k, v in kb.items() if v != "bytes") == tensors and len(tensors) > 40
     src = sample("megatron_lm", "megatron_tp2_torch_dist")
-    unequal = [k for k in tensors if kb[k] != ks[k] or not torch.equal(_global(back, k, kb[k][0]),
-                                                                      _global(src, k, ks[k][0]))]
+    unequal = [
+        k for k in tensors if kb[k] != ks[k] or not torch.equal(_global(back, k, kb[k][0]), _global(src, k, ks[k][0]))
+    ]
     assert unequal == []
 
 
-@pytest.mark.parametrize("run,size", [("megatron_tp2", ("--tp", "1")), ("megatron_pp2", ("--pp", "1")),
-                                      ("megatron_tp2_llama", ("--tp", "1")), ("megatron_pp2_vpp2", ("--tp", "2")),
-                                      ("megatron_tp2", ("--tp", "1", "--pp", "2"))])
+@pytest.mark.parametrize(
+    "run,size",
+    [
+        ("megatron_tp2", ("--tp", "1")),
+        ("megatron_pp2", ("--pp", "1")),
+        ("megatron_tp2_llama", ("--tp", "1")),
+        ("megatron_pp2_vpp2", ("--tp", "2")),
+        ("megatron_tp2", ("--tp", "1", "--pp", "2")),
+    ],
+)
 def test_legacy_to_legacy_at_another_size_in_one_step(tmp_path, run, size):
     """Legacy rank files at another TP / PP straight from legacy rank files (no torch_dist in between): the same
     rank folders and files, bit for bit, as writing the torch_dist save of the same run at that size (the route
@@ -133,9 +162,11 @@ def test_pp_refusals_are_one_line_and_write_nothing(tmp_path):
     """A PP size that does not divide the layers, another PP for a virtual-pipeline run, --pp for the torch_dist
     target: exit 2, one line, nothing written."""
     out = tmp_path / "out"
-    cases = [("megatron_pp2_torch_dist", ("--ckpt-format", "torch", "--pp", "3"), "--pp 3 does not divide num_layers=2"),
-             ("megatron_pp2_vpp2_torch_dist", ("--ckpt-format", "torch", "--pp", "1"), "virtual pipeline (VPP 2)"),
-             ("megatron_pp2_legacy", ("--pp", "1"), "--pp applies to --to megatron --ckpt-format torch")]
+    cases = [
+        ("megatron_pp2_torch_dist", ("--ckpt-format", "torch", "--pp", "3"), "--pp 3 does not divide num_layers=2"),
+        ("megatron_pp2_vpp2_torch_dist", ("--ckpt-format", "torch", "--pp", "1"), "virtual pipeline (VPP 2)"),
+        ("megatron_pp2_legacy", ("--pp", "1"), "--pp applies to --to megatron --ckpt-format torch"),
+    ]
     for name, extra, words in cases:
         proc = run_cli("convert", sample("megatron_lm", name), out, "--to", "megatron", *extra)
         assert proc.returncode == 2 and words in proc.stderr, (name, proc.stderr)
@@ -143,8 +174,10 @@ def test_pp_refusals_are_one_line_and_write_nothing(tmp_path):
         assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,
-                    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout)")
+@pytest.mark.skipif(
+    not MEGATRON or importlib.util.find_spec("megatron") is None,
+    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout)",
+)
 def test_megatron_resumes_the_pp1_conversion_and_writes_the_same_rank_file(tmp_path):
     """The PP 2 torch_dist sample written as one PP 1 rank file, resumed by Megatron-LM's own pretrain (`ckpt
     resume`, one gloo process): every check passes, the closed-form AdamW check included, iteration and Adam step
@@ -161,8 +194,9 @@ def test_megatron_resumes_the_pp1_conversion_and_writes_the_same_rank_file(tmp_p
         assert all(s in ("pass", "n/a") for s in checks.values()), (key, checks)
         assert [r["step"] for r in res["records"]] == [r["optimizer_step"] for r in res["records"]] == [11, 12]
     assert {c["name"]: c["status"] for c in runs["pp1"]["checks"]}["optimizer state"] == "pass"
-    assert [(r["lr"], r["loss"]) for r in runs["pp1"]["records"]] == [(r["lr"], r["loss"])
-                                                                     for r in runs["dist_pp1"]["records"]]
+    assert [(r["lr"], r["loss"]) for r in runs["pp1"]["records"]] == [
+        (r["lr"], r["loss"]) for r in runs["dist_pp1"]["records"]
+    ]
     same_as_megatrons_own_legacy_conversion(dist, pp1, tmp_path / "megatron_ref", "--pp", "1")
 
 
@@ -174,11 +208,12 @@ def test_a_source_without_rng_is_said_to_have_none(tmp_path):
     dist = tmp_path / "dist"
     proc = run_cli("convert", sample("megatron", "gpt_tp2_pp2"), dist, "--to", "megatron")
     assert proc.returncode == 0, proc.stderr
-    proc = run_cli("convert", dist, tmp_path / "leg", "--to", "megatron", "--ckpt-format", "torch", "--dry-run",
-                   "--json")
+    proc = run_cli(
+        "convert", dist, tmp_path / "leg", "--to", "megatron", "--ckpt-format", "torch", "--dry-run", "--json"
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert [x for x in doc["not_moved"] if x.startswith("RNG")] == [
-        "RNG: the source saved none (no rng_state items): the rank files hold no rng_state; relaunch with "
-        "--no-load-rng"]
+        "RNG: the source saved none (no rng_state items): the rank files hold no rng_state; relaunch with --no-load-rng"
+    ]
     assert not [x for x in doc["notes"] if x.startswith("RNG")] and not (tmp_path / "leg").exists()

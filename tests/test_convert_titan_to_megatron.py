@@ -10,6 +10,7 @@ permuted; SwiGLU's linear_fc1 is [w1; w3]. `export --hf` of the output must equa
 (that export is held against torchtitan's own Hugging Face converter and forward in test_export_formats). Where a
 Megatron-LM checkout is named (MEGATRON_LM_DIR), Megatron's own load_checkpoint resumes the output through `ckpt
 resume` and Megatron's own forward of it gives torchtitan's logits."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -56,13 +57,13 @@ def _halves(rows: torch.Tensor, heads: int) -> torch.Tensor:
 def _megatron_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Per query group (one head each here): its q head, its k head, its v head, q / k rotate-half."""
     q, k = _halves(q, HEADS), _halves(k, HEADS)
-    return torch.cat([t[h * HEAD_DIM:(h + 1) * HEAD_DIM] for h in range(HEADS) for t in (q, k, v)])
+    return torch.cat([t[h * HEAD_DIM : (h + 1) * HEAD_DIM] for h in range(HEADS) for t in (q, k, v)])
 
 
 def _titan_fused_split(fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """torchtitan's FusedQKVLinear rows (its optimizer state): per KV group its q heads, k head, v head."""
-    blocks = [fused[h * 3 * HEAD_DIM:(h + 1) * 3 * HEAD_DIM] for h in range(HEADS)]
-    return tuple(torch.cat([b[i * HEAD_DIM:(i + 1) * HEAD_DIM] for b in blocks]) for i in range(3))
+    blocks = [fused[h * 3 * HEAD_DIM : (h + 1) * 3 * HEAD_DIM] for h in range(HEADS)]
+    return tuple(torch.cat([b[i * HEAD_DIM : (i + 1) * HEAD_DIM] for b in blocks]) for i in range(3))
 
 
 def test_torchtitan_to_megatron_needs_its_config_then_carries_every_tensor(tmp_path):
@@ -84,51 +85,103 @@ def test_torchtitan_to_megatron_needs_its_config_then_carries_every_tensor(tmp_p
     states = {n: {k: t.read() for k, t in s.items() if k != "step"} for n, s in L.optimizer_states(_src()).items()}
     master = {t.name: t.read() for t in L.model_tensors(out, weights="fp32")}
     module = {t.name: t for t in L.model_tensors(out, weights="module")}
-    got = {n: {k: t.read() for k, t in s.items() if k not in ("step", "fp32")}  # fp32: the master, above
-           for n, s in L.optimizer_states(out).items()}
+    got = {
+        n: {k: t.read() for k, t in s.items() if k not in ("step", "fp32")}  # fp32: the master, above
+        for n, s in L.optimizer_states(out).items()
+    }
     for i in range(2):
         a, m, f = f"layers.{i}.attention", f"decoder.layers.{i}", f"layers.{i}.feed_forward"
         want = {  # Megatron name: (fp32 weight, {state: tensor})
             f"{m}.self_attention.linear_qkv.weight": (
                 _megatron_qkv(*(src[f"{a}.qkv_linear.w{x}.weight"] for x in "qkv")),
-                {s: _megatron_qkv(*_titan_fused_split(states[f"{a}.qkv_linear.wqkv.weight"][s]))
-                 for s in ("exp_avg", "exp_avg_sq")}),
+                {
+                    s: _megatron_qkv(*_titan_fused_split(states[f"{a}.qkv_linear.wqkv.weight"][s]))
+                    for s in ("exp_avg", "exp_avg_sq")
+                },
+            ),
             f"{m}.mlp.linear_fc1.weight": (
                 torch.cat([src[f"{f}.w1.weight"], src[f"{f}.w3.weight"]]),
-                {s: torch.cat([states[f"{f}.w1.weight"][s], states[f"{f}.w3.weight"][s]])
-                 for s in ("exp_avg", "exp_avg_sq")}),
+                {
+                    s: torch.cat([states[f"{f}.w1.weight"][s], states[f"{f}.w3.weight"][s]])
+                    for s in ("exp_avg", "exp_avg_sq")
+                },
+            ),
             f"{m}.mlp.linear_fc2.weight": (src[f"{f}.w2.weight"], states[f"{f}.w2.weight"]),
             f"{m}.self_attention.linear_proj.weight": (src[f"{a}.wo.weight"], states[f"{a}.wo.weight"]),
-            f"{m}.self_attention.linear_qkv.layer_norm_weight": (src[f"layers.{i}.attention_norm.weight"],
-                                                                 states[f"layers.{i}.attention_norm.weight"]),
-            f"{m}.mlp.linear_fc1.layer_norm_weight": (src[f"layers.{i}.ffn_norm.weight"],
-                                                      states[f"layers.{i}.ffn_norm.weight"])}
+            f"{m}.self_attention.linear_qkv.layer_norm_weight": (
+                src[f"layers.{i}.attention_norm.weight"],
+                states[f"layers.{i}.attention_norm.weight"],
+            ),
+            f"{m}.mlp.linear_fc1.layer_norm_weight": (
+                src[f"layers.{i}.ffn_norm.weight"],
+                states[f"layers.{i}.ffn_norm.weight"],
+            ),
+        }
         for name, (weight, st) in want.items():
             key = next(k for k in master if L.name_key(k) == L.name_key(name))
             assert master[key].equal(weight), name
             assert module[key].dtype == "bfloat16" and module[key].read().equal(weight.to(torch.bfloat16)), name
             assert set(got[key]) == {"exp_avg", "exp_avg_sq"} and all(got[key][s].equal(st[s]) for s in st), name
-    for titan, core in (("tok_embeddings.weight", "embedding.word_embeddings.weight"),
-                        ("norm.weight", "decoder.final_layernorm.weight"), ("lm_head.weight", "output_layer.weight")):
+    for titan, core in (
+        ("tok_embeddings.weight", "embedding.word_embeddings.weight"),
+        ("norm.weight", "decoder.final_layernorm.weight"),
+        ("lm_head.weight", "output_layer.weight"),
+    ):
         assert master[core].equal(src[titan]) and all(got[core][s].equal(states[titan][s]) for s in states[titan])
 
     common = torch.load(next(out.glob("iter_*/common.pt")), weights_only=False)
     a = vars(common["args"])
-    assert {k: a[k] for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                              "num_query_groups", "kv_channels", "normalization", "swiglu", "position_embedding_type",
-                              "rotary_base", "use_rope_scaling", "rope_scaling_factor", "layernorm_epsilon",
-                              "seq_length", "add_bias_linear", "untie_embeddings_and_output_weights",
-                              "padded_vocab_size", "iteration", "bf16")} == {
-        "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 96, "num_attention_heads": 4, "num_query_groups": 4,
-        "kv_channels": 16, "normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
-        "rotary_base": 500000, "use_rope_scaling": True, "rope_scaling_factor": 8.0, "layernorm_epsilon": 1e-5,
-        "seq_length": 32, "add_bias_linear": False, "untie_embeddings_and_output_weights": True,
-        "padded_vocab_size": 64, "iteration": 3, "bf16": True}
+    assert {
+        k: a[k]
+        for k in (
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "kv_channels",
+            "normalization",
+            "swiglu",
+            "position_embedding_type",
+            "rotary_base",
+            "use_rope_scaling",
+            "rope_scaling_factor",
+            "layernorm_epsilon",
+            "seq_length",
+            "add_bias_linear",
+            "untie_embeddings_and_output_weights",
+            "padded_vocab_size",
+            "iteration",
+            "bf16",
+        )
+    } == {
+        "num_layers": 2,
+        "hidden_size": 64,
+        "ffn_hidden_size": 96,
+        "num_attention_heads": 4,
+        "num_query_groups": 4,
+        "kv_channels": 16,
+        "normalization": "RMSNorm",
+        "swiglu": True,
+        "position_embedding_type": "rope",
+        "rotary_base": 500000,
+        "use_rope_scaling": True,
+        "rope_scaling_factor": 8.0,
+        "layernorm_epsilon": 1e-5,
+        "seq_length": 32,
+        "add_bias_linear": False,
+        "untie_embeddings_and_output_weights": True,
+        "padded_vocab_size": 64,
+        "iteration": 3,
+        "bf16": True,
+    }
     groups = common["optimizer"]["optimizer"]["param_groups"]
     history = {h["step"]: h for h in manifest(*SRC)["extra"]["history"]}
     norms_lr, rest_lr = history[3]["lr_after"]  # the LRs torchtitan's step 4 uses (group order: norms, rest)
     assert [(g["wd_mult"], g["weight_decay"], g["max_lr"], g["min_lr"], g["lr"]) for g in groups] == [
-        (1.0, 0.1, rest_lr, rest_lr, rest_lr), (0.0, 0.0, norms_lr, norms_lr, norms_lr)]
+        (1.0, 0.1, rest_lr, rest_lr, rest_lr),
+        (0.0, 0.0, norms_lr, norms_lr, norms_lr),
+    ]
     assert float(common["optimizer"]["optimizer"]["state"]["common_step"]) == 3.0
     assert common["opt_param_scheduler"]["lr_decay_style"] == "constant"
 
@@ -136,8 +189,10 @@ def test_torchtitan_to_megatron_needs_its_config_then_carries_every_tensor(tmp_p
     rep = json.loads(d.stdout)
     assert d.returncode == 1 and rep["tensors_compared"] == 45, d.stdout[-2000:]
     assert {(x["file"], x["field"], x["kind"]) for x in rep["differences"]} == {
-        ("param_groups", f"{i}.{k}", "added") for i in (0, 1) for k in (
-            "is_expert_parallel", "default_config", "wd_mult", "lr_mult", "is_decoupled_lr", "max_lr", "min_lr")}
+        ("param_groups", f"{i}.{k}", "added")
+        for i in (0, 1)
+        for k in ("is_expert_parallel", "default_config", "wd_mult", "lr_mult", "is_decoupled_lr", "max_lr", "min_lr")
+    }
 
     assert run_cli("export", out, tmp_path / "hf_out", "--hf").returncode == 0
     assert run_cli("export", _src(), tmp_path / "hf_src", "--hf", "--hf-config", cfg).returncode == 0
@@ -157,16 +212,18 @@ def test_torchtitan_to_megatron_refuses_what_it_cannot_carry(tmp_path):
     yarn = _titan_hf_config(tmp_path / "yarn")
     yarn.write_text(yarn.read_text().replace('"llama3"', '"yarn"'))
     no_head_dim = _titan_hf_config(tmp_path / "no_head_dim")  # then 2, 4, 8 or 16 heads would all fit the shapes
-    no_head_dim.write_text(no_head_dim.read_text().replace('"head_dim": 16,', ''))
+    no_head_dim.write_text(no_head_dim.read_text().replace('"head_dim": 16,', ""))
     no_factor = _titan_hf_config(tmp_path / "no_factor")
     no_factor.write_text(no_factor.read_text().replace('"factor": 8.0', '"factor": null'))
-    cases = [(_convert(tmp_path / "o1", cfg, src=sample(*SRC) / "step-5"), "model-only"),
-             (_convert(tmp_path / "o2", heads8), "wq.weight"),
-             (_convert(tmp_path / "o3", yarn), "rope_scaling"),
-             (_convert(tmp_path / "o4", cfg, "--ckpt-format", "torch"), "torch_dist"),
-             (_convert(tmp_path / "o5", cfg, src=sample("megatron", "gpt_tp2_pp2")), "--hf-config"),
-             (_convert(tmp_path / "o6", no_head_dim), "head_dim"),
-             (_convert(tmp_path / "o7", no_factor), "rope_scaling")]
+    cases = [
+        (_convert(tmp_path / "o1", cfg, src=sample(*SRC) / "step-5"), "model-only"),
+        (_convert(tmp_path / "o2", heads8), "wq.weight"),
+        (_convert(tmp_path / "o3", yarn), "rope_scaling"),
+        (_convert(tmp_path / "o4", cfg, "--ckpt-format", "torch"), "torch_dist"),
+        (_convert(tmp_path / "o5", cfg, src=sample("megatron", "gpt_tp2_pp2")), "--hf-config"),
+        (_convert(tmp_path / "o6", no_head_dim), "head_dim"),
+        (_convert(tmp_path / "o7", no_factor), "rope_scaling"),
+    ]
     for r, word in cases:
         lines = [x for x in r.stderr.splitlines() if x.startswith("ckpt: error:")]
         assert r.returncode == 2 and len(lines) == 1 and word in lines[0], r.stderr[-1500:]
@@ -193,17 +250,32 @@ def test_torchtitan_schedule_is_carried_as_megatrons_wsd(tmp_path):
     m = manifest(*SRC)["extra"]
     assert m["config"]["warmup_steps"] == 2 and m["config"]["decay_ratio"] == 0.6
     s = megatron_in.parse_titan_schedule(SCHEDULE, None)
-    assert [[base * megatron_in.titan_factor(s, h["step"] - 1) for base in m["config"]["lr"]] for h in m["history"]] \
-        == [h["lr"] for h in m["history"]]
+    assert [
+        [base * megatron_in.titan_factor(s, h["step"] - 1) for base in m["config"]["lr"]] for h in m["history"]
+    ] == [h["lr"] for h in m["history"]]
     cfg, out = _titan_hf_config(tmp_path / "cfg"), tmp_path / "out"
     r = _convert(out, cfg, "--seq-length", "32", "--lr-scheduler", SCHEDULE)
     assert r.returncode == 0 and json.loads(r.stdout)["verified"] is True, r.stderr
     common = torch.load(next(out.glob("iter_*/common.pt")), weights_only=False)
     a, groups = vars(common["args"]), common["optimizer"]["optimizer"]["param_groups"]
-    assert {k: a[k] for k in ("lr_decay_style", "lr_decay_iters", "lr_wsd_decay_iters", "lr_wsd_decay_style",
-                              "lr_warmup_iters", "train_iters")} == {
-        "lr_decay_style": "WSD", "lr_decay_iters": 5, "lr_wsd_decay_iters": 3, "lr_wsd_decay_style": "linear",
-        "lr_warmup_iters": 1, "train_iters": 5}
+    assert {
+        k: a[k]
+        for k in (
+            "lr_decay_style",
+            "lr_decay_iters",
+            "lr_wsd_decay_iters",
+            "lr_wsd_decay_style",
+            "lr_warmup_iters",
+            "train_iters",
+        )
+    } == {
+        "lr_decay_style": "WSD",
+        "lr_decay_iters": 5,
+        "lr_wsd_decay_iters": 3,
+        "lr_wsd_decay_style": "linear",
+        "lr_warmup_iters": 1,
+        "train_iters": 5,
+    }
     assert [(g["max_lr"], g["min_lr"]) for g in groups] == [(8e-4, 0.0), (4e-4, 0.0)]
     rows, _ = expected_lrs(common["opt_param_scheduler"], groups, a, 2)
     later = [h["lr"] for h in m["history"] if h["step"] > 3]  # group order: norms, rest
@@ -216,9 +288,10 @@ def test_torchtitan_schedule_is_carried_as_megatrons_wsd(tmp_path):
         assert not (tmp_path / "bad").exists()
 
 
-NEEDS_MEGATRON = pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,
-                                    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 "
-                                           "checkout)")
+NEEDS_MEGATRON = pytest.mark.skipif(
+    not MEGATRON or importlib.util.find_spec("megatron") is None,
+    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout)",
+)
 
 
 @NEEDS_MEGATRON
@@ -234,15 +307,22 @@ def test_megatron_resumes_the_torchtitan_conversion(tmp_path):
     assert run_cli("convert", out, leg, "--to", "megatron", "--ckpt-format", "torch").returncode == 0
     norms_lr, rest_lr = {h["step"]: h for h in manifest(*SRC)["extra"]["history"]}[3]["lr_after"]
     wsd = tmp_path / "wsd"
-    assert _convert(wsd, _titan_hf_config(tmp_path / "cfg2"), "--seq-length", "32", "--lr-scheduler",
-                    SCHEDULE).returncode == 0
-    runs = {"dp2": _ckpt_resume(out), "tp2": _ckpt_resume(out, "--tp", "2"), "legacy": _ckpt_resume(leg),
-            "wsd": _ckpt_resume(wsd)}
+    assert (
+        _convert(wsd, _titan_hf_config(tmp_path / "cfg2"), "--seq-length", "32", "--lr-scheduler", SCHEDULE).returncode
+        == 0
+    )
+    runs = {
+        "dp2": _ckpt_resume(out),
+        "tp2": _ckpt_resume(out, "--tp", "2"),
+        "legacy": _ckpt_resume(leg),
+        "wsd": _ckpt_resume(wsd),
+    }
     for key, res in runs.items():
         checks = {c["name"]: c["status"] for c in res["checks"]}
         assert all(s in ("pass", "n/a") for s in checks.values()), (key, checks)
         assert {"global step", "optimizer step", "learning rate", "run rebuilt", "scheduler state"} <= {
-            n for n, s in checks.items() if s == "pass"}, (key, checks)
+            n for n, s in checks.items() if s == "pass"
+        }, (key, checks)
         assert [r["step"] for r in res["records"]] == [r["optimizer_step"] for r in res["records"]] == [4, 5]
         if key == "wsd":  # torchtitan's own LRs of steps 4 and 5 (group order there: norms, rest)
             later = [h["lr"] for h in manifest(*SRC)["extra"]["history"] if h["step"] > 3]
@@ -250,10 +330,12 @@ def test_megatron_resumes_the_torchtitan_conversion(tmp_path):
         else:
             assert [r["lr"] for r in res["records"]] == [[rest_lr, norms_lr]] * 2, key
     assert {c["name"]: c["status"] for c in runs["legacy"]["checks"]}["optimizer state"] == "pass"
-    assert [(r["lr"], r["loss"]) for r in runs["legacy"]["records"]] == [(r["lr"], r["loss"])
-                                                                       for r in runs["dp2"]["records"]]
-    assert [r["loss"] for r in runs["tp2"]["records"]] == pytest.approx([r["loss"] for r in runs["dp2"]["records"]],
-                                                                       rel=1e-3)
+    assert [(r["lr"], r["loss"]) for r in runs["legacy"]["records"]] == [
+        (r["lr"], r["loss"]) for r in runs["dp2"]["records"]
+    ]
+    assert [r["loss"] for r in runs["tp2"]["records"]] == pytest.approx(
+        [r["loss"] for r in runs["dp2"]["records"]], rel=1e-3
+    )
 
 
 @NEEDS_MEGATRON
@@ -288,11 +370,19 @@ def test_grouped_query_attention_fuses_as_megatrons_own_split_undoes():
     fused = merge_shards(rule, [wq, wk, wv])
     titan_rows = qkv.fuse(wq, wk, wv, groups)  # torchtitan's FusedQKVLinear rows (its optimizer state's order)
     assert merge_shards(rule, [titan_rows]).equal(fused)
-    config = {"model_type": "llama", "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": groups,
-              "head_dim": hd, "num_hidden_layers": 1, "intermediate_size": 8}
+    config = {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": groups,
+        "head_dim": hd,
+        "num_hidden_layers": 1,
+        "intermediate_size": 8,
+    }
     name = "decoder.layers.0.self_attention.linear_qkv.weight"
-    split = {hf.rsplit(".", 2)[-2]: fn(fused) for hf, fn, _ in hf_map.megatron_to_hf({name: fused.shape}, config,
-                                                                                      "x")[name]}
+    split = {
+        hf.rsplit(".", 2)[-2]: fn(fused) for hf, fn, _ in hf_map.megatron_to_hf({name: fused.shape}, config, "x")[name]
+    }
     assert split["q_proj"].equal(hf_map.rope_permute(heads)(wq))
     assert split["k_proj"].equal(hf_map.rope_permute(groups)(wk))
     assert split["v_proj"].equal(wv)
@@ -308,8 +398,12 @@ def test_a_grouped_query_torchtitan_run_moves_onto_megatron(tmp_path):
     each group's LR the one torchtitan's next step uses."""
     from ckpt_tools.samples import run_torchrun
 
-    run_torchrun("ckpt_tools.samples.workers.torchtitan_run", 2,  # raises with the log's tail if it fails
-                 ["--sample", "torchtitan_gqa", "--out", str(tmp_path / "made")], timeout=600)
+    run_torchrun(
+        "ckpt_tools.samples.workers.torchtitan_run",
+        2,  # raises with the log's tail if it fails
+        ["--sample", "torchtitan_gqa", "--out", str(tmp_path / "made")],
+        timeout=600,
+    )
     src = tmp_path / "made" / "torchtitan_gqa" / "step-3"
     cfg = _titan_hf_config(tmp_path / "cfg")
     cfg.write_text(cfg.read_text().replace('"num_key_value_heads": 4', '"num_key_value_heads": 2'))
@@ -333,14 +427,41 @@ def _megatron_and_titan_logits(out: Path, src: Path, tmp_path: Path, kv_heads: i
     rounding, torchtitan's on the fp32 master (`export --hf`) to float32 rounding; the two within the bf16 rounding
     of the weights (atol 0.03; measured 0.008 on logits up to 3.2)."""
     meg, titan = tmp_path / "megatron_logits.pt", tmp_path / "titan_logits.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "ckpt_tools.samples.workers.megatron_lm", "--forward", str(out),
-           "--tokens", json.dumps(TOKENS), "--logits", str(meg)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "1",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "ckpt_tools.samples.workers.megatron_lm",
+        "--forward",
+        str(out),
+        "--tokens",
+        json.dumps(TOKENS),
+        "--logits",
+        str(meg),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    proc = subprocess.run([sys.executable, "-c", "from ckpt_tools.samples.workers.torchtitan_run import logits_main; "
-                           "logits_main()", str(src), str(titan), json.dumps(TOKENS),
-                           *([str(kv_heads)] if kv_heads else [])], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from ckpt_tools.samples.workers.torchtitan_run import logits_main; logits_main()",
+            str(src),
+            str(titan),
+            json.dumps(TOKENS),
+            *([str(kv_heads)] if kv_heads else []),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert run_cli("export", out, tmp_path / "hf_module", "--hf", "--source", "module").returncode == 0
     assert run_cli("export", out, tmp_path / "hf", "--hf").returncode == 0
@@ -366,8 +487,12 @@ def test_a_stock_single_group_torchtitan_run_moves_onto_megatron_with_drop_norm_
     from ckpt_tools.samples import run_torchrun
     from ckpt_tools.view import logical as L
 
-    run_torchrun("ckpt_tools.samples.workers.torchtitan_run", 2,  # raises with the log's tail if it fails
-                 ["--sample", "torchtitan_onegroup", "--out", str(tmp_path / "made")], timeout=600)
+    run_torchrun(
+        "ckpt_tools.samples.workers.torchtitan_run",
+        2,  # raises with the log's tail if it fails
+        ["--sample", "torchtitan_onegroup", "--out", str(tmp_path / "made")],
+        timeout=600,
+    )
     src = tmp_path / "made" / "torchtitan_onegroup" / "step-3"
     made = json.loads((tmp_path / "made" / "torchtitan_onegroup.manifest.json").read_text())
     assert made["extra"]["config"]["weight_decay"] == [0.1] and made["extra"]["config"]["lr"] == [8e-4]
@@ -407,8 +532,12 @@ def test_a_torchtitan_run_with_separate_wq_wk_wv_moves_onto_megatron(tmp_path):
     torchtitan's own LRs for steps 4 and 5."""
     from ckpt_tools.samples import run_torchrun
 
-    run_torchrun("ckpt_tools.samples.workers.torchtitan_run", 2,  # raises with the log's tail if it fails
-                 ["--sample", "torchtitan_split", "--out", str(tmp_path / "made")], timeout=600)
+    run_torchrun(
+        "ckpt_tools.samples.workers.torchtitan_run",
+        2,  # raises with the log's tail if it fails
+        ["--sample", "torchtitan_split", "--out", str(tmp_path / "made")],
+        timeout=600,
+    )
     src = tmp_path / "made" / "torchtitan_split" / "step-3"
     made = json.loads((tmp_path / "made" / "torchtitan_split.manifest.json").read_text())
     assert made["extra"]["config"]["model"]["fuse_qkv"] is False

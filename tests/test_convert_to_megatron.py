@@ -4,6 +4,7 @@ iteration) saved by Megatron-LM core_v0.16.1 in both formats, so Megatron's own 
 reference for what the conversion must write: the same DCP keys, global shapes, dtypes and values, and the same
 common.pt. Where a Megatron-LM checkout is named (MEGATRON_LM_DIR), Megatron's own `load_checkpoint` resumes the
 output at TP 2 and at TP 1 through `ckpt resume`."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -21,9 +22,12 @@ from ckpt_tools.write.dcp_write import DcpFolder
 from conftest import ROOT, run_cli, sample
 
 ITER = "iter_0000010"
-PAIRS = [("megatron_tp2_legacy", "megatron_tp2_torch_dist"), ("megatron_pp2_legacy", "megatron_pp2_torch_dist"),
-         ("megatron_tp2_llama_legacy", "megatron_tp2_llama_torch_dist"),
-         ("megatron_pp2_vpp2_legacy", "megatron_pp2_vpp2_torch_dist")]
+PAIRS = [
+    ("megatron_tp2_legacy", "megatron_tp2_torch_dist"),
+    ("megatron_pp2_legacy", "megatron_pp2_torch_dist"),
+    ("megatron_tp2_llama_legacy", "megatron_tp2_llama_torch_dist"),
+    ("megatron_pp2_vpp2_legacy", "megatron_pp2_vpp2_torch_dist"),
+]
 MEGATRON = os.environ.get("MEGATRON_LM_DIR")
 #: what differs between the two saves by construction: where each run wrote (its own save / data-cache folders)
 RUN_PATHS = {"save", "data_cache_path"}
@@ -89,7 +93,9 @@ def test_the_conversion_writes_what_megatrons_own_torch_dist_save_of_the_run_hol
     ref = sample("megatron_lm", dist)
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "10"
     assert sorted(p.name for p in out.iterdir()) == ["iter_0000010", "latest_checkpointed_iteration.txt"]
-    assert json.loads((out / ITER / "metadata.json").read_text()) == json.loads((ref / ITER / "metadata.json").read_text())
+    assert json.loads((out / ITER / "metadata.json").read_text()) == json.loads(
+        (ref / ITER / "metadata.json").read_text()
+    )
     (fa, ka), (fb, kb) = _dcp(out), _dcp(ref)
     assert ka == kb  # the same keys, global shapes and dtypes
     tensors = [k for k, v in kb.items() if v != "bytes"]
@@ -100,7 +106,9 @@ def test_the_conversion_writes_what_megatrons_own_torch_dist_save_of_the_run_hol
         assert _values(fa.value(key)) == _values(fb.value(key)), key
     ca, cb = _common(out), _common(ref)
     assert list(ca) == list(cb)
-    assert {k for k in set(ca["args"]) | set(cb["args"]) if repr(ca["args"].get(k)) != repr(cb["args"].get(k))} == RUN_PATHS
+    assert {
+        k for k in set(ca["args"]) | set(cb["args"]) if repr(ca["args"].get(k)) != repr(cb["args"].get(k))
+    } == RUN_PATHS
     for k in cb:
         if k not in ("args", "optimizer"):
             assert repr(ca[k]) == repr(cb[k]), k
@@ -127,8 +135,11 @@ def test_the_distributed_optimizer_is_written_as_megatrons_own_dp_reshardable_sa
     assert ka == kb
     buckets = [k for k in kb if ".bucket_idx_" in k]
     assert len(buckets) == 3 and not any(k.startswith("optimizer.state.") for k in kb)
-    unequal = [k for k, v in kb.items() if v != "bytes" and not torch.equal(_global(out, k, ka[k][0]),
-                                                                            _global(ref, k, kb[k][0]))]
+    unequal = [
+        k
+        for k, v in kb.items()
+        if v != "bytes" and not torch.equal(_global(out, k, ka[k][0]), _global(ref, k, kb[k][0]))
+    ]
     assert unequal == [], unequal
 
     def chunks(folder, key):
@@ -139,7 +150,9 @@ def test_the_distributed_optimizer_is_written_as_megatrons_own_dp_reshardable_sa
         assert _values(fa.value(key)) == _values(fb.value(key)), key
     ca, cb = _common(out), _common(ref)
     assert list(ca) == list(cb)
-    assert {k for k in set(ca["args"]) | set(cb["args"]) if repr(ca["args"].get(k)) != repr(cb["args"].get(k))} == RUN_PATHS
+    assert {
+        k for k in set(ca["args"]) | set(cb["args"]) if repr(ca["args"].get(k)) != repr(cb["args"].get(k))
+    } == RUN_PATHS
     assert all(repr(ca[k]) == repr(cb[k]) for k in cb if k != "args")
     doc = json.loads(run_cli("inspect", out, "--json").stdout)
     assert doc["details"]["optimizer"].startswith("distributed (flat buckets, mapped to parameters")
@@ -154,18 +167,41 @@ def _megatron_save(name: str, out: Path) -> Path:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr",
-                           "127.0.0.1", "--master_port", str(port), "-m", "ckpt_tools.samples.workers.megatron_lm",
-                           "--sample", name, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "4",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            "-m",
+            "ckpt_tools.samples.workers.megatron_lm",
+            "--sample",
+            name,
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out / name
 
 
-@pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,
-                    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout)")
-@pytest.mark.parametrize("run,sizes,buckets", [("megatron_tp2_dp2_distopt", (2, 1), 2),
-                                               ("megatron_pp2_dp2_distopt", (1, 2), 4)])
+@pytest.mark.skipif(
+    not MEGATRON or importlib.util.find_spec("megatron") is None,
+    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout)",
+)
+@pytest.mark.parametrize(
+    "run,sizes,buckets", [("megatron_tp2_dp2_distopt", (2, 1), 2), ("megatron_pp2_dp2_distopt", (1, 2), 4)]
+)
 def test_the_distributed_optimizer_at_tp2_or_pp2_both_ways_against_megatrons_own_saves(tmp_path, run, sizes, buckets):
     """TP 2 x DP 2 and PP 2 x DP 2 with the distributed optimizer (one run saved both ways by Megatron-LM itself,
     not bundled): each model-parallel rank's buckets are their own domain (dp_group_idx_0, _1); at PP 2 the tied
@@ -199,8 +235,11 @@ def test_the_distributed_optimizer_at_tp2_or_pp2_both_ways_against_megatrons_own
 
     assert all(chunks(fa, k) == chunks(fb, k) for k in kb if ".bucket_idx_" in k)
     assert all(_values(fa.value(k)) == _values(fb.value(k)) for k, v in kb.items() if v == "bytes")
-    assert all(torch.equal(_global(out, k, ka[k][0]), _global(dist, k, kb[k][0]))
-               for k, v in kb.items() if v != "bytes" and not k.startswith("optimizer."))
+    assert all(
+        torch.equal(_global(out, k, ka[k][0]), _global(dist, k, kb[k][0]))
+        for k, v in kb.items()
+        if v != "bytes" and not k.startswith("optimizer.")
+    )
     ca, cb = _common(out), _common(dist)
     assert list(ca) == list(cb) and all(repr(ca[k]) == repr(cb[k]) for k in cb if k != "args")
     proc = run_cli("diff", "--logical", out, dist)
@@ -220,8 +259,9 @@ def test_the_distributed_optimizer_at_tp2_or_pp2_both_ways_against_megatrons_own
             for g in (k for k in b if isinstance(k, int)):
                 assert list(a[g]) == list(b[g])
                 for dkey, entry in b[g].items():
-                    assert [(k, getattr(v, "shape", v)) for k, v in a[g][dkey].items()] == \
-                        [(k, getattr(v, "shape", v)) for k, v in entry.items()]
+                    assert [(k, getattr(v, "shape", v)) for k, v in a[g][dkey].items()] == [
+                        (k, getattr(v, "shape", v)) for k, v in entry.items()
+                    ]
     proc = run_cli("diff", "--logical", back, legacy)
     assert proc.returncode == 0, proc.stdout[-2000:]
 
@@ -233,8 +273,9 @@ def test_inspect_and_the_logical_diff_see_the_source(tmp_path):
     out = tmp_path / "out"
     doc = _convert("megatron_tp2_legacy", out)
     assert doc["scheduler"] == "OptimizerParamScheduler" and doc["step"] == 10
-    assert any("rng_state" in n for n in doc["notes"]) and not any("OptimizerParamScheduler" in x
-                                                                    for x in doc["not_moved"])
+    assert any("rng_state" in n for n in doc["notes"]) and not any(
+        "OptimizerParamScheduler" in x for x in doc["not_moved"]
+    )
     views = {}
     for p in (sample("megatron_lm", "megatron_tp2_legacy"), out):
         proc = run_cli("inspect", p, "--json")
@@ -253,12 +294,16 @@ def test_dry_run_writes_nothing_and_sources_it_cannot_write_are_refused_in_one_l
     """--dry-run shows the plan and writes nothing; a non-Megatron source (DeepSpeed, DCP) and a torch_dist source
     are refused with one line naming what is missing, exit 2, nothing written."""
     out = tmp_path / "out"
-    proc = run_cli("convert", sample("megatron_lm", "megatron_tp2_legacy"), out, "--to", "megatron", "--dry-run",
-                   "--json")
+    proc = run_cli(
+        "convert", sample("megatron_lm", "megatron_tp2_legacy"), out, "--to", "megatron", "--dry-run", "--json"
+    )
     assert proc.returncode == 0 and json.loads(proc.stdout)["to"] == "megatron" and not out.exists()
     dcp_sample, ds_sample = sample("dcp", "dcp_recipe_fsdp2"), sample("deepspeed", "zero2_bf16")
-    cases = [(sample("megatron_lm", "megatron_tp2_torch_dist"), "already"),
-             (dcp_sample, "needs a Megatron-LM legacy checkpoint"), (ds_sample, "needs a Megatron-LM legacy checkpoint")]
+    cases = [
+        (sample("megatron_lm", "megatron_tp2_torch_dist"), "already"),
+        (dcp_sample, "needs a Megatron-LM legacy checkpoint"),
+        (ds_sample, "needs a Megatron-LM legacy checkpoint"),
+    ]
     for src, words in cases:
         proc = run_cli("convert", src, out, "--to", "megatron")
         assert proc.returncode == 2 and words in proc.stderr, (src, proc.stderr)
@@ -268,15 +313,23 @@ def test_dry_run_writes_nothing_and_sources_it_cannot_write_are_refused_in_one_l
 
 def _ckpt_resume(path: Path, *extra: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the workers import this checkout's ckpt_tools
-    proc = subprocess.run([sys.executable, "-m", "ckpt_cli.main", "resume", str(path), "-n", "2", "--device", "cpu",
-                           "--json", *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckpt_cli.main", "resume", str(path), "-n", "2", "--device", "cpu", "--json", *extra],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return json.loads(proc.stdout)
 
 
-@pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,
-                    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout: its "
-                           "training code is not on the package registries)")
+@pytest.mark.skipif(
+    not MEGATRON or importlib.util.find_spec("megatron") is None,
+    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout: its "
+    "training code is not on the package registries)",
+)
 def test_megatron_resumes_the_conversion_at_tp2_and_tp1_as_it_resumes_the_original(tmp_path):
     """`ckpt resume` runs Megatron-LM's own pretrain on the output (2 gloo ranks on the CPU, no extra flag: the
     RNG state is in it and Megatron ignores it at another TP): at TP 2 and at TP 1 every check passes, the
@@ -286,14 +339,18 @@ def test_megatron_resumes_the_conversion_at_tp2_and_tp1_as_it_resumes_the_origin
     of resuming Megatron's own torch_dist save of the run at TP 1."""
     out = tmp_path / "out"
     _convert("megatron_tp2_legacy", out)
-    runs = {"legacy_tp2": _ckpt_resume(sample("megatron_lm", "megatron_tp2_legacy")),
-            "tp2": _ckpt_resume(out), "tp1": _ckpt_resume(out, "--tp", "1", "--nproc", "1"),
-            "dist_tp1": _ckpt_resume(sample("megatron_lm", "megatron_tp2_torch_dist"), "--tp", "1", "--nproc", "1")}
+    runs = {
+        "legacy_tp2": _ckpt_resume(sample("megatron_lm", "megatron_tp2_legacy")),
+        "tp2": _ckpt_resume(out),
+        "tp1": _ckpt_resume(out, "--tp", "1", "--nproc", "1"),
+        "dist_tp1": _ckpt_resume(sample("megatron_lm", "megatron_tp2_torch_dist"), "--tp", "1", "--nproc", "1"),
+    }
     for key, res in runs.items():
         checks = {c["name"]: c["status"] for c in res["checks"]}
         assert all(s in ("pass", "n/a") for s in checks.values()), (key, checks)
         assert {"global step", "optimizer step", "learning rate", "run rebuilt", "scheduler state"} <= {
-            n for n, s in checks.items() if s == "pass"}, (key, checks)
+            n for n, s in checks.items() if s == "pass"
+        }, (key, checks)
         assert [r["step"] for r in res["records"]] == [r["optimizer_step"] for r in res["records"]] == [11, 12]
     ref = runs["legacy_tp2"]["records"]
     assert [r["lr"] for r in runs["tp2"]["records"]] == [r["lr"] for r in ref]
@@ -301,8 +358,9 @@ def test_megatron_resumes_the_conversion_at_tp2_and_tp1_as_it_resumes_the_origin
     assert [r["lr"] for r in runs["tp1"]["records"]] == [r["lr"] for r in ref]
     assert [r["loss"] for r in runs["tp1"]["records"]] == pytest.approx([r["loss"] for r in ref], rel=1e-3)
     # and at TP 1 bit for bit what Megatron makes of its own torch_dist save of the run
-    assert [(r["lr"], r["loss"]) for r in runs["tp1"]["records"]] == [(r["lr"], r["loss"])
-                                                                     for r in runs["dist_tp1"]["records"]]
+    assert [(r["lr"], r["loss"]) for r in runs["tp1"]["records"]] == [
+        (r["lr"], r["loss"]) for r in runs["dist_tp1"]["records"]
+    ]
 
 
 # --- torch_dist -> legacy (`--to megatron --ckpt-format torch [--tp N]`) ------------------------------------------
@@ -312,8 +370,9 @@ LEGACY_ARGS = {"ckpt_format": "torch", "use_dist_ckpt": False}
 
 
 def _to_legacy(name: str, out: Path, *extra: str) -> dict:
-    proc = run_cli("convert", sample("megatron_lm", name), out, "--to", "megatron", "--ckpt-format", "torch",
-                   "--json", *extra)
+    proc = run_cli(
+        "convert", sample("megatron_lm", name), out, "--to", "megatron", "--ckpt-format", "torch", "--json", *extra
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -426,8 +485,15 @@ def test_legacy_at_another_tp_splits_by_megatrons_rules(tmp_path):
     b0, b1 = (pr.load(ref / f"mp_rank_0{t}/model_optim_rng.pt").obj for t in (0, 1))
     args = a["args"].state
     assert (args["tensor_model_parallel_size"], args["world_size"], args["ckpt_format"]) == (1, 1, "torch")
-    merge = {"linear_qkv.weight": 0, "linear_qkv.bias": 0, "linear_fc1.weight": 0, "linear_fc1.bias": 0,
-             "word_embeddings.weight": 0, "linear_proj.weight": 1, "linear_fc2.weight": 1}
+    merge = {
+        "linear_qkv.weight": 0,
+        "linear_qkv.bias": 0,
+        "linear_fc1.weight": 0,
+        "linear_fc1.bias": 0,
+        "word_embeddings.weight": 0,
+        "linear_proj.weight": 1,
+        "linear_fc2.weight": 1,
+    }
     assert list(a["model"]) == list(b0["model"])
     for k, v in a["model"].items():
         if v is None:
@@ -438,19 +504,35 @@ def test_legacy_at_another_tp_splits_by_megatrons_rules(tmp_path):
         want = s0 if dim is None else torch.cat([s0, s1], dim)
         assert torch.equal(v.read_torch(), want), k
     oa, ob = a["optimizer"], b0["optimizer"]
-    assert [g["params"] for g in oa["optimizer"]["param_groups"]] == [g["params"] for g in ob["optimizer"]["param_groups"]]
-    assert [{k: v for k, v in g.items() if k != "params"} for g in oa["optimizer"]["param_groups"]] == \
-        [{k: v for k, v in g.items() if k != "params"} for g in ob["optimizer"]["param_groups"]]
+    assert [g["params"] for g in oa["optimizer"]["param_groups"]] == [
+        g["params"] for g in ob["optimizer"]["param_groups"]
+    ]
+    assert [{k: v for k, v in g.items() if k != "params"} for g in oa["optimizer"]["param_groups"]] == [
+        {k: v for k, v in g.items() if k != "params"} for g in ob["optimizer"]["param_groups"]
+    ]
     qkv = list(a["model"]).index("decoder.layers.0.self_attention.linear_qkv.weight")
     params = [k for k, v in a["model"].items() if v is not None]
     i = [n for g in ob["optimizer"]["param_groups"] for n in g["params"]][0]  # the word embeddings: id 0
     assert params[0] == "embedding.word_embeddings.weight" and qkv > 0
     got = oa["optimizer"]["state"][i]["exp_avg"].read_torch()
-    assert torch.equal(got, torch.cat([b0["optimizer"]["optimizer"]["state"][i]["exp_avg"].read_torch(),
-                                       b1["optimizer"]["optimizer"]["state"][i]["exp_avg"].read_torch()]))
-    assert torch.equal(oa["fp32_from_fp16_params"][0][0].read_torch(),
-                       torch.cat([b0["optimizer"]["fp32_from_fp16_params"][0][0].read_torch(),
-                                  b1["optimizer"]["fp32_from_fp16_params"][0][0].read_torch()]))
+    assert torch.equal(
+        got,
+        torch.cat(
+            [
+                b0["optimizer"]["optimizer"]["state"][i]["exp_avg"].read_torch(),
+                b1["optimizer"]["optimizer"]["state"][i]["exp_avg"].read_torch(),
+            ]
+        ),
+    )
+    assert torch.equal(
+        oa["fp32_from_fp16_params"][0][0].read_torch(),
+        torch.cat(
+            [
+                b0["optimizer"]["fp32_from_fp16_params"][0][0].read_torch(),
+                b1["optimizer"]["fp32_from_fp16_params"][0][0].read_torch(),
+            ]
+        ),
+    )
     assert _inert(a["rng_state"]) == _inert(b0["rng_state"])
     assert _inert(a["opt_param_scheduler"]) == _inert(b0["opt_param_scheduler"])
     for name, extra in (("megatron_tp2_llama_torch_dist", "1"), ("megatron_pp2_vpp2_torch_dist", "2")):
@@ -458,16 +540,26 @@ def test_legacy_at_another_tp_splits_by_megatrons_rules(tmp_path):
         assert doc["verified"] is True and doc["tp"] == int(extra)
     llama = pr.load(tmp_path / "megatron_tp2_llama_torch_dist" / ITER / "mp_rank_00/model_optim_rng.pt").obj
     fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
-    l0, l1 = (pr.load(sample("megatron_lm", "megatron_tp2_llama_legacy") / ITER / f"mp_rank_0{t}/model_optim_rng.pt"
-                      ).obj["model"][fc1].read_torch() for t in (0, 1))
+    l0, l1 = (
+        pr.load(sample("megatron_lm", "megatron_tp2_llama_legacy") / ITER / f"mp_rank_0{t}/model_optim_rng.pt")
+        .obj["model"][fc1]
+        .read_torch()
+        for t in (0, 1)
+    )
     g0, u0 = l0.chunk(2)
     g1, u1 = l1.chunk(2)  # each TP rank holds its slice of the gate, then its slice of the up projection
     assert torch.equal(llama["model"][fc1].read_torch(), torch.cat([g0, g1, u0, u1]))
     vpp = tmp_path / "megatron_pp2_vpp2_torch_dist" / ITER
-    assert sorted(p.name for p in vpp.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000",
-                                                      "mp_rank_01_001"]
+    assert sorted(p.name for p in vpp.iterdir()) == [
+        "mp_rank_00_000",
+        "mp_rank_00_001",
+        "mp_rank_01_000",
+        "mp_rank_01_001",
+    ]
     assert {k for k in pr.load(vpp / "mp_rank_01_001/model_optim_rng.pt").obj if k.startswith("model")} == {
-        "model0", "model1"}
+        "model0",
+        "model1",
+    }
 
 
 def test_legacy_refusals_are_one_line_and_write_nothing(tmp_path):
@@ -475,19 +567,36 @@ def test_legacy_refusals_are_one_line_and_write_nothing(tmp_path):
     not divide the heads / FFN / vocabulary or change the vocabulary padding are refused in one line, exit 2,
     nothing written; --dry-run shows the plan and writes nothing."""
     out = tmp_path / "out"
-    proc = run_cli("convert", sample("megatron_lm", "megatron_tp2_torch_dist"), out, "--to", "megatron",
-                   "--ckpt-format", "torch", "--tp", "1", "--dry-run", "--json")
+    proc = run_cli(
+        "convert",
+        sample("megatron_lm", "megatron_tp2_torch_dist"),
+        out,
+        "--to",
+        "megatron",
+        "--ckpt-format",
+        "torch",
+        "--tp",
+        "1",
+        "--dry-run",
+        "--json",
+    )
     assert proc.returncode == 0 and not out.exists()
     doc = json.loads(proc.stdout)
-    assert (doc["ckpt_format"], doc["tp"]) == ("torch", 1) and doc["optimizer_state"] == ["exp_avg", "exp_avg_sq",
-                                                                                          "step"]
-    cases = [("megatron_tp2_legacy", (), "already in Megatron-LM's legacy format"),
-             ("megatron_dp2_distopt_torch_dist", ("--tp", "2"), "distributed-optimizer run at TP 1 x PP 1 (to TP 2"),
-             ("megatron_tp2_torch_dist", ("--tp", "3"), "--tp 3 does not divide num_attention_heads=4"),
-             ("megatron_tp2_torch_dist", ("--tp", "4"), "pads the vocabulary (127) to 256 rows")]
+    assert (doc["ckpt_format"], doc["tp"]) == ("torch", 1) and doc["optimizer_state"] == [
+        "exp_avg",
+        "exp_avg_sq",
+        "step",
+    ]
+    cases = [
+        ("megatron_tp2_legacy", (), "already in Megatron-LM's legacy format"),
+        ("megatron_dp2_distopt_torch_dist", ("--tp", "2"), "distributed-optimizer run at TP 1 x PP 1 (to TP 2"),
+        ("megatron_tp2_torch_dist", ("--tp", "3"), "--tp 3 does not divide num_attention_heads=4"),
+        ("megatron_tp2_torch_dist", ("--tp", "4"), "pads the vocabulary (127) to 256 rows"),
+    ]
     for name, extra, words in cases:
-        proc = run_cli("convert", sample("megatron_lm", name), out, "--to", "megatron", "--ckpt-format", "torch",
-                       *extra)
+        proc = run_cli(
+            "convert", sample("megatron_lm", name), out, "--to", "megatron", "--ckpt-format", "torch", *extra
+        )
         assert proc.returncode == 2 and words in proc.stderr, (name, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert not out.exists() and not list(tmp_path.iterdir())
@@ -496,8 +605,10 @@ def test_legacy_refusals_are_one_line_and_write_nothing(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,
-                    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout)")
+@pytest.mark.skipif(
+    not MEGATRON or importlib.util.find_spec("megatron") is None,
+    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout)",
+)
 def test_megatron_resumes_the_legacy_conversion_at_tp1_and_tp2(tmp_path):
     """The TP 2 torch_dist sample written as legacy rank files at TP 1 and at TP 2, resumed by Megatron-LM's own
     pretrain (`ckpt resume`, gloo on the CPU, no extra flag): every check passes — at TP 1 too the closed-form
@@ -512,18 +623,24 @@ def test_megatron_resumes_the_legacy_conversion_at_tp1_and_tp2(tmp_path):
     tp1, tp2 = tmp_path / "tp1", tmp_path / "tp2"
     _to_legacy("megatron_tp2_torch_dist", tp1, "--tp", "1")
     _to_legacy("megatron_tp2_torch_dist", tp2)
-    runs = {"tp1": _ckpt_resume(tp1, "--nproc", "1"), "dist_tp1": _ckpt_resume(dist, "--tp", "1", "--nproc", "1"),
-            "tp2": _ckpt_resume(tp2), "legacy_tp2": _ckpt_resume(sample("megatron_lm", "megatron_tp2_legacy"))}
+    runs = {
+        "tp1": _ckpt_resume(tp1, "--nproc", "1"),
+        "dist_tp1": _ckpt_resume(dist, "--tp", "1", "--nproc", "1"),
+        "tp2": _ckpt_resume(tp2),
+        "legacy_tp2": _ckpt_resume(sample("megatron_lm", "megatron_tp2_legacy")),
+    }
     for key, res in runs.items():
         checks = {c["name"]: c["status"] for c in res["checks"]}
         assert all(s in ("pass", "n/a") for s in checks.values()), (key, checks)
         assert [r["step"] for r in res["records"]] == [r["optimizer_step"] for r in res["records"]] == [11, 12]
     for key in ("tp1", "tp2", "legacy_tp2"):  # legacy at its saved TP / PP: the closed form runs
         assert {c["name"]: c["status"] for c in runs[key]["checks"]}["optimizer state"] == "pass", key
-    assert [(r["lr"], r["loss"]) for r in runs["tp1"]["records"]] == [(r["lr"], r["loss"])
-                                                                     for r in runs["dist_tp1"]["records"]]
-    assert [(r["lr"], r["loss"]) for r in runs["tp2"]["records"]] == [(r["lr"], r["loss"])
-                                                                     for r in runs["legacy_tp2"]["records"]]
+    assert [(r["lr"], r["loss"]) for r in runs["tp1"]["records"]] == [
+        (r["lr"], r["loss"]) for r in runs["dist_tp1"]["records"]
+    ]
+    assert [(r["lr"], r["loss"]) for r in runs["tp2"]["records"]] == [
+        (r["lr"], r["loss"]) for r in runs["legacy_tp2"]["records"]
+    ]
     # Megatron's own conversion at TP 1, launched through ckpt resume (it exits after saving: no step runs)
     same_as_megatrons_own_legacy_conversion(dist, tp1, tmp_path / "megatron_ref", "--tp", "1")
 
@@ -535,10 +652,30 @@ def same_as_megatrons_own_legacy_conversion(dist: Path, ours: Path, ref: Path, *
     import torch
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-m", "ckpt_cli.main", "resume", str(dist), "-n", "1", "--device", "cpu",
-                    *parallel, "--nproc", "1", "--json", "--megatron-args",
-                    f"--ckpt-convert-format torch --ckpt-convert-save {ref}"], cwd=ROOT, env=env,
-                   capture_output=True, text=True, timeout=900)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ckpt_cli.main",
+            "resume",
+            str(dist),
+            "-n",
+            "1",
+            "--device",
+            "cpu",
+            *parallel,
+            "--nproc",
+            "1",
+            "--json",
+            "--megatron-args",
+            f"--ckpt-convert-format torch --ckpt-convert-save {ref}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     mine = pr.load(ours / ITER / "mp_rank_00/model_optim_rng.pt").obj
     theirs = pr.load(ref / "torch" / ITER / "mp_rank_00/model_optim_rng.pt").obj
     assert list(mine) == list(theirs)

@@ -1,4 +1,5 @@
 """Parameter counting with weights that are tied or frozen, in files written by the real libraries."""
+
 from __future__ import annotations
 
 import subprocess
@@ -22,8 +23,9 @@ torch.save({"model": m.state_dict(), "step": 3}, sys.argv[1])
 
 def test_tied_weight_saved_under_two_names_counts_once(tmp_path):
     """`state_dict()` of a tied GPT-2 names the embedding twice (wte.weight, lm_head.weight): one parameter."""
-    out = subprocess.run([sys.executable, "-c", TIED_GPT2, str(tmp_path / "gpt2.pt")], check=True,
-                         capture_output=True, text=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", TIED_GPT2, str(tmp_path / "gpt2.pt")], check=True, capture_output=True, text=True
+    ).stdout.split()
     count, tensors, names = map(int, out[-3:])
     assert names == tensors + 1
     ck = ckpt_tools.open_checkpoint(tmp_path / "gpt2.pt")

@@ -2,6 +2,7 @@
 head of its embedded torch.save zip) is read when its bytes are, and checked against `.metadata` then. Proven on
 copies of the FSDP2 sample (torch's own `dcp.save`) whose other chunks are garbage, by counting the items parsed,
 over a moto S3 server by the bytes fetched, and with hostile `.metadata` files: each still one exit-2 line."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -102,12 +103,16 @@ def test_opening_parses_the_small_items_only_and_a_chunk_when_read(monkeypatch):
 
     folder = SAMPLES / "fsdp" / "fsdp2_dcp"
     md = _metadata(folder)
-    small = sum(1 for idx in md.storage_data if not hasattr(md.state_dict_metadata[idx.fqn], "size")
-                or math.prod(md.state_dict_metadata[idx.fqn].size) <= 16)
+    small = sum(
+        1
+        for idx in md.storage_data
+        if not hasattr(md.state_dict_metadata[idx.fqn], "size") or math.prod(md.state_dict_metadata[idx.fqn].size) <= 16
+    )
     parsed: list[int] = []
     real = P.load_embedded_head
-    monkeypatch.setattr(P, "load_embedded_head",
-                        lambda outer, off, n, *a: parsed.append(off) or real(outer, off, n, *a))
+    monkeypatch.setattr(
+        P, "load_embedded_head", lambda outer, off, n, *a: parsed.append(off) or real(outer, off, n, *a)
+    )
     monkeypatch.setattr(P, "load_embedded", lambda *a: pytest.fail("the zipfile path was taken"))
     ck = ckpt_tools.open_checkpoint(folder)
     assert len(parsed) == small and len(set(parsed)) == small
@@ -183,9 +188,10 @@ def test_a_declared_shape_of_a_trillion_elements_is_refused(tmp_path):
     meta = md.state_dict_metadata[key]
     import torch
 
-    huge = torch.Size([10 ** 6, 10 ** 6])
+    huge = torch.Size([10**6, 10**6])
     md.state_dict_metadata[key] = dataclasses.replace(
-        meta, size=huge, chunks=[dataclasses.replace(c, sizes=huge) for c in meta.chunks])
+        meta, size=huge, chunks=[dataclasses.replace(c, sizes=huge) for c in meta.chunks]
+    )
     _save_metadata(folder, md)
     _one_error(run("inspect", folder, "--json", timeout=60), key)
 
@@ -222,9 +228,21 @@ def test_inspect_over_s3_fetches_metadata_and_small_items_only(tmp_path_factory,
         fs = S._fs(endpoint)
         fs.mkdir(S.BUCKET)
         fs.put(str(folder), f"{S.BUCKET}/lazy/ck", recursive=True)
-        r = subprocess.run([sys.executable, "-c", "from ckpt_cli.main import main; main()", "inspect",
-                            f"s3://{S.BUCKET}/lazy/ck", "--json"], capture_output=True, text=True, timeout=300,
-                           env=S._env(endpoint), cwd=S.ROOT)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "from ckpt_cli.main import main; main()",
+                "inspect",
+                f"s3://{S.BUCKET}/lazy/ck",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=S._env(endpoint),
+            cwd=S.ROOT,
+        )
     assert r.returncode == 0, r.stderr
     remote = json.loads(r.stdout)
     cost = remote.pop("remote", None) or {}
@@ -264,18 +282,36 @@ def _same_record(a, b) -> bool:
     from ckpt_tools.read.pickle_reader import TensorRef
 
     if isinstance(a, TensorRef):
-        return (isinstance(b, TensorRef) and (a.dtype, a.shape, a.stride, a.storage_offset, a.requires_grad,
-                                              a.is_parameter, a.subclass, a.pickled[0]) ==
-                (b.dtype, b.shape, b.stride, b.storage_offset, b.requires_grad, b.is_parameter, b.subclass,
-                 b.pickled[0])
-                and a.storage.key == b.storage.key and a.storage.numel == b.storage.numel
-                and a.storage.source.storage_offset(a.storage) == b.storage.source.storage_offset(b.storage))
+        return (
+            isinstance(b, TensorRef)
+            and (
+                a.dtype,
+                a.shape,
+                a.stride,
+                a.storage_offset,
+                a.requires_grad,
+                a.is_parameter,
+                a.subclass,
+                a.pickled[0],
+            )
+            == (b.dtype, b.shape, b.stride, b.storage_offset, b.requires_grad, b.is_parameter, b.subclass, b.pickled[0])
+            and a.storage.key == b.storage.key
+            and a.storage.numel == b.storage.numel
+            and a.storage.source.storage_offset(a.storage) == b.storage.source.storage_offset(b.storage)
+        )
     return type(a) is type(b) and repr(a) == repr(b)
 
 
-@pytest.mark.parametrize("folder", ["fsdp/fsdp2_dcp", "dcp/torchtitan_real/step-3", "dcp/dcp_recipe_fsdp2",
-                                    "megatron_lm/megatron_dp2_distopt_torch_dist/iter_0000010",
-                                    "megatron_lm/megatron_moe_ep2_torch_dist/iter_0000010"])
+@pytest.mark.parametrize(
+    "folder",
+    [
+        "fsdp/fsdp2_dcp",
+        "dcp/torchtitan_real/step-3",
+        "dcp/dcp_recipe_fsdp2",
+        "megatron_lm/megatron_dp2_distopt_torch_dist/iter_0000010",
+        "megatron_lm/megatron_moe_ep2_torch_dist/iter_0000010",
+    ],
+)
 def test_every_item_reads_the_same_from_its_head_as_through_zipfile(folder):
     """Each item of the DCP samples (torch's dcp.save, torchtitan, Megatron-LM's torch_dist), parsed from one read of
     its head and through zipfile's central directory: the same record, the same storage offset, the same globals."""

@@ -5,6 +5,7 @@ controls below prove the payloads kill a real unpickler, so the refusals mean so
 used to leave its `ckpt-remote-*` mirror folder behind, and a key nested under another key's name broke the
 mirror with a traceback.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -56,8 +57,14 @@ TARGETS = [
 
 
 def _python(code: str, *args, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def _assert_one_line_refusal(r: subprocess.CompletedProcess, name: str, what: str = "nests more than") -> str:
@@ -97,9 +104,12 @@ def test_safe_load_refuses_before_torch_load(tmp_path):
     src = ROOT / "sample_ckpts" / TARGETS[0][0] / TARGETS[0][1] / TARGETS[0][2]
     f = tmp_path / "model_optim_rng.pt"
     H.rewrite_zip_pickle(src, f, _deep_key)
-    r = _python("import sys\nfrom ckpt_tools.read import safe_load\nfrom ckpt_tools.errors import CkptError\n"
-                "try:\n    safe_load.load(sys.argv[1])\nexcept CkptError as e:\n    print(e.one_line())\n"
-                "    sys.exit(3)", f)
+    r = _python(
+        "import sys\nfrom ckpt_tools.read import safe_load\nfrom ckpt_tools.errors import CkptError\n"
+        "try:\n    safe_load.load(sys.argv[1])\nexcept CkptError as e:\n    print(e.one_line())\n"
+        "    sys.exit(3)",
+        f,
+    )
     assert r.returncode == 3, (r.returncode, r.stderr[-1000:])
     assert "nests more than" in r.stdout and "model_optim_rng.pt" in r.stdout
 
@@ -110,8 +120,9 @@ def test_flat_and_wide_structures_pass(tmp_path):
     flat = list(range(100_000))
     wide = {f"k{i}": (i, [i]) for i in range(100_000)}
     for proto in (0, 2, 4):
-        data = pickle.dumps({"flat": flat, "wide": wide, "keys": {(i, (i, (i,))): i for i in range(1000)}},
-                            protocol=proto)
+        data = pickle.dumps(
+            {"flat": flat, "wide": wide, "keys": {(i, (i, (i,))): i for i in range(1000)}}, protocol=proto
+        )
         assert pickle_reader.check_expansion(data, "wide.pkl") == len(data)
         if proto:  # the reader opens protocol 2+ files (a protocol-0 one has no signature)
             f = tmp_path / f"wide{proto}.pkl"
@@ -148,8 +159,13 @@ def test_depth_follows_a_container_filled_after_it_was_memoized():
 def _hidden_depth_pickle(rounds: int = 1500) -> bytes:
     """A tuple whose depth the opcodes do not show: `tuple(L)` of a list L filled after the call's argument tuple
     was built (and memoized), each round wrapping the last result 200 levels deeper: 300,000 levels in all."""
-    def put(k): return b"r" + struct.pack("<I", k)
-    def get(k): return b"j" + struct.pack("<I", k)
+
+    def put(k):
+        return b"r" + struct.pack("<I", k)
+
+    def get(k):
+        return b"j" + struct.pack("<I", k)
+
     body = H.glob("builtins", "tuple") + put(0) + H.POP + H.EMPTY_TUPLE + put(1) + H.POP
     for i in range(rounds):
         lst, args, out = 10 + 3 * i, 11 + 3 * i, 12 + 3 * i
@@ -170,7 +186,7 @@ def test_a_tuple_made_by_a_call_cannot_hide_depth(tmp_path):
     assert r.returncode < 0, (r.returncode, r.stderr[-500:])
     r = run_cli("inspect", f, timeout=120)
     _assert_one_line_refusal(r, "hidden.pkl", "tuple() of items that are tuples")
-    size = (H.glob("torch", "Size") + H.EMPTY_LIST + H.EMPTY_TUPLE + H.APPEND + H.TUPLE1 + H.REDUCE)
+    size = H.glob("torch", "Size") + H.EMPTY_LIST + H.EMPTY_TUPLE + H.APPEND + H.TUPLE1 + H.REDUCE
     g = tmp_path / "size.pkl"
     g.write_bytes(b"\x80\x02}" + H.text("s") + size + H.SETITEM + H.STOP)
     with pytest.raises(CorruptCheckpoint, match="torch.Size of items that are tuples"):
@@ -215,8 +231,14 @@ def deep_bucket(endpoint, tmp_path_factory):  # noqa: F811
 
 
 def _ckpt_s3(endpoint: str, tmp: Path, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from ckpt_cli.main import main; main()", *map(str, args)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=_env(endpoint, TMPDIR=str(tmp)))
+    return subprocess.run(
+        [sys.executable, "-c", "from ckpt_cli.main import main; main()", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(endpoint, TMPDIR=str(tmp)),
+    )
 
 
 def _mirrors(tmp: Path) -> list[str]:
@@ -259,12 +281,19 @@ def test_a_key_under_another_keys_name_is_one_line(deep_bucket, tmp_path):
 def test_sigterm_removes_the_mirror_of_a_library_caller(deep_bucket, tmp_path):
     """A library caller (no CLI handler): SIGTERM while a mirror exists removes it, then ends the process as
     SIGTERM does."""
-    code = ("import sys, time\nfrom ckpt_tools.read import remote\n"
-            "m = remote.mount(sys.argv[1], {'client_kwargs': {'endpoint_url': sys.argv[2]}})\n"
-            "print(m.root, flush=True)\ntime.sleep(60)\n")
-    p = subprocess.Popen([sys.executable, "-c", code, f"s3://{BUCKET}/clean", deep_bucket], cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=_env(deep_bucket, TMPDIR=str(tmp_path)))
+    code = (
+        "import sys, time\nfrom ckpt_tools.read import remote\n"
+        "m = remote.mount(sys.argv[1], {'client_kwargs': {'endpoint_url': sys.argv[2]}})\n"
+        "print(m.root, flush=True)\ntime.sleep(60)\n"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, f"s3://{BUCKET}/clean", deep_bucket],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(deep_bucket, TMPDIR=str(tmp_path)),
+    )
     try:
         root = p.stdout.readline().strip()
         assert root and Path(root).is_dir(), p.stderr.read() if not root else root

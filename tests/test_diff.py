@@ -1,4 +1,5 @@
 """`ckpt diff`: exactly the changed fields and tensors, with tolerances, exit 1 when they differ."""
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,10 @@ def test_diff_reports_exactly_what_set_lr_planned(tmp_path):
     report = ops.diff(before, after)
     assert {(d.file, d.field) for d in report.differences} == {(c.file, c.field) for c in plan.changes}
     got = {(d.file, d.field): (d.old, d.new) for d in report.differences}
-    assert got[("global_step4/mp_rank_00_model_states.pt", "lr_scheduler.base_lrs")] == ([0.003, 0.003], [0.0015, 0.0015])
+    assert got[("global_step4/mp_rank_00_model_states.pt", "lr_scheduler.base_lrs")] == (
+        [0.003, 0.003],
+        [0.0015, 0.0015],
+    )
     proc = run_cli("diff", before, after)
     assert proc.returncode == 1 and "lr_scheduler.base_lrs" in proc.stdout and "10 differences" in proc.stdout
     doc = json.loads(run_cli("diff", before, after, "--json").stdout)
@@ -87,5 +91,4 @@ def test_added_and_removed_files(tmp_path):
     (b / "latest").unlink()
     (b / "global_step4" / "extra.pt.bak").write_bytes(b"x")
     r = ops.diff(a, b)
-    assert {(d.file, d.kind) for d in r.differences} == {("latest", "removed"),
-                                                         ("global_step4/extra.pt.bak", "added")}
+    assert {(d.file, d.kind) for d in r.differences} == {("latest", "removed"), ("global_step4/extra.pt.bak", "added")}

@@ -3,6 +3,7 @@
 Every pair is a real checkpoint and a real conversion of it: our `to-universal` output, DeepSpeed's own
 `ds_to_universal` output (the committed universal sample), `ckpt export`, and torch's `dcp_to_torch_save`.
 """
+
 from __future__ import annotations
 
 import json
@@ -98,8 +99,12 @@ def test_differences_found_by_name_group_and_counter(tmp_path):
     torch.save(sd, copy)
     rep = D.diff(src, copy)
     got = {(d.file, d.field): d for d in rep.differences}
-    assert set(got) == {("optimizer", f"{pid}.exp_avg"), ("optimizer", f"{pid}.step"), ("param_groups", "1.lr"),
-                        ("counters", "global_step")}, set(got)
+    assert set(got) == {
+        ("optimizer", f"{pid}.exp_avg"),
+        ("optimizer", f"{pid}.step"),
+        ("param_groups", "1.lr"),
+        ("counters", "global_step"),
+    }, set(got)
     assert got[("optimizer", f"{pid}.exp_avg")].max_abs_diff == pytest.approx(1e-3, rel=1e-2)
     assert (got[("optimizer", f"{pid}.step")].old, got[("optimizer", f"{pid}.step")].new) == (4, 5)
     assert (got[("counters", "global_step")].old, got[("counters", "global_step")].new) == (4, 5)
@@ -116,7 +121,10 @@ def test_same_format_different_topology_is_logical(tmp_path):
     training on two ZeRO stages rounds differently, so the values differ, and only the values."""
     rep = D.diff(sample("deepspeed", "zero2_bf16"), sample("deepspeed", "zero3_bf16"))
     assert rep.mode == "logical" and rep.tensors_compared == 87
-    assert {d.kind for d in rep.differences} == {"changed"} and {d.file for d in rep.differences} <= {"model", "optimizer"}
+    assert {d.kind for d in rep.differences} == {"changed"} and {d.file for d in rep.differences} <= {
+        "model",
+        "optimizer",
+    }
     # and the same checkpoint twice, forced logical
     copy = tmp_path / "c"
     shutil.copytree(sample("deepspeed", "zero2_bf16"), copy)

@@ -13,7 +13,8 @@ Conventions of the expected text:
   * a line that is `...` (after any tree-drawing prefix) stands for one or more lines left out;
   * a line ending in `...` matches any line that starts with the text before it.
 Normalised on both sides before comparing, and nothing else: trailing spaces; the temporary folder's path
-(printed where a command resolves a path: shown as the relative path); timestamps (`2026-11-28 12:00:00`, `2026-11-28 12:00`,
+(printed where a command resolves a path: shown as the relative path); timestamps (`2026-11-28 12:00:00`, `2026-11-28
+12:00`,
 `20261128T120000-PID-N`, as `<time>`), because a write's journal is named by the clock and the process id, and a
 folder listing shows the files' times, which a clone sets; progress-bar
 redraws on stderr (a line holding `|` and `it/s` or `%|`).
@@ -24,6 +25,7 @@ A block that cannot run here is marked by an HTML comment on the line before it,
 `python tests/test_docs_console.py --update` rewrites the blocks without `...` lines with what `ckpt` prints now
 (review the diff), and prints the output of the others.
 """
+
 from __future__ import annotations
 
 import os
@@ -77,7 +79,7 @@ def blocks() -> list[Block]:
                 j += 1
             prev = next((lines[k] for k in range(start - 1, -1, -1) if lines[k].strip()), "")
             m = NOT_RUN.search(prev)
-            out.append(Block(doc, start + 1, j + 1, parse(lines[start + 1:j]), m.group(1) if m else None))
+            out.append(Block(doc, start + 1, j + 1, parse(lines[start + 1 : j]), m.group(1) if m else None))
             i = j + 1
     return out
 
@@ -169,8 +171,7 @@ def test_blocks_are_found_and_marked_ones_say_why():
         assert b.skip.strip(), f"{b.id}: `not run:` needs a reason"
     for b in BLOCKS:
         assert b.commands, f"{b.id}: a console block with no `$ ` command"
-    print(f"{len(RUN)} console blocks run, {len(skipped)} not run: "
-          + "; ".join(f"{b.id} ({b.skip})" for b in skipped))
+    print(f"{len(RUN)} console blocks run, {len(skipped)} not run: " + "; ".join(f"{b.id} ({b.skip})" for b in skipped))
 
 
 @pytest.mark.parametrize("block", RUN, ids=[b.id for b in RUN])
@@ -180,9 +181,13 @@ def test_console_block_prints_what_the_doc_shows(block, tmp_path, monkeypatch):
         assert tb is None, f"{block.id}: `{cmd}` raised:\n{tb}"
         assert code == c.exit, f"{block.id}: `{cmd}` exited {code}, the doc says {c.exit}:\n" + "\n".join(actual)
         expected = normalise("\n".join(c.expected))
-        assert matches(expected, actual), (f"{block.id}: `{cmd}` prints something else now; update the doc "
-                                           f"(python tests/test_docs_console.py --update).\n--- doc\n"
-                                           + "\n".join(expected) + "\n--- ckpt\n" + "\n".join(actual))
+        assert matches(expected, actual), (
+            f"{block.id}: `{cmd}` prints something else now; update the doc "
+            f"(python tests/test_docs_console.py --update).\n--- doc\n"
+            + "\n".join(expected)
+            + "\n--- ckpt\n"
+            + "\n".join(actual)
+        )
 
 
 def test_the_matcher():
@@ -190,8 +195,9 @@ def test_the_matcher():
     assert not matches(["a", "...", "d"], ["a", "d"])
     assert matches(["│   ├── x...", "└── y"], ["│   ├── x: 1", "└── y"])
     assert not matches(["a"], ["a", "b"]) and not matches(["a", "b"], ["a"])
-    assert normalise("journal .ckpt-backups/x/20261128T120102-4242-0000-set-lr at 2026-11-28 12:01:02") == \
-        ["journal .ckpt-backups/x/<time>-set-lr at <time>"]
+    assert normalise("journal .ckpt-backups/x/20261128T120102-4242-0000-set-lr at 2026-11-28 12:01:02") == [
+        "journal .ckpt-backups/x/<time>-set-lr at <time>"
+    ]
 
 
 def _update() -> None:
@@ -232,7 +238,7 @@ def _update() -> None:
     for doc, items in edits.items():
         lines = doc.read_text().splitlines()
         for b, body in sorted(items, key=lambda x: -x[0].line):
-            lines[b.line:b.end - 1] = body
+            lines[b.line : b.end - 1] = body
         doc.write_text("\n".join(lines) + "\n")
 
 

@@ -1,6 +1,7 @@
 """The docs against the commands (issue 44): every option of every command is documented and every option the
 docs give a command exists; every option has help text; the format ids and warning codes the docs list are the
 ones the code has; which writing command takes which option is what docs/writing.md and README say."""
+
 from __future__ import annotations
 
 import re
@@ -115,7 +116,8 @@ def test_the_json_format_list_is_every_format_id():
 
 
 def warning_codes() -> set[str]:
-    """Every warning code the code raises: `Warning_("code", ...)` and the pipeline reader's `self.warn("code", ...)`."""
+    """Every warning code the code raises: `Warning_("code", ...)` and the pipeline reader's `self.warn("code",
+    ...)`."""
     codes = set()
     for p in (ROOT / "ckpt_tools").rglob("*.py"):
         codes |= set(re.findall(r"(?:\bWarning_|\.warn)\(\s*\"([a-z][a-z0-9-]+)\"", p.read_text()))
@@ -143,11 +145,20 @@ def test_writing_commands_take_the_options_the_docs_say(name):
     assert {"--dry-run", "--yes", "--json"} <= have
     assert ("--backup-dir" in have) == (name not in NEW_OUTPUT)
     assert ("--copy" in have) == (name in IN_PLACE)
-    row = next(ln for ln in (ROOT / "docs" / "writing.md").read_text().splitlines()
-               if ln.startswith("| ") and f"`{name}`" in ln)
+    row = next(
+        ln
+        for ln in (ROOT / "docs" / "writing.md").read_text().splitlines()
+        if ln.startswith("| ") and f"`{name}`" in ln
+    )
     cells = [c.strip() for c in row.strip("|").split("|")]
-    header = [c.strip() for c in next(ln for ln in (ROOT / "docs" / "writing.md").read_text().splitlines()
-                                      if ln.startswith("| command")).strip("|").split("|")]
+    header = [
+        c.strip()
+        for c in next(
+            ln for ln in (ROOT / "docs" / "writing.md").read_text().splitlines() if ln.startswith("| command")
+        )
+        .strip("|")
+        .split("|")
+    ]
     for col, cell in zip(header[2:], cells[2:]):
         option = col.strip("`")
         assert cell.startswith("yes") == (option in have), (name, option, cell)

@@ -1,4 +1,5 @@
 """`ckpt export`: equal to DeepSpeed's zero_to_fp32, tensor for tensor; sharded output with an index."""
+
 from __future__ import annotations
 
 import contextlib
@@ -82,9 +83,11 @@ def test_zero_export_copies_without_torch(tmp_path, monkeypatch):
     from conftest import ROOT
 
     src = sample("deepspeed", "zero3_bf16")
-    code = ("import sys; from ckpt_tools.ops import export as E; "
-            f"E.execute(E.plan_export({str(src)!r}, {str(tmp_path / 'a.safetensors')!r})); "
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys; from ckpt_tools.ops import export as E; "
+        f"E.execute(E.plan_export({str(src)!r}, {str(tmp_path / 'a.safetensors')!r})); "
+        "print('torch' in sys.modules)"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["False"]

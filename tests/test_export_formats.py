@@ -2,6 +2,7 @@
 (names included), DCP equal to torch's dcp_to_torch_save, FSDP1 equal to the ShardedTensor shards placed by their
 own metadata, the pipeline equal to its TP shards merged, Accelerate / HF Trainer equal to their weights files,
 and `--hf` output that transformers' from_pretrained loads with the same logits."""
+
 from __future__ import annotations
 
 import contextlib
@@ -56,8 +57,17 @@ def test_tied_and_frozen_equal_zero_to_fp32(stage, tmp_path):
 
 def test_dedupe_tied_exclude_frozen_and_filters(tmp_path):
     src = sample("deepspeed", "zero3_tied_frozen")
-    r = run_cli("export", src, tmp_path / "m.safetensors", "--dedupe-tied", "--exclude-frozen", "--exclude", r"^fc2\.",
-                "--yes", "--json")
+    r = run_cli(
+        "export",
+        src,
+        tmp_path / "m.safetensors",
+        "--dedupe-tied",
+        "--exclude-frozen",
+        "--exclude",
+        r"^fc2\.",
+        "--yes",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     got, ref = load_file(tmp_path / "m.safetensors"), zero_to_fp32(src)
     assert set(got) == set(ref) - set(TIED) - FROZEN - {"fc2.weight", "fc2.bias"}
@@ -96,8 +106,18 @@ def _causal_lm(path):
 def test_hf_output_loads_with_from_pretrained(name, tmp_path):
     folder = sample("hf_trainer", name) / "checkpoint-4"
     out = tmp_path / "hf"
-    r = run_cli("export", sample("hf_trainer", name), out, "--hf", "--source", "module", "--max-shard-size", "40KB",
-                "--verify", "--json")
+    r = run_cli(
+        "export",
+        sample("hf_trainer", name),
+        out,
+        "--hf",
+        "--source",
+        "module",
+        "--max-shard-size",
+        "40KB",
+        "--verify",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -128,8 +148,10 @@ def _flatten(d, prefix=""):
             yield name, v
 
 
-@pytest.mark.parametrize("group,name,tensors", [("dcp", "torchtitan_real/step-3", 21), ("dcp", "dcp_recipe_fsdp2", 29),
-                                                ("fsdp", "fsdp2_dcp", 29)])
+@pytest.mark.parametrize(
+    "group,name,tensors",
+    [("dcp", "torchtitan_real/step-3", 21), ("dcp", "dcp_recipe_fsdp2", 29), ("fsdp", "fsdp2_dcp", 29)],
+)
 def test_dcp_equals_dcp_to_torch_save(group, name, tensors, tmp_path):
     """torchtitan 0.3.0's full save: its flat model keys, the fused wqkv as the wq/wk/wv it saved (21 tensors for
     17 live parameters)."""
@@ -142,8 +164,13 @@ def test_dcp_equals_dcp_to_torch_save(group, name, tensors, tmp_path):
     full = dict(_flatten(torch.load(tmp_path / "full.pt", map_location="cpu", weights_only=False)))
     # the model part: the names under the one prefix that holds every exported name
     prefix = next(p for p in ("model.", "app.model.", "") if all(p + k in full for k in got))
-    ref = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix) and isinstance(v, torch.Tensor)
-           and not (prefix == "" and k.split(".")[0] in ("optimizer", "lr_scheduler", "train_state", "dataloader"))}
+    ref = {
+        k[len(prefix) :]: v
+        for k, v in full.items()
+        if k.startswith(prefix)
+        and isinstance(v, torch.Tensor)
+        and not (prefix == "" and k.split(".")[0] in ("optimizer", "lr_scheduler", "train_state", "dataloader"))
+    }
     assert set(got) == set(ref) and len(ref) == tensors
     assert all(same(got[k], ref[k]) for k in ref)
 
@@ -156,7 +183,8 @@ model = torch.load(f"{sys.argv[1]}/rank{r}.pt", map_location="cpu", weights_only
 out = {}
 for k, st in model.items():
     if hasattr(st, "local_shards"):
-        out[k] = (list(st.metadata().size), [(list(s.metadata.shard_offsets), s.tensor.clone()) for s in st.local_shards()])
+        out[k] = (list(st.metadata().size), [(list(s.metadata.shard_offsets), s.tensor.clone()) for s in
+        st.local_shards()])
     else:
         out[k] = (list(st.shape), [([0] * st.dim(), st.clone())])
 torch.save(out, f"{sys.argv[2]}/gathered{r}.pt")
@@ -177,9 +205,26 @@ def test_fsdp1_sharded_equals_its_shards_placed_by_their_metadata(tmp_path):
     E.execute(E.plan_export(src, tmp_path / "m.safetensors"))
     got = load_file(tmp_path / "m.safetensors")
     (tmp_path / "gather.py").write_text(_GATHER)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                           "127.0.0.1", "--master_port", str(free_port()), str(tmp_path / "gather.py"), str(src),
-                           str(tmp_path)], env=worker_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            str(tmp_path / "gather.py"),
+            str(src),
+            str(tmp_path),
+        ],
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     full: dict[str, torch.Tensor] = {}
     for r in range(2):
@@ -206,8 +251,12 @@ def test_pipeline_equals_its_tp_shards_merged(tmp_path):
 
     for name, t in got.items():
         layer, local = name.split(".", 1)
-        shards = [torch.load(tag / f"layer_{int(layer):02d}-model_{r:02d}-model_states.pt", map_location="cpu",
-                             weights_only=False)[local] for r in range(2)]
+        shards = [
+            torch.load(
+                tag / f"layer_{int(layer):02d}-model_{r:02d}-model_states.pt", map_location="cpu", weights_only=False
+            )[local]
+            for r in range(2)
+        ]
         if any(re.match(p, name) for p in info["tp_replicated_parameter_patterns"]):
             assert all(same(t, s) for s in shards), name
         elif any(re.match(p, name) for p in info["parameter_with_row_parallelism_patterns"]):
@@ -302,11 +351,25 @@ def _titan_hf_config(folder):
     FFN 96, vocab 64, RoPE theta 5e5 with llama3 scaling, RMSNorm eps 1e-5), written by transformers itself."""
     from transformers import LlamaConfig
 
-    LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=4, vocab_size=64, rms_norm_eps=1e-5, rope_theta=500000.0,
-                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                              "original_max_position_embeddings": 8192},
-                tie_word_embeddings=False, max_position_embeddings=8192).save_pretrained(folder)
+    LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=64,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        tie_word_embeddings=False,
+        max_position_embeddings=8192,
+    ).save_pretrained(folder)
     return folder / "config.json"
 
 
@@ -327,7 +390,8 @@ def test_torchtitan_hf_export_needs_the_config_and_loads_in_transformers(tmp_pat
     assert got["model.layers.1.mlp.down_proj.weight"].equal(saved["layers.1.feed_forward.w2.weight"])
     q = saved["layers.0.attention.qkv_linear.wq.weight"]
     assert got["model.layers.0.self_attn.q_proj.weight"].equal(
-        q.view(4, 8, 2, 64).transpose(1, 2).reshape(64, 64))  # per head: (x0, y0, x1, y1 ...) -> (x..., y...)
+        q.view(4, 8, 2, 64).transpose(1, 2).reshape(64, 64)
+    )  # per head: (x0, y0, x1, y1 ...) -> (x..., y...)
     model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     bad = _titan_hf_config(tmp_path / "bad")
@@ -345,8 +409,10 @@ def test_torchtitan_hf_export_equals_torchtitans_own_adapter(tmp_path):
     from ckpt_tools.samples.workers import torchtitan_run
 
     src = sample("dcp", "torchtitan_real") / "step-3"
-    assert run_cli("export", src, tmp_path / "hf", "--hf", "--hf-config",
-                   _titan_hf_config(tmp_path / "cfg")).returncode == 0
+    assert (
+        run_cli("export", src, tmp_path / "hf", "--hf", "--hf-config", _titan_hf_config(tmp_path / "cfg")).returncode
+        == 0
+    )
     dcp_to_torch_save(str(src), str(tmp_path / "full.pt"))
     full = torch.load(tmp_path / "full.pt", weights_only=False)
     model = {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
@@ -369,9 +435,19 @@ def test_torchtitan_hf_export_logits_equal_torchtitans_forward(tmp_path):
     src = sample("dcp", "torchtitan_real") / "step-3"
     tokens = [[1, 5, 9, 13, 20, 33, 40, 2, 7, 11, 50, 63], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
     out = tmp_path / "titan_logits.pt"
-    proc = subprocess.run([sys.executable, "-c", "from ckpt_tools.samples.workers.torchtitan_run import logits_main; "
-                           "logits_main()", str(src), str(out), json.dumps(tokens)], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from ckpt_tools.samples.workers.torchtitan_run import logits_main; logits_main()",
+            str(src),
+            str(out),
+            json.dumps(tokens),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = run_cli("export", src, tmp_path / "hf", "--hf", "--hf-config", _titan_hf_config(tmp_path / "cfg"))
     assert r.returncode == 0, r.stderr

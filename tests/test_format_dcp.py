@@ -1,4 +1,5 @@
 """The torch.distributed.checkpoint reader against the real FSDP2 sample and torch's own DCP loader."""
+
 from __future__ import annotations
 
 import shutil
@@ -29,7 +30,6 @@ def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("dcp_ref") / "full.pt"
     dcp_to_torch_save(sample(GROUP, NAME), out)
     return torch.load(out, weights_only=False)
-
 
 
 def test_detected_as_dcp(ck):
@@ -65,7 +65,9 @@ def test_values_equal_torch_dcp_loader(ck, reference):
 def test_pieces_point_into_the_rank_files(ck):
     pieces = ck.get("model.wte.weight").pieces
     assert [(p.file, p.rank, p.dst_offset, p.numel) for p in pieces] == [
-        ("__0_0.distcp", {"dp": 0}, 0, 32 * 32), ("__1_0.distcp", {"dp": 1}, 32 * 32, 32 * 32)]
+        ("__0_0.distcp", {"dp": 0}, 0, 32 * 32),
+        ("__1_0.distcp", {"dp": 1}, 32 * 32, 32 * 32),
+    ]
 
 
 def test_chunks_split_on_a_later_dim_read_back_correctly(tmp_path):
@@ -75,8 +77,9 @@ def test_chunks_split_on_a_later_dim_read_back_correctly(tmp_path):
     blocks = {"a": ((0, 0, 0), full[:, :4]), "b": ((0, 4, 0), full[:2, 4:]), "c": ((2, 4, 0), full[2:, 4:])}
     torch.save({k: t.contiguous() for k, (_, t) in blocks.items()}, tmp_path / "blocks.pt")
     refs = pickle_reader.load(tmp_path / "blocks.pt").obj
-    chunks = [Chunk(off, tuple(t.shape), refs[k], "blocks.pt", {"dp": i})
-              for i, (k, (off, t)) in enumerate(blocks.items())]
+    chunks = [
+        Chunk(off, tuple(t.shape), refs[k], "blocks.pt", {"dp": i}) for i, (k, (off, t)) in enumerate(blocks.items())
+    ]
     node = chunked_tensor("x", (4, 6, 2), "float32", chunks, tmp_path)
     assert torch.equal(node.read_torch(), full)
     with pytest.raises(CorruptCheckpoint, match="uncovered"):

@@ -4,13 +4,13 @@ expert read under its global name with its optimizer state, exported equal to wh
 load_checkpoint; set-lr / set-step proven by DeepSpeed resumes of edited copies; to-universal carrying every expert,
 and the expert-parallel re-shape (ep_size 2 -> 1, 2 -> 1 ranks) it gives proven by DeepSpeed resumes; convert to DCP
 refused until a resume proves it."""
+
 from __future__ import annotations
 
 import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -38,12 +38,18 @@ def test_every_expert_is_read_with_its_optimizer_state(name):
     assert (ck.topology.dp, ck.topology.ep, ck.topology.zero_stage) == (2, 2, m["topology"]["zero_stage"])
     assert ck.details["accounting"]["unread"] == []
     model, state = ck.get("model").children, ck.get("optimizer.state").children
-    experts = [EXPERT.format(layer=L, e=e, p=p) for L in (0, 1) for e in range(4)
-               for p in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")]
+    experts = [
+        EXPERT.format(layer=L, e=e, p=p)
+        for L in (0, 1)
+        for e in range(4)
+        for p in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+    ]
     assert set(experts) <= set(model) and set(model) == set(state)
     assert all({"exp_avg", "exp_avg_sq", "step"} <= set(state[n].children) for n in model)
     pc = m["extra"]["parameter_counts"]
-    assert ck.details["expert_parameters"] == f"{pc['per_expert_count']:,} per expert, {pc['expert_count']:,} in 8 experts"
+    assert (
+        ck.details["expert_parameters"] == f"{pc['per_expert_count']:,} per expert, {pc['expert_count']:,} in 8 experts"
+    )
     assert ck.counters.optimizer_step == m["counters"]["optimizer_step"]
     assert list(ck.lr.param_groups) == pytest.approx(m["lr"]["param_groups"])
 
@@ -61,9 +67,23 @@ def test_export_equals_what_deepspeed_holds_after_load_checkpoint(tmp_path, name
     ckpt = tmp_path / name
     shutil.copytree(sample("moe", name), ckpt)
     shutil.copy(sample("moe", name).parent / f"{name}.manifest.json", tmp_path / f"{name}.manifest.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "ckpt_tools.samples.workers.ds_moe", "--check", str(ckpt),
-           "--dump-fp32", str(dump)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "ckpt_tools.samples.workers.ds_moe",
+        "--check",
+        str(ckpt),
+        "--dump-fp32",
+        str(dump),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     want: dict = {}
@@ -119,11 +139,16 @@ def test_to_universal_carries_every_expert_and_dcp_is_refused(tmp_path, name):
     proc = run_cli("to-universal", run, tmp_path / "u", "--yes", "--verify")
     assert proc.returncode == 0 and "verified" in proc.stdout and "expert-parallel size 1" in proc.stdout, proc
     zero = tmp_path / "u" / "global_step4_universal" / "zero"
-    experts = {EXPERT.format(layer=L, e=e, p=p) for L in (0, 1) for e in range(4)
-               for p in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")}
+    experts = {
+        EXPERT.format(layer=L, e=e, p=p)
+        for L in (0, 1)
+        for e in range(4)
+        for p in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+    }
     assert experts <= {d.name for d in zero.iterdir()}
-    assert all({"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt"} <= {f.name for f in (zero / n).iterdir()}
-               for n in experts)
+    assert all(
+        {"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt"} <= {f.name for f in (zero / n).iterdir()} for n in experts
+    )
     marks = pr.load(zero / EXPERT.format(layer=1, e=3, p="fc1.weight") / "fp32.pt").obj
     assert (marks["is_expert_param"], marks["ep_num_experts"]) == (True, 4)  # DeepSpeed stops at ep_size > 1
     groups = pr.load(zero / "optimizer_state.pt").obj["param_groups"]
@@ -135,8 +160,20 @@ def test_to_universal_carries_every_expert_and_dcp_is_refused(tmp_path, name):
 
 
 def _moe_worker(nproc: int, *argv, ok: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), "-m", "ckpt_tools.samples.workers.ds_moe", *map(str, argv)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "ckpt_tools.samples.workers.ds_moe",
+        *map(str, argv),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=600)
     assert (proc.returncode == 0) == ok, " ".join(cmd) + "\n" + proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
@@ -173,14 +210,17 @@ def test_expert_parallel_reshape_2_to_1_resumes_in_deepspeed(tmp_path, source):
     for key, (nproc, argv) in runs.items():
         (tmp_path / key).mkdir()
         _moe_worker(nproc, *argv, "--steps", "2", "--record", tmp_path / key / "rec.json", "--dump", tmp_path / key)
-        got[key] = (json.loads((tmp_path / key / "rec.json").read_text()),
-                    {s: torch.load(tmp_path / key / f"state_{s}.pt") for s in ("loaded", "step1")})
+        got[key] = (
+            json.loads((tmp_path / key / "rec.json").read_text()),
+            {s: torch.load(tmp_path / key / f"state_{s}.pt") for s in ("loaded", "step1")},
+        )
     ref_rec, ref = got.pop("ep2_dp2")
     assert [r["step"] for r in ref_rec] == [5, 6] and [r["optimizer_step"] for r in ref_rec] == [5, 6]
     assert len(ref["loaded"]) == 51  # 19 non-expert tensors + 2 layers x 4 experts x 4
     for key, (rec, state) in got.items():
-        assert [(r["step"], r["optimizer_step"], r["lr"]) for r in rec] == \
-               [(r["step"], r["optimizer_step"], r["lr"]) for r in ref_rec], key
+        assert [(r["step"], r["optimizer_step"], r["lr"]) for r in rec] == [
+            (r["step"], r["optimizer_step"], r["lr"]) for r in ref_rec
+        ], key
         assert all(x == r["lr"] for r in rec for x in r["lr_by_rank"]), key
         assert [r["loss"] for r in rec] == pytest.approx([r["loss"] for r in ref_rec], rel=1e-6, abs=0), key
         assert set(state["loaded"]) == set(ref["loaded"]), key
@@ -188,17 +228,28 @@ def test_expert_parallel_reshape_2_to_1_resumes_in_deepspeed(tmp_path, source):
             for k in ("fp32", "exp_avg", "exp_avg_sq"):
                 assert torch.equal(state["loaded"][n][k], want[k]), (key, n, k)
                 after, ref_after = state["step1"][n][k], ref["step1"][n][k]
-                assert torch.allclose(after, ref_after, rtol=1e-5, atol=1e-5 * ref_after.abs().max().item()), \
-                    (key, n, k, (after - ref_after).abs().max())
+                assert torch.allclose(after, ref_after, rtol=1e-5, atol=1e-5 * ref_after.abs().max().item()), (
+                    key,
+                    n,
+                    k,
+                    (after - ref_after).abs().max(),
+                )
 
 
-@pytest.mark.parametrize("edit,words", [
-    (lambda ms: ms.__setitem__("ds_autoep_layers", [0]), "AutoEP"),
-    (lambda ms: ms["ds_config"].__setitem__("use_data_before_expert_parallelism", True),
-     "use_data_before_expert_parallelism"),
-    (lambda ms: ms["frozen_param_shapes"].__setitem__(EXPERT.format(layer=0, e=0, p="fc1.weight"), (32, 32)),
-     "frozen experts"),
-])
+@pytest.mark.parametrize(
+    "edit,words",
+    [
+        (lambda ms: ms.__setitem__("ds_autoep_layers", [0]), "AutoEP"),
+        (
+            lambda ms: ms["ds_config"].__setitem__("use_data_before_expert_parallelism", True),
+            "use_data_before_expert_parallelism",
+        ),
+        (
+            lambda ms: ms["frozen_param_shapes"].__setitem__(EXPERT.format(layer=0, e=0, p="fc1.weight"), (32, 32)),
+            "frozen experts",
+        ),
+    ],
+)
 def test_layouts_not_placed_yet_are_refused_by_name(tmp_path, edit, words):
     """Expert layouts this reader does not place (DeepSpeed AutoEP, data-before-expert parallel groups, frozen
     experts) are one line naming them, exit 2, never a mis-read or a 'corrupt file' verdict."""

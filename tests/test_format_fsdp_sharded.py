@@ -1,5 +1,6 @@
 """The FSDP1 SHARDED_STATE_DICT reader (per-rank torch.save files of ShardedTensor) against the real sample,
 against torch itself (a real 2-process gloo group gathering the shards) and against the FSDP2 DCP sample."""
+
 from __future__ import annotations
 
 import shutil
@@ -18,7 +19,7 @@ GROUP, NAME = "fsdp", "fsdp1_sharded"
 #: torch needs a process group of the saving world size to unpickle ShardedTensor (it checks the rank
 #: and world size recorded in the file), so the reference runs two gloo processes, each loading its own
 #: rank file, and gathers every ShardedTensor to rank 0 with ShardedTensor.gather.
-_GATHER = textwrap.dedent('''
+_GATHER = textwrap.dedent("""
     import sys
     import torch
     import torch.distributed as dist
@@ -45,7 +46,7 @@ _GATHER = textwrap.dedent('''
 
     if __name__ == "__main__":
         mp.spawn(worker, args=tuple(sys.argv[1:4]), nprocs=2)
-''')
+""")
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +59,14 @@ def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp1_ref")
     (tmp / "gather.py").write_text(_GATHER)
     out = tmp / "full.pt"
-    proc = subprocess.run([sys.executable, str(tmp / "gather.py"), str(sample(GROUP, NAME)), str(out),
-                           f"file://{tmp / 'store'}"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(tmp / "gather.py"), str(sample(GROUP, NAME)), str(out), f"file://{tmp / 'store'}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out, weights_only=False)
-
 
 
 def test_detected_as_fsdp_sharded(ck):
@@ -99,7 +103,9 @@ def test_weights_equal_the_fsdp2_dcp_sample(ck):
 def test_one_piece_per_rank_placed_by_shard_offsets(ck):
     pieces = ck.get("optimizer.state.blocks.0.mlp_fc.weight.exp_avg").pieces
     assert [(p.file, p.rank, p.dst_offset, p.numel) for p in pieces] == [
-        ("rank0.pt", {"dp": 0}, 0, 64 * 32), ("rank1.pt", {"dp": 1}, 64 * 32, 64 * 32)]
+        ("rank0.pt", {"dp": 0}, 0, 64 * 32),
+        ("rank1.pt", {"dp": 1}, 64 * 32, 64 * 32),
+    ]
 
 
 def test_missing_rank_file_exits_2_naming_it(copy_sample):

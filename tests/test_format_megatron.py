@@ -1,6 +1,7 @@
 """The Megatron-DeepSpeed pipeline reader (TP=2 x PP=2, bf16 ZeRO-1) against the real samples, their
 manifests (written from the live engine), torch.load of the layer files, and DeepSpeed's own
 `ds_to_universal` conversion."""
+
 from __future__ import annotations
 
 import math
@@ -45,7 +46,6 @@ def opened():
     return {name: ckpt_tools.open_checkpoint(sample(GROUP, name)) for name in NAMES}
 
 
-
 # --- header --------------------------------------------------------------------------------------------
 
 
@@ -55,15 +55,21 @@ def test_header_matches_the_run(opened, name):
     assert ck.format == m["format"] == "deepspeed_pipeline"
     topo = m["topology"]
     # mp_world_size is 4 (pp x tp) in these files; the reader must not report it as tp
-    assert (ck.topology.dp, ck.topology.tp, ck.topology.pp, ck.topology.zero_stage) == \
-        (topo["dp"], topo["tp"], topo["pp"], topo["zero_stage"]) == (1, 2, 2, 1)
+    assert (
+        (ck.topology.dp, ck.topology.tp, ck.topology.pp, ck.topology.zero_stage)
+        == (topo["dp"], topo["tp"], topo["pp"], topo["zero_stage"])
+        == (1, 2, 2, 1)
+    )
     assert ck.counters.__dict__ == m["counters"]
     assert list(ck.lr.param_groups) == pytest.approx(m["lr"]["param_groups"])
     # DeepSpeed's WarmupLR saves only last_batch_iteration: the last LR is computed from the saved ds_config's
     # scheduler at that position, and equals what the live scheduler reported
     assert ck.lr.base_lrs is None and list(ck.lr.last_lr) == pytest.approx(m["lr"]["last_lr"], rel=1e-12)
-    assert (ck.parameter_count, ck.parameter_tensors) == (m["parameters"]["count"], m["parameters"]["tensors"]) \
+    assert (
+        (ck.parameter_count, ck.parameter_tensors)
+        == (m["parameters"]["count"], m["parameters"]["tensors"])
         == (15456, 53)
+    )
     # every layer with parameters (00 is a function: no file) on the stage the run put it
     want = {f"{lay:02d}": int(s) for s, layers in m["extra"]["stage_layers"].items() for lay in layers if lay}
     assert ck.details["layer_stages"] == want
@@ -91,13 +97,16 @@ def test_every_logical_tensor_has_the_full_shape_and_the_right_merge(opened, nam
 # --- tensors against torch.load of the layer files ----------------------------------------------------
 
 
-@pytest.mark.parametrize("param, layer, local, dim", [
-    ("2.self_attention.dense.weight", 2, "self_attention.dense.weight", 1),  # row-parallel
-    ("5.mlp.dense_4h_to_h.weight", 5, "mlp.dense_4h_to_h.weight", 1),
-    ("1.word_embeddings.weight", 1, "word_embeddings.weight", 0),  # vocab-parallel
-    ("3.self_attention.query_key_value.bias", 3, "self_attention.query_key_value.bias", 0),
-    ("7.lm_head.weight", 7, "lm_head.weight", 0),
-])
+@pytest.mark.parametrize(
+    "param, layer, local, dim",
+    [
+        ("2.self_attention.dense.weight", 2, "self_attention.dense.weight", 1),  # row-parallel
+        ("5.mlp.dense_4h_to_h.weight", 5, "mlp.dense_4h_to_h.weight", 1),
+        ("1.word_embeddings.weight", 1, "word_embeddings.weight", 0),  # vocab-parallel
+        ("3.self_attention.query_key_value.bias", 3, "self_attention.query_key_value.bias", 0),
+        ("7.lm_head.weight", 7, "lm_head.weight", 0),
+    ],
+)
 def test_split_weight_is_the_cat_of_the_tp_ranks_files(opened, param, layer, local, dim):
     ck = opened["gpt_tp2_pp2"]
     parts = [torch.load(layer_file("gpt_tp2_pp2", layer, t), weights_only=False)[local] for t in range(2)]
@@ -143,9 +152,20 @@ def universal(tmp_path_factory):
     """DeepSpeed's `ds_to_universal` on the sample (strict: it rejects unused patterns), as its own process."""
     m = manifest(GROUP, "gpt_tp2_pp2")
     out = tmp_path_factory.mktemp("ucp") / m["extra"]["tag"]
-    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                           "--input_folder", str(sample(GROUP, "gpt_tp2_pp2") / m["extra"]["tag"]),
-                           "--output_folder", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(sample(GROUP, "gpt_tp2_pp2") / m["extra"]["tag"]),
+            "--output_folder",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return out / "zero"
 
@@ -177,8 +197,9 @@ def test_layout_source_is_reported_and_both_sources_agree(opened):
     assert info.details["tp_layout"] == "universal_checkpoint_info"
     assert noinfo.details["tp_layout"] == "megatron preset"
     assert "universal_checkpoint_info" in info.tree.children and "universal_checkpoint_info" not in noinfo.tree.children
-    assert {n: t.merge for n, t in info.model.children.items()} == \
-        {n: t.merge for n, t in noinfo.model.children.items()}
+    assert {n: t.merge for n, t in info.model.children.items()} == {
+        n: t.merge for n, t in noinfo.model.children.items()
+    }
 
 
 def test_layout_rules_follow_deepspeed_semantics():
@@ -193,8 +214,10 @@ def test_layout_rules_follow_deepspeed_semantics():
     assert layout.rule("7.lm_head.weight").merge == "cat:0" and layout.rule("7.lm_head.weight").vocab_size == 64
     assert layout.unused_patterns(names) == []  # what a strict ds_to_universal demands
     # re.match, not re.search: the pattern must match at the start of the name
-    assert TPLayout.from_checkpoint_info({"tp_replicated_parameter_patterns": ["weight"]}).rule("6.weight").merge \
+    assert (
+        TPLayout.from_checkpoint_info({"tp_replicated_parameter_patterns": ["weight"]}).rule("6.weight").merge
         == "cat:0"
+    )
     # the preset knows nothing of unknown names rather than guessing
     assert TPLayout.megatron_preset().rule("2.rotary.inv_freq").merge is None
 
@@ -211,8 +234,10 @@ def test_user_patterns_override_and_data_decides_only_when_asked(opened):
     assert rule_from_data(ck.model.children["2.input_layernorm.weight"].shards).merge == "replicated"
     assert rule_from_data(ck.model.children["2.self_attention.dense.weight"].shards).merge is None
     shards = ck.model.children["2.self_attention.dense.weight"].shards
-    assert torch.equal(merge_shards("cat:1", [s.read_torch() for s in shards]),
-                       ck.model.children["2.self_attention.dense.weight"].read_torch())
+    assert torch.equal(
+        merge_shards("cat:1", [s.read_torch() for s in shards]),
+        ck.model.children["2.self_attention.dense.weight"].read_torch(),
+    )
 
 
 def test_open_with_user_patterns(opened):
@@ -298,9 +323,20 @@ def test_dp2_pipeline_reader_and_to_universal_equal_deepspeed(copy_sample, tmp_p
     assert run_cli("sync-tp", ck_path, "--yes").returncode == 0
     tag = manifest(GROUP, name)["extra"]["tag"]
     ref_root = tmp_path / "ds" / tag
-    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                           str(ck_path / tag), "--output_folder", str(ref_root)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(ck_path / tag),
+            "--output_folder",
+            str(ref_root),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     ref = ref_root / "zero"
     ck = ckpt_tools.open_checkpoint(ck_path)
@@ -319,6 +355,8 @@ def test_dp2_pipeline_reader_and_to_universal_equal_deepspeed(copy_sample, tmp_p
             got = torch.load(ours / pname / f"{key}.pt", weights_only=False)
             assert torch.equal(got["param"], want["param"]), (pname, key)
             assert {k: v for k, v in got.items() if k != "param"} == {k: v for k, v in want.items() if k != "param"}
-        split_over_dp += any(len({p.file for p in s.pieces}) > 1
-                             for s in (ck.get(f"optimizer.state.{pname}.fp32").shards or [ck.get(f"optimizer.state.{pname}.fp32")]))
+        split_over_dp += any(
+            len({p.file for p in s.pieces}) > 1
+            for s in (ck.get(f"optimizer.state.{pname}.fp32").shards or [ck.get(f"optimizer.state.{pname}.fp32")])
+        )
     assert split_over_dp >= 1  # some parameter really lies in two DP ranks' files

@@ -1,6 +1,7 @@
 """Megatron-LM's own legacy checkpoints (`--ckpt-format torch`), written by Megatron-LM core_v0.16.1's
 `save_checkpoint` (sample_ckpts/megatron_lm, made by ckpt_tools/samples/workers/megatron_lm.py): read whole, edited on
 every rank, and — where a Megatron-LM checkout is named (MEGATRON_LM_DIR) — resumed by Megatron's own `pretrain`."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -27,7 +28,10 @@ PP2, PP2_DIST = "megatron_pp2_legacy", "megatron_pp2_torch_dist"
 VPP, VPP_DIST = "megatron_pp2_vpp2_legacy", "megatron_pp2_vpp2_torch_dist"
 LLAMA, LLAMA_DIST = "megatron_tp2_llama_legacy", "megatron_tp2_llama_torch_dist"  # RoPE, RMSNorm, SwiGLU, untied,
 # 2 query groups, no biases
-RENAMES = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.", "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
+RENAMES = {
+    "self_attention.linear_qkv.layer_norm_": "input_layernorm.",
+    "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm.",
+}
 RANK0 = Path("iter_0000010") / "mp_rank_00" / "model_optim_rng.pt"
 RANK1 = Path("iter_0000010") / "mp_rank_01" / "model_optim_rng.pt"
 
@@ -51,16 +55,20 @@ def _rewrite(path: Path, edit) -> None:
     tmp.replace(path)
 
 
-@pytest.mark.parametrize("name", [TP2, DISTOPT, TP2_DIST, DISTOPT_DIST, PP2, PP2_DIST, VPP, VPP_DIST, LLAMA,
-                                  LLAMA_DIST])
+@pytest.mark.parametrize(
+    "name", [TP2, DISTOPT, TP2_DIST, DISTOPT_DIST, PP2, PP2_DIST, VPP, VPP_DIST, LLAMA, LLAMA_DIST]
+)
 def test_inspect_matches_what_megatron_recorded(name):
     """The manifest was written from Megatron's live model, optimizer and scheduler at save time."""
     m = _manifest(name)
     ck = ckpt_tools.open_checkpoint(sample("megatron_lm", name))
     assert ck.format == m["format"]
     assert (ck.parameter_count, ck.parameter_tensors) == (m["parameters"]["count"], m["parameters"]["tensors"])
-    assert (ck.topology.tp, ck.topology.pp, ck.topology.dp) == (m["topology"]["tp"], m["topology"]["pp"],
-                                                                m["topology"]["dp"])
+    assert (ck.topology.tp, ck.topology.pp, ck.topology.dp) == (
+        m["topology"]["tp"],
+        m["topology"]["pp"],
+        m["topology"]["dp"],
+    )
     assert ck.counters.global_step == m["counters"]["iteration"]
     assert ck.counters.optimizer_step == m["counters"]["optimizer_step"]
     assert list(ck.lr.param_groups) == pytest.approx(m["lr"]["param_groups"], rel=1e-12)
@@ -113,8 +121,7 @@ def test_swiglu_fc1_shards_merge_per_sub_parameter():
 
 
 @pytest.mark.parametrize("legacy_name,dist_name,tensors", [(TP2, TP2_DIST, 28), (LLAMA, LLAMA_DIST, 15)])
-def test_torch_dist_and_legacy_saves_of_the_same_run_export_the_same_weights(tmp_path, legacy_name, dist_name,
-                                                                              tensors):
+def test_torch_dist_and_legacy_saves_of_the_same_run_export_the_same_weights(tmp_path, legacy_name, dist_name, tensors):
     """The two samples ran the same recipe and seed in Megatron's two formats: the torch_dist layer axis unstacked
     and the legacy TP shards merged give the same fp32 master, tensor for tensor (the fused layer-norm names of
     torch_dist are the legacy input/pre-MLP norms; the Llama-style run's SwiGLU fc1, saved by torch_dist as gate
@@ -142,8 +149,7 @@ def _legacy_names(tensors: dict) -> dict:
 
 
 @pytest.mark.parametrize("legacy_name,dist_name,stages", [(PP2, PP2_DIST, "01"), (VPP, VPP_DIST, "0101")])
-def test_pipeline_stages_renumber_layers_and_the_tied_output_copy_counts_once(tmp_path, legacy_name, dist_name,
-                                                                               stages):
+def test_pipeline_stages_renumber_layers_and_the_tied_output_copy_counts_once(tmp_path, legacy_name, dist_name, stages):
     """PP=2 legacy (and with a virtual pipeline of 2 chunks per stage, the interleaved schedule: chunk c of stage p
     starts at global layer c*pp*per_chunk + p*per_chunk, so layers 0..3 live on stages 0,1,0,1): each stage's local
     layers renumbered globally; with tied embeddings the last stage's output_layer.weight is Megatron's copy of the
@@ -173,7 +179,9 @@ def test_pipeline_stages_renumber_layers_and_the_tied_output_copy_counts_once(tm
     proc = run_cli("set-lr", run, "--scale", "0.5", "--yes")
     assert proc.returncode == 0, proc.stderr
     for stage in ("mp_rank_00_000", "mp_rank_00_001"):
-        groups = pr.load(run / "iter_0000010" / stage / "model_optim_rng.pt").obj["optimizer"]["optimizer"]["param_groups"]
+        groups = pr.load(run / "iter_0000010" / stage / "model_optim_rng.pt").obj["optimizer"]["optimizer"][
+            "param_groups"
+        ]
         assert [(g["max_lr"], g["min_lr"]) for g in groups] == [(0.0015, 0.00015)] * 2, stage
 
 
@@ -235,8 +243,11 @@ def test_bad_megatron_inputs_are_one_line_exit_2_nothing_written(tmp_path):
     cases["TP=4"] = run
     for needle, ck in cases.items():
         before = {p: p.read_bytes() for p in ck.rglob("*") if p.is_file()}
-        for argv in (("inspect", ck), ("set-lr", ck, "--scale", "0.5", "--yes"),
-                     ("export", ck, tmp_path / "out.safetensors")):
+        for argv in (
+            ("inspect", ck),
+            ("set-lr", ck, "--scale", "0.5", "--yes"),
+            ("export", ck, tmp_path / "out.safetensors"),
+        ):
             proc = run_cli(*argv)
             assert proc.returncode == 2, (needle, argv, proc.stdout)
             assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, (needle, proc.stderr)
@@ -249,8 +260,10 @@ def test_expert_parallel_legacy_folders_are_refused_not_read_as_pipeline_stages(
     stage 1. Until expert-parallel ranks are merged, args saying EP > 1 is one line, exit 2."""
     run = _copy(TP2, tmp_path)
     for rank in ("mp_rank_00", "mp_rank_01"):
-        _rewrite(run / "iter_0000010" / rank / "model_optim_rng.pt",
-                 lambda o: o["args"].state.update(expert_model_parallel_size=2, num_experts=4))
+        _rewrite(
+            run / "iter_0000010" / rank / "model_optim_rng.pt",
+            lambda o: o["args"].state.update(expert_model_parallel_size=2, num_experts=4),
+        )
     proc = run_cli("inspect", run)
     assert proc.returncode == 2 and "expert parallelism (EP=2" in proc.stderr and len(proc.stderr.splitlines()) == 1
 
@@ -290,8 +303,10 @@ def test_distributed_optimizer_buckets_map_to_parameters(tmp_path):
     from safetensors.torch import load_file
 
     out = load_file(tmp_path / "o.safetensors")
-    assert torch.equal(out["decoder.layers.1.mlp.linear_fc2.weight"],
-                       state["decoder.layers.1.mlp.linear_fc2.weight"].children["fp32"].read_torch())
+    assert torch.equal(
+        out["decoder.layers.1.mlp.linear_fc2.weight"],
+        state["decoder.layers.1.mlp.linear_fc2.weight"].children["fp32"].read_torch(),
+    )
     run = _copy(DISTOPT, tmp_path)
     assert run_cli("set-lr", run, "--scale", "0.5", "--yes").returncode == 0
     groups = pr.load(run / RANK0).obj["optimizer"]["optimizer"]["param_groups"]
@@ -314,8 +329,9 @@ def test_torch_dist_distributed_optimizer_buckets_map_like_the_legacy_save_of_th
         other = sl[next(iter(_legacy_names({name: 0})))]
         for kind in ("fp32", "exp_avg", "exp_avg_sq"):
             assert torch.equal(entry.children[kind].read_torch(), other.children[kind].read_torch()), (name, kind)
-        assert torch.equal(dist.get("model").children[name].read_torch(),
-                           entry.children["fp32"].read_torch().to(torch.bfloat16)), name
+        assert torch.equal(
+            dist.get("model").children[name].read_torch(), entry.children["fp32"].read_torch().to(torch.bfloat16)
+        ), name
     proc = run_cli("export", sample("megatron_lm", DISTOPT_DIST), tmp_path / "o.safetensors")
     assert proc.returncode == 0, proc.stderr
     out = load_file(tmp_path / "o.safetensors")
@@ -336,14 +352,18 @@ def test_torch_dist_distributed_optimizer_lr_edit(tmp_path):
     sched = pr.load(it / "common.pt").obj["opt_param_scheduler"]
     assert (sched["max_lr"], sched["min_lr"]) == (0.0015, 0.00015)
     obj, _ = DcpFolder(it).state_tree(None)
-    items = [v for k, v in obj.items() if k.startswith("optimizer.distributed.") and k.split("/")[0].endswith(".optimizer")]
+    items = [
+        v for k, v in obj.items() if k.startswith("optimizer.distributed.") and k.split("/")[0].endswith(".optimizer")
+    ]
     groups = [g for item in items for o in item for g in o["param_groups"]]
     assert len(groups) == 2 and all((g["max_lr"], g["min_lr"]) == (0.0015, 0.00015) for g in groups)
     assert sorted(p.name for p in run.rglob("*") if p.is_file()) == sorted(
-        p.name for p in sample("megatron_lm", DISTOPT_DIST).rglob("*") if p.is_file())  # nothing stray
+        p.name for p in sample("megatron_lm", DISTOPT_DIST).rglob("*") if p.is_file()
+    )  # nothing stray
     ck = ckpt_tools.open_checkpoint(run)
-    assert list(ck.lr.last_lr) == pytest.approx([x / 2 for x in ckpt_tools.open_checkpoint(
-        sample("megatron_lm", DISTOPT_DIST)).lr.last_lr], rel=1e-12)
+    assert list(ck.lr.last_lr) == pytest.approx(
+        [x / 2 for x in ckpt_tools.open_checkpoint(sample("megatron_lm", DISTOPT_DIST)).lr.last_lr], rel=1e-12
+    )
 
 
 def test_a_rank_file_alone_points_at_the_iteration(tmp_path):
@@ -356,17 +376,36 @@ MEGATRON = os.environ.get("MEGATRON_LM_DIR")
 
 
 def _resume(name: str, run: Path, record: Path, extra: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "ckpt_tools.samples.workers.megatron_lm", "--sample", name,
-           "--resume", str(run), "--record", str(record), f"--megatron-args={extra}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "ckpt_tools.samples.workers.megatron_lm",
+        "--sample",
+        name,
+        "--resume",
+        str(run),
+        "--record",
+        str(record),
+        f"--megatron-args={extra}",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return sorted(json.loads(record.read_text()), key=lambda r: r["rank"])
 
 
-@pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,
-                    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout: its "
-                           "training code is not on the package registries)")
+@pytest.mark.skipif(
+    not MEGATRON or importlib.util.find_spec("megatron") is None,
+    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout: its "
+    "training code is not on the package registries)",
+)
 @pytest.mark.parametrize("name", [TP2, TP2_DIST, PP2, VPP])
 def test_megatron_resumes_the_edited_copy_at_half_the_lr_on_every_tp_rank(tmp_path, name):
     """The proof of the edit: Megatron's own pretrain loads both copies (load_checkpoint) and trains 3 more
@@ -374,9 +413,10 @@ def test_megatron_resumes_the_edited_copy_at_half_the_lr_on_every_tp_rank(tmp_pa
     with each flag the plan names; the old command line trips Megatron's own scheduler assertion."""
     untouched, edited = _copy(name, tmp_path / "a"), _copy(name, tmp_path / "b")
     assert run_cli("set-lr", edited, "--scale", "0.5", "--yes").returncode == 0
-    for a_flags, b_flags in (("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"),
-                             ("--override-opt_param-scheduler",
-                              "--override-opt_param-scheduler --lr 0.0015 --min-lr 0.00015")):
+    for a_flags, b_flags in (
+        ("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"),
+        ("--override-opt_param-scheduler", "--override-opt_param-scheduler --lr 0.0015 --min-lr 0.00015"),
+    ):
         a = _resume(name, untouched, tmp_path / "a.json", a_flags)
         b = _resume(name, edited, tmp_path / "b.json", b_flags)
         assert len(b) == 2 and [r["tp_rank"] for r in b] == ([0, 0] if name in (PP2, VPP) else [0, 1])
@@ -398,8 +438,9 @@ def _drift(path: Path, name: str, delta: float) -> None:
     ref = pr.load(path).obj["model"][name]
     new = (ref.read_torch().float() + delta).to(torch.bfloat16).contiguous()
     prefix = zipfile.ZipFile(path).namelist()[0].split("/")[0]
-    patch = zip_patch.Patch(f"{prefix}/data/{ref.storage.key}", ref.storage_offset * 2,
-                            new.view(torch.int16).numpy().tobytes())
+    patch = zip_patch.Patch(
+        f"{prefix}/data/{ref.storage.key}", ref.storage_offset * 2, new.view(torch.int16).numpy().tobytes()
+    )
     tmp = path.with_name(path.name + ".new")
     zip_patch.patch_file(path, tmp, [patch])
     tmp.replace(path)
@@ -488,8 +529,13 @@ def test_export_hf_writes_a_llama_folder_from_the_args(tmp_path, name):
     r = run_cli("export", src, tmp_path / "hf", "--hf", "--verify")
     assert r.returncode == 0, r.stderr
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert (cfg["model_type"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["rope_theta"],
-            cfg["tie_word_embeddings"]) == ("llama", 2, 8, 500000.0, False)
+    assert (
+        cfg["model_type"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+        cfg["rope_theta"],
+        cfg["tie_word_embeddings"],
+    ) == ("llama", 2, 8, 500000.0, False)
     got = load_file(tmp_path / "hf" / "model.safetensors")
     saved = {t.name: t.read() for t in L.model_tensors(src)}
     fused = saved["decoder.layers.0.self_attention.linear_qkv.weight"]  # per group: 2 q heads, k, v (8 rows each)
@@ -526,18 +572,22 @@ def test_export_hf_refuses_what_neither_gpt2_nor_llama_holds():
     llama = _plain(ckpt_tools.open_checkpoint(sample("megatron_lm", LLAMA)).tree.children["args"])
     assert hf_map.megatron_hf_config(gpt, "x")["model_type"] == "gpt2"
     assert hf_map.megatron_hf_config(llama, "x")["model_type"] == "llama"
-    for args, change, word in ((gpt, {"position_embedding_type": "rope"}, "LayerNorm"),
-                               (gpt, {"untie_embeddings_and_output_weights": True}, "untied"),
-                               (gpt, {"group_query_attention": True, "num_query_groups": 2}, "grouped-query"),
-                               (llama, {"add_bias_linear": True}, "linear biases"),
-                               (llama, {"rotary_interleaved": True}, "interleaved"),
-                               (llama, {"normalization": "LayerNorm"}, "LayerNorm")):
+    for args, change, word in (
+        (gpt, {"position_embedding_type": "rope"}, "LayerNorm"),
+        (gpt, {"untie_embeddings_and_output_weights": True}, "untied"),
+        (gpt, {"group_query_attention": True, "num_query_groups": 2}, "grouped-query"),
+        (llama, {"add_bias_linear": True}, "linear biases"),
+        (llama, {"rotary_interleaved": True}, "interleaved"),
+        (llama, {"normalization": "LayerNorm"}, "LayerNorm"),
+    ):
         with pytest.raises(CkptError, match=word):
             hf_map.megatron_hf_config({**args, **change}, "x")
 
 
-@pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,
-                    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout)")
+@pytest.mark.skipif(
+    not MEGATRON or importlib.util.find_spec("megatron") is None,
+    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout)",
+)
 @pytest.mark.parametrize("name", [TP2, TP2_DIST, LLAMA, LLAMA_DIST])
 def test_export_hf_logits_equal_megatrons_forward(tmp_path, name):
     """Megatron's own forward (initialize_megatron + load_checkpoint at TP=2, fp32, the vocab-parallel logits
@@ -546,12 +596,32 @@ def test_export_hf_logits_equal_megatrons_forward(tmp_path, name):
     weights the model holds) to float32 rounding."""
     import torch
 
-    tokens = [[1, 5, 9, 13, 20, 33, 40, 2, 7, 11, 50, 63, 100, 127, 0, 64], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
-                                                                          14, 15, 16, 17, 18]]
+    tokens = [
+        [1, 5, 9, 13, 20, 33, 40, 2, 7, 11, 50, 63, 100, 127, 0, 64],
+        [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18],
+    ]
     out = tmp_path / "megatron_logits.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "ckpt_tools.samples.workers.megatron_lm", "--sample", name,
-           "--forward", str(sample("megatron_lm", name)), "--tokens", json.dumps(tokens), "--logits", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "ckpt_tools.samples.workers.megatron_lm",
+        "--sample",
+        name,
+        "--forward",
+        str(sample("megatron_lm", name)),
+        "--tokens",
+        json.dumps(tokens),
+        "--logits",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = run_cli("export", sample("megatron_lm", name), tmp_path / "hf", "--hf", "--source", "module")
@@ -560,14 +630,21 @@ def test_export_hf_logits_equal_megatrons_forward(tmp_path, name):
 
 
 def _ckpt_resume(path: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckpt_cli.main", "resume", str(path), "-n", "2", "--device", "cpu",
-                           "--json", *extra], cwd=ROOT, env=env or os.environ.copy(), capture_output=True, text=True,
-                          timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "ckpt_cli.main", "resume", str(path), "-n", "2", "--device", "cpu", "--json", *extra],
+        cwd=ROOT,
+        env=env or os.environ.copy(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
-@pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,
-                    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout: its "
-                           "training code is not on the package registries)")
+@pytest.mark.skipif(
+    not MEGATRON or importlib.util.find_spec("megatron") is None,
+    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout: its "
+    "training code is not on the package registries)",
+)
 @pytest.mark.parametrize("name", [TP2, VPP_DIST])
 def test_ckpt_resume_runs_megatron_from_the_saved_args_with_a_verdict(tmp_path, name):
     """`ckpt resume` on a Megatron-LM checkpoint (legacy TP 2; torch_dist PP 2 with a virtual pipeline): Megatron's
@@ -590,9 +667,15 @@ def test_ckpt_resume_runs_megatron_from_the_saved_args_with_a_verdict(tmp_path, 
         checks = {c["name"]: c["status"] for c in res["checks"]}
         # legacy at its saved TP / PP: every update checked in closed form from the state each rank file saved
         closed_form = "pass" if name == TP2 else "n/a"
-        assert checks == {"global step": "pass", "optimizer step": "pass", "learning rate": "pass",
-                          "run rebuilt": "pass", "scheduler state": "pass", "optimizer state": closed_form,
-                          "loss": "n/a"}, (key, res["checks"])
+        assert checks == {
+            "global step": "pass",
+            "optimizer step": "pass",
+            "learning rate": "pass",
+            "run rebuilt": "pass",
+            "scheduler state": "pass",
+            "optimizer state": closed_form,
+            "loss": "n/a",
+        }, (key, res["checks"])
         assert [r["step"] for r in res["records"]] == [11, 12]
         assert [r["optimizer_step"] for r in res["records"]] == [11, 12]
         assert all(math.isfinite(r["loss"]) for r in res["records"])
@@ -618,8 +701,9 @@ def test_ckpt_resume_megatron_refusals_are_one_line(tmp_path):
     assert proc.returncode == 2 and "distributed optimizer" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     proc = _ckpt_resume(sample("megatron_lm", TP2), "--tp", "1", env=env)  # legacy: only at the saved sizes
-    assert proc.returncode == 2 and "saved at" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
+    assert proc.returncode == 2 and "saved at" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, (
         proc.stderr
+    )
     from ckpt_tools.resume.frameworks import _gpus
 
     if not _gpus():
@@ -631,18 +715,18 @@ def test_ckpt_resume_megatron_needs_no_deepspeed():
     """A Megatron-LM resume runs Megatron's own code: `ckpt resume` does not ask for DeepSpeed first (on the H100
     image, which has no DeepSpeed, it refused every Megatron checkpoint with "needs deepspeed"). With DeepSpeed
     hidden from the process, the refusal it reaches is the next one, the missing Megatron-LM checkout."""
-    code = ("import importlib.util as u, sys\n"
-            "find = u.find_spec\n"
-            "u.find_spec = lambda n, *a: None if n.split('.')[0] == 'deepspeed' else find(n, *a)\n"
-            "sys.modules['deepspeed'] = None\n"
-            f"sys.argv = ['ckpt', 'resume', {str(sample('megatron_lm', TP2_DIST))!r}, '--device', 'cpu']\n"
-            "from ckpt_cli.main import main\n"
-            "main()\n")
+    code = (
+        "import importlib.util as u, sys\n"
+        "find = u.find_spec\n"
+        "u.find_spec = lambda n, *a: None if n.split('.')[0] == 'deepspeed' else find(n, *a)\n"
+        "sys.modules['deepspeed'] = None\n"
+        f"sys.argv = ['ckpt', 'resume', {str(sample('megatron_lm', TP2_DIST))!r}, '--device', 'cpu']\n"
+        "from ckpt_cli.main import main\n"
+        "main()\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_LM_DIR"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 2 and "MEGATRON_LM_DIR" in proc.stderr and "deepspeed" not in proc.stderr, \
-        proc.stderr
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "MEGATRON_LM_DIR" in proc.stderr and "deepspeed" not in proc.stderr, proc.stderr
 
 
 def test_ckpt_resume_megatron_on_cuda_is_planned_for_nccl(tmp_path, monkeypatch):
@@ -671,9 +755,11 @@ def test_ckpt_resume_megatron_on_cuda_is_planned_for_nccl(tmp_path, monkeypatch)
     assert "--no-load-rng" not in cpu.worker["run_argv"] and any("CPU run-time" in n for n in cpu.notes)
 
 
-@pytest.mark.skipif(not MEGATRON or importlib.util.find_spec("megatron") is None,
-                    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout: its "
-                           "training code is not on the package registries)")
+@pytest.mark.skipif(
+    not MEGATRON or importlib.util.find_spec("megatron") is None,
+    reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout: its "
+    "training code is not on the package registries)",
+)
 def test_ckpt_resume_megatron_torch_dist_at_tp1_continues_the_tp2_run(tmp_path):
     """A torch_dist checkpoint saved at TP 2 resumed by `ckpt resume --tp 1 --nproc 1` (Megatron's dist-checkpointing
     reshards it at load): every check passes, the LRs are the TP 2 resume's, and the losses continue it (within
@@ -685,7 +771,12 @@ def test_ckpt_resume_megatron_torch_dist_at_tp1_continues_the_tp2_run(tmp_path):
         res[key] = json.loads(proc.stdout)
         assert all(c["status"] in ("pass", "n/a") for c in res[key]["checks"]), res[key]["checks"]
         assert {c["name"] for c in res[key]["checks"] if c["status"] == "pass"} >= {
-            "global step", "optimizer step", "learning rate", "run rebuilt", "scheduler state"}
+            "global step",
+            "optimizer step",
+            "learning rate",
+            "run rebuilt",
+            "scheduler state",
+        }
     a, b = res["tp2"]["records"], res["tp1"]["records"]
     assert [r["lr"] for r in a] == [r["lr"] for r in b] and [r["step"] for r in b] == [11, 12]
     assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-3)
@@ -707,12 +798,15 @@ def test_convert_carries_the_fp32_master_and_adam_state_and_names_the_schedule_i
     assert dst.parameter_count == src.parameter_count == _manifest(name)["parameters"]["count"]
     state = dst.get("optimizer.state").children
     assert len(state) == src.parameter_tensors and all(
-        {"exp_avg", "exp_avg_sq"} <= set(e.children) for e in state.values())
+        {"exp_avg", "exp_avg_sq"} <= set(e.children) for e in state.values()
+    )
     diff = run_cli("diff", "--logical", sample("megatron_lm", name), out)
     assert diff.returncode == 0 and "same" in diff.stdout, diff.stdout
 
 
-@pytest.mark.parametrize("recorded,derived", [(TP2, TP2_DIST), (TP2, DISTOPT), (TP2, DISTOPT_DIST), (LLAMA, LLAMA_DIST)])
+@pytest.mark.parametrize(
+    "recorded,derived", [(TP2, TP2_DIST), (TP2, DISTOPT), (TP2, DISTOPT_DIST), (LLAMA, LLAMA_DIST)]
+)
 def test_param_group_members_not_saved_follow_megatrons_own_rule(recorded, derived):
     """torch_dist's common.pt and the distributed optimizer do not record which parameter is in which param group
     (Megatron re-derives it at load): ckpt derives it by Megatron's default rule (biases and 1-D parameters at
@@ -735,11 +829,26 @@ def test_a_converted_megatron_run_loads_in_the_target_and_its_optimizer_continue
     extra = []
     if to == "deepspeed-universal":
         cfg = tmp_path / "ds.json"
-        cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
-                                   "bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
-                                   "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "betas": [0.9, 0.95],
-                                                                            "eps": 1e-8, "weight_decay": 0.01,
-                                                                            "torch_adam": True}}}))
+        cfg.write_text(
+            json.dumps(
+                {
+                    "train_micro_batch_size_per_gpu": 2,
+                    "gradient_clipping": 1.0,
+                    "bf16": {"enabled": True},
+                    "zero_optimization": {"stage": 1},
+                    "optimizer": {
+                        "type": "AdamW",
+                        "params": {
+                            "lr": 0.003,
+                            "betas": [0.9, 0.95],
+                            "eps": 1e-8,
+                            "weight_decay": 0.01,
+                            "torch_adam": True,
+                        },
+                    },
+                }
+            )
+        )
         extra = ["--config", str(cfg), "--nproc", "1"]
     proc = run_cli("resume", out, "-n", "2", "--device", "cpu", "--json", *extra)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -760,9 +869,15 @@ def test_distributed_optimizer_buffer_layout_follows_megatrons_buckets():
     first = ["embedding.word_embeddings.weight", "x", "y"]
     numel = {"embedding.word_embeddings.weight": 100, "x": 10, "y": 70, "z": 10, "output_layer.weight": 100}
     assert distopt_layout(first, numel, tied_pp2) == (
-        {"y": 0, "x": 128, "embedding.word_embeddings.weight": 192}, [192, 100])
-    assert distopt_layout(["z", "output_layer.weight"], numel, tied_pp2) == ({"output_layer.weight": 0, "z": 100},
-                                                                           [100, 10])
+        {"y": 0, "x": 128, "embedding.word_embeddings.weight": 192},
+        [192, 100],
+    )
+    assert distopt_layout(["z", "output_layer.weight"], numel, tied_pp2) == (
+        {"output_layer.weight": 0, "z": 100},
+        [100, 10],
+    )
     for args in ({"pipeline_model_parallel_size": 1}, {**tied_pp2, "untie_embeddings_and_output_weights": True}):
         assert distopt_layout(first, numel, args) == (
-            {"y": 0, "x": 128, "embedding.word_embeddings.weight": 192}, [292])
+            {"y": 0, "x": 128, "embedding.word_embeddings.weight": 192},
+            [292],
+        )

@@ -3,6 +3,7 @@ files either parse or raise CkptError, never another exception, never hang, neve
 
 Fixed budget, derandomized: the same examples every CI run, well under a minute.
 """
+
 from __future__ import annotations
 
 import io as _io
@@ -25,40 +26,109 @@ _TMP = Path(tempfile.mkdtemp(prefix="ckpt-fuzz-"))
 MARKER = _TMP / "EXECUTED"
 _CMD = f"touch {MARKER}"
 
-FUZZ = settings(max_examples=250, derandomize=True, deadline=3000, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=250,
+    derandomize=True,
+    deadline=3000,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
-_NOARG = [b"(", b"0", b"1", b"2", b"N", b"\x88", b"\x89", b"}", b"]", b")", b"t", b"\x85", b"\x86", b"\x87",
-          b"l", b"d", b"a", b"e", b"s", b"u", b"R", b"b", b"\x81", b"\x8f", b"\x90", b"\x91", b"\x93", b"\x94",
-          b"o", b"Q", b"\x92"]
-_GLOBALS = [("os", "system"), ("posix", "system"), ("builtins", "eval"), ("builtins", "exec"),
-            ("builtins", "getattr"), ("builtins", "__import__"), ("subprocess", "Popen"), ("builtins", "bytes"),
-            ("builtins", "bytearray"), ("builtins", "str"), ("builtins", "set"), ("collections", "OrderedDict"),
-            ("collections", "defaultdict"), ("torch._utils", "_rebuild_tensor_v2"), ("torch", "FloatStorage"),
-            ("torch._utils", "_rebuild_parameter"), ("torch", "Size"), ("copyreg", "_reconstructor"),
-            ("numpy.core.multiarray", "_reconstruct"), ("numpy", "dtype"), ("argparse", "Namespace"),
-            ("torch._tensor", "_rebuild_from_type_v2"), ("_codecs", "encode"), ("torch", "bfloat16")]
-_TEXTS = ["storage", "0", "cpu", _CMD, "os", "system", "__class__", "__base__", "__subclasses__", "__setstate__",
-          "latin1", "lr", "", "x" * 300]
+_NOARG = [
+    b"(",
+    b"0",
+    b"1",
+    b"2",
+    b"N",
+    b"\x88",
+    b"\x89",
+    b"}",
+    b"]",
+    b")",
+    b"t",
+    b"\x85",
+    b"\x86",
+    b"\x87",
+    b"l",
+    b"d",
+    b"a",
+    b"e",
+    b"s",
+    b"u",
+    b"R",
+    b"b",
+    b"\x81",
+    b"\x8f",
+    b"\x90",
+    b"\x91",
+    b"\x93",
+    b"\x94",
+    b"o",
+    b"Q",
+    b"\x92",
+]
+_GLOBALS = [
+    ("os", "system"),
+    ("posix", "system"),
+    ("builtins", "eval"),
+    ("builtins", "exec"),
+    ("builtins", "getattr"),
+    ("builtins", "__import__"),
+    ("subprocess", "Popen"),
+    ("builtins", "bytes"),
+    ("builtins", "bytearray"),
+    ("builtins", "str"),
+    ("builtins", "set"),
+    ("collections", "OrderedDict"),
+    ("collections", "defaultdict"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch", "FloatStorage"),
+    ("torch._utils", "_rebuild_parameter"),
+    ("torch", "Size"),
+    ("copyreg", "_reconstructor"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy", "dtype"),
+    ("argparse", "Namespace"),
+    ("torch._tensor", "_rebuild_from_type_v2"),
+    ("_codecs", "encode"),
+    ("torch", "bfloat16"),
+]
+_TEXTS = [
+    "storage",
+    "0",
+    "cpu",
+    _CMD,
+    "os",
+    "system",
+    "__class__",
+    "__base__",
+    "__subclasses__",
+    "__setstate__",
+    "latin1",
+    "lr",
+    "",
+    "x" * 300,
+]
 
 
 def _op():
     return st.one_of(
         st.sampled_from(_NOARG),
         st.integers(0, 255).map(lambda n: b"K" + bytes([n])),
-        st.integers(-2 ** 31, 2 ** 31 - 1).map(lambda n: b"J" + struct.pack("<i", n)),
-        st.integers(-2 ** 70, 2 ** 70).map(lambda n: b"\x8a" + bytes([len(_le(n))]) + _le(n)),
+        st.integers(-(2**31), 2**31 - 1).map(lambda n: b"J" + struct.pack("<i", n)),
+        st.integers(-(2**70), 2**70).map(lambda n: b"\x8a" + bytes([len(_le(n))]) + _le(n)),
         st.floats(allow_nan=True).map(lambda f: b"G" + struct.pack(">d", f)),
         st.sampled_from(_TEXTS).map(H.text),
         st.binary(max_size=40).map(lambda b: b"C" + bytes([len(b)]) + b),
         st.integers(0, 40).map(lambda n: b"q" + bytes([n])),
         st.integers(0, 40).map(lambda n: b"h" + bytes([n])),
-        st.integers(0, 2 ** 32 - 1).map(lambda n: b"j" + struct.pack("<I", n)),
+        st.integers(0, 2**32 - 1).map(lambda n: b"j" + struct.pack("<I", n)),
         st.sampled_from(_GLOBALS).map(lambda g: H.glob(*g)),
         st.sampled_from(_GLOBALS).map(lambda g: b"i" + g[0].encode() + b"\n" + g[1].encode() + b"\n"),
         st.integers(0, 255).map(lambda n: b"\x82" + bytes([n])),  # EXT1
-        st.just(b"(" + H.text("storage") + H.glob("torch", "FloatStorage") + H.text("0") + H.text("cpu")
-                + b"K\x04t" + b"Q"),  # a persistent id for storage "0"
+        st.just(
+            b"(" + H.text("storage") + H.glob("torch", "FloatStorage") + H.text("0") + H.text("cpu") + b"K\x04t" + b"Q"
+        ),  # a persistent id for storage "0"
         st.binary(min_size=1, max_size=8),  # raw noise
     )
 
@@ -98,10 +168,14 @@ def test_random_opcode_streams(ops, proto, as_zip):
 
 
 def _small_samples() -> list[bytes]:
-    files = [SAMPLES / "torch" / "plain.pt", SAMPLES / "accelerate" / "accelerate_ddp" / "scheduler.bin",
-             SAMPLES / "accelerate" / "accelerate_ddp" / "random_states_0.pkl",
-             SAMPLES / "deepspeed" / "zero2_bf16" / "global_step4" / "mp_rank_00_model_states.pt",
-             SAMPLES / "fsdp" / "fsdp2_dcp" / ".metadata", SAMPLES / "fsdp" / "fsdp1_sharded" / "rank0.pt"]
+    files = [
+        SAMPLES / "torch" / "plain.pt",
+        SAMPLES / "accelerate" / "accelerate_ddp" / "scheduler.bin",
+        SAMPLES / "accelerate" / "accelerate_ddp" / "random_states_0.pkl",
+        SAMPLES / "deepspeed" / "zero2_bf16" / "global_step4" / "mp_rank_00_model_states.pt",
+        SAMPLES / "fsdp" / "fsdp2_dcp" / ".metadata",
+        SAMPLES / "fsdp" / "fsdp1_sharded" / "rank0.pt",
+    ]
     return [f.read_bytes() for f in files]
 
 
@@ -124,7 +198,7 @@ def _mutated(draw):
             data[pos:pos] = draw(st.binary(min_size=1, max_size=16))
         elif kind == "overwrite":
             chunk = draw(st.binary(min_size=1, max_size=16))
-            data[pos: pos + len(chunk)] = chunk
+            data[pos : pos + len(chunk)] = chunk
         else:  # aim at the pickle: the first 6 KiB hold data.pkl in these small files
             p = draw(st.integers(0, min(len(data), 6000) - 1))
             data[p] = draw(st.integers(0, 255))
@@ -138,7 +212,7 @@ def test_random_mutations_of_real_files(data):
 
 
 @settings(max_examples=60, derandomize=True, deadline=3000, database=None)
-@given(cut=st.integers(0, 10 ** 6), flip=st.integers(0, 10 ** 6))
+@given(cut=st.integers(0, 10**6), flip=st.integers(0, 10**6))
 def test_mutated_files_read_tensor_bytes_safely(cut, flip):
     """Reading values after a mutation: CkptError (or a value), never an IndexError / struct.error."""
     data = bytearray(_SAMPLE_BYTES[0])

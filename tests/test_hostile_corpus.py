@@ -8,6 +8,7 @@ The runs happen in one child process (`hostile/corpus_driver.py`): a signal deat
 run. Counted: payloads executed (marker files), signal deaths, tracebacks, hangs, a writer or resume that went ahead
 (exit 0), payloads in any file written (scanned by the test's own opcode walk, `hostile.scan`), changes to a source.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,8 +65,9 @@ def _extra_cases(root: Path, markers: Path) -> list[H.Hostile]:
 
 
 def _clean_twin(c: H.Hostile) -> Path | None:
-    rel = c.ckpt.relative_to(c.ckpt.parents[1] if c.ckpt.parent.name.startswith(("x-", "t", "p-", "deep")) else
-                             c.ckpt.parent)
+    rel = c.ckpt.relative_to(
+        c.ckpt.parents[1] if c.ckpt.parent.name.startswith(("x-", "t", "p-", "deep")) else c.ckpt.parent
+    )
     for cand in (*SAMPLES.glob(f"*/{c.ckpt.name}"), *SAMPLES.glob(f"*/*/{c.ckpt.name}")):
         if cand.name == rel.name:
             return cand
@@ -94,8 +96,11 @@ def _jobs(cases: list[H.Hostile], out: Path, source=lambda c: str(c.ckpt)) -> li
             "export-hf": ["export", ck, f"{o}-hf", "--hf"],
             "resume": ["resume", ck, "--steps", "1", "--device", "cpu"],
         }
-        jobs += [{"id": f"{c.name}|{cmd}", "argv": argv, "case": c.name, "cmd": cmd}
-                 for cmd, argv in argvs.items() if argv is not None]
+        jobs += [
+            {"id": f"{c.name}|{cmd}", "argv": argv, "case": c.name, "cmd": cmd}
+            for cmd, argv in argvs.items()
+            if argv is not None
+        ]
     return jobs
 
 
@@ -103,8 +108,14 @@ def _run_driver(jobs: list[dict], tmp: Path, env: dict | None = None, timeout: f
     jf, rf = tmp / "jobs.json", tmp / "results.jsonl"
     jf.write_text(json.dumps(jobs))
     rf.unlink(missing_ok=True)
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "hostile" / "corpus_driver.py"), str(jf), str(rf)],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "hostile" / "corpus_driver.py"), str(jf), str(rf)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
     results: dict[str, dict] = {}
     started = []
     for line in rf.read_text().splitlines():
@@ -114,8 +125,7 @@ def _run_driver(jobs: list[dict], tmp: Path, env: dict | None = None, timeout: f
         else:
             results[d["id"]] = d
     dead = [j for j in started if j not in results]
-    assert proc.returncode == 0, (f"the driver died (exit {proc.returncode}) during {dead}: "
-                                  f"{proc.stderr[-2000:]}")
+    assert proc.returncode == 0, f"the driver died (exit {proc.returncode}) during {dead}: {proc.stderr[-2000:]}"
     assert len(results) == len(jobs), f"{len(jobs) - len(results)} runs missing: {proc.stderr[-2000:]}"
     return results
 
@@ -131,8 +141,9 @@ def _judge(cases: list[H.Hostile], jobs: list[dict], results: dict[str, dict]) -
         if r["hung"]:
             problems.append(f"{where}: hung")
         if j["cmd"] not in READ_ONLY and j["cmd"] not in ("inspect-json",) and r["code"] != 2:
-            problems.append(f"{where}: exit {r['code']} (a writer or resume must refuse a hostile source: 2) "
-                            f"{r['errors']}")
+            problems.append(
+                f"{where}: exit {r['code']} (a writer or resume must refuse a hostile source: 2) {r['errors']}"
+            )
         if j["cmd"] in ("inspect", "inspect-json") and (r["code"] != 0 or not r["warned"]):
             problems.append(f"{where}: exit {r['code']}, no unknown-global warning {r['errors']}")
     for c in cases:
@@ -143,8 +154,12 @@ def _judge(cases: list[H.Hostile], jobs: list[dict], results: dict[str, dict]) -
 
 def _refused_for_the_payload(jobs: list[dict], results: dict[str, dict]) -> int:
     """Writer and resume runs whose one-line refusal is the pickle check's (not some other reason to stop)."""
-    return sum(1 for j in jobs if j["cmd"] not in READ_ONLY + ("inspect-json",)
-               and any("not a class real checkpoints carry" in e for e in results[j["id"]]["errors"]))
+    return sum(
+        1
+        for j in jobs
+        if j["cmd"] not in READ_ONLY + ("inspect-json",)
+        and any("not a class real checkpoints carry" in e for e in results[j["id"]]["errors"])
+    )
 
 
 def _outputs_clean(out: Path) -> list[str]:
@@ -153,8 +168,9 @@ def _outputs_clean(out: Path) -> list[str]:
     bad = []
     for f in sorted(p for p in out.rglob("*") if p.is_file()):
         gl, names = file_globals(f)
-        bad += [f"{f}: {m}.{n}" for m, n in gl if not allowlist.is_allowed(m, n)
-                and (m, n) not in allowlist.CHECKED_CALLS]
+        bad += [
+            f"{f}: {m}.{n}" for m, n in gl if not allowlist.is_allowed(m, n) and (m, n) not in allowlist.CHECKED_CALLS
+        ]
         bad += [f"{f}: member {n}" for n in names if ".." in n]
     return bad
 
@@ -178,12 +194,17 @@ def test_corpus_through_every_command(corpus, tmp_path):
     jobs = _jobs(cases, out)
     results = _run_driver(jobs, tmp_path)
     problems = _judge(cases, jobs, results)
-    problems += [f"{c.name}: the source changed" for c in cases
-                 if snapshot(c.ckpt if c.ckpt.is_dir() else c.ckpt.parent) != before[c.name]]
+    problems += [
+        f"{c.name}: the source changed"
+        for c in cases
+        if snapshot(c.ckpt if c.ckpt.is_dir() else c.ckpt.parent) != before[c.name]
+    ]
     problems += _outputs_clean(out)
     gated = _refused_for_the_payload(jobs, results)
-    print(f"hostile corpus: {len(cases)} checkpoints, {len(jobs)} runs ({gated} writer/resume runs refused by the "
-          f"pickle check, the rest for another reason); {len(problems)} problems")
+    print(
+        f"hostile corpus: {len(cases)} checkpoints, {len(jobs)} runs ({gated} writer/resume runs refused by the "
+        f"pickle check, the rest for another reason); {len(problems)} problems"
+    )
     assert len(jobs) >= 300 and gated >= 200
     assert not problems, "\n".join(problems[:40])
 
@@ -195,8 +216,23 @@ def test_corpus_over_s3(corpus, tmp_path):
     import test_remote_s3 as S
 
     root, cases = corpus
-    picked = [c for c in cases if c.name.startswith(("t00-", "t03-", "t11-", "t13-", "deep-dcp", "x-megatron_pp2",
-                                                      "x-megatron_tp2", "x-torchtitan", "x-torchtune"))]
+    picked = [
+        c
+        for c in cases
+        if c.name.startswith(
+            (
+                "t00-",
+                "t03-",
+                "t11-",
+                "t13-",
+                "deep-dcp",
+                "x-megatron_pp2",
+                "x-megatron_tp2",
+                "x-torchtitan",
+                "x-torchtune",
+            )
+        )
+    ]
     assert len(picked) >= 8
     with S.moto_server(tmp_path / "moto.log") as endpoint:
         fs = S._fs(endpoint)
@@ -214,8 +250,10 @@ def test_corpus_over_s3(corpus, tmp_path):
         results = _run_driver(jobs, tmp_path, env=S._env(endpoint, TMPDIR=str(tmpdir)))
         problems = _judge(picked, jobs, results) + _outputs_clean(out)
         gated = _refused_for_the_payload(jobs, results)
-        print(f"hostile corpus over S3: {len(picked)} checkpoints, {len(jobs)} runs ({gated} refused by the pickle "
-              f"check); {len(problems)} problems")
+        print(
+            f"hostile corpus over S3: {len(picked)} checkpoints, {len(jobs)} runs ({gated} refused by the pickle "
+            f"check); {len(problems)} problems"
+        )
         assert gated >= 40
         assert not problems, "\n".join(problems[:40])
         assert not list(tmpdir.glob("ckpt-remote-*")), "a remote mirror was left behind"

@@ -7,6 +7,7 @@
 - finding 6: a Megatron torch_dist `rng_state/*` item that is not the list Megatron saves (a bare pickled int, a
   string, ...) is a one-line exit-2 error of `convert --to megatron --ckpt-format torch`, nothing written.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,8 +65,11 @@ def _torch_save(obj) -> bytes:
 
 # --- issue 39: diff of identical DCP folders ----------------------------------------------------------------
 
-DCP_SAMPLES = [("dcp", "torchtitan_real/step-3"), ("fsdp", "fsdp2_dcp"),
-               ("megatron_lm", "megatron_tp2_torch_dist/iter_0000010")]
+DCP_SAMPLES = [
+    ("dcp", "torchtitan_real/step-3"),
+    ("fsdp", "fsdp2_dcp"),
+    ("megatron_lm", "megatron_tp2_torch_dist/iter_0000010"),
+]
 
 
 @pytest.mark.parametrize("group,name", DCP_SAMPLES, ids=[n.split("/")[0] for _, n in DCP_SAMPLES])
@@ -158,8 +162,11 @@ def test_an_untouched_dataloader_state_names_no_global():
 # --- finding 6: a torch_dist RNG item of the wrong shape ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("value", [7, "not an rng state", {"random_rng_state": 1}, [[{"random_rng_state": 1}]]],
-                         ids=["int", "str", "dict", "dict-missing-fields"])
+@pytest.mark.parametrize(
+    "value",
+    [7, "not an rng state", {"random_rng_state": 1}, [[{"random_rng_state": 1}]]],
+    ids=["int", "str", "dict", "dict-missing-fields"],
+)
 def test_convert_refuses_an_rng_item_of_the_wrong_shape(tmp_path, value):
     src = _copy("megatron_lm", "megatron_tp2_torch_dist", tmp_path / "src")
     key = "rng_state/shard_0.0_1.2"

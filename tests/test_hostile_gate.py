@@ -3,6 +3,7 @@ check of every resume planner (Megatron-LM's too), every writer's refusal of a h
 payload carried with a warning), and every writer's output scanned by an opcode walk of the test's own
 (`hostile.scan`, not ckpt's reader). Each hostile copy is made here from the bundled samples; each payload
 writes a marker file if anything ever runs it, and a control proves the dotted-name payloads are live."""
+
 from __future__ import annotations
 
 import io
@@ -32,12 +33,15 @@ def _dotted_payloads(marker: Path) -> dict[str, tuple[bytes, str]]:
     cmd = H.text(f"touch {marker}")
     inner = b"\x80\x02" + H.call1(H.glob("os", "system"), cmd) + b"."
     return {
-        "serialization_os_system": (H.call1(_stack_global("torch.serialization", "os.system"), cmd),
-                                    "torch.serialization:os.system"),
+        "serialization_os_system": (
+            H.call1(_stack_global("torch.serialization", "os.system"), cmd),
+            "torch.serialization:os.system",
+        ),
         "pathlib_os_system": (H.call1(_stack_global("pathlib", "os.system"), cmd), "pathlib:os.system"),
         "serialization_pickle_loads": (
-            H.call1(_stack_global("torch.serialization", "pickle.loads"),
-                    b"C" + bytes([len(inner)]) + inner), "torch.serialization:pickle.loads"),
+            H.call1(_stack_global("torch.serialization", "pickle.loads"), b"C" + bytes([len(inner)]) + inner),
+            "torch.serialization:pickle.loads",
+        ),
     }
 
 
@@ -65,8 +69,11 @@ def test_dotted_payloads_are_live(dotted):
     for name, (ck, _) in cases.items():
         marker = root / "marker"
         marker.unlink(missing_ok=True)
-        subprocess.run([sys.executable, "-c", "import sys, torch; torch.load(sys.argv[1], weights_only=False)",
-                        str(ck / OPTIM)], capture_output=True, timeout=120)
+        subprocess.run(
+            [sys.executable, "-c", "import sys, torch; torch.load(sys.argv[1], weights_only=False)", str(ck / OPTIM)],
+            capture_output=True,
+            timeout=120,
+        )
         assert marker.exists(), f"{name}: the payload did not run under torch.load"
         marker.unlink()
 
@@ -105,10 +112,13 @@ def test_getattr_on_an_allowed_class_is_flagged(tmp_path):
 # --- Megatron-LM resume (finding 2) ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sample,rel", [
-    ("megatron_tp2_legacy", "iter_0000010/mp_rank_00/model_optim_rng.pt"),
-    ("megatron_tp2_torch_dist", "iter_0000010/common.pt"),
-])
+@pytest.mark.parametrize(
+    "sample,rel",
+    [
+        ("megatron_tp2_legacy", "iter_0000010/mp_rank_00/model_optim_rng.pt"),
+        ("megatron_tp2_torch_dist", "iter_0000010/common.pt"),
+    ],
+)
 def test_megatron_resume_checks_pickles(copy_sample, tmp_path, sample, rel):
     from ckpt_tools import open_checkpoint
     from ckpt_tools.errors import CkptError, UnsupportedCheckpoint
@@ -139,17 +149,33 @@ WRITERS = [
     ("deepspeed", "zero2_bf16", "global_step4/mp_rank_00_model_states.pt", ["set-lr", "--scale", "0.5", "--yes"]),
     ("deepspeed", "zero2_bf16", "global_step4/mp_rank_00_model_states.pt", ["set-step", "--step", "9", "--yes"]),
     ("deepspeed", "zero2_bf16", "global_step4/mp_rank_00_model_states.pt", ["to-universal", "OUT"]),
-    ("deepspeed", "zero2_bf16", "global_step4/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
-     ["convert", "OUT", "--to", "dcp"]),
+    (
+        "deepspeed",
+        "zero2_bf16",
+        "global_step4/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        ["convert", "OUT", "--to", "dcp"],
+    ),
     ("deepspeed", "zero2_bf16", "global_step4/mp_rank_00_model_states.pt", ["export", "OUT.safetensors"]),
     ("megatron", "gpt_tp2_pp2_drifted", "global_step4/mp_rank_00_model_states.pt", ["sync-tp", "--yes"]),
     ("megatron", "gpt_tp2_pp2", "global_step4/mp_rank_01_model_states.pt", ["convert", "OUT", "--to", "megatron"]),
-    ("megatron_lm", "megatron_tp2_torch_dist", "iter_0000010/common.pt",
-     ["convert", "OUT", "--to", "megatron", "--ckpt-format", "torch"]),
-    ("megatron_lm", "megatron_tp2_legacy", "iter_0000010/mp_rank_01/model_optim_rng.pt",
-     ["convert", "OUT", "--to", "megatron"]),
-    ("megatron_lm", "megatron_tp2_legacy", "iter_0000010/mp_rank_00/model_optim_rng.pt",
-     ["set-lr", "--scale", "0.5", "--yes"]),
+    (
+        "megatron_lm",
+        "megatron_tp2_torch_dist",
+        "iter_0000010/common.pt",
+        ["convert", "OUT", "--to", "megatron", "--ckpt-format", "torch"],
+    ),
+    (
+        "megatron_lm",
+        "megatron_tp2_legacy",
+        "iter_0000010/mp_rank_01/model_optim_rng.pt",
+        ["convert", "OUT", "--to", "megatron"],
+    ),
+    (
+        "megatron_lm",
+        "megatron_tp2_legacy",
+        "iter_0000010/mp_rank_00/model_optim_rng.pt",
+        ["set-lr", "--scale", "0.5", "--yes"],
+    ),
     ("dcp", "torchtitan_real", ".metadata", ["set-lr", "--scale", "0.5", "--yes"]),
     ("dcp", "torchtitan_real", ".metadata", ["convert", "OUT", "--to", "megatron"]),
 ]
@@ -195,8 +221,11 @@ def _scan_tree(folder: Path) -> list[str]:
     bad = []
     for f in sorted(p for p in (folder.rglob("*") if folder.is_dir() else [folder]) if p.is_file()):
         gl, names = file_globals(f)
-        bad += [f"{f.name}: {m}.{n}" for m, n in gl
-                if not allowlist.is_allowed(m, n) and (m, n) not in allowlist.CHECKED_CALLS]
+        bad += [
+            f"{f.name}: {m}.{n}"
+            for m, n in gl
+            if not allowlist.is_allowed(m, n) and (m, n) not in allowlist.CHECKED_CALLS
+        ]
         bad += [f"{f.name}: member {n}" for n in names if ".." in n]
     return bad
 
@@ -216,8 +245,11 @@ def test_trusted_write_carries_the_payload_with_a_warning(tmp_path, case):
         assert any("posix.system" in b for b in _scan_tree(out)), _scan_tree(out)
 
 
-@pytest.mark.parametrize("case", [2, 3, 6, 7, 8], ids=["to-universal", "convert-dcp", "pipeline-megatron",
-                                                       "torch_dist-megatron-torch", "legacy-megatron"])
+@pytest.mark.parametrize(
+    "case",
+    [2, 3, 6, 7, 8],
+    ids=["to-universal", "convert-dcp", "pipeline-megatron", "torch_dist-megatron-torch", "legacy-megatron"],
+)
 def test_clean_writers_output_holds_no_unknown_global(tmp_path, case):
     """The outputs of clean sources, scanned with the independent walk: every global allowed, no foreign member."""
     group, name, rel, rest = WRITERS[case]
@@ -267,8 +299,9 @@ def test_output_check_catches_what_a_writer_would_put_in_place(tmp_path):
     out = tmp_path / "out"
     with pytest.raises(UnsupportedCheckpoint, match="posix.system"):
         with wio.new_folder(out) as tmp:
-            (tmp / "x.pt").write_bytes(b"\x80\x02}" + H.text("k") + H.call1(H.glob("posix", "system"), H.text("true"))
-                                       + b"s.")
+            (tmp / "x.pt").write_bytes(
+                b"\x80\x02}" + H.text("k") + H.call1(H.glob("posix", "system"), H.text("true")) + b"s."
+            )
     assert not out.exists() and not list(tmp_path.glob(".ckpt-staging-*"))
     with pytest.raises(UnsupportedCheckpoint, match=r"\.\./x"):
         with wio.new_folder(out) as tmp:
@@ -278,8 +311,9 @@ def test_output_check_catches_what_a_writer_would_put_in_place(tmp_path):
             _add_member(tmp / "plain.pt", "../x")
     assert not out.exists()
     with wio.new_folder(out, trust_pickles=True) as tmp:
-        (tmp / "x.pt").write_bytes(b"\x80\x02}" + H.text("k") + H.call1(H.glob("posix", "system"), H.text("true"))
-                                   + b"s.")
+        (tmp / "x.pt").write_bytes(
+            b"\x80\x02}" + H.text("k") + H.call1(H.glob("posix", "system"), H.text("true")) + b"s."
+        )
     assert (out / "x.pt").exists()
 
 
@@ -312,7 +346,10 @@ def test_hostile_sources_over_s3(tmp_path):
         fs = S._fs(endpoint)
         fs.mkdir("hostile")
         marker = tmp_path / "marker"
-        cases = [("deepspeed", "zero2_bf16", OPTIM), ("megatron_lm", "megatron_tp2_torch_dist", "iter_0000010/common.pt")]
+        cases = [
+            ("deepspeed", "zero2_bf16", OPTIM),
+            ("megatron_lm", "megatron_tp2_torch_dist", "iter_0000010/common.pt"),
+        ]
         tmpdir = tmp_path / "tmp"
         tmpdir.mkdir()
         env = S._env(endpoint, TMPDIR=str(tmpdir))
@@ -325,8 +362,11 @@ def test_hostile_sources_over_s3(tmp_path):
             runs += 1
             assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
             assert "unknown-global" in r.stdout and "posix.system" in r.stdout, r.stdout[-1500:]
-            writers = [["to-universal", url, tmp_path / f"{name}-u"], ["convert", url, tmp_path / f"{name}-c", "--to",
-                                                                         "dcp"], ["export", url, tmp_path / f"{name}.st"]]
+            writers = [
+                ["to-universal", url, tmp_path / f"{name}-u"],
+                ["convert", url, tmp_path / f"{name}-c", "--to", "dcp"],
+                ["export", url, tmp_path / f"{name}.st"],
+            ]
             if group == "megatron_lm":
                 writers = writers[1:]
             for argv in writers:

@@ -3,6 +3,7 @@
 Each payload writes a marker file when a real unpickler runs it; `test_payloads_are_live` proves that
 with `torch.load(weights_only=False)` / `pickle.load`, so the marker checks below can fail.
 """
+
 from __future__ import annotations
 
 import re
@@ -36,8 +37,9 @@ def test_payloads_are_live(corpus):
     """The control: the unsafe loaders DO run every payload (so a missing marker below means something)."""
     root, markers, cases = corpus
     args = [a for c in cases for a in (str(c.poisoned), c.loader)]
-    proc = subprocess.run([sys.executable, "-c", H.CONTROL_SCRIPT, *args], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", H.CONTROL_SCRIPT, *args], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
     try:
         dead = [c.name for c in cases if not c.marker.exists()]
         assert not dead, f"payloads that did not run under torch.load/pickle.load: {dead}\n{proc.stderr[-2000:]}"
@@ -99,8 +101,10 @@ def _refused(c: H.Hostile, argv: list) -> list[str]:
         problems.append(f"{c.name}: {cmd}: EXECUTED the payload")
     lines = r.error_lines()
     if r.code != 2 or len(lines) != 1 or c.poisoned.name not in lines[0] or not any(g in lines[0] for g in c.globals):
-        problems.append(f"{c.name}: {cmd}: exit {r.code}, want 2 and one line naming {c.poisoned.name} and "
-                        f"{c.globals}: {lines[-3:]}")
+        problems.append(
+            f"{c.name}: {cmd}: exit {r.code}, want 2 and one line naming {c.poisoned.name} and "
+            f"{c.globals}: {lines[-3:]}"
+        )
     if snapshot(c.ckpt.parent) != before:
         problems.append(f"{c.name}: {cmd}: wrote into the checkpoint folder")
     return problems
@@ -257,8 +261,12 @@ def test_hash_bombs_are_live(bomb):
     """The control: Python's own pickle.loads is still busy with each payload after 3 s."""
     data = b"\x80\x02" + HASH_BOMBS[bomb] + b"."
     with pytest.raises(subprocess.TimeoutExpired):
-        subprocess.run([sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"],
-                       input=data, capture_output=True, timeout=3)
+        subprocess.run(
+            [sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"],
+            input=data,
+            capture_output=True,
+            timeout=3,
+        )
 
 
 @pytest.mark.parametrize("bomb", sorted(HASH_BOMBS))
@@ -297,8 +305,9 @@ def test_size_allocations_are_refused(tmp_path):
     """bytes(2**36) / bytearray(2**36) would zero 64 GiB; the reader refuses a size argument."""
     for ctor in ("bytes", "bytearray"):
         f = tmp_path / f"{ctor}.pkl"
-        f.write_bytes(b"\x80\x02}" + H.text("a") + H.call1(H.glob("builtins", ctor), b"\x8a\x05\x00\x00\x00\x00\x10")
-                      + b"s.")
+        f.write_bytes(
+            b"\x80\x02}" + H.text("a") + H.call1(H.glob("builtins", ctor), b"\x8a\x05\x00\x00\x00\x00\x10") + b"s."
+        )
         r = run("inspect", f)
         assert r.code == 2 and not r.traceback, r.stderr
         assert "called with a size" in r.error_lines()[0]
@@ -310,7 +319,9 @@ def test_no_silent_weights_only_false():
     for p in sorted([*(ROOT / "ckpt_tools").rglob("*.py"), *(ROOT / "cli").rglob("*.py")]):
         for n, line in enumerate(p.read_text().splitlines(), 1):
             code = line.split("#", 1)[0]
-            if re.search(r"(?<!`)weights_only\s*=\s*False", code) or re.search(r"torch\.load\((?![^)]*weights_only)", code):
+            if re.search(r"(?<!`)weights_only\s*=\s*False", code) or re.search(
+                r"torch\.load\((?![^)]*weights_only)", code
+            ):
                 hits.append(f"{p.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not hits, "\n".join(hits)
 

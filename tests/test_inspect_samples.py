@@ -4,6 +4,7 @@ The manifests were written by the training workers from the live engine/optimize
 at save time (ckpt_tools/train/manifest.py), so these tests compare the reader with the frameworks,
 not with itself.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,8 +60,11 @@ def _what_the_files_hold(m: dict) -> tuple[dict, dict]:
             counters.pop(k, None)
     if m["extra"].get("optimizers"):  # several optimizers: the header lists every one's groups, in order
         opts = m["extra"]["optimizers"]
-        lr = {"param_groups": [x for o in opts for x in o["lr"]], "base_lrs": [x for o in opts for x in o["base_lrs"]],
-              "last_lr": [x for o in opts for x in o["last_lr"]]}
+        lr = {
+            "param_groups": [x for o in opts for x in o["lr"]],
+            "base_lrs": [x for o in opts for x in o["base_lrs"]],
+            "last_lr": [x for o in opts for x in o["last_lr"]],
+        }
     return counters, lr
 
 
@@ -76,25 +80,32 @@ def test_header_matches_the_real_run(mpath):
     assert ck.parameter_tensors == params["tensors"]
     topo = m["topology"]
     if m["format"] not in ("safetensors", "torch_file"):
-        assert (ck.topology.dp, ck.topology.tp, ck.topology.pp, ck.topology.zero_stage) == \
-            (topo["dp"], topo["tp"], topo["pp"], topo.get("zero_stage"))
+        assert (ck.topology.dp, ck.topology.tp, ck.topology.pp, ck.topology.zero_stage) == (
+            topo["dp"],
+            topo["tp"],
+            topo["pp"],
+            topo.get("zero_stage"),
+        )
     got = ck.counters.__dict__
     for key, value in expected.items():
         assert got[key] == value, f"counter {key}: checkpoint says {got[key]}, the run had {value}"
     assert list(ck.lr.param_groups) == pytest.approx(lr["param_groups"])
-    assert (list(ck.lr.base_lrs) if ck.lr.base_lrs is not None else None) == \
-        (pytest.approx(lr["base_lrs"]) if lr["base_lrs"] is not None else None)
+    assert (list(ck.lr.base_lrs) if ck.lr.base_lrs is not None else None) == (
+        pytest.approx(lr["base_lrs"]) if lr["base_lrs"] is not None else None
+    )
     want_last = lr["last_lr"]
-    assert (list(ck.lr.last_lr) if ck.lr.last_lr is not None else None) == \
-        (pytest.approx(want_last) if want_last is not None else None)
+    assert (list(ck.lr.last_lr) if ck.lr.last_lr is not None else None) == (
+        pytest.approx(want_last) if want_last is not None else None
+    )
 
 
 @pytest.mark.parametrize("mpath", MANIFESTS, ids=IDS)
 def test_clean_samples_have_no_warnings(mpath):
     path, m = _load(mpath)
     ck = ckpt_tools.open_checkpoint(path)
-    expected_codes = set(m["extra"].get("expected_warnings", [])) | KNOWN_WARNINGS.get(mpath.parent.name + "/" +
-                                                                                    path.name, set())
+    expected_codes = set(m["extra"].get("expected_warnings", [])) | KNOWN_WARNINGS.get(
+        mpath.parent.name + "/" + path.name, set()
+    )
     assert {w.code for w in ck.warnings} == expected_codes, ck.warnings
 
 
@@ -112,5 +123,8 @@ def test_torchtitan_train_state():
     path, m = _load(mpath)
     tree = ckpt_tools.open_checkpoint(path).tree.children
     train = tree["client_state"].children["train_state"].children
-    assert (train["step"].value, train["ntokens_seen"].value) == (m["counters"]["global_step"], m["counters"]["ntokens_seen"])
+    assert (train["step"].value, train["ntokens_seen"].value) == (
+        m["counters"]["global_step"],
+        m["counters"]["ntokens_seen"],
+    )
     assert tree["scheduler"].children["last_epoch"].value == m["counters"]["scheduler_last_epoch"]

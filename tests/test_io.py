@@ -1,4 +1,5 @@
 """The write path: atomic per file, backed up outside the checkpoint, verified, all-or-nothing."""
+
 from __future__ import annotations
 
 import hashlib
@@ -15,8 +16,11 @@ from ckpt_tools.write import io
 
 
 def snapshot(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def make_ckpt(tmp_path: Path) -> Path:
@@ -28,13 +32,15 @@ def make_ckpt(tmp_path: Path) -> Path:
     return root
 
 
-def upper_plan(root: Path, files=("global_step4/part0.pt", "global_step4/part1.pt", "global_step4/part2.pt"),
-               verify=None) -> io.WritePlan:
+def upper_plan(
+    root: Path, files=("global_step4/part0.pt", "global_step4/part1.pt", "global_step4/part2.pt"), verify=None
+) -> io.WritePlan:
     def producer(rel):
         return lambda tmp: tmp.write_bytes(b"NEW" + (root / rel).read_bytes())
 
-    writes = tuple(io.FileWrite(rel, (io.FieldChange(rel, "header", "old", "NEW"),), 1003, producer(rel))
-                   for rel in files)
+    writes = tuple(
+        io.FileWrite(rel, (io.FieldChange(rel, "header", "old", "NEW"),), 1003, producer(rel)) for rel in files
+    )
     return io.WritePlan(root, "test-write", writes, verify=verify)
 
 
@@ -70,6 +76,7 @@ def run_killed(root: Path, plan: str, stage: str, at: int, plan_args: str = "") 
     """)
     return subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent)
 
+
 def test_execute_writes_backs_up_outside_and_leaves_no_stray_files(tmp_path):
     root = make_ckpt(tmp_path)
     before = snapshot(root)
@@ -92,8 +99,9 @@ def test_tag_folder_given_backs_up_beside_the_parent(tmp_path):
     assert t.dir.parent == tmp_path / "run" / ".ckpt-backups" / "ckpt"
 
 
-@pytest.mark.parametrize("fail_stage,nth", [("produce", 0), ("produce", 2), ("backup", 1), ("replace", 0),
-                                             ("replace", 2), ("verify", 0)])
+@pytest.mark.parametrize(
+    "fail_stage,nth", [("produce", 0), ("produce", 2), ("backup", 1), ("replace", 0), ("replace", 2), ("verify", 0)]
+)
 def test_failure_at_any_stage_leaves_the_checkpoint_byte_identical(tmp_path, fail_stage, nth):
     root = make_ckpt(tmp_path)
     before = snapshot(root)
@@ -162,8 +170,12 @@ def test_two_writes_in_the_same_second_get_their_own_transactions(tmp_path):
 # --- in place: the rollback journal (issue 14) ---------------------------------------------------------------
 
 
-def edit_plan(root: Path, files=("global_step4/part0.pt", "global_step4/part1.pt", "global_step4/part2.pt"),
-              grow: int = 40, verify=None) -> io.WritePlan:
+def edit_plan(
+    root: Path,
+    files=("global_step4/part0.pt", "global_step4/part1.pt", "global_step4/part2.pt"),
+    grow: int = 40,
+    verify=None,
+) -> io.WritePlan:
     """Each file: bytes 10..14 overwritten, 8 bytes before the end overwritten, then `grow` bytes appended
     (negative: the file cut by that much). The whole-file form writes the same result."""
 
@@ -176,13 +188,20 @@ def edit_plan(root: Path, files=("global_step4/part0.pt", "global_step4/part1.pt
         data = bytearray(path.read_bytes())
         c = change(path)
         for e in c.edits:
-            data[e.offset: e.offset + len(e.data)] = e.data
+            data[e.offset : e.offset + len(e.data)] = e.data
         return bytes(data[: c.size])
 
-    writes = tuple(io.FileWrite(rel, (io.FieldChange(rel, "bytes", "old", "new"),), (root / rel).stat().st_size,
-                                lambda tmp, rel=rel: tmp.write_bytes(result(root / rel)), "test",
-                                lambda path: change(path))
-                   for rel in files)
+    writes = tuple(
+        io.FileWrite(
+            rel,
+            (io.FieldChange(rel, "bytes", "old", "new"),),
+            (root / rel).stat().st_size,
+            lambda tmp, rel=rel: tmp.write_bytes(result(root / rel)),
+            "test",
+            lambda path: change(path),
+        )
+        for rel in files
+    )
     return io.WritePlan(root, "test-edit", writes, verify=verify)
 
 
@@ -212,8 +231,9 @@ def test_in_place_write_journals_only_changed_bytes_and_restore_undoes_it(tmp_pa
     assert t.status == "restored" and snapshot(root) == before
 
 
-@pytest.mark.parametrize("fail_stage,nth", [("produce", 1), ("backup", 2), ("replace", 1), ("write", 0),
-                                             ("write", 3), ("verify", 0)])
+@pytest.mark.parametrize(
+    "fail_stage,nth", [("produce", 1), ("backup", 2), ("replace", 1), ("write", 0), ("write", 3), ("verify", 0)]
+)
 def test_in_place_failure_at_any_stage_puts_the_bytes_back(tmp_path, fail_stage, nth):
     root = make_ckpt(tmp_path)
     before = snapshot(root)

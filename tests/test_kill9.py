@@ -11,6 +11,7 @@ stage — produce, backup, replace, write (after each range written in place), v
 fsync) plus a few kills at seeded times after start. The killed run is a real `ckpt` process; the checks and
 re-runs run in this process (fast).
 """
+
 from __future__ import annotations
 
 import os
@@ -39,8 +40,13 @@ def _killed_run(argv: list, kill_at: str | None = None, after_s: float | None = 
     env.pop("CKPT_DEBUG", None)
     if kill_at:
         env["CKPT_TEST_KILL_AT"] = kill_at
-    p = subprocess.Popen([sys.executable, "-c", "from ckpt_cli.main import main; main()", *map(str, argv)], cwd=ROOT,
-                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    p = subprocess.Popen(
+        [sys.executable, "-c", "from ckpt_cli.main import main; main()", *map(str, argv)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     if after_s is not None:
         try:
             p.wait(after_s)
@@ -69,8 +75,11 @@ def _files(folder: Path) -> dict[str, str]:
 
 SURGERY = {
     "set-lr": (("deepspeed", "zero2_lambdalr"), ["--lr", "1e-4"], lambda ck, **kw: lr_ops.set_lr(ck, lr=1e-4, **kw)),
-    "set-step": (("deepspeed", "zero2_lambdalr"), ["--optimizer-step", "1497"],
-                 lambda ck, **kw: lr_ops.set_step(ck, optimizer_step=1497, **kw)),
+    "set-step": (
+        ("deepspeed", "zero2_lambdalr"),
+        ["--optimizer-step", "1497"],
+        lambda ck, **kw: lr_ops.set_step(ck, optimizer_step=1497, **kw),
+    ),
     "sync-tp": (("megatron", "gpt_tp2_pp2_drifted"), [], lambda ck, **kw: tp_ops.sync_tp(ck, **kw)),
     # DCP: new item blobs appended to the .distcp file in place, .metadata replaced whole, in one transaction
     "set-lr-dcp": (("fsdp", "fsdp2_dcp"), ["--lr", "1e-4"], lambda ck, **kw: lr_ops.set_lr(ck, lr=1e-4, **kw)),
@@ -103,11 +112,16 @@ def _same_loaded(a, b, where="") -> list[str]:
     import torch
 
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        ok = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-              and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dtype.is_floating_point and a.numel()
-                                                      and a.is_contiguous() and a.dim() else a,
-                                                      b.view(torch.uint8) if b.dtype.is_floating_point and b.numel()
-                                                      and b.is_contiguous() and b.dim() else b))
+        ok = (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(
+                a.view(torch.uint8) if a.dtype.is_floating_point and a.numel() and a.is_contiguous() and a.dim() else a,
+                b.view(torch.uint8) if b.dtype.is_floating_point and b.numel() and b.is_contiguous() and b.dim() else b,
+            )
+        )
         return [] if ok else [where or "<root>"]
     if isinstance(a, dict) and isinstance(b, dict):
         if list(a) != list(b):
@@ -186,8 +200,7 @@ def test_surgery_in_place_kill9(tmp_path, command):
 
     rng = random.Random(f"{SEED}-{command}")
     points = _kill_points(counts, fsyncs, BUDGET[command], rng)
-    outcomes = {"original": 0, "updated": 0, "finished": 0, "torn-then-rolled-back": 0,
-                "mixed-then-rolled-back": 0}
+    outcomes = {"original": 0, "updated": 0, "finished": 0, "torn-then-rolled-back": 0, "mixed-then-rolled-back": 0}
     problems = []
     for k, (kill_at, after_s) in enumerate(points):
         label = kill_at or f"t={after_s:.2f}s"
@@ -221,8 +234,9 @@ def test_surgery_in_place_kill9(tmp_path, command):
         elif now == after:
             outcomes["updated"] += 1
         else:
-            problems.append(f"{label}: after recovery neither original nor updated: "
-                            f"{[f for f in now if now[f] != before.get(f)]}")
+            problems.append(
+                f"{label}: after recovery neither original nor updated: {[f for f in now if now[f] != before.get(f)]}"
+            )
         if io.interrupted_write(ck) is not None:
             problems.append(f"{label}: still an unfinished write after recovery")
         # re-running completes the job; over a finished one it changes nothing and says so (a no-op is exit 2)
@@ -254,7 +268,9 @@ def test_surgery_in_place_kill9(tmp_path, command):
             problems.append(f"restore killed at fsync:{i}: half-restored without an unfinished journal")
         r = run("restore", ck, "--yes")
         if r.code != 0 or _files(ck) != before:
-            problems.append(f"restore killed at fsync:{i}: the next restore exit {r.code}, original={_files(ck) == before}")
+            problems.append(
+                f"restore killed at fsync:{i}: the next restore exit {r.code}, original={_files(ck) == before}"
+            )
         outcomes["restore-killed-then-finished"] = outcomes.get("restore-killed-then-finished", 0) + 1
     print(f"\n{command} kill -9 (in place): {len(points) + 2} trials, outcomes {outcomes}, {len(problems)} problems")
     assert len(points) >= 10 and outcomes["original"] + outcomes["updated"] == len(points)

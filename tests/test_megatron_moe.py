@@ -7,6 +7,7 @@ optimizers as `optimizer[0]` / `optimizer[1]`, each with its own param groups an
 every group's LR and the step as Megatron recorded them at save time (the manifest), the conversions that must
 carry every group and every parameter's step (read back), the refusals (a copy that lost an inner optimizer's
 groups, `convert --to megatron`), and — with MEGATRON_LM_DIR — the sample remade and reloaded by Megatron itself."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -100,7 +101,11 @@ def test_every_parameter_sits_in_its_dense_or_expert_group_with_its_step():
     for g in groups:
         assert all((".mlp.experts." in n) == g["is_expert_parallel"] for n in g["params"]), g["params"]
     assert "decoder.layers.0.mlp.router.weight" in groups[0]["params"]
-    assert tuple(ck.get("model").children["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"].shape) == (4, 64, 32)
+    assert tuple(ck.get("model").children["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"].shape) == (
+        4,
+        64,
+        32,
+    )
     state = ck.get("optimizer.state").children
     assert set(state) == model
     assert all({"fp32", "exp_avg", "exp_avg_sq", "step"} <= set(e.children) for e in state.values())
@@ -136,9 +141,13 @@ def test_verify_fails_an_output_that_lost_the_groups_or_the_steps(tmp_path):
     convert.execute(plan)
     assert convert.verify_logical(plan, tmp_path / "out.pt") == []
     saved = torch.load(tmp_path / "out.pt", weights_only=True)
-    no_steps = {**saved, "optimizer": {"param_groups": saved["optimizer"]["param_groups"],
-                                       "state": {i: {k: v for k, v in e.items() if k != "step"}
-                                                 for i, e in saved["optimizer"]["state"].items()}}}
+    no_steps = {
+        **saved,
+        "optimizer": {
+            "param_groups": saved["optimizer"]["param_groups"],
+            "state": {i: {k: v for k, v in e.items() if k != "step"} for i, e in saved["optimizer"]["state"].items()},
+        },
+    }
     torch.save(no_steps, tmp_path / "no_steps.pt")
     problems = convert.verify_logical(plan, tmp_path / "no_steps.pt")
     assert sum(p.startswith("optimizer ") and ".step: removed" in p for p in problems) == 32, problems
@@ -155,8 +164,9 @@ def test_verify_fails_an_output_that_lost_the_groups_or_the_steps(tmp_path):
     assert "optimizer: the output holds no per-parameter optimizer state; the source's was planned" in problems
 
 
-@pytest.mark.parametrize("inner, missing", [(1, "expert wd_mult 0, expert wd_mult 1"),
-                                            (0, "dense wd_mult 0, dense wd_mult 1")])
+@pytest.mark.parametrize(
+    "inner, missing", [(1, "expert wd_mult 0, expert wd_mult 1"), (0, "dense wd_mult 0, dense wd_mult 1")]
+)
 def test_a_copy_without_one_inner_optimizers_groups_is_refused(tmp_path, inner, missing):
     """Declared (num_experts, expert_model_parallel_size, the model's parameters) vs found: one line, exit 2,
     naming the groups that are gone, for every command that opens it."""
@@ -218,12 +228,27 @@ MEGATRON = os.environ.get("MEGATRON_LM_DIR")
 needs_megatron = pytest.mark.skipif(
     not MEGATRON or importlib.util.find_spec("megatron") is None,
     reason="needs megatron-core 0.16.1 and MEGATRON_LM_DIR (a Megatron-LM core_v0.16.1 checkout: its training code "
-           "is not on the package registries)")
+    "is not on the package registries)",
+)
 
 
 def _worker(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "ckpt_tools.samples.workers.megatron_lm", "--sample", EP2, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "ckpt_tools.samples.workers.megatron_lm",
+        "--sample",
+        EP2,
+        *args,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

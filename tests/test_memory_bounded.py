@@ -3,6 +3,7 @@ with torch, with the chunk size forced down to a few elements so that every tens
 boundaries (and ZeRO pieces, TP shards and chunks cut each other at odd places).
 
 How much memory the commands take on a big checkpoint is measured by `bench/bench_memory.py`, not here."""
+
 from __future__ import annotations
 
 import math
@@ -33,8 +34,12 @@ def _expected_stats(x: torch.Tensor) -> dict:
     fin = x[torch.isfinite(x)]
     out = {"nan": int(torch.isnan(x).sum()), "inf": int(torch.isinf(x).sum())}
     if fin.numel():
-        out.update(min=float(fin.min()), max=float(fin.max()), mean=float(fin.double().mean()),
-                   std=float(fin.double().std()) if fin.numel() > 1 else 0.0)
+        out.update(
+            min=float(fin.min()),
+            max=float(fin.max()),
+            mean=float(fin.double().mean()),
+            std=float(fin.double().std()) if fin.numel() > 1 else 0.0,
+        )
     else:
         out.update(min=None, max=None, mean=None, std=None)
     return out
@@ -80,8 +85,15 @@ def test_chunked_stats_count_nan_and_inf_across_chunks(small_chunks, tmp_path):
     x[[1, 4, 5, 11]] = float("nan")  # in the first, second and third chunk of 5
     x[[9, 22]] = float("inf")
     x[10] = -float("inf")
-    torch.save({"w": x, "h": x.bfloat16(), "i": torch.arange(-7, 13, dtype=torch.int64),
-                "all_nan": torch.full((7,), float("nan"))}, tmp_path / "x.pt")
+    torch.save(
+        {
+            "w": x,
+            "h": x.bfloat16(),
+            "i": torch.arange(-7, 13, dtype=torch.int64),
+            "all_nan": torch.full((7,), float("nan")),
+        },
+        tmp_path / "x.pt",
+    )
     ck = open_checkpoint(tmp_path / "x.pt")
     rows = {s.path.rsplit(".", 1)[-1]: s for s in inspect_ops.tensor_stats(ck)}
     assert (rows["w"].nan, rows["w"].inf) == (4, 3) and (rows["h"].nan, rows["h"].inf) == (4, 3)
@@ -135,8 +147,9 @@ def _assert_logical_diff_matches_torch(a, b, atol: float) -> dict:
 
 @pytest.mark.parametrize("atol", [0.0, 1e-3])
 def test_chunked_logical_diff_equals_whole_tensor_comparison(small_chunks, atol):
-    pairs = _assert_logical_diff_matches_torch(sample("deepspeed", "zero2_bf16"), sample("deepspeed", "zero3_bf16"),
-                                               atol)
+    pairs = _assert_logical_diff_matches_torch(
+        sample("deepspeed", "zero2_bf16"), sample("deepspeed", "zero3_bf16"), atol
+    )
     # ZeRO pieces were cut by the chunks
     assert any(ta.numel > SMALL_CHUNK and len(ta.node.pieces) > 1 for ta, _ in pairs.values())
 

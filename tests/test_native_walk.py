@@ -2,6 +2,7 @@
 (`pickle_reader._walk_expansion`): on every sample pickle, the hash bombs and nesting bombs, and seeded mutations
 and random opcode streams, the C walk either passes a pickle with the very length the Python walk gives, or hands
 it to the Python walk (never passes what Python refuses). Skipped where no C compiler is found."""
+
 from __future__ import annotations
 
 import pickle
@@ -29,8 +30,8 @@ def test_the_c_walk_mirrors_the_python_walk_as_it_is():
     `_walk_expansion`, `_refill`, `_op_table` or the constants, bring native_walk.SOURCE in line and set
     native_walk.MIRRORS to the new fingerprint."""
     assert P.walk_fingerprint() == native_walk.MIRRORS, (
-        f"pickle_reader's walk changed: update native_walk.SOURCE to match it, then MIRRORS = "
-        f"{P.walk_fingerprint()!r}")
+        f"pickle_reader's walk changed: update native_walk.SOURCE to match it, then MIRRORS = {P.walk_fingerprint()!r}"
+    )
 
 
 def test_a_stale_mirror_or_ckpt_native_0_falls_back_to_python(monkeypatch):
@@ -92,9 +93,11 @@ def _chain_at(key: int, depth: int, base: int = 200_000) -> bytes:
 
 def _hostile() -> list[bytes]:
     out = [b"\x80\x02" + bomb + b"." for bomb in HASH_BOMBS.values()]
-    out += [b"\x80\x02" + b"(" * 300 + b"K\x01" + b"t" * 300 + b".",  # 300 nested tuples
-            b"\x80\x02]" + b"(]" * 300 + b"e" * 300 + b".",  # 300 nested lists
-            b"\x80\x02]" + b"]q\x00" + b"h\x00a" * 300 + b"."]  # one list appended to itself
+    out += [
+        b"\x80\x02" + b"(" * 300 + b"K\x01" + b"t" * 300 + b".",  # 300 nested tuples
+        b"\x80\x02]" + b"(]" * 300 + b"e" * 300 + b".",  # 300 nested lists
+        b"\x80\x02]" + b"]q\x00" + b"h\x00a" * 300 + b".",
+    ]  # one list appended to itself
     # a memo key first held far out (the C walk's hash table), then inside its dense array as it grows: the
     # entry must move with it, or a bomb through that key would pass in C
     laughs = b"\x80\x02]" + _chain_at(100_000, 18)
@@ -111,7 +114,7 @@ def test_samples_and_bombs_agree(c_walk):
     bad = [d for d in (_agree(c_walk, c) for c in cases) if d]
     assert not bad, "\n".join(bad[:5])
     # the bombs are refused by both (C hands them over; Python names them)
-    for data in _hostile()[:len(HASH_BOMBS)]:
+    for data in _hostile()[: len(HASH_BOMBS)]:
         assert c_walk(data) == -1 and _python(data) == "CorruptCheckpoint"
 
 
@@ -125,14 +128,50 @@ def test_mutated_samples_agree(c_walk):
             m = bytearray(data)
             for _ in range(rng.randint(1, 4)):
                 m[rng.randrange(len(m))] = rng.randrange(256)
-            bad += [d for d in (_agree(c_walk, bytes(m)), _agree(c_walk, data[:rng.randrange(len(data) + 1)])) if d]
+            bad += [d for d in (_agree(c_walk, bytes(m)), _agree(c_walk, data[: rng.randrange(len(data) + 1)])) if d]
     assert not bad, "\n".join(bad[:5])
 
 
-_OPS = [b"(", b")", b"]", b"}", b"\x8f", b"N", b"\x88", b"\x89", b"t", b"\x85", b"\x86", b"\x87", b"l", b"d", b"a",
-        b"e", b"s", b"u", b"\x90", b"\x91", b"b", b"R", b"\x81", b"\x92", b"Q", b"0", b"1", b"2", b"\x94", b"\x93",
-        b"o", b"\x8c\x01a", b"X\x02\x00\x00\x00ab", b"cmod\nname\n", b"imod\nname\n", b"I12\n", b"C\x01x",
-        b"\x95" + bytes(8)]
+_OPS = [
+    b"(",
+    b")",
+    b"]",
+    b"}",
+    b"\x8f",
+    b"N",
+    b"\x88",
+    b"\x89",
+    b"t",
+    b"\x85",
+    b"\x86",
+    b"\x87",
+    b"l",
+    b"d",
+    b"a",
+    b"e",
+    b"s",
+    b"u",
+    b"\x90",
+    b"\x91",
+    b"b",
+    b"R",
+    b"\x81",
+    b"\x92",
+    b"Q",
+    b"0",
+    b"1",
+    b"2",
+    b"\x94",
+    b"\x93",
+    b"o",
+    b"\x8c\x01a",
+    b"X\x02\x00\x00\x00ab",
+    b"cmod\nname\n",
+    b"imod\nname\n",
+    b"I12\n",
+    b"C\x01x",
+    b"\x95" + bytes(8),
+]
 
 
 def test_random_opcode_streams_agree(c_walk):
@@ -149,8 +188,11 @@ def test_random_opcode_streams_agree(c_walk):
                 parts.append(rng.choice([b"\x85", b"(", b"]", b")"]) * rng.randrange(50, 300))
             elif r < 0.25:
                 k = rng.choice(keys)
-                parts.append(rng.choice([b"q" + bytes([k & 255]), _put(k), b"h" + bytes([k & 255]), _get(k),
-                                         b"p%d\n" % k, b"g%d\n" % k]))
+                parts.append(
+                    rng.choice(
+                        [b"q" + bytes([k & 255]), _put(k), b"h" + bytes([k & 255]), _get(k), b"p%d\n" % k, b"g%d\n" % k]
+                    )
+                )
             elif r < 0.3:
                 parts.append(b"K" + bytes([rng.randrange(256)]))
             else:

@@ -1,4 +1,5 @@
 """The safe reader: it parses what torch.save writes, and it never runs what a pickle names."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,6 +21,7 @@ def _payload_class(marker):
     class Evil:
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
+
     return Evil
 
 
@@ -82,8 +84,7 @@ def test_hostile_global_is_not_executed(tmp_path, container):
 
 def test_getattr_chain_reaches_nothing(tmp_path):
     # getattr(getattr((), '__class__'), '__base__') ... is how pickles climb to dangerous objects
-    data = (b"\x80\x02cbuiltins\ngetattr\nq\x00h\x00)X\t\x00\x00\x00__class__\x86R"
-            b"X\x08\x00\x00\x00__base__\x86R.")
+    data = b"\x80\x02cbuiltins\ngetattr\nq\x00h\x00)X\t\x00\x00\x00__class__\x86RX\x08\x00\x00\x00__base__\x86R."
     f = tmp_path / "chain.pkl"
     f.write_bytes(data)
     obj = pr.load(f).obj
@@ -108,8 +109,10 @@ def test_truncated_and_garbage_files(tmp_path):
 def test_reading_does_not_import_torch(tmp_path):
     f = tmp_path / "x.pt"
     torch.save({"w": torch.randn(4), "step": torch.tensor(3.0)}, f)
-    code = ("import sys; from ckpt_tools.read import pickle_reader as pr; o = pr.load(sys.argv[1]).obj; "
-            "assert o['step'].item() == 3.0; assert 'torch' not in sys.modules and 'numpy' not in sys.modules")
+    code = (
+        "import sys; from ckpt_tools.read import pickle_reader as pr; o = pr.load(sys.argv[1]).obj; "
+        "assert o['step'].item() == 3.0; assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code, str(f)], check=True)
 
 
@@ -129,9 +132,20 @@ def test_expansion_walk_reads_every_protocol():
             t = (t, t)
         return t
 
-    filler = {"s": "é" * 5, "b": b"\x00" * 300, "big": 2 ** 70, "f": 1.5, "neg": -3, "none": None,
-              "fs": frozenset({1, 2}), "od": collections.OrderedDict(a=1), "ba": bytearray(b"ab"),
-              "many": [f"k{i}" for i in range(300)], "ns": argparse.Namespace(k=1), "long": "x" * 70_000}
+    filler = {
+        "s": "é" * 5,
+        "b": b"\x00" * 300,
+        "big": 2**70,
+        "f": 1.5,
+        "neg": -3,
+        "none": None,
+        "fs": frozenset({1, 2}),
+        "od": collections.OrderedDict(a=1),
+        "ba": bytearray(b"ab"),
+        "many": [f"k{i}" for i in range(300)],
+        "ns": argparse.Namespace(k=1),
+        "long": "x" * 70_000,
+    }
     for proto in range(6):
         check_expansion(pickle.dumps({**filler, "t": dag(10)}, protocol=proto), "ok.pkl")
         with pytest.raises(CorruptCheckpoint, match="hash bomb"):

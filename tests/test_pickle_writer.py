@@ -1,5 +1,6 @@
 """The writer: a field edited in a real checkpoint, the file rewritten without running its pickle, and
 torch (and a DeepSpeed engine) loading exactly the old tree with the one change."""
+
 from __future__ import annotations
 
 import collections
@@ -25,8 +26,9 @@ from ckpt_tools.samples import free_port, worker_env
 from conftest import SAMPLES, manifest, sample
 from test_pickle_reader import _payload_class
 
-ZIP_SAMPLES = sorted(p for p in SAMPLES.rglob("*") if p.suffix in (".pt", ".bin", ".pkl")
-                     and p.read_bytes()[:2] == b"PK")
+ZIP_SAMPLES = sorted(
+    p for p in SAMPLES.rglob("*") if p.suffix in (".pt", ".bin", ".pkl") and p.read_bytes()[:2] == b"PK"
+)
 # FSDP1 ShardedTensor files need a process group to unpickle with torch (FORMATS.md)
 NEEDS_PROCESS_GROUP = {"rank0.pt", "rank1.pt"}
 # Megatron-LM pickles its own enums/namespaces; megatron-core is not a dependency, so where it is absent the
@@ -91,20 +93,23 @@ def test_unedited_rewrite_is_the_same_file(path, tmp_path):
     assert_same_tree(before, torch.load(out, weights_only=False))
 
 
-@pytest.mark.parametrize("rel", [
-    "deepspeed/zero2_bf16/" + OPTIM0,
-    "deepspeed/zero3_bf16/global_step4/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
-    "deepspeed/zero2_fp32/global_step4/zero_pp_rank_0_mp_rank_00_optim_states.pt",
-    "deepspeed/zero3_bf16/global_step4/zero_pp_rank_0_mp_rank_00_model_states.pt",
-    "megatron/gpt_tp2_pp2/global_step4/mp_rank_03_model_states.pt",
-    "megatron/gpt_tp2_pp2/global_step4/layer_03-model_01-model_states.pt",
-    "universal/zero2_bf16_universal/global_step4_universal/zero/optimizer_state.pt",
-    "universal/zero2_bf16_universal/global_step4_universal/zero/wte.weight/fp32.pt",
-    "accelerate/accelerate_ddp/optimizer.bin",
-    "accelerate/accelerate_ddp/scheduler.bin",
-    "accelerate/accelerate_ddp/random_states_0.pkl",
-    "torch/plain.pt",
-])
+@pytest.mark.parametrize(
+    "rel",
+    [
+        "deepspeed/zero2_bf16/" + OPTIM0,
+        "deepspeed/zero3_bf16/global_step4/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "deepspeed/zero2_fp32/global_step4/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "deepspeed/zero3_bf16/global_step4/zero_pp_rank_0_mp_rank_00_model_states.pt",
+        "megatron/gpt_tp2_pp2/global_step4/mp_rank_03_model_states.pt",
+        "megatron/gpt_tp2_pp2/global_step4/layer_03-model_01-model_states.pt",
+        "universal/zero2_bf16_universal/global_step4_universal/zero/optimizer_state.pt",
+        "universal/zero2_bf16_universal/global_step4_universal/zero/wte.weight/fp32.pt",
+        "accelerate/accelerate_ddp/optimizer.bin",
+        "accelerate/accelerate_ddp/scheduler.bin",
+        "accelerate/accelerate_ddp/random_states_0.pkl",
+        "torch/plain.pt",
+    ],
+)
 def test_edited_rewrite_loads_the_same_tree_but_the_edit(rel, tmp_path):
     """A marker key added at the top level makes the pickle differ; everything else must load as before,
     with the tensor members byte-identical and torch.Size values still torch.Size."""
@@ -138,9 +143,12 @@ def test_lr_edit_in_bf16_optim_file(tmp_path):
     set_lrs(old, 1.25e-4)
     assert_same_tree(old, new)  # every tensor, the loss scaler, the fragment addresses: unchanged
     # the reader sees the edit too, and torch's offset-calculating mmap load agrees with the layout
-    assert [g["lr"] for g in pr.load(out).obj["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]] \
-        == [1.25e-4, 1.25e-4]
+    assert [g["lr"] for g in pr.load(out).obj["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]] == [
+        1.25e-4,
+        1.25e-4,
+    ]
     from torch.utils.serialization import config
+
     saved = config.load.calculate_storage_offsets
     config.load.calculate_storage_offsets = True
     try:
@@ -182,10 +190,26 @@ def test_deepspeed_engine_resumes_with_the_edited_lr(copy_sample, tmp_path):
         os.replace(staged, f)
     script = tmp_path / "load_engine.py"
     script.write_text(ENGINE_SCRIPT)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script),
-                           str(ckpt)], env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            str(script),
+            str(ckpt),
+        ],
+        env=worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert result["path"] is not None and result["global_steps"] == 4 and result["adam_step"] == 4
@@ -231,11 +255,24 @@ def test_python_objects_load_back_as_they_were(protocol):
     same values (protocol 1 builds objects with copyreg._reconstructor, protocol 2 with NEWOBJ)."""
     od = collections.OrderedDict(a=1)
     od.extra = "attr"
-    value = {"plain": Plain([1, 2]), "set": {1, 2}, "frozen": frozenset({3}), "bytes": b"\x00\xff", "empty": b"",
-             "bytearray": bytearray(b"ab"), "complex": 1 + 2j, "slice": slice(1, 5, 2), "od": od,
-             "defaultdict": collections.defaultdict(int, k=2), "counter": collections.Counter("aab"),
-             "size": torch.Size([2, 3]), "dtype": torch.bfloat16, "np_float": np.float64(1.5),
-             "np_int": np.int32(-3), "np_array": np.arange(6, dtype=np.int16).reshape(2, 3)}
+    value = {
+        "plain": Plain([1, 2]),
+        "set": {1, 2},
+        "frozen": frozenset({3}),
+        "bytes": b"\x00\xff",
+        "empty": b"",
+        "bytearray": bytearray(b"ab"),
+        "complex": 1 + 2j,
+        "slice": slice(1, 5, 2),
+        "od": od,
+        "defaultdict": collections.defaultdict(int, k=2),
+        "counter": collections.Counter("aab"),
+        "size": torch.Size([2, 3]),
+        "dtype": torch.bfloat16,
+        "np_float": np.float64(1.5),
+        "np_int": np.int32(-3),
+        "np_array": np.arange(6, dtype=np.int16).reshape(2, 3),
+    }
     if protocol == 2:
         value["slots"] = Slots(1, "b")  # protocol 1 cannot pickle __slots__ objects at all
     tree = pr._unpickle(pickle.dumps(value, protocol=protocol), None, None, "mem")[0]
@@ -277,8 +314,12 @@ def test_tensors_built_by_hand_use_torchs_standard_calls(tmp_path):
     """A TensorRef without the recorded rebuild call (made by code, not read) is written the way
     torch.save writes a plain tensor or a Parameter."""
     src = tmp_path / "t.pt"
-    sd = {"w": torch.randn(3, 4), "p": torch.nn.Parameter(torch.arange(6.0)), "v": torch.arange(10)[2:7],
-          "shared": None}
+    sd = {
+        "w": torch.randn(3, 4),
+        "p": torch.nn.Parameter(torch.arange(6.0)),
+        "v": torch.arange(10)[2:7],
+        "shared": None,
+    }
     sd["shared"] = sd["w"][1]
     torch.save(sd, src)
     tree = pr.load(src).obj
@@ -332,7 +373,7 @@ def test_zip64_local_header_at_large_offsets():
     name, offset, size = b"archive/data/0", (5 << 30) + 7, 6 << 30
     header = pw._local_header(name, offset, size, 64)
     (sig, _, flags, *_rest, name_len, extra_len) = struct.unpack("<IHHHHHIIIHH", header[:30])
-    extra = header[30 + name_len:]
+    extra = header[30 + name_len :]
     assert sig == 0x04034B50 and flags == 0x0808 and len(extra) == extra_len
     assert struct.unpack("<HHQQQ", extra[:28]) == (1, 24, size, 0, offset)  # as miniz writes it
     assert extra[28:30] == b"FB" and (offset + len(header)) % 64 == 0
@@ -340,7 +381,7 @@ def test_zip64_local_header_at_large_offsets():
     central = pw._central_entry(name, offset, size, 0)
     assert struct.unpack("<II", central[20:28]) == (0xFFFFFFFF, 0xFFFFFFFF)
     assert struct.unpack("<I", central[42:46])[0] == 0xFFFFFFFF
-    assert central[46 + len(name):] == struct.pack("<HHQQQ", 1, 24, size, size, offset)
+    assert central[46 + len(name) :] == struct.pack("<HHQQQ", 1, 24, size, size, offset)
 
 
 def test_pickle_never_imports_what_it_names(tmp_path):

@@ -1,5 +1,6 @@
 """`ckpt_tools.train.procgroup.leave`: how every distributed entry point (sample workers, the resume worker,
 `to-universal --distributed`) ends. Real 2-rank gloo groups under torchrun."""
+
 from __future__ import annotations
 
 import subprocess
@@ -29,9 +30,25 @@ def _run(tmp_path, code: int) -> subprocess.CompletedProcess:
     script = tmp_path / "leave.py"
     script.write_text(SCRIPT)
     env = dict(worker_env(), MASTER_ADDR="127.0.0.1")
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), "--tee", "3", str(script), str(code)], env=env, capture_output=True,
-                          text=True, timeout=180)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "--tee",
+            "3",
+            str(script),
+            str(code),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 def test_leave_flushes_and_ends_every_rank_with_its_code(tmp_path):

@@ -16,6 +16,7 @@ Measured with these resumes (transformers 5.23, deepspeed 0.19.8, lightning 2.6.
   (`base_lrs`, `_last_lr`, `_step_count`, `total_steps` change nothing). The global step comes back from
   `loops.fit_loop['epoch_loop.automatic_optimization.optim_progress']`, not from the top-level `global_step`.
 """
+
 from __future__ import annotations
 
 import json
@@ -77,18 +78,30 @@ def assert_continues_history(records: list[dict], man: dict, *, loss_rel_tol: fl
 
 # --- the committed samples --------------------------------------------------------------------------------------
 
+
 def expected_files(name: str) -> set[str]:
     if name == "lightning_onecycle":
         return {"onecycle.ckpt"}
-    common = {"config.json", "generation_config.json", "model.safetensors", "rng_state_0.pth", "rng_state_1.pth",
-              "scheduler.pt", "trainer_state.json", "training_args.bin"}
+    common = {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+        "scheduler.pt",
+        "trainer_state.json",
+        "training_args.bin",
+    }
     files = set()
     for n in (2, 4):
         if name == "hf_trainer_ddp":
             names = common | {"optimizer.pt"}
         else:
-            names = common | {"latest", f"global_step{n}/mp_rank_00_model_states.pt",
-                              *(f"global_step{n}/bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))}
+            names = common | {
+                "latest",
+                f"global_step{n}/mp_rank_00_model_states.pt",
+                *(f"global_step{n}/bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)),
+            }
         files |= {f"checkpoint-{n}/{x}" for x in names}
     return files
 
@@ -154,6 +167,7 @@ def test_untouched_resume_of_committed_sample_continues_the_history(name, tmp_pa
 
 # --- regenerated on this machine ---------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PRODUCERS))
 def test_regenerated_sample_matches_and_resumes_bitwise(name, tmp_path):
@@ -169,13 +183,13 @@ def test_regenerated_sample_matches_and_resumes_bitwise(name, tmp_path):
         assert n["step"] == o["step"] and n["lr"] == o["lr"]
         assert n["loss"] == pytest.approx(o["loss"], rel=LOSS_REL_TOL[old["extra"]["dtype"]], abs=0)
     if path.is_dir():
-        assert ({p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()}
-                == expected_files(name))
+        assert {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()} == expected_files(name)
     records = producer_resume(name, resume_point(name, path), tmp_path)
     assert_continues_history(records, new, loss_rel_tol=0)
 
 
 # --- an edit of the LR fields is seen by the real resume ---------------------------------------------------------
+
 
 def _halve(groups: list[dict], key: str) -> None:
     for g in groups:

@@ -15,6 +15,7 @@ Which saved fields drive the resumed LRs (measured by editing copies, asserted b
 - Accelerate two models: optimizer.bin's lr then scheduler.bin's base_lrs (LambdaLR) for model 0;
   optimizer_1.bin's lr for every update of model 1 (StepLR, recursive); scheduler_1.bin's base_lrs is not read.
 """
+
 from __future__ import annotations
 
 import math
@@ -93,7 +94,8 @@ def test_torchtitan_layout_keys():
     names = _fqns(m)
     assert len(names) == m["parameters"]["tensors"] == 17
     assert {k for k in keys if k.startswith("optimizer.state.")} == {
-        f"optimizer.state.{f}.{s}" for f in names for s in ("exp_avg", "exp_avg_sq", "step")}
+        f"optimizer.state.{f}.{s}" for f in names for s in ("exp_avg", "exp_avg_sq", "step")
+    }
     assert "optimizer.param_groups.0.lr" not in keys  # flattened: keyed by FQN, never by group index
     assert {f"optimizer.param_groups.{f}.lr" for f in names} <= keys
     assert {k for k in keys if k.startswith("lr_scheduler.")} == {"lr_scheduler.last_epoch"}
@@ -128,8 +130,9 @@ def test_torchtitan_saved_values_match_the_manifest(tmp_path):
     for r in (0, 1):
         state = pickle.loads(sd["dataloader"][f"dp_rank_{r}"])
         ds = state["dataset_state"]
-        assert (f"dp_rank_{r}: {state['_num_yielded']} batches yielded, sample_idx {ds['sample_idx']}, "
-                f"epoch {ds['epoch']}") in details["dataloader"]
+        assert (
+            f"dp_rank_{r}: {state['_num_yielded']} batches yielded, sample_idx {ds['sample_idx']}, epoch {ds['epoch']}"
+        ) in details["dataloader"]
     assert details["dataloader"].startswith(f"world_size {sd['dataloader']['world_size']}; ")
 
 
@@ -137,10 +140,19 @@ def test_recipe_layout_keys():
     keys = dcp_keys(sample("dcp", "dcp_recipe_fsdp2"))
     assert {k.split(".")[0] for k in keys} == {"app"}
     assert {k.split(".")[1] for k in keys} == {"model", "optim", "scheduler", "step"}
-    assert {"app.optim.param_groups.0.lr", "app.optim.param_groups.1.lr", "app.optim.param_groups.0.params",
-            "app.optim.state.wte.weight.exp_avg", "app.optim.state.wte.weight.step", "app.model.wte.weight",
-            "app.scheduler.base_lrs", "app.scheduler.T_max", "app.scheduler.eta_min", "app.scheduler.last_epoch",
-            "app.step"} <= keys
+    assert {
+        "app.optim.param_groups.0.lr",
+        "app.optim.param_groups.1.lr",
+        "app.optim.param_groups.0.params",
+        "app.optim.state.wte.weight.exp_avg",
+        "app.optim.state.wte.weight.step",
+        "app.model.wte.weight",
+        "app.scheduler.base_lrs",
+        "app.scheduler.T_max",
+        "app.scheduler.eta_min",
+        "app.scheduler.last_epoch",
+        "app.step",
+    } <= keys
     assert manifest("dcp", "dcp_recipe_fsdp2")["extra"]["scheduler_kind"] == "CosineAnnealingLR"
 
 
@@ -151,8 +163,16 @@ def test_accelerate_two_models_files_and_manifest():
     ck = sample("accelerate", "accelerate_two_models")
     m = manifest("accelerate", "accelerate_two_models")
     assert sorted(p.name for p in ck.iterdir()) == [
-        "custom_checkpoint_0.pkl", "model.safetensors", "model_1.safetensors", "optimizer.bin", "optimizer_1.bin",
-        "random_states_0.pkl", "random_states_1.pkl", "scheduler.bin", "scheduler_1.bin"]
+        "custom_checkpoint_0.pkl",
+        "model.safetensors",
+        "model_1.safetensors",
+        "optimizer.bin",
+        "optimizer_1.bin",
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+        "scheduler.bin",
+        "scheduler_1.bin",
+    ]
     models = m["extra"]["models"]
     assert m["parameters"]["count"] == sum(x["parameters"] for x in models)
     for x in models:

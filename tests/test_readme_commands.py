@@ -1,5 +1,6 @@
 """The README's command table against the real commands: every command it lists exists, every option it
 names is one that command's `--help` offers, and every command has a row (a new command gets documented)."""
+
 from __future__ import annotations
 
 import re
@@ -50,14 +51,19 @@ def test_the_formats_table_is_what_each_commands_help_lists():
     from ckpt_tools.formats import format_ids
 
     section = (ROOT / "README.md").read_text().split("## Formats", 1)[1].split("\n## ", 1)[0]
-    rows = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in section.splitlines()
-            if ln.startswith("| ")]
+    rows = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in section.splitlines() if ln.startswith("| ")]
     header, body = rows[0], rows[1:]
     ids = [re.fullmatch(r"`([a-z_0-9]+)`", r[0])[1] for r in body]
     assert sorted(ids) == sorted(format_ids())
     columns = {i: re.findall(r"`([a-z-]+)`", h) for i, h in enumerate(header) if i > 1}
-    assert {c for cs in columns.values() for c in cs} == {"set-lr", "set-step", "to-universal", "check-tp-sync",
-                                                          "sync-tp", "resume"}
+    assert {c for cs in columns.values() for c in cs} == {
+        "set-lr",
+        "set-step",
+        "to-universal",
+        "check-tp-sync",
+        "sync-tp",
+        "resume",
+    }
     for i, commands in columns.items():
         yes = {f for f, r in zip(ids, body) if r[i] == "yes"}
         for command in commands:

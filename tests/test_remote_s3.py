@@ -2,6 +2,7 @@
 a separate process on 127.0.0.1) holds the bundled samples, uploaded with the real client (s3fs); every read-only
 command run on the s3:// URL must answer what the same command answers on the local folder. Fault cases run
 against the same server. Skipped when moto's server or s3fs is not installed (`pip install -e '.[dev]'`)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -23,14 +24,20 @@ SAMPLES = ROOT / "sample_ckpts"
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("moto", "s3fs", "flask", "boto3")),
-    reason="needs moto[server] and s3fs (pip install -e '.[dev]')")
+    reason="needs moto[server] and s3fs (pip install -e '.[dev]')",
+)
 
 BUCKET = "ckpts"
 KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 #: every bundled sample checkpoint (folders and single files), as `group/name`
-ALL_SAMPLES = sorted(f"{g.name}/{c.name}" for g in SAMPLES.iterdir() if g.is_dir() for c in g.iterdir()
-                     if not c.name.endswith(".manifest.json"))
+ALL_SAMPLES = sorted(
+    f"{g.name}/{c.name}"
+    for g in SAMPLES.iterdir()
+    if g.is_dir()
+    for c in g.iterdir()
+    if not c.name.endswith(".manifest.json")
+)
 #: torchtitan_real is a folder of two checkpoints: its step folders are samples of their own
 ALL_SAMPLES = [s for s in ALL_SAMPLES if s != "dcp/torchtitan_real"] + ["dcp/torchtitan_real/step-5"]
 
@@ -59,8 +66,11 @@ def moto_server(log: Path):
     """A moto S3 server in its own process on 127.0.0.1 (its output in `log`); yields its endpoint URL."""
     port = _free_port()
     with open(log, "wb") as out:  # a pipe nobody reads would fill up and stall the server
-        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         _wait_listening(port, proc, log)
         yield f"http://127.0.0.1:{port}"
@@ -82,8 +92,9 @@ def endpoint(tmp_path_factory):
 
 def _fs(endpoint: str):
     s3fs = importlib.import_module("s3fs")  # optional: imported only when the tests run
-    return s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": endpoint},
-                             skip_instance_cache=True)
+    return s3fs.S3FileSystem(
+        key="testing", secret="testing", client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True
+    )
 
 
 @pytest.fixture(scope="module")
@@ -101,15 +112,26 @@ def _env(endpoint: str, **extra) -> dict:
     env = dict(os.environ)
     for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
         env.pop(k, None)
-    env.update(KEYS, AWS_ENDPOINT_URL=endpoint, AWS_SHARED_CREDENTIALS_FILE="/nonexistent",
-               AWS_CONFIG_FILE="/nonexistent", PYTHONPATH=str(ROOT))
+    env.update(
+        KEYS,
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_SHARED_CREDENTIALS_FILE="/nonexistent",
+        AWS_CONFIG_FILE="/nonexistent",
+        PYTHONPATH=str(ROOT),
+    )
     env.update(extra)
     return env
 
 
 def ckpt(*args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from ckpt_cli.main import main; main()", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", "from ckpt_cli.main import main; main()", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def url(sample: str) -> str:
@@ -135,8 +157,11 @@ def test_inspect_json_on_s3_equals_local(bucket, sample):
     got = json.loads(_as_local(remote.stdout, sample))
     cost = got.pop("remote")
     assert got == json.loads(local.stdout)
-    listed = sum(p.stat().st_size for p in (SAMPLES / sample).rglob("*") if p.is_file()) \
-        if (SAMPLES / sample).is_dir() else (SAMPLES / sample).stat().st_size
+    listed = (
+        sum(p.stat().st_size for p in (SAMPLES / sample).rglob("*") if p.is_file())
+        if (SAMPLES / sample).is_dir()
+        else (SAMPLES / sample).stat().st_size
+    )
     assert cost["objects_bytes"] == listed
     # one LIST; every byte at most once; at least the first reads fetched
     assert cost["list_requests"] == 1 and cost["get_requests"] >= 1
@@ -151,12 +176,14 @@ def test_inspect_header_says_requests_and_bytes(bucket):
     remote_line = [x for x in lines if x.startswith("remote")]
     assert len(remote_line) == 1
     assert "1 list" in remote_line[0] and "bytes fetched of 440,443 listed in 4 objects" in remote_line[0]
-    assert [x for x in lines if not x.startswith("remote")] == \
-        _as_url(local.stdout, "deepspeed/zero2_bf16").splitlines()
+    assert [x for x in lines if not x.startswith("remote")] == _as_url(
+        local.stdout, "deepspeed/zero2_bf16"
+    ).splitlines()
 
 
-@pytest.mark.parametrize("sample", ["deepspeed/zero2_bf16", "dcp/torchtitan_real/step-5", "safetensors/sharded",
-                                    "megatron/gpt_tp2_pp2"])
+@pytest.mark.parametrize(
+    "sample", ["deepspeed/zero2_bf16", "dcp/torchtitan_real/step-5", "safetensors/sharded", "megatron/gpt_tp2_pp2"]
+)
 def test_inspect_stats_on_s3_equals_local(bucket, sample):
     local = ckpt("inspect", SAMPLES / sample, "--stats", "--json")
     remote = ckpt("inspect", url(sample), "--stats", "--json", env=_env(bucket))
@@ -176,8 +203,7 @@ def _small_first_reads(monkeypatch):
     monkeypatch.setattr(remote, "WHOLE_BYTES", 2048)
     monkeypatch.setattr(remote, "EDGE_BYTES", 1024)
     monkeypatch.setattr(remote, "ALIGN", 512)
-    return {"key": "testing", "secret": "testing", "skip_instance_cache": True,
-            "client_kwargs": {"endpoint_url": None}}
+    return {"key": "testing", "secret": "testing", "skip_instance_cache": True, "client_kwargs": {"endpoint_url": None}}
 
 
 def _summary_json(ck, mirror: str | None = None, local: str | None = None) -> dict:
@@ -209,8 +235,16 @@ def test_partial_ranged_reads_are_exact(bucket, monkeypatch, sample):
     assert got == _summary_json(ops.open_for_inspect(str(SAMPLES / sample)))
 
 
-@pytest.mark.parametrize("sample", ["deepspeed/zero2_bf16", "dcp/torchtitan_real/step-5",
-                                    "safetensors/model.safetensors", "torch/plain.pt", "megatron_lm/megatron_tp2_legacy"])
+@pytest.mark.parametrize(
+    "sample",
+    [
+        "deepspeed/zero2_bf16",
+        "dcp/torchtitan_real/step-5",
+        "safetensors/model.safetensors",
+        "torch/plain.pt",
+        "megatron_lm/megatron_tp2_legacy",
+    ],
+)
 def test_partial_ranged_reads_stats_are_exact(bucket, monkeypatch, sample):
     """Every statistic of every tensor read through small ranged reads equals the local one; the tree alone
     fetched less than the objects hold, the statistics never a byte twice."""
@@ -278,16 +312,24 @@ def test_to_universal_and_convert_from_s3_equal_local(bucket, tmp_path, command)
 
 
 def test_export_to_a_url_is_refused(bucket, tmp_path):
-    r = ckpt("export", SAMPLES / "deepspeed/zero2_bf16", f"s3://{BUCKET}/out.safetensors", "--yes",
-             env=_env(bucket))
+    r = ckpt("export", SAMPLES / "deepspeed/zero2_bf16", f"s3://{BUCKET}/out.safetensors", "--yes", env=_env(bucket))
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == [f"ckpt: error: s3://{BUCKET}/out.safetensors: ckpt export writes its "
-                                             "output to a local path, not to a URL (write to a local folder, then "
-                                             "upload it)"]
+    assert r.stderr.strip().splitlines() == [
+        f"ckpt: error: s3://{BUCKET}/out.safetensors: ckpt export writes its "
+        "output to a local path, not to a URL (write to a local folder, then "
+        "upload it)"
+    ]
 
 
-@pytest.mark.parametrize("args", [("set-lr", "--scale", "0.5", "--yes"), ("set-step", "--global-step", "3", "--yes"),
-                                  ("sync-tp", "--method", "rank0", "--yes"), ("restore",)])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("set-lr", "--scale", "0.5", "--yes"),
+        ("set-step", "--global-step", "3", "--yes"),
+        ("sync-tp", "--method", "rank0", "--yes"),
+        ("restore",),
+    ],
+)
 def test_writing_commands_on_a_url_exit_2_with_one_line(bucket, args):
     s = "deepspeed/zero2_bf16"
     fs = _fs(bucket)
@@ -309,8 +351,10 @@ def _one_error_line(r) -> str:
 
 def test_missing_bucket(bucket):
     line = _one_error_line(ckpt("inspect", "s3://no-such-bucket/run/global_step4", env=_env(bucket)))
-    assert line == "ckpt: error: s3://no-such-bucket/run/global_step4: no such bucket (check the bucket name and " \
-                   "the endpoint)"
+    assert (
+        line == "ckpt: error: s3://no-such-bucket/run/global_step4: no such bucket (check the bucket name and "
+        "the endpoint)"
+    )
 
 
 def test_missing_prefix(bucket):
@@ -342,13 +386,22 @@ def test_access_denied(bucket):
     import urllib.request
 
     boto3 = importlib.import_module("boto3")  # moto's own dependency
-    iam = boto3.client("iam", endpoint_url=bucket, region_name="us-east-1", aws_access_key_id="testing",
-                       aws_secret_access_key="testing")
+    iam = boto3.client(
+        "iam",
+        endpoint_url=bucket,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
     iam.create_user(UserName="nobody")
     key = iam.create_access_key(UserName="nobody")["AccessKey"]
+
     def reset_auth(after: bytes) -> None:  # moto's server: authenticate and authorise requests from now on
-        urllib.request.urlopen(urllib.request.Request(f"{bucket}/moto-api/reset-auth", data=after, method="POST",
-                                                      headers={"Content-Type": "text/plain"})).close()
+        urllib.request.urlopen(
+            urllib.request.Request(
+                f"{bucket}/moto-api/reset-auth", data=after, method="POST", headers={"Content-Type": "text/plain"}
+            )
+        ).close()
 
     reset_auth(b"0")
     try:
@@ -386,10 +439,13 @@ def test_throttling_after_retries():
     thread.start()
     try:
         ep = f"http://127.0.0.1:{server.server_address[1]}"
-        opts = json.dumps({"client_kwargs": {"endpoint_url": ep},
-                           "config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}}})
-        line = _one_error_line(ckpt("inspect", "s3://any/run", "--storage-options", opts, env=_env(ep),
-                                    timeout=120))
+        opts = json.dumps(
+            {
+                "client_kwargs": {"endpoint_url": ep},
+                "config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}},
+            }
+        )
+        line = _one_error_line(ckpt("inspect", "s3://any/run", "--storage-options", opts, env=_env(ep), timeout=120))
     finally:
         server.shutdown()
     assert line.startswith("ckpt: error: s3://any/run: the store kept throttling the requests after retries (")
@@ -500,9 +556,11 @@ def test_a_command_whose_source_changed_shows_no_output_and_exits_2(tmp_path, mo
         main(["inspect", f"file://{src}", "--json"])
     out, err = capsys.readouterr()
     assert e.value.code == 2 and out == ""
-    assert err.splitlines() == [f"ckpt: error: file://{victim}: the object changed while being read (it was "
-                                "replaced or removed after the listing: what was read may mix two versions) "
-                                "(wait until the upload has finished, then run the command again)"]
+    assert err.splitlines() == [
+        f"ckpt: error: file://{victim}: the object changed while being read (it was "
+        "replaced or removed after the listing: what was read may mix two versions) "
+        "(wait until the upload has finished, then run the command again)"
+    ]
 
 
 def test_file_url_output_waits_for_the_end_check(tmp_path):
@@ -529,8 +587,9 @@ def test_local_run_mounts_nothing():
 @pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None, reason="gcsfs is installed")
 def test_a_scheme_whose_client_is_missing():
     line = _one_error_line(ckpt("inspect", "gs://bucket/run/global_step4"))
-    assert line.startswith("ckpt: error: gs://bucket/run/global_step4: reading gs:// URLs needs a storage client "
-                           "that is not installed: ")
+    assert line.startswith(
+        "ckpt: error: gs://bucket/run/global_step4: reading gs:// URLs needs a storage client that is not installed: "
+    )
     assert line.endswith("(pip install gcsfs)")
 
 

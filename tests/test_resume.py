@@ -7,6 +7,7 @@ regenerated here (`fresh_sample`, the uninterrupted run) and resumed, and the re
 history bit for bit. Against the committed manifests (recorded on another CPU model) losses get the dtype's
 tolerance from `conftest.LOSS_REL_TOL`; counters and LRs stay exact.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,21 @@ def test_same_topology_resume_is_bitwise_continuous(name, fresh_sample, tmp_path
     checkpoint: the same losses bit for bit (same weights, Adam state, LR and batches)."""
     src = fresh_sample(name)
     ref_out = tmp_path / "ref.json"
-    doc = json.loads(ckpt("resume", src, "--steps", "2", "--reference", f"{src}.manifest.json", "--loss-tol", "0",
-                          "--record-reference", ref_out, "--json").stdout)
+    doc = json.loads(
+        ckpt(
+            "resume",
+            src,
+            "--steps",
+            "2",
+            "--reference",
+            f"{src}.manifest.json",
+            "--loss-tol",
+            "0",
+            "--record-reference",
+            ref_out,
+            "--json",
+        ).stdout
+    )
     m = manifest_of(src)
     hist = by_step(m)
     assert m["counters"] == manifest("deepspeed", name)["counters"]  # the same recipe as the committed sample
@@ -66,8 +80,12 @@ def test_same_topology_resume_is_bitwise_continuous(name, fresh_sample, tmp_path
         assert r["lr"] == pytest.approx(hist[r["step"]]["lr"], rel=1e-12)
         assert r["optimizer_step"] == m["counters"]["optimizer_step"] + r["step"] - 4
     c = checks(doc)
-    assert {k: v["status"] for k, v in c.items()} == {"global step": "pass", "optimizer step": "pass",
-                                                     "learning rate": "pass", "loss": "pass"}
+    assert {k: v["status"] for k, v in c.items()} == {
+        "global step": "pass",
+        "optimizer step": "pass",
+        "learning rate": "pass",
+        "loss": "pass",
+    }
     assert "bitwise equal" in c["loss"]["detail"]
     # the recorded reference reads back as the same step -> loss map
     assert ops.load_reference(ref_out) == {r["step"]: r["loss"] for r in doc["records"]}
@@ -79,8 +97,9 @@ def test_committed_sample_resumes_within_tolerance():
     src = sample("deepspeed", "zero2_lambdalr")
     hist = history("deepspeed", "zero2_lambdalr")
     tol = loss_tol("bfloat16", [h["loss"] for h in hist.values()])
-    doc = json.loads(ckpt("resume", src, "--steps", "2", "--reference", f"{src}.manifest.json", "--loss-tol", tol,
-                          "--json").stdout)
+    doc = json.loads(
+        ckpt("resume", src, "--steps", "2", "--reference", f"{src}.manifest.json", "--loss-tol", tol, "--json").stdout
+    )
     assert all(c["status"] == "pass" for c in doc["checks"]), doc["checks"]
     for r in doc["records"]:
         assert r["lr"] == pytest.approx(hist[r["step"]]["lr"], rel=1e-12)
@@ -108,7 +127,7 @@ def test_dropped_scheduler_state_fails_the_lr_check(copy_sample):
     # lambda(1) = 2/3 of the peak instead of lambda(5) = 0.8**3.
     rows = {r["step"]: r for r in lr["rows"]}
     assert rows[5]["ok"] and not rows[6]["ok"]
-    assert rows[6]["expected"] == pytest.approx([0.003 * 0.8 ** 3] * 2)
+    assert rows[6]["expected"] == pytest.approx([0.003 * 0.8**3] * 2)
     assert rows[6]["actual"] == pytest.approx([0.003 * 2 / 3] * 2)
     # and the human output says so, with exit 1
     out = ckpt("resume", ck, "--steps", "2", expect=1).stdout
@@ -141,8 +160,9 @@ def test_halved_lr_is_reported_as_expected(copy_sample):
 @pytest.mark.slow
 def test_pipeline_tp2_pp2_resumes_bitwise(fresh_sample):
     src = fresh_sample("gpt_tp2_pp2")
-    doc = json.loads(ckpt("resume", src, "--steps", "2", "--reference", f"{src}.manifest.json", "--loss-tol", "0",
-                          "--json").stdout)
+    doc = json.loads(
+        ckpt("resume", src, "--steps", "2", "--reference", f"{src}.manifest.json", "--loss-tol", "0", "--json").stdout
+    )
     assert doc["plan"]["nproc"] == 4 and doc["setup"]["pipeline"] is True
     hist = by_step(manifest_of(src))
     assert [r["loss"] for r in doc["records"]] == [hist[5]["loss"], hist[6]["loss"]]  # same machine, bitwise
@@ -159,8 +179,22 @@ def test_dp2_to_dp1_via_universal(fresh_sample, tmp_path):
     uni = tmp_path / "zero2_universal"
     ckpt("to-universal", src, uni)
     assert (uni / "latest_universal").read_text().strip() == "global_step4_universal"
-    doc = json.loads(ckpt("resume", uni, "--steps", "2", "--nproc", "1", "--universal", "--reference",
-                          f"{src}.manifest.json", "--loss-tol", RETOPOLOGY_LOSS_TOL, "--json").stdout)
+    doc = json.loads(
+        ckpt(
+            "resume",
+            uni,
+            "--steps",
+            "2",
+            "--nproc",
+            "1",
+            "--universal",
+            "--reference",
+            f"{src}.manifest.json",
+            "--loss-tol",
+            RETOPOLOGY_LOSS_TOL,
+            "--json",
+        ).stdout
+    )
     assert doc["plan"]["dp"] == 1 and doc["plan"]["gas"] == 2
     hist = by_step(manifest_of(src))
     for r in doc["records"]:
@@ -173,8 +207,23 @@ def test_tp2_pp2_to_tp1_pp1_via_universal(fresh_sample):
     """`--tp 1 --pp 1` converts with `ckpt to-universal` (merges driven by the sample's
     universal_checkpoint_info) into a scratch folder and resumes the TP=1 x PP=1 pipeline model."""
     src = fresh_sample("gpt_tp2_pp2")
-    doc = json.loads(ckpt("resume", src, "--steps", "2", "--tp", "1", "--pp", "1", "--reference",
-                          f"{src}.manifest.json", "--loss-tol", RETOPOLOGY_LOSS_TOL, "--json").stdout)
+    doc = json.loads(
+        ckpt(
+            "resume",
+            src,
+            "--steps",
+            "2",
+            "--tp",
+            "1",
+            "--pp",
+            "1",
+            "--reference",
+            f"{src}.manifest.json",
+            "--loss-tol",
+            RETOPOLOGY_LOSS_TOL,
+            "--json",
+        ).stdout
+    )
     p = doc["plan"]
     assert (p["nproc"], p["tp"], p["pp"], p["universal"]) == (1, 1, 1, True)
     hist = by_step(manifest_of(src))
@@ -194,12 +243,25 @@ def test_user_factory_and_token_file(tmp_path):
         "from ckpt_tools.resume.workers.deepspeed import tiny_gpt\n"
         "def build(ctx):\n"
         "    assert ctx.dp == 2 and ctx.tp == 1\n"
-        "    return tiny_gpt(ctx)\n")
+        "    return tiny_gpt(ctx)\n"
+    )
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, (np.arange(5000) * 7 % 64).astype(np.uint16))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    doc = json.loads(ckpt("resume", sample("deepspeed", "zero2_lambdalr"), "--steps", "1", "--model", "userfac:build",
-                          "--data", tokens, "--json", env=env).stdout)
+    doc = json.loads(
+        ckpt(
+            "resume",
+            sample("deepspeed", "zero2_lambdalr"),
+            "--steps",
+            "1",
+            "--model",
+            "userfac:build",
+            "--data",
+            tokens,
+            "--json",
+            env=env,
+        ).stdout
+    )
     assert doc["plan"]["model"] == "userfac:build"
     (rec,) = doc["records"]
     assert math.isfinite(rec["loss"]) and rec["loss"] != history("deepspeed", "zero2_lambdalr")[5]["loss"]
@@ -221,15 +283,28 @@ class _Opt(torch.optim.SGD):
         super().__init__([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": lr} for lr in lrs])
 
 
-@pytest.mark.parametrize("kind,params", [
-    ("WarmupLR", {"warmup_min_lr": 3e-4, "warmup_max_lr": 3e-3, "warmup_num_steps": 3, "warmup_type": "linear"}),
-    ("WarmupLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10}),
-    ("WarmupDecayLR", {"total_num_steps": 20, "warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3,
-                       "warmup_num_steps": 5, "warmup_type": "linear"}),
-    ("WarmupCosineLR", {"total_num_steps": 20, "warmup_min_ratio": 0.1, "warmup_num_steps": 5,
-                        "cos_min_ratio": 0.05}),
-    ("WarmupCosineLR", {"total_num_steps": 8, "warmup_num_steps": 3, "warmup_type": "linear"}),
-])
+@pytest.mark.parametrize(
+    "kind,params",
+    [
+        ("WarmupLR", {"warmup_min_lr": 3e-4, "warmup_max_lr": 3e-3, "warmup_num_steps": 3, "warmup_type": "linear"}),
+        ("WarmupLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10}),
+        (
+            "WarmupDecayLR",
+            {
+                "total_num_steps": 20,
+                "warmup_min_lr": 1e-4,
+                "warmup_max_lr": 1e-3,
+                "warmup_num_steps": 5,
+                "warmup_type": "linear",
+            },
+        ),
+        (
+            "WarmupCosineLR",
+            {"total_num_steps": 20, "warmup_min_ratio": 0.1, "warmup_num_steps": 5, "cos_min_ratio": 0.05},
+        ),
+        ("WarmupCosineLR", {"total_num_steps": 8, "warmup_num_steps": 3, "warmup_type": "linear"}),
+    ],
+)
 def test_ds_scheduler_formulas_match_deepspeed(kind, params):
     """Our independent formulas against DeepSpeed's scheduler objects, at every position incl. past the end."""
     from deepspeed.runtime import lr_schedules
@@ -251,7 +326,21 @@ def test_resume_on_cuda_with_nccl(tmp_path):
     src = sample("deepspeed", "zero2_lambdalr")
     gpus = torch.cuda.device_count()
     args = ["--nproc", "2"] if gpus >= 2 else ["--nproc", "1", "--universal"]
-    doc = json.loads(ckpt("resume", src, "--steps", "2", "--device", "cuda", *args, "--reference",
-                          f"{src}.manifest.json", "--loss-tol", "0.02", "--json").stdout)
+    doc = json.loads(
+        ckpt(
+            "resume",
+            src,
+            "--steps",
+            "2",
+            "--device",
+            "cuda",
+            *args,
+            "--reference",
+            f"{src}.manifest.json",
+            "--loss-tol",
+            "0.02",
+            "--json",
+        ).stdout
+    )
     assert doc["plan"]["device"] == "cuda"
     assert all(c["status"] == "pass" for c in doc["checks"]), doc["checks"]

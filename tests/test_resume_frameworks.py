@@ -5,6 +5,7 @@ sharded) loading the committed samples or copies of them edited with torch in tm
 a framework really resumes wrongly or incompletely (HF Trainer skips optimizer AND scheduler when scheduler.pt is
 missing; an emptied optimizer state restarts Adam; a dropped scheduler state restarts the schedule).
 """
+
 from __future__ import annotations
 
 import json
@@ -46,6 +47,7 @@ def assert_all_pass(result, *, na=()):
 def cli_json(*args) -> tuple[int, dict]:
     proc = run_cli("resume", *args, "--device", "cpu", "--json")
     assert proc.returncode in (0, 1, 2), proc.stderr[-2000:]
+
     def strict(name):  # --json output must be strict JSON (no Infinity / NaN)
         raise AssertionError(f"non-JSON constant {name} in --json output")
 
@@ -81,8 +83,13 @@ def test_torch_schedules_chained_from_saved_state():
         "OneCycleLR": lambda o: S.OneCycleLR(o, max_lr=[3e-3, 1e-3], total_steps=12, pct_start=0.3),
     }
     for name, make in makers.items():
-        opt = torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.zeros(1))]},
-                                 {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 5e-4}], lr=1e-3)
+        opt = torch.optim.AdamW(
+            [
+                {"params": [torch.nn.Parameter(torch.zeros(1))]},
+                {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 5e-4},
+            ],
+            lr=1e-3,
+        )
         sched = make(opt)
         for _ in range(4):
             opt.step()
@@ -137,8 +144,13 @@ def test_hf_trainer_without_scheduler_pt_fails(tmp_path):
 def test_accelerate_ddp_resume_with_scheduler_function():
     """load_state into a model-free replica; with the LambdaLR's function named (--scheduler) every resumed LR is
     checked, 2 scheduler steps per update (Accelerate steps it once per process). Through the CLI."""
-    rc, doc = cli_json(sample("accelerate", "accelerate_ddp"), "--steps", "2", "--scheduler",
-                       "ckpt_tools.samples.workers._common:lr_factor")
+    rc, doc = cli_json(
+        sample("accelerate", "accelerate_ddp"),
+        "--steps",
+        "2",
+        "--scheduler",
+        "ckpt_tools.samples.workers._common:lr_factor",
+    )
     assert rc == 0, doc
     checks = {c["name"]: c for c in doc["checks"]}
     assert checks["learning rate"]["status"] == "pass" and len(checks["learning rate"]["rows"]) == 2
@@ -224,10 +236,18 @@ def test_real_torchtitan_resume_passes_with_n_kv_heads():
     rc, doc = cli_json(path, "--steps", "2", "--n-kv-heads", "4")
     assert rc == 0, doc
     status = {c["name"]: c["status"] for c in doc["checks"]}
-    assert status == {"global step": "pass", "optimizer step": "pass", "learning rate": "pass",
-                      "scheduler state": "pass", "optimizer state": "pass", "loss": "n/a"}, doc["checks"]
-    history = {h["step"]: h["lr"] for h in json.loads((path.parent.parent / "torchtitan_real.manifest.json")
-                                                      .read_text())["extra"]["history"]}
+    assert status == {
+        "global step": "pass",
+        "optimizer step": "pass",
+        "learning rate": "pass",
+        "scheduler state": "pass",
+        "optimizer state": "pass",
+        "loss": "n/a",
+    }, doc["checks"]
+    history = {
+        h["step"]: h["lr"]
+        for h in json.loads((path.parent.parent / "torchtitan_real.manifest.json").read_text())["extra"]["history"]
+    }
     lr = next(c for c in doc["checks"] if c["name"] == "learning rate")
     assert [r["step"] for r in lr["rows"]] == [4] and lr["rows"][0]["actual"] == pytest.approx(history[4], rel=1e-12)
     assert "job config" in lr["detail"] and "1 later update(s) not determined" in lr["detail"]
@@ -284,7 +304,8 @@ def test_lightning_dropped_scheduler_fails(tmp_path):
     assert rc == 1, doc
     status = {c["name"]: c["status"] for c in doc["checks"]}
     assert status["learning rate"] == "fail" and "OneCycleLR" in next(
-        c["detail"] for c in doc["checks"] if c["name"] == "learning rate")
+        c["detail"] for c in doc["checks"] if c["name"] == "learning rate"
+    )
     assert status["optimizer state"] == "pass" and status["global step"] == "pass"
 
 
@@ -327,16 +348,37 @@ def test_failing_worker_shows_its_own_error_line(tmp_path):
         "def factor(epoch):\n"
         "    if epoch == 0:\n"
         "        raise ValueError('factor() is undefined at epoch 0')\n"
-        "    return 0.5\n")
+        "    return 0.5\n"
+    )
     env = dict(__import__("os").environ, PYTHONPATH=f"{tmp_path}:{ROOT}")
-    proc = subprocess.run([sys.executable, "-c", "from ckpt_cli.main import main; main()", "resume",
-                           str(sample("accelerate", "accelerate_ddp")), "--steps", "1", "--device", "cpu",
-                           "--scheduler", "user_sched:factor", "-q"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from ckpt_cli.main import main; main()",
+            "resume",
+            str(sample("accelerate", "accelerate_ddp")),
+            "--steps",
+            "1",
+            "--device",
+            "cpu",
+            "--scheduler",
+            "user_sched:factor",
+            "-q",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [x for x in proc.stderr.splitlines() if x.strip() and "%|" not in x]
-    assert re.fullmatch(r"ckpt: error: rank \d: ValueError: factor\(\) is undefined at epoch 0 "
-                        r"\(the full output is in \S+ckpt-resume-\w+\.log\)", lines[-1]), proc.stderr
+    assert re.fullmatch(
+        r"ckpt: error: rank \d: ValueError: factor\(\) is undefined at epoch 0 "
+        r"\(the full output is in \S+ckpt-resume-\w+\.log\)",
+        lines[-1],
+    ), proc.stderr
     assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr
 
 

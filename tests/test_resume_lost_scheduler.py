@@ -9,6 +9,7 @@ schedule; `ckpt resume` must not pass the LR row unless the user says the run ha
 
 This file is also the worker: `python -m torch.distributed.run ... tests/test_resume_lost_scheduler.py --out DIR`.
 """
+
 from __future__ import annotations
 
 import json
@@ -79,10 +80,23 @@ def lost(tmp_path_factory) -> Path:
     from ckpt_tools.samples import free_port, stop_process_tree, worker_env
 
     out = tmp_path_factory.mktemp("lost_scheduler") / "ckpt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(HERE), "--out", str(out)]
-    proc = subprocess.Popen(cmd, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(HERE),
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.Popen(
+        cmd, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         log, _ = proc.communicate(timeout=600)
     finally:
@@ -110,8 +124,11 @@ def test_model_free_resume_fails_the_lr_row_and_says_why(lost):
     doc = json.loads(ckpt("resume", lost, "--steps", "2", "--json", expect=1).stdout)
     assert doc["plan"]["model"] == "replica"  # ckpt does not know the model: the model-free path
     c = checks(doc)
-    assert (c["global step"]["status"], c["optimizer step"]["status"], c["optimizer state"]["status"]) == \
-        ("pass", "pass", "pass")
+    assert (c["global step"]["status"], c["optimizer step"]["status"], c["optimizer state"]["status"]) == (
+        "pass",
+        "pass",
+        "pass",
+    )
     lr = c["learning rate"]
     assert lr["status"] == "fail"
     assert "initial_lr" in lr["detail"] and "no scheduler state" in lr["detail"] and "--no-scheduler" in lr["detail"]

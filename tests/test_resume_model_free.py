@@ -5,6 +5,7 @@ The unseen-model checkpoints are made here by real DeepSpeed (2 CPU ranks, gloo)
 `ckpt_tools.samples.workers.ds_unseen` (a 3-block MLP `ckpt` has no recipe for, two param groups of different LR
 and weight decay, a torch CosineAnnealingLR) in a module-scoped temporary folder.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,8 +63,10 @@ def _state(n: int, seed: int):
     return p, torch.randn(n, generator=g) * 1e-2, torch.rand(n, generator=g) * 1e-4, torch.randn(n, generator=g) * 1e-2
 
 
-@pytest.mark.parametrize("cls,decoupled,amsgrad", [(torch.optim.AdamW, True, False), (torch.optim.Adam, False, False),
-                                                   (torch.optim.AdamW, True, True)])
+@pytest.mark.parametrize(
+    "cls,decoupled,amsgrad",
+    [(torch.optim.AdamW, True, False), (torch.optim.Adam, False, False), (torch.optim.AdamW, True, True)],
+)
 def test_expected_adam_matches_torch(cls, decoupled, amsgrad):
     """Three steps of a real torch Adam(W) from a non-zero state (step 7) against the formula, chained."""
     p0, m0, v0, grad = _state(257, 1)
@@ -80,18 +83,40 @@ def test_expected_adam_matches_torch(cls, decoupled, amsgrad):
         param.grad = grad.clone()
         saved = cur["param"]
         opt.step()
-        cur = R.expected_adam(cur["param"], grad, cur["exp_avg"], cur["exp_avg_sq"], cur["step"], lr=lr,
-                              betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05, decoupled=decoupled, amsgrad=amsgrad,
-                              max_exp_avg_sq=cur.get("max_exp_avg_sq"))
+        cur = R.expected_adam(
+            cur["param"],
+            grad,
+            cur["exp_avg"],
+            cur["exp_avg_sq"],
+            cur["step"],
+            lr=lr,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            weight_decay=0.05,
+            decoupled=decoupled,
+            amsgrad=amsgrad,
+            max_exp_avg_sq=cur.get("max_exp_avg_sq"),
+        )
         assert cur["step"] == int(opt.state[param]["step"])
         for key in ("exp_avg", "exp_avg_sq"):
             assert R.state_close(opt.state[param][key], cur[key], "moment")[0], key
         assert R.state_close(param.detach(), cur["param"], "param", saved=saved)[0]
     # and the check has teeth: the same step from a zeroed exp_avg is far outside the tolerance
-    bad = R.expected_adam(p0, grad, torch.zeros_like(m0), v0, 7, lr=3e-3, betas=(0.9, 0.95), eps=1e-8,
-                          weight_decay=0.05, decoupled=decoupled)
-    good = R.expected_adam(p0, grad, m0, v0, 7, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05,
-                           decoupled=decoupled)
+    bad = R.expected_adam(
+        p0,
+        grad,
+        torch.zeros_like(m0),
+        v0,
+        7,
+        lr=3e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.05,
+        decoupled=decoupled,
+    )
+    good = R.expected_adam(
+        p0, grad, m0, v0, 7, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05, decoupled=decoupled
+    )
     assert not R.state_close(bad["exp_avg"], good["exp_avg"], "moment")[0]
     assert not R.state_close(bad["param"], good["param"], "param", saved=p0)[0]
 
@@ -100,15 +125,22 @@ def test_expected_adam_matches_torch(cls, decoupled, amsgrad):
 def test_expected_sgd_matches_torch(momentum, dampening, nesterov):
     p0, buf0, _, grad = _state(129, 2)
     param = torch.nn.Parameter(p0.clone())
-    opt = torch.optim.SGD([param], lr=0.1, momentum=momentum, dampening=dampening, nesterov=nesterov,
-                          weight_decay=0.01)
+    opt = torch.optim.SGD([param], lr=0.1, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=0.01)
     cur = {"param": p0.clone(), "momentum_buffer": None}
     for _ in range(3):
         param.grad = grad.clone()
         saved = cur["param"]
         opt.step()
-        cur = R.expected_sgd(cur["param"], grad, cur["momentum_buffer"], lr=0.1, momentum=momentum,
-                             dampening=dampening, weight_decay=0.01, nesterov=nesterov)
+        cur = R.expected_sgd(
+            cur["param"],
+            grad,
+            cur["momentum_buffer"],
+            lr=0.1,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=0.01,
+            nesterov=nesterov,
+        )
         assert R.state_close(opt.state[param]["momentum_buffer"], cur["momentum_buffer"], "moment")[0]
         assert R.state_close(param.detach(), cur["param"], "param", saved=saved)[0]
 
@@ -118,23 +150,32 @@ def test_replica_mirrors_a_real_model():
     from ckpt_tools.samples.workers import ds_unseen
 
     model = ds_unseen.build(ds_unseen.VARIANTS["unseen_zero1_tied"]).to(torch.bfloat16)
-    specs = [R.ParamSpec(n, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad)
-             for n, p in model.named_parameters()]
+    specs = [
+        R.ParamSpec(n, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad)
+        for n, p in model.named_parameters()
+    ]
     rep = R.build_replica(specs, tied={"head.weight": "embed.weight"})
-    assert [(n, p.shape, p.dtype, p.requires_grad) for n, p in rep.named_parameters()] == \
-        [(n, p.shape, p.dtype, p.requires_grad) for n, p in model.named_parameters()]
+    assert [(n, p.shape, p.dtype, p.requires_grad) for n, p in rep.named_parameters()] == [
+        (n, p.shape, p.dtype, p.requires_grad) for n, p in model.named_parameters()
+    ]
     assert set(rep.state_dict()) == set(model.state_dict())
     rep.load_state_dict(model.state_dict(), strict=True)
     assert rep.head.weight is rep.embed.weight
     # an order the nesting alone would not give (a child's parameter before its parent's own)
-    odd = [R.ParamSpec("a.b.w", (2,), "float32"), R.ParamSpec("a.w", (3,), "float32"),
-           R.ParamSpec("c", (1,), "float16")]
+    odd = [
+        R.ParamSpec("a.b.w", (2,), "float32"),
+        R.ParamSpec("a.w", (3,), "float32"),
+        R.ParamSpec("c", (1,), "float16"),
+    ]
     assert [n for n, _ in R.build_replica(odd).named_parameters()] == ["a.b.w", "a.w", "c"]
 
 
 def test_synthetic_gradient_is_exact():
-    specs = [R.ParamSpec("x.w", (300, 40), "bfloat16"), R.ParamSpec("x.b", (40,), "float16"),
-             R.ParamSpec("y", (7,), "float32", requires_grad=False)]
+    specs = [
+        R.ParamSpec("x.w", (300, 40), "bfloat16"),
+        R.ParamSpec("x.b", (40,), "float16"),
+        R.ParamSpec("y", (7,), "float32", requires_grad=False),
+    ]
     d = R.synthetic_directions(specs, seed=3, max_norm=1.0)
     assert set(d) == {"x.w", "x.b"} and R.grad_norm(d) <= 0.5
     assert all(torch.equal(r.to(torch.bfloat16).float(), r) and torch.equal(r.half().float(), r) for r in d.values())
@@ -146,15 +187,19 @@ def test_synthetic_gradient_is_exact():
     assert R.clip_factor(d, 1.0) == 1.0 and 0 < R.clip_factor(d, R.grad_norm(d) / 4) < 0.26
 
 
-@pytest.mark.parametrize("make", [
-    lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5),
-    lambda o: torch.optim.lr_scheduler.MultiStepLR(o, [2, 5], 0.3),
-    lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 10, 1e-5),
-    lambda o: torch.optim.lr_scheduler.LinearLR(o, 0.1, 1.0, 5),
-    lambda o: torch.optim.lr_scheduler.OneCycleLR(o, [1e-2, 2e-2], total_steps=12),
-    lambda o: torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(o, 3, 2),
-    lambda o: torch.optim.lr_scheduler.PolynomialLR(o, 8, 2.0),
-], ids=["step", "multistep", "cosine", "linear", "onecycle", "warmrestarts", "polynomial"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5),
+        lambda o: torch.optim.lr_scheduler.MultiStepLR(o, [2, 5], 0.3),
+        lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 10, 1e-5),
+        lambda o: torch.optim.lr_scheduler.LinearLR(o, 0.1, 1.0, 5),
+        lambda o: torch.optim.lr_scheduler.OneCycleLR(o, [1e-2, 2e-2], total_steps=12),
+        lambda o: torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(o, 3, 2),
+        lambda o: torch.optim.lr_scheduler.PolynomialLR(o, 8, 2.0),
+    ],
+    ids=["step", "multistep", "cosine", "linear", "onecycle", "warmrestarts", "polynomial"],
+)
 def test_torch_schedulers_rebuild_from_their_state(make):
     """A torch scheduler's state dict alone (what DeepSpeed saves: no class name) gives the next LRs."""
     params = [torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))]
@@ -186,8 +231,12 @@ def test_unseen_model_zero2_resumes_model_free(unseen):
     assert doc["plan"]["model"] == "replica"
     c = checks(doc)
     assert {k: v["status"] for k, v in c.items()} == {
-        "global step": "pass", "optimizer step": "pass", "learning rate": "pass", "optimizer state": "pass",
-        "loss": "n/a"}
+        "global step": "pass",
+        "optimizer step": "pass",
+        "learning rate": "pass",
+        "optimizer state": "pass",
+        "loss": "n/a",
+    }
     assert "--model" in c["loss"]["detail"]
     assert "CosineAnnealingLR rebuilt from its saved state" in c["learning rate"]["detail"]
     # two groups of different LR, each continuing its own schedule
@@ -200,10 +249,16 @@ def test_unseen_model_zero2_resumes_model_free(unseen):
     assert "optimizer state" in out and "needs --model" in out
 
 
-@pytest.mark.parametrize("where,name", [
-    pytest.param("unseen", "unseen_zero1_tied", marks=pytest.mark.slow), ("unseen", "unseen_zero3"),
-    pytest.param("unseen", "unseen_zero2_sgd", marks=pytest.mark.slow), ("deepspeed", "zero3_bf16"),
-    ("deepspeed", "zero2_bf16")])
+@pytest.mark.parametrize(
+    "where,name",
+    [
+        pytest.param("unseen", "unseen_zero1_tied", marks=pytest.mark.slow),
+        ("unseen", "unseen_zero3"),
+        pytest.param("unseen", "unseen_zero2_sgd", marks=pytest.mark.slow),
+        ("deepspeed", "zero3_bf16"),
+        ("deepspeed", "zero2_bf16"),
+    ],
+)
 def test_model_free_on_other_layouts(unseen, where, name):
     """Tied + frozen parameters (ZeRO-1), ZeRO-3 with DeepSpeed's own AdamW and WarmupLR, torch SGD with
     Nesterov momentum and a StepLR, and the bundled bf16 samples forced model-free (the fp32 master is what
@@ -245,11 +300,13 @@ def test_universal_with_a_zeroed_moment_fails_the_optimizer_state_check(unseen, 
     blob = torch.load(moment, weights_only=False)  # test-only surgery on a file we just wrote
     blob["param"] = torch.zeros_like(blob["param"])
     torch.save(blob, moment)
-    doc = json.loads(ckpt("resume", uni, "--universal", "--steps", "1", "--against", src, "--json",
-                          expect=1).stdout)
+    doc = json.loads(ckpt("resume", uni, "--universal", "--steps", "1", "--against", src, "--json", expect=1).stdout)
     c = checks(doc)
-    assert (c["global step"]["status"], c["optimizer step"]["status"], c["learning rate"]["status"]) == \
-        ("pass", "pass", "pass")
+    assert (c["global step"]["status"], c["optimizer step"]["status"], c["learning rate"]["status"]) == (
+        "pass",
+        "pass",
+        "pass",
+    )
     assert c["optimizer state"]["status"] == "fail"
     assert "exp_avg of blocks.1.proj_in.weight" in c["optimizer state"]["detail"]
 
@@ -278,8 +335,21 @@ def test_lambdalr_without_and_with_its_function():
     assert lr["status"] == "pass" and "NOT checked" in lr["detail"] and "--scheduler" in lr["detail"]
     assert "state was loaded" in lr["detail"]
     assert c["optimizer state"]["status"] == "pass" and "taken from the engine" in c["optimizer state"]["detail"]
-    c = checks(json.loads(ckpt("resume", src, "--model", "replica", "--steps", "2", "--scheduler",
-                               "ckpt_tools.samples.workers._common:lr_factor", "--json").stdout))
+    c = checks(
+        json.loads(
+            ckpt(
+                "resume",
+                src,
+                "--model",
+                "replica",
+                "--steps",
+                "2",
+                "--scheduler",
+                "ckpt_tools.samples.workers._common:lr_factor",
+                "--json",
+            ).stdout
+        )
+    )
     assert c["learning rate"]["status"] == "pass" and "NOT checked" not in c["learning rate"]["detail"]
     assert len(c["learning rate"]["rows"]) == 2
     assert "taken from the engine" not in c["optimizer state"]["detail"]
@@ -317,11 +387,24 @@ def test_worker_error_is_its_own_last_line(tmp_path):
         "def build(ctx):\n"
         "    if ctx.rank == 1:\n"
         "        raise ValueError('boom on rank 1:\\n  the factory refused')\n"
-        "    return tiny_gpt(ctx)\n")
-    env = {**os.environ, "TMPDIR": str(tmp_path),
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    proc = ckpt("resume", sample("deepspeed", "zero2_lambdalr"), "--steps", "1", "--model", "badfac:build", "-q",
-                expect=2, env=env)
+        "    return tiny_gpt(ctx)\n"
+    )
+    env = {
+        **os.environ,
+        "TMPDIR": str(tmp_path),
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = ckpt(
+        "resume",
+        sample("deepspeed", "zero2_lambdalr"),
+        "--steps",
+        "1",
+        "--model",
+        "badfac:build",
+        "-q",
+        expect=2,
+        env=env,
+    )
     (line,) = proc.stderr.strip().splitlines()  # -q: no progress bar, so stderr is the error alone
     assert "rank 1: ValueError: boom on rank 1: the factory refused" in line
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr

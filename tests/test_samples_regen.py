@@ -3,6 +3,7 @@
 The regenerated run is made on this machine, the committed one on another: structure, counters, LRs and
 parameter counts must be exact; losses (float results of training kernels) within the dtype's tolerance
 (`conftest.LOSS_REL_TOL`, where the figures behind it are)."""
+
 from __future__ import annotations
 
 import copy

@@ -5,6 +5,7 @@ Accelerate through `accelerator.load_state` under torchrun, plain torch through 
 for two steps, and the LR each update used is compared with the new trajectory: the uninterrupted run's LR
 (manifest `extra.history`) times the scale.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -83,8 +84,22 @@ def accel_resume(tmp_path: Path, name: str, ckpt: Path, steps: int = 2) -> list[
 
     script, out = tmp_path / "accel_resume.py", tmp_path / "records.json"
     script.write_text(ACCEL_RESUME)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(script), name, str(ckpt), str(out), str(steps)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(script),
+        name,
+        str(ckpt),
+        str(out),
+        str(steps),
+    ]
     proc = subprocess.run(cmd, env=worker_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -140,8 +155,10 @@ def test_deepspeed_warmuplr_needs_the_printed_launch_config_change(copy_sample, 
     ck = copy_sample("deepspeed", "zero2_warmuplr")
     plan = json.loads(cli("set-lr", ck, "--scale", "0.5", "--dry-run", "--json").stdout)["plan"]
     change = plan["launch_config_change"]
-    assert change == {"scheduler": {"params": {"warmup_min_lr": pytest.approx(1.5e-4), "warmup_max_lr": 0.0015}},
-                      "optimizer": {"params": {"lr": 0.0015}}}
+    assert change == {
+        "scheduler": {"params": {"warmup_min_lr": pytest.approx(1.5e-4), "warmup_max_lr": 0.0015}},
+        "optimizer": {"params": {"lr": 0.0015}},
+    }
     assert plan["scheduler_kind"] == "deepspeed" and "launch config" in plan["lr_driven_by"]
     assert any("LAUNCH config" in n and "warmup_max_lr" in n for n in plan["notes"])
     notes = {c["field"]: c["note"] for f in plan["files"] for c in f["changes"]}
@@ -180,7 +197,8 @@ def test_plain_torch_scale_half_and_lr(copy_sample):
     assert [r["lr"] for r in plain_resume(ck)] == [pytest.approx([x * 0.2 for x in hist[s]], rel=1e-12) for s in (5, 6)]
     ckpt = open_checkpoint(ck)
     assert ckpt.lr.base_lrs == pytest.approx((6e-4, 6e-4)) and ckpt.lr.param_groups == pytest.approx(
-        (hist[5][0] * 0.2,) * 2)
+        (hist[5][0] * 0.2,) * 2
+    )
 
 
 def test_group_and_last_lr_and_position(copy_sample):
@@ -217,8 +235,12 @@ def test_plain_set_step_and_coherent_step(copy_sample):
     assert [r["optimizer_step"] for r in plain_resume(ck)] == [11, 12]
     cli("set-step", ck, "--step", "7", "--yes")
     c = open_checkpoint(ck)
-    assert (c.counters.global_step, c.counters.optimizer_step, c.counters.scheduler_last_epoch,
-            c.counters.scheduler_step_count) == (7, 7, 7, 8)
+    assert (
+        c.counters.global_step,
+        c.counters.optimizer_step,
+        c.counters.scheduler_last_epoch,
+        c.counters.scheduler_step_count,
+    ) == (7, 7, 7, 8)
     assert not [w for w in c.warnings if w.code in ("step-mismatch", "scheduler-mismatch")]
 
 
@@ -280,7 +302,9 @@ def test_restore_walks_back_one_write_at_a_time_and_lists_them(copy_sample):
     cli("set-step", ck, "--optimizer-step", "100", "--yes")
     listed = writes()
     assert [(w["command"], w["status"], w["next_to_undo"]) for w in listed] == [
-        ("set-step", "done", True), ("set-lr", "done", False)]
+        ("set-step", "done", True),
+        ("set-lr", "done", False),
+    ]
     assert len(listed[0]["files"]) == 2 and len(listed[1]["files"]) == 3
     human = cli("restore", ck, "--list").stdout
     assert "set-step" in human and "<- next `ckpt restore`" in human and human.index("set-step") < human.index("set-lr")
@@ -301,8 +325,10 @@ def test_optimizer_files_are_pickle_only_rewrites(copy_sample):
     ck = copy_sample("deepspeed", "zero2_bf16")
     files = sorted(ck.glob("global_step*/*optim_states.pt"))
     orig = {f: {i.filename: zipfile.ZipFile(f).read(i) for i in zipfile.ZipFile(f).infolist()} for f in files}
-    code = ("import sys; from ckpt_tools.ops import lr; lr.set_lr(sys.argv[1], scale=0.5); "
-            "lr.set_step(sys.argv[1], optimizer_step=9); print('deepspeed' in sys.modules)")
+    code = (
+        "import sys; from ckpt_tools.ops import lr; lr.set_lr(sys.argv[1], scale=0.5); "
+        "lr.set_step(sys.argv[1], optimizer_step=9); print('deepspeed' in sys.modules)"
+    )
     proc = subprocess.run([sys.executable, "-c", code, str(ck)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
@@ -334,8 +360,11 @@ def test_unsupported_inputs_exit_2(tmp_path):
     import torch
 
     legacy = tmp_path / "legacy.pt"
-    torch.save({"scheduler": {"base_lrs": [1.0], "last_epoch": 1, "lr_lambdas": [None]}}, legacy,
-               _use_new_zipfile_serialization=False)
+    torch.save(
+        {"scheduler": {"base_lrs": [1.0], "last_epoch": 1, "lr_lambdas": [None]}},
+        legacy,
+        _use_new_zipfile_serialization=False,
+    )
     proc = cli("set-lr", legacy, "--scale", "0.5", "--dry-run", expect=2)
     assert "only torch zip files" in proc.stderr
     cli("set-lr", sample("torch", "plain.pt"), "--scale", "0.5", "--lr", "1e-3", "--dry-run", expect=2)

@@ -4,6 +4,7 @@ The edited folder is loaded by `torch.distributed.checkpoint` itself (`dcp.load`
 ranks, the sample's own model / AdamW / LambdaLR from `ckpt_tools.samples.workers.fsdp`), trained for two
 steps, and the LR each update used is compared with the uninterrupted run's (manifest `extra.history`).
 """
+
 from __future__ import annotations
 
 import json
@@ -61,8 +62,21 @@ def fsdp2_resume(tmp_path: Path, ckpt: Path, steps: int = 2) -> list[dict]:
 
     script, out = tmp_path / "fsdp2_resume.py", tmp_path / "records.json"
     script.write_text(FSDP2_RESUME)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(script), str(ckpt), str(out), str(steps)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(script),
+        str(ckpt),
+        str(out),
+        str(steps),
+    ]
     proc = subprocess.run(cmd, env=worker_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -86,7 +100,9 @@ def test_dry_run_writes_nothing_and_says_base_lrs_drives(copy_sample):
     assert "LambdaLR" in out and "optim.param_groups.0.lr" in out
     doc = json.loads(cli("set-lr", ck, "--scale", "0.5", "--dry-run", "--json").stdout)["plan"]
     notes = {c["field"]: c["note"] for f in doc["files"] for c in f["changes"]}
-    assert notes["scheduler.base_lrs"].startswith("DRIVES") and "first resumed update" in notes["optim.param_groups.1.lr"]
+    assert (
+        notes["scheduler.base_lrs"].startswith("DRIVES") and "first resumed update" in notes["optim.param_groups.1.lr"]
+    )
     # the file that holds those items (new blobs appended in place) and .metadata (their new offsets)
     assert {f["path"] for f in doc["files"]} == {"__1_0.distcp", ".metadata"}
     assert not [c for f in doc["files"] if f["path"] == ".metadata" for c in f["changes"]]
@@ -104,7 +120,8 @@ def test_scale_half_inspect_convert_and_real_fsdp2_resume(copy_sample, tmp_path)
     sd = torch_save_view(ck, tmp_path)
     assert sd["scheduler"]["base_lrs"] == pytest.approx([x / 2 for x in man["base_lrs"]], rel=1e-12)
     assert [sd["optim"]["param_groups"][g]["lr"] for g in (0, 1)] == pytest.approx(
-        [x / 2 for x in man["param_groups"]], rel=1e-12)
+        [x / 2 for x in man["param_groups"]], rel=1e-12
+    )
     recs = fsdp2_resume(tmp_path, ck)
     assert [r["lr"] for r in recs] == halved(GROUP, NAME)
     assert [r["optimizer_step"] for r in recs] == [5, 6]

@@ -8,6 +8,7 @@ worker's resume mode: `trainer.train(resume_from_checkpoint=)`, `Trainer.fit(ckp
 exactly half the LR of the untouched one; after `set-step --optimizer-step 10`, Adam's step continues from 10 and
 the LRs are untouched.
 """
+
 from __future__ import annotations
 
 import json
@@ -101,8 +102,12 @@ def test_two_optimizers_pick_one(copy_sample):
     assert [o["scheduler_kind"] for o in doc["plan"]["optimizers"]] == ["chainable"]
     doc = json.loads(cli("set-lr", ck, "--scale", "0.5", "--dry-run", "--json").stdout)
     assert [o["scheduler_kind"] for o in doc["plan"]["optimizers"]] == ["closed-form", "chainable"]
-    assert {w["path"] for w in doc["plan"]["files"]} == {"optimizer.bin", "scheduler.bin", "optimizer_1.bin",
-                                                          "scheduler_1.bin"}
+    assert {w["path"] for w in doc["plan"]["files"]} == {
+        "optimizer.bin",
+        "scheduler.bin",
+        "optimizer_1.bin",
+        "scheduler_1.bin",
+    }
     proc = cli("set-lr", ck, "--scale", "0.5", "--optimizer", "2", "--yes", expect=2)
     assert "--optimizer 2" in proc.stderr and "0, 1" in proc.stderr
 
@@ -146,9 +151,11 @@ def test_nothing_to_edit_is_an_error_not_a_silent_success(tmp_path, args):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,inner,edited", [("lightning_onecycle", "", "loops.fit_loop."),
-                                               ("hf_trainer_ddp", "checkpoint-4", "trainer_state.json")],
-                         ids=["lightning_onecycle", "hf_trainer_ddp"])
+@pytest.mark.parametrize(
+    "name,inner,edited",
+    [("lightning_onecycle", "", "loops.fit_loop."), ("hf_trainer_ddp", "checkpoint-4", "trainer_state.json")],
+    ids=["lightning_onecycle", "hf_trainer_ddp"],
+)
 def test_set_global_step_moves_the_loop(tmp_path, name, inner, edited):
     """`--global-step 2` edits the counter the loop really restores (Lightning's fit-loop progress, not the
     top-level `global_step`; HF's trainer_state.json): the resumed run continues at step 3 up to max_steps 6."""

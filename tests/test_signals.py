@@ -8,6 +8,7 @@ workers trained on: torchrun starts each in a session of its own, which the SIGK
 Every `ckpt` here runs in a session of its own (`start_new_session`), so the signal reaches its pid only, as
 `kill PID` from a script does.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -88,8 +89,11 @@ def _inherit_sigint_ignored() -> None:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="walks /proc for the processes ckpt started")
-@pytest.mark.parametrize("sig,code,word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
-                         ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(
+    "sig,code,word",
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
+    ids=["SIGINT", "SIGTERM"],
+)
 def test_signal_to_resume_pid_stops_workers_and_removes_temp_folders(tmp_path, sig, code, word):
     """`kill -INT PID` (started with SIGINT inherited ignored, like `ckpt resume ... &` in a script) and
     `kill -TERM PID` while the two training processes run: ckpt exits 130 / 143 within seconds with one line,
@@ -99,13 +103,20 @@ def test_signal_to_resume_pid_stops_workers_and_removes_temp_folders(tmp_path, s
     tmp.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp)}
     env.pop("CKPT_DEBUG", None)
-    p = subprocess.Popen([*CLI, "resume", str(sample("deepspeed", "zero2_bf16")), "--steps", "100000"], cwd=ROOT,
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                         preexec_fn=_inherit_sigint_ignored if sig == signal.SIGINT else None)
+    p = subprocess.Popen(
+        [*CLI, "resume", str(sample("deepspeed", "zero2_bf16")), "--steps", "100000"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=_inherit_sigint_ignored if sig == signal.SIGINT else None,
+    )
     err = bytearray()
     seen: dict[int, tuple[int, str]] = {}
-    reader = threading.Thread(target=lambda: [err.extend(b) for b in iter(lambda: p.stderr.read1(4096), b"")],
-                              daemon=True)
+    reader = threading.Thread(
+        target=lambda: [err.extend(b) for b in iter(lambda: p.stderr.read1(4096), b"")], daemon=True
+    )
     reader.start()
     try:
         # training has begun: the progress bar names the step it resumed from (the engine loaded the checkpoint)
@@ -118,8 +129,11 @@ def test_signal_to_resume_pid_stops_workers_and_removes_temp_folders(tmp_path, s
         workers = [pid for pid, (_, cmd) in seen.items() if "resume.workers.deepspeed" in cmd and pid not in launchers]
         assert len(launchers) == 1 and len(workers) == 2, seen
         before = leftovers(tmp)  # what must go: the processes, the scratch folder, torchrun's log folder in it
-        assert still_running(seen) and any("torchelastic_" in f for f in before) and any(
-            f.startswith("ckpt-resume-") and f.endswith(".log") for f in before), before
+        assert (
+            still_running(seen)
+            and any("torchelastic_" in f for f in before)
+            and any(f.startswith("ckpt-resume-") and f.endswith(".log") for f in before)
+        ), before
 
         t0 = time.monotonic()
         os.kill(p.pid, sig)
@@ -131,8 +145,10 @@ def test_signal_to_resume_pid_stops_workers_and_removes_temp_folders(tmp_path, s
     lines = err.decode(errors="replace").replace("\r", "\n").strip().splitlines()
     assert p.returncode == code, lines[-5:]
     assert took < STOP_WITHIN_S, f"ckpt took {took:.1f} s to stop"
-    assert lines[-1] == (f"ckpt: {word}: resume stopped: the checkpoint was only read, the training processes "
-                         "were stopped and the temporary scratch folder removed (a --work-dir keeps its files)")
+    assert lines[-1] == (
+        f"ckpt: {word}: resume stopped: the checkpoint was only read, the training processes "
+        "were stopped and the temporary scratch folder removed (a --work-dir keeps its files)"
+    )
     assert "Traceback" not in "\n".join(lines)
     assert still_running(seen) == []  # torchrun and both workers: no orphan trains on
     assert leftovers(tmp) == []  # the scratch folder, the log, torchelastic's folders (TMPDIR of the children)
@@ -144,13 +160,16 @@ def test_stop_process_tree_reaches_workers_in_their_own_sessions():
     them. A launcher with a worker like that, which ignores SIGTERM: both are gone after the grace (SIGKILL)."""
     from ckpt_tools.train.processes import stop_process_tree
 
-    worker = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
-              "time.sleep(600)")
-    launcher = (f"import subprocess, sys, time; w = subprocess.Popen([sys.executable, '-c', {worker!r}], "
-                "start_new_session=True, stdout=subprocess.PIPE); print(w.pid, w.stdout.readline().decode().strip(), "
-                "flush=True); time.sleep(600)")
-    proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    worker = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+        "time.sleep(600)"
+    )
+    launcher = (
+        f"import subprocess, sys, time; w = subprocess.Popen([sys.executable, '-c', {worker!r}], "
+        "start_new_session=True, stdout=subprocess.PIPE); print(w.pid, w.stdout.readline().decode().strip(), "
+        "flush=True); time.sleep(600)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True, start_new_session=True)
     seen: dict[int, tuple[int, str]] = {}
     try:
         pid, state = proc.stdout.readline().split()
@@ -172,13 +191,16 @@ def test_run_stoppable_stops_the_pool_of_an_interrupted_child(tmp_path):
     process while the child and its pool worker run stops both; subprocess.run SIGKILLed the child alone."""
     from ckpt_tools.train.processes import run_stoppable
 
-    done = run_stoppable([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"],
-                         env=dict(os.environ))
+    done = run_stoppable(
+        [sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"], env=dict(os.environ)
+    )
     assert done.returncode == 0 and sorted(done.stdout.split()) == ["err", "out"]
 
     started = tmp_path / "started"
-    child = ("import os, subprocess, sys, time; w = subprocess.Popen([sys.executable, '-c', 'import time; "
-             "time.sleep(600)']); open(sys.argv[1], 'w').write(str(w.pid)); time.sleep(600)")
+    child = (
+        "import os, subprocess, sys, time; w = subprocess.Popen([sys.executable, '-c', 'import time; "
+        "time.sleep(600)']); open(sys.argv[1], 'w').write(str(w.pid)); time.sleep(600)"
+    )
     seen: dict[int, tuple[int, str]] = {}
 
     waiting = threading.Event()  # set while this thread is inside run_stoppable: only then is Ctrl-C sent
@@ -210,9 +232,11 @@ def test_run_stoppable_stops_the_pool_of_an_interrupted_child(tmp_path):
             waiting.clear()
         t.join()
         # what went wrong when it did not stop that way (seen once in a full run, never alone): the child's end
-        assert returned is None, (f"run_stoppable returned after {time.monotonic() - t0:.1f} s: exit "
-                                  f"{returned.returncode}, output {returned.stdout[-2000:]!r}, started "
-                                  f"{started.exists() and started.read_text()!r}, seen {seen}")
+        assert returned is None, (
+            f"run_stoppable returned after {time.monotonic() - t0:.1f} s: exit "
+            f"{returned.returncode}, output {returned.stdout[-2000:]!r}, started "
+            f"{started.exists() and started.read_text()!r}, seen {seen}"
+        )
         assert len(seen) == 2  # the child and its pool worker
         assert time.monotonic() - t0 < 30
         assert still_running(seen) == []
@@ -223,8 +247,11 @@ def test_run_stoppable_stops_the_pool_of_an_interrupted_child(tmp_path):
 
 
 def _files(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_sigterm_during_a_write_rolls_back_like_ctrl_c(tmp_path):
@@ -239,10 +266,19 @@ def test_sigterm_during_a_write_rolls_back_like_ctrl_c(tmp_path):
     before = _files(ck)
     env = {**os.environ, "CKPT_TEST_KILL_AT": "replace:2:TERM"}
     env.pop("CKPT_DEBUG", None)
-    proc = subprocess.run([*CLI, "set-lr", str(ck), "--scale", "0.5", "--yes"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
+    proc = subprocess.run(
+        [*CLI, "set-lr", str(ck), "--scale", "0.5", "--yes"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=300,
+    )
     assert proc.returncode == 143, proc.stderr
     (tx,) = io.transactions(ck)
-    assert proc.stderr.splitlines() == [f"ckpt: terminated: {ck} is unchanged: the 1 file (of 3) it had replaced "
-                                        f"was put back (the abandoned write's journal: {tx.dir})"]
+    assert proc.stderr.splitlines() == [
+        f"ckpt: terminated: {ck} is unchanged: the 1 file (of 3) it had replaced "
+        f"was put back (the abandoned write's journal: {tx.dir})"
+    ]
     assert _files(ck) == before and tx.status == "rolled-back"

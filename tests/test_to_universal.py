@@ -1,4 +1,5 @@
 """`ckpt to-universal`: checked against DeepSpeed's own converter, a direct TP merge, and real DeepSpeed loads."""
+
 from __future__ import annotations
 
 import hashlib
@@ -24,9 +25,25 @@ ZERO_SAMPLES = ["zero1_bf16", "zero2_bf16", "zero2_fp32", "zero2_lambdalr", "zer
 def ds_to_universal(tag_dir: Path, out_tag: Path) -> None:
     """DeepSpeed's converter, as users run it (TP=1: --inject_missing_state is right there)."""
     out_tag.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
-                    "--output_folder", str(out_tag), "--inject_missing_state", "--num_extract_workers", "1",
-                    "--num_merge_workers", "1"], check=True, capture_output=True, cwd=ROOT)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(tag_dir),
+            "--output_folder",
+            str(out_tag),
+            "--inject_missing_state",
+            "--num_extract_workers",
+            "1",
+            "--num_merge_workers",
+            "1",
+        ],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+    )
 
 
 def convert(src: Path, out: Path, **kw) -> U.UniversalResult:
@@ -122,7 +139,9 @@ def _full_model_shapes() -> dict[str, tuple[int, ...]]:
 
     mine = not dist.is_initialized()
     if mine:  # the pipeline module asks the (1-process) group for its rank; torn down again below
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
         deepspeed.init_distributed(dist_backend="gloo")
     try:
         model = GPTModelPipe(MegatronGPTConfig(), PipeModelDataParallelTopology(num_pp=1, num_mp=1, num_dp=1), seed=0)
@@ -204,8 +223,11 @@ def test_existing_output_refused_and_stale_staging_cleaned(tmp_path):
 
 
 def _tree_digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.mark.slow
@@ -214,9 +236,29 @@ def test_distributed_two_ranks_byte_identical(tmp_path):
     one = run_cli("to-universal", src, tmp_path / "one", "--workers", "1", "--json")
     assert one.returncode == 0, one.stderr
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(free_port()), "-m", "ckpt_cli.main", "to-universal", str(src), str(tmp_path / "two"), "--distributed",
-                          "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "ckpt_cli.main",
+            "to-universal",
+            str(src),
+            str(tmp_path / "two"),
+            "--distributed",
+            "--json",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = _tree_digest(tmp_path / "one"), _tree_digest(tmp_path / "two")
     assert len(a) > 200 and a == b
@@ -225,18 +267,59 @@ def test_distributed_two_ranks_byte_identical(tmp_path):
 # --- real DeepSpeed loads ----------------------------------------------------------------------------------
 
 
-def resume_first_loss(load_dir: Path, ds_config: dict, *, model: str, orig_dp: int, micro: int, orig_gas: int,
-                      tmp: Path, tp: int = 1, pp: int = 1) -> dict:
+def resume_first_loss(
+    load_dir: Path,
+    ds_config: dict,
+    *,
+    model: str,
+    orig_dp: int,
+    micro: int,
+    orig_gas: int,
+    tmp: Path,
+    tp: int = 1,
+    pp: int = 1,
+) -> dict:
     """Launch the `ckpt resume` worker (1 process, gloo) on `load_dir` and return its first step record."""
-    plan = {"device": "cpu", "ds_config": ds_config, "dp": 1, "tp": tp, "pp": pp, "model": model,
-            "lambda_epochs": [], "load_dir": str(load_dir), "tag": None, "load_lr_scheduler_states": True,
-            "micro_batch": micro, "orig_gas": orig_gas, "gas": orig_gas * orig_dp, "data": None, "steps": 1}
+    plan = {
+        "device": "cpu",
+        "ds_config": ds_config,
+        "dp": 1,
+        "tp": tp,
+        "pp": pp,
+        "model": model,
+        "lambda_epochs": [],
+        "load_dir": str(load_dir),
+        "tag": None,
+        "load_lr_scheduler_states": True,
+        "micro_batch": micro,
+        "orig_gas": orig_gas,
+        "gas": orig_gas * orig_dp,
+        "data": None,
+        "steps": 1,
+    }
     pf = tmp / f"plan-{abs(hash(str(load_dir) + json.dumps(ds_config)))}.json"
     pf.write_text(json.dumps(plan))
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", MASTER_ADDR="127.0.0.1")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
-                        str(free_port()), "-m", "ckpt_tools.resume.workers.deepspeed", "--plan",
-                        str(pf)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "1",
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "ckpt_tools.resume.workers.deepspeed",
+            "--plan",
+            str(pf),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     recs = [json.loads(line.split(" ", 1)[1]) for line in r.stdout.splitlines() if line.startswith("CKPT_RESUME ")]
     return {e["event"]: e for e in recs}
@@ -258,8 +341,15 @@ def test_deepspeed_loads_output_dp2_to_1_and_across_stages(name, stage, tmp_path
     loss must be the uninterrupted run's step-5 loss (same weights, same batch for DP rank 0)."""
     m = manifest("deepspeed", name)
     convert(sample("deepspeed", name), tmp_path / "u")
-    ev = resume_first_loss(tmp_path / "u", _universal_config(m["extra"]["ds_config"], stage, 2), model="tiny-gpt",
-                           orig_dp=2, micro=4, orig_gas=1, tmp=tmp_path)
+    ev = resume_first_loss(
+        tmp_path / "u",
+        _universal_config(m["extra"]["ds_config"], stage, 2),
+        model="tiny-gpt",
+        orig_dp=2,
+        micro=4,
+        orig_gas=1,
+        tmp=tmp_path,
+    )
     assert ev["loaded"]["global_step"] == 4 and ev["loaded"]["optimizer_step"] == 4
     want = m["extra"]["history"][4]
     assert want["step"] == 5
@@ -277,8 +367,15 @@ def test_deepspeed_loads_pipeline_output_at_tp1_pp1(tmp_path):
     e = m["extra"]
     cfg = json.loads(json.dumps(e["ds_config"]))
     cfg["checkpoint"] = {"load_universal": True}
-    ev = resume_first_loss(tmp_path / "u", cfg, model="megatron-gpt", orig_dp=1, micro=e["micro_batch_per_rank"],
-                           orig_gas=e["micro_batches_per_step"], tmp=tmp_path)
+    ev = resume_first_loss(
+        tmp_path / "u",
+        cfg,
+        model="megatron-gpt",
+        orig_dp=1,
+        micro=e["micro_batch_per_rank"],
+        orig_gas=e["micro_batches_per_step"],
+        tmp=tmp_path,
+    )
     assert ev["loaded"]["global_step"] == 4
     assert ev["step"]["loss"] == pytest.approx(e["history"][4]["loss"], rel=1e-2)
 
@@ -331,12 +428,14 @@ def test_cli_dry_run_yes_json_verify(tmp_path):
     assert r.returncode == 0 and not (tmp_path / "u").exists()
     doc = json.loads(r.stdout)
     assert doc["optimizer_state"] == ["exp_avg", "exp_avg_sq"] and doc["loads_at_zero_stages"] == [1, 2, 3]
-    assert doc["warnings"] == ["if loaded at ZeRO-3: DeepSpeed's ZeRO-3 universal loader copies param group 0's "
-                               "hyper-parameters onto every group: group 1 will train with weight_decay 0.01 "
-                               "instead of 0",
-                               "if loaded at ZeRO-3: DeepSpeed's ZeRO-3 universal loader gives all 2 param groups "
-                               "one shared Adam step tensor: each update advances the step by 2 instead of 1 (bias "
-                               "correction runs ahead)"]
+    assert doc["warnings"] == [
+        "if loaded at ZeRO-3: DeepSpeed's ZeRO-3 universal loader copies param group 0's "
+        "hyper-parameters onto every group: group 1 will train with weight_decay 0.01 "
+        "instead of 0",
+        "if loaded at ZeRO-3: DeepSpeed's ZeRO-3 universal loader gives all 2 param groups "
+        "one shared Adam step tensor: each update advances the step by 2 instead of 1 (bias "
+        "correction runs ahead)",
+    ]
     r = run_cli("to-universal", src, tmp_path / "u", "--yes", "--json", "--verify")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
@@ -362,9 +461,16 @@ def test_a_failed_check_writes_nothing(tmp_path):
     assert seen == [[]] and not (tmp_path / "u").exists() and not list(tmp_path.glob(".ckpt-staging-*"))
 
 
-@pytest.mark.parametrize("group,name", [("deepspeed", "zero3_bf16"), ("deepspeed", "zero1_frozen"),
-                                        ("accelerate", "accelerate_deepspeed"), ("megatron", "gpt_tp2_pp2"),
-                                        ("hf_trainer", "hf_trainer_zero2/checkpoint-4")])
+@pytest.mark.parametrize(
+    "group,name",
+    [
+        ("deepspeed", "zero3_bf16"),
+        ("deepspeed", "zero1_frozen"),
+        ("accelerate", "accelerate_deepspeed"),
+        ("megatron", "gpt_tp2_pp2"),
+        ("hf_trainer", "hf_trainer_zero2/checkpoint-4"),
+    ],
+)
 def test_verify_logical_equal_to_the_source(group, name, tmp_path):
     """--verify: every fp32 master, optimizer state, param group and counter of the output equals the source's
     (frozen weights: the source's bf16 module weight, written as fp32 like DeepSpeed does: equal values)."""
@@ -376,8 +482,9 @@ def test_verify_logical_equal_to_the_source(group, name, tmp_path):
 
     rep = D.diff(plan.source, tmp_path / "u")
     src = U._open_source(plan.source, ())[0]
-    want = len(logical.model_tensors(src)) + sum(len(set(k) - {"fp32", "step"})
-                                                 for k in logical.optimizer_states(src).values())
+    want = len(logical.model_tensors(src)) + sum(
+        len(set(k) - {"fp32", "step"}) for k in logical.optimizer_states(src).values()
+    )
     assert rep.mode == "logical" and rep.same and rep.tensors_compared == want >= 29 + 2 * 28
     if name == "zero1_frozen":
         assert rep.notes == ("1 tensor holds the same values in another dtype: wpe.weight (bfloat16 -> float32)",)
@@ -414,10 +521,12 @@ def test_verify_finds_a_damaged_or_missing_file(tmp_path):
 def test_zero_conversion_imports_neither_torch_nor_deepspeed(tmp_path):
     """ZeRO at TP=1 is the direct path: every tensor copied file to file, step/optimizer_state from the
     optimizer file's records; nothing imports torch or deepspeed (as a process of its own)."""
-    code = ("import sys; from ckpt_tools.ops import to_universal as U; "
-            f"p = U.plan_to_universal({str(sample('deepspeed', 'zero2_bf16'))!r}, {str(tmp_path / 'u')!r}); "
-            "r = U.execute(p, workers=2, check=lambda root: U.verify_logical(p, root)); "
-            "print(r.files, 'torch' in sys.modules, 'deepspeed' in sys.modules)")
+    code = (
+        "import sys; from ckpt_tools.ops import to_universal as U; "
+        f"p = U.plan_to_universal({str(sample('deepspeed', 'zero2_bf16'))!r}, {str(tmp_path / 'u')!r}); "
+        "r = U.execute(p, workers=2, check=lambda root: U.verify_logical(p, root)); "
+        "print(r.files, 'torch' in sys.modules, 'deepspeed' in sys.modules)"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["120", "False", "False"]

@@ -1,6 +1,7 @@
 """`ckpt to-universal` as a torchrun job on 127.0.0.1: two nodes (two torchrun processes, --node-rank 0 / 1) and
 one node of two processes, byte-identical to one process; a rank killed with SIGKILL fails the job in bounded
 time naming it, with nothing in place; the rerun resumes from the journal (`--restart` starts over)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -23,8 +24,11 @@ SAMPLES = {"zero2": ("deepspeed", "zero2_bf16"), "pipeline": ("megatron", "gpt_t
 
 
 def _digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -48,18 +52,44 @@ def _program() -> list[str]:
     return ["--no-python", exe] if exe else ["-m", "ckpt_cli.main"]  # else: torchrun's own python
 
 
-def _launch(nnodes: int, nproc: int, args: list, *, env: dict | None = None, port: int | None = None,
-            command: tuple[str, ...] = ("to-universal", "--workers", "1")):
+def _launch(
+    nnodes: int,
+    nproc: int,
+    args: list,
+    *,
+    env: dict | None = None,
+    port: int | None = None,
+    command: tuple[str, ...] = ("to-universal", "--workers", "1"),
+):
     """Start the torchrun processes of one job (one per node); returns them (stdout / stderr piped)."""
     port = port or free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     procs = []
     for node in range(nnodes):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node",
-               str(nproc), "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-               *_program(), command[0], *map(str, args), "--yes", "--json", *command[1:]]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(nnodes),
+            "--nproc-per-node",
+            str(nproc),
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            *_program(),
+            command[0],
+            *map(str, args),
+            "--yes",
+            "--json",
+            *command[1:],
+        ]
+        procs.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     return procs
 
 
@@ -150,8 +180,9 @@ def test_lost_rank_fails_in_bounded_time_and_the_rerun_resumes(tmp_path, referen
 def test_lost_node_0_fails_the_other_node(tmp_path):
     """Rank 0 killed: node 0's torchrun (the job's store) goes with it; node 1's rank says so and exits 2."""
     out = tmp_path / "u"
-    done = _wait(_launch(2, 1, [sample(*SAMPLES["zero2"]), out],
-                         env={"CKPT_TEST_KILL_AFTER": "0:3", "CKPT_DIST_LOST_S": "4"}))
+    done = _wait(
+        _launch(2, 1, [sample(*SAMPLES["zero2"]), out], env={"CKPT_TEST_KILL_AFTER": "0:3", "CKPT_DIST_LOST_S": "4"})
+    )
     errors = [line for line in done[1][2].splitlines() if line.startswith("ckpt: error:")]
     assert len(errors) == 1 and "node 0 was lost (rank 0 (host " in errors[0], done[1][2][-3000:]
     assert "exitcode: 2" in done[1][2] and not out.exists()
@@ -173,18 +204,38 @@ def test_restart_throws_the_staging_away(tmp_path, reference):
 
 def test_convert_under_torchrun_needs_no_flag(tmp_path, reference):
     """`ckpt convert --to deepspeed-universal` as a 1 x 2 job without --distributed: the ranks share the work."""
-    doc, _ = _job(1, 2, [sample(*SAMPLES["zero2"]), tmp_path / "u", "--to", "deepspeed-universal"],
-                  command=("convert",))
+    doc, _ = _job(
+        1, 2, [sample(*SAMPLES["zero2"]), tmp_path / "u", "--to", "deepspeed-universal"], command=("convert",)
+    )
     assert [r["rank"] for r in doc["ranks"]] == [0, 1]
     assert _digest(tmp_path / "u") == reference("zero2")
 
 
 def test_export_refuses_to_run_as_a_rank_of_a_job(tmp_path):
     """`ckpt export` does not share its work: as one rank of many it stops (exit 2) before writing anything."""
-    env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
-               TORCHELASTIC_RUN_ID="test")
-    r = subprocess.run([sys.executable, "-m", "ckpt_cli.main", "export", str(sample(*SAMPLES["zero2"])),
-                        str(tmp_path / "w.safetensors")], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=120)
+    env = dict(
+        os.environ,
+        RANK="1",
+        WORLD_SIZE="2",
+        LOCAL_RANK="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+        TORCHELASTIC_RUN_ID="test",
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ckpt_cli.main",
+            "export",
+            str(sample(*SAMPLES["zero2"])),
+            str(tmp_path / "w.safetensors"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "rank 1 of a torchrun job of 2" in r.stderr
     assert list(tmp_path.iterdir()) == []

@@ -1,5 +1,7 @@
-"""`ckpt_tools.write.torch_zip`: files written without torch load in real torch (plain, mmap=True, weights_only=True) and
+"""`ckpt_tools.write.torch_zip`: files written without torch load in real torch (plain, mmap=True, weights_only=True)
+and
 equal what `torch.save` writes; the files `to-universal` writes that way too."""
+
 from __future__ import annotations
 
 import zipfile
@@ -81,8 +83,11 @@ def test_tensor_file_equals_torch_save(name, tmp_path):
     t = TENSORS[name]
     dtype = str(t.dtype).removeprefix("torch.")
     path = tmp_path / "fp32.pt"
-    n = torch_zip.save({"cat_dim": 0, "param": torch_zip.tensor_record(dtype, t.shape)}, path,
-                       {"0": t.contiguous().view(-1).view(torch.uint8).numpy()})
+    n = torch_zip.save(
+        {"cat_dim": 0, "param": torch_zip.tensor_record(dtype, t.shape)},
+        path,
+        {"0": t.contiguous().view(-1).view(torch.uint8).numpy()},
+    )
     assert n == t.numel() * t.element_size()
     loads_everywhere(path, {"cat_dim": 0, "param": t})
     same_as_torch_save(path, {"cat_dim": 0, "param": t}, tmp_path)
@@ -119,10 +124,13 @@ def test_tensors_made_when_written(tmp_path):
         def produce():
             made.append(name)
             return t.view(-1).view(torch.uint8).numpy()
+
         return produce
 
-    obj = {"a": torch_zip.tensor_record("float32", a.shape, "0"),
-           "b": torch_zip.tensor_record("bfloat16", b.shape, "1")}
+    obj = {
+        "a": torch_zip.tensor_record("float32", a.shape, "0"),
+        "b": torch_zip.tensor_record("bfloat16", b.shape, "1"),
+    }
     path = tmp_path / "made.pt"
     n = torch_zip.save(obj, path, {"0": make("a", a), "1": make("b", b)})
     assert made == ["a", "b"] and n == a.numel() * 4 + b.numel() * 2

@@ -5,6 +5,7 @@ the same test.
 torchtitan is not a dependency of ckpt (it needs `--no-deps` installs: see the worker's docstring): without it
 these tests skip and say so. Measured with torchtitan 0.3.0 on torch 2.13.0+cpu.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,10 +16,14 @@ import pytest
 
 from conftest import run_cli, sample
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    importlib.util.find_spec("torchtitan") is None,
-    reason="the real torchtitan is not installed (pip install --no-deps torchtitan==0.3.0 and the packages "
-           "listed in ckpt_tools/samples/workers/torchtitan_run.py)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("torchtitan") is None,
+        reason="the real torchtitan is not installed (pip install --no-deps torchtitan==0.3.0 and the packages "
+        "listed in ckpt_tools/samples/workers/torchtitan_run.py)",
+    ),
+]
 
 STEPS = 2
 
@@ -27,8 +32,7 @@ def _resume(step_folder, tmp_path, tag, trainer_args=()):
     from ckpt_tools.samples import run_torchrun
 
     record = tmp_path / f"{tag}.json"
-    args = ["--sample", "torchtitan_real", "--check", str(step_folder), "--steps", str(STEPS),
-            "--record", str(record)]
+    args = ["--sample", "torchtitan_real", "--check", str(step_folder), "--steps", str(STEPS), "--record", str(record)]
     for a in trainer_args:
         args.append(f"--trainer-arg={a}")
     run_torchrun("ckpt_tools.samples.workers.torchtitan_run", 2, args, log_path=tmp_path / f"{tag}.log", timeout=400)
@@ -58,8 +62,9 @@ def test_set_lr_with_the_job_config_it_names_halves_every_resumed_step_on_every_
     assert proc.returncode == 0, proc.stderr
     flags = json.loads(proc.stdout)["plan"]["launch_config_change"]["job_config"]
     config_lrs = m["extra"]["config"]["lr"]
-    assert flags == {f"--optimizer.param-groups.{i}.optimizer-kwargs.lr": pytest.approx(lr / 2)
-                     for i, lr in enumerate(config_lrs)}
+    assert flags == {
+        f"--optimizer.param-groups.{i}.optimizer-kwargs.lr": pytest.approx(lr / 2) for i, lr in enumerate(config_lrs)
+    }
     human = run_cli("set-lr", str(plain), "--scale", "0.5", "--yes")
     assert human.returncode == 0 and "NOT DONE YET" in human.stdout, human.stdout
 
@@ -96,8 +101,18 @@ def _first_update_in_torchtitan(step_folder, tmp_path, tag):
     from ckpt_tools.samples import run_torchrun
 
     dump = tmp_path / f"{tag}.pt"
-    args = ["--sample", "torchtitan_real", "--check", str(step_folder), "--steps", "1", "--record",
-            str(tmp_path / f"{tag}.json"), "--dump", str(dump)] + [f"--trainer-arg={a}" for a in FIRST_UPDATE_ARGS]
+    args = [
+        "--sample",
+        "torchtitan_real",
+        "--check",
+        str(step_folder),
+        "--steps",
+        "1",
+        "--record",
+        str(tmp_path / f"{tag}.json"),
+        "--dump",
+        str(dump),
+    ] + [f"--trainer-arg={a}" for a in FIRST_UPDATE_ARGS]
     run_torchrun("ckpt_tools.samples.workers.torchtitan_run", 2, args, log_path=tmp_path / f"{tag}.log", timeout=400)
     return json.loads((tmp_path / f"{tag}.json").read_text()), torch.load(dump, weights_only=True)
 
@@ -109,8 +124,13 @@ def _deepspeed(tmp_path, tag, *args):
     from ckpt_tools.samples import run_torchrun
 
     ref = tmp_path / f"{tag}.pt"
-    run_torchrun("ckpt_tools.samples.workers.ds_torchtitan", 2, [*map(str, args), "--record", str(ref)],
-                 log_path=tmp_path / f"{tag}.log", timeout=400)
+    run_torchrun(
+        "ckpt_tools.samples.workers.ds_torchtitan",
+        2,
+        [*map(str, args), "--record", str(ref)],
+        log_path=tmp_path / f"{tag}.log",
+        timeout=400,
+    )
     return torch.load(ref, weights_only=True)
 
 
@@ -162,8 +182,18 @@ def test_deepspeed_checkpoint_converted_to_torchtitan_resumes_in_torchtitans_tra
 
     def resume(n_kv: int):
         out = tmp_path / f"kv{n_kv}" / "step-3"
-        r = run_cli("convert", ds_dir / "global_step3", out, "--to", "dcp", "--layout", "torchtitan", "--n-kv-heads",
-                    str(n_kv), "--json")
+        r = run_cli(
+            "convert",
+            ds_dir / "global_step3",
+            out,
+            "--to",
+            "dcp",
+            "--layout",
+            "torchtitan",
+            "--n-kv-heads",
+            str(n_kv),
+            "--json",
+        )
         assert r.returncode == 0, r.stderr
         return _first_update_in_torchtitan(out, tmp_path, f"kv{n_kv}")
 

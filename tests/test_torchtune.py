@@ -3,6 +3,7 @@
 recipe_state), optimizer ids named, the step derived, set-lr telling that `initial_lr` drives the LR, proven by
 resuming in the real recipe when torchtune is installed (it is not a dependency of ckpt: those tests skip).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -16,7 +17,8 @@ from conftest import manifest, run_cli, sample
 NEEDS_TORCHTUNE = pytest.mark.skipif(
     importlib.util.find_spec("torchtune") is None,
     reason="the real torchtune is not installed (torchtune==0.6.1 and torchao==0.11.0, --no-deps: see "
-           "ckpt_tools/samples/workers/torchtune_run.py)")
+    "ckpt_tools/samples/workers/torchtune_run.py)",
+)
 
 
 def _inspect(path):
@@ -32,8 +34,10 @@ def test_full_finetune_output_folder_is_one_checkpoint():
     m = manifest("torchtune", "torchtune_full")
     doc = _inspect(sample("torchtune", "torchtune_full"))
     assert doc["format"] == "torchtune"
-    assert (doc["parameters"]["count"], doc["parameters"]["tensors"]) == (m["parameters"]["count"],
-                                                                         m["parameters"]["tensors"])
+    assert (doc["parameters"]["count"], doc["parameters"]["tensors"]) == (
+        m["parameters"]["count"],
+        m["parameters"]["tensors"],
+    )
     assert doc["counters"]["global_step"] == m["counters"]["global_step"] == 3
     assert doc["counters"]["optimizer_step"] == m["counters"]["optimizer_step"]
     assert doc["lr"]["param_groups"] == pytest.approx(m["lr"]["param_groups"], rel=1e-12)
@@ -111,9 +115,13 @@ def test_set_lr_halves_every_resumed_step_in_the_real_recipe(tmp_path, name):
             r = run_cli("set-lr", ck, "--scale", "0.5", "--yes")
             assert r.returncode == 0, r.stderr
         out = tmp_path / f"{tag}.json"
-        run_torchrun("ckpt_tools.samples.workers.torchtune_run", 1,
-                     ["--sample", name, "--check", str(ck), "--record", str(out)],
-                     log_path=tmp_path / f"{tag}.log", timeout=300)
+        run_torchrun(
+            "ckpt_tools.samples.workers.torchtune_run",
+            1,
+            ["--sample", name, "--check", str(ck), "--record", str(out)],
+            log_path=tmp_path / f"{tag}.log",
+            timeout=300,
+        )
         recs[tag] = json.loads(out.read_text())["records"]
     history = {h["step"]: h for h in m["extra"]["history"]}
     assert [r["step"] for r in recs["untouched"]] == [4, 5, 6]
@@ -141,8 +149,11 @@ def test_export_hf_loads_in_transformers(tmp_path):
     src = sample("torchtune", "torchtune_full")
     r = run_cli("export", src, tmp_path / "hf", "--hf")
     assert r.returncode == 0, r.stderr
-    assert {p.name for p in (tmp_path / "hf").iterdir()} == {"config.json", "generation_config.json",
-                                                             "model.safetensors"}
+    assert {p.name for p in (tmp_path / "hf").iterdir()} == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    }
     tokens = torch.arange(0, 24).reshape(2, 12) % 100
     assert torch.equal(_hf_logits(tmp_path / "hf", tokens), _hf_logits(src / "epoch_0", tokens))
 
@@ -154,6 +165,7 @@ def test_export_hf_logits_equal_torchtunes_own_model(tmp_path):
     is imported by name (an optional package, not a [dev] dependency)."""
     import torch
     from safetensors.torch import load_file
+
     convert_weights = importlib.import_module("torchtune.models.convert_weights")
     llama3 = importlib.import_module("torchtune.models.llama3").llama3
 
@@ -162,8 +174,12 @@ def test_export_hf_logits_equal_torchtunes_own_model(tmp_path):
     src = sample("torchtune", "torchtune_full")
     assert run_cli("export", src, tmp_path / "hf", "--hf").returncode == 0
     tune = llama3(**cfg)
-    sd = convert_weights.hf_to_tune(load_file(tmp_path / "hf" / "model.safetensors"), num_heads=cfg["num_heads"],
-                                    num_kv_heads=cfg["num_kv_heads"], dim=cfg["embed_dim"])
+    sd = convert_weights.hf_to_tune(
+        load_file(tmp_path / "hf" / "model.safetensors"),
+        num_heads=cfg["num_heads"],
+        num_kv_heads=cfg["num_kv_heads"],
+        dim=cfg["embed_dim"],
+    )
     tune.load_state_dict(sd)
     tokens = torch.arange(0, 24).reshape(2, 12) % 100
     with torch.no_grad():
@@ -175,16 +191,22 @@ def test_export_hf_logits_equal_torchtunes_own_model(tmp_path):
 def test_convert_to_universal_says_the_schedule_is_not_in_the_checkpoint(tmp_path):
     """Weights, Adam state and the step move and are verified against the whole source; the schedule torchtune
     rebuilds from its config is listed as not moved (no resume in DeepSpeed proves this conversion yet)."""
-    r = run_cli("convert", sample("torchtune", "torchtune_full"), tmp_path / "u", "--to", "deepspeed-universal",
-                "--json")
+    r = run_cli(
+        "convert", sample("torchtune", "torchtune_full"), tmp_path / "u", "--to", "deepspeed-universal", "--json"
+    )
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["verified"] and doc["step"] == 3
     assert any(x.startswith("scheduler: not saved") for x in doc["not_moved"]), doc["not_moved"]
 
 
-@pytest.mark.parametrize("name,weights", [("torchtune_full", "checkpointer.checkpoint_files=[epoch_0/model-"),
-                                          ("torchtune_lora", "checkpointer.adapter_checkpoint=epoch_0/adapter_model.pt")])
+@pytest.mark.parametrize(
+    "name,weights",
+    [
+        ("torchtune_full", "checkpointer.checkpoint_files=[epoch_0/model-"),
+        ("torchtune_lora", "checkpointer.adapter_checkpoint=epoch_0/adapter_model.pt"),
+    ],
+)
 def test_resume_names_the_recipe_relaunch(name, weights):
     """torchtune rebuilds the model, the schedule and the data from its recipe config, which ckpt cannot replay:
     `ckpt resume` exits 2 in one line with the overrides torchtune 0.6.1 resumes this folder with (the ones the
@@ -192,6 +214,12 @@ def test_resume_names_the_recipe_relaunch(name, weights):
     src = sample("torchtune", name)
     r = run_cli("resume", src, "--steps", "1")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    for part in ("tune run RECIPE --config", "torchtune_config.yaml", "resume_from_checkpoint=True", weights,
-                 "checkpointer.recipe_checkpoint=recipe_state/recipe_state.pt", f"output_dir={src}"):
+    for part in (
+        "tune run RECIPE --config",
+        "torchtune_config.yaml",
+        "resume_from_checkpoint=True",
+        weights,
+        "checkpointer.recipe_checkpoint=recipe_state/recipe_state.pt",
+        f"output_dir={src}",
+    ):
         assert part in r.stderr, (part, r.stderr)

@@ -1,6 +1,7 @@
 """check-tp-sync / sync-tp on the real TP=2 x PP=2 pipeline samples: the drift the training run measured
 is found exactly, repaired in all four representations through the transactional write path, and the
 repaired checkpoint loads and trains in the real DeepSpeed PipelineEngine."""
+
 from __future__ import annotations
 
 import hashlib
@@ -33,13 +34,21 @@ def ds_name(manifest_name: str) -> str:
 
 
 def snapshot(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from ckpt_cli.main import main; main()", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", "from ckpt_cli.main import main; main()", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 # --- a direct comparison: torch.load of the files, un-flattened by hand -------------------------------------
@@ -70,12 +79,16 @@ class Direct:
         pieces = []
         for dp_rank in range(self.dp):
             osd = self._load(self.tag / f"bf16_zero_pp_rank_{dp_rank}_mp_rank_{mp:02d}_optim_states.pt")[
-                "optimizer_state_dict"]
+                "optimizer_state_dict"
+            ]
             for g, mapping in enumerate(osd["param_slice_mappings"]):
                 if name in mapping:
                     frag = mapping[name]
-                    flat = osd["single_partition_of_fp32_groups"][g] if rep == "fp32" else \
-                        osd["base_optimizer_state"]["state"][g][rep]
+                    flat = (
+                        osd["single_partition_of_fp32_groups"][g]
+                        if rep == "fp32"
+                        else osd["base_optimizer_state"]["state"][g][rep]
+                    )
                     pieces.append(flat.narrow(0, frag.start, frag.numel))
         if not pieces:
             raise KeyError(name)
@@ -89,8 +102,9 @@ class Direct:
 # --- check ------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, source", [("gpt_tp2_pp2", "universal_checkpoint_info"),
-                                          ("gpt_tp2_pp2_noinfo", "megatron preset")])
+@pytest.mark.parametrize(
+    "name, source", [("gpt_tp2_pp2", "universal_checkpoint_info"), ("gpt_tp2_pp2_noinfo", "megatron preset")]
+)
 def test_in_sync_sample_is_100_percent_bit_exact(name, source):
     m = manifest(GROUP, name)
     report = ops.check_tp_sync(ops.open_for_tp_sync(sample(GROUP, name)))
@@ -144,8 +158,11 @@ def test_tolerance_and_patterns():
     loose = ops.check_tp_sync(ck, atol=0.01)  # the largest drift is 0.0077 (exp_avg of 3.self_attention.dense.bias)
     assert loose.ok and not all(p.bit_exact for p in loose.params)
     tight = ops.check_tp_sync(ck, atol=1e-4)
-    assert {p.name for p in tight.out_of_sync} == {"2.post_attention_layernorm.weight", "3.self_attention.dense.bias",
-                                                 "5.post_attention_layernorm.weight"}
+    assert {p.name for p in tight.out_of_sync} == {
+        "2.post_attention_layernorm.weight",
+        "3.self_attention.dense.bias",
+        "5.post_attention_layernorm.weight",
+    }
     # --pattern declares more replicas: a column-parallel bias really differs per rank and is reported
     clean = sample(GROUP, "gpt_tp2_pp2")
     report = ops.check_tp_sync(ops.open_for_tp_sync(clean, ["query_key_value.bias"]), patterns=["query_key_value.bias"])
@@ -190,8 +207,13 @@ def test_compare_shards_semantics():
     a = _Arr([1.0, 0.0, -2.0])
     b = _Arr([1.5, 0.0, -2.0])
     d = ops.compare_shards([a, b], "fp32", 0.0, 0.0)
-    assert (d.max_abs_diff, d.max_rel_diff, d.bit_exact, d.in_tolerance, d.ranks_differing) == \
-        (0.5, 0.5 / 1.5, False, False, (1,))
+    assert (d.max_abs_diff, d.max_rel_diff, d.bit_exact, d.in_tolerance, d.ranks_differing) == (
+        0.5,
+        0.5 / 1.5,
+        False,
+        False,
+        (1,),
+    )
     assert ops.compare_shards([a, b], "fp32", 0.5, 0.0).in_tolerance
     assert ops.compare_shards([a, b], "fp32", 0.0, 0.5).in_tolerance  # 0.5 <= 0.5 * |1.0|
     z = ops.compare_shards([_Arr([0.0]), _Arr([-0.0])], "fp32", 0.0, 0.0)
@@ -241,8 +263,11 @@ def test_sync_average_makes_all_four_representations_identical(synced):
         osd = torch.load(f, weights_only=False, map_location="cpu")["optimizer_state_dict"]
         if any(drift_names & set(m) for m in osd["param_slice_mappings"]):
             holders.add(f"global_step4/{f.name}")
-    layers = {f"global_step4/layer_{int(n.split('.')[0]):02d}-model_{t:02d}-model_states.pt"
-              for n in drift_names for t in (0, 1)}
+    layers = {
+        f"global_step4/layer_{int(n.split('.')[0]):02d}-model_{t:02d}-model_states.pt"
+        for n in drift_names
+        for t in (0, 1)
+    }
     # (a layer file whose averaged replica rounds to the bf16 it already held keeps its bytes)
     assert holders <= changed <= holders | layers and changed & layers
     assert len(holders) == (4 if drifted == DRIFTED else 6)
@@ -259,7 +284,7 @@ def test_sync_average_makes_all_four_representations_identical(synced):
         data = bytearray((ck / e["path"]).read_bytes()[: e["size"]])
         undo = (tx[0].dir / e["undo"]).read_bytes()
         for off, n, pos, _crc in e["ranges"]:
-            data[off: off + n] = undo[pos: pos + n]
+            data[off : off + n] = undo[pos : pos + n]
         assert hashlib.sha256(bytes(data)).hexdigest() == orig[e["path"]]
 
     report = ops.check_tp_sync(ops.open_for_tp_sync(ck))
@@ -284,8 +309,10 @@ def test_sync_average_makes_all_four_representations_identical(synced):
             for rep in REPS:
                 assert torch.equal(after.get(n, rep, 1), before.get(n, rep, 1)), (n, rep)
     # split tensors are untouched
-    assert torch.equal(after.get("2.self_attention.query_key_value.weight", "fp32", 1),
-                       before.get("2.self_attention.query_key_value.weight", "fp32", 1))
+    assert torch.equal(
+        after.get("2.self_attention.query_key_value.weight", "fp32", 1),
+        before.get("2.self_attention.query_key_value.weight", "fp32", 1),
+    )
 
     # and undo brings the drifted bytes back
     io.restore(ck)
@@ -301,9 +328,23 @@ def test_synced_checkpoint_loads_in_deepspeed_and_trains(synced):
 
     def run(path: Path) -> dict:
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                               str(nproc), str(ROOT / "tests" / "ds_pipeline_step.py"), str(path)],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                str(nproc),
+                str(ROOT / "tests" / "ds_pipeline_step.py"),
+                str(path),
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("DS_PIPELINE_STEP ")]
         assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
         return json.loads(lines[-1].split(" ", 1)[1])
@@ -349,8 +390,9 @@ def test_verification_failure_rolls_back(copy_sample):
     before = snapshot(ck)
     plan, _ = ops.plan_sync_tp(ops.open_for_tp_sync(ck))
     # a plan that "forgets" the module weights: the re-check after writing finds bf16 still drifted
-    partial = io.WritePlan(plan.root, plan.command, tuple(w for w in plan.writes if "optim_states" in w.path),
-                           plan.notes, plan.verify)
+    partial = io.WritePlan(
+        plan.root, plan.command, tuple(w for w in plan.writes if "optim_states" in w.path), plan.notes, plan.verify
+    )
     with pytest.raises(io.WriteFailed, match="still differs"):
         io.execute(partial)
     assert snapshot(ck) == before
@@ -367,6 +409,7 @@ def test_nothing_to_repair_on_an_in_sync_checkpoint_is_an_error(copy_sample):
 def test_data_fallback_tells_drifted_replicas_from_split_shards():
     """Names no pattern decides: bit-identical or close equal-shaped shards are replicas, independently
     initialised ones (a split weight) stay undecided."""
+
     def Shard(t):  # noqa: N802
         return _Arr(t.numpy())
 
@@ -397,9 +440,16 @@ def test_pure_python_and_numpy_comparisons_agree(drifted, monkeypatch):
 def test_check_path_imports_neither_numpy_nor_torch_when_replicas_are_small():
     """check-tp-sync on the drifted sample (its drifted replicas are layer norms) runs without importing numpy,
     torch or deepspeed: bit-identical shards are compared as bytes, small drifted ones in pure Python."""
-    code = ("import sys; from ckpt_cli.main import main\n"
-            "try:\n    main()\nexcept SystemExit as e:\n    rc = e.code\n"
-            "print('IMPORTED', sorted(m for m in ('numpy', 'torch', 'deepspeed') if m in sys.modules), rc)")
-    proc = subprocess.run([sys.executable, "-c", code, "check-tp-sync", str(sample(GROUP, DRIFTED)), "--json"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    code = (
+        "import sys; from ckpt_cli.main import main\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    rc = e.code\n"
+        "print('IMPORTED', sorted(m for m in ('numpy', 'torch', 'deepspeed') if m in sys.modules), rc)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "check-tp-sync", str(sample(GROUP, DRIFTED)), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.stdout.strip().splitlines()[-1] == "IMPORTED [] 1", proc.stderr[-2000:]

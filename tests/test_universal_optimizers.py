@@ -6,6 +6,7 @@ Each conversion is resumed in real DeepSpeed from the universal output and its u
 with the uninterrupted run made in the same session (the same worker, the same machine): the weights after the
 first resumed update are a function of the optimizer state, so they match only if the state continued.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,13 @@ from conftest import ROOT, run_cli
 
 WORKER = "ckpt_tools.samples.workers.ds_optim"
 NAMES = ("zero2_sgd", "zero1_adagrad", "zero2_onemoment", "zero3_sgd", "zero2_adamw_2lr")
-STATE = {"zero2_sgd": ("momentum_buffer",), "zero1_adagrad": ("sum",), "zero2_onemoment": ("exp_avg",),
-         "zero3_sgd": ("momentum_buffer",), "zero2_adamw_2lr": ("exp_avg", "exp_avg_sq")}
+STATE = {
+    "zero2_sgd": ("momentum_buffer",),
+    "zero1_adagrad": ("sum",),
+    "zero2_onemoment": ("exp_avg",),
+    "zero3_sgd": ("momentum_buffer",),
+    "zero2_adamw_2lr": ("exp_avg", "exp_avg_sq"),
+}
 
 
 @pytest.fixture(scope="session")
@@ -121,10 +127,27 @@ def test_zero3_target_refused_for_non_adam_state(runs, tmp_path):
 
 def test_deepspeed_converter_cannot_convert_sgd(runs, tmp_path):
     """Why this matters: DeepSpeed's own ds_to_universal assumes Adam's two moments."""
-    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                           str(runs / "zero2_sgd" / "global_step4"), "--output_folder", str(tmp_path / "ds" / "x"),
-                           "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                          cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(runs / "zero2_sgd" / "global_step4"),
+            "--output_folder",
+            str(tmp_path / "ds" / "x"),
+            "--inject_missing_state",
+            "--num_extract_workers",
+            "1",
+            "--num_merge_workers",
+            "1",
+        ],
+        cwd=ROOT,
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0 and "KeyError: 'exp_avg'" in proc.stdout + proc.stderr
 
 
@@ -133,11 +156,19 @@ def test_deepspeed_converter_cannot_convert_sgd(runs, tmp_path):
 
 def test_zero3_group_warnings_function():
     assert U.zero3_group_warnings([]) == [] and U.zero3_group_warnings([{"lr": 1e-3}]) == []
-    assert U.zero3_group_warnings([{"lr": 1e-3, "weight_decay": 0.1, "params": [0]},
-                                   {"lr": 1e-3, "weight_decay": 0.1, "params": [1]}]) == []
-    w = U.zero3_group_warnings([{"lr": 7e-4, "weight_decay": 0.01, "betas": (0.9, 0.95)},
-                                {"lr": 1.4e-3, "weight_decay": 0.01, "betas": (0.9, 0.95)},
-                                {"lr": 7e-4, "weight_decay": 0.0, "betas": (0.9, 0.99)}])
+    assert (
+        U.zero3_group_warnings(
+            [{"lr": 1e-3, "weight_decay": 0.1, "params": [0]}, {"lr": 1e-3, "weight_decay": 0.1, "params": [1]}]
+        )
+        == []
+    )
+    w = U.zero3_group_warnings(
+        [
+            {"lr": 7e-4, "weight_decay": 0.01, "betas": (0.9, 0.95)},
+            {"lr": 1.4e-3, "weight_decay": 0.01, "betas": (0.9, 0.95)},
+            {"lr": 7e-4, "weight_decay": 0.0, "betas": (0.9, 0.99)},
+        ]
+    )
     assert w[0].endswith("group 1 will train with lr 0.0007 instead of 0.0014")
     assert w[1].endswith("group 2 will train with weight_decay 0.01 instead of 0")
     assert "betas of group 2 to group 0's (0.9, 0.95)" in w[2] and len(w) == 3

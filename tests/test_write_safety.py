@@ -5,6 +5,7 @@ root writes anywhere, so the read-only cases run the CLI with CAP_DAC_OVERRIDE /
 (`setpriv`, else `capsh`), i.e. with the permission checks an ordinary user gets; the owner case drops CAP_CHOWN.
 Run as an ordinary user, the same tests need no dropping. They skip only where none of this is possible.
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,8 +38,9 @@ def ckpt(*args, prefix=(), answer: str | None = None, env=None) -> subprocess.Co
     e = {**os.environ, **(env or {})}
     e.pop("CKPT_DEBUG", None)
     stdin = {"input": answer} if answer is not None else {"stdin": subprocess.DEVNULL}
-    return subprocess.run([*prefix, *CLI, *map(str, args)], cwd=ROOT, capture_output=True, text=True, env=e,
-                          timeout=300, **stdin)
+    return subprocess.run(
+        [*prefix, *CLI, *map(str, args)], cwd=ROOT, capture_output=True, text=True, env=e, timeout=300, **stdin
+    )
 
 
 def one_error_line(proc) -> str:
@@ -54,8 +56,10 @@ def _drop(*caps: str) -> tuple[str, ...] | None:
     if os.geteuid() != 0:
         return () if "chown" not in caps else None  # an ordinary user has none of them already
     names = ",".join(f"-{c}" for c in caps)
-    for prefix in ([shutil.which("setpriv"), f"--inh-caps={names}", f"--bounding-set={names}"],
-                   [shutil.which("capsh"), "--drop=" + ",".join(f"cap_{c}" for c in caps), "--"]):
+    for prefix in (
+        [shutil.which("setpriv"), f"--inh-caps={names}", f"--bounding-set={names}"],
+        [shutil.which("capsh"), "--drop=" + ",".join(f"cap_{c}" for c in caps), "--"],
+    ):
         if prefix[0] and subprocess.run([*prefix, "true"], capture_output=True).returncode == 0:
             return tuple(prefix) if prefix[-1] != "--" else (*prefix[:-1], "--", "-c", '"$0" "$@"')
     return None
@@ -152,7 +156,8 @@ def test_read_only_parent_backup_dir_moves_journal_staging_and_backups(copy_samp
     # changed in place: the journal's undo records (original bytes of the changed ranges) are the backup
     entries = json.loads((tx / "journal.json").read_text())["files"]
     assert sorted(e["path"] for e in entries if e["mode"] == "in-place") == sorted(
-        f"global_step4/{p.name}" for p in (ck / "global_step4").iterdir())
+        f"global_step4/{p.name}" for p in (ck / "global_step4").iterdir()
+    )
     assert all((tx / e["undo"]).is_file() for e in entries)
     assert f"undo: ckpt restore {ck} --backup-dir {bk}" in proc.stdout
 
@@ -201,8 +206,9 @@ def test_backup_dir_on_another_filesystem_keeps_staging_beside_the_checkpoint(co
 
         shutil.rmtree(ck.parent / ".ckpt-backups")
         ck.parent.chmod(0o555)
-        proc = ckpt("set-lr", ck, "--scale", "0.5", "--yes", "--backup-dir", bk / "again", "--copy",
-                    prefix=unprivileged())
+        proc = ckpt(
+            "set-lr", ck, "--scale", "0.5", "--yes", "--backup-dir", bk / "again", "--copy", prefix=unprivileged()
+        )
         assert proc.returncode == 2, proc.stderr
         line = one_error_line(proc)
         assert "must be staged on the checkpoint's filesystem to be renamed into place atomically" in line
@@ -271,8 +277,11 @@ def test_running_the_same_surgery_twice_says_what_was_done_before(copy_sample):
     assert first.returncode == 0 and "already changed" not in first.stdout
     second = ckpt("set-lr", ck, "--scale", "0.5", "--yes")
     assert second.returncode == 0, second.stderr
-    m = re.search(r"note: this checkpoint was already changed by `set-lr` on (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) UTC "
-                  r"\(lr_scheduler\.base_lrs \[0\.003, 0\.003\] -> \[0\.0015, 0\.0015\]", second.stdout)
+    m = re.search(
+        r"note: this checkpoint was already changed by `set-lr` on (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) UTC "
+        r"\(lr_scheduler\.base_lrs \[0\.003, 0\.003\] -> \[0\.0015, 0\.0015\]",
+        second.stdout,
+    )
     assert m, second.stdout
     assert f"applies on top of it (undo that one with `ckpt restore {ck}`)" in second.stdout
     assert base_lrs(ck) == [0.00075, 0.00075]
@@ -280,8 +289,12 @@ def test_running_the_same_surgery_twice_says_what_was_done_before(copy_sample):
     doc = json.loads(ckpt("set-lr", ck, "--scale", "0.5", "--dry-run", "--json").stdout)
     prev = doc["previous_write"]
     assert prev["command"] == "set-lr" and prev["started"] >= m.group(1)
-    assert {"file": "global_step4/mp_rank_00_model_states.pt", "field": "lr_scheduler.base_lrs",
-            "old": [0.0015, 0.0015], "new": [0.00075, 0.00075]} in prev["changes"]
+    assert {
+        "file": "global_step4/mp_rank_00_model_states.pt",
+        "field": "lr_scheduler.base_lrs",
+        "old": [0.0015, 0.0015],
+        "new": [0.00075, 0.00075],
+    } in prev["changes"]
 
     before = tree(ck)
     proc = ckpt("set-lr", ck, "--scale", "0.5", answer="n\n")
@@ -298,8 +311,10 @@ def test_no_terminal_to_confirm_on_is_exit_2_and_declining_is_exit_3(copy_sample
     for argv in (["set-lr", ck, "--scale", "0.5"], ["set-step", ck, "--optimizer-step", "9"]):
         proc = ckpt(*argv)
         assert proc.returncode == 2
-        assert one_error_line(proc) == (f"ckpt: error: {ck}: no terminal to ask for confirmation on (add --yes to "
-                                        "go ahead without asking; nothing was written)")
+        assert one_error_line(proc) == (
+            f"ckpt: error: {ck}: no terminal to ask for confirmation on (add --yes to "
+            "go ahead without asking; nothing was written)"
+        )
     assert tree(ck) == before
     assert ckpt("set-lr", ck, "--scale", "0.5", "--yes").returncode == 0
     after = tree(ck)
@@ -326,8 +341,10 @@ def test_interrupted_write_is_reported_by_inspect_and_list_and_undone_only_by_re
 
     said = io.interrupted_write(ck)
     assert said.startswith("a ckpt write (`set-lr`, started ") and "interrupted after replacing 1 of 3 files" in said
-    assert f"`ckpt restore {ck}` (or the next ckpt write) puts back the original of " \
-           "global_step4/mp_rank_00_model_states.pt" in said
+    assert (
+        f"`ckpt restore {ck}` (or the next ckpt write) puts back the original of "
+        "global_step4/mp_rank_00_model_states.pt" in said
+    )
     doc = json.loads(ckpt("inspect", ck, "--json").stdout)
     assert {"code": "interrupted-write", "message": said, "path": str(ck)} in doc["warnings"]
     human = ckpt("inspect", ck, "-q").stdout
@@ -336,7 +353,9 @@ def test_interrupted_write_is_reported_by_inspect_and_list_and_undone_only_by_re
 
     listed = json.loads(ckpt("restore", ck, "--list", "--json").stdout)
     assert [(w["command"], w["interrupted"], w["next_to_undo"]) for w in listed["writes"]] == [
-        ("set-lr", True, True), ("set-step", False, False)]
+        ("set-lr", True, True),
+        ("set-step", False, False),
+    ]
     assert "rolls it back" in ckpt("restore", ck, "--list").stdout
     assert tree(ck) == half  # --list changed nothing
 
@@ -345,13 +364,19 @@ def test_interrupted_write_is_reported_by_inspect_and_list_and_undone_only_by_re
     assert "roll back the interrupted write `set-lr`" in proc.stdout and "1 of 3 files" in proc.stdout
     assert tree(ck) == after_step  # the interrupted write is gone, the finished set-step is not
     assert io.interrupted_write(ck) is None
-    assert not [w for w in json.loads(ckpt("inspect", ck, "--json").stdout)["warnings"]
-                if w["code"] == "interrupted-write"]
+    assert not [
+        w for w in json.loads(ckpt("inspect", ck, "--json").stdout)["warnings"] if w["code"] == "interrupted-write"
+    ]
 
 
-@pytest.mark.parametrize("at,put_back", [("produce:2:INT", "no file had been replaced yet"),
-                                         ("replace:2:INT", "the 1 file (of 3) it had replaced was put back"),
-                                         ("verify:1:INT", "the 3 files (of 3) it had replaced were put back")])
+@pytest.mark.parametrize(
+    "at,put_back",
+    [
+        ("produce:2:INT", "no file had been replaced yet"),
+        ("replace:2:INT", "the 1 file (of 3) it had replaced was put back"),
+        ("verify:1:INT", "the 3 files (of 3) it had replaced were put back"),
+    ],
+)
 def test_ctrl_c_during_a_write_rolls_back_and_says_so(copy_sample, at, put_back):
     """Ctrl-C (a real SIGINT, at a chosen step of the write) exited 130 printing nothing. Now: 130, one line saying
     the checkpoint is unchanged, what was put back, and where the abandoned journal is; bytes identical."""
@@ -360,8 +385,9 @@ def test_ctrl_c_during_a_write_rolls_back_and_says_so(copy_sample, at, put_back)
     proc = ckpt("set-lr", ck, "--scale", "0.5", "--yes", env={"CKPT_TEST_KILL_AT": at})
     assert proc.returncode == 130, proc.stderr
     (tx,) = [t for t in io.transactions(ck)]
-    assert proc.stderr.splitlines() == [f"ckpt: interrupted: {ck} is unchanged: {put_back} (the abandoned "
-                                        f"write's journal: {tx.dir})"]
+    assert proc.stderr.splitlines() == [
+        f"ckpt: interrupted: {ck} is unchanged: {put_back} (the abandoned write's journal: {tx.dir})"
+    ]
     assert tree(ck) == before and tx.status == "rolled-back"
 
 
@@ -371,8 +397,11 @@ def test_ctrl_c_during_to_universal_removes_the_partial_output_and_says_so(copy_
     proc = ckpt("to-universal", ck, out, "--workers", "1", env={"CKPT_TEST_KILL_AT": "fsync:3:INT"})
     assert proc.returncode == 130
     last = proc.stderr.strip().splitlines()[-1]
-    assert re.fullmatch(rf".*ckpt: interrupted: {out} was not created: its partial staging folder "
-                        rf"{tmp_path}/\.ckpt-staging-universal-\d+ was removed", last), proc.stderr
+    assert re.fullmatch(
+        rf".*ckpt: interrupted: {out} was not created: its partial staging folder "
+        rf"{tmp_path}/\.ckpt-staging-universal-\d+ was removed",
+        last,
+    ), proc.stderr
     assert not out.exists() and not list(tmp_path.glob(".ckpt-staging-*"))
 
 
@@ -385,8 +414,14 @@ def test_ctrl_c_during_resume_says_what_it_left(copy_sample, tmp_path):
     scratch_root.mkdir()
     env = {**os.environ, "TMPDIR": str(scratch_root)}
     env.pop("CKPT_DEBUG", None)
-    p = subprocess.Popen([*CLI, "resume", str(ck), "--steps", "200"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [*CLI, "resume", str(ck), "--steps", "200"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 120
     while not list(scratch_root.glob("ckpt-resume-*/worker_plan.json")) and time.time() < deadline:
         time.sleep(0.2)
@@ -396,7 +431,8 @@ def test_ctrl_c_during_resume_says_what_it_left(copy_sample, tmp_path):
     assert p.returncode == 130, err
     assert err.strip().splitlines()[-1] == (
         "ckpt: interrupted: resume stopped: the checkpoint was only read, the training processes were stopped and "
-        "the temporary scratch folder removed (a --work-dir keeps its files)")
+        "the temporary scratch folder removed (a --work-dir keeps its files)"
+    )
     assert not list(scratch_root.glob("ckpt-resume-*"))  # torchrun's own torchelastic_* may remain (SIGKILLed)
 
     def alive() -> list[str]:
@@ -405,8 +441,10 @@ def test_ctrl_c_during_resume_says_what_it_left(copy_sample, tmp_path):
         out = []
         for proc in Path("/proc").iterdir():
             try:
-                if str(scratch_root) in (proc / "cmdline").read_bytes().decode(errors="replace") and \
-                        (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                if (
+                    str(scratch_root) in (proc / "cmdline").read_bytes().decode(errors="replace")
+                    and (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+                ):
                     out.append(proc.name)
             except (OSError, IndexError):
                 continue
@@ -429,8 +467,9 @@ def on_a_terminal(*args) -> tuple[int, str]:
     return code, term
 
 
-@pytest.mark.parametrize("argv,desc", [(["set-lr", "--scale", "0.5"], "set-lr"),
-                                       (["set-step", "--optimizer-step", "9"], "set-step")])
+@pytest.mark.parametrize(
+    "argv,desc", [(["set-lr", "--scale", "0.5"], "set-lr"), (["set-step", "--optimizer-step", "9"], "set-step")]
+)
 def test_rewrites_and_restore_show_a_progress_bar_on_a_terminal_only(copy_sample, argv, desc):
     """A TB-scale rewrite was minutes of silence. A bar over the bytes written (set-lr, set-step) and restored
     (restore) now runs on stderr when it is a terminal; not with --json, not into a pipe or a log file."""
@@ -443,7 +482,9 @@ def test_rewrites_and_restore_show_a_progress_bar_on_a_terminal_only(copy_sample
     assert code == 0 and re.search(r"restore:\s+0%\|.*\| 0\.00/[\d.]+k? \[", term), term
     code, term = on_a_terminal(argv[0], ck, *argv[1:], "--yes", "--json")
     assert code == 0 and "%|" not in term
-    assert ckpt("restore", ck, "--yes").returncode == 0  # so that the request changes something again (a no-op is exit 2)
+    assert (
+        ckpt("restore", ck, "--yes").returncode == 0
+    )  # so that the request changes something again (a no-op is exit 2)
     proc = ckpt(argv[0], ck, *argv[1:], "--yes")
     assert proc.returncode == 0 and "%|" not in proc.stderr
 

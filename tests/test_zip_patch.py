@@ -1,4 +1,5 @@
 """zip_patch: torch zip files with some storage bytes replaced, CRCs fixed, nothing else touched."""
+
 from __future__ import annotations
 
 import struct
@@ -26,8 +27,13 @@ def storage_member(path, key: str) -> tuple[str, int]:
 
 @pytest.fixture
 def saved(tmp_path):
-    sd = {"a": torch.arange(10, dtype=torch.float32), "b": torch.linspace(-1, 1, 8).to(torch.bfloat16),
-          "c": torch.ones(3, 4), "step": torch.tensor(7.0), "note": "kept"}
+    sd = {
+        "a": torch.arange(10, dtype=torch.float32),
+        "b": torch.linspace(-1, 1, 8).to(torch.bfloat16),
+        "c": torch.ones(3, 4),
+        "step": torch.tensor(7.0),
+        "note": "kept",
+    }
     p = tmp_path / "f.pt"
     torch.save(sd, p)
     return p, sd
@@ -41,8 +47,14 @@ def test_patched_file_loads_with_new_values_and_correct_crcs(saved, tmp_path):
     new_a = torch.tensor([100.0, 200.0])
     new_b = torch.tensor([0.5, 0.25, -3.0], dtype=torch.bfloat16)
     dst = tmp_path / "out.pt"
-    crcs = patch_file(src, dst, [Patch(ma, oa + 2 * 4, new_a.numpy().tobytes()),
-                                 Patch(mb, ob + 4 * 2, new_b.view(torch.int16).numpy().tobytes())])
+    crcs = patch_file(
+        src,
+        dst,
+        [
+            Patch(ma, oa + 2 * 4, new_a.numpy().tobytes()),
+            Patch(mb, ob + 4 * 2, new_b.view(torch.int16).numpy().tobytes()),
+        ],
+    )
     assert dst.stat().st_size == src.stat().st_size
     with zipfile.ZipFile(dst) as zf:
         assert zf.testzip() is None  # every member's data matches its central-directory CRC
@@ -66,9 +78,9 @@ def test_patched_file_loads_with_new_values_and_correct_crcs(saved, tmp_path):
     with zipfile.ZipFile(dst) as zf:
         info = zf.getinfo(ma)
         assert info.flag_bits & 0x08
-        name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26: info.header_offset + 30])
+        name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26 : info.header_offset + 30])
         end = info.header_offset + 30 + name_len + extra_len + info.compress_size
-        assert raw[end: end + 4] == b"PK\x07\x08" and struct.unpack("<I", raw[end + 4: end + 8])[0] == crcs[ma]
+        assert raw[end : end + 4] == b"PK\x07\x08" and struct.unpack("<I", raw[end + 4 : end + 8])[0] == crcs[ma]
 
 
 def test_source_is_untouched_and_bad_patches_write_nothing(saved, tmp_path):
@@ -107,8 +119,9 @@ def test_zip64_archive(tmp_path, monkeypatch):
         assert zf.testzip() is None
         info = zf.getinfo("arch/data/1")
         assert not info.flag_bits & 0x08  # this writer keeps the CRC in the local header
-    assert struct.unpack("<I", dst.read_bytes()[info.header_offset + 14: info.header_offset + 18])[0] == \
-        zlib.crc32(want["arch/data/1"])
+    assert struct.unpack("<I", dst.read_bytes()[info.header_offset + 14 : info.header_offset + 18])[0] == zlib.crc32(
+        want["arch/data/1"]
+    )
 
 
 # --- in place (issue 14): CRC-32 from the changed range alone, a new data.pkl appended ----------------------
@@ -129,14 +142,15 @@ def test_crc32_combine_and_update_match_zlib():
     crc = zlib.crc32(data)
     for off, n in [(0, 10), (5000, 1), (9990, 10), (17, 4000)]:
         new = rng.randbytes(n)
-        crc = crc32_update(crc, bytes(data[off: off + n]), new, len(data) - off - n)
-        data[off: off + n] = new
+        crc = crc32_update(crc, bytes(data[off : off + n]), new, len(data) - off - n)
+        data[off : off + n] = new
         assert crc == zlib.crc32(data)
     # shifting by lengths too large to materialise composes: (A+B)+C == A+(B+C) with |B|, |C| of GiBs
     c1, c2, c3 = 0x12345678, 0x9ABCDEF0, 0x0F1E2D3C
     big, bigger = 5 << 30, 3 << 32
-    assert crc32_combine(crc32_combine(c1, c2, big), c3, bigger) == \
-        crc32_combine(c1, crc32_combine(c2, c3, bigger), big + bigger)
+    assert crc32_combine(crc32_combine(c1, c2, big), c3, bigger) == crc32_combine(
+        c1, crc32_combine(c2, c3, bigger), big + bigger
+    )
 
 
 def _applied_copy(src, tmp_path, change, name="inplace.pt"):
@@ -152,9 +166,11 @@ def test_in_place_patches_give_exactly_the_patched_copy(saved, tmp_path):
     src, sd = saved
     ma, oa = storage_member(src, "a")
     mb, ob = storage_member(src, "b")
-    patches = [Patch(ma, oa + 2 * 4, torch.tensor([100.0, 200.0]).numpy().tobytes()),
-               Patch(ma, oa + 7 * 4, torch.tensor([-1.0]).numpy().tobytes()),
-               Patch(mb, ob + 4 * 2, torch.tensor([0.5], dtype=torch.bfloat16).view(torch.int16).numpy().tobytes())]
+    patches = [
+        Patch(ma, oa + 2 * 4, torch.tensor([100.0, 200.0]).numpy().tobytes()),
+        Patch(ma, oa + 7 * 4, torch.tensor([-1.0]).numpy().tobytes()),
+        Patch(mb, ob + 4 * 2, torch.tensor([0.5], dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()),
+    ]
     copy = tmp_path / "copy.pt"
     patch_file(src, copy, patches)
     change = plan_in_place(src, patches)
@@ -215,8 +231,10 @@ def test_in_place_on_a_zip64_archive(tmp_path, monkeypatch):
     monkeypatch.undo()
     copy = tmp_path / "copy.zip"
     patch_file(p, copy, [Patch("arch/data/1", 1000, b"XYZ")])
-    assert _applied_copy(p, tmp_path, plan_in_place(p, [Patch("arch/data/1", 1000, b"XYZ")])).read_bytes() == \
-        copy.read_bytes()
+    assert (
+        _applied_copy(p, tmp_path, plan_in_place(p, [Patch("arch/data/1", 1000, b"XYZ")])).read_bytes()
+        == copy.read_bytes()
+    )
     dst = _applied_copy(p, tmp_path, plan_in_place(p, [Patch("arch/data/2", 0, b"Q")], b"new pickle"), "n.zip")
     got = members(dst)
     assert got["arch/data.pkl"] == b"new pickle" and got["arch/data/2"] == b"Q" + payload["arch/data/2"][1:]

@@ -3,6 +3,7 @@
 `detect` asks them in order; the order matters where layouts nest (an Accelerate folder can hold a
 DeepSpeed tag folder, a universal checkpoint holds DeepSpeed model-states files).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -14,9 +15,20 @@ from ..errors import CkptError, NotACheckpoint, UnsupportedCheckpoint
 
 #: detection order: the most specific layouts first
 FORMAT_MODULES = (
-    "hf_trainer", "torchtune", "megatron_lm", "megatron_dist", "safetensors_file", "dcp", "universal", "accelerate", "megatron_pipeline", "deepspeed_moe", "deepspeed",
+    "hf_trainer",
+    "torchtune",
+    "megatron_lm",
+    "megatron_dist",
+    "safetensors_file",
+    "dcp",
+    "universal",
+    "accelerate",
+    "megatron_pipeline",
+    "deepspeed_moe",
+    "deepspeed",
     "fsdp_sharded",
-    "lightning", "torch_file",
+    "lightning",
+    "torch_file",
 )
 
 
@@ -51,8 +63,12 @@ def training_state(ck):
             if hasattr(mod, "training_state"):
                 return mod.training_state(ck)
             break
-    return StateMap(Path(ck.path), (), read_only=f"set-lr/set-step do not edit {ck.format} checkpoints: they hold no "
-                    "optimizer or scheduler state", hint="edit the training checkpoint the run resumes from")
+    return StateMap(
+        Path(ck.path),
+        (),
+        read_only=f"set-lr/set-step do not edit {ck.format} checkpoints: they hold no optimizer or scheduler state",
+        hint="edit the training checkpoint the run resumes from",
+    )
 
 
 def detect(path: Path) -> ModuleType:
@@ -69,30 +85,41 @@ def detect(path: Path) -> ModuleType:
     if inside:
         names = ", ".join(p.name for p, _ in inside[:5]) + (f", … {len(inside) - 5} more" if len(inside) > 5 else "")
         n = len(inside)
-        raise NotACheckpoint(f"this folder holds {n} checkpoints, newest first: {names}" if n > 1
-                             else f"this folder holds one checkpoint: {names}",
-                             path=path, hint=f"pass one of them, e.g. ckpt inspect {inside[0][0]}")
+        raise NotACheckpoint(
+            f"this folder holds {n} checkpoints, newest first: {names}"
+            if n > 1
+            else f"this folder holds one checkpoint: {names}",
+            path=path,
+            hint=f"pass one of them, e.g. ckpt inspect {inside[0][0]}",
+        )
     whole = holder(path)
     if whole is not None:
         up, fmt = whole
-        raise NotACheckpoint(f"this {what} is part of the {fmt} checkpoint {up}", path=path,
-                             hint=f"pass that folder: ckpt inspect {up}")
+        raise NotACheckpoint(
+            f"this {what} is part of the {fmt} checkpoint {up}", path=path, hint=f"pass that folder: ckpt inspect {up}"
+        )
     megatron = megatron_lm_layout(path)
     if megatron:
-        raise UnsupportedCheckpoint(f"a Megatron-LM layout ({megatron}) that does not open as a whole checkpoint "
-                                    "here (an iteration folder without its rank folders, or a latest file naming an "
-                                    "iteration that is not here)", path=path,
-                                    hint="pass the run folder or an iter_N folder that holds every mp_rank_* folder "
-                                         "(legacy) or .metadata + common.pt + metadata.json (torch_dist)")
+        raise UnsupportedCheckpoint(
+            f"a Megatron-LM layout ({megatron}) that does not open as a whole checkpoint "
+            "here (an iteration folder without its rank folders, or a latest file naming an "
+            "iteration that is not here)",
+            path=path,
+            hint="pass the run folder or an iter_N folder that holds every mp_rank_* folder "
+            "(legacy) or .metadata + common.pt + metadata.json (torch_dist)",
+        )
     raise NotACheckpoint(
         f"this {what} is not a supported checkpoint (looked for DeepSpeed mp_rank_*/zero_pp_rank_* files, "
         "layer_*-model_* files, a DCP .metadata, Accelerate state files, torch.save files, safetensors)",
-        path=path, hint="pass the checkpoint folder, its tag folder, or a checkpoint file")
+        path=path,
+        hint="pass the checkpoint folder, its tag folder, or a checkpoint file",
+    )
 
 
 def holder(path: Path) -> tuple[Path, str] | None:
     """(folder, format) of the checkpoint above `path` that opens and holds it (a file it read or one beside
-    them, such as `latest`; a folder with a file it read inside), farthest first; None when none does. A folder a format merely claims is not enough: a stale
+    them, such as `latest`; a folder with a file it read inside), farthest first; None when none does. A folder a
+    format merely claims is not enough: a stale
     `latest_universal` left in a parent by ds_to_universal claims every folder below it and opens nothing."""
     import os
 
@@ -136,8 +163,10 @@ def claim(path: Path) -> ModuleType | None:
 
 #: files that are pieces of a sharded checkpoint, never one by themselves: a folder of them is a damaged
 #: checkpoint (its metadata file missing), not a folder of checkpoints
-_PART_NAME = re.compile(r"(zero_pp_rank_\d+|mp_rank_\d+|layer_\d+-model_\d+|^__\d+_\d+\.distcp$|^rank\d+\.|"
-                        r"^model_optim_rng\.pt$|^distrib_optim\.pt$|^expp_rank_\d+)")
+_PART_NAME = re.compile(
+    r"(zero_pp_rank_\d+|mp_rank_\d+|layer_\d+-model_\d+|^__\d+_\d+\.distcp$|^rank\d+\.|"
+    r"^model_optim_rng\.pt$|^distrib_optim\.pt$|^expp_rank_\d+)"
+)
 _CKPT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".safetensors")
 
 
@@ -151,8 +180,9 @@ def checkpoints_inside(folder: Path) -> list[tuple[Path, ModuleType]]:
     except OSError:
         return []
     for child in children:
-        if child.name.startswith(".") or (child.is_file() and (child.suffix not in _CKPT_SUFFIXES
-                                                               or _PART_NAME.search(child.name))):
+        if child.name.startswith(".") or (
+            child.is_file() and (child.suffix not in _CKPT_SUFFIXES or _PART_NAME.search(child.name))
+        ):
             continue
         try:
             mod = claim(child)

@@ -1,4 +1,5 @@
 """Helpers every format module shares: loading files safely, stray-file warnings, `latest` tags."""
+
 from __future__ import annotations
 
 import itertools
@@ -44,8 +45,9 @@ class LoadCache:
         self._note_unknown(path, hit)
         return hit
 
-    def load_embedded_head(self, path: Path, offset: int, length: int,
-                           head_bytes: int = pickle_reader.ITEM_HEAD_BYTES) -> pickle_reader.Loaded:
+    def load_embedded_head(
+        self, path: Path, offset: int, length: int, head_bytes: int = pickle_reader.ITEM_HEAD_BYTES
+    ) -> pickle_reader.Loaded:
         """`load_embedded` read from the item's first `head_bytes` (`pickle_reader.load_embedded_head`)."""
         path = path if isinstance(path, Path) else Path(path)
         hit = pickle_reader.load_embedded_head(self.outer(path), offset, length, head_bytes)
@@ -79,10 +81,15 @@ class LoadCache:
         return hit
 
     def warnings(self) -> list[Warning_]:
-        return [Warning_("unknown-global",
-                         f"pickle names {', '.join(names)}: shown as opaque records, not executed "
-                         "(a plain torch.load would import and run it)", rel)
-                for rel, names in sorted(self.unknown_globals.items())]
+        return [
+            Warning_(
+                "unknown-global",
+                f"pickle names {', '.join(names)}: shown as opaque records, not executed "
+                "(a plain torch.load would import and run it)",
+                rel,
+            )
+            for rel, names in sorted(self.unknown_globals.items())
+        ]
 
 
 def stray_file_warnings(folder: Path, root: Path) -> list[Warning_]:
@@ -94,12 +101,24 @@ def stray_file_warnings(folder: Path, root: Path) -> list[Warning_]:
     for name in names:
         rel = str((folder / name).relative_to(root)) if folder != root else name
         if _STRAY_RE.search(name):
-            out.append(Warning_("stray-file", f"{name} sits beside state files; a loader that globs this folder "
-                                f"may pick it up. Move it out of the checkpoint folder", rel))
+            out.append(
+                Warning_(
+                    "stray-file",
+                    f"{name} sits beside state files; a loader that globs this folder "
+                    f"may pick it up. Move it out of the checkpoint folder",
+                    rel,
+                )
+            )
         elif "custom_checkpoint" in name and not re.fullmatch(r"custom_checkpoint_\d+\.pkl", name):
-            out.append(Warning_("stray-file", f"{name} looks like a copy of custom_checkpoint_N.pkl; "
-                                "Accelerate < 1.x counts every file containing 'custom_checkpoint' and then "
-                                "silently skips loading custom state. Move it out of the folder", rel))
+            out.append(
+                Warning_(
+                    "stray-file",
+                    f"{name} looks like a copy of custom_checkpoint_N.pkl; "
+                    "Accelerate < 1.x counts every file containing 'custom_checkpoint' and then "
+                    "silently skips loading custom state. Move it out of the folder",
+                    rel,
+                )
+            )
     return out
 
 
@@ -122,16 +141,21 @@ def resolve_tag(path: Path, marker_glob: str, latest_name: str = "latest") -> tu
     if tag is not None:
         tag_dir = path / tag
         if not tag_dir.is_dir():
-            raise MissingFile(f"'{latest_name}' names tag '{tag}' but {tag_dir} does not exist",
-                              path=path / latest_name,
-                              hint=f"point {latest_name} at an existing tag folder or pass the tag folder itself")
+            raise MissingFile(
+                f"'{latest_name}' names tag '{tag}' but {tag_dir} does not exist",
+                path=path / latest_name,
+                hint=f"point {latest_name} at an existing tag folder or pass the tag folder itself",
+            )
         return path, tag_dir, tag
     cands = [d for d in sorted(path.iterdir()) if d.is_dir() and any(d.glob(marker_glob))]
     if len(cands) == 1:
         return path, cands[0], cands[0].name
     if cands:
-        raise NotACheckpoint(f"several tag folders ({', '.join(c.name for c in cands)}) and no '{latest_name}' file",
-                             path=path, hint="pass one tag folder")
+        raise NotACheckpoint(
+            f"several tag folders ({', '.join(c.name for c in cands)}) and no '{latest_name}' file",
+            path=path,
+            hint="pass one tag folder",
+        )
     raise NotACheckpoint("no checkpoint files found", path=path)
 
 
@@ -225,9 +249,12 @@ def training_header(tree: dict[str, Node]) -> tuple[Counters, LearningRates, lis
         base += b or ()
         last += l_ or ()
     last_epoch, step_count = scheduler_counters(sched0)
-    counters = Counters(global_step=loop_step(tree.get("client_state")),
-                        optimizer_step=max(set(steps), key=steps.count) if steps else None,
-                        scheduler_last_epoch=last_epoch, scheduler_step_count=step_count)
+    counters = Counters(
+        global_step=loop_step(tree.get("client_state")),
+        optimizer_step=max(set(steps), key=steps.count) if steps else None,
+        scheduler_last_epoch=last_epoch,
+        scheduler_step_count=step_count,
+    )
     return counters, LearningRates(tuple(lrs), tuple(base) or None, tuple(last) or None), steps
 
 
@@ -259,8 +286,9 @@ def optimizer_steps(state: Node | None) -> list[int]:
     return out
 
 
-def counter_warnings(ckpt_counters, *, accelerate_world_size: int | None = None,
-                     optimizer_steps_seen: Iterable[int] = ()) -> list[Warning_]:
+def counter_warnings(
+    ckpt_counters, *, accelerate_world_size: int | None = None, optimizer_steps_seen: Iterable[int] = ()
+) -> list[Warning_]:
     """Counters that do not fit each other. Knows that Accelerate steps the scheduler once per process
     per optimizer step, and that DeepSpeed counts skipped (overflow) steps in global_steps only."""
     out = []
@@ -271,18 +299,26 @@ def counter_warnings(ckpt_counters, *, accelerate_world_size: int | None = None,
     if c.global_step is not None and c.optimizer_step is not None:
         expect = c.global_step - (c.skipped_steps or 0)
         if c.optimizer_step != expect:
-            out.append(Warning_("step-mismatch",
-                                f"optimizer step {c.optimizer_step} != global step {c.global_step}"
-                                + (f" - skipped {c.skipped_steps}" if c.skipped_steps else "")
-                                + " (an Adam step counter that was reset restarts bias correction)"))
+            out.append(
+                Warning_(
+                    "step-mismatch",
+                    f"optimizer step {c.optimizer_step} != global step {c.global_step}"
+                    + (f" - skipped {c.skipped_steps}" if c.skipped_steps else "")
+                    + " (an Adam step counter that was reset restarts bias correction)",
+                )
+            )
     if c.optimizer_step is not None and c.scheduler_last_epoch is not None:
         per_step = accelerate_world_size or 1
         lo, hi = (c.optimizer_step - 1) * per_step, (c.optimizer_step + 1) * per_step
         if not (lo <= c.scheduler_last_epoch <= hi):
-            hint = (f" (Accelerate steps the scheduler {per_step}x per optimizer step)" if per_step > 1 else "")
-            out.append(Warning_("scheduler-mismatch",
-                                f"scheduler last_epoch {c.scheduler_last_epoch} does not fit optimizer step "
-                                f"{c.optimizer_step}{hint}; the LR schedule may restart or jump on resume"))
+            hint = f" (Accelerate steps the scheduler {per_step}x per optimizer step)" if per_step > 1 else ""
+            out.append(
+                Warning_(
+                    "scheduler-mismatch",
+                    f"scheduler last_epoch {c.scheduler_last_epoch} does not fit optimizer step "
+                    f"{c.optimizer_step}{hint}; the LR schedule may restart or jump on resume",
+                )
+            )
     return out
 
 

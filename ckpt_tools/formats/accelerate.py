@@ -7,6 +7,7 @@ optimizer live in a DeepSpeed tag folder (`pytorch_model/` + `latest`); with FSD
 (`pytorch_model_fsdp_0/`, `optimizer_0/`). The scheduler always stays in `scheduler.bin`, and Accelerate
 steps it once per process per optimizer step (after 4 steps on 2 ranks `last_epoch` is 8).
 """
+
 from __future__ import annotations
 
 import re
@@ -15,8 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from ..read.pickle_reader import TensorRef
-from ..read.tree import (Checkpoint, Counters, GroupNode, LearningRates, Topology, Warning_, iter_tensors, tensor_node,
-                         to_node)
+from ..read.tree import (
+    Checkpoint,
+    Counters,
+    GroupNode,
+    LearningRates,
+    Topology,
+    Warning_,
+    iter_tensors,
+    tensor_node,
+    to_node,
+)
 from . import _common as C
 
 FORMAT = "accelerate"
@@ -109,7 +119,9 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
         key = "scheduler" if sf.stem == "scheduler" else sf.stem
         tree[key] = to_node(cache.load(sf).obj, sf.name)
         files.append(C.file_info(sf, path, "scheduler"))
-    rng_files = sorted((p for p in path.iterdir() if _RNG_RE.match(p.name)), key=lambda p: int(_RNG_RE.match(p.name)[1]))
+    rng_files = sorted(
+        (p for p in path.iterdir() if _RNG_RE.match(p.name)), key=lambda p: int(_RNG_RE.match(p.name)[1])
+    )
     if rng_files:
         tree["rng"] = GroupNode({p.stem: to_node(cache.load(p).obj, p.name) for p in rng_files})
         files += [C.file_info(p, path, "rng", {"rank": int(_RNG_RE.match(p.name)[1])}) for p in rng_files]
@@ -124,36 +136,59 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     ranks_seen = sorted(int(_RNG_RE.match(p.name)[1]) for p in rng_files)
     if ranks_seen and ranks_seen != list(range(len(ranks_seen))):
         gone = [f"random_states_{r}.pkl" for r in range(max(ranks_seen) + 1) if r not in ranks_seen]
-        warnings.append(Warning_("missing-rank-file", f"random_states files for ranks {ranks_seen}: "
-                                 f"{', '.join(gone)} missing", gone[0]))
+        warnings.append(
+            Warning_(
+                "missing-rank-file", f"random_states files for ranks {ranks_seen}: {', '.join(gone)} missing", gone[0]
+            )
+        )
     # several models / optimizers / schedulers (model_1.safetensors, optimizer_1.bin, scheduler_1.bin): the
     # header lists every optimizer's groups in order; the loop step is the script's own state (not read)
     header, lrs, _ = C.training_header({k: v for k, v in tree.items() if k != "client_state"})
     if inner is not None:
-        steps_seen = steps_seen or ([inner.counters.optimizer_step] if inner.counters.optimizer_step is not None else [])
+        steps_seen = steps_seen or (
+            [inner.counters.optimizer_step] if inner.counters.optimizer_step is not None else []
+        )
     opt_step = max(set(steps_seen), key=steps_seen.count) if steps_seen else None
     counters = Counters(
         global_step=inner.counters.global_step if inner is not None else None,
-        optimizer_step=opt_step, scheduler_last_epoch=header.scheduler_last_epoch,
+        optimizer_step=opt_step,
+        scheduler_last_epoch=header.scheduler_last_epoch,
         scheduler_step_count=header.scheduler_step_count,
-        skipped_steps=inner.counters.skipped_steps if inner is not None else None)
-    if world and opt_step and header.scheduler_last_epoch and header.scheduler_last_epoch % opt_step == 0 \
-            and header.scheduler_last_epoch // opt_step > world and inner is None:
+        skipped_steps=inner.counters.skipped_steps if inner is not None else None,
+    )
+    if (
+        world
+        and opt_step
+        and header.scheduler_last_epoch
+        and header.scheduler_last_epoch % opt_step == 0
+        and header.scheduler_last_epoch // opt_step > world
+        and inner is None
+    ):
         # Accelerate steps the scheduler once per process per update: the saved position says how many
         # processes ran, and each saved its own random_states file
         want = header.scheduler_last_epoch // opt_step
         missing = [f"random_states_{r}.pkl" for r in range(want) if r not in ranks_seen]
-        warnings.append(Warning_("missing-rank-file", f"the scheduler stepped {want}x per update ({want} processes) "
-                                 f"but random_states files exist for {world}: {', '.join(missing)} missing",
-                                 missing[0]))
+        warnings.append(
+            Warning_(
+                "missing-rank-file",
+                f"the scheduler stepped {want}x per update ({want} processes) "
+                f"but random_states files exist for {world}: {', '.join(missing)} missing",
+                missing[0],
+            )
+        )
         world = want
     schedulers = {p.stem.replace("scheduler", "") for p in path.glob("scheduler*.bin")}
     optimizers = {p.stem.replace("optimizer", "") for p in path.glob("optimizer*.bin")}
     if inner is None:
         for suffix in sorted(schedulers - optimizers):
-            warnings.append(Warning_("missing-state", f"scheduler{suffix}.bin is saved but optimizer{suffix}.bin is "
-                                     "not: the optimizer state (Adam moments, step) of this run is missing",
-                                     f"optimizer{suffix}.bin"))
+            warnings.append(
+                Warning_(
+                    "missing-state",
+                    f"scheduler{suffix}.bin is saved but optimizer{suffix}.bin is "
+                    "not: the optimizer state (Adam moments, step) of this run is missing",
+                    f"optimizer{suffix}.bin",
+                )
+            )
     warnings += C.counter_warnings(counters, accelerate_world_size=world, optimizer_steps_seen=steps_seen)
     warnings += C.stray_file_warnings(path, path) + cache.warnings()
     if inner is not None and Path(inner.path) != path:
@@ -174,9 +209,19 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     order = ("model", "optimizer", "scheduler", "counters", "rng", "client_state", "config")
     tree = dict(sorted(tree.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
     return Checkpoint(
-        format=FORMAT, path=str(path), topology=topo, tree=GroupNode(tree), counters=counters,
-        lr=lrs, parameter_count=count, parameter_tensors=ntensors,
-        files=tuple(files), warnings=tuple(warnings), dtypes=tuple(dtypes), details=details)
+        format=FORMAT,
+        path=str(path),
+        topology=topo,
+        tree=GroupNode(tree),
+        counters=counters,
+        lr=lrs,
+        parameter_count=count,
+        parameter_tensors=ntensors,
+        files=tuple(files),
+        warnings=tuple(warnings),
+        dtypes=tuple(dtypes),
+        details=details,
+    )
 
 
 def _param_names_from_groups(osd: dict) -> list[str]:
@@ -197,10 +242,13 @@ def training_state(ck: Checkpoint):
 
     root = Path(ck.path)
     if "fsdp" in str(ck.details.get("engine", "")):
-        return StateMap(root, (), read_only="Accelerate FSDP checkpoints are read-only for set-lr/set-step: their "
-                        "optimizer is a DCP folder beside scheduler.bin",
-                        hint="load it, then call scheduler.load_state_dict / set group['lr'] in your training "
-                             "script")
+        return StateMap(
+            root,
+            (),
+            read_only="Accelerate FSDP checkpoints are read-only for set-lr/set-step: their "
+            "optimizer is a DCP folder beside scheduler.bin",
+            hint="load it, then call scheduler.load_state_dict / set group['lr'] in your training script",
+        )
     sources = []
     tag = C.read_latest(root)
     if tag and (root / tag).is_dir():
@@ -208,7 +256,6 @@ def training_state(ck: Checkpoint):
     for p in sorted(root.glob("scheduler*.bin")) + sorted(root.glob("optimizer*.bin")):
         sources.append(StateSource(p, p.name, index=_object_index(p.stem)))
     return StateMap(root, tuple(sources), scheduler_steps_per_update=int(ck.details.get("world_size") or 1))
-
 
 
 def logical_layout(ck: Checkpoint) -> dict[str, Any]:

@@ -17,6 +17,7 @@ The chunk assembly (`Chunk`, `chunked_tensor`) and the header of a torch trainin
 (`training_checkpoint`) are shared with the FSDP1 ShardedTensor reader, whose shards are the same
 idea: a block of the logical tensor at some offsets, stored by one rank.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -30,8 +31,22 @@ from ..read import pickle_reader, remote
 from ..errors import CorruptCheckpoint, MissingFile, UnsupportedCheckpoint
 from ..read.pickle_reader import DTYPE_SIZE, SMALL_TENSOR_NUMEL, DType, LazyTensorRef, TensorRef, is_opaque
 from ..read.qkv import find_fused
-from ..read.tree import (Checkpoint, FileInfo, GroupNode, Node, OpaqueNode, Piece, TensorNode, Topology, ValueNode,
-                         Warning_, as_int, iter_tensors, tensor_node, to_node)
+from ..read.tree import (
+    Checkpoint,
+    FileInfo,
+    GroupNode,
+    Node,
+    OpaqueNode,
+    Piece,
+    TensorNode,
+    Topology,
+    ValueNode,
+    Warning_,
+    as_int,
+    iter_tensors,
+    tensor_node,
+    to_node,
+)
 from . import _common as C
 from ..read.state import is_flattened
 from .torch_file import flattened_optimizer_tree, split_training_dict
@@ -72,7 +87,7 @@ def _runs(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ..
     if d < 0:
         yield 0, 0, inner
         return
-    strides = [math.prod(shape[j + 1:]) for j in range(len(shape))]
+    strides = [math.prod(shape[j + 1 :]) for j in range(len(shape))]
     run = sizes[d] * inner
     src = 0
     for idx in itertools.product(*(range(s) for s in sizes[:d])):
@@ -95,30 +110,48 @@ def chunked_tensor(key: str, shape: tuple[int, ...], dtype: str, chunks: list[Ch
     pieces = []
     for c in chunks:
         _check_chunk(key, shape, dtype, c, where)
-        pieces += [Piece(c.file, c.ref, src, n, dst, dict(c.rank))
-                   for src, dst, n in _runs(shape, tuple(c.offsets), tuple(c.sizes)) if n]
+        pieces += [
+            Piece(c.file, c.ref, src, n, dst, dict(c.rank))
+            for src, dst, n in _runs(shape, tuple(c.offsets), tuple(c.sizes))
+            if n
+        ]
     pieces.sort(key=lambda p: p.dst_offset)
     covered = 0
     for p in pieces:
         if p.dst_offset != covered:
             what = "overlap" if p.dst_offset < covered else f"leave elements {covered}..{p.dst_offset} uncovered"
-            raise CorruptCheckpoint(f"{key}: the chunks {what} (shape {list(shape)})", path=where,
-                                    hint="a rank's file is missing or comes from another run")
+            raise CorruptCheckpoint(
+                f"{key}: the chunks {what} (shape {list(shape)})",
+                path=where,
+                hint="a rank's file is missing or comes from another run",
+            )
         covered += p.numel
     if covered != numel:
-        raise CorruptCheckpoint(f"{key}: the chunks cover {covered} of {numel} elements", path=where,
-                                hint="a rank's file is missing or comes from another run")
+        raise CorruptCheckpoint(
+            f"{key}: the chunks cover {covered} of {numel} elements",
+            path=where,
+            hint="a rank's file is missing or comes from another run",
+        )
     return TensorNode(shape, dtype, tuple(pieces), value=_tiny_value(shape, pieces))
 
 
 def _check_chunk(key: str, shape: tuple[int, ...], dtype: str, c: Chunk, where: Path) -> None:
-    if len(c.offsets) != len(shape) or len(c.sizes) != len(shape) or any(
-            o < 0 or o + s > d for o, s, d in zip(c.offsets, c.sizes, shape)):
-        raise CorruptCheckpoint(f"{key}: chunk at {list(c.offsets)} of size {list(c.sizes)} lies outside the "
-                                f"tensor's shape {list(shape)}", path=where, hint="the metadata is corrupt")
+    if (
+        len(c.offsets) != len(shape)
+        or len(c.sizes) != len(shape)
+        or any(o < 0 or o + s > d for o, s, d in zip(c.offsets, c.sizes, shape))
+    ):
+        raise CorruptCheckpoint(
+            f"{key}: chunk at {list(c.offsets)} of size {list(c.sizes)} lies outside the tensor's shape {list(shape)}",
+            path=where,
+            hint="the metadata is corrupt",
+        )
     if c.ref.numel != math.prod(c.sizes) or c.ref.dtype != dtype:
-        raise CorruptCheckpoint(f"{key}: the stored chunk is {c.ref.dtype} {list(c.ref.shape)}, the metadata says "
-                                f"{dtype} {list(c.sizes)}", path=where, hint=f"{c.file} comes from another run")
+        raise CorruptCheckpoint(
+            f"{key}: the stored chunk is {c.ref.dtype} {list(c.ref.shape)}, the metadata says {dtype} {list(c.sizes)}",
+            path=where,
+            hint=f"{c.file} comes from another run",
+        )
 
 
 def _tiny_value(shape: tuple[int, ...], pieces: list[Piece]) -> Any:
@@ -129,7 +162,7 @@ def _tiny_value(shape: tuple[int, ...], pieces: list[Piece]) -> Any:
     vals: list = [None] * numel
     try:
         for p in pieces:
-            vals[p.dst_offset: p.dst_offset + p.numel] = p.ref.read_values()[p.src_offset: p.src_offset + p.numel]
+            vals[p.dst_offset : p.dst_offset + p.numel] = p.ref.read_values()[p.src_offset : p.src_offset + p.numel]
     except Exception:  # unreadable bytes show as a missing value, as in tree.tensor_node
         return None
     return vals[0] if shape == () else vals
@@ -149,8 +182,17 @@ def _nodes(obj: Any, file: str) -> Node:
     return to_node(obj, file)
 
 
-def training_checkpoint(fmt: str, root: Path, top: Mapping[str, Any], *, file: str, dp: int,
-                        files: list[FileInfo], warnings: list[Warning_], details: dict) -> Checkpoint:
+def training_checkpoint(
+    fmt: str,
+    root: Path,
+    top: Mapping[str, Any],
+    *,
+    file: str,
+    dp: int,
+    files: list[FileInfo],
+    warnings: list[Warning_],
+    details: dict,
+) -> Checkpoint:
     """A Checkpoint from the state dict a torch training loop saved ({model, optimizer, scheduler, step});
     `top` holds nodes (sharded tensors already assembled) or raw objects from `file`."""
     model, optims, scheds, rest = split_training_dict(dict(top))
@@ -165,8 +207,9 @@ def training_checkpoint(fmt: str, root: Path, top: Mapping[str, Any], *, file: s
     if model is not None:
         tree["model"] = _nodes(model, file)
     for i, osd in enumerate(optims):
-        tree[C._numbered("optimizer", i)] = (flattened_optimizer_tree(osd, file, _nodes) if is_flattened(osd)
-                                             else _nodes(osd, file))
+        tree[C._numbered("optimizer", i)] = (
+            flattened_optimizer_tree(osd, file, _nodes) if is_flattened(osd) else _nodes(osd, file)
+        )
     for i, sd in enumerate(scheds):
         tree[C._numbered("scheduler", i)] = _nodes(sd, file)
     if rest:
@@ -176,24 +219,36 @@ def training_checkpoint(fmt: str, root: Path, top: Mapping[str, Any], *, file: s
     fused = find_fused(GroupNode(tree))
     if fused:
         first = next(iter(fused))
-        why = (f"its Adam state is saved under the fused name ({first}), with rows interleaved per KV-head group, "
-               "while the weights are saved split; the checkpoint does not record the model's n_kv_heads that "
-               "orders those rows")
-        details = {**details, "fused": f"{len(fused)} fused parameter(s) saved split, counted once "
-                   f"({first} = {' + '.join(p.rsplit('.', 2)[-2] for p in fused[first])}"
-                   f"{', …' if len(fused) > 1 else ''})",
-                   "convert_unproven": f"{why}: pass --n-kv-heads N (the model's KV heads) to split it "
-                                       "(export writes the weights as saved)",
-                   "resume_unsupported": f"the Adam state of the fused {first} cannot be matched to its split "
-                                         "weights without the model's n_kv_heads (convert_unproven says why): "
-                                         "pass --n-kv-heads N"}
+        why = (
+            f"its Adam state is saved under the fused name ({first}), with rows interleaved per KV-head group, "
+            "while the weights are saved split; the checkpoint does not record the model's n_kv_heads that "
+            "orders those rows"
+        )
+        details = {
+            **details,
+            "fused": f"{len(fused)} fused parameter(s) saved split, counted once "
+            f"({first} = {' + '.join(p.rsplit('.', 2)[-2] for p in fused[first])}"
+            f"{', …' if len(fused) > 1 else ''})",
+            "convert_unproven": f"{why}: pass --n-kv-heads N (the model's KV heads) to split it "
+            "(export writes the weights as saved)",
+            "resume_unsupported": f"the Adam state of the fused {first} cannot be matched to its split "
+            "weights without the model's n_kv_heads (convert_unproven says why): "
+            "pass --n-kv-heads N",
+        }
     return Checkpoint(
-        format=fmt, path=str(root), topology=Topology(dp=dp, tp=1, pp=1, zero_stage=None), tree=GroupNode(tree),
-        counters=counters, lr=lrs,
+        format=fmt,
+        path=str(root),
+        topology=Topology(dp=dp, tp=1, pp=1, zero_stage=None),
+        tree=GroupNode(tree),
+        counters=counters,
+        lr=lrs,
         parameter_count=sum(t.numel for t in params),
-        parameter_tensors=len(params) - sum(len(parts) - 1 for parts in fused.values()), files=tuple(files),
+        parameter_tensors=len(params) - sum(len(parts) - 1 for parts in fused.values()),
+        files=tuple(files),
         warnings=tuple(C.counter_warnings(counters, optimizer_steps_seen=steps) + warnings),
-        dtypes=tuple(sorted({t.dtype for t in params})), details=details)
+        dtypes=tuple(sorted({t.dtype for t in params})),
+        details=details,
+    )
 
 
 def _raw(v: Any) -> Any:
@@ -273,8 +328,11 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     sdm = md.field("state_dict_metadata") if is_opaque(md, "Metadata") else None
     storage = md.field("storage_data") if is_opaque(md, "Metadata") else None
     if not isinstance(sdm, dict) or not isinstance(storage, dict):
-        raise CorruptCheckpoint(".metadata does not hold a torch.distributed.checkpoint Metadata", path=meta_path,
-                                hint="re-copy .metadata from the run that wrote the .distcp files")
+        raise CorruptCheckpoint(
+            ".metadata does not hold a torch.distributed.checkpoint Metadata",
+            path=meta_path,
+            hint="re-copy .metadata from the run that wrote the .distcp files",
+        )
     planner = md.field("planner_data")
     if not isinstance(planner, dict):
         planner = {}
@@ -293,8 +351,11 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
             sizes[rel] = -1
         if sizes[rel] < 0 or not (path / rel).is_file():
             n = sum(1 for r, _, _ in where.values() if r == rel)
-            raise MissingFile(f"{rel} is missing (.metadata places {n} items in it)", path=path / rel,
-                              hint="re-copy the checkpoint folder; every rank's .distcp file is needed")
+            raise MissingFile(
+                f"{rel} is missing (.metadata places {n} items in it)",
+                path=path / rel,
+                hint="re-copy the checkpoint folder; every rank's .distcp file is needed",
+            )
     if remote._MOUNTS:  # a remote checkpoint: what opening reads of the items, planned as one parallel batch
         remote.plan(_first_reads(path, sdm, where), exact=True)
 
@@ -309,8 +370,13 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         keys = logical_path(key, planner)
         kind = kinds.get(type(meta))
         if kind is None:
-            kind = kinds[type(meta)] = ("tensor" if is_opaque(meta, "TensorStorageMetadata") else
-                                        "bytes" if is_opaque(meta, "BytesStorageMetadata") else "other")
+            kind = kinds[type(meta)] = (
+                "tensor"
+                if is_opaque(meta, "TensorStorageMetadata")
+                else "bytes"
+                if is_opaque(meta, "BytesStorageMetadata")
+                else "other"
+            )
         if kind == "tensor":
             node = _tensor(cache, path, key, meta, where, files)
         elif kind == "bytes":
@@ -324,8 +390,11 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         for k in keys[:-1]:
             slot = slot.setdefault(k, {})
             if not isinstance(slot, dict):
-                raise CorruptCheckpoint(f"{key}: planner_data path {keys} runs through a value", path=meta_path,
-                                        hint="the metadata is corrupt")
+                raise CorruptCheckpoint(
+                    f"{key}: planner_data path {keys} runs through a value",
+                    path=meta_path,
+                    hint="the metadata is corrupt",
+                )
         slot[keys[-1]] = node
     del md, meta, sdm, planner
 
@@ -336,24 +405,37 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         for k, loaded in inner.items():  # torchtitan's loader unpickles these bytes on resume: an unknown-global
             cache._note_unknown(path / loader_at[k], loaded)  # warning on the .distcp file that holds them
     present = sorted(p.name for p in path.iterdir() if _DISTCP_RE.match(p.name))
-    warnings = [Warning_("unreferenced-file", f"{name} is not named by .metadata: left over from another save? "
-                         "Move it out of the folder", name) for name in present if name not in used]
+    warnings = [
+        Warning_(
+            "unreferenced-file",
+            f"{name} is not named by .metadata: left over from another save? Move it out of the folder",
+            name,
+        )
+        for name in present
+        if name not in used
+    ]
     warnings += C.stray_file_warnings(path, path) + cache.warnings()
     files = [C.file_info(meta_path, path, "metadata")] + [
-        C.file_info(path / rel, path, "checkpoint", _rank(rel)) for rel in used]
+        C.file_info(path / rel, path, "checkpoint", _rank(rel)) for rel in used
+    ]
     ranks = {r["dp"] for r in map(_rank, used) if r}
-    ck = training_checkpoint(FORMAT, path, top, file=".metadata", dp=len(ranks) or 1, files=files,
-                             warnings=warnings, details=details)
+    ck = training_checkpoint(
+        FORMAT, path, top, file=".metadata", dp=len(ranks) or 1, files=files, warnings=warnings, details=details
+    )
     if (path / "common.pt").is_file() and (path / "metadata.json").is_file():
         # Megatron-LM's torch_dist: global tensors under Megatron's own keys, the topology in common.pt's `args`
         # (the writer count is not the DP size), the LRs and counters there too: none of it is read here
         from dataclasses import replace
 
         from ..read.tree import Topology
-        w = Warning_("megatron-torch-dist", "a Megatron-LM torch_dist checkpoint (common.pt + metadata.json): read "
-                     "as a generic DCP, so parameters, topology, counters and LRs shown are not Megatron's (they "
-                     "are in common.pt's args and the sharded optimizer items, which ckpt does not map yet)",
-                     "common.pt")
+
+        w = Warning_(
+            "megatron-torch-dist",
+            "a Megatron-LM torch_dist checkpoint (common.pt + metadata.json): read "
+            "as a generic DCP, so parameters, topology, counters and LRs shown are not Megatron's (they "
+            "are in common.pt's args and the sharded optimizer items, which ckpt does not map yet)",
+            "common.pt",
+        )
         ck = replace(ck, topology=Topology(), warnings=(w, *ck.warnings))
     return ck
 
@@ -371,8 +453,9 @@ def _storage_index(storage: dict, meta_path: Path) -> dict[tuple[str, tuple[int,
     for idx, info in storage.items():
         if type(idx) not in index_types:
             if not is_opaque(idx, "MetadataIndex"):
-                raise CorruptCheckpoint(f"bad storage_data entry {idx!r}", path=meta_path,
-                                        hint="the metadata is corrupt")
+                raise CorruptCheckpoint(
+                    f"bad storage_data entry {idx!r}", path=meta_path, hint="the metadata is corrupt"
+                )
             index_types.add(type(idx))
         if not is_opaque(info):
             raise CorruptCheckpoint(f"bad storage_data entry {idx!r}", path=meta_path, hint="the metadata is corrupt")
@@ -387,12 +470,15 @@ def _storage_index(storage: dict, meta_path: Path) -> dict[tuple[str, tuple[int,
             else:
                 names.add(rel)
         if off is None or length is None:
-            raise CorruptCheckpoint(f"bad storage entry for {idx.field('fqn')!r}", path=meta_path,
-                                    hint="the metadata is corrupt")
+            raise CorruptCheckpoint(
+                f"bad storage entry for {idx.field('fqn')!r}", path=meta_path, hint="the metadata is corrupt"
+            )
         if st.get("transform_descriptors"):
-            raise UnsupportedCheckpoint(f"{idx.field('fqn')} is stored with transforms "
-                                        f"{info.field('transform_descriptors')} (compressed?)", path=meta_path,
-                                        hint="re-save without storage transforms to inspect it")
+            raise UnsupportedCheckpoint(
+                f"{idx.field('fqn')} is stored with transforms {info.field('transform_descriptors')} (compressed?)",
+                path=meta_path,
+                hint="re-save without storage transforms to inspect it",
+            )
         ist = idx.state if isinstance(idx.state, dict) else {}
         where[(ist.get("fqn"), _offsets(ist.get("offset")))] = (rel, off, length)
     return where
@@ -446,19 +532,26 @@ class _File:
     outer: Any
 
 
-def _item(root: Path, key: str, where: dict, offsets: tuple[int, ...] | None,
-          files: dict[str, _File]) -> tuple[str, int, int]:
+def _item(
+    root: Path, key: str, where: dict, offsets: tuple[int, ...] | None, files: dict[str, _File]
+) -> tuple[str, int, int]:
     """(relative_path, offset, length) of one item: a tensor chunk at `offsets`, or a value (None); inside its
     file (checked from the file's size: nothing of the item is read here)."""
     loc = where.get((key, offsets))
     if loc is None:
-        raise CorruptCheckpoint(f"{key}: no storage entry for the chunk at {offsets}", path=root / ".metadata",
-                                hint="the metadata is corrupt or from another save")
+        raise CorruptCheckpoint(
+            f"{key}: no storage entry for the chunk at {offsets}",
+            path=root / ".metadata",
+            hint="the metadata is corrupt or from another save",
+        )
     rel, off, length = loc
     size = files[rel].size
     if off < 0 or length <= 0 or off + length > size:
-        raise CorruptCheckpoint(f"item at bytes {off}..{off + length} lies outside the file ({size} bytes)",
-                                path=root / rel, hint="the file is truncated; re-copy it")
+        raise CorruptCheckpoint(
+            f"item at bytes {off}..{off + length} lies outside the file ({size} bytes)",
+            path=root / rel,
+            hint="the file is truncated; re-copy it",
+        )
     return loc
 
 
@@ -473,8 +566,9 @@ def _tensor(cache: C.LoadCache, root: Path, key: str, meta, where: dict, files: 
     for ch in metas:
         if type(ch) is not _ChunkType[0]:
             if not is_opaque(ch, "ChunkStorageMetadata"):
-                raise CorruptCheckpoint(f"{key}: bad chunk entry {ch!r}", path=root / ".metadata",
-                                        hint="the metadata is corrupt")
+                raise CorruptCheckpoint(
+                    f"{key}: bad chunk entry {ch!r}", path=root / ".metadata", hint="the metadata is corrupt"
+                )
             _ChunkType[0] = type(ch)
         cst = ch.state if isinstance(ch.state, dict) else {}
         offsets, sizes = _offsets(cst.get("offsets")), _offsets(cst.get("sizes"))
@@ -485,12 +579,20 @@ def _tensor(cache: C.LoadCache, root: Path, key: str, meta, where: dict, files: 
             # its values show; or its item is too short for the chunk .metadata declares: its record says why
             ref = cache.load_embedded_head(f.path, off, length).obj
             if not isinstance(ref, TensorRef):
-                raise CorruptCheckpoint(f"{key}: the item at {rel}[{off}:{off + length}] is not a tensor",
-                                        path=f.path, hint="the .distcp file does not match .metadata")
+                raise CorruptCheckpoint(
+                    f"{key}: the item at {rel}[{off}:{off + length}] is not a tensor",
+                    path=f.path,
+                    hint="the .distcp file does not match .metadata",
+                )
         else:  # dtype and shape from .metadata; the record is read (and checked) when its bytes are
             ref = LazyTensorRef(dtype, sizes, f.outer, off, length, key, numel)
-            if len(metas) == 1 and sizes == shape and offsets is not None and len(offsets) == len(shape) \
-                    and not any(offsets):
+            if (
+                len(metas) == 1
+                and sizes == shape
+                and offsets is not None
+                and len(offsets) == len(shape)
+                and not any(offsets)
+            ):
                 # one chunk, the whole tensor (most items): the node `chunked_tensor` makes of it, without the checks
                 # that hold by construction (the record is checked against .metadata when read)
                 return TensorNode(shape, dtype, (Piece(rel, ref, 0, numel, 0, f.rank),))
@@ -562,12 +664,16 @@ class DcpItems:
             if not isinstance(rel, str) or Path(rel).name != rel or not isinstance(off, int) or not isinstance(n, int):
                 raise CorruptCheckpoint(f"bad storage entry for {idx.field('fqn')!r}", path=meta_path)
             if info.field("transform_descriptors"):
-                raise UnsupportedCheckpoint(f"{idx.field('fqn')} is stored with transforms; cannot rewrite it",
-                                            path=meta_path, hint="re-save without storage transforms")
+                raise UnsupportedCheckpoint(
+                    f"{idx.field('fqn')} is stored with transforms; cannot rewrite it",
+                    path=meta_path,
+                    hint="re-save without storage transforms",
+                )
             key = idx.field("fqn")
             offsets = _offsets(idx.field("offset"))
-            self.items[(key, offsets)] = Item(key, offsets, rel, off, n, info,
-                                              is_opaque(sdm.get(key), "TensorStorageMetadata"))
+            self.items[(key, offsets)] = Item(
+                key, offsets, rel, off, n, info, is_opaque(sdm.get(key), "TensorStorageMetadata")
+            )
         self._sources: dict[str, pickle_reader.Source] = {}
 
     # --- reading ----------------------------------------------------------------------------------------
@@ -620,8 +726,9 @@ class DcpItems:
             for k in path[:-1]:
                 slot = slot.setdefault(k, {})
                 if not isinstance(slot, dict):
-                    raise CorruptCheckpoint(f"{key}: planner_data path {path} runs through a value",
-                                            path=self.root / METADATA)
+                    raise CorruptCheckpoint(
+                        f"{key}: planner_data path {path} runs through a value", path=self.root / METADATA
+                    )
             slot[path[-1]] = leaf
             index[path] = key
         return _listify(tree), index

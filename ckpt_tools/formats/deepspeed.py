@@ -10,6 +10,7 @@ param group and DP rank. This module un-flattens it per parameter name without r
 - stage 3: every parameter is split across all DP ranks, `ceil(numel / dp)` elements each (the last rank
   padded), laid out in `param_shapes` order inside each rank's flat group.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,20 @@ from typing import Any, Callable
 
 from ..errors import UnsupportedCheckpoint, CorruptCheckpoint, MissingFile, NotACheckpoint
 from ..read.pickle_reader import Opaque, TensorRef
-from ..read.tree import (Checkpoint, Counters, GroupNode, LearningRates, Piece, TensorNode, Topology, ValueNode,
-                         Warning_, as_int, tensor_node, to_node)
+from ..read.tree import (
+    Checkpoint,
+    Counters,
+    GroupNode,
+    LearningRates,
+    Piece,
+    TensorNode,
+    Topology,
+    ValueNode,
+    Warning_,
+    as_int,
+    tensor_node,
+    to_node,
+)
 from . import _common as C
 
 FORMAT = "deepspeed_zero"
@@ -31,10 +44,26 @@ _OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\
 
 #: top-level model_states keys DeepSpeed itself writes; everything else is client state
 DS_MODEL_KEYS = {
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
-    "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info",
+    "module",
+    "buffer_names",
+    "optimizer",
+    "param_shapes",
+    "frozen_param_shapes",
+    "shared_params",
+    "frozen_param_fragments",
+    "lr_scheduler",
+    "data_sampler",
+    "random_ltd",
+    "sparse_tensor_module_names",
+    "skipped_steps",
+    "global_steps",
+    "global_samples",
+    "dp_world_size",
+    "mp_world_size",
+    "ds_config",
+    "ds_version",
+    "checkpoint_parallel_dimensions",
+    "universal_checkpoint_info",
 }
 
 
@@ -122,11 +151,16 @@ class ZeroOptimizer:
     warnings: list[Warning_] = field(default_factory=list)  # rank files that disagree with the others
 
 
-def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
-                        shape_groups: list[dict[str, tuple[int, ...]]], mp_coords: dict[str, int],
-                        ds_config: tuple[str, Any] | None = None, *,
-                        group_layout: Callable[[int, int], tuple[int, Callable[[str], str] | None]] | None = None,
-                        out_groups: list[dict[str, tuple[int, ...]]] | None = None) -> ZeroOptimizer:
+def read_zero_optimizer(
+    cache: C.LoadCache,
+    optim_files: dict[int, Path],
+    shape_groups: list[dict[str, tuple[int, ...]]],
+    mp_coords: dict[str, int],
+    ds_config: tuple[str, Any] | None = None,
+    *,
+    group_layout: Callable[[int, int], tuple[int, Callable[[str], str] | None]] | None = None,
+    out_groups: list[dict[str, tuple[int, ...]]] | None = None,
+) -> ZeroOptimizer:
     """Un-flatten the optimizer state of one model-parallel rank from all its DP rank files. `ds_config`:
     (file, the ds_config the model-states file saved), which every rank file's copy must equal.
     `group_layout(group, dp rank)` -> (the rank's index in the group's partitioning, a rename of the names its
@@ -138,8 +172,9 @@ def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
     first = loaded[min(loaded)].obj
     osd0 = first.get("optimizer_state_dict") if isinstance(first, dict) else None
     if not isinstance(osd0, dict):
-        raise CorruptCheckpoint("no optimizer_state_dict", path=optim_files[min(loaded)],
-                                hint="this is not a DeepSpeed ZeRO optimizer file")
+        raise CorruptCheckpoint(
+            "no optimizer_state_dict", path=optim_files[min(loaded)], hint="this is not a DeepSpeed ZeRO optimizer file"
+        )
     stage = _zero_stage(osd0)
     pieces: dict[str, dict[str, list[Piece]]] = {}
     steps_seen: list[int] = []
@@ -165,17 +200,26 @@ def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
         if isinstance(L.obj.get("ds_config"), dict):
             configs.setdefault(rel, L.obj["ds_config"])
         if shape_groups and isinstance(groups, list) and len(groups) != len(shape_groups):
-            warnings.append(Warning_("declared-mismatch", f"{len(groups)} optimizer param groups where the "
-                                     f"model states' param_shapes declare {len(shape_groups)}: a param group was "
-                                     "lost or the files are from different runs", rel))
-        lrs_by_rank[r] = tuple(float(g.get("lr")) for g in groups if isinstance(g, dict)
-                               and isinstance(g.get("lr"), (int, float)))
+            warnings.append(
+                Warning_(
+                    "declared-mismatch",
+                    f"{len(groups)} optimizer param groups where the "
+                    f"model states' param_shapes declare {len(shape_groups)}: a param group was "
+                    "lost or the files are from different runs",
+                    rel,
+                )
+            )
+        lrs_by_rank[r] = tuple(
+            float(g.get("lr")) for g in groups if isinstance(g, dict) and isinstance(g.get("lr"), (int, float))
+        )
         rank = dict(mp_coords, dp=r)
         for gi, shapes in enumerate(shape_groups):
             gstate = state.get(gi, state.get(str(gi), {})) if isinstance(state, dict) else {}
-            flat = {"fp32": flats[gi] if gi < len(flats) else None,
-                    "exp_avg": gstate.get("exp_avg") if isinstance(gstate, dict) else None,
-                    "exp_avg_sq": gstate.get("exp_avg_sq") if isinstance(gstate, dict) else None}
+            flat = {
+                "fp32": flats[gi] if gi < len(flats) else None,
+                "exp_avg": gstate.get("exp_avg") if isinstance(gstate, dict) else None,
+                "exp_avg_sq": gstate.get("exp_avg_sq") if isinstance(gstate, dict) else None,
+            }
             flat.update(_other_flat_states(gstate, flat["fp32"]))
             if isinstance(flat["fp32"], TensorRef) and flat["fp32"].numel:
                 state_keys[(r, gi)] = frozenset(k for k, v in flat.items() if k != "fp32" and isinstance(v, TensorRef))
@@ -194,8 +238,11 @@ def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
                 slot = pieces.setdefault(name, {})
                 for key, ref, size in refs:
                     if src + cnt > size:
-                        raise CorruptCheckpoint(f"param {name} lies outside the flat {key} partition of group {gi}",
-                                                path=optim_files[r], hint="the rank files are from different runs")
+                        raise CorruptCheckpoint(
+                            f"param {name} lies outside the flat {key} partition of group {gi}",
+                            path=optim_files[r],
+                            hint="the rank files are from different runs",
+                        )
                     plist = slot.get(key)
                     if plist is None:
                         slot[key] = [Piece(rel, ref, src, cnt, dst, rank)]
@@ -204,18 +251,29 @@ def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
     saved = frozenset().union(*state_keys.values()) if state_keys else frozenset()
     for (r, gi), keys in sorted(state_keys.items()):
         if keys != saved:
-            warnings.append(Warning_("declared-mismatch", f"param group {gi} has no {', '.join(sorted(saved - keys))} "
-                                     "in this rank's file while the other ranks' files have it: this rank's optimizer "
-                                     "state was lost (a resume restarts those moments at zero)",
-                                     cache.rel(optim_files[r])))
+            warnings.append(
+                Warning_(
+                    "declared-mismatch",
+                    f"param group {gi} has no {', '.join(sorted(saved - keys))} "
+                    "in this rank's file while the other ranks' files have it: this rank's optimizer "
+                    "state was lost (a resume restarts those moments at zero)",
+                    cache.rel(optim_files[r]),
+                )
+            )
     if len({repr(c) for c in configs.values()}) > 1:
         ref = next(iter(configs))
         odd = [f for f, c in configs.items() if repr(c) != repr(configs[ref])]
         # a record only (DeepSpeed never reads it back), so a warning, not a refusal: but files of one save
         # carry one config, so a difference says they come from different launches
-        warnings.append(Warning_("ds-config-mismatch", f"the ds_config saved in {', '.join(odd)} differs from "
-                                 f"{ref}'s: the files were written by different launches (a rank file from another "
-                                 "run?)", odd[0]))
+        warnings.append(
+            Warning_(
+                "ds-config-mismatch",
+                f"the ds_config saved in {', '.join(odd)} differs from "
+                f"{ref}'s: the files were written by different launches (a rank file from another "
+                "run?)",
+                odd[0],
+            )
+        )
     state_out: dict[str, dict[str, Any]] = {}
     for gi, shapes in enumerate(out_groups if out_groups is not None else shape_groups):
         for name, shape in shapes.items():
@@ -224,9 +282,11 @@ def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
             for key, plist in pieces.get(name, {}).items():
                 covered = plist[0].numel if len(plist) == 1 else sum(p.numel for p in plist)
                 if covered != numel:
-                    raise CorruptCheckpoint(f"param {name}: the {key} pieces cover {covered} of "
-                                            f"{math.prod(shape)} elements", path=optim_files[min(optim_files)],
-                                            hint="a rank file is missing or from another run")
+                    raise CorruptCheckpoint(
+                        f"param {name}: the {key} pieces cover {covered} of {math.prod(shape)} elements",
+                        path=optim_files[min(optim_files)],
+                        hint="a rank file is missing or from another run",
+                    )
                 if len(plist) > 1:
                     plist.sort(key=_dst_offset)
                 entry[key] = TensorNode(shape, plist[0].ref.dtype, tuple(plist))
@@ -234,14 +294,28 @@ def read_zero_optimizer(cache: C.LoadCache, optim_files: dict[int, Path],
                 entry["step"] = step_value[gi]
             entry["param_group"] = gi
             state_out[name] = entry
-    extras = {k: v for k, v in osd0.items() if k in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad",
-                                                        "partition_count", "ds_version")}
+    extras = {
+        k: v
+        for k, v in osd0.items()
+        if k in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad", "partition_count", "ds_version")
+    }
     if stage is not None:
         extras["zero_stage"] = stage
-    groups0 = (_dig(osd0, "optimizer_state_dict", "param_groups") if stage == 3
-               else _dig(osd0, "base_optimizer_state", "param_groups")) or []
-    return ZeroOptimizer(stage, state_out, [g for g in groups0 if isinstance(g, dict)], steps_seen,
-                         lrs_by_rank, extras, master_dtype, warnings)
+    groups0 = (
+        _dig(osd0, "optimizer_state_dict", "param_groups")
+        if stage == 3
+        else _dig(osd0, "base_optimizer_state", "param_groups")
+    ) or []
+    return ZeroOptimizer(
+        stage,
+        state_out,
+        [g for g in groups0 if isinstance(g, dict)],
+        steps_seen,
+        lrs_by_rank,
+        extras,
+        master_dtype,
+        warnings,
+    )
 
 
 def _dst_offset(p: Piece) -> int:
@@ -256,9 +330,14 @@ def _other_flat_states(gstate: Any, fp32: Any) -> dict[str, TensorRef]:
     every read). `step` and other small tensors are not per element."""
     if not isinstance(gstate, dict) or not isinstance(fp32, TensorRef):
         return {}
-    return {str(k): v for k, v in gstate.items()
-            if k not in ("exp_avg", "exp_avg_sq", "step", "fp32") and isinstance(v, TensorRef)
-            and v.numel >= fp32.numel and v.numel > 1}
+    return {
+        str(k): v
+        for k, v in gstate.items()
+        if k not in ("exp_avg", "exp_avg_sq", "step", "fp32")
+        and isinstance(v, TensorRef)
+        and v.numel >= fp32.numel
+        and v.numel > 1
+    }
 
 
 def _fragments(stage, osd, gi, shapes, rank, dp) -> dict[str, tuple[int, int, int]]:
@@ -277,8 +356,10 @@ def _fragments(stage, osd, gi, shapes, rank, dp) -> dict[str, tuple[int, int, in
         return out
     mappings = osd.get("param_slice_mappings")
     if not isinstance(mappings, list) or gi >= len(mappings):
-        raise CorruptCheckpoint("optimizer file has no param_slice_mappings (DeepSpeed < 0.9?)",
-                                hint="re-save with a newer DeepSpeed or use zero_to_fp32")
+        raise CorruptCheckpoint(
+            "optimizer file has no param_slice_mappings (DeepSpeed < 0.9?)",
+            hint="re-save with a newer DeepSpeed or use zero_to_fp32",
+        )
     # the logical offset of a fragment is where the partition starts in the group's flat buffer
     # minus where the parameter starts in it; both follow from param order and partition sizes
     flat_sizes = osd.get("single_partition_of_fp32_groups") or []
@@ -317,8 +398,11 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         # a Mixture-of-Experts tag folder: its experts are partitioned over the expert-data-parallel group and kept
         # in their own files, which this module's plain ZeRO reading would mis-assemble or leave unread.
         # `detect` gives it to `deepspeed_moe`; callers that hold a DeepSpeed folder use `deepspeed_moe.open_any`.
-        raise UnsupportedCheckpoint("a DeepSpeed Mixture-of-Experts tag folder: read it with formats.deepspeed_moe",
-                                    path=tag_dir, hint="open it with ckpt_tools.open_checkpoint, which detects MoE")
+        raise UnsupportedCheckpoint(
+            "a DeepSpeed Mixture-of-Experts tag folder: read it with formats.deepspeed_moe",
+            path=tag_dir,
+            hint="open it with ckpt_tools.open_checkpoint, which detects MoE",
+        )
     return build(root, tag_dir, tag, cache, ranks)
 
 
@@ -338,8 +422,12 @@ def _moe_declared(tag_dir: Path, root: Path, cache: C.LoadCache, module: dict, m
     present = {p.name: p for p in tag_dir.iterdir() if _EXPERT_FILE.match(p.name) or _EXPP_FILE.match(p.name)}
     if not gates and not present:
         return []
-    want = [f"layer_{i}_expert_{e}_mp_rank_{m:02d}_model_states.pt"
-            for i, g in enumerate(gates) for e in range(g.shape[0]) for m in range(mp)]
+    want = [
+        f"layer_{i}_expert_{e}_mp_rank_{m:02d}_model_states.pt"
+        for i, g in enumerate(gates)
+        for e in range(g.shape[0])
+        for m in range(mp)
+    ]
     expp = sorted((p for n, p in present.items() if _EXPP_FILE.match(n)), key=lambda p: p.name)
     if expp:
         ep = None
@@ -354,16 +442,27 @@ def _moe_declared(tag_dir: Path, root: Path, cache: C.LoadCache, module: dict, m
     out = []
     gone = [n for n in want if n not in present]
     if gone:
-        out.append(Warning_("declared-mismatch", f"{len(gone)} Mixture-of-Experts file(s) missing: "
-                            f"{', '.join(gone[:4])}{' …' if len(gone) > 4 else ''} (the model states declare "
-                            f"{len(gates)} MoE layer(s) of {', '.join(str(g.shape[0]) for g in gates)} experts"
-                            f"{'; the param groups ep_size' if expp else ''}); copy them back from where the "
-                            "checkpoint was saved", str((tag_dir / gone[0]).relative_to(root))))
+        out.append(
+            Warning_(
+                "declared-mismatch",
+                f"{len(gone)} Mixture-of-Experts file(s) missing: "
+                f"{', '.join(gone[:4])}{' …' if len(gone) > 4 else ''} (the model states declare "
+                f"{len(gates)} MoE layer(s) of {', '.join(str(g.shape[0]) for g in gates)} experts"
+                f"{'; the param groups ep_size' if expp else ''}); copy them back from where the "
+                "checkpoint was saved",
+                str((tag_dir / gone[0]).relative_to(root)),
+            )
+        )
     for n in sorted(present):
         damage = C.zip_damage(present[n])
         if damage:
-            out.append(Warning_("corrupt-file", f"{n}: {damage} (re-copy it from where the checkpoint was saved)",
-                                str(present[n].relative_to(root))))
+            out.append(
+                Warning_(
+                    "corrupt-file",
+                    f"{n}: {damage} (re-copy it from where the checkpoint was saved)",
+                    str(present[n].relative_to(root)),
+                )
+            )
     return out
 
 
@@ -383,16 +482,27 @@ class Extension:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks: dict[int, RankFiles],
-          *, fmt: str = FORMAT, ext: Extension | None = None) -> Checkpoint:
+def build(
+    root: Path,
+    tag_dir: Path,
+    tag: str | None,
+    cache: C.LoadCache,
+    ranks: dict[int, RankFiles],
+    *,
+    fmt: str = FORMAT,
+    ext: Extension | None = None,
+) -> Checkpoint:
     warnings: list[Warning_] = []
     files = []
     first_rank = ranks[min(ranks)]
     ms_path = first_rank.model_states or (first_rank.z3_model and first_rank.z3_model[min(first_rank.z3_model)])
     if not ms_path:
-        raise MissingFile(f"mp_rank_{first_rank.mp_rank:02d}_model_states.pt is missing (the model states file: "
-                          "parameter names and shapes, counters, scheduler)", path=tag_dir,
-                          hint="copy it back from where the checkpoint was saved")
+        raise MissingFile(
+            f"mp_rank_{first_rank.mp_rank:02d}_model_states.pt is missing (the model states file: "
+            "parameter names and shapes, counters, scheduler)",
+            path=tag_dir,
+            hint="copy it back from where the checkpoint was saved",
+        )
     ms = cache.load(ms_path).obj
     if not isinstance(ms, dict):
         raise CorruptCheckpoint("model states file does not hold a dict", path=ms_path)
@@ -400,16 +510,22 @@ def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks:
     mp_size = as_int(ms.get("mp_world_size")) or len(ranks)
     _check_rank_files(tag_dir, ranks, dp_size, mp_size, warnings)
     shape_groups = ext.file_groups if ext and ext.file_groups is not None else _shape_groups(ms.get("param_shapes"))
-    warnings += _moe_declared(tag_dir, root, cache, ms.get("module") if isinstance(ms.get("module"), dict) else {},
-                              mp_size)
+    warnings += _moe_declared(
+        tag_dir, root, cache, ms.get("module") if isinstance(ms.get("module"), dict) else {}, mp_size
+    )
 
     opt = ext.optimizer if ext else None
     if opt is None and first_rank.optim:
         in_world = {d: p for d, p in first_rank.optim.items() if d < dp_size}
-        opt = read_zero_optimizer(cache, in_world, shape_groups, {"tp": first_rank.mp_rank},
-                                  (cache.rel(ms_path), ms.get("ds_config")),
-                                  group_layout=ext.group_layout if ext else None,
-                                  out_groups=ext.groups if ext else None)
+        opt = read_zero_optimizer(
+            cache,
+            in_world,
+            shape_groups,
+            {"tp": first_rank.mp_rank},
+            (cache.rel(ms_path), ms.get("ds_config")),
+            group_layout=ext.group_layout if ext else None,
+            out_groups=ext.groups if ext else None,
+        )
     if opt is not None:
         warnings += opt.warnings
     if ext and ext.groups is not None:
@@ -430,8 +546,11 @@ def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks:
         # ZeRO-1 writes no frozen_param_shapes: a frozen weight is only in `module` (not a trainable
         # param, a buffer or a tied alias)
         known = set(names) | set(buffers) | {str(k) for k in shared}
-        frozen = {str(n): r.shape for n, r in module.items()
-                  if isinstance(r, TensorRef) and r.numel > 0 and str(n) not in known}
+        frozen = {
+            str(n): r.shape
+            for n, r in module.items()
+            if isinstance(r, TensorRef) and r.numel > 0 and str(n) not in known
+        }
     weight_source = "module"
     for name in names + [str(n) for n in frozen]:
         ref = module.get(name)
@@ -441,15 +560,19 @@ def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks:
             model[name] = tensor_node(ref, rel_ms, {"tp": first_rank.mp_rank})
         elif opt and name in opt.state and "fp32" in opt.state[name]:
             model[name] = opt.state[name]["fp32"]
-            weight_source = ("module and expert files; where an expert file is missing, its fp32 master" if ext
-                             else "fp32 master (ZeRO-3 saves no module weights)")
+            weight_source = (
+                "module and expert files; where an expert file is missing, its fp32 master"
+                if ext
+                else "fp32 master (ZeRO-3 saves no module weights)"
+            )
     if stage == 3 and frozen:
         model.update(_z3_frozen_nodes(cache, first_rank, frozen, dp_size, {n for n in frozen if n not in model}))
     for name in buffers:
         if isinstance(module.get(name), TensorRef):
             model[name] = tensor_node(module[name], rel_ms)
-    param_count = sum(math.prod(s) for g in shape_groups for s in g.values()) + \
-        sum(math.prod(tuple(s)) for s in frozen.values())
+    param_count = sum(math.prod(s) for g in shape_groups for s in g.values()) + sum(
+        math.prod(tuple(s)) for s in frozen.values()
+    )
     param_tensors = len(names) + len(frozen)
 
     tree: dict[str, Any] = {"model": GroupNode(model)}
@@ -489,9 +612,15 @@ def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks:
     if stage in (2, 3) and "frozen_param_shapes" in ms and ms["frozen_param_shapes"] is None:
         # stages 2/3 record frozen parameters (an empty dict when there are none) unless save_checkpoint was
         # told exclude_frozen_parameters=True; ZeRO-1 never records them, so there it cannot be told
-        warnings.append(Warning_("frozen-excluded", "saved with exclude_frozen_parameters=True: parameters that do "
-                                 "not train are not in this checkpoint (nor counted); a resume or export takes them "
-                                 "from the model's own initial weights", rel_ms))
+        warnings.append(
+            Warning_(
+                "frozen-excluded",
+                "saved with exclude_frozen_parameters=True: parameters that do "
+                "not train are not in this checkpoint (nor counted); a resume or export takes them "
+                "from the model's own initial weights",
+                rel_ms,
+            )
+        )
 
     for rf in ranks.values():
         for p in [rf.model_states, *rf.z3_model.values()]:
@@ -499,8 +628,14 @@ def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks:
                 files.append(C.file_info(p, root, "model", {"tp": rf.mp_rank}))
             damage = C.zip_damage(p) if p and p != ms_path else None  # listed, not loaded: its zip directory only
             if damage:
-                warnings.append(Warning_("corrupt-file", f"{p.name}: {damage}; the rank that loads it cannot resume "
-                                         "(re-copy it from where the checkpoint was saved)", str(p.relative_to(root))))
+                warnings.append(
+                    Warning_(
+                        "corrupt-file",
+                        f"{p.name}: {damage}; the rank that loads it cannot resume "
+                        "(re-copy it from where the checkpoint was saved)",
+                        str(p.relative_to(root)),
+                    )
+                )
         for d, p in sorted(rf.optim.items()):
             files.append(C.file_info(p, root, "optimizer", {"tp": rf.mp_rank, "dp": d}))
     if ext:
@@ -510,22 +645,35 @@ def build(root: Path, tag_dir: Path, tag: str | None, cache: C.LoadCache, ranks:
         warnings += C.stray_file_warnings(root, root)
     warnings += cache.warnings()
     dtypes = sorted({n.dtype for n in model.values()} | ({opt.dtype} if opt and opt.dtype else set()))
-    details = {"tag": tag, "ds_version": ms.get("ds_version"), "weights": weight_source,
-               "optimizer_dtype": opt.dtype if opt else None}
+    details = {
+        "tag": tag,
+        "ds_version": ms.get("ds_version"),
+        "weights": weight_source,
+        "optimizer_dtype": opt.dtype if opt else None,
+    }
     if "scheduler" in tree and "last_batch_iteration" in sched and "base_lrs" not in sched:
         details["scheduler_kind"] = "deepspeed (LR comes from the launch config)"
     if ext:
         details.update(ext.details)
     return Checkpoint(
-        format=fmt, path=str(root),
+        format=fmt,
+        path=str(root),
         topology=Topology(dp=dp_size, tp=mp_size, pp=1, zero_stage=stage, ep=ext.ep if ext else None),
-        tree=GroupNode(tree), counters=counters,
+        tree=GroupNode(tree),
+        counters=counters,
         lr=LearningRates(param_groups=lrs, base_lrs=base_lrs, last_lr=last_lr),
-        parameter_count=param_count, parameter_tensors=param_tensors, files=tuple(files),
-        warnings=tuple(warnings), dtypes=tuple(dtypes), details=details)
+        parameter_count=param_count,
+        parameter_tensors=param_tensors,
+        files=tuple(files),
+        warnings=tuple(warnings),
+        dtypes=tuple(dtypes),
+        details=details,
+    )
 
 
-def _z3_frozen_nodes(cache: C.LoadCache, rf: RankFiles, frozen: dict, dp: int, wanted: set[str]) -> dict[str, TensorNode]:
+def _z3_frozen_nodes(
+    cache: C.LoadCache, rf: RankFiles, frozen: dict, dp: int, wanted: set[str]
+) -> dict[str, TensorNode]:
     """ZeRO-3 frozen parameters (requires_grad=False): every DP rank's `zero_pp_rank_D_..._model_states.pt`
     holds its `ceil(numel / dp)`-element fragment in `frozen_param_fragments` (the last one padded), the same
     split as a trainable parameter's; the fragments in rank order, cut to numel, are the parameter."""
@@ -553,8 +701,11 @@ def _z3_frozen_nodes(cache: C.LoadCache, rf: RankFiles, frozen: dict, dp: int, w
             if not cnt:
                 continue
             if not isinstance(ref, TensorRef) or ref.numel < cnt:
-                raise CorruptCheckpoint(f"frozen parameter {name}: the fragment of DP rank {d} is missing or short",
-                                        path=rf.z3_model.get(d), hint="the rank files are from different runs")
+                raise CorruptCheckpoint(
+                    f"frozen parameter {name}: the fragment of DP rank {d} is missing or short",
+                    path=rf.z3_model.get(d),
+                    hint="the rank files are from different runs",
+                )
             pieces.append(Piece(rel, ref, 0, cnt, d * part, {"tp": rf.mp_rank, "dp": d}))
         if pieces:
             out[name] = TensorNode(shape, pieces[0].ref.dtype, tuple(pieces))
@@ -563,10 +714,11 @@ def _z3_frozen_nodes(cache: C.LoadCache, rf: RankFiles, frozen: dict, dp: int, w
 
 def model_layout(tag_dir: Path, cache: C.LoadCache | None = None) -> dict[str, Any]:
     """What a DeepSpeed tag folder's model-states file says about the model beyond its trainable parameters
-    (what `zero_to_fp32` uses): {"order": every state-dict name in the module's own order (ZeRO-3 keeps
-    empty placeholders under every name), "frozen": names of parameters with requires_grad=False,
-    "tied": {alias: source} (DeepSpeed's `shared_params`: the alias is written with the source's value),
-    "buffers": buffer names, "groups": the trainable names of each param group (`param_shapes`)}. Reads the one model-states file (metadata; no tensor bytes)."""
+        (what `zero_to_fp32` uses): {"order": every state-dict name in the module's own order (ZeRO-3 keeps
+        empty placeholders under every name), "frozen": names of parameters with requires_grad=False,
+        "tied": {alias: source} (DeepSpeed's `shared_params`: the alias is written with the source's value),
+        "buffers": buffer names, "groups": the trainable names of each param group (`param_shapes`)}. Reads the one
+    model-states file (metadata; no tensor bytes)."""
     cache = cache or C.LoadCache(tag_dir)
     ranks = list_rank_files(tag_dir)
     out: dict[str, Any] = {"order": [], "frozen": [], "tied": {}, "buffers": [], "groups": []}
@@ -588,14 +740,20 @@ def model_layout(tag_dir: Path, cache: C.LoadCache | None = None) -> dict[str, A
     frozen_names = [str(n) for n in frozen]
     if not frozen_names and module:
         known = set(names) | set(buffers) | {str(k) for k in shared}
-        frozen_names = [str(n) for n, r in module.items()
-                        if isinstance(r, TensorRef) and r.numel > 0 and str(n) not in known]
+        frozen_names = [
+            str(n) for n, r in module.items() if isinstance(r, TensorRef) and r.numel > 0 and str(n) not in known
+        ]
     order = [str(n) for n in module] if module else []
     for n in [*buffers, *frozen_names, *names, *map(str, shared)]:
         if n not in order:
             order.append(n)
-    out.update(order=order, frozen=frozen_names, tied={str(k): str(v) for k, v in shared.items()}, buffers=buffers,
-               groups=groups)
+    out.update(
+        order=order,
+        frozen=frozen_names,
+        tied={str(k): str(v) for k, v in shared.items()},
+        buffers=buffers,
+        groups=groups,
+    )
     return out
 
 
@@ -631,30 +789,48 @@ def _check_rank_files(tag_dir: Path, ranks: dict[int, RankFiles], dp: int, mp: i
     for t in range(mp):
         rf = ranks.get(t)
         if rf is None or (rf.model_states is None and not rf.z3_model):
-            raise MissingFile(f"mp_rank_{t:02d}_model_states.pt is missing (mp_world_size={mp})", path=tag_dir,
-                              hint="re-copy the tag folder; every model-parallel rank's file is needed")
+            raise MissingFile(
+                f"mp_rank_{t:02d}_model_states.pt is missing (mp_world_size={mp})",
+                path=tag_dir,
+                hint="re-copy the tag folder; every model-parallel rank's file is needed",
+            )
         if rf.optim:
             prefix = next(iter(rf.optim.values())).name.split("zero_pp_rank_")[0]
             for d in range(dp):
                 if d not in rf.optim:
-                    raise MissingFile(f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt is missing "
-                                      f"(dp_world_size={dp})", path=tag_dir,
-                                      hint="re-copy the tag folder; every DP rank's optimizer file is needed")
+                    raise MissingFile(
+                        f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt is missing (dp_world_size={dp})",
+                        path=tag_dir,
+                        hint="re-copy the tag folder; every DP rank's optimizer file is needed",
+                    )
             if rf.z3_model:  # ZeRO-3: every DP rank loads its own model-states file
                 for d in range(dp):
                     if d not in rf.z3_model:
-                        raise MissingFile(f"zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt is missing "
-                                          f"(ZeRO-3, dp_world_size={dp}: each rank loads its own)", path=tag_dir,
-                                          hint="re-copy the tag folder; every DP rank's file is needed")
+                        raise MissingFile(
+                            f"zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt is missing "
+                            f"(ZeRO-3, dp_world_size={dp}: each rank loads its own)",
+                            path=tag_dir,
+                            hint="re-copy the tag folder; every DP rank's file is needed",
+                        )
             for d in sorted(rf.optim):
                 if d >= dp:
-                    warnings.append(Warning_("extra-rank-file", f"{rf.optim[d].name} is beyond dp_world_size={dp}: "
-                                             "left over from another run? Move it out of the folder",
-                                             str(rf.optim[d].relative_to(tag_dir.parent))))
+                    warnings.append(
+                        Warning_(
+                            "extra-rank-file",
+                            f"{rf.optim[d].name} is beyond dp_world_size={dp}: "
+                            "left over from another run? Move it out of the folder",
+                            str(rf.optim[d].relative_to(tag_dir.parent)),
+                        )
+                    )
     for t in sorted(ranks):
         if t >= mp:
-            warnings.append(Warning_("extra-rank-file", f"files for mp_rank {t:02d} are beyond mp_world_size={mp}: "
-                                     "left over from another run? Move them out of the folder"))
+            warnings.append(
+                Warning_(
+                    "extra-rank-file",
+                    f"files for mp_rank {t:02d} are beyond mp_world_size={mp}: "
+                    "left over from another run? Move them out of the folder",
+                )
+            )
 
 
 def tag_state_sources(root: Path, tag_dir: Path) -> list:
@@ -674,4 +850,3 @@ def training_state(ck: Checkpoint):
     tag = ck.details.get("tag")
     tag_dir = root / tag if tag and (root / tag).is_dir() else root
     return StateMap(root, tuple(tag_state_sources(root, tag_dir)))
-

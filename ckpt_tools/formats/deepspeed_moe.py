@@ -19,10 +19,12 @@ Read here: every expert counted once under its global name, with its optimizer s
 fp32 master, each expert's placement is CONFIRMED by the data (its master rounds to the weights of its expert file),
 never assumed. Where the training state lives: every rank file (model states, ZeRO or expp files). Writes are
 set-lr / set-step edit every rank file (proven by DeepSpeed resumes of edited copies). `to-universal` writes every
-expert under its global id (without ZeRO: the fp32 weights as master), which DeepSpeed's universal loader takes at expert-parallel size 1 (any DP
+expert under its global id (without ZeRO: the fp32 weights as master), which DeepSpeed's universal loader takes at
+expert-parallel size 1 (any DP
 size): the expert-parallel re-shape, proven by DeepSpeed resumes. convert to DCP / torch is refused for now (no
 resume has proven it).
 """
+
 from __future__ import annotations
 
 import re
@@ -71,8 +73,11 @@ def _is_moe(g: Any) -> bool:
 
 
 def _ep_size(groups: list[dict]) -> int | None:
-    sizes = {int(g["name"][8:]) for g in groups if _is_moe(g) and isinstance(g.get("name"), str)
-             and re.fullmatch(r"ep_size_\d+", g["name"])}
+    sizes = {
+        int(g["name"][8:])
+        for g in groups
+        if _is_moe(g) and isinstance(g.get("name"), str) and re.fullmatch(r"ep_size_\d+", g["name"])
+    }
     return sizes.pop() if len(sizes) == 1 else None
 
 
@@ -93,11 +98,17 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     cache = C.LoadCache(root)
     ranks = D.list_rank_files(tag_dir)
     if not ranks or ranks[min(ranks)].model_states is None:
-        raise MissingFile("mp_rank_00_model_states.pt is missing (the non-expert weights, counters, scheduler)",
-                          path=tag_dir, hint="copy it back from where the checkpoint was saved")
+        raise MissingFile(
+            "mp_rank_00_model_states.pt is missing (the non-expert weights, counters, scheduler)",
+            path=tag_dir,
+            hint="copy it back from where the checkpoint was saved",
+        )
     if len(ranks) > 1 or any(rf.z3_model for rf in ranks.values()):
-        raise UnsupportedCheckpoint("a DeepSpeed MoE checkpoint with tensor parallelism or ZeRO-3: ckpt reads MoE "
-                                    "checkpoints of one model-parallel rank with ZeRO 0-2", path=tag_dir)
+        raise UnsupportedCheckpoint(
+            "a DeepSpeed MoE checkpoint with tensor parallelism or ZeRO-3: ckpt reads MoE "
+            "checkpoints of one model-parallel rank with ZeRO 0-2",
+            path=tag_dir,
+        )
     rf = ranks[min(ranks)]
     ms = cache.load(rf.model_states).obj
     if not isinstance(ms, dict) or not isinstance(ms.get("module"), dict):
@@ -108,28 +119,36 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
 
     experts, expert_files = _expert_weights(tag_dir, root, cache)
     expp = {int(m[1]): p for p in sorted(tag_dir.iterdir()) if (m := _EXPP.match(p.name))}
-    ext = D.Extension(model=experts, files=[C.file_info(p, root, "model", {"expert": e, "layer": L})
-                                            for (L, e), p in sorted(expert_files.items())])
-    ext.details["convert_unproven"] = ("no framework has resumed a Mixture-of-Experts checkpoint converted to DCP "
-                                       "or torch in a test yet; `ckpt to-universal` carries every expert and its "
-                                       "optimizer state (resumed by DeepSpeed at expert-parallel size 1), and "
-                                       "`ckpt export` writes every expert")
+    ext = D.Extension(
+        model=experts,
+        files=[C.file_info(p, root, "model", {"expert": e, "layer": L}) for (L, e), p in sorted(expert_files.items())],
+    )
+    ext.details["convert_unproven"] = (
+        "no framework has resumed a Mixture-of-Experts checkpoint converted to DCP "
+        "or torch in a test yet; `ckpt to-universal` carries every expert and its "
+        "optimizer state (resumed by DeepSpeed at expert-parallel size 1), and "
+        "`ckpt export` writes every expert"
+    )
     if rf.optim:
         _zero_layout(ext, rf, ms, module, experts, dp, cache, expp, root)
     elif expp:
         _expp_optimizer(ext, expp, module, experts, cache, root)
     else:
-        raise MissingFile("no optimizer files (ZeRO *_optim_states.pt or expp_rank_*): the experts' optimizer "
-                          "state is missing", path=tag_dir, hint="copy the tag folder whole")
+        raise MissingFile(
+            "no optimizer files (ZeRO *_optim_states.pt or expp_rank_*): the experts' optimizer state is missing",
+            path=tag_dir,
+            hint="copy the tag folder whole",
+        )
     per = {}
     for name, node in experts.items():
         m = _LOCAL.search(name)
-        key = (name[:m.start()], int(m[2]))  # (MoE layer's module, expert id)
+        key = (name[: m.start()], int(m[2]))  # (MoE layer's module, expert id)
         per[key] = per.get(key, 0) + node.numel
     if per:
         sizes = sorted(set(per.values()))
-        ext.details["expert_parameters"] = (f"{'/'.join(f'{x:,}' for x in sizes)} per expert, {sum(per.values()):,} in "
-                                            f"{len(per)} experts")
+        ext.details["expert_parameters"] = (
+            f"{'/'.join(f'{x:,}' for x in sizes)} per expert, {sum(per.values()):,} in {len(per)} experts"
+        )
     ck = D.build(root, tag_dir, tag, cache, ranks, fmt=FORMAT, ext=ext)
     if rf.optim:
         state = ck.get("optimizer.state").children
@@ -141,24 +160,33 @@ def _refuse_variants(ms: dict, rf) -> None:
     """Layouts this reader does not place yet, refused by name rather than mis-read or called corrupt."""
     where = rf.model_states
     if ms.get("ds_autoep_layers"):
-        raise UnsupportedCheckpoint("a DeepSpeed AutoEP checkpoint (ds_autoep_layers): its expert files hold "
-                                    "fused expert weights ckpt does not read yet", path=where)
+        raise UnsupportedCheckpoint(
+            "a DeepSpeed AutoEP checkpoint (ds_autoep_layers): its expert files hold "
+            "fused expert weights ckpt does not read yet",
+            path=where,
+        )
     if D._dig(ms, "ds_config", "use_data_before_expert_parallelism"):
-        raise UnsupportedCheckpoint("a DeepSpeed MoE checkpoint saved with use_data_before_expert_parallelism: its "
-                                    "expert-parallel groups are laid out differently, which ckpt does not place yet",
-                                    path=where)
+        raise UnsupportedCheckpoint(
+            "a DeepSpeed MoE checkpoint saved with use_data_before_expert_parallelism: its "
+            "expert-parallel groups are laid out differently, which ckpt does not place yet",
+            path=where,
+        )
     frozen = ms.get("frozen_param_shapes")
     if isinstance(frozen, dict) and any(_LOCAL.search(str(n)) for n in frozen):
-        raise UnsupportedCheckpoint("a DeepSpeed MoE checkpoint with frozen experts (frozen_param_shapes names "
-                                    "expert parameters): ckpt does not place frozen experts yet", path=where)
+        raise UnsupportedCheckpoint(
+            "a DeepSpeed MoE checkpoint with frozen experts (frozen_param_shapes names "
+            "expert parameters): ckpt does not place frozen experts yet",
+            path=where,
+        )
 
 
 def _expert_weights(tag_dir: Path, root: Path, cache: C.LoadCache):
     """Every expert file's tensors under their (global) names; {(layer, expert): path}."""
     out: dict[str, TensorNode] = {}
     files: dict[tuple[int, int], Path] = {}
-    found = sorted(((int(m[1]), int(m[2]), p) for p in tag_dir.iterdir() if (m := _EXPERT.match(p.name))),
-                   key=lambda x: x[:2])  # (MoE layer, expert) in number order: model order
+    found = sorted(
+        ((int(m[1]), int(m[2]), p) for p in tag_dir.iterdir() if (m := _EXPERT.match(p.name))), key=lambda x: x[:2]
+    )  # (MoE layer, expert) in number order: model order
     for layer, expert, p in found:
         files[(layer, expert)] = p
         obj = cache.load(p).obj
@@ -168,8 +196,11 @@ def _expert_weights(tag_dir: Path, root: Path, cache: C.LoadCache):
             if isinstance(v, TensorRef):
                 ids = [int(x[2]) for x in _LOCAL.finditer(str(k))]
                 if ids != [expert]:
-                    raise CorruptCheckpoint(f"{p.name} holds {k}, not a tensor of expert {expert}", path=p,
-                                            hint="the file was renamed or comes from another run")
+                    raise CorruptCheckpoint(
+                        f"{p.name} holds {k}, not a tensor of expert {expert}",
+                        path=p,
+                        hint="the file was renamed or comes from another run",
+                    )
                 out[str(k)] = tensor_node(v, cache.rel(p), {"expert": expert})
     return out, files
 
@@ -189,22 +220,31 @@ def _zero_layout(ext, rf, ms, module, experts, dp, cache, expp, root) -> None:
     ep = _ep_size(groups)
     moe = [i for i, g in enumerate(groups) if _is_moe(g)]
     if not moe or ep is None or dp % ep:
-        raise UnsupportedCheckpoint(f"MoE param groups {[g.get('name') for g in groups]} name no single "
-                                    f"expert-parallel size dividing dp={dp}: ckpt will not guess where the experts "
-                                    "are", path=rf.optim[min(rf.optim)])
+        raise UnsupportedCheckpoint(
+            f"MoE param groups {[g.get('name') for g in groups]} name no single "
+            f"expert-parallel size dividing dp={dp}: ckpt will not guess where the experts "
+            "are",
+            path=rf.optim[min(rf.optim)],
+        )
     n_experts = {int(x) for x in (ms.get("num_experts") or _gate_rows(module))}
     if len(n_experts) != 1 or next(iter(n_experts)) % ep:
-        raise UnsupportedCheckpoint(f"MoE layers of {sorted(n_experts)} experts with ep_size {ep}: ckpt reads MoE "
-                                    "models whose layers all have the same number of experts", path=rf.model_states)
+        raise UnsupportedCheckpoint(
+            f"MoE layers of {sorted(n_experts)} experts with ep_size {ep}: ckpt reads MoE "
+            "models whose layers all have the same number of experts",
+            path=rf.model_states,
+        )
     n_local = next(iter(n_experts)) // ep
     osd = first.get("optimizer_state_dict") if isinstance(first, dict) else {}
     counts = osd.get("partition_count") if isinstance(osd, dict) else None
     if isinstance(counts, list) and any(as_int(counts[i]) != dp // ep for i in moe if i < len(counts)):
-        raise UnsupportedCheckpoint(f"partition_count {counts}: the MoE groups are not partitioned over the "
-                                    f"expert-data-parallel group of {dp // ep} rank(s) DeepSpeed's default groups give",
-                                    path=rf.optim[min(rf.optim)])
-    file_groups = D._shape_groups(ms.get("param_shapes")) or _groups_from_mappings(rf, cache, module, experts, ep,
-                                                                                   n_local)
+        raise UnsupportedCheckpoint(
+            f"partition_count {counts}: the MoE groups are not partitioned over the "
+            f"expert-data-parallel group of {dp // ep} rank(s) DeepSpeed's default groups give",
+            path=rf.optim[min(rf.optim)],
+        )
+    file_groups = D._shape_groups(ms.get("param_shapes")) or _groups_from_mappings(
+        rf, cache, module, experts, ep, n_local
+    )
 
     def layout(gi: int, r: int):
         return (r // ep, _rename(r % ep, n_local)) if gi in moe else (r, None)
@@ -221,15 +261,20 @@ def _zero_layout(ext, rf, ms, module, experts, dp, cache, expp, root) -> None:
         groups_out.append(out)
     missing = sorted(set(experts) - {n for gi in moe for n in groups_out[gi]})
     if missing:
-        raise CorruptCheckpoint(f"{len(missing)} expert tensor(s) in the expert files belong to no MoE param group "
-                                f"({', '.join(missing[:3])} …)", path=rf.model_states)
+        raise CorruptCheckpoint(
+            f"{len(missing)} expert tensor(s) in the expert files belong to no MoE param group "
+            f"({', '.join(missing[:3])} …)",
+            path=rf.model_states,
+        )
     ext.file_groups, ext.groups, ext.group_layout, ext.ep = file_groups, groups_out, layout, ep
     _set_experts(ext, next(iter(n_experts)), ep, len(groups_out), moe)
     for e, p in expp.items():  # DeepSpeed 0.14 / 0.16 write them with ZeRO too: {'optimizer': None}
         obj = cache.load(p).obj
         if not (isinstance(obj, dict) and obj.get("optimizer") is None):
-            raise UnsupportedCheckpoint(f"{p.name} holds an optimizer beside ZeRO partitions: ckpt does not know "
-                                        "which one DeepSpeed loads", path=p)
+            raise UnsupportedCheckpoint(
+                f"{p.name} holds an optimizer beside ZeRO partitions: ckpt does not know which one DeepSpeed loads",
+                path=p,
+            )
         ext.files.append(C.file_info(p, root, "optimizer", {"ep": e}))
     ext.details["expert_check"] = "each expert's fp32 master rounds to its expert file's weights (checked)"
 
@@ -237,8 +282,10 @@ def _zero_layout(ext, rf, ms, module, experts, dp, cache, expp, root) -> None:
 def _set_experts(ext, n: int, ep: int, groups: int, moe: list[int]) -> None:
     """The experts per MoE layer (`num_experts`: to-universal marks the expert files with it) and their line."""
     ext.details["num_experts"] = n
-    ext.details["experts"] = (f"{n} per MoE layer, expert parallel {ep} ({n // ep} per rank); param groups "
-                              f"{', '.join(str(i) for i in moe)} of {groups} hold them")
+    ext.details["experts"] = (
+        f"{n} per MoE layer, expert parallel {ep} ({n // ep} per rank); param groups "
+        f"{', '.join(str(i) for i in moe)} of {groups} hold them"
+    )
 
 
 def _groups_from_mappings(rf, cache, module, experts, ep, n_local) -> list[dict[str, tuple[int, ...]]]:
@@ -251,8 +298,11 @@ def _groups_from_mappings(rf, cache, module, experts, ep, n_local) -> list[dict[
         obj = cache.load(rf.optim[r]).obj
         maps = D._dig(obj, "optimizer_state_dict", "param_slice_mappings")
         if not isinstance(maps, list):
-            raise CorruptCheckpoint("no param_shapes in the model states and no param_slice_mappings in the "
-                                    "optimizer file: the flat partitions cannot be named", path=rf.optim[r])
+            raise CorruptCheckpoint(
+                "no param_shapes in the model states and no param_slice_mappings in the "
+                "optimizer file: the flat partitions cannot be named",
+                path=rf.optim[r],
+            )
         while len(out) < len(maps):
             out.append({})
         for gi, mp in enumerate(maps):
@@ -262,8 +312,9 @@ def _groups_from_mappings(rf, cache, module, experts, ep, n_local) -> list[dict[
                 node = experts.get(ren0(name))
                 shape = tuple(ref.shape) if isinstance(ref, TensorRef) else node.shape if node is not None else None
                 if shape is None:
-                    raise CorruptCheckpoint(f"{name} is in the optimizer's param_slice_mappings but in no weights "
-                                            "file", path=rf.optim[r])
+                    raise CorruptCheckpoint(
+                        f"{name} is in the optimizer's param_slice_mappings but in no weights file", path=rf.optim[r]
+                    )
                 out[gi].setdefault(name, shape)
     return out
 
@@ -274,14 +325,19 @@ def _confirm_placement(masters: dict[str, TensorNode | None], experts: dict[str,
     for name, node in experts.items():
         fp32 = masters.get(name)
         if fp32 is None:
-            raise CorruptCheckpoint(f"expert parameter {name} has no fp32 master in the ZeRO files", path=rf.model_states)
+            raise CorruptCheckpoint(
+                f"expert parameter {name} has no fp32 master in the ZeRO files", path=rf.model_states
+            )
         k = min(node.numel, 128)
-        if node.dtype in ("bfloat16", "float16", "float32") and \
-                not C.rounds_to(C.read_range(fp32, 0, k), C.read_range(node, 0, k), node.dtype):
-            raise UnsupportedCheckpoint(f"the fp32 master ckpt places at {name} does not round to that expert's "
-                                        "weights: the experts are not where DeepSpeed's default expert-parallel "
-                                        "groups put them (a custom group layout?); ckpt will not guess",
-                                        path=rf.model_states)
+        if node.dtype in ("bfloat16", "float16", "float32") and not C.rounds_to(
+            C.read_range(fp32, 0, k), C.read_range(node, 0, k), node.dtype
+        ):
+            raise UnsupportedCheckpoint(
+                f"the fp32 master ckpt places at {name} does not round to that expert's "
+                "weights: the experts are not where DeepSpeed's default expert-parallel "
+                "groups put them (a custom group layout?); ckpt will not guess",
+                path=rf.model_states,
+            )
 
 
 def _expp_optimizer(ext, expp: dict[int, Path], module, experts, cache, root) -> None:
@@ -291,30 +347,42 @@ def _expp_optimizer(ext, expp: dict[int, Path], module, experts, cache, root) ->
     for p in expp.values():
         wrapped = D._dig(cache.load(p).obj, "optimizer")
         if isinstance(wrapped, dict) and ("optimizer_state_dict" in wrapped or "fp32_groups" in wrapped):
-            raise UnsupportedCheckpoint(f"{p.name} holds DeepSpeed's mixed-precision optimizer wrapper (bf16/fp16 "
-                                        "without ZeRO: fp32_groups): ckpt does not read it yet", path=p)
+            raise UnsupportedCheckpoint(
+                f"{p.name} holds DeepSpeed's mixed-precision optimizer wrapper (bf16/fp16 "
+                "without ZeRO: fp32_groups): ckpt does not read it yet",
+                path=p,
+            )
     first = expp[min(expp)]
     ep = _ep_size(_groups_of(cache.load(first).obj))
     if ep is None:
         raise UnsupportedCheckpoint("the MoE param groups name no single expert-parallel size (ep_size_N)", path=first)
     gone = [f"expp_rank_{e}_mp_rank_00_optim_states.pt" for e in range(ep) if e not in expp]
     if gone:
-        raise MissingFile(f"{', '.join(gone)} missing: the param groups say ep_size {ep}, one optimizer file per "
-                          "expert-parallel rank (its experts' Adam state)", path=first.parent / gone[0],
-                          hint="copy it back from where the checkpoint was saved")
+        raise MissingFile(
+            f"{', '.join(gone)} missing: the param groups say ep_size {ep}, one optimizer file per "
+            "expert-parallel rank (its experts' Adam state)",
+            path=first.parent / gone[0],
+            hint="copy it back from where the checkpoint was saved",
+        )
     if max(expp) >= ep:
-        raise CorruptCheckpoint(f"expp_rank_{max(expp)} is beyond ep_size {ep}: files from another run?",
-                                path=expp[max(expp)], hint="move it out of the folder")
+        raise CorruptCheckpoint(
+            f"expp_rank_{max(expp)} is beyond ep_size {ep}: files from another run?",
+            path=expp[max(expp)],
+            hint="move it out of the folder",
+        )
     gates = _gate_rows(module)
     if len(set(gates)) != 1 or gates[0] % ep:
-        raise UnsupportedCheckpoint(f"MoE layers of {sorted(set(gates))} experts over {ep} expp_rank files",
-                                    path=next(iter(expp.values())))
+        raise UnsupportedCheckpoint(
+            f"MoE layers of {sorted(set(gates))} experts over {ep} expp_rank files", path=next(iter(expp.values()))
+        )
     n_local = gates[0] // ep
     dense = [str(n) for n, r in module.items() if isinstance(r, TensorRef) and r.numel > 0]
     order = {n: i for i, n in enumerate(experts)}  # expert files in (layer, expert) order, each file in its order
     ren0 = _rename(0, n_local)
-    local = sorted({_LOCAL.sub(lambda m: f"{m[1]}{int(m[2]) % n_local}{m[3]}", n) for n in experts},
-                   key=lambda n: order.get(ren0(n), -1))
+    local = sorted(
+        {_LOCAL.sub(lambda m: f"{m[1]}{int(m[2]) % n_local}{m[3]}", n) for n in experts},
+        key=lambda n: order.get(ren0(n), -1),
+    )
     shapes = {n: tuple(module[n].shape) for n in dense}
     for n in local:
         shapes[n] = experts[ren0(n)].shape
@@ -330,8 +398,11 @@ def _expp_optimizer(ext, expp: dict[int, Path], module, experts, cache, root) ->
             raise CorruptCheckpoint(f"{p.name} holds no optimizer state", path=p, hint="re-copy it")
         groups = [g for g in osd.get("param_groups") or [] if isinstance(g, dict)]
         gids = [list(g.get("params") or []) for g in groups]
-        id_shapes = {i: next((tuple(v.shape) for v in s.values() if isinstance(v, TensorRef) and v.numel > 1), None)
-                     for i, s in osd["state"].items() if isinstance(s, dict)}
+        id_shapes = {
+            i: next((tuple(v.shape) for v in s.values() if isinstance(v, TensorRef) and v.numel > 1), None)
+            for i, s in osd["state"].items()
+            if isinstance(s, dict)
+        }
         # the MoE groups hold exactly this rank's experts and the others the rest: matched apart, so that a
         # bias of one kind is never taken for the other's
         ids: dict[Any, str] = {}
@@ -339,10 +410,13 @@ def _expp_optimizer(ext, expp: dict[int, Path], module, experts, cache, root) ->
             part = [gids[gi] for gi in range(len(groups)) if _is_moe(groups[gi]) == is_moe]
             got = match_param_ids(part, id_shapes, names, shapes)
             if got is None:
-                raise UnsupportedCheckpoint(f"{p.name}: the optimizer's {sum(map(len, part))} "
-                                            f"{'MoE' if is_moe else 'non-MoE'} parameter ids do not map onto the "
-                                            f"{len(names)} {'expert' if is_moe else 'non-expert'} parameters of this "
-                                            "rank by group and shape", path=p)
+                raise UnsupportedCheckpoint(
+                    f"{p.name}: the optimizer's {sum(map(len, part))} "
+                    f"{'MoE' if is_moe else 'non-MoE'} parameter ids do not map onto the "
+                    f"{len(names)} {'expert' if is_moe else 'non-expert'} parameters of this "
+                    "rank by group and shape",
+                    path=p,
+                )
             ids.update(got)
         ren = _rename(e, n_local)
         rel = cache.rel(p)
@@ -375,10 +449,16 @@ def _expp_optimizer(ext, expp: dict[int, Path], module, experts, cache, root) ->
     for name, e in state.items():
         if not kinds <= set(e):
             lost.setdefault(e["_file"], []).append(name)
-    problems = [Warning_("declared-mismatch", f"{len(names)} parameter(s) its param groups list have no Adam state "
-                         f"in this file ({', '.join(names[:4])}{' …' if len(names) > 4 else ''}) while the others "
-                         "have it: lost state (a resume restarts those moments at zero)", f)
-                for f, names in sorted(lost.items())]
+    problems = [
+        Warning_(
+            "declared-mismatch",
+            f"{len(names)} parameter(s) its param groups list have no Adam state "
+            f"in this file ({', '.join(names[:4])}{' …' if len(names) > 4 else ''}) while the others "
+            "have it: lost state (a resume restarts those moments at zero)",
+            f,
+        )
+        for f, names in sorted(lost.items())
+    ]
     for e in state.values():
         del e["_file"]
     ext.optimizer = D.ZeroOptimizer(0, state, groups0, steps, lrs, {}, warnings=problems)

@@ -9,6 +9,7 @@ the local shards of ALL rank files, each shard a `Piece` placed by its `shard_of
 Values that are not sharded (Adam's `step`, param_groups, the scheduler, the loop step) are taken from
 the lowest rank's file, as torch itself restores them per rank.
 """
+
 from __future__ import annotations
 
 import re
@@ -61,8 +62,12 @@ def sniff(path: Path) -> bool:
 
 
 def _is_sharded(obj: Any) -> bool:
-    return isinstance(obj, TensorRef) and (obj.subclass or "").endswith("ShardedTensor") \
-        and isinstance(obj.subclass_state, tuple) and len(obj.subclass_state) >= 2
+    return (
+        isinstance(obj, TensorRef)
+        and (obj.subclass or "").endswith("ShardedTensor")
+        and isinstance(obj.subclass_state, tuple)
+        and len(obj.subclass_state) >= 2
+    )
 
 
 def _iter_sharded(obj: Any, _depth: int = 0):
@@ -98,8 +103,11 @@ def _local_chunks(st: TensorRef, key: str, rel: str, file_rank: int, where: Path
         offsets = meta.field("shard_offsets") if isinstance(meta, Opaque) else None
         sizes = meta.field("shard_sizes") if isinstance(meta, Opaque) else None
         if not isinstance(ref, TensorRef) or offsets is None or sizes is None:
-            raise CorruptCheckpoint(f"{key}: a local shard has no tensor or no offsets", path=where,
-                                    hint="the file was not written by FSDP's SHARDED_STATE_DICT")
+            raise CorruptCheckpoint(
+                f"{key}: a local shard has no tensor or no offsets",
+                path=where,
+                hint="the file was not written by FSDP's SHARDED_STATE_DICT",
+            )
         rank = as_int(_placement_rank(meta))
         out.append(Chunk(tuple(offsets), tuple(sizes), ref, rel, {"dp": file_rank if rank is None else rank}))
     return out
@@ -113,16 +121,33 @@ def _merge(objs: dict[int, Any], key: str, cache: C.LoadCache, files: dict[int, 
         chunks = []
         for r, o in objs.items():
             if not _is_sharded(o):
-                raise CorruptCheckpoint(f"{key} is a ShardedTensor in {files[first_rank].name} but not here",
-                                        path=files[r], hint="the rank files come from different runs")
+                raise CorruptCheckpoint(
+                    f"{key} is a ShardedTensor in {files[first_rank].name} but not here",
+                    path=files[r],
+                    hint="the rank files come from different runs",
+                )
             chunks += _local_chunks(o, key, cache.rel(files[r]), r, files[r])
         return chunked_tensor(key, first.shape, first.dtype, chunks, files[first_rank].parent)
     if isinstance(first, Mapping):
-        return {k: _merge({r: o.get(k) if isinstance(o, Mapping) else None for r, o in objs.items()},
-                          f"{key}.{k}" if key else str(k), cache, files) for k in first}
+        return {
+            k: _merge(
+                {r: o.get(k) if isinstance(o, Mapping) else None for r, o in objs.items()},
+                f"{key}.{k}" if key else str(k),
+                cache,
+                files,
+            )
+            for k in first
+        }
     if isinstance(first, list) and any(True for _ in _iter_sharded(first)):
-        return [_merge({r: o[i] if isinstance(o, list) and i < len(o) else None for r, o in objs.items()},
-                       f"{key}.{i}", cache, files) for i in range(len(first))]
+        return [
+            _merge(
+                {r: o[i] if isinstance(o, list) and i < len(o) else None for r, o in objs.items()},
+                f"{key}.{i}",
+                cache,
+                files,
+            )
+            for i in range(len(first))
+        ]
     return first
 
 
@@ -136,8 +161,9 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     objs = {r: cache.load(p).obj for r, p in files.items()}
     for r, o in objs.items():
         if not isinstance(o, dict):
-            raise CorruptCheckpoint("the file does not hold a dict", path=files[r],
-                                    hint="this is not a per-rank FSDP state dict")
+            raise CorruptCheckpoint(
+                "the file does not hold a dict", path=files[r], hint="this is not a per-rank FSDP state dict"
+            )
     placed, world = set(), None
     for st in _iter_sharded(objs[min(objs)]):
         ranks, ws = _saving_ranks(st)
@@ -147,15 +173,32 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     missing = sorted(expected - set(files))
     if missing:
         name = pattern.format(rank=missing[0])
-        raise MissingFile(f"{name} is missing (the ShardedTensor metadata places shards on ranks "
-                          f"{sorted(expected)})", path=path / name,
-                          hint="re-copy the checkpoint folder; every rank's file is needed")
-    warnings = [Warning_("extra-rank-file", f"{p.name} is beyond the saving world size {len(expected)}: left over "
-                         "from another run? Move it out of the folder", cache.rel(p))
-                for r, p in files.items() if expected and r not in expected]
+        raise MissingFile(
+            f"{name} is missing (the ShardedTensor metadata places shards on ranks {sorted(expected)})",
+            path=path / name,
+            hint="re-copy the checkpoint folder; every rank's file is needed",
+        )
+    warnings = [
+        Warning_(
+            "extra-rank-file",
+            f"{p.name} is beyond the saving world size {len(expected)}: left over "
+            "from another run? Move it out of the folder",
+            cache.rel(p),
+        )
+        for r, p in files.items()
+        if expected and r not in expected
+    ]
     objs = {r: o for r, o in objs.items() if not expected or r in expected}
     top = _merge(objs, "", cache, files)
     warnings += C.stray_file_warnings(path, path) + cache.warnings()
     file_infos = [C.file_info(files[r], path, "checkpoint", {"dp": r}) for r in sorted(objs)]
-    return training_checkpoint(FORMAT, path, top, file=cache.rel(files[min(objs)]), dp=world or len(objs),
-                               files=file_infos, warnings=warnings, details={"rank_files": pattern})
+    return training_checkpoint(
+        FORMAT,
+        path,
+        top,
+        file=cache.rel(files[min(objs)]),
+        dp=world or len(objs),
+        files=file_infos,
+        warnings=warnings,
+        details={"rank_files": pattern},
+    )

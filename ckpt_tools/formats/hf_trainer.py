@@ -13,6 +13,7 @@ executed), `rng_state[_R].pth` (one per process), `config.json` and the model (`
 Given the output_dir, the newest `checkpoint-N` is opened (what `resume_from_checkpoint=True` picks), and the
 others are listed in `details["checkpoints"]`.
 """
+
 from __future__ import annotations
 
 import json
@@ -125,10 +126,17 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     plain = [n for n in ("optimizer.pt", "scheduler.pt") if (folder / n).is_file()]
     if len(plain) == 1 and inner is None:  # plain/DDP: both; DeepSpeed keeps the optimizer in its tag folder
         gone = "scheduler.pt" if plain[0] == "optimizer.pt" else "optimizer.pt"
-        warnings.append(Warning_("missing-state", f"{plain[0]} is saved but {gone} is not: the Trainer writes both; "
-                                 f"a resume from this folder starts without {gone[:-3]} state",
-                                 str((folder / gone).relative_to(path))))
-    rng = sorted((p for p in folder.iterdir() if _RNG_RE.match(p.name)), key=lambda p: int(_RNG_RE.match(p.name)[1] or 0))
+        warnings.append(
+            Warning_(
+                "missing-state",
+                f"{plain[0]} is saved but {gone} is not: the Trainer writes both; "
+                f"a resume from this folder starts without {gone[:-3]} state",
+                str((folder / gone).relative_to(path)),
+            )
+        )
+    rng = sorted(
+        (p for p in folder.iterdir() if _RNG_RE.match(p.name)), key=lambda p: int(_RNG_RE.match(p.name)[1] or 0)
+    )
     numbered = {int(_RNG_RE.match(p.name)[1]) for p in rng if _RNG_RE.match(p.name)[1] is not None}
     if numbered:
         # the Trainer writes rng_state.pth for one process and rng_state_{process_index}.pth for several: numbered
@@ -138,9 +146,14 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
             world = max(world, inner.topology.dp * (inner.topology.tp or 1) * (inner.topology.pp or 1))
         gone = [f"rng_state_{i}.pth" for i in range(world) if i not in numbered]
         if gone:
-            warnings.append(Warning_("missing-state", f"{', '.join(gone)} missing ({world} processes saved RNG "
-                                     "states): those ranks resume with fresh random streams",
-                                     str((folder / gone[0]).relative_to(path))))
+            warnings.append(
+                Warning_(
+                    "missing-state",
+                    f"{', '.join(gone)} missing ({world} processes saved RNG "
+                    "states): those ranks resume with fresh random streams",
+                    str((folder / gone[0]).relative_to(path)),
+                )
+            )
     if rng:
         tree["rng"] = GroupNode({p.stem: to_node(cache.load(p).obj, p.name) for p in rng})
         files += [C.file_info(p, path, "rng", {"rank": int(_RNG_RE.match(p.name)[1] or 0)}) for p in rng]
@@ -155,12 +168,22 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
             try:
                 json.loads((folder / name).read_text())
             except (OSError, ValueError) as e:
-                warnings.append(Warning_("corrupt-file", f"{name} is not valid JSON ({e}): from_pretrained and "
-                                         "`ckpt export --hf` cannot use it", str((folder / name).relative_to(path))))
+                warnings.append(
+                    Warning_(
+                        "corrupt-file",
+                        f"{name} is not valid JSON ({e}): from_pretrained and `ckpt export --hf` cannot use it",
+                        str((folder / name).relative_to(path)),
+                    )
+                )
     if not (folder / "config.json").is_file() and "model" in tree:
-        warnings.append(Warning_("missing-state", "config.json is missing: the Trainer saves the model's config "
-                                 "beside its weights; from_pretrained on this folder fails",
-                                 str((folder / "config.json").relative_to(path))))
+        warnings.append(
+            Warning_(
+                "missing-state",
+                "config.json is missing: the Trainer saves the model's config "
+                "beside its weights; from_pretrained on this folder fails",
+                str((folder / "config.json").relative_to(path)),
+            )
+        )
     client = {k: v for k, v in state.items() if k != "log_history"}
     client["log_history"] = f"{len(state.get('log_history') or [])} entries"
     tree["trainer_state"] = GroupNode({k: to_node(v, STATE_FILE) for k, v in client.items()})
@@ -175,9 +198,13 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     if sched_epoch is None and inner is not None:
         sched_epoch, sched_count = inner.counters.scheduler_last_epoch, inner.counters.scheduler_step_count
     gstep = state.get("global_step") if isinstance(state.get("global_step"), int) else None
-    counters = Counters(global_step=gstep, optimizer_step=opt_step, scheduler_last_epoch=sched_epoch,
-                        scheduler_step_count=sched_count,
-                        skipped_steps=inner.counters.skipped_steps if inner is not None else None)
+    counters = Counters(
+        global_step=gstep,
+        optimizer_step=opt_step,
+        scheduler_last_epoch=sched_epoch,
+        scheduler_step_count=sched_count,
+        skipped_steps=inner.counters.skipped_steps if inner is not None else None,
+    )
     logged = last_logged(state)
     if logged:
         details["last_logged"] = logged
@@ -202,9 +229,19 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     if details.get("checkpoints"):
         tree["checkpoints"] = ValueNode(details["checkpoints"])
     return Checkpoint(
-        format=FORMAT, path=str(path), topology=topo, tree=GroupNode(tree), counters=counters, lr=lrs,
-        parameter_count=count, parameter_tensors=ntensors, files=tuple(files), warnings=tuple(warnings),
-        dtypes=tuple(dtypes), details=details)
+        format=FORMAT,
+        path=str(path),
+        topology=topo,
+        tree=GroupNode(tree),
+        counters=counters,
+        lr=lrs,
+        parameter_count=count,
+        parameter_tensors=ntensors,
+        files=tuple(files),
+        warnings=tuple(warnings),
+        dtypes=tuple(dtypes),
+        details=details,
+    )
 
 
 def checkpoint_folder(ck: Checkpoint) -> Path:

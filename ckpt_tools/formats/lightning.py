@@ -6,6 +6,7 @@ optimizer / scheduler config), `epoch`, `global_step`, `loops` (the fit loop's p
 Read as a torch file (`torch_file.split_training_dict` takes the lists apart: `optimizer`, `optimizer_1`, ...);
 this module only names the format and shows the Lightning version and epoch.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -59,8 +60,9 @@ def training_state(ck: Checkpoint):
             if not isinstance(sub, GroupNode):
                 continue
             for fld in ("ready", "completed"):
-                if part == "total" or (isinstance(total, GroupNode) and
-                                       scalar(sub.children.get(fld)) == scalar(total.children.get(fld))):
+                if part == "total" or (
+                    isinstance(total, GroupNode) and scalar(sub.children.get(fld)) == scalar(total.children.get(fld))
+                ):
                     paths.append(_OPTIM_STEPS + (part, fld))
     (src,) = base.sources
     return StateMap(base.root, (replace(src, counter_paths=tuple(paths)),))

@@ -18,6 +18,7 @@ range found from the DCP chunk boundaries and confirmed by its weights), or show
 With PP > 1 and tied embeddings the last stage's output-layer copy is saved under the word embeddings' key with
 another replica id, so the files hold it once.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,18 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpoint, NotACheckpoint, UnsupportedCheckpoint
-from ..read.tree import (Checkpoint, Counters, GroupNode, LearningRates, Piece, TensorNode, ValueNode, Warning_, as_int,
-                         to_node)
+from ..read.tree import (
+    Checkpoint,
+    Counters,
+    GroupNode,
+    LearningRates,
+    Piece,
+    TensorNode,
+    ValueNode,
+    Warning_,
+    as_int,
+    to_node,
+)
 from . import _common as C
 from . import dcp, megatron_lm
 from .megatron_lm import LATEST, args_of, group_rule, group_warnings, next_lr
@@ -75,7 +86,7 @@ def _slice(node: TensorNode, i: int, starts: list[int]) -> TensorNode:
     n = math.prod(shape)
     out = _range(node, i * n, n, shape, starts, {"layer": i})
     if isinstance(node.value, list) and len(node.value) == node.numel:
-        out = replace(out, value=node.value[i * n:(i + 1) * n] if n > 1 else node.value[i * n])
+        out = replace(out, value=node.value[i * n : (i + 1) * n] if n > 1 else node.value[i * n])
     return out
 
 
@@ -86,9 +97,12 @@ def _unstack(flat: dict[str, TensorNode], layers: int, where: Path) -> dict[str,
             out[name] = node
             continue
         if not node.shape or node.shape[0] != layers:
-            raise CorruptCheckpoint(f"{name}: shape {list(node.shape)} has no leading layer axis of {layers} "
-                                    "(args.num_layers)", path=where, hint="the args and the tensors disagree")
-        rest = name[len(_LAYERS):]
+            raise CorruptCheckpoint(
+                f"{name}: shape {list(node.shape)} has no leading layer axis of {layers} (args.num_layers)",
+                path=where,
+                hint="the args and the tensors disagree",
+            )
+        rest = name[len(_LAYERS) :]
         starts = [p.dst_offset for p in node.pieces]
         if starts != sorted(starts):
             raise CorruptCheckpoint(f"{name}: pieces out of order", path=where)
@@ -119,23 +133,28 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         raise CorruptCheckpoint("common.pt does not hold a dict", path=it / COMMON)
     args = args_of(common)
     if not args:
-        raise CorruptCheckpoint("common.pt holds no `args`", path=it / COMMON,
-                                hint="Megatron-LM saves its launch arguments in common.pt")
+        raise CorruptCheckpoint(
+            "common.pt holds no `args`", path=it / COMMON, hint="Megatron-LM saves its launch arguments in common.pt"
+        )
     layers = as_int(args.get("num_layers")) or 0
-    tensors = {k: v for k, v in _flat(base.tree.children.get("model", GroupNode({}))).items()
-               if isinstance(v, TensorNode)}
+    tensors = {
+        k: v for k, v in _flat(base.tree.children.get("model", GroupNode({}))).items() if isinstance(v, TensorNode)
+    }
     chained = sorted({k.split(".", 1)[0] for k in tensors if re.match(r"chained_\d+\.optimizer\.", k)})
     if chained:  # MoE runs chain a dense and an expert optimizer: their state keys carry a chained_N. prefix
-        raise UnsupportedCheckpoint(f"a Megatron-LM torch_dist checkpoint with {len(chained)} chained optimizers "
-                                    f"({', '.join(chained)}: a Mixture-of-Experts run's dense and expert "
-                                    "optimizers): ckpt does not map chained optimizer state yet", path=it)
+        raise UnsupportedCheckpoint(
+            f"a Megatron-LM torch_dist checkpoint with {len(chained)} chained optimizers "
+            f"({', '.join(chained)}: a Mixture-of-Experts run's dense and expert "
+            "optimizers): ckpt does not map chained optimizer state yet",
+            path=it,
+        )
     # never a weight: any optimizer key (a prefix ckpt does not know still names an `optimizer.` segment)
     weights = {k: v for k, v in tensors.items() if not k.startswith("optimizer.") and ".optimizer." not in f".{k}"}
     model = _unstack(weights, layers, it)
     state: dict[str, dict[str, Any]] = {}
     for key, node in tensors.items():
         if key.startswith(_STATE):
-            kind, _, pname = key[len(_STATE):].partition(".")
+            kind, _, pname = key[len(_STATE) :].partition(".")
             for name, part in _unstack({pname: node}, layers, it).items():
                 state.setdefault(name, {})["fp32" if kind == "fp32_param" else kind] = part
     distributed = {k: v for k, v in tensors.items() if k.startswith(_DIST)}
@@ -162,21 +181,37 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     warnings = [w for w in base.warnings if w.code not in ("megatron-torch-dist", "unread-files")]
     orphan = sorted(set(state) - set(model))
     if orphan:
-        warnings.append(Warning_("declared-mismatch", f"optimizer state for {len(orphan)} name(s) the model does not "
-                                 f"hold ({', '.join(orphan[:4])}{' …' if len(orphan) > 4 else ''})", ".metadata"))
+        warnings.append(
+            Warning_(
+                "declared-mismatch",
+                f"optimizer state for {len(orphan)} name(s) the model does not "
+                f"hold ({', '.join(orphan[:4])}{' …' if len(orphan) > 4 else ''})",
+                ".metadata",
+            )
+        )
     lacking = sorted(n for n in model if state and n not in state)
     if lacking and not distributed:
-        warnings.append(Warning_("declared-mismatch", f"{len(lacking)} parameter(s) without optimizer state while the "
-                                 f"others have it ({', '.join(lacking[:4])}{' …' if len(lacking) > 4 else ''})",
-                                 ".metadata"))
+        warnings.append(
+            Warning_(
+                "declared-mismatch",
+                f"{len(lacking)} parameter(s) without optimizer state while the "
+                f"others have it ({', '.join(lacking[:4])}{' …' if len(lacking) > 4 else ''})",
+                ".metadata",
+            )
+        )
     warnings += group_warnings(groups, {n: tuple(t.shape) for n, t in model.items()}, args, COMMON)
     # the distributed optimizer keeps its step in its param groups, not in common.pt's state
     lost = [k for k, x in enumerate(inner_steps) if x is None] if not distributed else []
     if state and not distributed and (step is None and not found_steps or lost):
         which = f" of inner optimizer {', '.join(map(str, lost))} (of {len(inner)})" if len(inner) > 1 else ""
-        warnings.append(Warning_("optimizer-state-missing", f"common.pt holds no Adam step{which} (optimizer.state."
-                                 "common_step) beside the saved moments: a resume restarts bias correction",
-                                 COMMON))
+        warnings.append(
+            Warning_(
+                "optimizer-state-missing",
+                f"common.pt holds no Adam step{which} (optimizer.state."
+                "common_step) beside the saved moments: a resume restarts bias correction",
+                COMMON,
+            )
+        )
     tree: dict[str, Any] = {"model": GroupNode(model)}
     opt_children: dict[str, Any] = {}
     if state:
@@ -188,24 +223,43 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
             if len(inner) > 1 and member.get(n) is not None and member[n] < len(owner):
                 return inner_steps[owner[member[n]]]
             return None if lost else step  # which inner optimizer holds it is not known: not guessed
-        kids = {n: GroupNode({**s, **({"step": ValueNode(step_of(n))} if step_of(n) is not None else {}),
-                              **({"param_group": ValueNode(member[n])} if member.get(n) is not None else {})})
-                for n, s in state.items()}
+
+        kids = {
+            n: GroupNode(
+                {
+                    **s,
+                    **({"step": ValueNode(step_of(n))} if step_of(n) is not None else {}),
+                    **({"param_group": ValueNode(member[n])} if member.get(n) is not None else {}),
+                }
+            )
+            for n, s in state.items()
+        }
         opt_children["state"] = GroupNode(kids)
-    opt_children["param_groups"] = GroupNode({str(i): GroupNode({k: to_node(v, COMMON) for k, v in g.items()})
-                                              for i, g in enumerate(groups)})
+    opt_children["param_groups"] = GroupNode(
+        {str(i): GroupNode({k: to_node(v, COMMON) for k, v in g.items()}) for i, g in enumerate(groups)}
+    )
     tree["optimizer"] = GroupNode(opt_children)
     if distributed and mapped is None:
         tree["distributed_optimizer"] = GroupNode(distributed)
-        warnings.append(Warning_("not-mapped", "the distributed optimizer's flat fp32 master and Adam buffers (per "
-                                 "bucket) are shown as saved, not per parameter: set-lr/set-step edit its param "
-                                 "groups (a sharded object); export, convert and to-universal refuse (they would "
-                                 "leave the fp32 master and Adam moments behind)", ".metadata"))
+        warnings.append(
+            Warning_(
+                "not-mapped",
+                "the distributed optimizer's flat fp32 master and Adam buffers (per "
+                "bucket) are shown as saved, not per parameter: set-lr/set-step edit its param "
+                "groups (a sharded object); export, convert and to-universal refuse (they would "
+                "leave the fp32 master and Adam moments behind)",
+                ".metadata",
+            )
+        )
     sched = common.get("opt_param_scheduler") if isinstance(common.get("opt_param_scheduler"), dict) else None
     if sched is not None:
         tree["scheduler"] = to_node(sched, COMMON)
-    tree["counters"] = GroupNode({k: ValueNode(common.get(k)) for k in
-                                  ("iteration", "checkpoint_version", "num_floating_point_operations_so_far")})
+    tree["counters"] = GroupNode(
+        {
+            k: ValueNode(common.get(k))
+            for k in ("iteration", "checkpoint_version", "num_floating_point_operations_so_far")
+        }
+    )
     tree["args"] = to_node(args, COMMON)
     rest = base.tree.children.get("client_state")
     if rest is not None:
@@ -220,39 +274,63 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     lrs = tuple(float(g["lr"]) for g in groups if isinstance(g.get("lr"), (int, float)))
     max_lrs = tuple(float(g["max_lr"]) for g in groups if isinstance(g.get("max_lr"), (int, float)))
     nxt = tuple(next_lr(sched, g, args) for g in groups) if sched and groups else ()
-    steps = found_steps or ([step] if step is not None else
-                            [as_int(g.get("step")) for g in groups if as_int(g.get("step")) is not None])
-    counters = Counters(global_step=as_int(common.get("iteration")),
-                        optimizer_step=steps[0] if steps and len(set(steps)) == 1 else None)
+    steps = found_steps or (
+        [step] if step is not None else [as_int(g.get("step")) for g in groups if as_int(g.get("step")) is not None]
+    )
+    counters = Counters(
+        global_step=as_int(common.get("iteration")), optimizer_step=steps[0] if steps and len(set(steps)) == 1 else None
+    )
     warnings += C.counter_warnings(counters, optimizer_steps_seen=steps)
-    details = {"iteration": common.get("iteration"), "checkpoint_version": common.get("checkpoint_version"),
-               "consumed_train_samples": args.get("consumed_train_samples"),
-               "floating_point_operations": common.get("num_floating_point_operations_so_far"),
-               "optimizer": ("distributed (flat buckets" + (", mapped to parameters: each one's range found in "
-                                                             "the bucket and checked against its weights)"
-                                                             if mapped is not None else ", not mapped)"))
-               if distributed else "Adam (per-parameter state)" + (
-                   f", a ChainedOptimizer of {len(inner)} (dense, expert): param groups "
-                   + ", ".join(f"{i} {'expert' if g.get('is_expert_parallel') else 'dense'}"
-                               for i, g in enumerate(groups)) if len(inner) > 1 else ""),
-               "layers": f"stacked on a leading axis of {layers} in the files; shown per layer",
-               "tp_replicas": "Megatron's torch_dist saves each TP-replicated tensor once (one replica id), so the "
-                              "files hold no replicas to compare; the legacy format keeps every TP rank's copy"}
+    details = {
+        "iteration": common.get("iteration"),
+        "checkpoint_version": common.get("checkpoint_version"),
+        "consumed_train_samples": args.get("consumed_train_samples"),
+        "floating_point_operations": common.get("num_floating_point_operations_so_far"),
+        "optimizer": (
+            "distributed (flat buckets"
+            + (
+                ", mapped to parameters: each one's range found in the bucket and checked against its weights)"
+                if mapped is not None
+                else ", not mapped)"
+            )
+        )
+        if distributed
+        else "Adam (per-parameter state)"
+        + (
+            f", a ChainedOptimizer of {len(inner)} (dense, expert): param groups "
+            + ", ".join(f"{i} {'expert' if g.get('is_expert_parallel') else 'dense'}" for i, g in enumerate(groups))
+            if len(inner) > 1
+            else ""
+        ),
+        "layers": f"stacked on a leading axis of {layers} in the files; shown per layer",
+        "tp_replicas": "Megatron's torch_dist saves each TP-replicated tensor once (one replica id), so the "
+        "files hold no replicas to compare; the legacy format keeps every TP rank's copy",
+    }
     if sched:
-        details["scheduler"] = (f"OptimizerParamScheduler num_steps={sched.get('num_steps')}, "
-                                f"{sched.get('lr_decay_style')}, warmup {sched.get('lr_warmup_steps')}, decay "
-                                f"{sched.get('lr_decay_steps')}; next LR {', '.join(f'{x:.6g}' for x in nxt)}")
+        details["scheduler"] = (
+            f"OptimizerParamScheduler num_steps={sched.get('num_steps')}, "
+            f"{sched.get('lr_decay_style')}, warmup {sched.get('lr_warmup_steps')}, decay "
+            f"{sched.get('lr_decay_steps')}; next LR {', '.join(f'{x:.6g}' for x in nxt)}"
+        )
     return Checkpoint(
-        format=FORMAT, path=str(root), topology=megatron_lm.topology(args, as_int(args.get("data_parallel_size")), tp, pp),
-        tree=GroupNode(tree), counters=counters,
+        format=FORMAT,
+        path=str(root),
+        topology=megatron_lm.topology(args, as_int(args.get("data_parallel_size")), tp, pp),
+        tree=GroupNode(tree),
+        counters=counters,
         lr=LearningRates(param_groups=lrs, base_lrs=max_lrs or None, last_lr=nxt or None),
-        parameter_count=sum(n.numel for n in model.values()), parameter_tensors=len(model), files=tuple(files),
-        warnings=tuple(warnings), dtypes=tuple(sorted({n.dtype for n in model.values()})),
-        details={"tag": tag, **details})
+        parameter_count=sum(n.numel for n in model.values()),
+        parameter_tensors=len(model),
+        files=tuple(files),
+        warnings=tuple(warnings),
+        dtypes=tuple(sorted({n.dtype for n in model.values()})),
+        details={"tag": tag, **details},
+    )
 
 
-def _map_buckets(distributed: dict[str, TensorNode], model: dict[str, TensorNode], where: Path,
-                 args: dict[str, Any] | None = None) -> dict[str, dict[str, TensorNode]] | None:
+def _map_buckets(
+    distributed: dict[str, TensorNode], model: dict[str, TensorNode], where: Path, args: dict[str, Any] | None = None
+) -> dict[str, dict[str, TensorNode]] | None:
     """Per-parameter {fp32, exp_avg, exp_avg_sq} inside the distributed optimizer's flat bucket tensors
     (`…dp_group_idx_D.gbuf_idx_G.dtype_(param dtype, grad dtype).bucket_idx_B.{param,exp_avg,exp_avg_sq}`), or None
     when the layout cannot be told for sure. The bucket holds its parameters back to back, unpadded, in an order the
@@ -269,14 +347,16 @@ def _map_buckets(distributed: dict[str, TensorNode], model: dict[str, TensorNode
         return None
     args = args or {}
     try:
-        if (as_int(args.get("tensor_model_parallel_size")) or 1) * \
-                (as_int(args.get("pipeline_model_parallel_size")) or 1) > 1:
+        if (as_int(args.get("tensor_model_parallel_size")) or 1) * (
+            as_int(args.get("pipeline_model_parallel_size")) or 1
+        ) > 1:
             return _map_sharded_buckets(buckets, model, args)
         k = 128
         finger: dict[tuple[str, int, bytes], list[str]] = {}
         for name, node in model.items():
-            finger.setdefault((node.dtype, node.numel, C.read_range(node, 0, min(k, node.numel)).tobytes()),
-                              []).append(name)
+            finger.setdefault((node.dtype, node.numel, C.read_range(node, 0, min(k, node.numel)).tobytes()), []).append(
+                name
+            )
         out: dict[str, dict[str, TensorNode]] = {}
         for prefix, kinds in sorted(buckets.items()):
             found = _walk_bucket(prefix, kinds, finger, {n: t.numel for n, t in model.items()}, set(out))
@@ -284,9 +364,10 @@ def _map_buckets(distributed: dict[str, TensorNode], model: dict[str, TensorNode
                 return None
             for name, (pos, n) in found.items():
                 offsets = {kind: [q.dst_offset for q in v.pieces] for kind, v in kinds.items()}
-                out[name] = {("fp32" if kind == "param" else kind): _range(v, pos, n, model[name].shape,
-                                                                           offsets[kind])
-                             for kind, v in kinds.items()}
+                out[name] = {
+                    ("fp32" if kind == "param" else kind): _range(v, pos, n, model[name].shape, offsets[kind])
+                    for kind, v in kinds.items()
+                }
     except (ValueError, OSError, TypeError):
         return None
     return out if set(out) == set(model) else None
@@ -297,8 +378,14 @@ def _map_buckets(distributed: dict[str, TensorNode], model: dict[str, TensorNode
 _PARAM_ALIGN = 64
 
 
-def _walk_bucket(prefix: str, kinds: dict[str, TensorNode], finger: dict[tuple[str, int, bytes], list[str]],
-                 numel: dict[str, int], taken: set[str], k: int = 128) -> dict[str, tuple[int, int]] | None:
+def _walk_bucket(
+    prefix: str,
+    kinds: dict[str, TensorNode],
+    finger: dict[tuple[str, int, bytes], list[str]],
+    numel: dict[str, int],
+    taken: set[str],
+    k: int = 128,
+) -> dict[str, tuple[int, int]] | None:
     """{name: (start, numel)} of the parameters one bucket holds: at each start, the one parameter (of the bucket's
     param dtype, not `taken`) whose size reaches a chunk boundary and whose fingerprint (`finger`: its first `k`
     weights' bytes) is the bucket's fp32 master there rounded; a start off the 64-element alignment that ends on a
@@ -327,7 +414,7 @@ def _walk_bucket(prefix: str, kinds: dict[str, TensorNode], finger: dict[tuple[s
         head = C.rounded_bits(C.read_range(flat, pos, min(k, total - pos), starts), pdtype)
         for n in sizes:  # only sizes a parameter has that end on a chunk boundary
             if pos + n in bounds:
-                key = (pdtype, n, head[:min(k, n)].tobytes())
+                key = (pdtype, n, head[: min(k, n)].tobytes())
                 found += [(name, n) for name in finger.get(key, ()) if name not in taken and name not in out]
         if len(found) != 1:
             return None
@@ -337,8 +424,9 @@ def _walk_bucket(prefix: str, kinds: dict[str, TensorNode], finger: dict[tuple[s
     return out
 
 
-def _map_sharded_buckets(buckets: dict[str, dict[str, TensorNode]], model: dict[str, TensorNode],
-                         args: dict[str, Any], k: int = 128) -> dict[str, dict[str, TensorNode]] | None:
+def _map_sharded_buckets(
+    buckets: dict[str, dict[str, TensorNode]], model: dict[str, TensorNode], args: dict[str, Any], k: int = 128
+) -> dict[str, dict[str, TensorNode]] | None:
     """The TP x PP > 1 case of `_map_buckets`: domain D = tp + TP x pp holds TP rank tp's shard of each parameter of
     stage pp (Megatron's data-parallel group index: the rank in the model-parallel group). Each shard is found by
     its own fingerprint (its first `k` elements as TP rank tp holds them under `megatron_lm._rule`, read from the
@@ -375,16 +463,22 @@ def _map_sharded_buckets(buckets: dict[str, dict[str, TensorNode]], model: dict[
                 return None
             for name, (pos, n) in walked.items():
                 offsets = {kind: [q.dst_offset for q in v.pieces] for kind, v in kinds.items()}
-                found.setdefault(name, {})[t] = {("fp32" if kind == "param" else kind):
-                                                 _range(v, pos, n, shapes[name], offsets[kind])
-                                                 for kind, v in kinds.items()}
+                found.setdefault(name, {})[t] = {
+                    ("fp32" if kind == "param" else kind): _range(v, pos, n, shapes[name], offsets[kind])
+                    for kind, v in kinds.items()
+                }
                 taken.add(name)
     if set(found) != set(model) or any(set(v) != set(range(tp)) for v in found.values()):
         return None
-    return {name: {kind: TensorNode(model[name].shape, "float32",
-                                    shards=tuple(found[name][t][kind] for t in range(tp)), merge=rules[name])
-                   for kind in ("fp32", "exp_avg", "exp_avg_sq")}
-            for name in model}
+    return {
+        name: {
+            kind: TensorNode(
+                model[name].shape, "float32", shards=tuple(found[name][t][kind] for t in range(tp)), merge=rules[name]
+            )
+            for kind in ("fp32", "exp_avg", "exp_avg_sq")
+        }
+        for name in model
+    }
 
 
 def _shard_shape(shape: tuple[int, ...], rule: str, tp: int) -> tuple[int, ...] | None:
@@ -427,20 +521,29 @@ def _shard_head(node: TensorNode, rule: str, t: int, tp: int, k: int) -> bytes:
     return np.concatenate(parts).tobytes() if len(parts) > 1 else parts[0].tobytes()
 
 
-def _range(flat: TensorNode, start: int, n: int, shape: tuple[int, ...], starts: list[int],
-           rank: dict[str, int] | None = None) -> TensorNode:
+def _range(
+    flat: TensorNode, start: int, n: int, shape: tuple[int, ...], starts: list[int], rank: dict[str, int] | None = None
+) -> TensorNode:
     """Elements [start, start+n) of a tensor's flat elements as a node of `shape`, its pieces re-based (`starts`:
     the pieces' sorted dst offsets; `rank`: coordinates added to each piece's, e.g. the layer)."""
     import bisect
 
     pieces = []
-    for p in flat.pieces[max(bisect.bisect_right(starts, start) - 1, 0):]:
+    for p in flat.pieces[max(bisect.bisect_right(starts, start) - 1, 0) :]:
         if p.dst_offset >= start + n:
             break
         a, b = max(p.dst_offset, start), min(p.dst_offset + p.numel, start + n)
         if a < b:
-            pieces.append(Piece(p.file, p.ref, p.src_offset + (a - p.dst_offset), b - a, a - start,
-                                {**dict(p.rank), **rank} if rank else p.rank))
+            pieces.append(
+                Piece(
+                    p.file,
+                    p.ref,
+                    p.src_offset + (a - p.dst_offset),
+                    b - a,
+                    a - start,
+                    {**dict(p.rank), **rank} if rank else p.rank,
+                )
+            )
     return TensorNode(tuple(shape), flat.dtype, tuple(pieces))
 
 

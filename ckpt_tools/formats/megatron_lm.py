@@ -6,7 +6,8 @@ with the distributed optimizer a `distrib_optim.pt` beside it. Each rank file: `
 parallel sizes, the architecture, the LR schedule), `iteration`, `checkpoint_version`, `model` (this rank's TP shards,
 local shapes, bf16), `optimizer` = {`optimizer` {`state`, `param_groups`}, `fp32_from_fp16_params`} (plain Adam; the
 distributed optimizer keeps only `param_groups` here), `opt_param_scheduler`, `rng_state`,
-`num_floating_point_operations_so_far`. Measured on samples written by Megatron-LM core_v0.16.1 (docs/megatron.md, docs/samples.md).
+`num_floating_point_operations_so_far`. Measured on samples written by Megatron-LM core_v0.16.1 (docs/megatron.md,
+docs/samples.md).
 
 The checkpoint is the `iter_N` folder (or the run folder, which names it); one rank's file is a part of it (the
 accounting marks it so). Topology comes from `args`, never from the file count: a missing rank folder is fatal, an
@@ -30,6 +31,7 @@ edit goes to every rank file (`training_state`). The distributed optimizer's fla
 mapped to parameters by Megatron's buffer layout, confirmed by the weights (`_distopt_entries`); where that cannot be
 confirmed they are shown as saved (`not-mapped`) and commands that need per-parameter optimizer state refuse.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,8 +42,20 @@ from typing import Any
 from ..errors import CorruptCheckpoint, MissingFile, NotACheckpoint, UnsupportedCheckpoint
 from ..read.pickle_reader import Opaque, TensorRef
 from ..read.tp_layout import merged_shape
-from ..read.tree import (Checkpoint, Counters, GroupNode, LearningRates, Piece, TensorNode, Topology, ValueNode,
-                         Warning_, as_int, tensor_node, to_node)
+from ..read.tree import (
+    Checkpoint,
+    Counters,
+    GroupNode,
+    LearningRates,
+    Piece,
+    TensorNode,
+    Topology,
+    ValueNode,
+    Warning_,
+    as_int,
+    tensor_node,
+    to_node,
+)
 from . import _common as C
 from .torch_file import match_param_ids
 
@@ -113,8 +127,11 @@ def _global_shapes(args: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     kv = as_int(args.get("kv_channels")) or h // n
     g = as_int(args.get("num_query_groups")) if args.get("group_query_attention") else n
     fc1 = 2 * f if f and args.get("swiglu") else f
-    out = {"linear_qkv.weight": ((n + 2 * g) * kv, h), "linear_qkv.bias": ((n + 2 * g) * kv,),
-           "linear_proj.weight": (h, n * kv)}
+    out = {
+        "linear_qkv.weight": ((n + 2 * g) * kv, h),
+        "linear_qkv.bias": ((n + 2 * g) * kv,),
+        "linear_proj.weight": (h, n * kv),
+    }
     if f:
         out.update({"linear_fc1.weight": (fc1, h), "linear_fc1.bias": (fc1,), "linear_fc2.weight": (h, f)})
     vocab = as_int(args.get("padded_vocab_size"))
@@ -143,9 +160,11 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     root, it, tag = found
     if not it.is_dir():
         have = sorted(d.name for d in root.iterdir() if _ITER_DIR.match(d.name))
-        raise MissingFile(f"{LATEST} names {tag}, which is not here (iterations present: "
-                          f"{', '.join(have) or 'none'})", path=root / LATEST,
-                          hint=f"copy {tag} back, or pass one of the iteration folders present")
+        raise MissingFile(
+            f"{LATEST} names {tag}, which is not here (iterations present: {', '.join(have) or 'none'})",
+            path=root / LATEST,
+            hint=f"copy {tag} back, or pass one of the iteration folders present",
+        )
     cache = C.LoadCache(root)
     ranks = _rank_dirs(it)
     first = ranks[min(ranks)] / RANK_FILE
@@ -157,54 +176,87 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     pp = as_int(args.get("pipeline_model_parallel_size")) or 1
     dp = as_int(args.get("data_parallel_size"))
     if not args:
-        raise CorruptCheckpoint(f"{first.name} holds no `args`", path=first,
-                                hint="Megatron-LM saves its launch arguments in every rank file")
+        raise CorruptCheckpoint(
+            f"{first.name} holds no `args`",
+            path=first,
+            hint="Megatron-LM saves its launch arguments in every rank file",
+        )
     ep = as_int(args.get("expert_model_parallel_size")) or 1
     if ep > 1:  # folders mp_rank_TT[_PPP]_EEE: the pattern below would take an EP rank for a pipeline stage
-        raise UnsupportedCheckpoint(f"a Megatron-LM legacy checkpoint with expert parallelism (EP={ep}: one "
-                                    "mp_rank_TT[_PPP]_EEE folder per expert-parallel rank): ckpt does not merge "
-                                    "expert-parallel ranks of this format yet", path=it)
+        raise UnsupportedCheckpoint(
+            f"a Megatron-LM legacy checkpoint with expert parallelism (EP={ep}: one "
+            "mp_rank_TT[_PPP]_EEE folder per expert-parallel rank): ckpt does not merge "
+            "expert-parallel ranks of this format yet",
+            path=it,
+        )
     if as_int(args.get("mtp_num_layers")):
-        raise UnsupportedCheckpoint(f"a Megatron-LM checkpoint with multi-token prediction (mtp_num_layers="
-                                    f"{args.get('mtp_num_layers')}): its last stage holds its own embedding and MTP "
-                                    "layers, which ckpt does not place yet", path=it)
+        raise UnsupportedCheckpoint(
+            f"a Megatron-LM checkpoint with multi-token prediction (mtp_num_layers="
+            f"{args.get('mtp_num_layers')}): its last stage holds its own embedding and MTP "
+            "layers, which ckpt does not place yet",
+            path=it,
+        )
     vpp = as_int(args.get("virtual_pipeline_model_parallel_size")) or 0
     warnings: list[Warning_] = []
     want = {(t, p) for t in range(tp) for p in range(pp)}
     gone = sorted(want - set(ranks))
     if gone:
         names = ", ".join(_dir_name(t, p, pp) for t, p in gone)
-        raise MissingFile(f"rank folder(s) {names} missing (args: tensor_model_parallel_size={tp}, "
-                          f"pipeline_model_parallel_size={pp})", path=it,
-                          hint="copy every rank folder back; each holds that rank's shards and optimizer state")
+        raise MissingFile(
+            f"rank folder(s) {names} missing (args: tensor_model_parallel_size={tp}, "
+            f"pipeline_model_parallel_size={pp})",
+            path=it,
+            hint="copy every rank folder back; each holds that rank's shards and optimizer state",
+        )
     for t, p in sorted(set(ranks) - want):
-        warnings.append(Warning_("extra-rank-file", f"{ranks[(t, p)].name} is beyond the sizes args declare "
-                                 f"(TP={tp}, PP={pp}): left over from another run? Move it out of the folder",
-                                 str(ranks[(t, p)].relative_to(root))))
+        warnings.append(
+            Warning_(
+                "extra-rank-file",
+                f"{ranks[(t, p)].name} is beyond the sizes args declare "
+                f"(TP={tp}, PP={pp}): left over from another run? Move it out of the folder",
+                str(ranks[(t, p)].relative_to(root)),
+            )
+        )
     objs: dict[tuple[int, int], dict] = {}
     files = []
     for key in sorted(want):
         f = ranks[key] / RANK_FILE
         if not f.is_file():
-            raise MissingFile(f"{ranks[key].name}/{RANK_FILE} is missing", path=ranks[key],
-                              hint="copy the rank's file back from where the checkpoint was saved")
+            raise MissingFile(
+                f"{ranks[key].name}/{RANK_FILE} is missing",
+                path=ranks[key],
+                hint="copy the rank's file back from where the checkpoint was saved",
+            )
         o = cache.load(f).obj
         if not isinstance(o, dict) or ("model" not in o and "model0" not in o):
             raise CorruptCheckpoint(f"{f.name} holds no `model`", path=f, hint="copy the rank's file back")
         chunks = sorted(k for k in o if isinstance(k, str) and re.fullmatch(r"model\d+", k))
         if (len(chunks) != vpp) if vpp else (chunks or "model" not in o):
-            raise CorruptCheckpoint(f"{ranks[key].name}/{RANK_FILE} holds {len(chunks) or 1} model chunk(s) "
-                                    f"({', '.join(chunks) or 'model'}) but args say virtual_pipeline_model_parallel_size"
-                                    f"={vpp or None}: files from different runs?", path=f)
+            raise CorruptCheckpoint(
+                f"{ranks[key].name}/{RANK_FILE} holds {len(chunks) or 1} model chunk(s) "
+                f"({', '.join(chunks) or 'model'}) but args say virtual_pipeline_model_parallel_size"
+                f"={vpp or None}: files from different runs?",
+                path=f,
+            )
         if as_int(o.get("iteration")) != as_int(obj0.get("iteration")):
-            raise CorruptCheckpoint(f"{ranks[key].name} is from iteration {o.get('iteration')}, "
-                                    f"{ranks[min(ranks)].name} from {obj0.get('iteration')}: a rank file from another "
-                                    "save", path=f, hint="copy the rank folder of the same iteration back")
+            raise CorruptCheckpoint(
+                f"{ranks[key].name} is from iteration {o.get('iteration')}, "
+                f"{ranks[min(ranks)].name} from {obj0.get('iteration')}: a rank file from another "
+                "save",
+                path=f,
+                hint="copy the rank folder of the same iteration back",
+            )
         a = args_of(o)
-        if (as_int(a.get("tensor_model_parallel_size")) or 1, as_int(a.get("pipeline_model_parallel_size")) or 1) != (tp, pp):
-            raise CorruptCheckpoint(f"{ranks[key].name}'s args say TP={a.get('tensor_model_parallel_size')}, "
-                                    f"PP={a.get('pipeline_model_parallel_size')}; {ranks[min(ranks)].name}'s TP={tp}, "
-                                    f"PP={pp}: files from different runs", path=f)
+        if (as_int(a.get("tensor_model_parallel_size")) or 1, as_int(a.get("pipeline_model_parallel_size")) or 1) != (
+            tp,
+            pp,
+        ):
+            raise CorruptCheckpoint(
+                f"{ranks[key].name}'s args say TP={a.get('tensor_model_parallel_size')}, "
+                f"PP={a.get('pipeline_model_parallel_size')}; {ranks[min(ranks)].name}'s TP={tp}, "
+                f"PP={pp}: files from different runs",
+                path=f,
+            )
         objs[key] = o
         files.append(C.file_info(f, root, "model", {"tp": key[0], "pp": key[1]}))
         if (ranks[key] / DISTRIB).is_file():
@@ -212,8 +264,9 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
 
     model, names_by_rank, local, origin, tied_copies = _model(objs, tp, pp, args, cache, ranks, root)
     distributed = bool(args.get("use_distributed_optimizer")) or any((d / DISTRIB).is_file() for d in ranks.values())
-    optim, groups, steps = _optimizer(objs, names_by_rank, local, model, origin, tp, distributed, cache, ranks,
-                                      warnings)
+    optim, groups, steps = _optimizer(
+        objs, names_by_rank, local, model, origin, tp, distributed, cache, ranks, warnings
+    )
     tree: dict[str, Any] = {"model": GroupNode(model)}
     if tied_copies:
         tree["tied_copies"] = GroupNode(tied_copies)
@@ -221,21 +274,29 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         tree["optimizer"] = optim
     mapped = optim is not None and "state" in optim.children
     if distributed:
-        details_distopt = "distributed (distrib_optim.pt), " + ("buckets mapped to parameters by Megatron's buffer "
-                                                                "layout" if mapped else "buckets not mapped")
+        details_distopt = "distributed (distrib_optim.pt), " + (
+            "buckets mapped to parameters by Megatron's buffer layout" if mapped else "buckets not mapped"
+        )
     if distributed and not mapped:
         tree["distributed_optimizer"] = _distrib_nodes(ranks, cache, root)
         where = next((str((d / DISTRIB).relative_to(root)) for d in ranks.values() if (d / DISTRIB).is_file()), None)
-        warnings.append(Warning_("not-mapped", f"the distributed optimizer's state ({DISTRIB}: flat fp32 master and "
-                                 "Adam buffers per bucket) is shown as saved, not per parameter: set-lr/set-step "
-                                 "edit its param groups; export, convert and to-universal refuse (they would leave "
-                                 "the fp32 master and Adam moments behind)", where))
+        warnings.append(
+            Warning_(
+                "not-mapped",
+                f"the distributed optimizer's state ({DISTRIB}: flat fp32 master and "
+                "Adam buffers per bucket) is shown as saved, not per parameter: set-lr/set-step "
+                "edit its param groups; export, convert and to-universal refuse (they would leave "
+                "the fp32 master and Adam moments behind)",
+                where,
+            )
+        )
     sched = obj0.get("opt_param_scheduler") if isinstance(obj0.get("opt_param_scheduler"), dict) else None
     rel0 = cache.rel(first)
     if sched is not None:
         tree["scheduler"] = to_node(sched, rel0)
-    tree["counters"] = GroupNode({k: ValueNode(obj0.get(k)) for k in
-                                  ("iteration", "checkpoint_version", "num_floating_point_operations_so_far")})
+    tree["counters"] = GroupNode(
+        {k: ValueNode(obj0.get(k)) for k in ("iteration", "checkpoint_version", "num_floating_point_operations_so_far")}
+    )
     tree["args"] = to_node(args, rel0)
     warnings += _agreement(objs, ranks, root)
     warnings += group_warnings(groups, {n: tuple(t.shape) for n, t in model.items()}, args, rel0)
@@ -244,39 +305,61 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     lrs = tuple(float(g["lr"]) for g in groups if isinstance(g.get("lr"), (int, float)))
     max_lrs = tuple(float(g["max_lr"]) for g in groups if isinstance(g.get("max_lr"), (int, float)))
     nxt = tuple(next_lr(sched, g, args) for g in groups) if sched else ()
-    counters = Counters(global_step=as_int(obj0.get("iteration")),
-                        optimizer_step=max(set(steps), key=steps.count) if steps else None)
+    counters = Counters(
+        global_step=as_int(obj0.get("iteration")), optimizer_step=max(set(steps), key=steps.count) if steps else None
+    )
     warnings += C.counter_warnings(counters, optimizer_steps_seen=steps)
-    details = {"iteration": obj0.get("iteration"), "checkpoint_version": obj0.get("checkpoint_version"),
-               "consumed_train_samples": args.get("consumed_train_samples"),
-               "floating_point_operations": obj0.get("num_floating_point_operations_so_far"),
-               "optimizer": details_distopt if distributed else "Adam (per-parameter state)",
-               "weights": "bf16/fp16 model, fp32 master in the optimizer" if mapped else "as saved in `model`"}
+    details = {
+        "iteration": obj0.get("iteration"),
+        "checkpoint_version": obj0.get("checkpoint_version"),
+        "consumed_train_samples": args.get("consumed_train_samples"),
+        "floating_point_operations": obj0.get("num_floating_point_operations_so_far"),
+        "optimizer": details_distopt if distributed else "Adam (per-parameter state)",
+        "weights": "bf16/fp16 model, fp32 master in the optimizer" if mapped else "as saved in `model`",
+    }
     if tied_copies:
-        details["tied_embeddings"] = ("output_layer.weight on the last pipeline stage is Megatron's copy of "
-                                      "embedding.word_embeddings.weight (tied; kept equal by the embedding group's "
-                                      "all-reduce): shown under tied_copies, counted once")
+        details["tied_embeddings"] = (
+            "output_layer.weight on the last pipeline stage is Megatron's copy of "
+            "embedding.word_embeddings.weight (tied; kept equal by the embedding group's "
+            "all-reduce): shown under tied_copies, counted once"
+        )
     if sched:
-        details["scheduler"] = (f"OptimizerParamScheduler num_steps={sched.get('num_steps')} "
-                                f"({'samples' if args.get('train_samples') is None and (as_int(args.get('global_batch_size')) or 1) > 1 else 'steps'}), "
-                                f"{sched.get('lr_decay_style')}, warmup {sched.get('lr_warmup_steps')}, "
-                                f"decay {sched.get('lr_decay_steps')}; next LR {', '.join(f'{x:.6g}' for x in nxt)}")
+        details["scheduler"] = (
+            f"OptimizerParamScheduler num_steps={sched.get('num_steps')} "
+            f"({_sched_unit(args)}), "
+            f"{sched.get('lr_decay_style')}, warmup {sched.get('lr_warmup_steps')}, "
+            f"decay {sched.get('lr_decay_steps')}; next LR {', '.join(f'{x:.6g}' for x in nxt)}"
+        )
     params = [n for n in model]
     dtypes = sorted({n.dtype for n in model.values()})
     return Checkpoint(
-        format=FORMAT, path=str(root), topology=topology(args, dp, tp, pp),
-        tree=GroupNode(tree), counters=counters,
+        format=FORMAT,
+        path=str(root),
+        topology=topology(args, dp, tp, pp),
+        tree=GroupNode(tree),
+        counters=counters,
         lr=LearningRates(param_groups=lrs, base_lrs=max_lrs or None, last_lr=nxt or None),
-        parameter_count=sum(model[n].numel for n in params), parameter_tensors=len(params), files=tuple(files),
-        warnings=tuple(warnings), dtypes=tuple(dtypes), details={"tag": tag if root != it else None, **details})
+        parameter_count=sum(model[n].numel for n in params),
+        parameter_tensors=len(params),
+        files=tuple(files),
+        warnings=tuple(warnings),
+        dtypes=tuple(dtypes),
+        details={"tag": tag if root != it else None, **details},
+    )
 
 
 def topology(args: dict[str, Any], dp: int | None, tp: int, pp: int) -> Topology:
     """The parallel sizes `args` declares (expert parallelism and virtual pipeline chunks where set)."""
     ep = as_int(args.get("expert_model_parallel_size"))
     moe = bool(as_int(args.get("num_experts")))
-    return Topology(dp=dp, tp=tp, pp=pp, zero_stage=None, ep=ep if (moe or (ep or 1) > 1) else None,
-                    vpp=as_int(args.get("virtual_pipeline_model_parallel_size")))
+    return Topology(
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        zero_stage=None,
+        ep=ep if (moe or (ep or 1) > 1) else None,
+        vpp=as_int(args.get("virtual_pipeline_model_parallel_size")),
+    )
 
 
 def _dir_name(t: int, p: int, pp: int) -> str:
@@ -290,10 +373,15 @@ def _model(objs, tp, pp, args, cache, ranks, root):
     (uneven stage sizes are refused)."""
     layers = as_int(args.get("num_layers")) or 0
     vpp = as_int(args.get("virtual_pipeline_model_parallel_size")) or 0
-    if pp > 1 and (args.get("decoder_first_pipeline_num_layers") or args.get("decoder_last_pipeline_num_layers")
-                   or args.get("pipeline_model_parallel_layout") or layers % (pp * max(vpp, 1))):
-        raise UnsupportedCheckpoint("a Megatron-LM checkpoint with uneven pipeline stages: ckpt does not renumber "
-                                    "their layers yet", path=root)
+    if pp > 1 and (
+        args.get("decoder_first_pipeline_num_layers")
+        or args.get("decoder_last_pipeline_num_layers")
+        or args.get("pipeline_model_parallel_layout")
+        or layers % (pp * max(vpp, 1))
+    ):
+        raise UnsupportedCheckpoint(
+            "a Megatron-LM checkpoint with uneven pipeline stages: ckpt does not renumber their layers yet", path=root
+        )
     # Megatron's layer offset: model chunk c (virtual pipeline rank) of stage p starts at global layer
     # c * pp * per_chunk + p * per_chunk (per_chunk = layers / (pp * vpp); without a virtual pipeline c = 0)
     per_chunk = layers // (pp * max(vpp, 1)) if pp else layers
@@ -321,13 +409,19 @@ def _model(objs, tp, pp, args, cache, ranks, root):
             start = c * pp * per_chunk + p * per_chunk
             lm = _LAYER.match(name)
             if lm and int(lm[2]) >= per_chunk:
-                raise CorruptCheckpoint(f"{_dir_name(0, p, pp)} holds local layer {lm[2]} but args (num_layers="
-                                        f"{layers}, PP={pp}{f', VPP={vpp}' if vpp else ''}) give each model chunk "
-                                        f"{per_chunk}: the args and the files disagree", path=ranks[(0, p)] / RANK_FILE)
+                raise CorruptCheckpoint(
+                    f"{_dir_name(0, p, pp)} holds local layer {lm[2]} but args (num_layers="
+                    f"{layers}, PP={pp}{f', VPP={vpp}' if vpp else ''}) give each model chunk "
+                    f"{per_chunk}: the args and the files disagree",
+                    path=ranks[(0, p)] / RANK_FILE,
+                )
             g = _LAYER.sub(lambda mm: f"{mm[1]}{int(mm[2]) + start}{mm[3]}", name)
             if g in model:
-                raise CorruptCheckpoint(f"{g} is held by two pipeline ranks (stage {origin[g][0]} and {p}): the "
-                                        "args' layer split does not match the files", path=ranks[(0, p)] / RANK_FILE)
+                raise CorruptCheckpoint(
+                    f"{g} is held by two pipeline ranks (stage {origin[g][0]} and {p}): the "
+                    "args' layer split does not match the files",
+                    path=ranks[(0, p)] / RANK_FILE,
+                )
             if p > 0 and name == "output_layer.weight" and tied:
                 tied_copy.append((p, key))  # the word embeddings' copy, not a parameter of its own
                 continue
@@ -336,8 +430,11 @@ def _model(objs, tp, pp, args, cache, ranks, root):
             for t in range(tp):
                 ref = local[(t, p)].get(key)
                 if ref is None:
-                    raise CorruptCheckpoint(f"{_dir_name(t, p, pp)} has no {name} while {_dir_name(0, p, pp)} "
-                                            "has it: files from different runs", path=ranks[(t, p)] / RANK_FILE)
+                    raise CorruptCheckpoint(
+                        f"{_dir_name(t, p, pp)} has no {name} while {_dir_name(0, p, pp)} "
+                        "has it: files from different runs",
+                        path=ranks[(t, p)] / RANK_FILE,
+                    )
                 shards.append(tensor_node(ref, cache.rel(ranks[(t, p)] / RANK_FILE), {"tp": t, "pp": p}))
             if tp == 1:
                 model[g] = shards[0]
@@ -348,35 +445,51 @@ def _model(objs, tp, pp, args, cache, ranks, root):
                 continue
             shape = merged_shape(merge, shards[0].shape, tp)
             if any(s.shape != shards[0].shape for s in shards):
-                raise CorruptCheckpoint(f"{name}: TP shards of different shapes "
-                                        f"({', '.join(str(tuple(s.shape)) for s in shards)})", path=ranks[(0, p)])
+                raise CorruptCheckpoint(
+                    f"{name}: TP shards of different shapes ({', '.join(str(tuple(s.shape)) for s in shards)})",
+                    path=ranks[(0, p)],
+                )
             expect = next((v for k, v in shapes.items() if name.endswith(k)), None)
             if expect is not None and tuple(shape) != tuple(expect):
-                raise CorruptCheckpoint(f"{name}: TP shards {tuple(shards[0].shape)} x {tp} merge ({merge}) to "
-                                        f"{tuple(shape)}, but args imply {tuple(expect)}", path=ranks[(0, p)],
-                                        hint="the args and the files disagree: files from different runs?")
+                raise CorruptCheckpoint(
+                    f"{name}: TP shards {tuple(shards[0].shape)} x {tp} merge ({merge}) to "
+                    f"{tuple(shape)}, but args imply {tuple(expect)}",
+                    path=ranks[(0, p)],
+                    hint="the args and the files disagree: files from different runs?",
+                )
             value = shards[0].value if merge == "replicated" and math.prod(shape) == 1 else None
             model[g] = TensorNode(tuple(shape), shards[0].dtype, shards=tuple(shards), merge=merge, value=value)
     if bad:
-        raise UnsupportedCheckpoint(f"no TP merge rule for {len(bad)} parameter(s) of this Megatron-LM checkpoint "
-                                    f"({', '.join(bad[:4])}{' …' if len(bad) > 4 else ''}): ckpt will not guess how "
-                                    "their shards form the tensor", path=root)
+        raise UnsupportedCheckpoint(
+            f"no TP merge rule for {len(bad)} parameter(s) of this Megatron-LM checkpoint "
+            f"({', '.join(bad[:4])}{' …' if len(bad) > 4 else ''}): ckpt will not guess how "
+            "their shards form the tensor",
+            path=root,
+        )
     found = {int(m[2]) for n in model if (m := _LAYER.match(n))}
     if found != set(range(layers)):
         gone = sorted(set(range(layers)) - found)
-        raise CorruptCheckpoint(f"args say num_layers={layers} but the rank files hold layers "
-                                f"{_ranges(sorted(found))}: layer(s) {_ranges(gone)} missing", path=root,
-                                hint="the args and the files disagree: files from different runs?")
+        raise CorruptCheckpoint(
+            f"args say num_layers={layers} but the rank files hold layers "
+            f"{_ranges(sorted(found))}: layer(s) {_ranges(gone)} missing",
+            path=root,
+            hint="the args and the files disagree: files from different runs?",
+        )
     if tied and "embedding.word_embeddings.weight" not in model and tied_copy:
-        raise CorruptCheckpoint("the last pipeline stage holds output_layer.weight, tied to word embeddings no "
-                                "stage holds: files from different runs?", path=root)
+        raise CorruptCheckpoint(
+            "the last pipeline stage holds output_layer.weight, tied to word embeddings no "
+            "stage holds: files from different runs?",
+            path=root,
+        )
     copies = {}
     for p, key in tied_copy:
-        shards = tuple(tensor_node(local[(t, p)][key], cache.rel(ranks[(t, p)] / RANK_FILE),
-                                   {"tp": t, "pp": p}) for t in range(tp))
+        shards = tuple(
+            tensor_node(local[(t, p)][key], cache.rel(ranks[(t, p)] / RANK_FILE), {"tp": t, "pp": p}) for t in range(tp)
+        )
         word = model.get("embedding.word_embeddings.weight")
-        copies[f"output_layer.weight (stage {p})"] = shards[0] if tp == 1 else TensorNode(
-            word.shape, shards[0].dtype, shards=shards, merge=word.merge)
+        copies[f"output_layer.weight (stage {p})"] = (
+            shards[0] if tp == 1 else TensorNode(word.shape, shards[0].dtype, shards=shards, merge=word.merge)
+        )
     return model, names_by_rank, local, origin, copies
 
 
@@ -408,9 +521,12 @@ def _optimizer(objs, names_by_rank, local, model, origin, tp, distributed, cache
     o0 = objs[min(objs)]
     chained = len(inner_optimizers(o0.get("optimizer"))) if o0.get("optimizer") is not None else 0
     if chained > 1:  # ChainedOptimizer.state_dict(): a list, one entry per inner optimizer (MoE: dense, expert)
-        raise UnsupportedCheckpoint(f"a Megatron-LM legacy rank file whose optimizer is a ChainedOptimizer of "
-                                    f"{chained} (a Mixture-of-Experts run's dense and expert optimizers): ckpt does "
-                                    "not map chained optimizer state of this format yet", path=ranks[min(objs)])
+        raise UnsupportedCheckpoint(
+            f"a Megatron-LM legacy rank file whose optimizer is a ChainedOptimizer of "
+            f"{chained} (a Mixture-of-Experts run's dense and expert optimizers): ckpt does "
+            "not map chained optimizer state of this format yet",
+            path=ranks[min(objs)],
+        )
     osd = o0.get("optimizer") if isinstance(o0.get("optimizer"), dict) else {}
     inner0 = osd.get("optimizer") if isinstance(osd.get("optimizer"), dict) else osd
     groups = [g for g in (inner0.get("param_groups") or []) if isinstance(g, dict)]
@@ -423,30 +539,45 @@ def _optimizer(objs, names_by_rank, local, model, origin, tp, distributed, cache
         args = args_of(o0)
         for key in sorted(objs):
             f = ranks[key] / DISTRIB
-            entries = _distopt_entries(cache.load(f).obj, names_by_rank[key], local[key], args, cache.rel(f),
-                                       {"tp": key[0], "pp": key[1]}) if f.is_file() else None
+            entries = (
+                _distopt_entries(
+                    cache.load(f).obj, names_by_rank[key], local[key], args, cache.rel(f), {"tp": key[0], "pp": key[1]}
+                )
+                if f.is_file()
+                else None
+            )
             if entries is None:
                 shown = {str(i): GroupNode({k: to_node(v, "") for k, v in g.items()}) for i, g in enumerate(groups)}
                 return GroupNode({"param_groups": GroupNode(shown)}), groups, steps
             step = steps[0] if steps and len(set(steps)) == 1 else None
             rule = group_rule(groups, args)  # the buffers do not record it: Megatron's own grouping rule
-            per_rank[key] = {n: {**e, **({"step": step} if step is not None else {}),
-                                 **({"param_group": rule(n, local[key][n].shape)} if rule else {})}
-                             for n, e in entries.items()}
-    for key, o in (() if distributed else objs.items()):
+            per_rank[key] = {
+                n: {
+                    **e,
+                    **({"step": step} if step is not None else {}),
+                    **({"param_group": rule(n, local[key][n].shape)} if rule else {}),
+                }
+                for n, e in entries.items()
+            }
+    for key, o in () if distributed else objs.items():
         opt = o.get("optimizer") if isinstance(o.get("optimizer"), dict) else {}
         inner = opt.get("optimizer") if isinstance(opt.get("optimizer"), dict) else {}
         state = inner.get("state") if isinstance(inner.get("state"), dict) else {}
         gids = [list(g.get("params") or []) for g in inner.get("param_groups") or [] if isinstance(g, dict)]
         names = names_by_rank[key]
-        id_shapes = {i: next((tuple(v.shape) for v in s.values() if isinstance(v, TensorRef) and v.numel > 1), None)
-                     for i, s in state.items() if isinstance(s, dict)}
+        id_shapes = {
+            i: next((tuple(v.shape) for v in s.values() if isinstance(v, TensorRef) and v.numel > 1), None)
+            for i, s in state.items()
+            if isinstance(s, dict)
+        }
         ids = match_param_ids(gids, id_shapes, names, {n: tuple(r.shape) for n, r in local[key].items()})
         rel = cache.rel(ranks[key] / RANK_FILE)
         if ids is None:
-            raise UnsupportedCheckpoint(f"{rel}: the optimizer's {sum(map(len, gids))} parameter ids do not map onto "
-                                        f"the {len(names)} model parameters by group and shape: ckpt will not guess",
-                                        path=ranks[key] / RANK_FILE)
+            raise UnsupportedCheckpoint(
+                f"{rel}: the optimizer's {sum(map(len, gids))} parameter ids do not map onto "
+                f"the {len(names)} model parameters by group and shape: ckpt will not guess",
+                path=ranks[key] / RANK_FILE,
+            )
         masters = opt.get("fp32_from_fp16_params") if isinstance(opt.get("fp32_from_fp16_params"), list) else []
         entries: dict[str, dict[str, Any]] = {}
         for gi, glist in enumerate(gids):
@@ -462,8 +593,12 @@ def _optimizer(objs, names_by_rank, local, model, origin, tp, distributed, cache
                 if as_int(stepv) is not None:
                     e["step"] = as_int(stepv)
                     steps.append(as_int(stepv))
-                if gi < len(masters) and isinstance(masters[gi], list) and pos < len(masters[gi]) \
-                        and isinstance(masters[gi][pos], TensorRef):
+                if (
+                    gi < len(masters)
+                    and isinstance(masters[gi], list)
+                    and pos < len(masters[gi])
+                    and isinstance(masters[gi][pos], TensorRef)
+                ):
                     e["fp32"] = tensor_node(masters[gi][pos], rel, {"tp": key[0], "pp": key[1]})
                 entries[name] = e
         per_rank[key] = entries
@@ -471,10 +606,16 @@ def _optimizer(objs, names_by_rank, local, model, origin, tp, distributed, cache
     for key, es in sorted(per_rank.items()):
         lost = [n for n, e in es.items() if not kinds <= set(e)]
         if lost:
-            problems.append(Warning_("declared-mismatch", f"{len(lost)} parameter(s) its param groups list have no "
-                                     f"Adam state in this rank's file ({', '.join(lost[:4])}"
-                                     f"{' …' if len(lost) > 4 else ''}) while the others have it: lost state (a "
-                                     "resume restarts those moments at zero)", cache.rel(ranks[key] / RANK_FILE)))
+            problems.append(
+                Warning_(
+                    "declared-mismatch",
+                    f"{len(lost)} parameter(s) its param groups list have no "
+                    f"Adam state in this rank's file ({', '.join(lost[:4])}"
+                    f"{' …' if len(lost) > 4 else ''}) while the others have it: lost state (a "
+                    "resume restarts those moments at zero)",
+                    cache.rel(ranks[key] / RANK_FILE),
+                )
+            )
     state_out: dict[str, GroupNode] = {}
     for gname, node in model.items():
         p, lname = origin[gname]  # the same local name on every TP rank of its stage
@@ -505,7 +646,9 @@ def distopt_layout(names: list[str], numel: dict[str, int], args: dict) -> tuple
     bucket of its own; the bucket before it ends at its padded start, the one after it starts right at its end
     (the save drops the padding between buckets)."""
     shared = set()
-    if (as_int(args.get("pipeline_model_parallel_size")) or 1) > 1 and not args.get("untie_embeddings_and_output_weights"):
+    if (as_int(args.get("pipeline_model_parallel_size")) or 1) > 1 and not args.get(
+        "untie_embeddings_and_output_weights"
+    ):
         shared = {"embedding.word_embeddings.weight", "output_layer.weight"}
     pos, rel, in_bucket = 0, 0, 0  # the bucket's saved offset, the position in it, its parameters so far
     where: dict[str, int] = {}
@@ -526,8 +669,9 @@ def distopt_layout(names: list[str], numel: dict[str, int], args: dict) -> tuple
     return where, buckets
 
 
-def _distopt_entries(obj: Any, names: list[str], refs: dict[str, TensorRef], args: dict, rel: str,
-                     rank: dict[str, int]) -> dict[str, dict[str, TensorNode]] | None:
+def _distopt_entries(
+    obj: Any, names: list[str], refs: dict[str, TensorRef], args: dict, rel: str, rank: dict[str, int]
+) -> dict[str, dict[str, TensorNode]] | None:
     """Per-parameter {fp32, exp_avg, exp_avg_sq} inside the distributed optimizer's flat buffers of one rank file, or
     None when the layout cannot be told for sure. Megatron-core's grad buffer (`_ParamAndGradBuffer`, 0.16): one
     buffer per (param dtype, grad dtype), parameters in REVERSE model order, each start padded to 64 elements, one
@@ -537,8 +681,12 @@ def _distopt_entries(obj: Any, names: list[str], refs: dict[str, TensorRef], arg
     (`get_parameter_state_dp_zero` drops the padding between buckets): a bucket closed before the shared weight
     ends at that weight's 64-padded start, the bucket after it starts right at its end. The layout is accepted only
     when it adds up exactly."""
-    if not isinstance(obj, dict) or args.get("ddp_bucket_size") or args.get("ddp_num_buckets") or \
-            args.get("mtp_num_layers"):
+    if (
+        not isinstance(obj, dict)
+        or args.get("ddp_bucket_size")
+        or args.get("ddp_num_buckets")
+        or args.get("mtp_num_layers")
+    ):
         return None
     chunks = [v for k, v in obj.items() if isinstance(k, int)]
     if len(chunks) != 1 or not isinstance(chunks[0], dict):
@@ -552,8 +700,9 @@ def _distopt_entries(obj: Any, names: list[str], refs: dict[str, TensorRef], arg
         where, buckets = distopt_layout(mine, {n: refs[n].numel for n in mine}, args)
         pos = sum(buckets)
         flat = {k: buf.get(k) for k in ("param", "exp_avg", "exp_avg_sq")}
-        if as_int(buf.get("numel_unpadded")) != pos or not all(isinstance(v, TensorRef) and v.numel >= pos
-                                                               for v in flat.values()):
+        if as_int(buf.get("numel_unpadded")) != pos or not all(
+            isinstance(v, TensorRef) and v.numel >= pos for v in flat.values()
+        ):
             return None
         # the order is Megatron's, not written in the file: every parameter's first elements in the model weights
         # must be its fp32 master's, rounded (Megatron copies the master into the weights after each step); a few
@@ -567,9 +716,12 @@ def _distopt_entries(obj: Any, names: list[str], refs: dict[str, TensorRef], arg
             if not same:
                 return None
         for n in mine:
-            out[n] = {("fp32" if k == "param" else k): TensorNode(tuple(refs[n].shape), v.dtype,
-                                                                  (Piece(rel, v, where[n], refs[n].numel, 0, rank),))
-                      for k, v in flat.items()}
+            out[n] = {
+                ("fp32" if k == "param" else k): TensorNode(
+                    tuple(refs[n].shape), v.dtype, (Piece(rel, v, where[n], refs[n].numel, 0, rank),)
+                )
+                for k, v in flat.items()
+            }
     return out if set(out) == set(names) else None
 
 
@@ -579,8 +731,11 @@ def inner_optimizers(saved: Any) -> list[dict]:
     optimizer of a ChainedOptimizer (a Mixture-of-Experts run at EP > 1: dense, then expert), which
     `ChainedOptimizer.state_dict` saves as a list (legacy) and `sharded_state_dict` as a dict keyed 0, 1
     (torch_dist's common.pt)."""
-    if isinstance(saved, dict) and saved and all(
-            isinstance(k, int) or (isinstance(k, str) and k.isdigit()) for k in saved):
+    if (
+        isinstance(saved, dict)
+        and saved
+        and all(isinstance(k, int) or (isinstance(k, str) and k.isdigit()) for k in saved)
+    ):
         parts = [saved[k] for k in sorted(saved, key=int)]
     elif isinstance(saved, (list, tuple)):
         parts = list(saved)
@@ -634,7 +789,8 @@ def _wd_mult(name: str, shape: tuple, args: dict) -> float:
 
 def group_rule(groups: list[dict], args: dict):
     """`(name, shape) -> param group index` by Megatron's default grouping (`_get_param_groups`: one group per
-    wd_mult, dense and expert apart at EP > 1, no LR multiplier, no decoupled LR), for the saves that do not record which
+    wd_mult, dense and expert apart at EP > 1, no LR multiplier, no decoupled LR), for the saves that do not record
+    which
     parameter is in which group (torch_dist's common.pt, the distributed optimizer); None where the args or the
     saved groups say another grouping (then membership is not guessed)."""
     if args.get("no_weight_decay_cond_type") or args.get("decoupled_lr") is not None or not groups:
@@ -642,8 +798,7 @@ def group_rule(groups: list[dict], args: dict):
     index: dict[tuple[bool, float], int] = {}
     for i, g in enumerate(groups):
         key = _found_key(g)
-        if key is None or float(g.get("lr_mult", 1.0)) != 1.0 or key in index or \
-                (key[0] and not expert_parallel(args)):
+        if key is None or float(g.get("lr_mult", 1.0)) != 1.0 or key in index or (key[0] and not expert_parallel(args)):
             return None
         index[key] = i
     return lambda name, shape: index.get(_group_key(name, tuple(shape), args))
@@ -659,8 +814,14 @@ def group_warnings(groups: list[dict], shapes: dict[str, tuple], args: dict, whe
     gone = missing_groups(groups, shapes, args)
     if not gone:
         return []
-    return [Warning_("declared-mismatch", f"no param group {', '.join(gone)} although the model has parameters "
-                     f"Megatron puts there ({len(groups)} group(s) saved): a param group was lost", where)]
+    return [
+        Warning_(
+            "declared-mismatch",
+            f"no param group {', '.join(gone)} although the model has parameters "
+            f"Megatron puts there ({len(groups)} group(s) saved): a param group was lost",
+            where,
+        )
+    ]
 
 
 def _distrib_nodes(ranks, cache, root) -> GroupNode:
@@ -681,15 +842,24 @@ def _agreement(objs, ranks, root) -> list[Warning_]:
     def lrs(o):
         opt = o.get("optimizer") if isinstance(o.get("optimizer"), dict) else {}
         inner = opt.get("optimizer") if isinstance(opt.get("optimizer"), dict) else opt
-        return [tuple(g.get(k) for k in ("lr", "max_lr", "min_lr")) for g in inner.get("param_groups") or []
-                if isinstance(g, dict)]
+        return [
+            tuple(g.get(k) for k in ("lr", "max_lr", "min_lr"))
+            for g in inner.get("param_groups") or []
+            if isinstance(g, dict)
+        ]
 
     ref = (lrs(objs[ref_key]), repr(objs[ref_key].get("opt_param_scheduler")))
     odd = [ranks[k].name for k, o in sorted(objs.items()) if (lrs(o), repr(o.get("opt_param_scheduler"))) != ref]
     if odd:
-        out.append(Warning_("lr-mismatch", f"{', '.join(odd)} hold other param-group LRs or scheduler state than "
-                            f"{ranks[ref_key].name}: those ranks resume at another LR (edit every rank file, e.g. "
-                            "with ckpt set-lr on the iteration folder)", str(ranks[ref_key].relative_to(root))))
+        out.append(
+            Warning_(
+                "lr-mismatch",
+                f"{', '.join(odd)} hold other param-group LRs or scheduler state than "
+                f"{ranks[ref_key].name}: those ranks resume at another LR (edit every rank file, e.g. "
+                "with ckpt set-lr on the iteration folder)",
+                str(ranks[ref_key].relative_to(root)),
+            )
+        )
     return out
 
 
@@ -701,14 +871,21 @@ def next_lr(sched: dict, group: dict, args: dict | None = None) -> float:
 
     args = args or {}
     gbs = args.get("global_batch_size")
-    wsd = args.get("lr_wsd_decay_samples") or (args["lr_wsd_decay_iters"] * gbs if args.get("lr_wsd_decay_iters")
-                                               and isinstance(gbs, int) else None)
+    wsd = args.get("lr_wsd_decay_samples") or (
+        args["lr_wsd_decay_iters"] * gbs if args.get("lr_wsd_decay_iters") and isinstance(gbs, int) else None
+    )
     try:
-        lr = lr_at(float(sched.get("num_steps") or 0), max_lr=float(group.get("max_lr", sched.get("max_lr"))),
-                   min_lr=float(group.get("min_lr", sched.get("min_lr"))),
-                   warmup=float(sched.get("lr_warmup_steps") or 0), decay=float(sched.get("lr_decay_steps") or 0),
-                   style=str(sched.get("lr_decay_style")), init_lr=float(args.get("lr_warmup_init") or 0.0),
-                   wsd_decay=wsd, wsd_style=args.get("lr_wsd_decay_style"))
+        lr = lr_at(
+            float(sched.get("num_steps") or 0),
+            max_lr=float(group.get("max_lr", sched.get("max_lr"))),
+            min_lr=float(group.get("min_lr", sched.get("min_lr"))),
+            warmup=float(sched.get("lr_warmup_steps") or 0),
+            decay=float(sched.get("lr_decay_steps") or 0),
+            style=str(sched.get("lr_decay_style")),
+            init_lr=float(args.get("lr_warmup_init") or 0.0),
+            wsd_decay=wsd,
+            wsd_style=args.get("lr_wsd_decay_style"),
+        )
     except ValueError as e:
         raise UnsupportedCheckpoint(f"Megatron LR schedule: {e}") from None
     return lr * float(group.get("lr_mult", 1.0) or 1.0)
@@ -724,5 +901,21 @@ def training_state(ck: Checkpoint):
     return StateMap(root, tuple(srcs))
 
 
-__all__ = ["sniff", "open", "training_state", "next_lr", "args_of", "inner_optimizers", "expert_parallel",
-           "declared_groups", "missing_groups", "FORMAT"]
+__all__ = [
+    "sniff",
+    "open",
+    "training_state",
+    "next_lr",
+    "args_of",
+    "inner_optimizers",
+    "expert_parallel",
+    "declared_groups",
+    "missing_groups",
+    "FORMAT",
+]
+
+
+def _sched_unit(args: dict) -> str:
+    """What Megatron's scheduler counts: samples (a sample-based run or a global batch over 1), else steps."""
+    per_sample = args.get("train_samples") is None and (as_int(args.get("global_batch_size")) or 1) > 1
+    return "samples" if per_sample else "steps"

@@ -18,6 +18,7 @@ ranks' tensors and `merge` says how they combine ("replicated", "cat:0", "cat:1"
 `ckpt_tools.read.tp_layout` from the checkpoint's `universal_checkpoint_info` or, without one, the Megatron
 naming preset. The source used is in `Checkpoint.details["tp_layout"]`.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,19 @@ from typing import Any
 from ..errors import CorruptCheckpoint, MissingFile
 from ..read.pickle_reader import Opaque, TensorRef
 from ..read.tp_layout import SOURCE_INFO, TPLayout, merged_shape
-from ..read.tree import (Checkpoint, Counters, GroupNode, LearningRates, TensorNode, Topology, ValueNode, Warning_,
-                         as_int, tensor_node, to_node)
+from ..read.tree import (
+    Checkpoint,
+    Counters,
+    GroupNode,
+    LearningRates,
+    TensorNode,
+    Topology,
+    ValueNode,
+    Warning_,
+    as_int,
+    tensor_node,
+    to_node,
+)
 from . import _common as C
 from . import deepspeed as D
 
@@ -95,8 +107,11 @@ class _Reader:
     def _model_states(self, mp_rank: int) -> dict:
         rf = self.ranks.get(mp_rank)
         if rf is None or rf.model_states is None:
-            raise MissingFile(f"mp_rank_{mp_rank:02d}_model_states.pt is missing", path=self.tag_dir,
-                              hint="re-copy the tag folder; every pipeline/tensor-parallel rank's file is needed")
+            raise MissingFile(
+                f"mp_rank_{mp_rank:02d}_model_states.pt is missing",
+                path=self.tag_dir,
+                hint="re-copy the tag folder; every pipeline/tensor-parallel rank's file is needed",
+            )
         ms = self.cache.load(rf.model_states).obj
         if not isinstance(ms, dict):
             raise CorruptCheckpoint("model states file does not hold a dict", path=rf.model_states)
@@ -107,25 +122,34 @@ class _Reader:
         from DeepSpeed's own `checkpoint_parallel_dimensions`, else Megatron's `args`, else the layer files'
         TP ranks; every other witness is checked against it."""
         mp = as_int(ms0.get("mp_world_size")) or len(self.ranks)
-        dims = ms0.get("checkpoint_parallel_dimensions") if isinstance(ms0.get("checkpoint_parallel_dimensions"),
-                                                                       dict) else {}
+        dims = (
+            ms0.get("checkpoint_parallel_dimensions")
+            if isinstance(ms0.get("checkpoint_parallel_dimensions"), dict)
+            else {}
+        )
         args = ms0.get("args")
-        args = args.state if isinstance(args, Opaque) and isinstance(args.state, dict) else \
-            (args if isinstance(args, dict) else {})
+        args = (
+            args.state
+            if isinstance(args, Opaque) and isinstance(args.state, dict)
+            else (args if isinstance(args, dict) else {})
+        )
         tp_files = 1 + max(t for _, t in self.layer_files)
-        witnesses = {"checkpoint_parallel_dimensions": (as_int(dims.get("tp_degree")), as_int(dims.get("pp_degree"))),
-                     "args": (as_int(args.get("tensor_model_parallel_size")),
-                              as_int(args.get("pipeline_model_parallel_size"))),
-                     "layer files": (tp_files, None)}
+        witnesses = {
+            "checkpoint_parallel_dimensions": (as_int(dims.get("tp_degree")), as_int(dims.get("pp_degree"))),
+            "args": (as_int(args.get("tensor_model_parallel_size")), as_int(args.get("pipeline_model_parallel_size"))),
+            "layer files": (tp_files, None),
+        }
         source, (tp, pp) = next(((k, v) for k, v in witnesses.items() if v[0]), ("layer files", (tp_files, None)))
         if not pp:
             pp = witnesses["args"][1] if source != "args" and witnesses["args"][1] else None
         if not pp:
             pp = mp // tp if mp % tp == 0 else None
         if not pp:
-            raise CorruptCheckpoint(f"mp_world_size={mp} is not a multiple of the TP size {tp}",
-                                    path=self.ranks[min(self.ranks)].model_states,
-                                    hint="the files come from different runs")
+            raise CorruptCheckpoint(
+                f"mp_world_size={mp} is not a multiple of the TP size {tp}",
+                path=self.ranks[min(self.ranks)].model_states,
+                hint="the files come from different runs",
+            )
         for name, (wtp, wpp) in witnesses.items():
             # layer files of other TP ranks are reported file by file (missing: error; extra: warning)
             if name != "layer files" and ((wtp and wtp != tp) or (wpp and wpp != pp)):
@@ -134,8 +158,10 @@ class _Reader:
             self.warn("topology-mismatch", f"mp_world_size={mp} but tp x pp = {tp} x {pp}")
         dp = as_int(ms0.get("dp_world_size")) or max(len(self.ranks[min(self.ranks)].optim), 1)
         if as_int(args.get("data_parallel_size")) not in (None, dp):
-            self.warn("topology-mismatch", f"args say data_parallel_size={args.get('data_parallel_size')}, "
-                      f"model states say dp_world_size={dp}")
+            self.warn(
+                "topology-mismatch",
+                f"args say data_parallel_size={args.get('data_parallel_size')}, model states say dp_world_size={dp}",
+            )
         return tp, pp, dp, source
 
     # --- names -> layer files ---------------------------------------------------------------------
@@ -145,16 +171,27 @@ class _Reader:
         for layer, stage in sorted(layer_stage.items()):
             for t in range(tp):
                 if (layer, t) not in self.layer_files:
-                    raise MissingFile(f"{layer_file_name(layer, t)} is missing (layer {layer} of pipeline stage "
-                                      f"{stage}, TP rank {t} of {tp})", path=self.tag_dir,
-                                      hint="re-copy the tag folder; every layer's file on every TP rank is needed")
+                    raise MissingFile(
+                        f"{layer_file_name(layer, t)} is missing (layer {layer} of pipeline stage "
+                        f"{stage}, TP rank {t} of {tp})",
+                        path=self.tag_dir,
+                        hint="re-copy the tag folder; every layer's file on every TP rank is needed",
+                    )
         for (layer, t), p in sorted(self.layer_files.items()):
             if t >= tp:
-                self.warn("extra-rank-file", f"{p.name} is for TP rank {t}, beyond tp={tp}: left over from "
-                          "another run? Move it out of the folder", p)
+                self.warn(
+                    "extra-rank-file",
+                    f"{p.name} is for TP rank {t}, beyond tp={tp}: left over from "
+                    "another run? Move it out of the folder",
+                    p,
+                )
             elif layer not in layer_stage and t == 0:
-                self.warn("extra-layer-file", f"no stage's param_shapes names a parameter of layer {layer} "
-                          f"({p.name}): left over from another run, or a layer with buffers only", p)
+                self.warn(
+                    "extra-layer-file",
+                    f"no stage's param_shapes names a parameter of layer {layer} "
+                    f"({p.name}): left over from another run, or a layer with buffers only",
+                    p,
+                )
 
     def _check_optim_files(self, mp: int, dp: int) -> None:
         """`_check_rank_files` checks the DP files of a rank that has some; a model-parallel rank with none
@@ -165,9 +202,12 @@ class _Reader:
         prefix = next(iter(having[0].optim.values())).name.split("zero_pp_rank_")[0]
         for mm in range(mp):
             if not self.ranks[mm].optim:
-                raise MissingFile(f"{prefix}zero_pp_rank_0_mp_rank_{mm:02d}_optim_states.pt is missing "
-                                  f"(mp_rank {mm:02d} has no optimizer files; dp_world_size={dp})", path=self.tag_dir,
-                                  hint="re-copy the tag folder; every rank's optimizer file is needed")
+                raise MissingFile(
+                    f"{prefix}zero_pp_rank_0_mp_rank_{mm:02d}_optim_states.pt is missing "
+                    f"(mp_rank {mm:02d} has no optimizer files; dp_world_size={dp})",
+                    path=self.tag_dir,
+                    hint="re-copy the tag folder; every rank's optimizer file is needed",
+                )
 
     def _shard_ref(self, name: str, stage: int, t: int, stage_layers: list[int]) -> tuple[TensorRef, Path]:
         m = _NAME_RE.match(name)
@@ -187,11 +227,16 @@ class _Reader:
                 return ref, p
         if m:
             p = self.layer_files[(int(m[1]), t)]
-            raise CorruptCheckpoint(f"no tensor '{local}' for parameter {name} (named by mp_rank "
-                                    f"{stage * self.tp + t:02d}'s param_shapes)", path=p,
-                                    hint="the layer file and the model states come from different runs")
-        raise CorruptCheckpoint(f"no layer file of pipeline stage {stage} holds parameter {name}",
-                                path=self.tag_dir, hint="re-copy the tag folder")
+            raise CorruptCheckpoint(
+                f"no tensor '{local}' for parameter {name} (named by mp_rank {stage * self.tp + t:02d}'s param_shapes)",
+                path=p,
+                hint="the layer file and the model states come from different runs",
+            )
+        raise CorruptCheckpoint(
+            f"no layer file of pipeline stage {stage} holds parameter {name}",
+            path=self.tag_dir,
+            hint="re-copy the tag folder",
+        )
 
     def _cross_check_layout(self, layout: TPLayout, rules: dict, swiglu: bool) -> None:
         """Where the checkpoint's own info and the Megatron naming convention disagree, say so: an info
@@ -200,13 +245,19 @@ class _Reader:
         if layout.source != SOURCE_INFO:
             return
         preset = TPLayout.megatron_preset(swiglu=swiglu)
-        differ = [(n, r.merge, p.merge) for n, r in rules.items()
-                  if r.source == SOURCE_INFO and (p := preset.rule(n)).merge is not None and p.merge != r.merge]
+        differ = [
+            (n, r.merge, p.merge)
+            for n, r in rules.items()
+            if r.source == SOURCE_INFO and (p := preset.rule(n)).merge is not None and p.merge != r.merge
+        ]
         if differ:
             shown = ", ".join(f"{n}: {a} (info) vs {b}" for n, a, b in differ[:5])
-            self.warn("tp-layout-disagrees", f"universal_checkpoint_info and the Megatron naming convention "
-                      f"disagree for {len(differ)} parameters ({shown}{', ...' if len(differ) > 5 else ''}); "
-                      "the info is followed, as DeepSpeed's ds_to_universal does. Check its patterns")
+            self.warn(
+                "tp-layout-disagrees",
+                f"universal_checkpoint_info and the Megatron naming convention "
+                f"disagree for {len(differ)} parameters ({shown}{', ...' if len(differ) > 5 else ''}); "
+                "the info is followed, as DeepSpeed's ds_to_universal does. Check its patterns",
+            )
 
     def _module_order(self, names: list[str]):
         """Sort key: layer index, then the layer file's own (module) order; param_shapes lists names by
@@ -231,8 +282,11 @@ class _Reader:
 
     def build(self) -> Checkpoint:
         if not self.ranks:
-            raise MissingFile("mp_rank_00_model_states.pt is missing (no mp_rank_*_model_states.pt files)",
-                              path=self.tag_dir, hint="re-copy the tag folder")
+            raise MissingFile(
+                "mp_rank_00_model_states.pt is missing (no mp_rank_*_model_states.pt files)",
+                path=self.tag_dir,
+                hint="re-copy the tag folder",
+            )
         ms0 = self._model_states(0)
         tp, pp, dp, topo_source = self.topology(ms0)
         self.tp = tp
@@ -244,20 +298,25 @@ class _Reader:
         info = ms0.get("universal_checkpoint_info")
         args = ms0.get("args")
         swiglu = bool(args.field("swiglu")) if isinstance(args, Opaque) else False
-        layout = TPLayout.for_checkpoint(info if isinstance(info, dict) else None,
-                                         user_patterns=self.tp_patterns, swiglu=swiglu)
+        layout = TPLayout.for_checkpoint(
+            info if isinstance(info, dict) else None, user_patterns=self.tp_patterns, swiglu=swiglu
+        )
 
         # each stage's parameter names (param group order kept) and which stage holds which layer
         shape_groups = {mm: D._shape_groups(states[mm].get("param_shapes")) for mm in range(mp)}
-        frozen = {mm: {str(k): tuple(v) for k, v in (states[mm].get("frozen_param_shapes") or {}).items()}
-                  for mm in range(mp)}
+        frozen = {
+            mm: {str(k): tuple(v) for k, v in (states[mm].get("frozen_param_shapes") or {}).items()} for mm in range(mp)
+        }
         local_shapes = {mm: {n: s for g in shape_groups[mm] for n, s in g.items()} | frozen[mm] for mm in range(mp)}
         layer_stage: dict[int, int] = {}
         for s in range(pp):
             for t in range(1, tp):
                 if list(local_shapes[s * tp + t]) != list(local_shapes[s * tp]):
-                    self.warn("tp-names-mismatch", f"mp_rank_{s * tp + t:02d} and mp_rank_{s * tp:02d} (pipeline "
-                              f"stage {s}) list different parameters in param_shapes")
+                    self.warn(
+                        "tp-names-mismatch",
+                        f"mp_rank_{s * tp + t:02d} and mp_rank_{s * tp:02d} (pipeline "
+                        f"stage {s}) list different parameters in param_shapes",
+                    )
             for name in local_shapes[s * tp]:
                 m = _NAME_RE.match(name)
                 if m:
@@ -274,16 +333,23 @@ class _Reader:
             for name in sorted(local_shapes[s * tp], key=self._module_order(list(local_shapes[s * tp]))):
                 if name in model:
                     if not layout.is_pipeline_replicated(name):
-                        self.warn("pp-duplicate", f"parameter {name} is listed by pipeline stages {stage_of[name]} "
-                                  f"and {s}; the first stage's copy is shown")
+                        self.warn(
+                            "pp-duplicate",
+                            f"parameter {name} is listed by pipeline stages {stage_of[name]} "
+                            f"and {s}; the first stage's copy is shown",
+                        )
                     continue
                 shards = []
                 for t in range(tp):
                     ref, p = self._shard_ref(name, s, t, stage_layers[s])
                     want = local_shapes[s * tp + t].get(name)
                     if want is not None and tuple(ref.shape) != tuple(want):
-                        self.warn("shape-mismatch", f"{name}: {p.name} holds shape {tuple(ref.shape)}, "
-                                  f"param_shapes of mp_rank_{s * tp + t:02d} says {tuple(want)}", p)
+                        self.warn(
+                            "shape-mismatch",
+                            f"{name}: {p.name} holds shape {tuple(ref.shape)}, "
+                            f"param_shapes of mp_rank_{s * tp + t:02d} says {tuple(want)}",
+                            p,
+                        )
                     shards.append(tensor_node(ref, self.rel(p), {"tp": t, "pp": s}))
                 rule = layout.rule(name)
                 rules[name], stage_of[name] = rule, s
@@ -291,12 +357,16 @@ class _Reader:
         self._cross_check_layout(layout, rules, swiglu)
         unknown = [n for n, r in rules.items() if r.merge is None]
         if unknown:
-            self.warn("tp-merge-unknown", f"no TP merge rule ({layout.source}) for {len(unknown)} parameters "
-                      f"({', '.join(unknown[:5])}{', ...' if len(unknown) > 5 else ''}); their shards are shown "
-                      "unmerged and counted as split. Pass --pattern REGEX=MERGE to decide")
+            self.warn(
+                "tp-merge-unknown",
+                f"no TP merge rule ({layout.source}) for {len(unknown)} parameters "
+                f"({', '.join(unknown[:5])}{', ...' if len(unknown) > 5 else ''}); their shards are shown "
+                "unmerged and counted as split. Pass --pattern REGEX=MERGE to decide",
+            )
         param_names = [n for n in model]
-        param_count = sum(model[n].numel if rules[n].merge else sum(s.numel for s in model[n].shards)
-                          for n in param_names)
+        param_count = sum(
+            model[n].numel if rules[n].merge else sum(s.numel for s in model[n].shards) for n in param_names
+        )
 
         # optimizer: DeepSpeed's own un-flattening per model-parallel rank, then merged across TP ranks
         opts = {}
@@ -304,10 +374,15 @@ class _Reader:
             rf = self.ranks[mm]
             if rf.optim:
                 s, t = divmod(mm, tp)
-                opts[mm] = D.read_zero_optimizer(self.cache, {d: p for d, p in rf.optim.items() if d < dp},
-                                                 shape_groups[mm], {"tp": t, "pp": s},
-                                                 (self.rel(rf.model_states), states[mm].get("ds_config"))
-                                                 if rf.model_states and mm in states else None)
+                opts[mm] = D.read_zero_optimizer(
+                    self.cache,
+                    {d: p for d, p in rf.optim.items() if d < dp},
+                    shape_groups[mm],
+                    {"tp": t, "pp": s},
+                    (self.rel(rf.model_states), states[mm].get("ds_config"))
+                    if rf.model_states and mm in states
+                    else None,
+                )
                 self.warnings += opts[mm].warnings
         tree: dict[str, Any] = {"model": GroupNode(model)}
         steps_seen: list[int] = []
@@ -323,15 +398,19 @@ class _Reader:
             lrs = first.lrs_by_rank[min(first.lrs_by_rank)] if first.lrs_by_rank else ()
             by_rank = {(mm, d): v for mm, o in opts.items() for d, v in o.lrs_by_rank.items()}
             if len(set(by_rank.values())) > 1:
-                self.warn("lr-mismatch", "param group LRs differ across ranks: " +
-                          ", ".join(f"mp_rank_{mm:02d}/dp {d}: {list(v)}" for (mm, d), v in sorted(by_rank.items())))
+                self.warn(
+                    "lr-mismatch",
+                    "param group LRs differ across ranks: "
+                    + ", ".join(f"mp_rank_{mm:02d}/dp {d}: {list(v)}" for (mm, d), v in sorted(by_rank.items())),
+                )
 
         rel0 = self.rel(self.ranks[0].model_states)
         sched_node = to_node(ms0["lr_scheduler"], rel0) if isinstance(ms0.get("lr_scheduler"), dict) else None
         if sched_node is not None:
             tree["scheduler"] = sched_node
-        tree["counters"] = GroupNode({k: ValueNode(ms0.get(k)) for k in ("global_steps", "global_samples",
-                                                                           "skipped_steps")})
+        tree["counters"] = GroupNode(
+            {k: ValueNode(ms0.get(k)) for k in ("global_steps", "global_samples", "skipped_steps")}
+        )
         client = {k: v for k, v in ms0.items() if k not in D.DS_MODEL_KEYS}
         if client:
             tree["client_state"] = to_node(client, rel0)
@@ -347,8 +426,10 @@ class _Reader:
         counters = Counters(
             global_step=as_int(ms0.get("global_steps")),
             optimizer_step=Counter(steps_seen).most_common(1)[0][0] if steps_seen else None,
-            scheduler_last_epoch=last_epoch, scheduler_step_count=step_count,
-            skipped_steps=as_int(ms0.get("skipped_steps")))
+            scheduler_last_epoch=last_epoch,
+            scheduler_step_count=step_count,
+            skipped_steps=as_int(ms0.get("skipped_steps")),
+        )
         self.warnings += C.counter_warnings(counters, optimizer_steps_seen=steps_seen)
         if sched_node is None and isinstance(D._dig(ms0, "ds_config", "scheduler"), dict):
             self.warn("scheduler-missing", "ds_config names a scheduler but lr_scheduler was not saved")
@@ -360,12 +441,14 @@ class _Reader:
 
         merges = Counter(r.merge or "unknown" for r in rules.values())
         details = {
-            "tag": self.tag, "ds_version": ms0.get("ds_version"),
+            "tag": self.tag,
+            "ds_version": ms0.get("ds_version"),
             "tp_layout": " > ".join(layout.sources),
             "tp_merges": ", ".join(f"{n} {m}" for m, n in merges.most_common()),
             "topology_from": topo_source,
             "layer_stages": {f"{lay:02d}": s for lay, s in sorted(layer_stage.items())},
-            "weights": "layer files (module weights per TP rank)", "optimizer_dtype": opt_dtype,
+            "weights": "layer files (module weights per TP rank)",
+            "optimizer_dtype": opt_dtype,
         }
         vocab = {r.vocab_size for r in rules.values() if r.vocab_size}
         padded = info.get("padded_vocab_size") if isinstance(info, dict) else None
@@ -375,15 +458,32 @@ class _Reader:
             details["scheduler_kind"] = "deepspeed (LR comes from the launch config)"
         dtypes = sorted({s.dtype for n in model.values() for s in n.shards} | ({opt_dtype} if opt_dtype else set()))
         return Checkpoint(
-            format=FORMAT, path=str(self.root), topology=Topology(dp=dp, tp=tp, pp=pp, zero_stage=stage),
-            tree=GroupNode(tree), counters=counters,
-            lr=LearningRates(param_groups=lrs, base_lrs=base_lrs,
-                             last_lr=last_lr or C.ds_last_lr(sched, ms0.get("ds_config"), tuple(lrs))),
-            parameter_count=param_count, parameter_tensors=len(param_names), files=tuple(self._files(tp)),
-            warnings=tuple(self.warnings), dtypes=tuple(dtypes), details=details)
+            format=FORMAT,
+            path=str(self.root),
+            topology=Topology(dp=dp, tp=tp, pp=pp, zero_stage=stage),
+            tree=GroupNode(tree),
+            counters=counters,
+            lr=LearningRates(
+                param_groups=lrs,
+                base_lrs=base_lrs,
+                last_lr=last_lr or C.ds_last_lr(sched, ms0.get("ds_config"), tuple(lrs)),
+            ),
+            parameter_count=param_count,
+            parameter_tensors=len(param_names),
+            files=tuple(self._files(tp)),
+            warnings=tuple(self.warnings),
+            dtypes=tuple(dtypes),
+            details=details,
+        )
 
-    def _optimizer(self, opts: dict[int, D.ZeroOptimizer], model: dict[str, TensorNode], rules: dict,
-                   stage_of: dict[str, int], tp: int) -> GroupNode:
+    def _optimizer(
+        self,
+        opts: dict[int, D.ZeroOptimizer],
+        model: dict[str, TensorNode],
+        rules: dict,
+        stage_of: dict[str, int],
+        tp: int,
+    ) -> GroupNode:
         """`optimizer.state.<name>.{fp32,exp_avg,exp_avg_sq}` merged across TP ranks with the model's rule;
         param groups and loss-scaler fields from mp_rank 00 (the same on every rank)."""
         merged: dict[str, dict[str, Any]] = {}
@@ -404,8 +504,11 @@ class _Reader:
         for key in _SAME_ACROSS_RANKS:
             vals = {mm: states[mm].get(key) for mm in states if key in states[mm]}
             if len({repr(v) for v in vals.values()}) > 1:
-                self.warn("step-mismatch", f"{key} differs across model-parallel ranks: " +
-                          ", ".join(f"mp_rank_{mm:02d}={v}" for mm, v in sorted(vals.items())))
+                self.warn(
+                    "step-mismatch",
+                    f"{key} differs across model-parallel ranks: "
+                    + ", ".join(f"mp_rank_{mm:02d}={v}" for mm, v in sorted(vals.items())),
+                )
         differ = []
         for s in range(pp):
             base = _rng_bytes(states[s * tp])
@@ -415,11 +518,13 @@ class _Reader:
                     differ.append(f"mp_rank_{s * tp + t:02d} != mp_rank_{s * tp:02d} (stage {s}, TP rank {t} vs 0)")
         if differ:
             # reported, never "fixed": the state is what the run had; the weights it drifted are the damage
-            self.warn("tp-rng-mismatch",
-                      f"torch_rng_state differs across TP ranks: {'; '.join(differ)}. Megatron seeds the default "
-                      "generator alike on every TP rank; ranks drawing different random numbers in replicated "
-                      "computations (dropout) make their replicated weights drift apart. Compare the "
-                      "TP-replicated tensors across ranks")
+            self.warn(
+                "tp-rng-mismatch",
+                f"torch_rng_state differs across TP ranks: {'; '.join(differ)}. Megatron seeds the default "
+                "generator alike on every TP rank; ranks drawing different random numbers in replicated "
+                "computations (dropout) make their replicated weights drift apart. Compare the "
+                "TP-replicated tensors across ranks",
+            )
 
     def _files(self, tp: int) -> list:
         files = []
@@ -446,8 +551,12 @@ def _merged(shards: list[TensorNode], merge: str | None, tp: int) -> TensorNode:
 def _rng_bytes(ms: dict) -> bytes | None:
     """The saved default-generator state (5 KB), top level (this layout) or in Megatron's `rng_state` list."""
     ref = ms.get("torch_rng_state")
-    if ref is None and isinstance(ms.get("rng_state"), list) and ms["rng_state"] \
-            and isinstance(ms["rng_state"][0], dict):
+    if (
+        ref is None
+        and isinstance(ms.get("rng_state"), list)
+        and ms["rng_state"]
+        and isinstance(ms["rng_state"][0], dict)
+    ):
         ref = ms["rng_state"][0].get("torch_rng_state")
     if not isinstance(ref, TensorRef) or ref.storage is None:
         return None
@@ -458,4 +567,3 @@ def training_state(ck: Checkpoint):
     from .deepspeed import training_state as tag_training_state
 
     return tag_training_state(ck)
-

@@ -4,6 +4,7 @@ Header layout: 8-byte little-endian length N, N bytes of JSON {name: {dtype, sha
 "__metadata__": {...}}, then the data. Offsets are checked against the file size and the dtype/shape,
 since a header that lies about offsets is the classic way a truncated or hostile file misleads a reader.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,10 +20,24 @@ from ..read.tree import Checkpoint, Counters, GroupNode, LearningRates, Topology
 from . import _common as C
 
 FORMAT = "safetensors"
-_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U16": "uint16",
-           "U32": "uint32", "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-           "C64": "complex64"}
+_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "C64": "complex64",
+}
 _MAX_HEADER = 100 * 1024 * 1024
 
 
@@ -51,7 +66,8 @@ def sniff(path: Path) -> bool:
     if path.is_dir():
         # an Accelerate folder also holds model.safetensors; it is recognised before this module
         return _index_file(path) is not None or (
-            any(path.glob("*.safetensors")) and not any(path.glob("*.bin")) and not any(path.glob("*.pt")))
+            any(path.glob("*.safetensors")) and not any(path.glob("*.bin")) and not any(path.glob("*.pt"))
+        )
     return False
 
 
@@ -62,12 +78,14 @@ def read_header(path: Path) -> tuple[dict[str, TensorRef], dict[str, str]]:
         with path.open("rb") as fh:
             raw = fh.read(8)
             if len(raw) < 8:
-                raise CorruptCheckpoint("file is shorter than a safetensors header", path=path,
-                                        hint="the file is truncated; re-copy it")
+                raise CorruptCheckpoint(
+                    "file is shorter than a safetensors header", path=path, hint="the file is truncated; re-copy it"
+                )
             (n,) = struct.unpack("<Q", raw)
             if n > min(size - 8, _MAX_HEADER):
-                raise CorruptCheckpoint(f"header length {n} exceeds the file", path=path,
-                                        hint="the file is truncated or not safetensors")
+                raise CorruptCheckpoint(
+                    f"header length {n} exceeds the file", path=path, hint="the file is truncated or not safetensors"
+                )
             header = json.loads(fh.read(n))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptCheckpoint(f"header is not valid JSON ({e})", path=path, hint="the file is corrupt")
@@ -90,8 +108,11 @@ def read_header(path: Path) -> tuple[dict[str, TensorRef], dict[str, str]]:
             raise CorruptCheckpoint(f"bad header entry for tensor {name!r}", path=path, hint="the file is corrupt")
         numel = math.prod(shape)
         if end - begin != numel * DTYPE_SIZE[dtype] or begin < 0 or data_start + end > size:
-            raise CorruptCheckpoint(f"header offsets of tensor {name!r} ({begin}..{end}) do not fit its "
-                                    f"dtype/shape or the file size", path=path, hint="the file is truncated or corrupt")
+            raise CorruptCheckpoint(
+                f"header offsets of tensor {name!r} ({begin}..{end}) do not fit its dtype/shape or the file size",
+                path=path,
+                hint="the file is truncated or corrupt",
+            )
         offsets[name] = begin
         spans.append((begin, end, name))
         strides = []
@@ -99,13 +120,13 @@ def read_header(path: Path) -> tuple[dict[str, TensorRef], dict[str, str]]:
         for s in reversed(shape):
             strides.append(acc)
             acc *= s
-        out[name] = TensorRef(dtype, shape, tuple(reversed(strides)), 0,
-                              StorageRef(name, dtype, numel, "cpu", source))
+        out[name] = TensorRef(dtype, shape, tuple(reversed(strides)), 0, StorageRef(name, dtype, numel, "cpu", source))
     spans.sort()
     for (b0, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
         if b1 < e0:
-            raise CorruptCheckpoint(f"tensors {n0!r} and {n1!r} overlap in the data", path=path,
-                                    hint="the file is corrupt")
+            raise CorruptCheckpoint(
+                f"tensors {n0!r} and {n1!r} overlap in the data", path=path, hint="the file is corrupt"
+            )
     return out, {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
 
 
@@ -136,8 +157,9 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     for shard in shard_names:
         f = base / shard
         if not f.is_file():
-            raise MissingFile(f"shard {shard} named by the index is missing", path=f,
-                              hint="re-download the missing shard")
+            raise MissingFile(
+                f"shard {shard} named by the index is missing", path=f, hint="re-download the missing shard"
+            )
         refs, m = read_header(f)
         meta.update(m)
         for name, ref in refs.items():
@@ -147,13 +169,24 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     if weight_map is not None:
         missing = sorted(set(weight_map) - set(tensors))
         if missing:
-            warnings.append(C.Warning_("index-mismatch", f"{len(missing)} tensors named by the index are not in "
-                                       f"their shard: {', '.join(missing[:5])}", str(index.relative_to(root))))
+            warnings.append(
+                C.Warning_(
+                    "index-mismatch",
+                    f"{len(missing)} tensors named by the index are not in their shard: {', '.join(missing[:5])}",
+                    str(index.relative_to(root)),
+                )
+            )
     if index_missing:
         total = max(int(m[2]) for m in map(_SHARD_RE.search, shard_names) if m)
-        warnings.append(C.Warning_("index-missing", f"sharded safetensors ({len(shard_names)} of {total} shards "
-                                   "here) without their *.safetensors.index.json: from_pretrained finds no weights, "
-                                   "and a missing shard cannot be told", "model.safetensors.index.json"))
+        warnings.append(
+            C.Warning_(
+                "index-missing",
+                f"sharded safetensors ({len(shard_names)} of {total} shards "
+                "here) without their *.safetensors.index.json: from_pretrained finds no weights, "
+                "and a missing shard cannot be told",
+                "model.safetensors.index.json",
+            )
+        )
     if path.is_dir():
         warnings += C.stray_file_warnings(path, root)
     model = GroupNode(dict(sorted(tensors.items(), key=lambda kv: natural_key(kv[0]))))
@@ -161,8 +194,16 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     if meta:
         tree["metadata"] = GroupNode({k: ValueNode(v) for k, v in meta.items()})
     return Checkpoint(
-        format=FORMAT, path=str(path), topology=Topology(), tree=GroupNode(tree), counters=Counters(),
-        lr=LearningRates(), parameter_count=sum(t.numel for t in tensors.values()),
-        parameter_tensors=len(tensors), files=tuple(files), warnings=tuple(warnings),
+        format=FORMAT,
+        path=str(path),
+        topology=Topology(),
+        tree=GroupNode(tree),
+        counters=Counters(),
+        lr=LearningRates(),
+        parameter_count=sum(t.numel for t in tensors.values()),
+        parameter_tensors=len(tensors),
+        files=tuple(files),
+        warnings=tuple(warnings),
         dtypes=tuple(sorted({t.dtype for t in tensors.values()})),
-        details={"shards": len(shard_names)})
+        details={"shards": len(shard_names)},
+    )

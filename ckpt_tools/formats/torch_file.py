@@ -5,6 +5,7 @@ for weights; optimizer and scheduler state dicts by shape (`state.is_optimizer_s
 `is_scheduler_state`), one or a list of them (Lightning); the loop counter by `state.COUNTER_KEYS`. A bare
 state dict (name -> tensor) is the model.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,7 +30,7 @@ def sniff(path: Path) -> bool:
             head = fh.read(2)
     except OSError:
         return False
-    return head in (b"PK", ) or head[:1] == b"\x80"
+    return head in (b"PK",) or head[:1] == b"\x80"
 
 
 def split_training_dict(obj: Any) -> tuple[Any, list, list, dict[str, Any]]:
@@ -61,7 +62,8 @@ def split_training_dict(obj: Any) -> tuple[Any, list, list, dict[str, Any]]:
         if all(is_optimizer_state(x) for x in vals):
             optims += vals
         elif (all(is_scheduler_state(x) for x in vals) and (k in SCHED_KEYS or isinstance(v, list))) or (
-                k in SCHED_KEYS and isinstance(v, dict) and set(map(str, v)) == {"last_epoch"}):
+            k in SCHED_KEYS and isinstance(v, dict) and set(map(str, v)) == {"last_epoch"}
+        ):
             # torchtitan's lr_scheduler keeps only {last_epoch} (it rebuilds the rest from its job config)
             scheds += vals
         else:
@@ -69,8 +71,9 @@ def split_training_dict(obj: Any) -> tuple[Any, list, list, dict[str, Any]]:
     return (obj.get(mk) if mk else None), optims, scheds, rest
 
 
-def match_param_ids(group_ids: list[list[Any]], id_shapes: Mapping[Any, Any], names: list[str],
-                    name_shapes: Mapping[str, Any]) -> dict[Any, str] | None:
+def match_param_ids(
+    group_ids: list[list[Any]], id_shapes: Mapping[Any, Any], names: list[str], name_shapes: Mapping[str, Any]
+) -> dict[Any, str] | None:
     """Param id -> name for a torch optimizer state dict, or None when it cannot be told for sure.
 
     torch numbers parameters in param_groups order (group 0's, then group 1's, ...), not in model order: with
@@ -89,8 +92,9 @@ def match_param_ids(group_ids: list[list[Any]], id_shapes: Mapping[Any, Any], na
             pos = 0
             for i in group_ids[gi]:
                 want = id_shapes.get(i)
-                while pos < len(names) and (names[pos] in used or
-                                            (want is not None and tuple(name_shapes.get(names[pos], ())) != tuple(want))):
+                while pos < len(names) and (
+                    names[pos] in used or (want is not None and tuple(name_shapes.get(names[pos], ())) != tuple(want))
+                ):
                     pos += 1
                 if pos >= len(names):
                     return None
@@ -117,8 +121,9 @@ def _state_shapes(state: Mapping) -> dict[Any, Any]:
     return out
 
 
-def optimizer_tree(osd: dict, param_names: list[str], rel: str,
-                   param_shapes: Mapping[str, Any] | None = None) -> GroupNode:
+def optimizer_tree(
+    osd: dict, param_names: list[str], rel: str, param_shapes: Mapping[str, Any] | None = None
+) -> GroupNode:
     """A torch optimizer state dict with integer param ids mapped to parameter names where possible.
 
     torch numbers parameters in param_groups order. With `param_shapes` (name -> shape of the model's
@@ -140,8 +145,12 @@ def optimizer_tree(osd: dict, param_names: list[str], rel: str,
     state_node = GroupNode({id_to_name.get(k, str(k)): to_node(v, rel) for k, v in state.items()})
     if id_to_name and all(i in id_to_name for i in ids):
         # the names the ids were matched to, beside the ids, as torch saves them for named parameters
-        groups = [{**g, "param_names": [id_to_name[i] for i in g.get("params") or []]}
-                  if isinstance(g, dict) and "param_names" not in g else g for g in groups]
+        groups = [
+            {**g, "param_names": [id_to_name[i] for i in g.get("params") or []]}
+            if isinstance(g, dict) and "param_names" not in g
+            else g
+            for g in groups
+        ]
     kids = {"state": state_node, "param_groups": to_node(groups, rel)}
     kids.update({k: to_node(v, rel) for k, v in osd.items() if k not in ("state", "param_groups")})
     return GroupNode(kids)
@@ -166,14 +175,19 @@ def flattened_optimizer_tree(osd: Mapping, rel: str, conv: Callable[[Any, str], 
     stored once per parameter FQN. Shown as the groups they were (`flattened_groups`), each listing its
     parameters (in saved order)."""
     groups = flattened_groups(osd.get("param_groups") or {})
-    shown = GroupNode({str(i): GroupNode({**{k: conv(v, rel) for k, v in f.items()},
-                                          "params": to_node(names, rel)}) for i, (f, names) in enumerate(groups)})
+    shown = GroupNode(
+        {
+            str(i): GroupNode({**{k: conv(v, rel) for k, v in f.items()}, "params": to_node(names, rel)})
+            for i, (f, names) in enumerate(groups)
+        }
+    )
     state = osd.get("state") if isinstance(osd.get("state"), Mapping) else {}
     return GroupNode({"state": GroupNode({str(k): conv(v, rel) for k, v in state.items()}), "param_groups": shown})
 
 
-def state_nodes(optims: list, scheds: list, tree: dict, rel: str, names: list[str],
-                shapes: Mapping[str, Any] | None = None) -> None:
+def state_nodes(
+    optims: list, scheds: list, tree: dict, rel: str, names: list[str], shapes: Mapping[str, Any] | None = None
+) -> None:
     """Put optimizer and scheduler states into `tree` as optimizer, optimizer_1, ..., scheduler, ..."""
     from ._common import _numbered
 
@@ -193,8 +207,14 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     if isinstance(model, dict):
         tree["model"] = to_node(model, rel)
         names = [k for k, v in model.items() if isinstance(v, TensorRef)]
-    state_nodes(optims, scheds, tree, rel, names,
-                {k: tuple(v.shape) for k, v in model.items() if isinstance(v, TensorRef)} if names else None)
+    state_nodes(
+        optims,
+        scheds,
+        tree,
+        rel,
+        names,
+        {k: tuple(v.shape) for k, v in model.items() if isinstance(v, TensorRef)} if names else None,
+    )
     if rest:
         tree["client_state"] = to_node(rest, rel)
     root = GroupNode(tree)
@@ -202,11 +222,19 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     model_tensors = _distinct([t for _, t in iter_tensors(tree["model"])] if "model" in tree else [])
     warnings = C.counter_warnings(counters, optimizer_steps_seen=steps) + cache.warnings()
     return Checkpoint(
-        format=FORMAT, path=str(path), topology=Topology(dp=None, tp=None, pp=None, zero_stage=None),
-        tree=root, counters=counters, lr=lrs,
-        parameter_count=sum(math.prod(t.shape) for t in model_tensors), parameter_tensors=len(model_tensors),
-        files=(C.file_info(path, path.parent, "checkpoint"),), warnings=tuple(warnings),
-        dtypes=tuple(sorted({t.dtype for t in model_tensors})), details={"container": loaded.kind})
+        format=FORMAT,
+        path=str(path),
+        topology=Topology(dp=None, tp=None, pp=None, zero_stage=None),
+        tree=root,
+        counters=counters,
+        lr=lrs,
+        parameter_count=sum(math.prod(t.shape) for t in model_tensors),
+        parameter_tensors=len(model_tensors),
+        files=(C.file_info(path, path.parent, "checkpoint"),),
+        warnings=tuple(warnings),
+        dtypes=tuple(sorted({t.dtype for t in model_tensors})),
+        details={"container": loaded.kind},
+    )
 
 
 def training_state(ck: Checkpoint):
@@ -225,8 +253,11 @@ def _distinct(tensors: list[TensorNode]) -> list[TensorNode]:
     out = []
     for t in tensors:
         ref = t.pieces[0].ref if len(t.pieces) == 1 else None
-        key = ((t.pieces[0].file, ref.storage.key, ref.storage_offset, ref.shape, ref.stride)
-               if ref is not None and ref.storage is not None else (id(t),))
+        key = (
+            (t.pieces[0].file, ref.storage.key, ref.storage_offset, ref.shape, ref.stride)
+            if ref is not None and ref.storage is not None
+            else (id(t),)
+        )
         if key not in seen:
             seen.add(key)
             out.append(t)

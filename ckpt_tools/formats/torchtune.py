@@ -20,6 +20,7 @@ state only for the adapter's; those ids, in order, are the adapter's parameters 
 (torchtune's names), shown under the PEFT names of `adapter_model.safetensors`, confirmed by shapes. A later
 `epoch_N` (the final, model-only save) is another save (`other_saves`), not an unread part of this one.
 """
+
 from __future__ import annotations
 
 import re
@@ -37,9 +38,17 @@ _EPOCH_RE = re.compile(r"^epoch_(\d+)$")
 
 #: Hugging Face Llama name -> its place in torchtune's parameter order ((layer, position) ; layer -1 first,
 #: 10**9 last) -- the order torchtune's llama builders register the modules in
-_LAYER_ORDER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.down_proj.weight", "mlp.up_proj.weight",
-                "input_layernorm.weight", "post_attention_layernorm.weight")
+_LAYER_ORDER = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.down_proj.weight",
+    "mlp.up_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+)
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _TOP = {"model.embed_tokens.weight": (-1, 0), "model.norm.weight": (10**9, 0), "lm_head.weight": (10**9, 1)}
 
@@ -74,8 +83,15 @@ def torchtune_order(names: list[str]) -> list[str] | None:
 
 
 _LORA_RE = re.compile(r"^layers\.(\d+)\.(attn|mlp)\.(\w+)\.lora_(a|b)\.weight$")
-_PEFT_MODULE = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-                "output_proj": "self_attn.o_proj", "w1": "mlp.gate_proj", "w2": "mlp.down_proj", "w3": "mlp.up_proj"}
+_PEFT_MODULE = {
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "output_proj": "self_attn.o_proj",
+    "w1": "mlp.gate_proj",
+    "w2": "mlp.down_proj",
+    "w3": "mlp.up_proj",
+}
 
 
 def peft_name(tune: str) -> str | None:
@@ -134,17 +150,23 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     epochs_run = _as_int(state.get("epochs_run"))
     epochs = _epochs(folder)
     warnings: list[Warning_] = []
-    details: dict[str, Any] = {"recipe_state": rel, "epochs": [d.name for _, d in epochs],
-                               "scheduler_rebuilt": "not saved: the recipe rebuilds its scheduler from each param "
-                                                    "group's initial_lr at the resumed step"}
+    details: dict[str, Any] = {
+        "recipe_state": rel,
+        "epochs": [d.name for _, d in epochs],
+        "scheduler_rebuilt": "not saved: the recipe rebuilds its scheduler from each param "
+        "group's initial_lr at the resumed step",
+    }
     # the weights saved with the recipe state: epoch_{epochs_run - 1}
     with_state = next((d for n, d in epochs if epochs_run is not None and n == epochs_run - 1), None)
     if with_state is None:
         from ..errors import MissingFile
 
         want = f"epoch_{epochs_run - 1}" if epochs_run else "epoch_N"
-        raise MissingFile(f"{rel} records epochs_run={epochs_run}, but {want}/ (the weights saved with it) is not "
-                          "here", path=folder / want, hint="restore that epoch folder: a resume reads it")
+        raise MissingFile(
+            f"{rel} records epochs_run={epochs_run}, but {want}/ (the weights saved with it) is not here",
+            path=folder / want,
+            hint="restore that epoch folder: a resume reads it",
+        )
     details["opened"] = with_state.name  # the epoch folder whose weights go with the recipe state (config.json too)
     later = [d.name for n, d in epochs if epochs_run is not None and n >= epochs_run]
     if later:
@@ -181,33 +203,63 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
         tree["optimizer"] = node
         st = node.children.get("state")
         if isinstance(st, GroupNode) and any(k.isdigit() for k in st.children) and not lora_names:
-            why = ("LoRA: the optimizer holds every parameter of the model, the folder only the adapter"
-                   if adapter.is_file() else "the weights are not all in torchtune's Llama-family order")
-            warnings.append(Warning_("optimizer-ids-unnamed", f"{rel}: optimizer state keyed by ids that could not "
-                                     f"be matched to parameter names ({why})", rel))
+            why = (
+                "LoRA: the optimizer holds every parameter of the model, the folder only the adapter"
+                if adapter.is_file()
+                else "the weights are not all in torchtune's Llama-family order"
+            )
+            warnings.append(
+                Warning_(
+                    "optimizer-ids-unnamed",
+                    f"{rel}: optimizer state keyed by ids that could not be matched to parameter names ({why})",
+                    rel,
+                )
+            )
     client = {k: v for k, v in state.items() if k != "optimizer"}
     tree["client_state"] = to_node(client, rel)
     counters, lrs, steps = C.training_header(tree)
     steps_per_epoch = _as_int(state.get("max_steps_per_epoch"))
     if epochs_run is not None and steps_per_epoch:
         derived = epochs_run * steps_per_epoch
-        details["global_step"] = (f"epochs_run {epochs_run} x max_steps_per_epoch {steps_per_epoch} = {derived}"
-                                  " (what the recipe resumes at when every epoch ran max_steps_per_epoch steps)")
+        details["global_step"] = (
+            f"epochs_run {epochs_run} x max_steps_per_epoch {steps_per_epoch} = {derived}"
+            " (what the recipe resumes at when every epoch ran max_steps_per_epoch steps)"
+        )
         if set(steps) <= {derived}:
             counters = replace(counters, global_step=derived)
         else:
-            warnings.append(Warning_("step-mismatch", f"epochs_run x max_steps_per_epoch = {derived}, but Adam's "
-                                     f"step is {sorted(set(steps))}: an epoch ran fewer steps (a short dataset)", rel))
-    details.update({k: state[k] for k in ("epochs_run", "total_epochs", "max_steps_per_epoch", "seed")
-                    if isinstance(state.get(k), int)})
+            warnings.append(
+                Warning_(
+                    "step-mismatch",
+                    f"epochs_run x max_steps_per_epoch = {derived}, but Adam's "
+                    f"step is {sorted(set(steps))}: an epoch ran fewer steps (a short dataset)",
+                    rel,
+                )
+            )
+    details.update(
+        {
+            k: state[k]
+            for k in ("epochs_run", "total_epochs", "max_steps_per_epoch", "seed")
+            if isinstance(state.get(k), int)
+        }
+    )
     details["resume_unsupported"] = _recipe_resume(folder, with_state, adapter.is_file())
     warnings += C.counter_warnings(counters, optimizer_steps_seen=steps) + cache.warnings()
     params = [t for _, t in iter_tensors(model)]
     return Checkpoint(
-        format=FORMAT, path=str(folder), topology=Topology(dp=1, tp=1, pp=1, zero_stage=None), tree=GroupNode(tree),
-        counters=counters, lr=lrs, parameter_count=sum(t.numel for t in params), parameter_tensors=len(params),
-        files=tuple(files), warnings=tuple(warnings), dtypes=tuple(sorted({t.dtype for t in params})),
-        details=details)
+        format=FORMAT,
+        path=str(folder),
+        topology=Topology(dp=1, tp=1, pp=1, zero_stage=None),
+        tree=GroupNode(tree),
+        counters=counters,
+        lr=lrs,
+        parameter_count=sum(t.numel for t in params),
+        parameter_tensors=len(params),
+        files=tuple(files),
+        warnings=tuple(warnings),
+        dtypes=tuple(sorted({t.dtype for t in params})),
+        details=details,
+    )
 
 
 def _recipe_resume(folder: Path, epoch: Path, lora: bool) -> str:
@@ -217,15 +269,19 @@ def _recipe_resume(folder: Path, epoch: Path, lora: bool) -> str:
     config = folder / "torchtune_config.yaml"
     cfg = str(config) if config.is_file() else "YOUR_CONFIG.yaml"
     if lora:
-        weights = (f"checkpointer.adapter_checkpoint={epoch.name}/adapter_model.pt (the base model stays at the "
-                   "config's checkpointer.checkpoint_dir: the original pretrained folder)")
+        weights = (
+            f"checkpointer.adapter_checkpoint={epoch.name}/adapter_model.pt (the base model stays at the "
+            "config's checkpointer.checkpoint_dir: the original pretrained folder)"
+        )
     else:
         files = ",".join(f"{epoch.name}/{p.name}" for p in sorted(epoch.glob("model-*.safetensors")))
         weights = f"checkpointer.checkpoint_dir={epoch} checkpointer.checkpoint_files=[{files}]"
-    return ("torchtune rebuilds the model, the scheduler and the data loader from its recipe config; resume it with "
-            f"the recipe: tune run RECIPE --config {cfg} resume_from_checkpoint=True output_dir={folder} "
-            f"checkpointer.output_dir={folder} {weights} checkpointer.recipe_checkpoint={RECIPE_STATE} "
-            "(the resumed run saves its later epochs into output_dir)")
+    return (
+        "torchtune rebuilds the model, the scheduler and the data loader from its recipe config; resume it with "
+        f"the recipe: tune run RECIPE --config {cfg} resume_from_checkpoint=True output_dir={folder} "
+        f"checkpointer.output_dir={folder} {weights} checkpointer.recipe_checkpoint={RECIPE_STATE} "
+        "(the resumed run saves its later epochs into output_dir)"
+    )
 
 
 def training_state(ck: Checkpoint):

@@ -8,6 +8,7 @@ momentum_buffer, sum, ...), each holding
 set is the `zero/<param>/` folders (a pipeline source's model-states files each list one stage's parameters,
 TP-sharded), and the topology shown is the source run's (`checkpoint_parallel_dimensions`).
 """
+
 from __future__ import annotations
 
 import re
@@ -16,8 +17,19 @@ from typing import Any
 
 from ..errors import NotACheckpoint
 from ..read.pickle_reader import Opaque, TensorRef
-from ..read.tree import (Checkpoint, Counters, GroupNode, LearningRates, TensorNode, Topology, ValueNode, Warning_,
-                         as_int, tensor_node, to_node)
+from ..read.tree import (
+    Checkpoint,
+    Counters,
+    GroupNode,
+    LearningRates,
+    TensorNode,
+    Topology,
+    ValueNode,
+    Warning_,
+    as_int,
+    tensor_node,
+    to_node,
+)
 from . import _common as C
 from .deepspeed import DS_MODEL_KEYS, _shape_groups
 
@@ -34,8 +46,9 @@ def _natural(name: str) -> list:
 
 
 def _is_tag(path: Path) -> bool:
-    return (path / "zero" / "optimizer_state.pt").is_file() or \
-        ((path / "zero").is_dir() and any((path / "zero").glob("*/fp32.pt")))
+    return (path / "zero" / "optimizer_state.pt").is_file() or (
+        (path / "zero").is_dir() and any((path / "zero").glob("*/fp32.pt"))
+    )
 
 
 def sniff(path: Path) -> bool:
@@ -58,8 +71,11 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     zero = tag_dir / "zero"
     model_files = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
     if not model_files:
-        raise NotACheckpoint("universal tag folder without mp_rank_*_model_states.pt", path=tag_dir,
-                             hint="ds_to_universal copies them; re-run the conversion")
+        raise NotACheckpoint(
+            "universal tag folder without mp_rank_*_model_states.pt",
+            path=tag_dir,
+            hint="ds_to_universal copies them; re-run the conversion",
+        )
     ms = cache.load(model_files[0]).obj
     ms = ms if isinstance(ms, dict) else {}
     # The parameters are the zero/<param>/ folders (whole tensors, every pipeline stage and TP rank merged);
@@ -76,8 +92,13 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     steps: list[int] = []
     files = [C.file_info(p, root, "model") for p in model_files]
     for name in [n for n in listed if n not in folders]:
-        warnings.append(Warning_("missing-state", f"no zero/{name}/fp32.pt for a parameter the model states list",
-                                 str(zero.relative_to(root))))
+        warnings.append(
+            Warning_(
+                "missing-state",
+                f"no zero/{name}/fp32.pt for a parameter the model states list",
+                str(zero.relative_to(root)),
+            )
+        )
     for name in names:
         pdir = zero / name
         entry: dict[str, Any] = {}
@@ -111,9 +132,15 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
         declared["partition_count"] = len(osd["partition_count"])
     for what, n in declared.items():
         if opt_path.is_file() and n and len(groups) != n:
-            warnings.append(Warning_("declared-mismatch", f"zero/optimizer_state.pt holds {len(groups)} param groups "
-                                     f"where {what} declare(s) {n}: a param group was lost (DeepSpeed's universal "
-                                     "loader pairs them by position)", "zero/optimizer_state.pt"))
+            warnings.append(
+                Warning_(
+                    "declared-mismatch",
+                    f"zero/optimizer_state.pt holds {len(groups)} param groups "
+                    f"where {what} declare(s) {n}: a param group was lost (DeepSpeed's universal "
+                    "loader pairs them by position)",
+                    "zero/optimizer_state.pt",
+                )
+            )
             break
     module = ms.get("module") if isinstance(ms.get("module"), dict) else {}
     model: dict[str, Any] = {}
@@ -142,27 +169,42 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     sf = C.scheduler_fields(sched_node)
     base_lrs, last_lr = C.lr_from_scheduler(sf)
     last_epoch, step_count = C.scheduler_counters(sf)
-    counters = Counters(global_step=as_int(ms.get("global_steps")),
-                        optimizer_step=max(set(steps), key=steps.count) if steps else None,
-                        scheduler_last_epoch=last_epoch, scheduler_step_count=step_count,
-                        skipped_steps=as_int(ms.get("skipped_steps")))
+    counters = Counters(
+        global_step=as_int(ms.get("global_steps")),
+        optimizer_step=max(set(steps), key=steps.count) if steps else None,
+        scheduler_last_epoch=last_epoch,
+        scheduler_step_count=step_count,
+        skipped_steps=as_int(ms.get("skipped_steps")),
+    )
     warnings += C.counter_warnings(counters, optimizer_steps_seen=steps)
     warnings += C.stray_file_warnings(tag_dir, root) + cache.warnings()
     lrs = C.param_group_lrs(tree["optimizer"].children["param_groups"])
     count = sum(t.numel for t in model.values() if isinstance(t, TensorNode))
     # the source run's topology: DeepSpeed records TP and PP degrees apart (mp_world_size is their product)
-    dims = ms.get("checkpoint_parallel_dimensions") if isinstance(ms.get("checkpoint_parallel_dimensions"), dict) else {}
+    dims = (
+        ms.get("checkpoint_parallel_dimensions") if isinstance(ms.get("checkpoint_parallel_dimensions"), dict) else {}
+    )
     tp, pp = as_int(dims.get("tp_degree")), as_int(dims.get("pp_degree"))
     if tp is None:
         tp, pp = as_int(ms.get("mp_world_size")), 1
     return Checkpoint(
-        format=FORMAT, path=str(root),
+        format=FORMAT,
+        path=str(root),
         topology=Topology(dp=as_int(ms.get("dp_world_size")), tp=tp, pp=pp or 1, zero_stage=stage),
-        tree=GroupNode(tree), counters=counters, lr=LearningRates(lrs, base_lrs, last_lr),
-        parameter_count=count, parameter_tensors=len(names), files=tuple(files), warnings=tuple(warnings),
+        tree=GroupNode(tree),
+        counters=counters,
+        lr=LearningRates(lrs, base_lrs, last_lr),
+        parameter_count=count,
+        parameter_tensors=len(names),
+        files=tuple(files),
+        warnings=tuple(warnings),
         dtypes=tuple(sorted({t.dtype for t in model.values() if isinstance(t, TensorNode)})),
-        details={"tag": tag, "ds_version": ms.get("ds_version"),
-                 "note": "topology is the source run's; a universal checkpoint loads at any DP size"})
+        details={
+            "tag": tag,
+            "ds_version": ms.get("ds_version"),
+            "note": "topology is the source run's; a universal checkpoint loads at any DP size",
+        },
+    )
 
 
 def logical_layout(ck: Checkpoint) -> dict[str, Any]:

@@ -47,6 +47,7 @@ here) -> `plan.to_json()` for --dry-run -> `execute(plan, progress=...)`: stream
 staging folder beside OUT (`io.new_folder`), re-opens the result and compares it with the source by logical
 parameter (`ops.diff.logical_diff`, bit for bit), and only then renames it into place.
 """
+
 from __future__ import annotations
 
 import os
@@ -134,19 +135,42 @@ class ConvertPlan:
     def to_json(self) -> dict[str, Any]:
         state_keys = sorted({k for p in self.params for k in p.states})
         return {
-            "source": str(self.source), "format": self.source_format, "out": str(self.out), "to": self.to,
-            "layout": self.layout, "bytes": self.nbytes,
-            "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype, "kind": p.kind,
-                        "states": sorted(p.states) + (["step"] if p.step is not None else []), "bytes": p.nbytes}
-                       for p in self.params],
+            "source": str(self.source),
+            "format": self.source_format,
+            "out": str(self.out),
+            "to": self.to,
+            "layout": self.layout,
+            "bytes": self.nbytes,
+            "params": [
+                {
+                    "name": p.name,
+                    "shape": list(p.shape),
+                    "dtype": p.dtype,
+                    "kind": p.kind,
+                    "states": sorted(p.states) + (["step"] if p.step is not None else []),
+                    "bytes": p.nbytes,
+                }
+                for p in self.params
+            ],
             "optimizer_state": state_keys + (["step"] if any(p.step is not None for p in self.params) else []),
-            "param_groups": [{k: _jsonable(v) for k, v in g.items() if k != "params"} | {"params": len(g["params"])}
-                             for g in self.groups],
-            "scheduler": self.scheduler_class, "scheduler_state": _jsonable(self.scheduler), "step": self.step,
-            "notes": list(self.notes), "not_moved": list(self.not_moved), "n_kv_heads": self.n_kv_heads,
+            "param_groups": [
+                {k: _jsonable(v) for k, v in g.items() if k != "params"} | {"params": len(g["params"])}
+                for g in self.groups
+            ],
+            "scheduler": self.scheduler_class,
+            "scheduler_state": _jsonable(self.scheduler),
+            "step": self.step,
+            "notes": list(self.notes),
+            "not_moved": list(self.not_moved),
+            "n_kv_heads": self.n_kv_heads,
             "fused": {name: list(parts) for name, parts in self.fused},
-            "ckpt_format": self.ckpt_format, "tp": self.tp, "pp": self.pp, "hf_config": self.hf_config,
-            "seq_length": self.seq_length, "lr_scheduler": self.lr_scheduler, "drop_norm_decay": self.drop_norm_decay,
+            "ckpt_format": self.ckpt_format,
+            "tp": self.tp,
+            "pp": self.pp,
+            "hf_config": self.hf_config,
+            "seq_length": self.seq_length,
+            "lr_scheduler": self.lr_scheduler,
+            "drop_norm_decay": self.drop_norm_decay,
         }
 
 
@@ -166,8 +190,11 @@ def _jsonable(v: Any) -> Any:
 def _refuse_out(src: Path, out: Path) -> None:
     s, o = src.resolve(), out.resolve()
     if o == s or s in o.parents:
-        raise CkptError(f"OUT {out} is inside the checkpoint {src}", path=out,
-                        hint="write the converted checkpoint to a new path outside it")
+        raise CkptError(
+            f"OUT {out} is inside the checkpoint {src}",
+            path=out,
+            hint="write the converted checkpoint to a new path outside it",
+        )
     if o.exists():
         raise CkptError("output already exists", path=out, hint="choose a new path or remove it first")
 
@@ -188,8 +215,9 @@ def _config(ck) -> dict[str, Any]:
     return saved_config(ck)
 
 
-def translate_scheduler(state: dict[str, Any] | None, config: dict[str, Any], groups: list[dict[str, Any]]
-                        ) -> tuple[dict[str, Any] | None, str | None, list[str], list[str]]:
+def translate_scheduler(
+    state: dict[str, Any] | None, config: dict[str, Any], groups: list[dict[str, Any]]
+) -> tuple[dict[str, Any] | None, str | None, list[str], list[str]]:
     """(torch state dict, torch class name, notes, not moved) for the source's scheduler state."""
     from ..read.state import is_scheduler_state
     from ..train.replica import infer_torch_scheduler
@@ -201,11 +229,19 @@ def translate_scheduler(state: dict[str, Any] | None, config: dict[str, Any], gr
         if all(k in state for k in megatron):
             # Megatron-LM's OptimizerParamScheduler: a closed form over SAMPLES with a clamp at min_lr; no torch
             # scheduler computes it (LinearLR + CosineAnnealingLR step per call, recursively, and never clamp)
-            return None, None, [], [
-                f"scheduler: Megatron's OptimizerParamScheduler ({state['lr_decay_style']}, LR {state['max_lr']:g} -> "
-                f"{state['min_lr']:g}, warm-up {state['lr_warmup_steps']} and decay {state['lr_decay_steps']} samples, "
-                f"at num_steps {state['num_steps']}): no torch scheduler computes the same schedule; the param "
-                "groups' current lr is carried, so set the target's schedule to continue from there"]
+            return (
+                None,
+                None,
+                [],
+                [
+                    f"scheduler: Megatron's OptimizerParamScheduler ({state['lr_decay_style']}, LR "
+                    f"{state['max_lr']:g} -> "
+                    f"{state['min_lr']:g}, warm-up {state['lr_warmup_steps']} and decay "
+                    f"{state['lr_decay_steps']} samples, "
+                    f"at num_steps {state['num_steps']}): no torch scheduler computes the same schedule; the param "
+                    "groups' current lr is carried, so set the target's schedule to continue from there"
+                ],
+            )
         if not is_scheduler_state(state):
             return None, None, [], [f"scheduler state with keys {sorted(state)}: not a scheduler state dict"]
         cls = infer_torch_scheduler(state)
@@ -221,29 +257,54 @@ def translate_scheduler(state: dict[str, Any] | None, config: dict[str, Any], gr
         hi = hi if isinstance(hi, list) else [hi] * n
         total = int(params.get("warmup_num_steps", 1000))
         if len(set(zip(lo, hi))) != 1 or not hi[0]:
-            return (dict(state), None, [], [f"DeepSpeed {kind} with per-group limits {lo}->{hi}: no single torch "
-                    "LinearLR equivalent; its state is kept as saved ({'last_batch_iteration': ...})"])
+            return (
+                dict(state),
+                None,
+                [],
+                [
+                    f"DeepSpeed {kind} with per-group limits {lo}->{hi}: no single torch "
+                    "LinearLR equivalent; its state is kept as saved ({'last_batch_iteration': ...})"
+                ],
+            )
         start = lo[0] / hi[0]
         lrs = [float(lo[0] + (hi[0] - lo[0]) * min(1.0, max(it, 0) / total))] * n
-        out = {"start_factor": start, "end_factor": 1.0, "total_iters": total, "base_lrs": [float(h) for h in hi],
-               "last_epoch": it, "_step_count": it + 1, "_is_initial": False, "_get_lr_called_within_step": False,
-               "_last_lr": lrs}
-        note = (f"scheduler: DeepSpeed WarmupLR (linear, {lo[0]:g} -> {hi[0]:g} over {total} steps, "
-                f"last_batch_iteration {it}) translated to torch LinearLR(start_factor={start:g}, end_factor=1.0, "
-                f"total_iters={total}) with last_epoch {it}: the same LR at every step")
+        out = {
+            "start_factor": start,
+            "end_factor": 1.0,
+            "total_iters": total,
+            "base_lrs": [float(h) for h in hi],
+            "last_epoch": it,
+            "_step_count": it + 1,
+            "_is_initial": False,
+            "_get_lr_called_within_step": False,
+            "_last_lr": lrs,
+        }
+        note = (
+            f"scheduler: DeepSpeed WarmupLR (linear, {lo[0]:g} -> {hi[0]:g} over {total} steps, "
+            f"last_batch_iteration {it}) translated to torch LinearLR(start_factor={start:g}, end_factor=1.0, "
+            f"total_iters={total}) with last_epoch {it}: the same LR at every step"
+        )
         if start <= 0:
-            note += ("; LinearLR's constructor refuses start_factor 0, so build it with any start_factor and "
-                     "load_state_dict (the saved start_factor 0 is what it then uses)")
+            note += (
+                "; LinearLR's constructor refuses start_factor 0, so build it with any start_factor and "
+                "load_state_dict (the saved start_factor 0 is what it then uses)"
+            )
         return out, "LinearLR", [note], []
-    return (dict(state), None, [], [f"DeepSpeed scheduler {kind or '(unknown type)'} {params}: torch has no "
+    return (
+        dict(state),
+        None,
+        [],
+        [
+            f"DeepSpeed scheduler {kind or '(unknown type)'} {params}: torch has no "
             "equivalent class; its state is kept as saved ({'last_batch_iteration': "
-            f"{it}}}) and the target loop must rebuild it"])
+            f"{it}}}) and the target loop must rebuild it"
+        ],
+    )
 
 
 #: tree children that hold a launch configuration (not training state): reported in one line
 _CONFIG_CHILDREN = ("config", "training_args", "args", "hparams", "hyper_parameters")
-_DATA_WORDS = ("tokens", "seen", "consumed", "dataloader", "data_loader", "data_sampler", "batches_yielded",
-               "samples")
+_DATA_WORDS = ("tokens", "seen", "consumed", "dataloader", "data_loader", "data_sampler", "batches_yielded", "samples")
 
 
 def _names(keys: list[str], limit: int = 6) -> str:
@@ -260,16 +321,19 @@ def _not_moved(ck, config: dict[str, Any]) -> list[str]:
         if name in MOVED_CHILDREN or name.startswith(("model_", "optimizer_")):
             continue
         if name == "universal_checkpoint_info":
-            out.append(f"{name}: DeepSpeed's TP merge metadata; used to merge the TP shards (the output holds "
-                       "whole tensors)")
+            out.append(
+                f"{name}: DeepSpeed's TP merge metadata; used to merge the TP shards (the output holds whole tensors)"
+            )
             continue
         if name in _CONFIG_CHILDREN:
-            out.append(f"{name}: the source framework's launch configuration (for DeepSpeed, ds_config); the "
-                       "target's own training config replaces it")
+            out.append(
+                f"{name}: the source framework's launch configuration (for DeepSpeed, ds_config); the "
+                "target's own training config replaces it"
+            )
             continue
         val = node_to_python(node)
         keys = []
-        for k, v in (val.items() if isinstance(val, dict) else ()):
+        for k, v in val.items() if isinstance(val, dict) else ():
             if isinstance(v, dict) and v and k not in ("args", "dataloader") and len(v) <= 16:
                 keys += [f"{k}.{kk}" for kk in v if kk not in COUNTER_KEYS]  # train_state.ntokens_seen
             elif k not in COUNTER_KEYS:  # the step moves as the target's counter
@@ -296,12 +360,23 @@ def _not_moved(ck, config: dict[str, Any]) -> list[str]:
     return out
 
 
-def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str = "dcp",
-                 layout: str | None = None, allow_unread: bool = False, trust_pickles: bool = False,
-                 n_kv_heads: int | None = None,
-                 ckpt_format: str | None = None, tp: int | None = None, pp: int | None = None,
-                 hf_config: str | os.PathLike | None = None, seq_length: int | None = None,
-                 lr_scheduler: str | None = None, drop_norm_decay: bool = False) -> ConvertPlan:
+def plan_convert(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    to: str = "dcp",
+    layout: str | None = None,
+    allow_unread: bool = False,
+    trust_pickles: bool = False,
+    n_kv_heads: int | None = None,
+    ckpt_format: str | None = None,
+    tp: int | None = None,
+    pp: int | None = None,
+    hf_config: str | os.PathLike | None = None,
+    seq_length: int | None = None,
+    lr_scheduler: str | None = None,
+    drop_norm_decay: bool = False,
+) -> ConvertPlan:
     """Decide everything `execute` writes; reads metadata and small values only. `n_kv_heads`: the model's KV
     heads, which orders a fused wqkv's optimizer state (`ckpt_tools.read.qkv`): read from a torchtitan source that
     saved one, and written fused for the torchtitan layout. `ckpt_format` (--to megatron): "torch_dist" (default,
@@ -331,14 +406,17 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
             raise ValueError(f"--ckpt-format {ckpt_format!r}: use one of {', '.join(CKPT_FORMATS)}")
     for flag, size in (("--tp", tp), ("--pp", pp)):
         if size is not None and ckpt_format != "torch":
-            raise ValueError(f"{flag} applies to --to megatron --ckpt-format torch (legacy rank files are written per "
-                             "TP x PP rank; torch_dist and the other targets hold whole tensors, resharded at load)")
+            raise ValueError(
+                f"{flag} applies to --to megatron --ckpt-format torch (legacy rank files are written per "
+                "TP x PP rank; torch_dist and the other targets hold whole tensors, resharded at load)"
+            )
     src, dst = Path(source), Path(out)
     _refuse_out(src, dst)
     from ..view.accounting import guard
 
-    ck = L.with_kv_heads(guard(L.open_any(src), src, "convert", allow_unread=allow_unread,
-                                   trust_pickles=trust_pickles), n_kv_heads)
+    ck = L.with_kv_heads(
+        guard(L.open_any(src), src, "convert", allow_unread=allow_unread, trust_pickles=trust_pickles), n_kv_heads
+    )
     if to == "megatron":  # a torchtitan Llama is read under Megatron-core names (`megatron_in.source_view`)
         from . import megatron_in
 
@@ -346,27 +424,34 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
             raise ValueError("--n-kv-heads: --to megatron reads the KV heads from --hf-config's num_key_value_heads")
         ck = megatron_in.source_view(ck, hf_config, seq_length, lr_scheduler, drop_norm_decay)
     elif hf_config is not None or seq_length is not None or lr_scheduler is not None or drop_norm_decay:
-        raise ValueError(f"--hf-config / --seq-length / --lr-scheduler / --drop-norm-decay apply to --to megatron "
-                         f"(from torchtitan), not --to {to}")
+        raise ValueError(
+            f"--hf-config / --seq-length / --lr-scheduler / --drop-norm-decay apply to --to megatron "
+            f"(from torchtitan), not --to {to}"
+        )
     if to == "deepspeed-universal":
         from .to_universal import handles
 
         if handles(src):
-            raise CkptError("a DeepSpeed checkpoint: convert it with `ckpt to-universal`", path=src,
-                            hint=f"ckpt to-universal {src} {dst} (what `ckpt convert --to deepspeed-universal` runs)")
+            raise CkptError(
+                "a DeepSpeed checkpoint: convert it with `ckpt to-universal`",
+                path=src,
+                hint=f"ckpt to-universal {src} {dst} (what `ckpt convert --to deepspeed-universal` runs)",
+            )
     unproven = ck.details.get("convert_unproven")
     if unproven:  # a format reader's own word: its conversions have no resume proving them yet
         raise UnsupportedCheckpoint(f"convert cannot move this {ck.format} checkpoint yet: {unproven}", path=src)
     if to == "deepspeed-universal":
         if ck.format == "deepspeed_universal":
-            raise CkptError("the checkpoint is already a DeepSpeed universal checkpoint: nothing to convert",
-                            path=src)
+            raise CkptError("the checkpoint is already a DeepSpeed universal checkpoint: nothing to convert", path=src)
     if to == "megatron":  # Megatron-LM and Megatron-DeepSpeed pipeline sources (Megatron's args, names, schedule)
         writer = _megatron_writer(ck)
         tp, pp = writer.check(ck, src, ckpt_format, tp, pp)
     if to == "dcp" and ck.format == "dcp":
-        raise CkptError("the checkpoint is already a DCP checkpoint: nothing to convert", path=src,
-                        hint="DCP reshards at load; `--to torch` writes one training dict")
+        raise CkptError(
+            "the checkpoint is already a DCP checkpoint: nothing to convert",
+            path=src,
+            hint="DCP reshards at load; `--to torch` writes one training dict",
+        )
 
     model = L.model_tensors(ck, weights="fp32")
     if not model:
@@ -377,9 +462,11 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
     names = {t.name for t in model}
     unknown = [p for p in states if p not in names]
     if unknown:
-        raise UnsupportedCheckpoint(f"optimizer state for {len(unknown)} parameters the model does not name "
-                                    f"({', '.join(unknown[:3])})", path=src,
-                                    hint="the optimizer state is keyed by ids that could not be matched to names")
+        raise UnsupportedCheckpoint(
+            f"optimizer state for {len(unknown)} parameters the model does not name ({', '.join(unknown[:3])})",
+            path=src,
+            hint="the optimizer state is keyed by ids that could not be matched to names",
+        )
     params: list[ParamItem] = []
     for t in model:
         st = {k: v for k, v in states.get(t.name, {}).items() if k not in ("fp32", "step")}
@@ -406,8 +493,10 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
         notes.append("the source has no optimizer state: weights only")
     missing = [p.name for p in params if p.kind == "param" and p.name not in states]
     if states and missing:
-        notes.append(f"{len(missing)} trainable parameters have no optimizer state in the source "
-                     f"({', '.join(missing[:3])}): written without")
+        notes.append(
+            f"{len(missing)} trainable parameters have no optimizer state in the source "
+            f"({', '.join(missing[:3])}): written without"
+        )
     config = _config(ck)
     from . import megatron_in
 
@@ -439,37 +528,53 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
     else:
         not_moved = sgone + _not_moved(ck, config)
     if ck.details.get("scheduler_rebuilt"):  # the producer rebuilds its schedule on resume (torchtune)
-        not_moved.append(f"scheduler: {ck.details['scheduler_rebuilt']} (its shape is in the producer's config, not "
-                         "in the checkpoint): configure the same schedule in the target's launch config")
+        not_moved.append(
+            f"scheduler: {ck.details['scheduler_rebuilt']} (its shape is in the producer's config, not "
+            "in the checkpoint): configure the same schedule in the target's launch config"
+        )
     fused = _fused_targets(params, n_kv_heads, src) if layout == "torchtitan" else ()
     if layout == "torchtitan":
-        notes.append("torchtitan layout (as torchtitan 0.3.0's CheckpointManager saves): the model's keys flat at the "
-                     "top level; train_state {step, ntokens_seen: 0} (the source does not count tokens; torchtitan "
-                     "uses it for its tokens-seen metric only) and no `dataloader` entry (the source has no "
-                     "torchtitan loader state): resume with --checkpoint.exclude-from-loading dataloader")
+        notes.append(
+            "torchtitan layout (as torchtitan 0.3.0's CheckpointManager saves): the model's keys flat at the "
+            "top level; train_state {step, ntokens_seen: 0} (the source does not count tokens; torchtitan "
+            "uses it for its tokens-seen metric only) and no `dataloader` entry (the source has no "
+            "torchtitan loader state): resume with --checkpoint.exclude-from-loading dataloader"
+        )
         if fused:
-            notes.append(f"{len(fused)} wq/wk/wv triple(s) given torchtitan's fused layout (--n-kv-heads "
-                         f"{n_kv_heads}): model keys split as torchtitan saves them, the optimizer state and param "
-                         f"groups under {fused[0][0]}, … with rows grouped per KV head (FusedQKVLinear)")
+            notes.append(
+                f"{len(fused)} wq/wk/wv triple(s) given torchtitan's fused layout (--n-kv-heads "
+                f"{n_kv_heads}): model keys split as torchtitan saves them, the optimizer state and param "
+                f"groups under {fused[0][0]}, … with rows grouped per KV head (FusedQKVLinear)"
+            )
         elif any(qkv.fused_name(p.name) for p in params):
-            notes.append("wq/wk/wv optimizer state written unfused, for a torchtitan model built with "
-                         "fuse_qkv=False; torchtitan 0.3.0's llama3 fuses them by default (fuse_qkv=True) and then "
-                         "loads their Adam state under …wqkv.weight: pass --n-kv-heads N to write that")
+            notes.append(
+                "wq/wk/wv optimizer state written unfused, for a torchtitan model built with "
+                "fuse_qkv=False; torchtitan 0.3.0's llama3 fuses them by default (fuse_qkv=True) and then "
+                "loads their Adam state under …wqkv.weight: pass --n-kv-heads N to write that"
+            )
         if sched is not None:
-            not_moved.append(f"scheduler{' ' + cls if cls else ''}: torchtitan saves and restores only "
-                             f"lr_scheduler.last_epoch (= {sched.get('last_epoch')}, written) and rebuilds the "
-                             "schedule from its job config: set the source's schedule there (lr_scheduler warmup / "
-                             "decay, the param groups' lr)")
+            not_moved.append(
+                f"scheduler{' ' + cls if cls else ''}: torchtitan saves and restores only "
+                f"lr_scheduler.last_epoch (= {sched.get('last_epoch')}, written) and rebuilds the "
+                "schedule from its job config: set the source's schedule there (lr_scheduler warmup / "
+                "decay, the param groups' lr)"
+            )
     if to == "torch":
-        notes.append("--to torch writes one torch.save file: the whole training state is held in memory while it "
-                     "is written (small runs, tests); --to dcp streams one tensor at a time")
+        notes.append(
+            "--to torch writes one torch.save file: the whole training state is held in memory while it "
+            "is written (small runs, tests); --to dcp streams one tensor at a time"
+        )
     if to == "deepspeed-universal" and len(groups) > 1:
-        notes.append("loaded at ZeRO-3, DeepSpeed's universal loader copies param group 0's hyper-parameters "
-                     "(lr, weight_decay, ...) onto every group and shares one step: load it at ZeRO-1/2 to keep "
-                     f"the {len(groups)} groups as they are")
+        notes.append(
+            "loaded at ZeRO-3, DeepSpeed's universal loader copies param group 0's hyper-parameters "
+            "(lr, weight_decay, ...) onto every group and shares one step: load it at ZeRO-1/2 to keep "
+            f"the {len(groups)} groups as they are"
+        )
     if to == "deepspeed-universal" and any(p.kind == "frozen" for p in params):
-        notes.append("frozen parameters are written in the model states' `module` only: DeepSpeed's universal "
-                     "loader restores trained parameters from zero/, so a frozen one keeps its initial value")
+        notes.append(
+            "frozen parameters are written in the model states' `module` only: DeepSpeed's universal "
+            "loader restores trained parameters from zero/, so a frozen one keeps its initial value"
+        )
     dtypes = sorted({p.dtype for p in params if p.kind == "param"})
     if to == "megatron":  # both: the module's weights as saved and the fp32 master (its plan lines say so)
         pass
@@ -477,16 +582,37 @@ def plan_convert(source: str | os.PathLike, out: str | os.PathLike, *, to: str =
         notes.append("weights: the fp32 master weights (the module's low-precision copy is derived from them)")
     elif dtypes:
         notes.append(f"weights: as stored ({', '.join(dtypes)})")
-    return ConvertPlan(src, ck.format, dst, to, layout, tuple(params), tuple(groups), sched, cls,
-                       int(step) if step is not None else None, tuple(notes), tuple(not_moved), tuple(added),
-                       ck.topology.dp, n_kv_heads, fused, ckpt_format, tp, pp,
-                       str(ck.details["hf_config"]) if to == "megatron" and "hf_config" in ck.details else None,
-                       seq_length, lr_scheduler, drop_norm_decay,
-                       trust_pickles=bool(ck.details.get("carried_pickles")))
+    return ConvertPlan(
+        src,
+        ck.format,
+        dst,
+        to,
+        layout,
+        tuple(params),
+        tuple(groups),
+        sched,
+        cls,
+        int(step) if step is not None else None,
+        tuple(notes),
+        tuple(not_moved),
+        tuple(added),
+        ck.topology.dp,
+        n_kv_heads,
+        fused,
+        ckpt_format,
+        tp,
+        pp,
+        str(ck.details["hf_config"]) if to == "megatron" and "hf_config" in ck.details else None,
+        seq_length,
+        lr_scheduler,
+        drop_norm_decay,
+        trust_pickles=bool(ck.details.get("carried_pickles")),
+    )
 
 
-def _fused_targets(params: list[ParamItem], n_kv_heads: int | None, src: Path
-                   ) -> tuple[tuple[str, tuple[str, str, str]], ...]:
+def _fused_targets(
+    params: list[ParamItem], n_kv_heads: int | None, src: Path
+) -> tuple[tuple[str, tuple[str, str, str]], ...]:
     """The wq/wk/wv triples written as one fused wqkv (torchtitan's layout) when `n_kv_heads` is given."""
     if n_kv_heads is None:
         return ()
@@ -542,8 +668,15 @@ def _dcp_values(plan: ConvertPlan) -> tuple[tuple, dict[str, Any], dict[str, Any
     return (("app",) if plan.layout == "recipe" else ()), optim, rest
 
 
-def _write_dcp(plan: ConvertPlan, folder: Path, progress: Callable[[int], None] | None, *,
-               indices: list[int] | None = None, rank: int | None = None, values: bool = True):
+def _write_dcp(
+    plan: ConvertPlan,
+    folder: Path,
+    progress: Callable[[int], None] | None,
+    *,
+    indices: list[int] | None = None,
+    rank: int | None = None,
+    values: bool = True,
+):
     """Write the DCP items of the parameters at `indices` (all when None), and the small values when `values`.
     Alone (`rank` None): every tensor in DCP_SHARDS chunks and `.metadata`; returns the bytes written. One of
     several ranks: whole tensors into `__<rank>_0.distcp`; returns (bytes, this writer's metadata parts)."""
@@ -567,8 +700,10 @@ def _write_dcp(plan: ConvertPlan, folder: Path, progress: Callable[[int], None] 
             if p.name in fused:  # the fused wqkv's state, from its three split parameters (`qkv.fuse`)
                 name, parts = fused[p.name]
                 for k in p.states:
-                    w.tensor(prefix + (opt_key, f"state.{name}.{k}"),
-                             qkv.fuse(*(by[n].states[k].read() for n in parts), plan.n_kv_heads))
+                    w.tensor(
+                        prefix + (opt_key, f"state.{name}.{k}"),
+                        qkv.fuse(*(by[n].states[k].read() for n in parts), plan.n_kv_heads),
+                    )
                     if progress:
                         progress(sum(by[n].states[k].numel * 4 for n in parts))
                 if p.step is not None:
@@ -609,8 +744,9 @@ def torch_training_dict(plan: ConvertPlan) -> dict[str, Any]:
         for n in g["params"]:
             index.setdefault(n, len(index))
             ids.append(index[n])
-        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids,
-                       "param_names": list(g["params"])})
+        groups.append(
+            {**{k: v for k, v in g.items() if k != "params"}, "params": ids, "param_names": list(g["params"])}
+        )
     state: dict[int, dict[str, Any]] = {}
     by_name = {p.name: p for p in plan.params}
     for n, i in index.items():
@@ -665,8 +801,9 @@ def verify_logical(plan: ConvertPlan, root: Path) -> list[str]:
     if plan.drop_norm_decay:
         from . import megatron_in
 
-        source = megatron_in.source_view(L.open_any(plan.source), plan.hf_config, plan.seq_length,
-                                         plan.lr_scheduler, True)
+        source = megatron_in.source_view(
+            L.open_any(plan.source), plan.hf_config, plan.seq_length, plan.lr_scheduler, True
+        )
     rep = logical_diff(L.with_kv_heads(source, plan.n_kv_heads), L.with_kv_heads(root, plan.n_kv_heads))
     lines = [f"{section} {name}: {what}" for section, name, what in iter_lines(rep)]
     return [x for x in lines if not any(x.startswith(f"{a}: added") for a in plan.added)] + _not_carried(plan, root)
@@ -693,8 +830,9 @@ def _not_carried(plan: ConvertPlan, root: Path) -> list[str]:
     return problems
 
 
-def execute(plan: ConvertPlan, *, progress: Callable[[int], None] | None = None, verify: bool = True,
-            distributed: bool = False) -> ConvertResult:
+def execute(
+    plan: ConvertPlan, *, progress: Callable[[int], None] | None = None, verify: bool = True, distributed: bool = False
+) -> ConvertResult:
     """Write the planned checkpoint under a staging name beside OUT, compare it with the source by logical
     parameter (unless `verify=False`), rename it into place. Any difference: nothing is written.
 
@@ -708,8 +846,9 @@ def execute(plan: ConvertPlan, *, progress: Callable[[int], None] | None = None,
         return _execute_distributed(plan, progress=progress, verify=verify)
     _refuse_out(plan.source, plan.out)
     if plan.to in ("dcp", "deepspeed-universal", "megatron"):
-        write = {"dcp": _write_dcp, "deepspeed-universal": _write_universal}.get(plan.to) or \
-            _megatron_writer(plan).write
+        write = {"dcp": _write_dcp, "deepspeed-universal": _write_universal}.get(plan.to) or _megatron_writer(
+            plan
+        ).write
         with io.new_folder(plan.out, trust_pickles=plan.trust_pickles) as tmp:
             n = write(plan, tmp, progress)
             problems = verify_logical(plan, tmp) if verify else []
@@ -742,18 +881,21 @@ def execute(plan: ConvertPlan, *, progress: Callable[[int], None] | None = None,
     raise UnsupportedCheckpoint(f"--to {plan.to} is not implemented", path=plan.source)
 
 
-def _execute_distributed(plan: ConvertPlan, *, progress: Callable[[int], None] | None, verify: bool
-                         ) -> ConvertResult:
+def _execute_distributed(plan: ConvertPlan, *, progress: Callable[[int], None] | None, verify: bool) -> ConvertResult:
     import torch.distributed as dist
 
     from ..write import io
 
     if not dist.is_initialized():
-        raise CkptError("--distributed needs torch.distributed: run it under torchrun",
-                        hint="torchrun --nproc_per_node N -m ckpt_cli.main convert CKPT OUT --to dcp --distributed")
+        raise CkptError(
+            "--distributed needs torch.distributed: run it under torchrun",
+            hint="torchrun --nproc_per_node N -m ckpt_cli.main convert CKPT OUT --to dcp --distributed",
+        )
     if plan.to not in ("dcp", "deepspeed-universal"):
-        raise CkptError(f"--distributed writes --to dcp or deepspeed-universal, not {plan.to}",
-                        hint="--to torch writes one file from one process")
+        raise CkptError(
+            f"--distributed writes --to dcp or deepspeed-universal, not {plan.to}",
+            hint="--to torch writes one file from one process",
+        )
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = [i for i in range(len(plan.params)) if i % world == rank]
 
@@ -769,8 +911,9 @@ def _execute_distributed(plan: ConvertPlan, *, progress: Callable[[int], None] |
             write_metadata(tmp, [p for p in parts if p is not None], str(plan.out))
         _raise_problems(verify_logical(plan, tmp) if verify else [], plan)
 
-    total, n = io.distributed_new_folder(plan.out, share, finish, before=lambda: _refuse_out(plan.source, plan.out),
-                                           trust_pickles=plan.trust_pickles)
+    total, n = io.distributed_new_folder(
+        plan.out, share, finish, before=lambda: _refuse_out(plan.source, plan.out), trust_pickles=plan.trust_pickles
+    )
     if rank != 0:
         return ConvertResult(plan.out, len(mine), n, verify)
     return ConvertResult(plan.out, len(plan.params), total, verify)
@@ -783,8 +926,14 @@ def universal_tag(plan: ConvertPlan) -> str:
     return f"global_step{plan.step if plan.step is not None else 0}_universal"
 
 
-def _write_universal(plan: ConvertPlan, root: Path, progress: Callable[[int], None] | None, *,
-                     indices: list[int] | None = None, common: bool = True) -> int:
+def _write_universal(
+    plan: ConvertPlan,
+    root: Path,
+    progress: Callable[[int], None] | None,
+    *,
+    indices: list[int] | None = None,
+    common: bool = True,
+) -> int:
     """What DeepSpeed 0.19's `load_universal` reads (see `ops.to_universal`'s module docstring), synthesized from
     the logical view: `zero/<param>/{fp32,<state>}.pt` ({"param": tensor, "cat_dim": 0}) and `step.pt` per
     trained parameter; `zero/optimizer_state.pt` (param groups, ds_version; the ZeRO-3 loader's
@@ -832,20 +981,35 @@ def _write_universal(plan: ConvertPlan, root: Path, progress: Callable[[int], No
         s = [by_name[n].step for n in g["params"] if n in by_name and by_name[n].step is not None]
         if s:
             steps[i] = _step_tensor(s[0])
-    optim = {"ds_version": ds_version, "param_groups": groups,
-             "optimizer_state_dict": {"state": {i: {"step": s} for i, s in steps.items()}, "param_groups": groups}}
+    optim = {
+        "ds_version": ds_version,
+        "param_groups": groups,
+        "optimizer_state_dict": {"state": {i: {"step": s} for i, s in steps.items()}, "param_groups": groups},
+    }
     torch.save(optim, zero / "optimizer_state.pt")
     module = collections.OrderedDict((p.name, p.weight.read()) for p in plan.params if p.kind != "tied")
-    shapes = [collections.OrderedDict((n, torch.Size(by_name[n].shape)) for n in g["params"] if n in by_name)
-              for g in plan.groups]
+    shapes = [
+        collections.OrderedDict((n, torch.Size(by_name[n].shape)) for n in g["params"] if n in by_name)
+        for g in plan.groups
+    ]
     frozen = collections.OrderedDict((p.name, torch.Size(p.shape)) for p in plan.params if p.kind == "frozen")
     states = {
-        "module": module, "buffer_names": [p.name for p in plan.params if p.kind == "buffer"], "optimizer": None,
-        "param_shapes": shapes, "frozen_param_shapes": frozen or None,
+        "module": module,
+        "buffer_names": [p.name for p in plan.params if p.kind == "buffer"],
+        "optimizer": None,
+        "param_shapes": shapes,
+        "frozen_param_shapes": frozen or None,
         "shared_params": {p.name: p.weight.tied_to for p in plan.params if p.kind == "tied"},
-        "frozen_param_fragments": None, "lr_scheduler": plan.scheduler, "data_sampler": None, "random_ltd": None,
-        "skipped_steps": 0, "global_steps": plan.step or 0, "dp_world_size": plan.dp or 1, "mp_world_size": 1,
-        "ds_config": {}, "ds_version": ds_version,
+        "frozen_param_fragments": None,
+        "lr_scheduler": plan.scheduler,
+        "data_sampler": None,
+        "random_ltd": None,
+        "skipped_steps": 0,
+        "global_steps": plan.step or 0,
+        "dp_world_size": plan.dp or 1,
+        "mp_world_size": 1,
+        "ds_config": {},
+        "ds_version": ds_version,
     }
     torch.save(states, tag_dir / "mp_rank_00_model_states.pt")
     try:
@@ -860,6 +1024,9 @@ def _write_universal(plan: ConvertPlan, root: Path, progress: Callable[[int], No
 
 def _raise_problems(problems: list[str], plan: ConvertPlan) -> None:
     if problems:
-        raise CkptError(f"verification: the converted checkpoint differs from the source in {len(problems)} "
-                        "places: " + "; ".join(problems[:5]) + ("; ..." if len(problems) > 5 else ""),
-                        path=plan.out, hint="nothing was written; please report this with `ckpt diff` of the two")
+        raise CkptError(
+            f"verification: the converted checkpoint differs from the source in {len(problems)} "
+            "places: " + "; ".join(problems[:5]) + ("; ..." if len(problems) > 5 else ""),
+            path=plan.out,
+            hint="nothing was written; please report this with `ckpt diff` of the two",
+        )

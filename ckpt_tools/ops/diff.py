@@ -23,6 +23,7 @@ way, interleaving row blocks of TP shards concatenated along a dimension as it r
 pickles (safetensors are read by header + tensor bytes; `latest`, JSON, `.distcp` blobs) are compared byte for
 byte.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,8 +43,14 @@ from ..read.tree import jsonable
 CHUNK_ELEMS = 1 << 20
 
 #: numpy dtype for a stored dtype's raw elements (bf16 and float8 as their bit patterns: numpy has neither)
-_RAW_NP = {"bfloat16": "uint16", "bool": "bool", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8",
-           "float8_e4m3fnuz": "uint8", "float8_e5m2fnuz": "uint8"}
+_RAW_NP = {
+    "bfloat16": "uint16",
+    "bool": "bool",
+    "float8_e4m3fn": "uint8",
+    "float8_e5m2": "uint8",
+    "float8_e4m3fnuz": "uint8",
+    "float8_e5m2fnuz": "uint8",
+}
 
 
 class ChunkReader:
@@ -71,7 +78,7 @@ class ChunkReader:
         view = memoryview(self._buf)
         pos = 0
         for ref, start, count in runs:
-            ref.read_into(view[pos: pos + count * esize], start, count, self._fds)
+            ref.read_into(view[pos : pos + count * esize], start, count, self._fds)
             pos += count * esize
         return np.frombuffer(self._buf, dtype=raw_np_dtype(dtype), count=total)
 
@@ -111,8 +118,9 @@ def tensor_runs(node) -> list[tuple[TensorRef, int, int]]:
     return runs
 
 
-def iter_chunks(runs: list[tuple[TensorRef, int, int]],
-                chunk: int | None = None) -> Iterator[list[tuple[TensorRef, int, int]]]:
+def iter_chunks(
+    runs: list[tuple[TensorRef, int, int]], chunk: int | None = None
+) -> Iterator[list[tuple[TensorRef, int, int]]]:
     """`runs` cut at every multiple of `chunk` elements (default `CHUNK_ELEMS`), counted from the start of
     the whole sequence: each item is the runs (or parts of runs) that one chunk reads."""
     chunk = chunk or CHUNK_ELEMS
@@ -223,7 +231,9 @@ class _Differ:
 
                 self.value(rel, (), read_header(pa)[0], read_header(pb)[0])
             elif not _same_bytes(pa, pb):
-                self.out.append(Difference(rel, "", "changed", f"{pa.stat().st_size} bytes", f"{pb.stat().st_size} bytes"))
+                self.out.append(
+                    Difference(rel, "", "changed", f"{pa.stat().st_size} bytes", f"{pb.stat().st_size} bytes")
+                )
             return
         self.value(rel, (), la.obj, lb.obj)
 
@@ -243,8 +253,9 @@ class _Differ:
                     self.value(rel, path + (_label(k),), a[k], b[kb[c]])
             for c, k in kb.items():
                 if c not in ka:
-                    self.out.append(Difference(rel, ".".join(map(str, path + (_label(k),))), "added", None,
-                                               _short(b[k])))
+                    self.out.append(
+                        Difference(rel, ".".join(map(str, path + (_label(k),))), "added", None, _short(b[k]))
+                    )
         elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and type(a) is type(b):
             if a and b and all(map(_scalar, a)) and all(map(_scalar, b)):  # a list of LRs is one field
                 if len(a) != len(b) or not all(self.same_scalar(x, y) for x, y in zip(a, b)):
@@ -281,7 +292,9 @@ class _Differ:
     def tensor(self, rel: str, name: str, a: TensorRef, b: TensorRef) -> None:
         self.tensors += 1
         if (a.dtype, a.shape) != (b.dtype, b.shape):  # metadata alone decides
-            self.out.append(Difference(rel, name, "changed", f"{a.dtype} {list(a.shape)}", f"{b.dtype} {list(b.shape)}"))
+            self.out.append(
+                Difference(rel, name, "changed", f"{a.dtype} {list(a.shape)}", f"{b.dtype} {list(b.shape)}")
+            )
             return
         if a.numel == 0 or a.storage is None or b.storage is None:
             return
@@ -292,8 +305,9 @@ class _Differ:
         for start in range(0, a.numel, CHUNK_ELEMS):
             n = min(CHUNK_ELEMS, a.numel - start)
             xa, xb = self.reader_a.read([(a, start, n)], a.dtype), self.reader_b.read([(b, start, n)], b.dtype)
-            if np.array_equal(xa.view(np.uint8) if xa.dtype != np.bool_ else xa,
-                              xb.view(np.uint8) if xb.dtype != np.bool_ else xb):
+            if np.array_equal(
+                xa.view(np.uint8) if xa.dtype != np.bool_ else xa, xb.view(np.uint8) if xb.dtype != np.bool_ else xb
+            ):
                 continue
             exact = False
             fa, fb = to_float64(xa, a.dtype), to_float64(xb, b.dtype)
@@ -308,8 +322,9 @@ class _Differ:
         if a.numel == 1:
             self.out.append(Difference(rel, name, "changed", a.item(), b.item(), worst))
         else:
-            self.out.append(Difference(rel, name, "changed", f"{a.dtype} {list(a.shape)}", f"{b.dtype} {list(b.shape)}",
-                                       worst))
+            self.out.append(
+                Difference(rel, name, "changed", f"{a.dtype} {list(a.shape)}", f"{b.dtype} {list(b.shape)}", worst)
+            )
 
 
 #: fields of a record that are hints, not part of its identity (torch's MetadataIndex.index: compare=False)
@@ -324,8 +339,14 @@ def _key(k: Any) -> Any:
         if isinstance(state, dict):
             skip = _KEY_HINTS.get(k.cls, ())
             state = {f: v for f, v in state.items() if f not in skip}
-        return ("<opaque>", k.cls, _key(k.args), _key(state), _key(k.__dict__.get("items")),
-                _key(k.__dict__.get("list")))
+        return (
+            "<opaque>",
+            k.cls,
+            _key(k.args),
+            _key(state),
+            _key(k.__dict__.get("items")),
+            _key(k.__dict__.get("list")),
+        )
     if isinstance(k, dict):
         return ("<dict>", frozenset((_key(x), _key(y)) for x, y in k.items()))
     if isinstance(k, (list, tuple)):
@@ -389,8 +410,9 @@ MODES = ("auto", "files", "logical")
 
 
 def choose_mode(a: str | os.PathLike, b: str | os.PathLike) -> str:
-    """"files" when A and B are the same format with the same topology and one's files are among the other's
-    (their files correspond one to one; an added or removed file is then a difference to name), else "logical". When one of them cannot be opened as a whole (a damaged copy), "files": the file by file
+    """ "files" when A and B are the same format with the same topology and one's files are among the other's
+    (their files correspond one to one; an added or removed file is then a difference to name), else "logical". When
+    one of them cannot be opened as a whole (a damaged copy), "files": the file by file
     comparison still names what differs."""
     from ..view.checkpoint import open_checkpoint
     from ..formats import detect
@@ -412,9 +434,16 @@ def choose_mode(a: str | os.PathLike, b: str | os.PathLike) -> str:
     return "files"
 
 
-def diff(a: str | os.PathLike, b: str | os.PathLike, atol: float = 0.0, rtol: float = 0.0, *,
-         mode: str = "auto", progress: Callable[[int], None] | None = None,
-         n_kv_heads: int | None = None) -> DiffReport:
+def diff(
+    a: str | os.PathLike,
+    b: str | os.PathLike,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    *,
+    mode: str = "auto",
+    progress: Callable[[int], None] | None = None,
+    n_kv_heads: int | None = None,
+) -> DiffReport:
     """Compare checkpoint `a` (before) with `b` (after). mode "files": a file, or a folder compared file by
     file (same relative paths); "logical": by logical parameter and optimizer state (`logical_diff`); "auto":
     `choose_mode`. `n_kv_heads` (logical): a torchtitan fused wqkv's optimizer state is compared split into the
@@ -437,8 +466,9 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, atol: float = 0.0, rtol: fl
         if n_kv_heads is not None:
             from ..view.logical import with_kv_heads
 
-            return logical_diff(with_kv_heads(pa, n_kv_heads), with_kv_heads(pb, n_kv_heads), atol, rtol,
-                                progress=progress)
+            return logical_diff(
+                with_kv_heads(pa, n_kv_heads), with_kv_heads(pb, n_kv_heads), atol, rtol, progress=progress
+            )
         return logical_diff(pa, pb, atol, rtol, progress=progress)
     fa, fb = _files(pa), _files(pb)
     if pa.is_file() and pb.is_file():
@@ -559,11 +589,12 @@ def _logical_chunks(lt, reader: ChunkReader) -> Iterator:
         rows = max(1, CHUNK_ELEMS // width)
         for o0 in range(0, outer, rows):
             k = min(rows, outer - o0)
-            raw = reader.read([r for runs_i, inner in parts for r in _slice_runs(runs_i, o0 * inner, k * inner)],
-                              lt.dtype)
+            raw = reader.read(
+                [r for runs_i, inner in parts for r in _slice_runs(runs_i, o0 * inner, k * inner)], lt.dtype
+            )
             blocks, pos = [], 0
             for _, inner in parts:
-                blocks.append(raw[pos: pos + k * inner].reshape(k, inner))
+                blocks.append(raw[pos : pos + k * inner].reshape(k, inner))
                 pos += k * inner
             yield np.concatenate(blocks, axis=1).reshape(-1)
         return
@@ -577,7 +608,7 @@ def _logical_chunks(lt, reader: ChunkReader) -> Iterator:
     else:
         raw = t.numpy()
     for start in range(0, raw.size, CHUNK_ELEMS):
-        yield raw[start: start + CHUNK_ELEMS]
+        yield raw[start : start + CHUNK_ELEMS]
 
 
 def _aligned(chunks_a: Iterator, chunks_b: Iterator, total: int) -> Iterator:
@@ -601,7 +632,9 @@ def _read_compare(d: "_Differ", section: str, name: str, ta, tb) -> None:
 
     d.tensors += 1
     if tuple(ta.shape) != tuple(tb.shape):
-        d.out.append(Difference(section, name, "changed", f"{ta.dtype} {list(ta.shape)}", f"{tb.dtype} {list(tb.shape)}"))
+        d.out.append(
+            Difference(section, name, "changed", f"{ta.dtype} {list(ta.shape)}", f"{tb.dtype} {list(tb.shape)}")
+        )
         return
     d.read += 1
     same_dtype = ta.dtype == tb.dtype
@@ -628,8 +661,9 @@ def _read_compare(d: "_Differ", section: str, name: str, ta, tb) -> None:
         if worst == 0.0 and nan_alike:
             d.widened.append(f"{name} ({ta.dtype} -> {tb.dtype})")  # the same values, stored wider/narrower
             return
-        d.out.append(Difference(section, name, "type", f"{ta.dtype} {list(ta.shape)}", f"{tb.dtype} {list(tb.shape)}",
-                                worst))
+        d.out.append(
+            Difference(section, name, "type", f"{ta.dtype} {list(ta.shape)}", f"{tb.dtype} {list(tb.shape)}", worst)
+        )
         return
     if ok:
         d.within += 1
@@ -637,8 +671,9 @@ def _read_compare(d: "_Differ", section: str, name: str, ta, tb) -> None:
     if ta.numel == 1:
         d.out.append(Difference(section, name, "changed", first[0], first[1], worst))
     else:
-        d.out.append(Difference(section, name, "changed", f"{ta.dtype} {list(ta.shape)}", f"{tb.dtype} {list(tb.shape)}",
-                                worst))
+        d.out.append(
+            Difference(section, name, "changed", f"{ta.dtype} {list(ta.shape)}", f"{tb.dtype} {list(tb.shape)}", worst)
+        )
 
 
 def _names_only(params: Any) -> list[str] | None:
@@ -649,8 +684,9 @@ def _names_only(params: Any) -> list[str] | None:
     return None
 
 
-def logical_diff(a: Any, b: Any, atol: float = 0.0, rtol: float = 0.0, *,
-                 progress: Callable[[int], None] | None = None) -> DiffReport:
+def logical_diff(
+    a: Any, b: Any, atol: float = 0.0, rtol: float = 0.0, *, progress: Callable[[int], None] | None = None
+) -> DiffReport:
     """Compare A and B by logical parameter (see the module docstring); any two formats the tree reads. A and
     B: paths or opened `Checkpoint`s."""
     d = _Differ(atol, rtol)
@@ -678,8 +714,9 @@ def _megatron_names(ca, cb, notes: list[str]):
             else:
                 titan = megatron_in.is_torchtitan(ck) or megatron_in._titan(ck)
                 what = "torchtitan Llama" if titan else "Megatron-DeepSpeed pipeline"
-                notes.append(f"{'AB'[i]} ({what}) read under the Megatron-core names `convert --to megatron` "
-                             "gives its tensors")
+                notes.append(
+                    f"{'AB'[i]} ({what}) read under the Megatron-core names `convert --to megatron` gives its tensors"
+                )
     return sides[0], sides[1]
 
 
@@ -694,9 +731,11 @@ def _logical_diff(a: Any, b: Any, d: "_Differ", progress: Callable[[int], None] 
     for side, ck in (("A", ca), ("B", cb)):
         fused = find_fused(ck.tree)
         if fused and not ck.state_split:
-            notes.append(f"{side} holds {len(fused)} fused parameter(s) saved split ({next(iter(fused))}, …): its "
-                         "Adam state is compared fused; --n-kv-heads N compares it split into wq/wk/wv, as a "
-                         "conversion carries it")
+            notes.append(
+                f"{side} holds {len(fused)} fused parameter(s) saved split ({next(iter(fused))}, …): its "
+                "Adam state is compared fused; --n-kv-heads N compares it split into wq/wk/wv, as a "
+                "conversion carries it"
+            )
 
     # the model: every tensor by name, the fp32 master where the format keeps one
     # paired by `L.name_key`: one parameter the two formats of a framework name apart (Megatron's layer norms)
@@ -722,17 +761,23 @@ def _logical_diff(a: Any, b: Any, d: "_Differ", progress: Callable[[int], None] 
     oa, ob = {p: ks for p, ks in strip(oa).items() if ks}, {p: ks for p, ks in strip(ob).items() if ks}
     if bool(oa) != bool(ob):
         side, other = ("B", "A") if oa else ("A", "B")
-        notes.append(f"{side} has no per-parameter optimizer state (an export?): only the model and what both "
-                     f"record were compared; {other}'s optimizer state was not")
+        notes.append(
+            f"{side} has no per-parameter optimizer state (an export?): only the model and what both "
+            f"record were compared; {other}'s optimizer state was not"
+        )
     elif oa:
         for p in oa:
             for k in oa[p]:
                 if k not in ob.get(p, {}):
-                    d.out.append(Difference("optimizer", f"{p}.{k}", "removed", f"{oa[p][k].dtype} {list(oa[p][k].shape)}"))
+                    d.out.append(
+                        Difference("optimizer", f"{p}.{k}", "removed", f"{oa[p][k].dtype} {list(oa[p][k].shape)}")
+                    )
         for p in ob:
             for k in ob[p]:
                 if k not in oa.get(p, {}):
-                    d.out.append(Difference("optimizer", f"{p}.{k}", "added", None, f"{ob[p][k].dtype} {list(ob[p][k].shape)}"))
+                    d.out.append(
+                        Difference("optimizer", f"{p}.{k}", "added", None, f"{ob[p][k].dtype} {list(ob[p][k].shape)}")
+                    )
         for p in oa:
             for k in oa[p]:
                 if k in ob.get(p, {}):
@@ -769,25 +814,44 @@ def _logical_diff(a: Any, b: Any, d: "_Differ", progress: Callable[[int], None] 
             na, nb = _names_only(x.get("params")), _names_only(y.get("params"))
             if na is not None and nb is not None and na != nb:
                 gone, new = sorted(set(na) - set(nb)), sorted(set(nb) - set(na))
-                d.out.append(Difference("param_groups", f"{i}.params", "changed",
-                                        f"{len(na)} params" + (f", without {gone[:4]}" if gone else ""),
-                                        f"{len(nb)} params" + (f", with {new[:4]}" if new else "")))
+                d.out.append(
+                    Difference(
+                        "param_groups",
+                        f"{i}.params",
+                        "changed",
+                        f"{len(na)} params" + (f", without {gone[:4]}" if gone else ""),
+                        f"{len(nb)} params" + (f", with {new[:4]}" if new else ""),
+                    )
+                )
     elif (ga or gb) and oa and ob:  # both keep per-parameter optimizer state: a side without its groups lost them
         d.out.append(Difference("param_groups", "", "changed", f"{len(ga)} groups", f"{len(gb)} groups"))
     elif ga or gb:
         notes.append(f"{'B' if ga else 'A'} records no param groups: not compared")
 
     if d.widened:
-        notes.append(f"{len(d.widened)} tensor{'s hold' if len(d.widened) > 1 else ' holds'} the same values in another "
-                     f"dtype: {', '.join(d.widened[:4])}{', ...' if len(d.widened) > 4 else ''}")
+        notes.append(
+            f"{len(d.widened)} tensor{'s hold' if len(d.widened) > 1 else ' holds'} the same values in another "
+            f"dtype: {', '.join(d.widened[:4])}{', ...' if len(d.widened) > 4 else ''}"
+        )
 
     # the counters both sides record
     for field in ("global_step", "optimizer_step", "scheduler_last_epoch", "scheduler_step_count", "skipped_steps"):
         va, vb = getattr(ca.counters, field), getattr(cb.counters, field)
         if va is not None and vb is not None and va != vb:
             d.out.append(Difference("counters", field, "changed", va, vb, abs(float(va) - float(vb))))
-    return DiffReport(str(ca.path), str(cb.path), d.atol, d.rtol, tuple(d.out), 0, d.tensors, d.read, d.within,
-                      "logical", tuple(notes))
+    return DiffReport(
+        str(ca.path),
+        str(cb.path),
+        d.atol,
+        d.rtol,
+        tuple(d.out),
+        0,
+        d.tensors,
+        d.read,
+        d.within,
+        "logical",
+        tuple(notes),
+    )
 
 
 def _as_number(v: Any) -> float | int | None:
@@ -808,8 +872,9 @@ def iter_lines(report: DiffReport) -> Iterator[tuple[str, str, str]]:
         elif x.kind == "removed":
             what = f"removed: {x.old}" if x.old is not None else "removed"
         else:
-            what = f"{x.old} -> {x.new}" + (f"  (max |diff| {x.max_abs_diff:.3g})" if x.max_abs_diff is not None
-                                            and not _number(x.old) else "")
+            what = f"{x.old} -> {x.new}" + (
+                f"  (max |diff| {x.max_abs_diff:.3g})" if x.max_abs_diff is not None and not _number(x.old) else ""
+            )
         yield x.file, x.field, what
 
 

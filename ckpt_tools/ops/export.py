@@ -17,6 +17,7 @@ generation_config.json copied when the checkpoint has them, tied aliases left ou
 Everything is written under `.ckpt-staging-` names (a staging folder for `hf`) and renamed when complete;
 `verify` re-reads the output and compares it tensor for tensor with the source.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,10 +34,30 @@ from ..errors import CkptError, UnsupportedCheckpoint
 from ..read import gate
 from ..view.logical import LogicalTensor
 
-_ST_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
-             "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
-_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-         "uint8": 1, "bool": 1}
+_ST_DTYPE = {
+    "float32": "F32",
+    "bfloat16": "BF16",
+    "float16": "F16",
+    "float64": "F64",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
+_SIZE = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
 _DTYPE_ARG = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", None: None}
 HF_CONFIG_FILES = ("config.json", "generation_config.json")
 
@@ -102,14 +123,24 @@ class ExportPlan:
         kinds: dict[str, int] = {}
         for t in self.tensors:
             kinds[t.source.kind] = kinds.get(t.source.kind, 0) + 1
-        return {"source": str(self.source), "format": self.source_format, "out": str(self.out), "hf": self.hf,
-                "weights_from": self.weights_from, "bytes": self.nbytes, "tensors": len(self.tensors),
-                "kinds": kinds, "index": str(self.index) if self.index else None,
-                "files": [{"path": str(f), "tensors": len(s), "bytes": sum(t.nbytes for t in s)}
-                          for f, s in zip(self.files, self.shards)],
-                "copies": [str(c) for c in self.copies],
-                "config": self.config,
-                "left_out": {k: v for k, v in self.skipped.items() if v}}
+        return {
+            "source": str(self.source),
+            "format": self.source_format,
+            "out": str(self.out),
+            "hf": self.hf,
+            "weights_from": self.weights_from,
+            "bytes": self.nbytes,
+            "tensors": len(self.tensors),
+            "kinds": kinds,
+            "index": str(self.index) if self.index else None,
+            "files": [
+                {"path": str(f), "tensors": len(s), "bytes": sum(t.nbytes for t in s)}
+                for f, s in zip(self.files, self.shards)
+            ],
+            "copies": [str(c) for c in self.copies],
+            "config": self.config,
+            "left_out": {k: v for k, v in self.skipped.items() if v},
+        }
 
 
 def _open(src: Path, tp_layout: str | None, patterns: Sequence[str]):
@@ -130,13 +161,25 @@ def _inside(child: Path, parent: Path) -> bool:
         return False
 
 
-def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str | None = None,
-                max_shard_size: int | None = None, source_weights: str = "fp32",
-                tp_layout: str | None = None, patterns: Sequence[str] = (), tied: str = "all",
-                include_frozen: bool = True, include: Sequence[str] | str | None = None,
-                exclude: Sequence[str] | str | None = None, hf: bool = False, model: int = 0,
-                allow_unread: bool = False, hf_config: str | os.PathLike | None = None,
-                trust_pickles: bool = False) -> ExportPlan:
+def plan_export(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    max_shard_size: int | None = None,
+    source_weights: str = "fp32",
+    tp_layout: str | None = None,
+    patterns: Sequence[str] = (),
+    tied: str = "all",
+    include_frozen: bool = True,
+    include: Sequence[str] | str | None = None,
+    exclude: Sequence[str] | str | None = None,
+    hf: bool = False,
+    model: int = 0,
+    allow_unread: bool = False,
+    hf_config: str | os.PathLike | None = None,
+    trust_pickles: bool = False,
+) -> ExportPlan:
     """Which tensors go into which file. `source_weights`: "fp32" (the optimizer's fp32 master, the same
     values zero_to_fp32 writes, where the format has one) or "module" (the saved module weights, e.g. bf16).
     `hf`: `out` is a new folder for `from_pretrained` (tied aliases left out unless tied="all" is asked
@@ -156,29 +199,51 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
     ck = guard(_open(src, tp_layout, patterns), src, "export", allow_unread=allow_unread, trust_pickles=trust_pickles)
     root = Path(ck.path)
     if root.is_dir() and (_inside(out, root) or _inside(out.parent, root) and not hf):
-        raise CkptError("the output would be inside the checkpoint folder", path=out,
-                        hint=f"write it outside {root}: a file inside a checkpoint folder is a stray file to loaders")
+        raise CkptError(
+            "the output would be inside the checkpoint folder",
+            path=out,
+            hint=f"write it outside {root}: a file inside a checkpoint folder is a stray file to loaders",
+        )
     if hf and _inside(root, out):
         raise CkptError("the output folder would contain the checkpoint", path=out, hint="choose a new folder")
     tp = ck.topology.tp or 1
-    if ck.format == "deepspeed_pipeline" and tp > 1 and ck.details.get("tp_layout") != "universal_checkpoint_info" \
-            and tp_layout != "megatron" and not patterns:
-        raise UnsupportedCheckpoint("tensor-parallel checkpoint without universal_checkpoint_info", path=src,
-                                    hint="pass --tp-layout megatron or --pattern REGEX=MERGE")
+    if (
+        ck.format == "deepspeed_pipeline"
+        and tp > 1
+        and ck.details.get("tp_layout") != "universal_checkpoint_info"
+        and tp_layout != "megatron"
+        and not patterns
+    ):
+        raise UnsupportedCheckpoint(
+            "tensor-parallel checkpoint without universal_checkpoint_info",
+            path=src,
+            hint="pass --tp-layout megatron or --pattern REGEX=MERGE",
+        )
     if tied == "keep":
         tied_mode = "all"
     else:
         tied_mode = "dedupe" if hf else tied
     try:
-        tensors = L.model_tensors(ck, weights=source_weights, include_frozen=include_frozen, tied=tied_mode,
-                                  include=include, exclude=exclude, model=model)
+        tensors = L.model_tensors(
+            ck,
+            weights=source_weights,
+            include_frozen=include_frozen,
+            tied=tied_mode,
+            include=include,
+            exclude=exclude,
+            model=model,
+        )
     except ValueError as e:
         if str(e).startswith("model="):
-            raise CkptError(f"--model {model}: {str(e).split(': ', 1)[1]}", path=src,
-                            hint="pick one of those with --model N") from None
+            raise CkptError(
+                f"--model {model}: {str(e).split(': ', 1)[1]}", path=src, hint="pick one of those with --model N"
+            ) from None
         raise CkptError(str(e), hint="--include / --exclude take Python regular expressions") from None
-    unfiltered = tied_mode == "all" and include_frozen and all(
-        f is None or not isinstance(f, str) and len(f) == 0 for f in (include, exclude))  # the same call twice
+    unfiltered = (
+        tied_mode == "all"
+        and include_frozen
+        and all(f is None or not isinstance(f, str) and len(f) == 0 for f in (include, exclude))
+    )  # the same call twice
     everything = tensors if unfiltered else L.model_tensors(ck, weights=source_weights, model=model)
     kept = {t.name for t in tensors}
     from ..view.accounting import unread_files
@@ -196,20 +261,31 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
     for t in tensors:
         n = t.node
         if getattr(n, "shards", ()) and n.merge in (None, "unknown"):
-            raise UnsupportedCheckpoint(f"no TP merge rule for {t.name}", path=src,
-                                        hint="pass --pattern REGEX=MERGE for it")
+            raise UnsupportedCheckpoint(
+                f"no TP merge rule for {t.name}", path=src, hint="pass --pattern REGEX=MERGE for it"
+            )
         if t.dtype not in _SIZE:
-            raise UnsupportedCheckpoint(f"{t.name} has dtype {t.dtype}, which safetensors export does not write",
-                                        path=src, hint="leave it out with --exclude")
+            raise UnsupportedCheckpoint(
+                f"{t.name} has dtype {t.dtype}, which safetensors export does not write",
+                path=src,
+                hint="leave it out with --exclude",
+            )
     if not tensors:
-        raise UnsupportedCheckpoint("no model tensors to export" + (" (every tensor was filtered out)"
-                                                                    if everything else ""), path=src,
-                                    hint="check --include / --exclude" if everything else
-                                    "this checkpoint holds no model weights")
+        raise UnsupportedCheckpoint(
+            "no model tensors to export" + (" (every tensor was filtered out)" if everything else ""),
+            path=src,
+            hint="check --include / --exclude" if everything else "this checkpoint holds no model weights",
+        )
     want = _DTYPE_ARG[dtype]
-    items = [ExportTensor(t.name, t, tuple(t.shape),
-                          want if want and t.dtype in ("float32", "bfloat16", "float16", "float64") else t.dtype)
-             for t in tensors]
+    items = [
+        ExportTensor(
+            t.name,
+            t,
+            tuple(t.shape),
+            want if want and t.dtype in ("float32", "bfloat16", "float16", "float64") else t.dtype,
+        )
+        for t in tensors
+    ]
     if hf_config is not None and not hf:
         raise ValueError("--hf-config applies to --hf")
     cfg_file = _hf_config_file(hf_config) if hf_config is not None else None
@@ -240,11 +316,12 @@ def plan_export(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str
     else:
         files = tuple(folder / f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups)))
         index = folder / f"{stem}.safetensors.index.json"
-    weights_from = ("fp32 master where saved" if source_weights == "fp32" else "module weights")
+    weights_from = "fp32 master where saved" if source_weights == "fp32" else "module weights"
     if hf_cfg is not None:
         copies = tuple(c for c in copies if c.name != "config.json")
-    return ExportPlan(src, out, weights_from, files, tuple(tuple(g) for g in groups), index, hf, copies,
-                      skipped, ck.format, hf_cfg)
+    return ExportPlan(
+        src, out, weights_from, files, tuple(tuple(g) for g in groups), index, hf, copies, skipped, ck.format, hf_cfg
+    )
 
 
 def _hf_config_file(hf_config: str | os.PathLike) -> Path:
@@ -252,13 +329,17 @@ def _hf_config_file(hf_config: str | os.PathLike) -> Path:
     given = Path(hf_config)
     path = given / "config.json" if given.is_dir() else given
     if path.name != "config.json" or not path.is_file():
-        raise CkptError("--hf-config: no config.json there", path=given,
-                        hint="pass the model's Hugging Face config.json (named config.json) or its folder")
+        raise CkptError(
+            "--hf-config: no config.json there",
+            path=given,
+            hint="pass the model's Hugging Face config.json (named config.json) or its folder",
+        )
     return path
 
 
-def _hf_names(items: list[ExportTensor], cfg_file: Path | None, src: Path, ck: Any
-              ) -> tuple[list[ExportTensor], dict[str, Any] | None]:
+def _hf_names(
+    items: list[ExportTensor], cfg_file: Path | None, src: Path, ck: Any
+) -> tuple[list[ExportTensor], dict[str, Any] | None]:
     """`items` under Hugging Face names where the checkpoint's are another framework's (`ops.hf_map`), and the
     config.json to write when the checkpoint itself describes the model: a torchtitan Llama's names and q/k layout
     mapped with the head counts of the config.json given; a Megatron GPT shaped like GPT-2 mapped, and its
@@ -273,22 +354,32 @@ def _hf_names(items: list[ExportTensor], cfg_file: Path | None, src: Path, ck: A
 
         args = _plain(ck.tree.children["args"]) if "args" in ck.tree.children else None
         if not isinstance(args, dict):
-            raise CkptError("a Megatron GPT checkpoint without `args`: the Hugging Face config comes from them",
-                            path=src, hint="export without --hf")
+            raise CkptError(
+                "a Megatron GPT checkpoint without `args`: the Hugging Face config comes from them",
+                path=src,
+                hint="export without --hf",
+            )
         if cfg_file is not None:
-            raise CkptError("a Megatron GPT: config.json is written from the checkpoint's own args", path=cfg_file,
-                            hint="drop --hf-config")
+            raise CkptError(
+                "a Megatron GPT: config.json is written from the checkpoint's own args",
+                path=cfg_file,
+                hint="drop --hf-config",
+            )
         config = hf_map.megatron_hf_config(args, str(src))
         mapping = hf_map.megatron_to_hf({t.name: t.shape for t in items}, config, str(src))
-        return [replace(t, name=hf, transform=fn, shape=shape) for t in items
-                for hf, fn, shape in mapping[t.name]], config
+        return [
+            replace(t, name=hf, transform=fn, shape=shape) for t in items for hf, fn, shape in mapping[t.name]
+        ], config
     if not hf_map.is_torchtitan_llama(names):
         return items, None
     if cfg_file is None:
-        raise CkptError("a torchtitan Llama checkpoint: --hf maps its names and q/k layout to Hugging Face's with the "
-                        "head counts, which the checkpoint does not hold", path=src,
-                        hint="add --hf-config CONFIG.json (the model's Hugging Face config: num_attention_heads, "
-                             "num_key_value_heads, ...)")
+        raise CkptError(
+            "a torchtitan Llama checkpoint: --hf maps its names and q/k layout to Hugging Face's with the "
+            "head counts, which the checkpoint does not hold",
+            path=src,
+            hint="add --hf-config CONFIG.json (the model's Hugging Face config: num_attention_heads, "
+            "num_key_value_heads, ...)",
+        )
     try:
         config = json.loads(cfg_file.read_text())
     except (OSError, ValueError) as e:
@@ -344,8 +435,11 @@ def _write_file(path: Path, tensors: Sequence[ExportTensor], progress: Callable[
             else:
                 x = t.read()
                 if tuple(x.shape) != tuple(t.shape):
-                    raise CkptError(f"{t.name}: read {tuple(x.shape)}, planned {tuple(t.shape)}", path=path,
-                                    hint="the checkpoint changed while exporting; run it again")
+                    raise CkptError(
+                        f"{t.name}: read {tuple(x.shape)}, planned {tuple(t.shape)}",
+                        path=path,
+                        hint="the checkpoint changed while exporting; run it again",
+                    )
                 if x.numel():
                     at = _pwrite(fd, memoryview(x.contiguous().view(-1).view(_u8()).numpy()), at)
                 del x
@@ -367,8 +461,12 @@ def _ranges(t: ExportTensor, fds):
     from ..read.tensor_read import source_ranges
 
     node = t.node
-    if t.transform is not None or not isinstance(node, TensorNode) or node.dtype != t.dtype or \
-            node.numel != math.prod(t.shape):
+    if (
+        t.transform is not None
+        or not isinstance(node, TensorNode)
+        or node.dtype != t.dtype
+        or node.numel != math.prod(t.shape)
+    ):
         return None
     ranges = source_ranges(node, fds)
     if ranges is None or sum(r.length for r in ranges) != t.nbytes:
@@ -403,8 +501,10 @@ class ExportResult:
 
 
 def _index_doc(plan: ExportPlan) -> dict[str, Any]:
-    return {"metadata": {"total_size": plan.nbytes},
-            "weight_map": {t.name: f.name for f, s in zip(plan.files, plan.shards) for t in s}}
+    return {
+        "metadata": {"total_size": plan.nbytes},
+        "weight_map": {t.name: f.name for f, s in zip(plan.files, plan.shards) for t in s},
+    }
 
 
 def execute(plan: ExportPlan, *, progress: Callable[[int], None] | None = None, verify: bool = False) -> ExportResult:
@@ -413,11 +513,17 @@ def execute(plan: ExportPlan, *, progress: Callable[[int], None] | None = None, 
     targets = [*plan.files, *([plan.index] if plan.index else [])]
     if plan.hf:
         if plan.out.exists() and (not plan.out.is_dir() or any(plan.out.iterdir())):
-            raise CkptError("output folder already exists and is not empty", path=plan.out,
-                            hint="choose a new folder or remove it first")
+            raise CkptError(
+                "output folder already exists and is not empty",
+                path=plan.out,
+                hint="choose a new folder or remove it first",
+            )
         if not plan.out.parent.is_dir():
-            raise CkptError(f"the folder {plan.out.parent} does not exist", path=plan.out,
-                            hint=f"create it first: mkdir -p {plan.out.parent}")
+            raise CkptError(
+                f"the folder {plan.out.parent} does not exist",
+                path=plan.out,
+                hint=f"create it first: mkdir -p {plan.out.parent}",
+            )
         staging = plan.out.parent / f".ckpt-staging-{plan.out.name}-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
@@ -438,15 +544,25 @@ def execute(plan: ExportPlan, *, progress: Callable[[int], None] | None = None, 
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        return ExportResult(plan.files, plan.index, len(plan.tensors), plan.nbytes, plan.out,
-                            tuple(plan.out / c.name for c in plan.copies), verified)
+        return ExportResult(
+            plan.files,
+            plan.index,
+            len(plan.tensors),
+            plan.nbytes,
+            plan.out,
+            tuple(plan.out / c.name for c in plan.copies),
+            verified,
+        )
 
     for f in targets:
         if f.exists():
             raise CkptError("output file already exists", path=f, hint="choose a new path or remove it first")
     if not plan.out.parent.is_dir():
-        raise CkptError(f"the folder {plan.out.parent} does not exist", path=plan.out,
-                        hint=f"create it first: mkdir -p {plan.out.parent}")
+        raise CkptError(
+            f"the folder {plan.out.parent} does not exist",
+            path=plan.out,
+            hint=f"create it first: mkdir -p {plan.out.parent}",
+        )
     staged = {f: f.parent / f".ckpt-staging-{f.name}-{os.getpid()}" for f in targets}
     try:
         for f, tensors in zip(plan.files, plan.shards):
@@ -487,12 +603,20 @@ def verify_files(plan: ExportPlan, where: dict[Path, Path] | None = None) -> lis
             for t in tensors:
                 got = fh.get_tensor(t.name)
                 ref = t.read()
-                if got.dtype != ref.dtype or tuple(got.shape) != tuple(ref.shape) or not torch.equal(
+                if (
+                    got.dtype != ref.dtype
+                    or tuple(got.shape) != tuple(ref.shape)
+                    or not torch.equal(
                         got.view(-1).view(torch.uint8) if got.numel() else got,
-                        ref.contiguous().view(-1).view(torch.uint8) if ref.numel() else ref):
+                        ref.contiguous().view(-1).view(torch.uint8) if ref.numel() else ref,
+                    )
+                ):
                     bad.append(t.name)
                 done.append(t.name)
     if bad:
-        raise VerifyFailed(f"the written export differs from the source in {len(bad)} tensors: {', '.join(bad[:5])}",
-                           path=plan.out, hint="nothing was put in place; report this with the checkpoint's format")
+        raise VerifyFailed(
+            f"the written export differs from the source in {len(bad)} tensors: {', '.join(bad[:5])}",
+            path=plan.out,
+            hint="nothing was put in place; report this with the checkpoint's format",
+        )
     return done

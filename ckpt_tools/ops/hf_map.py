@@ -6,6 +6,7 @@ turns torchtitan's interleaved (complex) RoPE pairs into Hugging Face's rotate-h
 which a torchtitan checkpoint does not hold: they come from the model's Hugging Face `config.json`
 (`num_attention_heads`, `num_key_value_heads`, `head_dim`), checked against every tensor's shape.
 """
+
 from __future__ import annotations
 
 import re
@@ -36,8 +37,9 @@ Transform = Callable[[Any], Any]
 
 def is_torchtitan_llama(names: list[str]) -> bool:
     """torchtitan's Llama parameter names: `tok_embeddings.weight` and `layers.N.attention.…wq.weight`."""
-    return "tok_embeddings.weight" in names and any(re.search(r"^layers\.\d+\.attention\.(qkv_linear\.)?wq\.weight$",
-                                                              n) for n in names)
+    return "tok_embeddings.weight" in names and any(
+        re.search(r"^layers\.\d+\.attention\.(qkv_linear\.)?wq\.weight$", n) for n in names
+    )
 
 
 def rope_permute(n_heads: int) -> Transform:
@@ -48,15 +50,20 @@ def rope_permute(n_heads: int) -> Transform:
     return lambda w: rope_halves(w, n_heads)
 
 
-def torchtitan_llama_to_hf(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any],
-                           config_path: str) -> dict[str, tuple[str, Transform | None]]:
+def torchtitan_llama_to_hf(
+    shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any], config_path: str
+) -> dict[str, tuple[str, Transform | None]]:
     """{torchtitan name: (Hugging Face name, transform or None)} for every tensor, or CkptError naming the tensor
     the map does not cover or the config value a shape contradicts."""
+
     def need(key: str) -> int:
         v = config.get(key)
         if not isinstance(v, int):
-            raise CkptError(f"{config_path} has no integer {key!r}: the q/k permutation needs it", path=config_path,
-                            hint="pass the model's Hugging Face config.json (LlamaConfig)")
+            raise CkptError(
+                f"{config_path} has no integer {key!r}: the q/k permutation needs it",
+                path=config_path,
+                hint="pass the model's Hugging Face config.json (LlamaConfig)",
+            )
         return v
 
     n_heads = need("num_attention_heads")
@@ -68,34 +75,43 @@ def torchtitan_llama_to_hf(shapes: Mapping[str, tuple[int, ...]], config: Mappin
     for name, shape in shapes.items():
         hit = next(((m, hf) for rx, hf in _COMPILED for m in [rx.match(name)] if m), None)
         if hit is None:
-            raise CkptError(f"{name}: not a torchtitan Llama parameter this export maps to Hugging Face names",
-                            hint="export without --hf (the names as saved)")
+            raise CkptError(
+                f"{name}: not a torchtitan Llama parameter this export maps to Hugging Face names",
+                hint="export without --hf (the names as saved)",
+            )
         m, hf = hit
         if m.groups():
             layers.add(int(m[1]))
             hf = hf.format(m[1])
         transform = None
         if hf.endswith("q_proj.weight"):
-            _check(name, shape, (n_heads * head_dim, hidden), "num_attention_heads x head_dim, hidden_size",
-                   config_path)
+            _check(
+                name, shape, (n_heads * head_dim, hidden), "num_attention_heads x head_dim, hidden_size", config_path
+            )
             transform = rope_permute(n_heads)
         elif hf.endswith("k_proj.weight"):
-            _check(name, shape, (n_kv * head_dim, hidden), "num_key_value_heads x head_dim, hidden_size",
-                   config_path)
+            _check(name, shape, (n_kv * head_dim, hidden), "num_key_value_heads x head_dim, hidden_size", config_path)
             transform = rope_permute(n_kv)
         elif hf == "model.embed_tokens.weight":
             _check(name, shape, (need("vocab_size"), hidden), "vocab_size, hidden_size", config_path)
         out[name] = (hf, transform)
     if len(layers) != need("num_hidden_layers"):
-        raise CkptError(f"the checkpoint has {len(layers)} layers, {config_path} says num_hidden_layers="
-                        f"{config['num_hidden_layers']}", path=config_path, hint="pass this model's config.json")
+        raise CkptError(
+            f"the checkpoint has {len(layers)} layers, {config_path} says num_hidden_layers="
+            f"{config['num_hidden_layers']}",
+            path=config_path,
+            hint="pass this model's config.json",
+        )
     return out
 
 
 def _check(name: str, shape: tuple[int, ...], want: tuple[int, ...], what: str, config_path: str) -> None:
     if tuple(shape) != tuple(want):
-        raise CkptError(f"{name} has shape {list(shape)}, but {config_path} gives [{what}] = {list(want)}",
-                        path=config_path, hint="pass this model's config.json")
+        raise CkptError(
+            f"{name} has shape {list(shape)}, but {config_path} gives [{what}] = {list(want)}",
+            path=config_path,
+            hint="pass this model's config.json",
+        )
 
 
 # --- Megatron-LM GPT (megatron-core names) -> Hugging Face GPT-2 or Llama ------------------------------------------
@@ -124,14 +140,26 @@ _MEGATRON_ROLES = (
 _MEGATRON_COMPILED = tuple((re.compile(p + r"$"), role) for p, role in _MEGATRON_ROLES)
 
 #: role -> GPT-2 name template ({L}: layer, {k}: weight/bias) and whether it is a Linear weight (Conv1D: transposed)
-_GPT2 = {"embed": ("transformer.wte.weight", False), "positions": ("transformer.wpe.weight", False),
-         "ln_1": ("transformer.h.{L}.ln_1.{k}", False), "qkv": ("transformer.h.{L}.attn.c_attn.{k}", True),
-         "proj": ("transformer.h.{L}.attn.c_proj.{k}", True), "ln_2": ("transformer.h.{L}.ln_2.{k}", False),
-         "fc1": ("transformer.h.{L}.mlp.c_fc.{k}", True), "fc2": ("transformer.h.{L}.mlp.c_proj.{k}", True),
-         "ln_f": ("transformer.ln_f.{k}", False)}
-_LLAMA = {"embed": "model.embed_tokens.weight", "ln_1": "model.layers.{L}.input_layernorm.{k}",
-          "proj": "model.layers.{L}.self_attn.o_proj.{k}", "ln_2": "model.layers.{L}.post_attention_layernorm.{k}",
-          "fc2": "model.layers.{L}.mlp.down_proj.{k}", "ln_f": "model.norm.{k}", "output": "lm_head.weight"}
+_GPT2 = {
+    "embed": ("transformer.wte.weight", False),
+    "positions": ("transformer.wpe.weight", False),
+    "ln_1": ("transformer.h.{L}.ln_1.{k}", False),
+    "qkv": ("transformer.h.{L}.attn.c_attn.{k}", True),
+    "proj": ("transformer.h.{L}.attn.c_proj.{k}", True),
+    "ln_2": ("transformer.h.{L}.ln_2.{k}", False),
+    "fc1": ("transformer.h.{L}.mlp.c_fc.{k}", True),
+    "fc2": ("transformer.h.{L}.mlp.c_proj.{k}", True),
+    "ln_f": ("transformer.ln_f.{k}", False),
+}
+_LLAMA = {
+    "embed": "model.embed_tokens.weight",
+    "ln_1": "model.layers.{L}.input_layernorm.{k}",
+    "proj": "model.layers.{L}.self_attn.o_proj.{k}",
+    "ln_2": "model.layers.{L}.post_attention_layernorm.{k}",
+    "fc2": "model.layers.{L}.mlp.down_proj.{k}",
+    "ln_f": "model.norm.{k}",
+    "output": "lm_head.weight",
+}
 
 Out = tuple  # (Hugging Face name, transform or None, shape written)
 
@@ -143,35 +171,50 @@ LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_po
 def is_megatron_gpt(names: list[str]) -> bool:
     """Megatron-core GPT parameter names: `embedding.word_embeddings.weight` and `decoder.layers.N.…linear_qkv…`."""
     return "embedding.word_embeddings.weight" in names and any(
-        re.search(r"^decoder\.layers\.\d+\.self_attention\.linear_qkv\.weight$", n) for n in names)
+        re.search(r"^decoder\.layers\.\d+\.self_attention\.linear_qkv\.weight$", n) for n in names
+    )
 
 
 def megatron_hf_config(args: Mapping[str, Any], where: str) -> dict[str, Any]:
     """The Hugging Face config.json of a Megatron GPT from its launch `args`: GPT2Config or LlamaConfig (see
     above); CkptError naming what neither holds."""
+
     def arg(*keys: str) -> Any:
         return next((args[k] for k in keys if args.get(k) is not None), None)
 
-    missing = [k for k in ("hidden_size", "num_attention_heads", "num_layers", "padded_vocab_size",
-                           "max_position_embeddings") if not isinstance(args.get(k), int)]
+    missing = [
+        k
+        for k in ("hidden_size", "num_attention_heads", "num_layers", "padded_vocab_size", "max_position_embeddings")
+        if not isinstance(args.get(k), int)
+    ]
     if missing:
-        raise CkptError(f"the checkpoint's args lack {', '.join(missing)}: the Hugging Face config needs them",
-                        path=where, hint="export without --hf")
+        raise CkptError(
+            f"the checkpoint's args lack {', '.join(missing)}: the Hugging Face config needs them",
+            path=where,
+            hint="export without --hf",
+        )
     hidden, heads = args["hidden_size"], args["num_attention_heads"]
     groups = arg("num_query_groups") if arg("group_query_attention") else heads
     head_dim = arg("kv_channels") or hidden // heads
     pos, norm = arg("position_embedding_type") or "learned_absolute", arg("normalization") or "LayerNorm"
-    common = [(bool(arg("qk_layernorm")), "QK layer norm"), (bool(arg("multi_latent_attention")), "multi-latent attention"),
-              (bool(arg("num_experts")), "Mixture-of-Experts layers"), (bool(arg("squared_relu")), "squared ReLU"),
-              (bool(arg("apply_residual_connection_post_layernorm")), "residuals after the layer norm")]
+    common = [
+        (bool(arg("qk_layernorm")), "QK layer norm"),
+        (bool(arg("multi_latent_attention")), "multi-latent attention"),
+        (bool(arg("num_experts")), "Mixture-of-Experts layers"),
+        (bool(arg("squared_relu")), "squared ReLU"),
+        (bool(arg("apply_residual_connection_post_layernorm")), "residuals after the layer norm"),
+    ]
     llama = pos == "rope" or norm == "RMSNorm" or bool(arg("swiglu"))
     if llama:
         bad = common + [
-            (pos != "rope", f"position embeddings {pos!r} (Llama: rope)"), (norm != "RMSNorm", f"{norm} (Llama: RMSNorm)"),
-            (not arg("swiglu"), "no SwiGLU (Llama: SwiGLU)"), (arg("add_bias_linear") is not False, "linear biases"),
+            (pos != "rope", f"position embeddings {pos!r} (Llama: rope)"),
+            (norm != "RMSNorm", f"{norm} (Llama: RMSNorm)"),
+            (not arg("swiglu"), "no SwiGLU (Llama: SwiGLU)"),
+            (arg("add_bias_linear") is not False, "linear biases"),
             (bool(arg("add_qkv_bias")) and arg("add_bias_linear") is False, "a QKV bias"),
             (bool(arg("rotary_interleaved")), "interleaved rotary pairs"),
-            ((arg("rotary_percent") or 1.0) != 1.0, f"rotary_percent {arg('rotary_percent')}")]
+            ((arg("rotary_percent") or 1.0) != 1.0, f"rotary_percent {arg('rotary_percent')}"),
+        ]
     else:
         bad = common + [
             (bool(arg("openai_gelu")), "openai_gelu"),
@@ -179,34 +222,73 @@ def megatron_hf_config(args: Mapping[str, Any], where: str) -> dict[str, Any]:
             (arg("add_bias_linear") is False, "linear layers without biases (GPT-2 has them)"),
             (arg("add_qkv_bias") is False, "a QKV projection without bias"),
             (groups != heads, f"grouped-query attention ({groups} groups; GPT-2 has none)"),
-            (head_dim != hidden // heads, f"kv_channels {head_dim} != hidden_size / num_attention_heads")]
+            (head_dim != hidden // heads, f"kv_channels {head_dim} != hidden_size / num_attention_heads"),
+        ]
     named = [what for hit, what in bad if hit]
     if named:
         target = "Llama (rope, RMSNorm, SwiGLU, no biases)" if llama else "GPT-2 (learned positions, LayerNorm, GeLU)"
-        raise CkptError(f"--hf maps a Megatron GPT to {target}; this one has {', '.join(named)}", path=where,
-                        hint="export without --hf (the merged weights under Megatron's names)")
+        raise CkptError(
+            f"--hf maps a Megatron GPT to {target}; this one has {', '.join(named)}",
+            path=where,
+            hint="export without --hf (the merged weights under Megatron's names)",
+        )
     eps = float(arg("norm_epsilon", "layernorm_epsilon") or 1e-5)
     special = {"bos_token_id": None, "eos_token_id": None}  # the tokenizer's ids are not in the checkpoint
     if llama:
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": args["padded_vocab_size"],
-                "hidden_size": hidden, "intermediate_size": arg("ffn_hidden_size") or 4 * hidden,
-                "num_hidden_layers": args["num_layers"], "num_attention_heads": heads, "num_key_value_heads": groups,
-                "head_dim": head_dim, "hidden_act": "silu", "max_position_embeddings": args["max_position_embeddings"],
-                "rms_norm_eps": eps, "rope_theta": float(arg("rotary_base") or 10000),
-                **({"rope_scaling": {"rope_type": "llama3", "factor": float(arg("rope_scaling_factor") or 8.0),
-                                     **LLAMA3_ROPE}} if arg("use_rope_scaling") else {}),
-                "attention_bias": False, "mlp_bias": False,
-                "tie_word_embeddings": not arg("untie_embeddings_and_output_weights"),
-                "initializer_range": float(arg("init_method_std") or 0.02), "use_cache": True, **special}
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": args["padded_vocab_size"],
+            "hidden_size": hidden,
+            "intermediate_size": arg("ffn_hidden_size") or 4 * hidden,
+            "num_hidden_layers": args["num_layers"],
+            "num_attention_heads": heads,
+            "num_key_value_heads": groups,
+            "head_dim": head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": args["max_position_embeddings"],
+            "rms_norm_eps": eps,
+            "rope_theta": float(arg("rotary_base") or 10000),
+            **(
+                {
+                    "rope_scaling": {
+                        "rope_type": "llama3",
+                        "factor": float(arg("rope_scaling_factor") or 8.0),
+                        **LLAMA3_ROPE,
+                    }
+                }
+                if arg("use_rope_scaling")
+                else {}
+            ),
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": not arg("untie_embeddings_and_output_weights"),
+            "initializer_range": float(arg("init_method_std") or 0.02),
+            "use_cache": True,
+            **special,
+        }
     # megatron-core's MLP: with bias_gelu_fusion the fused bias-GeLU (tanh approximation), else F.gelu (erf)
     act = "gelu_new" if arg("bias_gelu_fusion", "bias_activation_fusion") else "gelu"
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": args["padded_vocab_size"],
-            "n_positions": args["max_position_embeddings"], "n_embd": hidden, "n_layer": args["num_layers"],
-            "n_head": heads, "n_inner": arg("ffn_hidden_size") or 4 * hidden, "activation_function": act,
-            "layer_norm_epsilon": eps, "resid_pdrop": float(arg("hidden_dropout") or 0.0),
-            "embd_pdrop": float(arg("hidden_dropout") or 0.0), "attn_pdrop": float(arg("attention_dropout") or 0.0),
-            "initializer_range": float(arg("init_method_std") or 0.02), "scale_attn_weights": True,
-            "tie_word_embeddings": True, "use_cache": True, **special}
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": args["padded_vocab_size"],
+        "n_positions": args["max_position_embeddings"],
+        "n_embd": hidden,
+        "n_layer": args["num_layers"],
+        "n_head": heads,
+        "n_inner": arg("ffn_hidden_size") or 4 * hidden,
+        "activation_function": act,
+        "layer_norm_epsilon": eps,
+        "resid_pdrop": float(arg("hidden_dropout") or 0.0),
+        "embd_pdrop": float(arg("hidden_dropout") or 0.0),
+        "attn_pdrop": float(arg("attention_dropout") or 0.0),
+        "initializer_range": float(arg("init_method_std") or 0.02),
+        "scale_attn_weights": True,
+        "tie_word_embeddings": True,
+        "use_cache": True,
+        **special,
+    }
 
 
 def _rows(idx: list[int], transpose: bool = False) -> Transform:
@@ -215,6 +297,7 @@ def _rows(idx: list[int], transpose: bool = False) -> Transform:
 
         t = t.index_select(0, torch.tensor(idx))
         return t.t().contiguous() if transpose else t
+
     return apply
 
 
@@ -222,8 +305,9 @@ def _transposed(t):
     return t.t().contiguous()
 
 
-def megatron_to_hf(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any],
-                   where: str) -> dict[str, list[Out]]:
+def megatron_to_hf(
+    shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any], where: str
+) -> dict[str, list[Out]]:
     """{Megatron name: [(Hugging Face name, transform or None, shape written), ...]} for the config
     `megatron_hf_config` wrote (one entry per tensor; Llama's fused QKV and SwiGLU fc1 give three and two). CkptError
     naming a tensor the map does not cover or whose shape the config contradicts."""
@@ -243,8 +327,11 @@ def megatron_to_hf(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, A
         shape = tuple(shape)
         hit = next(((m, role) for rx, role in _MEGATRON_COMPILED for m in [rx.match(name)] if m), None)
         if hit is None or (not llama and hit[1] == "output"):
-            raise CkptError(f"{name}: not a Megatron GPT parameter this export maps to {config['model_type']} names",
-                            path=where, hint="export without --hf (the names as saved)")
+            raise CkptError(
+                f"{name}: not a Megatron GPT parameter this export maps to {config['model_type']} names",
+                path=where,
+                hint="export without --hf (the names as saved)",
+            )
         m, role = hit
         g = m.groups()
         layer, kind = (g[0], g[1]) if len(g) == 2 else (None, g[0] if g else "weight")
@@ -252,17 +339,26 @@ def megatron_to_hf(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, A
             seen.add(int(layer))
         fill = {"L": layer, "k": kind}
         if role == "qkv":
-            _check(name, shape, ((heads + 2 * groups) * head_dim, hidden)[: len(shape)],
-                   "(heads + 2 x query groups) x head_dim, hidden", where)
+            _check(
+                name,
+                shape,
+                ((heads + 2 * groups) * head_dim, hidden)[: len(shape)],
+                "(heads + 2 x query groups) x head_dim, hidden",
+                where,
+            )
         if role == "fc1":
             _check(name, shape, ((2 if llama else 1) * ffn, hidden)[: len(shape)], "FFN rows, hidden", where)
         if llama:
             if role == "qkv":
-                out[name] = [(f"model.layers.{layer}.self_attn.{p}_proj.{kind}", _rows(idx), (len(idx), *shape[1:]))
-                             for p, idx in (("q", q), ("k", k), ("v", v))]
+                out[name] = [
+                    (f"model.layers.{layer}.self_attn.{p}_proj.{kind}", _rows(idx), (len(idx), *shape[1:]))
+                    for p, idx in (("q", q), ("k", k), ("v", v))
+                ]
             elif role == "fc1":
-                out[name] = [(f"model.layers.{layer}.mlp.{p}_proj.{kind}", _rows(list(idx)), (ffn, *shape[1:]))
-                             for p, idx in (("gate", range(ffn)), ("up", range(ffn, 2 * ffn)))]
+                out[name] = [
+                    (f"model.layers.{layer}.mlp.{p}_proj.{kind}", _rows(list(idx)), (ffn, *shape[1:]))
+                    for p, idx in (("gate", range(ffn)), ("up", range(ffn, 2 * ffn)))
+                ]
             elif role in _LLAMA:
                 out[name] = [(_LLAMA[role].format(**fill), None, shape)]
             else:
@@ -276,6 +372,9 @@ def megatron_to_hf(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, A
         else:
             out[name] = [(hf, _transposed if flip else None, shape[::-1] if flip else shape)]
     if len(seen) != layers:
-        raise CkptError(f"the checkpoint has {len(seen)} layers, its args say num_layers={layers}", path=where,
-                        hint="export without --hf")
+        raise CkptError(
+            f"the checkpoint has {len(seen)} layers, its args say num_layers={layers}",
+            path=where,
+            hint="export without --hf",
+        )
     return out

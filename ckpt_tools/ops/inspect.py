@@ -5,11 +5,13 @@ The JSON contract (`summary()`), which scripts rely on — keep these names:
      "counters": {"global_step","optimizer_step","scheduler_last_epoch","scheduler_step_count","skipped_steps"},
      "lr": {"param_groups": [float]|null, "base_lrs": [float]|null, "last_lr": [float]|null},
      "warnings": [{"code","message","path"}], "tree": {...}}
-plus "dtypes", "files" (every file read), "files_unread" (state files no reader took), "details". Unknown values are null, never guessed: "lr.param_groups" is null when
+plus "dtypes", "files" (every file read), "files_unread" (state files no reader took), "details". Unknown values are
+null, never guessed: "lr.param_groups" is null when
 the checkpoint holds no optimizer (a safetensors file), not an empty list. In "tree", a tensor is
 {"shape","dtype","numel"} (+ "value" for tiny tensors, "merge" for TP tensors); an object of a class the
 reader does not run is {"class", "fields"}; other values are plain JSON.
 """
+
 from __future__ import annotations
 
 import re
@@ -49,24 +51,38 @@ def list_checkpoints(folder: str | Path) -> list[dict[str, Any]]:
     one-line reason one cannot be opened (then `step` and `bytes` are null)."""
     rows = []
     for path, mod in formats.checkpoints_inside(Path(folder)):
-        row: dict[str, Any] = {"path": str(path), "format": getattr(mod, "FORMAT", None), "step": None,
-                               "bytes": None, "error": None,
-                               "modified": time.strftime("%Y-%m-%dT%H:%M:%S",
-                                                         time.localtime(formats.newest_mtime(path)))}
+        row: dict[str, Any] = {
+            "path": str(path),
+            "format": getattr(mod, "FORMAT", None),
+            "step": None,
+            "bytes": None,
+            "error": None,
+            "modified": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(formats.newest_mtime(path))),
+        }
         try:
             ck = mod.open(path)
         except (CkptError, OSError) as e:
             row["error"] = e.one_line() if isinstance(e, CkptError) else str(e)
         else:
             c = ck.counters
-            row.update(format=ck.format, bytes=sum(f.bytes for f in ck.files),
-                       step=c.global_step if c.global_step is not None else c.optimizer_step)
+            row.update(
+                format=ck.format,
+                bytes=sum(f.bytes for f in ck.files),
+                step=c.global_step if c.global_step is not None else c.optimizer_step,
+            )
         rows.append(row)
     return rows
 
 
-def filter_tree(node: Node, *, grep: str | None = None, depth: int | None = None,
-                rank: dict[str, int] | None = None, _path: str = "", _level: int = 0) -> Node | None:
+def filter_tree(
+    node: Node,
+    *,
+    grep: str | None = None,
+    depth: int | None = None,
+    rank: dict[str, int] | None = None,
+    _path: str = "",
+    _level: int = 0,
+) -> Node | None:
     """The subtree whose leaf paths match `grep` (a case-insensitive regex), cut at `depth` levels,
     keeping only tensors with a piece on `rank` (e.g. {"dp": 1}). None when nothing is left."""
     if grep is None and depth is None and not rank:
@@ -83,8 +99,14 @@ def filter_tree(node: Node, *, grep: str | None = None, depth: int | None = None
             return GroupNode(cut) if isinstance(node, GroupNode) else OpaqueNode(node.cls, cut)
         kids = {}
         for name, child in node.children.items():
-            sub = filter_tree(child, grep=pat, depth=depth, rank=rank,
-                              _path=f"{_path}.{name}" if _path else str(name), _level=_level + 1)
+            sub = filter_tree(
+                child,
+                grep=pat,
+                depth=depth,
+                rank=rank,
+                _path=f"{_path}.{name}" if _path else str(name),
+                _level=_level + 1,
+            )
             if sub is not None:
                 kids[name] = sub
         if not kids and (pat is not None or rank) and _path:
@@ -118,8 +140,16 @@ def node_to_json(node: Node, rank: dict[str, int] | None = None) -> Any:
             out["merge"] = node.merge
             out["shards"] = [{"shape": list(s.shape)} for s in node.shards]
         if rank:
-            out["pieces"] = [{"file": p.file, "rank": dict(p.rank), "numel": p.numel, "offset": p.src_offset,
-                              "dst_offset": p.dst_offset} for p in rank_pieces(node, rank)]
+            out["pieces"] = [
+                {
+                    "file": p.file,
+                    "rank": dict(p.rank),
+                    "numel": p.numel,
+                    "offset": p.src_offset,
+                    "dst_offset": p.dst_offset,
+                }
+                for p in rank_pieces(node, rank)
+            ]
         return out
     if isinstance(node, OpaqueNode):
         return {"class": node.cls, "fields": {k: node_to_json(v, rank) for k, v in node.children.items()}}
@@ -139,9 +169,11 @@ def summary(ck: Checkpoint, tree: Node | None = None, rank: dict[str, int] | Non
         "topology": {k: v for k, v in asdict(ck.topology).items() if v is not None or k not in ("ep", "vpp")},
         "parameters": {"count": ck.parameter_count, "tensors": ck.parameter_tensors},
         "counters": asdict(ck.counters),
-        "lr": {"param_groups": list(ck.lr.param_groups) if ck.lr.param_groups else None,
-               "base_lrs": list(ck.lr.base_lrs) if ck.lr.base_lrs is not None else None,
-               "last_lr": list(ck.lr.last_lr) if ck.lr.last_lr is not None else None},
+        "lr": {
+            "param_groups": list(ck.lr.param_groups) if ck.lr.param_groups else None,
+            "base_lrs": list(ck.lr.base_lrs) if ck.lr.base_lrs is not None else None,
+            "last_lr": list(ck.lr.last_lr) if ck.lr.last_lr is not None else None,
+        },
         "dtypes": list(ck.dtypes),
         "files": [{"path": f.path, "bytes": f.bytes, "role": f.role, "rank": dict(f.rank)} for f in ck.files],
         "files_unread": list((ck.details.get("accounting") or {}).get("unread", ())),
@@ -234,8 +266,9 @@ def tensor_stats(ck: Checkpoint, grep: str | None = None) -> Iterator[TensorStat
 
 
 def stats_warnings(stats: list[TensorStats]) -> list[Warning_]:
-    return [Warning_("non-finite", f"{s.path}: {s.nan} NaN and {s.inf} Inf values", s.path)
-            for s in stats if s.nan or s.inf]
+    return [
+        Warning_("non-finite", f"{s.path}: {s.nan} NaN and {s.inf} Inf values", s.path) for s in stats if s.nan or s.inf
+    ]
 
 
 def count_tensors(node: Node) -> int:

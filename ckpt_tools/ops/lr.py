@@ -37,9 +37,11 @@ scheduler's rule; `optimizer=N` picks one. A request that finds none of its fiel
 a silent "nothing to do".
 
 Order of use: `plan_set_lr(ck, scale=0.5)` / `plan_set_step(ck, optimizer_step=N)` (pure; reads metadata
-and the pickles) -> `LrPlan.plan` to `io.execute` (journaled outside the checkpoint, changed in place or staged and renamed,
+and the pickles) -> `LrPlan.plan` to `io.execute` (journaled outside the checkpoint, changed in place or staged and
+renamed,
 re-verified with the reader, rolled back on any failure).
 """
+
 from __future__ import annotations
 
 from ..view.accounting import guard, left_behind
@@ -58,7 +60,13 @@ from ..read.tree import Checkpoint, as_int
 
 # --- scheduler kinds ------------------------------------------------------------------------------------
 
-CLOSED_FORM, CHAINABLE, ONE_CYCLE, DEEPSPEED, NO_SCHEDULER = "closed-form", "chainable", "one-cycle", "deepspeed", "none"
+CLOSED_FORM, CHAINABLE, ONE_CYCLE, DEEPSPEED, NO_SCHEDULER = (
+    "closed-form",
+    "chainable",
+    "one-cycle",
+    "deepspeed",
+    "none",
+)
 MEGATRON = "megatron"  # Megatron-LM's OptimizerParamScheduler: the LR is recomputed every step from max_lr/min_lr
 JOB_CONFIG = "job-config"  # torchtitan: lr_scheduler saved as {last_epoch}; schedule and base LR from the job config
 REBUILT = "rebuilt"  # torchtune: no scheduler state; the recipe rebuilds it from initial_lr at the resumed step
@@ -76,23 +84,23 @@ SCHEDULER_LABEL = {
     MEGATRON: "Megatron OptimizerParamScheduler (opt_param_scheduler)",
     JOB_CONFIG: "torchtitan LRSchedulersContainer (saves only last_epoch; rebuilds the schedule from the job config)",
     REBUILT: "torchtune recipe (no scheduler state saved; the recipe rebuilds its scheduler from each param group's "
-             "initial_lr at the resumed step)",
+    "initial_lr at the resumed step)",
 }
 
 DRIVER = {
     CLOSED_FORM: "scheduler base_lrs x f(last_epoch) from the next scheduler.step(); the optimizer lr drives "
-                 "only the first resumed update",
+    "only the first resumed update",
     CHAINABLE: "the optimizer param_groups lr (each step multiplies/derives from it)",
     ONE_CYCLE: "the optimizer param_groups initial_lr / max_lr / min_lr",
     DEEPSPEED: "the launch config (ds_config scheduler/optimizer params); the checkpoint keeps only "
-               "last_batch_iteration; the optimizer lr drives only the first resumed update",
+    "last_batch_iteration; the optimizer lr drives only the first resumed update",
     NO_SCHEDULER: "the optimizer param_groups lr",
     MEGATRON: "each param group's max_lr / min_lr (restored from the optimizer state) on the schedule at num_steps; "
-              "Megatron recomputes the saved lr every step",
+    "Megatron recomputes the saved lr every step",
     JOB_CONFIG: "the JOB CONFIG's LR x the schedule at last_epoch; the saved per-parameter lr drives only the first "
-                "resumed update",
+    "resumed update",
     REBUILT: "each param group's initial_lr x the schedule at the resumed step (the saved lr is replaced: editing it "
-             "alone has no effect)",
+    "alone has no effect)",
 }
 
 _COSMETIC = "cosmetic (kept consistent)"
@@ -100,26 +108,55 @@ _FIRST_STEP = "drives the first resumed update only"
 
 #: what each LR field does, per scheduler kind (a field missing here is described by `_note`'s default)
 _NOTES = {
-    CLOSED_FORM: {"base_lrs": "DRIVES the LR (x f(last_epoch))", "lr": _FIRST_STEP, "_last_lr": _COSMETIC,
-                  "initial_lr": _COSMETIC, "last_epoch": "DRIVES: position on the schedule",
-                  "_step_count": "bookkeeping"},
-    CHAINABLE: {"lr": "DRIVES the LR (next LR derives from it)", "base_lrs": "kept consistent (CosineAnnealingLR "
-                "also reads it)", "_last_lr": _COSMETIC, "initial_lr": _COSMETIC, "eta_min": "floor of the schedule",
-                "last_epoch": "DRIVES: position on the schedule", "_step_count": "bookkeeping"},
-    ONE_CYCLE: {"initial_lr": "DRIVES the LR", "max_lr": "DRIVES the LR", "min_lr": "DRIVES the LR",
-                "lr": _FIRST_STEP, "base_lrs": _COSMETIC, "_last_lr": _COSMETIC,
-                "last_epoch": "DRIVES: position on the schedule", "_step_count": "bookkeeping"},
-    DEEPSPEED: {"lr": _FIRST_STEP + "; then the launch config", "initial_lr": _COSMETIC,
-                "last_batch_iteration": "DRIVES: position on the launch config's schedule",
-                "ds_config": "record of the run only: DeepSpeed never reads it back; change your launch config"},
-    MEGATRON: {"lr": "recomputed by Megatron every step (kept consistent)", "max_lr": "DRIVES the LR (peak)",
-               "min_lr": "DRIVES the LR (floor)", "initial_lr": _COSMETIC,
-               "scheduler": "checked against --lr / --min-lr at relaunch (see the note)"},
-    JOB_CONFIG: {"lr": _FIRST_STEP + "; then the job config's LR", "initial_lr": _COSMETIC + "; the job config's LR "
-                 "replaces it on resume"},
+    CLOSED_FORM: {
+        "base_lrs": "DRIVES the LR (x f(last_epoch))",
+        "lr": _FIRST_STEP,
+        "_last_lr": _COSMETIC,
+        "initial_lr": _COSMETIC,
+        "last_epoch": "DRIVES: position on the schedule",
+        "_step_count": "bookkeeping",
+    },
+    CHAINABLE: {
+        "lr": "DRIVES the LR (next LR derives from it)",
+        "base_lrs": "kept consistent (CosineAnnealingLR also reads it)",
+        "_last_lr": _COSMETIC,
+        "initial_lr": _COSMETIC,
+        "eta_min": "floor of the schedule",
+        "last_epoch": "DRIVES: position on the schedule",
+        "_step_count": "bookkeeping",
+    },
+    ONE_CYCLE: {
+        "initial_lr": "DRIVES the LR",
+        "max_lr": "DRIVES the LR",
+        "min_lr": "DRIVES the LR",
+        "lr": _FIRST_STEP,
+        "base_lrs": _COSMETIC,
+        "_last_lr": _COSMETIC,
+        "last_epoch": "DRIVES: position on the schedule",
+        "_step_count": "bookkeeping",
+    },
+    DEEPSPEED: {
+        "lr": _FIRST_STEP + "; then the launch config",
+        "initial_lr": _COSMETIC,
+        "last_batch_iteration": "DRIVES: position on the launch config's schedule",
+        "ds_config": "record of the run only: DeepSpeed never reads it back; change your launch config",
+    },
+    MEGATRON: {
+        "lr": "recomputed by Megatron every step (kept consistent)",
+        "max_lr": "DRIVES the LR (peak)",
+        "min_lr": "DRIVES the LR (floor)",
+        "initial_lr": _COSMETIC,
+        "scheduler": "checked against --lr / --min-lr at relaunch (see the note)",
+    },
+    JOB_CONFIG: {
+        "lr": _FIRST_STEP + "; then the job config's LR",
+        "initial_lr": _COSMETIC + "; the job config's LR replaces it on resume",
+    },
     NO_SCHEDULER: {"lr": "DRIVES the LR", "initial_lr": _COSMETIC},
-    REBUILT: {"initial_lr": "DRIVES the LR (the recipe rebuilds its scheduler from it)",
-              "lr": "replaced on resume by the rebuilt scheduler (kept consistent)"},
+    REBUILT: {
+        "initial_lr": "DRIVES the LR (the recipe rebuilds its scheduler from it)",
+        "lr": "replaced on resume by the rebuilt scheduler (kept consistent)",
+    },
 }
 
 #: LR-valued fields, scaled together by --scale / --lr
@@ -164,10 +201,17 @@ class LrPlan:
     schedulers: dict[int, str] = field(default_factory=dict)  # optimizer number -> scheduler kind
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.plan.to_json(), "scheduler": SCHEDULER_LABEL[self.scheduler], "scheduler_kind": self.scheduler,
-                "lr_driven_by": self.driver, "launch_config_change": self.config_change,
-                "optimizers": [{"optimizer": i, "scheduler_kind": k, "lr_driven_by": DRIVER[k]}
-                               for i, k in sorted(self.schedulers.items())]}
+        return {
+            **self.plan.to_json(),
+            "scheduler": SCHEDULER_LABEL[self.scheduler],
+            "scheduler_kind": self.scheduler,
+            "lr_driven_by": self.driver,
+            "launch_config_change": self.config_change,
+            "optimizers": [
+                {"optimizer": i, "scheduler_kind": k, "lr_driven_by": DRIVER[k]}
+                for i, k in sorted(self.schedulers.items())
+            ],
+        }
 
 
 @dataclass
@@ -199,12 +243,16 @@ class _File:
         ref = owner[key]
         fmt = pickle_reader._STRUCT.get(ref.dtype)
         if ref.storage is None or ref.numel != 1 or fmt is None or ref.storage.numel != 1:
-            raise UnsupportedCheckpoint(f"{_dotted(path + (key,))} is a {ref.dtype} tensor of shape {ref.shape} "
-                                        "in a shared storage; cannot set its value", path=self.path)
+            raise UnsupportedCheckpoint(
+                f"{_dotted(path + (key,))} is a {ref.dtype} tensor of shape {ref.shape} "
+                "in a shared storage; cannot set its value",
+                path=self.path,
+            )
         new = struct.pack("<" + fmt, value if fmt in "fde" else int(value))
         if ref.dtype.startswith("float") and struct.unpack("<" + fmt, new)[0] != value:
-            raise CkptError(f"{value} is not exactly representable as {ref.dtype} ({_dotted(path + (key,))})",
-                            path=self.path)
+            raise CkptError(
+                f"{value} is not exactly representable as {ref.dtype} ({_dotted(path + (key,))})", path=self.path
+            )
         old = ref.item()
         if old == value:
             return
@@ -252,9 +300,12 @@ def _dig(obj: Any, path: tuple) -> Any:
 def _load(path: Path, rel: str) -> _File:
     loaded = pickle_reader.load(path)
     if loaded.kind != "torch_zip":
-        raise UnsupportedCheckpoint(f"{rel} is a {loaded.kind.replace('_', ' ')} file; only torch zip files "
-                                    "(torch.save since 1.6) are rewritten", path=path,
-                                    hint="re-save it once with torch.save (zip format), then run this again")
+        raise UnsupportedCheckpoint(
+            f"{rel} is a {loaded.kind.replace('_', ' ')} file; only torch zip files "
+            "(torch.save since 1.6) are rewritten",
+            path=path,
+            hint="re-save it once with torch.save (zip format), then run this again",
+        )
     return _File(rel, path, loaded.obj)
 
 
@@ -273,10 +324,13 @@ class _DcpFile(_File):
     def _record(self, path: tuple, old: Any, new: Any, note: str, blob: bytes) -> None:
         key = self.index.get(path)
         if key is None:
-            raise UnsupportedCheckpoint(f"{_dotted(path)} is not one item of this DCP checkpoint; cannot edit it",
-                                        path=self.folder.root)
+            raise UnsupportedCheckpoint(
+                f"{_dotted(path)} is not one item of this DCP checkpoint; cannot edit it", path=self.folder.root
+            )
         self.blobs[key] = blob
-        self.changes.append(io.FieldChange(self.prefix + self.folder.item(key).rel, key, _plain(old), _plain(new), note))
+        self.changes.append(
+            io.FieldChange(self.prefix + self.folder.item(key).rel, key, _plain(old), _plain(new), note)
+        )
         self.checks.append((key, new))
 
     def set(self, owner: dict, path: tuple, key: Any, new: Any, note: str) -> None:
@@ -294,9 +348,15 @@ class _DcpFile(_File):
             whole = _dig(self.obj, item)
             dkey = self.index[item]
             self.blobs[dkey] = value_blob(whole)
-            self.changes.append(io.FieldChange(self.prefix + self.folder.item(dkey).rel,
-                                               f"{dkey}:{_dotted(path[len(item):] + (key,))}", _plain(old),
-                                               _plain(new), note))
+            self.changes.append(
+                io.FieldChange(
+                    self.prefix + self.folder.item(dkey).rel,
+                    f"{dkey}:{_dotted(path[len(item) :] + (key,))}",
+                    _plain(old),
+                    _plain(new),
+                    note,
+                )
+            )
             self.checks = [c for c in self.checks if c[0] != dkey] + [(dkey, whole)]
             return
         self._record(path + (key,), old, new, note, value_blob(new))
@@ -314,12 +374,15 @@ class _DcpFile(_File):
         self.matched += 1
         ref = owner[key]
         if ref.shape != () or pickle_reader._STRUCT.get(ref.dtype) is None:
-            raise UnsupportedCheckpoint(f"{_dotted(path + (key,))} is a {ref.dtype} tensor of shape {ref.shape}; "
-                                        "cannot set its value", path=self.folder.root)
+            raise UnsupportedCheckpoint(
+                f"{_dotted(path + (key,))} is a {ref.dtype} tensor of shape {ref.shape}; cannot set its value",
+                path=self.folder.root,
+            )
         fmt = pickle_reader._STRUCT[ref.dtype]
         if ref.dtype.startswith("float") and struct.unpack("<" + fmt, struct.pack("<" + fmt, value))[0] != value:
-            raise CkptError(f"{value} is not exactly representable as {ref.dtype} ({_dotted(path + (key,))})",
-                            path=self.folder.root)
+            raise CkptError(
+                f"{value} is not exactly representable as {ref.dtype} ({_dotted(path + (key,))})", path=self.folder.root
+            )
         old = ref.item()
         if old == value:
             return
@@ -332,9 +395,12 @@ class _DcpFile(_File):
         out = []
         for rel, nbytes, produce, edit in self.folder.append(self.blobs):
             rel = self.prefix + rel
-            method = ("re-pickled with the appended items' offsets/lengths, replaced whole" if rel.endswith(".metadata")
-                      else f"in place: {_n(len(by_file.get(rel, [])), 'new item blob')} (torch.save of the new "
-                      "value) appended after the last byte; the old ones left unreferenced")
+            method = (
+                "re-pickled with the appended items' offsets/lengths, replaced whole"
+                if rel.endswith(".metadata")
+                else f"in place: {_n(len(by_file.get(rel, [])), 'new item blob')} (torch.save of the new "
+                "value) appended after the last byte; the old ones left unreferenced"
+            )
             out.append(io.FileWrite(rel, tuple(by_file.get(rel, ())), nbytes, produce, method, edit))
         return out
 
@@ -406,10 +472,13 @@ def _collect(ck: Checkpoint) -> tuple[Path, list[_File], int]:
     files = [_open_source(src) for src in m.sources]
     if not any(f.found for f in files):
         searched = ", ".join(src.rel for src in m.sources) or "no file"
-        raise CkptError("no learning-rate or counter state found: no optimizer param_groups, no scheduler state "
-                        f"and no loop counter in {searched}", path=ck.path,
-                        hint="nothing was changed; pass the checkpoint folder that holds the optimizer/scheduler "
-                             "state (`ckpt inspect` shows what it holds)")
+        raise CkptError(
+            "no learning-rate or counter state found: no optimizer param_groups, no scheduler state "
+            f"and no loop counter in {searched}",
+            path=ck.path,
+            hint="nothing was changed; pass the checkpoint folder that holds the optimizer/scheduler "
+            "state (`ckpt inspect` shows what it holds)",
+        )
     return m.root, files, m.scheduler_steps_per_update
 
 
@@ -440,8 +509,12 @@ def _kind(files: list[_File], index: int, rebuilt: bool = False) -> tuple[str, d
         kind = DEEPSPEED  # a config scheduler whose state was not saved: still the config's trajectory
     if kind == NO_SCHEDULER and any(_megatron_scheduler(f) is not None for f in files):
         kind = MEGATRON
-    if kind == NO_SCHEDULER and any(isinstance(f.obj, dict) and isinstance(f.obj.get("lr_scheduler"), dict)
-                                    and set(map(str, f.obj["lr_scheduler"])) == {"last_epoch"} for f in files):
+    if kind == NO_SCHEDULER and any(
+        isinstance(f.obj, dict)
+        and isinstance(f.obj.get("lr_scheduler"), dict)
+        and set(map(str, f.obj["lr_scheduler"])) == {"last_epoch"}
+        for f in files
+    ):
         kind = JOB_CONFIG  # torchtitan: only the position is saved; the LR comes back from the job config
     if kind == NO_SCHEDULER and rebuilt:
         kind = REBUILT  # torchtune's recipe_state.pt: the recipe rebuilds the scheduler from initial_lr
@@ -462,23 +535,37 @@ def _megatron_relaunch(files: list[_File], idx: int, factors: list[float]) -> st
     s = _megatron_scheduler(f)
     # the first file that holds them (distributed: another file's), every optimizer in it (a ChainedOptimizer's
     # inner ones: dense, expert)
-    groups = next(([kg for _p, g, _i in _groups(f2, idx) for kg in g] for f2 in files
-                   if any(g for _p, g, _i in _groups(f2, idx))), [])
+    groups = next(
+        (
+            [kg for _p, g, _i in _groups(f2, idx) for kg in g]
+            for f2 in files
+            if any(g for _p, g, _i in _groups(f2, idx))
+        ),
+        [],
+    )
     fac = factors[0] if factors and len(set(factors)) == 1 else None
     before = [next_lr(s, g) for _k, g in groups]
     lines = []
     if fac is not None:
         new_s = {**s, "max_lr": s["max_lr"] * fac, "min_lr": s["min_lr"] * fac}
-        after = [next_lr(new_s, {**g, "max_lr": g.get("max_lr", s["max_lr"]) * fac,
-                                 "min_lr": g.get("min_lr", s["min_lr"]) * fac}) for _k, g in groups]
-        lines.append(f"first resumed iteration's LR per param group: {', '.join(f'{x:.6g}' for x in before)} -> "
-                     f"{', '.join(f'{x:.6g}' for x in after)}")
-        lines.append(f"RELAUNCH: Megatron asserts the checkpoint's scheduler max_lr/min_lr equal the command line; "
-                     f"keep your command line and add --use-checkpoint-opt_param-scheduler, or relaunch with --lr "
-                     f"{s['max_lr'] * fac:.6g} --min-lr {s['min_lr'] * fac:.6g} (add --override-opt_param-scheduler "
-                     "when other schedule flags such as --train-iters change too): the edited param-group "
-                     "max_lr/min_lr then drive the LR (measured with Megatron-LM core_v0.16.1; newer Megatron-LM "
-                     "re-applies the command line's bounds to the param groups under --override-opt_param-scheduler)")
+        after = [
+            next_lr(
+                new_s, {**g, "max_lr": g.get("max_lr", s["max_lr"]) * fac, "min_lr": g.get("min_lr", s["min_lr"]) * fac}
+            )
+            for _k, g in groups
+        ]
+        lines.append(
+            f"first resumed iteration's LR per param group: {', '.join(f'{x:.6g}' for x in before)} -> "
+            f"{', '.join(f'{x:.6g}' for x in after)}"
+        )
+        lines.append(
+            f"RELAUNCH: Megatron asserts the checkpoint's scheduler max_lr/min_lr equal the command line; "
+            f"keep your command line and add --use-checkpoint-opt_param-scheduler, or relaunch with --lr "
+            f"{s['max_lr'] * fac:.6g} --min-lr {s['min_lr'] * fac:.6g} (add --override-opt_param-scheduler "
+            "when other schedule flags such as --train-iters change too): the edited param-group "
+            "max_lr/min_lr then drive the LR (measured with Megatron-LM core_v0.16.1; newer Megatron-LM "
+            "re-applies the command line's bounds to the param groups under --override-opt_param-scheduler)"
+        )
     return "; ".join(lines)
 
 
@@ -535,9 +622,12 @@ def _base_lrs(files: list[_File], kind: str, cfg: dict | None, n: int, index: in
             if n == 1 and groups:  # flattened per parameter: one base LR for all, or --lr is ambiguous
                 bases = sorted({float(g.get("initial_lr", g.get("lr"))) for _, g in groups})
                 if len(bases) > 1:
-                    raise CkptError(f"--lr: the parameters of optimizer {index} are at different base LRs "
-                                    f"({', '.join(f'{b:.6g}' for b in bases)}) and their state is flattened per "
-                                    "parameter (no group numbers)", hint="use --scale to scale every LR alike")
+                    raise CkptError(
+                        f"--lr: the parameters of optimizer {index} are at different base LRs "
+                        f"({', '.join(f'{b:.6g}' for b in bases)}) and their state is flattened per "
+                        "parameter (no group numbers)",
+                        hint="use --scale to scale every LR alike",
+                    )
                 return bases
     raise CkptError("no learning rate found in this checkpoint (no optimizer param_groups, no scheduler base_lrs)")
 
@@ -584,15 +674,26 @@ def _pick(files: list[_File], optimizer: int | None) -> list[int]:
     if optimizer is None:
         return found
     if optimizer not in found:
-        raise CkptError(f"--optimizer {optimizer}: this checkpoint holds optimizer/scheduler state numbered "
-                        f"{', '.join(map(str, found)) or 'nowhere'}")
+        raise CkptError(
+            f"--optimizer {optimizer}: this checkpoint holds optimizer/scheduler state numbered "
+            f"{', '.join(map(str, found)) or 'nowhere'}"
+        )
     return [optimizer]
 
 
-def plan_set_lr(ck: Checkpoint, *, scale: float | None = None, lr: float | None = None, group: int | None = None,
-                last_lr: float | None = None, last_epoch: int | None = None,
-                step_count: int | None = None, optimizer: int | None = None, allow_unread: bool = False,
-                trust_pickles: bool = False) -> LrPlan:
+def plan_set_lr(
+    ck: Checkpoint,
+    *,
+    scale: float | None = None,
+    lr: float | None = None,
+    group: int | None = None,
+    last_lr: float | None = None,
+    last_epoch: int | None = None,
+    step_count: int | None = None,
+    optimizer: int | None = None,
+    allow_unread: bool = False,
+    trust_pickles: bool = False,
+) -> LrPlan:
     """The write that changes the LR trajectory (and/or the scheduler position) of `ck`.
 
     `scale`: multiply every LR field (base_lrs, _last_lr, lr, initial_lr, max_lr/min_lr, eta_min, and the
@@ -621,9 +722,11 @@ def plan_set_lr(ck: Checkpoint, *, scale: float | None = None, lr: float | None 
         kinds[idx] = kind
         n, flat = _n_groups(files, idx)
         if flat and group is not None:
-            raise CkptError(f"--group {group}: optimizer {idx}'s state is flattened per parameter "
-                            "(flatten_optimizer_state_dict=True) and keeps no group numbers; use --scale for all "
-                            "groups")
+            raise CkptError(
+                f"--group {group}: optimizer {idx}'s state is flattened per parameter "
+                "(flatten_optimizer_state_dict=True) and keeps no group numbers; use --scale for all "
+                "groups"
+            )
         sel = _select(n, group)
         factors = [1.0] * n
         if scale is not None:
@@ -632,13 +735,16 @@ def plan_set_lr(ck: Checkpoint, *, scale: float | None = None, lr: float | None 
             base = _base_lrs(files, kind, cfg, n, idx)
             factors = [lr / base[g] if g in sel else 1.0 for g in range(n)]
         if flat and len(set(factors)) > 1:
-            raise CkptError(f"--lr gives the groups of optimizer {idx} different factors "
-                            f"({', '.join(f'{x:.6g}' for x in factors)}), but its state is flattened per parameter: "
-                            "use --scale")
+            raise CkptError(
+                f"--lr gives the groups of optimizer {idx} different factors "
+                f"({', '.join(f'{x:.6g}' for x in factors)}), but its state is flattened per parameter: "
+                "use --scale"
+            )
         idx_change = config_change(cfg, factors) if kind == DEEPSPEED and any(f != 1.0 for f in factors) else None
         change = change or idx_change
-        job_lrs, job_flags = (_job_config_lrs(files, idx, factors[0] if factors else 1.0) if kind == JOB_CONFIG
-                              else ("", {}))
+        job_lrs, job_flags = (
+            _job_config_lrs(files, idx, factors[0] if factors else 1.0) if kind == JOB_CONFIG else ("", {})
+        )
         if job_flags and (scale is not None or lr is not None):
             change = change or {"job_config": job_flags}
         relaunch = _megatron_relaunch(files, idx, factors) if kind == MEGATRON else ""
@@ -646,33 +752,47 @@ def plan_set_lr(ck: Checkpoint, *, scale: float | None = None, lr: float | None 
         who = f"optimizer {idx}: " if len(picked) > 1 or idx else ""
         notes.append(f"{who}scheduler: {SCHEDULER_LABEL[kind]}; the LR after resume comes from {DRIVER[kind]}")
         if lr is not None:
-            notes.append(f"{who}--lr {lr:g}: base LR set; factor per group {', '.join(f'{x:.6g}' for x in factors)} "
-                         "applied to every LR field")
+            notes.append(
+                f"{who}--lr {lr:g}: base LR set; factor per group {', '.join(f'{x:.6g}' for x in factors)} "
+                "applied to every LR field"
+            )
         if last_lr is not None:
-            notes.append(f"{who}--last-lr {last_lr:g}: the LR in effect now (_last_lr and the optimizer lr)"
-                         + ("; the trajectory is unchanged from the next scheduler.step()" if kind == CLOSED_FORM
-                            else ""))
+            notes.append(
+                f"{who}--last-lr {last_lr:g}: the LR in effect now (_last_lr and the optimizer lr)"
+                + ("; the trajectory is unchanged from the next scheduler.step()" if kind == CLOSED_FORM else "")
+            )
         if kind == DEEPSPEED:
             if idx_change:
-                notes.append("DeepSpeed's scheduler takes its LRs from the LAUNCH config: editing the checkpoint "
-                             "cannot change the trajectory. Apply this change to the ds_config you launch with: "
-                             + _json(idx_change))
+                notes.append(
+                    "DeepSpeed's scheduler takes its LRs from the LAUNCH config: editing the checkpoint "
+                    "cannot change the trajectory. Apply this change to the ds_config you launch with: "
+                    + _json(idx_change)
+                )
             elif scale is not None or lr is not None:
-                notes.append("DeepSpeed's scheduler takes its LRs from the launch config, and the saved ds_config "
-                             "names no LR to change: set the scheduler's LRs in your launch config")
+                notes.append(
+                    "DeepSpeed's scheduler takes its LRs from the launch config, and the saved ds_config "
+                    "names no LR to change: set the scheduler's LRs in your launch config"
+                )
         if flat:
-            notes.append(f"{who}param groups saved per parameter (flatten_optimizer_state_dict): every parameter's "
-                         "lr / initial_lr edited")
+            notes.append(
+                f"{who}param groups saved per parameter (flatten_optimizer_state_dict): every parameter's "
+                "lr / initial_lr edited"
+            )
         if kind == MEGATRON and relaunch and (scale is not None or lr is not None):
             notes.append(relaunch)
         if kind == JOB_CONFIG and (scale is not None or lr is not None):
-            notes.append("SET THE LR IN YOUR JOB CONFIG TOO: torchtitan rebuilds the schedule from the job config on "
-                         "resume, so this edit alone changes only the first resumed update. " + job_lrs)
+            notes.append(
+                "SET THE LR IN YOUR JOB CONFIG TOO: torchtitan rebuilds the schedule from the job config on "
+                "resume, so this edit alone changes only the first resumed update. " + job_lrs
+            )
     if scale is not None:
-        notes.append(f"--scale {scale:g}: every LR field scaled alike" + (f" (param group {group})" if group is not None else ""))
+        notes.append(
+            f"--scale {scale:g}: every LR field scaled alike" + (f" (param group {group})" if group is not None else "")
+        )
     if world > 1 and DEEPSPEED not in kinds.values() and last_epoch is not None:
-        notes.append(f"Accelerate steps the scheduler {world}x per optimizer step: last_epoch should be "
-                     f"{world} x optimizer step")
+        notes.append(
+            f"Accelerate steps the scheduler {world}x per optimizer step: last_epoch should be {world} x optimizer step"
+        )
     return _finish(ck, root, files, "set-lr", notes, kinds, change, world)
 
 
@@ -693,15 +813,27 @@ def _job_config_lrs(files: list[_File], idx: int, factor: float) -> tuple[str, d
         if isinstance(v, (int, float)):
             flags[f"--optimizer.param-groups.{n}.optimizer-kwargs.lr"] = float(v) * factor
             pairs.append(f"{float(v):.6g} -> {float(v) * factor:.6g}")
-    text = (f"Config LR per param group ({', '.join(pairs)}): relaunch torchtitan with "
-            + " ".join(f"{k} {v:.6g}" for k, v in flags.items())
-            + " (torchtitan 0.3.0's option; N is the group's place in your config's optimizer.param_groups, "
-            "groups whose pattern matched no parameter are not saved)")
+    text = (
+        f"Config LR per param group ({', '.join(pairs)}): relaunch torchtitan with "
+        + " ".join(f"{k} {v:.6g}" for k, v in flags.items())
+        + " (torchtitan 0.3.0's option; N is the group's place in your config's optimizer.param_groups, "
+        "groups whose pattern matched no parameter are not saved)"
+    )
     return text, flags
 
 
-def _apply_lr(files: list[_File], idx: int, kind: str, factors: list[float], sel: list[int], flat: bool,
-              last_lr: float | None, last_epoch: int | None, step_count: int | None, change: dict | None) -> None:
+def _apply_lr(
+    files: list[_File],
+    idx: int,
+    kind: str,
+    factors: list[float],
+    sel: list[int],
+    flat: bool,
+    last_lr: float | None,
+    last_epoch: int | None,
+    step_count: int | None,
+    change: dict | None,
+) -> None:
     """Edit every LR field of optimizer `idx` and its scheduler in every file (every rank)."""
     n = len(factors)
     for f in files:
@@ -738,16 +870,21 @@ def _apply_lr(files: list[_File], idx: int, kind: str, factors: list[float], sel
                 if isinstance(ms.get(key), (int, float)):
                     f.set(ms, ("opt_param_scheduler",), key, ms[key] * factors[0], _note(kind, "scheduler"))
         elif ms is not None and any(x != 1.0 for x in factors):
-            raise CkptError("Megatron's scheduler holds one max_lr/min_lr for every param group: --group or an --lr "
-                            "that gives the groups different factors cannot be made consistent with it",
-                            hint="use --scale (or --lr when every group has the same max_lr)")
+            raise CkptError(
+                "Megatron's scheduler holds one max_lr/min_lr for every param group: --group or an --lr "
+                "that gives the groups different factors cannot be made consistent with it",
+                hint="use --scale (or --lr when every group has the same max_lr)",
+            )
         if f.found.ds_config and change:
             cpath, c = f.found.ds_config
             for section, sub in change.items():
                 if not isinstance(c.get(section), dict) or not isinstance(c[section].get("params"), dict):
-                    raise CorruptCheckpoint(f"ds_config in {f.rel} has no {section}.params while another file's "
-                                            "ds_config has them: the files of this checkpoint disagree", path=f.path,
-                                            hint="copy the file back from where the checkpoint was saved")
+                    raise CorruptCheckpoint(
+                        f"ds_config in {f.rel} has no {section}.params while another file's "
+                        "ds_config has them: the files of this checkpoint disagree",
+                        path=f.path,
+                        hint="copy the file back from where the checkpoint was saved",
+                    )
                 params = c[section]["params"]
                 for key, new in sub["params"].items():
                     f.set(params, cpath + (section, "params"), key, new, _note(DEEPSPEED, "ds_config"))
@@ -771,10 +908,18 @@ def _json(d: Any) -> str:
 # --- set-step -------------------------------------------------------------------------------------------
 
 
-def plan_set_step(ck: Checkpoint, *, step: int | None = None, optimizer_step: int | None = None,
-                  global_step: int | None = None, last_epoch: int | None = None,
-                  step_count: int | None = None, optimizer: int | None = None, allow_unread: bool = False,
-                  trust_pickles: bool = False) -> LrPlan:
+def plan_set_step(
+    ck: Checkpoint,
+    *,
+    step: int | None = None,
+    optimizer_step: int | None = None,
+    global_step: int | None = None,
+    last_epoch: int | None = None,
+    step_count: int | None = None,
+    optimizer: int | None = None,
+    allow_unread: bool = False,
+    trust_pickles: bool = False,
+) -> LrPlan:
     """The write that sets step counters in every file, rank and param group.
 
     `optimizer_step`: Adam's `step` (every state entry; FusedAdam-style group `step` too). `global_step`:
@@ -814,7 +959,7 @@ def plan_set_step(ck: Checkpoint, *, step: int | None = None, optimizer_step: in
                 if idx not in kinds:
                     continue
                 state = osd.get("state")
-                for pid, entry in (state.items() if isinstance(state, dict) else ()):
+                for pid, entry in state.items() if isinstance(state, dict) else ():
                     if isinstance(entry, dict) and "step" in entry:
                         _set_step(f, entry, path + ("state", pid), optimizer_step)
             for path, groups, idx in _groups(f):
@@ -833,23 +978,28 @@ def plan_set_step(ck: Checkpoint, *, step: int | None = None, optimizer_step: in
                     f.set_tensor_value(owner, path, key, global_step, "training-loop step counter")
                 else:
                     f.set(owner, path, key, global_step, "training-loop step counter")
-    units = _megatron_position(files, kinds, last_epoch, updates if step is not None else None,
-                               ck.counters.global_step)
+    units = _megatron_position(files, kinds, last_epoch, updates if step is not None else None, ck.counters.global_step)
     _check_steps_shared(files)
-    notes = [f"{f'optimizer {i}: ' if len(kinds) > 1 else ''}scheduler: {SCHEDULER_LABEL[k]}; the LR after resume "
-             f"comes from {DRIVER[k]}" for i, k in kinds.items()]
+    notes = [
+        f"{f'optimizer {i}: ' if len(kinds) > 1 else ''}scheduler: {SCHEDULER_LABEL[k]}; the LR after resume "
+        f"comes from {DRIVER[k]}"
+        for i, k in kinds.items()
+    ]
     if units:
         notes.append(units)
     if optimizer_step is not None:
         notes.append(f"Adam step -> {optimizer_step} in every rank and param group: bias correction resumes from it")
     if world > 1 and not any_ds:
-        notes.append(f"{world} processes step the scheduler once each per optimizer step, so last_epoch "
-                     f"= {world} x optimizer step")
+        notes.append(
+            f"{world} processes step the scheduler once each per optimizer step, so last_epoch "
+            f"= {world} x optimizer step"
+        )
     return _finish(ck, root, files, "set-step", left_behind(ck) + notes, kinds, None, world)
 
 
-def _megatron_position(files: list[_File], kinds: dict[int, str], num_steps: int | None, updates: int | None,
-                       iteration: int | None) -> str:
+def _megatron_position(
+    files: list[_File], kinds: dict[int, str], num_steps: int | None, updates: int | None, iteration: int | None
+) -> str:
     """Megatron's scheduler position (`num_steps`, in its own units: samples, i.e. iterations x global batch, when
     the run's schedule was given in iterations or samples): `--last-epoch` sets it as given; `--step N` sets it to N
     iterations' worth, the units read off the saved file (num_steps / iteration). Returns the plan note."""
@@ -864,14 +1014,24 @@ def _megatron_position(files: list[_File], kinds: dict[int, str], num_steps: int
         if n is None:
             it, saved = iteration, as_int(ms.get("num_steps"))  # as opened (the loop above may have set it)
             if not it or saved is None or saved % it:
-                raise UnsupportedCheckpoint(f"{f.rel}: num_steps {saved} is not a whole number of iterations "
-                                            f"({it}): the per-iteration batch changed (batch-size ramp-up?)",
-                                            path=f.path, hint="give the position in samples with --last-epoch")
+                raise UnsupportedCheckpoint(
+                    f"{f.rel}: num_steps {saved} is not a whole number of iterations "
+                    f"({it}): the per-iteration batch changed (batch-size ramp-up?)",
+                    path=f.path,
+                    hint="give the position in samples with --last-epoch",
+                )
             n = updates * (saved // it)
-            note = (f"Megatron scheduler num_steps -> {n} ({updates} iterations x {saved // it} samples each, as "
-                    "saved); args.consumed_train_samples (the data position) is not changed")
-        f.set(ms, ("opt_param_scheduler",), "num_steps", int(n),
-              "DRIVES: position on the schedule (samples: iterations x global batch)")
+            note = (
+                f"Megatron scheduler num_steps -> {n} ({updates} iterations x {saved // it} samples each, as "
+                "saved); args.consumed_train_samples (the data position) is not changed"
+            )
+        f.set(
+            ms,
+            ("opt_param_scheduler",),
+            "num_steps",
+            int(n),
+            "DRIVES: position on the schedule (samples: iterations x global batch)",
+        )
     return note or f"Megatron scheduler num_steps -> {num_steps} (its own units: samples)"
 
 
@@ -892,8 +1052,11 @@ def _check_steps_shared(files: list[_File]) -> None:
         steps = {id(_dig(f.obj, path)) for path, _ in f.checks if path[-1] == "step"}
         for ref in _tensors(f.obj):
             if ref.storage is not None and ref.storage.key in f.storage_bytes and id(ref) not in steps:
-                raise UnsupportedCheckpoint(f"storage {ref.storage.key} holds a step counter AND another tensor",
-                                            path=f.path, hint="cannot set one without the other")
+                raise UnsupportedCheckpoint(
+                    f"storage {ref.storage.key} holds a step counter AND another tensor",
+                    path=f.path,
+                    hint="cannot set one without the other",
+                )
 
 
 def _tensors(obj: Any, depth: int = 0) -> Iterator[TensorRef]:
@@ -916,15 +1079,26 @@ def _tensors(obj: Any, depth: int = 0) -> Iterator[TensorRef]:
 # --- the WritePlan --------------------------------------------------------------------------------------
 
 
-def _finish(ck: Checkpoint, root: Path, files: list[_File], command: str, notes: list[str], kinds: dict[int, str],
-            change: dict | None, world: int) -> LrPlan:
+def _finish(
+    ck: Checkpoint,
+    root: Path,
+    files: list[_File],
+    command: str,
+    notes: list[str],
+    kinds: dict[int, str],
+    change: dict | None,
+    world: int,
+) -> LrPlan:
     from ..write.pickle_writer import rewrite_torch_zip
 
     if not any(f.matched for f in files):
-        raise CkptError(f"{command}: none of the requested fields exists in this checkpoint (searched "
-                        f"{', '.join(f.rel for f in files)}: optimizer param_groups, scheduler state, Adam step, "
-                        "loop counters); nothing was changed", path=ck.path,
-                        hint="`ckpt inspect` shows which LR and counter fields it holds")
+        raise CkptError(
+            f"{command}: none of the requested fields exists in this checkpoint (searched "
+            f"{', '.join(f.rel for f in files)}: optimizer param_groups, scheduler state, Adam step, "
+            "loop counters); nothing was changed",
+            path=ck.path,
+            hint="`ckpt inspect` shows which LR and counter fields it holds",
+        )
 
     writes = []
     for f in files:
@@ -939,15 +1113,25 @@ def _finish(ck: Checkpoint, root: Path, files: list[_File], command: str, notes:
         if isinstance(f, _JsonFile):
             method, produce, edit = "JSON rewritten (indent 2, sorted keys)", f.produce, None
         else:
+
             def produce(tmp: Path, f: _File = f) -> None:
                 rewrite_torch_zip(f.path, tmp, f.obj, storage_bytes=f.storage_bytes)
 
             def edit(target: Path, f: _File = f) -> io.InPlace:
                 return _in_place(f, target)
 
-            method = ("in place: " + ("new data.pkl member appended" if f.pickle_changed else "pickle untouched")
-                      + (f"; {_n(len(f.storage_bytes), 'step storage')} overwritten, CRC-32 updated"
-                         if f.storage_bytes else "") + " (else " + method + ")")
+            method = (
+                "in place: "
+                + ("new data.pkl member appended" if f.pickle_changed else "pickle untouched")
+                + (
+                    f"; {_n(len(f.storage_bytes), 'step storage')} overwritten, CRC-32 updated"
+                    if f.storage_bytes
+                    else ""
+                )
+                + " (else "
+                + method
+                + ")"
+            )
         writes.append(io.FileWrite(f.rel, tuple(f.changes), f.path.stat().st_size, produce, method, edit))
     checks = {f.rel: (f, list(f.checks)) for f in files if f.changes and not isinstance(f, _DcpFile)}
     dcp_checks = [f.verify for f in files if f.changes and isinstance(f, _DcpFile)]
@@ -976,11 +1160,15 @@ def _finish(ck: Checkpoint, root: Path, files: list[_File], command: str, notes:
 
     if not writes:
         # a no-op is an error: a script that asked for a change must not read exit 0 as "done"
-        raise CkptError(f"{command}: nothing to change: no field that this request edits differs from the requested "
-                        f"value (searched {', '.join(f.rel for f in files)}); nothing was written", path=ck.path,
-                        hint="`ckpt inspect --grep 'lr|step'` shows the fields and their values")
-    plan = io.WritePlan(root, command, tuple(writes), tuple(notes), verify,
-                        trust_pickles=bool(ck.details.get("carried_pickles")))
+        raise CkptError(
+            f"{command}: nothing to change: no field that this request edits differs from the requested "
+            f"value (searched {', '.join(f.rel for f in files)}); nothing was written",
+            path=ck.path,
+            hint="`ckpt inspect --grep 'lr|step'` shows the fields and their values",
+        )
+    plan = io.WritePlan(
+        root, command, tuple(writes), tuple(notes), verify, trust_pickles=bool(ck.details.get("carried_pickles"))
+    )
     kind = kinds[min(kinds)] if kinds else NO_SCHEDULER
     return LrPlan(plan, kind, DRIVER[kind], change, world, dict(kinds))
 
@@ -1002,26 +1190,31 @@ def _in_place(f: _File, target: Path) -> io.InPlace:
     if not pkl:
         raise UnsupportedCheckpoint("zip archive without data.pkl (not written by torch.save)", path=target)
     prefix = min(pkl, key=len)[: -len("data.pkl")]
-    sizes = {i.filename[len(prefix) + 5:]: i.file_size for i in infos if i.filename.startswith(prefix + "data/")}
+    sizes = {i.filename[len(prefix) + 5 :]: i.file_size for i in infos if i.filename.startswith(prefix + "data/")}
     pickle_bytes = None
     if f.pickle_changed:
         pickle_bytes, storages = _pickle_tree(f.obj, str(target))
         for key, st in storages.items():
             if sizes.get(key, -1) < st.nbytes:
-                raise UnsupportedCheckpoint(f"the new tree refers to storage {key} ({st.nbytes} bytes), which "
-                                            f"{target.name} does not hold", path=target,
-                                            hint="tensors can only be kept, not added or moved between files")
+                raise UnsupportedCheckpoint(
+                    f"the new tree refers to storage {key} ({st.nbytes} bytes), which {target.name} does not hold",
+                    path=target,
+                    hint="tensors can only be kept, not added or moved between files",
+                )
     for key, data in f.storage_bytes.items():
         if sizes.get(key) != len(data):
-            raise UnsupportedCheckpoint(f"new bytes for storage {key} ({len(data)} bytes) do not replace a storage "
-                                        "of the same size", path=target,
-                                        hint="only the values of existing storages can be replaced")
+            raise UnsupportedCheckpoint(
+                f"new bytes for storage {key} ({len(data)} bytes) do not replace a storage of the same size",
+                path=target,
+                hint="only the values of existing storages can be replaced",
+            )
     patches = [Patch(f"{prefix}data/{key}", 0, bytes(data)) for key, data in f.storage_bytes.items()]
     return plan_in_place(target, patches, pickle_bytes)
 
 
-def set_lr(path: str | Path, *, backup_dir: Path | None = None, on_stage=None, copy: bool = False,
-           **kw) -> tuple[LrPlan, io.Transaction | None]:
+def set_lr(
+    path: str | Path, *, backup_dir: Path | None = None, on_stage=None, copy: bool = False, **kw
+) -> tuple[LrPlan, io.Transaction | None]:
     """Open, plan and execute `set-lr` in one call (the library's `ckpt set-lr --yes`)."""
     from ..view.checkpoint import open_checkpoint
 
@@ -1029,8 +1222,9 @@ def set_lr(path: str | Path, *, backup_dir: Path | None = None, on_stage=None, c
     return p, (io.execute(p.plan, backup_dir=backup_dir, on_stage=on_stage, copy=copy) if p.plan.writes else None)
 
 
-def set_step(path: str | Path, *, backup_dir: Path | None = None, on_stage=None, copy: bool = False,
-           **kw) -> tuple[LrPlan, io.Transaction | None]:
+def set_step(
+    path: str | Path, *, backup_dir: Path | None = None, on_stage=None, copy: bool = False, **kw
+) -> tuple[LrPlan, io.Transaction | None]:
     """Open, plan and execute `set-step` in one call (the library's `ckpt set-step --yes`)."""
     from ..view.checkpoint import open_checkpoint
 
@@ -1038,5 +1232,17 @@ def set_step(path: str | Path, *, backup_dir: Path | None = None, on_stage=None,
     return p, (io.execute(p.plan, backup_dir=backup_dir, on_stage=on_stage, copy=copy) if p.plan.writes else None)
 
 
-__all__ = ["LrPlan", "plan_set_lr", "plan_set_step", "set_lr", "set_step", "scheduler_kind", "config_change",
-           "CLOSED_FORM", "CHAINABLE", "ONE_CYCLE", "DEEPSPEED", "NO_SCHEDULER"]
+__all__ = [
+    "LrPlan",
+    "plan_set_lr",
+    "plan_set_step",
+    "set_lr",
+    "set_step",
+    "scheduler_kind",
+    "config_change",
+    "CLOSED_FORM",
+    "CHAINABLE",
+    "ONE_CYCLE",
+    "DEEPSPEED",
+    "NO_SCHEDULER",
+]

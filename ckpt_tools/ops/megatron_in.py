@@ -31,6 +31,7 @@ OptimizerParamScheduler with `lr_decay_style constant` and the same warm-up leng
 k-1: no Megatron warm-up matches every step), another DeepSpeed scheduler: written as a constant schedule at the
 param groups' current LR and listed as not moved.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,25 +60,49 @@ LAYER_NAMES = {
     "mlp.dense_4h_to_h.weight": "mlp.linear_fc2.weight",
     "mlp.dense_4h_to_h.bias": "mlp.linear_fc2.bias",
 }
-EMBEDDING_NAMES = {"word_embeddings.weight": "embedding.word_embeddings.weight",
-                   "position_embeddings.weight": "embedding.position_embeddings.weight"}
+EMBEDDING_NAMES = {
+    "word_embeddings.weight": "embedding.word_embeddings.weight",
+    "position_embeddings.weight": "embedding.position_embeddings.weight",
+}
 FINAL_NORM_NAMES = {"weight": "decoder.final_layernorm.weight", "bias": "decoder.final_layernorm.bias"}
 HEAD_NAMES = {"lm_head.weight": "output_layer.weight"}
 #: a decoder layer's tensors in the order Megatron-core registers its modules (the order its sharded state dict,
 #: and so its torch_dist .metadata, lists them; `megatron_write`'s legacy writer numbers the optimizer's ids by it)
-LAYER_ORDER = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
-               "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
-               "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-               "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias", "mlp.linear_fc1.weight",
-               "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
-TOP_ORDER = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight", "decoder.layers",
-             "decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
+LAYER_ORDER = (
+    "self_attention.linear_qkv.layer_norm_weight",
+    "self_attention.linear_qkv.layer_norm_bias",
+    "self_attention.linear_proj.weight",
+    "self_attention.linear_proj.bias",
+    "self_attention.linear_qkv.weight",
+    "self_attention.linear_qkv.bias",
+    "mlp.linear_fc1.layer_norm_weight",
+    "mlp.linear_fc1.layer_norm_bias",
+    "mlp.linear_fc1.weight",
+    "mlp.linear_fc1.bias",
+    "mlp.linear_fc2.weight",
+    "mlp.linear_fc2.bias",
+)
+TOP_ORDER = (
+    "embedding.word_embeddings.weight",
+    "embedding.position_embeddings.weight",
+    "decoder.layers",
+    "decoder.final_layernorm.weight",
+    "decoder.final_layernorm.bias",
+    "output_layer.weight",
+)
 #: the linears whose `_extra_state` Megatron's local spec saves ([None]) and asks for at load
 EXTRA_STATE_LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 #: param-group fields Megatron-core keeps beside torch's (core_v0.16.1 `_get_param_groups`): written, reported as
 #: added by the logical diff (the source's torch groups do not have them)
-MEGATRON_GROUP_KEYS = ("is_expert_parallel", "default_config", "wd_mult", "lr_mult", "is_decoupled_lr", "max_lr",
-                       "min_lr")
+MEGATRON_GROUP_KEYS = (
+    "is_expert_parallel",
+    "default_config",
+    "wd_mult",
+    "lr_mult",
+    "is_decoupled_lr",
+    "max_lr",
+    "min_lr",
+)
 _NAME = re.compile(r"^(\d+)\.(.+)$")
 
 
@@ -129,20 +154,33 @@ def _core_names(ck) -> dict[str, str]:
     seen_layers = False
     for spec in sorted(by_spec):
         names = by_spec[spec]
-        for table, kind in ((EMBEDDING_NAMES, "embedding"), (LAYER_NAMES, "layer"), (FINAL_NORM_NAMES, "norm"),
-                            (HEAD_NAMES, "head")):
+        for table, kind in (
+            (EMBEDDING_NAMES, "embedding"),
+            (LAYER_NAMES, "layer"),
+            (FINAL_NORM_NAMES, "norm"),
+            (HEAD_NAMES, "head"),
+        ):
             if set(names) <= set(table):
                 break
         else:
-            bad = sorted(n for n in names if not any(n in t for t in (EMBEDDING_NAMES, LAYER_NAMES, FINAL_NORM_NAMES,
-                                                                        HEAD_NAMES)))
-            _refuse(f"pipeline layer {spec} holds {', '.join(bad or names)}: not a layer of Megatron-DeepSpeed's GPT "
-                    "(embedding, ParallelTransformerLayer, final LayerNorm, LM head): ckpt does not map it to "
-                    "Megatron-core", ck)
+            bad = sorted(
+                n
+                for n in names
+                if not any(n in t for t in (EMBEDDING_NAMES, LAYER_NAMES, FINAL_NORM_NAMES, HEAD_NAMES))
+            )
+            _refuse(
+                f"pipeline layer {spec} holds {', '.join(bad or names)}: not a layer of Megatron-DeepSpeed's GPT "
+                "(embedding, ParallelTransformerLayer, final LayerNorm, LM head): ckpt does not map it to "
+                "Megatron-core",
+                ck,
+            )
         if kind == "layer":
             if set(names) != set(LAYER_NAMES):
-                _refuse(f"pipeline layer {spec} holds {sorted(names)}: not the LayerNorm / GeLU / biased layer "
-                        f"({sorted(LAYER_NAMES)}) ckpt maps to Megatron-core", ck)
+                _refuse(
+                    f"pipeline layer {spec} holds {sorted(names)}: not the LayerNorm / GeLU / biased layer "
+                    f"({sorted(LAYER_NAMES)}) ckpt maps to Megatron-core",
+                    ck,
+                )
             out.update({f"{spec}.{n}": f"decoder.layers.{layer}.{LAYER_NAMES[n]}" for n in names})
             layer += 1
             seen_layers = True
@@ -153,8 +191,11 @@ def _core_names(ck) -> dict[str, str]:
     core = set(out.values())
     need = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"}
     if need - core:
-        _refuse(f"no {', '.join(sorted(need - core))} in the pipeline: ckpt maps an untied GPT with learned "
-                "positions, a final LayerNorm and an LM head (a tied output layer is not handled yet)", ck)
+        _refuse(
+            f"no {', '.join(sorted(need - core))} in the pipeline: ckpt maps an untied GPT with learned "
+            "positions, a final LayerNorm and an LM head (a tied output layer is not handled yet)",
+            ck,
+        )
     return out
 
 
@@ -177,8 +218,11 @@ def core_view(ck, other=None):
         args = L._plain(other.tree.children["args"]) if other is not None and "args" in other.tree.children else None
         heads = args.get("num_attention_heads") if isinstance(args, dict) else None
         if not isinstance(heads, int):
-            _refuse("a torchtitan checkpoint read under Megatron-core names needs the head counts: the other side "
-                    "holds no Megatron args with num_attention_heads", ck)
+            _refuse(
+                "a torchtitan checkpoint read under Megatron-core names needs the head counts: the other side "
+                "holds no Megatron args with num_attention_heads",
+                ck,
+            )
         groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
         return titan_view(ck, heads, int(groups or heads))
     names = core_names(ck)
@@ -186,8 +230,9 @@ def core_view(ck, other=None):
     kids["model"] = _rename(ck.tree.children["model"], names)
     opt = ck.tree.children.get("optimizer")
     if isinstance(opt, GroupNode) and isinstance(opt.children.get("state"), GroupNode):
-        kids["optimizer"] = dataclasses.replace(opt, children={**opt.children,
-                                                               "state": _rename(opt.children["state"], names)})
+        kids["optimizer"] = dataclasses.replace(
+            opt, children={**opt.children, "state": _rename(opt.children["state"], names)}
+        )
     return dataclasses.replace(ck, tree=dataclasses.replace(ck.tree, children=kids))
 
 
@@ -226,26 +271,46 @@ def _architecture(ck) -> dict[str, Any]:
     ffn = shapes["decoder.layers.0.mlp.linear_fc1.weight"][0]
     heads = a.get("num_attention_heads")
     if not isinstance(heads, int) or heads < 1:
-        _refuse("the checkpoint's client state holds no Megatron-DeepSpeed `args` with num_attention_heads: the "
-                "attention heads cannot be read from the tensors", ck)
+        _refuse(
+            "the checkpoint's client state holds no Megatron-DeepSpeed `args` with num_attention_heads: the "
+            "attention heads cannot be read from the tensors",
+            ck,
+        )
     if qkv_rows != 3 * hidden or hidden % heads:
-        _refuse(f"query_key_value has {qkv_rows} rows for hidden {hidden} and {heads} heads: ckpt maps multi-head "
-                "attention only (GQA / MQA not handled: their per-group row order differs from Megatron-core's)", ck)
+        _refuse(
+            f"query_key_value has {qkv_rows} rows for hidden {hidden} and {heads} heads: ckpt maps multi-head "
+            "attention only (GQA / MQA not handled: their per-group row order differs from Megatron-core's)",
+            ck,
+        )
     norm = str(a.get("normalization") or "layernorm").lower()
-    checks = {"normalization": (norm, "layernorm"), "swiglu": (bool(a.get("swiglu")), False),
-              "untie_embeddings_and_output_weights": (bool(a.get("untie_embeddings_and_output_weights", True)), True),
-              "position_embedding_type": (a.get("position_embedding_type") or "learned_absolute", "learned_absolute"),
-              "add_bias_linear": (bool(a.get("add_bias_linear", True)), True),
-              "num_layers": (a.get("num_layers", layers), layers), "hidden_size": (a.get("hidden_size", hidden), hidden),
-              "ffn_hidden_size": (a.get("ffn_hidden_size", ffn), ffn)}
+    checks = {
+        "normalization": (norm, "layernorm"),
+        "swiglu": (bool(a.get("swiglu")), False),
+        "untie_embeddings_and_output_weights": (bool(a.get("untie_embeddings_and_output_weights", True)), True),
+        "position_embedding_type": (a.get("position_embedding_type") or "learned_absolute", "learned_absolute"),
+        "add_bias_linear": (bool(a.get("add_bias_linear", True)), True),
+        "num_layers": (a.get("num_layers", layers), layers),
+        "hidden_size": (a.get("hidden_size", hidden), hidden),
+        "ffn_hidden_size": (a.get("ffn_hidden_size", ffn), ffn),
+    }
     bad = [f"{k}={v!r}" for k, (v, want) in checks.items() if v != want]
     if bad:
-        _refuse(f"saved args {', '.join(bad)}: ckpt maps Megatron-DeepSpeed's GPT with LayerNorm, GeLU MLP, learned "
-                "positions, biases and an untied output layer, as its tensors hold it", ck)
+        _refuse(
+            f"saved args {', '.join(bad)}: ckpt maps Megatron-DeepSpeed's GPT with LayerNorm, GeLU MLP, learned "
+            "positions, biases and an untied output layer, as its tensors hold it",
+            ck,
+        )
     seq = shapes["embedding.position_embeddings.weight"][0]
-    return {"num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn, "num_attention_heads": heads,
-            "padded_vocab_size": vocab, "max_position_embeddings": seq,
-            "seq_length": int(a.get("seq_length") or seq), "layernorm_epsilon": float(a.get("layernorm_epsilon") or 1e-5)}
+    return {
+        "num_layers": layers,
+        "hidden_size": hidden,
+        "ffn_hidden_size": ffn,
+        "num_attention_heads": heads,
+        "padded_vocab_size": vocab,
+        "max_position_embeddings": seq,
+        "seq_length": int(a.get("seq_length") or seq),
+        "layernorm_epsilon": float(a.get("layernorm_epsilon") or 1e-5),
+    }
 
 
 def _schedule(ck, groups: list[dict[str, Any]]) -> tuple[dict[str, Any], str, str | None]:
@@ -259,9 +324,21 @@ def _schedule(ck, groups: list[dict[str, Any]]) -> tuple[dict[str, Any], str, st
             lr = float(groups[0]["lr"])
             return ({"lr": lr, "min_lr": lr, "warmup": 0, "init": 0.0, "style": "constant"}, "", None)
         top = float(groups[0]["initial_lr"])
-        return ({"lr": top, "min_lr": top * s["mf"], "warmup": max(s["W"] - 1, 0),
-                 "init": top / s["W"] if s["W"] > 1 else 0.0, "style": "WSD", "wsd_style": _WSD_STYLE[s["type"]],
-                 "wsd_iters": s["D"], "decay_iters": s["T"], "train_iters": s["training_steps"]}, "", None)
+        return (
+            {
+                "lr": top,
+                "min_lr": top * s["mf"],
+                "warmup": max(s["W"] - 1, 0),
+                "init": top / s["W"] if s["W"] > 1 else 0.0,
+                "style": "WSD",
+                "wsd_style": _WSD_STYLE[s["type"]],
+                "wsd_iters": s["D"],
+                "decay_iters": s["T"],
+                "train_iters": s["training_steps"],
+            },
+            "",
+            None,
+        )
     cfg = _config(ck)
     node = ck.tree.children.get("scheduler")
     state = node_to_python(node) if node is not None else None
@@ -269,8 +346,11 @@ def _schedule(ck, groups: list[dict[str, Any]]) -> tuple[dict[str, Any], str, st
     sched = cfg.get("scheduler") if isinstance(cfg.get("scheduler"), dict) else None
     current = lrs[0]
     if not state and not sched:
-        return ({"lr": current, "min_lr": current, "warmup": 0, "init": 0.0, "style": "constant"},
-                f"scheduler: none in the source (constant LR {current:g}): Megatron's constant schedule at that LR", None)
+        return (
+            {"lr": current, "min_lr": current, "warmup": 0, "init": 0.0, "style": "constant"},
+            f"scheduler: none in the source (constant LR {current:g}): Megatron's constant schedule at that LR",
+            None,
+        )
     kind, params = (sched or {}).get("type"), dict((sched or {}).get("params") or {})
     it = (state or {}).get("last_batch_iteration")
     iteration = ck.counters.global_step or 0
@@ -278,13 +358,18 @@ def _schedule(ck, groups: list[dict[str, Any]]) -> tuple[dict[str, Any], str, st
         lo, hi = params.get("warmup_min_lr", 0.0), params.get("warmup_max_lr", 0.001)
         w = int(params.get("warmup_num_steps", 1000))
         if not isinstance(lo, list) and not isinstance(hi, list) and it >= w and iteration >= w and lrs == [float(hi)]:
-            return ({"lr": float(hi), "min_lr": float(hi), "warmup": w, "init": float(lo), "style": "constant"},
-                    f"scheduler: DeepSpeed WarmupLR ({params.get('warmup_type', 'log')}, {lo:g} -> {hi:g} over {w} "
-                    f"steps) past its warm-up (last_batch_iteration {it}) as Megatron's OptimizerParamScheduler, "
-                    f"constant at {hi:g} with lr_warmup_iters {w}: the same LR at every later step", None)
-    line = (f"scheduler: DeepSpeed {kind or 'scheduler'} {params} at last_batch_iteration {it}: no Megatron "
-            "OptimizerParamScheduler gives the same LR at every later step; written as a constant schedule at the "
-            f"param groups' current LR {current:g}: relaunch with --override-opt_param-scheduler and your schedule")
+            return (
+                {"lr": float(hi), "min_lr": float(hi), "warmup": w, "init": float(lo), "style": "constant"},
+                f"scheduler: DeepSpeed WarmupLR ({params.get('warmup_type', 'log')}, {lo:g} -> {hi:g} over {w} "
+                f"steps) past its warm-up (last_batch_iteration {it}) as Megatron's OptimizerParamScheduler, "
+                f"constant at {hi:g} with lr_warmup_iters {w}: the same LR at every later step",
+                None,
+            )
+    line = (
+        f"scheduler: DeepSpeed {kind or 'scheduler'} {params} at last_batch_iteration {it}: no Megatron "
+        "OptimizerParamScheduler gives the same LR at every later step; written as a constant schedule at the "
+        f"param groups' current LR {current:g}: relaunch with --override-opt_param-scheduler and your schedule"
+    )
     return ({"lr": current, "min_lr": current, "warmup": 0, "init": 0.0, "style": "constant"}, line, line)
 
 
@@ -295,8 +380,10 @@ def _groups(ck) -> list[dict[str, Any]]:
 
 
 #: what a torchtitan run whose norms decay (its stock default_adamw: one group) can do about it
-_DROP_HINT = ("; --drop-norm-decay converts it with the norms (1-D tensors) in a group without weight decay, as "
-              "Megatron-core trains them (a change to the run, listed in the plan)")
+_DROP_HINT = (
+    "; --drop-norm-decay converts it with the norms (1-D tensors) in a group without weight decay, as "
+    "Megatron-core trains them (a change to the run, listed in the plan)"
+)
 
 
 def _megatron_groups(ck) -> tuple[list[dict[str, Any]], list[list[str]]]:
@@ -309,29 +396,41 @@ def _megatron_groups(ck) -> tuple[list[dict[str, Any]], list[list[str]]]:
     want_none = sorted(n for n in shapes if n not in want_decay)
     by = {tuple(sorted(g["params"])): g for g in groups}
     if set(by) != {tuple(want_decay), tuple(want_none)} or len(groups) != 2:
-        _refuse(f"{len(groups)} param groups not split as Megatron-core splits them (weights with decay; biases and "
-                "1-D tensors without): Megatron would rebuild other groups and load the state into them"
-                + (_DROP_HINT if _titan(ck) and len(groups) == 1 else ""), ck)
+        _refuse(
+            f"{len(groups)} param groups not split as Megatron-core splits them (weights with decay; biases and "
+            "1-D tensors without): Megatron would rebuild other groups and load the state into them"
+            + (_DROP_HINT if _titan(ck) and len(groups) == 1 else ""),
+            ck,
+        )
     wd, nowd = by[tuple(want_decay)], by[tuple(want_none)]
     if float(nowd.get("weight_decay") or 0.0) != 0.0:
-        _refuse(f"the biases' / norms' param group decays (weight_decay {nowd['weight_decay']}): Megatron-core's "
-                "default gives them wd_mult 0" + (_DROP_HINT if _titan(ck) else ""), ck)
+        _refuse(
+            f"the biases' / norms' param group decays (weight_decay {nowd['weight_decay']}): Megatron-core's "
+            "default gives them wd_mult 0" + (_DROP_HINT if _titan(ck) else ""),
+            ck,
+        )
     same = ("betas", "eps") if _titan(ck) else ("lr", "betas", "eps")  # torchtitan: each group's own max_lr
     diff = [k for k in same if wd.get(k) != nowd.get(k)]
     if diff:
-        _refuse(f"the two param groups differ in {', '.join(diff)}: Megatron-core has one "
-                f"{'Adam' if 'lr' not in diff else 'LR schedule'} for both", ck)
+        _refuse(
+            f"the two param groups differ in {', '.join(diff)}: Megatron-core has one "
+            f"{'Adam' if 'lr' not in diff else 'LR schedule'} for both",
+            ck,
+        )
     return [wd, nowd], [want_decay, want_none]
 
 
-def check(ck, src: Path, ckpt_format: str = "torch_dist", tp: int | None = None,
-          pp: int | None = None) -> tuple[None, None]:
+def check(
+    ck, src: Path, ckpt_format: str = "torch_dist", tp: int | None = None, pp: int | None = None
+) -> tuple[None, None]:
     """Refuse, in one line naming it, what this conversion does not carry into a loadable Megatron run; returns
     (None, None): torch_dist holds whole tensors, Megatron reshards them at load (`megatron_write.check`'s shape)."""
     if ckpt_format != "torch_dist":
         raise UnsupportedCheckpoint(
             f"--to megatron --ckpt-format {ckpt_format} needs a Megatron-LM torch_dist checkpoint; this is {ck.format}",
-            path=src, hint="convert it with --ckpt-format torch_dist first, then that run with --ckpt-format torch")
+            path=src,
+            hint="convert it with --ckpt-format torch_dist first, then that run with --ckpt-format torch",
+        )
     if _titan(ck):
         _titan_check(ck)
     else:
@@ -348,25 +447,34 @@ def check(ck, src: Path, ckpt_format: str = "torch_dist", tp: int | None = None,
 def _check_deepspeed(ck) -> None:
     cfg = _config(ck)
     if not (isinstance(cfg.get("bf16"), dict) and cfg["bf16"].get("enabled")):
-        _refuse("--to megatron from DeepSpeed is proven for bf16 runs (Megatron's bf16 params with an fp32 master); "
-                "this run is not bf16 (ds_config.bf16.enabled)", ck)
+        _refuse(
+            "--to megatron from DeepSpeed is proven for bf16 runs (Megatron's bf16 params with an fp32 master); "
+            "this run is not bf16 (ds_config.bf16.enabled)",
+            ck,
+        )
     opt = str((cfg.get("optimizer") or {}).get("type", "")).lower()
     if opt not in ("adam", "adamw"):
         _refuse(f"optimizer {opt or '(not in ds_config)'}: Megatron's plain optimizer here is Adam(W)", ck)
     if (ck.topology.zero_stage or 0) > 2:
         _refuse("ZeRO-3 pipeline checkpoint: not handled (DeepSpeed pipelines run ZeRO-1/2)", ck)
     if ck.counters.skipped_steps:
-        _refuse(f"{ck.counters.skipped_steps} skipped steps: the Adam step and the iteration differ, which "
-                "Megatron's checkpoint cannot say", ck)
+        _refuse(
+            f"{ck.counters.skipped_steps} skipped steps: the Adam step and the iteration differ, which "
+            "Megatron's checkpoint cannot say",
+            ck,
+        )
     _architecture(ck)
     if (ck.topology.tp or 1) > 1:
         from .tp_sync import check_tp_sync
 
         drifted = [p.name for p in check_tp_sync(ck).params if not p.in_sync]
         if drifted:  # the merge would take TP rank 0's copy silently: Megatron saves a replica once
-            _refuse(f"{len(drifted)} TP-replicated parameters differ across TP ranks ({', '.join(drifted[:4])}"
-                    f"{', ...' if len(drifted) > 4 else ''}): torch_dist keeps one copy", ck,
-                    hint=f"repair them first with `ckpt sync-tp {ck.path}` (average or one rank's value)")
+            _refuse(
+                f"{len(drifted)} TP-replicated parameters differ across TP ranks ({', '.join(drifted[:4])}"
+                f"{', ...' if len(drifted) > 4 else ''}): torch_dist keeps one copy",
+                ck,
+                hint=f"repair them first with `ckpt sync-tp {ck.path}` (average or one rank's value)",
+            )
 
 
 def _tp_pp(ck) -> tuple[int, int, int]:
@@ -408,38 +516,76 @@ def megatron_args(ck) -> dict[str, Any]:
         multiple = _vocab_multiple(padded, tp)
     out = {
         **arch,
-        "num_query_groups": arch["num_attention_heads"], "kv_channels": arch["hidden_size"] // arch["num_attention_heads"],
+        "num_query_groups": arch["num_attention_heads"],
+        "kv_channels": arch["hidden_size"] // arch["num_attention_heads"],
         "group_query_attention": False,
         # Megatron's NullTokenizer counts vocab_size + 1 (the end-of-document id): the saved rows, unpadded
-        "vocab_size": padded - 1, "tokenizer_type": "NullTokenizer",
-        "make_vocab_size_divisible_by": multiple, "mock_data": True,
-        "normalization": "LayerNorm", "swiglu": False, "untie_embeddings_and_output_weights": True,
-        "position_embedding_type": "learned_absolute", "add_position_embedding": True, "add_bias_linear": True,
-        "add_qkv_bias": True, "hidden_dropout": 0.0, "attention_dropout": 0.0, "transformer_impl": "local",
+        "vocab_size": padded - 1,
+        "tokenizer_type": "NullTokenizer",
+        "make_vocab_size_divisible_by": multiple,
+        "mock_data": True,
+        "normalization": "LayerNorm",
+        "swiglu": False,
+        "untie_embeddings_and_output_weights": True,
+        "position_embedding_type": "learned_absolute",
+        "add_position_embedding": True,
+        "add_bias_linear": True,
+        "add_qkv_bias": True,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "transformer_impl": "local",
         # no fused kernels (Apex / Megatron's own): a run these args rebuild starts on any GPU or CPU, as the
         # same maths (measured on an H100 without Apex: the persistent LayerNorm default stops the model's build)
-        "no_persist_layer_norm": True, "masked_softmax_fusion": False, "bias_gelu_fusion": False,
-        "bias_dropout_fusion": False, "gradient_accumulation_fusion": False,
-        "bf16": True, "fp16": False, "params_dtype": torch.bfloat16, "accumulate_allreduce_grads_in_fp32": True,
-        "optimizer": "adam", "use_distributed_optimizer": False,
-        "lr": sched["lr"], "min_lr": sched["min_lr"], "lr_decay_style": sched["style"],
-        "lr_warmup_iters": sched["warmup"], "lr_warmup_init": sched["init"],
-        "weight_decay": float(groups[0].get("weight_decay") or 0.0), "start_weight_decay": float(groups[0].get("weight_decay") or 0.0),
-        "end_weight_decay": float(groups[0].get("weight_decay") or 0.0), "weight_decay_incr_style": "constant",
-        "adam_beta1": float(betas[0]), "adam_beta2": float(betas[1]), "adam_eps": float(o.get("eps", groups[0].get("eps"))),
+        "no_persist_layer_norm": True,
+        "masked_softmax_fusion": False,
+        "bias_gelu_fusion": False,
+        "bias_dropout_fusion": False,
+        "gradient_accumulation_fusion": False,
+        "bf16": True,
+        "fp16": False,
+        "params_dtype": torch.bfloat16,
+        "accumulate_allreduce_grads_in_fp32": True,
+        "optimizer": "adam",
+        "use_distributed_optimizer": False,
+        "lr": sched["lr"],
+        "min_lr": sched["min_lr"],
+        "lr_decay_style": sched["style"],
+        "lr_warmup_iters": sched["warmup"],
+        "lr_warmup_init": sched["init"],
+        "weight_decay": float(groups[0].get("weight_decay") or 0.0),
+        "start_weight_decay": float(groups[0].get("weight_decay") or 0.0),
+        "end_weight_decay": float(groups[0].get("weight_decay") or 0.0),
+        "weight_decay_incr_style": "constant",
+        "adam_beta1": float(betas[0]),
+        "adam_beta2": float(betas[1]),
+        "adam_eps": float(o.get("eps", groups[0].get("eps"))),
         "clip_grad": 1.0 if _titan(ck) else float(cfg.get("gradient_clipping") or 0.0),
-        "micro_batch_size": mbs, "global_batch_size": gbs, "train_iters": train_iters,
+        "micro_batch_size": mbs,
+        "global_batch_size": gbs,
+        "train_iters": train_iters,
         "seed": int(a.get("seed") or 1234),
-        "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "data_parallel_size": dp,
-        "world_size": tp * pp * dp, "ckpt_format": "torch_dist", "use_dist_ckpt": True, "no_save_rng": True,
-        "iteration": iteration, "consumed_train_samples": iteration * gbs, "consumed_valid_samples": 0,
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+        "data_parallel_size": dp,
+        "world_size": tp * pp * dp,
+        "ckpt_format": "torch_dist",
+        "use_dist_ckpt": True,
+        "no_save_rng": True,
+        "iteration": iteration,
+        "consumed_train_samples": iteration * gbs,
+        "consumed_valid_samples": 0,
         "skipped_train_samples": 0,
     }
     if _titan(ck):
         out.update(arch)
         if sched["style"] == "WSD":
-            out.update({"lr_decay_iters": sched["decay_iters"], "lr_wsd_decay_style": sched["wsd_style"],
-                        "lr_wsd_decay_iters": sched["wsd_iters"]})
+            out.update(
+                {
+                    "lr_decay_iters": sched["decay_iters"],
+                    "lr_wsd_decay_style": sched["wsd_style"],
+                    "lr_wsd_decay_iters": sched["wsd_iters"],
+                }
+            )
     return out
 
 
@@ -447,15 +593,23 @@ def scheduler_state(ck, args: dict[str, Any]) -> dict[str, Any]:
     """The OptimizerParamScheduler state Megatron builds from `args` at the source's iteration (num_steps in
     samples: iterations x global batch)."""
     gbs = args["global_batch_size"]
-    return {"max_lr": args["lr"], "lr_warmup_steps": args["lr_warmup_iters"] * gbs,
-            "num_steps": args["iteration"] * gbs, "lr_decay_style": args["lr_decay_style"],
-            "lr_decay_steps": (args.get("lr_decay_iters") or args["train_iters"]) * gbs, "min_lr": args["min_lr"],
-            "start_wd": args["weight_decay"], "end_wd": args["weight_decay"], "wd_incr_style": "constant",
-            "wd_incr_steps": args["train_iters"] * gbs}
+    return {
+        "max_lr": args["lr"],
+        "lr_warmup_steps": args["lr_warmup_iters"] * gbs,
+        "num_steps": args["iteration"] * gbs,
+        "lr_decay_style": args["lr_decay_style"],
+        "lr_decay_steps": (args.get("lr_decay_iters") or args["train_iters"]) * gbs,
+        "min_lr": args["min_lr"],
+        "start_wd": args["weight_decay"],
+        "end_wd": args["weight_decay"],
+        "wd_incr_style": "constant",
+        "wd_incr_steps": args["train_iters"] * gbs,
+    }
 
 
-def plan_lines(ck, ckpt_format: str = "torch_dist", tp: int | None = None,
-               pp: int | None = None) -> tuple[list[str], list[str]]:
+def plan_lines(
+    ck, ckpt_format: str = "torch_dist", tp: int | None = None, pp: int | None = None
+) -> tuple[list[str], list[str]]:
     """(notes, not moved) for the conversion."""
     if _titan(ck):
         return _titan_lines(ck)
@@ -463,27 +617,31 @@ def plan_lines(ck, ckpt_format: str = "torch_dist", tp: int | None = None,
     arch = _architecture(ck)
     groups, _ = _megatron_groups(ck)
     _, snote, sgone = _schedule(ck, groups)
-    notes = [f"Megatron-LM torch_dist (plain Adam) from a Megatron-DeepSpeed pipeline (TP {tp} x PP {pp} x DP {dp}): "
-             f"global tensors under Megatron-core names, {arch['num_layers']} layers stacked on a leading axis; "
-             "Megatron reshards them at load, so it resumes at any TP / PP",
-             "weights: the layer files' module weights (bf16, Megatron's param dtype) and the ZeRO fp32 master as "
-             "optimizer.state.fp32_param; Adam's exp_avg / exp_avg_sq; the common Adam step; param groups in "
-             "Megatron-core's order (decaying weights; biases and 1-D tensors with wd_mult 0) with its fields "
-             "(max_lr, min_lr, wd_mult, lr_mult, ...)",
-             "query_key_value rows carried as they are: Megatron-DeepSpeed's [heads][q|k|v][head_dim] is "
-             "Megatron-core's linear_qkv order with one head per query group",
-             "args: built for this architecture (LayerNorm, GeLU, learned positions, untied output, no dropout, "
-             "the local transformer implementation), the parallel sizes, batch sizes, Adam hyper-parameters, "
-             "train_iters and schedule of the DeepSpeed run; tokenizer NullTokenizer sized to the saved vocabulary "
-             "rows and mock_data (relaunch with your own tokenizer and data flags)",
-             snote]
-    not_moved = ["RNG states: DeepSpeed's / the client's generators are not Megatron's (args.no_save_rng=True: "
-                 "Megatron seeds afresh from args.seed)",
-                 "data position: the DeepSpeed run's data loader is not Megatron's; consumed_train_samples = "
-                 "iteration x global batch is recorded",
-                 "num_floating_point_operations_so_far: DeepSpeed does not count it (written 0)",
-                 "ds_config and universal_checkpoint_info: DeepSpeed's launch configuration and TP merge metadata "
-                 "(used to read the source)"]
+    notes = [
+        f"Megatron-LM torch_dist (plain Adam) from a Megatron-DeepSpeed pipeline (TP {tp} x PP {pp} x DP {dp}): "
+        f"global tensors under Megatron-core names, {arch['num_layers']} layers stacked on a leading axis; "
+        "Megatron reshards them at load, so it resumes at any TP / PP",
+        "weights: the layer files' module weights (bf16, Megatron's param dtype) and the ZeRO fp32 master as "
+        "optimizer.state.fp32_param; Adam's exp_avg / exp_avg_sq; the common Adam step; param groups in "
+        "Megatron-core's order (decaying weights; biases and 1-D tensors with wd_mult 0) with its fields "
+        "(max_lr, min_lr, wd_mult, lr_mult, ...)",
+        "query_key_value rows carried as they are: Megatron-DeepSpeed's [heads][q|k|v][head_dim] is "
+        "Megatron-core's linear_qkv order with one head per query group",
+        "args: built for this architecture (LayerNorm, GeLU, learned positions, untied output, no dropout, "
+        "the local transformer implementation), the parallel sizes, batch sizes, Adam hyper-parameters, "
+        "train_iters and schedule of the DeepSpeed run; tokenizer NullTokenizer sized to the saved vocabulary "
+        "rows and mock_data (relaunch with your own tokenizer and data flags)",
+        snote,
+    ]
+    not_moved = [
+        "RNG states: DeepSpeed's / the client's generators are not Megatron's (args.no_save_rng=True: "
+        "Megatron seeds afresh from args.seed)",
+        "data position: the DeepSpeed run's data loader is not Megatron's; consumed_train_samples = "
+        "iteration x global batch is recorded",
+        "num_floating_point_operations_so_far: DeepSpeed does not count it (written 0)",
+        "ds_config and universal_checkpoint_info: DeepSpeed's launch configuration and TP merge metadata "
+        "(used to read the source)",
+    ]
     if sgone:
         not_moved.append(sgone)
     return notes, not_moved
@@ -513,8 +671,7 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     from ..write.dcp_write import DcpStreamWriter
     from ..write.megatron_write import CONTENT_METADATA, DIST_META, LATEST, dist_key
 
-    ck = source_view(L.open_any(plan.source), plan.hf_config, plan.seq_length, plan.lr_scheduler,
-                     plan.drop_norm_decay)
+    ck = source_view(L.open_any(plan.source), plan.hf_config, plan.seq_length, plan.lr_scheduler, plan.drop_norm_decay)
     names = core_names(ck)
     args = megatron_args(ck)
     layers = args["num_layers"]
@@ -523,8 +680,9 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     module = {t.name: t for t in L.model_tensors(ck, weights="module")}
     for p in plan.params:
         if p.kind != "param" or not p.states:
-            raise UnsupportedCheckpoint(f"{p.name}: a {p.kind} tensor without Adam state: ckpt writes trained "
-                                        "parameters only", path=plan.source)
+            raise UnsupportedCheckpoint(
+                f"{p.name}: a {p.kind} tensor without Adam state: ckpt writes trained parameters only", path=plan.source
+            )
     # {torch_dist key: [(layer or None, param)]} in Megatron's module order; the groups' keys in that order too
     keys: dict[str, list] = {}
     for p in sorted(plan.params, key=lambda p: _order(names[p.name])):
@@ -541,8 +699,10 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
             w.tensor_part((key,), (layers, *t.shape), (layer,) + (0,) * t.dim(), t.unsqueeze(0))
 
     # each linear's extra state after its last tensor (its bias; its weight where it has none)
-    extra = {next(k for k in (f"decoder.layers.{x}.bias", f"decoder.layers.{x}.weight") if k in keys): x
-             for x in EXTRA_STATE_LINEARS}
+    extra = {
+        next(k for k in (f"decoder.layers.{x}.bias", f"decoder.layers.{x}.weight") if k in keys): x
+        for x in EXTRA_STATE_LINEARS
+    }
     try:
         for key, items in keys.items():  # the module's weights (bf16), each linear's extra state after them
             for layer, p in items:
@@ -578,14 +738,30 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
             low = top * titan_sched["mf"]
         else:
             top = low = float(g["lr"])
-        pgroups.append({"is_expert_parallel": False, "default_config": True, "wd_mult": wd_mult, "lr_mult": 1.0,
-                        "is_decoupled_lr": False, "max_lr": top, "min_lr": low, **hp})
+        pgroups.append(
+            {
+                "is_expert_parallel": False,
+                "default_config": True,
+                "wd_mult": wd_mult,
+                "lr_mult": 1.0,
+                "is_decoupled_lr": False,
+                "max_lr": top,
+                "min_lr": low,
+                **hp,
+            }
+        )
     step = next(float(v["step"]) for v in L.optimizer_scalars(ck).values() if v.get("step") is not None)
-    common = {"args": argparse.Namespace(**args), "checkpoint_version": 3.0, "iteration": iteration,
-              "optimizer": {"optimizer": {"state": {"common_step": torch.tensor(step, dtype=torch.float32)},
-                                          "param_groups": pgroups}},
-              "opt_param_scheduler": scheduler_state(ck, args),
-              "num_floating_point_operations_so_far": 0.0, "content_metadata": dict(CONTENT_METADATA)}
+    common = {
+        "args": argparse.Namespace(**args),
+        "checkpoint_version": 3.0,
+        "iteration": iteration,
+        "optimizer": {
+            "optimizer": {"state": {"common_step": torch.tensor(step, dtype=torch.float32)}, "param_groups": pgroups}
+        },
+        "opt_param_scheduler": scheduler_state(ck, args),
+        "num_floating_point_operations_so_far": 0.0,
+        "content_metadata": dict(CONTENT_METADATA),
+    }
     torch.save(common, it / "common.pt")
     (it / "metadata.json").write_text(json.dumps(DIST_META))
     (root / LATEST).write_text(str(iteration))
@@ -605,8 +781,10 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
 #: torchtitan Llama name -> Megatron-core name ({}: the layer); the parts of one fused Megatron tensor in order
 _TITAN = (
     (r"tok_embeddings\.weight", "embedding.word_embeddings.weight"),
-    (r"layers\.(\d+)\.attention\.(?:qkv_linear\.)?w(q|k|v|qkv)\.weight",
-     "decoder.layers.{}.self_attention.linear_qkv.weight"),
+    (
+        r"layers\.(\d+)\.attention\.(?:qkv_linear\.)?w(q|k|v|qkv)\.weight",
+        "decoder.layers.{}.self_attention.linear_qkv.weight",
+    ),
     (r"layers\.(\d+)\.attention\.wo\.weight", "decoder.layers.{}.self_attention.linear_proj.weight"),
     (r"layers\.(\d+)\.attention_norm\.weight", "decoder.layers.{}.self_attention.linear_qkv.layer_norm_weight"),
     (r"layers\.(\d+)\.ffn_norm\.weight", "decoder.layers.{}.mlp.linear_fc1.layer_norm_weight"),
@@ -636,16 +814,22 @@ def _titan_core(name: str, ck) -> tuple[str, int]:
         if m:
             g = m.groups()
             return core.format(g[0]) if g else core, _PART_ORDER.get(g[1], 0) if len(g) > 1 else 0
-    _refuse(f"{name}: not a parameter of torchtitan's Llama (tok_embeddings, layers.N.attention / attention_norm / "
-            "feed_forward / ffn_norm, norm, output): ckpt does not map it to Megatron-core", ck)
+    _refuse(
+        f"{name}: not a parameter of torchtitan's Llama (tok_embeddings, layers.N.attention / attention_norm / "
+        "feed_forward / ffn_norm, norm, output): ckpt does not map it to Megatron-core",
+        ck,
+    )
 
 
 def _hf_cfg(ck) -> tuple[dict[str, Any], str]:
     path = ck.details.get("hf_config")
     if not path:
-        _refuse("a torchtitan checkpoint holds no model config: --to megatron needs the model's Hugging Face "
-                "config.json for the head counts, RoPE and norm settings", ck,
-                hint="add --hf-config CONFIG.json (as for `ckpt export --hf`)")
+        _refuse(
+            "a torchtitan checkpoint holds no model config: --to megatron needs the model's Hugging Face "
+            "config.json for the head counts, RoPE and norm settings",
+            ck,
+            hint="add --hf-config CONFIG.json (as for `ckpt export --hf`)",
+        )
     return json.loads(Path(path).read_text()), path
 
 
@@ -667,8 +851,15 @@ def titan_heads(cfg: dict[str, Any]) -> tuple[int, int]:
     return heads, cfg.get("num_key_value_heads") or heads
 
 
-def titan_view(ck, heads: int, groups: int, hf_config: str | None = None, seq_length: int | None = None,
-               lr_scheduler: str | None = None, drop_norm_decay: bool = False):
+def titan_view(
+    ck,
+    heads: int,
+    groups: int,
+    hf_config: str | None = None,
+    seq_length: int | None = None,
+    lr_scheduler: str | None = None,
+    drop_norm_decay: bool = False,
+):
     """The torchtitan checkpoint `ck` under Megatron-core names (see above), `heads` query heads in `groups` KV
     groups; `hf_config` / `seq_length` (the conversion's) kept in its details. `drop_norm_decay`
     (`--drop-norm-decay`): the 1-D tensors of a group that decays (torchtitan's stock `default_adamw`: one group,
@@ -691,8 +882,9 @@ def titan_view(ck, heads: int, groups: int, hf_config: str | None = None, seq_le
             if rows != (heads + 2 * groups) * (rows // (heads + 2 * groups)) or len(nodes) not in (1, 3):
                 _refuse(f"{core}: {rows} q/k/v rows do not fit {heads} heads in {groups} KV groups", ck)
             return TensorNode((rows, *nodes[0].shape[1:]), nodes[0].dtype, shards=tuple(nodes), merge=rule)
-        return TensorNode((sum(n.shape[0] for n in nodes), *nodes[0].shape[1:]), nodes[0].dtype,
-                          shards=tuple(nodes), merge="cat:0")
+        return TensorNode(
+            (sum(n.shape[0] for n in nodes), *nodes[0].shape[1:]), nodes[0].dtype, shards=tuple(nodes), merge="cat:0"
+        )
 
     def by_core(items) -> dict[str, list[tuple[int, Any]]]:
         out: dict[str, list[tuple[int, Any]]] = {}
@@ -718,7 +910,7 @@ def titan_view(ck, heads: int, groups: int, hf_config: str | None = None, seq_le
         rename = {name: _titan_core(name, ck)[0] for name in opt.children["state"].children}
         groups_node = opt.children.get("param_groups")
         pg = {}
-        for i, g in (groups_node.children.items() if isinstance(groups_node, GroupNode) else ()):
+        for i, g in groups_node.children.items() if isinstance(groups_node, GroupNode) else ():
             members = g.children.get("params") if isinstance(g, GroupNode) else None
             if isinstance(members, ValueNode) and isinstance(members.value, list):
                 names = list(dict.fromkeys(rename.get(n) or _titan_core(n, ck)[0] for n in members.value))
@@ -734,11 +926,14 @@ def titan_view(ck, heads: int, groups: int, hf_config: str | None = None, seq_le
         if drop_norm_decay:
             pg, dropped = _split_decaying_norms(pg, model, ck)
         pg = {str(j): g for j, g in enumerate(sorted(pg.values(), key=flat))}  # Megatron-core's group order
-        new["optimizer"] = GroupNode({**opt.children, "state": GroupNode(state),
-                                      **({"param_groups": GroupNode(pg)} if pg else {})})
+        new["optimizer"] = GroupNode(
+            {**opt.children, "state": GroupNode(state), **({"param_groups": GroupNode(pg)} if pg else {})}
+        )
     details = {k: v for k, v in ck.details.items() if k not in ("convert_unproven", "resume_unsupported", "fused")}
-    details[_VIEW] = (f"torchtitan Llama read under Megatron-core names ({heads} heads, {groups} KV groups: q/k rows "
-                      "in rotate-half order, wq/wk/wv fused per query group, w1/w3 as linear_fc1)")
+    details[_VIEW] = (
+        f"torchtitan Llama read under Megatron-core names ({heads} heads, {groups} KV groups: q/k rows "
+        "in rotate-half order, wq/wk/wv fused per query group, w1/w3 as linear_fc1)"
+    )
     if hf_config:
         details["hf_config"] = str(hf_config)
     if drop_norm_decay:
@@ -774,21 +969,32 @@ def _split_decaying_norms(pg: dict, model: dict, ck) -> tuple[dict, list[tuple[f
         out[f"{i}.norms"] = GroupNode({**g.children, "params": ValueNode(flat), "weight_decay": ValueNode(0.0)})
         dropped.append((decay, len(flat)))
     if not dropped:
-        _refuse("--drop-norm-decay: no param group decays the norms (1-D tensors): nothing to drop", ck,
-                hint="drop the flag")
+        _refuse(
+            "--drop-norm-decay: no param group decays the norms (1-D tensors): nothing to drop",
+            ck,
+            hint="drop the flag",
+        )
     return out, dropped
 
 
-def source_view(ck, hf_config: str | None = None, seq_length: int | None = None, lr_scheduler: str | None = None,
-                drop_norm_decay: bool = False):
+def source_view(
+    ck,
+    hf_config: str | None = None,
+    seq_length: int | None = None,
+    lr_scheduler: str | None = None,
+    drop_norm_decay: bool = False,
+):
     """What the conversion into Megatron reads: a torchtitan source as `titan_view` (its heads from the
     `--hf-config` given, every shape checked against it), any other source as it is."""
     if not is_torchtitan(ck):
         if hf_config is not None or seq_length is not None or lr_scheduler is not None or drop_norm_decay:
-            raise UnsupportedCheckpoint("--hf-config / --seq-length / --lr-scheduler / --drop-norm-decay describe a "
-                                        "torchtitan run, "
-                                        f"which saves no config; this is a {ck.format} checkpoint",
-                                        path=Path(ck.path), hint="drop them")
+            raise UnsupportedCheckpoint(
+                "--hf-config / --seq-length / --lr-scheduler / --drop-norm-decay describe a "
+                "torchtitan run, "
+                f"which saves no config; this is a {ck.format} checkpoint",
+                path=Path(ck.path),
+                hint="drop them",
+            )
         return ck
     from .export import _hf_config_file
 
@@ -798,8 +1004,9 @@ def source_view(ck, hf_config: str | None = None, seq_length: int | None = None,
     try:
         cfg = json.loads(cfg_file.read_text())
     except (OSError, ValueError) as e:
-        raise UnsupportedCheckpoint(f"--hf-config: cannot read it ({e})", path=cfg_file,
-                                    hint="pass a JSON config.json") from None
+        raise UnsupportedCheckpoint(
+            f"--hf-config: cannot read it ({e})", path=cfg_file, hint="pass a JSON config.json"
+        ) from None
     _titan_check_config(ck, cfg, str(cfg_file))
     heads, groups = titan_heads(cfg)
     return titan_view(ck, heads, groups, str(cfg_file), seq_length, lr_scheduler, drop_norm_decay)
@@ -812,9 +1019,12 @@ def _titan_check_config(ck, cfg: dict[str, Any], where: str) -> None:
 
     shapes = {n: tuple(t.shape) for n, t in iter_tensors(ck.tree.children["model"])}
     if not isinstance(cfg.get("head_dim"), int):  # without it any head count whose product fits passes the shapes
-        _refuse(f"{where} has no integer head_dim: the head counts, which order the q / k rows, cannot be checked "
-                "against the saved shapes (hidden_size / num_attention_heads would be assumed)", ck,
-                hint='add "head_dim": N (the model\'s head dimension) to the config.json')
+        _refuse(
+            f"{where} has no integer head_dim: the head counts, which order the q / k rows, cannot be checked "
+            "against the saved shapes (hidden_size / num_attention_heads would be assumed)",
+            ck,
+            hint='add "head_dim": N (the model\'s head dimension) to the config.json',
+        )
     torchtitan_llama_to_hf(shapes, cfg, where)  # every name mapped; q / k / embedding shapes and layer count
     ffn = next(s[0] for n, s in shapes.items() if n.endswith("feed_forward.w1.weight"))
     theta, scaling = _rope(cfg)
@@ -829,8 +1039,11 @@ def _titan_check_config(ck, cfg: dict[str, Any], where: str) -> None:
         bad.append(f"hidden_act {cfg.get('hidden_act')!r} (SwiGLU: silu)")
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         bad.append("biases")
-    for key, v in (("rope_theta", theta), ("rms_norm_eps", cfg.get("rms_norm_eps")),
-                   ("max_position_embeddings", cfg.get("max_position_embeddings"))):
+    for key, v in (
+        ("rope_theta", theta),
+        ("rms_norm_eps", cfg.get("rms_norm_eps")),
+        ("max_position_embeddings", cfg.get("max_position_embeddings")),
+    ):
         if not isinstance(v, (int, float)) or isinstance(v, bool):
             bad.append(f"no {key}")
     if isinstance(theta, float) and not theta.is_integer():
@@ -841,8 +1054,11 @@ def _titan_check_config(ck, cfg: dict[str, Any], where: str) -> None:
         if kind != "llama3" or fixed != _ROPE_FIXED or not isinstance(scaling.get("factor"), (int, float)):
             bad.append(f"rope_scaling {scaling} (Megatron-core has llama3 scaling with {_ROPE_FIXED} only)")
     if bad:
-        _refuse(f"{where} does not describe a torchtitan Llama Megatron-core can build: {'; '.join(bad)}", ck,
-                hint="pass this model's Hugging Face config.json (LlamaConfig)")
+        _refuse(
+            f"{where} does not describe a torchtitan Llama Megatron-core can build: {'; '.join(bad)}",
+            ck,
+            hint="pass this model's Hugging Face config.json (LlamaConfig)",
+        )
 
 
 # torchtitan 0.3.0's LR schedule (`LRSchedulersContainer.Config.build`: one LambdaLR factor for every group, from its
@@ -865,8 +1081,11 @@ def parse_titan_schedule(spec: str, ck) -> dict[str, Any]:
         key, _, value = part.partition("=")
         key = key.strip().replace("-", "_")
         if key not in _TITAN_SCHEDULE_KEYS or not value.strip():
-            _refuse(f"--lr-scheduler {part!r}: use {', '.join(k + '=' for k in _TITAN_SCHEDULE_KEYS)} (torchtitan's "
-                    "lr_scheduler fields and training.steps)", ck)
+            _refuse(
+                f"--lr-scheduler {part!r}: use {', '.join(k + '=' for k in _TITAN_SCHEDULE_KEYS)} (torchtitan's "
+                "lr_scheduler fields and training.steps)",
+                ck,
+            )
         got[key] = value.strip()
     if "training_steps" not in got and "total_steps" not in got:
         _refuse("--lr-scheduler needs training_steps= (torchtitan's training.steps) or total_steps=", ck)
@@ -883,10 +1102,20 @@ def parse_titan_schedule(spec: str, ck) -> dict[str, Any]:
     d = round(t * ratio) if ratio is not None else t - w
     d = min(d, t - w)
     if d < 1:
-        _refuse(f"--lr-scheduler {spec!r}: no decay steps (torchtitan's factor is then 1 after the warm-up): not "
-                "mapped", ck, hint="omit --lr-scheduler: a constant schedule at each group's LR is written")
-    return {"T": t, "W": w, "D": d, "S": t + 1 - w - d, "type": kind, "mf": mf,
-            "training_steps": int(got.get("training_steps") or t)}
+        _refuse(
+            f"--lr-scheduler {spec!r}: no decay steps (torchtitan's factor is then 1 after the warm-up): not mapped",
+            ck,
+            hint="omit --lr-scheduler: a constant schedule at each group's LR is written",
+        )
+    return {
+        "T": t,
+        "W": w,
+        "D": d,
+        "S": t + 1 - w - d,
+        "type": kind,
+        "mf": mf,
+        "training_steps": int(got.get("training_steps") or t),
+    }
 
 
 def titan_factor(s: dict[str, Any], n: int) -> float:
@@ -898,14 +1127,18 @@ def titan_factor(s: dict[str, Any], n: int) -> float:
     if n < s["W"] + s["S"]:
         return 1.0
     progress = float(n + 1 - s["W"] - s["S"]) / s["D"]
-    adj = {"linear": lambda: 1 - progress, "sqrt": lambda: 1 - math.sqrt(progress),
-           "cosine": lambda: 0.5 * (1.0 + math.cos(math.pi * progress))}[s["type"]]()
+    adj = {
+        "linear": lambda: 1 - progress,
+        "sqrt": lambda: 1 - math.sqrt(progress),
+        "cosine": lambda: 0.5 * (1.0 + math.cos(math.pi * progress)),
+    }[s["type"]]()
     return s["mf"] + (1 - s["mf"]) * adj
 
 
 def _titan_schedule(ck) -> dict[str, Any] | None:
     """The torchtitan schedule `--lr-scheduler` gave, checked against the checkpoint: each group's saved `lr` must be
-    its `initial_lr` x the factor at the saved `last_epoch` (what torchtitan's LambdaLR set), or it is not this run's."""
+    its `initial_lr` x the factor at the saved `last_epoch` (what torchtitan's LambdaLR set), or it is not this
+    run's."""
     spec = ck.details.get("titan_schedule")
     if not spec:
         return None
@@ -914,9 +1147,12 @@ def _titan_schedule(ck) -> dict[str, Any] | None:
     if epoch is None:
         _refuse("the checkpoint holds no lr_scheduler.last_epoch: the schedule's position is unknown", ck)
     if ck.counters.global_step != epoch:  # Megatron's position is its iteration (train_state.step)
-        _refuse(f"train_state.step {ck.counters.global_step} and lr_scheduler.last_epoch {epoch} differ: Megatron "
-                "places its schedule at its iteration, so the two must agree", ck,
-                hint="convert without --lr-scheduler (a constant schedule at each group's saved LR)")
+        _refuse(
+            f"train_state.step {ck.counters.global_step} and lr_scheduler.last_epoch {epoch} differ: Megatron "
+            "places its schedule at its iteration, so the two must agree",
+            ck,
+            hint="convert without --lr-scheduler (a constant schedule at each group's saved LR)",
+        )
     from ..view import logical as L
 
     for g in L.param_groups(ck):
@@ -925,9 +1161,12 @@ def _titan_schedule(ck) -> dict[str, Any] | None:
             _refuse("a param group without initial_lr / lr: torchtitan's LambdaLR sets both", ck)
         want = base * titan_factor(s, epoch)
         if abs(want - lr) > 1e-9 * max(abs(lr), abs(want), 1e-30):
-            _refuse(f"--lr-scheduler {spec!r} gives lr {want:.6g} at last_epoch {epoch} for the group with initial_lr "
-                    f"{base:g}, but the checkpoint holds {lr:.6g}: not the schedule this run trained with", ck,
-                    hint="pass the run's own torchtitan lr_scheduler settings and training.steps")
+            _refuse(
+                f"--lr-scheduler {spec!r} gives lr {want:.6g} at last_epoch {epoch} for the group with initial_lr "
+                f"{base:g}, but the checkpoint holds {lr:.6g}: not the schedule this run trained with",
+                ck,
+                hint="pass the run's own torchtitan lr_scheduler settings and training.steps",
+            )
     mid_warmup = epoch < s["W"] - 1 and len({float(g["initial_lr"]) for g in L.param_groups(ck)}) > 1
     return {**s, "last_epoch": epoch, "mid_warmup": mid_warmup}
 
@@ -940,40 +1179,64 @@ def _titan_arch(ck) -> dict[str, Any]:
     hidden = shapes["embedding.word_embeddings.weight"][1]
     theta, scaling = _rope(cfg)
     seq = int(ck.details.get("seq_length") or cfg["max_position_embeddings"])
-    return {"num_layers": sum(1 for k in shapes if k.endswith(".self_attention.linear_qkv.weight")),
-            "hidden_size": hidden, "ffn_hidden_size": shapes["decoder.layers.0.mlp.linear_fc2.weight"][1],
-            "num_attention_heads": heads, "num_query_groups": groups, "group_query_attention": groups != heads,
-            "kv_channels": int(cfg.get("head_dim") or hidden // heads),
-            "padded_vocab_size": shapes["embedding.word_embeddings.weight"][0],
-            "max_position_embeddings": int(cfg["max_position_embeddings"]), "seq_length": seq,
-            "layernorm_epsilon": float(cfg["rms_norm_eps"]), "normalization": "RMSNorm", "swiglu": True,
-            "position_embedding_type": "rope", "rotary_base": int(theta), "rotary_percent": 1.0,
-            "rotary_interleaved": False, "use_rope_scaling": scaling is not None,
-            "rope_scaling_factor": float(scaling["factor"]) if scaling else 8.0,
-            "untie_embeddings_and_output_weights": True, "add_position_embedding": False,
-            "add_bias_linear": False, "add_qkv_bias": False, "bias_swiglu_fusion": False, "apply_rope_fusion": False}
+    return {
+        "num_layers": sum(1 for k in shapes if k.endswith(".self_attention.linear_qkv.weight")),
+        "hidden_size": hidden,
+        "ffn_hidden_size": shapes["decoder.layers.0.mlp.linear_fc2.weight"][1],
+        "num_attention_heads": heads,
+        "num_query_groups": groups,
+        "group_query_attention": groups != heads,
+        "kv_channels": int(cfg.get("head_dim") or hidden // heads),
+        "padded_vocab_size": shapes["embedding.word_embeddings.weight"][0],
+        "max_position_embeddings": int(cfg["max_position_embeddings"]),
+        "seq_length": seq,
+        "layernorm_epsilon": float(cfg["rms_norm_eps"]),
+        "normalization": "RMSNorm",
+        "swiglu": True,
+        "position_embedding_type": "rope",
+        "rotary_base": int(theta),
+        "rotary_percent": 1.0,
+        "rotary_interleaved": False,
+        "use_rope_scaling": scaling is not None,
+        "rope_scaling_factor": float(scaling["factor"]) if scaling else 8.0,
+        "untie_embeddings_and_output_weights": True,
+        "add_position_embedding": False,
+        "add_bias_linear": False,
+        "add_qkv_bias": False,
+        "bias_swiglu_fusion": False,
+        "apply_rope_fusion": False,
+    }
 
 
 def _titan_check(ck) -> None:
     from ..view import logical as L
 
     if not L.optimizer_states(ck):
-        _refuse("no optimizer state: a model-only save (torchtitan's last save is model-only by default, "
-                "--checkpoint.last-save-model-only); --to megatron carries a run with its Adam state", ck,
-                hint="convert an intermediate step-N folder, or export the weights with `ckpt export`")
+        _refuse(
+            "no optimizer state: a model-only save (torchtitan's last save is model-only by default, "
+            "--checkpoint.last-save-model-only); --to megatron carries a run with its Adam state",
+            ck,
+            hint="convert an intermediate step-N folder, or export the weights with `ckpt export`",
+        )
     moments = sorted({t.dtype for st in L.optimizer_states(ck).values() for k, t in st.items() if k != "step"})
     if moments != ["float32"]:
         _refuse(f"Adam moments saved as {', '.join(moments)}: Megatron's optimizer keeps them in float32", ck)
     dtypes = sorted({t.dtype for t in L.model_tensors(ck, weights="module")})
     if dtypes != ["float32"]:
-        _refuse(f"weights saved as {', '.join(dtypes)}: the fp32 master Megatron's bf16 run keeps would be "
-                "rounded; torchtitan's FSDP2 saves float32", ck)
+        _refuse(
+            f"weights saved as {', '.join(dtypes)}: the fp32 master Megatron's bf16 run keeps would be "
+            "rounded; torchtitan's FSDP2 saves float32",
+            ck,
+        )
     for g in L.param_groups(ck):
         odd = [k for k in ("amsgrad", "maximize", "nesterov") if g.get(k)]
         if odd or g.get("decoupled_weight_decay") is False or "betas" not in g:
             why = ", ".join(odd) or "no betas / coupled weight decay"
-            _refuse(f"param group of {', '.join(g.get('params', [])[:2])}, ...: not AdamW ({why}): Megatron's "
-                    "optimizer here is AdamW", ck)
+            _refuse(
+                f"param group of {', '.join(g.get('params', [])[:2])}, ...: not AdamW ({why}): Megatron's "
+                "optimizer here is AdamW",
+                ck,
+            )
     _titan_arch(ck)
 
 
@@ -986,60 +1249,91 @@ def _titan_lines(ck) -> tuple[list[str], list[str]]:
     lrs = ", ".join(f"{float(g['lr']):g}" for g in groups)
     dp = ck.topology.dp or 1
     sched = _titan_schedule(ck)
-    notes = [f"Megatron-LM torch_dist (plain Adam) from a torchtitan Llama (FSDP2, DP {dp}): global tensors under "
-             f"Megatron-core names, {arch['num_layers']} layers stacked on a leading axis; Megatron reshards them at "
-             "load, so it resumes at any TP / PP",
-             f"attention: wq / wk / wv fused per query group into linear_qkv ({arch['num_attention_heads']} heads, "
-             f"{arch['num_query_groups']} KV groups from {path}); q / k rows permuted per head from torchtitan's "
-             "interleaved RoPE pairs to Megatron's rotate-half order (the permutation torchtitan's own Hugging Face "
-             "converter applies); SwiGLU w1 / w3 as linear_fc1 (gate rows, then up rows); Adam's moments moved with their rows",
-             "weights: the saved float32 weights as optimizer.state.fp32_param, the module's bf16 copy rounded from "
-             "them (Megatron's --bf16, as torchtitan's default bf16 FSDP compute); Adam's exp_avg / exp_avg_sq; the "
-             "common Adam step; param groups in Megatron-core's order (decaying weights; 1-D tensors with wd_mult 0)",
-             f"args: from {path} (its head counts checked against the q / k shapes; the RoPE base and scaling and the "
-             "norm eps cannot be checked against a checkpoint and are taken as given): RMSNorm (eps "
-             f"{arch['layernorm_epsilon']:g}), SwiGLU, RoPE base "
-             f"{arch['rotary_base']}" + (f" with llama3 scaling (factor {arch['rope_scaling_factor']:g})"
-                                         if arch["use_rope_scaling"] else "") +
-             f", no biases, untied output; seq_length {arch['seq_length']}"
-             f"{'' if ck.details.get('seq_length') else ' (max_position_embeddings; --seq-length sets it)'}; "
-             "no dropout, the local transformer implementation; tokenizer NullTokenizer sized to the saved "
-             "vocabulary rows and mock_data (relaunch with your own tokenizer and data flags)",
-             (f"scheduler: Megatron's constant schedule at each param group's saved LR ({lrs}: the LR torchtitan's "
-              "next step uses), each group's own max_lr / min_lr" if sched is None else
-              f"scheduler: torchtitan's warm-up {sched['W']} / stable {sched['S']} / {sched['type']} decay {sched['D']} "
-              f"over {sched['T']} steps (min_lr_factor {sched['mf']:g}; --lr-scheduler, checked against every group's "
-              f"saved LR at last_epoch {sched['last_epoch']}) as Megatron's WSD schedule (lr_decay_iters {sched['T']}, "
-              f"lr_wsd_decay_iters {sched['D']}, {_WSD_STYLE[sched['type']]}), each group's initial_lr as its max_lr: "
-              "the same LR at every later step")]
-    not_moved = ([f"LR schedule: torchtitan rebuilds its warmup / decay from its job config (the checkpoint's "
-                  f"lr_scheduler holds only last_epoch {ck.counters.scheduler_last_epoch}): written as a constant "
-                  f"schedule at the current LRs ({lrs}); pass --lr-scheduler with the run's settings to carry it"]
-                 if sched is None else [])
+    notes = [
+        f"Megatron-LM torch_dist (plain Adam) from a torchtitan Llama (FSDP2, DP {dp}): global tensors under "
+        f"Megatron-core names, {arch['num_layers']} layers stacked on a leading axis; Megatron reshards them at "
+        "load, so it resumes at any TP / PP",
+        f"attention: wq / wk / wv fused per query group into linear_qkv ({arch['num_attention_heads']} heads, "
+        f"{arch['num_query_groups']} KV groups from {path}); q / k rows permuted per head from torchtitan's "
+        "interleaved RoPE pairs to Megatron's rotate-half order (the permutation torchtitan's own Hugging Face "
+        "converter applies); SwiGLU w1 / w3 as linear_fc1 (gate rows, then up rows); Adam's moments moved with "
+        "their rows",
+        "weights: the saved float32 weights as optimizer.state.fp32_param, the module's bf16 copy rounded from "
+        "them (Megatron's --bf16, as torchtitan's default bf16 FSDP compute); Adam's exp_avg / exp_avg_sq; the "
+        "common Adam step; param groups in Megatron-core's order (decaying weights; 1-D tensors with wd_mult 0)",
+        f"args: from {path} (its head counts checked against the q / k shapes; the RoPE base and scaling and the "
+        "norm eps cannot be checked against a checkpoint and are taken as given): RMSNorm (eps "
+        f"{arch['layernorm_epsilon']:g}), SwiGLU, RoPE base "
+        f"{arch['rotary_base']}"
+        + (f" with llama3 scaling (factor {arch['rope_scaling_factor']:g})" if arch["use_rope_scaling"] else "")
+        + f", no biases, untied output; seq_length {arch['seq_length']}"
+        f"{'' if ck.details.get('seq_length') else ' (max_position_embeddings; --seq-length sets it)'}; "
+        "no dropout, the local transformer implementation; tokenizer NullTokenizer sized to the saved "
+        "vocabulary rows and mock_data (relaunch with your own tokenizer and data flags)",
+        (
+            f"scheduler: Megatron's constant schedule at each param group's saved LR ({lrs}: the LR torchtitan's "
+            "next step uses), each group's own max_lr / min_lr"
+            if sched is None
+            else f"scheduler: torchtitan's warm-up {sched['W']} / stable {sched['S']} / {sched['type']} decay "
+            f"{sched['D']} "
+            f"over {sched['T']} steps (min_lr_factor {sched['mf']:g}; --lr-scheduler, checked against every group's "
+            f"saved LR at last_epoch {sched['last_epoch']}) as Megatron's WSD schedule (lr_decay_iters {sched['T']}, "
+            f"lr_wsd_decay_iters {sched['D']}, {_WSD_STYLE[sched['type']]}), each group's initial_lr as its max_lr: "
+            "the same LR at every later step"
+        ),
+    ]
+    not_moved = (
+        [
+            f"LR schedule: torchtitan rebuilds its warmup / decay from its job config (the checkpoint's "
+            f"lr_scheduler holds only last_epoch {ck.counters.scheduler_last_epoch}): written as a constant "
+            f"schedule at the current LRs ({lrs}); pass --lr-scheduler with the run's settings to carry it"
+        ]
+        if sched is None
+        else []
+    )
     if sched is not None and sched["mid_warmup"]:
-        not_moved.append(f"the rest of the warm-up (to step {sched['W']}): Megatron has one lr_warmup_init for all "
-                         "groups, so only the first group's warm-up LRs are torchtitan's")
+        not_moved.append(
+            f"the rest of the warm-up (to step {sched['W']}): Megatron has one lr_warmup_init for all "
+            "groups, so only the first group's warm-up LRs are torchtitan's"
+        )
     if sched is not None:
-        not_moved.append("beyond torchtitan's last step its factor leaves min_lr_factor (its formula is not clamped); "
-                         "Megatron's stays at min_lr (the two agree up to the last step)")
-    not_moved += ["RNG states: torchtitan's generators are not Megatron's (args.no_save_rng=True: Megatron seeds "
-                  "afresh from args.seed)",
-                  "data position: torchtitan's dataloader state and ntokens_seen "
-                  f"({ck.details.get('train_state', 'not recorded')}); consumed_train_samples = iteration x global "
-                  "batch is recorded",
-                  f"batch sizes and gradient clipping live in torchtitan's job config: args record micro batch 1, "
-                  f"global batch {dp} (one sequence per DP rank) and clip_grad 1.0 (torchtitan's and Megatron's default "
-                  "max_norm): relaunch with yours; Megatron counts its schedule in samples of the saved global "
-                  "batch, so another --global-batch-size needs --override-opt_param-scheduler and moves the "
-                  "schedule's position"]
+        not_moved.append(
+            "beyond torchtitan's last step its factor leaves min_lr_factor (its formula is not clamped); "
+            "Megatron's stays at min_lr (the two agree up to the last step)"
+        )
+    not_moved += [
+        "RNG states: torchtitan's generators are not Megatron's (args.no_save_rng=True: Megatron seeds "
+        "afresh from args.seed)",
+        "data position: torchtitan's dataloader state and ntokens_seen "
+        f"({ck.details.get('train_state', 'not recorded')}); consumed_train_samples = iteration x global "
+        "batch is recorded",
+        f"batch sizes and gradient clipping live in torchtitan's job config: args record micro batch 1, "
+        f"global batch {dp} (one sequence per DP rank) and clip_grad 1.0 (torchtitan's and Megatron's default "
+        "max_norm): relaunch with yours; Megatron counts its schedule in samples of the saved global "
+        "batch, so another --global-batch-size needs --override-opt_param-scheduler and moves the "
+        "schedule's position",
+    ]
     for decay, n in ck.details.get("norm_decay_dropped") or ():
-        not_moved.append(f"weight decay {decay:g} on {n} norm weights (1-D tensors; --drop-norm-decay): torchtitan "
-                         "decayed them, Megatron-core never decays 1-D tensors (wd_mult 0): written in a group of "
-                         "their own with weight_decay 0, with their LR, Adam state and step as saved")
+        not_moved.append(
+            f"weight decay {decay:g} on {n} norm weights (1-D tensors; --drop-norm-decay): torchtitan "
+            "decayed them, Megatron-core never decays 1-D tensors (wd_mult 0): written in a group of "
+            "their own with weight_decay 0, with their LR, Adam state and step as saved"
+        )
     if L.optimizer_scalars(ck) and ck.counters.global_step is None:
         not_moved.append("the step: torchtitan's train_state is missing")
     return notes, not_moved
 
 
-__all__ = ["handles", "core_names", "core_view", "check", "plan_lines", "write", "megatron_args", "added",
-           "is_torchtitan", "source_view", "titan_view"]
+__all__ = [
+    "handles",
+    "core_names",
+    "core_view",
+    "check",
+    "plan_lines",
+    "write",
+    "megatron_args",
+    "added",
+    "is_torchtitan",
+    "source_view",
+    "titan_view",
+]

@@ -47,6 +47,7 @@ The folder is built under `io.new_folder`'s staging name and renamed into place 
 Under torchrun (`execute(distributed=True)`, `_execute_job`) the ranks share the parameters by bytes in a staging
 folder of a fixed name with a journal (`write/shares`), so that the same command resumes an interrupted job.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,7 +60,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from ..read import allowlist, safe_load
+from ..read import allowlist
 from ..read.pickle_reader import FdCache
 from ..errors import CkptError, UnsupportedCheckpoint
 from ..read.tensor_read import read_tensor, source_ranges
@@ -69,10 +70,16 @@ from ..read.tree import Checkpoint, GroupNode, TensorNode, ValueNode
 _EXPERT_NAME = re.compile(r"\.deepspeed_experts\.\d+\.")  # deepspeed.moe's expert parameters
 STATES = ("fp32", "exp_avg", "exp_avg_sq")  # what DeepSpeed's ZeRO-3 universal loader reads (and only that)
 ADAM_STATE = frozenset(("exp_avg", "exp_avg_sq"))
-OPTIM_SHARDED_KEYS = ("base_optimizer_state", "single_partition_of_fp32_groups", "param_slice_mappings",
-                      "fp32_flat_groups", "optimizer_state_dict")
+OPTIM_SHARDED_KEYS = (
+    "base_optimizer_state",
+    "single_partition_of_fp32_groups",
+    "param_slice_mappings",
+    "fp32_flat_groups",
+    "optimizer_state_dict",
+)
 VOCAB_TENSOR = "vocab_tensor"  # deepspeed.checkpoint.constants.VOCAB_TENSOR
 PARAM_N_SUB_PARAMS = "param_n_sub_params"
+
 
 class ReplicasDisagree(CkptError):
     """TP-replicated parameters differ across TP ranks: averaging or picking one is a decision for the user."""
@@ -135,20 +142,40 @@ class UniversalPlan:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "source": str(self.source), "format": self.source_format, "tag": self.tag, "out": str(self.out),
-            "out_tag": self.out_tag, "topology": self.topology, "tp_layout": self.layout,
-            "bytes": self.nbytes, "files": 2 + len(self.model_files) + len(self.z3_aliases) + sum(
-                len(j.states) + (0 if j.module_only or not j.has_step else 1) for j in self.params),
+            "source": str(self.source),
+            "format": self.source_format,
+            "tag": self.tag,
+            "out": str(self.out),
+            "out_tag": self.out_tag,
+            "topology": self.topology,
+            "tp_layout": self.layout,
+            "bytes": self.nbytes,
+            "files": 2
+            + len(self.model_files)
+            + len(self.z3_aliases)
+            + sum(len(j.states) + (0 if j.module_only or not j.has_step else 1) for j in self.params),
             "model_files": [p.name for p in self.model_files] + [a for a, _ in self.z3_aliases],
-            "params": [{"name": j.name, "shape": list(j.shape), "merge": j.merge, "how": j.how,
-                        "states": list(j.states), "bytes": j.nbytes} for j in self.params],
-            "notes": list(self.notes), "warnings": list(self.warnings), "optimizer_state": list(self.state_keys),
+            "params": [
+                {
+                    "name": j.name,
+                    "shape": list(j.shape),
+                    "merge": j.merge,
+                    "how": j.how,
+                    "states": list(j.states),
+                    "bytes": j.nbytes,
+                }
+                for j in self.params
+            ],
+            "notes": list(self.notes),
+            "warnings": list(self.warnings),
+            "optimizer_state": list(self.state_keys),
             "loads_at_zero_stages": list(self.stages),
         }
 
 
-def _open_source(path: Path, patterns: Sequence[str], *, allow_unread: bool = False,
-                 trust_pickles: bool = False) -> tuple[Checkpoint, Path, str]:
+def _open_source(
+    path: Path, patterns: Sequence[str], *, allow_unread: bool = False, trust_pickles: bool = False
+) -> tuple[Checkpoint, Path, str]:
     """(checkpoint, tag folder, kind) for the inputs we convert, refused while it is not the whole checkpoint
     (`accounting.require_whole`)."""
     from ..view.accounting import guard
@@ -163,7 +190,13 @@ def _open_source(path: Path, patterns: Sequence[str], *, allow_unread: bool = Fa
     if path.is_file():
         guard(mod.open(path), path, "to-universal", allow_unread=allow_unread, trust_pickles=trust_pickles)
     if name == "megatron_pipeline":
-        ck = guard(M.open(path, tp_patterns=tuple(patterns)), path, "to-universal", allow_unread=allow_unread, trust_pickles=trust_pickles)
+        ck = guard(
+            M.open(path, tp_patterns=tuple(patterns)),
+            path,
+            "to-universal",
+            allow_unread=allow_unread,
+            trust_pickles=trust_pickles,
+        )
         _, tag_dir, _ = C.resolve_tag(path, M.MARKER)
         return ck, tag_dir, "pipeline"
     if name == "deepspeed_moe":
@@ -177,17 +210,29 @@ def _open_source(path: Path, patterns: Sequence[str], *, allow_unread: bool = Fa
         try:
             _, tag_dir, _ = C.resolve_tag(path, "*mp_rank_*_model_states.pt")
         except CkptError:
-            raise UnsupportedCheckpoint("no DeepSpeed tag folder inside", path=path,
-                                        hint="to-universal converts DeepSpeed ZeRO, Megatron-DeepSpeed pipeline, "
-                                             "Accelerate+DeepSpeed checkpoints and HF Trainer+DeepSpeed "
-                                             "checkpoint-N folders (pass one checkpoint-N)") from None
-        ck = guard(deepspeed_moe.open_any(tag_dir), tag_dir, "to-universal", allow_unread=allow_unread, trust_pickles=trust_pickles)
+            raise UnsupportedCheckpoint(
+                "no DeepSpeed tag folder inside",
+                path=path,
+                hint="to-universal converts DeepSpeed ZeRO, Megatron-DeepSpeed pipeline, "
+                "Accelerate+DeepSpeed checkpoints and HF Trainer+DeepSpeed "
+                "checkpoint-N folders (pass one checkpoint-N)",
+            ) from None
+        ck = guard(
+            deepspeed_moe.open_any(tag_dir),
+            tag_dir,
+            "to-universal",
+            allow_unread=allow_unread,
+            trust_pickles=trust_pickles,
+        )
         return ck, tag_dir, "zero"
-    raise UnsupportedCheckpoint(f"to-universal does not convert {name} checkpoints", path=path,
-                                hint=f"it converts DeepSpeed ZeRO, Megatron-DeepSpeed pipeline and "
-                                     f"Accelerate+DeepSpeed checkpoints; for this one: ckpt convert {path} OUT "
-                                     "--to deepspeed-universal (weights and optimizer state), or `ckpt export` "
-                                     "(plain weights)")
+    raise UnsupportedCheckpoint(
+        f"to-universal does not convert {name} checkpoints",
+        path=path,
+        hint=f"it converts DeepSpeed ZeRO, Megatron-DeepSpeed pipeline and "
+        f"Accelerate+DeepSpeed checkpoints; for this one: ckpt convert {path} OUT "
+        "--to deepspeed-universal (weights and optimizer state), or `ckpt export` "
+        "(plain weights)",
+    )
 
 
 def handles(path: str | os.PathLike) -> bool:
@@ -218,10 +263,17 @@ def _layout_for(info: Any, tp: int, tp_layout: str | None, patterns: Sequence[st
     return user or base
 
 
-def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_layout: str | None = None,
-                      patterns: Sequence[str] = (), tp_replicated: str | None = None,
-                      target_stage: int | None = None, allow_unread: bool = False,
-                      trust_pickles: bool = False) -> UniversalPlan:
+def plan_to_universal(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    tp_layout: str | None = None,
+    patterns: Sequence[str] = (),
+    tp_replicated: str | None = None,
+    target_stage: int | None = None,
+    allow_unread: bool = False,
+    trust_pickles: bool = False,
+) -> UniversalPlan:
     """Decide every output file. Reads metadata, plus the bytes of TP-replicated parameters (to check that
     the TP ranks agree). Raises a CkptError naming the fix when the conversion would be a guess."""
     if tp_replicated not in (None, "average", "rank0"):
@@ -235,15 +287,21 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
     ranks = D.list_rank_files(tag_dir)
     tp, pp, dp = ck.topology.tp or 1, ck.topology.pp or 1, ck.topology.dp or 1
     if kind == "zero" and tp > 1:
-        raise UnsupportedCheckpoint(f"a ZeRO checkpoint with mp_world_size={tp} (AutoTP) is not supported yet",
-                                    path=tag_dir, hint="convert it with DeepSpeed's ds_to_universal")
+        raise UnsupportedCheckpoint(
+            f"a ZeRO checkpoint with mp_world_size={tp} (AutoTP) is not supported yet",
+            path=tag_dir,
+            hint="convert it with DeepSpeed's ds_to_universal",
+        )
     first = ranks[min(ranks)]
     # without ZeRO (a deepspeed.moe run at stage 0): the whole torch optimizer of expert-parallel rank 0, its
     # fp32 weights the master
     expp0 = [f for f in ck.files if f.role == "optimizer" and f.rank.get("ep") == 0] if not first.optim else []
     if not first.optim and not (expp0 and ck.topology.zero_stage == 0):
-        raise UnsupportedCheckpoint("no optimizer files (*_optim_states.pt): nothing to convert", path=tag_dir,
-                                    hint="a universal checkpoint is built from the ZeRO optimizer state")
+        raise UnsupportedCheckpoint(
+            "no optimizer files (*_optim_states.pt): nothing to convert",
+            path=tag_dir,
+            hint="a universal checkpoint is built from the ZeRO optimizer state",
+        )
     optim_file = first.optim[min(first.optim)] if first.optim else Path(ck.path) / expp0[0].path
     ms0 = ck.get("universal_checkpoint_info") if "universal_checkpoint_info" in ck.tree.children else None
     info = _raw_info(tag_dir, ranks) if ms0 is not None else None
@@ -255,9 +313,11 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
     if tp > 1 and layout is None:
         raise UnsupportedCheckpoint(
             f"tensor-parallel checkpoint (tp={tp}) without universal_checkpoint_info: which parameters are "
-            "replicated and which are split (and on which dim) is not recorded", path=tag_dir,
+            "replicated and which are split (and on which dim) is not recorded",
+            path=tag_dir,
             hint="pass --tp-layout megatron for Megatron-style names, or --pattern REGEX=MERGE for each kind; "
-                 "DeepSpeed's --inject_missing_state would concatenate every tensor on dim 0")
+            "DeepSpeed's --inject_missing_state would concatenate every tensor on dim 0",
+        )
     layout_name = "tp=1 (nothing to merge)" if layout is None else " > ".join(layout.sources)
     # a pickle naming code the reader would not run: the dry run must say so before anything loads it
     notes += [f"warning {w.code}: {w.message} ({w.path})" for w in ck.warnings if w.code == "unknown-global"]
@@ -274,16 +334,20 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
         if "fp32" not in nodes and isinstance(weight, TensorNode) and weight.dtype == "float32":
             nodes["fp32"] = weight  # no ZeRO, fp32 training: the weights are the master
         if "fp32" not in nodes:
-            raise UnsupportedCheckpoint(f"parameter {name} has no fp32 master weight in the optimizer files",
-                                        path=tag_dir, hint="the optimizer files are incomplete; re-copy them")
+            raise UnsupportedCheckpoint(
+                f"parameter {name} has no fp32 master weight in the optimizer files",
+                path=tag_dir,
+                hint="the optimizer files are incomplete; re-copy them",
+            )
         nodes = {"fp32": nodes["fp32"], **{k: nodes[k] for k in sorted(nodes) if k != "fp32"}}
         keys_seen |= set(nodes) - {"fp32"}
         group = int(kids["param_group"].value) if isinstance(kids.get("param_group"), ValueNode) else 0
         fp32 = nodes["fp32"]
         has_step = "step" in kids
         if layout is None:
-            jobs.append(ParamJob(name, fp32.shape, group, nodes, "whole", None, "tp=1", {"cat_dim": 0},
-                                 has_step=has_step))
+            jobs.append(
+                ParamJob(name, fp32.shape, group, nodes, "whole", None, "tp=1", {"cat_dim": 0}, has_step=has_step)
+            )
             continue
         shard_shape = fp32.shards[0].shape if fp32.shards else fp32.shape
         rule = layout.rule(name)
@@ -306,15 +370,28 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
     if unknown:
         raise UnsupportedCheckpoint(
             f"no TP merge rule for {len(unknown)} parameters ({', '.join(unknown[:6])}"
-            f"{', ...' if len(unknown) > 6 else ''}) under {layout_name}", path=tag_dir,
-            hint="add --pattern REGEX=MERGE (replicated, average, cat:0, cat:1) for them, or --tp-layout megatron")
+            f"{', ...' if len(unknown) > 6 else ''}) under {layout_name}",
+            path=tag_dir,
+            hint="add --pattern REGEX=MERGE (replicated, average, cat:0, cat:1) for them, or --tp-layout megatron",
+        )
 
     # module tensors without optimizer state: DeepSpeed writes {"param": weight.float()} as fp32.pt for them
     if kind == "zero":
         for name, node in ck.model.children.items():
             if name not in state and isinstance(node, TensorNode) and node.numel > 0:
-                jobs.append(ParamJob(name, node.shape, -1, {"fp32": node}, "whole", None, "module weight (no "
-                                     "optimizer state)", {}, module_only=True))
+                jobs.append(
+                    ParamJob(
+                        name,
+                        node.shape,
+                        -1,
+                        {"fp32": node},
+                        "whole",
+                        None,
+                        "module weight (no optimizer state)",
+                        {},
+                        module_only=True,
+                    )
+                )
 
     jobs = _check_replicas(jobs, tp_replicated, tag_dir, notes)
 
@@ -324,38 +401,52 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
     reason3 = stage3_incompatibility(state_keys)
     if reason3 is not None:
         if target_stage == 3:
-            raise UnsupportedCheckpoint(f"the output cannot be loaded at ZeRO-3: {reason3}", path=tag_dir,
-                                        hint="load it at ZeRO stage 1 or 2 (--target-stage 2): their universal "
-                                             "loader takes every state file")
+            raise UnsupportedCheckpoint(
+                f"the output cannot be loaded at ZeRO-3: {reason3}",
+                path=tag_dir,
+                hint="load it at ZeRO stage 1 or 2 (--target-stage 2): their universal loader takes every state file",
+            )
         stages = (1, 2)
         notes.append(f"written for ZeRO-1/2 loaders only: {reason3}")
     elif target_stage is not None:
         stages = (3,) if target_stage == 3 else (1, 2)
     if ck.details.get("num_experts"):  # a checkpoint that declares deepspeed.moe experts
         if target_stage == 3:
-            raise UnsupportedCheckpoint("a deepspeed.moe checkpoint cannot be loaded at ZeRO-3: DeepSpeed's ZeRO-3 "
-                                        "universal loader gives every param group group 0's settings, and its "
-                                        "MoE groups would lose `moe`", path=tag_dir, hint="load it at ZeRO stage 1 or 2")
+            raise UnsupportedCheckpoint(
+                "a deepspeed.moe checkpoint cannot be loaded at ZeRO-3: DeepSpeed's ZeRO-3 "
+                "universal loader gives every param group group 0's settings, and its "
+                "MoE groups would lose `moe`",
+                path=tag_dir,
+                hint="load it at ZeRO stage 1 or 2",
+            )
         stages = (1, 2)
         # DeepSpeed's universal loader finds each expert's folder by the loading rank's LOCAL expert id: at
         # ep_size > 1 every expert-parallel rank would load experts 0.. of its layer. Marked as expert
         # parameters (`is_expert_param`, `ep_num_experts`: DeepSpeed's own keys), the loader stops instead at
         # ep_size > 1 (it then asserts a stacked [num_experts, ...] tensor), and loads them as they are at 1
         n_exp = ck.details.get("num_experts")
-        jobs = [replace(j, extra={**j.extra, "is_expert_param": True, "ep_num_experts": n_exp})
-                if _EXPERT_NAME.search(j.name) else j for j in jobs]
-        notes += [f"every expert is written under its global id ({ck.details.get('experts', '')}): load it at "
-                  "expert-parallel size 1 (any DP size, ZeRO-1/2). DeepSpeed's universal loader finds each expert's "
-                  "folder by the loading rank's LOCAL expert id; the expert files are marked so that it stops with "
-                  "an assertion at ep_size > 1 rather than load every rank's experts from experts 0..",
-                  "the MoE param groups' `name` (ep_size_N, the saved expert-parallel size) is left out: the "
-                  "loading run keeps its own"]
+        jobs = [
+            replace(j, extra={**j.extra, "is_expert_param": True, "ep_num_experts": n_exp})
+            if _EXPERT_NAME.search(j.name)
+            else j
+            for j in jobs
+        ]
+        notes += [
+            f"every expert is written under its global id ({ck.details.get('experts', '')}): load it at "
+            "expert-parallel size 1 (any DP size, ZeRO-1/2). DeepSpeed's universal loader finds each expert's "
+            "folder by the loading rank's LOCAL expert id; the expert files are marked so that it stops with "
+            "an assertion at ep_size > 1 rather than load every rank's experts from experts 0..",
+            "the MoE param groups' `name` (ep_size_N, the saved expert-parallel size) is left out: the "
+            "loading run keeps its own",
+        ]
     warnings: list[str] = []
     if 3 in stages:
         groups = _param_groups_of(ck)
         adam = any("exp_avg" in j.states for j in jobs)
-        warnings += [w if target_stage == 3 else f"if loaded at ZeRO-3: {w}"
-                     for w in zero3_group_warnings(groups, shared_step=adam)]
+        warnings += [
+            w if target_stage == 3 else f"if loaded at ZeRO-3: {w}"
+            for w in zero3_group_warnings(groups, shared_step=adam)
+        ]
 
     model_files = tuple(sorted(rf.model_states for rf in ranks.values() if rf.model_states))
     if kind == "zero" and ck.topology.zero_stage == 3:
@@ -365,8 +456,13 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
     for rf in sorted(ranks.values(), key=lambda r: r.mp_rank):
         # ZeRO-1/2 loaders glob mp_rank_MM_model_states.pt, ZeRO-3 loaders zero_pp_rank_0_mp_rank_MM_...;
         # a source of either stage has only its own name: the other is the same file under a second name
-        plain, z3 = f"mp_rank_{rf.mp_rank:02d}_model_states.pt", f"zero_pp_rank_0_mp_rank_{rf.mp_rank:02d}_model_states.pt"
-        have = rf.model_states.name if rf.model_states else (rf.z3_model[min(rf.z3_model)].name if rf.z3_model else None)
+        plain, z3 = (
+            f"mp_rank_{rf.mp_rank:02d}_model_states.pt",
+            f"zero_pp_rank_0_mp_rank_{rf.mp_rank:02d}_model_states.pt",
+        )
+        have = (
+            rf.model_states.name if rf.model_states else (rf.z3_model[min(rf.z3_model)].name if rf.z3_model else None)
+        )
         if have is None:
             raise UnsupportedCheckpoint(f"mp_rank {rf.mp_rank:02d} has no model-states file", path=tag_dir)
         if 3 in stages and z3 not in names:
@@ -377,11 +473,31 @@ def plan_to_universal(source: str | os.PathLike, out: str | os.PathLike, *, tp_l
     topo = {"dp": dp, "tp": tp, "pp": pp, "zero_stage": ck.topology.zero_stage}
     if kind == "pipeline" and tp > 1:
         notes.append(f"TP shards merged by {layout_name}; the loader splits them again for any TP size")
-    return UniversalPlan(src, ck.format, tag_dir, tag_dir.name, Path(out), topo, tuple(jobs), model_files,
-                         tuple(aliases), optim_file, ds_version, layout_name, tuple(notes),
-                         {"tp_layout": tp_layout, "patterns": list(patterns), "tp_replicated": tp_replicated,
-                          "target_stage": target_stage}, state_keys, tuple(warnings), stages,
-                         trust_pickles=bool(ck.details.get("carried_pickles")))
+    return UniversalPlan(
+        src,
+        ck.format,
+        tag_dir,
+        tag_dir.name,
+        Path(out),
+        topo,
+        tuple(jobs),
+        model_files,
+        tuple(aliases),
+        optim_file,
+        ds_version,
+        layout_name,
+        tuple(notes),
+        {
+            "tp_layout": tp_layout,
+            "patterns": list(patterns),
+            "tp_replicated": tp_replicated,
+            "target_stage": target_stage,
+        },
+        state_keys,
+        tuple(warnings),
+        stages,
+        trust_pickles=bool(ck.details.get("carried_pickles")),
+    )
 
 
 # --- optimizer state beyond Adam's ---------------------------------------------------------------------
@@ -403,8 +519,10 @@ def stage3_incompatibility(state_keys: Sequence[str]) -> str | None:
         parts.append(f"it would drop {', '.join(dropped)}")
     if missing:
         parts.append(f"it requires {', '.join(k + '.pt' for k in missing)}, which this optimizer does not keep")
-    return ("DeepSpeed's ZeRO-3 universal loader reads only fp32/exp_avg/exp_avg_sq.pt (stage3.py "
-            "load_hp_checkpoint_state_from_checkpoint_dir_stage3): " + " and ".join(parts))
+    return (
+        "DeepSpeed's ZeRO-3 universal loader reads only fp32/exp_avg/exp_avg_sq.pt (stage3.py "
+        "load_hp_checkpoint_state_from_checkpoint_dir_stage3): " + " and ".join(parts)
+    )
 
 
 #: hyper-parameters every group gets from group 0 when DeepSpeed's ZeRO-3 universal loader runs
@@ -436,18 +554,24 @@ def zero3_group_warnings(param_groups: list[dict], *, shared_step: bool = False)
             if key in g and g.get(key) != g0.get(key):
                 changes.append(f"{key} {_fmt(g0.get(key))} instead of {_fmt(g.get(key))}")
         if changes:
-            out.append(f"DeepSpeed's ZeRO-3 universal loader copies param group 0's hyper-parameters onto every "
-                       f"group: group {i} will train with " + " and ".join(changes))
+            out.append(
+                f"DeepSpeed's ZeRO-3 universal loader copies param group 0's hyper-parameters onto every "
+                f"group: group {i} will train with " + " and ".join(changes)
+            )
         for key in g:
             if key not in _HPARAM_SKIP and key not in ("lr", "weight_decay") and g.get(key) != g0.get(key):
                 others.setdefault(key, []).append(i)
     for key, idx in sorted(others.items()):
-        out.append(f"DeepSpeed's ZeRO-3 universal loader also sets {key} of group{'s' if len(idx) > 1 else ''} "
-                   f"{', '.join(map(str, idx))} to group 0's {_fmt(g0.get(key))}")
+        out.append(
+            f"DeepSpeed's ZeRO-3 universal loader also sets {key} of group{'s' if len(idx) > 1 else ''} "
+            f"{', '.join(map(str, idx))} to group 0's {_fmt(g0.get(key))}"
+        )
     if shared_step:
         n = len(param_groups)
-        out.append(f"DeepSpeed's ZeRO-3 universal loader gives all {n} param groups one shared Adam step tensor: "
-                   f"each update advances the step by {n} instead of 1 (bias correction runs ahead)")
+        out.append(
+            f"DeepSpeed's ZeRO-3 universal loader gives all {n} param groups one shared Adam step tensor: "
+            f"each update advances the step by {n} instead of 1 (bias correction runs ahead)"
+        )
     return out
 
 
@@ -517,14 +641,22 @@ def _check_replicas(jobs: list[ParamJob], policy: str | None, where: Path, notes
     if policy is None:
         raise ReplicasDisagree(
             f"{len(names)} TP-replicated parameters differ across TP ranks: {shown}{', ...' if len(bad) > 6 else ''}",
-            path=where, hint="the replicas drifted apart during training; pass --tp-replicated average or "
-                             "--tp-replicated rank0 to choose (or repair them first with `ckpt sync-tp`)")
-    notes.append(f"{len(names)} drifted TP replicas resolved by --tp-replicated {policy}: {', '.join(names[:6])}"
-                 + (", ..." if len(names) > 6 else ""))
+            path=where,
+            hint="the replicas drifted apart during training; pass --tp-replicated average or "
+            "--tp-replicated rank0 to choose (or repair them first with `ckpt sync-tp`)",
+        )
+    notes.append(
+        f"{len(names)} drifted TP replicas resolved by --tp-replicated {policy}: {', '.join(names[:6])}"
+        + (", ..." if len(names) > 6 else "")
+    )
     if policy == "rank0":
         return jobs
-    return [replace(j, merge="average", how=j.how + "; drifted: averaged (--tp-replicated average)")
-            if j.name in names else j for j in jobs]
+    return [
+        replace(j, merge="average", how=j.how + "; drifted: averaged (--tp-replicated average)")
+        if j.name in names
+        else j
+        for j in jobs
+    ]
 
 
 # --- reading --------------------------------------------------------------------------------------------
@@ -565,9 +697,11 @@ def _check_globals(pickle_bytes: bytes, source: Path) -> None:
             continue
         module, _, name = str(arg).partition(" ")
         if not allowlist.is_allowed(module, name):
-            raise UnsupportedCheckpoint(f"refusing to load: the pickle names a class outside the allowlist "
-                                        f"({allowlist.dotted(module, name)})", path=source,
-                                        hint="inspect it with `ckpt inspect` to see the unknown global")
+            raise UnsupportedCheckpoint(
+                f"refusing to load: the pickle names a class outside the allowlist ({allowlist.dotted(module, name)})",
+                path=source,
+                hint="inspect it with `ckpt inspect` to see the unknown global",
+            )
 
 
 @dataclass(frozen=True)
@@ -611,8 +745,11 @@ def _steps_and_globals(plan: UniversalPlan) -> tuple[dict[int, Any], dict[str, A
         return _torch_optimizer_globals(sd, plan)
     osd = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
     if not isinstance(osd, dict):
-        raise CorruptCheckpoint("the optimizer file has no optimizer_state_dict", path=plan.optim_file,
-                                hint="the optimizer files are incomplete; re-copy them")
+        raise CorruptCheckpoint(
+            "the optimizer file has no optimizer_state_dict",
+            path=plan.optim_file,
+            hint="the optimizer files are incomplete; re-copy them",
+        )
     inner = osd.get("optimizer_state_dict") if "fp32_flat_groups" in osd else osd.get("base_optimizer_state")
     inner = inner if isinstance(inner, dict) else {}
     groups = inner.get("param_groups") or []
@@ -634,8 +771,7 @@ def _without_ep_names(groups: list) -> list:
     """An MoE group's `name` is its expert group at the SAVED expert-parallel size (ep_size_N); DeepSpeed's
     loader copies every key of a saved group onto the live one, and the live group must keep the name of the
     size it runs at (its optimizer looks the expert process group up by it): left out."""
-    return [{k: v for k, v in g.items() if k != "name"} if isinstance(g, dict) and g.get("moe") else g
-            for g in groups]
+    return [{k: v for k, v in g.items() if k != "name"} if isinstance(g, dict) and g.get("moe") else g for g in groups]
 
 
 def _torch_optimizer_globals(sd: Any, plan: UniversalPlan) -> tuple[dict[int, Any], dict[str, Any]]:
@@ -646,8 +782,9 @@ def _torch_optimizer_globals(sd: Any, plan: UniversalPlan) -> tuple[dict[int, An
 
     osd = sd.get("optimizer") if isinstance(sd, dict) else None
     if not isinstance(osd, dict) or not isinstance(osd.get("param_groups"), list):
-        raise CorruptCheckpoint("the optimizer file holds no torch optimizer state", path=plan.optim_file,
-                                hint="re-copy it")
+        raise CorruptCheckpoint(
+            "the optimizer file holds no torch optimizer state", path=plan.optim_file, hint="re-copy it"
+        )
     state = osd.get("state") if isinstance(osd.get("state"), dict) else {}
     steps = {}
     for gi, g in enumerate(osd["param_groups"]):
@@ -679,8 +816,9 @@ def _write_state(job: ParamJob, key: str, path: Path, fds: FdCache) -> int:
     from ..write.torch_zip import save
 
     node = job.states[key]
-    direct = job.merge == "whole" and not job.extra.get(VOCAB_TENSOR) and (
-        not job.module_only or node.dtype == "float32")
+    direct = (
+        job.merge == "whole" and not job.extra.get(VOCAB_TENSOR) and (not job.module_only or node.dtype == "float32")
+    )
     ranges = source_ranges(node, fds) if direct else None
     if ranges is not None:
         obj, pickle_bytes, storages = _state_pickle(job.extra, node.dtype, tuple(node.shape))
@@ -725,9 +863,16 @@ class UniversalResult:
     ranks: tuple[dict, ...] = ()
 
 
-def convert_params(plan: UniversalPlan, tag_out: Path, indices: Iterable[int], *, workers: int = 1,
-                   progress: Callable[[int], None] | None = None, steps: dict[int, Any] | None = None,
-                   on_done: Callable[[ParamJob], None] | None = None) -> int:
+def convert_params(
+    plan: UniversalPlan,
+    tag_out: Path,
+    indices: Iterable[int],
+    *,
+    workers: int = 1,
+    progress: Callable[[int], None] | None = None,
+    steps: dict[int, Any] | None = None,
+    on_done: Callable[[ParamJob], None] | None = None,
+) -> int:
     """Write `zero/<param>/` for the jobs at `indices` into `tag_out`; returns the bytes written. `on_done(job)`
     runs in the calling thread after each parameter is written (the resumable job verifies and journals it)."""
     if steps is None:
@@ -752,8 +897,7 @@ def convert_params(plan: UniversalPlan, tag_out: Path, indices: Iterable[int], *
         else:
             pool = ThreadPoolExecutor(max_workers=workers)
             try:
-                for j, n in zip(jobs, pool.map(lambda j: _convert_one(j, zero_dir, steps, fds, plan.optim_file),
-                                                jobs)):
+                for j, n in zip(jobs, pool.map(lambda j: _convert_one(j, zero_dir, steps, fds, plan.optim_file), jobs)):
                     total += n
                     if on_done:
                         on_done(j)
@@ -787,8 +931,14 @@ def _write_common(plan: UniversalPlan, root: Path, optimizer_state: dict[str, An
     (root / "latest_universal").write_text(plan.out_tag)
 
 
-def verify(plan: UniversalPlan, root: Path, indices: Iterable[int] | None = None, *, common: bool = True,
-           parsed: dict | None = None) -> list[str]:
+def verify(
+    plan: UniversalPlan,
+    root: Path,
+    indices: Iterable[int] | None = None,
+    *,
+    common: bool = True,
+    parsed: dict | None = None,
+) -> list[str]:
     """Re-read what was written (pickles only, no tensor bytes): every planned file is there, holds a
     `param` of the planned shape, and the common files exist. `indices`: only those parameters (a rank's
     share); `common=False`: not the common files; `parsed`: a cache kept across calls."""
@@ -804,7 +954,7 @@ def verify(plan: UniversalPlan, root: Path, indices: Iterable[int] | None = None
     # data.pkl bytes -> (param shape, storage member, its size): equal pickles parse alike, so each distinct
     # pickle (a few dozen among thousands of files) is parsed once; every file's own zip directory is read
     parsed = {} if parsed is None else parsed
-    for j in (plan.params if indices is None else [plan.params[i] for i in indices]):
+    for j in plan.params if indices is None else [plan.params[i] for i in indices]:
         files = [*j.states] + ([] if j.module_only or j.param_group < 0 or not j.has_step else ["step"])
         for key in files:
             f = tag_out / "zero" / j.name / f"{key}.pt"
@@ -821,9 +971,11 @@ def verify(plan: UniversalPlan, root: Path, indices: Iterable[int] | None = None
                     if got is None:
                         obj = cache.load(f).obj
                         ref = obj.get("param") if isinstance(obj, dict) else None
-                        got = parsed[pkl] = ((tuple(ref.shape), f"data/{ref.storage.key}", ref.storage.nbytes)
-                                             if isinstance(ref, TensorRef) and ref.storage is not None
-                                             else (getattr(ref, "shape", None), "", 0))
+                        got = parsed[pkl] = (
+                            (tuple(ref.shape), f"data/{ref.storage.key}", ref.storage.nbytes)
+                            if isinstance(ref, TensorRef) and ref.storage is not None
+                            else (getattr(ref, "shape", None), "", 0)
+                        )
                     if got[1] and zf.getinfo(prefix + got[1]).file_size != got[2]:
                         problems.append(f"{j.name}/{key}.pt: {got[1]} does not hold {got[2]} bytes")
             except (zipfile.BadZipFile, KeyError, OSError, CkptError) as e:
@@ -856,15 +1008,22 @@ def verify_logical(plan: UniversalPlan, root: Path) -> list[str]:
     must be equal, bit for bit. Returns one line per difference ([] when equal)."""
     from .diff import iter_lines, logical_diff
 
-    src, _, _ = _open_source(plan.source, plan.options.get("patterns") or (), allow_unread=True,
-                             trust_pickles=True)  # the plan checked the source
+    src, _, _ = _open_source(
+        plan.source, plan.options.get("patterns") or (), allow_unread=True, trust_pickles=True
+    )  # the plan checked the source
     rep = logical_diff(src, root)
     return [f"{section} {name}: {what}" for section, name, what in iter_lines(rep)]
 
 
-def execute(plan: UniversalPlan, *, workers: int = 1, progress: Callable[[int], None] | None = None,
-            distributed: bool = False, check: Callable[[Path], list[str]] | None = None,
-            restart: bool = False) -> UniversalResult:
+def execute(
+    plan: UniversalPlan,
+    *,
+    workers: int = 1,
+    progress: Callable[[int], None] | None = None,
+    distributed: bool = False,
+    check: Callable[[Path], list[str]] | None = None,
+    restart: bool = False,
+) -> UniversalResult:
     """Write the planned universal checkpoint into `plan.out` (atomically), verify it, return a summary.
 
     `check(staging_root)`, when given, runs after the structural verification and before the folder is
@@ -880,23 +1039,28 @@ def execute(plan: UniversalPlan, *, workers: int = 1, progress: Callable[[int], 
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            raise CkptError("--distributed needs torch.distributed: run it under torchrun",
-                            hint="torchrun --nproc-per-node N --no-python ckpt to-universal CKPT OUT")
+            raise CkptError(
+                "--distributed needs torch.distributed: run it under torchrun",
+                hint="torchrun --nproc-per-node N --no-python ckpt to-universal CKPT OUT",
+            )
         job = shares.Job(dist.get_rank(), dist.get_world_size())
         return _execute_job(plan, job, workers=workers, progress=progress, check=check, restart=restart)
     if job_staging(plan.out).exists():  # a job was interrupted: this process resumes it alone
-        return _execute_job(plan, shares.LocalJob(), workers=workers, progress=progress, check=check,
-                            restart=restart)
+        return _execute_job(plan, shares.LocalJob(), workers=workers, progress=progress, check=check, restart=restart)
     steps, optimizer_state = _steps_and_globals(plan)
     _stale_staging(plan.out)
     with io.new_folder(plan.out, trust_pickles=plan.trust_pickles) as tmp:
-        n = convert_params(plan, tmp / plan.out_tag, range(len(plan.params)), workers=workers, progress=progress,
-                           steps=steps)
+        n = convert_params(
+            plan, tmp / plan.out_tag, range(len(plan.params)), workers=workers, progress=progress, steps=steps
+        )
         _write_common(plan, tmp, optimizer_state)
         problems = verify(plan, tmp)
         if problems:
-            raise CkptError("verification of the written universal checkpoint failed: " + "; ".join(problems[:5]),
-                            path=plan.out, hint="nothing was written; please report this")
+            raise CkptError(
+                "verification of the written universal checkpoint failed: " + "; ".join(problems[:5]),
+                path=plan.out,
+                hint="nothing was written; please report this",
+            )
         _run_check(check, plan, tmp)
     return UniversalResult(plan.out, plan.out_tag, len(plan.params), n, _count_files(plan.out))
 
@@ -910,8 +1074,12 @@ def job_staging(out: Path) -> Path:
 def _plan_digest(plan: UniversalPlan) -> str:
     import hashlib
 
-    doc = [str(plan.source), plan.out_tag, repr(sorted(plan.options.items(), key=str)),
-           [(p.name, list(p.shape), p.nbytes, p.merge, sorted(p.states)) for p in plan.params]]
+    doc = [
+        str(plan.source),
+        plan.out_tag,
+        repr(sorted(plan.options.items(), key=str)),
+        [(p.name, list(p.shape), p.nbytes, p.merge, sorted(p.states)) for p in plan.params],
+    ]
     return hashlib.sha256(json.dumps(doc, default=str).encode()).hexdigest()
 
 
@@ -932,8 +1100,15 @@ def _prepare_staging(plan: UniversalPlan, staging: Path, restart: bool) -> None:
     mark.write_text(digest)
 
 
-def _execute_job(plan: UniversalPlan, job, *, workers: int, progress: Callable[[int], None] | None,
-                 check: Callable[[Path], list[str]] | None, restart: bool) -> UniversalResult:
+def _execute_job(
+    plan: UniversalPlan,
+    job,
+    *,
+    workers: int,
+    progress: Callable[[int], None] | None,
+    check: Callable[[Path], list[str]] | None,
+    restart: bool,
+) -> UniversalResult:
     """A torchrun job: rank 0 prepares the staging folder (`job_staging`); every rank converts a share of the
     parameters balanced by bytes (`shares.balanced_shares`), skipping those its journal says are finished,
     verifies and journals each one; when every rank reported success, rank 0 writes the common files, verifies
@@ -949,8 +1124,9 @@ def _execute_job(plan: UniversalPlan, job, *, workers: int, progress: Callable[[
                 _prepare_staging(plan, staging, restart)
             except (CkptError, OSError) as e:
                 err = e
-        said = job.exchange("staged", "" if err is None else
-                            (err.one_line() if isinstance(err, CkptError) else f"{staging}: {err}"))[0]
+        said = job.exchange(
+            "staged", "" if err is None else (err.one_line() if isinstance(err, CkptError) else f"{staging}: {err}")
+        )[0]
         if said:
             raise err or CkptError(f"rank 0 could not start: {said}")
         if progress is not None and job.rank == 0:
@@ -965,10 +1141,12 @@ def _execute_job(plan: UniversalPlan, job, *, workers: int, progress: Callable[[
         fig["seconds"] = round(time.monotonic() - start, 3)
         reports = job.exchange("converted", (line, fig))
         figs = tuple(f for _, f in reports)
-        bad = [l for l, _ in reports if l]
+        bad = [line for line, _ in reports if line]
         if bad:
-            raise failure or CkptError(f"{len(bad)} rank(s) failed, nothing was put in place: {bad[0]}",
-                                       hint="fix the cause, then rerun the same command to resume")
+            raise failure or CkptError(
+                f"{len(bad)} rank(s) failed, nothing was put in place: {bad[0]}",
+                hint="fix the cause, then rerun the same command to resume",
+            )
         failure, said = None, ""
         if job.rank == 0:
             try:
@@ -981,10 +1159,16 @@ def _execute_job(plan: UniversalPlan, job, *, workers: int, progress: Callable[[
     finally:
         job.close()
     total = sum(f["bytes"] for f in figs)
-    return UniversalResult(plan.out, plan.out_tag, len(plan.params), total if job.rank == 0 else fig["bytes"],
-                           _count_files(plan.out) if job.rank == 0 else 0,
-                           converted=sum(f["params"] for f in figs), resumed=sum(f["resumed"] for f in figs),
-                           ranks=figs)
+    return UniversalResult(
+        plan.out,
+        plan.out_tag,
+        len(plan.params),
+        total if job.rank == 0 else fig["bytes"],
+        _count_files(plan.out) if job.rank == 0 else 0,
+        converted=sum(f["params"] for f in figs),
+        resumed=sum(f["resumed"] for f in figs),
+        ranks=figs,
+    )
 
 
 def _share(plan: UniversalPlan, indices: list[int], job) -> list[int]:
@@ -993,8 +1177,9 @@ def _share(plan: UniversalPlan, indices: list[int], job) -> list[int]:
     return [indices[k] for k in balanced_shares([plan.params[i].nbytes for i in indices], job.world)[job.rank]]
 
 
-def _convert_share(plan: UniversalPlan, staging: Path, job, workers: int,
-                   progress: Callable[[int], None] | None) -> tuple[dict, str, CkptError | None]:
+def _convert_share(
+    plan: UniversalPlan, staging: Path, job, workers: int, progress: Callable[[int], None] | None
+) -> tuple[dict, str, CkptError | None]:
     """Two balanced splits: the parameters the journal names as finished are re-checked (sizes, checksums),
     a share per rank; then those not finished are converted, a share per rank, each verified and journaled.
     Returns this rank's figures, its one-line error ('' on success) and that error."""
@@ -1014,15 +1199,19 @@ def _convert_share(plan: UniversalPlan, staging: Path, job, workers: int,
     def done(j: ParamJob) -> None:
         problems = verify(plan, staging, [index[j.name]], common=False, parsed=parsed)
         if problems:
-            raise CkptError("verification of a written parameter failed: " + "; ".join(problems[:5]),
-                            path=staging / rel[index[j.name]], hint="please report this")
+            raise CkptError(
+                "verification of a written parameter failed: " + "; ".join(problems[:5]),
+                path=staging / rel[index[j.name]],
+                hint="please report this",
+            )
         journal.record(rel[index[j.name]])
 
     n, line, failure = 0, "", None
     try:
         steps, _ = _steps_and_globals(plan)
-        n = convert_params(plan, staging / plan.out_tag, todo, workers=workers, progress=progress, steps=steps,
-                           on_done=done)
+        n = convert_params(
+            plan, staging / plan.out_tag, todo, workers=workers, progress=progress, steps=steps, on_done=done
+        )
     except CkptError as e:
         failure, line = e, f"{job.who(job.rank)}: {e.one_line()}"
     except (OSError, ValueError, RuntimeError) as e:
@@ -1045,8 +1234,11 @@ def _finish_job(plan: UniversalPlan, staging: Path, check: Callable[[Path], list
         _write_common(plan, staging, optimizer_state)
         problems = verify(plan, staging, [], common=True)
         if problems:
-            raise CkptError("verification failed: " + "; ".join(problems[:5]), path=plan.out,
-                            hint="nothing was written; please report this")
+            raise CkptError(
+                "verification failed: " + "; ".join(problems[:5]),
+                path=plan.out,
+                hint="nothing was written; please report this",
+            )
         _run_check(check, plan, staging)
         shutil.rmtree(staging / JOURNAL)
         io.put_in_place(staging, plan.out.resolve(), trust_pickles=plan.trust_pickles)
@@ -1060,9 +1252,12 @@ def _run_check(check: Callable[[Path], list[str]] | None, plan: UniversalPlan, t
         return
     problems = check(tmp)
     if problems:
-        raise CkptError(f"--verify: the written universal checkpoint differs from the source in {len(problems)} "
-                        "places: " + "; ".join(problems[:5]) + ("; ..." if len(problems) > 5 else ""), path=plan.out,
-                        hint="nothing was written; please report this with `ckpt diff --logical` of the two")
+        raise CkptError(
+            f"--verify: the written universal checkpoint differs from the source in {len(problems)} "
+            "places: " + "; ".join(problems[:5]) + ("; ..." if len(problems) > 5 else ""),
+            path=plan.out,
+            hint="nothing was written; please report this with `ckpt diff --logical` of the two",
+        )
 
 
 def _count_files(root: Path) -> int:

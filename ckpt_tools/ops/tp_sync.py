@@ -21,6 +21,7 @@ that every representation on every TP rank and DP shard holds the average (BLOOM
 rank's value, and the module weights hold the cast of the synced fp32 master — the value the optimizer
 would have written into them.
 """
+
 from __future__ import annotations
 
 import math
@@ -187,8 +188,9 @@ def _layout(ck: Checkpoint, patterns: Sequence[str]) -> TPLayout:
     args = client.children.get("args") if isinstance(client, GroupNode) else None
     if isinstance(args, OpaqueNode) and isinstance(args.children.get("swiglu"), ValueNode):
         swiglu = bool(args.children["swiglu"].value)
-    return TPLayout.for_checkpoint(info if isinstance(info, dict) and info else None, user_patterns=patterns,
-                                   swiglu=swiglu)
+    return TPLayout.for_checkpoint(
+        info if isinstance(info, dict) and info else None, user_patterns=patterns, swiglu=swiglu
+    )
 
 
 def _rule_from_close_data(shards: Sequence[TensorNode]) -> Rule:
@@ -202,8 +204,11 @@ def _rule_from_close_data(shards: Sequence[TensorNode]) -> Rule:
     scale = max(float(abs(t).max()) for t in ts) if ts[0].size else 0.0
     worst = max(float(abs(t - ts[0]).max()) for t in ts[1:]) if ts[0].size else 0.0
     if scale and worst <= DATA_REPLICA_REL * scale:
-        return Rule("replicated", SOURCE_DATA, note=f"TP shards equal in shape and within {DATA_REPLICA_REL:g} "
-                                                    "of each other: drifted replicas")
+        return Rule(
+            "replicated",
+            SOURCE_DATA,
+            note=f"TP shards equal in shape and within {DATA_REPLICA_REL:g} of each other: drifted replicas",
+        )
     return exact
 
 
@@ -267,7 +272,7 @@ def shard_values(shard: Any):
         first = pieces[0].ref.read_numpy(pieces[0].src_offset, pieces[0].numel)
         raw = np.empty(math.prod(shard.shape), dtype=first.dtype)
         for p in pieces:
-            raw[p.dst_offset: p.dst_offset + p.numel] = p.ref.read_numpy(p.src_offset, p.numel)
+            raw[p.dst_offset : p.dst_offset + p.numel] = p.ref.read_numpy(p.src_offset, p.numel)
     else:
         raw = np.asarray(shard.read_numpy()).reshape(-1)
     if dtype == "bfloat16":
@@ -325,8 +330,7 @@ def compare_shards(shards: Sequence[Any], representation: str, atol: float, rtol
     `PY_COMPARE_MAX` elements; both give the same numbers."""
     dtype = str(getattr(shards[0], "dtype", "")).replace("torch.", "")
     if any(tuple(s.shape) != tuple(shards[0].shape) for s in shards[1:]):
-        return RepresentationDiff(representation, dtype, math.inf, math.inf, False, False,
-                                  tuple(range(1, len(shards))))
+        return RepresentationDiff(representation, dtype, math.inf, math.inf, False, False, tuple(range(1, len(shards))))
     raws = [shard_bytes(s) for s in shards]
     if all(r is not None for r in raws):
         if all(r == raws[0] for r in raws[1:]):
@@ -379,8 +383,7 @@ def _compare_numpy(shards: Sequence[Any], representation: str, atol: float, rtol
     return RepresentationDiff(representation, dtype, max_abs, max_rel, not differing, in_tol, tuple(differing))
 
 
-def check_tp_sync(ck: Checkpoint, atol: float = 0.0, rtol: float = 0.0,
-                  patterns: Sequence[str] = ()) -> TPSyncReport:
+def check_tp_sync(ck: Checkpoint, atol: float = 0.0, rtol: float = 0.0, patterns: Sequence[str] = ()) -> TPSyncReport:
     """Compare every TP-replicated parameter across TP ranks (and pipeline stages) in every representation.
 
     Which parameters are replicas comes from the checkpoint's `universal_checkpoint_info`, else the
@@ -394,10 +397,13 @@ def check_tp_sync(ck: Checkpoint, atol: float = 0.0, rtol: float = 0.0,
     if not any(isinstance(n, TensorNode) and n.shards for n in ck.model.children.values()):
         why = ck.details.get("tp_replicas")  # a format that saves replicas once says so
         raise UnsupportedCheckpoint(
-            f"no tensor-parallel shards in this {ck.format} checkpoint (tp={ck.topology.tp})" + (f": {why}" if why else ""),
-            path=ck.path, hint="check-tp-sync reads checkpoints that keep one file per TP rank with TP > 1 "
-                               "(Megatron-DeepSpeed pipeline layer_*-model_* files, Megatron-LM legacy mp_rank_* "
-                               "folders)")
+            f"no tensor-parallel shards in this {ck.format} checkpoint (tp={ck.topology.tp})"
+            + (f": {why}" if why else ""),
+            path=ck.path,
+            hint="check-tp-sync reads checkpoints that keep one file per TP rank with TP > 1 "
+            "(Megatron-DeepSpeed pipeline layer_*-model_* files, Megatron-LM legacy mp_rank_* "
+            "folders)",
+        )
     layout = _layout(ck, patterns)
     replicas, undecided = _replicas(ck, layout)
     for r in replicas:  # every byte range this check reads, requested at once: on a cold cache the disk
@@ -415,8 +421,19 @@ def check_tp_sync(ck: Checkpoint, atol: float = 0.0, rtol: float = 0.0,
             diffs.append(compare_shards(node.shards, rep, atol, rtol))
         family, layer = _family(r.name)
         first = r.nodes[next(iter(r.nodes))].shards[0].pieces[0]
-        params.append(ParamSync(r.name, family, layer, first.rank.get("pp"), r.nodes[next(iter(r.nodes))].shape,
-                                r.merge, r.rule.describe(), r.rule.source, tuple(diffs)))
+        params.append(
+            ParamSync(
+                r.name,
+                family,
+                layer,
+                first.rank.get("pp"),
+                r.nodes[next(iter(r.nodes))].shape,
+                r.merge,
+                r.rule.describe(),
+                r.rule.source,
+                tuple(diffs),
+            )
+        )
     fams: dict[str, list[ParamSync]] = {}
     for p in params:
         fams.setdefault(p.family, []).append(p)
@@ -426,8 +443,21 @@ def check_tp_sync(ck: Checkpoint, atol: float = 0.0, rtol: float = 0.0,
         sources.append(SOURCE_DATA)
     # unknown pickle globals too: a hostile file must be named whichever command opens it
     warnings = tuple(w for w in ck.warnings if w.code.startswith("tp-") or w.code == "unknown-global")
-    return TPSyncReport(ck.path, ck.format, tp, ck.topology.pp, ck.topology.dp, " > ".join(sources), atol, rtol,
-                        tuple(reps_seen), tuple(params), families, tuple(undecided), warnings)
+    return TPSyncReport(
+        ck.path,
+        ck.format,
+        tp,
+        ck.topology.pp,
+        ck.topology.dp,
+        " > ".join(sources),
+        atol,
+        rtol,
+        tuple(reps_seen),
+        tuple(params),
+        families,
+        tuple(undecided),
+        warnings,
+    )
 
 
 # --- repairing -------------------------------------------------------------------------------------------------
@@ -461,11 +491,15 @@ def _location(piece: Piece) -> tuple[str, int]:
     ref = piece.ref
     src = ref.storage.source if ref.storage is not None else None
     if not isinstance(src, ZipSource) or getattr(src, "base", 0):
-        raise UnsupportedCheckpoint(f"{piece.file} is not a torch zip file; only those can be patched in place",
-                                    path=piece.file, hint="re-save it with a torch >= 1.6 torch.save")
+        raise UnsupportedCheckpoint(
+            f"{piece.file} is not a torch zip file; only those can be patched in place",
+            path=piece.file,
+            hint="re-save it with a torch >= 1.6 torch.save",
+        )
     if not ref.is_contiguous:
-        raise UnsupportedCheckpoint(f"a tensor in {piece.file} is a non-contiguous view; cannot patch it in place",
-                                    path=piece.file)
+        raise UnsupportedCheckpoint(
+            f"a tensor in {piece.file} is a non-contiguous view; cannot patch it in place", path=piece.file
+        )
     esize = DTYPE_SIZE[ref.dtype]
     return f"{src.prefix}data/{ref.storage.key}", (ref.storage_offset + piece.src_offset) * esize
 
@@ -482,9 +516,16 @@ class _FilePatches:
     changes: list[io.FieldChange] = field(default_factory=list)
 
 
-def plan_sync_tp(ck: Checkpoint, method: str = "average", *, from_rank: int = 0, patterns: Sequence[str] = (),
-                 report: TPSyncReport | None = None, allow_unread: bool = False,
-                 trust_pickles: bool = False) -> tuple[io.WritePlan, TPSyncReport]:
+def plan_sync_tp(
+    ck: Checkpoint,
+    method: str = "average",
+    *,
+    from_rank: int = 0,
+    patterns: Sequence[str] = (),
+    report: TPSyncReport | None = None,
+    allow_unread: bool = False,
+    trust_pickles: bool = False,
+) -> tuple[io.WritePlan, TPSyncReport]:
     """The write that makes every out-of-sync replica identical on every TP rank, in every representation.
 
     `method`: "average" (the mean over TP ranks of the fp32 master and of each Adam moment) or "rank0"
@@ -518,14 +559,17 @@ def plan_sync_tp(ck: Checkpoint, method: str = "average", *, from_rank: int = 0,
             for t, shard in enumerate(node.shards):
                 for piece in shard.pieces:
                     member, offset = _location(piece)
-                    data = _to_bytes(flat_new[piece.dst_offset: piece.dst_offset + piece.numel])
+                    data = _to_bytes(flat_new[piece.dst_offset : piece.dst_offset + piece.numel])
                     if data == piece.ref.read_numpy(piece.src_offset, piece.numel).tobytes():
                         continue
                     fp = files.setdefault(piece.file, _FilePatches())
                     fp.patches.append(Patch(member, offset, data))
                     where = ", ".join(f"{k}{v}" for k, v in piece.rank.items())
-                    fp.changes.append(io.FieldChange(piece.file, f"{p.name} {rep} [{where}]",
-                                                     old.max_abs_diff if old else None, 0.0, note))
+                    fp.changes.append(
+                        io.FieldChange(
+                            piece.file, f"{p.name} {rep} [{where}]", old.max_abs_diff if old else None, 0.0, note
+                        )
+                    )
 
     def producer(rel: str, patches: list[Patch]) -> Callable[[Path], None]:
         return lambda tmp: patch_file(root / rel, tmp, patches)
@@ -533,18 +577,28 @@ def plan_sync_tp(ck: Checkpoint, method: str = "average", *, from_rank: int = 0,
     def editor(patches: list[Patch]) -> Callable[[Path], io.InPlace]:
         return lambda target: plan_in_place(target, patches)
 
-    writes = tuple(io.FileWrite(rel, tuple(fp.changes), (root / rel).stat().st_size,
-                                producer(rel, fp.patches), edit=editor(fp.patches),
-                                method="byte patch in place (pickle untouched, CRC-32 updated from the changed "
-                                       "bytes; whole-file copy where in place is refused)")
-                   for rel, fp in sorted(files.items()))
-    notes = [*ck.details.get("carried_pickles", ()),
-             f"method: {method}" + (f" (TP rank {from_rank})" if method == "rank0" else ""),
-             f"{len(targets)} replicated parameters out of sync, {len(writes)} files to patch",
-             "old = max |diff| across TP ranks before, new = after"]
+    writes = tuple(
+        io.FileWrite(
+            rel,
+            tuple(fp.changes),
+            (root / rel).stat().st_size,
+            producer(rel, fp.patches),
+            edit=editor(fp.patches),
+            method="byte patch in place (pickle untouched, CRC-32 updated from the changed "
+            "bytes; whole-file copy where in place is refused)",
+        )
+        for rel, fp in sorted(files.items())
+    )
+    notes = [
+        *ck.details.get("carried_pickles", ()),
+        f"method: {method}" + (f" (TP rank {from_rank})" if method == "rank0" else ""),
+        f"{len(targets)} replicated parameters out of sync, {len(writes)} files to patch",
+        "old = max |diff| across TP ranks before, new = after",
+    ]
     if left:
-        notes.append(f"not synced, replicas only by the data heuristic: {', '.join(left)} "
-                     "(pass --pattern REGEX to include them)")
+        notes.append(
+            f"not synced, replicas only by the data heuristic: {', '.join(left)} (pass --pattern REGEX to include them)"
+        )
     rng = [w for w in report.warnings if w.code == "tp-rng-mismatch"]
     if rng:
         notes.append("torch_rng_state differs across TP ranks: reported, not changed (a likely cause of the drift)")
@@ -552,18 +606,33 @@ def plan_sync_tp(ck: Checkpoint, method: str = "average", *, from_rank: int = 0,
 
     def verify(written_root: Path) -> list[str]:
         after = check_tp_sync(open_for_tp_sync(written_root, patterns), patterns=patterns)
-        return [f"{q.name} still differs across TP ranks after the write"
-                for q in after.params if not q.bit_exact and (q.name in synced or q.rule_source != SOURCE_DATA)]
+        return [
+            f"{q.name} still differs across TP ranks after the write"
+            for q in after.params
+            if not q.bit_exact and (q.name in synced or q.rule_source != SOURCE_DATA)
+        ]
 
-    plan = io.WritePlan(root, f"sync-tp --method {method}", writes, tuple(notes), verify,
-                        trust_pickles=bool(ck.details.get("carried_pickles")))
+    plan = io.WritePlan(
+        root,
+        f"sync-tp --method {method}",
+        writes,
+        tuple(notes),
+        verify,
+        trust_pickles=bool(ck.details.get("carried_pickles")),
+    )
     return plan, report
 
 
-def sync_tp(path: str | Path, method: str = "average", *, from_rank: int = 0, patterns: Sequence[str] = (),
-            backup_dir: Path | None = None,
-            on_stage: Callable[[str, str | None], None] | None = None,
-            copy: bool = False) -> tuple[io.Transaction | None, TPSyncReport]:
+def sync_tp(
+    path: str | Path,
+    method: str = "average",
+    *,
+    from_rank: int = 0,
+    patterns: Sequence[str] = (),
+    backup_dir: Path | None = None,
+    on_stage: Callable[[str, str | None], None] | None = None,
+    copy: bool = False,
+) -> tuple[io.Transaction | None, TPSyncReport]:
     """Open, plan, execute and verify in one call (the library's `ckpt sync-tp --yes`). Returns the
     transaction (None when everything was already in sync) and the report after the write."""
     ck = open_for_tp_sync(path, patterns)
@@ -580,5 +649,14 @@ def iter_rows(plan: io.WritePlan) -> Iterable[tuple[str, str, str, str, Any, str
             yield w.path, name, rep, where, c.old, c.note
 
 
-__all__ = ["RepresentationDiff", "ParamSync", "FamilySummary", "TPSyncReport", "check_tp_sync", "plan_sync_tp",
-           "sync_tp", "open_for_tp_sync", "compare_shards"]
+__all__ = [
+    "RepresentationDiff",
+    "ParamSync",
+    "FamilySummary",
+    "TPSyncReport",
+    "check_tp_sync",
+    "plan_sync_tp",
+    "sync_tp",
+    "open_for_tp_sync",
+    "compare_shards",
+]

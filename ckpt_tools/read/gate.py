@@ -9,6 +9,7 @@ legacy torch file and plain pickle, each item of a `.distcp` file (placed by the
 stored as bytes inside those items (torchtitan's data-loader state), and any other file a `torch.load` would try
 as a pickle. `allowlist` judges every global; `pickle_reader` flags every getattr or call beyond them.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,10 @@ from . import allowlist, pickle_reader
 from ..errors import CkptError, UnsupportedCheckpoint
 
 #: the members torch.save writes under its archive folder (`<name>/...`): anything else is foreign
-_MEMBER_RE = re.compile(r"^[^/\\]+/(data\.pkl|byteorder|version|\.data/version|\.data/serialization_id|"
-                        r"\.format_version|\.storage_alignment|data/\d+)$")
+_MEMBER_RE = re.compile(
+    r"^[^/\\]+/(data\.pkl|byteorder|version|\.data/version|\.data/serialization_id|"
+    r"\.format_version|\.storage_alignment|data/\d+)$"
+)
 #: file names a framework may hand to torch.load / pickle.load even when they do not look like a pickle
 _LOADABLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".ckpt", ".distcp", ".metadata", ".pickle")
 
@@ -88,8 +91,9 @@ def _inner_pickles(rel: str, obj: Any, depth: int = 0) -> list[Finding]:
             inner = pickle_reader.loads(bytes(obj), rel)
         except CkptError:
             return [Finding(rel, "an inner pickle that does not parse")]
-        out += [Finding(rel, f.what, f"inner pickle{' at ' + f.place if f.place else ''}")
-                for f in _from_loaded(rel, inner)]
+        out += [
+            Finding(rel, f.what, f"inner pickle{' at ' + f.place if f.place else ''}") for f in _from_loaded(rel, inner)
+        ]
     elif isinstance(obj, dict) and depth < 8:
         for v in obj.values():
             out += _inner_pickles(rel, v, depth + 1)
@@ -103,8 +107,11 @@ def _scan_zip(path: Path, rel: str) -> list[Finding]:
     loaded = pickle_reader.load(path)  # one parse: its zip source keeps the member names
     names = loaded.source.member_names() if isinstance(loaded.source, pickle_reader.ZipSource) else []
     try:
-        return ([Finding(rel, f"zip member {name!r}") for name in foreign_members(names)]
-                + _from_loaded(rel, loaded) + _inner_pickles(rel, loaded.obj))
+        return (
+            [Finding(rel, f"zip member {name!r}") for name in foreign_members(names)]
+            + _from_loaded(rel, loaded)
+            + _inner_pickles(rel, loaded.obj)
+        )
     finally:
         if loaded.source is not None:
             loaded.source.close()
@@ -133,8 +140,10 @@ def _scan_distcp(path: Path, rel: str, items: list[tuple[int, int]]) -> list[Fin
         for off, n in sorted(set(items)):
             loaded = pickle_reader.load_embedded(outer, off, n)
             out += _from_loaded(rel, loaded) + _inner_pickles(rel, loaded.obj)
-            out += [Finding(rel, f"zip member {m!r} (item at byte {off})")
-                    for m in foreign_members(pickle_reader.embedded_names(outer, off, n))]
+            out += [
+                Finding(rel, f"zip member {m!r} (item at byte {off})")
+                for m in foreign_members(pickle_reader.embedded_names(outer, off, n))
+            ]
     finally:
         outer.close()
     return out
@@ -259,16 +268,20 @@ def refuse(findings: list[Finding], path: str | os.PathLike, *, action: str, fla
     rest = len(findings) - min(3, len(here))
     files = {f.file for f in findings}
     more = f" ({rest} more in {len(files)} file{'s' if len(files) > 1 else ''})" if rest else ""
-    raise UnsupportedCheckpoint(f"{first.file}: {shown}: not a class real checkpoints carry; {action}{more}",
-                                path=path, hint=f"inspect it with `ckpt inspect`; pass {flag} only if you trust "
-                                                "where it came from")
+    raise UnsupportedCheckpoint(
+        f"{first.file}: {shown}: not a class real checkpoints carry; {action}{more}",
+        path=path,
+        hint=f"inspect it with `ckpt inspect`; pass {flag} only if you trust where it came from",
+    )
 
 
 def carried_warning(findings: list[Finding]) -> str:
     """The warning a trusted write prints: what it carried into its output."""
     names = sorted({f.what for f in findings})
-    return (f"warning untrusted-pickle: carried under --trust-pickles: {', '.join(names[:6])}"
-            f"{' …' if len(names) > 6 else ''} (in {', '.join(sorted({f.file for f in findings})[:3])})")
+    return (
+        f"warning untrusted-pickle: carried under --trust-pickles: {', '.join(names[:6])}"
+        f"{' …' if len(names) > 6 else ''} (in {', '.join(sorted({f.file for f in findings})[:3])})"
+    )
 
 
 def check_source(ck: Any, path: str | os.PathLike, *, trust_pickles: bool, command: str) -> list[str]:
@@ -279,8 +292,11 @@ def check_source(ck: Any, path: str | os.PathLike, *, trust_pickles: bool, comma
     if not findings:
         return []
     if not trust_pickles:
-        refuse(findings, path, action=f"`ckpt {command}` would carry it into what it writes, where the framework's "
-                                      "loader would run it")
+        refuse(
+            findings,
+            path,
+            action=f"`ckpt {command}` would carry it into what it writes, where the framework's loader would run it",
+        )
     return [carried_warning(findings)]
 
 
@@ -292,5 +308,9 @@ def check_output(root: Path, files: Iterable[str] | None = None, *, trust_pickle
         return
     findings = scan(root, files)
     if findings:
-        refuse(findings, root, action="the output would carry it; nothing was put in place",
-               flag="--trust-pickles (to carry what the source holds)")
+        refuse(
+            findings,
+            root,
+            action="the output would carry it; nothing was put in place",
+            flag="--trust-pickles (to carry what the source holds)",
+        )

@@ -5,11 +5,13 @@ pickle it would refuse, or cannot follow exactly as the Python walk does (a prot
 digits), it says "ask Python", and the Python walk runs on the same bytes and raises its own error.
 
 Why: the walk is a loop over every opcode, about 0.2-0.5 us per opcode in Python: 5.5 CPU-s for the 22 MB `.metadata`
-of a 100k-item DCP checkpoint (10M opcodes), more than the rest of opening it. In C: 0.11 s. The source is kept here as a string (no package data to
+of a 100k-item DCP checkpoint (10M opcodes), more than the rest of opening it. In C: 0.11 s. The source is kept here
+as a string (no package data to
 ship); the library is cached per user in $CKPT_NATIVE_DIR, else $XDG_CACHE_HOME/ckpt-tools, else
 ~/.cache/ckpt-tools, under a name holding the source's hash, and used only from a folder the user owns that no one
 else can write to.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -24,7 +26,7 @@ from typing import Callable, Sequence
 
 #: `pickle_reader.walk_fingerprint()` of the Python walk this C copy mirrors: when the Python walk changes, the C copy
 #: is not used (the Python walk runs) until it is brought in line and this is updated (tests/test_native_walk.py)
-MIRRORS = "c38e73275ba97116"
+MIRRORS = "cb5a7b967d1f2fd7"
 
 SOURCE = r"""
 #include <stdint.h>
@@ -423,7 +425,8 @@ def enabled() -> bool:
 
 def _cache_dir() -> Path:
     base = os.environ.get("CKPT_NATIVE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "ckpt-tools")
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "ckpt-tools"
+    )
     return Path(base)
 
 
@@ -445,8 +448,13 @@ def _build(folder: Path, name: str) -> Path | None:
         src = Path(tmp) / "walk.c"
         src.write_text(SOURCE)
         out = Path(tmp) / name
-        subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(src)], check=True, timeout=120,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(src)],
+            check=True,
+            timeout=120,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         os.replace(out, lib)  # atomic: a concurrent process finds the whole library or none
     return lib
 
@@ -466,8 +474,14 @@ def walker(table: Sequence[int], max_w: int, max_shared: int, nesting: int) -> C
                 if lib is not None:
                     fn = ctypes.CDLL(str(lib)).ckpt_walk
                     fn.restype = ctypes.c_int64
-                    fn.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int32), ctypes.c_int64,
-                                   ctypes.c_int64, ctypes.c_int64]
+                    fn.argtypes = [
+                        ctypes.c_char_p,
+                        ctypes.c_int64,
+                        ctypes.POINTER(ctypes.c_int32),
+                        ctypes.c_int64,
+                        ctypes.c_int64,
+                        ctypes.c_int64,
+                    ]
             except (OSError, subprocess.SubprocessError, AttributeError):  # no compiler, no cache folder, ...
                 fn = None
             _loaded.append(fn)

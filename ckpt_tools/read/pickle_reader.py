@@ -14,6 +14,7 @@ ones. Importing this module imports neither torch nor numpy.
 Supported containers: torch's zip format (`torch.save` since 1.6), torch's legacy pickle format, and
 plain pickles (DCP `.metadata`, Accelerate `*.pkl`).
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -37,25 +38,69 @@ from ..errors import CorruptCheckpoint, NotACheckpoint
 
 #: element size in bytes per dtype name (torch spelling without the "torch." prefix)
 DTYPE_SIZE = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
-    "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "uint16": 2, "uint32": 4,
-    "uint64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
 }
 
 _STORAGE_DTYPE = {
-    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
-    "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128",
+    "DoubleStorage": "float64",
+    "FloatStorage": "float32",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+    "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128",
     "UntypedStorage": "uint8",
 }
 
 # torch dtype attribute names that alias a canonical name
-_DTYPE_ALIASES = {"float": "float32", "double": "float64", "half": "float16", "long": "int64",
-                  "int": "int32", "short": "int16", "cfloat": "complex64", "cdouble": "complex128"}
+_DTYPE_ALIASES = {
+    "float": "float32",
+    "double": "float64",
+    "half": "float16",
+    "long": "int64",
+    "int": "int32",
+    "short": "int16",
+    "cfloat": "complex64",
+    "cdouble": "complex128",
+}
 
-_STRUCT = {"float64": "d", "float32": "f", "float16": "e", "int64": "q", "int32": "i", "int16": "h",
-           "int8": "b", "uint8": "B", "bool": "?", "uint16": "H", "uint32": "I", "uint64": "Q"}
+_STRUCT = {
+    "float64": "d",
+    "float32": "f",
+    "float16": "e",
+    "int64": "q",
+    "int32": "i",
+    "int16": "h",
+    "int8": "b",
+    "uint8": "B",
+    "bool": "?",
+    "uint16": "H",
+    "uint32": "I",
+    "uint64": "Q",
+}
 
 #: tensors up to this many elements get their values read when a tree is built (step counters etc.)
 SMALL_TENSOR_NUMEL = 16
@@ -182,8 +227,9 @@ class TensorRef:
         begin = (self.storage_offset + start_elem) * esize
         return self.storage.source.read_storage(self.storage, begin, count * esize)
 
-    def read_into(self, out: memoryview, start_elem: int = 0, count: int | None = None,
-                  fds: FdCache | None = None) -> None:
+    def read_into(
+        self, out: memoryview, start_elem: int = 0, count: int | None = None, fds: FdCache | None = None
+    ) -> None:
         """Copy the raw bytes of flattened elements [start, start+count) into `out` with `os.preadv`.
 
         Unlike the mmap view `read_numpy` gives, nothing stays resident afterwards: each page read through a
@@ -204,16 +250,22 @@ class TensorRef:
             return
         begin = (self.storage_offset + start_elem) * esize
         if begin < 0 or count < 0 or begin + count * esize > self.storage.nbytes or len(out) != count * esize:
-            raise CorruptCheckpoint(f"tensor bytes of storage {self.storage.key} lie outside the file",
-                                    path=src.path, hint="the file is truncated; re-copy it")
+            raise CorruptCheckpoint(
+                f"tensor bytes of storage {self.storage.key} lie outside the file",
+                path=src.path,
+                hint="the file is truncated; re-copy it",
+            )
         if remote._MOUNTS:
             remote.ensure(src.path, base + begin, len(out))
         fd, offset, done = fds.get(src.path), base + begin, 0
         while done < len(out):
             n = os.preadv(fd, [out[done:]], offset + done)
             if n <= 0:
-                raise CorruptCheckpoint(f"tensor bytes of storage {self.storage.key} lie outside the file",
-                                        path=src.path, hint="the file is truncated; re-copy it")
+                raise CorruptCheckpoint(
+                    f"tensor bytes of storage {self.storage.key} lie outside the file",
+                    path=src.path,
+                    hint="the file is truncated; re-copy it",
+                )
             done += n
 
     def prefetch(self, start_elem: int = 0, count: int | None = None) -> None:
@@ -253,10 +305,11 @@ class TensorRef:
         # a view into a larger storage with odd strides: materialise via as_strided on the storage
         full = np.frombuffer(self.storage.source.read_storage(self.storage, 0, self.storage.nbytes), dtype=npd)
         esize = DTYPE_SIZE[self.dtype]
-        arr = np.lib.stride_tricks.as_strided(full[self.storage_offset:], shape=self.shape,
-                                              strides=[s * esize for s in self.stride])
+        arr = np.lib.stride_tricks.as_strided(
+            full[self.storage_offset :], shape=self.shape, strides=[s * esize for s in self.stride]
+        )
         flat = arr.reshape(-1)
-        return flat[start_elem: None if count is None else start_elem + count]
+        return flat[start_elem : None if count is None else start_elem + count]
 
     def read_torch(self, start_elem: int = 0, count: int | None = None):
         """A torch tensor (a copy) of the flattened elements, in the saved dtype; shaped when whole."""
@@ -392,21 +445,31 @@ class NumpyDType:
 # --- the unpickler --------------------------------------------------------------------------------
 
 
-def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None,
-                       metadata=None):
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
     dtype = storage.dtype if isinstance(storage, StorageRef) else "uint8"
-    return TensorRef(dtype, _flat_tuple(size, "tensor size"), _flat_tuple(stride, "tensor stride"),
-                     int(storage_offset), storage if isinstance(storage, StorageRef) else None, bool(requires_grad))
+    return TensorRef(
+        dtype,
+        _flat_tuple(size, "tensor size"),
+        _flat_tuple(stride, "tensor stride"),
+        int(storage_offset),
+        storage if isinstance(storage, StorageRef) else None,
+        bool(requires_grad),
+    )
 
 
-def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, backward_hooks, dtype,
-                       metadata=None):
+def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, backward_hooks, dtype, metadata=None):
     t = _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad)
     name = dtype.name if isinstance(dtype, DType) else t.dtype
     st = t.storage
     if st is not None and st.dtype != name:
-        st = StorageRef(st.key, name, st.numel // DTYPE_SIZE.get(name, 1) if st.dtype == "uint8" else st.numel,
-                        st.location, st.source, st.storage_type)
+        st = StorageRef(
+            st.key,
+            name,
+            st.numel // DTYPE_SIZE.get(name, 1) if st.dtype == "uint8" else st.numel,
+            st.location,
+            st.source,
+            st.storage_type,
+        )
     return TensorRef(name, t.shape, t.stride, t.storage_offset, st, t.requires_grad)
 
 
@@ -416,8 +479,16 @@ def _rebuild_legacy(storage, storage_offset, size, stride):
 
 def _rebuild_parameter(data, requires_grad=True, backward_hooks=None, state=None):
     if isinstance(data, TensorRef):
-        return TensorRef(data.dtype, data.shape, data.stride, data.storage_offset, data.storage,
-                         bool(requires_grad), True, data.subclass)
+        return TensorRef(
+            data.dtype,
+            data.shape,
+            data.stride,
+            data.storage_offset,
+            data.storage,
+            bool(requires_grad),
+            True,
+            data.subclass,
+        )
     return data
 
 
@@ -426,22 +497,38 @@ def _rebuild_from_type_v2(func, new_type, args, state):
     if isinstance(ret, TensorRef):
         name = getattr(new_type, "cls", None) or getattr(new_type, "__name__", None)
         is_param = name is not None and name.endswith("Parameter")
-        return TensorRef(ret.dtype, ret.shape, ret.stride, ret.storage_offset, ret.storage,
-                         ret.requires_grad, ret.is_parameter or is_param, None if is_param else name,
-                         None if is_param else state)
+        return TensorRef(
+            ret.dtype,
+            ret.shape,
+            ret.stride,
+            ret.storage_offset,
+            ret.storage,
+            ret.requires_grad,
+            ret.is_parameter or is_param,
+            None if is_param else name,
+            None if is_param else state,
+        )
     return ret
 
 
 def _rebuild_meta(dtype, size, stride, requires_grad=False):
     name = dtype.name if isinstance(dtype, DType) else "?"
-    return TensorRef(name, _flat_tuple(size, "tensor size"), _flat_tuple(stride, "tensor stride"), 0, None,
-                     bool(requires_grad))
+    return TensorRef(
+        name, _flat_tuple(size, "tensor size"), _flat_tuple(stride, "tensor stride"), 0, None, bool(requires_grad)
+    )
 
 
 def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, device, requires_grad):
     name = dtype.name if isinstance(dtype, DType) else "?"
-    return TensorRef(name, _flat_tuple(size, "tensor size"), _flat_tuple(stride, "tensor stride"),
-                     int(storage_offset), None, bool(requires_grad), subclass=getattr(cls, "cls", None))
+    return TensorRef(
+        name,
+        _flat_tuple(size, "tensor size"),
+        _flat_tuple(stride, "tensor stride"),
+        int(storage_offset),
+        None,
+        bool(requires_grad),
+        subclass=getattr(cls, "cls", None),
+    )
 
 
 #: while a pickle is parsed: the set its flagged calls go to (see `_flag`)
@@ -524,8 +611,20 @@ def _reconstructor(cls, base, state=None):
 def _numpy_scalar(dtype, raw=b""):
     name = dtype.dtype if isinstance(dtype, NumpyDType) else str(dtype)
     code = name.lstrip("<>|=")
-    fmt = {"f8": "d", "f4": "f", "f2": "e", "i8": "q", "i4": "i", "i2": "h", "i1": "b", "u8": "Q",
-           "u4": "I", "u2": "H", "u1": "B", "b1": "?"}.get(code)
+    fmt = {
+        "f8": "d",
+        "f4": "f",
+        "f2": "e",
+        "i8": "q",
+        "i4": "i",
+        "i2": "h",
+        "i1": "b",
+        "u8": "Q",
+        "u4": "I",
+        "u2": "H",
+        "u1": "B",
+        "b1": "?",
+    }.get(code)
     if fmt and isinstance(raw, (bytes, bytearray)) and len(raw) == struct.calcsize(fmt):
         value = struct.unpack("<" + fmt, raw)[0]
         if isinstance(value, bool):  # numpy.bool_ stays a bool: bool cannot be subclassed
@@ -621,15 +720,24 @@ _SAFE_GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 #: safe globals whose results remember the call that made them (`pickled`), for pickle_writer
-_RECORDED_CALLS = frozenset({
-    "torch._utils._rebuild_tensor", "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3",
-    "torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state",
-    "torch._tensor._rebuild_from_type_v2", "torch._utils._rebuild_meta_tensor_no_storage",
-    "torch._utils._rebuild_wrapper_subclass",
-    "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar",
-    "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct", "numpy.dtype",
-    "builtins.tuple",  # only so that the call goes through _tuple_call, and the global still reads as itself
-})
+_RECORDED_CALLS = frozenset(
+    {
+        "torch._utils._rebuild_tensor",
+        "torch._utils._rebuild_tensor_v2",
+        "torch._utils._rebuild_tensor_v3",
+        "torch._utils._rebuild_parameter",
+        "torch._utils._rebuild_parameter_with_state",
+        "torch._tensor._rebuild_from_type_v2",
+        "torch._utils._rebuild_meta_tensor_no_storage",
+        "torch._utils._rebuild_wrapper_subclass",
+        "numpy.core.multiarray.scalar",
+        "numpy._core.multiarray.scalar",
+        "numpy.core.multiarray._reconstruct",
+        "numpy._core.multiarray._reconstruct",
+        "numpy.dtype",
+        "builtins.tuple",  # only so that the call goes through _tuple_call, and the global still reads as itself
+    }
+)
 
 
 class RecordedCall:
@@ -653,7 +761,8 @@ class RecordedCall:
             object.__setattr__(ret, "pickled", call)
             return ret
         if type(ret) in (NumpyFloat, NumpyInt, NumpyArray, NumpyDType) or (
-                isinstance(ret, Opaque) and not any(a is ret for a in args)):
+            isinstance(ret, Opaque) and not any(a is ret for a in args)
+        ):
             ret.pickled = call  # e.g. an unknown tensor subclass behind _rebuild_from_type_v2
         return ret
 
@@ -727,9 +836,11 @@ class Source:
                     self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
                 except ValueError:  # empty file
                     fh.close()
-                    raise CorruptCheckpoint("file is empty", path=self.path,
-                                            hint="the save was interrupted; restore it from a backup or an earlier "
-                                                 "step") from None
+                    raise CorruptCheckpoint(
+                        "file is empty",
+                        path=self.path,
+                        hint="the save was interrupted; restore it from a backup or an earlier step",
+                    ) from None
                 self._fh = fh
             return self._mm
 
@@ -742,9 +853,12 @@ class Source:
         if remote._MOUNTS:
             remote.ensure(self.path, start, length)
         if begin < 0 or length < 0 or begin + length > storage.nbytes or start + length > len(mm):
-            raise CorruptCheckpoint(f"tensor bytes of storage {storage.key} lie outside the file",
-                                    path=self.path, hint="the file is truncated; re-copy it")
-        return memoryview(mm)[start: start + length]
+            raise CorruptCheckpoint(
+                f"tensor bytes of storage {storage.key} lie outside the file",
+                path=self.path,
+                hint="the file is truncated; re-copy it",
+            )
+        return memoryview(mm)[start : start + length]
 
     def prefetch(self, storage: StorageRef, begin: int, length: int) -> None:
         """Ask the kernel to start reading these bytes now (POSIX_FADV_WILLNEED returns at once; the reads
@@ -755,8 +869,7 @@ class Source:
         if remote._MOUNTS and begin >= 0 and length > 0:
             remote.ensure(self.path, start, length)  # a remote object: fetch now (the ranges a caller plans)
         fh = self._fh if self._fh is not None else getattr(getattr(self, "_outer", None), "_fh", None)
-        if fh is not None and hasattr(os, "posix_fadvise") and begin >= 0 and length > 0 and \
-                start + length <= len(mm):
+        if fh is not None and hasattr(os, "posix_fadvise") and begin >= 0 and length > 0 and start + length <= len(mm):
             try:
                 os.posix_fadvise(fh.fileno(), start, length, os.POSIX_FADV_WILLNEED)
             except OSError:
@@ -783,33 +896,43 @@ class ZipSource(Source):
         self.prefix = prefix
         self._offsets: dict[str, int] = {}
 
-
     def member_names(self) -> list[str]:
         """The archive's member names, as its central directory lists them."""
         return list(self._infos)
+
     def member_offset(self, name: str) -> int:
         off = self._offsets.get(name)
         if off is None:
             info = self._infos.get(name)
             if info is None:
-                raise CorruptCheckpoint(f"zip member {name} is missing", path=self.path,
-                                        hint="the file is truncated or was not written by torch.save")
+                raise CorruptCheckpoint(
+                    f"zip member {name} is missing",
+                    path=self.path,
+                    hint="the file is truncated or was not written by torch.save",
+                )
             if info.compress_type != zipfile.ZIP_STORED:
-                raise CorruptCheckpoint(f"zip member {name} is compressed", path=self.path,
-                                        hint="torch.save writes stored members; re-save with torch.save")
+                raise CorruptCheckpoint(
+                    f"zip member {name} is compressed",
+                    path=self.path,
+                    hint="torch.save writes stored members; re-save with torch.save",
+                )
             mm = self._map()
             header = self.base + info.header_offset
             if remote._MOUNTS:  # the local header (torch pads its extra field to 64-byte alignment)
                 remote.ensure(self.path, header, 30 + len(name.encode()) + 256)
-            hdr = mm[header: header + 30]
+            hdr = mm[header : header + 30]
             if len(hdr) < 30 or hdr[:4] != b"PK\x03\x04":
-                raise CorruptCheckpoint(f"bad local header for zip member {name}", path=self.path,
-                                        hint="the file is corrupt; re-copy it")
+                raise CorruptCheckpoint(
+                    f"bad local header for zip member {name}", path=self.path, hint="the file is corrupt; re-copy it"
+                )
             name_len, extra_len = struct.unpack("<HH", hdr[26:30])
             off = header + 30 + name_len + extra_len
             if off + info.file_size > len(mm):
-                raise CorruptCheckpoint(f"zip member {name} runs past the end of the file", path=self.path,
-                                        hint="the file is truncated; re-copy it")
+                raise CorruptCheckpoint(
+                    f"zip member {name} runs past the end of the file",
+                    path=self.path,
+                    hint="the file is truncated; re-copy it",
+                )
             self._offsets[name] = off
         return off
 
@@ -864,7 +987,7 @@ class _Window(io.RawIOBase):
         n = max(0, min(len(b), len(self._buf) - self._pos))
         if self._before_read is not None and n:
             self._before_read(self._pos, n)
-        b[:n] = self._buf[self._pos: self._pos + n]
+        b[:n] = self._buf[self._pos : self._pos + n]
         self._pos += n
         return n
 
@@ -922,8 +1045,9 @@ _U32, _U64 = struct.Struct("<I").unpack_from, struct.Struct("<Q").unpack_from
 _DEPTH_SHIFT = 40
 _WIDTH = (1 << _DEPTH_SHIFT) - 1
 # what the expansion walk does with an opcode
-(_GENERIC, _GET, _PUT, _MEMOIZE, _MARKOP, _DUP, _TUPLE_TO_MARK, _NEW_TO_MARK, _FILL_TO_MARK, _FILL, _TUPLE_N,
- _STOP) = range(12)
+(_GENERIC, _GET, _PUT, _MEMOIZE, _MARKOP, _DUP, _TUPLE_TO_MARK, _NEW_TO_MARK, _FILL_TO_MARK, _FILL, _TUPLE_N, _STOP) = (
+    range(12)
+)
 #: opcodes pushing a leaf (width 1) / an empty container that may be filled (width 0), without an argument
 _LEAF_OPS = frozenset(b")N\x88\x89")  # EMPTY_TUPLE, NONE, NEWTRUE, NEWFALSE
 _EMPTY_CONTAINER_OPS = frozenset(b"}]\x8f")  # EMPTY_DICT, EMPTY_LIST, EMPTY_SET
@@ -938,16 +1062,41 @@ def _op_table() -> list:
         _OPS.extend([None] * 256)
         for op in pickletools.opcodes:
             name, to_mark = op.name, pickletools.markobject in op.stack_before
-            kind = (_GET if name in ("GET", "BINGET", "LONG_BINGET") else
-                    _PUT if name in ("PUT", "BINPUT", "LONG_BINPUT") else
-                    _MEMOIZE if name == "MEMOIZE" else _MARKOP if name == "MARK" else _DUP if name == "DUP" else
-                    _TUPLE_TO_MARK if name in ("TUPLE", "FROZENSET") else
-                    # fill the container below the MARK (it stays on the stack) / build one from what lies above
-                    _FILL_TO_MARK if name in ("APPENDS", "SETITEMS", "ADDITEMS") else _NEW_TO_MARK if to_mark else
-                    _FILL if name in ("APPEND", "SETITEM", "BUILD") else  # fill the container under the items
-                    _TUPLE_N if name in ("TUPLE1", "TUPLE2", "TUPLE3") else _STOP if name == "STOP" else _GENERIC)
-            _OPS[ord(op.code)] = (kind, 0 if op.arg is None else op.arg.n, name in ("GLOBAL", "INST"),
-                                  0 if to_mark else len(op.stack_before), len(op.stack_after), name)
+            kind = (
+                _GET
+                if name in ("GET", "BINGET", "LONG_BINGET")
+                else _PUT
+                if name in ("PUT", "BINPUT", "LONG_BINPUT")
+                else _MEMOIZE
+                if name == "MEMOIZE"
+                else _MARKOP
+                if name == "MARK"
+                else _DUP
+                if name == "DUP"
+                else _TUPLE_TO_MARK
+                if name in ("TUPLE", "FROZENSET")
+                # fill the container below the MARK (it stays on the stack) / build one from what lies above
+                else _FILL_TO_MARK
+                if name in ("APPENDS", "SETITEMS", "ADDITEMS")
+                else _NEW_TO_MARK
+                if to_mark
+                else _FILL
+                if name in ("APPEND", "SETITEM", "BUILD")
+                # fill the container under the items
+                else _TUPLE_N
+                if name in ("TUPLE1", "TUPLE2", "TUPLE3")
+                else _STOP
+                if name == "STOP"
+                else _GENERIC
+            )
+            _OPS[ord(op.code)] = (
+                kind,
+                0 if op.arg is None else op.arg.n,
+                name in ("GLOBAL", "INST"),
+                0 if to_mark else len(op.stack_before),
+                len(op.stack_after),
+                name,
+            )
     return _OPS
 
 
@@ -1045,15 +1194,18 @@ def walk_fingerprint() -> str:
     for fn in (_walk_expansion, _refill, _op_table):
         code = fn.__code__
         last = max(line for _, _, line in code.co_lines() if line is not None)
-        text += linecache.getlines(code.co_filename)[code.co_firstlineno - 1: last]
+        text += linecache.getlines(code.co_filename)[code.co_firstlineno - 1 : last]
     text.append(repr((_DEPTH_SHIFT, sorted(_LEAF_OPS), sorted(_EMPTY_CONTAINER_OPS))))
     return hashlib.sha256("".join(text).encode()).hexdigest()[:16]
 
 
 def _unfollowable(e: Exception, path: str) -> CorruptCheckpoint:
     why = str(e) if isinstance(e, pickle.UnpicklingError) else f"{type(e).__name__}: {e}"
-    return CorruptCheckpoint(f"cannot parse the pickle ({why})", path=path,
-                             hint="the file is truncated or corrupt; re-copy it or restore a backup")
+    return CorruptCheckpoint(
+        f"cannot parse the pickle ({why})",
+        path=path,
+        hint="the file is truncated or corrupt; re-copy it or restore a backup",
+    )
 
 
 def _walk_expansion(data: bytes, path: str) -> int:
@@ -1306,16 +1458,23 @@ def _refuse(table, data: bytes, pos: int, v: int, shared: int, path: str) -> Non
     """Raise CorruptCheckpoint for the slot `v` the opcode at `pos` made: nested too deep, or too wide."""
     op = table[data[pos]][5]
     if v >> _DEPTH_SHIFT > MAX_NESTING:
-        raise CorruptCheckpoint(f"pickle nests more than {MAX_NESTING} levels (opcode {op} at byte {pos}): "
-                                "hashing or walking it would overflow the stack", path=path,
-                                hint="the file is hostile or corrupt; do not load it with torch.load or pickle "
-                                     "either")
+        raise CorruptCheckpoint(
+            f"pickle nests more than {MAX_NESTING} levels (opcode {op} at byte {pos}): "
+            "hashing or walking it would overflow the stack",
+            path=path,
+            hint="the file is hostile or corrupt; do not load it with torch.load or pickle either",
+        )
     w = v & _WIDTH
-    what = (f"builds a tuple of more than {MAX_TUPLE_EXPANSION:,} items" if w > MAX_TUPLE_EXPANSION else
-            f"re-references more than {MAX_SHARED_EXPANSION:,} tuple items")
-    raise CorruptCheckpoint(f"pickle {what} out of shared references (opcode {op} at byte {pos}): "
-                            "a hash bomb", path=path,
-                            hint="the file is hostile or corrupt; do not load it with torch.load either")
+    what = (
+        f"builds a tuple of more than {MAX_TUPLE_EXPANSION:,} items"
+        if w > MAX_TUPLE_EXPANSION
+        else f"re-references more than {MAX_SHARED_EXPANSION:,} tuple items"
+    )
+    raise CorruptCheckpoint(
+        f"pickle {what} out of shared references (opcode {op} at byte {pos}): a hash bomb",
+        path=path,
+        hint="the file is hostile or corrupt; do not load it with torch.load either",
+    )
 
 
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
@@ -1344,8 +1503,11 @@ def _unpickle(data, source, persistent, path, walked: bool = False) -> tuple[Any
     except MemoryError:
         raise CorruptCheckpoint("pickle asks for too much memory", path=path, hint="the file is corrupt or hostile")
     except Exception as e:  # any malformed opcode stream ends here: pickle raises many types
-        raise CorruptCheckpoint(f"cannot parse the pickle ({type(e).__name__}: {e})", path=path,
-                                hint="the file is truncated or corrupt; re-copy it or restore a backup")
+        raise CorruptCheckpoint(
+            f"cannot parse the pickle ({type(e).__name__}: {e})",
+            path=path,
+            hint="the file is truncated or corrupt; re-copy it or restore a backup",
+        )
     finally:
         _FLAGGED.reset(token)
     return obj, up.globals_seen
@@ -1362,8 +1524,9 @@ def load(path: str | os.PathLike) -> Loaded:
     except OSError as e:
         raise NotACheckpoint(f"cannot read ({e.strerror})", path=path)
     if not head:
-        raise CorruptCheckpoint("file is empty", path=path,
-                                hint="the save was interrupted; restore it from a backup or an earlier step")
+        raise CorruptCheckpoint(
+            "file is empty", path=path, hint="the save was interrupted; restore it from a backup or an earlier step"
+        )
     if head[:4] == b"PK\x03\x04" or head[:2] == b"PK":
         return _load_zip(path)
     if head[:1] == b"\x80":
@@ -1388,8 +1551,11 @@ def check_pickles(path: str | os.PathLike) -> None:
                     blobs = [(n, zf.read(n)) for n in names]
             except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError, EOFError) as e:
                 # torch reads zips with its own reader: one zipfile cannot read is not handed on unchecked
-                raise CorruptCheckpoint(f"not a readable zip archive ({e})", path=path,
-                                        hint="the file is truncated or corrupt; re-copy it or restore a backup")
+                raise CorruptCheckpoint(
+                    f"not a readable zip archive ({e})",
+                    path=path,
+                    hint="the file is truncated or corrupt; re-copy it or restore a backup",
+                )
             for name, blob in blobs:
                 check_expansion(blob, f"{path}:{name}")
             return
@@ -1411,16 +1577,22 @@ def load_embedded(outer: Source, offset: int, length: int) -> Loaded:
     item) without running code or reading tensor bytes; its tensors read through `outer`'s mapping."""
     mm = outer._map()
     if offset < 0 or length <= 0 or offset + length > len(mm):
-        raise CorruptCheckpoint(f"item at bytes {offset}..{offset + length} lies outside the file "
-                                f"({len(mm)} bytes)", path=outer.path, hint="the file is truncated; re-copy it")
+        raise CorruptCheckpoint(
+            f"item at bytes {offset}..{offset + length} lies outside the file ({len(mm)} bytes)",
+            path=outer.path,
+            hint="the file is truncated; re-copy it",
+        )
     before = None
     if remote.mount_of(os.path.abspath(outer.path)) is not None:  # only the item's directory and data.pkl
+
         def before(pos: int, n: int) -> None:
             remote.ensure(outer.path, offset + pos, n)
-    view = memoryview(mm)[offset: offset + length]
+
+    view = memoryview(mm)[offset : offset + length]
     try:
-        return _load_zip(outer.path, _Window(view, before),
-                         lambda path, zf, prefix: EmbeddedZipSource(outer, zf, prefix, offset))
+        return _load_zip(
+            outer.path, _Window(view, before), lambda path, zf, prefix: EmbeddedZipSource(outer, zf, prefix, offset)
+        )
     finally:
         view.release()
 
@@ -1435,15 +1607,21 @@ def embedded_names(outer: Source, offset: int, length: int) -> list[str]:
     """The member names of the torch.save zip at bytes [offset, offset+length) of `outer`'s file."""
     mm = outer._map()
     if offset < 0 or length <= 0 or offset + length > len(mm):
-        raise CorruptCheckpoint(f"item at bytes {offset}..{offset + length} lies outside the file "
-                                f"({len(mm)} bytes)", path=outer.path, hint="the file is truncated; re-copy it")
-    view = memoryview(mm)[offset: offset + length]
+        raise CorruptCheckpoint(
+            f"item at bytes {offset}..{offset + length} lies outside the file ({len(mm)} bytes)",
+            path=outer.path,
+            hint="the file is truncated; re-copy it",
+        )
+    view = memoryview(mm)[offset : offset + length]
     try:
         with zipfile.ZipFile(_Window(view)) as zf:
             return zf.namelist()
     except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError, EOFError) as e:
-        raise CorruptCheckpoint(f"item at byte {offset} is not a readable zip archive ({e})", path=outer.path,
-                                hint="the file is truncated or corrupt; re-copy it or restore a backup")
+        raise CorruptCheckpoint(
+            f"item at byte {offset} is not a readable zip archive ({e})",
+            path=outer.path,
+            hint="the file is truncated or corrupt; re-copy it or restore a backup",
+        )
     finally:
         view.release()
 
@@ -1482,8 +1660,11 @@ class HeadZipSource(Source):
         try:
             return self.data_at[storage.key]
         except KeyError:  # load_embedded_head located every storage its pickle names
-            raise CorruptCheckpoint(f"zip member {self.prefix}data/{storage.key} is missing", path=self.path,
-                                    hint="the file is truncated or was not written by torch.save") from None
+            raise CorruptCheckpoint(
+                f"zip member {self.prefix}data/{storage.key} is missing",
+                path=self.path,
+                hint="the file is truncated or was not written by torch.save",
+            ) from None
 
     def close(self) -> None:
         pass  # the mapping belongs to the outer Source
@@ -1505,7 +1686,7 @@ def load_embedded_head(outer: Source, offset: int, length: int, head_bytes: int 
     n = min(length, head_bytes)
     if remote._MOUNTS:
         remote.ensure(outer.path, offset, n)
-    head = mm[offset: offset + n]
+    head = mm[offset : offset + n]
     try:
         return _from_head(outer, offset, length, head)
     except _NotTorchLayout:
@@ -1520,7 +1701,7 @@ def _member(head: bytes, pos: int) -> tuple[str, int, int, int, int]:
     start = pos + 30 + nlen + xlen
     if sig != b"PK\x03\x04" or method != zipfile.ZIP_STORED or start > len(head):
         raise _NotTorchLayout
-    name = head[pos + 30: pos + 30 + nlen].decode("utf-8" if flags & 0x800 else "cp437")
+    name = head[pos + 30 : pos + 30 + nlen].decode("utf-8" if flags & 0x800 else "cp437")
     return name, flags, crc, csize, start
 
 
@@ -1564,11 +1745,11 @@ def _from_head(outer: Source, offset: int, length: int, head: bytes) -> Loaded:
     prefix = name[: -len("data.pkl")]
     source = HeadZipSource(outer, offset, prefix)
     while True:  # the members after data.pkl, up to the first storage
-        if head[pos: pos + 4] in _CENTRAL:
+        if head[pos : pos + 4] in _CENTRAL:
             break
         name, flags, crc, csize, start = _member(head, pos)
         if name.startswith(prefix + "data/"):
-            source.data_at[name[len(prefix) + 5:]] = offset + start
+            source.data_at[name[len(prefix) + 5 :]] = offset + start
             break
         data, pos = _member_end(head, flags, crc, csize, start)
         if name == prefix + "byteorder":
@@ -1577,8 +1758,9 @@ def _from_head(outer: Source, offset: int, length: int, head: bytes) -> Loaded:
             except UnicodeDecodeError:
                 order = "little"
             if order != "little":
-                raise CorruptCheckpoint("big-endian checkpoint", path=outer.path,
-                                        hint="re-save it on a little-endian machine")
+                raise CorruptCheckpoint(
+                    "big-endian checkpoint", path=outer.path, hint="re-save it on a little-endian machine"
+                )
     named: list[StorageRef] = []
     obj, seen = _unpickle(pkl, source, _zip_persistent(source, named), outer.path, walked=True)
     seen = frozenset(seen)
@@ -1600,17 +1782,35 @@ _HEAD_SIZES: dict[int, int] = {}  # the lengths of those heads -> how many have 
 _SEEN_KEPT = 64
 
 
-def _remember_head(head: bytes, obj: Any, seen: frozenset[str], named: list[StorageRef], source: HeadZipSource,
-                   offset: int) -> None:
+def _remember_head(
+    head: bytes, obj: Any, seen: frozenset[str], named: list[StorageRef], source: HeadZipSource, offset: int
+) -> None:
     """Keep a parse `_same_head` can repeat: a plain tensor (`_rebuild_tensor_v2` of its one storage), no more."""
     call = getattr(obj, "pickled", None) if type(obj) is TensorRef else None
-    if (call is None or call[0] != "torch._utils._rebuild_tensor_v2" or len(named) != 1 or not call[1]
-            or call[1][0] is not obj.storage or obj.storage is not named[0] or obj.subclass is not None):
+    if (
+        call is None
+        or call[0] != "torch._utils._rebuild_tensor_v2"
+        or len(named) != 1
+        or not call[1]
+        or call[1][0] is not obj.storage
+        or obj.storage is not named[0]
+        or obj.subclass is not None
+    ):
         return
     s = obj.storage  # kept without its source: a template must not hold a file's mapping open
     storage = StorageRef(s.key, s.dtype, s.numel, s.location, None, s.storage_type)
-    template = TensorRef(obj.dtype, obj.shape, obj.stride, obj.storage_offset, storage, obj.requires_grad,
-                         obj.is_parameter, None, None, (call[0], (storage, *call[1][1:])))
+    template = TensorRef(
+        obj.dtype,
+        obj.shape,
+        obj.stride,
+        obj.storage_offset,
+        storage,
+        obj.requires_grad,
+        obj.is_parameter,
+        None,
+        None,
+        (call[0], (storage, *call[1][1:])),
+    )
     n = source.data_at[s.key] - offset
     with _resolved_lock:
         if head[:n] in _SEEN_HEADS:
@@ -1644,8 +1844,18 @@ def _same_head(head: bytes, outer: Source, offset: int, length: int) -> Loaded |
         source.data_at[s.key] = offset + n
         storage = StorageRef(s.key, s.dtype, s.numel, s.location, source, s.storage_type)
         name, args = t.pickled
-        obj = TensorRef(t.dtype, t.shape, t.stride, t.storage_offset, storage, t.requires_grad, t.is_parameter,
-                        None, None, (name, (storage, *args[1:])))
+        obj = TensorRef(
+            t.dtype,
+            t.shape,
+            t.stride,
+            t.storage_offset,
+            storage,
+            t.requires_grad,
+            t.is_parameter,
+            None,
+            None,
+            (name, (storage, *args[1:])),
+        )
         return Loaded(obj, "torch_zip", source, seen)
     return None
 
@@ -1664,8 +1874,16 @@ class LazyTensorRef(TensorRef):
     must be a tensor of that dtype and element count; every byte read goes through that record. `what` names the
     tensor in errors."""
 
-    def __init__(self, dtype: str, shape: tuple[int, ...], outer: Source, offset: int, length: int, what: str,
-                 numel: int | None = None):
+    def __init__(
+        self,
+        dtype: str,
+        shape: tuple[int, ...],
+        outer: Source,
+        offset: int,
+        length: int,
+        what: str,
+        numel: int | None = None,
+    ):
         if numel is None:
             numel = 1
             for s in shape:
@@ -1686,12 +1904,18 @@ class LazyTensorRef(TensorRef):
         real = load_embedded_head(outer, offset, length).obj
         where = f"{os.path.basename(outer.path)}[{offset}:{offset + length}]"
         if not isinstance(real, TensorRef):
-            raise CorruptCheckpoint(f"{what}: the item at {where} is not a tensor", path=outer.path,
-                                    hint="the .distcp file does not match .metadata")
+            raise CorruptCheckpoint(
+                f"{what}: the item at {where} is not a tensor",
+                path=outer.path,
+                hint="the .distcp file does not match .metadata",
+            )
         if real.numel != self.numel or real.dtype != self.dtype:
-            raise CorruptCheckpoint(f"{what}: the stored chunk at {where} is {real.dtype} {list(real.shape)}, the "
-                                    f"metadata says {self.dtype} {list(self.shape)}", path=outer.path,
-                                    hint=f"{os.path.basename(outer.path)} comes from another run")
+            raise CorruptCheckpoint(
+                f"{what}: the stored chunk at {where} is {real.dtype} {list(real.shape)}, the "
+                f"metadata says {self.dtype} {list(self.shape)}",
+                path=outer.path,
+                hint=f"{os.path.basename(outer.path)} comes from another run",
+            )
         with _resolved_lock:
             _resolved[id(self)] = (self, real)
             while len(_resolved) > RESOLVED_KEPT:
@@ -1712,8 +1936,9 @@ class LazyTensorRef(TensorRef):
     def _raw(self, start_elem: int = 0, count: int | None = None) -> memoryview:
         return self.resolve()._raw(start_elem, count)
 
-    def read_into(self, out: memoryview, start_elem: int = 0, count: int | None = None,
-                  fds: FdCache | None = None) -> None:
+    def read_into(
+        self, out: memoryview, start_elem: int = 0, count: int | None = None, fds: FdCache | None = None
+    ) -> None:
         self.resolve().read_into(out, start_elem, count, fds)
 
     def prefetch(self, start_elem: int = 0, count: int | None = None) -> None:
@@ -1736,18 +1961,26 @@ class LazyTensorRef(TensorRef):
 
     def __repr__(self) -> str:
         outer, offset, length, _ = self._at
-        return (f"LazyTensorRef(dtype={self.dtype!r}, shape={self.shape!r}, "
-                f"at={os.path.basename(outer.path)}[{offset}:{offset + length}])")
+        return (
+            f"LazyTensorRef(dtype={self.dtype!r}, shape={self.shape!r}, "
+            f"at={os.path.basename(outer.path)}[{offset}:{offset + length}])"
+        )
 
 
-def _load_zip(path: str, file: io.RawIOBase | None = None,
-              make_source: Callable[[str, zipfile.ZipFile, str], ZipSource] = ZipSource) -> Loaded:
+def _load_zip(
+    path: str,
+    file: io.RawIOBase | None = None,
+    make_source: Callable[[str, zipfile.ZipFile, str], ZipSource] = ZipSource,
+) -> Loaded:
     try:
         zf = zipfile.ZipFile(path if file is None else file)
     except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError, EOFError) as e:
         # NotImplementedError: a directory entry claims a newer zip version (one flipped byte does it)
-        raise CorruptCheckpoint(f"not a readable zip archive ({e})", path=path,
-                                hint="the file is truncated or corrupt; re-copy it or restore a backup")
+        raise CorruptCheckpoint(
+            f"not a readable zip archive ({e})",
+            path=path,
+            hint="the file is truncated or corrupt; re-copy it or restore a backup",
+        )
     with zf:
         pkl = [n for n in zf.namelist() if n.endswith("data.pkl") and n.count("/") <= 1]
         if not pkl:
@@ -1762,12 +1995,17 @@ def _load_zip(path: str, file: io.RawIOBase | None = None,
             except Exception:
                 order = "little"
             if order != "little":
-                raise CorruptCheckpoint("big-endian checkpoint", path=path, hint="re-save it on a little-endian machine")
+                raise CorruptCheckpoint(
+                    "big-endian checkpoint", path=path, hint="re-save it on a little-endian machine"
+                )
         try:
             data = zf.read(name)
         except Exception as e:
-            raise CorruptCheckpoint(f"cannot read {name} ({type(e).__name__}: {e})", path=path,
-                                    hint="the file is truncated or corrupt; re-copy it or restore a backup")
+            raise CorruptCheckpoint(
+                f"cannot read {name} ({type(e).__name__}: {e})",
+                path=path,
+                hint="the file is truncated or corrupt; re-copy it or restore a backup",
+            )
 
     obj, seen = _unpickle(data, source, _zip_persistent(source), path)
     return Loaded(obj, "torch_zip", source, frozenset(seen))
@@ -1814,8 +2052,14 @@ def _load_pickle_stream(path: str) -> Loaded:
             _, storage_type, key, location, numel = pid[:5]
             ref = storages.get(str(key))
             if ref is None:
-                ref = StorageRef(str(key), _storage_dtype(storage_type), int(numel), str(location), source,
-                                 _storage_type_name(storage_type))
+                ref = StorageRef(
+                    str(key),
+                    _storage_dtype(storage_type),
+                    int(numel),
+                    str(location),
+                    source,
+                    _storage_type_name(storage_type),
+                )
                 storages[str(key)] = ref
             return ref
 

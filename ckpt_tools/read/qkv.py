@@ -13,6 +13,7 @@ not hold, beside model keys of the same module and leaf whose elements add up to
 rows each split tensor is, and `assemble` / `fuse` put split tensors back at their rows, as torchtitan's own save /
 load hooks move the weight.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -42,8 +43,10 @@ def row_index(q_rows: int, kv_rows: int, n_kv_heads: int) -> tuple[list[int], li
     """The fused rows that hold `wq`'s, `wk`'s and `wv`'s rows, in their order. ValueError where the row counts
     do not divide by `n_kv_heads` (the wrong value for this model)."""
     if n_kv_heads < 1 or kv_rows % n_kv_heads or q_rows % kv_rows:
-        raise ValueError(f"wq has {q_rows} rows and wk {kv_rows}: not a model with {n_kv_heads} KV heads "
-                         f"(wk's rows must be n_kv_heads x head_dim, wq's a multiple of them)")
+        raise ValueError(
+            f"wq has {q_rows} rows and wk {kv_rows}: not a model with {n_kv_heads} KV heads "
+            f"(wk's rows must be n_kv_heads x head_dim, wq's a multiple of them)"
+        )
     hd, hpk = kv_rows // n_kv_heads, q_rows // kv_rows
     width = (hpk + 2) * hd  # one KV group's rows in the fused weight
     q = [g * width + j * hd + d for g in range(n_kv_heads) for j in range(hpk) for d in range(hd)]
@@ -59,8 +62,11 @@ def rows_or_refuse(q_rows: int, kv_rows: int, n_kv_heads: int, path: Any) -> tup
     try:
         return row_index(q_rows, kv_rows, n_kv_heads)
     except ValueError as e:
-        raise CkptError(f"--n-kv-heads {n_kv_heads}: {e}", path=path,
-                        hint="give the model's number of KV heads (n_kv_heads in its model args)") from None
+        raise CkptError(
+            f"--n-kv-heads {n_kv_heads}: {e}",
+            path=path,
+            hint="give the model's number of KV heads (n_kv_heads in its model args)",
+        ) from None
 
 
 def assemble(pieces: list[tuple[Any, Any]]) -> Any:
@@ -118,8 +124,10 @@ def find_fused(tree: Any) -> dict[str, list[str]]:
 
     kids = tree.children if isinstance(tree, GroupNode) else {}
     model = kids.get("model")
-    state = next((o.children.get("state") for k, o in kids.items() if k.startswith("optimizer")
-                  and isinstance(o, GroupNode)), None)
+    state = next(
+        (o.children.get("state") for k, o in kids.items() if k.startswith("optimizer") and isinstance(o, GroupNode)),
+        None,
+    )
     if not isinstance(model, GroupNode) or not isinstance(state, GroupNode):
         return {}
     names = {k: t for k, t in iter_tensors(model)}
@@ -130,8 +138,9 @@ def find_fused(tree: Any) -> dict[str, list[str]]:
         ref = next((t for t in entry.children.values() if isinstance(t, TensorNode) and t.numel > 1), None)
         parent, leaf = fqn.rsplit(".", 1)
         parent = parent.rsplit(".", 1)[0] if "." in parent else ""
-        parts = [k for k in names if k.endswith("." + leaf) and k.rsplit(".", 2)[0] == parent
-                 and k not in state.children]
+        parts = [
+            k for k in names if k.endswith("." + leaf) and k.rsplit(".", 2)[0] == parent and k not in state.children
+        ]
         if ref is not None and len(parts) > 1 and sum(names[k].numel for k in parts) == ref.numel:
             out[fqn] = parts
     return out
@@ -144,6 +153,8 @@ def ordered_parts(fused: str, parts: list[str]) -> tuple[str, str, str]:
     except ValueError:
         want = None
     if want is None or sorted(want) != sorted(parts):
-        raise ValueError(f"{fused} is saved as {', '.join(parts)}: only torchtitan's FusedQKVLinear layout "
-                         f"({FUSED} saved as {'/'.join(SPLIT)}) is known")
+        raise ValueError(
+            f"{fused} is saved as {', '.join(parts)}: only torchtitan's FusedQKVLinear layout "
+            f"({FUSED} saved as {'/'.join(SPLIT)}) is known"
+        )
     return want

@@ -30,6 +30,7 @@ output is shown. A read past an object's new end fails at once on every store.
 The remote client (fsspec + s3fs, gcsfs, adlfs, huggingface_hub) is imported only when a URL is given: the
 core install stays light (`pip install 'ckpt-tools[remote]'`).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -59,8 +60,13 @@ MAX_BATCH = 64 << 20
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 #: commands that write into the checkpoint they are given, or train from it in place
-WRITING_COMMANDS = {"set-lr": "edits", "set-step": "edits", "sync-tp": "edits", "restore": "restores",
-                    "resume": "resumes training from"}
+WRITING_COMMANDS = {
+    "set-lr": "edits",
+    "set-step": "edits",
+    "sync-tp": "edits",
+    "restore": "restores",
+    "resume": "resumes training from",
+}
 
 
 def is_url(arg: str) -> bool:
@@ -79,9 +85,14 @@ class Counters:
     objects_bytes: int = 0
 
     def as_dict(self) -> dict:
-        return {"bytes_fetched": self.bytes_fetched, "requests": self.get_requests + self.list_requests,
-                "get_requests": self.get_requests, "list_requests": self.list_requests,
-                "objects": self.objects, "objects_bytes": self.objects_bytes}
+        return {
+            "bytes_fetched": self.bytes_fetched,
+            "requests": self.get_requests + self.list_requests,
+            "get_requests": self.get_requests,
+            "list_requests": self.list_requests,
+            "objects": self.objects,
+            "objects_bytes": self.objects_bytes,
+        }
 
 
 @dataclass
@@ -103,10 +114,12 @@ def storage_options_from(text: str | None) -> dict:
     try:
         opts = json.loads(text)
     except json.JSONDecodeError as e:
-        raise CkptError(f"--storage-options is not JSON ({e})",
-                        hint='pass an object, e.g. \'{"client_kwargs": {"endpoint_url": "http://host:9000"}}\'')
+        raise CkptError(
+            f"--storage-options is not JSON ({e})",
+            hint='pass an object, e.g. \'{"client_kwargs": {"endpoint_url": "http://host:9000"}}\'',
+        )
     if not isinstance(opts, dict):
-        raise CkptError("--storage-options must be a JSON object", hint='e.g. \'{"anon": true}\'')
+        raise CkptError("--storage-options must be a JSON object", hint="e.g. '{\"anon\": true}'")
     return opts
 
 
@@ -158,8 +171,11 @@ class Mount:
             if info.get("type") == "file":
                 found = {self._key: info}
         if not found:
-            raise NotACheckpoint("no objects under this prefix", path=self.url,
-                                 hint="check the URL (list it with your storage client, e.g. aws s3 ls)")
+            raise NotACheckpoint(
+                "no objects under this prefix",
+                path=self.url,
+                hint="check the URL (list it with your storage client, e.g. aws s3 ls)",
+            )
         return found
 
     def _build(self, entries: dict[str, dict]) -> None:
@@ -170,12 +186,13 @@ class Mount:
             if key == base:  # the URL names one object
                 rel = ""
             elif key.startswith(base + "/"):
-                rel = key[len(base) + 1:]
+                rel = key[len(base) + 1 :]
             else:
                 continue
             if any(part in ("", ".", "..") for part in rel.split("/")) and rel:
-                raise CorruptCheckpoint(f"object name {key!r} cannot be mirrored as a path", path=self.url,
-                                        hint="rename the object")
+                raise CorruptCheckpoint(
+                    f"object name {key!r} cannot be mirrored as a path", path=self.url, hint="rename the object"
+                )
             local = os.path.join(self.root, *rel.split("/")) if rel else self.root
             os.makedirs(os.path.dirname(local), exist_ok=True)
             size = int(info.get("size") or 0)
@@ -195,16 +212,19 @@ class Mount:
         for key in entries:
             key = key.rstrip("/")
             if key == base or key.startswith(base + "/"):
-                rels[key[len(base) + 1:] if key != base else ""] = key
+                rels[key[len(base) + 1 :] if key != base else ""] = key
         for rel in sorted(rels):
             parts = rel.split("/") if rel else []
             for n in range(len(parts)):
                 outer = "/".join(parts[:n])
                 if outer in rels:
                     shown = [self.url + ("/" + r if r else "") for r in (outer, rel)]
-                    raise CorruptCheckpoint(f"object {shown[0]} and object {shown[1]} cannot both be mirrored: "
-                                            "the second lies inside the first as if it were a folder",
-                                            path=self.url, hint="remove or rename one of the two objects")
+                    raise CorruptCheckpoint(
+                        f"object {shown[0]} and object {shown[1]} cannot both be mirrored: "
+                        "the second lies inside the first as if it were a folder",
+                        path=self.url,
+                        hint="remove or rename one of the two objects",
+                    )
 
     # --- what is held -------------------------------------------------------------------------------
 
@@ -265,8 +285,11 @@ class Mount:
                     # nothing is fetched twice
                     if merged and s <= merged[-1][1]:
                         merged[-1][1] = max(merged[-1][1], e)
-                    elif merged and s - merged[-1][1] <= ALIGN and \
-                            self._missing(f, merged[-1][1], s) == [(merged[-1][1], s)]:
+                    elif (
+                        merged
+                        and s - merged[-1][1] <= ALIGN
+                        and self._missing(f, merged[-1][1], s) == [(merged[-1][1], s)]
+                    ):
                         merged[-1][1] = max(merged[-1][1], e)
                     else:
                         merged.append([s, e])
@@ -288,8 +311,12 @@ class Mount:
             if self.pinned:  # each GET pinned to the listed version
                 blobs = _s3_get_pinned(self.fs, [(self._files[p], s, e) for p, s, e in ranges])
             else:
-                blobs = self.fs.cat_ranges([self._files[p].key for p, _, _ in ranges], [s for _, s, _ in ranges],
-                                           [e for _, _, e in ranges], on_error="raise")
+                blobs = self.fs.cat_ranges(
+                    [self._files[p].key for p, _, _ in ranges],
+                    [s for _, s, _ in ranges],
+                    [e for _, _, e in ranges],
+                    on_error="raise",
+                )
         except Exception as e:  # noqa: BLE001
             raise translate(e, self.url) from e
         self.counters.get_requests += len(ranges)
@@ -300,8 +327,10 @@ class Mount:
             if len(blob) != e - s:
                 raise CorruptCheckpoint(
                     f"the object changed or was truncated while being read (asked for bytes {s}..{e} of "
-                    f"{self._files[path].size} listed, got {len(blob)})", path=self._url_of(path),
-                    hint="wait until the upload has finished, then run the command again")
+                    f"{self._files[path].size} listed, got {len(blob)})",
+                    path=self._url_of(path),
+                    hint="wait until the upload has finished, then run the command again",
+                )
             fd = os.open(path, os.O_WRONLY)
             try:
                 done = 0
@@ -336,10 +365,12 @@ class Mount:
         for key, (path, f) in sorted(read.items()):
             info = now.get(key)
             if info is None or int(info.get("size") or 0) != f.size or _version_tag(info) != f.tag:
-                raise CorruptCheckpoint("the object changed while being read (it was replaced or removed after "
-                                        "the listing: what was read may mix two versions)",
-                                        path=self._url_of(path),
-                                        hint="wait until the upload has finished, then run the command again")
+                raise CorruptCheckpoint(
+                    "the object changed while being read (it was replaced or removed after "
+                    "the listing: what was read may mix two versions)",
+                    path=self._url_of(path),
+                    hint="wait until the upload has finished, then run the command again",
+                )
 
     def _url_of(self, path: str) -> str:
         rel = os.path.relpath(path, self.root)
@@ -390,8 +421,7 @@ class Mount:
                 if re.search(r"(^|/)data/\d+$", info.filename):
                     continue  # tensor bytes: fetched when read
                 # local header (30 bytes + name + extra, which torch pads up to 64-byte alignment) and data
-                third.append((path, info.header_offset,
-                              30 + len(info.filename.encode()) + 256 + info.compress_size))
+                third.append((path, info.header_offset, 30 + len(info.filename.encode()) + 256 + info.compress_size))
         self.ensure_many(third)
 
     def missing_bytes(self) -> int:
@@ -545,15 +575,15 @@ def _zip_directory(tail: bytes, size: int) -> tuple[int, int] | None:
     if at < 0 or at + 22 > len(tail):
         return None
     tail_start = size - len(tail)
-    cd_size, cd_offset = struct.unpack("<II", tail[at + 12: at + 20])
+    cd_size, cd_offset = struct.unpack("<II", tail[at + 12 : at + 20])
     end = tail_start + at + 22
     cd_end = tail_start + at  # the central directory ends where the end records begin
-    if at >= 20 and tail[at - 20: at - 16] == b"PK\x06\x07":  # zip64 end records (torch always writes them)
-        (z64,) = struct.unpack("<Q", tail[at - 12: at - 4])
+    if at >= 20 and tail[at - 20 : at - 16] == b"PK\x06\x07":  # zip64 end records (torch always writes them)
+        (z64,) = struct.unpack("<Q", tail[at - 12 : at - 4])
         rec = z64 - tail_start
-        if not (0 <= rec and rec + 56 <= len(tail) and tail[rec: rec + 4] == b"PK\x06\x06"):
+        if not (0 <= rec and rec + 56 <= len(tail) and tail[rec : rec + 4] == b"PK\x06\x06"):
             return None  # the zip64 record lies before the tail: left to the on-demand reads
-        cd_size, cd_offset = struct.unpack("<QQ", tail[rec + 40: rec + 56])
+        cd_size, cd_offset = struct.unpack("<QQ", tail[rec + 40 : rec + 56])
         cd_end = z64
     if cd_offset + cd_size != cd_end:
         # not one archive from byte 0 (a DCP .distcp: torch.save zips end to end, offsets relative to each)
@@ -583,19 +613,27 @@ def _filesystem(url: str, options: dict):
     try:
         import fsspec
     except ImportError:
-        raise CkptError(f"reading {url.split('://')[0]}:// URLs needs fsspec",
-                        hint="pip install 'ckpt-tools[remote]'")
+        raise CkptError(f"reading {url.split('://')[0]}:// URLs needs fsspec", hint="pip install 'ckpt-tools[remote]'")
     try:
         fs, key = fsspec.core.url_to_fs(url, **options)
     except ImportError as e:
         scheme = url.split("://")[0]
-        package = {"s3": "'ckpt-tools[remote]'", "s3a": "'ckpt-tools[remote]'", "gs": "gcsfs", "gcs": "gcsfs",
-                   "az": "adlfs", "abfs": "adlfs", "hf": "huggingface_hub"}.get(scheme)
-        raise CkptError(f"reading {scheme}:// URLs needs a storage client that is not installed: {e}", path=url,
-                        hint=f"pip install {package}" if package else "install the fsspec implementation it names")
+        package = {
+            "s3": "'ckpt-tools[remote]'",
+            "s3a": "'ckpt-tools[remote]'",
+            "gs": "gcsfs",
+            "gcs": "gcsfs",
+            "az": "adlfs",
+            "abfs": "adlfs",
+            "hf": "huggingface_hub",
+        }.get(scheme)
+        raise CkptError(
+            f"reading {scheme}:// URLs needs a storage client that is not installed: {e}",
+            path=url,
+            hint=f"pip install {package}" if package else "install the fsspec implementation it names",
+        )
     except (ValueError, TypeError) as e:
-        raise CkptError(f"cannot open this URL ({e})", path=url,
-                        hint="check the scheme and --storage-options")
+        raise CkptError(f"cannot open this URL ({e})", path=url, hint="check the scheme and --storage-options")
     return fs, key
 
 
@@ -607,35 +645,62 @@ def translate(e: BaseException, url: str) -> CkptError:
     text = str(e)
     low = f"{name} {text}".lower()
     if "nocredentials" in low or "unable to locate credentials" in low or "partialcredentials" in low:
-        return CkptError("no credentials found for this store", path=url,
-                         hint="set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or pass "
-                              "--storage-options '{\"anon\": true}' for a public bucket")
+        return CkptError(
+            "no credentials found for this store",
+            path=url,
+            hint="set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or pass "
+            "--storage-options '{\"anon\": true}' for a public bucket",
+        )
     if "nosuchbucket" in low or "bucket does not exist" in low or "specified bucket does not exist" in low:
         return NotACheckpoint("no such bucket", path=url, hint="check the bucket name and the endpoint")
     if isinstance(e, PermissionError) or "accessdenied" in low or "access denied" in low or "forbidden" in low:
-        return CkptError("access denied", path=url,
-                         hint="check the credentials in use (AWS_PROFILE, the bucket policy) or pass another "
-                              "profile with --storage-options")
+        return CkptError(
+            "access denied",
+            path=url,
+            hint="check the credentials in use (AWS_PROFILE, the bucket policy) or pass another "
+            "profile with --storage-options",
+        )
     import errno
 
     if getattr(e, "errno", None) == errno.EBUSY or any(
-            w in low for w in ("slowdown", "throttl", "toomanyrequests", "too many requests", "503",
-                               "reduce your request rate")):  # s3fs: SlowDown -> OSError(EBUSY)
-        return CkptError("the store kept throttling the requests after retries", path=url,
-                         hint="run the command again later, or raise the client's retries in --storage-options")
+        w in low
+        for w in ("slowdown", "throttl", "toomanyrequests", "too many requests", "503", "reduce your request rate")
+    ):  # s3fs: SlowDown -> OSError(EBUSY)
+        return CkptError(
+            "the store kept throttling the requests after retries",
+            path=url,
+            hint="run the command again later, or raise the client's retries in --storage-options",
+        )
     if isinstance(e, FileNotFoundError) or "nosuchkey" in low or "not found" in low or "404" in low:
         return NotACheckpoint("no such object or prefix", path=url, hint="check the URL")
-    if any(w in low for w in ("preconditionfailed", "precondition failed", "pre-conditions you specified",
-                              "conditionnotmet", "(412)")):
-        return CorruptCheckpoint("the object changed while being read (its ETag is no longer the one listed: "
-                                 "it was replaced after the listing)", path=url,
-                                 hint="wait until the upload has finished, then run the command again")
+    if any(
+        w in low
+        for w in (
+            "preconditionfailed",
+            "precondition failed",
+            "pre-conditions you specified",
+            "conditionnotmet",
+            "(412)",
+        )
+    ):
+        return CorruptCheckpoint(
+            "the object changed while being read (its ETag is no longer the one listed: "
+            "it was replaced after the listing)",
+            path=url,
+            hint="wait until the upload has finished, then run the command again",
+        )
     if "invalidrange" in low or "416" in low or "not satisfiable" in low:
-        return CorruptCheckpoint("the object changed or was truncated while being read", path=url,
-                                 hint="wait until the upload has finished, then run the command again")
+        return CorruptCheckpoint(
+            "the object changed or was truncated while being read",
+            path=url,
+            hint="wait until the upload has finished, then run the command again",
+        )
     if "endpointconnection" in low or "could not connect" in low or "connection refused" in low:
-        return CkptError(f"cannot reach the store ({text.splitlines()[0] if text else name})", path=url,
-                         hint="check the endpoint URL (AWS_ENDPOINT_URL or --storage-options) and the network")
+        return CkptError(
+            f"cannot reach the store ({text.splitlines()[0] if text else name})",
+            path=url,
+            hint="check the endpoint URL (AWS_ENDPOINT_URL or --storage-options) and the network",
+        )
     first = text.splitlines()[0] if text else ""
     return CkptError(f"storage error ({name}: {first})", path=url, hint="check the URL, credentials and endpoint")
 

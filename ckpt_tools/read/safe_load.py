@@ -5,6 +5,7 @@ is needed (e.g. copying a DeepSpeed optimizer file's small fields into a new fil
 the project calls `torch.load`: torch's restricted unpickler, extended by name with the framework classes
 real checkpoints carry. A pickle naming anything else fails loudly instead of running it.
 """
+
 from __future__ import annotations
 
 import os
@@ -60,8 +61,11 @@ def load(path: str | os.PathLike, *, mmap: bool = True) -> Any:
             return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UnsupportedCheckpoint(f"refusing to load: the pickle names a class outside the allowlist ({first})",
-                                    path=path, hint="inspect it with `ckpt inspect` to see the unknown global") from e
+        raise UnsupportedCheckpoint(
+            f"refusing to load: the pickle names a class outside the allowlist ({first})",
+            path=path,
+            hint="inspect it with `ckpt inspect` to see the unknown global",
+        ) from e
 
 
 def untrusted_globals(ck: Any) -> dict[str, list[str]]:

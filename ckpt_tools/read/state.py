@@ -17,6 +17,7 @@ optim_states file and a DCP folder nested under `app` all need no code of their 
 optimizers are numbered (`index`): by the format (Accelerate's `optimizer_1.bin`) or by their position in a
 list (Lightning); the scheduler with the same number belongs to that optimizer.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -105,7 +106,9 @@ def _is_weights(d: dict) -> bool:
     return bool(d) and all(isinstance(v, TensorRef) for v in d.values())
 
 
-def locate(obj: Any, *, index: int | None = None, counters: bool = True, counter_paths: tuple[tuple, ...] = ()) -> Found:
+def locate(
+    obj: Any, *, index: int | None = None, counters: bool = True, counter_paths: tuple[tuple, ...] = ()
+) -> Found:
     """Find optimizer and scheduler state dicts, loop counters and ds_config inside one loaded object
     (plus the counters at `counter_paths`, which the format names)."""
     found = Found()
@@ -163,8 +166,17 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, TensorRef) and v.numel == 1 and v.shape == () and v.dtype.startswith("int")
 
 
-__all__ = ["StateSource", "StateMap", "Found", "locate", "is_optimizer_state", "is_scheduler_state", "group_dicts",
-           "is_flattened", "COUNTER_KEYS"]
+__all__ = [
+    "StateSource",
+    "StateMap",
+    "Found",
+    "locate",
+    "is_optimizer_state",
+    "is_scheduler_state",
+    "group_dicts",
+    "is_flattened",
+    "COUNTER_KEYS",
+]
 
 
 #: param-group fields a torch LR scheduler adds to the optimizer it drives (`initial_lr` by every LRScheduler,
@@ -184,13 +196,18 @@ def lost_scheduler_warnings(ck):
     if ck.details.get("scheduler_rebuilt"):  # the format's word: its producer rebuilds the schedule on resume
         return ck
     top = ck.tree.children
-    if any(k.startswith(("scheduler", "lr_scheduler", "opt_param_scheduler")) and v is not None
-           and not (isinstance(v, (GroupNode, OpaqueNode)) and not v.children) for k, v in top.items()):
+    if any(
+        k.startswith(("scheduler", "lr_scheduler", "opt_param_scheduler"))
+        and v is not None
+        and not (isinstance(v, (GroupNode, OpaqueNode)) and not v.children)
+        for k, v in top.items()
+    ):
         return ck
     client = top.get("client_state")
     if isinstance(client, GroupNode) and any(
-            isinstance(client.children.get(k), (GroupNode, OpaqueNode)) and client.children[k].children
-            for k in ("opt_param_scheduler", "lr_scheduler", "lr_schedulers", "scheduler")):
+        isinstance(client.children.get(k), (GroupNode, OpaqueNode)) and client.children[k].children
+        for k in ("opt_param_scheduler", "lr_scheduler", "lr_schedulers", "scheduler")
+    ):
         return ck
     traces = set()
     for name, opt in top.items():
@@ -202,8 +219,10 @@ def lost_scheduler_warnings(ck):
                 traces |= {t for t in SCHEDULER_TRACES if t in g.children}
     if not traces:
         return ck
-    w = Warning_("scheduler-state-missing",
-                 f"the optimizer's param groups carry {', '.join(sorted(traces))} (a learning-rate scheduler drove "
-                 "this run) but the checkpoint holds no scheduler state: a resume restarts the schedule from its "
-                 "first step (warm-up again) unless the run rebuilds it from the step count")
+    w = Warning_(
+        "scheduler-state-missing",
+        f"the optimizer's param groups carry {', '.join(sorted(traces))} (a learning-rate scheduler drove "
+        "this run) but the checkpoint holds no scheduler state: a resume restarts the schedule from its "
+        "first step (warm-up again) unless the run rebuilds it from the step count",
+    )
     return replace(ck, warnings=(w, *ck.warnings))

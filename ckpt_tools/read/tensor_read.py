@@ -1,6 +1,7 @@
 """Reading one tensor of the tree: a node's pieces preadv'd into one buffer (`read_tensor`), the file ranges that
 hold its bytes as they are, for a raw copy (`source_ranges`), and a TP-sharded node merged by its reader's rule
 (`merged_read`). The operations (to-universal, export, convert) and the logical view read through here."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,10 +42,11 @@ def read_tensor(node: TensorNode, fds: FdCache | None = None):
         esize = DTYPE_SIZE[ref.dtype]
         src = ref.storage.source if ref.storage is not None else None
         if src is None or not ref.is_contiguous or not hasattr(src, "storage_offset") or ref.dtype != node.dtype:
-            out[p.dst_offset: p.dst_offset + p.numel] = ref.read_torch(p.src_offset, p.numel).view(-1).to(out.dtype)
+            out[p.dst_offset : p.dst_offset + p.numel] = ref.read_torch(p.src_offset, p.numel).view(-1).to(out.dtype)
             continue
-        ref.read_into(memoryview(raw)[p.dst_offset * esize: (p.dst_offset + p.numel) * esize], p.src_offset,
-                      p.numel, fds)
+        ref.read_into(
+            memoryview(raw)[p.dst_offset * esize : (p.dst_offset + p.numel) * esize], p.src_offset, p.numel, fds
+        )
     return out.view(node.shape)
 
 
@@ -62,9 +64,15 @@ def source_ranges(node: TensorNode, fds: FdCache):
     for p in sorted(node.pieces, key=lambda p: p.dst_offset):
         ref = p.ref
         src = ref.storage.source if ref.storage is not None else None
-        if (src is None or p.dst_offset != at or ref.dtype != node.dtype or not ref.is_contiguous
-                or p.src_offset < 0 or p.src_offset + p.numel > ref.numel
-                or ref.storage_offset + ref.numel > ref.storage.numel):
+        if (
+            src is None
+            or p.dst_offset != at
+            or ref.dtype != node.dtype
+            or not ref.is_contiguous
+            or p.src_offset < 0
+            or p.src_offset + p.numel > ref.numel
+            or ref.storage_offset + ref.numel > ref.storage.numel
+        ):
             return None
         try:
             base = src.storage_offset(ref.storage)

@@ -34,6 +34,7 @@ Merge rules (the strings `TensorNode.merge` carries):
 
 `merge_shards(rule, tensors)` materialises any of them; `TensorNode.read_torch` handles the first two.
 """
+
 from __future__ import annotations
 
 import re
@@ -133,8 +134,11 @@ class TPLayout:
             v = info.get(key) or []
             return tuple(str(p) for p in v) if isinstance(v, (list, tuple)) else ()
 
-        cats = [_Category("replicated", pats(TP_REPLICATED)), _Category("average", pats(TO_AVERAGE)),
-                _Category("cat_sub:0", pats(TWO_SUB_PARAMS_CAT_DIM_0), 2)]
+        cats = [
+            _Category("replicated", pats(TP_REPLICATED)),
+            _Category("average", pats(TO_AVERAGE)),
+            _Category("cat_sub:0", pats(TWO_SUB_PARAMS_CAT_DIM_0), 2),
+        ]
         for spec in info.get(SUB_PARAMS) or []:
             # SubparamShape(patterns, shape, partition_dim): shape[partition_dim] lists the sub-params
             if isinstance(spec, Mapping):
@@ -144,12 +148,22 @@ class TPLayout:
                 cats.append(_Category(f"cat_sub:{dim}", tuple(map(str, spec.get("patterns") or ())), subs))
         cats.append(_Category("cat:1", pats(ROW_PARALLEL)))
         affine = info.get(AFFINE_MAP)
-        unsupported = tuple(map(str, affine.get("params", {}))) if isinstance(affine, Mapping) and \
-            isinstance(affine.get("params"), Mapping) else ()
+        unsupported = (
+            tuple(map(str, affine.get("params", {})))
+            if isinstance(affine, Mapping) and isinstance(affine.get("params"), Mapping)
+            else ()
+        )
         vocab = info.get("original_vocab_size")
-        return cls(SOURCE_INFO, tuple(c for c in cats if c.patterns), default="cat:0", vocabulary=pats(VOCABULARY),
-                   vocab_size=int(vocab) if isinstance(vocab, int) else None,
-                   pipeline_replicated=pats(PIPELINE_REPLICATED), unsupported=unsupported, info=info)
+        return cls(
+            SOURCE_INFO,
+            tuple(c for c in cats if c.patterns),
+            default="cat:0",
+            vocabulary=pats(VOCABULARY),
+            vocab_size=int(vocab) if isinstance(vocab, int) else None,
+            pipeline_replicated=pats(PIPELINE_REPLICATED),
+            unsupported=unsupported,
+            info=info,
+        )
 
     @classmethod
     def megatron_preset(cls, *, swiglu: bool = False) -> "TPLayout":
@@ -162,25 +176,34 @@ class TPLayout:
         end = r"(?:^|\.)"
         replicated = (
             end + r"(?:input_layernorm|post_attention_layernorm|pre_mlp_layernorm|post_inter_attention_layernorm"
-                  r"|final_layernorm|final_norm|ln_f|word_embeddings_layernorm|embedding_layernorm"
-                  r"|k_layernorm|q_layernorm)\.(?:weight|bias)$",
+            r"|final_layernorm|final_norm|ln_f|word_embeddings_layernorm|embedding_layernorm"
+            r"|k_layernorm|q_layernorm)\.(?:weight|bias)$",
             r"^\d+\.(?:weight|bias)$",  # a pipeline layer that is a bare LayerNorm: the final norm
             end + r"(?:self_attention|attention|inter_attention)\.dense\.bias$",
             end + r"(?:mlp\.dense_4h_to_h|linear_proj|linear_fc2)\.bias$",
             end + r"position_embeddings\.weight$",
             end + r"layer_norm_(?:weight|bias)$",  # Transformer Engine's fused norm in linear_qkv / linear_fc1
         )
-        row = (end + r"(?:self_attention|attention|inter_attention)\.dense\.weight$",
-               end + r"(?:mlp\.dense_4h_to_h|linear_proj|linear_fc2)\.weight$")
+        row = (
+            end + r"(?:self_attention|attention|inter_attention)\.dense\.weight$",
+            end + r"(?:mlp\.dense_4h_to_h|linear_proj|linear_fc2)\.weight$",
+        )
         fc1 = end + r"(?:dense_h_to_4h|linear_fc1)\.(?:weight|bias)$"
-        column = (end + r"(?:query_key_value|linear_qkv|query|key_value)\.(?:weight|bias)$",
-                  end + r"(?:word_embeddings|lm_head|output_layer)\.weight$")
+        column = (
+            end + r"(?:query_key_value|linear_qkv|query|key_value)\.(?:weight|bias)$",
+            end + r"(?:word_embeddings|lm_head|output_layer)\.weight$",
+        )
         cats = [_Category("replicated", replicated)]
         if swiglu:
             cats.append(_Category("cat_sub:0", (fc1,), 2))
         cats += [_Category("cat:1", row), _Category("cat:0", column + (() if swiglu else (fc1,)))]
-        return cls(SOURCE_PRESET, tuple(cats), default=None,
-                   vocabulary=(end + r"(?:word_embeddings|lm_head|output_layer)\.weight$",), match="search")
+        return cls(
+            SOURCE_PRESET,
+            tuple(cats),
+            default=None,
+            vocabulary=(end + r"(?:word_embeddings|lm_head|output_layer)\.weight$",),
+            match="search",
+        )
 
     @classmethod
     def from_user_patterns(cls, specs: Iterable[str]) -> "TPLayout":
@@ -193,8 +216,10 @@ class TPLayout:
             if not regex or not _is_merge(merge.strip()):
                 # no "=MERGE" suffix (a regex may contain "=" itself, as in a lookahead): replicated
                 if regex and re.fullmatch(r"[a-z_]+(?::\d+)?", merge.strip()):
-                    raise ValueError(f"--pattern {spec!r}: unknown merge {merge.strip()!r} "
-                                     "(use replicated, average, cat:0, cat:1, cat_sub:0)")
+                    raise ValueError(
+                        f"--pattern {spec!r}: unknown merge {merge.strip()!r} "
+                        "(use replicated, average, cat:0, cat:1, cat_sub:0)"
+                    )
                 regex, merge = str(spec), "replicated"
             merge = merge.strip()
             try:
@@ -205,8 +230,9 @@ class TPLayout:
         return cls(SOURCE_USER, tuple(cats), default=None, match="search")
 
     @classmethod
-    def for_checkpoint(cls, info: Mapping[str, Any] | None, *, user_patterns: Sequence[str] = (),
-                       swiglu: bool = False) -> "TPLayout":
+    def for_checkpoint(
+        cls, info: Mapping[str, Any] | None, *, user_patterns: Sequence[str] = (), swiglu: bool = False
+    ) -> "TPLayout":
         """The layout a reader should use: user overrides first, then the checkpoint's own info if it
         has any, else the Megatron preset."""
         base = cls.from_checkpoint_info(info) if info else cls.megatron_preset(swiglu=swiglu)
@@ -253,8 +279,9 @@ class TPLayout:
         vocab = self.vocab_size if any(self._hit(p, name) for p in self.vocabulary) else None
         for p in self.unsupported:
             if self._hit(p, name):
-                return Rule(None, self.source, p, note="described by a DeepSpeed affine map, which this reader "
-                                                        "does not apply")
+                return Rule(
+                    None, self.source, p, note="described by a DeepSpeed affine map, which this reader does not apply"
+                )
         for cat in self.categories:
             for p in cat.patterns:
                 if self._hit(p, name):
@@ -269,8 +296,9 @@ class TPLayout:
 
     def is_pipeline_replicated(self, name: str) -> bool:
         """Tied weights held by several pipeline stages (DeepSpeed keeps the first stage's copy)."""
-        return any(self._hit(p, name) for p in self.pipeline_replicated) or \
-            bool(self.fallback and self.fallback.is_pipeline_replicated(name))
+        return any(self._hit(p, name) for p in self.pipeline_replicated) or bool(
+            self.fallback and self.fallback.is_pipeline_replicated(name)
+        )
 
     def unused_patterns(self, names: Iterable[str]) -> list[str]:
         """Patterns that match none of `names` — DeepSpeed's strict `ds_to_universal` rejects those."""
@@ -280,9 +308,13 @@ class TPLayout:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able description (for `inspect --json` and reports)."""
-        out = {"source": self.source, "match": self.match, "default": self.default,
-               "categories": {c.merge: list(c.patterns) for c in self.categories},
-               "vocabulary": list(self.vocabulary)}
+        out = {
+            "source": self.source,
+            "match": self.match,
+            "default": self.default,
+            "categories": {c.merge: list(c.patterns) for c in self.categories},
+            "vocabulary": list(self.vocabulary),
+        }
         if self.fallback is not None:
             out["fallback"] = self.fallback.to_dict()
         return out
@@ -380,7 +412,10 @@ def split_shard(rule: Rule | str, tensor: Any, rank: int, tp: int):
     if merge and merge.startswith("cat_sub:"):  # each sub-parameter split over the ranks, this rank's slices joined
         d = int(merge.rsplit(":", 1)[1])
         subs = rule.sub_params if isinstance(rule, Rule) and rule.sub_params else 2
-        parts = torch.split(tensor, [int(x) for x in subs], dim=d) if isinstance(subs, (list, tuple)) \
+        parts = (
+            torch.split(tensor, [int(x) for x in subs], dim=d)
+            if isinstance(subs, (list, tuple))
             else tensor.chunk(int(subs), d)
+        )
         return torch.cat([h.chunk(tp, d)[rank] for h in parts], dim=d).contiguous()
     raise ValueError(f"no split rule ({merge!r})")

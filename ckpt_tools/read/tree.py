@@ -13,6 +13,7 @@ and a `tree` of nodes:
 Paths are stable and greppable: `optimizer.state.blocks.0.ln_1.weight.exp_avg`. Tensor bytes are never
 read while building the tree, except tiny tensors (<= 16 elements: step counters) whose values show.
 """
+
 from __future__ import annotations
 
 import math
@@ -79,7 +80,7 @@ class TensorNode:
             chunk = p.ref.read_torch(p.src_offset, p.numel)
             if out is None:
                 out = torch.empty(self.numel, dtype=chunk.dtype)
-            out[p.dst_offset: p.dst_offset + p.numel] = chunk
+            out[p.dst_offset : p.dst_offset + p.numel] = chunk
         if out is None:
             return torch.empty(self.shape)
         return out.reshape(self.shape)
@@ -192,7 +193,7 @@ class Checkpoint:
             if hit is None:
                 raise KeyError(dotted)
             node = kids[hit]
-            rest = rest[len(hit) + 1:]
+            rest = rest[len(hit) + 1 :]
         return node
 
     @property
@@ -239,16 +240,20 @@ def tensor_node(ref: TensorRef, file: str, rank: Mapping[str, int] | None = None
 MAX_TREE_NODES = 1_000_000
 
 
-def to_node(obj: Any, file: str, rank: Mapping[str, int] | None = None, _depth: int = 0,
-            _budget: list[int] | None = None) -> Node:
+def to_node(
+    obj: Any, file: str, rank: Mapping[str, int] | None = None, _depth: int = 0, _budget: list[int] | None = None
+) -> Node:
     """Convert an unpickled object (from `pickle_reader`) into tree nodes."""
     if _budget is None:
         _budget = [MAX_TREE_NODES]
     _budget[0] -= 1
     if _budget[0] < 0:
-        raise CorruptCheckpoint(f"the pickled object tree expands to more than {MAX_TREE_NODES:,} nodes "
-                                "(one container referenced over and over)", path=file or None,
-                                hint="the file is corrupt or hostile; do not load it with torch.load")
+        raise CorruptCheckpoint(
+            f"the pickled object tree expands to more than {MAX_TREE_NODES:,} nodes "
+            "(one container referenced over and over)",
+            path=file or None,
+            hint="the file is corrupt or hostile; do not load it with torch.load",
+        )
     if _depth > 64:
         return ValueNode("<nested too deeply>")
     if isinstance(obj, TensorRef):

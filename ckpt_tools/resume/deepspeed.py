@@ -42,6 +42,7 @@ Other frameworks — the dispatch contract (the module `ckpt_tools.resume.framew
     dicts may be empty); `ResumeResult.to_dict` and the CLI render it like a DeepSpeed result. Use the row
     names "global step", "optimizer step", "learning rate", "optimizer state", "loss".
 """
+
 from __future__ import annotations
 
 import json
@@ -106,12 +107,24 @@ class ResumePlan:
 
     def worker_plan(self) -> dict[str, Any]:
         return {
-            "device": self.device, "ds_config": self.ds_config, "dp": self.dp, "tp": self.tp, "pp": self.pp,
-            "model": self.model, "lambda_epochs": list(self.lambda_epochs), "load_dir": self.load_dir,
-            "tag": self.tag, "load_lr_scheduler_states": self.load_lr_scheduler_states,
+            "device": self.device,
+            "ds_config": self.ds_config,
+            "dp": self.dp,
+            "tp": self.tp,
+            "pp": self.pp,
+            "model": self.model,
+            "lambda_epochs": list(self.lambda_epochs),
+            "load_dir": self.load_dir,
+            "tag": self.tag,
+            "load_lr_scheduler_states": self.load_lr_scheduler_states,
             "load_optimizer_states": self.load_optimizer_states,
-            "micro_batch": self.micro_batch, "orig_gas": self.orig_gas, "gas": self.gas, "steps": self.steps,
-            "data": self.data, "replica": self.replica, "scheduler_fn": self.scheduler_fn,
+            "micro_batch": self.micro_batch,
+            "orig_gas": self.orig_gas,
+            "gas": self.gas,
+            "steps": self.steps,
+            "data": self.data,
+            "replica": self.replica,
+            "scheduler_fn": self.scheduler_fn,
         }
 
 
@@ -120,7 +133,6 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     for k, v in over.items():
         out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
-
 
 
 MODEL_FREE = ("replica", "none")
@@ -167,8 +179,10 @@ def check_model_matches(model: str, layout: dict[str, Any], ctx_fields: dict[str
     except SystemExit as e:
         raise CkptError(str(e.code)) from None
     except (ImportError, AttributeError) as e:
-        raise CkptError(f"--model {model}: cannot load the factory: {e}",
-                        hint="give module:function importable from here (PYTHONPATH)") from None
+        raise CkptError(
+            f"--model {model}: cannot load the factory: {e}",
+            hint="give module:function importable from here (PYTHONPATH)",
+        ) from None
     try:
         with torch.device("meta"):
             built = factory(SetupContext(rank=0, **ctx_fields)).model
@@ -179,9 +193,12 @@ def check_model_matches(model: str, layout: dict[str, Any], ctx_fields: dict[str
     parts = mismatch(have, want)
     if not parts:
         return None
-    raise CkptError(f"--model {model} does not match the checkpoint: the model has {len(have)} parameters, the "
-                    f"checkpoint {len(want)}: " + "; ".join(parts), path=path,
-                    hint="pass --model module:function or drop --model for the model-free check")
+    raise CkptError(
+        f"--model {model} does not match the checkpoint: the model has {len(have)} parameters, the "
+        f"checkpoint {len(want)}: " + "; ".join(parts),
+        path=path,
+        hint="pass --model module:function or drop --model for the model-free check",
+    )
 
 
 def _check_scheduler_fn(spec: str) -> None:
@@ -195,8 +212,10 @@ def _check_scheduler_fn(spec: str) -> None:
         fn = getattr(importlib.import_module(module), func)
         probe = fn(0)
     except Exception as e:  # noqa: BLE001  the user's code: any failure is bad input
-        raise CkptError(f"--scheduler {spec}: {type(e).__name__}: {e}",
-                        hint="give module:function, importable from here, with function(step) -> factor") from None
+        raise CkptError(
+            f"--scheduler {spec}: {type(e).__name__}: {e}",
+            hint="give module:function, importable from here, with function(step) -> factor",
+        ) from None
     values = probe if isinstance(probe, (list, tuple)) else [probe]
     if not all(isinstance(v, (int, float)) for v in values):
         raise CkptError(f"--scheduler {spec}: function(0) returned {probe!r}, not a number or a list of numbers")
@@ -210,8 +229,7 @@ def _against(against: str | os.PathLike | None, layout: dict[str, Any] | None, m
     if against is None:
         return None
     if model != "replica" or layout is None:
-        raise CkptError("--against is used by the model-free optimizer-state check only",
-                        hint="add --model replica")
+        raise CkptError("--against is used by the model-free optimizer-state check only", hint="add --model replica")
     a = Path(against)
     ck = open_checkpoint(a)
     if ck.format not in SUPPORTED_FORMATS:
@@ -228,8 +246,9 @@ def _against(against: str | os.PathLike | None, layout: dict[str, Any] | None, m
     return str(a)
 
 
-def replica_layout_for(ck: Checkpoint, saved: SavedState, cfg: dict[str, Any], scheduler_fn: str | None,
-                       seed: int = 0) -> dict[str, Any]:
+def replica_layout_for(
+    ck: Checkpoint, saved: SavedState, cfg: dict[str, Any], scheduler_fn: str | None, seed: int = 0
+) -> dict[str, Any]:
     """The JSON layout the worker builds the replica from: parameter specs in the model's order, tied aliases,
     buffers, param groups (members and saved hyper-parameters), the torch optimizer / scheduler to rebuild
     when the launch config names none, the synthetic gradient's seed and clip."""
@@ -253,16 +272,25 @@ def replica_layout_for(ck: Checkpoint, saved: SavedState, cfg: dict[str, Any], s
         cls = R.infer_torch_scheduler(saved.scheduler_saved)
         if cls is None:
             keys = _names(sorted(saved.scheduler_saved))
-            raise ValueError(f"the saved torch scheduler state (keys {keys}) matches no torch scheduler class; "
-                             "resume with --model module:function, whose factory builds it")
+            raise ValueError(
+                f"the saved torch scheduler state (keys {keys}) matches no torch scheduler class; "
+                "resume with --model module:function, whose factory builds it"
+            )
         sched = {"class": cls, "state": saved.scheduler_saved}
         if cls in R.LAMBDA_SCHEDULERS and saved.base_lrs:
             hold = [lr / b if b else 1.0 for lr, b in zip(saved.param_group_lrs, saved.base_lrs)]
     clip = float(cfg.get("gradient_clipping") or 0.0)
-    return {"specs": [asdict(s) for s in lay["specs"]], "tied": lay["tied"],
-            "buffers": {k: [list(v[0]), v[1]] for k, v in lay["buffers"].items()}, "groups": groups,
-            "optimizer": kind, "scheduler": sched, "lambda_hold": hold, "seed": seed,
-            "max_norm": clip if clip > 0 else None}
+    return {
+        "specs": [asdict(s) for s in lay["specs"]],
+        "tied": lay["tied"],
+        "buffers": {k: [list(v[0]), v[1]] for k, v in lay["buffers"].items()},
+        "groups": groups,
+        "optimizer": kind,
+        "scheduler": sched,
+        "lambda_hold": hold,
+        "seed": seed,
+        "max_norm": clip if clip > 0 else None,
+    }
 
 
 def _load_location(path: Path, tag: str | None) -> tuple[Path, str | None]:
@@ -275,12 +303,25 @@ def _load_location(path: Path, tag: str | None) -> tuple[Path, str | None]:
     return path, tag
 
 
-def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None, device: str = "auto",
-                universal: bool = False, tp: int | None = None, pp: int | None = None,
-                model: str = "auto", config: dict[str, Any] | None = None, data: str | None = None,
-                trust_pickles: bool = False, scheduler: str | None = None,
-                against: str | os.PathLike | None = None, n_kv_heads: int | None = None,
-                framework_args: str | None = None, no_scheduler: bool = False) -> Any:
+def plan_resume(
+    path: str | os.PathLike,
+    *,
+    steps: int,
+    nproc: int | None = None,
+    device: str = "auto",
+    universal: bool = False,
+    tp: int | None = None,
+    pp: int | None = None,
+    model: str = "auto",
+    config: dict[str, Any] | None = None,
+    data: str | None = None,
+    trust_pickles: bool = False,
+    scheduler: str | None = None,
+    against: str | os.PathLike | None = None,
+    n_kv_heads: int | None = None,
+    framework_args: str | None = None,
+    no_scheduler: bool = False,
+) -> Any:
     """Decide how to resume the checkpoint at `path`: world size, topology, launch config, model, data.
 
     Bad combinations are rejected here, naming the option, before anything is converted or launched.
@@ -298,30 +339,53 @@ def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None
 
     ck = open_checkpoint(p)
     if n_kv_heads is not None and not find_fused(ck.tree):
-        raise CkptError("--n-kv-heads orders a fused wqkv's Adam state saved beside split weights (torchtitan); "
-                        "this checkpoint has none", path=p, hint="drop --n-kv-heads")
+        raise CkptError(
+            "--n-kv-heads orders a fused wqkv's Adam state saved beside split weights (torchtitan); "
+            "this checkpoint has none",
+            path=p,
+            hint="drop --n-kv-heads",
+        )
     ck = with_kv_heads(ck, n_kv_heads)
     if ck.details.get("resume_unsupported"):  # a format reader's own word: what a resume here cannot rebuild
-        raise UnsupportedCheckpoint(f"ckpt resume cannot replay this {ck.format} checkpoint: "
-                                    f"{ck.details['resume_unsupported']}", path=p)
+        raise UnsupportedCheckpoint(
+            f"ckpt resume cannot replay this {ck.format} checkpoint: {ck.details['resume_unsupported']}", path=p
+        )
     if ck.format not in SUPPORTED_FORMATS:
         if against is not None:
             raise CkptError(f"--against applies to DeepSpeed checkpoints; this is {ck.format}", path=p)
-        plan = _framework_plan(ck, p, steps=steps, nproc=nproc, device=device, model=model, scheduler=scheduler,
-                               trust_pickles=trust_pickles, universal=universal, tp=tp, pp=pp, config=config,
-                               data=data, framework_args=framework_args)
+        plan = _framework_plan(
+            ck,
+            p,
+            steps=steps,
+            nproc=nproc,
+            device=device,
+            model=model,
+            scheduler=scheduler,
+            trust_pickles=trust_pickles,
+            universal=universal,
+            tp=tp,
+            pp=pp,
+            config=config,
+            data=data,
+            framework_args=framework_args,
+        )
         if no_scheduler and getattr(plan, "lr_missing", None):  # the user's word: the traces are not a lost schedule
             plan = replace(plan, lr_missing=None)
         return plan
     if framework_args:
-        raise CkptError(f"--megatron-args applies to Megatron-LM checkpoints; this is {ck.format}", path=p,
-                        hint="drop --megatron-args")
+        raise CkptError(
+            f"--megatron-args applies to Megatron-LM checkpoints; this is {ck.format}",
+            path=p,
+            hint="drop --megatron-args",
+        )
     if not trust_pickles:
-        gate.refuse(gate.scan_checkpoint(ck), p, action="resuming runs DeepSpeed's torch.load, which would "
-                                                        "execute it")
+        gate.refuse(gate.scan_checkpoint(ck), p, action="resuming runs DeepSpeed's torch.load, which would execute it")
     if ck.format not in SUPPORTED_FORMATS:
-        raise UnsupportedCheckpoint(f"`ckpt resume` trains DeepSpeed checkpoints; this is {ck.format}", path=p,
-                                    hint=f"supported: {', '.join(SUPPORTED_FORMATS)}")
+        raise UnsupportedCheckpoint(
+            f"`ckpt resume` trains DeepSpeed checkpoints; this is {ck.format}",
+            path=p,
+            hint=f"supported: {', '.join(SUPPORTED_FORMATS)}",
+        )
     saved = saved_state(ck)
     notes: list[str] = []
 
@@ -346,24 +410,31 @@ def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None
         else:
             nproc = saved.dp * mp
         if device == "cuda" and nproc > _visible_gpus():
-            raise CkptError(f"the checkpoint needs {nproc} ranks but {_visible_gpus()} GPUs are visible",
-                            hint="resume through a universal checkpoint: add --universal (and --nproc)")
+            raise CkptError(
+                f"the checkpoint needs {nproc} ranks but {_visible_gpus()} GPUs are visible",
+                hint="resume through a universal checkpoint: add --universal (and --nproc)",
+            )
     if nproc < 1 or nproc % mp:
         raise CkptError(f"--nproc {nproc} is not a multiple of TP x PP = {mp}")
     new_dp = nproc // mp
     if new_dp != saved.dp and not universal:
-        raise CkptError(f"the checkpoint was saved at DP={saved.dp}; DP={new_dp} needs a universal checkpoint "
-                        "(ZeRO refuses to repartition)", hint="add --universal")
+        raise CkptError(
+            f"the checkpoint was saved at DP={saved.dp}; DP={new_dp} needs a universal checkpoint "
+            "(ZeRO refuses to repartition)",
+            hint="add --universal",
+        )
 
     cfg = json.loads(json.dumps(saved.ds_config or config or {}))  # a universal made from another framework
-    if not cfg:                                                       # holds none: --config is the whole config
+    if not cfg:  # holds none: --config is the whole config
         raise CkptError("the checkpoint holds no ds_config", path=p, hint="pass the run's config with --config")
     micro = int(cfg.get("train_micro_batch_size_per_gpu", 1))
     orig_gas = int(cfg.get("gradient_accumulation_steps", 1))
     # Keep the uninterrupted run's global batch: fewer DP ranks accumulate more micro-batches.
     if (saved.dp * orig_gas) % new_dp:
-        raise CkptError(f"the global batch of {saved.dp * orig_gas} micro-batches cannot be shared by DP={new_dp}",
-                        hint="pick --nproc so that the DP size divides the original DP x accumulation steps")
+        raise CkptError(
+            f"the global batch of {saved.dp * orig_gas} micro-batches cannot be shared by DP={new_dp}",
+            hint="pick --nproc so that the DP size divides the original DP x accumulation steps",
+        )
     cfg["gradient_accumulation_steps"] = saved.dp * orig_gas // new_dp
     cfg["train_batch_size"] = micro * saved.dp * orig_gas
     if config:
@@ -378,7 +449,8 @@ def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None
 
             state = ck.optimizer.children.get("state")
             adam = isinstance(state, GroupNode) and any(
-                isinstance(v, GroupNode) and "exp_avg" in v.children for v in state.children.values())
+                isinstance(v, GroupNode) and "exp_avg" in v.children for v in state.children.values()
+            )
             notes.extend(zero3_group_warnings([dict(g) for g in saved.group_options], shared_step=adam))
     gas = int(cfg.get("gradient_accumulation_steps", 1))
 
@@ -390,8 +462,10 @@ def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None
         if not saved.has_universal_info and saved.tp > 1:
             raise UnsupportedCheckpoint(
                 "TP>1 checkpoint without universal_checkpoint_info: DeepSpeed's converter would concatenate "
-                "replicated and row-parallel tensors on dim 0", path=p,
-                hint="resume at the saved TP (drop --tp/--universal) or add the info to the model states")
+                "replicated and row-parallel tensors on dim 0",
+                path=p,
+                hint="resume at the saved TP (drop --tp/--universal) or add the info to the model states",
+            )
         inject = not saved.has_universal_info
         base, t = _load_location(p, tag)
         tag_name = t or (base / "latest").read_text().strip()
@@ -423,19 +497,27 @@ def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None
         if model == "replica" and layout_error:
             raise UnsupportedCheckpoint(f"cannot build a model-free replica: {layout_error}", path=p)
         if model == "replica":
-            notes.append("the model is not one ckpt knows: model-free check (a replica of the checkpoint's "
-                         "parameters, trained with a synthetic loss of known gradient)")
+            notes.append(
+                "the model is not one ckpt knows: model-free check (a replica of the checkpoint's "
+                "parameters, trained with a synthetic loss of known gradient)"
+            )
     elif model in MODEL_FREE:
         model = "replica"
         if layout_error:
             raise UnsupportedCheckpoint(f"cannot build a model-free replica: {layout_error}", path=p)
         if layout is None:
-            raise UnsupportedCheckpoint("the model-free check needs a ZeRO or universal checkpoint (this one is "
-                                        "a pipeline layout)", path=p,
-                                        hint="use --model megatron-gpt or module:function")
+            raise UnsupportedCheckpoint(
+                "the model-free check needs a ZeRO or universal checkpoint (this one is a pipeline layout)",
+                path=p,
+                hint="use --model megatron-gpt or module:function",
+            )
     elif layout is not None:
-        note = check_model_matches(model, layout, {"ds_config": cfg, "world_size": nproc, "dp": new_dp,
-                                                    "tp": new_tp, "pp": new_pp, "device": device}, p)
+        note = check_model_matches(
+            model,
+            layout,
+            {"ds_config": cfg, "world_size": nproc, "dp": new_dp, "tp": new_tp, "pp": new_pp, "device": device},
+            p,
+        )
         if note:
             notes.append(note)
     if scheduler and model != "replica":
@@ -447,47 +529,110 @@ def plan_resume(path: str | os.PathLike, *, steps: int, nproc: int | None = None
     lambda_epochs = tuple(start + k for k in range(steps))
     load_sched = saved.scheduler_state != "none"
     if not load_sched and (cfg.get("scheduler") or saved.base_lrs is not None):
-        notes.append("the checkpoint holds no scheduler state: the scheduler starts fresh, as a training "
-                     "script that tolerates a missing state would")
+        notes.append(
+            "the checkpoint holds no scheduler state: the scheduler starts fresh, as a training "
+            "script that tolerates a missing state would"
+        )
     if not (load_sched or cfg.get("scheduler") or no_scheduler) and saved.initial_lrs and model in MODEL_FREE:
-        notes.append("the param groups carry initial_lr but the checkpoint holds no scheduler state: the "
-                     "learning-rate check fails (the real run restarts its schedule) unless --no-scheduler says the "
-                     "run had none")
+        notes.append(
+            "the param groups carry initial_lr but the checkpoint holds no scheduler state: the "
+            "learning-rate check fails (the real run restarts its schedule) unless --no-scheduler says the "
+            "run had none"
+        )
     if no_scheduler and (load_sched or cfg.get("scheduler")):
-        raise CkptError("--no-scheduler says the run had no LR scheduler, but the checkpoint holds scheduler state "
-                        "or its launch config names one", path=p, hint="drop --no-scheduler")
+        raise CkptError(
+            "--no-scheduler says the run had no LR scheduler, but the checkpoint holds scheduler state "
+            "or its launch config names one",
+            path=p,
+            hint="drop --no-scheduler",
+        )
     return ResumePlan(
-        path=str(p), saved=saved, steps=steps, device=device, nproc=nproc, dp=new_dp, tp=new_tp, pp=new_pp,
-        model=model, ds_config=cfg, micro_batch=micro, gas=gas, orig_gas=orig_gas, universal=universal,
-        convert_from=convert_from, inject_missing_state=inject, load_dir=str(load_dir) if load_dir else None,
-        tag=tag if load_dir is not None else None, load_lr_scheduler_states=load_sched, data=data,
-        lambda_epochs=lambda_epochs, notes=tuple(notes), replica=layout if model == "replica" else None,
-        scheduler_fn=scheduler, against=_against(against, layout, model), no_scheduler=no_scheduler,
+        path=str(p),
+        saved=saved,
+        steps=steps,
+        device=device,
+        nproc=nproc,
+        dp=new_dp,
+        tp=new_tp,
+        pp=new_pp,
+        model=model,
+        ds_config=cfg,
+        micro_batch=micro,
+        gas=gas,
+        orig_gas=orig_gas,
+        universal=universal,
+        convert_from=convert_from,
+        inject_missing_state=inject,
+        load_dir=str(load_dir) if load_dir else None,
+        tag=tag if load_dir is not None else None,
+        load_lr_scheduler_states=load_sched,
+        data=data,
+        lambda_epochs=lambda_epochs,
+        notes=tuple(notes),
+        replica=layout if model == "replica" else None,
+        scheduler_fn=scheduler,
+        against=_against(against, layout, model),
+        no_scheduler=no_scheduler,
     )
 
 
-def _framework_plan(ck: Checkpoint, p: Path, *, steps: int, nproc: int | None, device: str, model: str,
-                    scheduler: str | None, trust_pickles: bool, universal: bool, tp: int | None, pp: int | None,
-                    config: dict[str, Any] | None, data: str | None, framework_args: str | None = None) -> Any:
+def _framework_plan(
+    ck: Checkpoint,
+    p: Path,
+    *,
+    steps: int,
+    nproc: int | None,
+    device: str,
+    model: str,
+    scheduler: str | None,
+    trust_pickles: bool,
+    universal: bool,
+    tp: int | None,
+    pp: int | None,
+    config: dict[str, Any] | None,
+    data: str | None,
+    framework_args: str | None = None,
+) -> Any:
     """A checkpoint of another framework: hand it to `resume_frameworks` (see the module docstring)."""
     try:
         from . import frameworks as resume_frameworks
     except ImportError:
-        raise UnsupportedCheckpoint(f"`ckpt resume` trains DeepSpeed checkpoints; this is {ck.format}", path=p,
-                                    hint=f"supported: {', '.join(SUPPORTED_FORMATS)}") from None
+        raise UnsupportedCheckpoint(
+            f"`ckpt resume` trains DeepSpeed checkpoints; this is {ck.format}",
+            path=p,
+            hint=f"supported: {', '.join(SUPPORTED_FORMATS)}",
+        ) from None
     reshard = ck.format == "megatron_torch_dist"  # Megatron's dist-checkpointing loads it at any TP / PP
     if ck.format == "megatron_legacy" and (tp is not None or pp is not None):
-        raise CkptError("Megatron-LM loads a legacy checkpoint only at the TP / PP it was saved at", path=p,
-                        hint="drop --tp / --pp (--nproc changes the DP size; a torch_dist save reshards at load)")
-    for flag, given in (("--universal", universal), ("--tp", tp is not None and not reshard),
-                        ("--pp", pp is not None and not reshard),
-                        ("--config", config is not None), ("--data", data is not None)):
+        raise CkptError(
+            "Megatron-LM loads a legacy checkpoint only at the TP / PP it was saved at",
+            path=p,
+            hint="drop --tp / --pp (--nproc changes the DP size; a torch_dist save reshards at load)",
+        )
+    for flag, given in (
+        ("--universal", universal),
+        ("--tp", tp is not None and not reshard),
+        ("--pp", pp is not None and not reshard),
+        ("--config", config is not None),
+        ("--data", data is not None),
+    ):
         if given:
-            raise CkptError(f"{flag} applies to DeepSpeed checkpoints; this is {ck.format}", path=p,
-                            hint=f"drop {flag}")
-    return resume_frameworks.plan_resume(ck, p, steps=steps, nproc=nproc, device=device, model=model,
-                                         scheduler=scheduler, trust_pickles=trust_pickles,
-                                         framework_args=framework_args, tp=tp, pp=pp)
+            raise CkptError(
+                f"{flag} applies to DeepSpeed checkpoints; this is {ck.format}", path=p, hint=f"drop {flag}"
+            )
+    return resume_frameworks.plan_resume(
+        ck,
+        p,
+        steps=steps,
+        nproc=nproc,
+        device=device,
+        model=model,
+        scheduler=scheduler,
+        trust_pickles=trust_pickles,
+        framework_args=framework_args,
+        tp=tp,
+        pp=pp,
+    )
 
 
 def _framework_run(plan: Any, *, on_event: Callable[[dict], None] | None, work_dir: Any, **optional: Any) -> Any:
@@ -518,9 +663,19 @@ def deepspeed_to_universal(tag_dir: Path, out_dir: Path, inject_missing_state: b
     `inject_missing_state` adds an empty universal_checkpoint_info: right at TP=1, wrong at TP>1
     (`plan_resume` refuses that case).
     """
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
-           "--output_folder", str(out_dir / f"{tag_dir.name}_universal"), "--num_extract_workers", "2",
-           "--num_merge_workers", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(tag_dir),
+        "--output_folder",
+        str(out_dir / f"{tag_dir.name}_universal"),
+        "--num_extract_workers",
+        "2",
+        "--num_merge_workers",
+        "1",
+    ]
     if inject_missing_state:
         cmd.append("--inject_missing_state")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -550,8 +705,10 @@ def expected_lrs(plan: ResumePlan, setup: dict[str, Any]) -> tuple[list[list[flo
         # WarmupCosineLR scales the optimizer's LR at construction: the config's optimizer lr.
         opt_lr = plan.ds_config.get("optimizer", {}).get("params", {}).get("lr")
         group_lrs = [float(opt_lr)] * len(s.param_group_lrs) if opt_lr is not None else list(s.param_group_lrs)
-        return ([_ds_scheduler_lr(sched_cfg, start + i, group_lrs) for i in k],
-                f"{sched_cfg['type']} from the launch config at {src}")
+        return (
+            [_ds_scheduler_lr(sched_cfg, start + i, group_lrs) for i in k],
+            f"{sched_cfg['type']} from the launch config at {src}",
+        )
     if s.scheduler_state == "deepspeed":
         return None, "the checkpoint has a DeepSpeed scheduler state but the launch config names no scheduler"
     from ..train.replica import LAMBDA_SCHEDULERS, expected_torch_lrs, infer_torch_scheduler
@@ -560,26 +717,33 @@ def expected_lrs(plan: ResumePlan, setup: dict[str, Any]) -> tuple[list[list[flo
     cls = infer_torch_scheduler(s.scheduler_saved) if s.scheduler_saved else None
     if s.scheduler_state == "torch" and cls and cls not in LAMBDA_SCHEDULERS:
         try:
-            want = expected_torch_lrs(s.scheduler_saved, list(s.param_group_lrs), plan.steps,
-                                      saved_groups=list(s.group_options))
+            want = expected_torch_lrs(
+                s.scheduler_saved, list(s.param_group_lrs), plan.steps, saved_groups=list(s.group_options)
+            )
         except (ValueError, TypeError, KeyError) as e:
             return None, f"cannot rebuild the saved {cls} from its state: {e}"
         return want, f"torch {cls} rebuilt from its saved state (last_epoch={s.scheduler_position})"
     if s.scheduler_state == "torch" and cls in LAMBDA_SCHEDULERS and not values:
         # the function is not in the checkpoint: the first resumed update runs at the saved LR, the rest is unknown
-        return ([list(s.param_group_lrs)] + [None] * (plan.steps - 1),  # type: ignore[list-item]
-                f"{cls}: the first resumed step at the saved param_groups lr; later steps NOT checked (the "
-                f"{cls}'s function is not in the checkpoint: pass --scheduler module:function)")
+        return (
+            [list(s.param_group_lrs)] + [None] * (plan.steps - 1),  # type: ignore[list-item]
+            f"{cls}: the first resumed step at the saved param_groups lr; later steps NOT checked (the "
+            f"{cls}'s function is not in the checkpoint: pass --scheduler module:function)",
+        )
     if live is not None or s.scheduler_state == "torch":
         if live != "LambdaLR" or not values:
-            return None, (f"the resumed run's scheduler is {live}; the expected LR is computed for LambdaLR "
-                          "(give the factory's TrainSetup an lr_lambda)")
+            return None, (
+                f"the resumed run's scheduler is {live}; the expected LR is computed for LambdaLR "
+                "(give the factory's TrainSetup an lr_lambda)"
+            )
         if s.scheduler_state == "torch" and s.base_lrs:
             base, src = list(s.base_lrs), f"saved base_lrs x lambda(last_epoch={s.scheduler_position} + k)"
         else:
             base = list(s.initial_lrs or s.param_group_lrs)
-            src = (f"NO saved scheduler state; initial_lr x lambda(global_step={s.global_step} + k), what a "
-                   "scheduler stepped once per optimizer step would be at")
+            src = (
+                f"NO saved scheduler state; initial_lr x lambda(global_step={s.global_step} + k), what a "
+                "scheduler stepped once per optimizer step would be at"
+            )
         return [[b * f for b, f in zip(base, values[i])] for i in k], src
     return [list(s.param_group_lrs) for _ in k], "no scheduler: the saved param_groups lr"
 
@@ -592,13 +756,20 @@ def lost_scheduler(plan: ResumePlan, setup: dict[str, Any]) -> str | None:
     (or lose it) while this resume trains at the saved LR: a pass there would be a false one. The user's
     --no-scheduler (the run had none) makes it a constant LR."""
     s = plan.saved
-    if plan.no_scheduler or s.scheduler_state != "none" or plan.ds_config.get("scheduler") \
-            or setup.get("scheduler") is not None or not s.initial_lrs:
+    if (
+        plan.no_scheduler
+        or s.scheduler_state != "none"
+        or plan.ds_config.get("scheduler")
+        or setup.get("scheduler") is not None
+        or not s.initial_lrs
+    ):
         return None
-    return (f"the saved param groups carry initial_lr={list(s.initial_lrs)}, so an LR scheduler drove this run, but "
-            "the checkpoint holds no scheduler state: the real run restarts its schedule from its first step (or "
-            "runs without it), so the LR it will train at is not the saved run's. Save the scheduler (pass it to "
-            "deepspeed.initialize as lr_scheduler), or pass --no-scheduler if the run really had none")
+    return (
+        f"the saved param groups carry initial_lr={list(s.initial_lrs)}, so an LR scheduler drove this run, but "
+        "the checkpoint holds no scheduler state: the real run restarts its schedule from its first step (or "
+        "runs without it), so the LR it will train at is not the saved run's. Save the scheduler (pass it to "
+        "deepspeed.initialize as lr_scheduler), or pass --no-scheduler if the run really had none"
+    )
 
 
 def _close(a: float, b: float) -> bool:
@@ -616,21 +787,37 @@ def load_reference(path: str | os.PathLike) -> dict[int, float]:
     if isinstance(doc, dict):
         doc = doc.get("records") or doc.get("history") or (doc.get("extra") or {}).get("history")
     if not isinstance(doc, list) or not all(isinstance(r, dict) and "step" in r and "loss" in r for r in doc):
-        raise CkptError("not a reference: expected a list of {step, loss} under 'records' or 'history'", path=p,
-                        hint="make one with `ckpt resume EARLIER_CKPT --steps N --record-reference REF.json`")
+        raise CkptError(
+            "not a reference: expected a list of {step, loss} under 'records' or 'history'",
+            path=p,
+            hint="make one with `ckpt resume EARLIER_CKPT --steps N --record-reference REF.json`",
+        )
     return {int(r["step"]): float(r["loss"]) for r in doc}
 
 
 def reference_doc(result: ResumeResult) -> dict[str, Any]:
     """What `--record-reference` writes: the per-step records of this run, to compare a later resume with."""
-    return {"kind": REFERENCE_KIND, "version": 1, "checkpoint": result.plan.path,
-            "topology": {"dp": result.plan.dp, "tp": result.plan.tp, "pp": result.plan.pp},
-            "device": result.plan.device, "records": [asdict(r) for r in result.records]}
+    return {
+        "kind": REFERENCE_KIND,
+        "version": 1,
+        "checkpoint": result.plan.path,
+        "topology": {"dp": result.plan.dp, "tp": result.plan.tp, "pp": result.plan.pp},
+        "device": result.plan.device,
+        "records": [asdict(r) for r in result.records],
+    }
 
 
-def verdict(plan: ResumePlan, setup: dict[str, Any], loaded: dict[str, Any], records: list[StepRecord], *,
-            reference: dict[int, float] | None = None, loss_tol: float = 1e-3,
-            jump_tol: float = 0.1, state_dir: Path | None = None) -> list[Check]:
+def verdict(
+    plan: ResumePlan,
+    setup: dict[str, Any],
+    loaded: dict[str, Any],
+    records: list[StepRecord],
+    *,
+    reference: dict[int, float] | None = None,
+    loss_tol: float = 1e-3,
+    jump_tol: float = 0.1,
+    state_dir: Path | None = None,
+) -> list[Check]:
     """The checks: counters continue, the LR is what the saved schedule prescribes, (model-free) the optimizer
     state continues, the loss continues."""
     s = plan.saved
@@ -641,12 +828,21 @@ def verdict(plan: ResumePlan, setup: dict[str, Any], loaded: dict[str, Any], rec
     if s.global_step is None:
         checks.append(Check("global step", "n/a", "the checkpoint records no global step"))
     else:
-        rows = [CheckRow(r.step, s.global_step + i + 1, r.step, r.step == s.global_step + i + 1)
-                for i, r in enumerate(records)]
+        rows = [
+            CheckRow(r.step, s.global_step + i + 1, r.step, r.step == s.global_step + i + 1)
+            for i, r in enumerate(records)
+        ]
         ok = all(r.ok for r in rows)
-        checks.append(Check("global step", "pass" if ok else "fail",
-                            f"continues from the saved global_steps={s.global_step}" if ok else
-                            f"does not continue from the saved global_steps={s.global_step}", tuple(rows)))
+        checks.append(
+            Check(
+                "global step",
+                "pass" if ok else "fail",
+                f"continues from the saved global_steps={s.global_step}"
+                if ok
+                else f"does not continue from the saved global_steps={s.global_step}",
+                tuple(rows),
+            )
+        )
     if s.optimizer_step is None:
         checks.append(Check("optimizer step", "n/a", "the checkpoint records no Adam step"))
     else:
@@ -656,60 +852,111 @@ def verdict(plan: ResumePlan, setup: dict[str, Any], loaded: dict[str, Any], rec
             want = s.optimizer_step + i + 1 - (r.skipped_steps - (s.skipped_steps or 0))
             rows.append(CheckRow(r.step, want, r.optimizer_step, r.optimizer_step == want))
         ok = all(r.ok for r in rows)
-        checks.append(Check("optimizer step", "pass" if ok else "fail",
-                            f"Adam step continues from the saved {s.optimizer_step}" if ok else
-                            f"Adam step does not continue from the saved {s.optimizer_step} (reset?)", tuple(rows)))
+        checks.append(
+            Check(
+                "optimizer step",
+                "pass" if ok else "fail",
+                f"Adam step continues from the saved {s.optimizer_step}"
+                if ok
+                else f"Adam step does not continue from the saved {s.optimizer_step} (reset?)",
+                tuple(rows),
+            )
+        )
 
     # (2) LR
     want, how = expected_lrs(plan, setup)
     lost = lost_scheduler(plan, setup)
     if lost:
-        checks.append(Check("learning rate", "fail", lost, tuple(CheckRow(r.step, None, list(r.lr), False)
-                                                                  for r in records)))
+        checks.append(
+            Check("learning rate", "fail", lost, tuple(CheckRow(r.step, None, list(r.lr), False) for r in records))
+        )
     elif want is None:
         checks.append(Check("learning rate", "n/a", how))
     else:
-        rows = [CheckRow(r.step, w, list(r.lr), len(w) == len(r.lr) and all(_close(a, b) for a, b in zip(w, r.lr)))
-                for w, r in zip(want, records) if w is not None]
+        rows = [
+            CheckRow(r.step, w, list(r.lr), len(w) == len(r.lr) and all(_close(a, b) for a, b in zip(w, r.lr)))
+            for w, r in zip(want, records)
+            if w is not None
+        ]
         if s.scheduler_state == "torch" and any(w is None for w in want):
             # what can be checked of a scheduler whose function is missing: the state was loaded
             pos, base = loaded.get("scheduler_position"), loaded.get("base_lrs")
             ok_pos = pos == s.scheduler_position
-            ok_base = base is not None and s.base_lrs is not None and len(base) == len(s.base_lrs) and \
-                all(_close(a, b) for a, b in zip(base, s.base_lrs))
-            rows.append(CheckRow(s.global_step or 0, {"last_epoch": s.scheduler_position, "base_lrs": s.base_lrs},
-                                 {"last_epoch": pos, "base_lrs": base}, ok_pos and ok_base))
-            how += ("; the scheduler state was loaded (last_epoch and base_lrs as saved)" if ok_pos and ok_base
-                    else f"; the scheduler state was NOT loaded: last_epoch {pos}, base_lrs {base} after the load")
+            ok_base = (
+                base is not None
+                and s.base_lrs is not None
+                and len(base) == len(s.base_lrs)
+                and all(_close(a, b) for a, b in zip(base, s.base_lrs))
+            )
+            rows.append(
+                CheckRow(
+                    s.global_step or 0,
+                    {"last_epoch": s.scheduler_position, "base_lrs": s.base_lrs},
+                    {"last_epoch": pos, "base_lrs": base},
+                    ok_pos and ok_base,
+                )
+            )
+            how += (
+                "; the scheduler state was loaded (last_epoch and base_lrs as saved)"
+                if ok_pos and ok_base
+                else f"; the scheduler state was NOT loaded: last_epoch {pos}, base_lrs {base} after the load"
+            )
         ok = all(r.ok for r in rows)
         bad = next((r for r in rows if not r.ok), None)
-        detail = f"expected: {how}" if ok else (f"step {bad.step}: expected {bad.expected}, the engine used "
-                                                f"{bad.actual} (expected: {how})")
+        detail = (
+            f"expected: {how}"
+            if ok
+            else (f"step {bad.step}: expected {bad.expected}, the engine used {bad.actual} (expected: {how})")
+        )
         checks.append(Check("learning rate", "pass" if ok else "fail", detail, tuple(rows)))
 
     # (3) loss
     if reference is not None:
-        rows = [CheckRow(r.step, reference[r.step], r.loss, abs(reference[r.step] - r.loss) <= loss_tol)
-                for r in records if r.step in reference]
+        rows = [
+            CheckRow(r.step, reference[r.step], r.loss, abs(reference[r.step] - r.loss) <= loss_tol)
+            for r in records
+            if r.step in reference
+        ]
         if not rows:
-            checks.append(Check("loss", "fail", f"the reference has none of the resumed steps "
-                                                f"{records[0].step}..{records[-1].step}"))
+            checks.append(
+                Check(
+                    "loss", "fail", f"the reference has none of the resumed steps {records[0].step}..{records[-1].step}"
+                )
+            )
         else:
             diff = max(abs(r.expected - r.actual) for r in rows)
             ok = all(r.ok for r in rows)
             exact = all(r.expected == r.actual for r in rows)
-            checks.append(Check("loss", "pass" if ok else "fail",
-                                f"{len(rows)} steps vs the reference: max |diff| {diff:.3g} "
-                                f"({'bitwise equal' if exact else f'tolerance {loss_tol:g}'})", tuple(rows)))
+            checks.append(
+                Check(
+                    "loss",
+                    "pass" if ok else "fail",
+                    f"{len(rows)} steps vs the reference: max |diff| {diff:.3g} "
+                    f"({'bitwise equal' if exact else f'tolerance {loss_tol:g}'})",
+                    tuple(rows),
+                )
+            )
     elif plan.model == "replica":
-        checks.append(Check("loss", "n/a", "the model-free check trains a stand-in with a synthetic loss: loss "
-                                           "continuity needs --model module:function"))
+        checks.append(
+            Check(
+                "loss",
+                "n/a",
+                "the model-free check trains a stand-in with a synthetic loss: loss "
+                "continuity needs --model module:function",
+            )
+        )
     elif s.loss is not None and records:
         first = records[0]
         ok = first.loss <= s.loss * (1 + jump_tol)
-        checks.append(Check("loss", "pass" if ok else "fail",
-                            f"first resumed loss {first.loss:.6g} vs client state {s.loss_key}={s.loss:.6g} "
-                            f"(allowed jump {jump_tol:.0%})", (CheckRow(first.step, s.loss, first.loss, ok),)))
+        checks.append(
+            Check(
+                "loss",
+                "pass" if ok else "fail",
+                f"first resumed loss {first.loss:.6g} vs client state {s.loss_key}={s.loss:.6g} "
+                f"(allowed jump {jump_tol:.0%})",
+                (CheckRow(first.step, s.loss, first.loss, ok),),
+            )
+        )
     else:
         checks.append(Check("loss", "n/a", "no --reference and no loss saved in the checkpoint's client state"))
     if plan.model == "replica":
@@ -750,8 +997,9 @@ def _decoupled(opts: dict[str, Any], cfg: dict[str, Any], kind: str) -> bool:
     return kind == "AdamW"
 
 
-def optimizer_state_check(plan: ResumePlan, records: list[StepRecord], lrs: list[list[float] | None] | None,
-                          state_dir: Path | None) -> Check:
+def optimizer_state_check(
+    plan: ResumePlan, records: list[StepRecord], lrs: list[list[float] | None] | None, state_dir: Path | None
+) -> Check:
     """The model-free "optimizer state" row: after each resumed step, the engine's fp32 master, exp_avg,
     exp_avg_sq (or SGD momentum) and step equal the closed-form update applied — step after step — to the
     state saved in the checkpoint the user named (read here, never through the engine), with the known
@@ -777,12 +1025,23 @@ def optimizer_state_check(plan: ResumePlan, records: list[StepRecord], lrs: list
     adam = all("exp_avg" in saved[n] and "exp_avg_sq" in saved[n] for n in names)
     sgd = not adam and all("momentum_buffer" in saved[n] for n in names)
     if not (adam or sgd):
-        return Check(name, "n/a", "the saved optimizer state is neither Adam (exp_avg, exp_avg_sq) nor SGD "
-                                  "momentum: no closed form here")
+        return Check(
+            name,
+            "n/a",
+            "the saved optimizer state is neither Adam (exp_avg, exp_avg_sq) nor SGD momentum: no closed form here",
+        )
     group_of = {n: gi for gi, g in enumerate(lay["groups"]) for n in g["names"]}
-    cur = {n: {"param": saved[n]["fp32"], "exp_avg": saved[n].get("exp_avg"), "exp_avg_sq": saved[n].get("exp_avg_sq"),
-               "max_exp_avg_sq": saved[n].get("max_exp_avg_sq"), "momentum_buffer": saved[n].get("momentum_buffer"),
-               "step": saved[n]["step"]} for n in names}
+    cur = {
+        n: {
+            "param": saved[n]["fp32"],
+            "exp_avg": saved[n].get("exp_avg"),
+            "exp_avg_sq": saved[n].get("exp_avg_sq"),
+            "max_exp_avg_sq": saved[n].get("max_exp_avg_sq"),
+            "momentum_buffer": saved[n].get("momentum_buffer"),
+            "step": saved[n]["step"],
+        }
+        for n in names
+    }
     rows: list[CheckRow] = []
     first_bad = None
     used_engine_lr = []
@@ -810,30 +1069,50 @@ def optimizer_state_check(plan: ResumePlan, records: list[StepRecord], lrs: list
             if skipped:
                 new = dict(prev)
             elif adam:
-                new = R.expected_adam(prev["param"], directions[n] * factor, prev.get("exp_avg"),
-                                      prev.get("exp_avg_sq"), prev.get("step"), lr=lr,
-                                      betas=opts.get("betas", (0.9, 0.999)),
-                                      eps=float(opts.get("eps", 1e-8)), weight_decay=float(opts.get("weight_decay", 0)),
-                                      decoupled=_decoupled(opts, plan.ds_config, kind),
-                                      amsgrad=bool(opts.get("amsgrad", False)),
-                                      max_exp_avg_sq=prev.get("max_exp_avg_sq"))
+                new = R.expected_adam(
+                    prev["param"],
+                    directions[n] * factor,
+                    prev.get("exp_avg"),
+                    prev.get("exp_avg_sq"),
+                    prev.get("step"),
+                    lr=lr,
+                    betas=opts.get("betas", (0.9, 0.999)),
+                    eps=float(opts.get("eps", 1e-8)),
+                    weight_decay=float(opts.get("weight_decay", 0)),
+                    decoupled=_decoupled(opts, plan.ds_config, kind),
+                    amsgrad=bool(opts.get("amsgrad", False)),
+                    max_exp_avg_sq=prev.get("max_exp_avg_sq"),
+                )
             else:
-                new = R.expected_sgd(prev["param"], directions[n] * factor, prev.get("momentum_buffer"), lr=lr,
-                                     momentum=float(opts.get("momentum", 0)), dampening=float(opts.get("dampening", 0)),
-                                     weight_decay=float(opts.get("weight_decay", 0)),
-                                     nesterov=bool(opts.get("nesterov", False)))
+                new = R.expected_sgd(
+                    prev["param"],
+                    directions[n] * factor,
+                    prev.get("momentum_buffer"),
+                    lr=lr,
+                    momentum=float(opts.get("momentum", 0)),
+                    dampening=float(opts.get("dampening", 0)),
+                    weight_decay=float(opts.get("weight_decay", 0)),
+                    nesterov=bool(opts.get("nesterov", False)),
+                )
                 new["step"] = None
             got = live["params"].get(n, {})
-            fields = [("fp32", "param")] + ([("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")] if adam
-                                             else [("momentum_buffer", "momentum_buffer")])
+            fields = [("fp32", "param")] + (
+                [("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")]
+                if adam
+                else [("momentum_buffer", "momentum_buffer")]
+            )
             for live_key, want_key in fields:
                 if new.get(want_key) is None:
                     continue
                 if live_key not in got:
                     ok, worst = False, (math.inf, n, live_key, math.inf)
                     continue
-                good, diff, tol = R.state_close(got[live_key], new[want_key], "param" if live_key == "fp32" else "m",
-                                                saved=prev["param"] if live_key == "fp32" else None)
+                good, diff, tol = R.state_close(
+                    got[live_key],
+                    new[want_key],
+                    "param" if live_key == "fp32" else "m",
+                    saved=prev["param"] if live_key == "fp32" else None,
+                )
                 ratio = diff / tol if tol > 0 else (0.0 if diff == 0 else math.inf)
                 if ratio > worst[0]:
                     worst = (ratio, n, live_key, diff)
@@ -842,31 +1121,58 @@ def optimizer_state_check(plan: ResumePlan, records: list[StepRecord], lrs: list
         want_step = None if not adam or cur[names[0]]["step"] is None else cur[names[0]]["step"]
         step_ok = want_step is None or live.get("step") == want_step
         ok = ok and step_ok
-        rows.append(CheckRow(rec.step, {"step": want_step, "tolerance": "fp32"},
-                             {"step": live.get("step"), "worst": worst[1], "field": worst[2], "max_abs_diff": worst[3],
-                              "diff_over_tolerance": worst[0]}, ok))
+        rows.append(
+            CheckRow(
+                rec.step,
+                {"step": want_step, "tolerance": "fp32"},
+                {
+                    "step": live.get("step"),
+                    "worst": worst[1],
+                    "field": worst[2],
+                    "max_abs_diff": worst[3],
+                    "diff_over_tolerance": worst[0],
+                },
+                ok,
+            )
+        )
         if not ok and first_bad is None:
-            first_bad = (f"step {rec.step}: Adam step {live.get('step')} instead of {want_step}" if not step_ok else
-                         f"step {rec.step}: {worst[2]} of {worst[1]} is {worst[3]:.3g} off the formula applied to the "
-                         f"saved state ({worst[0]:.3g}x the tolerance)")
+            first_bad = (
+                f"step {rec.step}: Adam step {live.get('step')} instead of {want_step}"
+                if not step_ok
+                else f"step {rec.step}: {worst[2]} of {worst[1]} is {worst[3]:.3g} off the formula applied to the "
+                f"saved state ({worst[0]:.3g}x the tolerance)"
+            )
     formula = ("Adam" if adam else "SGD") if kind not in ("AdamW", "Adam", "SGD") else kind
     what = "fp32 master, exp_avg, exp_avg_sq and step" if adam else "fp32 master and momentum buffer"
-    tol = (f"fp32 tolerance: moments {R.MOMENT_RTOL:g} x max|value|, parameters {R.PARAM_ULPS} ulp + "
-           f"{R.UPDATE_RTOL:g} x the update")
+    tol = (
+        f"fp32 tolerance: moments {R.MOMENT_RTOL:g} x max|value|, parameters {R.PARAM_ULPS} ulp + "
+        f"{R.UPDATE_RTOL:g} x the update"
+    )
     note = f"; LR of steps {used_engine_lr} taken from the engine (not checked)" if used_engine_lr else ""
     clip = f"; gradient clipped by {factor:.6g}" if factor != 1.0 else ""
     src = f" saved in {plan.against}" if plan.against else ""
     if first_bad:
-        return Check(name, "fail", f"{first_bad}{src}: the optimizer state did not continue ({tol}{note})",
-                     tuple(rows))
-    return Check(name, "pass", f"{what} of {len(names)} parameters follow {formula} applied to the state{src} with "
-                               f"the known gradient ({tol}{clip}{note})", tuple(rows))
+        return Check(name, "fail", f"{first_bad}{src}: the optimizer state did not continue ({tol}{note})", tuple(rows))
+    return Check(
+        name,
+        "pass",
+        f"{what} of {len(names)} parameters follow {formula} applied to the state{src} with "
+        f"the known gradient ({tol}{clip}{note})",
+        tuple(rows),
+    )
 
 
-def run_resume(plan: ResumePlan, *, on_event: Callable[[dict], None] | None = None,
-               converter: Converter = ckpt_to_universal, reference: dict[int, float] | None = None,
-               loss_tol: float = 1e-3, jump_tol: float = 0.1, work_dir: str | os.PathLike | None = None,
-               timeout: float = 3600) -> ResumeResult:
+def run_resume(
+    plan: ResumePlan,
+    *,
+    on_event: Callable[[dict], None] | None = None,
+    converter: Converter = ckpt_to_universal,
+    reference: dict[int, float] | None = None,
+    loss_tol: float = 1e-3,
+    jump_tol: float = 0.1,
+    work_dir: str | os.PathLike | None = None,
+    timeout: float = 3600,
+) -> ResumeResult:
     """Convert (if the plan says so), launch the training processes, and judge the records.
 
     Scratch files (the worker plan, a universal conversion, the processes' temp files) go to `work_dir` — never
@@ -874,8 +1180,15 @@ def run_resume(plan: ResumePlan, *, on_event: Callable[[dict], None] | None = No
     (`scratch_folder`), after the training processes were stopped (`_launch`).
     """
     if getattr(plan, "framework", None):
-        return _framework_run(plan, on_event=on_event, work_dir=work_dir, reference=reference, loss_tol=loss_tol,
-                              jump_tol=jump_tol, timeout=timeout)
+        return _framework_run(
+            plan,
+            on_event=on_event,
+            work_dir=work_dir,
+            reference=reference,
+            loss_tol=loss_tol,
+            jump_tol=jump_tol,
+            timeout=timeout,
+        )
     with scratch_folder(work_dir) as scratch:
         if plan.convert_from is not None:
             out = scratch / "universal"
@@ -892,15 +1205,40 @@ def run_resume(plan: ResumePlan, *, on_event: Callable[[dict], None] | None = No
         events = _launch(plan, plan_file, on_event, timeout, module=WORKER_MODULE)
         setup = next((e for e in events if e["event"] == "setup"), {})
         loaded = next((e for e in events if e["event"] == "loaded"), {})
-        records = [StepRecord(step=e["step"], loss=e["loss"], loss_mean=e["loss_mean"], lr=tuple(e["lr"]),
-                              grad_norm=e["grad_norm"], optimizer_step=e["optimizer_step"],
-                              tokens_per_s=e["tokens_per_s"], seconds=e["seconds"], skipped_steps=e["skipped_steps"])
-                   for e in events if e["event"] == "step"]
-        checks = verdict(plan, setup, loaded, records, reference=reference, loss_tol=loss_tol, jump_tol=jump_tol,
-                         state_dir=state_dir)
+        records = [
+            StepRecord(
+                step=e["step"],
+                loss=e["loss"],
+                loss_mean=e["loss_mean"],
+                lr=tuple(e["lr"]),
+                grad_norm=e["grad_norm"],
+                optimizer_step=e["optimizer_step"],
+                tokens_per_s=e["tokens_per_s"],
+                seconds=e["seconds"],
+                skipped_steps=e["skipped_steps"],
+            )
+            for e in events
+            if e["event"] == "step"
+        ]
+        checks = verdict(
+            plan, setup, loaded, records, reference=reference, loss_tol=loss_tol, jump_tol=jump_tol, state_dir=state_dir
+        )
     return ResumeResult(plan=plan, setup=setup, loaded=loaded, records=tuple(records), checks=tuple(checks))
 
 
-__all__ = ["plan_resume", "run_resume", "deepspeed_to_universal", "expected_lrs", "verdict", "load_reference",
-           "reference_doc", "ResumePlan", "ResumeResult", "StepRecord", "Check", "CheckRow", "SavedState",
-           "saved_state"]
+__all__ = [
+    "plan_resume",
+    "run_resume",
+    "deepspeed_to_universal",
+    "expected_lrs",
+    "verdict",
+    "load_reference",
+    "reference_doc",
+    "ResumePlan",
+    "ResumeResult",
+    "StepRecord",
+    "Check",
+    "CheckRow",
+    "SavedState",
+    "saved_state",
+]

@@ -2,6 +2,7 @@
 `resume.frameworks` for the others): the counters and scheduler state a checkpoint records, read without the
 engine (`saved_state`), one update's record (`StepRecord`), the verdict's rows (`Check`, `CheckRow`) and the
 result (`ResumeResult`), and how a model's parameters differ from a checkpoint's (`mismatch`)."""
+
 from __future__ import annotations
 
 import collections
@@ -63,18 +64,27 @@ def saved_state(ck: Checkpoint) -> SavedState:
     loss_key = next((k for k in CLIENT_LOSS_KEYS if isinstance(client.get(k), (int, float))), None)
     topo = ck.topology
     return SavedState(
-        format=ck.format, global_step=ck.counters.global_step, optimizer_step=ck.counters.optimizer_step,
-        skipped_steps=ck.counters.skipped_steps, param_group_lrs=tuple(ck.lr.param_groups),
+        format=ck.format,
+        global_step=ck.counters.global_step,
+        optimizer_step=ck.counters.optimizer_step,
+        skipped_steps=ck.counters.skipped_steps,
+        param_group_lrs=tuple(ck.lr.param_groups),
         initial_lrs=tuple(initial) if initial and all(x is not None for x in initial) else None,
-        scheduler_state=kind, scheduler_position=position,
+        scheduler_state=kind,
+        scheduler_position=position,
         base_lrs=tuple(ck.lr.base_lrs) if ck.lr.base_lrs else None,
-        loss=float(client[loss_key]) if loss_key else None, loss_key=loss_key,
+        loss=float(client[loss_key]) if loss_key else None,
+        loss_key=loss_key,
         ds_config=node_to_python(kids.get("config", GroupNode())) or {},
         has_universal_info=bool(node_to_python(kids.get("universal_checkpoint_info", GroupNode()))),
-        dp=topo.dp or 1, tp=topo.tp or 1, pp=topo.pp or 1,
+        dp=topo.dp or 1,
+        tp=topo.tp or 1,
+        pp=topo.pp or 1,
         scheduler_saved=_json_safe(sched) if kind == "torch" else None,
-        group_options=tuple(_json_safe({k: v for k, v in g.items() if k != "params"})
-                            for _, g in sorted(groups.items(), key=lambda kv: int(kv[0]))),
+        group_options=tuple(
+            _json_safe({k: v for k, v in g.items() if k != "params"})
+            for _, g in sorted(groups.items(), key=lambda kv: int(kv[0]))
+        ),
     )
 
 
@@ -148,5 +158,11 @@ class ResumeResult:
         import dataclasses
 
         plan = asdict(self.plan) if dataclasses.is_dataclass(self.plan) else dict(vars(self.plan))
-        return {"ok": self.ok, "plan": plan, "setup": self.setup, "loaded": self.loaded,
-                "records": [asdict(r) for r in self.records], "checks": [asdict(c) for c in self.checks]}
+        return {
+            "ok": self.ok,
+            "plan": plan,
+            "setup": self.setup,
+            "loaded": self.loaded,
+            "records": [asdict(r) for r in self.records],
+            "checks": [asdict(c) for c in self.checks],
+        }

@@ -4,6 +4,7 @@ Each sample is made by a worker module in `ckpt_tools/samples/workers/`, launche
 (`nproc` ranks) so that DeepSpeed, FSDP and Accelerate all see a real process group. A worker writes
 `<out>/<group>/<name>` (a folder or a file) and `<out>/<group>/<name>.manifest.json` beside it.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,8 +50,9 @@ SAMPLES: tuple[SampleSpec, ...] = (
     SampleSpec("zero1_tied_frozen", "deepspeed", _W + "ds_tied", 2, "zero1_tied_frozen"),
     SampleSpec("zero2_tied_frozen", "deepspeed", _W + "ds_tied", 2, "zero2_tied_frozen"),
     SampleSpec("zero3_tied_frozen", "deepspeed", _W + "ds_tied", 2, "zero3_tied_frozen"),
-    SampleSpec("zero2_bf16_universal", "universal", _W + "ds_universal", 1, "zero2_bf16_universal",
-               after=("zero2_bf16",)),
+    SampleSpec(
+        "zero2_bf16_universal", "universal", _W + "ds_universal", 1, "zero2_bf16_universal", after=("zero2_bf16",)
+    ),
     SampleSpec("gpt_tp2_pp2", "megatron", _W + "ds_pipeline", 4, "gpt_tp2_pp2"),
     SampleSpec("gpt_tp2_pp2_noinfo", "megatron", _W + "ds_pipeline", 4, "gpt_tp2_pp2_noinfo"),
     SampleSpec("gpt_tp2_pp2_drifted", "megatron", _W + "ds_pipeline", 4, "gpt_tp2_pp2_drifted"),
@@ -81,14 +83,26 @@ SAMPLES: tuple[SampleSpec, ...] = (
     SampleSpec("moe_stage0", "moe", _W + "ds_moe", 2, "moe_stage0"),
     # the same MoE run written by DeepSpeed 0.16.9 (`python -m venv --system-site-packages V; V/bin/pip install
     # deepspeed==0.16.9`; DEEPSPEED_0169_PYTHON=V/bin/python; set TORCH_EXTENSIONS_DIR apart from 0.19.8's)
-    SampleSpec("moe_zero2_bf16_ds0169", "moe", _W + "ds_moe", 2, "moe_zero2_bf16_ds0169",
-               python_env="DEEPSPEED_0169_PYTHON"),
+    SampleSpec(
+        "moe_zero2_bf16_ds0169", "moe", _W + "ds_moe", 2, "moe_zero2_bf16_ds0169", python_env="DEEPSPEED_0169_PYTHON"
+    ),
     # Megatron-LM's own pretrain() + save_checkpoint (megatron-core 0.16.1 + a Megatron-LM checkout)
-    *(SampleSpec(name, "megatron_lm", _W + "megatron_lm", 2, name, needs_env="MEGATRON_LM_DIR")
-      for name in ("megatron_tp2_legacy", "megatron_tp2_torch_dist", "megatron_dp2_distopt_legacy",
-                   "megatron_dp2_distopt_torch_dist", "megatron_pp2_legacy", "megatron_pp2_torch_dist",
-                   "megatron_pp2_vpp2_legacy", "megatron_pp2_vpp2_torch_dist", "megatron_tp2_llama_legacy",
-                   "megatron_tp2_llama_torch_dist", "megatron_moe_ep2_torch_dist")),
+    *(
+        SampleSpec(name, "megatron_lm", _W + "megatron_lm", 2, name, needs_env="MEGATRON_LM_DIR")
+        for name in (
+            "megatron_tp2_legacy",
+            "megatron_tp2_torch_dist",
+            "megatron_dp2_distopt_legacy",
+            "megatron_dp2_distopt_torch_dist",
+            "megatron_pp2_legacy",
+            "megatron_pp2_torch_dist",
+            "megatron_pp2_vpp2_legacy",
+            "megatron_pp2_vpp2_torch_dist",
+            "megatron_tp2_llama_legacy",
+            "megatron_tp2_llama_torch_dist",
+            "megatron_moe_ep2_torch_dist",
+        )
+    ),
 )
 
 
@@ -104,21 +118,40 @@ def sample_path(out_dir: str | os.PathLike, name: str) -> Path:
     return Path(out_dir) / s.group / s.path
 
 
-def run_torchrun(module: str, nproc: int, args: list[str], *, log_path: Path | None = None,
-                 timeout: float = 600, python: str | None = None) -> None:
+def run_torchrun(
+    module: str,
+    nproc: int,
+    args: list[str],
+    *,
+    log_path: Path | None = None,
+    timeout: float = 600,
+    python: str | None = None,
+) -> None:
     """Run `module` under torchrun on localhost with `nproc` CPU ranks; raise with the log tail on failure."""
     import tempfile
 
-
-    cmd = [python or sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", module, *args]
+    cmd = [
+        python or sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        module,
+        *args,
+    ]
     # torchrun's workers run in sessions of their own: on Ctrl-C / SIGTERM / the timeout the whole tree is
     # stopped (not torchrun alone), and torchelastic's temp folders land in a folder removed afterwards
     with tempfile.TemporaryDirectory(prefix="ckpt-samples-") as tmp:
         env = worker_env()
         env["TMPDIR"] = tmp
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -139,18 +172,24 @@ def make_sample(out_dir: str | os.PathLike, name: str, *, log_dir: Path | None =
     spec = get_spec(name)
     out = Path(out_dir)
     if spec.needs_env and not os.environ.get(spec.needs_env):
-        raise RuntimeError(f"sample {name} needs {spec.needs_env} (see {spec.module}'s docstring): set it, or "
-                           "leave this sample out with --only")
+        raise RuntimeError(
+            f"sample {name} needs {spec.needs_env} (see {spec.module}'s docstring): set it, or "
+            "leave this sample out with --only"
+        )
     if spec.python_env and not os.environ.get(spec.python_env):
-        raise RuntimeError(f"sample {name} is written by an older release of its producer: set {spec.python_env} to "
-                           "the Python of a virtualenv holding it (see ckpt_tools/samples/__init__.py), or leave this sample "
-                           "out with --only")
+        raise RuntimeError(
+            f"sample {name} is written by an older release of its producer: set {spec.python_env} to "
+            "the Python of a virtualenv holding it (see ckpt_tools/samples/__init__.py), or leave this sample "
+            "out with --only"
+        )
     if spec.needs_module:
         import importlib.util
 
         if importlib.util.find_spec(spec.needs_module) is None:
-            raise RuntimeError(f"sample {name} needs the {spec.needs_module} package (see {spec.module}'s "
-                               "docstring for the versions and install steps), or leave this sample out with --only")
+            raise RuntimeError(
+                f"sample {name} needs the {spec.needs_module} package (see {spec.module}'s "
+                "docstring for the versions and install steps), or leave this sample out with --only"
+            )
     for dep in spec.after:
         if not sample_path(out, dep).exists():
             make_sample(out, dep, log_dir=log_dir)
@@ -161,15 +200,19 @@ def make_sample(out_dir: str | os.PathLike, name: str, *, log_dir: Path | None =
         target.unlink()
     (out / spec.group).mkdir(parents=True, exist_ok=True)
     log_path = (log_dir / f"{name}.log") if log_dir else None
-    run_torchrun(spec.module, spec.nproc, ["--sample", name, "--out", str(out / spec.group)],
-                 log_path=log_path, python=os.environ.get(spec.python_env) if spec.python_env else None)
+    run_torchrun(
+        spec.module,
+        spec.nproc,
+        ["--sample", name, "--out", str(out / spec.group)],
+        log_path=log_path,
+        python=os.environ.get(spec.python_env) if spec.python_env else None,
+    )
     if not target.exists():
         raise RuntimeError(f"worker {spec.module} did not write {target}")
     return target
 
 
-def make_samples(out_dir: str | os.PathLike, only: list[str] | None = None,
-                 *, log_dir: Path | None = None):
+def make_samples(out_dir: str | os.PathLike, only: list[str] | None = None, *, log_dir: Path | None = None):
     """Make every sample (or those named in `only`); yields each checkpoint path as it is done."""
     names = only or [s.name for s in SAMPLES]
     for name in names:

@@ -4,6 +4,7 @@ A DeepSpeed scheduler saves only `last_batch_iteration`; its LRs come from the l
 the checkpoint records (`ds_config`) these give the LR at any position: the header's `last_lr`, and what
 `ckpt resume` expects each resumed step to use. Pure Python: no torch, no deepspeed.
 """
+
 from __future__ import annotations
 
 import math

@@ -6,6 +6,7 @@ core_v0.16.1), computed from what a checkpoint saves: its `opt_param_scheduler` 
 `num_steps` so far: after a load at num_steps N, iteration k of the resumed run (k = 1, 2, ...) uses the LR at
 N + (k - 1) x global batch. Nothing here imports Megatron.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,8 +15,18 @@ from typing import Any
 STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 
 
-def lr_at(num_steps: float, *, max_lr: float, min_lr: float, warmup: float, decay: float, style: str,
-          init_lr: float = 0.0, wsd_decay: float | None = None, wsd_style: str | None = None) -> float:
+def lr_at(
+    num_steps: float,
+    *,
+    max_lr: float,
+    min_lr: float,
+    warmup: float,
+    decay: float,
+    style: str,
+    init_lr: float = 0.0,
+    wsd_decay: float | None = None,
+    wsd_style: str | None = None,
+) -> float:
     """The LR Megatron's scheduler gives a group at `num_steps` (samples), as its get_lr computes it."""
     if warmup > 0 and num_steps <= warmup:
         return init_lr + (max_lr - init_lr) * float(num_steps) / float(warmup)
@@ -40,16 +51,20 @@ def lr_at(num_steps: float, *, max_lr: float, min_lr: float, warmup: float, deca
             r = float(num_steps - start) / float(wsd_decay)
             if str(wsd_style) not in ("linear", "cosine", "exponential", "minus_sqrt"):
                 raise ValueError(f"lr_wsd_decay_style {wsd_style!r}: not one of Megatron's")
-            coeff = {"linear": lambda: 1.0 - r, "cosine": lambda: 0.5 * (math.cos(math.pi * r) + 1.0),
-                     "exponential": lambda: 2.0 * math.pow(0.5, r) - 1.0,
-                     "minus_sqrt": lambda: 1.0 - math.sqrt(r)}[str(wsd_style)]()
+            coeff = {
+                "linear": lambda: 1.0 - r,
+                "cosine": lambda: 0.5 * (math.cos(math.pi * r) + 1.0),
+                "exponential": lambda: 2.0 * math.pow(0.5, r) - 1.0,
+                "minus_sqrt": lambda: 1.0 - math.sqrt(r),
+            }[str(wsd_style)]()
     else:
         raise ValueError(f"lr_decay_style {style!r}: not one of Megatron's ({', '.join(STYLES)})")
     return min_lr + coeff * (max_lr - min_lr)
 
 
-def expected_lrs(sched: dict[str, Any], groups: list[dict[str, Any]], args: dict[str, Any], steps: int
-                 ) -> tuple[list[list[float]], str]:
+def expected_lrs(
+    sched: dict[str, Any], groups: list[dict[str, Any]], args: dict[str, Any], steps: int
+) -> tuple[list[list[float]], str]:
     """(per resumed iteration, each group's LR; how) from the saved scheduler state, param groups and args.
     ValueError (naming the field) where the checkpoint does not determine it."""
     need = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "num_steps")
@@ -63,18 +78,35 @@ def expected_lrs(sched: dict[str, Any], groups: list[dict[str, Any]], args: dict
     wsd = None
     if style == "WSD":
         wsd = args.get("lr_wsd_decay_samples") or (
-            args["lr_wsd_decay_iters"] * gbs if args.get("lr_wsd_decay_iters") else None)
-    common = dict(warmup=float(sched["lr_warmup_steps"]), decay=float(sched["lr_decay_steps"]), style=style,
-                  init_lr=float(args.get("lr_warmup_init") or 0.0), wsd_decay=wsd,
-                  wsd_style=args.get("lr_wsd_decay_style"))
+            args["lr_wsd_decay_iters"] * gbs if args.get("lr_wsd_decay_iters") else None
+        )
+    common = dict(
+        warmup=float(sched["lr_warmup_steps"]),
+        decay=float(sched["lr_decay_steps"]),
+        style=style,
+        init_lr=float(args.get("lr_warmup_init") or 0.0),
+        wsd_decay=wsd,
+        wsd_style=args.get("lr_wsd_decay_style"),
+    )
     rows = []
     for k in range(steps):
         n = float(sched["num_steps"]) + k * gbs
-        rows.append([lr_at(n, max_lr=float(g.get("max_lr", sched["max_lr"])),
-                           min_lr=float(g.get("min_lr", sched["min_lr"])), **common) for g in groups])
-    how = (f"Megatron's OptimizerParamScheduler ({style}, warm-up {sched['lr_warmup_steps']} and decay "
-           f"{sched['lr_decay_steps']} samples, {gbs} samples per iteration) from the saved num_steps "
-           f"{sched['num_steps']} and each param group's max_lr / min_lr")
+        rows.append(
+            [
+                lr_at(
+                    n,
+                    max_lr=float(g.get("max_lr", sched["max_lr"])),
+                    min_lr=float(g.get("min_lr", sched["min_lr"])),
+                    **common,
+                )
+                for g in groups
+            ]
+        )
+    how = (
+        f"Megatron's OptimizerParamScheduler ({style}, warm-up {sched['lr_warmup_steps']} and decay "
+        f"{sched['lr_decay_steps']} samples, {gbs} samples per iteration) from the saved num_steps "
+        f"{sched['num_steps']} and each param group's max_lr / min_lr"
+    )
     return rows, how
 
 

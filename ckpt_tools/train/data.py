@@ -3,13 +3,15 @@
 A batch depends only on (seed, global_step, dp_rank), so a run resumed at step N sees exactly the
 batches the uninterrupted run saw at step N: losses can be compared bit for bit.
 """
+
 from __future__ import annotations
 
 import torch
 
 
-def batch_for_step(global_step: int, *, batch_size: int, seq_len: int, vocab_size: int,
-                   dp_rank: int = 0, seed: int = 1234) -> torch.Tensor:
+def batch_for_step(
+    global_step: int, *, batch_size: int, seq_len: int, vocab_size: int, dp_rank: int = 0, seed: int = 1234
+) -> torch.Tensor:
     """Tokens of shape (batch_size, seq_len + 1) for this step and data-parallel rank.
 
     The sequence follows a simple learnable rule (each token is the previous one plus a per-row stride,

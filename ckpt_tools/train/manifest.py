@@ -4,6 +4,7 @@ Tests assert the reader against these values, so every value must come from the 
 objects (the model, the optimizer, the scheduler, the engine), never from reading the checkpoint back.
 Unknown values are None, never guessed.
 """
+
 from __future__ import annotations
 
 import json

@@ -18,6 +18,7 @@ same order as Megatron-DeepSpeed's `GPTModelPipe` with untied embeddings:
 
 Activations travel between layers (and pipeline stages) as [seq, batch, hidden], as in Megatron.
 """
+
 from __future__ import annotations
 
 import math
@@ -116,8 +117,9 @@ class _GatherFromTP(torch.autograd.Function):
 # --- parameters and layers ------------------------------------------------------------------------
 
 
-def _split_param(full_rows: int, cols: int, tp: TensorParallel, dim: int, gen: torch.Generator,
-                 std: float) -> nn.Parameter:
+def _split_param(
+    full_rows: int, cols: int, tp: TensorParallel, dim: int, gen: torch.Generator, std: float
+) -> nn.Parameter:
     """A TP-split weight of the logical shape [full_rows, cols] split along `dim`, drawn from `gen`.
 
     The `tensor_model_parallel` / `partition_dim` attributes are the ones Megatron sets: DeepSpeed's
@@ -138,8 +140,9 @@ def _split_param(full_rows: int, cols: int, tp: TensorParallel, dim: int, gen: t
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A and b split along the output dim: each TP rank computes its own columns."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, gen: torch.Generator,
-                 std: float = INIT_STD):
+    def __init__(
+        self, in_features: int, out_features: int, tp: TensorParallel, gen: torch.Generator, std: float = INIT_STD
+    ):
         super().__init__()
         self.tp = tp
         self.weight = _split_param(out_features, in_features, tp, 0, gen, std)
@@ -156,8 +159,7 @@ class RowParallelLinear(nn.Module):
     """y = x A^T + b with A split along the input dim: the partial products are summed over the TP group,
     then the (replicated) bias is added once."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, gen: torch.Generator,
-                 std: float):
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, gen: torch.Generator, std: float):
         super().__init__()
         self.tp = tp
         self.weight = _split_param(out_features, in_features, tp, 1, gen, std)
@@ -303,10 +305,16 @@ class GPTModelPipe(PipelineModule):
             raise ValueError(f"vocab size {cfg.vocab_size} is not divisible by the TP size {tp.size}")
         specs = [_with_position_ids, LayerSpec(EmbeddingPipe, cfg, tp, seed, 1)]
         specs += [LayerSpec(ParallelTransformerLayerPipe, cfg, tp, seed, 2 + i) for i in range(cfg.n_layers)]
-        specs += [LayerSpec(nn.LayerNorm, cfg.hidden, eps=cfg.layernorm_eps),
-                  LayerSpec(LMHeadPipe, cfg, tp, seed, 2 + cfg.n_layers + 1)]
-        super().__init__(layers=specs, topology=topology, loss_fn=VocabParallelLoss(tp),
-                         partition_method="type:ParallelTransformerLayerPipe")
+        specs += [
+            LayerSpec(nn.LayerNorm, cfg.hidden, eps=cfg.layernorm_eps),
+            LayerSpec(LMHeadPipe, cfg, tp, seed, 2 + cfg.n_layers + 1),
+        ]
+        super().__init__(
+            layers=specs,
+            topology=topology,
+            loss_fn=VocabParallelLoss(tp),
+            partition_method="type:ParallelTransformerLayerPipe",
+        )
         tp.group = self._grid.get_slice_parallel_group()
 
 

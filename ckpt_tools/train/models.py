@@ -3,6 +3,7 @@
 Small enough that a checkpoint is a few hundred KB, real enough to have what large runs have:
 embeddings, layer norms, attention and MLP linears with biases, a separate LM head.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass

@@ -1,6 +1,7 @@
 """The processes a resume starts: launched under torchrun with the worker's environment, their events read
 (`launch`), stopped with everything they started on Ctrl-C / SIGTERM, and the resume's scratch folder removed,
 whatever the framework (`resume.deepspeed`, `resume.frameworks`, the sample makers)."""
+
 from __future__ import annotations
 
 import collections
@@ -155,8 +156,9 @@ def run_stoppable(cmd: list[str], *, env: dict[str, str]) -> subprocess.Complete
     """`subprocess.run(cmd)` with the output (stdout and stderr) captured as text, for a child that starts
     processes of its own: an interruption (Ctrl-C, SIGTERM) stops all of them (`stop_process_tree`), where
     subprocess.run would SIGKILL the child alone and leave its pool running."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     try:
         out, _ = proc.communicate()
     finally:
@@ -212,8 +214,9 @@ class WorkerFailed(CkptError):
     names the log file with the full output."""
 
 
-def launch(plan: Any, plan_file: Path, on_event: Callable[[dict], None] | None,
-            timeout: float, module: str) -> list[dict[str, Any]]:
+def launch(
+    plan: Any, plan_file: Path, on_event: Callable[[dict], None] | None, timeout: float, module: str
+) -> list[dict[str, Any]]:
     """Run the training processes (`module` under torchrun, `plan.nproc` ranks on `plan.device`; every
     framework's resume worker speaks the same `CKPT_RESUME {json}` event lines); parse their event lines. All
     other output goes to a log file outside the checkpoint (removed after a success or an interruption). A
@@ -230,9 +233,21 @@ def launch(plan: Any, plan_file: Path, on_event: Callable[[dict], None] | None,
 
     from ..write.io import Interrupted
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(plan.nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", module,
-           "--plan", str(plan_file)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(plan.nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        module,
+        "--plan",
+        str(plan_file),
+    ]
     events: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
     tail: collections.deque[str] = collections.deque(maxlen=200)
@@ -247,8 +262,9 @@ def launch(plan: Any, plan_file: Path, on_event: Callable[[dict], None] | None,
         fd, log_name = tempfile.mkstemp(prefix="ckpt-resume-", suffix=".log")
         log_path = Path(log_name)
         with os.fdopen(fd, "w") as log:
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+            )
 
             def kill() -> None:
                 timed_out.append(True)
@@ -261,7 +277,7 @@ def launch(plan: Any, plan_file: Path, on_event: Callable[[dict], None] | None,
                 log.write(line)
                 if line.startswith(RECORD_PREFIX):
                     try:
-                        ev = json.loads(line[len(RECORD_PREFIX):])
+                        ev = json.loads(line[len(RECORD_PREFIX) :])
                     except ValueError:
                         continue  # two ranks' lines interleaved: the log has it
                     if ev.get("event") == "error":
@@ -282,8 +298,9 @@ def launch(plan: Any, plan_file: Path, on_event: Callable[[dict], None] | None,
             if isinstance(e, KeyboardInterrupt) and log_path is not None:
                 log_path.unlink(missing_ok=True)  # the user stopped it; nothing to read in a log
         if left and isinstance(e, KeyboardInterrupt):
-            raise Interrupted(f"{len(left)} of the training processes did not stop even on SIGKILL (pids "
-                              f"{' '.join(map(str, left))})") from e
+            raise Interrupted(
+                f"{len(left)} of the training processes did not stop even on SIGKILL (pids {' '.join(map(str, left))})"
+            ) from e
         raise
     timer.cancel()
     timer.join()  # a timeout's stop_process_tree, if one began, has finished
@@ -296,8 +313,11 @@ def launch(plan: Any, plan_file: Path, on_event: Callable[[dict], None] | None,
     if timed_out:
         raise WorkerFailed(f"training processes did not finish within {timeout:g} s", hint=hint)
     # a rank whose peer died reports a broken connection: the root cause is another rank's own error
-    peer = re.compile(r"Connection (reset|closed) by peer|remote worker|communicator was aborted|Broken pipe|"
-                      r"Socket Timeout|timed out|NCCL error.*remote", re.IGNORECASE)
+    peer = re.compile(
+        r"Connection (reset|closed) by peer|remote worker|communicator was aborted|Broken pipe|"
+        r"Socket Timeout|timed out|NCCL error.*remote",
+        re.IGNORECASE,
+    )
     own = [e for e in errors if not peer.search(str(e.get("message", "")))]
     if own:
         first = own[0]

@@ -15,6 +15,7 @@ Python's streams and logging handlers are flushed, and the process ends with `os
 interpreter finalization (and the race) entirely. Call it only when everything the process writes has been
 closed: it runs no atexit handlers.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,8 +29,10 @@ def under_torchrun() -> bool:
     """Whether this process is a rank of a torchrun job: the variables torchrun sets are all there, its elastic
     agent's run id included (a process that merely inherited RANK / WORLD_SIZE from an in-process DeepSpeed or
     torch.distributed init is not a job rank)."""
-    return all(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                                          "TORCHELASTIC_RUN_ID"))
+    return all(
+        os.environ.get(k)
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+    )
 
 
 def join(backend: str = "gloo") -> int:

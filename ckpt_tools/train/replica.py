@@ -30,6 +30,7 @@ Shared API (other framework resumers import it; keep names and signatures):
 
 Nothing here launches processes; `torch` is imported lazily where it is needed by the tree readers.
 """
+
 from __future__ import annotations
 
 import math
@@ -76,8 +77,9 @@ class _Node(torch.nn.Module):
     """A container of a replica. Its forward adds its own parameters' terms of the synthetic loss and calls its
     children: run through an engine, each module's forward is where ZeRO-3 gathers that module's parameters."""
 
-    def forward(self, directions: Mapping[str, torch.Tensor], prefix: str = "",
-                seen: set[int] | None = None) -> torch.Tensor | None:
+    def forward(
+        self, directions: Mapping[str, torch.Tensor], prefix: str = "", seen: set[int] | None = None
+    ) -> torch.Tensor | None:
         seen = set() if seen is None else seen
         total = None
         for leaf, p in self._parameters.items():
@@ -103,8 +105,12 @@ class Replica(_Node):
         super().__init__()
         self._order: list[str] = []
 
-    def forward(self, directions: Mapping[str, torch.Tensor], prefix: str = "",  # type: ignore[override]
-                seen: set[int] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        directions: Mapping[str, torch.Tensor],
+        prefix: str = "",  # type: ignore[override]
+        seen: set[int] | None = None,
+    ) -> torch.Tensor:
         total = super().forward(directions, prefix, seen)
         if total is None:
             raise ValueError("no trainable parameter has a direction")
@@ -136,8 +142,12 @@ def _owner(root: torch.nn.Module, dotted: str) -> tuple[torch.nn.Module, str]:
     return mod, leaf
 
 
-def build_replica(specs: Sequence[ParamSpec], *, tied: Mapping[str, str] | None = None,
-                  buffers: Mapping[str, tuple[tuple[int, ...], str]] | None = None) -> torch.nn.Module:
+def build_replica(
+    specs: Sequence[ParamSpec],
+    *,
+    tied: Mapping[str, str] | None = None,
+    buffers: Mapping[str, tuple[tuple[int, ...], str]] | None = None,
+) -> torch.nn.Module:
     """A module whose `named_parameters()` yields exactly `specs` (names, shapes, dtypes, requires_grad, order).
 
     `tied`: alias -> owner name; the alias is registered as the very same Parameter (so, as in the real
@@ -174,8 +184,9 @@ def build_replica(specs: Sequence[ParamSpec], *, tied: Mapping[str, str] | None 
 _K = (-3, -2, -1, 1, 2, 3)
 
 
-def synthetic_directions(specs: Sequence[ParamSpec], seed: int = 0, *,
-                         max_norm: float | None = None) -> dict[str, torch.Tensor]:
+def synthetic_directions(
+    specs: Sequence[ParamSpec], seed: int = 0, *, max_norm: float | None = None
+) -> dict[str, torch.Tensor]:
     """A fixed direction r per trainable parameter (fp32, same on every rank and every run for the same
     specs and seed): values k * 2**-e with k in ±{1, 2, 3} and one power of two e chosen so that the global
     L2 norm of r is at most half of `max_norm` (default 1.0, DeepSpeed's usual `gradient_clipping`), so a
@@ -188,7 +199,7 @@ def synthetic_directions(specs: Sequence[ParamSpec], seed: int = 0, *,
     target = 0.5 * (1.0 if max_norm is None or max_norm <= 0 else float(max_norm))
     e = 0 if sq == 0 else max(0, math.ceil(math.log2(math.sqrt(sq) / target)))
     e = min(e, 14)  # stay a normal fp16 number (3 * 2**-14 > fp16's smallest normal 2**-14)
-    scale = 2.0 ** -e
+    scale = 2.0**-e
     return {n: t * scale for n, t in raw.items()}
 
 
@@ -230,9 +241,21 @@ def _f64(t: Any) -> torch.Tensor:
     return torch.as_tensor(t).detach().to(device="cpu", dtype=torch.float64)
 
 
-def expected_adam(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, step: Any, *, lr: float,
-                  betas: Sequence[float], eps: float, weight_decay: float, decoupled: bool, amsgrad: bool = False,
-                  max_exp_avg_sq: Any = None) -> dict[str, Any]:
+def expected_adam(
+    param: Any,
+    grad: Any,
+    exp_avg: Any,
+    exp_avg_sq: Any,
+    step: Any,
+    *,
+    lr: float,
+    betas: Sequence[float],
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    amsgrad: bool = False,
+    max_exp_avg_sq: Any = None,
+) -> dict[str, Any]:
     """One Adam / AdamW step in float64 from the saved state, as torch's Adam(W) (single-tensor and foreach)
     and DeepSpeed's CPU Adam (`DeepSpeedCPUAdam`, `adamw_mode`) compute it:
 
@@ -263,15 +286,24 @@ def expected_adam(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, step: An
         mx = v if max_exp_avg_sq is None else torch.maximum(_f64(max_exp_avg_sq), v)
         out["max_exp_avg_sq"] = mx
         denom_v = mx
-    bc1 = 1.0 - b1 ** t
-    bc2 = 1.0 - b2 ** t
+    bc1 = 1.0 - b1**t
+    bc2 = 1.0 - b2**t
     p = p - (lr / bc1) * m / (denom_v.sqrt() / math.sqrt(bc2) + eps)
     out.update(param=p, exp_avg=m, exp_avg_sq=v, step=t)
     return out
 
 
-def expected_sgd(param: Any, grad: Any, momentum_buffer: Any, *, lr: float, momentum: float, dampening: float,
-                 weight_decay: float, nesterov: bool) -> dict[str, Any]:
+def expected_sgd(
+    param: Any,
+    grad: Any,
+    momentum_buffer: Any,
+    *,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+) -> dict[str, Any]:
     """One torch SGD step in float64: grad += wd * param; buf = grad (first step) or momentum * buf +
     (1 - dampening) * grad; grad = grad + momentum * buf (nesterov) or buf; param -= lr * grad."""
     p = _f64(param).clone()
@@ -312,8 +344,14 @@ def _model_states(ck: Any) -> dict[str, Any]:
 
     base = Path(ck.path)
     base = base if base.is_dir() else base.parent
-    cands = [f.path for f in ck.files if f.role == "model" and f.path.endswith("model_states.pt")
-             and "/layer_" not in f.path and not Path(f.path).name.startswith("layer_")]
+    cands = [
+        f.path
+        for f in ck.files
+        if f.role == "model"
+        and f.path.endswith("model_states.pt")
+        and "/layer_" not in f.path
+        and not Path(f.path).name.startswith("layer_")
+    ]
     if not cands:
         raise ValueError("no DeepSpeed model states file in this checkpoint")
     cands.sort(key=lambda p: (not Path(p).name.startswith("mp_rank_"), p))
@@ -355,16 +393,22 @@ def replica_layout(ck: Any) -> dict[str, Any]:
     trainable = {n: s for g in shape_groups for n, s in g.items()}
     frozen_raw = ms.get("frozen_param_shapes")
     frozen = {str(k): _shape(v) for k, v in frozen_raw.items()} if isinstance(frozen_raw, dict) else {}
-    shared = {str(k): str(v) for k, v in (ms.get("shared_params") or {}).items()} \
-        if isinstance(ms.get("shared_params"), dict) else {}
+    shared = (
+        {str(k): str(v) for k, v in (ms.get("shared_params") or {}).items()}
+        if isinstance(ms.get("shared_params"), dict)
+        else {}
+    )
     buffer_names = [str(b) for b in ms.get("buffer_names") or []]
     module = ms.get("module") if isinstance(ms.get("module"), dict) else {}
     default_dtype = _run_dtype(ms.get("ds_config"))
     if not frozen and module:
         # ZeRO-1 records no frozen_param_shapes: a frozen weight is only in `module`
         known = set(trainable) | set(buffer_names) | set(shared)
-        frozen = {str(n): _shape(r.shape) for n, r in module.items()
-                  if isinstance(r, TensorRef) and r.numel > 0 and str(n) not in known}
+        frozen = {
+            str(n): _shape(r.shape)
+            for n, r in module.items()
+            if isinstance(r, TensorRef) and r.numel > 0 and str(n) not in known
+        }
     shapes = {**trainable, **frozen}
     order = [str(n) for n in module if str(n) in shapes] if module else []
     order += [n for n in list(trainable) + list(frozen) if n not in set(order)]
@@ -381,8 +425,7 @@ def replica_layout(ck: Any) -> dict[str, Any]:
         r = module.get(b)
         if isinstance(r, TensorRef):
             buffers[b] = (_shape(r.shape), str(r.dtype))
-    return {"specs": specs, "tied": shared, "buffers": buffers,
-            "groups": [list(g) for g in shape_groups]}
+    return {"specs": specs, "tied": shared, "buffers": buffers, "groups": [list(g) for g in shape_groups]}
 
 
 def _run_dtype(cfg: Any) -> str:
@@ -427,8 +470,11 @@ _TORCH_SCHEDULERS: tuple[tuple[str, frozenset[str], tuple[str, ...]], ...] = (
     ("CosineAnnealingLR", frozenset({"T_max", "eta_min"}), ("T_max", "eta_min")),
     ("MultiStepLR", frozenset({"milestones", "gamma"}), ("milestones", "gamma")),
     ("StepLR", frozenset({"step_size", "gamma"}), ("step_size", "gamma")),
-    ("LinearLR", frozenset({"start_factor", "end_factor", "total_iters"}),
-     ("start_factor", "end_factor", "total_iters")),
+    (
+        "LinearLR",
+        frozenset({"start_factor", "end_factor", "total_iters"}),
+        ("start_factor", "end_factor", "total_iters"),
+    ),
     ("PolynomialLR", frozenset({"total_iters", "power"}), ("total_iters", "power")),
     ("ConstantLR", frozenset({"factor", "total_iters"}), ("factor", "total_iters")),
     ("ExponentialLR", frozenset({"gamma"}), ("gamma",)),
@@ -452,8 +498,9 @@ def infer_torch_scheduler(state: Mapping[str, Any], class_name: str | None = Non
     return None
 
 
-def rebuild_torch_scheduler(optimizer: torch.optim.Optimizer, state: Mapping[str, Any],
-                            class_name: str | None = None, lr_lambda: Any = None) -> Any:
+def rebuild_torch_scheduler(
+    optimizer: torch.optim.Optimizer, state: Mapping[str, Any], class_name: str | None = None, lr_lambda: Any = None
+) -> Any:
     """A torch scheduler of the saved class on `optimizer`, constructed from the arguments its state holds
     (with `lr_lambda` for a LambdaLR / MultiplicativeLR), NOT yet loaded: the caller (the engine's
     `load_checkpoint`, or `expected_torch_lrs`) loads `state` into it. Raises ValueError when unknown."""
@@ -471,24 +518,41 @@ def rebuild_torch_scheduler(optimizer: torch.optim.Optimizer, state: Mapping[str
     if name == "OneCycleLR":
         phases = state["_schedule_phases"]
         max_lrs = [g.get("max_lr", g["lr"]) for g in optimizer.param_groups]  # saved groups keep max_lr
-        return S.OneCycleLR(optimizer, max_lr=max_lrs, total_steps=int(state["total_steps"]),
-                            anneal_strategy="cos" if state.get("_anneal_func_type", "cos") == "cos" else "linear",
-                            cycle_momentum=bool(state.get("cycle_momentum", False)),
-                            three_phase=len(phases) == 3)
+        return S.OneCycleLR(
+            optimizer,
+            max_lr=max_lrs,
+            total_steps=int(state["total_steps"]),
+            anneal_strategy="cos" if state.get("_anneal_func_type", "cos") == "cos" else "linear",
+            cycle_momentum=bool(state.get("cycle_momentum", False)),
+            three_phase=len(phases) == 3,
+        )
     if name == "CyclicLR":
-        return S.CyclicLR(optimizer, base_lr=[g["lr"] for g in optimizer.param_groups],
-                          max_lr=list(state["max_lrs"]), cycle_momentum=False)
+        return S.CyclicLR(
+            optimizer,
+            base_lr=[g["lr"] for g in optimizer.param_groups],
+            max_lr=list(state["max_lrs"]),
+            cycle_momentum=False,
+        )
     spec = next(s for s in _TORCH_SCHEDULERS if s[0] == name)
     kwargs = {k: state[k] for k in spec[2] if k in state}
     if name == "MultiStepLR":
-        kwargs["milestones"] = sorted(int(m) for m in dict(state["milestones"]).keys()) \
-            if isinstance(state["milestones"], Mapping) else list(state["milestones"])
+        kwargs["milestones"] = (
+            sorted(int(m) for m in dict(state["milestones"]).keys())
+            if isinstance(state["milestones"], Mapping)
+            else list(state["milestones"])
+        )
     return getattr(S, name)(optimizer, **kwargs)
 
 
-def expected_torch_lrs(state: Mapping[str, Any], group_lrs: Sequence[float], steps: int, *,
-                       class_name: str | None = None, lr_lambda: Any = None,
-                       saved_groups: Sequence[Mapping[str, Any]] | None = None) -> list[list[float]]:
+def expected_torch_lrs(
+    state: Mapping[str, Any],
+    group_lrs: Sequence[float],
+    steps: int,
+    *,
+    class_name: str | None = None,
+    lr_lambda: Any = None,
+    saved_groups: Sequence[Mapping[str, Any]] | None = None,
+) -> list[list[float]]:
     """The LR per group of each of `steps` resumed updates of a torch scheduler, from its saved state and the
     saved param groups (`group_lrs`; `saved_groups`: their other fields, e.g. OneCycleLR's max_lr/min_lr):
     update 1 runs at the saved LR, then the rebuilt scheduler (loaded with `state`) steps once per update.
@@ -520,7 +584,26 @@ def expected_torch_lrs(state: Mapping[str, Any], group_lrs: Sequence[float], ste
     return out
 
 
-__all__ = ["ParamSpec", "GroupSpec", "Replica", "build_replica", "synthetic_directions", "synthetic_loss",
-           "grad_norm", "clip_factor", "expected_adam", "expected_sgd", "state_close", "specs_from_checkpoint",
-           "groups_from_checkpoint", "replica_layout", "infer_torch_scheduler", "rebuild_torch_scheduler",
-           "expected_torch_lrs", "LAMBDA_SCHEDULERS", "MOMENT_RTOL", "PARAM_ULPS", "UPDATE_RTOL"]
+__all__ = [
+    "ParamSpec",
+    "GroupSpec",
+    "Replica",
+    "build_replica",
+    "synthetic_directions",
+    "synthetic_loss",
+    "grad_norm",
+    "clip_factor",
+    "expected_adam",
+    "expected_sgd",
+    "state_close",
+    "specs_from_checkpoint",
+    "groups_from_checkpoint",
+    "replica_layout",
+    "infer_torch_scheduler",
+    "rebuild_torch_scheduler",
+    "expected_torch_lrs",
+    "LAMBDA_SCHEDULERS",
+    "MOMENT_RTOL",
+    "PARAM_ULPS",
+    "UPDATE_RTOL",
+]

@@ -15,6 +15,7 @@ incomplete, unless the user knowingly leaves unread files behind (`allow_unread`
 
 Nothing here reads tensor bytes; the listing is one `scandir` per folder of the checkpoint.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,18 +36,42 @@ STATE_SUFFIXES = (".pt", ".bin", ".distcp", ".safetensors", ".pth", ".ckpt")
 #: warnings that mean the open did not see the whole checkpoint: writing, exporting and converting refuse
 #: while one is present (`require_whole`); `unread-files` alone can be waived with `allow_unread`
 #: (in the order a refusal names them: the most telling first)
-INCOMPLETE = ("part-of-checkpoint", "megatron-torch-dist", "corrupt-file", "declared-mismatch", "duplicate-rank-file",
-              "extra-rank-file", "unreferenced-file", "not-mapped", "unread-files")
+INCOMPLETE = (
+    "part-of-checkpoint",
+    "megatron-torch-dist",
+    "corrupt-file",
+    "declared-mismatch",
+    "duplicate-rank-file",
+    "extra-rank-file",
+    "unreferenced-file",
+    "not-mapped",
+    "unread-files",
+)
 
 #: names that say a file is one piece of a sharded checkpoint whatever folder it sits in
 _PIECE_NAMES = (
-    (re.compile(r"^mp_rank_\d+_model_states\.pt$"), "the model-states file of a DeepSpeed checkpoint (the "
-     "optimizer state is in the zero_pp_rank_* files beside it)"),
-    (re.compile(r"-\d{5}-of-\d{5}\.(safetensors|bin)$"), "one shard of a sharded checkpoint (its index names the rest)"),
+    (
+        re.compile(r"^mp_rank_\d+_model_states\.pt$"),
+        "the model-states file of a DeepSpeed checkpoint (the "
+        "optimizer state is in the zero_pp_rank_* files beside it)",
+    ),
+    (
+        re.compile(r"-\d{5}-of-\d{5}\.(safetensors|bin)$"),
+        "one shard of a sharded checkpoint (its index names the rest)",
+    ),
     (re.compile(r"^(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_(optim|model)_states\.pt$"), "one DP rank's ZeRO partition"),
-    (re.compile(r"^layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt$"), "one expert's weights of a DeepSpeed MoE checkpoint"),
-    (re.compile(r"^expp_rank_\d+_mp_rank_\d+_optim_states\.pt$"), "one expert-parallel rank's optimizer of a DeepSpeed MoE checkpoint"),
-    (re.compile(r"^layer_\d+-model_\d+-model_states\.pt$"), "one pipeline layer's weights of a DeepSpeed pipeline checkpoint"),
+    (
+        re.compile(r"^layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt$"),
+        "one expert's weights of a DeepSpeed MoE checkpoint",
+    ),
+    (
+        re.compile(r"^expp_rank_\d+_mp_rank_\d+_optim_states\.pt$"),
+        "one expert-parallel rank's optimizer of a DeepSpeed MoE checkpoint",
+    ),
+    (
+        re.compile(r"^layer_\d+-model_\d+-model_states\.pt$"),
+        "one pipeline layer's weights of a DeepSpeed pipeline checkpoint",
+    ),
     (re.compile(r"^distrib_optim\.pt$"), "one rank's distributed-optimizer state of a Megatron-LM checkpoint"),
     (re.compile(r"^__\d+_\d+\.distcp$"), "one rank's items of a torch distributed checkpoint"),
 )
@@ -69,20 +94,35 @@ def account(ck: Checkpoint, given: Path) -> Checkpoint:
         unread = sorted(u for u in _unread(root, read) if not (_norm(root / u) + os.sep).startswith(others))
         if unread:
             shown = ", ".join(unread[:6]) + (f", … {len(unread) - 6} more" if len(unread) > 6 else "")
-            warnings.append(Warning_(
-                "unread-files", f"{len(unread)} file(s) that may hold model or training state were not read by the "
-                f"{ck.format} reader: {shown}. What is shown leaves them out; commands that write, export or "
-                "convert refuse unless given --allow-unread", unread[0]))
+            warnings.append(
+                Warning_(
+                    "unread-files",
+                    f"{len(unread)} file(s) that may hold model or training state were not read by the "
+                    f"{ck.format} reader: {shown}. What is shown leaves them out; commands that write, export or "
+                    "convert refuse unless given --allow-unread",
+                    unread[0],
+                )
+            )
     else:
         part = piece_of_whole(ck, given)
         if part is not None:
             warnings.append(part)
     tag = ck.details.get("tag")
-    if given.is_dir() and isinstance(tag, str) and (root / tag).is_dir() and not any(
-            (root / n).is_file() for n in ("latest", "latest_universal", "latest_checkpointed_iteration.txt")):
-        warnings.append(Warning_("latest-missing", f"no `latest` file beside the tag folder: {tag} was taken as the "
-                                 "only tag folder here, but a loader asked for this folder without a tag (DeepSpeed's "
-                                 f"load_checkpoint) finds nothing. Write the tag into {root / 'latest'}", "latest"))
+    if (
+        given.is_dir()
+        and isinstance(tag, str)
+        and (root / tag).is_dir()
+        and not any((root / n).is_file() for n in ("latest", "latest_universal", "latest_checkpointed_iteration.txt"))
+    ):
+        warnings.append(
+            Warning_(
+                "latest-missing",
+                f"no `latest` file beside the tag folder: {tag} was taken as the "
+                "only tag folder here, but a loader asked for this folder without a tag (DeepSpeed's "
+                f"load_checkpoint) finds nothing. Write the tag into {root / 'latest'}",
+                "latest",
+            )
+        )
     acc = {"read": sorted(f.path for f in ck.files), "unread": unread}
     require_declared_groups(ck)
     warnings += optimizer_state_warnings(ck) + duplicate_rank_files(ck)
@@ -141,24 +181,36 @@ def piece_of_whole(ck: Checkpoint, file: Path) -> Warning_ | None:
         tp, pp = args.get("tensor_model_parallel_size") or 1, args.get("pipeline_model_parallel_size") or 1
         if tp * pp > 1 or (file.parent / "distrib_optim.pt").is_file():
             whole = _megatron_whole(file)
-            return Warning_("part-of-checkpoint",
-                            f"this file is one rank's part of a Megatron-LM checkpoint (its args: "
-                            f"tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}"
-                            + ("; the distributed optimizer's state is in distrib_optim.pt beside it"
-                               if (file.parent / "distrib_optim.pt").is_file() else "")
-                            + f"): tensors have local shapes and the LRs/steps of one rank only; the whole "
-                            f"checkpoint is {whole}",
-                            str(whole))
+            return Warning_(
+                "part-of-checkpoint",
+                f"this file is one rank's part of a Megatron-LM checkpoint (its args: "
+                f"tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}"
+                + (
+                    "; the distributed optimizer's state is in distrib_optim.pt beside it"
+                    if (file.parent / "distrib_optim.pt").is_file()
+                    else ""
+                )
+                + f"): tensors have local shapes and the LRs/steps of one rank only; the whole "
+                f"checkpoint is {whole}",
+                str(whole),
+            )
     whole = part_of(file)
     if whole is not None:
         folder, fmt, nfiles = whole
         n = f"one of the {nfiles} files" if nfiles else "one file"
-        return Warning_("part-of-checkpoint", f"shown alone, this file is {n} of the {fmt} checkpoint {folder}; "
-                        f"the whole checkpoint: ckpt inspect {folder}", str(folder))
+        return Warning_(
+            "part-of-checkpoint",
+            f"shown alone, this file is {n} of the {fmt} checkpoint {folder}; "
+            f"the whole checkpoint: ckpt inspect {folder}",
+            str(folder),
+        )
     for pat, what in _PIECE_NAMES:
         if pat.search(file.name):
-            return Warning_("part-of-checkpoint", f"this file is {what}; the whole checkpoint is its folder "
-                            f"{file.parent}", str(file.parent))
+            return Warning_(
+                "part-of-checkpoint",
+                f"this file is {what}; the whole checkpoint is its folder {file.parent}",
+                str(file.parent),
+            )
     return None
 
 
@@ -199,8 +251,11 @@ def _megatron_args(ck: Checkpoint) -> dict[str, Any] | None:
         node = section.children.get("args")
         if isinstance(node, OpaqueNode) and node.cls.endswith("Namespace"):
             kids = node.children
-            return {k: scalar(v) for k, v in kids.items()
-                    if k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")}
+            return {
+                k: scalar(v)
+                for k, v in kids.items()
+                if k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
+            }
     return None
 
 
@@ -216,35 +271,47 @@ def require_whole(ck: Checkpoint, command: str, *, allow_unread: bool = False) -
     # state a reader shows as saved without mapping it to parameters (the distributed optimizer's flat buffers):
     # LR/step edits touch only the param groups beside it; weight and state movers would leave it behind
     exempt = {"not-mapped"} if command in ("set-lr", "set-step") else set()
-    bad = sorted((w for w in incomplete(ck, allow_unread=allow_unread) if w.code not in exempt),
-                 key=lambda w: INCOMPLETE.index(w.code))
+    bad = sorted(
+        (w for w in incomplete(ck, allow_unread=allow_unread) if w.code not in exempt),
+        key=lambda w: INCOMPLETE.index(w.code),
+    )
     if not bad:
         return
     w = bad[0]
     more = sorted({b.code for b in bad[1:]} - {w.code})
     also = f" (also: {', '.join(more)}; `ckpt inspect` lists them)" if more else ""
     if w.code == "part-of-checkpoint":
-        raise UnsupportedCheckpoint(f"{command} needs the whole checkpoint: {w.message}", path=ck.path,
-                                    hint=f"pass the whole checkpoint: {w.path}")
+        raise UnsupportedCheckpoint(
+            f"{command} needs the whole checkpoint: {w.message}",
+            path=ck.path,
+            hint=f"pass the whole checkpoint: {w.path}",
+        )
     if w.code == "unread-files":
         files = unread_files(ck)
         raise UnsupportedCheckpoint(
             f"the checkpoint holds {len(files)} file(s) that may hold model or training state which no reader took "
             f"and {command} would leave behind: "
-            f"{', '.join(files[:6])}{', …' if len(files) > 6 else ''}{also}", path=ck.path,
+            f"{', '.join(files[:6])}{', …' if len(files) > 6 else ''}{also}",
+            path=ck.path,
             hint="move them out if they are not part of this checkpoint, or pass --allow-unread to leave them "
-                 "behind knowingly")
+            "behind knowingly",
+        )
     if w.code in ("corrupt-file", "declared-mismatch"):
         hint = "copy the named piece back from where the checkpoint was saved (or use an intact checkpoint)"
     elif w.code == "not-mapped":
-        raise UnsupportedCheckpoint(f"{command} would leave part of this checkpoint behind: {w.message}{also}",
-                                    path=w.path and str(Path(ck.path) / w.path) or ck.path,
-                                    hint="ckpt does not map this state to parameters yet; the framework's own "
-                                         "tools read it (Megatron-LM: tools/checkpoint, load_checkpoint)")
+        raise UnsupportedCheckpoint(
+            f"{command} would leave part of this checkpoint behind: {w.message}{also}",
+            path=w.path and str(Path(ck.path) / w.path) or ck.path,
+            hint="ckpt does not map this state to parameters yet; the framework's own "
+            "tools read it (Megatron-LM: tools/checkpoint, load_checkpoint)",
+        )
     else:
         hint = "move the leftover file out of the checkpoint folder, then run it again"
-    raise UnsupportedCheckpoint(f"{command} refuses an inconsistent checkpoint: {w.message}{also}",
-                                path=w.path and str(Path(ck.path) / w.path) or ck.path, hint=hint)
+    raise UnsupportedCheckpoint(
+        f"{command} refuses an inconsistent checkpoint: {w.message}{also}",
+        path=w.path and str(Path(ck.path) / w.path) or ck.path,
+        hint=hint,
+    )
 
 
 def unread_files(ck: Checkpoint) -> list[str]:
@@ -252,8 +319,9 @@ def unread_files(ck: Checkpoint) -> list[str]:
     return list((ck.details.get("accounting") or {}).get("unread", ()))
 
 
-def guard(ck: Checkpoint, given: str | os.PathLike, command: str, *, allow_unread: bool = False,
-          trust_pickles: bool = False) -> Checkpoint:
+def guard(
+    ck: Checkpoint, given: str | os.PathLike, command: str, *, allow_unread: bool = False, trust_pickles: bool = False
+) -> Checkpoint:
     """A writer's checks of its source: `require_whole` on `ck` as opened from `given` (accounted first when a
     format module's own `open` made it, not `open_checkpoint`), then `read.gate.check_source` (a global outside
     the allowlist or a foreign zip member anywhere in it is refused unless `trust_pickles`; trusted, the warning
@@ -277,8 +345,10 @@ def left_behind(ck: Checkpoint) -> list[str]:
     files = unread_files(ck)
     if not files:
         return carried
-    return carried + [f"left behind (--allow-unread): {len(files)} unread file(s), not read and not carried: "
-            f"{', '.join(files[:6])}{', …' if len(files) > 6 else ''}"]
+    return carried + [
+        f"left behind (--allow-unread): {len(files)} unread file(s), not read and not carried: "
+        f"{', '.join(files[:6])}{', …' if len(files) > 6 else ''}"
+    ]
 
 
 def optimizer_state_warnings(ck: Checkpoint) -> list[Warning_]:
@@ -312,14 +382,25 @@ def optimizer_state_warnings(ck: Checkpoint) -> list[Warning_]:
         else:
             continue
         if n_lost:
-            out.append(Warning_("optimizer-state-missing", f"{name}: {n_lost} of {len(listed)} parameters its "
-                                f"param groups list have no state ({shown}): "
-                                "lost, or never updated (frozen in practice); a resume restarts their moments at zero",
-                                f"{name}.state"))
+            out.append(
+                Warning_(
+                    "optimizer-state-missing",
+                    f"{name}: {n_lost} of {len(listed)} parameters its "
+                    f"param groups list have no state ({shown}): "
+                    "lost, or never updated (frozen in practice); a resume restarts their moments at zero",
+                    f"{name}.state",
+                )
+            )
         if orphan:
-            out.append(Warning_("declared-mismatch", f"{name}: state for {len(orphan)} parameter ids that no param "
-                                f"group lists ({', '.join(orphan[:6])}{' …' if len(orphan) > 6 else ''}): a param "
-                                "group was lost or the state belongs to another optimizer", f"{name}.param_groups"))
+            out.append(
+                Warning_(
+                    "declared-mismatch",
+                    f"{name}: state for {len(orphan)} parameter ids that no param "
+                    f"group lists ({', '.join(orphan[:6])}{' …' if len(orphan) > 6 else ''}): a param "
+                    "group was lost or the state belongs to another optimizer",
+                    f"{name}.param_groups",
+                )
+            )
     return out
 
 
@@ -337,24 +418,39 @@ def require_declared_groups(ck: Checkpoint) -> None:
     if not args or args.get("no_save_optim") or not isinstance(model, GroupNode):
         return
     kids = opt.children if isinstance(opt, GroupNode) else {}
-    held = any(isinstance(kids.get(k), GroupNode) and kids[k].children for k in ("state", "param_groups")) or \
-        "distributed_optimizer" in ck.tree.children
+    held = (
+        any(isinstance(kids.get(k), GroupNode) and kids[k].children for k in ("state", "param_groups"))
+        or "distributed_optimizer" in ck.tree.children
+    )
     if not held:
         return
-    groups = [{k: scalar(v) for k, v in g.children.items()} for g in kids["param_groups"].children.values()
-              if isinstance(g, GroupNode)] if isinstance(kids.get("param_groups"), GroupNode) else []
+    groups = (
+        [
+            {k: scalar(v) for k, v in g.children.items()}
+            for g in kids["param_groups"].children.values()
+            if isinstance(g, GroupNode)
+        ]
+        if isinstance(kids.get("param_groups"), GroupNode)
+        else []
+    )
     shapes = {n: tuple(t.shape) for n, t in model.children.items() if hasattr(t, "shape")}
     gone = megatron_lm.missing_groups(groups, shapes, args)
     if not gone:
         return
     want = megatron_lm.declared_groups(shapes, args) or set()
-    moe = (f" (num_experts={args.get('num_experts')}, expert_model_parallel_size="
-           f"{args.get('expert_model_parallel_size')}: a ChainedOptimizer, dense then expert)"
-           if megatron_lm.expert_parallel(args) else "")
-    raise CorruptCheckpoint(f"the checkpoint declares {len(want)} param groups{moe} but {len(groups)} were found: "
-                            f"{', '.join(gone)} missing: their parameters would have no LR or weight-decay settings",
-                            path=ck.path, hint="copy the optimizer state back from where the run saved it "
-                                               "(Megatron-LM: common.pt's optimizer, every rank file's)")
+    moe = (
+        f" (num_experts={args.get('num_experts')}, expert_model_parallel_size="
+        f"{args.get('expert_model_parallel_size')}: a ChainedOptimizer, dense then expert)"
+        if megatron_lm.expert_parallel(args)
+        else ""
+    )
+    raise CorruptCheckpoint(
+        f"the checkpoint declares {len(want)} param groups{moe} but {len(groups)} were found: "
+        f"{', '.join(gone)} missing: their parameters would have no LR or weight-decay settings",
+        path=ck.path,
+        hint="copy the optimizer state back from where the run saved it "
+        "(Megatron-LM: common.pt's optimizer, every rank file's)",
+    )
 
 
 def duplicate_rank_files(ck: Checkpoint, limit: int = 4 << 20) -> list[Warning_]:
@@ -364,8 +460,9 @@ def duplicate_rank_files(ck: Checkpoint, limit: int = 4 << 20) -> list[Warning_]
 
     by_hash: dict[tuple[int, str], list[str]] = {}
     root = Path(ck.path) if Path(ck.path).is_dir() else Path(ck.path).parent
-    ranked = [f for f in ck.files
-              if re.search(r"(rank|states?)_?\d+|__\d+_\d+", Path(f.path).name) and 0 < f.bytes <= limit]
+    ranked = [
+        f for f in ck.files if re.search(r"(rank|states?)_?\d+|__\d+_\d+", Path(f.path).name) and 0 < f.bytes <= limit
+    ]
     sizes = Counter(f.bytes for f in ranked)
     for f in ranked:
         if sizes[f.bytes] < 2:  # a file of a size no other has cannot be a copy: not read at all
@@ -377,6 +474,12 @@ def duplicate_rank_files(ck: Checkpoint, limit: int = 4 << 20) -> list[Warning_]
             continue
         by_hash.setdefault((f.bytes, digest), []).append(f.path)
     flagged = {w.path for w in ck.warnings if w.path}  # an extra rank file is already named for what it is
-    return [Warning_("duplicate-rank-file", f"{', '.join(paths)} are byte-identical: one rank's file copied over "
-                     "another's? Each rank saves its own", paths[-1])
-            for paths in by_hash.values() if len(paths) > 1 and not flagged & set(paths)]
+    return [
+        Warning_(
+            "duplicate-rank-file",
+            f"{', '.join(paths)} are byte-identical: one rank's file copied over another's? Each rank saves its own",
+            paths[-1],
+        )
+        for paths in by_hash.values()
+        if len(paths) > 1 and not flagged & set(paths)
+    ]

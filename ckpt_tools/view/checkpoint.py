@@ -2,6 +2,7 @@
 
 `open_checkpoint` (the package's `ckpt_tools.open_checkpoint`) is the one entry every command reads through.
 """
+
 from __future__ import annotations
 
 import gc

@@ -64,6 +64,7 @@ A format module can tell more than its tree by defining `logical_layout(ck) -> d
 "order" (state-dict names in module order), "frozen" (names), "tied" ({alias: source}), "buffers" (names),
 "groups" (the trainable parameter names of each param group, for optimizers that flatten their groups).
 """
+
 from __future__ import annotations
 
 import os
@@ -74,13 +75,25 @@ from typing import Any, Iterable, Sequence
 from ..errors import CkptError
 from ..read.tree import Checkpoint, GroupNode, OpaqueNode, TensorNode, ValueNode, scalar
 
-__all__ = ["LogicalTensor", "model_tensors", "optimizer_states", "optimizer_scalars", "param_groups", "layout",
-           "open_any", "torch_dtype", "with_kv_heads", "name_key"]
+__all__ = [
+    "LogicalTensor",
+    "model_tensors",
+    "optimizer_states",
+    "optimizer_scalars",
+    "param_groups",
+    "layout",
+    "open_any",
+    "torch_dtype",
+    "with_kv_heads",
+    "name_key",
+]
 
 #: Megatron-core's local-spec layer norms and the names its sharded state dict gives them (the transformer
 #: layer's `sharded_state_dict_keys_map`): one parameter, two names, depending on the checkpoint format
-MEGATRON_FUSED_NORMS = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
-                        ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
+MEGATRON_FUSED_NORMS = (
+    ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+    ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
+)
 #: Megatron-core's decoder layers only (`decoder.layers.N.`): HF models also name an `input_layernorm`
 _MEGATRON_NORM = re.compile(r"(?:^|\.)decoder\.layers\.\d+\.(input_layernorm|pre_mlp_layernorm)\.(weight|bias)$")
 
@@ -91,12 +104,20 @@ def name_key(name: str) -> str:
     if m is None:
         return name
     fused = dict(MEGATRON_FUSED_NORMS)[f"{m[1]}."]
-    return f"{name[:m.start(1)]}{fused}{m[2]}"
+    return f"{name[: m.start(1)]}{fused}{m[2]}"
+
 
 KINDS = ("param", "frozen", "tied", "buffer", "state")
 
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
-                  "fp64": "float64", "double": "float64"}
+_DTYPE_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp64": "float64",
+    "double": "float64",
+}
 
 
 def torch_dtype(dtype: Any):
@@ -144,8 +165,10 @@ class LogicalTensor:
         try:
             t = merged_read(self.node, fds)
         except ValueError as e:
-            raise CkptError(f"{self.name}: {e}", hint="pass --pattern REGEX=MERGE (or --tp-layout megatron) so the "
-                            "TP shards can be merged") from None
+            raise CkptError(
+                f"{self.name}: {e}",
+                hint="pass --pattern REGEX=MERGE (or --tp-layout megatron) so the TP shards can be merged",
+            ) from None
         finally:
             fds.close()
         if self.rows is not None:
@@ -159,8 +182,10 @@ class LogicalTensor:
             elif t.dim() == len(shape) and t.shape[0] > shape[0] and tuple(t.shape[1:]) == shape[1:]:
                 t = t[: shape[0]]  # vocabulary padding rows beyond the real vocabulary
             else:
-                raise CkptError(f"{self.name}: read shape {tuple(t.shape)} but the checkpoint says {shape}",
-                                hint="the files disagree with their metadata; the checkpoint may be damaged")
+                raise CkptError(
+                    f"{self.name}: read shape {tuple(t.shape)} but the checkpoint says {shape}",
+                    hint="the files disagree with their metadata; the checkpoint may be damaged",
+                )
         want = torch_dtype(dtype)
         if want is not None and t.dtype != want:
             t = t.to(want)
@@ -273,9 +298,16 @@ def _resolve(tied: dict[str, str], name: str) -> str:
 # --- the model --------------------------------------------------------------------------------------------
 
 
-def model_tensors(ck: Checkpoint | str | os.PathLike, *, weights: str = "fp32", include_frozen: bool = True,
-                  tied: str = "all", include: str | Sequence[str] | None = None,
-                  exclude: str | Sequence[str] | None = None, model: int = 0) -> list[LogicalTensor]:
+def model_tensors(
+    ck: Checkpoint | str | os.PathLike,
+    *,
+    weights: str = "fp32",
+    include_frozen: bool = True,
+    tied: str = "all",
+    include: str | Sequence[str] | None = None,
+    exclude: str | Sequence[str] | None = None,
+    model: int = 0,
+) -> list[LogicalTensor]:
     """The model's tensors by name, in the model's own order (see the module docstring). `model`: which
     model of a checkpoint that holds several (Accelerate's `model_1.safetensors`, ...: the tree's `model_<N>`);
     the layout and the fp32 masters the format module knows describe model 0, so another model's tensors are
@@ -289,8 +321,10 @@ def model_tensors(ck: Checkpoint | str | os.PathLike, *, weights: str = "fp32", 
         group = ck.tree.children.get(f"model_{model}")
         if group is None:
             held = models(ck)
-            raise ValueError(f"model={model}: the checkpoint holds {len(held)} model"
-                             f"{'' if len(held) == 1 else 's'} ({', '.join(map(str, held))})")
+            raise ValueError(
+                f"model={model}: the checkpoint holds {len(held)} model"
+                f"{'' if len(held) == 1 else 's'} ({', '.join(map(str, held))})"
+            )
         lay = {"order": [], "frozen": [], "tied": {}, "buffers": [], "groups": []}
         stored = dict(_tensors(group))
         state: dict[str, Any] = {}
@@ -426,9 +460,18 @@ def optimizer_states(ck: Checkpoint | str | os.PathLike, optimizer: int = 0) -> 
     for fused, parts in (ck.state_split if optimizer == 0 else {}).items():  # split as its weights were saved
         keys = out.pop(fused, {})
         for part, rows in parts.items():  # a 0-d `step` is the whole parameter's
-            out[part] = {k: LogicalTensor(f"{part}.{k}", (len(rows), *t.shape[1:]) if t.shape else t.shape, t.dtype,
-                                          "state", None, t.node, rows if t.shape else None)
-                         for k, t in keys.items()}
+            out[part] = {
+                k: LogicalTensor(
+                    f"{part}.{k}",
+                    (len(rows), *t.shape[1:]) if t.shape else t.shape,
+                    t.dtype,
+                    "state",
+                    None,
+                    t.node,
+                    rows if t.shape else None,
+                )
+                for k, t in keys.items()
+            }
     return out
 
 
@@ -548,4 +591,3 @@ def with_kv_heads(ck: Checkpoint | str | os.PathLike, n_kv_heads: int | None) ->
     details = {k: v for k, v in ck.details.items() if k not in ("convert_unproven", "resume_unsupported")}
     details["n_kv_heads"] = f"{n_kv_heads} (given): the fused optimizer state split by KV-head group"
     return dataclasses.replace(ck, details=details, state_split=split)
-

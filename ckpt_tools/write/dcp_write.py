@@ -19,6 +19,7 @@ to find what to edit -> `append({key: new blob})` (or `rewrite(...)`: whole file
 and `.metadata` are changed (and rolled back) together. `read_item(root, key)` re-reads one item for
 verification.
 """
+
 from __future__ import annotations
 
 import io as _io
@@ -54,8 +55,11 @@ class DcpFolder(DcpItems):
             cursor = pos = 0
             for it in items:
                 if it.offset < cursor or it.offset + it.length > size:
-                    raise CorruptCheckpoint(f"{it.key}: item at {rel}[{it.offset}:{it.offset + it.length}] "
-                                            "overlaps another or lies outside the file", path=self.root / rel)
+                    raise CorruptCheckpoint(
+                        f"{it.key}: item at {rel}[{it.offset}:{it.offset + it.length}] "
+                        "overlaps another or lies outside the file",
+                        path=self.root / rel,
+                    )
                 if it.offset > cursor:
                     segments.append(("copy", (cursor, it.offset - cursor)))
                     pos += it.offset - cursor
@@ -81,7 +85,6 @@ class DcpFolder(DcpItems):
             data = dumps(self.meta)
             out.append((METADATA, len(data), lambda tmp, data=data: Path(tmp).write_bytes(data)))
         return out
-
 
     def append(self, blobs: dict[str, bytes]) -> list[tuple[str, int, Callable[[Path], None], Any]]:
         """The files to write so that each flat key in `blobs` holds the new blob, in O(changed bytes): every
@@ -113,8 +116,11 @@ class DcpFolder(DcpItems):
             def edit(path: Path, size=size, data=data, rel=rel) -> InPlace:
                 now = Path(path).stat().st_size
                 if now != size:
-                    raise CorruptCheckpoint(f"{rel} is {now} bytes, it was {size} when planned", path=path,
-                                            hint="the checkpoint changed since it was read; run the command again")
+                    raise CorruptCheckpoint(
+                        f"{rel} is {now} bytes, it was {size} when planned",
+                        path=path,
+                        hint="the checkpoint changed since it was read; run the command again",
+                    )
                 return InPlace((ByteEdit(size, data),), size + len(data))
 
             def produce(tmp: Path, src=self.root / rel, size=size, data=data) -> None:
@@ -151,6 +157,7 @@ def _producer(src: Path, segments: list[tuple[str, Any]]) -> Callable[[Path], No
                 os.close(dfd)
         finally:
             os.close(sfd)
+
     return produce
 
 
@@ -209,7 +216,6 @@ class DcpStreamWriter:
     list positions as ints); `w.close()` writes `.metadata`. `flatten_paths(obj)` yields the leaves of a
     nested dict the way DCP flattens it (lists of plain values are one value)."""
 
-
     def __init__(self, folder: Path, checkpoint_id: str | None = None, shards: int = 1, rank: int | None = None):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -254,7 +260,7 @@ class DcpStreamWriter:
             return
         rows = -(-t.shape[0] // n)
         for r in range(n):
-            part = t[r * rows: (r + 1) * rows]
+            part = t[r * rows : (r + 1) * rows]
             if part.numel():
                 self.tensor_part(path, tuple(t.shape), (r * rows,) + (0,) * (t.dim() - 1), part)
 
@@ -264,8 +270,12 @@ class DcpStreamWriter:
         `__<i % shards>_0.distcp`, and must tile the tensor (DCP reads any region from them)."""
         import torch
         from torch.distributed.checkpoint.filesystem import _StorageInfo
-        from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
-                                                           TensorStorageMetadata)
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
 
         key = self.flat_key(path)
         meta = self._sdm.get(key)
@@ -273,8 +283,11 @@ class DcpStreamWriter:
         if meta is None:
             self._claim(path)
             meta = self._sdm[key] = TensorStorageMetadata(TensorProperties(dtype=part.dtype), torch.Size(size), [])
-        elif not isinstance(meta, TensorStorageMetadata) or tuple(meta.size) != tuple(size) \
-                or meta.properties.dtype != part.dtype:
+        elif (
+            not isinstance(meta, TensorStorageMetadata)
+            or tuple(meta.size) != tuple(size)
+            or meta.properties.dtype != part.dtype
+        ):
             raise ValueError(f"{key}: a part of another shape or dtype than the tensor's first part")
         if len(offsets) != len(size) or any(o < 0 or o + n > s for o, n, s in zip(offsets, part.shape, size)):
             raise ValueError(f"{key}: part {tuple(part.shape)} at {tuple(offsets)} lies outside {tuple(size)}")
@@ -284,7 +297,8 @@ class DcpStreamWriter:
         off, n = self._append(lambda fh: torch.save(part, fh), f)
         meta.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(part.shape)))
         self._storage[MetadataIndex(key, torch.Size(offsets), len(meta.chunks) - 1)] = _StorageInfo(
-            self._names[f], off, n)
+            self._names[f], off, n
+        )
 
     def value_blob(self, path: tuple, blob: bytes) -> None:
         """A bytes item whose torch.save bytes are already made (an object read inert from another checkpoint and
@@ -344,8 +358,13 @@ def write_metadata(folder: Path, parts: list[tuple[dict, dict, dict]], checkpoin
         sdm.update(s_)
         storage.update(st)
         planner.update(pl)
-    md = Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=storage,
-                  storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=str(uuid.uuid4())), version="1.0.0")
+    md = Metadata(
+        state_dict_metadata=sdm,
+        planner_data=planner,
+        storage_data=storage,
+        storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=str(uuid.uuid4())),
+        version="1.0.0",
+    )
     path = Path(folder) / METADATA
     with open(path, "wb") as fh:
         pickle.dump(md, fh)

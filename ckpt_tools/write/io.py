@@ -40,6 +40,7 @@ changed in place — a mix plus a journal in state "committing"/"verifying" that
 original ranges back; idempotent, so a kill during the rollback is finished by the next one). No temporary
 file ever sits inside a checkpoint folder.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -136,9 +137,18 @@ class WritePlan:
         return {
             "root": str(self.root),
             "command": self.command,
-            "files": [{"path": w.path, "bytes": w.nbytes, "method": w.method,
-                       "changes": [{"field": c.field, "old": jsonable(c.old), "new": jsonable(c.new),
-                                    "note": c.note} for c in w.changes]} for w in self.writes],
+            "files": [
+                {
+                    "path": w.path,
+                    "bytes": w.nbytes,
+                    "method": w.method,
+                    "changes": [
+                        {"field": c.field, "old": jsonable(c.old), "new": jsonable(c.new), "note": c.note}
+                        for c in w.changes
+                    ],
+                }
+                for w in self.writes
+            ],
             "notes": list(self.notes),
         }
 
@@ -262,8 +272,9 @@ def _refuse(problems: list[tuple[Path, str, str]], root: Path) -> None:
     if len(problems) == 1:
         where, what, fix = problems[0]
         raise CkptError(what, path=where, hint=f"{fix}; nothing was written")
-    raise CkptError("; ".join(f"{where}: {what} ({fix})" for where, what, fix in problems), path=root,
-                    hint="nothing was written")
+    raise CkptError(
+        "; ".join(f"{where}: {what} ({fix})" for where, what, fix in problems), path=root, hint="nothing was written"
+    )
 
 
 def _folder_problems(folders, who: str) -> list[tuple[Path, str, str]]:
@@ -271,8 +282,13 @@ def _folder_problems(folders, who: str) -> list[tuple[Path, str, str]]:
     for d in sorted(set(folders)):
         ok, at = _can_write(d)
         if not ok:
-            out.append((at, f"not writable by {who}: rewritten files are renamed into place in their own folder",
-                        "make it writable (chmod u+w) or run as a user who may write it"))
+            out.append(
+                (
+                    at,
+                    f"not writable by {who}: rewritten files are renamed into place in their own folder",
+                    "make it writable (chmod u+w) or run as a user who may write it",
+                )
+            )
     return out
 
 
@@ -318,14 +334,22 @@ def check_places(plan: WritePlan, backup_dir: Path | None = None, *, copy: bool 
         except FileNotFoundError:
             continue
         if not may_chown and (st.st_uid != euid or st.st_gid not in groups):
-            problems.append((root / w.path, f"owned by uid {st.st_uid} gid {st.st_gid}: a rewrite by {who} "
-                             "could not keep that owner and group", "run as its owner, or as root"))
+            problems.append(
+                (
+                    root / w.path,
+                    f"owned by uid {st.st_uid} gid {st.st_gid}: a rewrite by {who} could not keep that owner and group",
+                    "run as its owner, or as root",
+                )
+            )
     default = backups_root(root)
     tx = backups_root(root, backup_dir)
     ok, at = _can_write(tx)
     if not ok:
-        fix = ("choose a writable --backup-dir on the checkpoint's filesystem" if backup_dir else
-               "pass --backup-dir DIR, a writable folder on the checkpoint's filesystem")
+        fix = (
+            "choose a writable --backup-dir on the checkpoint's filesystem"
+            if backup_dir
+            else "pass --backup-dir DIR, a writable folder on the checkpoint's filesystem"
+        )
         problems.append((at, f"cannot hold the backups and journal ({tx}): not writable by {who}", fix))
     staging, link, notes = tx, None, []
     if ok and os.stat(at).st_dev != os.stat(root).st_dev:
@@ -334,13 +358,21 @@ def check_places(plan: WritePlan, backup_dir: Path | None = None, *, copy: bool 
         if not whole:  # everything changes in place: nothing is staged, the journal may live anywhere
             staging = default if ok2 else tx
         elif not ok2:
-            problems.append((at2, f"not writable by {who}, and the new files must be staged on the checkpoint's "
-                             f"filesystem to be renamed into place atomically (--backup-dir {backup_dir} is on "
-                             "another one)", "pass a --backup-dir on the checkpoint's filesystem"))
+            problems.append(
+                (
+                    at2,
+                    f"not writable by {who}, and the new files must be staged on the checkpoint's "
+                    f"filesystem to be renamed into place atomically (--backup-dir {backup_dir} is on "
+                    "another one)",
+                    "pass a --backup-dir on the checkpoint's filesystem",
+                )
+            )
         else:
-            notes.append(f"the new files are staged in {default}, not in --backup-dir {backup_dir}: it is on "
-                         "another filesystem, and only a rename within the checkpoint's filesystem is atomic "
-                         "(the backups there are copies, not hard links)")
+            notes.append(
+                f"the new files are staged in {default}, not in --backup-dir {backup_dir}: it is on "
+                "another filesystem, and only a rename within the checkpoint's filesystem is atomic "
+                "(the backups there are copies, not hard links)"
+            )
     if backup_dir and tx != default and _can_write(default)[0]:
         link = default
     if problems:
@@ -398,15 +430,23 @@ def _journals(path: Path, backup_dir: Path | None = None) -> list[Path]:
 
 
 def _transaction(j: Path, d: dict) -> Transaction:
-    changes = tuple(FieldChange(f["path"], c["field"], c["old"], c["new"], c.get("note", ""))
-                    for f in d.get("plan", {}).get("files", []) for c in f.get("changes", []))
+    changes = tuple(
+        FieldChange(f["path"], c["field"], c["old"], c["new"], c.get("note", ""))
+        for f in d.get("plan", {}).get("files", [])
+        for c in f.get("changes", [])
+    )
     files = d.get("files", [])
-    return Transaction(j.parent, d.get("status", "?"), d.get("command", "?"),
-                       tuple(e["path"] for e in files), _when(d.get("started", "")), changes,
-                       sum((e.get("undo_bytes") if e.get("mode") == IN_PLACE else e.get("size")) or 0 for e in files),
-                       sum((e.get("written_bytes") if e.get("mode") == IN_PLACE else e.get("written")) or 0
-                           for e in files),
-                       tuple(e["path"] for e in files if e.get("mode") == IN_PLACE))
+    return Transaction(
+        j.parent,
+        d.get("status", "?"),
+        d.get("command", "?"),
+        tuple(e["path"] for e in files),
+        _when(d.get("started", "")),
+        changes,
+        sum((e.get("undo_bytes") if e.get("mode") == IN_PLACE else e.get("size")) or 0 for e in files),
+        sum((e.get("written_bytes") if e.get("mode") == IN_PLACE else e.get("written")) or 0 for e in files),
+        tuple(e["path"] for e in files if e.get("mode") == IN_PLACE),
+    )
 
 
 def transactions(path: Path, backup_dir: Path | None = None) -> list[Transaction]:
@@ -470,14 +510,20 @@ def interrupted_write(path: Path, backup_dir: Path | None = None) -> str | None:
         if root in ck.parents and not any(ck in (root / e["path"]).parents for e in journal["files"]):
             continue  # a write on the output_dir that touched another checkpoint-N
         done, n = _replaced(journal), len(journal["files"])
-        what = (f"a ckpt write (`{journal['command']}`, started {_when(journal.get('started', ''))} UTC) was "
-                f"interrupted" + (" while `ckpt restore` was undoing it" if journal["status"] == "restoring" else ""))
+        what = (
+            f"a ckpt write (`{journal['command']}`, started {_when(journal.get('started', ''))} UTC) was "
+            f"interrupted" + (" while `ckpt restore` was undoing it" if journal["status"] == "restoring" else "")
+        )
         if not done:
-            return (f"{what} before it replaced any file: the checkpoint is unchanged; `ckpt restore {root}` "
-                    f"(or the next ckpt write) only clears its leftovers in {j.parent}")
-        return (f"{what} after replacing {len(done)} of {n} files, so the values shown may mix old and new; "
-                f"`ckpt restore {root}` (or the next ckpt write) puts back the original{'s' if len(done) > 1 else ''}"
-                f" of {', '.join(done[:3])}{' …' if len(done) > 3 else ''} from {j.parent}")
+            return (
+                f"{what} before it replaced any file: the checkpoint is unchanged; `ckpt restore {root}` "
+                f"(or the next ckpt write) only clears its leftovers in {j.parent}"
+            )
+        return (
+            f"{what} after replacing {len(done)} of {n} files, so the values shown may mix old and new; "
+            f"`ckpt restore {root}` (or the next ckpt write) puts back the original{'s' if len(done) > 1 else ''}"
+            f" of {', '.join(done[:3])}{' …' if len(done) > 3 else ''} from {j.parent}"
+        )
     return None
 
 
@@ -489,9 +535,14 @@ class Interrupted(KeyboardInterrupt):
     back or left, and where. A KeyboardInterrupt, so code that stops on Ctrl-C still stops."""
 
 
-def execute(plan: WritePlan, *, backup_dir: Path | None = None,
-            on_stage: Callable[[str, str | None], None] | None = None,
-            progress: Callable[[int], None] | None = None, copy: bool = False) -> Transaction:
+def execute(
+    plan: WritePlan,
+    *,
+    backup_dir: Path | None = None,
+    on_stage: Callable[[str, str | None], None] | None = None,
+    progress: Callable[[int], None] | None = None,
+    copy: bool = False,
+) -> Transaction:
     """Carry out `plan` as one transaction (see the module docstring). Raises CkptError naming the place when
     a folder it needs cannot be written (before any work), WriteFailed after putting the checkpoint back as it
     was, Interrupted on Ctrl-C (after putting it back). `on_stage(stage, file)` is called at every step (tests
@@ -522,15 +573,28 @@ def execute(plan: WritePlan, *, backup_dir: Path | None = None,
         st = target.stat() if target.exists() else None
         stats.append(st)
         why = in_place_refusal(target, w, copy)
-        e = {"path": w.path, "existed": st is not None, "size": st.st_size if st else None,
-             "mtime_ns": st.st_mtime_ns if st else None, "mode": "replace" if why else IN_PLACE}
+        e = {
+            "path": w.path,
+            "existed": st is not None,
+            "size": st.st_size if st else None,
+            "mtime_ns": st.st_mtime_ns if st else None,
+            "mode": "replace" if why else IN_PLACE,
+        }
         if why and w.edit is not None:
             e["why_not_in_place"] = why
         if not why:
             e["undo"] = f"{UNDO}/{i:06d}.bin"
         entries.append(e)
-    journal = {"status": "preparing", "root": str(root), "command": plan.command, "backups": str(files_dir),
-               "staging": str(staging), "files": entries, "started": stamp, "plan": plan.to_json()}
+    journal = {
+        "status": "preparing",
+        "root": str(root),
+        "command": plan.command,
+        "backups": str(files_dir),
+        "staging": str(staging),
+        "files": entries,
+        "started": stamp,
+        "plan": plan.to_json(),
+    }
     _write_json(tdir / JOURNAL, journal)
     if places.link:
         places.link.mkdir(parents=True, exist_ok=True)
@@ -579,22 +643,34 @@ def execute(plan: WritePlan, *, backup_dir: Path | None = None,
         gate.check_output(root, [w.path for w in plan.writes], trust_pickles=plan.trust_pickles)
         problems = plan.verify(root) if plan.verify else []
         if problems:
-            raise WriteFailed("verification after writing failed: " + "; ".join(problems[:5]), path=root,
-                              hint="nothing was changed: the originals were put back")
+            raise WriteFailed(
+                "verification after writing failed: " + "; ".join(problems[:5]),
+                path=root,
+                hint="nothing was changed: the originals were put back",
+            )
     except BaseException as e:
         try:
             _rollback(tdir, journal)
         except KeyboardInterrupt:
-            raise Interrupted(f"interrupted again while putting the originals of {root} back: the next ckpt "
-                              f"write or `ckpt restore {root}` finishes that (journal: {tdir})") from e
+            raise Interrupted(
+                f"interrupted again while putting the originals of {root} back: the next ckpt "
+                f"write or `ckpt restore {root}` finishes that (journal: {tdir})"
+            ) from e
         if isinstance(e, KeyboardInterrupt):
-            back = (f"the {replaced} file{'s' if replaced > 1 else ''} (of {len(plan.writes)}) it had replaced "
-                    f"{'were' if replaced > 1 else 'was'} put back" if replaced else "no file had been replaced yet")
+            back = (
+                f"the {replaced} file{'s' if replaced > 1 else ''} (of {len(plan.writes)}) it had replaced "
+                f"{'were' if replaced > 1 else 'was'} put back"
+                if replaced
+                else "no file had been replaced yet"
+            )
             raise Interrupted(f"{root} is unchanged: {back} (the abandoned write's journal: {tdir})") from e
         if isinstance(e, CkptError):
             raise
-        raise WriteFailed(f"write failed ({type(e).__name__}: {e})", path=root,
-                          hint="nothing was changed: the originals were put back") from e
+        raise WriteFailed(
+            f"write failed ({type(e).__name__}: {e})",
+            path=root,
+            hint="nothing was changed: the originals were put back",
+        ) from e
     journal["status"] = "done"
     _write_json(tdir / JOURNAL, journal)
     shutil.rmtree(staging, ignore_errors=True)
@@ -639,9 +715,14 @@ def _save_undo(target: Path, change: InPlace, undo: Path, e: dict) -> None:
         for c in chunks:
             out.write(c)
     _fsync_file(undo)
-    e.update(size=orig, new_size=change.size, ranges=ranges, undo_bytes=pos,
-             written=[[x.offset, len(x.data), zlib.crc32(x.data)] for x in change.edits],
-             written_bytes=change.nbytes)
+    e.update(
+        size=orig,
+        new_size=change.size,
+        ranges=ranges,
+        undo_bytes=pos,
+        written=[[x.offset, len(x.data), zlib.crc32(x.data)] for x in change.edits],
+        written_bytes=change.nbytes,
+    )
 
 
 def _pread(fd: int, n: int, offset: int) -> bytes:
@@ -680,10 +761,13 @@ def _undo_record(tdir: Path, e: dict) -> list[tuple[int, bytes]]:
     undo = (tdir / e["undo"]).read_bytes()
     out = []
     for off, n, pos, crc in e["ranges"]:
-        data = undo[pos: pos + n]
+        data = undo[pos : pos + n]
         if len(data) != n or zlib.crc32(data) != crc:
-            raise WriteFailed(f"the undo record of {e['path']} is damaged ({tdir / e['undo']})", path=tdir,
-                              hint="the file cannot be put back from this journal")
+            raise WriteFailed(
+                f"the undo record of {e['path']} is damaged ({tdir / e['undo']})",
+                path=tdir,
+                hint="the file cannot be put back from this journal",
+            )
         out.append((off, data))
     return out
 
@@ -790,8 +874,13 @@ def _rollback(tdir: Path, journal: dict, progress: Callable[[int], None] | None 
     for e in journal["files"]:
         backup = files_dir / e["path"]
         target = root / e["path"]
-        if e.get("mode") != IN_PLACE and e.get("existed") and backup.exists() and target.exists() \
-                and os.path.samestat(target.stat(), backup.stat()):
+        if (
+            e.get("mode") != IN_PLACE
+            and e.get("existed")
+            and backup.exists()
+            and target.exists()
+            and os.path.samestat(target.stat(), backup.stat())
+        ):
             backup.unlink()
 
 
@@ -827,16 +916,26 @@ def check_restore(t: Transaction) -> None:
             folders.append(target.parent)
             backup = Path(journal["backups"]) / e["path"]
             if e["existed"] and not backup.exists() and t.status == "done":
-                problems.append((backup, f"the backup of {e['path']} is missing", "it was deleted; nothing can be "
-                                 "restored from this write"))
+                problems.append(
+                    (
+                        backup,
+                        f"the backup of {e['path']} is missing",
+                        "it was deleted; nothing can be restored from this write",
+                    )
+                )
             continue
         if "ranges" not in e or (t.status not in ACTIVE and t.status != "done"):
             continue
         if journal.get("status") == "preparing":
             continue
         if not (t.dir / e["undo"]).is_file():
-            problems.append((t.dir / e["undo"], f"the undo record of {e['path']} is missing",
-                             "it was deleted; nothing can be restored from this write"))
+            problems.append(
+                (
+                    t.dir / e["undo"],
+                    f"the undo record of {e['path']} is missing",
+                    "it was deleted; nothing can be restored from this write",
+                )
+            )
         elif not target.is_file():
             problems.append((target, "the file is gone", "copy it back first; nothing was restored"))
         elif not os.access(target, os.W_OK, **kw) and not _can_write(target.parent)[0]:
@@ -844,15 +943,25 @@ def check_restore(t: Transaction) -> None:
         elif t.status == "done":
             why = _changed_since(root, e)
             if why:
-                problems.append((target, f"changed since `{journal['command']}` wrote it: {why}",
-                                 "restoring would mix the undo with that later change; nothing was restored"))
+                problems.append(
+                    (
+                        target,
+                        f"changed since `{journal['command']}` wrote it: {why}",
+                        "restoring would mix the undo with that later change; nothing was restored",
+                    )
+                )
     problems = _folder_problems(folders, who) + problems
     if problems:
         _refuse(problems, root)
 
 
-def restore(path: Path, transaction: Path | None = None, *, backup_dir: Path | None = None,
-            progress: Callable[[int], None] | None = None) -> Transaction:
+def restore(
+    path: Path,
+    transaction: Path | None = None,
+    *,
+    backup_dir: Path | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Transaction:
     """Undo the last write on this checkpoint (or `transaction`): a write that was killed midway is rolled
     back — and that is all, the finished write before it stays; otherwise the last finished write's
     originals go back, byte for byte. Raises Interrupted on Ctrl-C, saying how far it got."""
@@ -863,9 +972,12 @@ def restore(path: Path, transaction: Path | None = None, *, backup_dir: Path | N
     done = [t for t in history if t.status == "done"]
     if not active and not done:
         where = backups_root(path, backup_dir)
-        raise CkptError("no ckpt write to undo for this checkpoint", path=path,
-                        hint=f"writes are recorded in {where}" + ("" if backup_dir else
-                             "; for a write made with --backup-dir DIR, pass the same --backup-dir"))
+        raise CkptError(
+            "no ckpt write to undo for this checkpoint",
+            path=path,
+            hint=f"writes are recorded in {where}"
+            + ("" if backup_dir else "; for a write made with --backup-dir DIR, pass the same --backup-dir"),
+        )
     t = (active or done)[-1]
     check_restore(t)
     journal = json.loads((t.dir / JOURNAL).read_text())
@@ -885,8 +997,10 @@ def restore(path: Path, transaction: Path | None = None, *, backup_dir: Path | N
     try:
         _rollback(t.dir, journal, step)
     except KeyboardInterrupt as e:
-        raise Interrupted(f"restore stopped after putting back {put_back[0]} of {n} files of `{t.command}` in "
-                          f"{journal['root']}; run `ckpt restore` again to finish (journal: {t.dir})") from e
+        raise Interrupted(
+            f"restore stopped after putting back {put_back[0]} of {n} files of `{t.command}` in "
+            f"{journal['root']}; run `ckpt restore` again to finish (journal: {t.dir})"
+        ) from e
     return _transaction(t.dir / JOURNAL, journal)
 
 
@@ -904,8 +1018,7 @@ def copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, length: int
     while done < length:
         n = 0
         try:
-            n = os.copy_file_range(src_fd, dst_fd, min(length - done, _COPY_CHUNK << 4),
-                                   src_off + done, dst_off + done)
+            n = os.copy_file_range(src_fd, dst_fd, min(length - done, _COPY_CHUNK << 4), src_off + done, dst_off + done)
         except OSError as e:
             if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM):
                 raise
@@ -937,9 +1050,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def distributed_new_folder(out: Path, write_share: Callable[[Path], tuple[int, Any]],
-                           finish: Callable[[Path, list], None], *, before: Callable[[], None] | None = None,
-                           trust_pickles: bool = False) -> tuple[int, int]:
+def distributed_new_folder(
+    out: Path,
+    write_share: Callable[[Path], tuple[int, Any]],
+    finish: Callable[[Path, list], None],
+    *,
+    before: Callable[[], None] | None = None,
+    trust_pickles: bool = False,
+) -> tuple[int, int]:
     """`new_folder` for every rank of an initialised torch.distributed group: rank 0 runs `before()` and owns the
     staging folder; every rank writes its share into it (`write_share(staging) -> (bytes written, part)`, `part`
     gathered on rank 0); when every rank succeeded, rank 0 runs `finish(staging, parts)` (common files, verify)
@@ -983,8 +1101,9 @@ def distributed_new_folder(out: Path, write_share: Callable[[Path], tuple[int, A
         return int(total[0]), n
     try:
         if not int(flag[0]):
-            raise err or CkptError("another rank failed while writing", path=out,
-                                   hint="nothing was written; see that rank's error")
+            raise err or CkptError(
+                "another rank failed while writing", path=out, hint="nothing was written; see that rank's error"
+            )
         finish(tmp, parts or [])
         ctx.__exit__(None, None, None)
     except BaseException as e:

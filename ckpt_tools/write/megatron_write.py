@@ -42,6 +42,7 @@ but for the args' run folders. The source is a torch_dist save (`_DistSource`) o
 (`_LegacySource`: one step, no torch_dist copy); a distributed-optimizer torch_dist save gets `distrib_optim.pt`
 beside each rank file (`_write_distrib_optim`).
 """
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,12 @@ from ..errors import UnsupportedCheckpoint
 
 SOURCE_FORMATS = ("megatron_legacy",)
 LATEST = "latest_checkpointed_iteration.txt"
-DIST_META = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-             "common_backend_version": 1}
+DIST_META = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
 #: what Megatron core_v0.16.1 records in common.pt about how the sharded state dict was built (plain optimizer)
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -65,21 +70,27 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 def _check_dist_target(ck, src: Path) -> None:
     """Refuse, in one line naming what is missing, a source this writer cannot turn into a loadable Megatron run."""
     if ck.format == "megatron_torch_dist":
-        raise UnsupportedCheckpoint("the checkpoint is already a Megatron-LM torch_dist checkpoint: nothing to convert "
-                                    "(Megatron reshards it at load: resume it at any TP / PP)", path=src,
-                                    hint="--ckpt-format torch writes it as legacy rank files, --tp N at another TP")
+        raise UnsupportedCheckpoint(
+            "the checkpoint is already a Megatron-LM torch_dist checkpoint: nothing to convert "
+            "(Megatron reshards it at load: resume it at any TP / PP)",
+            path=src,
+            hint="--ckpt-format torch writes it as legacy rank files, --tp N at another TP",
+        )
     if ck.format not in SOURCE_FORMATS:
         raise UnsupportedCheckpoint(
             f"--to megatron needs a Megatron-LM legacy checkpoint (or a Megatron-DeepSpeed pipeline one); this is "
             f"{ck.format}, which holds no Megatron "
             "`args` (the GPT architecture, parallel sizes and schedule Megatron's load_checkpoint rebuilds the run "
-            "from), no OptimizerParamScheduler state and no Megatron-core parameter names", path=src,
-            hint="convert a checkpoint Megatron-LM saved (--ckpt-format torch); other frameworks: --to dcp / torch")
+            "from), no OptimizerParamScheduler state and no Megatron-core parameter names",
+            path=src,
+            hint="convert a checkpoint Megatron-LM saved (--ckpt-format torch); other frameworks: --to dcp / torch",
+        )
     if _args(ck).get("use_distributed_optimizer"):
         _check_distopt_source(ck, src)
         return
-    _check_plain_adam(ck, src, "--to megatron", "writes the plain Adam layout",
-                      "torch_dist layout (flat bucket buffers)")
+    _check_plain_adam(
+        ck, src, "--to megatron", "writes the plain Adam layout", "torch_dist layout (flat bucket buffers)"
+    )
 
 
 def _check_distopt_dist_source(ck, src: Path, tp: int | None, pp: int | None) -> None:
@@ -87,26 +98,36 @@ def _check_distopt_dist_source(ck, src: Path, tp: int | None, pp: int | None) ->
     distrib_optim.pt: the saved sizes, no virtual pipeline, dp_reshardable buckets (joined per buffer)."""
     saved, saved_pp = ck.topology.tp or 1, ck.topology.pp or 1
     if ck.format != "megatron_torch_dist" or (tp or saved, pp or saved_pp) != (saved, saved_pp) or ck.topology.vpp:
-        raise UnsupportedCheckpoint(f"a distributed-optimizer run at TP {saved} x PP {saved_pp} (to TP {tp or saved} "
-                                    f"x PP {pp or saved_pp}): ckpt writes its legacy distrib_optim.pt from a torch_dist "
-                                    "save at the saved TP and PP, without a virtual pipeline (each rank's buffers are "
-                                    "Megatron's own, not re-cut)", path=src)
+        raise UnsupportedCheckpoint(
+            f"a distributed-optimizer run at TP {saved} x PP {saved_pp} (to TP {tp or saved} "
+            f"x PP {pp or saved_pp}): ckpt writes its legacy distrib_optim.pt from a torch_dist "
+            "save at the saved TP and PP, without a virtual pipeline (each rank's buffers are "
+            "Megatron's own, not re-cut)",
+            path=src,
+        )
     from ..read import pickle_reader as pr
 
     common = pr.load(_dist_iter(ck) / "common.pt").obj
     kind = (common.get("optimizer") or {}).get("param_state_sharding_type")
     if kind != "dp_reshardable":
-        raise UnsupportedCheckpoint(f"the distributed optimizer's state is saved {kind!r}: ckpt writes the "
-                                    "dp_reshardable buckets into distrib_optim.pt", path=src)
+        raise UnsupportedCheckpoint(
+            f"the distributed optimizer's state is saved {kind!r}: ckpt writes the "
+            "dp_reshardable buckets into distrib_optim.pt",
+            path=src,
+        )
     args = _args(ck)
     if not (args.get("bf16") or args.get("fp16")):
-        raise UnsupportedCheckpoint("--ckpt-format torch is proven for bf16/fp16 runs; this run trained in fp32",
-                                    path=src)
+        raise UnsupportedCheckpoint(
+            "--ckpt-format torch is proven for bf16/fp16 runs; this run trained in fp32", path=src
+        )
     domains = {d for d, *_ in _distopt_buckets(ck)}
     if domains != set(range(saved * saved_pp)):  # one distrib_optim.pt per rank file: none may be left behind
-        raise UnsupportedCheckpoint(f"the distributed optimizer's buckets name model-parallel domains "
-                                    f"{sorted(domains)}, not the {saved * saved_pp} rank files of TP {saved} x PP "
-                                    f"{saved_pp}: ckpt would leave some behind", path=src)
+        raise UnsupportedCheckpoint(
+            f"the distributed optimizer's buckets name model-parallel domains "
+            f"{sorted(domains)}, not the {saved * saved_pp} rank files of TP {saved} x PP "
+            f"{saved_pp}: ckpt would leave some behind",
+            path=src,
+        )
 
 
 def _check_distopt_source(ck, src: Path) -> None:
@@ -116,25 +137,40 @@ def _check_distopt_source(ck, src: Path) -> None:
     without their boundaries, so no others), no virtual pipeline, no multi-token prediction, bf16 / fp16."""
     args = _args(ck)
     if not (args.get("bf16") or args.get("fp16")):
-        raise UnsupportedCheckpoint("--to megatron is proven for bf16/fp16 runs (an fp32 master in the buffers); "
-                                    "this run trained in fp32", path=src)
-    if ck.topology.vpp or args.get("num_layers_per_virtual_pipeline_stage") or \
-            args.get("virtual_pipeline_model_parallel_size"):
-        raise UnsupportedCheckpoint("a distributed-optimizer run with a virtual pipeline: its buffers (one per model "
-                                    "chunk) are not laid out by ckpt", path=src)
+        raise UnsupportedCheckpoint(
+            "--to megatron is proven for bf16/fp16 runs (an fp32 master in the buffers); this run trained in fp32",
+            path=src,
+        )
+    if (
+        ck.topology.vpp
+        or args.get("num_layers_per_virtual_pipeline_stage")
+        or args.get("virtual_pipeline_model_parallel_size")
+    ):
+        raise UnsupportedCheckpoint(
+            "a distributed-optimizer run with a virtual pipeline: its buffers (one per model "
+            "chunk) are not laid out by ckpt",
+            path=src,
+        )
     if args.get("mtp_num_layers"):
-        raise UnsupportedCheckpoint("a distributed-optimizer run with multi-token prediction: its shared embedding "
-                                    "buckets are not laid out by ckpt", path=src)
+        raise UnsupportedCheckpoint(
+            "a distributed-optimizer run with multi-token prediction: its shared embedding "
+            "buckets are not laid out by ckpt",
+            path=src,
+        )
     if args.get("overlap_grad_reduce") or args.get("ddp_num_buckets"):
-        raise UnsupportedCheckpoint("the run split its gradient buffers into several buckets (overlap_grad_reduce / "
-                                    "ddp_num_buckets): distrib_optim.pt coalesces them without their boundaries, "
-                                    "which the torch_dist layout keys bucket by bucket", path=src)
+        raise UnsupportedCheckpoint(
+            "the run split its gradient buffers into several buckets (overlap_grad_reduce / "
+            "ddp_num_buckets): distrib_optim.pt coalesces them without their boundaries, "
+            "which the torch_dist layout keys bucket by bucket",
+            path=src,
+        )
     if args.get("num_distributed_optimizer_instances", 1) not in (1, None):
         raise UnsupportedCheckpoint("several distributed-optimizer instances: not handled", path=src)
     for f in rank_files(ck).values():
         if not (f.parent / "distrib_optim.pt").is_file():
-            raise UnsupportedCheckpoint("no distrib_optim.pt beside the rank file: the distributed optimizer's "
-                                        "state is missing", path=f.parent)
+            raise UnsupportedCheckpoint(
+                "no distrib_optim.pt beside the rank file: the distributed optimizer's state is missing", path=f.parent
+            )
 
 
 def _check_plain_adam(ck, src: Path, flag: str, writes: str, distopt_layout: str) -> None:
@@ -142,12 +178,16 @@ def _check_plain_adam(ck, src: Path, flag: str, writes: str, distopt_layout: str
     optimizer with an fp32 master), a checkpoint without per-parameter Adam state."""
     args = _args(ck)
     if args.get("use_distributed_optimizer"):
-        raise UnsupportedCheckpoint(f"{flag} {writes}; this run used Megatron's distributed optimizer "
-                                    f"(args.use_distributed_optimizer), whose {distopt_layout} ckpt does not write",
-                                    path=src)
+        raise UnsupportedCheckpoint(
+            f"{flag} {writes}; this run used Megatron's distributed optimizer "
+            f"(args.use_distributed_optimizer), whose {distopt_layout} ckpt does not write",
+            path=src,
+        )
     if not (args.get("bf16") or args.get("fp16")):
-        raise UnsupportedCheckpoint(f"{flag} is proven for bf16/fp16 runs (Float16 optimizer with an fp32 master); "
-                                    "this run trained in fp32", path=src)
+        raise UnsupportedCheckpoint(
+            f"{flag} is proven for bf16/fp16 runs (Float16 optimizer with an fp32 master); this run trained in fp32",
+            path=src,
+        )
     if ck.tree.children.get("optimizer") is None or "state" not in ck.tree.children["optimizer"].children:
         raise UnsupportedCheckpoint("the checkpoint holds no per-parameter Adam state to write", path=src)
 
@@ -163,8 +203,11 @@ def _args(ck) -> dict[str, Any]:
 def rank_files(ck) -> dict[tuple[int, int], Path]:
     """{(tp, pp): the rank's model_optim_rng.pt} of a legacy checkpoint."""
     root = Path(ck.path)
-    return {(f.rank["tp"], f.rank["pp"]): root / f.path for f in ck.files
-            if f.role == "model" and f.path.endswith("model_optim_rng.pt")}
+    return {
+        (f.rank["tp"], f.rank["pp"]): root / f.path
+        for f in ck.files
+        if f.role == "model" and f.path.endswith("model_optim_rng.pt")
+    }
 
 
 def dist_key(name: str, layers: int) -> tuple[str, int | None]:
@@ -186,32 +229,41 @@ def _dist_plan_lines(ck) -> tuple[list[str], list[str]]:
     tp, pp = ck.topology.tp or 1, ck.topology.pp or 1
     if args.get("use_distributed_optimizer"):
         dp = args.get("data_parallel_size")
-        notes = [f"Megatron-LM torch_dist with the distributed optimizer (dp_reshardable, as Megatron's own save of "
-                 f"it): the model's global tensors, layers stacked on a leading axis of {args.get('num_layers')}; "
-                 f"Megatron reshards the optimizer's buckets over another DP size at load, not over another TP / PP "
-                 f"(saved at TP {tp} x PP {pp} x DP {dp})",
-                 "optimizer: distrib_optim.pt's fp32 master / exp_avg / exp_avg_sq buffers as one bucket tensor each "
-                 "(optimizer.distributed.dp_group_idx_D.gbuf_idx_G.dtype_(...).bucket_idx_0.*, D the rank file's model-parallel rank), cut at every "
-                 "parameter's range and DP share as Megatron cuts them; per_bucket_numel(_unpadded); the inner "
-                 "optimizer's param groups (with the step) as saved; the OptimizerParamScheduler state in common.pt",
-                 "proof: Megatron-LM cannot load a distributed-optimizer checkpoint on a CPU (without Apex / "
-                 "TransformerEngine), so ckpt has not resumed such an output; on its sample it equals Megatron's "
-                 "own dp_reshardable save of the same run key for key, chunk for chunk, bit for bit"]
+        notes = [
+            f"Megatron-LM torch_dist with the distributed optimizer (dp_reshardable, as Megatron's own save of "
+            f"it): the model's global tensors, layers stacked on a leading axis of {args.get('num_layers')}; "
+            f"Megatron reshards the optimizer's buckets over another DP size at load, not over another TP / PP "
+            f"(saved at TP {tp} x PP {pp} x DP {dp})",
+            "optimizer: distrib_optim.pt's fp32 master / exp_avg / exp_avg_sq buffers as one bucket tensor each "
+            "(optimizer.distributed.dp_group_idx_D.gbuf_idx_G.dtype_(...).bucket_idx_0.*, D the rank file's "
+            "model-parallel rank), cut at every "
+            "parameter's range and DP share as Megatron cuts them; per_bucket_numel(_unpadded); the inner "
+            "optimizer's param groups (with the step) as saved; the OptimizerParamScheduler state in common.pt",
+            "proof: Megatron-LM cannot load a distributed-optimizer checkpoint on a CPU (without Apex / "
+            "TransformerEngine), so ckpt has not resumed such an output; on its sample it equals Megatron's "
+            "own dp_reshardable save of the same run key for key, chunk for chunk, bit for bit",
+        ]
     else:
-        notes = [f"Megatron-LM torch_dist (plain Adam): global tensors, layers stacked on a leading axis of "
-                 f"{args.get('num_layers')}; Megatron reshards them at load, so it resumes at any TP / PP (saved at "
-                 f"TP {tp} x PP {pp})",
-                 "weights: the module's weights as saved (bf16) and the fp32 master as optimizer.state.fp32_param; "
-                 "Adam's exp_avg / exp_avg_sq; the common Adam step, param groups and the OptimizerParamScheduler "
-                 "state in common.pt, as saved"]
-    notes += ["args: carried as saved, with ckpt_format=torch_dist and use_dist_ckpt=True (what Megatron's own "
-              "torch_dist save of the run records)",
-              f"RNG: each rank file's rng_state as the sharded object rng_state/shard_{{pp}}.{{tp}}_{pp}.{tp}: "
-              "Megatron loads it when resumed at the saved TP x PP and ignores it at another (no flag needed)"]
+        notes = [
+            f"Megatron-LM torch_dist (plain Adam): global tensors, layers stacked on a leading axis of "
+            f"{args.get('num_layers')}; Megatron reshards them at load, so it resumes at any TP / PP (saved at "
+            f"TP {tp} x PP {pp})",
+            "weights: the module's weights as saved (bf16) and the fp32 master as optimizer.state.fp32_param; "
+            "Adam's exp_avg / exp_avg_sq; the common Adam step, param groups and the OptimizerParamScheduler "
+            "state in common.pt, as saved",
+        ]
+    notes += [
+        "args: carried as saved, with ckpt_format=torch_dist and use_dist_ckpt=True (what Megatron's own "
+        "torch_dist save of the run records)",
+        f"RNG: each rank file's rng_state as the sharded object rng_state/shard_{{pp}}.{{tp}}_{pp}.{tp}: "
+        "Megatron loads it when resumed at the saved TP x PP and ignores it at another (no flag needed)",
+    ]
     not_moved: list[str] = []
     if ck.tree.children.get("tied_copies") is not None:
-        not_moved.append("tied_copies: the last pipeline stage's copy of the word embeddings; torch_dist saves the "
-                         "tied weight once and Megatron re-makes the copy at load")
+        not_moved.append(
+            "tied_copies: the last pipeline stage's copy of the word embeddings; torch_dist saves the "
+            "tied weight once and Megatron re-makes the copy at load"
+        )
     return notes, not_moved
 
 
@@ -293,18 +345,29 @@ def _write_distopt_buffers(w, rank_file: Path, obj: dict, args: dict[str, Any], 
 
     dist = pr.load(rank_file.parent / "distrib_optim.pt").obj
     if not isinstance(dist, dict) or dist.get("buckets_coalesced") is not True:
-        raise UnsupportedCheckpoint("distrib_optim.pt does not say buckets_coalesced: an older layout ckpt does "
-                                    "not write as torch_dist", path=rank_file.parent / "distrib_optim.pt")
+        raise UnsupportedCheckpoint(
+            "distrib_optim.pt does not say buckets_coalesced: an older layout ckpt does not write as torch_dist",
+            path=rank_file.parent / "distrib_optim.pt",
+        )
     unknown = [k for k in dist if k != "buckets_coalesced" and not isinstance(k, int)]
-    unknown += [f"{g}.{dk}.{k}" for g, v in dist.items() if isinstance(g, int) for dk, e in v.items()
-                for k in e if k not in ("param", "exp_avg", "exp_avg_sq", "numel_unpadded")]
+    unknown += [
+        f"{g}.{dk}.{k}"
+        for g, v in dist.items()
+        if isinstance(g, int)
+        for dk, e in v.items()
+        for k in e
+        if k not in ("param", "exp_avg", "exp_avg_sq", "numel_unpadded")
+    ]
     if unknown:  # another optimizer's state (not Adam) or a newer layout: it would be left behind
-        raise UnsupportedCheckpoint(f"distrib_optim.pt holds {', '.join(map(str, unknown[:4]))}, which ckpt does "
-                                    "not write into the torch_dist buckets", path=rank_file.parent / "distrib_optim.pt")
+        raise UnsupportedCheckpoint(
+            f"distrib_optim.pt holds {', '.join(map(str, unknown[:4]))}, which ckpt does "
+            "not write into the torch_dist buckets",
+            path=rank_file.parent / "distrib_optim.pt",
+        )
     from ..formats.megatron_lm import distopt_layout
 
     dp = int(args.get("data_parallel_size") or 1)
-    divisor = math.lcm(dp, 128, 2 ** 16) if args.get("ddp_pad_buckets_for_high_nccl_busbw") else math.lcm(dp, 128)
+    divisor = math.lcm(dp, 128, 2**16) if args.get("ddp_pad_buckets_for_high_nccl_busbw") else math.lcm(dp, 128)
     prefix = f"optimizer.distributed.dp_group_idx_{domain}"
     model = {k: v for k, v in (obj.get("model") or {}).items() if isinstance(v, pr.TensorRef)}
     numel: list[dict] = []
@@ -316,23 +379,29 @@ def _write_distopt_buffers(w, rank_file: Path, obj: dict, args: dict[str, Any], 
             names = [k for k, v in model.items() if v.dtype == repr(dkey[0]).replace("torch.", "")]
             where, sizes = distopt_layout(names, {k: model[k].numel for k in names}, args)
             if sum(sizes) != n:
-                raise UnsupportedCheckpoint(f"distrib_optim.pt buffer {g} {dkey}: {n} elements, not the {sum(sizes)} "
-                                            "its parameters take in Megatron's bucket layout", path=rank_file.parent)
+                raise UnsupportedCheckpoint(
+                    f"distrib_optim.pt buffer {g} {dkey}: {n} elements, not the {sum(sizes)} "
+                    "its parameters take in Megatron's bucket layout",
+                    path=rank_file.parent,
+                )
             start, padded_sizes = 0, [-(-nb // divisor) * divisor for nb in sizes]
             for b, (nb, padded) in enumerate(zip(sizes, padded_sizes)):  # each bucket its own global tensor
                 bucket = f"{prefix}.gbuf_idx_{g}.dtype_({dkey[0]!r}, {dkey[1]!r}).bucket_idx_{b}"
                 bounds = {0, nb} | {k * (padded // dp) for k in range(dp) if k * (padded // dp) < nb}
                 for name in names:  # each parameter's range is its own chunk
-                    bounds |= {x - start for x in (where[name], where[name] + model[name].numel)
-                               if start < x < start + nb}
+                    bounds |= {
+                        x - start for x in (where[name], where[name] + model[name].numel) if start < x < start + nb
+                    }
                 edges = sorted(bounds)
                 cuts = [x for a, c in zip(edges, edges[1:]) for x in range(a, c, _BUFFER_CHUNK)] + [nb]
                 for state in ("param", "exp_avg", "exp_avg_sq"):
                     ref = entry[state]
                     if tuple(ref.shape) != (n,):
-                        raise UnsupportedCheckpoint(f"distrib_optim.pt buffer {g} {dkey} {state}: "
-                                                    f"{tuple(ref.shape)} elements, not its numel_unpadded {n}",
-                                                    path=rank_file.parent)
+                        raise UnsupportedCheckpoint(
+                            f"distrib_optim.pt buffer {g} {dkey} {state}: "
+                            f"{tuple(ref.shape)} elements, not its numel_unpadded {n}",
+                            path=rank_file.parent,
+                        )
                     for a, c in zip(cuts, cuts[1:]):
                         w.tensor_part((f"{bucket}.{state}",), (nb,), (a,), ref.read_torch(start + a, c - a))
                 start += nb
@@ -356,8 +425,10 @@ def _extra_states(obj0: dict) -> list[str]:
         if m is None or not m[2].endswith("._extra_state"):
             continue
         if v is not None:
-            raise UnsupportedCheckpoint(f"{k}: a module extra state that is not None (Transformer Engine FP8 "
-                                        "metadata?): ckpt does not carry it into torch_dist")
+            raise UnsupportedCheckpoint(
+                f"{k}: a module extra state that is not None (Transformer Engine FP8 "
+                "metadata?): ckpt does not carry it into torch_dist"
+            )
         rest = m[2][: -len("._extra_state")]
         if rest not in out:
             out.append(rest)
@@ -386,11 +457,15 @@ def _write_common(src: Path, obj0: dict, plan, dst: Path) -> None:
     args = copy.copy(obj0["args"])
     args.state = {**obj0["args"].state, "ckpt_format": "torch_dist", "use_dist_ckpt": True}
     if args.state.get("use_distributed_optimizer"):  # the step is in the buffers' param groups (the DCP)
-        common = {"args": args, "checkpoint_version": obj0["checkpoint_version"], "iteration": obj0["iteration"],
-                  "optimizer": {"param_state_sharding_type": "dp_reshardable"},
-                  "opt_param_scheduler": obj0["opt_param_scheduler"],
-                  "num_floating_point_operations_so_far": obj0.get("num_floating_point_operations_so_far"),
-                  "content_metadata": {"distrib_optim_sharding_type": "dp_reshardable", **CONTENT_METADATA}}
+        common = {
+            "args": args,
+            "checkpoint_version": obj0["checkpoint_version"],
+            "iteration": obj0["iteration"],
+            "optimizer": {"param_state_sharding_type": "dp_reshardable"},
+            "opt_param_scheduler": obj0["opt_param_scheduler"],
+            "num_floating_point_operations_so_far": obj0.get("num_floating_point_operations_so_far"),
+            "content_metadata": {"distrib_optim_sharding_type": "dp_reshardable", **CONTENT_METADATA},
+        }
     else:
         common = _common_of_rank_file(src, obj0)
         common.update(args=args, content_metadata=dict(CONTENT_METADATA))
@@ -408,15 +483,18 @@ def _common_of_rank_file(src: Path, obj0: dict) -> dict:
     refs = [s for s in steps if isinstance(s, TensorRef) and s.numel == 1]
     values = {float(r.read_torch().item()) for r in refs}
     if not refs or len(refs) != len(steps) or len(values) != 1:
-        raise UnsupportedCheckpoint(f"Adam steps {sorted(values)} across parameters: torch_dist keeps one common "
-                                    "step", path=src)
+        raise UnsupportedCheckpoint(
+            f"Adam steps {sorted(values)} across parameters: torch_dist keeps one common step", path=src
+        )
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]]
-    return {"args": obj0["args"], "checkpoint_version": obj0["checkpoint_version"], "iteration": obj0["iteration"],
-            "optimizer": {"optimizer": {"state": {"common_step": refs[0]}, "param_groups": groups}},
-            "opt_param_scheduler": obj0["opt_param_scheduler"],
-            "num_floating_point_operations_so_far": obj0.get("num_floating_point_operations_so_far")}
-
-
+    return {
+        "args": obj0["args"],
+        "checkpoint_version": obj0["checkpoint_version"],
+        "iteration": obj0["iteration"],
+        "optimizer": {"optimizer": {"state": {"common_step": refs[0]}, "param_groups": groups}},
+        "opt_param_scheduler": obj0["opt_param_scheduler"],
+        "num_floating_point_operations_so_far": obj0.get("num_floating_point_operations_so_far"),
+    }
 
 
 # --- torch_dist -> legacy (`--to megatron --ckpt-format torch [--tp N]`) ------------------------------------------
@@ -451,17 +529,27 @@ def _check_legacy_target(ck, src: Path, tp: int | None, pp: int | None) -> tuple
         raise UnsupportedCheckpoint(
             f"--to megatron --ckpt-format torch needs a Megatron-LM checkpoint (torch_dist, or legacy at another "
             f"TP / PP); this is {ck.format}, which holds no Megatron `args`, OptimizerParamScheduler state or "
-            "Megatron-core parameter names", path=src)
+            "Megatron-core parameter names",
+            path=src,
+        )
     args = _args(ck)
     if (args.get("transformer_impl") or "local") != "local":
-        raise UnsupportedCheckpoint(f"a run built with transformer_impl={args.get('transformer_impl')}: its legacy "
-                                    "rank files use Transformer Engine's module names and extra state, which ckpt "
-                                    "does not write (local-spec runs only)", path=src)
+        raise UnsupportedCheckpoint(
+            f"a run built with transformer_impl={args.get('transformer_impl')}: its legacy "
+            "rank files use Transformer Engine's module names and extra state, which ckpt "
+            "does not write (local-spec runs only)",
+            path=src,
+        )
     if args.get("use_distributed_optimizer"):
         _check_distopt_dist_source(ck, src, tp, pp)
     else:
-        _check_plain_adam(ck, src, "--ckpt-format torch", "writes the plain Adam rank files",
-                          "legacy layout (distrib_optim.pt buckets)")
+        _check_plain_adam(
+            ck,
+            src,
+            "--ckpt-format torch",
+            "writes the plain Adam rank files",
+            "legacy layout (distrib_optim.pt buckets)",
+        )
     saved = ck.topology.tp or 1
     tp = saved if tp is None else tp
     if tp < 1:
@@ -471,47 +559,77 @@ def _check_legacy_target(ck, src: Path, tp: int | None, pp: int | None) -> tuple
     if pp < 1:
         raise UnsupportedCheckpoint(f"--pp {pp}: a pipeline-parallel size is 1 or more", path=src)
     if pp != saved_pp and vpp > 1:
-        raise UnsupportedCheckpoint(f"--pp {pp}: the run uses a virtual pipeline (VPP {vpp}), whose chunks ckpt does "
-                                    "not re-cut for another PP size", path=src,
-                                    hint=f"convert at the saved PP ({saved_pp}), or resume the torch_dist run at "
-                                         "the new PP (Megatron reshards it at load)")
+        raise UnsupportedCheckpoint(
+            f"--pp {pp}: the run uses a virtual pipeline (VPP {vpp}), whose chunks ckpt does "
+            "not re-cut for another PP size",
+            path=src,
+            hint=f"convert at the saved PP ({saved_pp}), or resume the torch_dist run at "
+            "the new PP (Megatron reshards it at load)",
+        )
     if ck.format == "megatron_legacy" and (tp, pp) == (saved, saved_pp):
-        raise UnsupportedCheckpoint(f"the checkpoint is already in Megatron-LM's legacy format (--ckpt-format "
-                                    f"torch) at TP {saved} x PP {saved_pp}: nothing to convert", path=src,
-                                    hint="--tp N / --pp N write the rank files of another TP / PP size; "
-                                         "--ckpt-format torch_dist the layout Megatron reshards at load")
+        raise UnsupportedCheckpoint(
+            f"the checkpoint is already in Megatron-LM's legacy format (--ckpt-format "
+            f"torch) at TP {saved} x PP {saved_pp}: nothing to convert",
+            path=src,
+            hint="--tp N / --pp N write the rank files of another TP / PP size; "
+            "--ckpt-format torch_dist the layout Megatron reshards at load",
+        )
     layers = int(args.get("num_layers") or 0)
-    if not layers or layers % (pp * vpp) or args.get("decoder_first_pipeline_num_layers") or \
-            args.get("decoder_last_pipeline_num_layers") or args.get("pipeline_model_parallel_layout") or \
-            args.get("account_for_embedding_in_pipeline_split") or args.get("account_for_loss_in_pipeline_split"):
+    if (
+        not layers
+        or layers % (pp * vpp)
+        or args.get("decoder_first_pipeline_num_layers")
+        or args.get("decoder_last_pipeline_num_layers")
+        or args.get("pipeline_model_parallel_layout")
+        or args.get("account_for_embedding_in_pipeline_split")
+        or args.get("account_for_loss_in_pipeline_split")
+    ):
         if layers and layers % (pp * vpp) and pp != saved_pp:
-            raise UnsupportedCheckpoint(f"--pp {pp} does not divide num_layers={layers}"
-                                        f"{f' x VPP {vpp}' if vpp > 1 else ''}: ckpt cuts the layers into equal "
-                                        "stages", path=src, hint="choose a PP size that divides the layers")
-        raise UnsupportedCheckpoint(f"num_layers={layers} over PP {pp} x VPP {vpp}: uneven pipeline stages, which "
-                                    "ckpt does not split into legacy rank files yet", path=src)
+            raise UnsupportedCheckpoint(
+                f"--pp {pp} does not divide num_layers={layers}"
+                f"{f' x VPP {vpp}' if vpp > 1 else ''}: ckpt cuts the layers into equal "
+                "stages",
+                path=src,
+                hint="choose a PP size that divides the layers",
+            )
+        raise UnsupportedCheckpoint(
+            f"num_layers={layers} over PP {pp} x VPP {vpp}: uneven pipeline stages, which "
+            "ckpt does not split into legacy rank files yet",
+            path=src,
+        )
     if tp != saved:
         heads = int(args.get("num_attention_heads") or 0)
         groups = int(args.get("num_query_groups") or 0) if args.get("group_query_attention") else heads
-        sizes = {"num_attention_heads": heads, "num_query_groups": groups,
-                 "ffn_hidden_size": int(args.get("ffn_hidden_size") or 0),
-                 "padded_vocab_size": int(args.get("padded_vocab_size") or 0)}
+        sizes = {
+            "num_attention_heads": heads,
+            "num_query_groups": groups,
+            "ffn_hidden_size": int(args.get("ffn_hidden_size") or 0),
+            "padded_vocab_size": int(args.get("padded_vocab_size") or 0),
+        }
         bad = [f"{k}={v}" for k, v in sizes.items() if not v or v % tp]
         if bad:
-            raise UnsupportedCheckpoint(f"--tp {tp} does not divide {', '.join(bad)}: Megatron splits each of them "
-                                        "over the tensor-parallel ranks", path=src,
-                                        hint=f"choose a TP size that divides them; saved at TP {saved}")
+            raise UnsupportedCheckpoint(
+                f"--tp {tp} does not divide {', '.join(bad)}: Megatron splits each of them "
+                "over the tensor-parallel ranks",
+                path=src,
+                hint=f"choose a TP size that divides them; saved at TP {saved}",
+            )
         want = _padded_vocab(args, tp)
         if want is not None and want != sizes["padded_vocab_size"]:
             raise UnsupportedCheckpoint(
                 f"at --tp {tp} Megatron pads the vocabulary ({args.get('vocab_size')}) to {want} rows "
                 f"(make_vocab_size_divisible_by={args.get('make_vocab_size_divisible_by')} x TP), not the saved "
-                f"{sizes['padded_vocab_size']}: its embedding would not take the saved rows", path=src,
-                hint="choose a TP size at which the padded vocabulary stays the same")
+                f"{sizes['padded_vocab_size']}: its embedding would not take the saved rows",
+                path=src,
+                hint="choose a TP size at which the padded vocabulary stays the same",
+            )
         if args.get("sequence_parallel") and tp == 1:
-            raise UnsupportedCheckpoint("the run used sequence parallelism, which Megatron turns off at TP 1: "
-                                        "relaunch flags would differ from the saved args", path=src,
-                                        hint="convert to a TP size of 2 or more")
+            raise UnsupportedCheckpoint(
+                "the run used sequence parallelism, which Megatron turns off at TP 1: "
+                "relaunch flags would differ from the saved args",
+                path=src,
+                hint="convert to a TP size of 2 or more",
+            )
     return tp, pp
 
 
@@ -519,51 +637,69 @@ def _legacy_plan_lines(ck, tp: int, pp: int) -> tuple[list[str], list[str]]:
     """(notes, not moved) for a conversion of a torch_dist run into legacy rank files at TP `tp` x PP `pp`."""
     args = _args(ck)
     saved, saved_pp, vpp = ck.topology.tp or 1, ck.topology.pp or 1, ck.topology.vpp
-    notes = [f"Megatron-LM legacy layout (--ckpt-format torch, plain Adam): iter_N/mp_rank_TT"
-             f"{'_PPP' if pp > 1 else ''}/model_optim_rng.pt for TP {tp} x PP {pp}"
-             f"{f' (virtual pipeline: model0..model{vpp - 1})' if vpp else ''}, saved at TP {saved} x PP {saved_pp}; "
-             f"each stage holds {int(args['num_layers']) // pp} of the {args['num_layers']} layers; each rank "
-             "file holds its TP shards of the module's weights (bf16) and of the fp32 master and Adam moments, split "
-             "by Megatron's own TP rules (column-parallel and vocabulary-parallel dim 0, SwiGLU fc1 per "
-             "sub-parameter, row-parallel dim 1, norms and row-parallel biases replicated), its stage's layers "
-             "numbered from 0",
-             ("optimizer (distributed): the rank file's {optimizer: {param_groups}} (with the step) and "
-              "distrib_optim.pt beside it, as Megatron's legacy save writes it: buckets_coalesced, each buffer's "
-              "fp32 master / exp_avg / exp_avg_sq (its bucket's unpadded elements) and numel_unpadded; "
-              if args.get("use_distributed_optimizer") else
-              "optimizer: per rank {state: {id: {step, exp_avg, exp_avg_sq}}, param_groups (as saved, with the ids "
-              "of this rank's parameters in model order)}, fp32_from_fp16_params; ")
-             + "opt_param_scheduler, iteration, checkpoint_version and floating-point-operation count as saved",
-             "args: carried as saved with ckpt_format=torch, use_dist_ckpt=False and each file's rank / local_rank"
-             + (f"; tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}, "
-                f"world_size={tp * pp * int(args.get('data_parallel_size') or 1)}" if (tp, pp) != (saved, saved_pp)
-                else "")]
+    notes = [
+        f"Megatron-LM legacy layout (--ckpt-format torch, plain Adam): iter_N/mp_rank_TT"
+        f"{'_PPP' if pp > 1 else ''}/model_optim_rng.pt for TP {tp} x PP {pp}"
+        f"{f' (virtual pipeline: model0..model{vpp - 1})' if vpp else ''}, saved at TP {saved} x PP {saved_pp}; "
+        f"each stage holds {int(args['num_layers']) // pp} of the {args['num_layers']} layers; each rank "
+        "file holds its TP shards of the module's weights (bf16) and of the fp32 master and Adam moments, split "
+        "by Megatron's own TP rules (column-parallel and vocabulary-parallel dim 0, SwiGLU fc1 per "
+        "sub-parameter, row-parallel dim 1, norms and row-parallel biases replicated), its stage's layers "
+        "numbered from 0",
+        (
+            "optimizer (distributed): the rank file's {optimizer: {param_groups}} (with the step) and "
+            "distrib_optim.pt beside it, as Megatron's legacy save writes it: buckets_coalesced, each buffer's "
+            "fp32 master / exp_avg / exp_avg_sq (its bucket's unpadded elements) and numel_unpadded; "
+            if args.get("use_distributed_optimizer")
+            else "optimizer: per rank {state: {id: {step, exp_avg, exp_avg_sq}}, param_groups (as saved, with the ids "
+            "of this rank's parameters in model order)}, fp32_from_fp16_params; "
+        )
+        + "opt_param_scheduler, iteration, checkpoint_version and floating-point-operation count as saved",
+        "args: carried as saved with ckpt_format=torch, use_dist_ckpt=False and each file's rank / local_rank"
+        + (
+            f"; tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}, "
+            f"world_size={tp * pp * int(args.get('data_parallel_size') or 1)}"
+            if (tp, pp) != (saved, saved_pp)
+            else ""
+        ),
+    ]
     source = _legacy_source(ck)
     if source.has_rng:
         source.check_rng()  # every saved rank's RNG state as Megatron's load reads it, before anything is written
     not_moved = []
     if ck.format == "megatron_legacy":
-        notes.append(f"read from the legacy rank files at TP {saved} x PP {saved_pp}: each whole tensor merged by "
-                     "Megatron's TP rules, then split again at the new size (one step, no torch_dist copy)")
+        notes.append(
+            f"read from the legacy rank files at TP {saved} x PP {saved_pp}: each whole tensor merged by "
+            "Megatron's TP rules, then split again at the new size (one step, no torch_dist copy)"
+        )
     else:
-        not_moved.append("content_metadata (common.pt: how Megatron built the sharded state dict): the legacy "
-                         "format has no such field")
+        not_moved.append(
+            "content_metadata (common.pt: how Megatron built the sharded state dict): the legacy "
+            "format has no such field"
+        )
     if not source.has_rng:
-        not_moved.append(f"RNG: the source saved none ({source.none}): the rank files hold no rng_state; "
-                         "relaunch with --no-load-rng")
+        not_moved.append(
+            f"RNG: the source saved none ({source.none}): the rank files hold no rng_state; relaunch with --no-load-rng"
+        )
     elif (tp, pp) == (saved, saved_pp):
         notes.append(f"RNG: each rank's rng_state as saved ({source.label})")
     else:
-        not_moved.append(f"RNG at another TP x PP: Megatron's own resharding load ignores the saved RNG state (TP "
-                         f"{saved} x PP {saved_pp} != {tp} x {pp}); a legacy file has no way to say so, so each rank "
-                         f"file carries the state of the rank it takes its first shard from (TP rank t <- t x {saved} "
-                         f"// {tp}; stage p <- the saved stage of its first layer): the Python / NumPy / torch "
-                         "generators are that rank's, and so are the tensor-parallel CUDA tracker "
-                         "(model-parallel-rng) and expert-parallel-rng. Relaunch with --no-load-rng for Megatron's "
-                         "fresh seeding instead")
-    if ck.tree.children.get("tied_copies") is not None or (pp > 1 and not args.get("untie_embeddings_and_output_weights")):
-        notes.append("tied embeddings with PP > 1: the last stage's output_layer.weight (Megatron's copy of the word "
-                     "embeddings) written from the word embeddings, with their optimizer state")
+        not_moved.append(
+            f"RNG at another TP x PP: Megatron's own resharding load ignores the saved RNG state (TP "
+            f"{saved} x PP {saved_pp} != {tp} x {pp}); a legacy file has no way to say so, so each rank "
+            f"file carries the state of the rank it takes its first shard from (TP rank t <- t x {saved} "
+            f"// {tp}; stage p <- the saved stage of its first layer): the Python / NumPy / torch "
+            "generators are that rank's, and so are the tensor-parallel CUDA tracker "
+            "(model-parallel-rng) and expert-parallel-rng. Relaunch with --no-load-rng for Megatron's "
+            "fresh seeding instead"
+        )
+    if ck.tree.children.get("tied_copies") is not None or (
+        pp > 1 and not args.get("untie_embeddings_and_output_weights")
+    ):
+        notes.append(
+            "tied embeddings with PP > 1: the last stage's output_layer.weight (Megatron's copy of the word "
+            "embeddings) written from the word embeddings, with their optimizer state"
+        )
     return notes, not_moved
 
 
@@ -624,14 +760,15 @@ class _LegacySource:
             if t:
                 continue
             o = obj0 if f == first else pr.load(f).obj
-            chunks = sorted((k for k in o if isinstance(k, str) and re.fullmatch(r"model\d*", k)),
-                            key=lambda k: int(k[5:] or 0))
+            chunks = sorted(
+                (k for k in o if isinstance(k, str) and re.fullmatch(r"model\d*", k)), key=lambda k: int(k[5:] or 0)
+            )
             for local in (str(k) for c in chunks for k in o[c]):
                 m = _LAYER.match(local)
                 if m and m[2].endswith("._extra_state"):
                     key = f"decoder.layers.{m[2]}/shard_0_{layers}"
                 elif m:
-                    key = "decoder.layers." + name_key(f"decoder.layers.0.{m[2]}")[len("decoder.layers.0."):]
+                    key = "decoder.layers." + name_key(f"decoder.layers.0.{m[2]}")[len("decoder.layers.0.") :]
                 elif local.endswith("._extra_state") or (local == "output_layer.weight" and tied):
                     continue  # written by the layout itself (the tied copy only where the stage needs it)
                 else:
@@ -672,9 +809,11 @@ def _bad_rng(what: str, found: str, where: Path, wrapped: bool = False):
     from ..errors import CorruptCheckpoint
 
     shape = f"a list of dicts with {', '.join(_RNG_FIELDS)}"
-    return CorruptCheckpoint(f"{what} is not the RNG state Megatron saves: {found}, where it saves "
-                             f"{f'[{shape}]' if wrapped else shape}", path=where,
-                             hint=f"re-copy {where.name} from the run that saved it")
+    return CorruptCheckpoint(
+        f"{what} is not the RNG state Megatron saves: {found}, where it saves {f'[{shape}]' if wrapped else shape}",
+        path=where,
+        hint=f"re-copy {where.name} from the run that saved it",
+    )
 
 
 def _rng_list(rng: Any, what: str, where: Path) -> Any:
@@ -701,23 +840,30 @@ def _legacy_name(key: str) -> str:
 
     for local, fused in MEGATRON_FUSED_NORMS:
         if key.startswith(fused):
-            return local + key[len(fused):]
+            return local + key[len(fused) :]
     return key
 
 
 #: a local-spec decoder layer's modules in the order Megatron-core's TransformerLayer registers them (so its
 #: state_dict, and a legacy rank file's `model`, lists them): the layer norms under their fused torch_dist names
-_MODULES = ("self_attention.linear_qkv.layer_norm_", "self_attention.linear_proj.", "self_attention.linear_qkv.",
-            "self_attention.q_layernorm.", "self_attention.k_layernorm.", "mlp.linear_fc1.layer_norm_",
-            "mlp.linear_fc1.", "mlp.linear_fc2.")
+_MODULES = (
+    "self_attention.linear_qkv.layer_norm_",
+    "self_attention.linear_proj.",
+    "self_attention.linear_qkv.",
+    "self_attention.q_layernorm.",
+    "self_attention.k_layernorm.",
+    "mlp.linear_fc1.layer_norm_",
+    "mlp.linear_fc1.",
+    "mlp.linear_fc2.",
+)
 _PARAMS = ("weight", "bias", "_extra_state")
 
 
 def _module_rank(rest: str) -> tuple[int, int] | None:
     """Where a layer's tensor (`self_attention.linear_proj.bias`) comes in Megatron's module order; None if unknown."""
     for i, prefix in enumerate(_MODULES):
-        if rest.startswith(prefix) and rest[len(prefix):] in _PARAMS:
-            return i, _PARAMS.index(rest[len(prefix):])
+        if rest.startswith(prefix) and rest[len(prefix) :] in _PARAMS:
+            return i, _PARAMS.index(rest[len(prefix) :])
     return None
 
 
@@ -739,7 +885,7 @@ def _stage_layout(keys: list[str], args: dict[str, Any], pp: int, vpp: int) -> d
         if m:
             rest = m[1] + "._extra_state"
         elif k.startswith("decoder.layers."):
-            rest = k[len("decoder.layers."):]
+            rest = k[len("decoder.layers.") :]
         else:
             (pre if k.startswith("embedding.") else post).append(k)
             continue
@@ -779,8 +925,9 @@ def _tp_shard(name: str, t, rank: int, tp: int, swiglu: bool):
 
     rule = _rule(name, swiglu)
     if tp > 1 and rule not in ("replicated", "cat:0", "cat:1", "cat_sub:0"):
-        raise UnsupportedCheckpoint(f"{name}: no TP split rule (Megatron-core GPT local spec): ckpt will not guess "
-                                    "how to split it")
+        raise UnsupportedCheckpoint(
+            f"{name}: no TP split rule (Megatron-core GPT local spec): ckpt will not guess how to split it"
+        )
     return split_shard(rule, t, rank, tp)  # SwiGLU fc1 (cat_sub:0): [gate; up], each split over the ranks
 
 
@@ -828,8 +975,10 @@ class _Records:
         return obj
 
 
-_BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\(torch\.(\w+), "
-                     r"torch\.(\w+)\)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
+_BUCKET = re.compile(
+    r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\(torch\.(\w+), "
+    r"torch\.(\w+)\)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$"
+)
 
 
 def _distopt_buckets(ck) -> dict[tuple[int, int, str, str], dict[str, list[Any]]]:
@@ -850,14 +999,19 @@ def _distopt_buckets(ck) -> dict[tuple[int, int, str, str], dict[str, list[Any]]
         found.setdefault((int(m[1]), int(m[2]), m[3], m[4]), {}).setdefault(m[6], {})[int(m[5])] = node
     out: dict[tuple[int, int, str, str], dict[str, list[Any]]] = {}
     for k, states in found.items():
-        if set(states) != {"param", "exp_avg", "exp_avg_sq"} or \
-                any(sorted(b) != list(range(len(b))) or len(b) != len(states["param"]) for b in states.values()):
-            raise UnsupportedCheckpoint(f"distributed-optimizer buffer {k}: its buckets are not param, exp_avg and "
-                                        "exp_avg_sq each numbered 0..n-1", path=it)
+        if set(states) != {"param", "exp_avg", "exp_avg_sq"} or any(
+            sorted(b) != list(range(len(b))) or len(b) != len(states["param"]) for b in states.values()
+        ):
+            raise UnsupportedCheckpoint(
+                f"distributed-optimizer buffer {k}: its buckets are not param, exp_avg and "
+                "exp_avg_sq each numbered 0..n-1",
+                path=it,
+            )
         out[k] = {state: [b[i] for i in range(len(b))] for state, b in states.items()}
     if not out:
-        raise UnsupportedCheckpoint("no complete distributed-optimizer buckets (param, exp_avg, exp_avg_sq) in the "
-                                    "torch_dist save", path=it)
+        raise UnsupportedCheckpoint(
+            "no complete distributed-optimizer buckets (param, exp_avg, exp_avg_sq) in the torch_dist save", path=it
+        )
     return out
 
 
@@ -936,6 +1090,7 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
     iteration = int(common["iteration"])
     itdir = root / f"iter_{iteration:07d}"
     written = 0
+
     def source(name: str, what: str):
         """(the logical tensor, the dtype read) of one whole tensor of the source: "module", "fp32" or a state."""
         if what == "module":
@@ -953,8 +1108,10 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
 
         node, dtype = source(name, what)
         like = torch.empty(node.shape, dtype=L.torch_dtype(dtype or node.dtype), device="meta")
-        return rec.made(_tp_shard(local, like, t, tp, swiglu),
-                        lambda: _tp_shard(local, node.read(L.torch_dtype(dtype) if dtype else None), t, tp, swiglu))
+        return rec.made(
+            _tp_shard(local, like, t, tp, swiglu),
+            lambda: _tp_shard(local, node.read(L.torch_dtype(dtype) if dtype else None), t, tp, swiglu),
+        )
 
     for p in range(pp):
         chunks = [layout[(p, c)] for c in range(max(vpp, 1))]
@@ -971,8 +1128,11 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
                 if "transformer_pipeline_model_parallel_size" in state:
                     state["transformer_pipeline_model_parallel_size"] = pp
             a.state = state
-            obj: dict[str, Any] = {"args": a, "checkpoint_version": common["checkpoint_version"],
-                                   "iteration": common["iteration"]}
+            obj: dict[str, Any] = {
+                "args": a,
+                "checkpoint_version": common["checkpoint_version"],
+                "iteration": common["iteration"],
+            }
             members: list[list[str]] = [[] for _ in groups_hp]
             for c, items in enumerate(chunks):
                 m = collections.OrderedDict()
@@ -992,19 +1152,24 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
             i = 0
             for gi, mem in enumerate(members):
                 ids.append(list(range(i, i + len(mem))))
-                for local, name in ([] if distopt else mem):
-                    state_out[i] = {"step": rec.add(step.clone()),
-                                    **{k: shard(rec, local, name, k, t) for k in ("exp_avg", "exp_avg_sq")}}
+                for local, name in [] if distopt else mem:
+                    state_out[i] = {
+                        "step": rec.add(step.clone()),
+                        **{k: shard(rec, local, name, k, t) for k in ("exp_avg", "exp_avg_sq")},
+                    }
                     i += 1
             for gi, mem in enumerate([] if distopt else members):
                 masters.append([shard(rec, local, name, "fp32", t) for local, name in mem])
-            groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": ids[gi]}
-                      for gi, g in enumerate(groups_hp)]
+            groups = [
+                {**{k: v for k, v in g.items() if k != "params"}, "params": ids[gi]} for gi, g in enumerate(groups_hp)
+            ]
             if distopt:  # what Megatron's legacy save of the distributed optimizer keeps in the rank file
                 obj["optimizer"] = {"optimizer": {"param_groups": rec.tree(groups_hp)}}
             else:
-                obj["optimizer"] = {"optimizer": {"state": state_out, "param_groups": groups},
-                                    "fp32_from_fp16_params": masters}
+                obj["optimizer"] = {
+                    "optimizer": {"state": state_out, "param_groups": groups},
+                    "fp32_from_fp16_params": masters,
+                }
             obj["opt_param_scheduler"] = common["opt_param_scheduler"]
             src_t = t * saved // tp
             src_p = p * saved_pp // pp  # the saved stage of this stage's first layer (even stages: no VPP here)
@@ -1048,8 +1213,10 @@ def _check_no_experts(ck, src: Path, ckpt_format: str) -> None:
         raise UnsupportedCheckpoint(
             f"--to megatron --ckpt-format {ckpt_format} of a Mixture-of-Experts run (num_experts={experts}, "
             f"expert_model_parallel_size={ep}): ckpt does not write Megatron's expert layout (expert-parallel rank "
-            "folders, chained dense + expert optimizers) yet", path=src,
-            hint="Megatron reshards a torch_dist MoE checkpoint at load: resume it at the new sizes")
+            "folders, chained dense + expert optimizers) yet",
+            path=src,
+            hint="Megatron reshards a torch_dist MoE checkpoint at load: resume it at the new sizes",
+        )
 
 
 def plan_lines(ck, ckpt_format: str, tp: int | None, pp: int | None = None) -> tuple[list[str], list[str]]:

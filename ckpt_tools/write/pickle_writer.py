@@ -20,6 +20,7 @@ sizes follow the data in a data descriptor, ZIP64 records appear where sizes or 
 a ZIP64 end record is always written. torch.load's optional `calculate_storage_offsets` mode relies on
 exactly this layout, and an unedited round trip reproduces the original file byte for byte.
 """
+
 from __future__ import annotations
 
 import _compat_pickle
@@ -36,8 +37,21 @@ from typing import Any, BinaryIO, Callable, Iterator
 
 from ..errors import CkptError, CorruptCheckpoint, UnsupportedCheckpoint
 from .io import copy_range
-from ..read.pickle_reader import (DType, NumpyArray, NumpyDType, NumpyFloat, NumpyInt, Opaque, RecordedCall, StorageRef,
-                                  TensorRef, TorchSize, _Counter, _DefaultDict, _SAFE_GLOBALS)
+from ..read.pickle_reader import (
+    DType,
+    NumpyArray,
+    NumpyDType,
+    NumpyFloat,
+    NumpyInt,
+    Opaque,
+    RecordedCall,
+    StorageRef,
+    TensorRef,
+    TorchSize,
+    _Counter,
+    _DefaultDict,
+    _SAFE_GLOBALS,
+)
 
 
 class UnwritableObject(CkptError):
@@ -49,19 +63,36 @@ class UnwritableObject(CkptError):
 
 #: the storage class torch names in a persistent id, per element dtype (the inverse of the reader's map)
 _STORAGE_FOR_DTYPE = {
-    "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage",
-    "bfloat16": "BFloat16Storage", "int64": "LongStorage", "int32": "IntStorage", "int16": "ShortStorage",
-    "int8": "CharStorage", "uint8": "ByteStorage", "bool": "BoolStorage", "complex64": "ComplexFloatStorage",
+    "float64": "DoubleStorage",
+    "float32": "FloatStorage",
+    "float16": "HalfStorage",
+    "bfloat16": "BFloat16Storage",
+    "int64": "LongStorage",
+    "int32": "IntStorage",
+    "int16": "ShortStorage",
+    "int8": "CharStorage",
+    "uint8": "ByteStorage",
+    "bool": "BoolStorage",
+    "complex64": "ComplexFloatStorage",
     "complex128": "ComplexDoubleStorage",
 }
 
 #: real Python types the reader hands out for globals, and the global each stands for
 _TYPE_GLOBALS: dict[type, tuple[str, str]] = {
-    dict: ("builtins", "dict"), list: ("builtins", "list"), tuple: ("builtins", "tuple"),
-    set: ("builtins", "set"), frozenset: ("builtins", "frozenset"), int: ("builtins", "int"),
-    float: ("builtins", "float"), str: ("builtins", "str"), bytes: ("builtins", "bytes"),
-    bool: ("builtins", "bool"), bytearray: ("builtins", "bytearray"), slice: ("builtins", "slice"),
-    complex: ("builtins", "complex"), collections.OrderedDict: ("collections", "OrderedDict"),
+    dict: ("builtins", "dict"),
+    list: ("builtins", "list"),
+    tuple: ("builtins", "tuple"),
+    set: ("builtins", "set"),
+    frozenset: ("builtins", "frozenset"),
+    int: ("builtins", "int"),
+    float: ("builtins", "float"),
+    str: ("builtins", "str"),
+    bytes: ("builtins", "bytes"),
+    bool: ("builtins", "bool"),
+    bytearray: ("builtins", "bytearray"),
+    slice: ("builtins", "slice"),
+    complex: ("builtins", "complex"),
+    collections.OrderedDict: ("collections", "OrderedDict"),
     NumpyArray: ("numpy", "ndarray"),
 }
 
@@ -88,8 +119,7 @@ class _InertPickler(pickle._Pickler):
     OrderedDict, globals) is written here instead, so no module is ever imported.
     """
 
-    _PRIMITIVES = {t: pickle._Pickler.dispatch[t] for t in
-                   (type(None), bool, int, float, str, tuple, list, dict)}
+    _PRIMITIVES = {t: pickle._Pickler.dispatch[t] for t in (type(None), bool, int, float, str, tuple, list, dict)}
 
     def __init__(self, file: BinaryIO):
         super().__init__(file, protocol=2)
@@ -173,8 +203,11 @@ class _InertPickler(pickle._Pickler):
         # else the record was edited after reading and the call would write the old tensor
         fn = _SAFE_GLOBALS.get(_split_dotted(name))
         if fn is None or RecordedCall(name, fn)(*args) != t:
-            raise _Unwritable(t, "tensor metadata was edited (dtype/shape/stride/storage no longer match how "
-                                 "the tensor is rebuilt); rewriting tensors is not supported")
+            raise _Unwritable(
+                t,
+                "tensor metadata was edited (dtype/shape/stride/storage no longer match how "
+                "the tensor is rebuilt); rewriting tensors is not supported",
+            )
         self._call(self._global(*_split_dotted(name)), args, t)
 
     def _save_opaque(self, obj: Opaque) -> None:
@@ -185,8 +218,11 @@ class _InertPickler(pickle._Pickler):
         cls = type(obj)
         made_by = getattr(obj, "made_by", "reduce")
         if obj.kwargs:
-            raise _Unwritable(obj, f"{obj.cls} was built with keyword arguments (protocol 4 NEWOBJ_EX), "
-                                   "which a protocol 2 pickle cannot express")
+            raise _Unwritable(
+                obj,
+                f"{obj.cls} was built with keyword arguments (protocol 4 NEWOBJ_EX), "
+                "which a protocol 2 pickle cannot express",
+            )
         if made_by == "reconstructor":
             self._call(self._global("copyreg", "_reconstructor"), (cls, *obj.reconstructor_args), obj)
         else:
@@ -205,8 +241,10 @@ class _InertPickler(pickle._Pickler):
         merged = dict(slot_state[0] or {})
         merged.update(slot_state[1] or {})
         if merged != obj.state:
-            raise _Unwritable(obj, f"{obj.cls} has __slots__ and its state was edited; only unedited "
-                                   "slotted objects can be written back")
+            raise _Unwritable(
+                obj,
+                f"{obj.cls} has __slots__ and its state was edited; only unedited slotted objects can be written back",
+            )
         return slot_state
 
     def _save_type(self, cls: type) -> None:
@@ -219,8 +257,7 @@ class _InertPickler(pickle._Pickler):
         elif cls in _TYPE_GLOBALS:
             g = _TYPE_GLOBALS[cls]
         else:
-            raise _Unwritable(cls, f"class {cls.__module__}.{cls.__qualname__} is not a global the reader "
-                                   "produces")
+            raise _Unwritable(cls, f"class {cls.__module__}.{cls.__qualname__} is not a global the reader produces")
         self.save(self._global(*g))
 
     def _save_recorded(self, obj: Any) -> None:
@@ -286,11 +323,14 @@ class _InertPickler(pickle._Pickler):
 def _standard_call(t: TensorRef) -> tuple[str, tuple]:
     """The call torch.save makes for a plain tensor or a Parameter, for a TensorRef built by hand."""
     if t.storage is None or t.subclass is not None:
-        raise _Unwritable(t, "a tensor without storage or of a subclass, built by hand: how torch would "
-                             "pickle it is unknown")
+        raise _Unwritable(
+            t, "a tensor without storage or of a subclass, built by hand: how torch would pickle it is unknown"
+        )
     requires_grad = False if t.is_parameter else t.requires_grad
-    data_call = ("torch._utils._rebuild_tensor_v2",
-                 (t.storage, t.storage_offset, t.shape, t.stride, requires_grad, collections.OrderedDict()))
+    data_call = (
+        "torch._utils._rebuild_tensor_v2",
+        (t.storage, t.storage_offset, t.shape, t.stride, requires_grad, collections.OrderedDict()),
+    )
     if not t.is_parameter:
         return data_call
     data = replace(t, requires_grad=False, is_parameter=False, pickled=data_call)
@@ -352,8 +392,11 @@ def _pickle_tree(obj: Any, path: str | None) -> tuple[bytes, dict[str, StorageRe
     try:
         pickler.dump(obj)
     except _Unwritable as e:
-        raise UnwritableObject(f"cannot write back {_path_to(obj, e.obj)}: {e.why}", path=path,
-                               hint="leave that object unedited, or save the file with torch") from None
+        raise UnwritableObject(
+            f"cannot write back {_path_to(obj, e.obj)}: {e.why}",
+            path=path,
+            hint="leave that object unedited, or save the file with torch",
+        ) from None
     except RecursionError:
         raise UnwritableObject("the object tree nests too deeply to pickle", path=path) from None
     return buf.getvalue(), pickler.storages
@@ -373,14 +416,16 @@ def _local_header(name: bytes, offset: int, size: int, alignment: int) -> bytes:
     zip64 = b""
     if size >= _ZIP64_LIMIT or offset >= _ZIP64_LIMIT:
         # miniz: the compressed size is not known yet when a data-descriptor header is written
-        fields = (struct.pack("<QQ", size, 0) if size >= _ZIP64_LIMIT else b"") + \
-                 (struct.pack("<Q", offset) if offset >= _ZIP64_LIMIT else b"")
+        fields = (struct.pack("<QQ", size, 0) if size >= _ZIP64_LIMIT else b"") + (
+            struct.pack("<Q", offset) if offset >= _ZIP64_LIMIT else b""
+        )
         zip64 = struct.pack("<HH", 0x0001, len(fields)) + fields
     start = offset + 30 + len(name) + len(zip64) + 4
     padding = -start % alignment
     extra = zip64 + b"FB" + struct.pack("<H", padding) + b"Z" * padding
-    return struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, _flags(size), 0, 0, 0, 0, 0, 0, len(name), len(extra)) \
-        + name + extra
+    return (
+        struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, _flags(size), 0, 0, 0, 0, 0, 0, len(name), len(extra)) + name + extra
+    )
 
 
 def _flags(size: int) -> int:
@@ -403,9 +448,30 @@ def _central_entry(name: bytes, offset: int, size: int, crc: int) -> bytes:
     if offset >= _ZIP64_LIMIT:
         fields += struct.pack("<Q", offset)
     extra = struct.pack("<HH", 0x0001, len(fields)) + fields if fields else b""
-    return struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 0, 0, _flags(size), 0, 0, 0, crc,
-                       _field32(size), _field32(size), len(name), len(extra), 0, 0, 0, 0,
-                       _field32(offset)) + name + extra
+    return (
+        struct.pack(
+            "<IHHHHHHIIIHHHHHII",
+            0x02014B50,
+            0,
+            0,
+            _flags(size),
+            0,
+            0,
+            0,
+            crc,
+            _field32(size),
+            _field32(size),
+            len(name),
+            len(extra),
+            0,
+            0,
+            0,
+            0,
+            _field32(offset),
+        )
+        + name
+        + extra
+    )
 
 
 def _field32(value: int) -> int:
@@ -416,10 +482,21 @@ def _field32(value: int) -> int:
 def _end_records(count: int, cd_offset: int, cd_size: int) -> bytes:
     """ZIP64 end record + locator (torch writes them always), then the classic end record."""
     zip64_end = cd_offset + cd_size
-    return (struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 45, 0, 0, count, count, cd_size, cd_offset)
-            + struct.pack("<IIQI", 0x07064B50, 0, zip64_end, 1)
-            + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
-                          _field32(cd_size), _field32(cd_offset), 0))
+    return (
+        struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 45, 0, 0, count, count, cd_size, cd_offset)
+        + struct.pack("<IIQI", 0x07064B50, 0, zip64_end, 1)
+        + struct.pack(
+            "<IHHHHIIH",
+            0x06054B50,
+            0,
+            0,
+            min(count, 0xFFFF),
+            min(count, 0xFFFF),
+            _field32(cd_size),
+            _field32(cd_offset),
+            0,
+        )
+    )
 
 
 def _pickle_member(zf: zipfile.ZipFile, names, path) -> tuple[str, str, int]:
@@ -435,9 +512,15 @@ def _pickle_member(zf: zipfile.ZipFile, names, path) -> tuple[str, str, int]:
     return pkl_name, prefix, alignment
 
 
-def rewrite_torch_zip(src_path: str | os.PathLike, dst_path: str | os.PathLike, new_obj: Any, *,
-                      progress: Callable[[int, int], None] | None = None,
-                      storage_bytes: "dict[str, bytes] | None" = None, prune: bool = False) -> None:
+def rewrite_torch_zip(
+    src_path: str | os.PathLike,
+    dst_path: str | os.PathLike,
+    new_obj: Any,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    storage_bytes: "dict[str, bytes] | None" = None,
+    prune: bool = False,
+) -> None:
     """Write `dst_path`: the torch zip `src_path` with its pickle replaced by `dumps(new_obj)`.
 
     Every other member is copied byte for byte in the original order (tensor bytes are never decoded
@@ -459,41 +542,58 @@ def rewrite_torch_zip(src_path: str | os.PathLike, dst_path: str | os.PathLike, 
         if fh.read(2) != b"PK":
             raise UnsupportedCheckpoint(
                 "not a torch zip file (legacy torch.save or plain pickle); only zip checkpoints are rewritten",
-                path=src_path, hint="re-save it once with torch.save (zip format), then edit it")
+                path=src_path,
+                hint="re-save it once with torch.save (zip format), then edit it",
+            )
     try:
         zf = zipfile.ZipFile(src_path)
     except (zipfile.BadZipFile, OSError) as e:
-        raise CorruptCheckpoint(f"not a readable zip archive ({e})", path=src_path,
-                                hint="the file is truncated or corrupt; re-copy it") from None
+        raise CorruptCheckpoint(
+            f"not a readable zip archive ({e})", path=src_path, hint="the file is truncated or corrupt; re-copy it"
+        ) from None
     with zf:
         infos = sorted(zf.infolist(), key=lambda i: i.header_offset)
         names = {i.filename: i for i in infos}
         pkl_name, prefix, alignment = _pickle_member(zf, names, src_path)
     compressed = [i.filename for i in infos if i.compress_type != zipfile.ZIP_STORED]
     if compressed:
-        raise UnsupportedCheckpoint(f"compressed zip members ({compressed[0]}, ...)", path=src_path,
-                                    hint="torch.save writes stored members; re-save it with torch.save")
+        raise UnsupportedCheckpoint(
+            f"compressed zip members ({compressed[0]}, ...)",
+            path=src_path,
+            hint="torch.save writes stored members; re-save it with torch.save",
+        )
 
     if os.path.exists(dst_path) and os.path.samefile(src_path, dst_path):
-        raise UnsupportedCheckpoint("the rewrite would overwrite the file it copies from", path=dst_path,
-                                    hint="write to a new path, then rename it over the original")
+        raise UnsupportedCheckpoint(
+            "the rewrite would overwrite the file it copies from",
+            path=dst_path,
+            hint="write to a new path, then rename it over the original",
+        )
     pickle_bytes, storages = _pickle_tree(new_obj, src_path)
     for key, s in storages.items():
         member = names.get(f"{prefix}data/{key}")
         if member is None or member.file_size < s.nbytes:
-            raise UnsupportedCheckpoint(f"the new tree refers to storage {key} ({s.nbytes} bytes), which "
-                                        f"{os.path.basename(src_path)} does not hold", path=src_path,
-                                        hint="tensors can only be kept, not added or moved between files")
+            raise UnsupportedCheckpoint(
+                f"the new tree refers to storage {key} ({s.nbytes} bytes), which "
+                f"{os.path.basename(src_path)} does not hold",
+                path=src_path,
+                hint="tensors can only be kept, not added or moved between files",
+            )
         if s.source is not None and not os.path.samefile(s.source.path, src_path):
-            raise UnsupportedCheckpoint(f"storage {key} was read from {s.source.path}, not from this file",
-                                        path=src_path, hint="edit the tree read from the file being rewritten")
+            raise UnsupportedCheckpoint(
+                f"storage {key} was read from {s.source.path}, not from this file",
+                path=src_path,
+                hint="edit the tree read from the file being rewritten",
+            )
 
     replaced = {f"{prefix}data/{key}": bytes(data) for key, data in (storage_bytes or {}).items()}
     for member, data in replaced.items():
         if member not in names or names[member].file_size != len(data):
-            raise UnsupportedCheckpoint(f"new bytes for {member} ({len(data)} bytes) do not replace a storage of "
-                                        "the same size", path=src_path,
-                                        hint="only the values of existing storages can be replaced")
+            raise UnsupportedCheckpoint(
+                f"new bytes for {member} ({len(data)} bytes) do not replace a storage of the same size",
+                path=src_path,
+                hint="only the values of existing storages can be replaced",
+            )
     if prune:
         used = {f"{prefix}data/{key}" for key in storages}
         infos = [i for i in infos if not i.filename.startswith(f"{prefix}data/") or i.filename in used]
@@ -508,6 +608,7 @@ def rewrite_torch_zip(src_path: str | os.PathLike, dst_path: str | os.PathLike, 
                 def write(fd: int, data_at: int) -> int:  # byte for byte, so the central directory's CRC holds
                     copy_range(src.fileno(), fd, _data_offset(src_map, info, src_path), data_at, info.file_size)
                     return info.CRC
+
                 return write
 
             for info in infos:
@@ -607,13 +708,17 @@ def _pwrite_all(fd: int, view: memoryview, at: int) -> int:
 
 
 def _data_offset(src_map, info: zipfile.ZipInfo, path: str) -> int:
-    header = src_map[info.header_offset: info.header_offset + 30]
+    header = src_map[info.header_offset : info.header_offset + 30]
     if len(header) < 30 or header[:4] != b"PK\x03\x04":
-        raise CorruptCheckpoint(f"bad local header for zip member {info.filename}", path=path,
-                                hint="the file is corrupt; re-copy it")
+        raise CorruptCheckpoint(
+            f"bad local header for zip member {info.filename}", path=path, hint="the file is corrupt; re-copy it"
+        )
     name_len, extra_len = struct.unpack("<HH", header[26:30])
     start = info.header_offset + 30 + name_len + extra_len
     if start + info.file_size > len(src_map):
-        raise CorruptCheckpoint(f"zip member {info.filename} runs past the end of the file", path=path,
-                                hint="the file is truncated; re-copy it")
+        raise CorruptCheckpoint(
+            f"zip member {info.filename} runs past the end of the file",
+            path=path,
+            hint="the file is truncated; re-copy it",
+        )
     return start

@@ -15,6 +15,7 @@ file) holds one line per finished, verified parameter: its folder and each file'
 (`file_crc`). A rerun (any number of ranks) skips a parameter whose files are all still there with those sizes
 and checksums, their bytes read again and matched against their CRC-32s.
 """
+
 from __future__ import annotations
 
 import json
@@ -125,21 +126,27 @@ class Job:
                     if last is None or last[0] != beat:
                         seen[r] = (beat, now)
                     elif now - last[1] > self.lost_after:
-                        raise RankLost(f"{self.who(r)} was lost: no heartbeat for {self.lost_after:.0f} s while "
-                                       f"the job waited at '{stage}'; nothing was put in place",
-                                       hint="rerun the same command to resume from the journal (--restart "
-                                            "starts over)")
+                        raise RankLost(
+                            f"{self.who(r)} was lost: no heartbeat for {self.lost_after:.0f} s while "
+                            f"the job waited at '{stage}'; nothing was put in place",
+                            hint="rerun the same command to resume from the journal (--restart starts over)",
+                        )
                 if self.timeout is not None and now - start > self.timeout:
-                    raise RankLost(f"the job waited {self.timeout:.0f} s at '{stage}' (CKPT_DIST_TIMEOUT_S); "
-                                   "nothing was put in place", hint="rerun the same command to resume")
+                    raise RankLost(
+                        f"the job waited {self.timeout:.0f} s at '{stage}' (CKPT_DIST_TIMEOUT_S); "
+                        "nothing was put in place",
+                        hint="rerun the same command to resume",
+                    )
                 time.sleep(0.2)
             return [json.loads(self._store.get(k)) for k in keys]
         except RankLost:
             raise
         except Exception as e:  # noqa: BLE001  the store's process (node 0's torchrun) went away
-            raise RankLost(f"node 0 was lost ({self.who(0)}): the job's store at {os.environ.get('MASTER_ADDR')} "
-                           f"is gone ({e}); nothing was put in place",
-                           hint="rerun the same command to resume") from None
+            raise RankLost(
+                f"node 0 was lost ({self.who(0)}): the job's store at {os.environ.get('MASTER_ADDR')} "
+                f"is gone ({e}); nothing was put in place",
+                hint="rerun the same command to resume",
+            ) from None
 
     def close(self) -> None:
         self._stop.set()
@@ -220,8 +227,9 @@ class Journal:
             have = sorted(p.name for p in folder.iterdir() if p.is_file())
             if have != sorted(want):
                 return False
-            return all((folder / n).stat().st_size == s and file_crc(folder / n, check=True) == c
-                       for n, (s, c) in want.items())
+            return all(
+                (folder / n).stat().st_size == s and file_crc(folder / n, check=True) == c for n, (s, c) in want.items()
+            )
         except (OSError, zipfile.BadZipFile, zipfile.LargeZipFile):
             return False
 

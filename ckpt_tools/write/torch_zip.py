@@ -5,7 +5,8 @@ A torch.save file is a zip of stored (uncompressed) members under one archive fo
 
     fp32/data.pkl                 the pickle (protocol 2); each storage is a persistent id ("storage", class, key, ...)
     fp32/.format_version          "1"
-    fp32/.storage_alignment       "64": every member's data starts on a 64-byte boundary (what torch.load with mmap=True needs)
+    fp32/.storage_alignment       "64": every member's data starts on a 64-byte boundary (what torch.load with
+    mmap=True needs)
     fp32/byteorder                "little"
     fp32/data/<key>               one member per storage, its raw bytes
     fp32/version                  "3\\n"
@@ -19,6 +20,7 @@ module adds is where a storage's bytes come from: bytes in memory, or ranges of 
 buffer. So writing a tensor that lies in a source file costs one pass over its bytes for the CRC plus a
 kernel copy, and memory stays at that buffer whatever the tensor's size.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,7 +39,6 @@ FORMAT_VERSION = b"1"
 STORAGE_ALIGNMENT = 64
 VERSION = b"3\n"  # the record format version torch 2.x writes (kProducedFileFormatVersion)
 CRC_CHUNK = 8 << 20  # bytes read at a time to compute a copied range's CRC-32 (per thread)
-
 
 
 #: what one storage member is made of: a buffer (bytes, memoryview, numpy array), a list/tuple of file ranges
@@ -62,8 +63,10 @@ def range_crc(r: FileRange, crc: int = 0) -> int:
     while done < r.length:
         n = os.preadv(r.fd, [buf[: min(CRC_CHUNK, r.length - done)]], r.offset + done)
         if n <= 0:
-            raise CorruptCheckpoint(f"file ended inside a tensor (fd {r.fd}, byte {r.offset + done})",
-                                    hint="the source file is truncated; re-copy it")
+            raise CorruptCheckpoint(
+                f"file ended inside a tensor (fd {r.fd}, byte {r.offset + done})",
+                hint="the source file is truncated; re-copy it",
+            )
         crc = zlib.crc32(buf[:n], crc)
         done += n
     return crc
@@ -126,13 +129,20 @@ def _source_data(s: StorageRef, path: str, fds: dict[str, int]) -> StorageData:
     start = s.source.storage_offset(s)
     remote.ensure(s.source.path, start, s.nbytes)
     if start + s.nbytes > os.fstat(fd).st_size:
-        raise CorruptCheckpoint(f"storage {s.key} lies outside the file", path=s.source.path,
-                                hint="the file is truncated; re-copy it")
+        raise CorruptCheckpoint(
+            f"storage {s.key} lies outside the file", path=s.source.path, hint="the file is truncated; re-copy it"
+        )
     return (FileRange(fd, start, s.nbytes),)
 
 
-def save(obj: Any, path: str | os.PathLike, data: Mapping[str, StorageData] | None = None, *,
-         pickle_bytes: bytes | None = None, storages: Mapping[str, StorageRef] | None = None) -> int:
+def save(
+    obj: Any,
+    path: str | os.PathLike,
+    data: Mapping[str, StorageData] | None = None,
+    *,
+    pickle_bytes: bytes | None = None,
+    storages: Mapping[str, StorageRef] | None = None,
+) -> int:
     """Write `obj` (a tree of plain values and `pickle_reader` records) to a new file `path`, as torch.save
     would: torch.load of the file gives back the objects the records stand for.
 
@@ -160,8 +170,11 @@ def save(obj: Any, path: str | os.PathLike, data: Mapping[str, StorageData] | No
             given = data.get(key)
             body = given if given is not None else _source_data(s, path, opened)
             if callable(body):
-                out.add_written(f"{prefix}data/{key}", s.nbytes,
-                                lambda fd_, at, make=body, key=key, n=s.nbytes: _write_made(make, key, n, fd_, at))
+                out.add_written(
+                    f"{prefix}data/{key}",
+                    s.nbytes,
+                    lambda fd_, at, make=body, key=key, n=s.nbytes: _write_made(make, key, n, fd_, at),
+                )
                 size = s.nbytes
             elif not isinstance(body, (list, tuple)):  # a buffer: bytes, memoryview, a numpy array
                 size = memoryview(body).nbytes

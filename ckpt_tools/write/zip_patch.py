@@ -24,6 +24,7 @@ the whole-file path (hard-linked files, read-only files, `--copy`).
 
 ZIP64 archives (files > 4 GiB) keep the CRC at the same places: ZIP64 only widens sizes and offsets.
 """
+
 from __future__ import annotations
 
 import os
@@ -70,8 +71,9 @@ def _members(path: Path, fh) -> dict[str, _Member]:
         fh.seek(info.header_offset)
         local = fh.read(30)
         if local[:4] != _LOCAL_SIG:
-            raise CorruptCheckpoint(f"bad local header for {info.filename}", path=path,
-                                    hint="the file is corrupt; re-copy it")
+            raise CorruptCheckpoint(
+                f"bad local header for {info.filename}", path=path, hint="the file is corrupt; re-copy it"
+            )
         lname, lextra = struct.unpack("<HH", local[26:30])
         out[info.filename] = _Member(info, info.header_offset + 30 + lname + lextra, central)
     return out
@@ -85,8 +87,9 @@ def _walk_central(path: Path, fh, zf: zipfile.ZipFile) -> Iterator[tuple[zipfile
         fh.seek(pos)
         head = fh.read(46)
         if head[:4] != _CENTRAL_SIG:
-            raise CorruptCheckpoint(f"bad central directory entry for {info.filename}", path=path,
-                                    hint="the file is corrupt; re-copy it")
+            raise CorruptCheckpoint(
+                f"bad central directory entry for {info.filename}", path=path, hint="the file is corrupt; re-copy it"
+            )
         name_len, extra_len, comment_len = struct.unpack("<HHH", head[28:34])
         size = 46 + name_len + extra_len + comment_len
         yield info, pos, size
@@ -157,7 +160,6 @@ def patch_file(src: str | os.PathLike, dst: str | os.PathLike, patches: Iterable
             fh.seek(m.central_offset + 16)
             fh.write(packed)
     return crcs
-
 
 
 # --- CRC-32 arithmetic: zlib's crc32_combine, in Python -------------------------------------------------
@@ -233,8 +235,7 @@ def _descriptor_crc_at(fh, m: _Member) -> int:
     return end + 4 if fh.read(4) == _DESCRIPTOR_SIG else end
 
 
-def plan_in_place(path: str | os.PathLike, patches: Iterable[Patch] = (), pickle_bytes: bytes | None = None
-                  ) -> InPlace:
+def plan_in_place(path: str | os.PathLike, patches: Iterable[Patch] = (), pickle_bytes: bytes | None = None) -> InPlace:
     """The byte ranges that change the torch zip `path` in place (nothing is written here): `patches` over
     members' data with each patched member's CRC-32 updated from the changed ranges alone, and, with
     `pickle_bytes`, a new data.pkl member plus a new central directory and end records (see the module
@@ -324,24 +325,34 @@ def _in_place(edits: dict[int, bytes], size: int) -> InPlace:
     return InPlace(tuple(ByteEdit(off, data) for off, data in ranges), size)
 
 
-def _check(path: Path, members: dict[str, _Member], by_member: dict[str, list[Patch]],
-           overlap_ok: bool = False) -> None:
+def _check(
+    path: Path, members: dict[str, _Member], by_member: dict[str, list[Patch]], overlap_ok: bool = False
+) -> None:
     """Raises unless every patch lies inside a stored (uncompressed) member that exists; with
     `overlap_ok` False, also when two patches of one member overlap."""
     for name, plist in by_member.items():
         m = members.get(name)
         if m is None:
-            raise CorruptCheckpoint(f"zip member {name} is missing", path=path,
-                                    hint="the checkpoint changed since it was read; run the command again")
+            raise CorruptCheckpoint(
+                f"zip member {name} is missing",
+                path=path,
+                hint="the checkpoint changed since it was read; run the command again",
+            )
         if m.info.compress_type != zipfile.ZIP_STORED:
-            raise CorruptCheckpoint(f"zip member {name} is compressed", path=path,
-                                    hint="only stored members (what torch.save writes) can be patched in place")
+            raise CorruptCheckpoint(
+                f"zip member {name} is compressed",
+                path=path,
+                hint="only stored members (what torch.save writes) can be patched in place",
+            )
         spans = sorted((p.offset, p.offset + len(p.data)) for p in plist)
         for p in plist:
             if p.offset < 0 or p.offset + len(p.data) > m.info.file_size:
-                raise CorruptCheckpoint(f"patch [{p.offset}, {p.offset + len(p.data)}) lies outside member {name} "
-                                        f"({m.info.file_size} bytes)", path=path,
-                                        hint="the checkpoint changed since it was read; run the command again")
+                raise CorruptCheckpoint(
+                    f"patch [{p.offset}, {p.offset + len(p.data)}) lies outside member {name} "
+                    f"({m.info.file_size} bytes)",
+                    path=path,
+                    hint="the checkpoint changed since it was read; run the command again",
+                )
         if not overlap_ok and any(a_end > b for (_, a_end), (b, _) in zip(spans, spans[1:])):
             raise CorruptCheckpoint(f"overlapping patches in member {name}", path=path)
 

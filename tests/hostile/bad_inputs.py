@@ -5,6 +5,7 @@ which the one-line error must contain (the damaged file or folder), `codes` the 
 for it, with `why` when 0 or 1 is allowed (damage that reading metadata cannot see, or that a check
 reports as a finding rather than refusing the input).
 """
+
 from __future__ import annotations
 
 import json
@@ -46,19 +47,43 @@ def _copy(samples: Path, rel: str, dst: Path) -> Path:
 
 #: (sample, files inside it to damage, kind)
 SOURCES = [
-    ("deepspeed/zero2_bf16", ["global_step4/mp_rank_00_model_states.pt",
-                              "global_step4/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"], "ds"),
-    ("deepspeed/zero3_bf16", ["global_step4/zero_pp_rank_0_mp_rank_00_model_states.pt",
-                              "global_step4/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"], "ds"),
-    ("megatron/gpt_tp2_pp2", ["global_step4/layer_03-model_01-model_states.pt",
-                              "global_step4/mp_rank_01_model_states.pt",
-                              "global_step4/bf16_zero_pp_rank_0_mp_rank_02_optim_states.pt"], "pipe"),
-    ("universal/zero2_bf16_universal", ["global_step4_universal/mp_rank_00_model_states.pt",
-                                        "global_step4_universal/zero/blocks.0.attn_proj.weight/fp32.pt"], "other"),
+    (
+        "deepspeed/zero2_bf16",
+        ["global_step4/mp_rank_00_model_states.pt", "global_step4/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"],
+        "ds",
+    ),
+    (
+        "deepspeed/zero3_bf16",
+        [
+            "global_step4/zero_pp_rank_0_mp_rank_00_model_states.pt",
+            "global_step4/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        ],
+        "ds",
+    ),
+    (
+        "megatron/gpt_tp2_pp2",
+        [
+            "global_step4/layer_03-model_01-model_states.pt",
+            "global_step4/mp_rank_01_model_states.pt",
+            "global_step4/bf16_zero_pp_rank_0_mp_rank_02_optim_states.pt",
+        ],
+        "pipe",
+    ),
+    (
+        "universal/zero2_bf16_universal",
+        [
+            "global_step4_universal/mp_rank_00_model_states.pt",
+            "global_step4_universal/zero/blocks.0.attn_proj.weight/fp32.pt",
+        ],
+        "other",
+    ),
     ("fsdp/fsdp2_dcp", [".metadata", "__0_0.distcp"], "other"),
     ("fsdp/fsdp1_sharded", ["rank0.pt"], "other"),
-    ("accelerate/accelerate_ddp", ["scheduler.bin", "optimizer.bin", "random_states_0.pkl",
-                                   "custom_checkpoint_0.pkl", "model.safetensors"], "other"),
+    (
+        "accelerate/accelerate_ddp",
+        ["scheduler.bin", "optimizer.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl", "model.safetensors"],
+        "other",
+    ),
     ("accelerate/accelerate_deepspeed", ["pytorch_model/mp_rank_00_model_states.pt", "scheduler.bin"], "ds"),
     ("torch/plain.pt", [""], "other"),
     ("safetensors/model.safetensors", [""], "other"),
@@ -66,8 +91,10 @@ SOURCES = [
 ]
 
 # reading metadata never touches these bytes: only --stats (values) or a real load would notice
-_TENSOR_BYTES = "a tensor member's bytes are not read by metadata-only commands (no CRC check); " \
-                "exit 0 is correct, the values are simply different"
+_TENSOR_BYTES = (
+    "a tensor member's bytes are not read by metadata-only commands (no CRC check); "
+    "exit 0 is correct, the values are simply different"
+)
 
 
 def build(samples: Path, root: Path) -> list[Case]:
@@ -114,25 +141,43 @@ def _zip_flips(new, src, rel, label, kind, rng) -> list[Case]:
         ck = new(f"flip-{member.replace('/', '')}-{label}", src)
         f = ck / rel if rel else ck
         with zipfile.ZipFile(f) as zf:
-            infos = [i for i in zf.infolist() if i.file_size and (
-                i.filename.endswith("/data.pkl") if member == "data.pkl" else "/data/" in i.filename)]
+            infos = [
+                i
+                for i in zf.infolist()
+                if i.file_size
+                and (i.filename.endswith("/data.pkl") if member == "data.pkl" else "/data/" in i.filename)
+            ]
         if not infos:
             shutil.rmtree(ck.parent)
             continue
         info = infos[0]
         raw = bytearray(f.read_bytes())
-        name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26: info.header_offset + 30])
+        name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26 : info.header_offset + 30])
         start = info.header_offset + 30 + name_len + extra_len
         pos = start + rng.randrange(info.file_size)
         raw[pos] ^= 0xFF
         f.write_bytes(bytes(raw))
         if member == "data.pkl":
-            codes, why = {0, 2}, ("a flipped byte inside a string or number of data.pkl changes a key or a "
-                                  "value: read as such, or refused when it breaks the opcode stream")
+            codes, why = (
+                {0, 2},
+                (
+                    "a flipped byte inside a string or number of data.pkl changes a key or a "
+                    "value: read as such, or refused when it breaks the opcode stream"
+                ),
+            )
         else:
             codes, why = {0}, _TENSOR_BYTES + "; check-tp-sync compares replica bytes, so there it may be a finding (1)"
-        out.append(Case(f"flip-{member}@{pos}-{label}", ck, kind, [f.name], codes, why,
-                        {"check-tp-sync": codes | {1}} if member != "data.pkl" else {}))
+        out.append(
+            Case(
+                f"flip-{member}@{pos}-{label}",
+                ck,
+                kind,
+                [f.name],
+                codes,
+                why,
+                {"check-tp-sync": codes | {1}} if member != "data.pkl" else {},
+            )
+        )
     return out
 
 
@@ -149,19 +194,19 @@ def _safetensors_lies(new, src, rel, label, kind) -> list[Case]:
     def header(f: Path) -> tuple[dict, bytes]:
         raw = f.read_bytes()
         (n,) = struct.unpack("<Q", raw[:8])
-        return json.loads(raw[8: 8 + n]), raw[8 + n:]
+        return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
     def write(f: Path, hdr: dict, body: bytes, length: int | None = None) -> None:
         h = json.dumps(hdr).encode()
         f.write_bytes(struct.pack("<Q", len(h) if length is None else length) + h + body)
 
     lies = {
-        "offsets-past-end": lambda h: _first(h).__setitem__("data_offsets", [0, 10 ** 9]),
+        "offsets-past-end": lambda h: _first(h).__setitem__("data_offsets", [0, 10**9]),
         "offsets-reversed": lambda h: _first(h).__setitem__("data_offsets", [64, 8]),
-        "offsets-wrong-size": lambda h: _first(h).__setitem__("data_offsets",
-                                                              [_first(h)["data_offsets"][0],
-                                                               _first(h)["data_offsets"][0] + 3]),
-        "shape-too-big": lambda h: _first(h).__setitem__("shape", [10 ** 6, 10 ** 6]),
+        "offsets-wrong-size": lambda h: _first(h).__setitem__(
+            "data_offsets", [_first(h)["data_offsets"][0], _first(h)["data_offsets"][0] + 3]
+        ),
+        "shape-too-big": lambda h: _first(h).__setitem__("shape", [10**6, 10**6]),
         "bad-dtype": lambda h: _first(h).__setitem__("dtype", "Q7"),
         "not-a-dict": lambda h: h.__setitem__(next(k for k in h if k != "__metadata__"), [1, 2]),
     }
@@ -175,7 +220,7 @@ def _safetensors_lies(new, src, rel, label, kind) -> list[Case]:
     ck = new(f"st-hdrlen-huge-{label}", src)
     f = ck / rel if rel else ck
     hdr, body = header(f)
-    write(f, hdr, body, length=2 ** 62)
+    write(f, hdr, body, length=2**62)
     out.append(Case(f"st-hdrlen-huge-{label}", ck, kind, [f.name]))
     ck = new(f"st-hdr-not-json-{label}", src)
     f = ck / rel if rel else ck
@@ -202,28 +247,58 @@ def _structural(new, samples: Path) -> list[Case]:
     out.append(Case("missing-model-states", ck, "ds", ["global_step4", "zero2_bf16"]))
 
     ck = new("extra-rank-other-run", z2)
-    shutil.copy2(samples / "deepspeed/zero2_fp32/global_step4/zero_pp_rank_1_mp_rank_00_optim_states.pt",
-                 ck / "global_step4/bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt")
-    out.append(Case("extra-rank-other-run", ck, "ds", ["zero_pp_rank_2", "global_step4"], {0, 2},
-                    "a rank file beyond dp_world_size: shown as a warning (the files of the run are complete)",
-                    warning="extra-rank-file"))
+    shutil.copy2(
+        samples / "deepspeed/zero2_fp32/global_step4/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        ck / "global_step4/bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt",
+    )
+    out.append(
+        Case(
+            "extra-rank-other-run",
+            ck,
+            "ds",
+            ["zero_pp_rank_2", "global_step4"],
+            {0, 2},
+            "a rank file beyond dp_world_size: shown as a warning (the files of the run are complete)",
+            warning="extra-rank-file",
+        )
+    )
 
     ck = new("rank-from-other-run", z2)
-    shutil.copy2(samples / "deepspeed/zero2_fp32/global_step4/zero_pp_rank_1_mp_rank_00_optim_states.pt",
-                 ck / "global_step4/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
-    out.append(Case("rank-from-other-run", ck, "ds", ["zero_pp_rank_1", "global_step4"], {0, 2},
-                    "an fp32 run's optimizer file renamed into a bf16 run: same shapes, same world size; "
-                    "the reader may accept it (it cannot know which run a file came from)"))
+    shutil.copy2(
+        samples / "deepspeed/zero2_fp32/global_step4/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        ck / "global_step4/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    )
+    out.append(
+        Case(
+            "rank-from-other-run",
+            ck,
+            "ds",
+            ["zero_pp_rank_1", "global_step4"],
+            {0, 2},
+            "an fp32 run's optimizer file renamed into a bf16 run: same shapes, same world size; "
+            "the reader may accept it (it cannot know which run a file came from)",
+        )
+    )
 
     ck = new("mixed-world-sizes", z2)
     _edit_model_states(ck / "global_step4/mp_rank_00_model_states.pt", dp_world_size=4)
     out.append(Case("mixed-world-sizes", ck, "ds", ["zero_pp_rank", "global_step4", "dp_world_size"]))
 
     ck = new("mixed-zero-stages", z2)
-    shutil.copy2(samples / "deepspeed/zero3_bf16/global_step4/zero_pp_rank_1_mp_rank_00_model_states.pt",
-                 ck / "global_step4/zero_pp_rank_1_mp_rank_00_model_states.pt")
-    out.append(Case("mixed-zero-stages", ck, "ds", ["global_step4", "zero_pp_rank_1"], {0, 2},
-                    "a stray ZeRO-3 per-rank model file inside a ZeRO-2 tag: refused or reported as a warning"))
+    shutil.copy2(
+        samples / "deepspeed/zero3_bf16/global_step4/zero_pp_rank_1_mp_rank_00_model_states.pt",
+        ck / "global_step4/zero_pp_rank_1_mp_rank_00_model_states.pt",
+    )
+    out.append(
+        Case(
+            "mixed-zero-stages",
+            ck,
+            "ds",
+            ["global_step4", "zero_pp_rank_1"],
+            {0, 2},
+            "a stray ZeRO-3 per-rank model file inside a ZeRO-2 tag: refused or reported as a warning",
+        )
+    )
 
     ck = new("latest-missing-tag", z2)
     (ck / "latest").write_text("global_step999")
@@ -243,10 +318,19 @@ def _structural(new, samples: Path) -> list[Case]:
     out.append(Case("megatron-missing-mp-rank", ck, "pipe", ["mp_rank_03", "global_step4"]))
 
     ck = new("megatron-extra-tp-rank", "megatron/gpt_tp2_pp2")
-    shutil.copy2(ck / "global_step4/layer_03-model_01-model_states.pt",
-                 ck / "global_step4/layer_03-model_02-model_states.pt")
-    out.append(Case("megatron-extra-tp-rank", ck, "pipe", ["model_02", "layer_03", "global_step4"], {0, 1, 2},
-                    "a third TP file for one layer: refused, or reported as a finding"))
+    shutil.copy2(
+        ck / "global_step4/layer_03-model_01-model_states.pt", ck / "global_step4/layer_03-model_02-model_states.pt"
+    )
+    out.append(
+        Case(
+            "megatron-extra-tp-rank",
+            ck,
+            "pipe",
+            ["model_02", "layer_03", "global_step4"],
+            {0, 1, 2},
+            "a third TP file for one layer: refused, or reported as a finding",
+        )
+    )
 
     ck = new("dcp-no-metadata", "fsdp/fsdp2_dcp")
     (ck / ".metadata").unlink()
@@ -258,13 +342,30 @@ def _structural(new, samples: Path) -> list[Case]:
 
     ck = new("fsdp1-missing-rank", "fsdp/fsdp1_sharded")
     (ck / "rank1.pt").unlink()
-    out.append(Case("fsdp1-missing-rank", ck, "other", ["rank1", "fsdp1_sharded"], {0, 2},
-                    "a lone FSDP1 rank file is a valid torch file by itself"))
+    out.append(
+        Case(
+            "fsdp1-missing-rank",
+            ck,
+            "other",
+            ["rank1", "fsdp1_sharded"],
+            {0, 2},
+            "a lone FSDP1 rank file is a valid torch file by itself",
+        )
+    )
 
     ck = new("universal-missing-fp32", "universal/zero2_bf16_universal")
     (ck / "global_step4_universal/zero/blocks.0.attn_proj.weight/fp32.pt").unlink()
-    out.append(Case("universal-missing-fp32", ck, "other", ["fp32.pt", "blocks.0.attn_proj.weight"], {0, 2},
-                    "one parameter's fp32.pt missing: inspect shows the rest and warns", warning="missing-state"))
+    out.append(
+        Case(
+            "universal-missing-fp32",
+            ck,
+            "other",
+            ["fp32.pt", "blocks.0.attn_proj.weight"],
+            {0, 2},
+            "one parameter's fp32.pt missing: inspect shows the rest and warns",
+            warning="missing-state",
+        )
+    )
 
     ck = new("universal-latest-missing", "universal/zero2_bf16_universal")
     (ck / "latest_universal").write_text("global_step7_universal")
@@ -280,8 +381,16 @@ def _structural(new, samples: Path) -> list[Case]:
 
     ck = new("accel-missing-model", "accelerate/accelerate_ddp")
     (ck / "model.safetensors").unlink()
-    out.append(Case("accel-missing-model", ck, "other", ["accelerate_ddp", "model.safetensors"], {0, 2},
-                    "an Accelerate folder without weights still holds optimizer/scheduler state to show"))
+    out.append(
+        Case(
+            "accel-missing-model",
+            ck,
+            "other",
+            ["accelerate_ddp", "model.safetensors"],
+            {0, 2},
+            "an Accelerate folder without weights still holds optimizer/scheduler state to show",
+        )
+    )
 
     d = Path(str(new("unrelated", "torch/plain.pt"))).parent
     (d / "plain.pt").unlink()
@@ -309,8 +418,16 @@ def _structural(new, samples: Path) -> list[Case]:
     with zipfile.ZipFile(samples / "torch/plain.pt") as zin, zipfile.ZipFile(d, "w", zipfile.ZIP_DEFLATED) as zout:
         for i in zin.infolist():
             zout.writestr(i.filename, zin.read(i.filename))
-    out.append(Case("zip-compressed-members", d, "other", ["plain.pt"], {0, 2},
-                    "a deflated torch zip: its pickle reads, tensor bytes are refused only when read"))
+    out.append(
+        Case(
+            "zip-compressed-members",
+            d,
+            "other",
+            ["plain.pt"],
+            {0, 2},
+            "a deflated torch zip: its pickle reads, tensor bytes are refused only when read",
+        )
+    )
 
     ck = new("rank-file-is-a-folder", z2)
     f = ck / "global_step4/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -333,8 +450,9 @@ def _structural(new, samples: Path) -> list[Case]:
     root_empty.mkdir()
     out.append(Case("empty-dir", d, "other", ["empty"]))
 
-    out.append(Case("no-such-path", new("no-such", "torch/plain.pt").parent / "does-not-exist", "other",
-                    ["does-not-exist"]))
+    out.append(
+        Case("no-such-path", new("no-such", "torch/plain.pt").parent / "does-not-exist", "other", ["does-not-exist"])
+    )
     return out
 
 

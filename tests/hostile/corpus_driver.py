@@ -1,6 +1,7 @@
 """Runs a list of `ckpt` command lines in ONE process (in-process, fast), one JSON line per run to a results file,
 written before (`start`) and after (`end`) each run: a signal death (a segfault in C code) kills this process, and
 the parent then knows which run did it. Usage: python corpus_driver.py JOBS.json RESULTS.jsonl"""
+
 from __future__ import annotations
 
 import json
@@ -21,9 +22,20 @@ def main() -> None:
             out.flush()
             os.fsync(out.fileno())
             r = run(*job["argv"], timeout=job.get("timeout", 120))
-            out.write(json.dumps({"id": job["id"], "code": r.code, "traceback": r.traceback, "hung": r.hung,
-                                  "warned": "unknown-global" in r.stdout, "carried": "untrusted-pickle" in r.stdout,
-                                  "errors": r.error_lines()[-5:]}) + "\n")
+            out.write(
+                json.dumps(
+                    {
+                        "id": job["id"],
+                        "code": r.code,
+                        "traceback": r.traceback,
+                        "hung": r.hung,
+                        "warned": "unknown-global" in r.stdout,
+                        "carried": "untrusted-pickle" in r.stdout,
+                        "errors": r.error_lines()[-5:],
+                    }
+                )
+                + "\n"
+            )
             out.flush()
 
 

@@ -7,6 +7,7 @@ whose top object is not a dict or that use protocol-4 frames). `build_corpus` wr
 `CONTROL_SCRIPT` proves each payload is live: run with the real `pickle` / `torch.load(weights_only=False)`
 it creates the marker.
 """
+
 from __future__ import annotations
 
 import io
@@ -22,7 +23,16 @@ from pathlib import Path
 
 MARK, STOP, POP, TUPLE, TUPLE1, TUPLE2, EMPTY_TUPLE = b"(", b".", b"0", b"t", b"\x85", b"\x86", b")"
 REDUCE, BUILD, NONE, EMPTY_DICT, SETITEM, LIST, NEWOBJ, EMPTY_LIST, APPEND = (
-    b"R", b"b", b"N", b"}", b"s", b"l", b"\x81", b"]", b"a")
+    b"R",
+    b"b",
+    b"N",
+    b"}",
+    b"s",
+    b"l",
+    b"\x81",
+    b"]",
+    b"a",
+)
 
 
 def glob(module: str, name: str) -> bytes:
@@ -56,29 +66,50 @@ def _code(marker: Path) -> str:
 def payloads(marker: Path) -> dict[str, tuple[bytes, list[str]]]:
     cmd, code = _cmd(marker), _code(marker)
     exec_via_print = call1(getattr_(getattr_(glob("builtins", "print"), "__self__"), "exec"), text(code))
-    subclasses = getattr_(getattr_(getattr_(EMPTY_TUPLE, "__class__"), "__base__"), "__subclasses__") + EMPTY_TUPLE + REDUCE
+    subclasses = (
+        getattr_(getattr_(getattr_(EMPTY_TUPLE, "__class__"), "__base__"), "__subclasses__") + EMPTY_TUPLE + REDUCE
+    )
     return {
         "os_system": (call1(glob("os", "system"), text(cmd)), ["os.system"]),
         "posix_system": (call1(glob("posix", "system"), text(cmd)), ["posix.system"]),
-        "subprocess_popen": (call1(glob("subprocess", "Popen"), MARK + text("touch") + text(str(marker)) + LIST),
-                             ["subprocess.Popen"]),
+        "subprocess_popen": (
+            call1(glob("subprocess", "Popen"), MARK + text("touch") + text(str(marker)) + LIST),
+            ["subprocess.Popen"],
+        ),
         "builtins_eval": (call1(glob("builtins", "eval"), text(code)), ["builtins.eval"]),
         "builtins_exec": (call1(glob("builtins", "exec"), text(code)), ["builtins.exec"]),
         # getattr(__import__('os'), 'system')(cmd)
-        "import_getattr": (call1(getattr_(call1(glob("builtins", "__import__"), text("os")), "system"), text(cmd)),
-                           ["builtins.__import__"]),
+        "import_getattr": (
+            call1(getattr_(call1(glob("builtins", "__import__"), text("os")), "system"), text(cmd)),
+            ["builtins.__import__"],
+        ),
         # getattr(getattr(print, '__self__'), 'exec')(code): only an innocent-looking global is named
         "getattr_chain_exec": (exec_via_print, ["builtins.print"]),
         # ().__class__.__base__.__subclasses__() next to the exec chain
         "subclasses_chain": (MARK + subclasses + exec_via_print + TUPLE, ["builtins.print"]),
         # a __reduce__ chain: os.system(str(eval(repr(cmd))))
-        "reduce_chain": (call1(glob("os", "system"), call1(glob("builtins", "str"),
-                                                            call1(glob("builtins", "eval"), text(repr(cmd))))),
-                         ["os.system", "builtins.eval"]),
+        "reduce_chain": (
+            call1(
+                glob("os", "system"), call1(glob("builtins", "str"), call1(glob("builtins", "eval"), text(repr(cmd))))
+            ),
+            ["os.system", "builtins.eval"],
+        ),
         # BUILD sets an instance attribute __setstate__ = os.system, the second BUILD calls it
-        "setstate_injection": (glob("argparse", "Namespace") + EMPTY_TUPLE + NEWOBJ + NONE + EMPTY_DICT
-                               + text("__setstate__") + glob("os", "system") + SETITEM + TUPLE2 + BUILD
-                               + text(cmd) + BUILD, ["os.system"]),
+        "setstate_injection": (
+            glob("argparse", "Namespace")
+            + EMPTY_TUPLE
+            + NEWOBJ
+            + NONE
+            + EMPTY_DICT
+            + text("__setstate__")
+            + glob("os", "system")
+            + SETITEM
+            + TUPLE2
+            + BUILD
+            + text(cmd)
+            + BUILD,
+            ["os.system"],
+        ),
         # protocol 0 INST and OBJ, protocol 4 STACK_GLOBAL
         "inst_opcode": (MARK + text(cmd) + b"i" + b"os\nsystem\n", ["os.system"]),
         "obj_opcode": (MARK + glob("os", "system") + text(cmd) + b"o", ["os.system"]),
@@ -98,7 +129,7 @@ def _split_pickles(data: bytes) -> list[bytes]:
         for op, _arg, p in pickletools.genops(f):
             if op.name == "STOP":
                 end = p + 1
-        out.append(data[pos: pos + end])
+        out.append(data[pos : pos + end])
         pos += end
     out.append(data[pos:])
     return out
@@ -163,8 +194,13 @@ TARGETS = [
     ("fsdp", "fsdp2_dcp", ".metadata", "prefix", "plain"),
     ("fsdp", "fsdp1_sharded", "rank1.pt", "prefix", "plain"),
     ("universal", "zero2_bf16_universal", "global_step4_universal/mp_rank_00_model_states.pt", "setitem", "plain"),
-    ("universal", "zero2_bf16_universal", "global_step4_universal/zero/blocks.0.attn_proj.weight/fp32.pt",
-     "setitem", "plain"),
+    (
+        "universal",
+        "zero2_bf16_universal",
+        "global_step4_universal/zero/blocks.0.attn_proj.weight/fp32.pt",
+        "setitem",
+        "plain",
+    ),
     ("torch", "plain.pt", "", "setitem", "plain"),
 ]
 
@@ -240,15 +276,32 @@ def _deep_cases(root: Path, markers: Path, samples: Path) -> list[Hostile]:
 
     out = []
     specs = [
-        ("deep-ds-optim-param-group", ("deepspeed", "zero2_bf16",
-                                       "global_step4/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"), "ds",
-         lambda sd, ev: sd["optimizer_state_dict"]["base_optimizer_state"]["param_groups"][0].__setitem__("hook", ev)),
-        ("deep-ds-model-config", ("deepspeed", "zero2_bf16", "global_step4/mp_rank_00_model_states.pt"), "ds",
-         lambda sd, ev: sd["ds_config"].__setitem__("optimizer", {"params": {"lr": ev}})),
-        ("deep-accel-scheduler-lambda", ("accelerate", "accelerate_ddp", "scheduler.bin"), "plain",
-         lambda sd, ev: sd["lr_lambdas"].__setitem__(0, {"fn": ev})),
-        ("deep-pipe-layer-weight-list", ("megatron", "gpt_tp2_pp2", "global_step4/layer_02-model_00-model_states.pt"),
-         "pipe", lambda sd, ev: sd.__setitem__("extra", [1, (2, {"x": ev})])),
+        (
+            "deep-ds-optim-param-group",
+            ("deepspeed", "zero2_bf16", "global_step4/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+            "ds",
+            lambda sd, ev: sd["optimizer_state_dict"]["base_optimizer_state"]["param_groups"][0].__setitem__(
+                "hook", ev
+            ),
+        ),
+        (
+            "deep-ds-model-config",
+            ("deepspeed", "zero2_bf16", "global_step4/mp_rank_00_model_states.pt"),
+            "ds",
+            lambda sd, ev: sd["ds_config"].__setitem__("optimizer", {"params": {"lr": ev}}),
+        ),
+        (
+            "deep-accel-scheduler-lambda",
+            ("accelerate", "accelerate_ddp", "scheduler.bin"),
+            "plain",
+            lambda sd, ev: sd["lr_lambdas"].__setitem__(0, {"fn": ev}),
+        ),
+        (
+            "deep-pipe-layer-weight-list",
+            ("megatron", "gpt_tp2_pp2", "global_step4/layer_02-model_00-model_states.pt"),
+            "pipe",
+            lambda sd, ev: sd.__setitem__("extra", [1, (2, {"x": ev})]),
+        ),
     ]
     for case, (group, name, rel), kind, place in specs:
         ck = _copy_sample(samples, group, name, root / case)
@@ -279,8 +332,11 @@ def _legacy_cases(root: Path, markers: Path) -> list[Hostile]:
         d = root / case
         d.mkdir(parents=True)
         f = d / "legacy.pt"
-        torch.save({"model": {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}, "step": 3}, f,
-                   _use_new_zipfile_serialization=False)
+        torch.save(
+            {"model": {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}, "step": 3},
+            f,
+            _use_new_zipfile_serialization=False,
+        )
         marker = markers / case
         code, gl = payloads(marker)[name]
         poison_file(f, code, "setitem")

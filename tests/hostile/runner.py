@@ -1,5 +1,6 @@
 """Run `ckpt` commands in this process (fast: no interpreter start, no torch import per call) with a
 time limit, and snapshot folders to prove a command wrote nothing."""
+
 from __future__ import annotations
 
 import contextlib

@@ -1,5 +1,6 @@
 """An opcode walk independent of ckpt's reader: the globals a pickle names (GLOBAL, INST, STACK_GLOBAL resolved
 through a simulated stack and memo), and the torch.save zips inside a file, for checking what ckpt wrote."""
+
 from __future__ import annotations
 
 import pickletools
@@ -24,8 +25,15 @@ def pickle_globals(data: bytes) -> list[tuple[str, str]]:
             out.append((module, attr) if isinstance(module, str) and isinstance(attr, str) else ("?", "?"))
             stack.append(None)
             continue
-        if name in ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING",
-                    "SHORT_BINSTRING"):
+        if name in (
+            "SHORT_BINUNICODE",
+            "BINUNICODE",
+            "BINUNICODE8",
+            "UNICODE",
+            "STRING",
+            "BINSTRING",
+            "SHORT_BINSTRING",
+        ):
             stack.append(arg if isinstance(arg, str) else None)
             continue
         if name in ("GET", "BINGET", "LONG_BINGET"):
@@ -69,12 +77,12 @@ def zip_pickles(path: Path) -> list[tuple[list[str], bytes]]:
         eocd = raw.rfind(b"PK\x05\x06", 0, end)
         if eocd < 0:
             break
-        cd_size = int.from_bytes(raw[eocd + 12: eocd + 16], "little")
-        cd_off = int.from_bytes(raw[eocd + 16: eocd + 20], "little")
-        if raw[eocd - 20: eocd - 16] == b"PK\x06\x07":  # zip64: its end record sits before the locator
+        cd_size = int.from_bytes(raw[eocd + 12 : eocd + 16], "little")
+        cd_off = int.from_bytes(raw[eocd + 16 : eocd + 20], "little")
+        if raw[eocd - 20 : eocd - 16] == b"PK\x06\x07":  # zip64: its end record sits before the locator
             loc = raw.rfind(b"PK\x06\x06", 0, eocd - 20)
-            cd_size = int.from_bytes(raw[loc + 40: loc + 48], "little")
-            cd_off = int.from_bytes(raw[loc + 48: loc + 56], "little")
+            cd_size = int.from_bytes(raw[loc + 40 : loc + 48], "little")
+            cd_off = int.from_bytes(raw[loc + 48 : loc + 56], "little")
             cd_start = loc - cd_size
         else:
             cd_start = eocd - cd_size
@@ -82,7 +90,7 @@ def zip_pickles(path: Path) -> list[tuple[list[str], bytes]]:
         import io
 
         try:
-            with zipfile.ZipFile(io.BytesIO(raw[start: eocd + 22])) as zf:
+            with zipfile.ZipFile(io.BytesIO(raw[start : eocd + 22])) as zf:
                 names = zf.namelist()
                 pkl = [n for n in names if n.endswith("data.pkl")]
                 out.append((names, zf.read(pkl[-1]) if pkl else b""))
@@ -112,7 +120,7 @@ def file_globals(path: Path) -> tuple[list[tuple[str, str]], list[str]]:
             try:
                 for op, _, p in pickletools.genops(data[pos:]):
                     if op.name == "STOP":
-                        gl += pickle_globals(data[pos: pos + p + 1])
+                        gl += pickle_globals(data[pos : pos + p + 1])
                         pos += p + 1
                         break
             except Exception:  # noqa: BLE001  raw tensor bytes follow

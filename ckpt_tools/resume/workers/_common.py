@@ -13,6 +13,7 @@ applies the closed-form Adam/AdamW (or SGD-momentum) update with the gradient th
 LR the parent computed from the saved schedule, and compares moments, step and parameter update after every
 update. The expected state chains from its own previous expectation, so a wrong start shows on every step.
 """
+
 from __future__ import annotations
 
 import json
@@ -121,8 +122,14 @@ def saved_states_by_position(osd: Mapping) -> list[dict[str, torch.Tensor] | Non
     for g in osd.get("param_groups") or []:
         for pid in g.get("params", []):
             s = state.get(pid, state.get(str(pid)))
-            out.append({k: (v.detach().float().clone() if torch.is_tensor(v) else torch.tensor(float(v)))
-                        for k, v in s.items()} if s else None)
+            out.append(
+                {
+                    k: (v.detach().float().clone() if torch.is_tensor(v) else torch.tensor(float(v)))
+                    for k, v in s.items()
+                }
+                if s
+                else None
+            )
     return out if any(x is not None for x in out) else None  # an empty `state`: nothing was saved
 
 
@@ -159,8 +166,9 @@ class OptimizerCheck:
     order); `expected_lrs[k]` is the LR per group the saved schedule prescribes for update k (None: use the
     live LR, and say so)."""
 
-    def __init__(self, optimizer: Any, saved: list[dict[str, torch.Tensor] | None] | None,
-                 expected_lrs: list[list[float]] | None):
+    def __init__(
+        self, optimizer: Any, saved: list[dict[str, torch.Tensor] | None] | None, expected_lrs: list[list[float]] | None
+    ):
         self.opt = innermost(optimizer)
         self.groups = list(self.opt.param_groups)
         self.params = [p for g in self.groups for p in g["params"]]
@@ -173,8 +181,10 @@ class OptimizerCheck:
         elif len(saved) != len(self.params):
             self.problem = f"the live optimizer has {len(self.params)} parameters, the saved state {len(saved)}"
             saved = [None] * len(self.params)
-        self.expected = [None if st is None else {k: local_slice(v, p) if v.dim() else v for k, v in st.items()}
-                         for st, p in zip(saved, self.params)]
+        self.expected = [
+            None if st is None else {k: local_slice(v, p) if v.dim() else v for k, v in st.items()}
+            for st, p in zip(saved, self.params)
+        ]
         self.expected_lrs = expected_lrs
         self.k = 0
         self._new_update()
@@ -183,8 +193,13 @@ class OptimizerCheck:
         self.opt.register_step_post_hook(self._post)
 
     def _new_update(self) -> None:
-        self.cur = {"errors": {"exp_avg": 0.0, "exp_avg_sq": 0.0, "momentum_buffer": 0.0, "update": 0.0},
-                    "steps_bad": [], "checked": 0, "kinds": set(), "lr_from_plan": True}
+        self.cur = {
+            "errors": {"exp_avg": 0.0, "exp_avg_sq": 0.0, "momentum_buffer": 0.0, "update": 0.0},
+            "steps_bad": [],
+            "checked": 0,
+            "kinds": set(),
+            "lr_from_plan": True,
+        }
 
     def _current(self) -> list[int]:
         """Indices of the parameters in the groups being stepped now (DeepSpeed ZeRO steps one group at a time
@@ -222,26 +237,44 @@ class OptimizerCheck:
                 if group.get("maximize"):
                     self.problem = "maximize=True Adam: no closed form here"
                     continue
-                want = expected_adam(before, grad, saved.get("exp_avg"), saved.get("exp_avg_sq"),
-                                     saved.get("step"), lr=lr, betas=group["betas"], eps=float(group["eps"]),
-                                     weight_decay=wd, decoupled=kind == "adamw", amsgrad=bool(group.get("amsgrad")),
-                                     max_exp_avg_sq=saved.get("max_exp_avg_sq"))
+                want = expected_adam(
+                    before,
+                    grad,
+                    saved.get("exp_avg"),
+                    saved.get("exp_avg_sq"),
+                    saved.get("step"),
+                    lr=lr,
+                    betas=group["betas"],
+                    eps=float(group["eps"]),
+                    weight_decay=wd,
+                    decoupled=kind == "adamw",
+                    amsgrad=bool(group.get("amsgrad")),
+                    max_exp_avg_sq=saved.get("max_exp_avg_sq"),
+                )
                 err["exp_avg"] = max(err["exp_avg"], _rel(live.get("exp_avg"), want["exp_avg"]))
                 err["exp_avg_sq"] = max(err["exp_avg_sq"], _rel(live.get("exp_avg_sq"), want["exp_avg_sq"]))
                 live_step = float(live["step"]) if "step" in live else float("nan")
                 if live_step != float(want["step"]):
                     self.cur["steps_bad"].append((float(want["step"]), live_step))
-                self.expected[i] = {k: (v if torch.is_tensor(v) else torch.tensor(float(v)))
-                                    for k, v in want.items() if k != "param"}
+                self.expected[i] = {
+                    k: (v if torch.is_tensor(v) else torch.tensor(float(v))) for k, v in want.items() if k != "param"
+                }
                 after = want["param"]
             elif kind == "sgd":
-                want = expected_sgd(before, grad, saved.get("momentum_buffer"), lr=lr,
-                                    momentum=float(group.get("momentum", 0.0)),
-                                    dampening=float(group.get("dampening", 0.0)), weight_decay=wd,
-                                    nesterov=bool(group.get("nesterov")))
+                want = expected_sgd(
+                    before,
+                    grad,
+                    saved.get("momentum_buffer"),
+                    lr=lr,
+                    momentum=float(group.get("momentum", 0.0)),
+                    dampening=float(group.get("dampening", 0.0)),
+                    weight_decay=wd,
+                    nesterov=bool(group.get("nesterov")),
+                )
                 if want["momentum_buffer"] is not None:
-                    err["momentum_buffer"] = max(err["momentum_buffer"],
-                                                 _rel(live.get("momentum_buffer"), want["momentum_buffer"]))
+                    err["momentum_buffer"] = max(
+                        err["momentum_buffer"], _rel(live.get("momentum_buffer"), want["momentum_buffer"])
+                    )
                     self.expected[i] = {"momentum_buffer": want["momentum_buffer"]}
                 after = want["param"]
             else:
@@ -260,8 +293,11 @@ class OptimizerCheck:
         self._new_update()
         self.k += 1
         names = ["exp_avg", "exp_avg_sq", "momentum_buffer", "update"]
-        vals = torch.tensor([r["errors"][n] for n in names] + [float(bool(r["steps_bad"])), float(r["checked"]),
-                                                              float(bool(self.problem))], dtype=torch.float64)
+        vals = torch.tensor(
+            [r["errors"][n] for n in names]
+            + [float(bool(r["steps_bad"])), float(r["checked"]), float(bool(self.problem))],
+            dtype=torch.float64,
+        )
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -272,10 +308,16 @@ class OptimizerCheck:
             dist.all_reduce(checked, op=dist.ReduceOp.SUM)
             vals[5] = checked[0]
             vals = vals.cpu()
-        return {"errors": {n: float(vals[i]) for i, n in enumerate(names)}, "any_step_bad": bool(vals[4]),
-                "steps_bad": r["steps_bad"][:3], "checked": int(vals[5]), "kinds": sorted(r["kinds"]),
-                "lr_from_plan": r["lr_from_plan"], "problem": self.problem or (
-                    "another rank found a problem" if vals[6] else None), "tol": REL_TOL}
+        return {
+            "errors": {n: float(vals[i]) for i, n in enumerate(names)},
+            "any_step_bad": bool(vals[4]),
+            "steps_bad": r["steps_bad"][:3],
+            "checked": int(vals[5]),
+            "kinds": sorted(r["kinds"]),
+            "lr_from_plan": r["lr_from_plan"],
+            "problem": self.problem or ("another rank found a problem" if vals[6] else None),
+            "tol": REL_TOL,
+        }
 
 
 def _rel(live: Any, want: torch.Tensor, floor: float = 0.0) -> float:
@@ -325,7 +367,9 @@ class Replica(torch.nn.Module):
                 if part not in owner._modules:
                     owner.add_module(part, torch.nn.Module())
                 owner = owner._modules[part]
-            owner.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape, dtype=DTYPES.get(dtype, torch.float32))))
+            owner.register_parameter(
+                leaf, torch.nn.Parameter(torch.zeros(shape, dtype=DTYPES.get(dtype, torch.float32)))
+            )
         dirs = directions([(n, tuple(s)) for n, s, _ in specs], seed=seed)
         self._dirs = {n: dirs[n] for n in self.names}
 
@@ -345,8 +389,23 @@ def build_optimizer(kind: str, groups: list[dict[str, Any]]) -> torch.optim.Opti
     """An optimizer of the saved kind over `groups` (each: params + the saved hyperparameters)."""
     clean = []
     for g in groups:
-        h = {k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay", "amsgrad",
-                                                    "momentum", "dampening", "nesterov", "maximize")}
+        h = {
+            k: v
+            for k, v in g.items()
+            if k
+            in (
+                "params",
+                "lr",
+                "betas",
+                "eps",
+                "weight_decay",
+                "amsgrad",
+                "momentum",
+                "dampening",
+                "nesterov",
+                "maximize",
+            )
+        }
         if "betas" in h:
             h["betas"] = tuple(h["betas"])
         clean.append(h)
@@ -354,8 +413,12 @@ def build_optimizer(kind: str, groups: list[dict[str, Any]]) -> torch.optim.Opti
     return cls(clean)
 
 
-def build_scheduler(kind: str | None, state: dict[str, Any] | None, optimizer: torch.optim.Optimizer,
-                    lr_lambda: Callable[[int], float] | None = None) -> Any:
+def build_scheduler(
+    kind: str | None,
+    state: dict[str, Any] | None,
+    optimizer: torch.optim.Optimizer,
+    lr_lambda: Callable[[int], float] | None = None,
+) -> Any:
     """A torch scheduler of the saved class, constructed from its saved state dict (the framework then loads that
     state into it). LambdaLR/MultiplicativeLR get `lr_lambda` (the user's `--scheduler`, or a constant
     placeholder: its LRs after the first resumed update are then not checked)."""
@@ -380,15 +443,23 @@ def build_scheduler(kind: str | None, state: dict[str, Any] | None, optimizer: t
     if kind == "OneCycleLR":
         max_lrs = [float(g.get("max_lr", g["lr"])) for g in optimizer.param_groups]
         phases = state.get("_schedule_phases") or []
-        return S.OneCycleLR(optimizer, max_lr=max_lrs, total_steps=int(state["total_steps"]),
-                            three_phase=len(phases) == 3,
-                            anneal_strategy="linear" if state.get("_anneal_func_type") == "linear" else "cos",
-                            cycle_momentum=bool(state.get("cycle_momentum", False)),
-                            div_factor=float(max_lrs[0] / optimizer.param_groups[0].get("initial_lr", max_lrs[0] / 25)),
-                            final_div_factor=1e4)
+        return S.OneCycleLR(
+            optimizer,
+            max_lr=max_lrs,
+            total_steps=int(state["total_steps"]),
+            three_phase=len(phases) == 3,
+            anneal_strategy="linear" if state.get("_anneal_func_type") == "linear" else "cos",
+            cycle_momentum=bool(state.get("cycle_momentum", False)),
+            div_factor=float(max_lrs[0] / optimizer.param_groups[0].get("initial_lr", max_lrs[0] / 25)),
+            final_div_factor=1e4,
+        )
     if kind == "LinearLR":
-        return S.LinearLR(optimizer, start_factor=float(state["start_factor"]), end_factor=float(state["end_factor"]),
-                          total_iters=int(state["total_iters"]))
+        return S.LinearLR(
+            optimizer,
+            start_factor=float(state["start_factor"]),
+            end_factor=float(state["end_factor"]),
+            total_iters=int(state["total_iters"]),
+        )
     if kind == "ConstantLR":
         return S.ConstantLR(optimizer, factor=float(state["factor"]), total_iters=int(state["total_iters"]))
     raise RuntimeError(f"no model-free rebuild of a {kind} scheduler")

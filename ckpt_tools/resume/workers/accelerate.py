@@ -9,6 +9,7 @@ then updates with the synthetic loss (gradient known exactly): optimizer.step(),
 training script does. DeepSpeed ZeRO (the `pytorch_model/` tag folder) goes through Accelerate's DeepSpeed
 plugin with the saved ds_config.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,8 +52,11 @@ def make_accelerator(plan: dict[str, Any]):
             PartialState(backend="gloo")
         cfg = plan["ds_config"]
         plugin = DeepSpeedPlugin(hf_ds_config=cfg)
-        mp = "bf16" if (cfg.get("bf16") or {}).get("enabled") else ("fp16" if (cfg.get("fp16") or {}).get("enabled")
-                                                                   else "no")
+        mp = (
+            "bf16"
+            if (cfg.get("bf16") or {}).get("enabled")
+            else ("fp16" if (cfg.get("fp16") or {}).get("enabled") else "no")
+        )
         return Accelerator(deepspeed_plugin=plugin, mixed_precision=mp)
     from accelerate import Accelerator
 
@@ -79,7 +83,7 @@ def main(plan: dict[str, Any]) -> None:
     prepared = accelerator.prepare(*models, *optimizers, *schedulers)
     prepared = list(prepared) if isinstance(prepared, (list, tuple)) else [prepared]
     n_m, n_o = len(models), len(optimizers)
-    wrapped, opts, scheds = prepared[:n_m], prepared[n_m:n_m + n_o], prepared[n_m + n_o:]
+    wrapped, opts, scheds = prepared[:n_m], prepared[n_m : n_m + n_o], prepared[n_m + n_o :]
 
     accelerator.load_state(plan["load_dir"])
 
@@ -87,7 +91,7 @@ def main(plan: dict[str, Any]) -> None:
     checks, g0 = [], 0
     for i, opt in enumerate(opts):
         n_groups = len(opt.param_groups)
-        exp_i = [None if row is None else row[g0:g0 + n_groups] for row in expected] if expected else None
+        exp_i = [None if row is None else row[g0 : g0 + n_groups] for row in expected] if expected else None
         g0 += n_groups
         f = plan["models"][i].get("optimizer_files") or []
         saved = c.saved_osd_file(os.path.join(plan["load_dir"], f[c.rank()] if len(f) > 1 else f[0])) if f else None
@@ -99,12 +103,15 @@ def main(plan: dict[str, Any]) -> None:
         return s
 
     if c.rank() == 0:
-        c.emit("loaded", optimizer_step=c.adam_step(opts[0]) if opts else None,
-               optimizer_steps=[c.adam_step(o) for o in opts],
-               scheduler_position=[getattr(inner_sched(s), "last_epoch", None) for s in scheds],
-               lr=[lr for o in opts for lr in c.lrs(o)],
-               custom_states=[_plain(o.state) for o in customs],
-               global_step=getattr(wrapped[0], "global_steps", None))
+        c.emit(
+            "loaded",
+            optimizer_step=c.adam_step(opts[0]) if opts else None,
+            optimizer_steps=[c.adam_step(o) for o in opts],
+            scheduler_position=[getattr(inner_sched(s), "last_epoch", None) for s in scheds],
+            lr=[lr for o in opts for lr in c.lrs(o)],
+            custom_states=[_plain(o.state) for o in customs],
+            global_step=getattr(wrapped[0], "global_steps", None),
+        )
     for k in range(plan["steps"]):
         used = [lr for o in opts for lr in c.lrs(o)]
         loss = None
@@ -122,11 +129,17 @@ def main(plan: dict[str, Any]) -> None:
         if c.rank() == 0:
             steps = [c.adam_step(o) for o in opts]
             live = getattr(wrapped[0], "global_steps", None)  # DeepSpeed's engine counts; DDP keeps no counter
-            c.emit("step", step=int(live) if live is not None else (plan.get("global_step") or 0) + k + 1,
-                   step_is_live=live is not None, loss=float(loss.detach()), lr=used,
-                   optimizer_step=steps[0] if len(set(steps)) == 1 else None, optimizer_steps=steps,
-                   opt_check=result,
-                   scheduler_position=[getattr(inner_sched(s), "last_epoch", None) for s in scheds])
+            c.emit(
+                "step",
+                step=int(live) if live is not None else (plan.get("global_step") or 0) + k + 1,
+                step_is_live=live is not None,
+                loss=float(loss.detach()),
+                lr=used,
+                optimizer_step=steps[0] if len(set(steps)) == 1 else None,
+                optimizer_steps=steps,
+                opt_check=result,
+                scheduler_position=[getattr(inner_sched(s), "last_epoch", None) for s in scheds],
+            )
     accelerator.wait_for_everyone()
     if c.rank() == 0:
         c.emit("done")

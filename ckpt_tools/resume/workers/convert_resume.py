@@ -28,6 +28,7 @@ REC (written by rank 0): one record per update: {"step", "lr" (used by the updat
 "loss"}. STATE (rank 0, replica only): torch.save of {name: {"fp32", "exp_avg", "exp_avg_sq"}} after the
 first update, gathered whole.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,9 @@ from ckpt_tools.samples.workers import _common as c
 _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "initial_lr")
 
 
-def spec_from_checkpoint(ck: Any, *, scheduler_class: str | None = None, seed: int = 0,
-                         max_norm: float | None = 1.0, bf16: bool = True) -> dict[str, Any]:
+def spec_from_checkpoint(
+    ck: Any, *, scheduler_class: str | None = None, seed: int = 0, max_norm: float | None = 1.0, bf16: bool = True
+) -> dict[str, Any]:
     """The SPEC of a checkpoint, from its logical view (any format): trainable parameters, groups, scheduler."""
     from ckpt_tools.view import logical as L
 
@@ -52,8 +54,11 @@ def spec_from_checkpoint(ck: Any, *, scheduler_class: str | None = None, seed: i
     model = L.model_tensors(ck, tied="dedupe")
     groups = L.param_groups(ck)
     members = {n for g in groups for n in g["params"]}
-    specs = [{"name": t.name, "shape": list(t.shape), "requires_grad": t.name in members}
-             for t in model if t.kind in ("param", "frozen")]
+    specs = [
+        {"name": t.name, "shape": list(t.shape), "requires_grad": t.name in members}
+        for t in model
+        if t.kind in ("param", "frozen")
+    ]
     sched = None
     if scheduler_class:
         hold = [float(g["lr"]) / float(g.get("initial_lr") or g["lr"]) for g in groups]
@@ -61,11 +66,16 @@ def spec_from_checkpoint(ck: Any, *, scheduler_class: str | None = None, seed: i
     from ckpt_tools.read.tree import saved_config
 
     ds_sched = saved_config(ck).get("scheduler")
-    return {"ds_scheduler": ds_sched if isinstance(ds_sched, dict) else None,
-            "specs": specs, "groups": [{"names": list(g["params"]),
-                                        "options": {k: g[k] for k in _GROUP_KEYS if k in g}} for g in groups],
-            "scheduler": sched, "seed": seed, "max_norm": max_norm, "bf16": bf16,
-            "global_step": ck.counters.global_step}
+    return {
+        "ds_scheduler": ds_sched if isinstance(ds_sched, dict) else None,
+        "specs": specs,
+        "groups": [{"names": list(g["params"]), "options": {k: g[k] for k in _GROUP_KEYS if k in g}} for g in groups],
+        "scheduler": sched,
+        "seed": seed,
+        "max_norm": max_norm,
+        "bf16": bf16,
+        "global_step": ck.counters.global_step,
+    }
 
 
 def _replica(spec: dict[str, Any]):
@@ -113,8 +123,9 @@ def _fsdp2_state(model, optimizer, scheduler, layout: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     flatten = layout == "torchtitan"
-    model_sd, optim_sd = get_state_dict(model, optimizer,
-                                        options=StateDictOptions(flatten_optimizer_state_dict=flatten))
+    model_sd, optim_sd = get_state_dict(
+        model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flatten)
+    )
     if layout == "torchtitan":  # torchtitan 0.3.0's CheckpointManager: the model's keys flat at the top level
         state = {**model_sd, "optimizer": optim_sd, "train_state": {"step": 0}}
         if scheduler is not None:
@@ -135,8 +146,11 @@ def fsdp2_resume(args, spec: dict[str, Any]) -> None:
     mesh = init_device_mesh("cpu", (c.world_size(),))
     if args.model == "tinygpt":
         model = c.build_model()
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if spec.get("bf16") \
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if spec.get("bf16")
             else MixedPrecisionPolicy()
+        )
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -151,10 +165,18 @@ def fsdp2_resume(args, spec: dict[str, Any]) -> None:
     inner = state["app"] if args.layout == "recipe" else state
     titan = args.layout == "torchtitan"
     opt_key = "optimizer" if titan else "optim"
-    model_state = {k: v for k, v in inner.items() if k not in ("optimizer", "train_state", "lr_scheduler")} \
-        if titan else inner["model"]
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=inner[opt_key],
-                   options=StateDictOptions(flatten_optimizer_state_dict=titan))
+    model_state = (
+        {k: v for k, v in inner.items() if k not in ("optimizer", "train_state", "lr_scheduler")}
+        if titan
+        else inner["model"]
+    )
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=model_state,
+        optim_state_dict=inner[opt_key],
+        options=StateDictOptions(flatten_optimizer_state_dict=titan),
+    )
     if scheduler is not None and titan:
         # torchtitan's LRSchedulersContainer.load_state_dict: the schedule is the one built from the config (here
         # SPEC), only the position is restored; the first update uses the optimizer's loaded lr
@@ -178,8 +200,9 @@ def fsdp2_resume(args, spec: dict[str, Any]) -> None:
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
-        records.append({"step": step + i + 1, "lr": lrs, "optimizer_step": c.adam_step(optimizer),
-                        "loss": float(loss.detach())})
+        records.append(
+            {"step": step + i + 1, "lr": lrs, "optimizer_step": c.adam_step(optimizer), "loss": float(loss.detach())}
+        )
         if i == 0 and args.state is not None and directions is not None:
             out = {}
             for name, p in model.named_parameters():
@@ -212,8 +235,10 @@ def deepspeed_resume(args, spec: dict[str, Any]) -> None:
         optimizer, scheduler = _optimizer(model, {**spec, "scheduler": None} if ds_sched else spec)
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": c.MICRO_BATCH if directions is None else 1,
-        "gradient_accumulation_steps": gas, "steps_per_print": 1000,
-        "bf16": {"enabled": bool(spec.get("bf16"))}, "zero_optimization": {"stage": args.stage},
+        "gradient_accumulation_steps": gas,
+        "steps_per_print": 1000,
+        "bf16": {"enabled": bool(spec.get("bf16"))},
+        "zero_optimization": {"stage": args.stage},
     }
     cfg["train_batch_size"] = cfg["train_micro_batch_size_per_gpu"] * gas * world
     if spec.get("max_norm"):
@@ -222,8 +247,13 @@ def deepspeed_resume(args, spec: dict[str, Any]) -> None:
         cfg["checkpoint"] = {"load_universal": True}
     if ds_sched:  # DeepSpeed's own scheduler, from the source's config, as the source run had it
         cfg["scheduler"] = ds_sched
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg,
-                                           model_parameters=[p for p in model.parameters()])
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=cfg,
+        model_parameters=[p for p in model.parameters()],
+    )
     load_path, _ = engine.load_checkpoint(str(args.ckpt), load_lr_scheduler_states=True)
     if load_path is None:
         raise SystemExit(f"DeepSpeed found no checkpoint in {args.ckpt}")
@@ -240,8 +270,14 @@ def deepspeed_resume(args, spec: dict[str, Any]) -> None:
             engine.backward(loss)
             engine.step()
             losses.append(float(loss.detach()))
-        records.append({"step": int(engine.global_steps), "lr": lrs, "optimizer_step": c.adam_step(engine.optimizer),
-                        "loss": losses[0]})
+        records.append(
+            {
+                "step": int(engine.global_steps),
+                "lr": lrs,
+                "optimizer_step": c.adam_step(engine.optimizer),
+                "loss": losses[0],
+            }
+        )
         if i == 0 and args.state is not None and directions is not None:
             out = full_state(engine, engine.module, ("exp_avg", "exp_avg_sq"))
             if c.rank() == 0:
@@ -262,8 +298,13 @@ def main() -> None:
     p.add_argument("--layout", choices=("fsdp2", "torchtitan", "recipe"), default="fsdp2")
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--universal", action="store_true")
-    p.add_argument("--source-dp", type=int, default=2, help="tinygpt: the data-parallel size of the run that saved "
-                   "the checkpoint (its micro-batches are accumulated at a smaller DP)")
+    p.add_argument(
+        "--source-dp",
+        type=int,
+        default=2,
+        help="tinygpt: the data-parallel size of the run that saved "
+        "the checkpoint (its micro-batches are accumulated at a smaller DP)",
+    )
     p.add_argument("--local_rank", type=int, default=None)  # DeepSpeed's launcher adds it
     args = p.parse_args()
     spec = json.loads(args.spec.read_text())

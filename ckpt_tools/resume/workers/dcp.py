@@ -12,6 +12,7 @@ stepping the replica; a fused parameter saved split (torchtitan's wqkv: `spec["f
 weights and put at its rows, as torchtitan's load hook does. The expected
 optimizer state is read with ckpt's own DCP reader (`open_checkpoint`), not from what `dcp.load` filled in.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -28,18 +29,24 @@ def layout(path: str) -> dict[str, Any]:
 
     keys = list(FileSystemReader(path).read_metadata().state_dict_metadata)
     prefix = "app." if any(k.startswith("app.") for k in keys) else ""
-    tops = {k[len(prefix):].split(".", 1)[0] for k in keys if k.startswith(prefix)}
+    tops = {k[len(prefix) :].split(".", 1)[0] for k in keys if k.startswith(prefix)}
     opt = next((t for t in ("optim", "optimizer") if t in tops), None)
     sched = next((t for t in ("scheduler", "lr_scheduler") if t in tops), None)
     if opt is None:
         raise RuntimeError(f"no optimizer state in the DCP metadata (top-level keys: {sorted(tops)})")
     groups = [k for k in keys if k.startswith(f"{prefix}{opt}.param_groups.")]
-    flat = any(not k[len(f"{prefix}{opt}.param_groups."):].split(".", 1)[0].isdigit() for k in groups)
+    flat = any(not k[len(f"{prefix}{opt}.param_groups.") :].split(".", 1)[0].isdigit() for k in groups)
     step = ("step",) if "step" in tops else (("train_state", "step") if f"{prefix}train_state.step" in keys else None)
     # torchtitan 0.3.0 saves the model's keys flat at the top level, beside optimizer / lr_scheduler / train_state
-    return {"prefix": prefix, "optim": opt, "scheduler": sched, "step": step, "flat": flat,
-            "model_at_top": "model" not in tops,
-            "train_state": [k[len(prefix) + len("train_state."):] for k in keys if k.startswith(f"{prefix}train_state.")]}
+    return {
+        "prefix": prefix,
+        "optim": opt,
+        "scheduler": sched,
+        "step": step,
+        "flat": flat,
+        "model_at_top": "model" not in tops,
+        "train_state": [k[len(prefix) + len("train_state.") :] for k in keys if k.startswith(f"{prefix}train_state.")],
+    }
 
 
 def saved_from_tree(path: str, names: list[str]) -> list[dict[str, torch.Tensor] | None] | None:
@@ -57,8 +64,9 @@ def saved_from_tree(path: str, names: list[str]) -> list[dict[str, torch.Tensor]
         if not isinstance(node, GroupNode):
             out.append(None)
             continue
-        out.append({k: v.read_torch().detach().float().clone() for k, v in node.children.items()
-                    if isinstance(v, TensorNode)})
+        out.append(
+            {k: v.read_torch().detach().float().clone() for k, v in node.children.items() if isinstance(v, TensorNode)}
+        )
     return out
 
 
@@ -83,8 +91,9 @@ def main(plan: dict[str, Any]) -> None:
     params = dict(replica.named_parameters())
     groups = [dict(g["hyper"], params=[params[n] for n in g["names"]]) for g in spec["groups"]]
     opt = c.build_optimizer(spec["optimizer_kind"], groups)
-    sched = c.build_scheduler(spec.get("scheduler_kind"), spec.get("scheduler_state"), opt,
-                              c.load_callable(plan.get("scheduler_fn")))
+    sched = c.build_scheduler(
+        spec.get("scheduler_kind"), spec.get("scheduler_state"), opt, c.load_callable(plan.get("scheduler_fn"))
+    )
     options = StateDictOptions(flatten_optimizer_state_dict=lay["flat"])
     model_sd, optim_sd = get_state_dict(replica, opt, options=options)
     fused = spec.get("fused") or {}
@@ -117,8 +126,7 @@ def main(plan: dict[str, Any]) -> None:
 
             whole = distribute_tensor(whole.to(like.device), like.device_mesh, like.placements)
         model_sd[name] = whole
-    set_state_dict(replica, opt, model_state_dict=model_sd, optim_state_dict=state[lay["optim"]],
-                   options=options)
+    set_state_dict(replica, opt, model_state_dict=model_sd, optim_state_dict=state[lay["optim"]], options=options)
     if sched is not None and lay["scheduler"]:
         sched.load_state_dict(state[lay["scheduler"]])
     step = state.get("step") if lay["step"] == ("step",) else (state.get("train_state") or {}).get("step")
@@ -127,10 +135,14 @@ def main(plan: dict[str, Any]) -> None:
     names = [n for g in spec["groups"] for n in g["names"]]
     check = c.OptimizerCheck(opt, saved_from_tree(plan["load_dir"], names), plan.get("expected_lrs"))
     if c.rank() == 0:
-        position = (getattr(sched, "last_epoch", None) if sched is not None else
-                    (state.get(lay["scheduler"]) or {}).get("last_epoch") if lay["scheduler"] else None)
-        c.emit("loaded", global_step=step, optimizer_step=c.adam_step(opt), scheduler_position=position,
-               lr=c.lrs(opt))
+        position = (
+            getattr(sched, "last_epoch", None)
+            if sched is not None
+            else (state.get(lay["scheduler"]) or {}).get("last_epoch")
+            if lay["scheduler"]
+            else None
+        )
+        c.emit("loaded", global_step=step, optimizer_step=c.adam_step(opt), scheduler_position=position, lr=c.lrs(opt))
     for k in range(plan["steps"]):
         used = c.lrs(opt)
         opt.zero_grad(set_to_none=True)
@@ -143,8 +155,14 @@ def main(plan: dict[str, Any]) -> None:
             step += 1  # the producers' loop counter: one per update
         result = check.reduced()
         if c.rank() == 0:
-            c.emit("step", step=step if step is not None else k + 1, loss=float(loss.detach()), lr=used,
-                   optimizer_step=c.adam_step(opt), opt_check=result)
+            c.emit(
+                "step",
+                step=step if step is not None else k + 1,
+                loss=float(loss.detach()),
+                lr=used,
+                optimizer_step=c.adam_step(opt),
+                opt_check=result,
+            )
     dist.barrier()
     if c.rank() == 0:
         c.emit("done")

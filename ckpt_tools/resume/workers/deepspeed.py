@@ -22,6 +22,7 @@ Models: `tiny-gpt` and `megatron-gpt` are the recipes of the sample workers (imp
 engine built here is the one the samples were trained with), or a user factory `module:function` that
 takes a `SetupContext` and returns a `TrainSetup`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -89,8 +90,15 @@ def tiny_gpt(ctx: SetupContext) -> TrainSetup:
         optimizer, scheduler = c.adamw_with_lambdalr(groups)
         lr_lambda = c.lr_factor
     cfg = GPTConfig()
-    return TrainSetup(model=model, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size, model_parameters=groups,
-                      optimizer=optimizer, lr_scheduler=scheduler, lr_lambda=lr_lambda)
+    return TrainSetup(
+        model=model,
+        seq_len=cfg.seq_len,
+        vocab_size=cfg.vocab_size,
+        model_parameters=groups,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        lr_lambda=lr_lambda,
+    )
 
 
 def megatron_gpt(ctx: SetupContext) -> TrainSetup:
@@ -106,18 +114,29 @@ def megatron_gpt(ctx: SetupContext) -> TrainSetup:
     torch.manual_seed(ds_pipeline.default_rng_seed(coord.pipe, coord.model, per_tp_rank=False))
     cfg = MegatronGPTConfig()
     model = GPTModelPipe(cfg, topology, seed=c.SEED)
-    return TrainSetup(model=model, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size,
-                      model_parameters=c.param_groups(model))
+    return TrainSetup(
+        model=model, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size, model_parameters=c.param_groups(model)
+    )
 
 
-BUILTIN_MODELS: dict[str, Callable[[SetupContext], TrainSetup]] = {"tiny-gpt": tiny_gpt,
-                                                                   "megatron-gpt": megatron_gpt}
+BUILTIN_MODELS: dict[str, Callable[[SetupContext], TrainSetup]] = {"tiny-gpt": tiny_gpt, "megatron-gpt": megatron_gpt}
 
 
 # --- the model-free replica ---------------------------------------------------------------------------
 
-_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening", "nesterov",
-               "initial_lr", "max_lr", "min_lr")
+_GROUP_KEYS = (
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "amsgrad",
+    "momentum",
+    "dampening",
+    "nesterov",
+    "initial_lr",
+    "max_lr",
+    "min_lr",
+)
 
 
 def lambda_from_spec(spec: str | None, n_groups: int) -> Any:
@@ -138,8 +157,11 @@ def replica_setup(ctx: SetupContext, layout: dict[str, Any], scheduler_fn: str |
     from ckpt_tools.train import replica as R
 
     specs = [R.ParamSpec(p["name"], tuple(p["shape"]), p["dtype"], p["requires_grad"]) for p in layout["specs"]]
-    model = R.build_replica(specs, tied=layout.get("tied"),
-                            buffers={k: (tuple(v[0]), v[1]) for k, v in (layout.get("buffers") or {}).items()})
+    model = R.build_replica(
+        specs,
+        tied=layout.get("tied"),
+        buffers={k: (tuple(v[0]), v[1]) for k, v in (layout.get("buffers") or {}).items()},
+    )
     params = dict(model.named_parameters())
     groups = []
     for g in layout["groups"]:
@@ -172,8 +194,15 @@ def replica_setup(ctx: SetupContext, layout: dict[str, Any], scheduler_fn: str |
             scheduler = R.rebuild_torch_scheduler(optimizer, sched["state"], sched["class"], lr_lambda)
             if hold:
                 lr_lambda = None
-    return TrainSetup(model=model, seq_len=1, vocab_size=1, model_parameters=groups, optimizer=optimizer,
-                      lr_scheduler=scheduler, lr_lambda=lr_lambda)
+    return TrainSetup(
+        model=model,
+        seq_len=1,
+        vocab_size=1,
+        model_parameters=groups,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        lr_lambda=lr_lambda,
+    )
 
 
 def full_state(engine: Any, module: torch.nn.Module, keys: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
@@ -182,8 +211,7 @@ def full_state(engine: Any, module: torch.nn.Module, keys: tuple[str, ...]) -> d
     flags) on which states every rank can provide — DeepSpeed's full getters raise on a rank whose fragment
     lacks a state (e.g. after a load without optimizer states) while the others wait in their all-reduce."""
     import torch.distributed as dist
-    from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state,
-                                 safe_get_local_optimizer_state)
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_get_local_optimizer_state
 
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     flags = torch.ones(len(named), len(keys), dtype=torch.int32)
@@ -247,21 +275,23 @@ class Batches:
             import numpy as np
 
             path = plan["data"]
-            self.tokens = (np.load(path, mmap_mode="r") if path.endswith(".npy")
-                           else np.memmap(path, dtype=np.uint16, mode="r"))
+            self.tokens = (
+                np.load(path, mmap_mode="r") if path.endswith(".npy") else np.memmap(path, dtype=np.uint16, mode="r")
+            )
 
     def _rows(self, step: int, orig_rank: int) -> torch.Tensor:
         n = self.micro * self.orig_gas
         if self.tokens is None:
             from ckpt_tools.train.data import batch_for_step
 
-            return batch_for_step(step, batch_size=n, seq_len=self.seq_len, vocab_size=self.vocab_size,
-                                  dp_rank=orig_rank)
+            return batch_for_step(
+                step, batch_size=n, seq_len=self.seq_len, vocab_size=self.vocab_size, dp_rank=orig_rank
+            )
         # A user token file: windows of seq_len + 1 tokens, picked by the same (step, rank) seeding.
         windows = len(self.tokens) // (self.seq_len + 1)
         g = torch.Generator().manual_seed(1234 * 1_000_003 + step * 1009 + orig_rank)
         starts = torch.randint(0, windows, (n,), generator=g) * (self.seq_len + 1)
-        rows = [torch.from_numpy(self.tokens[s: s + self.seq_len + 1].astype("int64")) for s in starts.tolist()]
+        rows = [torch.from_numpy(self.tokens[s : s + self.seq_len + 1].astype("int64")) for s in starts.tolist()]
         return torch.stack(rows)
 
     def micro_batches(self, step: int) -> list[torch.Tensor]:
@@ -269,7 +299,7 @@ class Batches:
         for j in range(self.gas):
             number = self.dp_rank * self.gas + j
             orig_rank, orig_j = divmod(number, self.orig_gas)
-            out.append(self._rows(step, orig_rank)[orig_j * self.micro:(orig_j + 1) * self.micro])
+            out.append(self._rows(step, orig_rank)[orig_j * self.micro : (orig_j + 1) * self.micro])
         return out
 
 
@@ -334,8 +364,11 @@ def main() -> None:
         import traceback
 
         traceback.print_exc()
-        emit("error", rank=int(os.environ.get("RANK", "0")),
-             message=str(e.code) if isinstance(e, SystemExit) else one_line(e))
+        emit(
+            "error",
+            rank=int(os.environ.get("RANK", "0")),
+            message=str(e.code) if isinstance(e, SystemExit) else one_line(e),
+        )
         leave(2, barrier=False)
 
 
@@ -355,37 +388,53 @@ def run() -> None:
     deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     ds_config = plan["ds_config"]
-    ctx = SetupContext(ds_config=ds_config, rank=rank, world_size=world, dp=plan["dp"], tp=plan["tp"],
-                       pp=plan["pp"], device=device)
+    ctx = SetupContext(
+        ds_config=ds_config, rank=rank, world_size=world, dp=plan["dp"], tp=plan["tp"], pp=plan["pp"], device=device
+    )
     replica_mode = plan["model"] == "replica"
     if replica_mode:
         setup = replica_setup(ctx, plan["replica"], plan.get("scheduler_fn"))
     else:
         setup = load_factory(plan["model"])(ctx)
-    engine, _, _, _ = deepspeed.initialize(model=setup.model, model_parameters=setup.model_parameters,
-                                           optimizer=setup.optimizer, lr_scheduler=setup.lr_scheduler,
-                                           config=json.loads(json.dumps(ds_config)))
+    engine, _, _, _ = deepspeed.initialize(
+        model=setup.model,
+        model_parameters=setup.model_parameters,
+        optimizer=setup.optimizer,
+        lr_scheduler=setup.lr_scheduler,
+        config=json.loads(json.dumps(ds_config)),
+    )
     # A PipelineModule trains through train_batch even with one stage (forward() is refused then).
     pipeline = isinstance(engine, deepspeed.runtime.pipe.engine.PipelineEngine)
     n_groups = len(engine.optimizer.param_groups)
     if rank == 0:
-        emit("setup", scheduler=None if engine.lr_scheduler is None else type(engine.lr_scheduler).__name__,
-             lambda_epochs=plan["lambda_epochs"],
-             lambda_values=lambda_values(setup.lr_lambda, plan["lambda_epochs"], n_groups),
-             pipeline=bool(pipeline), world_size=world)
+        emit(
+            "setup",
+            scheduler=None if engine.lr_scheduler is None else type(engine.lr_scheduler).__name__,
+            lambda_epochs=plan["lambda_epochs"],
+            lambda_values=lambda_values(setup.lr_lambda, plan["lambda_epochs"], n_groups),
+            pipeline=bool(pipeline),
+            world_size=world,
+        )
 
-    load_path, _ = engine.load_checkpoint(plan["load_dir"], tag=plan.get("tag"),
-                                          load_lr_scheduler_states=plan["load_lr_scheduler_states"],
-                                          load_optimizer_states=plan.get("load_optimizer_states", True))
+    load_path, _ = engine.load_checkpoint(
+        plan["load_dir"],
+        tag=plan.get("tag"),
+        load_lr_scheduler_states=plan["load_lr_scheduler_states"],
+        load_optimizer_states=plan.get("load_optimizer_states", True),
+    )
     if load_path is None:
         raise SystemExit(f"DeepSpeed found no checkpoint to load in {plan['load_dir']}")
     if rank == 0:
         base_lrs = getattr(engine.lr_scheduler, "base_lrs", None)
-        emit("loaded", load_path=str(load_path), global_step=int(engine.global_steps),
-             optimizer_step=adam_step_or_none(engine.optimizer),
-             scheduler_position=scheduler_position(engine.lr_scheduler),
-             base_lrs=[float(x) for x in base_lrs] if base_lrs is not None else None,
-             lr=[float(g["lr"]) for g in engine.optimizer.param_groups])
+        emit(
+            "loaded",
+            load_path=str(load_path),
+            global_step=int(engine.global_steps),
+            optimizer_step=adam_step_or_none(engine.optimizer),
+            scheduler_position=scheduler_position(engine.lr_scheduler),
+            base_lrs=[float(x) for x in base_lrs] if base_lrs is not None else None,
+            lr=[float(g["lr"]) for g in engine.optimizer.param_groups],
+        )
     if replica_mode:
         run_replica(plan, engine, setup, rank, world)
         if rank == 0:
@@ -420,10 +469,18 @@ def run() -> None:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         if rank == 0:
-            emit("step", step=int(engine.global_steps), loss=first_loss, loss_mean=mean_loss, lr=lrs,
-                 grad_norm=grad_norm(engine), optimizer_step=adam_step_or_none(engine.optimizer),
-                 tokens_per_s=tokens_per_step / seconds if seconds > 0 else None, seconds=seconds,
-                 skipped_steps=int(engine.skipped_steps))
+            emit(
+                "step",
+                step=int(engine.global_steps),
+                loss=first_loss,
+                loss_mean=mean_loss,
+                lr=lrs,
+                grad_norm=grad_norm(engine),
+                optimizer_step=adam_step_or_none(engine.optimizer),
+                tokens_per_s=tokens_per_step / seconds if seconds > 0 else None,
+                seconds=seconds,
+                skipped_steps=int(engine.skipped_steps),
+            )
     if rank == 0:
         emit("done")
     leave(0)  # barrier, destroy the group, exit: a plain return lets gloo abort a finished run
@@ -459,9 +516,18 @@ def run_replica(plan: dict[str, Any], engine: Any, setup: TrainSetup, rank: int,
         if rank == 0:
             step = int(engine.global_steps)
             torch.save({"step": adam_step_or_none(engine.optimizer), "params": state}, state_dir / f"step_{step}.pt")
-            emit("step", step=step, loss=float(losses[0]), loss_mean=float(total) / world, lr=lrs,
-                 grad_norm=grad_norm(engine), optimizer_step=adam_step_or_none(engine.optimizer),
-                 tokens_per_s=None, seconds=seconds, skipped_steps=int(engine.skipped_steps))
+            emit(
+                "step",
+                step=step,
+                loss=float(losses[0]),
+                loss_mean=float(total) / world,
+                lr=lrs,
+                grad_norm=grad_norm(engine),
+                optimizer_step=adam_step_or_none(engine.optimizer),
+                tokens_per_s=None,
+                seconds=seconds,
+                skipped_steps=int(engine.skipped_steps),
+            )
 
 
 if __name__ == "__main__":

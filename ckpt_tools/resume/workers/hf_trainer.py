@@ -10,6 +10,7 @@ Per update (a TrainerCallback plus optimizer step hooks): the LR each param grou
 Adam step after it, rank 0's loss, and the closed-form optimizer check (`_common.OptimizerCheck`) against the
 state saved in optimizer.pt (DDP) or this rank's DeepSpeed `*optim_states.pt` (ZeRO).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,11 +26,34 @@ from ckpt_tools.samples.workers.hf_trainer import Rows, loss_trainer_class, unwr
 
 # TrainingArguments fields that shape the optimization; everything else (output, logging, hub) is ckpt's own.
 ARG_FIELDS = (
-    "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay", "adam_beta1",
-    "adam_beta2", "adam_epsilon", "max_grad_norm", "max_steps", "num_train_epochs", "lr_scheduler_type",
-    "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "optim", "optim_args", "seed", "data_seed", "bf16",
-    "fp16", "deepspeed", "dataloader_drop_last", "average_tokens_across_devices", "label_smoothing_factor",
-    "ignore_data_skip", "accelerator_config", "full_determinism", "train_sampling_strategy",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "learning_rate",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "max_grad_norm",
+    "max_steps",
+    "num_train_epochs",
+    "lr_scheduler_type",
+    "lr_scheduler_kwargs",
+    "warmup_steps",
+    "warmup_ratio",
+    "optim",
+    "optim_args",
+    "seed",
+    "data_seed",
+    "bf16",
+    "fp16",
+    "deepspeed",
+    "dataloader_drop_last",
+    "average_tokens_across_devices",
+    "label_smoothing_factor",
+    "ignore_data_skip",
+    "accelerator_config",
+    "full_determinism",
+    "train_sampling_strategy",
 )
 
 
@@ -45,8 +69,15 @@ def training_arguments(plan: dict[str, Any], output_dir: Path):
         kwargs["deepspeed"] = plan["ds_config"]
     if plan["device"] == "cpu":
         kwargs.update(use_cpu=True, ddp_backend="gloo")
-    kwargs.update(output_dir=str(output_dir), save_strategy="no", report_to=[], logging_steps=1,
-                  disable_tqdm=True, dataloader_num_workers=0, push_to_hub=False)
+    kwargs.update(
+        output_dir=str(output_dir),
+        save_strategy="no",
+        report_to=[],
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        push_to_hub=False,
+    )
     return TrainingArguments(**kwargs)
 
 
@@ -89,9 +120,13 @@ def main(plan: dict[str, Any]) -> None:
         def on_step_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kw):
             if self.check is None:  # first update: the Trainer has loaded everything by now
                 if c.rank() == 0:
-                    c.emit("loaded", global_step=int(state.global_step), optimizer_step=c.adam_step(optimizer),
-                           scheduler_position=getattr(unwrap_scheduler(lr_scheduler), "last_epoch", None),
-                           lr=c.lrs(optimizer))
+                    c.emit(
+                        "loaded",
+                        global_step=int(state.global_step),
+                        optimizer_step=c.adam_step(optimizer),
+                        scheduler_position=getattr(unwrap_scheduler(lr_scheduler), "last_epoch", None),
+                        lr=c.lrs(optimizer),
+                    )
                 self.check = c.OptimizerCheck(optimizer, saved_optimizer(plan), expected)
             self.pending = c.lrs(optimizer)
 
@@ -103,9 +138,15 @@ def main(plan: dict[str, Any]) -> None:
                 dist.all_reduce(mean)
             if c.rank() == 0:
                 # the Trainer logs the mean over processes: `loss_mean` is what log_history is compared with
-                c.emit("step", step=int(state.global_step), loss=self.trainer.last_loss,
-                       loss_mean=float(mean) / c.world(), lr=self.pending,
-                       optimizer_step=c.adam_step(optimizer), opt_check=opt_check)
+                c.emit(
+                    "step",
+                    step=int(state.global_step),
+                    loss=self.trainer.last_loss,
+                    loss_mean=float(mean) / c.world(),
+                    lr=self.pending,
+                    optimizer_step=c.adam_step(optimizer),
+                    opt_check=opt_check,
+                )
             self.n += 1
             if self.n >= steps:
                 control.should_training_stop = True
@@ -115,16 +156,19 @@ def main(plan: dict[str, Any]) -> None:
         args = training_arguments(plan, scratch)
         world = c.world()
         n_rows = max(1, args.max_steps) * args.per_device_train_batch_size * world * args.gradient_accumulation_steps
-        seq_len = min(plan.get("seq_len") or 16, getattr(config, "n_positions", None)
-                      or getattr(config, "max_position_embeddings", 16))
+        seq_len = min(
+            plan.get("seq_len") or 16,
+            getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", 16),
+        )
         rows = c.synthetic_rows(n_rows, seq_len, config.vocab_size, seed=plan.get("data_seed", 1234))
         rec = Recorder()
         trainer = LossTrainer(model=model, args=args, train_dataset=Rows(rows), callbacks=[rec])
         rec.trainer = trainer
         trainer.train(resume_from_checkpoint=str(folder))
         if rec.n == 0:
-            raise RuntimeError(f"the Trainer ran no update after loading (global_step is already max_steps="
-                               f"{args.max_steps}?)")
+            raise RuntimeError(
+                f"the Trainer ran no update after loading (global_step is already max_steps={args.max_steps}?)"
+            )
         if dist.is_initialized():
             dist.barrier()
     finally:

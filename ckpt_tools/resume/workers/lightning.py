@@ -7,6 +7,7 @@ the saved groups (`param_names`, or by shape) and the saved scheduler class rebu
 every update (interval "step") or every epoch, as the saved positions say. Lightning then restores the weights,
 optimizer, scheduler and loop counters itself.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -46,8 +47,10 @@ def main(plan: dict[str, Any]) -> None:
             sched = c.build_scheduler(spec.get("scheduler_kind"), spec.get("scheduler_state"), opt, lr_fn)
             if sched is None:
                 return opt
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": plan["interval"],
-                                                       "frequency": 1}}
+            return {
+                "optimizer": opt,
+                "lr_scheduler": {"scheduler": sched, "interval": plan["interval"], "frequency": 1},
+            }
 
     class Recorder(L.Callback):
         def __init__(self) -> None:
@@ -59,8 +62,13 @@ def main(plan: dict[str, Any]) -> None:
             opt = trainer.optimizers[0]
             if self.check is None:
                 sched = trainer.lr_scheduler_configs[0].scheduler if trainer.lr_scheduler_configs else None
-                c.emit("loaded", global_step=int(trainer.global_step), optimizer_step=c.adam_step(opt),
-                       scheduler_position=getattr(sched, "last_epoch", None), lr=c.lrs(opt))
+                c.emit(
+                    "loaded",
+                    global_step=int(trainer.global_step),
+                    optimizer_step=c.adam_step(opt),
+                    scheduler_position=getattr(sched, "last_epoch", None),
+                    lr=c.lrs(opt),
+                )
                 saved = c.saved_states_by_position(plan_osd) if plan_osd is not None else None
                 self.check = c.OptimizerCheck(opt, saved, expected)
             self.pending = c.lrs(opt)
@@ -69,8 +77,14 @@ def main(plan: dict[str, Any]) -> None:
             assert self.check is not None
             result = self.check.reduced()
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-            c.emit("step", step=int(trainer.global_step), loss=float(loss.detach()) if loss is not None else None,
-                   lr=self.pending, optimizer_step=c.adam_step(trainer.optimizers[0]), opt_check=result)
+            c.emit(
+                "step",
+                step=int(trainer.global_step),
+                loss=float(loss.detach()) if loss is not None else None,
+                lr=self.pending,
+                optimizer_step=c.adam_step(trainer.optimizers[0]),
+                opt_check=result,
+            )
             self.n += 1
             if self.n >= steps:
                 trainer.should_stop = True
@@ -86,10 +100,17 @@ def main(plan: dict[str, Any]) -> None:
     gstep = plan.get("global_step") or 0
     n_batches = gstep + steps + 1
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(n_batches)), batch_size=1)
-    trainer = L.Trainer(accelerator="gpu" if plan["device"] == "cuda" else "cpu", devices=1,
-                        max_steps=gstep + steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Recorder()],
-                        num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        accelerator="gpu" if plan["device"] == "cuda" else "cpu",
+        devices=1,
+        max_steps=gstep + steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Recorder()],
+        num_sanity_val_steps=0,
+    )
     trainer.fit(ReplicaModule(), data, ckpt_path=plan["load_dir"])
     c.emit("done")
 

@@ -15,6 +15,7 @@ scheduler's num_steps), one `step` per iteration (the iteration, each group's LR
 from the last pipeline stage, the Adam step after it, every rank's LRs, and for a legacy checkpoint resumed at its
 saved TP / PP the closed-form AdamW check of the update from the state each rank file saved), `done`.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,12 +30,35 @@ from ckpt_tools.resume.workers import _common as c
 
 
 #: what a resume changes by design: counters and run state Megatron sets itself, and the CPU run-time flags
-RUN_STATE = frozenset(("iteration", "consumed_train_samples", "consumed_valid_samples", "skipped_train_samples",
-                       "curr_iteration", "do_train", "do_valid", "do_test", "model_type",
-                       "num_floating_point_operations_so_far", "exit_interval", "use_checkpoint_opt_param_scheduler"))
-CPU_DESTS = frozenset(("transformer_impl", "masked_softmax_fusion", "bias_gelu_fusion", "bias_dropout_fusion",
-                       "gradient_accumulation_fusion", "persist_layer_norm", "bias_swiglu_fusion", "apply_rope_fusion",
-                       "distributed_backend"))
+RUN_STATE = frozenset(
+    (
+        "iteration",
+        "consumed_train_samples",
+        "consumed_valid_samples",
+        "skipped_train_samples",
+        "curr_iteration",
+        "do_train",
+        "do_valid",
+        "do_test",
+        "model_type",
+        "num_floating_point_operations_so_far",
+        "exit_interval",
+        "use_checkpoint_opt_param_scheduler",
+    )
+)
+CPU_DESTS = frozenset(
+    (
+        "transformer_impl",
+        "masked_softmax_fusion",
+        "bias_gelu_fusion",
+        "bias_dropout_fusion",
+        "gradient_accumulation_fusion",
+        "persist_layer_norm",
+        "bias_swiglu_fusion",
+        "apply_rope_fusion",
+        "distributed_backend",
+    )
+)
 
 
 def args_differ(saved: dict[str, Any], live: Any, skip: frozenset) -> list[list[Any]]:
@@ -78,13 +102,17 @@ def saved_legacy_state(plan: dict[str, Any], inner: Any) -> list[dict[str, torch
     if (tp, pp) != (saved.get("tensor_model_parallel_size") or 1, saved.get("pipeline_model_parallel_size") or 1):
         return None
     folder = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}" + (
-        f"_{ps.get_pipeline_model_parallel_rank():03d}" if pp > 1 else "")
+        f"_{ps.get_pipeline_model_parallel_rank():03d}" if pp > 1 else ""
+    )
     f = Path(plan["load_dir"]) / f"iter_{int(plan['iteration']):07d}" / folder / "model_optim_rng.pt"
     osd = c.find_osd(pr.load(f).obj)  # read inert: the file pickles Megatron's args Namespace
     if osd is None:
         return None
-    state = {i: {k: v.read_torch() if isinstance(v, pr.TensorRef) else v for k, v in st.items()}
-             for i, st in (osd.get("state") or {}).items() if isinstance(st, dict)}
+    state = {
+        i: {k: v.read_torch() if isinstance(v, pr.TensorRef) else v for k, v in st.items()}
+        for i, st in (osd.get("state") or {}).items()
+        if isinstance(st, dict)
+    }
     out = c.saved_states_by_position({**osd, "state": state})
     return out if out and len(out) == sum(len(g["params"]) for g in inner.param_groups) else None
 
@@ -105,12 +133,26 @@ def main(plan: dict[str, Any]) -> None:
 
     saved = plan["saved_args"]
     work = W._shared_tempdir("ckpt_resume_megatron_")
-    argv = [*W.relaunch_argv(saved), *W.parallel_argv(saved, plan.get("tp"), plan.get("pp")),
-            *(W.CPU_FLAGS if cpu else []), "--distributed-backend", "gloo" if cpu else "nccl",
-            "--load", plan["load_dir"], "--exit-on-missing-checkpoint",
-            *plan["run_argv"],
-            "--eval-iters", "0", "--eval-interval", str(10 ** 9), "--log-interval", "1",
-            "--data-cache-path", str(work / "data_cache"), *shlex.split(plan.get("extra_args") or "")]
+    argv = [
+        *W.relaunch_argv(saved),
+        *W.parallel_argv(saved, plan.get("tp"), plan.get("pp")),
+        *(W.CPU_FLAGS if cpu else []),
+        "--distributed-backend",
+        "gloo" if cpu else "nccl",
+        "--load",
+        plan["load_dir"],
+        "--exit-on-missing-checkpoint",
+        *plan["run_argv"],
+        "--eval-iters",
+        "0",
+        "--eval-interval",
+        str(10**9),
+        "--log-interval",
+        "1",
+        "--data-cache-path",
+        str(work / "data_cache"),
+        *shlex.split(plan.get("extra_args") or ""),
+    ]
     load_checkpoint, train_step = training.load_checkpoint, training.train_step
     rank = torch.distributed.get_rank()
 
@@ -135,8 +177,9 @@ def main(plan: dict[str, Any]) -> None:
                 raise
             if not printed:  # print_rank_0: rank 0 has the reason; let its error reach the parent first
                 time.sleep(5)
-            raise RuntimeError("Megatron-LM exited while loading the checkpoint"
-                               + (f": {printed[-1].strip()}" if printed else "")) from None
+            raise RuntimeError(
+                "Megatron-LM exited while loading the checkpoint" + (f": {printed[-1].strip()}" if printed else "")
+            ) from None
         finally:
             builtins.print = show
         done_loading.append(True)
@@ -147,9 +190,15 @@ def main(plan: dict[str, Any]) -> None:
             check.append(c.OptimizerCheck(inner, saved_legacy_state(plan, inner), plan.get("expected_lrs")))
         if rank == 0:
             skip = RUN_STATE | W.RELAUNCH_SKIP | (CPU_DESTS if cpu else frozenset())
-            c.emit("loaded", global_step=int(out[0]), optimizer_step=steps[-1] if steps else None,
-                   optimizer_steps=steps, scheduler_position=int(opt_param_scheduler.num_steps),
-                   argv=argv, args_differ=args_differ(saved, get_args(), skip))
+            c.emit(
+                "loaded",
+                global_step=int(out[0]),
+                optimizer_step=steps[-1] if steps else None,
+                optimizer_steps=steps,
+                scheduler_position=int(opt_param_scheduler.num_steps),
+                argv=argv,
+                args_differ=args_differ(saved, get_args(), skip),
+            )
         return out
 
     def step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *a: Any, **k: Any):
@@ -163,9 +212,17 @@ def main(plan: dict[str, Any]) -> None:
         if rank == 0:
             losses = [x[1] for x in every if x[1] is not None]
             adam = sorted({s for x in every for s in x[2]})
-            c.emit("step", step=int(get_args().curr_iteration) + 1, loss=losses[0] if losses else None, lr=lrs,
-                   lr_by_rank=[x[0] for x in every], optimizer_step=adam[-1] if len(adam) == 1 else None,
-                   optimizer_steps=adam, skipped_steps=int(any(x[3] for x in every)), opt_check=opt_check)
+            c.emit(
+                "step",
+                step=int(get_args().curr_iteration) + 1,
+                loss=losses[0] if losses else None,
+                lr=lrs,
+                lr_by_rank=[x[0] for x in every],
+                optimizer_step=adam[-1] if len(adam) == 1 else None,
+                optimizer_steps=adam,
+                skipped_steps=int(any(x[3] for x in every)),
+                opt_check=opt_check,
+            )
         return out
 
     training.load_checkpoint, training.train_step = loaded, step
@@ -173,8 +230,14 @@ def main(plan: dict[str, Any]) -> None:
     sys.argv = [sys.argv[0], *argv]
     try:
         try:
-            pretrain(datasets, model_provider, model_type, forward_step,
-                     args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, get_embedding_ranks=embedding_ranks)
+            pretrain(
+                datasets,
+                model_provider,
+                model_type,
+                forward_step,
+                args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+                get_embedding_ranks=embedding_ranks,
+            )
         except SystemExit as e:  # --exit-interval: Megatron's train loop ends with sys.exit(0)
             if e.code not in (0, None):
                 raise

@@ -4,6 +4,7 @@ All samples follow one recipe so that their manifests can be compared: the same 
 initial weights on every rank, the same deterministic batches, 6 optimizer steps, one checkpoint saved
 after step 4 (so a resume has steps left to check against), and a per-step history of loss and LR.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,9 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def check_mode_parser(description: str, samples, *, check_help: str, steps_default: int | None,
-                      steps_help: str) -> argparse.ArgumentParser:
+def check_mode_parser(
+    description: str, samples, *, check_help: str, steps_default: int | None, steps_help: str
+) -> argparse.ArgumentParser:
     """The command line of a worker that runs a producer's own entry point (torchtitan's Trainer, torchtune's
     recipes): `--sample NAME` and either `--out DIR` (make it) or `--check CKPT [--record OUT.json] [--steps N]`
     (resume it in the producer and record the steps). The worker adds its own pass-through option."""
@@ -56,9 +58,13 @@ def check_mode_parser(description: str, samples, *, check_help: str, steps_defau
     return p
 
 
-def parse_producer_args(description: str, samples, *, default_steps: int | None = None,
-                        add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
-                        ) -> argparse.Namespace:
+def parse_producer_args(
+    description: str,
+    samples,
+    *,
+    default_steps: int | None = None,
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> argparse.Namespace:
     """The command line of a producer worker (HF Trainer, Lightning, DCP layouts, Accelerate with two models):
     `--sample NAME` and either `--out DIR` (make the sample) or `--resume CKPT --record OUT.json [--steps N]`
     (load CKPT the way the producer does, train, and write the per-update records). `add_arguments(parser)`
@@ -68,8 +74,12 @@ def parse_producer_args(description: str, samples, *, default_steps: int | None 
     p.add_argument("--out", type=Path, help="the group folder the sample goes into")
     p.add_argument("--resume", type=Path, help="a checkpoint of this sample's kind to resume from (resume mode)")
     p.add_argument("--record", type=Path, help="resume mode: the main process writes the resumed updates here")
-    p.add_argument("--steps", type=int, default=default_steps,
-                   help="resume mode: updates to run (default: the steps the sample run had left)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=default_steps,
+        help="resume mode: updates to run (default: the steps the sample run had left)",
+    )
     if add_arguments is not None:
         add_arguments(p)
     args = p.parse_args()
@@ -112,14 +122,15 @@ def build_model() -> TinyGPT:
     return TinyGPT(GPTConfig())
 
 
-def split_groups(model: torch.nn.Module, matrices: dict[str, Any], vectors: dict[str, Any]
-                 ) -> list[dict[str, Any]]:
+def split_groups(model: torch.nn.Module, matrices: dict[str, Any], vectors: dict[str, Any]) -> list[dict[str, Any]]:
     """Two param groups over the trainable parameters (`parameters()` yields a tied one once): group 0 the
     matrices (dim >= 2) with the settings `matrices`, group 1 the vectors (biases, norms) with `vectors`. The
     settings keep their order after "params" (the order the optimizer's state dict saves them in)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in trainable if p.dim() >= 2], **matrices},
-            {"params": [p for p in trainable if p.dim() < 2], **vectors}]
+    return [
+        {"params": [p for p in trainable if p.dim() >= 2], **matrices},
+        {"params": [p for p in trainable if p.dim() < 2], **vectors},
+    ]
 
 
 PARAM_GROUPS_NOTE = "0: tensors with dim >= 2 (weight decay), 1: biases and norms (no decay)"
@@ -153,8 +164,7 @@ def adamw_with_lambdalr(groups: list[dict[str, Any]]) -> tuple[torch.optim.Optim
 
 def tokens_for_step(step: int, dp_rank: int) -> torch.Tensor:
     cfg = GPTConfig()
-    return batch_for_step(step, batch_size=MICRO_BATCH, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size,
-                          dp_rank=dp_rank)
+    return batch_for_step(step, batch_size=MICRO_BATCH, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size, dp_rank=dp_rank)
 
 
 def lm_loss(forward: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
@@ -182,8 +192,9 @@ def current_lrs(optimizer: Any) -> list[float]:
     return [float(g["lr"]) for g in optimizer.param_groups]
 
 
-def snapshot(*, global_step: int, optimizer: Any, scheduler: Any = None,
-             skipped_steps: int | None = None) -> dict[str, dict[str, Any]]:
+def snapshot(
+    *, global_step: int, optimizer: Any, scheduler: Any = None, skipped_steps: int | None = None
+) -> dict[str, dict[str, Any]]:
     """Manifest `counters` and `lr`, read from the live optimizer and scheduler at save time.
 
     Handles torch schedulers (`last_epoch`, `_step_count`, `base_lrs`) and DeepSpeed's own schedulers,
@@ -208,8 +219,9 @@ def snapshot(*, global_step: int, optimizer: Any, scheduler: Any = None,
     }
 
 
-def train(step_fn: Callable[[int], float], lrs_fn: Callable[[], list[float]],
-          save_fn: Callable[[], dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def train(
+    step_fn: Callable[[int], float], lrs_fn: Callable[[], list[float]], save_fn: Callable[[], dict[str, Any]]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run TOTAL_STEPS updates; call `save_fn` after update SAVE_AFTER_STEP and keep what it returns.
 
     `step_fn(step)` does the update that starts at global step `step` and returns rank 0's loss.
@@ -227,14 +239,28 @@ def train(step_fn: Callable[[int], float], lrs_fn: Callable[[], list[float]],
     return history, saved
 
 
-def write_sample_manifest(ckpt_path: Path, *, sample: str, format: str, model: torch.nn.Module,
-                          topology: dict[str, int | None], saved: dict[str, Any],
-                          history: list[dict[str, Any]], extra: dict[str, Any]) -> Path:
+def write_sample_manifest(
+    ckpt_path: Path,
+    *,
+    sample: str,
+    format: str,
+    model: torch.nn.Module,
+    topology: dict[str, int | None],
+    saved: dict[str, Any],
+    history: list[dict[str, Any]],
+    extra: dict[str, Any],
+) -> Path:
     """The manifest for a sample made with this module's recipe; `saved` is `snapshot()`'s result."""
     count, tensors = count_parameters(model)
     return write_manifest(
-        ckpt_path, sample=sample, format=format, world_size=world_size(), topology=topology,
-        steps=SAVE_AFTER_STEP, counters=saved["counters"], lr=saved["lr"],
+        ckpt_path,
+        sample=sample,
+        format=format,
+        world_size=world_size(),
+        topology=topology,
+        steps=SAVE_AFTER_STEP,
+        counters=saved["counters"],
+        lr=saved["lr"],
         parameters={"count": count, "tensors": tensors},
         extra={
             "model_config": GPTConfig().to_dict(),
@@ -281,23 +307,33 @@ def ds_config(stage: int, dp: int, **settings: Any) -> dict[str, Any]:
     return cfg
 
 
-def ds_adamw(lr: float = PEAK_LR, betas: tuple[float, float] = BETAS, weight_decay: float = WEIGHT_DECAY
-             ) -> dict[str, Any]:
+def ds_adamw(
+    lr: float = PEAK_LR, betas: tuple[float, float] = BETAS, weight_decay: float = WEIGHT_DECAY
+) -> dict[str, Any]:
     """The "optimizer" section for DeepSpeed's AdamW from the config (torch's AdamW: FusedAdam needs CUDA)."""
-    return {"type": "AdamW", "params": {"lr": lr, "betas": list(betas), "eps": 1e-8, "weight_decay": weight_decay,
-                                        "torch_adam": True}}
+    return {
+        "type": "AdamW",
+        "params": {"lr": lr, "betas": list(betas), "eps": 1e-8, "weight_decay": weight_decay, "torch_adam": True},
+    }
 
 
-def ds_initialize(model: torch.nn.Module, cfg: dict[str, Any], *, groups: list[dict[str, Any]] | None = None,
-                  optimizer: Any = None, scheduler: Any = None):
+def ds_initialize(
+    model: torch.nn.Module,
+    cfg: dict[str, Any],
+    *,
+    groups: list[dict[str, Any]] | None = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+):
     """`deepspeed.initialize` on a copy of `cfg` (DeepSpeed may fill in defaults in the dict it is given; the
     manifest keeps what we asked for); returns the engine."""
     import copy
 
     import deepspeed
 
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, optimizer=optimizer,
-                                           lr_scheduler=scheduler, config=copy.deepcopy(cfg))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=groups, optimizer=optimizer, lr_scheduler=scheduler, config=copy.deepcopy(cfg)
+    )
     return engine
 
 
@@ -309,9 +345,14 @@ def ds_update(engine: Any, tokens: torch.Tensor) -> float:
     return loss.item()
 
 
-def ds_train(engine: Any, ckpt: Path, tokens: Callable[[int], torch.Tensor], *,
-             saved: Callable[[], dict[str, Any]] | None = None, **save_kwargs: Any
-             ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def ds_train(
+    engine: Any,
+    ckpt: Path,
+    tokens: Callable[[int], torch.Tensor],
+    *,
+    saved: Callable[[], dict[str, Any]] | None = None,
+    **save_kwargs: Any,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """`train` with a DeepSpeed engine: update `step` runs on `tokens(step)`; after update SAVE_AFTER_STEP,
     `engine.save_checkpoint(ckpt, **save_kwargs)` (DeepSpeed's scripts dropped) and the manifest fields from
     `saved()` (default: `snapshot` of the engine's optimizer, scheduler and skipped steps)."""
@@ -321,7 +362,11 @@ def ds_train(engine: Any, ckpt: Path, tokens: Callable[[int], torch.Tensor], *,
         drop_deepspeed_scripts(ckpt)
         if saved is not None:
             return saved()
-        return snapshot(global_step=engine.global_steps, optimizer=engine.optimizer,
-                        scheduler=engine.lr_scheduler, skipped_steps=engine.skipped_steps)
+        return snapshot(
+            global_step=engine.global_steps,
+            optimizer=engine.optimizer,
+            scheduler=engine.lr_scheduler,
+            skipped_steps=engine.skipped_steps,
+        )
 
     return train(lambda step: ds_update(engine, tokens(step)), lambda: current_lrs(engine.optimizer), save)

@@ -10,6 +10,7 @@
 Accelerate decides at import time and at `Accelerator()` whether DeepSpeed is on (from
 ACCELERATE_USE_DEEPSPEED), so the environment is set before accelerate is first imported, inside `main`.
 """
+
 from __future__ import annotations
 
 import os
@@ -101,8 +102,12 @@ def main() -> None:
         c.drop_deepspeed_scripts(ckpt)
         saved_progress.update(progress.state_dict())
         # the DeepSpeed engine counts overflow-skipped steps; DDP has no such counter
-        return c.snapshot(global_step=progress.steps, optimizer=optimizer, scheduler=scheduler.scheduler,
-                          skipped_steps=getattr(wrapped, "skipped_steps", None))
+        return c.snapshot(
+            global_step=progress.steps,
+            optimizer=optimizer,
+            scheduler=scheduler.scheduler,
+            skipped_steps=getattr(wrapped, "skipped_steps", None),
+        )
 
     history, saved = c.train(step, lambda: c.current_lrs(optimizer), save)
     accelerator.wait_for_everyone()
@@ -111,7 +116,7 @@ def main() -> None:
             "distributed_type": str(accelerator.distributed_type.value),
             "mixed_precision": accelerator.mixed_precision,
             "scheduler": "torch LambdaLR (warmup then decay), kept by Accelerate (scheduler.bin), which "
-                         "steps it once per process per optimizer step",
+            "steps it once per process per optimizer step",
             "custom_checkpoint_0": saved_progress,
             "param_groups": c.PARAM_GROUPS_NOTE,
         }
@@ -119,10 +124,20 @@ def main() -> None:
             extra["ds_config"] = ds_plugin_config(accelerator.num_processes)
             extra["tag"] = "pytorch_model"
         c.write_sample_manifest(
-            ckpt, sample=args.sample, format="accelerate", model=model,
-            topology={"dp": accelerator.num_processes, "tp": 1, "pp": 1,
-                      "zero_stage": 2 if args.sample == "accelerate_deepspeed" else None},
-            saved=saved, history=history, extra=extra)
+            ckpt,
+            sample=args.sample,
+            format="accelerate",
+            model=model,
+            topology={
+                "dp": accelerator.num_processes,
+                "tp": 1,
+                "pp": 1,
+                "zero_stage": 2 if args.sample == "accelerate_deepspeed" else None,
+            },
+            saved=saved,
+            history=history,
+            extra=extra,
+        )
 
 
 if __name__ == "__main__":

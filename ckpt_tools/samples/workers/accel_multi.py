@@ -22,6 +22,7 @@ optimizer.bin / optimizer_1.bin, scheduler.bin / scheduler_1.bin, plus random_st
 custom_checkpoint_0.pkl (the `TrainProgress` registered with `register_for_checkpointing`). Accelerate steps each
 scheduler once per process per optimizer step, so after 4 steps both schedulers have last_epoch 8.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,7 +85,9 @@ def setup():
 
 
 def parse_args() -> argparse.Namespace:
-    return c.parse_producer_args("Make (or resume) the Accelerate two-model sample.", [SAMPLE], default_steps=c.TOTAL_STEPS - c.SAVE_AFTER_STEP)
+    return c.parse_producer_args(
+        "Make (or resume) the Accelerate two-model sample.", [SAMPLE], default_steps=c.TOTAL_STEPS - c.SAVE_AFTER_STEP
+    )
 
 
 def main() -> None:
@@ -116,11 +119,19 @@ def main() -> None:
             batch = progress.steps
             lr_0, lr_1 = c.current_lrs(opt_0), c.current_lrs(opt_1)  # what this update uses
             loss_0, loss_1 = update(batch)
-            records.append({"step": batch + 1, "lr": lr_0, "lr_1": lr_1,
-                            "optimizer_step": c.adam_step(opt_0), "optimizer_step_1": c.adam_step(opt_1),
-                            "scheduler_last_epoch": sched_0.scheduler.last_epoch,
-                            "scheduler_last_epoch_1": sched_1.scheduler.last_epoch,
-                            "loss": loss_0, "loss_1": loss_1})
+            records.append(
+                {
+                    "step": batch + 1,
+                    "lr": lr_0,
+                    "lr_1": lr_1,
+                    "optimizer_step": c.adam_step(opt_0),
+                    "optimizer_step_1": c.adam_step(opt_1),
+                    "scheduler_last_epoch": sched_0.scheduler.last_epoch,
+                    "scheduler_last_epoch_1": sched_1.scheduler.last_epoch,
+                    "loss": loss_0,
+                    "loss_1": loss_1,
+                }
+            )
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             args.record.write_text(json.dumps(records, indent=1) + "\n")
@@ -138,10 +149,16 @@ def main() -> None:
 
     def optimizer_info(opt, sched) -> dict[str, Any]:
         s = sched.scheduler
-        return {"optimizer": type(c.innermost_optimizer(opt)).__name__, "scheduler": type(s).__name__,
-                "lr": c.current_lrs(opt), "base_lrs": [float(x) for x in s.base_lrs],
-                "last_lr": [float(x) for x in s.get_last_lr()], "last_epoch": s.last_epoch,
-                "step_count": s._step_count, "optimizer_step": c.adam_step(opt)}
+        return {
+            "optimizer": type(c.innermost_optimizer(opt)).__name__,
+            "scheduler": type(s).__name__,
+            "lr": c.current_lrs(opt),
+            "base_lrs": [float(x) for x in s.base_lrs],
+            "last_lr": [float(x) for x in s.get_last_lr()],
+            "last_epoch": s.last_epoch,
+            "step_count": s._step_count,
+            "optimizer_step": c.adam_step(opt),
+        }
 
     def save() -> dict[str, Any]:
         accelerator.save_state(str(ckpt))
@@ -156,16 +173,30 @@ def main() -> None:
     if not accelerator.is_main_process:
         return
     models = []
-    for i, (m, cfg) in enumerate(((model_0, GPTConfig().to_dict()),
-                                  (model_1, {"vocab_size": GPTConfig().vocab_size, "hidden": MLP_HIDDEN,
-                                             "ffn": MLP_FFN}))):
+    for i, (m, cfg) in enumerate(
+        (
+            (model_0, GPTConfig().to_dict()),
+            (model_1, {"vocab_size": GPTConfig().vocab_size, "hidden": MLP_HIDDEN, "ffn": MLP_FFN}),
+        )
+    ):
         count, tensors = count_parameters(m)
-        models.append({"file": "model.safetensors" if i == 0 else f"model_{i}.safetensors",
-                       "class": type(m).__name__, "parameters": count, "tensors": tensors, "config": cfg})
+        models.append(
+            {
+                "file": "model.safetensors" if i == 0 else f"model_{i}.safetensors",
+                "class": type(m).__name__,
+                "parameters": count,
+                "tensors": tensors,
+                "config": cfg,
+            }
+        )
     c.write_sample_manifest(
-        ckpt, sample=args.sample, format="accelerate", model=nn.ModuleList([model_0, model_1]),
+        ckpt,
+        sample=args.sample,
+        format="accelerate",
+        model=nn.ModuleList([model_0, model_1]),
         topology={"dp": accelerator.num_processes, "tp": 1, "pp": 1, "zero_stage": None},
-        saved=saved, history=history,
+        saved=saved,
+        history=history,
         extra={
             "distributed_type": str(accelerator.distributed_type.value),
             "mixed_precision": accelerator.mixed_precision,
@@ -177,13 +208,13 @@ def main() -> None:
                 "chainable: each LR is computed from the optimizer's current lr",
             ],
             "scheduler": "two schedulers of different kinds, each stepped by Accelerate once per process per "
-                         "optimizer step: see 'schedulers'",
+            "optimizer step: see 'schedulers'",
             "scheduler_kinds": ["LambdaLR", "StepLR"],
             "custom_checkpoint_0": saved_extra["progress"],
             "param_groups": c.PARAM_GROUPS_NOTE + " (in both optimizers)",
             "counters_note": "'counters' and 'lr' are optimizer 0's / scheduler 0's; 'optimizers' has both",
             "history_lr_note": "'lr' is optimizer 0's groups, 'lr_1' optimizer 1's; 'loss' is model 0's, "
-                               "'loss_1' model 1's (rank 0's micro-batch)",
+            "'loss_1' model 1's (rank 0's micro-batch)",
             "next_lr": saved["lr"]["param_groups"],
             "next_lr_1": saved_extra["optimizers"][1]["lr"],
         },

@@ -16,6 +16,7 @@ under `app`: `app.model.*`, `app.optim.*` (get_state_dict, not flattened: `state
 `app.scheduler.*` (a CosineAnnealingLR, chainable: each LR is computed from the optimizer's current LR),
 `app.step`. (torchtitan's layout is written by torchtitan's own Trainer: `torchtitan_run`.)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,8 +71,9 @@ class AppState(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict["optim"])
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"]
+        )
         self.scheduler.load_state_dict(state_dict["scheduler"])
         self.step = int(state_dict["step"])
 
@@ -80,7 +82,9 @@ class AppState(Stateful):
 
 
 def parse_args() -> argparse.Namespace:
-    return c.parse_producer_args("Make (or resume) the DCP-recipe FSDP2 sample.", LAYOUTS, default_steps=c.TOTAL_STEPS - c.SAVE_AFTER_STEP)
+    return c.parse_producer_args(
+        "Make (or resume) the DCP-recipe FSDP2 sample.", LAYOUTS, default_steps=c.TOTAL_STEPS - c.SAVE_AFTER_STEP
+    )
 
 
 def update(model, optimizer, scheduler, batch: int) -> float:
@@ -102,8 +106,7 @@ def make(sample: str, out: Path) -> None:
         dcp.save({"app": AppState(model, optimizer, scheduler, step=c.SAVE_AFTER_STEP)}, checkpoint_id=path)
         return c.snapshot(global_step=c.SAVE_AFTER_STEP, optimizer=optimizer, scheduler=scheduler)
 
-    history, saved = c.train(lambda s: update(model, optimizer, scheduler, s), lambda: c.current_lrs(optimizer),
-                             save)
+    history, saved = c.train(lambda s: update(model, optimizer, scheduler, s), lambda: c.current_lrs(optimizer), save)
     dist.barrier()
     if c.rank() != 0:
         return
@@ -114,21 +117,31 @@ def make(sample: str, out: Path) -> None:
     extra = {
         "layout": "recipe",
         "api": "FSDP2 fully_shard per Block and root; dcp.save({'app': AppState}) where AppState.state_dict() "
-               "is {model, optim (get_state_dict, not flattened), scheduler (CosineAnnealingLR.state_dict()), "
-               "step}",
+        "is {model, optim (get_state_dict, not flattened), scheduler (CosineAnnealingLR.state_dict()), "
+        "step}",
         "scheduler": f"torch CosineAnnealingLR(T_max={COSINE_T_MAX}, eta_min={COSINE_ETA_MIN}) (chainable: "
-                     "each step's LR is computed from the optimizer's current LR)",
+        "each step's LR is computed from the optimizer's current LR)",
         "scheduler_kind": "CosineAnnealingLR",
         "scheduler_params": {"T_max": COSINE_T_MAX, "eta_min": COSINE_ETA_MIN},
         "lr_source_note": "the first resumed update uses app.optim.param_groups.<i>.lr; CosineAnnealingLR's "
-                          "recursive form derives every later LR from the optimizer's current lr",
+        "recursive form derives every later LR from the optimizer's current lr",
     }
     c.write_sample_manifest(
-        path, sample=sample, format="dcp", model=fresh,
-        topology={"dp": DP, "tp": 1, "pp": 1, "zero_stage": None}, saved=saved, history=history,
-        extra={**extra, "optimizer": type(optimizer).__name__, "file_pattern": "__{rank}_0.distcp",
-               "param_groups": c.PARAM_GROUPS_NOTE, "param_group_fqns": group_fqns,
-               "next_lr": saved["lr"]["param_groups"]},
+        path,
+        sample=sample,
+        format="dcp",
+        model=fresh,
+        topology={"dp": DP, "tp": 1, "pp": 1, "zero_stage": None},
+        saved=saved,
+        history=history,
+        extra={
+            **extra,
+            "optimizer": type(optimizer).__name__,
+            "file_pattern": "__{rank}_0.distcp",
+            "param_groups": c.PARAM_GROUPS_NOTE,
+            "param_group_fqns": group_fqns,
+            "next_lr": saved["lr"]["param_groups"],
+        },
     )
 
 
@@ -144,8 +157,16 @@ def resume(sample: str, ckpt: Path, record: Path, steps: int) -> None:
     for i in range(steps):
         lrs = c.current_lrs(optimizer)  # what this update uses: read before optimizer.step()
         loss = update(model, optimizer, scheduler, batch + i)
-        records.append({"step": step + i + 1, "batch": batch + i, "lr": lrs, "optimizer_step": c.adam_step(optimizer),
-                        "scheduler_last_epoch": scheduler.last_epoch, "loss": loss})
+        records.append(
+            {
+                "step": step + i + 1,
+                "batch": batch + i,
+                "lr": lrs,
+                "optimizer_step": c.adam_step(optimizer),
+                "scheduler_last_epoch": scheduler.last_epoch,
+                "loss": loss,
+            }
+        )
     if c.rank() == 0:
         record.write_text(json.dumps(records, indent=1) + "\n")
 

@@ -38,6 +38,7 @@ calls `engine.load_checkpoint` and checks that global_steps, the param groups' L
 the Adam step match the manifest beside CKPT, and that the expert weights were loaded (they differ from
 the freshly initialised ones); rank 0 prints one `CHECK OK ...` line, or the process exits 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -106,8 +107,9 @@ class MoEBlock(nn.Module):
         self.ln_1 = nn.LayerNorm(HIDDEN)
         self.dense = nn.Linear(HIDDEN, HIDDEN)
         self.ln_2 = nn.LayerNorm(HIDDEN)
-        self.moe = MoE(hidden_size=HIDDEN, expert=ExpertMLP(), num_experts=NUM_EXPERTS, ep_size=EP_SIZE, k=TOP_K,
-                       use_rts=USE_RTS)
+        self.moe = MoE(
+            hidden_size=HIDDEN, expert=ExpertMLP(), num_experts=NUM_EXPERTS, ep_size=EP_SIZE, k=TOP_K, use_rts=USE_RTS
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self.dense(self.ln_1(x))
@@ -174,8 +176,10 @@ def optimizer_groups(model: nn.Module) -> list[dict[str, Any]]:
 
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "name": "decay", "weight_decay": c.WEIGHT_DECAY},
-              {"params": no_decay, "name": "no_decay", "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "name": "decay", "weight_decay": c.WEIGHT_DECAY},
+        {"params": no_decay, "name": "no_decay", "weight_decay": 0.0},
+    ]
     return split_params_into_different_moe_groups_for_optimizer(groups)
 
 
@@ -190,8 +194,10 @@ def build_engine(v: MoEVariant, dp: int, *, gas: int = 1, universal: bool = Fals
         cfg["checkpoint"] = {"load_universal": True}
     model = build_model()
     groups = optimizer_groups(model)
-    model.group_sizes = [{"param_tensors_this_rank": len(g["params"]),
-                          "elements_this_rank": sum(p.numel() for p in g["params"])} for g in groups]
+    model.group_sizes = [
+        {"param_tensors_this_rank": len(g["params"]), "elements_this_rank": sum(p.numel() for p in g["params"])}
+        for g in groups
+    ]
     optimizer = torch.optim.AdamW(groups, lr=c.PEAK_LR, betas=c.BETAS, eps=1e-8)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=COSINE_T_MAX, eta_min=COSINE_ETA_MIN)
     engine = c.ds_initialize(model, cfg, optimizer=optimizer, scheduler=scheduler)
@@ -219,9 +225,13 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
     local = torch.tensor([sum(p.numel() for p in expert), len(expert)], dtype=torch.long)
     dist.all_reduce(local, group=groups._get_expert_parallel_group(f"ep_size_{EP_SIZE}"))
     dense_n = sum(p.numel() for p in dense)
-    return {"count": dense_n + int(local[0]), "tensors": len(dense) + int(local[1]),
-            "non_expert_count": dense_n, "expert_count": int(local[0]),
-            "per_expert_count": sum(p.numel() for p in ExpertMLP().parameters())}
+    return {
+        "count": dense_n + int(local[0]),
+        "tensors": len(dense) + int(local[1]),
+        "non_expert_count": dense_n,
+        "expert_count": int(local[0]),
+        "per_expert_count": sum(p.numel() for p in ExpertMLP().parameters()),
+    }
 
 
 def files_under(folder: Path) -> list[str]:
@@ -243,26 +253,43 @@ def make(args: argparse.Namespace, rank: int, dp: int) -> None:
 
         group = f"ep_size_{EP_SIZE}"
         write_manifest(
-            ckpt, sample=args.sample, format="deepspeed_moe", world_size=c.world_size(),
-            topology={"dp": dp, "tp": 1, "pp": 1, "zero_stage": v.stage, "ep": EP_SIZE,
-                      "expert_dp": groups._get_expert_data_parallel_world_size(group)},
-            steps=c.SAVE_AFTER_STEP, counters=saved["counters"], lr=saved["lr"],
+            ckpt,
+            sample=args.sample,
+            format="deepspeed_moe",
+            world_size=c.world_size(),
+            topology={
+                "dp": dp,
+                "tp": 1,
+                "pp": 1,
+                "zero_stage": v.stage,
+                "ep": EP_SIZE,
+                "expert_dp": groups._get_expert_data_parallel_world_size(group),
+            },
+            steps=c.SAVE_AFTER_STEP,
+            counters=saved["counters"],
+            lr=saved["lr"],
             parameters={"count": counts["count"], "tensors": counts["tensors"]},
             extra={
-                "moe": {"num_experts": NUM_EXPERTS, "ep_size": EP_SIZE, "num_moe_layers": N_LAYERS,
-                        "num_local_experts": NUM_EXPERTS // EP_SIZE, "top_k": TOP_K, "use_rts": USE_RTS,
-                        "expert_group": group,
-                        "expert_files": [f for f in saved["files"] if "_expert_" in f],
-                        "aux_loss_coef": AUX_LOSS_COEF,
-                        "expert_init": "each expert re-initialised from seed 10000 + 100*layer + global_expert_id"},
+                "moe": {
+                    "num_experts": NUM_EXPERTS,
+                    "ep_size": EP_SIZE,
+                    "num_moe_layers": N_LAYERS,
+                    "num_local_experts": NUM_EXPERTS // EP_SIZE,
+                    "top_k": TOP_K,
+                    "use_rts": USE_RTS,
+                    "expert_group": group,
+                    "expert_files": [f for f in saved["files"] if "_expert_" in f],
+                    "aux_loss_coef": AUX_LOSS_COEF,
+                    "expert_init": "each expert re-initialised from seed 10000 + 100*layer + global_expert_id",
+                },
                 "parameter_counts": counts,
                 "param_groups": saved["param_groups"],
                 "param_groups_note": "DeepSpeed's split of [decay (dim >= 2), no_decay] into non-MoE groups "
-                                     "0-1 and MoE groups 2-3 (moe=True, name=expert group); the sizes are the "
-                                     "model parameters rank 0 gave each group (its 2 local experts per layer "
-                                     "in the MoE groups)",
+                "0-1 and MoE groups 2-3 (moe=True, name=expert group); the sizes are the "
+                "model parameters rank 0 gave each group (its 2 local experts per layer "
+                "in the MoE groups)",
                 "scheduler": "torch CosineAnnealingLR(T_max=%d, eta_min=%g) over a torch AdamW, passed to "
-                             "deepspeed.initialize" % (COSINE_T_MAX, COSINE_ETA_MIN),
+                "deepspeed.initialize" % (COSINE_T_MAX, COSINE_ETA_MIN),
                 "scheduler_state": saved["scheduler_state"],
                 "optimizer": type(c.innermost_optimizer(engine.optimizer)).__name__,
                 "optimizer_wrapper": type(engine.optimizer).__name__,
@@ -270,8 +297,13 @@ def make(args: argparse.Namespace, rank: int, dp: int) -> None:
                 "dtype": "bfloat16" if v.bf16 else "float32",
                 "tag": f"global_step{c.SAVE_AFTER_STEP}",
                 "files": saved["files"],
-                "model": {"vocab_size": VOCAB, "seq_len": SEQ_LEN, "hidden": HIDDEN, "n_layers": N_LAYERS,
-                          "expert_ffn": EXPERT_FFN},
+                "model": {
+                    "vocab_size": VOCAB,
+                    "seq_len": SEQ_LEN,
+                    "hidden": HIDDEN,
+                    "n_layers": N_LAYERS,
+                    "expert_ffn": EXPERT_FFN,
+                },
                 "micro_batch_per_rank": c.MICRO_BATCH,
                 "total_steps_trained": c.TOTAL_STEPS,
                 "saved_after_step": c.SAVE_AFTER_STEP,
@@ -289,16 +321,23 @@ def _train(engine: Any, ckpt: Path, rank: int, scheduler: Any):
         c.drop_deepspeed_scripts(ckpt)
         dist.barrier()
         return {
-            **c.snapshot(global_step=engine.global_steps, optimizer=engine.optimizer, scheduler=scheduler,
-                         skipped_steps=engine.skipped_steps),
-            "param_groups": [{k: val for k, val in g.items() if k != "params"} | sizes
-                             for g, sizes in zip(engine.optimizer.param_groups, engine.module.group_sizes)],
+            **c.snapshot(
+                global_step=engine.global_steps,
+                optimizer=engine.optimizer,
+                scheduler=scheduler,
+                skipped_steps=engine.skipped_steps,
+            ),
+            "param_groups": [
+                {k: val for k, val in g.items() if k != "params"} | sizes
+                for g, sizes in zip(engine.optimizer.param_groups, engine.module.group_sizes)
+            ],
             "scheduler_state": scheduler_state(scheduler),
             "files": files_under(ckpt),
         }
 
-    return c.train(lambda step: update(engine, c.tokens_for_step(step, rank)),
-                   lambda: c.current_lrs(engine.optimizer), save)
+    return c.train(
+        lambda step: update(engine, c.tokens_for_step(step, rank)), lambda: c.current_lrs(engine.optimizer), save
+    )
 
 
 def saved_weights(ckpt: Path, name: str) -> torch.Tensor:
@@ -333,8 +372,9 @@ def dump_fp32(engine: Any, path: Path) -> None:
     for name, p in engine.module.named_parameters():
         v = safe_get_full_fp32_param(p)
         v = (p if v is None else v).detach().float().clone()
-        name = re.sub(r"(\.deepspeed_experts\.)(\d+)(\.)", lambda m: f"{m[1]}{ep_rank() * local + int(m[2])}{m[3]}",
-                      name)
+        name = re.sub(
+            r"(\.deepspeed_experts\.)(\d+)(\.)", lambda m: f"{m[1]}{ep_rank() * local + int(m[2])}{m[3]}", name
+        )
         out[name] = v
     torch.save(out, path)
 
@@ -347,8 +387,7 @@ def check(args: argparse.Namespace, rank: int, dp: int) -> None:
     v = VARIANTS[man["sample"]]
     engine, _, _, _ = build_engine(v, dp)
     fresh = {n: p.detach().float().clone() for n, p in engine.module.named_parameters() if "experts" in n}
-    load_path, _ = engine.load_checkpoint(str(args.check), load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
+    load_path, _ = engine.load_checkpoint(str(args.check), load_optimizer_states=True, load_lr_scheduler_states=True)
     problems = []
     if load_path is None:
         problems.append("load_checkpoint returned None")
@@ -358,7 +397,8 @@ def check(args: argparse.Namespace, rank: int, dp: int) -> None:
         problems.append(f"global_steps {engine.global_steps} != {man['counters']['global_step']}")
     lrs = c.current_lrs(engine.optimizer)
     if any(abs(a - b) > 1e-12 for a, b in zip(lrs, man["lr"]["param_groups"])) or len(lrs) != len(
-            man["lr"]["param_groups"]):
+        man["lr"]["param_groups"]
+    ):
         problems.append(f"lrs {lrs} != {man['lr']['param_groups']}")
     sched = scheduler_state(engine.lr_scheduler)
     if sched != man["extra"]["scheduler_state"]:
@@ -369,8 +409,11 @@ def check(args: argparse.Namespace, rank: int, dp: int) -> None:
     unchanged = [n for n, p in engine.module.named_parameters() if n in fresh and torch.equal(p.float(), fresh[n])]
     if unchanged:
         problems.append(f"expert weights not loaded: {unchanged}")
-    mismatched = [n for n, p in engine.module.named_parameters()
-                  if not torch.equal(p.detach().float(), saved_weights(args.check, n).float())]
+    mismatched = [
+        n
+        for n, p in engine.module.named_parameters()
+        if not torch.equal(p.detach().float(), saved_weights(args.check, n).float())
+    ]
     if mismatched:
         problems.append(f"weights differ from the files: {mismatched}")
     # the next update after the reload must give the loss the uninterrupted run had (rank 0's, as recorded)
@@ -383,9 +426,12 @@ def check(args: argparse.Namespace, rank: int, dp: int) -> None:
     for p in problems:
         print(f"rank {rank}: CHECK FAIL {p}", file=sys.stderr, flush=True)
     if rank == 0 and int(flag) == 0:
-        print(f"CHECK OK {args.check}: global_steps={man['counters']['global_step']} lrs={lrs} adam_step={step} "
-              f"scheduler last_epoch={sched.get('last_epoch')} resumed loss={loss!r} (run: {expected!r}), "
-              f"all {len(list(engine.module.parameters()))} local weight tensors equal to the files", flush=True)
+        print(
+            f"CHECK OK {args.check}: global_steps={man['counters']['global_step']} lrs={lrs} adam_step={step} "
+            f"scheduler last_epoch={sched.get('last_epoch')} resumed loss={loss!r} (run: {expected!r}), "
+            f"all {len(list(engine.module.parameters()))} local weight tensors equal to the files",
+            flush=True,
+        )
     if int(flag):
         from ckpt_tools.train.procgroup import leave
 
@@ -403,8 +449,14 @@ def whole_state(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
     from ckpt_tools.samples.workers.ds_pipeline import gather_whole, master_and_moments
 
     local_n = NUM_EXPERTS // EP_SIZE
-    glob = lambda n: re.sub(r"(\.deepspeed_experts\.)(\d+)(\.)",  # noqa: E731
-                            lambda m: f"{m[1]}{ep_rank() * local_n + int(m[2])}{m[3]}", n)
+
+    def glob(n):
+        return re.sub(
+            r"(\.deepspeed_experts\.)(\d+)(\.)",
+            lambda m: f"{m[1]}{ep_rank() * local_n + int(m[2])}{m[3]}",
+            n,
+        )
+
     from deepspeed.moe.utils import is_moe_param
 
     local, shapes = {}, {}
@@ -414,9 +466,18 @@ def whole_state(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
         shapes[glob(name)] = tuple(prm.shape)
         if not zero:  # no ZeRO, fp32: the weight is the master; the non-expert ones are replicas, rank 0's taken
             st = inner.state[prm]
-            piece = None if (c.rank() and not is_moe_param(prm)) else (0, {
-                "fp32": prm.data.reshape(-1), "exp_avg": st["exp_avg"].reshape(-1),
-                "exp_avg_sq": st["exp_avg_sq"].reshape(-1)})
+            piece = (
+                None
+                if (c.rank() and not is_moe_param(prm))
+                else (
+                    0,
+                    {
+                        "fp32": prm.data.reshape(-1),
+                        "exp_avg": st["exp_avg"].reshape(-1),
+                        "exp_avg_sq": st["exp_avg_sq"].reshape(-1),
+                    },
+                )
+            )
         else:
             piece = master_and_moments(engine.optimizer, prm)
         if piece is not None:
@@ -445,8 +506,7 @@ def resume(args: argparse.Namespace, rank: int, dp: int) -> None:
     gas = run_dp // dp
     v = VARIANTS[args.sample]
     engine, _, _, _ = build_engine(v, dp, gas=gas, universal=args.universal)
-    load_path, _ = engine.load_checkpoint(str(args.resume), load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
+    load_path, _ = engine.load_checkpoint(str(args.resume), load_optimizer_states=True, load_lr_scheduler_states=True)
     if load_path is None:
         raise SystemExit(f"load_checkpoint found nothing in {args.resume}")
     if args.dump is not None:
@@ -460,8 +520,15 @@ def resume(args: argparse.Namespace, rank: int, dp: int) -> None:
         losses = [update(engine, c.tokens_for_step(step, rank * gas + k)) for k in range(gas)]
         every: list[Any] = [None] * dp
         dist.all_gather_object(every, lrs)
-        records.append({"step": engine.global_steps, "lr": lrs, "lr_by_rank": every,
-                        "optimizer_step": c.adam_step(engine.optimizer), "loss": losses[0]})
+        records.append(
+            {
+                "step": engine.global_steps,
+                "lr": lrs,
+                "lr_by_rank": every,
+                "optimizer_step": c.adam_step(engine.optimizer),
+                "loss": losses[0],
+            }
+        )
         if args.dump is not None and i == 0:
             state = whole_state(engine)
             if rank == 0:
@@ -475,16 +542,27 @@ def main() -> None:
     p.add_argument("--sample", choices=sorted(VARIANTS))
     p.add_argument("--out", type=Path, help="the group folder the sample goes into")
     p.add_argument("--check", type=Path, help="reload this sample checkpoint with DeepSpeed and compare")
-    p.add_argument("--dump-fp32", type=Path, help="--check: each rank writes fp32_rank<R>.pt here: DeepSpeed's "
-                   "safe_get_full_fp32_param of every parameter after the reload, under global expert names")
-    p.add_argument("--resume", type=Path, help="resume this checkpoint with DeepSpeed (--sample names the variant) "
-                   "and record the LR of every update on every rank")
+    p.add_argument(
+        "--dump-fp32",
+        type=Path,
+        help="--check: each rank writes fp32_rank<R>.pt here: DeepSpeed's "
+        "safe_get_full_fp32_param of every parameter after the reload, under global expert names",
+    )
+    p.add_argument(
+        "--resume",
+        type=Path,
+        help="resume this checkpoint with DeepSpeed (--sample names the variant) "
+        "and record the LR of every update on every rank",
+    )
     p.add_argument("--record", type=Path, help="--resume: rank 0 writes the records here (JSON)")
     p.add_argument("--steps", type=int, default=2, help="--resume: updates after the reload (default 2)")
     p.add_argument("--ep", type=int, help="--resume: the expert-parallel size to run at (default: the sample's, 2)")
     p.add_argument("--universal", action="store_true", help="--resume: the checkpoint is a universal one")
-    p.add_argument("--run-dp", type=int, help="--resume: the saved run's DP size; fewer ranks accumulate its "
-                   "micro-batches (default: this run's)")
+    p.add_argument(
+        "--run-dp",
+        type=int,
+        help="--resume: the saved run's DP size; fewer ranks accumulate its micro-batches (default: this run's)",
+    )
     p.add_argument("--dump", type=Path, help="--resume: rank 0 writes state_loaded.pt and state_step1.pt here")
     p.add_argument("--experts", type=int, help="--out: experts per MoE layer (bench/bench_moe.py; not for samples)")
     p.add_argument("--layers", type=int, help="--out: MoE layers (bench/bench_moe.py; not for samples)")

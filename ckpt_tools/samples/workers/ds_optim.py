@@ -28,6 +28,7 @@ Modes (the other producer workers' command line, plus two options):
                                           left) on the uninterrupted run's batches, and write the same records
                                           plus `state_keys` (the optimizer's per-parameter state keys)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -143,8 +144,12 @@ def parse_args(samples) -> argparse.Namespace:
         p.add_argument("--stage", type=int, help="resume mode: the ZeRO stage to load at (default: the sample's)")
         p.add_argument("--universal", action="store_true", help="resume mode: CKPT is a universal checkpoint")
 
-    return c.parse_producer_args("DeepSpeed ZeRO with a non-Adam client optimizer", samples,
-                                 default_steps=c.TOTAL_STEPS - c.SAVE_AFTER_STEP, add_arguments=add_arguments)
+    return c.parse_producer_args(
+        "DeepSpeed ZeRO with a non-Adam client optimizer",
+        samples,
+        default_steps=c.TOTAL_STEPS - c.SAVE_AFTER_STEP,
+        add_arguments=add_arguments,
+    )
 
 
 def make(name: str, out: Path) -> None:
@@ -160,25 +165,44 @@ def make(name: str, out: Path) -> None:
         if step + 1 == c.SAVE_AFTER_STEP:
             engine.save_checkpoint(str(ckpt))
             c.drop_deepspeed_scripts(ckpt)
-            saved = {"global_step": engine.global_steps, "lr": c.current_lrs(engine.optimizer),
-                     "state_keys": state_keys(engine)}
+            saved = {
+                "global_step": engine.global_steps,
+                "lr": c.current_lrs(engine.optimizer),
+                "state_keys": state_keys(engine),
+            }
     if c.rank() == 0:
         from ckpt_tools.train.manifest import write_manifest
         from ckpt_tools.train.models import count_parameters
 
         count, tensors = count_parameters(c.build_model())
         write_manifest(
-            ckpt, sample=name, format="deepspeed_zero", world_size=c.world_size(),
-            topology={"dp": c.world_size(), "tp": 1, "pp": 1, "zero_stage": v.stage}, steps=c.SAVE_AFTER_STEP,
-            counters={"global_step": saved["global_step"], "optimizer_step": None, "scheduler_last_epoch": None,
-                      "scheduler_step_count": None, "skipped_steps": engine.skipped_steps},
+            ckpt,
+            sample=name,
+            format="deepspeed_zero",
+            world_size=c.world_size(),
+            topology={"dp": c.world_size(), "tp": 1, "pp": 1, "zero_stage": v.stage},
+            steps=c.SAVE_AFTER_STEP,
+            counters={
+                "global_step": saved["global_step"],
+                "optimizer_step": None,
+                "scheduler_last_epoch": None,
+                "scheduler_step_count": None,
+                "skipped_steps": engine.skipped_steps,
+            },
             lr={"param_groups": saved["lr"], "base_lrs": None, "last_lr": None},
             parameters={"count": count, "tensors": tensors},
-            extra={"ds_config": cfg, "dtype": "float32", "tag": f"global_step{c.SAVE_AFTER_STEP}",
-                   "optimizer": type(c.innermost_optimizer(engine.optimizer)).__name__,
-                   "state_keys": saved["state_keys"], "micro_batch_per_rank": c.MICRO_BATCH,
-                   "history": history, "history_note": c.HISTORY_NOTE + "; params_sha256: sha256 of every "
-                   "module parameter after the update (fp32 bytes, named_parameters order)"})
+            extra={
+                "ds_config": cfg,
+                "dtype": "float32",
+                "tag": f"global_step{c.SAVE_AFTER_STEP}",
+                "optimizer": type(c.innermost_optimizer(engine.optimizer)).__name__,
+                "state_keys": saved["state_keys"],
+                "micro_batch_per_rank": c.MICRO_BATCH,
+                "history": history,
+                "history_note": c.HISTORY_NOTE + "; params_sha256: sha256 of every "
+                "module parameter after the update (fp32 bytes, named_parameters order)",
+            },
+        )
 
 
 def optimizer_steps(engine) -> list[int]:
@@ -205,8 +229,16 @@ def resume(name: str, ckpt: Path, record: Path, steps: int, stage: int | None, u
     for i in range(steps):
         lrs = c.current_lrs(engine.optimizer)
         loss = one_update(engine, start + i)
-        records.append({"step": start + i + 1, "loss": loss, "lr": lrs, "params_sha256": params_sha256(engine),
-                        "state_keys": state_keys(engine), "optimizer_steps": optimizer_steps(engine)})
+        records.append(
+            {
+                "step": start + i + 1,
+                "loss": loss,
+                "lr": lrs,
+                "params_sha256": params_sha256(engine),
+                "state_keys": state_keys(engine),
+                "optimizer_steps": optimizer_steps(engine),
+            }
+        )
     if c.rank() == 0:
         record.write_text(json.dumps(records, indent=1) + "\n")
 

@@ -16,6 +16,7 @@ must handle:
 - `gpt_tp2_pp2_dp2_drifted`: the same drift at DP=2 (8 ranks): ZeRO-1 splits every optimizer state across
   the two DP ranks, so a replica's fp32 master weight and moments lie in pieces of two files per TP rank.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,8 +85,7 @@ class PipelineVariant:
 
 BLOOM_DRIFT = Drift(
     # One family on both pipeline stages, another in one layer only.
-    params=("02.post_attention_layernorm.weight", "05.post_attention_layernorm.weight",
-            "03.self_attention.dense.bias"),
+    params=("02.post_attention_layernorm.weight", "05.post_attention_layernorm.weight", "03.self_attention.dense.bias"),
     factor=0.5,
     # Adam is invariant to a constant gradient scale, so the steps halved are not all the steps:
     # the moments then mix halved and full gradients and the updates really differ.
@@ -116,11 +116,25 @@ def ds_config(dp: int = DP) -> dict[str, Any]:
         "steps_per_print": 1000,
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": 1},
-        "optimizer": {"type": "AdamW", "params": {"lr": c.PEAK_LR, "betas": list(c.BETAS), "eps": 1e-8,
-                                                  "weight_decay": c.WEIGHT_DECAY, "torch_adam": True}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": c.PEAK_LR,
-                                                     "warmup_num_steps": c.WARMUP_STEPS,
-                                                     "warmup_type": "linear"}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": c.PEAK_LR,
+                "betas": list(c.BETAS),
+                "eps": 1e-8,
+                "weight_decay": c.WEIGHT_DECAY,
+                "torch_adam": True,
+            },
+        },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": 0.0,
+                "warmup_max_lr": c.PEAK_LR,
+                "warmup_num_steps": c.WARMUP_STEPS,
+                "warmup_type": "linear",
+            },
+        },
     }
 
 
@@ -159,16 +173,38 @@ def universal_checkpoint_info(cfg: MegatronGPTConfig) -> dict[str, Any]:
 def megatron_args(cfg: MegatronGPTConfig, dp: int = DP) -> argparse.Namespace:
     """The subset of Megatron's `args` that checkpoint readers and converters look at."""
     return argparse.Namespace(
-        tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP, data_parallel_size=dp,
-        world_size=TP * PP * dp, num_layers=cfg.n_layers, hidden_size=cfg.hidden,
-        ffn_hidden_size=cfg.ffn_hidden, num_attention_heads=cfg.n_heads, seq_length=cfg.seq_len,
-        max_position_embeddings=cfg.seq_len, padded_vocab_size=cfg.vocab_size,
-        micro_batch_size=MICRO_BATCH, global_batch_size=c.MICRO_BATCH * dp, train_iters=c.TOTAL_STEPS,
-        lr=c.PEAK_LR, lr_warmup_iters=c.WARMUP_STEPS, weight_decay=c.WEIGHT_DECAY, adam_beta1=c.BETAS[0],
-        adam_beta2=c.BETAS[1], clip_grad=1.0, seed=c.SEED, bf16=True, fp16=False, deepspeed=True,
-        zero_stage=1, normalization="layernorm", layernorm_epsilon=cfg.layernorm_eps,
-        untie_embeddings_and_output_weights=True, add_position_embedding=True, add_bias_linear=True,
-        swiglu=False, position_embedding_type="learned_absolute",
+        tensor_model_parallel_size=TP,
+        pipeline_model_parallel_size=PP,
+        data_parallel_size=dp,
+        world_size=TP * PP * dp,
+        num_layers=cfg.n_layers,
+        hidden_size=cfg.hidden,
+        ffn_hidden_size=cfg.ffn_hidden,
+        num_attention_heads=cfg.n_heads,
+        seq_length=cfg.seq_len,
+        max_position_embeddings=cfg.seq_len,
+        padded_vocab_size=cfg.vocab_size,
+        micro_batch_size=MICRO_BATCH,
+        global_batch_size=c.MICRO_BATCH * dp,
+        train_iters=c.TOTAL_STEPS,
+        lr=c.PEAK_LR,
+        lr_warmup_iters=c.WARMUP_STEPS,
+        weight_decay=c.WEIGHT_DECAY,
+        adam_beta1=c.BETAS[0],
+        adam_beta2=c.BETAS[1],
+        clip_grad=1.0,
+        seed=c.SEED,
+        bf16=True,
+        fp16=False,
+        deepspeed=True,
+        zero_stage=1,
+        normalization="layernorm",
+        layernorm_epsilon=cfg.layernorm_eps,
+        untie_embeddings_and_output_weights=True,
+        add_position_embedding=True,
+        add_bias_linear=True,
+        swiglu=False,
+        position_embedding_type="learned_absolute",
     )
 
 
@@ -210,11 +246,13 @@ def master_and_moments(optimizer: Any, param: torch.nn.Parameter) -> tuple[int, 
     state = optimizer.optimizer.state[flat]
     return mapping.lp_fragment_address.start, {
         key: t.narrow(0, address.start, address.numel)
-        for key, t in (("fp32", flat), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"]))}
+        for key, t in (("fp32", flat), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"]))
+    }
 
 
-def gather_whole(local: dict[str, tuple[int, dict[str, torch.Tensor]]], shapes: dict[str, tuple[int, ...]]
-                 ) -> dict[str, dict[str, torch.Tensor]]:
+def gather_whole(
+    local: dict[str, tuple[int, dict[str, torch.Tensor]]], shapes: dict[str, tuple[int, ...]]
+) -> dict[str, dict[str, torch.Tensor]]:
     """Every rank's pieces (`local`: name -> (offset into the flattened parameter, flat {fp32, exp_avg,
     exp_avg_sq}), e.g. from `master_and_moments`; `shapes`: this rank's names -> shapes) all-gathered and put at
     their offsets: each name's whole tensors, in name order. A collective; every element must be covered once."""
@@ -232,7 +270,7 @@ def gather_whole(local: dict[str, tuple[int, dict[str, torch.Tensor]]], shapes: 
             if name in rank_parts:
                 offset, views = rank_parts[name]
                 for k, v in views.items():
-                    whole[k][offset: offset + v.numel()] = v
+                    whole[k][offset : offset + v.numel()] = v
                 covered += views["fp32"].numel()
         if covered != n:
             raise RuntimeError(f"{name}: the ZeRO pieces cover {covered} of {n} elements")
@@ -272,14 +310,16 @@ def replica_drift(engine: Any, tp_rank: int, dp_rank: int = 0) -> dict[str, dict
             for k, (offset, v) in states.items():
                 o_offset, o = other[name][k]
                 if o_offset != offset or o.shape != v.shape:
-                    raise RuntimeError(f"{name} {k}: TP ranks hold different pieces ({offset}+{v.numel()} vs "
-                                       f"{o_offset}+{o.numel()})")
+                    raise RuntimeError(
+                        f"{name} {k}: TP ranks hold different pieces ({offset}+{v.numel()} vs {o_offset}+{o.numel()})"
+                    )
                 diff = float((v - o).abs().max()) if v.numel() else 0.0
                 if diff:
                     entry = drift.setdefault(name, {})
                     entry[k] = max(entry.get(k, 0.0), diff)
-    return {name: {k: drift[name].get(k, 0.0) for k in ("bf16", "fp32", "exp_avg", "exp_avg_sq")}
-            for name in sorted(drift)}
+    return {
+        name: {k: drift[name].get(k, 0.0) for k in ("bf16", "fp32", "exp_avg", "exp_avg_sq")} for name in sorted(drift)
+    }
 
 
 def default_rng_seed(pp_rank: int, tp_rank: int, per_tp_rank: bool) -> int:
@@ -313,8 +353,13 @@ def parameter_inventory(engine: Any, tp_rank: int, dp_rank: int = 0) -> dict[str
                 full = shapes.setdefault(name, [0 if d == dim else s for d, s in enumerate(shape)])
                 full[dim] += shape[dim]
     count = sum(torch.Size(s).numel() for s in shapes.values())
-    return {"shapes": shapes, "split": split, "tp_replicated": sorted(replicated), "count": count,
-            "tensors": len(shapes)}
+    return {
+        "shapes": shapes,
+        "split": split,
+        "tp_replicated": sorted(replicated),
+        "count": count,
+        "tensors": len(shapes),
+    }
 
 
 def expected_parameter_count(cfg: MegatronGPTConfig) -> int:
@@ -327,8 +372,9 @@ def expected_parameter_count(cfg: MegatronGPTConfig) -> int:
 def micro_batches(step: int, cfg: MegatronGPTConfig, dp_rank: int = 0):
     """The (inputs, labels) micro-batches of one train_batch of one DP rank; both TP ranks of a stage read
     the same."""
-    tokens = batch_for_step(step, batch_size=c.MICRO_BATCH, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size,
-                            dp_rank=dp_rank)
+    tokens = batch_for_step(
+        step, batch_size=c.MICRO_BATCH, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size, dp_rank=dp_rank
+    )
     for mb in tokens.split(MICRO_BATCH):
         yield mb[:, :-1].contiguous(), mb[:, 1:].contiguous()
 
@@ -340,8 +386,9 @@ def main() -> None:
     rank = c.rank()
     dp = variant.dp
     if c.world_size() != TP * PP * dp:
-        raise SystemExit(f"{args.sample} needs {TP * PP * dp} ranks (TP={TP} x PP={PP} x DP={dp}), "
-                         f"got {c.world_size()}")
+        raise SystemExit(
+            f"{args.sample} needs {TP * PP * dp} ranks (TP={TP} x PP={PP} x DP={dp}), got {c.world_size()}"
+        )
     topology = PipeModelDataParallelTopology(num_pp=PP, num_mp=TP, num_dp=dp)
     coord = topology.get_coord(rank)
     per_tp_rng = variant.drift is not None
@@ -356,8 +403,9 @@ def main() -> None:
 
     ds_cfg = ds_config(dp)
     # DeepSpeed may fill in defaults in the dict it is given; the manifest keeps what we asked for.
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=c.param_groups(model),
-                                           config=copy.deepcopy(ds_cfg))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=c.param_groups(model), config=copy.deepcopy(ds_cfg)
+    )
 
     def step(global_step: int) -> float:
         if perturb is not None:
@@ -379,22 +427,34 @@ def main() -> None:
             client_state[UNIVERSAL_CHECKPOINT_INFO] = uc_info
         engine.save_checkpoint(str(ckpt), client_state=client_state)
         c.drop_deepspeed_scripts(ckpt)
-        return {**c.snapshot(global_step=engine.global_steps, optimizer=engine.optimizer,
-                             scheduler=engine.lr_scheduler, skipped_steps=engine.skipped_steps),
-                "drift": replica_drift(engine, coord.model, coord.data)}
+        return {
+            **c.snapshot(
+                global_step=engine.global_steps,
+                optimizer=engine.optimizer,
+                scheduler=engine.lr_scheduler,
+                skipped_steps=engine.skipped_steps,
+            ),
+            "drift": replica_drift(engine, coord.model, coord.data),
+        }
 
     history, saved = c.train(step, lambda: c.current_lrs(engine.optimizer), save)
     inventory = parameter_inventory(engine, coord.model, coord.data)
     seeds: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(seeds, rng_seed)
     if inventory["count"] != expected_parameter_count(cfg):
-        raise RuntimeError(f"merged parameter count {inventory['count']} != the TP=1 model's "
-                           f"{expected_parameter_count(cfg)}")
+        raise RuntimeError(
+            f"merged parameter count {inventory['count']} != the TP=1 model's {expected_parameter_count(cfg)}"
+        )
     if rank == 0:
         write_manifest(
-            ckpt, sample=args.sample, format="deepspeed_pipeline", world_size=c.world_size(),
-            topology={"dp": dp, "tp": TP, "pp": PP, "zero_stage": 1}, steps=c.SAVE_AFTER_STEP,
-            counters=saved["counters"], lr=saved["lr"],
+            ckpt,
+            sample=args.sample,
+            format="deepspeed_pipeline",
+            world_size=c.world_size(),
+            topology={"dp": dp, "tp": TP, "pp": PP, "zero_stage": 1},
+            steps=c.SAVE_AFTER_STEP,
+            counters=saved["counters"],
+            lr=saved["lr"],
             parameters={"count": inventory["count"], "tensors": inventory["tensors"]},
             extra={
                 "model_config": cfg.to_dict(),
@@ -414,15 +474,20 @@ def main() -> None:
                 "pipeline_layers": {
                     "00": "function: tokens -> (tokens, position ids); no parameters, no file",
                     "01": "EmbeddingPipe: word_embeddings.weight (vocab-split), position_embeddings.weight",
-                    **{f"{2 + i:02d}": f"ParallelTransformerLayerPipe, transformer layer {i}"
-                       for i in range(cfg.n_layers)},
+                    **{
+                        f"{2 + i:02d}": f"ParallelTransformerLayerPipe, transformer layer {i}"
+                        for i in range(cfg.n_layers)
+                    },
                     f"{2 + cfg.n_layers:02d}": "final LayerNorm: weight, bias",
                     f"{3 + cfg.n_layers:02d}": "LMHeadPipe: lm_head.weight (vocab-split)",
                 },
-                "stage_layers": {str(s): list(range(engine.module.parts[s], engine.module.parts[s + 1]))
-                                 for s in range(PP)},
-                "rank_coords": (f"global rank = (pp_stage * {dp} + dp_rank) * {TP} + tp_rank; mp_rank_MM: "
-                                f"MM = pp_stage * {TP} + tp_rank; zero_pp_rank_D: D = dp_rank"),
+                "stage_layers": {
+                    str(s): list(range(engine.module.parts[s], engine.module.parts[s + 1])) for s in range(PP)
+                },
+                "rank_coords": (
+                    f"global rank = (pp_stage * {dp} + dp_rank) * {TP} + tp_rank; mp_rank_MM: "
+                    f"MM = pp_stage * {TP} + tp_rank; zero_pp_rank_D: D = dp_rank"
+                ),
                 "parameter_shapes": inventory["shapes"],
                 "tp_replicated": inventory["tp_replicated"],
                 "split": inventory["split"],
@@ -434,14 +499,18 @@ def main() -> None:
                 "perturbed": sorted(variant.drift.params) if variant.drift else [],
                 "drifted": saved["drift"],
                 "drifted_note": "TP-replicated tensors whose two TP replicas differ in the saved state, with "
-                                "max |tp0 - tp1| per state ('bf16' = the layer files' weights, 'fp32' = the "
-                                "master weights, 'exp_avg', 'exp_avg_sq'), measured on the live engine at "
-                                "save time; a superset of 'perturbed' because drifted replicas make the TP "
-                                "ranks' activations, and so other replicated gradients, differ",
-                "perturbation": None if variant.drift is None else {
-                    "tp_rank": 0, "grad_factor": variant.drift.factor, "steps": list(variant.drift.steps),
+                "max |tp0 - tp1| per state ('bf16' = the layer files' weights, 'fp32' = the "
+                "master weights, 'exp_avg', 'exp_avg_sq'), measured on the live engine at "
+                "save time; a superset of 'perturbed' because drifted replicas make the TP "
+                "ranks' activations, and so other replicated gradients, differ",
+                "perturbation": None
+                if variant.drift is None
+                else {
+                    "tp_rank": 0,
+                    "grad_factor": variant.drift.factor,
+                    "steps": list(variant.drift.steps),
                     "how": "tensor hooks on TP rank 0's bf16 parameters scale their gradients before "
-                           "accumulation, so clipping, ZeRO-1 and AdamW all see the scaled gradient",
+                    "accumulation, so clipping, ZeRO-1 and AdamW all see the scaled gradient",
                 },
             },
         )

@@ -8,6 +8,7 @@ split evenly over 2 ranks, so ZeRO-3 pads its last fragment). Two param groups w
 2 CPU ranks over gloo, bf16 (DeepSpeed's CPU accelerator has no fp16: `supported_dtypes()` is
 [float32, bfloat16], so there is no loss scaler and no skipped step to record here).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -54,8 +55,11 @@ def build_model() -> TiedNet:
 
 
 def param_groups(model: nn.Module) -> list[dict[str, Any]]:
-    return c.split_groups(model, {"weight_decay": c.WEIGHT_DECAY, "lr": c.PEAK_LR * GROUP_LR_FACTORS[0]},
-                          {"weight_decay": 0.0, "lr": c.PEAK_LR * GROUP_LR_FACTORS[1]})
+    return c.split_groups(
+        model,
+        {"weight_decay": c.WEIGHT_DECAY, "lr": c.PEAK_LR * GROUP_LR_FACTORS[0]},
+        {"weight_decay": 0.0, "lr": c.PEAK_LR * GROUP_LR_FACTORS[1]},
+    )
 
 
 def ds_config(stage: int, dp: int) -> dict[str, Any]:
@@ -75,13 +79,24 @@ def main() -> None:
     history, saved = c.ds_train(engine, ckpt, lambda step: c.tokens_for_step(step, rank))
     if rank == 0:
         c.write_sample_manifest(
-            ckpt, sample=args.sample, format="deepspeed_zero", model=build_model(),
-            topology={"dp": dp, "tp": 1, "pp": 1, "zero_stage": stage}, saved=saved, history=history,
-            extra={"ds_config": cfg, "dtype": "bfloat16", "tag": f"global_step{c.SAVE_AFTER_STEP}",
-                   "model": "TiedNet (ckpt_tools.samples.workers.ds_tied): head.weight tied to emb.weight",
-                   "tied": {"head.weight": "emb.weight"}, "frozen": list(FROZEN),
-                   "param_groups": "0: matrices (weight decay, LR), 1: vectors (no decay, 2 x LR)",
-                   "fp16": "not available: DeepSpeed's CPU accelerator supports float32 and bfloat16 only"})
+            ckpt,
+            sample=args.sample,
+            format="deepspeed_zero",
+            model=build_model(),
+            topology={"dp": dp, "tp": 1, "pp": 1, "zero_stage": stage},
+            saved=saved,
+            history=history,
+            extra={
+                "ds_config": cfg,
+                "dtype": "bfloat16",
+                "tag": f"global_step{c.SAVE_AFTER_STEP}",
+                "model": "TiedNet (ckpt_tools.samples.workers.ds_tied): head.weight tied to emb.weight",
+                "tied": {"head.weight": "emb.weight"},
+                "frozen": list(FROZEN),
+                "param_groups": "0: matrices (weight decay, LR), 1: vectors (no decay, 2 x LR)",
+                "fp16": "not available: DeepSpeed's CPU accelerator supports float32 and bfloat16 only",
+            },
+        )
 
 
 if __name__ == "__main__":

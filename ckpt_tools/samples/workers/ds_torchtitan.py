@@ -28,6 +28,7 @@ step-3), then makes one update on a new loader's first batch and saves REF.pt th
 Run-time changes: torchtitan's CPU shims (`torchtitan_run.apply_cpu_shims`: the device module, FlexAttention's
 attention computed by SDPA on the same mask); nothing else.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,14 @@ def _batches(config, rank: int, world: int):
     tokenizer = config.tokenizer.build(tokenizer_path=config.hf_assets_path)
     from ckpt_tools.samples.workers import torchtitan_run as tt
 
-    loader = config.dataloader.build(dp_world_size=world, dp_rank=rank, tokenizer=tokenizer, seq_len=tt.SEQ_LEN,
-                                     local_batch_size=tt.LOCAL_BATCH, snapshot_every_n_steps=None)
+    loader = config.dataloader.build(
+        dp_world_size=world,
+        dp_rank=rank,
+        tokenizer=tokenizer,
+        seq_len=tt.SEQ_LEN,
+        local_batch_size=tt.LOCAL_BATCH,
+        snapshot_every_n_steps=None,
+    )
     return iter(loader)
 
 
@@ -84,15 +91,22 @@ def _whole_state(engine) -> dict[str, dict[str, Any]]:
         if piece is not None:
             offset, views = piece
             local[name] = (offset, {k: v.detach().clone() for k, v in views.items()})
-    return {name: {("param" if k == "fp32" else k): v for k, v in st.items()}
-            for name, st in gather_whole(local, shapes).items()}
+    return {
+        name: {("param" if k == "fp32" else k): v for k, v in st.items()}
+        for name, st in gather_whole(local, shapes).items()
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None, help="DeepSpeed checkpoint folder to write (global_step3)")
-    p.add_argument("--load-universal", type=Path, default=None, help="instead of training: load this universal "
-                   "checkpoint folder (its latest_universal) and make one update on a new loader's first batch")
+    p.add_argument(
+        "--load-universal",
+        type=Path,
+        default=None,
+        help="instead of training: load this universal "
+        "checkpoint folder (its latest_universal) and make one update on a new loader's first batch",
+    )
     p.add_argument("--record", type=Path, required=True, help="rank 0: the fourth update's result (torch.save)")
     args = p.parse_args()
     if (args.out is None) == (args.load_universal is None):
@@ -115,8 +129,9 @@ def main() -> None:
 
         assets, dataset = tt.write_assets(work / "assets")
         os.environ["HF_DATASETS_CACHE"] = str(work / "hf_cache")
-        config = ConfigManager().parse_args(tt.trainer_argv(assets=assets, dataset=dataset, dump=work / "dump",
-                                                            ckpt_folder=work / "unused"))
+        config = ConfigManager().parse_args(
+            tt.trainer_argv(assets=assets, dataset=dataset, dump=work / "dump", ckpt_folder=work / "unused")
+        )
         torch.manual_seed(tt.SEED)
         with torch.device("meta"):
             model = tt.model_config(fuse_qkv=False).build()
@@ -125,14 +140,28 @@ def main() -> None:
             model.init_weights(buffer_device=torch.device("cpu"))
         norm = [p for n, p in model.named_parameters() if re.search(tt.NORM_PATTERN, n)]
         rest = [p for n, p in model.named_parameters() if not re.search(tt.NORM_PATTERN, n)]
-        opt = torch.optim.AdamW([{"params": norm, "lr": tt.NORM_LR, "weight_decay": 0.0},
-                                 {"params": rest, "lr": tt.LR, "weight_decay": tt.WEIGHT_DECAY}],
-                                betas=tt.BETAS, eps=tt.EPS, fused=True)
-        sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / tt.WARMUP))
-                 if args.out is not None else None)
-        cfg = {"train_micro_batch_size_per_gpu": tt.LOCAL_BATCH, "train_batch_size": tt.LOCAL_BATCH * world,
-               "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "steps_per_print": 1000,
-               "zero_optimization": {"stage": 1}}
+        opt = torch.optim.AdamW(
+            [
+                {"params": norm, "lr": tt.NORM_LR, "weight_decay": 0.0},
+                {"params": rest, "lr": tt.LR, "weight_decay": tt.WEIGHT_DECAY},
+            ],
+            betas=tt.BETAS,
+            eps=tt.EPS,
+            fused=True,
+        )
+        sched = (
+            torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / tt.WARMUP))
+            if args.out is not None
+            else None
+        )
+        cfg = {
+            "train_micro_batch_size_per_gpu": tt.LOCAL_BATCH,
+            "train_batch_size": tt.LOCAL_BATCH * world,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": 1.0,
+            "steps_per_print": 1000,
+            "zero_optimization": {"stage": 1},
+        }
         if args.load_universal is not None:
             cfg["checkpoint"] = {"load_universal": True}
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
@@ -154,8 +183,9 @@ def main() -> None:
         params = _whole_state(engine)
         if rank == 0:
             adam = sorted({float(st["step"]) for st in engine.optimizer.optimizer.state.values() if "step" in st})
-            torch.save({"params": params, "lr": lrs, "loss": loss, "step": SAVED_STEPS + 1, "adam_steps": adam},
-                       args.record)
+            torch.save(
+                {"params": params, "lr": lrs, "loss": loss, "step": SAVED_STEPS + 1, "adam_steps": adam}, args.record
+            )
             print(f"DS step {SAVED_STEPS + 1}: lr {lrs}, loss {loss}", flush=True)
     except BaseException:
         import traceback

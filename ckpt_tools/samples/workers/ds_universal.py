@@ -7,6 +7,7 @@ checked against. `--inject_missing_state` is needed because DeepSpeed's engine w
 No training happens here, so the manifest's counters, LR and parameter counts are the source sample's
 (the converter copies the model states and the optimizer step unchanged).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,20 @@ def convert(source: Path, target: Path) -> list[str]:
     laid out like a DeepSpeed checkpoint folder. Returns the command that was run.
     """
     tag = (source / "latest").read_text().strip()
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-           "--input_folder", str(source / tag), "--output_folder", str(target / f"{tag}_universal"),
-           "--inject_missing_state", "--num_extract_workers", "2", "--num_merge_workers", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(source / tag),
+        "--output_folder",
+        str(target / f"{tag}_universal"),
+        "--inject_missing_state",
+        "--num_extract_workers",
+        "2",
+        "--num_merge_workers",
+        "1",
+    ]
     target.mkdir(parents=True)
     subprocess.run(cmd, check=True)
     return cmd
@@ -47,15 +59,21 @@ def main() -> None:
     cmd = convert(source, target)
     src = json.loads(manifest_path(source).read_text())
     write_manifest(
-        target, sample=args.sample, format="deepspeed_universal", world_size=src["world_size"],
-        topology=src["topology"], steps=src["steps"], counters=src["counters"], lr=src["lr"],
+        target,
+        sample=args.sample,
+        format="deepspeed_universal",
+        world_size=src["world_size"],
+        topology=src["topology"],
+        steps=src["steps"],
+        counters=src["counters"],
+        lr=src["lr"],
         parameters=src["parameters"],
         extra={
             "source_sample": source_name,
             "source_group": get_spec(source_name).group,
             "converter": " ".join(["python", *cmd[1:]]).replace(str(args.out.parent) + "/", "<out>/"),
             "note": "counters, lr, parameters, topology and history are the source sample's: the universal "
-                    "checkpoint is a conversion of it, not a new training run",
+            "checkpoint is a conversion of it, not a new training run",
             "history": src["extra"]["history"],
             "history_note": src["extra"]["history_note"],
             "ds_config": src["extra"]["ds_config"],

@@ -13,6 +13,7 @@ Nesterov momentum and a StepLR).
 Run: `python -m torch.distributed.run --nproc_per_node 2 -m ckpt_tools.samples.workers.ds_unseen --sample
 unseen_zero2 --out DIR` (made by tests in a temporary folder; not a committed sample).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -89,8 +90,9 @@ def build(v: Variant) -> MLPLM:
 
 
 def groups(model: torch.nn.Module) -> list[dict[str, Any]]:
-    return c.split_groups(model, {"lr": LRS[0], "weight_decay": WEIGHT_DECAYS[0]},
-                          {"lr": LRS[1], "weight_decay": WEIGHT_DECAYS[1]})
+    return c.split_groups(
+        model, {"lr": LRS[0], "weight_decay": WEIGHT_DECAYS[0]}, {"lr": LRS[1], "weight_decay": WEIGHT_DECAYS[1]}
+    )
 
 
 def ds_config(v: Variant, dp: int) -> dict[str, Any]:
@@ -99,8 +101,10 @@ def ds_config(v: Variant, dp: int) -> dict[str, Any]:
         cfg["zero_allow_untested_optimizer"] = True  # torch SGD is not on ZeRO's list of tested optimizers
     if v.ds_optimizer:
         cfg["optimizer"] = c.ds_adamw(lr=LRS[0], betas=(0.9, 0.98), weight_decay=WEIGHT_DECAYS[0])
-        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": LRS[0],
-                                                           "warmup_num_steps": 3, "warmup_type": "linear"}}
+        cfg["scheduler"] = {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": LRS[0], "warmup_num_steps": 3, "warmup_type": "linear"},
+        }
     return cfg
 
 
@@ -127,26 +131,46 @@ def main() -> None:
 
     def sgd_saved() -> dict[str, Any]:  # SGD keeps no step counter: the snapshot's Adam step does not apply
         sched = engine.lr_scheduler
-        return {"counters": {"global_step": int(engine.global_steps), "optimizer_step": None,
-                             "scheduler_last_epoch": sched.last_epoch, "scheduler_step_count": sched._step_count,
-                             "skipped_steps": engine.skipped_steps},
-                "lr": {"param_groups": c.current_lrs(engine.optimizer),
-                       "base_lrs": [float(x) for x in sched.base_lrs],
-                       "last_lr": [float(x) for x in sched.get_last_lr()]}}
+        return {
+            "counters": {
+                "global_step": int(engine.global_steps),
+                "optimizer_step": None,
+                "scheduler_last_epoch": sched.last_epoch,
+                "scheduler_step_count": sched._step_count,
+                "skipped_steps": engine.skipped_steps,
+            },
+            "lr": {
+                "param_groups": c.current_lrs(engine.optimizer),
+                "base_lrs": [float(x) for x in sched.base_lrs],
+                "last_lr": [float(x) for x in sched.get_last_lr()],
+            },
+        }
 
     ckpt = args.out / args.sample
     history, saved = c.ds_train(engine, ckpt, lambda step: tokens(step, rank), saved=sgd_saved if v.sgd else None)
     if rank == 0:
         c.write_sample_manifest(
-            ckpt, sample=args.sample, format="deepspeed_zero", model=build(v),
-            topology={"dp": dp, "tp": 1, "pp": 1, "zero_stage": v.stage}, saved=saved, history=history,
-            extra={"ds_config": cfg, "dtype": "bfloat16" if v.bf16 else "float32",
-                   "tag": f"global_step{c.SAVE_AFTER_STEP}",
-                   "model": "3-block MLP LM (embed, blocks.N.norm1/proj_in/proj_out/norm2, head)",
-                   "tied": {"head.weight": "embed.weight"} if v.tied else {}, "frozen": list(v.frozen),
-                   "scheduler": "DeepSpeed WarmupLR" if v.ds_optimizer else "torch StepLR(2, 0.5)" if v.sgd
-                   else "torch CosineAnnealingLR(T_max=10)",
-                   "param_groups": f"lr {LRS}, weight_decay {WEIGHT_DECAYS}"},
+            ckpt,
+            sample=args.sample,
+            format="deepspeed_zero",
+            model=build(v),
+            topology={"dp": dp, "tp": 1, "pp": 1, "zero_stage": v.stage},
+            saved=saved,
+            history=history,
+            extra={
+                "ds_config": cfg,
+                "dtype": "bfloat16" if v.bf16 else "float32",
+                "tag": f"global_step{c.SAVE_AFTER_STEP}",
+                "model": "3-block MLP LM (embed, blocks.N.norm1/proj_in/proj_out/norm2, head)",
+                "tied": {"head.weight": "embed.weight"} if v.tied else {},
+                "frozen": list(v.frozen),
+                "scheduler": "DeepSpeed WarmupLR"
+                if v.ds_optimizer
+                else "torch StepLR(2, 0.5)"
+                if v.sgd
+                else "torch CosineAnnealingLR(T_max=10)",
+                "param_groups": f"lr {LRS}, weight_decay {WEIGHT_DECAYS}",
+            },
         )
 
 

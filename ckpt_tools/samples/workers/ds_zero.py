@@ -5,6 +5,7 @@ and how the optimizer state is partitioned), the precision (the `bf16_` prefix o
 and where the LR schedule lives (nowhere; a torch LambdaLR whose full state_dict is saved; DeepSpeed's
 WarmupLR, which saves only `last_batch_iteration`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,10 +47,15 @@ def ds_config(v: ZeroVariant, dp: int) -> dict[str, Any]:
         cfg["optimizer"] = c.ds_adamw()
     if v.scheduler == "warmuplr":
         # A non-zero floor: with 0, WarmupLR's first two updates (iterations -1 and 0) would both run at LR 0.
-        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": c.PEAK_LR / 10,
-                                                           "warmup_max_lr": c.PEAK_LR,
-                                                           "warmup_num_steps": c.WARMUP_STEPS,
-                                                           "warmup_type": "linear"}}
+        cfg["scheduler"] = {
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": c.PEAK_LR / 10,
+                "warmup_max_lr": c.PEAK_LR,
+                "warmup_num_steps": c.WARMUP_STEPS,
+                "warmup_type": "linear",
+            },
+        }
     return cfg
 
 
@@ -68,20 +74,28 @@ def main() -> None:
         optimizer, scheduler = c.adamw_with_lambdalr(groups)
     engine = c.ds_initialize(model, cfg, groups=groups, optimizer=optimizer, scheduler=scheduler)
     ckpt = args.out / args.sample
-    history, saved = c.ds_train(engine, ckpt, lambda step: c.tokens_for_step(step, rank),
-                                exclude_frozen_parameters=v.exclude_frozen)
+    history, saved = c.ds_train(
+        engine, ckpt, lambda step: c.tokens_for_step(step, rank), exclude_frozen_parameters=v.exclude_frozen
+    )
     if rank == 0:
         # Parameters are counted on an unwrapped copy: ZeRO-3 leaves the live module's as empty placeholders.
         c.write_sample_manifest(
-            ckpt, sample=args.sample, format="deepspeed_zero", model=c.build_model(),
-            topology={"dp": dp, "tp": 1, "pp": 1, "zero_stage": v.stage}, saved=saved, history=history,
+            ckpt,
+            sample=args.sample,
+            format="deepspeed_zero",
+            model=c.build_model(),
+            topology={"dp": dp, "tp": 1, "pp": 1, "zero_stage": v.stage},
+            saved=saved,
+            history=history,
             extra={
                 "ds_config": cfg,
                 "dtype": "bfloat16" if v.bf16 else "float32",
                 "tag": f"global_step{c.SAVE_AFTER_STEP}",
-                "scheduler": {None: None, "lambdalr": "torch LambdaLR (warmup then decay), passed to "
-                              "deepspeed.initialize with a torch AdamW",
-                              "warmuplr": "DeepSpeed WarmupLR from the config"}[v.scheduler],
+                "scheduler": {
+                    None: None,
+                    "lambdalr": "torch LambdaLR (warmup then decay), passed to deepspeed.initialize with a torch AdamW",
+                    "warmuplr": "DeepSpeed WarmupLR from the config",
+                }[v.scheduler],
                 "optimizer": type(c.innermost_optimizer(engine.optimizer)).__name__,
                 "param_groups": c.PARAM_GROUPS_NOTE,
                 "frozen": list(v.frozen),

@@ -7,6 +7,7 @@ Run under torchrun with 2 CPU ranks (gloo), as `ckpt_tools.samples.run_torchrun`
 Both follow the recipe in `_common` (same init, batches, two AdamW param groups, LambdaLR, save after step 4 of 6),
 so at the save both samples hold the same weights: a reader can check one against the other.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -45,8 +46,10 @@ def fsdp2_dcp(model: TinyGPT, path: Path) -> tuple[torch.nn.Module, torch.optim.
 
     def save() -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(),
-                  "step": c.SAVE_AFTER_STEP}, checkpoint_id=path)
+        dcp.save(
+            {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "step": c.SAVE_AFTER_STEP},
+            checkpoint_id=path,
+        )
         return c.snapshot(global_step=c.SAVE_AFTER_STEP, optimizer=optimizer, scheduler=scheduler)
 
     return model, optimizer, scheduler, save
@@ -64,14 +67,19 @@ def fsdp1_sharded(model: TinyGPT, path: Path) -> tuple[torch.nn.Module, torch.op
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     groups = c.param_groups(model)
-    wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
-                   use_orig_params=True)
+    wrapped = FSDP(
+        model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"), use_orig_params=True
+    )
     optimizer, scheduler = c.adamw_with_lambdalr(groups)
 
     def save() -> dict[str, Any]:
         with FSDP.state_dict_type(wrapped, StateDictType.SHARDED_STATE_DICT):
-            state = {"model": wrapped.state_dict(), "optimizer": FSDP.optim_state_dict(wrapped, optimizer),
-                     "scheduler": scheduler.state_dict(), "step": c.SAVE_AFTER_STEP}
+            state = {
+                "model": wrapped.state_dict(),
+                "optimizer": FSDP.optim_state_dict(wrapped, optimizer),
+                "scheduler": scheduler.state_dict(),
+                "step": c.SAVE_AFTER_STEP,
+            }
         if dist.get_rank() == 0:
             path.mkdir(parents=True, exist_ok=True)
         dist.barrier()
@@ -82,16 +90,24 @@ def fsdp1_sharded(model: TinyGPT, path: Path) -> tuple[torch.nn.Module, torch.op
 
 
 SAMPLES = {
-    "fsdp2_dcp": (fsdp2_dcp, "dcp", {
-        "api": "FSDP2 fully_shard per Block and root; torch.distributed.checkpoint.save of "
-               "{model, optim (get_state_dict, FQN keys), scheduler (LambdaLR.state_dict()), step}",
-        "file_pattern": "__{rank}_0.distcp",
-    }),
-    "fsdp1_sharded": (fsdp1_sharded, "fsdp_sharded_torch", {
-        "api": "FSDP1 FullyShardedDataParallel (ModuleWrapPolicy({Block}), use_orig_params=True); per-rank "
-               "torch.save of {model, optimizer (FSDP.optim_state_dict), scheduler, step} under SHARDED_STATE_DICT",
-        "file_pattern": FSDP1_FILE_PATTERN,
-    }),
+    "fsdp2_dcp": (
+        fsdp2_dcp,
+        "dcp",
+        {
+            "api": "FSDP2 fully_shard per Block and root; torch.distributed.checkpoint.save of "
+            "{model, optim (get_state_dict, FQN keys), scheduler (LambdaLR.state_dict()), step}",
+            "file_pattern": "__{rank}_0.distcp",
+        },
+    ),
+    "fsdp1_sharded": (
+        fsdp1_sharded,
+        "fsdp_sharded_torch",
+        {
+            "api": "FSDP1 FullyShardedDataParallel (ModuleWrapPolicy({Block}), use_orig_params=True); per-rank "
+            "torch.save of {model, optimizer (FSDP.optim_state_dict), scheduler, step} under SHARDED_STATE_DICT",
+            "file_pattern": FSDP1_FILE_PATTERN,
+        },
+    ),
 }
 
 
@@ -119,11 +135,19 @@ def main() -> None:
     if rank == 0:
         # Sharding replaced the live model's parameters with shards; count on a fresh, unsharded copy.
         c.write_sample_manifest(
-            path, sample=args.sample, format=fmt, model=c.build_model(),
-            topology={"dp": DP, "tp": 1, "pp": 1, "zero_stage": None}, saved=saved, history=history,
-            extra={**extra, "optimizer": type(optimizer).__name__,
-                   "scheduler": "torch LambdaLR (warmup then decay)",
-                   "param_groups": "0: tensors with dim >= 2 (weight decay), 1: biases and norms (no decay)"},
+            path,
+            sample=args.sample,
+            format=fmt,
+            model=c.build_model(),
+            topology={"dp": DP, "tp": 1, "pp": 1, "zero_stage": None},
+            saved=saved,
+            history=history,
+            extra={
+                **extra,
+                "optimizer": type(optimizer).__name__,
+                "scheduler": "torch LambdaLR (warmup then decay)",
+                "param_groups": "0: tensors with dim >= 2 (weight decay), 1: biases and norms (no decay)",
+            },
         )
 
 

@@ -20,6 +20,7 @@ run `trainer.train(resume_from_checkpoint=CKPT_DIR)` up to max_steps (or `--step
 writes one record per resumed update: {step, lr (per group, the LR that update used), optimizer_step (Adam step
 after it), loss}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,9 +81,19 @@ def gpt2_config():
     from transformers import GPT2Config
 
     # Dropout off so that a resumed step computes exactly the loss of the uninterrupted run's step.
-    return GPT2Config(vocab_size=VOCAB, n_positions=N_POSITIONS, n_embd=N_EMBD, n_layer=N_LAYER, n_head=N_HEAD,
-                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=VOCAB - 1,
-                      eos_token_id=VOCAB - 1, tie_word_embeddings=True)
+    return GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=N_POSITIONS,
+        n_embd=N_EMBD,
+        n_layer=N_LAYER,
+        n_head=N_HEAD,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=VOCAB - 1,
+        eos_token_id=VOCAB - 1,
+        tie_word_embeddings=True,
+    )
 
 
 def build_model():
@@ -109,8 +120,12 @@ class TokenDataset(Rows):
     """Deterministic synthetic sequences (the `batch_for_step` rule), one example per index."""
 
     def __init__(self, n: int) -> None:
-        super().__init__([batch_for_step(i, batch_size=1, seq_len=SEQ_LEN - 1, vocab_size=VOCAB, seed=DATA_SEED)[0]
-                          for i in range(n)])
+        super().__init__(
+            [
+                batch_for_step(i, batch_size=1, seq_len=SEQ_LEN - 1, vocab_size=VOCAB, seed=DATA_SEED)[0]
+                for i in range(n)
+            ]
+        )
 
 
 def unwrap_scheduler(sched: Any) -> Any:
@@ -160,8 +175,9 @@ def loss_trainer_class():
         last_loss: float | None = None
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            out = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                       num_items_in_batch=num_items_in_batch)
+            out = super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
             loss = out[0] if return_outputs else out
             self.last_loss = float(loss.detach().float())
             return out
@@ -192,8 +208,14 @@ def make_trainer(sample: str, output_dir: Path, *, resume: bool, max_updates: in
 
         def on_step_end(self, args, state, control, optimizer=None, **kwargs):
             assert self.trainer is not None and self.pending_lr is not None
-            self.steps.append({"step": int(state.global_step), "lr": self.pending_lr,
-                               "optimizer_step": c.adam_step(optimizer), "loss": self.trainer.last_loss})
+            self.steps.append(
+                {
+                    "step": int(state.global_step),
+                    "lr": self.pending_lr,
+                    "optimizer_step": c.adam_step(optimizer),
+                    "loss": self.trainer.last_loss,
+                }
+            )
             self.pending_lr = None
             if max_updates is not None and len(self.steps) >= max_updates:
                 control.should_training_stop = True
@@ -202,15 +224,22 @@ def make_trainer(sample: str, output_dir: Path, *, resume: bool, max_updates: in
         def on_save(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
             if state.global_step == KEEP_CHECKPOINT:
                 engine = getattr(self.trainer, "deepspeed", None)  # the DeepSpeed engine, None under DDP
-                self.saved = c.snapshot(global_step=state.global_step, optimizer=optimizer,
-                                        scheduler=unwrap_scheduler(lr_scheduler),
-                                        skipped_steps=getattr(engine, "skipped_steps", None))
+                self.saved = c.snapshot(
+                    global_step=state.global_step,
+                    optimizer=optimizer,
+                    scheduler=unwrap_scheduler(lr_scheduler),
+                    skipped_steps=getattr(engine, "skipped_steps", None),
+                )
 
     recorder = Recorder()
     model = build_model()
     n_examples = MAX_STEPS * c.MICRO_BATCH * c.world_size()  # exactly one epoch of MAX_STEPS updates
-    trainer = LossTrainer(model=model, args=training_arguments(sample, output_dir, resume=resume),
-                          train_dataset=TokenDataset(n_examples), callbacks=[recorder])
+    trainer = LossTrainer(
+        model=model,
+        args=training_arguments(sample, output_dir, resume=resume),
+        train_dataset=TokenDataset(n_examples),
+        callbacks=[recorder],
+    )
     recorder.trainer = trainer
     return trainer, recorder
 
@@ -248,9 +277,14 @@ def make_sample(sample: str, out: Path) -> None:
     zero = sample == "hf_trainer_zero2"
     count, tensors = count_parameters(build_model())
     write_manifest(
-        output_dir, sample=sample, format="hf_trainer", world_size=c.world_size(),
+        output_dir,
+        sample=sample,
+        format="hf_trainer",
+        world_size=c.world_size(),
         topology={"dp": c.world_size(), "tp": 1, "pp": 1, "zero_stage": 2 if zero else None},
-        steps=KEEP_CHECKPOINT, counters=rec.saved["counters"], lr=rec.saved["lr"],
+        steps=KEEP_CHECKPOINT,
+        counters=rec.saved["counters"],
+        lr=rec.saved["lr"],
         parameters={"count": count, "tensors": tensors},
         extra={
             "checkpoint": f"checkpoint-{KEEP_CHECKPOINT}",
@@ -261,9 +295,8 @@ def make_sample(sample: str, out: Path) -> None:
             "model_config": gpt2_config().to_dict(),
             "tied": {"lm_head.weight": "transformer.wte.weight"},
             "scheduler": "transformers get_scheduler('cosine'): a torch LambdaLR (linear warmup from 0, then "
-                         "cosine to 0 at max_steps), stepped by the Trainer once per update and saved by it in "
-                         "scheduler.pt" + (" (not handed to DeepSpeed: the model states' lr_scheduler is None)"
-                                           if zero else ""),
+            "cosine to 0 at max_steps), stepped by the Trainer once per update and saved by it in "
+            "scheduler.pt" + (" (not handed to DeepSpeed: the model states' lr_scheduler is None)" if zero else ""),
             "lr_scheduler_type": "cosine",
             "learning_rate": LEARNING_RATE,
             "warmup_steps": WARMUP,
@@ -275,8 +308,8 @@ def make_sample(sample: str, out: Path) -> None:
             "param_group_sizes": [len(g["params"]) for g in opt.param_groups],
             "param_group_weight_decay": [float(g["weight_decay"]) for g in opt.param_groups],
             "param_groups": "0: weights with decay, 1: biases and LayerNorm weights (no decay), as the "
-                            "Trainer's get_decay_parameter_names splits them"
-                            + ("; under ZeRO each group is one flat partition per rank" if zero else ""),
+            "Trainer's get_decay_parameter_names splits them"
+            + ("; under ZeRO each group is one flat partition per rank" if zero else ""),
             "micro_batch_per_rank": c.MICRO_BATCH,
             "seq_len": SEQ_LEN,
             "total_steps_trained": MAX_STEPS,

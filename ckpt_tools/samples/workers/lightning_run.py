@@ -19,6 +19,7 @@ ckpt_path=CKPT)` with max_steps=6 (stopped after N updates if N is given); one r
 
 Under torchrun with one process Lightning's strategy is the single-device one (devices=1): no process group.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,9 @@ SCHEDULER_NOTE = (
 
 def data_loader() -> torch.utils.data.DataLoader:
     """One batch index per step (the batch itself comes from `tokens_for_step(global_step, 0)`)."""
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(c.TOTAL_STEPS)),
-                                       batch_size=1, shuffle=False, num_workers=0)
+    return torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.arange(c.TOTAL_STEPS)), batch_size=1, shuffle=False, num_workers=0
+    )
 
 
 def make_module():
@@ -65,10 +67,13 @@ def make_module():
 
         def configure_optimizers(self):
             optimizer = torch.optim.AdamW(c.param_groups(self.model), lr=c.PEAK_LR, betas=c.BETAS, eps=1e-8)
-            scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=MAX_LR,
-                                                            total_steps=ONECYCLE_TOTAL_STEPS, pct_start=PCT_START)
-            return {"optimizer": optimizer,
-                    "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+            scheduler = torch.optim.lr_scheduler.OneCycleLR(
+                optimizer, max_lr=MAX_LR, total_steps=ONECYCLE_TOTAL_STEPS, pct_start=PCT_START
+            )
+            return {
+                "optimizer": optimizer,
+                "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
+            }
 
     return OneCycleGPT()
 
@@ -91,9 +96,15 @@ def make_recorder(save_to: Path | None, max_updates: int | None = None):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             assert self.pending is not None
             opt = trainer.optimizers[0]
-            self.steps.append({"step": int(trainer.global_step), "lr": self.pending["lr"],
-                               "optimizer_step": c.adam_step(opt), "loss": float(outputs["loss"]),
-                               "beta1": self.pending["beta1"]})
+            self.steps.append(
+                {
+                    "step": int(trainer.global_step),
+                    "lr": self.pending["lr"],
+                    "optimizer_step": c.adam_step(opt),
+                    "loss": float(outputs["loss"]),
+                    "beta1": self.pending["beta1"],
+                }
+            )
             self.pending = None
             if max_updates is not None and len(self.steps) >= max_updates:
                 trainer.should_stop = True
@@ -107,8 +118,11 @@ def make_recorder(save_to: Path | None, max_updates: int | None = None):
                     "current_epoch": int(trainer.current_epoch),
                     "batch_idx": int(batch_idx),
                     "batches_that_stepped": int(loop._batches_that_stepped),
-                    "scheduler_state": {k: v for k, v in sched.state_dict().items()
-                                        if isinstance(v, (int, float, str, bool, list, type(None)))},
+                    "scheduler_state": {
+                        k: v
+                        for k, v in sched.state_dict().items()
+                        if isinstance(v, (int, float, str, bool, list, type(None)))
+                    },
                     "betas": [list(map(float, g["betas"])) for g in opt.param_groups],
                 }
 
@@ -118,10 +132,19 @@ def make_recorder(save_to: Path | None, max_updates: int | None = None):
 def make_trainer(root: Path, callbacks: list):
     import lightning as L
 
-    return L.Trainer(max_steps=c.TOTAL_STEPS, accelerator="cpu", devices=1, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     deterministic=True, default_root_dir=str(root), callbacks=callbacks,
-                     num_sanity_val_steps=0)
+    return L.Trainer(
+        max_steps=c.TOTAL_STEPS,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+        default_root_dir=str(root),
+        callbacks=callbacks,
+        num_sanity_val_steps=0,
+    )
 
 
 def parse_args() -> argparse.Namespace:
@@ -146,8 +169,13 @@ def make_sample(sample: str, out: Path) -> None:
     history = [{"step": s["step"], "loss": s["loss"], "lr": s["lr"]} for s in rec.steps]
     opt = trainer.optimizers[0]
     c.write_sample_manifest(
-        ckpt, sample=sample, format="lightning", model=c.build_model(),
-        topology={"dp": 1, "tp": 1, "pp": 1, "zero_stage": None}, saved=rec.saved, history=history,
+        ckpt,
+        sample=sample,
+        format="lightning",
+        model=c.build_model(),
+        topology={"dp": 1, "tp": 1, "pp": 1, "zero_stage": None},
+        saved=rec.saved,
+        history=history,
         extra={
             "checkpoint": CKPT_NAME,
             "next_lr": history[c.SAVE_AFTER_STEP]["lr"],
@@ -164,7 +192,7 @@ def make_sample(sample: str, out: Path) -> None:
             "lightning_version": lightning.__version__,
             "state_dict_prefix": "model.",
             "data_note": "the batch of the update that ends at step s is tokens_for_step(s - 1, 0) "
-                         "(batch_for_step, dp_rank 0), chosen by trainer.global_step in training_step",
+            "(batch_for_step, dp_rank 0), chosen by trainer.global_step in training_step",
         },
     )
 

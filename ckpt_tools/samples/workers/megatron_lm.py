@@ -28,12 +28,15 @@ absolute positions, tied embeddings, dropout 0 (attention and hidden: with dropo
 dropout share one generator and TP-replicated weights drift apart), mock data (`--mock-data`, NullTokenizer),
 micro batch 2, global batch 4, 10 iterations, LR 3e-3 -> min 3e-4, 3 warm-up iterations, cosine decay over 20
 iterations (so the LR after the save is not yet the floor), weight decay 0.01, clip 1.0, a save after the last
-iteration. `megatron_tp2_llama_legacy` / `_torch_dist` are the same run with a Llama-style GPT (`LLAMA_FLAGS`: rotary positions
+iteration. `megatron_tp2_llama_legacy` / `_torch_dist` are the same run with a Llama-style GPT (`LLAMA_FLAGS`: rotary
+positions
 with base 5e5, RMSNorm, SwiGLU, an untied output layer, grouped-query attention with 2 query groups, no linear
 biases). `megatron_moe_ep2_torch_dist` is a Mixture-of-Experts GPT (hidden 32, FFN 64; `MOE_FLAGS`: 4 experts,
 top-2 routing, expert FFN 64, SequentialMLP) at expert-parallel size 2 over the 2 data-parallel ranks, plain Adam:
 its optimizer is Megatron's ChainedOptimizer (dense, expert: 4 param groups), made with this same maker and
-checked with `--check` (Megatron's own load restores the 4 groups' LRs and the Adam step). `--forward` runs Megatron's own forward of a saved TP sample (`logits_sample`). The manifest's `history` holds each `train_step`'s own loss (Megatron's log line for iteration 2
+checked with `--check` (Megatron's own load restores the 4 groups' LRs and the Adam step). `--forward` runs
+Megatron's own forward of a saved TP sample (`logits_sample`). The manifest's `history` holds each `train_step`'s own
+loss (Megatron's log line for iteration 2
 averages iterations 1 and 2).
 
 Run-time changes, all in this process (nothing installed is edited; see `install_cpu_shims`):
@@ -70,6 +73,7 @@ Run-time changes, all in this process (nothing installed is edited; see `install
   Recording only (no behaviour change): `megatron.training.training.save_checkpoint` and `train_step` are wrapped
   to read the live model / optimizer / scheduler at save time and each iteration's LR and loss for the manifest.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -132,14 +136,35 @@ VARIANTS = {
     "megatron_moe_ep2_torch_dist": Variant(tp=1, ckpt_format="torch_dist", ep=2),
 }
 #: the Llama-style variant's architecture flags (what a Llama run passes to pretrain_gpt.py)
-LLAMA_FLAGS = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--normalization", "RMSNorm",
-               "--swiglu", "--untie-embeddings-and-output-weights", "--group-query-attention",
-               "--num-query-groups", "2", "--disable-bias-linear", "--no-bias-swiglu-fusion", "--no-rope-fusion"]
+LLAMA_FLAGS = [
+    "--position-embedding-type",
+    "rope",
+    "--rotary-base",
+    "500000",
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--untie-embeddings-and-output-weights",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--disable-bias-linear",
+    "--no-bias-swiglu-fusion",
+    "--no-rope-fusion",
+]
 
 #: the MoE variants' flags: 4 experts with top-2 routing (SequentialMLP: the local spec without grouped GEMM), the
 #: allgather dispatcher (the alltoall one synchronizes a CUDA event, which the CPU run has not got)
-MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
-             "--moe-token-dispatcher-type", "allgather"]
+MOE_FLAGS = [
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-ffn-hidden-size",
+    "64",
+    "--moe-token-dispatcher-type",
+    "allgather",
+]
 
 #: what this process changes at run time (the module docstring's list, in short), recorded in each manifest
 RUN_TIME_CHANGES = [
@@ -162,8 +187,14 @@ MOE_RUN_TIME_CHANGES = [
 ]
 
 # vocab_size is the model's (padded) vocabulary: Megatron's NullTokenizer adds an EOD token to --vocab-size.
-MODEL = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
-         "vocab_size": 128, "seq_length": 16}
+MODEL = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "ffn_hidden_size": 128,
+    "num_attention_heads": 4,
+    "vocab_size": 128,
+    "seq_length": 16,
+}
 
 
 def model_config(v: Variant) -> dict[str, int]:
@@ -180,32 +211,90 @@ def megatron_argv(v: Variant, *, save: Path | None, load: Path | None, work: Pat
     """Megatron's command line for variant `v` (what a user passes to pretrain_gpt.py)."""
     m = model_config(v)
     argv = [
-        "--tensor-model-parallel-size", str(v.tp), "--pipeline-model-parallel-size", str(v.pp),
-        "--num-layers", str(m["num_layers"]), "--hidden-size", str(m["hidden_size"]),
-        "--ffn-hidden-size", str(m["ffn_hidden_size"]),
-        "--num-attention-heads", str(m["num_attention_heads"]),
-        "--seq-length", str(m["seq_length"]), "--max-position-embeddings", str(m["seq_length"]),
-        "--vocab-size", str(m["vocab_size"] - 1), "--make-vocab-size-divisible-by", "64",
-        "--tokenizer-type", "NullTokenizer", "--mock-data",
-        "--transformer-impl", "local", "--normalization", "LayerNorm",
-        "--attention-dropout", "0", "--hidden-dropout", "0",
-        "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
-        "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
-        "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(GLOBAL_BATCH),
-        "--train-iters", str(ITERATIONS),
-        "--bf16", "--optimizer", "adam", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8",
-        "--lr", str(MAX_LR), "--min-lr", str(MIN_LR), "--lr-warmup-iters", str(WARMUP_ITERS),
-        "--lr-decay-style", "cosine", "--lr-decay-iters", str(DECAY_ITERS),
-        "--weight-decay", str(WEIGHT_DECAY), "--clip-grad", "1.0",
-        "--seed", str(SEED), "--distributed-backend", "gloo",
-        "--eval-iters", "0", "--eval-interval", str(10 * ITERATIONS), "--log-interval", "1",
-        "--ckpt-format", v.ckpt_format,
-        "--data-cache-path", str(work / "data_cache"),
+        "--tensor-model-parallel-size",
+        str(v.tp),
+        "--pipeline-model-parallel-size",
+        str(v.pp),
+        "--num-layers",
+        str(m["num_layers"]),
+        "--hidden-size",
+        str(m["hidden_size"]),
+        "--ffn-hidden-size",
+        str(m["ffn_hidden_size"]),
+        "--num-attention-heads",
+        str(m["num_attention_heads"]),
+        "--seq-length",
+        str(m["seq_length"]),
+        "--max-position-embeddings",
+        str(m["seq_length"]),
+        "--vocab-size",
+        str(m["vocab_size"] - 1),
+        "--make-vocab-size-divisible-by",
+        "64",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--mock-data",
+        "--transformer-impl",
+        "local",
+        "--normalization",
+        "LayerNorm",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+        "--no-masked-softmax-fusion",
+        "--no-bias-gelu-fusion",
+        "--no-bias-dropout-fusion",
+        "--no-gradient-accumulation-fusion",
+        "--no-persist-layer-norm",
+        "--micro-batch-size",
+        str(MICRO_BATCH),
+        "--global-batch-size",
+        str(GLOBAL_BATCH),
+        "--train-iters",
+        str(ITERATIONS),
+        "--bf16",
+        "--optimizer",
+        "adam",
+        "--adam-beta1",
+        "0.9",
+        "--adam-beta2",
+        "0.95",
+        "--adam-eps",
+        "1e-8",
+        "--lr",
+        str(MAX_LR),
+        "--min-lr",
+        str(MIN_LR),
+        "--lr-warmup-iters",
+        str(WARMUP_ITERS),
+        "--lr-decay-style",
+        "cosine",
+        "--lr-decay-iters",
+        str(DECAY_ITERS),
+        "--weight-decay",
+        str(WEIGHT_DECAY),
+        "--clip-grad",
+        "1.0",
+        "--seed",
+        str(SEED),
+        "--distributed-backend",
+        "gloo",
+        "--eval-iters",
+        "0",
+        "--eval-interval",
+        str(10 * ITERATIONS),
+        "--log-interval",
+        "1",
+        "--ckpt-format",
+        v.ckpt_format,
+        "--data-cache-path",
+        str(work / "data_cache"),
     ]
     if v.distributed_optimizer:
         argv.append("--use-distributed-optimizer")
     if v.llama:
-        argv[argv.index("--normalization"): argv.index("--normalization") + 2] = []
+        argv[argv.index("--normalization") : argv.index("--normalization") + 2] = []
         argv += LLAMA_FLAGS
     if v.vpp:
         argv += ["--num-layers-per-virtual-pipeline-stage", "1"]
@@ -267,8 +356,7 @@ def install_cpu_shims() -> None:
     cuda.is_available = lambda: _CUDA_PRESENT[0]
     cuda.device_count = lambda: 1 if _CUDA_PRESENT[0] else 0
     cuda.current_device = lambda: 0
-    for name in ("set_device", "synchronize", "empty_cache", "set_stream", "reset_peak_memory_stats",
-                 "ipc_collect"):
+    for name in ("set_device", "synchronize", "empty_cache", "set_stream", "reset_peak_memory_stats", "ipc_collect"):
         setattr(cuda, name, lambda *a, **k: None)
     cuda.Stream = _Stream
     cuda.Event = _Stream
@@ -279,7 +367,8 @@ def install_cpu_shims() -> None:
     cuda.get_device_capability = lambda *a, **k: (9, 0)
     cuda.get_device_name = lambda *a, **k: "cpu (ckpt_tools shim)"
     cuda.get_device_properties = lambda *a, **k: argparse.Namespace(
-        name="cpu (ckpt_tools shim)", major=9, minor=0, total_memory=1 << 34, multi_processor_count=1)
+        name="cpu (ckpt_tools shim)", major=9, minor=0, total_memory=1 << 34, multi_processor_count=1
+    )
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
         setattr(cuda, name, lambda *a, **k: 0)
     cuda.memory_stats = lambda *a, **k: {}
@@ -382,8 +471,10 @@ def import_megatron(cpu: bool = True) -> None:
     `fused_kernels.load` compiles nothing, the fused functions run eager, the same maths as on the CPU)."""
     root = os.environ.get("MEGATRON_LM_DIR")
     if not root or not (Path(root) / "megatron" / "training" / "checkpointing.py").is_file():
-        raise SystemExit("set MEGATRON_LM_DIR to a Megatron-LM checkout (tag core_v0.16.1) holding "
-                         "megatron/training/checkpointing.py")
+        raise SystemExit(
+            "set MEGATRON_LM_DIR to a Megatron-LM checkout (tag core_v0.16.1) holding "
+            "megatron/training/checkpointing.py"
+        )
     # `megatron` is a namespace package in both the wheel and the checkout; with the checkout last on the path,
     # megatron.core comes from the wheel and megatron.training (absent from the wheel) from the checkout.
     sys.path.append(root)
@@ -512,13 +603,20 @@ class Recorder:
 
         train_step, save_checkpoint = training.train_step, training.save_checkpoint
 
-        def recorded_train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
-                                *a: Any, **k: Any):
+        def recorded_train_step(
+            forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *a: Any, **k: Any
+        ):
             lrs = [float(g["lr"]) for g in _groups(optimizer)]
             out = train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *a, **k)
             loss = out[0].get("lm loss") if isinstance(out[0], dict) else None
-            self.history.append({"iteration": len(self.history) + 1, "lr": lrs,
-                                 "loss": None if loss is None else float(loss), "skipped": bool(out[1])})
+            self.history.append(
+                {
+                    "iteration": len(self.history) + 1,
+                    "lr": lrs,
+                    "loss": None if loss is None else float(loss),
+                    "skipped": bool(out[1]),
+                }
+            )
             return out
 
         def recorded_save_checkpoint(iteration, model, optimizer, opt_param_scheduler, *a: Any, **k: Any):
@@ -535,13 +633,19 @@ class Recorder:
 
         groups = []
         for g in _groups(optimizer):
-            groups.append({
-                "lr": float(g["lr"]), "max_lr": float(g.get("max_lr", sched.max_lr)),
-                "min_lr": float(g.get("min_lr", sched.min_lr)), "weight_decay": float(g["weight_decay"]),
-                "wd_mult": g.get("wd_mult"), "lr_mult": g.get("lr_mult"),
-                "params": len(g["params"]), "is_expert_parallel": bool(g.get("is_expert_parallel", False)),
-                "next_lr": float(sched.get_lr(g)),
-            })
+            groups.append(
+                {
+                    "lr": float(g["lr"]),
+                    "max_lr": float(g.get("max_lr", sched.max_lr)),
+                    "min_lr": float(g.get("min_lr", sched.min_lr)),
+                    "weight_decay": float(g["weight_decay"]),
+                    "wd_mult": g.get("wd_mult"),
+                    "lr_mult": g.get("lr_mult"),
+                    "params": len(g["params"]),
+                    "is_expert_parallel": bool(g.get("is_expert_parallel", False)),
+                    "next_lr": float(sched.get_lr(g)),
+                }
+            )
         count, tensors = _parameter_count(model)
         return {
             "iteration": int(iteration),
@@ -558,13 +662,15 @@ class Recorder:
             "parameters": {"count": count, "tensors": tensors},
             "optimizer": type(optimizer).__name__,
             # a ChainedOptimizer (MoE: dense, expert) has no single `.optimizer`: each inner one's torch optimizer
-            "inner_optimizer": ", ".join(type(o.optimizer).__name__
-                                         for o in getattr(optimizer, "chained_optimizers", [optimizer])),
+            "inner_optimizer": ", ".join(
+                type(o.optimizer).__name__ for o in getattr(optimizer, "chained_optimizers", [optimizer])
+            ),
         }
 
 
-def write_manifest(ckpt: Path, sample: str, v: Variant, per_rank: list[dict[str, Any]],
-                   history: list[dict[str, Any]]) -> None:
+def write_manifest(
+    ckpt: Path, sample: str, v: Variant, per_rank: list[dict[str, Any]], history: list[dict[str, Any]]
+) -> None:
     from ckpt_tools.train.manifest import write_manifest as write
 
     import megatron.core
@@ -575,20 +681,34 @@ def write_manifest(ckpt: Path, sample: str, v: Variant, per_rank: list[dict[str,
         raise RuntimeError(f"expected one Adam step across ranks, got {steps}")
     sched = s["scheduler"]
     write(
-        ckpt, sample=sample, format="megatron_legacy" if v.ckpt_format == "torch" else "megatron_torch_dist",
-        world_size=len(per_rank), topology={"tp": s["tp"], "pp": s["pp"], "dp": s["dp"],
-                                            "distributed_optimizer": v.distributed_optimizer,
-                                            **({"ep": s["ep"]} if v.ep else {})},
+        ckpt,
+        sample=sample,
+        format="megatron_legacy" if v.ckpt_format == "torch" else "megatron_torch_dist",
+        world_size=len(per_rank),
+        topology={
+            "tp": s["tp"],
+            "pp": s["pp"],
+            "dp": s["dp"],
+            "distributed_optimizer": v.distributed_optimizer,
+            **({"ep": s["ep"]} if v.ep else {}),
+        },
         steps=s["iteration"],
-        counters={"global_step": s["iteration"], "iteration": s["iteration"], "optimizer_step": steps[0],
-                  "scheduler_num_steps": sched["num_steps"], "skipped_steps": sum(h["skipped"] for h in history)},
-        lr={"param_groups": [g["lr"] for g in s["param_groups"]],
+        counters={
+            "global_step": s["iteration"],
+            "iteration": s["iteration"],
+            "optimizer_step": steps[0],
+            "scheduler_num_steps": sched["num_steps"],
+            "skipped_steps": sum(h["skipped"] for h in history),
+        },
+        lr={
+            "param_groups": [g["lr"] for g in s["param_groups"]],
             "max_lr": [g["max_lr"] for g in s["param_groups"]],
             "min_lr": [g["min_lr"] for g in s["param_groups"]],
             "next_lr": [g["next_lr"] for g in s["param_groups"]],
             "next_lr_note": "the LR the next iteration uses: OptimizerParamScheduler.get_lr(group) at "
-                            "num_steps (Megatron recomputes it from num_steps and each group's max_lr/min_lr "
-                            "on resume; equal to the saved group 'lr')"},
+            "num_steps (Megatron recomputes it from num_steps and each group's max_lr/min_lr "
+            "on resume; equal to the saved group 'lr')",
+        },
         parameters=s["parameters"],
         extra={
             "megatron_lm": {"tag": MEGATRON_LM_TAG, "commit": MEGATRON_LM_COMMIT},
@@ -597,22 +717,40 @@ def write_manifest(ckpt: Path, sample: str, v: Variant, per_rank: list[dict[str,
             "ckpt_format": v.ckpt_format,
             "model_config": model_config(v),
             "precision": "bf16 weights, fp32 master (Megatron mixed-precision optimizer)",
-            "optimizer": s["optimizer"], "inner_optimizer": s["inner_optimizer"],
-            "micro_batch": MICRO_BATCH, "global_batch": GLOBAL_BATCH, "train_iters": ITERATIONS,
-            "param_groups": [{k: g[k] for k in ("weight_decay", "wd_mult", "lr_mult", "params",
-                                                 *(("is_expert_parallel",) if v.ep else ()))}
-                             for g in s["param_groups"]],
+            "optimizer": s["optimizer"],
+            "inner_optimizer": s["inner_optimizer"],
+            "micro_batch": MICRO_BATCH,
+            "global_batch": GLOBAL_BATCH,
+            "train_iters": ITERATIONS,
+            "param_groups": [
+                {
+                    k: g[k]
+                    for k in (
+                        "weight_decay",
+                        "wd_mult",
+                        "lr_mult",
+                        "params",
+                        *(("is_expert_parallel",) if v.ep else ()),
+                    )
+                }
+                for g in s["param_groups"]
+            ],
             "param_groups_note": "Megatron's default grouping: 0 = weights with decay, 1 = biases and norms "
-                                 "without ('params' counts this rank-0 group's tensors)"
-                                 + ("; with experts (a ChainedOptimizer: dense, expert) 2, 3 = the same for the "
-                                    "expert parameters (is_expert_parallel)" if v.ep else ""),
+            "without ('params' counts this rank-0 group's tensors)"
+            + (
+                "; with experts (a ChainedOptimizer: dense, expert) 2, 3 = the same for the "
+                "expert parameters (is_expert_parallel)"
+                if v.ep
+                else ""
+            ),
             "opt_param_scheduler": sched,
             "adam_step_per_rank": [r["adam_steps"] for r in per_rank],
             "ranks_agree_on_lr": all(
-                [g["lr"] for g in r["param_groups"]] == [g["lr"] for g in s["param_groups"]] for r in per_rank),
+                [g["lr"] for g in r["param_groups"]] == [g["lr"] for g in s["param_groups"]] for r in per_rank
+            ),
             "history": history,
             "history_note": "one entry per iteration: the LR of each param group used for the update, and "
-                            "the 'lm loss' Megatron reports (averaged over data-parallel ranks)",
+            "the 'lm loss' Megatron reports (averaged over data-parallel ranks)",
             "megatron_argv": megatron_argv(v, save=Path("<save>"), load=None, work=Path("<work>")),
         },
     )
@@ -631,8 +769,13 @@ def _pretrain_entry() -> tuple[Any, ...]:
     from model_provider import model_provider
 
     pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
-    return (pretrain_gpt.train_valid_test_datasets_provider, partial(model_provider, gpt_builder),
-            ModelType.encoder_or_decoder, pretrain_gpt.forward_step, pretrain_gpt.get_embedding_ranks)
+    return (
+        pretrain_gpt.train_valid_test_datasets_provider,
+        partial(model_provider, gpt_builder),
+        ModelType.encoder_or_decoder,
+        pretrain_gpt.forward_step,
+        pretrain_gpt.get_embedding_ranks,
+    )
 
 
 def _shared_tempdir(prefix: str) -> Path:
@@ -660,8 +803,14 @@ def make_sample(args: argparse.Namespace, work: Path) -> int:
     from megatron.training import pretrain
 
     sys.argv = [sys.argv[0], *megatron_argv(v, save=ckpt, load=None, work=work)]
-    pretrain(datasets, model_provider, model_type, forward_step,
-             args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, get_embedding_ranks=embedding_ranks)
+    pretrain(
+        datasets,
+        model_provider,
+        model_type,
+        forward_step,
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+        get_embedding_ranks=embedding_ranks,
+    )
     if recorder.saved is None:
         raise RuntimeError("Megatron did not save a checkpoint")
     per_rank: list[Any] = [None] * torch.distributed.get_world_size()
@@ -681,8 +830,9 @@ def check_sample(args: argparse.Namespace, work: Path) -> int:
     import megatron.training.training as training
 
     sys.argv = [sys.argv[0], *megatron_argv(v, save=None, load=ckpt, work=work)]
-    training.initialize_megatron(args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-                                 get_embedding_ranks=embedding_ranks)
+    training.initialize_megatron(
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, get_embedding_ranks=embedding_ranks
+    )
     model, optimizer, sched = training.setup_model_and_optimizer(model_provider, model_type)
     from megatron.training import get_args
 
@@ -690,20 +840,28 @@ def check_sample(args: argparse.Namespace, work: Path) -> int:
     lrs = [float(g["lr"]) for g in _groups(optimizer)]
     state = Recorder.snapshot(iteration, model, optimizer, sched)
     rank = torch.distributed.get_rank()
-    print(f"[check rank {rank}] loaded {ckpt}: iteration {iteration}, group lr {lrs}, max_lr "
-          f"{[g['max_lr'] for g in state['param_groups']]}, min_lr {[g['min_lr'] for g in state['param_groups']]},"
-          f" scheduler num_steps {state['scheduler']['num_steps']}, adam steps {state['adam_steps']}", flush=True)
+    print(
+        f"[check rank {rank}] loaded {ckpt}: iteration {iteration}, group lr {lrs}, max_lr "
+        f"{[g['max_lr'] for g in state['param_groups']]}, min_lr {[g['min_lr'] for g in state['param_groups']]},"
+        f" scheduler num_steps {state['scheduler']['num_steps']}, adam steps {state['adam_steps']}",
+        flush=True,
+    )
     manifest = ckpt.with_name(ckpt.name + ".manifest.json")
     ok = True
     if manifest.is_file():
         m = json.loads(manifest.read_text())
         want_lr = m["lr"]["next_lr"]
-        ok = (iteration == m["counters"]["iteration"]
-              and all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(lrs, want_lr, strict=True))
-              and state["scheduler"]["num_steps"] == m["counters"]["scheduler_num_steps"]
-              and state["adam_steps"] == [m["counters"]["optimizer_step"]])
-        print(f"[check rank {rank}] manifest: iteration {m['counters']['iteration']}, next lr {want_lr}, "
-              f"optimizer step {m['counters']['optimizer_step']} -> {'MATCH' if ok else 'MISMATCH'}", flush=True)
+        ok = (
+            iteration == m["counters"]["iteration"]
+            and all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(lrs, want_lr, strict=True))
+            and state["scheduler"]["num_steps"] == m["counters"]["scheduler_num_steps"]
+            and state["adam_steps"] == [m["counters"]["optimizer_step"]]
+        )
+        print(
+            f"[check rank {rank}] manifest: iteration {m['counters']['iteration']}, next lr {want_lr}, "
+            f"optimizer step {m['counters']['optimizer_step']} -> {'MATCH' if ok else 'MISMATCH'}",
+            flush=True,
+        )
     return 0 if ok else 1
 
 
@@ -724,9 +882,19 @@ def logits_sample(args: argparse.Namespace, work: Path) -> int:
         from ckpt_tools.view.logical import _plain, open_any
 
         saved = _plain(open_any(args.forward).tree.children["args"])  # read inert, as `ckpt resume` reads them
-        argv = [*relaunch_argv(saved), *parallel_argv(saved, torch.distributed.get_world_size(), 1), *CPU_FLAGS,
-                "--distributed-backend", "gloo", "--load", str(args.forward.resolve()), "--train-iters",
-                str(int(saved.get("iteration") or 0) + 1), "--data-cache-path", str(work / "data_cache")]
+        argv = [
+            *relaunch_argv(saved),
+            *parallel_argv(saved, torch.distributed.get_world_size(), 1),
+            *CPU_FLAGS,
+            "--distributed-backend",
+            "gloo",
+            "--load",
+            str(args.forward.resolve()),
+            "--train-iters",
+            str(int(saved.get("iteration") or 0) + 1),
+            "--data-cache-path",
+            str(work / "data_cache"),
+        ]
         argv = [a for a in argv if a != "--bf16"]
     else:
         v = VARIANTS[args.sample]
@@ -735,8 +903,9 @@ def logits_sample(args: argparse.Namespace, work: Path) -> int:
         argv = megatron_argv(v, save=None, load=args.forward.resolve(), work=work)
         argv.remove("--bf16")
     sys.argv = [sys.argv[0], *argv, "--no-load-optim", "--no-load-rng"]
-    training.initialize_megatron(args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-                                 get_embedding_ranks=embedding_ranks)
+    training.initialize_megatron(
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, get_embedding_ranks=embedding_ranks
+    )
     model, _, _ = training.setup_model_and_optimizer(model_provider, model_type)
     net = model[0]
     net.eval()
@@ -754,28 +923,76 @@ def logits_sample(args: argparse.Namespace, work: Path) -> int:
 
 #: saved args never passed back: where this run reads and writes, how long it runs, how it logs, and what this
 #: process sets itself (the resume's own --load, --train-iters, backend, data cache)
-RELAUNCH_SKIP = frozenset((
-    "load", "save", "save_interval", "train_iters", "train_samples", "exit_interval", "exit_duration_in_mins",
-    "exit_signal_handler", "local_rank", "distributed_backend", "data_cache_path", "use_checkpoint_args",
-    "use_mp_args_from_checkpoint_args", "tensorboard_dir", "wandb_project", "wandb_exp_name", "wandb_save_dir",
-    "finetune", "no_load_optim", "no_load_rng", "pretrained_checkpoint", "non_persistent_save_interval",
-    "non_persistent_ckpt_dir", "ckpt_convert_format", "ckpt_convert_save", "yaml_cfg", "exit_on_missing_checkpoint",
-    "auto_detect_ckpt_format", "async_save", "eval_interval", "eval_iters", "log_interval",
-    "one_logger_project", "one_logger_run_name", "structured_logs_dir", "config_logger_dir",
-    "tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-    "num_virtual_stages_per_pipeline_rank", "virtual_pipeline_model_parallel_size",
-    # Megatron derives these from the sizes and the vocabulary (validate_args): passing the saved values back
-    # would pin the run to the saved world
-    "expert_tensor_parallel_size", "inprocess_active_world_size", "padded_vocab_size", "encoder_num_layers",
-    "encoder_seq_length", "transformer_pipeline_model_parallel_size",
-))
+RELAUNCH_SKIP = frozenset(
+    (
+        "load",
+        "save",
+        "save_interval",
+        "train_iters",
+        "train_samples",
+        "exit_interval",
+        "exit_duration_in_mins",
+        "exit_signal_handler",
+        "local_rank",
+        "distributed_backend",
+        "data_cache_path",
+        "use_checkpoint_args",
+        "use_mp_args_from_checkpoint_args",
+        "tensorboard_dir",
+        "wandb_project",
+        "wandb_exp_name",
+        "wandb_save_dir",
+        "finetune",
+        "no_load_optim",
+        "no_load_rng",
+        "pretrained_checkpoint",
+        "non_persistent_save_interval",
+        "non_persistent_ckpt_dir",
+        "ckpt_convert_format",
+        "ckpt_convert_save",
+        "yaml_cfg",
+        "exit_on_missing_checkpoint",
+        "auto_detect_ckpt_format",
+        "async_save",
+        "eval_interval",
+        "eval_iters",
+        "log_interval",
+        "one_logger_project",
+        "one_logger_run_name",
+        "structured_logs_dir",
+        "config_logger_dir",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "num_layers_per_virtual_pipeline_stage",
+        "num_virtual_stages_per_pipeline_rank",
+        "virtual_pipeline_model_parallel_size",
+        # Megatron derives these from the sizes and the vocabulary (validate_args): passing the saved values back
+        # would pin the run to the saved world
+        "expert_tensor_parallel_size",
+        "inprocess_active_world_size",
+        "padded_vocab_size",
+        "encoder_num_layers",
+        "encoder_seq_length",
+        "transformer_pipeline_model_parallel_size",
+    )
+)
 #: derived only in some runs: passed back unless validate_args sets them from other options itself
-DERIVED_IF = {"start_weight_decay": lambda a: a.get("weight_decay_incr_style") == "constant",
-              "end_weight_decay": lambda a: a.get("weight_decay_incr_style") == "constant"}
+DERIVED_IF = {
+    "start_weight_decay": lambda a: a.get("weight_decay_incr_style") == "constant",
+    "end_weight_decay": lambda a: a.get("weight_decay_incr_style") == "constant",
+}
 #: CPU run-time flags (no TransformerEngine, Apex or fused CUDA kernels on a CPU): the same maths, eager PyTorch
-CPU_FLAGS = ["--transformer-impl", "local", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-             "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
-             "--no-bias-swiglu-fusion", "--no-rope-fusion"]
+CPU_FLAGS = [
+    "--transformer-impl",
+    "local",
+    "--no-masked-softmax-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-gradient-accumulation-fusion",
+    "--no-persist-layer-norm",
+    "--no-bias-swiglu-fusion",
+    "--no-rope-fusion",
+]
 
 
 def relaunch_argv(saved: dict[str, Any]) -> list[str]:
@@ -809,8 +1026,9 @@ def relaunch_argv(saved: dict[str, Any]) -> list[str]:
             continue
         if not isinstance(action, argparse._StoreAction) or value is None or value == default:
             continue
-        if isinstance(value, dict) or (action.choices is not None and not isinstance(value, (list, tuple))
-                                       and value not in action.choices):
+        if isinstance(value, dict) or (
+            action.choices is not None and not isinstance(value, (list, tuple)) and value not in action.choices
+        ):
             continue  # an enum or a structure Megatron built from the option: not passed back
         seen.add(dest)
         argv.append(option)
@@ -820,8 +1038,12 @@ def relaunch_argv(saved: dict[str, Any]) -> list[str]:
 
 def parallel_argv(saved: dict[str, Any], tp: int | None = None, pp: int | None = None) -> list[str]:
     """The saved (or the given) tensor / pipeline sizes, and the saved virtual pipeline."""
-    argv = ["--tensor-model-parallel-size", str(tp or saved.get("tensor_model_parallel_size") or 1),
-            "--pipeline-model-parallel-size", str(pp or saved.get("pipeline_model_parallel_size") or 1)]
+    argv = [
+        "--tensor-model-parallel-size",
+        str(tp or saved.get("tensor_model_parallel_size") or 1),
+        "--pipeline-model-parallel-size",
+        str(pp or saved.get("pipeline_model_parallel_size") or 1),
+    ]
     if saved.get("num_layers_per_virtual_pipeline_stage"):
         argv += ["--num-layers-per-virtual-pipeline-stage", str(saved["num_layers_per_virtual_pipeline_stage"])]
     return argv
@@ -844,10 +1066,20 @@ def resume_sample(args: argparse.Namespace, work: Path) -> int:
     argv = megatron_argv(v, save=None, load=args.resume.resolve(), work=work)
     argv[argv.index("--train-iters") + 1] = str(ITERATIONS + args.steps)
     sys.argv = [sys.argv[0], *argv, *shlex.split(args.megatron_args or "")]
-    pretrain(datasets, model_provider, model_type, forward_step,
-             args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, get_embedding_ranks=embedding_ranks)
-    mine = {"rank": torch.distributed.get_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
-            "dp_rank": ps.get_data_parallel_rank(), "history": recorder.history}
+    pretrain(
+        datasets,
+        model_provider,
+        model_type,
+        forward_step,
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+        get_embedding_ranks=embedding_ranks,
+    )
+    mine = {
+        "rank": torch.distributed.get_rank(),
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "dp_rank": ps.get_data_parallel_rank(),
+        "history": recorder.history,
+    }
     every: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(every, mine)
     if torch.distributed.get_rank() == 0 and args.record is not None:
@@ -857,20 +1089,32 @@ def resume_sample(args: argparse.Namespace, work: Path) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sample", choices=sorted(VARIANTS), help="the variant (required but with --forward, which "
-                   "without it rebuilds the model from the run folder's own args)")
+    p.add_argument(
+        "--sample",
+        choices=sorted(VARIANTS),
+        help="the variant (required but with --forward, which "
+        "without it rebuilds the model from the run folder's own args)",
+    )
     p.add_argument("--out", type=Path, help="the group folder: the sample goes to <out>/<sample>")
     p.add_argument("--check", type=Path, help="load this saved run folder with Megatron's load_checkpoint")
     p.add_argument("--resume", type=Path, help="resume this run folder in Megatron's pretrain and record the LRs")
-    p.add_argument("--forward", type=Path, help="run Megatron's forward of this saved run folder (TP samples) on "
-                   "--tokens and save the logits to --logits")
+    p.add_argument(
+        "--forward",
+        type=Path,
+        help="run Megatron's forward of this saved run folder (TP samples) on --tokens and save the logits to --logits",
+    )
     p.add_argument("--tokens", help="--forward: token ids, JSON rows")
     p.add_argument("--logits", type=Path, help="--forward: where rank 0 saves the logits (torch.save)")
     p.add_argument("--steps", type=int, default=3, help="resume: iterations to train after loading (default 3)")
     p.add_argument("--record", type=Path, help="resume: rank 0 writes every rank's LR per iteration here (JSON)")
-    p.add_argument("--num-layers", type=int, help="--out: a deeper model than the sample's (bench/make_big_megatron.py)")
-    p.add_argument("--megatron-args", default="", help="resume: extra Megatron flags, one string "
-                   "(e.g. --megatron-args='--use-checkpoint-opt_param-scheduler')")
+    p.add_argument(
+        "--num-layers", type=int, help="--out: a deeper model than the sample's (bench/make_big_megatron.py)"
+    )
+    p.add_argument(
+        "--megatron-args",
+        default="",
+        help="resume: extra Megatron flags, one string (e.g. --megatron-args='--use-checkpoint-opt_param-scheduler')",
+    )
     args = p.parse_args()
     if sum(x is not None for x in (args.out, args.check, args.resume, args.forward)) != 1:
         p.error("give exactly one of --out, --check, --resume or --forward")
@@ -885,8 +1129,15 @@ def main() -> None:
     join("gloo")
     work = _shared_tempdir("megatron_lm_work_")  # Megatron's dataset cache, outside the sample
     try:
-        code = (check_sample if args.check is not None else resume_sample if args.resume is not None
-                else logits_sample if args.forward is not None else make_sample)(args, work)
+        code = (
+            check_sample
+            if args.check is not None
+            else resume_sample
+            if args.resume is not None
+            else logits_sample
+            if args.forward is not None
+            else make_sample
+        )(args, work)
         torch.distributed.barrier()
     finally:
         if torch.distributed.get_rank() == 0:

@@ -9,6 +9,7 @@
 The safetensors files hold weights only; their manifests still give the run's counters and LR so that
 a test can tell "not stored" from "stored wrong".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,13 +27,34 @@ SAFETENSORS_METADATA = {"format": "pt"}
 NUM_SHARDS = 2
 
 
-def save_plain(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> None:
-    script_args = argparse.Namespace(lr=c.PEAK_LR, warmup_steps=c.WARMUP_STEPS, weight_decay=c.WEIGHT_DECAY,
-                                     betas=c.BETAS, batch_size=c.MICRO_BATCH, train_steps=c.TOTAL_STEPS,
-                                     seed=c.SEED, model=GPTConfig().to_dict())
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "step": step, "epoch": 0, "args": script_args}, path)
+def save_plain(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    step: int,
+) -> None:
+    script_args = argparse.Namespace(
+        lr=c.PEAK_LR,
+        warmup_steps=c.WARMUP_STEPS,
+        weight_decay=c.WEIGHT_DECAY,
+        betas=c.BETAS,
+        batch_size=c.MICRO_BATCH,
+        train_steps=c.TOTAL_STEPS,
+        seed=c.SEED,
+        model=GPTConfig().to_dict(),
+    )
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "step": step,
+            "epoch": 0,
+            "args": script_args,
+        },
+        path,
+    )
 
 
 def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -91,14 +113,22 @@ def main() -> None:
 
     history, saved = c.train(step, lambda: c.current_lrs(optimizer), save)
     c.write_sample_manifest(
-        ckpt, sample=args.sample, format=fmt, model=model,
-        topology={"dp": 1, "tp": 1, "pp": 1, "zero_stage": None}, saved=saved, history=history,
+        ckpt,
+        sample=args.sample,
+        format=fmt,
+        model=model,
+        topology={"dp": 1, "tp": 1, "pp": 1, "zero_stage": None},
+        saved=saved,
+        history=history,
         extra={
             "dtype": "float32",
             "scheduler": "torch LambdaLR (warmup then decay)",
             "param_groups": c.PARAM_GROUPS_NOTE,
-            "stored": ("model, optimizer, scheduler, step, epoch, args" if fmt == "torch_file" else
-                       "weights only: counters and lr are the run's, not stored in the file"),
+            "stored": (
+                "model, optimizer, scheduler, step, epoch, args"
+                if fmt == "torch_file"
+                else "weights only: counters and lr are the run's, not stored in the file"
+            ),
         },
     )
 

@@ -73,13 +73,15 @@ Check mode (resume in torchtitan's own Trainer):
 starts the Trainer with the same config, `--checkpoint.folder` = the step folder's parent,
 `--checkpoint.load-step N`, `--checkpoint.load-only` (no saves), `--training.steps N+steps` and
 `--lr-scheduler.total-steps 5` (the schedule of the original run), trains `steps` step(s) and prints, per
-resumed step, the LR each param group used, the step, the scheduler's last_epoch and the loss. `--trainer-arg A` (repeatable) appends A
+resumed step, the LR each param group used, the step, the scheduler's last_epoch and the loss. `--trainer-arg A`
+(repeatable) appends A
 to torchtitan's job-config arguments, as a user relaunching would (e.g. the config LR `ckpt set-lr` names);
 `--record` holds rank 0's steps and every rank's param-group LRs (`ranks`); `--dump OUT.pt` saves, after the steps,
 every parameter and its Adam state whole (FSDP2 shards gathered), by the module's parameter names (`full_state`).
 `model_config(fuse_qkv=False)` is the same llama3 with the stock wq/wk/wv (the DeepSpeed worker `ds_torchtitan`
 trains it).
 """
+
 from __future__ import annotations
 
 import json
@@ -99,8 +101,12 @@ FUSE_QKV = {name: name != "torchtitan_split" for name in SAMPLES}
 TORCHTITAN_VERSION = "0.3.0"
 MODULE = "ckpt_tools.samples.workers.torchtitan_run"
 CONFIG_FN = "torchtitan_tiny"
-CONFIG_FNS = {"torchtitan_real": CONFIG_FN, "torchtitan_gqa": "torchtitan_tiny_gqa",
-              "torchtitan_onegroup": "torchtitan_tiny_onegroup", "torchtitan_split": "torchtitan_tiny_split"}
+CONFIG_FNS = {
+    "torchtitan_real": CONFIG_FN,
+    "torchtitan_gqa": "torchtitan_tiny_gqa",
+    "torchtitan_onegroup": "torchtitan_tiny_onegroup",
+    "torchtitan_split": "torchtitan_tiny_split",
+}
 
 DP = 2
 # model (torchtitan llama3 builders)
@@ -136,8 +142,13 @@ def model_config(fuse_qkv: bool = True, n_kv_heads: int | None = None):
     """The sample's llama3 (torchtitan's own builders): fused wqkv (llama3's default) or the stock wq/wk/wv;
     `n_kv_heads` < 4: grouped-query attention."""
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.llama3 import (Llama3Model, _build_llama3_layers, _EMBEDDING_INIT, _NORM_INIT,
-                                          _output_linear_init)
+    from torchtitan.models.llama3 import (
+        Llama3Model,
+        _build_llama3_layers,
+        _EMBEDDING_INIT,
+        _NORM_INIT,
+        _output_linear_init,
+    )
 
     return Llama3Model.Config(
         dim=DIM,
@@ -146,7 +157,11 @@ def model_config(fuse_qkv: bool = True, n_kv_heads: int | None = None):
         norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_output_linear_init(DIM)),
         layers=_build_llama3_layers(
-            fuse_qkv=fuse_qkv, n_layers=N_LAYERS, dim=DIM, n_heads=N_HEADS, hidden_dim=HIDDEN_DIM,
+            fuse_qkv=fuse_qkv,
+            n_layers=N_LAYERS,
+            dim=DIM,
+            n_heads=N_HEADS,
+            hidden_dim=HIDDEN_DIM,
             n_kv_heads=n_kv_heads,
             rope=ComplexRoPE.Config(dim=DIM // N_HEADS, max_seq_len=SEQ_LEN, theta=500000, scaling="llama"),
             attn_backend="flex",
@@ -191,22 +206,38 @@ def torchtitan_tiny(n_kv_heads: int | None = None, optimizer=None, fuse_qkv: boo
     from torchtitan.trainer import Trainer
 
     model = model_config(fuse_qkv=fuse_qkv, n_kv_heads=n_kv_heads)
-    spec = ModelSpec(name="llama3", flavor="tiny", model=model, parallelize_fn=parallelize_llama,
-                     pipelining_fn=pipeline_llm, post_optimizer_build_fn=None,
-                     state_dict_adapter=Llama3StateDictAdapter)
+    spec = ModelSpec(
+        name="llama3",
+        flavor="tiny",
+        model=model,
+        parallelize_fn=parallelize_llama,
+        pipelining_fn=pipeline_llm,
+        post_optimizer_build_fn=None,
+        state_dict_adapter=Llama3StateDictAdapter,
+    )
     adamw = {"betas": BETAS, "eps": EPS}
     return Trainer.Config(
         loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))),
         hf_assets_path="./tests/assets/tokenizer",  # replaced by --hf-assets-path
         model_spec=spec,
-        optimizer=optimizer or OptimizersContainer.Config(param_groups=[
-            ParamGroupConfig(pattern=NORM_PATTERN, optimizer_name="AdamW",
-                             optimizer_kwargs={"lr": NORM_LR, **adamw, "weight_decay": 0.0}),
-            ParamGroupConfig(pattern=r".*", optimizer_name="AdamW",
-                             optimizer_kwargs={"lr": LR, **adamw, "weight_decay": WEIGHT_DECAY}),
-        ]),
-        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=WARMUP, decay_ratio=DECAY_RATIO,
-                                                  decay_type=DECAY_TYPE, min_lr_factor=MIN_LR_FACTOR),
+        optimizer=optimizer
+        or OptimizersContainer.Config(
+            param_groups=[
+                ParamGroupConfig(
+                    pattern=NORM_PATTERN,
+                    optimizer_name="AdamW",
+                    optimizer_kwargs={"lr": NORM_LR, **adamw, "weight_decay": 0.0},
+                ),
+                ParamGroupConfig(
+                    pattern=r".*",
+                    optimizer_name="AdamW",
+                    optimizer_kwargs={"lr": LR, **adamw, "weight_decay": WEIGHT_DECAY},
+                ),
+            ]
+        ),
+        lr_scheduler=LRSchedulersContainer.Config(
+            warmup_steps=WARMUP, decay_ratio=DECAY_RATIO, decay_type=DECAY_TYPE, min_lr_factor=MIN_LR_FACTOR
+        ),
         training=TrainingConfig(local_batch_size=LOCAL_BATCH, seq_len=SEQ_LEN, steps=STEPS),
         dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test"),
         metrics=MetricsProcessor.Config(log_freq=1),
@@ -219,9 +250,11 @@ def torchtitan_tiny(n_kv_heads: int | None = None, optimizer=None, fuse_qkv: boo
 
 # --- assets: tokenizer + dataset, written locally (no network) -----------------------------------------------
 
-_WORDS = ("the model saves a checkpoint every few steps and the optimizer keeps two moments for each weight "
-          "while the scheduler warms the learning rate up then decays it linearly to zero at the end of "
-          "training shards live on two ranks gloo moves the gradients").split()
+_WORDS = (
+    "the model saves a checkpoint every few steps and the optimizer keeps two moments for each weight "
+    "while the scheduler warms the learning rate up then decays it linearly to zero at the end of "
+    "training shards live on two ranks gloo moves the gradients"
+).split()
 
 
 def write_assets(folder: Path) -> tuple[Path, Path]:
@@ -239,8 +272,9 @@ def write_assets(folder: Path) -> tuple[Path, Path]:
     assets = folder / "tokenizer"
     assets.mkdir(parents=True)
     tok.save(str(assets / "tokenizer.json"))
-    (assets / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK, "add_bos_token": True, "add_eos_token": True}))
+    (assets / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": BOS, "eos_token": EOS, "unk_token": UNK, "add_bos_token": True, "add_eos_token": True})
+    )
     data = folder / "c4_test"
     data.mkdir()
     rng = random.Random(SEED)
@@ -357,11 +391,25 @@ class _CpuDeviceModule:
 # --- running the Trainer -----------------------------------------------------------------------------------
 
 
-def trainer_argv(*, assets: Path, dataset: Path, dump: Path, ckpt_folder: Path, extra: list[str] = (),
-                 config_fn: str = CONFIG_FN) -> list[str]:
-    return ["--module", MODULE, "--config", config_fn, *CPU_FLAGS,
-            "--hf-assets-path", str(assets), "--dataloader.dataset-path", str(dataset),
-            "--dump-folder", str(dump), "--checkpoint.folder", str(ckpt_folder), *extra]
+def trainer_argv(
+    *, assets: Path, dataset: Path, dump: Path, ckpt_folder: Path, extra: list[str] = (), config_fn: str = CONFIG_FN
+) -> list[str]:
+    return [
+        "--module",
+        MODULE,
+        "--config",
+        config_fn,
+        *CPU_FLAGS,
+        "--hf-assets-path",
+        str(assets),
+        "--dataloader.dataset-path",
+        str(dataset),
+        "--dump-folder",
+        str(dump),
+        "--checkpoint.folder",
+        str(ckpt_folder),
+        *extra,
+    ]
 
 
 def rank() -> int:
@@ -432,14 +480,23 @@ class Recorder:
             "kind": "full" if "optimizer" in state_dict else "model_only",
             "top_level": sorted(k for k in state_dict if not hasattr(state_dict[k], "shape")),
             "keys": all_keys,
-            "keys_per_rank": {str(r): sorted(set(g) - set.intersection(*map(set, gathered)))
-                              for r, g in enumerate(gathered)},
-            "counters": {"global_step": self.trainer.step, "ntokens_seen": self.trainer.ntokens_seen,
-                         "optimizer_step": self.adam_steps(), "scheduler_last_epoch": sched.last_epoch,
-                         "scheduler_step_count": sched._step_count, "skipped_steps": None},
-            "lr": {"param_groups": self.group_values("lr"), "initial_lr": self.group_values("initial_lr"),
-                   "base_lrs": [float(x) for x in sched.base_lrs],
-                   "last_lr": [float(x) for x in sched.get_last_lr()]},
+            "keys_per_rank": {
+                str(r): sorted(set(g) - set.intersection(*map(set, gathered))) for r, g in enumerate(gathered)
+            },
+            "counters": {
+                "global_step": self.trainer.step,
+                "ntokens_seen": self.trainer.ntokens_seen,
+                "optimizer_step": self.adam_steps(),
+                "scheduler_last_epoch": sched.last_epoch,
+                "scheduler_step_count": sched._step_count,
+                "skipped_steps": None,
+            },
+            "lr": {
+                "param_groups": self.group_values("lr"),
+                "initial_lr": self.group_values("initial_lr"),
+                "base_lrs": [float(x) for x in sched.base_lrs],
+                "last_lr": [float(x) for x in sched.get_last_lr()],
+            },
             "weight_decay": self.group_values("weight_decay"),
             "param_names": self.group_values("param_names"),
         }
@@ -480,8 +537,9 @@ def make(sample: str, out: Path) -> None:
     try:
         assets, dataset = write_assets(work / "assets")
         os.environ["HF_DATASETS_CACHE"] = str(work / "hf_cache")
-        argv = trainer_argv(assets=assets, dataset=dataset, dump=work / "dump", ckpt_folder=target,
-                            config_fn=CONFIG_FNS[sample])
+        argv = trainer_argv(
+            assets=assets, dataset=dataset, dump=work / "dump", ckpt_folder=target, config_fn=CONFIG_FNS[sample]
+        )
         config, trainer = build_trainer(argv)
         rec = Recorder(trainer)
         model = trainer.model_parts[0]
@@ -511,7 +569,10 @@ def write_make_manifest(sample, target, config, trainer, model, rec: Recorder, a
         raise RuntimeError(f"{target} holds {on_disk}, expected {[s['folder'] for s in rec.saves]}")
     sched_cfg = config.lr_scheduler
     write_manifest(
-        target, sample=sample, format="dcp", world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        target,
+        sample=sample,
+        format="dcp",
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
         topology={"dp": DP, "tp": 1, "pp": 1, "zero_stage": None},
         steps=saved["step"],
         counters={**saved["counters"], "optimizer_step": _one(saved["counters"]["optimizer_step"])},
@@ -519,12 +580,15 @@ def write_make_manifest(sample, target, config, trainer, model, rec: Recorder, a
         parameters={"count": int(count), "tensors": int(tensors)},
         extra={
             "producer": "torchtitan Trainer (real)",
-            "saved_model_keys": [k for k in saved["keys"] if k.split(".")[0] not in
-                                 ("optimizer", "lr_scheduler", "dataloader", "train_state")],
+            "saved_model_keys": [
+                k
+                for k in saved["keys"]
+                if k.split(".")[0] not in ("optimizer", "lr_scheduler", "dataloader", "train_state")
+            ],
             "model_keys_note": "model keys sit flat at the top level; torchtitan's state-dict hook saves each fused "
-                               "attention.qkv_linear.wqkv.weight as three full (unsharded, one-chunk) tensors "
-                               "wq/wk/wv, while the optimizer state stays under the fused name "
-                               "(optimizer.state.<...>.wqkv.weight.*): 21 model keys for 17 live parameters",
+            "attention.qkv_linear.wqkv.weight as three full (unsharded, one-chunk) tensors "
+            "wq/wk/wv, while the optimizer state stays under the fused name "
+            "(optimizer.state.<...>.wqkv.weight.*): 21 model keys for 17 live parameters",
             "torchtitan_version": getattr(torchtitan, "__version__", None),
             "layout": "torchtitan",
             "full_save": saved["folder"],
@@ -532,22 +596,33 @@ def write_make_manifest(sample, target, config, trainer, model, rec: Recorder, a
             "saves": rec.saves,
             "history": rec.history,
             "history_note": "one entry per training step (1-based; the save at step N holds the state after "
-                            "update N): 'lr' is the LR of each param group (group order: norms, rest) that update "
-                            "used (read before it), 'lr_after' after the scheduler stepped, 'loss' and "
-                            "'grad_norm' what torchtitan logged (loss averaged over both ranks)",
+            "update N): 'lr' is the LR of each param group (group order: norms, rest) that update "
+            "used (read before it), 'lr_after' after the scheduler stepped, 'loss' and "
+            "'grad_norm' what torchtitan logged (loss averaged over both ranks)",
             "config": {
                 "lr": [pg.optimizer_kwargs["lr"] for pg in config.optimizer.param_groups],
                 "param_group_patterns": [pg.pattern for pg in config.optimizer.param_groups],
                 "weight_decay": [pg.optimizer_kwargs["weight_decay"] for pg in config.optimizer.param_groups],
-                "warmup_steps": sched_cfg.warmup_steps, "decay_ratio": sched_cfg.decay_ratio,
-                "decay_type": sched_cfg.decay_type, "min_lr_factor": sched_cfg.min_lr_factor,
-                "lr_scheduler_total_steps": sched_cfg.total_steps, "training_steps": config.training.steps,
+                "warmup_steps": sched_cfg.warmup_steps,
+                "decay_ratio": sched_cfg.decay_ratio,
+                "decay_type": sched_cfg.decay_type,
+                "min_lr_factor": sched_cfg.min_lr_factor,
+                "lr_scheduler_total_steps": sched_cfg.total_steps,
+                "training_steps": config.training.steps,
                 "checkpoint_interval": config.checkpoint.interval,
                 "last_save_model_only": config.checkpoint.last_save_model_only,
                 "export_dtype": config.checkpoint.export_dtype,
-                "local_batch_size": config.training.local_batch_size, "seq_len": config.training.seq_len,
-                "model": {"dim": DIM, "n_heads": N_HEADS, "n_layers": N_LAYERS, "hidden_dim": HIDDEN_DIM,
-                          "vocab_size": VOCAB, "fuse_qkv": FUSE_QKV[sample], "n_kv_heads": N_KV_HEADS[sample] or N_HEADS},
+                "local_batch_size": config.training.local_batch_size,
+                "seq_len": config.training.seq_len,
+                "model": {
+                    "dim": DIM,
+                    "n_heads": N_HEADS,
+                    "n_layers": N_LAYERS,
+                    "hidden_dim": HIDDEN_DIM,
+                    "vocab_size": VOCAB,
+                    "fuse_qkv": FUSE_QKV[sample],
+                    "n_kv_heads": N_KV_HEADS[sample] or N_HEADS,
+                },
                 "seed": SEED,
             },
             "trainer_argv": [a.replace(str(target), "<sample>").replace(str(work), "<per-rank temp>") for a in argv],
@@ -555,8 +630,8 @@ def write_make_manifest(sample, target, config, trainer, model, rec: Recorder, a
             "cpu_flags": CPU_FLAGS,
             "live_parameter_names": [n for n, _ in model.named_parameters()],
             "scheduler_note": "torchtitan LRSchedulersContainer: one LambdaLR per optimizer; the checkpoint saves "
-                              "only lr_scheduler.last_epoch; on resume base_lrs come from the job config and the "
-                              "saved per-parameter optimizer.param_groups.<fqn>.lr drives the first resumed step",
+            "only lr_scheduler.last_epoch; on resume base_lrs come from the job config and the "
+            "saved per-parameter optimizer.param_groups.<fqn>.lr drives the first resumed step",
         },
     )
 
@@ -571,6 +646,7 @@ def _one(values: list[float]) -> int | None:
 def full_state(model, optimizers) -> dict[str, Any]:
     """Every parameter and its Adam state, whole (FSDP2 shards gathered: a collective, on every rank), by the
     module's parameter name ({name: {"param", "exp_avg", "exp_avg_sq", "step"}})."""
+
     def whole(t):
         return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -585,8 +661,14 @@ def full_state(model, optimizers) -> dict[str, Any]:
     return out
 
 
-def check(step_folder: Path, record: Path | None, steps: int, trainer_args: list[str] = (),
-          dump: Path | None = None, config_fn: str = CONFIG_FN) -> None:
+def check(
+    step_folder: Path,
+    record: Path | None,
+    steps: int,
+    trainer_args: list[str] = (),
+    dump: Path | None = None,
+    config_fn: str = CONFIG_FN,
+) -> None:
     import torch.distributed as dist
 
     step_folder = step_folder.resolve()
@@ -598,17 +680,37 @@ def check(step_folder: Path, record: Path | None, steps: int, trainer_args: list
     try:
         assets, dataset = write_assets(work / "assets")
         os.environ["HF_DATASETS_CACHE"] = str(work / "hf_cache")
-        argv = trainer_argv(assets=assets, dataset=dataset, dump=work / "dump", ckpt_folder=step_folder.parent,
-                            extra=["--checkpoint.load-step", str(load_step), "--checkpoint.load-only",
-                                   "--training.steps", str(load_step + steps),
-                                   "--lr-scheduler.total-steps", str(STEPS), *trainer_args],
-                            config_fn=config_fn)
+        argv = trainer_argv(
+            assets=assets,
+            dataset=dataset,
+            dump=work / "dump",
+            ckpt_folder=step_folder.parent,
+            extra=[
+                "--checkpoint.load-step",
+                str(load_step),
+                "--checkpoint.load-only",
+                "--training.steps",
+                str(load_step + steps),
+                "--lr-scheduler.total-steps",
+                str(STEPS),
+                *trainer_args,
+            ],
+            config_fn=config_fn,
+        )
         config, trainer = build_trainer(argv)
         rec = Recorder(trainer)
         trainer.train()
         dist.barrier()
-        records = [{"step": h["step"], "lr": h["lr"], "lr_after": h["lr_after"],
-                    "scheduler_last_epoch": h["scheduler_last_epoch"], "loss": h.get("loss")} for h in rec.history]
+        records = [
+            {
+                "step": h["step"],
+                "lr": h["lr"],
+                "lr_after": h["lr_after"],
+                "scheduler_last_epoch": h["scheduler_last_epoch"],
+                "loss": h.get("loss"),
+            }
+            for h in rec.history
+        ]
         # every rank's own optimizer LRs (each rank steps its own shard's param groups)
         per_rank: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, [{"step": h["step"], "lr": h["lr"]} for h in rec.history])
@@ -621,17 +723,33 @@ def check(step_folder: Path, record: Path | None, steps: int, trainer_args: list
         if rank() == 0:
             original = _original_history(step_folder)
             for r in records:
-                print(f"RESUMED step {r['step']}: lr {r['lr']} (after scheduler step {r['lr_after']}), "
-                      f"scheduler last_epoch {r['scheduler_last_epoch']}, loss {r['loss']}", flush=True)
+                print(
+                    f"RESUMED step {r['step']}: lr {r['lr']} (after scheduler step {r['lr_after']}), "
+                    f"scheduler last_epoch {r['scheduler_last_epoch']}, loss {r['loss']}",
+                    flush=True,
+                )
                 o = original.get(r["step"])
                 if o is not None:
                     same = o["lr"] == r["lr"] and abs(o["loss"] - r["loss"]) < 1e-5
                     r["uninterrupted"] = {"lr": o["lr"], "loss": o["loss"], "same": same}
-                    print(f"UNINTERRUPTED step {r['step']}: lr {o['lr']}, loss {o['loss']} -> "
-                          f"{'SAME' if same else 'DIFFERENT'}", flush=True)
+                    print(
+                        f"UNINTERRUPTED step {r['step']}: lr {o['lr']}, loss {o['loss']} -> "
+                        f"{'SAME' if same else 'DIFFERENT'}",
+                        flush=True,
+                    )
             if record is not None:
-                record.write_text(json.dumps({"loaded_step": load_step, "trainer_args": list(trainer_args),
-                                              "records": records, "ranks": per_rank}, indent=1) + "\n")
+                record.write_text(
+                    json.dumps(
+                        {
+                            "loaded_step": load_step,
+                            "trainer_args": list(trainer_args),
+                            "records": records,
+                            "ranks": per_rank,
+                        },
+                        indent=1,
+                    )
+                    + "\n"
+                )
         finish(trainer)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -687,17 +805,36 @@ def logits_main() -> None:
 def main() -> None:
     from ckpt_tools.samples.workers._common import check_mode_parser
 
-    p = check_mode_parser("Make (or resume-check) the real torchtitan sample.", SAMPLES,
-                          check_help="a torchtitan step-N folder to resume from in torchtitan's Trainer",
-                          steps_default=1, steps_help="check mode: steps to train after loading (default 1)")
-    p.add_argument("--trainer-arg", action="append", default=[], dest="trainer_args",
-                   help="check mode: one more job-config argument for torchtitan's ConfigManager, as a user adds to "
-                        "the launch command (repeat; e.g. --trainer-arg=--optimizer.param-groups.0.optimizer-kwargs.lr "
-                        "--trainer-arg=0.0002)")
-    p.add_argument("--dump", type=Path, default=None, help="check mode: after the steps, save every parameter and "
-                   "its Adam state, whole, by parameter name (torch.save, rank 0)")
-    p.add_argument("--size", default=None, metavar="LAYERS,DIM,HIDDEN", help="a larger llama3 than the sample's "
-                   "(bench/bench_titan_to_megatron.py; not for samples): layers, model dim (4 heads), FFN hidden")
+    p = check_mode_parser(
+        "Make (or resume-check) the real torchtitan sample.",
+        SAMPLES,
+        check_help="a torchtitan step-N folder to resume from in torchtitan's Trainer",
+        steps_default=1,
+        steps_help="check mode: steps to train after loading (default 1)",
+    )
+    p.add_argument(
+        "--trainer-arg",
+        action="append",
+        default=[],
+        dest="trainer_args",
+        help="check mode: one more job-config argument for torchtitan's ConfigManager, as a user adds to "
+        "the launch command (repeat; e.g. --trainer-arg=--optimizer.param-groups.0.optimizer-kwargs.lr "
+        "--trainer-arg=0.0002)",
+    )
+    p.add_argument(
+        "--dump",
+        type=Path,
+        default=None,
+        help="check mode: after the steps, save every parameter and "
+        "its Adam state, whole, by parameter name (torch.save, rank 0)",
+    )
+    p.add_argument(
+        "--size",
+        default=None,
+        metavar="LAYERS,DIM,HIDDEN",
+        help="a larger llama3 than the sample's "
+        "(bench/bench_titan_to_megatron.py; not for samples): layers, model dim (4 heads), FFN hidden",
+    )
     args = p.parse_args()
     if args.size:  # read by model_config when torchtitan's ConfigManager calls the config function, below
         import importlib

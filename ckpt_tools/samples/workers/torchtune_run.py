@@ -114,6 +114,7 @@ Measured (this machine, 2 CPU cores): make 19-32 s per sample, check 15-26 s; an
 `epoch_0` reproduces the uninterrupted run's steps 4-6 exactly (LR and loss) for both samples; with
 `initial_lr` edited to 5e-4 in a copy's recipe_state.pt the first resumed step uses 5e-4 x 0.854 = 4.27e-4.
 """
+
 from __future__ import annotations
 
 import collections
@@ -138,9 +139,18 @@ MODEL_MAX_SEQ_LEN, ROPE_BASE, NORM_EPS = 64, 500_000, 1e-5
 # LoRA (torchtune_lora)
 LORA_RANK, LORA_ALPHA, LORA_MODULES = 8, 16.0, ("q_proj", "v_proj")
 # tokenizer: 96 single-byte ranks + merges + 10 special tokens = VOCAB
-SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>", "<|step_id|>",
-                  "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
-                  "<|image|>")
+SPECIAL_TOKENS = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|finetune_right_pad_id|>",
+    "<|step_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+    "<|image|>",
+)
 BASE_BYTES = [b for b in range(32, 127)] + [10]
 N_MERGES = VOCAB - len(SPECIAL_TOKENS) - len(BASE_BYTES)
 TOKENIZER_MAX_SEQ_LEN = 32
@@ -157,9 +167,11 @@ HISTORY_NOTE = (
     "step, i.e. it is the NEXT step's LR); the save of epoch_0 happens after step 3, epoch_1 after step 6"
 )
 
-_WORDS = ("the recipe saves an epoch folder and a recipe state while the optimizer keeps two moments for each "
-          "weight and the scheduler warms the learning rate up then decays it on a cosine to zero at the end of "
-          "training the checkpointer converts names between hugging face and torchtune layouts").split()
+_WORDS = (
+    "the recipe saves an epoch folder and a recipe state while the optimizer keeps two moments for each "
+    "weight and the scheduler warms the learning rate up then decays it on a cosine to zero at the end of "
+    "training the checkpointer converts names between hugging face and torchtune layouts"
+).split()
 
 
 # --- inputs: pretrained HF model, tokenizer, data ---------------------------------------------------------------
@@ -216,10 +228,18 @@ def write_inputs(folder: Path) -> dict[str, Path]:
     special = {tok: VOCAB - len(SPECIAL_TOKENS) + i for i, tok in enumerate(SPECIAL_TOKENS)}
     hf = folder / "pretrained"
     hf_config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=DIM, intermediate_size=INTERMEDIATE, num_hidden_layers=N_LAYERS,
-        num_attention_heads=N_HEADS, num_key_value_heads=N_KV_HEADS, max_position_embeddings=MODEL_MAX_SEQ_LEN,
-        rope_theta=float(ROPE_BASE), rms_norm_eps=NORM_EPS, tie_word_embeddings=False,
-        bos_token_id=special["<|begin_of_text|>"], eos_token_id=special["<|end_of_text|>"],
+        vocab_size=VOCAB,
+        hidden_size=DIM,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=N_HEADS,
+        num_key_value_heads=N_KV_HEADS,
+        max_position_embeddings=MODEL_MAX_SEQ_LEN,
+        rope_theta=float(ROPE_BASE),
+        rms_norm_eps=NORM_EPS,
+        tie_word_embeddings=False,
+        bos_token_id=special["<|begin_of_text|>"],
+        eos_token_id=special["<|end_of_text|>"],
     )
     torch.manual_seed(MODEL_SEED)
     LlamaForCausalLM(hf_config).save_pretrained(str(hf))
@@ -229,14 +249,20 @@ def write_inputs(folder: Path) -> dict[str, Path]:
     tok.mkdir(parents=True)
     ranks = train_bpe(texts)
     (tok / "tokenizer.model").write_text(
-        "".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(), key=lambda kv: kv[1])))
-    (tok / "special_tokens.json").write_text(json.dumps(
-        {"added_tokens": [{"id": i, "content": t, "special": True} for t, i in special.items()]}, indent=1))
+        "".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(), key=lambda kv: kv[1]))
+    )
+    (tok / "special_tokens.json").write_text(
+        json.dumps({"added_tokens": [{"id": i, "content": t, "special": True} for t, i in special.items()]}, indent=1)
+    )
     data = folder / "data"
     data.mkdir()
     (data / "train.json").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return {"pretrained": hf, "tokenizer": tok / "tokenizer.model", "special_tokens": tok / "special_tokens.json",
-            "data": data / "train.json"}
+    return {
+        "pretrained": hf,
+        "tokenizer": tok / "tokenizer.model",
+        "special_tokens": tok / "special_tokens.json",
+        "data": data / "train.json",
+    }
 
 
 # --- the config ------------------------------------------------------------------------------------------------
@@ -245,34 +271,64 @@ def write_inputs(folder: Path) -> dict[str, Path]:
 def recipe_config(sample: str, inputs: dict[str, Path], *, output_dir: Path, log_dir: Path) -> dict[str, Any]:
     """The YAML config (as a dict) a user would write for this run, in the layout of torchtune's own configs."""
     model: dict[str, Any] = {
-        "vocab_size": VOCAB, "num_layers": N_LAYERS, "num_heads": N_HEADS, "num_kv_heads": N_KV_HEADS,
-        "embed_dim": DIM, "max_seq_len": MODEL_MAX_SEQ_LEN, "intermediate_dim": INTERMEDIATE,
-        "rope_base": ROPE_BASE, "norm_eps": NORM_EPS,
+        "vocab_size": VOCAB,
+        "num_layers": N_LAYERS,
+        "num_heads": N_HEADS,
+        "num_kv_heads": N_KV_HEADS,
+        "embed_dim": DIM,
+        "max_seq_len": MODEL_MAX_SEQ_LEN,
+        "intermediate_dim": INTERMEDIATE,
+        "rope_base": ROPE_BASE,
+        "norm_eps": NORM_EPS,
     }
     if sample == "torchtune_lora":
-        model = {"_component_": "torchtune.models.llama3.lora_llama3", "lora_attn_modules": list(LORA_MODULES),
-                 "apply_lora_to_mlp": False, "apply_lora_to_output": False, **model, "lora_rank": LORA_RANK,
-                 "lora_alpha": LORA_ALPHA, "lora_dropout": 0.0}
+        model = {
+            "_component_": "torchtune.models.llama3.lora_llama3",
+            "lora_attn_modules": list(LORA_MODULES),
+            "apply_lora_to_mlp": False,
+            "apply_lora_to_output": False,
+            **model,
+            "lora_rank": LORA_RANK,
+            "lora_alpha": LORA_ALPHA,
+            "lora_dropout": 0.0,
+        }
     else:
         model = {"_component_": "torchtune.models.llama3.llama3", **model}
     cfg: dict[str, Any] = {
         "output_dir": str(output_dir),
         "model": model,
-        "tokenizer": {"_component_": "torchtune.models.llama3.llama3_tokenizer", "path": str(inputs["tokenizer"]),
-                      "special_tokens_path": str(inputs["special_tokens"]), "max_seq_len": TOKENIZER_MAX_SEQ_LEN},
-        "dataset": {"_component_": "torchtune.datasets.text_completion_dataset", "source": "json",
-                    "data_files": str(inputs["data"]), "column": "text", "split": "train", "packed": False},
+        "tokenizer": {
+            "_component_": "torchtune.models.llama3.llama3_tokenizer",
+            "path": str(inputs["tokenizer"]),
+            "special_tokens_path": str(inputs["special_tokens"]),
+            "max_seq_len": TOKENIZER_MAX_SEQ_LEN,
+        },
+        "dataset": {
+            "_component_": "torchtune.datasets.text_completion_dataset",
+            "source": "json",
+            "data_files": str(inputs["data"]),
+            "column": "text",
+            "split": "train",
+            "packed": False,
+        },
         "seed": SEED,
         "shuffle": True,
-        "checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer",
-                         "checkpoint_dir": str(inputs["pretrained"]), "checkpoint_files": ["model.safetensors"],
-                         "recipe_checkpoint": None, "output_dir": "${output_dir}", "model_type": "LLAMA3"},
+        "checkpointer": {
+            "_component_": "torchtune.training.FullModelHFCheckpointer",
+            "checkpoint_dir": str(inputs["pretrained"]),
+            "checkpoint_files": ["model.safetensors"],
+            "recipe_checkpoint": None,
+            "output_dir": "${output_dir}",
+            "model_type": "LLAMA3",
+        },
         "resume_from_checkpoint": False,
         "batch_size": BATCH,
         "epochs": EPOCHS,
         "optimizer": {"_component_": "torch.optim.AdamW", "lr": LR, "weight_decay": WEIGHT_DECAY, "fused": False},
-        "lr_scheduler": {"_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
-                         "num_warmup_steps": WARMUP},
+        "lr_scheduler": {
+            "_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+            "num_warmup_steps": WARMUP,
+        },
         "loss": {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"},
         "max_steps_per_epoch": MAX_STEPS_PER_EPOCH,
         "gradient_accumulation_steps": 1,
@@ -382,30 +438,49 @@ class Recorder:
         return sorted({int(s["step"]) for s in self.recipe._optimizer.state.values() if "step" in s})
 
     def _pre_step(self, optimizer, args, kwargs) -> None:
-        self.history.append({"step": self.recipe.global_step + 1, "epoch": self.recipe.epochs_run,
-                             "lr": self.group_values("lr")})
+        self.history.append(
+            {"step": self.recipe.global_step + 1, "epoch": self.recipe.epochs_run, "lr": self.group_values("lr")}
+        )
 
     def _post_step(self, optimizer, args, kwargs) -> None:
         self.history[-1]["optimizer_step"] = _one(self.adam_steps())
 
-    def snapshot(self, state_dict: dict[str, Any], epoch: int | None = None, intermediate_checkpoint: bool = False,
-                 adapter_only: bool = False, **kwargs) -> dict[str, Any]:
+    def snapshot(
+        self,
+        state_dict: dict[str, Any],
+        epoch: int | None = None,
+        intermediate_checkpoint: bool = False,
+        adapter_only: bool = False,
+        **kwargs,
+    ) -> dict[str, Any]:
         from torchtune import training
 
         epoch = kwargs.get("epoch", epoch)
         r = self.recipe
         sched = self.scheduler()
         snap: dict[str, Any] = {
-            "epoch": epoch, "folder": f"epoch_{epoch}", "intermediate": bool(intermediate_checkpoint),
+            "epoch": epoch,
+            "folder": f"epoch_{epoch}",
+            "intermediate": bool(intermediate_checkpoint),
             "adapter_only": bool(adapter_only),
             "keys_handed_to_checkpointer": sorted(state_dict),
-            "counters": {"global_step": r.global_step, "epochs_run": r.epochs_run, "total_epochs": r.total_epochs,
-                         "max_steps_per_epoch": r.max_steps_per_epoch, "steps_per_epoch": r._steps_per_epoch,
-                         "seed": r.seed, "optimizer_step": _one(self.adam_steps()),
-                         "scheduler_last_epoch": sched.last_epoch, "scheduler_step_count": sched._step_count},
-            "lr": {"param_groups": self.group_values("lr"), "initial_lr": self.group_values("initial_lr"),
-                   "base_lrs": [float(x) for x in sched.base_lrs],
-                   "last_lr": [float(x) for x in sched.get_last_lr()]},
+            "counters": {
+                "global_step": r.global_step,
+                "epochs_run": r.epochs_run,
+                "total_epochs": r.total_epochs,
+                "max_steps_per_epoch": r.max_steps_per_epoch,
+                "steps_per_epoch": r._steps_per_epoch,
+                "seed": r.seed,
+                "optimizer_step": _one(self.adam_steps()),
+                "scheduler_last_epoch": sched.last_epoch,
+                "scheduler_step_count": sched._step_count,
+            },
+            "lr": {
+                "param_groups": self.group_values("lr"),
+                "initial_lr": self.group_values("initial_lr"),
+                "base_lrs": [float(x) for x in sched.base_lrs],
+                "last_lr": [float(x) for x in sched.get_last_lr()],
+            },
         }
         if training.MODEL_KEY in state_dict:
             snap["model_keys"] = list(state_dict[training.MODEL_KEY])
@@ -504,8 +579,17 @@ def versions() -> dict[str, str | None]:
     import importlib.metadata as md
 
     out: dict[str, str | None] = {}
-    for dist in ("torchtune", "torchao", "torchdata", "torch", "transformers", "safetensors", "datasets", "tiktoken",
-                 "omegaconf"):
+    for dist in (
+        "torchtune",
+        "torchao",
+        "torchdata",
+        "torch",
+        "transformers",
+        "safetensors",
+        "datasets",
+        "tiktoken",
+        "omegaconf",
+    ):
         try:
             out[dist] = md.version(dist)
         except md.PackageNotFoundError:
@@ -555,34 +639,43 @@ def write_make_manifest(sample, target: Path, cfg, cfg_dict, recipe, rec: Record
     if extra_files != ["torchtune_config.yaml"]:
         raise RuntimeError(f"unexpected files beside the saves: {extra_files}")
     trainable = [n for n, p in named if p.requires_grad]
-    model_files = sorted(k.split("/", 1)[1] for k in saved["files_written"]
-                         if k.startswith(saved["folder"] + "/model-") and k.endswith(".safetensors"))
+    model_files = sorted(
+        k.split("/", 1)[1]
+        for k in saved["files_written"]
+        if k.startswith(saved["folder"] + "/model-") and k.endswith(".safetensors")
+    )
     resume_from = {
         "epoch_folder": saved["folder"],
         "recipe_state": "recipe_state/recipe_state.pt",
         "checkpoint_files": [f"{saved['folder']}/{f}" for f in model_files],
         "how": "torchtune 0.6.1: resume_from_checkpoint=True, checkpointer.checkpoint_files = these paths "
-               "(relative to the checkpointer's output_dir), recipe_checkpoint = recipe_state/recipe_state.pt",
+        "(relative to the checkpointer's output_dir), recipe_checkpoint = recipe_state/recipe_state.pt",
     }
     if sample == "torchtune_lora":
         resume_from["adapter_checkpoint"] = f"{saved['folder']}/adapter_model.pt"
         resume_from["checkpoint_files"] = list(cfg_dict["checkpointer"]["checkpoint_files"])
-        resume_from["how"] = ("torchtune 0.6.1 LoRA: resume_from_checkpoint=True; the base model is read from "
-                              "checkpointer.checkpoint_dir + checkpoint_files (the ORIGINAL pretrained folder, not in "
-                              "the sample), adapter_checkpoint = epoch_N/adapter_model.pt (without it torchtune takes "
-                              "the largest epoch_N, i.e. the final save), recipe_checkpoint = "
-                              "recipe_state/recipe_state.pt")
+        resume_from["how"] = (
+            "torchtune 0.6.1 LoRA: resume_from_checkpoint=True; the base model is read from "
+            "checkpointer.checkpoint_dir + checkpoint_files (the ORIGINAL pretrained folder, not in "
+            "the sample), adapter_checkpoint = epoch_N/adapter_model.pt (without it torchtune takes "
+            "the largest epoch_N, i.e. the final save), recipe_checkpoint = "
+            "recipe_state/recipe_state.pt"
+        )
     placeholders = {str(target): "<sample>", str(work): "<temp>"}
     config_plain = _replace_paths(OmegaConf.to_container(cfg, resolve=True), placeholders)
     write_manifest(
-        target, sample=sample, format="torchtune", world_size=1, topology={"dp": 1, "tp": 1, "pp": 1},
+        target,
+        sample=sample,
+        format="torchtune",
+        world_size=1,
+        topology={"dp": 1, "tp": 1, "pp": 1},
         steps=saved["counters"]["global_step"],
         counters=saved["counters"],
         lr=saved["lr"],
         parameters={"count": int(count), "tensors": int(tensors)},
         extra={
             "producer": f"torchtune recipe {RECIPES[sample]} (real; torchtune's FullModelHFCheckpointer wrote the "
-                        "saves)",
+            "saves)",
             "recipe_file": f"recipes/{recipe_file(sample).name}",
             "recipe_class": type(recipe).__name__,
             "torchtune_version": versions()["torchtune"],
@@ -596,43 +689,65 @@ def write_make_manifest(sample, target: Path, cfg, cfg_dict, recipe, rec: Record
             "history_note": HISTORY_NOTE,
             "optimizer_param_names": [n for n, _ in named],
             "optimizer_param_names_note": "the names of the parameters in the order of the optimizer's integer ids "
-                                          "(the recipe builds AdamW from model.parameters(); one param group)",
+            "(the recipe builds AdamW from model.parameters(); one param group)",
             "optimizer_state_param_names": [named[i][0] for i in saved["optimizer"]["state_ids"]],
             "trainable_parameter_names": trainable,
-            "trainable_parameters": {"count": int(sum(p.numel() for _, p in named if p.requires_grad)),
-                                     "tensors": len(trainable)},
+            "trainable_parameters": {
+                "count": int(sum(p.numel() for _, p in named if p.requires_grad)),
+                "tensors": len(trainable),
+            },
             "hf_names": hf_names(recipe, sample),
-            "hf_names_note": ("torchtune adapter name -> the PEFT name it is saved under in "
-                              "epoch_N/adapter_model.safetensors (adapter_model.pt keeps the torchtune names); "
-                              "q_proj lora_b is stored permuted to HF's rotary layout (tune_to_peft_adapter_weights)"
-                              if sample == "torchtune_lora" else
-                              "torchtune name -> the HF name it is saved under in epoch_N/model-*.safetensors; "
-                              "q_proj/k_proj weights are stored permuted to HF's rotary layout (tune_to_hf)"),
+            "hf_names_note": (
+                "torchtune adapter name -> the PEFT name it is saved under in "
+                "epoch_N/adapter_model.safetensors (adapter_model.pt keeps the torchtune names); "
+                "q_proj lora_b is stored permuted to HF's rotary layout (tune_to_peft_adapter_weights)"
+                if sample == "torchtune_lora"
+                else "torchtune name -> the HF name it is saved under in epoch_N/model-*.safetensors; "
+                "q_proj/k_proj weights are stored permuted to HF's rotary layout (tune_to_hf)"
+            ),
             "files": on_disk,
             "torchtune_config_yaml_note": "torchtune_config.yaml is written by torchtune's DiskLogger.log_config "
-                                          "into cfg.output_dir; its paths name the run's temporary input folder",
+            "into cfg.output_dir; its paths name the run's temporary input folder",
             "config": config_plain,
-            "model": {"builder": cfg_dict["model"]["_component_"], "vocab_size": VOCAB, "embed_dim": DIM,
-                      "num_layers": N_LAYERS, "num_heads": N_HEADS, "num_kv_heads": N_KV_HEADS,
-                      "intermediate_dim": INTERMEDIATE, "max_seq_len": MODEL_MAX_SEQ_LEN, "rope_base": ROPE_BASE,
-                      "hf_input": "transformers LlamaForCausalLM.save_pretrained (seed 0), untied lm_head"},
+            "model": {
+                "builder": cfg_dict["model"]["_component_"],
+                "vocab_size": VOCAB,
+                "embed_dim": DIM,
+                "num_layers": N_LAYERS,
+                "num_heads": N_HEADS,
+                "num_kv_heads": N_KV_HEADS,
+                "intermediate_dim": INTERMEDIATE,
+                "max_seq_len": MODEL_MAX_SEQ_LEN,
+                "rope_base": ROPE_BASE,
+                "hf_input": "transformers LlamaForCausalLM.save_pretrained (seed 0), untied lm_head",
+            },
             "tokenizer": f"torchtune llama3_tokenizer on a tiktoken BPE trained here ({len(BASE_BYTES)} bytes + "
-                         f"{N_MERGES} merges) + {len(SPECIAL_TOKENS)} special tokens at ids "
-                         f"{VOCAB - len(SPECIAL_TOKENS)}-{VOCAB - 1}; max_seq_len {TOKENIZER_MAX_SEQ_LEN}",
+            f"{N_MERGES} merges) + {len(SPECIAL_TOKENS)} special tokens at ids "
+            f"{VOCAB - len(SPECIAL_TOKENS)}-{VOCAB - 1}; max_seq_len {TOKENIZER_MAX_SEQ_LEN}",
             "dataset": f"torchtune text_completion_dataset(source='json'), {N_EXAMPLES} lines, batch {BATCH}, "
-                       f"shuffle, {len(recipe._dataloader)} batches per epoch (drop_last)",
-            "schedule": {"num_training_steps": recipe.total_epochs * recipe._steps_per_epoch,
-                         "num_warmup_steps": WARMUP, "kind": "get_cosine_schedule_with_warmup"},
+            f"shuffle, {len(recipe._dataloader)} batches per epoch (drop_last)",
+            "schedule": {
+                "num_training_steps": recipe.total_epochs * recipe._steps_per_epoch,
+                "num_warmup_steps": WARMUP,
+                "kind": "get_cosine_schedule_with_warmup",
+            },
             "scheduler_note": "no scheduler state and no global step are saved; on resume torchtune sets "
-                              "global_step = epochs_run * steps_per_epoch and builds LambdaLR(last_epoch = "
-                              "global_step - 1), whose base LR is each param group's saved initial_lr",
+            "global_step = epochs_run * steps_per_epoch and builds LambdaLR(last_epoch = "
+            "global_step - 1), whose base LR is each param group's saved initial_lr",
             "run_time_changes": RUN_TIME_CHANGES,
-            "lora": ({"rank": LORA_RANK, "alpha": LORA_ALPHA, "modules": list(LORA_MODULES),
-                      "save_adapter_weights_only": True,
-                      "why_adapter_only": "with save_adapter_weights_only False, torchtune 0.6.1 merges the adapter "
-                                          "in place into the live base weights at each save on CPU ({k: v.cpu()} "
-                                          "does not copy), corrupting the rest of the run"}
-                     if sample == "torchtune_lora" else None),
+            "lora": (
+                {
+                    "rank": LORA_RANK,
+                    "alpha": LORA_ALPHA,
+                    "modules": list(LORA_MODULES),
+                    "save_adapter_weights_only": True,
+                    "why_adapter_only": "with save_adapter_weights_only False, torchtune 0.6.1 merges the adapter "
+                    "in place into the live base weights at each save on CPU ({k: v.cpu()} "
+                    "does not copy), corrupting the rest of the run",
+                }
+                if sample == "torchtune_lora"
+                else None
+            ),
         },
     )
 
@@ -666,8 +781,11 @@ def _replace_paths(obj: Any, placeholders: dict[str, str]) -> Any:
 def _digests(folder: Path) -> dict[str, str]:
     import hashlib
 
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _locate(path: Path) -> tuple[Path, Path, dict[str, Any] | None]:
@@ -709,8 +827,9 @@ def check(sample: str, path: Path, record: Path | None, steps: int | None, tune_
             ck["adapter_checkpoint"] = f"{epoch_dir.name}/adapter_model.pt"
         else:
             ck["checkpoint_dir"] = str(epoch_dir)
-            ck["checkpoint_files"] = [f"{epoch_dir.name}/{p.name}"
-                                      for p in sorted(epoch_dir.glob("model-*.safetensors"))]
+            ck["checkpoint_files"] = [
+                f"{epoch_dir.name}/{p.name}" for p in sorted(epoch_dir.glob("model-*.safetensors"))
+            ]
         cfg_dict["resume_from_checkpoint"] = True
         cfg_file = write_yaml(cfg_dict, work / f"{sample}_resume.yaml")
         total = EPOCHS * MAX_STEPS_PER_EPOCH
@@ -719,30 +838,46 @@ def check(sample: str, path: Path, record: Path | None, steps: int | None, tune_
         records = []
         all_same = True
         for h in rec.history:
-            r = {k: h.get(k) for k in ("step", "epoch", "lr", "lr_after", "optimizer_step", "loss", "logged_lr",
-                                       "scheduler_last_epoch")}
+            r = {
+                k: h.get(k)
+                for k in (
+                    "step",
+                    "epoch",
+                    "lr",
+                    "lr_after",
+                    "optimizer_step",
+                    "loss",
+                    "logged_lr",
+                    "scheduler_last_epoch",
+                )
+            }
             o = original.get(h["step"])
             line = f"RESUMED step {r['step']}: lr {r['lr']} loss {r['loss']}"
             if o is not None:
                 same_lr = o["lr"] == r["lr"]
                 same_loss = o.get("loss") is not None and abs(o["loss"] - r["loss"]) <= 1e-6 * max(1.0, abs(o["loss"]))
-                r["uninterrupted"] = {"lr": o["lr"], "loss": o.get("loss"), "same_lr": same_lr,
-                                      "same_loss": same_loss}
+                r["uninterrupted"] = {"lr": o["lr"], "loss": o.get("loss"), "same_lr": same_lr, "same_loss": same_loss}
                 all_same = all_same and same_lr and same_loss
-                line += f" | uninterrupted lr {o['lr']} loss {o.get('loss')} -> " \
-                        f"{'SAME' if same_lr and same_loss else 'DIFFERENT'}"
+                line += (
+                    f" | uninterrupted lr {o['lr']} loss {o.get('loss')} -> "
+                    f"{'SAME' if same_lr and same_loss else 'DIFFERENT'}"
+                )
             print(line, flush=True)
             records.append(r)
         after = _digests(sample_dir)
         if after != before:
             raise RuntimeError("the check changed the sample folder")
         result = {
-            "sample": sample, "resumed_from": {"epoch_folder": epoch_dir.name,
-                                              "recipe_state": "recipe_state/recipe_state.pt"},
-            "tune_args": list(tune_args), "steps_requested": steps, "stopped_early": stopped,
-            "resumed_state": {"epochs_run_loaded": records and records[0]["epoch"],
-                              "global_step_at_start": recipe.global_step - len(rec.history),
-                              "num_training_steps": total},
+            "sample": sample,
+            "resumed_from": {"epoch_folder": epoch_dir.name, "recipe_state": "recipe_state/recipe_state.pt"},
+            "tune_args": list(tune_args),
+            "steps_requested": steps,
+            "stopped_early": stopped,
+            "resumed_state": {
+                "epochs_run_loaded": records and records[0]["epoch"],
+                "global_step_at_start": recipe.global_step - len(rec.history),
+                "num_training_steps": total,
+            },
             "records": records,
             "matches_uninterrupted": all_same if original else None,
             "scratch_saves": [{k: s[k] for k in ("folder", "intermediate", "files_written")} for s in rec.saves],
@@ -759,13 +894,20 @@ def check(sample: str, path: Path, record: Path | None, steps: int | None, tune_
 def main() -> None:
     from ckpt_tools.samples.workers._common import check_mode_parser
 
-    p = check_mode_parser("Make (or resume-check) the torchtune recipe samples.", SAMPLES,
-                          check_help="a torchtune sample folder (or its epoch_N folder) to resume from",
-                          steps_default=None,
-                          steps_help="check mode: steps to train after loading (default: the rest of the schedule)")
-    p.add_argument("--tune-arg", action="append", default=[], dest="tune_args",
-                   help="check mode: a torchtune config override key=value, as on the `tune run` command line "
-                        "(repeatable)")
+    p = check_mode_parser(
+        "Make (or resume-check) the torchtune recipe samples.",
+        SAMPLES,
+        check_help="a torchtune sample folder (or its epoch_N folder) to resume from",
+        steps_default=None,
+        steps_help="check mode: steps to train after loading (default: the rest of the schedule)",
+    )
+    p.add_argument(
+        "--tune-arg",
+        action="append",
+        default=[],
+        dest="tune_args",
+        help="check mode: a torchtune config override key=value, as on the `tune run` command line (repeatable)",
+    )
     args = p.parse_args()
     if (args.out is None) == (args.check is None):
         p.error("give exactly one of --out or --check")
