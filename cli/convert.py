@@ -88,9 +88,19 @@ def convert_cmd(
     distributed: bool = typer.Option(
         False,
         "--distributed",
-        help="under torchrun (--to dcp, or --to "
-        "deepspeed-universal): each rank writes a share of the parameters (one "
-        "shared filesystem)",
+        help="under torchrun (detected from its environment without this flag; --to dcp or "
+        "deepspeed-universal): each rank writes a share of the parameters (one shared filesystem); a rerun resumes",
+    ),
+    nproc: Optional[int] = typer.Option(
+        None,
+        "--nproc",
+        metavar="M",
+        min=1,
+        help="run as M processes on this machine (--to dcp or deepspeed-universal; launches torchrun "
+        "--standalone itself)",
+    ),
+    restart: bool = typer.Option(
+        False, "--restart", help="throw away what an interrupted many-process run left to resume and start over"
     ),
     json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
     allow_unread: bool = typer.Option(False, "--allow-unread", help=output.ALLOW_UNREAD_HELP),
@@ -151,10 +161,19 @@ def convert_cmd(
     cannot move (RNG states, a data-loader position, the DeepSpeed config). The output is written under a
     staging name, compared with the source by logical parameter (`ckpt diff`), then renamed into place."""
     try:
-        from ckpt_tools.train.procgroup import under_torchrun
+        from ckpt_tools.ops.convert import JOB_TARGETS, refuse_job
 
-        # a rank of a torchrun job of more than one process writes its share without --distributed
-        distributed = distributed or (under_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1)
+        job = output.under_torchrun()
+        many = nproc is not None or distributed or (job and int(os.environ.get("WORLD_SIZE", "1")) > 1)
+        if many and not dry_run:
+            refuse_job(to)  # before any work: a target one process writes
+        if nproc is not None and not job:
+            code = output.launch_nproc(nproc)  # the job's rank 0 printed the result
+            if code:
+                raise typer.Exit(code)
+            return None
+        # a rank of a torchrun job writes its share without --distributed
+        distributed = distributed or (job and to in JOB_TARGETS)
         return _convert(
             ckpt,
             out,
@@ -174,6 +193,7 @@ def convert_cmd(
             lr_scheduler,
             drop_norm_decay,
             trust_pickles=trust_pickles,
+            restart=restart,
         )
     except CkptError as e:
         if e.message.startswith(("ckpt convert:", "ckpt convert needs")):
@@ -202,6 +222,7 @@ def _convert(
     lr_scheduler=None,
     drop_norm_decay=False,
     trust_pickles=False,
+    restart=False,
 ) -> None:
     output.require("torch", extra="convert", what="ckpt convert")
     if to == "deepspeed-universal" and layout is None:
@@ -220,8 +241,8 @@ def _convert(
                 allow_unread,
                 n_kv_heads,
                 trust_pickles=trust_pickles,
+                restart=restart,
             )
-        import os
 
         from . import to_universal as tu
 
@@ -238,7 +259,7 @@ def _convert(
             yes=True,
             distributed=distributed,
             nproc=None,
-            restart=False,
+            restart=restart,
             json_out=json_out,
             allow_unread=allow_unread,
             trust_pickles=trust_pickles,
@@ -262,6 +283,7 @@ def _convert(
         lr_scheduler,
         drop_norm_decay,
         trust_pickles=trust_pickles,
+        restart=restart,
     )
 
 
@@ -284,6 +306,7 @@ def _convert_ops(
     lr_scheduler=None,
     drop_norm_decay=False,
     trust_pickles=False,
+    restart=False,
 ) -> None:
     from ckpt_tools.ops import convert as ops
 
@@ -307,7 +330,8 @@ def _convert_ops(
     except ValueError as e:
         raise typer.BadParameter(str(e))
     if dry_run:
-        _show_plan(plan, json_out)
+        if os.environ.get("RANK", "0") == "0" or not output.under_torchrun():  # one plan for the whole job
+            _show_plan(plan, json_out)
         return
     rank = 0
     if distributed:  # ckpt_cli.main.main leaves the group (ckpt_tools.train.procgroup.leave) once the command returns
@@ -319,7 +343,7 @@ def _convert_ops(
     with tqdm(
         total=plan.nbytes, unit="B", unit_scale=True, desc="convert", disable=json_out or rank != 0, leave=False
     ) as bar:
-        res = ops.execute(plan, progress=bar.update, verify=verify, distributed=distributed)
+        res = ops.execute(plan, progress=bar.update, verify=verify, distributed=distributed, restart=restart)
     if rank != 0:
         return
     if json_out:
@@ -332,6 +356,7 @@ def _convert_ops(
                 "params": res.params,
                 "bytes_written": res.bytes_written,
                 "verified": res.verified,
+                **({"converted": res.converted, "resumed": res.resumed, "ranks": list(res.ranks)} if res.ranks else {}),
             }
         )
         return
@@ -344,6 +369,8 @@ def _convert_ops(
         f"scheduler: {escape(str(plan.scheduler_class or ('kept as saved' if plan.scheduler else 'none')))}; "
         f"step: {escape(str(plan.step))})"
     )
+    for line in output.job_lines(res.resumed, res.converted, res.ranks):
+        con.print(escape(line))
     if res.verified:
         con.print(
             "  verified: equal to the source by logical parameter (weights, optimizer state, param groups, counters)"

@@ -188,17 +188,19 @@ def export_cmd(
 
 
 def _refuse_torchrun_job() -> None:
-    """Every rank of a torchrun job would write the same files: refused before any work (to-universal and
-    convert share their work between ranks; export does not yet)."""
+    """Every rank of a torchrun job would write the same files: refused before any work, naming the command to
+    run instead (to-universal and `convert --to dcp` share their work between ranks; export writes one file, or
+    shards cut in parameter order, and has no share to give)."""
     import os
+    import shlex
+    import sys
 
-    from ckpt_tools.train.procgroup import under_torchrun
-
-    if under_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if output.under_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        again = shlex.join(["ckpt", *sys.argv[1:]])
         raise CkptError(
             f"ckpt export runs in one process, not as rank {os.environ.get('RANK')} of a torchrun job "
             f"of {os.environ.get('WORLD_SIZE')}",
-            hint="run `ckpt export` without torchrun",
+            hint=f"run it once, without torchrun: {again}",
         )
 
 

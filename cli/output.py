@@ -584,3 +584,45 @@ ALLOW_UNREAD_HELP = (
     "no reader took (the `unread-files` warning of `ckpt inspect`): they are left behind, "
     "unchanged and not carried, and the plan lists them"
 )
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a rank of a torchrun job (`ckpt_tools.train.procgroup.under_torchrun`)."""
+    from ckpt_tools.train.procgroup import under_torchrun as job_rank
+
+    return job_rank()
+
+
+def launch_nproc(nproc: int) -> int:
+    """`--nproc M`: this command line, less `--nproc`, as a one-node torchrun job of M processes; returns its exit
+    code (the job's rank 0 printed the result)."""
+    import subprocess
+
+    argv, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            argv.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    return subprocess.call([*cmd, "-m", "ckpt_cli.main", *argv])
+
+
+def job_lines(resumed: int, converted: int, ranks: tuple | list) -> list[str]:
+    """What a many-process conversion (`to-universal`, `convert` as a torchrun job) adds to its summary: what the
+    journal spared, and the spread of the ranks' bytes and seconds."""
+    lines = []
+    if resumed:
+        lines.append(
+            f"  resumed: {plural(resumed, 'parameter')} found finished and verified in the journal, "
+            f"{converted} converted by this run"
+        )
+    if len(ranks) > 1:
+        b, t = [r["bytes"] for r in ranks], [r["seconds"] for r in ranks]
+        lines.append(
+            f"  {len(ranks)} ranks on {len({r['host'] for r in ranks})} host(s): {min(b):,}-{max(b):,} bytes and "
+            f"{min(t):.1f}-{max(t):.1f} s each (--json: per rank)"
+        )
+    return lines

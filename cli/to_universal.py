@@ -101,8 +101,8 @@ def to_universal_cmd(
     sum, ...). DeepSpeed's ZeRO-3 universal loader reads Adam state only, and gives every param group group 0's
     hyper-parameters: the plan says so (a note, a warning, or a refusal with --target-stage 3)."""
     try:
-        if nproc is not None and not _under_torchrun():
-            code = _launch(nproc)  # the job's rank 0 printed the result
+        if nproc is not None and not output.under_torchrun():
+            code = output.launch_nproc(nproc)  # the job's rank 0 printed the result
             if code:
                 raise typer.Exit(code)
             return None
@@ -117,7 +117,7 @@ def to_universal_cmd(
             target_stage,
             verify,
             yes,
-            distributed or _under_torchrun(),
+            distributed or output.under_torchrun(),
             json_out,
             allow_unread,
             trust_pickles,
@@ -129,39 +129,6 @@ def to_universal_cmd(
         named = type(e).__new__(type(e))
         CkptError.__init__(named, f"ckpt to-universal: {e.message}", path=e.path, hint=e.hint)
         raise named from e
-
-
-def _under_torchrun() -> bool:
-    from ckpt_tools.train.procgroup import under_torchrun
-
-    return under_torchrun()
-
-
-def _launch(nproc: int) -> int:
-    """`--nproc M`: the same command line, less `--nproc`, as a one-node torchrun job; returns its exit code."""
-    import subprocess
-    import sys
-
-    argv, skip = [], False
-    for a in sys.argv[1:]:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            argv.append(a)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        "-m",
-        "ckpt_cli.main",
-        *argv,
-    ]
-    return subprocess.call(cmd)
 
 
 def _to_universal(
@@ -199,7 +166,7 @@ def _to_universal(
     except ValueError as e:
         raise typer.BadParameter(str(e))
     if dry_run:
-        if os.environ.get("RANK", "0") == "0" or not _under_torchrun():  # one plan for the whole job
+        if os.environ.get("RANK", "0") == "0" or not output.under_torchrun():  # one plan for the whole job
             _show_plan(plan, json_out)
         return
     rank = 0
@@ -234,13 +201,6 @@ def _to_universal(
         )
         return
     con = output.console()
-    if res.resumed:
-        con.print(
-            escape(
-                f"resumed: {output.plural(res.resumed, 'parameter')} found finished and verified in the "
-                f"journal, {res.converted} converted by this run"
-            )
-        )
     con.print(
         "[green]wrote[/] "
         + escape(
@@ -248,14 +208,8 @@ def _to_universal(
             f"{res.bytes_written:,} tensor bytes; optimizer state: {', '.join(plan.state_keys) or 'none'})"
         )
     )
-    if len(res.ranks) > 1:
-        b, t = [r["bytes"] for r in res.ranks], [r["seconds"] for r in res.ranks]
-        con.print(
-            escape(
-                f"  {len(res.ranks)} ranks on {len({r['host'] for r in res.ranks})} host(s): {min(b):,}-"
-                f"{max(b):,} bytes and {min(t):.1f}-{max(t):.1f} s each (--json: per rank)"
-            )
-        )
+    for line in output.job_lines(res.resumed, res.converted, res.ranks):
+        con.print(escape(line))
     if verify:
         con.print(
             "  verified: equal to the source by logical parameter (fp32 masters, optimizer state, "

@@ -237,5 +237,7 @@ def test_export_refuses_to_run_as_a_rank_of_a_job(tmp_path):
         text=True,
         timeout=120,
     )
-    assert r.returncode == 2 and "rank 1 of a torchrun job of 2" in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("ckpt: error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "rank 1 of a torchrun job of 2" in errors[0], r.stderr
+    assert "run it once, without torchrun: ckpt export " in errors[0]  # what to run instead
     assert list(tmp_path.iterdir()) == []

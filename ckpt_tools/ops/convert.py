@@ -39,8 +39,12 @@ Targets (`--to`, `--layout`):
                       (GPTModelPipe, bf16 + ZeRO-1/2): torch_dist under Megatron-core names with built args, param
                       groups and schedule (`ckpt_tools.ops.megatron_in`; verified against the source under those names)
 
-`--distributed` (dcp, deepspeed-universal): under torchrun every rank writes a share of the parameters into
-rank 0's staging folder; rank 0 writes the rest, merges the DCP metadata, verifies and renames.
+A torchrun job (`execute(distributed=True)`, dcp and deepspeed-universal; `_execute_job` on `write/shares.run_job`,
+to-universal's job): every rank writes a share of the parameters balanced by bytes into a staging folder of a fixed
+name, each parameter journaled as it is finished; rank 0 writes the rest (DCP: the values and `.metadata`); every
+rank compares a share of the output with the source (`verify_logical(only=...)`); rank 0 renames. A DCP output
+holds one file per parameter (`dcp_unit_files`; not one per rank, as DCP's own save writes), so its bytes do not
+depend on how many processes wrote it; the same command resumes an interrupted job.
 
 Order of use: `plan = plan_convert(src, out, to="dcp", layout="fsdp2")` (metadata only; every refusal raised
 here) -> `plan.to_json()` for --dry-run -> `execute(plan, progress=...)`: streams one tensor at a time into a
@@ -60,8 +64,8 @@ from ..errors import CkptError, UnsupportedCheckpoint
 
 TARGETS = ("dcp", "torch", "deepspeed-universal", "megatron")
 DCP_LAYOUTS = ("fsdp2", "torchtitan", "recipe")
-#: tensors are written in this many dim-0 chunks (`__<r>_0.distcp`), as FSDP2 at DP=2 saves them; DCP reshards at
-#: load, so the output loads at any world size
+#: tensors are written in this many dim-0 chunks (parameter i's chunk r in `__<r>_<i+1>.distcp`), as FSDP2 at DP=2
+#: saves them; DCP reshards at load, so the output loads at any world size
 DCP_SHARDS = 2
 #: tree children the conversion moves (or reads to move); any other top-level child is reported as not moved
 MOVED_CHILDREN = ("model", "optimizer", "scheduler", "counters")
@@ -668,70 +672,108 @@ def _dcp_values(plan: ConvertPlan) -> tuple[tuple, dict[str, Any], dict[str, Any
     return (("app",) if plan.layout == "recipe" else ()), optim, rest
 
 
-def _write_dcp(
-    plan: ConvertPlan,
-    folder: Path,
-    progress: Callable[[int], None] | None,
-    *,
-    indices: list[int] | None = None,
-    rank: int | None = None,
-    values: bool = True,
-):
-    """Write the DCP items of the parameters at `indices` (all when None), and the small values when `values`.
-    Alone (`rank` None): every tensor in DCP_SHARDS chunks and `.metadata`; returns the bytes written. One of
-    several ranks: whole tensors into `__<rank>_0.distcp`; returns (bytes, this writer's metadata parts)."""
-    from ..write.dcp_write import DcpStreamWriter, flatten_paths
+def dcp_unit_files(i: int) -> list[str]:
+    """The `.distcp` files that parameter `i` of the plan may write (`DcpStreamWriter(unit=i + 1)`); unit 0,
+    `__0_0.distcp`, holds the values (param groups, scheduler, step)."""
+    return [f"__{r}_{i + 1}.distcp" for r in range(DCP_SHARDS)]
 
-    w = DcpStreamWriter(folder, checkpoint_id=str(plan.out), shards=DCP_SHARDS, rank=rank)
-    prefix, optim_values, rest = _dcp_values(plan)
+
+def _write_dcp_param(
+    plan: ConvertPlan, folder: Path, i: int, progress: Callable[[int], None] | None
+) -> tuple[int, list[str], dict]:
+    """Parameter `i`'s DCP items (its weight, then its optimizer state) into its own files (`dcp_unit_files`).
+    Returns (bytes written, the files written, its `.metadata` part as JSON: `dcp_write.part_to_json`). The files
+    depend on this parameter alone, so any number of processes writing any split of the parameters writes the
+    same bytes."""
+    from ..write.dcp_write import DcpStreamWriter, part_to_json
+
+    w = DcpStreamWriter(folder, checkpoint_id=str(plan.out), shards=DCP_SHARDS, unit=i + 1)
+    prefix, _, _ = _dcp_values(plan)
     titan = plan.layout == "torchtitan"
     opt_key = "optimizer" if titan else "optim"
-    params = [plan.params[i] for i in indices] if indices is not None else list(plan.params)
+    p = plan.params[i]
     fused = {q: (name, (q, k, v)) for name, (q, k, v) in plan.fused}
     members = {n for _, parts in plan.fused for n in parts}
-    by = {p.name: p for p in plan.params}
+    by = {x.name: x for x in plan.params} if plan.fused else {}
     try:
-        for p in params:
-            # torchtitan saves the model's keys flat at the top level, beside optimizer / lr_scheduler / train_state
-            w.tensor(prefix + ((p.name,) if titan else ("model", p.name)), p.weight.read())
-            if progress:
-                progress(p.nbytes - sum(t.numel * 4 for t in p.states.values()))
-        for p in params:
-            if p.name in fused:  # the fused wqkv's state, from its three split parameters (`qkv.fuse`)
-                name, parts = fused[p.name]
-                for k in p.states:
-                    w.tensor(
-                        prefix + (opt_key, f"state.{name}.{k}"),
-                        qkv.fuse(*(by[n].states[k].read() for n in parts), plan.n_kv_heads),
-                    )
-                    if progress:
-                        progress(sum(by[n].states[k].numel * 4 for n in parts))
-                if p.step is not None:
-                    w.tensor(prefix + (opt_key, f"state.{name}.step"), _step_tensor(p.step))
-                continue
-            if p.name in members:
-                continue
-            keys = dict(p.states)
-            for k, t in keys.items():
+        # torchtitan saves the model's keys flat at the top level, beside optimizer / lr_scheduler / train_state
+        w.tensor(prefix + ((p.name,) if titan else ("model", p.name)), p.weight.read())
+        if progress:
+            progress(p.nbytes - sum(t.numel * 4 for t in p.states.values()))
+        if p.name in fused:  # the fused wqkv's state, from its three split parameters (`qkv.fuse`)
+            name, parts = fused[p.name]
+            for k in p.states:
+                w.tensor(
+                    prefix + (opt_key, f"state.{name}.{k}"),
+                    qkv.fuse(*(by[n].states[k].read() for n in parts), plan.n_kv_heads),
+                )
+                if progress:
+                    progress(p.states[k].numel * 4)
+            if p.step is not None:
+                w.tensor(prefix + (opt_key, f"state.{name}.step"), _step_tensor(p.step))
+        elif p.name not in members:
+            for k, t in p.states.items():
                 path = (opt_key, f"state.{p.name}.{k}") if titan else (opt_key, "state", p.name, k)
                 w.tensor(prefix + path, t.read())
                 if progress:
                     progress(t.numel * 4)
-            if p.step is not None and (keys or p.kind == "param"):
+            if p.step is not None and (p.states or p.kind == "param"):
                 path = (opt_key, f"state.{p.name}.step") if titan else (opt_key, "state", p.name, "step")
                 w.tensor(prefix + path, _step_tensor(p.step))
-        if values:
-            for path, v in flatten_paths(optim_values, prefix + (opt_key,)):
-                w.value(path, v)
-            for path, v in flatten_paths(rest, prefix):
-                w.value(path, v)
+        elif progress:
+            progress(sum(t.numel * 4 for t in p.states.values()))
     except BaseException:
         w.abort()
         raise
-    if rank is None:
-        w.close()
-        return w.bytes_written
-    return w.bytes_written, w.finish()
+    part = w.finish()
+    return w.bytes_written, w.files(), part_to_json(part)
+
+
+def _finish_dcp(plan: ConvertPlan, folder: Path, parts: list[dict]) -> int:
+    """The values (`__0_0.distcp`) and `.metadata` from every parameter's part (JSON, in the plan's order), its
+    save_id derived from the plan: the same bytes whatever wrote the parameters. Returns the values' bytes."""
+    import uuid
+
+    from ..write.dcp_write import DcpStreamWriter, flatten_paths, part_from_json, write_metadata
+
+    w = DcpStreamWriter(folder, checkpoint_id=str(plan.out), shards=1, unit=0)
+    prefix, optim_values, rest = _dcp_values(plan)
+    opt_key = "optimizer" if plan.layout == "torchtitan" else "optim"
+    try:
+        for path, v in flatten_paths(optim_values, prefix + (opt_key,)):
+            w.value(path, v)
+        for path, v in flatten_paths(rest, prefix):
+            w.value(path, v)
+    except BaseException:
+        w.abort()
+        raise
+    values = w.finish()
+    save_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"{plan.out}#{plan_digest(plan)}"))
+    write_metadata(folder, [part_from_json(d) for d in parts] + [values], str(plan.out), save_id)
+    return w.bytes_written
+
+
+def _write_dcp(plan: ConvertPlan, folder: Path, progress: Callable[[int], None] | None) -> int:
+    """The whole DCP folder in one process: every parameter's files, then the values and `.metadata`, by the
+    same functions as the ranks of a job (`_execute_job`), so the bytes are the same."""
+    import json
+
+    total, parts = 0, []
+    for i in range(len(plan.params)):
+        n, _, part = _write_dcp_param(plan, folder, i, progress)
+        total += n
+        parts.append(json.loads(json.dumps(part)))  # as a job reads it back from its journal: the same pickle
+    return total + _finish_dcp(plan, folder, parts)
+
+
+def plan_digest(plan: ConvertPlan) -> str:
+    """What identifies a plan's output (a job's staging folder is resumed only by the same plan)."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(
+        json.dumps([str(plan.source), plan.to_json()], sort_keys=True, default=str).encode()
+    ).hexdigest()
 
 
 def torch_training_dict(plan: ConvertPlan) -> dict[str, Any]:
@@ -773,6 +815,11 @@ class ConvertResult:
     bytes_written: int
     verified: bool
     problems: tuple[str, ...] = ()
+    #: a many-process job (`_execute_job`): pieces converted by this run and found finished in the journal, and
+    #: each rank's figures ({rank, host, params, resumed, bytes, seconds})
+    converted: int = -1
+    resumed: int = 0
+    ranks: tuple[dict, ...] = ()
 
 
 def _megatron_writer(source):
@@ -789,8 +836,10 @@ def _megatron_writer(source):
     return megatron_in if way_in else megatron_write
 
 
-def verify_logical(plan: ConvertPlan, root: Path) -> list[str]:
-    """`ckpt diff SRC OUT` (logical): one line per difference between the source and the written checkpoint."""
+def verify_logical(plan: ConvertPlan, root: Path, only: Callable[[str], bool] | None = None) -> list[str]:
+    """`ckpt diff SRC OUT` (logical): one line per difference between the source and the written checkpoint. With
+    `only`, one process's share of it (`logical_diff(only=...)`: the tensors of the parameters it accepts, all
+    else whole) and without `_not_carried`, which the caller runs once."""
     from .diff import iter_lines, logical_diff
 
     from ..view import logical as L
@@ -804,9 +853,10 @@ def verify_logical(plan: ConvertPlan, root: Path) -> list[str]:
         source = megatron_in.source_view(
             L.open_any(plan.source), plan.hf_config, plan.seq_length, plan.lr_scheduler, True
         )
-    rep = logical_diff(L.with_kv_heads(source, plan.n_kv_heads), L.with_kv_heads(root, plan.n_kv_heads))
+    rep = logical_diff(L.with_kv_heads(source, plan.n_kv_heads), L.with_kv_heads(root, plan.n_kv_heads), only=only)
     lines = [f"{section} {name}: {what}" for section, name, what in iter_lines(rep)]
-    return [x for x in lines if not any(x.startswith(f"{a}: added") for a in plan.added)] + _not_carried(plan, root)
+    lines = [x for x in lines if not any(x.startswith(f"{a}: added") for a in plan.added)]
+    return lines + (_not_carried(plan, root) if only is None else [])
 
 
 def _not_carried(plan: ConvertPlan, root: Path) -> list[str]:
@@ -831,20 +881,34 @@ def _not_carried(plan: ConvertPlan, root: Path) -> list[str]:
 
 
 def execute(
-    plan: ConvertPlan, *, progress: Callable[[int], None] | None = None, verify: bool = True, distributed: bool = False
+    plan: ConvertPlan,
+    *,
+    progress: Callable[[int], None] | None = None,
+    verify: bool = True,
+    distributed: bool = False,
+    restart: bool = False,
 ) -> ConvertResult:
     """Write the planned checkpoint under a staging name beside OUT, compare it with the source by logical
     parameter (unless `verify=False`), rename it into place. Any difference: nothing is written.
 
     With `distributed` (dcp and deepspeed-universal targets), every rank of the initialised torch.distributed
-    group calls this: rank r writes parameters r, r+W, ... into rank 0's staging folder (one shared
-    filesystem; DCP: its own `__<r>_0.distcp`), rank 0 writes the rest (`.metadata` from every rank's part),
-    verifies and renames."""
-    from ..write import io
+    group (a torchrun job) calls this: `_execute_job`, the same bytes as one process. A job's staging folder left
+    by an interrupted job is resumed by the same command, in one process too (`restart`: thrown away)."""
+    from ..write import io, shares
 
     if distributed:
-        return _execute_distributed(plan, progress=progress, verify=verify)
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise CkptError(
+                "--distributed needs torch.distributed: run it under torchrun",
+                hint="torchrun --nproc-per-node N --no-python ckpt convert CKPT OUT --to dcp",
+            )
+        refuse_job(plan.to)
+        return _execute_job(plan, shares.Job(dist.get_rank(), dist.get_world_size()), progress, verify, restart)
     _refuse_out(plan.source, plan.out)
+    if plan.to in JOB_TARGETS and shares.job_staging(plan.out).exists():  # an interrupted job: resumed alone
+        return _execute_job(plan, shares.LocalJob(), progress, verify, restart)
     if plan.to in ("dcp", "deepspeed-universal", "megatron"):
         write = {"dcp": _write_dcp, "deepspeed-universal": _write_universal}.get(plan.to) or _megatron_writer(
             plan
@@ -859,11 +923,9 @@ def execute(
 
         import torch
 
-        from .to_universal import _stale_staging
-
         out = plan.out.resolve()
         out.parent.mkdir(parents=True, exist_ok=True)
-        _stale_staging(out)  # left by a killed run
+        shares.remove_stale_staging(out)  # left by a killed run
         tmp = out.parent / f".ckpt-staging-{out.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -881,42 +943,93 @@ def execute(
     raise UnsupportedCheckpoint(f"--to {plan.to} is not implemented", path=plan.source)
 
 
-def _execute_distributed(plan: ConvertPlan, *, progress: Callable[[int], None] | None, verify: bool) -> ConvertResult:
-    import torch.distributed as dist
+#: the targets a torchrun job writes in shares (one piece per parameter); `torch` is one file, `megatron` is
+#: written by one process
+JOB_TARGETS = ("dcp", "deepspeed-universal")
 
-    from ..write import io
 
-    if not dist.is_initialized():
+def refuse_job(to: str) -> None:
+    """A target that one process writes, asked of a torchrun job: refused before any work, saying what to run."""
+    if to in TARGETS and to not in JOB_TARGETS:  # an unknown target is the plan's to refuse
         raise CkptError(
-            "--distributed needs torch.distributed: run it under torchrun",
-            hint="torchrun --nproc_per_node N -m ckpt_cli.main convert CKPT OUT --to dcp --distributed",
+            f"--to {to} is written by one process, not shared between the ranks of a torchrun job",
+            hint=f"run `ckpt convert SRC OUT --to {to}` without torchrun (--to dcp and deepspeed-universal run as "
+            "a job)",
         )
-    if plan.to not in ("dcp", "deepspeed-universal"):
-        raise CkptError(
-            f"--distributed writes --to dcp or deepspeed-universal, not {plan.to}",
-            hint="--to torch writes one file from one process",
-        )
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = [i for i in range(len(plan.params)) if i % world == rank]
 
-    def share(tmp: Path) -> tuple[int, Any]:
-        if plan.to == "dcp":
-            return _write_dcp(plan, tmp, progress, indices=mine, rank=rank, values=rank == 0)
-        return _write_universal(plan, tmp, progress, indices=mine, common=rank == 0), None
 
-    def finish(tmp: Path, parts: list) -> None:
-        if plan.to == "dcp":
-            from ..write.dcp_write import write_metadata
+def _execute_job(
+    plan: ConvertPlan, job, progress: Callable[[int], None] | None, verify: bool, restart: bool
+) -> ConvertResult:
+    """A torchrun job (`shares.run_job`), or one process resuming one: every rank writes a share of the
+    parameters balanced by bytes, each parameter's files journaled (DCP: its own `__<r>_<i+1>.distcp` files and
+    its `.metadata` part; universal: its `zero/<param>/` folder); rank 0 then writes the common files (DCP: the
+    values and `.metadata`; universal: the model states and optimizer_state.pt); every rank compares a share of
+    the whole output with the source by logical parameter (unless `verify=False`; `check` below), and rank 0 puts
+    it in place. The bytes do not depend on the number of ranks."""
+    from ..write import shares
 
-            write_metadata(tmp, [p for p in parts if p is not None], str(plan.out))
-        _raise_problems(verify_logical(plan, tmp) if verify else [], plan)
+    _refuse_out(plan.source, plan.out)
+    dcp = plan.to == "dcp"
+    if dcp:
+        params = list(range(len(plan.params)))
+        units = [shares.Unit(f"param{i}", plan.params[i].nbytes) for i in params]
+    else:  # only trained parameters have a folder of their own; rank 0 writes the others' weights (model states)
+        params = [i for i, p in enumerate(plan.params) if p.kind == "param" and p.states]
+        units = [
+            shares.Unit(f"{universal_tag(plan)}/zero/{plan.params[i].name}", plan.params[i].nbytes) for i in params
+        ]
 
-    total, n = io.distributed_new_folder(
-        plan.out, share, finish, before=lambda: _refuse_out(plan.source, plan.out), trust_pickles=plan.trust_pickles
+    def convert(todo: list[int], journal, counted: Callable[[int], None]) -> int:
+        n = 0
+        for k in todo:
+            if dcp:
+                wrote, files, part = _write_dcp_param(plan, journal.root, params[k], counted)
+                journal.record(units[k].rel, paths=files, extra=part)
+            else:
+                wrote = _write_universal(plan, journal.root, counted, indices=[params[k]], common=False)
+                journal.record(units[k].rel)
+            n += wrote
+        return n
+
+    def finish(staging: Path, journal) -> None:
+        if dcp:
+            _finish_dcp(plan, staging, [journal.extra[u.rel] for u in units])
+        else:
+            _write_universal(plan, staging, None, indices=[], common=True)
+
+    def check(staging: Path, share: list[int], first: bool) -> list[str]:
+        """This rank's share of the logical comparison: the tensors of its share's parameters; rank 0 also those
+        of the parameters no unit holds, and what `_not_carried` checks."""
+        from ..view.logical import name_key
+
+        mine = {name_key(plan.params[params[k]].name) for k in share}
+        held = {name_key(plan.params[i].name) for i in params}
+        lines = verify_logical(plan, staging, only=lambda n: n in mine or (first and n not in held))
+        return lines + (_not_carried(plan, staging) if first else [])
+
+    fig, figs = shares.run_job(
+        job,
+        plan.out,
+        units,
+        digest=plan_digest(plan),
+        restart=restart,
+        convert=convert,
+        finish=finish,
+        verify=check if verify else None,
+        progress=progress,
+        trust_pickles=plan.trust_pickles,
     )
-    if rank != 0:
-        return ConvertResult(plan.out, len(mine), n, verify)
-    return ConvertResult(plan.out, len(plan.params), total, verify)
+    total = sum(f["bytes"] for f in figs)
+    return ConvertResult(
+        plan.out,
+        len(plan.params),
+        total if job.rank == 0 else fig["bytes"],
+        verify,
+        converted=sum(f["params"] for f in figs),
+        resumed=sum(f["resumed"] for f in figs),
+        ranks=figs,
+    )
 
 
 # --- DeepSpeed universal ----------------------------------------------------------------------------------

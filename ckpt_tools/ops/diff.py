@@ -685,13 +685,22 @@ def _names_only(params: Any) -> list[str] | None:
 
 
 def logical_diff(
-    a: Any, b: Any, atol: float = 0.0, rtol: float = 0.0, *, progress: Callable[[int], None] | None = None
+    a: Any,
+    b: Any,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    *,
+    progress: Callable[[int], None] | None = None,
+    only: Callable[[str], bool] | None = None,
 ) -> DiffReport:
     """Compare A and B by logical parameter (see the module docstring); any two formats the tree reads. A and
-    B: paths or opened `Checkpoint`s."""
+    B: paths or opened `Checkpoint`s. `only(name)`: whether to read and compare the tensors (weight and optimizer
+    state) of the parameter `name` (`view.logical.name_key`); the others are compared by presence only, and
+    everything else (scalars, param groups, counters) in full: one share of a comparison that several processes
+    split by parameter."""
     d = _Differ(atol, rtol)
     try:
-        return _logical_diff(a, b, d, progress)
+        return _logical_diff(a, b, d, progress, only)
     finally:
         d.close_readers()
 
@@ -720,7 +729,9 @@ def _megatron_names(ca, cb, notes: list[str]):
     return sides[0], sides[1]
 
 
-def _logical_diff(a: Any, b: Any, d: "_Differ", progress: Callable[[int], None] | None) -> DiffReport:
+def _logical_diff(
+    a: Any, b: Any, d: "_Differ", progress: Callable[[int], None] | None, only: Callable[[str], bool] | None = None
+) -> DiffReport:
     from ..view import logical as L
 
     ca, cb = L.open_any(a), L.open_any(b)
@@ -748,7 +759,7 @@ def _logical_diff(a: Any, b: Any, d: "_Differ", progress: Callable[[int], None] 
         if name not in ma:
             d.out.append(Difference("model", name, "added", None, f"{mb[name].dtype} {list(mb[name].shape)}"))
     for name in ma:
-        if name in mb:
+        if name in mb and (only is None or only(name)):
             _read_compare(d, "model", name, ma[name], mb[name])
             if progress:
                 progress(1)
@@ -780,7 +791,7 @@ def _logical_diff(a: Any, b: Any, d: "_Differ", progress: Callable[[int], None] 
                     )
         for p in oa:
             for k in oa[p]:
-                if k in ob.get(p, {}):
+                if k in ob.get(p, {}) and (only is None or only(p)):
                     _read_compare(d, "optimizer", f"{p}.{k}", oa[p][k], ob[p][k])
                     if progress:
                         progress(1)

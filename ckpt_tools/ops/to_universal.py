@@ -54,7 +54,6 @@ import json
 import math
 import os
 import re
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -993,15 +992,6 @@ def verify(
     return problems
 
 
-def _stale_staging(out: Path) -> None:
-    """Remove staging folders of this OUT left by killed runs (their process is gone): a rerun starts over."""
-    out = out.resolve()
-    for d in out.parent.glob(f".ckpt-staging-{out.name}-*"):
-        pid = d.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(d, ignore_errors=True)
-
-
 def verify_logical(plan: UniversalPlan, root: Path) -> list[str]:
     """The logical comparison (`ckpt diff --logical`) of the source with the universal checkpoint at `root`:
     every parameter's fp32 master, every optimizer state tensor and step, the param groups and the counters
@@ -1045,10 +1035,10 @@ def execute(
             )
         job = shares.Job(dist.get_rank(), dist.get_world_size())
         return _execute_job(plan, job, workers=workers, progress=progress, check=check, restart=restart)
-    if job_staging(plan.out).exists():  # a job was interrupted: this process resumes it alone
+    if shares.job_staging(plan.out).exists():  # a job was interrupted: this process resumes it alone
         return _execute_job(plan, shares.LocalJob(), workers=workers, progress=progress, check=check, restart=restart)
     steps, optimizer_state = _steps_and_globals(plan)
-    _stale_staging(plan.out)
+    shares.remove_stale_staging(plan.out)  # left by killed runs: a rerun starts over
     with io.new_folder(plan.out, trust_pickles=plan.trust_pickles) as tmp:
         n = convert_params(
             plan, tmp / plan.out_tag, range(len(plan.params)), workers=workers, progress=progress, steps=steps
@@ -1065,12 +1055,6 @@ def execute(
     return UniversalResult(plan.out, plan.out_tag, len(plan.params), n, _count_files(plan.out))
 
 
-def job_staging(out: Path) -> Path:
-    """The staging folder of a many-process conversion into `out`: a fixed name, so that a rerun finds it."""
-    out = Path(out).resolve()
-    return out.parent / f".ckpt-staging-{out.name}-job"
-
-
 def _plan_digest(plan: UniversalPlan) -> str:
     import hashlib
 
@@ -1083,23 +1067,6 @@ def _plan_digest(plan: UniversalPlan) -> str:
     return hashlib.sha256(json.dumps(doc, default=str).encode()).hexdigest()
 
 
-def _prepare_staging(plan: UniversalPlan, staging: Path, restart: bool) -> None:
-    """(rank 0) Refuse an existing OUT; keep a staging folder of the same plan (its journal is resumed), throw
-    away one of another plan or with `restart`."""
-    from ..write.shares import JOURNAL
-
-    out = plan.out.resolve()
-    if out.exists():
-        raise CkptError("output folder already exists", path=out, hint="choose a new path or remove it first")
-    _stale_staging(out)
-    digest, mark = _plan_digest(plan), staging / JOURNAL / "plan"
-    if staging.exists() and (restart or not mark.is_file() or mark.read_text() != digest):
-        shutil.rmtree(staging)
-    (staging / plan.out_tag / "zero").mkdir(parents=True, exist_ok=True)
-    mark.parent.mkdir(exist_ok=True)
-    mark.write_text(digest)
-
-
 def _execute_job(
     plan: UniversalPlan,
     job,
@@ -1109,55 +1076,23 @@ def _execute_job(
     check: Callable[[Path], list[str]] | None,
     restart: bool,
 ) -> UniversalResult:
-    """A torchrun job: rank 0 prepares the staging folder (`job_staging`); every rank converts a share of the
-    parameters balanced by bytes (`shares.balanced_shares`), skipping those its journal says are finished,
-    verifies and journals each one; when every rank reported success, rank 0 writes the common files, verifies
-    them (and runs `check`) and renames the folder into place. A lost rank fails every other one in bounded time
-    (`shares.RankLost`, naming it) with the staging folder kept: the same command resumes it."""
-    import time
+    """A torchrun job (`shares.run_job`): every rank converts a share of the parameters balanced by bytes, each
+    parameter folder verified and journaled; rank 0 writes the common files, verifies them (and runs `check`) and
+    renames the folder into place. The same command resumes an interrupted job."""
+    from ..write import shares
 
-    start = time.monotonic()
-    try:
-        staging, err = job_staging(plan.out), None
-        if job.rank == 0:
-            try:
-                _prepare_staging(plan, staging, restart)
-            except (CkptError, OSError) as e:
-                err = e
-        said = job.exchange(
-            "staged", "" if err is None else (err.one_line() if isinstance(err, CkptError) else f"{staging}: {err}")
-        )[0]
-        if said:
-            raise err or CkptError(f"rank 0 could not start: {said}")
-        if progress is not None and job.rank == 0:
-            job.on_others = progress  # rank 0's bar counts every rank's bytes
-
-        def counted(n: int) -> None:
-            job.done += n
-            if progress is not None:
-                progress(n)
-
-        fig, line, failure = _convert_share(plan, staging, job, workers, counted)
-        fig["seconds"] = round(time.monotonic() - start, 3)
-        reports = job.exchange("converted", (line, fig))
-        figs = tuple(f for _, f in reports)
-        bad = [line for line, _ in reports if line]
-        if bad:
-            raise failure or CkptError(
-                f"{len(bad)} rank(s) failed, nothing was put in place: {bad[0]}",
-                hint="fix the cause, then rerun the same command to resume",
-            )
-        failure, said = None, ""
-        if job.rank == 0:
-            try:
-                _finish_job(plan, staging, check)
-            except BaseException as e:
-                failure, said = e, (e.one_line() if isinstance(e, CkptError) else repr(e))
-        said = job.exchange("placed", said)[0]
-        if said:
-            raise failure or CkptError(f"rank 0 could not finish: {said}")
-    finally:
-        job.close()
+    units = [shares.Unit(f"{plan.out_tag}/zero/{p.name}", p.nbytes) for p in plan.params]
+    fig, figs = shares.run_job(
+        job,
+        plan.out,
+        units,
+        digest=_plan_digest(plan),
+        restart=restart,
+        convert=lambda todo, journal, counted: _convert_share(plan, todo, journal, workers, counted),
+        finish=lambda staging, _: _finish_job(plan, staging, check),
+        progress=progress,
+        trust_pickles=plan.trust_pickles,
+    )
     total = sum(f["bytes"] for f in figs)
     return UniversalResult(
         plan.out,
@@ -1171,80 +1106,41 @@ def _execute_job(
     )
 
 
-def _share(plan: UniversalPlan, indices: list[int], job) -> list[int]:
-    from ..write.shares import balanced_shares
-
-    return [indices[k] for k in balanced_shares([plan.params[i].nbytes for i in indices], job.world)[job.rank]]
-
-
-def _convert_share(
-    plan: UniversalPlan, staging: Path, job, workers: int, progress: Callable[[int], None] | None
-) -> tuple[dict, str, CkptError | None]:
-    """Two balanced splits: the parameters the journal names as finished are re-checked (sizes, checksums),
-    a share per rank; then those not finished are converted, a share per rank, each verified and journaled.
-    Returns this rank's figures, its one-line error ('' on success) and that error."""
-    from ..write.shares import Journal
-
-    journal = Journal(staging, job.rank)
-    rel = {i: f"{plan.out_tag}/zero/{p.name}" for i, p in enumerate(plan.params)}
-    mine_to_check = _share(plan, [i for i in rel if rel[i] in journal.done], job)
-    resumed = [i for i in mine_to_check if journal.finished(rel[i])]
-    finished = {i for part in job.exchange("checked", resumed) for i in part}
-    todo = _share(plan, [i for i in rel if i not in finished], job)
-    if progress and resumed:
-        progress(sum(plan.params[i].nbytes for i in resumed))
+def _convert_share(plan: UniversalPlan, todo: list[int], journal, workers: int, progress: Callable[[int], None]) -> int:
+    """The parameters at `todo`, each verified (`verify`) and journaled as soon as it is written."""
+    staging = journal.root
     index = {plan.params[i].name: i for i in todo}
     parsed: dict = {}
 
     def done(j: ParamJob) -> None:
+        rel = f"{plan.out_tag}/zero/{j.name}"
         problems = verify(plan, staging, [index[j.name]], common=False, parsed=parsed)
         if problems:
             raise CkptError(
                 "verification of a written parameter failed: " + "; ".join(problems[:5]),
-                path=staging / rel[index[j.name]],
+                path=staging / rel,
                 hint="please report this",
             )
-        journal.record(rel[index[j.name]])
+        journal.record(rel)
 
-    n, line, failure = 0, "", None
-    try:
-        steps, _ = _steps_and_globals(plan)
-        n = convert_params(
-            plan, staging / plan.out_tag, todo, workers=workers, progress=progress, steps=steps, on_done=done
-        )
-    except CkptError as e:
-        failure, line = e, f"{job.who(job.rank)}: {e.one_line()}"
-    except (OSError, ValueError, RuntimeError) as e:
-        failure = CkptError(f"{job.who(job.rank)}: {e}", path=staging)
-        line = failure.one_line()
-    finally:
-        journal.close()
-    fig = {"rank": job.rank, "host": job.hosts[job.rank], "params": len(todo), "resumed": len(resumed), "bytes": n}
-    return fig, line, failure
+    steps, _ = _steps_and_globals(plan)
+    return convert_params(
+        plan, staging / plan.out_tag, todo, workers=workers, progress=progress, steps=steps, on_done=done
+    )
 
 
 def _finish_job(plan: UniversalPlan, staging: Path, check: Callable[[Path], list[str]] | None) -> None:
-    """(rank 0) The common files, their verification, `check`, then in place; a failure here removes the
-    staging folder (what it holds did not verify), an interruption keeps it."""
-    from ..write import io
-    from ..write.shares import JOURNAL
-
-    try:
-        _, optimizer_state = _steps_and_globals(plan)
-        _write_common(plan, staging, optimizer_state)
-        problems = verify(plan, staging, [], common=True)
-        if problems:
-            raise CkptError(
-                "verification failed: " + "; ".join(problems[:5]),
-                path=plan.out,
-                hint="nothing was written; please report this",
-            )
-        _run_check(check, plan, staging)
-        shutil.rmtree(staging / JOURNAL)
-        io.put_in_place(staging, plan.out.resolve(), trust_pickles=plan.trust_pickles)
-    except Exception:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    """(rank 0) The common files, their verification and `check`, before `shares.run_job` puts them in place."""
+    _, optimizer_state = _steps_and_globals(plan)
+    _write_common(plan, staging, optimizer_state)
+    problems = verify(plan, staging, [], common=True)
+    if problems:
+        raise CkptError(
+            "verification failed: " + "; ".join(problems[:5]),
+            path=plan.out,
+            hint="nothing was written; please report this",
+        )
+    _run_check(check, plan, staging)
 
 
 def _run_check(check: Callable[[Path], list[str]] | None, plan: UniversalPlan, tmp: Path) -> None:

@@ -206,8 +206,9 @@ class DcpStreamWriter:
     """Write a new torch.distributed.checkpoint folder item by item, as `dcp.save` lays it out: every item a
     `torch.save` blob appended to a `__<r>_0.distcp` file; with `shards=N` every tensor of N rows or more is
     cut into N dim-0 chunks, chunk r in `__<r>_0.distcp` (what an FSDP2 run at DP=N saves; DCP reshards at
-    load, so any N loads at any world size), smaller tensors and values whole in `__0_0.distcp` (with `rank=R`,
-    one of several writing processes: every chunk in `__<R>_0.distcp`); then
+    load, so any N loads at any world size), smaller tensors and values whole in `__0_0.distcp` (with `unit=U`,
+    one piece of an output written piece by piece, by one process or many: `__<r>_<U>.distcp`, DCP's name for
+    the U-th file of rank r; a file left empty is removed by `finish`); then
     `.metadata` (a `Metadata` with `planner_data` mapping each flat key to its state-dict path, the way
     `flatten_state_dict` does). Only the item being written is in memory, so a model of any size streams.
 
@@ -216,12 +217,11 @@ class DcpStreamWriter:
     list positions as ints); `w.close()` writes `.metadata`. `flatten_paths(obj)` yields the leaves of a
     nested dict the way DCP flattens it (lists of plain values are one value)."""
 
-    def __init__(self, folder: Path, checkpoint_id: str | None = None, shards: int = 1, rank: int | None = None):
+    def __init__(self, folder: Path, checkpoint_id: str | None = None, shards: int = 1, unit: int = 0):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.shards = max(1, int(shards))
-        # `rank`: one writer of several processes (`--distributed`): whole tensors into `__<rank>_0.distcp`
-        self._names = [f"__{rank}_0.distcp"] if rank is not None else [f"__{i}_0.distcp" for i in range(self.shards)]
+        self._names = [f"__{i}_{unit}.distcp" for i in range(self.shards)]
         self._fhs = [open(self.folder / n, "wb") for n in self._names]
         self._fh = self._fhs[0]
         self._sdm: dict[str, Any] = {}
@@ -324,13 +324,21 @@ class DcpStreamWriter:
         self._storage[MetadataIndex(key)] = _StorageInfo(self._names[0], off, n)
 
     def finish(self) -> tuple[dict, dict, dict]:
-        """Close the data files (fsynced); this writer's (state_dict_metadata, storage_data, planner_data) for
-        `write_metadata` (several writers' parts merge into one `.metadata`)."""
-        for fh in self._fhs:
+        """Close the data files; this writer's (state_dict_metadata, storage_data, planner_data) for
+        `write_metadata` (several writers' parts merge into one `.metadata`). Not fsynced here: every writer
+        writes into a staging folder that `io.put_in_place` fsyncs file by file before the rename (a second fsync
+        of each of a conversion's thousand files costs seconds on a VM)."""
+        for fh, name in zip(self._fhs, self._names):
             fh.flush()
-            os.fsync(fh.fileno())
+            empty = fh.tell() == 0
             fh.close()
+            if empty:  # no item in it: a reader would report an unreferenced file
+                (self.folder / name).unlink()
         return self._sdm, self._storage, self._planner
+
+    def files(self) -> list[str]:
+        """The data files this writer wrote items into (after `finish`: those it kept)."""
+        return [n for n in self._names if (self.folder / n).is_file()]
 
     def close(self) -> Path:
         return write_metadata(self.folder, [self.finish()], self._checkpoint_id)
@@ -341,8 +349,48 @@ class DcpStreamWriter:
                 fh.close()
 
 
-def write_metadata(folder: Path, parts: list[tuple[dict, dict, dict]], checkpoint_id: str | None = None) -> Path:
-    """`.metadata` for the items that one or more `DcpStreamWriter`s wrote into `folder` (`finish()` of each)."""
+def part_to_json(part: tuple[dict, dict, dict]) -> dict[str, Any]:
+    """A `finish()` part of tensor items as JSON (journaled with the piece that wrote them; `part_from_json`)."""
+    sdm, storage, planner = part
+    tensors = []
+    for key, meta in sdm.items():
+        chunks = [[list(c.offsets), list(c.sizes)] for c in meta.chunks]
+        tensors.append([key, str(meta.properties.dtype).removeprefix("torch."), list(meta.size), chunks])
+    where = [[i.fqn, list(i.offset), i.index, st.relative_path, st.offset, st.length] for i, st in storage.items()]
+    return {"tensors": tensors, "storage": where, "planner": {k: list(v) for k, v in planner.items()}}
+
+
+def part_from_json(doc: dict[str, Any]) -> tuple[dict, dict, dict]:
+    """The inverse of `part_to_json`."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    sdm = {
+        key: TensorStorageMetadata(
+            TensorProperties(dtype=getattr(torch, dtype)),
+            torch.Size(size),
+            [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(n)) for o, n in chunks],
+        )
+        for key, dtype, size, chunks in doc["tensors"]
+    }
+    storage = {
+        MetadataIndex(fqn, torch.Size(offset), index): _StorageInfo(rel, off, n)
+        for fqn, offset, index, rel, off, n in doc["storage"]
+    }
+    return sdm, storage, {k: tuple(v) for k, v in doc["planner"].items()}
+
+
+def write_metadata(
+    folder: Path, parts: list[tuple[dict, dict, dict]], checkpoint_id: str | None = None, save_id: str | None = None
+) -> Path:
+    """`.metadata` for the items that one or more `DcpStreamWriter`s wrote into `folder` (`finish()` of each), in
+    the order of `parts`. `save_id`: the same for the same output (a random one, as `dcp.save` makes, when None)."""
     import pickle
     import uuid
 
@@ -362,7 +410,7 @@ def write_metadata(folder: Path, parts: list[tuple[dict, dict, dict]], checkpoin
         state_dict_metadata=sdm,
         planner_data=planner,
         storage_data=storage,
-        storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=str(uuid.uuid4())),
+        storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id or str(uuid.uuid4())),
         version="1.0.0",
     )
     path = Path(folder) / METADATA

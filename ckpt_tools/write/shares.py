@@ -11,21 +11,28 @@ beats is working (a share of a 10 TB checkpoint may take hours), so the waits ha
 600 s). Counters, not timestamps: node clocks may disagree.
 
 The journal (`<staging>/.journal/rank<r>.jsonl`, one file per writing rank, so no two processes append to one
-file) holds one line per finished, verified parameter: its folder and each file's size and checksum
-(`file_crc`). A rerun (any number of ranks) skips a parameter whose files are all still there with those sizes
-and checksums, their bytes read again and matched against their CRC-32s.
+file) holds one line per finished, verified parameter: its folder (or the files it wrote beside others', e.g. a
+DCP parameter's `.distcp` files, with what the last rank needs of it: its `.metadata` part) and each file's size
+and checksum (`file_crc`). A rerun (any number of ranks) skips a parameter whose files are all still there with
+those sizes and checksums, their bytes read again and matched against their CRC-32s.
+
+`run_job` is the job itself, the same for every command that writes one output this way (to-universal,
+`convert --to dcp | deepspeed-universal`): the command gives it its units (journal name, bytes), what converts a
+share of them, and what rank 0 finishes with.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import threading
 import time
 import zipfile
 import zlib
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -173,12 +180,15 @@ class LocalJob:
         pass
 
 
-def file_crc(path: Path, *, check: bool = False) -> int:
+def file_crc(path: Path, *, check: bool = False, raw: bool = False) -> int:
     """A file's checksum. A zip (every torch.save file) is summed by its central directory, the CRC-32 of each
     member the writer computed while writing, so that journaling a finished file does not read it again;
-    `check=True` (a rerun) also reads every member and compares it with its CRC-32. Any other file: the CRC-32
+    `check=True` (a rerun) also reads every member and compares it with its CRC-32. Any other file, or any file
+    with `raw` (a DCP `.distcp`: zips one after another, of which `zipfile` would see only the last): the CRC-32
     of its bytes."""
     try:
+        if raw:
+            raise zipfile.BadZipFile
         with zipfile.ZipFile(path) as zf:
             if check and zf.testzip() is not None:
                 return -1
@@ -204,11 +214,15 @@ class Journal:
         jdir = staging / JOURNAL
         jdir.mkdir(exist_ok=True)
         self.done: dict[str, dict[str, list[int]]] = {}
+        self.extra: dict[str, Any] = {}  # what each record carries besides its files (`record(extra=...)`)
+        self._at: dict[str, bool] = {}  # records of files named from the staging root (`record(paths=...)`)
         for f in sorted(jdir.glob("rank*.jsonl")):
             for line in f.read_text().splitlines():
                 try:
                     rec = json.loads(line)
                     self.done[rec["dir"]] = rec["files"]
+                    self.extra[rec["dir"]] = rec.get("extra")
+                    self._at[rec["dir"]] = bool(rec.get("paths"))
                 except (ValueError, KeyError, TypeError):  # a line cut by a kill: that parameter is redone
                     continue
         self._f = open(jdir / f"rank{rank}.jsonl", "a")
@@ -217,13 +231,20 @@ class Journal:
         self._kill = os.environ.get("CKPT_TEST_KILL_AFTER", "")  # "RANK:N": SIGKILL that rank after N records
 
     def finished(self, rel: str) -> bool:
-        """Whether the parameter folder `rel` (relative to the staging folder) was journaled and its files are
-        still all there, with the journaled sizes and checksums."""
+        """Whether the unit `rel` was journaled and its files are still all there, with the journaled sizes and
+        checksums: the parameter folder `rel` (relative to the staging folder), or the files its record names."""
         want = self.done.get(rel)
-        folder = self.root / rel
-        if not want or not folder.is_dir():
+        if not want:
             return False
         try:
+            if self._at.get(rel):
+                root = self.root
+                return all(
+                    (root / n).stat().st_size == s and file_crc(root / n, raw=True) == c for n, (s, c) in want.items()
+                )
+            folder = self.root / rel
+            if not folder.is_dir():
+                return False
             have = sorted(p.name for p in folder.iterdir() if p.is_file())
             if have != sorted(want):
                 return False
@@ -233,8 +254,18 @@ class Journal:
         except (OSError, zipfile.BadZipFile, zipfile.LargeZipFile):
             return False
 
-    def record(self, rel: str) -> None:
-        self._f.write(json.dumps({"dir": rel, "files": _fingerprint(self.root / rel)}) + "\n")
+    def record(self, rel: str, *, paths: list[str] | None = None, extra: Any = None) -> None:
+        """Journal the unit `rel` as finished and verified: the files of the folder `rel`, or, with `paths`, those
+        files (relative to the staging folder: a unit whose files lie beside other units'); `extra` (JSON) is
+        kept with it for the rank that finishes the job (`Journal.extra`)."""
+        if paths is None:
+            rec: dict[str, Any] = {"dir": rel, "files": _fingerprint(self.root / rel)}
+        else:
+            files = {n: [(self.root / n).stat().st_size, file_crc(self.root / n, raw=True)] for n in paths}
+            rec = {"dir": rel, "paths": True, "files": files}
+        if extra is not None:
+            rec["extra"] = extra
+        self._f.write(json.dumps(rec) + "\n")
         # flushed, not fsynced: a killed process loses nothing the kernel holds, and after a machine crash a line
         # whose files did not reach the disk fails the rerun's size / CRC-32 check (the parameter is redone)
         self._f.flush()
@@ -245,3 +276,193 @@ class Journal:
 
     def close(self) -> None:
         self._f.close()
+
+
+# --- one job: plan on rank 0, a share on every rank, the output in place on rank 0 ------------------------------
+
+
+def job_staging(out: Path) -> Path:
+    """The staging folder of a many-process conversion into `out`: a fixed name, so that a rerun finds it."""
+    out = Path(out).resolve()
+    return out.parent / f".ckpt-staging-{out.name}-job"
+
+
+def remove_stale_staging(out: Path) -> None:
+    """Remove the one-process staging folders of this OUT left by killed runs (their process is gone)."""
+    out = Path(out).resolve()
+    for d in out.parent.glob(f".ckpt-staging-{out.name}-*"):
+        pid = d.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def prepare_staging(out: Path, staging: Path, digest: str, restart: bool) -> None:
+    """(rank 0) Refuse an existing OUT; keep a staging folder of the same plan (`digest`: its journal is resumed),
+    throw away one of another plan or with `restart`."""
+    out = Path(out).resolve()
+    if out.exists():
+        raise CkptError("output folder already exists", path=out, hint="choose a new path or remove it first")
+    remove_stale_staging(out)
+    mark = staging / JOURNAL / "plan"
+    if staging.exists() and (restart or not mark.is_file() or mark.read_text() != digest):
+        shutil.rmtree(staging)
+    mark.parent.mkdir(parents=True, exist_ok=True)
+    mark.write_text(digest)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One piece of the output a rank converts, journals and a rerun skips: its journal name and its bytes (what
+    the shares balance)."""
+
+    rel: str
+    nbytes: int
+
+
+def _share(units: list[Unit], indices: list[int], job) -> list[int]:
+    return [indices[k] for k in balanced_shares([units[i].nbytes for i in indices], job.world)[job.rank]]
+
+
+def run_job(
+    job,
+    out: Path,
+    units: list[Unit],
+    *,
+    digest: str,
+    restart: bool,
+    convert: Callable[[list[int], Journal, Callable[[int], None]], int],
+    finish: Callable[[Path, Journal], None],
+    verify: Callable[[Path, list[int], bool], list[str]] | None = None,
+    progress: Callable[[int], None] | None = None,
+    trust_pickles: bool = False,
+) -> tuple[dict, tuple[dict, ...]]:
+    """One output written by every rank of `job` (`Job`, or `LocalJob` for a one-process rerun), the same for any
+    number of ranks:
+
+    1. rank 0 prepares the staging folder (`job_staging`, `prepare_staging`); the others wait for it;
+    2. the units the journal names as finished are checked again (sizes, checksums), a balanced share per rank;
+    3. the units not finished are converted, a share per rank balanced by bytes (`balanced_shares`):
+       `convert(indices, journal, progress)` converts those units, verifies each one and journals it
+       (`journal.record`), and returns the bytes it wrote;
+    4. when every rank reported success, rank 0 runs `finish(staging, journal)` (the common files;
+       `journal.extra` holds what each unit journaled with it);
+    5. `verify(staging, indices, first)` on every rank compares its share of the whole output (a balanced share
+       of the units; `first`: rank 0, which also checks what belongs to no unit) and returns one line per
+       difference;
+    6. when no rank found one, rank 0 puts the folder in place (`io.put_in_place`). A failure in 4-6 removes the
+       staging folder (what it holds did not verify); an interruption keeps it.
+
+    A failure of any rank is an error on every rank, one line naming the rank and its host; a lost rank is a
+    `RankLost` in bounded time. Returns (this rank's figures, every rank's): {rank, host, params (units
+    converted), resumed, bytes, seconds}."""
+    from .io import put_in_place
+
+    start = time.monotonic()
+    staging = job_staging(out)
+    try:
+        err = None
+        if job.rank == 0:
+            try:
+                prepare_staging(out, staging, digest, restart)
+            except (CkptError, OSError) as e:
+                err = e
+        said = job.exchange(
+            "staged", "" if err is None else (err.one_line() if isinstance(err, CkptError) else f"{staging}: {err}")
+        )[0]
+        if said:
+            raise err or CkptError(f"rank 0 could not start: {said}")
+        if progress is not None and job.rank == 0:
+            job.on_others = progress  # rank 0's bar counts every rank's bytes
+
+        def counted(n: int) -> None:
+            job.done += n
+            if progress is not None:
+                progress(n)
+
+        journal = Journal(staging, job.rank)
+        n, line, failure, todo, resumed = 0, "", None, [], []
+        try:
+            every = list(range(len(units)))
+            resumed = [
+                i
+                for i in _share(units, [i for i in every if units[i].rel in journal.done], job)
+                if journal.finished(units[i].rel)
+            ]
+            finished = {i for part in job.exchange("checked", resumed) for i in part}
+            todo = _share(units, [i for i in every if i not in finished], job)
+            if resumed:
+                counted(sum(units[i].nbytes for i in resumed))
+            n = convert(todo, journal, counted)
+        except CkptError as e:
+            failure, line = e, f"{job.who(job.rank)}: {e.one_line()}"
+        except (OSError, ValueError, RuntimeError) as e:
+            failure = CkptError(f"{job.who(job.rank)}: {e}", path=staging)
+            line = failure.one_line()
+        finally:
+            journal.close()
+        fig = {
+            "rank": job.rank,
+            "host": job.hosts[job.rank],
+            "params": len(todo),
+            "resumed": len(resumed),
+            "bytes": n,
+            "seconds": round(time.monotonic() - start, 3),
+        }
+        reports = job.exchange("converted", (line, fig))
+        figs = tuple(f for _, f in reports)
+        bad = [line for line, _ in reports if line]
+        if bad:
+            raise failure or CkptError(
+                f"{len(bad)} rank(s) failed, nothing was put in place: {bad[0]}",
+                hint="fix the cause, then rerun the same command to resume",
+            )
+        failure, said = None, ""
+        if job.rank == 0:
+            try:
+                done = Journal(staging, 0)
+                done.close()
+                finish(staging, done)
+            except BaseException as e:
+                failure, said = e, (e.one_line() if isinstance(e, CkptError) else repr(e))
+        said = job.exchange("finished", said)[0]
+        if said:
+            if not isinstance(failure, BaseException) or isinstance(failure, Exception):  # an interruption keeps it
+                _discard(job, staging)
+            raise failure or CkptError(f"rank 0 could not finish: {said}")
+        if verify is not None:
+            try:
+                problems = verify(staging, _share(units, list(range(len(units))), job), job.rank == 0)
+            except (CkptError, OSError, ValueError, RuntimeError) as e:
+                problems = [f"{job.who(job.rank)}: {e.one_line() if isinstance(e, CkptError) else e}"]
+            problems = [x for part in job.exchange("verified", problems) for x in part]
+            if problems:
+                _discard(job, staging)
+                raise CkptError(
+                    f"verification: the output differs from the source in {len(problems)} places: "
+                    + "; ".join(problems[:5])
+                    + ("; ..." if len(problems) > 5 else ""),
+                    path=out,
+                    hint="nothing was put in place; please report this with `ckpt diff` of the two",
+                )
+        if job.rank == 0:
+            try:
+                try:
+                    shutil.rmtree(staging / JOURNAL)
+                    put_in_place(staging, Path(out).resolve(), trust_pickles=trust_pickles)
+                except Exception:
+                    shutil.rmtree(staging, ignore_errors=True)
+                    raise
+            except BaseException as e:
+                failure, said = e, (e.one_line() if isinstance(e, CkptError) else repr(e))
+        said = job.exchange("placed", said)[0]
+        if said:
+            raise failure or CkptError(f"rank 0 could not finish: {said}")
+    finally:
+        job.close()
+    return fig, figs
+
+
+def _discard(job, staging: Path) -> None:
+    """(rank 0, once every rank has stopped reading it) Remove a staging folder whose output did not verify."""
+    if job.rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
