@@ -1,12 +1,18 @@
 """Megatron-core Mixture-of-Experts checkpoints, written by Megatron-LM core_v0.16.1's own `save_checkpoint` after
-real training (sample_ckpts/megatron_lm/megatron_moe_ep2_torch_dist: 4 experts, top-2, SequentialMLP, expert
-parallel 2 over 2 CPU ranks, plain Adam; made by ckpt_tools/samples/workers/megatron_lm.py).
+real training (sample_ckpts/megatron_lm/megatron_moe_ep2_*: 4 experts, top-2, SequentialMLP, expert parallel 2 over
+2 CPU ranks; made by ckpt_tools/samples/workers/megatron_lm.py): one recipe saved four ways, plain Adam and
+Megatron's distributed optimizer, each in torch_dist and in the legacy format (`mp_rank_00_000`, `mp_rank_00_001`:
+one folder per expert-parallel rank, each holding its experts under LOCAL ids).
 
 The optimizer of such a run is Megatron's ChainedOptimizer (dense, expert): torch_dist's common.pt keeps its inner
-optimizers as `optimizer[0]` / `optimizer[1]`, each with its own param groups and common Adam step. Checked here:
-every group's LR and the step as Megatron recorded them at save time (the manifest), the conversions that must
-carry every group and every parameter's step (read back), the refusals (a copy that lost an inner optimizer's
-groups, `convert --to megatron`), and — with MEGATRON_LM_DIR — the sample remade and reloaded by Megatron itself."""
+optimizers as `optimizer[0]` / `optimizer[1]`, each with its own param groups and common Adam step; the legacy rank
+files as a list; the distributed optimizer under `chained_0.` / `chained_1.` keys (torch_dist) or a list in
+`distrib_optim.pt` (legacy). Checked here: every group's LR and the step as Megatron recorded them at save time (the
+manifest), every expert under its GLOBAL id (the legacy and torch_dist saves of one run read the same, tensor for
+tensor, optimizer state included), the conversions that must carry every group and every parameter's step (read
+back), the edits on every file and inner optimizer, the refusals (a copy that lost an inner optimizer's groups, a
+missing expert-parallel folder, `convert --to megatron`), and — with MEGATRON_LM_DIR — Megatron's own reload of the
+samples and of the edited copies."""
 
 from __future__ import annotations
 
@@ -29,27 +35,35 @@ from ckpt_tools.write import pickle_writer as pw
 from conftest import ROOT, run_cli, sample
 
 EP2 = "megatron_moe_ep2_torch_dist"
+EP2_LEGACY = "megatron_moe_ep2_legacy"
+DISTOPT = "megatron_moe_ep2_distopt_torch_dist"
+DISTOPT_LEGACY = "megatron_moe_ep2_distopt_legacy"
+ALL = (EP2, EP2_LEGACY, DISTOPT, DISTOPT_LEGACY)
 COMMON = Path("iter_0000010") / "common.pt"
+RANK_FILES = tuple(Path("iter_0000010") / f"mp_rank_00_00{e}" / "model_optim_rng.pt" for e in (0, 1))
 
 
-def _manifest() -> dict:
-    return json.loads((sample("megatron_lm", EP2).parent / f"{EP2}.manifest.json").read_text())
+def _manifest(name: str = EP2) -> dict:
+    return json.loads((sample("megatron_lm", name).parent / f"{name}.manifest.json").read_text())
 
 
-def _copy(tmp_path: Path) -> Path:
-    dst = tmp_path / EP2
-    shutil.copytree(sample("megatron_lm", EP2), dst)
+def _copy(tmp_path: Path, name: str = EP2) -> Path:
+    dst = tmp_path / name
+    shutil.copytree(sample("megatron_lm", name), dst)
     return dst
 
 
-def _rewrite_common(run: Path, edit) -> None:
-    """Change common.pt with ckpt's own pickle writer (no megatron import, no torch.load)."""
-    path = run / COMMON
+def _rewrite(path: Path, edit) -> None:
+    """Change one pickled file with ckpt's own pickle writer (no megatron import, no torch.load)."""
     obj = pr.load(path).obj
     edit(obj)
     tmp = path.with_name(path.name + ".new")
     pw.rewrite_torch_zip(path, tmp, obj)
     tmp.replace(path)
+
+
+def _rewrite_common(run: Path, edit) -> None:
+    _rewrite(run / COMMON, edit)
 
 
 def _steps(ck) -> dict[str, float]:
@@ -65,15 +79,22 @@ def _steps(ck) -> dict[str, float]:
     return out
 
 
-def test_inspect_json_shows_every_groups_lr_and_the_adam_step():
+@pytest.fixture(scope="module", params=ALL)
+def inspected(request) -> tuple[str, dict, str]:
+    """(sample, `ckpt inspect --json` of it, its stdout), once per sample for the module."""
+    proc = run_cli("inspect", "--json", sample("megatron_lm", request.param))
+    assert proc.returncode == 0, proc.stderr
+    return request.param, json.loads(proc.stdout), proc.stdout
+
+
+def test_inspect_json_shows_every_groups_lr_and_the_adam_step(inspected):
     """What Megatron's live optimizer and scheduler held at save time (the manifest): 4 param groups (dense wd /
     no-wd, expert wd / no-wd), their LR, peak and next LR (OptimizerParamScheduler.get_lr), the Adam step of
-    both inner optimizers; no warning (the step is saved: no 'step lost')."""
-    m = _manifest()
-    proc = run_cli("inspect", "--json", sample("megatron_lm", EP2))
-    assert proc.returncode == 0, proc.stderr
-    got = json.loads(proc.stdout)
-    assert got["format"] == "megatron_torch_dist"
+    both inner optimizers; no warning (the step is saved: no 'step lost'); every parameter once, each layer's 4
+    experts under their global ids (the legacy folders hold 2 each, as local experts 0 and 1)."""
+    name, got, stdout = inspected
+    m = _manifest(name)
+    assert got["format"] == ("megatron_legacy" if "legacy" in name else "megatron_torch_dist")
     assert len(m["lr"]["param_groups"]) == 4
     assert got["lr"]["param_groups"] == pytest.approx(m["lr"]["param_groups"], rel=1e-12)
     assert got["lr"]["base_lrs"] == pytest.approx(m["lr"]["max_lr"], rel=1e-12)
@@ -82,51 +103,101 @@ def test_inspect_json_shows_every_groups_lr_and_the_adam_step():
     assert got["counters"]["optimizer_step"] == m["counters"]["optimizer_step"]
     assert got["counters"]["global_step"] == m["counters"]["iteration"]
     assert got["warnings"] == []
-    assert "optimizer-state-missing" not in proc.stdout
-    assert got["parameters"]["count"] == m["parameters"]["count"]
+    assert "optimizer-state-missing" not in stdout
+    assert got["parameters"] == m["parameters"] == {"count": 47176, "tensors": 56}
     assert (got["topology"]["ep"], got["topology"]["dp"], got["topology"]["tp"]) == (2, 2, 1)
+    assert m["topology"]["distributed_optimizer"] == ("distopt" in name)
+    assert got["details"]["experts"] == (
+        "4 of num_experts=4 in each of 2 MoE layer(s), by global id (EP rank 0: 0-1; EP rank 1: 2-3); routed experts "
+        "32 tensors, 33,536 elements; dense 24 tensors, 13,640 elements"
+    )
+    assert got["details"]["optimizer"].endswith("param groups 0 dense, 1 dense, 2 expert, 3 expert")
 
 
-def test_every_parameter_sits_in_its_dense_or_expert_group_with_its_step():
-    """The groups are Megatron's: is_expert_parallel as the run recorded it, the routed experts (stacked
-    [experts, ...] per layer) in the expert groups, the router and the rest in the dense ones; every parameter
-    has its fp32 master, both Adam moments and the step."""
-    m = _manifest()
-    ck = ckpt_tools.open_checkpoint(sample("megatron_lm", EP2))
+@pytest.mark.parametrize("name", ALL)
+def test_every_parameter_sits_in_its_dense_or_expert_group_with_its_step(name):
+    """The groups are Megatron's: is_expert_parallel as the run recorded it, the routed experts (one parameter
+    per global expert id) in the expert groups, the router and the rest in the dense ones; every parameter
+    has its fp32 master (the bf16 weight is it rounded), both Adam moments and the step."""
+    torch = pytest.importorskip("torch")
+    m = _manifest(name)
+    ck = ckpt_tools.open_checkpoint(sample("megatron_lm", name))
     groups = L.param_groups(ck)
     assert [g["is_expert_parallel"] for g in groups] == [g["is_expert_parallel"] for g in m["extra"]["param_groups"]]
     assert [g["wd_mult"] for g in groups] == [g["wd_mult"] for g in m["extra"]["param_groups"]]
-    model = set(ck.get("model").children)
+    model = ck.get("model").children
     assert sorted(n for g in groups for n in g["params"]) == sorted(model)  # each parameter in exactly one group
     for g in groups:
         assert all((".mlp.experts." in n) == g["is_expert_parallel"] for n in g["params"]), g["params"]
     assert "decoder.layers.0.mlp.router.weight" in groups[0]["params"]
-    assert tuple(ck.get("model").children["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"].shape) == (
-        4,
-        64,
-        32,
-    )
+    experts = {n for n in model if ".mlp.experts." in n}
+    assert experts == {
+        f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.linear_fc{k}.{w}"
+        for layer in (0, 1)
+        for e in range(4)
+        for k in (1, 2)
+        for w in ("weight", "bias")
+    }
+    assert tuple(model["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"].shape) == (64, 32)
     state = ck.get("optimizer.state").children
-    assert set(state) == model
+    assert set(state) == set(model)
     assert all({"fp32", "exp_avg", "exp_avg_sq", "step"} <= set(e.children) for e in state.values())
     assert set(_steps(ck).values()) == {float(m["counters"]["optimizer_step"])}
+    for n, node in model.items():
+        assert torch.equal(node.read_torch(), state[n].children["fp32"].read_torch().to(torch.bfloat16)), n
 
 
-@pytest.mark.parametrize("to", ["dcp", "deepspeed-universal", "torch"])
-def test_convert_carries_every_param_group_and_every_step(tmp_path, to):
-    """Read back: the output holds the 4 groups with the same members and LRs, and every parameter's step."""
-    src = sample("megatron_lm", EP2)
+@pytest.mark.parametrize("legacy, dist", [(EP2_LEGACY, EP2), (DISTOPT_LEGACY, DISTOPT)])
+def test_the_legacy_and_torch_dist_saves_of_one_run_read_the_same(legacy, dist):
+    """The same recipe and seed saved in both formats: every weight, fp32 master and Adam moment equal, tensor for
+    tensor, under the same names (the legacy EP rank 1's local experts 0, 1 are global 2, 3; torch_dist stacks the
+    4 by global id); and the legacy reader's global expert 3 is EP rank 1's local expert 1 as its file holds it."""
+    torch = pytest.importorskip("torch")
+    a, b = (
+        ckpt_tools.open_checkpoint(sample("megatron_lm", legacy)),
+        ckpt_tools.open_checkpoint(sample("megatron_lm", dist)),
+    )
+    ma = {L.name_key(n): t for n, t in a.get("model").children.items()}
+    mb = {L.name_key(n): t for n, t in b.get("model").children.items()}
+    sa = {L.name_key(n): e.children for n, e in a.get("optimizer.state").children.items()}
+    sb = {L.name_key(n): e.children for n, e in b.get("optimizer.state").children.items()}
+    assert set(ma) == set(mb) == set(sa) == set(sb) and len(ma) == 56
+    for n in ma:
+        assert torch.equal(ma[n].read_torch(), mb[n].read_torch()), n
+        for kind in ("fp32", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(sa[n][kind].read_torch(), sb[n][kind].read_torch()), (n, kind)
+    rank1 = pr.load(sample("megatron_lm", legacy) / RANK_FILES[1]).obj["model"]
+    local = rank1["decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"].read_torch()
+    assert torch.equal(ma["decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"].read_torch(), local)
+
+
+@pytest.mark.parametrize(
+    "name, to",
+    [
+        (EP2, "dcp"),
+        (EP2, "deepspeed-universal"),
+        (EP2, "torch"),
+        (EP2_LEGACY, "deepspeed-universal"),
+        (DISTOPT, "dcp"),
+        (DISTOPT_LEGACY, "torch"),
+    ],
+)
+def test_convert_carries_every_param_group_and_every_step(tmp_path, name, to):
+    """Read back: the output holds the 4 groups with the same members and LRs, and every parameter's step (the
+    library call behind `ckpt convert`, which verifies the output against the source before it is renamed in)."""
+    from ckpt_tools.ops import convert
+
+    src = sample("megatron_lm", name)
     out = tmp_path / "out"
-    proc = run_cli("convert", src, "--to", to, out)
-    assert proc.returncode == 0, proc.stderr
-    assert "verified" in proc.stdout
+    result = convert.execute(convert.plan_convert(src, out, to=to))
+    assert result.verified and not result.problems and out.exists()
     want, got = L.param_groups(src), L.param_groups(out)
     assert len(got) == len(want) == 4
     assert [sorted(g["params"]) for g in got] == [sorted(g["params"]) for g in want]
     assert [g["lr"] for g in got] == [g["lr"] for g in want]
     assert [g["weight_decay"] for g in got] == [g["weight_decay"] for g in want]
     src_steps, out_steps = _steps(ckpt_tools.open_checkpoint(src)), _steps(L.open_any(out))
-    assert len(src_steps) == 32 and out_steps == src_steps
+    assert len(src_steps) == 56 and out_steps == src_steps
 
 
 def test_verify_fails_an_output_that_lost_the_groups_or_the_steps(tmp_path):
@@ -150,7 +221,7 @@ def test_verify_fails_an_output_that_lost_the_groups_or_the_steps(tmp_path):
     }
     torch.save(no_steps, tmp_path / "no_steps.pt")
     problems = convert.verify_logical(plan, tmp_path / "no_steps.pt")
-    assert sum(p.startswith("optimizer ") and ".step: removed" in p for p in problems) == 32, problems
+    assert sum(p.startswith("optimizer ") and ".step: removed" in p for p in problems) == 56, problems
     assert "optimizer step: the source's parameters hold Adam's step, no parameter of the output does" in problems
     # without its groups the output's state (keyed by torch's ids) names no parameter: read as no state at all
     saved["optimizer"]["param_groups"] = saved["optimizer"]["param_groups"][:2]
@@ -212,16 +283,103 @@ def test_convert_to_megatron_refuses_naming_moe(tmp_path, fmt):
     assert not (tmp_path / "o").exists()
 
 
-def test_set_lr_edits_both_inner_optimizers(tmp_path):
-    """Every group of both inner optimizers and the scheduler, read back through the reader."""
-    run = _copy(tmp_path)
-    before = ckpt_tools.open_checkpoint(run).lr
-    proc = run_cli("set-lr", run, "--scale", "0.5", "--yes")
-    assert proc.returncode == 0, proc.stderr
-    after = ckpt_tools.open_checkpoint(run).lr
-    assert len(after.base_lrs) == 4
-    assert list(after.base_lrs) == pytest.approx([x / 2 for x in before.base_lrs], rel=1e-12)
-    assert list(after.last_lr) == pytest.approx([x / 2 for x in before.last_lr], rel=1e-12)
+def _saved_groups(run: Path, name: str) -> list[dict]:
+    """Every param group as the files hold it: each inner optimizer's, in every file that keeps a copy (legacy: both
+    EP rank files; torch_dist plain: common.pt; torch_dist distributed: each chained optimizer's sharded object, the
+    expert one saved once per EP rank)."""
+    if "legacy" in name:
+        return [
+            g
+            for rel in RANK_FILES
+            for part in pr.load(run / rel).obj["optimizer"]
+            for g in part["optimizer"]["param_groups"]
+        ]
+    if name == EP2:
+        return [
+            g for part in pr.load(run / COMMON).obj["optimizer"].values() for g in part["optimizer"]["param_groups"]
+        ]
+    from ckpt_tools.write.dcp_write import DcpFolder
+
+    obj, _ = DcpFolder(run / "iter_0000010").state_tree(None)
+    items = [v for k, v in obj.items() if k.startswith("chained_") and k.split("/")[0].endswith(".optimizer")]
+    return [g for item in items for o in item for g in o["param_groups"]]
+
+
+def _saved_counters(run: Path, name: str) -> list[tuple]:
+    """(iteration, scheduler num_steps, scheduler max_lr, min_lr) of every file that saves them."""
+    files = [run / rel for rel in RANK_FILES] if "legacy" in name else [run / COMMON]
+    objs = [pr.load(f).obj for f in files]
+    return [(o["iteration"], *(o["opt_param_scheduler"][k] for k in ("num_steps", "max_lr", "min_lr"))) for o in objs]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_set_lr_and_set_step_edit_every_file_and_inner_optimizer(tmp_path, name):
+    """`set-lr --scale 0.5` then `set-step --step 5` (the library calls behind the commands), read back from the
+    files: every group of both inner optimizers in every file that holds one, each file's scheduler, the iteration,
+    and Adam's step where it is saved (plain Adam, torch_dist: each inner optimizer's common step in common.pt;
+    legacy: every parameter's state; the distributed optimizer: its groups); then through the reader: half the next
+    LR of every group, step 5 on every parameter, no warning."""
+    from ckpt_tools.ops import lr as ops_lr
+
+    run = _copy(tmp_path, name)
+    before = ckpt_tools.open_checkpoint(run)
+    ops_lr.set_lr(run, scale=0.5, backup_dir=tmp_path / "b1")
+    groups = _saved_groups(run, name)
+    assert len(groups) == {EP2: 4, DISTOPT: 6}.get(name, 8)
+    assert {(g["max_lr"], g["min_lr"]) for g in groups} == {(0.0015, 0.00015)}
+    assert {c[2:] for c in _saved_counters(run, name)} == {(0.0015, 0.00015)}
+    after = ckpt_tools.open_checkpoint(run)
+    assert list(after.lr.last_lr) == pytest.approx([x / 2 for x in before.lr.last_lr], rel=1e-12)
+    ops_lr.set_step(run, step=5, backup_dir=tmp_path / "b2")
+    assert {c[:2] for c in _saved_counters(run, name)} == {(5, 20)}  # num_steps in samples: 5 x global batch 4
+    if "distopt" in name:
+        assert {g["step"] for g in _saved_groups(run, name)} == {5}
+    elif name == EP2:
+        common = pr.load(run / COMMON).obj["optimizer"]
+        assert [common[k]["optimizer"]["state"]["common_step"].item() for k in (0, 1)] == [5, 5]
+    else:
+        states = [p["optimizer"]["state"] for rel in RANK_FILES for p in pr.load(run / rel).obj["optimizer"]]
+        assert {s["step"].item() for st in states for s in st.values()} == {5.0}
+    ck = ckpt_tools.open_checkpoint(run)
+    assert not ck.warnings, ck.warnings
+    assert (ck.counters.global_step, ck.counters.optimizer_step) == (5, 5)
+    assert set(_steps(ck).values()) == {5.0} and len(_steps(ck)) == 56
+
+
+def test_legacy_expert_parallel_folders_declared_vs_found(tmp_path):
+    """The legacy EP folders against what args declare: an inner optimizer's groups gone (one line, exit 2, naming
+    them: declared 4, found 2), an EP rank's folder gone (its experts would vanish), an expert beyond the ids args
+    allow; MoE at TP 2 (routers and experts split over TP: not read yet) refused naming MoE, at EP 1 and EP 2."""
+    from ckpt_tools.errors import CorruptCheckpoint, MissingFile, UnsupportedCheckpoint
+
+    run = _copy(tmp_path / "groups", EP2_LEGACY)
+    for rel in RANK_FILES:
+        _rewrite(run / rel, lambda o: o["optimizer"][1]["optimizer"].update(param_groups=[]))
+    proc = run_cli("inspect", run)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "declares 4 param groups" in proc.stderr and "expert wd_mult 0, expert wd_mult 1 missing" in proc.stderr
+
+    run = _copy(tmp_path / "folder", EP2_LEGACY)
+    shutil.rmtree(run / RANK_FILES[1].parent)
+    with pytest.raises(MissingFile, match=r"mp_rank_00_001 missing .*expert_model_parallel_size=2"):
+        ckpt_tools.open_checkpoint(run)
+
+    run = _copy(tmp_path / "experts", EP2_LEGACY)
+    _rewrite(run / RANK_FILES[1], lambda o: o["args"].state.update(num_experts=2))
+    _rewrite(run / RANK_FILES[0], lambda o: o["args"].state.update(num_experts=2))
+    with pytest.raises(CorruptCheckpoint, match="holds local expert 1 but args"):
+        ckpt_tools.open_checkpoint(run)
+
+    run = _copy(tmp_path / "tp1", "megatron_tp2_legacy")  # a TP 2 run whose args say MoE at EP 1: named, not a TP rule
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        _rewrite(run / "iter_0000010" / rank / "model_optim_rng.pt", lambda o: o["args"].state.update(num_experts=4))
+    with pytest.raises(UnsupportedCheckpoint, match=r"Mixture-of-Experts .*\(EP=1\) at TP=2"):
+        ckpt_tools.open_checkpoint(run)
+    run = _copy(tmp_path / "tp", EP2_LEGACY)
+    for rel in RANK_FILES:
+        _rewrite(run / rel, lambda o: o["args"].state.update(tensor_model_parallel_size=2))
+    with pytest.raises(UnsupportedCheckpoint, match=r"Mixture-of-Experts .*expert parallelism \(EP=2\) at TP=2, PP=1"):
+        ckpt_tools.open_checkpoint(run)
 
 
 MEGATRON = os.environ.get("MEGATRON_LM_DIR")
@@ -232,7 +390,7 @@ needs_megatron = pytest.mark.skipif(
 )
 
 
-def _worker(*args: str) -> subprocess.CompletedProcess:
+def _worker(name: str, *args: str) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         "-m",
@@ -246,7 +404,7 @@ def _worker(*args: str) -> subprocess.CompletedProcess:
         "-m",
         "ckpt_tools.samples.workers.megatron_lm",
         "--sample",
-        EP2,
+        name,
         *args,
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=900)
@@ -255,24 +413,60 @@ def _worker(*args: str) -> subprocess.CompletedProcess:
 
 
 @needs_megatron
-def test_megatron_reloads_the_bundled_sample_as_the_manifest_says():
-    """Megatron's own load_checkpoint restores the 4 groups' LRs and the Adam step the manifest (and inspect) give."""
-    proc = _worker("--check", str(sample("megatron_lm", EP2)))
+@pytest.mark.parametrize("name", [EP2, EP2_LEGACY])
+def test_megatron_reloads_the_bundled_sample_as_the_manifest_says(name):
+    """Megatron's own load_checkpoint restores the 4 groups' LRs and the Adam step the manifest (and inspect) give.
+    (The distributed-optimizer samples: Megatron-core 0.16.1's load without Apex / TransformerEngine fails on CPU,
+    KeyError 'step' in _set_main_param_and_optimizer_states; their edits are read back from the files above.)"""
+    proc = _worker(name, "--check", str(sample("megatron_lm", name)))
     assert proc.stdout.count("-> MATCH") == 2, proc.stdout[-3000:]
 
 
 @needs_megatron
-def test_a_fresh_sample_reads_as_its_own_manifest(tmp_path):
+@pytest.mark.parametrize("name", [EP2, DISTOPT])
+def test_a_fresh_sample_reads_as_its_own_manifest(tmp_path, name):
     """The sample remade by Megatron's pretrain + save_checkpoint: read against the manifest of that run."""
-    _worker("--out", str(tmp_path))
-    m = json.loads((tmp_path / f"{EP2}.manifest.json").read_text())
-    ck = ckpt_tools.open_checkpoint(tmp_path / EP2)
+    _worker(name, "--out", str(tmp_path))
+    m = json.loads((tmp_path / f"{name}.manifest.json").read_text())
+    ck = ckpt_tools.open_checkpoint(tmp_path / name)
     assert not ck.warnings, ck.warnings
     assert ck.counters.optimizer_step == m["counters"]["optimizer_step"]
     assert list(ck.lr.param_groups) == pytest.approx(m["lr"]["param_groups"], rel=1e-12)
     assert list(ck.lr.last_lr) == pytest.approx(m["lr"]["next_lr"], rel=1e-12)
     assert ck.parameter_count == m["parameters"]["count"]
     assert [bool(g["is_expert_parallel"]) for g in L.param_groups(ck)] == [False, False, True, True]
+
+
+@needs_megatron
+@pytest.mark.parametrize("name", [EP2, EP2_LEGACY])
+def test_megatron_resumes_the_edited_copies_as_ckpt_planned(tmp_path, name):
+    """The proof of the edits, by Megatron itself on both EP ranks: its pretrain loads an untouched copy and a
+    `set-lr --scale 0.5` copy (relaunched with --use-checkpoint-opt_param-scheduler, as the plan says) and trains 3
+    iterations: every group of both inner optimizers runs at exactly half the untouched LR at every iteration.
+    Its load_checkpoint of a `set-step --step 5` copy restores iteration 5, scheduler num_steps 20 and Adam step 5 in
+    both inner optimizers (every parameter)."""
+    import math
+
+    untouched, edited, stepped = (_copy(tmp_path / d, name) for d in ("a", "b", "c"))
+    assert run_cli("set-lr", edited, "--scale", "0.5", "--yes").returncode == 0
+    assert run_cli("set-step", stepped, "--step", "5", "--yes").returncode == 0
+    runs = []
+    for run, record in ((untouched, tmp_path / "a.json"), (edited, tmp_path / "b.json")):
+        _worker(
+            name, "--resume", str(run), "--record", str(record), "--megatron-args=--use-checkpoint-opt_param-scheduler"
+        )
+        runs.append(sorted(json.loads(record.read_text()), key=lambda r: r["rank"]))
+    a, b = runs
+    assert len(b) == 2
+    for ra, rb in zip(a, b, strict=True):
+        assert len(rb["history"]) == 3 and all(len(h["lr"]) == 4 for h in rb["history"])
+        for ha, hb in zip(ra["history"], rb["history"], strict=True):
+            assert all(math.isclose(y, x / 2, rel_tol=1e-12) for x, y in zip(ha["lr"], hb["lr"], strict=True))
+    proc = _worker(name, "--check", str(stepped))  # no manifest beside the copy: prints what Megatron restored
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("[check rank")]
+    assert len(lines) == 2 and all(
+        "iteration 5," in x and "scheduler num_steps 20," in x and x.endswith("adam steps [5]") for x in lines
+    ), lines
 
 
 def test_a_legacy_rank_file_with_a_chained_optimizer_is_refused_by_name(tmp_path):

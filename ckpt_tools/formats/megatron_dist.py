@@ -17,6 +17,12 @@ set-lr rewrites whole). Its flat bucket buffers are mapped back to parameters (`
 range found from the DCP chunk boundaries and confirmed by its weights), or shown unmapped when that fails.
 With PP > 1 and tied embeddings the last stage's output-layer copy is saved under the word embeddings' key with
 another replica id, so the files hold it once.
+
+Mixture-of-Experts: the routed experts are stacked on a second axis of `num_experts` (global ids) and shown one
+parameter per expert (`….mlp.experts.local_experts.{e}.…`, the legacy format's names made global). The optimizer is
+a ChainedOptimizer (dense, expert): with plain Adam common.pt keeps `optimizer[0]`, `optimizer[1]`, each with its own
+param groups and common step; with the distributed optimizer its keys carry `chained_0.` / `chained_1.` (the expert
+one's buckets one domain per EP rank), each with its own sharded param groups.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ META = "metadata.json"
 _LAYERS = "decoder.layers."
 _STATE = "optimizer.state."
 _DIST = "optimizer.distributed."
+#: a ChainedOptimizer's distributed inner optimizers (MoE at EP > 1: 0 dense, 1 expert) prefix their keys
+_CHAINED_DIST = re.compile(r"^chained_(\d+)\.optimizer\.distributed\.")
 
 
 def _is_iter(d: Path) -> bool:
@@ -80,34 +88,52 @@ def sniff(path: Path) -> bool:
     return _locate(path) is not None
 
 
-def _slice(node: TensorNode, i: int, starts: list[int]) -> TensorNode:
-    """Layer `i` of a tensor stacked on a leading layer axis (`starts`: its pieces' sorted dst offsets)."""
+def _slice(node: TensorNode, i: int, starts: list[int], axis: str = "layer") -> TensorNode:
+    """Entry `i` of a tensor stacked on a leading axis (`starts`: its pieces' sorted dst offsets)."""
     shape = tuple(node.shape[1:])
     n = math.prod(shape)
-    out = _range(node, i * n, n, shape, starts, {"layer": i})
+    out = _range(node, i * n, n, shape, starts, {axis: i})
     if isinstance(node.value, list) and len(node.value) == node.numel:
         out = replace(out, value=node.value[i * n : (i + 1) * n] if n > 1 else node.value[i * n])
     return out
 
 
-def _unstack(flat: dict[str, TensorNode], layers: int, where: Path) -> dict[str, TensorNode]:
+def _split(name: str, node: TensorNode, count: int, axis: str, where: Path) -> list[TensorNode]:
+    """The `count` entries of `node` along its leading `axis` (layer, expert), which args say it has."""
+    if not node.shape or node.shape[0] != count:
+        raise CorruptCheckpoint(
+            f"{name}: shape {list(node.shape)} has no leading {axis} axis of {count} (args.num_{axis}s)",
+            path=where,
+            hint="the args and the tensors disagree",
+        )
+    starts = [p.dst_offset for p in node.pieces]
+    if starts != sorted(starts):
+        raise CorruptCheckpoint(f"{name}: pieces out of order", path=where)
+    return [_slice(node, i, starts, axis) for i in range(count)]
+
+
+#: a layer's routed experts as torch_dist stacks them (after the layer axis is unstacked): [num_experts, ...]
+_STACKED_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)experts\.(.*)$")
+
+
+def _unstack(flat: dict[str, TensorNode], layers: int, where: Path, experts: int = 0) -> dict[str, TensorNode]:
+    """The layer axis unstacked (`decoder.layers.{i}.…`), and with `experts` the routed experts' axis too: Megatron's
+    sharded `….mlp.experts.experts.<rest>` [layers, num_experts, ...] (global expert ids, whatever the EP size)
+    becomes `….mlp.experts.local_experts.{e}.<rest>`, the name an EP 1 run's SequentialMLP (and the legacy format,
+    ids made global) gives expert e: the two formats of one run read under the same names."""
     out: dict[str, TensorNode] = {}
     for name, node in flat.items():
         if not name.startswith(_LAYERS):
             out[name] = node
             continue
-        if not node.shape or node.shape[0] != layers:
-            raise CorruptCheckpoint(
-                f"{name}: shape {list(node.shape)} has no leading layer axis of {layers} (args.num_layers)",
-                path=where,
-                hint="the args and the tensors disagree",
-            )
-        rest = name[len(_LAYERS) :]
-        starts = [p.dst_offset for p in node.pieces]
-        if starts != sorted(starts):
-            raise CorruptCheckpoint(f"{name}: pieces out of order", path=where)
-        for i in range(layers):
-            out[f"{_LAYERS}{i}.{rest}"] = _slice(node, i, starts)
+        for i, part in enumerate(_split(name, node, layers, "layer", where)):
+            one = f"{_LAYERS}{i}.{name[len(_LAYERS) :]}"
+            m = _STACKED_EXPERTS.match(one) if experts else None
+            if m is None:
+                out[one] = part
+                continue
+            for e, expert in enumerate(_split(one, part, experts, "expert", where)):
+                out[f"{m[1]}local_experts.{e}.{m[2]}"] = expert
     return out
 
 
@@ -140,24 +166,28 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     tensors = {
         k: v for k, v in _flat(base.tree.children.get("model", GroupNode({}))).items() if isinstance(v, TensorNode)
     }
-    chained = sorted({k.split(".", 1)[0] for k in tensors if re.match(r"chained_\d+\.optimizer\.", k)})
-    if chained:  # MoE runs chain a dense and an expert optimizer: their state keys carry a chained_N. prefix
+    # MoE runs with the distributed optimizer chain a dense and an expert one: their keys carry a chained_N. prefix
+    chains = sorted({int(m[1]) for k in tensors if (m := _CHAINED_DIST.match(k))})
+    other = sorted(
+        {k.split(".", 1)[0] for k in tensors if re.match(r"chained_\d+\.", k) and not _CHAINED_DIST.match(k)}
+    )
+    if other:
         raise UnsupportedCheckpoint(
-            f"a Megatron-LM torch_dist checkpoint with {len(chained)} chained optimizers "
-            f"({', '.join(chained)}: a Mixture-of-Experts run's dense and expert "
-            "optimizers): ckpt does not map chained optimizer state yet",
+            f"a Megatron-LM torch_dist checkpoint with chained optimizer state ckpt does not know "
+            f"({', '.join(other)}: not a distributed optimizer's buckets): not mapped",
             path=it,
         )
     # never a weight: any optimizer key (a prefix ckpt does not know still names an `optimizer.` segment)
     weights = {k: v for k, v in tensors.items() if not k.startswith("optimizer.") and ".optimizer." not in f".{k}"}
-    model = _unstack(weights, layers, it)
+    experts = as_int(args.get("num_experts")) or 0
+    model = _unstack(weights, layers, it, experts)
     state: dict[str, dict[str, Any]] = {}
     for key, node in tensors.items():
         if key.startswith(_STATE):
             kind, _, pname = key[len(_STATE) :].partition(".")
-            for name, part in _unstack({pname: node}, layers, it).items():
+            for name, part in _unstack({pname: node}, layers, it, experts).items():
                 state.setdefault(name, {})["fp32" if kind == "fp32_param" else kind] = part
-    distributed = {k: v for k, v in tensors.items() if k.startswith(_DIST)}
+    distributed = {k: v for k, v in tensors.items() if k.startswith(_DIST) or _CHAINED_DIST.match(k)}
     mapped = _map_buckets(distributed, model, it, args) if distributed and not state else None
     if mapped is not None:
         state = {n: mapped[n] for n in model}  # shown in model order (the buckets hold them in reverse)
@@ -170,7 +200,18 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         groups += mine
         owner += [k] * len(mine)
         inner_steps.append(_common_step(osd))
-    if not groups and distributed:
+    if not groups and distributed and chains:
+        # each inner distributed optimizer's groups in a sharded object of its own (dense, then expert), each with
+        # Adam's step; common.pt's `optimizer` holds only each one's sharding type
+        inner, owner, inner_steps = [], [], []
+        for k, c in enumerate(chains):
+            mine = _sharded_param_groups(it, f"chained_{c}.{_DIST}")
+            inner.append({"param_groups": mine})
+            groups += mine
+            owner += [k] * len(mine)
+            seen = {as_int(g.get("step")) for g in mine}
+            inner_steps.append(seen.pop() if len(seen) == 1 else None)
+    elif not groups and distributed:
         groups = _sharded_param_groups(it)
     found_steps = [x for x in inner_steps if x is not None]
     step = found_steps[0] if found_steps and len(set(found_steps)) == 1 else None
@@ -287,25 +328,25 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         "consumed_train_samples": args.get("consumed_train_samples"),
         "floating_point_operations": common.get("num_floating_point_operations_so_far"),
         "optimizer": (
-            "distributed (flat buckets"
-            + (
-                ", mapped to parameters: each one's range found in the bucket and checked against its weights)"
-                if mapped is not None
-                else ", not mapped)"
+            (
+                "distributed (flat buckets"
+                + (
+                    ", mapped to parameters: each one's range found in the bucket and checked against its weights)"
+                    if mapped is not None
+                    else ", not mapped)"
+                )
             )
+            if distributed
+            else "Adam (per-parameter state)"
         )
-        if distributed
-        else "Adam (per-parameter state)"
-        + (
-            f", a ChainedOptimizer of {len(inner)} (dense, expert): param groups "
-            + ", ".join(f"{i} {'expert' if g.get('is_expert_parallel') else 'dense'}" for i, g in enumerate(groups))
-            if len(inner) > 1
-            else ""
-        ),
-        "layers": f"stacked on a leading axis of {layers} in the files; shown per layer",
+        + megatron_lm.chained_note(groups, len(inner)),
+        "layers": f"stacked on a leading axis of {layers} in the files; shown per layer"
+        + (f", the routed experts on a second axis of {experts} (global expert ids)" if experts else ""),
         "tp_replicas": "Megatron's torch_dist saves each TP-replicated tensor once (one replica id), so the "
         "files hold no replicas to compare; the legacy format keeps every TP rank's copy",
     }
+    if megatron_lm.experts_note(model, args):
+        details["experts"] = megatron_lm.experts_note(model, args)
     if sched:
         details["scheduler"] = (
             f"OptimizerParamScheduler num_steps={sched.get('num_steps')}, "
@@ -554,23 +595,25 @@ def _common_step(osd: dict) -> int | None:
     return as_int(ref.item()) if hasattr(ref, "item") and getattr(ref, "numel", 0) == 1 else None
 
 
-def _sharded_param_groups(it: Path) -> list[dict]:
+def _sharded_param_groups(it: Path, prefix: str = _DIST) -> list[dict]:
     """The distributed optimizer's param groups, saved as one sharded object (`optimizer.distributed.
-    dp_group_idx_N.optimizer/shard_…`: [{param_groups: [...]}]) in the DCP: small pickled items, read inert."""
+    dp_group_idx_N.optimizer/shard_…`: [{param_groups: [...]}]) in the DCP: small pickled items, read inert.
+    `prefix`: a chained inner optimizer's keys (`chained_1.optimizer.distributed.`)."""
     from .dcp import DcpItems
 
     folder = DcpItems(it)
-    tops = tuple(k for k in folder.sdm if k.startswith(_DIST) and ".optimizer/shard_" in k)
+    tops = tuple(k for k in folder.sdm if k.startswith(prefix) and ".optimizer/shard_" in k)
     obj, _index = folder.state_tree(tops)  # the optimizer's object only, not every small item again
     per_domain: list[list[dict]] = []
     for key, v in sorted(obj.items(), key=lambda kv: str(kv[0])):
-        if str(key).startswith(_DIST) and "/shard_" in str(key) and str(key).split("/")[0].endswith(".optimizer"):
+        if str(key).startswith(prefix) and "/shard_" in str(key) and str(key).split("/")[0].endswith(".optimizer"):
             groups: list[dict] = []
             for o in v if isinstance(v, list) else [v]:
                 if isinstance(o, dict) and isinstance(o.get("param_groups"), list):
                     groups += [g for g in o["param_groups"] if isinstance(g, dict)]
             per_domain.append(groups)
-    # at TP x PP > 1 each model-parallel domain saves its own copy of the same groups: one copy is the run's;
+    # at TP x PP > 1 (and an expert optimizer at EP > 1) each domain saves its own copy of the same groups: one copy
+    # is the run's;
     # copies that differ are all shown, so the difference stays visible
     if per_domain and all(repr(g) == repr(per_domain[0]) for g in per_domain[1:]):
         return per_domain[0]

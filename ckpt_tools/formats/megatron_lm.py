@@ -22,8 +22,13 @@ is refused by name rather than guessed.
 Pipeline stages (`mp_rank_XX_YYY`) and virtual-pipeline model chunks (`model0`, `model1`, … in each rank file) number
 their layers from 0 and are renumbered by Megatron's layer offset; the stages must hold exactly layers
 0..num_layers-1. With tied embeddings the last stage's `output_layer.weight` is Megatron's copy of the word
-embeddings, shown under `tied_copies` and counted once. Uneven stages, expert parallelism and multi-token prediction
-are refused by name.
+embeddings, shown under `tied_copies` and counted once. Uneven stages and multi-token prediction are refused by name.
+
+Mixture-of-Experts at expert parallel EP > 1 (TP 1, PP 1; with TP or PP > 1 refused by name): one folder per EP rank,
+`mp_rank_00_{e:03d}`, each holding the dense parameters (data-parallel replicas) and its experts under LOCAL ids;
+shown under global ids (`_model_ep`). Its optimizer is a ChainedOptimizer (dense, expert), saved as a list of inner
+optimizers in every rank file (and in `distrib_optim.pt`, None where the rank does not save that inner one), read
+inner optimizer by inner optimizer (`_optimizer`).
 
 Where the training state lives: every rank file holds the same param groups (`max_lr`/`min_lr` drive the LR: Megatron
 recomputes it every step from them and `opt_param_scheduler.num_steps`) and its own copy of the scheduler, so an
@@ -63,7 +68,8 @@ FORMAT = "megatron_legacy"
 LATEST = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
 DISTRIB = "distrib_optim.pt"
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+#: mp_rank_TT, mp_rank_TT_PPP (pipeline stages) or mp_rank_TT_EEE (expert-parallel ranks, PP 1), mp_rank_TT_PPP_EEE
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _ITER_DIR = re.compile(r"^(iter_\d{7}|release)$")
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
 
@@ -83,13 +89,16 @@ def sniff(path: Path) -> bool:
     return path.is_dir() and _locate(path) is not None
 
 
-def _rank_dirs(d: Path) -> dict[tuple[int, int], Path]:
-    out = {}
+def _rank_dirs(d: Path) -> dict[tuple[int, ...], Path]:
+    """{(tp, second number): folder}: the second number is the pipeline stage, or with expert parallelism at PP 1
+    the expert-parallel rank (only the args tell which); a folder with both numbers is keyed (tp, pp, ep)."""
+    out: dict[tuple[int, ...], Path] = {}
     if d.is_dir():
         for sub in d.iterdir():
             m = _RANK_DIR.match(sub.name)
             if m and sub.is_dir() and ((sub / RANK_FILE).is_file() or (sub / DISTRIB).is_file()):
-                out[(int(m[1]), int(m[2] or 0))] = sub
+                key = (int(m[1]), int(m[2] or 0)) if m[3] is None else (int(m[1]), int(m[2]), int(m[3]))
+                out[key] = sub
     return out
 
 
@@ -182,13 +191,22 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
             hint="Megatron-LM saves its launch arguments in every rank file",
         )
     ep = as_int(args.get("expert_model_parallel_size")) or 1
-    if ep > 1:  # folders mp_rank_TT[_PPP]_EEE: the pattern below would take an EP rank for a pipeline stage
+    experts = as_int(args.get("num_experts")) or 0
+    if (experts and tp > 1) or (ep > 1 and pp > 1):  # routers, experts split over (expert) TP; mp_rank_TT_PPP_EEE
+        etp = as_int(args.get("expert_tensor_parallel_size"))
         raise UnsupportedCheckpoint(
-            f"a Megatron-LM legacy checkpoint with expert parallelism (EP={ep}: one "
-            "mp_rank_TT[_PPP]_EEE folder per expert-parallel rank): ckpt does not merge "
-            "expert-parallel ranks of this format yet",
+            f"a Megatron-LM legacy Mixture-of-Experts checkpoint with expert parallelism (EP={ep}) at TP={tp}, "
+            f"PP={pp} (expert TP={etp}): ckpt reads legacy MoE rank folders at TP 1 (and at EP > 1 with PP 1) only "
+            "yet",
             path=it,
         )
+    # with EP > 1 (PP 1) the folders are mp_rank_00_EEE: the second number of a rank key is the EP rank
+    slots = ep if ep > 1 else pp
+    sizes = f"expert_model_parallel_size={ep}" if ep > 1 else f"pipeline_model_parallel_size={pp}"
+
+    def coords(key: tuple[int, ...]) -> dict[str, int]:
+        return {"tp": key[0], "ep": key[1]} if ep > 1 else {"tp": key[0], "pp": key[1]}
+
     if as_int(args.get("mtp_num_layers")):
         raise UnsupportedCheckpoint(
             f"a Megatron-LM checkpoint with multi-token prediction (mtp_num_layers="
@@ -198,23 +216,23 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         )
     vpp = as_int(args.get("virtual_pipeline_model_parallel_size")) or 0
     warnings: list[Warning_] = []
-    want = {(t, p) for t in range(tp) for p in range(pp)}
+    want = {(t, p) for t in range(tp) for p in range(slots)}
     gone = sorted(want - set(ranks))
     if gone:
-        names = ", ".join(_dir_name(t, p, pp) for t, p in gone)
+        names = ", ".join(_dir_name(t, p, slots) for t, p in gone)
         raise MissingFile(
-            f"rank folder(s) {names} missing (args: tensor_model_parallel_size={tp}, "
-            f"pipeline_model_parallel_size={pp})",
+            f"rank folder(s) {names} missing (args: tensor_model_parallel_size={tp}, {sizes})",
             path=it,
             hint="copy every rank folder back; each holds that rank's shards and optimizer state",
         )
-    for t, p in sorted(set(ranks) - want):
+    for key in sorted(set(ranks) - want):
         warnings.append(
             Warning_(
                 "extra-rank-file",
-                f"{ranks[(t, p)].name} is beyond the sizes args declare "
-                f"(TP={tp}, PP={pp}): left over from another run? Move it out of the folder",
-                str(ranks[(t, p)].relative_to(root)),
+                f"{ranks[key].name} is beyond the sizes args declare "
+                f"(TP={tp}, PP={pp}{f', EP={ep}' if ep > 1 else ''}): left over from another run? Move it out of "
+                "the folder",
+                str(ranks[key].relative_to(root)),
             )
         )
     objs: dict[tuple[int, int], dict] = {}
@@ -258,14 +276,17 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
                 path=f,
             )
         objs[key] = o
-        files.append(C.file_info(f, root, "model", {"tp": key[0], "pp": key[1]}))
+        files.append(C.file_info(f, root, "model", coords(key)))
         if (ranks[key] / DISTRIB).is_file():
-            files.append(C.file_info(ranks[key] / DISTRIB, root, "optimizer", {"tp": key[0], "pp": key[1]}))
+            files.append(C.file_info(ranks[key] / DISTRIB, root, "optimizer", coords(key)))
 
-    model, names_by_rank, local, origin, tied_copies = _model(objs, tp, pp, args, cache, ranks, root)
+    if ep > 1:
+        model, names_by_rank, local, origin, tied_copies = _model_ep(objs, ep, args, cache, ranks, root)
+    else:
+        model, names_by_rank, local, origin, tied_copies = _model(objs, tp, pp, args, cache, ranks, root)
     distributed = bool(args.get("use_distributed_optimizer")) or any((d / DISTRIB).is_file() for d in ranks.values())
     optim, groups, steps = _optimizer(
-        objs, names_by_rank, local, model, origin, tp, distributed, cache, ranks, warnings
+        objs, names_by_rank, local, model, origin, tp, distributed, cache, ranks, warnings, coords
     )
     tree: dict[str, Any] = {"model": GroupNode(model)}
     if tied_copies:
@@ -314,9 +335,12 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         "checkpoint_version": obj0.get("checkpoint_version"),
         "consumed_train_samples": args.get("consumed_train_samples"),
         "floating_point_operations": obj0.get("num_floating_point_operations_so_far"),
-        "optimizer": details_distopt if distributed else "Adam (per-parameter state)",
+        "optimizer": (details_distopt if distributed else "Adam (per-parameter state)")
+        + chained_note(groups, len(_inner_parts(obj0.get("optimizer")))),
         "weights": "bf16/fp16 model, fp32 master in the optimizer" if mapped else "as saved in `model`",
     }
+    if experts_note(model, args):
+        details["experts"] = experts_note(model, args)
     if tied_copies:
         details["tied_embeddings"] = (
             "output_layer.weight on the last pipeline stage is Megatron's copy of "
@@ -493,6 +517,96 @@ def _model(objs, tp, pp, args, cache, ranks, root):
     return model, names_by_rank, local, origin, copies
 
 
+_LOCAL_EXPERT = re.compile(r"^(decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def _model_ep(objs, ep, args, cache, ranks, root):
+    """`_model` for expert parallelism (EP > 1, TP 1, PP 1: folders mp_rank_00_EEE, keyed (0, e)). Each EP rank's
+    file holds the dense parameters (replicas over the data-parallel group: EP rank 0's are read) and its own
+    experts under LOCAL ids `decoder.layers.L.mlp.experts.local_experts.{j}.…`; EP rank e holds global experts
+    e * n .. e * n + n - 1 (n = num_experts / EP, Megatron-core's `local_expert_indices`). Named here by their
+    GLOBAL id, as an EP 1 run names them. Every layer must hold all num_experts experts; every EP rank the same
+    dense parameters."""
+    experts = as_int(args.get("num_experts")) or 0
+    layers = as_int(args.get("num_layers")) or 0
+    if not experts or experts % ep:
+        raise CorruptCheckpoint(
+            f"args say expert_model_parallel_size={ep} but num_experts={args.get('num_experts')}: the experts do not "
+            "split evenly over the expert-parallel ranks",
+            path=root,
+        )
+    per = experts // ep
+    names_by_rank: dict[tuple[int, int], list[str]] = {}
+    local: dict[tuple[int, int], dict[str, TensorRef]] = {}
+    for key, o in sorted(objs.items()):
+        m = o.get("model") if isinstance(o.get("model"), dict) else {}
+        local[key] = {str(k): v for k, v in m.items() if isinstance(v, TensorRef)}
+        names_by_rank[key] = list(local[key])
+    dense0 = [n for n in names_by_rank[(0, 0)] if not _LOCAL_EXPERT.match(n)]
+    placed: dict[str, tuple[str, tuple[int, int]]] = {}  # global name -> (local name, rank key)
+    for key in sorted(objs):
+        e = key[1]
+        dense = [n for n in names_by_rank[key] if not _LOCAL_EXPERT.match(n)]
+        if dense != dense0:
+            raise CorruptCheckpoint(
+                f"{ranks[key].name} holds other dense (non-expert) parameters than {ranks[(0, 0)].name}: files from "
+                "different runs",
+                path=ranks[key] / RANK_FILE,
+            )
+        for n in names_by_rank[key]:
+            m = _LOCAL_EXPERT.match(n)
+            if m is None:
+                if e == 0:
+                    placed[n] = (n, key)
+                continue
+            if int(m[3]) >= per:
+                raise CorruptCheckpoint(
+                    f"{ranks[key].name} holds local expert {m[3]} but args (num_experts={experts}, EP={ep}) give "
+                    f"each expert-parallel rank {per}: the args and the files disagree",
+                    path=ranks[key] / RANK_FILE,
+                )
+            placed[f"{m[1]}{e * per + int(m[3])}{m[4]}"] = (n, key)
+    # the order of an EP 1 run: each layer's experts 0 .. num_experts - 1 where EP rank 0's local experts are
+    at = {n: i for i, n in enumerate(names_by_rank[(0, 0)])}
+    block = {}  # a layer's expert prefix -> where its first local expert starts on EP rank 0
+    for n, i in at.items():
+        if m := _LOCAL_EXPERT.match(n):
+            block.setdefault(m[1], i)
+
+    def order(g: str) -> tuple[int, int, int]:
+        m = _LOCAL_EXPERT.match(g)
+        if m is None:
+            return (at[g], 0, 0)
+        return (block.get(m[1], len(at)), int(m[3]), at.get(f"{m[1]}0{m[4]}", 0))
+
+    model: dict[str, TensorNode] = {}
+    origin: dict[str, tuple[int, str]] = {}
+    for g in sorted(placed, key=order):
+        n, key = placed[g]
+        model[g] = tensor_node(local[key][n], cache.rel(ranks[key] / RANK_FILE), {"ep": key[1]})
+        origin[g] = (key[1], n)
+    found = {int(m[2]) for n in model if (m := _LAYER.match(n))}
+    if found != set(range(layers)):
+        raise CorruptCheckpoint(
+            f"args say num_layers={layers} but the rank files hold layers {_ranges(sorted(found))}",
+            path=root,
+            hint="the args and the files disagree: files from different runs?",
+        )
+    held: dict[str, set[int]] = {}
+    for g in model:
+        if m := _LOCAL_EXPERT.match(g):
+            held.setdefault(m[2], set()).add(int(m[3]))
+    short = {layer: ids for layer, ids in held.items() if ids != set(range(experts))}
+    if short:
+        layer, ids = sorted(short.items())[0]
+        raise CorruptCheckpoint(
+            f"args say num_experts={experts} but layer {layer} holds experts {_ranges(sorted(ids))}: an "
+            "expert-parallel rank's experts are missing",
+            path=root,
+        )
+    return model, names_by_rank, local, origin, {}
+
+
 def _ranges(xs: list[int]) -> str:
     out, i = [], 0
     while i < len(xs):
@@ -514,93 +628,191 @@ def _chunk_of(key: str) -> tuple[int, str]:
     return (int(head[5:]), rest) if sep and head.startswith("model") and head[5:].isdigit() else (0, key)
 
 
-def _optimizer(objs, names_by_rank, local, model, origin, tp, distributed, cache, ranks, problems):
+def _inner_parts(saved: Any) -> list[Any]:
+    """A saved Megatron optimizer as its inner optimizers' own dicts ({`optimizer`, `fp32_from_fp16_params`}), in
+    Megatron's order: itself, or each inner optimizer of a ChainedOptimizer (saved as a list; MoE: dense, expert);
+    a distributed optimizer's `distrib_optim.pt` of a chained one holds a list too (None where this rank is not the
+    inner optimizer's data-parallel rank 0)."""
+    return list(saved) if isinstance(saved, (list, tuple)) else [saved]
+
+
+def _part_names(names: list[str], shapes: dict[str, tuple], groups: list[dict], chained: int, args: dict) -> list[str]:
+    """The parameters (of `names`, model order) one inner optimizer of a ChainedOptimizer of `chained` holds: all of
+    them without chaining; at EP > 1 (dense, expert) the expert ones when its groups say `is_expert_parallel`."""
+    expert = {bool(g.get("is_expert_parallel")) for g in groups}
+    if not groups and chained > 1:
+        return []  # an inner optimizer without groups maps no parameter (the accounting names the lost groups)
+    if chained == 1 and (len(expert) != 1 or not expert_parallel(args)):
+        return list(names)
+    if chained > 2 or len(expert) != 1 or not expert_parallel(args):
+        raise UnsupportedCheckpoint(
+            f"a Megatron-LM legacy rank file whose optimizer is a ChainedOptimizer of {chained} other than the "
+            "(dense, expert) pair of a Mixture-of-Experts run at EP > 1: ckpt does not map its state"
+        )
+    want = expert.pop()
+    return [n for n in names if _group_key(n, shapes[n], args)[0] == want]
+
+
+def chained_note(groups: list[dict], inner: int) -> str:
+    """ ", a ChainedOptimizer of 2 (dense, expert): param groups 0 dense, …" for a chained optimizer, else ""."""
+    if inner < 2:
+        return ""
+    kinds = ", ".join(f"{i} {'expert' if g.get('is_expert_parallel') else 'dense'}" for i, g in enumerate(groups))
+    return f", a ChainedOptimizer of {inner} (dense, expert): param groups {kinds}"
+
+
+def experts_note(model: dict[str, TensorNode], args: dict) -> str | None:
+    """What inspect says of a Mixture-of-Experts model: experts per MoE layer, which global ids each expert-parallel
+    rank holds, the expert and dense parameters (tensors, elements), from the parameters read (global expert ids)
+    and the args; None for a dense model."""
+    experts = as_int(args.get("num_experts")) or 0
+    if not experts:
+        return None
+    ep = as_int(args.get("expert_model_parallel_size")) or 1
+    per_layer: dict[str, set[int]] = {}
+    routed = [n for n in model if _LOCAL_EXPERT.match(n)]
+    for n in routed:
+        m = _LOCAL_EXPERT.match(n)
+        per_layer.setdefault(m[2], set()).add(int(m[3]))
+    shared = [n for n in model if ".mlp.shared_experts." in n]
+    dense = [n for n in model if n not in set(routed) and n not in set(shared)]
+    per = experts // ep if experts % ep == 0 else None
+    ranks = "; ".join(f"EP rank {r}: {r * per}-{r * per + per - 1}" for r in range(ep)) if per and ep > 1 else "EP 1"
+    counts = sorted({len(v) for v in per_layer.values()})
+    return (
+        f"{'/'.join(map(str, counts)) or 0} of num_experts={experts} in each of {len(per_layer)} MoE layer(s), by "
+        f"global id ({ranks}); routed experts {len(routed)} tensors, {sum(model[n].numel for n in routed):,} "
+        f"elements"
+        + (f"; shared experts {len(shared)} tensors" if shared else "")
+        + f"; dense {len(dense)} tensors, {sum(model[n].numel for n in dense):,} elements"
+    )
+
+
+def _owner(group: int, offset: list[int]) -> int:
+    """The inner optimizer (of a ChainedOptimizer whose groups start at `offset`) that holds param group `group`."""
+    return max(k for k, start in enumerate(offset) if start <= group)
+
+
+def _optimizer(objs, names_by_rank, local, model, origin, tp, distributed, cache, ranks, problems, coords):
     """(the merged `optimizer` node or None, rank 0's param groups, the Adam steps seen). Plain Adam: the param ids
     of each rank's groups are mapped to its parameters (Megatron groups by weight decay / LR multiplier, each in
-    model order), the fp32 master from `fp32_from_fp16_params`, then merged across TP like the model."""
+    model order), the fp32 master from `fp32_from_fp16_params`, then merged across TP like the model. A
+    ChainedOptimizer (MoE at EP > 1: dense, expert; a list of inner optimizers) is read inner optimizer by inner
+    optimizer, each over its own parameters and numbering its own param ids; its groups follow one another (dense,
+    then expert), as `ChainedOptimizer.param_groups` lists them."""
     o0 = objs[min(objs)]
-    chained = len(inner_optimizers(o0.get("optimizer"))) if o0.get("optimizer") is not None else 0
-    if chained > 1:  # ChainedOptimizer.state_dict(): a list, one entry per inner optimizer (MoE: dense, expert)
-        raise UnsupportedCheckpoint(
-            f"a Megatron-LM legacy rank file whose optimizer is a ChainedOptimizer of "
-            f"{chained} (a Mixture-of-Experts run's dense and expert optimizers): ckpt does "
-            "not map chained optimizer state of this format yet",
-            path=ranks[min(objs)],
-        )
-    osd = o0.get("optimizer") if isinstance(o0.get("optimizer"), dict) else {}
-    inner0 = osd.get("optimizer") if isinstance(osd.get("optimizer"), dict) else osd
-    groups = [g for g in (inner0.get("param_groups") or []) if isinstance(g, dict)]
+    args = args_of(o0)
+    parts0 = [p for p in _inner_parts(o0.get("optimizer")) if isinstance(p, dict)]
+    inner_groups = [
+        [g for g in (osd.get("param_groups") or []) if isinstance(g, dict)] for osd in inner_optimizers(parts0)
+    ]
+    groups = [g for gs in inner_groups for g in gs]
+    offset = [sum(len(gs) for gs in inner_groups[:k]) for k in range(len(inner_groups))]
+    chained = len(inner_groups)
     steps: list[int] = []
     per_rank: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
     if distributed:
         for g in groups:
             if as_int(g.get("step")) is not None:
                 steps.append(as_int(g.get("step")))
-        args = args_of(o0)
         for key in sorted(objs):
             f = ranks[key] / DISTRIB
-            entries = (
-                _distopt_entries(
-                    cache.load(f).obj, names_by_rank[key], local[key], args, cache.rel(f), {"tp": key[0], "pp": key[1]}
+            saved = _inner_parts(cache.load(f).obj) if f.is_file() else [None] * chained
+            shapes = {n: tuple(r.shape) for n, r in local[key].items()}
+            entries: dict[str, dict[str, Any]] | None = {} if len(saved) == chained else None
+            for k, part in enumerate(saved if entries is not None else ()):
+                mine = _part_names(names_by_rank[key], shapes, inner_groups[k], chained, args)
+                if part is None and chained > 1 and key[1] > 0:
+                    continue  # this inner optimizer's state is saved by its data-parallel rank 0's folder
+                found = (
+                    _distopt_entries(part, mine, local[key], args, cache.rel(f), coords(key))
+                    if part is not None
+                    else None
                 )
-                if f.is_file()
-                else None
-            )
+                if found is None:
+                    entries = None
+                    break
+                entries.update(found)
             if entries is None:
                 shown = {str(i): GroupNode({k: to_node(v, "") for k, v in g.items()}) for i, g in enumerate(groups)}
                 return GroupNode({"param_groups": GroupNode(shown)}), groups, steps
-            step = steps[0] if steps and len(set(steps)) == 1 else None
             rule = group_rule(groups, args)  # the buffers do not record it: Megatron's own grouping rule
-            per_rank[key] = {
-                n: {
+            per_rank[key] = {}
+            for n, e in entries.items():
+                gi = rule(n, local[key][n].shape) if rule else None
+                inner_steps = (
+                    {as_int(g.get("step")) for g in inner_groups[_owner(gi, offset)]} if gi is not None else set()
+                )
+                step = steps[0] if steps and len(set(steps)) == 1 else None
+                if len(inner_steps) == 1 and None not in inner_steps:
+                    step = next(iter(inner_steps))
+                per_rank[key][n] = {
                     **e,
                     **({"step": step} if step is not None else {}),
-                    **({"param_group": rule(n, local[key][n].shape)} if rule else {}),
+                    **({"param_group": gi} if gi is not None else {}),
                 }
-                for n, e in entries.items()
-            }
+    if not chained and not distributed:
+        if not args.get("no_save_optim"):
+            problems.append(
+                Warning_(
+                    "optimizer-state-missing",
+                    "the rank files hold no optimizer state although args.no_save_optim is not set: a resume "
+                    "starts the optimizer afresh",
+                    cache.rel(ranks[min(objs)] / RANK_FILE),
+                )
+            )
+        return None, [], []
     for key, o in () if distributed else objs.items():
-        opt = o.get("optimizer") if isinstance(o.get("optimizer"), dict) else {}
-        inner = opt.get("optimizer") if isinstance(opt.get("optimizer"), dict) else {}
-        state = inner.get("state") if isinstance(inner.get("state"), dict) else {}
-        gids = [list(g.get("params") or []) for g in inner.get("param_groups") or [] if isinstance(g, dict)]
-        names = names_by_rank[key]
-        id_shapes = {
-            i: next((tuple(v.shape) for v in s.values() if isinstance(v, TensorRef) and v.numel > 1), None)
-            for i, s in state.items()
-            if isinstance(s, dict)
-        }
-        ids = match_param_ids(gids, id_shapes, names, {n: tuple(r.shape) for n, r in local[key].items()})
-        rel = cache.rel(ranks[key] / RANK_FILE)
-        if ids is None:
-            raise UnsupportedCheckpoint(
-                f"{rel}: the optimizer's {sum(map(len, gids))} parameter ids do not map onto "
-                f"the {len(names)} model parameters by group and shape: ckpt will not guess",
+        parts = [p for p in _inner_parts(o.get("optimizer")) if isinstance(p, dict)]
+        if len(parts) != chained:
+            raise CorruptCheckpoint(
+                f"{ranks[key].name} holds {len(parts)} inner optimizer(s), {ranks[min(objs)].name} {chained}: files "
+                "from different runs",
                 path=ranks[key] / RANK_FILE,
             )
-        masters = opt.get("fp32_from_fp16_params") if isinstance(opt.get("fp32_from_fp16_params"), list) else []
-        entries: dict[str, dict[str, Any]] = {}
-        for gi, glist in enumerate(gids):
-            for pos, i in enumerate(glist):
-                name = ids[i]
-                e: dict[str, Any] = {"param_group": gi}
-                s = state.get(i) if isinstance(state.get(i), dict) else {}
-                for k in ("exp_avg", "exp_avg_sq"):
-                    if isinstance(s.get(k), TensorRef):
-                        e[k] = tensor_node(s[k], rel, {"tp": key[0], "pp": key[1]})
-                stepv = s.get("step")
-                stepv = stepv.item() if isinstance(stepv, TensorRef) and stepv.numel == 1 else stepv
-                if as_int(stepv) is not None:
-                    e["step"] = as_int(stepv)
-                    steps.append(as_int(stepv))
-                if (
-                    gi < len(masters)
-                    and isinstance(masters[gi], list)
-                    and pos < len(masters[gi])
-                    and isinstance(masters[gi][pos], TensorRef)
-                ):
-                    e["fp32"] = tensor_node(masters[gi][pos], rel, {"tp": key[0], "pp": key[1]})
-                entries[name] = e
+        rel = cache.rel(ranks[key] / RANK_FILE)
+        shapes = {n: tuple(r.shape) for n, r in local[key].items()}
+        entries = {}
+        for k, opt in enumerate(parts):
+            inner = opt.get("optimizer") if isinstance(opt.get("optimizer"), dict) else {}
+            state = inner.get("state") if isinstance(inner.get("state"), dict) else {}
+            gids = [list(g.get("params") or []) for g in inner.get("param_groups") or [] if isinstance(g, dict)]
+            names = _part_names(names_by_rank[key], shapes, inner_groups[k], chained, args)
+            id_shapes = {
+                i: next((tuple(v.shape) for v in s.values() if isinstance(v, TensorRef) and v.numel > 1), None)
+                for i, s in state.items()
+                if isinstance(s, dict)
+            }
+            ids = match_param_ids(gids, id_shapes, names, shapes)
+            if ids is None:
+                which = f" (inner optimizer {k} of {chained})" if chained > 1 else ""
+                raise UnsupportedCheckpoint(
+                    f"{rel}: the optimizer's{which} {sum(map(len, gids))} parameter ids do not map onto "
+                    f"the {len(names)} model parameters by group and shape: ckpt will not guess",
+                    path=ranks[key] / RANK_FILE,
+                )
+            masters = opt.get("fp32_from_fp16_params") if isinstance(opt.get("fp32_from_fp16_params"), list) else []
+            for gi, glist in enumerate(gids):
+                for pos, i in enumerate(glist):
+                    name = ids[i]
+                    e: dict[str, Any] = {"param_group": offset[k] + gi}
+                    s = state.get(i) if isinstance(state.get(i), dict) else {}
+                    for kind in ("exp_avg", "exp_avg_sq"):
+                        if isinstance(s.get(kind), TensorRef):
+                            e[kind] = tensor_node(s[kind], rel, coords(key))
+                    stepv = s.get("step")
+                    stepv = stepv.item() if isinstance(stepv, TensorRef) and stepv.numel == 1 else stepv
+                    if as_int(stepv) is not None:
+                        e["step"] = as_int(stepv)
+                        steps.append(as_int(stepv))
+                    if (
+                        gi < len(masters)
+                        and isinstance(masters[gi], list)
+                        and pos < len(masters[gi])
+                        and isinstance(masters[gi][pos], TensorRef)
+                    ):
+                        e["fp32"] = tensor_node(masters[gi][pos], rel, coords(key))
+                    entries[name] = e
         per_rank[key] = entries
     kinds = {k for es in per_rank.values() for e in es.values() for k in ("exp_avg", "exp_avg_sq") if k in e}
     for key, es in sorted(per_rank.items()):
@@ -839,11 +1051,11 @@ def _agreement(objs, ranks, root) -> list[Warning_]:
     out = []
     ref_key = min(objs)
 
-    def lrs(o):
-        opt = o.get("optimizer") if isinstance(o.get("optimizer"), dict) else {}
-        inner = opt.get("optimizer") if isinstance(opt.get("optimizer"), dict) else opt
+    def lrs(o):  # every inner optimizer's groups (a ChainedOptimizer saves a list of them)
+        parts = [p for p in _inner_parts(o.get("optimizer")) if isinstance(p, dict)]
         return [
             tuple(g.get(k) for k in ("lr", "max_lr", "min_lr"))
+            for inner in inner_optimizers(parts)
             for g in inner.get("param_groups") or []
             if isinstance(g, dict)
         ]
@@ -893,11 +1105,14 @@ def next_lr(sched: dict, group: dict, args: dict | None = None) -> float:
 
 def training_state(ck: Checkpoint):
     """Every rank file holds the param groups (and the distributed optimizer's `param_groups` too) and a copy of
-    the scheduler: an edit goes to all of them."""
+    the scheduler: an edit goes to all of them. A rank file holds ONE Megatron optimizer and its scheduler, even
+    where that optimizer is a ChainedOptimizer saved as a list of inner ones (MoE: dense, expert): index 0 for all,
+    so their groups share the one scheduler (by list position the expert one would count as a second optimizer,
+    and the scheduler would be edited once for each)."""
     from ..read.state import StateMap, StateSource
 
     root = Path(ck.path)
-    srcs = [StateSource(root / f.path, f.path) for f in ck.files if f.path.endswith(RANK_FILE)]
+    srcs = [StateSource(root / f.path, f.path, index=0) for f in ck.files if f.path.endswith(RANK_FILE)]
     return StateMap(root, tuple(srcs))
 
 

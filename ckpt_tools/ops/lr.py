@@ -962,6 +962,10 @@ def plan_set_step(
                 for pid, entry in state.items() if isinstance(state, dict) else ():
                     if isinstance(entry, dict) and "step" in entry:
                         _set_step(f, entry, path + ("state", pid), optimizer_step)
+                    elif pid == "common_step" and isinstance(entry, TensorRef) and entry.numel == 1:
+                        # Megatron's torch_dist common.pt: one 0-d step per optimizer (each inner one of a
+                        # ChainedOptimizer), restored into every parameter's `step` at load
+                        _set_step(f, state, path + ("state",), optimizer_step, key="common_step")
             for path, groups, idx in _groups(f):
                 for g, pg in groups:
                     if idx in kinds and as_int(pg.get("step")) is not None:  # FusedAdam/CPUAdam keep it here
@@ -1035,13 +1039,13 @@ def _megatron_position(
     return note or f"Megatron scheduler num_steps -> {num_steps} (its own units: samples)"
 
 
-def _set_step(f: _File, entry: dict, path: tuple, value: int) -> None:
-    v = entry["step"]
+def _set_step(f: _File, entry: dict, path: tuple, value: int, key: str = "step") -> None:
+    v = entry[key]
     note = "Adam step (bias correction)"
     if isinstance(v, TensorRef):
-        f.set_tensor_value(entry, path, "step", float(value) if v.dtype.startswith("float") else value, note)
+        f.set_tensor_value(entry, path, key, float(value) if v.dtype.startswith("float") else value, note)
     elif isinstance(v, (int, float)) and not isinstance(v, bool):
-        f.set(entry, path, "step", type(v)(value), note)
+        f.set(entry, path, key, type(v)(value), note)
 
 
 def _check_steps_shared(files: list[_File]) -> None:
@@ -1049,7 +1053,7 @@ def _check_steps_shared(files: list[_File]) -> None:
     for f in files:
         if not f.storage_bytes:
             continue
-        steps = {id(_dig(f.obj, path)) for path, _ in f.checks if path[-1] == "step"}
+        steps = {id(_dig(f.obj, path)) for path, _ in f.checks if path[-1] in ("step", "common_step")}
         for ref in _tensors(f.obj):
             if ref.storage is not None and ref.storage.key in f.storage_bytes and id(ref) not in steps:
                 raise UnsupportedCheckpoint(

@@ -101,6 +101,9 @@ SAMPLES: tuple[SampleSpec, ...] = (
             "megatron_tp2_llama_legacy",
             "megatron_tp2_llama_torch_dist",
             "megatron_moe_ep2_torch_dist",
+            "megatron_moe_ep2_legacy",
+            "megatron_moe_ep2_distopt_torch_dist",
+            "megatron_moe_ep2_distopt_legacy",
         )
     ),
 )

@@ -34,7 +34,11 @@ with base 5e5, RMSNorm, SwiGLU, an untied output layer, grouped-query attention 
 biases). `megatron_moe_ep2_torch_dist` is a Mixture-of-Experts GPT (hidden 32, FFN 64; `MOE_FLAGS`: 4 experts,
 top-2 routing, expert FFN 64, SequentialMLP) at expert-parallel size 2 over the 2 data-parallel ranks, plain Adam:
 its optimizer is Megatron's ChainedOptimizer (dense, expert: 4 param groups), made with this same maker and
-checked with `--check` (Megatron's own load restores the 4 groups' LRs and the Adam step). `--forward` runs
+checked with `--check` (Megatron's own load restores the 4 groups' LRs and the Adam step). `megatron_moe_ep2_legacy`
+is the same run saved in the legacy format (one folder per EP rank, `mp_rank_00_000`, `mp_rank_00_001`);
+`megatron_moe_ep2_distopt_torch_dist` / `_legacy` the same run with `--use-distributed-optimizer` (a ChainedOptimizer
+of two DistributedOptimizers; Megatron-core 0.16.1 cannot load those on CPU without Apex / TransformerEngine,
+KeyError 'step', so `--check` runs the plain-Adam ones). `--forward` runs
 Megatron's own forward of a saved TP sample (`logits_sample`). The manifest's `history` holds each `train_step`'s own
 loss (Megatron's log line for iteration 2
 averages iterations 1 and 2).
@@ -65,7 +69,7 @@ Run-time changes, all in this process (nothing installed is edited; see `install
      functions (bias-GeLU etc.) run as plain eager PyTorch, the same maths.
   9. The process group is created here (gloo) before Megatron's `initialize_megatron`, which then uses it; Megatron
      gets `--distributed-backend gloo`.
- 10. Mixture-of-Experts variants (`megatron_moe_ep2_torch_dist`): `megatron.core.transformer.moe.moe_utils.
+ 10. Mixture-of-Experts variants (`megatron_moe_ep2_*`): `megatron.core.transformer.moe.moe_utils.
      te_general_gemm` is set to None where megatron-core 0.16.1 leaves it undefined without Transformer Engine
      (the router's linear asks for it and then uses torch's matmul); the command line picks the `allgather`
      token dispatcher (`MOE_FLAGS`: the `alltoall` one synchronizes a CUDA event). Nothing else differs from the
@@ -134,6 +138,11 @@ VARIANTS = {
     "megatron_pp2_dp2_distopt_torch_dist": Variant(tp=1, ckpt_format="torch_dist", distributed_optimizer=True, pp=2),
     # Megatron-core MoE (4 experts, top-2, SequentialMLP) at EP 2 over the 2 data-parallel ranks, plain Adam
     "megatron_moe_ep2_torch_dist": Variant(tp=1, ckpt_format="torch_dist", ep=2),
+    # the same run saved in the legacy format: one folder per EP rank, `mp_rank_00_000` and `mp_rank_00_001`
+    "megatron_moe_ep2_legacy": Variant(tp=1, ckpt_format="torch", ep=2),
+    # the same run with Megatron's distributed optimizer (a ChainedOptimizer of two DistributedOptimizers)
+    "megatron_moe_ep2_distopt_torch_dist": Variant(tp=1, ckpt_format="torch_dist", distributed_optimizer=True, ep=2),
+    "megatron_moe_ep2_distopt_legacy": Variant(tp=1, ckpt_format="torch", distributed_optimizer=True, ep=2),
 }
 #: the Llama-style variant's architecture flags (what a Llama run passes to pretrain_gpt.py)
 LLAMA_FLAGS = [
