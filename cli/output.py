@@ -386,22 +386,6 @@ def print_write_plan(con, plan) -> None:
             say(line)
 
 
-def confirm_and_execute(con, plan, *, dry_run: bool, yes: bool, backup_dir, verb: str):
-    """The tail every writing command shares: --dry-run stops here; otherwise confirm (unless --yes) and
-    carry the plan out through `ckpt_tools.write.io.execute`. Returns the transaction, or None for a dry run."""
-    import typer
-
-    from ckpt_tools.write import io
-
-    if dry_run:
-        con.print("[dim]dry run: nothing written[/]")
-        return None
-    if not yes and not typer.confirm(f"{verb} {plural(len(plan.writes), 'file')} in {plan.root}?", default=False):
-        con.print("nothing written")
-        raise typer.Exit(1)
-    return io.execute(plan, backup_dir=backup_dir)
-
-
 def deepspeed_logs_above_bars():
     """A context in which DeepSpeed's own log lines (its logger writes straight to the terminal: "Setting
     accelerator to CPU", ...) are printed above the progress bars instead of into them. DeepSpeed is

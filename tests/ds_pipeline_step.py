@@ -1,6 +1,7 @@
-"""Run under `torch.distributed.run --nproc_per_node 4` (or 8 for DP=2): load a TP=2 x PP=2 pipeline checkpoint into the
-real DeepSpeed `PipelineEngine` the samples were trained with, measure the TP replicas' drift on the live
-engine, train one step. Rank 0 prints one line `DS_PIPELINE_STEP {json}`.
+"""Run under `torch.distributed.run --nproc_per_node 4` (or 8 for DP=2) with one or more checkpoint folders: for each,
+load the TP=2 x PP=2 pipeline checkpoint into a new real DeepSpeed `PipelineEngine` (the one the samples were trained
+with), measure the TP replicas' drift on the live engine, train one step. Rank 0 prints one line
+`DS_PIPELINE_STEP {json}` per folder, in order (several folders in one launch: the processes start once).
 
 The model, config and batches are `ckpt_tools.samples.workers.ds_pipeline`'s own functions, so the engine
 is the one that wrote the samples (with the default RNG seeded alike on every TP rank, as Megatron does).
@@ -22,8 +23,12 @@ from ckpt_tools.samples.workers import ds_pipeline as P
 
 
 def main() -> None:
-    load_dir = sys.argv[1]
     deepspeed.init_distributed(dist_backend="gloo")
+    for load_dir in sys.argv[1:]:
+        step(load_dir)
+
+
+def step(load_dir: str) -> None:
     dp = c.world_size() // (P.TP * P.PP)
     topology = PipeModelDataParallelTopology(num_pp=P.PP, num_mp=P.TP, num_dp=dp)
     coord = topology.get_coord(c.rank())
@@ -42,6 +47,7 @@ def main() -> None:
             "DS_PIPELINE_STEP "
             + json.dumps(
                 {
+                    "path": load_dir,
                     "loaded": loaded,
                     "global_steps_loaded": step_loaded,
                     "global_steps_after": engine.global_steps,

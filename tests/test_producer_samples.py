@@ -30,7 +30,6 @@ import torch
 # producer tests) and is re-exported here: it runs the sample worker's resume mode under torchrun
 from conftest import LOSS_REL_TOL, manifest, producer_resume, sample
 
-from ckpt_tools.samples import make_sample
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -154,15 +153,14 @@ def test_committed_sample_layout_and_manifest(name):
 
 
 @pytest.mark.parametrize("name", list(PRODUCERS))
-def test_untouched_resume_of_committed_sample_continues_the_history(name, tmp_path):
+def test_untouched_resume_of_committed_sample_continues_the_history(name, untouched_resume):
     """The committed checkpoint (recorded on another machine): LRs and Adam steps exact, losses within the
-    dtype's cross-machine tolerance (conftest.LOSS_REL_TOL)."""
+    dtype's cross-machine tolerance (conftest.LOSS_REL_TOL). The resume (made once per run, conftest) wrote nothing
+    into the checkpoint it resumed."""
     man = manifest(*PRODUCERS[name])
-    ckpt = copy_resume_point(name, tmp_path / "ck")
-    before = {p: p.stat().st_mtime_ns for p in ckpt.parent.rglob("*")}
-    records = producer_resume(name, ckpt, tmp_path)
-    assert_continues_history(records, man, loss_rel_tol=LOSS_REL_TOL[man["extra"]["dtype"]])
-    assert {p: p.stat().st_mtime_ns for p in ckpt.parent.rglob("*")} == before, "the resume wrote to the checkpoint"
+    run = untouched_resume(name)
+    assert_continues_history(run["records"], man, loss_rel_tol=LOSS_REL_TOL[man["extra"]["dtype"]])
+    assert run["files_changed"] == [], "the resume wrote to the checkpoint"
 
 
 # --- regenerated on this machine ---------------------------------------------------------------------------------
@@ -170,11 +168,11 @@ def test_untouched_resume_of_committed_sample_continues_the_history(name, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PRODUCERS))
-def test_regenerated_sample_matches_and_resumes_bitwise(name, tmp_path):
+def test_regenerated_sample_matches_and_resumes_bitwise(name, tmp_path, fresh_sample):
     """Regenerate the sample here: the same run as the committed one (counters, LRs exact; losses within the dtype
     tolerance), and a resume of the fresh checkpoint reproduces the fresh run's steps 5 and 6 bitwise."""
     group, rel = PRODUCERS[name]
-    path = make_sample(tmp_path / "out", name)
+    path = fresh_sample(name)
     new = json.loads(path.with_name(path.name + ".manifest.json").read_text())
     old = manifest(group, rel)
     for key in ("format", "world_size", "topology", "steps", "counters", "lr", "parameters"):
@@ -222,8 +220,8 @@ def halve_lr_fields(name: str, ckpt: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PRODUCERS))
-def test_halved_lr_fields_halve_the_resumed_lrs(name, tmp_path):
-    untouched = producer_resume(name, copy_resume_point(name, tmp_path / "a"), tmp_path)
+def test_halved_lr_fields_halve_the_resumed_lrs(name, tmp_path, untouched_resume):
+    untouched = untouched_resume(name)["records"]
     edited_ckpt = copy_resume_point(name, tmp_path / "b")
     halve_lr_fields(name, edited_ckpt)
     edited = producer_resume(name, edited_ckpt, tmp_path)

@@ -12,6 +12,7 @@ the LRs are untouched.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -51,11 +52,10 @@ def copy_to(group: str, name: str, folder):
     return dst
 
 
-def untouched_resume_and_a_copy(copy_sample, tmp_path, name: str, inner: str):
-    """(the records of a resume of an untouched copy of sample `name`, a second copy to edit)."""
+def untouched_and_a_copy(untouched_resume, tmp_path, name: str) -> tuple[list[dict], Path]:
+    """(the records of the run's one resume of an untouched copy of sample `name` (conftest), a copy to edit)."""
     group, path = where(name)
-    untouched = producer_resume(name, copy_sample(group, path) / inner, tmp_path)
-    return untouched, copy_to(group, path, tmp_path / "edited")
+    return untouched_resume(name)["records"], copy_to(group, path, tmp_path / "edited")
 
 
 def _halved(recs: list[dict], ref: list[dict], keys: tuple[str, ...]) -> None:
@@ -67,8 +67,8 @@ def _halved(recs: list[dict], ref: list[dict], keys: tuple[str, ...]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,keys,inner", PRODUCERS, ids=IDS)
-def test_scale_half_every_resumed_step_runs_at_half_the_lr(copy_sample, tmp_path, name, keys, inner):
-    untouched, ck = untouched_resume_and_a_copy(copy_sample, tmp_path, name, inner)
+def test_scale_half_every_resumed_step_runs_at_half_the_lr(untouched_resume, tmp_path, name, keys, inner):
+    untouched, ck = untouched_and_a_copy(untouched_resume, tmp_path, name)
     listing = sorted(p.relative_to(ck) for p in ck.rglob("*")) if ck.is_dir() else []
     cli("set-lr", ck, "--scale", "0.5", "--yes")
     if ck.is_dir():  # no stray file inside the checkpoint (backups and the journal live outside it)
@@ -82,8 +82,8 @@ def test_scale_half_every_resumed_step_runs_at_half_the_lr(copy_sample, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,keys,inner", PRODUCERS, ids=IDS)
-def test_set_optimizer_step_continues_adam_from_it(copy_sample, tmp_path, name, keys, inner):
-    untouched, ck = untouched_resume_and_a_copy(copy_sample, tmp_path, name, inner)
+def test_set_optimizer_step_continues_adam_from_it(untouched_resume, tmp_path, name, keys, inner):
+    untouched, ck = untouched_and_a_copy(untouched_resume, tmp_path, name)
     cli("set-step", ck, "--optimizer-step", "10", "--yes")
     assert json.loads(cli("inspect", ck, "--json").stdout)["counters"]["optimizer_step"] == 10
     recs = producer_resume(name, ck / inner, tmp_path)

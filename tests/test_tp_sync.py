@@ -326,32 +326,23 @@ def test_synced_checkpoint_loads_in_deepspeed_and_trains(synced):
     ck, _, drifted = synced
     nproc = 4 * manifest(GROUP, drifted)["topology"]["dp"]
 
-    def run(path: Path) -> dict:
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node",
-                str(nproc),
-                str(ROOT / "tests" / "ds_pipeline_step.py"),
-                str(path),
-            ],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("DS_PIPELINE_STEP ")]
-        assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-        return json.loads(lines[-1].split(" ", 1)[1])
-
-    got = run(ck)
+    # the repaired copy and the untouched drifted sample in one launch (8 processes start once, not twice)
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    script = str(ROOT / "tests" / "ds_pipeline_step.py")
+    args = ["--standalone", "--nproc_per_node", str(nproc), script, str(ck), str(sample(GROUP, drifted))]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("DS_PIPELINE_STEP ")]
+    assert proc.returncode == 0 and len(lines) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got, control = (json.loads(ln.split(" ", 1)[1]) for ln in lines)
+    assert got["path"] == str(ck) and control["path"] == str(sample(GROUP, drifted))
     assert got["drift"] == {} and got["finite"] and got["global_steps_loaded"] == 4 and got["global_steps_after"] == 5
-    control = run(sample(GROUP, drifted))
     want = manifest(GROUP, drifted)["extra"]["drifted"]
     assert set(control["drift"]) == set(want)
     for name, reps in want.items():  # the live engine after a load sees what the saving engine measured

@@ -356,7 +356,7 @@ def test_interrupted_write_is_reported_by_inspect_and_list_and_undone_only_by_re
         ("set-lr", True, True),
         ("set-step", False, False),
     ]
-    assert "rolls it back" in ckpt("restore", ck, "--list").stdout
+    assert "rolls it back" in ckpt("restore", ck, "--list", env={"COLUMNS": "200"}).stdout
     assert tree(ck) == half  # --list changed nothing
 
     proc = ckpt("restore", ck, "--yes")

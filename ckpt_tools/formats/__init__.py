@@ -32,24 +32,20 @@ FORMAT_MODULES = (
 )
 
 
-def _module(name: str) -> ModuleType | None:
-    try:
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as e:
-        if e.name == f"{__name__}.{name}":
-            return None  # format not built yet in this checkout
-        raise
+def _module(name: str) -> ModuleType:
+    """The format module `name` of FORMAT_MODULES (a name without a module is an error, never skipped)."""
+    return importlib.import_module(f"{__name__}.{name}")
 
 
 def format_ids() -> tuple[str, ...]:
     """Every format id the registry reads (what `ckpt inspect` prints as `format`), in detection order."""
-    return tuple(m.FORMAT for m in map(_module, FORMAT_MODULES) if m is not None)
+    return tuple(m.FORMAT for m in map(_module, FORMAT_MODULES))
 
 
 def editable_format_ids() -> tuple[str, ...]:
     """The format ids whose module says where the LR, step and optimizer state live (`training_state`): the ones
     `set-lr` / `set-step` edit."""
-    return tuple(m.FORMAT for m in map(_module, FORMAT_MODULES) if m is not None and hasattr(m, "training_state"))
+    return tuple(m.FORMAT for m in map(_module, FORMAT_MODULES) if hasattr(m, "training_state"))
 
 
 def training_state(ck):
@@ -59,7 +55,7 @@ def training_state(ck):
 
     for name in FORMAT_MODULES:
         mod = _module(name)
-        if mod is not None and getattr(mod, "FORMAT", None) == ck.format:
+        if getattr(mod, "FORMAT", None) == ck.format:
             if hasattr(mod, "training_state"):
                 return mod.training_state(ck)
             break
@@ -156,7 +152,7 @@ def claim(path: Path) -> ModuleType | None:
     """The first format module whose `sniff` claims `path`, or None."""
     for name in FORMAT_MODULES:
         mod = _module(name)
-        if mod is not None and mod.sniff(path):
+        if mod.sniff(path):
             return mod
     return None
 

@@ -269,7 +269,3 @@ def stats_warnings(stats: list[TensorStats]) -> list[Warning_]:
     return [
         Warning_("non-finite", f"{s.path}: {s.nan} NaN and {s.inf} Inf values", s.path) for s in stats if s.nan or s.inf
     ]
-
-
-def count_tensors(node: Node) -> int:
-    return sum(1 for _ in iter_tensors(node))

@@ -599,9 +599,6 @@ def _param_groups_of(ck: Checkpoint) -> list[dict]:
     return [g for g in (raw or []) if isinstance(g, dict)]
 
 
-_MS_RE = re.compile(r"^mp_rank_\d+_model_states\.pt$")
-
-
 def _raw_info(tag_dir: Path, ranks) -> Any:
     """The universal_checkpoint_info dict of mp_rank 00 as plain Python (our reader keeps it as nodes)."""
     from ..formats import _common as C

@@ -213,10 +213,3 @@ def make_sample(out_dir: str | os.PathLike, name: str, *, log_dir: Path | None =
     if not target.exists():
         raise RuntimeError(f"worker {spec.module} did not write {target}")
     return target
-
-
-def make_samples(out_dir: str | os.PathLike, only: list[str] | None = None, *, log_dir: Path | None = None):
-    """Make every sample (or those named in `only`); yields each checkpoint path as it is done."""
-    names = only or [s.name for s in SAMPLES]
-    for name in names:
-        yield make_sample(out_dir, name, log_dir=log_dir)

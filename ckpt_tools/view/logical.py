@@ -107,8 +107,6 @@ def name_key(name: str) -> str:
     return f"{name[: m.start(1)]}{fused}{m[2]}"
 
 
-KINDS = ("param", "frozen", "tied", "buffer", "state")
-
 _DTYPE_ALIASES = {
     "fp32": "float32",
     "float": "float32",

@@ -553,7 +553,8 @@ def execute(
     places = check_places(plan, backup_dir, copy=copy)
     recover(root, backup_dir)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{os.getpid()}"
-    slug = "".join(ch if ch.isalnum() else "-" for ch in plan.command.split()[0] if plan.command) or "write"
+    verb = plan.command.split()[0] if plan.command.strip() else ""
+    slug = "".join(ch if ch.isalnum() else "-" for ch in verb) or "write"
     places.transactions.mkdir(parents=True, exist_ok=True)
     for n in range(10_000):  # two writes in one second by one process get their own folders
         tdir = places.transactions / f"{stamp}-{n:04d}-{slug}"
