@@ -15,7 +15,10 @@ runs interleaved, medians of `--repeat`:
 - `ckpt inspect CKPT --json` (its `details.items` checked against torch's count of `.metadata` keys);
 - torch: `FileSystemReader(CKPT).read_metadata()` in a process that imports torch for it: the whole process, and
   the call alone as that process times it (`read_s`: what a process that has imported torch already pays);
-- per-item cost: the least-squares slope of the medians over the one-process checkpoints;
+- `--before DIR`: the same `ckpt inspect --json` from another source tree (DIR holding `ckpt_tools/` and the CLI as
+  `ckpt_cli/`, e.g. `git archive` of an earlier commit; run with PYTHONPATH=DIR), its `--json` checked byte for byte
+  against this tree's (over S3: all but the `remote` costs), interleaved with the rest;
+- per-item cost: the least-squares slope of the medians over the one-process checkpoints (wall and CPU);
 - `--s3`: `ckpt inspect s3://… --json` against a moto server (its own process; uploaded with s3fs first): wall
   time, and the bytes and GET requests `ckpt` reports fetching. moto serves ranged GETs one at a time and reads
   the whole object for each: its wall times are not a network's; bytes and requests are the figures to carry over.
@@ -105,6 +108,7 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(CHECKPOINTS), help="checkpoints to run (comma-separated names)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--s3", action="store_true", help="also inspect each from a moto S3 server")
+    ap.add_argument("--before", metavar="DIR", help="also run `ckpt inspect` from this source tree (see the docstring)")
     a = ap.parse_args()
     names = [n for n in a.only.split(",") if n]
     if a.make:
@@ -133,27 +137,44 @@ def main() -> None:
         for name in names:
             fs.put(str(OUT_DIR / name), f"bench/{name}", recursive=True)
     cmds: dict[str, list[str]] = {}
+    envs: dict[str, dict[str, str]] = {}
+    # the earlier tree's CLI: `python -P` keeps the working folder (this repository) off sys.path
+    old_ck = [sys.executable, "-P", "-c", "from ckpt_cli.main import main; main()"]
     for name in names:
         path = str(OUT_DIR / name)
         cmds[f"{name}: ckpt inspect --json"] = ck + ["inspect", path, "--json"]
+        if a.before:
+            cmds[f"{name}: before: ckpt inspect --json"] = old_ck + ["inspect", path, "--json"]
         cmds[f"{name}: torch read_metadata"] = [sys.executable, "-c", TORCH_READ, path]
         if a.s3:
             cmds[f"{name}: ckpt inspect s3:// --json"] = ck + ["inspect", f"s3://bench/{name}", "--json"]
+            if a.before:
+                cmds[f"{name}: before: ckpt inspect s3:// --json"] = old_ck + [
+                    "inspect",
+                    f"s3://bench/{name}",
+                    "--json",
+                ]
+    if a.before:
+        before_env = dict(env, PYTHONPATH=str(Path(a.before).resolve()))
+        envs = {k: before_env for k in cmds if ": before: " in k}
     runs: dict[str, list] = {k: [] for k in cmds}
     outputs: dict[str, list] = {k: [] for k in cmds}
+    docs: dict[str, str] = {}  # label -> its `--json` (the last run's; without the remote costs)
     busy = []
     try:
         for _ in range(a.repeat):
             for label, cmd in cmds.items():
                 busy.append(cpu_busy_fraction())
                 out = work / "out.json"
-                runs[label].append(run_measured(cmd, env=env, cwd=REPO_ROOT, stdout_path=out))
+                runs[label].append(run_measured(cmd, env=envs.get(label, env), cwd=REPO_ROOT, stdout_path=out))
                 text = out.read_text()
-                outputs[label].append(
-                    json.loads(text)
-                    if "torch" in label
-                    else {"items": json.loads(text)["details"]["items"], "remote": json.loads(text).get("remote")}
-                )
+                if "torch" in label:
+                    outputs[label].append(json.loads(text))
+                    continue
+                doc = json.loads(text)
+                outputs[label].append({"items": doc["details"]["items"], "remote": doc.get("remote")})
+                doc.pop("remote", None)
+                docs[label] = text if "s3://" not in label else json.dumps(doc)
     finally:
         if server is not None:
             server.terminate()
@@ -162,6 +183,10 @@ def main() -> None:
     result: dict = {"machine": machine_info(), "repeat": a.repeat, "cpu_busy_before_runs": busy, "checkpoints": {}}
     points: dict[str, list[tuple[int, float]]] = {"ckpt": [], "torch": [], "torch_read": [], "ckpt_cpu": []}
     print(f"{'checkpoint':12s} {'items':>8s} {'command':28s} {'wall s':>8s} {'cpu s':>7s} {'peak RSS':>10s}  notes")
+    for label, text in docs.items():
+        if ": before: " in label and text != docs[label.replace("before: ", "")]:
+            raise SystemExit(f"{label}: its --json differs from this tree's")
+    points["before"], points["before_cpu"] = [], []
     for name in names:
         mine, torch_ = summarize(runs[f"{name}: ckpt inspect --json"]), summarize(runs[f"{name}: torch read_metadata"])
         told = outputs[f"{name}: torch read_metadata"]
@@ -192,14 +217,24 @@ def main() -> None:
             f"{torch_.cpu_s_median:7.2f} {fmt_bytes(torch_.peak_rss_bytes_median):>10s}  the call alone "
             f"{read_s:.3f} s (import {entry['torch_import_s']:.2f} s)"
         )
-        if a.s3:
-            s3 = summarize(runs[f"{name}: ckpt inspect s3:// --json"])
-            cost = outputs[f"{name}: ckpt inspect s3:// --json"][-1]["remote"]
-            entry["ckpt_inspect_s3"] = {**s3.to_dict(), "remote": cost}
+        if a.before:
+            old = summarize(runs[f"{name}: before: ckpt inspect --json"])
+            entry["before_ckpt_inspect"] = old.to_dict()
             print(
-                f"{'':12s} {'':8s} {'ckpt inspect s3:// --json':28s} {s3.wall_s_median:8.3f} {s3.cpu_s_median:7.2f} "
-                f"{fmt_bytes(s3.peak_rss_bytes_median):>10s}  fetched {cost['bytes_fetched']:,} of "
-                f"{entry['bytes']:,} bytes ({100 * cost['bytes_fetched'] / entry['bytes']:.1f} %), "
+                f"{'':12s} {'':8s} {'before: ckpt inspect --json':28s} {old.wall_s_median:8.3f} "
+                f"{old.cpu_s_median:7.2f} {fmt_bytes(old.peak_rss_bytes_median):>10s}  the same --json"
+            )
+        s3_tags = ([""] + (["before: "] if a.before else [])) if a.s3 else []
+        for tag in s3_tags:
+            label = f"{name}: {tag}ckpt inspect s3:// --json"
+            s3 = summarize(runs[label])
+            cost = outputs[label][-1]["remote"]
+            entry["before_ckpt_inspect_s3" if tag else "ckpt_inspect_s3"] = {**s3.to_dict(), "remote": cost}
+            print(
+                f"{'':12s} {'':8s} {tag + 'ckpt inspect s3:// --json':28s} {s3.wall_s_median:8.3f} "
+                f"{s3.cpu_s_median:7.2f} {fmt_bytes(s3.peak_rss_bytes_median):>10s}  fetched "
+                f"{cost['bytes_fetched']:,} of {entry['bytes']:,} bytes "
+                f"({100 * cost['bytes_fetched'] / entry['bytes']:.1f} %), "
                 f"{cost['get_requests']} GET + {cost['list_requests']} LIST requests"
             )
         result["checkpoints"][name] = entry
@@ -208,13 +243,17 @@ def main() -> None:
             points["ckpt_cpu"].append((items, mine.cpu_s_median))
             points["torch"].append((items, torch_.wall_s_median))
             points["torch_read"].append((items, read_s))
+            if a.before:
+                points["before"].append((items, old.wall_s_median))
+                points["before_cpu"].append((items, old.cpu_s_median))
     if len(points["ckpt"]) >= 2:
-        fit = {k: _slope(v) * 1e6 for k, v in points.items()}
+        fit = {k: _slope(v) * 1e6 for k, v in points.items() if len(v) >= 2}
         result["per_item_us"] = fit
         print(
             f"per item (least squares over the one-process checkpoints): ckpt inspect {fit['ckpt']:.1f} us wall "
             f"({fit['ckpt_cpu']:.1f} us CPU), torch read_metadata {fit['torch']:.1f} us whole process / "
             f"{fit['torch_read']:.1f} us the call alone"
+            + (f"; before: {fit['before']:.1f} us wall ({fit['before_cpu']:.1f} us CPU)" if "before" in fit else "")
         )
     print("CPU busy before the runs: " + " ".join("-" if b is None else f"{100 * b:.0f}%" for b in busy))
     OUT_DIR.mkdir(parents=True, exist_ok=True)

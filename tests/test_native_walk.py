@@ -204,3 +204,22 @@ def test_random_opcode_streams_agree(c_walk):
         passed += c_walk(data) >= 0
     assert not bad, "\n".join(bad[:5])
     assert passed > 3000  # most streams pass: the comparison is not only of refusals
+
+
+def test_a_stream_over_64_mb_is_delimited_by_the_c_walk_not_by_genops(c_walk, tmp_path, monkeypatch):
+    """A pickle at the head of a stream over 64 MB (a 700k-item DCP `.metadata` is ~150 MB; a legacy torch file has
+    its tensor bytes after its pickles) is delimited by the C walk over a prefix of the stream, not by
+    pickletools.genops (pure Python, ~10 us per opcode: minutes at that size); what it reads is the same."""
+    import pickletools
+
+    obj = {f"k{i}": (i, "x" * 40) for i in range(50_000)}
+    data = pickle.dumps(obj, protocol=4)
+    f = tmp_path / "long.pkl"
+    with open(f, "wb") as fh:
+        fh.write(data)
+        fh.truncate(len(data) + (65 << 20))  # sparse: the stream is long, the pickle small
+    monkeypatch.setattr(pickletools, "genops", lambda *a: pytest.fail("pickletools.genops delimited the stream"))
+    with open(f, "rb") as fh:
+        assert P.check_expansion(fh, str(f)) == len(data)
+        assert fh.tell() == 0
+    assert P.load(f).obj == obj

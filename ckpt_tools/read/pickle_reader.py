@@ -339,22 +339,30 @@ class Opaque:
     """
 
     cls: str = "?"
+    # what a record built by NEWOBJ holds until its pickle says otherwise, as class attributes (a 120k-item DCP
+    # .metadata is 600k records: three attributes fewer to set on each; `args` is set on each, since the readers that
+    # compare two records look into `__dict__` for it)
+    kwargs: Any = _NO_KWARGS  # no empty dict of its own: 38 MB of empty dicts in that .metadata
+    state: Any = None
+    made_by: str = "newobj"
 
     def __init__(self, *args, **kwargs):
         self.args = args
         self.kwargs = kwargs
         self.made_by = "reduce"  # __init__ runs only when the pickle called the global (REDUCE)
-        if not hasattr(self, "state"):
-            self.state = None
 
     def __new__(cls, *args, **kwargs):
         obj = object.__new__(cls)
-        # no empty dict of its own: a 120k-item DCP .metadata is 600k records (38 MB of empty dicts)
-        obj.args, obj.kwargs, obj.state, obj.made_by = args, kwargs or _NO_KWARGS, None, "newobj"
+        obj.args = args
+        if kwargs:
+            obj.kwargs = kwargs
         return obj
 
     def __setstate__(self, state):
         # dataclasses with slots pickle (None, slotsdict); plain objects pickle their __dict__
+        if type(state) is dict:
+            self.state = state
+            return
         if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
             self.slot_state = state  # the (dict, slots) pair as pickled: a slotted class needs it back
             merged = dict(state[0] or {})
@@ -564,7 +572,11 @@ class TorchSize(tuple):
 
 
 def _torch_size(dims=()):
-    return TorchSize(_flat_tuple(dims, "torch.Size"))
+    # `TorchSize(_flat_tuple(dims, "torch.Size"))` in one call and one tuple: 4 per item of a DCP .metadata
+    size = TorchSize(dims)
+    if _NESTING_TYPES.isdisjoint(map(type, size)):
+        return size
+    raise pickle.UnpicklingError("torch.Size of items that are tuples (a tuple nested out of the walk's sight)")
 
 
 def _tuple_call(items=()):
@@ -585,7 +597,7 @@ def _flat_tuple(items, what: str) -> tuple:
     (numbers, strings, tensors, objects) hash without recursing, or not at all, so a tuple made by a call stays
     a few levels deep whatever the list held. No pickler calls these with tuples inside."""
     t = tuple(items)
-    if not _NESTING_TYPES.isdisjoint(map(type, t)):  # (in C: called once per torch.Size, 10^5-10^6 in a .metadata)
+    if not _NESTING_TYPES.isdisjoint(map(type, t)):  # (in C)
         raise pickle.UnpicklingError(f"{what} of items that are tuples (a tuple nested out of the walk's sight)")
     return t
 
@@ -1133,6 +1145,9 @@ def check_expansion(data, path: str) -> int:
             data.seek(start)
         except (OSError, ValueError):
             rest = None
+        end = _native_prefix_walk(data, start, rest) if rest is not None and rest > _WHOLE_STREAM_BYTES else None
+        if end is not None:
+            return end
         if rest is not None and rest <= _WHOLE_STREAM_BYTES:
             # the walk stops at the pickle's STOP by itself: no need to delimit it first with pickletools.genops
             # (pure Python, ~10 us per opcode: 8 s for a 2 MB DCP .metadata of 7,000 chunks)
@@ -1161,6 +1176,33 @@ def check_expansion(data, path: str) -> int:
         raise
     except Exception as e:  # noqa: BLE001  malformed: an argument past the end, a bad text argument, ...
         raise _unfollowable(e, path) from None
+
+
+#: the most of a long stream `_native_prefix_walk` reads to find its pickle's end
+_PREFIX_WALK_MAX_BYTES = 512 << 20
+
+
+def _native_prefix_walk(fh, start: int, rest: int) -> int | None:
+    """The length of the pickle at `fh`'s position in a stream longer than `_WHOLE_STREAM_BYTES` (a 700k-item DCP
+    `.metadata` is ~150 MB; a legacy torch file holds its tensor bytes after its small pickles), found by the C walk
+    over a prefix of the stream: 1 MB first, eight times more each time the walk needs more, up to the whole stream or
+    `_PREFIX_WALK_MAX_BYTES`. None (the caller's pickletools.genops path decides: ~10 us per opcode, minutes for
+    such a `.metadata`) without the C walk, or when it does not pass the pickle within that (the C walk only ever
+    answers "passes, and ends here")."""
+    native = _native_walk()
+    n = 1 << 20
+    while native is not None:
+        n = min(n, rest, _PREFIX_WALK_MAX_BYTES)
+        buf = fh.read(n)
+        fh.seek(start)
+        end = native(buf)
+        del buf
+        if end >= 0:
+            return end
+        if n >= rest or n >= _PREFIX_WALK_MAX_BYTES:
+            return None
+        n *= 8
+    return None
 
 
 _native: list = []  # [the C walk or None], once built
@@ -1888,6 +1930,7 @@ class LazyTensorRef(TensorRef):
             numel = 1
             for s in shape:
                 numel *= s
+        # (not `self.__dict__.update`: reaching for `__dict__` builds a dict object, ~45 bytes more per DCP chunk)
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "numel", numel)  # what the cached property would hold, set with the rest

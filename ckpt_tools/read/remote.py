@@ -57,6 +57,10 @@ ALIGN = 64 << 10
 #: the most bytes one ranged GET asks for, and the most held in memory by one batch
 MAX_RANGE = 16 << 20
 MAX_BATCH = 64 << 20
+#: small reads planned up front (`plan(..., exact=True)`): far-apart ranges are merged, closest first, down to this
+#: many GETs while the bytes fetched stay under this multiple of the bytes needed (`Mount.ensure_small`)
+SMALL_GETS = 32
+SMALL_BYTES_FACTOR = 4
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 #: commands that write into the checkpoint they are given, or train from it in place
@@ -83,9 +87,15 @@ class Counters:
     list_requests: int = 0
     objects: int = 0
     objects_bytes: int = 0
+    #: the small reads a reader planned up front (`plan(..., exact=True)`: a DCP folder's small items): how many
+    #: ranges, the bytes they hold (missing ones), and the GETs and bytes that fetched them
+    planned_ranges: int = 0
+    planned_bytes: int = 0
+    planned_gets: int = 0
+    planned_fetched: int = 0
 
     def as_dict(self) -> dict:
-        return {
+        out = {
             "bytes_fetched": self.bytes_fetched,
             "requests": self.get_requests + self.list_requests,
             "get_requests": self.get_requests,
@@ -93,6 +103,14 @@ class Counters:
             "objects": self.objects,
             "objects_bytes": self.objects_bytes,
         }
+        if self.planned_ranges:
+            out["small_reads"] = {
+                "ranges": self.planned_ranges,
+                "bytes_needed": self.planned_bytes,
+                "get_requests": self.planned_gets,
+                "bytes_fetched": self.planned_fetched,
+            }
+        return out
 
 
 @dataclass
@@ -305,6 +323,76 @@ class Mount:
                     batch, held = [], 0
             if batch:
                 self._fetch(batch, progress)
+
+    def ensure_small(self, wants: list[tuple[str, int, int]]) -> None:
+        """Make many small ranges present (one DCP item per tensor, far apart) in few GETs, for few extra bytes:
+        the missing parts, merged where they touch; then the closest two runs (in one file, with nothing held
+        between them) merged, closest first, while that saves a request worth more than the gap (`ALIGN`: about
+        what a round trip costs in transfer), or while there are more than `SMALL_GETS` requests and the bytes
+        fetched stay under `SMALL_BYTES_FACTOR` times those needed (plus `ALIGN`). Far-apart items beyond that
+        cost one GET each, issued as parallel batches: merging them would fetch the tensor bytes between."""
+        with self._lock:
+            runs: list[list] = []  # [path, start, end]
+            needed = 0
+            by_path: dict[str, list[tuple[int, int]]] = {}
+            for path, start, length in wants:
+                f = self._files.get(path)
+                if f is None or length <= 0:
+                    continue
+                by_path.setdefault(path, []).extend(self._missing(f, start, start + length))
+            for path, spans in by_path.items():
+                spans.sort()
+                first = len(runs)
+                for s, e in spans:
+                    if len(runs) > first and s <= runs[-1][2]:
+                        if e > runs[-1][2]:
+                            needed += e - runs[-1][2]
+                            runs[-1][2] = e
+                    else:
+                        runs.append([path, s, e])
+                        needed += e - s
+            if not runs:
+                return
+            # gaps between neighbouring runs of one file that hold no fetched byte: (size, index of the run before)
+            gaps = sorted(
+                (runs[i + 1][1] - runs[i][2], i)
+                for i in range(len(runs) - 1)
+                if runs[i][0] == runs[i + 1][0]
+                and self._missing(self._files[runs[i][0]], runs[i][2], runs[i + 1][1]) == [(runs[i][2], runs[i + 1][1])]
+            )
+            joined, fetched, count = set(), needed, len(runs)
+            budget = SMALL_BYTES_FACTOR * needed + ALIGN
+            for gap, i in gaps:
+                if gap > ALIGN and (count <= SMALL_GETS or fetched + gap > budget):
+                    break
+                joined.add(i)
+                fetched += gap
+                count -= 1
+            ranges: list[tuple[str, int, int]] = []
+            cur = list(runs[0])
+            for i in range(1, len(runs)):
+                if i - 1 in joined:
+                    cur[2] = runs[i][2]
+                else:
+                    ranges.append((cur[0], cur[1], cur[2]))
+                    cur = list(runs[i])
+            ranges.append((cur[0], cur[1], cur[2]))
+            ranges = [(p, cs, min(e, cs + MAX_RANGE)) for p, s, e in ranges for cs in range(s, e, MAX_RANGE)]
+            gets, got = self.counters.get_requests, self.counters.bytes_fetched
+            batch, held = [], 0
+            for r in ranges:
+                batch.append(r)
+                held += r[2] - r[1]
+                if held >= MAX_BATCH:
+                    self._fetch(batch)
+                    batch, held = [], 0
+            if batch:
+                self._fetch(batch)
+            c = self.counters
+            c.planned_ranges += len(wants)
+            c.planned_bytes += needed
+            c.planned_gets += c.get_requests - gets
+            c.planned_fetched += c.bytes_fetched - got
 
     def _fetch(self, ranges: list[tuple[str, int, int]], progress=None) -> None:
         try:
@@ -770,8 +858,9 @@ def ensure_file(path) -> None:
 def plan(wants, exact: bool = False) -> None:
     """Fetch these (path, start, length) ranges now, as one parallel batch per mount: what a reader is about to
     read, planned up front so that its many small reads cost one round of requests. A no-op for local paths.
-    `exact`: fetch just these ranges (merged when close), not widened to ALIGN each: many small reads far apart
-    (one DCP item per tensor) would each cost ALIGN bytes."""
+    `exact`: fetch just these ranges (merged when close, `Mount.ensure_small`), not widened to ALIGN each: many small
+    reads far apart (one DCP item per tensor) would each cost ALIGN bytes; what they cost shows in `stats()`'s
+    `small_reads`."""
     if not _MOUNTS:
         return
     by_mount: dict[Mount, list] = {}
@@ -780,7 +869,10 @@ def plan(wants, exact: bool = False) -> None:
         if held is not None:
             by_mount.setdefault(held[0], []).append((held[1], start, length))
     for m, ws in by_mount.items():
-        m.ensure_many(ws, align=1 if exact else None)
+        if exact:
+            m.ensure_small(ws)
+        else:
+            m.ensure_many(ws)
 
 
 def mount(url: str, storage_options: dict | None = None, prime: bool = True) -> Mount:
