@@ -395,10 +395,6 @@ class Opaque:
         return f"<{self.cls}>"
 
 
-class Callable_(Opaque):
-    """Base of placeholders for unknown *functions*: calling one records the call instead of running it."""
-
-
 _placeholder_cache: dict[str, type] = {}
 _placeholder_lock = threading.Lock()
 
