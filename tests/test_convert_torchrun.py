@@ -25,8 +25,8 @@ CASES = {
 
 
 def _digest(root: Path) -> dict[str, str]:
-    """file -> sha256; DCP's `.metadata` with its StorageMeta (checkpoint_id: the OUT path, and the save_id made
-    from it) left out, since the reference is written to another path."""
+    """file -> sha256; DCP's `.metadata` with its StorageMeta left out (checkpoint_id: the OUT path, and the save_id
+    made from that path), since the reference is written to another path."""
     out = {}
     for p in sorted(root.rglob("*")):
         if not p.is_file():
@@ -134,7 +134,7 @@ def test_journal_of_files_beside_other_units(tmp_path):
 
 def test_a_difference_found_in_verification_puts_nothing_in_place(tmp_path):
     """`shares.run_job` in one process: the ranks' shares of the comparison with the source are gathered; one line
-    from any of them removes the staging folder and puts nothing in place."""
+    of difference, whichever rank found it, removes the staging folder and puts nothing in place."""
     from ckpt_tools.errors import CkptError
     from ckpt_tools.write import shares
 
