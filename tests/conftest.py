@@ -19,6 +19,12 @@ from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# One thread per process for torch's CPU kernels in the workers and in every process they start (`ckpt` commands,
+# torchrun ranks): xdist already runs one worker per core, so torch's default of a thread per core in each of them
+# oversubscribed the cores (sample makers and resumes set the same already: `train.processes.worker_env`).
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
 
 def pytest_configure(config):
     """Bytecode for the project, once per run: the suite starts thousands of `ckpt` and worker processes, and these
