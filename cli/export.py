@@ -1,7 +1,9 @@
-"""`ckpt export CKPT OUT`: a thin wrapper over `ckpt_tools.ops.export` (plan -> dry-run table or execute -> summary)."""
+"""`ckpt export CKPT OUT`: a thin wrapper over `ckpt_tools.ops.export` (plan -> dry-run table or execute -> summary;
+under torchrun every rank runs it and rank 0 alone prints)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -85,6 +87,17 @@ def export_cmd(
         help="re-read the written files and compare them with the "
         "checkpoint tensor for tensor before putting them in place",
     ),
+    nproc: Optional[int] = typer.Option(
+        None,
+        "--nproc",
+        metavar="M",
+        min=1,
+        help="run as M processes on this machine (launches torchrun --standalone itself); under torchrun each "
+        "rank writes a share of the tensors, the same bytes as one process, and a rerun resumes",
+    ),
+    restart: bool = typer.Option(
+        False, "--restart", help="throw away what an interrupted many-process run left to resume and start over"
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="show the files that would be written"),
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask (export writes only new files, so it never asks)"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
@@ -92,8 +105,8 @@ def export_cmd(
     trust_pickles: bool = typer.Option(False, "--trust-pickles", help=output.TRUST_PICKLES_HELP),
 ) -> None:
     """Write consolidated model weights as safetensors (loadable by safetensors.torch.load_file; with --hf by
-    transformers' from_pretrained)."""
-    _refuse_torchrun_job()
+    transformers' from_pretrained). Under torchrun (or with --nproc M) every rank writes a share of the tensors."""
+    job = output.under_torchrun()
     folder = Path(out).parent
     if not folder.is_dir():
         raise CkptError(
@@ -107,6 +120,11 @@ def export_cmd(
             hint=f"for bytes say so: {n}B",
         )
     output.require("torch", extra="convert", what="ckpt export")
+    if nproc is not None and not job:
+        code = output.launch_nproc(nproc)  # the job's rank 0 printed the result
+        if code:
+            raise typer.Exit(code)
+        return
     from ckpt_tools.ops import export as ops
 
     try:
@@ -134,6 +152,8 @@ def export_cmd(
             raise typer.BadParameter(str(e))
         doc = plan.to_json()
         if dry_run:
+            if job and os.environ.get("RANK", "0") != "0":  # one plan for the whole job
+                return
             if json_out:
                 output.print_json({**doc, "dry_run": True})
             else:
@@ -153,10 +173,17 @@ def export_cmd(
                     con.print(escape(f"left out ({why}): {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"))
                 con.print("dry run: nothing written")
             return
-        with _bar(plan.nbytes, json_out, "export") as bar:
-            res = ops.execute(plan, progress=bar.update, verify=verify)
+        rank = 0
+        if job:  # ckpt_cli.main.main leaves the group (ckpt_tools.train.procgroup.leave) once the command returns
+            from ckpt_tools.train import procgroup
+
+            rank = procgroup.join("gloo")
+        with _bar(plan.nbytes, json_out or rank != 0, "export") as bar:
+            res = ops.execute(plan, progress=bar.update, verify=verify, distributed=job, restart=restart)
     except CkptError as e:
         raise _named(e) from None
+    if rank != 0:
+        return
     files = [str(plan.out / f.name) if plan.hf else str(f) for f in res.files]
     index = (str(plan.out / res.index.name) if plan.hf else str(res.index)) if res.index else None
     result = {
@@ -171,6 +198,7 @@ def export_cmd(
         "left_out": doc["left_out"],
         "weights_from": plan.weights_from,
         "verified": res.verified,
+        **({"converted": res.converted, "resumed": res.resumed, "ranks": list(res.ranks)} if res.ranks else {}),
     }
     if json_out:
         output.print_json(result)
@@ -185,23 +213,8 @@ def export_cmd(
                 + (f"; verified {res.verified} tensors" if res.verified is not None else "")
             )
         )
-
-
-def _refuse_torchrun_job() -> None:
-    """Every rank of a torchrun job would write the same files: refused before any work, naming the command to
-    run instead (to-universal and `convert --to dcp` share their work between ranks; export writes one file, or
-    shards cut in parameter order, and has no share to give)."""
-    import os
-    import shlex
-    import sys
-
-    if output.under_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        again = shlex.join(["ckpt", *sys.argv[1:]])
-        raise CkptError(
-            f"ckpt export runs in one process, not as rank {os.environ.get('RANK')} of a torchrun job "
-            f"of {os.environ.get('WORLD_SIZE')}",
-            hint=f"run it once, without torchrun: {again}",
-        )
+        for line in output.job_lines(res.resumed, res.converted, res.ranks, "tensor"):
+            output.console().print(escape(line))
 
 
 def register(app: typer.Typer) -> None:

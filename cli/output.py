@@ -594,13 +594,13 @@ def launch_nproc(nproc: int) -> int:
     return subprocess.call([*cmd, "-m", "ckpt_cli.main", *argv])
 
 
-def job_lines(resumed: int, converted: int, ranks: tuple | list) -> list[str]:
-    """What a many-process conversion (`to-universal`, `convert` as a torchrun job) adds to its summary: what the
-    journal spared, and the spread of the ranks' bytes and seconds."""
+def job_lines(resumed: int, converted: int, ranks: tuple | list, unit: str = "parameter") -> list[str]:
+    """What a many-process conversion (`to-universal`, `convert`, `export` as a torchrun job) adds to its summary:
+    what the journal spared (in `unit`s: the job's pieces), and the spread of the ranks' bytes and seconds."""
     lines = []
     if resumed:
         lines.append(
-            f"  resumed: {plural(resumed, 'parameter')} found finished and verified in the journal, "
+            f"  resumed: {plural(resumed, unit)} found finished and verified in the journal, "
             f"{converted} converted by this run"
         )
     if len(ranks) > 1:

@@ -209,35 +209,3 @@ def test_convert_under_torchrun_needs_no_flag(tmp_path, reference):
     )
     assert [r["rank"] for r in doc["ranks"]] == [0, 1]
     assert _digest(tmp_path / "u") == reference("zero2")
-
-
-def test_export_refuses_to_run_as_a_rank_of_a_job(tmp_path):
-    """`ckpt export` does not share its work: as one rank of many it stops (exit 2) before writing anything."""
-    env = dict(
-        os.environ,
-        RANK="1",
-        WORLD_SIZE="2",
-        LOCAL_RANK="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",
-        TORCHELASTIC_RUN_ID="test",
-    )
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ckpt_cli.main",
-            "export",
-            str(sample(*SAMPLES["zero2"])),
-            str(tmp_path / "w.safetensors"),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    errors = [line for line in r.stderr.splitlines() if line.startswith("ckpt: error:")]
-    assert r.returncode == 2 and len(errors) == 1 and "rank 1 of a torchrun job of 2" in errors[0], r.stderr
-    assert "run it once, without torchrun: ckpt export " in errors[0]  # what to run instead
-    assert list(tmp_path.iterdir()) == []

@@ -16,6 +16,12 @@ folder `from_pretrained` loads (`model[-0000i-of-0000N].safetensors`, the index,
 generation_config.json copied when the checkpoint has them, tied aliases left out as `save_pretrained` does).
 Everything is written under `.ckpt-staging-` names (a staging folder for `hf`) and renamed when complete;
 `verify` re-reads the output and compares it tensor for tensor with the source.
+
+A torchrun job (`execute(distributed=True)`; `_execute_job` on `write/shares.run_job`, to-universal's and convert's
+job) writes the same bytes: every file's layout (header, each tensor's offset) follows from the plan alone, so each
+rank writes a share of the tensors, balanced by bytes, at their offsets into the staging files (`.ckpt-staging-OUT-job`
+beside OUT), each tensor journaled with its byte span's CRC-32; rank 0 writes the headers, the index and the config
+files, and puts the files in place. An interrupted job is resumed by the same command (any number of processes).
 """
 
 from __future__ import annotations
@@ -398,6 +404,9 @@ def _config_dir(ck) -> Path:
     return p if p.is_dir() else p.parent
 
 
+_METADATA = {"format": "pt"}  # the header's __metadata__, as safetensors.torch.save_file writes it
+
+
 def _header(tensors: Sequence[ExportTensor], metadata: dict[str, str]) -> bytes:
     head: dict[str, Any] = {"__metadata__": metadata}
     off = 0
@@ -414,41 +423,48 @@ def _write_file(path: Path, tensors: Sequence[ExportTensor], progress: Callable[
     (same dtype, its ZeRO pieces / file ranges in order: a fp32 master of any ZeRO stage, a torch or
     safetensors file's tensor) is copied file to file by the kernel (`io.copy_range`); the others are read,
     merged and converted in memory, one at a time."""
-    from ..write.io import copy_range
     from ..write.torch_zip import start_writeback
     from ..read.pickle_reader import FdCache
 
     fds = FdCache()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        at = _pwrite(fd, memoryview(_header(tensors, {"format": "pt"})), 0)
+        at = _pwrite(fd, memoryview(_header(tensors, _METADATA)), 0)
         flushed = at
         for t in tensors:
             if at - flushed >= _WRITEBACK_EVERY:  # the disk writes while the next tensors are copied
                 start_writeback(fd)
                 flushed = at
-            ranges = _ranges(t, fds)
-            if ranges is not None:
-                for r in ranges:
-                    copy_range(r.fd, fd, r.offset, at, r.length)
-                    at += r.length
-            else:
-                x = t.read()
-                if tuple(x.shape) != tuple(t.shape):
-                    raise CkptError(
-                        f"{t.name}: read {tuple(x.shape)}, planned {tuple(t.shape)}",
-                        path=path,
-                        hint="the checkpoint changed while exporting; run it again",
-                    )
-                if x.numel():
-                    at = _pwrite(fd, memoryview(x.contiguous().view(-1).view(_u8()).numpy()), at)
-                del x
+            at = _write_tensor(fd, t, at, fds, path)
             if progress:
                 progress(t.nbytes)
         os.fsync(fd)
     finally:
         os.close(fd)
         fds.close()
+
+
+def _write_tensor(fd: int, t: ExportTensor, at: int, fds, path: Path) -> int:
+    """`t`'s output bytes into `fd` from offset `at` (copied by the kernel where they lie in the source as they are
+    written, else read, merged and converted); returns the offset after them."""
+    from ..write.io import copy_range
+
+    ranges = _ranges(t, fds)
+    if ranges is not None:
+        for r in ranges:
+            copy_range(r.fd, fd, r.offset, at, r.length)
+            at += r.length
+        return at
+    x = t.read()
+    if tuple(x.shape) != tuple(t.shape):
+        raise CkptError(
+            f"{t.name}: read {tuple(x.shape)}, planned {tuple(t.shape)}",
+            path=path,
+            hint="the checkpoint changed while exporting; run it again",
+        )
+    if x.numel():
+        at = _pwrite(fd, memoryview(x.contiguous().view(-1).view(_u8()).numpy()), at)
+    return at
 
 
 _WRITEBACK_EVERY = 64 << 20
@@ -498,6 +514,11 @@ class ExportResult:
     out: Path | None = None
     copies: tuple[Path, ...] = ()
     verified: int | None = None  # tensors compared by verify, None when not asked
+    #: a many-process job (`_execute_job`): tensors written by this run and found finished in the journal, and
+    #: each rank's figures ({rank, host, params (tensors), resumed, bytes, seconds})
+    converted: int = -1
+    resumed: int = 0
+    ranks: tuple[dict, ...] = ()
 
 
 def _index_doc(plan: ExportPlan) -> dict[str, Any]:
@@ -507,35 +528,87 @@ def _index_doc(plan: ExportPlan) -> dict[str, Any]:
     }
 
 
-def execute(plan: ExportPlan, *, progress: Callable[[int], None] | None = None, verify: bool = False) -> ExportResult:
+def _write_extras(plan: ExportPlan, folder: Path) -> None:
+    """What goes beside the safetensors files in `folder`: the index, and with `hf` the config files."""
+    if plan.index:
+        (folder / plan.index.name).write_text(json.dumps(_index_doc(plan), indent=2))
+    for c in plan.copies:
+        shutil.copyfile(c, folder / c.name)
+    if plan.config is not None:
+        (folder / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
+
+
+def _targets(plan: ExportPlan) -> list[Path]:
+    return [*plan.files, *([plan.index] if plan.index else [])]
+
+
+def _occupied(folder: Path) -> bool:
+    """Whether `folder` is a file or a folder with something in it (an empty folder is written over; a job's rank
+    0 may remove it while another rank looks)."""
+    try:
+        return any(folder.iterdir())
+    except NotADirectoryError:
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _refuse_existing(plan: ExportPlan) -> None:
+    """An output that is there already, or a folder to write into that is not: refused before any work."""
+    if plan.hf and _occupied(plan.out):
+        raise CkptError(
+            "output folder already exists and is not empty",
+            path=plan.out,
+            hint="choose a new folder or remove it first",
+        )
+    if not plan.hf:
+        for f in _targets(plan):
+            if f.exists():
+                raise CkptError("output file already exists", path=f, hint="choose a new path or remove it first")
+    if not plan.out.parent.is_dir():
+        raise CkptError(
+            f"the folder {plan.out.parent} does not exist",
+            path=plan.out,
+            hint=f"create it first: mkdir -p {plan.out.parent}",
+        )
+
+
+def execute(
+    plan: ExportPlan,
+    *,
+    progress: Callable[[int], None] | None = None,
+    verify: bool = False,
+    distributed: bool = False,
+    restart: bool = False,
+) -> ExportResult:
     """Write the planned safetensors file(s) (and index, and for `hf` the config files); refuses to overwrite.
-    All files are written under staging names and renamed into place only when every one is complete."""
-    targets = [*plan.files, *([plan.index] if plan.index else [])]
+    All files are written under staging names and renamed into place only when every one is complete.
+
+    With `distributed`, every rank of the initialised torch.distributed group (a torchrun job) calls this:
+    `_execute_job`, the same bytes as one process. A job's staging folder left by an interrupted job is resumed
+    by the same command, in one process too (`restart`: thrown away)."""
+    from ..write import shares
+
+    _refuse_existing(plan)
+    if distributed:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise CkptError(
+                "a many-process export needs torch.distributed: run it under torchrun",
+                hint="torchrun --nproc-per-node N --no-python ckpt export CKPT OUT.safetensors",
+            )
+        return _execute_job(plan, shares.Job(dist.get_rank(), dist.get_world_size()), progress, verify, restart)
+    if shares.job_staging(plan.out).exists():  # an interrupted job: resumed alone
+        return _execute_job(plan, shares.LocalJob(), progress, verify, restart)
     if plan.hf:
-        if plan.out.exists() and (not plan.out.is_dir() or any(plan.out.iterdir())):
-            raise CkptError(
-                "output folder already exists and is not empty",
-                path=plan.out,
-                hint="choose a new folder or remove it first",
-            )
-        if not plan.out.parent.is_dir():
-            raise CkptError(
-                f"the folder {plan.out.parent} does not exist",
-                path=plan.out,
-                hint=f"create it first: mkdir -p {plan.out.parent}",
-            )
         staging = plan.out.parent / f".ckpt-staging-{plan.out.name}-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         try:
             for f, tensors in zip(plan.files, plan.shards):
                 _write_file(staging / f.name, tensors, progress)
-            if plan.index:
-                (staging / plan.index.name).write_text(json.dumps(_index_doc(plan), indent=2))
-            for c in plan.copies:
-                shutil.copyfile(c, staging / c.name)
-            if plan.config is not None:
-                (staging / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
+            _write_extras(plan, staging)
             verified = len(verify_files(plan, {f: staging / f.name for f in plan.files})) if verify else None
             gate.check_output(staging, trust_pickles=False)  # safetensors and JSON: never a pickle
             if plan.out.exists():
@@ -554,15 +627,7 @@ def execute(plan: ExportPlan, *, progress: Callable[[int], None] | None = None, 
             verified,
         )
 
-    for f in targets:
-        if f.exists():
-            raise CkptError("output file already exists", path=f, hint="choose a new path or remove it first")
-    if not plan.out.parent.is_dir():
-        raise CkptError(
-            f"the folder {plan.out.parent} does not exist",
-            path=plan.out,
-            hint=f"create it first: mkdir -p {plan.out.parent}",
-        )
+    targets = _targets(plan)
     staged = {f: f.parent / f".ckpt-staging-{f.name}-{os.getpid()}" for f in targets}
     try:
         for f, tensors in zip(plan.files, plan.shards):
@@ -579,6 +644,131 @@ def execute(plan: ExportPlan, *, progress: Callable[[int], None] | None = None, 
     return ExportResult(plan.files, plan.index, len(plan.tensors), plan.nbytes, plan.out, (), verified)
 
 
+# --- a torchrun job -----------------------------------------------------------------------------------------------
+
+
+def plan_digest(plan: ExportPlan) -> str:
+    """What identifies a plan's output (a job's staging folder is resumed only by the same plan): the files, each
+    tensor's name, source, dtype and shape, and the config files' bytes."""
+    import hashlib
+
+    layout = [
+        [f.name, [[t.name, t.source.name, t.dtype, list(t.shape)] for t in s]] for f, s in zip(plan.files, plan.shards)
+    ]
+    copies = [hashlib.sha256(c.read_bytes()).hexdigest() for c in plan.copies]
+    return hashlib.sha256(
+        json.dumps([plan.to_json(), layout, copies], sort_keys=True, default=str).encode()
+    ).hexdigest()
+
+
+def _execute_job(
+    plan: ExportPlan, job, progress: Callable[[int], None] | None, verify: bool, restart: bool
+) -> ExportResult:
+    """A torchrun job (`shares.run_job`), or one process resuming one. A unit is one tensor (with bytes): the rank
+    that has it in its share writes its bytes into the staging file at the offset one process writes them
+    (`_write_tensor`; the files grow to their planned size as the ranks write, holes until every share is in) and
+    journals that span; rank 0 then writes each file's header, the index and the config files; every rank
+    compares a share of the tensors with the source (`verify`: `_compare`), and rank 0 puts the output in place:
+    the `hf` folder renamed, or the files renamed into OUT's folder (`io.put_files_in_place`)."""
+    from ..read.pickle_reader import FdCache
+    from ..write import io, shares
+
+    heads = [_header(s, _METADATA) for s in plan.shards]
+    starts: list[list[int]] = []
+    for head, tensors in zip(heads, plan.shards):
+        at, offsets = len(head), []
+        for t in tensors:
+            offsets.append(at)
+            at += t.nbytes
+        starts.append(offsets)
+    sizes = [len(h) + sum(t.nbytes for t in s) for h, s in zip(heads, plan.shards)]
+    where = [(fi, ti) for fi, s in enumerate(plan.shards) for ti, t in enumerate(s) if t.nbytes]
+    units = [
+        shares.Unit(f"{plan.files[fi].name}/{plan.shards[fi][ti].name}", plan.shards[fi][ti].nbytes) for fi, ti in where
+    ]
+
+    def convert(todo: list[int], journal, counted: Callable[[int], None]) -> int:
+        from ..write.torch_zip import start_writeback
+
+        fds: dict[int, int] = {}
+        src = FdCache()
+        n = flushed = 0
+        try:
+            for k in todo:
+                fi, ti = where[k]
+                t, name = plan.shards[fi][ti], plan.files[fi].name
+                if fi not in fds:
+                    fds[fi] = os.open(journal.root / name, os.O_WRONLY | os.O_CREAT, 0o644)
+                    if os.fstat(fds[fi]).st_size < sizes[fi]:  # only grows: the other ranks' bytes stay
+                        os.ftruncate(fds[fi], sizes[fi])
+                if n - flushed >= _WRITEBACK_EVERY:  # the disk writes while the next tensors are copied
+                    for fd in fds.values():
+                        start_writeback(fd)
+                    flushed = n
+                _write_tensor(fds[fi], t, starts[fi][ti], src, journal.root / name)
+                journal.record(units[k].rel, spans=[(name, starts[fi][ti], t.nbytes)])
+                counted(t.nbytes)
+                n += t.nbytes
+            for fd in fds.values():
+                os.fsync(fd)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+            src.close()
+        return n
+
+    def finish(staging: Path, journal) -> None:
+        for f, head, size in zip(plan.files, heads, sizes):
+            fd = os.open(staging / f.name, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                _pwrite(fd, memoryview(head), 0)
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+        _write_extras(plan, staging)
+
+    def check(staging: Path, share: list[int], first: bool) -> list[str]:
+        """This rank's share of the comparison: the tensors of its units; rank 0 also the tensors without bytes
+        and each file's list of names."""
+        mine = {where[k] for k in share}
+        return _compare(
+            plan,
+            {f: staging / f.name for f in plan.files},
+            only=lambda fi, ti: (fi, ti) in mine or (first and not plan.shards[fi][ti].nbytes),
+            names=first,
+        )[1]
+
+    if plan.hf and job.rank == 0 and plan.out.is_dir():  # an empty folder (checked above) is written over
+        plan.out.rmdir()
+    fig, figs = shares.run_job(
+        job,
+        plan.out,
+        units,
+        digest=plan_digest(plan),
+        restart=restart,
+        convert=convert,
+        finish=finish,
+        verify=check if verify else None,
+        progress=progress,
+        place=None if plan.hf else lambda staging: io.put_files_in_place(staging, _targets(plan)),
+    )
+    return ExportResult(
+        plan.files,
+        plan.index,
+        len(plan.tensors),
+        plan.nbytes if job.rank == 0 else fig["bytes"],
+        plan.out,
+        tuple(plan.out / c.name for c in plan.copies) if plan.hf else (),
+        len(plan.tensors) if verify else None,
+        converted=sum(f["params"] for f in figs),
+        resumed=sum(f["resumed"] for f in figs),
+        ranks=figs,
+    )
+
+
+# --- verification -------------------------------------------------------------------------------------------------
+
+
 class VerifyFailed(CkptError):
     """The written export does not read back equal to the source's logical tensors."""
 
@@ -587,20 +777,42 @@ def verify_files(plan: ExportPlan, where: dict[Path, Path] | None = None) -> lis
     """Re-read every written tensor (one at a time) and compare it with the source's logical tensor, read again
     and converted to the output dtype: bit for bit, names, shapes and dtypes included. Returns the names
     compared; raises VerifyFailed naming the first differences."""
+    done, bad = _compare(plan, where or {f: f for f in plan.files})
+    if bad:
+        raise VerifyFailed(
+            f"the written export differs from the source in {len(bad)} tensors: {', '.join(bad[:5])}",
+            path=plan.out,
+            hint="nothing was put in place; report this with the checkpoint's format",
+        )
+    return done
+
+
+def _compare(
+    plan: ExportPlan,
+    where: dict[Path, Path],
+    only: Callable[[int, int], bool] | None = None,
+    names: bool = True,
+) -> tuple[list[str], list[str]]:
+    """(names compared, differences) between the written files (`where`: planned path -> written path) and the
+    source: the tensors `only(file index, tensor index)` accepts (all by default), and with `names` each file's
+    set of names."""
     import torch
     from safetensors import safe_open
 
-    where = where or {f: f for f in plan.files}
     bad: list[str] = []
     done: list[str] = []
-    for f, tensors in zip(plan.files, plan.shards):
+    for fi, (f, tensors) in enumerate(zip(plan.files, plan.shards)):
         with safe_open(str(where[f]), framework="pt") as fh:
-            names = set(fh.keys())
-            want = {t.name for t in tensors}
-            if names != want:
-                bad.append(f"{f.name}: holds {sorted(names - want)[:3]} not planned, lacks {sorted(want - names)[:3]}")
-                continue
-            for t in tensors:
+            if names:
+                held, want = set(fh.keys()), {t.name for t in tensors}
+                if held != want:
+                    bad.append(
+                        f"{f.name}: holds {sorted(held - want)[:3]} not planned, lacks {sorted(want - held)[:3]}"
+                    )
+                    continue
+            for ti, t in enumerate(tensors):
+                if only is not None and not only(fi, ti):
+                    continue
                 got = fh.get_tensor(t.name)
                 ref = t.read()
                 if (
@@ -613,10 +825,4 @@ def verify_files(plan: ExportPlan, where: dict[Path, Path] | None = None) -> lis
                 ):
                     bad.append(t.name)
                 done.append(t.name)
-    if bad:
-        raise VerifyFailed(
-            f"the written export differs from the source in {len(bad)} tensors: {', '.join(bad[:5])}",
-            path=plan.out,
-            hint="nothing was put in place; report this with the checkpoint's format",
-        )
-    return done
+    return done, bad

@@ -52,7 +52,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from ..errors import CkptError
 from ..read import gate
@@ -1061,6 +1061,27 @@ def put_in_place(tmp: Path, out: Path, *, trust_pickles: bool = False) -> None:
         _fsync_dir(Path(dirpath))
     os.rename(tmp, out)
     _fsync_dir(out.parent)
+
+
+def put_files_in_place(tmp: Path, targets: Sequence[Path], *, trust_pickles: bool = False) -> None:
+    """The end of a staging folder whose files go into an existing folder (an export's OUT.safetensors, or its
+    shards and index, written by a many-process job): the output gate, fsync, then each target renamed from the
+    staged file of its name and the staging folder removed. A failure takes back the files already renamed."""
+    gate.check_output(tmp, trust_pickles=trust_pickles)
+    for t in targets:
+        _fsync_file(tmp / t.name)
+    placed: list[Path] = []
+    try:
+        for t in targets:
+            os.replace(tmp / t.name, t)
+            placed.append(t)
+    except BaseException:
+        for t in placed:
+            t.unlink(missing_ok=True)
+        raise
+    for d in {t.parent for t in targets}:
+        _fsync_dir(d)
+    shutil.rmtree(tmp)
 
 
 @contextlib.contextmanager

@@ -13,12 +13,15 @@ beats is working (a share of a 10 TB checkpoint may take hours), so the waits ha
 The journal (`<staging>/.journal/rank<r>.jsonl`, one file per writing rank, so no two processes append to one
 file) holds one line per finished, verified parameter: its folder (or the files it wrote beside others', e.g. a
 DCP parameter's `.distcp` files, with what the last rank needs of it: its `.metadata` part) and each file's size
-and checksum (`file_crc`). A rerun (any number of ranks) skips a parameter whose files are all still there with
-those sizes and checksums, their bytes read again and matched against their CRC-32s.
+and checksum (`file_crc`), or the byte spans it wrote inside files other units write too (an exported tensor's
+bytes in a safetensors file every rank writes into) with each span's CRC-32. A rerun (any number of ranks) skips a
+parameter whose files (spans) are all still there with those sizes and checksums, their bytes read again and matched
+against their CRC-32s.
 
 `run_job` is the job itself, the same for every command that writes one output this way (to-universal,
-`convert --to dcp | deepspeed-universal`): the command gives it its units (journal name, bytes), what converts a
-share of them, and what rank 0 finishes with.
+`convert --to dcp | deepspeed-universal`, `export`): the command gives it its units (journal name, bytes), what
+converts a share of them, what rank 0 finishes with, and (export's files in an existing folder) how rank 0 puts the
+output in place.
 """
 
 from __future__ import annotations
@@ -202,6 +205,20 @@ def file_crc(path: Path, *, check: bool = False, raw: bool = False) -> int:
     return crc
 
 
+def _span_crc(path: Path, offset: int, length: int) -> int:
+    """The CRC-32 of `length` bytes of `path` from `offset`; OSError where the file is shorter."""
+    crc = 0
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while length > 0:
+            chunk = f.read(min(length, 8 << 20))
+            if not chunk:
+                raise OSError(f"{path}: shorter than the journal says")
+            crc = zlib.crc32(chunk, crc)
+            length -= len(chunk)
+    return crc
+
+
 def _fingerprint(folder: Path) -> dict[str, list[int]]:
     return {p.name: [p.stat().st_size, file_crc(p)] for p in sorted(folder.iterdir()) if p.is_file()}
 
@@ -216,6 +233,7 @@ class Journal:
         self.done: dict[str, dict[str, list[int]]] = {}
         self.extra: dict[str, Any] = {}  # what each record carries besides its files (`record(extra=...)`)
         self._at: dict[str, bool] = {}  # records of files named from the staging root (`record(paths=...)`)
+        self._spans: dict[str, list] = {}  # records of byte spans: [file, offset, length, CRC-32] (`record(spans=...)`)
         for f in sorted(jdir.glob("rank*.jsonl")):
             for line in f.read_text().splitlines():
                 try:
@@ -223,6 +241,8 @@ class Journal:
                     self.done[rec["dir"]] = rec["files"]
                     self.extra[rec["dir"]] = rec.get("extra")
                     self._at[rec["dir"]] = bool(rec.get("paths"))
+                    if rec.get("spans") is not None:
+                        self._spans[rec["dir"]] = [(str(n), int(o), int(k), int(c)) for n, o, k, c in rec["spans"]]
                 except (ValueError, KeyError, TypeError):  # a line cut by a kill: that parameter is redone
                     continue
         self._f = open(jdir / f"rank{rank}.jsonl", "a")
@@ -232,11 +252,14 @@ class Journal:
 
     def finished(self, rel: str) -> bool:
         """Whether the unit `rel` was journaled and its files are still all there, with the journaled sizes and
-        checksums: the parameter folder `rel` (relative to the staging folder), or the files its record names."""
+        checksums: the parameter folder `rel` (relative to the staging folder), the files its record names, or
+        the byte spans it names (each span's bytes read again against its CRC-32)."""
         want = self.done.get(rel)
-        if not want:
-            return False
         try:
+            if rel in self._spans:
+                return all(_span_crc(self.root / n, o, k) == c for n, o, k, c in self._spans[rel])
+            if not want:
+                return False
             if self._at.get(rel):
                 root = self.root
                 return all(
@@ -254,12 +277,26 @@ class Journal:
         except (OSError, zipfile.BadZipFile, zipfile.LargeZipFile):
             return False
 
-    def record(self, rel: str, *, paths: list[str] | None = None, extra: Any = None) -> None:
+    def record(
+        self,
+        rel: str,
+        *,
+        paths: list[str] | None = None,
+        spans: list[tuple[str, int, int]] | None = None,
+        extra: Any = None,
+    ) -> None:
         """Journal the unit `rel` as finished and verified: the files of the folder `rel`, or, with `paths`, those
-        files (relative to the staging folder: a unit whose files lie beside other units'); `extra` (JSON) is
+        files (relative to the staging folder: a unit whose files lie beside other units'), or, with `spans`, those
+        (file, offset, length) byte ranges (a unit written into files other units write too); `extra` (JSON) is
         kept with it for the rank that finishes the job (`Journal.extra`)."""
-        if paths is None:
-            rec: dict[str, Any] = {"dir": rel, "files": _fingerprint(self.root / rel)}
+        if spans is not None:
+            rec: dict[str, Any] = {
+                "dir": rel,
+                "files": {},
+                "spans": [[n, o, k, _span_crc(self.root / n, o, k)] for n, o, k in spans],
+            }
+        elif paths is None:
+            rec = {"dir": rel, "files": _fingerprint(self.root / rel)}
         else:
             files = {n: [(self.root / n).stat().st_size, file_crc(self.root / n, raw=True)] for n in paths}
             rec = {"dir": rel, "paths": True, "files": files}
@@ -335,6 +372,7 @@ def run_job(
     verify: Callable[[Path, list[int], bool], list[str]] | None = None,
     progress: Callable[[int], None] | None = None,
     trust_pickles: bool = False,
+    place: Callable[[Path], None] | None = None,
 ) -> tuple[dict, tuple[dict, ...]]:
     """One output written by every rank of `job` (`Job`, or `LocalJob` for a one-process rerun), the same for any
     number of ranks:
@@ -349,8 +387,9 @@ def run_job(
     5. `verify(staging, indices, first)` on every rank compares its share of the whole output (a balanced share
        of the units; `first`: rank 0, which also checks what belongs to no unit) and returns one line per
        difference;
-    6. when no rank found one, rank 0 puts the folder in place (`io.put_in_place`). A failure in 4-6 removes the
-       staging folder (what it holds did not verify); an interruption keeps it.
+    6. when no rank found one, rank 0 puts the folder in place (`io.put_in_place`; or `place(staging)`, e.g. an
+       export's files into an existing folder, `io.put_files_in_place`). A failure in 4-6 removes the staging
+       folder (what it holds did not verify); an interruption keeps it.
 
     A failure of any rank is an error on every rank, one line naming the rank and its host; a lost rank is a
     `RankLost` in bounded time. Returns (this rank's figures, every rank's): {rank, host, params (units
@@ -448,7 +487,10 @@ def run_job(
             try:
                 try:
                     shutil.rmtree(staging / JOURNAL)
-                    put_in_place(staging, Path(out).resolve(), trust_pickles=trust_pickles)
+                    if place is None:
+                        put_in_place(staging, Path(out).resolve(), trust_pickles=trust_pickles)
+                    else:
+                        place(staging)
                 except Exception:
                     shutil.rmtree(staging, ignore_errors=True)
                     raise

@@ -1,0 +1,119 @@
+"""`ckpt export` as a torchrun job on 127.0.0.1 (`--nproc 2`; two nodes: two torchrun processes with a c10d
+rendezvous on loopback): each rank writes a share of the tensors at their offsets in the staging files, rank 0 the
+headers, index and config files; the same bytes as one process, for one .safetensors file and a sharded `--hf`
+folder. A rank killed with SIGKILL fails the job naming it, nothing in place, and the rerun resumes from the journal
+(each tensor's byte span and CRC-32) to the same bytes. The job machinery is `write/shares.run_job`, to-universal's
+and convert's: its own tests are in test_to_universal_torchrun.py and test_convert_torchrun.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ckpt_tools.write.shares import Journal
+
+from conftest import run_cli, sample
+from test_to_universal_torchrun import _digest, _job, _launch, _wait  # _digest: file -> sha256
+
+#: (source, OUT's name, options): a ZeRO-2 run as one file; an HF Trainer + ZeRO-2 run as a sharded --hf folder
+CASES = {
+    "file": (("deepspeed", "zero2_bf16"), "m.safetensors", []),
+    "hf": (("hf_trainer", "hf_trainer_zero2"), "hf", ["--hf", "--max-shard-size", "40KB"]),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Each case's one-process export, made once for the module: file -> sha256."""
+    made: dict[str, dict[str, str]] = {}
+
+    def get(key: str) -> dict[str, str]:
+        if key not in made:
+            src, name, opts = CASES[key]
+            folder = tmp_path_factory.mktemp("ref")
+            r = run_cli("export", sample(*src), folder / name, *opts, "--json")
+            assert r.returncode == 0, r.stderr
+            made[key] = _digest(folder)
+        return made[key]
+
+    return get
+
+
+def _args(key: str, folder: Path) -> list:
+    src, name, opts = CASES[key]
+    return [sample(*src), folder / name, *opts]
+
+
+def test_nproc_one_file_byte_identical_to_one_process(tmp_path, reference):
+    r = run_cli("export", *_args("file", tmp_path), "--nproc", "2", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    assert [x["rank"] for x in doc["ranks"]] == [0, 1] and all(x["params"] > 0 for x in doc["ranks"])
+    assert doc["resumed"] == 0 and sum(x["bytes"] for x in doc["ranks"]) == doc["bytes"]
+    assert _digest(tmp_path) == reference("file")  # only m.safetensors: no staging left
+    assert len(reference("file")) == 1
+
+
+def test_two_nodes_hf_sharded_byte_identical_and_verified(tmp_path, reference):
+    """Sharded --hf: the safetensors shards, the index and the config files, every byte as one process writes
+    them; --verify split between the ranks."""
+    doc, _ = _job(2, 1, [*_args("hf", tmp_path), "--verify"], command=("export",))
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1] and doc["verified"] == doc["tensors"]
+    assert len(doc["files"]) > 1 and doc["index"]
+    ref = reference("hf")
+    assert {"hf/config.json", "hf/model.safetensors.index.json"} <= set(ref)
+    assert _digest(tmp_path) == ref
+
+
+def test_killed_rank_fails_the_job_and_the_rerun_resumes(tmp_path, reference):
+    """Node 1's rank is killed (SIGKILL) after it journaled 2 tensors: rank 0 names it in one line, exit 2, nothing
+    in place; the same command in one process writes only the rest, byte-identical to one process."""
+    out = tmp_path / "m.safetensors"
+    env = {"CKPT_TEST_KILL_AFTER": "1:2", "CKPT_DIST_LOST_S": "4"}
+    done = _wait(_launch(2, 1, _args("file", tmp_path), env=env, command=("export",)))
+    assert all(rc != 0 for rc, _, _ in done)
+    errors = [line for line in done[0][2].splitlines() if line.startswith("ckpt: error:")]
+    assert len(errors) == 1 and "rank 1 (host " in errors[0] and "was lost" in errors[0], done[0][2][-3000:]
+    assert "exitcode: 2" in done[0][2]  # torchrun's report of rank 0
+    assert not out.exists() and (tmp_path / ".ckpt-staging-m.safetensors-job" / ".journal").is_dir()
+
+    r = run_cli("export", *_args("file", tmp_path), "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    assert doc["resumed"] >= 2 and doc["converted"] > 0 and len(doc["ranks"]) == 1
+    assert _digest(tmp_path) == reference("file")
+
+
+def test_restart_throws_a_job_staging_away(tmp_path, reference):
+    """A staging folder left by a job of another plan, rerun in one process with --restart: written again whole."""
+    staging = tmp_path / ".ckpt-staging-m.safetensors-job"
+    (staging / ".journal").mkdir(parents=True)
+    (staging / ".journal" / "plan").write_text("another plan")
+    (staging / "m.safetensors").write_bytes(b"left by another plan")
+    r = run_cli("export", *_args("file", tmp_path), "--restart", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    assert doc["resumed"] == 0 and doc["converted"] > 0
+    assert _digest(tmp_path) == reference("file")
+
+
+def test_journal_of_byte_spans(tmp_path):
+    """A tensor's bytes inside a file every rank writes into: journaled as a span; a change inside it (not outside)
+    or a file cut short makes the rerun write it again."""
+    f = tmp_path / "m.safetensors"
+    f.write_bytes(bytes(range(64)))
+    j = Journal(tmp_path, 0)
+    j.record("m.safetensors/w", spans=[("m.safetensors", 8, 16)])
+    j.close()
+    assert Journal(tmp_path, 1).finished("m.safetensors/w")
+    raw = bytearray(f.read_bytes())
+    raw[40] ^= 1  # outside the span
+    f.write_bytes(bytes(raw))
+    assert Journal(tmp_path, 1).finished("m.safetensors/w")
+    raw[10] ^= 1  # inside it
+    f.write_bytes(bytes(raw))
+    assert not Journal(tmp_path, 1).finished("m.safetensors/w")
+    f.write_bytes(bytes(range(20)))  # shorter than the span's end
+    assert not Journal(tmp_path, 1).finished("m.safetensors/w")
