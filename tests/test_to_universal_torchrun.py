@@ -5,6 +5,7 @@ time naming it, with nothing in place; the rerun resumes from the journal (`--re
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -63,7 +64,7 @@ def _launch(
 ):
     """Start the torchrun processes of one job (one per node); returns them (stdout / stderr piped)."""
     port = port or free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     procs = []
     for node in range(nnodes):
         cmd = [
@@ -209,3 +210,19 @@ def test_convert_under_torchrun_needs_no_flag(tmp_path, reference):
     )
     assert [r["rank"] for r in doc["ranks"]] == [0, 1]
     assert _digest(tmp_path / "u") == reference("zero2")
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("s3fs"), reason="needs the remote extra (s3fs)")
+def test_url_source_read_by_every_rank(tmp_path, reference):
+    """SRC an s3:// URL (a moto server on 127.0.0.1): both ranks of a one-node, two-process job read it themselves;
+    the output is the same bytes as the one-process conversion of the local folder."""
+    from test_remote_s3 import _env, _fs, moto_server
+
+    with moto_server(tmp_path / "moto.log") as endpoint:
+        fs = _fs(endpoint)
+        fs.mkdir("job")
+        fs.put(str(sample(*SAMPLES["zero2"])), "job/zero2_bf16", recursive=True)
+        doc, _ = _job(1, 2, ["s3://job/zero2_bf16", tmp_path / "u"], env=_env(endpoint, TMPDIR=str(tmp_path)))
+    assert _digest(tmp_path / "u") == reference("zero2")
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1] and all(r["params"] > 0 for r in doc["ranks"])
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-remote-")]  # the ranks' mirrors gone
