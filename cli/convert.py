@@ -228,42 +228,27 @@ def _convert(
     if to == "deepspeed-universal" and layout is None:
         from ckpt_tools.ops.to_universal import handles
 
-        if not handles(ckpt):
-            return _convert_ops(
+        if handles(ckpt):  # a DeepSpeed source: `to-universal`'s own path
+            from . import to_universal as tu
+
+            return tu.to_universal_cmd(
                 ckpt,
                 out,
-                to,
-                layout,
-                dry_run,
-                verify,
-                json_out,
-                distributed,
-                allow_unread,
-                n_kv_heads,
-                trust_pickles=trust_pickles,
+                workers=min(8, os.cpu_count() or 1),
+                dry_run=dry_run,
+                tp_layout=None,
+                pattern=None,
+                tp_replicated=None,
+                target_stage=None,
+                verify=verify,
+                yes=True,
+                distributed=distributed,
+                nproc=None,
                 restart=restart,
+                json_out=json_out,
+                allow_unread=allow_unread,
+                trust_pickles=trust_pickles,
             )
-
-        from . import to_universal as tu
-
-        return tu.to_universal_cmd(
-            ckpt,
-            out,
-            workers=min(8, os.cpu_count() or 1),
-            dry_run=dry_run,
-            tp_layout=None,
-            pattern=None,
-            tp_replicated=None,
-            target_stage=None,
-            verify=verify,
-            yes=True,
-            distributed=distributed,
-            nproc=None,
-            restart=restart,
-            json_out=json_out,
-            allow_unread=allow_unread,
-            trust_pickles=trust_pickles,
-        )
     return _convert_ops(
         ckpt,
         out,
