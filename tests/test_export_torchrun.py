@@ -86,6 +86,19 @@ def test_killed_rank_fails_the_job_and_the_rerun_resumes(tmp_path, reference):
     assert _digest(tmp_path) == reference("file")
 
 
+def test_hf_into_an_empty_folder_keeps_it_when_the_job_fails(tmp_path, reference):
+    """--hf into an existing empty folder (one process writes over it): a job whose rank is killed leaves the empty
+    folder as it was; the rerun puts the output in it, the same bytes as one process."""
+    (tmp_path / "hf").mkdir()
+    env = {"CKPT_TEST_KILL_AFTER": "1:2", "CKPT_DIST_LOST_S": "4"}
+    done = _wait(_launch(1, 2, _args("hf", tmp_path), env=env, command=("export",)))
+    assert all(rc != 0 for rc, _, _ in done)
+    assert (tmp_path / "hf").is_dir() and not any((tmp_path / "hf").iterdir())
+    r = run_cli("export", *_args("hf", tmp_path), "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _digest(tmp_path) == reference("hf")
+
+
 def test_restart_throws_a_job_staging_away(tmp_path, reference):
     """A staging folder left by a job of another plan, rerun in one process with --restart: written again whole."""
     staging = tmp_path / ".ckpt-staging-m.safetensors-job"

@@ -543,8 +543,7 @@ def _targets(plan: ExportPlan) -> list[Path]:
 
 
 def _occupied(folder: Path) -> bool:
-    """Whether `folder` is a file or a folder with something in it (an empty folder is written over; a job's rank
-    0 may remove it while another rank looks)."""
+    """Whether `folder` is a file or a folder with something in it (an empty folder is written over)."""
     try:
         return any(folder.iterdir())
     except NotADirectoryError:
@@ -738,8 +737,6 @@ def _execute_job(
             names=first,
         )[1]
 
-    if plan.hf and job.rank == 0 and plan.out.is_dir():  # an empty folder (checked above) is written over
-        plan.out.rmdir()
     fig, figs = shares.run_job(
         job,
         plan.out,
@@ -751,6 +748,7 @@ def _execute_job(
         verify=check if verify else None,
         progress=progress,
         place=None if plan.hf else lambda staging: io.put_files_in_place(staging, _targets(plan)),
+        empty_out_ok=plan.hf,  # an empty folder (checked above) stays until the output replaces it
     )
     return ExportResult(
         plan.files,

@@ -333,11 +333,12 @@ def remove_stale_staging(out: Path) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def prepare_staging(out: Path, staging: Path, digest: str, restart: bool) -> None:
-    """(rank 0) Refuse an existing OUT; keep a staging folder of the same plan (`digest`: its journal is resumed),
-    throw away one of another plan or with `restart`."""
+def prepare_staging(out: Path, staging: Path, digest: str, restart: bool, *, empty_out_ok: bool = False) -> None:
+    """(rank 0) Refuse an existing OUT (with `empty_out_ok`, an empty folder is kept: the output replaces it when
+    it is put in place, so a job that fails leaves it as it was); keep a staging folder of the same plan (`digest`:
+    its journal is resumed), throw away one of another plan or with `restart`."""
     out = Path(out).resolve()
-    if out.exists():
+    if out.exists() and not (empty_out_ok and out.is_dir() and not any(out.iterdir())):
         raise CkptError("output folder already exists", path=out, hint="choose a new path or remove it first")
     remove_stale_staging(out)
     mark = staging / JOURNAL / "plan"
@@ -373,11 +374,13 @@ def run_job(
     progress: Callable[[int], None] | None = None,
     trust_pickles: bool = False,
     place: Callable[[Path], None] | None = None,
+    empty_out_ok: bool = False,
 ) -> tuple[dict, tuple[dict, ...]]:
     """One output written by every rank of `job` (`Job`, or `LocalJob` for a one-process rerun), the same for any
     number of ranks:
 
-    1. rank 0 prepares the staging folder (`job_staging`, `prepare_staging`); the others wait for it;
+    1. rank 0 prepares the staging folder (`job_staging`, `prepare_staging`; `empty_out_ok`: an empty OUT folder
+       is written over, as a one-process export does); the others wait for it;
     2. the units the journal names as finished are checked again (sizes, checksums), a balanced share per rank;
     3. the units not finished are converted, a share per rank balanced by bytes (`balanced_shares`):
        `convert(indices, journal, progress)` converts those units, verifies each one and journals it
@@ -402,7 +405,7 @@ def run_job(
         err = None
         if job.rank == 0:
             try:
-                prepare_staging(out, staging, digest, restart)
+                prepare_staging(out, staging, digest, restart, empty_out_ok=empty_out_ok)
             except (CkptError, OSError) as e:
                 err = e
         said = job.exchange(
