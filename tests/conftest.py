@@ -169,7 +169,7 @@ def untouched_resume(tmp_path_factory):
         after = {str(p): p.stat().st_mtime_ns for p in dst.parent.rglob("*")}
         return {
             "records": records,
-            "files_changed": sorted(set(after) ^ set(before) | {p for p in after if after[p] != before.get(p)}),
+            "files_changed": sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p)),
         }
 
     return lambda name: once(out, name, lambda: _resume(name))
