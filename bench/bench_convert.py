@@ -1,26 +1,28 @@
-"""`ckpt convert --to dcp` vs what users do today (load the run in DeepSpeed, gather, `dcp.save`), in one run.
+"""`ckpt convert --to dcp` at 1, 2, ... processes vs `cp -r` (the floor) and what users do today (load the run in
+DeepSpeed, gather, `dcp.save`), in one run.
 
     python bench/make_big_zero.py --out bench/out/zero2_2g --params 150e6   # once (~2.2 GB, 581 tensors, DP=2)
-    python bench/bench_convert.py [--ckpt bench/out/zero2_2g]
+    python bench/bench_convert.py [--ckpt bench/out/zero2_2g] [--nprocs 1,2] [--skip-baseline] [--no-verify]
+    python bench/bench_convert.py --nprocs 1,2,4,8,16 --skip-baseline       # the scaling table, 16 cores
 
-Contenders, each a separate process tree timed from spawn to exit (imports included) with its peak RSS
-(`bench/_util.run_measured`: ru_maxrss of the child and the grandchildren it reaped — for torchrun, its
-largest rank):
+Contenders, each a separate process tree timed from spawn to exit (imports included) with its CPU seconds and the
+peak RSS of its largest process (`bench/_util.run_measured`), the machine's load read before it (`_scaling`):
 
-- `ckpt convert --to dcp` (one process, streaming one tensor at a time), and as a torchrun job of 2 ranks (each
-  writes a share of the parameters balanced by bytes; rank 0 then verifies the whole and puts it in place), each
-  also with `--no-verify` (what the share costs without rank 0's serial logical comparison with the source); the
-  job's output is checked to be the same bytes as the one process's (`.metadata` but for its StorageMeta, which
-  names OUT);
-- **load + save** (the only path without `ckpt`): this file's `--baseline-worker` under torchrun at the
-  checkpoint's DP: `deepspeed.initialize` on the same TinyGPT and config (from the manifest that
-  make_big_zero.py writes), `engine.load_checkpoint`, every parameter's full fp32 master, exp_avg and
-  exp_avg_sq gathered with `deepspeed.utils.safe_get_full_*` (what a user script does to get plain tensors
-  out of ZeRO), then rank 0 `dcp.save`s {model, optim, step} (the FSDP2 layout, `no_dist=True`).
+- `cp -r` of the source + `sync -f` (the floor: the converters fsync what they write);
+- `ckpt convert --to dcp` in one process, and with `--nproc N` (a one-node torchrun job: each rank writes a share of
+  the parameters balanced by bytes and compares its share of the output with the source); each N-process output is
+  checked to have the same bytes as the 1-process one (sha256 of every file; every run writes the same OUT path,
+  which DCP's `.metadata` names); `--no-verify` leaves the logical comparison out of every run;
+- **load + save** (the only path without `ckpt`; leave it out with --skip-baseline, it holds the whole state in
+  memory): this file's `--baseline-worker` under torchrun at the checkpoint's DP: `deepspeed.initialize` on the same
+  TinyGPT and config (from the manifest that make_big_zero.py writes), `engine.load_checkpoint`, every parameter's
+  full fp32 master, exp_avg and exp_avg_sq gathered with `deepspeed.utils.safe_get_full_*` (what a user script does
+  to get plain tensors out of ZeRO), then rank 0 `dcp.save`s {model, optim, step} (the FSDP2 layout,
+  `no_dist=True`); its output is checked equal to ckpt's by torch's own DCP reader.
 
-Outputs are deleted after each run; the page cache is warm for every contender (the source is read once by
-`cp -r` first). Results: stdout table and bench/out/convert_results.json. Both outputs are checked equal by
-`ckpt diff` (logical) before they are deleted, so a fast wrong answer cannot pass.
+Outputs are deleted after each run (one on disk at a time, two for the baseline's check); the page cache is warm
+for every contender (the source is read once by `cp -r` first). Results: stdout table and
+bench/out/convert_results.json (or --results), with bytes/s per process and parallel efficiency (speed-up / N).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import OUT_DIR, REPO_ROOT, dir_bytes, fmt_bytes, machine_info, run_measured  # noqa: E402
+from _scaling import floor, measure_once, parse_nprocs, print_row, scaling  # noqa: E402
+from _util import OUT_DIR, REPO_ROOT, dir_bytes, machine_info, run_measured  # noqa: E402
 
 PY = sys.executable
 
@@ -105,27 +108,13 @@ def same_dcp(a: Path, b: Path, scratch: Path) -> bool:
     return set(sx) == set(sy) and all(torch.equal(sx[p][k], sy[p][k]) for p in sx for k in ("exp_avg", "exp_avg_sq"))
 
 
-def same_bytes(a: Path, b: Path) -> bool:
-    """The same files with the same bytes; `.metadata` compared without its StorageMeta (the OUT path it names)."""
-    import filecmp
-    import pickle
-
-    def meta(root: Path) -> bytes:
-        md = pickle.loads((root / ".metadata").read_bytes())  # written by this benchmark's own run
-        md.storage_meta = None
-        return pickle.dumps(md)
-
-    names = sorted(p.name for p in a.iterdir())
-    if names != sorted(p.name for p in b.iterdir()) or meta(a) != meta(b):
-        return False
-    return all(filecmp.cmp(a / n, b / n, shallow=False) for n in names if n != ".metadata")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", type=Path, default=OUT_DIR / "zero2_2g")
+    ap.add_argument("--nprocs", default="1,2", help="counts of processes to measure, e.g. 1,2,4,8,16 (1 always)")
+    ap.add_argument("--no-verify", action="store_true", help="pass --no-verify (no logical comparison with the source)")
     ap.add_argument("--scratch", type=Path, default=OUT_DIR / "convert_scratch")
-    ap.add_argument("--results", default="convert_results.json", help="file name under bench/out/")
+    ap.add_argument("--results", default="convert_results.json", help="file name under bench/out/ (or a path)")
     ap.add_argument("--skip-baseline", action="store_true", help="leave out the DeepSpeed load + dcp.save run")
     ap.add_argument("--baseline-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -134,104 +123,57 @@ def main() -> None:
         return baseline_worker(args)
     from ckpt_tools.samples import free_port, worker_env
 
+    nprocs = parse_nprocs(args.nprocs)
     ck = args.ckpt.resolve()
-    manifest = json.loads(Path(str(ck) + ".manifest.json").read_text())
-    dp = int(manifest["topology"]["dp"])
     scratch = args.scratch.resolve()
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
+    out = scratch / "out"  # every run of one command writes the same path: a DCP .metadata names it
     env = {**worker_env(), "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
 
-    def torchrun(n: int, *rest: str) -> list[str]:
-        return [
-            PY,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(n),
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(free_port()),
-            *rest,
-        ]
+    def convert(n: int, dest: Path) -> list[str]:
+        cmd = [PY, "-m", "ckpt_cli.main", "convert", str(ck), str(dest), "--to", "dcp", "--json"]
+        return cmd + (["--no-verify"] if args.no_verify else []) + (["--nproc", str(n)] if n > 1 else [])
 
-    runs = {
-        "cp -r": ["cp", "-r", str(ck), str(scratch / "cp")],
-        "ckpt convert --to dcp": [
-            PY,
-            "-m",
-            "ckpt_cli.main",
-            "convert",
-            str(ck),
-            str(scratch / "ckpt"),
-            "--to",
-            "dcp",
-            "--json",
-        ],
-        "ckpt convert --to dcp --no-verify": [
-            PY,
-            "-m",
-            "ckpt_cli.main",
-            "convert",
-            str(ck),
-            str(scratch / "ckpt_nv"),
-            "--to",
-            "dcp",
-            "--no-verify",
-        ],
-        "ckpt convert --to dcp, torchrun 2 ranks": torchrun(
-            2, "-m", "ckpt_cli.main", "convert", str(ck), str(scratch / "ckpt_d"), "--to", "dcp", "--json"
-        ),
-        "ckpt convert --to dcp --no-verify, torchrun 2 ranks": torchrun(
-            2, "-m", "ckpt_cli.main", "convert", str(ck), str(scratch / "ckpt_dnv"), "--to", "dcp", "--no-verify"
-        ),
-        "load in DeepSpeed + dcp.save": torchrun(
-            dp,
-            str(Path(__file__).resolve()),
-            "--baseline-worker",
-            "--ckpt",
-            str(ck),
-            "--out",
-            str(scratch / "baseline"),
-        ),
-    }
-    if args.skip_baseline:
-        runs.pop("load in DeepSpeed + dcp.save")
-    results = {}
-    kept = None
-    for name, cmd in runs.items():
-        m = run_measured(cmd, cwd=REPO_ROOT, env=env)
-        out_dir = Path(cmd[-1] if cmd[0] == "cp" else next(a for a in cmd if a.startswith(str(scratch))))
-        results[name] = {
-            "wall_s": round(m.wall_s, 2),
-            "cpu_s": round(m.cpu_s, 2),
-            "peak_rss_bytes": m.peak_rss_bytes,
-            "output_bytes": dir_bytes(out_dir),
-        }
-        print(
-            f"{name:48s} {results[name]['wall_s']:8.2f} s  {fmt_bytes(results[name]['peak_rss_bytes']):>10s}  "
-            f"out {fmt_bytes(results[name]['output_bytes'])}",
-            flush=True,
-        )
-        if name == "ckpt convert --to dcp":
-            kept = out_dir  # compared with the job's and the baseline's outputs below
-            continue
-        if name == "ckpt convert --to dcp, torchrun 2 ranks":
-            results[name]["same_bytes_as_one_process"] = same_bytes(kept, out_dir)
-        if name.startswith("load in DeepSpeed") and kept is not None:
-            results[name]["same_as_ckpt_convert"] = same_dcp(kept, out_dir, scratch)
-            shutil.rmtree(kept, ignore_errors=True)
-        shutil.rmtree(out_dir, ignore_errors=True)
-    shutil.rmtree(scratch, ignore_errors=True)
-    r = results
-    doc = {"checkpoint": str(ck), "checkpoint_bytes": dir_bytes(ck), "machine": machine_info(), "results": r}
+    results = {"cp -r + sync": floor(ck, out)}
+    results.update(scaling("ckpt convert --to dcp", convert, out, nprocs, env=env))
     if not args.skip_baseline:
-        base = r["load in DeepSpeed + dcp.save"]
-        doc["speedup_vs_load_save"] = base["wall_s"] / r["ckpt convert --to dcp"]["wall_s"]
-        doc["rss_ratio_vs_load_save"] = r["ckpt convert --to dcp"]["peak_rss_bytes"] / base["peak_rss_bytes"]
-    (OUT_DIR / args.results).write_text(json.dumps(doc, indent=1))
+        manifest = json.loads(Path(str(ck) + ".manifest.json").read_text())
+        dp = int(manifest["topology"]["dp"])
+        cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", str(dp), "--master_addr", "127.0.0.1"]
+        cmd += ["--master_port", str(free_port()), str(Path(__file__).resolve()), "--baseline-worker"]
+        cmd += ["--ckpt", str(ck), "--out", str(scratch / "baseline")]
+        row = measure_once(cmd, scratch / "baseline", nproc=dp, env=env)
+        print_row("load in DeepSpeed + dcp.save", row)
+        # the same state as ckpt's output (written again, untimed, to compare; both deleted after)
+        run_measured(convert(1, out), cwd=REPO_ROOT, env=env)
+        row["same_as_ckpt_convert"] = same_dcp(out, scratch / "baseline", scratch)
+        results["load in DeepSpeed + dcp.save"] = row
+    shutil.rmtree(scratch, ignore_errors=True)
+    one = results["ckpt convert --to dcp, 1 process"]
+    doc = {
+        "checkpoint": str(ck),
+        "checkpoint_bytes": dir_bytes(ck),
+        "nprocs": nprocs,
+        "verify": not args.no_verify,
+        "scratch": str(scratch),
+        "machine": machine_info(),
+        "results": results,
+        "convert_1_process_vs_cp": round(one["wall_s"] / results["cp -r + sync"]["wall_s"], 3),
+    }
+    if not args.skip_baseline:
+        base = results["load in DeepSpeed + dcp.save"]
+        doc["speedup_vs_load_save"] = base["wall_s"] / one["wall_s"]
+        doc["rss_ratio_vs_load_save"] = one["peak_rss_bytes"] / base["peak_rss_bytes"]
+    same = [r["same_bytes_as_1_process"] for r in results.values() if "same_bytes_as_1_process" in r]
+    doc["all_outputs_same_bytes_as_1_process"] = all(same)
+    path = Path(args.results) if "/" in args.results else OUT_DIR / args.results
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1))
     print(json.dumps({k: v for k, v in doc.items() if k not in ("results", "machine")}, indent=1))
+    print(f"results: {path}")
+    if not all(same):
+        raise SystemExit("an N-process output differs from the 1-process one")
 
 
 if __name__ == "__main__":

@@ -365,7 +365,15 @@ def _main(argv: list[str] | None) -> None:
 def _exit(code: int) -> None:
     """Exit with `code`. A command that made a torch.distributed group (`to-universal --distributed`) leaves
     it through `ckpt_tools.train.procgroup.leave`: a plain interpreter exit lets gloo abort the process. A group
-    the caller made (main() called in-process) is the caller's to end."""
+    the caller made (main() called in-process) is the caller's to end. A rank of a `--nproc M` job tells the
+    command that launched it its code (`output.launch_nproc`: torchrun itself exits 1 for any failure)."""
+    told = os.environ.get(output.NPROC_EXIT_DIR)
+    if told and output.under_torchrun():
+        try:
+            with open(os.path.join(told, f"rank{os.environ.get('RANK', '0')}"), "w") as f:
+                f.write(str(code))
+        except OSError:  # the launcher's folder is gone: it reports torchrun's own code
+            pass
     if "ckpt_tools.train.procgroup" in sys.modules:
         from ckpt_tools.train import procgroup
 

@@ -577,10 +577,18 @@ def under_torchrun() -> bool:
     return job_rank()
 
 
+#: the folder where each rank of a `--nproc M` job leaves its exit code (`main._exit`)
+NPROC_EXIT_DIR = "CKPT_NPROC_EXIT_DIR"
+
+
 def launch_nproc(nproc: int) -> int:
     """`--nproc M`: this command line, less `--nproc`, as a one-node torchrun job of M processes; returns its exit
-    code (the job's rank 0 printed the result)."""
+    code (the job's rank 0 printed the result): 2 where a rank exited 2 (unusable input or a failed job, as one
+    process does), since torchrun exits 1 whatever its processes' codes were; else torchrun's."""
+    import os
     import subprocess
+    import tempfile
+    from pathlib import Path
 
     argv, skip = [], False
     for a in sys.argv[1:]:
@@ -591,7 +599,10 @@ def launch_nproc(nproc: int) -> int:
         elif not a.startswith("--nproc="):
             argv.append(a)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    return subprocess.call([*cmd, "-m", "ckpt_cli.main", *argv])
+    with tempfile.TemporaryDirectory(prefix="ckpt-nproc-") as told:
+        code = subprocess.call([*cmd, "-m", "ckpt_cli.main", *argv], env={**os.environ, NPROC_EXIT_DIR: told})
+        said = {p.read_text() for p in Path(told).glob("rank*")}
+    return 2 if code and "2" in said else code  # else torchrun's (a rank killed, say, writes nothing)
 
 
 def job_lines(resumed: int, converted: int, ranks: tuple | list, unit: str = "parameter") -> list[str]:

@@ -177,9 +177,8 @@ def _to_universal(
     # no deepspeed import around the conversion: it reads its records with pickle_reader and writes them with
     # torch_zip, and importing DeepSpeed alone (to route its log lines above the bar) costs ~2 s and ~220 MiB
     with _bar(sum(j.nbytes for j in plan.params), json_out or rank != 0, "to-universal") as bar:
-        check = (lambda root: ops.verify_logical(plan, root)) if verify else None
         res = ops.execute(
-            plan, workers=workers, progress=bar.update, distributed=distributed, check=check, restart=restart
+            plan, workers=workers, progress=bar.update, distributed=distributed, restart=restart, verify=verify
         )
     if rank != 0:
         return

@@ -130,3 +130,34 @@ def test_journal_of_byte_spans(tmp_path):
     assert not Journal(tmp_path, 1).finished("m.safetensors/w")
     f.write_bytes(bytes(range(20)))  # shorter than the span's end
     assert not Journal(tmp_path, 1).finished("m.safetensors/w")
+
+
+def test_sharded_job_beside_a_file_at_outs_own_name_as_one_process(tmp_path):
+    """A sharded export (not --hf) writes `m-0000i-of-0000N.safetensors` and `m.safetensors.index.json`: a file at
+    the literal OUT name `m.safetensors` is none of them, and one process writes beside it, leaving it alone. The
+    job does the same, to the same bytes; and where one of the planned files exists, both refuse it in the same
+    one line, exit 2, writing nothing."""
+    src, opts = sample("deepspeed", "zero2_bf16"), ["--max-shard-size", "100KB", "--json"]
+    runs = {}
+    for how, extra in (("one", []), ("job", ["--nproc", "2"])):
+        folder = tmp_path / how
+        folder.mkdir()
+        (folder / "m.safetensors").write_bytes(b"not an output of the export")
+        r = run_cli("export", src, folder / "m.safetensors", *opts, *extra)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert len(json.loads(r.stdout)["files"]) == 2
+        assert (folder / "m.safetensors").read_bytes() == b"not an output of the export"
+        runs[how] = _digest(folder)
+    assert runs["job"] == runs["one"] and len(runs["one"]) == 4  # the file left alone, two shards, the index
+
+    lines = {}
+    for how, extra in (("one", []), ("job", ["--nproc", "2"])):
+        folder = tmp_path / f"{how}_taken"
+        folder.mkdir()
+        (folder / "m-00002-of-00002.safetensors").write_bytes(b"taken")
+        r = run_cli("export", src, folder / "m.safetensors", *opts, *extra)
+        assert r.returncode == 2, r.stderr[-3000:]
+        lines[how] = {x.replace(str(folder), "F") for x in r.stderr.splitlines() if x.startswith("ckpt: error:")}
+        assert [p.name for p in folder.iterdir()] == ["m-00002-of-00002.safetensors"]
+    assert lines["job"] == lines["one"] and len(lines["one"]) == 1
+    assert "output file already exists" in next(iter(lines["one"]))

@@ -491,7 +491,7 @@ def test_verify_logical_equal_to_the_source(group, name, tmp_path):
 
 
 def test_verify_finds_a_damaged_or_missing_file(tmp_path):
-    """The structural check (`verify`) re-reads every written file: a truncated parameter file, a storage member
+    """The structural check (`verify_written`) re-reads every written file: a truncated parameter file, a storage member
     of the wrong size and a missing file are each reported by name."""
     import zipfile
 
@@ -499,7 +499,7 @@ def test_verify_finds_a_damaged_or_missing_file(tmp_path):
     U.execute(plan)
     root = tmp_path / "u"
     zero = root / plan.out_tag / "zero"
-    assert U.verify(plan, root) == []
+    assert U.verify_written(plan, root) == []
     big = max(plan.params, key=lambda j: math.prod(j.shape))
     f = zero / big.name / "exp_avg.pt"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # truncated: no zip directory left
@@ -511,7 +511,7 @@ def test_verify_finds_a_damaged_or_missing_file(tmp_path):
     with zipfile.ZipFile(g, "w") as zf:
         for name, data in items:
             zf.writestr(name, data[:-4] if name.endswith("data/0") else data)
-    problems = U.verify(plan, root)
+    problems = U.verify_written(plan, root)
     assert len(problems) == 3, problems
     assert any(p.startswith(f"{big.name}/exp_avg.pt: unreadable") for p in problems)
     assert "wpe.weight/step.pt: missing" in problems

@@ -226,3 +226,46 @@ def test_url_source_read_by_every_rank(tmp_path, reference):
     assert _digest(tmp_path / "u") == reference("zero2")
     assert [r["rank"] for r in doc["ranks"]] == [0, 1] and all(r["params"] > 0 for r in doc["ranks"])
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-remote-")]  # the ranks' mirrors gone
+
+
+def test_verify_split_between_the_ranks(tmp_path, reference):
+    """--verify in a two-node job: each rank compares its own share of the parameters with the source, and --json
+    says which: two disjoint shares that together hold every parameter folder written."""
+    out = tmp_path / "u"
+    doc, _ = _job(2, 1, [sample(*SAMPLES["zero2"]), out, "--verify"])
+    assert doc["verified"] is True and _digest(out) == reference("zero2")
+    shares = [set(r["verified"]) for r in doc["ranks"]]
+    assert all(shares) and not shares[0] & shares[1]
+    written = {p.name for p in (out / doc["tag"] / "zero").iterdir() if p.is_dir()}
+    assert shares[0] | shares[1] == written and len(written) == doc["params"]
+    assert sum(r["verified_bytes"] for r in doc["ranks"]) == doc["bytes_written"]
+
+
+def test_a_corrupt_file_in_rank_1s_share_fails_its_verification(tmp_path):
+    """A job interrupted after rank 1 journaled two parameters; one of its files is then rewritten with a changed
+    value and journaled again (a writer's silent error: the journal cannot tell). The rerun with --verify resumes
+    that parameter, and rank 1, whose share of the comparison holds it (the same balanced share it converted),
+    finds it: one line naming rank 1 and its host, exit 2, nothing in place and the staging folder removed."""
+    import torch
+
+    src, out = sample(*SAMPLES["zero2"]), tmp_path / "u"
+    done = _wait(_launch(1, 2, [src, out], env={"CKPT_TEST_KILL_AFTER": "1:2"}))
+    assert done[0][0] != 0 and not out.exists()
+    staging = tmp_path / ".ckpt-staging-u-job"
+    rel = json.loads((staging / ".journal" / "rank1.jsonl").read_text().splitlines()[0])["dir"]
+    f = staging / rel / "fp32.pt"
+    state = torch.load(f, weights_only=False)
+    state["param"].view(-1)[0] += 1.0
+    torch.save(state, f)
+    journal = Journal(staging, 1)
+    journal.record(rel)  # the changed file's sizes and checksums: the rerun finds the parameter finished
+    journal.close()
+
+    done = _wait(_launch(2, 1, [src, out, "--verify"]))
+    assert all(rc != 0 for rc, _, _ in done)
+    errors = [line for line in done[0][2].splitlines() if line.startswith("ckpt: error:")]
+    assert len(errors) == 1, done[0][2][-3000:]
+    name = rel.rsplit("/", 1)[-1]
+    assert "verification by rank 1 (host " in errors[0] and "rank 0" not in errors[0] and name in errors[0]
+    assert "exitcode: 2" in done[0][2]
+    assert not out.exists() and not staging.exists()

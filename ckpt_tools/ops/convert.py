@@ -973,11 +973,12 @@ def _execute_job(
     dcp = plan.to == "dcp"
     if dcp:
         params = list(range(len(plan.params)))
-        units = [shares.Unit(f"param{i}", plan.params[i].nbytes) for i in params]
+        units = [shares.Unit(f"param{i}", plan.params[i].nbytes, plan.params[i].name) for i in params]
     else:  # only trained parameters have a folder of their own; rank 0 writes the others' weights (model states)
         params = [i for i, p in enumerate(plan.params) if p.kind == "param" and p.states]
         units = [
-            shares.Unit(f"{universal_tag(plan)}/zero/{plan.params[i].name}", plan.params[i].nbytes) for i in params
+            shares.Unit(f"{universal_tag(plan)}/zero/{plan.params[i].name}", plan.params[i].nbytes, plan.params[i].name)
+            for i in params
         ]
 
     def convert(todo: list[int], journal, counted: Callable[[int], None]) -> int:

@@ -683,7 +683,10 @@ def _execute_job(
     sizes = [len(h) + sum(t.nbytes for t in s) for h, s in zip(heads, plan.shards)]
     where = [(fi, ti) for fi, s in enumerate(plan.shards) for ti, t in enumerate(s) if t.nbytes]
     units = [
-        shares.Unit(f"{plan.files[fi].name}/{plan.shards[fi][ti].name}", plan.shards[fi][ti].nbytes) for fi, ti in where
+        shares.Unit(
+            f"{plan.files[fi].name}/{plan.shards[fi][ti].name}", plan.shards[fi][ti].nbytes, plan.shards[fi][ti].name
+        )
+        for fi, ti in where
     ]
 
     def convert(todo: list[int], journal, counted: Callable[[int], None]) -> int:
@@ -749,6 +752,8 @@ def _execute_job(
         progress=progress,
         place=None if plan.hf else lambda staging: io.put_files_in_place(staging, _targets(plan)),
         empty_out_ok=plan.hf,  # an empty folder (checked above) stays until the output replaces it
+        # files beside others: a file at OUT's own name is no output of a sharded export (one process leaves it too)
+        targets=None if plan.hf else _targets(plan),
     )
     return ExportResult(
         plan.files,

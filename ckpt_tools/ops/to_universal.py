@@ -927,7 +927,7 @@ def _write_common(plan: UniversalPlan, root: Path, optimizer_state: dict[str, An
     (root / "latest_universal").write_text(plan.out_tag)
 
 
-def verify(
+def verify_written(
     plan: UniversalPlan,
     root: Path,
     indices: Iterable[int] | None = None,
@@ -989,16 +989,17 @@ def verify(
     return problems
 
 
-def verify_logical(plan: UniversalPlan, root: Path) -> list[str]:
+def verify_logical(plan: UniversalPlan, root: Path, only: Callable[[str], bool] | None = None) -> list[str]:
     """The logical comparison (`ckpt diff --logical`) of the source with the universal checkpoint at `root`:
     every parameter's fp32 master, every optimizer state tensor and step, the param groups and the counters
-    must be equal, bit for bit. Returns one line per difference ([] when equal)."""
+    must be equal, bit for bit. Returns one line per difference ([] when equal). With `only`, one process's
+    share of it (`logical_diff(only=...)`: the tensors of the parameters it accepts, all else whole)."""
     from .diff import iter_lines, logical_diff
 
     src, _, _ = _open_source(
         plan.source, plan.options.get("patterns") or (), allow_unread=True, trust_pickles=True
     )  # the plan checked the source
-    rep = logical_diff(src, root)
+    rep = logical_diff(src, root, only=only)
     return [f"{section} {name}: {what}" for section, name, what in iter_lines(rep)]
 
 
@@ -1010,12 +1011,14 @@ def execute(
     distributed: bool = False,
     check: Callable[[Path], list[str]] | None = None,
     restart: bool = False,
+    verify: bool = False,
 ) -> UniversalResult:
     """Write the planned universal checkpoint into `plan.out` (atomically), verify it, return a summary.
 
-    `check(staging_root)`, when given, runs after the structural verification and before the folder is
-    renamed into place (e.g. `lambda r: verify_logical(plan, r)`, what `--verify` passes): any line it returns
-    stops the conversion with nothing written.
+    `verify` (what `--verify` passes): before the folder is renamed into place, compare it with the source by
+    logical parameter (`verify_logical`); a job splits the comparison between its ranks, each its share of the
+    parameters. `check(staging_root)`, when given, runs after the structural verification on the whole folder
+    (in a job, on rank 0). Any line either returns stops the conversion with nothing written.
 
     With `distributed`, every rank of the initialised torch.distributed group (a torchrun job) calls this:
     `_execute_job`. Output bytes do not depend on the number of ranks.
@@ -1031,9 +1034,12 @@ def execute(
                 hint="torchrun --nproc-per-node N --no-python ckpt to-universal CKPT OUT",
             )
         job = shares.Job(dist.get_rank(), dist.get_world_size())
-        return _execute_job(plan, job, workers=workers, progress=progress, check=check, restart=restart)
-    if shares.job_staging(plan.out).exists():  # a job was interrupted: this process resumes it alone
-        return _execute_job(plan, shares.LocalJob(), workers=workers, progress=progress, check=check, restart=restart)
+    elif shares.job_staging(plan.out).exists():  # a job was interrupted: this process resumes it alone
+        job = shares.LocalJob()
+    else:
+        job = None
+    if job is not None:
+        return _execute_job(plan, job, workers=workers, progress=progress, check=check, restart=restart, verify=verify)
     steps, optimizer_state = _steps_and_globals(plan)
     shares.remove_stale_staging(plan.out)  # left by killed runs: a rerun starts over
     with io.new_folder(plan.out, trust_pickles=plan.trust_pickles) as tmp:
@@ -1041,7 +1047,7 @@ def execute(
             plan, tmp / plan.out_tag, range(len(plan.params)), workers=workers, progress=progress, steps=steps
         )
         _write_common(plan, tmp, optimizer_state)
-        problems = verify(plan, tmp)
+        problems = verify_written(plan, tmp)
         if problems:
             raise CkptError(
                 "verification of the written universal checkpoint failed: " + "; ".join(problems[:5]),
@@ -1049,6 +1055,8 @@ def execute(
                 hint="nothing was written; please report this",
             )
         _run_check(check, plan, tmp)
+        if verify:
+            _run_check(lambda root: verify_logical(plan, root), plan, tmp)
     return UniversalResult(plan.out, plan.out_tag, len(plan.params), n, _count_files(plan.out))
 
 
@@ -1072,13 +1080,25 @@ def _execute_job(
     progress: Callable[[int], None] | None,
     check: Callable[[Path], list[str]] | None,
     restart: bool,
+    verify: bool = False,
 ) -> UniversalResult:
     """A torchrun job (`shares.run_job`): every rank converts a share of the parameters balanced by bytes, each
-    parameter folder verified and journaled; rank 0 writes the common files, verifies them (and runs `check`) and
-    renames the folder into place. The same command resumes an interrupted job."""
+    parameter folder verified and journaled; rank 0 writes the common files, verifies them (and runs `check`);
+    with `verify` every rank compares a share of the parameters with the source (`verify_logical(only=...)`),
+    rank 0 also what belongs to no parameter folder; rank 0 renames the folder into place. The same command
+    resumes an interrupted job."""
+    from ..view.logical import name_key
     from ..write import shares
 
-    units = [shares.Unit(f"{plan.out_tag}/zero/{p.name}", p.nbytes) for p in plan.params]
+    units = [shares.Unit(f"{plan.out_tag}/zero/{p.name}", p.nbytes, p.name) for p in plan.params]
+    held = {name_key(p.name) for p in plan.params}
+
+    def compare(staging: Path, share: list[int], first: bool) -> list[str]:
+        """This rank's share of `--verify`: the tensors of its share's parameters, and everything that is not a
+        tensor of a parameter (param groups, counters) in full; rank 0 also the tensors no parameter holds."""
+        mine = {name_key(plan.params[i].name) for i in share}
+        return verify_logical(plan, staging, only=lambda n: n in mine or (first and n not in held))
+
     fig, figs = shares.run_job(
         job,
         plan.out,
@@ -1087,6 +1107,7 @@ def _execute_job(
         restart=restart,
         convert=lambda todo, journal, counted: _convert_share(plan, todo, journal, workers, counted),
         finish=lambda staging, _: _finish_job(plan, staging, check),
+        verify=compare if verify else None,
         progress=progress,
         trust_pickles=plan.trust_pickles,
     )
@@ -1104,14 +1125,14 @@ def _execute_job(
 
 
 def _convert_share(plan: UniversalPlan, todo: list[int], journal, workers: int, progress: Callable[[int], None]) -> int:
-    """The parameters at `todo`, each verified (`verify`) and journaled as soon as it is written."""
+    """The parameters at `todo`, each verified (`verify_written`) and journaled as soon as it is written."""
     staging = journal.root
     index = {plan.params[i].name: i for i in todo}
     parsed: dict = {}
 
     def done(j: ParamJob) -> None:
         rel = f"{plan.out_tag}/zero/{j.name}"
-        problems = verify(plan, staging, [index[j.name]], common=False, parsed=parsed)
+        problems = verify_written(plan, staging, [index[j.name]], common=False, parsed=parsed)
         if problems:
             raise CkptError(
                 "verification of a written parameter failed: " + "; ".join(problems[:5]),
@@ -1130,7 +1151,7 @@ def _finish_job(plan: UniversalPlan, staging: Path, check: Callable[[Path], list
     """(rank 0) The common files, their verification and `check`, before `shares.run_job` puts them in place."""
     _, optimizer_state = _steps_and_globals(plan)
     _write_common(plan, staging, optimizer_state)
-    problems = verify(plan, staging, [], common=True)
+    problems = verify_written(plan, staging, [], common=True)
     if problems:
         raise CkptError(
             "verification failed: " + "; ".join(problems[:5]),

@@ -333,12 +333,25 @@ def remove_stale_staging(out: Path) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def prepare_staging(out: Path, staging: Path, digest: str, restart: bool, *, empty_out_ok: bool = False) -> None:
+def prepare_staging(
+    out: Path,
+    staging: Path,
+    digest: str,
+    restart: bool,
+    *,
+    empty_out_ok: bool = False,
+    targets: list[Path] | None = None,
+) -> None:
     """(rank 0) Refuse an existing OUT (with `empty_out_ok`, an empty folder is kept: the output replaces it when
-    it is put in place, so a job that fails leaves it as it was); keep a staging folder of the same plan (`digest`:
-    its journal is resumed), throw away one of another plan or with `restart`."""
+    it is put in place, so a job that fails leaves it as it was), or with `targets` (an output of files put beside
+    others, not OUT itself: a sharded export's files and index) any of those paths that exists; keep a staging
+    folder of the same plan (`digest`: its journal is resumed), throw away one of another plan or with `restart`."""
     out = Path(out).resolve()
-    if out.exists() and not (empty_out_ok and out.is_dir() and not any(out.iterdir())):
+    if targets is not None:
+        for f in targets:
+            if Path(f).exists():
+                raise CkptError("output file already exists", path=f, hint="choose a new path or remove it first")
+    elif out.exists() and not (empty_out_ok and out.is_dir() and not any(out.iterdir())):
         raise CkptError("output folder already exists", path=out, hint="choose a new path or remove it first")
     remove_stale_staging(out)
     mark = staging / JOURNAL / "plan"
@@ -350,11 +363,17 @@ def prepare_staging(out: Path, staging: Path, digest: str, restart: bool, *, emp
 
 @dataclass(frozen=True)
 class Unit:
-    """One piece of the output a rank converts, journals and a rerun skips: its journal name and its bytes (what
-    the shares balance)."""
+    """One piece of the output a rank converts, journals and a rerun skips: its journal name, its bytes (what
+    the shares balance) and what the ranks' figures call it (`name`: the parameter or tensor; `rel` if not
+    given)."""
 
     rel: str
     nbytes: int
+    name: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.name or self.rel
 
 
 def _share(units: list[Unit], indices: list[int], job) -> list[int]:
@@ -375,12 +394,14 @@ def run_job(
     trust_pickles: bool = False,
     place: Callable[[Path], None] | None = None,
     empty_out_ok: bool = False,
+    targets: list[Path] | None = None,
 ) -> tuple[dict, tuple[dict, ...]]:
     """One output written by every rank of `job` (`Job`, or `LocalJob` for a one-process rerun), the same for any
     number of ranks:
 
     1. rank 0 prepares the staging folder (`job_staging`, `prepare_staging`; `empty_out_ok`: an empty OUT folder
-       is written over, as a one-process export does); the others wait for it;
+       is written over, as a one-process export does; `targets`: the files `place` puts in place are refused where
+       they exist, not OUT); the others wait for it;
     2. the units the journal names as finished are checked again (sizes, checksums), a balanced share per rank;
     3. the units not finished are converted, a share per rank balanced by bytes (`balanced_shares`):
        `convert(indices, journal, progress)` converts those units, verifies each one and journals it
@@ -388,15 +409,16 @@ def run_job(
     4. when every rank reported success, rank 0 runs `finish(staging, journal)` (the common files;
        `journal.extra` holds what each unit journaled with it);
     5. `verify(staging, indices, first)` on every rank compares its share of the whole output (a balanced share
-       of the units; `first`: rank 0, which also checks what belongs to no unit) and returns one line per
-       difference;
+       of the units, not the share it converted; `first`: rank 0, which also checks what belongs to no unit) and
+       returns one line per difference; the error names the ranks that found one;
     6. when no rank found one, rank 0 puts the folder in place (`io.put_in_place`; or `place(staging)`, e.g. an
        export's files into an existing folder, `io.put_files_in_place`). A failure in 4-6 removes the staging
        folder (what it holds did not verify); an interruption keeps it.
 
     A failure of any rank is an error on every rank, one line naming the rank and its host; a lost rank is a
     `RankLost` in bounded time. Returns (this rank's figures, every rank's): {rank, host, params (units
-    converted), resumed, bytes, seconds}."""
+    converted), resumed, bytes, seconds}, with `verify` also `verified` (the `Unit.label`s of the units the rank
+    compared) and `verified_bytes`."""
     from .io import put_in_place
 
     start = time.monotonic()
@@ -405,7 +427,7 @@ def run_job(
         err = None
         if job.rank == 0:
             try:
-                prepare_staging(out, staging, digest, restart, empty_out_ok=empty_out_ok)
+                prepare_staging(out, staging, digest, restart, empty_out_ok=empty_out_ok, targets=targets)
             except (CkptError, OSError) as e:
                 err = e
         said = job.exchange(
@@ -472,15 +494,23 @@ def run_job(
                 _discard(job, staging)
             raise failure or CkptError(f"rank 0 could not finish: {said}")
         if verify is not None:
+            share = _share(units, list(range(len(units))), job)
             try:
-                problems = verify(staging, _share(units, list(range(len(units))), job), job.rank == 0)
+                problems = verify(staging, share, job.rank == 0)
             except (CkptError, OSError, ValueError, RuntimeError) as e:
-                problems = [f"{job.who(job.rank)}: {e.one_line() if isinstance(e, CkptError) else e}"]
-            problems = [x for part in job.exchange("verified", problems) for x in part]
+                problems = [e.one_line() if isinstance(e, CkptError) else str(e)]
+            verdicts = job.exchange(
+                "verified", (problems, [units[i].label for i in share], sum(units[i].nbytes for i in share))
+            )
+            for f, (_, names, nbytes) in zip(figs, verdicts):  # what each rank compared with the source
+                f["verified"], f["verified_bytes"] = names, nbytes
+            fig = figs[job.rank]
+            problems = [x for part, _, _ in verdicts for x in part]
             if problems:
                 _discard(job, staging)
+                found = ", ".join(job.who(r) for r, (part, _, _) in enumerate(verdicts) if part)
                 raise CkptError(
-                    f"verification: the output differs from the source in {len(problems)} places: "
+                    f"verification by {found}: the output differs from the source in {len(problems)} places: "
                     + "; ".join(problems[:5])
                     + ("; ..." if len(problems) > 5 else ""),
                     path=out,
