@@ -18,6 +18,8 @@ runs interleaved, medians of `--repeat`:
 - `--before DIR`: the same `ckpt inspect --json` from another source tree (DIR holding `ckpt_tools/` and the CLI as
   `ckpt_cli/`, e.g. `git archive` of an earlier commit; run with PYTHONPATH=DIR), its `--json` checked byte for byte
   against this tree's (over S3: all but the `remote` costs), interleaved with the rest;
+- `--to-torch-save`: torch's `dcp_to_torch_save(CKPT, tmp)` (every item loaded and `torch.save`d: what a user
+  without `ckpt` runs to look inside), its output removed each run;
 - per-item cost: the least-squares slope of the medians over the one-process checkpoints (wall and CPU);
 - `--s3`: `ckpt inspect s3://… --json` against a moto server (its own process; uploaded with s3fs first): wall
   time, and the bytes and GET requests `ckpt` reports fetching. moto serves ranged GETs one at a time and reads
@@ -70,6 +72,15 @@ t2 = time.perf_counter()
 print(json.dumps({"import_s": t1 - t0, "read_s": t2 - t1, "keys": len(md.state_dict_metadata),
                   "items": len(md.storage_data)}))
 """
+#: torch's own way to see a DCP checkpoint's contents without a process group: load every item, `torch.save` one file
+TORCH_TO_SAVE = r"""
+import os, sys, tempfile
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+out = os.path.join(tempfile.mkdtemp(prefix="bench-dcp-ts-"), "all.pt")
+dcp_to_torch_save(sys.argv[1], out)
+os.remove(out)
+os.rmdir(os.path.dirname(out))
+"""
 S3_KEYS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
@@ -78,6 +89,34 @@ def _slope(points: list[tuple[int, float]]) -> float:
     n = len(points)
     mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
     return sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+
+
+def _row(label: str, m, note: str) -> None:
+    """One indented row of the table: a command's median wall, CPU and peak RSS, and a note."""
+    print(
+        f"{'':12s} {'':8s} {label:28s} {m.wall_s_median:8.3f} {m.cpu_s_median:7.2f} "
+        f"{fmt_bytes(m.peak_rss_bytes_median):>10s}  {note}"
+    )
+
+
+def _same_but_unread(mine: dict, other: dict) -> tuple[str, str, int]:
+    """(mine, other, n) as JSON text to compare: mine without its `values-not-read` warning, other without the
+    `value` of each tensor that shows none in mine (n of them)."""
+    n = 0
+
+    def strip(a, b):
+        nonlocal n
+        if isinstance(a, dict) and isinstance(b, dict):
+            if "dtype" in a and "numel" in a and "value" not in a and "value" in b:
+                b = {k: v for k, v in b.items() if k != "value"}
+                n += 1
+            return {k: strip(a[k], b[k]) if k in a else b[k] for k in b}
+        if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            return [strip(x, y) for x, y in zip(a, b)]
+        return b
+
+    mine = dict(mine, warnings=[w for w in mine["warnings"] if w["code"] != "values-not-read"])
+    return json.dumps(mine), json.dumps(strip(mine, other)), n
 
 
 def _moto(work: Path):
@@ -108,6 +147,9 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(CHECKPOINTS), help="checkpoints to run (comma-separated names)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--s3", action="store_true", help="also inspect each from a moto S3 server")
+    ap.add_argument(
+        "--to-torch-save", action="store_true", help="also time torch's dcp_to_torch_save (loads every tensor)"
+    )
     ap.add_argument("--before", metavar="DIR", help="also run `ckpt inspect` from this source tree (see the docstring)")
     a = ap.parse_args()
     names = [n for n in a.only.split(",") if n]
@@ -146,6 +188,8 @@ def main() -> None:
         if a.before:
             cmds[f"{name}: before: ckpt inspect --json"] = old_ck + ["inspect", path, "--json"]
         cmds[f"{name}: torch read_metadata"] = [sys.executable, "-c", TORCH_READ, path]
+        if a.to_torch_save:
+            cmds[f"{name}: torch dcp_to_torch_save"] = [sys.executable, "-c", TORCH_TO_SAVE, path]
         if a.s3:
             cmds[f"{name}: ckpt inspect s3:// --json"] = ck + ["inspect", f"s3://bench/{name}", "--json"]
             if a.before:
@@ -168,6 +212,8 @@ def main() -> None:
                 out = work / "out.json"
                 runs[label].append(run_measured(cmd, env=envs.get(label, env), cwd=REPO_ROOT, stdout_path=out))
                 text = out.read_text()
+                if "dcp_to_torch_save" in label:
+                    continue
                 if "torch" in label:
                     outputs[label].append(json.loads(text))
                     continue
@@ -184,7 +230,15 @@ def main() -> None:
     points: dict[str, list[tuple[int, float]]] = {"ckpt": [], "torch": [], "torch_read": [], "ckpt_cpu": []}
     print(f"{'checkpoint':12s} {'items':>8s} {'command':28s} {'wall s':>8s} {'cpu s':>7s} {'peak RSS':>10s}  notes")
     for label, text in docs.items():
-        if ": before: " in label and text != docs[label.replace("before: ", "")]:
+        if ": before: " not in label:
+            continue
+        mine = docs[label.replace("before: ", "")]
+        if "s3://" in label:  # values a remote open left unread (said so): compared with those of the tree before
+            mine, text, unread = _same_but_unread(json.loads(mine), json.loads(text))
+            told = (outputs[label.replace("before: ", "")][-1]["remote"].get("small_reads") or {}).get("not_read", 0)
+            if unread != told:
+                raise SystemExit(f"{label}: {unread} values missing, the remote costs say {told} not read")
+        if text != mine:
             raise SystemExit(f"{label}: its --json differs from this tree's")
     points["before"], points["before_cpu"] = [], []
     for name in names:
@@ -217,13 +271,14 @@ def main() -> None:
             f"{torch_.cpu_s_median:7.2f} {fmt_bytes(torch_.peak_rss_bytes_median):>10s}  the call alone "
             f"{read_s:.3f} s (import {entry['torch_import_s']:.2f} s)"
         )
+        if a.to_torch_save:
+            ts = summarize(runs[f"{name}: torch dcp_to_torch_save"])
+            entry["torch_dcp_to_torch_save"] = ts.to_dict()
+            _row("torch dcp_to_torch_save", ts, f"/ ckpt inspect {ts.wall_s_median / mine.wall_s_median:.1f}x")
         if a.before:
             old = summarize(runs[f"{name}: before: ckpt inspect --json"])
             entry["before_ckpt_inspect"] = old.to_dict()
-            print(
-                f"{'':12s} {'':8s} {'before: ckpt inspect --json':28s} {old.wall_s_median:8.3f} "
-                f"{old.cpu_s_median:7.2f} {fmt_bytes(old.peak_rss_bytes_median):>10s}  the same --json"
-            )
+            _row("before: ckpt inspect --json", old, "the same --json")
         s3_tags = ([""] + (["before: "] if a.before else [])) if a.s3 else []
         for tag in s3_tags:
             label = f"{name}: {tag}ckpt inspect s3:// --json"
@@ -236,6 +291,11 @@ def main() -> None:
                 f"{cost['bytes_fetched']:,} of {entry['bytes']:,} bytes "
                 f"({100 * cost['bytes_fetched'] / entry['bytes']:.1f} %), "
                 f"{cost['get_requests']} GET + {cost['list_requests']} LIST requests"
+                + (
+                    f", {cost['small_reads']['not_read']} small values not read"
+                    if (cost.get("small_reads") or {}).get("not_read")
+                    else ""
+                )
             )
         result["checkpoints"][name] = entry
         if entry["processes"] == 1 and entry["shape"] == (16, 8):

@@ -265,14 +265,65 @@ def test_inspect_over_s3_fetches_metadata_and_small_items_only(tmp_path_factory,
     assert cost["bytes_fetched"] < total / 10, (cost, total)
 
 
-def _dcp_save(folder: Path, n: int) -> None:
-    """torch's own dcp.save of n parameters of 64 x 512 and their Adam state after one real step."""
+@pytest.mark.skipif(not _S3, reason="needs moto[server] and s3fs (pip install -e '.[dev]')")
+def test_inspect_over_s3_requests_do_not_grow_with_far_apart_step_items(tmp_path_factory, tmp_path):
+    """120 parameters of 32 x 320 fp32 (40 KiB: each Adam `step` item lies ~120 KiB from the next, between the
+    tensors' bytes, as in a real model): `inspect s3://` costs a bounded number of GETs (counted in the server's
+    log too), not one per `step` item. The values it did not read are said to be unread (a warning, no `value`),
+    never guessed; everything else answers as the local folder does."""
+    import test_remote_s3 as S
+
+    from ckpt_tools.read import remote as R
+
+    folder = tmp_path / "ck"
+    _dcp_save(folder, 120, (32, 320))
+    log = tmp_path_factory.mktemp("moto") / "server.log"
+    with S.moto_server(log) as endpoint:
+        fs = S._fs(endpoint)
+        fs.mkdir(S.BUCKET)
+        fs.put(str(folder), f"{S.BUCKET}/wide/ck", recursive=True)
+        before = log.read_text().count('"GET /')
+        r = S.ckpt("inspect", f"s3://{S.BUCKET}/wide/ck", "--json", env=S._env(endpoint))
+        logged = log.read_text().count('"GET /') - before
+        # a command that needs the values reads them: `diff --logical` finds every step equal to the local one's
+        same = S.ckpt("diff", f"s3://{S.BUCKET}/wide/ck", folder, "--logical", env=S._env(endpoint))
+    assert same.returncode == 0 and "same: by logical name: " in same.stdout, same.stdout + same.stderr
+    assert r.returncode == 0, r.stderr
+    remote = json.loads(r.stdout)
+    cost = remote.pop("remote")
+    # .metadata, a head and a tail of each object, the param groups' items, and at most SMALL_GETS for the steps
+    bound = R.SMALL_GETS + 8
+    assert cost["get_requests"] <= bound, cost
+    assert logged - cost["list_requests"] <= bound, (logged, cost)
+    total = sum(p.stat().st_size for p in folder.iterdir())
+    assert cost["bytes_fetched"] < total / 4, (cost, total)
+
+    local = json.loads(run("inspect", folder, "--json", timeout=120).stdout)
+    steps = remote["tree"]["optimizer"]["state"]
+    unread = [k for k, v in steps.items() if "value" not in v["step"]]
+    read = [k for k, v in steps.items() if "value" in v["step"]]
+    assert unread and read and len(unread) + len(read) == 120
+    assert all(steps[k]["step"]["value"] == 1.0 for k in read)
+    assert cost["small_reads"]["not_read"] == len(unread)
+    (w,) = [w for w in remote["warnings"] if w["code"] == "values-not-read"]
+    assert w["message"].startswith(f"{len(unread)} of 120 tiny tensors")
+    # the rest is the local answer: the same values where read, the same shape and dtype where not
+    for k in unread:
+        del local["tree"]["optimizer"]["state"][k]["step"]["value"]
+    remote["warnings"].remove(w)
+    for doc in (remote, local):
+        doc.pop("path")
+    assert remote == local
+
+
+def _dcp_save(folder: Path, n: int, shape: tuple[int, int] = (64, 512)) -> None:
+    """torch's own dcp.save of n parameters of `shape` and their Adam state after one real step."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     torch.manual_seed(0)
-    model = torch.nn.ParameterDict({f"p{i}": torch.nn.Parameter(torch.randn(64, 512)) for i in range(n)})
+    model = torch.nn.ParameterDict({f"p{i}": torch.nn.Parameter(torch.randn(*shape)) for i in range(n)})
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sum((p * p).sum() for p in model.values()).backward()
     opt.step()

@@ -359,8 +359,11 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
                 path=path / rel,
                 hint="re-copy the checkpoint folder; every rank's .distcp file is needed",
             )
+    unread, optional = 0, []  # tiny tensors whose values a remote open leaves unread (`_first_reads`)
     if remote._MOUNTS:  # a remote checkpoint: what opening reads of the items, planned as one parallel batch
-        remote.plan(_first_reads(path, sdm, where), exact=True)
+        wants, optional = _first_reads(path, sdm, where)
+        remote.plan(wants, exact=True, optional=optional)
+        unread = sum(1 for p, off, n in optional if not remote.held(p, off, n))
 
     files = {rel: _File(path / rel, _rank(rel), sizes[rel], cache.outer(path / rel)) for rel in used}
     top: dict[Any, Any] = {}
@@ -424,6 +427,17 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         for name in present
         if name not in used
     ]
+    if unread:
+        warnings.append(
+            Warning_(
+                "values-not-read",
+                f"{unread} of {len(optional)} tiny tensors (such as Adam's `step`) show no value: over remote storage "
+                "they lie between the tensor bytes, and a remote open reads them only within a fixed budget of "
+                f"{remote.SMALL_GETS} requests and {remote.OPTIONAL_BYTES >> 20} MiB. Inspect a local copy to see "
+                "every value",
+                ".metadata",
+            )
+        )
     warnings += C.stray_file_warnings(path, path) + cache.warnings()
     files = [C.file_info(meta_path, path, "metadata")] + [
         C.file_info(path / rel, path, "checkpoint", _rank(rel)) for rel in used
@@ -494,18 +508,40 @@ def _storage_index(storage: dict, meta_path: Path) -> dict[tuple[str, tuple[int,
     return where
 
 
-def _first_reads(root: Path, sdm: dict, where: dict) -> list[tuple[Path, int, int]]:
-    """The byte ranges opening reads of the items: each value item whole (up to the size `_value` reads) and
-    each tiny tensor's item (`_shows_values`: its record and bytes). Other tensor chunks are read only when
-    their bytes are asked for (their record's head then, `LazyTensorRef`)."""
-    out = []
+def _first_reads(root: Path, sdm: dict, where: dict) -> tuple[list, list]:
+    """The byte ranges opening reads of the items, as (needed, optional): each value item whole (up to the size
+    `_value` reads) and each tiny tensor's item (`_shows_values`: its record and bytes). A tiny tensor stored whole
+    whose dtype `.metadata` gives (one Adam `step` per parameter) is optional: a remote open reads those within a
+    fixed budget (`remote.plan`) and shows the rest without a value. Other tensor chunks are read only when their
+    bytes are asked for (their record's head then, `LazyTensorRef`)."""
+    out, optional = [], []
     for (key, offsets), (rel, off, length) in where.items():
         if offsets is None:
             if length <= _MAX_VALUE_BYTES:
                 out.append((root / rel, off, length))
-        elif _shows_values(sdm.get(key)):
-            out.append((root / rel, off, min(length, _SMALL_ITEM_BYTES)))
-    return out
+        elif _shows_values(meta := sdm.get(key)):
+            want = (root / rel, off, min(length, _SMALL_ITEM_BYTES))
+            (optional if _whole_known(meta, offsets, length) else out).append(want)
+    return out, optional
+
+
+def _whole_known(meta, offsets: tuple[int, ...], length: int) -> bool:
+    """A tensor of one chunk that is all of it, of a dtype `.metadata` gives, in an item that can hold it and is
+    small (`_tensor` reads such an item's value when opening, and leaves it unread when a remote open did not
+    fetch it)."""
+    st = meta.state if isinstance(meta.state, dict) else {}
+    chunks = st.get("chunks") or []
+    esize = DTYPE_SIZE.get(_props_dtype(st.get("properties")))
+    if esize is None or len(chunks) != 1 or any(offsets) or length > _SMALL_ITEM_BYTES:
+        return False
+    if not is_opaque(chunks[0], "ChunkStorageMetadata") or not isinstance(chunks[0].state, dict):
+        return False  # `_tensor` says why
+    try:
+        shape = tuple(map(int, st.get("size") or ()))
+        sizes = _offsets(chunks[0].state.get("sizes"))
+    except (TypeError, ValueError):
+        return False
+    return sizes == shape and len(offsets) == len(shape) and math.prod(shape) * esize <= length
 
 
 def _shows_values(meta) -> bool:
@@ -632,6 +668,11 @@ def _tensor(
             whole = len(metas) == 1 and sizes == shape and offsets is not None and len(offsets) == len(shape)
             if whole and shows and seen is not None and length <= _SMALL_ITEM_BYTES and not any(offsets):
                 if remote._MOUNTS:
+                    if esize is not None and numel * esize <= length and not remote.held(f.path, off, length):
+                        # left unread by the open's plan (`_first_reads`): no value; its record is read, and
+                        # checked, when its bytes are
+                        ref = LazyTensorRef(dtype, shape, f.outer, off, length, key, numel)
+                        return leaf_node(shape, dtype, rel, ref, numel, f.rank)
                     remote.ensure(f.path, off, length)
                 blob = f.outer._map()[off : off + length]
                 hit = seen.get(blob)

@@ -61,6 +61,9 @@ MAX_BATCH = 64 << 20
 #: many GETs while the bytes fetched stay under this multiple of the bytes needed (`Mount.ensure_small`)
 SMALL_GETS = 32
 SMALL_BYTES_FACTOR = 4
+#: of the optional small ranges (`Mount.ensure_small`: values shown when read, such as every Adam `step`), at most
+#: this many bytes are fetched by one plan, in at most `SMALL_GETS` requests
+OPTIONAL_BYTES = 16 << 20
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 #: commands that write into the checkpoint they are given, or train from it in place
@@ -93,6 +96,8 @@ class Counters:
     planned_bytes: int = 0
     planned_gets: int = 0
     planned_fetched: int = 0
+    #: optional ranges left unfetched: past the requests and bytes one plan may spend on them
+    planned_not_read: int = 0
 
     def as_dict(self) -> dict:
         out = {
@@ -110,6 +115,8 @@ class Counters:
                 "get_requests": self.planned_gets,
                 "bytes_fetched": self.planned_fetched,
             }
+            if self.planned_not_read:
+                out["small_reads"]["not_read"] = self.planned_not_read
         return out
 
 
@@ -324,32 +331,44 @@ class Mount:
             if batch:
                 self._fetch(batch, progress)
 
-    def ensure_small(self, wants: list[tuple[str, int, int]]) -> None:
+    def ensure_small(self, wants: list[tuple[str, int, int]], optional: list[tuple[str, int, int]] = ()) -> None:
         """Make many small ranges present (one DCP item per tensor, far apart) in few GETs, for few extra bytes:
         the missing parts, merged where they touch; then the closest two runs (in one file, with nothing held
         between them) merged, closest first, while that saves a request worth more than the gap (`ALIGN`: about
         what a round trip costs in transfer), or while there are more than `SMALL_GETS` requests and the bytes
-        fetched stay under `SMALL_BYTES_FACTOR` times those needed (plus `ALIGN`). Far-apart items beyond that
-        cost one GET each, issued as parallel batches: merging them would fetch the tensor bytes between."""
+        fetched stay under `SMALL_BYTES_FACTOR` times those needed (plus `ALIGN`). Far-apart `wants` beyond that
+        cost one GET each, issued as parallel batches: merging them would fetch the tensor bytes between.
+
+        `optional` ranges (values a reader shows when it has them: one Adam `step` per parameter) are planned the
+        same way, but only as many as fit in `SMALL_GETS` requests and `OPTIONAL_BYTES` bytes beside the `wants`,
+        the runs that hold the most of them first (a dense run cut at the end of the last range that
+        fits): the rest stay unfetched, `held()` says which, and the counters count them (`not_read`). So what
+        they cost does not grow with their number, however far apart they lie."""
         with self._lock:
-            runs: list[list] = []  # [path, start, end]
+            runs: list[list] = []  # [path, start, end, required]
             needed = 0
-            by_path: dict[str, list[tuple[int, int]]] = {}
-            for path, start, length in wants:
-                f = self._files.get(path)
-                if f is None or length <= 0:
-                    continue
-                by_path.setdefault(path, []).extend(self._missing(f, start, start + length))
+            by_path: dict[str, list[tuple[int, int, bool]]] = {}
+            for group, required in ((wants, True), (optional, False)):
+                for path, start, length in group:
+                    f = self._files.get(path)
+                    if f is None or length <= 0:
+                        continue
+                    by_path.setdefault(path, []).extend(
+                        (s, e, required) for s, e in self._missing(f, start, start + length)
+                    )
+            spans_of: dict[str, list[tuple[int, int]]] = {}  # the optional spans of each file, sorted
             for path, spans in by_path.items():
                 spans.sort()
+                spans_of[path] = [(s, e) for s, e, r in spans if not r]
                 first = len(runs)
-                for s, e in spans:
+                for s, e, r in spans:
                     if len(runs) > first and s <= runs[-1][2]:
                         if e > runs[-1][2]:
                             needed += e - runs[-1][2]
                             runs[-1][2] = e
+                        runs[-1][3] = runs[-1][3] or r
                     else:
-                        runs.append([path, s, e])
+                        runs.append([path, s, e, r])
                         needed += e - s
             if not runs:
                 return
@@ -368,16 +387,19 @@ class Mount:
                 joined.add(i)
                 fetched += gap
                 count -= 1
-            ranges: list[tuple[str, int, int]] = []
+            merged: list[list] = []
             cur = list(runs[0])
             for i in range(1, len(runs)):
                 if i - 1 in joined:
                     cur[2] = runs[i][2]
+                    cur[3] = cur[3] or runs[i][3]
                 else:
-                    ranges.append((cur[0], cur[1], cur[2]))
+                    merged.append(cur)
                     cur = list(runs[i])
-            ranges.append((cur[0], cur[1], cur[2]))
-            ranges = [(p, cs, min(e, cs + MAX_RANGE)) for p, s, e in ranges for cs in range(s, e, MAX_RANGE)]
+            merged.append(cur)
+            if optional:
+                merged = self._within_budget(merged, spans_of)
+            ranges = [(p, cs, min(e, cs + MAX_RANGE)) for p, s, e, _ in merged for cs in range(s, e, MAX_RANGE)]
             gets, got = self.counters.get_requests, self.counters.bytes_fetched
             batch, held = [], 0
             for r in ranges:
@@ -389,10 +411,47 @@ class Mount:
             if batch:
                 self._fetch(batch)
             c = self.counters
-            c.planned_ranges += len(wants)
+            c.planned_ranges += len(wants) + len(optional)
             c.planned_bytes += needed
             c.planned_gets += c.get_requests - gets
             c.planned_fetched += c.bytes_fetched - got
+            c.planned_not_read += sum(
+                1
+                for path, start, length in optional
+                if path in self._files and self._missing(self._files[path], start, start + length)
+            )
+
+    @staticmethod
+    def _within_budget(merged: list[list], spans_of: dict[str, list[tuple[int, int]]]) -> list[list]:
+        """The merged runs `ensure_small` fetches: every run that holds a required range, then runs of optional
+        ranges alone, most ranges per request first, while they fit in `SMALL_GETS` requests and `OPTIONAL_BYTES`
+        (the last one cut at the end of the last optional range that fits)."""
+        keep = [r for r in merged if r[3]]
+        gets_left = SMALL_GETS - sum(-(-(e - s) // MAX_RANGE) for _, s, e, _ in keep)
+        bytes_left = OPTIONAL_BYTES
+        scored = []
+        for r in merged:
+            if not r[3]:
+                spans = spans_of[r[0]]
+                n = bisect.bisect_left(spans, (r[2], -1)) - bisect.bisect_left(spans, (r[1], -1))
+                scored.append((-n, r[1], r))
+        scored.sort(key=lambda t: (t[0], t[1]))
+        for _, _, r in scored:
+            if gets_left <= 0 or bytes_left <= 0:
+                break
+            path, s, e, _ = r
+            if e - s > bytes_left:  # cut at the end of the last optional range that fits
+                spans = spans_of[path]
+                ends = [se for ss, se in spans[bisect.bisect_left(spans, (s, -1)) : bisect.bisect_left(spans, (e, -1))]]
+                fit = [x for x in ends if x - s <= bytes_left]
+                if not fit:
+                    continue
+                e = max(fit)
+            keep.append([path, s, e, False])
+            gets_left -= -(-(e - s) // MAX_RANGE)
+            bytes_left -= e - s
+        keep.sort(key=lambda r: (r[0], r[1]))
+        return keep
 
     def _fetch(self, ranges: list[tuple[str, int, int]], progress=None) -> None:
         try:
@@ -855,24 +914,37 @@ def ensure_file(path) -> None:
         held[0].ensure_many([(held[1], 0, held[2].size)])
 
 
-def plan(wants, exact: bool = False) -> None:
+def plan(wants, exact: bool = False, optional=()) -> None:
     """Fetch these (path, start, length) ranges now, as one parallel batch per mount: what a reader is about to
     read, planned up front so that its many small reads cost one round of requests. A no-op for local paths.
     `exact`: fetch just these ranges (merged when close, `Mount.ensure_small`), not widened to ALIGN each: many small
     reads far apart (one DCP item per tensor) would each cost ALIGN bytes; what they cost shows in `stats()`'s
-    `small_reads`."""
+    `small_reads`. `optional` (with `exact`): ranges fetched only within a fixed budget of requests and bytes
+    (`Mount.ensure_small`); `held()` says afterwards which were."""
     if not _MOUNTS:
         return
-    by_mount: dict[Mount, list] = {}
-    for path, start, length in wants:
-        held = _held_by(path)
-        if held is not None:
-            by_mount.setdefault(held[0], []).append((held[1], start, length))
-    for m, ws in by_mount.items():
+    by_mount: dict[Mount, tuple[list, list]] = {}
+    for group, ws in ((0, wants), (1, optional)):
+        for path, start, length in ws:
+            held = _held_by(path)
+            if held is not None:
+                by_mount.setdefault(held[0], ([], []))[group].append((held[1], start, length))
+    for m, (ws, opt) in by_mount.items():
         if exact:
-            m.ensure_small(ws)
+            m.ensure_small(ws, opt)
         else:
-            m.ensure_many(ws)
+            m.ensure_many(ws + opt)
+
+
+def held(path, start: int, length: int) -> bool:
+    """Whether bytes [start, start+length) of `path` can be read without a request: always for a local file; for
+    a mirrored object, when they were fetched."""
+    h = _held_by(path) if _MOUNTS else None
+    if h is None:
+        return True
+    m, _, f = h
+    with m._lock:
+        return not m._missing(f, start, start + length)
 
 
 def mount(url: str, storage_options: dict | None = None, prime: bool = True) -> Mount:

@@ -486,8 +486,10 @@ def optimizer_scalars(ck: Checkpoint | str | os.PathLike, optimizer: int = 0) ->
         for key, node in entry.children.items():
             if isinstance(node, ValueNode):
                 vals[key] = node.value
-            elif isinstance(node, TensorNode) and node.value is not None and node.numel == 1:
-                vals[key] = node.value
+            elif isinstance(node, TensorNode) and node.numel == 1:
+                value = node.value if node.value is not None else _unread_value(node)
+                if value is not None:
+                    vals[key] = value
         if vals:
             out[rename.get(pname, pname)] = vals
     for fused, parts in (ck.state_split if optimizer == 0 else {}).items():
@@ -495,6 +497,16 @@ def optimizer_scalars(ck: Checkpoint | str | os.PathLike, optimizer: int = 0) ->
             vals = out.pop(fused)
             out.update({part: dict(vals) for part in parts})
     return out
+
+
+def _unread_value(node: TensorNode) -> Any:
+    """The value of a one-element tensor an open left unread (a DCP `step` a remote open did not fetch: its one
+    piece a `LazyTensorRef`), read now; None when it has none to read."""
+    from ..read.pickle_reader import LazyTensorRef
+
+    if len(node.pieces) != 1 or not isinstance(node.pieces[0].ref, LazyTensorRef):
+        return None
+    return node.pieces[0].ref.item()
 
 
 def _plain(node: Any) -> Any:
