@@ -162,6 +162,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         raise CorruptCheckpoint(
             "common.pt holds no `args`", path=it / COMMON, hint="Megatron-LM saves its launch arguments in common.pt"
         )
+    megatron_lm.refuse_grouped_gemm(args, it)
     layers = as_int(args.get("num_layers")) or 0
     tensors = {
         k: v for k, v in _flat(base.tree.children.get("model", GroupNode({}))).items() if isinstance(v, TensorNode)

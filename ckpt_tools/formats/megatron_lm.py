@@ -24,11 +24,13 @@ their layers from 0 and are renumbered by Megatron's layer offset; the stages mu
 0..num_layers-1. With tied embeddings the last stage's `output_layer.weight` is Megatron's copy of the word
 embeddings, shown under `tied_copies` and counted once. Uneven stages and multi-token prediction are refused by name.
 
-Mixture-of-Experts at expert parallel EP > 1 (TP 1, PP 1; with TP or PP > 1 refused by name): one folder per EP rank,
-`mp_rank_00_{e:03d}`, each holding the dense parameters (data-parallel replicas) and its experts under LOCAL ids;
-shown under global ids (`_model_ep`). Its optimizer is a ChainedOptimizer (dense, expert), saved as a list of inner
-optimizers in every rank file (and in `distrib_optim.pt`, None where the rank does not save that inner one), read
-inner optimizer by inner optimizer (`_optimizer`).
+Mixture-of-Experts at EP 1 (any TP / PP): the dense folders; the router and norms are TP-replicated, the routed
+experts split over the expert-TP group by the linear_fc1 / linear_fc2 rules (expert TP = TP), or whole on every TP
+rank (expert TP 1); other expert-TP sizes are refused by name. At expert parallel EP > 1 (TP 1, PP 1; with TP or
+PP > 1 refused by name): one folder per EP rank, `mp_rank_00_{e:03d}`, each holding the dense parameters
+(data-parallel replicas) and its experts under LOCAL ids; shown under global ids (`_model_ep`). Its optimizer is a
+ChainedOptimizer (dense, expert), saved as a list of inner optimizers in every rank file (and in `distrib_optim.pt`,
+None where the rank does not save that inner one), read inner optimizer by inner optimizer (`_optimizer`).
 
 Where the training state lives: every rank file holds the same param groups (`max_lr`/`min_lr` drive the LR: Megatron
 recomputes it every step from them and `opt_param_scheduler.num_steps`) and its own copy of the scheduler, so an
@@ -82,7 +84,13 @@ _TP_RULES = (
     (re.compile(r"^embedding\.word_embeddings\.weight$|^output_layer\.weight$"), "cat:0"),
     (re.compile(r"^embedding\.position_embeddings\.weight$"), "replicated"),
     (re.compile(r"(norm|layernorm)[^.]*\.(weight|bias)$|\.layer_norm_(weight|bias)$"), "replicated"),
+    # Megatron-core MoE: the router (its gating weight [experts, hidden] and the optional expert bias) is
+    # TP-replicated (`TopKRouter`: a plain parameter, `sequence_parallel`-marked); routed experts split by the
+    # linear_fc1 / linear_fc2 rules above over the expert-TP group
+    (re.compile(r"\.mlp\.router\.(weight|expert_bias)$"), "replicated"),
 )
+#: a routed expert's parameters (SequentialMLP's `local_experts.{j}`), TP-split over the expert-TP group
+_ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.")
 
 
 def sniff(path: Path) -> bool:
@@ -150,13 +158,47 @@ def _global_shapes(args: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def _expected_shape(name: str, shapes: dict[str, tuple[int, ...]], args: dict[str, Any]) -> tuple[int, ...] | None:
+    """The global shape `args` imply for `name`: a routed expert's FFN is `moe_ffn_hidden_size` wide, a shared
+    expert's `moe_shared_expert_intermediate_size` (not `ffn_hidden_size`); None where no rule says."""
+    width = None
+    if _ROUTED_EXPERT.search(f".{name}"):
+        width = as_int(args.get("moe_ffn_hidden_size"))
+    elif ".mlp.shared_experts." in f".{name}":
+        width = as_int(args.get("moe_shared_expert_intermediate_size"))
+    if width:
+        shapes = _global_shapes({**args, "ffn_hidden_size": width})
+    return next((v for k, v in shapes.items() if name.endswith(k)), None)
+
+
+def refuse_grouped_gemm(args: dict[str, Any], where: Path) -> None:
+    """`--moe-grouped-gemm` (GroupedMLP / TEGroupedMLP: all of a rank's local experts in one `weight1` / `weight2`
+    tensor, or TE's `linear_fc1.weight{j}`) has not been saved and read here (no GPU run made one): refused by name
+    rather than read under the SequentialMLP layout."""
+    if as_int(args.get("num_experts")) and args.get("moe_grouped_gemm"):
+        raise UnsupportedCheckpoint(
+            f"a Megatron-core Mixture-of-Experts run with --moe-grouped-gemm (num_experts={args.get('num_experts')}): "
+            "ckpt reads the SequentialMLP expert layout (local_experts.{j}) only; the grouped-GEMM layout is not "
+            "mapped yet",
+            path=where,
+        )
+
+
+def expert_tp(args: dict[str, Any], tp: int) -> int:
+    """The expert tensor-parallel size of a MoE run (Megatron's default: the TP size)."""
+    return as_int(args.get("expert_tensor_parallel_size")) or tp
+
+
 _FC1 = re.compile(r"(^|\.)linear_fc1\.(weight|bias)$")
 
 
-def _rule(name: str, swiglu: bool = False) -> str | None:
+def _rule(name: str, swiglu: bool = False, experts_replicated: bool = False) -> str | None:
     """The TP merge of `name`. With SwiGLU each TP rank's `linear_fc1` holds its slice of the gate, then its slice
     of the up projection: the shards merge per sub-parameter (`cat_sub:0`, 2 sub-parameters), so the logical
-    tensor is [gate; up] as a TP=1 run holds it."""
+    tensor is [gate; up] as a TP=1 run holds it. `experts_replicated`: a MoE run at TP > 1 with expert TP 1,
+    where every TP rank holds whole routed experts."""
+    if experts_replicated and _ROUTED_EXPERT.search(f".{name}"):
+        return "replicated"
     if swiglu and _FC1.search(name):
         return "cat_sub:0"
     return next((merge for pat, merge in _TP_RULES if pat.search(name)), None)
@@ -192,12 +234,15 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         )
     ep = as_int(args.get("expert_model_parallel_size")) or 1
     experts = as_int(args.get("num_experts")) or 0
-    if (experts and tp > 1) or (ep > 1 and pp > 1):  # routers, experts split over (expert) TP; mp_rank_TT_PPP_EEE
-        etp = as_int(args.get("expert_tensor_parallel_size"))
+    refuse_grouped_gemm(args, it)
+    etp = expert_tp(args, tp)
+    # EP > 1 with TP or PP > 1: mp_rank_TT_EEE / mp_rank_TT_PPP_EEE folders whose experts are split over expert TP;
+    # at EP 1 the folders are the dense ones and the experts split over TP (expert TP = TP) or are whole (1)
+    if experts and ((ep > 1 and (tp > 1 or pp > 1)) or (ep == 1 and etp not in (1, tp))):
         raise UnsupportedCheckpoint(
             f"a Megatron-LM legacy Mixture-of-Experts checkpoint with expert parallelism (EP={ep}) at TP={tp}, "
-            f"PP={pp} (expert TP={etp}): ckpt reads legacy MoE rank folders at TP 1 (and at EP > 1 with PP 1) only "
-            "yet",
+            f"PP={pp} (expert TP={etp}): ckpt reads legacy MoE rank folders at EP > 1 with TP 1 and PP 1, and at "
+            "EP 1 with expert TP 1 or equal to TP, only yet",
             path=it,
         )
     # with EP > 1 (PP 1) the folders are mp_rank_00_EEE: the second number of a rank key is the EP rank
@@ -463,7 +508,7 @@ def _model(objs, tp, pp, args, cache, ranks, root):
             if tp == 1:
                 model[g] = shards[0]
                 continue
-            merge = _rule(name, bool(args.get("swiglu")))
+            merge = _rule(name, bool(args.get("swiglu")), experts_replicated=expert_tp(args, tp) == 1)
             if merge is None:
                 bad.append(name)
                 continue
@@ -473,7 +518,7 @@ def _model(objs, tp, pp, args, cache, ranks, root):
                     f"{name}: TP shards of different shapes ({', '.join(str(tuple(s.shape)) for s in shards)})",
                     path=ranks[(0, p)],
                 )
-            expect = next((v for k, v in shapes.items() if name.endswith(k)), None)
+            expect = _expected_shape(name, shapes, args)
             if expect is not None and tuple(shape) != tuple(expect):
                 raise CorruptCheckpoint(
                     f"{name}: TP shards {tuple(shards[0].shape)} x {tp} merge ({merge}) to "
@@ -499,6 +544,7 @@ def _model(objs, tp, pp, args, cache, ranks, root):
             path=root,
             hint="the args and the files disagree: files from different runs?",
         )
+    _check_experts(model, args, root)
     if tied and "embedding.word_embeddings.weight" not in model and tied_copy:
         raise CorruptCheckpoint(
             "the last pipeline stage holds output_layer.weight, tied to word embeddings no "
@@ -592,10 +638,28 @@ def _model_ep(objs, ep, args, cache, ranks, root):
             path=root,
             hint="the args and the files disagree: files from different runs?",
         )
-    held: dict[str, set[int]] = {}
+    _check_experts(model, args, root)
+    return model, names_by_rank, local, origin, {}
+
+
+def _check_experts(model: dict[str, TensorNode], args: dict[str, Any], root: Path) -> None:
+    """Declared vs found for a MoE run (`num_experts` set): some layer holds routed experts, and every layer that
+    holds a router or any expert holds all num_experts of them, by global id."""
+    experts = as_int(args.get("num_experts")) or 0
+    if not experts:
+        return
+    held: dict[int, set[int]] = {}
     for g in model:
         if m := _LOCAL_EXPERT.match(g):
-            held.setdefault(m[2], set()).add(int(m[3]))
+            held.setdefault(int(m[2]), set()).add(int(m[3]))
+        elif (m := _LAYER.match(g)) and m[3].startswith(".mlp.router."):
+            held.setdefault(int(m[2]), set())
+    if not held:
+        raise CorruptCheckpoint(
+            f"args say num_experts={experts} but no layer holds a router or routed experts "
+            "(`decoder.layers.L.mlp.experts.local_experts.*`): the args and the files disagree",
+            path=root,
+        )
     short = {layer: ids for layer, ids in held.items() if ids != set(range(experts))}
     if short:
         layer, ids = sorted(short.items())[0]
@@ -604,7 +668,6 @@ def _model_ep(objs, ep, args, cache, ranks, root):
             "expert-parallel rank's experts are missing",
             path=root,
         )
-    return model, names_by_rank, local, origin, {}
 
 
 def _ranges(xs: list[int]) -> str:

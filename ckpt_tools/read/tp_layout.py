@@ -183,6 +183,7 @@ class TPLayout:
             end + r"(?:mlp\.dense_4h_to_h|linear_proj|linear_fc2)\.bias$",
             end + r"position_embeddings\.weight$",
             end + r"layer_norm_(?:weight|bias)$",  # Transformer Engine's fused norm in linear_qkv / linear_fc1
+            end + r"mlp\.router\.(?:weight|expert_bias)$",  # Megatron-core MoE's router: TP-replicated
         )
         row = (
             end + r"(?:self_attention|attention|inter_attention)\.dense\.weight$",

@@ -1041,8 +1041,16 @@ def _plan_megatron(
         raise CkptError(
             "the checkpoint holds no Megatron `args`: the model and the run cannot be rebuilt from it", path=path
         )
-    if args.get("num_experts"):
-        raise UnsupportedCheckpoint("a Megatron MoE checkpoint: `ckpt resume` rebuilds dense GPT runs only", path=path)
+    saved_sizes = (ck.topology.tp or 1, ck.topology.pp or 1)
+    if args.get("num_experts") and (tp or saved_sizes[0], pp or saved_sizes[1]) != saved_sizes:
+        # not run yet: the experts would be re-cut over another expert-TP / pipeline layout at load
+        raise UnsupportedCheckpoint(
+            f"a Megatron Mixture-of-Experts checkpoint resumed at another TP / PP (saved TP {saved_sizes[0]} x PP "
+            f"{saved_sizes[1]}; asked --tp {tp}, --pp {pp}): `ckpt resume` relaunches MoE runs at their saved sizes "
+            "only",
+            path=path,
+            hint="drop --tp / --pp",
+        )
     if args.get("use_distributed_optimizer"):
         # measured with core_v0.16.1: without Apex / TransformerEngine (none on a CPU) the distributed optimizer's
         # load reads an Adam `step` the fresh torch optimizer does not have yet (legacy: KeyError 'step' in

@@ -200,11 +200,12 @@ def _args(ck) -> dict[str, Any]:
     return val if isinstance(val, dict) else {}
 
 
-def rank_files(ck) -> dict[tuple[int, int], Path]:
-    """{(tp, pp): the rank's model_optim_rng.pt} of a legacy checkpoint."""
+def rank_files(ck) -> dict[tuple[int, ...], Path]:
+    """{(tp, pp): the rank's model_optim_rng.pt} of a legacy checkpoint; {(tp, pp, ep): …} for a Mixture-of-Experts
+    one at expert parallel EP > 1 (folders `mp_rank_TT_EEE`, PP 1), which the writers here refuse before asking."""
     root = Path(ck.path)
     return {
-        (f.rank["tp"], f.rank["pp"]): root / f.path
+        (f.rank["tp"], f.rank.get("pp", 0), *((f.rank["ep"],) if "ep" in f.rank else ())): root / f.path
         for f in ck.files
         if f.role == "model" and f.path.endswith("model_optim_rng.pt")
     }

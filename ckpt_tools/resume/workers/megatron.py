@@ -79,18 +79,17 @@ def args_differ(saved: dict[str, Any], live: Any, skip: frozenset) -> list[list[
     return out
 
 
-def inner_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer inside Megatron's (a ChainedOptimizer of one, a mixed-precision wrapper)."""
-    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    if len(chained) != 1:
-        return None
-    return c.innermost(chained[0])
+def inner_optimizers(optimizer: Any) -> list[Any]:
+    """The torch optimizers inside Megatron's: one, or each inner optimizer of a ChainedOptimizer (a
+    Mixture-of-Experts run at EP > 1: dense, expert), each out of its mixed-precision wrapper."""
+    return [c.innermost(o) for o in (getattr(optimizer, "chained_optimizers", None) or [optimizer])]
 
 
-def saved_legacy_state(plan: dict[str, Any], inner: Any) -> list[dict[str, torch.Tensor]] | None:
-    """This rank's saved Adam state in the live torch optimizer's parameter order, read (inert, ckpt's reader) from
-    its own legacy rank file `iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt`: the torch state dict Megatron saved,
-    its param groups' ids in order. None where the run is not at the saved TP / PP (another rank layout)."""
+def saved_legacy_state(plan: dict[str, Any], inner: Any, index: int = 0) -> list[dict[str, torch.Tensor]] | None:
+    """This rank's saved Adam state of inner optimizer `index` in the live torch optimizer's parameter order, read
+    (inert, ckpt's reader) from its own legacy rank file `iter_N/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`: the
+    torch state dict Megatron saved (a ChainedOptimizer saves a list of them, one per inner optimizer), its param
+    groups' ids in order. None where the run is not at the saved TP / PP / EP (another rank layout)."""
     from pathlib import Path
 
     from megatron.core import parallel_state as ps
@@ -99,13 +98,25 @@ def saved_legacy_state(plan: dict[str, Any], inner: Any) -> list[dict[str, torch
 
     saved = plan["saved_args"]
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    if (tp, pp) != (saved.get("tensor_model_parallel_size") or 1, saved.get("pipeline_model_parallel_size") or 1):
+    ep = ps.get_expert_model_parallel_world_size()
+    if (tp, pp, ep) != (
+        saved.get("tensor_model_parallel_size") or 1,
+        saved.get("pipeline_model_parallel_size") or 1,
+        saved.get("expert_model_parallel_size") or 1,
+    ):
         return None
-    folder = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}" + (
-        f"_{ps.get_pipeline_model_parallel_rank():03d}" if pp > 1 else ""
+    folder = (
+        f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}"
+        + (f"_{ps.get_pipeline_model_parallel_rank():03d}" if pp > 1 else "")
+        + (f"_{ps.get_expert_model_parallel_rank():03d}" if ep > 1 else "")
     )
     f = Path(plan["load_dir"]) / f"iter_{int(plan['iteration']):07d}" / folder / "model_optim_rng.pt"
-    osd = c.find_osd(pr.load(f).obj)  # read inert: the file pickles Megatron's args Namespace
+    saved_opt = pr.load(f).obj.get("optimizer")  # read inert: the file pickles Megatron's args Namespace
+    if isinstance(saved_opt, list):  # a ChainedOptimizer: one state dict per inner optimizer
+        saved_opt = saved_opt[index] if index < len(saved_opt) else None
+    elif index:
+        return None
+    osd = c.find_osd(saved_opt)
     if osd is None:
         return None
     state = {
@@ -115,6 +126,35 @@ def saved_legacy_state(plan: dict[str, Any], inner: Any) -> list[dict[str, torch
     }
     out = c.saved_states_by_position({**osd, "state": state})
     return out if out and len(out) == sum(len(g["params"]) for g in inner.param_groups) else None
+
+
+def optimizer_checks(plan: dict[str, Any], optimizer: Any) -> list[Any]:
+    """One closed-form check (`_common.OptimizerCheck`) per inner torch optimizer, each with the LRs of its own
+    param groups (a ChainedOptimizer's groups are the inner ones' in order, as the plan's expected LRs list them)."""
+    checks, first = [], 0
+    rows = plan.get("expected_lrs")
+    for i, inner in enumerate(inner_optimizers(optimizer)):
+        n = len(inner.param_groups)
+        mine = None if rows is None else [r[first : first + n] if r else r for r in rows]
+        checks.append(c.OptimizerCheck(inner, saved_legacy_state(plan, inner, i), mine))
+        first += n
+    return checks
+
+
+def merged_check(results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The inner optimizers' checks of one update as one: the worst error, every parameter checked, the first
+    problem named."""
+    if not results:
+        return None
+    out = dict(results[0])
+    out["errors"] = {k: max(r["errors"][k] for r in results) for k in results[0]["errors"]}
+    out["any_step_bad"] = any(r["any_step_bad"] for r in results)
+    out["steps_bad"] = [s for r in results for s in r["steps_bad"]][:3]
+    out["checked"] = sum(r["checked"] for r in results)
+    out["kinds"] = sorted({k for r in results for k in r["kinds"]})
+    out["lr_from_plan"] = all(r["lr_from_plan"] for r in results)
+    out["problem"] = next((r["problem"] for r in results if r["problem"]), None)
+    return out
 
 
 def main(plan: dict[str, Any]) -> None:
@@ -184,10 +224,10 @@ def main(plan: dict[str, Any]) -> None:
             builtins.print = show
         done_loading.append(True)
         steps = sorted(set(W._adam_steps(optimizer)))
-        inner = inner_optimizer(optimizer)
-        if plan.get("legacy") and inner is not None:
-            # the closed-form check of every update from the state this rank's file saved (`_common.OptimizerCheck`)
-            check.append(c.OptimizerCheck(inner, saved_legacy_state(plan, inner), plan.get("expected_lrs")))
+        if plan.get("legacy"):
+            # the closed-form check of every update from the state this rank's file saved (`_common.OptimizerCheck`),
+            # one per inner optimizer of a ChainedOptimizer
+            check.extend(optimizer_checks(plan, optimizer))
         if rank == 0:
             skip = RUN_STATE | W.RELAUNCH_SKIP | (CPU_DESTS if cpu else frozenset())
             c.emit(
@@ -205,7 +245,7 @@ def main(plan: dict[str, Any]) -> None:
         lrs = [float(g["lr"]) for g in W._groups(optimizer)]
         out = train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *a, **k)
         loss = out[0].get("lm loss") if isinstance(out[0], dict) else None
-        opt_check = check[0].reduced() if check else None  # a collective: every rank closes the update
+        opt_check = merged_check([x.reduced() for x in check])  # a collective: every rank closes the update
         mine = (lrs, None if loss is None else float(loss), sorted(set(W._adam_steps(optimizer))), bool(out[1]))
         every: list[Any] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(every, mine)

@@ -74,6 +74,11 @@ Run-time changes, all in this process (nothing installed is edited; see `install
      (the router's linear asks for it and then uses torch's matmul); the command line picks the `allgather`
      token dispatcher (`MOE_FLAGS`: the `alltoall` one synchronizes a CUDA event). Nothing else differs from the
      dense recipe: `pretrain()` builds the ChainedOptimizer (dense, expert) and saves it as Megatron does.
+ 11. MoE at TP > 1 (`megatron_moe_tp2_*`, made by the tests): Megatron requires `--sequence-parallel` there (and then
+     expert biases only at expert TP 1: `--disable-bias-linear`), which the local spec's torch LayerNorm
+     (`WrappedTorchNorm`) refuses by an assert: it is built as without sequence parallelism and its weights marked
+     `sequence_parallel`, so `finalize_model_grads` sums their gradients over TP as it does for Apex's LayerNorm on
+     GPUs (`_sequence_parallel_torch_norm`; a run without the flag is unchanged).
   Recording only (no behaviour change): `megatron.training.training.save_checkpoint` and `train_step` are wrapped
   to read the live model / optimizer / scheduler at save time and each iteration's LR and loss for the manifest.
 """
@@ -143,6 +148,10 @@ VARIANTS = {
     # the same run with Megatron's distributed optimizer (a ChainedOptimizer of two DistributedOptimizers)
     "megatron_moe_ep2_distopt_torch_dist": Variant(tp=1, ckpt_format="torch_dist", distributed_optimizer=True, ep=2),
     "megatron_moe_ep2_distopt_legacy": Variant(tp=1, ckpt_format="torch", distributed_optimizer=True, ep=2),
+    # not bundled (made by tests/test_megatron_moe.py): MoE at TP 2 x EP 1 (expert TP 2: each TP rank holds half of
+    # every expert; router and norms replicated), `MOE_TP_FLAGS`
+    "megatron_moe_tp2_legacy": Variant(tp=2, ckpt_format="torch", ep=1),
+    "megatron_moe_tp2_torch_dist": Variant(tp=2, ckpt_format="torch_dist", ep=1),
 }
 #: the Llama-style variant's architecture flags (what a Llama run passes to pretrain_gpt.py)
 LLAMA_FLAGS = [
@@ -175,6 +184,9 @@ MOE_FLAGS = [
     "allgather",
 ]
 
+#: MoE at TP > 1: Megatron requires sequence parallelism there, and with it expert biases only at expert TP 1
+MOE_TP_FLAGS = ["--sequence-parallel", "--disable-bias-linear"]
+
 #: what this process changes at run time (the module docstring's list, in short), recorded in each manifest
 RUN_TIME_CHANGES = [
     "torch.cuda redirected to the CPU (is_available/device_count 1 only during initialize_megatron; streams, "
@@ -193,6 +205,11 @@ MOE_RUN_TIME_CHANGES = [
     "megatron.core.transformer.moe.moe_utils.te_general_gemm = None (undefined in megatron-core 0.16.1 without "
     "Transformer Engine)",
     "--moe-token-dispatcher-type allgather (the alltoall dispatcher synchronizes a CUDA event)",
+]
+MOE_TP_RUN_TIME_CHANGES = [
+    "megatron.core.transformer.torch_norm.WrappedTorchNorm builds torch's LayerNorm under sequence parallelism "
+    "(its assert refuses it) and marks the weights sequence_parallel, so their gradients are summed over TP as "
+    "Apex's LayerNorm does (MoE at TP > 1 needs --sequence-parallel)",
 ]
 
 # vocab_size is the model's (padded) vocabulary: Megatron's NullTokenizer adds an EOD token to --vocab-size.
@@ -309,6 +326,8 @@ def megatron_argv(v: Variant, *, save: Path | None, load: Path | None, work: Pat
         argv += ["--num-layers-per-virtual-pipeline-stage", "1"]
     if v.ep:
         argv += [*MOE_FLAGS, "--expert-model-parallel-size", str(v.ep)]
+        if v.tp > 1:
+            argv += MOE_TP_FLAGS
     if save is not None:
         argv += ["--save", str(save), "--save-interval", str(ITERATIONS)]
     if load is not None:
@@ -410,8 +429,37 @@ def _after_megatron_import() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 leaves it undefined without TE; the router asks for it
         moe_utils.te_general_gemm = None
+    _sequence_parallel_torch_norm()
     trandom._lazy_call = torch.cuda._lazy_call
     trandom._lazy_init = torch.cuda._lazy_init
+
+
+def _sequence_parallel_torch_norm() -> None:
+    """Megatron's local spec builds torch's LayerNorm (`WrappedTorchNorm`), which asserts `not sequence_parallel`;
+    Apex's LayerNorm, used on GPUs, runs under it and marks its weights `sequence_parallel` so that
+    `finalize_model_grads` sums their gradients over the TP group (each TP rank normed only its slice of the
+    sequence). The same here: the norm is built as without sequence parallelism, its weights marked. A run without
+    `--sequence-parallel` is unchanged."""
+    import copy
+
+    from megatron.core.transformer import torch_norm
+
+    build = torch_norm.WrappedTorchNorm.__new__
+    if getattr(build, "_ckpt_sequence_parallel", False):
+        return
+
+    def new(cls, config, *a: Any, **k: Any):
+        if not config.sequence_parallel:
+            return build(cls, config, *a, **k)
+        plain = copy.copy(config)  # a shallow copy: no __post_init__ validation runs again
+        plain.sequence_parallel = False
+        norm = build(cls, plain, *a, **k)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+    new._ckpt_sequence_parallel = True
+    torch_norm.WrappedTorchNorm.__new__ = new
 
 
 class _Anything:
@@ -721,7 +769,9 @@ def write_manifest(
         parameters=s["parameters"],
         extra={
             "megatron_lm": {"tag": MEGATRON_LM_TAG, "commit": MEGATRON_LM_COMMIT},
-            "run_time_changes": RUN_TIME_CHANGES + (MOE_RUN_TIME_CHANGES if v.ep else []),
+            "run_time_changes": RUN_TIME_CHANGES
+            + (MOE_RUN_TIME_CHANGES if v.ep else [])
+            + (MOE_TP_RUN_TIME_CHANGES if v.ep and v.tp > 1 else []),
             "megatron_core": megatron.core.__version__,
             "ckpt_format": v.ckpt_format,
             "model_config": model_config(v),
