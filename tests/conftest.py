@@ -276,12 +276,30 @@ def producer_resume(
     number of ranks) and return the records of the updates it made: per update `step`, `lr` (per group, the LR
     the update used), `optimizer_step` (Adam's step after it), `loss` (rank 0's), and for accelerate_two_models
     also `lr_1`, `optimizer_step_1`, `loss_1` (the second optimizer / model)."""
+    return producer_resumes(name, [ckpt_path], tmp_path, steps=steps, timeout=timeout)[0]
+
+
+def producer_resumes(
+    name: str, ckpt_paths: list[Path], tmp_path: Path, *, steps: int | None = None, timeout: float = 300
+) -> list[list[dict]]:
+    """`producer_resume` of each of `ckpt_paths`, in one launch of the worker when it takes several runs
+    (`--then`: the DeepSpeed workers; each run is its own engine, seeded and loaded as in a launch of its own)."""
     from ckpt_tools.samples import free_port, get_spec, worker_env
+    from ckpt_tools.samples.workers._common import THEN
 
     spec = get_spec(name)
-    n = 0
-    while (record := Path(tmp_path) / f"{name}.resume{n}.json").exists():
-        n += 1
+    if len(ckpt_paths) > 1 and spec.module not in MULTI_RUN_WORKERS:
+        return [producer_resume(name, p, tmp_path, steps=steps, timeout=timeout) for p in ckpt_paths]
+    records = []
+    argv: list[str] = []
+    for ckpt_path in ckpt_paths:
+        n = 0
+        while (record := Path(tmp_path) / f"{name}.resume{n}.json").exists() or record in records:
+            n += 1
+        records.append(record)
+        argv += ([THEN] if argv else []) + ["--sample", name, "--resume", str(ckpt_path), "--record", str(record)]
+        if steps is not None:
+            argv += ["--steps", str(steps)]
     cmd = [
         sys.executable,
         "-m",
@@ -294,18 +312,15 @@ def producer_resume(
         str(free_port()),
         "-m",
         spec.module,
-        "--sample",
-        name,
-        "--resume",
-        str(ckpt_path),
-        "--record",
-        str(record),
+        *argv,
     ]
-    if steps is not None:
-        cmd += ["--steps", str(steps)]
     proc = subprocess.run(cmd, env=worker_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(record.read_text())
+    return [json.loads(r.read_text()) for r in records]
+
+
+#: the sample workers that take several runs in one launch (`_common.for_each_run`)
+MULTI_RUN_WORKERS = {f"ckpt_tools.samples.workers.{m}" for m in ("ds_moe", "ds_optim", "ds_unseen")}
 
 
 def assert_hf_logits_equal(folder, tokens, reference, shape, *, atol: float = 1e-5) -> None:

@@ -15,6 +15,7 @@ from ckpt_tools.view import logical as L
 from ckpt_tools.ops import convert as C
 from ckpt_tools.ops.diff import iter_lines, logical_diff
 from ckpt_tools.samples import run_torchrun
+from ckpt_tools.samples.workers._common import THEN
 
 from conftest import assert_history_matches, manifest, run_cli, sample
 
@@ -208,26 +209,24 @@ def test_to_torch_training_dict(tmp_path):
 
 
 def _resume(framework: str, ckpt: Path, spec: Path, work: Path, tag: str, *extra: str) -> tuple[list, dict | None]:
-    record, state = work / f"{tag}.json", work / f"{tag}.pt"
-    run_torchrun(
-        WORKER,
-        2,
-        [
-            "--framework",
-            framework,
-            "--ckpt",
-            str(ckpt),
-            "--spec",
-            str(spec),
-            "--record",
-            str(record),
-            "--state",
-            str(state),
-            *extra,
-        ],
-        log_path=work / f"{tag}.log",
-    )
-    return json.loads(record.read_text()), (torch.load(state, weights_only=True) if state.exists() else None)
+    return _resumes(work, [(framework, ckpt, spec, tag, *extra)])[0]
+
+
+def _resumes(work: Path, runs: list[tuple]) -> list[tuple[list, dict | None]]:
+    """Each (framework, ckpt, spec, tag, *extra) resumed on 2 ranks, all in one launch of the worker (`--then`:
+    each run its own engine or FSDP2 model); per run its records and its state after the first update."""
+    argv: list[str] = []
+    for framework, ckpt, spec, tag, *extra in runs:
+        record, state = work / f"{tag}.json", work / f"{tag}.pt"
+        argv += [THEN] if argv else []
+        argv += ["--framework", framework, "--ckpt", str(ckpt), "--spec", str(spec), "--record", str(record)]
+        argv += ["--state", str(state), *extra]
+    run_torchrun(WORKER, 2, argv, log_path=work / f"{runs[0][3]}.log")
+    out = []
+    for _, _, _, tag, *_ in runs:
+        record, state = work / f"{tag}.json", work / f"{tag}.pt"
+        out.append((json.loads(record.read_text()), torch.load(state, weights_only=True) if state.exists() else None))
+    return out
 
 
 RESUME_CASES = [
@@ -257,8 +256,9 @@ def test_fsdp2_resume_matches_deepspeed(tmp_path, group, name, layout):
         r = run_cli("to-universal", src, ds_ckpt)
         assert r.returncode == 0, r.stderr
         ds_extra = ["--universal"]
-    ds_rec, ds_state = _resume("deepspeed", ds_ckpt, spec, tmp_path, "ds", *ds_extra)
-    fs_rec, fs_state = _resume("fsdp2", out, spec, tmp_path, "fsdp2", "--layout", layout)
+    (ds_rec, ds_state), (fs_rec, fs_state) = _resumes(
+        tmp_path, [("deepspeed", ds_ckpt, spec, "ds", *ds_extra), ("fsdp2", out, spec, "fsdp2", "--layout", layout)]
+    )
     saved = manifest(group, name)["counters"]
     assert [r["step"] for r in fs_rec] == [saved["global_step"] + 1, saved["global_step"] + 2]
     assert [r["optimizer_step"] for r in fs_rec] == [saved["optimizer_step"] + 1, saved["optimizer_step"] + 2]
@@ -404,29 +404,19 @@ def test_deepspeed_resume_of_universal_matches_fsdp2(tmp_path, group, name, layo
     C.execute(plan)
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps(spec_from_checkpoint(src, scheduler_class=plan.scheduler_class, bf16=False)))
-    fs_rec, fs_state = _resume("fsdp2", src, spec, tmp_path, "fsdp2", "--layout", layout)
+    # FSDP2 and DeepSpeed at DP=2 in one launch (two runs), DeepSpeed at DP=1 in a launch of its own
+    (fs_rec, fs_state), ds2 = _resumes(
+        tmp_path, [("fsdp2", src, spec, "fsdp2", "--layout", layout), ("deepspeed", out, spec, "ds2", "--universal")]
+    )
     assert [r["optimizer_step"] for r in fs_rec] == [5, 6]
     for dp in (2, 1):
-        record, state = tmp_path / f"ds{dp}.json", tmp_path / f"ds{dp}.pt"
-        run_torchrun(
-            WORKER,
-            dp,
-            [
-                "--framework",
-                "deepspeed",
-                "--universal",
-                "--ckpt",
-                str(out),
-                "--spec",
-                str(spec),
-                "--record",
-                str(record),
-                "--state",
-                str(state),
-            ],
-            log_path=tmp_path / f"ds{dp}.log",
-        )
-        ds_rec, ds_state = json.loads(record.read_text()), torch.load(state, weights_only=True)
+        if dp == 2:
+            ds_rec, ds_state = ds2
+        else:
+            record, state = tmp_path / f"ds{dp}.json", tmp_path / f"ds{dp}.pt"
+            args = ["--framework", "deepspeed", "--universal", "--ckpt", str(out), "--spec", str(spec)]
+            run_torchrun(WORKER, dp, [*args, "--record", str(record), "--state", str(state)])
+            ds_rec, ds_state = json.loads(record.read_text()), torch.load(state, weights_only=True)
         assert [r["step"] for r in ds_rec] == [5, 6]
         assert [r["optimizer_step"] for r in ds_rec] == [5, 6]
         assert ds_rec[0]["lr"] == manifest(group, name)["lr"]["param_groups"]

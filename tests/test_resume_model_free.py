@@ -42,16 +42,28 @@ def unseen(tmp_path_factory):
     """name -> a DeepSpeed checkpoint of the unseen MLP, made on first use."""
     from ckpt_tools.samples import run_torchrun
 
+    from ckpt_tools.samples.workers._common import THEN
+    from ckpt_tools.samples.workers.ds_unseen import VARIANTS
+
     out = tmp_path_factory.mktemp("unseen")
-    made: dict[str, Path] = {}
 
     def get(name: str) -> Path:
-        if name not in made:
-            run_torchrun("ckpt_tools.samples.workers.ds_unseen", 2, ["--sample", name, "--out", str(out)])
-            made[name] = out / name
-        return made[name]
+        if not (out / f"{name}.manifest.json").exists():  # all variants on first use, in one launch
+            argv = [
+                a for i, v in enumerate(VARIANTS) for a in ([THEN] if i else []) + ["--sample", v, "--out", str(out)]
+            ]
+            run_torchrun("ckpt_tools.samples.workers.ds_unseen", 2, argv)
+        return out / name
 
     return get
+
+
+@pytest.fixture(scope="module")
+def unseen_universal(unseen, tmp_path_factory) -> Path:
+    """`ckpt to-universal` of unseen_zero2 (tests that edit it work on a copy)."""
+    uni = tmp_path_factory.mktemp("unseen_universal") / "uni"
+    ckpt("to-universal", unseen("unseen_zero2"), uni)
+    return uni
 
 
 # --- the closed forms against torch's own optimizers (no DeepSpeed) -----------------------------------------
@@ -224,10 +236,13 @@ def test_torch_schedulers_rebuild_from_their_state(make):
 # --- model-free resumes with real DeepSpeed -----------------------------------------------------------------
 
 
-def test_unseen_model_zero2_resumes_model_free(unseen):
+def test_unseen_model_zero2_resumes_model_free(unseen, capsys):
     """The issue's case: a ZeRO-2 checkpoint of a model ckpt has never seen, `--model auto`: all rows pass."""
     src = unseen("unseen_zero2")
-    doc = json.loads(ckpt("resume", src, "--steps", "2", "--json").stdout)
+    # one resume, as `ckpt resume SRC --steps 2` runs it; its --json document and its human output (the CLI's
+    # own renderer) both come from this one result
+    result = ops.run_resume(ops.plan_resume(src, steps=2, device="cpu", model="auto"))
+    doc = json.loads(json.dumps(result.to_dict()))
     assert doc["plan"]["model"] == "replica"
     c = checks(doc)
     assert {k: v["status"] for k, v in c.items()} == {
@@ -245,8 +260,11 @@ def test_unseen_model_zero2_resumes_model_free(unseen):
     assert [r["actual"]["step"] for r in c["optimizer state"]["rows"]] == [5, 6]
     assert "26 parameters" in c["optimizer state"]["detail"]
     # the human output has the row and says what needs --model
-    out = ckpt("resume", src, "--steps", "1").stdout
-    assert "optimizer state" in out and "needs --model" in out
+    from ckpt_cli.resume import _render
+
+    _render(result, quiet=False)
+    out = capsys.readouterr().out
+    assert "optimizer state" in out and "needs --model" in out and "verdict" in out
 
 
 @pytest.mark.parametrize(
@@ -275,27 +293,27 @@ def test_model_free_on_other_layouts(unseen, where, name):
 
 
 @pytest.mark.slow
-def test_dp2_to_dp1_universal_model_free(unseen, tmp_path):
+def test_dp2_to_dp1_universal_model_free(unseen, unseen_universal):
     """The universal output at another DP size: one process accumulates two micro-batches (the synthetic
-    gradient stays exact) and the optimizer state still follows the formula."""
+    gradient stays exact) and the optimizer state still follows the formula, also checked `--against` the
+    source checkpoint (the untouched output passes: the control of the zeroed-moment test below)."""
     src = unseen("unseen_zero2")
-    uni = tmp_path / "uni"
-    ckpt("to-universal", src, uni)
-    doc = json.loads(ckpt("resume", uni, "--universal", "--nproc", "1", "--steps", "2", "--json").stdout)
+    args = ("--universal", "--nproc", "1", "--steps", "2", "--against", src, "--json")
+    doc = json.loads(ckpt("resume", unseen_universal, *args).stdout)
     assert (doc["plan"]["dp"], doc["plan"]["gas"]) == (1, 2)
     assert all(c["status"] in ("pass", "n/a") for c in doc["checks"]), doc["checks"]
     assert checks(doc)["optimizer state"]["status"] == "pass"
 
 
-def test_universal_with_a_zeroed_moment_fails_the_optimizer_state_check(unseen, tmp_path):
+def test_universal_with_a_zeroed_moment_fails_the_optimizer_state_check(unseen, unseen_universal, tmp_path):
     """`ckpt to-universal`, one Adam moment zeroed by hand: resumed with `--universal --against` the source
-    checkpoint, the optimizer-state row fails (exit 1) while counters and LR pass. The untouched universal
-    output passes."""
+    checkpoint, the optimizer-state row fails (exit 1) while counters and LR pass. (The untouched universal
+    output passes: test_dp2_to_dp1_universal_model_free.)"""
+    import shutil
+
     src = unseen("unseen_zero2")
     uni = tmp_path / "uni"
-    ckpt("to-universal", src, uni)
-    doc = json.loads(ckpt("resume", uni, "--universal", "--steps", "1", "--against", src, "--json").stdout)
-    assert checks(doc)["optimizer state"]["status"] == "pass"
+    shutil.copytree(unseen_universal, uni)
     moment = uni / "global_step4_universal" / "zero" / "blocks.1.proj_in.weight" / "exp_avg.pt"
     blob = torch.load(moment, weights_only=False)  # test-only surgery on a file we just wrote
     blob["param"] = torch.zeros_like(blob["param"])
@@ -356,12 +374,10 @@ def test_lambdalr_without_and_with_its_function():
 
 
 @pytest.mark.slow
-def test_zero3_universal_load_of_groups_with_different_lr_is_caught(unseen, tmp_path):
+def test_zero3_universal_load_of_groups_with_different_lr_is_caught(unseen_universal, tmp_path):
     """Issue 12: DeepSpeed's ZeRO-3 universal loader gives every group group 0's lr. The expected LR per group
     comes from the saved state, so the LR row fails (DeepSpeed 0.19.8)."""
-    src = unseen("unseen_zero2")
-    uni = tmp_path / "uni"
-    ckpt("to-universal", src, uni)
+    uni = unseen_universal
     cfg = tmp_path / "z3.json"
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
     doc = json.loads(ckpt("resume", uni, "--universal", "--steps", "1", "--config", cfg, "--json", expect=1).stdout)

@@ -22,6 +22,7 @@ from ckpt_tools.errors import CkptError
 from ckpt_tools.ops import diff as D
 from ckpt_tools.ops import to_universal as U
 from ckpt_tools.samples import run_torchrun, worker_env
+from ckpt_tools.samples.workers._common import THEN
 
 from conftest import ROOT, run_cli
 
@@ -40,20 +41,22 @@ STATE = {
 def runs(tmp_path_factory) -> Path:
     """The uninterrupted runs (checkpoint after update 4, six updates recorded in the manifest)."""
     out = tmp_path_factory.mktemp("ds_optim")
-    for name in NAMES:
-        run_torchrun(WORKER, 2, ["--sample", name, "--out", str(out)])
+    run_torchrun(WORKER, 2, then(*(["--sample", name, "--out", str(out)] for name in NAMES)))  # one launch
     return out
+
+
+def then(*parts: list[str]) -> list[str]:
+    """The worker's command line for several runs in one launch (`--then` between them)."""
+    return [a for i, part in enumerate(parts) for a in ([THEN] if i else []) + part]
 
 
 def history(runs: Path, name: str) -> list[dict]:
     return json.loads((runs / f"{name}.manifest.json").read_text())["extra"]["history"]
 
 
-def resume(src: Path, name: str, tmp: Path, *, stage: int | None = None, steps: int = 2) -> list[dict]:
-    record = tmp / f"{name}-{stage}-{src.name}.json"
+def resume_args(src: Path, name: str, record: Path, *, stage: int | None = None, steps: int = 2) -> list[str]:
     args = ["--sample", name, "--resume", str(src), "--record", str(record), "--universal", "--steps", str(steps)]
-    run_torchrun(WORKER, 2, args + (["--stage", str(stage)] if stage else []))
-    return json.loads(record.read_text())
+    return args + (["--stage", str(stage)] if stage else [])
 
 
 def convert(src: Path, out: Path, **kw) -> U.UniversalPlan:
@@ -62,12 +65,39 @@ def convert(src: Path, out: Path, **kw) -> U.UniversalPlan:
     return plan
 
 
+@pytest.fixture(scope="module")
+def resumed(runs, tmp_path_factory) -> dict[str, tuple[U.UniversalPlan, Path, list[dict]]]:
+    """case -> (the to-universal plan, its output, the records of DeepSpeed resuming that output): every case
+    below converted, then all resumed in one launch of the worker (one run per case, each its own engine).
+
+    Cases: each optimizer's state carried (`zero2_sgd`, `zero1_adagrad`, `zero2_onemoment`); the control
+    (`zero2_sgd` without its momentum_buffer.pt, 1 step); `zero3_sgd` resumed at ZeRO-2; `zero2_adamw_2lr`
+    converted for and resumed at ZeRO-3."""
+    tmp = tmp_path_factory.mktemp("resumed")
+    cases = {name: (name, {}, {}) for name in ("zero2_sgd", "zero1_adagrad", "zero2_onemoment")}
+    cases["control"] = ("zero2_sgd", {}, {"steps": 1})
+    cases["zero3_at_zero2"] = ("zero3_sgd", {}, {"stage": 2})
+    cases["adamw_2lr_at_zero3"] = ("zero2_adamw_2lr", {"target_stage": 3}, {"stage": 3, "steps": 2})
+    plans, parts = {}, []
+    for case, (name, convert_kw, resume_kw) in cases.items():
+        out = tmp / case / "u"
+        plans[case] = convert(runs / name, out, **convert_kw)
+        if case == "control":  # momentum_buffer.pt removed: SGD re-initialises the buffer from the gradient
+            for f in out.rglob("momentum_buffer.pt"):
+                f.unlink()
+        parts.append(resume_args(out, name, tmp / case / "records.json", **resume_kw))
+    run_torchrun(WORKER, 2, then(*parts))
+    return {
+        case: (plans[case], tmp / case / "u", json.loads((tmp / case / "records.json").read_text())) for case in cases
+    }
+
+
 @pytest.mark.parametrize("name", ["zero2_sgd", "zero1_adagrad", "zero2_onemoment"])
-def test_state_carried_and_continued_in_deepspeed(name, runs, tmp_path):
+def test_state_carried_and_continued_in_deepspeed(name, runs, resumed):
     src = runs / name
-    plan = convert(src, tmp_path / "u")
+    plan, out, recs = resumed[name]
     assert plan.state_keys == STATE[name] and plan.stages == (1, 2)
-    zero = tmp_path / "u" / "global_step4_universal" / "zero"
+    zero = out / "global_step4_universal" / "zero"
     want_files = {"fp32.pt", *(f"{k}.pt" for k in STATE[name])} | ({"step.pt"} if name == "zero1_adagrad" else set())
     states = logical.optimizer_states(src)
     assert len(states) == 29
@@ -79,7 +109,6 @@ def test_state_carried_and_continued_in_deepspeed(name, runs, tmp_path):
     # no ZeRO-3 model-states name: DeepSpeed's ZeRO-3 universal loader cannot load this state
     assert not list((zero.parent).glob("zero_pp_rank_*")) and any("ZeRO-1/2 loaders only" in n for n in plan.notes)
 
-    recs = resume(tmp_path / "u", name, tmp_path)
     want = history(runs, name)[4:6]
     assert [r["step"] for r in recs] == [5, 6]
     assert set(STATE[name]) <= set(recs[0]["state_keys"])
@@ -87,23 +116,20 @@ def test_state_carried_and_continued_in_deepspeed(name, runs, tmp_path):
         assert r["lr"] == w["lr"] and r["loss"] == w["loss"] and r["params_sha256"] == w["params_sha256"], r["step"]
 
 
-def test_without_the_state_the_first_update_differs(runs, tmp_path):
+def test_without_the_state_the_first_update_differs(runs, resumed):
     """The control for the test above: the same universal folder with momentum_buffer.pt removed resumes (SGD
     re-initialises the buffer from the gradient) and the first update no longer matches."""
-    convert(runs / "zero2_sgd", tmp_path / "u")
-    for f in (tmp_path / "u").rglob("momentum_buffer.pt"):
-        f.unlink()
-    recs = resume(tmp_path / "u", "zero2_sgd", tmp_path, steps=1)
+    _, out, recs = resumed["control"]
+    assert not list(out.rglob("momentum_buffer.pt")) and len(recs) == 1
     want = history(runs, "zero2_sgd")[4]
     assert recs[0]["loss"] == want["loss"]  # step 5's loss is computed from the step-4 weights: same
     assert recs[0]["params_sha256"] != want["params_sha256"]  # the update used a fresh momentum: different
     assert "momentum_buffer" in recs[0]["state_keys"]
 
 
-def test_zero3_source_resumes_at_zero2(runs, tmp_path):
-    plan = convert(runs / "zero3_sgd", tmp_path / "u")
+def test_zero3_source_resumes_at_zero2(runs, resumed):
+    plan, _, recs = resumed["zero3_at_zero2"]
     assert plan.state_keys == ("momentum_buffer",) and plan.stages == (1, 2)
-    recs = resume(tmp_path / "u", "zero3_sgd", tmp_path, stage=2)
     want = history(runs, "zero3_sgd")[4:6]
     assert recs[0]["loss"] == want[0]["loss"]
     # the loss after the first resumed update depends on the momentum carried; ZeRO-2 and ZeRO-3 reduce the
@@ -177,15 +203,14 @@ def test_zero3_group_warnings_function():
     assert len(w) == 1 and "all 3 param groups one shared Adam step tensor" in w[0] and "by 3 instead of 1" in w[0]
 
 
-def test_zero3_load_uses_group0_lr_as_warned(runs, tmp_path, capsys):
+def test_zero3_load_uses_group0_lr_as_warned(runs, resumed, tmp_path):
     """Real DeepSpeed: an AdamW run with group LRs [1e-3, 2e-3] converted and loaded at ZeRO-3 trains with
     [1e-3, 1e-3] (stage3.py copies group 0's hyper-parameters) — the LR the warning names."""
     src = runs / "zero2_adamw_2lr"
-    plan = convert(src, tmp_path / "u", target_stage=3)
+    plan, _, recs = resumed["adamw_2lr_at_zero3"]
     assert plan.stages == (3,) and len(plan.warnings) == 2
     assert "group 1 will train with lr 0.001 instead of 0.002 and weight_decay 0.01 instead of 0" in plan.warnings[0]
     assert "each update advances the step by 2 instead of 1" in plan.warnings[1]
-    recs = resume(tmp_path / "u", "zero2_adamw_2lr", tmp_path, stage=3, steps=2)
     assert history(runs, "zero2_adamw_2lr")[4]["lr"] == [0.001, 0.002]
     assert recs[0]["lr"] == [0.001, 0.001]
     # saved at Adam step 4: an uninterrupted run is at 5, then 6; the shared step tensor goes 6, then 8

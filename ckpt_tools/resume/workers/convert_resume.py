@@ -314,10 +314,11 @@ def main() -> None:
         deepspeed.init_distributed(dist_backend="gloo")
         deepspeed_resume(args, spec)
     else:
-        dist.init_process_group("gloo")
+        if not dist.is_initialized():  # a run before it in this launch (`--then`) made the group
+            dist.init_process_group("gloo")
         fsdp2_resume(args, spec)
 
 
 if __name__ == "__main__":
-    main()
+    c.for_each_run(main)
     c.shutdown()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,6 +35,26 @@ HISTORY_NOTE = (
     "group used for that update; the batch for the update that ends at step s is "
     "batch_for_step(s - 1, dp_rank=rank)"
 )
+
+
+THEN = "--then"
+
+
+def for_each_run(main: Callable[[], None]) -> None:
+    """Call `main` once per `--then`-separated part of this process's command line, each part what one launch
+    of the worker would be given (`--sample A --out D --then --sample B --out D`): several samples or resumes in
+    one torchrun launch pay torch's and DeepSpeed's imports and the process group once. Each part seeds its own
+    run (the recipe's `torch.manual_seed` at model build), so a part's results do not depend on the parts before."""
+    parts: list[list[str]] = [[]]
+    for arg in sys.argv[1:]:
+        if arg == THEN:
+            parts.append([])
+        else:
+            parts[-1].append(arg)
+    program = sys.argv[0]
+    for part in parts:
+        sys.argv[:] = [program, *part]
+        main()
 
 
 def parse_args() -> argparse.Namespace:

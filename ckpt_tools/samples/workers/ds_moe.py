@@ -62,6 +62,7 @@ HIDDEN = 32
 N_LAYERS = 2
 NUM_EXPERTS = 4
 EP_SIZE = 2
+_RECIPE = (NUM_EXPERTS, N_LAYERS, EP_SIZE)  # each run of a launch starts from these (for_each_run)
 EXPERT_FFN = 32  # each expert: Linear(32, 32) -> GELU -> Linear(32, 32)
 TOP_K = 1
 USE_RTS = False  # Random Token Selection draws from torch's RNG, which no checkpoint saves: a resume could
@@ -568,8 +569,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, help="--out: MoE layers (bench/bench_moe.py; not for samples)")
     args = p.parse_args()
     global NUM_EXPERTS, N_LAYERS, EP_SIZE
-    NUM_EXPERTS, N_LAYERS = args.experts or NUM_EXPERTS, args.layers or N_LAYERS  # the same recipe, bigger
-    EP_SIZE = args.ep or EP_SIZE
+    NUM_EXPERTS, N_LAYERS = args.experts or _RECIPE[0], args.layers or _RECIPE[1]  # the same recipe, bigger
+    EP_SIZE = args.ep or _RECIPE[2]
     if args.resume is not None:
         if args.sample is None:
             p.error("--resume needs --sample (the variant that wrote it)")
@@ -588,5 +589,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    c.for_each_run(main)
     c.shutdown()
