@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpoint, NotACheckpoint
+from ..read.meta import meta_device
 from ..read.tree import Checkpoint, Counters, GroupNode, Topology, ValueNode, Warning_, iter_tensors, to_node
 from . import _common as C
 
@@ -316,11 +317,10 @@ def hf_model_layout(folder: Path) -> dict[str, Any]:
         return _HF_LAYOUTS[key]
     out: dict[str, Any] = {}
     try:
-        import torch
         import transformers
 
         config = transformers.AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
-        with torch.device("meta"):
+        with meta_device():
             try:
                 model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False)
             except ValueError:

@@ -57,6 +57,7 @@ from ..schedules.deepspeed import DS_SCHEDULERS, lr_at as _ds_scheduler_lr
 from ..errors import CkptError, UnsupportedCheckpoint
 from ..read.tree import Checkpoint, GroupNode, TensorNode, ValueNode
 from ..read import gate
+from ..read.meta import meta_device
 from ..train.processes import _cpu_env, launch as _launch, run_stoppable, scratch_folder
 from .frameworks import _gpus as _visible_gpus
 from .verdict import LR_REL_TOL, Check, CheckRow, ResumeResult, SavedState, StepRecord, _names, mismatch, saved_state
@@ -154,11 +155,9 @@ def _auto_model(ck: Checkpoint, layout: dict[str, Any] | None) -> str:
     if layout is None:
         return "tiny-gpt"
     try:
-        import torch
-
         from ..train.models import GPTConfig, TinyGPT
 
-        with torch.device("meta"):
+        with meta_device():
             known = {n: tuple(p.shape) for n, p in TinyGPT(GPTConfig()).named_parameters()}
     except Exception:  # noqa: BLE001  no torch model to compare with: model-free
         return "replica"
@@ -170,7 +169,6 @@ def check_model_matches(model: str, layout: dict[str, Any], ctx_fields: dict[str
     """Build `model` in this process on the meta device and compare its parameters with the checkpoint's;
     a mismatch is a CkptError before any process starts. Returns a note when the model could not be built
     here (the worker then reports its own error)."""
-    import torch
 
     from .workers.deepspeed import SetupContext, load_factory
 
@@ -184,7 +182,7 @@ def check_model_matches(model: str, layout: dict[str, Any], ctx_fields: dict[str
             hint="give module:function importable from here (PYTHONPATH)",
         ) from None
     try:
-        with torch.device("meta"):
+        with meta_device():
             built = factory(SetupContext(rank=0, **ctx_fields)).model
         have = {n: tuple(p.shape) for n, p in built.named_parameters()}
     except Exception as e:  # noqa: BLE001  the factory needs a process group or a device: the worker builds it

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import CkptError, UnsupportedCheckpoint
+from ..read.meta import meta_device
 from ..read.tree import Checkpoint, GroupNode, node_to_python
 from ..train.processes import scratch_folder
 from .verdict import LR_REL_TOL, Check, CheckRow, ResumeResult, SavedState, StepRecord, mismatch
@@ -1376,13 +1377,12 @@ def _scheduler_fn(spec: str | None) -> Callable[[int], float] | None:
 def _hf_model_matches(folder: Path, ck: Checkpoint) -> None:
     """Build the config.json model on the meta device (no memory, no download) and compare its parameters with
     the saved weights, so that a model that cannot load is refused before any process starts."""
-    import torch
 
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
-        with torch.device("meta"):
+        with meta_device():
             model = AutoModelForCausalLM.from_config(config)
     except Exception as e:  # noqa: BLE001 - transformers raises ValueError/KeyError/OSError for a bad config
         raise CkptError(
