@@ -123,14 +123,29 @@ def test_journal_redoes_a_changed_file(tmp_path):
     assert not Journal(tmp_path, 1).finished("t/p")
 
 
+def test_journal_records_what_it_fsynced_and_scanned(tmp_path):
+    (tmp_path / "t" / "p").mkdir(parents=True)
+    (tmp_path / "t" / "p" / "fp32.pt").write_bytes(b"abcd")
+    (tmp_path / "x.distcp").write_bytes(b"ef")
+    j = Journal(tmp_path, 0)
+    j.record("t/p")
+    j.record("q", paths=["x.distcp"])  # fsynced, but scanned at the end, with the .metadata rank 0 writes
+    j.close()
+    assert (j.fsynced, j.scanned) == (2, 1)
+    assert Journal(tmp_path, 1).settled() == ({"t/p/fp32.pt", "x.distcp"}, {"t/p/fp32.pt"})
+    trusted = Journal(tmp_path / "t", 0, trust_pickles=True)
+    trusted.record("p")
+    trusted.close()
+    assert Journal(tmp_path / "t", 0).settled() == ({"p/fp32.pt"}, set())  # not scanned under --trust-pickles
+
+
 def test_journal_reads_a_zip_again_on_resume(tmp_path):
     """A torch.save file is journaled by its members' CRC-32s; a rerun reads the bytes back against them."""
-    import zipfile
+    import torch
 
     f = tmp_path / "t" / "p" / "fp32.pt"
     f.parent.mkdir(parents=True)
-    with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as zf:
-        zf.writestr("fp32/data/0", b"\x01" * 4096)
+    torch.save(torch.ones(4096, dtype=torch.uint8), f)  # a real one: recording it also passes it through the gate
     j = Journal(tmp_path, 0)
     j.record("t/p")
     j.close()
@@ -174,6 +189,12 @@ def test_lost_rank_fails_in_bounded_time_and_the_rerun_resumes(tmp_path, referen
     doc, _ = _job(2, 1, [src, out])
     assert doc["resumed"] >= 3 and doc["converted"] + doc["resumed"] == doc["params"]
     assert doc["converted"] < doc["params"]
+    # the resumed parameters' files were fsynced and scanned by the killed run (their journal lines say so): not
+    # again; every other file once
+    per_param = {len(list(p.iterdir())) for p in (out / doc["tag"] / "zero").iterdir() if p.is_dir()}
+    assert len(per_param) == 1
+    left = len(_digest(out)) - per_param.pop() * doc["resumed"]
+    assert sum(r["fsynced_files"] for r in doc["ranks"]) == sum(r["scanned_files"] for r in doc["ranks"]) == left
     assert _digest(out) == reference("zero2")
     assert not list(tmp_path.glob(".ckpt-staging-*"))
 
@@ -201,6 +222,8 @@ def test_restart_throws_the_staging_away(tmp_path, reference):
     doc = json.loads(r.stdout)
     assert doc["resumed"] == 0 and doc["converted"] == doc["params"] and len(doc["ranks"]) == 1
     assert _digest(out) == reference("zero2")
+    # one process: every file fsynced and scanned before it was put in place, each once
+    assert doc["ranks"][0]["fsynced_files"] == doc["ranks"][0]["scanned_files"] == len(_digest(out))
 
 
 def test_convert_under_torchrun_needs_no_flag(tmp_path, reference):
@@ -239,6 +262,64 @@ def test_verify_split_between_the_ranks(tmp_path, reference):
     written = {p.name for p in (out / doc["tag"] / "zero").iterdir() if p.is_dir()}
     assert shares[0] | shares[1] == written and len(written) == doc["params"]
     assert sum(r["verified_bytes"] for r in doc["ranks"]) == doc["bytes_written"]
+
+
+def test_each_rank_fsyncs_and_scans_its_own_share(tmp_path, reference):
+    """Two nodes: each rank fsyncs and scans (the output gate) the files of the parameters it converted before it
+    reports success; rank 0 then does only its own share and the common files, so no file is done twice."""
+    out = tmp_path / "u"
+    doc, _ = _job(2, 1, [sample(*SAMPLES["zero2"]), out, "--verify"])
+    assert _digest(out) == reference("zero2") and doc["resumed"] == 0
+    zero = out / doc["tag"] / "zero"
+    files = [sum(1 for n in r["verified"] for _ in (zero / n).iterdir()) for r in doc["ranks"]]  # its share's files
+    common = len(_digest(out)) - sum(files)
+    r0, r1 = doc["ranks"]
+    assert files[1] > 0 and common > 0
+    assert r1["fsynced_files"] == r1["scanned_files"] == files[1]
+    assert r0["fsynced_files"] == r0["scanned_files"] == files[0] + common
+
+
+def test_a_file_the_gate_refuses_fails_its_rank(tmp_path):
+    """A parameter file rank 1 wrote that carries a global outside the allowlist: rank 1's journal refuses it
+    before recording it, and the line rank 1 reports (the one rank 0 fails the job with) names rank 1 and the
+    file. (Real input cannot reach this: the source check refuses such a checkpoint first.)"""
+    import pickle
+
+    from ckpt_tools.write import shares
+
+    class Rank1:
+        rank, world, hosts, done, on_others = 1, 2, ["h0", "h1"], 0, None
+        said: dict = {}
+
+        def who(self, r):
+            return f"rank {r} (host {self.hosts[r]})"
+
+        def exchange(self, stage, obj):
+            self.said[stage] = obj
+            return [{"staged": "", "checked": []}.get(stage, ["rank 0 stopped", {}]), obj]
+
+        def close(self):
+            pass
+
+    out = tmp_path / "u"
+    staging = shares.job_staging(out)
+    (staging / shares.JOURNAL).mkdir(parents=True)
+    (staging / shares.JOURNAL / "plan").write_text("d")
+
+    def convert(todo, journal, counted):
+        (staging / "p").mkdir()
+        (staging / "p" / "fp32.pt").write_bytes(pickle.dumps(os.system, protocol=2))
+        journal.record("p")
+        return 1
+
+    job = Rank1()
+    with pytest.raises(Exception) as e:
+        shares.run_job(job, out, [shares.Unit("p", 1)], digest="d", restart=False, convert=convert, finish=None)
+    line, fig = job.said["converted"]
+    assert line.startswith("rank 1 (host h1): ") and "p/fp32.pt" in line and "system" in line, line
+    assert "p/fp32.pt" in str(e.value) and fig["fsynced_files"] == fig["scanned_files"] == 0
+    assert (staging / shares.JOURNAL / "rank1.jsonl").read_text() == ""  # not recorded: a rerun redoes it
+    assert not out.exists()
 
 
 def test_a_corrupt_file_in_rank_1s_share_fails_its_verification(tmp_path):

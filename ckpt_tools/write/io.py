@@ -52,7 +52,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 from ..errors import CkptError
 from ..read import gate
@@ -1051,16 +1051,33 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def put_in_place(tmp: Path, out: Path, *, trust_pickles: bool = False) -> None:
+def put_in_place(
+    tmp: Path,
+    out: Path,
+    *,
+    trust_pickles: bool = False,
+    synced: Collection[str] = (),
+    scanned: Collection[str] = (),
+) -> dict[str, int]:
     """The end of `new_folder` for a staging folder built elsewhere (a resumable, many-process conversion):
-    the output gate (`read.gate.check_output`), fsync of every file, then one rename to `out`."""
-    gate.check_output(tmp, trust_pickles=trust_pickles)
+    the output gate (`read.gate.check_output`), fsync of every file and folder, then one rename to `out`.
+    `synced` / `scanned`: files (relative to `tmp`) the process that wrote them already fsynced / passed through
+    the gate (a job's ranks, each its own share, `shares.Journal.record`): not done again. Returns how many
+    files this call fsynced and scanned ({fsynced_files, scanned_files})."""
+    files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+    scan = [f for f in files if f not in scanned] if scanned else files
+    gate.check_output(tmp, scan, trust_pickles=trust_pickles)
+    n = 0
     for dirpath, _, filenames in os.walk(tmp):
         for f in filenames:
-            _fsync_file(Path(dirpath) / f)
+            p = Path(dirpath) / f
+            if not synced or str(p.relative_to(tmp)) not in synced:
+                _fsync_file(p)
+                n += 1
         _fsync_dir(Path(dirpath))
     os.rename(tmp, out)
     _fsync_dir(out.parent)
+    return {"fsynced_files": n, "scanned_files": 0 if trust_pickles else len(scan)}
 
 
 def put_files_in_place(tmp: Path, targets: Sequence[Path], *, trust_pickles: bool = False) -> None:
@@ -1069,7 +1086,7 @@ def put_files_in_place(tmp: Path, targets: Sequence[Path], *, trust_pickles: boo
     staged file of its name and the staging folder removed. A failure takes back the files already renamed."""
     gate.check_output(tmp, trust_pickles=trust_pickles)
     for t in targets:
-        _fsync_file(tmp / t.name)
+        _fsync_file(tmp / t.name)  # every rank fsynced the bytes it wrote; this is for rank 0's headers
     placed: list[Path] = []
     try:
         for t in targets:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import CkptError
+from ..read import gate
 
 JOURNAL = ".journal"
 
@@ -224,10 +225,21 @@ def _fingerprint(folder: Path) -> dict[str, list[int]]:
 
 
 class Journal:
-    """Finished parameters of a staging folder: read from every rank's file, appended to this rank's own."""
+    """Finished parameters of a staging folder: read from every rank's file, appended to this rank's own.
 
-    def __init__(self, staging: Path, rank: int):
+    A unit is recorded only once its files are fsynced and have passed the output gate (`read.gate`; not under
+    `trust_pickles`), by the rank that wrote them: on a shared file system only the node that wrote a file can
+    make it durable, and the work is split like the conversion. Its line says so (`synced`, `scanned`), so the
+    rank that puts the output in place does not do it again (`settled`), nor does a rerun that resumes it. A
+    DCP `.distcp` is fsynced but scanned at the end: its items are named by the `.metadata` rank 0 writes last."""
+
+    def __init__(self, staging: Path, rank: int, *, trust_pickles: bool = False):
         self.root = staging
+        self.trust_pickles = trust_pickles
+        self.fsynced = 0  # files this process fsynced / scanned (the ranks' figures)
+        self.scanned = 0
+        self._synced: set[str] = set()  # files (from the staging root) a record says were fsynced / scanned
+        self._scanned: set[str] = set()
         jdir = staging / JOURNAL
         jdir.mkdir(exist_ok=True)
         self.done: dict[str, dict[str, list[int]]] = {}
@@ -243,6 +255,11 @@ class Journal:
                     self._at[rec["dir"]] = bool(rec.get("paths"))
                     if rec.get("spans") is not None:
                         self._spans[rec["dir"]] = [(str(n), int(o), int(k), int(c)) for n, o, k, c in rec["spans"]]
+                    names = [n if rec.get("paths") else f"{rec['dir']}/{n}" for n in rec["files"]]
+                    if rec.get("synced"):
+                        self._synced.update(names)
+                    if rec.get("scanned"):
+                        self._scanned.update(n for n in names if not n.endswith(".distcp"))
                 except (ValueError, KeyError, TypeError):  # a line cut by a kill: that parameter is redone
                     continue
         self._f = open(jdir / f"rank{rank}.jsonl", "a")
@@ -300,6 +317,10 @@ class Journal:
         else:
             files = {n: [(self.root / n).stat().st_size, file_crc(self.root / n, raw=True)] for n in paths}
             rec = {"dir": rel, "paths": True, "files": files}
+        if rec["files"]:
+            names = [n if paths is not None else f"{rel}/{n}" for n in rec["files"]]
+            self._settle(names)
+            rec["synced"], rec["scanned"] = True, not self.trust_pickles
         if extra is not None:
             rec["extra"] = extra
         self._f.write(json.dumps(rec) + "\n")
@@ -310,6 +331,28 @@ class Journal:
         r, _, n = self._kill.partition(":")
         if r.isdigit() and int(r) == self._rank and n.isdigit() and self._count >= int(n):
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def _settle(self, names: list[str]) -> None:
+        """fsync the files `names` (from the staging root) and their folders, and pass them through the output
+        gate (a refusal: `UnsupportedCheckpoint` naming the file, which fails this rank)."""
+        gate.check_output(self.root, [n for n in names if not n.endswith(".distcp")], trust_pickles=self.trust_pickles)
+        if not self.trust_pickles:
+            self.scanned += sum(not n.endswith(".distcp") for n in names)
+        for n in names:
+            with open(self.root / n, "rb") as fh:
+                os.fsync(fh.fileno())
+        self.fsynced += len(names)
+        for d in {(self.root / n).parent for n in names}:
+            fd = os.open(d, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def settled(self) -> tuple[set[str], set[str]]:
+        """The files (from the staging root) that the records read when this journal was opened say were fsynced,
+        and those that passed the output gate."""
+        return self._synced, self._scanned
 
     def close(self) -> None:
         self._f.close()
@@ -405,20 +448,22 @@ def run_job(
     2. the units the journal names as finished are checked again (sizes, checksums), a balanced share per rank;
     3. the units not finished are converted, a share per rank balanced by bytes (`balanced_shares`):
        `convert(indices, journal, progress)` converts those units, verifies each one and journals it
-       (`journal.record`), and returns the bytes it wrote;
+       (`journal.record`: the unit's files fsynced and passed through the output gate by the rank that wrote
+       them), and returns the bytes it wrote;
     4. when every rank reported success, rank 0 runs `finish(staging, journal)` (the common files;
        `journal.extra` holds what each unit journaled with it);
     5. `verify(staging, indices, first)` on every rank compares its share of the whole output (a balanced share
        of the units, not the share it converted; `first`: rank 0, which also checks what belongs to no unit) and
        returns one line per difference; the error names the ranks that found one;
-    6. when no rank found one, rank 0 puts the folder in place (`io.put_in_place`; or `place(staging)`, e.g. an
+    6. when no rank found one, rank 0 puts the folder in place (`io.put_in_place`, which fsyncs and scans only
+       what no journal line says was: the common files, the folders; or `place(staging)`, e.g. an
        export's files into an existing folder, `io.put_files_in_place`). A failure in 4-6 removes the staging
        folder (what it holds did not verify); an interruption keeps it.
 
     A failure of any rank is an error on every rank, one line naming the rank and its host; a lost rank is a
     `RankLost` in bounded time. Returns (this rank's figures, every rank's): {rank, host, params (units
-    converted), resumed, bytes, seconds}, with `verify` also `verified` (the `Unit.label`s of the units the rank
-    compared) and `verified_bytes`."""
+    converted), resumed, bytes, seconds, fsynced_files, scanned_files (rank 0: with those it put in place)},
+    with `verify` also `verified` (the `Unit.label`s of the units the rank compared) and `verified_bytes`."""
     from .io import put_in_place
 
     start = time.monotonic()
@@ -443,7 +488,7 @@ def run_job(
             if progress is not None:
                 progress(n)
 
-        journal = Journal(staging, job.rank)
+        journal = Journal(staging, job.rank, trust_pickles=trust_pickles)
         n, line, failure, todo, resumed = 0, "", None, [], []
         try:
             every = list(range(len(units)))
@@ -471,6 +516,8 @@ def run_job(
             "resumed": len(resumed),
             "bytes": n,
             "seconds": round(time.monotonic() - start, 3),
+            "fsynced_files": journal.fsynced,  # its own share: fsynced and scanned before it reported success
+            "scanned_files": journal.scanned,
         }
         reports = job.exchange("converted", (line, fig))
         figs = tuple(f for _, f in reports)
@@ -480,11 +527,12 @@ def run_job(
                 f"{len(bad)} rank(s) failed, nothing was put in place: {bad[0]}",
                 hint="fix the cause, then rerun the same command to resume",
             )
-        failure, said = None, ""
+        failure, said, settled = None, "", (set(), set())
         if job.rank == 0:
             try:
                 done = Journal(staging, 0)
                 done.close()
+                settled = done.settled()
                 finish(staging, done)
             except BaseException as e:
                 failure, said = e, (e.one_line() if isinstance(e, CkptError) else repr(e))
@@ -521,7 +569,13 @@ def run_job(
                 try:
                     shutil.rmtree(staging / JOURNAL)
                     if place is None:
-                        put_in_place(staging, Path(out).resolve(), trust_pickles=trust_pickles)
+                        synced, scanned = settled
+                        counts = put_in_place(
+                            staging, Path(out).resolve(), trust_pickles=trust_pickles, synced=synced, scanned=scanned
+                        )
+                        for f in {id(d): d for d in (fig, figs[0])}.values():  # rank 0: what it did at the end
+                            f["fsynced_files"] += counts["fsynced_files"]
+                            f["scanned_files"] += counts["scanned_files"]
                     else:
                         place(staging)
                 except Exception:
