@@ -99,9 +99,7 @@ def convert_cmd(
         help="run as M processes on this machine (--to dcp or deepspeed-universal; launches torchrun "
         "--standalone itself)",
     ),
-    restart: bool = typer.Option(
-        False, "--restart", help="throw away what an interrupted many-process run left to resume and start over"
-    ),
+    restart: bool = typer.Option(False, "--restart", help=output.RESTART_HELP),
     json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
     allow_unread: bool = typer.Option(False, "--allow-unread", help=output.ALLOW_UNREAD_HELP),
     trust_pickles: bool = typer.Option(False, "--trust-pickles", help=output.TRUST_PICKLES_HELP),

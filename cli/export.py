@@ -95,9 +95,7 @@ def export_cmd(
         help="run as M processes on this machine (launches torchrun --standalone itself); under torchrun each "
         "rank writes a share of the tensors, the same bytes as one process, and a rerun resumes",
     ),
-    restart: bool = typer.Option(
-        False, "--restart", help="throw away what an interrupted many-process run left to resume and start over"
-    ),
+    restart: bool = typer.Option(False, "--restart", help=output.RESTART_HELP),
     dry_run: bool = typer.Option(False, "--dry-run", help="show the files that would be written"),
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask (export writes only new files, so it never asks)"),
     json_out: bool = typer.Option(False, "--json", help="machine-readable output"),

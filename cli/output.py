@@ -563,6 +563,7 @@ TRUST_PICKLES_HELP = (
     "file, place and global), since the framework loading the output would run them; with it "
     "they are carried and the result says so"
 )
+RESTART_HELP = "throw away what an interrupted many-process run left to resume and start over"
 ALLOW_UNREAD_HELP = (
     "go on although the checkpoint folder holds files that may hold model or training state which "
     "no reader took (the `unread-files` warning of `ckpt inspect`): they are left behind, "

@@ -285,21 +285,21 @@ def producer_resumes(
     """`producer_resume` of each of `ckpt_paths`, in one launch of the worker when it takes several runs
     (`--then`: the DeepSpeed workers; each run is its own engine, seeded and loaded as in a launch of its own)."""
     from ckpt_tools.samples import free_port, get_spec, worker_env
-    from ckpt_tools.samples.workers._common import THEN
+    from ckpt_tools.samples.workers._common import then
 
     spec = get_spec(name)
     if len(ckpt_paths) > 1 and spec.module not in MULTI_RUN_WORKERS:
         return [producer_resume(name, p, tmp_path, steps=steps, timeout=timeout) for p in ckpt_paths]
-    records = []
-    argv: list[str] = []
-    for ckpt_path in ckpt_paths:
+    records: list[Path] = []
+    for _ in ckpt_paths:
         n = 0
         while (record := Path(tmp_path) / f"{name}.resume{n}.json").exists() or record in records:
             n += 1
         records.append(record)
-        argv += ([THEN] if argv else []) + ["--sample", name, "--resume", str(ckpt_path), "--record", str(record)]
-        if steps is not None:
-            argv += ["--steps", str(steps)]
+    more = ["--steps", str(steps)] if steps is not None else []
+    argv = then(
+        *(["--sample", name, "--resume", str(c), "--record", str(r), *more] for c, r in zip(ckpt_paths, records))
+    )
     cmd = [
         sys.executable,
         "-m",

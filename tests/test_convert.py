@@ -15,7 +15,7 @@ from ckpt_tools.view import logical as L
 from ckpt_tools.ops import convert as C
 from ckpt_tools.ops.diff import iter_lines, logical_diff
 from ckpt_tools.samples import run_torchrun
-from ckpt_tools.samples.workers._common import THEN
+from ckpt_tools.samples.workers._common import then
 
 from conftest import assert_history_matches, manifest, run_cli, sample
 
@@ -215,12 +215,13 @@ def _resume(framework: str, ckpt: Path, spec: Path, work: Path, tag: str, *extra
 def _resumes(work: Path, runs: list[tuple]) -> list[tuple[list, dict | None]]:
     """Each (framework, ckpt, spec, tag, *extra) resumed on 2 ranks, all in one launch of the worker (`--then`:
     each run its own engine or FSDP2 model); per run its records and its state after the first update."""
-    argv: list[str] = []
-    for framework, ckpt, spec, tag, *extra in runs:
-        record, state = work / f"{tag}.json", work / f"{tag}.pt"
-        argv += [THEN] if argv else []
-        argv += ["--framework", framework, "--ckpt", str(ckpt), "--spec", str(spec), "--record", str(record)]
-        argv += ["--state", str(state), *extra]
+    argv = then(
+        *(
+            ["--framework", framework, "--ckpt", str(ckpt), "--spec", str(spec)]
+            + ["--record", str(work / f"{tag}.json"), "--state", str(work / f"{tag}.pt"), *extra]
+            for framework, ckpt, spec, tag, *extra in runs
+        )
+    )
     run_torchrun(WORKER, 2, argv, log_path=work / f"{runs[0][3]}.log")
     out = []
     for _, _, _, tag, *_ in runs:

@@ -42,16 +42,14 @@ def unseen(tmp_path_factory):
     """name -> a DeepSpeed checkpoint of the unseen MLP, made on first use."""
     from ckpt_tools.samples import run_torchrun
 
-    from ckpt_tools.samples.workers._common import THEN
+    from ckpt_tools.samples.workers._common import then
     from ckpt_tools.samples.workers.ds_unseen import VARIANTS
 
     out = tmp_path_factory.mktemp("unseen")
 
     def get(name: str) -> Path:
         if not (out / f"{name}.manifest.json").exists():  # all variants on first use, in one launch
-            argv = [
-                a for i, v in enumerate(VARIANTS) for a in ([THEN] if i else []) + ["--sample", v, "--out", str(out)]
-            ]
+            argv = then(*(["--sample", v, "--out", str(out)] for v in VARIANTS))
             run_torchrun("ckpt_tools.samples.workers.ds_unseen", 2, argv)
         return out / name
 

@@ -99,6 +99,16 @@ def _wait(procs, timeout: float = 120) -> list[tuple[int, str, str]]:
     return [(p.returncode, *o) for p, o in zip(procs, outs)]
 
 
+def _rank_1_lost(done: list[tuple[int, str, str]], out: Path, staging: Path) -> None:
+    """What a job whose node-1 rank was killed leaves: every torchrun failed, rank 0's one error line names rank 1
+    and its host, rank 0 exited 2, OUT is absent and the staging folder keeps its journal for the rerun."""
+    assert all(rc != 0 for rc, _, _ in done)
+    errors = [line for line in done[0][2].splitlines() if line.startswith("ckpt: error:")]
+    assert len(errors) == 1 and "rank 1 (host " in errors[0] and "was lost" in errors[0], done[0][2][-3000:]
+    assert "exitcode: 2" in done[0][2]  # torchrun's report of rank 0
+    assert not out.exists() and (staging / ".journal").is_dir()
+
+
 def _job(nnodes: int, nproc: int, args: list, **kw) -> tuple[dict, list]:
     done = _wait(_launch(nnodes, nproc, args, **kw))
     for rc, _, err in done:
@@ -180,11 +190,7 @@ def test_lost_rank_fails_in_bounded_time_and_the_rerun_resumes(tmp_path, referen
     t0 = time.monotonic()
     done = _wait(_launch(2, 1, [src, out], env={"CKPT_TEST_KILL_AFTER": "1:3", "CKPT_DIST_LOST_S": "4"}))
     assert time.monotonic() - t0 < 60
-    assert all(rc != 0 for rc, _, _ in done)
-    errors = [line for line in done[0][2].splitlines() if line.startswith("ckpt: error:")]
-    assert len(errors) == 1 and "rank 1 (host " in errors[0] and "was lost" in errors[0], done[0][2][-3000:]
-    assert "exitcode: 2" in done[0][2]  # torchrun's report of rank 0
-    assert not out.exists() and (tmp_path / ".ckpt-staging-u-job" / ".journal").is_dir()
+    _rank_1_lost(done, out, tmp_path / ".ckpt-staging-u-job")
 
     doc, _ = _job(2, 1, [src, out])
     assert doc["resumed"] >= 3 and doc["converted"] + doc["resumed"] == doc["params"]

@@ -22,7 +22,7 @@ from ckpt_tools.errors import CkptError
 from ckpt_tools.ops import diff as D
 from ckpt_tools.ops import to_universal as U
 from ckpt_tools.samples import run_torchrun, worker_env
-from ckpt_tools.samples.workers._common import THEN
+from ckpt_tools.samples.workers._common import then
 
 from conftest import ROOT, run_cli
 
@@ -43,11 +43,6 @@ def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ds_optim")
     run_torchrun(WORKER, 2, then(*(["--sample", name, "--out", str(out)] for name in NAMES)))  # one launch
     return out
-
-
-def then(*parts: list[str]) -> list[str]:
-    """The worker's command line for several runs in one launch (`--then` between them)."""
-    return [a for i, part in enumerate(parts) for a in ([THEN] if i else []) + part]
 
 
 def history(runs: Path, name: str) -> list[dict]:

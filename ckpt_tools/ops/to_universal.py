@@ -1047,13 +1047,7 @@ def execute(
             plan, tmp / plan.out_tag, range(len(plan.params)), workers=workers, progress=progress, steps=steps
         )
         _write_common(plan, tmp, optimizer_state)
-        problems = verify_written(plan, tmp)
-        if problems:
-            raise CkptError(
-                "verification of the written universal checkpoint failed: " + "; ".join(problems[:5]),
-                path=plan.out,
-                hint="nothing was written; please report this",
-            )
+        _raise_written(verify_written(plan, tmp), plan)
         _run_check(check, plan, tmp)
         if verify:
             _run_check(lambda root: verify_logical(plan, root), plan, tmp)
@@ -1151,14 +1145,19 @@ def _finish_job(plan: UniversalPlan, staging: Path, check: Callable[[Path], list
     """(rank 0) The common files, their verification and `check`, before `shares.run_job` puts them in place."""
     _, optimizer_state = _steps_and_globals(plan)
     _write_common(plan, staging, optimizer_state)
-    problems = verify_written(plan, staging, [], common=True)
+    _raise_written(verify_written(plan, staging, [], common=True), plan)
+    _run_check(check, plan, staging)
+
+
+def _raise_written(problems: list[str], plan: UniversalPlan) -> None:
+    """`verify_written`'s problems (a file that does not read back as written) as the error that puts nothing in
+    place."""
     if problems:
         raise CkptError(
-            "verification failed: " + "; ".join(problems[:5]),
+            "verification of the written universal checkpoint failed: " + "; ".join(problems[:5]),
             path=plan.out,
             hint="nothing was written; please report this",
         )
-    _run_check(check, plan, staging)
 
 
 def _run_check(check: Callable[[Path], list[str]] | None, plan: UniversalPlan, tmp: Path) -> None:

@@ -57,6 +57,11 @@ def for_each_run(main: Callable[[], None]) -> None:
         main()
 
 
+def then(*parts: list[str]) -> list[str]:
+    """The command line of several runs in one launch (`for_each_run`'s parts, `--then` between them)."""
+    return [arg for i, part in enumerate(parts) for arg in ([THEN] if i else []) + list(part)]
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Train the tiny GPT and save one sample checkpoint.")
     parser.add_argument("--sample", required=True, help="sample name from ckpt_tools.samples.SAMPLES")
