@@ -146,33 +146,75 @@ def fresh_sample(tmp_path_factory):
     return lambda name: Path(once(out, name, lambda: str(make_sample(out, name))))
 
 
+#: per sample name, the edited copies `producer_runs(name)` resumes beside the untouched one, in one launch of the
+#: sample's worker: edit id -> (edit, steps). `edit(ck)` changes a fresh copy `ck` of the committed sample (the CLI
+#: or torch) and returns what its test asserts on (JSON-able), `{"resume": path}` among it to resume another path
+#: than `ck`'s resume point; `steps`: the resume's `--steps` (None: to the end of the run). Test modules register
+#: their edits at import (`resume_edit`), before any test runs, so every edit of a run shares the one launch.
+RESUME_EDITS: dict[str, dict[str, tuple]] = {}
+
+
+def resume_edit(names, edit_id: str, *, steps: int | None = None):
+    """Decorator: register `edit(ck) -> dict` as edit `edit_id` of each sample in `names` (`RESUME_EDITS`)."""
+
+    def register(edit):
+        for name in [names] if isinstance(names, str) else names:
+            assert edit_id not in RESUME_EDITS.setdefault(name, {}), (name, edit_id)
+            RESUME_EDITS[name][edit_id] = (edit, steps)
+        return edit
+
+    return register
+
+
 @pytest.fixture(scope="session")
-def untouched_resume(tmp_path_factory):
-    """`untouched_resume(name)`: the records (`producer_resume`'s) of resuming an untouched copy of committed sample
-    `name` with its own worker, made once per run for every test that compares an edited checkpoint's resume with
-    it; also `files_changed`: whether the resume wrote into the checkpoint it resumed (it must not)."""
+def producer_runs(tmp_path_factory):
+    """`producer_runs(name)`: edit id -> {"ckpt": the edited copy, "info": what its edit returned, "records":
+    `producer_resume`'s records of resuming it} for the untouched copy ("untouched", with `files_changed`: whether
+    the resume wrote into the checkpoint it resumed; it must not) and every edit registered for sample `name`;
+    all of them resumed in one launch of the sample's worker (`producer_resumes`: each run seeded and loaded as in
+    a launch of its own), once per run for every xdist worker. The copies are shared: copy one before changing it."""
+    out = shared_folder(tmp_path_factory, "producer_runs")
+    return lambda name: once(out, name, lambda: _resume_edits(name, out / name))
+
+
+def _resume_edits(name: str, folder: Path) -> dict:
+    import shutil
+
     from ckpt_tools.samples import get_spec
 
-    out = shared_folder(tmp_path_factory, "untouched_resumes")
+    spec = get_spec(name)
+    src = sample(spec.group, spec.path)
+    inner = resume_inner(spec.group, spec.path)
+    runs, points, steps = {}, [], []
+    for edit_id, (edit, n) in {"untouched": (None, None), **RESUME_EDITS.get(name, {})}.items():
+        ck = folder / edit_id / src.name
+        ck.parent.mkdir(parents=True)
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, ck)
+        info = edit(ck) if edit else {}
+        runs[edit_id] = {"ckpt": str(ck), "info": info}
+        points.append(Path(info.get("resume", ck / inner)))
+        steps.append(n)
+    untouched = Path(runs["untouched"]["ckpt"]).parent
+    before = {str(p): p.stat().st_mtime_ns for p in untouched.rglob("*")}
+    (folder / "records").mkdir()
+    for run, records in zip(
+        runs.values(), producer_resumes(name, points, folder / "records", steps=steps, timeout=600)
+    ):
+        run["records"] = records
+    after = {str(p): p.stat().st_mtime_ns for p in untouched.rglob("*")}
+    runs["untouched"]["files_changed"] = sorted(
+        p for p in before.keys() | after.keys() if before.get(p) != after.get(p)
+    )
+    return runs
 
-    def _resume(name: str) -> dict:
-        import shutil
 
-        spec = get_spec(name)
-        src = sample(spec.group, spec.path)
-        dst = out / name / "ck" / src.name
-        dst.parent.mkdir(parents=True)
-        (shutil.copytree if src.is_dir() else shutil.copy2)(src, dst)
-        before = {str(p): p.stat().st_mtime_ns for p in dst.parent.rglob("*")}
-        (out / name / "records").mkdir()
-        records = producer_resume(name, dst / resume_inner(spec.group, spec.path), out / name / "records")
-        after = {str(p): p.stat().st_mtime_ns for p in dst.parent.rglob("*")}
-        return {
-            "records": records,
-            "files_changed": sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p)),
-        }
-
-    return lambda name: once(out, name, lambda: _resume(name))
+@pytest.fixture(scope="session")
+def untouched_resume(producer_runs):
+    """`untouched_resume(name)`: the records (`producer_resume`'s) of resuming an untouched copy of committed sample
+    `name` with its own worker, made once per run (`producer_runs`, in the launch that resumes the edited copies)
+    for every test that compares an edited checkpoint's resume with it; also `files_changed`: whether the resume
+    wrote into the checkpoint it resumed (it must not)."""
+    return lambda name: producer_runs(name)["untouched"]
 
 
 def resume_inner(group: str, path: str) -> str:
@@ -280,25 +322,29 @@ def producer_resume(
 
 
 def producer_resumes(
-    name: str, ckpt_paths: list[Path], tmp_path: Path, *, steps: int | None = None, timeout: float = 300
+    name: str, ckpt_paths: list[Path], tmp_path: Path, *, steps=None, timeout: float = 300
 ) -> list[list[dict]]:
     """`producer_resume` of each of `ckpt_paths`, in one launch of the worker when it takes several runs
-    (`--then`: the DeepSpeed workers; each run is its own engine, seeded and loaded as in a launch of its own)."""
+    (`--then`: each run is its own engine or Trainer, seeded and loaded as in a launch of its own). `steps`: one
+    `--steps` for all, or a list of one per path."""
     from ckpt_tools.samples import free_port, get_spec, worker_env
     from ckpt_tools.samples.workers._common import then
 
     spec = get_spec(name)
+    each = list(steps) if isinstance(steps, (list, tuple)) else [steps] * len(ckpt_paths)
     if len(ckpt_paths) > 1 and spec.module not in MULTI_RUN_WORKERS:
-        return [producer_resume(name, p, tmp_path, steps=steps, timeout=timeout) for p in ckpt_paths]
+        return [producer_resume(name, p, tmp_path, steps=n, timeout=timeout) for p, n in zip(ckpt_paths, each)]
     records: list[Path] = []
     for _ in ckpt_paths:
         n = 0
         while (record := Path(tmp_path) / f"{name}.resume{n}.json").exists() or record in records:
             n += 1
         records.append(record)
-    more = ["--steps", str(steps)] if steps is not None else []
     argv = then(
-        *(["--sample", name, "--resume", str(c), "--record", str(r), *more] for c, r in zip(ckpt_paths, records))
+        *(
+            ["--sample", name, "--resume", str(c), "--record", str(r), *(["--steps", str(n)] if n is not None else [])]
+            for c, r, n in zip(ckpt_paths, records, each)
+        )
     )
     cmd = [
         sys.executable,
@@ -320,7 +366,10 @@ def producer_resumes(
 
 
 #: the sample workers that take several runs in one launch (`_common.for_each_run`)
-MULTI_RUN_WORKERS = {f"ckpt_tools.samples.workers.{m}" for m in ("ds_moe", "ds_optim", "ds_unseen")}
+MULTI_RUN_WORKERS = {
+    f"ckpt_tools.samples.workers.{m}"
+    for m in ("ds_moe", "ds_optim", "ds_unseen", "hf_trainer", "lightning_run", "dcp_layouts", "accel_multi")
+}
 
 
 def assert_hf_logits_equal(folder, tokens, reference, shape, *, atol: float = 1e-5) -> None:

@@ -28,7 +28,7 @@ import torch
 
 # producer_resume(name, ckpt_path, tmp_path, *, steps=None) -> list[dict] lives in conftest (shared with the other
 # producer tests) and is re-exported here: it runs the sample worker's resume mode under torchrun
-from conftest import LOSS_REL_TOL, manifest, producer_resume, sample
+from conftest import LOSS_REL_TOL, manifest, producer_resume, resume_edit, sample
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -218,13 +218,22 @@ def halve_lr_fields(name: str, ckpt: Path) -> None:
     torch.save(sched, ckpt / "scheduler.pt")
 
 
+def _register_edits() -> None:
+    """The torch edit and the short resume below, resumed with the untouched copy in one launch of each producer's
+    worker (conftest.producer_runs)."""
+    for name in PRODUCERS:
+        resume_edit(name, "halved_lr_fields")(lambda ck, name=name: halve_lr_fields(name, resume_point(name, ck)) or {})
+        resume_edit(name, "steps_1", steps=1)(lambda ck: {})
+
+
+_register_edits()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PRODUCERS))
-def test_halved_lr_fields_halve_the_resumed_lrs(name, tmp_path, untouched_resume):
-    untouched = untouched_resume(name)["records"]
-    edited_ckpt = copy_resume_point(name, tmp_path / "b")
-    halve_lr_fields(name, edited_ckpt)
-    edited = producer_resume(name, edited_ckpt, tmp_path)
+def test_halved_lr_fields_halve_the_resumed_lrs(name, producer_runs):
+    runs = producer_runs(name)
+    untouched, edited = runs["untouched"]["records"], runs["halved_lr_fields"]["records"]
     assert [r["step"] for r in edited] == [r["step"] for r in untouched] == RESUMED_STEPS
     for e, u in zip(edited, untouched):
         assert e["lr"] == pytest.approx([x * 0.5 for x in u["lr"]], rel=1e-12, abs=0), e["step"]
@@ -235,8 +244,8 @@ def test_halved_lr_fields_halve_the_resumed_lrs(name, tmp_path, untouched_resume
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PRODUCERS))
-def test_steps_option_stops_the_resume_early(name, tmp_path):
+def test_steps_option_stops_the_resume_early(name, producer_runs):
     man = manifest(*PRODUCERS[name])
-    records = producer_resume(name, copy_resume_point(name, tmp_path / "ck"), tmp_path, steps=1)
+    records = producer_runs(name)["steps_1"]["records"]
     assert [(r["step"], r["optimizer_step"]) for r in records] == [(5, 5)]
     assert records[0]["lr"] == pytest.approx(man["extra"]["history"][4]["lr"], rel=1e-12, abs=0)

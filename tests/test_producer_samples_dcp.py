@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import LOSS_REL_TOL, manifest, manifest_of, producer_resume, sample
+from conftest import LOSS_REL_TOL, manifest, manifest_of, producer_resume, resume_edit, sample
 
 DCP_SAMPLES = [("dcp", "dcp_recipe_fsdp2")]
 ALL_SAMPLES = DCP_SAMPLES + [("accelerate", "accelerate_two_models")]
@@ -220,17 +220,24 @@ def test_fresh_sample_resumes_bitwise(fresh_sample, tmp_path, name):
 # --- which saved fields drive the resumed LRs ---------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_recipe_cosine_lr_follows_the_optimizer_lr_not_base_lrs(tmp_path):
-    m = manifest("dcp", "dcp_recipe_fsdp2")
-    t_max, eta_min = m["extra"]["scheduler_params"]["T_max"], m["extra"]["scheduler_params"]["eta_min"]
+# The two edits below are resumed with the untouched copy in one launch of each sample's worker
+# (conftest.producer_runs).
 
+
+@resume_edit("dcp_recipe_fsdp2", "optimizer_lr_halved_base_lrs_1")
+def _recipe_edit(ck: Path) -> dict:
     def edit(sd):
         sd["app"]["optim"]["param_groups"][0]["lr"] /= 2
         sd["app"]["scheduler"]["base_lrs"] = [1.0, 1.0]  # the recursive form does not read it at epoch 5
 
-    ck = edit_dcp(sample("dcp", "dcp_recipe_fsdp2"), tmp_path / "edited", edit)
-    recs = producer_resume("dcp_recipe_fsdp2", ck, tmp_path)
+    return {"resume": str(edit_dcp(ck, ck.parent / "edited", edit))}
+
+
+@pytest.mark.slow
+def test_recipe_cosine_lr_follows_the_optimizer_lr_not_base_lrs(producer_runs):
+    m = manifest("dcp", "dcp_recipe_fsdp2")
+    t_max, eta_min = m["extra"]["scheduler_params"]["T_max"], m["extra"]["scheduler_params"]["eta_min"]
+    recs = producer_runs("dcp_recipe_fsdp2")["optimizer_lr_halved_base_lrs_1"]["records"]
     hist = history(manifest("dcp", "dcp_recipe_fsdp2"))
     lr5 = hist[5]["lr"][0] / 2
     assert recs[0]["lr"] == pytest.approx([lr5, hist[5]["lr"][1]], rel=1e-12)
@@ -239,13 +246,9 @@ def test_recipe_cosine_lr_follows_the_optimizer_lr_not_base_lrs(tmp_path):
     assert recs[1]["lr"] == pytest.approx([lr6, hist[6]["lr"][1]], rel=1e-12)
 
 
-@pytest.mark.slow
-def test_accelerate_two_models_each_optimizer_from_its_own_files(copy_sample, tmp_path):
+@resume_edit("accelerate_two_models", "each_optimizer_its_own_files")
+def _accelerate_edit(ck: Path) -> dict:
     import torch
-
-    from ckpt_tools.samples.workers import accel_multi
-
-    ck = copy_sample("accelerate", "accelerate_two_models")
 
     def rewrite(fname, edit):
         sd = torch.load(ck / fname, weights_only=True)
@@ -255,7 +258,14 @@ def test_accelerate_two_models_each_optimizer_from_its_own_files(copy_sample, tm
     rewrite("scheduler.bin", lambda sd: sd.__setitem__("base_lrs", [x / 2 for x in sd["base_lrs"]]))
     rewrite("optimizer_1.bin", lambda sd: [g.__setitem__("lr", 1e-4) for g in sd["param_groups"]])
     rewrite("scheduler_1.bin", lambda sd: sd.__setitem__("base_lrs", [1.0, 1.0]))  # StepLR's recursive form
-    recs = producer_resume("accelerate_two_models", ck, tmp_path)
+    return {}
+
+
+@pytest.mark.slow
+def test_accelerate_two_models_each_optimizer_from_its_own_files(producer_runs):
+    from ckpt_tools.samples.workers import accel_multi
+
+    recs = producer_runs("accelerate_two_models")["each_optimizer_its_own_files"]["records"]
     hist = history(manifest("accelerate", "accelerate_two_models"))
     gamma = accel_multi.GAMMA_1
     assert recs[0]["lr"] == hist[5]["lr"]  # optimizer.bin untouched

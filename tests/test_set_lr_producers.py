@@ -4,8 +4,9 @@ own Trainer: tests/test_torchtitan_resume.py).
 
 For every sample: an untouched copy and an edited copy are both resumed by the producer's own loader (the sample
 worker's resume mode: `trainer.train(resume_from_checkpoint=)`, `Trainer.fit(ckpt_path=)`, `dcp.load` +
-`set_state_dict`, `accelerator.load_state`) in the same test, and every resumed update of the edited copy must use
-exactly half the LR of the untouched one; after `set-step --optimizer-step 10`, Adam's step continues from 10 and
+`set_state_dict`, `accelerator.load_state`) in one launch of that worker per sample (conftest.producer_runs: each
+run seeded and loaded as in a launch of its own), and every resumed update of the edited copy must use exactly half
+the LR of the untouched one; after `set-step --optimizer-step 10`, Adam's step continues from 10 and
 the LRs are untouched.
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import producer_resume, run_cli, sample
+from conftest import resume_edit, run_cli, sample
 
 #: (sample, LR keys in the resume records: one per optimizer, what the loader is given inside the sample)
 PRODUCERS = [
@@ -42,20 +43,28 @@ def cli(*args, expect=0):
     return proc
 
 
-def copy_to(group: str, name: str, folder):
-    """A copy of a committed sample in `folder` (a second copy beside copy_sample's)."""
-    import shutil
-
-    folder.mkdir(parents=True)
-    dst = folder / name
-    (shutil.copytree if sample(group, name).is_dir() else shutil.copy2)(sample(group, name), dst)
-    return dst
+def listing(ck: Path) -> list[str]:
+    return sorted(p.relative_to(ck).as_posix() for p in ck.rglob("*")) if ck.is_dir() else []
 
 
-def untouched_and_a_copy(untouched_resume, tmp_path, name: str) -> tuple[list[dict], Path]:
-    """(the records of the run's one resume of an untouched copy of sample `name` (conftest), a copy to edit)."""
-    group, path = where(name)
-    return untouched_resume(name)["records"], copy_to(group, path, tmp_path / "edited")
+# The edits below are resumed with the untouched copy in one launch of each sample's worker (conftest.producer_runs).
+
+
+@resume_edit(IDS, "set_lr_half")
+def _scale_half(ck: Path) -> dict:
+    cli("set-lr", ck, "--scale", "0.5", "--yes")
+    return {}
+
+
+@resume_edit(IDS, "set_optimizer_step_10")
+def _optimizer_step_10(ck: Path) -> dict:
+    cli("set-step", ck, "--optimizer-step", "10", "--yes")
+    return {}
+
+
+@resume_edit(["lightning_onecycle", "hf_trainer_ddp"], "set_global_step_2")
+def _global_step_2(ck: Path) -> dict:
+    return {"plan": json.loads(cli("set-step", ck, "--global-step", "2", "--yes", "--json").stdout)["plan"]}
 
 
 def _halved(recs: list[dict], ref: list[dict], keys: tuple[str, ...]) -> None:
@@ -67,13 +76,12 @@ def _halved(recs: list[dict], ref: list[dict], keys: tuple[str, ...]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,keys,inner", PRODUCERS, ids=IDS)
-def test_scale_half_every_resumed_step_runs_at_half_the_lr(untouched_resume, tmp_path, name, keys, inner):
-    untouched, ck = untouched_and_a_copy(untouched_resume, tmp_path, name)
-    listing = sorted(p.relative_to(ck) for p in ck.rglob("*")) if ck.is_dir() else []
-    cli("set-lr", ck, "--scale", "0.5", "--yes")
-    if ck.is_dir():  # no stray file inside the checkpoint (backups and the journal live outside it)
-        assert sorted(p.relative_to(ck) for p in ck.rglob("*")) == listing
-    _halved(producer_resume(name, ck / inner, tmp_path), untouched, keys)
+def test_scale_half_every_resumed_step_runs_at_half_the_lr(producer_runs, name, keys, inner):
+    runs = producer_runs(name)
+    untouched, ck = runs["untouched"]["records"], Path(runs["set_lr_half"]["ckpt"])
+    # no stray file inside the checkpoint (backups and the journal live outside it)
+    assert listing(ck) == listing(sample(*where(name)))
+    _halved(runs["set_lr_half"]["records"], untouched, keys)
     # inspect agrees with what the resumed run used for its first step
     lr = json.loads(cli("inspect", ck, "--json").stdout)["lr"]
     first = [x for k in keys for x in untouched[0][k]]
@@ -82,11 +90,11 @@ def test_scale_half_every_resumed_step_runs_at_half_the_lr(untouched_resume, tmp
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,keys,inner", PRODUCERS, ids=IDS)
-def test_set_optimizer_step_continues_adam_from_it(untouched_resume, tmp_path, name, keys, inner):
-    untouched, ck = untouched_and_a_copy(untouched_resume, tmp_path, name)
-    cli("set-step", ck, "--optimizer-step", "10", "--yes")
-    assert json.loads(cli("inspect", ck, "--json").stdout)["counters"]["optimizer_step"] == 10
-    recs = producer_resume(name, ck / inner, tmp_path)
+def test_set_optimizer_step_continues_adam_from_it(producer_runs, name, keys, inner):
+    runs = producer_runs(name)
+    untouched, run = runs["untouched"]["records"], runs["set_optimizer_step_10"]
+    assert json.loads(cli("inspect", run["ckpt"], "--json").stdout)["counters"]["optimizer_step"] == 10
+    recs = run["records"]
     assert [r["optimizer_step"] for r in recs] == [11, 12]
     for r, u in zip(recs, untouched):
         for k in keys:
@@ -152,18 +160,17 @@ def test_nothing_to_edit_is_an_error_not_a_silent_success(tmp_path, args):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name,inner,edited",
-    [("lightning_onecycle", "", "loops.fit_loop."), ("hf_trainer_ddp", "checkpoint-4", "trainer_state.json")],
+    "name,edited",
+    [("lightning_onecycle", "loops.fit_loop."), ("hf_trainer_ddp", "trainer_state.json")],
     ids=["lightning_onecycle", "hf_trainer_ddp"],
 )
-def test_set_global_step_moves_the_loop(tmp_path, name, inner, edited):
+def test_set_global_step_moves_the_loop(producer_runs, name, edited):
     """`--global-step 2` edits the counter the loop really restores (Lightning's fit-loop progress, not the
     top-level `global_step`; HF's trainer_state.json): the resumed run continues at step 3 up to max_steps 6."""
-    group, path = where(name)
-    ck = copy_to(group, path, tmp_path / "edited")
-    doc = json.loads(cli("set-step", ck, "--global-step", "2", "--yes", "--json").stdout)
-    assert any(edited in f"{w['path']}:{c['field']}" for w in doc["plan"]["files"] for c in w["changes"])
-    assert json.loads(cli("inspect", ck, "--json").stdout)["counters"]["global_step"] == 2
-    recs = producer_resume(name, ck / inner, tmp_path)
+    run = producer_runs(name)["set_global_step_2"]
+    plan = run["info"]["plan"]
+    assert any(edited in f"{w['path']}:{c['field']}" for w in plan["files"] for c in w["changes"])
+    assert json.loads(cli("inspect", run["ckpt"], "--json").stdout)["counters"]["global_step"] == 2
+    recs = run["records"]
     assert [r["step"] for r in recs] == [3, 4, 5, 6]
     assert [r["optimizer_step"] for r in recs] == [5, 6, 7, 8]  # Adam's own count was not touched

@@ -173,7 +173,8 @@ def resume(sample: str, ckpt: Path, record: Path, steps: int) -> None:
 
 def main() -> None:
     args = parse_args()
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():  # the second run of a launch (for_each_run)
+        dist.init_process_group("gloo")
     if c.world_size() != DP:
         raise SystemExit(f"run with --nproc_per_node {DP}, not {c.world_size()}")
     if args.resume is not None:
@@ -183,5 +184,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    c.for_each_run(main)
     c.shutdown()

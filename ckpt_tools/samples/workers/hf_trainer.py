@@ -344,5 +344,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    c.for_each_run(main)
     c.shutdown()
