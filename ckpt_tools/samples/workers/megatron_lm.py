@@ -156,6 +156,7 @@ VARIANTS = {
     # not bundled (made by tests/test_megatron_moe.py): the Llama-style GPT (`LLAMA_FLAGS`) with MoE at EP 2, the
     # shape of Mixtral (RMSNorm, RoPE, SwiGLU experts, no biases, top-2 softmax routing) for `export --hf`
     "megatron_moe_mixtral_ep2_torch_dist": Variant(tp=1, ckpt_format="torch_dist", llama=True, ep=2),
+    "megatron_moe_mixtral_ep2_legacy": Variant(tp=1, ckpt_format="torch", llama=True, ep=2),
     # the same with a gated shared expert and softmax before top-k (`MOE_SHARED_FLAGS`): the shape of Qwen2-MoE
     "megatron_moe_qwen_ep2_torch_dist": Variant(tp=1, ckpt_format="torch_dist", llama=True, ep=2, shared_expert=True),
 }
