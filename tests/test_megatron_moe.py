@@ -854,12 +854,16 @@ TOKENS = [
 def hf_moe_runs(tmp_path_factory) -> Path:
     """The Llama-shaped MoE runs (EP 2 on 2 CPU ranks, Megatron's pretrain + save_checkpoint), each launch also
     running Megatron's forward of the model it saved (fp32 parameters holding the saved bf16 weights) on TOKENS:
-    `<name>.logits.pt` beside each run."""
+    `<name>.logits.pt` beside each run; and `<legacy>.loaded.pt`: Megatron's forward after its own load_checkpoint
+    of the legacy save (`--forward`)."""
     if not MEGATRON or importlib.util.find_spec("megatron") is None:
         pytest.skip("needs megatron-core 0.16.1 and MEGATRON_LM_DIR")
     out = tmp_path_factory.mktemp("moe_hf")
     for name in (MIXTRAL, MIXTRAL_LEGACY, QWEN):
         _worker(name, "--out", str(out), "--tokens", json.dumps(TOKENS), "--logits", str(out / f"{name}.logits.pt"))
+    # and Megatron's forward of one of them as its load_checkpoint reads it back (the legacy EP-rank folders)
+    loaded = ("--tokens", json.dumps(TOKENS), "--logits", str(out / f"{MIXTRAL_LEGACY}.loaded.pt"))
+    _worker(MIXTRAL_LEGACY, "--forward", str(out / MIXTRAL_LEGACY), *loaded)
     return out
 
 
@@ -929,6 +933,18 @@ def test_inspect_counts_the_shared_expert_and_legacy_reads_as_torch_dist(hf_moe_
     a, b = (ckpt_tools.open_checkpoint(hf_moe_runs / n) for n in (MIXTRAL_LEGACY, MIXTRAL))
     assert not a.warnings and not b.warnings
     _assert_read_the_same(a, b, 29)
+
+
+@needs_megatron
+def test_megatrons_forward_of_the_loaded_checkpoint_is_the_saved_models(hf_moe_runs):
+    """The reference logits come from the model Megatron has just saved; Megatron's load_checkpoint of the legacy
+    EP-rank folders, then its forward, gives them bit for bit: the reference is the checkpoint's forward."""
+    import torch
+
+    saved, loaded = (
+        torch.load(hf_moe_runs / f"{MIXTRAL_LEGACY}.{k}.pt", weights_only=True) for k in ("logits", "loaded")
+    )
+    assert torch.equal(saved, loaded)
 
 
 @pytest.mark.parametrize("name", [EP2, EP2_LEGACY])

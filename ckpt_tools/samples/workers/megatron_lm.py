@@ -38,8 +38,11 @@ checked with `--check` (Megatron's own load restores the 4 groups' LRs and the A
 is the same run saved in the legacy format (one folder per EP rank, `mp_rank_00_000`, `mp_rank_00_001`);
 `megatron_moe_ep2_distopt_torch_dist` / `_legacy` the same run with `--use-distributed-optimizer` (a ChainedOptimizer
 of two DistributedOptimizers; Megatron-core 0.16.1 cannot load those on CPU without Apex / TransformerEngine,
-KeyError 'step', so `--check` runs the plain-Adam ones). `--forward` runs
-Megatron's own forward of a saved TP sample (`logits_sample`). The manifest's `history` holds each `train_step`'s own
+KeyError 'step', so `--check` runs the plain-Adam ones). `megatron_moe_mixtral_ep2_*` /
+`megatron_moe_qwen_ep2_torch_dist` (made by the tests) are the Llama-style GPT with MoE at EP 2, the latter with a
+gated shared expert and softmax before top-k (`MOE_SHARED_FLAGS`): the shapes of Mixtral and Qwen2-MoE. `--forward`
+runs Megatron's own forward of a saved TP sample (`logits_sample`); `--out` with `--tokens` / `--logits` runs it on
+the model just saved, in the same launch (`_saved_model_logits`). The manifest's `history` holds each `train_step`'s own
 loss (Megatron's log line for iteration 2
 averages iterations 1 and 2).
 
