@@ -839,10 +839,11 @@ def test_export_hf_names_every_expert_by_global_id_and_misses_none():
 
 # --- export --hf of Llama-shaped MoE runs (Mixtral / Qwen2-MoE), proven by Megatron's own forward -------------------
 
-MIXTRAL, MIXTRAL_LEGACY, QWEN = (
+MIXTRAL, MIXTRAL_LEGACY, QWEN, MIXTRAL_TP2 = (
     "megatron_moe_mixtral_ep2_torch_dist",
     "megatron_moe_mixtral_ep2_legacy",
     "megatron_moe_qwen_ep2_torch_dist",
+    "megatron_moe_mixtral_tp2_legacy",
 )
 TOKENS = [
     [1, 5, 9, 13, 20, 33, 40, 2, 7, 11, 50, 63, 100, 126, 0, 64],
@@ -852,14 +853,15 @@ TOKENS = [
 
 @pytest.fixture(scope="module")
 def hf_moe_runs(tmp_path_factory) -> Path:
-    """The Llama-shaped MoE runs (EP 2 on 2 CPU ranks, Megatron's pretrain + save_checkpoint), each launch also
+    """The Llama-shaped MoE runs (EP 2, or TP 2 x EP 1, on 2 CPU ranks: Megatron's pretrain + save_checkpoint), each
+    launch also
     running Megatron's forward of the model it saved (fp32 parameters holding the saved bf16 weights) on TOKENS:
     `<name>.logits.pt` beside each run; and `<legacy>.loaded.pt`: Megatron's forward after its own load_checkpoint
     of the legacy save (`--forward`)."""
     if not MEGATRON or importlib.util.find_spec("megatron") is None:
         pytest.skip("needs megatron-core 0.16.1 and MEGATRON_LM_DIR")
     out = tmp_path_factory.mktemp("moe_hf")
-    for name in (MIXTRAL, MIXTRAL_LEGACY, QWEN):
+    for name in (MIXTRAL, MIXTRAL_LEGACY, QWEN, MIXTRAL_TP2):
         _worker(name, "--out", str(out), "--tokens", json.dumps(TOKENS), "--logits", str(out / f"{name}.logits.pt"))
     # and Megatron's forward of one of them as its load_checkpoint reads it back (the legacy EP-rank folders)
     loaded = ("--tokens", json.dumps(TOKENS), "--logits", str(out / f"{MIXTRAL_LEGACY}.loaded.pt"))
@@ -888,15 +890,22 @@ def _hf_logits(folder: Path, swap_experts: tuple[int, int] | None = None):
 @needs_megatron
 @pytest.mark.parametrize(
     "name, cls",
-    [(MIXTRAL, "MixtralForCausalLM"), (MIXTRAL_LEGACY, "MixtralForCausalLM"), (QWEN, "Qwen2MoeForCausalLM")],
+    [
+        (MIXTRAL, "MixtralForCausalLM"),
+        (MIXTRAL_LEGACY, "MixtralForCausalLM"),
+        (QWEN, "Qwen2MoeForCausalLM"),
+        (MIXTRAL_TP2, "MixtralForCausalLM"),
+    ],
 )
 def test_export_hf_moe_logits_equal_megatrons_forward(tmp_path, hf_moe_runs, name, cls):
     """`export --hf --source module` of a Llama-shaped MoE run at EP 2 (both formats: the legacy one from its two
-    EP-rank folders): transformers' Mixtral (routed experts) or Qwen2-MoE (the gated shared expert, pre-softmax
-    routing) loads it with no key missing and gives Megatron's own forward's logits within abs 1e-5 (both fp32 over
-    the same bf16 weights; measured 1.2e-7 on logits up to 0.84). The proof can fail: the same model with global
-    experts 1 and 2 (one of each EP rank) swapped in layer 0 is off by far more (measured 0.035). The default export
-    (the fp32 master) loads too, its logits within the bf16 rounding of the weights of those (measured 1.5e-3)."""
+    EP-rank folders), and at TP 2 x EP 1 (legacy, expert TP 2: each TP rank's slice of every expert's gate and up
+    merged per sub-parameter; `--sequence-parallel`): transformers' Mixtral (routed experts) or Qwen2-MoE (the gated
+    shared expert, pre-softmax routing) loads it with no key missing and gives Megatron's own forward's logits
+    within abs 1e-5 (both fp32 over the same bf16 weights; measured 1.2e-7 on logits up to 0.98). The proof can
+    fail: the same model with experts 1 and 2 (of different EP ranks at EP 2) swapped in layer 0 is off by far more
+    (measured 0.035). The default export (the fp32 master) loads too, the same tensors under the same names, each
+    the bf16 weight before rounding."""
     import torch
     from safetensors.torch import load_file
 
@@ -916,7 +925,10 @@ def test_export_hf_moe_logits_equal_megatrons_forward(tmp_path, hf_moe_runs, nam
 
     master = tmp_path / "hf_master"
     assert run_cli("export", run, master, "--hf").returncode == 0
-    assert torch.allclose(_hf_logits(master), reference, atol=0.01, rtol=0)
+    assert torch.isfinite(_hf_logits(master)).all()  # loads with no key missing
+    fp32 = load_file(master / "model.safetensors")
+    assert fp32.keys() == weights.keys() and {t.dtype for t in fp32.values()} == {torch.float32}
+    assert all(torch.equal(fp32[k].to(torch.bfloat16), weights[k].to(torch.bfloat16)) for k in weights)
 
 
 @needs_megatron
@@ -945,6 +957,29 @@ def test_megatrons_forward_of_the_loaded_checkpoint_is_the_saved_models(hf_moe_r
         torch.load(hf_moe_runs / f"{MIXTRAL_LEGACY}.{k}.pt", weights_only=True) for k in ("logits", "loaded")
     )
     assert torch.equal(saved, loaded)
+
+
+def test_legacy_ep2_at_tp2_folders_are_refused_by_name(tmp_path):
+    """Legacy EP 2 x TP 2 (`mp_rank_TT_EEE`: 4 folders, each expert split over expert TP inside its EP rank) is not
+    read yet (making one takes 4 Megatron ranks): a copy of the EP 2 legacy sample laid out so (each EP rank's folder
+    under both TP ranks, args at TP 2) is refused naming MoE, EP and TP by every command that opens it: exit 2, one
+    line, nothing written; never read as the TP-1 experts it partly looks like."""
+    run = _copy(tmp_path, EP2_LEGACY)
+    it = run / "iter_0000010"
+    for e in (0, 1):
+        shutil.copytree(it / f"mp_rank_00_00{e}", it / f"mp_rank_01_00{e}")
+    for f in it.glob("mp_rank_*/model_optim_rng.pt"):
+        _rewrite(f, lambda o: o["args"].state.update(tensor_model_parallel_size=2, data_parallel_size=1))
+    for cmd in (
+        ("inspect", run),
+        ("export", run, tmp_path / "m.safetensors"),
+        ("export", "--hf", run, tmp_path / "hf"),
+    ):
+        proc = run_cli(*cmd)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "Mixture-of-Experts checkpoint with expert parallelism (EP=2) at TP=2" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "m.safetensors").exists() and not (tmp_path / "hf").exists()
 
 
 @pytest.mark.parametrize("name", [EP2, EP2_LEGACY])

@@ -39,7 +39,8 @@ is the same run saved in the legacy format (one folder per EP rank, `mp_rank_00_
 `megatron_moe_ep2_distopt_torch_dist` / `_legacy` the same run with `--use-distributed-optimizer` (a ChainedOptimizer
 of two DistributedOptimizers; Megatron-core 0.16.1 cannot load those on CPU without Apex / TransformerEngine,
 KeyError 'step', so `--check` runs the plain-Adam ones). `megatron_moe_mixtral_ep2_*` /
-`megatron_moe_qwen_ep2_torch_dist` (made by the tests) are the Llama-style GPT with MoE at EP 2, the latter with a
+`megatron_moe_qwen_ep2_torch_dist` (made by the tests) are the Llama-style GPT with MoE at EP 2 (and
+`megatron_moe_mixtral_tp2_legacy` at TP 2 x EP 1, `MOE_TP_FLAGS`), the Qwen one with a
 gated shared expert and softmax before top-k (`MOE_SHARED_FLAGS`): the shapes of Mixtral and Qwen2-MoE. `--forward`
 runs Megatron's own forward of a saved TP sample (`logits_sample`); `--out` with `--tokens` / `--logits` runs it on
 the model just saved, in the same launch (`_saved_model_logits`). The manifest's `history` holds each `train_step`'s own
@@ -160,6 +161,8 @@ VARIANTS = {
     # shape of Mixtral (RMSNorm, RoPE, SwiGLU experts, no biases, top-2 softmax routing) for `export --hf`
     "megatron_moe_mixtral_ep2_torch_dist": Variant(tp=1, ckpt_format="torch_dist", llama=True, ep=2),
     "megatron_moe_mixtral_ep2_legacy": Variant(tp=1, ckpt_format="torch", llama=True, ep=2),
+    # Mixtral-shaped at TP 2 x EP 1 (expert TP 2: each TP rank holds its slice of every expert's gate and up)
+    "megatron_moe_mixtral_tp2_legacy": Variant(tp=2, ckpt_format="torch", llama=True, ep=1),
     # the same with a gated shared expert and softmax before top-k (`MOE_SHARED_FLAGS`): the shape of Qwen2-MoE
     "megatron_moe_qwen_ep2_torch_dist": Variant(tp=1, ckpt_format="torch_dist", llama=True, ep=2, shared_expert=True),
 }
