@@ -3,6 +3,8 @@ under torchrun every rank runs it and rank 0 alone prints)."""
 
 from __future__ import annotations
 
+import json
+
 import os
 from pathlib import Path
 from typing import List, Optional
@@ -195,6 +197,7 @@ def export_cmd(
         "kinds": doc["kinds"],
         "left_out": doc["left_out"],
         "weights_from": plan.weights_from,
+        **({"hf_architecture": _architecture(plan)} if plan.hf else {}),
         "verified": res.verified,
         **({"converted": res.converted, "resumed": res.resumed, "ranks": list(res.ranks)} if res.ranks else {}),
     }
@@ -207,12 +210,27 @@ def export_cmd(
             + escape(
                 f"{plan.out if plan.hf else ', '.join(files)}"
                 + (f" + {index}" if index and not plan.hf else "")
+                + (f" as {_architecture(plan)}" if plan.hf and _architecture(plan) else "")
                 + f"  ({output.plural(res.tensors, 'tensor')}: {kinds}; {res.bytes:,} bytes, {plan.weights_from})"
                 + (f"; verified {res.verified} tensors" if res.verified is not None else "")
             )
         )
         for line in output.job_lines(res.resumed, res.converted, res.ranks, "tensor"):
             output.console().print(escape(line))
+
+
+def _architecture(plan) -> str | None:
+    """The transformers class of an `--hf` export: from the config.json written from the checkpoint's own args (a
+    Megatron GPT: GPT-2, Llama, Mixtral or Qwen2-MoE), else from the one copied; None when neither names it."""
+    config = plan.config
+    if config is None:
+        copied = next((c for c in plan.copies if c.name == "config.json"), None)
+        try:
+            config = json.loads(copied.read_text()) if copied is not None else {}
+        except (OSError, ValueError):
+            config = {}
+    names = config.get("architectures") if isinstance(config, dict) else None
+    return names[0] if isinstance(names, list) and names and isinstance(names[0], str) else None
 
 
 def register(app: typer.Typer) -> None:

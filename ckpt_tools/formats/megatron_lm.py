@@ -738,6 +738,7 @@ def experts_note(model: dict[str, TensorNode], args: dict) -> str | None:
         m = _LOCAL_EXPERT.match(n)
         per_layer.setdefault(m[2], set()).add(int(m[3]))
     shared = [n for n in model if ".mlp.shared_experts." in n]
+    gated = " (sigmoid-gated)" if any(n.endswith(".shared_experts.gate_weight") for n in shared) else ""
     dense = [n for n in model if n not in set(routed) and n not in set(shared)]
     per = experts // ep if experts % ep == 0 else None
     ranks = "; ".join(f"EP rank {r}: {r * per}-{r * per + per - 1}" for r in range(ep)) if per and ep > 1 else "EP 1"
@@ -746,7 +747,11 @@ def experts_note(model: dict[str, TensorNode], args: dict) -> str | None:
         f"{'/'.join(map(str, counts)) or 0} of num_experts={experts} in each of {len(per_layer)} MoE layer(s), by "
         f"global id ({ranks}); routed experts {len(routed)} tensors, {sum(model[n].numel for n in routed):,} "
         f"elements"
-        + (f"; shared experts {len(shared)} tensors" if shared else "")
+        + (
+            f"; shared experts {len(shared)} tensors, {sum(model[n].numel for n in shared):,} elements{gated}"
+            if shared
+            else ""
+        )
         + f"; dense {len(dense)} tensors, {sum(model[n].numel for n in dense):,} elements"
     )
 

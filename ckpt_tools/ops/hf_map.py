@@ -136,8 +136,29 @@ _MEGATRON_ROLES = (
     (r"decoder\.layers\.(\d+)\.mlp\.linear_fc2\.(weight|bias)", "fc2"),
     (r"decoder\.final_layernorm\.(weight|bias)", "ln_f"),
     (r"output_layer\.weight", "output"),
+    # Mixture-of-Experts layers (SequentialMLP: every expert its own linears, under its global id in the view)
+    (r"decoder\.layers\.(\d+)\.mlp\.router\.(weight)", "router"),
+    (r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.(weight)", "expert_fc1"),
+    (r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.(weight)", "expert_fc2"),
+    (r"decoder\.layers\.(\d+)\.mlp\.shared_experts\.linear_fc1\.(weight)", "shared_fc1"),
+    (r"decoder\.layers\.(\d+)\.mlp\.shared_experts\.linear_fc2\.(weight)", "shared_fc2"),
+    (r"decoder\.layers\.(\d+)\.mlp\.shared_experts\.gate_(weight)", "shared_gate"),
 )
 _MEGATRON_COMPILED = tuple((re.compile(p + r"$"), role) for p, role in _MEGATRON_ROLES)
+
+#: MoE role -> (Mixtral name, Qwen2-MoE name) templates ({L}: layer, {E}: global expert id; fc1's [gate; up] halves
+#: as (gate, up) pairs)
+_MOE_NAMES = {
+    "router": ("block_sparse_moe.gate.weight", "mlp.gate.weight"),
+    "expert_fc1": (
+        ("block_sparse_moe.experts.{E}.w1.weight", "block_sparse_moe.experts.{E}.w3.weight"),
+        ("mlp.experts.{E}.gate_proj.weight", "mlp.experts.{E}.up_proj.weight"),
+    ),
+    "expert_fc2": ("block_sparse_moe.experts.{E}.w2.weight", "mlp.experts.{E}.down_proj.weight"),
+    "shared_fc1": (None, ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight")),
+    "shared_fc2": (None, "mlp.shared_expert.down_proj.weight"),
+    "shared_gate": (None, "mlp.shared_expert_gate.weight"),
+}
 
 #: role -> GPT-2 name template ({L}: layer, {k}: weight/bias) and whether it is a Linear weight (Conv1D: transposed)
 _GPT2 = {
@@ -200,7 +221,6 @@ def megatron_hf_config(args: Mapping[str, Any], where: str) -> dict[str, Any]:
     common = [
         (bool(arg("qk_layernorm")), "QK layer norm"),
         (bool(arg("multi_latent_attention")), "multi-latent attention"),
-        (bool(arg("num_experts")), "Mixture-of-Experts layers"),
         (bool(arg("squared_relu")), "squared ReLU"),
         (bool(arg("apply_residual_connection_post_layernorm")), "residuals after the layer norm"),
     ]
@@ -217,6 +237,7 @@ def megatron_hf_config(args: Mapping[str, Any], where: str) -> dict[str, Any]:
         ]
     else:
         bad = common + [
+            (bool(arg("num_experts")), "Mixture-of-Experts layers (the MoE classes are Llama-shaped)"),
             (bool(arg("openai_gelu")), "openai_gelu"),
             (bool(arg("untie_embeddings_and_output_weights")), "an untied output layer (GPT-2 ties it)"),
             (arg("add_bias_linear") is False, "linear layers without biases (GPT-2 has them)"),
@@ -234,39 +255,51 @@ def megatron_hf_config(args: Mapping[str, Any], where: str) -> dict[str, Any]:
         )
     eps = float(arg("norm_epsilon", "layernorm_epsilon") or 1e-5)
     special = {"bos_token_id": None, "eos_token_id": None}  # the tokenizer's ids are not in the checkpoint
+    if llama and arg("num_experts"):
+        return megatron_moe_config(args, _llama_config(args, arg, groups, head_dim, eps, special), where)
     if llama:
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": args["padded_vocab_size"],
-            "hidden_size": hidden,
-            "intermediate_size": arg("ffn_hidden_size") or 4 * hidden,
-            "num_hidden_layers": args["num_layers"],
-            "num_attention_heads": heads,
-            "num_key_value_heads": groups,
-            "head_dim": head_dim,
-            "hidden_act": "silu",
-            "max_position_embeddings": args["max_position_embeddings"],
-            "rms_norm_eps": eps,
-            "rope_theta": float(arg("rotary_base") or 10000),
-            **(
-                {
-                    "rope_scaling": {
-                        "rope_type": "llama3",
-                        "factor": float(arg("rope_scaling_factor") or 8.0),
-                        **LLAMA3_ROPE,
-                    }
+        return _llama_config(args, arg, groups, head_dim, eps, special)
+    return _gpt2_config(args, arg, eps, special)
+
+
+def _llama_config(args, arg, groups: int, head_dim: int, eps: float, special: dict) -> dict[str, Any]:
+    hidden, heads = args["hidden_size"], args["num_attention_heads"]
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": args["padded_vocab_size"],
+        "hidden_size": hidden,
+        "intermediate_size": arg("ffn_hidden_size") or 4 * hidden,
+        "num_hidden_layers": args["num_layers"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": groups,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": args["max_position_embeddings"],
+        "rms_norm_eps": eps,
+        "rope_theta": float(arg("rotary_base") or 10000),
+        **(
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": float(arg("rope_scaling_factor") or 8.0),
+                    **LLAMA3_ROPE,
                 }
-                if arg("use_rope_scaling")
-                else {}
-            ),
-            "attention_bias": False,
-            "mlp_bias": False,
-            "tie_word_embeddings": not arg("untie_embeddings_and_output_weights"),
-            "initializer_range": float(arg("init_method_std") or 0.02),
-            "use_cache": True,
-            **special,
-        }
+            }
+            if arg("use_rope_scaling")
+            else {}
+        ),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": not arg("untie_embeddings_and_output_weights"),
+        "initializer_range": float(arg("init_method_std") or 0.02),
+        "use_cache": True,
+        **special,
+    }
+
+
+def _gpt2_config(args, arg, eps: float, special: dict) -> dict[str, Any]:
+    hidden, heads = args["hidden_size"], args["num_attention_heads"]
     # megatron-core's MLP: with bias_gelu_fusion the fused bias-GeLU (tanh approximation), else F.gelu (erf)
     act = "gelu_new" if arg("bias_gelu_fusion", "bias_activation_fusion") else "gelu"
     return {
@@ -288,6 +321,89 @@ def megatron_hf_config(args: Mapping[str, Any], where: str) -> dict[str, Any]:
         "tie_word_embeddings": True,
         "use_cache": True,
         **special,
+    }
+
+
+#: Megatron's MoE settings whose forward neither Mixtral's nor Qwen2-MoE's block computes: (arg, is it set, the flag)
+_MOE_UNMAPPED = (
+    ("moe_router_score_function", lambda v: v not in (None, "softmax"), "--moe-router-score-function"),
+    (
+        "moe_router_load_balancing_type",
+        lambda v: "sinkhorn" in _as_list(v),
+        "--moe-router-load-balancing-type sinkhorn",
+    ),
+    ("moe_router_topk_scaling_factor", lambda v: v not in (None, 1, 1.0), "--moe-router-topk-scaling-factor"),
+    ("moe_router_num_groups", bool, "--moe-router-num-groups (group-limited routing)"),
+    ("moe_router_group_topk", bool, "--moe-router-group-topk"),
+    ("moe_router_topk_limited_devices", bool, "--moe-router-topk-limited-devices"),
+    ("moe_router_enable_expert_bias", bool, "--moe-router-enable-expert-bias"),
+    ("moe_router_force_load_balancing", bool, "--moe-router-force-load-balancing"),
+    ("moe_expert_capacity_factor", lambda v: v is not None, "--moe-expert-capacity-factor (token dropping)"),
+    ("moe_input_jitter_eps", lambda v: v is not None, "--moe-input-jitter-eps (applied at inference too)"),
+    ("moe_apply_probs_on_input", bool, "--moe-apply-probs-on-input"),
+    ("moe_latent_size", bool, "--moe-latent-size"),
+    (
+        "moe_layer_freq",
+        lambda v: any(x != 1 for x in _as_list(v)),
+        "dense layers between MoE layers (--moe-layer-freq)",
+    ),
+)
+
+
+def _as_list(v: Any) -> list[Any]:
+    return list(v) if isinstance(v, (list, tuple)) else [] if v is None else [v]
+
+
+def megatron_moe_config(args: Mapping[str, Any], llama: dict[str, Any], where: str) -> dict[str, Any]:
+    """The Hugging Face MoE config of a Llama-shaped Megatron MoE GPT (`llama`: its dense LlamaConfig): Mixtral
+    (MixtralForCausalLM) for routed experts only, Qwen2-MoE (Qwen2MoeForCausalLM) with a gated shared expert.
+
+    The routing is the same maths: Megatron's softmax router without `--moe-router-pre-softmax` takes the top-k
+    logits and softmaxes them, which equals Mixtral's (and Qwen2-MoE's `norm_topk_prob`) softmax over all experts
+    renormalised over the top k; with it the top-k of the softmax over all experts, unnormalised: Qwen2-MoE with
+    `norm_topk_prob` false (Mixtral has no such setting). Megatron's shared expert gate is
+    `sigmoid(x @ gate_weight.T) * shared_expert(x)`, Qwen2-MoE's `shared_expert_gate`. Anything else that changes
+    the forward (`_MOE_UNMAPPED`, a shared expert without a gate) is a CkptError naming the flag."""
+    named = [flag for key, hit, flag in _MOE_UNMAPPED if args.get(key) is not None and hit(args.get(key))]
+    shared = args.get("moe_shared_expert_intermediate_size")
+    pre_softmax = bool(args.get("moe_router_pre_softmax"))
+    if shared and not args.get("moe_shared_expert_gate"):
+        named.append("a shared expert without --moe-shared-expert-gate (Qwen2-MoE gates it by a sigmoid)")
+    if pre_softmax and not shared:
+        named.append("--moe-router-pre-softmax without a shared expert (Mixtral renormalises the top-k weights)")
+    if named:
+        raise CkptError(
+            f"--hf maps a Megatron MoE GPT to Mixtral or Qwen2-MoE; this one has {', '.join(named)}",
+            path=where,
+            hint="export without --hf (the merged weights, every expert under its global id, Megatron's names)",
+        )
+    experts, topk = int(args["num_experts"]), int(args.get("moe_router_topk") or 2)
+    ffn = int(args.get("moe_ffn_hidden_size") or llama["intermediate_size"])
+    base = {k: v for k, v in llama.items() if k not in ("architectures", "model_type", "attention_bias", "mlp_bias")}
+    if not shared:
+        return {
+            **base,
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "intermediate_size": ffn,
+            "num_local_experts": experts,
+            "num_experts_per_tok": topk,
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,
+        }
+    return {
+        **base,
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        "moe_intermediate_size": ffn,
+        "shared_expert_intermediate_size": int(shared),
+        "num_experts": experts,
+        "num_experts_per_tok": topk,
+        "norm_topk_prob": not pre_softmax,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "qkv_bias": False,
+        "use_sliding_window": False,
     }
 
 
@@ -313,7 +429,8 @@ def megatron_to_hf(
     naming a tensor the map does not cover or whose shape the config contradicts."""
     from ..read import qkv
 
-    llama = config["model_type"] == "llama"
+    moe = config["model_type"] in ("mixtral", "qwen2_moe")
+    llama = config["model_type"] == "llama" or moe
     if llama:
         hidden, heads, groups = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
         head_dim, layers, ffn = config["head_dim"], config["num_hidden_layers"], config["intermediate_size"]
@@ -323,6 +440,7 @@ def megatron_to_hf(
     q, k, v = qkv.row_index(heads * head_dim, groups * head_dim, groups)
     out: dict[str, list[Out]] = {}
     seen: set[int] = set()
+    moe_found: dict[str, set[tuple[int, ...]]] = {}  # MoE role -> the (layer[, expert]) it was found for
     for name, shape in shapes.items():
         shape = tuple(shape)
         hit = next(((m, role) for rx, role in _MEGATRON_COMPILED for m in [rx.match(name)] if m), None)
@@ -333,6 +451,14 @@ def megatron_to_hf(
                 hint="export without --hf (the names as saved)",
             )
         m, role = hit
+        if role in _MOE_NAMES or (moe and role in ("fc1", "fc2")):
+            if not moe or role in ("fc1", "fc2"):
+                what = "a dense MLP in a MoE model" if moe else "an MoE tensor in a dense model"
+                raise CkptError(f"{name}: {what}", path=where, hint="export without --hf")
+            seen.add(int(m[1]))
+            moe_found.setdefault(role, set()).add(tuple(int(x) for x in m.groups()[:-1]))
+            out[name] = _moe_entries(name, role, m.groups(), shape, config, where)
+            continue
         g = m.groups()
         layer, kind = (g[0], g[1]) if len(g) == 2 else (None, g[0] if g else "weight")
         if layer is not None:
@@ -377,4 +503,60 @@ def megatron_to_hf(
             path=where,
             hint="export without --hf",
         )
+    if moe:
+        _check_every_expert(moe_found, config, layers, where)
     return out
+
+
+def _moe_entries(name: str, role: str, groups: tuple, shape: tuple[int, ...], config, where: str) -> list[Out]:
+    """The Mixtral / Qwen2-MoE tensors of one Megatron MoE tensor (its shape checked against the config): the
+    router as the gate, an expert's (or the shared expert's) SwiGLU fc1 [gate; up] as two, fc2 as the down one."""
+    qwen = config["model_type"] == "qwen2_moe"
+    hidden = config["hidden_size"]
+    layer, expert = groups[0], groups[1] if len(groups) == 3 else None
+    n_experts = config["num_experts" if qwen else "num_local_experts"]
+    ffn = config["moe_intermediate_size" if qwen else "intermediate_size"]
+    shared = config.get("shared_expert_intermediate_size", 0)
+    want = {
+        "router": ((n_experts, hidden), "num_experts, hidden"),
+        "expert_fc1": ((2 * ffn, hidden), "2 x moe_ffn_hidden_size (SwiGLU gate; up), hidden"),
+        "expert_fc2": ((hidden, ffn), "hidden, moe_ffn_hidden_size"),
+        "shared_fc1": ((2 * shared, hidden), "2 x moe_shared_expert_intermediate_size, hidden"),
+        "shared_fc2": ((hidden, shared), "hidden, moe_shared_expert_intermediate_size"),
+        "shared_gate": ((1, hidden), "1, hidden"),
+    }[role]
+    _check(name, shape, *want, where)
+    template = _MOE_NAMES[role][1 if qwen else 0]
+    if template is None:
+        raise CkptError(f"{name}: Mixtral has no shared expert", path=where, hint="export without --hf")
+    if isinstance(template, str):
+        return [(f"model.layers.{layer}." + template.format(E=expert), None, shape)]
+    half = shape[0] // 2
+    return [
+        (f"model.layers.{layer}." + t.format(E=expert), _rows(list(idx)), (half, *shape[1:]))
+        for t, idx in zip(template, (range(half), range(half, 2 * half)), strict=True)
+    ]
+
+
+def _check_every_expert(found: dict[str, set[tuple[int, ...]]], config, layers: int, where: str) -> None:
+    """Every layer holds the router and every expert id 0 .. num_experts-1 (fc1 and fc2), and with Qwen2-MoE the
+    shared expert and its gate: an export without one of them would load with it left at random init."""
+    qwen = config["model_type"] == "qwen2_moe"
+    n = config["num_experts" if qwen else "num_local_experts"]
+    want = {
+        "router": {(L,) for L in range(layers)},
+        "expert_fc1": {(L, e) for L in range(layers) for e in range(n)},
+        "expert_fc2": {(L, e) for L in range(layers) for e in range(n)},
+    }
+    if qwen:
+        want.update({r: {(L,) for L in range(layers)} for r in ("shared_fc1", "shared_fc2", "shared_gate")})
+    for role, keys in want.items():
+        missing = sorted(keys - found.get(role, set()))
+        extra = sorted(found.get(role, set()) - keys)
+        if missing or extra:
+            raise CkptError(
+                f"MoE {role}: {len(missing)} (layer[, expert]) missing {missing[:4]}, {len(extra)} beyond the args "
+                f"{extra[:4]} (num_layers={layers}, num_experts={n})",
+                path=where,
+                hint="export without --hf",
+            )

@@ -38,8 +38,12 @@ checked with `--check` (Megatron's own load restores the 4 groups' LRs and the A
 is the same run saved in the legacy format (one folder per EP rank, `mp_rank_00_000`, `mp_rank_00_001`);
 `megatron_moe_ep2_distopt_torch_dist` / `_legacy` the same run with `--use-distributed-optimizer` (a ChainedOptimizer
 of two DistributedOptimizers; Megatron-core 0.16.1 cannot load those on CPU without Apex / TransformerEngine,
-KeyError 'step', so `--check` runs the plain-Adam ones). `--forward` runs
-Megatron's own forward of a saved TP sample (`logits_sample`). The manifest's `history` holds each `train_step`'s own
+KeyError 'step', so `--check` runs the plain-Adam ones). `megatron_moe_mixtral_ep2_*` /
+`megatron_moe_qwen_ep2_torch_dist` (made by the tests) are the Llama-style GPT with MoE at EP 2 (and
+`megatron_moe_mixtral_tp2_legacy` at TP 2 x EP 1, `MOE_TP_FLAGS`), the Qwen one with a
+gated shared expert and softmax before top-k (`MOE_SHARED_FLAGS`): the shapes of Mixtral and Qwen2-MoE. `--forward`
+runs Megatron's own forward of a saved TP sample (`logits_sample`); `--out` with `--tokens` / `--logits` runs it on
+the model just saved, in the same launch (`_saved_model_logits`). The manifest's `history` holds each `train_step`'s own
 loss (Megatron's log line for iteration 2
 averages iterations 1 and 2).
 
@@ -121,6 +125,7 @@ class Variant:
     vpp: int = 0  # virtual pipeline chunks per stage (0: none); the model then has pp * vpp layers, hidden 32
     llama: bool = False  # the Llama-style GPT: RoPE, RMSNorm, SwiGLU, untied output, 2 query groups, no biases
     ep: int = 0  # a Mixture-of-Experts GPT (`MOE_FLAGS`) at this expert-parallel size (0: a dense GPT)
+    shared_expert: bool = False  # MoE with a gated shared expert and softmax before top-k (`MOE_SHARED_FLAGS`)
 
 
 VARIANTS = {
@@ -152,6 +157,14 @@ VARIANTS = {
     # every expert; router and norms replicated), `MOE_TP_FLAGS`
     "megatron_moe_tp2_legacy": Variant(tp=2, ckpt_format="torch", ep=1),
     "megatron_moe_tp2_torch_dist": Variant(tp=2, ckpt_format="torch_dist", ep=1),
+    # not bundled (made by tests/test_megatron_moe.py): the Llama-style GPT (`LLAMA_FLAGS`) with MoE at EP 2, the
+    # shape of Mixtral (RMSNorm, RoPE, SwiGLU experts, no biases, top-2 softmax routing) for `export --hf`
+    "megatron_moe_mixtral_ep2_torch_dist": Variant(tp=1, ckpt_format="torch_dist", llama=True, ep=2),
+    "megatron_moe_mixtral_ep2_legacy": Variant(tp=1, ckpt_format="torch", llama=True, ep=2),
+    # Mixtral-shaped at TP 2 x EP 1 (expert TP 2: each TP rank holds its slice of every expert's gate and up)
+    "megatron_moe_mixtral_tp2_legacy": Variant(tp=2, ckpt_format="torch", llama=True, ep=1),
+    # the same with a gated shared expert and softmax before top-k (`MOE_SHARED_FLAGS`): the shape of Qwen2-MoE
+    "megatron_moe_qwen_ep2_torch_dist": Variant(tp=1, ckpt_format="torch_dist", llama=True, ep=2, shared_expert=True),
 }
 #: the Llama-style variant's architecture flags (what a Llama run passes to pretrain_gpt.py)
 LLAMA_FLAGS = [
@@ -182,6 +195,15 @@ MOE_FLAGS = [
     "64",
     "--moe-token-dispatcher-type",
     "allgather",
+]
+
+#: the shared-expert variant's flags: a shared expert (FFN 32) beside the routed ones, its output scaled by a
+#: sigmoid gate, and the router's softmax over all experts before top-k (probabilities not renormalised)
+MOE_SHARED_FLAGS = [
+    "--moe-shared-expert-intermediate-size",
+    "32",
+    "--moe-shared-expert-gate",
+    "--moe-router-pre-softmax",
 ]
 
 #: MoE at TP > 1: Megatron requires sequence parallelism there, and with it expert biases only at expert TP 1
@@ -328,6 +350,8 @@ def megatron_argv(v: Variant, *, save: Path | None, load: Path | None, work: Pat
         argv += [*MOE_FLAGS, "--expert-model-parallel-size", str(v.ep)]
         if v.tp > 1:
             argv += MOE_TP_FLAGS
+        if v.shared_expert:
+            argv += MOE_SHARED_FLAGS
     if save is not None:
         argv += ["--save", str(save), "--save-interval", str(ITERATIONS)]
     if load is not None:
@@ -654,6 +678,7 @@ class Recorder:
     def __init__(self) -> None:
         self.history: list[dict[str, Any]] = []
         self.saved: dict[str, Any] | None = None
+        self.model: list[Any] | None = None  # the live model chunks at the last save
 
     def install(self) -> None:
         import megatron.training.training as training
@@ -679,6 +704,7 @@ class Recorder:
         def recorded_save_checkpoint(iteration, model, optimizer, opt_param_scheduler, *a: Any, **k: Any):
             result = save_checkpoint(iteration, model, optimizer, opt_param_scheduler, *a, **k)
             self.saved = self.snapshot(iteration, model, optimizer, opt_param_scheduler)
+            self.model = model
             return result
 
         training.train_step = recorded_train_step
@@ -877,7 +903,38 @@ def make_sample(args: argparse.Namespace, work: Path) -> int:
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         write_manifest(ckpt, args.sample, v, per_rank, recorder.history)
+    if args.tokens is not None:
+        _saved_model_logits(recorder.model, args)
     return 0
+
+
+def _saved_model_logits(model: list[Any], args: argparse.Namespace) -> None:
+    """`--out` with `--tokens` / `--logits`: Megatron's forward of the model it has just saved (the same launch: no
+    second start for the reference logits). The GPTModel unwrapped (DDP, Float16Module) and cast to fp32: its bf16
+    weights, the ones the checkpoint's model holds, as fp32 parameters, as `logits_sample` runs a loaded one."""
+    from megatron.training.utils import unwrap_model
+
+    net = unwrap_model(model[0])
+    net.float()
+    _write_logits(net, args)
+
+
+def _write_logits(net: Any, args: argparse.Namespace) -> None:
+    """The GPTModel's forward (eval) on `--tokens` (JSON rows) with the causal mask `pretrain_gpt` uses, the
+    vocab-parallel logits gathered over TP (every EP rank runs the same batch: the token dispatcher's collectives
+    need all of them); rank 0 saves them (torch.save, [batch, seq, vocab], fp32) to `args.logits`."""
+    from megatron.core import tensor_parallel
+
+    net.eval()
+    tokens = torch.tensor(json.loads(args.tokens), dtype=torch.long)
+    b, s = tokens.shape
+    positions = torch.arange(s).unsqueeze(0).expand(b, s)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)  # True: masked
+    with torch.no_grad():
+        logits = net(tokens, positions, mask)
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+    if torch.distributed.get_rank() == 0:
+        torch.save(logits.float().clone(), args.logits)
 
 
 def check_sample(args: argparse.Namespace, work: Path) -> int:
@@ -932,8 +989,6 @@ def logits_sample(args: argparse.Namespace, work: Path) -> int:
     over the TP ranks; rank 0 saves them (torch.save, [batch, seq, vocab]) to `args.logits`. Pipeline parallelism is
     not run here (TP samples only). Without `--sample`, any run folder (a conversion's output): the command line is
     rebuilt from its own saved `args` (`relaunch_argv`, as `ckpt resume` does) at TP = the world size, PP 1."""
-    from megatron.core import tensor_parallel
-
     _, model_provider, model_type, _, embedding_ranks = _pretrain_entry()
     import megatron.training.training as training
 
@@ -966,17 +1021,7 @@ def logits_sample(args: argparse.Namespace, work: Path) -> int:
         args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, get_embedding_ranks=embedding_ranks
     )
     model, _, _ = training.setup_model_and_optimizer(model_provider, model_type)
-    net = model[0]
-    net.eval()
-    tokens = torch.tensor(json.loads(args.tokens), dtype=torch.long)
-    b, s = tokens.shape
-    positions = torch.arange(s).unsqueeze(0).expand(b, s)
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)  # True: masked
-    with torch.no_grad():
-        logits = net(tokens, positions, mask)
-        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
-    if torch.distributed.get_rank() == 0:
-        torch.save(logits.float().clone(), args.logits)
+    _write_logits(model[0], args)
     return 0
 
 
@@ -1162,8 +1207,10 @@ def main() -> None:
         type=Path,
         help="run Megatron's forward of this saved run folder (TP samples) on --tokens and save the logits to --logits",
     )
-    p.add_argument("--tokens", help="--forward: token ids, JSON rows")
-    p.add_argument("--logits", type=Path, help="--forward: where rank 0 saves the logits (torch.save)")
+    p.add_argument(
+        "--tokens", help="--forward (or --out: the saved model's forward, same launch): token ids, JSON rows"
+    )
+    p.add_argument("--logits", type=Path, help="with --tokens: where rank 0 saves the logits (torch.save)")
     p.add_argument("--steps", type=int, default=3, help="resume: iterations to train after loading (default 3)")
     p.add_argument("--record", type=Path, help="resume: rank 0 writes every rank's LR per iteration here (JSON)")
     p.add_argument(
@@ -1179,6 +1226,8 @@ def main() -> None:
         p.error("give exactly one of --out, --check, --resume or --forward")
     if args.sample is None and args.forward is None:
         p.error("--sample is required (but with --forward)")
+    if (args.tokens is None) != (args.logits is None) or (args.tokens and not (args.forward or args.out)):
+        p.error("--tokens and --logits go together, with --forward or --out")
     if args.num_layers:
         MODEL["num_layers"] = args.num_layers  # the same recipe, deeper: for benchmarks, not for samples
     from ckpt_tools.train.procgroup import join, leave
