@@ -19,6 +19,7 @@ from conftest import SAMPLES
 from hostile import pickles as H
 from hostile.runner import run
 from test_hostile_pickles import HASH_BOMBS
+from ckpt_tools.errors import CorruptCheckpoint
 from ckpt_tools.formats import dcp
 from ckpt_tools.read import native_dcp, pickle_reader as P
 
@@ -43,19 +44,20 @@ def _python_view(path: Path) -> native_dcp.Metadata:
         st = meta.state
         chunks = [(tuple(c.state["offsets"]), tuple(c.state["sizes"])) for c in st["chunks"]]
         sdm[key] = (dcp._props_dtype(st["properties"]), tuple(st["size"]), chunks)
-    storage = [
-        (
-            i.field("fqn"),
-            dcp._offsets(i.field("offset")),
-            s.field("relative_path"),
-            s.field("offset"),
-            s.field("length"),
-        )
-        for i, s in md.field("storage_data").items()
-    ]
+    where, files = {}, {}
+    for i, s in md.field("storage_data").items():
+        rel = s.field("relative_path")
+        files.setdefault(rel, i.field("fqn"))
+        where[(i.field("fqn"), dcp._offsets(i.field("offset")))] = (rel, s.field("offset"), s.field("length"))
+    try:
+        assert where == dcp._storage_index(md.field("storage_data"), path)
+    except CorruptCheckpoint as e:  # a bad file name: the same refusal from `files`
+        with pytest.raises(CorruptCheckpoint) as got:
+            dcp._check_files(files, path)
+        assert str(got.value) == str(e)
     planner = md.field("planner_data")
     return native_dcp.Metadata(
-        sdm, storage, planner if isinstance(planner, dict) else {}, md.field("version"), loaded.globals_seen
+        sdm, where, files, planner if isinstance(planner, dict) else {}, md.field("version"), loaded.globals_seen
     )
 
 

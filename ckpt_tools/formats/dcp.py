@@ -330,7 +330,8 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     if native is not None:
         cache._note_unknown(meta_path, pickle_reader.Loaded(None, "pickle", None, native.globals_seen))
         sdm, planner, version = native.state_dict_metadata, native.planner_data, native.version
-        where = _native_storage_index(native.storage_data, meta_path)
+        _check_files(native.files, meta_path)
+        where = native.where
         del native
     else:
         sdm, planner, where, version = _records(cache, meta_path)
@@ -543,19 +544,12 @@ def _storage_index(storage: dict, meta_path: Path) -> dict[tuple[str, tuple[int,
     return where
 
 
-def _native_storage_index(entries: list[tuple], meta_path: Path) -> dict:
-    """`_storage_index` of `native_dcp.Metadata.storage_data`: the same index, the same checks and messages."""
-    where: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
-    names: set[str] = set()
-    for fqn, offsets, rel, off, length in entries:
-        if rel not in names:
-            if Path(rel).name != rel or rel in ("", ".", ".."):
-                raise CorruptCheckpoint(
-                    f"bad storage entry for {fqn!r}", path=meta_path, hint="the metadata is corrupt"
-                )
-            names.add(rel)
-        where[(fqn, offsets)] = (rel, off, length)
-    return where
+def _check_files(files: dict[str, str], meta_path: Path) -> None:
+    """`_storage_index`'s check of the relative paths, on `native_dcp.Metadata.files`: the first entry naming a bad
+    one is the entry `_storage_index` refuses first, with the same message."""
+    for rel, fqn in files.items():
+        if Path(rel).name != rel or rel in ("", ".", ".."):
+            raise CorruptCheckpoint(f"bad storage entry for {fqn!r}", path=meta_path, hint="the metadata is corrupt")
 
 
 def _first_reads(root: Path, sdm: dict, where: dict) -> tuple[list, list]:

@@ -30,6 +30,7 @@ import platform
 import subprocess
 import threading
 from dataclasses import dataclass
+from itertools import islice
 
 from . import allowlist, native_walk, pickle_reader
 
@@ -322,6 +323,22 @@ static int emit_str(R *r, int64_t n) {
     return emit_span(r, r->nodes[n].a, r->nodes[n].b);
 }
 
+/* the chunk record `c` is all of a tensor of torch.Size `size`: offsets all 0, sizes equal to `size` */
+static int whole(R *r, int64_t size, int64_t c) {
+    int64_t s, off, sz;
+    if (size < 0 || r->nodes[size].kind != K_SIZE || !record(r, c, G_CHUNK, &s) || !plain_state(r, s)
+        || r->nodes[s].n != 2) return 0;
+    off = field(r, s, "offsets"); sz = field(r, s, "sizes");
+    if (off < 0 || sz < 0 || r->nodes[off].kind != K_SIZE || r->nodes[sz].kind != K_SIZE) return 0;
+    const node_t *t = &r->nodes[r->nodes[size].a], *o = &r->nodes[r->nodes[off].a], *z = &r->nodes[r->nodes[sz].a];
+    if (o->n != t->n || z->n != t->n) return 0;
+    for (int64_t q = 0; q < t->n; q++) {
+        if (r->nodes[r->kids[o->a + q]].a != 0) return 0;
+        if (r->nodes[r->kids[z->a + q]].a != r->nodes[r->kids[t->a + q]].a) return 0;
+    }
+    return 1;
+}
+
 static int64_t extract(R *r, int64_t root) {
     int64_t st, sdm, stor, plan, ver, s;
     if (!record(r, root, G_METADATA, &st) || !plain_state(r, st)) return -1;
@@ -346,8 +363,11 @@ static int64_t extract(R *r, int64_t root) {
         for (int64_t e = r->nodes[plan].n ? r->nodes[plan].a : -1; e >= 0; e = r->edges[e].next) {
             const node_t *t = &r->nodes[r->edges[e].v];
             if (emit_str(r, r->edges[e].k) || t->kind != K_TUPLE) return -1;
-            E(t->n);
-            for (int64_t q = 0; q < t->n; q++) {
+            int all_str = 1;  /* then 1 and the strings, else 0 and each item: 1 and a string, 2 and an int */
+            for (int64_t q = 0; q < t->n; q++) all_str &= r->nodes[r->kids[t->a + q]].kind == K_STR;
+            E(t->n); E(all_str);
+            for (int64_t q = 0; q < t->n && all_str; q++) if (emit_str(r, r->kids[t->a + q])) return -1;
+            for (int64_t q = 0; q < t->n && !all_str; q++) {
                 int64_t k = r->kids[t->a + q];
                 if (r->nodes[k].kind == K_STR) { E(1); if (emit_str(r, k)) return -1; }
                 else if (r->nodes[k].kind == K_INT) { E(2); E(r->nodes[k].a); }
@@ -368,9 +388,14 @@ static int64_t extract(R *r, int64_t root) {
         if (pt->kind != K_TUPLE || !pt->n) return -1;
         int64_t dt = r->kids[pt->a];
         if (r->nodes[dt].kind != K_GLOBAL || r->globs[r->nodes[dt].a].code != G_TORCH) return -1;
+        if (r->nodes[chunks].kind != K_LIST) return -1;
+        if (r->nodes[chunks].n == 1 && whole(r, size, r->edges[r->nodes[chunks].a].v)) {
+            E(3); E(r->nodes[dt].a);  /* 3: one chunk, at offsets 0, of the tensor's size */
+            if (emit_size(r, size)) return -1;
+            continue;
+        }
         E(1); E(r->nodes[dt].a);
         if (emit_size(r, size)) return -1;
-        if (r->nodes[chunks].kind != K_LIST) return -1;
         E(r->nodes[chunks].n);
         for (int64_t c = r->nodes[chunks].n ? r->nodes[chunks].a : -1; c >= 0; c = r->edges[c].next) {
             if (!record(r, r->edges[c].v, G_CHUNK, &s) || !plain_state(r, s) || r->nodes[s].n != 2) return -1;
@@ -482,12 +507,14 @@ class Metadata:
     """A DCP `.metadata` as the C reader gives it: what `formats.dcp.open` reads of the inert records.
 
     `state_dict_metadata`: key -> None (a bytes item) or (dtype name or None, size, [(offsets, sizes), ...]);
-    `storage_data`: [(fqn, chunk offsets or None, relative_path, offset, length), ...] in the file's order;
-    `planner_data`: key -> tuple of str / int; `version`: str or None; `globals_seen`: what the inert unpickler's
-    `Loaded.globals_seen` holds for the same file."""
+    `where`: (fqn, chunk offsets or None) -> (relative_path, offset, length), as `formats.dcp._storage_index` builds
+    it from `storage_data` (a later entry for the same key wins); `files`: each relative_path, in the order
+    `storage_data` first names it, -> the fqn of that entry; `planner_data`: key -> tuple of str / int; `version`:
+    str or None; `globals_seen`: what the inert unpickler's `Loaded.globals_seen` holds for the same file."""
 
     state_dict_metadata: dict[str, tuple | None]
-    storage_data: list[tuple]
+    where: dict[tuple, tuple]
+    files: dict[str, str]
     planner_data: dict[str, tuple]
     version: str | None
     globals_seen: frozenset[str]
@@ -543,8 +570,11 @@ def _decode(ints: list[int], strs: list[str]) -> Metadata | None:
     planner: dict[str, tuple] = {}
     if count >= 0:
         for _ in range(count):
-            key, n = text(), L[p]
-            p += 1
+            key, n, all_str = text(), L[p], L[p + 1]
+            p += 2
+            if all_str:
+                planner[key] = tuple(islice(left, n))
+                continue
             parts = []
             for _ in range(n):
                 if L[p] == 1:
@@ -560,9 +590,10 @@ def _decode(ints: list[int], strs: list[str]) -> Metadata | None:
     p += 1
     sdm: dict[str, tuple | None] = {}
     shapes: dict[tuple, tuple] = {}  # one tuple per distinct shape (a 16 x 8 model: every item's)
+    zeros: dict[int, tuple] = {}
     for _ in range(count):
-        key = text()
-        if L[p] == 2:
+        key, kind = text(), L[p]
+        if kind == 2:
             sdm[key] = None
             p += 1
             continue
@@ -570,6 +601,13 @@ def _decode(ints: list[int], strs: list[str]) -> Metadata | None:
         q = p + 3 + n
         size = tuple(L[p + 3 : q])
         size = shapes.setdefault(size, size)
+        if kind == 3:  # one chunk, all of the tensor
+            at = zeros.get(n)
+            if at is None:
+                at = zeros[n] = shapes.setdefault((0,) * n, (0,) * n)
+            sdm[key] = (dtypes[g], size, [(at, size)])
+            p = q
+            continue
         chunks = []
         q += 1
         for _ in range(L[q - 1]):
@@ -586,7 +624,8 @@ def _decode(ints: list[int], strs: list[str]) -> Metadata | None:
         return None
     count = L[p]
     p += 1
-    storage = []
+    where: dict[tuple, tuple] = {}
+    files: dict[str, str] = {}
     for _ in range(count):
         fqn, n = text(), L[p]
         if n < 0:
@@ -596,11 +635,14 @@ def _decode(ints: list[int], strs: list[str]) -> Metadata | None:
             offsets = tuple(L[p + 1 : p + 1 + n])
             offsets = shapes.setdefault(offsets, offsets)
             p += 1 + n
-        storage.append((fqn, offsets, text(), L[p], L[p + 1]))
+        rel = text()
+        if rel not in files:
+            files[rel] = fqn
+        where[(fqn, offsets)] = (rel, L[p], L[p + 1])
         p += 2
     if p != len(L) or next(left, None) is not None:
         return None
-    return Metadata(sdm, storage, planner, version, frozenset(seen))
+    return Metadata(sdm, where, files, planner, version, frozenset(seen))
 
 
 _NEWOBJ, _REDUCE = 1, 2
