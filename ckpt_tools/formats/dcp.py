@@ -705,7 +705,7 @@ def _native_tensor(
     """`_tensor` for an entry of `native_dcp`'s `.metadata` (dtype, size, [(offsets, sizes), ...]): the same node."""
     dtype, size, chunks = meta
     whole = chunks[0][0] if len(chunks) == 1 and chunks[0][1] == size else None
-    return _tensor_of(cache, root, key, size, dtype, chunks, whole, _chunk_pair, where, files, seen)
+    return _tensor_of(cache, root, key, size, dtype, chunks, whole, _chunk_pair, where, files, seen, size)
 
 
 def _chunk_pair(ch: tuple, key: str, root: Path) -> tuple:
@@ -724,10 +724,13 @@ def _tensor_of(
     where: dict,
     files: dict[str, _File],
     seen: dict[bytes, tuple] | None,
+    shape: tuple[int, ...] | None = None,
 ) -> TensorNode:
     """`_tensor` past its record: `size` as `.metadata` gives it, `metas` the chunk entries (`chunk_at` gives an
-    entry's (offsets, sizes)), `whole` the offsets of a single chunk whose sizes equal `size` (else None)."""
-    shape = tuple(map(int, size or ()))
+    entry's (offsets, sizes)), `whole` the offsets of a single chunk whose sizes equal `size` (else None), `shape`
+    the ints of `size` when the caller has them."""
+    if shape is None:
+        shape = tuple(map(int, size or ()))
     esize = DTYPE_SIZE.get(dtype)
     numel = math.prod(shape)
     shows = esize is None or numel <= SMALL_TENSOR_NUMEL  # `_shows_values`
