@@ -10,12 +10,14 @@ sizes); per `storage_data` entry its fqn, chunk offset, file, offset and length;
 global the stream names. Strings are (offset, length) into the pickle's bytes.
 
 Anything else — an opcode outside the few `pickle.dump` of a `Metadata` uses, a record class or field layout that is
-not exactly DCP's, a duplicate key, a mark or stack underflow, a memo key far out of range, more output than the
-file's size allows — answers "ask Python": `read()` returns None and the inert unpickler reads the file as before,
+not exactly DCP's, a duplicate key, a mark or stack underflow, a memo key far out of range, a bound below reached —
+answers "ask Python": `read()` returns None and the inert unpickler reads the file as before,
 with its own checks and messages. So the answer is the Python path's, or the same answer reached without it
 (tests/test_native_dcp.py compares both on every DCP / torch_dist sample and on hostile inputs). The pickle safety
 walk (`pickle_reader.check_expansion`: hash bombs, nesting) runs first either way; the C reader also bounds its own
-memory (nodes and edges at most one per opcode, memo keys below the file's size, output at most 8 ints per byte).
+memory: nodes and output ints at most one per two bytes of the pickle, string output at most two bytes per byte,
+memo keys below the file's size (about 18 bytes per byte of the pickle at most, however its records share one
+another).
 
 Compiled on first use with the system C compiler, cached and loaded as `native_walk` does; optional (CKPT_NATIVE=0,
 or no compiler: the Python path answers).
@@ -60,13 +62,15 @@ typedef struct {
     int32_t *memo; int64_t memocap, memocount;
     glob_t *globs; int64_t ng, gcap;
     int64_t *out; int64_t no, ocap, olimit;
-    char *sb; int64_t sn, scap2;
+    char *sb; int64_t sn, scap2, slimit;
+    int64_t nmax, k_none, k_true, k_false, k_empty;  /* the most nodes; the shared None, True, False and () */
 } R;
 
 #define GROW(ptr, n, cap, init) do { if ((n) >= (cap)) { int64_t c_ = (cap) ? (cap) * 2 : (init); \
     void *p_ = realloc((ptr), (size_t)c_ * sizeof *(ptr)); if (!p_) return -1; (ptr) = p_; (cap) = c_; } } while (0)
 
 static int64_t new_node(R *r, int kind, int64_t a, int64_t b) {
+    if (r->nn >= r->nmax) return -1;
     GROW(r->nodes, r->nn, r->ncap, 4096);
     node_t *x = &r->nodes[r->nn];
     if (b < 0 || b > INT32_MAX) return -1;
@@ -162,7 +166,7 @@ static int64_t interpret(R *r) {
         case 'h': NEED(1); if (push(r, memo_get(r, d[i]))) return -1; i += 1; break;
         case 'j': NEED(4); if (push(r, memo_get(r, rd32(d + i)))) return -1; i += 4; break;
         case 0x93: y = pop(r); x = pop(r); if (x < 0 || y < 0 || push(r, glob(r, x, y))) return -1; break;
-        case ')': if (push(r, new_node(r, K_TUPLE, r->nk, 0))) return -1; break;
+        case ')': if (push(r, r->k_empty)) return -1; break;
         case 0x85: case 0x86: case 0x87: case 't': {  /* TUPLE1-3, TUPLE */
             int64_t lo;
             if (op == 't') { if (!r->nm) return -1; lo = r->marks[--r->nm]; }
@@ -182,8 +186,8 @@ static int64_t interpret(R *r) {
         case '(': GROW(r->marks, r->nm, r->mcap, 256); r->marks[r->nm++] = r->sp; break;
         case '}': if (push(r, new_node(r, K_DICT, 0, 0))) return -1; break;
         case ']': if (push(r, new_node(r, K_LIST, 0, 0))) return -1; break;
-        case 'N': if (push(r, new_node(r, K_NONE, 0, 0))) return -1; break;
-        case 0x88: case 0x89: if (push(r, new_node(r, K_BOOL, op == 0x88, 0))) return -1; break;
+        case 'N': if (push(r, r->k_none)) return -1; break;
+        case 0x88: case 0x89: if (push(r, op == 0x88 ? r->k_true : r->k_false)) return -1; break;
         case 'K': NEED(1); if (push(r, new_node(r, K_INT, d[i], 0))) return -1; i += 1; break;
         case 'M': NEED(2); if (push(r, new_node(r, K_INT, d[i] | d[i + 1] << 8, 0))) return -1; i += 2; break;
         case 'J': NEED(4); if (push(r, new_node(r, K_INT, (int32_t)rd32(d + i), 0))) return -1; i += 4; break;
@@ -306,7 +310,7 @@ static int emit_size(R *r, int64_t n) {  /* a torch.Size: its length, its ints *
 /* a string: its bytes and a NUL into the string blob (none inside it: Python splits the blob at them) */
 static int emit_span(R *r, int64_t a, int64_t b) {
     if (b && memchr(r->d + a, 0, (size_t)b)) return -1;
-    if (r->sn + b + 1 > r->olimit) return -1;
+    if (r->sn + b + 1 > r->slimit) return -1;
     while (r->sn + b + 1 > r->scap2) {
         int64_t c = r->scap2 ? r->scap2 * 2 : 65536;
         char *p = realloc(r->sb, (size_t)c);
@@ -432,8 +436,14 @@ static void release(R *r) {
 int64_t *ckpt_dcp_read(const unsigned char *d, int64_t end, int64_t *n, char **strs, int64_t *ns) {
     R r;
     memset(&r, 0, sizeof r);
-    r.d = d; r.end = end; r.olimit = 8 * end + 1024;
-    int64_t root = interpret(&r), got = -1;
+    /* bounds, far above what dcp.save writes (~0.2 nodes, ~0.1 ints and ~0.5 string bytes per byte of .metadata):
+       memory at most ~12 + 4 + 2 bytes per byte of the pickle, however its records share one another */
+    r.d = d; r.end = end; r.nmax = end / 2 + 4096; r.olimit = end / 2 + 1024; r.slimit = 2 * end + 1024;
+    r.k_none = new_node(&r, K_NONE, 0, 0);
+    r.k_true = new_node(&r, K_BOOL, 1, 0);
+    r.k_false = new_node(&r, K_BOOL, 0, 0);
+    r.k_empty = new_node(&r, K_TUPLE, 0, 0);
+    int64_t root = r.k_empty < 0 ? -1 : interpret(&r), got = -1;
     if (root >= 0) got = extract(&r, root);
     release(&r);
     if (got < 0 || !r.sb) { free(r.out); free(r.sb); return NULL; }
