@@ -240,3 +240,25 @@ def test_off_with_ckpt_native_0(monkeypatch):
     monkeypatch.setenv("CKPT_NATIVE", "0")
     monkeypatch.setattr(native_dcp, "_loaded", [])
     assert native_dcp.read(METADATA[0]) is None
+
+
+def test_records_sharing_one_long_chunk_list_go_to_the_unpickler(tmp_path):
+    """2,000 tensors whose `.metadata` entries all reference one list of 2,000 chunks (a few KB, each chunk pickled
+    once): read out in full that is 4 million chunks. The C reader stops at its output bound (one int per two bytes
+    of the pickle) and hands the file to the unpickler, which answers as it does without the C reader."""
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    folder = _copy(tmp_path)
+    md = _metadata(folder)
+    key, meta = next((k, m) for k, m in md.state_dict_metadata.items() if hasattr(m, "size") and len(m.size) == 2)
+    shared = [ChunkStorageMetadata(offsets=torch.Size([i, 0]), sizes=torch.Size([1, 1])) for i in range(2000)]
+    sdm = dict(md.state_dict_metadata)
+    for i in range(2000):
+        sdm[f"{key}.copy{i}"] = dataclasses.replace(meta, chunks=shared)
+    raw = pickle.dumps(dataclasses.replace(md, state_dict_metadata=sdm))
+    assert len(raw) < 4 << 20
+    (folder / ".metadata").write_bytes(raw)
+    assert native_dcp.read(folder / ".metadata") is None
+    a, b = _both("inspect", folder, "--json", timeout=120)
+    _assert_alike(a, b)
