@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..read import pickle_reader, remote
+from ..read import native_dcp, pickle_reader, remote
 from ..errors import CorruptCheckpoint, MissingFile, UnsupportedCheckpoint
 from ..read.pickle_reader import DTYPE_SIZE, SMALL_TENSOR_NUMEL, DType, LazyTensorRef, TensorRef, is_opaque
 from ..read.qkv import find_fused
@@ -324,6 +324,22 @@ def _offsets(v: Any) -> tuple[int, ...] | None:
 def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     cache = C.LoadCache(path)
     meta_path = path / ".metadata"
+    # the C reader (`native_dcp`: no Python object per record) where it takes the file exactly; else the records
+    native = None if remote._MOUNTS else native_dcp.read(meta_path)
+    native_read = native is not None
+    if native is not None:
+        cache._note_unknown(meta_path, pickle_reader.Loaded(None, "pickle", None, native.globals_seen))
+        sdm, planner, version = native.state_dict_metadata, native.planner_data, native.version
+        _check_files(native.files, meta_path)
+        where = native.where
+        del native
+    else:
+        sdm, planner, where, version = _records(cache, meta_path)
+    return _open(cache, path, meta_path, sdm, planner, where, version, native=native_read)
+
+
+def _records(cache: C.LoadCache, meta_path: Path) -> tuple[dict, dict, dict, Any]:
+    """`.metadata` read by the inert unpickler: (state_dict_metadata, planner_data, the storage index, version)."""
     loaded = pickle_reader.load(meta_path)  # not kept in the cache: its records are dropped as they are used
     cache._note_unknown(meta_path, loaded)
     md = loaded.obj
@@ -344,7 +360,22 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     # (a 120k-item .metadata parses to ~300 MB of records; the tree is as big again)
     storage.clear()
     del storage
-    details = {"dcp_version": md.field("version"), "items": len(sdm)}
+    return sdm, planner, where, md.field("version")
+
+
+def _open(
+    cache: C.LoadCache,
+    path: Path,
+    meta_path: Path,
+    sdm: dict,
+    planner: dict,
+    where: dict,
+    version: Any,
+    *,
+    native: bool,
+) -> Checkpoint:
+    """The rest of `open`: `sdm` holds the inert records, or `native_dcp.Metadata`'s entries when `native`."""
+    details = {"dcp_version": version, "items": len(sdm)}
     used = sorted({rel for rel, _, _ in where.values()})
     sizes: dict[str, int] = {}
     for rel in used:
@@ -376,16 +407,21 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     for key in list(sdm):
         meta = sdm.pop(key)
         keys = logical_path(key, planner)
-        kind = kinds.get(type(meta))
-        if kind is None:
-            kind = kinds[type(meta)] = (
-                "tensor"
-                if is_opaque(meta, "TensorStorageMetadata")
-                else "bytes"
-                if is_opaque(meta, "BytesStorageMetadata")
-                else "other"
-            )
-        if kind == "tensor":
+        if native:  # an entry of `native_dcp.Metadata`: None is a bytes item
+            kind = "bytes" if meta is None else "native"
+        else:
+            kind = kinds.get(type(meta))
+            if kind is None:
+                kind = kinds[type(meta)] = (
+                    "tensor"
+                    if is_opaque(meta, "TensorStorageMetadata")
+                    else "bytes"
+                    if is_opaque(meta, "BytesStorageMetadata")
+                    else "other"
+                )
+        if kind == "native":
+            node = _native_tensor(cache, path, key, meta, where, files, seen)
+        elif kind == "tensor":
             node = _tensor(cache, path, key, meta, where, files, seen)
         elif kind == "bytes":
             node, obj = _value(cache, path, key, where, files)
@@ -409,7 +445,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         if keys in parents:  # a value where a group was: the groups under it are no longer in the tree
             parents = {p: d for p, d in parents.items() if p[: len(keys)] != keys}
         slot[keys[-1]] = node
-    del md, meta, sdm, planner, parents
+    del meta, sdm, planner, parents
 
     if loader:
         world = top.get("dataloader", {}).get("world_size") if isinstance(top.get("dataloader"), dict) else None
@@ -506,6 +542,14 @@ def _storage_index(storage: dict, meta_path: Path) -> dict[tuple[str, tuple[int,
         ist = idx.state if isinstance(idx.state, dict) else {}
         where[(ist.get("fqn"), _offsets(ist.get("offset")))] = (rel, off, length)
     return where
+
+
+def _check_files(files: dict[str, str], meta_path: Path) -> None:
+    """`_storage_index`'s check of the relative paths, on `native_dcp.Metadata.files`: the first entry naming a bad
+    one is the entry `_storage_index` refuses first, with the same message."""
+    for rel, fqn in files.items():
+        if Path(rel).name != rel or rel in ("", ".", ".."):
+            raise CorruptCheckpoint(f"bad storage entry for {fqn!r}", path=meta_path, hint="the metadata is corrupt")
 
 
 def _first_reads(root: Path, sdm: dict, where: dict) -> tuple[list, list]:
@@ -636,20 +680,67 @@ def _tensor(
     `LazyTensorRef` to its own bytes (read, and checked, when they are)."""
     st = meta.state if isinstance(meta.state, dict) else {}  # what Opaque.field reads
     size = st.get("size")
-    shape = tuple(map(int, size or ()))
+    metas = st.get("chunks") or []
+    whole = None
+    if len(metas) == 1 and type(metas[0]) is _ChunkType[0] and type(metas[0].state) is dict:
+        cst = metas[0].state
+        if cst.get("sizes") == size:  # sizes equal to the tensor's (before `int`): its shape
+            try:
+                whole = _offsets(cst.get("offsets"))
+            except (TypeError, ValueError):  # raised by the loop, where `_chunk_at` reads them
+                whole = None
     dtype = _props_dtype(st.get("properties"))
+    return _tensor_of(cache, root, key, size, dtype, metas, whole, _chunk_at, where, files, seen)
+
+
+def _native_tensor(
+    cache: C.LoadCache,
+    root: Path,
+    key: str,
+    meta: tuple,
+    where: dict,
+    files: dict[str, _File],
+    seen: dict[bytes, tuple] | None = None,
+) -> TensorNode:
+    """`_tensor` for an entry of `native_dcp`'s `.metadata` (dtype, size, [(offsets, sizes), ...]): the same node."""
+    dtype, size, chunks = meta
+    whole = chunks[0][0] if len(chunks) == 1 and chunks[0][1] == size else None
+    return _tensor_of(cache, root, key, size, dtype, chunks, whole, _chunk_pair, where, files, seen, size)
+
+
+def _chunk_pair(ch: tuple, key: str, root: Path) -> tuple:
+    return ch
+
+
+def _tensor_of(
+    cache: C.LoadCache,
+    root: Path,
+    key: str,
+    size: Any,
+    dtype: str | None,
+    metas: list,
+    whole: tuple[int, ...] | None,
+    chunk_at: Any,
+    where: dict,
+    files: dict[str, _File],
+    seen: dict[bytes, tuple] | None,
+    shape: tuple[int, ...] | None = None,
+) -> TensorNode:
+    """`_tensor` past its record: `size` as `.metadata` gives it, `metas` the chunk entries (`chunk_at` gives an
+    entry's (offsets, sizes)), `whole` the offsets of a single chunk whose sizes equal `size` (else None), `shape`
+    the ints of `size` when the caller has them."""
+    if shape is None:
+        shape = tuple(map(int, size or ()))
     esize = DTYPE_SIZE.get(dtype)
     numel = math.prod(shape)
     shows = esize is None or numel <= SMALL_TENSOR_NUMEL  # `_shows_values`
-    metas = st.get("chunks") or []
-    if len(metas) == 1 and not shows and type(metas[0]) is _ChunkType[0] and type(metas[0].state) is dict:
+    if whole is not None and not shows:
         # one chunk (most items): when it is the whole tensor, its node is the one the loop below makes, without the
-        # checks that hold by construction (its record is checked against .metadata when read). Sizes equal to the
-        # tensor's (before `int`) are its shape; anything else takes the loop
-        cst = metas[0].state
-        if cst.get("sizes") == size:
-            offsets = _offsets(cst.get("offsets"))
-            loc = where.get((key, offsets)) if offsets is not None and len(offsets) == len(shape) else None
+        # checks that hold by construction (its record is checked against .metadata when read); anything else
+        # takes the loop
+        offsets = whole
+        if len(offsets) == len(shape):
+            loc = where.get((key, offsets))
             if loc is not None and not any(offsets):
                 rel, off, length = loc
                 f = files[rel]
@@ -658,7 +749,7 @@ def _tensor(
                     return leaf_node(shape, dtype, rel, ref, numel, f.rank)
     chunks = []
     for ch in metas:
-        offsets, sizes = _chunk_at(ch, key, root)
+        offsets, sizes = chunk_at(ch, key, root)
         rel, off, length = _item(root, key, where, offsets, files)
         f = files[rel]
         numel = math.prod(sizes) if sizes is not None else 0

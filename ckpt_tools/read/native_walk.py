@@ -436,7 +436,10 @@ def _private(folder: Path) -> bool:
     return (not hasattr(os, "getuid") or st.st_uid == os.getuid()) and not st.st_mode & 0o022
 
 
-def _build(folder: Path, name: str) -> Path | None:
+def build(source: str, name: str) -> Path | None:
+    """The shared library compiled from the C `source`, cached as `name` in the per-user cache folder (built there
+    first when missing); None when that folder is not private to this user. Raises when the compiler fails."""
+    folder = _cache_dir()
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     if not _private(folder):
         return None
@@ -445,8 +448,8 @@ def _build(folder: Path, name: str) -> Path | None:
         return lib
     cc = os.environ.get("CC", "cc")
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        src = Path(tmp) / "walk.c"
-        src.write_text(SOURCE)
+        src = Path(tmp) / "src.c"
+        src.write_text(source)
         out = Path(tmp) / name
         subprocess.run(
             [cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(src)],
@@ -470,7 +473,7 @@ def walker(table: Sequence[int], max_w: int, max_shared: int, nesting: int) -> C
             fn = None
             try:
                 digest = hashlib.sha256(SOURCE.encode()).hexdigest()[:16]
-                lib = _build(_cache_dir(), f"walk-{digest}-{platform.machine()}.so")
+                lib = build(SOURCE, f"walk-{digest}-{platform.machine()}.so")
                 if lib is not None:
                     fn = ctypes.CDLL(str(lib)).ckpt_walk
                     fn.restype = ctypes.c_int64

@@ -775,6 +775,27 @@ class RecordedCall:
         return ret
 
 
+def resolve_global(module: str, name: str) -> Any:
+    """What the inert unpickler puts where a pickle names the global `module.name`: a safe function or class, a
+    `DType`, or the placeholder class (`opaque_class`); nothing is imported."""
+    hit = _SAFE_GLOBALS.get((module, name))
+    if hit is not None:
+        dotted = f"{module}.{name}"
+        return RecordedCall(dotted, hit) if dotted in _RECORDED_CALLS else hit
+    if module == "torch":
+        if name.endswith("Storage"):
+            return opaque_class(f"torch.{name}")  # used only as the storage type in persistent ids
+        canonical = _DTYPE_ALIASES.get(name, name)
+        if canonical in DTYPE_SIZE:
+            return DType(canonical)
+    if module == "torch.storage" and name in ("UntypedStorage", "TypedStorage", "_LegacyStorage"):
+        return opaque_class(f"torch.{name}")
+    cls = opaque_class(f"{module}.{name}")
+    if "pickle_global" not in cls.__dict__:
+        cls.pickle_global = (module, name)  # the dotted name alone does not say where the module ends
+    return cls
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, file, source: "Source | None", persistent: Callable[[tuple], Any] | None):
         super().__init__(file, encoding="latin1")
@@ -786,22 +807,7 @@ class _Unpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         self.globals_seen.add(allowlist.dotted(module, name))
-        hit = _SAFE_GLOBALS.get((module, name))
-        if hit is not None:
-            dotted = f"{module}.{name}"
-            return RecordedCall(dotted, hit) if dotted in _RECORDED_CALLS else hit
-        if module == "torch":
-            if name.endswith("Storage"):
-                return opaque_class(f"torch.{name}")  # used only as the storage type in persistent ids
-            canonical = _DTYPE_ALIASES.get(name, name)
-            if canonical in DTYPE_SIZE:
-                return DType(canonical)
-        if module == "torch.storage" and name in ("UntypedStorage", "TypedStorage", "_LegacyStorage"):
-            return opaque_class(f"torch.{name}")
-        cls = opaque_class(f"{module}.{name}")
-        if "pickle_global" not in cls.__dict__:
-            cls.pickle_global = (module, name)  # the dotted name alone does not say where the module ends
-        return cls
+        return resolve_global(module, name)
 
     def persistent_load(self, pid):
         if self._persistent is None:
