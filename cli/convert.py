@@ -159,19 +159,19 @@ def convert_cmd(
     cannot move (RNG states, a data-loader position, the DeepSpeed config). The output is written under a
     staging name, compared with the source by logical parameter (`ckpt diff`), then renamed into place."""
     try:
-        from ckpt_tools.ops.convert import JOB_TARGETS, refuse_job
+        from ckpt_tools.ops.convert import refuse_job, runs_as_job
 
         job = output.under_torchrun()
         many = nproc is not None or distributed or (job and int(os.environ.get("WORLD_SIZE", "1")) > 1)
         if many and not dry_run:
-            refuse_job(to)  # before any work: a target one process writes
+            refuse_job(to, ckpt_format)  # before any work: a target one process writes
         if nproc is not None and not job:
             code = output.launch_nproc(nproc)  # the job's rank 0 printed the result
             if code:
                 raise typer.Exit(code)
             return None
         # a rank of a torchrun job writes its share without --distributed
-        distributed = distributed or (job and to in JOB_TARGETS)
+        distributed = distributed or (job and runs_as_job(to, ckpt_format))
         return _convert(
             ckpt,
             out,

@@ -1052,12 +1052,32 @@ def _write_distrib_optim(buckets: dict[tuple[int, int, str, str], dict[str, Any]
         fds.close()
 
 
-def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> int:
+def legacy_rank_dirs(plan) -> list[tuple[str, int]]:
+    """The rank folders `_write_legacy` writes for `plan`, in its order: (`iter_N/mp_rank_TT[_PPP]`, the bytes of
+    the plan it counts for it). A torchrun job's units (`ops.convert`): each folder depends on the plan alone."""
+    from ..view import logical as L
+    from ..formats.megatron_lm import _dir_name
+
+    ck = L.open_any(plan.source)
+    saved, saved_pp = ck.topology.tp or 1, ck.topology.pp or 1
+    tp, pp = plan.tp or saved, plan.pp or saved_pp
+    iteration = int(_legacy_source(ck).common["iteration"])
+    n = pp * tp
+    return [
+        (f"iter_{iteration:07d}/{_dir_name(k % tp, k // tp, pp)}", plan.nbytes * (k + 1) // n - plan.nbytes * k // n)
+        for k in range(n)
+    ]
+
+
+def _write_legacy(
+    plan, root: Path, progress: Callable[[int], None] | None, only: list[int] | None = None, common: bool = True
+) -> int:
     """Write Megatron's legacy run folder for `plan` (to="megatron", ckpt_format="torch") into the empty folder
     `root`: one model_optim_rng.pt per (TP, PP) rank at `plan.tp`; returns the bytes written. Each tensor's bytes
     are read, split and written when the rank file's writer reaches them, so memory holds one whole tensor and its
     shard (plus the RNG state and the pickle); each rank reads the whole tensors it takes a shard of, so a stage is
-    read once per TP rank written (TP x the reads)."""
+    read once per TP rank written (TP x the reads). `only`: the rank folders (indices into `legacy_rank_dirs`) to
+    write, each by itself the same bytes (a torchrun job's share); `common`: the iteration file."""
     import collections
     import copy
 
@@ -1117,6 +1137,8 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
     for p in range(pp):
         chunks = [layout[(p, c)] for c in range(max(vpp, 1))]
         for t in range(tp):
+            if only is not None and p * tp + t not in only:
+                continue
             rec = _Records()
             a = copy.copy(common["args"])
             rank = t + tp * dp * p  # Megatron's default rank order (tp-cp-ep-dp-pp), data-parallel rank 0
@@ -1179,14 +1201,15 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
                 obj["rng_state"] = rec.tree(rng)
             obj["num_floating_point_operations_so_far"] = common.get("num_floating_point_operations_so_far")
             d = itdir / _dir_name(t, p, pp)
-            d.mkdir(parents=True)
+            d.mkdir(parents=True, exist_ok=only is not None)  # a job's rerun writes an unfinished folder over
             written += save(obj, d / "model_optim_rng.pt", rec.data)
             if distopt:
                 written += _write_distrib_optim(buckets, d / "distrib_optim.pt", t + tp * p)
             if progress:  # in the plan's units (the source's bytes): its share per rank file written
                 k, n = p * tp + t, pp * tp
                 progress(plan.nbytes * (k + 1) // n - plan.nbytes * k // n)
-    (root / LATEST).write_text(str(iteration))
+    if common:
+        (root / LATEST).write_text(str(iteration))
     return written
 
 
@@ -1230,4 +1253,4 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     return (_write_legacy if plan.ckpt_format == "torch" else _write_dist)(plan, root, progress)
 
 
-__all__ = ["check", "plan_lines", "write", "dist_key", "rank_files", "CKPT_FORMATS"]
+__all__ = ["check", "plan_lines", "write", "dist_key", "rank_files", "legacy_rank_dirs", "CKPT_FORMATS"]

@@ -349,6 +349,10 @@ class Journal:
             finally:
                 os.close(fd)
 
+    def spans(self, rel: str) -> list[tuple[str, int, int, int]]:
+        """The byte spans the record of `rel` names, each (file, offset, length, CRC-32) as it was journaled."""
+        return list(self._spans.get(rel, ()))
+
     def settled(self) -> tuple[set[str], set[str]]:
         """The files (from the staging root) that the records read when this journal was opened say were fsynced,
         and those that passed the output gate."""
