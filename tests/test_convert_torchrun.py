@@ -109,9 +109,12 @@ def test_one_process_rerun_with_restart_starts_over(tmp_path, reference):
 
 
 def test_targets_one_process_writes_are_refused_before_launching(tmp_path):
-    r = run_cli("convert", sample("deepspeed", "zero2_lambdalr"), tmp_path / "t.pt", "--to", "torch", "--nproc", "2")
+    r = run_cli(
+        "convert", sample("megatron_lm", "megatron_tp2_legacy"), tmp_path / "m", "--to", "megatron", "--nproc", "2"
+    )
     lines = [x for x in r.stderr.splitlines() if x.startswith("ckpt: error:")]
-    assert r.returncode == 2 and len(lines) == 1 and "--to torch is written by one process" in lines[0], r.stderr
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "--to megatron --ckpt-format torch_dist is written by one process" in lines[0], r.stderr
     assert "without torchrun" in r.stderr and list(tmp_path.iterdir()) == []
 
 
