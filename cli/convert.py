@@ -164,14 +164,14 @@ def convert_cmd(
         job = output.under_torchrun()
         many = nproc is not None or distributed or (job and int(os.environ.get("WORLD_SIZE", "1")) > 1)
         if many and not dry_run:
-            refuse_job(to, ckpt_format)  # before any work: a target one process writes
+            refuse_job(to)  # before any work: a target one process writes
         if nproc is not None and not job:
             code = output.launch_nproc(nproc)  # the job's rank 0 printed the result
             if code:
                 raise typer.Exit(code)
             return None
         # a rank of a torchrun job writes its share without --distributed
-        distributed = distributed or (job and runs_as_job(to, ckpt_format))
+        distributed = distributed or (job and runs_as_job(to))
         return _convert(
             ckpt,
             out,

@@ -1,8 +1,9 @@
-"""`ckpt convert --to torch` and `--to megatron --ckpt-format torch` as torchrun jobs on 127.0.0.1: the same bytes
-as one process (`--to torch`: one torch.save file, each rank writing its parameters' storages at the offsets torch
-gives them, rank 0 the records and headers around them; megatron: one legacy rank folder per unit), the per-rank
+"""`ckpt convert --to torch` and `--to megatron` (torch_dist and `--ckpt-format torch`) as torchrun jobs on
+127.0.0.1: the same bytes as one process (`--to torch`: one torch.save file, each rank writing its parameters'
+storages at the offsets torch gives them, rank 0 the records and headers around them; megatron legacy: one rank
+folder per unit; torch_dist: each parameter's DCP items at the offsets one process writes them at), the per-rank
 `--json` figures, and a rank killed with SIGKILL mid-way, then the rerun: the same bytes. No Megatron-LM is needed
-(only ckpt's writer runs)."""
+(only ckpt's writers run)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ CASES = {
         "m",
         ("--to", "megatron", "--ckpt-format", "torch"),
     ),
+    # torch_dist: a Megatron-LM legacy run with the distributed optimizer (its buffers' chunks are units), and a
+    # Megatron-DeepSpeed pipeline run at TP 2 x PP 2 (`ops.megatron_in`)
+    "megatron_distopt": (("megatron_lm", "megatron_dp2_distopt_legacy"), "m", ("--to", "megatron")),
+    "pipeline_megatron": (("megatron", "gpt_tp2_pp2"), "m", ("--to", "megatron")),
 }
 
 
@@ -97,7 +102,7 @@ def test_the_torch_file_layout_is_torch_saves(tmp_path):
     assert (tmp_path / "t.pt").read_bytes() == (tmp_path / "ref" / "t.pt").read_bytes()
 
 
-@pytest.mark.parametrize("key", ["zero2_torch", "megatron_legacy"])
+@pytest.mark.parametrize("key", ["zero2_torch", "megatron_legacy", "megatron_distopt", "pipeline_megatron"])
 def test_nproc_2_writes_the_bytes_of_one_process_with_each_ranks_figures(tmp_path, reference, key):
     r = run_cli("convert", *_args(key, tmp_path), "--nproc", "2", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -106,12 +111,12 @@ def test_nproc_2_writes_the_bytes_of_one_process_with_each_ranks_figures(tmp_pat
     ranks = doc["ranks"]
     assert [x["rank"] for x in ranks] == [0, 1] and all(x["params"] > 0 and x["bytes"] > 0 for x in ranks)
     assert doc["resumed"] == 0 and doc["verified"] is True and doc["bytes_written"] == sum(x["bytes"] for x in ranks)
-    if key == "zero2_torch":  # units are parameters: every parameter written and verified by exactly one rank
-        verified = [n for x in ranks for n in x["verified"]]
-        assert doc["converted"] == doc["params"] == sum(x["params"] for x in ranks) == len(set(verified))
-        assert len(verified) == doc["params"] and "wte.weight" in verified
-        assert sum(x["verified_bytes"] for x in ranks) == doc["bytes_written"]
-    else:  # units are the two rank folders
+    assert doc["converted"] == sum(x["params"] for x in ranks)  # units: parameters, rank folders, buffer chunks
+    verified = [n for x in ranks for n in x["verified"]]  # every parameter compared with the source by one rank
+    assert len(verified) == len(set(verified)) == doc["params"] and all(x["verified_bytes"] > 0 for x in ranks)
+    if key == "zero2_torch":  # a unit per parameter
+        assert doc["converted"] == doc["params"] and sum(x["verified_bytes"] for x in ranks) == doc["bytes_written"]
+    if key == "megatron_legacy":  # a unit per rank folder
         assert doc["converted"] == 2 and all(x["params"] == 1 for x in ranks)
     assert sorted(p.name for p in tmp_path.iterdir()) == [CASES[key][1]]  # no staging left
 
@@ -124,17 +129,20 @@ def test_two_nodes_torch_from_dcp_byte_identical(tmp_path, reference):
     assert len(loaded["model"]) == doc["params"] and loaded["optimizer"]["state"]
 
 
-def test_a_rank_killed_mid_way_then_the_rerun_gives_the_same_bytes(tmp_path, reference):
-    """Node 1's rank is killed (SIGKILL) after it journaled 2 parameters' storages: rank 0 names it in one line,
-    exit 2, nothing in place; the same command in one process writes only the rest, byte-identical."""
-    out = tmp_path / "t.pt"
+@pytest.mark.parametrize("key", ["zero2_torch", "megatron_distopt"])
+def test_a_rank_killed_mid_way_then_the_rerun_gives_the_same_bytes(tmp_path, reference, key):
+    """Node 1's rank is killed (SIGKILL) after it journaled 2 units (a parameter's storages in the torch file; a
+    parameter's or a buffer chunk's DCP items): rank 0 names it in one line, exit 2, nothing in place; the same
+    command in one process writes only the rest, byte-identical."""
+    name = CASES[key][1]
+    out = tmp_path / name
     env = {"CKPT_TEST_KILL_AFTER": "1:2", "CKPT_DIST_LOST_S": "4"}
-    done = _wait(_launch(2, 1, _args("zero2_torch", tmp_path), env=env, command=("convert",)))
-    _rank_1_lost(done, out, tmp_path / ".ckpt-staging-t.pt-job")
+    done = _wait(_launch(2, 1, _args(key, tmp_path), env=env, command=("convert",)))
+    _rank_1_lost(done, out, tmp_path / f".ckpt-staging-{name}-job")
 
-    r = run_cli("convert", *_args("zero2_torch", tmp_path), "--json")
+    r = run_cli("convert", *_args(key, tmp_path), "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout)
-    assert doc["resumed"] >= 2 and doc["converted"] + doc["resumed"] == doc["params"]
-    assert _digest(out) == reference("zero2_torch")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.pt"]
+    assert doc["resumed"] >= 2 and doc["converted"] + doc["resumed"] > 2 and len(doc["ranks"]) == 1
+    assert _digest(out) == reference(key)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]

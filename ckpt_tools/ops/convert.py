@@ -732,9 +732,7 @@ def _write_dcp_param(
 def _finish_dcp(plan: ConvertPlan, folder: Path, parts: list[dict]) -> int:
     """The values (`__0_0.distcp`) and `.metadata` from every parameter's part (JSON, in the plan's order), its
     save_id derived from the plan: the same bytes whatever wrote the parameters. Returns the values' bytes."""
-    import uuid
-
-    from ..write.dcp_write import DcpStreamWriter, flatten_paths, part_from_json, write_metadata
+    from ..write.dcp_write import DcpStreamWriter, flatten_paths, part_from_json, plan_save_id, write_metadata
 
     w = DcpStreamWriter(folder, checkpoint_id=str(plan.out), shards=1, unit=0)
     prefix, optim_values, rest = _dcp_values(plan)
@@ -748,8 +746,7 @@ def _finish_dcp(plan: ConvertPlan, folder: Path, parts: list[dict]) -> int:
         w.abort()
         raise
     values = w.finish()
-    save_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"{plan.out}#{plan_digest(plan)}"))
-    write_metadata(folder, [part_from_json(d) for d in parts] + [values], str(plan.out), save_id)
+    write_metadata(folder, [part_from_json(d) for d in parts] + [values], str(plan.out), plan_save_id(plan))
     return w.bytes_written
 
 
@@ -768,12 +765,9 @@ def _write_dcp(plan: ConvertPlan, folder: Path, progress: Callable[[int], None] 
 
 def plan_digest(plan: ConvertPlan) -> str:
     """What identifies a plan's output (a job's staging folder is resumed only by the same plan)."""
-    import hashlib
-    import json
+    from ..write.dcp_write import plan_digest as digest
 
-    return hashlib.sha256(
-        json.dumps([str(plan.source), plan.to_json()], sort_keys=True, default=str).encode()
-    ).hexdigest()
+    return digest(plan)
 
 
 def torch_training_dict(plan: ConvertPlan) -> dict[str, Any]:
@@ -1019,12 +1013,10 @@ def execute(
                 "--distributed needs torch.distributed: run it under torchrun",
                 hint="torchrun --nproc-per-node N --no-python ckpt convert CKPT OUT --to dcp",
             )
-        refuse_job(plan.to, plan.ckpt_format)
+        refuse_job(plan.to)
         return _execute_job(plan, shares.Job(dist.get_rank(), dist.get_world_size()), progress, verify, restart)
     _refuse_out(plan.source, plan.out)
-    if (
-        runs_as_job(plan.to, plan.ckpt_format) and shares.job_staging(plan.out).exists()
-    ):  # an interrupted job: resumed alone
+    if runs_as_job(plan.to) and shares.job_staging(plan.out).exists():  # an interrupted job: resumed alone
         return _execute_job(plan, shares.LocalJob(), progress, verify, restart)
     if plan.to in ("dcp", "deepspeed-universal", "megatron"):
         write = {"dcp": _write_dcp, "deepspeed-universal": _write_universal}.get(plan.to) or _megatron_writer(
@@ -1061,29 +1053,22 @@ def execute(
 
 
 #: the targets a torchrun job writes in shares (`_execute_job`): dcp and deepspeed-universal a folder (or files) per
-#: parameter, torch one file of which each rank writes its parameters' storages, megatron (`JOB_MEGATRON_FORMATS`)
-#: the legacy rank folders
-JOB_TARGETS = ("dcp", "deepspeed-universal", "torch", "megatron")
-#: the --ckpt-format of --to megatron a job writes; torch_dist (one DCP whose items' order spans the parameters) is
-#: written by one process
-JOB_MEGATRON_FORMATS = ("torch",)
+#: parameter, torch one file of which each rank writes its parameters' storages, megatron the legacy rank folders or
+#: (torch_dist) each parameter's items at the offsets one process gives them (`dcp_write.PlannedDcpWriter`)
+JOB_TARGETS = TARGETS
 
 
-def runs_as_job(to: str, ckpt_format: str | None = None) -> bool:
-    """Whether `--to to` (`--ckpt-format ckpt_format`; None: its default) is written in shares by a torchrun job."""
-    if to == "megatron":
-        return (ckpt_format or "torch_dist") in JOB_MEGATRON_FORMATS
+def runs_as_job(to: str) -> bool:
+    """Whether `--to to` is written in shares by a torchrun job."""
     return to in JOB_TARGETS
 
 
-def refuse_job(to: str, ckpt_format: str | None = None) -> None:
+def refuse_job(to: str) -> None:
     """A target that one process writes, asked of a torchrun job: refused before any work, saying what to run."""
-    if to in TARGETS and not runs_as_job(to, ckpt_format):  # an unknown target is the plan's to refuse
-        what = f"--to {to}" + (" --ckpt-format torch_dist" if to == "megatron" else "")
+    if to in TARGETS and not runs_as_job(to):  # an unknown target is the plan's to refuse
         raise CkptError(
-            f"{what} is written by one process, not shared between the ranks of a torchrun job",
-            hint=f"run `ckpt convert SRC OUT {what}` without torchrun (--to dcp, deepspeed-universal, torch and "
-            "megatron --ckpt-format torch run as a job)",
+            f"--to {to} is written by one process, not shared between the ranks of a torchrun job",
+            hint=f"run `ckpt convert SRC OUT --to {to}` without torchrun",
         )
 
 
@@ -1103,6 +1088,7 @@ def _execute_job(
 
     _refuse_out(plan.source, plan.out)
     place, targets, verified = None, None, None  # the output: the folder OUT (a file OUT for --to torch)
+    by_params = plan.to == "megatron"  # its units are no parameters: each rank verifies a share of the parameters
     params = list(range(len(plan.params)))  # the parameters the units hold (those rank 0 writes are the others)
     if plan.to == "dcp":
         units = [shares.Unit(f"param{i}", plan.params[i].nbytes, plan.params[i].name) for i in params]
@@ -1155,22 +1141,43 @@ def _execute_job(
         def finish(staging: Path, journal) -> None:
             megatron_write._write_legacy(plan, staging, None, only=[], common=True)
 
+    elif plan.to == "megatron":  # torch_dist: each parameter's items at the offsets one process writes them at
+        planned, tail = _megatron_writer(plan).plan_dist(plan, shares.job_staging(plan.out))
+        sizes = planned.units()
+        labels = list(sizes)
+        at = {f"param{i}": i for i in params}
+        units = [shares.Unit(u, sizes[u], plan.params[at[u]].name if u in at else "") for u in labels]
+        rel = planned.folder.name  # iter_NNNNNNN
+
+        def convert(todo: list[int], journal, counted: Callable[[int], None]) -> int:
+            def done(unit: str, spans: list[tuple[str, int, int]]) -> None:
+                journal.record(unit, spans=[(f"{rel}/{f}", o, n) for f, o, n in spans])
+                counted(plan.params[at[unit]].nbytes if unit in at else 0)
+
+            return planned.write_units([labels[k] for k in todo], done)
+
+        def finish(staging: Path, journal) -> None:
+            planned.write_rest()
+            tail(staging)
+
     else:
-        refuse_job(plan.to, plan.ckpt_format)
+        refuse_job(plan.to)
     held = {name_key(plan.params[i].name) for i in params}
 
     def check(staging: Path, share: list[int], first: bool) -> list[str]:
         """This rank's share of the logical comparison: the tensors of its share's parameters (units of parameters;
         else a share of the parameters balanced by bytes); rank 0 also those of the parameters no unit holds, and
         what `_not_carried` checks."""
-        if len(units) == len(params):
-            mine = {name_key(plan.params[params[k]].name) for k in share}
-        else:
-            split = shares.balanced_shares([p.nbytes for p in plan.params], job.world)[job.rank]
-            mine = {name_key(plan.params[i].name) for i in split}
+        if by_params:  # units of rank folders or of items in Megatron's order: a share of the parameters
+            share = shares.balanced_shares([p.nbytes for p in plan.params], job.world)[job.rank]
+        indices = share if by_params else [params[k] for k in share]
+        mine = {name_key(plan.params[i].name) for i in indices}
         root = staging / verified if verified else staging
         lines = verify_logical(plan, root, only=lambda n: n in mine or (first and n not in held))
-        return lines + (_not_carried(plan, root) if first else [])
+        lines += _not_carried(plan, root) if first else []
+        if by_params:
+            return lines, [plan.params[i].name for i in indices], sum(plan.params[i].nbytes for i in indices)
+        return lines
 
     fig, figs = shares.run_job(
         job,

@@ -271,9 +271,29 @@ def _dist_plan_lines(ck) -> tuple[list[str], list[str]]:
 def _write_dist(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     """Write the run folder for `plan` (a `ops.convert.ConvertPlan` with to="megatron") into the empty folder `root`
     (the staging folder `ops.convert.execute` renames into place); returns the bytes written."""
+    from .dcp_write import DcpStreamWriter
+
+    w, tail = _dist_items(plan, root, DcpStreamWriter, progress)
+    w.close()
+    return w.bytes_written + tail(root)
+
+
+def plan_dist(plan, root: Path):
+    """(a `dcp_write.PlannedDcpWriter` holding the items `_write_dist` writes, in its order, each parameter's
+    tensor chunks of unit `param<i>` (the plan's index), each chunk of a distributed optimizer's buffers a unit of
+    its own (`<bucket key>.<state>@<first element>`); what writes the rest of the run folder into `root`): a
+    torchrun job's plan."""
+    from .dcp_write import PlannedDcpWriter
+
+    return _dist_items(plan, root, PlannedDcpWriter, None)
+
+
+def _dist_items(plan, root: Path, writer, progress: Callable[[int], None] | None):
+    """The DCP items of the run folder, written (or planned) through `writer(folder, checkpoint_id, shards,
+    save_id)`; returns (the writer, not closed; tail(root) -> bytes: common.pt, metadata.json, the iteration)."""
     from ..view import logical as L
     from ..read import pickle_reader as pr
-    from .dcp_write import DcpStreamWriter
+    from .dcp_write import lazy_part, plan_save_id
 
     ck = L.open_any(plan.source)
     args = _args(ck)
@@ -285,21 +305,23 @@ def _write_dist(plan, root: Path, progress: Callable[[int], None] | None) -> int
     it = root / f"iter_{iteration:07d}"
     module = {t.name: t for t in L.model_tensors(ck, weights="module")}
     distopt = bool(args.get("use_distributed_optimizer"))
-    w = DcpStreamWriter(it, checkpoint_id=str(plan.out / it.name), shards=2)
+    w = writer(it, checkpoint_id=str(plan.out / it.name), shards=2, save_id=plan_save_id(plan))
     try:
-        for p in plan.params:
+        for i, p in enumerate(plan.params):
             if p.kind == "tied":
                 continue
             key, layer = dist_key(p.name, layers)
-            tensors = [(key, module[p.name].read())]
+            unit = f"param{i}"
+            tensors = [(key, module[p.name])]
             if p.states and not distopt:  # the distributed optimizer's state: its buffers, below
-                tensors.append((f"optimizer.state.fp32_param.{key}", p.weight.read()))
-                tensors += [(f"optimizer.state.{k}.{key}", t.read()) for k, t in sorted(p.states.items())]
+                tensors.append((f"optimizer.state.fp32_param.{key}", p.weight))
+                tensors += [(f"optimizer.state.{k}.{key}", t) for k, t in sorted(p.states.items())]
             for k, t in tensors:
+                part = lazy_part(t, unit=unit, layer=layer is not None)
                 if layer is None:
-                    w.tensor_part((k,), tuple(t.shape), (0,) * t.dim(), t)
+                    w.tensor_part((k,), tuple(t.shape), (0,) * len(t.shape), part)
                 else:
-                    w.tensor_part((k,), (layers, *t.shape), (layer,) + (0,) * t.dim(), t.unsqueeze(0))
+                    w.tensor_part((k,), (layers, *t.shape), (layer,) + (0,) * len(t.shape), part)
             if progress:
                 progress(p.nbytes)
         for rest in _extra_states(obj0):
@@ -315,11 +337,15 @@ def _write_dist(plan, root: Path, progress: Callable[[int], None] | None) -> int
     except BaseException:
         w.abort()
         raise
-    w.close()
-    _write_common(ranks[min(ranks)], obj0, plan, it / "common.pt")
-    (it / "metadata.json").write_text(json.dumps(DIST_META))
-    (root / LATEST).write_text(str(iteration))
-    return w.bytes_written + (it / "common.pt").stat().st_size
+
+    def tail(root: Path) -> int:
+        it = root / f"iter_{iteration:07d}"
+        _write_common(ranks[min(ranks)], obj0, plan, it / "common.pt")
+        (it / "metadata.json").write_text(json.dumps(DIST_META))
+        (root / LATEST).write_text(str(iteration))
+        return (it / "common.pt").stat().st_size
+
+    return w, tail
 
 
 #: elements read and written at a time from a distributed-optimizer buffer (4 MiB of fp32)
@@ -343,6 +369,7 @@ def _write_distopt_buffers(w, rank_file: Path, obj: dict, args: dict[str, Any], 
     import torch
 
     from ..read import pickle_reader as pr
+    from .dcp_write import LazyPart
 
     dist = pr.load(rank_file.parent / "distrib_optim.pt").obj
     if not isinstance(dist, dict) or dist.get("buckets_coalesced") is not True:
@@ -404,7 +431,13 @@ def _write_distopt_buffers(w, rank_file: Path, obj: dict, args: dict[str, Any], 
                             path=rank_file.parent,
                         )
                     for a, c in zip(cuts, cuts[1:]):
-                        w.tensor_part((f"{bucket}.{state}",), (nb,), (a,), ref.read_torch(start + a, c - a))
+                        part = LazyPart(
+                            (c - a,),
+                            getattr(torch, ref.dtype),
+                            lambda ref=ref, at=start + a, k=c - a: ref.read_torch(at, k),
+                            f"{bucket}.{state}@{a}",  # a job's unit: each chunk, balanced with the parameters
+                        )
+                        w.tensor_part((f"{bucket}.{state}",), (nb,), (a,), part)
                 start += nb
             dtypes = tuple(getattr(torch, repr(x).rsplit(".", 1)[-1]) for x in dkey)
             padded_g[dtypes], unpadded_g[dtypes] = padded_sizes, list(sizes)
@@ -1253,4 +1286,4 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     return (_write_legacy if plan.ckpt_format == "torch" else _write_dist)(plan, root, progress)
 
 
-__all__ = ["check", "plan_lines", "write", "dist_key", "rank_files", "legacy_rank_dirs", "CKPT_FORMATS"]
+__all__ = ["check", "plan_lines", "write", "plan_dist", "dist_key", "rank_files", "legacy_rank_dirs", "CKPT_FORMATS"]
