@@ -88,16 +88,16 @@ def convert_cmd(
     distributed: bool = typer.Option(
         False,
         "--distributed",
-        help="under torchrun (detected from its environment without this flag; --to dcp or "
-        "deepspeed-universal): each rank writes a share of the parameters (one shared filesystem); a rerun resumes",
+        help="under torchrun (detected from its environment without this flag; every --to): each rank writes a "
+        "share of the output balanced by bytes (one shared filesystem), the same bytes as one process; a rerun "
+        "resumes",
     ),
     nproc: Optional[int] = typer.Option(
         None,
         "--nproc",
         metavar="M",
         min=1,
-        help="run as M processes on this machine (--to dcp or deepspeed-universal; launches torchrun "
-        "--standalone itself)",
+        help="run as M processes on this machine (every --to; launches torchrun --standalone itself)",
     ),
     restart: bool = typer.Option(False, "--restart", help=output.RESTART_HELP),
     json_out: bool = typer.Option(False, "--json", help="machine-readable output"),

@@ -39,12 +39,15 @@ Targets (`--to`, `--layout`):
                       (GPTModelPipe, bf16 + ZeRO-1/2): torch_dist under Megatron-core names with built args, param
                       groups and schedule (`ckpt_tools.ops.megatron_in`; verified against the source under those names)
 
-A torchrun job (`execute(distributed=True)`, dcp and deepspeed-universal; `_execute_job` on `write/shares.run_job`,
-to-universal's job): every rank writes a share of the parameters balanced by bytes into a staging folder of a fixed
-name, each parameter journaled as it is finished; rank 0 writes the rest (DCP: the values and `.metadata`); every
-rank compares a share of the output with the source (`verify_logical(only=...)`); rank 0 renames. A DCP output
-holds one file per parameter (`dcp_unit_files`; not one per rank, as DCP's own save writes), so its bytes do not
-depend on how many processes wrote it; the same command resumes an interrupted job.
+A torchrun job (`execute(distributed=True)`, every target; `_execute_job` on `write/shares.run_job`, to-universal's
+job): every rank writes a share of the output's units balanced by bytes into a staging folder of a fixed name, each
+unit journaled as it is finished; rank 0 writes the rest; every rank compares a share of the output with the source
+(`verify_logical(only=...)`); rank 0 renames. The units are such that the bytes do not depend on how many processes
+wrote them: dcp a parameter's own files (`dcp_unit_files`; not one per rank, as DCP's own save writes), universal a
+parameter's folder, torch a parameter's storages at the offsets torch.save gives them in the one file
+(`torch_save_layout`, `_torch_job_parts`), megatron legacy a rank folder, megatron torch_dist a parameter's items
+(or a buffer chunk's) at the offsets one process writes them at (`dcp_write.PlannedDcpWriter`). The same command
+resumes an interrupted job.
 
 Order of use: `plan = plan_convert(src, out, to="dcp", layout="fsdp2")` (metadata only; every refusal raised
 here) -> `plan.to_json()` for --dry-run -> `execute(plan, progress=...)`: streams one tensor at a time into a
@@ -565,8 +568,9 @@ def plan_convert(
             )
     if to == "torch":
         notes.append(
-            "--to torch writes one torch.save file: the whole training state is held in memory while it "
-            "is written (small runs, tests); --to dcp streams one tensor at a time"
+            "--to torch writes one torch.save file: in one process the whole training state is held in memory "
+            "while it is written (small runs, tests; as a torchrun job, --nproc M, each process holds one tensor at "
+            "a time); --to dcp streams one tensor at a time"
         )
     if to == "deepspeed-universal" and len(groups) > 1:
         notes.append(

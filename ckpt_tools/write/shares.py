@@ -19,7 +19,7 @@ parameter whose files (spans) are all still there with those sizes and checksums
 against their CRC-32s.
 
 `run_job` is the job itself, the same for every command that writes one output this way (to-universal,
-`convert --to dcp | deepspeed-universal`, `export`): the command gives it its units (journal name, bytes), what
+`convert` to every target, `export`): the command gives it its units (journal name, bytes), what
 converts a share of them, what rank 0 finishes with, and (export's files in an existing folder) how rank 0 puts the
 output in place.
 """
