@@ -776,17 +776,11 @@ def plan_digest(plan: ConvertPlan) -> str:
 
 def torch_training_dict(plan: ConvertPlan) -> dict[str, Any]:
     """The {model, optimizer, scheduler, step} dict `--to torch` saves (every tensor read: small runs), each
-    tensor contiguous with a storage of its own (`_own`), so that `torch_save_layout` can plan its file."""
-    return _torch_dict(plan, lambda i, read, dtype, shape: _own(read()))
+    tensor contiguous with a storage of its own (`torch_zip.own_storage`), so that `torch_save_layout` can plan
+    its file."""
+    from ..write.torch_zip import own_storage
 
-
-def _own(t):
-    """`t` contiguous over a storage of exactly its bytes (a view's neighbours are never saved with it)."""
-    import torch
-
-    if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        t = t.clone(memory_format=torch.contiguous_format)
-    return t
+    return _torch_dict(plan, lambda i, read, dtype, shape: own_storage(read()))
 
 
 def _torch_dict(plan: ConvertPlan, leaf: Callable[[int, Callable[[], Any], str, tuple[int, ...]], Any]) -> dict:
@@ -866,7 +860,7 @@ def _torch_job_parts(plan: ConvertPlan):
 
     from ..view.logical import torch_dtype
     from ..write import shares
-    from ..write.torch_zip import start_writeback, write_frame
+    from ..write.torch_zip import own_storage, start_writeback, write_frame
 
     layout = torch_save_layout(plan)
     save, name = layout.save, plan.out.name
@@ -885,7 +879,7 @@ def _torch_job_parts(plan: ConvertPlan):
                 spans = []
                 for k in keys[i]:
                     _, read, dtype = layout.leaves[k]
-                    t = _own(read())
+                    t = own_storage(read())
                     if t.dtype != torch_dtype(dtype) or t.numel() * t.element_size() != save.sizes[k]:
                         raise CkptError(
                             f"{plan.params[i].name}: read as {t.dtype} {tuple(t.shape)}, planned as {dtype} of "

@@ -31,6 +31,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpoint, UnsupportedCheckpoint
 from .io import copy_range
+from .torch_zip import own_storage
 from ..formats.dcp import METADATA, DcpItems, Item
 from ..read.pickle_reader import TensorRef
 
@@ -282,7 +283,7 @@ class DcpStreamWriter:
 
         if isinstance(part, LazyPart):
             part = part.make()
-        part = own_part(part)
+        part = own_storage(part)
         self._chunk(path, size, offsets, tuple(part.shape), part.dtype, lambda fh: torch.save(part, fh), None)
 
     def _chunk(
@@ -400,15 +401,6 @@ def lazy_part(t: Any, dtype: Any = None, *, unit: Any = None, layer: bool = Fals
     return LazyPart(shape, want, make, unit)
 
 
-def own_part(t: Any) -> Any:
-    """`t` on the CPU, contiguous, over a storage of exactly its bytes (torch.save writes a tensor's whole storage:
-    never a view's neighbours)."""
-    t = t.detach().cpu().contiguous()
-    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        t = t.clone()
-    return t
-
-
 @dataclass(frozen=True)
 class PlannedItem:
     """Where one item of a `PlannedDcpWriter` goes: its file (from the writer's folder), offset and length; its
@@ -449,7 +441,7 @@ class PlannedDcpWriter(DcpStreamWriter):
 
     def tensor_part(self, path: tuple, size: tuple[int, ...], offsets: tuple[int, ...], part: Any) -> None:
         if not isinstance(part, LazyPart):
-            t = own_part(part)
+            t = own_storage(part)
             part = LazyPart(tuple(t.shape), t.dtype, lambda t=t: t)
         self._chunk(path, size, offsets, tuple(part.shape), part.dtype, None, part)
 
@@ -515,7 +507,7 @@ class PlannedDcpWriter(DcpStreamWriter):
             for unit in units:
                 spans = []
                 for it in by.get(unit, []):
-                    t = own_part(it.part.make())
+                    t = own_storage(it.part.make())
                     if t.dtype != it.part.dtype or tuple(t.shape) != tuple(it.part.shape):
                         raise ValueError(
                             f"a chunk of {unit}: read as {t.dtype} {tuple(t.shape)}, planned as {it.part.dtype} "
@@ -548,7 +540,7 @@ class PlannedDcpWriter(DcpStreamWriter):
                     import torch
 
                     buf = _io.BytesIO()
-                    torch.save(own_part(it.part.make()), buf)
+                    torch.save(own_storage(it.part.make()), buf)
                     blob = buf.getvalue()
                 else:
                     blob = it.blob

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence, Union
 
 from ..read import remote
-from ..errors import CorruptCheckpoint
+from ..errors import CkptError, CorruptCheckpoint
 from .io import copy_range
 from ..read.pickle_reader import StorageRef
 from ..read.tensor_read import FileRange
@@ -210,6 +210,15 @@ def _write_made(make: Callable[[], Any], key: str, nbytes: int, fd: int, at: int
     return _pwrite_all(fd, view, at)
 
 
+def own_storage(t: Any) -> Any:
+    """`t` on the CPU, contiguous, over a storage of exactly its bytes (torch.save writes a tensor's whole storage:
+    never a view's neighbours), so that where its bytes go in a file follows from its shape and dtype."""
+    t = t.detach().cpu().contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    return t
+
+
 def tensor_record(dtype: str, shape: Sequence[int], key: str = "0"):
     """A `TensorRef` for a new contiguous tensor of its own storage `key` (offset 0, not requiring grad):
     pickled, it is what torch.save writes for a plain CPU tensor."""
@@ -254,6 +263,13 @@ def plan_save(skeleton: Any, path: str | os.PathLike) -> SaveLayout:
 
     import torch
     import torch.serialization as S
+
+    if not hasattr(S, "skip_data"):
+        raise CkptError(
+            f"torch {torch.__version__} cannot plan a torch.save file without its bytes (torch.serialization."
+            "skip_data, torch >= 2.5): a torchrun job of --to torch / megatron needs it",
+            hint="run the command in one process (without torchrun / --nproc), or upgrade torch",
+        )
 
     class _Recorder:
         def __init__(self) -> None:
