@@ -88,16 +88,16 @@ def convert_cmd(
     distributed: bool = typer.Option(
         False,
         "--distributed",
-        help="under torchrun (detected from its environment without this flag; --to dcp or "
-        "deepspeed-universal): each rank writes a share of the parameters (one shared filesystem); a rerun resumes",
+        help="under torchrun (detected from its environment without this flag; every --to): each rank writes a "
+        "share of the output balanced by bytes (one shared filesystem), the same bytes as one process; a rerun "
+        "resumes",
     ),
     nproc: Optional[int] = typer.Option(
         None,
         "--nproc",
         metavar="M",
         min=1,
-        help="run as M processes on this machine (--to dcp or deepspeed-universal; launches torchrun "
-        "--standalone itself)",
+        help="run as M processes on this machine (every --to; launches torchrun --standalone itself)",
     ),
     restart: bool = typer.Option(False, "--restart", help=output.RESTART_HELP),
     json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
@@ -159,7 +159,7 @@ def convert_cmd(
     cannot move (RNG states, a data-loader position, the DeepSpeed config). The output is written under a
     staging name, compared with the source by logical parameter (`ckpt diff`), then renamed into place."""
     try:
-        from ckpt_tools.ops.convert import JOB_TARGETS, refuse_job
+        from ckpt_tools.ops.convert import refuse_job, runs_as_job
 
         job = output.under_torchrun()
         many = nproc is not None or distributed or (job and int(os.environ.get("WORLD_SIZE", "1")) > 1)
@@ -171,7 +171,7 @@ def convert_cmd(
                 raise typer.Exit(code)
             return None
         # a rank of a torchrun job writes its share without --distributed
-        distributed = distributed or (job and to in JOB_TARGETS)
+        distributed = distributed or (job and runs_as_job(to))
         return _convert(
             ckpt,
             out,

@@ -39,12 +39,15 @@ Targets (`--to`, `--layout`):
                       (GPTModelPipe, bf16 + ZeRO-1/2): torch_dist under Megatron-core names with built args, param
                       groups and schedule (`ckpt_tools.ops.megatron_in`; verified against the source under those names)
 
-A torchrun job (`execute(distributed=True)`, dcp and deepspeed-universal; `_execute_job` on `write/shares.run_job`,
-to-universal's job): every rank writes a share of the parameters balanced by bytes into a staging folder of a fixed
-name, each parameter journaled as it is finished; rank 0 writes the rest (DCP: the values and `.metadata`); every
-rank compares a share of the output with the source (`verify_logical(only=...)`); rank 0 renames. A DCP output
-holds one file per parameter (`dcp_unit_files`; not one per rank, as DCP's own save writes), so its bytes do not
-depend on how many processes wrote it; the same command resumes an interrupted job.
+A torchrun job (`execute(distributed=True)`, every target; `_execute_job` on `write/shares.run_job`, to-universal's
+job): every rank writes a share of the output's units balanced by bytes into a staging folder of a fixed name, each
+unit journaled as it is finished; rank 0 writes the rest; every rank compares a share of the output with the source
+(`verify_logical(only=...)`); rank 0 renames. The units are such that the bytes do not depend on how many processes
+wrote them: dcp a parameter's own files (`dcp_unit_files`; not one per rank, as DCP's own save writes), universal a
+parameter's folder, torch a parameter's storages at the offsets torch.save gives them in the one file
+(`torch_save_layout`, `_torch_job_parts`), megatron legacy a rank folder, megatron torch_dist a parameter's items
+(or a buffer chunk's) at the offsets one process writes them at (`dcp_write.PlannedDcpWriter`). The same command
+resumes an interrupted job.
 
 Order of use: `plan = plan_convert(src, out, to="dcp", layout="fsdp2")` (metadata only; every refusal raised
 here) -> `plan.to_json()` for --dry-run -> `execute(plan, progress=...)`: streams one tensor at a time into a
@@ -565,8 +568,9 @@ def plan_convert(
             )
     if to == "torch":
         notes.append(
-            "--to torch writes one torch.save file: the whole training state is held in memory while it "
-            "is written (small runs, tests); --to dcp streams one tensor at a time"
+            "--to torch writes one torch.save file: in one process the whole training state is held in memory "
+            "while it is written (small runs, tests; as a torchrun job, --nproc M, each process holds one tensor at "
+            "a time); --to dcp streams one tensor at a time"
         )
     if to == "deepspeed-universal" and len(groups) > 1:
         notes.append(
@@ -732,9 +736,7 @@ def _write_dcp_param(
 def _finish_dcp(plan: ConvertPlan, folder: Path, parts: list[dict]) -> int:
     """The values (`__0_0.distcp`) and `.metadata` from every parameter's part (JSON, in the plan's order), its
     save_id derived from the plan: the same bytes whatever wrote the parameters. Returns the values' bytes."""
-    import uuid
-
-    from ..write.dcp_write import DcpStreamWriter, flatten_paths, part_from_json, write_metadata
+    from ..write.dcp_write import DcpStreamWriter, flatten_paths, part_from_json, plan_save_id, write_metadata
 
     w = DcpStreamWriter(folder, checkpoint_id=str(plan.out), shards=1, unit=0)
     prefix, optim_values, rest = _dcp_values(plan)
@@ -748,8 +750,7 @@ def _finish_dcp(plan: ConvertPlan, folder: Path, parts: list[dict]) -> int:
         w.abort()
         raise
     values = w.finish()
-    save_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"{plan.out}#{plan_digest(plan)}"))
-    write_metadata(folder, [part_from_json(d) for d in parts] + [values], str(plan.out), save_id)
+    write_metadata(folder, [part_from_json(d) for d in parts] + [values], str(plan.out), plan_save_id(plan))
     return w.bytes_written
 
 
@@ -768,17 +769,24 @@ def _write_dcp(plan: ConvertPlan, folder: Path, progress: Callable[[int], None] 
 
 def plan_digest(plan: ConvertPlan) -> str:
     """What identifies a plan's output (a job's staging folder is resumed only by the same plan)."""
-    import hashlib
-    import json
+    from ..write.dcp_write import plan_digest as digest
 
-    return hashlib.sha256(
-        json.dumps([str(plan.source), plan.to_json()], sort_keys=True, default=str).encode()
-    ).hexdigest()
+    return digest(plan)
 
 
 def torch_training_dict(plan: ConvertPlan) -> dict[str, Any]:
-    """The {model, optimizer, scheduler, step} dict `--to torch` saves (every tensor read: small runs)."""
-    model = {p.name: p.weight.read() for p in plan.params}
+    """The {model, optimizer, scheduler, step} dict `--to torch` saves (every tensor read: small runs), each
+    tensor contiguous with a storage of its own (`torch_zip.own_storage`), so that `torch_save_layout` can plan
+    its file."""
+    from ..write.torch_zip import own_storage
+
+    return _torch_dict(plan, lambda i, read, dtype, shape: own_storage(read()))
+
+
+def _torch_dict(plan: ConvertPlan, leaf: Callable[[int, Callable[[], Any], str, tuple[int, ...]], Any]) -> dict:
+    """`torch_training_dict`'s structure with `leaf(i, read, dtype, shape)` at each tensor: parameter `i`'s tensor
+    that `read()` gives, of that dtype and shape. Called in the order torch.save's pickler meets the tensors."""
+    model = {p.name: leaf(i, p.weight.read, p.weight.dtype, tuple(p.shape)) for i, p in enumerate(plan.params)}
     index: dict[str, int] = {}
     groups = []
     for g in plan.groups:
@@ -790,14 +798,14 @@ def torch_training_dict(plan: ConvertPlan) -> dict[str, Any]:
             {**{k: v for k, v in g.items() if k != "params"}, "params": ids, "param_names": list(g["params"])}
         )
     state: dict[int, dict[str, Any]] = {}
-    by_name = {p.name: p for p in plan.params}
+    at = {p.name: i for i, p in enumerate(plan.params)}
     for n, i in index.items():
-        p = by_name[n]
+        p = plan.params[at[n]]
         entry: dict[str, Any] = {}
         if p.step is not None:
-            entry["step"] = _step_tensor(p.step)
+            entry["step"] = leaf(at[n], lambda p=p: _step_tensor(p.step), "float32", ())
         for k, t in p.states.items():
-            entry[k] = t.read()
+            entry[k] = leaf(at[n], t.read, t.dtype, tuple(t.shape))
         if entry:
             state[i] = entry
     out: dict[str, Any] = {"model": model, "optimizer": {"state": state, "param_groups": groups}}
@@ -806,6 +814,105 @@ def torch_training_dict(plan: ConvertPlan) -> dict[str, Any]:
     if plan.step is not None:
         out["step"] = plan.step
     return out
+
+
+@dataclass(frozen=True)
+class TorchLayout:
+    """Where the `--to torch` file's storages lie (`torch_zip.SaveLayout`) and what fills each: (parameter index,
+    read, dtype) per storage key, in key order."""
+
+    save: Any  # torch_zip.SaveLayout
+    leaves: tuple[tuple[int, Callable[[], Any], str], ...]
+
+
+def torch_save_layout(plan: ConvertPlan) -> TorchLayout:
+    """The layout of `torch.save(torch_training_dict(plan), OUT)`, planned without reading a tensor: the same dict
+    with every tensor `torch.empty` (address space, no page touched) through torch's own pickler
+    (`torch_zip.plan_save`). Every process of a job plans the same."""
+    import torch
+
+    from ..view.logical import torch_dtype
+    from ..write.torch_zip import plan_save
+
+    leaves: list[tuple[int, Callable[[], Any], str]] = []
+
+    def leaf(i: int, read: Callable[[], Any], dtype: str, shape: tuple[int, ...]):
+        leaves.append((i, read, dtype))
+        return torch.empty(shape, dtype=torch_dtype(dtype))
+
+    save = plan_save(_torch_dict(plan, leaf), plan.out.resolve())
+    if len(save.sizes) != len(leaves):  # a tensor outside the model and optimizer state (in the scheduler?)
+        raise UnsupportedCheckpoint(
+            f"--to torch as a job: the training dict holds {len(save.sizes)} tensors, {len(leaves)} planned",
+            path=plan.source,
+            hint=f"run `ckpt convert {plan.source} {plan.out} --to torch` in one process",
+        )
+    return TorchLayout(save, tuple(leaves))
+
+
+def _torch_job_parts(plan: ConvertPlan):
+    """`--to torch` in a job: (units, convert, finish, the file verified) for `shares.run_job`. A unit is one
+    parameter: the storages of its weight and optimizer state, written by the rank that has it at the offsets
+    torch.save gives them in the staging file (`torch_save_layout`; holes until every share is in) and journaled
+    as spans with their CRC-32s; rank 0 then writes the records, headers and central directory around them
+    (`torch_zip.write_frame`): the bytes of the one-process `torch.save`."""
+    import torch
+
+    from ..view.logical import torch_dtype
+    from ..write import shares
+    from ..write.torch_zip import own_storage, start_writeback, write_frame
+
+    layout = torch_save_layout(plan)
+    save, name = layout.save, plan.out.name
+    keys: list[list[int]] = [[] for _ in plan.params]
+    for key, (i, _, _) in enumerate(layout.leaves):
+        keys[i].append(key)
+    units = [shares.Unit(f"param{i}", sum(save.sizes[k] for k in keys[i]), p.name) for i, p in enumerate(plan.params)]
+
+    def convert(todo: list[int], journal, counted: Callable[[int], None]) -> int:
+        n = 0
+        fd = os.open(journal.root / name, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            if os.fstat(fd).st_size < save.size:  # only grows: the other ranks' bytes stay
+                os.ftruncate(fd, save.size)
+            for i in todo:
+                spans = []
+                for k in keys[i]:
+                    _, read, dtype = layout.leaves[k]
+                    t = own_storage(read())
+                    if t.dtype != torch_dtype(dtype) or t.numel() * t.element_size() != save.sizes[k]:
+                        raise CkptError(
+                            f"{plan.params[i].name}: read as {t.dtype} {tuple(t.shape)}, planned as {dtype} of "
+                            f"{save.sizes[k]} bytes",
+                            path=plan.source,
+                        )
+                    view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                    done = 0
+                    while done < view.nbytes:
+                        done += os.pwrite(fd, view[done:], save.offsets[k] + done)
+                    spans.append((name, save.offsets[k], save.sizes[k]))
+                    n += save.sizes[k]
+                start_writeback(fd)
+                journal.record(units[i].rel, spans=spans)
+                counted(plan.params[i].nbytes)
+            os.fsync(fd)
+            journal.fsynced += 1
+        finally:
+            os.close(fd)
+        return n
+
+    def finish(staging: Path, journal) -> None:
+        crcs = [0] * len(save.sizes)
+        for i, unit in enumerate(units):
+            for k, (_, _, _, crc) in zip(keys[i], journal.spans(unit.rel)):
+                crcs[k] = crc
+        fd = os.open(staging / name, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.ftruncate(fd, write_frame(fd, save, crcs))
+        finally:
+            os.close(fd)
+
+    return units, convert, finish, name
 
 
 @dataclass(frozen=True)
@@ -907,7 +1014,7 @@ def execute(
         refuse_job(plan.to)
         return _execute_job(plan, shares.Job(dist.get_rank(), dist.get_world_size()), progress, verify, restart)
     _refuse_out(plan.source, plan.out)
-    if plan.to in JOB_TARGETS and shares.job_staging(plan.out).exists():  # an interrupted job: resumed alone
+    if runs_as_job(plan.to) and shares.job_staging(plan.out).exists():  # an interrupted job: resumed alone
         return _execute_job(plan, shares.LocalJob(), progress, verify, restart)
     if plan.to in ("dcp", "deepspeed-universal", "megatron"):
         write = {"dcp": _write_dcp, "deepspeed-universal": _write_universal}.get(plan.to) or _megatron_writer(
@@ -943,71 +1050,132 @@ def execute(
     raise UnsupportedCheckpoint(f"--to {plan.to} is not implemented", path=plan.source)
 
 
-#: the targets a torchrun job writes in shares (one piece per parameter); `torch` is one file, `megatron` is
-#: written by one process
-JOB_TARGETS = ("dcp", "deepspeed-universal")
+#: the targets a torchrun job writes in shares (`_execute_job`): dcp and deepspeed-universal a folder (or files) per
+#: parameter, torch one file of which each rank writes its parameters' storages, megatron the legacy rank folders or
+#: (torch_dist) each parameter's items at the offsets one process gives them (`dcp_write.PlannedDcpWriter`)
+JOB_TARGETS = TARGETS
+
+
+def runs_as_job(to: str) -> bool:
+    """Whether `--to to` is written in shares by a torchrun job."""
+    return to in JOB_TARGETS
 
 
 def refuse_job(to: str) -> None:
     """A target that one process writes, asked of a torchrun job: refused before any work, saying what to run."""
-    if to in TARGETS and to not in JOB_TARGETS:  # an unknown target is the plan's to refuse
+    if to in TARGETS and not runs_as_job(to):  # an unknown target is the plan's to refuse
         raise CkptError(
             f"--to {to} is written by one process, not shared between the ranks of a torchrun job",
-            hint=f"run `ckpt convert SRC OUT --to {to}` without torchrun (--to dcp and deepspeed-universal run as "
-            "a job)",
+            hint=f"run `ckpt convert SRC OUT --to {to}` without torchrun",
         )
 
 
 def _execute_job(
     plan: ConvertPlan, job, progress: Callable[[int], None] | None, verify: bool, restart: bool
 ) -> ConvertResult:
-    """A torchrun job (`shares.run_job`), or one process resuming one: every rank writes a share of the
-    parameters balanced by bytes, each parameter's files journaled (DCP: its own `__<r>_<i+1>.distcp` files and
-    its `.metadata` part; universal: its `zero/<param>/` folder); rank 0 then writes the common files (DCP: the
-    values and `.metadata`; universal: the model states and optimizer_state.pt); every rank compares a share of
-    the whole output with the source by logical parameter (unless `verify=False`; `check` below), and rank 0 puts
-    it in place. The bytes do not depend on the number of ranks."""
-    from ..write import shares
+    """A torchrun job (`shares.run_job`), or one process resuming one: every rank writes a share of the units
+    balanced by bytes, each journaled (DCP: a parameter's own `__<r>_<i+1>.distcp` files and its `.metadata` part;
+    universal: a parameter's `zero/<param>/` folder; torch: a parameter's storages, spans of the one file
+    (`_torch_job_parts`); megatron legacy: a rank folder `iter_N/mp_rank_TT[_PPP]`); rank 0 then writes the common
+    files (DCP: the values and `.metadata`; universal: the model states and optimizer_state.pt; torch: the file's
+    records, headers and central directory; megatron: the iteration file); every rank compares a share of the
+    parameters of the whole output with the source by logical parameter (unless `verify=False`; `check` below),
+    and rank 0 puts it in place. The bytes do not depend on the number of ranks."""
+    from ..view.logical import name_key
+    from ..write import io, shares
 
     _refuse_out(plan.source, plan.out)
-    dcp = plan.to == "dcp"
-    if dcp:
-        params = list(range(len(plan.params)))
+    place, targets, verified = None, None, None  # the output: the folder OUT (a file OUT for --to torch)
+    by_params = plan.to == "megatron"  # its units are no parameters: each rank verifies a share of the parameters
+    params = list(range(len(plan.params)))  # the parameters the units hold (those rank 0 writes are the others)
+    if plan.to == "dcp":
         units = [shares.Unit(f"param{i}", plan.params[i].nbytes, plan.params[i].name) for i in params]
-    else:  # only trained parameters have a folder of their own; rank 0 writes the others' weights (model states)
+
+        def convert(todo: list[int], journal, counted: Callable[[int], None]) -> int:
+            n = 0
+            for k in todo:
+                wrote, files, part = _write_dcp_param(plan, journal.root, params[k], counted)
+                journal.record(units[k].rel, paths=files, extra=part)
+                n += wrote
+            return n
+
+        def finish(staging: Path, journal) -> None:
+            _finish_dcp(plan, staging, [journal.extra[u.rel] for u in units])
+
+    elif plan.to == "deepspeed-universal":  # only trained parameters have a folder; rank 0 writes the others' weights
         params = [i for i, p in enumerate(plan.params) if p.kind == "param" and p.states]
         units = [
             shares.Unit(f"{universal_tag(plan)}/zero/{plan.params[i].name}", plan.params[i].nbytes, plan.params[i].name)
             for i in params
         ]
 
-    def convert(todo: list[int], journal, counted: Callable[[int], None]) -> int:
-        n = 0
-        for k in todo:
-            if dcp:
-                wrote, files, part = _write_dcp_param(plan, journal.root, params[k], counted)
-                journal.record(units[k].rel, paths=files, extra=part)
-            else:
-                wrote = _write_universal(plan, journal.root, counted, indices=[params[k]], common=False)
+        def convert(todo: list[int], journal, counted: Callable[[int], None]) -> int:
+            n = 0
+            for k in todo:
+                n += _write_universal(plan, journal.root, counted, indices=[params[k]], common=False)
                 journal.record(units[k].rel)
-            n += wrote
-        return n
+            return n
 
-    def finish(staging: Path, journal) -> None:
-        if dcp:
-            _finish_dcp(plan, staging, [journal.extra[u.rel] for u in units])
-        else:
+        def finish(staging: Path, journal) -> None:
             _write_universal(plan, staging, None, indices=[], common=True)
 
-    def check(staging: Path, share: list[int], first: bool) -> list[str]:
-        """This rank's share of the logical comparison: the tensors of its share's parameters; rank 0 also those
-        of the parameters no unit holds, and what `_not_carried` checks."""
-        from ..view.logical import name_key
+    elif plan.to == "torch":
+        units, convert, finish, verified = _torch_job_parts(plan)
+        targets = [plan.out.resolve()]
+        place = lambda staging: io.put_files_in_place(staging, targets, trust_pickles=plan.trust_pickles)  # noqa: E731
+    elif plan.to == "megatron" and plan.ckpt_format == "torch":
+        from ..write import megatron_write
 
-        mine = {name_key(plan.params[params[k]].name) for k in share}
-        held = {name_key(plan.params[i].name) for i in params}
-        lines = verify_logical(plan, staging, only=lambda n: n in mine or (first and n not in held))
-        return lines + (_not_carried(plan, staging) if first else [])
+        dirs = megatron_write.legacy_rank_dirs(plan)
+        units = [shares.Unit(rel, nbytes) for rel, nbytes in dirs]
+
+        def convert(todo: list[int], journal, counted: Callable[[int], None]) -> int:
+            n = 0
+            for k in todo:
+                n += megatron_write._write_legacy(plan, journal.root, counted, only=[k], common=False)
+                journal.record(units[k].rel)
+            return n
+
+        def finish(staging: Path, journal) -> None:
+            megatron_write._write_legacy(plan, staging, None, only=[], common=True)
+
+    elif plan.to == "megatron":  # torch_dist: each parameter's items at the offsets one process writes them at
+        planned, tail = _megatron_writer(plan).plan_dist(plan, shares.job_staging(plan.out))
+        sizes = planned.units()
+        labels = list(sizes)
+        at = {f"param{i}": i for i in params}
+        units = [shares.Unit(u, sizes[u], plan.params[at[u]].name if u in at else "") for u in labels]
+        rel = planned.folder.name  # iter_NNNNNNN
+
+        def convert(todo: list[int], journal, counted: Callable[[int], None]) -> int:
+            def done(unit: str, spans: list[tuple[str, int, int]]) -> None:
+                journal.record(unit, spans=[(f"{rel}/{f}", o, n) for f, o, n in spans])
+                counted(plan.params[at[unit]].nbytes if unit in at else 0)
+
+            return planned.write_units([labels[k] for k in todo], done)
+
+        def finish(staging: Path, journal) -> None:
+            planned.write_rest()
+            tail(staging)
+
+    else:
+        refuse_job(plan.to)
+    held = {name_key(plan.params[i].name) for i in params}
+
+    def check(staging: Path, share: list[int], first: bool) -> list[str]:
+        """This rank's share of the logical comparison: the tensors of its share's parameters (units of parameters;
+        else a share of the parameters balanced by bytes); rank 0 also those of the parameters no unit holds, and
+        what `_not_carried` checks."""
+        if by_params:  # units of rank folders or of items in Megatron's order: a share of the parameters
+            share = shares.balanced_shares([p.nbytes for p in plan.params], job.world)[job.rank]
+        indices = share if by_params else [params[k] for k in share]
+        mine = {name_key(plan.params[i].name) for i in indices}
+        root = staging / verified if verified else staging
+        lines = verify_logical(plan, root, only=lambda n: n in mine or (first and n not in held))
+        lines += _not_carried(plan, root) if first else []
+        if by_params:
+            return lines, [plan.params[i].name for i in indices], sum(plan.params[i].nbytes for i in indices)
+        return lines
 
     fig, figs = shares.run_job(
         job,
@@ -1020,6 +1188,8 @@ def _execute_job(
         verify=check if verify else None,
         progress=progress,
         trust_pickles=plan.trust_pickles,
+        place=place,
+        targets=targets,
     )
     total = sum(f["bytes"] for f in figs)
     return ConvertResult(

@@ -663,13 +663,30 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     """Write the run folder for `plan` (to="megatron" from a DeepSpeed pipeline or a torchtitan source, read as
     `source_view`) into the empty staging folder `root`; returns the bytes written. One parameter's tensors in
     memory at a time (a fused one: its parts)."""
-    import argparse
+    from ..write.dcp_write import DcpStreamWriter
 
+    w, tail = _dist_items(plan, root, DcpStreamWriter, progress)
+    w.close()
+    return w.bytes_written + tail(root)
+
+
+def plan_dist(plan, root: Path):
+    """(a `write.dcp_write.PlannedDcpWriter` holding the items `write` writes, in its order, each parameter's
+    tensor chunks of unit `param<i>` (the plan's index); what writes the rest of the run folder into `root`): a
+    torchrun job's plan."""
+    from ..write.dcp_write import PlannedDcpWriter
+
+    return _dist_items(plan, root, PlannedDcpWriter, None)
+
+
+def _dist_items(plan, root: Path, writer, progress: Callable[[int], None] | None):
+    """The DCP items of the run folder, written (or planned) through `writer(folder, checkpoint_id, shards,
+    save_id)`; returns (the writer, not closed; tail(root) -> bytes: common.pt, metadata.json, the iteration)."""
     import torch
 
     from ..view import logical as L
-    from ..write.dcp_write import DcpStreamWriter
-    from ..write.megatron_write import CONTENT_METADATA, DIST_META, LATEST, dist_key
+    from ..write.dcp_write import lazy_part, plan_save_id
+    from ..write.megatron_write import dist_key
 
     ck = source_view(L.open_any(plan.source), plan.hf_config, plan.seq_length, plan.lr_scheduler, plan.drop_norm_decay)
     names = core_names(ck)
@@ -683,6 +700,7 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
             raise UnsupportedCheckpoint(
                 f"{p.name}: a {p.kind} tensor without Adam state: ckpt writes trained parameters only", path=plan.source
             )
+    unit = {p.name: f"param{i}" for i, p in enumerate(plan.params)}
     # {torch_dist key: [(layer or None, param)]} in Megatron's module order; the groups' keys in that order too
     keys: dict[str, list] = {}
     for p in sorted(plan.params, key=lambda p: _order(names[p.name])):
@@ -690,13 +708,14 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
         keys.setdefault(key, []).append((layer, p))
     _, members = _megatron_groups(ck)
     grouped = [k for g in members for k in keys if names[keys[k][0][1].name] in g]  # a key's layers: one group
-    w = DcpStreamWriter(it, checkpoint_id=str(plan.out / it.name), shards=2)
+    w = writer(it, checkpoint_id=str(plan.out / it.name), shards=2, save_id=plan_save_id(plan))
 
-    def put(key: str, layer: int | None, t) -> None:
+    def put(key: str, layer: int | None, p, t, dtype=None) -> None:
+        part = lazy_part(t, dtype, unit=unit[p.name], layer=layer is not None)
         if layer is None:
-            w.tensor_part((key,), tuple(t.shape), (0,) * t.dim(), t)
+            w.tensor_part((key,), tuple(t.shape), (0,) * len(t.shape), part)
         else:
-            w.tensor_part((key,), (layers, *t.shape), (layer,) + (0,) * t.dim(), t.unsqueeze(0))
+            w.tensor_part((key,), (layers, *t.shape), (layer,) + (0,) * len(t.shape), part)
 
     # each linear's extra state after its last tensor (its bias; its weight where it has none)
     extra = {
@@ -706,7 +725,7 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     try:
         for key, items in keys.items():  # the module's weights (bf16), each linear's extra state after them
             for layer, p in items:
-                put(key, layer, module[p.name].read(torch.bfloat16))
+                put(key, layer, p, module[p.name], torch.bfloat16)
             if key in extra:
                 w.value((f"decoder.layers.{extra[key]}._extra_state/shard_0_{layers}",), [None])
             if extra.get(key) == "mlp.linear_fc2":  # the other layers' extra states, as Megatron lists them
@@ -716,16 +735,32 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
         for key in grouped:  # Adam's moments, param group after param group, then the fp32 master
             for k in ("exp_avg", "exp_avg_sq"):
                 for layer, p in keys[key]:
-                    put(f"optimizer.state.{k}.{key}", layer, p.states[k].read())
+                    put(f"optimizer.state.{k}.{key}", layer, p, p.states[k])
         for key in grouped:
             for layer, p in keys[key]:
-                put(f"optimizer.state.fp32_param.{key}", layer, p.weight.read())
+                put(f"optimizer.state.fp32_param.{key}", layer, p, p.weight)
                 if progress:
                     progress(p.nbytes)
     except BaseException:
         w.abort()
         raise
-    w.close()
+
+    def tail(root: Path) -> int:
+        return _write_tail(plan, ck, args, root / f"iter_{iteration:07d}", root)
+
+    return w, tail
+
+
+def _write_tail(plan, ck, args: dict[str, Any], it: Path, root: Path) -> int:
+    """common.pt, metadata.json and the iteration file; returns common.pt's bytes."""
+    import argparse
+
+    import torch
+
+    from ..view import logical as L
+    from ..write.megatron_write import CONTENT_METADATA, DIST_META, LATEST
+
+    iteration = args["iteration"]
     groups, _ = _megatron_groups(ck)
     titan_sched = _titan_schedule(ck) if _titan(ck) else None  # parsed and checked once, not per group
     pgroups = []
@@ -765,7 +800,7 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     torch.save(common, it / "common.pt")
     (it / "metadata.json").write_text(json.dumps(DIST_META))
     (root / LATEST).write_text(str(iteration))
-    return w.bytes_written + (it / "common.pt").stat().st_size
+    return (it / "common.pt").stat().st_size
 
 
 # --- the way in from torchtitan (its Llama, a DCP save of its CheckpointManager) -------------------------------

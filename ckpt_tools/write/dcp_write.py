@@ -25,11 +25,13 @@ from __future__ import annotations
 import io as _io
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpoint, UnsupportedCheckpoint
 from .io import copy_range
+from .torch_zip import own_storage
 from ..formats.dcp import METADATA, DcpItems, Item
 from ..read.pickle_reader import TensorRef
 
@@ -217,8 +219,16 @@ class DcpStreamWriter:
     list positions as ints); `w.close()` writes `.metadata`. `flatten_paths(obj)` yields the leaves of a
     nested dict the way DCP flattens it (lists of plain values are one value)."""
 
-    def __init__(self, folder: Path, checkpoint_id: str | None = None, shards: int = 1, unit: int = 0):
+    def __init__(
+        self,
+        folder: Path,
+        checkpoint_id: str | None = None,
+        shards: int = 1,
+        unit: int = 0,
+        save_id: str | None = None,
+    ):
         self.folder = Path(folder)
+        self.save_id = save_id
         self.folder.mkdir(parents=True, exist_ok=True)
         self.shards = max(1, int(shards))
         self._names = [f"__{i}_{unit}.distcp" for i in range(self.shards)]
@@ -241,7 +251,7 @@ class DcpStreamWriter:
         self._planner[key] = tuple(path)
         return key
 
-    def _append(self, blob_writer: Callable[[Any], None], shard: int = 0) -> tuple[int, int]:
+    def _append(self, blob_writer: Callable[[Any], None], shard: int = 0, lazy: Any = None) -> tuple[int, int]:
         fh = self._fhs[shard]
         start = fh.tell()
         blob_writer(fh)
@@ -267,7 +277,26 @@ class DcpStreamWriter:
     def tensor_part(self, path: tuple, size: tuple[int, ...], offsets: tuple[int, ...], part: Any) -> None:
         """One chunk of a global tensor of shape `size` at `offsets` (Megatron's layers stacked on a leading axis:
         layer i at (i, 0, ...)); the chunks of one key are written by successive calls, chunk i into
-        `__<i % shards>_0.distcp`, and must tile the tensor (DCP reads any region from them)."""
+        `__<i % shards>_0.distcp`, and must tile the tensor (DCP reads any region from them). `part`: a tensor, or
+        a `LazyPart` (read here; `PlannedDcpWriter` plans it without reading it)."""
+        import torch
+
+        if isinstance(part, LazyPart):
+            part = part.make()
+        part = own_storage(part)
+        self._chunk(path, size, offsets, tuple(part.shape), part.dtype, lambda fh: torch.save(part, fh), None)
+
+    def _chunk(
+        self,
+        path: tuple,
+        size: tuple[int, ...],
+        offsets: tuple[int, ...],
+        shape: tuple[int, ...],
+        dtype: Any,
+        blob_writer: Callable[[Any], Any],
+        lazy: LazyPart | None,
+    ) -> None:
+        """The metadata of one tensor chunk, its blob appended (`_append`)."""
         import torch
         from torch.distributed.checkpoint.filesystem import _StorageInfo
         from torch.distributed.checkpoint.metadata import (
@@ -279,23 +308,20 @@ class DcpStreamWriter:
 
         key = self.flat_key(path)
         meta = self._sdm.get(key)
-        part = part.detach().cpu().contiguous()
         if meta is None:
             self._claim(path)
-            meta = self._sdm[key] = TensorStorageMetadata(TensorProperties(dtype=part.dtype), torch.Size(size), [])
+            meta = self._sdm[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(size), [])
         elif (
             not isinstance(meta, TensorStorageMetadata)
             or tuple(meta.size) != tuple(size)
-            or meta.properties.dtype != part.dtype
+            or meta.properties.dtype != dtype
         ):
             raise ValueError(f"{key}: a part of another shape or dtype than the tensor's first part")
-        if len(offsets) != len(size) or any(o < 0 or o + n > s for o, n, s in zip(offsets, part.shape, size)):
-            raise ValueError(f"{key}: part {tuple(part.shape)} at {tuple(offsets)} lies outside {tuple(size)}")
-        if part.untyped_storage().nbytes() != part.numel() * part.element_size():
-            part = part.clone()  # torch.save writes the whole storage: never a view's neighbours
+        if len(offsets) != len(size) or any(o < 0 or o + n > s for o, n, s in zip(offsets, shape, size)):
+            raise ValueError(f"{key}: part {tuple(shape)} at {tuple(offsets)} lies outside {tuple(size)}")
         f = len(meta.chunks) % len(self._fhs)
-        off, n = self._append(lambda fh: torch.save(part, fh), f)
-        meta.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(part.shape)))
+        off, n = self._append(blob_writer, f, lazy)
+        meta.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape)))
         self._storage[MetadataIndex(key, torch.Size(offsets), len(meta.chunks) - 1)] = _StorageInfo(
             self._names[f], off, n
         )
@@ -341,12 +367,224 @@ class DcpStreamWriter:
         return [n for n in self._names if (self.folder / n).is_file()]
 
     def close(self) -> Path:
-        return write_metadata(self.folder, [self.finish()], self._checkpoint_id)
+        return write_metadata(self.folder, [self.finish()], self._checkpoint_id, self.save_id)
 
     def abort(self) -> None:
         for fh in self._fhs:
             if not fh.closed:
                 fh.close()
+
+
+@dataclass(frozen=True)
+class LazyPart:
+    """A tensor chunk known by its shape and dtype, read when it is written (`make()`); `unit`: the piece of a
+    job's output it belongs to (None: what the rank that finishes the job writes)."""
+
+    shape: tuple[int, ...]
+    dtype: Any  # torch.dtype
+    make: Callable[[], Any]
+    unit: Any = None
+
+
+def lazy_part(t: Any, dtype: Any = None, *, unit: Any = None, layer: bool = False) -> LazyPart:
+    """The logical tensor `t` (`view.logical.LogicalTensor`) read as `dtype` (None: as stored), as a `LazyPart`;
+    `layer`: with a leading axis of 1 (one layer of Megatron's layers stacked on a leading axis)."""
+    from ..view.logical import torch_dtype
+
+    want = torch_dtype(dtype or t.dtype)
+    shape = ((1,) if layer else ()) + tuple(t.shape)
+
+    def make():
+        v = t.read(dtype)
+        return v.unsqueeze(0) if layer else v
+
+    return LazyPart(shape, want, make, unit)
+
+
+@dataclass(frozen=True)
+class PlannedItem:
+    """Where one item of a `PlannedDcpWriter` goes: its file (from the writer's folder), offset and length; its
+    blob (a value's, made when planned) or its `LazyPart` (a tensor chunk's, read by the rank that writes it)."""
+
+    file: str
+    offset: int
+    length: int
+    blob: bytes | None
+    part: LazyPart | None
+
+    @property
+    def unit(self) -> Any:
+        return self.part.unit if self.part is not None else None
+
+
+class PlannedDcpWriter(DcpStreamWriter):
+    """`DcpStreamWriter`'s items planned, not written: given the same calls in the same order, each item's file,
+    offset and length (a tensor chunk's from its shape and dtype alone: the size of torch.save's file for it,
+    `torch_zip.plan_save` of an empty tensor; a value's blob made now), and the same `.metadata`. So the ranks of a
+    torchrun job write one DCP folder, each the items of its units at their offsets (`write_unit`), one rank the
+    rest and `.metadata` (`write_rest`): the bytes one process writes."""
+
+    def __init__(self, folder: Path, checkpoint_id: str | None = None, shards: int = 1, save_id: str | None = None):
+        self.folder = Path(folder)
+        self.save_id = save_id
+        self.shards = max(1, int(shards))
+        self._names = [f"__{i}_0.distcp" for i in range(self.shards)]
+        self._fhs: list[Any] = [None] * self.shards  # nothing is opened while planning
+        self._sdm: dict[str, Any] = {}
+        self._storage: dict[Any, Any] = {}
+        self._planner: dict[str, tuple] = {}
+        self._checkpoint_id = checkpoint_id
+        self.bytes_written = 0
+        self.items: list[PlannedItem] = []
+        self.sizes = [0] * self.shards
+        self._blob_sizes: dict[tuple, int] = {}
+
+    def tensor_part(self, path: tuple, size: tuple[int, ...], offsets: tuple[int, ...], part: Any) -> None:
+        if not isinstance(part, LazyPart):
+            t = own_storage(part)
+            part = LazyPart(tuple(t.shape), t.dtype, lambda t=t: t)
+        self._chunk(path, size, offsets, tuple(part.shape), part.dtype, None, part)
+
+    def _append(self, blob_writer: Callable[[Any], None] | None, shard: int = 0, lazy: Any = None) -> tuple[int, int]:
+        blob = None
+        if lazy is None:
+            buf = _io.BytesIO()
+            blob_writer(buf)
+            blob = buf.getvalue()
+            n = len(blob)
+        else:
+            n = self._blob_size(tuple(lazy.shape), lazy.dtype)
+        at = self.sizes[shard]
+        self.items.append(PlannedItem(self._names[shard], at, n, blob, lazy))
+        self.sizes[shard] += n
+        self.bytes_written += n
+        return at, n
+
+    def _blob_size(self, shape: tuple[int, ...], dtype: Any) -> int:
+        """The length of torch.save's file of a contiguous tensor of this shape and dtype (written to a stream:
+        its records under `archive/`)."""
+        import torch
+
+        from .torch_zip import plan_save
+
+        key = (shape, dtype)
+        if key not in self._blob_sizes:
+            self._blob_sizes[key] = plan_save(torch.empty(shape, dtype=dtype), "archive").size
+        return self._blob_sizes[key]
+
+    def units(self) -> dict[Any, int]:
+        """The units the planned tensor chunks belong to, in the order first met, with their chunks' bytes."""
+        out: dict[Any, int] = {}
+        for it in self.items:
+            if it.unit is not None:
+                out[it.unit] = out.get(it.unit, 0) + it.length
+        return out
+
+    def _open(self) -> dict[str, int]:
+        """The data files that hold an item, opened for writing and grown to their planned size (only grown: the
+        other ranks' items stay)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fds = {}
+        for name, size in zip(self._names, self.sizes):
+            if size:
+                fd = fds[name] = os.open(self.folder / name, os.O_WRONLY | os.O_CREAT, 0o644)
+                if os.fstat(fd).st_size < size:
+                    os.ftruncate(fd, size)
+        return fds
+
+    def write_units(self, units: list[Any], done: Callable[[Any, list[tuple[str, int, int]]], None]) -> int:
+        """Write the tensor chunks of each of `units` at their planned offsets (one chunk in memory at a time),
+        calling `done(unit, spans)` after each unit's ((file from the writer's folder, offset, length) of its
+        chunks); the files are fsynced at the end. Returns the bytes written."""
+        import torch
+
+        by: dict[Any, list[PlannedItem]] = {}
+        for it in self.items:
+            if it.part is not None and it.unit is not None:
+                by.setdefault(it.unit, []).append(it)
+        fds, n = self._open(), 0
+        try:
+            for unit in units:
+                spans = []
+                for it in by.get(unit, []):
+                    t = own_storage(it.part.make())
+                    if t.dtype != it.part.dtype or tuple(t.shape) != tuple(it.part.shape):
+                        raise ValueError(
+                            f"a chunk of {unit}: read as {t.dtype} {tuple(t.shape)}, planned as {it.part.dtype} "
+                            f"{tuple(it.part.shape)}"
+                        )
+                    buf = _io.BytesIO()
+                    torch.save(t, buf)
+                    if buf.tell() != it.length:
+                        raise ValueError(f"a chunk of {unit}: {buf.tell()} bytes, planned {it.length}")
+                    _pwrite(fds[it.file], buf.getbuffer(), it.offset)
+                    spans.append((it.file, it.offset, it.length))
+                    n += it.length
+                done(unit, spans)
+            for fd in fds.values():
+                os.fsync(fd)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return n
+
+    def write_rest(self) -> Path:
+        """Write the items of no unit (the values, and tensor chunks without a unit) at their offsets and
+        `.metadata`; the units' chunks must all be written by then."""
+        fds = self._open()
+        try:
+            for it in self.items:
+                if it.unit is not None:
+                    continue
+                if it.blob is None:  # a tensor chunk of no unit: read now
+                    import torch
+
+                    buf = _io.BytesIO()
+                    torch.save(own_storage(it.part.make()), buf)
+                    blob = buf.getvalue()
+                else:
+                    blob = it.blob
+                if len(blob) != it.length:
+                    raise ValueError(f"an item of {it.file}: {len(blob)} bytes, planned {it.length}")
+                _pwrite(fds[it.file], memoryview(blob), it.offset)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return write_metadata(
+            self.folder, [(self._sdm, self._storage, self._planner)], self._checkpoint_id, self.save_id
+        )
+
+    def finish(self) -> tuple[dict, dict, dict]:
+        return self._sdm, self._storage, self._planner
+
+    def abort(self) -> None:
+        pass
+
+
+def _pwrite(fd: int, data: Any, at: int) -> None:
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < view.nbytes:
+        done += os.pwrite(fd, view[done:], at + done)
+
+
+def plan_digest(plan: Any) -> str:
+    """What identifies a conversion plan's output (`ops.convert.ConvertPlan`): a job's staging folder is resumed
+    only by the same plan, and its DCP `.metadata` save_id is made from it (`plan_save_id`)."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(
+        json.dumps([str(plan.source), plan.to_json()], sort_keys=True, default=str).encode()
+    ).hexdigest()
+
+
+def plan_save_id(plan: Any) -> str:
+    """The save_id of the `.metadata` a conversion writes: made from OUT and the plan, so that the same output has
+    the same bytes whatever wrote it (one process or the ranks of a job)."""
+    import uuid
+
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"{plan.out}#{plan_digest(plan)}"))
 
 
 def part_to_json(part: tuple[dict, dict, dict]) -> dict[str, Any]:

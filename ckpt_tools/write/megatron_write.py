@@ -271,9 +271,29 @@ def _dist_plan_lines(ck) -> tuple[list[str], list[str]]:
 def _write_dist(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     """Write the run folder for `plan` (a `ops.convert.ConvertPlan` with to="megatron") into the empty folder `root`
     (the staging folder `ops.convert.execute` renames into place); returns the bytes written."""
+    from .dcp_write import DcpStreamWriter
+
+    w, tail = _dist_items(plan, root, DcpStreamWriter, progress)
+    w.close()
+    return w.bytes_written + tail(root)
+
+
+def plan_dist(plan, root: Path):
+    """(a `dcp_write.PlannedDcpWriter` holding the items `_write_dist` writes, in its order, each parameter's
+    tensor chunks of unit `param<i>` (the plan's index), each chunk of a distributed optimizer's buffers a unit of
+    its own (`<bucket key>.<state>@<first element>`); what writes the rest of the run folder into `root`): a
+    torchrun job's plan."""
+    from .dcp_write import PlannedDcpWriter
+
+    return _dist_items(plan, root, PlannedDcpWriter, None)
+
+
+def _dist_items(plan, root: Path, writer, progress: Callable[[int], None] | None):
+    """The DCP items of the run folder, written (or planned) through `writer(folder, checkpoint_id, shards,
+    save_id)`; returns (the writer, not closed; tail(root) -> bytes: common.pt, metadata.json, the iteration)."""
     from ..view import logical as L
     from ..read import pickle_reader as pr
-    from .dcp_write import DcpStreamWriter
+    from .dcp_write import lazy_part, plan_save_id
 
     ck = L.open_any(plan.source)
     args = _args(ck)
@@ -285,21 +305,23 @@ def _write_dist(plan, root: Path, progress: Callable[[int], None] | None) -> int
     it = root / f"iter_{iteration:07d}"
     module = {t.name: t for t in L.model_tensors(ck, weights="module")}
     distopt = bool(args.get("use_distributed_optimizer"))
-    w = DcpStreamWriter(it, checkpoint_id=str(plan.out / it.name), shards=2)
+    w = writer(it, checkpoint_id=str(plan.out / it.name), shards=2, save_id=plan_save_id(plan))
     try:
-        for p in plan.params:
+        for i, p in enumerate(plan.params):
             if p.kind == "tied":
                 continue
             key, layer = dist_key(p.name, layers)
-            tensors = [(key, module[p.name].read())]
+            unit = f"param{i}"
+            tensors = [(key, module[p.name])]
             if p.states and not distopt:  # the distributed optimizer's state: its buffers, below
-                tensors.append((f"optimizer.state.fp32_param.{key}", p.weight.read()))
-                tensors += [(f"optimizer.state.{k}.{key}", t.read()) for k, t in sorted(p.states.items())]
+                tensors.append((f"optimizer.state.fp32_param.{key}", p.weight))
+                tensors += [(f"optimizer.state.{k}.{key}", t) for k, t in sorted(p.states.items())]
             for k, t in tensors:
+                part = lazy_part(t, unit=unit, layer=layer is not None)
                 if layer is None:
-                    w.tensor_part((k,), tuple(t.shape), (0,) * t.dim(), t)
+                    w.tensor_part((k,), tuple(t.shape), (0,) * len(t.shape), part)
                 else:
-                    w.tensor_part((k,), (layers, *t.shape), (layer,) + (0,) * t.dim(), t.unsqueeze(0))
+                    w.tensor_part((k,), (layers, *t.shape), (layer,) + (0,) * len(t.shape), part)
             if progress:
                 progress(p.nbytes)
         for rest in _extra_states(obj0):
@@ -315,11 +337,15 @@ def _write_dist(plan, root: Path, progress: Callable[[int], None] | None) -> int
     except BaseException:
         w.abort()
         raise
-    w.close()
-    _write_common(ranks[min(ranks)], obj0, plan, it / "common.pt")
-    (it / "metadata.json").write_text(json.dumps(DIST_META))
-    (root / LATEST).write_text(str(iteration))
-    return w.bytes_written + (it / "common.pt").stat().st_size
+
+    def tail(root: Path) -> int:
+        it = root / f"iter_{iteration:07d}"
+        _write_common(ranks[min(ranks)], obj0, plan, it / "common.pt")
+        (it / "metadata.json").write_text(json.dumps(DIST_META))
+        (root / LATEST).write_text(str(iteration))
+        return (it / "common.pt").stat().st_size
+
+    return w, tail
 
 
 #: elements read and written at a time from a distributed-optimizer buffer (4 MiB of fp32)
@@ -343,6 +369,7 @@ def _write_distopt_buffers(w, rank_file: Path, obj: dict, args: dict[str, Any], 
     import torch
 
     from ..read import pickle_reader as pr
+    from .dcp_write import LazyPart
 
     dist = pr.load(rank_file.parent / "distrib_optim.pt").obj
     if not isinstance(dist, dict) or dist.get("buckets_coalesced") is not True:
@@ -404,7 +431,13 @@ def _write_distopt_buffers(w, rank_file: Path, obj: dict, args: dict[str, Any], 
                             path=rank_file.parent,
                         )
                     for a, c in zip(cuts, cuts[1:]):
-                        w.tensor_part((f"{bucket}.{state}",), (nb,), (a,), ref.read_torch(start + a, c - a))
+                        part = LazyPart(
+                            (c - a,),
+                            getattr(torch, ref.dtype),
+                            lambda ref=ref, at=start + a, k=c - a: ref.read_torch(at, k),
+                            f"{bucket}.{state}@{a}",  # a job's unit: each chunk, balanced with the parameters
+                        )
+                        w.tensor_part((f"{bucket}.{state}",), (nb,), (a,), part)
                 start += nb
             dtypes = tuple(getattr(torch, repr(x).rsplit(".", 1)[-1]) for x in dkey)
             padded_g[dtypes], unpadded_g[dtypes] = padded_sizes, list(sizes)
@@ -1052,12 +1085,32 @@ def _write_distrib_optim(buckets: dict[tuple[int, int, str, str], dict[str, Any]
         fds.close()
 
 
-def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> int:
+def legacy_rank_dirs(plan) -> list[tuple[str, int]]:
+    """The rank folders `_write_legacy` writes for `plan`, in its order: (`iter_N/mp_rank_TT[_PPP]`, the bytes of
+    the plan it counts for it). A torchrun job's units (`ops.convert`): each folder depends on the plan alone."""
+    from ..view import logical as L
+    from ..formats.megatron_lm import _dir_name
+
+    ck = L.open_any(plan.source)
+    saved, saved_pp = ck.topology.tp or 1, ck.topology.pp or 1
+    tp, pp = plan.tp or saved, plan.pp or saved_pp
+    iteration = int(_legacy_source(ck).common["iteration"])
+    n = pp * tp
+    return [
+        (f"iter_{iteration:07d}/{_dir_name(k % tp, k // tp, pp)}", plan.nbytes * (k + 1) // n - plan.nbytes * k // n)
+        for k in range(n)
+    ]
+
+
+def _write_legacy(
+    plan, root: Path, progress: Callable[[int], None] | None, only: list[int] | None = None, common: bool = True
+) -> int:
     """Write Megatron's legacy run folder for `plan` (to="megatron", ckpt_format="torch") into the empty folder
     `root`: one model_optim_rng.pt per (TP, PP) rank at `plan.tp`; returns the bytes written. Each tensor's bytes
     are read, split and written when the rank file's writer reaches them, so memory holds one whole tensor and its
     shard (plus the RNG state and the pickle); each rank reads the whole tensors it takes a shard of, so a stage is
-    read once per TP rank written (TP x the reads)."""
+    read once per TP rank written (TP x the reads). `only`: the rank folders (indices into `legacy_rank_dirs`) to
+    write, each by itself the same bytes (a torchrun job's share); `common`: the iteration file."""
     import collections
     import copy
 
@@ -1117,6 +1170,8 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
     for p in range(pp):
         chunks = [layout[(p, c)] for c in range(max(vpp, 1))]
         for t in range(tp):
+            if only is not None and p * tp + t not in only:
+                continue
             rec = _Records()
             a = copy.copy(common["args"])
             rank = t + tp * dp * p  # Megatron's default rank order (tp-cp-ep-dp-pp), data-parallel rank 0
@@ -1179,14 +1234,15 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
                 obj["rng_state"] = rec.tree(rng)
             obj["num_floating_point_operations_so_far"] = common.get("num_floating_point_operations_so_far")
             d = itdir / _dir_name(t, p, pp)
-            d.mkdir(parents=True)
+            d.mkdir(parents=True, exist_ok=only is not None)  # a job's rerun writes an unfinished folder over
             written += save(obj, d / "model_optim_rng.pt", rec.data)
             if distopt:
                 written += _write_distrib_optim(buckets, d / "distrib_optim.pt", t + tp * p)
             if progress:  # in the plan's units (the source's bytes): its share per rank file written
                 k, n = p * tp + t, pp * tp
                 progress(plan.nbytes * (k + 1) // n - plan.nbytes * k // n)
-    (root / LATEST).write_text(str(iteration))
+    if common:
+        (root / LATEST).write_text(str(iteration))
     return written
 
 
@@ -1230,4 +1286,4 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     return (_write_legacy if plan.ckpt_format == "torch" else _write_dist)(plan, root, progress)
 
 
-__all__ = ["check", "plan_lines", "write", "dist_key", "rank_files", "CKPT_FORMATS"]
+__all__ = ["check", "plan_lines", "write", "plan_dist", "dist_key", "rank_files", "legacy_rank_dirs", "CKPT_FORMATS"]

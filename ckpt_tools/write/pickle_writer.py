@@ -645,6 +645,7 @@ class ZipWriter:
         self.offset = 0  # where the next local header goes
         self.names: list[str] = []
         self.crcs: list[int] = []
+        self.sizes: list[int] = []
         self._central: list[bytes] = []
         self._pending: list[bytes] = []
         self._pending_at = 0
@@ -677,6 +678,7 @@ class ZipWriter:
         self._central.append(_central_entry(encoded, start, size, crc))
         self.names.append(name)
         self.crcs.append(crc)
+        self.sizes.append(size)
 
     def add(self, name: str, data: bytes | memoryview) -> None:
         """A member holding `data` (any bytes-like object; a large one is written from where it lies)."""

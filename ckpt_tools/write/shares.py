@@ -19,7 +19,7 @@ parameter whose files (spans) are all still there with those sizes and checksums
 against their CRC-32s.
 
 `run_job` is the job itself, the same for every command that writes one output this way (to-universal,
-`convert --to dcp | deepspeed-universal`, `export`): the command gives it its units (journal name, bytes), what
+`convert` to every target, `export`): the command gives it its units (journal name, bytes), what
 converts a share of them, what rank 0 finishes with, and (export's files in an existing folder) how rank 0 puts the
 output in place.
 """
@@ -349,6 +349,10 @@ class Journal:
             finally:
                 os.close(fd)
 
+    def spans(self, rel: str) -> list[tuple[str, int, int, int]]:
+        """The byte spans the record of `rel` names, each (file, offset, length, CRC-32) as it was journaled."""
+        return list(self._spans.get(rel, ()))
+
     def settled(self) -> tuple[set[str], set[str]]:
         """The files (from the staging root) that the records read when this journal was opened say were fsynced,
         and those that passed the output gate."""
@@ -454,7 +458,9 @@ def run_job(
        `journal.extra` holds what each unit journaled with it);
     5. `verify(staging, indices, first)` on every rank compares its share of the whole output (a balanced share
        of the units, not the share it converted; `first`: rank 0, which also checks what belongs to no unit) and
-       returns one line per difference; the error names the ranks that found one;
+       returns one line per difference (or (those lines, the names it compared, their bytes) where it compares
+       another share than the units', e.g. parameters whose bytes lie in units of rank files); the error names
+       the ranks that found one;
     6. when no rank found one, rank 0 puts the folder in place (`io.put_in_place`, which fsyncs and scans only
        what no journal line says was: the common files, the folders; or `place(staging)`, e.g. an
        export's files into an existing folder, `io.put_files_in_place`). A failure in 4-6 removes the staging
@@ -543,13 +549,15 @@ def run_job(
             raise failure or CkptError(f"rank 0 could not finish: {said}")
         if verify is not None:
             share = _share(units, list(range(len(units))), job)
+            compared = ([units[i].label for i in share], sum(units[i].nbytes for i in share))
             try:
                 problems = verify(staging, share, job.rank == 0)
+                if isinstance(problems, tuple):  # (problems, what it compared instead of its share of the units)
+                    problems, *rest = problems
+                    compared = tuple(rest)
             except (CkptError, OSError, ValueError, RuntimeError) as e:
                 problems = [e.one_line() if isinstance(e, CkptError) else str(e)]
-            verdicts = job.exchange(
-                "verified", (problems, [units[i].label for i in share], sum(units[i].nbytes for i in share))
-            )
+            verdicts = job.exchange("verified", (problems, *compared))
             for f, (_, names, nbytes) in zip(figs, verdicts):  # what each rank compared with the source
                 f["verified"], f["verified_bytes"] = names, nbytes
             fig = figs[job.rank]

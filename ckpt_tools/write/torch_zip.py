@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import os
 import threading
+import zipfile
 import zlib
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence, Union
 
 from ..read import remote
-from ..errors import CorruptCheckpoint
+from ..errors import CkptError, CorruptCheckpoint
 from .io import copy_range
 from ..read.pickle_reader import StorageRef
 from ..read.tensor_read import FileRange
@@ -208,6 +210,15 @@ def _write_made(make: Callable[[], Any], key: str, nbytes: int, fd: int, at: int
     return _pwrite_all(fd, view, at)
 
 
+def own_storage(t: Any) -> Any:
+    """`t` on the CPU, contiguous, over a storage of exactly its bytes (torch.save writes a tensor's whole storage:
+    never a view's neighbours), so that where its bytes go in a file follows from its shape and dtype."""
+    t = t.detach().cpu().contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    return t
+
+
 def tensor_record(dtype: str, shape: Sequence[int], key: str = "0"):
     """A `TensorRef` for a new contiguous tensor of its own storage `key` (offset 0, not requiring grad):
     pickled, it is what torch.save writes for a plain CPU tensor."""
@@ -222,3 +233,112 @@ def tensor_record(dtype: str, shape: Sequence[int], key: str = "0"):
     for d in shape:
         numel *= d
     return TensorRef(dtype, shape, tuple(reversed(stride)), 0, StorageRef(key, dtype, numel, "cpu", None))
+
+
+# --- one torch.save file written by many processes (`ckpt convert --to torch` as a torchrun job) ---------------
+
+
+@dataclass(frozen=True)
+class SaveLayout:
+    """Where `torch.save(obj, path)` puts every record of `obj`, planned from a skeleton of it (`plan_save`): the
+    pickle torch's own pickler makes, the storages' sizes (key "0", "1", ... in this order) and the offsets their
+    bytes start at, the file's size. With each storage's CRC-32 (`write_frame`) the rest of the file follows: the
+    same bytes torch.save writes, whoever writes the storages' bytes at `offsets`."""
+
+    prefix: str
+    records: tuple[tuple[str, bytes], ...]  # data.pkl and the small records before the storages, as torch gives them
+    sizes: tuple[int, ...]
+    offsets: tuple[int, ...]
+    size: int
+    name_hash: str  # the first 20 digits of `.data/serialization_id`: torch's hash of the record names
+
+
+def plan_save(skeleton: Any, path: str | os.PathLike) -> SaveLayout:
+    """The layout of `torch.save(obj, path)` for an `obj` of which `skeleton` has the structure, values and tensors'
+    dtypes and shapes, each tensor contiguous with a storage of its own (`torch.empty`: its pages are never
+    touched). torch's own `_save` pickles it under `skip_data` into a recorder (no storage byte is read), and
+    torch's own writer hashes the record names; the offsets are those `ZipWriter` lays out, torch's layout."""
+    import io as _io
+    import pickle
+
+    import torch
+    import torch.serialization as S
+
+    if not hasattr(S, "skip_data"):
+        raise CkptError(
+            f"torch {torch.__version__} cannot plan a torch.save file without its bytes (torch.serialization."
+            "skip_data, torch >= 2.5): a torchrun job of --to torch / megatron needs it",
+            hint="run the command in one process (without torchrun / --nproc), or upgrade torch",
+        )
+
+    class _Recorder:
+        def __init__(self) -> None:
+            self.records: list[tuple[str, bytes]] = []
+            self.sizes: list[int] = []
+
+        def write_record(self, name: str, data: Any, nbytes: int) -> None:
+            self.records.append((name, data.encode() if isinstance(data, str) else bytes(data)[:nbytes]))
+
+        def write_record_metadata(self, name: str, nbytes: int) -> None:
+            if name != f"data/{len(self.sizes)}":
+                raise ValueError(f"torch.save wrote record {name} where data/{len(self.sizes)} was expected")
+            self.sizes.append(int(nbytes))
+
+    rec = _Recorder()
+    with S.skip_data():
+        S._save(skeleton, rec, pickle, 2, False)
+    names = [n for n, _ in rec.records] + [f"data/{k}" for k in range(len(rec.sizes))] + ["version"]
+    buf = _io.BytesIO()
+    writer = torch._C.PyTorchFileWriter(buf, True, STORAGE_ALIGNMENT)
+    for n in names:
+        writer.write_record(n, b"", 0)
+    writer.write_end_of_file()
+    with zipfile.ZipFile(_io.BytesIO(buf.getvalue())) as zf:
+        name_hash = zf.read(f"{archive_name('archive')}/.data/serialization_id")[:20].decode()
+    layout = SaveLayout(archive_name(path) + "/", tuple(rec.records), tuple(rec.sizes), (), 0, name_hash)
+    offsets: list[int] = []
+    fd = os.open(os.devnull, os.O_WRONLY)
+    try:
+        size = _frame(fd, layout, [0] * len(rec.sizes), offsets)
+    finally:
+        os.close(fd)
+    return SaveLayout(layout.prefix, layout.records, layout.sizes, tuple(offsets), size, name_hash)
+
+
+def _frame(fd: int, layout: SaveLayout, crcs: Sequence[int], offsets: list[int] | None = None) -> int:
+    """Write everything of the file but the storages' bytes (`ZipWriter`, each storage member given its CRC-32),
+    with torch's serialization id; `offsets` collects where each storage's bytes start. Returns the file's size."""
+    out = ZipWriter(fd, STORAGE_ALIGNMENT)
+    for name, data in layout.records:
+        out.add(layout.prefix + name, data)
+
+    def placed(key: int):
+        def write(fd_: int, at: int) -> int:
+            if offsets is not None:
+                offsets.append(at)
+            elif at != layout.offsets[key]:
+                raise ValueError(f"storage {key}: laid out at byte {at}, planned at {layout.offsets[key]}")
+            return crcs[key]
+
+        return write
+
+    for key, size in enumerate(layout.sizes):
+        out.add_written(f"{layout.prefix}data/{key}", size, placed(key))
+    out.add(layout.prefix + "version", VERSION)
+    combined = 0  # c10::hash_combine of the CRC-32s of the non-empty records in the order written (torch's writer)
+    for crc, size in zip(out.crcs, out.sizes):
+        if size:
+            combined = (combined ^ (crc + 0x9E3779B9 + ((combined << 6) & _U64) + (combined >> 2))) & _U64
+    out.add(layout.prefix + ".data/serialization_id", f"{layout.name_hash}{combined:020d}".encode())
+    return out.finish()
+
+
+_U64 = (1 << 64) - 1
+
+
+def write_frame(fd: int, layout: SaveLayout, crcs: Sequence[int]) -> int:
+    """(the last writer) Write the file's records, headers, central directory and serialization id around the
+    storages' bytes already at `layout.offsets`, given each storage's CRC-32; returns the file's size."""
+    if len(crcs) != len(layout.sizes):
+        raise ValueError(f"{len(crcs)} CRC-32s for {len(layout.sizes)} storages")
+    return _frame(fd, layout, crcs)
