@@ -2,15 +2,18 @@
 127.0.0.1: the same bytes as one process (`--to torch`: one torch.save file, each rank writing its parameters'
 storages at the offsets torch gives them, rank 0 the records and headers around them; megatron legacy: one rank
 folder per unit; torch_dist: each parameter's DCP items at the offsets one process writes them at), the per-rank
-`--json` figures, and a rank killed with SIGKILL mid-way, then the rerun: the same bytes. No Megatron-LM is needed
-(only ckpt's writers run)."""
+`--json` figures, and a rank killed with SIGKILL mid-way, then the rerun: the same bytes. Sources: DeepSpeed ZeRO-2,
+DCP (FSDP2 recipe; torchtitan, the way in to Megatron), Megatron-LM legacy and torch_dist, Megatron-DeepSpeed. No
+Megatron-LM is needed (only ckpt's writers run)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import pickle
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -20,6 +23,7 @@ import torch
 from ckpt_tools.write import torch_zip
 
 from conftest import run_cli, sample
+from test_export_formats import _titan_hf_config
 from test_to_universal_torchrun import _job, _launch, _rank_1_lost, _wait
 
 #: (source, convert options): a DeepSpeed ZeRO-2 run and a DCP (FSDP2 recipe) run as one torch file, a Megatron-LM
@@ -36,7 +40,15 @@ CASES = {
     # Megatron-DeepSpeed pipeline run at TP 2 x PP 2 (`ops.megatron_in`)
     "megatron_distopt": (("megatron_lm", "megatron_dp2_distopt_legacy"), "m", ("--to", "megatron")),
     "pipeline_megatron": (("megatron", "gpt_tp2_pp2"), "m", ("--to", "megatron")),
+    # a torchtitan DCP run the way in to Megatron (`ops.megatron_in`, with its model's HF config)
+    "titan_megatron": (("dcp", "torchtitan_real/step-3"), "m", ("--to", "megatron", "--hf-config", "HF_CONFIG")),
 }
+
+
+@functools.cache
+def _titan_config() -> Path:
+    """The torchtitan sample's LlamaConfig as transformers writes it (test_export_formats), once per process."""
+    return _titan_hf_config(Path(tempfile.mkdtemp(prefix="titan_cfg_")))
 
 
 def _digest(path: Path) -> dict[str, str]:
@@ -58,7 +70,7 @@ def _bytes(p: Path) -> bytes:
 
 def _args(key: str, out_dir: Path) -> list:
     where, name, options = CASES[key]
-    return [sample(*where), out_dir / name, *options]
+    return [sample(*where), out_dir / name, *(_titan_config() if o == "HF_CONFIG" else o for o in options)]
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +125,9 @@ def test_the_torch_file_layout_is_torch_saves(tmp_path):
     assert (tmp_path / "t.pt").read_bytes() == (tmp_path / "ref" / "t.pt").read_bytes()
 
 
-@pytest.mark.parametrize("key", ["zero2_torch", "megatron_legacy", "megatron_distopt", "pipeline_megatron"])
+@pytest.mark.parametrize(
+    "key", ["zero2_torch", "megatron_legacy", "megatron_distopt", "pipeline_megatron", "titan_megatron"]
+)
 def test_nproc_2_writes_the_bytes_of_one_process_with_each_ranks_figures(tmp_path, reference, key):
     r = run_cli("convert", *_args(key, tmp_path), "--nproc", "2", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
