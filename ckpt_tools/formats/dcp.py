@@ -20,7 +20,6 @@ idea: a block of the logical tensor at some offsets, stored by one rank.
 
 from __future__ import annotations
 
-import itertools
 import math
 import re
 from dataclasses import dataclass, field
@@ -90,11 +89,13 @@ def _runs(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ..
         return
     strides = [math.prod(shape[j + 1 :]) for j in range(len(shape))]
     run = sizes[d] * inner
-    src = 0
-    for idx in itertools.product(*(range(s) for s in sizes[:d])):
-        dst = sum((offsets[j] + i) * strides[j] for j, i in enumerate(idx)) + offsets[d] * strides[d]
-        yield src, dst, run
-        src += run
+    # the rows' destinations in row-major order, built a dimension at a time (a row per leading-dims index)
+    dsts = [sum(offsets[j] * strides[j] for j in range(d + 1))]
+    for j in range(d):
+        step = strides[j]
+        dsts = [x + i * step for x in dsts for i in range(sizes[j])]
+    for k, dst in enumerate(dsts):
+        yield k * run, dst, run
 
 
 def chunked_tensor(key: str, shape: tuple[int, ...], dtype: str, chunks: list[Chunk], where: Path) -> TensorNode:
@@ -111,8 +112,9 @@ def chunked_tensor(key: str, shape: tuple[int, ...], dtype: str, chunks: list[Ch
     pieces = []
     for c in chunks:
         _check_chunk(key, shape, dtype, c, where)
+        rank = dict(c.rank)  # one mapping for the chunk's runs (read-only, as every piece's)
         pieces += [
-            Piece(c.file, c.ref, src, n, dst, dict(c.rank))
+            Piece(c.file, c.ref, src, n, dst, rank)
             for src, dst, n in _runs(shape, tuple(c.offsets), tuple(c.sizes))
             if n
         ]

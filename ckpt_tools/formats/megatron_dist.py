@@ -570,22 +570,20 @@ def _range(
     the pieces' sorted dst offsets; `rank`: coordinates added to each piece's, e.g. the layer)."""
     import bisect
 
-    pieces = []
-    for p in flat.pieces[max(bisect.bisect_right(starts, start) - 1, 0) :]:
-        if p.dst_offset >= start + n:
-            break
-        a, b = max(p.dst_offset, start), min(p.dst_offset + p.numel, start + n)
-        if a < b:
-            pieces.append(
-                Piece(
-                    p.file,
-                    p.ref,
-                    p.src_offset + (a - p.dst_offset),
-                    b - a,
-                    a - start,
-                    {**dict(p.rank), **rank} if rank else p.rank,
-                )
-            )
+    every, end = flat.pieces, start + n
+    lo, hi = max(bisect.bisect_right(starts, start) - 1, 0), bisect.bisect_left(starts, end)
+    taken = [p for p in every[lo:hi] if p.numel and p.dst_offset + p.numel > start]  # those reaching into [start, end)
+    if rank:  # each distinct rank mapping with `rank` added, shared by its pieces (read-only)
+        merged = {id(p.rank): p.rank for p in taken}
+        merged = {k: {**r, **rank} for k, r in merged.items()}
+        pieces = [Piece(p.file, p.ref, p.src_offset, p.numel, p.dst_offset - start, merged[id(p.rank)]) for p in taken]
+    else:
+        pieces = [Piece(p.file, p.ref, p.src_offset, p.numel, p.dst_offset - start, p.rank) for p in taken]
+    for k in {0, len(pieces) - 1} if pieces else ():  # only the first and last piece can stick out: clipped
+        p = pieces[k]
+        a, b = max(p.dst_offset, 0), min(p.dst_offset + p.numel, n)
+        if (a, b) != (p.dst_offset, p.dst_offset + p.numel):
+            pieces[k] = Piece(p.file, p.ref, p.src_offset + (a - p.dst_offset), b - a, a, p.rank)
     return TensorNode(tuple(shape), flat.dtype, tuple(pieces))
 
 
