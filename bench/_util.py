@@ -87,13 +87,14 @@ def ckpt_command() -> list[str]:
     return [str(exe)] if exe.is_file() else [sys.executable, "-c", "from ckpt_cli.main import main; main()"]
 
 
-def precompile() -> None:
+def precompile(root: str | os.PathLike | None = None) -> None:
     """Write the project's bytecode, as installing a wheel does. These machines set PYTHONDONTWRITEBYTECODE=1,
     so an editable install would otherwise compile every ckpt module again in every timed process (~40 ms
-    that no installed tool pays; torch and the other references come from wheels with their bytecode)."""
+    that no installed tool pays; torch and the other references come from wheels with their bytecode). `root`:
+    another source tree to compile (a benchmark's `--before DIR`), else this one."""
     subprocess.run(
         [sys.executable, "-m", "compileall", "-q", "ckpt_tools", "cli"],
-        cwd=REPO_ROOT,
+        cwd=root or REPO_ROOT,
         check=True,
         stdout=subprocess.DEVNULL,
     )

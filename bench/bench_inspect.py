@@ -12,6 +12,10 @@ The tensor-count series (the same ~0.27 GB of bytes in ever more tensors) and a 
     python bench/bench_inspect.py --ckpt bench/out/L192 --ckpt bench/out/L768 --ckpt bench/out/L1536 \
         --ckpt bench/out/pipe_dp2_l96
 
+`--before DIR` also runs `ckpt inspect --json` from another source tree (DIR holding `ckpt_tools/` and `ckpt_cli`, e.g.
+`git archive HEAD ckpt_tools cli | tar -x -C DIR && ln -s cli DIR/ckpt_cli`), interleaved with the rest, and fails
+unless its output is byte-identical to this tree's.
+
 With checkpoints of several tensor counts the script fits the cost per tensor (least squares of the median
 wall time on the tensor count, over the `--series` checkpoints: by default those whose names start with L).
 
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -99,13 +104,19 @@ def tag_dir(ckpt: Path) -> Path:
     return ckpt / latest.read_text().strip() if latest.is_file() else ckpt
 
 
-def commands(ckpt: Path) -> dict[str, list[str]]:
-    return {
+BEFORE = "before: ckpt inspect --json"
+
+
+def commands(ckpt: Path, before: Path | None = None) -> dict[str, list[str]]:
+    cmds = {
         "ckpt inspect --json": [*ckpt_command(), "inspect", str(ckpt), "--json"],
         "ckpt inspect": [*ckpt_command(), "inspect", str(ckpt)],
         "reference (torch.load + walk)": [sys.executable, "-c", REFERENCE, str(tag_dir(ckpt))],
         "python -c pass": [sys.executable, "-c", "pass"],
     }
+    if before is not None:  # the same `ckpt inspect --json`, run from the source tree `before` (PYTHONPATH)
+        cmds[BEFORE] = cmds["ckpt inspect --json"]
+    return cmds
 
 
 def check_json(out_file: Path, ckpt: Path) -> dict:
@@ -124,13 +135,16 @@ def check_json(out_file: Path, ckpt: Path) -> dict:
     return doc
 
 
-def run(ckpts: list[Path], *, repeat: int, modes: list[str], wait_idle_s: float) -> list[dict]:
+def run(
+    ckpts: list[Path], *, repeat: int, modes: list[str], wait_idle_s: float, before: Path | None = None
+) -> list[dict]:
     rows = []
+    env_before = dict(os.environ, PYTHONPATH=str(before)) if before is not None else None
     for mode in modes:
-        plan = [(ck, name, cmd) for ck in ckpts for name, cmd in commands(ck).items()]
+        plan = [(ck, name, cmd) for ck in ckpts for name, cmd in commands(ck, before).items()]
         if mode == "warm":  # one untimed run each: the files and modules are in the page cache after it
             for ck, name, cmd in plan:
-                run_measured(cmd, cwd=REPO_ROOT)
+                run_measured(cmd, cwd=REPO_ROOT, env=env_before if name == BEFORE else None)
         runs: dict[tuple[Path, str], list] = {(ck, name): [] for ck, name, _ in plan}
         shape: dict[Path, tuple[int, int]] = {}
         busy: dict[tuple[Path, str], list] = {(ck, name): [] for ck, name, _ in plan}
@@ -142,11 +156,20 @@ def run(ckpts: list[Path], *, repeat: int, modes: list[str], wait_idle_s: float)
                 busy[(ck, name)].append(b)
                 if mode == "cold" and not drop_caches():
                     raise RuntimeError("drop_caches stopped working mid-run")
-                out = OUT_DIR / f"inspect_stdout_{ck.name}.txt"
-                m = run_measured(cmd, cwd=REPO_ROOT, stdout_path=out)
+                out = OUT_DIR / f"inspect_stdout_{ck.name}{'_before' if name == BEFORE else ''}.txt"
+                m = run_measured(cmd, cwd=REPO_ROOT, stdout_path=out, env=env_before if name == BEFORE else None)
                 if name == "ckpt inspect --json" and i == 0:
                     doc = check_json(out, ck)
                     shape[ck] = (doc["parameters"]["tensors"], len(doc["files"]))
+                    shutil.copyfile(out, OUT_DIR / f"inspect_json_{ck.name}.txt")
+                if (
+                    name == BEFORE
+                    and i == 0
+                    and out.read_bytes() != (OUT_DIR / f"inspect_json_{ck.name}.txt").read_bytes()
+                ):
+                    raise RuntimeError(
+                        f"{ck}: `ckpt inspect --json` from {before} is not byte-identical to this tree's"
+                    )
                 runs[(ck, name)].append(m)
                 print(
                     f"  {mode} run {i + 1}/{repeat} {ck.name:<12} {name:<30} {m.wall_s:7.3f} s wall "
@@ -163,7 +186,7 @@ def run(ckpts: list[Path], *, repeat: int, modes: list[str], wait_idle_s: float)
                     "tensors": shape[ck][0],
                     "files": shape[ck][1],
                     "tool": name,
-                    "cmd": commands(ck)[name],
+                    "cmd": commands(ck, before)[name],
                     "cpu_busy_before": busy[(ck, name)],
                     **summarize(ms).to_dict(),
                 }
@@ -179,8 +202,10 @@ def ratios(rows: list[dict]) -> list[dict]:
     for (ck, mode, tool), r in by.items():
         if tool != "reference (torch.load + walk)":
             continue
-        for mine in ("ckpt inspect --json", "ckpt inspect"):
-            c = by[(ck, mode, mine)]
+        for mine in ("ckpt inspect --json", "ckpt inspect", BEFORE):
+            c = by.get((ck, mode, mine))
+            if c is None:
+                continue
             out.append(
                 {
                     "checkpoint": ck,
@@ -217,7 +242,7 @@ def per_tensor(rows: list[dict], series: str) -> list[dict]:
     checkpoints whose names start with `series` (the same bytes in more and more tensors), per tool."""
     out = []
     for mode in sorted({r["cache"] for r in rows}):
-        for tool in ("ckpt inspect --json", "ckpt inspect", "reference (torch.load + walk)"):
+        for tool in ("ckpt inspect --json", "ckpt inspect", "reference (torch.load + walk)", BEFORE):
             rs = [r for r in rows if r["cache"] == mode and r["tool"] == tool and r["checkpoint"].startswith(series)]
             if len({r["tensors"] for r in rs}) < 2:
                 continue
@@ -383,6 +408,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-phases", action="store_true", help="skip the in-process phase breakdown")
     p.add_argument("--results", type=Path, default=OUT_DIR / "inspect_results.json")
     p.add_argument("--series", default="L", help="name prefix of the tensor-count series checkpoints (default L)")
+    p.add_argument(
+        "--before",
+        type=Path,
+        metavar="DIR",
+        help="also run `ckpt inspect --json` from this source tree (DIR holding ckpt_tools/ and ckpt_cli), "
+        "interleaved; fails unless its output is byte-identical to this tree's",
+    )
     args = p.parse_args(argv)
 
     ckpts = [c.resolve() for c in (args.ckpt or [OUT_DIR / n for n in DEFAULT_CKPTS])]
@@ -401,8 +433,11 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
         )
     precompile()
+    before = args.before.resolve() if args.before else None
+    if before is not None:
+        precompile(before)
     busy_start = cpu_busy_fraction(1.0)
-    rows = run(ckpts, repeat=args.repeat, modes=modes, wait_idle_s=args.wait_idle)
+    rows = run(ckpts, repeat=args.repeat, modes=modes, wait_idle_s=args.wait_idle, before=before)
     ph = {} if args.no_phases else phases(ckpts, args.repeat)
     rat, flat, fits = ratios(rows), flatness(rows), per_tensor(rows, args.series)
     args.results.write_text(

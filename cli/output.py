@@ -247,30 +247,24 @@ def _ranges(values: list[int], width: int = 0, braces: bool = True) -> str:
     return "{" + ",".join(runs) + "}" if braces else ",".join(runs)
 
 
+def _leaf_key(c: Node):
+    """`_line_key` of a leaf (a tensor or a value)."""
+    v = c.value
+    if isinstance(c, TensorNode):
+        # fmt_tensor shows "(N pieces)"
+        return (c.dtype, c.shape, tuple(v) if isinstance(v, list) else v, len(c.shards), c.merge, len(c.pieces))
+    return ("v", type(v).__name__, repr(v) if isinstance(v, (list, tuple, dict)) else v)
+
+
 def _line_key(n: Node):
     """What a child's tree line says, as a hashable key (cheaper than the text): two children with equal keys
     render the same line. None for a child that spans several lines (never collapsed)."""
-
-    def leaf(c: Node):
-        if isinstance(c, TensorNode):
-            v = c.value
-            return (
-                c.dtype,
-                c.shape,
-                tuple(v) if isinstance(v, list) else v,
-                len(c.shards),
-                c.merge,
-                len(c.pieces),
-            )  # fmt_tensor shows "(N pieces)"
-        v = c.value
-        return ("v", type(v).__name__, repr(v) if isinstance(v, (list, tuple, dict)) else v)
-
     try:
         if _is_leaf(n):
-            return leaf(n)
+            return _leaf_key(n)
         kids = n.children
         if kids and len(kids) <= 5 and all(_is_leaf(c) for c in kids.values()):
-            return (getattr(n, "cls", None),) + tuple((k, leaf(c)) for k, c in kids.items())
+            return (getattr(n, "cls", None), *[(k, _leaf_key(c)) for k, c in kids.items()])
         return None
     except TypeError:  # an unhashable value: that child keeps its own line
         return None

@@ -32,9 +32,12 @@ from ..read.tree import (
     ValueNode,
     Warning_,
     as_int,
+    group_node,
+    pieces_node,
     tensor_node,
     to_node,
 )
+from ..read.tree import piece as make_piece
 from . import _common as C
 
 FORMAT = "deepspeed_zero"
@@ -234,10 +237,14 @@ def read_zero_optimizer(
             refs = [(key, ref, ref.numel) for key, ref in flat.items() if isinstance(ref, TensorRef)]
             grank, rename = group_layout(gi, r) if group_layout else (r, None)
             for name, (src, cnt, dst) in _fragments(stage, osd, gi, shapes, grank, dp).items():
-                name = rename(name) if rename else name
-                slot = pieces.setdefault(name, {})
+                if rename:
+                    name = rename(name)
+                slot = pieces.get(name)
+                if slot is None:
+                    slot = pieces[name] = {}
+                end = src + cnt
                 for key, ref, size in refs:
-                    if src + cnt > size:
+                    if end > size:
                         raise CorruptCheckpoint(
                             f"param {name} lies outside the flat {key} partition of group {gi}",
                             path=optim_files[r],
@@ -245,9 +252,9 @@ def read_zero_optimizer(
                         )
                     plist = slot.get(key)
                     if plist is None:
-                        slot[key] = [Piece(rel, ref, src, cnt, dst, rank)]
+                        slot[key] = [make_piece(rel, ref, src, cnt, dst, rank)]
                     else:
-                        plist.append(Piece(rel, ref, src, cnt, dst, rank))
+                        plist.append(make_piece(rel, ref, src, cnt, dst, rank))
     saved = frozenset().union(*state_keys.values()) if state_keys else frozenset()
     for (r, gi), keys in sorted(state_keys.items()):
         if keys != saved:
@@ -275,23 +282,23 @@ def read_zero_optimizer(
             )
         )
     state_out: dict[str, dict[str, Any]] = {}
+    no_pieces: dict[str, list[Piece]] = {}
     for gi, shapes in enumerate(out_groups if out_groups is not None else shape_groups):
+        has_step, step = gi in step_value, step_value.get(gi)
         for name, shape in shapes.items():
             entry: dict[str, Any] = {}
             numel = math.prod(shape)
-            for key, plist in pieces.get(name, {}).items():
-                covered = plist[0].numel if len(plist) == 1 else sum(p.numel for p in plist)
-                if covered != numel:
-                    raise CorruptCheckpoint(
-                        f"param {name}: the {key} pieces cover {covered} of {math.prod(shape)} elements",
-                        path=optim_files[min(optim_files)],
-                        hint="a rank file is missing or from another run",
-                    )
-                if len(plist) > 1:
+            for key, plist in pieces.get(name, no_pieces).items():
+                if len(plist) == 1:
+                    if plist[0].numel != numel:
+                        _short(name, key, plist, shape, optim_files)
+                else:
+                    if sum(p.numel for p in plist) != numel:
+                        _short(name, key, plist, shape, optim_files)
                     plist.sort(key=_dst_offset)
-                entry[key] = TensorNode(shape, plist[0].ref.dtype, tuple(plist))
-            if gi in step_value:
-                entry["step"] = step_value[gi]
+                entry[key] = pieces_node(shape, plist[0].ref.dtype, tuple(plist))
+            if has_step:
+                entry["step"] = step
             entry["param_group"] = gi
             state_out[name] = entry
     extras = {
@@ -315,6 +322,15 @@ def read_zero_optimizer(
         extras,
         master_dtype,
         warnings,
+    )
+
+
+def _short(name: str, key: str, plist: list[Piece], shape: tuple[int, ...], optim_files: dict[int, Path]):
+    covered = sum(p.numel for p in plist)
+    raise CorruptCheckpoint(
+        f"param {name}: the {key} pieces cover {covered} of {math.prod(shape)} elements",
+        path=optim_files[min(optim_files)],
+        hint="a rank file is missing or from another run",
     )
 
 
@@ -546,10 +562,10 @@ def build(
         # ZeRO-1 writes no frozen_param_shapes: a frozen weight is only in `module` (not a trainable
         # param, a buffer or a tied alias)
         known = set(names) | set(buffers) | {str(k) for k in shared}
-        frozen = {
+        frozen = {  # the name first: a ZeRO-2 file's empty frozen_param_shapes leads here too, with 18k known names
             str(n): r.shape
             for n, r in module.items()
-            if isinstance(r, TensorRef) and r.numel > 0 and str(n) not in known
+            if str(n) not in known and isinstance(r, TensorRef) and r.numel > 0
         }
     weight_source = "module"
     for name in names + [str(n) for n in frozen]:
@@ -768,8 +784,7 @@ def logical_layout(ck: Checkpoint) -> dict[str, Any]:
 def _optimizer_node(opt: ZeroOptimizer) -> GroupNode:
     state = {}
     values: dict[Any, ValueNode] = {}  # nodes are immutable: one per distinct step / group number, shared
-    for name in opt.state:
-        entry = opt.state[name]
+    for name, entry in opt.state.items():
         kids = {k: v for k, v in entry.items() if isinstance(v, TensorNode)}
         for key in ("step", "param_group"):
             if key in entry:
@@ -778,7 +793,7 @@ def _optimizer_node(opt: ZeroOptimizer) -> GroupNode:
                 if node is None:
                     node = values[(type(v), v)] = ValueNode(v)
                 kids[key] = node
-        state[name] = GroupNode(kids)
+        state[name] = group_node(kids)
     groups = {str(i): GroupNode({k: to_node(v, "") for k, v in g.items()}) for i, g in enumerate(opt.param_groups)}
     extras = {k: to_node(v, "") for k, v in opt.extras.items()}
     return GroupNode({"state": GroupNode(state), "param_groups": GroupNode(groups), **extras})

@@ -14,6 +14,7 @@ reader does not run is {"class", "fields"}; other values are plain JSON.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import asdict, dataclass, replace
@@ -131,7 +132,20 @@ def rank_pieces(t: TensorNode, rank: dict[str, int]) -> list:
     return [p for p in pieces if all(p.rank.get(k) == v for k, v in rank.items())]
 
 
+#: values `jsonable` gives back as they are (a float may not be finite: it goes through `jsonable`)
+_PLAIN = frozenset({int, str, bool})
+
+
 def node_to_json(node: Node, rank: dict[str, int] | None = None) -> Any:
+    # the two kinds of node an 18k-tensor checkpoint has ~100k of, first and by exact type: the same answer as below
+    kind = type(node)
+    if kind is GroupNode:
+        return {k: node_to_json(v, rank) for k, v in node.children.items()}
+    if kind is TensorNode and not rank and node.value is None and not node.shards:
+        return {"shape": list(node.shape), "dtype": node.dtype, "numel": math.prod(node.shape)}
+    if kind is ValueNode:
+        value = node.value
+        return value if value is None or type(value) in _PLAIN else jsonable(value)
     if isinstance(node, TensorNode):
         out: dict[str, Any] = {"shape": list(node.shape), "dtype": node.dtype, "numel": node.numel}
         if node.value is not None:

@@ -18,7 +18,6 @@ plain pickles (DCP `.metadata`, Accelerate `*.pkl`).
 from __future__ import annotations
 
 import contextvars
-import functools
 import io
 import mmap
 import os
@@ -102,6 +101,9 @@ _STRUCT = {
     "uint64": "Q",
 }
 
+_new = object.__new__
+_set = object.__setattr__
+
 #: tensors up to this many elements get their values read when a tree is built (step counters etc.)
 SMALL_TENSOR_NUMEL = 16
 
@@ -177,6 +179,21 @@ class FdCache:
         self._sizes.clear()
 
 
+class _Numel:
+    """`TensorRef.numel`, asked for per piece when un-flattening: the product of `shape`, computed once and kept on
+    the record (the record is frozen), as `functools.cached_property` would, without the lock Python 3.11's takes on
+    every first access (18k in a ZeRO model-states file)."""
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self
+        n = 1
+        for s in obj.shape:
+            n *= s
+        _set(obj, "numel", n)
+        return n
+
+
 @dataclass(frozen=True)
 class TensorRef:
     """A tensor seen in a pickle: metadata plus a pointer to its bytes. Reading them is on demand."""
@@ -197,12 +214,7 @@ class TensorRef:
     # record; None for a TensorRef built by hand
     pickled: Any = field(default=None, repr=False, compare=False)
 
-    @functools.cached_property
-    def numel(self) -> int:  # asked for per piece when un-flattening: computed once (the record is frozen)
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+    numel = _Numel()  # not a field (no annotation): computed from `shape` when first asked
 
     @property
     def nbytes(self) -> int:
@@ -450,6 +462,29 @@ class NumpyDType:
 
 
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
+    if (
+        type(storage) is StorageRef
+        and type(storage_offset) is int
+        and type(size) is tuple
+        and type(stride) is tuple
+        and type(requires_grad) is bool
+        and _NESTING_TYPES.isdisjoint(map(type, size))
+        and _NESTING_TYPES.isdisjoint(map(type, stride))
+    ):
+        # the call torch.save writes for every tensor (18k in a ZeRO model-states file): the record below, its fields
+        # set in `__init__`'s order without the frozen dataclass's `__init__` and the two `_flat_tuple` copies
+        t = _new(TensorRef)
+        _set(t, "dtype", storage.dtype)
+        _set(t, "shape", size)
+        _set(t, "stride", stride)
+        _set(t, "storage_offset", storage_offset)
+        _set(t, "storage", storage)
+        _set(t, "requires_grad", requires_grad)
+        _set(t, "is_parameter", False)
+        _set(t, "subclass", None)
+        _set(t, "subclass_state", None)
+        _set(t, "pickled", None)
+        return t
     dtype = storage.dtype if isinstance(storage, StorageRef) else "uint8"
     return TensorRef(
         dtype,
@@ -798,11 +833,11 @@ def resolve_global(module: str, name: str) -> Any:
 
 class _Unpickler(pickle.Unpickler):
     def __init__(self, file, source: "Source | None", persistent: Callable[[tuple], Any] | None):
+        if persistent is not None:  # called straight from C, once per tensor storage: the C unpickler takes
+            self.persistent_load = persistent  # its persistent_load when initialised, so set it before that
         super().__init__(file, encoding="latin1")
         self._source = source
         self._persistent = persistent
-        if persistent is not None:  # called straight from C, once per tensor storage
-            self.persistent_load = persistent
         self.globals_seen: set[str] = set()
 
     def find_class(self, module: str, name: str):
@@ -2071,7 +2106,15 @@ def _zip_persistent(source: Source, named: list[StorageRef] | None = None) -> Ca
             dtype, type_name = _storage_dtype(storage_type), _storage_type_name(storage_type)
             if isinstance(storage_type, type):
                 types[storage_type] = (dtype, type_name)
-        ref = StorageRef(str(key), dtype, int(numel), str(location), source, type_name)
+        # StorageRef(str(key), dtype, int(numel), str(location), source, type_name) without the frozen dataclass's
+        # __init__ (one per tensor of the file)
+        ref = _new(StorageRef)
+        _set(ref, "key", str(key))
+        _set(ref, "dtype", dtype)
+        _set(ref, "numel", int(numel))
+        _set(ref, "location", str(location))
+        _set(ref, "source", source)
+        _set(ref, "storage_type", type_name)
         if named is not None:
             named.append(ref)
         return ref

@@ -232,7 +232,7 @@ def tensor_node(ref: TensorRef, file: str, rank: Mapping[str, int] | None = None
             value = vals[0] if ref.shape == () else vals
         except Exception:  # unreadable bytes show up as a missing value, the reader reports corruption elsewhere
             value = None
-    return TensorNode(ref.shape, ref.dtype, (Piece(file, ref, 0, ref.numel, 0, dict(rank or {})),), value=value)
+    return leaf_node(ref.shape, ref.dtype, file, ref, ref.numel, dict(rank or {}), value)
 
 
 _new = object.__new__
@@ -266,6 +266,39 @@ def leaf_node(
     _set(node, "shards", ())
     _set(node, "merge", None)
     _set(node, "value", value)
+    return node
+
+
+def piece(file: str, ref: TensorRef, src_offset: int, numel: int, dst_offset: int, rank: Mapping[str, int]) -> Piece:
+    """`Piece(file, ref, src_offset, numel, dst_offset, rank)` without the frozen dataclass's `__init__` (as
+    `leaf_node`): un-flattening a ZeRO optimizer makes one per parameter, state and DP rank holding a part of it."""
+    p = _new(Piece)
+    _set(p, "file", file)
+    _set(p, "ref", ref)
+    _set(p, "src_offset", src_offset)
+    _set(p, "numel", numel)
+    _set(p, "dst_offset", dst_offset)
+    _set(p, "rank", rank)
+    return p
+
+
+def group_node(children: Mapping[str, Any]) -> GroupNode:
+    """`GroupNode(children)` without the frozen dataclass's `__init__` (as `leaf_node`): one per parameter under
+    `optimizer.state` of a ZeRO checkpoint."""
+    node = _new(GroupNode)
+    _set(node, "children", children)
+    return node
+
+
+def pieces_node(shape: tuple[int, ...], dtype: str, pieces: tuple[Piece, ...]) -> TensorNode:
+    """`TensorNode(shape, dtype, pieces)` without the frozen dataclass's `__init__` (as `leaf_node`)."""
+    node = _new(TensorNode)
+    _set(node, "shape", shape)
+    _set(node, "dtype", dtype)
+    _set(node, "pieces", pieces)
+    _set(node, "shards", ())
+    _set(node, "merge", None)
+    _set(node, "value", None)
     return node
 
 
