@@ -1,0 +1,345 @@
+"""Megatron-LM legacy rank files of a Mixture-of-Experts run at another expert-parallel size (`ckpt convert SRC OUT
+--to megatron --ckpt-format torch --ep N`), as Megatron-LM core_v0.16.1's `--ckpt-format torch` save lays them out
+for plain Adam at TP 1 x PP 1:
+
+    OUT/iter_{N:07d}/mp_rank_00_{e:03d}/model_optim_rng.pt   one per EP rank e (EP 1: `mp_rank_00`)
+        model       the dense parameters (a replica on every EP rank) and EP rank e's experts: global expert g sits
+                    on EP rank g // (E / N) under its local id g % (E / N), in Megatron-core's module order
+        optimizer   EP > 1: Megatron's ChainedOptimizer as its legacy save writes it, [dense, expert], each
+                    {optimizer: {state, param_groups}, fp32_from_fp16_params}; EP 1: one such dict (at EP 1
+                    Megatron's `_get_param_groups` finds no `is_expert_parallel` parameter: the experts sit in the
+                    dense groups). Each inner optimizer numbers its parameters group after group, each group in
+                    `named_parameters` order (the module order), as torch's Optimizer.state_dict does
+        args, checkpoint_version, iteration, opt_param_scheduler, rng_state, num_floating_point_operations_so_far
+
+The source is a torch_dist save (experts stacked on a `num_experts` axis) or legacy rank files (one folder per EP
+rank), read through the logical view under GLOBAL expert ids. The param groups are the source's, regrouped for the
+new EP (`groups_at`): at EP 1 each expert group joins the dense group with the same hyper-parameters; at EP > 1 the
+experts leave the dense groups for groups of their own (`is_expert_parallel`). Nothing is unpickled: args, scheduler
+and RNG states are the source's inert trees.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import UnsupportedCheckpoint
+from .megatron_write import _args, _DistSource, _Records, _rng_list, rank_files
+
+_EXPERT = re.compile(r"^decoder\.layers\.\d+\.mlp\.experts\.local_experts\.(\d+)\.")
+#: a MoE layer's modules (local spec, SequentialMLP) in the order Megatron-core's TransformerLayer registers them
+_LAYER_MODULES = (
+    "input_layernorm.",
+    "self_attention.linear_proj.",
+    "self_attention.linear_qkv.",
+    "self_attention.q_layernorm.",
+    "self_attention.k_layernorm.",
+    "pre_mlp_layernorm.",
+    "mlp.router.",
+)
+_LINEAR = ("self_attention.linear_proj.", "self_attention.linear_qkv.", "linear_fc1.", "linear_fc2.")
+
+
+def is_moe(ck) -> bool:
+    return bool(_args(ck).get("num_experts"))
+
+
+def is_expert(name: str) -> bool:
+    """Whether the logical parameter `name` is a routed expert's (`decoder.layers.L.mlp.experts.local_experts.g.`)."""
+    return _EXPERT.match(name) is not None
+
+
+def saved_ep(ck) -> int:
+    return int(ck.topology.ep or _args(ck).get("expert_model_parallel_size") or 1)
+
+
+def _refuse(what: str, src: Path, hint: str | None = None):
+    return UnsupportedCheckpoint(f"--to megatron of a Mixture-of-Experts run: {what}", path=src, hint=hint)
+
+
+def check(ck, src: Path, ckpt_format: str, tp: int | None, pp: int | None, ep: int | None) -> int:
+    """Refuse, each in one line naming it, a MoE source or target ckpt does not write; returns the EP size to
+    write (default: the saved one)."""
+    args = _args(ck)
+    experts, saved = int(args.get("num_experts") or 0), saved_ep(ck)
+    head = f"(num_experts={experts}, expert_model_parallel_size={saved})"
+    if ckpt_format != "torch":
+        raise _refuse(
+            f"--ckpt-format {ckpt_format} {head} is not written yet (only --ckpt-format torch: legacy rank files "
+            "per EP rank)",
+            src,
+            hint="Megatron reshards a torch_dist MoE checkpoint at load: resume it at the new sizes",
+        )
+    if ck.format not in ("megatron_torch_dist", "megatron_legacy"):
+        raise _refuse(f"a {ck.format} source holds no Megatron-LM MoE layout", src)
+    named = [
+        (args.get("use_distributed_optimizer"), "the distributed optimizer (--use-distributed-optimizer)"),
+        ((args.get("transformer_impl") or "local") != "local", f"transformer_impl={args.get('transformer_impl')}"),
+        ((args.get("expert_tensor_parallel_size") or 1) != 1, "expert tensor parallelism (ETP > 1)"),
+        (args.get("moe_grouped_gemm"), "the grouped-GEMM experts (--moe-grouped-gemm)"),
+        (args.get("moe_shared_expert_intermediate_size"), "a shared expert (--moe-shared-expert-intermediate-size)"),
+        (args.get("moe_layer_freq") not in (None, 1), "dense layers between MoE layers (--moe-layer-freq)"),
+        ((ck.topology.tp or 1) != 1 or (ck.topology.pp or 1) != 1 or ck.topology.vpp, "a source at TP or PP > 1"),
+        (tp not in (None, 1) or pp not in (None, 1), f"--tp {tp} / --pp {pp} (a TP / PP change)"),
+    ]
+    for bad, what in named:
+        if bad:
+            raise _refuse(f"{what} {head} is not written yet (plain Adam at TP 1 x PP 1 only)", src)
+    ep = saved if ep is None else ep
+    world = int(args.get("world_size") or args.get("data_parallel_size") or 1)
+    if ep < 1 or experts % ep or world % ep:
+        raise _refuse(
+            f"--ep {ep} {head}: an EP size divides num_experts and the run's world size ({world})",
+            src,
+            hint="choose an EP size that divides both",
+        )
+    if ck.format == "megatron_legacy" and ep == saved:
+        raise UnsupportedCheckpoint(
+            f"the checkpoint is already in Megatron-LM's legacy format at EP {saved}: nothing to convert",
+            path=src,
+            hint="--ep N writes the rank files of another expert-parallel size",
+        )
+    return ep
+
+
+def groups_at(groups: list[dict], ep: int, src: Path) -> list[dict]:
+    """Megatron's param groups at EP `ep` from the source's: the dense groups, then (EP > 1) the expert groups, each
+    keyed by its hyper-parameters but `is_expert_parallel`; an expert group without a dense group of the same
+    hyper-parameters at EP 1 (Megatron would put them in one) is refused naming the field."""
+
+    def hyper(g: dict) -> dict:
+        return {k: v for k, v in g.items() if k not in ("params", "is_expert_parallel")}
+
+    out: list[dict] = []
+    for expert_side in (False, True) if ep > 1 else (False,):
+        for g in groups:
+            names = [n for n in g["params"] if (ep > 1 and is_expert(n)) == expert_side]
+            if not names:
+                continue
+            h = hyper(g)
+            same = next((o for o in out if hyper(o) == h and o["is_expert_parallel"] == expert_side), None)
+            if same is None:
+                if ep == 1 and g.get("is_expert_parallel"):
+                    raise _refuse(
+                        f"expert param group {groups.index(g)} has no dense group with the same hyper-parameters "
+                        f"({', '.join(f'{k}={v}' for k, v in h.items())}): at EP 1 Megatron groups them together",
+                        src,
+                    )
+                out.append({"params": list(names), "is_expert_parallel": expert_side, **h})
+            else:
+                same["params"].extend(names)
+    return out
+
+
+def plan_lines(ck, ep: int) -> tuple[list[str], list[str]]:
+    """(notes, not moved) for a MoE run written as legacy rank files at EP `ep`."""
+    args, saved = _args(ck), saved_ep(ck)
+    experts = int(args["num_experts"])
+    n = experts // ep
+    notes = [
+        f"Megatron-LM legacy layout (--ckpt-format torch, plain Adam) of a Mixture-of-Experts run at EP {ep} "
+        f"(saved at EP {saved}): iter_N/{'mp_rank_00_EEE' if ep > 1 else 'mp_rank_00'}/model_optim_rng.pt per EP "
+        f"rank; EP rank e holds global experts e*{n}..e*{n}+{n - 1} of each of the {args['num_layers']} layers "
+        "under local ids 0..n-1, and the dense parameters (a replica per EP rank), in Megatron-core's module order",
+        (
+            "optimizer: Megatron's ChainedOptimizer [dense, expert], each {optimizer: {state, param_groups}, "
+            "fp32_from_fp16_params}, the expert one holding exactly its EP rank's experts"
+            if ep > 1
+            else "optimizer: one inner optimizer (at EP 1 Megatron's param groups hold no expert-parallel "
+            "parameter: each expert group joins the dense group with its hyper-parameters)"
+        )
+        + "; every parameter's fp32 master, exp_avg, exp_avg_sq and Adam step; opt_param_scheduler, iteration, "
+        "checkpoint_version and floating-point-operation count as saved",
+        f"args: carried as saved with ckpt_format=torch, use_dist_ckpt=False, expert_model_parallel_size={ep} "
+        "and each file's rank / local_rank",
+    ]
+    not_moved = []
+    if ck.format == "megatron_torch_dist":
+        not_moved.append("content_metadata (common.pt): the legacy format has no such field")
+    if ep != saved:
+        not_moved.append(
+            f"RNG at another EP: each rank file carries the RNG state of the saved EP rank that held its first "
+            f"expert (EP rank e <- e x {saved} // {ep}): the Python / NumPy / torch generators and the "
+            "data-, model- and expert-parallel CUDA trackers are that rank's. Relaunch with --no-load-rng for "
+            "Megatron's fresh seeding instead"
+        )
+    return notes, not_moved
+
+
+class _Source:
+    """common.pt's fields (from common.pt, or from the first legacy rank file) and each saved EP rank's RNG state."""
+
+    def __init__(self, ck):
+        from ..read import pickle_reader as pr
+
+        self.ck = ck
+        if ck.format == "megatron_legacy":
+            self.files = {k[2] if len(k) > 2 else 0: f for k, f in rank_files(ck).items()}
+            self.common = pr.load(self.files[min(self.files)]).obj
+            self.dist = None
+        else:
+            self.dist = _DistSource(ck)
+            self.common = self.dist.common
+
+    def rng(self, e: int, ep: int):
+        if self.dist is None:
+            from ..read import pickle_reader as pr
+
+            f = self.files[e]
+            rng = pr.load(f).obj.get("rng_state")
+            return None if rng is None else _rng_list(rng, "rng_state", f)
+        for key in (f"rng_state/shard_0.0.{e}_1.1.{ep}", "rng_state/shard_0.0_1.1"):
+            if (key, None) in self.dist._items.items:
+                return self.dist._rng(key)
+        return None
+
+
+def _model_order(module: dict, layers: int, experts: range, tied: bool, src: Path) -> list[tuple[str, str | None]]:
+    """[(the legacy name in the EP rank's `model`, the logical name read, None for an extra state)] for the EP rank
+    holding global `experts`, in Megatron-core's registration order; refuses a layer missing one of its experts."""
+    from ..view.logical import name_key
+
+    items: list[tuple[str, str | None]] = []
+
+    def module_items(local: str, key: str, linear: bool) -> None:
+        if name_key(key + "weight") not in module:
+            return
+        for p in ("weight", "bias"):
+            if name_key(key + p) in module:
+                items.append((local + p, name_key(key + p)))
+        if linear:
+            items.append((local + "_extra_state", None))
+
+    for k in ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight"):
+        if k in module:
+            items.append((k, k))
+    for i in range(layers):
+        for mod in _LAYER_MODULES:
+            module_items(f"decoder.layers.{i}.{mod}", f"decoder.layers.{i}.{mod}", mod in _LINEAR)
+        for local, g in enumerate(experts):
+            for fc in ("linear_fc1.", "linear_fc2."):
+                key = f"decoder.layers.{i}.mlp.experts.local_experts.{g}.{fc}"
+                if name_key(key + "weight") not in module:
+                    raise _refuse(
+                        f"layer {i} lacks expert {g}'s {fc}weight: every expert of every layer is written", src
+                    )
+                module_items(f"decoder.layers.{i}.mlp.experts.local_experts.{local}.{fc}", key, True)
+    for k in ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias"):
+        if k in module:
+            items.append((k, k))
+    if not tied and "output_layer.weight" in module:
+        items.append(("output_layer.weight", "output_layer.weight"))
+    items.append(("output_layer._extra_state", None))
+    return items
+
+
+def rank_dirs(ep: int, iteration: int) -> list[str]:
+    return [f"iter_{iteration:07d}/mp_rank_00" + (f"_{e:03d}" if ep > 1 else "") for e in range(ep)]
+
+
+def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
+    """Write `plan` (a MoE run, legacy rank files at EP `plan.ep`) into the empty folder `root`; returns the bytes
+    written. Every module tensor of the source is placed on its EP rank(s) or the write refuses naming it."""
+    import torch
+
+    from ..view import logical as L
+    from ..view.logical import name_key
+    from .torch_zip import save
+
+    ck = L.open_any(plan.source)
+    args = _args(ck)
+    ep, layers, experts = plan.ep, int(args["num_layers"]), int(args["num_experts"])
+    per = experts // ep
+    tied = not args.get("untie_embeddings_and_output_weights")
+    src = _Source(ck)
+    common = src.common
+    module = {name_key(t.name): t for t in L.model_tensors(ck, weights="module")}
+    params = {name_key(p.name): p for p in plan.params}
+    group_of = {name_key(n): gi for gi, g in enumerate(plan.groups) for n in g["params"]}
+    placed: set[str] = set()
+    iteration = int(common["iteration"])
+    written = 0
+    for e, rel in enumerate(rank_dirs(ep, iteration)):
+        rec = _Records()
+        a = copy.copy(common["args"])
+        state = {**common["args"].state, "ckpt_format": "torch", "use_dist_ckpt": False}
+        state["expert_model_parallel_size"] = ep
+        for k in ("rank", "local_rank"):
+            if k in state:
+                state[k] = e  # Megatron's rank order tp-cp-ep-dp-pp at TP 1: EP rank e, expert-DP rank 0
+        a.state = state
+        obj: dict[str, Any] = {
+            "args": a,
+            "checkpoint_version": common["checkpoint_version"],
+            "iteration": common["iteration"],
+        }
+        m: collections.OrderedDict = collections.OrderedDict()
+        members: list[list[str]] = [[] for _ in plan.groups]
+        for local, key in _model_order(module, layers, range(e * per, (e + 1) * per), tied, plan.source):
+            if key is None:
+                m[local] = None
+                continue
+            node = module[key]
+            like = torch.empty(node.shape, dtype=L.torch_dtype(node.dtype), device="meta")
+            m[local] = rec.made(like, lambda node=node: node.read())
+            placed.add(key)
+            if key in params and params[key].states:
+                if key not in group_of:
+                    raise UnsupportedCheckpoint(f"{key}: in no param group", path=plan.source)
+                members[group_of[key]].append(key)
+        obj["model"] = m
+
+        def inner(gids: list[int], rec=rec, members=members) -> dict:
+            state_out: dict[int, Any] = {}
+            groups, masters = [], []
+            for gi in gids:
+                ids = []
+                for key in members[gi]:
+                    p = params[key]
+                    if p.step is None:
+                        raise UnsupportedCheckpoint(f"{key}: no Adam step in the source", path=plan.source)
+                    s: dict[str, Any] = {"step": rec.add(torch.tensor(float(p.step), dtype=torch.float32))}
+                    for k in ("exp_avg", "exp_avg_sq"):
+                        node = p.states[k]
+                        like = torch.empty(node.shape, dtype=torch.float32, device="meta")
+                        s[k] = rec.made(like, lambda node=node: node.read(torch.float32))
+                    ids.append(len(state_out))
+                    state_out[len(state_out)] = s
+                g = plan.groups[gi]
+                groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
+                row = []
+                for key in members[gi]:
+                    w = params[key].weight
+                    like = torch.empty(w.shape, dtype=torch.float32, device="meta")
+                    row.append(rec.made(like, lambda w=w: w.read(torch.float32)))
+                masters.append(row)
+            return {"optimizer": {"state": state_out, "param_groups": groups}, "fp32_from_fp16_params": masters}
+
+        dense = [gi for gi, g in enumerate(plan.groups) if not g.get("is_expert_parallel")]
+        expert = [gi for gi, g in enumerate(plan.groups) if g.get("is_expert_parallel")]
+        obj["optimizer"] = [inner(dense), inner(expert)] if expert else inner(dense)
+        obj["opt_param_scheduler"] = common["opt_param_scheduler"]
+        rng = src.rng(e * saved_ep(ck) // ep, saved_ep(ck))
+        if rng is not None:
+            obj["rng_state"] = rec.tree(rng)
+        obj["num_floating_point_operations_so_far"] = common.get("num_floating_point_operations_so_far")
+        d = root / rel
+        d.mkdir(parents=True)
+        written += save(obj, d / "model_optim_rng.pt", rec.data)
+        if progress:
+            progress(plan.nbytes * (e + 1) // ep - plan.nbytes * e // ep)
+    left = sorted(set(module) - placed)
+    if left:
+        raise UnsupportedCheckpoint(
+            f"{len(left)} model tensor(s) of the source have no place in Megatron's MoE layer layout: "
+            f"{', '.join(left[:3])}",
+            path=plan.source,
+        )
+    from .megatron_write import LATEST
+
+    (root / LATEST).write_text(str(iteration))
+    return written
