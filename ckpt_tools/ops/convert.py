@@ -947,15 +947,18 @@ class ConvertResult:
 def _megatron_writer(source):
     """The module that writes a Megatron-LM run from this source (a Checkpoint, or a ConvertPlan) (`check`,
     `plan_lines`, `write`): the way in from a Megatron-DeepSpeed pipeline or a torchtitan Llama (`megatron_in`),
-    else between Megatron-LM's two formats (`write.megatron_write`)."""
-    from ..write import megatron_write
+    a Mixture-of-Experts run at another EP size (`write.megatron_moe`), else between Megatron-LM's two formats
+    (`write.megatron_write`)."""
+    from ..write import megatron_moe, megatron_write
     from . import megatron_in
 
     if isinstance(source, ConvertPlan):
         way_in = source.source_format in megatron_in.SOURCE_FORMATS or source.hf_config is not None
+        moe = source.ep is not None
     else:
         way_in = megatron_in.handles(source)
-    return megatron_in if way_in else megatron_write
+        moe = not way_in and megatron_moe.is_moe(source)
+    return megatron_in if way_in else megatron_moe if moe else megatron_write
 
 
 def verify_logical(plan: ConvertPlan, root: Path, only: Callable[[str], bool] | None = None) -> list[str]:

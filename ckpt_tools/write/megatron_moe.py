@@ -61,9 +61,16 @@ def _refuse(what: str, src: Path, hint: str | None = None):
     return UnsupportedCheckpoint(f"--to megatron of a Mixture-of-Experts run: {what}", path=src, hint=hint)
 
 
-def check(ck, src: Path, ckpt_format: str, tp: int | None, pp: int | None, ep: int | None) -> int:
-    """Refuse, each in one line naming it, a MoE source or target ckpt does not write; returns the EP size to
-    write (default: the saved one)."""
+def target_ep(ck, ep: int | None) -> int:
+    """The EP size the rank files are written at (default: the saved one)."""
+    return saved_ep(ck) if ep is None else ep
+
+
+def check(
+    ck, src: Path, ckpt_format: str, tp: int | None, pp: int | None = None, ep: int | None = None
+) -> tuple[int, int]:
+    """Refuse, each in one line naming it, a MoE source or target ckpt does not write; returns the (TP, PP) sizes
+    of the rank files (1, 1)."""
     args = _args(ck)
     experts, saved = int(args.get("num_experts") or 0), saved_ep(ck)
     head = f"(num_experts={experts}, expert_model_parallel_size={saved})"
@@ -103,7 +110,7 @@ def check(ck, src: Path, ckpt_format: str, tp: int | None, pp: int | None, ep: i
             path=src,
             hint="--ep N writes the rank files of another expert-parallel size",
         )
-    return ep
+    return 1, 1
 
 
 def groups_at(groups: list[dict], ep: int, src: Path) -> list[dict]:
@@ -135,8 +142,11 @@ def groups_at(groups: list[dict], ep: int, src: Path) -> list[dict]:
     return out
 
 
-def plan_lines(ck, ep: int) -> tuple[list[str], list[str]]:
+def plan_lines(
+    ck, ckpt_format: str, tp: int | None, pp: int | None = None, ep: int | None = None
+) -> tuple[list[str], list[str]]:
     """(notes, not moved) for a MoE run written as legacy rank files at EP `ep`."""
+    ep = target_ep(ck, ep)
     args, saved = _args(ck), saved_ep(ck)
     experts = int(args["num_experts"])
     n = experts // ep

@@ -1254,12 +1254,7 @@ def check(
 ) -> tuple[int | None, int | None]:
     """Refuse, in one line, a source (or TP / PP / EP size) that cannot be written as Megatron's `ckpt_format`;
     returns the (TP, PP) sizes of the legacy rank files ((None, None) for torch_dist, which holds whole tensors).
-    A Mixture-of-Experts run: `megatron_moe.check` (legacy rank files at another EP size, TP 1 x PP 1)."""
-    from . import megatron_moe
-
-    if megatron_moe.is_moe(ck):
-        megatron_moe.check(ck, src, ckpt_format, tp, pp, ep)
-        return 1, 1
+    A Mixture-of-Experts run is written by `megatron_moe` (`ops.convert._megatron_writer` chooses)."""
     if ep is not None:
         raise UnsupportedCheckpoint(
             f"--ep {ep} applies to a Mixture-of-Experts run; this one has no experts (num_experts unset)", path=src
@@ -1270,30 +1265,20 @@ def check(
     return None, None
 
 
-def target_ep(ck, ep: int | None) -> int | None:
-    """The EP size a MoE run is written at (default: the saved one); None for a dense run."""
-    from . import megatron_moe
-
-    return (ep or megatron_moe.saved_ep(ck)) if megatron_moe.is_moe(ck) else None
+def target_ep(ck, ep: int | None) -> None:
+    """A dense run has no expert-parallel size (`megatron_moe.target_ep`)."""
+    return None
 
 
 def plan_lines(
     ck, ckpt_format: str, tp: int | None, pp: int | None = None, ep: int | None = None
 ) -> tuple[list[str], list[str]]:
     """(notes, not moved) of the conversion."""
-    if ep is not None:
-        from . import megatron_moe
-
-        return megatron_moe.plan_lines(ck, ep)
     return _legacy_plan_lines(ck, tp, pp) if ckpt_format == "torch" else _dist_plan_lines(ck)
 
 
 def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     """Write `plan` (to="megatron") into the empty staging folder `root`; returns the bytes written."""
-    if getattr(plan, "ep", None) is not None:
-        from . import megatron_moe
-
-        return megatron_moe.write(plan, root, progress)
     return (_write_legacy if plan.ckpt_format == "torch" else _write_dist)(plan, root, progress)
 
 
