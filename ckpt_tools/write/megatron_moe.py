@@ -79,7 +79,8 @@ def check(
             f"--ckpt-format {ckpt_format} {head} is not written yet (only --ckpt-format torch: legacy rank files "
             "per EP rank)",
             src,
-            hint="Megatron reshards a torch_dist MoE checkpoint at load: resume it at the new sizes",
+            hint="--ckpt-format torch --ep N writes legacy rank files at another EP size (Megatron-core "
+            "0.16.1 does not load a plain-Adam torch_dist MoE save at another EP: its param groups differ)",
         )
     if ck.format not in ("megatron_torch_dist", "megatron_legacy"):
         raise _refuse(f"a {ck.format} source holds no Megatron-LM MoE layout", src)
