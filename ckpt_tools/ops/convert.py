@@ -418,7 +418,9 @@ def plan_convert(
         ckpt_format = ckpt_format or "torch_dist"
         if ckpt_format not in CKPT_FORMATS:
             raise ValueError(f"--ckpt-format {ckpt_format!r}: use one of {', '.join(CKPT_FORMATS)}")
-    for flag, size in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
+    if ep is not None and to != "megatron":
+        raise ValueError(f"--ep applies to --to megatron (a Megatron-LM Mixture-of-Experts run), not --to {to}")
+    for flag, size in (("--tp", tp), ("--pp", pp)):
         if size is not None and ckpt_format != "torch":
             raise ValueError(
                 f"{flag} applies to --to megatron --ckpt-format torch (legacy rank files are written per "

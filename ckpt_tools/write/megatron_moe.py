@@ -68,13 +68,19 @@ def target_ep(ck, ep: int | None) -> int:
 
 def check(
     ck, src: Path, ckpt_format: str, tp: int | None, pp: int | None = None, ep: int | None = None
-) -> tuple[int, int]:
+) -> tuple[int | None, int | None]:
     """Refuse, each in one line naming it, a MoE source or target ckpt does not write; returns the (TP, PP) sizes
-    of the rank files (1, 1)."""
+    of the rank files (1, 1; torch_dist: None, None)."""
     args = _args(ck)
     experts, saved = int(args.get("num_experts") or 0), saved_ep(ck)
     head = f"(num_experts={experts}, expert_model_parallel_size={saved})"
-    if ckpt_format != "torch":
+    if ckpt_format == "torch_dist" and ck.format == "megatron_torch_dist":
+        raise _refuse(
+            f"--ckpt-format torch_dist of a torch_dist save {head}: nothing to convert",
+            src,
+            hint="--ckpt-format torch --ep N writes legacy rank files at another EP size",
+        )
+    if ckpt_format not in ("torch", "torch_dist"):
         raise _refuse(
             f"--ckpt-format {ckpt_format} {head} is not written yet (only --ckpt-format torch: legacy rank files "
             "per EP rank)",
@@ -105,6 +111,8 @@ def check(
             src,
             hint="choose an EP size that divides both",
         )
+    if ckpt_format == "torch_dist":
+        return None, None
     if ck.format == "megatron_legacy" and ep == saved:
         raise UnsupportedCheckpoint(
             f"the checkpoint is already in Megatron-LM's legacy format at EP {saved}: nothing to convert",
@@ -253,8 +261,13 @@ def rank_dirs(ep: int, iteration: int) -> list[str]:
 
 
 def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
-    """Write `plan` (a MoE run, legacy rank files at EP `plan.ep`) into the empty folder `root`; returns the bytes
-    written. Every module tensor of the source is placed on its EP rank(s) or the write refuses naming it."""
+    """Write `plan` (a MoE run at EP `plan.ep`: legacy rank files, or a torch_dist run folder) into the empty folder
+    `root`; returns the bytes written."""
+    return (_write_legacy if plan.ckpt_format == "torch" else _write_dist)(plan, root, progress)
+
+
+def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> int:
+    """Legacy rank files: every module tensor of the source placed on its EP rank(s), or refused naming it."""
     import torch
 
     from ..view import logical as L
@@ -354,3 +367,127 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
 
     (root / LATEST).write_text(str(iteration))
     return written
+
+
+_EXPERT_NAME = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+
+
+def _dist_key(name: str, layers: int) -> tuple[str, tuple[int, ...]]:
+    """(the torch_dist key, its leading offsets) of a logical parameter name: an expert's stacked [layers, experts,
+    ...] as Megatron's SequentialMLP shards it, a layer's [layers, ...], else the whole tensor."""
+    from ..view.logical import name_key
+    from .megatron_write import dist_key
+
+    m = _EXPERT_NAME.match(name_key(name))
+    if m:
+        return f"decoder.layers.mlp.experts.experts.{m[3]}", (int(m[1]), int(m[2]))
+    key, layer = dist_key(name, layers)
+    return key, () if layer is None else (layer,)
+
+
+def _common_step(plan, src: Path):
+    """The one Adam step every parameter holds (torch_dist keeps one per inner optimizer, `common_step`)."""
+    steps = {p.step for p in plan.params if p.states}
+    if len(steps) != 1 or None in steps:
+        raise UnsupportedCheckpoint(
+            f"Adam steps {sorted(map(str, steps))} across parameters: torch_dist keeps one", path=src
+        )
+    return steps.pop()
+
+
+def _write_dist(plan, root: Path, progress: Callable[[int], None] | None) -> int:
+    """A torch_dist run folder of a legacy MoE run, as Megatron core_v0.16.1's torch_dist save writes it: the experts
+    stacked `[layers, num_experts, ...]` under `decoder.layers.mlp.experts.experts.*` (global ids), every expert
+    linear's extra state per (layer, expert), each EP rank's RNG state `rng_state/shard_0.0.E_1.1.EP`, and common.pt
+    with the inner optimizers' param groups at EP `plan.ep` (`{0: dense, 1: expert}`; EP 1: one) and their common
+    Adam step."""
+    from ..view import logical as L
+    from .dcp_write import DcpStreamWriter, LazyPart, plan_save_id
+    from .megatron_write import CONTENT_METADATA, DIST_META, LATEST, _zip_bytes
+    from .pickle_writer import rewrite_torch_zip
+
+    ck = L.open_any(plan.source)
+    args = _args(ck)
+    ep, saved, layers, experts = plan.ep, saved_ep(ck), int(args["num_layers"]), int(args["num_experts"])
+    src = _Source(ck)
+    obj0 = src.common
+    iteration = int(obj0["iteration"])
+    it = root / f"iter_{iteration:07d}"
+    module = {t.name: t for t in L.model_tensors(ck, weights="module")}
+    w = DcpStreamWriter(it, checkpoint_id=str(plan.out / it.name), shards=2, save_id=plan_save_id(plan))
+    try:
+        for i, p in enumerate(plan.params):
+            key, lead = _dist_key(p.name, layers)
+            tensors = [(key, module[p.name])]
+            if p.states:
+                tensors.append((f"optimizer.state.fp32_param.{key}", p.weight))
+                tensors += [(f"optimizer.state.{k}.{key}", t) for k, t in sorted(p.states.items())]
+            for k, t in tensors:
+                shape = (1,) * len(lead) + tuple(t.shape)
+                part = LazyPart(
+                    shape, L.torch_dtype(t.dtype), lambda t=t, shape=shape: t.read().reshape(shape), f"param{i}"
+                )
+                size = (layers, experts)[: len(lead)] + tuple(t.shape)
+                w.tensor_part((k,), size, lead + (0,) * len(t.shape), part)
+            if progress:
+                progress(p.nbytes)
+        for rest in ("self_attention.linear_proj", "self_attention.linear_qkv"):
+            for i in range(layers):
+                w.value((f"decoder.layers.{rest}._extra_state/shard_{i}_{layers}",), [None])
+        for fc in ("linear_fc1", "linear_fc2"):
+            for i in range(layers):
+                for g in range(experts):
+                    w.value(
+                        (f"decoder.layers.mlp.experts.experts.{fc}._extra_state/shard_{i}.{g}_{layers}.{experts}",),
+                        [None],
+                    )
+        for e in range(ep):
+            s = e * saved // ep
+            if src.dist is None and s in src.files:
+                from ..read import pickle_reader as pr
+
+                rng = pr.load(src.files[s]).obj.get("rng_state")
+                if rng is not None:
+                    key = f"rng_state/shard_0.0.{e}_1.1.{ep}" if ep > 1 else "rng_state/shard_0.0_1.1"
+                    w.value_blob((key,), _zip_bytes(src.files[s], [_rng_list(rng, "rng_state", src.files[s])]))
+    except BaseException:
+        w.abort()
+        raise
+    w.close()
+    step = _common_step(plan, plan.source)
+    opt0 = obj0["optimizer"][0] if isinstance(obj0["optimizer"], list) else obj0["optimizer"]
+    step_ref = next(iter(opt0["optimizer"]["state"].values()))["step"]  # a TensorRef of the source file
+    if float(step_ref.read_torch().item()) != step:
+        raise UnsupportedCheckpoint(f"the rank file's Adam step is not the parameters' ({step})", path=plan.source)
+    a = copy.copy(obj0["args"])
+    a.state = {
+        **obj0["args"].state,
+        "ckpt_format": "torch_dist",
+        "use_dist_ckpt": True,
+        "expert_model_parallel_size": ep,
+    }
+
+    def inner(expert_side: bool) -> dict:
+        groups = [
+            {k: v for k, v in g.items() if k != "params"}
+            for g in plan.groups
+            if bool(g.get("is_expert_parallel")) == expert_side
+        ]
+        return {"optimizer": {"state": {"common_step": step_ref}, "param_groups": groups}}
+
+    common = {
+        "args": a,
+        "checkpoint_version": obj0["checkpoint_version"],
+        "iteration": obj0["iteration"],
+        "optimizer": {0: inner(False), 1: inner(True)} if ep > 1 else inner(False),
+        "opt_param_scheduler": obj0["opt_param_scheduler"],
+        "num_floating_point_operations_so_far": obj0.get("num_floating_point_operations_so_far"),
+        "content_metadata": dict(CONTENT_METADATA),
+    }
+    first = src.files[min(src.files)]
+    rewrite_torch_zip(first, it / "common.pt", common, prune=True)
+    import json
+
+    (it / "metadata.json").write_text(json.dumps(DIST_META))
+    (root / LATEST).write_text(str(iteration))
+    return w.bytes_written + (it / "common.pt").stat().st_size
