@@ -82,10 +82,10 @@ def convert_cmd(
         None,
         "--ep",
         metavar="N",
-        help="--to megatron --ckpt-format torch of a Mixture-of-Experts run: the "
-        "expert-parallel size of the rank files (default: the saved one); global expert g goes "
-        "to EP rank g // (experts / N); N must divide the experts and the world size "
-        "(plain Adam, TP 1 x PP 1)",
+        help="--to megatron of a Mixture-of-Experts run (plain Adam, TP 1 x PP 1): the "
+        "expert-parallel size written (default: the saved one): legacy rank files per EP rank, "
+        "global expert g on EP rank g // (experts / N), or torch_dist's param groups as "
+        "Megatron builds them at N; N must divide the experts and the world size",
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="show what would be written and what cannot move"),
     no_verify: bool = typer.Option(

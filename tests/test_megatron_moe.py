@@ -287,11 +287,8 @@ def test_a_lost_step_of_one_inner_optimizer_is_named(tmp_path):
 @pytest.mark.parametrize(
     "name, args, says",
     [
-        (
-            EP2,
-            ("--ckpt-format", "torch_dist"),
-            "--ckpt-format torch_dist (num_experts=4, expert_model_parallel_size=2)",
-        ),
+        (EP2, ("--ckpt-format", "torch_dist"), "torch_dist of a torch_dist save (num_experts=4, expert_model_para"),
+        (DISTOPT_LEGACY, ("--ckpt-format", "torch_dist"), "the distributed optimizer (--use-distributed-optimizer)"),
         (EP2_LEGACY, ("--ckpt-format", "torch_dist", "--tp", "1"), "--tp applies to --to megatron --ckpt-format torch"),
         (EP2, ("--ckpt-format", "torch", "--pp", "2"), "--tp None / --pp 2 (a TP / PP change)"),
         (EP2_LEGACY, ("--ckpt-format", "torch", "--tp", "2", "--ep", "1"), "--tp 2 / --pp None (a TP / PP change)"),
@@ -304,9 +301,10 @@ def test_a_lost_step_of_one_inner_optimizer_is_named(tmp_path):
     ],
 )
 def test_convert_to_megatron_of_moe_refuses_what_it_does_not_write_by_name(tmp_path, name, args, says):
-    """Written: plain Adam at TP 1 x PP 1 as legacy rank files at any EP size dividing the experts and the world size.
-    Everything else (torch_dist output, a TP / PP change, the distributed optimizer, an EP that does not divide,
-    the same EP from legacy, --ep of a dense run): one line naming it, exit 2, no traceback, no output."""
+    """Written: plain Adam at TP 1 x PP 1 as legacy rank files (from either format) or torch_dist (from legacy) at any
+    EP size dividing the experts and the world size. Everything else (torch_dist to torch_dist, a TP / PP change,
+    the distributed optimizer, an EP that does not divide, the same EP from legacy to legacy, --ep of a dense run):
+    one line naming it, exit 2, no traceback, no output."""
     out = tmp_path / "o"
     proc = run_cli("convert", sample("megatron_lm", name), "--to", "megatron", *args, out)
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -331,6 +329,50 @@ def test_torch_dist_at_the_saved_ep_goes_back_as_megatrons_own_legacy_save(tmp_p
     res = _to_legacy(sample("megatron_lm", EP2), tmp_path / "o")
     assert res["verified"], res
     same_rank_files(tmp_path / "o", sample("megatron_lm", EP2_LEGACY))
+
+
+def test_legacy_to_torch_dist_is_megatrons_own_torch_dist_save_and_regroups_at_ep1(tmp_path):
+    """Legacy EP 2 -> torch_dist: the keys, global shapes and dtypes of Megatron's own torch_dist save of the same run
+    (experts stacked [layers, num_experts, ...], each expert linear's extra state per (layer, expert), each EP
+    rank's RNG), every bytes item and common.pt's optimizer ({0: dense, 1: expert} groups and common steps),
+    scheduler and content metadata equal, the args but for the run folders; `diff --logical` says same. With --ep 1:
+    common.pt holds one optimizer of 2 groups (the experts in the dense ones), the args EP 1, the RNG key of EP 1."""
+    from ckpt_tools.formats.dcp import DcpItems
+    from ckpt_tools.formats.megatron_dist import _locate
+    import torch
+    from test_convert_to_megatron import RUN_PATHS, _dcp, _global, _inert
+
+    out, ep1 = tmp_path / "o", tmp_path / "ep1"
+    for dst, extra in ((out, ()), (ep1, ("--ep", "1"))):
+        proc = run_cli(
+            "convert", sample("megatron_lm", EP2_LEGACY), dst, "--to", "megatron", "--ckpt-format", "torch_dist", *extra
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    ref = sample("megatron_lm", EP2)
+    (fa, ka), (fb, kb) = _dcp(out), _dcp(ref)
+    assert ka == kb  # the same keys, global shapes and dtypes
+    tensors = [k for k, v in kb.items() if v != "bytes"]
+    assert [k for k in tensors if not torch.equal(_global(out, k, ka[k][0]), _global(ref, k, kb[k][0]))] == []
+    for key in (k for k, v in kb.items() if v == "bytes"):  # extra states [None]; each EP rank's RNG state
+        assert _inert(fa.value(key)) == _inert(fb.value(key)), key
+    a, b = DcpItems(_locate(out)[1]), DcpItems(_locate(ref)[1])
+    ca, cb = pr.load(a.root / "common.pt").obj, pr.load(b.root / "common.pt").obj
+    assert list(ca) == list(cb)
+    for k in cb:
+        if k == "args":
+            assert {x for x in cb[k].state if repr(ca[k].state[x]) != repr(cb[k].state[x])} <= RUN_PATHS
+        else:
+            assert _inert(ca[k]) == _inert(cb[k]), k
+    proc = run_cli("diff", out, sample("megatron_lm", EP2), "--logical")
+    assert proc.returncode == 0 and "same:" in proc.stdout, proc.stdout + proc.stderr
+
+    it = DcpItems(_locate(ep1)[1])
+    assert [k for k in it.sdm if k.startswith("rng_state/")] == ["rng_state/shard_0.0_1.1"]
+    c = pr.load(it.root / "common.pt").obj
+    assert c["args"].state["expert_model_parallel_size"] == 1
+    groups = c["optimizer"]["optimizer"]["param_groups"]
+    assert [(g["is_expert_parallel"], g["weight_decay"]) for g in groups] == [(False, 0.01), (False, 0.0)]
+    assert float(c["optimizer"]["optimizer"]["state"]["common_step"].read_torch()) == 10.0
 
 
 def test_ep2_to_ep1_and_back_places_every_expert_and_regroups_the_optimizer(tmp_path):
@@ -1124,17 +1166,34 @@ def test_megatron_resumes_the_ep_conversions_as_it_resumes_the_source(tmp_path):
     group); every verdict check passing, the optimizer state one by AdamW's closed form from the state each rank
     file holds (every update of every parameter, both inner optimizers at EP 2); losses: the first equal (the same
     weights), the second within 1e-4 relative at EP 1 (the experts' gradients are reduced over another group) and
-    equal at EP 2 (the same placement again)."""
-    ep1, back = tmp_path / "ep1", tmp_path / "back"
+    equal at EP 2 (the same placement again). The legacy EP 2 save written as torch_dist at --ep 1 resumes at EP 1
+    with the LRs and losses of the legacy EP 1 output exactly."""
+    ep1, back, dist1 = tmp_path / "ep1", tmp_path / "back", tmp_path / "dist1"
     assert _to_legacy(sample("megatron_lm", EP2), ep1, "--ep", "1")["verified"]
     assert _to_legacy(ep1, back, "--ep", "2")["verified"]
+    proc = run_cli(
+        "convert",
+        sample("megatron_lm", EP2_LEGACY),
+        dist1,
+        "--to",
+        "megatron",
+        "--ckpt-format",
+        "torch_dist",
+        "--ep",
+        "1",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     runs = {}
-    for key, path in (("src", sample("megatron_lm", EP2_LEGACY)), ("ep1", ep1), ("back", back)):
+    for key, path in (("src", sample("megatron_lm", EP2_LEGACY)), ("ep1", ep1), ("back", back), ("dist1", dist1)):
         rc, runs[key] = _ckpt_resume(path, "--steps", "2")
         assert rc == 0, runs[key]["checks"]
         assert set(_checks(runs[key]).values()) == {"pass", "n/a"}, runs[key]["checks"]
-        assert _checks(runs[key])["optimizer state"] == "pass", runs[key]["checks"]
+        # the closed form reads legacy rank files; torch_dist's optimizer state is checked through the Adam step
+        assert _checks(runs[key])["optimizer state"] == ("n/a" if key == "dist1" else "pass"), runs[key]["checks"]
         assert [(r["step"], r["optimizer_step"]) for r in runs[key]["records"]] == [(11, 11), (12, 12)]
+    assert [(r["loss"], r["lr"]) for r in runs["dist1"]["records"]] == [
+        (r["loss"], r["lr"]) for r in runs["ep1"]["records"]
+    ]
     src, ep1_run, back_run = (runs[k]["records"] for k in ("src", "ep1", "back"))
     assert [len(r["lr"]) for r in src] == [4, 4] and [len(r["lr"]) for r in ep1_run] == [2, 2]
     for a, b, c in zip(src, ep1_run, back_run, strict=True):

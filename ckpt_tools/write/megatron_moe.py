@@ -159,6 +159,8 @@ def plan_lines(
     args, saved = _args(ck), saved_ep(ck)
     experts = int(args["num_experts"])
     n = experts // ep
+    if ckpt_format == "torch_dist":
+        return _dist_plan_lines(args, ep, saved)
     notes = [
         f"Megatron-LM legacy layout (--ckpt-format torch, plain Adam) of a Mixture-of-Experts run at EP {ep} "
         f"(saved at EP {saved}): iter_N/{'mp_rank_00_EEE' if ep > 1 else 'mp_rank_00'}/model_optim_rng.pt per EP "
@@ -186,6 +188,33 @@ def plan_lines(
             "data-, model- and expert-parallel CUDA trackers are that rank's. Relaunch with --no-load-rng for "
             "Megatron's fresh seeding instead"
         )
+    return notes, not_moved
+
+
+def _dist_plan_lines(args: dict, ep: int, saved: int) -> tuple[list[str], list[str]]:
+    notes = [
+        f"Megatron-LM torch_dist (plain Adam) of a Mixture-of-Experts run: global tensors, layers stacked on a "
+        f"leading axis of {args['num_layers']}, each routed expert's on [layers, num_experts={args['num_experts']}, "
+        "...] under decoder.layers.mlp.experts.experts.* by global id; the fp32 master and Adam moments alike; each "
+        "expert linear's extra state per (layer, expert)",
+        f"common.pt: the param groups as Megatron builds them at EP {ep} (saved at EP {saved}; "
+        + (
+            "{0: dense, 1: expert} inner optimizers"
+            if ep > 1
+            else "one optimizer, the experts in the dense groups of the same hyper-parameters"
+        )
+        + "), each with the common Adam step; the OptimizerParamScheduler, iteration and args as saved with "
+        f"ckpt_format=torch_dist, use_dist_ckpt=True, expert_model_parallel_size={ep} (Megatron-core 0.16.1 "
+        "loads a plain-Adam MoE torch_dist save only at the EP its param groups were built for)",
+    ]
+    not_moved = []
+    if ep != saved:
+        not_moved.append(
+            f"RNG at another EP: rng_state for EP rank e is the saved EP rank e x {saved} // {ep}'s (Python, NumPy, "
+            "torch and the CUDA trackers); relaunch with --no-load-rng for Megatron's fresh seeding instead"
+        )
+    else:
+        notes.append("RNG: each EP rank's rng_state as rng_state/shard_0.0.E_1.1.EP, as Megatron saves it")
     return notes, not_moved
 
 
