@@ -12,6 +12,11 @@ for plain Adam at TP 1 x PP 1:
                     `named_parameters` order (the module order), as torch's Optimizer.state_dict does
         args, checkpoint_version, iteration, opt_param_scheduler, rng_state, num_floating_point_operations_so_far
 
+`--ckpt-format torch_dist` (`_write_dist`, from legacy rank files): Megatron's torch_dist run folder, the experts
+stacked `[layers, num_experts, ...]` under `decoder.layers.mlp.experts.experts.*`, and common.pt's param groups as
+Megatron builds them at EP N (the DCP tensors do not depend on EP; Megatron-core 0.16.1 loads plain-Adam MoE groups
+only at the EP they were built for).
+
 The source is a torch_dist save (experts stacked on a `num_experts` axis) or legacy rank files (one folder per EP
 rank), read through the logical view under GLOBAL expert ids. The param groups are the source's, regrouped for the
 new EP (`groups_at`): at EP 1 each expert group joins the dense group with the same hyper-parameters; at EP > 1 the
