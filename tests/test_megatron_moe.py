@@ -331,6 +331,25 @@ def test_torch_dist_at_the_saved_ep_goes_back_as_megatrons_own_legacy_save(tmp_p
     same_rank_files(tmp_path / "o", sample("megatron_lm", EP2_LEGACY))
 
 
+def test_the_writers_refuse_a_layer_missing_an_expert_or_an_id_beyond_num_experts():
+    """The accounting both MoE writers do before writing (the reader refuses such a checkpoint first; this is the
+    writers' own check): every layer holds all num_experts experts' fc1 and fc2, no id lies beyond them."""
+    from ckpt_tools.errors import UnsupportedCheckpoint
+    from ckpt_tools.write.megatron_moe import _check_experts
+
+    names = {
+        f"decoder.layers.{i}.mlp.experts.local_experts.{g}.linear_fc{f}.weight"
+        for i in range(2)
+        for g in range(4)
+        for f in (1, 2)
+    }
+    _check_experts(names, 2, 4, Path("x"))
+    with pytest.raises(UnsupportedCheckpoint, match="layer 1 lacks expert 3's linear_fc2.weight"):
+        _check_experts(names - {"decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"}, 2, 4, Path("x"))
+    with pytest.raises(UnsupportedCheckpoint, match="local_experts.4.linear_fc1.weight: an expert id beyond"):
+        _check_experts(names | {"decoder.layers.0.mlp.experts.local_experts.4.linear_fc1.weight"}, 2, 4, Path("x"))
+
+
 def test_legacy_to_torch_dist_is_megatrons_own_torch_dist_save_and_regroups_at_ep1(tmp_path):
     """Legacy EP 2 -> torch_dist: the keys, global shapes and dtypes of Megatron's own torch_dist save of the same run
     (experts stacked [layers, num_experts, ...], each expert linear's extra state per (layer, expert), each EP

@@ -290,6 +290,21 @@ def _model_order(module: dict, layers: int, experts: range, tied: bool, src: Pat
     return items
 
 
+def _check_experts(names: set[str], layers: int, experts: int, src: Path) -> None:
+    """Every expert of every layer (global ids 0..num_experts-1) holds its linear_fc1 and linear_fc2 weights, and
+    no expert id lies beyond num_experts: the stacked torch_dist tensors tile [layers, num_experts, ...]."""
+    for i in range(layers):
+        for g in range(experts):
+            for fc in ("linear_fc1", "linear_fc2"):
+                if f"decoder.layers.{i}.mlp.experts.local_experts.{g}.{fc}.weight" not in names:
+                    raise _refuse(
+                        f"layer {i} lacks expert {g}'s {fc}.weight: every expert of every layer is written", src
+                    )
+    beyond = sorted(n for n in names if (m := _EXPERT_NAME.match(n)) and int(m[2]) >= experts)
+    if beyond:
+        raise _refuse(f"{beyond[0]}: an expert id beyond num_experts={experts}", src)
+
+
 def rank_dirs(ep: int, iteration: int) -> list[str]:
     return [f"iter_{iteration:07d}/mp_rank_00" + (f"_{e:03d}" if ep > 1 else "") for e in range(ep)]
 
@@ -316,6 +331,7 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
     src = _Source(ck)
     common = src.common
     module = {name_key(t.name): t for t in L.model_tensors(ck, weights="module")}
+    _check_experts(set(module), layers, experts, plan.source)
     params = {name_key(p.name): p for p in plan.params}
     group_of = {name_key(n): gi for gi, g in enumerate(plan.groups) for n in g["params"]}
     placed: set[str] = set()
@@ -448,6 +464,7 @@ def _write_dist(plan, root: Path, progress: Callable[[int], None] | None) -> int
     iteration = int(obj0["iteration"])
     it = root / f"iter_{iteration:07d}"
     module = {t.name: t for t in L.model_tensors(ck, weights="module")}
+    _check_experts({L.name_key(n) for n in module}, layers, experts, plan.source)
     w = DcpStreamWriter(it, checkpoint_id=str(plan.out / it.name), shards=2, save_id=plan_save_id(plan))
     try:
         for i, p in enumerate(plan.params):
