@@ -78,6 +78,15 @@ def convert_cmd(
         "cut into N equal stages, each numbered from 0; N must divide the layers (no "
         "virtual pipeline)",
     ),
+    ep: Optional[int] = typer.Option(
+        None,
+        "--ep",
+        metavar="N",
+        help="--to megatron of a Mixture-of-Experts run (plain Adam, TP 1 x PP 1): the "
+        "expert-parallel size written (default: the saved one): legacy rank files per EP rank, "
+        "global expert g on EP rank g // (experts / N), or torch_dist's param groups as "
+        "Megatron builds them at N; N must divide the experts and the world size",
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="show what would be written and what cannot move"),
     no_verify: bool = typer.Option(
         False, "--no-verify", help="skip the logical comparison with the source before the output is renamed into place"
@@ -192,6 +201,7 @@ def convert_cmd(
             drop_norm_decay,
             trust_pickles=trust_pickles,
             restart=restart,
+            ep=ep,
         )
     except CkptError as e:
         if e.message.startswith(("ckpt convert:", "ckpt convert needs")):
@@ -221,6 +231,7 @@ def _convert(
     drop_norm_decay=False,
     trust_pickles=False,
     restart=False,
+    ep=None,
 ) -> None:
     output.require("torch", extra="convert", what="ckpt convert")
     if to == "deepspeed-universal" and layout is None:
@@ -267,6 +278,7 @@ def _convert(
         drop_norm_decay,
         trust_pickles=trust_pickles,
         restart=restart,
+        ep=ep,
     )
 
 
@@ -290,6 +302,7 @@ def _convert_ops(
     drop_norm_decay=False,
     trust_pickles=False,
     restart=False,
+    ep=None,
 ) -> None:
     from ckpt_tools.ops import convert as ops
 
@@ -308,6 +321,7 @@ def _convert_ops(
             seq_length=seq_length,
             lr_scheduler=lr_scheduler,
             drop_norm_decay=drop_norm_decay,
+            ep=ep,
             trust_pickles=trust_pickles,
         )
     except ValueError as e:

@@ -284,18 +284,196 @@ def test_a_lost_step_of_one_inner_optimizer_is_named(tmp_path):
     assert len(steps) == sum(".mlp.experts." not in n for n in ck.get("model").children)
 
 
-@pytest.mark.parametrize("name", ALL)
-@pytest.mark.parametrize("fmt, sizes", [("torch", ()), ("torch_dist", ()), ("torch", ("--pp", "2"))])
-def test_convert_to_megatron_refuses_naming_moe(tmp_path, name, fmt, sizes):
-    """Not written yet (a re-cut of the experts over another EP size, expert-parallel rank folders, chained
-    optimizers): every EP 2 sample, both formats, at the saved sizes or another PP: one line naming MoE and the
-    saved EP, exit 2, no traceback, no output."""
+@pytest.mark.parametrize(
+    "name, args, says",
+    [
+        (EP2, ("--ckpt-format", "torch_dist"), "torch_dist of a torch_dist save (num_experts=4, expert_model_para"),
+        (DISTOPT_LEGACY, ("--ckpt-format", "torch_dist"), "the distributed optimizer (--use-distributed-optimizer)"),
+        (EP2_LEGACY, ("--ckpt-format", "torch_dist", "--tp", "1"), "--tp applies to --to megatron --ckpt-format torch"),
+        (EP2, ("--ckpt-format", "torch", "--pp", "2"), "--tp None / --pp 2 (a TP / PP change)"),
+        (EP2_LEGACY, ("--ckpt-format", "torch", "--tp", "2", "--ep", "1"), "--tp 2 / --pp None (a TP / PP change)"),
+        (DISTOPT, ("--ckpt-format", "torch", "--ep", "1"), "the distributed optimizer (--use-distributed-optimizer)"),
+        (DISTOPT_LEGACY, ("--ckpt-format", "torch", "--ep", "1"), "the distributed optimizer"),
+        (EP2, ("--ckpt-format", "torch", "--ep", "3"), "--ep 3 (num_experts=4, expert_model_parallel_size=2): an EP"),
+        (EP2_LEGACY, ("--ckpt-format", "torch", "--ep", "4"), "divides num_experts and the run's world size (2)"),
+        (EP2_LEGACY, ("--ckpt-format", "torch"), "already in Megatron-LM's legacy format at EP 2: nothing to convert"),
+        ("megatron_tp2_torch_dist", ("--ckpt-format", "torch", "--ep", "2"), "--ep 2 applies to a Mixture-of-Experts"),
+    ],
+)
+def test_convert_to_megatron_of_moe_refuses_what_it_does_not_write_by_name(tmp_path, name, args, says):
+    """Written: plain Adam at TP 1 x PP 1 as legacy rank files (from either format) or torch_dist (from legacy) at any
+    EP size dividing the experts and the world size. Everything else (torch_dist to torch_dist, a TP / PP change,
+    the distributed optimizer, an EP that does not divide, the same EP from legacy to legacy, --ep of a dense run):
+    one line naming it, exit 2, no traceback, no output."""
     out = tmp_path / "o"
-    proc = run_cli("convert", sample("megatron_lm", name), "--to", "megatron", "--ckpt-format", fmt, *sizes, out)
+    proc = run_cli("convert", sample("megatron_lm", name), "--to", "megatron", *args, out)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "Mixture-of-Experts" in proc.stderr and "expert_model_parallel_size=2" in proc.stderr
-    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert says in " ".join(proc.stderr.split()), proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not out.exists()
+
+
+def _to_legacy(src: Path, out: Path, *ep: str) -> dict:
+    proc = run_cli("convert", src, out, "--to", "megatron", "--ckpt-format", "torch", "--json", *ep)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_torch_dist_at_the_saved_ep_goes_back_as_megatrons_own_legacy_save(tmp_path):
+    """EP 2 torch_dist (experts stacked on a num_experts axis, chained optimizers in common.pt) -> legacy rank files
+    at the saved EP: every file equals Megatron's own legacy save of the same run (one run saved both ways): the
+    same keys in the same order, every tensor bit for bit: each EP rank's local experts, the dense replica, the
+    ChainedOptimizer [dense, expert] with its state ids, param groups, fp32 master, the scheduler and the RNG."""
+    from test_convert_to_megatron import same_rank_files
+
+    res = _to_legacy(sample("megatron_lm", EP2), tmp_path / "o")
+    assert res["verified"], res
+    same_rank_files(tmp_path / "o", sample("megatron_lm", EP2_LEGACY))
+
+
+def test_the_writers_refuse_a_layer_missing_an_expert_or_an_id_beyond_num_experts():
+    """The accounting both MoE writers do before writing (the reader refuses such a checkpoint first; this is the
+    writers' own check): every layer holds all num_experts experts' fc1 and fc2, no id lies beyond them."""
+    from ckpt_tools.errors import UnsupportedCheckpoint
+    from ckpt_tools.write.megatron_moe import _check_experts
+
+    names = {
+        f"decoder.layers.{i}.mlp.experts.local_experts.{g}.linear_fc{f}.weight"
+        for i in range(2)
+        for g in range(4)
+        for f in (1, 2)
+    }
+    _check_experts(names, 2, 4, Path("x"))
+    with pytest.raises(UnsupportedCheckpoint, match="layer 1 lacks expert 3's linear_fc2.weight"):
+        _check_experts(names - {"decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"}, 2, 4, Path("x"))
+    with pytest.raises(UnsupportedCheckpoint, match="local_experts.4.linear_fc1.weight: an expert id beyond"):
+        _check_experts(names | {"decoder.layers.0.mlp.experts.local_experts.4.linear_fc1.weight"}, 2, 4, Path("x"))
+
+
+def test_legacy_to_torch_dist_is_megatrons_own_torch_dist_save_and_regroups_at_ep1(tmp_path):
+    """Legacy EP 2 -> torch_dist: the keys, global shapes and dtypes of Megatron's own torch_dist save of the same run
+    (experts stacked [layers, num_experts, ...], each expert linear's extra state per (layer, expert), each EP
+    rank's RNG), every bytes item and common.pt's optimizer ({0: dense, 1: expert} groups and common steps),
+    scheduler and content metadata equal, the args but for the run folders; `diff --logical` says same. With --ep 1:
+    common.pt holds one optimizer of 2 groups (the experts in the dense ones), the args EP 1, the RNG key of EP 1."""
+    from ckpt_tools.formats.dcp import DcpItems
+    from ckpt_tools.formats.megatron_dist import _locate
+    import torch
+    from test_convert_to_megatron import RUN_PATHS, _dcp, _global, _inert
+
+    out, ep1 = tmp_path / "o", tmp_path / "ep1"
+    for dst, extra in ((out, ()), (ep1, ("--ep", "1"))):
+        proc = run_cli(
+            "convert", sample("megatron_lm", EP2_LEGACY), dst, "--to", "megatron", "--ckpt-format", "torch_dist", *extra
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    ref = sample("megatron_lm", EP2)
+    (fa, ka), (fb, kb) = _dcp(out), _dcp(ref)
+    assert ka == kb  # the same keys, global shapes and dtypes
+    tensors = [k for k, v in kb.items() if v != "bytes"]
+    assert [k for k in tensors if not torch.equal(_global(out, k, ka[k][0]), _global(ref, k, kb[k][0]))] == []
+    for key in (k for k, v in kb.items() if v == "bytes"):  # extra states [None]; each EP rank's RNG state
+        assert _inert(fa.value(key)) == _inert(fb.value(key)), key
+    a, b = DcpItems(_locate(out)[1]), DcpItems(_locate(ref)[1])
+    ca, cb = pr.load(a.root / "common.pt").obj, pr.load(b.root / "common.pt").obj
+    assert list(ca) == list(cb)
+    for k in cb:
+        if k == "args":
+            assert {x for x in cb[k].state if repr(ca[k].state[x]) != repr(cb[k].state[x])} <= RUN_PATHS
+        else:
+            assert _inert(ca[k]) == _inert(cb[k]), k
+    proc = run_cli("diff", out, sample("megatron_lm", EP2), "--logical")
+    assert proc.returncode == 0 and "same:" in proc.stdout, proc.stdout + proc.stderr
+
+    it = DcpItems(_locate(ep1)[1])
+    assert [k for k in it.sdm if k.startswith("rng_state/")] == ["rng_state/shard_0.0_1.1"]
+    c = pr.load(it.root / "common.pt").obj
+    assert c["args"].state["expert_model_parallel_size"] == 1
+    groups = c["optimizer"]["optimizer"]["param_groups"]
+    assert [(g["is_expert_parallel"], g["weight_decay"]) for g in groups] == [(False, 0.01), (False, 0.0)]
+    assert float(c["optimizer"]["optimizer"]["state"]["common_step"].read_torch()) == 10.0
+
+
+def test_ep2_to_ep1_and_back_places_every_expert_and_regroups_the_optimizer(tmp_path):
+    """Legacy EP 2 -> EP 1: one rank folder `mp_rank_00` holding all 4 experts of both layers under their global
+    ids and ONE inner optimizer whose 2 groups (weight decay / none) hold the dense parameters and the experts, in
+    the module order, as Megatron's `_get_param_groups` builds them at EP 1 (no parameter is expert-parallel);
+    verified against the source (per parameter: weights, fp32 master, moments, step; the groups against Megatron's
+    at EP 1). Back to EP 2: Megatron's own EP 2 legacy save, file for file, but EP rank 1's expert-parallel RNG
+    tracker (both files carry the EP 1 file's, as the plan says)."""
+    ep1, back = tmp_path / "ep1", tmp_path / "back"
+    res = _to_legacy(sample("megatron_lm", EP2_LEGACY), ep1, "--ep", "1")
+    assert res["verified"] and res.get("ep", 1) == 1, res
+    files = sorted(str(p.relative_to(ep1)) for p in ep1.rglob("*.pt"))
+    assert files == ["iter_0000010/mp_rank_00/model_optim_rng.pt"]
+    obj = pr.load(ep1 / files[0]).obj
+    assert obj["args"].state["expert_model_parallel_size"] == 1
+    model = [k for k in obj["model"] if ".local_experts." in k and k.endswith("linear_fc1.weight")]
+    assert model == [
+        f"decoder.layers.{i}.mlp.experts.local_experts.{g}.linear_fc1.weight" for i in (0, 1) for g in range(4)
+    ]
+    opt = obj["optimizer"]
+    assert isinstance(opt, dict) and set(opt) == {"optimizer", "fp32_from_fp16_params"}
+    groups = opt["optimizer"]["param_groups"]
+    assert [(g["is_expert_parallel"], g["weight_decay"], len(g["params"])) for g in groups] == [
+        (False, 0.01, 24),
+        (False, 0.0, 32),
+    ]
+    assert sorted(opt["optimizer"]["state"]) == list(range(56))
+    assert [len(m) for m in opt["fp32_from_fp16_params"]] == [24, 32]
+    ck = ckpt_tools.open_checkpoint(ep1)
+    assert not ck.warnings and ck.topology.ep in (None, 1) and ck.counters.optimizer_step == 10
+    ref = ckpt_tools.open_checkpoint(sample("megatron_lm", EP2_LEGACY))
+    assert ck.parameter_count == ref.parameter_count
+
+    assert _to_legacy(ep1, back, "--ep", "2")["verified"]
+    from test_convert_to_megatron import RUN_PATHS, _inert
+
+    for e in (0, 1):
+        a, b = (pr.load(r / RANK_FILES[e]).obj for r in (back, sample("megatron_lm", EP2_LEGACY)))
+        assert list(a) == list(b)
+        for k in b:
+            if k == "args":
+                sa, sb = a[k].state, b[k].state
+                assert list(sa) == list(sb) and {x for x in sb if repr(sa[x]) != repr(sb[x])} <= RUN_PATHS
+            elif k == "rng_state" and e == 1:
+                ta, tb = a[k][0]["rng_tracker_states"], b[k][0]["rng_tracker_states"]
+                assert _inert(ta["expert-parallel-rng"]) != _inert(tb["expert-parallel-rng"])
+                assert all(_inert(ta[t]) == _inert(tb[t]) for t in tb if t != "expert-parallel-rng")
+            else:
+                assert _inert(a[k]) == _inert(b[k]), (e, k)
+
+
+def test_verify_fails_an_ep_output_that_changed_or_lost_an_expert_group(tmp_path):
+    """`verify` compares the output with the source and Megatron's planned groups: an EP 2 output whose expert
+    no-weight-decay group decays on both ranks is not verified (the group named); one whose expert optimizer lost
+    that group is refused by the reader (its ids no longer map onto the experts): never "verified"."""
+    from ckpt_tools.errors import UnsupportedCheckpoint
+    from ckpt_tools.ops import convert
+    from ckpt_tools.write import megatron_moe
+
+    plan = convert.plan_convert(sample("megatron_lm", EP2), tmp_path / "x", to="megatron", ckpt_format="torch")
+    assert plan.ep == 2 and [g["is_expert_parallel"] for g in plan.groups] == [False, False, True, True]
+    out = tmp_path / "o"
+    out.mkdir()
+    megatron_moe.write(plan, out, None)
+    assert convert.verify_logical(plan, out) == []
+
+    def decay(o):
+        o["optimizer"][1]["optimizer"]["param_groups"][1]["weight_decay"] = 0.01
+
+    def drop(o):
+        o["optimizer"][1]["optimizer"]["param_groups"].pop()
+        o["optimizer"][1]["fp32_from_fp16_params"].pop()
+
+    for rel in RANK_FILES:
+        _rewrite(out / rel, decay)
+    problems = convert.verify_logical(plan, out)
+    assert any(p.startswith("param_groups 3.weight_decay") for p in problems), problems
+    for rel in RANK_FILES:
+        _rewrite(out / rel, drop)
+    with pytest.raises(UnsupportedCheckpoint, match="inner optimizer 1 of 2"):
+        convert.verify_logical(plan, out)
 
 
 @pytest.mark.parametrize("to", ["dcp", "deepspeed-universal"])
@@ -996,3 +1174,49 @@ def test_grouped_gemm_is_refused_by_name(tmp_path, name):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "--moe-grouped-gemm" in proc.stderr and "SequentialMLP" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@needs_megatron
+def test_megatron_resumes_the_ep_conversions_as_it_resumes_the_source(tmp_path):
+    """The proof of `--ep`, by Megatron-LM's own pretrain (`ckpt resume`: rebuilt from each checkpoint's args, 2 gloo
+    ranks, strict legacy load, 2 iterations, same data): the EP 2 torch_dist sample written at EP 1 resumes at EP 1
+    (DP 2, one inner optimizer, 2 groups) and that output written back at EP 2 resumes at EP 2. Against Megatron's
+    resume of the EP 2 legacy save of the same run: the same iterations, Adam steps 11 and 12 and LRs exactly (every
+    group); every verdict check passing, the optimizer state one by AdamW's closed form from the state each rank
+    file holds (every update of every parameter, both inner optimizers at EP 2); losses: the first equal (the same
+    weights), the second within 1e-4 relative at EP 1 (the experts' gradients are reduced over another group) and
+    equal at EP 2 (the same placement again). The legacy EP 2 save written as torch_dist at --ep 1 resumes at EP 1
+    with the LRs and losses of the legacy EP 1 output exactly."""
+    ep1, back, dist1 = tmp_path / "ep1", tmp_path / "back", tmp_path / "dist1"
+    assert _to_legacy(sample("megatron_lm", EP2), ep1, "--ep", "1")["verified"]
+    assert _to_legacy(ep1, back, "--ep", "2")["verified"]
+    proc = run_cli(
+        "convert",
+        sample("megatron_lm", EP2_LEGACY),
+        dist1,
+        "--to",
+        "megatron",
+        "--ckpt-format",
+        "torch_dist",
+        "--ep",
+        "1",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = {}
+    for key, path in (("src", sample("megatron_lm", EP2_LEGACY)), ("ep1", ep1), ("back", back), ("dist1", dist1)):
+        rc, runs[key] = _ckpt_resume(path, "--steps", "2")
+        assert rc == 0, runs[key]["checks"]
+        assert set(_checks(runs[key]).values()) == {"pass", "n/a"}, runs[key]["checks"]
+        # the closed form reads legacy rank files; torch_dist's optimizer state is checked through the Adam step
+        assert _checks(runs[key])["optimizer state"] == ("n/a" if key == "dist1" else "pass"), runs[key]["checks"]
+        assert [(r["step"], r["optimizer_step"]) for r in runs[key]["records"]] == [(11, 11), (12, 12)]
+    assert [(r["loss"], r["lr"]) for r in runs["dist1"]["records"]] == [
+        (r["loss"], r["lr"]) for r in runs["ep1"]["records"]
+    ]
+    src, ep1_run, back_run = (runs[k]["records"] for k in ("src", "ep1", "back"))
+    assert [len(r["lr"]) for r in src] == [4, 4] and [len(r["lr"]) for r in ep1_run] == [2, 2]
+    for a, b, c in zip(src, ep1_run, back_run, strict=True):
+        assert set(b["lr"]) == set(a["lr"]) and len(set(a["lr"])) == 1 and c["lr"] == a["lr"]
+        assert c["loss"] == a["loss"]
+    assert ep1_run[0]["loss"] == src[0]["loss"]
+    assert ep1_run[1]["loss"] == pytest.approx(src[1]["loss"], rel=1e-4)

@@ -134,6 +134,9 @@ class ConvertPlan:
     drop_norm_decay: bool = False
     #: `--trust-pickles` let the source's globals outside the allowlist through: the output may carry them
     trust_pickles: bool = False
+    #: --to megatron --ckpt-format torch of a Mixture-of-Experts run: the expert-parallel size of the rank files
+    #: (`--ep`; None for a dense run); `groups` are then Megatron's param groups at that size (`megatron_moe`)
+    ep: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -174,6 +177,7 @@ class ConvertPlan:
             "ckpt_format": self.ckpt_format,
             "tp": self.tp,
             "pp": self.pp,
+            "ep": self.ep,
             "hf_config": self.hf_config,
             "seq_length": self.seq_length,
             "lr_scheduler": self.lr_scheduler,
@@ -383,6 +387,7 @@ def plan_convert(
     seq_length: int | None = None,
     lr_scheduler: str | None = None,
     drop_norm_decay: bool = False,
+    ep: int | None = None,
 ) -> ConvertPlan:
     """Decide everything `execute` writes; reads metadata and small values only. `n_kv_heads`: the model's KV
     heads, which orders a fused wqkv's optimizer state (`ckpt_tools.read.qkv`): read from a torchtitan source that
@@ -392,7 +397,9 @@ def plan_convert(
     Hugging Face config.json, which the checkpoint does not hold, and Megatron's seq_length (default: the config's
     max_position_embeddings); `lr_scheduler`: torchtitan's schedule settings (`warmup_steps=…,decay_ratio=…,
     decay_type=…,min_lr_factor=…,training_steps=…`), carried as Megatron's WSD schedule; `drop_norm_decay`: a
-    torchtitan run that decays its norms converted with them in a group without weight decay (listed)."""
+    torchtitan run that decays its norms converted with them in a group without weight decay (listed). `ep`
+    (--to megatron --ckpt-format torch of a Mixture-of-Experts run): the expert-parallel size of the rank files
+    (default: the saved one)."""
     from ..view import logical as L
 
     if to not in TARGETS:
@@ -411,6 +418,8 @@ def plan_convert(
         ckpt_format = ckpt_format or "torch_dist"
         if ckpt_format not in CKPT_FORMATS:
             raise ValueError(f"--ckpt-format {ckpt_format!r}: use one of {', '.join(CKPT_FORMATS)}")
+    if ep is not None and to != "megatron":
+        raise ValueError(f"--ep applies to --to megatron (a Megatron-LM Mixture-of-Experts run), not --to {to}")
     for flag, size in (("--tp", tp), ("--pp", pp)):
         if size is not None and ckpt_format != "torch":
             raise ValueError(
@@ -452,7 +461,10 @@ def plan_convert(
             raise CkptError("the checkpoint is already a DeepSpeed universal checkpoint: nothing to convert", path=src)
     if to == "megatron":  # Megatron-LM and Megatron-DeepSpeed pipeline sources (Megatron's args, names, schedule)
         writer = _megatron_writer(ck)
-        tp, pp = writer.check(ck, src, ckpt_format, tp, pp)
+        if ep is not None and not hasattr(writer, "target_ep"):
+            raise ValueError("--ep applies to a Megatron-LM Mixture-of-Experts run")
+        tp, pp = writer.check(ck, src, ckpt_format, tp, pp, **({"ep": ep} if ep is not None else {}))
+        ep = writer.target_ep(ck, ep) if hasattr(writer, "target_ep") else None
     if to == "dcp" and ck.format == "dcp":
         raise CkptError(
             "the checkpoint is already a DCP checkpoint: nothing to convert",
@@ -493,6 +505,10 @@ def plan_convert(
             hp["betas"] = tuple(hp["betas"])
         members = [n for n in g.get("params", []) if n in names]
         groups.append({**hp, "params": members})
+    if to == "megatron" and ep is not None:  # Megatron's groups at the written EP size (experts in or out)
+        from ..write.megatron_moe import groups_at
+
+        groups = groups_at(groups, ep, src)
     from ..view.accounting import left_behind
 
     notes: list[str] = left_behind(ck)
@@ -528,7 +544,7 @@ def plan_convert(
     if step is None:
         notes.append("the source records no global step: `step` is not written")
     if to == "megatron":
-        extra_notes, not_moved = writer.plan_lines(ck, ckpt_format, tp, pp)
+        extra_notes, not_moved = writer.plan_lines(ck, ckpt_format, tp, pp, **({"ep": ep} if ep is not None else {}))
         notes += extra_notes
         if into_megatron:
             added += list(megatron_in.added())
@@ -615,6 +631,7 @@ def plan_convert(
         lr_scheduler,
         drop_norm_decay,
         trust_pickles=bool(ck.details.get("carried_pickles")),
+        ep=ep,
     )
 
 
@@ -932,15 +949,18 @@ class ConvertResult:
 def _megatron_writer(source):
     """The module that writes a Megatron-LM run from this source (a Checkpoint, or a ConvertPlan) (`check`,
     `plan_lines`, `write`): the way in from a Megatron-DeepSpeed pipeline or a torchtitan Llama (`megatron_in`),
-    else between Megatron-LM's two formats (`write.megatron_write`)."""
-    from ..write import megatron_write
+    a Mixture-of-Experts run at another EP size (`write.megatron_moe`), else between Megatron-LM's two formats
+    (`write.megatron_write`)."""
+    from ..write import megatron_moe, megatron_write
     from . import megatron_in
 
     if isinstance(source, ConvertPlan):
         way_in = source.source_format in megatron_in.SOURCE_FORMATS or source.hf_config is not None
+        moe = source.ep is not None
     else:
         way_in = megatron_in.handles(source)
-    return megatron_in if way_in else megatron_write
+        moe = not way_in and megatron_moe.is_moe(source)
+    return megatron_in if way_in else megatron_moe if moe else megatron_write
 
 
 def verify_logical(plan: ConvertPlan, root: Path, only: Callable[[str], bool] | None = None) -> list[str]:
@@ -963,7 +983,30 @@ def verify_logical(plan: ConvertPlan, root: Path, only: Callable[[str], bool] | 
     rep = logical_diff(L.with_kv_heads(source, plan.n_kv_heads), L.with_kv_heads(root, plan.n_kv_heads), only=only)
     lines = [f"{section} {name}: {what}" for section, name, what in iter_lines(rep)]
     lines = [x for x in lines if not any(x.startswith(f"{a}: added") for a in plan.added)]
+    if plan.ep is not None:  # a MoE run at another EP: Megatron regroups the experts, compared with the plan's groups
+        lines = [x for x in lines if not x.startswith("param_groups ")] + _regrouped(plan, root)
     return lines + (_not_carried(plan, root) if only is None else [])
+
+
+def _regrouped(plan: ConvertPlan, root: Path) -> list[str]:
+    """The output's param groups against the plan's (Megatron's groups at the written EP size, `groups_at`): the
+    same number, each with the same hyper-parameters and exactly the same parameters; a parameter's group changes
+    only where the source's group of it had the same hyper-parameters (at EP 1 the experts join the dense groups)."""
+    from ..view import logical as L
+
+    out = L.param_groups(L.open_any(root))
+    lines = []
+    if len(out) != len(plan.groups):
+        lines.append(f"param_groups : {len(plan.groups)} groups planned -> {len(out)} groups written")
+    for i, (want, got) in enumerate(zip(plan.groups, out)):
+        for k in sorted(set(want) | set(got)):
+            if k == "params":
+                a, b = ({L.name_key(n) for n in g.get("params", [])} for g in (want, got))
+                if a != b:
+                    lines.append(f"param_groups {i}.params: {len(a)} planned -> {len(b)} written ({sorted(a ^ b)[:3]})")
+            elif _jsonable(want.get(k)) != _jsonable(got.get(k)):
+                lines.append(f"param_groups {i}.{k}: {want.get(k)!r} planned -> {got.get(k)!r} written")
+    return lines
 
 
 def _not_carried(plan: ConvertPlan, root: Path) -> list[str]:

@@ -1249,34 +1249,30 @@ def _write_legacy(
 # --- what `ops.convert` calls: one entry each, the format written chosen here ------------------------------------
 
 
-def check(ck, src: Path, ckpt_format: str, tp: int | None, pp: int | None = None) -> tuple[int | None, int | None]:
-    """Refuse, in one line, a source (or TP / PP size) that cannot be written as Megatron's `ckpt_format`; returns
-    the (TP, PP) sizes of the legacy rank files ((None, None) for torch_dist, which holds whole tensors)."""
-    _check_no_experts(ck, src, ckpt_format)
+def check(
+    ck, src: Path, ckpt_format: str, tp: int | None, pp: int | None = None, ep: int | None = None
+) -> tuple[int | None, int | None]:
+    """Refuse, in one line, a source (or TP / PP / EP size) that cannot be written as Megatron's `ckpt_format`;
+    returns the (TP, PP) sizes of the legacy rank files ((None, None) for torch_dist, which holds whole tensors).
+    A Mixture-of-Experts run is written by `megatron_moe` (`ops.convert._megatron_writer` chooses)."""
+    if ep is not None:
+        raise UnsupportedCheckpoint(
+            f"--ep {ep} applies to a Mixture-of-Experts run; this one has no experts (num_experts unset)", path=src
+        )
     if ckpt_format == "torch":
         return _check_legacy_target(ck, src, tp, pp)
     _check_dist_target(ck, src)
     return None, None
 
 
-def _check_no_experts(ck, src: Path, ckpt_format: str) -> None:
-    """Refuse a Mixture-of-Experts run: its experts' layout (torch_dist `[layers, experts, ...]`, legacy
-    `mp_rank_TT[_PPP]_EEE` folders per expert-parallel rank, local expert ids) and its ChainedOptimizer (dense,
-    expert) are not written here yet."""
-    args = _args(ck)
-    experts = args.get("num_experts")
-    if experts:
-        ep = args.get("expert_model_parallel_size") or 1
-        raise UnsupportedCheckpoint(
-            f"--to megatron --ckpt-format {ckpt_format} of a Mixture-of-Experts run (num_experts={experts}, "
-            f"expert_model_parallel_size={ep}): ckpt does not write Megatron's expert layout (expert-parallel rank "
-            "folders, chained dense + expert optimizers) yet",
-            path=src,
-            hint="Megatron reshards a torch_dist MoE checkpoint at load: resume it at the new sizes",
-        )
+def target_ep(ck, ep: int | None) -> None:
+    """A dense run has no expert-parallel size (`megatron_moe.target_ep`)."""
+    return None
 
 
-def plan_lines(ck, ckpt_format: str, tp: int | None, pp: int | None = None) -> tuple[list[str], list[str]]:
+def plan_lines(
+    ck, ckpt_format: str, tp: int | None, pp: int | None = None, ep: int | None = None
+) -> tuple[list[str], list[str]]:
     """(notes, not moved) of the conversion."""
     return _legacy_plan_lines(ck, tp, pp) if ckpt_format == "torch" else _dist_plan_lines(ck)
 
@@ -1286,4 +1282,14 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     return (_write_legacy if plan.ckpt_format == "torch" else _write_dist)(plan, root, progress)
 
 
-__all__ = ["check", "plan_lines", "write", "plan_dist", "dist_key", "rank_files", "legacy_rank_dirs", "CKPT_FORMATS"]
+__all__ = [
+    "check",
+    "target_ep",
+    "plan_lines",
+    "write",
+    "plan_dist",
+    "dist_key",
+    "rank_files",
+    "legacy_rank_dirs",
+    "CKPT_FORMATS",
+]

@@ -443,6 +443,26 @@ def install_cpu_shims() -> None:
     _CudaToCpu().__enter__()  # for the rest of the process
 
 
+def _copying_single_rank_reduce() -> None:
+    """megatron-core 0.16.1's `_reduce` over a group of one returns its input as is, so the autograd Function
+    `_ReduceFromModelParallelRegion` hands back a view of it; a SequentialMLP expert with a bias at EP 1 x TP 1 then
+    adds its bias to that output in place (`mlp.py`: `output += output_bias ...`), which autograd forbids ("Output 0
+    of _ReduceFromModelParallelRegion is a view and is being modified inplace"). At EP > 1 or TP > 1 the expert's
+    row-parallel linear skips that reduce. The same values, as a copy: the numbers do not change."""
+    import megatron.core.tensor_parallel.mappings as mappings
+
+    reduce = mappings._reduce
+    if getattr(reduce, "_ckpt_copying", False):
+        return
+
+    def _reduce(input_, group):
+        out = reduce(input_, group)
+        return out.clone() if out is input_ and group is not None and group.size() == 1 else out
+
+    _reduce._ckpt_copying = True
+    mappings._reduce = _reduce
+
+
 def _after_megatron_import() -> None:
     """Shims on names Megatron bound at import time."""
     import megatron.core.datasets.utils as dutils
@@ -453,6 +473,7 @@ def _after_megatron_import() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 leaves it undefined without TE; the router asks for it
         moe_utils.te_general_gemm = None
+    _copying_single_rank_reduce()
     _sequence_parallel_torch_norm()
     trandom._lazy_call = torch.cuda._lazy_call
     trandom._lazy_init = torch.cuda._lazy_init
