@@ -18,6 +18,7 @@ import pytest
 from conftest import SAMPLES
 from hostile import pickles as H
 from hostile.runner import run
+from test_dcp_lazy_open import _Call  # an object pickled as a call of a global
 from test_hostile_pickles import HASH_BOMBS
 from ckpt_tools.errors import CorruptCheckpoint
 from ckpt_tools.formats import dcp
@@ -138,14 +139,6 @@ def _metadata(folder: Path):
     import torch.distributed.checkpoint  # noqa: F401  (the classes the pickle names)
 
     return pickle.loads((folder / ".metadata").read_bytes())
-
-
-class _Call:
-    def __init__(self, fn, *args):
-        self.fn, self.args = fn, args
-
-    def __reduce__(self):
-        return self.fn, self.args
 
 
 def test_a_reduce_of_a_global_runs_nothing_and_answers_alike(tmp_path):
