@@ -193,16 +193,22 @@ def test_a_declared_shape_of_a_trillion_elements_is_refused(tmp_path):
     chunk, so its record is read when opening and disagrees: one exit-2 line, nothing allocated."""
     folder = _copy(tmp_path, "ck")
     md = _metadata(folder)
-    key = next(k for k, m in md.state_dict_metadata.items() if hasattr(m, "size") and len(m.size) == 2)
-    meta = md.state_dict_metadata[key]
+    key = declare_a_trillion_elements(md)
+    _save_metadata(folder, md)
+    _one_error(run("inspect", folder, "--json", timeout=60), key)
+
+
+def declare_a_trillion_elements(md) -> str:
+    """Declare the first 2-d tensor of a DCP `Metadata` (and its chunks) 10^6 x 10^6; returns its key."""
     import torch
 
+    key = next(k for k, m in md.state_dict_metadata.items() if hasattr(m, "size") and len(m.size) == 2)
+    meta = md.state_dict_metadata[key]
     huge = torch.Size([10**6, 10**6])
     md.state_dict_metadata[key] = dataclasses.replace(
         meta, size=huge, chunks=[dataclasses.replace(c, sizes=huge) for c in meta.chunks]
     )
-    _save_metadata(folder, md)
-    _one_error(run("inspect", folder, "--json", timeout=60), key)
+    return key
 
 
 def test_an_item_past_the_end_of_its_file_is_refused(tmp_path):

@@ -18,11 +18,11 @@ import pytest
 from conftest import SAMPLES
 from hostile import pickles as H
 from hostile.runner import run
-from test_dcp_lazy_open import _Call  # an object pickled as a call of a global
+from test_dcp_lazy_open import _Call, declare_a_trillion_elements  # _Call: an object pickled as a call of a global
 from test_hostile_pickles import HASH_BOMBS
 from ckpt_tools.errors import CorruptCheckpoint
 from ckpt_tools.formats import dcp
-from ckpt_tools.read import native_dcp, pickle_reader as P
+from ckpt_tools.read import native_dcp, native_walk, pickle_reader as P
 
 METADATA = sorted(SAMPLES.rglob(".metadata"))
 
@@ -105,12 +105,12 @@ def _folders() -> list[Path]:
 def _both(*argv, timeout: float = 120):
     """`ckpt ARGV` with the C reader, then with the unpickler (the C reader switched off): (with, without)."""
     first = run(*argv, timeout=timeout)
-    saved = list(native_dcp._loaded)
-    native_dcp._loaded[:] = [None]
+    saved = native_walk._bound.get("dcp")
+    native_walk._bound["dcp"] = None  # as where it cannot be built
     try:
         second = run(*argv, timeout=timeout)
     finally:
-        native_dcp._loaded[:] = saved
+        native_walk._bound["dcp"] = saved
     return first, second
 
 
@@ -178,16 +178,9 @@ def test_a_memo_bomb_is_refused_alike(tmp_path):
 
 
 def test_a_trillion_element_shape_and_an_item_past_its_file_answer_alike(tmp_path):
-    import torch
-
     folder = _copy(tmp_path)
     md = _metadata(folder)
-    key = next(k for k, m in md.state_dict_metadata.items() if hasattr(m, "size") and len(m.size) == 2)
-    meta = md.state_dict_metadata[key]
-    huge = torch.Size([10**6, 10**6])
-    md.state_dict_metadata[key] = dataclasses.replace(
-        meta, size=huge, chunks=[dataclasses.replace(c, sizes=huge) for c in meta.chunks]
-    )
+    key = declare_a_trillion_elements(md)
     (folder / ".metadata").write_bytes(pickle.dumps(md))
     got = native_dcp.read(folder / ".metadata")
     assert got is not None and got.state_dict_metadata[key][1] == (10**6, 10**6)
@@ -239,7 +232,7 @@ def test_mutated_metadata_reads_as_the_unpickler_reads_it_or_goes_to_it(tmp_path
 
 def test_off_with_ckpt_native_0(monkeypatch):
     monkeypatch.setenv("CKPT_NATIVE", "0")
-    monkeypatch.setattr(native_dcp, "_loaded", [])
+    monkeypatch.setattr(native_walk, "_bound", {})  # not loaded yet in this process
     assert native_dcp.read(METADATA[0]) is None
 
 

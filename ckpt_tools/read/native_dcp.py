@@ -26,11 +26,7 @@ or no compiler: the Python path answers).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import subprocess
-import threading
 from dataclasses import dataclass
 from itertools import islice
 
@@ -454,37 +450,25 @@ int64_t *ckpt_dcp_read(const unsigned char *d, int64_t end, int64_t *n, char **s
 void ckpt_dcp_free(void *p) { free(p); }
 """
 
-_lock = threading.Lock()
-_loaded: list = []  # [(read, free) or None], once tried
+
+def _bind(dll):
+    read, free = dll.ckpt_dcp_read, dll.ckpt_dcp_free
+    read.restype = ctypes.POINTER(ctypes.c_int64)
+    read.argtypes = [
+        ctypes.c_char_p,
+        ctypes.c_int64,
+        ctypes.POINTER(ctypes.c_int64),
+        ctypes.POINTER(ctypes.c_char_p),
+        ctypes.POINTER(ctypes.c_int64),
+    ]
+    free.restype = None
+    free.argtypes = [ctypes.c_void_p]
+    return read, free
 
 
 def _functions():
-    if not native_walk.enabled():
-        return None
-    with _lock:
-        if not _loaded:
-            fns = None
-            try:
-                digest = hashlib.sha256(SOURCE.encode()).hexdigest()[:16]
-                lib = native_walk.build(SOURCE, f"dcp-{digest}-{platform.machine()}.so")
-                if lib is not None:
-                    dll = ctypes.CDLL(str(lib))
-                    read, free = dll.ckpt_dcp_read, dll.ckpt_dcp_free
-                    read.restype = ctypes.POINTER(ctypes.c_int64)
-                    read.argtypes = [
-                        ctypes.c_char_p,
-                        ctypes.c_int64,
-                        ctypes.POINTER(ctypes.c_int64),
-                        ctypes.POINTER(ctypes.c_char_p),
-                        ctypes.POINTER(ctypes.c_int64),
-                    ]
-                    free.restype = None
-                    free.argtypes = [ctypes.c_void_p]
-                    fns = (read, free)
-            except (OSError, subprocess.SubprocessError, AttributeError):  # no compiler, no cache folder, ...
-                fns = None
-            _loaded.append(fns)
-    return _loaded[0]
+    """(read, free) of the compiled reader (`native_walk.load`), or None."""
+    return native_walk.load(SOURCE, "dcp", _bind)
 
 
 def available() -> bool:

@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 #: `pickle_reader.walk_fingerprint()` of the Python walk this C copy mirrors: when the Python walk changes, the C copy
 #: is not used (the Python walk runs) until it is brought in line and this is updated (tests/test_native_walk.py)
@@ -415,7 +415,7 @@ done:
 """
 
 _lock = threading.Lock()
-_loaded: list = []  # [the ctypes function or None], once tried
+_bound: dict[str, Any] = {}  # library prefix -> what its `bind` returned, or None: tried once per process
 
 
 def enabled() -> bool:
@@ -434,6 +434,23 @@ def _private(folder: Path) -> bool:
     """The folder is ours and no one else can write to it (a library loaded from it runs as us)."""
     st = folder.stat()
     return (not hasattr(os, "getuid") or st.st_uid == os.getuid()) and not st.st_mode & 0o022
+
+
+def load(source: str, prefix: str, bind: Callable[[ctypes.CDLL], Any]) -> Any:
+    """`bind(library)` (its functions with their C types) of the library compiled from the C `source` (`build`,
+    cached as `<prefix>-<source hash>-<machine>.so`), once per process; None when native code is switched off
+    (CKPT_NATIVE=0) or cannot be built or loaded here (no compiler, no private cache folder, a missing symbol)."""
+    if not enabled():
+        return None
+    with _lock:
+        if prefix not in _bound:
+            try:
+                digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+                lib = build(source, f"{prefix}-{digest}-{platform.machine()}.so")
+                _bound[prefix] = bind(ctypes.CDLL(str(lib))) if lib is not None else None
+            except (OSError, subprocess.SubprocessError, AttributeError):  # no compiler, no cache folder, ...
+                _bound[prefix] = None
+        return _bound[prefix]
 
 
 def build(source: str, name: str) -> Path | None:
@@ -466,29 +483,21 @@ def walker(table: Sequence[int], max_w: int, max_shared: int, nesting: int) -> C
     """`walk(data) -> the pickle's length, or -1` (refused, or not followed exactly: ask the Python walk), with
     the opcode table (6 ints per opcode: known, kind, argument size, two lines, pops, pushes) and the bounds given;
     None when the C walk is disabled or cannot be built here."""
-    if not enabled():
-        return None
-    with _lock:
-        if not _loaded:
-            fn = None
-            try:
-                digest = hashlib.sha256(SOURCE.encode()).hexdigest()[:16]
-                lib = build(SOURCE, f"walk-{digest}-{platform.machine()}.so")
-                if lib is not None:
-                    fn = ctypes.CDLL(str(lib)).ckpt_walk
-                    fn.restype = ctypes.c_int64
-                    fn.argtypes = [
-                        ctypes.c_char_p,
-                        ctypes.c_int64,
-                        ctypes.POINTER(ctypes.c_int32),
-                        ctypes.c_int64,
-                        ctypes.c_int64,
-                        ctypes.c_int64,
-                    ]
-            except (OSError, subprocess.SubprocessError, AttributeError):  # no compiler, no cache folder, ...
-                fn = None
-            _loaded.append(fn)
-        fn = _loaded[0]
+
+    def bind(dll: ctypes.CDLL):
+        fn = dll.ckpt_walk
+        fn.restype = ctypes.c_int64
+        fn.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_int64,
+            ctypes.POINTER(ctypes.c_int32),
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int64,
+        ]
+        return fn
+
+    fn = load(SOURCE, "walk", bind)
     if fn is None:
         return None
     tab = (ctypes.c_int32 * len(table))(*table)
