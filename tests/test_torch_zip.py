@@ -150,7 +150,7 @@ def test_a_whole_deepspeed_optimizer_file_round_trips(tmp_path):
     assert n > 1000
     members(out)  # every CRC right
     equal(torch.load(out, weights_only=False), torch.load(src, weights_only=False))
-    equal(safe_load.load(out, mmap=True), safe_load.load(src, mmap=True))  # weights_only=True + allowlist
+    equal(safe_load.torch_load_allowlisted(out, mmap=True), safe_load.torch_load_allowlisted(src, mmap=True))  # weights_only=True + allowlist
 
 
 def test_to_universal_files_are_what_torch_save_writes(tmp_path):
@@ -165,7 +165,7 @@ def test_to_universal_files_are_what_torch_save_writes(tmp_path):
         if f.name == "optimizer_state.pt":
             members(f)
             obj = torch.load(f, weights_only=False)
-            equal(safe_load.load(f, mmap=True), obj)
+            equal(safe_load.torch_load_allowlisted(f, mmap=True), obj)
             assert [g["params"] for g in obj["param_groups"]] == [[0], [1]]
             assert int(obj["optimizer_state_dict"]["state"][0]["step"]) == 4
             continue

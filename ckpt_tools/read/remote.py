@@ -82,7 +82,7 @@ def is_url(arg: str) -> bool:
 
 
 @dataclass
-class Counters:
+class TransferCounters:
     """What one command cost against the store."""
 
     bytes_fetched: int = 0
@@ -153,7 +153,7 @@ class Mount:
 
     def __init__(self, url: str, storage_options: dict | None = None):
         self.url = url.rstrip("/")
-        self.counters = Counters()
+        self.counters = TransferCounters()
         self._lock = threading.Lock()
         self._files: dict[str, _File] = {}  # local absolute path -> _File
         self.fs, self._key = _filesystem(self.url, storage_options or {})
@@ -967,7 +967,7 @@ def stats() -> dict | None:
     """Bytes and requests of every mount of this command, summed; None when nothing is mounted."""
     if not _MOUNTS:
         return None
-    total = Counters()
+    total = TransferCounters()
     for m in _MOUNTS.values():
         for k, v in m.counters.__dict__.items():
             setattr(total, k, getattr(total, k) + v)

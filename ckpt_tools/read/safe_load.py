@@ -26,7 +26,7 @@ def import_deepspeed():
 
 
 #: (module, name) of the framework classes real DeepSpeed/Megatron checkpoints pickle (docs/safety.md):
-#: what `load` lets torch's restricted unpickler build, and what to-universal lets through into the files
+#: what `torch_load_allowlisted` lets torch's restricted unpickler build, and what to-universal lets through into the files
 #: it writes (which DeepSpeed loads with its full unpickler)
 ALLOWED_GLOBALS = (
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
@@ -45,7 +45,7 @@ def allowlist() -> list[Any]:
     return [getattr(importlib.import_module(module), name) for module, name in ALLOWED_GLOBALS]
 
 
-def load(path: str | os.PathLike, *, mmap: bool = True) -> Any:
+def torch_load_allowlisted(path: str | os.PathLike, *, mmap: bool = True) -> Any:
     """`torch.load(path, weights_only=True, mmap=mmap)` with `allowlist()` — tensors stay on disk with mmap."""
     import pickle
 

@@ -483,7 +483,7 @@ def saved_osd_file(path: str) -> list[dict[str, torch.Tensor] | None] | None:
 
     if not Path(path).is_file():
         return None
-    osd = find_osd(safe_load.load(path, mmap=False))
+    osd = find_osd(safe_load.torch_load_allowlisted(path, mmap=False))
     return None if osd is None else saved_states_by_position(osd)
 
 

@@ -92,7 +92,7 @@ def saved_optimizer(plan: dict[str, Any]) -> list | None:
         f = folder / files[c.rank()] if c.rank() < len(files) else None
     if f is None or not f.is_file():
         return None
-    osd = c.find_osd(safe_load.load(f, mmap=False))
+    osd = c.find_osd(safe_load.torch_load_allowlisted(f, mmap=False))
     return None if osd is None else c.saved_states_by_position(osd)
 
 

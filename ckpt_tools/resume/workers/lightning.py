@@ -92,7 +92,7 @@ def main(plan: dict[str, Any]) -> None:
     # the saved optimizer state, read with ckpt's allowlisted torch loader (not Lightning's restore)
     from ckpt_tools.read import safe_load
 
-    loaded = safe_load.load(plan["load_dir"], mmap=False)
+    loaded = safe_load.torch_load_allowlisted(plan["load_dir"], mmap=False)
     states = loaded.get("optimizer_states") if isinstance(loaded, dict) else None
     plan_osd = states[0] if isinstance(states, list) and states else None
     del loaded
