@@ -18,6 +18,7 @@ Nothing here reads tensor bytes; the listing is one `scandir` per folder of the 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from collections import Counter
@@ -25,9 +26,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..read import remote
-from ..errors import CorruptCheckpoint, UnsupportedCheckpoint
+from .. import formats
+from ..errors import CkptError, CorruptCheckpoint, UnsupportedCheckpoint
 from ..formats import megatron_dist, megatron_lm
+from ..read import gate, remote
+from ..read.state import lost_scheduler_warnings
 from ..read.tree import Checkpoint, GroupNode, OpaqueNode, Warning_, scalar
 
 #: suffixes of files that may hold model or training state
@@ -139,8 +142,6 @@ def _unread(root: Path, read: set[str]) -> Iterable[str]:
     """State-like files under `root` (the folders that hold read files, and `root` itself) that were not read.
     A sub-folder that holds no read file and that a format claims by itself (another tag folder beside the
     one `latest` names, a run's other iterations) is another checkpoint, not part of this one."""
-    from .. import formats
-
     read_dirs = {os.path.dirname(p) for p in read}
     top = _norm(root)
     stack = [top]
@@ -219,9 +220,6 @@ def part_of(file: Path) -> tuple[Path, str, int | None] | None:
     folders above it that a format claims are opened, the farthest first (a tag folder's parent with `latest`
     before the tag folder); the first that opens and holds the file (read, or found unread beside the files it
     read) wins. A folder that does not open is not named: a claim of "part of X" needs X to open."""
-    from .. import formats
-    from ..errors import CkptError
-
     mine = _norm(file)
     for up, mod in reversed(formats.enclosing(file)):
         try:
@@ -326,9 +324,6 @@ def guard(
     format module's own `open` made it, not `open_checkpoint`), then `read.gate.check_source` (a global outside
     the allowlist or a foreign zip member anywhere in it is refused unless `trust_pickles`; trusted, the warning
     is kept in `details["carried_pickles"]` for `left_behind`). Returns the accounted checkpoint."""
-    from ..read import gate
-    from ..read.state import lost_scheduler_warnings
-
     if "accounting" not in ck.details:
         ck = lost_scheduler_warnings(account(ck, Path(given)))
     require_whole(ck, command, allow_unread=allow_unread)
@@ -456,8 +451,6 @@ def require_declared_groups(ck: Checkpoint) -> None:
 def duplicate_rank_files(ck: Checkpoint, limit: int = 4 << 20) -> list[Warning_]:
     """Per-rank files (RNG states, small rank shards) that are byte-identical to another rank's: one rank's file
     copied over another's. Only files up to `limit` bytes are compared (hashing GBs on every open is not cheap)."""
-    import hashlib
-
     by_hash: dict[tuple[int, str], list[str]] = {}
     root = Path(ck.path) if Path(ck.path).is_dir() else Path(ck.path).parent
     ranked = [

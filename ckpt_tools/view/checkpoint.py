@@ -10,7 +10,10 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..formats import detect
+from ..read.state import lost_scheduler_warnings
 from ..read.tree import Checkpoint
+from .accounting import account
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
@@ -19,10 +22,6 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     The result accounts for the whole checkpoint (`ckpt_tools.view.accounting`): `details["accounting"]` lists the
     files read and the state files no reader took, and the warnings say what the view leaves out (`unread-files`,
     `part-of-checkpoint` for one piece of a larger checkpoint, `scheduler-state-missing`)."""
-    from ..formats import detect
-    from ..read.state import lost_scheduler_warnings
-    from .accounting import account
-
     p = Path(path)
     with gc_paused():
         ck = detect(p).open(p)

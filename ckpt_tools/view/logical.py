@@ -69,11 +69,18 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ..errors import CkptError
+from ..formats import FORMAT_MODULES, _module
+from ..formats.torch_file import match_param_ids
+from ..read import qkv
+from ..read.pickle_reader import FdCache, LazyTensorRef
+from ..read.tensor_read import merged_read
 from ..read.tree import Checkpoint, GroupNode, OpaqueNode, TensorNode, ValueNode, scalar
+from .checkpoint import open_checkpoint
 
 __all__ = [
     "LogicalTensor",
@@ -120,7 +127,7 @@ _DTYPE_ALIASES = {
 
 def torch_dtype(dtype: Any):
     """A torch.dtype from a torch.dtype or a name ("float32", "fp32", "bf16", "torch.bfloat16")."""
-    import torch
+    import torch  # lazy: torch only when a dtype is converted; the logical view stays torch-free
 
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
@@ -156,9 +163,6 @@ class LogicalTensor:
     def read(self, dtype: Any = None):
         """The tensor, merged across ZeRO pieces / TP shards / DCP chunks / ShardedTensor shards. Reads only
         this tensor's bytes; `dtype` converts (None: as stored)."""
-        from ..read.tensor_read import merged_read
-        from ..read.pickle_reader import FdCache
-
         fds = FdCache()
         try:
             t = merged_read(self.node, fds)
@@ -170,7 +174,7 @@ class LogicalTensor:
         finally:
             fds.close()
         if self.rows is not None:
-            import torch
+            import torch  # lazy: torch only when a tensor is read; the logical view stays torch-free
 
             t = t.reshape(tuple(self.node.shape)).index_select(0, torch.tensor(self.rows))
         shape = tuple(self.shape)
@@ -197,16 +201,10 @@ def open_any(ck: Checkpoint | str | os.PathLike) -> Checkpoint:
     """`ck` itself, or the checkpoint at that path."""
     if isinstance(ck, Checkpoint):
         return ck
-    from pathlib import Path
-
-    from .checkpoint import open_checkpoint
-
     return open_checkpoint(Path(ck))
 
 
 def _format_module(ck: Checkpoint):
-    from ..formats import FORMAT_MODULES, _module
-
     for name in FORMAT_MODULES:
         mod = _module(name)
         if mod is not None and getattr(mod, "FORMAT", None) == ck.format:
@@ -315,74 +313,26 @@ def model_tensors(
     if tied not in ("all", "dedupe"):
         raise ValueError(f"tied={tied!r}: use 'all' or 'dedupe'")
     ck = open_any(ck)
-    if model:
-        group = ck.tree.children.get(f"model_{model}")
-        if group is None:
-            held = models(ck)
-            raise ValueError(
-                f"model={model}: the checkpoint holds {len(held)} model"
-                f"{'' if len(held) == 1 else 's'} ({', '.join(map(str, held))})"
-            )
-        lay = {"order": [], "frozen": [], "tied": {}, "buffers": [], "groups": []}
-        stored = dict(_tensors(group))
-        state: dict[str, Any] = {}
-    else:
-        lay = layout(ck)
-        stored = dict(_tensors(ck.model))
-        state = _state_group(ck)
+    lay, stored, state = _model_source(ck, model)
     ties: dict[str, str] = {a: s for a, s in lay["tied"].items() if a != s}
     frozen, buffers = set(lay["frozen"]), set(lay["buffers"])
-
-    # names that share one storage in the same file (torch.save of a state dict with a tied weight)
-    first_of: dict[tuple, str] = {}
-    for name, node in stored.items():
-        key = _storage_key(node)
-        if key is None or name in ties:
-            continue
-        if key in first_of:
-            ties[name] = first_of[key]
-        else:
-            first_of[key] = name
-
-    order: list[str] = []
-    seen: set[str] = set()
-    for n in [*lay["order"], *stored, *ties]:
-        if n not in seen:
-            seen.add(n)
-            order.append(n)
-
-    def master(name: str) -> TensorNode | None:
-        entry = state.get(name)
-        if isinstance(entry, GroupNode) and isinstance(entry.children.get("fp32"), TensorNode):
-            return entry.children["fp32"]
-        return None
-
-    def node_for(name: str) -> TensorNode | None:
-        if weights == "fp32":
-            m = master(name)
-            if m is not None:
-                return m
-        node = stored.get(name)
-        if node is not None and node.numel == 0 and master(name) is not None:
-            return master(name)  # ZeRO-3 placeholders
-        return node
-
+    _tie_shared_storage(stored, ties)
     inc, exc = _patterns(include), _patterns(exclude)
     out: list[LogicalTensor] = []
-    for name in order:
+    for name in _ordered_names(lay["order"], stored, ties):
         tied_to = None
         if name in ties:
             source = _resolve(ties, name)
             if source == name:
                 continue
-            node = node_for(source)
+            node = _node_for(source, weights, stored, state)
             if node is None:
                 continue  # an alias of a parameter this checkpoint does not hold (excluded frozen weight)
             if weights == "module" and stored.get(name) is not None and stored[name].numel:
                 node = stored[name]
             kind, tied_to = "tied", source
         else:
-            node = node_for(name)
+            node = _node_for(name, weights, stored, state)
             if node is None:
                 continue
             kind = "buffer" if name in buffers else "frozen" if name in frozen else "param"
@@ -398,6 +348,67 @@ def model_tensors(
     return out
 
 
+def _model_source(ck: Checkpoint, model: int) -> tuple[dict[str, Any], dict[str, TensorNode], dict[str, Any]]:
+    """(layout, stored tensors by name, optimizer state by name) of model `model`: another model than 0 has no
+    layout and no state the format module knows."""
+    if not model:
+        return layout(ck), dict(_tensors(ck.model)), _state_group(ck)
+    group = ck.tree.children.get(f"model_{model}")
+    if group is None:
+        held = models(ck)
+        raise ValueError(
+            f"model={model}: the checkpoint holds {len(held)} model"
+            f"{'' if len(held) == 1 else 's'} ({', '.join(map(str, held))})"
+        )
+    return {"order": [], "frozen": [], "tied": {}, "buffers": [], "groups": []}, dict(_tensors(group)), {}
+
+
+def _tie_shared_storage(stored: dict[str, TensorNode], ties: dict[str, str]) -> None:
+    """Add to `ties` the names that share one storage in the same file (torch.save of a state dict with a tied
+    weight): each an alias of the first name stored on it."""
+    first_of: dict[tuple, str] = {}
+    for name, node in stored.items():
+        key = _storage_key(node)
+        if key is None or name in ties:
+            continue
+        if key in first_of:
+            ties[name] = first_of[key]
+        else:
+            first_of[key] = name
+
+
+def _ordered_names(order: list[str], stored: dict[str, TensorNode], ties: dict[str, str]) -> list[str]:
+    """The layout's order, then the stored names it misses, then the aliases, each name once."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for n in [*order, *stored, *ties]:
+        if n not in seen:
+            seen.add(n)
+            out.append(n)
+    return out
+
+
+def _master(state: dict[str, Any], name: str) -> TensorNode | None:
+    """The fp32 master copy the optimizer state holds for `name`, if any."""
+    entry = state.get(name)
+    if isinstance(entry, GroupNode) and isinstance(entry.children.get("fp32"), TensorNode):
+        return entry.children["fp32"]
+    return None
+
+
+def _node_for(name: str, weights: str, stored: dict[str, TensorNode], state: dict[str, Any]) -> TensorNode | None:
+    """The tensor read for `name`: its fp32 master where `weights` is "fp32" and there is one, else the stored
+    weight (the master still where the stored one is a ZeRO-3 placeholder)."""
+    if weights == "fp32":
+        m = _master(state, name)
+        if m is not None:
+            return m
+    node = stored.get(name)
+    if node is not None and node.numel == 0 and _master(state, name) is not None:
+        return _master(state, name)  # ZeRO-3 placeholders
+    return node
+
+
 # --- the optimizer ----------------------------------------------------------------------------------------
 
 
@@ -405,8 +416,6 @@ def _ids_to_names(ck: Checkpoint, optimizer: int) -> dict[str, str]:
     """Param id -> name for an optimizer whose state the reader left keyed by ids, when the format tells the
     model's parameter order (`logical_layout`'s "order") and `torch_file.match_param_ids` can match the ids
     to it by group and shape."""
-    from ..formats.torch_file import match_param_ids
-
     groups = _raw_groups(ck, optimizer)
     group_ids = [[str(i) for i in (g.get("params") or []) if isinstance(i, int)] for g in groups]
     if not any(group_ids):
@@ -502,14 +511,14 @@ def optimizer_scalars(ck: Checkpoint | str | os.PathLike, optimizer: int = 0) ->
 def _unread_value(node: TensorNode) -> Any:
     """The value of a one-element tensor an open left unread (a DCP `step` a remote open did not fetch: its one
     piece a `LazyTensorRef`), read now; None when it has none to read."""
-    from ..read.pickle_reader import LazyTensorRef
-
     if len(node.pieces) != 1 or not isinstance(node.pieces[0].ref, LazyTensorRef):
         return None
     return node.pieces[0].ref.item()
 
 
-def _plain(node: Any) -> Any:
+def _param_group_value(node: Any) -> Any:
+    """A param group's entry as plain Python for display. Unlike `read.tree.node_to_python`: a group keyed 0, 1, ...
+    is a list, a tensor without an inline value a `<tensor [shape] dtype>` placeholder, an opaque object `<cls>`."""
     if isinstance(node, ValueNode):
         return node.value
     if isinstance(node, TensorNode):
@@ -517,8 +526,8 @@ def _plain(node: Any) -> Any:
     if isinstance(node, GroupNode):
         kids = node.children
         if kids and all(k.isdigit() for k in kids):
-            return [_plain(v) for _, v in sorted(kids.items(), key=lambda kv: int(kv[0]))]
-        return {k: _plain(v) for k, v in kids.items()}
+            return [_param_group_value(v) for _, v in sorted(kids.items(), key=lambda kv: int(kv[0]))]
+        return {k: _param_group_value(v) for k, v in kids.items()}
     if isinstance(node, OpaqueNode):
         return f"<{node.cls}>"
     return scalar(node)
@@ -532,7 +541,7 @@ def _raw_groups(ck: Checkpoint, optimizer: int) -> list[dict[str, Any]]:
     out = []
     for _, g in sorted(groups.children.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0):
         if isinstance(g, GroupNode):
-            out.append({k: _plain(v) for k, v in g.children.items()})
+            out.append({k: _param_group_value(v) for k, v in g.children.items()})
     return out
 
 
@@ -581,10 +590,6 @@ def with_kv_heads(ck: Checkpoint | str | os.PathLike, n_kv_heads: int | None) ->
     under the split names (`<m>.wq.weight`, ...), each the fused state's rows that train it, so every parameter has
     its own state and the reader's convert refusal for it is lifted. `ck` unchanged when `n_kv_heads` is None or
     nothing is fused. CkptError where `n_kv_heads` does not fit the saved shapes."""
-    import dataclasses
-
-    from ..read import qkv
-
     ck = open_any(ck)
     fused = qkv.find_fused(ck.tree)
     if n_kv_heads is None or not fused:
@@ -600,4 +605,4 @@ def with_kv_heads(ck: Checkpoint | str | os.PathLike, n_kv_heads: int | None) ->
         split[name] = {q: tuple(rows[0]), k: tuple(rows[1]), v: tuple(rows[2])}
     details = {k: v for k, v in ck.details.items() if k not in ("convert_unproven", "resume_unsupported")}
     details["n_kv_heads"] = f"{n_kv_heads} (given): the fused optimizer state split by KV-head group"
-    return dataclasses.replace(ck, details=details, state_split=split)
+    return replace(ck, details=details, state_split=split)
