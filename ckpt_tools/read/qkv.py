@@ -18,6 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import CkptError
+from .tree import GroupNode, TensorNode, iter_tensors
+
 #: the split parameters' module names, in the fused row order within a group, and the fused module's name
 SPLIT = ("wq", "wk", "wv")
 FUSED = "wqkv"
@@ -57,8 +60,6 @@ def row_index(q_rows: int, kv_rows: int, n_kv_heads: int) -> tuple[list[int], li
 
 def rows_or_refuse(q_rows: int, kv_rows: int, n_kv_heads: int, path: Any) -> tuple[list[int], list[int], list[int]]:
     """`row_index`, or the one-line CkptError for an `--n-kv-heads` the saved shapes rule out."""
-    from ..errors import CkptError
-
     try:
         return row_index(q_rows, kv_rows, n_kv_heads)
     except ValueError as e:
@@ -71,7 +72,7 @@ def rows_or_refuse(q_rows: int, kv_rows: int, n_kv_heads: int, path: Any) -> tup
 
 def assemble(pieces: list[tuple[Any, Any]]) -> Any:
     """The fused tensor from (rows, split tensor) pairs (torch tensors, rows first; the rows cover it once)."""
-    import torch
+    import torch  # lazy: torch only when tensors are assembled; read/ is the torch-free core
 
     first = pieces[0][1]
     out = torch.empty((sum(len(rows) for rows, _ in pieces), *first.shape[1:]), dtype=first.dtype)
@@ -120,8 +121,6 @@ def find_fused(tree: Any) -> dict[str, list[str]]:
     """{optimizer FQN: [the model keys that hold it]} for every parameter saved split: an optimizer state (of the
     first optimizer) under a name the model does not hold, whose module has model keys with the same leaf name,
     without optimizer state of their own, whose elements add up to the state's."""
-    from .tree import GroupNode, TensorNode, iter_tensors
-
     kids = tree.children if isinstance(tree, GroupNode) else {}
     model = kids.get("model")
     state = next(

@@ -8,26 +8,28 @@ real checkpoints carry. A pickle naming anything else fails loudly instead of ru
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
+import pickle
+import sys
 from typing import Any
 
+from . import gate, pickle_reader
 from ..errors import UnsupportedCheckpoint
 
 
 def import_deepspeed():
     """Import deepspeed with its logger bound to stderr: it logs to stdout at import time (the accelerator
     it picked), which would corrupt `--json` output. Its handler keeps whichever stream it saw first."""
-    import contextlib
-    import sys
-
     with contextlib.redirect_stdout(sys.stderr):
-        import deepspeed
+        import deepspeed  # lazy: deepspeed is optional and heavy; only its own checkpoints need its classes
     return deepspeed
 
 
 #: (module, name) of the framework classes real DeepSpeed/Megatron checkpoints pickle (docs/safety.md):
-#: what `torch_load_allowlisted` lets torch's restricted unpickler build, and what to-universal lets through into the files
-#: it writes (which DeepSpeed loads with its full unpickler)
+#: what `torch_load_allowlisted` lets torch's restricted unpickler build, and what to-universal lets through into
+#: the files it writes (which DeepSpeed loads with its full unpickler)
 ALLOWED_GLOBALS = (
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
     ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
@@ -39,19 +41,13 @@ ALLOWED_GLOBALS = (
 
 def allowlist() -> list[Any]:
     """The classes of `ALLOWED_GLOBALS` (imports deepspeed)."""
-    import importlib
-
     import_deepspeed()
     return [getattr(importlib.import_module(module), name) for module, name in ALLOWED_GLOBALS]
 
 
 def torch_load_allowlisted(path: str | os.PathLike, *, mmap: bool = True) -> Any:
     """`torch.load(path, weights_only=True, mmap=mmap)` with `allowlist()` — tensors stay on disk with mmap."""
-    import pickle
-
-    import torch
-
-    from . import pickle_reader
+    import torch  # lazy: torch only for the few callers that need real objects; read/ is the torch-free core
 
     # torch's unpickler hashes dict keys in C: a tuple nested 300,000 deep kills the process (SIGSEGV). The inert
     # walk refuses such a file (and hash bombs) first, as every reader here does.
@@ -72,6 +68,4 @@ def untrusted_globals(ck: Any) -> dict[str, list[str]]:
     """file -> what a full unpickler would run beyond the allowlist (and foreign zip members), over EVERY file
     of the checkpoint: opening it parses only some (one ZeRO-3 model-states file of many), but a framework's
     loader unpickles them all (`read.gate`)."""
-    from . import gate
-
     return gate.by_file(gate.scan_checkpoint(ck))

@@ -20,11 +20,12 @@ list (Lightning); the scheduler with the same number belongs to that optimizer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
 from .pickle_reader import TensorRef
+from .tree import GroupNode, OpaqueNode, Warning_
 
 #: loop-counter key names (ints): training loops, DeepSpeed, Megatron, torchtitan
 COUNTER_KEYS = ("global_step", "global_steps", "global_samples", "iteration", "step", "steps")
@@ -189,10 +190,6 @@ def lost_scheduler_warnings(ck):
     (`initial_lr`, OneCycleLR's `max_lr`) while the checkpoint holds no scheduler state: the run that saved it had
     a scheduler, and a resume from it restarts the schedule from its first step. Megatron's param groups carry
     `max_lr` natively, and its scheduler is `opt_param_scheduler`: any saved scheduler section counts."""
-    from dataclasses import replace
-
-    from .tree import GroupNode, OpaqueNode, Warning_
-
     if ck.details.get("scheduler_rebuilt"):  # the format's word: its producer rebuilds the schedule on resume
         return ck
     top = ck.tree.children

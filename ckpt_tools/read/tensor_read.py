@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import CkptError
-from .pickle_reader import FdCache
+from .pickle_reader import DTYPE_SIZE, FdCache
 from .tp_layout import merge_shards
 from .tree import TensorNode
 
@@ -28,9 +28,7 @@ class FileRange:
 
 def read_tensor(node: TensorNode, fds: FdCache | None = None):
     """The logical tensor of a node without TP shards, its pieces preadv'd into one buffer."""
-    import torch
-
-    from .pickle_reader import DTYPE_SIZE
+    import torch  # lazy: torch only when a tensor is read; read/ is the torch-free core
 
     if node.shards:
         raise ValueError("read the shards one by one")
@@ -54,8 +52,6 @@ def source_ranges(node: TensorNode, fds: FdCache):
     """The file ranges (`FileRange`) that hold a node's bytes, in element order, when they can be
     copied as they are: no TP shards, and every piece a contiguous run of a stored tensor of the node's own
     dtype whose file offset is known. None otherwise (read it with `read_tensor`). Adjacent ranges merge."""
-    from .pickle_reader import DTYPE_SIZE
-
     if node.shards or node.dtype not in DTYPE_SIZE:
         return None
     esize = DTYPE_SIZE[node.dtype]

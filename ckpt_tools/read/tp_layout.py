@@ -38,8 +38,10 @@ Merge rules (the strings `TensorNode.merge` carries):
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping, Sequence
+
+from .qkv import megatron_qkv
 
 # The keys of DeepSpeed's universal_checkpoint_info (deepspeed/checkpoint/constants.py), spelled out here
 # so that reading a checkpoint never imports deepspeed.
@@ -241,8 +243,6 @@ class TPLayout:
 
     def then(self, fallback: "TPLayout") -> "TPLayout":
         """This layout, asking `fallback` for names it has no rule for."""
-        from dataclasses import replace
-
         tail = fallback if self.fallback is None else self.fallback.then(fallback)
         return replace(self, fallback=tail)
 
@@ -373,7 +373,7 @@ def merged_shape(rule_or_merge: Rule | str | None, shard_shape: Sequence[int], t
 
 def merge_shards(rule: Rule | str, tensors: Sequence[Any]):
     """The logical tensor from the TP shards (torch tensors, TP rank order), for every merge rule."""
-    import torch
+    import torch  # lazy: torch only when shards are merged; read/ is the torch-free core
 
     merge = rule.merge if isinstance(rule, Rule) else rule
     if merge == "replicated":
@@ -393,8 +393,6 @@ def merge_shards(rule: Rule | str, tensors: Sequence[Any]):
         per_sub = [torch.cat([c[i] for c in chunks], dim=d) for i in range(len(chunks[0]))]
         return torch.cat(per_sub, dim=d)
     if merge and merge.startswith("megatron_qkv:"):  # a conversion's view: torchtitan's q/k/v as Megatron's
-        from .qkv import megatron_qkv
-
         return megatron_qkv(merge, list(tensors))
     raise ValueError(f"no merge rule ({merge!r}); pass --pattern REGEX=MERGE for this parameter")
 
@@ -403,7 +401,7 @@ def split_shard(rule: Rule | str, tensor: Any, rank: int, tp: int):
     """TP rank `rank`'s shard of the logical tensor at TP `tp`: the inverse of `merge_shards` for the rules a
     split can undo (replicated, `cat:d`, `cat_sub:d`), so `merge_shards(rule, [split_shard(rule, t, r, tp) for r in
     range(tp)])` is `t`. A copy, never a view of `tensor`."""
-    import torch
+    import torch  # lazy: torch only when a shard is split; read/ is the torch-free core
 
     merge = rule.merge if isinstance(rule, Rule) else rule
     if tp == 1 or merge == "replicated":

@@ -63,7 +63,7 @@ class TensorNode:
 
     def read_torch(self):
         """Materialise the logical tensor (torch, saved dtype). Reads only the bytes of its pieces."""
-        import torch
+        import torch  # lazy: torch only when a tensor is read; read/ is the torch-free core
 
         if self.shards:
             parts = [s.read_torch() for s in self.shards]
