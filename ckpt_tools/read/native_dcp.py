@@ -540,12 +540,33 @@ def read(path: str | os.PathLike) -> Metadata | None:
 
 
 def _decode(ints: list[int], strs: list[str]) -> Metadata | None:
-    """`Metadata` from the C reader's output: `ints` and `strs` read in the order `extract` (the C) writes them."""
-    L, p = ints, 0
+    """`Metadata` from the C reader's output: `ints` and `strs` read in the order `extract` (the C) writes them, one
+    section after the other; None (ask the unpickler) where a section is not what the unpickler would read alike."""
     left = iter(strs)
     text = left.__next__
-    # globals: every one the stream names is in `globals_seen`; one made (NEWOBJ) or called (REDUCE) must be what
-    # the unpickler would turn into a placeholder record (or torch.Size, called), else the unpickler decides
+    got = _globals(ints, text)
+    if got is None:
+        return None
+    seen, dtypes = got
+    p = 1 + ints[0]
+    version = text() if ints[p] else None
+    planner, p = _planner_data(ints, p + 1, text, left)
+    if planner is None:
+        return None
+    shapes: dict[tuple, tuple] = {}  # one tuple per distinct shape (a 16 x 8 model: every item's)
+    sdm, p = _state_dict_metadata(ints, p, text, dtypes, shapes)
+    if sdm is None:
+        return None
+    where, files, p = _storage_data(ints, p, text, shapes)
+    if p != len(ints) or next(left, None) is not None:
+        return None
+    return Metadata(sdm, where, files, planner, version, frozenset(seen))
+
+
+def _globals(L: list[int], text) -> tuple[set[str], list[str | None]] | None:
+    """(`globals_seen`, the dtype name each global stands for or None) from the globals section at the start of
+    `L`. Every global the stream names is in `globals_seen`; one made (NEWOBJ) or called (REDUCE) must be what the
+    unpickler would turn into a placeholder record (or torch.Size, called), else None: the unpickler decides."""
     seen, dtypes = set(), []
     for flags in L[1 : 1 + L[0]]:
         module, name = text(), text()
@@ -557,10 +578,14 @@ def _decode(ints: list[int], strs: list[str]) -> Metadata | None:
         if flags & _REDUCE and not (record or (module, name) == ("torch", "Size")):
             return None
         dtypes.append(hit.name if isinstance(hit, pickle_reader.DType) else None)
-    p = 1 + L[0]
-    version = text() if L[p] else None
-    count = L[p + 1]
-    p += 2
+    return seen, dtypes
+
+
+def _planner_data(L: list[int], p: int, text, left) -> tuple[dict[str, tuple] | None, int]:
+    """(`planner_data`, the position after it) from the section at `L[p]` (its count, -1 for none); None for the
+    dict where a key is given twice (the unpickler's dict keeps the last)."""
+    count = L[p]
+    p += 1
     planner: dict[str, tuple] = {}
     if count >= 0:
         for _ in range(count):
@@ -579,11 +604,18 @@ def _decode(ints: list[int], strs: list[str]) -> Metadata | None:
                     p += 2
             planner[key] = tuple(parts)
         if len(planner) != count:
-            return None  # a key given twice: the unpickler's dict keeps the last
+            return None, p  # a key given twice: the unpickler's dict keeps the last
+    return planner, p
+
+
+def _state_dict_metadata(
+    L: list[int], p: int, text, dtypes: list[str | None], shapes: dict[tuple, tuple]
+) -> tuple[dict[str, tuple | None] | None, int]:
+    """(`state_dict_metadata`, the position after it) from the section at `L[p]`; None for the dict where a key is
+    given twice. Equal shapes, offsets and sizes share one tuple (`shapes`)."""
     count = L[p]
     p += 1
     sdm: dict[str, tuple | None] = {}
-    shapes: dict[tuple, tuple] = {}  # one tuple per distinct shape (a 16 x 8 model: every item's)
     zeros: dict[int, tuple] = {}
     for _ in range(count):
         key, kind = text(), L[p]
@@ -615,7 +647,14 @@ def _decode(ints: list[int], strs: list[str]) -> Metadata | None:
         p = q
         sdm[key] = (dtypes[g], size, chunks)
     if len(sdm) != count:
-        return None
+        return None, p
+    return sdm, p
+
+
+def _storage_data(
+    L: list[int], p: int, text, shapes: dict[tuple, tuple]
+) -> tuple[dict[tuple, tuple], dict[str, str], int]:
+    """(`where`, `files`, the position after them) from the `storage_data` section at `L[p]`."""
     count = L[p]
     p += 1
     where: dict[tuple, tuple] = {}
@@ -634,9 +673,7 @@ def _decode(ints: list[int], strs: list[str]) -> Metadata | None:
             files[rel] = fqn
         where[(fqn, offsets)] = (rel, L[p], L[p + 1])
         p += 2
-    if p != len(L) or next(left, None) is not None:
-        return None
-    return Metadata(sdm, where, files, planner, version, frozenset(seen))
+    return where, files, p
 
 
 _NEWOBJ, _REDUCE = 1, 2
