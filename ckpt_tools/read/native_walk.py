@@ -1,4 +1,4 @@
-"""The pickle safety walk (`pickle_reader._walk_expansion`) in C, compiled on first use with the system C compiler
+"""The pickle safety walk (`pickle_walk._walk_expansion`) in C, compiled on first use with the system C compiler
 and loaded with ctypes. Optional: without a compiler (or with CKPT_NATIVE=0) `walker()` is None and the Python walk
 runs; both give the same answer, because the C walk only ever says "this pickle passes, and ends here" — for any
 pickle it would refuse, or cannot follow exactly as the Python walk does (a protocol-0 memo key that is not plain
@@ -26,14 +26,14 @@ from typing import Any, Callable, Sequence
 
 #: `pickle_reader.walk_fingerprint()` of the Python walk this C copy mirrors: when the Python walk changes, the C copy
 #: is not used (the Python walk runs) until it is brought in line and this is updated (tests/test_native_walk.py)
-MIRRORS = "cb5a7b967d1f2fd7"
+MIRRORS = "b22f1de03ee189d1"
 
 SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* mirrors pickle_reader._walk_expansion: same kinds, same slot encoding (depth << 40 | width) */
+/* mirrors pickle_walk._walk_expansion: same kinds, same slot encoding (depth << 40 | width) */
 enum { GENERIC, GET, PUT, MEMOIZE, MARKOP, DUP, TUPLE_TO_MARK, NEW_TO_MARK, FILL_TO_MARK, FILL, TUPLE_N, STOP };
 #define S 40
 #define WMASK ((1ULL << S) - 1)
