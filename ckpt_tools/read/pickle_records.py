@@ -293,7 +293,7 @@ class TensorRef:
 
         bfloat16 comes back as uint16 bit patterns (numpy has no bf16); use `read_torch()` for a tensor.
         """
-        import numpy as np
+        import numpy as np  # lazy: numpy only when tensor bytes are read; opening a checkpoint stays numpy-free
 
         npd = {"bfloat16": np.uint16, "bool": np.bool_}.get(self.dtype) or np.dtype(self.dtype)
         if self.is_contiguous:
@@ -309,7 +309,7 @@ class TensorRef:
 
     def read_torch(self, start_elem: int = 0, count: int | None = None):
         """A torch tensor (a copy) of the flattened elements, in the saved dtype; shaped when whole."""
-        import torch
+        import torch  # lazy: torch only when a tensor is read; read/ is the torch-free core
 
         arr = self.read_numpy(start_elem, count)
         t = torch.from_numpy(arr.copy())
