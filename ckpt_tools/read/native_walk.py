@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 #: `pickle_reader.walk_fingerprint()` of the Python walk this C copy mirrors: when the Python walk changes, the C copy
 #: is not used (the Python walk runs) until it is brought in line and this is updated (tests/test_native_walk.py)
-MIRRORS = "b22f1de03ee189d1"
+MIRRORS = "f2d6b105472b3c7d"
 
 SOURCE = r"""
 #include <stdint.h>

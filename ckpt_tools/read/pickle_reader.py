@@ -84,12 +84,17 @@ from .pickle_sources import (  # noqa: F401  (Source ... HeadZipSource: re-expor
 from .pickle_walk import (  # noqa: F401  (the limits, re-exported)
     _DEPTH_SHIFT,
     _EMPTY_CONTAINER_OPS,
+    _FAST,
     _LEAF_OPS,
     MAX_NESTING,
     MAX_SHARED_EXPANSION,
     MAX_TUPLE_EXPANSION,
+    _fill,
+    _make_container,
     _op_table,
     _refill,
+    _skip_argument,
+    _table_op,
     _walk_expansion,
 )
 
@@ -228,14 +233,15 @@ def _native_walk() -> Callable[[bytes], int] | None:
 
 
 def walk_fingerprint() -> str:
-    """A hash of the Python walk's source (`_walk_expansion`, `_refill`, `_op_table`) and of the constants the C copy
-    hard-codes: what `native_walk.MIRRORS` must equal for the C walk to be used."""
+    """A hash of the Python walk's source (`pickle_walk`: `_walk_expansion` and the steps it calls, `_refill`,
+    `_op_table`) and of the constants the C copy hard-codes: what `native_walk.MIRRORS` must equal for the C walk to
+    be used."""
     text = []
-    for fn in (_walk_expansion, _refill, _op_table):
+    for fn in (_walk_expansion, _table_op, _skip_argument, _fill, _make_container, _refill, _op_table):
         code = fn.__code__
         last = max(line for _, _, line in code.co_lines() if line is not None)
         text += linecache.getlines(code.co_filename)[code.co_firstlineno - 1 : last]
-    text.append(repr((_DEPTH_SHIFT, sorted(_LEAF_OPS), sorted(_EMPTY_CONTAINER_OPS))))
+    text.append(repr((_DEPTH_SHIFT, sorted(_LEAF_OPS), sorted(_EMPTY_CONTAINER_OPS), _FAST)))
     return hashlib.sha256("".join(text).encode()).hexdigest()[:16]
 
 
