@@ -369,11 +369,9 @@ class Mount:
                 if path in self._files and self._missing(self._files[path], start, start + length)
             )
 
-    def _missing_runs(
-        self, wants: list[tuple[str, int, int]], optional: list[tuple[str, int, int]]
-    ) -> tuple[list[list], int, dict[str, list[tuple[int, int]]]]:
-        """`ensure_small`'s first step: the byte runs of the requested ranges not fetched yet, overlapping ones of a
-        file joined, as [path, start, end, required]; the bytes they hold; and each file's optional spans, sorted."""
+    def _missing_runs(self, wants: list, optional: list) -> tuple[list[list], int, dict[str, list[tuple[int, int]]]]:
+        """`ensure_small`'s first step, for its (path, start, length) ranges: the byte runs not fetched yet (a file's
+        overlapping ones joined) as [path, start, end, required]; the bytes they hold; each file's optional spans."""
         runs: list[list] = []  # [path, start, end, required]
         needed = 0
         by_path: dict[str, list[tuple[int, int, bool]]] = {}
@@ -405,8 +403,7 @@ class Mount:
         """`runs` with the gaps between neighbouring runs of one file that hold no fetched byte bridged, smallest
         first: every gap up to `ALIGN`, then more while there are over `SMALL_GETS` runs and the bytes fetched stay
         within `SMALL_BYTES_FACTOR` times those needed."""
-        # gaps between neighbouring runs of one file that hold no fetched byte: (size, index of the run before)
-        gaps = sorted(
+        gaps = sorted(  # (size, index of the run before)
             (runs[i + 1][1] - runs[i][2], i)
             for i in range(len(runs) - 1)
             if runs[i][0] == runs[i + 1][0]
