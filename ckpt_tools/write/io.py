@@ -44,6 +44,7 @@ file ever sits inside a checkpoint folder.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -843,8 +844,6 @@ _COPY_CHUNK = 64 << 20
 def copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, length: int) -> None:
     """Copy `length` bytes between open files in the kernel where it can (copy_file_range: no user-space
     buffer, reflinks on XFS/btrfs), else in 64 MiB chunks through pread/pwrite. Never the whole file in memory."""
-    import errno
-
     done = 0
     while done < length:
         n = 0

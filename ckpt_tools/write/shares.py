@@ -71,6 +71,7 @@ def balanced_shares(sizes: list[int], world: int) -> list[list[int]]:
 
 
 def _store_client():
+    # lazy: torch.distributed only in a torchrun job; write/ stays torch-free at import
     import torch.distributed as dist
 
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
