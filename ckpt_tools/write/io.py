@@ -293,8 +293,9 @@ class Interrupted(KeyboardInterrupt):
 
 
 def _slug(command: str) -> str:
-    """The transaction folder's last word: the command's verb ("set-lr"), letters and digits only. Checked
-    before any work, so a plan without a command is refused (or named "write") before anything changes."""
+    """The transaction folder's last word: the command's verb ("set-lr"; letters, digits and dashes). Read before
+    any work (`check_places`, `recover`): a plan without a command (None, "" or blanks) is named "write", and one
+    whose command is no string fails before anything changed."""
     words = command.split() if command else []
     verb = words[0] if words else ""
     return "".join(ch if ch.isalnum() else "-" for ch in verb) or "write"
