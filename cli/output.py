@@ -5,16 +5,29 @@ Progress bars go to stderr and are turned off when output is machine-readable (`
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import math
+import os
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import typer.core  # loaded with typer by every command module anyway
 
+from ckpt_tools import formats
+from ckpt_tools.errors import CkptError
+from ckpt_tools.read.safe_load import import_deepspeed
 from ckpt_tools.read.tree import GroupNode, Node, OpaqueNode, TensorNode, ValueNode
+from ckpt_tools.resume.deepspeed import SUPPORTED_FORMATS
+from ckpt_tools.resume.frameworks import FRAMEWORK_OF_FORMAT
+from ckpt_tools.train.procgroup import under_torchrun as job_rank
 
 
 def print_json(doc: Any) -> None:
@@ -24,9 +37,7 @@ def print_json(doc: Any) -> None:
 
 
 def console(stderr: bool = False):
-    import os
-
-    from rich.console import Console
+    from rich.console import Console  # lazy: rich only where a person reads the output (startup of --json runs)
 
     class _Console(Console):
         def on_broken_pipe(self) -> None:  # rich exits 1 (our "problems found"); ckpt_cli.main ends with 141
@@ -118,8 +129,6 @@ def columns() -> int | None:
     readline exports it into every child of a process that loaded it, pytest's included.)"""
     if not sys.stdout.isatty():
         return None
-    import shutil
-
     return max(20, shutil.get_terminal_size().columns)
 
 
@@ -154,8 +163,6 @@ _ANSI = {"cyan": "36", "bold": "1", "dim": "2", "magenta": "35", "yellow": "33",
 
 
 def use_color() -> bool:
-    import os
-
     return sys.stdout.isatty() and "NO_COLOR" not in os.environ
 
 
@@ -347,7 +354,7 @@ def print_write_plan(con, plan) -> None:
     written), then one line per field: `field  old -> new  what the field does`, then the plan's notes.
     On a terminal (or with $COLUMNS) a field line too long for it puts `old -> new  note` on the lines below,
     broken between words."""
-    from rich.markup import escape
+    from rich.markup import escape  # lazy: rich only where a person reads the output (startup of --json runs)
 
     width = columns()
 
@@ -385,11 +392,7 @@ def deepspeed_logs_above_bars():
     accelerator to CPU", ...) are printed above the progress bars instead of into them. DeepSpeed is
     imported first (its logger exists only then; `safe_load.import_deepspeed` binds it to stderr), so a
     command calls this only where it is about to import DeepSpeed anyway."""
-    import logging
-
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    from ckpt_tools.read.safe_load import import_deepspeed
+    from tqdm.contrib.logging import logging_redirect_tqdm  # lazy: tqdm's logging bridge only beside DeepSpeed
 
     import_deepspeed()
     return logging_redirect_tqdm(loggers=[logging.getLogger("DeepSpeed")])
@@ -418,10 +421,6 @@ def need_extra(module: str, extra: str | None = None, what: str = "this command"
 def require(*modules: str, extra: str | None = None, what: str = "this command") -> None:
     """Stop with a one-line error (exit 2) when one of `modules` is not installed, before any work starts.
     Looks the package up without importing it (importing deepspeed alone takes seconds)."""
-    import importlib.util
-
-    from ckpt_tools.errors import CkptError
-
     for m in modules:
         try:
             missing = importlib.util.find_spec(m) is None
@@ -481,17 +480,12 @@ WORKS_ON_NOTE = {
 
 def works_on(command: str) -> tuple[str, ...]:
     """The format ids `command` works on, from the format registry (ckpt_tools.formats) and the resume planners."""
-    from ckpt_tools import formats
-
     kind = WORKS_ON.get(command, ())
     if kind == "all":
         return formats.format_ids()
     if kind == "training_state":
         return formats.editable_format_ids()
     if kind == "resume":
-        from ckpt_tools.resume.deepspeed import SUPPORTED_FORMATS
-        from ckpt_tools.resume.frameworks import FRAMEWORK_OF_FORMAT
-
         ids = set(SUPPORTED_FORMATS) | set(FRAMEWORK_OF_FORMAT)
         return tuple(f for f in formats.format_ids() if f in ids)
     return tuple(f for f in formats.format_ids() if f in kind)
@@ -546,8 +540,6 @@ class Command(typer.core.TyperCommand):
             root = (e.name or "").partition(".")[0]
             if root not in EXTRAS:
                 raise
-            from ckpt_tools.errors import CkptError
-
             raise CkptError(need_extra(root, what=f"ckpt {ctx.info_name}")) from e
 
 
@@ -567,8 +559,6 @@ ALLOW_UNREAD_HELP = (
 
 def under_torchrun() -> bool:
     """Whether this process is a rank of a torchrun job (`ckpt_tools.train.procgroup.under_torchrun`)."""
-    from ckpt_tools.train.procgroup import under_torchrun as job_rank
-
     return job_rank()
 
 
@@ -580,11 +570,6 @@ def launch_nproc(nproc: int) -> int:
     """`--nproc M`: this command line, less `--nproc`, as a one-node torchrun job of M processes; returns its exit
     code (the job's rank 0 printed the result): 2 where a rank exited 2 (unusable input or a failed job, as one
     process does), since torchrun exits 1 whatever its processes' codes were; else torchrun's."""
-    import os
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
     argv, skip = [], False
     for a in sys.argv[1:]:
         if skip:

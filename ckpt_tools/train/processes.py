@@ -8,16 +8,20 @@ import collections
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NoReturn
 
 from ..errors import CkptError
+from ..write.io import Interrupted
 
 #: what starts a worker's event line on stdout (`launch` parses them; every resume worker writes them)
 RECORD_PREFIX = "CKPT_RESUME "
@@ -97,8 +101,6 @@ def deferred_signals() -> Iterator[Callable[[], bool]]:
     folder): a second signal must not leave half of it undone. Yields `pending()`, true once one arrived; it
     is raised on leaving the block, by whatever handler is in force. Outside the main thread (which alone runs
     Python's signal handlers) nothing is held back."""
-    import threading
-
     mask = {signal.SIGINT, signal.SIGTERM}
     if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
         yield lambda: False
@@ -115,8 +117,6 @@ def stop_process_tree(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> li
     to each and to each one's process group (what it started there, seen or not), SIGKILL to whatever is left
     after `grace` seconds; `proc` is reaped. Returns the pids still alive after that (normally none). Ctrl-C
     and SIGTERM are held back meanwhile (`deferred_signals`): one arriving skips the rest of the grace."""
-    import time
-
     own_group = os.getpgrp()
     with deferred_signals() as pending:
         # before any signal, while every worker is still the launcher's child; a reaped launcher's pid may
@@ -173,8 +173,6 @@ def scratch_folder(work_dir: str | os.PathLike | None, *, keep: bool = False) ->
     kept afterwards; else a new temporary `ckpt-resume-*` folder, removed afterwards unless `keep`. Removed on
     Ctrl-C / SIGTERM too; when something is left then (a process that would not stop, a folder that could not be
     removed), the interruption is re-raised as `io.Interrupted` saying what and where."""
-    from ..write.io import Interrupted
-
     remove = work_dir is None and not keep
     scratch = Path(work_dir) if work_dir is not None else None
     try:
@@ -214,26 +212,9 @@ class WorkerFailed(CkptError):
     names the log file with the full output."""
 
 
-def launch(
-    plan: Any, plan_file: Path, on_event: Callable[[dict], None] | None, timeout: float, module: str
-) -> list[dict[str, Any]]:
-    """Run the training processes (`module` under torchrun, `plan.nproc` ranks on `plan.device`; every
-    framework's resume worker speaks the same `CKPT_RESUME {json}` event lines); parse their event lines. All
-    other output goes to a log file outside the checkpoint (removed after a success or an interruption). A
-    failure is one line: the first failing process's own error (its `error` event), naming the log file — never
-    the launcher's traceback.
-
-    The processes' TMPDIR is a folder beside `plan_file`, removed when they are gone: torchrun's
-    `torchelastic_*` log folders (and any temp file a worker makes) go with it, also when they are killed.
-    On Ctrl-C / SIGTERM (a KeyboardInterrupt here) torchrun and every worker are stopped
-    (`stop_process_tree`) before the interruption goes on; if one could not be stopped, it is raised as
-    `io.Interrupted` naming the pids."""
-    import re
-    import threading
-
-    from ..write.io import Interrupted
-
-    cmd = [
+def _torchrun_command(plan: Any, plan_file: Path, module: str) -> list[str]:
+    """torchrun running `module --plan PLAN_FILE` on `plan.nproc` ranks, rendezvous on a free local port."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -248,6 +229,102 @@ def launch(
         "--plan",
         str(plan_file),
     ]
+
+
+def _read_events(
+    proc: subprocess.Popen,
+    log,
+    on_event: Callable[[dict], None] | None,
+    events: list[dict[str, Any]],
+    errors: list[dict[str, Any]],
+    tail: collections.deque[str],
+) -> None:
+    """Every line of the processes' output into `log`; their event lines parsed into `events` (told to
+    `on_event`) and `errors`, the other lines' last ones kept in `tail`."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        log.write(line)
+        if line.startswith(RECORD_PREFIX):
+            try:
+                ev = json.loads(line[len(RECORD_PREFIX) :])
+            except ValueError:
+                continue  # two ranks' lines interleaved: the log has it
+            if ev.get("event") == "error":
+                errors.append(ev)
+                continue
+            events.append(ev)
+            if on_event:
+                on_event(ev)
+        else:
+            tail.append(line.rstrip("\n"))
+
+
+def _stop_interrupted(
+    e: BaseException, timer, proc: subprocess.Popen | None, child_tmp: Path, log_path: Path | None
+) -> None:
+    """After a failure or an interruption while the processes ran: stop them all and remove their TMPDIR (and,
+    on Ctrl-C, the log), with Ctrl-C held back; `Interrupted` naming the pids of any that would not stop. The
+    caller re-raises `e` otherwise."""
+    with deferred_signals():
+        if timer:
+            timer.cancel()
+        left = stop_process_tree(proc) if proc is not None else []  # nothing may keep running
+        shutil.rmtree(child_tmp, ignore_errors=True)
+        if isinstance(e, KeyboardInterrupt) and log_path is not None:
+            log_path.unlink(missing_ok=True)  # the user stopped it; nothing to read in a log
+    if left and isinstance(e, KeyboardInterrupt):
+        raise Interrupted(
+            f"{len(left)} of the training processes did not stop even on SIGKILL (pids {' '.join(map(str, left))})"
+        ) from e
+
+
+# a rank whose peer died reports a broken connection: the root cause is another rank's own error
+_PEER_ERROR = re.compile(
+    r"Connection (reset|closed) by peer|remote worker|communicator was aborted|Broken pipe|"
+    r"Socket Timeout|timed out|NCCL error.*remote",
+    re.IGNORECASE,
+)
+_ERROR_LINE = re.compile(r"^\s*(?:\[[^]]*\]\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)$")
+
+
+def _raise_failure(
+    rc: int, errors: list[dict[str, Any]], tail: collections.deque[str], timed_out: bool, timeout: float, hint: str
+) -> NoReturn:
+    """WorkerFailed in one line, the root cause first: a timeout, a rank's own error (not a broken connection
+    to a peer that died), a C++ abort, any rank's error, else the last error-like line of the output."""
+    if timed_out:
+        raise WorkerFailed(f"training processes did not finish within {timeout:g} s", hint=hint)
+    own = [e for e in errors if not _PEER_ERROR.search(str(e.get("message", "")))]
+    if own:
+        first = own[0]
+        raise WorkerFailed(f"rank {first.get('rank', '?')}: {first.get('message')}", hint=hint)
+    aborted = [line.split("what():", 1)[1].strip() for line in tail if "what():" in line]
+    if aborted:
+        raise WorkerFailed(f"a training process aborted: {aborted[0]}", hint=hint)
+    if errors:
+        first = errors[0]
+        raise WorkerFailed(f"rank {first.get('rank', '?')}: {first.get('message')}", hint=hint)
+    # no error event (killed, crashed in the launcher or before the worker ran): the last error-like line
+    found = [m.group(1) for m in map(_ERROR_LINE.match, tail) if m and "ChildFailedError" not in m.group(1)]
+    last = found[-1] if found else (f"exit {rc}" if rc else "ended without finishing")
+    raise WorkerFailed(f"training processes failed: {last}", hint=hint)
+
+
+def launch(
+    plan: Any, plan_file: Path, on_event: Callable[[dict], None] | None, timeout: float, module: str
+) -> list[dict[str, Any]]:
+    """Run the training processes (`module` under torchrun, `plan.nproc` ranks on `plan.device`; every
+    framework's resume worker speaks the same `CKPT_RESUME {json}` event lines); parse their event lines. All
+    other output goes to a log file outside the checkpoint (removed after a success or an interruption). A
+    failure is one line: the first failing process's own error (its `error` event), naming the log file — never
+    the launcher's traceback.
+
+    The processes' TMPDIR is a folder beside `plan_file`, removed when they are gone: torchrun's
+    `torchelastic_*` log folders (and any temp file a worker makes) go with it, also when they are killed.
+    On Ctrl-C / SIGTERM (a KeyboardInterrupt here) torchrun and every worker are stopped
+    (`stop_process_tree`) before the interruption goes on; if one could not be stopped, it is raised as
+    `io.Interrupted` naming the pids."""
+    cmd = _torchrun_command(plan, plan_file, module)
     events: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
     tail: collections.deque[str] = collections.deque(maxlen=200)
@@ -272,35 +349,10 @@ def launch(
 
             timer = threading.Timer(timeout, kill)
             timer.start()
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                log.write(line)
-                if line.startswith(RECORD_PREFIX):
-                    try:
-                        ev = json.loads(line[len(RECORD_PREFIX) :])
-                    except ValueError:
-                        continue  # two ranks' lines interleaved: the log has it
-                    if ev.get("event") == "error":
-                        errors.append(ev)
-                        continue
-                    events.append(ev)
-                    if on_event:
-                        on_event(ev)
-                else:
-                    tail.append(line.rstrip("\n"))
+            _read_events(proc, log, on_event, events, errors, tail)
         rc = proc.wait()
     except BaseException as e:
-        with deferred_signals():
-            if timer:
-                timer.cancel()
-            left = stop_process_tree(proc) if proc is not None else []  # nothing may keep running
-            shutil.rmtree(child_tmp, ignore_errors=True)
-            if isinstance(e, KeyboardInterrupt) and log_path is not None:
-                log_path.unlink(missing_ok=True)  # the user stopped it; nothing to read in a log
-        if left and isinstance(e, KeyboardInterrupt):
-            raise Interrupted(
-                f"{len(left)} of the training processes did not stop even on SIGKILL (pids {' '.join(map(str, left))})"
-            ) from e
+        _stop_interrupted(e, timer, proc, child_tmp, log_path)
         raise
     timer.cancel()
     timer.join()  # a timeout's stop_process_tree, if one began, has finished
@@ -309,27 +361,4 @@ def launch(
     if rc == 0 and done:
         log_path.unlink(missing_ok=True)
         return events
-    hint = f"the full output is in {log_path}"
-    if timed_out:
-        raise WorkerFailed(f"training processes did not finish within {timeout:g} s", hint=hint)
-    # a rank whose peer died reports a broken connection: the root cause is another rank's own error
-    peer = re.compile(
-        r"Connection (reset|closed) by peer|remote worker|communicator was aborted|Broken pipe|"
-        r"Socket Timeout|timed out|NCCL error.*remote",
-        re.IGNORECASE,
-    )
-    own = [e for e in errors if not peer.search(str(e.get("message", "")))]
-    if own:
-        first = own[0]
-        raise WorkerFailed(f"rank {first.get('rank', '?')}: {first.get('message')}", hint=hint)
-    aborted = [line.split("what():", 1)[1].strip() for line in tail if "what():" in line]
-    if aborted:
-        raise WorkerFailed(f"a training process aborted: {aborted[0]}", hint=hint)
-    if errors:
-        first = errors[0]
-        raise WorkerFailed(f"rank {first.get('rank', '?')}: {first.get('message')}", hint=hint)
-    # no error event (killed, crashed in the launcher or before the worker ran): the last error-like line
-    pat = re.compile(r"^\s*(?:\[[^]]*\]\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)$")
-    found = [m.group(1) for m in map(pat.match, tail) if m and "ChildFailedError" not in m.group(1)]
-    last = found[-1] if found else (f"exit {rc}" if rc else "ended without finishing")
-    raise WorkerFailed(f"training processes failed: {last}", hint=hint)
+    _raise_failure(rc, errors, tail, bool(timed_out), timeout, f"the full output is in {log_path}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from datetime import timedelta
 
 _JOINED = [False]
 
@@ -39,8 +40,7 @@ def join(backend: str = "gloo") -> int:
     """Initialise the default process group from torchrun's environment unless one exists; remember that this
     process made it (`joined()`), so that its entry point knows to `leave`. Returns this rank. Every collective
     of the group times out after `CKPT_DIST_TIMEOUT_S` seconds (default 600): a lost peer never hangs a rank."""
-    from datetime import timedelta
-
+    # lazy: torch.distributed only in a torchrun process; the CLI imports this module torch-free
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -57,6 +57,7 @@ def joined() -> bool:
     """Whether `join` created the default process group and it is still alive."""
     if not _JOINED[0]:
         return False
+    # lazy: torch.distributed only in a torchrun process; the CLI imports this module torch-free
     import torch.distributed as dist
 
     return dist.is_initialized()
@@ -66,6 +67,7 @@ def leave(code: int = 0, *, barrier: bool = True) -> None:
     """End this rank: barrier (unless `barrier` is False, e.g. after a failure on one rank), destroy the
     default process group if one is alive, flush, and `os._exit(code)`. Never returns."""
     try:
+        # lazy: torch.distributed only in a torchrun process; the CLI imports this module torch-free
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():

@@ -28,17 +28,23 @@ Shared API (other framework resumers import it; keep names and signatures):
     infer_torch_scheduler(state) -> class name | None; rebuild_torch_scheduler(optimizer, state) -> scheduler
     state_close(got, want, kind) -> (ok, max |diff|, tolerance)               # the fp32 tolerance
 
-Nothing here launches processes; `torch` is imported lazily where it is needed by the tree readers.
+Nothing here launches processes.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
+from torch.optim import lr_scheduler as S
+
+from ..read import pickle_reader
+from ..read.pickle_reader import TensorRef
+from ..read.tree import GroupNode, node_to_python
 
 #: the tolerance of the optimizer-state check (the engine computes in fp32, the formula here in float64 from
 #: the saved fp32 state): a moment tensor passes when max |got - want| <= MOMENT_RTOL * max |want| (+ 1e-30);
@@ -340,8 +346,6 @@ def state_close(got: Any, want: Any, kind: str, *, saved: Any = None) -> tuple[b
 
 def _model_states(ck: Any) -> dict[str, Any]:
     """The first model-states pickle of a DeepSpeed tree (ZeRO, universal), read with ckpt's safe reader."""
-    from ..read import pickle_reader
-
     base = Path(ck.path)
     base = base if base.is_dir() else base.parent
     cands = [
@@ -384,8 +388,6 @@ def replica_layout(ck: Any) -> dict[str, Any]:
     Order: the saved `module` state dict's order (the model's own `named_parameters()` order, frozen
     parameters in place), falling back to `param_shapes` order then frozen ones. Group membership and the
     order inside each group: `param_shapes` (DeepSpeed flattens each group in that order)."""
-    from ..read.pickle_reader import TensorRef
-
     ms = _model_states(ck)
     shape_groups = _param_shape_groups(ms)
     if not shape_groups:
@@ -448,8 +450,6 @@ def specs_from_checkpoint(ck: Any) -> tuple[list[ParamSpec], dict[str, str]]:
 def groups_from_checkpoint(ck: Any) -> list[GroupSpec]:
     """The optimizer param groups as saved: membership and order from `param_shapes`, hyper-parameters
     (lr, betas, eps, weight_decay, ...) from the saved optimizer's param_groups."""
-    from ..read.tree import GroupNode, node_to_python
-
     lay = replica_layout(ck)
     saved = node_to_python(ck.optimizer.children.get("param_groups", GroupNode())) or {}
     opts = [saved[k] for k in sorted(saved, key=int)] if saved else []
@@ -504,8 +504,6 @@ def rebuild_torch_scheduler(
     """A torch scheduler of the saved class on `optimizer`, constructed from the arguments its state holds
     (with `lr_lambda` for a LambdaLR / MultiplicativeLR), NOT yet loaded: the caller (the engine's
     `load_checkpoint`, or `expected_torch_lrs`) loads `state` into it. Raises ValueError when unknown."""
-    from torch.optim import lr_scheduler as S
-
     name = infer_torch_scheduler(state, class_name)
     if name is None:
         raise ValueError(f"cannot tell the torch scheduler from its state keys {sorted(state)}")
@@ -557,8 +555,6 @@ def expected_torch_lrs(
     saved param groups (`group_lrs`; `saved_groups`: their other fields, e.g. OneCycleLR's max_lr/min_lr):
     update 1 runs at the saved LR, then the rebuilt scheduler (loaded with `state`) steps once per update.
     No engine involved: torch's scheduler on a stand-in optimizer with one dummy parameter per group."""
-    import warnings
-
     extra = [dict(g) for g in (saved_groups or [])]
     groups = []
     for i, lr in enumerate(group_lrs):

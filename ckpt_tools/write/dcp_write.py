@@ -22,18 +22,24 @@ verification.
 
 from __future__ import annotations
 
+import hashlib
 import io as _io
+import json
 import os
+import pickle
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpoint, UnsupportedCheckpoint
-from .io import copy_range
-from .torch_zip import own_storage
 from ..formats.dcp import METADATA, DcpItems, Item
 from ..read.pickle_reader import TensorRef
+from ..view.logical import torch_dtype
+from .io import ByteEdit, InPlace, copy_file, copy_range
+from .pickle_writer import dumps
+from .torch_zip import own_storage, plan_save
 
 #: the only value types written as new bytes items (our own plain values, never objects from the file)
 _PLAIN = (bool, int, float, str, type(None))
@@ -82,8 +88,6 @@ class DcpFolder(DcpItems):
                 pos += size - cursor
             out.append((rel, pos, _producer(self.root / rel, segments)))
         if moved:
-            from .pickle_writer import dumps
-
             data = dumps(self.meta)
             out.append((METADATA, len(data), lambda tmp, data=data: Path(tmp).write_bytes(data)))
         return out
@@ -96,9 +100,6 @@ class DcpFolder(DcpItems):
         (`io.InPlace`: the blobs at the file's old end), `produce(tmp)` the same bytes as a whole new file —
         then `(".metadata", nbytes, produce, None)`: always replaced whole (small), atomically, in the same
         transaction."""
-        from .io import ByteEdit, InPlace, copy_file
-        from .pickle_writer import dumps
-
         by_file: dict[str, list[tuple[Item, bytes]]] = {}
         for key, blob in blobs.items():
             it = self.item(key)
@@ -165,7 +166,7 @@ def _producer(src: Path, segments: list[tuple[str, Any]]) -> Callable[[Path], No
 
 def value_blob(value: Any) -> bytes:
     """A bytes item as DCP writes it (`torch.save` of the value), for one of our own plain values."""
-    import torch
+    import torch  # lazy: torch only when a DCP is written; write/ stays torch-free at import
 
     if not _is_plain(value):
         raise UnsupportedCheckpoint(f"refusing to write {type(value).__name__} value {value!r} as a DCP item")
@@ -176,7 +177,7 @@ def value_blob(value: Any) -> bytes:
 
 def tensor_blob(dtype: str, value: float) -> bytes:
     """A 0-d tensor item as DCP writes it (`torch.save` of the tensor)."""
-    import torch
+    import torch  # lazy: torch only when a DCP is written; write/ stays torch-free at import
 
     buf = _io.BytesIO()
     torch.save(torch.tensor(value, dtype=getattr(torch, dtype)), buf)
@@ -279,7 +280,7 @@ class DcpStreamWriter:
         layer i at (i, 0, ...)); the chunks of one key are written by successive calls, chunk i into
         `__<i % shards>_0.distcp`, and must tile the tensor (DCP reads any region from them). `part`: a tensor, or
         a `LazyPart` (read here; `PlannedDcpWriter` plans it without reading it)."""
-        import torch
+        import torch  # lazy: torch only when a DCP is written; write/ stays torch-free at import
 
         if isinstance(part, LazyPart):
             part = part.make()
@@ -297,9 +298,11 @@ class DcpStreamWriter:
         lazy: LazyPart | None,
     ) -> None:
         """The metadata of one tensor chunk, its blob appended (`_append`)."""
-        import torch
+        import torch  # lazy: torch only when a DCP is written; write/ stays torch-free at import
+
+        # lazy: torch only when a DCP is written; write/ stays torch-free at import
         from torch.distributed.checkpoint.filesystem import _StorageInfo
-        from torch.distributed.checkpoint.metadata import (
+        from torch.distributed.checkpoint.metadata import (  # lazy: torch.distributed only when a DCP is written
             ChunkStorageMetadata,
             MetadataIndex,
             TensorProperties,
@@ -329,7 +332,10 @@ class DcpStreamWriter:
     def value_blob(self, path: tuple, blob: bytes) -> None:
         """A bytes item whose torch.save bytes are already made (an object read inert from another checkpoint and
         written back by `pickle_writer.rewrite_torch_zip`: nothing is unpickled to write it)."""
+        # lazy: torch only when a DCP is written; write/ stays torch-free at import
         from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+        # lazy: torch.distributed only when a DCP is written
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
         key = self._claim(path)
@@ -338,8 +344,12 @@ class DcpStreamWriter:
         self._storage[MetadataIndex(key)] = _StorageInfo(self._names[0], off, n)
 
     def value(self, path: tuple, v: Any) -> None:
-        import torch
+        import torch  # lazy: torch only when a DCP is written; write/ stays torch-free at import
+
+        # lazy: torch only when a DCP is written; write/ stays torch-free at import
         from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+        # lazy: torch.distributed only when a DCP is written
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
         key = self._claim(path)
@@ -389,8 +399,6 @@ class LazyPart:
 def lazy_part(t: Any, dtype: Any = None, *, unit: Any = None, layer: bool = False) -> LazyPart:
     """The logical tensor `t` (`view.logical.LogicalTensor`) read as `dtype` (None: as stored), as a `LazyPart`;
     `layer`: with a leading axis of 1 (one layer of Megatron's layers stacked on a leading axis)."""
-    from ..view.logical import torch_dtype
-
     want = torch_dtype(dtype or t.dtype)
     shape = ((1,) if layer else ()) + tuple(t.shape)
 
@@ -463,9 +471,7 @@ class PlannedDcpWriter(DcpStreamWriter):
     def _blob_size(self, shape: tuple[int, ...], dtype: Any) -> int:
         """The length of torch.save's file of a contiguous tensor of this shape and dtype (written to a stream:
         its records under `archive/`)."""
-        import torch
-
-        from .torch_zip import plan_save
+        import torch  # lazy: torch only when a DCP is written; write/ stays torch-free at import
 
         key = (shape, dtype)
         if key not in self._blob_sizes:
@@ -496,7 +502,7 @@ class PlannedDcpWriter(DcpStreamWriter):
         """Write the tensor chunks of each of `units` at their planned offsets (one chunk in memory at a time),
         calling `done(unit, spans)` after each unit's ((file from the writer's folder, offset, length) of its
         chunks); the files are fsynced at the end. Returns the bytes written."""
-        import torch
+        import torch  # lazy: torch only when a DCP is written; write/ stays torch-free at import
 
         by: dict[Any, list[PlannedItem]] = {}
         for it in self.items:
@@ -537,7 +543,7 @@ class PlannedDcpWriter(DcpStreamWriter):
                 if it.unit is not None:
                     continue
                 if it.blob is None:  # a tensor chunk of no unit: read now
-                    import torch
+                    import torch  # lazy: torch only when a DCP is written; write/ stays torch-free at import
 
                     buf = _io.BytesIO()
                     torch.save(own_storage(it.part.make()), buf)
@@ -571,9 +577,6 @@ def _pwrite(fd: int, data: Any, at: int) -> None:
 def plan_digest(plan: Any) -> str:
     """What identifies a conversion plan's output (`ops.convert.ConvertPlan`): a job's staging folder is resumed
     only by the same plan, and its DCP `.metadata` save_id is made from it (`plan_save_id`)."""
-    import hashlib
-    import json
-
     return hashlib.sha256(
         json.dumps([str(plan.source), plan.to_json()], sort_keys=True, default=str).encode()
     ).hexdigest()
@@ -582,8 +585,6 @@ def plan_digest(plan: Any) -> str:
 def plan_save_id(plan: Any) -> str:
     """The save_id of the `.metadata` a conversion writes: made from OUT and the plan, so that the same output has
     the same bytes whatever wrote it (one process or the ranks of a job)."""
-    import uuid
-
     return str(uuid.uuid5(uuid.NAMESPACE_URL, f"{plan.out}#{plan_digest(plan)}"))
 
 
@@ -600,9 +601,11 @@ def part_to_json(part: tuple[dict, dict, dict]) -> dict[str, Any]:
 
 def part_from_json(doc: dict[str, Any]) -> tuple[dict, dict, dict]:
     """The inverse of `part_to_json`."""
-    import torch
+    import torch  # lazy: torch only when a DCP is written; write/ stays torch-free at import
+
+    # lazy: torch only when a DCP is written; write/ stays torch-free at import
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
+    from torch.distributed.checkpoint.metadata import (  # lazy: torch.distributed only when a DCP is written
         ChunkStorageMetadata,
         MetadataIndex,
         TensorProperties,
@@ -629,9 +632,7 @@ def write_metadata(
 ) -> Path:
     """`.metadata` for the items that one or more `DcpStreamWriter`s wrote into `folder` (`finish()` of each), in
     the order of `parts`. `save_id`: the same for the same output (a random one, as `dcp.save` makes, when None)."""
-    import pickle
-    import uuid
-
+    # lazy: torch only when a DCP is written; write/ stays torch-free at import
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
     sdm: dict[str, Any] = {}

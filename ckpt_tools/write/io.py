@@ -44,6 +44,7 @@ file ever sits inside a checkpoint folder.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -52,136 +53,37 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterator, Sequence
+from typing import Callable, Collection, Iterator, NoReturn, Sequence
 
 from ..errors import CkptError
 from ..read import gate
-from ..read.tree import jsonable
+
+# The plan and the checks of where it writes live in sibling modules; callers import them from here
+# (`write.io.WritePlan`, `write.io.check_places`, ...), so they are re-exported.
+from .io_places import (  # noqa: F401
+    Places,
+    _can_write,
+    _folder_problems,
+    _refuse,
+    backups_root,
+    check_places,
+    checkpoint_root,
+    in_place_refusal,
+)
+from .io_plan import ByteEdit, FieldChange, FileWrite, InPlace, WriteFailed, WritePlan  # noqa: F401
 
 JOURNAL = "journal.json"
 UNDO = "undo"  # the in-place undo records, in the transaction folder
 IN_PLACE = "in-place"
 
 
-class WriteFailed(CkptError):
-    """A write could not be completed; the checkpoint was left (or put back) as it was."""
-
-
-# --- the plan -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FieldChange:
-    """One field of one file: `field` is a dotted path inside the file's saved object."""
-
-    file: str
-    field: str
-    old: Any
-    new: Any
-    note: str = ""  # what this field does after resume ("drives the LR", "cosmetic", ...)
-
-
-@dataclass(frozen=True)
-class ByteEdit:
-    """`data` written at byte `offset` of a file, in place."""
-
-    offset: int
-    data: bytes
-
-
-@dataclass(frozen=True)
-class InPlace:
-    """A change made inside an existing file: sorted, non-overlapping `edits`, then the file's length set to
-    `size` (longer: the last edit ends there; shorter: the tail is cut)."""
-
-    edits: tuple[ByteEdit, ...]
-    size: int
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(e.data) for e in self.edits)
-
-
-@dataclass(frozen=True)
-class FileWrite:
-    """The new content of one file. `produce(tmp)` writes it whole to `tmp` (a path outside the checkpoint).
-    `edit(path)`, when given, says how to make the same change in place instead (`InPlace`, computed from the
-    file as it is when the write starts); `execute` uses it unless the file cannot safely be changed in place
-    (see `in_place_refusal`) or the caller asks for copies."""
-
-    path: str  # relative to the plan's root
-    changes: tuple[FieldChange, ...]
-    nbytes: int
-    produce: Callable[[Path], None] = field(repr=False, compare=False)
-    method: str = "rewrite"  # how: "pickle-only rewrite" (tensor bytes copied as they are), "full", ...
-    edit: Callable[[Path], InPlace] | None = field(default=None, repr=False, compare=False)
-
-
-@dataclass(frozen=True)
-class WritePlan:
-    """What a command will write. Pure data until `execute`; `--dry-run` renders it."""
-
-    root: Path  # the checkpoint folder (or file's folder) the paths are relative to
-    command: str
-    writes: tuple[FileWrite, ...]
-    notes: tuple[str, ...] = ()
-    verify: Callable[[Path], list[str]] | None = field(default=None, repr=False, compare=False)
-    #: `--trust-pickles`: the files written may carry the source's globals outside the allowlist
-    trust_pickles: bool = False
-
-    @property
-    def changes(self) -> list[FieldChange]:
-        return [c for w in self.writes for c in w.changes]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "root": str(self.root),
-            "command": self.command,
-            "files": [
-                {
-                    "path": w.path,
-                    "bytes": w.nbytes,
-                    "method": w.method,
-                    "changes": [
-                        {"field": c.field, "old": jsonable(c.old), "new": jsonable(c.new), "note": c.note}
-                        for c in w.changes
-                    ],
-                }
-                for w in self.writes
-            ],
-            "notes": list(self.notes),
-        }
-
-
-# --- where transactions live ----------------------------------------------------------------------
-
 # journal states of a write that never finished ("restoring": a `restore` of it was cut short; finishing the
 # undo is what comes next)
 ACTIVE = ("preparing", "committing", "verifying", "restoring")
 
 
-def checkpoint_root(path: Path) -> Path:
-    """The outermost checkpoint folder holding `path`: a DeepSpeed tag folder's parent when that
-    parent's `latest`/`latest_universal` names it, else the folder itself (a file's folder for a file)."""
-    p = Path(path).resolve()
-    if p.is_file():
-        p = p.parent
-    for name in ("latest", "latest_universal"):
-        marker = p.parent / name
-        try:
-            if marker.is_file() and marker.read_text().strip() == p.name:
-                return p.parent
-        except (OSError, UnicodeDecodeError):
-            pass
-    return p
-
-
-def backups_root(path: Path, backup_dir: Path | None = None) -> Path:
-    """Where the transactions (journal, backups, staging) of this checkpoint live: `<backup_dir>/<name>`, by
-    default `<parent>/.ckpt-backups/<name>` — beside the checkpoint, on the same filesystem (so backups are
-    hard links and renames are atomic), and never inside a folder a loader reads."""
-    root = checkpoint_root(path)
-    return (Path(backup_dir).resolve() if backup_dir else root.parent / ".ckpt-backups") / root.name
+# --- fsync, owner and mode ---------------------------------------------------------------------------
+# (every file `io` fsyncs goes through `_fsync_file`: tests count and interrupt writes there)
 
 
 def _fsync_dir(d: Path) -> None:
@@ -227,157 +129,6 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         with contextlib.suppress(OSError):  # a copy is ours; a link kept the owner by itself
             _keep_owner_and_mode(dst, src.stat())
         _fsync_file(dst)
-
-
-# --- before any work: can every place the write touches be written? ----------------------------------
-
-
-@dataclass(frozen=True)
-class Places:
-    """Where a write puts things, checked by `check_places` before any work.
-
-    `transactions`: one folder per write there, holding its journal and the backups (`files/`).
-    `staging`: where the new files are produced; always on the checkpoint's filesystem, because only a rename
-    within one filesystem is atomic. `link`: with `backup_dir`, the default place, where a link to each
-    transaction is left when it can be, so that a plain `ckpt restore` (and the next write's recovery) finds it."""
-
-    transactions: Path
-    staging: Path
-    link: Path | None = None
-    notes: tuple[str, ...] = ()
-
-
-def _can_write(d: Path) -> tuple[bool, Path]:
-    """Whether folder `d` can be written, or created: the answer for its nearest existing ancestor, asked with
-    the effective ids and capabilities (root without CAP_DAC_OVERRIDE is refused like anyone else)."""
-    p = Path(d)
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    kw = {"effective_ids": True} if os.access in os.supports_effective_ids else {}
-    return p.is_dir() and os.access(p, os.W_OK | os.X_OK, **kw), p
-
-
-def _may_chown() -> bool:
-    """Whether this process may give a file to another owner or group (CAP_CHOWN: root, unless dropped)."""
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) & 1)  # CAP_CHOWN is capability 0
-    return os.geteuid() == 0
-
-
-def _refuse(problems: list[tuple[Path, str, str]], root: Path) -> None:
-    """One CkptError (exit 2) naming every place that cannot be written and what to do about each."""
-    if len(problems) == 1:
-        where, what, fix = problems[0]
-        raise CkptError(what, path=where, hint=f"{fix}; nothing was written")
-    raise CkptError(
-        "; ".join(f"{where}: {what} ({fix})" for where, what, fix in problems), path=root, hint="nothing was written"
-    )
-
-
-def _folder_problems(folders, who: str) -> list[tuple[Path, str, str]]:
-    out = []
-    for d in sorted(set(folders)):
-        ok, at = _can_write(d)
-        if not ok:
-            out.append(
-                (
-                    at,
-                    f"not writable by {who}: rewritten files are renamed into place in their own folder",
-                    "make it writable (chmod u+w) or run as a user who may write it",
-                )
-            )
-    return out
-
-
-def in_place_refusal(target: Path, w: FileWrite, copy: bool = False) -> str | None:
-    """Why `w` is written as a whole new file renamed over `target` rather than changed in place (None: it is
-    changed in place, journaled). In place only when the write can say how (`w.edit`), the caller did not ask
-    for copies (`copy`, `--copy`), and the file is a regular file, writable, and has no other hard link (an
-    in-place change would change that other path too: copy-on-write then)."""
-    if w.edit is None:
-        return "this change needs a new file"
-    if copy:
-        return "full copies asked for (--copy)"
-    try:
-        st = os.lstat(target)
-    except FileNotFoundError:
-        return "a new file"
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
-    if st.st_nlink > 1:
-        return f"it has {st.st_nlink} hard links: changing it in place would change the other paths too"
-    kw = {"effective_ids": True} if os.access in os.supports_effective_ids else {}
-    if not st.st_mode & 0o222 or not os.access(target, os.W_OK, **kw):
-        return f"the file is read-only (mode {stat.S_IMODE(st.st_mode):04o})"
-    return None
-
-
-def check_places(plan: WritePlan, backup_dir: Path | None = None, *, copy: bool = False) -> Places:
-    """Check, before any work, that everything the write touches can be written: the checkpoint folders the
-    new files are renamed into (files changed in place need no folder write), the transaction folder (journal
-    and backups: `backup_dir` moves it), the staging folder (on the checkpoint's filesystem), and that the new
-    files can keep the owner and group of the ones they replace. Raises CkptError naming each place and the
-    fix; returns where things will go."""
-    root = Path(plan.root).resolve()
-    euid = os.geteuid()
-    who = f"uid {euid}"
-    whole = [w for w in plan.writes if in_place_refusal(root / w.path, w, copy) is not None]
-    problems = _folder_problems([(root / w.path).parent for w in whole], who)
-    groups = set(os.getgroups()) | {os.getegid()}
-    may_chown = _may_chown()
-    for w in whole:
-        try:
-            st = (root / w.path).stat()
-        except FileNotFoundError:
-            continue
-        if not may_chown and (st.st_uid != euid or st.st_gid not in groups):
-            problems.append(
-                (
-                    root / w.path,
-                    f"owned by uid {st.st_uid} gid {st.st_gid}: a rewrite by {who} could not keep that owner and group",
-                    "run as its owner, or as root",
-                )
-            )
-    default = backups_root(root)
-    tx = backups_root(root, backup_dir)
-    ok, at = _can_write(tx)
-    if not ok:
-        fix = (
-            "choose a writable --backup-dir on the checkpoint's filesystem"
-            if backup_dir
-            else "pass --backup-dir DIR, a writable folder on the checkpoint's filesystem"
-        )
-        problems.append((at, f"cannot hold the backups and journal ({tx}): not writable by {who}", fix))
-    staging, link, notes = tx, None, []
-    if ok and os.stat(at).st_dev != os.stat(root).st_dev:
-        staging = default
-        ok2, at2 = _can_write(default)
-        if not whole:  # everything changes in place: nothing is staged, the journal may live anywhere
-            staging = default if ok2 else tx
-        elif not ok2:
-            problems.append(
-                (
-                    at2,
-                    f"not writable by {who}, and the new files must be staged on the checkpoint's "
-                    f"filesystem to be renamed into place atomically (--backup-dir {backup_dir} is on "
-                    "another one)",
-                    "pass a --backup-dir on the checkpoint's filesystem",
-                )
-            )
-        else:
-            notes.append(
-                f"the new files are staged in {default}, not in --backup-dir {backup_dir}: it is on "
-                "another filesystem, and only a rename within the checkpoint's filesystem is atomic "
-                "(the backups there are copies, not hard links)"
-            )
-    if backup_dir and tx != default and _can_write(default)[0]:
-        link = default
-    if problems:
-        _refuse(problems, root)
-    return Places(tx, staging, link, tuple(notes))
 
 
 # --- the record of past writes ---------------------------------------------------------------------
@@ -463,8 +214,14 @@ def transactions(path: Path, backup_dir: Path | None = None) -> list[Transaction
 def last_write(path: Path, command: str, backup_dir: Path | None = None) -> Transaction | None:
     """The newest finished, not undone, write by `command` ("set-lr") on this checkpoint. Surgery such as
     `set-lr --scale 0.5` compounds when run twice, so the CLI says what was done before and asks again."""
-    name = command.split()[0] if command else ""
-    done = [t for t in transactions(path, backup_dir) if t.status == "done" and t.command.split()[:1] == [name]]
+    verb = command.split()[:1] if command else []  # checked before it is read: "" or blanks name no command
+    if not verb:
+        return None
+    done = [
+        t
+        for t in transactions(path, backup_dir)
+        if t.status == "done" and isinstance(t.command, str) and t.command.split()[:1] == verb
+    ]
     return done[-1] if done else None
 
 
@@ -535,28 +292,36 @@ class Interrupted(KeyboardInterrupt):
     back or left, and where. A KeyboardInterrupt, so code that stops on Ctrl-C still stops."""
 
 
-def execute(
-    plan: WritePlan,
-    *,
-    backup_dir: Path | None = None,
-    on_stage: Callable[[str, str | None], None] | None = None,
-    progress: Callable[[int], None] | None = None,
-    copy: bool = False,
-) -> Transaction:
-    """Carry out `plan` as one transaction (see the module docstring). Raises CkptError naming the place when
-    a folder it needs cannot be written (before any work), WriteFailed after putting the checkpoint back as it
-    was, Interrupted on Ctrl-C (after putting it back). `on_stage(stage, file)` is called at every step (tests
-    inject failures there; "write" after each range written in place); `progress(nbytes)` after each file is
-    produced (progress bars). `copy`: every file as a whole new copy, nothing in place (`--copy`)."""
-    stage = on_stage or (lambda s, f: None)
-    root = Path(plan.root).resolve()
-    places = check_places(plan, backup_dir, copy=copy)
-    recover(root, backup_dir)
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{os.getpid()}"
-    verb = plan.command.split()[0] if plan.command.strip() else ""
-    slug = "".join(ch if ch.isalnum() else "-" for ch in verb) or "write"
+def _slug(command: str) -> str:
+    """The transaction folder's last word: the command's verb ("set-lr"; letters, digits and dashes). Read before
+    any work (`check_places`, `recover`): a plan without a command (None, "" or blanks) is named "write", and one
+    whose command is no string fails before anything changed."""
+    words = command.split() if command else []
+    verb = words[0] if words else ""
+    return "".join(ch if ch.isalnum() else "-" for ch in verb) or "write"
+
+
+@dataclass
+class _Tx:
+    """One write under way: its transaction folder, where its new files are staged, where the originals are
+    backed up, its journal (as written to journal.json) and how many files it has replaced so far."""
+
+    dir: Path
+    staging: Path
+    files_dir: Path
+    journal: dict
+    replaced: int = 0
+
+    @property
+    def entries(self) -> list[dict]:
+        return self.journal["files"]
+
+
+def _new_transaction_dir(places: Places, stamp: str, slug: str) -> tuple[Path, Path, Path]:
+    """Make this write's transaction folder (two writes in one second by one process get their own), its
+    staging folder and its backup and undo folders. Returns (transaction folder, staging, backups)."""
     places.transactions.mkdir(parents=True, exist_ok=True)
-    for n in range(10_000):  # two writes in one second by one process get their own folders
+    for n in range(10_000):
         tdir = places.transactions / f"{stamp}-{n:04d}-{slug}"
         try:
             tdir.mkdir()
@@ -568,6 +333,12 @@ def execute(
     staging.mkdir(parents=True)
     files_dir.mkdir()
     (tdir / UNDO).mkdir()
+    return tdir, staging, files_dir
+
+
+def _journal_entries(plan: WritePlan, root: Path, copy: bool) -> tuple[list[dict], list[os.stat_result | None]]:
+    """One journal entry per file of the plan (whether it existed, its size and mtime, in place or replaced,
+    and why not in place), with each file's stat before the write (None: a new file)."""
     entries, stats = [], []
     for i, w in enumerate(plan.writes):
         target = root / w.path
@@ -586,6 +357,15 @@ def execute(
         if not why:
             e["undo"] = f"{UNDO}/{i:06d}.bin"
         entries.append(e)
+    return entries, stats
+
+
+def _start(plan: WritePlan, root: Path, places: Places, slug: str, copy: bool) -> tuple[_Tx, list]:
+    """Open the transaction: its folders and its journal in state "preparing" (and, with --backup-dir, the link
+    to it in the default place). Returns it with each file's stat before the write."""
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{os.getpid()}"
+    tdir, staging, files_dir = _new_transaction_dir(places, stamp, slug)
+    entries, stats = _journal_entries(plan, root, copy)
     journal = {
         "status": "preparing",
         "root": str(root),
@@ -600,83 +380,135 @@ def execute(
     if places.link:
         places.link.mkdir(parents=True, exist_ok=True)
         os.symlink(tdir, places.link / tdir.name)
-    replaced = 0
+    return _Tx(tdir, staging, files_dir, journal), stats
+
+
+def _produce(plan: WritePlan, root: Path, tx: _Tx, stats: list, stage, progress) -> dict[int, InPlace]:
+    """Produce every file: its in-place change (computed from the file as it is now), or the whole new file in
+    staging, fsynced and given the owner and mode of the file it replaces. Returns the in-place changes."""
     changes: dict[int, InPlace] = {}
-    try:
-        for i, (w, st, e) in enumerate(zip(plan.writes, stats, entries)):
-            stage("produce", w.path)
+    for i, (w, st, e) in enumerate(zip(plan.writes, stats, tx.entries)):
+        stage("produce", w.path)
+        if e["mode"] == IN_PLACE:
+            changes[i] = w.edit(root / w.path)
+        else:
+            tmp = tx.staging / f"{i:06d}.new"
+            w.produce(tmp)
+            _fsync_file(tmp)
+            if st is not None:
+                _keep_owner_and_mode(tmp, st)
+        if progress:
+            progress(w.nbytes)
+    return changes
+
+
+def _back_up(plan: WritePlan, root: Path, tx: _Tx, changes: dict[int, InPlace], stage) -> None:
+    """Back up every existing file (in place: the undo record of the ranges about to change; else a hard link
+    or copy of the original), fsync the backups, then mark the journal "committing"."""
+    for i, (w, e) in enumerate(zip(plan.writes, tx.entries)):
+        if e["existed"]:
+            stage("backup", w.path)
             if e["mode"] == IN_PLACE:
-                changes[i] = w.edit(root / w.path)
+                _save_undo(root / w.path, changes[i], tx.dir / e["undo"], e)
             else:
-                tmp = staging / f"{i:06d}.new"
-                w.produce(tmp)
-                _fsync_file(tmp)
-                if st is not None:
-                    _keep_owner_and_mode(tmp, st)
-            if progress:
-                progress(w.nbytes)
-        for i, (w, e) in enumerate(zip(plan.writes, entries)):
-            if e["existed"]:
-                stage("backup", w.path)
-                if e["mode"] == IN_PLACE:
-                    _save_undo(root / w.path, changes[i], tdir / e["undo"], e)
-                else:
-                    _link_or_copy(root / w.path, files_dir / w.path)
-                    e["written"] = None
-        _fsync_dir(files_dir)
-        _fsync_dir(tdir / UNDO)
-        journal["status"] = "committing"  # from here on a kill is rolled back from the undo records
-        _write_json(tdir / JOURNAL, journal)
-        for i, (w, e) in enumerate(zip(plan.writes, entries)):
-            stage("replace", w.path)
-            target = root / w.path
-            if e["mode"] == IN_PLACE:
-                _apply_in_place(target, changes[i], lambda: stage("write", w.path))
-            else:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(staging / f"{i:06d}.new", target)
-                _fsync_dir(target.parent)
-                e["written"] = target.stat().st_size
-            replaced += 1
-        journal["status"] = "verifying"
-        _write_json(tdir / JOURNAL, journal)
-        stage("verify", None)
-        gate.check_output(root, [w.path for w in plan.writes], trust_pickles=plan.trust_pickles)
-        problems = plan.verify(root) if plan.verify else []
-        if problems:
-            raise WriteFailed(
-                "verification after writing failed: " + "; ".join(problems[:5]),
-                path=root,
-                hint="nothing was changed: the originals were put back",
-            )
-    except BaseException as e:
-        try:
-            _rollback(tdir, journal)
-        except KeyboardInterrupt:
-            raise Interrupted(
-                f"interrupted again while putting the originals of {root} back: the next ckpt "
-                f"write or `ckpt restore {root}` finishes that (journal: {tdir})"
-            ) from e
-        if isinstance(e, KeyboardInterrupt):
-            back = (
-                f"the {replaced} file{'s' if replaced > 1 else ''} (of {len(plan.writes)}) it had replaced "
-                f"{'were' if replaced > 1 else 'was'} put back"
-                if replaced
-                else "no file had been replaced yet"
-            )
-            raise Interrupted(f"{root} is unchanged: {back} (the abandoned write's journal: {tdir})") from e
-        if isinstance(e, CkptError):
-            raise
+                _link_or_copy(root / w.path, tx.files_dir / w.path)
+                e["written"] = None
+    _fsync_dir(tx.files_dir)
+    _fsync_dir(tx.dir / UNDO)
+    tx.journal["status"] = "committing"  # from here on a kill is rolled back from the undo records
+    _write_json(tx.dir / JOURNAL, tx.journal)
+
+
+def _commit(plan: WritePlan, root: Path, tx: _Tx, changes: dict[int, InPlace], stage) -> None:
+    """Change every file: write its ranges in place, or rename its new file over it; count what was replaced."""
+    for i, (w, e) in enumerate(zip(plan.writes, tx.entries)):
+        stage("replace", w.path)
+        target = root / w.path
+        if e["mode"] == IN_PLACE:
+            _apply_in_place(target, changes[i], lambda: stage("write", w.path))
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tx.staging / f"{i:06d}.new", target)
+            _fsync_dir(target.parent)
+            e["written"] = target.stat().st_size
+        tx.replaced += 1
+
+
+def _verify(plan: WritePlan, root: Path, tx: _Tx, stage) -> None:
+    """Mark the journal "verifying", pass the written files through the output gate and the plan's own check;
+    WriteFailed on any problem."""
+    tx.journal["status"] = "verifying"
+    _write_json(tx.dir / JOURNAL, tx.journal)
+    stage("verify", None)
+    gate.check_output(root, [w.path for w in plan.writes], trust_pickles=plan.trust_pickles)
+    problems = plan.verify(root) if plan.verify else []
+    if problems:
         raise WriteFailed(
-            f"write failed ({type(e).__name__}: {e})",
+            "verification after writing failed: " + "; ".join(problems[:5]),
             path=root,
             hint="nothing was changed: the originals were put back",
+        )
+
+
+def _roll_back_failed(plan: WritePlan, root: Path, tx: _Tx, e: BaseException) -> NoReturn:
+    """After any failure or Ctrl-C: put the originals back, then raise what says so (Interrupted on Ctrl-C, the
+    CkptError itself, or WriteFailed wrapping anything else)."""
+    try:
+        _rollback(tx.dir, tx.journal)
+    except KeyboardInterrupt:
+        raise Interrupted(
+            f"interrupted again while putting the originals of {root} back: the next ckpt "
+            f"write or `ckpt restore {root}` finishes that (journal: {tx.dir})"
         ) from e
-    journal["status"] = "done"
-    _write_json(tdir / JOURNAL, journal)
-    shutil.rmtree(staging, ignore_errors=True)
+    if isinstance(e, KeyboardInterrupt):
+        replaced = tx.replaced
+        back = (
+            f"the {replaced} file{'s' if replaced > 1 else ''} (of {len(plan.writes)}) it had replaced "
+            f"{'were' if replaced > 1 else 'was'} put back"
+            if replaced
+            else "no file had been replaced yet"
+        )
+        raise Interrupted(f"{root} is unchanged: {back} (the abandoned write's journal: {tx.dir})") from e
+    if isinstance(e, CkptError):
+        raise e
+    raise WriteFailed(
+        f"write failed ({type(e).__name__}: {e})",
+        path=root,
+        hint="nothing was changed: the originals were put back",
+    ) from e
+
+
+def execute(
+    plan: WritePlan,
+    *,
+    backup_dir: Path | None = None,
+    on_stage: Callable[[str, str | None], None] | None = None,
+    progress: Callable[[int], None] | None = None,
+    copy: bool = False,
+) -> Transaction:
+    """Carry out `plan` as one transaction (see the module docstring). Raises CkptError naming the place when
+    a folder it needs cannot be written (before any work), WriteFailed after putting the checkpoint back as it
+    was, Interrupted on Ctrl-C (after putting it back). `on_stage(stage, file)` is called at every step (tests
+    inject failures there; "write" after each range written in place); `progress(nbytes)` after each file is
+    produced (progress bars). `copy`: every file as a whole new copy, nothing in place (`--copy`)."""
+    stage = on_stage or (lambda s, f: None)
+    slug = _slug(plan.command)
+    root = Path(plan.root).resolve()
+    places = check_places(plan, backup_dir, copy=copy)
+    recover(root, backup_dir)
+    tx, stats = _start(plan, root, places, slug, copy)
+    try:
+        changes = _produce(plan, root, tx, stats, stage, progress)
+        _back_up(plan, root, tx, changes, stage)
+        _commit(plan, root, tx, changes, stage)
+        _verify(plan, root, tx, stage)
+    except BaseException as e:
+        _roll_back_failed(plan, root, tx, e)
+    tx.journal["status"] = "done"
+    _write_json(tx.dir / JOURNAL, tx.journal)
+    shutil.rmtree(tx.staging, ignore_errors=True)
     stage("done", None)
-    return _transaction(tdir / JOURNAL, journal)
+    return _transaction(tx.dir / JOURNAL, tx.journal)
 
 
 # --- in place: the rollback journal ------------------------------------------------------------------
@@ -1013,8 +845,6 @@ _COPY_CHUNK = 64 << 20
 def copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, length: int) -> None:
     """Copy `length` bytes between open files in the kernel where it can (copy_file_range: no user-space
     buffer, reflinks on XFS/btrfs), else in 64 MiB chunks through pread/pwrite. Never the whole file in memory."""
-    import errno
-
     done = 0
     while done < length:
         n = 0

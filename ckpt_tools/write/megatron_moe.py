@@ -28,12 +28,21 @@ from __future__ import annotations
 
 import collections
 import copy
+import json
 import re
 from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import UnsupportedCheckpoint
-from .megatron_write import _args, _DistSource, _Records, _rng_list, rank_files
+from ..read import pickle_reader as pr
+from ..view import logical as L
+from ..view.logical import name_key
+from .dcp_write import DcpStreamWriter, LazyPart, plan_save_id
+from .megatron_common import LATEST, _args, rank_files
+from .megatron_to_legacy import _DistSource, _Records, _rng_list
+from .megatron_write import CONTENT_METADATA, DIST_META, _zip_bytes, dist_key
+from .pickle_writer import rewrite_torch_zip
+from .torch_zip import save
 
 _EXPERT = re.compile(r"^decoder\.layers\.\d+\.mlp\.experts\.local_experts\.(\d+)\.")
 #: a MoE layer's modules (local spec, SequentialMLP) in the order Megatron-core's TransformerLayer registers them
@@ -227,8 +236,6 @@ class _Source:
     """common.pt's fields (from common.pt, or from the first legacy rank file) and each saved EP rank's RNG state."""
 
     def __init__(self, ck):
-        from ..read import pickle_reader as pr
-
         self.ck = ck
         if ck.format == "megatron_legacy":
             self.files = {k[2] if len(k) > 2 else 0: f for k, f in rank_files(ck).items()}
@@ -240,8 +247,6 @@ class _Source:
 
     def rng(self, e: int, ep: int):
         if self.dist is None:
-            from ..read import pickle_reader as pr
-
             f = self.files[e]
             rng = pr.load(f).obj.get("rng_state")
             return None if rng is None else _rng_list(rng, "rng_state", f)
@@ -254,8 +259,6 @@ class _Source:
 def _model_order(module: dict, layers: int, experts: range, tied: bool, src: Path) -> list[tuple[str, str | None]]:
     """[(the legacy name in the EP rank's `model`, the logical name read, None for an extra state)] for the EP rank
     holding global `experts`, in Megatron-core's registration order; refuses a layer missing one of its experts."""
-    from ..view.logical import name_key
-
     items: list[tuple[str, str | None]] = []
 
     def module_items(local: str, key: str, linear: bool) -> None:
@@ -315,14 +318,75 @@ def write(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     return (_write_legacy if plan.ckpt_format == "torch" else _write_dist)(plan, root, progress)
 
 
+def _rank_args(common: dict, e: int, ep: int):
+    """EP rank e's saved args: ckpt_format torch, expert_model_parallel_size `ep`, its rank."""
+    a = copy.copy(common["args"])
+    state = {**common["args"].state, "ckpt_format": "torch", "use_dist_ckpt": False}
+    state["expert_model_parallel_size"] = ep
+    for k in ("rank", "local_rank"):
+        if k in state:
+            state[k] = e  # Megatron's rank order tp-cp-ep-dp-pp at TP 1: EP rank e, expert-DP rank 0
+    a.state = state
+    return a
+
+
+def _rank_model(
+    plan, rec: _Records, module: dict, order: list, params: dict, group_of: dict, placed: set[str]
+) -> tuple[collections.OrderedDict, list[list[str]]]:
+    """An EP rank's `model` in `order` (`_model_order`), each tensor recorded to be read when written (what it
+    places goes into `placed`); returns it with the names of each param group's parameters on this rank."""
+    import torch  # lazy: torch only when tensors are written; write/ stays torch-free at import
+
+    m: collections.OrderedDict = collections.OrderedDict()
+    members: list[list[str]] = [[] for _ in plan.groups]
+    for local, key in order:
+        if key is None:
+            m[local] = None
+            continue
+        node = module[key]
+        like = torch.empty(node.shape, dtype=L.torch_dtype(node.dtype), device="meta")
+        m[local] = rec.made(like, lambda node=node: node.read())
+        placed.add(key)
+        if key in params and params[key].states:
+            if key not in group_of:
+                raise UnsupportedCheckpoint(f"{key}: in no param group", path=plan.source)
+            members[group_of[key]].append(key)
+    return m, members
+
+
+def _inner_optimizer(plan, rec: _Records, params: dict, members: list[list[str]], gids: list[int]) -> dict:
+    """One inner optimizer of an EP rank (the param groups `gids`): Adam's state per parameter id, the param
+    groups, and the fp32 masters, each recorded to be read when written."""
+    import torch  # lazy: torch only when tensors are written; write/ stays torch-free at import
+
+    state_out: dict[int, Any] = {}
+    groups, masters = [], []
+    for gi in gids:
+        ids = []
+        for key in members[gi]:
+            p = params[key]
+            if p.step is None:
+                raise UnsupportedCheckpoint(f"{key}: no Adam step in the source", path=plan.source)
+            s: dict[str, Any] = {"step": rec.add(torch.tensor(float(p.step), dtype=torch.float32))}
+            for k in ("exp_avg", "exp_avg_sq"):
+                node = p.states[k]
+                like = torch.empty(node.shape, dtype=torch.float32, device="meta")
+                s[k] = rec.made(like, lambda node=node: node.read(torch.float32))
+            ids.append(len(state_out))
+            state_out[len(state_out)] = s
+        g = plan.groups[gi]
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
+        row = []
+        for key in members[gi]:
+            w = params[key].weight
+            like = torch.empty(w.shape, dtype=torch.float32, device="meta")
+            row.append(rec.made(like, lambda w=w: w.read(torch.float32)))
+        masters.append(row)
+    return {"optimizer": {"state": state_out, "param_groups": groups}, "fp32_from_fp16_params": masters}
+
+
 def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> int:
     """Legacy rank files: every module tensor of the source placed on its EP rank(s), or refused naming it."""
-    import torch
-
-    from ..view import logical as L
-    from ..view.logical import name_key
-    from .torch_zip import save
-
     ck = L.open_any(plan.source)
     args = _args(ck)
     ep, layers, experts = plan.ep, int(args["num_layers"]), int(args["num_experts"])
@@ -339,63 +403,20 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
     written = 0
     for e, rel in enumerate(rank_dirs(ep, iteration)):
         rec = _Records()
-        a = copy.copy(common["args"])
-        state = {**common["args"].state, "ckpt_format": "torch", "use_dist_ckpt": False}
-        state["expert_model_parallel_size"] = ep
-        for k in ("rank", "local_rank"):
-            if k in state:
-                state[k] = e  # Megatron's rank order tp-cp-ep-dp-pp at TP 1: EP rank e, expert-DP rank 0
-        a.state = state
         obj: dict[str, Any] = {
-            "args": a,
+            "args": _rank_args(common, e, ep),
             "checkpoint_version": common["checkpoint_version"],
             "iteration": common["iteration"],
         }
-        m: collections.OrderedDict = collections.OrderedDict()
-        members: list[list[str]] = [[] for _ in plan.groups]
-        for local, key in _model_order(module, layers, range(e * per, (e + 1) * per), tied, plan.source):
-            if key is None:
-                m[local] = None
-                continue
-            node = module[key]
-            like = torch.empty(node.shape, dtype=L.torch_dtype(node.dtype), device="meta")
-            m[local] = rec.made(like, lambda node=node: node.read())
-            placed.add(key)
-            if key in params and params[key].states:
-                if key not in group_of:
-                    raise UnsupportedCheckpoint(f"{key}: in no param group", path=plan.source)
-                members[group_of[key]].append(key)
-        obj["model"] = m
-
-        def inner(gids: list[int], rec=rec, members=members) -> dict:
-            state_out: dict[int, Any] = {}
-            groups, masters = [], []
-            for gi in gids:
-                ids = []
-                for key in members[gi]:
-                    p = params[key]
-                    if p.step is None:
-                        raise UnsupportedCheckpoint(f"{key}: no Adam step in the source", path=plan.source)
-                    s: dict[str, Any] = {"step": rec.add(torch.tensor(float(p.step), dtype=torch.float32))}
-                    for k in ("exp_avg", "exp_avg_sq"):
-                        node = p.states[k]
-                        like = torch.empty(node.shape, dtype=torch.float32, device="meta")
-                        s[k] = rec.made(like, lambda node=node: node.read(torch.float32))
-                    ids.append(len(state_out))
-                    state_out[len(state_out)] = s
-                g = plan.groups[gi]
-                groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
-                row = []
-                for key in members[gi]:
-                    w = params[key].weight
-                    like = torch.empty(w.shape, dtype=torch.float32, device="meta")
-                    row.append(rec.made(like, lambda w=w: w.read(torch.float32)))
-                masters.append(row)
-            return {"optimizer": {"state": state_out, "param_groups": groups}, "fp32_from_fp16_params": masters}
-
+        order = _model_order(module, layers, range(e * per, (e + 1) * per), tied, plan.source)
+        obj["model"], members = _rank_model(plan, rec, module, order, params, group_of, placed)
         dense = [gi for gi, g in enumerate(plan.groups) if not g.get("is_expert_parallel")]
         expert = [gi for gi, g in enumerate(plan.groups) if g.get("is_expert_parallel")]
-        obj["optimizer"] = [inner(dense), inner(expert)] if expert else inner(dense)
+        obj["optimizer"] = (
+            [_inner_optimizer(plan, rec, params, members, dense), _inner_optimizer(plan, rec, params, members, expert)]
+            if expert
+            else _inner_optimizer(plan, rec, params, members, dense)
+        )
         obj["opt_param_scheduler"] = common["opt_param_scheduler"]
         rng = src.rng(e * saved_ep(ck) // ep, saved_ep(ck))
         if rng is not None:
@@ -413,8 +434,6 @@ def _write_legacy(plan, root: Path, progress: Callable[[int], None] | None) -> i
             f"{', '.join(left[:3])}",
             path=plan.source,
         )
-    from .megatron_write import LATEST
-
     (root / LATEST).write_text(str(iteration))
     return written
 
@@ -425,9 +444,6 @@ _EXPERT_NAME = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts
 def _dist_key(name: str, layers: int) -> tuple[str, tuple[int, ...]]:
     """(the torch_dist key, its leading offsets) of a logical parameter name: an expert's stacked [layers, experts,
     ...] as Megatron's SequentialMLP shards it, a layer's [layers, ...], else the whole tensor."""
-    from ..view.logical import name_key
-    from .megatron_write import dist_key
-
     m = _EXPERT_NAME.match(name_key(name))
     if m:
         return f"decoder.layers.mlp.experts.experts.{m[3]}", (int(m[1]), int(m[2]))
@@ -445,66 +461,51 @@ def _common_step(plan, src: Path):
     return steps.pop()
 
 
-def _write_dist(plan, root: Path, progress: Callable[[int], None] | None) -> int:
-    """A torch_dist run folder of a legacy MoE run, as Megatron core_v0.16.1's torch_dist save writes it: the experts
-    stacked `[layers, num_experts, ...]` under `decoder.layers.mlp.experts.experts.*` (global ids), every expert
-    linear's extra state per (layer, expert), each EP rank's RNG state `rng_state/shard_0.0.E_1.1.EP`, and common.pt
-    with the inner optimizers' param groups at EP `plan.ep` (`{0: dense, 1: expert}`; EP 1: one) and their common
-    Adam step."""
-    from ..view import logical as L
-    from .dcp_write import DcpStreamWriter, LazyPart, plan_save_id
-    from .megatron_write import CONTENT_METADATA, DIST_META, LATEST, _zip_bytes
-    from .pickle_writer import rewrite_torch_zip
+def _write_params(w, plan, module: dict, layers: int, experts: int, progress: Callable[[int], None] | None) -> None:
+    """Every parameter (and its fp32 master and Adam moments) as its torch_dist key's part: an expert's at its
+    (layer, expert) of the stacked tensor, a layer's at its layer, else whole; each read when written."""
+    for i, p in enumerate(plan.params):
+        key, lead = _dist_key(p.name, layers)
+        tensors = [(key, module[p.name])]
+        if p.states:
+            tensors.append((f"optimizer.state.fp32_param.{key}", p.weight))
+            tensors += [(f"optimizer.state.{k}.{key}", t) for k, t in sorted(p.states.items())]
+        for k, t in tensors:
+            shape = (1,) * len(lead) + tuple(t.shape)
+            part = LazyPart(
+                shape, L.torch_dtype(t.dtype), lambda t=t, shape=shape: t.read().reshape(shape), f"param{i}"
+            )
+            size = (layers, experts)[: len(lead)] + tuple(t.shape)
+            w.tensor_part((k,), size, lead + (0,) * len(t.shape), part)
+        if progress:
+            progress(p.nbytes)
 
-    ck = L.open_any(plan.source)
-    args = _args(ck)
-    ep, saved, layers, experts = plan.ep, saved_ep(ck), int(args["num_layers"]), int(args["num_experts"])
-    src = _Source(ck)
-    obj0 = src.common
-    iteration = int(obj0["iteration"])
-    it = root / f"iter_{iteration:07d}"
-    module = {t.name: t for t in L.model_tensors(ck, weights="module")}
-    _check_experts({L.name_key(n) for n in module}, layers, experts, plan.source)
-    w = DcpStreamWriter(it, checkpoint_id=str(plan.out / it.name), shards=2, save_id=plan_save_id(plan))
-    try:
-        for i, p in enumerate(plan.params):
-            key, lead = _dist_key(p.name, layers)
-            tensors = [(key, module[p.name])]
-            if p.states:
-                tensors.append((f"optimizer.state.fp32_param.{key}", p.weight))
-                tensors += [(f"optimizer.state.{k}.{key}", t) for k, t in sorted(p.states.items())]
-            for k, t in tensors:
-                shape = (1,) * len(lead) + tuple(t.shape)
-                part = LazyPart(
-                    shape, L.torch_dtype(t.dtype), lambda t=t, shape=shape: t.read().reshape(shape), f"param{i}"
+
+def _write_extra_and_rng(w, src: _Source, layers: int, experts: int, ep: int, saved: int) -> None:
+    """Every linear's extra state per layer (and per expert), and each EP rank's RNG state (from the legacy rank
+    file of the saved EP rank it continues)."""
+    for rest in ("self_attention.linear_proj", "self_attention.linear_qkv"):
+        for i in range(layers):
+            w.value((f"decoder.layers.{rest}._extra_state/shard_{i}_{layers}",), [None])
+    for fc in ("linear_fc1", "linear_fc2"):
+        for i in range(layers):
+            for g in range(experts):
+                w.value(
+                    (f"decoder.layers.mlp.experts.experts.{fc}._extra_state/shard_{i}.{g}_{layers}.{experts}",),
+                    [None],
                 )
-                size = (layers, experts)[: len(lead)] + tuple(t.shape)
-                w.tensor_part((k,), size, lead + (0,) * len(t.shape), part)
-            if progress:
-                progress(p.nbytes)
-        for rest in ("self_attention.linear_proj", "self_attention.linear_qkv"):
-            for i in range(layers):
-                w.value((f"decoder.layers.{rest}._extra_state/shard_{i}_{layers}",), [None])
-        for fc in ("linear_fc1", "linear_fc2"):
-            for i in range(layers):
-                for g in range(experts):
-                    w.value(
-                        (f"decoder.layers.mlp.experts.experts.{fc}._extra_state/shard_{i}.{g}_{layers}.{experts}",),
-                        [None],
-                    )
-        for e in range(ep):
-            s = e * saved // ep
-            if src.dist is None and s in src.files:
-                from ..read import pickle_reader as pr
+    for e in range(ep):
+        s = e * saved // ep
+        if src.dist is None and s in src.files:
+            rng = pr.load(src.files[s]).obj.get("rng_state")
+            if rng is not None:
+                key = f"rng_state/shard_0.0.{e}_1.1.{ep}" if ep > 1 else "rng_state/shard_0.0_1.1"
+                w.value_blob((key,), _zip_bytes(src.files[s], [_rng_list(rng, "rng_state", src.files[s])]))
 
-                rng = pr.load(src.files[s]).obj.get("rng_state")
-                if rng is not None:
-                    key = f"rng_state/shard_0.0.{e}_1.1.{ep}" if ep > 1 else "rng_state/shard_0.0_1.1"
-                    w.value_blob((key,), _zip_bytes(src.files[s], [_rng_list(rng, "rng_state", src.files[s])]))
-    except BaseException:
-        w.abort()
-        raise
-    w.close()
+
+def _dist_common(plan, obj0: dict, ep: int) -> dict:
+    """common.pt's tree: the args at EP `ep` (torch_dist), the inner optimizers' param groups (`{0: dense,
+    1: expert}`; EP 1: one) with the common Adam step (refused when the rank file's differs), the scheduler."""
     step = _common_step(plan, plan.source)
     opt0 = obj0["optimizer"][0] if isinstance(obj0["optimizer"], list) else obj0["optimizer"]
     step_ref = next(iter(opt0["optimizer"]["state"].values()))["step"]  # a TensorRef of the source file
@@ -526,7 +527,7 @@ def _write_dist(plan, root: Path, progress: Callable[[int], None] | None) -> int
         ]
         return {"optimizer": {"state": {"common_step": step_ref}, "param_groups": groups}}
 
-    common = {
+    return {
         "args": a,
         "checkpoint_version": obj0["checkpoint_version"],
         "iteration": obj0["iteration"],
@@ -535,10 +536,34 @@ def _write_dist(plan, root: Path, progress: Callable[[int], None] | None) -> int
         "num_floating_point_operations_so_far": obj0.get("num_floating_point_operations_so_far"),
         "content_metadata": dict(CONTENT_METADATA),
     }
+
+
+def _write_dist(plan, root: Path, progress: Callable[[int], None] | None) -> int:
+    """A torch_dist run folder of a legacy MoE run, as Megatron core_v0.16.1's torch_dist save writes it: the experts
+    stacked `[layers, num_experts, ...]` under `decoder.layers.mlp.experts.experts.*` (global ids), every expert
+    linear's extra state per (layer, expert), each EP rank's RNG state `rng_state/shard_0.0.E_1.1.EP`, and common.pt
+    with the inner optimizers' param groups at EP `plan.ep` (`{0: dense, 1: expert}`; EP 1: one) and their common
+    Adam step."""
+    ck = L.open_any(plan.source)
+    args = _args(ck)
+    ep, saved, layers, experts = plan.ep, saved_ep(ck), int(args["num_layers"]), int(args["num_experts"])
+    src = _Source(ck)
+    obj0 = src.common
+    iteration = int(obj0["iteration"])
+    it = root / f"iter_{iteration:07d}"
+    module = {t.name: t for t in L.model_tensors(ck, weights="module")}
+    _check_experts({L.name_key(n) for n in module}, layers, experts, plan.source)
+    w = DcpStreamWriter(it, checkpoint_id=str(plan.out / it.name), shards=2, save_id=plan_save_id(plan))
+    try:
+        _write_params(w, plan, module, layers, experts, progress)
+        _write_extra_and_rng(w, src, layers, experts, ep, saved)
+    except BaseException:
+        w.abort()
+        raise
+    w.close()
+    common = _dist_common(plan, obj0, ep)
     first = src.files[min(src.files)]
     rewrite_torch_zip(first, it / "common.pt", common, prune=True)
-    import json
-
     (it / "metadata.json").write_text(json.dumps(DIST_META))
     (root / LATEST).write_text(str(iteration))
     return w.bytes_written + (it / "common.pt").stat().st_size

@@ -512,6 +512,109 @@ def _pickle_member(zf: zipfile.ZipFile, names, path) -> tuple[str, str, int]:
     return pkl_name, prefix, alignment
 
 
+def _source_members(src_path: str) -> tuple[list[zipfile.ZipInfo], dict[str, zipfile.ZipInfo], str, str, int]:
+    """The members of the torch zip `src_path` in file order, by name, its pickle member's name, the archive's
+    prefix and its data alignment. Refuses a file that is not a torch zip, or has compressed members."""
+    with open(src_path, "rb") as fh:
+        if fh.read(2) != b"PK":
+            raise UnsupportedCheckpoint(
+                "not a torch zip file (legacy torch.save or plain pickle); only zip checkpoints are rewritten",
+                path=src_path,
+                hint="re-save it once with torch.save (zip format), then edit it",
+            )
+    try:
+        zf = zipfile.ZipFile(src_path)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise CorruptCheckpoint(
+            f"not a readable zip archive ({e})", path=src_path, hint="the file is truncated or corrupt; re-copy it"
+        ) from None
+    with zf:
+        infos = sorted(zf.infolist(), key=lambda i: i.header_offset)
+        names = {i.filename: i for i in infos}
+        pkl_name, prefix, alignment = _pickle_member(zf, names, src_path)
+    compressed = [i.filename for i in infos if i.compress_type != zipfile.ZIP_STORED]
+    if compressed:
+        raise UnsupportedCheckpoint(
+            f"compressed zip members ({compressed[0]}, ...)",
+            path=src_path,
+            hint="torch.save writes stored members; re-save it with torch.save",
+        )
+    return infos, names, pkl_name, prefix, alignment
+
+
+def _check_storages(storages: dict[str, StorageRef], names: dict, prefix: str, src_path: str) -> None:
+    """Every storage the new tree refers to must be one this archive holds (at least as large), read from it."""
+    for key, s in storages.items():
+        member = names.get(f"{prefix}data/{key}")
+        if member is None or member.file_size < s.nbytes:
+            raise UnsupportedCheckpoint(
+                f"the new tree refers to storage {key} ({s.nbytes} bytes), which "
+                f"{os.path.basename(src_path)} does not hold",
+                path=src_path,
+                hint="tensors can only be kept, not added or moved between files",
+            )
+        if s.source is not None and not os.path.samefile(s.source.path, src_path):
+            raise UnsupportedCheckpoint(
+                f"storage {key} was read from {s.source.path}, not from this file",
+                path=src_path,
+                hint="edit the tree read from the file being rewritten",
+            )
+
+
+def _replaced_members(storage_bytes: dict[str, bytes] | None, names: dict, prefix: str, src_path: str) -> dict:
+    """{member name: new bytes} for `storage_bytes`; each must replace an existing storage of the same size."""
+    replaced = {f"{prefix}data/{key}": bytes(data) for key, data in (storage_bytes or {}).items()}
+    for member, data in replaced.items():
+        if member not in names or names[member].file_size != len(data):
+            raise UnsupportedCheckpoint(
+                f"new bytes for {member} ({len(data)} bytes) do not replace a storage of the same size",
+                path=src_path,
+                hint="only the values of existing storages can be replaced",
+            )
+    return replaced
+
+
+def _write_members(
+    src_path: str,
+    dst_path: str,
+    infos: list[zipfile.ZipInfo],
+    new: dict[str, bytes],
+    alignment: int,
+    progress: Callable[[int, int], None] | None,
+) -> None:
+    """Write `dst_path`: the members `infos` in order, those in `new` with their new bytes, every other one
+    copied byte for byte from `src_path` (in the kernel where it can), then the central directory; fsynced."""
+    total = sum(len(new[i.filename]) if i.filename in new else i.file_size for i in infos)
+    done = 0
+    with open(src_path, "rb") as src, open(dst_path, "wb") as dst:
+        src_map = mmap.mmap(src.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            out = ZipWriter(dst.fileno(), alignment)
+
+            def copied(info: zipfile.ZipInfo) -> Callable[[int, int], int]:
+                def write(fd: int, data_at: int) -> int:  # byte for byte, so the central directory's CRC holds
+                    copy_range(src.fileno(), fd, _data_offset(src_map, info, src_path), data_at, info.file_size)
+                    return info.CRC
+
+                return write
+
+            for info in infos:
+                data = new.get(info.filename)
+                if data is not None:
+                    out.add(info.filename, data)
+                    size = len(data)
+                else:
+                    size = info.file_size
+                    out.add_written(info.filename, size, copied(info))
+                done += size
+                if progress is not None:
+                    progress(done, total)
+            out.finish()
+            os.fsync(dst.fileno())
+        finally:
+            src_map.close()
+
+
 def rewrite_torch_zip(
     src_path: str | os.PathLike,
     dst_path: str | os.PathLike,
@@ -538,31 +641,7 @@ def rewrite_torch_zip(
     own: what torch.save of that part would hold).
     """
     src_path, dst_path = os.fspath(src_path), os.fspath(dst_path)
-    with open(src_path, "rb") as fh:
-        if fh.read(2) != b"PK":
-            raise UnsupportedCheckpoint(
-                "not a torch zip file (legacy torch.save or plain pickle); only zip checkpoints are rewritten",
-                path=src_path,
-                hint="re-save it once with torch.save (zip format), then edit it",
-            )
-    try:
-        zf = zipfile.ZipFile(src_path)
-    except (zipfile.BadZipFile, OSError) as e:
-        raise CorruptCheckpoint(
-            f"not a readable zip archive ({e})", path=src_path, hint="the file is truncated or corrupt; re-copy it"
-        ) from None
-    with zf:
-        infos = sorted(zf.infolist(), key=lambda i: i.header_offset)
-        names = {i.filename: i for i in infos}
-        pkl_name, prefix, alignment = _pickle_member(zf, names, src_path)
-    compressed = [i.filename for i in infos if i.compress_type != zipfile.ZIP_STORED]
-    if compressed:
-        raise UnsupportedCheckpoint(
-            f"compressed zip members ({compressed[0]}, ...)",
-            path=src_path,
-            hint="torch.save writes stored members; re-save it with torch.save",
-        )
-
+    infos, names, pkl_name, prefix, alignment = _source_members(src_path)
     if os.path.exists(dst_path) and os.path.samefile(src_path, dst_path):
         raise UnsupportedCheckpoint(
             "the rewrite would overwrite the file it copies from",
@@ -570,62 +649,12 @@ def rewrite_torch_zip(
             hint="write to a new path, then rename it over the original",
         )
     pickle_bytes, storages = _pickle_tree(new_obj, src_path)
-    for key, s in storages.items():
-        member = names.get(f"{prefix}data/{key}")
-        if member is None or member.file_size < s.nbytes:
-            raise UnsupportedCheckpoint(
-                f"the new tree refers to storage {key} ({s.nbytes} bytes), which "
-                f"{os.path.basename(src_path)} does not hold",
-                path=src_path,
-                hint="tensors can only be kept, not added or moved between files",
-            )
-        if s.source is not None and not os.path.samefile(s.source.path, src_path):
-            raise UnsupportedCheckpoint(
-                f"storage {key} was read from {s.source.path}, not from this file",
-                path=src_path,
-                hint="edit the tree read from the file being rewritten",
-            )
-
-    replaced = {f"{prefix}data/{key}": bytes(data) for key, data in (storage_bytes or {}).items()}
-    for member, data in replaced.items():
-        if member not in names or names[member].file_size != len(data):
-            raise UnsupportedCheckpoint(
-                f"new bytes for {member} ({len(data)} bytes) do not replace a storage of the same size",
-                path=src_path,
-                hint="only the values of existing storages can be replaced",
-            )
+    _check_storages(storages, names, prefix, src_path)
+    replaced = _replaced_members(storage_bytes, names, prefix, src_path)
     if prune:
         used = {f"{prefix}data/{key}" for key in storages}
         infos = [i for i in infos if not i.filename.startswith(f"{prefix}data/") or i.filename in used]
-    total = sum(i.file_size for i in infos if i.filename != pkl_name) + len(pickle_bytes)
-    done = 0
-    with open(src_path, "rb") as src, open(dst_path, "wb") as dst:
-        src_map = mmap.mmap(src.fileno(), 0, access=mmap.ACCESS_READ)
-        try:
-            out = ZipWriter(dst.fileno(), alignment)
-
-            def copied(info: zipfile.ZipInfo) -> Callable[[int, int], int]:
-                def write(fd: int, data_at: int) -> int:  # byte for byte, so the central directory's CRC holds
-                    copy_range(src.fileno(), fd, _data_offset(src_map, info, src_path), data_at, info.file_size)
-                    return info.CRC
-
-                return write
-
-            for info in infos:
-                data = pickle_bytes if info.filename == pkl_name else replaced.get(info.filename)
-                if data is not None:
-                    out.add(info.filename, data)
-                    size = len(data)
-                else:
-                    size = info.file_size
-                    out.add_written(info.filename, size, copied(info))
-                done += size
-                if progress is not None:
-                    progress(done, total)
-            out.finish()
-            os.fsync(dst.fileno())
-        finally:
-            src_map.close()
+    _write_members(src_path, dst_path, infos, {**replaced, pkl_name: pickle_bytes}, alignment, progress)
 
 
 class ZipWriter:

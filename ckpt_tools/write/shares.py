@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 from ..errors import CkptError
 from ..read import gate
+from .io import put_in_place
 
 JOURNAL = ".journal"
 
@@ -70,6 +71,7 @@ def balanced_shares(sizes: list[int], world: int) -> list[list[int]]:
 
 
 def _store_client():
+    # lazy: torch.distributed only in a torchrun job; write/ stays torch-free at import
     import torch.distributed as dist
 
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -427,6 +429,158 @@ def _share(units: list[Unit], indices: list[int], job) -> list[int]:
     return [indices[k] for k in balanced_shares([units[i].nbytes for i in indices], job.world)[job.rank]]
 
 
+def _stage(job, out: Path, staging: Path, digest: str, restart: bool, empty_out_ok: bool, targets) -> None:
+    """Step 1: rank 0 prepares the staging folder; every rank hears whether it could (an error on every rank
+    otherwise)."""
+    err = None
+    if job.rank == 0:
+        try:
+            prepare_staging(out, staging, digest, restart, empty_out_ok=empty_out_ok, targets=targets)
+        except (CkptError, OSError) as e:
+            err = e
+    said = job.exchange(
+        "staged", "" if err is None else (err.one_line() if isinstance(err, CkptError) else f"{staging}: {err}")
+    )[0]
+    if said:
+        raise err or CkptError(f"rank 0 could not start: {said}")
+
+
+def _convert_shares(
+    job, staging: Path, units: list[Unit], convert, progress, trust_pickles: bool, start: float
+) -> tuple[dict, tuple[dict, ...]]:
+    """Steps 2-3: check this rank's share of the units the journal names as finished, then convert its share
+    of the others; every rank reports its figures and whether it failed. Returns (this rank's figures, every
+    rank's); raises on every rank when any failed."""
+
+    def counted(n: int) -> None:
+        job.done += n
+        if progress is not None:
+            progress(n)
+
+    journal = Journal(staging, job.rank, trust_pickles=trust_pickles)
+    n, line, failure, todo, resumed = 0, "", None, [], []
+    try:
+        every = list(range(len(units)))
+        resumed = [
+            i
+            for i in _share(units, [i for i in every if units[i].rel in journal.done], job)
+            if journal.finished(units[i].rel)
+        ]
+        finished = {i for part in job.exchange("checked", resumed) for i in part}
+        todo = _share(units, [i for i in every if i not in finished], job)
+        if resumed:
+            counted(sum(units[i].nbytes for i in resumed))
+        n = convert(todo, journal, counted)
+    except CkptError as e:
+        failure, line = e, f"{job.who(job.rank)}: {e.one_line()}"
+    except (OSError, ValueError, RuntimeError) as e:
+        failure = CkptError(f"{job.who(job.rank)}: {e}", path=staging)
+        line = failure.one_line()
+    finally:
+        journal.close()
+    fig = {
+        "rank": job.rank,
+        "host": job.hosts[job.rank],
+        "params": len(todo),
+        "resumed": len(resumed),
+        "bytes": n,
+        "seconds": round(time.monotonic() - start, 3),
+        "fsynced_files": journal.fsynced,  # its own share: fsynced and scanned before it reported success
+        "scanned_files": journal.scanned,
+    }
+    reports = job.exchange("converted", (line, fig))
+    figs = tuple(f for _, f in reports)
+    bad = [line for line, _ in reports if line]
+    if bad:
+        raise failure or CkptError(
+            f"{len(bad)} rank(s) failed, nothing was put in place: {bad[0]}",
+            hint="fix the cause, then rerun the same command to resume",
+        )
+    return fig, figs
+
+
+def _finish(job, staging: Path, finish) -> tuple[set[str], set[str]]:
+    """Step 4: rank 0 writes the common files (`finish`); a failure there is an error on every rank (and removes
+    the staging folder, unless it was an interruption). Returns what the journals say was already fsynced and
+    scanned (rank 0; empty sets elsewhere)."""
+    failure, said, settled = None, "", (set(), set())
+    if job.rank == 0:
+        try:
+            done = Journal(staging, 0)
+            done.close()
+            settled = done.settled()
+            finish(staging, done)
+        except BaseException as e:
+            failure, said = e, (e.one_line() if isinstance(e, CkptError) else repr(e))
+    said = job.exchange("finished", said)[0]
+    if said:
+        if not isinstance(failure, BaseException) or isinstance(failure, Exception):  # an interruption keeps it
+            _discard(job, staging)
+        raise failure or CkptError(f"rank 0 could not finish: {said}")
+    return settled
+
+
+def _verify_shares(job, out: Path, staging: Path, units: list[Unit], verify, figs: tuple[dict, ...]) -> dict:
+    """Step 5: every rank compares its balanced share of the output with the source; what each compared goes
+    into every rank's figures. Any difference removes the staging folder and is an error naming the ranks that
+    found one. Returns this rank's figures."""
+    share = _share(units, list(range(len(units))), job)
+    compared = ([units[i].label for i in share], sum(units[i].nbytes for i in share))
+    try:
+        problems = verify(staging, share, job.rank == 0)
+        if isinstance(problems, tuple):  # (problems, what it compared instead of its share of the units)
+            problems, *rest = problems
+            compared = tuple(rest)
+    except (CkptError, OSError, ValueError, RuntimeError) as e:
+        problems = [e.one_line() if isinstance(e, CkptError) else str(e)]
+    verdicts = job.exchange("verified", (problems, *compared))
+    for f, (_, names, nbytes) in zip(figs, verdicts):  # what each rank compared with the source
+        f["verified"], f["verified_bytes"] = names, nbytes
+    problems = [x for part, _, _ in verdicts for x in part]
+    if problems:
+        _discard(job, staging)
+        found = ", ".join(job.who(r) for r, (part, _, _) in enumerate(verdicts) if part)
+        raise CkptError(
+            f"verification by {found}: the output differs from the source in {len(problems)} places: "
+            + "; ".join(problems[:5])
+            + ("; ..." if len(problems) > 5 else ""),
+            path=out,
+            hint="nothing was put in place; please report this with `ckpt diff` of the two",
+        )
+    return figs[job.rank]
+
+
+def _place(
+    job, out: Path, staging: Path, settled, place, trust_pickles: bool, fig: dict, figs: tuple[dict, ...]
+) -> None:
+    """Step 6: rank 0 puts the folder in place (`put_in_place`, counting what it fsynced and scanned into its
+    figures, or `place(staging)`); a failure removes the staging folder (an interruption keeps it) and is an
+    error on every rank."""
+    failure, said = None, ""
+    if job.rank == 0:
+        try:
+            try:
+                shutil.rmtree(staging / JOURNAL)
+                if place is None:
+                    synced, scanned = settled
+                    counts = put_in_place(
+                        staging, Path(out).resolve(), trust_pickles=trust_pickles, synced=synced, scanned=scanned
+                    )
+                    for f in {id(d): d for d in (fig, figs[0])}.values():  # rank 0: what it did at the end
+                        f["fsynced_files"] += counts["fsynced_files"]
+                        f["scanned_files"] += counts["scanned_files"]
+                else:
+                    place(staging)
+            except Exception:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+        except BaseException as e:
+            failure, said = e, (e.one_line() if isinstance(e, CkptError) else repr(e))
+    said = job.exchange("placed", said)[0]
+    if said:
+        raise failure or CkptError(f"rank 0 could not finish: {said}")
+
+
 def run_job(
     job,
     out: Path,
@@ -470,130 +624,17 @@ def run_job(
     `RankLost` in bounded time. Returns (this rank's figures, every rank's): {rank, host, params (units
     converted), resumed, bytes, seconds, fsynced_files, scanned_files (rank 0: with those it put in place)},
     with `verify` also `verified` (the `Unit.label`s of the units the rank compared) and `verified_bytes`."""
-    from .io import put_in_place
-
     start = time.monotonic()
     staging = job_staging(out)
     try:
-        err = None
-        if job.rank == 0:
-            try:
-                prepare_staging(out, staging, digest, restart, empty_out_ok=empty_out_ok, targets=targets)
-            except (CkptError, OSError) as e:
-                err = e
-        said = job.exchange(
-            "staged", "" if err is None else (err.one_line() if isinstance(err, CkptError) else f"{staging}: {err}")
-        )[0]
-        if said:
-            raise err or CkptError(f"rank 0 could not start: {said}")
+        _stage(job, out, staging, digest, restart, empty_out_ok, targets)
         if progress is not None and job.rank == 0:
             job.on_others = progress  # rank 0's bar counts every rank's bytes
-
-        def counted(n: int) -> None:
-            job.done += n
-            if progress is not None:
-                progress(n)
-
-        journal = Journal(staging, job.rank, trust_pickles=trust_pickles)
-        n, line, failure, todo, resumed = 0, "", None, [], []
-        try:
-            every = list(range(len(units)))
-            resumed = [
-                i
-                for i in _share(units, [i for i in every if units[i].rel in journal.done], job)
-                if journal.finished(units[i].rel)
-            ]
-            finished = {i for part in job.exchange("checked", resumed) for i in part}
-            todo = _share(units, [i for i in every if i not in finished], job)
-            if resumed:
-                counted(sum(units[i].nbytes for i in resumed))
-            n = convert(todo, journal, counted)
-        except CkptError as e:
-            failure, line = e, f"{job.who(job.rank)}: {e.one_line()}"
-        except (OSError, ValueError, RuntimeError) as e:
-            failure = CkptError(f"{job.who(job.rank)}: {e}", path=staging)
-            line = failure.one_line()
-        finally:
-            journal.close()
-        fig = {
-            "rank": job.rank,
-            "host": job.hosts[job.rank],
-            "params": len(todo),
-            "resumed": len(resumed),
-            "bytes": n,
-            "seconds": round(time.monotonic() - start, 3),
-            "fsynced_files": journal.fsynced,  # its own share: fsynced and scanned before it reported success
-            "scanned_files": journal.scanned,
-        }
-        reports = job.exchange("converted", (line, fig))
-        figs = tuple(f for _, f in reports)
-        bad = [line for line, _ in reports if line]
-        if bad:
-            raise failure or CkptError(
-                f"{len(bad)} rank(s) failed, nothing was put in place: {bad[0]}",
-                hint="fix the cause, then rerun the same command to resume",
-            )
-        failure, said, settled = None, "", (set(), set())
-        if job.rank == 0:
-            try:
-                done = Journal(staging, 0)
-                done.close()
-                settled = done.settled()
-                finish(staging, done)
-            except BaseException as e:
-                failure, said = e, (e.one_line() if isinstance(e, CkptError) else repr(e))
-        said = job.exchange("finished", said)[0]
-        if said:
-            if not isinstance(failure, BaseException) or isinstance(failure, Exception):  # an interruption keeps it
-                _discard(job, staging)
-            raise failure or CkptError(f"rank 0 could not finish: {said}")
+        fig, figs = _convert_shares(job, staging, units, convert, progress, trust_pickles, start)
+        settled = _finish(job, staging, finish)
         if verify is not None:
-            share = _share(units, list(range(len(units))), job)
-            compared = ([units[i].label for i in share], sum(units[i].nbytes for i in share))
-            try:
-                problems = verify(staging, share, job.rank == 0)
-                if isinstance(problems, tuple):  # (problems, what it compared instead of its share of the units)
-                    problems, *rest = problems
-                    compared = tuple(rest)
-            except (CkptError, OSError, ValueError, RuntimeError) as e:
-                problems = [e.one_line() if isinstance(e, CkptError) else str(e)]
-            verdicts = job.exchange("verified", (problems, *compared))
-            for f, (_, names, nbytes) in zip(figs, verdicts):  # what each rank compared with the source
-                f["verified"], f["verified_bytes"] = names, nbytes
-            fig = figs[job.rank]
-            problems = [x for part, _, _ in verdicts for x in part]
-            if problems:
-                _discard(job, staging)
-                found = ", ".join(job.who(r) for r, (part, _, _) in enumerate(verdicts) if part)
-                raise CkptError(
-                    f"verification by {found}: the output differs from the source in {len(problems)} places: "
-                    + "; ".join(problems[:5])
-                    + ("; ..." if len(problems) > 5 else ""),
-                    path=out,
-                    hint="nothing was put in place; please report this with `ckpt diff` of the two",
-                )
-        if job.rank == 0:
-            try:
-                try:
-                    shutil.rmtree(staging / JOURNAL)
-                    if place is None:
-                        synced, scanned = settled
-                        counts = put_in_place(
-                            staging, Path(out).resolve(), trust_pickles=trust_pickles, synced=synced, scanned=scanned
-                        )
-                        for f in {id(d): d for d in (fig, figs[0])}.values():  # rank 0: what it did at the end
-                            f["fsynced_files"] += counts["fsynced_files"]
-                            f["scanned_files"] += counts["scanned_files"]
-                    else:
-                        place(staging)
-                except Exception:
-                    shutil.rmtree(staging, ignore_errors=True)
-                    raise
-            except BaseException as e:
-                failure, said = e, (e.one_line() if isinstance(e, CkptError) else repr(e))
-        said = job.exchange("placed", said)[0]
-        if said:
-            raise failure or CkptError(f"rank 0 could not finish: {said}")
+            fig = _verify_shares(job, out, staging, units, verify, figs)
+        _place(job, out, staging, settled, place, trust_pickles, fig, figs)
     finally:
         job.close()
     return fig, figs

@@ -23,18 +23,21 @@ kernel copy, and memory stays at that buffer whatever the tensor's size.
 
 from __future__ import annotations
 
+import ctypes
+import io as _io
 import os
+import pickle
 import threading
 import zipfile
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence, Union
 
-from ..read import remote
 from ..errors import CkptError, CorruptCheckpoint
-from .io import copy_range
-from ..read.pickle_reader import StorageRef
+from ..read import remote
+from ..read.pickle_reader import StorageRef, TensorRef
 from ..read.tensor_read import FileRange
+from .io import copy_range
 from .pickle_writer import ZipWriter, _pickle_tree, _pwrite_all
 
 FORMAT_VERSION = b"1"
@@ -94,8 +97,6 @@ def start_writeback(fd: int) -> None:
     global _sync_file_range
     if _sync_file_range is None:
         try:
-            import ctypes
-
             f = ctypes.CDLL(None, use_errno=True).sync_file_range
             f.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
             _sync_file_range = f
@@ -222,8 +223,6 @@ def own_storage(t: Any) -> Any:
 def tensor_record(dtype: str, shape: Sequence[int], key: str = "0"):
     """A `TensorRef` for a new contiguous tensor of its own storage `key` (offset 0, not requiring grad):
     pickled, it is what torch.save writes for a plain CPU tensor."""
-    from ..read.pickle_reader import TensorRef
-
     shape = tuple(int(d) for d in shape)
     stride, acc = [], 1
     for d in reversed(shape):
@@ -258,11 +257,8 @@ def plan_save(skeleton: Any, path: str | os.PathLike) -> SaveLayout:
     dtypes and shapes, each tensor contiguous with a storage of its own (`torch.empty`: its pages are never
     touched). torch's own `_save` pickles it under `skip_data` into a recorder (no storage byte is read), and
     torch's own writer hashes the record names; the offsets are those `ZipWriter` lays out, torch's layout."""
-    import io as _io
-    import pickle
-
-    import torch
-    import torch.serialization as S
+    import torch  # lazy: torch only when a tensor is saved; write/ stays torch-free at import
+    import torch.serialization as S  # lazy: torch only when a tensor is saved; write/ stays torch-free at import
 
     if not hasattr(S, "skip_data"):
         raise CkptError(

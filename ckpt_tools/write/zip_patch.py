@@ -37,6 +37,7 @@ from typing import Iterable, Iterator
 
 from ..errors import CorruptCheckpoint, UnsupportedCheckpoint
 from .io import ByteEdit, InPlace, copy_file
+from .pickle_writer import _central_entry, _data_descriptor, _end_records, _local_header, _pickle_member
 
 _LOCAL_SIG = b"PK\x03\x04"
 _CENTRAL_SIG = b"PK\x01\x02"
@@ -242,8 +243,6 @@ def plan_in_place(path: str | os.PathLike, patches: Iterable[Patch] = (), pickle
     docstring). Reads only the central directory, the patched ranges and a few header bytes. Raises
     (CorruptCheckpoint / UnsupportedCheckpoint) before anything is written when a patch names a missing or
     compressed member or runs past a member's end, or the file is not a torch zip."""
-    from .pickle_writer import _central_entry, _data_descriptor, _end_records, _local_header, _pickle_member
-
     path = Path(path)
     by_member: dict[str, list[Patch]] = {}
     for p in patches:
