@@ -426,13 +426,7 @@ def plan_set_lr(
     several: Accelerate's optimizer_1.bin, Lightning's list). Every file of every rank that holds these fields
     is rewritten; a request that finds no field to change is an error, never a silent success.
     """
-    if scale is not None and lr is not None:
-        raise CkptError("--scale and --lr both set the trajectory: give one")
-    for name, v in (("--scale", scale), ("--lr", lr), ("--last-lr", last_lr)):
-        if v is not None and not (math.isfinite(v) and v > 0):
-            raise CkptError(f"{name} {v}: must be a positive finite number")
-    if all(v is None for v in (scale, lr, last_lr, last_epoch, step_count)):
-        raise CkptError("nothing to change: give --scale, --lr, --last-lr, --last-epoch or --step-count")
+    _check_lr_request(scale, lr, last_lr, last_epoch, step_count)
     ck = guard(ck, ck.path, "set-lr", allow_unread=allow_unread, trust_pickles=trust_pickles)
     root, files, world = _collect(ck)
     notes: list[str] = left_behind(ck)
@@ -442,26 +436,7 @@ def plan_set_lr(
     for idx in picked:
         kind, cfg = _kind(files, idx, bool(ck.details.get("scheduler_rebuilt")))
         kinds[idx] = kind
-        n, flat = _n_groups(files, idx)
-        if flat and group is not None:
-            raise CkptError(
-                f"--group {group}: optimizer {idx}'s state is flattened per parameter "
-                "(flatten_optimizer_state_dict=True) and keeps no group numbers; use --scale for all "
-                "groups"
-            )
-        sel = _select(n, group)
-        factors = [1.0] * n
-        if scale is not None:
-            factors = [scale if g in sel else 1.0 for g in range(n)]
-        elif lr is not None:
-            base = _base_lrs(files, kind, cfg, n, idx)
-            factors = [lr / base[g] if g in sel else 1.0 for g in range(n)]
-        if flat and len(set(factors)) > 1:
-            raise CkptError(
-                f"--lr gives the groups of optimizer {idx} different factors "
-                f"({', '.join(f'{x:.6g}' for x in factors)}), but its state is flattened per parameter: "
-                "use --scale"
-            )
+        sel, factors, flat = _factors(files, idx, kind, cfg, scale, lr, group)
         idx_change = config_change(cfg, factors) if kind == DEEPSPEED and any(f != 1.0 for f in factors) else None
         change = change or idx_change
         job_lrs, job_flags = (
@@ -472,41 +447,8 @@ def plan_set_lr(
         relaunch = _megatron_relaunch(files, idx, factors) if kind == MEGATRON else ""
         _apply_lr(files, idx, kind, factors, sel, flat, last_lr, last_epoch, step_count, idx_change)
         who = f"optimizer {idx}: " if len(picked) > 1 or idx else ""
-        notes.append(f"{who}scheduler: {SCHEDULER_LABEL[kind]}; the LR after resume comes from {DRIVER[kind]}")
-        if lr is not None:
-            notes.append(
-                f"{who}--lr {lr:g}: base LR set; factor per group {', '.join(f'{x:.6g}' for x in factors)} "
-                "applied to every LR field"
-            )
-        if last_lr is not None:
-            notes.append(
-                f"{who}--last-lr {last_lr:g}: the LR in effect now (_last_lr and the optimizer lr)"
-                + ("; the trajectory is unchanged from the next scheduler.step()" if kind == CLOSED_FORM else "")
-            )
-        if kind == DEEPSPEED:
-            if idx_change:
-                notes.append(
-                    "DeepSpeed's scheduler takes its LRs from the LAUNCH config: editing the checkpoint "
-                    "cannot change the trajectory. Apply this change to the ds_config you launch with: "
-                    + _json(idx_change)
-                )
-            elif scale is not None or lr is not None:
-                notes.append(
-                    "DeepSpeed's scheduler takes its LRs from the launch config, and the saved ds_config "
-                    "names no LR to change: set the scheduler's LRs in your launch config"
-                )
-        if flat:
-            notes.append(
-                f"{who}param groups saved per parameter (flatten_optimizer_state_dict): every parameter's "
-                "lr / initial_lr edited"
-            )
-        if kind == MEGATRON and relaunch and (scale is not None or lr is not None):
-            notes.append(relaunch)
-        if kind == JOB_CONFIG and (scale is not None or lr is not None):
-            notes.append(
-                "SET THE LR IN YOUR JOB CONFIG TOO: torchtitan rebuilds the schedule from the job config on "
-                "resume, so this edit alone changes only the first resumed update. " + job_lrs
-            )
+        retrajectory = scale is not None or lr is not None
+        notes += _optimizer_notes(who, kind, factors, flat, lr, last_lr, idx_change, retrajectory, relaunch, job_lrs)
     if scale is not None:
         notes.append(
             f"--scale {scale:g}: every LR field scaled alike" + (f" (param group {group})" if group is not None else "")
@@ -516,6 +458,105 @@ def plan_set_lr(
             f"Accelerate steps the scheduler {world}x per optimizer step: last_epoch should be {world} x optimizer step"
         )
     return _finish(ck, root, files, "set-lr", notes, kinds, change, world)
+
+
+def _check_lr_request(
+    scale: float | None, lr: float | None, last_lr: float | None, last_epoch: int | None, step_count: int | None
+) -> None:
+    """Refuse a set-lr request that gives two trajectories, a non-positive LR, or nothing to change."""
+    if scale is not None and lr is not None:
+        raise CkptError("--scale and --lr both set the trajectory: give one")
+    for name, v in (("--scale", scale), ("--lr", lr), ("--last-lr", last_lr)):
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise CkptError(f"{name} {v}: must be a positive finite number")
+    if all(v is None for v in (scale, lr, last_lr, last_epoch, step_count)):
+        raise CkptError("nothing to change: give --scale, --lr, --last-lr, --last-epoch or --step-count")
+
+
+def _factors(
+    files: list[_File],
+    idx: int,
+    kind: str,
+    cfg: dict | None,
+    scale: float | None,
+    lr: float | None,
+    group: int | None,
+) -> tuple[list[int], list[float], bool]:
+    """(the param groups edited, the factor per group, whether the state is flattened per parameter) for
+    optimizer `idx`: `scale` for the selected groups, or `lr` / the group's base LR; 1.0 elsewhere."""
+    n, flat = _n_groups(files, idx)
+    if flat and group is not None:
+        raise CkptError(
+            f"--group {group}: optimizer {idx}'s state is flattened per parameter "
+            "(flatten_optimizer_state_dict=True) and keeps no group numbers; use --scale for all "
+            "groups"
+        )
+    sel = _select(n, group)
+    factors = [1.0] * n
+    if scale is not None:
+        factors = [scale if g in sel else 1.0 for g in range(n)]
+    elif lr is not None:
+        base = _base_lrs(files, kind, cfg, n, idx)
+        factors = [lr / base[g] if g in sel else 1.0 for g in range(n)]
+    if flat and len(set(factors)) > 1:
+        raise CkptError(
+            f"--lr gives the groups of optimizer {idx} different factors "
+            f"({', '.join(f'{x:.6g}' for x in factors)}), but its state is flattened per parameter: "
+            "use --scale"
+        )
+    return sel, factors, flat
+
+
+def _optimizer_notes(
+    who: str,
+    kind: str,
+    factors: list[float],
+    flat: bool,
+    lr: float | None,
+    last_lr: float | None,
+    idx_change: dict | None,
+    retrajectory: bool,
+    relaunch: str,
+    job_lrs: str,
+) -> list[str]:
+    """What the plan says about one optimizer's edit: which field drives its LR after resume, and what else the
+    relaunch needs (DeepSpeed's launch config, Megatron's command line, torchtitan's job config).
+    `retrajectory`: the request changes the trajectory (--scale or --lr)."""
+    notes = [f"{who}scheduler: {SCHEDULER_LABEL[kind]}; the LR after resume comes from {DRIVER[kind]}"]
+    if lr is not None:
+        notes.append(
+            f"{who}--lr {lr:g}: base LR set; factor per group {', '.join(f'{x:.6g}' for x in factors)} "
+            "applied to every LR field"
+        )
+    if last_lr is not None:
+        notes.append(
+            f"{who}--last-lr {last_lr:g}: the LR in effect now (_last_lr and the optimizer lr)"
+            + ("; the trajectory is unchanged from the next scheduler.step()" if kind == CLOSED_FORM else "")
+        )
+    if kind == DEEPSPEED:
+        if idx_change:
+            notes.append(
+                "DeepSpeed's scheduler takes its LRs from the LAUNCH config: editing the checkpoint "
+                "cannot change the trajectory. Apply this change to the ds_config you launch with: " + _json(idx_change)
+            )
+        elif retrajectory:
+            notes.append(
+                "DeepSpeed's scheduler takes its LRs from the launch config, and the saved ds_config "
+                "names no LR to change: set the scheduler's LRs in your launch config"
+            )
+    if flat:
+        notes.append(
+            f"{who}param groups saved per parameter (flatten_optimizer_state_dict): every parameter's "
+            "lr / initial_lr edited"
+        )
+    if kind == MEGATRON and relaunch and retrajectory:
+        notes.append(relaunch)
+    if kind == JOB_CONFIG and retrajectory:
+        notes.append(
+            "SET THE LR IN YOUR JOB CONFIG TOO: torchtitan rebuilds the schedule from the job config on "
+            "resume, so this edit alone changes only the first resumed update. " + job_lrs
+        )
+    return notes
 
 
 def _job_config_lrs(files: list[_File], idx: int, factor: float) -> tuple[str, dict[str, float]]:
@@ -656,52 +697,75 @@ def plan_set_step(
     root, files, world = _collect(ck)
     picked = _pick(files, optimizer)
     kinds = {idx: _kind(files, idx, bool(ck.details.get("scheduler_rebuilt")))[0] for idx in picked}
-    any_ds = DEEPSPEED in kinds.values()
+    updates = None
     if step is not None:
         skipped = ck.counters.skipped_steps or 0
         updates = step - skipped
         optimizer_step = updates if optimizer_step is None else optimizer_step
         global_step = step if global_step is None else global_step
     for f in files:
-        for path, s, idx in f.found.schedulers:
-            if idx not in kinds:
-                continue
-            le, sc = last_epoch, step_count
-            if step is not None and le is None:
-                le = updates - 1 if kinds[idx] == DEEPSPEED else world * updates
-            if step is not None and sc is None and kinds[idx] != DEEPSPEED:
-                sc = le + 1
-            _set_position(f, path, s, kinds[idx], le, sc)
+        _set_scheduler_positions(f, kinds, updates, last_epoch, step_count, world)
         if optimizer_step is not None:
-            for path, osd, idx in f.found.optimizers:
-                if idx not in kinds:
-                    continue
-                state = osd.get("state")
-                for pid, entry in state.items() if isinstance(state, dict) else ():
-                    if isinstance(entry, dict) and "step" in entry:
-                        _set_step(f, entry, path + ("state", pid), optimizer_step)
-                    elif pid == "common_step" and isinstance(entry, TensorRef) and entry.numel == 1:
-                        # Megatron's torch_dist common.pt: one 0-d step per optimizer (each inner one of a
-                        # ChainedOptimizer), restored into every parameter's `step` at load
-                        _set_step(f, state, path + ("state",), optimizer_step, key="common_step")
-            for path, groups, idx in _groups(f):
-                for g, pg in groups:
-                    if idx in kinds and as_int(pg.get("step")) is not None:  # FusedAdam/CPUAdam keep it here
-                        f.set(pg, path + (g,), "step", type(pg["step"])(optimizer_step), "Adam step (bias correction)")
+            _set_optimizer_steps(f, kinds, optimizer_step)
         if global_step is not None:
-            tbs = as_int(((f.found.ds_config or ((), {}))[1]).get("train_batch_size"))
-            old_steps = next((o.get(k) for _, o, k in f.found.counters if k == "global_steps"), None)
-            for path, owner, key in f.found.counters:
-                if key == "global_samples":
-                    if tbs and old_steps is not None and owner[key] == old_steps * tbs:
-                        f.set(owner, path, key, global_step * tbs, "samples seen (global_steps x train_batch_size)")
-                    continue
-                if isinstance(owner[key], TensorRef):
-                    f.set_tensor_value(owner, path, key, global_step, "training-loop step counter")
-                else:
-                    f.set(owner, path, key, global_step, "training-loop step counter")
-    units = _megatron_position(files, kinds, last_epoch, updates if step is not None else None, ck.counters.global_step)
+            _set_loop_counters(f, global_step)
+    units = _megatron_position(files, kinds, last_epoch, updates, ck.counters.global_step)
     check_steps_shared(files)
+    notes = _step_notes(kinds, units, optimizer_step, world)
+    return _finish(ck, root, files, "set-step", left_behind(ck) + notes, kinds, None, world)
+
+
+def _set_scheduler_positions(
+    f: _File, kinds: dict[int, str], updates: int | None, last_epoch: int | None, step_count: int | None, world: int
+) -> None:
+    """Each picked scheduler's position in `f`: as given, or (`updates`: --step N) N updates' worth."""
+    for path, s, idx in f.found.schedulers:
+        if idx not in kinds:
+            continue
+        le, sc = last_epoch, step_count
+        if updates is not None and le is None:
+            le = updates - 1 if kinds[idx] == DEEPSPEED else world * updates
+        if updates is not None and sc is None and kinds[idx] != DEEPSPEED:
+            sc = le + 1
+        _set_position(f, path, s, kinds[idx], le, sc)
+
+
+def _set_optimizer_steps(f: _File, kinds: dict[int, str], optimizer_step: int) -> None:
+    """Adam's `step` of each picked optimizer in `f`: every state entry, Megatron's common_step, a group's step."""
+    for path, osd, idx in f.found.optimizers:
+        if idx not in kinds:
+            continue
+        state = osd.get("state")
+        for pid, entry in state.items() if isinstance(state, dict) else ():
+            if isinstance(entry, dict) and "step" in entry:
+                _set_step(f, entry, path + ("state", pid), optimizer_step)
+            elif pid == "common_step" and isinstance(entry, TensorRef) and entry.numel == 1:
+                # Megatron's torch_dist common.pt: one 0-d step per optimizer (each inner one of a
+                # ChainedOptimizer), restored into every parameter's `step` at load
+                _set_step(f, state, path + ("state",), optimizer_step, key="common_step")
+    for path, groups, idx in _groups(f):
+        for g, pg in groups:
+            if idx in kinds and as_int(pg.get("step")) is not None:  # FusedAdam/CPUAdam keep it here
+                f.set(pg, path + (g,), "step", type(pg["step"])(optimizer_step), "Adam step (bias correction)")
+
+
+def _set_loop_counters(f: _File, global_step: int) -> None:
+    """The training loop's step counters in `f` (DeepSpeed's global_samples too, when it was steps x batch)."""
+    tbs = as_int(((f.found.ds_config or ((), {}))[1]).get("train_batch_size"))
+    old_steps = next((o.get(k) for _, o, k in f.found.counters if k == "global_steps"), None)
+    for path, owner, key in f.found.counters:
+        if key == "global_samples":
+            if tbs and old_steps is not None and owner[key] == old_steps * tbs:
+                f.set(owner, path, key, global_step * tbs, "samples seen (global_steps x train_batch_size)")
+            continue
+        if isinstance(owner[key], TensorRef):
+            f.set_tensor_value(owner, path, key, global_step, "training-loop step counter")
+        else:
+            f.set(owner, path, key, global_step, "training-loop step counter")
+
+
+def _step_notes(kinds: dict[int, str], units: str, optimizer_step: int | None, world: int) -> list[str]:
+    """What the set-step plan says: each optimizer's LR driver, Megatron's units, Adam's step, the world size."""
     notes = [
         f"{f'optimizer {i}: ' if len(kinds) > 1 else ''}scheduler: {SCHEDULER_LABEL[k]}; the LR after resume "
         f"comes from {DRIVER[k]}"
@@ -711,12 +775,12 @@ def plan_set_step(
         notes.append(units)
     if optimizer_step is not None:
         notes.append(f"Adam step -> {optimizer_step} in every rank and param group: bias correction resumes from it")
-    if world > 1 and not any_ds:
+    if world > 1 and DEEPSPEED not in kinds.values():
         notes.append(
             f"{world} processes step the scheduler once each per optimizer step, so last_epoch "
             f"= {world} x optimizer step"
         )
-    return _finish(ck, root, files, "set-step", left_behind(ck) + notes, kinds, None, world)
+    return notes
 
 
 def _megatron_position(
