@@ -15,19 +15,18 @@ no checkpoint edit can change the trajectory: the plan carries the exact launch-
 from the `ds_config` saved in the checkpoint (which is updated too, as the record of the run), and still
 edits the optimizer `lr` so the first resumed update is right.
 
-Every edit of a torch zip file is made IN PLACE, in O(changed bytes) (`_in_place` -> `zip_patch.plan_in_place`):
-the inert tree the safe reader produced is edited and re-pickled by `pickle_writer`, and the new pickle becomes a
-new data.pkl member appended after the file's last member, with a new central directory (the old pickle stays as
-dead bytes; a 2 GB ZeRO optimizer file gets a few KB written, is never materialised, deepspeed is never
-imported). A new Adam `step` value is new bytes for its 0-d storage (`storage_bytes=`), overwritten in place with
-the member's CRC-32 updated from those bytes alone; when only such tensor values change, the pickle is left as it
-is. `io.execute` journals the original bytes first, and falls back to the whole-file rewrite
-(`pickle_writer.rewrite_torch_zip`, every tensor member copied byte for byte) where in place is refused (hard
-links, read-only files, `--copy`). Plain pickles and legacy (pre-1.6) torch files are refused: re-save once in
-zip format. DCP folders (FSDP2 / torchtitan) are one more target: the same state dict is assembled from
-their items (`dcp_write.DcpFolder.state_tree`), edited by the same code, and each changed item becomes a new
-blob appended to its `.distcp` file in place, with `.metadata` (the new offsets) replaced whole in the same
-WritePlan.
+Every edit of a torch zip file is made IN PLACE, in O(changed bytes) (`lr_files._in_place` ->
+`zip_patch.plan_in_place`): the inert tree the safe reader produced is edited and re-pickled by `pickle_writer`, and
+the new pickle becomes a new data.pkl member appended after the file's last member, with a new central directory
+(the old pickle stays as dead bytes; a 2 GB ZeRO optimizer file gets a few KB written, is never materialised,
+deepspeed is never imported). A new Adam `step` value is new bytes for its 0-d storage (`storage_bytes=`),
+overwritten in place with the member's CRC-32 updated from those bytes alone; when only such tensor values change,
+the pickle is left as it is. `io.execute` journals the original bytes first, and falls back to the whole-file
+rewrite (`pickle_writer.rewrite_torch_zip`, every tensor member copied byte for byte) where in place is refused
+(hard links, read-only files, `--copy`). Plain pickles and legacy (pre-1.6) torch files are refused: re-save once in
+zip format. DCP folders (FSDP2 / torchtitan) are one more target: the same state dict is assembled from their items
+(`dcp_write.DcpFolder.state_tree`), edited by the same code, and each changed item becomes a new blob appended to
+its `.distcp` file in place, with `.metadata` (the new offsets) replaced whole in the same WritePlan.
 HF Trainer's trainer_state.json (the loop's global_step) is rewritten as JSON.
 
 Which files to edit comes from the checkpoint's format module (`formats.training_state` -> `state.StateMap`);
