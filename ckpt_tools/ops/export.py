@@ -26,19 +26,33 @@ files, and puts the files in place. An interrupted job is resumed by the same co
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 import math
 import os
 import re
 import shutil
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import CkptError, UnsupportedCheckpoint
+from ..formats import detect
 from ..read import gate
+from ..read.pickle_reader import FdCache
+from ..read.tensor_read import source_ranges
+from ..read.tp_layout import SOURCE_PRESET
+from ..read.tree import Checkpoint, TensorNode
+from ..view import logical as L
+from ..view.accounting import guard, unread_files
 from ..view.logical import LogicalTensor
+from ..view.logical import _plain
+from ..write import io, shares
+from ..write.io import copy_range
+from ..write.torch_zip import start_writeback
+from . import hf_map
 
 _ST_DTYPE = {
     "float32": "F32",
@@ -149,13 +163,12 @@ class ExportPlan:
         }
 
 
-def _open(src: Path, tp_layout: str | None, patterns: Sequence[str]):
-    from ..formats import detect
-    from ..formats import megatron_pipeline as M
-
+def _open(src: Path, patterns: Sequence[str]) -> Checkpoint:
+    """The source opened by its format's reader, given the user's TP patterns where that reader takes them (its
+    `open` has a `tp_patterns` parameter), so that the tree's merge rules are the ones --pattern asks for."""
     mod = detect(src)
-    if mod is M:
-        return M.open(src, tp_patterns=tuple(patterns))
+    if "tp_patterns" in inspect.signature(mod.open).parameters:
+        return mod.open(src, tp_patterns=tuple(patterns))
     return mod.open(src)
 
 
@@ -192,17 +205,54 @@ def plan_export(
     for explicitly by passing tied="keep"); `hf_config`: the model's Hugging Face config.json (or its folder) to
     copy instead of the checkpoint's, required for a torchtitan Llama (its names and q/k layout are mapped to
     Hugging Face's with the head counts it gives: `ops.hf_map`)."""
-    from ..view import logical as L
-
     if source_weights not in ("fp32", "module"):
         raise ValueError(f"--source {source_weights!r}: use fp32 or module")
     if dtype not in _DTYPE_ARG:
         raise ValueError(f"--dtype {dtype!r}: use fp32, bf16 or fp16")
     src = Path(source)
     out = Path(out)
-    from ..view.accounting import guard
+    ck = _open_checked(src, out, hf, tp_layout, patterns, allow_unread, trust_pickles)
+    if tied == "keep":
+        tied_mode = "all"
+    else:
+        tied_mode = "dedupe" if hf else tied
+    tensors, skipped = _tensors(ck, src, source_weights, include_frozen, tied_mode, include, exclude, model)
+    want = _DTYPE_ARG[dtype]
+    items = [
+        ExportTensor(
+            t.name,
+            t,
+            tuple(t.shape),
+            want if want and t.dtype in ("float32", "bfloat16", "float16", "float64") else t.dtype,
+        )
+        for t in tensors
+    ]
+    if hf_config is not None and not hf:
+        raise ValueError("--hf-config applies to --hf")
+    cfg_file = _hf_config_file(hf_config) if hf_config is not None else None
+    hf_cfg = None
+    if hf:
+        items, hf_cfg = _hf_names(items, cfg_file, src, ck)
+    groups = _shard_groups(items, max_shard_size)
+    files, index, copies = _output_files(ck, out, hf, len(groups), cfg_file, hf_cfg is not None)
+    weights_from = "fp32 master where saved" if source_weights == "fp32" else "module weights"
+    return ExportPlan(
+        src, out, weights_from, files, tuple(tuple(g) for g in groups), index, hf, copies, skipped, ck.format, hf_cfg
+    )
 
-    ck = guard(_open(src, tp_layout, patterns), src, "export", allow_unread=allow_unread, trust_pickles=trust_pickles)
+
+def _open_checked(
+    src: Path,
+    out: Path,
+    hf: bool,
+    tp_layout: str | None,
+    patterns: Sequence[str],
+    allow_unread: bool,
+    trust_pickles: bool,
+) -> Checkpoint:
+    """The source, opened whole (`accounting.guard`); refused when the output would be inside it (or, `hf`, hold
+    it), and when its TP merge rules would be a guess from parameter names alone."""
+    ck = guard(_open(src, patterns), src, "export", allow_unread=allow_unread, trust_pickles=trust_pickles)
     root = Path(ck.path)
     if root.is_dir() and (_inside(out, root) or _inside(out.parent, root) and not hf):
         raise CkptError(
@@ -212,23 +262,30 @@ def plan_export(
         )
     if hf and _inside(root, out):
         raise CkptError("the output folder would contain the checkpoint", path=out, hint="choose a new folder")
-    tp = ck.topology.tp or 1
-    if (
-        ck.format == "deepspeed_pipeline"
-        and tp > 1
-        and ck.details.get("tp_layout") != "universal_checkpoint_info"
-        and tp_layout != "megatron"
-        and not patterns
-    ):
+    # the tree's TP merge rules come from the Megatron naming preset alone (`read.tp_layout`'s source, which the
+    # format names in details["tp_layout"]): not recorded in the checkpoint, not asked for
+    guessed = ck.details.get("tp_layout") == SOURCE_PRESET
+    if (ck.topology.tp or 1) > 1 and guessed and tp_layout != "megatron" and not patterns:
         raise UnsupportedCheckpoint(
             "tensor-parallel checkpoint without universal_checkpoint_info",
             path=src,
             hint="pass --tp-layout megatron or --pattern REGEX=MERGE",
         )
-    if tied == "keep":
-        tied_mode = "all"
-    else:
-        tied_mode = "dedupe" if hf else tied
+    return ck
+
+
+def _tensors(
+    ck: Checkpoint,
+    src: Path,
+    source_weights: str,
+    include_frozen: bool,
+    tied_mode: str,
+    include: Sequence[str] | str | None,
+    exclude: Sequence[str] | str | None,
+    model: int,
+) -> tuple[list[LogicalTensor], dict[str, list[str]]]:
+    """(the logical tensors to export, the names left out by kind: tied, frozen, filtered, unread files); refused
+    when a tensor has no TP merge rule or a dtype safetensors does not hold, or none is left."""
     try:
         tensors = L.model_tensors(
             ck,
@@ -252,8 +309,6 @@ def plan_export(
     )  # the same call twice
     everything = tensors if unfiltered else L.model_tensors(ck, weights=source_weights, model=model)
     kept = {t.name for t in tensors}
-    from ..view.accounting import unread_files
-
     skipped = {"tied": [], "frozen": [], "filtered": [], "unread files (--allow-unread)": unread_files(ck)}
     for t in everything:
         if t.name in kept:
@@ -282,22 +337,11 @@ def plan_export(
             path=src,
             hint="check --include / --exclude" if everything else "this checkpoint holds no model weights",
         )
-    want = _DTYPE_ARG[dtype]
-    items = [
-        ExportTensor(
-            t.name,
-            t,
-            tuple(t.shape),
-            want if want and t.dtype in ("float32", "bfloat16", "float16", "float64") else t.dtype,
-        )
-        for t in tensors
-    ]
-    if hf_config is not None and not hf:
-        raise ValueError("--hf-config applies to --hf")
-    cfg_file = _hf_config_file(hf_config) if hf_config is not None else None
-    hf_cfg = None
-    if hf:
-        items, hf_cfg = _hf_names(items, cfg_file, src, ck)
+    return tensors, skipped
+
+
+def _shard_groups(items: list[ExportTensor], max_shard_size: int | None) -> list[list[ExportTensor]]:
+    """The tensors of each output file, in order: a new file once the next tensor would pass `max_shard_size`."""
     groups: list[list[ExportTensor]] = [[]]
     size = 0
     for t in items:
@@ -306,6 +350,14 @@ def plan_export(
             size = 0
         groups[-1].append(t)
         size += t.nbytes
+    return groups
+
+
+def _output_files(
+    ck: Checkpoint, out: Path, hf: bool, n_files: int, cfg_file: Path | None, own_config: bool
+) -> tuple[tuple[Path, ...], Path | None, tuple[Path, ...]]:
+    """(the safetensors files, the index when there are several, the config files copied beside them with `hf`;
+    `own_config`: config.json is written from the checkpoint, not copied)."""
     copies: tuple[Path, ...] = ()
     if hf:
         folder = out
@@ -317,17 +369,14 @@ def plan_export(
         folder = out.parent
         stem = out.name[: -len(".safetensors")] if out.name.endswith(".safetensors") else out.name
         single = out
-    if len(groups) == 1:
+    if n_files == 1:
         files, index = (single,), None
     else:
-        files = tuple(folder / f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups)))
+        files = tuple(folder / f"{stem}-{i + 1:05d}-of-{n_files:05d}.safetensors" for i in range(n_files))
         index = folder / f"{stem}.safetensors.index.json"
-    weights_from = "fp32 master where saved" if source_weights == "fp32" else "module weights"
-    if hf_cfg is not None:
+    if own_config:
         copies = tuple(c for c in copies if c.name != "config.json")
-    return ExportPlan(
-        src, out, weights_from, files, tuple(tuple(g) for g in groups), index, hf, copies, skipped, ck.format, hf_cfg
-    )
+    return files, index, copies
 
 
 def _hf_config_file(hf_config: str | os.PathLike) -> Path:
@@ -350,14 +399,8 @@ def _hf_names(
     config.json to write when the checkpoint itself describes the model: a torchtitan Llama's names and q/k layout
     mapped with the head counts of the config.json given; a Megatron GPT shaped like GPT-2 mapped, and its
     GPT2Config written, from the checkpoint's own `args`."""
-    from dataclasses import replace
-
-    from . import hf_map
-
     names = [t.name for t in items]
     if hf_map.is_megatron_gpt(names):
-        from ..view.logical import _plain
-
         args = _plain(ck.tree.children["args"]) if "args" in ck.tree.children else None
         if not isinstance(args, dict):
             raise CkptError(
@@ -423,9 +466,6 @@ def _write_file(path: Path, tensors: Sequence[ExportTensor], progress: Callable[
     (same dtype, its ZeRO pieces / file ranges in order: a fp32 master of any ZeRO stage, a torch or
     safetensors file's tensor) is copied file to file by the kernel (`io.copy_range`); the others are read,
     merged and converted in memory, one at a time."""
-    from ..write.torch_zip import start_writeback
-    from ..read.pickle_reader import FdCache
-
     fds = FdCache()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -447,8 +487,6 @@ def _write_file(path: Path, tensors: Sequence[ExportTensor], progress: Callable[
 def _write_tensor(fd: int, t: ExportTensor, at: int, fds, path: Path) -> int:
     """`t`'s output bytes into `fd` from offset `at` (copied by the kernel where they lie in the source as they are
     written, else read, merged and converted); returns the offset after them."""
-    from ..write.io import copy_range
-
     ranges = _ranges(t, fds)
     if ranges is not None:
         for r in ranges:
@@ -473,9 +511,6 @@ _WRITEBACK_EVERY = 64 << 20
 def _ranges(t: ExportTensor, fds):
     """The file ranges holding `t`'s output bytes as they are (`tensor_read.source_ranges`), or None when it
     must be read: another dtype, TP shards to merge, vocabulary padding to strip."""
-    from ..read.tree import TensorNode
-    from ..read.tensor_read import source_ranges
-
     node = t.node
     if (
         t.transform is not None
@@ -500,7 +535,7 @@ def _pwrite(fd: int, view: memoryview, at: int) -> int:
 
 
 def _u8():
-    import torch
+    import torch  # lazy: torch only where a tensor is converted or compared; the direct copy is torch-free
 
     return torch.uint8
 
@@ -586,11 +621,9 @@ def execute(
     With `distributed`, every rank of the initialised torch.distributed group (a torchrun job) calls this:
     `_execute_job`, the same bytes as one process. A job's staging folder left by an interrupted job is resumed
     by the same command, in one process too (`restart`: thrown away)."""
-    from ..write import shares
-
     _refuse_existing(plan)
     if distributed:
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: torch only under torchrun (--distributed)
 
         if not dist.is_initialized():
             raise CkptError(
@@ -649,8 +682,6 @@ def execute(
 def plan_digest(plan: ExportPlan) -> str:
     """What identifies a plan's output (a job's staging folder is resumed only by the same plan): the files, each
     tensor's name, source, dtype and shape, and the config files' bytes."""
-    import hashlib
-
     layout = [
         [f.name, [[t.name, t.source.name, t.dtype, list(t.shape)] for t in s]] for f, s in zip(plan.files, plan.shards)
     ]
@@ -669,70 +700,12 @@ def _execute_job(
     journals that span; rank 0 then writes each file's header, the index and the config files; every rank
     compares a share of the tensors with the source (`verify`: `_compare`), and rank 0 puts the output in place:
     the `hf` folder renamed, or the files renamed into OUT's folder (`io.put_files_in_place`)."""
-    from ..read.pickle_reader import FdCache
-    from ..write import io, shares
-
-    heads = [_header(s, _METADATA) for s in plan.shards]
-    starts: list[list[int]] = []
-    for head, tensors in zip(heads, plan.shards):
-        at, offsets = len(head), []
-        for t in tensors:
-            offsets.append(at)
-            at += t.nbytes
-        starts.append(offsets)
-    sizes = [len(h) + sum(t.nbytes for t in s) for h, s in zip(heads, plan.shards)]
-    where = [(fi, ti) for fi, s in enumerate(plan.shards) for ti, t in enumerate(s) if t.nbytes]
-    units = [
-        shares.Unit(
-            f"{plan.files[fi].name}/{plan.shards[fi][ti].name}", plan.shards[fi][ti].nbytes, plan.shards[fi][ti].name
-        )
-        for fi, ti in where
-    ]
-
-    def convert(todo: list[int], journal, counted: Callable[[int], None]) -> int:
-        from ..write.torch_zip import start_writeback
-
-        fds: dict[int, int] = {}
-        src = FdCache()
-        n = flushed = 0
-        try:
-            for k in todo:
-                fi, ti = where[k]
-                t, name = plan.shards[fi][ti], plan.files[fi].name
-                if fi not in fds:
-                    fds[fi] = os.open(journal.root / name, os.O_WRONLY | os.O_CREAT, 0o644)
-                    if os.fstat(fds[fi]).st_size < sizes[fi]:  # only grows: the other ranks' bytes stay
-                        os.ftruncate(fds[fi], sizes[fi])
-                if n - flushed >= _WRITEBACK_EVERY:  # the disk writes while the next tensors are copied
-                    for fd in fds.values():
-                        start_writeback(fd)
-                    flushed = n
-                _write_tensor(fds[fi], t, starts[fi][ti], src, journal.root / name)
-                journal.record(units[k].rel, spans=[(name, starts[fi][ti], t.nbytes)])
-                counted(t.nbytes)
-                n += t.nbytes
-            for fd in fds.values():
-                os.fsync(fd)
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-            src.close()
-        return n
-
-    def finish(staging: Path, journal) -> None:
-        for f, head, size in zip(plan.files, heads, sizes):
-            fd = os.open(staging / f.name, os.O_WRONLY | os.O_CREAT, 0o644)
-            try:
-                _pwrite(fd, memoryview(head), 0)
-                os.ftruncate(fd, size)
-            finally:
-                os.close(fd)
-        _write_extras(plan, staging)
+    lay = _job_layout(plan)
 
     def check(staging: Path, share: list[int], first: bool) -> list[str]:
         """This rank's share of the comparison: the tensors of its units; rank 0 also the tensors without bytes
         and each file's list of names."""
-        mine = {where[k] for k in share}
+        mine = {lay.where[k] for k in share}
         return _compare(
             plan,
             {f: staging / f.name for f in plan.files},
@@ -743,11 +716,11 @@ def _execute_job(
     fig, figs = shares.run_job(
         job,
         plan.out,
-        units,
+        lay.units,
         digest=plan_digest(plan),
         restart=restart,
-        convert=convert,
-        finish=finish,
+        convert=lambda todo, journal, counted: _write_share(plan, lay, todo, journal, counted),
+        finish=lambda staging, _journal: _write_heads(plan, lay, staging),
         verify=check if verify else None,
         progress=progress,
         place=None if plan.hf else lambda staging: io.put_files_in_place(staging, _targets(plan)),
@@ -767,6 +740,82 @@ def _execute_job(
         resumed=sum(f["resumed"] for f in figs),
         ranks=figs,
     )
+
+
+@dataclass(frozen=True)
+class _JobLayout:
+    """Where a job writes, from the plan alone: each file's header, each tensor's offset and each file's size,
+    and one unit per tensor with bytes (`where[k]`: its file index and its index in that file)."""
+
+    heads: list[bytes]
+    starts: list[list[int]]
+    sizes: list[int]
+    where: list[tuple[int, int]]
+    units: list[shares.Unit]
+
+
+def _job_layout(plan: ExportPlan) -> _JobLayout:
+    """The offsets one process writes every byte at (`_write_file`), and the job's units."""
+    heads = [_header(s, _METADATA) for s in plan.shards]
+    starts: list[list[int]] = []
+    for head, tensors in zip(heads, plan.shards):
+        at, offsets = len(head), []
+        for t in tensors:
+            offsets.append(at)
+            at += t.nbytes
+        starts.append(offsets)
+    sizes = [len(h) + sum(t.nbytes for t in s) for h, s in zip(heads, plan.shards)]
+    where = [(fi, ti) for fi, s in enumerate(plan.shards) for ti, t in enumerate(s) if t.nbytes]
+    units = [
+        shares.Unit(
+            f"{plan.files[fi].name}/{plan.shards[fi][ti].name}", plan.shards[fi][ti].nbytes, plan.shards[fi][ti].name
+        )
+        for fi, ti in where
+    ]
+    return _JobLayout(heads, starts, sizes, where, units)
+
+
+def _write_share(plan: ExportPlan, lay: _JobLayout, todo: list[int], journal, counted: Callable[[int], None]) -> int:
+    """This rank's units: each tensor's bytes at its offset in the staging file (which only grows to its planned
+    size: the other ranks' bytes stay), each span journaled; returns the bytes written."""
+    fds: dict[int, int] = {}
+    src = FdCache()
+    n = flushed = 0
+    try:
+        for k in todo:
+            fi, ti = lay.where[k]
+            t, name = plan.shards[fi][ti], plan.files[fi].name
+            if fi not in fds:
+                fds[fi] = os.open(journal.root / name, os.O_WRONLY | os.O_CREAT, 0o644)
+                if os.fstat(fds[fi]).st_size < lay.sizes[fi]:  # only grows: the other ranks' bytes stay
+                    os.ftruncate(fds[fi], lay.sizes[fi])
+            if n - flushed >= _WRITEBACK_EVERY:  # the disk writes while the next tensors are copied
+                for fd in fds.values():
+                    start_writeback(fd)
+                flushed = n
+            _write_tensor(fds[fi], t, lay.starts[fi][ti], src, journal.root / name)
+            journal.record(lay.units[k].rel, spans=[(name, lay.starts[fi][ti], t.nbytes)])
+            counted(t.nbytes)
+            n += t.nbytes
+        for fd in fds.values():
+            os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        src.close()
+    return n
+
+
+def _write_heads(plan: ExportPlan, lay: _JobLayout, staging: Path) -> None:
+    """(rank 0) Each file's header, each file at its planned size, and the index and config files beside them."""
+    for f, head, size in zip(plan.files, lay.heads, lay.sizes):
+        fd = os.open(staging / f.name, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            _pwrite(fd, memoryview(head), 0)
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+    _write_extras(plan, staging)
 
 
 # --- verification -------------------------------------------------------------------------------------------------
@@ -799,8 +848,8 @@ def _compare(
     """(names compared, differences) between the written files (`where`: planned path -> written path) and the
     source: the tensors `only(file index, tensor index)` accepts (all by default), and with `names` each file's
     set of names."""
-    import torch
-    from safetensors import safe_open
+    import torch  # lazy: the comparison reads tensors; plan and direct copy stay torch-free
+    from safetensors import safe_open  # lazy: optional dependency, only for --verify
 
     bad: list[str] = []
     done: list[str] = []

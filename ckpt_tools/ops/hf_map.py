@@ -10,9 +10,12 @@ which a torchtitan checkpoint does not hold: they come from the model's Hugging 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ..errors import CkptError
+from ..read import qkv
+from ..read.qkv import rope_halves
 
 #: torchtitan Llama name (regex; the fused attention's split keys `attention.qkv_linear.w?` or the plain
 #: `attention.w?`) -> Hugging Face Llama name
@@ -45,8 +48,6 @@ def is_torchtitan_llama(names: list[str]) -> bool:
 def rope_permute(n_heads: int) -> Transform:
     """Hugging Face's q/k permutation for `n_heads` heads: each head's interleaved (x0, y0, x1, y1, …) rows become
     (x0, x1, …, y0, y1, …)."""
-    from ..read.qkv import rope_halves
-
     return lambda w: rope_halves(w, n_heads)
 
 
@@ -409,7 +410,7 @@ def megatron_moe_config(args: Mapping[str, Any], llama: dict[str, Any], where: s
 
 def _rows(idx: list[int], transpose: bool = False) -> Transform:
     def apply(t):
-        import torch
+        import torch  # lazy: torch only when a tensor is exported; the name map is torch-free
 
         t = t.index_select(0, torch.tensor(idx))
         return t.t().contiguous() if transpose else t
@@ -427,8 +428,6 @@ def megatron_to_hf(
     """{Megatron name: [(Hugging Face name, transform or None, shape written), ...]} for the config
     `megatron_hf_config` wrote (one entry per tensor; Llama's fused QKV and SwiGLU fc1 give three and two). CkptError
     naming a tensor the map does not cover or whose shape the config contradicts."""
-    from ..read import qkv
-
     moe = config["model_type"] in ("mixtral", "qwen2_moe")
     llama = config["model_type"] == "llama" or moe
     if llama:
@@ -437,7 +436,7 @@ def megatron_to_hf(
     else:
         hidden, heads, layers = config["n_embd"], config["n_head"], config["n_layer"]
         groups, head_dim, ffn = heads, hidden // heads, config["n_inner"]
-    q, k, v = qkv.row_index(heads * head_dim, groups * head_dim, groups)
+    dims = _Dims(hidden, heads, groups, head_dim, ffn, qkv.row_index(heads * head_dim, groups * head_dim, groups))
     out: dict[str, list[Out]] = {}
     seen: set[int] = set()
     moe_found: dict[str, set[tuple[int, ...]]] = {}  # MoE role -> the (layer[, expert]) it was found for
@@ -463,40 +462,7 @@ def megatron_to_hf(
         layer, kind = (g[0], g[1]) if len(g) == 2 else (None, g[0] if g else "weight")
         if layer is not None:
             seen.add(int(layer))
-        fill = {"L": layer, "k": kind}
-        if role == "qkv":
-            _check(
-                name,
-                shape,
-                ((heads + 2 * groups) * head_dim, hidden)[: len(shape)],
-                "(heads + 2 x query groups) x head_dim, hidden",
-                where,
-            )
-        if role == "fc1":
-            _check(name, shape, ((2 if llama else 1) * ffn, hidden)[: len(shape)], "FFN rows, hidden", where)
-        if llama:
-            if role == "qkv":
-                out[name] = [
-                    (f"model.layers.{layer}.self_attn.{p}_proj.{kind}", _rows(idx), (len(idx), *shape[1:]))
-                    for p, idx in (("q", q), ("k", k), ("v", v))
-                ]
-            elif role == "fc1":
-                out[name] = [
-                    (f"model.layers.{layer}.mlp.{p}_proj.{kind}", _rows(list(idx)), (ffn, *shape[1:]))
-                    for p, idx in (("gate", range(ffn)), ("up", range(ffn, 2 * ffn)))
-                ]
-            elif role in _LLAMA:
-                out[name] = [(_LLAMA[role].format(**fill), None, shape)]
-            else:
-                raise CkptError(f"{name}: a Llama has no {role} tensor", path=where, hint="export without --hf")
-            continue
-        hf, linear = _GPT2[role]
-        hf = hf.format(**fill)
-        flip = linear and len(shape) == 2
-        if role == "qkv":
-            out[name] = [(hf, _rows([*q, *k, *v], transpose=flip), shape[::-1] if flip else shape)]
-        else:
-            out[name] = [(hf, _transposed if flip else None, shape[::-1] if flip else shape)]
+        out[name] = _dense_entries(name, role, layer, kind, shape, dims, llama, where)
     if len(seen) != layers:
         raise CkptError(
             f"the checkpoint has {len(seen)} layers, its args say num_layers={layers}",
@@ -506,6 +472,58 @@ def megatron_to_hf(
     if moe:
         _check_every_expert(moe_found, config, layers, where)
     return out
+
+
+@dataclass(frozen=True)
+class _Dims:
+    """The sizes a dense Megatron tensor's shape is checked against, and the fused QKV's (q, k, v) row indices."""
+
+    hidden: int
+    heads: int
+    groups: int
+    head_dim: int
+    ffn: int
+    qkv_rows: tuple[list[int], list[int], list[int]]
+
+
+def _dense_entries(
+    name: str, role: str, layer: str | None, kind: str, shape: tuple[int, ...], dims: _Dims, llama: bool, where: str
+) -> list[Out]:
+    """The Llama or GPT-2 tensors of one dense Megatron tensor (its shape checked): the fused QKV split into q, k,
+    v (Llama) or reordered (GPT-2), SwiGLU's fc1 into gate and up (Llama), GPT-2's linear weights transposed."""
+    hidden, heads, groups, head_dim, ffn = dims.hidden, dims.heads, dims.groups, dims.head_dim, dims.ffn
+    q, k, v = dims.qkv_rows
+    fill = {"L": layer, "k": kind}
+    if role == "qkv":
+        _check(
+            name,
+            shape,
+            ((heads + 2 * groups) * head_dim, hidden)[: len(shape)],
+            "(heads + 2 x query groups) x head_dim, hidden",
+            where,
+        )
+    if role == "fc1":
+        _check(name, shape, ((2 if llama else 1) * ffn, hidden)[: len(shape)], "FFN rows, hidden", where)
+    if llama:
+        if role == "qkv":
+            return [
+                (f"model.layers.{layer}.self_attn.{p}_proj.{kind}", _rows(idx), (len(idx), *shape[1:]))
+                for p, idx in (("q", q), ("k", k), ("v", v))
+            ]
+        if role == "fc1":
+            return [
+                (f"model.layers.{layer}.mlp.{p}_proj.{kind}", _rows(list(idx)), (ffn, *shape[1:]))
+                for p, idx in (("gate", range(ffn)), ("up", range(ffn, 2 * ffn)))
+            ]
+        if role in _LLAMA:
+            return [(_LLAMA[role].format(**fill), None, shape)]
+        raise CkptError(f"{name}: a Llama has no {role} tensor", path=where, hint="export without --hf")
+    hf, linear = _GPT2[role]
+    hf = hf.format(**fill)
+    flip = linear and len(shape) == 2
+    if role == "qkv":
+        return [(hf, _rows([*q, *k, *v], transpose=flip), shape[::-1] if flip else shape)]
+    return [(hf, _transposed if flip else None, shape[::-1] if flip else shape)]
 
 
 def _moe_entries(name: str, role: str, groups: tuple, shape: tuple[int, ...], config, where: str) -> list[Out]:

@@ -24,14 +24,15 @@ from typing import Any, Iterator
 from .. import formats
 from ..errors import CkptError
 from ..read.tree import Checkpoint, GroupNode, Node, OpaqueNode, TensorNode, ValueNode, Warning_, iter_tensors, jsonable
+from ..view.checkpoint import open_checkpoint
+from ..write import io
+from . import diff as chunked
 
 
 def open_for_inspect(path: str | Path) -> Checkpoint:
     """`open_checkpoint(path)`; when `path` is one file of a larger checkpoint (a ZeRO rank file, a DCP
     `.distcp`, a safetensors shard), the file's own view with a `part-of-checkpoint` warning naming the
     folder that opens the whole checkpoint: read alone, such a file looks like an empty or broken one."""
-    from ..view.checkpoint import open_checkpoint
-
     ck = open_checkpoint(path)
     return replace(ck, warnings=(*write_warnings(ck), *ck.warnings))
 
@@ -39,8 +40,6 @@ def open_for_inspect(path: str | Path) -> Checkpoint:
 def write_warnings(ck: Checkpoint) -> list[Warning_]:
     """`interrupted-write` when a ckpt write on this checkpoint was killed midway: the values shown may mix old
     and new ones, and the message says what `ckpt restore` will do. Only reads the journal (io.interrupted_write)."""
-    from ..write import io
-
     said = io.interrupted_write(Path(ck.path))
     return [Warning_("interrupted-write", said, str(ck.path))] if said else []
 
@@ -218,11 +217,7 @@ def tensor_stats(ck: Checkpoint, grep: str | None = None) -> Iterator[TensorStat
     values are taken as float32 (integers and bools widened, complex as |z|); min/max over the finite ones
     are exact, mean and the sample std are merged across chunks in float64 (Chan et al.'s pairwise update,
     stable where a sum of squares would cancel). numpy only: torch is imported for float8 tensors alone."""
-    import math
-
-    import numpy as np
-
-    from . import diff as chunked
+    import numpy as np  # lazy: numpy only when --stats reads values; inspect itself stays numpy-free
 
     def as_float32(raw, dtype: str):
         if dtype == "float32":

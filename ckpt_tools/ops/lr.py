@@ -15,19 +15,18 @@ no checkpoint edit can change the trajectory: the plan carries the exact launch-
 from the `ds_config` saved in the checkpoint (which is updated too, as the record of the run), and still
 edits the optimizer `lr` so the first resumed update is right.
 
-Every edit of a torch zip file is made IN PLACE, in O(changed bytes) (`_in_place` -> `zip_patch.plan_in_place`):
-the inert tree the safe reader produced is edited and re-pickled by `pickle_writer`, and the new pickle becomes a
-new data.pkl member appended after the file's last member, with a new central directory (the old pickle stays as
-dead bytes; a 2 GB ZeRO optimizer file gets a few KB written, is never materialised, deepspeed is never
-imported). A new Adam `step` value is new bytes for its 0-d storage (`storage_bytes=`), overwritten in place with
-the member's CRC-32 updated from those bytes alone; when only such tensor values change, the pickle is left as it
-is. `io.execute` journals the original bytes first, and falls back to the whole-file rewrite
-(`pickle_writer.rewrite_torch_zip`, every tensor member copied byte for byte) where in place is refused (hard
-links, read-only files, `--copy`). Plain pickles and legacy (pre-1.6) torch files are refused: re-save once in
-zip format. DCP folders (FSDP2 / torchtitan) are one more target: the same state dict is assembled from
-their items (`dcp_write.DcpFolder.state_tree`), edited by the same code, and each changed item becomes a new
-blob appended to its `.distcp` file in place, with `.metadata` (the new offsets) replaced whole in the same
-WritePlan.
+Every edit of a torch zip file is made IN PLACE, in O(changed bytes) (`lr_files._in_place` ->
+`zip_patch.plan_in_place`): the inert tree the safe reader produced is edited and re-pickled by `pickle_writer`, and
+the new pickle becomes a new data.pkl member appended after the file's last member, with a new central directory
+(the old pickle stays as dead bytes; a 2 GB ZeRO optimizer file gets a few KB written, is never materialised,
+deepspeed is never imported). A new Adam `step` value is new bytes for its 0-d storage (`storage_bytes=`),
+overwritten in place with the member's CRC-32 updated from those bytes alone; when only such tensor values change,
+the pickle is left as it is. `io.execute` journals the original bytes first, and falls back to the whole-file
+rewrite (`pickle_writer.rewrite_torch_zip`, every tensor member copied byte for byte) where in place is refused
+(hard links, read-only files, `--copy`). Plain pickles and legacy (pre-1.6) torch files are refused: re-save once in
+zip format. DCP folders (FSDP2 / torchtitan) are one more target: the same state dict is assembled from their items
+(`dcp_write.DcpFolder.state_tree`), edited by the same code, and each changed item becomes a new blob appended to
+its `.distcp` file in place, with `.metadata` (the new offsets) replaced whole in the same WritePlan.
 HF Trainer's trainer_state.json (the loop's global_step) is rewritten as JSON.
 
 Which files to edit comes from the checkpoint's format module (`formats.training_state` -> `state.StateMap`);
@@ -44,19 +43,22 @@ re-verified with the reader, rolled back on any failure).
 
 from __future__ import annotations
 
-from ..view.accounting import guard, left_behind
+import json
 import math
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from ..write import io
-from ..read import pickle_reader
 from ..errors import CkptError, CorruptCheckpoint, UnsupportedCheckpoint
+from ..formats.megatron_lm import next_lr
+from ..formats.torch_file import flattened_groups
 from ..read.pickle_reader import TensorRef
-from ..read.state import Found, StateSource, group_dicts, is_flattened, locate
+from ..read.state import group_dicts, is_flattened
 from ..read.tree import Checkpoint, as_int
+from ..view.accounting import guard, left_behind
+from ..view.checkpoint import open_checkpoint
+from ..write import io
+from .lr_files import _File, _collect, _groups, check_steps_shared, file_writes, read_back_check
 
 # --- scheduler kinds ------------------------------------------------------------------------------------
 
@@ -214,285 +216,6 @@ class LrPlan:
         }
 
 
-@dataclass
-class _File:
-    """One file being edited: its inert tree (edited in place), the changes, and what verify re-reads."""
-
-    rel: str
-    path: Path
-    obj: Any
-    found: Found = field(default_factory=Found)  # where the scheduler / optimizer / counter state lies in `obj`
-    changes: list[io.FieldChange] = field(default_factory=list)
-    checks: list[tuple[tuple, Any]] = field(default_factory=list)
-    storage_bytes: dict[str, bytes] = field(default_factory=dict)
-    matched: int = 0  # fields the request applied to, changed or already at the value
-    pickle_changed: bool = False  # a field of the pickle itself changed (not only tensor values)
-
-    def set(self, owner: dict, path: tuple, key: Any, new: Any, note: str) -> None:
-        self.matched += 1
-        old = owner.get(key)
-        if _same(old, new):
-            return
-        owner[key] = new  # replace, never mutate: a list may be shared (memoized) with another field
-        self.pickle_changed = True
-        self.changes.append(io.FieldChange(self.rel, _dotted(path + (key,)), _plain(old), _plain(new), note))
-        self.checks.append((path + (key,), new))
-
-    def set_tensor_value(self, owner: dict, path: tuple, key: Any, value: float, note: str) -> None:
-        self.matched += 1
-        ref = owner[key]
-        fmt = pickle_reader._STRUCT.get(ref.dtype)
-        if ref.storage is None or ref.numel != 1 or fmt is None or ref.storage.numel != 1:
-            raise UnsupportedCheckpoint(
-                f"{_dotted(path + (key,))} is a {ref.dtype} tensor of shape {ref.shape} "
-                "in a shared storage; cannot set its value",
-                path=self.path,
-            )
-        new = struct.pack("<" + fmt, value if fmt in "fde" else int(value))
-        if ref.dtype.startswith("float") and struct.unpack("<" + fmt, new)[0] != value:
-            raise CkptError(
-                f"{value} is not exactly representable as {ref.dtype} ({_dotted(path + (key,))})", path=self.path
-            )
-        old = ref.item()
-        if old == value:
-            return
-        self.storage_bytes[ref.storage.key] = new
-        self.changes.append(io.FieldChange(self.rel, _dotted(path + (key,)), old, value, note))
-        self.checks.append((path + (key,), value))
-
-
-def _n(count: int, word: str) -> str:
-    return f"{count} {word}{'' if count == 1 else 's'}"
-
-
-def _same(a: Any, b: Any) -> bool:
-    return type(a) is type(b) and a == b
-
-
-def _readback_problem(label: str, got: Any, want: Any) -> str | None:
-    """Why a field read back after the write is not what the plan wrote (None when it is)."""
-    if isinstance(got, TensorRef):
-        got = got.item()
-    if _same(got, want) or (isinstance(want, float) and got == want):
-        return None
-    return f"{label} reads back {got!r}, planned {want!r}"
-
-
-def _plain(v: Any) -> Any:
-    if isinstance(v, tuple):
-        return list(v)
-    return v
-
-
-def _dotted(path: tuple) -> str:
-    return ".".join(str(k) for k in path)
-
-
-def _dig(obj: Any, path: tuple) -> Any:
-    for k in path:
-        obj = obj[k]
-    return obj
-
-
-# --- the files the format names, and the state found in them by shape ------------------------------------
-
-
-def _load(path: Path, rel: str) -> _File:
-    loaded = pickle_reader.load(path)
-    if loaded.kind != "torch_zip":
-        raise UnsupportedCheckpoint(
-            f"{rel} is a {loaded.kind.replace('_', ' ')} file; only torch zip files "
-            "(torch.save since 1.6) are rewritten",
-            path=path,
-            hint="re-save it once with torch.save (zip format), then run this again",
-        )
-    return _File(rel, path, loaded.obj)
-
-
-class _DcpFile(_File):
-    """A DCP folder seen as one state dict: `obj` is assembled from its items (scheduler, optimizer
-    param_groups and 0-d Adam steps, the loop step); each edit is recorded against the flat DCP key it came
-    from (`FieldChange.file` is the `.distcp` file holding it) with the item's new blob."""
-
-    def __init__(self, folder, obj: Any, index: dict[tuple, str], prefix: str = ""):
-        super().__init__(prefix + ".metadata", folder.root / ".metadata", obj)
-        self.folder = folder
-        self.index = index
-        self.blobs: dict[str, bytes] = {}
-        self.prefix = prefix  # the DCP folder relative to the plan's root ("" when it is the root)
-
-    def _record(self, path: tuple, old: Any, new: Any, note: str, blob: bytes) -> None:
-        key = self.index.get(path)
-        if key is None:
-            raise UnsupportedCheckpoint(
-                f"{_dotted(path)} is not one item of this DCP checkpoint; cannot edit it", path=self.folder.root
-            )
-        self.blobs[key] = blob
-        self.changes.append(
-            io.FieldChange(self.prefix + self.folder.item(key).rel, key, _plain(old), _plain(new), note)
-        )
-        self.checks.append((key, new))
-
-    def set(self, owner: dict, path: tuple, key: Any, new: Any, note: str) -> None:
-        from ..write.dcp_write import value_blob
-
-        self.matched += 1
-        old = owner.get(key)
-        if _same(old, new):
-            return
-        owner[key] = new
-        item = self._item_path(path + (key,))
-        if item is not None and item != path + (key,):
-            # a field inside one pickled item (Megatron's distributed-optimizer param groups, a sharded object):
-            # the whole item is written again, with every edit made to it so far
-            whole = _dig(self.obj, item)
-            dkey = self.index[item]
-            self.blobs[dkey] = value_blob(whole)
-            self.changes.append(
-                io.FieldChange(
-                    self.prefix + self.folder.item(dkey).rel,
-                    f"{dkey}:{_dotted(path[len(item) :] + (key,))}",
-                    _plain(old),
-                    _plain(new),
-                    note,
-                )
-            )
-            self.checks = [c for c in self.checks if c[0] != dkey] + [(dkey, whole)]
-            return
-        self._record(path + (key,), old, new, note, value_blob(new))
-
-    def _item_path(self, path: tuple) -> tuple | None:
-        """The key path of the DCP item that holds `path` (itself, or the pickled object it lies inside)."""
-        for n in range(len(path), 0, -1):
-            if path[:n] in self.index:
-                return path[:n]
-        return None
-
-    def set_tensor_value(self, owner: dict, path: tuple, key: Any, value: float, note: str) -> None:
-        from ..write.dcp_write import tensor_blob
-
-        self.matched += 1
-        ref = owner[key]
-        if ref.shape != () or pickle_reader._STRUCT.get(ref.dtype) is None:
-            raise UnsupportedCheckpoint(
-                f"{_dotted(path + (key,))} is a {ref.dtype} tensor of shape {ref.shape}; cannot set its value",
-                path=self.folder.root,
-            )
-        fmt = pickle_reader._STRUCT[ref.dtype]
-        if ref.dtype.startswith("float") and struct.unpack("<" + fmt, struct.pack("<" + fmt, value))[0] != value:
-            raise CkptError(
-                f"{value} is not exactly representable as {ref.dtype} ({_dotted(path + (key,))})", path=self.folder.root
-            )
-        old = ref.item()
-        if old == value:
-            return
-        self._record(path + (key,), old, value, note, tensor_blob(ref.dtype, value))
-
-    def writes(self) -> list[io.FileWrite]:
-        by_file: dict[str, list[io.FieldChange]] = {}
-        for c in self.changes:
-            by_file.setdefault(c.file, []).append(c)
-        out = []
-        for rel, nbytes, produce, edit in self.folder.append(self.blobs):
-            rel = self.prefix + rel
-            method = (
-                "re-pickled with the appended items' offsets/lengths, replaced whole"
-                if rel.endswith(".metadata")
-                else f"in place: {_n(len(by_file.get(rel, [])), 'new item blob')} (torch.save of the new "
-                "value) appended after the last byte; the old ones left unreferenced"
-            )
-            out.append(io.FileWrite(rel, tuple(by_file.get(rel, ())), nbytes, produce, method, edit))
-        return out
-
-    def verify(self, written_root: Path) -> list[str]:
-        from ..write.dcp_write import DcpFolder
-
-        folder = DcpFolder(written_root / self.prefix if self.prefix else written_root)
-        problems = []
-        for key, want in self.checks:
-            try:
-                got = folder._load(folder.item(key))
-            except CkptError as e:
-                problems.append(f"{key}: unreadable after the write ({e})")
-                continue
-            problem = _readback_problem(key, got, want)
-            if problem:
-                problems.append(problem)
-        return problems
-
-
-class _JsonFile(_File):
-    """A JSON file holding loop counters (HF Trainer's trainer_state.json): rewritten the way its writer
-    writes it (indent 2, sorted keys)."""
-
-    def produce(self, tmp: Path) -> None:
-        import json
-
-        tmp.write_text(json.dumps(self.obj, indent=2, sort_keys=True) + "\n")
-
-    def read_back(self, path: Path) -> Any:
-        import json
-
-        return json.loads(path.read_text())
-
-
-def _open_source(src: StateSource) -> _File:
-    if src.kind == "json":
-        import json
-
-        try:
-            obj = json.loads(src.path.read_text())
-        except (OSError, ValueError) as e:
-            raise CkptError(f"cannot read {src.rel} ({e})", path=src.path) from None
-        f = _JsonFile(src.rel, src.path, obj)
-        f.found = locate(obj, counters=src.counters)
-        f.found.optimizers, f.found.schedulers = [], []  # JSON holds logs of LRs, not state that drives them
-        return f
-    if src.kind == "dcp":
-        from ..write.dcp_write import DcpFolder
-
-        folder = DcpFolder(src.path)
-        obj, index = folder.state_tree(None)
-        prefix = src.rel[: -len(".metadata")] if src.rel.endswith("/.metadata") else ""
-        f: _File = _DcpFile(folder, obj, index, prefix)
-    else:
-        f = _load(src.path, src.rel)
-    f.found = locate(f.obj, index=src.index, counters=src.counters, counter_paths=src.counter_paths)
-    return f
-
-
-def _collect(ck: Checkpoint) -> tuple[Path, list[_File], int]:
-    """(plan root, the files holding scheduler / optimizer / counter state, scheduler steps per update), from
-    the map the checkpoint's format module gives (`formats.training_state`)."""
-    from ..formats import training_state
-
-    m = training_state(ck)
-    if m.read_only:
-        raise UnsupportedCheckpoint(m.read_only, path=ck.path, hint=m.hint)
-    files = [_open_source(src) for src in m.sources]
-    if not any(f.found for f in files):
-        searched = ", ".join(src.rel for src in m.sources) or "no file"
-        raise CkptError(
-            "no learning-rate or counter state found: no optimizer param_groups, no scheduler state "
-            f"and no loop counter in {searched}",
-            path=ck.path,
-            hint="nothing was changed; pass the checkpoint folder that holds the optimizer/scheduler "
-            "state (`ckpt inspect` shows what it holds)",
-        )
-    return m.root, files, m.scheduler_steps_per_update
-
-
-def _groups(f: _File, index: int | None = None) -> Iterator[tuple[tuple, list[tuple[Any, dict]], int]]:
-    """(path to param_groups, [(key, group dict)], optimizer index) for each optimizer state in `f`;
-    flattened state (torchtitan) has one group per parameter, keyed by FQN."""
-    for path, osd, idx in f.found.optimizers:
-        if index is not None and idx != index:
-            continue
-        groups = osd.get("param_groups")
-        items = list(groups.items()) if isinstance(groups, dict) else list(enumerate(groups))
-        yield path + ("param_groups",), [(k, g) for k, g in items if isinstance(g, dict)], idx
-
-
 def _indices(files: list[_File]) -> list[int]:
     return sorted({i for f in files for coll in (f.found.optimizers, f.found.schedulers) for _, _, i in coll})
 
@@ -529,8 +252,6 @@ def _megatron_scheduler(f: _File) -> dict | None:
 
 def _megatron_relaunch(files: list[_File], idx: int, factors: list[float]) -> str:
     """What the relaunch needs after a Megatron LR edit, with the LR of the first resumed iteration before/after."""
-    from ..formats.megatron_lm import next_lr
-
     f = next(f for f in files if _megatron_scheduler(f) is not None)
     s = _megatron_scheduler(f)
     # the first file that holds them (distributed: another file's), every optimizer in it (a ChainedOptimizer's
@@ -704,13 +425,7 @@ def plan_set_lr(
     several: Accelerate's optimizer_1.bin, Lightning's list). Every file of every rank that holds these fields
     is rewritten; a request that finds no field to change is an error, never a silent success.
     """
-    if scale is not None and lr is not None:
-        raise CkptError("--scale and --lr both set the trajectory: give one")
-    for name, v in (("--scale", scale), ("--lr", lr), ("--last-lr", last_lr)):
-        if v is not None and not (math.isfinite(v) and v > 0):
-            raise CkptError(f"{name} {v}: must be a positive finite number")
-    if all(v is None for v in (scale, lr, last_lr, last_epoch, step_count)):
-        raise CkptError("nothing to change: give --scale, --lr, --last-lr, --last-epoch or --step-count")
+    _check_lr_request(scale, lr, last_lr, last_epoch, step_count)
     ck = guard(ck, ck.path, "set-lr", allow_unread=allow_unread, trust_pickles=trust_pickles)
     root, files, world = _collect(ck)
     notes: list[str] = left_behind(ck)
@@ -720,26 +435,7 @@ def plan_set_lr(
     for idx in picked:
         kind, cfg = _kind(files, idx, bool(ck.details.get("scheduler_rebuilt")))
         kinds[idx] = kind
-        n, flat = _n_groups(files, idx)
-        if flat and group is not None:
-            raise CkptError(
-                f"--group {group}: optimizer {idx}'s state is flattened per parameter "
-                "(flatten_optimizer_state_dict=True) and keeps no group numbers; use --scale for all "
-                "groups"
-            )
-        sel = _select(n, group)
-        factors = [1.0] * n
-        if scale is not None:
-            factors = [scale if g in sel else 1.0 for g in range(n)]
-        elif lr is not None:
-            base = _base_lrs(files, kind, cfg, n, idx)
-            factors = [lr / base[g] if g in sel else 1.0 for g in range(n)]
-        if flat and len(set(factors)) > 1:
-            raise CkptError(
-                f"--lr gives the groups of optimizer {idx} different factors "
-                f"({', '.join(f'{x:.6g}' for x in factors)}), but its state is flattened per parameter: "
-                "use --scale"
-            )
+        sel, factors, flat = _factors(files, idx, kind, cfg, scale, lr, group)
         idx_change = config_change(cfg, factors) if kind == DEEPSPEED and any(f != 1.0 for f in factors) else None
         change = change or idx_change
         job_lrs, job_flags = (
@@ -750,41 +446,8 @@ def plan_set_lr(
         relaunch = _megatron_relaunch(files, idx, factors) if kind == MEGATRON else ""
         _apply_lr(files, idx, kind, factors, sel, flat, last_lr, last_epoch, step_count, idx_change)
         who = f"optimizer {idx}: " if len(picked) > 1 or idx else ""
-        notes.append(f"{who}scheduler: {SCHEDULER_LABEL[kind]}; the LR after resume comes from {DRIVER[kind]}")
-        if lr is not None:
-            notes.append(
-                f"{who}--lr {lr:g}: base LR set; factor per group {', '.join(f'{x:.6g}' for x in factors)} "
-                "applied to every LR field"
-            )
-        if last_lr is not None:
-            notes.append(
-                f"{who}--last-lr {last_lr:g}: the LR in effect now (_last_lr and the optimizer lr)"
-                + ("; the trajectory is unchanged from the next scheduler.step()" if kind == CLOSED_FORM else "")
-            )
-        if kind == DEEPSPEED:
-            if idx_change:
-                notes.append(
-                    "DeepSpeed's scheduler takes its LRs from the LAUNCH config: editing the checkpoint "
-                    "cannot change the trajectory. Apply this change to the ds_config you launch with: "
-                    + _json(idx_change)
-                )
-            elif scale is not None or lr is not None:
-                notes.append(
-                    "DeepSpeed's scheduler takes its LRs from the launch config, and the saved ds_config "
-                    "names no LR to change: set the scheduler's LRs in your launch config"
-                )
-        if flat:
-            notes.append(
-                f"{who}param groups saved per parameter (flatten_optimizer_state_dict): every parameter's "
-                "lr / initial_lr edited"
-            )
-        if kind == MEGATRON and relaunch and (scale is not None or lr is not None):
-            notes.append(relaunch)
-        if kind == JOB_CONFIG and (scale is not None or lr is not None):
-            notes.append(
-                "SET THE LR IN YOUR JOB CONFIG TOO: torchtitan rebuilds the schedule from the job config on "
-                "resume, so this edit alone changes only the first resumed update. " + job_lrs
-            )
+        retrajectory = scale is not None or lr is not None
+        notes += _optimizer_notes(who, kind, factors, flat, lr, last_lr, idx_change, retrajectory, relaunch, job_lrs)
     if scale is not None:
         notes.append(
             f"--scale {scale:g}: every LR field scaled alike" + (f" (param group {group})" if group is not None else "")
@@ -796,12 +459,109 @@ def plan_set_lr(
     return _finish(ck, root, files, "set-lr", notes, kinds, change, world)
 
 
+def _check_lr_request(
+    scale: float | None, lr: float | None, last_lr: float | None, last_epoch: int | None, step_count: int | None
+) -> None:
+    """Refuse a set-lr request that gives two trajectories, a non-positive LR, or nothing to change."""
+    if scale is not None and lr is not None:
+        raise CkptError("--scale and --lr both set the trajectory: give one")
+    for name, v in (("--scale", scale), ("--lr", lr), ("--last-lr", last_lr)):
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise CkptError(f"{name} {v}: must be a positive finite number")
+    if all(v is None for v in (scale, lr, last_lr, last_epoch, step_count)):
+        raise CkptError("nothing to change: give --scale, --lr, --last-lr, --last-epoch or --step-count")
+
+
+def _factors(
+    files: list[_File],
+    idx: int,
+    kind: str,
+    cfg: dict | None,
+    scale: float | None,
+    lr: float | None,
+    group: int | None,
+) -> tuple[list[int], list[float], bool]:
+    """(the param groups edited, the factor per group, whether the state is flattened per parameter) for
+    optimizer `idx`: `scale` for the selected groups, or `lr` / the group's base LR; 1.0 elsewhere."""
+    n, flat = _n_groups(files, idx)
+    if flat and group is not None:
+        raise CkptError(
+            f"--group {group}: optimizer {idx}'s state is flattened per parameter "
+            "(flatten_optimizer_state_dict=True) and keeps no group numbers; use --scale for all "
+            "groups"
+        )
+    sel = _select(n, group)
+    factors = [1.0] * n
+    if scale is not None:
+        factors = [scale if g in sel else 1.0 for g in range(n)]
+    elif lr is not None:
+        base = _base_lrs(files, kind, cfg, n, idx)
+        factors = [lr / base[g] if g in sel else 1.0 for g in range(n)]
+    if flat and len(set(factors)) > 1:
+        raise CkptError(
+            f"--lr gives the groups of optimizer {idx} different factors "
+            f"({', '.join(f'{x:.6g}' for x in factors)}), but its state is flattened per parameter: "
+            "use --scale"
+        )
+    return sel, factors, flat
+
+
+def _optimizer_notes(
+    who: str,
+    kind: str,
+    factors: list[float],
+    flat: bool,
+    lr: float | None,
+    last_lr: float | None,
+    idx_change: dict | None,
+    retrajectory: bool,
+    relaunch: str,
+    job_lrs: str,
+) -> list[str]:
+    """What the plan says about one optimizer's edit: which field drives its LR after resume, and what else the
+    relaunch needs (DeepSpeed's launch config, Megatron's command line, torchtitan's job config).
+    `retrajectory`: the request changes the trajectory (--scale or --lr)."""
+    notes = [f"{who}scheduler: {SCHEDULER_LABEL[kind]}; the LR after resume comes from {DRIVER[kind]}"]
+    if lr is not None:
+        notes.append(
+            f"{who}--lr {lr:g}: base LR set; factor per group {', '.join(f'{x:.6g}' for x in factors)} "
+            "applied to every LR field"
+        )
+    if last_lr is not None:
+        notes.append(
+            f"{who}--last-lr {last_lr:g}: the LR in effect now (_last_lr and the optimizer lr)"
+            + ("; the trajectory is unchanged from the next scheduler.step()" if kind == CLOSED_FORM else "")
+        )
+    if kind == DEEPSPEED:
+        if idx_change:
+            notes.append(
+                "DeepSpeed's scheduler takes its LRs from the LAUNCH config: editing the checkpoint "
+                "cannot change the trajectory. Apply this change to the ds_config you launch with: " + _json(idx_change)
+            )
+        elif retrajectory:
+            notes.append(
+                "DeepSpeed's scheduler takes its LRs from the launch config, and the saved ds_config "
+                "names no LR to change: set the scheduler's LRs in your launch config"
+            )
+    if flat:
+        notes.append(
+            f"{who}param groups saved per parameter (flatten_optimizer_state_dict): every parameter's "
+            "lr / initial_lr edited"
+        )
+    if kind == MEGATRON and relaunch and retrajectory:
+        notes.append(relaunch)
+    if kind == JOB_CONFIG and retrajectory:
+        notes.append(
+            "SET THE LR IN YOUR JOB CONFIG TOO: torchtitan rebuilds the schedule from the job config on "
+            "resume, so this edit alone changes only the first resumed update. " + job_lrs
+        )
+    return notes
+
+
 def _job_config_lrs(files: list[_File], idx: int, factor: float) -> tuple[str, dict[str, float]]:
     """The job-config LRs that give the edited trajectory, as the torchtitan flags to relaunch with: each saved
     group's initial_lr (the config LR of the run that saved it) times `factor`. Groups are the parameters that
     share every saved hyperparameter, in saved order (torchtitan saves its groups in its config's pattern order)."""
-    from ..formats.torch_file import flattened_groups
-
     groups: list[dict] = []
     for f in files:
         for _path, found, _i in _groups(f, idx):
@@ -900,8 +660,6 @@ def _set_position(f: _File, path: tuple, s: dict, kind: str, last_epoch: int | N
 
 
 def _json(d: Any) -> str:
-    import json
-
     return json.dumps(d, sort_keys=True)
 
 
@@ -938,52 +696,75 @@ def plan_set_step(
     root, files, world = _collect(ck)
     picked = _pick(files, optimizer)
     kinds = {idx: _kind(files, idx, bool(ck.details.get("scheduler_rebuilt")))[0] for idx in picked}
-    any_ds = DEEPSPEED in kinds.values()
+    updates = None
     if step is not None:
         skipped = ck.counters.skipped_steps or 0
         updates = step - skipped
         optimizer_step = updates if optimizer_step is None else optimizer_step
         global_step = step if global_step is None else global_step
     for f in files:
-        for path, s, idx in f.found.schedulers:
-            if idx not in kinds:
-                continue
-            le, sc = last_epoch, step_count
-            if step is not None and le is None:
-                le = updates - 1 if kinds[idx] == DEEPSPEED else world * updates
-            if step is not None and sc is None and kinds[idx] != DEEPSPEED:
-                sc = le + 1
-            _set_position(f, path, s, kinds[idx], le, sc)
+        _set_scheduler_positions(f, kinds, updates, last_epoch, step_count, world)
         if optimizer_step is not None:
-            for path, osd, idx in f.found.optimizers:
-                if idx not in kinds:
-                    continue
-                state = osd.get("state")
-                for pid, entry in state.items() if isinstance(state, dict) else ():
-                    if isinstance(entry, dict) and "step" in entry:
-                        _set_step(f, entry, path + ("state", pid), optimizer_step)
-                    elif pid == "common_step" and isinstance(entry, TensorRef) and entry.numel == 1:
-                        # Megatron's torch_dist common.pt: one 0-d step per optimizer (each inner one of a
-                        # ChainedOptimizer), restored into every parameter's `step` at load
-                        _set_step(f, state, path + ("state",), optimizer_step, key="common_step")
-            for path, groups, idx in _groups(f):
-                for g, pg in groups:
-                    if idx in kinds and as_int(pg.get("step")) is not None:  # FusedAdam/CPUAdam keep it here
-                        f.set(pg, path + (g,), "step", type(pg["step"])(optimizer_step), "Adam step (bias correction)")
+            _set_optimizer_steps(f, kinds, optimizer_step)
         if global_step is not None:
-            tbs = as_int(((f.found.ds_config or ((), {}))[1]).get("train_batch_size"))
-            old_steps = next((o.get(k) for _, o, k in f.found.counters if k == "global_steps"), None)
-            for path, owner, key in f.found.counters:
-                if key == "global_samples":
-                    if tbs and old_steps is not None and owner[key] == old_steps * tbs:
-                        f.set(owner, path, key, global_step * tbs, "samples seen (global_steps x train_batch_size)")
-                    continue
-                if isinstance(owner[key], TensorRef):
-                    f.set_tensor_value(owner, path, key, global_step, "training-loop step counter")
-                else:
-                    f.set(owner, path, key, global_step, "training-loop step counter")
-    units = _megatron_position(files, kinds, last_epoch, updates if step is not None else None, ck.counters.global_step)
-    _check_steps_shared(files)
+            _set_loop_counters(f, global_step)
+    units = _megatron_position(files, kinds, last_epoch, updates, ck.counters.global_step)
+    check_steps_shared(files)
+    notes = _step_notes(kinds, units, optimizer_step, world)
+    return _finish(ck, root, files, "set-step", left_behind(ck) + notes, kinds, None, world)
+
+
+def _set_scheduler_positions(
+    f: _File, kinds: dict[int, str], updates: int | None, last_epoch: int | None, step_count: int | None, world: int
+) -> None:
+    """Each picked scheduler's position in `f`: as given, or (`updates`: --step N) N updates' worth."""
+    for path, s, idx in f.found.schedulers:
+        if idx not in kinds:
+            continue
+        le, sc = last_epoch, step_count
+        if updates is not None and le is None:
+            le = updates - 1 if kinds[idx] == DEEPSPEED else world * updates
+        if updates is not None and sc is None and kinds[idx] != DEEPSPEED:
+            sc = le + 1
+        _set_position(f, path, s, kinds[idx], le, sc)
+
+
+def _set_optimizer_steps(f: _File, kinds: dict[int, str], optimizer_step: int) -> None:
+    """Adam's `step` of each picked optimizer in `f`: every state entry, Megatron's common_step, a group's step."""
+    for path, osd, idx in f.found.optimizers:
+        if idx not in kinds:
+            continue
+        state = osd.get("state")
+        for pid, entry in state.items() if isinstance(state, dict) else ():
+            if isinstance(entry, dict) and "step" in entry:
+                _set_step(f, entry, path + ("state", pid), optimizer_step)
+            elif pid == "common_step" and isinstance(entry, TensorRef) and entry.numel == 1:
+                # Megatron's torch_dist common.pt: one 0-d step per optimizer (each inner one of a
+                # ChainedOptimizer), restored into every parameter's `step` at load
+                _set_step(f, state, path + ("state",), optimizer_step, key="common_step")
+    for path, groups, idx in _groups(f):
+        for g, pg in groups:
+            if idx in kinds and as_int(pg.get("step")) is not None:  # FusedAdam/CPUAdam keep it here
+                f.set(pg, path + (g,), "step", type(pg["step"])(optimizer_step), "Adam step (bias correction)")
+
+
+def _set_loop_counters(f: _File, global_step: int) -> None:
+    """The training loop's step counters in `f` (DeepSpeed's global_samples too, when it was steps x batch)."""
+    tbs = as_int(((f.found.ds_config or ((), {}))[1]).get("train_batch_size"))
+    old_steps = next((o.get(k) for _, o, k in f.found.counters if k == "global_steps"), None)
+    for path, owner, key in f.found.counters:
+        if key == "global_samples":
+            if tbs and old_steps is not None and owner[key] == old_steps * tbs:
+                f.set(owner, path, key, global_step * tbs, "samples seen (global_steps x train_batch_size)")
+            continue
+        if isinstance(owner[key], TensorRef):
+            f.set_tensor_value(owner, path, key, global_step, "training-loop step counter")
+        else:
+            f.set(owner, path, key, global_step, "training-loop step counter")
+
+
+def _step_notes(kinds: dict[int, str], units: str, optimizer_step: int | None, world: int) -> list[str]:
+    """What the set-step plan says: each optimizer's LR driver, Megatron's units, Adam's step, the world size."""
     notes = [
         f"{f'optimizer {i}: ' if len(kinds) > 1 else ''}scheduler: {SCHEDULER_LABEL[k]}; the LR after resume "
         f"comes from {DRIVER[k]}"
@@ -993,12 +774,12 @@ def plan_set_step(
         notes.append(units)
     if optimizer_step is not None:
         notes.append(f"Adam step -> {optimizer_step} in every rank and param group: bias correction resumes from it")
-    if world > 1 and not any_ds:
+    if world > 1 and DEEPSPEED not in kinds.values():
         notes.append(
             f"{world} processes step the scheduler once each per optimizer step, so last_epoch "
             f"= {world} x optimizer step"
         )
-    return _finish(ck, root, files, "set-step", left_behind(ck) + notes, kinds, None, world)
+    return notes
 
 
 def _megatron_position(
@@ -1048,41 +829,6 @@ def _set_step(f: _File, entry: dict, path: tuple, value: int, key: str = "step")
         f.set(entry, path, key, type(v)(value), note)
 
 
-def _check_steps_shared(files: list[_File]) -> None:
-    """A storage whose bytes we replace must belong to the step tensors alone."""
-    for f in files:
-        if not f.storage_bytes:
-            continue
-        steps = {id(_dig(f.obj, path)) for path, _ in f.checks if path[-1] in ("step", "common_step")}
-        for ref in _tensors(f.obj):
-            if ref.storage is not None and ref.storage.key in f.storage_bytes and id(ref) not in steps:
-                raise UnsupportedCheckpoint(
-                    f"storage {ref.storage.key} holds a step counter AND another tensor",
-                    path=f.path,
-                    hint="cannot set one without the other",
-                )
-
-
-def _tensors(obj: Any, depth: int = 0) -> Iterator[TensorRef]:
-    if depth > 64:
-        return
-    if isinstance(obj, TensorRef):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v, depth + 1)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v, depth + 1)
-    elif isinstance(obj, pickle_reader.Opaque):
-        for attr in ("state", "args", "items", "list"):
-            if attr in obj.__dict__:
-                yield from _tensors(obj.__dict__[attr], depth + 1)
-
-
-# --- the WritePlan --------------------------------------------------------------------------------------
-
-
 def _finish(
     ck: Checkpoint,
     root: Path,
@@ -1093,8 +839,7 @@ def _finish(
     change: dict | None,
     world: int,
 ) -> LrPlan:
-    from ..write.pickle_writer import rewrite_torch_zip
-
+    """The LrPlan of the edits made to `files`: refused when the request matched no field, or changed none."""
     if not any(f.matched for f in files):
         raise CkptError(
             f"{command}: none of the requested fields exists in this checkpoint (searched "
@@ -1103,65 +848,8 @@ def _finish(
             path=ck.path,
             hint="`ckpt inspect` shows which LR and counter fields it holds",
         )
-
-    writes = []
-    for f in files:
-        if not f.changes:
-            continue
-        if isinstance(f, _DcpFile):
-            writes += f.writes()
-            continue
-        method = "pickle rewrite (tensor bytes copied as they are)"
-        if f.storage_bytes:
-            method += f"; {_n(len(f.storage_bytes), 'step storage')} rewritten"
-        if isinstance(f, _JsonFile):
-            method, produce, edit = "JSON rewritten (indent 2, sorted keys)", f.produce, None
-        else:
-
-            def produce(tmp: Path, f: _File = f) -> None:
-                rewrite_torch_zip(f.path, tmp, f.obj, storage_bytes=f.storage_bytes)
-
-            def edit(target: Path, f: _File = f) -> io.InPlace:
-                return _in_place(f, target)
-
-            method = (
-                "in place: "
-                + ("new data.pkl member appended" if f.pickle_changed else "pickle untouched")
-                + (
-                    f"; {_n(len(f.storage_bytes), 'step storage')} overwritten, CRC-32 updated"
-                    if f.storage_bytes
-                    else ""
-                )
-                + " (else "
-                + method
-                + ")"
-            )
-        writes.append(io.FileWrite(f.rel, tuple(f.changes), f.path.stat().st_size, produce, method, edit))
-    checks = {f.rel: (f, list(f.checks)) for f in files if f.changes and not isinstance(f, _DcpFile)}
-    dcp_checks = [f.verify for f in files if f.changes and isinstance(f, _DcpFile)]
-
-    def verify(written_root: Path) -> list[str]:
-        from ..view.checkpoint import open_checkpoint
-
-        problems = [p for check in dcp_checks for p in check(Path(written_root))]
-        for rel, (f, items) in checks.items():
-            where = Path(written_root) / rel
-            obj = f.read_back(where) if isinstance(f, _JsonFile) else pickle_reader.load(where).obj
-            for path, want in items:
-                try:
-                    got = _dig(obj, path)
-                except (KeyError, IndexError, TypeError):
-                    problems.append(f"{rel}: {_dotted(path)} is missing after the write")
-                    continue
-                problem = _readback_problem(f"{rel}: {_dotted(path)}", got, want)
-                if problem:
-                    problems.append(problem)
-        try:
-            open_checkpoint(ck.path)
-        except CkptError as e:
-            problems.append(f"the checkpoint no longer opens: {e}")
-        return problems
-
+    writes = file_writes(files)
+    verify = read_back_check(ck.path, files)
     if not writes:
         # a no-op is an error: a script that asked for a change must not read exit 0 as "done"
         raise CkptError(
@@ -1177,51 +865,10 @@ def _finish(
     return LrPlan(plan, kind, DRIVER[kind], change, world, dict(kinds))
 
 
-def _in_place(f: _File, target: Path) -> io.InPlace:
-    """The in-place form of a torch zip file's edit: each replaced storage's bytes overwritten (CRC-32 updated
-    from them alone) and, when a pickled field changed, a new data.pkl member (the edited tree, re-pickled by
-    `pickle_writer`) appended with a new central directory (zip_patch.plan_in_place). The same checks as the
-    whole-file rewrite: the tree refers only to storages this file holds, new step bytes replace a storage of
-    the same size."""
-    import zipfile
-
-    from ..write.pickle_writer import _pickle_tree
-    from ..write.zip_patch import Patch, plan_in_place
-
-    with zipfile.ZipFile(target) as zf:
-        infos = zf.infolist()
-    pkl = [i.filename for i in infos if i.filename.endswith("data.pkl") and i.filename.count("/") <= 1]
-    if not pkl:
-        raise UnsupportedCheckpoint("zip archive without data.pkl (not written by torch.save)", path=target)
-    prefix = min(pkl, key=len)[: -len("data.pkl")]
-    sizes = {i.filename[len(prefix) + 5 :]: i.file_size for i in infos if i.filename.startswith(prefix + "data/")}
-    pickle_bytes = None
-    if f.pickle_changed:
-        pickle_bytes, storages = _pickle_tree(f.obj, str(target))
-        for key, st in storages.items():
-            if sizes.get(key, -1) < st.nbytes:
-                raise UnsupportedCheckpoint(
-                    f"the new tree refers to storage {key} ({st.nbytes} bytes), which {target.name} does not hold",
-                    path=target,
-                    hint="tensors can only be kept, not added or moved between files",
-                )
-    for key, data in f.storage_bytes.items():
-        if sizes.get(key) != len(data):
-            raise UnsupportedCheckpoint(
-                f"new bytes for storage {key} ({len(data)} bytes) do not replace a storage of the same size",
-                path=target,
-                hint="only the values of existing storages can be replaced",
-            )
-    patches = [Patch(f"{prefix}data/{key}", 0, bytes(data)) for key, data in f.storage_bytes.items()]
-    return plan_in_place(target, patches, pickle_bytes)
-
-
 def set_lr(
     path: str | Path, *, backup_dir: Path | None = None, on_stage=None, copy: bool = False, **kw
 ) -> tuple[LrPlan, io.Transaction | None]:
     """Open, plan and execute `set-lr` in one call (the library's `ckpt set-lr --yes`)."""
-    from ..view.checkpoint import open_checkpoint
-
     p = plan_set_lr(open_checkpoint(path), **kw)
     return p, (io.execute(p.plan, backup_dir=backup_dir, on_stage=on_stage, copy=copy) if p.plan.writes else None)
 
@@ -1230,8 +877,6 @@ def set_step(
     path: str | Path, *, backup_dir: Path | None = None, on_stage=None, copy: bool = False, **kw
 ) -> tuple[LrPlan, io.Transaction | None]:
     """Open, plan and execute `set-step` in one call (the library's `ckpt set-step --yes`)."""
-    from ..view.checkpoint import open_checkpoint
-
     p = plan_set_step(open_checkpoint(path), **kw)
     return p, (io.execute(p.plan, backup_dir=backup_dir, on_stage=on_stage, copy=copy) if p.plan.writes else None)
 

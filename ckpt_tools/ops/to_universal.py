@@ -50,126 +50,46 @@ folder of a fixed name with a journal (`write/shares`), so that the same command
 
 from __future__ import annotations
 
+import hashlib
 import json
-import math
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
-from ..read import allowlist
-from ..read.pickle_reader import FdCache
 from ..errors import CkptError, UnsupportedCheckpoint
-from ..read.tensor_read import read_tensor, source_ranges
-from ..read.tp_layout import Rule, TPLayout, merge_shards
+from ..formats import _common as C
+from ..formats import deepspeed as D
+from ..formats import deepspeed_moe, detect
+from ..formats import megatron_pipeline as M
+from ..read.tensor_read import read_tensor
+from ..read.tp_layout import TPLayout
 from ..read.tree import Checkpoint, GroupNode, TensorNode, ValueNode
+from ..view.accounting import guard, left_behind
+from ..view.logical import name_key
+from ..write import io, shares
+from .diff import iter_lines, logical_diff
+from .tp_sync import compare_shards
+from .universal_files import (  # the plan's types and the files' writers; _save_record and verify_written stay
+    ADAM_STATE,  # importable from here (tests write records with it and re-read outputs)
+    PARAM_N_SUB_PARAMS,
+    VOCAB_TENSOR,
+    ParamJob,
+    UniversalPlan,
+    UniversalResult,
+    _save_record,  # noqa: F401
+    _steps_and_globals,
+    _write_common,
+    convert_params,
+    verify_written,
+)
 
 _EXPERT_NAME = re.compile(r"\.deepspeed_experts\.\d+\.")  # deepspeed.moe's expert parameters
-STATES = ("fp32", "exp_avg", "exp_avg_sq")  # what DeepSpeed's ZeRO-3 universal loader reads (and only that)
-ADAM_STATE = frozenset(("exp_avg", "exp_avg_sq"))
-OPTIM_SHARDED_KEYS = (
-    "base_optimizer_state",
-    "single_partition_of_fp32_groups",
-    "param_slice_mappings",
-    "fp32_flat_groups",
-    "optimizer_state_dict",
-)
-VOCAB_TENSOR = "vocab_tensor"  # deepspeed.checkpoint.constants.VOCAB_TENSOR
-PARAM_N_SUB_PARAMS = "param_n_sub_params"
 
 
 class ReplicasDisagree(CkptError):
     """TP-replicated parameters differ across TP ranks: averaging or picking one is a decision for the user."""
-
-
-# --- the plan -----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ParamJob:
-    """One parameter's output: where each state's elements are, and how its TP shards merge."""
-
-    name: str
-    shape: tuple[int, ...]  # the logical (merged, vocabulary padding stripped) shape
-    param_group: int
-    states: dict[str, TensorNode] = field(repr=False)  # state -> node (with pieces, or with TP shards)
-    merge: str = "whole"  # "whole" (TP=1), "replicated", "average", "cat:<d>", "cat_sub:<d>"
-    rule: Rule | None = field(default=None, repr=False)
-    how: str = ""  # why this merge (rule source + pattern), for --dry-run
-    extra: dict[str, Any] = field(default_factory=dict)  # cat_dim, vocab_tensor, param_n_sub_params
-    module_only: bool = False  # a module tensor with no optimizer state (DeepSpeed writes fp32.pt for it too)
-    has_step: bool = True  # the optimizer keeps a step (Adam, Adagrad: step.pt is written; SGD: none)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(4 * math.prod(self.shape) for _ in self.states)
-
-
-@dataclass(frozen=True)
-class UniversalPlan:
-    """Everything `execute` will write, decided (and every refusal raised) before any byte is written."""
-
-    source: Path
-    source_format: str
-    tag_dir: Path
-    tag: str
-    out: Path
-    topology: dict[str, Any]
-    params: tuple[ParamJob, ...]
-    model_files: tuple[Path, ...]  # model-states files copied into the tag folder
-    z3_aliases: tuple[tuple[str, str], ...]  # (name to write, copied file it duplicates) for ZeRO-3 loaders
-    optim_file: Path  # pp0/tp0/dp0 optimizer file: param groups, loss scaler, step
-    ds_version: Any
-    layout: str
-    notes: tuple[str, ...] = ()
-    options: dict[str, Any] = field(default_factory=dict)
-    state_keys: tuple[str, ...] = STATES[1:]  # the per-parameter optimizer state carried (besides fp32)
-    warnings: tuple[str, ...] = ()  # what DeepSpeed will do wrong with the output (see zero3_group_warnings)
-    stages: tuple[int, ...] = (1, 2, 3)  # the ZeRO stages whose universal loader the output is written for
-    #: `--trust-pickles` let the source's globals outside the allowlist through: the output may carry them
-    trust_pickles: bool = False
-
-    @property
-    def out_tag(self) -> str:
-        return f"{self.tag}_universal"
-
-    @property
-    def nbytes(self) -> int:
-        return sum(j.nbytes for j in self.params) + sum(p.stat().st_size for p in self.model_files)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "source": str(self.source),
-            "format": self.source_format,
-            "tag": self.tag,
-            "out": str(self.out),
-            "out_tag": self.out_tag,
-            "topology": self.topology,
-            "tp_layout": self.layout,
-            "bytes": self.nbytes,
-            "files": 2
-            + len(self.model_files)
-            + len(self.z3_aliases)
-            + sum(len(j.states) + (0 if j.module_only or not j.has_step else 1) for j in self.params),
-            "model_files": [p.name for p in self.model_files] + [a for a, _ in self.z3_aliases],
-            "params": [
-                {
-                    "name": j.name,
-                    "shape": list(j.shape),
-                    "merge": j.merge,
-                    "how": j.how,
-                    "states": list(j.states),
-                    "bytes": j.nbytes,
-                }
-                for j in self.params
-            ],
-            "notes": list(self.notes),
-            "warnings": list(self.warnings),
-            "optimizer_state": list(self.state_keys),
-            "loads_at_zero_stages": list(self.stages),
-        }
 
 
 def _open_source(
@@ -177,13 +97,6 @@ def _open_source(
 ) -> tuple[Checkpoint, Path, str]:
     """(checkpoint, tag folder, kind) for the inputs we convert, refused while it is not the whole checkpoint
     (`accounting.require_whole`)."""
-    from ..view.accounting import guard
-
-    from ..formats import _common as C
-    from ..formats import deepspeed as D
-    from ..formats import deepspeed_moe, detect
-    from ..formats import megatron_pipeline as M
-
     mod = detect(path)
     name = mod.__name__.rsplit(".", 1)[-1]
     if path.is_file():
@@ -281,10 +194,58 @@ def plan_to_universal(
         raise ValueError(f"--target-stage {target_stage!r}: use 1, 2 or 3")
     src = Path(source)
     ck, tag_dir, kind = _open_source(src, (), allow_unread=allow_unread, trust_pickles=trust_pickles)
-    from ..formats import deepspeed as D
-
     ranks = D.list_rank_files(tag_dir)
     tp, pp, dp = ck.topology.tp or 1, ck.topology.pp or 1, ck.topology.dp or 1
+    optim_file = _optimizer_file(ck, tag_dir, kind, ranks, tp)
+    layout, layout_name = _merge_layout(ck, tag_dir, ranks, tp, tp_layout, patterns)
+    notes: list[str] = left_behind(ck)
+    # a pickle naming code the reader would not run: the dry run must say so before anything loads it
+    notes += [f"warning {w.code}: {w.message} ({w.path})" for w in ck.warnings if w.code == "unknown-global"]
+    jobs, state_keys = _param_jobs(ck, tag_dir, kind, layout, layout_name, tp)
+    jobs = _check_replicas(jobs, tp_replicated, tag_dir, notes)
+    stages, jobs = _loader_stages(ck, tag_dir, jobs, state_keys, target_stage, notes)
+    warnings: list[str] = []
+    if 3 in stages:
+        groups = _param_groups_of(ck)
+        adam = any("exp_avg" in j.states for j in jobs)
+        warnings += [
+            w if target_stage == 3 else f"if loaded at ZeRO-3: {w}"
+            for w in zero3_group_warnings(groups, shared_step=adam)
+        ]
+    model_files, aliases = _model_files(ck, tag_dir, kind, ranks, stages)
+    topo = {"dp": dp, "tp": tp, "pp": pp, "zero_stage": ck.topology.zero_stage}
+    if kind == "pipeline" and tp > 1:
+        notes.append(f"TP shards merged by {layout_name}; the loader splits them again for any TP size")
+    return UniversalPlan(
+        src,
+        ck.format,
+        tag_dir,
+        tag_dir.name,
+        Path(out),
+        topo,
+        tuple(jobs),
+        model_files,
+        tuple(aliases),
+        optim_file,
+        ck.details.get("ds_version"),
+        layout_name,
+        tuple(notes),
+        {
+            "tp_layout": tp_layout,
+            "patterns": list(patterns),
+            "tp_replicated": tp_replicated,
+            "target_stage": target_stage,
+        },
+        state_keys,
+        tuple(warnings),
+        stages,
+        trust_pickles=bool(ck.details.get("carried_pickles")),
+    )
+
+
+def _optimizer_file(ck: Checkpoint, tag_dir: Path, kind: str, ranks: dict, tp: int) -> Path:
+    """The pp0/tp0/dp0 optimizer file (param groups, loss scaler, step), refused where there is none to convert
+    from or the ZeRO checkpoint is tensor-parallel (AutoTP)."""
     if kind == "zero" and tp > 1:
         raise UnsupportedCheckpoint(
             f"a ZeRO checkpoint with mp_world_size={tp} (AutoTP) is not supported yet",
@@ -301,14 +262,18 @@ def plan_to_universal(
             path=tag_dir,
             hint="a universal checkpoint is built from the ZeRO optimizer state",
         )
-    optim_file = first.optim[min(first.optim)] if first.optim else Path(ck.path) / expp0[0].path
+    return first.optim[min(first.optim)] if first.optim else Path(ck.path) / expp0[0].path
+
+
+def _merge_layout(
+    ck: Checkpoint, tag_dir: Path, ranks: dict, tp: int, tp_layout: str | None, patterns: Sequence[str]
+) -> tuple[TPLayout | None, str]:
+    """(the TP merge rules, their name for the plan): None at TP=1; refused at TP > 1 when no rule source is
+    known (no universal_checkpoint_info, no --tp-layout, no --pattern)."""
     ms0 = ck.get("universal_checkpoint_info") if "universal_checkpoint_info" in ck.tree.children else None
     info = _raw_info(tag_dir, ranks) if ms0 is not None else None
     swiglu = False
     layout = _layout_for(info, tp, tp_layout, patterns, swiglu)
-    from ..view.accounting import left_behind
-
-    notes: list[str] = left_behind(ck)
     if tp > 1 and layout is None:
         raise UnsupportedCheckpoint(
             f"tensor-parallel checkpoint (tp={tp}) without universal_checkpoint_info: which parameters are "
@@ -317,55 +282,24 @@ def plan_to_universal(
             hint="pass --tp-layout megatron for Megatron-style names, or --pattern REGEX=MERGE for each kind; "
             "DeepSpeed's --inject_missing_state would concatenate every tensor on dim 0",
         )
-    layout_name = "tp=1 (nothing to merge)" if layout is None else " > ".join(layout.sources)
-    # a pickle naming code the reader would not run: the dry run must say so before anything loads it
-    notes += [f"warning {w.code}: {w.message} ({w.path})" for w in ck.warnings if w.code == "unknown-global"]
+    return layout, "tp=1 (nothing to merge)" if layout is None else " > ".join(layout.sources)
 
+
+def _param_jobs(
+    ck: Checkpoint, tag_dir: Path, kind: str, layout: TPLayout | None, layout_name: str, tp: int
+) -> tuple[list[ParamJob], tuple[str, ...]]:
+    """(one job per parameter with optimizer state, then (ZeRO) one per module tensor without, the per-parameter
+    optimizer state keys besides fp32); refused when a parameter has no TP merge rule."""
     state = ck.optimizer.children.get("state", GroupNode()).children
     jobs: list[ParamJob] = []
     unknown: list[str] = []
     keys_seen: set[str] = set()
     for name, entry in state.items():
-        kids = entry.children
-        # every per-parameter state the format reader found (exp_avg/exp_avg_sq, momentum_buffer, sum, ...)
-        nodes = {k: v for k, v in kids.items() if isinstance(v, TensorNode) and k != "step"}
-        weight = ck.model.children.get(name) if ck.topology.zero_stage == 0 else None
-        if "fp32" not in nodes and isinstance(weight, TensorNode) and weight.dtype == "float32":
-            nodes["fp32"] = weight  # no ZeRO, fp32 training: the weights are the master
-        if "fp32" not in nodes:
-            raise UnsupportedCheckpoint(
-                f"parameter {name} has no fp32 master weight in the optimizer files",
-                path=tag_dir,
-                hint="the optimizer files are incomplete; re-copy them",
-            )
-        nodes = {"fp32": nodes["fp32"], **{k: nodes[k] for k in sorted(nodes) if k != "fp32"}}
-        keys_seen |= set(nodes) - {"fp32"}
-        group = int(kids["param_group"].value) if isinstance(kids.get("param_group"), ValueNode) else 0
-        fp32 = nodes["fp32"]
-        has_step = "step" in kids
-        if layout is None:
-            jobs.append(
-                ParamJob(name, fp32.shape, group, nodes, "whole", None, "tp=1", {"cat_dim": 0}, has_step=has_step)
-            )
-            continue
-        shard_shape = fp32.shards[0].shape if fp32.shards else fp32.shape
-        rule = layout.rule(name)
-        if rule.merge is None:
+        job = _param_job(ck, tag_dir, name, entry, layout, tp, keys_seen)
+        if job is None:
             unknown.append(name)
-            continue
-        merge = rule.merge
-        extra: dict[str, Any] = {}
-        shape = list(shard_shape)
-        if merge.startswith(("cat:", "cat_sub:")):
-            d = rule.cat_dim
-            shape[d] *= tp
-            extra["cat_dim"] = d
-            if merge.startswith("cat_sub:"):
-                extra[PARAM_N_SUB_PARAMS] = rule.sub_params or 2
-        if rule.vocab_size and merge.startswith("cat:") and shape[0] >= rule.vocab_size:
-            shape[0] = rule.vocab_size
-            extra[VOCAB_TENSOR] = True
-        jobs.append(ParamJob(name, tuple(shape), group, nodes, merge, rule, rule.describe(), extra, has_step=has_step))
+        else:
+            jobs.append(job)
     if unknown:
         raise UnsupportedCheckpoint(
             f"no TP merge rule for {len(unknown)} parameters ({', '.join(unknown[:6])}"
@@ -373,7 +307,6 @@ def plan_to_universal(
             path=tag_dir,
             hint="add --pattern REGEX=MERGE (replicated, average, cat:0, cat:1) for them, or --tp-layout megatron",
         )
-
     # module tensors without optimizer state: DeepSpeed writes {"param": weight.float()} as fp32.pt for them
     if kind == "zero":
         for name, node in ck.model.children.items():
@@ -391,11 +324,62 @@ def plan_to_universal(
                         module_only=True,
                     )
                 )
+    return jobs, tuple(sorted(keys_seen))
 
-    jobs = _check_replicas(jobs, tp_replicated, tag_dir, notes)
 
-    # which ZeRO stages can load the state (see the module docstring), and what the stage-3 loader changes
-    state_keys = tuple(sorted(keys_seen))
+def _param_job(
+    ck: Checkpoint, tag_dir: Path, name: str, entry: Any, layout: TPLayout | None, tp: int, keys_seen: set[str]
+) -> ParamJob | None:
+    """One parameter's job: its fp32 master and every per-parameter state, merged by the layout's rule (None: the
+    layout has no rule for it). Adds its state keys to `keys_seen`."""
+    kids = entry.children
+    # every per-parameter state the format reader found (exp_avg/exp_avg_sq, momentum_buffer, sum, ...)
+    nodes = {k: v for k, v in kids.items() if isinstance(v, TensorNode) and k != "step"}
+    weight = ck.model.children.get(name) if ck.topology.zero_stage == 0 else None
+    if "fp32" not in nodes and isinstance(weight, TensorNode) and weight.dtype == "float32":
+        nodes["fp32"] = weight  # no ZeRO, fp32 training: the weights are the master
+    if "fp32" not in nodes:
+        raise UnsupportedCheckpoint(
+            f"parameter {name} has no fp32 master weight in the optimizer files",
+            path=tag_dir,
+            hint="the optimizer files are incomplete; re-copy them",
+        )
+    nodes = {"fp32": nodes["fp32"], **{k: nodes[k] for k in sorted(nodes) if k != "fp32"}}
+    keys_seen |= set(nodes) - {"fp32"}
+    group = int(kids["param_group"].value) if isinstance(kids.get("param_group"), ValueNode) else 0
+    fp32 = nodes["fp32"]
+    has_step = "step" in kids
+    if layout is None:
+        return ParamJob(name, fp32.shape, group, nodes, "whole", None, "tp=1", {"cat_dim": 0}, has_step=has_step)
+    shard_shape = fp32.shards[0].shape if fp32.shards else fp32.shape
+    rule = layout.rule(name)
+    if rule.merge is None:
+        return None
+    merge = rule.merge
+    extra: dict[str, Any] = {}
+    shape = list(shard_shape)
+    if merge.startswith(("cat:", "cat_sub:")):
+        d = rule.cat_dim
+        shape[d] *= tp
+        extra["cat_dim"] = d
+        if merge.startswith("cat_sub:"):
+            extra[PARAM_N_SUB_PARAMS] = rule.sub_params or 2
+    if rule.vocab_size and merge.startswith("cat:") and shape[0] >= rule.vocab_size:
+        shape[0] = rule.vocab_size
+        extra[VOCAB_TENSOR] = True
+    return ParamJob(name, tuple(shape), group, nodes, merge, rule, rule.describe(), extra, has_step=has_step)
+
+
+def _loader_stages(
+    ck: Checkpoint,
+    tag_dir: Path,
+    jobs: list[ParamJob],
+    state_keys: tuple[str, ...],
+    target_stage: int | None,
+    notes: list[str],
+) -> tuple[tuple[int, ...], list[ParamJob]]:
+    """(the ZeRO stages whose universal loader can load the state (see the module docstring), the jobs with
+    deepspeed.moe's experts marked); refused when --target-stage asks for a stage that cannot."""
     stages: tuple[int, ...] = (1, 2, 3)
     reason3 = stage3_incompatibility(state_keys)
     if reason3 is not None:
@@ -409,44 +393,43 @@ def plan_to_universal(
         notes.append(f"written for ZeRO-1/2 loaders only: {reason3}")
     elif target_stage is not None:
         stages = (3,) if target_stage == 3 else (1, 2)
-    if ck.details.get("num_experts"):  # a checkpoint that declares deepspeed.moe experts
-        if target_stage == 3:
-            raise UnsupportedCheckpoint(
-                "a deepspeed.moe checkpoint cannot be loaded at ZeRO-3: DeepSpeed's ZeRO-3 "
-                "universal loader gives every param group group 0's settings, and its "
-                "MoE groups would lose `moe`",
-                path=tag_dir,
-                hint="load it at ZeRO stage 1 or 2",
-            )
-        stages = (1, 2)
-        # DeepSpeed's universal loader finds each expert's folder by the loading rank's LOCAL expert id: at
-        # ep_size > 1 every expert-parallel rank would load experts 0.. of its layer. Marked as expert
-        # parameters (`is_expert_param`, `ep_num_experts`: DeepSpeed's own keys), the loader stops instead at
-        # ep_size > 1 (it then asserts a stacked [num_experts, ...] tensor), and loads them as they are at 1
-        n_exp = ck.details.get("num_experts")
-        jobs = [
-            replace(j, extra={**j.extra, "is_expert_param": True, "ep_num_experts": n_exp})
-            if _EXPERT_NAME.search(j.name)
-            else j
-            for j in jobs
-        ]
-        notes += [
-            f"every expert is written under its global id ({ck.details.get('experts', '')}): load it at "
-            "expert-parallel size 1 (any DP size, ZeRO-1/2). DeepSpeed's universal loader finds each expert's "
-            "folder by the loading rank's LOCAL expert id; the expert files are marked so that it stops with "
-            "an assertion at ep_size > 1 rather than load every rank's experts from experts 0..",
-            "the MoE param groups' `name` (ep_size_N, the saved expert-parallel size) is left out: the "
-            "loading run keeps its own",
-        ]
-    warnings: list[str] = []
-    if 3 in stages:
-        groups = _param_groups_of(ck)
-        adam = any("exp_avg" in j.states for j in jobs)
-        warnings += [
-            w if target_stage == 3 else f"if loaded at ZeRO-3: {w}"
-            for w in zero3_group_warnings(groups, shared_step=adam)
-        ]
+    if not ck.details.get("num_experts"):  # a checkpoint that declares deepspeed.moe experts
+        return stages, jobs
+    if target_stage == 3:
+        raise UnsupportedCheckpoint(
+            "a deepspeed.moe checkpoint cannot be loaded at ZeRO-3: DeepSpeed's ZeRO-3 "
+            "universal loader gives every param group group 0's settings, and its "
+            "MoE groups would lose `moe`",
+            path=tag_dir,
+            hint="load it at ZeRO stage 1 or 2",
+        )
+    # DeepSpeed's universal loader finds each expert's folder by the loading rank's LOCAL expert id: at
+    # ep_size > 1 every expert-parallel rank would load experts 0.. of its layer. Marked as expert
+    # parameters (`is_expert_param`, `ep_num_experts`: DeepSpeed's own keys), the loader stops instead at
+    # ep_size > 1 (it then asserts a stacked [num_experts, ...] tensor), and loads them as they are at 1
+    n_exp = ck.details.get("num_experts")
+    jobs = [
+        replace(j, extra={**j.extra, "is_expert_param": True, "ep_num_experts": n_exp})
+        if _EXPERT_NAME.search(j.name)
+        else j
+        for j in jobs
+    ]
+    notes += [
+        f"every expert is written under its global id ({ck.details.get('experts', '')}): load it at "
+        "expert-parallel size 1 (any DP size, ZeRO-1/2). DeepSpeed's universal loader finds each expert's "
+        "folder by the loading rank's LOCAL expert id; the expert files are marked so that it stops with "
+        "an assertion at ep_size > 1 rather than load every rank's experts from experts 0..",
+        "the MoE param groups' `name` (ep_size_N, the saved expert-parallel size) is left out: the "
+        "loading run keeps its own",
+    ]
+    return (1, 2), jobs
 
+
+def _model_files(
+    ck: Checkpoint, tag_dir: Path, kind: str, ranks: dict, stages: tuple[int, ...]
+) -> tuple[tuple[Path, ...], list[tuple[str, str]]]:
+    """(the model-states files copied into the tag folder, (name, copied file) for each second name a loader of
+    the other ZeRO stages globs)."""
     model_files = tuple(sorted(rf.model_states for rf in ranks.values() if rf.model_states))
     if kind == "zero" and ck.topology.zero_stage == 3:
         model_files = tuple(sorted([*model_files, *(p for rf in ranks.values() for p in rf.z3_model.values())]))
@@ -468,35 +451,7 @@ def plan_to_universal(
             aliases.append((z3, have))
         if 1 in stages and plain not in names:
             aliases.append((plain, have))
-    ds_version = ck.details.get("ds_version")
-    topo = {"dp": dp, "tp": tp, "pp": pp, "zero_stage": ck.topology.zero_stage}
-    if kind == "pipeline" and tp > 1:
-        notes.append(f"TP shards merged by {layout_name}; the loader splits them again for any TP size")
-    return UniversalPlan(
-        src,
-        ck.format,
-        tag_dir,
-        tag_dir.name,
-        Path(out),
-        topo,
-        tuple(jobs),
-        model_files,
-        tuple(aliases),
-        optim_file,
-        ds_version,
-        layout_name,
-        tuple(notes),
-        {
-            "tp_layout": tp_layout,
-            "patterns": list(patterns),
-            "tp_replicated": tp_replicated,
-            "target_stage": target_stage,
-        },
-        state_keys,
-        tuple(warnings),
-        stages,
-        trust_pickles=bool(ck.details.get("carried_pickles")),
-    )
+    return model_files, aliases
 
 
 # --- optimizer state beyond Adam's ---------------------------------------------------------------------
@@ -580,11 +535,14 @@ def _fmt(v: Any) -> str:
     return repr(v) if not isinstance(v, (int, list, tuple)) else str(v)
 
 
-def _plain(node: Any) -> Any:
+def _plain_without_objects(node: Any) -> Any:
+    """A subtree as plain Python, like `read.tree.node_to_python` except that an object of a class the reader does
+    not run (an OpaqueNode) becomes None, not a dict of its recorded fields: so no object is taken for a param
+    group."""
     if isinstance(node, ValueNode):
         return node.value
     if isinstance(node, GroupNode):
-        return {k: _plain(v) for k, v in node.children.items()}
+        return {k: _plain_without_objects(v) for k, v in node.children.items()}
     if isinstance(node, TensorNode):
         return node.value
     return None
@@ -593,7 +551,7 @@ def _plain(node: Any) -> Any:
 def _param_groups_of(ck: Checkpoint) -> list[dict]:
     """The saved param groups as plain dicts (group order), from the tree."""
     node = ck.optimizer.children.get("param_groups") if ck.optimizer is not None else None
-    raw = _plain(node)
+    raw = _plain_without_objects(node)
     if isinstance(raw, dict):
         raw = [raw[k] for k in sorted(raw, key=lambda k: int(k) if str(k).isdigit() else 0)]
     return [g for g in (raw or []) if isinstance(g, dict)]
@@ -601,8 +559,6 @@ def _param_groups_of(ck: Checkpoint) -> list[dict]:
 
 def _raw_info(tag_dir: Path, ranks) -> Any:
     """The universal_checkpoint_info dict of mp_rank 00 as plain Python (our reader keeps it as nodes)."""
-    from ..formats import _common as C
-
     ms = C.LoadCache(tag_dir).load(ranks[min(ranks)].model_states).obj
     return ms.get("universal_checkpoint_info") if isinstance(ms, dict) else None
 
@@ -613,8 +569,6 @@ def _raw_info(tag_dir: Path, ranks) -> Any:
 def replica_differences(node: TensorNode) -> float | None:
     """Max |shard_t - shard_0| over the TP shards of a replicated tensor; None when all are bit-identical.
     The comparison is `ops.tp_sync.compare_shards` (the one `ckpt sync-tp` reports with)."""
-    from .tp_sync import compare_shards
-
     if len(node.shards) < 2:
         return None
     diff = compare_shards([read_tensor(s) for s in node.shards], "fp32", 0.0, 0.0)
@@ -655,347 +609,11 @@ def _check_replicas(jobs: list[ParamJob], policy: str | None, where: Path, notes
     ]
 
 
-# --- reading --------------------------------------------------------------------------------------------
-
-
-def _merged_state(job: ParamJob, key: str, fds: FdCache):
-    import torch
-
-    node = job.states[key]
-    if not node.shards:
-        t = read_tensor(node, fds)
-    else:
-        parts = [read_tensor(s, fds) for s in node.shards]
-        if job.merge == "replicated":
-            t = parts[0]
-        elif job.merge == "average":
-            t = sum(parts) / len(parts)
-        else:
-            t = merge_shards(job.rule, parts)
-        del parts
-    if job.extra.get(VOCAB_TENSOR):
-        t = t[: job.shape[0]]
-    if t.dtype != torch.float32 and job.module_only:
-        t = t.float()
-    return t.contiguous()
-
-
-# --- writing --------------------------------------------------------------------------------------------
-
-
-def _check_globals(pickle_bytes: bytes, source: Path) -> None:
-    """Refuse to copy a pickled global outside the allowlist (`read.allowlist`) into the output: DeepSpeed loads
-    these files with a full unpickler, so a global copied here would run there."""
-    import pickletools
-
-    for op, arg, _ in pickletools.genops(pickle_bytes):
-        if op.name != "GLOBAL":
-            continue
-        module, _, name = str(arg).partition(" ")
-        if not allowlist.is_allowed(module, name):
-            raise UnsupportedCheckpoint(
-                f"refusing to load: the pickle names a class outside the allowlist ({allowlist.dotted(module, name)})",
-                path=source,
-                hint="inspect it with `ckpt inspect` to see the unknown global",
-            )
-
-
-@dataclass(frozen=True)
-class _Prepared:
-    """A small tree of records from the optimizer file, pickled and checked once, written to many files."""
-
-    obj: Any
-    pickle_bytes: bytes
-    storages: dict
-    data: dict
-
-
-def _prepare(obj: Any, source: Path) -> _Prepared:
-    from ..write.pickle_writer import _pickle_tree
-
-    pickle_bytes, storages = _pickle_tree(obj, str(source))
-    _check_globals(pickle_bytes, source)
-    # the storages' bytes now (a step is 4 bytes; optimizer_state.pt holds nothing big)
-    data = {k: bytes(s.source.read_storage(s, 0, s.nbytes)) for k, s in storages.items() if s.source is not None}
-    return _Prepared(obj, pickle_bytes, storages, data)
-
-
-def _save_record(obj: Any, path: Path, source: Path) -> None:
-    """`torch.save(obj, path)` for a tree of records read from `source` (their storages copied from it)."""
-    from ..write.torch_zip import save
-
-    p = obj if isinstance(obj, _Prepared) else _prepare(obj, source)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save(p.obj, path, p.data, pickle_bytes=p.pickle_bytes, storages=p.storages)
-
-
-def _steps_and_globals(plan: UniversalPlan) -> tuple[dict[int, Any], dict[str, Any]]:
-    """(step per param group, optimizer_state.pt) from the pp0/tp0/dp0 optimizer file, as `pickle_reader`
-    records: nothing in the pickle runs, the flat partitions are never read, and `_save_record` writes the
-    small fields back as torch.save would have (refusing any global outside the DeepSpeed allowlist)."""
-    from ..errors import CorruptCheckpoint
-    from ..read.pickle_reader import load
-
-    sd = load(plan.optim_file).obj
-    if plan.topology.get("zero_stage") == 0:
-        return _torch_optimizer_globals(sd, plan)
-    osd = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
-    if not isinstance(osd, dict):
-        raise CorruptCheckpoint(
-            "the optimizer file has no optimizer_state_dict",
-            path=plan.optim_file,
-            hint="the optimizer files are incomplete; re-copy them",
-        )
-    inner = osd.get("optimizer_state_dict") if "fp32_flat_groups" in osd else osd.get("base_optimizer_state")
-    inner = inner if isinstance(inner, dict) else {}
-    groups = inner.get("param_groups") or []
-    steps = {}
-    for g, st in (inner.get("state") or {}).items():
-        if isinstance(st, dict) and "step" in st:
-            steps[int(g)] = st["step"]
-    out = {k: v for k, v in osd.items() if k not in OPTIM_SHARDED_KEYS}
-    out["param_groups"] = _without_ep_names(groups)
-    if 3 in plan.stages:
-        # the ZeRO-3 loader reads optimizer_state_dict.state[0].step and .param_groups[0]
-        out["optimizer_state_dict"] = {"state": {g: {"step": s} for g, s in steps.items()}, "param_groups": groups}
-    if plan.ds_version and "ds_version" not in out:
-        out["ds_version"] = plan.ds_version  # ZeRO-3 files lack it; ZeRO-1/2 fp16/fp32 loaders assert it
-    return steps, out
-
-
-def _without_ep_names(groups: list) -> list:
-    """An MoE group's `name` is its expert group at the SAVED expert-parallel size (ep_size_N); DeepSpeed's
-    loader copies every key of a saved group onto the live one, and the live group must keep the name of the
-    size it runs at (its optimizer looks the expert process group up by it): left out."""
-    return [{k: v for k, v in g.items() if k != "name"} if isinstance(g, dict) and g.get("moe") else g for g in groups]
-
-
-def _torch_optimizer_globals(sd: Any, plan: UniversalPlan) -> tuple[dict[int, Any], dict[str, Any]]:
-    """No ZeRO (`expp_rank_0_…_optim_states.pt`: `{'optimizer': torch state_dict}`): each group's step is its
-    first parameter's (torch's Adam keeps one per parameter, all equal), and optimizer_state.pt holds what the
-    ZeRO-1/2 universal loader reads from it: the param groups and `ds_version` (it asserts one)."""
-    from ..errors import CorruptCheckpoint
-
-    osd = sd.get("optimizer") if isinstance(sd, dict) else None
-    if not isinstance(osd, dict) or not isinstance(osd.get("param_groups"), list):
-        raise CorruptCheckpoint(
-            "the optimizer file holds no torch optimizer state", path=plan.optim_file, hint="re-copy it"
-        )
-    state = osd.get("state") if isinstance(osd.get("state"), dict) else {}
-    steps = {}
-    for gi, g in enumerate(osd["param_groups"]):
-        first = next((state[i] for i in g.get("params") or [] if isinstance(state.get(i), dict)), None)
-        if first is not None and "step" in first:
-            steps[gi] = first["step"]
-    return steps, {"param_groups": _without_ep_names(osd["param_groups"]), "ds_version": plan.ds_version}
-
-
-#: (extra items, dtype, shape) -> (pickle, storages) of a `{**extra, "param": tensor}` file: 581 parameters
-#: have a few dozen distinct shapes, and pickling is the per-file cost that remains
-_PICKLES: dict[tuple, tuple[bytes, dict]] = {}
-
-
-def _state_pickle(extra: dict[str, Any], dtype: str, shape: tuple[int, ...]) -> tuple[dict, bytes, dict]:
-    from ..write.pickle_writer import _pickle_tree
-    from ..write.torch_zip import tensor_record
-
-    obj = {**extra, "param": tensor_record(dtype, shape)}
-    key = (repr(list(extra.items())), dtype, shape)
-    hit = _PICKLES.get(key)
-    if hit is None:
-        hit = _PICKLES[key] = _pickle_tree(obj, None)
-    return obj, *hit
-
-
-def _write_state(job: ParamJob, key: str, path: Path, fds: FdCache) -> int:
-    """Write `{**job.extra, "param": <state key's tensor>}` as torch.save would; returns its tensor bytes."""
-    from ..write.torch_zip import save
-
-    node = job.states[key]
-    direct = (
-        job.merge == "whole" and not job.extra.get(VOCAB_TENSOR) and (not job.module_only or node.dtype == "float32")
-    )
-    ranges = source_ranges(node, fds) if direct else None
-    if ranges is not None:
-        obj, pickle_bytes, storages = _state_pickle(job.extra, node.dtype, tuple(node.shape))
-        return save(obj, path, {"0": ranges}, pickle_bytes=pickle_bytes, storages=storages)
-    t = _merged_state(job, key, fds)  # merged / converted in memory (imports torch)
-    obj, pickle_bytes, storages = _state_pickle(job.extra, str(t.dtype).removeprefix("torch."), tuple(t.shape))
-    raw = t.reshape(-1).view(_torch_uint8()).numpy() if t.numel() else b""
-    return save(obj, path, {"0": raw}, pickle_bytes=pickle_bytes, storages=storages)
-
-
-def _torch_uint8():
-    import torch
-
-    return torch.uint8
-
-
-def _convert_one(job: ParamJob, zero_dir: Path, steps: dict[int, _Prepared], fds: FdCache, source: Path) -> int:
-    pdir = zero_dir / job.name
-    pdir.mkdir(parents=True, exist_ok=True)
-    written = 0
-    for key in job.states:
-        written += _write_state(job, key, pdir / f"{key}.pt", fds)
-    if not job.module_only and job.param_group in steps:
-        _save_record(steps[job.param_group], pdir / "step.pt", source)
-    return written
-
-
-@dataclass(frozen=True)
-class UniversalResult:
-    """What `execute` did."""
-
-    out: Path
-    tag: str
-    params: int
-    bytes_written: int
-    files: int
-    problems: tuple[str, ...] = ()
-    #: a many-process job: parameters converted by this run and found finished in the journal, and each
-    #: rank's figures ({rank, host, params, resumed, bytes, seconds})
-    converted: int = -1
-    resumed: int = 0
-    ranks: tuple[dict, ...] = ()
-
-
-def convert_params(
-    plan: UniversalPlan,
-    tag_out: Path,
-    indices: Iterable[int],
-    *,
-    workers: int = 1,
-    progress: Callable[[int], None] | None = None,
-    steps: dict[int, Any] | None = None,
-    on_done: Callable[[ParamJob], None] | None = None,
-) -> int:
-    """Write `zero/<param>/` for the jobs at `indices` into `tag_out`; returns the bytes written. `on_done(job)`
-    runs in the calling thread after each parameter is written (the resumable job verifies and journals it)."""
-    if steps is None:
-        steps, _ = _steps_and_globals(plan)
-    steps = {g: _prepare(s, plan.optim_file) for g, s in steps.items()}  # one pickle per group's step.pt
-    zero_dir = tag_out / "zero"
-    zero_dir.mkdir(parents=True, exist_ok=True)
-    fds = FdCache()
-    jobs = [plan.params[i] for i in indices]
-    # biggest first: the pool finishes together instead of waiting on one huge tensor at the end
-    jobs.sort(key=lambda j: -math.prod(j.shape))
-    total = 0
-    try:
-        if workers <= 1:
-            for j in jobs:
-                n = _convert_one(j, zero_dir, steps, fds, plan.optim_file)
-                total += n
-                if on_done:
-                    on_done(j)
-                if progress:
-                    progress(n)
-        else:
-            pool = ThreadPoolExecutor(max_workers=workers)
-            try:
-                for j, n in zip(jobs, pool.map(lambda j: _convert_one(j, zero_dir, steps, fds, plan.optim_file), jobs)):
-                    total += n
-                    if on_done:
-                        on_done(j)
-                    if progress:
-                        progress(n)
-            except BaseException:
-                # Ctrl-C / SIGTERM: the tensors being written finish, the queued ones never start (a `with` block
-                # would wait for the whole conversion before the interruption could act)
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
-            pool.shutdown()
-    finally:
-        fds.close()
-    return total
-
-
-def _write_common(plan: UniversalPlan, root: Path, optimizer_state: dict[str, Any]) -> None:
-    """Everything but the per-parameter folders: model-states files, optimizer_state.pt, latest_universal."""
-    from ..write.torch_zip import copy_file
-
-    tag_out = root / plan.out_tag
-    tag_out.mkdir(parents=True, exist_ok=True)
-    for p in plan.model_files:
-        copy_file(p, tag_out / p.name)
-    for alias, target in plan.z3_aliases:
-        try:
-            os.link(tag_out / target, tag_out / alias)
-        except OSError:
-            copy_file(tag_out / target, tag_out / alias)
-    _save_record(optimizer_state, tag_out / "zero" / "optimizer_state.pt", plan.optim_file)
-    (root / "latest_universal").write_text(plan.out_tag)
-
-
-def verify_written(
-    plan: UniversalPlan,
-    root: Path,
-    indices: Iterable[int] | None = None,
-    *,
-    common: bool = True,
-    parsed: dict | None = None,
-) -> list[str]:
-    """Re-read what was written (pickles only, no tensor bytes): every planned file is there, holds a
-    `param` of the planned shape, and the common files exist. `indices`: only those parameters (a rank's
-    share); `common=False`: not the common files; `parsed`: a cache kept across calls."""
-    import zipfile
-
-    from ..formats import _common as C
-    from ..read.pickle_reader import TensorRef
-    from ..write.torch_zip import archive_name
-
-    tag_out = root / plan.out_tag
-    cache = C.LoadCache(tag_out)
-    problems = []
-    # data.pkl bytes -> (param shape, storage member, its size): equal pickles parse alike, so each distinct
-    # pickle (a few dozen among thousands of files) is parsed once; every file's own zip directory is read
-    parsed = {} if parsed is None else parsed
-    for j in plan.params if indices is None else [plan.params[i] for i in indices]:
-        files = [*j.states] + ([] if j.module_only or j.param_group < 0 or not j.has_step else ["step"])
-        for key in files:
-            f = tag_out / "zero" / j.name / f"{key}.pt"
-            if not f.is_file():
-                problems.append(f"{j.name}/{key}.pt: missing")
-                continue
-            if key == "step":
-                continue
-            try:
-                with zipfile.ZipFile(f) as zf:
-                    prefix = f"{archive_name(f)}/"
-                    pkl = zf.read(prefix + "data.pkl")
-                    got = parsed.get(pkl)
-                    if got is None:
-                        obj = cache.load(f).obj
-                        ref = obj.get("param") if isinstance(obj, dict) else None
-                        got = parsed[pkl] = (
-                            (tuple(ref.shape), f"data/{ref.storage.key}", ref.storage.nbytes)
-                            if isinstance(ref, TensorRef) and ref.storage is not None
-                            else (getattr(ref, "shape", None), "", 0)
-                        )
-                    if got[1] and zf.getinfo(prefix + got[1]).file_size != got[2]:
-                        problems.append(f"{j.name}/{key}.pt: {got[1]} does not hold {got[2]} bytes")
-            except (zipfile.BadZipFile, KeyError, OSError, CkptError) as e:
-                problems.append(f"{j.name}/{key}.pt: unreadable ({e})")
-                continue
-            if got[0] != tuple(j.shape):
-                problems.append(f"{j.name}/{key}.pt: expected shape {j.shape}, found {got[0]}")
-    if not common:
-        return problems
-    for rel in ["zero/optimizer_state.pt", *(p.name for p in plan.model_files), *(a for a, _ in plan.z3_aliases)]:
-        if not (tag_out / rel).is_file():
-            problems.append(f"{rel}: missing")
-    if (root / "latest_universal").read_text() != plan.out_tag:
-        problems.append("latest_universal does not name the tag folder")
-    return problems
-
-
 def verify_logical(plan: UniversalPlan, root: Path, only: Callable[[str], bool] | None = None) -> list[str]:
     """The logical comparison (`ckpt diff --logical`) of the source with the universal checkpoint at `root`:
     every parameter's fp32 master, every optimizer state tensor and step, the param groups and the counters
     must be equal, bit for bit. Returns one line per difference ([] when equal). With `only`, one process's
     share of it (`logical_diff(only=...)`: the tensors of the parameters it accepts, all else whole)."""
-    from .diff import iter_lines, logical_diff
-
     src, _, _ = _open_source(
         plan.source, plan.options.get("patterns") or (), allow_unread=True, trust_pickles=True
     )  # the plan checked the source
@@ -1023,10 +641,8 @@ def execute(
     With `distributed`, every rank of the initialised torch.distributed group (a torchrun job) calls this:
     `_execute_job`. Output bytes do not depend on the number of ranks.
     """
-    from ..write import io, shares
-
     if distributed:
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: torch only under torchrun (--distributed)
 
         if not dist.is_initialized():
             raise CkptError(
@@ -1055,8 +671,6 @@ def execute(
 
 
 def _plan_digest(plan: UniversalPlan) -> str:
-    import hashlib
-
     doc = [
         str(plan.source),
         plan.out_tag,
@@ -1081,9 +695,6 @@ def _execute_job(
     with `verify` every rank compares a share of the parameters with the source (`verify_logical(only=...)`),
     rank 0 also what belongs to no parameter folder; rank 0 renames the folder into place. The same command
     resumes an interrupted job."""
-    from ..view.logical import name_key
-    from ..write import shares
-
     units = [shares.Unit(f"{plan.out_tag}/zero/{p.name}", p.nbytes, p.name) for p in plan.params]
     held = {name_key(p.name) for p in plan.params}
 

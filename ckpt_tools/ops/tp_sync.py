@@ -24,18 +24,22 @@ would have written into them.
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 import struct
+from array import array
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from ..write import io
 from ..errors import UnsupportedCheckpoint
+from ..formats import detect
 from ..read.pickle_reader import DTYPE_SIZE, ZipSource
 from ..read.tp_layout import SOURCE_DATA, Rule, TPLayout, rule_from_data
 from ..read.tree import Checkpoint, GroupNode, OpaqueNode, Piece, TensorNode, ValueNode, Warning_
+from ..view.accounting import guard
+from ..write import io
 from ..write.zip_patch import Patch, patch_file, plan_in_place
 
 OPTIMIZER_REPRESENTATIONS = ("fp32", "exp_avg", "exp_avg_sq")
@@ -161,28 +165,27 @@ class TPSyncReport:
 def open_for_tp_sync(path: str | Path, patterns: Sequence[str] = ()) -> Checkpoint:
     """Open a checkpoint with user `REGEX[=MERGE]` patterns passed to a reader that takes them (the
     pipeline reader), so that its merge rules and this module's agree."""
-    from ..formats import detect
-
     p = Path(path)
     mod = detect(p)
-    if patterns and mod.__name__.endswith("megatron_pipeline"):
+    if patterns and "tp_patterns" in inspect.signature(mod.open).parameters:
         return mod.open(p, tp_patterns=tuple(patterns))
     return mod.open(p)
 
 
-def _plain(node: Any) -> Any:
-    """A tree node back to plain Python (for `universal_checkpoint_info`)."""
+def _plain_without_tensors(node: Any) -> Any:
+    """A tree node back to plain Python (for `universal_checkpoint_info`), like `read.tree.node_to_python` except
+    that a tensor becomes None, not its inline value: only the plain values DeepSpeed records there are rules."""
     if isinstance(node, GroupNode):
-        return {k: _plain(v) for k, v in node.children.items()}
+        return {k: _plain_without_tensors(v) for k, v in node.children.items()}
     if isinstance(node, OpaqueNode):
-        return {k: _plain(v) for k, v in node.children.items()}
+        return {k: _plain_without_tensors(v) for k, v in node.children.items()}
     if isinstance(node, ValueNode):
         return node.value
     return None
 
 
 def _layout(ck: Checkpoint, patterns: Sequence[str]) -> TPLayout:
-    info = _plain(ck.tree.children.get("universal_checkpoint_info"))
+    info = _plain_without_tensors(ck.tree.children.get("universal_checkpoint_info"))
     swiglu = False
     client = ck.tree.children.get("client_state")
     args = client.children.get("args") if isinstance(client, GroupNode) else None
@@ -261,7 +264,7 @@ def shard_values(shard: Any):
     """(float64 values, raw bit patterns, dtype name) of one TP shard, flattened, read with numpy: no torch on
     the check path (bf16, which numpy lacks, is widened from its bit patterns: the top half of a float32).
     `shard` is a TensorNode (its pieces read one by one), anything with `read_numpy()`, or a torch tensor."""
-    import numpy as np
+    import numpy as np  # lazy: numpy only when shard values are read; opening and planning stay numpy-free
 
     dtype = str(getattr(shard, "dtype", "")).replace("torch.", "")
     pieces = getattr(shard, "pieces", None)
@@ -307,8 +310,6 @@ def shard_bytes(shard: Any) -> bytes | None:
 
 def _py_values(raw: bytes, dtype: str):
     """The elements of `raw` as Python floats (exact for bf16/fp16/fp32/fp64), or None for other dtypes."""
-    from array import array
-
     if dtype == "bfloat16":  # bf16 is the top half of a float32
         return array("f", array("I", [h << 16 for h in array("H", raw)]).tobytes())
     if dtype == "float16":
@@ -363,7 +364,7 @@ def _compare_py(raws, values, representation: str, dtype: str, atol: float, rtol
 
 
 def _compare_numpy(shards: Sequence[Any], representation: str, atol: float, rtol: float) -> RepresentationDiff:
-    import numpy as np
+    import numpy as np  # lazy: numpy only for large shards (small ones are compared in pure Python)
 
     ref, ref_bits, dtype = shard_values(shards[0])
     max_abs = max_rel = 0.0
@@ -465,7 +466,7 @@ def check_tp_sync(ck: Checkpoint, atol: float = 0.0, rtol: float = 0.0, patterns
 
 def _synced_values(nodes: dict[str, TensorNode], method: str, from_rank: int) -> dict[str, Any]:
     """representation -> the one tensor every TP rank will hold."""
-    import torch
+    import torch  # lazy: torch only when a replica is synced; the check reads with numpy
 
     def pick(node: TensorNode):
         ts = [s.read_torch() for s in node.shards]
@@ -505,7 +506,7 @@ def _location(piece: Piece) -> tuple[str, int]:
 
 
 def _to_bytes(t) -> bytes:
-    import torch
+    import torch  # lazy: torch only when a replica is synced; the check reads with numpy
 
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
@@ -534,8 +535,6 @@ def plan_sync_tp(
     DP rank's piece of a flat partition is patched. Replicas only the data fallback vouches for are left
     alone (a note says so): pass `--pattern` to include them. Returns the plan and the report it is based on.
     """
-    from ..view.accounting import guard
-
     ck = guard(ck, ck.path, "sync-tp", allow_unread=allow_unread, trust_pickles=trust_pickles)
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r} (use {' or '.join(METHODS)})")
@@ -550,45 +549,8 @@ def plan_sync_tp(
     files: dict[str, _FilePatches] = {}
     how = "average of the TP ranks" if method == "average" else f"TP rank {from_rank}'s value"
     for p in targets:
-        nodes = by_name[p.name].nodes
-        new = _synced_values(nodes, method, from_rank)
-        for rep, node in nodes.items():
-            flat_new = new[rep].reshape(-1)
-            old = p.diff(rep)
-            note = how if rep in OPTIMIZER_REPRESENTATIONS or "fp32" not in new else "cast of the synced fp32 master"
-            for t, shard in enumerate(node.shards):
-                for piece in shard.pieces:
-                    member, offset = _location(piece)
-                    data = _to_bytes(flat_new[piece.dst_offset : piece.dst_offset + piece.numel])
-                    if data == piece.ref.read_numpy(piece.src_offset, piece.numel).tobytes():
-                        continue
-                    fp = files.setdefault(piece.file, _FilePatches())
-                    fp.patches.append(Patch(member, offset, data))
-                    where = ", ".join(f"{k}{v}" for k, v in piece.rank.items())
-                    fp.changes.append(
-                        io.FieldChange(
-                            piece.file, f"{p.name} {rep} [{where}]", old.max_abs_diff if old else None, 0.0, note
-                        )
-                    )
-
-    def producer(rel: str, patches: list[Patch]) -> Callable[[Path], None]:
-        return lambda tmp: patch_file(root / rel, tmp, patches)
-
-    def editor(patches: list[Patch]) -> Callable[[Path], io.InPlace]:
-        return lambda target: plan_in_place(target, patches)
-
-    writes = tuple(
-        io.FileWrite(
-            rel,
-            tuple(fp.changes),
-            (root / rel).stat().st_size,
-            producer(rel, fp.patches),
-            edit=editor(fp.patches),
-            method="byte patch in place (pickle untouched, CRC-32 updated from the changed "
-            "bytes; whole-file copy where in place is refused)",
-        )
-        for rel, fp in sorted(files.items())
-    )
+        _patch_param(p, by_name[p.name].nodes, method, from_rank, how, files)
+    writes = _patch_writes(root, files)
     notes = [
         *ck.details.get("carried_pickles", ()),
         f"method: {method}" + (f" (TP rank {from_rank})" if method == "rank0" else ""),
@@ -602,7 +564,69 @@ def plan_sync_tp(
     rng = [w for w in report.warnings if w.code == "tp-rng-mismatch"]
     if rng:
         notes.append("torch_rng_state differs across TP ranks: reported, not changed (a likely cause of the drift)")
-    synced = {p.name for p in targets}
+    plan = io.WritePlan(
+        root,
+        f"sync-tp --method {method}",
+        writes,
+        tuple(notes),
+        _verify_synced(patterns, {p.name for p in targets}),
+        trust_pickles=bool(ck.details.get("carried_pickles")),
+    )
+    return plan, report
+
+
+def _patch_param(
+    p: ParamSync, nodes: dict, method: str, from_rank: int, how: str, files: dict[str, _FilePatches]
+) -> None:
+    """The byte patches (per file, into `files`) that give every TP rank's piece of parameter `p`, in each
+    representation, its synced value; pieces already holding those bytes are left alone."""
+    new = _synced_values(nodes, method, from_rank)
+    for rep, node in nodes.items():
+        flat_new = new[rep].reshape(-1)
+        old = p.diff(rep)
+        note = how if rep in OPTIMIZER_REPRESENTATIONS or "fp32" not in new else "cast of the synced fp32 master"
+        for shard in node.shards:
+            for piece in shard.pieces:
+                member, offset = _location(piece)
+                data = _to_bytes(flat_new[piece.dst_offset : piece.dst_offset + piece.numel])
+                if data == piece.ref.read_numpy(piece.src_offset, piece.numel).tobytes():
+                    continue
+                fp = files.setdefault(piece.file, _FilePatches())
+                fp.patches.append(Patch(member, offset, data))
+                where = ", ".join(f"{k}{v}" for k, v in piece.rank.items())
+                fp.changes.append(
+                    io.FieldChange(
+                        piece.file, f"{p.name} {rep} [{where}]", old.max_abs_diff if old else None, 0.0, note
+                    )
+                )
+
+
+def _patch_writes(root: Path, files: dict[str, _FilePatches]) -> tuple[io.FileWrite, ...]:
+    """One FileWrite per patched file: its byte patches in place, else a whole-file copy with them applied."""
+
+    def producer(rel: str, patches: list[Patch]) -> Callable[[Path], None]:
+        return lambda tmp: patch_file(root / rel, tmp, patches)
+
+    def editor(patches: list[Patch]) -> Callable[[Path], io.InPlace]:
+        return lambda target: plan_in_place(target, patches)
+
+    return tuple(
+        io.FileWrite(
+            rel,
+            tuple(fp.changes),
+            (root / rel).stat().st_size,
+            producer(rel, fp.patches),
+            edit=editor(fp.patches),
+            method="byte patch in place (pickle untouched, CRC-32 updated from the changed "
+            "bytes; whole-file copy where in place is refused)",
+        )
+        for rel, fp in sorted(files.items())
+    )
+
+
+def _verify_synced(patterns: Sequence[str], synced: set[str]) -> Callable[[Path], list[str]]:
+    """The plan's verify: the written checkpoint checked again; a synced parameter, or one a rule (not the data
+    fallback) calls a replica, that still differs across TP ranks is a problem."""
 
     def verify(written_root: Path) -> list[str]:
         after = check_tp_sync(open_for_tp_sync(written_root, patterns), patterns=patterns)
@@ -612,15 +636,7 @@ def plan_sync_tp(
             if not q.bit_exact and (q.name in synced or q.rule_source != SOURCE_DATA)
         ]
 
-    plan = io.WritePlan(
-        root,
-        f"sync-tp --method {method}",
-        writes,
-        tuple(notes),
-        verify,
-        trust_pickles=bool(ck.details.get("carried_pickles")),
-    )
-    return plan, report
+    return verify
 
 
 def sync_tp(
