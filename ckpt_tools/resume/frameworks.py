@@ -183,7 +183,7 @@ def _refuse_deepspeed_options(ck: Checkpoint, p: Path, o: ResumeOptions) -> None
             )
 
 
-def _model_free_options(ck: Checkpoint, p: Path, o: ResumeOptions, device: str) -> dict[str, Any]:
+def _planner_options(ck: Checkpoint, p: Path, o: ResumeOptions, device: str) -> dict[str, Any]:
     """The keywords of the HF Trainer, Accelerate, DCP and Lightning planners; --megatron-args refused."""
     if o.framework_args:
         raise CkptError(
@@ -202,20 +202,20 @@ def _model_free_options(ck: Checkpoint, p: Path, o: ResumeOptions, device: str) 
 
 
 def _hf_trainer(ck: Checkpoint, p: Path, o: ResumeOptions, device: str) -> FrameworkPlan:
-    return plan_hf_trainer(ck, p, **_model_free_options(ck, p, o, device))
+    return plan_hf_trainer(ck, p, **_planner_options(ck, p, o, device))
 
 
 def _accelerate(ck: Checkpoint, p: Path, o: ResumeOptions, device: str) -> FrameworkPlan:
-    kw = _model_free_options(ck, p, o, device)
+    kw = _planner_options(ck, p, o, device)
     return plan_accelerate(ck, p, **kw, counts_loosely=_installed_accelerate_counts_loosely)
 
 
 def _dcp(ck: Checkpoint, p: Path, o: ResumeOptions, device: str) -> FrameworkPlan:
-    return plan_dcp(ck, p, **_model_free_options(ck, p, o, device))
+    return plan_dcp(ck, p, **_planner_options(ck, p, o, device))
 
 
 def _lightning(ck: Checkpoint, p: Path, o: ResumeOptions, device: str) -> FrameworkPlan:
-    return plan_lightning(ck, p, **_model_free_options(ck, p, o, device))
+    return plan_lightning(ck, p, **_planner_options(ck, p, o, device))
 
 
 def _megatron(ck: Checkpoint, p: Path, o: ResumeOptions, device: str) -> FrameworkPlan:
