@@ -45,7 +45,8 @@ class ResumeOptions:
 @dataclass(frozen=True)
 class FrameworkPlan:
     """Everything decided before any process starts. Field names follow `ResumePlan` where they mean the same
-    (the CLI renders both); `framework` is what `ckpt_tools.resume.frameworks.run_resume` dispatches on."""
+    (the CLI renders both); `frameworks.run_resume` hands it to `framework_run.run_framework`, which starts the
+    worker `framework` names."""
 
     framework: str
     path: str
