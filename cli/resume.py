@@ -5,161 +5,174 @@ Exit codes: 0 every check passed (or was not available), 1 a check failed, 2 unu
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.markup import escape
+from rich.table import Table
+from tqdm import tqdm
 
 from ckpt_tools.errors import CkptError
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the ops module (and what it imports) loads only when the command runs
-    from ckpt_tools.resume import deepspeed as ops
+from ckpt_tools.resume import frameworks as ops
 
 from . import output
 
+_PATH = typer.Argument(
+    ...,
+    metavar="PATH",
+    help="checkpoint: DeepSpeed (folder with `latest`, tag "
+    "folder, universal), HF Trainer checkpoint-N or output_dir, Accelerate folder, DCP "
+    "folder, Lightning .ckpt, Megatron-LM run or iter_N folder",
+)
+_STEPS = typer.Option(10, "--steps", "-n", metavar="N", help="optimizer steps to train after loading")
+_NPROC = typer.Option(
+    None,
+    "--nproc",
+    metavar="N",
+    help="processes (default: the checkpoint's DP x TP x PP; with --universal on CUDA, every visible GPU)",
+)
+_DEVICE = typer.Option(
+    "auto", "--device", metavar="DEVICE", help="auto (CUDA/NCCL if a GPU is visible, else CPU/gloo), cuda or cpu"
+)
+_UNIVERSAL = typer.Option(
+    False,
+    "--universal",
+    help="load through a DeepSpeed universal checkpoint "
+    "(converted into a scratch folder first unless CKPT already is one)",
+)
+_TP = typer.Option(None, "--tp", metavar="N", help="tensor-parallel size to resume at (implies --universal)")
+_PP = typer.Option(None, "--pp", metavar="N", help="pipeline-parallel size to resume at (implies --universal)")
+_MODEL = typer.Option(
+    "auto",
+    "--model",
+    metavar="MODEL",
+    help="auto (a bundled model when the checkpoint "
+    "is one, else the model-free check), replica (model-free: a replica of the "
+    "checkpoint's parameters, synthetic loss, optimizer state checked), tiny-gpt, "
+    "megatron-gpt or module:function (a factory returning "
+    "ckpt_tools.resume.workers.deepspeed.TrainSetup)",
+)
+_DATA = typer.Option(
+    None,
+    "--data",
+    metavar="FILE",
+    help="token file (.bin uint16 or .npy) instead of the deterministic synthetic batches",
+)
+_CONFIG = typer.Option(
+    None,
+    "--config",
+    metavar="JSON",
+    help="JSON file merged over the "
+    "checkpoint's ds_config (the whole config where it holds none: a "
+    "universal converted from another framework)",
+)
+_REFERENCE = typer.Option(
+    None,
+    "--reference",
+    metavar="JSON",
+    help="JSON of the uninterrupted run (--record-reference output or a sample manifest)",
+)
+_RECORD_REFERENCE = typer.Option(
+    None, "--record-reference", metavar="JSON", help="write this run's per-step records as a reference JSON"
+)
+_LOSS_TOL = typer.Option(1e-3, "--loss-tol", metavar="X", help="max |loss - reference loss| per step")
+_JUMP_TOL = typer.Option(
+    0.1,
+    "--jump-tol",
+    metavar="X",
+    help="without --reference: allowed relative rise of the first loss over a loss saved in the client state",
+)
+_WORK_DIR = typer.Option(
+    None,
+    "--work-dir",
+    metavar="DIR",
+    help="keep scratch files (universal conversion, worker plan) here instead of a temporary folder",
+)
+_PLOT = typer.Option(None, "--plot", metavar="PNG", help="PNG of loss and LR per step (needs matplotlib)")
+_JSON_OUT = typer.Option(False, "--json", help="machine-readable result")
+_QUIET = typer.Option(False, "--quiet", "-q", help="verdict only")
+_TRUST_PICKLES = typer.Option(
+    False,
+    "--trust-pickles",
+    help="resume even when a pickle names globals outside the frameworks' classes (DeepSpeed's loader runs them)",
+)
+_SCHEDULER = typer.Option(
+    None,
+    "--scheduler",
+    metavar="MODULE:FUNCTION",
+    help="the function of a LambdaLR (step -> factor, or a list per param group): the checkpoint does not hold it",
+)
+_NO_SCHEDULER = typer.Option(
+    False,
+    "--no-scheduler",
+    help="the run had no LR scheduler: param groups "
+    "that carry initial_lr with no scheduler state saved then train at the "
+    "saved LR, constant; without it the learning-rate check fails on them (the "
+    "real run would restart its schedule)",
+)
+_AGAINST = typer.Option(
+    None,
+    "--against",
+    metavar="CKPT",
+    help="model-free check: take the "
+    "saved optimizer state from CKPT (e.g. the ZeRO checkpoint a universal "
+    "one was converted from) instead of PATH",
+)
+_N_KV_HEADS = typer.Option(
+    None,
+    "--n-kv-heads",
+    metavar="N",
+    help="the model's KV heads: "
+    "orders the Adam state of a fused wqkv torchtitan saved with its "
+    "weights split (wq/wk/wv)",
+)
+_MEGATRON_ARGS = typer.Option(
+    None,
+    "--megatron-args",
+    metavar="FLAGS",
+    help="Megatron-LM: "
+    "your relaunch flags, one string, added after the ones rebuilt "
+    "from the checkpoint's args (e.g. '--use-checkpoint-opt_param-"
+    "scheduler'); the expected LR takes them into account",
+)
+
 
 def resume_cmd(
-    path: str = typer.Argument(
-        ...,
-        metavar="PATH",
-        help="checkpoint: DeepSpeed (folder with `latest`, tag "
-        "folder, universal), HF Trainer checkpoint-N or output_dir, Accelerate folder, DCP "
-        "folder, Lightning .ckpt, Megatron-LM run or iter_N folder",
-    ),
-    steps: int = typer.Option(10, "--steps", "-n", metavar="N", help="optimizer steps to train after loading"),
-    nproc: Optional[int] = typer.Option(
-        None,
-        "--nproc",
-        metavar="N",
-        help="processes (default: the checkpoint's DP x TP x PP; with --universal on CUDA, every visible GPU)",
-    ),
-    device: str = typer.Option(
-        "auto", "--device", metavar="DEVICE", help="auto (CUDA/NCCL if a GPU is visible, else CPU/gloo), cuda or cpu"
-    ),
-    universal: bool = typer.Option(
-        False,
-        "--universal",
-        help="load through a DeepSpeed universal checkpoint "
-        "(converted into a scratch folder first unless CKPT already is one)",
-    ),
-    tp: Optional[int] = typer.Option(
-        None, "--tp", metavar="N", help="tensor-parallel size to resume at (implies --universal)"
-    ),
-    pp: Optional[int] = typer.Option(
-        None, "--pp", metavar="N", help="pipeline-parallel size to resume at (implies --universal)"
-    ),
-    model: str = typer.Option(
-        "auto",
-        "--model",
-        metavar="MODEL",
-        help="auto (a bundled model when the checkpoint "
-        "is one, else the model-free check), replica (model-free: a replica of the "
-        "checkpoint's parameters, synthetic loss, optimizer state checked), tiny-gpt, "
-        "megatron-gpt or module:function (a factory returning "
-        "ckpt_tools.resume.workers.deepspeed.TrainSetup)",
-    ),
-    data: Optional[str] = typer.Option(
-        None,
-        "--data",
-        metavar="FILE",
-        help="token file (.bin uint16 or .npy) instead of the deterministic synthetic batches",
-    ),
-    config: Optional[Path] = typer.Option(
-        None,
-        "--config",
-        metavar="JSON",
-        help="JSON file merged over the "
-        "checkpoint's ds_config (the whole config where it holds none: a "
-        "universal converted from another framework)",
-    ),
-    reference: Optional[Path] = typer.Option(
-        None,
-        "--reference",
-        metavar="JSON",
-        help="JSON of the uninterrupted run (--record-reference output or a sample manifest)",
-    ),
-    record_reference: Optional[Path] = typer.Option(
-        None, "--record-reference", metavar="JSON", help="write this run's per-step records as a reference JSON"
-    ),
-    loss_tol: float = typer.Option(1e-3, "--loss-tol", metavar="X", help="max |loss - reference loss| per step"),
-    jump_tol: float = typer.Option(
-        0.1,
-        "--jump-tol",
-        metavar="X",
-        help="without --reference: allowed relative rise of the first loss over a loss saved in the client state",
-    ),
-    work_dir: Optional[Path] = typer.Option(
-        None,
-        "--work-dir",
-        metavar="DIR",
-        help="keep scratch files (universal conversion, worker plan) here instead of a temporary folder",
-    ),
-    plot: Optional[Path] = typer.Option(
-        None, "--plot", metavar="PNG", help="PNG of loss and LR per step (needs matplotlib)"
-    ),
-    json_out: bool = typer.Option(False, "--json", help="machine-readable result"),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="verdict only"),
-    trust_pickles: bool = typer.Option(
-        False,
-        "--trust-pickles",
-        help="resume even when a pickle names globals outside the frameworks' classes (DeepSpeed's loader runs them)",
-    ),
-    scheduler: Optional[str] = typer.Option(
-        None,
-        "--scheduler",
-        metavar="MODULE:FUNCTION",
-        help="the function of a LambdaLR (step -> factor, or a list per param group): the checkpoint does not hold it",
-    ),
-    no_scheduler: bool = typer.Option(
-        False,
-        "--no-scheduler",
-        help="the run had no LR scheduler: param groups "
-        "that carry initial_lr with no scheduler state saved then train at the "
-        "saved LR, constant; without it the learning-rate check fails on them (the "
-        "real run would restart its schedule)",
-    ),
-    against: Optional[Path] = typer.Option(
-        None,
-        "--against",
-        metavar="CKPT",
-        help="model-free check: take the "
-        "saved optimizer state from CKPT (e.g. the ZeRO checkpoint a universal "
-        "one was converted from) instead of PATH",
-    ),
-    n_kv_heads: Optional[int] = typer.Option(
-        None,
-        "--n-kv-heads",
-        metavar="N",
-        help="the model's KV heads: "
-        "orders the Adam state of a fused wqkv torchtitan saved with its "
-        "weights split (wq/wk/wv)",
-    ),
-    megatron_args: Optional[str] = typer.Option(
-        None,
-        "--megatron-args",
-        metavar="FLAGS",
-        help="Megatron-LM: "
-        "your relaunch flags, one string, added after the ones rebuilt "
-        "from the checkpoint's args (e.g. '--use-checkpoint-opt_param-"
-        "scheduler'); the expected LR takes them into account",
-    ),
+    path: str = _PATH,
+    steps: int = _STEPS,
+    nproc: Optional[int] = _NPROC,
+    device: str = _DEVICE,
+    universal: bool = _UNIVERSAL,
+    tp: Optional[int] = _TP,
+    pp: Optional[int] = _PP,
+    model: str = _MODEL,
+    data: Optional[str] = _DATA,
+    config: Optional[Path] = _CONFIG,
+    reference: Optional[Path] = _REFERENCE,
+    record_reference: Optional[Path] = _RECORD_REFERENCE,
+    loss_tol: float = _LOSS_TOL,
+    jump_tol: float = _JUMP_TOL,
+    work_dir: Optional[Path] = _WORK_DIR,
+    plot: Optional[Path] = _PLOT,
+    json_out: bool = _JSON_OUT,
+    quiet: bool = _QUIET,
+    trust_pickles: bool = _TRUST_PICKLES,
+    scheduler: Optional[str] = _SCHEDULER,
+    no_scheduler: bool = _NO_SCHEDULER,
+    against: Optional[Path] = _AGAINST,
+    n_kv_heads: Optional[int] = _N_KV_HEADS,
+    megatron_args: Optional[str] = _MEGATRON_ARGS,
 ) -> None:
     """Load PATH into the framework that wrote it, train N steps, and check that counters, LR, optimizer state
     (model-free) and loss (with a model) continue."""
     output.require("torch", extra="train", what="ckpt resume")
     if plot is not None:
         output.require("matplotlib", extra="all", what="--plot")
-    from ckpt_tools.resume import deepspeed as ops
-
-    override = None
-    if config is not None:
-        try:
-            override = json.loads(config.read_text())
-        except (OSError, ValueError) as e:
-            raise CkptError(f"cannot read the config: {e}", path=config) from None
+    override = _read_config(config)
     ref = ops.load_reference(reference) if reference else None
     plan = ops.plan_resume(
         path,
@@ -179,9 +192,36 @@ def resume_cmd(
         framework_args=megatron_args,
         no_scheduler=no_scheduler,
     )
-    if getattr(plan, "framework", None) == "megatron":  # Megatron-LM's own training code, no DeepSpeed
-        import importlib.util
+    _require_framework(plan)
+    result = _run(
+        plan, steps, json_out or quiet, reference=ref, loss_tol=loss_tol, jump_tol=jump_tol, work_dir=work_dir
+    )
+    if record_reference is not None:
+        record_reference.write_text(json.dumps(ops.reference_doc(result), indent=1) + "\n")
+    if plot is not None:
+        _plot(result, plot, ref)
+    if json_out:
+        output.print_json(result.to_dict())
+    else:
+        _render(result, quiet)
+    if not result.ok:
+        raise typer.Exit(1)
 
+
+def _read_config(config: Path | None) -> dict[str, Any] | None:
+    """--config: the JSON merged over the checkpoint's ds_config (None without it)."""
+    if config is None:
+        return None
+    try:
+        return json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        raise CkptError(f"cannot read the config: {e}", path=config) from None
+
+
+def _require_framework(plan: Any) -> None:
+    """The framework the plan runs is installed: megatron-core for Megatron-LM's own training code (no DeepSpeed),
+    DeepSpeed for every other resume."""
+    if getattr(plan, "framework", None) == "megatron":
         if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
             raise CkptError(
                 "resuming a Megatron-LM checkpoint needs megatron-core",
@@ -191,13 +231,11 @@ def resume_cmd(
     else:
         output.require("deepspeed", extra="train", what="ckpt resume")
 
-    from contextlib import nullcontext
 
-    from tqdm import tqdm
-
+def _run(plan: Any, steps: int, quiet_bar: bool, **run: Any) -> ops.ResumeResult:
+    """`run_resume` under a progress bar (none with --json / --quiet): converting, starting, one tick per step."""
     # a conversion runs in this process and imports DeepSpeed, which logs to the terminal: its lines go above
     # the bar, not into it (imported before the bar is drawn, so its import-time line comes first)
-    quiet_bar = json_out or quiet
     converting = getattr(plan, "convert_from", None) is not None
     logs = output.deepspeed_logs_above_bars() if converting and not quiet_bar else nullcontext()
     bar = tqdm(
@@ -222,26 +260,12 @@ def resume_cmd(
 
     try:
         with logs:
-            result = ops.run_resume(
-                plan, on_event=on_event, reference=ref, loss_tol=loss_tol, jump_tol=jump_tol, work_dir=work_dir
-            )
+            return ops.run_resume(plan, on_event=on_event, **run)
     finally:
         bar.close()
-    if record_reference is not None:
-        record_reference.write_text(json.dumps(ops.reference_doc(result), indent=1) + "\n")
-    if plot is not None:
-        _plot(result, plot, ref)
-    if json_out:
-        output.print_json(result.to_dict())
-    else:
-        _render(result, quiet)
-    if not result.ok:
-        raise typer.Exit(1)
 
 
 def _render(result: ops.ResumeResult, quiet: bool) -> None:
-    from rich.table import Table
-
     con = output.console()
     p = result.plan
     s = getattr(p, "saved", None)
@@ -294,10 +318,10 @@ def _render(result: ops.ResumeResult, quiet: bool) -> None:
 
 
 def _plot(result: ops.ResumeResult, path: Path, ref: dict[int, float] | None) -> None:
-    import matplotlib
+    import matplotlib  # lazy: matplotlib only for --plot (an optional extra)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after the Agg backend is chosen
 
     steps = [r.step for r in result.records]
     fig, (a, b) = plt.subplots(2, 1, sharex=True, figsize=(6, 5))

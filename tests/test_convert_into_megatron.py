@@ -372,7 +372,7 @@ def test_megatron_loads_and_resumes_the_conversion_with_its_optimizer_state(tmp_
         [
             sys.executable,
             "-c",
-            "import sys; import ckpt_tools.resume.frameworks as F; "
+            "import sys; import ckpt_tools.resume.megatron as F; "
             "F._legacy_has_rng = lambda ck: True; from ckpt_cli.main import main; "
             f"sys.argv = ['ckpt', 'resume', {str(leg)!r}, '-n', '2', '--device', 'cpu']; main()",
         ],

@@ -704,7 +704,7 @@ def test_ckpt_resume_megatron_refusals_are_one_line(tmp_path):
     assert proc.returncode == 2 and "saved at" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, (
         proc.stderr
     )
-    from ckpt_tools.resume.frameworks import _gpus
+    from ckpt_tools.resume.common import _gpus
 
     if not _gpus():
         proc = _ckpt_resume(sample("megatron_lm", TP2_DIST), "--device", "cuda")
@@ -736,7 +736,7 @@ def test_ckpt_resume_megatron_on_cuda_is_planned_for_nccl(tmp_path, monkeypatch)
     generator states, read without unpickling from legacy rank files and torch_dist items alike) cannot be given
     to CUDA (`torch.cuda.set_rng_state`: "RNG state is wrong size", measured), so the relaunch adds --no-load-rng
     and says so; on the CPU the saved states load as they are."""
-    from ckpt_tools.resume import frameworks as F
+    from ckpt_tools.resume import megatron as F
 
     for name in (TP2, TP2_DIST, LLAMA_DIST, DISTOPT):
         assert F._rng_not_cuda(ckpt_tools.open_checkpoint(sample("megatron_lm", name))), name

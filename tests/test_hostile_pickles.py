@@ -181,7 +181,7 @@ def test_subprocess_sample(corpus):
 def test_resume_refuses_unknown_globals(corpus):
     """DeepSpeed's load_checkpoint uses torch.load(weights_only=False): resume must stop before it."""
     from ckpt_tools.errors import UnsupportedCheckpoint
-    from ckpt_tools.resume import deepspeed as resume
+    from ckpt_tools.resume import frameworks as resume
 
     root, markers, cases = corpus
     c = next(c for c in cases if c.name == "deep-ds-optim-param-group")
@@ -332,7 +332,7 @@ def test_resume_gate_scans_files_inspect_does_not_parse(tmp_path):
     import shutil
 
     from ckpt_tools.errors import UnsupportedCheckpoint
-    from ckpt_tools.resume import deepspeed as resume
+    from ckpt_tools.resume import frameworks as resume
 
     ck = tmp_path / "zero3_bf16"
     shutil.copytree(SAMPLES / "deepspeed" / "zero3_bf16", ck)

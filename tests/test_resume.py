@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import LOSS_REL_TOL, loss_tol, manifest, manifest_of, sample
-from ckpt_tools.resume import deepspeed as ops
+from ckpt_tools.resume import frameworks as ops
 
 CLI = [sys.executable, "-c", "from ckpt_cli.main import main; main()"]
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import sample
-from ckpt_tools.resume import deepspeed as ops
+from ckpt_tools.resume import frameworks as ops
 from ckpt_tools.train import replica as R
 
 CLI = [sys.executable, "-c", "from ckpt_cli.main import main; main()"]

@@ -1,12 +1,15 @@
-"""What a resume is judged on, shared by every framework's resume (`resume.deepspeed` for DeepSpeed,
-`resume.frameworks` for the others): the counters and scheduler state a checkpoint records, read without the
+"""What a resume is judged on, shared by every framework's resume (`resume.deepspeed_verdict` for DeepSpeed,
+`resume.framework_run` for the others): the counters and scheduler state a checkpoint records, read without the
 engine (`saved_state`), one update's record (`StepRecord`), the verdict's rows (`Check`, `CheckRow`) and the
-result (`ResumeResult`), and how a model's parameters differ from a checkpoint's (`mismatch`)."""
+result (`ResumeResult`), how a model's parameters differ from a checkpoint's (`mismatch`), and when two LRs are
+the same (`lrs_close`)."""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -16,6 +19,11 @@ from ..read.tree import Checkpoint, GroupNode, node_to_python
 # elsewhere; many custom loops save one of these).
 CLIENT_LOSS_KEYS = ("loss", "lm_loss", "train_loss", "last_loss")
 LR_REL_TOL = 1e-6
+
+
+def lrs_close(a: float, b: float) -> bool:
+    """An LR the resumed run used against the one expected: equal to `LR_REL_TOL` (1e-12 absolute near 0)."""
+    return math.isclose(a, b, rel_tol=LR_REL_TOL, abs_tol=1e-12)
 
 
 # --- what the checkpoint says, read without the engine --------------------------------------------
@@ -144,7 +152,7 @@ class Check:
 
 @dataclass(frozen=True)
 class ResumeResult:
-    plan: Any  # a ResumePlan, or another framework's plan (see the dispatch contract above)
+    plan: Any  # a DeepSpeed `ResumePlan` or another framework's `FrameworkPlan`
     setup: dict[str, Any]
     loaded: dict[str, Any]
     records: tuple[StepRecord, ...]
@@ -155,8 +163,6 @@ class ResumeResult:
         return all(c.status != "fail" for c in self.checks)
 
     def to_dict(self) -> dict[str, Any]:
-        import dataclasses
-
         plan = asdict(self.plan) if dataclasses.is_dataclass(self.plan) else dict(vars(self.plan))
         return {
             "ok": self.ok,
