@@ -100,7 +100,8 @@ def test_inspect_refuses_a_deep_key_with_one_line(copy_sample, group, name, rel)
 
 
 def test_safe_load_refuses_before_torch_load(tmp_path):
-    """The allowlisted torch.load (`read.safe_load.torch_load_allowlisted`) runs the same walk first: an error, not a signal."""
+    """The allowlisted torch.load (`read.safe_load.torch_load_allowlisted`) runs the same walk first: an error, not
+    a signal."""
     src = ROOT / "sample_ckpts" / TARGETS[0][0] / TARGETS[0][1] / TARGETS[0][2]
     f = tmp_path / "model_optim_rng.pt"
     H.rewrite_zip_pickle(src, f, _deep_key)

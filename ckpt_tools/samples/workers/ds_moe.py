@@ -355,7 +355,9 @@ def saved_weights(ckpt: Path, name: str) -> torch.Tensor:
         return sd["module"][name]
     layer, local, rest = int(m[1]), int(m[2]), m[3]
     gid = ep_rank() * (NUM_EXPERTS // EP_SIZE) + local
-    sd = safe_load.torch_load_allowlisted(ckpt / tag / f"layer_{layer}_expert_{gid}_mp_rank_00_model_states.pt", mmap=False)
+    sd = safe_load.torch_load_allowlisted(
+        ckpt / tag / f"layer_{layer}_expert_{gid}_mp_rank_00_model_states.pt", mmap=False
+    )
     return sd[f"blocks.{layer}.moe.deepspeed_moe.experts.deepspeed_experts.{gid}.{rest}"]
 
 
