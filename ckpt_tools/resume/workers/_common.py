@@ -16,16 +16,24 @@ update. The expected state chains from its own previous expectation, so a wrong 
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import os
 import sys
 import traceback
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ckpt_tools.read import safe_load
+from ckpt_tools.train.data import batch_for_step
 from ckpt_tools.train.processes import RECORD_PREFIX
-from ckpt_tools.train.replica import expected_adam, expected_sgd
+from ckpt_tools.train.procgroup import leave
+from ckpt_tools.train.replica import ParamSpec, expected_adam, expected_sgd, synthetic_directions
 
 #: relative tolerance of the fp32 closed-form comparison (moments and parameter updates)
 REL_TOL = 1e-4
@@ -45,8 +53,6 @@ def emit(event: str, **fields: Any) -> None:
 
 
 def read_plan(argv: list[str] | None = None) -> dict[str, Any]:
-    import argparse
-
     p = argparse.ArgumentParser(description="ckpt resume worker (launched by `ckpt resume`)")
     p.add_argument("--plan", required=True)
     p.add_argument("--local_rank", type=int, default=None)
@@ -76,8 +82,6 @@ def run_main(main: Callable[[dict[str, Any]], None]) -> None:
             sys.stderr.flush()
         sys.stdout.flush()
         os._exit(2)
-    from ckpt_tools.train.procgroup import leave
-
     leave(0)
 
 
@@ -142,8 +146,6 @@ def local_slice(full: torch.Tensor, like: Any) -> torch.Tensor:
     """The part of the full (unsharded) tensor `full` that DTensor `like` holds on this rank (no collective)."""
     if not hasattr(like, "device_mesh") or full.dim() == 0:
         return full
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
     return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))].clone()
 
@@ -298,8 +300,6 @@ class OptimizerCheck:
             + [float(bool(r["steps_bad"])), float(r["checked"]), float(bool(self.problem))],
             dtype=torch.float64,
         )
-        import torch.distributed as dist
-
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             if dist.get_backend() == "nccl":  # NCCL reduces CUDA tensors only
                 vals = vals.to(torch.device("cuda", torch.cuda.current_device()))
@@ -335,15 +335,11 @@ def _rel(live: Any, want: torch.Tensor, floor: float = 0.0) -> float:
 
 def synthetic_rows(n: int, seq_len: int, vocab: int, seed: int = 1234) -> list[torch.Tensor]:
     """ckpt's deterministic synthetic token rows (the bundled samples' data rule)."""
-    from ckpt_tools.train.data import batch_for_step
-
     return [batch_for_step(i, batch_size=1, seq_len=seq_len - 1, vocab_size=vocab, seed=seed)[0] for i in range(n)]
 
 
 def directions(named_shapes: list[tuple[str, tuple[int, ...]]], seed: int = 0) -> dict[str, torch.Tensor]:
     """Fixed seeded directions r per parameter for the synthetic loss sum(p * r) (gradient r, exactly)."""
-    from ckpt_tools.train.replica import ParamSpec, synthetic_directions
-
     return synthetic_directions([ParamSpec(n, tuple(s), "float32") for n, s in named_shapes], seed=seed)
 
 
@@ -468,8 +464,6 @@ def build_scheduler(
 def load_callable(spec: str | None) -> Callable[[int], float] | None:
     if not spec:
         return None
-    import importlib
-
     module, _, func = spec.partition(":")
     return getattr(importlib.import_module(module), func)
 
@@ -477,10 +471,6 @@ def load_callable(spec: str | None) -> Callable[[int], float] | None:
 def saved_osd_file(path: str) -> list[dict[str, torch.Tensor] | None] | None:
     """The saved per-parameter optimizer state of one file (torch.save of an optimizer state dict, or a DeepSpeed
     optim_states file), read with ckpt's allowlisted `safe_load`."""
-    from pathlib import Path
-
-    from ckpt_tools.read import safe_load
-
     if not Path(path).is_file():
         return None
     osd = find_osd(safe_load.load(path, mmap=False))

@@ -110,7 +110,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ckpt_tools.train import manifest
+from ckpt_tools.train import manifest as train_manifest
 from ckpt_tools.train.procgroup import join, leave
 from ckpt_tools.view.logical import _plain, open_any
 from ckpt_tools.samples.workers.megatron_lm_args import (
@@ -574,7 +574,7 @@ def write_manifest(
     if len(steps) != 1:
         raise RuntimeError(f"expected one Adam step across ranks, got {steps}")
     sched = s["scheduler"]
-    manifest.write_manifest(
+    train_manifest.write_manifest(
         ckpt,
         sample=sample,
         format="megatron_legacy" if v.ckpt_format == "torch" else "megatron_torch_dist",
