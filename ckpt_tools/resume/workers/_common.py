@@ -30,6 +30,9 @@ import torch.distributed as dist
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ckpt_tools.read import safe_load
+
+# the sample workers' names for the same things; current_lrs and world_size are used by the workers as `c.` names
+from ckpt_tools.samples.workers._common import current_lrs, innermost_optimizer, rank, world_size  # noqa: F401
 from ckpt_tools.train.data import batch_for_step
 from ckpt_tools.train.processes import RECORD_PREFIX
 from ckpt_tools.train.procgroup import leave
@@ -37,14 +40,6 @@ from ckpt_tools.train.replica import ParamSpec, expected_adam, expected_sgd, syn
 
 #: relative tolerance of the fp32 closed-form comparison (moments and parameter updates)
 REL_TOL = 1e-4
-
-
-def rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def world() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -85,19 +80,13 @@ def run_main(main: Callable[[dict[str, Any]], None]) -> None:
     leave(0)
 
 
-def innermost(optimizer: Any) -> torch.optim.Optimizer:
-    while hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
-def adam_step(optimizer: Any) -> int | None:
-    steps = {int(s["step"]) for s in innermost(optimizer).state.values() if isinstance(s, dict) and "step" in s}
+def adam_step_or_none(optimizer: Any) -> int | None:
+    """The live Adam 'step' where every parameter holds the same one; None before the first step or where they
+    differ (the parent reports it as unknown). `samples.workers._common.adam_step` raises there instead."""
+    steps = {
+        int(s["step"]) for s in innermost_optimizer(optimizer).state.values() if isinstance(s, dict) and "step" in s
+    }
     return steps.pop() if len(steps) == 1 else None
-
-
-def lrs(optimizer: Any) -> list[float]:
-    return [float(g["lr"]) for g in optimizer.param_groups]
 
 
 def find_osd(obj: Any, depth: int = 0) -> dict | None:
@@ -171,7 +160,7 @@ class OptimizerCheck:
     def __init__(
         self, optimizer: Any, saved: list[dict[str, torch.Tensor] | None] | None, expected_lrs: list[list[float]] | None
     ):
-        self.opt = innermost(optimizer)
+        self.opt = innermost_optimizer(optimizer)
         self.groups = list(self.opt.param_groups)
         self.params = [p for g in self.groups for p in g["params"]]
         self.index = {id(p): i for i, p in enumerate(self.params)}

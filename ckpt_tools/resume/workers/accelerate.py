@@ -109,15 +109,15 @@ def main(plan: dict[str, Any]) -> None:
     if c.rank() == 0:
         c.emit(
             "loaded",
-            optimizer_step=c.adam_step(opts[0]) if opts else None,
-            optimizer_steps=[c.adam_step(o) for o in opts],
+            optimizer_step=c.adam_step_or_none(opts[0]) if opts else None,
+            optimizer_steps=[c.adam_step_or_none(o) for o in opts],
             scheduler_position=[getattr(inner_sched(s), "last_epoch", None) for s in scheds],
-            lr=[lr for o in opts for lr in c.lrs(o)],
+            lr=[lr for o in opts for lr in c.current_lrs(o)],
             custom_states=[live_json(o.state) for o in customs],
             global_step=getattr(wrapped[0], "global_steps", None),
         )
     for k in range(plan["steps"]):
-        used = [lr for o in opts for lr in c.lrs(o)]
+        used = [lr for o in opts for lr in c.current_lrs(o)]
         loss = None
         for m in wrapped:
             term = m()
@@ -131,7 +131,7 @@ def main(plan: dict[str, Any]) -> None:
             o.zero_grad()
         result = c.combine([ch.reduced() for ch in checks])
         if c.rank() == 0:
-            steps = [c.adam_step(o) for o in opts]
+            steps = [c.adam_step_or_none(o) for o in opts]
             live = getattr(wrapped[0], "global_steps", None)  # DeepSpeed's engine counts; DDP keeps no counter
             c.emit(
                 "step",

@@ -93,9 +93,15 @@ def main(plan: dict[str, Any]) -> None:
             if lay["scheduler"]
             else None
         )
-        c.emit("loaded", global_step=step, optimizer_step=c.adam_step(opt), scheduler_position=position, lr=c.lrs(opt))
+        c.emit(
+            "loaded",
+            global_step=step,
+            optimizer_step=c.adam_step_or_none(opt),
+            scheduler_position=position,
+            lr=c.current_lrs(opt),
+        )
     for k in range(plan["steps"]):
-        used = c.lrs(opt)
+        used = c.current_lrs(opt)
         opt.zero_grad(set_to_none=True)
         loss = replica()
         loss.backward()
@@ -111,7 +117,7 @@ def main(plan: dict[str, Any]) -> None:
                 step=step if step is not None else k + 1,
                 loss=float(loss.detach()),
                 lr=used,
-                optimizer_step=c.adam_step(opt),
+                optimizer_step=c.adam_step_or_none(opt),
                 opt_check=result,
             )
     dist.barrier()
@@ -126,7 +132,7 @@ def build(plan: dict[str, Any], spec: dict[str, Any]) -> tuple[torch.nn.Module, 
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    mesh = init_device_mesh(device, (c.world(),))
+    mesh = init_device_mesh(device, (c.world_size(),))
     replica = c.Replica(spec["params"])
     if device == "cuda":
         replica = replica.cuda()

@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ckpt_tools.resume.workers._common import emit
+from ckpt_tools.resume.workers._common import adam_step_or_none, emit
 from ckpt_tools.samples.workers import _common as c
 from ckpt_tools.train import replica as R
 from ckpt_tools.train.data import batch_for_step
@@ -305,13 +305,6 @@ class Batches:
 
 def lm_loss(engine: Any, tokens: torch.Tensor) -> torch.Tensor:
     return c.lm_loss(engine, tokens)
-
-
-def adam_step_or_none(optimizer: Any) -> int | None:
-    try:
-        return c.adam_step(optimizer)
-    except RuntimeError:
-        return None  # no Adam state yet, or several values: the parent reports it as unknown
 
 
 def scheduler_position(scheduler: Any) -> int | None:

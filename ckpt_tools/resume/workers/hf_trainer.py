@@ -113,12 +113,12 @@ class Recorder(TrainerCallback):
                 c.emit(
                     "loaded",
                     global_step=int(state.global_step),
-                    optimizer_step=c.adam_step(optimizer),
+                    optimizer_step=c.adam_step_or_none(optimizer),
                     scheduler_position=getattr(unwrap_scheduler(lr_scheduler), "last_epoch", None),
-                    lr=c.lrs(optimizer),
+                    lr=c.current_lrs(optimizer),
                 )
             self.check = c.OptimizerCheck(optimizer, saved_optimizer(self.plan), self.plan.get("expected_lrs"))
-        self.pending = c.lrs(optimizer)
+        self.pending = c.current_lrs(optimizer)
 
     def on_step_end(self, args, state, control, optimizer=None, **kw):
         assert self.check is not None
@@ -132,9 +132,9 @@ class Recorder(TrainerCallback):
                 "step",
                 step=int(state.global_step),
                 loss=self.trainer.last_loss,
-                loss_mean=float(mean) / c.world(),
+                loss_mean=float(mean) / c.world_size(),
                 lr=self.pending,
-                optimizer_step=c.adam_step(optimizer),
+                optimizer_step=c.adam_step_or_none(optimizer),
                 opt_check=opt_check,
             )
         self.n += 1
@@ -152,7 +152,7 @@ def main(plan: dict[str, Any]) -> None:
 
     try:
         args = training_arguments(plan, scratch)
-        world = c.world()
+        world = c.world_size()
         n_rows = max(1, args.max_steps) * args.per_device_train_batch_size * world * args.gradient_accumulation_steps
         seq_len = min(
             plan.get("seq_len") or 16,

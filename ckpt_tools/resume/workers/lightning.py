@@ -69,13 +69,13 @@ class Recorder(L.Callback):
             c.emit(
                 "loaded",
                 global_step=int(trainer.global_step),
-                optimizer_step=c.adam_step(opt),
+                optimizer_step=c.adam_step_or_none(opt),
                 scheduler_position=getattr(sched, "last_epoch", None),
-                lr=c.lrs(opt),
+                lr=c.current_lrs(opt),
             )
             saved = c.saved_states_by_position(self.saved_osd) if self.saved_osd is not None else None
             self.check = c.OptimizerCheck(opt, saved, self.expected)
-        self.pending = c.lrs(opt)
+        self.pending = c.current_lrs(opt)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         assert self.check is not None
@@ -86,7 +86,7 @@ class Recorder(L.Callback):
             step=int(trainer.global_step),
             loss=float(loss.detach()) if loss is not None else None,
             lr=self.pending,
-            optimizer_step=c.adam_step(trainer.optimizers[0]),
+            optimizer_step=c.adam_step_or_none(trainer.optimizers[0]),
             opt_check=result,
         )
         self.n += 1

@@ -90,7 +90,7 @@ def args_differ(saved: dict[str, Any], live: Any, skip: frozenset) -> list[list[
 def inner_optimizers(optimizer: Any) -> list[Any]:
     """The torch optimizers inside Megatron's: one, or each inner optimizer of a ChainedOptimizer (a
     Mixture-of-Experts run at EP > 1: dense, expert), each out of its mixed-precision wrapper."""
-    return [c.innermost(o) for o in (getattr(optimizer, "chained_optimizers", None) or [optimizer])]
+    return [c.innermost_optimizer(o) for o in (getattr(optimizer, "chained_optimizers", None) or [optimizer])]
 
 
 def saved_legacy_state(plan: dict[str, Any], inner: Any, index: int = 0) -> list[dict[str, torch.Tensor]] | None:
