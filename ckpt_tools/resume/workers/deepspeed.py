@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ckpt_tools.resume.workers._common import adam_step_or_none, emit
+from ckpt_tools.resume.workers._common import adam_step_or_none, emit, load_callable
 from ckpt_tools.samples.workers import _common as c
 from ckpt_tools.train import replica as R
 from ckpt_tools.train.data import batch_for_step
@@ -142,10 +142,9 @@ _GROUP_KEYS = (
 
 def lambda_from_spec(spec: str | None, n_groups: int) -> Any:
     """`module:function` -> the LambdaLR lr_lambda (one per group when the function returns a list)."""
-    if not spec:
+    fn = load_callable(spec)
+    if fn is None:
         return None
-    module, _, func = spec.partition(":")
-    fn = getattr(importlib.import_module(module), func)
     probe = fn(0)
     if isinstance(probe, (list, tuple)):
         return [(lambda e, i=i: float(fn(e)[i])) for i in range(n_groups)]
