@@ -48,7 +48,7 @@ from ..read.tree import Checkpoint, TensorNode
 from ..view import logical as L
 from ..view.accounting import guard, unread_files
 from ..view.logical import LogicalTensor
-from ..view.logical import _plain
+from ..view.logical import node_to_display
 from ..write import io, shares
 from ..write.io import copy_range
 from ..write.torch_zip import start_writeback
@@ -401,7 +401,7 @@ def _hf_names(
     GPT2Config written, from the checkpoint's own `args`."""
     names = [t.name for t in items]
     if hf_map.is_megatron_gpt(names):
-        args = _plain(ck.tree.children["args"]) if "args" in ck.tree.children else None
+        args = node_to_display(ck.tree.children["args"]) if "args" in ck.tree.children else None
         if not isinstance(args, dict):
             raise CkptError(
                 "a Megatron GPT checkpoint without `args`: the Hugging Face config comes from them",

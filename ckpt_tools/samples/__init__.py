@@ -7,10 +7,12 @@ Each sample is made by a worker module in `ckpt_tools/samples/workers/`, launche
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,8 +133,6 @@ def run_torchrun(
     python: str | None = None,
 ) -> None:
     """Run `module` under torchrun on localhost with `nproc` CPU ranks; raise with the log tail on failure."""
-    import tempfile
-
     cmd = [
         python or sys.executable,
         "-m",
@@ -186,8 +186,6 @@ def make_sample(out_dir: str | os.PathLike, name: str, *, log_dir: Path | None =
             "out with --only"
         )
     if spec.needs_module:
-        import importlib.util
-
         if importlib.util.find_spec(spec.needs_module) is None:
             raise RuntimeError(
                 f"sample {name} needs the {spec.needs_module} package (see {spec.module}'s "

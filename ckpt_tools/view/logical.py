@@ -516,8 +516,8 @@ def _unread_value(node: TensorNode) -> Any:
     return node.pieces[0].ref.item()
 
 
-def _param_group_value(node: Any) -> Any:
-    """A param group's entry as plain Python for display. Unlike `read.tree.node_to_python`: a group keyed 0, 1, ...
+def node_to_display(node: Any) -> Any:
+    """A saved entry (a param group's field, a run's `args`) as plain Python for display and comparison. Unlike `read.tree.node_to_python`: a group keyed 0, 1, ...
     is a list, a tensor without an inline value a `<tensor [shape] dtype>` placeholder, an opaque object `<cls>`."""
     if isinstance(node, ValueNode):
         return node.value
@@ -526,8 +526,8 @@ def _param_group_value(node: Any) -> Any:
     if isinstance(node, GroupNode):
         kids = node.children
         if kids and all(k.isdigit() for k in kids):
-            return [_param_group_value(v) for _, v in sorted(kids.items(), key=lambda kv: int(kv[0]))]
-        return {k: _param_group_value(v) for k, v in kids.items()}
+            return [node_to_display(v) for _, v in sorted(kids.items(), key=lambda kv: int(kv[0]))]
+        return {k: node_to_display(v) for k, v in kids.items()}
     if isinstance(node, OpaqueNode):
         return f"<{node.cls}>"
     return scalar(node)
@@ -541,7 +541,7 @@ def _raw_groups(ck: Checkpoint, optimizer: int) -> list[dict[str, Any]]:
     out = []
     for _, g in sorted(groups.children.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0):
         if isinstance(g, GroupNode):
-            out.append({k: _param_group_value(v) for k, v in g.children.items()})
+            out.append({k: node_to_display(v) for k, v in g.children.items()})
     return out
 
 

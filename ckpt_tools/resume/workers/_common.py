@@ -16,27 +16,30 @@ update. The expected state chains from its own previous expectation, so a wrong 
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import os
 import sys
 import traceback
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ckpt_tools.read import safe_load
+
+# the sample workers' names for the same things; current_lrs and world_size are used by the workers as `c.` names
+from ckpt_tools.samples.workers._common import current_lrs, innermost_optimizer, rank, world_size  # noqa: F401
+from ckpt_tools.train.data import batch_for_step
 from ckpt_tools.train.processes import RECORD_PREFIX
-from ckpt_tools.train.replica import expected_adam, expected_sgd
+from ckpt_tools.train.procgroup import leave
+from ckpt_tools.train.replica import ParamSpec, expected_adam, expected_sgd, synthetic_directions
 
 #: relative tolerance of the fp32 closed-form comparison (moments and parameter updates)
 REL_TOL = 1e-4
-
-
-def rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def world() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -45,8 +48,6 @@ def emit(event: str, **fields: Any) -> None:
 
 
 def read_plan(argv: list[str] | None = None) -> dict[str, Any]:
-    import argparse
-
     p = argparse.ArgumentParser(description="ckpt resume worker (launched by `ckpt resume`)")
     p.add_argument("--plan", required=True)
     p.add_argument("--local_rank", type=int, default=None)
@@ -76,24 +77,16 @@ def run_main(main: Callable[[dict[str, Any]], None]) -> None:
             sys.stderr.flush()
         sys.stdout.flush()
         os._exit(2)
-    from ckpt_tools.train.procgroup import leave
-
     leave(0)
 
 
-def innermost(optimizer: Any) -> torch.optim.Optimizer:
-    while hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
-def adam_step(optimizer: Any) -> int | None:
-    steps = {int(s["step"]) for s in innermost(optimizer).state.values() if isinstance(s, dict) and "step" in s}
+def adam_step_or_none(optimizer: Any) -> int | None:
+    """The live Adam 'step' where every parameter holds the same one; None before the first step or where they
+    differ (the parent reports it as unknown). `samples.workers._common.adam_step` raises there instead."""
+    steps = {
+        int(s["step"]) for s in innermost_optimizer(optimizer).state.values() if isinstance(s, dict) and "step" in s
+    }
     return steps.pop() if len(steps) == 1 else None
-
-
-def lrs(optimizer: Any) -> list[float]:
-    return [float(g["lr"]) for g in optimizer.param_groups]
 
 
 def find_osd(obj: Any, depth: int = 0) -> dict | None:
@@ -142,8 +135,6 @@ def local_slice(full: torch.Tensor, like: Any) -> torch.Tensor:
     """The part of the full (unsharded) tensor `full` that DTensor `like` holds on this rank (no collective)."""
     if not hasattr(like, "device_mesh") or full.dim() == 0:
         return full
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
     return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))].clone()
 
@@ -169,7 +160,7 @@ class OptimizerCheck:
     def __init__(
         self, optimizer: Any, saved: list[dict[str, torch.Tensor] | None] | None, expected_lrs: list[list[float]] | None
     ):
-        self.opt = innermost(optimizer)
+        self.opt = innermost_optimizer(optimizer)
         self.groups = list(self.opt.param_groups)
         self.params = [p for g in self.groups for p in g["params"]]
         self.index = {id(p): i for i, p in enumerate(self.params)}
@@ -298,8 +289,6 @@ class OptimizerCheck:
             + [float(bool(r["steps_bad"])), float(r["checked"]), float(bool(self.problem))],
             dtype=torch.float64,
         )
-        import torch.distributed as dist
-
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             if dist.get_backend() == "nccl":  # NCCL reduces CUDA tensors only
                 vals = vals.to(torch.device("cuda", torch.cuda.current_device()))
@@ -335,15 +324,11 @@ def _rel(live: Any, want: torch.Tensor, floor: float = 0.0) -> float:
 
 def synthetic_rows(n: int, seq_len: int, vocab: int, seed: int = 1234) -> list[torch.Tensor]:
     """ckpt's deterministic synthetic token rows (the bundled samples' data rule)."""
-    from ckpt_tools.train.data import batch_for_step
-
     return [batch_for_step(i, batch_size=1, seq_len=seq_len - 1, vocab_size=vocab, seed=seed)[0] for i in range(n)]
 
 
 def directions(named_shapes: list[tuple[str, tuple[int, ...]]], seed: int = 0) -> dict[str, torch.Tensor]:
     """Fixed seeded directions r per parameter for the synthetic loss sum(p * r) (gradient r, exactly)."""
-    from ckpt_tools.train.replica import ParamSpec, synthetic_directions
-
     return synthetic_directions([ParamSpec(n, tuple(s), "float32") for n, s in named_shapes], seed=seed)
 
 
@@ -468,8 +453,6 @@ def build_scheduler(
 def load_callable(spec: str | None) -> Callable[[int], float] | None:
     if not spec:
         return None
-    import importlib
-
     module, _, func = spec.partition(":")
     return getattr(importlib.import_module(module), func)
 
@@ -477,10 +460,6 @@ def load_callable(spec: str | None) -> Callable[[int], float] | None:
 def saved_osd_file(path: str) -> list[dict[str, torch.Tensor] | None] | None:
     """The saved per-parameter optimizer state of one file (torch.save of an optimizer state dict, or a DeepSpeed
     optim_states file), read with ckpt's allowlisted `safe_load`."""
-    from pathlib import Path
-
-    from ckpt_tools.read import safe_load
-
     if not Path(path).is_file():
         return None
     osd = find_osd(safe_load.torch_load_allowlisted(path, mmap=False))

@@ -33,19 +33,23 @@ class CustomState:
         self.state = dict(state)
 
 
-def _plain(v: Any) -> Any:
+def live_json(v: Any) -> Any:
+    """A live state (what Accelerate loaded into a custom object: torch tensors, dicts, tuples) as JSON for the
+    `loaded` event: tensors as lists, anything else not JSON as its str. Not `read.tree.node_to_python`, which
+    reads the nodes of a checkpoint's tree, not live torch objects."""
     if torch.is_tensor(v):
         return v.tolist()
     if isinstance(v, dict):
-        return {str(k): _plain(x) for k, x in v.items()}
+        return {str(k): live_json(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
+        return [live_json(x) for x in v]
     return v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
 
 
 def make_accelerator(plan: dict[str, Any]):
     if plan.get("ds_config"):
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        # lazy: accelerate imported only after ACCELERATE_USE_DEEPSPEED is set (as samples/workers/accel does)
         from accelerate import Accelerator, DeepSpeedPlugin, PartialState
 
         if plan["device"] == "cpu":
@@ -58,7 +62,7 @@ def make_accelerator(plan: dict[str, Any]):
             else ("fp16" if (cfg.get("fp16") or {}).get("enabled") else "no")
         )
         return Accelerator(deepspeed_plugin=plugin, mixed_precision=mp)
-    from accelerate import Accelerator
+    from accelerate import Accelerator  # lazy: as above, one function for both routes
 
     return Accelerator(cpu=plan["device"] == "cpu")
 
@@ -105,15 +109,15 @@ def main(plan: dict[str, Any]) -> None:
     if c.rank() == 0:
         c.emit(
             "loaded",
-            optimizer_step=c.adam_step(opts[0]) if opts else None,
-            optimizer_steps=[c.adam_step(o) for o in opts],
+            optimizer_step=c.adam_step_or_none(opts[0]) if opts else None,
+            optimizer_steps=[c.adam_step_or_none(o) for o in opts],
             scheduler_position=[getattr(inner_sched(s), "last_epoch", None) for s in scheds],
-            lr=[lr for o in opts for lr in c.lrs(o)],
-            custom_states=[_plain(o.state) for o in customs],
+            lr=[lr for o in opts for lr in c.current_lrs(o)],
+            custom_states=[live_json(o.state) for o in customs],
             global_step=getattr(wrapped[0], "global_steps", None),
         )
     for k in range(plan["steps"]):
-        used = [lr for o in opts for lr in c.lrs(o)]
+        used = [lr for o in opts for lr in c.current_lrs(o)]
         loss = None
         for m in wrapped:
             term = m()
@@ -127,7 +131,7 @@ def main(plan: dict[str, Any]) -> None:
             o.zero_grad()
         result = c.combine([ch.reduced() for ch in checks])
         if c.rank() == 0:
-            steps = [c.adam_step(o) for o in opts]
+            steps = [c.adam_step_or_none(o) for o in opts]
             live = getattr(wrapped[0], "global_steps", None)  # DeepSpeed's engine counts; DDP keeps no counter
             c.emit(
                 "step",

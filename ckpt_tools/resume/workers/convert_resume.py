@@ -38,8 +38,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from ckpt_tools.read.tree import saved_config
+from ckpt_tools.resume.workers.deepspeed import full_state
 from ckpt_tools.samples.workers import _common as c
+from ckpt_tools.train import replica as R
+from ckpt_tools.view import logical as L
 
 _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "initial_lr")
 
@@ -48,8 +56,6 @@ def spec_from_checkpoint(
     ck: Any, *, scheduler_class: str | None = None, seed: int = 0, max_norm: float | None = 1.0, bf16: bool = True
 ) -> dict[str, Any]:
     """The SPEC of a checkpoint, from its logical view (any format): trainable parameters, groups, scheduler."""
-    from ckpt_tools.view import logical as L
-
     ck = L.open_any(ck)
     model = L.model_tensors(ck, tied="dedupe")
     groups = L.param_groups(ck)
@@ -63,8 +69,6 @@ def spec_from_checkpoint(
     if scheduler_class:
         hold = [float(g["lr"]) / float(g.get("initial_lr") or g["lr"]) for g in groups]
         sched = {"class": scheduler_class, "hold": hold}
-    from ckpt_tools.read.tree import saved_config
-
     ds_sched = saved_config(ck).get("scheduler")
     return {
         "ds_scheduler": ds_sched if isinstance(ds_sched, dict) else None,
@@ -79,8 +83,6 @@ def spec_from_checkpoint(
 
 
 def _replica(spec: dict[str, Any]):
-    from ckpt_tools.train import replica as R
-
     specs = [R.ParamSpec(s["name"], tuple(s["shape"]), "float32", s["requires_grad"]) for s in spec["specs"]]
     model = R.build_replica(specs)
     directions = R.synthetic_directions(specs, spec.get("seed", 0), max_norm=spec.get("max_norm"))
@@ -120,8 +122,6 @@ def _full(t: Any) -> torch.Tensor:
 
 
 def _fsdp2_state(model, optimizer, scheduler, layout: str) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
     flatten = layout == "torchtitan"
     model_sd, optim_sd = get_state_dict(
         model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flatten)
@@ -138,11 +138,6 @@ def _fsdp2_state(model, optimizer, scheduler, layout: str) -> dict[str, Any]:
 
 
 def fsdp2_resume(args, spec: dict[str, Any]) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     mesh = init_device_mesh("cpu", (c.world_size(),))
     if args.model == "tinygpt":
         model = c.build_model()
@@ -218,9 +213,7 @@ def fsdp2_resume(args, spec: dict[str, Any]) -> None:
 
 
 def deepspeed_resume(args, spec: dict[str, Any]) -> None:
-    import deepspeed
-
-    from ckpt_tools.resume.workers.deepspeed import full_state
+    import deepspeed  # lazy: only the DeepSpeed route imports it; the FSDP2 route runs without
 
     world = c.world_size()
     ds_sched = spec.get("ds_scheduler")
@@ -309,7 +302,7 @@ def main() -> None:
     args = p.parse_args()
     spec = json.loads(args.spec.read_text())
     if args.framework == "deepspeed":
-        import deepspeed
+        import deepspeed  # lazy: as in deepspeed_resume
 
         deepspeed.init_distributed(dist_backend="gloo")
         deepspeed_resume(args, spec)

@@ -15,17 +15,27 @@ optimizer state is read with ckpt's own DCP reader (`open_checkpoint`), not from
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import distribute_tensor
 
+from ckpt_tools.read.qkv import assemble
+from ckpt_tools.read.tree import GroupNode, TensorNode
 from ckpt_tools.resume.workers import _common as c
+from ckpt_tools.view.checkpoint import open_checkpoint
 
 
 def layout(path: str) -> dict[str, Any]:
     """Key names from the checkpoint's metadata: prefix ('' or 'app.'), model / optimizer / scheduler roots, the
     step key path, and whether the optimizer state dict was flattened."""
-    from torch.distributed.checkpoint import FileSystemReader
 
     keys = list(FileSystemReader(path).read_metadata().state_dict_metadata)
     prefix = "app." if any(k.startswith("app.") for k in keys) else ""
@@ -51,8 +61,6 @@ def layout(path: str) -> dict[str, Any]:
 
 def saved_from_tree(path: str, names: list[str]) -> list[dict[str, torch.Tensor] | None] | None:
     """The saved optimizer state per parameter FQN (in `names` order), read with ckpt's own DCP reader."""
-    from ckpt_tools.view.checkpoint import open_checkpoint
-    from ckpt_tools.read.tree import GroupNode, TensorNode
 
     ck = open_checkpoint(path)
     state = ck.optimizer.children.get("state")
@@ -71,19 +79,60 @@ def saved_from_tree(path: str, names: list[str]) -> list[dict[str, torch.Tensor]
 
 
 def main(plan: dict[str, Any]) -> None:
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    spec = plan["models"][0]
+    replica, opt, sched = build(plan, spec)
+    lay = layout(plan["load_dir"])
+    state, step = load(plan, spec, lay, replica, opt, sched)
+    names = [n for g in spec["groups"] for n in g["names"]]
+    check = c.OptimizerCheck(opt, saved_from_tree(plan["load_dir"], names), plan.get("expected_lrs"))
+    if c.rank() == 0:
+        position = (
+            getattr(sched, "last_epoch", None)
+            if sched is not None
+            else (state.get(lay["scheduler"]) or {}).get("last_epoch")
+            if lay["scheduler"]
+            else None
+        )
+        c.emit(
+            "loaded",
+            global_step=step,
+            optimizer_step=c.adam_step_or_none(opt),
+            scheduler_position=position,
+            lr=c.current_lrs(opt),
+        )
+    for k in range(plan["steps"]):
+        used = c.current_lrs(opt)
+        opt.zero_grad(set_to_none=True)
+        loss = replica()
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        if step is not None:
+            step += 1  # the producers' loop counter: one per update
+        result = check.reduced()
+        if c.rank() == 0:
+            c.emit(
+                "step",
+                step=step if step is not None else k + 1,
+                loss=float(loss.detach()),
+                lr=used,
+                optimizer_step=c.adam_step_or_none(opt),
+                opt_check=result,
+            )
+    dist.barrier()
+    if c.rank() == 0:
+        c.emit("done")
 
+
+def build(plan: dict[str, Any], spec: dict[str, Any]) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """The process group, the replica under `fully_shard` over all ranks, its optimizer of the saved kind with the
+    saved groups and the scheduler of the saved class."""
     device = plan["device"]
     if device == "cuda":
-        torch.cuda.set_device(int(__import__("os").environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    mesh = init_device_mesh(device, (c.world(),))
-    spec = plan["models"][0]
-    lay = layout(plan["load_dir"])
+    mesh = init_device_mesh(device, (c.world_size(),))
     replica = c.Replica(spec["params"])
     if device == "cuda":
         replica = replica.cuda()
@@ -94,6 +143,14 @@ def main(plan: dict[str, Any]) -> None:
     sched = c.build_scheduler(
         spec.get("scheduler_kind"), spec.get("scheduler_state"), opt, c.load_callable(plan.get("scheduler_fn"))
     )
+    return replica, opt, sched
+
+
+def load(
+    plan: dict[str, Any], spec: dict[str, Any], lay: dict[str, Any], replica: Any, opt: Any, sched: Any
+) -> tuple[dict[str, Any], int | None]:
+    """`dcp.load` of the state dict the layout's producer builds (`layout`'s names), then `set_state_dict` and
+    `scheduler.load_state_dict`, as the producers do. (The loaded state dict, the loaded step or None.)"""
     options = StateDictOptions(flatten_optimizer_state_dict=lay["flat"])
     model_sd, optim_sd = get_state_dict(replica, opt, options=options)
     fused = spec.get("fused") or {}
@@ -117,55 +174,16 @@ def main(plan: dict[str, Any]) -> None:
     if lay["model_at_top"]:
         model_sd = {k: state[k] for k in model_sd}
     for name, parts in fused.items():  # ... and put them at their rows, as the producer's load hook does
-        from ckpt_tools.read.qkv import assemble
-
         like = placeholders[name]
         whole = assemble([(rows, model_sd.pop(part)) for part, rows in parts.items()])
         if hasattr(like, "device_mesh"):
-            from torch.distributed.tensor import distribute_tensor
-
             whole = distribute_tensor(whole.to(like.device), like.device_mesh, like.placements)
         model_sd[name] = whole
     set_state_dict(replica, opt, model_state_dict=model_sd, optim_state_dict=state[lay["optim"]], options=options)
     if sched is not None and lay["scheduler"]:
         sched.load_state_dict(state[lay["scheduler"]])
     step = state.get("step") if lay["step"] == ("step",) else (state.get("train_state") or {}).get("step")
-    step = int(step) if step is not None else None
-
-    names = [n for g in spec["groups"] for n in g["names"]]
-    check = c.OptimizerCheck(opt, saved_from_tree(plan["load_dir"], names), plan.get("expected_lrs"))
-    if c.rank() == 0:
-        position = (
-            getattr(sched, "last_epoch", None)
-            if sched is not None
-            else (state.get(lay["scheduler"]) or {}).get("last_epoch")
-            if lay["scheduler"]
-            else None
-        )
-        c.emit("loaded", global_step=step, optimizer_step=c.adam_step(opt), scheduler_position=position, lr=c.lrs(opt))
-    for k in range(plan["steps"]):
-        used = c.lrs(opt)
-        opt.zero_grad(set_to_none=True)
-        loss = replica()
-        loss.backward()
-        opt.step()
-        if sched is not None:
-            sched.step()
-        if step is not None:
-            step += 1  # the producers' loop counter: one per update
-        result = check.reduced()
-        if c.rank() == 0:
-            c.emit(
-                "step",
-                step=step if step is not None else k + 1,
-                loss=float(loss.detach()),
-                lr=used,
-                optimizer_step=c.adam_step(opt),
-                opt_check=result,
-            )
-    dist.barrier()
-    if c.rank() == 0:
-        c.emit("done")
+    return state, int(step) if step is not None else None
 
 
 if __name__ == "__main__":

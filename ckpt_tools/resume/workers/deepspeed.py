@@ -29,15 +29,20 @@ import argparse
 import importlib
 import json
 import os
-import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
-from ckpt_tools.train.processes import RECORD_PREFIX
+from ckpt_tools.resume.workers._common import adam_step_or_none, emit, load_callable
+from ckpt_tools.samples.workers import _common as c
+from ckpt_tools.train import replica as R
+from ckpt_tools.train.data import batch_for_step
+from ckpt_tools.train.models import GPTConfig
 from ckpt_tools.train.procgroup import leave
 
 
@@ -80,9 +85,6 @@ class TrainSetup:
 def tiny_gpt(ctx: SetupContext) -> TrainSetup:
     """The ZeRO samples' recipe: the tiny GPT, two param groups, and — when the ds_config names no optimizer —
     the torch AdamW + LambdaLR pair (that is how the samples that pass a torch scheduler were made)."""
-    from ckpt_tools.train.models import GPTConfig
-    from ckpt_tools.samples.workers import _common as c
-
     model = c.build_model()
     groups = c.param_groups(model)
     optimizer = scheduler = lr_lambda = None
@@ -103,11 +105,10 @@ def tiny_gpt(ctx: SetupContext) -> TrainSetup:
 
 def megatron_gpt(ctx: SetupContext) -> TrainSetup:
     """The pipeline samples' recipe (`ds_pipeline`), at whatever TP x PP x DP this launch has."""
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology  # lazy: as in run
 
-    from ckpt_tools.train.megatron import GPTModelPipe, MegatronGPTConfig
-    from ckpt_tools.samples.workers import _common as c
-    from ckpt_tools.samples.workers import ds_pipeline
+    from ckpt_tools.samples.workers import ds_pipeline  # lazy: it imports deepspeed at the top
+    from ckpt_tools.train.megatron import GPTModelPipe, MegatronGPTConfig  # lazy: so does this one
 
     topology = PipeModelDataParallelTopology(num_pp=ctx.pp, num_mp=ctx.tp, num_dp=ctx.dp)
     coord = topology.get_coord(ctx.rank)
@@ -141,10 +142,9 @@ _GROUP_KEYS = (
 
 def lambda_from_spec(spec: str | None, n_groups: int) -> Any:
     """`module:function` -> the LambdaLR lr_lambda (one per group when the function returns a list)."""
-    if not spec:
+    fn = load_callable(spec)
+    if fn is None:
         return None
-    module, _, func = spec.partition(":")
-    fn = getattr(importlib.import_module(module), func)
     probe = fn(0)
     if isinstance(probe, (list, tuple)):
         return [(lambda e, i=i: float(fn(e)[i])) for i in range(n_groups)]
@@ -154,8 +154,6 @@ def lambda_from_spec(spec: str | None, n_groups: int) -> Any:
 def replica_setup(ctx: SetupContext, layout: dict[str, Any], scheduler_fn: str | None) -> TrainSetup:
     """The replica model, its param groups as the checkpoint saved them, and — when the launch config names no
     optimizer — the torch optimizer and scheduler the saved state belongs to (rebuilt from that state)."""
-    from ckpt_tools.train import replica as R
-
     specs = [R.ParamSpec(p["name"], tuple(p["shape"]), p["dtype"], p["requires_grad"]) for p in layout["specs"]]
     model = R.build_replica(
         specs,
@@ -210,7 +208,7 @@ def full_state(engine: Any, module: torch.nn.Module, keys: tuple[str, ...]) -> d
     parameter, gathered whole. Collective: every rank calls it; first the ranks agree (one all-reduce of
     flags) on which states every rank can provide — DeepSpeed's full getters raise on a rank whose fragment
     lacks a state (e.g. after a load without optimizer states) while the others wait in their all-reduce."""
-    import torch.distributed as dist
+    # lazy: as in run
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_get_local_optimizer_state
 
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -272,7 +270,7 @@ class Batches:
         self.vocab_size = setup.vocab_size
         self.tokens = None
         if plan.get("data"):
-            import numpy as np
+            import numpy as np  # lazy: only for a user token file
 
             path = plan["data"]
             self.tokens = (
@@ -282,8 +280,6 @@ class Batches:
     def _rows(self, step: int, orig_rank: int) -> torch.Tensor:
         n = self.micro * self.orig_gas
         if self.tokens is None:
-            from ckpt_tools.train.data import batch_for_step
-
             return batch_for_step(
                 step, batch_size=n, seq_len=self.seq_len, vocab_size=self.vocab_size, dp_rank=orig_rank
             )
@@ -306,24 +302,8 @@ class Batches:
 # --- the loop -------------------------------------------------------------------------------------
 
 
-def emit(event: str, **fields: Any) -> None:
-    sys.stdout.write(RECORD_PREFIX + json.dumps({"event": event, **fields}) + "\n")
-    sys.stdout.flush()
-
-
 def lm_loss(engine: Any, tokens: torch.Tensor) -> torch.Tensor:
-    from ckpt_tools.samples.workers import _common as c
-
     return c.lm_loss(engine, tokens)
-
-
-def adam_step_or_none(optimizer: Any) -> int | None:
-    from ckpt_tools.samples.workers import _common as c
-
-    try:
-        return c.adam_step(optimizer)
-    except RuntimeError:
-        return None  # no Adam state yet, or several values: the parent reports it as unknown
 
 
 def scheduler_position(scheduler: Any) -> int | None:
@@ -361,8 +341,6 @@ def main() -> None:
     except BaseException as e:  # noqa: BLE001  report this process's own error, then leave without a hang
         if isinstance(e, SystemExit) and e.code in (0, None):
             raise
-        import traceback
-
         traceback.print_exc()
         emit(
             "error",
@@ -379,20 +357,50 @@ def run() -> None:
     args = parser.parse_args()
     plan = json.loads(args.plan.read_text())
 
-    import deepspeed
-    import torch.distributed as dist
+    import deepspeed  # lazy: only where an engine is built; user factories import this module for its types
 
-    device = plan["device"]
-    if device == "cuda":
+    if plan["device"] == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if plan["device"] == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    engine, setup = build_engine(plan, rank, world)
+    # A PipelineModule trains through train_batch even with one stage (forward() is refused then).
+    pipeline = isinstance(engine, deepspeed.runtime.pipe.engine.PipelineEngine)
+    if rank == 0:
+        emit(
+            "setup",
+            scheduler=None if engine.lr_scheduler is None else type(engine.lr_scheduler).__name__,
+            lambda_epochs=plan["lambda_epochs"],
+            lambda_values=lambda_values(setup.lr_lambda, plan["lambda_epochs"], len(engine.optimizer.param_groups)),
+            pipeline=bool(pipeline),
+            world_size=world,
+        )
+    load(plan, engine, rank)
+    if plan["model"] == "replica":
+        run_replica(plan, engine, setup, rank, world)
+    else:
+        train(plan, engine, setup, pipeline, rank, world)
+    if rank == 0:
+        emit("done")
+    leave(0)  # barrier, destroy the group, exit: a plain return lets gloo abort a finished run
+
+
+def build_engine(plan: dict[str, Any], rank: int, world: int) -> tuple[Any, TrainSetup]:
+    """The model (the model-free replica, a built-in recipe or the user's factory) in DeepSpeed's engine, with the
+    launch ds_config."""
+    import deepspeed  # lazy: as in run
+
     ds_config = plan["ds_config"]
     ctx = SetupContext(
-        ds_config=ds_config, rank=rank, world_size=world, dp=plan["dp"], tp=plan["tp"], pp=plan["pp"], device=device
+        ds_config=ds_config,
+        rank=rank,
+        world_size=world,
+        dp=plan["dp"],
+        tp=plan["tp"],
+        pp=plan["pp"],
+        device=plan["device"],
     )
-    replica_mode = plan["model"] == "replica"
-    if replica_mode:
+    if plan["model"] == "replica":
         setup = replica_setup(ctx, plan["replica"], plan.get("scheduler_fn"))
     else:
         setup = load_factory(plan["model"])(ctx)
@@ -403,19 +411,11 @@ def run() -> None:
         lr_scheduler=setup.lr_scheduler,
         config=json.loads(json.dumps(ds_config)),
     )
-    # A PipelineModule trains through train_batch even with one stage (forward() is refused then).
-    pipeline = isinstance(engine, deepspeed.runtime.pipe.engine.PipelineEngine)
-    n_groups = len(engine.optimizer.param_groups)
-    if rank == 0:
-        emit(
-            "setup",
-            scheduler=None if engine.lr_scheduler is None else type(engine.lr_scheduler).__name__,
-            lambda_epochs=plan["lambda_epochs"],
-            lambda_values=lambda_values(setup.lr_lambda, plan["lambda_epochs"], n_groups),
-            pipeline=bool(pipeline),
-            world_size=world,
-        )
+    return engine, setup
 
+
+def load(plan: dict[str, Any], engine: Any, rank: int) -> None:
+    """`engine.load_checkpoint` of the plan's folder and tag; rank 0 emits the live counters right after."""
     load_path, _ = engine.load_checkpoint(
         plan["load_dir"],
         tag=plan.get("tag"),
@@ -435,12 +435,11 @@ def run() -> None:
             base_lrs=[float(x) for x in base_lrs] if base_lrs is not None else None,
             lr=[float(g["lr"]) for g in engine.optimizer.param_groups],
         )
-    if replica_mode:
-        run_replica(plan, engine, setup, rank, world)
-        if rank == 0:
-            emit("done")
-        leave(0)
 
+
+def train(plan: dict[str, Any], engine: Any, setup: TrainSetup, pipeline: bool, rank: int, world: int) -> None:
+    """The model loop: `plan["steps"]` optimizer steps on the uninterrupted run's batches (`Batches`), one `step`
+    record each."""
     dp_rank = engine.grid.get_data_parallel_rank() if pipeline else rank
     batches = Batches(plan, setup, dp_rank)
     loss_fn = setup.loss_fn or lm_loss
@@ -450,22 +449,8 @@ def run() -> None:
         lrs = [float(g["lr"]) for g in engine.optimizer.param_groups]
         micro = [mb.to(engine.device) for mb in batches.micro_batches(step_index)]
         t0 = time.perf_counter()
-        if pipeline:
-            data = iter([(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in micro])
-            loss = float(engine.train_batch(data_iter=data))
-            first_loss = mean_loss = loss
-        else:
-            losses = []
-            for mb in micro:
-                loss_t = loss_fn(engine, mb)
-                engine.backward(loss_t)
-                engine.step()
-                losses.append(loss_t.detach().float())
-            first_loss = float(losses[0])
-            total = torch.stack(losses).mean().reshape(1)
-            dist.all_reduce(total)
-            mean_loss = float(total) / world
-        if device == "cuda":
+        first_loss, mean_loss = optimizer_step(engine, micro, pipeline, loss_fn, world)
+        if plan["device"] == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         if rank == 0:
@@ -481,18 +466,31 @@ def run() -> None:
                 seconds=seconds,
                 skipped_steps=int(engine.skipped_steps),
             )
-    if rank == 0:
-        emit("done")
-    leave(0)  # barrier, destroy the group, exit: a plain return lets gloo abort a finished run
+
+
+def optimizer_step(
+    engine: Any, micro: list[torch.Tensor], pipeline: bool, loss_fn: Callable, world: int
+) -> tuple[float, float]:
+    """One optimizer step over this rank's micro-batches: (the first micro-batch's loss, the mean over all ranks'
+    micro-batches). A pipeline runs `train_batch` (its loss is already the mean)."""
+    if pipeline:
+        data = iter([(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in micro])
+        loss = float(engine.train_batch(data_iter=data))
+        return loss, loss
+    losses = []
+    for mb in micro:
+        loss_t = loss_fn(engine, mb)
+        engine.backward(loss_t)
+        engine.step()
+        losses.append(loss_t.detach().float())
+    total = torch.stack(losses).mean().reshape(1)
+    dist.all_reduce(total)
+    return float(losses[0]), float(total) / world
 
 
 def run_replica(plan: dict[str, Any], engine: Any, setup: TrainSetup, rank: int, world: int) -> None:
     """The model-free loop: the synthetic loss through the engine (so ZeRO-3 gathers each module's
     parameters in its forward), one step record and one state file per optimizer step."""
-    import torch.distributed as dist
-
-    from ckpt_tools.train import replica as R
-
     layout = plan["replica"]
     specs = [R.ParamSpec(p["name"], tuple(p["shape"]), p["dtype"], p["requires_grad"]) for p in layout["specs"]]
     directions = R.synthetic_directions(specs, layout.get("seed", 0), max_norm=layout.get("max_norm"))

@@ -20,9 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback, TrainingArguments
 
+from ckpt_tools.read import safe_load
 from ckpt_tools.resume.workers import _common as c
-from ckpt_tools.samples.workers.hf_trainer import Rows, loss_trainer_class, unwrap_scheduler
+from ckpt_tools.samples.workers.hf_trainer import LossTrainer, Rows, unwrap_scheduler
 
 # TrainingArguments fields that shape the optimization; everything else (output, logging, hub) is ckpt's own.
 ARG_FIELDS = (
@@ -58,8 +61,6 @@ ARG_FIELDS = (
 
 
 def training_arguments(plan: dict[str, Any], output_dir: Path):
-    from transformers import TrainingArguments
-
     known = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
     saved = plan["training_args"]
     kwargs = {k: saved[k] for k in ARG_FIELDS if k in known and k in saved and saved[k] is not None}
@@ -83,8 +84,6 @@ def training_arguments(plan: dict[str, Any], output_dir: Path):
 
 def saved_optimizer(plan: dict[str, Any]) -> list | None:
     """This rank's saved optimizer state, in the live optimizer's parameter order (read with safe_load)."""
-    from ckpt_tools.read import safe_load
-
     folder = Path(plan["load_dir"])
     f = folder / "optimizer.pt"
     if plan.get("zero_files"):
@@ -96,72 +95,71 @@ def saved_optimizer(plan: dict[str, Any]) -> list | None:
     return None if osd is None else c.saved_states_by_position(osd)
 
 
-def main(plan: dict[str, Any]) -> None:
-    import torch.distributed as dist
-    from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
+class Recorder(TrainerCallback):
+    """Emits `loaded` before the first resumed update (and sets up the closed-form check from this rank's saved
+    optimizer state), one `step` per update (rank 0's loss and the mean over ranks), and stops the run after the
+    plan's steps."""
 
+    def __init__(self, plan: dict[str, Any]) -> None:
+        self.plan = plan
+        self.trainer: Any = None
+        self.check: c.OptimizerCheck | None = None
+        self.pending: list[float] | None = None
+        self.n = 0
+
+    def on_step_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kw):
+        if self.check is None:  # first update: the Trainer has loaded everything by now
+            if c.rank() == 0:
+                c.emit(
+                    "loaded",
+                    global_step=int(state.global_step),
+                    optimizer_step=c.adam_step_or_none(optimizer),
+                    scheduler_position=getattr(unwrap_scheduler(lr_scheduler), "last_epoch", None),
+                    lr=c.current_lrs(optimizer),
+                )
+            self.check = c.OptimizerCheck(optimizer, saved_optimizer(self.plan), self.plan.get("expected_lrs"))
+        self.pending = c.current_lrs(optimizer)
+
+    def on_step_end(self, args, state, control, optimizer=None, **kw):
+        assert self.check is not None
+        opt_check = self.check.reduced()
+        mean = torch.tensor([float(self.trainer.last_loss)], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(mean)
+        if c.rank() == 0:
+            # the Trainer logs the mean over processes: `loss_mean` is what log_history is compared with
+            c.emit(
+                "step",
+                step=int(state.global_step),
+                loss=self.trainer.last_loss,
+                loss_mean=float(mean) / c.world_size(),
+                lr=self.pending,
+                optimizer_step=c.adam_step_or_none(optimizer),
+                opt_check=opt_check,
+            )
+        self.n += 1
+        if self.n >= self.plan["steps"]:
+            control.should_training_stop = True
+        return control
+
+
+def main(plan: dict[str, Any]) -> None:
     folder = Path(plan["load_dir"])
     config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    steps = plan["steps"]
-    expected = plan.get("expected_lrs")
     scratch = Path(tempfile.mkdtemp(prefix=f"ckpt_resume_hf_r{c.rank()}_"))
-
-    LossTrainer = loss_trainer_class()
-
-    class Recorder(TrainerCallback):
-        def __init__(self) -> None:
-            self.trainer: Any = None
-            self.check: c.OptimizerCheck | None = None
-            self.pending: list[float] | None = None
-            self.n = 0
-
-        def on_step_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kw):
-            if self.check is None:  # first update: the Trainer has loaded everything by now
-                if c.rank() == 0:
-                    c.emit(
-                        "loaded",
-                        global_step=int(state.global_step),
-                        optimizer_step=c.adam_step(optimizer),
-                        scheduler_position=getattr(unwrap_scheduler(lr_scheduler), "last_epoch", None),
-                        lr=c.lrs(optimizer),
-                    )
-                self.check = c.OptimizerCheck(optimizer, saved_optimizer(plan), expected)
-            self.pending = c.lrs(optimizer)
-
-        def on_step_end(self, args, state, control, optimizer=None, **kw):
-            assert self.check is not None
-            opt_check = self.check.reduced()
-            mean = torch.tensor([float(self.trainer.last_loss)], dtype=torch.float64)
-            if dist.is_initialized():
-                dist.all_reduce(mean)
-            if c.rank() == 0:
-                # the Trainer logs the mean over processes: `loss_mean` is what log_history is compared with
-                c.emit(
-                    "step",
-                    step=int(state.global_step),
-                    loss=self.trainer.last_loss,
-                    loss_mean=float(mean) / c.world(),
-                    lr=self.pending,
-                    optimizer_step=c.adam_step(optimizer),
-                    opt_check=opt_check,
-                )
-            self.n += 1
-            if self.n >= steps:
-                control.should_training_stop = True
-            return control
 
     try:
         args = training_arguments(plan, scratch)
-        world = c.world()
+        world = c.world_size()
         n_rows = max(1, args.max_steps) * args.per_device_train_batch_size * world * args.gradient_accumulation_steps
         seq_len = min(
             plan.get("seq_len") or 16,
             getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", 16),
         )
         rows = c.synthetic_rows(n_rows, seq_len, config.vocab_size, seed=plan.get("data_seed", 1234))
-        rec = Recorder()
+        rec = Recorder(plan)
         trainer = LossTrainer(model=model, args=args, train_dataset=Rows(rows), callbacks=[rec])
         rec.trainer = trainer
         trainer.train(resume_from_checkpoint=str(folder))

@@ -1,7 +1,7 @@
 """Resume a Megatron-LM checkpoint (legacy `torch` or `torch_dist`) in Megatron-LM's own `pretrain` (pretrain_gpt.py's
 dataset provider, forward step and GPT builder, imported from the checkout `MEGATRON_LM_DIR` names), with the model
 and the run rebuilt from the checkpoint's own `args`: Megatron's parser options whose saved value differs from
-the default are passed back (`workers.megatron_lm.relaunch_argv`), the parallel sizes from the plan, `--load` the
+the default are passed back (`workers.megatron_lm_args.relaunch_argv`), the parallel sizes from the plan, `--load` the
 checkpoint, the run's length from the plan (the saved train_iters and `--exit-interval` after the plan's steps),
 no save.
 
@@ -18,15 +18,24 @@ saved TP / PP the closed-form AdamW check of the update from the state each rank
 
 from __future__ import annotations
 
+import builtins
+import json
+import multiprocessing
 import os
 import shlex
+import shutil
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from ckpt_tools.read import pickle_reader as pr
 from ckpt_tools.resume.workers import _common as c
+from ckpt_tools.samples.workers import megatron_lm as W
+from ckpt_tools.samples.workers.megatron_lm_args import CPU_FLAGS, RELAUNCH_SKIP, parallel_argv, relaunch_argv
+from ckpt_tools.train.procgroup import join
 
 
 #: what a resume changes by design: counters and run state Megatron sets itself, and the CPU run-time flags
@@ -63,7 +72,6 @@ CPU_DESTS = frozenset(
 
 def args_differ(saved: dict[str, Any], live: Any, skip: frozenset) -> list[list[Any]]:
     """[name, saved, live] for every saved arg the relaunched run holds with another value (`skip` aside)."""
-    import json
 
     def plain(x: Any) -> Any:  # as the plan holds the saved args: tuples as lists, enums as their value, else str
         x = x.value if hasattr(x, "value") and not isinstance(x, (int, float, str)) else x
@@ -82,7 +90,7 @@ def args_differ(saved: dict[str, Any], live: Any, skip: frozenset) -> list[list[
 def inner_optimizers(optimizer: Any) -> list[Any]:
     """The torch optimizers inside Megatron's: one, or each inner optimizer of a ChainedOptimizer (a
     Mixture-of-Experts run at EP > 1: dense, expert), each out of its mixed-precision wrapper."""
-    return [c.innermost(o) for o in (getattr(optimizer, "chained_optimizers", None) or [optimizer])]
+    return [c.innermost_optimizer(o) for o in (getattr(optimizer, "chained_optimizers", None) or [optimizer])]
 
 
 def saved_legacy_state(plan: dict[str, Any], inner: Any, index: int = 0) -> list[dict[str, torch.Tensor]] | None:
@@ -90,11 +98,7 @@ def saved_legacy_state(plan: dict[str, Any], inner: Any, index: int = 0) -> list
     (inert, ckpt's reader) from its own legacy rank file `iter_N/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`: the
     torch state dict Megatron saved (a ChainedOptimizer saves a list of them, one per inner optimizer), its param
     groups' ids in order. None where the run is not at the saved TP / PP / EP (another rank layout)."""
-    from pathlib import Path
-
-    from megatron.core import parallel_state as ps
-
-    from ckpt_tools.read import pickle_reader as pr
+    from megatron.core import parallel_state as ps  # lazy: Megatron is importable only after import_megatron
 
     saved = plan["saved_args"]
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
@@ -157,26 +161,15 @@ def merged_check(results: list[dict[str, Any]]) -> dict[str, Any] | None:
     return out
 
 
-def main(plan: dict[str, Any]) -> None:
-    from ckpt_tools.samples.workers import megatron_lm as W
-
-    cpu = plan["device"] == "cpu"
-    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # what Megatron's TP setup asserts (users export it)
-    if not cpu:  # one GPU per process, as torchrun's LOCAL_RANK says (Megatron sets it too, after the group exists)
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    W.import_megatron(cpu=cpu)
-    from ckpt_tools.train.procgroup import join
-
-    join("gloo" if cpu else "nccl")
-    import megatron.training.training as training
-    from megatron.training import get_args, pretrain
-
+def resume_argv(plan: dict[str, Any], cpu: bool, work: Path) -> list[str]:
+    """The resumed run's command line: the saved args passed back, the plan's parallel sizes, on a CPU `CPU_FLAGS`,
+    `--load` the checkpoint, the plan's run length, no evaluation, a log line per iteration, the data cache in
+    `work`, then the user's extra args."""
     saved = plan["saved_args"]
-    work = W._shared_tempdir("ckpt_resume_megatron_")
-    argv = [
-        *W.relaunch_argv(saved),
-        *W.parallel_argv(saved, plan.get("tp"), plan.get("pp")),
-        *(W.CPU_FLAGS if cpu else []),
+    return [
+        *relaunch_argv(saved),
+        *parallel_argv(saved, plan.get("tp"), plan.get("pp")),
+        *(CPU_FLAGS if cpu else []),
         "--distributed-backend",
         "gloo" if cpu else "nccl",
         "--load",
@@ -193,63 +186,85 @@ def main(plan: dict[str, Any]) -> None:
         str(work / "data_cache"),
         *shlex.split(plan.get("extra_args") or ""),
     ]
-    load_checkpoint, train_step = training.load_checkpoint, training.train_step
-    rank = torch.distributed.get_rank()
 
-    check: list[Any] = []
-    done_loading: list[bool] = []
 
-    def loaded(model, optimizer, opt_param_scheduler, *a: Any, **k: Any):
-        import builtins
+def load_or_say_why(load_checkpoint: Any, *a: Any, **k: Any) -> Any:
+    """Megatron's own `load_checkpoint`; where it calls sys.exit() (after printing why), a RuntimeError naming the
+    last line it printed (rank 0 has the reason: a rank without one waits so that rank 0's error comes first)."""
+    printed: list[str] = []
+    show = builtins.print
 
-        printed: list[str] = []
-        show = builtins.print
+    def keep(*words: Any, **kw: Any) -> None:  # Megatron says why before a sys.exit() in its load
+        printed.append(" ".join(map(str, words)))
+        show(*words, **kw)
 
-        def keep(*words: Any, **kw: Any) -> None:  # Megatron says why before a sys.exit() in its load
-            printed.append(" ".join(map(str, words)))
-            show(*words, **kw)
+    builtins.print = keep
+    try:
+        return load_checkpoint(*a, **k)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise
+        if not printed:  # print_rank_0: rank 0 has the reason; let its error reach the parent first
+            time.sleep(5)
+        raise RuntimeError(
+            "Megatron-LM exited while loading the checkpoint" + (f": {printed[-1].strip()}" if printed else "")
+        ) from None
+    finally:
+        builtins.print = show
 
-        builtins.print = keep
-        try:
-            out = load_checkpoint(model, optimizer, opt_param_scheduler, *a, **k)
-        except SystemExit as e:
-            if e.code not in (0, None):
-                raise
-            if not printed:  # print_rank_0: rank 0 has the reason; let its error reach the parent first
-                time.sleep(5)
-            raise RuntimeError(
-                "Megatron-LM exited while loading the checkpoint" + (f": {printed[-1].strip()}" if printed else "")
-            ) from None
-        finally:
-            builtins.print = show
-        done_loading.append(True)
+
+class Hooks:
+    """Stand-ins for Megatron's `load_checkpoint` and `train_step` (as `megatron.training.training` calls them):
+    each calls Megatron's own and emits the `loaded` / `step` event from the live state."""
+
+    def __init__(self, plan: dict[str, Any], argv: list[str], cpu: bool) -> None:
+        import megatron.training.training as training  # lazy: Megatron is importable only after import_megatron
+
+        self.plan, self.argv, self.cpu = plan, argv, cpu
+        self.load_checkpoint, self.train_step = training.load_checkpoint, training.train_step
+        self.rank = torch.distributed.get_rank()
+        self.check: list[Any] = []
+        self.done_loading = False
+
+    def install(self) -> None:
+        import megatron.training.training as training  # lazy: as in __init__
+
+        training.load_checkpoint, training.train_step = self.loaded, self.step
+
+    def loaded(self, model, optimizer, opt_param_scheduler, *a: Any, **k: Any):
+        from megatron.training import get_args  # lazy: as in __init__
+
+        out = load_or_say_why(self.load_checkpoint, model, optimizer, opt_param_scheduler, *a, **k)
+        self.done_loading = True
         steps = sorted(set(W._adam_steps(optimizer)))
-        if plan.get("legacy"):
+        if self.plan.get("legacy"):
             # the closed-form check of every update from the state this rank's file saved (`_common.OptimizerCheck`),
             # one per inner optimizer of a ChainedOptimizer
-            check.extend(optimizer_checks(plan, optimizer))
-        if rank == 0:
-            skip = RUN_STATE | W.RELAUNCH_SKIP | (CPU_DESTS if cpu else frozenset())
+            self.check.extend(optimizer_checks(self.plan, optimizer))
+        if self.rank == 0:
+            skip = RUN_STATE | RELAUNCH_SKIP | (CPU_DESTS if self.cpu else frozenset())
             c.emit(
                 "loaded",
                 global_step=int(out[0]),
                 optimizer_step=steps[-1] if steps else None,
                 optimizer_steps=steps,
                 scheduler_position=int(opt_param_scheduler.num_steps),
-                argv=argv,
-                args_differ=args_differ(saved, get_args(), skip),
+                argv=self.argv,
+                args_differ=args_differ(self.plan["saved_args"], get_args(), skip),
             )
         return out
 
-    def step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *a: Any, **k: Any):
+    def step(self, forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *a: Any, **k: Any):
+        from megatron.training import get_args  # lazy: as in __init__
+
         lrs = [float(g["lr"]) for g in W._groups(optimizer)]
-        out = train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *a, **k)
+        out = self.train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, *a, **k)
         loss = out[0].get("lm loss") if isinstance(out[0], dict) else None
-        opt_check = merged_check([x.reduced() for x in check])  # a collective: every rank closes the update
+        opt_check = merged_check([x.reduced() for x in self.check])  # a collective: every rank closes the update
         mine = (lrs, None if loss is None else float(loss), sorted(set(W._adam_steps(optimizer))), bool(out[1]))
         every: list[Any] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(every, mine)
-        if rank == 0:
+        if self.rank == 0:
             losses = [x[1] for x in every if x[1] is not None]
             adam = sorted({s for x in every for s in x[2]})
             c.emit(
@@ -265,35 +280,49 @@ def main(plan: dict[str, Any]) -> None:
             )
         return out
 
-    training.load_checkpoint, training.train_step = loaded, step
+
+def run_pretrain(argv: list[str], hooks: Hooks) -> None:
+    """Megatron's own `pretrain` (pretrain_gpt.py's entry) on `argv`, to its `--exit-interval` exit."""
+    from megatron.training import pretrain  # lazy: Megatron is importable only after import_megatron
+
     datasets, model_provider, model_type, forward_step, embedding_ranks = W._pretrain_entry()
     sys.argv = [sys.argv[0], *argv]
     try:
-        try:
-            pretrain(
-                datasets,
-                model_provider,
-                model_type,
-                forward_step,
-                args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-                get_embedding_ranks=embedding_ranks,
-            )
-        except SystemExit as e:  # --exit-interval: Megatron's train loop ends with sys.exit(0)
-            if e.code not in (0, None):
-                raise
-            if not done_loading:
-                raise RuntimeError("Megatron-LM exited before it had loaded the checkpoint") from None
+        pretrain(
+            datasets,
+            model_provider,
+            model_type,
+            forward_step,
+            args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+            get_embedding_ranks=embedding_ranks,
+        )
+    except SystemExit as e:  # --exit-interval: Megatron's train loop ends with sys.exit(0)
+        if e.code not in (0, None):
+            raise
+        if not hooks.done_loading:
+            raise RuntimeError("Megatron-LM exited before it had loaded the checkpoint") from None
+
+
+def main(plan: dict[str, Any]) -> None:
+    cpu = plan["device"] == "cpu"
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # what Megatron's TP setup asserts (users export it)
+    if not cpu:  # one GPU per process, as torchrun's LOCAL_RANK says (Megatron sets it too, after the group exists)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    W.import_megatron(cpu=cpu)
+    join("gloo" if cpu else "nccl")
+    work = W._shared_tempdir("ckpt_resume_megatron_")
+    argv = resume_argv(plan, cpu, work)
+    hooks = Hooks(plan, argv, cpu)
+    hooks.install()
+    try:
+        run_pretrain(argv, hooks)
         torch.distributed.barrier()
     finally:
-        if rank == 0:
-            import shutil
-
+        if hooks.rank == 0:
             shutil.rmtree(work, ignore_errors=True)
-        import multiprocessing
-
         for child in multiprocessing.active_children():  # Megatron's persistent data-loader workers
             child.terminate()
-    if rank == 0:
+    if hooks.rank == 0:
         c.emit("done")
 
 

@@ -8,6 +8,7 @@ after step 4 (so a resume has steps left to check against), and a per-step histo
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from ckpt_tools.train.data import batch_for_step
 from ckpt_tools.train.manifest import write_manifest
 from ckpt_tools.train.models import GPTConfig, TinyGPT, count_parameters
+from ckpt_tools.train.procgroup import leave
 
 TOTAL_STEPS = 6
 SAVE_AFTER_STEP = 4
@@ -128,8 +130,6 @@ def world_size() -> int:
 def shutdown() -> None:
     """End the worker process: barrier, destroy the group, flush, exit 0 (see `ckpt_tools.train.procgroup`:
     returning normally lets gloo abort a run that succeeded). Call it last; it never returns."""
-    from ckpt_tools.train.procgroup import leave
-
     leave(0)
 
 
@@ -307,7 +307,7 @@ def ds_setup() -> tuple[argparse.Namespace, int, int]:
     """A DeepSpeed sample worker's start: its command line (`parse_args`), then DeepSpeed's gloo process group.
     Returns (args, rank, dp world size)."""
     args = parse_args()
-    import deepspeed
+    import deepspeed  # lazy: only the DeepSpeed workers call it; the FSDP, Accelerate, HF, Lightning ones share _common
 
     deepspeed.init_distributed(dist_backend="gloo")
     return args, rank(), world_size()
@@ -353,9 +353,7 @@ def ds_initialize(
 ):
     """`deepspeed.initialize` on a copy of `cfg` (DeepSpeed may fill in defaults in the dict it is given; the
     manifest keeps what we asked for); returns the engine."""
-    import copy
-
-    import deepspeed
+    import deepspeed  # lazy: as in ds_setup
 
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=groups, optimizer=optimizer, lr_scheduler=scheduler, config=copy.deepcopy(cfg)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-
 from ckpt_tools.samples.workers import _common as c
 
 SAMPLES = ("accelerate_ddp", "accelerate_deepspeed")
@@ -56,12 +55,13 @@ def make_accelerator(sample: str):
     """The Accelerator for `sample`; for DeepSpeed on CPU the gloo process group must exist first."""
     if sample == "accelerate_deepspeed":
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        # lazy: accelerate imported only after ACCELERATE_USE_DEEPSPEED is set (see the module docstring)
         from accelerate import Accelerator, DeepSpeedPlugin, PartialState
 
         PartialState(backend="gloo")
         plugin = DeepSpeedPlugin(hf_ds_config=ds_plugin_config(c.world_size()))
         return Accelerator(deepspeed_plugin=plugin, mixed_precision="bf16")
-    from accelerate import Accelerator
+    from accelerate import Accelerator  # lazy: as above, the DeepSpeed sample's process must not import it first
 
     return Accelerator(cpu=True)
 

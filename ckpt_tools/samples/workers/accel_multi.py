@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from accelerate import Accelerator
 
 from ckpt_tools.train.models import GPTConfig, count_parameters
 from ckpt_tools.samples.workers import _common as c
@@ -72,8 +73,6 @@ def adamw_with_steplr(groups: list[dict[str, Any]]) -> tuple[torch.optim.Optimiz
 
 def setup():
     """The Accelerator and every prepared object, in the order that numbers the saved files."""
-    from accelerate import Accelerator
-
     accelerator = Accelerator(cpu=True)
     model_0, model_1 = c.build_model(), build_model_1()
     opt_0, sched_0 = c.adamw_with_lambdalr(c.param_groups(model_0))
@@ -84,6 +83,32 @@ def setup():
     return accelerator, (model_0, model_1), prepared, progress
 
 
+class TwoModels:
+    """The prepared run (`setup`) and one update of both models, as the training script does it."""
+
+    def __init__(self) -> None:
+        self.accelerator, (self.model_0, self.model_1), prepared, self.progress = setup()
+        self.wrapped_0, self.wrapped_1, self.opt_0, self.opt_1, self.sched_0, self.sched_1 = prepared
+        self.rank = self.accelerator.process_index
+
+    def update(self, batch: int) -> tuple[float, float]:
+        """One optimizer step of both models on batch `batch` (the sum of their losses); the two losses."""
+        tokens = c.tokens_for_step(batch, self.rank)
+        loss_0 = c.lm_loss(self.wrapped_0, tokens)
+        loss_1 = c.lm_loss(self.wrapped_1, tokens)
+        self.accelerator.backward(loss_0 + loss_1)
+        self.accelerator.clip_grad_norm_(self.wrapped_0.parameters(), 1.0)
+        self.accelerator.clip_grad_norm_(self.wrapped_1.parameters(), 1.0)
+        self.opt_0.step()
+        self.opt_1.step()
+        self.sched_0.step()
+        self.sched_1.step()
+        self.opt_0.zero_grad()
+        self.opt_1.zero_grad()
+        self.progress.update(c.MICRO_BATCH * self.accelerator.num_processes)
+        return loss_0.item(), loss_1.item()
+
+
 def parse_args() -> argparse.Namespace:
     return c.parse_producer_args(
         "Make (or resume) the Accelerate two-model sample.", [SAMPLE], default_steps=c.TOTAL_STEPS - c.SAVE_AFTER_STEP
@@ -92,86 +117,82 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    accelerator, (model_0, model_1), prepared, progress = setup()
-    wrapped_0, wrapped_1, opt_0, opt_1, sched_0, sched_1 = prepared
-    rank = accelerator.process_index
-
-    def update(batch: int) -> tuple[float, float]:
-        tokens = c.tokens_for_step(batch, rank)
-        loss_0 = c.lm_loss(wrapped_0, tokens)
-        loss_1 = c.lm_loss(wrapped_1, tokens)
-        accelerator.backward(loss_0 + loss_1)
-        accelerator.clip_grad_norm_(wrapped_0.parameters(), 1.0)
-        accelerator.clip_grad_norm_(wrapped_1.parameters(), 1.0)
-        opt_0.step()
-        opt_1.step()
-        sched_0.step()
-        sched_1.step()
-        opt_0.zero_grad()
-        opt_1.zero_grad()
-        progress.update(c.MICRO_BATCH * accelerator.num_processes)
-        return loss_0.item(), loss_1.item()
-
+    run = TwoModels()
     if args.resume is not None:
-        accelerator.load_state(str(args.resume))
-        records = []
-        for _ in range(args.steps):
-            batch = progress.steps
-            lr_0, lr_1 = c.current_lrs(opt_0), c.current_lrs(opt_1)  # what this update uses
-            loss_0, loss_1 = update(batch)
-            records.append(
-                {
-                    "step": batch + 1,
-                    "lr": lr_0,
-                    "lr_1": lr_1,
-                    "optimizer_step": c.adam_step(opt_0),
-                    "optimizer_step_1": c.adam_step(opt_1),
-                    "scheduler_last_epoch": sched_0.scheduler.last_epoch,
-                    "scheduler_last_epoch_1": sched_1.scheduler.last_epoch,
-                    "loss": loss_0,
-                    "loss_1": loss_1,
-                }
-            )
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            args.record.write_text(json.dumps(records, indent=1) + "\n")
-        return
+        resume(run, args)
+    else:
+        make(run, args)
 
+
+def resume(run: TwoModels, args: argparse.Namespace) -> None:
+    """`accelerator.load_state`, `args.steps` updates; rank 0 writes their records to `args.record`."""
+    run.accelerator.load_state(str(args.resume))
+    records = []
+    for _ in range(args.steps):
+        batch = run.progress.steps
+        lr_0, lr_1 = c.current_lrs(run.opt_0), c.current_lrs(run.opt_1)  # what this update uses
+        loss_0, loss_1 = run.update(batch)
+        records.append(
+            {
+                "step": batch + 1,
+                "lr": lr_0,
+                "lr_1": lr_1,
+                "optimizer_step": c.adam_step(run.opt_0),
+                "optimizer_step_1": c.adam_step(run.opt_1),
+                "scheduler_last_epoch": run.sched_0.scheduler.last_epoch,
+                "scheduler_last_epoch_1": run.sched_1.scheduler.last_epoch,
+                "loss": loss_0,
+                "loss_1": loss_1,
+            }
+        )
+    run.accelerator.wait_for_everyone()
+    if run.accelerator.is_main_process:
+        args.record.write_text(json.dumps(records, indent=1) + "\n")
+
+
+def optimizer_info(opt: Any, sched: Any) -> dict[str, Any]:
+    """One prepared optimizer and its scheduler as the manifest lists them."""
+    s = sched.scheduler
+    return {
+        "optimizer": type(c.innermost_optimizer(opt)).__name__,
+        "scheduler": type(s).__name__,
+        "lr": c.current_lrs(opt),
+        "base_lrs": [float(x) for x in s.base_lrs],
+        "last_lr": [float(x) for x in s.get_last_lr()],
+        "last_epoch": s.last_epoch,
+        "step_count": s._step_count,
+        "optimizer_step": c.adam_step(opt),
+    }
+
+
+def make(run: TwoModels, args: argparse.Namespace) -> None:
+    """Train, `accelerator.save_state` after the save step, and rank 0 writes the manifest."""
     ckpt = args.out / args.sample
     side: list[dict[str, Any]] = []  # per step: optimizer 1's LRs and model 1's loss
     saved_extra: dict[str, Any] = {}
 
     def step(batch: int) -> float:
-        lr_1 = c.current_lrs(opt_1)
-        loss_0, loss_1 = update(batch)
+        lr_1 = c.current_lrs(run.opt_1)
+        loss_0, loss_1 = run.update(batch)
         side.append({"lr_1": lr_1, "loss_1": loss_1})
         return loss_0
 
-    def optimizer_info(opt, sched) -> dict[str, Any]:
-        s = sched.scheduler
-        return {
-            "optimizer": type(c.innermost_optimizer(opt)).__name__,
-            "scheduler": type(s).__name__,
-            "lr": c.current_lrs(opt),
-            "base_lrs": [float(x) for x in s.base_lrs],
-            "last_lr": [float(x) for x in s.get_last_lr()],
-            "last_epoch": s.last_epoch,
-            "step_count": s._step_count,
-            "optimizer_step": c.adam_step(opt),
-        }
-
     def save() -> dict[str, Any]:
-        accelerator.save_state(str(ckpt))
-        saved_extra["progress"] = progress.state_dict()
-        saved_extra["optimizers"] = [optimizer_info(opt_0, sched_0), optimizer_info(opt_1, sched_1)]
-        return c.snapshot(global_step=progress.steps, optimizer=opt_0, scheduler=sched_0.scheduler)
+        run.accelerator.save_state(str(ckpt))
+        saved_extra["progress"] = run.progress.state_dict()
+        saved_extra["optimizers"] = [optimizer_info(run.opt_0, run.sched_0), optimizer_info(run.opt_1, run.sched_1)]
+        return c.snapshot(global_step=run.progress.steps, optimizer=run.opt_0, scheduler=run.sched_0.scheduler)
 
-    history, saved = c.train(step, lambda: c.current_lrs(opt_0), save)
+    history, saved = c.train(step, lambda: c.current_lrs(run.opt_0), save)
     for h, s in zip(history, side):
         h.update(s)
-    accelerator.wait_for_everyone()
-    if not accelerator.is_main_process:
-        return
+    run.accelerator.wait_for_everyone()
+    if run.accelerator.is_main_process:
+        write_manifest(run, ckpt, args.sample, history, saved, saved_extra)
+
+
+def models_info(model_0: nn.Module, model_1: nn.Module) -> list[dict[str, Any]]:
+    """Each model as the manifest lists it: its file, class, parameter count and config."""
     models = []
     for i, (m, cfg) in enumerate(
         (
@@ -189,18 +210,31 @@ def main() -> None:
                 "config": cfg,
             }
         )
+    return models
+
+
+def write_manifest(
+    run: TwoModels,
+    ckpt: Any,
+    sample: str,
+    history: list[dict[str, Any]],
+    saved: dict[str, Any],
+    saved_extra: dict[str, Any],
+) -> None:
+    """Rank 0: the sample's manifest (`_common.write_sample_manifest`) with both models and both optimizers."""
+    accelerator = run.accelerator
     c.write_sample_manifest(
         ckpt,
-        sample=args.sample,
+        sample=sample,
         format="accelerate",
-        model=nn.ModuleList([model_0, model_1]),
+        model=nn.ModuleList([run.model_0, run.model_1]),
         topology={"dp": accelerator.num_processes, "tp": 1, "pp": 1, "zero_stage": None},
         saved=saved,
         history=history,
         extra={
             "distributed_type": str(accelerator.distributed_type.value),
             "mixed_precision": accelerator.mixed_precision,
-            "models": models,
+            "models": models_info(run.model_0, run.model_1),
             "optimizers": saved_extra["optimizers"],
             "schedulers": [
                 "torch LambdaLR (warmup then decay) on optimizer 0 (scheduler.bin)",

@@ -26,7 +26,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from ckpt_tools.train.models import TinyGPT
 from ckpt_tools.samples.workers import _common as c
@@ -39,9 +43,6 @@ COSINE_ETA_MIN = c.PEAK_LR * 0.1
 
 def build(sample: str) -> tuple[TinyGPT, torch.optim.Optimizer, Any]:
     """The tiny GPT sharded with FSDP2 over 2 CPU ranks, AdamW (two groups) and the sample's scheduler."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     model = c.build_model()
     mesh = init_device_mesh("cpu", (DP,))
     for block in model.blocks:
@@ -63,14 +64,10 @@ class AppState(Stateful):
         self.model, self.optimizer, self.scheduler, self.step = model, optimizer, scheduler, step
 
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict(), "step": self.step}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
         set_state_dict(
             self.model, self.optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"]
         )
@@ -97,8 +94,6 @@ def update(model, optimizer, scheduler, batch: int) -> float:
 
 
 def make(sample: str, out: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-
     path = out / sample
     model, optimizer, scheduler = build(sample)
 
@@ -147,8 +142,6 @@ def make(sample: str, out: Path) -> None:
 
 def resume(sample: str, ckpt: Path, record: Path, steps: int) -> None:
     """Load `ckpt` as the producer does, run `steps` updates on the uninterrupted run's batches, record them."""
-    import torch.distributed.checkpoint as dcp
-
     model, optimizer, scheduler = build(sample)
     app = AppState(model, optimizer, scheduler, step=0)
     dcp.load({"app": app}, checkpoint_id=ckpt)

@@ -44,17 +44,26 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import deepspeed
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from deepspeed.moe.layer import MoE
+from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+from deepspeed.utils import groups, safe_get_full_fp32_param
 
+from ckpt_tools.read import safe_load
 from ckpt_tools.train.manifest import manifest_path, write_manifest
+from ckpt_tools.train.procgroup import leave
 from ckpt_tools.samples.workers import _common as c
+from ckpt_tools.samples.workers.ds_pipeline import gather_whole, master_and_moments
 
 VOCAB = 64
 SEQ_LEN = 16
@@ -103,7 +112,6 @@ class ExpertMLP(nn.Module):
 class MoEBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        from deepspeed.moe.layer import MoE
 
         self.ln_1 = nn.LayerNorm(HIDDEN)
         self.dense = nn.Linear(HIDDEN, HIDDEN)
@@ -143,8 +151,6 @@ class TinyMoE(nn.Module):
 
 
 def ep_rank() -> int:
-    from deepspeed.utils import groups
-
     return groups._get_expert_parallel_rank(f"ep_size_{EP_SIZE}")
 
 
@@ -154,8 +160,6 @@ def build_model() -> TinyMoE:
     Needs the expert-parallel rank, so the expert process groups are created here with DeepSpeed's own
     `groups._create_expert_and_data_parallel` (what `MoE.set_deepspeed_parallelism` calls; deepspeed.initialize
     then finds the group and only attaches it to the layers)."""
-    from deepspeed.utils import groups
-
     if f"ep_size_{EP_SIZE}" not in groups._get_expert_parallel_group_dict():
         groups._create_expert_and_data_parallel(EP_SIZE)
     torch.manual_seed(c.SEED)
@@ -173,8 +177,6 @@ def build_model() -> TinyMoE:
 
 
 def optimizer_groups(model: nn.Module) -> list[dict[str, Any]]:
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [
@@ -217,10 +219,6 @@ def update(engine: Any, tokens: torch.Tensor) -> float:
 def parameter_counts(model: nn.Module) -> dict[str, int]:
     """Global counts from the live model: non-expert parameters once, expert parameters summed over the
     expert-parallel ranks (each global expert counted once, not once per expert-data-parallel replica)."""
-    import torch.distributed as dist
-    from deepspeed.moe.utils import is_moe_param
-    from deepspeed.utils import groups
-
     dense = [p for p in model.parameters() if not is_moe_param(p)]
     expert = [p for p in model.parameters() if is_moe_param(p)]
     local = torch.tensor([sum(p.numel() for p in expert), len(expert)], dtype=torch.long)
@@ -250,8 +248,6 @@ def make(args: argparse.Namespace, rank: int, dp: int) -> None:
     history, saved = _train(engine, ckpt, rank, scheduler)
     counts = parameter_counts(engine.module)
     if rank == 0:
-        from deepspeed.utils import groups
-
         group = f"ep_size_{EP_SIZE}"
         write_manifest(
             ckpt,
@@ -315,8 +311,6 @@ def make(args: argparse.Namespace, rank: int, dp: int) -> None:
 
 
 def _train(engine: Any, ckpt: Path, rank: int, scheduler: Any):
-    import torch.distributed as dist
-
     def save() -> dict[str, Any]:
         engine.save_checkpoint(str(ckpt))
         c.drop_deepspeed_scripts(ckpt)
@@ -344,10 +338,6 @@ def _train(engine: Any, ckpt: Path, rank: int, scheduler: Any):
 def saved_weights(ckpt: Path, name: str) -> torch.Tensor:
     """The value of the live parameter `name` as stored in `ckpt` (read with torch.load): a local expert
     from its `layer_{L}_expert_{global id}` file, the rest from `mp_rank_00_model_states.pt`'s module."""
-    import re
-
-    from ckpt_tools.read import safe_load
-
     tag = (ckpt / "latest").read_text().strip()
     m = re.match(r"blocks\.(\d+)\.moe\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(.*)", name)
     if m is None:
@@ -366,10 +356,6 @@ def dump_fp32(engine: Any, path: Path) -> None:
     (`deepspeed.utils.safe_get_full_fp32_param`: the optimizer's fp32 master; without ZeRO and mixed precision
     there is none and the parameter is the fp32 value), under GLOBAL expert names: the reference a reader's
     export is compared with."""
-    import re
-
-    from deepspeed.utils import safe_get_full_fp32_param
-
     local = NUM_EXPERTS // EP_SIZE
     out = {}
     for name, p in engine.module.named_parameters():
@@ -384,8 +370,6 @@ def dump_fp32(engine: Any, path: Path) -> None:
 
 def check(args: argparse.Namespace, rank: int, dp: int) -> None:
     """Reload `args.check` with DeepSpeed and compare with its manifest (see the module docstring)."""
-    import torch.distributed as dist
-
     man = json.loads(manifest_path(args.check).read_text())
     v = VARIANTS[man["sample"]]
     engine, _, _, _ = build_engine(v, dp)
@@ -436,8 +420,6 @@ def check(args: argparse.Namespace, rank: int, dp: int) -> None:
             flush=True,
         )
     if int(flag):
-        from ckpt_tools.train.procgroup import leave
-
         leave(1)
 
 
@@ -447,10 +429,6 @@ def whole_state(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
     fp32 weight and torch's Adam state) put together by `ds_pipeline.gather_whole`. An expert's pieces come from
     the ranks of its expert-data-parallel group only (the other expert-parallel ranks hold other experts under the
     same local name, renamed apart here)."""
-    import re
-
-    from ckpt_tools.samples.workers.ds_pipeline import gather_whole, master_and_moments
-
     local_n = NUM_EXPERTS // EP_SIZE
 
     def glob(n):
@@ -459,8 +437,6 @@ def whole_state(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
             lambda m: f"{m[1]}{ep_rank() * local_n + int(m[2])}{m[3]}",
             n,
         )
-
-    from deepspeed.moe.utils import is_moe_param
 
     local, shapes = {}, {}
     zero = engine.zero_optimization()
@@ -501,8 +477,6 @@ def resume(args: argparse.Namespace, rank: int, dp: int) -> None:
     so that every update sees the tokens the saved run's updates saw. `--dump DIR`: rank 0 writes
     `state_loaded.pt` and `state_step1.pt` (`whole_state`: every parameter's fp32 master and moments under
     global names, right after the load and after the first update)."""
-    import torch.distributed as dist
-
     run_dp = args.run_dp or dp
     if run_dp % dp:
         raise SystemExit(f"--run-dp {run_dp} is not a multiple of the {dp} ranks")
@@ -578,7 +552,6 @@ def main() -> None:
             p.error("--resume needs --sample (the variant that wrote it)")
     elif (args.out is None) == (args.check is None) or (args.out is not None and args.sample is None):
         p.error("give --sample NAME --out DIR, --check CKPT, or --sample NAME --resume CKPT")
-    import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, dp = c.rank(), c.world_size()

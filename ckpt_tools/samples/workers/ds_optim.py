@@ -42,6 +42,8 @@ import deepspeed
 import torch
 
 from ckpt_tools.samples.workers import _common as c
+from ckpt_tools.train.manifest import write_manifest
+from ckpt_tools.train.models import count_parameters
 
 
 class OneMoment(torch.optim.Optimizer):
@@ -171,9 +173,6 @@ def make(name: str, out: Path) -> None:
                 "state_keys": state_keys(engine),
             }
     if c.rank() == 0:
-        from ckpt_tools.train.manifest import write_manifest
-        from ckpt_tools.train.models import count_parameters
-
         count, tensors = count_parameters(c.build_model())
         write_manifest(
             ckpt,

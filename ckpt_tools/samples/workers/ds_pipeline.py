@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -256,8 +257,6 @@ def gather_whole(
     """Every rank's pieces (`local`: name -> (offset into the flattened parameter, flat {fp32, exp_avg,
     exp_avg_sq}), e.g. from `master_and_moments`; `shapes`: this rank's names -> shapes) all-gathered and put at
     their offsets: each name's whole tensors, in name order. A collective; every element must be covered once."""
-    import math
-
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, (local, shapes))
     every = {n: s for _, sh in parts for n, s in sh.items()}
@@ -383,29 +382,16 @@ def main() -> None:
     args = c.parse_args()
     variant = VARIANTS[args.sample]
     deepspeed.init_distributed(dist_backend="gloo")
-    rank = c.rank()
     dp = variant.dp
-    if c.world_size() != TP * PP * dp:
-        raise SystemExit(
-            f"{args.sample} needs {TP * PP * dp} ranks (TP={TP} x PP={PP} x DP={dp}), got {c.world_size()}"
-        )
-    topology = PipeModelDataParallelTopology(num_pp=PP, num_mp=TP, num_dp=dp)
-    coord = topology.get_coord(rank)
+    topology = pipeline_topology(args.sample, dp)
+    coord = topology.get_coord(c.rank())
     per_tp_rng = variant.drift is not None
     rng_seed = default_rng_seed(coord.pipe, coord.model, per_tp_rng)
     torch.manual_seed(rng_seed)
 
     cfg = MegatronGPTConfig()
-    model = GPTModelPipe(cfg, topology, seed=c.SEED)
-    perturb = ReplicaGradPerturbation(variant.drift.factor) if variant.drift else None
-    if variant.drift and coord.model == 0:
-        perturb.attach([p for n, p in model.named_parameters() if logical_name(n) in variant.drift.params])
-
     ds_cfg = ds_config(dp)
-    # DeepSpeed may fill in defaults in the dict it is given; the manifest keeps what we asked for.
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=c.param_groups(model), config=copy.deepcopy(ds_cfg)
-    )
+    engine, perturb = build_engine(variant, cfg, topology, coord, ds_cfg)
 
     def step(global_step: int) -> float:
         if perturb is not None:
@@ -414,30 +400,9 @@ def main() -> None:
 
     ckpt = args.out / args.sample
     uc_info = universal_checkpoint_info(cfg) if variant.universal_info else None
-
-    def save() -> dict[str, Any]:
-        client_state: dict[str, Any] = {
-            "args": megatron_args(cfg, dp),
-            "checkpoint_version": 3.0,
-            "iteration": engine.global_steps,
-            "tokens": engine.global_steps * c.MICRO_BATCH * cfg.seq_len,
-            "torch_rng_state": torch.get_rng_state(),
-        }
-        if uc_info is not None:
-            client_state[UNIVERSAL_CHECKPOINT_INFO] = uc_info
-        engine.save_checkpoint(str(ckpt), client_state=client_state)
-        c.drop_deepspeed_scripts(ckpt)
-        return {
-            **c.snapshot(
-                global_step=engine.global_steps,
-                optimizer=engine.optimizer,
-                scheduler=engine.lr_scheduler,
-                skipped_steps=engine.skipped_steps,
-            ),
-            "drift": replica_drift(engine, coord.model, coord.data),
-        }
-
-    history, saved = c.train(step, lambda: c.current_lrs(engine.optimizer), save)
+    history, saved = c.train(
+        step, lambda: c.current_lrs(engine.optimizer), lambda: save_sample(engine, ckpt, cfg, dp, uc_info, coord)
+    )
     inventory = parameter_inventory(engine, coord.model, coord.data)
     seeds: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(seeds, rng_seed)
@@ -445,7 +410,7 @@ def main() -> None:
         raise RuntimeError(
             f"merged parameter count {inventory['count']} != the TP=1 model's {expected_parameter_count(cfg)}"
         )
-    if rank == 0:
+    if c.rank() == 0:
         write_manifest(
             ckpt,
             sample=args.sample,
@@ -456,64 +421,127 @@ def main() -> None:
             counters=saved["counters"],
             lr=saved["lr"],
             parameters={"count": inventory["count"], "tensors": inventory["tensors"]},
-            extra={
-                "model_config": cfg.to_dict(),
-                "micro_batch_per_rank": MICRO_BATCH,
-                "micro_batches_per_step": MICRO_BATCHES,
-                "total_steps_trained": c.TOTAL_STEPS,
-                "saved_after_step": c.SAVE_AFTER_STEP,
-                "history": history,
-                "history_note": HISTORY_NOTE,
-                "ds_config": ds_cfg,
-                "dtype": "bfloat16",
-                "tag": f"global_step{c.SAVE_AFTER_STEP}",
-                "scheduler": "DeepSpeed WarmupLR from the config",
-                "optimizer": type(c.innermost_optimizer(engine.optimizer)).__name__,
-                "param_groups": "0: tensors with dim >= 2 (weight decay), 1: biases and norms (no decay)",
-                "naming": NAMING,
-                "pipeline_layers": {
-                    "00": "function: tokens -> (tokens, position ids); no parameters, no file",
-                    "01": "EmbeddingPipe: word_embeddings.weight (vocab-split), position_embeddings.weight",
-                    **{
-                        f"{2 + i:02d}": f"ParallelTransformerLayerPipe, transformer layer {i}"
-                        for i in range(cfg.n_layers)
-                    },
-                    f"{2 + cfg.n_layers:02d}": "final LayerNorm: weight, bias",
-                    f"{3 + cfg.n_layers:02d}": "LMHeadPipe: lm_head.weight (vocab-split)",
-                },
-                "stage_layers": {
-                    str(s): list(range(engine.module.parts[s], engine.module.parts[s + 1])) for s in range(PP)
-                },
-                "rank_coords": (
-                    f"global rank = (pp_stage * {dp} + dp_rank) * {TP} + tp_rank; mp_rank_MM: "
-                    f"MM = pp_stage * {TP} + tp_rank; zero_pp_rank_D: D = dp_rank"
-                ),
-                "parameter_shapes": inventory["shapes"],
-                "tp_replicated": inventory["tp_replicated"],
-                "split": inventory["split"],
-                "universal_checkpoint_info": uc_info,
-                "torch_rng_seed_per_rank": seeds,
-                "torch_rng_state_differs_across_tp": per_tp_rng,
-                # what `ckpt inspect` must warn about in this sample (seeded per TP rank on purpose)
-                "expected_warnings": ["tp-rng-mismatch"] if per_tp_rng else [],
-                "perturbed": sorted(variant.drift.params) if variant.drift else [],
-                "drifted": saved["drift"],
-                "drifted_note": "TP-replicated tensors whose two TP replicas differ in the saved state, with "
-                "max |tp0 - tp1| per state ('bf16' = the layer files' weights, 'fp32' = the "
-                "master weights, 'exp_avg', 'exp_avg_sq'), measured on the live engine at "
-                "save time; a superset of 'perturbed' because drifted replicas make the TP "
-                "ranks' activations, and so other replicated gradients, differ",
-                "perturbation": None
-                if variant.drift is None
-                else {
-                    "tp_rank": 0,
-                    "grad_factor": variant.drift.factor,
-                    "steps": list(variant.drift.steps),
-                    "how": "tensor hooks on TP rank 0's bf16 parameters scale their gradients before "
-                    "accumulation, so clipping, ZeRO-1 and AdamW all see the scaled gradient",
-                },
-            },
+            extra=manifest_extra(variant, cfg, engine, ds_cfg, history, saved, inventory, uc_info, seeds),
         )
+
+
+def pipeline_topology(sample: str, dp: int) -> PipeModelDataParallelTopology:
+    """TP x PP x `dp` over this run's ranks (refused when the world has another size)."""
+    if c.world_size() != TP * PP * dp:
+        raise SystemExit(f"{sample} needs {TP * PP * dp} ranks (TP={TP} x PP={PP} x DP={dp}), got {c.world_size()}")
+    return PipeModelDataParallelTopology(num_pp=PP, num_mp=TP, num_dp=dp)
+
+
+def build_engine(
+    variant: PipelineVariant, cfg: MegatronGPTConfig, topology: Any, coord: Any, ds_cfg: dict[str, Any]
+) -> tuple[Any, ReplicaGradPerturbation | None]:
+    """This rank's stage of the pipeline model in DeepSpeed's engine, and (drifted variants) the gradient
+    perturbation, attached on TP rank 0 only."""
+    model = GPTModelPipe(cfg, topology, seed=c.SEED)
+    perturb = ReplicaGradPerturbation(variant.drift.factor) if variant.drift else None
+    if variant.drift and coord.model == 0:
+        perturb.attach([p for n, p in model.named_parameters() if logical_name(n) in variant.drift.params])
+    # DeepSpeed may fill in defaults in the dict it is given; the manifest keeps what we asked for.
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=c.param_groups(model), config=copy.deepcopy(ds_cfg)
+    )
+    return engine, perturb
+
+
+def save_sample(
+    engine: Any, ckpt: Any, cfg: MegatronGPTConfig, dp: int, uc_info: dict[str, Any] | None, coord: Any
+) -> dict[str, Any]:
+    """`PipelineEngine.save_checkpoint` with Megatron-DeepSpeed's client state; the live snapshot and the replicas'
+    drift at save time."""
+    client_state: dict[str, Any] = {
+        "args": megatron_args(cfg, dp),
+        "checkpoint_version": 3.0,
+        "iteration": engine.global_steps,
+        "tokens": engine.global_steps * c.MICRO_BATCH * cfg.seq_len,
+        "torch_rng_state": torch.get_rng_state(),
+    }
+    if uc_info is not None:
+        client_state[UNIVERSAL_CHECKPOINT_INFO] = uc_info
+    engine.save_checkpoint(str(ckpt), client_state=client_state)
+    c.drop_deepspeed_scripts(ckpt)
+    return {
+        **c.snapshot(
+            global_step=engine.global_steps,
+            optimizer=engine.optimizer,
+            scheduler=engine.lr_scheduler,
+            skipped_steps=engine.skipped_steps,
+        ),
+        "drift": replica_drift(engine, coord.model, coord.data),
+    }
+
+
+def manifest_extra(
+    variant: PipelineVariant,
+    cfg: MegatronGPTConfig,
+    engine: Any,
+    ds_cfg: dict[str, Any],
+    history: list[dict[str, Any]],
+    saved: dict[str, Any],
+    inventory: dict[str, Any],
+    uc_info: dict[str, Any] | None,
+    seeds: list[Any],
+) -> dict[str, Any]:
+    """The manifest's `extra`: the recipe, the history, the pipeline's layers and ranks, the parameters' shapes and
+    TP roles, and for the drifted variants what was perturbed and what drifted."""
+    dp = variant.dp
+    per_tp_rng = variant.drift is not None
+    return {
+        "model_config": cfg.to_dict(),
+        "micro_batch_per_rank": MICRO_BATCH,
+        "micro_batches_per_step": MICRO_BATCHES,
+        "total_steps_trained": c.TOTAL_STEPS,
+        "saved_after_step": c.SAVE_AFTER_STEP,
+        "history": history,
+        "history_note": HISTORY_NOTE,
+        "ds_config": ds_cfg,
+        "dtype": "bfloat16",
+        "tag": f"global_step{c.SAVE_AFTER_STEP}",
+        "scheduler": "DeepSpeed WarmupLR from the config",
+        "optimizer": type(c.innermost_optimizer(engine.optimizer)).__name__,
+        "param_groups": "0: tensors with dim >= 2 (weight decay), 1: biases and norms (no decay)",
+        "naming": NAMING,
+        "pipeline_layers": {
+            "00": "function: tokens -> (tokens, position ids); no parameters, no file",
+            "01": "EmbeddingPipe: word_embeddings.weight (vocab-split), position_embeddings.weight",
+            **{f"{2 + i:02d}": f"ParallelTransformerLayerPipe, transformer layer {i}" for i in range(cfg.n_layers)},
+            f"{2 + cfg.n_layers:02d}": "final LayerNorm: weight, bias",
+            f"{3 + cfg.n_layers:02d}": "LMHeadPipe: lm_head.weight (vocab-split)",
+        },
+        "stage_layers": {str(s): list(range(engine.module.parts[s], engine.module.parts[s + 1])) for s in range(PP)},
+        "rank_coords": (
+            f"global rank = (pp_stage * {dp} + dp_rank) * {TP} + tp_rank; mp_rank_MM: "
+            f"MM = pp_stage * {TP} + tp_rank; zero_pp_rank_D: D = dp_rank"
+        ),
+        "parameter_shapes": inventory["shapes"],
+        "tp_replicated": inventory["tp_replicated"],
+        "split": inventory["split"],
+        "universal_checkpoint_info": uc_info,
+        "torch_rng_seed_per_rank": seeds,
+        "torch_rng_state_differs_across_tp": per_tp_rng,
+        # what `ckpt inspect` must warn about in this sample (seeded per TP rank on purpose)
+        "expected_warnings": ["tp-rng-mismatch"] if per_tp_rng else [],
+        "perturbed": sorted(variant.drift.params) if variant.drift else [],
+        "drifted": saved["drift"],
+        "drifted_note": "TP-replicated tensors whose two TP replicas differ in the saved state, with "
+        "max |tp0 - tp1| per state ('bf16' = the layer files' weights, 'fp32' = the "
+        "master weights, 'exp_avg', 'exp_avg_sq'), measured on the live engine at "
+        "save time; a superset of 'perturbed' because drifted replicas make the TP "
+        "ranks' activations, and so other replicated gradients, differ",
+        "perturbation": None
+        if variant.drift is None
+        else {
+            "tp_rank": 0,
+            "grad_factor": variant.drift.factor,
+            "steps": list(variant.drift.steps),
+            "how": "tensor hooks on TP rank 0's bf16 parameters scale their gradients before "
+            "accumulation, so clipping, ZeRO-1 and AdamW all see the scaled gradient",
+        },
+    }
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import os
 import re
 import shutil
 import tempfile
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -188,8 +189,6 @@ def main() -> None:
             )
             print(f"DS step {SAVED_STEPS + 1}: lr {lrs}, loss {loss}", flush=True)
     except BaseException:
-        import traceback
-
         traceback.print_exc()
         code = 1
     finally:

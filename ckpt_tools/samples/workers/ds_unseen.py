@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ckpt_tools.samples.workers import _common as c
+from ckpt_tools.train.data import batch_for_step
 
 VOCAB = 48
 DIM = 16
@@ -109,8 +110,6 @@ def ds_config(v: Variant, dp: int) -> dict[str, Any]:
 
 
 def tokens(step: int, rank: int) -> torch.Tensor:
-    from ckpt_tools.train.data import batch_for_step
-
     return batch_for_step(step, batch_size=c.MICRO_BATCH, seq_len=SEQ, vocab_size=VOCAB, dp_rank=rank)
 
 

@@ -15,6 +15,12 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import StateDictType, fully_shard
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from ckpt_tools.train.models import Block, TinyGPT
 from ckpt_tools.samples.workers import _common as c
@@ -31,11 +37,6 @@ def fsdp2_dcp(model: TinyGPT, path: Path) -> tuple[torch.nn.Module, torch.optim.
     The state dicts come from `get_state_dict`, so optimizer state is keyed by parameter FQN (not by index)
     and every tensor is a DTensor that DCP writes as one chunk per rank.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     mesh = init_device_mesh("cpu", (DP,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
@@ -62,10 +63,6 @@ def fsdp1_sharded(model: TinyGPT, path: Path) -> tuple[torch.nn.Module, torch.op
     `use_orig_params=True` so that the optimizer can have two param groups: FSDP keeps the original
     Parameter objects (as views into its flat shard), so groups built before wrapping stay valid.
     """
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import StateDictType
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
     groups = c.param_groups(model)
     wrapped = FSDP(
         model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"), use_orig_params=True

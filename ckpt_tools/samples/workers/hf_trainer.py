@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from ckpt_tools.train.data import batch_for_step
 from ckpt_tools.train.manifest import write_manifest
@@ -78,8 +79,6 @@ def ds_config() -> dict[str, Any]:
 
 
 def gpt2_config():
-    from transformers import GPT2Config
-
     # Dropout off so that a resumed step computes exactly the loss of the uninterrupted run's step.
     return GPT2Config(
         vocab_size=VOCAB,
@@ -97,8 +96,6 @@ def gpt2_config():
 
 
 def build_model():
-    from transformers import GPT2LMHeadModel
-
     torch.manual_seed(c.SEED)
     return GPT2LMHeadModel(gpt2_config())
 
@@ -136,8 +133,6 @@ def unwrap_scheduler(sched: Any) -> Any:
 
 
 def training_arguments(sample: str, output_dir: Path, *, resume: bool):
-    from transformers import TrainingArguments
-
     kwargs: dict[str, Any] = {}
     if sample == "hf_trainer_zero2":
         # What a user writes for DeepSpeed on CPU: use_cpu (the Trainer refuses bf16 without a bf16 GPU unless
@@ -164,74 +159,65 @@ def training_arguments(sample: str, output_dir: Path, *, resume: bool):
     )
 
 
-def loss_trainer_class():
-    """`transformers.Trainer` that only remembers the loss `compute_loss` returned for the last micro-batch
+class LossTrainer(Trainer):
+    """The stock `transformers.Trainer`; only remembers the loss `compute_loss` returned for the last micro-batch
     (`last_loss`); shared with the resume worker (`ckpt_tools.resume.workers.hf_trainer`)."""
-    from transformers import Trainer
 
-    class LossTrainer(Trainer):
-        """The stock Trainer; only remembers the loss `compute_loss` returned for the last micro-batch."""
+    last_loss: float | None = None
 
-        last_loss: float | None = None
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        loss = out[0] if return_outputs else out
+        self.last_loss = float(loss.detach().float())
+        return out
 
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            out = super().compute_loss(
-                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+
+class Recorder(TrainerCallback):
+    """Per update, from the live objects: the LRs it used, rank 0's loss, the Adam step after it; at the
+    checkpoint-4 save, the counters and LRs (`_common.snapshot`). Stops the run after `max_updates` (None: runs
+    to the end)."""
+
+    def __init__(self, max_updates: int | None = None) -> None:
+        self.max_updates = max_updates
+        self.trainer: Any = None  # the LossTrainer
+        self.pending_lr: list[float] | None = None
+        self.steps: list[dict[str, Any]] = []
+        self.saved: dict[str, Any] | None = None
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        # Before the forward/backward of this update. Under DeepSpeed the engine steps the optimizer (and
+        # the scheduler) inside backward, before on_pre_optimizer_step, so this is the last point where
+        # the LR of the coming update can be read for both DDP and DeepSpeed.
+        self.pending_lr = c.current_lrs(optimizer)
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        assert self.trainer is not None and self.pending_lr is not None
+        self.steps.append(
+            {
+                "step": int(state.global_step),
+                "lr": self.pending_lr,
+                "optimizer_step": c.adam_step(optimizer),
+                "loss": self.trainer.last_loss,
+            }
+        )
+        self.pending_lr = None
+        if self.max_updates is not None and len(self.steps) >= self.max_updates:
+            control.should_training_stop = True
+        return control
+
+    def on_save(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        if state.global_step == KEEP_CHECKPOINT:
+            engine = getattr(self.trainer, "deepspeed", None)  # the DeepSpeed engine, None under DDP
+            self.saved = c.snapshot(
+                global_step=state.global_step,
+                optimizer=optimizer,
+                scheduler=unwrap_scheduler(lr_scheduler),
+                skipped_steps=getattr(engine, "skipped_steps", None),
             )
-            loss = out[0] if return_outputs else out
-            self.last_loss = float(loss.detach().float())
-            return out
-
-    return LossTrainer
 
 
 def make_trainer(sample: str, output_dir: Path, *, resume: bool, max_updates: int | None = None):
-    from transformers import TrainerCallback
-
-    LossTrainer = loss_trainer_class()
-
-    class Recorder(TrainerCallback):
-        """Per update, from the live objects: the LRs it used, rank 0's loss, the Adam step after it; at the
-        checkpoint-4 save, the counters and LRs (`_common.snapshot`)."""
-
-        def __init__(self) -> None:
-            self.trainer: Any = None  # the LossTrainer
-            self.pending_lr: list[float] | None = None
-            self.steps: list[dict[str, Any]] = []
-            self.saved: dict[str, Any] | None = None
-
-        def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
-            # Before the forward/backward of this update. Under DeepSpeed the engine steps the optimizer (and
-            # the scheduler) inside backward, before on_pre_optimizer_step, so this is the last point where
-            # the LR of the coming update can be read for both DDP and DeepSpeed.
-            self.pending_lr = c.current_lrs(optimizer)
-
-        def on_step_end(self, args, state, control, optimizer=None, **kwargs):
-            assert self.trainer is not None and self.pending_lr is not None
-            self.steps.append(
-                {
-                    "step": int(state.global_step),
-                    "lr": self.pending_lr,
-                    "optimizer_step": c.adam_step(optimizer),
-                    "loss": self.trainer.last_loss,
-                }
-            )
-            self.pending_lr = None
-            if max_updates is not None and len(self.steps) >= max_updates:
-                control.should_training_stop = True
-            return control
-
-        def on_save(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
-            if state.global_step == KEEP_CHECKPOINT:
-                engine = getattr(self.trainer, "deepspeed", None)  # the DeepSpeed engine, None under DDP
-                self.saved = c.snapshot(
-                    global_step=state.global_step,
-                    optimizer=optimizer,
-                    scheduler=unwrap_scheduler(lr_scheduler),
-                    skipped_steps=getattr(engine, "skipped_steps", None),
-                )
-
-    recorder = Recorder()
+    recorder = Recorder(max_updates)
     model = build_model()
     n_examples = MAX_STEPS * c.MICRO_BATCH * c.world_size()  # exactly one epoch of MAX_STEPS updates
     trainer = LossTrainer(

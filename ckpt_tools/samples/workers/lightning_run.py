@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 
 from ckpt_tools.samples.workers import _common as c
@@ -53,85 +54,77 @@ def data_loader() -> torch.utils.data.DataLoader:
     )
 
 
-def make_module():
-    import lightning as L
+class OneCycleGPT(L.LightningModule):
+    """The tiny GPT of `_common` with AdamW and a per-step OneCycleLR; the batch is chosen by the global step."""
 
-    class OneCycleGPT(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = c.build_model()
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = c.build_model()
 
-        def training_step(self, batch, batch_idx):
-            tokens = c.tokens_for_step(self.trainer.global_step, 0)
-            return c.lm_loss(self.model, tokens)
+    def training_step(self, batch, batch_idx):
+        tokens = c.tokens_for_step(self.trainer.global_step, 0)
+        return c.lm_loss(self.model, tokens)
 
-        def configure_optimizers(self):
-            optimizer = torch.optim.AdamW(c.param_groups(self.model), lr=c.PEAK_LR, betas=c.BETAS, eps=1e-8)
-            scheduler = torch.optim.lr_scheduler.OneCycleLR(
-                optimizer, max_lr=MAX_LR, total_steps=ONECYCLE_TOTAL_STEPS, pct_start=PCT_START
-            )
-            return {
-                "optimizer": optimizer,
-                "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(c.param_groups(self.model), lr=c.PEAK_LR, betas=c.BETAS, eps=1e-8)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=MAX_LR, total_steps=ONECYCLE_TOTAL_STEPS, pct_start=PCT_START
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
+        }
+
+
+class Recorder(L.Callback):
+    """Per update, from the live objects; saves the checkpoint after update SAVE_AFTER_STEP to `save_to` if asked;
+    stops the run after `max_updates` (None: runs to the end)."""
+
+    def __init__(self, save_to: Path | None, max_updates: int | None = None) -> None:
+        self.save_to, self.max_updates = save_to, max_updates
+        self.pending: dict[str, Any] | None = None
+        self.steps: list[dict[str, Any]] = []
+        self.saved: dict[str, Any] | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        opt = trainer.optimizers[0]
+        self.pending = {"lr": c.current_lrs(opt), "beta1": [float(g["betas"][0]) for g in opt.param_groups]}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        assert self.pending is not None
+        opt = trainer.optimizers[0]
+        self.steps.append(
+            {
+                "step": int(trainer.global_step),
+                "lr": self.pending["lr"],
+                "optimizer_step": c.adam_step(opt),
+                "loss": float(outputs["loss"]),
+                "beta1": self.pending["beta1"],
             }
-
-    return OneCycleGPT()
-
-
-def make_recorder(save_to: Path | None, max_updates: int | None = None):
-    import lightning as L
-
-    class Recorder(L.Callback):
-        """Per update, from the live objects; saves the checkpoint after update SAVE_AFTER_STEP if asked."""
-
-        def __init__(self) -> None:
-            self.pending: dict[str, Any] | None = None
-            self.steps: list[dict[str, Any]] = []
-            self.saved: dict[str, Any] | None = None
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            opt = trainer.optimizers[0]
-            self.pending = {"lr": c.current_lrs(opt), "beta1": [float(g["betas"][0]) for g in opt.param_groups]}
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            assert self.pending is not None
-            opt = trainer.optimizers[0]
-            self.steps.append(
-                {
-                    "step": int(trainer.global_step),
-                    "lr": self.pending["lr"],
-                    "optimizer_step": c.adam_step(opt),
-                    "loss": float(outputs["loss"]),
-                    "beta1": self.pending["beta1"],
-                }
-            )
-            self.pending = None
-            if max_updates is not None and len(self.steps) >= max_updates:
-                trainer.should_stop = True
-            if save_to is not None and trainer.global_step == c.SAVE_AFTER_STEP:
-                trainer.save_checkpoint(str(save_to))
-                sched = trainer.lr_scheduler_configs[0].scheduler
-                self.saved = c.snapshot(global_step=trainer.global_step, optimizer=opt, scheduler=sched)
-                loop = trainer.fit_loop.epoch_loop
-                self.saved["lightning"] = {
-                    "global_step": int(trainer.global_step),
-                    "current_epoch": int(trainer.current_epoch),
-                    "batch_idx": int(batch_idx),
-                    "batches_that_stepped": int(loop._batches_that_stepped),
-                    "scheduler_state": {
-                        k: v
-                        for k, v in sched.state_dict().items()
-                        if isinstance(v, (int, float, str, bool, list, type(None)))
-                    },
-                    "betas": [list(map(float, g["betas"])) for g in opt.param_groups],
-                }
-
-    return Recorder()
+        )
+        self.pending = None
+        if self.max_updates is not None and len(self.steps) >= self.max_updates:
+            trainer.should_stop = True
+        if self.save_to is not None and trainer.global_step == c.SAVE_AFTER_STEP:
+            trainer.save_checkpoint(str(self.save_to))
+            sched = trainer.lr_scheduler_configs[0].scheduler
+            self.saved = c.snapshot(global_step=trainer.global_step, optimizer=opt, scheduler=sched)
+            loop = trainer.fit_loop.epoch_loop
+            self.saved["lightning"] = {
+                "global_step": int(trainer.global_step),
+                "current_epoch": int(trainer.current_epoch),
+                "batch_idx": int(batch_idx),
+                "batches_that_stepped": int(loop._batches_that_stepped),
+                "scheduler_state": {
+                    k: v
+                    for k, v in sched.state_dict().items()
+                    if isinstance(v, (int, float, str, bool, list, type(None)))
+                },
+                "betas": [list(map(float, g["betas"])) for g in opt.param_groups],
+            }
 
 
 def make_trainer(root: Path, callbacks: list):
-    import lightning as L
-
     return L.Trainer(
         max_steps=c.TOTAL_STEPS,
         accelerator="cpu",
@@ -152,14 +145,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def make_sample(sample: str, out: Path) -> None:
-    import lightning
-
     ckpt = out / CKPT_NAME
     ckpt.unlink(missing_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="lightning_sample_"))  # default_root_dir: nothing lands in out/
     try:
-        rec = make_recorder(ckpt)
-        model = make_module()
+        rec = Recorder(ckpt)
+        model = OneCycleGPT()
         trainer = make_trainer(scratch, [rec])
         trainer.fit(model, data_loader())
     finally:
@@ -189,7 +180,7 @@ def make_sample(sample: str, out: Path) -> None:
             "param_group_sizes": [len(g["params"]) for g in opt.param_groups],
             "beta1_history": [{"step": s["step"], "beta1": s["beta1"]} for s in rec.steps],
             "lightning": rec.saved["lightning"],
-            "lightning_version": lightning.__version__,
+            "lightning_version": L.__version__,
             "state_dict_prefix": "model.",
             "data_note": "the batch of the update that ends at step s is tokens_for_step(s - 1, 0) "
             "(batch_for_step, dp_rank 0), chosen by trainer.global_step in training_step",
@@ -200,9 +191,9 @@ def make_sample(sample: str, out: Path) -> None:
 def resume(ckpt: Path, record: Path, max_updates: int | None) -> None:
     scratch = Path(tempfile.mkdtemp(prefix="lightning_resume_"))
     try:
-        rec = make_recorder(None, max_updates)
+        rec = Recorder(None, max_updates)
         trainer = make_trainer(scratch, [rec])
-        trainer.fit(make_module(), data_loader(), ckpt_path=str(ckpt))
+        trainer.fit(OneCycleGPT(), data_loader(), ckpt_path=str(ckpt))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     steps = [{k: s[k] for k in ("step", "lr", "optimizer_step", "loss")} for s in rec.steps]

@@ -22,6 +22,8 @@ folder `<out>/<sample>/` (`latest_checkpointed_iteration.txt`, `iter_0000010/`) 
 `<out>/<sample>.manifest.json` beside it. Megatron's dataset cache goes to a temporary folder, removed at the end;
 no logs or TensorBoard files are written into the sample.
 
+The command lines (the variants, the recipe's flags, the relaunch from saved args) are in `megatron_lm_args`.
+
 The recipe: GPT with 2 layers, hidden 64, FFN 128, 4 heads, vocab 128 (`--vocab-size 127`: the NullTokenizer
 adds an EOD token; `--make-vocab-size-divisible-by 64` keeps 128 unpadded at TP 2), sequence 16, learned
 absolute positions, tied embeddings, dropout 0 (attention and hidden: with dropout on, the CPU data loader and
@@ -91,123 +93,43 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import math
+import multiprocessing
 import os
+import shlex
+import shutil
 import sys
-from dataclasses import dataclass
+import tempfile
+import types
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ckpt_tools.train import manifest as train_manifest
+from ckpt_tools.train.procgroup import join, leave
+from ckpt_tools.view.logical import node_to_display, open_any
+from ckpt_tools.samples.workers.megatron_lm_args import (
+    CPU_FLAGS,
+    GLOBAL_BATCH,
+    ITERATIONS,
+    MICRO_BATCH,
+    MODEL,
+    VARIANTS,
+    Variant,
+    megatron_argv,
+    model_config,
+    parallel_argv,
+    relaunch_argv,
+)
+
 MEGATRON_LM_TAG = "core_v0.16.1"
 MEGATRON_LM_COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"
 
-ITERATIONS = 10
-MICRO_BATCH = 2
-GLOBAL_BATCH = 4
-MAX_LR = 3e-3
-MIN_LR = 3e-4
-WARMUP_ITERS = 3
-DECAY_ITERS = 20
-WEIGHT_DECAY = 0.01
-SEED = 1234
-
-
-@dataclass(frozen=True)
-class Variant:
-    tp: int
-    ckpt_format: str  # "torch" (legacy per-rank files) or "torch_dist"
-    distributed_optimizer: bool = False
-    pp: int = 1
-    vpp: int = 0  # virtual pipeline chunks per stage (0: none); the model then has pp * vpp layers, hidden 32
-    llama: bool = False  # the Llama-style GPT: RoPE, RMSNorm, SwiGLU, untied output, 2 query groups, no biases
-    ep: int = 0  # a Mixture-of-Experts GPT (`MOE_FLAGS`) at this expert-parallel size (0: a dense GPT)
-    shared_expert: bool = False  # MoE with a gated shared expert and softmax before top-k (`MOE_SHARED_FLAGS`)
-
-
-VARIANTS = {
-    "megatron_tp2_legacy": Variant(tp=2, ckpt_format="torch"),
-    "megatron_tp2_torch_dist": Variant(tp=2, ckpt_format="torch_dist"),
-    "megatron_dp2_distopt_legacy": Variant(tp=1, ckpt_format="torch", distributed_optimizer=True),
-    "megatron_dp2_distopt_torch_dist": Variant(tp=1, ckpt_format="torch_dist", distributed_optimizer=True),
-    "megatron_pp2_legacy": Variant(tp=1, ckpt_format="torch", pp=2),
-    "megatron_pp2_torch_dist": Variant(tp=1, ckpt_format="torch_dist", pp=2),
-    "megatron_pp2_vpp2_legacy": Variant(tp=1, ckpt_format="torch", pp=2, vpp=2),
-    "megatron_pp2_vpp2_torch_dist": Variant(tp=1, ckpt_format="torch_dist", pp=2, vpp=2),
-    "megatron_tp2_llama_legacy": Variant(tp=2, ckpt_format="torch", llama=True),
-    "megatron_tp2_llama_torch_dist": Variant(tp=2, ckpt_format="torch_dist", llama=True),
-    # not bundled (sample_ckpts/ is at its size budget): made by tests/test_convert_to_megatron.py when
-    # MEGATRON_LM_DIR is set, on 4 processes (TP 2 x DP 2)
-    "megatron_tp2_dp2_distopt_legacy": Variant(tp=2, ckpt_format="torch", distributed_optimizer=True),
-    "megatron_tp2_dp2_distopt_torch_dist": Variant(tp=2, ckpt_format="torch_dist", distributed_optimizer=True),
-    # not bundled: the distributed optimizer with pipeline stages (PP 2 x DP 2, 4 processes)
-    "megatron_pp2_dp2_distopt_legacy": Variant(tp=1, ckpt_format="torch", distributed_optimizer=True, pp=2),
-    "megatron_pp2_dp2_distopt_torch_dist": Variant(tp=1, ckpt_format="torch_dist", distributed_optimizer=True, pp=2),
-    # Megatron-core MoE (4 experts, top-2, SequentialMLP) at EP 2 over the 2 data-parallel ranks, plain Adam
-    "megatron_moe_ep2_torch_dist": Variant(tp=1, ckpt_format="torch_dist", ep=2),
-    # the same run saved in the legacy format: one folder per EP rank, `mp_rank_00_000` and `mp_rank_00_001`
-    "megatron_moe_ep2_legacy": Variant(tp=1, ckpt_format="torch", ep=2),
-    # the same run with Megatron's distributed optimizer (a ChainedOptimizer of two DistributedOptimizers)
-    "megatron_moe_ep2_distopt_torch_dist": Variant(tp=1, ckpt_format="torch_dist", distributed_optimizer=True, ep=2),
-    "megatron_moe_ep2_distopt_legacy": Variant(tp=1, ckpt_format="torch", distributed_optimizer=True, ep=2),
-    # not bundled (made by tests/test_megatron_moe.py): MoE at TP 2 x EP 1 (expert TP 2: each TP rank holds half of
-    # every expert; router and norms replicated), `MOE_TP_FLAGS`
-    "megatron_moe_tp2_legacy": Variant(tp=2, ckpt_format="torch", ep=1),
-    "megatron_moe_tp2_torch_dist": Variant(tp=2, ckpt_format="torch_dist", ep=1),
-    # not bundled (made by tests/test_megatron_moe.py): the Llama-style GPT (`LLAMA_FLAGS`) with MoE at EP 2, the
-    # shape of Mixtral (RMSNorm, RoPE, SwiGLU experts, no biases, top-2 softmax routing) for `export --hf`
-    "megatron_moe_mixtral_ep2_torch_dist": Variant(tp=1, ckpt_format="torch_dist", llama=True, ep=2),
-    "megatron_moe_mixtral_ep2_legacy": Variant(tp=1, ckpt_format="torch", llama=True, ep=2),
-    # Mixtral-shaped at TP 2 x EP 1 (expert TP 2: each TP rank holds its slice of every expert's gate and up)
-    "megatron_moe_mixtral_tp2_legacy": Variant(tp=2, ckpt_format="torch", llama=True, ep=1),
-    # the same with a gated shared expert and softmax before top-k (`MOE_SHARED_FLAGS`): the shape of Qwen2-MoE
-    "megatron_moe_qwen_ep2_torch_dist": Variant(tp=1, ckpt_format="torch_dist", llama=True, ep=2, shared_expert=True),
-}
-#: the Llama-style variant's architecture flags (what a Llama run passes to pretrain_gpt.py)
-LLAMA_FLAGS = [
-    "--position-embedding-type",
-    "rope",
-    "--rotary-base",
-    "500000",
-    "--normalization",
-    "RMSNorm",
-    "--swiglu",
-    "--untie-embeddings-and-output-weights",
-    "--group-query-attention",
-    "--num-query-groups",
-    "2",
-    "--disable-bias-linear",
-    "--no-bias-swiglu-fusion",
-    "--no-rope-fusion",
-]
-
-#: the MoE variants' flags: 4 experts with top-2 routing (SequentialMLP: the local spec without grouped GEMM), the
-#: allgather dispatcher (the alltoall one synchronizes a CUDA event, which the CPU run has not got)
-MOE_FLAGS = [
-    "--num-experts",
-    "4",
-    "--moe-router-topk",
-    "2",
-    "--moe-ffn-hidden-size",
-    "64",
-    "--moe-token-dispatcher-type",
-    "allgather",
-]
-
-#: the shared-expert variant's flags: a shared expert (FFN 32) beside the routed ones, its output scaled by a
-#: sigmoid gate, and the router's softmax over all experts before top-k (probabilities not renormalised)
-MOE_SHARED_FLAGS = [
-    "--moe-shared-expert-intermediate-size",
-    "32",
-    "--moe-shared-expert-gate",
-    "--moe-router-pre-softmax",
-]
-
-#: MoE at TP > 1: Megatron requires sequence parallelism there, and with it expert biases only at expert TP 1
-MOE_TP_FLAGS = ["--sequence-parallel", "--disable-bias-linear"]
 
 #: what this process changes at run time (the module docstring's list, in short), recorded in each manifest
 RUN_TIME_CHANGES = [
@@ -233,133 +155,6 @@ MOE_TP_RUN_TIME_CHANGES = [
     "(its assert refuses it) and marks the weights sequence_parallel, so their gradients are summed over TP as "
     "Apex's LayerNorm does (MoE at TP > 1 needs --sequence-parallel)",
 ]
-
-# vocab_size is the model's (padded) vocabulary: Megatron's NullTokenizer adds an EOD token to --vocab-size.
-MODEL = {
-    "num_layers": 2,
-    "hidden_size": 64,
-    "ffn_hidden_size": 128,
-    "num_attention_heads": 4,
-    "vocab_size": 128,
-    "seq_length": 16,
-}
-
-
-def model_config(v: Variant) -> dict[str, int]:
-    """The recipe's model for variant `v`: the interleaved schedule needs a layer per model chunk, so a virtual
-    pipeline gets pp * vpp layers, kept small (hidden 32, FFN 64); the Llama-style variant is as small."""
-    if v.vpp:
-        return {**MODEL, "num_layers": v.pp * v.vpp, "hidden_size": 32, "ffn_hidden_size": 64}
-    if v.llama or v.ep:  # hidden 32 (4 heads of 8; Llama: 2 query groups), FFN 64: small samples
-        return {**MODEL, "hidden_size": 32, "ffn_hidden_size": 64}
-    return dict(MODEL)
-
-
-def megatron_argv(v: Variant, *, save: Path | None, load: Path | None, work: Path) -> list[str]:
-    """Megatron's command line for variant `v` (what a user passes to pretrain_gpt.py)."""
-    m = model_config(v)
-    argv = [
-        "--tensor-model-parallel-size",
-        str(v.tp),
-        "--pipeline-model-parallel-size",
-        str(v.pp),
-        "--num-layers",
-        str(m["num_layers"]),
-        "--hidden-size",
-        str(m["hidden_size"]),
-        "--ffn-hidden-size",
-        str(m["ffn_hidden_size"]),
-        "--num-attention-heads",
-        str(m["num_attention_heads"]),
-        "--seq-length",
-        str(m["seq_length"]),
-        "--max-position-embeddings",
-        str(m["seq_length"]),
-        "--vocab-size",
-        str(m["vocab_size"] - 1),
-        "--make-vocab-size-divisible-by",
-        "64",
-        "--tokenizer-type",
-        "NullTokenizer",
-        "--mock-data",
-        "--transformer-impl",
-        "local",
-        "--normalization",
-        "LayerNorm",
-        "--attention-dropout",
-        "0",
-        "--hidden-dropout",
-        "0",
-        "--no-masked-softmax-fusion",
-        "--no-bias-gelu-fusion",
-        "--no-bias-dropout-fusion",
-        "--no-gradient-accumulation-fusion",
-        "--no-persist-layer-norm",
-        "--micro-batch-size",
-        str(MICRO_BATCH),
-        "--global-batch-size",
-        str(GLOBAL_BATCH),
-        "--train-iters",
-        str(ITERATIONS),
-        "--bf16",
-        "--optimizer",
-        "adam",
-        "--adam-beta1",
-        "0.9",
-        "--adam-beta2",
-        "0.95",
-        "--adam-eps",
-        "1e-8",
-        "--lr",
-        str(MAX_LR),
-        "--min-lr",
-        str(MIN_LR),
-        "--lr-warmup-iters",
-        str(WARMUP_ITERS),
-        "--lr-decay-style",
-        "cosine",
-        "--lr-decay-iters",
-        str(DECAY_ITERS),
-        "--weight-decay",
-        str(WEIGHT_DECAY),
-        "--clip-grad",
-        "1.0",
-        "--seed",
-        str(SEED),
-        "--distributed-backend",
-        "gloo",
-        "--eval-iters",
-        "0",
-        "--eval-interval",
-        str(10 * ITERATIONS),
-        "--log-interval",
-        "1",
-        "--ckpt-format",
-        v.ckpt_format,
-        "--data-cache-path",
-        str(work / "data_cache"),
-    ]
-    if v.distributed_optimizer:
-        argv.append("--use-distributed-optimizer")
-    if v.llama:
-        argv[argv.index("--normalization") : argv.index("--normalization") + 2] = []
-        argv += LLAMA_FLAGS
-    if v.vpp:
-        argv += ["--num-layers-per-virtual-pipeline-stage", "1"]
-    if v.ep:
-        argv += [*MOE_FLAGS, "--expert-model-parallel-size", str(v.ep)]
-        if v.tp > 1:
-            argv += MOE_TP_FLAGS
-        if v.shared_expert:
-            argv += MOE_SHARED_FLAGS
-    if save is not None:
-        argv += ["--save", str(save), "--save-interval", str(ITERATIONS)]
-    if load is not None:
-        argv += ["--load", str(load), "--exit-on-missing-checkpoint"]
-    return argv
-
-
-# --- run-time CPU shims -----------------------------------------------------------------------------------
 
 
 def _to_cpu_device(d: Any) -> Any:
@@ -449,7 +244,7 @@ def _copying_single_rank_reduce() -> None:
     adds its bias to that output in place (`mlp.py`: `output += output_bias ...`), which autograd forbids ("Output 0
     of _ReduceFromModelParallelRegion is a view and is being modified inplace"). At EP > 1 or TP > 1 the expert's
     row-parallel linear skips that reduce. The same values, as a copy: the numbers do not change."""
-    import megatron.core.tensor_parallel.mappings as mappings
+    import megatron.core.tensor_parallel.mappings as mappings  # lazy: called after import_megatron (its path)
 
     reduce = mappings._reduce
     if getattr(reduce, "_ckpt_copying", False):
@@ -465,11 +260,11 @@ def _copying_single_rank_reduce() -> None:
 
 def _after_megatron_import() -> None:
     """Shims on names Megatron bound at import time."""
-    import megatron.core.datasets.utils as dutils
-    import megatron.core.tensor_parallel.random as trandom
+    import megatron.core.datasets.utils as dutils  # lazy: called from import_megatron, once on the path
+    import megatron.core.tensor_parallel.random as trandom  # lazy: as above
+    import megatron.core.transformer.moe.moe_utils as moe_utils  # lazy: as above
 
     dutils.compile_helpers = lambda: None
-    import megatron.core.transformer.moe.moe_utils as moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 leaves it undefined without TE; the router asks for it
         moe_utils.te_general_gemm = None
@@ -485,9 +280,7 @@ def _sequence_parallel_torch_norm() -> None:
     `finalize_model_grads` sums their gradients over the TP group (each TP rank normed only its slice of the
     sequence). The same here: the norm is built as without sequence parallelism, its weights marked. A run without
     `--sequence-parallel` is unchanged."""
-    import copy
-
-    from megatron.core.transformer import torch_norm
+    from megatron.core.transformer import torch_norm  # lazy: called after import_megatron (its path)
 
     build = torch_norm.WrappedTorchNorm.__new__
     if getattr(build, "_ckpt_sequence_parallel", False):
@@ -530,8 +323,6 @@ def _triton_stub():
     """A `triton` module only while Megatron's training code is imported: megatron-core imports triton
     unconditionally for kernels this CPU run never calls (batch-invariant matmul, inference KV append).
     Removed afterwards so that torch's own `find_spec("triton")` checks still see no triton."""
-    import types
-
     if "triton" in sys.modules or __import__("importlib.util").util.find_spec("triton") is not None:
         yield
         return
@@ -585,18 +376,19 @@ def import_megatron(cpu: bool = True) -> None:
     compile_ = torch.compile
     torch.compile = _no_compile  # megatron.core.jit binds `jit_fuser = torch.compile` when first imported
     try:
-        import megatron.core.jit
+        import megatron.core.jit  # lazy: the point of this function: MEGATRON_LM_DIR is on the path only now
     finally:
         torch.compile = compile_
     megatron.core.jit.disable_jit_fuser()
     _after_megatron_import()
     with _triton_stub():
+        # lazy: these five imports and the two below: Megatron's training code, imported here with the shims in place
         import megatron.training.initialize as init
         import megatron.training.training  # noqa: F401
         import pretrain_gpt  # noqa: F401
         import gpt_builders  # noqa: F401
         import model_provider  # noqa: F401
-    import megatron.legacy.fused_kernels as fused_kernels
+    import megatron.legacy.fused_kernels as fused_kernels  # lazy: as above
 
     # It only reads `$CUDA_HOME/bin/nvcc -V` and makes a build folder: no kernel is compiled for this run.
     fused_kernels.load = lambda args: None
@@ -610,7 +402,7 @@ def import_megatron(cpu: bool = True) -> None:
             return original(*a, **k)
 
     init.initialize_megatron = initialize_megatron
-    import megatron.training.training as training
+    import megatron.training.training as training  # lazy: as above
 
     training.initialize_megatron = initialize_megatron
 
@@ -659,7 +451,7 @@ def _parameter_count(model: list[Any]) -> tuple[int, int]:
     embeddings (kept equal by the embedding group's all-reduce): one parameter of the model, counted there.
     Expert parameters (Megatron marks them `allreduce=False`) are each EP rank's own experts: summed over the
     expert-parallel group (at expert TP 1), each local expert tensor counted once per EP rank."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # lazy: called after import_megatron (its path)
 
     tp_rank = ps.get_tensor_model_parallel_rank()
     count = tensors = 0
@@ -702,7 +494,7 @@ class Recorder:
         self.model: list[Any] | None = None  # the live model chunks at the last save
 
     def install(self) -> None:
-        import megatron.training.training as training
+        import megatron.training.training as training  # lazy: called after import_megatron (its path)
 
         train_step, save_checkpoint = training.train_step, training.save_checkpoint
 
@@ -733,7 +525,7 @@ class Recorder:
 
     @staticmethod
     def snapshot(iteration: int, model: list[Any], optimizer: Any, sched: Any) -> dict[str, Any]:
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # lazy: called after import_megatron (its path)
 
         groups = []
         for g in _groups(optimizer):
@@ -775,16 +567,14 @@ class Recorder:
 def write_manifest(
     ckpt: Path, sample: str, v: Variant, per_rank: list[dict[str, Any]], history: list[dict[str, Any]]
 ) -> None:
-    from ckpt_tools.train.manifest import write_manifest as write
-
-    import megatron.core
-
+    """Rank 0: `<ckpt>.manifest.json` from every rank's snapshot at the save (`Recorder.snapshot`) and the run's
+    history: the counters, the LRs, the parameter count, and the run's recipe and changes (`_manifest_extra`)."""
     s = per_rank[0]
     steps = sorted({x for r in per_rank for x in r["adam_steps"]})
     if len(steps) != 1:
         raise RuntimeError(f"expected one Adam step across ranks, got {steps}")
     sched = s["scheduler"]
-    write(
+    train_manifest.write_manifest(
         ckpt,
         sample=sample,
         format="megatron_legacy" if v.ckpt_format == "torch" else "megatron_torch_dist",
@@ -814,52 +604,62 @@ def write_manifest(
             "on resume; equal to the saved group 'lr')",
         },
         parameters=s["parameters"],
-        extra={
-            "megatron_lm": {"tag": MEGATRON_LM_TAG, "commit": MEGATRON_LM_COMMIT},
-            "run_time_changes": RUN_TIME_CHANGES
-            + (MOE_RUN_TIME_CHANGES if v.ep else [])
-            + (MOE_TP_RUN_TIME_CHANGES if v.ep and v.tp > 1 else []),
-            "megatron_core": megatron.core.__version__,
-            "ckpt_format": v.ckpt_format,
-            "model_config": model_config(v),
-            "precision": "bf16 weights, fp32 master (Megatron mixed-precision optimizer)",
-            "optimizer": s["optimizer"],
-            "inner_optimizer": s["inner_optimizer"],
-            "micro_batch": MICRO_BATCH,
-            "global_batch": GLOBAL_BATCH,
-            "train_iters": ITERATIONS,
-            "param_groups": [
-                {
-                    k: g[k]
-                    for k in (
-                        "weight_decay",
-                        "wd_mult",
-                        "lr_mult",
-                        "params",
-                        *(("is_expert_parallel",) if v.ep else ()),
-                    )
-                }
-                for g in s["param_groups"]
-            ],
-            "param_groups_note": "Megatron's default grouping: 0 = weights with decay, 1 = biases and norms "
-            "without ('params' counts this rank-0 group's tensors)"
-            + (
-                "; with experts (a ChainedOptimizer: dense, expert) 2, 3 = the same for the "
-                "expert parameters (is_expert_parallel)"
-                if v.ep
-                else ""
-            ),
-            "opt_param_scheduler": sched,
-            "adam_step_per_rank": [r["adam_steps"] for r in per_rank],
-            "ranks_agree_on_lr": all(
-                [g["lr"] for g in r["param_groups"]] == [g["lr"] for g in s["param_groups"]] for r in per_rank
-            ),
-            "history": history,
-            "history_note": "one entry per iteration: the LR of each param group used for the update, and "
-            "the 'lm loss' Megatron reports (averaged over data-parallel ranks)",
-            "megatron_argv": megatron_argv(v, save=Path("<save>"), load=None, work=Path("<work>")),
-        },
+        extra=_manifest_extra(v, per_rank, history),
     )
+
+
+def _manifest_extra(v: Variant, per_rank: list[dict[str, Any]], history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest's `extra`: Megatron's version, what this process changed, the recipe, the param groups, the
+    scheduler, each rank's Adam step, the history and the command line."""
+    import megatron.core  # lazy: called after import_megatron (its path)
+
+    s = per_rank[0]
+    sched = s["scheduler"]
+    return {
+        "megatron_lm": {"tag": MEGATRON_LM_TAG, "commit": MEGATRON_LM_COMMIT},
+        "run_time_changes": RUN_TIME_CHANGES
+        + (MOE_RUN_TIME_CHANGES if v.ep else [])
+        + (MOE_TP_RUN_TIME_CHANGES if v.ep and v.tp > 1 else []),
+        "megatron_core": megatron.core.__version__,
+        "ckpt_format": v.ckpt_format,
+        "model_config": model_config(v),
+        "precision": "bf16 weights, fp32 master (Megatron mixed-precision optimizer)",
+        "optimizer": s["optimizer"],
+        "inner_optimizer": s["inner_optimizer"],
+        "micro_batch": MICRO_BATCH,
+        "global_batch": GLOBAL_BATCH,
+        "train_iters": ITERATIONS,
+        "param_groups": [
+            {
+                k: g[k]
+                for k in (
+                    "weight_decay",
+                    "wd_mult",
+                    "lr_mult",
+                    "params",
+                    *(("is_expert_parallel",) if v.ep else ()),
+                )
+            }
+            for g in s["param_groups"]
+        ],
+        "param_groups_note": "Megatron's default grouping: 0 = weights with decay, 1 = biases and norms "
+        "without ('params' counts this rank-0 group's tensors)"
+        + (
+            "; with experts (a ChainedOptimizer: dense, expert) 2, 3 = the same for the "
+            "expert parameters (is_expert_parallel)"
+            if v.ep
+            else ""
+        ),
+        "opt_param_scheduler": sched,
+        "adam_step_per_rank": [r["adam_steps"] for r in per_rank],
+        "ranks_agree_on_lr": all(
+            [g["lr"] for g in r["param_groups"]] == [g["lr"] for g in s["param_groups"]] for r in per_rank
+        ),
+        "history": history,
+        "history_note": "one entry per iteration: the LR of each param group used for the update, and "
+        "the 'lm loss' Megatron reports (averaged over data-parallel ranks)",
+        "megatron_argv": megatron_argv(v, save=Path("<save>"), load=None, work=Path("<work>")),
+    }
 
 
 # --- entry points -----------------------------------------------------------------------------------------
@@ -867,12 +667,10 @@ def write_manifest(
 
 def _pretrain_entry() -> tuple[Any, ...]:
     """What `pretrain_gpt.py`'s __main__ passes to `pretrain` (imported from the checkout, not copied)."""
-    from functools import partial
-
-    import pretrain_gpt
-    from gpt_builders import gpt_builder
-    from megatron.core.enums import ModelType
-    from model_provider import model_provider
+    import pretrain_gpt  # lazy: Megatron-LM's checkout, on the path only after import_megatron
+    from gpt_builders import gpt_builder  # lazy: as above
+    from megatron.core.enums import ModelType  # lazy: as above
+    from model_provider import model_provider  # lazy: as above
 
     pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
     return (
@@ -886,8 +684,6 @@ def _pretrain_entry() -> tuple[Any, ...]:
 
 def _shared_tempdir(prefix: str) -> Path:
     """One temporary folder for all ranks (rank 0 makes it, the others get its name)."""
-    import tempfile
-
     name = [tempfile.mkdtemp(prefix=prefix) if torch.distributed.get_rank() == 0 else None]
     torch.distributed.broadcast_object_list(name, src=0)
     return Path(name[0])
@@ -895,8 +691,6 @@ def _shared_tempdir(prefix: str) -> Path:
 
 def make_sample(args: argparse.Namespace, work: Path) -> int:
     """Train with Megatron's `pretrain` and save `<out>/<sample>`; rank 0 writes the manifest beside it."""
-    import shutil
-
     v = VARIANTS[args.sample]
     ckpt = args.out.resolve() / args.sample
     if torch.distributed.get_rank() == 0:
@@ -906,7 +700,7 @@ def make_sample(args: argparse.Namespace, work: Path) -> int:
     recorder = Recorder()
     recorder.install()
     datasets, model_provider, model_type, forward_step, embedding_ranks = _pretrain_entry()
-    from megatron.training import pretrain
+    from megatron.training import pretrain  # lazy: called after import_megatron (its path)
 
     sys.argv = [sys.argv[0], *megatron_argv(v, save=ckpt, load=None, work=work)]
     pretrain(
@@ -933,7 +727,7 @@ def _saved_model_logits(model: list[Any], args: argparse.Namespace) -> None:
     """`--out` with `--tokens` / `--logits`: Megatron's forward of the model it has just saved (the same launch: no
     second start for the reference logits). The GPTModel unwrapped (DDP, Float16Module) and cast to fp32: its bf16
     weights, the ones the checkpoint's model holds, as fp32 parameters, as `logits_sample` runs a loaded one."""
-    from megatron.training.utils import unwrap_model
+    from megatron.training.utils import unwrap_model  # lazy: called after import_megatron (its path)
 
     net = unwrap_model(model[0])
     net.float()
@@ -944,7 +738,7 @@ def _write_logits(net: Any, args: argparse.Namespace) -> None:
     """The GPTModel's forward (eval) on `--tokens` (JSON rows) with the causal mask `pretrain_gpt` uses, the
     vocab-parallel logits gathered over TP (every EP rank runs the same batch: the token dispatcher's collectives
     need all of them); rank 0 saves them (torch.save, [batch, seq, vocab], fp32) to `args.logits`."""
-    from megatron.core import tensor_parallel
+    from megatron.core import tensor_parallel  # lazy: called after import_megatron (its path)
 
     net.eval()
     tokens = torch.tensor(json.loads(args.tokens), dtype=torch.long)
@@ -964,15 +758,14 @@ def check_sample(args: argparse.Namespace, work: Path) -> int:
     v = VARIANTS[args.sample]
     ckpt = args.check.resolve()
     _, model_provider, model_type, _, embedding_ranks = _pretrain_entry()
-    import megatron.training.training as training
+    import megatron.training.training as training  # lazy: called after import_megatron (its path)
+    from megatron.training import get_args  # lazy: as above
 
     sys.argv = [sys.argv[0], *megatron_argv(v, save=None, load=ckpt, work=work)]
     training.initialize_megatron(
         args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, get_embedding_ranks=embedding_ranks
     )
     model, optimizer, sched = training.setup_model_and_optimizer(model_provider, model_type)
-    from megatron.training import get_args
-
     iteration = get_args().iteration
     lrs = [float(g["lr"]) for g in _groups(optimizer)]
     state = Recorder.snapshot(iteration, model, optimizer, sched)
@@ -1011,12 +804,10 @@ def logits_sample(args: argparse.Namespace, work: Path) -> int:
     not run here (TP samples only). Without `--sample`, any run folder (a conversion's output): the command line is
     rebuilt from its own saved `args` (`relaunch_argv`, as `ckpt resume` does) at TP = the world size, PP 1."""
     _, model_provider, model_type, _, embedding_ranks = _pretrain_entry()
-    import megatron.training.training as training
+    import megatron.training.training as training  # lazy: called after import_megatron (its path)
 
     if args.sample is None:
-        from ckpt_tools.view.logical import _plain, open_any
-
-        saved = _plain(open_any(args.forward).tree.children["args"])  # read inert, as `ckpt resume` reads them
+        saved = node_to_display(open_any(args.forward).tree.children["args"])  # read inert, as `ckpt resume` reads them
         argv = [
             *relaunch_argv(saved),
             *parallel_argv(saved, torch.distributed.get_world_size(), 1),
@@ -1046,147 +837,17 @@ def logits_sample(args: argparse.Namespace, work: Path) -> int:
     return 0
 
 
-#: saved args never passed back: where this run reads and writes, how long it runs, how it logs, and what this
-#: process sets itself (the resume's own --load, --train-iters, backend, data cache)
-RELAUNCH_SKIP = frozenset(
-    (
-        "load",
-        "save",
-        "save_interval",
-        "train_iters",
-        "train_samples",
-        "exit_interval",
-        "exit_duration_in_mins",
-        "exit_signal_handler",
-        "local_rank",
-        "distributed_backend",
-        "data_cache_path",
-        "use_checkpoint_args",
-        "use_mp_args_from_checkpoint_args",
-        "tensorboard_dir",
-        "wandb_project",
-        "wandb_exp_name",
-        "wandb_save_dir",
-        "finetune",
-        "no_load_optim",
-        "no_load_rng",
-        "pretrained_checkpoint",
-        "non_persistent_save_interval",
-        "non_persistent_ckpt_dir",
-        "ckpt_convert_format",
-        "ckpt_convert_save",
-        "yaml_cfg",
-        "exit_on_missing_checkpoint",
-        "auto_detect_ckpt_format",
-        "async_save",
-        "eval_interval",
-        "eval_iters",
-        "log_interval",
-        "one_logger_project",
-        "one_logger_run_name",
-        "structured_logs_dir",
-        "config_logger_dir",
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
-        "num_layers_per_virtual_pipeline_stage",
-        "num_virtual_stages_per_pipeline_rank",
-        "virtual_pipeline_model_parallel_size",
-        # Megatron derives these from the sizes and the vocabulary (validate_args): passing the saved values back
-        # would pin the run to the saved world
-        "expert_tensor_parallel_size",
-        "inprocess_active_world_size",
-        "padded_vocab_size",
-        "encoder_num_layers",
-        "encoder_seq_length",
-        "transformer_pipeline_model_parallel_size",
-    )
-)
-#: derived only in some runs: passed back unless validate_args sets them from other options itself
-DERIVED_IF = {
-    "start_weight_decay": lambda a: a.get("weight_decay_incr_style") == "constant",
-    "end_weight_decay": lambda a: a.get("weight_decay_incr_style") == "constant",
-}
-#: CPU run-time flags (no TransformerEngine, Apex or fused CUDA kernels on a CPU): the same maths, eager PyTorch
-CPU_FLAGS = [
-    "--transformer-impl",
-    "local",
-    "--no-masked-softmax-fusion",
-    "--no-bias-gelu-fusion",
-    "--no-bias-dropout-fusion",
-    "--no-gradient-accumulation-fusion",
-    "--no-persist-layer-norm",
-    "--no-bias-swiglu-fusion",
-    "--no-rope-fusion",
-]
-
-
-def relaunch_argv(saved: dict[str, Any]) -> list[str]:
-    """A Megatron command line that rebuilds the run a checkpoint's `args` describe: each option of Megatron's own
-    parser (`add_megatron_arguments`) whose saved value differs from the option's default, written back as that
-    option (a flag where it is one); `RELAUNCH_SKIP` and values Megatron derives itself (not options) left out.
-    The parallel sizes come back separately (`parallel_argv`)."""
-    parser = argparse.ArgumentParser(allow_abbrev=False)
-    from megatron.training.arguments import add_megatron_arguments
-
-    add_megatron_arguments(parser)
-    argv: list[str] = []
-    seen: set[str] = set()
-    for action in parser._actions:
-        dest = action.dest
-        if dest in RELAUNCH_SKIP or dest in seen or dest not in saved or not action.option_strings:
-            continue
-        if dest in DERIVED_IF and DERIVED_IF[dest](saved):
-            continue
-        value, default = saved[dest], action.default
-        option = next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
-        if isinstance(action, argparse._StoreTrueAction):
-            if value is True and default is not True:
-                argv.append(option)
-                seen.add(dest)
-            continue
-        if isinstance(action, argparse._StoreFalseAction):
-            if value is False and default is not False:
-                argv.append(option)
-                seen.add(dest)
-            continue
-        if not isinstance(action, argparse._StoreAction) or value is None or value == default:
-            continue
-        if isinstance(value, dict) or (
-            action.choices is not None and not isinstance(value, (list, tuple)) and value not in action.choices
-        ):
-            continue  # an enum or a structure Megatron built from the option: not passed back
-        seen.add(dest)
-        argv.append(option)
-        argv += [str(x) for x in value] if isinstance(value, (list, tuple)) else [str(value)]
-    return argv
-
-
-def parallel_argv(saved: dict[str, Any], tp: int | None = None, pp: int | None = None) -> list[str]:
-    """The saved (or the given) tensor / pipeline sizes, and the saved virtual pipeline."""
-    argv = [
-        "--tensor-model-parallel-size",
-        str(tp or saved.get("tensor_model_parallel_size") or 1),
-        "--pipeline-model-parallel-size",
-        str(pp or saved.get("pipeline_model_parallel_size") or 1),
-    ]
-    if saved.get("num_layers_per_virtual_pipeline_stage"):
-        argv += ["--num-layers-per-virtual-pipeline-stage", str(saved["num_layers_per_virtual_pipeline_stage"])]
-    return argv
-
-
 def resume_sample(args: argparse.Namespace, work: Path) -> int:
     """Resume `args.resume` in Megatron's own `pretrain` (its `load_checkpoint`, then `--steps` more iterations,
     no save) with the variant's command line plus `--megatron-args`; rank 0 writes every rank's LR per resumed
     iteration to `args.record` (JSON: [{rank, tp_rank, dp_rank, history: [{iteration, lr, loss}]}])."""
-    import shlex
-
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # lazy: called after import_megatron (its path)
+    from megatron.training import pretrain  # lazy: as above
 
     v = VARIANTS[args.sample]
     recorder = Recorder()
     recorder.install()
     datasets, model_provider, model_type, forward_step, embedding_ranks = _pretrain_entry()
-    from megatron.training import pretrain
 
     argv = megatron_argv(v, save=None, load=args.resume.resolve(), work=work)
     argv[argv.index("--train-iters") + 1] = str(ITERATIONS + args.steps)
@@ -1251,8 +912,6 @@ def main() -> None:
         p.error("--tokens and --logits go together, with --forward or --out")
     if args.num_layers:
         MODEL["num_layers"] = args.num_layers  # the same recipe, deeper: for benchmarks, not for samples
-    from ckpt_tools.train.procgroup import join, leave
-
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # what Megatron's TP setup asserts (users export it)
     import_megatron()
     join("gloo")
@@ -1270,13 +929,9 @@ def main() -> None:
         torch.distributed.barrier()
     finally:
         if torch.distributed.get_rank() == 0:
-            import shutil
-
             shutil.rmtree(work, ignore_errors=True)
         # Megatron's data loader keeps its worker processes (persistent workers): they would outlive this rank and
         # hold the pipes of whoever captures its output (`ckpt samples make` would wait on them forever)
-        import multiprocessing
-
         for child in multiprocessing.active_children():
             child.terminate()
     leave(code)

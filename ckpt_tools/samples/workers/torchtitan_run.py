@@ -84,13 +84,16 @@ trains it).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
 import shutil
 import sys
 import tempfile
+import traceback
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 SAMPLES = ("torchtitan_real", "torchtitan_gqa", "torchtitan_onegroup", "torchtitan_split")
@@ -371,8 +374,6 @@ class _CpuDeviceModule:
 
     @staticmethod
     def get_device_properties(device: Any = None) -> Any:
-        from types import SimpleNamespace
-
         return SimpleNamespace(name="cpu", total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
     @staticmethod
@@ -837,8 +838,6 @@ def main() -> None:
     )
     args = p.parse_args()
     if args.size:  # read by model_config when torchtitan's ConfigManager calls the config function, below
-        import importlib
-
         size = dict(zip(("N_LAYERS", "DIM", "HIDDEN_DIM"), (int(x) for x in args.size.split(","))))
         globals().update(size)  # this module run as __main__, and the one ConfigManager imports by --module
         vars(importlib.import_module(MODULE)).update(size)
@@ -854,8 +853,6 @@ def main() -> None:
         else:
             make(args.sample, args.out)
     except BaseException:
-        import traceback
-
         traceback.print_exc()
         code = 1
     from ckpt_tools.train.procgroup import leave

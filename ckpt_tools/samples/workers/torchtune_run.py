@@ -117,7 +117,10 @@ Measured (this machine, 2 CPU cores): make 19-32 s per sample, check 15-26 s; an
 
 from __future__ import annotations
 
+import base64
 import collections
+import hashlib
+import importlib.metadata as md
 import json
 import os
 import random
@@ -220,8 +223,6 @@ def train_bpe(texts: list[str]) -> dict[bytes, int]:
 
 def write_inputs(folder: Path) -> dict[str, Path]:
     """The pretrained HF folder (only the files transformers writes), the tokenizer files and the data."""
-    import base64
-
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -576,8 +577,6 @@ def make(sample: str, out: Path) -> None:
 
 
 def versions() -> dict[str, str | None]:
-    import importlib.metadata as md
-
     out: dict[str, str | None] = {}
     for dist in (
         "torchtune",
@@ -779,8 +778,6 @@ def _replace_paths(obj: Any, placeholders: dict[str, str]) -> Any:
 
 
 def _digests(folder: Path) -> dict[str, str]:
-    import hashlib
-
     return {
         str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(folder.rglob("*"))
