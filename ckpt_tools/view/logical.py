@@ -517,8 +517,9 @@ def _unread_value(node: TensorNode) -> Any:
 
 
 def node_to_display(node: Any) -> Any:
-    """A saved entry (a param group's field, a run's `args`) as plain Python for display and comparison. Unlike `read.tree.node_to_python`: a group keyed 0, 1, ...
-    is a list, a tensor without an inline value a `<tensor [shape] dtype>` placeholder, an opaque object `<cls>`."""
+    """A saved entry (a param group's field, a run's `args`) as plain Python for display and comparison. Unlike
+    `read.tree.node_to_python`: a group keyed 0, 1, ... is a list, a tensor without an inline value a
+    `<tensor [shape] dtype>` placeholder, an opaque object `<cls>`."""
     if isinstance(node, ValueNode):
         return node.value
     if isinstance(node, TensorNode):
