@@ -284,7 +284,7 @@ def test_ckpt_diff_by_hand_pairs_the_pipeline_with_the_conversion(tmp_path):
     """`ckpt diff --logical SRC OUT`, run by a user on the pipeline and its conversion, reads the pipeline under the
     Megatron-core names (said in a note): every tensor of the source is compared (the reader's count, read from the
     sample), and the only differences are the param-group fields Megatron-core keeps beside torch's, added."""
-    from ckpt_tools.ops.megatron_in import MEGATRON_GROUP_KEYS
+    from ckpt_tools.view.megatron_core import MEGATRON_GROUP_KEYS
 
     out = tmp_path / "out"
     assert _convert(out).returncode == 0

@@ -244,7 +244,7 @@ def test_torchtitan_schedule_is_carried_as_megatrons_wsd(tmp_path):
     formula (`schedules.megatron`, held against Megatron's resumes) gives, for the two steps after the save, the LRs
     torchtitan's run used there, group for group; `ckpt inspect` reads the output's next LRs. Settings that do not
     reproduce the saved LRs (cosine decay; 6 steps) are refused, nothing written."""
-    from ckpt_tools.ops import megatron_in
+    from ckpt_tools.view import torchtitan as megatron_in
     from ckpt_tools.schedules.megatron import expected_lrs
 
     m = manifest(*SRC)["extra"]

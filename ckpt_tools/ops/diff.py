@@ -33,9 +33,16 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..read import pickle_reader, remote
-from ..errors import CkptError, NotACheckpoint
-from ..read.pickle_reader import DType, NumpyArray, Opaque, TensorRef
-from ..read.tree import jsonable
+from ..errors import CkptError, NotACheckpoint, UnsupportedCheckpoint
+from ..formats import detect
+from ..formats.safetensors_file import read_header
+from ..read.pickle_reader import DTYPE_SIZE, DType, FdCache, NumpyArray, Opaque, TensorRef
+from ..read.qkv import find_fused
+from ..read.tree import TensorNode, jsonable
+from ..view import logical as L
+from ..view.checkpoint import open_checkpoint
+from ..view.megatron_core import core_view, pairs_with_core_names
+from ..view.torchtitan import from_torchtitan
 
 #: elements read and compared per step, whatever a tensor's size: the read buffers (one per side) and the
 #: float64 temporaries of a comparison are a few times this, so a command's memory stays flat in tensor and
@@ -58,8 +65,6 @@ class ChunkReader:
     stay resident) into one buffer reused for every read, so RSS stays at the buffer's size."""
 
     def __init__(self):
-        from ..read.pickle_reader import FdCache
-
         self._fds = FdCache()
         self._buf = bytearray()
 
@@ -67,9 +72,7 @@ class ChunkReader:
         """The elements of `runs` ((ref, first element, count) each, flattened order, all of `dtype`),
         one after the other, as a numpy array of raw elements (`raw_np_dtype`). The array is a view of
         the reused buffer: valid until the next `read`."""
-        import numpy as np
-
-        from ..read.pickle_reader import DTYPE_SIZE
+        import numpy as np  # lazy: numpy only when values are compared; inspect stays numpy-free
 
         esize = DTYPE_SIZE[dtype]
         total = sum(n for _, _, n in runs)
@@ -94,7 +97,7 @@ class ChunkReader:
 
 
 def raw_np_dtype(dtype: str):
-    import numpy as np
+    import numpy as np  # lazy: numpy only when values are compared; inspect stays numpy-free
 
     return np.dtype(_RAW_NP.get(dtype, dtype))
 
@@ -140,12 +143,12 @@ def iter_chunks(
 
 def to_float64(raw, dtype: str):
     """Raw elements (`ChunkReader.read`) as float64 values."""
-    import numpy as np
+    import numpy as np  # lazy: numpy only when values are compared; inspect stays numpy-free
 
     if dtype == "bfloat16":
         return (raw.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     if dtype.startswith("float8"):
-        import torch
+        import torch  # lazy: torch only for dtypes numpy lacks (float8, bfloat16)
 
         return torch.from_numpy(raw.copy()).view(getattr(torch, dtype)).double().numpy()
     return raw.astype(np.float64)
@@ -227,8 +230,6 @@ class _Differ:
         la, lb = _try_load(pa), _try_load(pb)
         if la is None or lb is None:
             if pa.suffix == ".safetensors" and pb.suffix == ".safetensors":
-                from ..formats.safetensors_file import read_header
-
                 self.value(rel, (), read_header(pa)[0], read_header(pb)[0])
             elif not _same_bytes(pa, pb):
                 self.out.append(
@@ -299,7 +300,7 @@ class _Differ:
         if a.numel == 0 or a.storage is None or b.storage is None:
             return
         self.read += 1
-        import numpy as np
+        import numpy as np  # lazy: numpy only when values are compared; inspect stays numpy-free
 
         worst, exact, ok = 0.0, True, True
         for start in range(0, a.numel, CHUNK_ELEMS):
@@ -414,9 +415,6 @@ def choose_mode(a: str | os.PathLike, b: str | os.PathLike) -> str:
     (their files correspond one to one; an added or removed file is then a difference to name), else "logical". When
     one of them cannot be opened as a whole (a damaged copy), "files": the file by file
     comparison still names what differs."""
-    from ..view.checkpoint import open_checkpoint
-    from ..formats import detect
-
     if detect(Path(a)) is not detect(Path(b)):
         return "logical"
     try:
@@ -454,8 +452,6 @@ def diff(
         raise CkptError("--atol/--rtol must be >= 0")
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: use one of {', '.join(MODES)}")
-    from ..formats import detect
-
     for p in (pa, pb):
         detect(p)  # both must be checkpoints: an empty or unrelated folder is an error, not "no difference"
     if mode == "auto":
@@ -464,10 +460,8 @@ def diff(
         raise CkptError("--n-kv-heads applies to the logical comparison", hint="add --logical")
     if mode == "logical":
         if n_kv_heads is not None:
-            from ..view.logical import with_kv_heads
-
             return logical_diff(
-                with_kv_heads(pa, n_kv_heads), with_kv_heads(pb, n_kv_heads), atol, rtol, progress=progress
+                L.with_kv_heads(pa, n_kv_heads), L.with_kv_heads(pb, n_kv_heads), atol, rtol, progress=progress
             )
         return logical_diff(pa, pb, atol, rtol, progress=progress)
     fa, fb = _files(pa), _files(pb)
@@ -495,8 +489,6 @@ def _node_runs(node, dtype: str) -> list[tuple[TensorRef, int, int]] | None:
     stored: its pieces (ZeRO partitions, a plain tensor, a safetensors entry), a replicated TP shard's, or
     the shards' one after the other when they are concatenated along dim 0; contiguous and in `dtype`.
     None otherwise."""
-    from ..read.tree import TensorNode
-
     if not isinstance(node, TensorNode) or node.dtype != dtype:
         return None
     if node.shards:
@@ -550,8 +542,6 @@ def _logical_runs(lt) -> list[tuple[TensorRef, int, int]] | None:
 def _cat_layout(lt) -> tuple[int, list[tuple[list, int]]] | None:
     """For TP shards concatenated along a dimension d > 0: (the number of index tuples before d, and per
     shard its runs and how many elements it adds to each of them). None where that does not describe it."""
-    import math as m
-
     node = lt.node
     if lt.rows is not None:
         return None
@@ -561,13 +551,13 @@ def _cat_layout(lt) -> tuple[int, list[tuple[list, int]]] | None:
     d, shape = int(merge[4:]), tuple(lt.shape)
     if not 0 < d < len(shape):
         return None
-    outer, parts = m.prod(shape[:d]), []
+    outer, parts = math.prod(shape[:d]), []
     for sh in node.shards:
         runs = _node_runs(sh, lt.dtype)
-        if runs is None or len(sh.shape) != len(shape) or m.prod(sh.shape[:d]) < outer:
+        if runs is None or len(sh.shape) != len(shape) or math.prod(sh.shape[:d]) < outer:
             return None
-        parts.append((runs, m.prod(sh.shape[d:])))
-    if sum(inner for _, inner in parts) != m.prod(shape[d:]):
+        parts.append((runs, math.prod(sh.shape[d:])))
+    if sum(inner for _, inner in parts) != math.prod(shape[d:]):
         return None
     return outer, parts
 
@@ -575,7 +565,7 @@ def _cat_layout(lt) -> tuple[int, list[tuple[list, int]]] | None:
 def _logical_chunks(lt, reader: ChunkReader) -> Iterator:
     """A LogicalTensor's raw elements (`raw_np_dtype`) in its flattened order, about `CHUNK_ELEMS` at a time
     (at most one chunk alive; the chunks of two tensors need not be cut at the same places: `_aligned`)."""
-    import numpy as np
+    import numpy as np  # lazy: numpy only when values are compared; inspect stays numpy-free
 
     runs = _logical_runs(lt)
     if runs is not None:
@@ -598,7 +588,7 @@ def _logical_chunks(lt, reader: ChunkReader) -> Iterator:
                 pos += k * inner
             yield np.concatenate(blocks, axis=1).reshape(-1)
         return
-    import torch
+    import torch  # lazy: torch only where a tensor is read through torch; inspect stays torch-free
 
     t = lt.read().reshape(-1)  # anything else (cat_sub, average, strided storage): this one tensor, whole
     if t.dtype == torch.bfloat16:
@@ -628,7 +618,7 @@ def _aligned(chunks_a: Iterator, chunks_b: Iterator, total: int) -> Iterator:
 
 def _read_compare(d: "_Differ", section: str, name: str, ta, tb) -> None:
     """Compare two LogicalTensors: metadata first, then values (bit-exact, then atol/rtol), chunk by chunk."""
-    import numpy as np
+    import numpy as np  # lazy: numpy only when values are compared; inspect stays numpy-free
 
     d.tensors += 1
     if tuple(ta.shape) != tuple(tb.shape):
@@ -677,10 +667,8 @@ def _read_compare(d: "_Differ", section: str, name: str, ta, tb) -> None:
 
 
 def _names_only(params: Any) -> list[str] | None:
-    from ..view.logical import name_key
-
     if isinstance(params, list) and params and all(isinstance(p, str) and not p.isdigit() for p in params):
-        return sorted(name_key(p) for p in params)
+        return sorted(L.name_key(p) for p in params)
     return None
 
 
@@ -708,21 +696,17 @@ def logical_diff(
 def _megatron_names(ca, cb, notes: list[str]):
     """A Megatron-DeepSpeed pipeline or torchtitan Llama checkpoint compared with a Megatron-LM one (what `convert
     --to megatron` writes from it) is read under the Megatron-core names the conversion gives it
-    (`megatron_in.core_view`; torchtitan's head counts from the Megatron side's args), so the two pair by
+    (`view.megatron_core.core_view`; torchtitan's head counts from the Megatron side's args), so the two pair by
     parameter; said in a note. Where the source cannot be named so, the note says why."""
-    from ..errors import UnsupportedCheckpoint
-    from . import megatron_in
-
     sides = [ca, cb]
     for i, (ck, other) in enumerate(((ca, cb), (cb, ca))):
-        if megatron_in.handles(ck) and other.format.startswith("megatron_"):
+        if pairs_with_core_names(ck, other):
             try:
-                sides[i] = megatron_in.core_view(ck, other)
+                sides[i] = core_view(ck, other)
             except UnsupportedCheckpoint as e:
                 notes.append(f"{'AB'[i]}'s {ck.format} names are not paired with Megatron-core's: {e}")
             else:
-                titan = megatron_in.is_torchtitan(ck) or megatron_in._titan(ck)
-                what = "torchtitan Llama" if titan else "Megatron-DeepSpeed pipeline"
+                what = "torchtitan Llama" if from_torchtitan(ck) else "Megatron-DeepSpeed pipeline"
                 notes.append(
                     f"{'AB'[i]} ({what}) read under the Megatron-core names `convert --to megatron` gives its tensors"
                 )
@@ -732,13 +716,9 @@ def _megatron_names(ca, cb, notes: list[str]):
 def _logical_diff(
     a: Any, b: Any, d: "_Differ", progress: Callable[[int], None] | None, only: Callable[[str], bool] | None = None
 ) -> DiffReport:
-    from ..view import logical as L
-
     ca, cb = L.open_any(a), L.open_any(b)
     notes: list[str] = []
     ca, cb = _megatron_names(ca, cb, notes)
-    from ..read.qkv import find_fused
-
     for side, ck in (("A", ca), ("B", cb)):
         fused = find_fused(ck.tree)
         if fused and not ck.state_split:
@@ -748,6 +728,34 @@ def _logical_diff(
                 "conversion carries it"
             )
 
+    _model_diff(ca, cb, d, progress, only)
+    oa, ob = _optimizer_diff(ca, cb, d, notes, progress, only)
+    _groups_diff(ca, cb, d, notes, bool(oa and ob))
+    if d.widened:
+        notes.append(
+            f"{len(d.widened)} tensor{'s hold' if len(d.widened) > 1 else ' holds'} the same values in another "
+            f"dtype: {', '.join(d.widened[:4])}{', ...' if len(d.widened) > 4 else ''}"
+        )
+
+    _counters_diff(ca, cb, d)
+    return DiffReport(
+        str(ca.path),
+        str(cb.path),
+        d.atol,
+        d.rtol,
+        tuple(d.out),
+        0,
+        d.tensors,
+        d.read,
+        d.within,
+        "logical",
+        tuple(notes),
+    )
+
+
+def _model_diff(ca, cb, d: "_Differ", progress: Callable[[int], None] | None, only) -> None:
+    """The model: every tensor by name (`L.name_key`), the fp32 master where the format keeps one; added,
+    removed, then the values of those `only` accepts."""
     # the model: every tensor by name, the fp32 master where the format keeps one
     # paired by `L.name_key`: one parameter the two formats of a framework name apart (Megatron's layer norms)
     ma = {L.name_key(t.name): t for t in L.model_tensors(ca, weights="fp32")}
@@ -764,6 +772,10 @@ def _logical_diff(
             if progress:
                 progress(1)
 
+
+def _optimizer_diff(ca, cb, d: "_Differ", notes: list[str], progress: Callable[[int], None] | None, only):
+    """The optimizer: per-parameter state tensors (the fp32 master was compared as the model) and the step;
+    returns both sides' per-parameter states ({name: {key: tensor}}, without fp32 and step)."""
     # the optimizer: per-parameter state tensors (the fp32 master was compared as the model) and scalars
     keyed = lambda d: {L.name_key(p): v for p, v in d.items()}  # noqa: E731
     oa, ob = keyed(L.optimizer_states(ca)), keyed(L.optimizer_states(cb))
@@ -806,7 +818,12 @@ def _logical_diff(
                     d.out.append(Difference("optimizer", f"{p}.{k}", "added" if va is None else "removed", va, vb))
                 else:
                     d.value("optimizer", (p, k), va, vb)
+    return oa, ob
 
+
+def _groups_diff(ca, cb, d: "_Differ", notes: list[str], both_states: bool) -> None:
+    """The param groups: hyper-parameters, and members where both sides name them; a side without groups where
+    both keep per-parameter optimizer state (`both_states`) lost them."""
     # the param groups: hyper-parameters, and members where both sides name them
     ga, gb = L.param_groups(ca), L.param_groups(cb)
     if ga and gb:
@@ -834,35 +851,19 @@ def _logical_diff(
                         f"{len(nb)} params" + (f", with {new[:4]}" if new else ""),
                     )
                 )
-    elif (ga or gb) and oa and ob:  # both keep per-parameter optimizer state: a side without its groups lost them
+    elif (ga or gb) and both_states:  # both keep per-parameter optimizer state: a side without its groups lost them
         d.out.append(Difference("param_groups", "", "changed", f"{len(ga)} groups", f"{len(gb)} groups"))
     elif ga or gb:
         notes.append(f"{'B' if ga else 'A'} records no param groups: not compared")
 
-    if d.widened:
-        notes.append(
-            f"{len(d.widened)} tensor{'s hold' if len(d.widened) > 1 else ' holds'} the same values in another "
-            f"dtype: {', '.join(d.widened[:4])}{', ...' if len(d.widened) > 4 else ''}"
-        )
 
+def _counters_diff(ca, cb, d: "_Differ") -> None:
+    """The counters both sides record."""
     # the counters both sides record
     for field in ("global_step", "optimizer_step", "scheduler_last_epoch", "scheduler_step_count", "skipped_steps"):
         va, vb = getattr(ca.counters, field), getattr(cb.counters, field)
         if va is not None and vb is not None and va != vb:
             d.out.append(Difference("counters", field, "changed", va, vb, abs(float(va) - float(vb))))
-    return DiffReport(
-        str(ca.path),
-        str(cb.path),
-        d.atol,
-        d.rtol,
-        tuple(d.out),
-        0,
-        d.tensors,
-        d.read,
-        d.within,
-        "logical",
-        tuple(notes),
-    )
 
 
 def _as_number(v: Any) -> float | int | None:
