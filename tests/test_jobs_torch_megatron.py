@@ -37,10 +37,10 @@ CASES = {
         ("--to", "megatron", "--ckpt-format", "torch"),
     ),
     # torch_dist: a Megatron-LM legacy run with the distributed optimizer (its buffers' chunks are units), and a
-    # Megatron-DeepSpeed pipeline run at TP 2 x PP 2 (`ops.megatron_in`)
+    # Megatron-DeepSpeed pipeline run at TP 2 x PP 2 (`write.megatron_from_view`)
     "megatron_distopt": (("megatron_lm", "megatron_dp2_distopt_legacy"), "m", ("--to", "megatron")),
     "pipeline_megatron": (("megatron", "gpt_tp2_pp2"), "m", ("--to", "megatron")),
-    # a torchtitan DCP run the way in to Megatron (`ops.megatron_in`, with its model's HF config)
+    # a torchtitan DCP run the way in to Megatron (`view.torchtitan`, with its model's HF config)
     "titan_megatron": (("dcp", "torchtitan_real/step-3"), "m", ("--to", "megatron", "--hf-config", "HF_CONFIG")),
 }
 

@@ -52,6 +52,7 @@ from ..view.logical import node_to_display
 from ..write import io, shares
 from ..write.io import copy_range
 from ..write.torch_zip import start_writeback
+from ..view.torchtitan import is_torchtitan_llama
 from . import hf_map
 
 _ST_DTYPE = {
@@ -419,7 +420,7 @@ def _hf_names(
         return [
             replace(t, name=hf, transform=fn, shape=shape) for t in items for hf, fn, shape in mapping[t.name]
         ], config
-    if not hf_map.is_torchtitan_llama(names):
+    if not is_torchtitan_llama(names):
         return items, None
     if cfg_file is None:
         raise CkptError(

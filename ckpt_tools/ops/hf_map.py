@@ -38,13 +38,6 @@ _COMPILED = tuple((re.compile(p + r"$"), hf) for p, hf in _TITAN_LLAMA)
 Transform = Callable[[Any], Any]
 
 
-def is_torchtitan_llama(names: list[str]) -> bool:
-    """torchtitan's Llama parameter names: `tok_embeddings.weight` and `layers.N.attention.…wq.weight`."""
-    return "tok_embeddings.weight" in names and any(
-        re.search(r"^layers\.\d+\.attention\.(qkv_linear\.)?wq\.weight$", n) for n in names
-    )
-
-
 def rope_permute(n_heads: int) -> Transform:
     """Hugging Face's q/k permutation for `n_heads` heads: each head's interleaved (x0, y0, x1, y1, …) rows become
     (x0, x1, …, y0, y1, …)."""

@@ -218,7 +218,11 @@ def core_view(ck, other=None):
     if is_titan_view(ck):
         return ck
     if is_torchtitan(ck):
-        args = L._plain(other.tree.children["args"]) if other is not None and "args" in other.tree.children else None
+        args = (
+            L.node_to_display(other.tree.children["args"])
+            if other is not None and "args" in other.tree.children
+            else None
+        )
         heads = args.get("num_attention_heads") if isinstance(args, dict) else None
         if not isinstance(heads, int):
             _refuse(

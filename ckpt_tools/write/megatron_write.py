@@ -1,7 +1,7 @@
 """Write a Megatron-LM torch_dist run folder (`ckpt convert SRC OUT --to megatron`), as Megatron-LM core_v0.16.1's
 `save_checkpoint` lays it out for plain Adam (the distributed optimizer: `_write_distopt_buffers`, its dp_reshardable
-buckets), from a Megatron-LM legacy checkpoint (from a Megatron-DeepSpeed pipeline checkpoint: `ops.megatron_in`,
-with the same three entries).
+buckets), from a Megatron-LM legacy checkpoint (from a Megatron-DeepSpeed pipeline checkpoint:
+`write.megatron_from_view`, with the same three entries).
 
     OUT/latest_checkpointed_iteration.txt     the iteration
     OUT/iter_{N:07d}/.metadata, __R_0.distcp  a torch DCP of GLOBAL tensors (TP shards and pipeline stages merged):
@@ -62,8 +62,8 @@ from ..view.logical import name_key
 from .dcp_write import DcpStreamWriter, LazyPart, PlannedDcpWriter, lazy_part, plan_save_id
 from .pickle_writer import rewrite_torch_zip
 
-# the shared pieces and the torch_dist -> legacy writer live in sibling modules; callers (ops.convert, ops.megatron_in,
-# resume.frameworks, megatron_moe) import them from here, so they are re-exported
+# the shared pieces and the torch_dist -> legacy writer live in sibling modules; callers (ops.convert,
+# write.megatron_from_view, resume.frameworks, megatron_moe) import them from here, so they are re-exported
 from .megatron_common import (  # noqa: F401
     LATEST,
     _LAYER,
@@ -467,7 +467,7 @@ def check(
 ) -> tuple[int | None, int | None]:
     """Refuse, in one line, a source (or TP / PP / EP size) that cannot be written as Megatron's `ckpt_format`;
     returns the (TP, PP) sizes of the legacy rank files ((None, None) for torch_dist, which holds whole tensors).
-    A Mixture-of-Experts run is written by `megatron_moe` (`ops.convert._megatron_writer` chooses)."""
+    A Mixture-of-Experts run is written by `megatron_moe` (`write.megatron_target.writer_for` chooses)."""
     if ep is not None:
         raise UnsupportedCheckpoint(
             f"--ep {ep} applies to a Mixture-of-Experts run; this one has no experts (num_experts unset)", path=src
