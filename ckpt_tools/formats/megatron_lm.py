@@ -42,6 +42,7 @@ shown as saved (`not-mapped`) and commands that need per-parameter optimizer sta
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from pathlib import Path
@@ -208,6 +209,84 @@ def _rule(name: str, swiglu: bool = False, experts_replicated: bool = False) -> 
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
+    """The legacy-format iteration at `path` (the run folder, read through `latest_checkpointed_iteration.txt`,
+    or an `iter_N` folder). Reads every rank's `mp_rank_*/model_optim_rng.pt` through the safe reader (the pickle
+    parsed inert: tensors stay lazy ranges of the zip entries), and with the distributed optimizer each
+    `distrib_optim.pt` beside it (its flat buffers mapped to parameters, checked against a few hundred bytes of
+    each weight). TP shards become one TensorNode per parameter over its shards (merged when read), pipeline stages
+    and virtual-pipeline chunks renumbered into global layers, EP ranks' experts given global ids. Training state:
+    every rank file's param groups and scheduler (`training_state`)."""
+    root, it, tag, cache, ranks, first, obj0, args = _first_rank(path)
+    tp, pp, dp, ep, slots, sizes, vpp = _sizes(args, it)
+    coords = functools.partial(_coords, ep)
+    want = {(t, p) for t in range(tp) for p in range(slots)}
+    gone = sorted(want - set(ranks))
+    if gone:
+        names = ", ".join(_dir_name(t, p, slots) for t, p in gone)
+        raise MissingFile(
+            f"rank folder(s) {names} missing (args: tensor_model_parallel_size={tp}, {sizes})",
+            path=it,
+            hint="copy every rank folder back; each holds that rank's shards and optimizer state",
+        )
+    warnings: list[Warning_] = []
+    for key in sorted(set(ranks) - want):
+        warnings.append(
+            Warning_(
+                "extra-rank-file",
+                f"{ranks[key].name} is beyond the sizes args declare "
+                f"(TP={tp}, PP={pp}{f', EP={ep}' if ep > 1 else ''}): left over from another run? Move it out of "
+                "the folder",
+                str(ranks[key].relative_to(root)),
+            )
+        )
+    objs, files = _rank_files(want, ranks, cache, root, obj0, tp, pp, vpp, coords)
+    if ep > 1:
+        model, names_by_rank, local, origin, tied_copies = _model_ep(objs, ep, args, cache, ranks, root)
+    else:
+        model, names_by_rank, local, origin, tied_copies = _model(objs, tp, pp, args, cache, ranks, root)
+    distributed = bool(args.get("use_distributed_optimizer")) or any((d / DISTRIB).is_file() for d in ranks.values())
+    optim, groups, steps = _optimizer(
+        objs, names_by_rank, local, model, origin, tp, distributed, cache, ranks, warnings, coords
+    )
+    tree: dict[str, Any] = {"model": GroupNode(model)}
+    if tied_copies:
+        tree["tied_copies"] = GroupNode(tied_copies)
+    if optim is not None:
+        tree["optimizer"] = optim
+    mapped = optim is not None and "state" in optim.children
+    if distributed and not mapped:
+        tree["distributed_optimizer"] = _distrib_nodes(ranks, cache, root)
+        where = next((str((d / DISTRIB).relative_to(root)) for d in ranks.values() if (d / DISTRIB).is_file()), None)
+        warnings.append(
+            Warning_(
+                "not-mapped",
+                f"the distributed optimizer's state ({DISTRIB}: flat fp32 master and "
+                "Adam buffers per bucket) is shown as saved, not per parameter: set-lr/set-step "
+                "edit its param groups; export, convert and to-universal refuse (they would leave "
+                "the fp32 master and Adam moments behind)",
+                where,
+            )
+        )
+    sched = obj0.get("opt_param_scheduler") if isinstance(obj0.get("opt_param_scheduler"), dict) else None
+    rel0 = cache.rel(first)
+    if sched is not None:
+        tree["scheduler"] = to_node(sched, rel0)
+    tree["counters"] = GroupNode(
+        {k: ValueNode(obj0.get(k)) for k in ("iteration", "checkpoint_version", "num_floating_point_operations_so_far")}
+    )
+    tree["args"] = to_node(args, rel0)
+    warnings += _agreement(objs, ranks, root)
+    warnings += group_warnings(groups, {n: tuple(t.shape) for n, t in model.items()}, args, rel0)
+    warnings += cache.warnings()
+    return _checkpoint(
+        root, it, tag, obj0, args, (dp, tp, pp), model, tree, groups, steps, sched, files, warnings, distributed, mapped
+    )
+
+
+def _first_rank(path: Path) -> tuple[Path, Path, str, C.LoadCache, dict, Path, dict, dict[str, Any]]:
+    """(run folder, iteration folder, tag, the load cache, the rank folders, the first rank file, its object, its
+    `args`), refusing what is not a legacy iteration, a `latest` naming an absent one, and a rank file without
+    args."""
     found = _locate(path)
     if found is None:
         raise NotACheckpoint("no Megatron-LM iteration folder (mp_rank_*/model_optim_rng.pt)", path=path)
@@ -226,15 +305,21 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         raise MissingFile(f"{RANK_FILE} is missing", path=first.parent, hint="copy the rank folder back")
     obj0 = cache.load(first).obj
     args = args_of(obj0)
-    tp = as_int(args.get("tensor_model_parallel_size")) or 1
-    pp = as_int(args.get("pipeline_model_parallel_size")) or 1
-    dp = as_int(args.get("data_parallel_size"))
     if not args:
         raise CorruptCheckpoint(
             f"{first.name} holds no `args`",
             path=first,
             hint="Megatron-LM saves its launch arguments in every rank file",
         )
+    return root, it, tag, cache, ranks, first, obj0, args
+
+
+def _sizes(args: dict[str, Any], it: Path) -> tuple[int, int, int | None, int, int, str, int]:
+    """(tp, pp, dp, ep, the second number of a rank key counts up to (EP or PP), the sizes named in errors, vpp),
+    refusing the MoE layouts and multi-token prediction ckpt does not place."""
+    tp = as_int(args.get("tensor_model_parallel_size")) or 1
+    pp = as_int(args.get("pipeline_model_parallel_size")) or 1
+    dp = as_int(args.get("data_parallel_size"))
     ep = as_int(args.get("expert_model_parallel_size")) or 1
     experts = as_int(args.get("num_experts")) or 0
     refuse_grouped_gemm(args, it)
@@ -251,10 +336,6 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     # with EP > 1 (PP 1) the folders are mp_rank_00_EEE: the second number of a rank key is the EP rank
     slots = ep if ep > 1 else pp
     sizes = f"expert_model_parallel_size={ep}" if ep > 1 else f"pipeline_model_parallel_size={pp}"
-
-    def coords(key: tuple[int, ...]) -> dict[str, int]:
-        return {"tp": key[0], "ep": key[1]} if ep > 1 else {"tp": key[0], "pp": key[1]}
-
     if as_int(args.get("mtp_num_layers")):
         raise UnsupportedCheckpoint(
             f"a Megatron-LM checkpoint with multi-token prediction (mtp_num_layers="
@@ -263,26 +344,17 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
             path=it,
         )
     vpp = as_int(args.get("virtual_pipeline_model_parallel_size")) or 0
-    warnings: list[Warning_] = []
-    want = {(t, p) for t in range(tp) for p in range(slots)}
-    gone = sorted(want - set(ranks))
-    if gone:
-        names = ", ".join(_dir_name(t, p, slots) for t, p in gone)
-        raise MissingFile(
-            f"rank folder(s) {names} missing (args: tensor_model_parallel_size={tp}, {sizes})",
-            path=it,
-            hint="copy every rank folder back; each holds that rank's shards and optimizer state",
-        )
-    for key in sorted(set(ranks) - want):
-        warnings.append(
-            Warning_(
-                "extra-rank-file",
-                f"{ranks[key].name} is beyond the sizes args declare "
-                f"(TP={tp}, PP={pp}{f', EP={ep}' if ep > 1 else ''}): left over from another run? Move it out of "
-                "the folder",
-                str(ranks[key].relative_to(root)),
-            )
-        )
+    return tp, pp, dp, ep, slots, sizes, vpp
+
+
+def _coords(ep: int, key: tuple[int, ...]) -> dict[str, int]:
+    """A rank key's coordinates: (tp, ep) at EP > 1, else (tp, pp)."""
+    return {"tp": key[0], "ep": key[1]} if ep > 1 else {"tp": key[0], "pp": key[1]}
+
+
+def _rank_files(want, ranks, cache, root, obj0, tp, pp, vpp, coords) -> tuple[dict[tuple[int, int], dict], list]:
+    """Every wanted rank's file loaded (inert) and checked against the first one (model chunks, iteration, TP/PP),
+    and the files listed (with each `distrib_optim.pt`)."""
     objs: dict[tuple[int, int], dict] = {}
     files = []
     for key in sorted(want):
@@ -327,50 +399,14 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         files.append(C.file_info(f, root, "model", coords(key)))
         if (ranks[key] / DISTRIB).is_file():
             files.append(C.file_info(ranks[key] / DISTRIB, root, "optimizer", coords(key)))
+    return objs, files
 
-    if ep > 1:
-        model, names_by_rank, local, origin, tied_copies = _model_ep(objs, ep, args, cache, ranks, root)
-    else:
-        model, names_by_rank, local, origin, tied_copies = _model(objs, tp, pp, args, cache, ranks, root)
-    distributed = bool(args.get("use_distributed_optimizer")) or any((d / DISTRIB).is_file() for d in ranks.values())
-    optim, groups, steps = _optimizer(
-        objs, names_by_rank, local, model, origin, tp, distributed, cache, ranks, warnings, coords
-    )
-    tree: dict[str, Any] = {"model": GroupNode(model)}
-    if tied_copies:
-        tree["tied_copies"] = GroupNode(tied_copies)
-    if optim is not None:
-        tree["optimizer"] = optim
-    mapped = optim is not None and "state" in optim.children
-    if distributed:
-        details_distopt = "distributed (distrib_optim.pt), " + (
-            "buckets mapped to parameters by Megatron's buffer layout" if mapped else "buckets not mapped"
-        )
-    if distributed and not mapped:
-        tree["distributed_optimizer"] = _distrib_nodes(ranks, cache, root)
-        where = next((str((d / DISTRIB).relative_to(root)) for d in ranks.values() if (d / DISTRIB).is_file()), None)
-        warnings.append(
-            Warning_(
-                "not-mapped",
-                f"the distributed optimizer's state ({DISTRIB}: flat fp32 master and "
-                "Adam buffers per bucket) is shown as saved, not per parameter: set-lr/set-step "
-                "edit its param groups; export, convert and to-universal refuse (they would leave "
-                "the fp32 master and Adam moments behind)",
-                where,
-            )
-        )
-    sched = obj0.get("opt_param_scheduler") if isinstance(obj0.get("opt_param_scheduler"), dict) else None
-    rel0 = cache.rel(first)
-    if sched is not None:
-        tree["scheduler"] = to_node(sched, rel0)
-    tree["counters"] = GroupNode(
-        {k: ValueNode(obj0.get(k)) for k in ("iteration", "checkpoint_version", "num_floating_point_operations_so_far")}
-    )
-    tree["args"] = to_node(args, rel0)
-    warnings += _agreement(objs, ranks, root)
-    warnings += group_warnings(groups, {n: tuple(t.shape) for n, t in model.items()}, args, rel0)
-    warnings += cache.warnings()
 
+def _checkpoint(
+    root, it, tag, obj0, args, sizes, model, tree, groups, steps, sched, files, warnings, distributed, mapped
+) -> Checkpoint:
+    """The Checkpoint: LRs (and the scheduler's next one), counters, details, topology."""
+    dp, tp, pp = sizes
     lrs = tuple(float(g["lr"]) for g in groups if isinstance(g.get("lr"), (int, float)))
     max_lrs = tuple(float(g["max_lr"]) for g in groups if isinstance(g.get("max_lr"), (int, float)))
     nxt = tuple(next_lr(sched, g, args) for g in groups) if sched else ()
@@ -378,30 +414,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         global_step=as_int(obj0.get("iteration")), optimizer_step=max(set(steps), key=steps.count) if steps else None
     )
     warnings += C.counter_warnings(counters, optimizer_steps_seen=steps)
-    details = {
-        "iteration": obj0.get("iteration"),
-        "checkpoint_version": obj0.get("checkpoint_version"),
-        "consumed_train_samples": args.get("consumed_train_samples"),
-        "floating_point_operations": obj0.get("num_floating_point_operations_so_far"),
-        "optimizer": (details_distopt if distributed else "Adam (per-parameter state)")
-        + chained_note(groups, len(_inner_parts(obj0.get("optimizer")))),
-        "weights": "bf16/fp16 model, fp32 master in the optimizer" if mapped else "as saved in `model`",
-    }
-    if experts_note(model, args):
-        details["experts"] = experts_note(model, args)
-    if tied_copies:
-        details["tied_embeddings"] = (
-            "output_layer.weight on the last pipeline stage is Megatron's copy of "
-            "embedding.word_embeddings.weight (tied; kept equal by the embedding group's "
-            "all-reduce): shown under tied_copies, counted once"
-        )
-    if sched:
-        details["scheduler"] = (
-            f"OptimizerParamScheduler num_steps={sched.get('num_steps')} "
-            f"({_sched_unit(args)}), "
-            f"{sched.get('lr_decay_style')}, warmup {sched.get('lr_warmup_steps')}, "
-            f"decay {sched.get('lr_decay_steps')}; next LR {', '.join(f'{x:.6g}' for x in nxt)}"
-        )
+    details = _details(obj0, args, model, groups, sched, nxt, "tied_copies" in tree, distributed, mapped)
     params = [n for n in model]
     dtypes = sorted({n.dtype for n in model.values()})
     return Checkpoint(
@@ -418,6 +431,40 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         dtypes=tuple(dtypes),
         details={"tag": tag if root != it else None, **details},
     )
+
+
+def _details(obj0, args, model, groups, sched, nxt, tied, distributed, mapped) -> dict[str, Any]:
+    """What `ckpt inspect` prints under details: iteration, the optimizer's kind, weights, experts, tied
+    embeddings, the scheduler."""
+    if distributed:
+        details_distopt = "distributed (distrib_optim.pt), " + (
+            "buckets mapped to parameters by Megatron's buffer layout" if mapped else "buckets not mapped"
+        )
+    details = {
+        "iteration": obj0.get("iteration"),
+        "checkpoint_version": obj0.get("checkpoint_version"),
+        "consumed_train_samples": args.get("consumed_train_samples"),
+        "floating_point_operations": obj0.get("num_floating_point_operations_so_far"),
+        "optimizer": (details_distopt if distributed else "Adam (per-parameter state)")
+        + chained_note(groups, len(_inner_parts(obj0.get("optimizer")))),
+        "weights": "bf16/fp16 model, fp32 master in the optimizer" if mapped else "as saved in `model`",
+    }
+    if experts_note(model, args):
+        details["experts"] = experts_note(model, args)
+    if tied:
+        details["tied_embeddings"] = (
+            "output_layer.weight on the last pipeline stage is Megatron's copy of "
+            "embedding.word_embeddings.weight (tied; kept equal by the embedding group's "
+            "all-reduce): shown under tied_copies, counted once"
+        )
+    if sched:
+        details["scheduler"] = (
+            f"OptimizerParamScheduler num_steps={sched.get('num_steps')} "
+            f"({_sched_unit(args)}), "
+            f"{sched.get('lr_decay_style')}, warmup {sched.get('lr_warmup_steps')}, "
+            f"decay {sched.get('lr_decay_steps')}; next LR {', '.join(f'{x:.6g}' for x in nxt)}"
+        )
+    return details
 
 
 def topology(args: dict[str, Any], dp: int | None, tp: int, pp: int) -> Topology:
@@ -454,19 +501,12 @@ def _model(objs, tp, pp, args, cache, ranks, root):
         raise UnsupportedCheckpoint(
             "a Megatron-LM checkpoint with uneven pipeline stages: ckpt does not renumber their layers yet", path=root
         )
-    # Megatron's layer offset: model chunk c (virtual pipeline rank) of stage p starts at global layer
-    # c * pp * per_chunk + p * per_chunk (per_chunk = layers / (pp * vpp); without a virtual pipeline c = 0)
-    per_chunk = layers // (pp * max(vpp, 1)) if pp else layers
-    shapes = _global_shapes(args)
     # tied embeddings with PP > 1: the last stage keeps `output_layer.weight` as a copy of the first stage's word
     # embeddings (Megatron's embedding group all-reduces their gradients so that both stay equal); Megatron's own
     # converters read the first stage's. Counted once; the copy is shown apart (`tied_copies`).
     tied = pp > 1 and not args.get("untie_embeddings_and_output_weights")
-    tied_copy: list[tuple[int, str]] = []  # (stage, local name)
-    model: dict[str, TensorNode] = {}
     names_by_rank: dict[tuple[int, int], list[str]] = {}
     local: dict[tuple[int, int], dict[str, TensorRef]] = {}
-    origin: dict[str, tuple[int, str]] = {}  # global name -> (pipeline stage, the stage's own name for it)
     for (t, p), o in sorted(objs.items()):
         refs = {}
         for c, m in enumerate([o[f"model{c}"] for c in range(vpp)] if vpp else [o["model"]]):
@@ -474,6 +514,47 @@ def _model(objs, tp, pp, args, cache, ranks, root):
                 refs.update({_local(c, str(k), vpp): v for k, v in m.items() if isinstance(v, TensorRef)})
         names_by_rank[(t, p)] = list(refs)  # in model order, chunk after chunk (as Megatron builds its groups)
         local[(t, p)] = refs
+    model, origin, tied_copy = _merge_stages(names_by_rank, local, tp, pp, vpp, tied, args, cache, ranks, root)
+    found = {int(m[2]) for n in model if (m := _LAYER.match(n))}
+    if found != set(range(layers)):
+        gone = sorted(set(range(layers)) - found)
+        raise CorruptCheckpoint(
+            f"args say num_layers={layers} but the rank files hold layers "
+            f"{_ranges(sorted(found))}: layer(s) {_ranges(gone)} missing",
+            path=root,
+            hint="the args and the files disagree: files from different runs?",
+        )
+    _check_experts(model, args, root)
+    if tied and "embedding.word_embeddings.weight" not in model and tied_copy:
+        raise CorruptCheckpoint(
+            "the last pipeline stage holds output_layer.weight, tied to word embeddings no "
+            "stage holds: files from different runs?",
+            path=root,
+        )
+    copies = {}
+    for p, key in tied_copy:
+        shards = tuple(
+            tensor_node(local[(t, p)][key], cache.rel(ranks[(t, p)] / RANK_FILE), {"tp": t, "pp": p}) for t in range(tp)
+        )
+        word = model.get("embedding.word_embeddings.weight")
+        copies[f"output_layer.weight (stage {p})"] = (
+            shards[0] if tp == 1 else TensorNode(word.shape, shards[0].dtype, shards=shards, merge=word.merge)
+        )
+    return model, names_by_rank, local, origin, copies
+
+
+def _merge_stages(names_by_rank, local, tp, pp, vpp, tied, args, cache, ranks, root):
+    """(global name -> TensorNode over its TP shards, {global name: (stage, local name)}, [(stage, local name) of
+    each tied output-layer copy]): every stage's parameters renumbered into global layers and merged over TP by
+    their rule, checked against the shapes `args` imply; a parameter no rule covers is refused by name."""
+    layers = as_int(args.get("num_layers")) or 0
+    # Megatron's layer offset: model chunk c (virtual pipeline rank) of stage p starts at global layer
+    # c * pp * per_chunk + p * per_chunk (per_chunk = layers / (pp * vpp); without a virtual pipeline c = 0)
+    per_chunk = layers // (pp * max(vpp, 1)) if pp else layers
+    shapes = _global_shapes(args)
+    tied_copy: list[tuple[int, str]] = []  # (stage, local name)
+    model: dict[str, TensorNode] = {}
+    origin: dict[str, tuple[int, str]] = {}  # global name -> (pipeline stage, the stage's own name for it)
     bad: list[str] = []
     for p in range(pp):
         for key in names_by_rank[(0, p)]:
@@ -538,32 +619,7 @@ def _model(objs, tp, pp, args, cache, ranks, root):
             "their shards form the tensor",
             path=root,
         )
-    found = {int(m[2]) for n in model if (m := _LAYER.match(n))}
-    if found != set(range(layers)):
-        gone = sorted(set(range(layers)) - found)
-        raise CorruptCheckpoint(
-            f"args say num_layers={layers} but the rank files hold layers "
-            f"{_ranges(sorted(found))}: layer(s) {_ranges(gone)} missing",
-            path=root,
-            hint="the args and the files disagree: files from different runs?",
-        )
-    _check_experts(model, args, root)
-    if tied and "embedding.word_embeddings.weight" not in model and tied_copy:
-        raise CorruptCheckpoint(
-            "the last pipeline stage holds output_layer.weight, tied to word embeddings no "
-            "stage holds: files from different runs?",
-            path=root,
-        )
-    copies = {}
-    for p, key in tied_copy:
-        shards = tuple(
-            tensor_node(local[(t, p)][key], cache.rel(ranks[(t, p)] / RANK_FILE), {"tp": t, "pp": p}) for t in range(tp)
-        )
-        word = model.get("embedding.word_embeddings.weight")
-        copies[f"output_layer.weight (stage {p})"] = (
-            shards[0] if tp == 1 else TensorNode(word.shape, shards[0].dtype, shards=shards, merge=word.merge)
-        )
-    return model, names_by_rank, local, origin, copies
+    return model, origin, tied_copy
 
 
 _LOCAL_EXPERT = re.compile(r"^(decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
