@@ -73,50 +73,19 @@ def _optimizer(objs, names_by_rank, local, model, origin, tp, distributed, cache
         [g for g in (osd.get("param_groups") or []) if isinstance(g, dict)] for osd in inner_optimizers(parts0)
     ]
     groups = [g for gs in inner_groups for g in gs]
-    offset = [sum(len(gs) for gs in inner_groups[:k]) for k in range(len(inner_groups))]
     chained = len(inner_groups)
     steps: list[int] = []
-    per_rank: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+    per_rank: dict[tuple[int, int], dict[str, dict[str, Any]]] | None = {}
     if distributed:
         for g in groups:
             if as_int(g.get("step")) is not None:
                 steps.append(as_int(g.get("step")))
-        for key in sorted(objs):
-            f = ranks[key] / DISTRIB
-            saved = _inner_parts(cache.load(f).obj) if f.is_file() else [None] * chained
-            shapes = {n: tuple(r.shape) for n, r in local[key].items()}
-            entries: dict[str, dict[str, Any]] | None = {} if len(saved) == chained else None
-            for k, part in enumerate(saved if entries is not None else ()):
-                mine = _part_names(names_by_rank[key], shapes, inner_groups[k], chained, args)
-                if part is None and chained > 1 and key[1] > 0:
-                    continue  # this inner optimizer's state is saved by its data-parallel rank 0's folder
-                found = (
-                    _distopt_entries(part, mine, local[key], args, cache.rel(f), coords(key))
-                    if part is not None
-                    else None
-                )
-                if found is None:
-                    entries = None
-                    break
-                entries.update(found)
-            if entries is None:
-                shown = {str(i): GroupNode({k: to_node(v, "") for k, v in g.items()}) for i, g in enumerate(groups)}
-                return GroupNode({"param_groups": GroupNode(shown)}), groups, steps
-            rule = group_rule(groups, args)  # the buffers do not record it: Megatron's own grouping rule
-            per_rank[key] = {}
-            for n, e in entries.items():
-                gi = rule(n, local[key][n].shape) if rule else None
-                inner_steps = (
-                    {as_int(g.get("step")) for g in inner_groups[_owner(gi, offset)]} if gi is not None else set()
-                )
-                step = steps[0] if steps and len(set(steps)) == 1 else None
-                if len(inner_steps) == 1 and None not in inner_steps:
-                    step = next(iter(inner_steps))
-                per_rank[key][n] = {
-                    **e,
-                    **({"step": step} if step is not None else {}),
-                    **({"param_group": gi} if gi is not None else {}),
-                }
+        per_rank = _distopt_per_rank(
+            objs, names_by_rank, local, inner_groups, groups, steps, args, cache, ranks, coords
+        )
+        if per_rank is None:
+            shown = {str(i): GroupNode({k: to_node(v, "") for k, v in g.items()}) for i, g in enumerate(groups)}
+            return GroupNode({"param_groups": GroupNode(shown)}), groups, steps
     if not chained and not distributed:
         if not args.get("no_save_optim"):
             problems.append(
@@ -128,7 +97,76 @@ def _optimizer(objs, names_by_rank, local, model, origin, tp, distributed, cache
                 )
             )
         return None, [], []
-    for key, o in () if distributed else objs.items():
+    if not distributed:
+        per_rank = _adam_per_rank(objs, names_by_rank, local, inner_groups, steps, args, cache, ranks, coords)
+    kinds = {k for es in per_rank.values() for e in es.values() for k in ("exp_avg", "exp_avg_sq") if k in e}
+    for key, es in sorted(per_rank.items()):
+        lost = [n for n, e in es.items() if not kinds <= set(e)]
+        if lost:
+            problems.append(
+                Warning_(
+                    "declared-mismatch",
+                    f"{len(lost)} parameter(s) its param groups list have no "
+                    f"Adam state in this rank's file ({', '.join(lost[:4])}"
+                    f"{' …' if len(lost) > 4 else ''}) while the others have it: lost state (a "
+                    "resume restarts those moments at zero)",
+                    cache.rel(ranks[key] / RANK_FILE),
+                )
+            )
+    state_out = _merged_state(per_rank, model, origin, tp)
+    shown = {str(i): GroupNode({k: to_node(v, "") for k, v in g.items()}) for i, g in enumerate(groups)}
+    return GroupNode({"state": GroupNode(state_out), "param_groups": GroupNode(shown)}), groups, steps
+
+
+def _distopt_per_rank(objs, names_by_rank, local, inner_groups, groups, steps, args, cache, ranks, coords):
+    """{rank key: {local name: {fp32, exp_avg, exp_avg_sq, step, param_group}}} out of each rank's
+    `distrib_optim.pt` (each inner optimizer's buffers over its own parameters), or None when one rank's layout
+    cannot be told for sure (then the buffers are shown as saved)."""
+    offset = [sum(len(gs) for gs in inner_groups[:k]) for k in range(len(inner_groups))]
+    chained = len(inner_groups)
+    per_rank: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+    for key in sorted(objs):
+        f = ranks[key] / DISTRIB
+        saved = _inner_parts(cache.load(f).obj) if f.is_file() else [None] * chained
+        shapes = {n: tuple(r.shape) for n, r in local[key].items()}
+        entries: dict[str, dict[str, Any]] | None = {} if len(saved) == chained else None
+        for k, part in enumerate(saved if entries is not None else ()):
+            mine = _part_names(names_by_rank[key], shapes, inner_groups[k], chained, args)
+            if part is None and chained > 1 and key[1] > 0:
+                continue  # this inner optimizer's state is saved by its data-parallel rank 0's folder
+            found = (
+                _distopt_entries(part, mine, local[key], args, cache.rel(f), coords(key)) if part is not None else None
+            )
+            if found is None:
+                entries = None
+                break
+            entries.update(found)
+        if entries is None:
+            return None
+        rule = group_rule(groups, args)  # the buffers do not record it: Megatron's own grouping rule
+        per_rank[key] = {}
+        for n, e in entries.items():
+            gi = rule(n, local[key][n].shape) if rule else None
+            inner_steps = {as_int(g.get("step")) for g in inner_groups[_owner(gi, offset)]} if gi is not None else set()
+            step = steps[0] if steps and len(set(steps)) == 1 else None
+            if len(inner_steps) == 1 and None not in inner_steps:
+                step = next(iter(inner_steps))
+            per_rank[key][n] = {
+                **e,
+                **({"step": step} if step is not None else {}),
+                **({"param_group": gi} if gi is not None else {}),
+            }
+    return per_rank
+
+
+def _adam_per_rank(objs, names_by_rank, local, inner_groups, steps, args, cache, ranks, coords):
+    """{rank key: {local name: {fp32, exp_avg, exp_avg_sq, step, param_group}}} out of each rank file's plain
+    (Chained)Optimizer: param ids mapped to the rank's parameters by group and shape (ckpt will not guess), the
+    fp32 master from `fp32_from_fp16_params`; the Adam steps found are appended to `steps`."""
+    offset = [sum(len(gs) for gs in inner_groups[:k]) for k in range(len(inner_groups))]
+    chained = len(inner_groups)
+    per_rank: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+    for key, o in objs.items():
         parts = [p for p in _inner_parts(o.get("optimizer")) if isinstance(p, dict)]
         if len(parts) != chained:
             raise CorruptCheckpoint(
@@ -180,20 +218,12 @@ def _optimizer(objs, names_by_rank, local, model, origin, tp, distributed, cache
                         e["fp32"] = tensor_node(masters[gi][pos], rel, coords(key))
                     entries[name] = e
         per_rank[key] = entries
-    kinds = {k for es in per_rank.values() for e in es.values() for k in ("exp_avg", "exp_avg_sq") if k in e}
-    for key, es in sorted(per_rank.items()):
-        lost = [n for n, e in es.items() if not kinds <= set(e)]
-        if lost:
-            problems.append(
-                Warning_(
-                    "declared-mismatch",
-                    f"{len(lost)} parameter(s) its param groups list have no "
-                    f"Adam state in this rank's file ({', '.join(lost[:4])}"
-                    f"{' …' if len(lost) > 4 else ''}) while the others have it: lost state (a "
-                    "resume restarts those moments at zero)",
-                    cache.rel(ranks[key] / RANK_FILE),
-                )
-            )
+    return per_rank
+
+
+def _merged_state(per_rank, model, origin, tp) -> dict[str, GroupNode]:
+    """{global name: its optimizer state}: each kind merged over the TP ranks like its parameter, step and param
+    group from TP rank 0; a parameter some TP rank has no state for is left out."""
     state_out: dict[str, GroupNode] = {}
     for gname, node in model.items():
         p, lname = origin[gname]  # the same local name on every TP rank of its stage
@@ -212,8 +242,7 @@ def _optimizer(objs, names_by_rank, local, model, origin, tp, distributed, cache
             if k in per_tp[0]:
                 kids[k] = ValueNode(per_tp[0][k])
         state_out[gname] = GroupNode(kids)
-    shown = {str(i): GroupNode({k: to_node(v, "") for k, v in g.items()}) for i, g in enumerate(groups)}
-    return GroupNode({"state": GroupNode(state_out), "param_groups": GroupNode(shown)}), groups, steps
+    return state_out
 
 
 def distopt_layout(names: list[str], numel: dict[str, int], args: dict) -> tuple[dict[str, int], list[int]]:
