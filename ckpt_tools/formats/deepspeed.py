@@ -154,6 +154,18 @@ class ZeroOptimizer:
     warnings: list[Warning_] = field(default_factory=list)  # rank files that disagree with the others
 
 
+@dataclass
+class _Flat:
+    """What the DP rank files' flat partitions hold, gathered rank file by rank file (`_gather_rank`)."""
+
+    pieces: dict[str, dict[str, list[Piece]]] = field(default_factory=dict)  # param -> state kind -> its pieces
+    steps_seen: list[int] = field(default_factory=list)
+    lrs_by_rank: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    step_value: dict[int, Any] = field(default_factory=dict)  # group -> the first Adam step seen
+    master_dtype: str | None = None
+    state_keys: dict[tuple[int, int], frozenset[str]] = field(default_factory=dict)  # (dp rank, group) -> saved
+
+
 def read_zero_optimizer(
     cache: C.LoadCache,
     optim_files: dict[int, Path],
@@ -179,27 +191,12 @@ def read_zero_optimizer(
             "no optimizer_state_dict", path=optim_files[min(loaded)], hint="this is not a DeepSpeed ZeRO optimizer file"
         )
     stage = _zero_stage(osd0)
-    pieces: dict[str, dict[str, list[Piece]]] = {}
-    steps_seen: list[int] = []
-    lrs_by_rank: dict[int, tuple[float, ...]] = {}
-    step_value: dict[int, Any] = {}
-    master_dtype = None
-    state_keys: dict[tuple[int, int], frozenset[str]] = {}  # (dp rank, group) -> the flat state tensors saved
+    flat = _Flat()
     configs: dict[str, Any] = dict([ds_config]) if ds_config and isinstance(ds_config[1], dict) else {}
     warnings: list[Warning_] = []
     for r, L in loaded.items():
         rel = cache.rel(optim_files[r])
-        osd = L.obj.get("optimizer_state_dict") if isinstance(L.obj, dict) else None
-        if not isinstance(osd, dict):
-            raise CorruptCheckpoint("no optimizer_state_dict", path=optim_files[r], hint="re-copy this rank's file")
-        if stage == 3:
-            base = osd.get("optimizer_state_dict") or {}
-            flats = osd.get("fp32_flat_groups") or []
-        else:
-            base = osd.get("base_optimizer_state") or {}
-            flats = osd.get("single_partition_of_fp32_groups") or []
-        state = base.get("state") or {}
-        groups = base.get("param_groups") or []
+        groups = _gather_rank(flat, r, L.obj, rel, optim_files[r], stage, shape_groups, dp, mp_coords, group_layout)
         if isinstance(L.obj.get("ds_config"), dict):
             configs.setdefault(rel, L.obj["ds_config"])
         if shape_groups and isinstance(groups, list) and len(groups) != len(shape_groups):
@@ -212,49 +209,99 @@ def read_zero_optimizer(
                     rel,
                 )
             )
-        lrs_by_rank[r] = tuple(
-            float(g.get("lr")) for g in groups if isinstance(g, dict) and isinstance(g.get("lr"), (int, float))
-        )
-        rank = dict(mp_coords, dp=r)
-        for gi, shapes in enumerate(shape_groups):
-            gstate = state.get(gi, state.get(str(gi), {})) if isinstance(state, dict) else {}
-            flat = {
-                "fp32": flats[gi] if gi < len(flats) else None,
-                "exp_avg": gstate.get("exp_avg") if isinstance(gstate, dict) else None,
-                "exp_avg_sq": gstate.get("exp_avg_sq") if isinstance(gstate, dict) else None,
-            }
-            flat.update(_other_flat_states(gstate, flat["fp32"]))
-            if isinstance(flat["fp32"], TensorRef) and flat["fp32"].numel:
-                state_keys[(r, gi)] = frozenset(k for k, v in flat.items() if k != "fp32" and isinstance(v, TensorRef))
-            if isinstance(flat["fp32"], TensorRef):
-                master_dtype = flat["fp32"].dtype
-            stepv = gstate.get("step") if isinstance(gstate, dict) else None
-            if isinstance(stepv, TensorRef):
-                stepv = stepv.item() if stepv.numel == 1 else None
-            if as_int(stepv) is not None:
-                steps_seen.append(as_int(stepv))
-                step_value.setdefault(gi, as_int(stepv))
-            refs = [(key, ref, ref.numel) for key, ref in flat.items() if isinstance(ref, TensorRef)]
-            grank, rename = group_layout(gi, r) if group_layout else (r, None)
-            for name, (src, cnt, dst) in _fragments(stage, osd, gi, shapes, grank, dp).items():
-                if rename:
-                    name = rename(name)
-                slot = pieces.get(name)
-                if slot is None:
-                    slot = pieces[name] = {}
-                end = src + cnt
-                for key, ref, size in refs:
-                    if end > size:
-                        raise CorruptCheckpoint(
-                            f"param {name} lies outside the flat {key} partition of group {gi}",
-                            path=optim_files[r],
-                            hint="the rank files are from different runs",
-                        )
-                    plist = slot.get(key)
-                    if plist is None:
-                        slot[key] = [make_piece(rel, ref, src, cnt, dst, rank)]
-                    else:
-                        plist.append(make_piece(rel, ref, src, cnt, dst, rank))
+    warnings += _agreement_warnings(flat.state_keys, configs, cache, optim_files)
+    state_out = _state_per_param(flat, out_groups if out_groups is not None else shape_groups, optim_files)
+    extras = {
+        k: v
+        for k, v in osd0.items()
+        if k in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad", "partition_count", "ds_version")
+    }
+    if stage is not None:
+        extras["zero_stage"] = stage
+    groups0 = (
+        _dig(osd0, "optimizer_state_dict", "param_groups")
+        if stage == 3
+        else _dig(osd0, "base_optimizer_state", "param_groups")
+    ) or []
+    return ZeroOptimizer(
+        stage,
+        state_out,
+        [g for g in groups0 if isinstance(g, dict)],
+        flat.steps_seen,
+        flat.lrs_by_rank,
+        extras,
+        flat.master_dtype,
+        warnings,
+    )
+
+
+def _gather_rank(flat: _Flat, r, obj, rel, path, stage, shape_groups, dp, mp_coords, group_layout) -> Any:
+    """Into `flat`: DP rank `r`'s file (`obj`, loaded) — each parameter's pieces of each flat state partition,
+    the Adam steps, the param group LRs, the master dtype, which state tensors each group saved. Returns the
+    file's param groups (as saved)."""
+    osd = obj.get("optimizer_state_dict") if isinstance(obj, dict) else None
+    if not isinstance(osd, dict):
+        raise CorruptCheckpoint("no optimizer_state_dict", path=path, hint="re-copy this rank's file")
+    if stage == 3:
+        base = osd.get("optimizer_state_dict") or {}
+        flats = osd.get("fp32_flat_groups") or []
+    else:
+        base = osd.get("base_optimizer_state") or {}
+        flats = osd.get("single_partition_of_fp32_groups") or []
+    state = base.get("state") or {}
+    groups = base.get("param_groups") or []
+    flat.lrs_by_rank[r] = tuple(
+        float(g.get("lr")) for g in groups if isinstance(g, dict) and isinstance(g.get("lr"), (int, float))
+    )
+    pieces = flat.pieces
+    rank = dict(mp_coords, dp=r)
+    for gi, shapes in enumerate(shape_groups):
+        gstate = state.get(gi, state.get(str(gi), {})) if isinstance(state, dict) else {}
+        parts = {
+            "fp32": flats[gi] if gi < len(flats) else None,
+            "exp_avg": gstate.get("exp_avg") if isinstance(gstate, dict) else None,
+            "exp_avg_sq": gstate.get("exp_avg_sq") if isinstance(gstate, dict) else None,
+        }
+        parts.update(_other_flat_states(gstate, parts["fp32"]))
+        if isinstance(parts["fp32"], TensorRef) and parts["fp32"].numel:
+            flat.state_keys[(r, gi)] = frozenset(
+                k for k, v in parts.items() if k != "fp32" and isinstance(v, TensorRef)
+            )
+        if isinstance(parts["fp32"], TensorRef):
+            flat.master_dtype = parts["fp32"].dtype
+        stepv = gstate.get("step") if isinstance(gstate, dict) else None
+        if isinstance(stepv, TensorRef):
+            stepv = stepv.item() if stepv.numel == 1 else None
+        if as_int(stepv) is not None:
+            flat.steps_seen.append(as_int(stepv))
+            flat.step_value.setdefault(gi, as_int(stepv))
+        refs = [(key, ref, ref.numel) for key, ref in parts.items() if isinstance(ref, TensorRef)]
+        grank, rename = group_layout(gi, r) if group_layout else (r, None)
+        for name, (src, cnt, dst) in _fragments(stage, osd, gi, shapes, grank, dp).items():
+            if rename:
+                name = rename(name)
+            slot = pieces.get(name)
+            if slot is None:
+                slot = pieces[name] = {}
+            end = src + cnt
+            for key, ref, size in refs:
+                if end > size:
+                    raise CorruptCheckpoint(
+                        f"param {name} lies outside the flat {key} partition of group {gi}",
+                        path=path,
+                        hint="the rank files are from different runs",
+                    )
+                plist = slot.get(key)
+                if plist is None:
+                    slot[key] = [make_piece(rel, ref, src, cnt, dst, rank)]
+                else:
+                    plist.append(make_piece(rel, ref, src, cnt, dst, rank))
+    return groups
+
+
+def _agreement_warnings(state_keys, configs, cache, optim_files) -> list[Warning_]:
+    """A rank file missing state tensors the others saved, and ds_configs that differ between the files."""
+    warnings = []
     saved = frozenset().union(*state_keys.values()) if state_keys else frozenset()
     for (r, gi), keys in sorted(state_keys.items()):
         if keys != saved:
@@ -281,9 +328,16 @@ def read_zero_optimizer(
                 odd[0],
             )
         )
+    return warnings
+
+
+def _state_per_param(flat: _Flat, groups: list[dict[str, tuple[int, ...]]], optim_files) -> dict[str, dict[str, Any]]:
+    """{param: {state kind: TensorNode over its pieces, step, param_group}} for every parameter of `groups`, each
+    kind's pieces checked to cover the parameter exactly."""
+    pieces, step_value = flat.pieces, flat.step_value
     state_out: dict[str, dict[str, Any]] = {}
     no_pieces: dict[str, list[Piece]] = {}
-    for gi, shapes in enumerate(out_groups if out_groups is not None else shape_groups):
+    for gi, shapes in enumerate(groups):
         has_step, step = gi in step_value, step_value.get(gi)
         for name, shape in shapes.items():
             entry: dict[str, Any] = {}
@@ -301,28 +355,7 @@ def read_zero_optimizer(
                 entry["step"] = step
             entry["param_group"] = gi
             state_out[name] = entry
-    extras = {
-        k: v
-        for k, v in osd0.items()
-        if k in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad", "partition_count", "ds_version")
-    }
-    if stage is not None:
-        extras["zero_stage"] = stage
-    groups0 = (
-        _dig(osd0, "optimizer_state_dict", "param_groups")
-        if stage == 3
-        else _dig(osd0, "base_optimizer_state", "param_groups")
-    ) or []
-    return ZeroOptimizer(
-        stage,
-        state_out,
-        [g for g in groups0 if isinstance(g, dict)],
-        steps_seen,
-        lrs_by_rank,
-        extras,
-        master_dtype,
-        warnings,
-    )
+    return state_out
 
 
 def _short(name: str, key: str, plist: list[Piece], shape: tuple[int, ...], optim_files: dict[int, Path]):
