@@ -541,20 +541,12 @@ def build(
     fmt: str = FORMAT,
     ext: Extension | None = None,
 ) -> Checkpoint:
+    """The Checkpoint of a DeepSpeed tag folder (`ext`: what a format built on this one adds, e.g. MoE): the first
+    rank's model states (names, shapes, counters, scheduler, config), the optimizer un-flattened from its DP rank
+    files, the weights, and the rank files listed (the others' zip directories checked, not loaded)."""
     warnings: list[Warning_] = []
-    files = []
     first_rank = ranks[min(ranks)]
-    ms_path = first_rank.model_states or (first_rank.z3_model and first_rank.z3_model[min(first_rank.z3_model)])
-    if not ms_path:
-        raise MissingFile(
-            f"mp_rank_{first_rank.mp_rank:02d}_model_states.pt is missing (the model states file: "
-            "parameter names and shapes, counters, scheduler)",
-            path=tag_dir,
-            hint="copy it back from where the checkpoint was saved",
-        )
-    ms = cache.load(ms_path).obj
-    if not isinstance(ms, dict):
-        raise CorruptCheckpoint("model states file does not hold a dict", path=ms_path)
+    ms_path, ms = _first_model_states(cache, tag_dir, first_rank)
     dp_size = as_int(ms.get("dp_world_size")) or max(len(first_rank.optim), 1)
     mp_size = as_int(ms.get("mp_world_size")) or len(ranks)
     _check_rank_files(tag_dir, ranks, dp_size, mp_size, warnings)
@@ -582,11 +574,83 @@ def build(
     stage = opt.stage if opt else None
     if stage is None:
         stage = as_int(_dig(ms, "ds_config", "zero_optimization", "stage"))
+    rel_ms = cache.rel(ms_path)
+    model, frozen, weight_source = _weights(ms, shape_groups, stage, opt, ext, cache, first_rank, dp_size, rel_ms)
+    names = [n for g in shape_groups for n in g]
+    param_count = sum(math.prod(s) for g in shape_groups for s in g.values()) + sum(
+        math.prod(tuple(s)) for s in frozen.values()
+    )
+    param_tensors = len(names) + len(frozen)
+    tree, sched_node = _tree(ms, model, opt, rel_ms)
+    sched = C.scheduler_fields(sched_node)
+    base_lrs, last_lr = C.lr_from_scheduler(sched)
+    last_epoch, step_count = C.scheduler_counters(sched)
+    opt_steps = opt.steps_seen if opt else []
+    counters = Counters(
+        global_step=as_int(ms.get("global_steps")),
+        optimizer_step=max(set(opt_steps), key=opt_steps.count) if opt_steps else None,
+        scheduler_last_epoch=last_epoch,
+        scheduler_step_count=step_count,
+        skipped_steps=as_int(ms.get("skipped_steps")),
+    )
+    lrs = opt.lrs_by_rank[min(opt.lrs_by_rank)] if opt and opt.lrs_by_rank else ()
+    last_lr = last_lr or C.ds_last_lr(sched, ms.get("ds_config"), lrs)
+    warnings += _state_warnings(ms, opt, counters, opt_steps, sched_node, stage, rel_ms)
+    files = _rank_file_infos(ranks, root, ms_path, warnings)
+    if ext:
+        files += ext.files
+    warnings += C.stray_file_warnings(tag_dir, root)
+    if tag_dir != root:
+        warnings += C.stray_file_warnings(root, root)
+    warnings += cache.warnings()
+    dtypes = sorted({n.dtype for n in model.values()} | ({opt.dtype} if opt and opt.dtype else set()))
+    details = {
+        "tag": tag,
+        "ds_version": ms.get("ds_version"),
+        "weights": weight_source,
+        "optimizer_dtype": opt.dtype if opt else None,
+    }
+    if "scheduler" in tree and "last_batch_iteration" in sched and "base_lrs" not in sched:
+        details["scheduler_kind"] = "deepspeed (LR comes from the launch config)"
+    if ext:
+        details.update(ext.details)
+    return Checkpoint(
+        format=fmt,
+        path=str(root),
+        topology=Topology(dp=dp_size, tp=mp_size, pp=1, zero_stage=stage, ep=ext.ep if ext else None),
+        tree=GroupNode(tree),
+        counters=counters,
+        lr=LearningRates(param_groups=lrs, base_lrs=base_lrs, last_lr=last_lr),
+        parameter_count=param_count,
+        parameter_tensors=param_tensors,
+        files=tuple(files),
+        warnings=tuple(warnings),
+        dtypes=tuple(dtypes),
+        details=details,
+    )
 
-    # model weights: module tensors (stage 1/2), else the fp32 master (stage 3 saves placeholders only)
+
+def _first_model_states(cache: C.LoadCache, tag_dir: Path, first_rank: RankFiles) -> tuple[Path, dict]:
+    """(path, loaded dict) of the first rank's model states file (ZeRO-3 at mp > 1: its first zero_pp file)."""
+    ms_path = first_rank.model_states or (first_rank.z3_model and first_rank.z3_model[min(first_rank.z3_model)])
+    if not ms_path:
+        raise MissingFile(
+            f"mp_rank_{first_rank.mp_rank:02d}_model_states.pt is missing (the model states file: "
+            "parameter names and shapes, counters, scheduler)",
+            path=tag_dir,
+            hint="copy it back from where the checkpoint was saved",
+        )
+    ms = cache.load(ms_path).obj
+    if not isinstance(ms, dict):
+        raise CorruptCheckpoint("model states file does not hold a dict", path=ms_path)
+    return ms_path, ms
+
+
+def _weights(ms, shape_groups, stage, opt, ext, cache, first_rank, dp_size, rel_ms) -> tuple[dict, dict, str]:
+    """(the model's tensors by name, the frozen parameters' shapes, where the weights come from): module tensors
+    (stage 1/2), else the fp32 master (stage 3 saves placeholders only); buffers from `module`."""
     model: dict[str, Any] = {}
     module = ms.get("module") if isinstance(ms.get("module"), dict) else {}
-    rel_ms = cache.rel(ms_path)
     names = [n for g in shape_groups for n in g]
     frozen = ms.get("frozen_param_shapes") if isinstance(ms.get("frozen_param_shapes"), dict) else {}
     buffers = [str(b) for b in ms.get("buffer_names") or []]
@@ -619,11 +683,12 @@ def build(
     for name in buffers:
         if isinstance(module.get(name), TensorRef):
             model[name] = tensor_node(module[name], rel_ms)
-    param_count = sum(math.prod(s) for g in shape_groups for s in g.values()) + sum(
-        math.prod(tuple(s)) for s in frozen.values()
-    )
-    param_tensors = len(names) + len(frozen)
+    return model, frozen, weight_source
 
+
+def _tree(ms: dict, model: dict, opt: ZeroOptimizer | None, rel_ms: str) -> tuple[dict[str, Any], Any]:
+    """(the tree: model, optimizer, scheduler, counters, client state, universal info, config; the scheduler node
+    or None)."""
     tree: dict[str, Any] = {"model": GroupNode(model)}
     if opt:
         tree["optimizer"] = _optimizer_node(opt)
@@ -639,20 +704,13 @@ def build(
         tree["universal_checkpoint_info"] = to_node(ms["universal_checkpoint_info"], rel_ms)
     if isinstance(ms.get("ds_config"), dict):
         tree["config"] = to_node(ms["ds_config"], rel_ms)
+    return tree, sched_node
 
-    sched = C.scheduler_fields(sched_node)
-    base_lrs, last_lr = C.lr_from_scheduler(sched)
-    last_epoch, step_count = C.scheduler_counters(sched)
-    opt_steps = opt.steps_seen if opt else []
-    counters = Counters(
-        global_step=as_int(ms.get("global_steps")),
-        optimizer_step=max(set(opt_steps), key=opt_steps.count) if opt_steps else None,
-        scheduler_last_epoch=last_epoch,
-        scheduler_step_count=step_count,
-        skipped_steps=as_int(ms.get("skipped_steps")),
-    )
-    lrs = opt.lrs_by_rank[min(opt.lrs_by_rank)] if opt and opt.lrs_by_rank else ()
-    last_lr = last_lr or C.ds_last_lr(sched, ms.get("ds_config"), lrs)
+
+def _state_warnings(ms, opt, counters, opt_steps, sched_node, stage, rel_ms) -> list[Warning_]:
+    """LRs that differ across DP ranks, counters that disagree, a scheduler not saved, frozen parameters left
+    out of the save."""
+    warnings = []
     if opt and len(set(opt.lrs_by_rank.values())) > 1:
         warnings.append(Warning_("lr-mismatch", f"param group LRs differ across DP ranks: {opt.lrs_by_rank}"))
     warnings += C.counter_warnings(counters, optimizer_steps_seen=opt_steps)
@@ -670,7 +728,13 @@ def build(
                 rel_ms,
             )
         )
+    return warnings
 
+
+def _rank_file_infos(ranks: dict[int, RankFiles], root: Path, ms_path: Path, warnings: list[Warning_]) -> list:
+    """Every rank's model and optimizer files listed; a model file other than the one read is checked for zip
+    damage (its directory only, not loaded), warned about into `warnings`."""
+    files = []
     for rf in ranks.values():
         for p in [rf.model_states, *rf.z3_model.values()]:
             if p:
@@ -687,37 +751,7 @@ def build(
                 )
         for d, p in sorted(rf.optim.items()):
             files.append(C.file_info(p, root, "optimizer", {"tp": rf.mp_rank, "dp": d}))
-    if ext:
-        files += ext.files
-    warnings += C.stray_file_warnings(tag_dir, root)
-    if tag_dir != root:
-        warnings += C.stray_file_warnings(root, root)
-    warnings += cache.warnings()
-    dtypes = sorted({n.dtype for n in model.values()} | ({opt.dtype} if opt and opt.dtype else set()))
-    details = {
-        "tag": tag,
-        "ds_version": ms.get("ds_version"),
-        "weights": weight_source,
-        "optimizer_dtype": opt.dtype if opt else None,
-    }
-    if "scheduler" in tree and "last_batch_iteration" in sched and "base_lrs" not in sched:
-        details["scheduler_kind"] = "deepspeed (LR comes from the launch config)"
-    if ext:
-        details.update(ext.details)
-    return Checkpoint(
-        format=fmt,
-        path=str(root),
-        topology=Topology(dp=dp_size, tp=mp_size, pp=1, zero_stage=stage, ep=ext.ep if ext else None),
-        tree=GroupNode(tree),
-        counters=counters,
-        lr=LearningRates(param_groups=lrs, base_lrs=base_lrs, last_lr=last_lr),
-        parameter_count=param_count,
-        parameter_tensors=param_tensors,
-        files=tuple(files),
-        warnings=tuple(warnings),
-        dtypes=tuple(dtypes),
-        details=details,
-    )
+    return files
 
 
 def _z3_frozen_nodes(
