@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -378,6 +378,69 @@ def _open(
 ) -> Checkpoint:
     """The rest of `open`: `sdm` holds the inert records, or `native_dcp.Metadata`'s entries when `native`."""
     details = {"dcp_version": version, "items": len(sdm)}
+    used, sizes = _used_files(path, where)
+    unread, optional = 0, []  # tiny tensors whose values a remote open leaves unread (`_first_reads`)
+    if remote._MOUNTS:  # a remote checkpoint: what opening reads of the items, planned as one parallel batch
+        wants, optional = _first_reads(path, sdm, where)
+        remote.plan(wants, exact=True, optional=optional)
+        unread = sum(1 for p, off, n in optional if not remote.held(p, off, n))
+
+    files = {rel: _File(path / rel, _rank(rel), sizes[rel], cache.outer(path / rel)) for rel in used}
+    top, loader, loader_at = _items_tree(cache, path, meta_path, sdm, planner, where, files, native)
+    del sdm, planner
+
+    if loader:
+        world = top.get("dataloader", {}).get("world_size") if isinstance(top.get("dataloader"), dict) else None
+        inner: dict[str, Any] = {}
+        details["dataloader"] = loader_summary(loader, _raw(world), inner)
+        for k, loaded in inner.items():  # torchtitan's loader unpickles these bytes on resume: an unknown-global
+            cache._note_unknown(path / loader_at[k], loaded)  # warning on the .distcp file that holds them
+    present = sorted(p.name for p in path.iterdir() if _DISTCP_RE.match(p.name))
+    warnings = [
+        Warning_(
+            "unreferenced-file",
+            f"{name} is not named by .metadata: left over from another save? Move it out of the folder",
+            name,
+        )
+        for name in present
+        if name not in used
+    ]
+    if unread:
+        warnings.append(
+            Warning_(
+                "values-not-read",
+                f"{unread} of {len(optional)} tiny tensors (such as Adam's `step`) show no value: over remote storage "
+                "they lie between the tensor bytes, and a remote open reads them only within a fixed budget of "
+                f"{remote.SMALL_GETS} requests and {remote.OPTIONAL_BYTES >> 20} MiB. Inspect a local copy to see "
+                "every value",
+                ".metadata",
+            )
+        )
+    warnings += C.stray_file_warnings(path, path) + cache.warnings()
+    files = [C.file_info(meta_path, path, "metadata")] + [
+        C.file_info(path / rel, path, "checkpoint", _rank(rel)) for rel in used
+    ]
+    ranks = {r["dp"] for r in map(_rank, used) if r}
+    ck = training_checkpoint(
+        FORMAT, path, top, file=".metadata", dp=len(ranks) or 1, files=files, warnings=warnings, details=details
+    )
+    if (path / "common.pt").is_file() and (path / "metadata.json").is_file():
+        # Megatron-LM's torch_dist: global tensors under Megatron's own keys, the topology in common.pt's `args`
+        # (the writer count is not the DP size), the LRs and counters there too: none of it is read here
+        w = Warning_(
+            "megatron-torch-dist",
+            "a Megatron-LM torch_dist checkpoint (common.pt + metadata.json): read "
+            "as a generic DCP, so parameters, topology, counters and LRs shown are not Megatron's (they "
+            "are in common.pt's args and the sharded optimizer items, which ckpt does not map yet)",
+            "common.pt",
+        )
+        ck = replace(ck, topology=Topology(), warnings=(w, *ck.warnings))
+    return ck
+
+
+def _used_files(path: Path, where: dict) -> tuple[list[str], dict[str, int]]:
+    """(the .distcp files `.metadata` places items in, their sizes); one missing is refused with how many items
+    it holds."""
     used = sorted({rel for rel, _, _ in where.values()})
     sizes: dict[str, int] = {}
     for rel in used:
@@ -392,13 +455,13 @@ def _open(
                 path=path / rel,
                 hint="re-copy the checkpoint folder; every rank's .distcp file is needed",
             )
-    unread, optional = 0, []  # tiny tensors whose values a remote open leaves unread (`_first_reads`)
-    if remote._MOUNTS:  # a remote checkpoint: what opening reads of the items, planned as one parallel batch
-        wants, optional = _first_reads(path, sdm, where)
-        remote.plan(wants, exact=True, optional=optional)
-        unread = sum(1 for p, off, n in optional if not remote.held(p, off, n))
+    return used, sizes
 
-    files = {rel: _File(path / rel, _rank(rel), sizes[rel], cache.outer(path / rel)) for rel in used}
+
+def _items_tree(cache, path, meta_path, sdm, planner, where, files, native) -> tuple[dict, dict, dict]:
+    """(the items as nested dicts by their logical key paths, torchtitan's per-DP-rank pickled data-loader states,
+    the .distcp file holding each). One pass over the records, each popped from `sdm` as it is placed (a
+    checkpoint of 100k+ items keeps no second copy)."""
     top: dict[Any, Any] = {}
     loader: dict[str, bytes] = {}  # torchtitan's per-DP-rank pickled data-loader states
     loader_at: dict[str, str] = {}  # ... and the .distcp file holding each
@@ -447,59 +510,8 @@ def _open(
         if keys in parents:  # a value where a group was: the groups under it are no longer in the tree
             parents = {p: d for p, d in parents.items() if p[: len(keys)] != keys}
         slot[keys[-1]] = node
-    del meta, sdm, planner, parents
-
-    if loader:
-        world = top.get("dataloader", {}).get("world_size") if isinstance(top.get("dataloader"), dict) else None
-        inner: dict[str, Any] = {}
-        details["dataloader"] = loader_summary(loader, _raw(world), inner)
-        for k, loaded in inner.items():  # torchtitan's loader unpickles these bytes on resume: an unknown-global
-            cache._note_unknown(path / loader_at[k], loaded)  # warning on the .distcp file that holds them
-    present = sorted(p.name for p in path.iterdir() if _DISTCP_RE.match(p.name))
-    warnings = [
-        Warning_(
-            "unreferenced-file",
-            f"{name} is not named by .metadata: left over from another save? Move it out of the folder",
-            name,
-        )
-        for name in present
-        if name not in used
-    ]
-    if unread:
-        warnings.append(
-            Warning_(
-                "values-not-read",
-                f"{unread} of {len(optional)} tiny tensors (such as Adam's `step`) show no value: over remote storage "
-                "they lie between the tensor bytes, and a remote open reads them only within a fixed budget of "
-                f"{remote.SMALL_GETS} requests and {remote.OPTIONAL_BYTES >> 20} MiB. Inspect a local copy to see "
-                "every value",
-                ".metadata",
-            )
-        )
-    warnings += C.stray_file_warnings(path, path) + cache.warnings()
-    files = [C.file_info(meta_path, path, "metadata")] + [
-        C.file_info(path / rel, path, "checkpoint", _rank(rel)) for rel in used
-    ]
-    ranks = {r["dp"] for r in map(_rank, used) if r}
-    ck = training_checkpoint(
-        FORMAT, path, top, file=".metadata", dp=len(ranks) or 1, files=files, warnings=warnings, details=details
-    )
-    if (path / "common.pt").is_file() and (path / "metadata.json").is_file():
-        # Megatron-LM's torch_dist: global tensors under Megatron's own keys, the topology in common.pt's `args`
-        # (the writer count is not the DP size), the LRs and counters there too: none of it is read here
-        from dataclasses import replace
-
-        from ..read.tree import Topology
-
-        w = Warning_(
-            "megatron-torch-dist",
-            "a Megatron-LM torch_dist checkpoint (common.pt + metadata.json): read "
-            "as a generic DCP, so parameters, topology, counters and LRs shown are not Megatron's (they "
-            "are in common.pt's args and the sharded optimizer items, which ckpt does not map yet)",
-            "common.pt",
-        )
-        ck = replace(ck, topology=Topology(), warnings=(w, *ck.warnings))
-    return ck
+    del meta, parents
+    return top, loader, loader_at
 
 
 #: a tiny tensor's item up to this size is fetched whole from a remote store (its record and its bytes)
