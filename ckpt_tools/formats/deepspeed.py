@@ -555,18 +555,7 @@ def build(
         tag_dir, root, cache, ms.get("module") if isinstance(ms.get("module"), dict) else {}, mp_size
     )
 
-    opt = ext.optimizer if ext else None
-    if opt is None and first_rank.optim:
-        in_world = {d: p for d, p in first_rank.optim.items() if d < dp_size}
-        opt = read_zero_optimizer(
-            cache,
-            in_world,
-            shape_groups,
-            {"tp": first_rank.mp_rank},
-            (cache.rel(ms_path), ms.get("ds_config")),
-            group_layout=ext.group_layout if ext else None,
-            out_groups=ext.groups if ext else None,
-        )
+    opt = _zero_optimizer(ext, first_rank, dp_size, cache, shape_groups, ms_path, ms)
     if opt is not None:
         warnings += opt.warnings
     if ext and ext.groups is not None:
@@ -583,18 +572,8 @@ def build(
     param_tensors = len(names) + len(frozen)
     tree, sched_node = _tree(ms, model, opt, rel_ms)
     sched = C.scheduler_fields(sched_node)
-    base_lrs, last_lr = C.lr_from_scheduler(sched)
-    last_epoch, step_count = C.scheduler_counters(sched)
+    counters, lrs = _counters_and_lrs(ms, sched, opt)
     opt_steps = opt.steps_seen if opt else []
-    counters = Counters(
-        global_step=as_int(ms.get("global_steps")),
-        optimizer_step=max(set(opt_steps), key=opt_steps.count) if opt_steps else None,
-        scheduler_last_epoch=last_epoch,
-        scheduler_step_count=step_count,
-        skipped_steps=as_int(ms.get("skipped_steps")),
-    )
-    lrs = opt.lrs_by_rank[min(opt.lrs_by_rank)] if opt and opt.lrs_by_rank else ()
-    last_lr = last_lr or C.ds_last_lr(sched, ms.get("ds_config"), lrs)
     warnings += _state_warnings(ms, opt, counters, opt_steps, sched_node, stage, rel_ms)
     files = _rank_file_infos(ranks, root, ms_path, warnings)
     if ext:
@@ -612,15 +591,14 @@ def build(
     }
     if "scheduler" in tree and "last_batch_iteration" in sched and "base_lrs" not in sched:
         details["scheduler_kind"] = "deepspeed (LR comes from the launch config)"
-    if ext:
-        details.update(ext.details)
+    details.update(ext.details if ext else {})
     return Checkpoint(
         format=fmt,
         path=str(root),
         topology=Topology(dp=dp_size, tp=mp_size, pp=1, zero_stage=stage, ep=ext.ep if ext else None),
         tree=GroupNode(tree),
         counters=counters,
-        lr=LearningRates(param_groups=lrs, base_lrs=base_lrs, last_lr=last_lr),
+        lr=lrs,
         parameter_count=param_count,
         parameter_tensors=param_tensors,
         files=tuple(files),
@@ -628,6 +606,42 @@ def build(
         dtypes=tuple(dtypes),
         details=details,
     )
+
+
+def _counters_and_lrs(ms: dict, sched: dict, opt: ZeroOptimizer | None) -> tuple[Counters, LearningRates]:
+    """The counters (model states, the scheduler, the most common Adam step) and the LRs (the first DP rank's
+    param groups; the scheduler's, else the one ds_config's scheduler gives at the saved step)."""
+    base_lrs, last_lr = C.lr_from_scheduler(sched)
+    last_epoch, step_count = C.scheduler_counters(sched)
+    opt_steps = opt.steps_seen if opt else []
+    counters = Counters(
+        global_step=as_int(ms.get("global_steps")),
+        optimizer_step=max(set(opt_steps), key=opt_steps.count) if opt_steps else None,
+        scheduler_last_epoch=last_epoch,
+        scheduler_step_count=step_count,
+        skipped_steps=as_int(ms.get("skipped_steps")),
+    )
+    lrs = opt.lrs_by_rank[min(opt.lrs_by_rank)] if opt and opt.lrs_by_rank else ()
+    last_lr = last_lr or C.ds_last_lr(sched, ms.get("ds_config"), lrs)
+    return counters, LearningRates(param_groups=lrs, base_lrs=base_lrs, last_lr=last_lr)
+
+
+def _zero_optimizer(ext, first_rank, dp_size, cache, shape_groups, ms_path, ms) -> ZeroOptimizer | None:
+    """The optimizer: the extension's own, else un-flattened from the first model-parallel rank's DP rank files
+    (those within dp_world_size), or None when there are none."""
+    opt = ext.optimizer if ext else None
+    if opt is None and first_rank.optim:
+        in_world = {d: p for d, p in first_rank.optim.items() if d < dp_size}
+        opt = read_zero_optimizer(
+            cache,
+            in_world,
+            shape_groups,
+            {"tp": first_rank.mp_rank},
+            (cache.rel(ms_path), ms.get("ds_config")),
+            group_layout=ext.group_layout if ext else None,
+            out_groups=ext.groups if ext else None,
+        )
+    return opt
 
 
 def _first_model_states(cache: C.LoadCache, tag_dir: Path, first_rank: RankFiles) -> tuple[Path, dict]:

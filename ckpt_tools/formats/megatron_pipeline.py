@@ -307,14 +307,7 @@ class _Reader:
         shape_groups, local_shapes, stage_layers = self._stages(states, mp, tp, pp)
         model, rules, stage_of = self._model(layout, local_shapes, stage_layers, tp, pp)
         self._cross_check_layout(layout, rules, swiglu)
-        unknown = [n for n, r in rules.items() if r.merge is None]
-        if unknown:
-            self.warn(
-                "tp-merge-unknown",
-                f"no TP merge rule ({layout.source}) for {len(unknown)} parameters "
-                f"({', '.join(unknown[:5])}{', ...' if len(unknown) > 5 else ''}); their shards are shown "
-                "unmerged and counted as split. Pass --pattern REGEX=MERGE to decide",
-            )
+        self._unknown_rules(layout, rules)
         param_names = [n for n in model]
         param_count = sum(
             model[n].numel if rules[n].merge else sum(s.numel for s in model[n].shards) for n in param_names
@@ -362,6 +355,17 @@ class _Reader:
             dtypes=tuple(dtypes),
             details=details,
         )
+
+    def _unknown_rules(self, layout: TPLayout, rules: dict[str, Any]) -> None:
+        """Parameters no TP merge rule covers: warned about (their shards are shown unmerged)."""
+        unknown = [n for n, r in rules.items() if r.merge is None]
+        if unknown:
+            self.warn(
+                "tp-merge-unknown",
+                f"no TP merge rule ({layout.source}) for {len(unknown)} parameters "
+                f"({', '.join(unknown[:5])}{', ...' if len(unknown) > 5 else ''}); their shards are shown "
+                "unmerged and counted as split. Pass --pattern REGEX=MERGE to decide",
+            )
 
     def _stages(self, states: dict[int, dict], mp: int, tp: int, pp: int) -> tuple[dict, dict, dict]:
         """(each rank's param_shapes groups, each rank's parameter names and local shapes in param group order,
