@@ -324,6 +324,11 @@ def _offsets(v: Any) -> tuple[int, ...] | None:
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
+    """The DCP folder at `path`. Reads `.metadata` (by the C reader `native_dcp` where it takes the file exactly,
+    else the inert unpickler), stats every `__R_C.distcp` file it names, and reads out of them only the bytes
+    items (pickled objects: param groups, schedulers, torchtitan's data-loader states) and tiny tensors' values;
+    every other tensor stays a lazy chunk of a `.distcp` file. Unnamed `.distcp` files are listed as warnings.
+    Training state: the whole DCP, found by shape under any nesting (`training_state`: `.metadata`)."""
     cache = C.LoadCache(path)
     meta_path = path / ".metadata"
     # the C reader (`native_dcp`: no Python object per record) where it takes the file exactly; else the records

@@ -438,6 +438,12 @@ def _fragments(stage, osd, gi, shapes, rank, dp) -> dict[str, tuple[int, int, in
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
+    """The DeepSpeed ZeRO checkpoint at `path` (the run folder with `latest`, or a tag folder). Reads (inert) the
+    first model-parallel rank's `mp_rank_XX_model_states.pt` (names, shapes, module weights, counters, scheduler,
+    ds_config) and all its DP ranks' `*zero_pp_rank_*_optim_states.pt` (the flat fp32 / Adam partitions, cut into
+    per-parameter pieces); the other ranks' files are only listed and their zip directories checked. Tensors
+    stay lazy. A tag folder with expert files is refused here (`deepspeed_moe` reads it). Training state: the
+    tag folder's model-states and optim-states files (`training_state`)."""
     root, tag_dir, tag = C.resolve_tag(path, _STATE_GLOB)
     cache = C.LoadCache(root)
     ranks = list_rank_files(tag_dir)

@@ -92,6 +92,12 @@ def open_any(path: Path) -> Checkpoint:
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
+    """The DeepSpeed Mixture-of-Experts tag folder at `path` (or its run folder with `latest`). Reads (inert)
+    `mp_rank_00_model_states.pt`, every `layer_*_expert_*_model_states.pt` (each expert's weights, global ids)
+    and the optimizer files: the ZeRO `*zero_pp_rank_*_optim_states.pt` of every DP rank (experts placed by
+    their group's partitioning and confirmed against their weights) or, without ZeRO, every
+    `expp_rank_*_optim_states.pt`. Tensors stay lazy. Training state: every rank file, as for DeepSpeed
+    (`training_state`)."""
     if not path.is_dir():
         raise NotACheckpoint("no DeepSpeed Mixture-of-Experts tag folder", path=path)
     root, tag_dir, tag = C.resolve_tag(path, D._STATE_GLOB)

@@ -25,6 +25,9 @@ def sniff(path: Path) -> bool:
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001
+    """The Lightning `.ckpt` file at `path`, read by `torch_file.open` (inert; tensors lazy); a file without a
+    Lightning version is returned as the plain torch file it is. Training state: the file, plus the loop-progress
+    counters that hold the global step (`training_state`)."""
     ck = torch_file.open(path)
     client = ck.tree.children.get("client_state")
     kids = client.children if isinstance(client, GroupNode) else {}

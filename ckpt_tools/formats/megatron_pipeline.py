@@ -80,7 +80,11 @@ def list_layer_files(tag_dir: Path) -> dict[tuple[int, int], Path]:
 
 def open(path: Path, *, tp_patterns: tuple[str, ...] = ()) -> Checkpoint:  # noqa: A001  (format-module interface)
     """Open a pipeline checkpoint (tag folder, or its parent with `latest`). `tp_patterns` are user
-    `REGEX[=MERGE]` overrides of the TP merge rules (see `TPLayout.from_user_patterns`)."""
+    `REGEX[=MERGE]` overrides of the TP merge rules (see `TPLayout.from_user_patterns`). Reads (inert) every
+    `mp_rank_XX_model_states.pt` (param shapes per stage and TP rank, counters, scheduler, config), the
+    `layer_LL-model_TT-model_states.pt` files that hold the parameters (one TensorNode per parameter over its TP
+    shards, merged when read) and the ZeRO `*_optim_states.pt` of every rank; tensors stay lazy. Training state:
+    as for DeepSpeed, the tag folder's model- and optim-states files (`training_state`)."""
     root, tag_dir, tag = C.resolve_tag(path, MARKER)
     return _Reader(root, tag_dir, tag, tuple(tp_patterns)).build()
 

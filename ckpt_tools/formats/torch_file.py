@@ -198,6 +198,9 @@ def state_nodes(
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001
+    """The `torch.save` file (zip or legacy) or pickle at `path`, read by the inert unpickler (never `torch.load`):
+    tensors stay lazy references to their storage records; the training dict is taken apart into model,
+    optimizer(s), scheduler(s) and client state by shape. Training state: the file itself (`training_state`)."""
     cache = C.LoadCache(path.parent)
     loaded = cache.load(path)
     rel = path.name
