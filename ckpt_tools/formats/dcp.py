@@ -28,6 +28,7 @@ from typing import Any, Mapping
 
 from ..read import native_dcp, pickle_reader, remote
 from ..errors import CorruptCheckpoint, MissingFile, UnsupportedCheckpoint
+from ..read.pickle_reader import Loaded, _unpickle
 from ..read.pickle_reader import DTYPE_SIZE, SMALL_TENSOR_NUMEL, DType, LazyTensorRef, TensorRef, is_opaque
 from ..read.qkv import find_fused
 from ..read.tree import (
@@ -48,7 +49,7 @@ from ..read.tree import (
     to_node,
 )
 from . import _common as C
-from ..read.state import is_flattened
+from ..read.state import StateMap, StateSource, is_flattened
 from .torch_file import flattened_optimizer_tree, split_training_dict
 
 FORMAT = "dcp"
@@ -271,8 +272,6 @@ def loader_summary(loader: Mapping[str, Any], world: Any, unknown: dict[str, Any
     rank's pickle parsed inertly (no code runs): batches yielded, the dataset's sample index and epoch.
     `unknown`, when given, gets {dp_rank_<r>: its inner pickle as a `pickle_reader.Loaded`} for each one naming
     unknown globals (torchtitan's loader unpickles it with the full unpickler on resume: reported like a file's)."""
-    from ..read.pickle_reader import Loaded, _unpickle
-
     parts = []
     for k in sorted(loader, key=lambda k: int(str(k)[8:]) if str(k)[8:].isdigit() else 0):
         raw = loader[k]
@@ -831,8 +830,6 @@ def _value(cache: C.LoadCache, root: Path, key: str, where: dict, files: dict[st
 def training_state(ck: Checkpoint):
     """A DCP folder is one state dict over its items: optimizer, scheduler and counters are found by shape at
     any nesting (torchtitan's top-level `optimizer`/`lr_scheduler`/`train_state`, the recipe's `app.*`)."""
-    from ..read.state import StateMap, StateSource
-
     root = Path(ck.path)
     return StateMap(root, (StateSource(root, ".metadata", kind="dcp"),))
 

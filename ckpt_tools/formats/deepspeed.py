@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from ..errors import UnsupportedCheckpoint, CorruptCheckpoint, MissingFile, NotACheckpoint
 from ..read.pickle_reader import Opaque, TensorRef
+from ..read.state import StateMap, StateSource
 from ..read.tree import (
     Checkpoint,
     Counters,
@@ -938,16 +939,12 @@ def _check_rank_files(tag_dir: Path, ranks: dict[int, RankFiles], dp: int, mp: i
 def tag_state_sources(root: Path, tag_dir: Path) -> list:
     """The files of a DeepSpeed tag folder that hold training state: model states (scheduler, counters,
     ds_config) and optim states (param groups, Adam steps); pipeline `layer_*` files hold weights only."""
-    from ..read.state import StateSource
-
     files = [p for p in sorted(tag_dir.glob("*model_states.pt")) if not p.name.startswith("layer_")]
     files += sorted(tag_dir.glob("*optim_states.pt"))
     return [StateSource(p, str(p.relative_to(root))) for p in files]
 
 
 def training_state(ck: Checkpoint):
-    from ..read.state import StateMap
-
     root = Path(ck.path)
     tag = ck.details.get("tag")
     tag_dir = root / tag if tag and (root / tag).is_dir() else root

@@ -355,7 +355,7 @@ def hf_model_layout(folder: Path) -> dict[str, Any]:
         return _HF_LAYOUTS[key]
     out: dict[str, Any] = {}
     try:
-        import transformers
+        import transformers  # lazy: transformers only to read a config's layout; an optional dependency
 
         config = transformers.AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
         with meta_device():

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from ..read.state import StateMap
 from ..read.tree import Checkpoint, GroupNode, Topology, scalar
 from . import torch_file
 
@@ -47,8 +48,6 @@ _OPTIM_STEPS = ("loops", "fit_loop", "epoch_loop.automatic_optimization.optim_pr
 def training_state(ck: Checkpoint):
     """The file, with the loop-progress counters that hold the global step: total and current
     ready/completed of the automatic optimizer steps (current only where it equals total: the same epoch)."""
-    from ..read.state import StateMap
-
     base = torch_file.training_state(ck)
     if ck.format != FORMAT:
         return base

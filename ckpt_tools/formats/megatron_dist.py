@@ -27,6 +27,7 @@ one's buckets one domain per EP rank), each with its own sharded param groups.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpoint, NotACheckpoint, UnsupportedCheckpoint
+from ..read.state import StateMap, StateSource
 from ..read.tree import (
     Checkpoint,
     Counters,
@@ -646,7 +648,7 @@ def _shard_head(node: TensorNode, rule: str, t: int, tp: int, k: int) -> bytes:
     """The bytes of the first `k` elements (flattened) of TP rank `t`'s shard of the global tensor `node`, as
     `megatron_lm._rule`'s merge splits it (SwiGLU's cat_sub:0: the rank's slice of the gate, then of the up
     projection), read as ranges of the global tensor."""
-    import numpy as np
+    import numpy as np  # lazy: numpy only where tensor bytes are compared; importing formats stays numpy-free
 
     shape, numel = node.shape, node.numel
     if rule == "replicated":
@@ -676,8 +678,6 @@ def _range(
 ) -> TensorNode:
     """Elements [start, start+n) of a tensor's flat elements as a node of `shape`, its pieces re-based (`starts`:
     the pieces' sorted dst offsets; `rank`: coordinates added to each piece's, e.g. the layer)."""
-    import bisect
-
     every, end = flat.pieces, start + n
     lo, hi = max(bisect.bisect_right(starts, start) - 1, 0), bisect.bisect_left(starts, end)
     taken = [p for p in every[lo:hi] if p.numel and p.dst_offset + p.numel > start]  # those reaching into [start, end)
@@ -706,9 +706,7 @@ def _sharded_param_groups(it: Path, prefix: str = _DIST) -> list[dict]:
     """The distributed optimizer's param groups, saved as one sharded object (`optimizer.distributed.
     dp_group_idx_N.optimizer/shard_…`: [{param_groups: [...]}]) in the DCP: small pickled items, read inert.
     `prefix`: a chained inner optimizer's keys (`chained_1.optimizer.distributed.`)."""
-    from .dcp import DcpItems
-
-    folder = DcpItems(it)
+    folder = dcp.DcpItems(it)
     tops = tuple(k for k in folder.sdm if k.startswith(prefix) and ".optimizer/shard_" in k)
     obj, _index = folder.state_tree(tops)  # the optimizer's object only, not every small item again
     per_domain: list[list[dict]] = []
@@ -730,8 +728,6 @@ def _sharded_param_groups(it: Path, prefix: str = _DIST) -> list[dict]:
 def training_state(ck: Checkpoint):
     """common.pt holds the plain optimizer's param groups and the scheduler; the distributed optimizer's param groups
     are in a sharded object of the DCP, which ckpt does not edit yet."""
-    from ..read.state import StateMap, StateSource
-
     root = Path(ck.path)
     common = next(f.path for f in ck.files if f.path.endswith(COMMON))
     sources = [StateSource(root / common, common)]

@@ -50,7 +50,9 @@ from typing import Any
 
 from ..errors import CorruptCheckpoint, MissingFile, NotACheckpoint, UnsupportedCheckpoint
 from ..read.pickle_reader import TensorRef
+from ..read.state import StateMap, StateSource
 from ..read.tp_layout import merged_shape
+from ..schedules.megatron import lr_at
 from ..read.tree import (
     Checkpoint,
     Counters,
@@ -833,8 +835,6 @@ def next_lr(sched: dict, group: dict, args: dict | None = None) -> float:
     """The LR Megatron's OptimizerParamScheduler gives `group` at the saved `num_steps` (what the first resumed
     iteration uses): `schedules.megatron.lr_at` between the group's max_lr and min_lr, with the warm-up's start
     (`lr_warmup_init`) and a WSD schedule's decay length from the saved `args`, times the group's lr_mult."""
-    from ..schedules.megatron import lr_at
-
     args = args or {}
     gbs = args.get("global_batch_size")
     wsd = args.get("lr_wsd_decay_samples") or (
@@ -863,8 +863,6 @@ def training_state(ck: Checkpoint):
     where that optimizer is a ChainedOptimizer saved as a list of inner ones (MoE: dense, expert): index 0 for all,
     so their groups share the one scheduler (by list position the expert one would count as a second optimizer,
     and the scheduler would be edited once for each)."""
-    from ..read.state import StateMap, StateSource
-
     root = Path(ck.path)
     srcs = [StateSource(root / f.path, f.path, index=0) for f in ck.files if f.path.endswith(RANK_FILE)]
     return StateMap(root, tuple(srcs))

@@ -602,6 +602,4 @@ def _rng_bytes(ms: dict) -> bytes | None:
 
 
 def training_state(ck: Checkpoint):
-    from .deepspeed import training_state as tag_training_state
-
-    return tag_training_state(ck)
+    return D.training_state(ck)
