@@ -1,4 +1,6 @@
-"""One module per checkpoint format. Each has `sniff(path) -> bool` and `open(path) -> Checkpoint`.
+"""One module per checkpoint format. Each has `FORMAT`, `sniff(path) -> bool`, `open(path) -> Checkpoint` and,
+where it holds optimizer state, `training_state(ck) -> StateMap`: the `FormatModule` / `EditableFormatModule`
+Protocols (formats/_protocol.py) say the contract of each.
 
 `detect` asks them in order; the order matters where layouts nest (an Accelerate folder can hold a
 DeepSpeed tag folder, a universal checkpoint holds DeepSpeed model-states files).
@@ -7,11 +9,15 @@ DeepSpeed tag folder, a universal checkpoint holds DeepSpeed model-states files)
 from __future__ import annotations
 
 import importlib
+import os
 import re
 from pathlib import Path
-from types import ModuleType
+from typing import cast
 
 from ..errors import CkptError, NotACheckpoint, UnsupportedCheckpoint
+from ..read.state import StateMap
+from ..read.tree import Checkpoint
+from ._protocol import EditableFormatModule, FormatModule
 
 #: detection order: the most specific layouts first
 FORMAT_MODULES = (
@@ -32,33 +38,55 @@ FORMAT_MODULES = (
 )
 
 
-def _module(name: str) -> ModuleType:
-    """The format module `name` of FORMAT_MODULES (a name without a module is an error, never skipped)."""
-    return importlib.import_module(f"{__name__}.{name}")
+class UnknownFormat(CkptError, KeyError):
+    """A format module name that FORMAT_MODULES does not hold."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.one_line()
+
+
+def format_module(name: str) -> FormatModule:
+    """The format module `name` of FORMAT_MODULES (e.g. "deepspeed", "dcp"). A name not there raises
+    UnknownFormat (a CkptError and a KeyError) naming the known ones; a listed name without a module is an
+    import error, never skipped."""
+    if name not in FORMAT_MODULES:
+        raise UnknownFormat(
+            f"no format module named {name!r}",
+            hint=f"the format modules are: {', '.join(FORMAT_MODULES)}",
+        )
+    return cast(FormatModule, importlib.import_module(f"{__name__}.{name}"))
+
+
+#: the name `view.logical` imports (kept for it)
+_module = format_module
+
+
+def _by_format(fmt: str) -> FormatModule | None:
+    """The format module whose FORMAT id is `fmt` (what `Checkpoint.format` carries), or None."""
+    for name in FORMAT_MODULES:
+        mod = format_module(name)
+        if getattr(mod, "FORMAT", None) == fmt:
+            return mod
+    return None
 
 
 def format_ids() -> tuple[str, ...]:
     """Every format id the registry reads (what `ckpt inspect` prints as `format`), in detection order."""
-    return tuple(m.FORMAT for m in map(_module, FORMAT_MODULES))
+    return tuple(m.FORMAT for m in map(format_module, FORMAT_MODULES))
 
 
 def editable_format_ids() -> tuple[str, ...]:
     """The format ids whose module says where the LR, step and optimizer state live (`training_state`): the ones
     `set-lr` / `set-step` edit."""
-    return tuple(m.FORMAT for m in map(_module, FORMAT_MODULES) if hasattr(m, "training_state"))
+    return tuple(m.FORMAT for m in map(format_module, FORMAT_MODULES) if hasattr(m, "training_state"))
 
 
-def training_state(ck):
+def training_state(ck: Checkpoint) -> StateMap:
     """Where `ck`'s training state lives (`ckpt_tools.read.state.StateMap`), as its format module says; a format
     without a `training_state` is read-only for the writing commands."""
-    from ..read.state import StateMap
-
-    for name in FORMAT_MODULES:
-        mod = _module(name)
-        if getattr(mod, "FORMAT", None) == ck.format:
-            if hasattr(mod, "training_state"):
-                return mod.training_state(ck)
-            break
+    mod = _by_format(ck.format)
+    if isinstance(mod, EditableFormatModule):
+        return mod.training_state(ck)
     return StateMap(
         Path(ck.path),
         (),
@@ -67,7 +95,7 @@ def training_state(ck):
     )
 
 
-def detect(path: Path) -> ModuleType:
+def detect(path: Path) -> FormatModule:
     """The format module that reads `path`; raises NotACheckpoint naming what was looked for, and when the
     path is the wrong one, the right one: the checkpoints a parent folder holds, or the checkpoint a file
     or folder sits inside."""
@@ -117,8 +145,6 @@ def holder(path: Path) -> tuple[Path, str] | None:
     them, such as `latest`; a folder with a file it read inside), farthest first; None when none does. A folder a
     format merely claims is not enough: a stale
     `latest_universal` left in a parent by ds_to_universal claims every folder below it and opens nothing."""
-    import os
-
     mine = os.path.abspath(path.resolve())
     for up, mod in reversed(enclosing(path)):
         try:
@@ -148,10 +174,10 @@ def megatron_lm_layout(path: Path) -> str | None:
     return None
 
 
-def claim(path: Path) -> ModuleType | None:
+def claim(path: Path) -> FormatModule | None:
     """The first format module whose `sniff` claims `path`, or None."""
     for name in FORMAT_MODULES:
-        mod = _module(name)
+        mod = format_module(name)
         if mod.sniff(path):
             return mod
     return None
@@ -166,7 +192,7 @@ _PART_NAME = re.compile(
 _CKPT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".safetensors")
 
 
-def checkpoints_inside(folder: Path) -> list[tuple[Path, ModuleType]]:
+def checkpoints_inside(folder: Path) -> list[tuple[Path, FormatModule]]:
     """The checkpoints directly inside `folder` (sub-folders and checkpoint files a format claims), newest
     first: what a user who passed the parent of their checkpoints meant to choose from. One level only, so
     that a wrong path (a home folder) costs one directory listing, not a walk."""
@@ -209,7 +235,7 @@ def newest_mtime(path: Path) -> float:
     return newest
 
 
-def enclosing(path: Path, levels: int = 2) -> list[tuple[Path, ModuleType]]:
+def enclosing(path: Path, levels: int = 2) -> list[tuple[Path, FormatModule]]:
     """The folders above `path`, nearest first and at most `levels` up, that a format claims: the checkpoint
     a file or folder inside a checkpoint belongs to (a ZeRO rank file's tag folder, a DCP .distcp's folder).
     Two levels reach every layout's tag folder and its parent; a claim there is cheap to test."""

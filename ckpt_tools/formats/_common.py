@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import os
 import re
+import zipfile
 from pathlib import Path
 from typing import Any, Iterable
 
 from ..read import pickle_reader
+from ..read.state import COUNTER_KEYS
+from ..schedules import deepspeed as ds_schedule
 from ..errors import MissingFile, NotACheckpoint
 from ..read.tree import Counters, FileInfo, GroupNode, LearningRates, Node, Warning_, as_int, floats, scalar
 
@@ -171,8 +175,6 @@ def file_info(path: Path, root: Path, role: str, rank: dict | None = None) -> Fi
 def zip_damage(path: Path) -> str | None:
     """Why the torch zip `path` cannot be loaded (truncated, not a zip), or None: its central directory only,
     for rank files a reader lists without loading (ZeRO-3's per-rank model states)."""
-    import zipfile
-
     try:
         with zipfile.ZipFile(path) as zf:
             size = path.stat().st_size
@@ -198,11 +200,9 @@ def lr_from_scheduler(fields: dict[str, Any]) -> tuple[tuple[float, ...] | None,
 def ds_last_lr(fields: dict[str, Any], ds_config: Any, group_lrs: tuple[float, ...]) -> tuple[float, ...] | None:
     """`last_lr` of a DeepSpeed scheduler, which saves only `last_batch_iteration`: computed from the saved
     ds_config's scheduler (the launch config of the run that saved it)."""
-    from ..schedules.deepspeed import last_lr
-
     if "last_batch_iteration" not in fields:
         return None
-    return last_lr(ds_config, fields["last_batch_iteration"], list(group_lrs))
+    return ds_schedule.last_lr(ds_config, fields["last_batch_iteration"], list(group_lrs))
 
 
 def scheduler_counters(fields: dict[str, Any]) -> tuple[int | None, int | None]:
@@ -260,8 +260,6 @@ def training_header(tree: dict[str, Node]) -> tuple[Counters, LearningRates, lis
 
 def loop_step(client: Node | None) -> int | None:
     """The training loop's step counter among saved client state (top level, then one dict down)."""
-    from ..read.state import COUNTER_KEYS
-
     if not isinstance(client, GroupNode):
         return None
     levels = [client.children] + [c.children for c in client.children.values() if isinstance(c, GroupNode)]
@@ -330,9 +328,7 @@ def read_range(node, start: int, count: int, starts: list[int] | None = None):
     """Elements [start, start+count) of a TensorNode flattened (numpy; bfloat16 as uint16 bit patterns), read from
     the pieces that hold them. `starts`: the pieces' dst offsets, sorted, to find the first piece by bisection (a
     flat optimizer bucket holds thousands of pieces). ValueError when the pieces leave part of the range uncovered."""
-    import bisect
-
-    import numpy as np
+    import numpy as np  # lazy: numpy only where tensor bytes are compared; importing formats stays numpy-free
 
     pieces = node.pieces if starts is not None else sorted(node.pieces, key=lambda p: p.dst_offset)
     first = max(bisect.bisect_right(starts, start) - 1, 0) if starts is not None else 0
@@ -353,7 +349,7 @@ def read_range(node, start: int, count: int, starts: list[int] | None = None):
 def rounded_bits(master, dtype: str):
     """fp32 `master` rounded to `dtype` as the reader stores that dtype (bfloat16: uint16 bit patterns, round to
     nearest even, as torch rounds; others: numpy's cast)."""
-    import numpy as np
+    import numpy as np  # lazy: numpy only where tensor bytes are compared; importing formats stays numpy-free
 
     m = np.asarray(master, dtype=np.float32)
     if dtype == "bfloat16":
@@ -365,7 +361,7 @@ def rounded_bits(master, dtype: str):
 def rounds_to(master, weights, dtype: str) -> bool:
     """Whether fp32 `master` rounded to `dtype` equals `weights` (as read: bfloat16 as uint16 bit patterns): the
     check that an fp32 master belongs to the low-precision weight it was copied into after each step."""
-    import numpy as np
+    import numpy as np  # lazy: numpy only where tensor bytes are compared; importing formats stays numpy-free
 
     rounded = rounded_bits(master, dtype)
     return bool(np.array_equal(rounded, np.asarray(weights, dtype=rounded.dtype)))

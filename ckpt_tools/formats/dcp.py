@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..read import native_dcp, pickle_reader, remote
 from ..errors import CorruptCheckpoint, MissingFile, UnsupportedCheckpoint
+from ..read.pickle_reader import Loaded, _unpickle
 from ..read.pickle_reader import DTYPE_SIZE, SMALL_TENSOR_NUMEL, DType, LazyTensorRef, TensorRef, is_opaque
 from ..read.qkv import find_fused
 from ..read.tree import (
@@ -48,7 +49,7 @@ from ..read.tree import (
     to_node,
 )
 from . import _common as C
-from ..read.state import is_flattened
+from ..read.state import StateMap, StateSource, is_flattened
 from .torch_file import flattened_optimizer_tree, split_training_dict
 
 FORMAT = "dcp"
@@ -271,8 +272,6 @@ def loader_summary(loader: Mapping[str, Any], world: Any, unknown: dict[str, Any
     rank's pickle parsed inertly (no code runs): batches yielded, the dataset's sample index and epoch.
     `unknown`, when given, gets {dp_rank_<r>: its inner pickle as a `pickle_reader.Loaded`} for each one naming
     unknown globals (torchtitan's loader unpickles it with the full unpickler on resume: reported like a file's)."""
-    from ..read.pickle_reader import Loaded, _unpickle
-
     parts = []
     for k in sorted(loader, key=lambda k: int(str(k)[8:]) if str(k)[8:].isdigit() else 0):
         raw = loader[k]
@@ -324,6 +323,11 @@ def _offsets(v: Any) -> tuple[int, ...] | None:
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
+    """The DCP folder at `path`. Reads `.metadata` (by the C reader `native_dcp` where it takes the file exactly,
+    else the inert unpickler), stats every `__R_C.distcp` file it names, and reads out of them only the bytes
+    items (pickled objects: param groups, schedulers, torchtitan's data-loader states) and tiny tensors' values;
+    every other tensor stays a lazy chunk of a `.distcp` file. Unnamed `.distcp` files are listed as warnings.
+    Training state: the whole DCP, found by shape under any nesting (`training_state`: `.metadata`)."""
     cache = C.LoadCache(path)
     meta_path = path / ".metadata"
     # the C reader (`native_dcp`: no Python object per record) where it takes the file exactly; else the records
@@ -378,6 +382,69 @@ def _open(
 ) -> Checkpoint:
     """The rest of `open`: `sdm` holds the inert records, or `native_dcp.Metadata`'s entries when `native`."""
     details = {"dcp_version": version, "items": len(sdm)}
+    used, sizes = _used_files(path, where)
+    unread, optional = 0, []  # tiny tensors whose values a remote open leaves unread (`_first_reads`)
+    if remote._MOUNTS:  # a remote checkpoint: what opening reads of the items, planned as one parallel batch
+        wants, optional = _first_reads(path, sdm, where)
+        remote.plan(wants, exact=True, optional=optional)
+        unread = sum(1 for p, off, n in optional if not remote.held(p, off, n))
+
+    files = {rel: _File(path / rel, _rank(rel), sizes[rel], cache.outer(path / rel)) for rel in used}
+    top, loader, loader_at = _items_tree(cache, path, meta_path, sdm, planner, where, files, native)
+    del sdm, planner
+
+    if loader:
+        world = top.get("dataloader", {}).get("world_size") if isinstance(top.get("dataloader"), dict) else None
+        inner: dict[str, Any] = {}
+        details["dataloader"] = loader_summary(loader, _raw(world), inner)
+        for k, loaded in inner.items():  # torchtitan's loader unpickles these bytes on resume: an unknown-global
+            cache._note_unknown(path / loader_at[k], loaded)  # warning on the .distcp file that holds them
+    present = sorted(p.name for p in path.iterdir() if _DISTCP_RE.match(p.name))
+    warnings = [
+        Warning_(
+            "unreferenced-file",
+            f"{name} is not named by .metadata: left over from another save? Move it out of the folder",
+            name,
+        )
+        for name in present
+        if name not in used
+    ]
+    if unread:
+        warnings.append(
+            Warning_(
+                "values-not-read",
+                f"{unread} of {len(optional)} tiny tensors (such as Adam's `step`) show no value: over remote storage "
+                "they lie between the tensor bytes, and a remote open reads them only within a fixed budget of "
+                f"{remote.SMALL_GETS} requests and {remote.OPTIONAL_BYTES >> 20} MiB. Inspect a local copy to see "
+                "every value",
+                ".metadata",
+            )
+        )
+    warnings += C.stray_file_warnings(path, path) + cache.warnings()
+    files = [C.file_info(meta_path, path, "metadata")] + [
+        C.file_info(path / rel, path, "checkpoint", _rank(rel)) for rel in used
+    ]
+    ranks = {r["dp"] for r in map(_rank, used) if r}
+    ck = training_checkpoint(
+        FORMAT, path, top, file=".metadata", dp=len(ranks) or 1, files=files, warnings=warnings, details=details
+    )
+    if (path / "common.pt").is_file() and (path / "metadata.json").is_file():
+        # Megatron-LM's torch_dist: global tensors under Megatron's own keys, the topology in common.pt's `args`
+        # (the writer count is not the DP size), the LRs and counters there too: none of it is read here
+        w = Warning_(
+            "megatron-torch-dist",
+            "a Megatron-LM torch_dist checkpoint (common.pt + metadata.json): read "
+            "as a generic DCP, so parameters, topology, counters and LRs shown are not Megatron's (they "
+            "are in common.pt's args and the sharded optimizer items, which ckpt does not map yet)",
+            "common.pt",
+        )
+        ck = replace(ck, topology=Topology(), warnings=(w, *ck.warnings))
+    return ck
+
+
+def _used_files(path: Path, where: dict) -> tuple[list[str], dict[str, int]]:
+    """(the .distcp files `.metadata` places items in, their sizes); one missing is refused with how many items
+    it holds."""
     used = sorted({rel for rel, _, _ in where.values()})
     sizes: dict[str, int] = {}
     for rel in used:
@@ -392,13 +459,13 @@ def _open(
                 path=path / rel,
                 hint="re-copy the checkpoint folder; every rank's .distcp file is needed",
             )
-    unread, optional = 0, []  # tiny tensors whose values a remote open leaves unread (`_first_reads`)
-    if remote._MOUNTS:  # a remote checkpoint: what opening reads of the items, planned as one parallel batch
-        wants, optional = _first_reads(path, sdm, where)
-        remote.plan(wants, exact=True, optional=optional)
-        unread = sum(1 for p, off, n in optional if not remote.held(p, off, n))
+    return used, sizes
 
-    files = {rel: _File(path / rel, _rank(rel), sizes[rel], cache.outer(path / rel)) for rel in used}
+
+def _items_tree(cache, path, meta_path, sdm, planner, where, files, native) -> tuple[dict, dict, dict]:
+    """(the items as nested dicts by their logical key paths, torchtitan's per-DP-rank pickled data-loader states,
+    the .distcp file holding each). One pass over the records, each popped from `sdm` as it is placed (a
+    checkpoint of 100k+ items keeps no second copy)."""
     top: dict[Any, Any] = {}
     loader: dict[str, bytes] = {}  # torchtitan's per-DP-rank pickled data-loader states
     loader_at: dict[str, str] = {}  # ... and the .distcp file holding each
@@ -447,59 +514,8 @@ def _open(
         if keys in parents:  # a value where a group was: the groups under it are no longer in the tree
             parents = {p: d for p, d in parents.items() if p[: len(keys)] != keys}
         slot[keys[-1]] = node
-    del meta, sdm, planner, parents
-
-    if loader:
-        world = top.get("dataloader", {}).get("world_size") if isinstance(top.get("dataloader"), dict) else None
-        inner: dict[str, Any] = {}
-        details["dataloader"] = loader_summary(loader, _raw(world), inner)
-        for k, loaded in inner.items():  # torchtitan's loader unpickles these bytes on resume: an unknown-global
-            cache._note_unknown(path / loader_at[k], loaded)  # warning on the .distcp file that holds them
-    present = sorted(p.name for p in path.iterdir() if _DISTCP_RE.match(p.name))
-    warnings = [
-        Warning_(
-            "unreferenced-file",
-            f"{name} is not named by .metadata: left over from another save? Move it out of the folder",
-            name,
-        )
-        for name in present
-        if name not in used
-    ]
-    if unread:
-        warnings.append(
-            Warning_(
-                "values-not-read",
-                f"{unread} of {len(optional)} tiny tensors (such as Adam's `step`) show no value: over remote storage "
-                "they lie between the tensor bytes, and a remote open reads them only within a fixed budget of "
-                f"{remote.SMALL_GETS} requests and {remote.OPTIONAL_BYTES >> 20} MiB. Inspect a local copy to see "
-                "every value",
-                ".metadata",
-            )
-        )
-    warnings += C.stray_file_warnings(path, path) + cache.warnings()
-    files = [C.file_info(meta_path, path, "metadata")] + [
-        C.file_info(path / rel, path, "checkpoint", _rank(rel)) for rel in used
-    ]
-    ranks = {r["dp"] for r in map(_rank, used) if r}
-    ck = training_checkpoint(
-        FORMAT, path, top, file=".metadata", dp=len(ranks) or 1, files=files, warnings=warnings, details=details
-    )
-    if (path / "common.pt").is_file() and (path / "metadata.json").is_file():
-        # Megatron-LM's torch_dist: global tensors under Megatron's own keys, the topology in common.pt's `args`
-        # (the writer count is not the DP size), the LRs and counters there too: none of it is read here
-        from dataclasses import replace
-
-        from ..read.tree import Topology
-
-        w = Warning_(
-            "megatron-torch-dist",
-            "a Megatron-LM torch_dist checkpoint (common.pt + metadata.json): read "
-            "as a generic DCP, so parameters, topology, counters and LRs shown are not Megatron's (they "
-            "are in common.pt's args and the sharded optimizer items, which ckpt does not map yet)",
-            "common.pt",
-        )
-        ck = replace(ck, topology=Topology(), warnings=(w, *ck.warnings))
-    return ck
+    del meta, parents
+    return top, loader, loader_at
 
 
 #: a tiny tensor's item up to this size is fetched whole from a remote store (its record and its bytes)
@@ -814,8 +830,6 @@ def _value(cache: C.LoadCache, root: Path, key: str, where: dict, files: dict[st
 def training_state(ck: Checkpoint):
     """A DCP folder is one state dict over its items: optimizer, scheduler and counters are found by shape at
     any nesting (torchtitan's top-level `optimizer`/`lr_scheduler`/`train_state`, the recipe's `app.*`)."""
-    from ..read.state import StateMap, StateSource
-
     root = Path(ck.path)
     return StateMap(root, (StateSource(root, ".metadata", kind="dcp"),))
 

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from ..errors import UnsupportedCheckpoint, CorruptCheckpoint, MissingFile, NotACheckpoint
 from ..read.pickle_reader import Opaque, TensorRef
+from ..read.state import StateMap, StateSource
 from ..read.tree import (
     Checkpoint,
     Counters,
@@ -154,6 +155,18 @@ class ZeroOptimizer:
     warnings: list[Warning_] = field(default_factory=list)  # rank files that disagree with the others
 
 
+@dataclass
+class _Flat:
+    """What the DP rank files' flat partitions hold, gathered rank file by rank file (`_gather_rank`)."""
+
+    pieces: dict[str, dict[str, list[Piece]]] = field(default_factory=dict)  # param -> state kind -> its pieces
+    steps_seen: list[int] = field(default_factory=list)
+    lrs_by_rank: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    step_value: dict[int, Any] = field(default_factory=dict)  # group -> the first Adam step seen
+    master_dtype: str | None = None
+    state_keys: dict[tuple[int, int], frozenset[str]] = field(default_factory=dict)  # (dp rank, group) -> saved
+
+
 def read_zero_optimizer(
     cache: C.LoadCache,
     optim_files: dict[int, Path],
@@ -179,27 +192,12 @@ def read_zero_optimizer(
             "no optimizer_state_dict", path=optim_files[min(loaded)], hint="this is not a DeepSpeed ZeRO optimizer file"
         )
     stage = _zero_stage(osd0)
-    pieces: dict[str, dict[str, list[Piece]]] = {}
-    steps_seen: list[int] = []
-    lrs_by_rank: dict[int, tuple[float, ...]] = {}
-    step_value: dict[int, Any] = {}
-    master_dtype = None
-    state_keys: dict[tuple[int, int], frozenset[str]] = {}  # (dp rank, group) -> the flat state tensors saved
+    flat = _Flat()
     configs: dict[str, Any] = dict([ds_config]) if ds_config and isinstance(ds_config[1], dict) else {}
     warnings: list[Warning_] = []
     for r, L in loaded.items():
         rel = cache.rel(optim_files[r])
-        osd = L.obj.get("optimizer_state_dict") if isinstance(L.obj, dict) else None
-        if not isinstance(osd, dict):
-            raise CorruptCheckpoint("no optimizer_state_dict", path=optim_files[r], hint="re-copy this rank's file")
-        if stage == 3:
-            base = osd.get("optimizer_state_dict") or {}
-            flats = osd.get("fp32_flat_groups") or []
-        else:
-            base = osd.get("base_optimizer_state") or {}
-            flats = osd.get("single_partition_of_fp32_groups") or []
-        state = base.get("state") or {}
-        groups = base.get("param_groups") or []
+        groups = _gather_rank(flat, r, L.obj, rel, optim_files[r], stage, shape_groups, dp, mp_coords, group_layout)
         if isinstance(L.obj.get("ds_config"), dict):
             configs.setdefault(rel, L.obj["ds_config"])
         if shape_groups and isinstance(groups, list) and len(groups) != len(shape_groups):
@@ -212,49 +210,99 @@ def read_zero_optimizer(
                     rel,
                 )
             )
-        lrs_by_rank[r] = tuple(
-            float(g.get("lr")) for g in groups if isinstance(g, dict) and isinstance(g.get("lr"), (int, float))
-        )
-        rank = dict(mp_coords, dp=r)
-        for gi, shapes in enumerate(shape_groups):
-            gstate = state.get(gi, state.get(str(gi), {})) if isinstance(state, dict) else {}
-            flat = {
-                "fp32": flats[gi] if gi < len(flats) else None,
-                "exp_avg": gstate.get("exp_avg") if isinstance(gstate, dict) else None,
-                "exp_avg_sq": gstate.get("exp_avg_sq") if isinstance(gstate, dict) else None,
-            }
-            flat.update(_other_flat_states(gstate, flat["fp32"]))
-            if isinstance(flat["fp32"], TensorRef) and flat["fp32"].numel:
-                state_keys[(r, gi)] = frozenset(k for k, v in flat.items() if k != "fp32" and isinstance(v, TensorRef))
-            if isinstance(flat["fp32"], TensorRef):
-                master_dtype = flat["fp32"].dtype
-            stepv = gstate.get("step") if isinstance(gstate, dict) else None
-            if isinstance(stepv, TensorRef):
-                stepv = stepv.item() if stepv.numel == 1 else None
-            if as_int(stepv) is not None:
-                steps_seen.append(as_int(stepv))
-                step_value.setdefault(gi, as_int(stepv))
-            refs = [(key, ref, ref.numel) for key, ref in flat.items() if isinstance(ref, TensorRef)]
-            grank, rename = group_layout(gi, r) if group_layout else (r, None)
-            for name, (src, cnt, dst) in _fragments(stage, osd, gi, shapes, grank, dp).items():
-                if rename:
-                    name = rename(name)
-                slot = pieces.get(name)
-                if slot is None:
-                    slot = pieces[name] = {}
-                end = src + cnt
-                for key, ref, size in refs:
-                    if end > size:
-                        raise CorruptCheckpoint(
-                            f"param {name} lies outside the flat {key} partition of group {gi}",
-                            path=optim_files[r],
-                            hint="the rank files are from different runs",
-                        )
-                    plist = slot.get(key)
-                    if plist is None:
-                        slot[key] = [make_piece(rel, ref, src, cnt, dst, rank)]
-                    else:
-                        plist.append(make_piece(rel, ref, src, cnt, dst, rank))
+    warnings += _agreement_warnings(flat.state_keys, configs, cache, optim_files)
+    state_out = _state_per_param(flat, out_groups if out_groups is not None else shape_groups, optim_files)
+    extras = {
+        k: v
+        for k, v in osd0.items()
+        if k in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad", "partition_count", "ds_version")
+    }
+    if stage is not None:
+        extras["zero_stage"] = stage
+    groups0 = (
+        _dig(osd0, "optimizer_state_dict", "param_groups")
+        if stage == 3
+        else _dig(osd0, "base_optimizer_state", "param_groups")
+    ) or []
+    return ZeroOptimizer(
+        stage,
+        state_out,
+        [g for g in groups0 if isinstance(g, dict)],
+        flat.steps_seen,
+        flat.lrs_by_rank,
+        extras,
+        flat.master_dtype,
+        warnings,
+    )
+
+
+def _gather_rank(flat: _Flat, r, obj, rel, path, stage, shape_groups, dp, mp_coords, group_layout) -> Any:
+    """Into `flat`: DP rank `r`'s file (`obj`, loaded) — each parameter's pieces of each flat state partition,
+    the Adam steps, the param group LRs, the master dtype, which state tensors each group saved. Returns the
+    file's param groups (as saved)."""
+    osd = obj.get("optimizer_state_dict") if isinstance(obj, dict) else None
+    if not isinstance(osd, dict):
+        raise CorruptCheckpoint("no optimizer_state_dict", path=path, hint="re-copy this rank's file")
+    if stage == 3:
+        base = osd.get("optimizer_state_dict") or {}
+        flats = osd.get("fp32_flat_groups") or []
+    else:
+        base = osd.get("base_optimizer_state") or {}
+        flats = osd.get("single_partition_of_fp32_groups") or []
+    state = base.get("state") or {}
+    groups = base.get("param_groups") or []
+    flat.lrs_by_rank[r] = tuple(
+        float(g.get("lr")) for g in groups if isinstance(g, dict) and isinstance(g.get("lr"), (int, float))
+    )
+    pieces = flat.pieces
+    rank = dict(mp_coords, dp=r)
+    for gi, shapes in enumerate(shape_groups):
+        gstate = state.get(gi, state.get(str(gi), {})) if isinstance(state, dict) else {}
+        parts = {
+            "fp32": flats[gi] if gi < len(flats) else None,
+            "exp_avg": gstate.get("exp_avg") if isinstance(gstate, dict) else None,
+            "exp_avg_sq": gstate.get("exp_avg_sq") if isinstance(gstate, dict) else None,
+        }
+        parts.update(_other_flat_states(gstate, parts["fp32"]))
+        if isinstance(parts["fp32"], TensorRef) and parts["fp32"].numel:
+            flat.state_keys[(r, gi)] = frozenset(
+                k for k, v in parts.items() if k != "fp32" and isinstance(v, TensorRef)
+            )
+        if isinstance(parts["fp32"], TensorRef):
+            flat.master_dtype = parts["fp32"].dtype
+        stepv = gstate.get("step") if isinstance(gstate, dict) else None
+        if isinstance(stepv, TensorRef):
+            stepv = stepv.item() if stepv.numel == 1 else None
+        if as_int(stepv) is not None:
+            flat.steps_seen.append(as_int(stepv))
+            flat.step_value.setdefault(gi, as_int(stepv))
+        refs = [(key, ref, ref.numel) for key, ref in parts.items() if isinstance(ref, TensorRef)]
+        grank, rename = group_layout(gi, r) if group_layout else (r, None)
+        for name, (src, cnt, dst) in _fragments(stage, osd, gi, shapes, grank, dp).items():
+            if rename:
+                name = rename(name)
+            slot = pieces.get(name)
+            if slot is None:
+                slot = pieces[name] = {}
+            end = src + cnt
+            for key, ref, size in refs:
+                if end > size:
+                    raise CorruptCheckpoint(
+                        f"param {name} lies outside the flat {key} partition of group {gi}",
+                        path=path,
+                        hint="the rank files are from different runs",
+                    )
+                plist = slot.get(key)
+                if plist is None:
+                    slot[key] = [make_piece(rel, ref, src, cnt, dst, rank)]
+                else:
+                    plist.append(make_piece(rel, ref, src, cnt, dst, rank))
+    return groups
+
+
+def _agreement_warnings(state_keys, configs, cache, optim_files) -> list[Warning_]:
+    """A rank file missing state tensors the others saved, and ds_configs that differ between the files."""
+    warnings = []
     saved = frozenset().union(*state_keys.values()) if state_keys else frozenset()
     for (r, gi), keys in sorted(state_keys.items()):
         if keys != saved:
@@ -281,9 +329,16 @@ def read_zero_optimizer(
                 odd[0],
             )
         )
+    return warnings
+
+
+def _state_per_param(flat: _Flat, groups: list[dict[str, tuple[int, ...]]], optim_files) -> dict[str, dict[str, Any]]:
+    """{param: {state kind: TensorNode over its pieces, step, param_group}} for every parameter of `groups`, each
+    kind's pieces checked to cover the parameter exactly."""
+    pieces, step_value = flat.pieces, flat.step_value
     state_out: dict[str, dict[str, Any]] = {}
     no_pieces: dict[str, list[Piece]] = {}
-    for gi, shapes in enumerate(out_groups if out_groups is not None else shape_groups):
+    for gi, shapes in enumerate(groups):
         has_step, step = gi in step_value, step_value.get(gi)
         for name, shape in shapes.items():
             entry: dict[str, Any] = {}
@@ -301,28 +356,7 @@ def read_zero_optimizer(
                 entry["step"] = step
             entry["param_group"] = gi
             state_out[name] = entry
-    extras = {
-        k: v
-        for k, v in osd0.items()
-        if k in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad", "partition_count", "ds_version")
-    }
-    if stage is not None:
-        extras["zero_stage"] = stage
-    groups0 = (
-        _dig(osd0, "optimizer_state_dict", "param_groups")
-        if stage == 3
-        else _dig(osd0, "base_optimizer_state", "param_groups")
-    ) or []
-    return ZeroOptimizer(
-        stage,
-        state_out,
-        [g for g in groups0 if isinstance(g, dict)],
-        steps_seen,
-        lrs_by_rank,
-        extras,
-        master_dtype,
-        warnings,
-    )
+    return state_out
 
 
 def _short(name: str, key: str, plist: list[Piece], shape: tuple[int, ...], optim_files: dict[int, Path]):
@@ -405,6 +439,12 @@ def _fragments(stage, osd, gi, shapes, rank, dp) -> dict[str, tuple[int, int, in
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
+    """The DeepSpeed ZeRO checkpoint at `path` (the run folder with `latest`, or a tag folder). Reads (inert) the
+    first model-parallel rank's `mp_rank_XX_model_states.pt` (names, shapes, module weights, counters, scheduler,
+    ds_config) and all its DP ranks' `*zero_pp_rank_*_optim_states.pt` (the flat fp32 / Adam partitions, cut into
+    per-parameter pieces); the other ranks' files are only listed and their zip directories checked. Tensors
+    stay lazy. A tag folder with expert files is refused here (`deepspeed_moe` reads it). Training state: the
+    tag folder's model-states and optim-states files (`training_state`)."""
     root, tag_dir, tag = C.resolve_tag(path, _STATE_GLOB)
     cache = C.LoadCache(root)
     ranks = list_rank_files(tag_dir)
@@ -508,20 +548,12 @@ def build(
     fmt: str = FORMAT,
     ext: Extension | None = None,
 ) -> Checkpoint:
+    """The Checkpoint of a DeepSpeed tag folder (`ext`: what a format built on this one adds, e.g. MoE): the first
+    rank's model states (names, shapes, counters, scheduler, config), the optimizer un-flattened from its DP rank
+    files, the weights, and the rank files listed (the others' zip directories checked, not loaded)."""
     warnings: list[Warning_] = []
-    files = []
     first_rank = ranks[min(ranks)]
-    ms_path = first_rank.model_states or (first_rank.z3_model and first_rank.z3_model[min(first_rank.z3_model)])
-    if not ms_path:
-        raise MissingFile(
-            f"mp_rank_{first_rank.mp_rank:02d}_model_states.pt is missing (the model states file: "
-            "parameter names and shapes, counters, scheduler)",
-            path=tag_dir,
-            hint="copy it back from where the checkpoint was saved",
-        )
-    ms = cache.load(ms_path).obj
-    if not isinstance(ms, dict):
-        raise CorruptCheckpoint("model states file does not hold a dict", path=ms_path)
+    ms_path, ms = _first_model_states(cache, tag_dir, first_rank)
     dp_size = as_int(ms.get("dp_world_size")) or max(len(first_rank.optim), 1)
     mp_size = as_int(ms.get("mp_world_size")) or len(ranks)
     _check_rank_files(tag_dir, ranks, dp_size, mp_size, warnings)
@@ -530,6 +562,80 @@ def build(
         tag_dir, root, cache, ms.get("module") if isinstance(ms.get("module"), dict) else {}, mp_size
     )
 
+    opt = _zero_optimizer(ext, first_rank, dp_size, cache, shape_groups, ms_path, ms)
+    if opt is not None:
+        warnings += opt.warnings
+    if ext and ext.groups is not None:
+        shape_groups = ext.groups
+    stage = opt.stage if opt else None
+    if stage is None:
+        stage = as_int(_dig(ms, "ds_config", "zero_optimization", "stage"))
+    rel_ms = cache.rel(ms_path)
+    model, frozen, weight_source = _weights(ms, shape_groups, stage, opt, ext, cache, first_rank, dp_size, rel_ms)
+    names = [n for g in shape_groups for n in g]
+    param_count = sum(math.prod(s) for g in shape_groups for s in g.values()) + sum(
+        math.prod(tuple(s)) for s in frozen.values()
+    )
+    param_tensors = len(names) + len(frozen)
+    tree, sched_node = _tree(ms, model, opt, rel_ms)
+    sched = C.scheduler_fields(sched_node)
+    counters, lrs = _counters_and_lrs(ms, sched, opt)
+    opt_steps = opt.steps_seen if opt else []
+    warnings += _state_warnings(ms, opt, counters, opt_steps, sched_node, stage, rel_ms)
+    files = _rank_file_infos(ranks, root, ms_path, warnings)
+    if ext:
+        files += ext.files
+    warnings += C.stray_file_warnings(tag_dir, root)
+    if tag_dir != root:
+        warnings += C.stray_file_warnings(root, root)
+    warnings += cache.warnings()
+    dtypes = sorted({n.dtype for n in model.values()} | ({opt.dtype} if opt and opt.dtype else set()))
+    details = {
+        "tag": tag,
+        "ds_version": ms.get("ds_version"),
+        "weights": weight_source,
+        "optimizer_dtype": opt.dtype if opt else None,
+    }
+    if "scheduler" in tree and "last_batch_iteration" in sched and "base_lrs" not in sched:
+        details["scheduler_kind"] = "deepspeed (LR comes from the launch config)"
+    details.update(ext.details if ext else {})
+    return Checkpoint(
+        format=fmt,
+        path=str(root),
+        topology=Topology(dp=dp_size, tp=mp_size, pp=1, zero_stage=stage, ep=ext.ep if ext else None),
+        tree=GroupNode(tree),
+        counters=counters,
+        lr=lrs,
+        parameter_count=param_count,
+        parameter_tensors=param_tensors,
+        files=tuple(files),
+        warnings=tuple(warnings),
+        dtypes=tuple(dtypes),
+        details=details,
+    )
+
+
+def _counters_and_lrs(ms: dict, sched: dict, opt: ZeroOptimizer | None) -> tuple[Counters, LearningRates]:
+    """The counters (model states, the scheduler, the most common Adam step) and the LRs (the first DP rank's
+    param groups; the scheduler's, else the one ds_config's scheduler gives at the saved step)."""
+    base_lrs, last_lr = C.lr_from_scheduler(sched)
+    last_epoch, step_count = C.scheduler_counters(sched)
+    opt_steps = opt.steps_seen if opt else []
+    counters = Counters(
+        global_step=as_int(ms.get("global_steps")),
+        optimizer_step=max(set(opt_steps), key=opt_steps.count) if opt_steps else None,
+        scheduler_last_epoch=last_epoch,
+        scheduler_step_count=step_count,
+        skipped_steps=as_int(ms.get("skipped_steps")),
+    )
+    lrs = opt.lrs_by_rank[min(opt.lrs_by_rank)] if opt and opt.lrs_by_rank else ()
+    last_lr = last_lr or C.ds_last_lr(sched, ms.get("ds_config"), lrs)
+    return counters, LearningRates(param_groups=lrs, base_lrs=base_lrs, last_lr=last_lr)
+
+
+def _zero_optimizer(ext, first_rank, dp_size, cache, shape_groups, ms_path, ms) -> ZeroOptimizer | None:
+    """The optimizer: the extension's own, else un-flattened from the first model-parallel rank's DP rank files
+    (those within dp_world_size), or None when there are none."""
     opt = ext.optimizer if ext else None
     if opt is None and first_rank.optim:
         in_world = {d: p for d, p in first_rank.optim.items() if d < dp_size}
@@ -542,18 +648,30 @@ def build(
             group_layout=ext.group_layout if ext else None,
             out_groups=ext.groups if ext else None,
         )
-    if opt is not None:
-        warnings += opt.warnings
-    if ext and ext.groups is not None:
-        shape_groups = ext.groups
-    stage = opt.stage if opt else None
-    if stage is None:
-        stage = as_int(_dig(ms, "ds_config", "zero_optimization", "stage"))
+    return opt
 
-    # model weights: module tensors (stage 1/2), else the fp32 master (stage 3 saves placeholders only)
+
+def _first_model_states(cache: C.LoadCache, tag_dir: Path, first_rank: RankFiles) -> tuple[Path, dict]:
+    """(path, loaded dict) of the first rank's model states file (ZeRO-3 at mp > 1: its first zero_pp file)."""
+    ms_path = first_rank.model_states or (first_rank.z3_model and first_rank.z3_model[min(first_rank.z3_model)])
+    if not ms_path:
+        raise MissingFile(
+            f"mp_rank_{first_rank.mp_rank:02d}_model_states.pt is missing (the model states file: "
+            "parameter names and shapes, counters, scheduler)",
+            path=tag_dir,
+            hint="copy it back from where the checkpoint was saved",
+        )
+    ms = cache.load(ms_path).obj
+    if not isinstance(ms, dict):
+        raise CorruptCheckpoint("model states file does not hold a dict", path=ms_path)
+    return ms_path, ms
+
+
+def _weights(ms, shape_groups, stage, opt, ext, cache, first_rank, dp_size, rel_ms) -> tuple[dict, dict, str]:
+    """(the model's tensors by name, the frozen parameters' shapes, where the weights come from): module tensors
+    (stage 1/2), else the fp32 master (stage 3 saves placeholders only); buffers from `module`."""
     model: dict[str, Any] = {}
     module = ms.get("module") if isinstance(ms.get("module"), dict) else {}
-    rel_ms = cache.rel(ms_path)
     names = [n for g in shape_groups for n in g]
     frozen = ms.get("frozen_param_shapes") if isinstance(ms.get("frozen_param_shapes"), dict) else {}
     buffers = [str(b) for b in ms.get("buffer_names") or []]
@@ -586,11 +704,12 @@ def build(
     for name in buffers:
         if isinstance(module.get(name), TensorRef):
             model[name] = tensor_node(module[name], rel_ms)
-    param_count = sum(math.prod(s) for g in shape_groups for s in g.values()) + sum(
-        math.prod(tuple(s)) for s in frozen.values()
-    )
-    param_tensors = len(names) + len(frozen)
+    return model, frozen, weight_source
 
+
+def _tree(ms: dict, model: dict, opt: ZeroOptimizer | None, rel_ms: str) -> tuple[dict[str, Any], Any]:
+    """(the tree: model, optimizer, scheduler, counters, client state, universal info, config; the scheduler node
+    or None)."""
     tree: dict[str, Any] = {"model": GroupNode(model)}
     if opt:
         tree["optimizer"] = _optimizer_node(opt)
@@ -606,20 +725,13 @@ def build(
         tree["universal_checkpoint_info"] = to_node(ms["universal_checkpoint_info"], rel_ms)
     if isinstance(ms.get("ds_config"), dict):
         tree["config"] = to_node(ms["ds_config"], rel_ms)
+    return tree, sched_node
 
-    sched = C.scheduler_fields(sched_node)
-    base_lrs, last_lr = C.lr_from_scheduler(sched)
-    last_epoch, step_count = C.scheduler_counters(sched)
-    opt_steps = opt.steps_seen if opt else []
-    counters = Counters(
-        global_step=as_int(ms.get("global_steps")),
-        optimizer_step=max(set(opt_steps), key=opt_steps.count) if opt_steps else None,
-        scheduler_last_epoch=last_epoch,
-        scheduler_step_count=step_count,
-        skipped_steps=as_int(ms.get("skipped_steps")),
-    )
-    lrs = opt.lrs_by_rank[min(opt.lrs_by_rank)] if opt and opt.lrs_by_rank else ()
-    last_lr = last_lr or C.ds_last_lr(sched, ms.get("ds_config"), lrs)
+
+def _state_warnings(ms, opt, counters, opt_steps, sched_node, stage, rel_ms) -> list[Warning_]:
+    """LRs that differ across DP ranks, counters that disagree, a scheduler not saved, frozen parameters left
+    out of the save."""
+    warnings = []
     if opt and len(set(opt.lrs_by_rank.values())) > 1:
         warnings.append(Warning_("lr-mismatch", f"param group LRs differ across DP ranks: {opt.lrs_by_rank}"))
     warnings += C.counter_warnings(counters, optimizer_steps_seen=opt_steps)
@@ -637,7 +749,13 @@ def build(
                 rel_ms,
             )
         )
+    return warnings
 
+
+def _rank_file_infos(ranks: dict[int, RankFiles], root: Path, ms_path: Path, warnings: list[Warning_]) -> list:
+    """Every rank's model and optimizer files listed; a model file other than the one read is checked for zip
+    damage (its directory only, not loaded), warned about into `warnings`."""
+    files = []
     for rf in ranks.values():
         for p in [rf.model_states, *rf.z3_model.values()]:
             if p:
@@ -654,37 +772,7 @@ def build(
                 )
         for d, p in sorted(rf.optim.items()):
             files.append(C.file_info(p, root, "optimizer", {"tp": rf.mp_rank, "dp": d}))
-    if ext:
-        files += ext.files
-    warnings += C.stray_file_warnings(tag_dir, root)
-    if tag_dir != root:
-        warnings += C.stray_file_warnings(root, root)
-    warnings += cache.warnings()
-    dtypes = sorted({n.dtype for n in model.values()} | ({opt.dtype} if opt and opt.dtype else set()))
-    details = {
-        "tag": tag,
-        "ds_version": ms.get("ds_version"),
-        "weights": weight_source,
-        "optimizer_dtype": opt.dtype if opt else None,
-    }
-    if "scheduler" in tree and "last_batch_iteration" in sched and "base_lrs" not in sched:
-        details["scheduler_kind"] = "deepspeed (LR comes from the launch config)"
-    if ext:
-        details.update(ext.details)
-    return Checkpoint(
-        format=fmt,
-        path=str(root),
-        topology=Topology(dp=dp_size, tp=mp_size, pp=1, zero_stage=stage, ep=ext.ep if ext else None),
-        tree=GroupNode(tree),
-        counters=counters,
-        lr=LearningRates(param_groups=lrs, base_lrs=base_lrs, last_lr=last_lr),
-        parameter_count=param_count,
-        parameter_tensors=param_tensors,
-        files=tuple(files),
-        warnings=tuple(warnings),
-        dtypes=tuple(dtypes),
-        details=details,
-    )
+    return files
 
 
 def _z3_frozen_nodes(
@@ -851,16 +939,12 @@ def _check_rank_files(tag_dir: Path, ranks: dict[int, RankFiles], dp: int, mp: i
 def tag_state_sources(root: Path, tag_dir: Path) -> list:
     """The files of a DeepSpeed tag folder that hold training state: model states (scheduler, counters,
     ds_config) and optim states (param groups, Adam steps); pipeline `layer_*` files hold weights only."""
-    from ..read.state import StateSource
-
     files = [p for p in sorted(tag_dir.glob("*model_states.pt")) if not p.name.startswith("layer_")]
     files += sorted(tag_dir.glob("*optim_states.pt"))
     return [StateSource(p, str(p.relative_to(root))) for p in files]
 
 
 def training_state(ck: Checkpoint):
-    from ..read.state import StateMap
-
     root = Path(ck.path)
     tag = ck.details.get("tag")
     tag_dir = root / tag if tag and (root / tag).is_dir() else root

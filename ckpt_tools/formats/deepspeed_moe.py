@@ -92,6 +92,12 @@ def open_any(path: Path) -> Checkpoint:
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
+    """The DeepSpeed Mixture-of-Experts tag folder at `path` (or its run folder with `latest`). Reads (inert)
+    `mp_rank_00_model_states.pt`, every `layer_*_expert_*_model_states.pt` (each expert's weights, global ids)
+    and the optimizer files: the ZeRO `*zero_pp_rank_*_optim_states.pt` of every DP rank (experts placed by
+    their group's partitioning and confirmed against their weights) or, without ZeRO, every
+    `expp_rank_*_optim_states.pt`. Tensors stay lazy. Training state: every rank file, as for DeepSpeed
+    (`training_state`)."""
     if not path.is_dir():
         raise NotACheckpoint("no DeepSpeed Mixture-of-Experts tag folder", path=path)
     root, tag_dir, tag = C.resolve_tag(path, D._STATE_GLOB)
@@ -344,6 +350,61 @@ def _expp_optimizer(ext, expp: dict[int, Path], module, experts, cache, root) ->
     """No ZeRO: one whole torch optimizer per expert-parallel rank. Ids map to names group by group in model
     order (the non-MoE names, then this rank's experts under local names); non-MoE state from rank 0's file
     (the others hold the same replicas), each expert's from its own rank's file."""
+    ep, gates = _expp_size(expp, module, cache)
+    n_local = gates[0] // ep
+    dense = [str(n) for n, r in module.items() if isinstance(r, TensorRef) and r.numel > 0]
+    order = {n: i for i, n in enumerate(experts)}  # expert files in (layer, expert) order, each file in its order
+    ren0 = _rename(0, n_local)
+    local = sorted(
+        {_LOCAL.sub(lambda m: f"{m[1]}{int(m[2]) % n_local}{m[3]}", n) for n in experts},
+        key=lambda n: order.get(ren0(n), -1),
+    )
+    shapes = {n: tuple(module[n].shape) for n in dense}
+    for n in local:
+        shapes[n] = experts[ren0(n)].shape
+    state: dict[str, dict[str, Any]] = {}
+    steps: list[int] = []
+    lrs: dict[int, tuple[float, ...]] = {}
+    groups0: list[dict] = []
+    out_groups: list[dict[str, tuple[int, ...]]] = []
+    for e, p in sorted(expp.items()):
+        osd, groups, gids, ids = _expp_ids(p, cache.load(p).obj, dense, local, shapes)
+        ren = _rename(e, n_local)
+        rel = cache.rel(p)
+        lrs[e] = tuple(float(g["lr"]) for g in groups if isinstance(g.get("lr"), (int, float)))
+        if e == 0:
+            groups0 = groups
+            out_groups = [{} for _ in groups]
+        for gi, glist in enumerate(gids):
+            for i in glist:
+                name = ids[i]
+                if not _is_moe(groups[gi]) and e > 0:
+                    continue
+                gname = ren(name) if _is_moe(groups[gi]) else name
+                entry: dict[str, Any] = {"param_group": gi, "_file": rel}
+                s = osd["state"].get(i) if isinstance(osd["state"].get(i), dict) else {}
+                for k in ("exp_avg", "exp_avg_sq"):
+                    if isinstance(s.get(k), TensorRef):
+                        entry[k] = tensor_node(s[k], rel, {"ep": e})
+                st = s.get("step")
+                st = st.item() if isinstance(st, TensorRef) and st.numel == 1 else st
+                if as_int(st) is not None:
+                    entry["step"] = as_int(st)
+                    steps.append(as_int(st))
+                state[gname] = entry
+                if gi < len(out_groups):
+                    out_groups[gi][gname] = experts[gname].shape if gname in experts else shapes[name]
+        ext.files.append(C.file_info(p, root, "optimizer", {"ep": e}))
+    problems = _lost_state(state)
+    ext.optimizer = D.ZeroOptimizer(0, state, groups0, steps, lrs, {}, warnings=problems)
+    ext.groups, ext.ep = out_groups, ep
+    moe = [i for i, g in enumerate(groups0) if _is_moe(g)]
+    _set_experts(ext, gates[0], ep, len(out_groups), moe)
+
+
+def _expp_size(expp: dict[int, Path], module: dict, cache: C.LoadCache) -> tuple[int, list[int]]:
+    """(the expert-parallel size the param groups name, each MoE layer's expert count from its gate), refusing the
+    mixed-precision wrapper, a missing or extra expp_rank file, and layers whose experts do not split over EP."""
     for p in expp.values():
         wrapped = D._dig(cache.load(p).obj, "optimizer")
         if isinstance(wrapped, dict) and ("optimizer_state_dict" in wrapped or "fp32_groups" in wrapped):
@@ -375,75 +436,41 @@ def _expp_optimizer(ext, expp: dict[int, Path], module, experts, cache, root) ->
         raise UnsupportedCheckpoint(
             f"MoE layers of {sorted(set(gates))} experts over {ep} expp_rank files", path=next(iter(expp.values()))
         )
-    n_local = gates[0] // ep
-    dense = [str(n) for n, r in module.items() if isinstance(r, TensorRef) and r.numel > 0]
-    order = {n: i for i, n in enumerate(experts)}  # expert files in (layer, expert) order, each file in its order
-    ren0 = _rename(0, n_local)
-    local = sorted(
-        {_LOCAL.sub(lambda m: f"{m[1]}{int(m[2]) % n_local}{m[3]}", n) for n in experts},
-        key=lambda n: order.get(ren0(n), -1),
-    )
-    shapes = {n: tuple(module[n].shape) for n in dense}
-    for n in local:
-        shapes[n] = experts[ren0(n)].shape
-    state: dict[str, dict[str, Any]] = {}
-    steps: list[int] = []
-    lrs: dict[int, tuple[float, ...]] = {}
-    groups0: list[dict] = []
-    out_groups: list[dict[str, tuple[int, ...]]] = []
-    for e, p in sorted(expp.items()):
-        obj = cache.load(p).obj
-        osd = obj.get("optimizer") if isinstance(obj, dict) else None
-        if not isinstance(osd, dict) or not isinstance(osd.get("state"), dict):
-            raise CorruptCheckpoint(f"{p.name} holds no optimizer state", path=p, hint="re-copy it")
-        groups = [g for g in osd.get("param_groups") or [] if isinstance(g, dict)]
-        gids = [list(g.get("params") or []) for g in groups]
-        id_shapes = {
-            i: next((tuple(v.shape) for v in s.values() if isinstance(v, TensorRef) and v.numel > 1), None)
-            for i, s in osd["state"].items()
-            if isinstance(s, dict)
-        }
-        # the MoE groups hold exactly this rank's experts and the others the rest: matched apart, so that a
-        # bias of one kind is never taken for the other's
-        ids: dict[Any, str] = {}
-        for is_moe, names in ((False, dense), (True, local)):
-            part = [gids[gi] for gi in range(len(groups)) if _is_moe(groups[gi]) == is_moe]
-            got = match_param_ids(part, id_shapes, names, shapes)
-            if got is None:
-                raise UnsupportedCheckpoint(
-                    f"{p.name}: the optimizer's {sum(map(len, part))} "
-                    f"{'MoE' if is_moe else 'non-MoE'} parameter ids do not map onto the "
-                    f"{len(names)} {'expert' if is_moe else 'non-expert'} parameters of this "
-                    "rank by group and shape",
-                    path=p,
-                )
-            ids.update(got)
-        ren = _rename(e, n_local)
-        rel = cache.rel(p)
-        lrs[e] = tuple(float(g["lr"]) for g in groups if isinstance(g.get("lr"), (int, float)))
-        if e == 0:
-            groups0 = groups
-            out_groups = [{} for _ in groups]
-        for gi, glist in enumerate(gids):
-            for i in glist:
-                name = ids[i]
-                if not _is_moe(groups[gi]) and e > 0:
-                    continue
-                gname = ren(name) if _is_moe(groups[gi]) else name
-                entry: dict[str, Any] = {"param_group": gi, "_file": rel}
-                s = osd["state"].get(i) if isinstance(osd["state"].get(i), dict) else {}
-                for k in ("exp_avg", "exp_avg_sq"):
-                    if isinstance(s.get(k), TensorRef):
-                        entry[k] = tensor_node(s[k], rel, {"ep": e})
-                st = s.get("step")
-                st = st.item() if isinstance(st, TensorRef) and st.numel == 1 else st
-                if as_int(st) is not None:
-                    entry["step"] = as_int(st)
-                    steps.append(as_int(st))
-                state[gname] = entry
-                if gi < len(out_groups):
-                    out_groups[gi][gname] = experts[gname].shape if gname in experts else shapes[name]
-        ext.files.append(C.file_info(p, root, "optimizer", {"ep": e}))
+    return ep, gates
+
+
+def _expp_ids(p: Path, obj: Any, dense: list[str], local: list[str], shapes: dict) -> tuple[dict, list, list, dict]:
+    """(the optimizer state dict of one expp_rank file, its param groups, their param ids, id -> local name): the
+    MoE groups hold exactly this rank's experts and the others the rest, matched apart by group and shape, so
+    that a bias of one kind is never taken for the other's."""
+    osd = obj.get("optimizer") if isinstance(obj, dict) else None
+    if not isinstance(osd, dict) or not isinstance(osd.get("state"), dict):
+        raise CorruptCheckpoint(f"{p.name} holds no optimizer state", path=p, hint="re-copy it")
+    groups = [g for g in osd.get("param_groups") or [] if isinstance(g, dict)]
+    gids = [list(g.get("params") or []) for g in groups]
+    id_shapes = {
+        i: next((tuple(v.shape) for v in s.values() if isinstance(v, TensorRef) and v.numel > 1), None)
+        for i, s in osd["state"].items()
+        if isinstance(s, dict)
+    }
+    ids: dict[Any, str] = {}
+    for is_moe, names in ((False, dense), (True, local)):
+        part = [gids[gi] for gi in range(len(groups)) if _is_moe(groups[gi]) == is_moe]
+        got = match_param_ids(part, id_shapes, names, shapes)
+        if got is None:
+            raise UnsupportedCheckpoint(
+                f"{p.name}: the optimizer's {sum(map(len, part))} "
+                f"{'MoE' if is_moe else 'non-MoE'} parameter ids do not map onto the "
+                f"{len(names)} {'expert' if is_moe else 'non-expert'} parameters of this "
+                "rank by group and shape",
+                path=p,
+            )
+        ids.update(got)
+    return osd, groups, gids, ids
+
+
+def _lost_state(state: dict[str, dict[str, Any]]) -> list[Warning_]:
+    """Parameters without the Adam state the others have, per file (each entry's `_file`, removed here)."""
     kinds = {k for e in state.values() for k in ("exp_avg", "exp_avg_sq") if k in e}
     lost: dict[str, list[str]] = {}
     for name, e in state.items():
@@ -461,10 +488,7 @@ def _expp_optimizer(ext, expp: dict[int, Path], module, experts, cache, root) ->
     ]
     for e in state.values():
         del e["_file"]
-    ext.optimizer = D.ZeroOptimizer(0, state, groups0, steps, lrs, {}, warnings=problems)
-    ext.groups, ext.ep = out_groups, ep
-    moe = [i for i, g in enumerate(groups0) if _is_moe(g)]
-    _set_experts(ext, gates[0], ep, len(out_groups), moe)
+    return problems
 
 
 def training_state(ck: Checkpoint):

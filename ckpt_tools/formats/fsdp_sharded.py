@@ -152,6 +152,10 @@ def _merge(objs: dict[int, Any], key: str, cache: C.LoadCache, files: dict[int, 
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
+    """The folder of per-rank `torch.save` files at `path` (`rank0.pt`, ...). Reads every rank file inert (each
+    holds the whole training dict with ShardedTensors recorded, not unpickled by torch) and assembles one lazy
+    TensorNode per sharded tensor from the local shards of all of them; unsharded values come from the lowest
+    rank's file. Training state: read-only here (no `training_state`)."""
     if not path.is_dir():
         raise NotACheckpoint("FSDP sharded checkpoints are folders of per-rank files", path=path)
     pattern, files = _rank_files(path)

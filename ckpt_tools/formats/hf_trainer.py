@@ -25,7 +25,10 @@ from typing import Any
 from ..errors import CorruptCheckpoint, NotACheckpoint
 from ..read.meta import meta_device
 from ..read.tree import Checkpoint, Counters, GroupNode, Topology, ValueNode, Warning_, iter_tensors, to_node
+from ..read.state import StateMap, StateSource
 from . import _common as C
+from . import dcp, deepspeed, deepspeed_moe, safetensors_file, torch_file
+from .deepspeed import tag_state_sources
 
 FORMAT = "hf_trainer"
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -70,6 +73,13 @@ def last_logged(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001
+    """The Trainer `checkpoint-N` folder at `path`, or the newest one of an output_dir. Reads `trainer_state.json`,
+    the weights through `safetensors_file.open` (headers only) or `torch_file.open` (`pytorch_model.bin`, inert),
+    `optimizer.pt` / `scheduler.pt`, `rng_state*.pth` and `training_args.bin` inert, `config.json` /
+    `generation_config.json` only parsed as JSON; a DeepSpeed tag folder inside (`global_stepN`) through
+    `deepspeed_moe.open_any`, FSDP DCP folders through `dcp.open` (metadata only). Tensors stay lazy. Training
+    state: `optimizer.pt` / `scheduler.pt` or the DeepSpeed tag folder's files, and trainer_state.json's
+    `global_step` (`training_state`)."""
     folder = path
     details: dict[str, Any] = {}
     if not _is_trainer_checkpoint(path):
@@ -85,127 +95,15 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     tree: dict[str, Any] = {}
     files = [C.file_info(folder / STATE_FILE, path, "trainer_state")]
     warnings: list[Warning_] = []
-    inner = None
-    from . import dcp, deepspeed_moe, safetensors_file, torch_file
-
-    if C.read_latest(folder) or any(folder.glob("global_step*/*model_states.pt")):
-        inner = deepspeed_moe.open_any(folder)
-        details["engine"] = f"deepspeed (tag {inner.details.get('tag')})"
-    fsdp_model = sorted(d for d in folder.glob("pytorch_model_fsdp_*") if d.is_dir())
-    if inner is None and fsdp_model:
-        inner = dcp.open(fsdp_model[0])
-        details["engine"] = f"fsdp ({fsdp_model[0].name})"
-        for od in sorted(d for d in folder.glob("optimizer_*") if d.is_dir()):
-            opt_ck = dcp.open(od)
-            for key, node in opt_ck.tree.children.items():
-                if key.startswith("optimizer"):
-                    tree.setdefault(key, node)
-            files += [replace(f, path=str(od.relative_to(path) / f.path)) for f in opt_ck.files]
-    if inner is not None:
-        for key in ("model", "optimizer", "scheduler", "counters", "config"):
-            if key in inner.tree.children:
-                tree.setdefault(key, inner.tree.children[key])
-        files += [replace(f, path=str(Path(inner.path).relative_to(path) / f.path)) for f in inner.files]
-        warnings += [w for w in inner.warnings if w.code not in ("stray-file", "step-mismatch")]
-
-    weights = None
-    if any(folder.glob("*.safetensors")):
-        weights = safetensors_file.open(folder)
-        files += [replace(f, path=str((folder / f.path).relative_to(path))) for f in weights.files]
-    elif (folder / "pytorch_model.bin").is_file():
-        weights = torch_file.open(folder / "pytorch_model.bin")
-        files.append(C.file_info(folder / "pytorch_model.bin", path, "model"))
-    if weights is not None and "model" in weights.tree.children:
-        tree["model"] = weights.tree.children["model"]
-
-    for name, role in (("optimizer.pt", "optimizer"), ("scheduler.pt", "scheduler")):
-        f = folder / name
-        if f.is_file():
-            _, optims, scheds, _rest = torch_file.split_training_dict({role: cache.load(f).obj})
-            torch_file.state_nodes(optims, scheds, tree, name, [])
-            files.append(C.file_info(f, path, role))
-    plain = [n for n in ("optimizer.pt", "scheduler.pt") if (folder / n).is_file()]
-    if len(plain) == 1 and inner is None:  # plain/DDP: both; DeepSpeed keeps the optimizer in its tag folder
-        gone = "scheduler.pt" if plain[0] == "optimizer.pt" else "optimizer.pt"
-        warnings.append(
-            Warning_(
-                "missing-state",
-                f"{plain[0]} is saved but {gone} is not: the Trainer writes both; "
-                f"a resume from this folder starts without {gone[:-3]} state",
-                str((folder / gone).relative_to(path)),
-            )
-        )
-    rng = sorted(
-        (p for p in folder.iterdir() if _RNG_RE.match(p.name)), key=lambda p: int(_RNG_RE.match(p.name)[1] or 0)
-    )
-    numbered = {int(_RNG_RE.match(p.name)[1]) for p in rng if _RNG_RE.match(p.name)[1] is not None}
-    if numbered:
-        # the Trainer writes rng_state.pth for one process and rng_state_{process_index}.pth for several: numbered
-        # files are 0..world-1 (world >= 2; a DeepSpeed engine inside says how many)
-        world = max(max(numbered) + 1, 2)
-        if inner is not None and inner.topology and inner.topology.dp:
-            world = max(world, inner.topology.dp * (inner.topology.tp or 1) * (inner.topology.pp or 1))
-        gone = [f"rng_state_{i}.pth" for i in range(world) if i not in numbered]
-        if gone:
-            warnings.append(
-                Warning_(
-                    "missing-state",
-                    f"{', '.join(gone)} missing ({world} processes saved RNG "
-                    "states): those ranks resume with fresh random streams",
-                    str((folder / gone[0]).relative_to(path)),
-                )
-            )
-    if rng:
-        tree["rng"] = GroupNode({p.stem: to_node(cache.load(p).obj, p.name) for p in rng})
-        files += [C.file_info(p, path, "rng", {"rank": int(_RNG_RE.match(p.name)[1] or 0)}) for p in rng]
-    if (folder / "training_args.bin").is_file():
-        # a pickled TrainingArguments: transformers classes, always; read inert without the unknown-global warning
-        args_obj = C.LoadCache(folder).load(folder / "training_args.bin").obj
-        tree["training_args"] = to_node(args_obj, "training_args.bin")
-        files.append(C.file_info(folder / "training_args.bin", path, "other"))
-    for name in ("config.json", "generation_config.json"):
-        if (folder / name).is_file():
-            files.append(C.file_info(folder / name, path, "config"))
-            try:
-                json.loads((folder / name).read_text())
-            except (OSError, ValueError) as e:
-                warnings.append(
-                    Warning_(
-                        "corrupt-file",
-                        f"{name} is not valid JSON ({e}): from_pretrained and `ckpt export --hf` cannot use it",
-                        str((folder / name).relative_to(path)),
-                    )
-                )
-    if not (folder / "config.json").is_file() and "model" in tree:
-        warnings.append(
-            Warning_(
-                "missing-state",
-                "config.json is missing: the Trainer saves the model's config "
-                "beside its weights; from_pretrained on this folder fails",
-                str((folder / "config.json").relative_to(path)),
-            )
-        )
+    inner = _inner(folder, path, tree, files, warnings, details)
+    weights = _weights(folder, path, tree, files)
+    _torch_state(folder, path, cache, tree, files, warnings, inner)
+    rng = _rng(folder, path, cache, tree, files, warnings, inner)
+    _side_files(folder, path, tree, files, warnings)
     client = {k: v for k, v in state.items() if k != "log_history"}
     client["log_history"] = f"{len(state.get('log_history') or [])} entries"
     tree["trainer_state"] = GroupNode({k: to_node(v, STATE_FILE) for k, v in client.items()})
-
-    counters, lrs, steps = C.training_header(tree)
-    opt_step = counters.optimizer_step
-    if opt_step is None and inner is not None:
-        opt_step = inner.counters.optimizer_step
-    if lrs.param_groups == () and inner is not None:
-        lrs = inner.lr
-    sched_epoch, sched_count = counters.scheduler_last_epoch, counters.scheduler_step_count
-    if sched_epoch is None and inner is not None:
-        sched_epoch, sched_count = inner.counters.scheduler_last_epoch, inner.counters.scheduler_step_count
-    gstep = state.get("global_step") if isinstance(state.get("global_step"), int) else None
-    counters = Counters(
-        global_step=gstep,
-        optimizer_step=opt_step,
-        scheduler_last_epoch=sched_epoch,
-        scheduler_step_count=sched_count,
-        skipped_steps=inner.counters.skipped_steps if inner is not None else None,
-    )
+    counters, lrs, steps = _counters(tree, state, inner)
     logged = last_logged(state)
     if logged:
         details["last_logged"] = logged
@@ -245,6 +143,151 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     )
 
 
+def _inner(folder: Path, path: Path, tree: dict, files: list, warnings: list, details: dict) -> Checkpoint | None:
+    """The DeepSpeed tag folder or FSDP DCP folders inside the checkpoint folder, or None; their model, optimizer,
+    scheduler, counters and config go into `tree`, their files into `files`."""
+    inner = None
+    if C.read_latest(folder) or any(folder.glob("global_step*/*model_states.pt")):
+        inner = deepspeed_moe.open_any(folder)
+        details["engine"] = f"deepspeed (tag {inner.details.get('tag')})"
+    fsdp_model = sorted(d for d in folder.glob("pytorch_model_fsdp_*") if d.is_dir())
+    if inner is None and fsdp_model:
+        inner = dcp.open(fsdp_model[0])
+        details["engine"] = f"fsdp ({fsdp_model[0].name})"
+        for od in sorted(d for d in folder.glob("optimizer_*") if d.is_dir()):
+            opt_ck = dcp.open(od)
+            for key, node in opt_ck.tree.children.items():
+                if key.startswith("optimizer"):
+                    tree.setdefault(key, node)
+            files += [replace(f, path=str(od.relative_to(path) / f.path)) for f in opt_ck.files]
+    if inner is not None:
+        for key in ("model", "optimizer", "scheduler", "counters", "config"):
+            if key in inner.tree.children:
+                tree.setdefault(key, inner.tree.children[key])
+        files += [replace(f, path=str(Path(inner.path).relative_to(path) / f.path)) for f in inner.files]
+        warnings += [w for w in inner.warnings if w.code not in ("stray-file", "step-mismatch")]
+    return inner
+
+
+def _weights(folder: Path, path: Path, tree: dict, files: list) -> Checkpoint | None:
+    """The saved weights (`*.safetensors` or `pytorch_model.bin`) as a Checkpoint of their own, or None; their
+    model goes into `tree`."""
+    weights = None
+    if any(folder.glob("*.safetensors")):
+        weights = safetensors_file.open(folder)
+        files += [replace(f, path=str((folder / f.path).relative_to(path))) for f in weights.files]
+    elif (folder / "pytorch_model.bin").is_file():
+        weights = torch_file.open(folder / "pytorch_model.bin")
+        files.append(C.file_info(folder / "pytorch_model.bin", path, "model"))
+    if weights is not None and "model" in weights.tree.children:
+        tree["model"] = weights.tree.children["model"]
+    return weights
+
+
+def _torch_state(folder, path, cache, tree, files, warnings, inner) -> None:
+    """`optimizer.pt` / `scheduler.pt` into `tree`; one saved without the other (plain/DDP) warned about."""
+    for name, role in (("optimizer.pt", "optimizer"), ("scheduler.pt", "scheduler")):
+        f = folder / name
+        if f.is_file():
+            _, optims, scheds, _rest = torch_file.split_training_dict({role: cache.load(f).obj})
+            torch_file.state_nodes(optims, scheds, tree, name, [])
+            files.append(C.file_info(f, path, role))
+    plain = [n for n in ("optimizer.pt", "scheduler.pt") if (folder / n).is_file()]
+    if len(plain) == 1 and inner is None:  # plain/DDP: both; DeepSpeed keeps the optimizer in its tag folder
+        gone = "scheduler.pt" if plain[0] == "optimizer.pt" else "optimizer.pt"
+        warnings.append(
+            Warning_(
+                "missing-state",
+                f"{plain[0]} is saved but {gone} is not: the Trainer writes both; "
+                f"a resume from this folder starts without {gone[:-3]} state",
+                str((folder / gone).relative_to(path)),
+            )
+        )
+
+
+def _rng(folder, path, cache, tree, files, warnings, inner) -> list[Path]:
+    """The `rng_state*.pth` files (read inert into `tree`), the numbered ones missing for a world warned about."""
+    rng = sorted(
+        (p for p in folder.iterdir() if _RNG_RE.match(p.name)), key=lambda p: int(_RNG_RE.match(p.name)[1] or 0)
+    )
+    numbered = {int(_RNG_RE.match(p.name)[1]) for p in rng if _RNG_RE.match(p.name)[1] is not None}
+    if numbered:
+        # the Trainer writes rng_state.pth for one process and rng_state_{process_index}.pth for several: numbered
+        # files are 0..world-1 (world >= 2; a DeepSpeed engine inside says how many)
+        world = max(max(numbered) + 1, 2)
+        if inner is not None and inner.topology and inner.topology.dp:
+            world = max(world, inner.topology.dp * (inner.topology.tp or 1) * (inner.topology.pp or 1))
+        gone = [f"rng_state_{i}.pth" for i in range(world) if i not in numbered]
+        if gone:
+            warnings.append(
+                Warning_(
+                    "missing-state",
+                    f"{', '.join(gone)} missing ({world} processes saved RNG "
+                    "states): those ranks resume with fresh random streams",
+                    str((folder / gone[0]).relative_to(path)),
+                )
+            )
+    if rng:
+        tree["rng"] = GroupNode({p.stem: to_node(cache.load(p).obj, p.name) for p in rng})
+        files += [C.file_info(p, path, "rng", {"rank": int(_RNG_RE.match(p.name)[1] or 0)}) for p in rng]
+    return rng
+
+
+def _side_files(folder: Path, path: Path, tree: dict, files: list, warnings: list) -> None:
+    """`training_args.bin` (inert) into `tree`; `config.json` / `generation_config.json` listed and checked to
+    parse, a missing config.json beside the weights warned about."""
+    if (folder / "training_args.bin").is_file():
+        # a pickled TrainingArguments: transformers classes, always; read inert without the unknown-global warning
+        args_obj = C.LoadCache(folder).load(folder / "training_args.bin").obj
+        tree["training_args"] = to_node(args_obj, "training_args.bin")
+        files.append(C.file_info(folder / "training_args.bin", path, "other"))
+    for name in ("config.json", "generation_config.json"):
+        if (folder / name).is_file():
+            files.append(C.file_info(folder / name, path, "config"))
+            try:
+                json.loads((folder / name).read_text())
+            except (OSError, ValueError) as e:
+                warnings.append(
+                    Warning_(
+                        "corrupt-file",
+                        f"{name} is not valid JSON ({e}): from_pretrained and `ckpt export --hf` cannot use it",
+                        str((folder / name).relative_to(path)),
+                    )
+                )
+    if not (folder / "config.json").is_file() and "model" in tree:
+        warnings.append(
+            Warning_(
+                "missing-state",
+                "config.json is missing: the Trainer saves the model's config "
+                "beside its weights; from_pretrained on this folder fails",
+                str((folder / "config.json").relative_to(path)),
+            )
+        )
+
+
+def _counters(tree: dict, state: dict, inner: Checkpoint | None) -> tuple[Counters, Any, list[int]]:
+    """(counters, LRs, the Adam steps seen): from the tree's optimizer and scheduler, else the inner checkpoint's;
+    the global step from trainer_state.json."""
+    counters, lrs, steps = C.training_header(tree)
+    opt_step = counters.optimizer_step
+    if opt_step is None and inner is not None:
+        opt_step = inner.counters.optimizer_step
+    if lrs.param_groups == () and inner is not None:
+        lrs = inner.lr
+    sched_epoch, sched_count = counters.scheduler_last_epoch, counters.scheduler_step_count
+    if sched_epoch is None and inner is not None:
+        sched_epoch, sched_count = inner.counters.scheduler_last_epoch, inner.counters.scheduler_step_count
+    gstep = state.get("global_step") if isinstance(state.get("global_step"), int) else None
+    counters = Counters(
+        global_step=gstep,
+        optimizer_step=opt_step,
+        scheduler_last_epoch=sched_epoch,
+        scheduler_step_count=sched_count,
+        skipped_steps=inner.counters.skipped_steps if inner is not None else None,
+    )
+    return counters, lrs, steps
+
+
 def checkpoint_folder(ck: Checkpoint) -> Path:
     """The `checkpoint-N` folder a Checkpoint of this format reads (the newest one of an output_dir)."""
     p = Path(ck.path)
@@ -254,9 +297,6 @@ def checkpoint_folder(ck: Checkpoint) -> Path:
 def training_state(ck: Checkpoint):
     """optimizer.pt / scheduler.pt, the DeepSpeed tag folder's state files, or the FSDP optimizer DCP folder;
     trainer_state.json's `global_step` (the loop counter `resume_from_checkpoint` continues from)."""
-    from ..read.state import StateMap, StateSource
-    from .deepspeed import tag_state_sources
-
     folder = checkpoint_folder(ck)
     # writes are planned against the output_dir, so backups and the journal land beside it, never among the
     # checkpoint-N folders that Trainer globs
@@ -279,8 +319,6 @@ def logical_layout(ck: Checkpoint) -> dict[str, Any]:
     """The model beyond its saved tensors (`ckpt_tools.view.logical`): under DeepSpeed, the tag folder's
     `shared_params` / frozen / buffer names; and the tied weights `config.json` implies (GPT-2's lm_head, left
     out of model.safetensors by `save_pretrained` when `tie_word_embeddings`)."""
-    from . import deepspeed
-
     folder = checkpoint_folder(ck)
     out: dict[str, Any] = {}
     tag = C.read_latest(folder)
@@ -317,7 +355,7 @@ def hf_model_layout(folder: Path) -> dict[str, Any]:
         return _HF_LAYOUTS[key]
     out: dict[str, Any] = {}
     try:
-        import transformers
+        import transformers  # lazy: transformers only to read a config's layout; an optional dependency
 
         config = transformers.AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
         with meta_device():

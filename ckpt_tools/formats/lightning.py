@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from ..read.state import StateMap
 from ..read.tree import Checkpoint, GroupNode, Topology, scalar
 from . import torch_file
 
@@ -25,6 +26,9 @@ def sniff(path: Path) -> bool:
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001
+    """The Lightning `.ckpt` file at `path`, read by `torch_file.open` (inert; tensors lazy); a file without a
+    Lightning version is returned as the plain torch file it is. Training state: the file, plus the loop-progress
+    counters that hold the global step (`training_state`)."""
     ck = torch_file.open(path)
     client = ck.tree.children.get("client_state")
     kids = client.children if isinstance(client, GroupNode) else {}
@@ -44,8 +48,6 @@ _OPTIM_STEPS = ("loops", "fit_loop", "epoch_loop.automatic_optimization.optim_pr
 def training_state(ck: Checkpoint):
     """The file, with the loop-progress counters that hold the global step: total and current
     ready/completed of the automatic optimizer steps (current only where it equals total: the same epoch)."""
-    from ..read.state import StateMap
-
     base = torch_file.training_state(ck)
     if ck.format != FORMAT:
         return base

@@ -27,14 +27,16 @@ one's buckets one domain per EP rank), each with its own sharded param groups.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpoint, NotACheckpoint, UnsupportedCheckpoint
+from ..read.state import StateMap, StateSource
 from ..read.tree import (
     Checkpoint,
     Counters,
@@ -147,140 +149,38 @@ def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+@dataclass
+class _Optimizers:
+    """The optimizer(s) common.pt (or the DCP's sharded objects) hold: the inner optimizers of a chained one, all
+    their param groups (`owner`: which inner optimizer each group belongs to), each inner one's Adam step, and the
+    step the checkpoint shows (None where they disagree or none is found)."""
+
+    inner: list
+    groups: list
+    owner: list
+    inner_steps: list
+    found_steps: list
+    step: int | None
+    lost: list  # the inner optimizers without a common step (plain Adam only)
+
+
 def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
-    found = _locate(path)
-    if found is None:
-        raise NotACheckpoint("no Megatron-LM torch_dist iteration (.metadata + common.pt + metadata.json)", path=path)
-    root, it, tag = found
-    base = dcp.open(it)
-    cache = C.LoadCache(root)
-    common = cache.load(it / COMMON).obj
-    if not isinstance(common, dict):
-        raise CorruptCheckpoint("common.pt does not hold a dict", path=it / COMMON)
-    args = args_of(common)
-    if not args:
-        raise CorruptCheckpoint(
-            "common.pt holds no `args`", path=it / COMMON, hint="Megatron-LM saves its launch arguments in common.pt"
-        )
-    megatron_lm.refuse_grouped_gemm(args, it)
+    """The torch_dist iteration at `path` (the run folder, read through `latest_checkpointed_iteration.txt`, or the
+    `iter_N` folder itself). Reads the DCP `.metadata` through `dcp.open` (metadata only: every tensor stays a lazy
+    range of a `.distcp` file), `common.pt` through the safe reader, and `metadata.json` when sniffing; the
+    distributed optimizer's param groups are one pickled sharded object read out of a `.distcp` file. The stacked
+    layer (and expert) axes are unstacked into one lazy TensorNode per layer (expert), the optimizer state attached
+    to its parameter. Training state: `common.pt` (param groups, scheduler) and, with the distributed optimizer,
+    the sharded param-groups object in the DCP (`training_state`)."""
+    root, it, tag, base, cache, common, args = _read_iteration(path)
     layers = as_int(args.get("num_layers")) or 0
-    tensors = {
-        k: v for k, v in _flat(base.tree.children.get("model", GroupNode({}))).items() if isinstance(v, TensorNode)
-    }
-    # MoE runs with the distributed optimizer chain a dense and an expert one: their keys carry a chained_N. prefix
-    chains = sorted({int(m[1]) for k in tensors if (m := _CHAINED_DIST.match(k))})
-    other = sorted(
-        {k.split(".", 1)[0] for k in tensors if re.match(r"chained_\d+\.", k) and not _CHAINED_DIST.match(k)}
-    )
-    if other:
-        raise UnsupportedCheckpoint(
-            f"a Megatron-LM torch_dist checkpoint with chained optimizer state ckpt does not know "
-            f"({', '.join(other)}: not a distributed optimizer's buckets): not mapped",
-            path=it,
-        )
-    # never a weight: any optimizer key (a prefix ckpt does not know still names an `optimizer.` segment)
-    weights = {k: v for k, v in tensors.items() if not k.startswith("optimizer.") and ".optimizer." not in f".{k}"}
     experts = as_int(args.get("num_experts")) or 0
-    model = _unstack(weights, layers, it, experts)
-    state: dict[str, dict[str, Any]] = {}
-    for key, node in tensors.items():
-        if key.startswith(_STATE):
-            kind, _, pname = key[len(_STATE) :].partition(".")
-            for name, part in _unstack({pname: node}, layers, it, experts).items():
-                state.setdefault(name, {})["fp32" if kind == "fp32_param" else kind] = part
-    distributed = {k: v for k, v in tensors.items() if k.startswith(_DIST) or _CHAINED_DIST.match(k)}
-    mapped = _map_buckets(distributed, model, it, args) if distributed and not state else None
-    if mapped is not None:
-        state = {n: mapped[n] for n in model}  # shown in model order (the buckets hold them in reverse)
-    # plain Adam: Megatron's wrapper around torch's state dict, or a ChainedOptimizer's inner ones (MoE at EP > 1:
-    # dense, expert; `optimizer[0]`, `optimizer[1]`), each with its own param groups and common step
-    inner = megatron_lm.inner_optimizers(common.get("optimizer"))
-    groups, owner, inner_steps = [], [], []
-    for k, osd in enumerate(inner):
-        mine = [g for g in osd.get("param_groups") or [] if isinstance(g, dict)]
-        groups += mine
-        owner += [k] * len(mine)
-        inner_steps.append(_common_step(osd))
-    if not groups and distributed and chains:
-        # each inner distributed optimizer's groups in a sharded object of its own (dense, then expert), each with
-        # Adam's step; common.pt's `optimizer` holds only each one's sharding type
-        inner, owner, inner_steps = [], [], []
-        for k, c in enumerate(chains):
-            mine = _sharded_param_groups(it, f"chained_{c}.{_DIST}")
-            inner.append({"param_groups": mine})
-            groups += mine
-            owner += [k] * len(mine)
-            seen = {as_int(g.get("step")) for g in mine}
-            inner_steps.append(seen.pop() if len(seen) == 1 else None)
-    elif not groups and distributed:
-        groups = _sharded_param_groups(it)
-    found_steps = [x for x in inner_steps if x is not None]
-    step = found_steps[0] if found_steps and len(set(found_steps)) == 1 else None
-    group_steps = {as_int(g.get("step")) for g in groups}
-    if step is None and mapped is not None and len(group_steps) == 1:
-        step = next(iter(group_steps))  # the distributed optimizer keeps Adam's step in its param groups
-
+    tensors, chains = _dcp_tensors(base, it)
+    model, state, distributed, mapped = _model_and_state(tensors, layers, experts, it, args)
+    opt = _optimizers(common, it, distributed, chains, mapped)
     warnings = [w for w in base.warnings if w.code not in ("megatron-torch-dist", "unread-files")]
-    orphan = sorted(set(state) - set(model))
-    if orphan:
-        warnings.append(
-            Warning_(
-                "declared-mismatch",
-                f"optimizer state for {len(orphan)} name(s) the model does not "
-                f"hold ({', '.join(orphan[:4])}{' …' if len(orphan) > 4 else ''})",
-                ".metadata",
-            )
-        )
-    lacking = sorted(n for n in model if state and n not in state)
-    if lacking and not distributed:
-        warnings.append(
-            Warning_(
-                "declared-mismatch",
-                f"{len(lacking)} parameter(s) without optimizer state while the "
-                f"others have it ({', '.join(lacking[:4])}{' …' if len(lacking) > 4 else ''})",
-                ".metadata",
-            )
-        )
-    warnings += group_warnings(groups, {n: tuple(t.shape) for n, t in model.items()}, args, COMMON)
-    # the distributed optimizer keeps its step in its param groups, not in common.pt's state
-    lost = [k for k, x in enumerate(inner_steps) if x is None] if not distributed else []
-    if state and not distributed and (step is None and not found_steps or lost):
-        which = f" of inner optimizer {', '.join(map(str, lost))} (of {len(inner)})" if len(inner) > 1 else ""
-        warnings.append(
-            Warning_(
-                "optimizer-state-missing",
-                f"common.pt holds no Adam step{which} (optimizer.state."
-                "common_step) beside the saved moments: a resume restarts bias correction",
-                COMMON,
-            )
-        )
-    tree: dict[str, Any] = {"model": GroupNode(model)}
-    opt_children: dict[str, Any] = {}
-    if state:
-        # common.pt's param groups list no members: Megatron re-derives them at load, by its default rule
-        rule = group_rule(groups, args)
-        member = {n: rule(n, model[n].shape) for n in state if n in model} if rule else {}
-
-        def step_of(n: str) -> int | None:  # a chained optimizer's inner ones each keep their own step
-            if len(inner) > 1 and member.get(n) is not None and member[n] < len(owner):
-                return inner_steps[owner[member[n]]]
-            return None if lost else step  # which inner optimizer holds it is not known: not guessed
-
-        kids = {
-            n: GroupNode(
-                {
-                    **s,
-                    **({"step": ValueNode(step_of(n))} if step_of(n) is not None else {}),
-                    **({"param_group": ValueNode(member[n])} if member.get(n) is not None else {}),
-                }
-            )
-            for n, s in state.items()
-        }
-        opt_children["state"] = GroupNode(kids)
-    opt_children["param_groups"] = GroupNode(
-        {str(i): GroupNode({k: to_node(v, COMMON) for k, v in g.items()}) for i, g in enumerate(groups)}
-    )
-    tree["optimizer"] = GroupNode(opt_children)
+    warnings += _state_warnings(model, state, distributed, opt, args)
+    tree = _tree(model, state, distributed, mapped, opt, args)
     if distributed and mapped is None:
         tree["distributed_optimizer"] = GroupNode(distributed)
         warnings.append(
@@ -307,7 +207,198 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     if rest is not None:
         tree["client_state"] = rest
     warnings += cache.warnings()
+    return _checkpoint(root, it, tag, base, common, args, sched, model, tree, opt, warnings, distributed, mapped)
 
+
+def _read_iteration(path: Path) -> tuple[Path, Path, str | None, Checkpoint, C.LoadCache, dict, dict]:
+    """(run folder, iteration folder, tag, the DCP opened by `dcp.open`, the load cache, common.pt's dict, its
+    `args`), refusing what is not a torch_dist iteration, a common.pt without args and grouped-GEMM experts."""
+    found = _locate(path)
+    if found is None:
+        raise NotACheckpoint("no Megatron-LM torch_dist iteration (.metadata + common.pt + metadata.json)", path=path)
+    root, it, tag = found
+    base = dcp.open(it)
+    cache = C.LoadCache(root)
+    common = cache.load(it / COMMON).obj
+    if not isinstance(common, dict):
+        raise CorruptCheckpoint("common.pt does not hold a dict", path=it / COMMON)
+    args = args_of(common)
+    if not args:
+        raise CorruptCheckpoint(
+            "common.pt holds no `args`", path=it / COMMON, hint="Megatron-LM saves its launch arguments in common.pt"
+        )
+    megatron_lm.refuse_grouped_gemm(args, it)
+    return root, it, tag, base, cache, common, args
+
+
+def _dcp_tensors(base: Checkpoint, it: Path) -> tuple[dict[str, TensorNode], list[int]]:
+    """The DCP's tensors by flat key, and the chained distributed optimizers' indexes (MoE runs with the distributed
+    optimizer chain a dense and an expert one: their keys carry a chained_N. prefix); other chained state is
+    refused."""
+    tensors = {
+        k: v for k, v in _flat(base.tree.children.get("model", GroupNode({}))).items() if isinstance(v, TensorNode)
+    }
+    chains = sorted({int(m[1]) for k in tensors if (m := _CHAINED_DIST.match(k))})
+    other = sorted(
+        {k.split(".", 1)[0] for k in tensors if re.match(r"chained_\d+\.", k) and not _CHAINED_DIST.match(k)}
+    )
+    if other:
+        raise UnsupportedCheckpoint(
+            f"a Megatron-LM torch_dist checkpoint with chained optimizer state ckpt does not know "
+            f"({', '.join(other)}: not a distributed optimizer's buckets): not mapped",
+            path=it,
+        )
+    return tensors, chains
+
+
+def _model_and_state(
+    tensors: dict[str, TensorNode], layers: int, experts: int, it: Path, args: dict
+) -> tuple[dict[str, TensorNode], dict[str, dict[str, Any]], dict[str, TensorNode], dict | None]:
+    """(the weights unstacked per layer/expert, the plain optimizer's state per parameter, the distributed
+    optimizer's flat buckets, those buckets mapped per parameter or None)."""
+    # never a weight: any optimizer key (a prefix ckpt does not know still names an `optimizer.` segment)
+    weights = {k: v for k, v in tensors.items() if not k.startswith("optimizer.") and ".optimizer." not in f".{k}"}
+    model = _unstack(weights, layers, it, experts)
+    state: dict[str, dict[str, Any]] = {}
+    for key, node in tensors.items():
+        if key.startswith(_STATE):
+            kind, _, pname = key[len(_STATE) :].partition(".")
+            for name, part in _unstack({pname: node}, layers, it, experts).items():
+                state.setdefault(name, {})["fp32" if kind == "fp32_param" else kind] = part
+    distributed = {k: v for k, v in tensors.items() if k.startswith(_DIST) or _CHAINED_DIST.match(k)}
+    mapped = _map_buckets(distributed, model, it, args) if distributed and not state else None
+    if mapped is not None:
+        state = {n: mapped[n] for n in model}  # shown in model order (the buckets hold them in reverse)
+    return model, state, distributed, mapped
+
+
+def _optimizers(common: dict, it: Path, distributed: dict, chains: list[int], mapped: dict | None) -> _Optimizers:
+    """The param groups and Adam steps: plain Adam keeps Megatron's wrapper around torch's state dict in common.pt,
+    or a ChainedOptimizer's inner ones (MoE at EP > 1: dense, expert; `optimizer[0]`, `optimizer[1]`), each with its
+    own param groups and common step; the distributed optimizer keeps them in sharded objects of the DCP."""
+    inner = megatron_lm.inner_optimizers(common.get("optimizer"))
+    groups, owner, inner_steps = [], [], []
+    for k, osd in enumerate(inner):
+        mine = [g for g in osd.get("param_groups") or [] if isinstance(g, dict)]
+        groups += mine
+        owner += [k] * len(mine)
+        inner_steps.append(_common_step(osd))
+    if not groups and distributed and chains:
+        # each inner distributed optimizer's groups in a sharded object of its own (dense, then expert), each with
+        # Adam's step; common.pt's `optimizer` holds only each one's sharding type
+        inner, owner, inner_steps = [], [], []
+        for k, c in enumerate(chains):
+            mine = _sharded_param_groups(it, f"chained_{c}.{_DIST}")
+            inner.append({"param_groups": mine})
+            groups += mine
+            owner += [k] * len(mine)
+            seen = {as_int(g.get("step")) for g in mine}
+            inner_steps.append(seen.pop() if len(seen) == 1 else None)
+    elif not groups and distributed:
+        groups = _sharded_param_groups(it)
+    found_steps = [x for x in inner_steps if x is not None]
+    step = found_steps[0] if found_steps and len(set(found_steps)) == 1 else None
+    group_steps = {as_int(g.get("step")) for g in groups}
+    if step is None and mapped is not None and len(group_steps) == 1:
+        step = next(iter(group_steps))  # the distributed optimizer keeps Adam's step in its param groups
+    # the distributed optimizer keeps its step in its param groups, not in common.pt's state
+    lost = [k for k, x in enumerate(inner_steps) if x is None] if not distributed else []
+    return _Optimizers(inner, groups, owner, inner_steps, found_steps, step, lost)
+
+
+def _state_warnings(
+    model: dict[str, TensorNode], state: dict, distributed: dict, opt: _Optimizers, args: dict
+) -> list[Warning_]:
+    """Optimizer state without a parameter or parameters without it, the param groups against the model, and a
+    plain optimizer saved without its Adam step."""
+    warnings = []
+    orphan = sorted(set(state) - set(model))
+    if orphan:
+        warnings.append(
+            Warning_(
+                "declared-mismatch",
+                f"optimizer state for {len(orphan)} name(s) the model does not "
+                f"hold ({', '.join(orphan[:4])}{' …' if len(orphan) > 4 else ''})",
+                ".metadata",
+            )
+        )
+    lacking = sorted(n for n in model if state and n not in state)
+    if lacking and not distributed:
+        warnings.append(
+            Warning_(
+                "declared-mismatch",
+                f"{len(lacking)} parameter(s) without optimizer state while the "
+                f"others have it ({', '.join(lacking[:4])}{' …' if len(lacking) > 4 else ''})",
+                ".metadata",
+            )
+        )
+    warnings += group_warnings(opt.groups, {n: tuple(t.shape) for n, t in model.items()}, args, COMMON)
+    if state and not distributed and (opt.step is None and not opt.found_steps or opt.lost):
+        which = (
+            f" of inner optimizer {', '.join(map(str, opt.lost))} (of {len(opt.inner)})" if len(opt.inner) > 1 else ""
+        )
+        warnings.append(
+            Warning_(
+                "optimizer-state-missing",
+                f"common.pt holds no Adam step{which} (optimizer.state."
+                "common_step) beside the saved moments: a resume restarts bias correction",
+                COMMON,
+            )
+        )
+    return warnings
+
+
+def _tree(
+    model: dict[str, TensorNode], state: dict, distributed: dict, mapped: dict | None, opt: _Optimizers, args: dict
+) -> dict[str, Any]:
+    """The tree's `model` and `optimizer` (state per parameter with its step and param group; the param groups)."""
+    tree: dict[str, Any] = {"model": GroupNode(model)}
+    opt_children: dict[str, Any] = {}
+    if state:
+        # common.pt's param groups list no members: Megatron re-derives them at load, by its default rule
+        rule = group_rule(opt.groups, args)
+        member = {n: rule(n, model[n].shape) for n in state if n in model} if rule else {}
+
+        def step_of(n: str) -> int | None:  # a chained optimizer's inner ones each keep their own step
+            if len(opt.inner) > 1 and member.get(n) is not None and member[n] < len(opt.owner):
+                return opt.inner_steps[opt.owner[member[n]]]
+            return None if opt.lost else opt.step  # which inner optimizer holds it is not known: not guessed
+
+        kids = {
+            n: GroupNode(
+                {
+                    **s,
+                    **({"step": ValueNode(step_of(n))} if step_of(n) is not None else {}),
+                    **({"param_group": ValueNode(member[n])} if member.get(n) is not None else {}),
+                }
+            )
+            for n, s in state.items()
+        }
+        opt_children["state"] = GroupNode(kids)
+    opt_children["param_groups"] = GroupNode(
+        {str(i): GroupNode({k: to_node(v, COMMON) for k, v in g.items()}) for i, g in enumerate(opt.groups)}
+    )
+    tree["optimizer"] = GroupNode(opt_children)
+    return tree
+
+
+def _checkpoint(
+    root: Path,
+    it: Path,
+    tag: str | None,
+    base: Checkpoint,
+    common: dict,
+    args: dict,
+    sched: dict | None,
+    model: dict[str, TensorNode],
+    tree: dict[str, Any],
+    opt: _Optimizers,
+    warnings: list[Warning_],
+    distributed: dict,
+    mapped: dict | None,
+) -> Checkpoint:
+    """The Checkpoint: files, topology, LRs (and the scheduler's next one), counters and details."""
+    groups = opt.groups
     prefix = "" if it == root else f"{it.name}/"
     files = [replace(f, path=prefix + f.path) for f in base.files]
     files += [C.file_info(it / COMMON, root, "optimizer"), C.file_info(it / META, root, "config")]
@@ -316,13 +407,45 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     lrs = tuple(float(g["lr"]) for g in groups if isinstance(g.get("lr"), (int, float)))
     max_lrs = tuple(float(g["max_lr"]) for g in groups if isinstance(g.get("max_lr"), (int, float)))
     nxt = tuple(next_lr(sched, g, args) for g in groups) if sched and groups else ()
-    steps = found_steps or (
-        [step] if step is not None else [as_int(g.get("step")) for g in groups if as_int(g.get("step")) is not None]
+    steps = opt.found_steps or (
+        [opt.step]
+        if opt.step is not None
+        else [as_int(g.get("step")) for g in groups if as_int(g.get("step")) is not None]
     )
     counters = Counters(
         global_step=as_int(common.get("iteration")), optimizer_step=steps[0] if steps and len(set(steps)) == 1 else None
     )
     warnings += C.counter_warnings(counters, optimizer_steps_seen=steps)
+    details = _details(common, args, sched, model, opt, distributed, mapped, nxt)
+    return Checkpoint(
+        format=FORMAT,
+        path=str(root),
+        topology=megatron_lm.topology(args, as_int(args.get("data_parallel_size")), tp, pp),
+        tree=GroupNode(tree),
+        counters=counters,
+        lr=LearningRates(param_groups=lrs, base_lrs=max_lrs or None, last_lr=nxt or None),
+        parameter_count=sum(n.numel for n in model.values()),
+        parameter_tensors=len(model),
+        files=tuple(files),
+        warnings=tuple(warnings),
+        dtypes=tuple(sorted({n.dtype for n in model.values()})),
+        details={"tag": tag, **details},
+    )
+
+
+def _details(
+    common: dict,
+    args: dict,
+    sched: dict | None,
+    model: dict[str, TensorNode],
+    opt: _Optimizers,
+    distributed: dict,
+    mapped: dict | None,
+    nxt: tuple,
+) -> dict[str, Any]:
+    """What `ckpt inspect` prints under details: iteration, the optimizer's kind, the layer axis, experts, scheduler."""
+    layers = as_int(args.get("num_layers")) or 0
+    experts = as_int(args.get("num_experts")) or 0
     details = {
         "iteration": common.get("iteration"),
         "checkpoint_version": common.get("checkpoint_version"),
@@ -340,7 +463,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
             if distributed
             else "Adam (per-parameter state)"
         )
-        + megatron_lm.chained_note(groups, len(inner)),
+        + megatron_lm.chained_note(opt.groups, len(opt.inner)),
         "layers": f"stacked on a leading axis of {layers} in the files; shown per layer"
         + (f", the routed experts on a second axis of {experts} (global expert ids)" if experts else ""),
         "tp_replicas": "Megatron's torch_dist saves each TP-replicated tensor once (one replica id), so the "
@@ -354,20 +477,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
             f"{sched.get('lr_decay_style')}, warmup {sched.get('lr_warmup_steps')}, decay "
             f"{sched.get('lr_decay_steps')}; next LR {', '.join(f'{x:.6g}' for x in nxt)}"
         )
-    return Checkpoint(
-        format=FORMAT,
-        path=str(root),
-        topology=megatron_lm.topology(args, as_int(args.get("data_parallel_size")), tp, pp),
-        tree=GroupNode(tree),
-        counters=counters,
-        lr=LearningRates(param_groups=lrs, base_lrs=max_lrs or None, last_lr=nxt or None),
-        parameter_count=sum(n.numel for n in model.values()),
-        parameter_tensors=len(model),
-        files=tuple(files),
-        warnings=tuple(warnings),
-        dtypes=tuple(sorted({n.dtype for n in model.values()})),
-        details={"tag": tag, **details},
-    )
+    return details
 
 
 def _map_buckets(
@@ -538,7 +648,7 @@ def _shard_head(node: TensorNode, rule: str, t: int, tp: int, k: int) -> bytes:
     """The bytes of the first `k` elements (flattened) of TP rank `t`'s shard of the global tensor `node`, as
     `megatron_lm._rule`'s merge splits it (SwiGLU's cat_sub:0: the rank's slice of the gate, then of the up
     projection), read as ranges of the global tensor."""
-    import numpy as np
+    import numpy as np  # lazy: numpy only where tensor bytes are compared; importing formats stays numpy-free
 
     shape, numel = node.shape, node.numel
     if rule == "replicated":
@@ -568,8 +678,6 @@ def _range(
 ) -> TensorNode:
     """Elements [start, start+n) of a tensor's flat elements as a node of `shape`, its pieces re-based (`starts`:
     the pieces' sorted dst offsets; `rank`: coordinates added to each piece's, e.g. the layer)."""
-    import bisect
-
     every, end = flat.pieces, start + n
     lo, hi = max(bisect.bisect_right(starts, start) - 1, 0), bisect.bisect_left(starts, end)
     taken = [p for p in every[lo:hi] if p.numel and p.dst_offset + p.numel > start]  # those reaching into [start, end)
@@ -598,9 +706,7 @@ def _sharded_param_groups(it: Path, prefix: str = _DIST) -> list[dict]:
     """The distributed optimizer's param groups, saved as one sharded object (`optimizer.distributed.
     dp_group_idx_N.optimizer/shard_…`: [{param_groups: [...]}]) in the DCP: small pickled items, read inert.
     `prefix`: a chained inner optimizer's keys (`chained_1.optimizer.distributed.`)."""
-    from .dcp import DcpItems
-
-    folder = DcpItems(it)
+    folder = dcp.DcpItems(it)
     tops = tuple(k for k in folder.sdm if k.startswith(prefix) and ".optimizer/shard_" in k)
     obj, _index = folder.state_tree(tops)  # the optimizer's object only, not every small item again
     per_domain: list[list[dict]] = []
@@ -622,8 +728,6 @@ def _sharded_param_groups(it: Path, prefix: str = _DIST) -> list[dict]:
 def training_state(ck: Checkpoint):
     """common.pt holds the plain optimizer's param groups and the scheduler; the distributed optimizer's param groups
     are in a sharded object of the DCP, which ckpt does not edit yet."""
-    from ..read.state import StateMap, StateSource
-
     root = Path(ck.path)
     common = next(f.path for f in ck.files if f.path.endswith(COMMON))
     sources = [StateSource(root / common, common)]

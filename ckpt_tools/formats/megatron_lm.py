@@ -35,26 +35,29 @@ None where the rank does not save that inner one), read inner optimizer by inner
 Where the training state lives: every rank file holds the same param groups (`max_lr`/`min_lr` drive the LR: Megatron
 recomputes it every step from them and `opt_param_scheduler.num_steps`) and its own copy of the scheduler, so an
 edit goes to every rank file (`training_state`). The distributed optimizer's flat buffers (`distrib_optim.pt`) are
-mapped to parameters by Megatron's buffer layout, confirmed by the weights (`_distopt_entries`); where that cannot be
-confirmed they are shown as saved (`not-mapped`) and commands that need per-parameter optimizer state refuse.
+mapped to parameters by Megatron's buffer layout, confirmed by the weights (`_distopt_entries`, in
+formats/_megatron_lm_optimizer.py with the rest of the optimizer reading); where that cannot be confirmed they are
+shown as saved (`not-mapped`) and commands that need per-parameter optimizer state refuse.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpoint, MissingFile, NotACheckpoint, UnsupportedCheckpoint
-from ..read.pickle_reader import Opaque, TensorRef
+from ..read.pickle_reader import TensorRef
+from ..read.state import StateMap, StateSource
 from ..read.tp_layout import merged_shape
+from ..schedules.megatron import lr_at
 from ..read.tree import (
     Checkpoint,
     Counters,
     GroupNode,
     LearningRates,
-    Piece,
     TensorNode,
     Topology,
     ValueNode,
@@ -64,12 +67,23 @@ from ..read.tree import (
     to_node,
 )
 from . import _common as C
-from .torch_file import match_param_ids
+from ._megatron_lm_optimizer import (  # noqa: F401  (re-exported: callers import them from here)
+    DISTRIB,
+    RANK_FILE,
+    _inner_parts,
+    _optimizer,
+    args_of,
+    declared_groups,
+    distopt_layout,
+    expert_parallel,
+    group_rule,
+    group_warnings,
+    inner_optimizers,
+    missing_groups,
+)
 
 FORMAT = "megatron_legacy"
 LATEST = "latest_checkpointed_iteration.txt"
-RANK_FILE = "model_optim_rng.pt"
-DISTRIB = "distrib_optim.pt"
 #: mp_rank_TT, mp_rank_TT_PPP (pipeline stages) or mp_rank_TT_EEE (expert-parallel ranks, PP 1), mp_rank_TT_PPP_EEE
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _ITER_DIR = re.compile(r"^(iter_\d{7}|release)$")
@@ -125,14 +139,6 @@ def _locate(path: Path) -> tuple[Path, Path, str] | None:
     if _rank_dirs(path):
         return path, path, path.name
     return None
-
-
-def args_of(obj: Any) -> dict[str, Any]:
-    """The launch arguments a rank file saved (an argparse Namespace, read inert), as a dict."""
-    a = obj.get("args") if isinstance(obj, dict) else None
-    if isinstance(a, Opaque) and isinstance(a.state, dict):
-        return dict(a.state)
-    return dict(a) if isinstance(a, dict) else {}
 
 
 def _global_shapes(args: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -205,6 +211,84 @@ def _rule(name: str, swiglu: bool = False, experts_replicated: bool = False) -> 
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
+    """The legacy-format iteration at `path` (the run folder, read through `latest_checkpointed_iteration.txt`,
+    or an `iter_N` folder). Reads every rank's `mp_rank_*/model_optim_rng.pt` through the safe reader (the pickle
+    parsed inert: tensors stay lazy ranges of the zip entries), and with the distributed optimizer each
+    `distrib_optim.pt` beside it (its flat buffers mapped to parameters, checked against a few hundred bytes of
+    each weight). TP shards become one TensorNode per parameter over its shards (merged when read), pipeline stages
+    and virtual-pipeline chunks renumbered into global layers, EP ranks' experts given global ids. Training state:
+    every rank file's param groups and scheduler (`training_state`)."""
+    root, it, tag, cache, ranks, first, obj0, args = _first_rank(path)
+    tp, pp, dp, ep, slots, sizes, vpp = _sizes(args, it)
+    coords = functools.partial(_coords, ep)
+    want = {(t, p) for t in range(tp) for p in range(slots)}
+    gone = sorted(want - set(ranks))
+    if gone:
+        names = ", ".join(_dir_name(t, p, slots) for t, p in gone)
+        raise MissingFile(
+            f"rank folder(s) {names} missing (args: tensor_model_parallel_size={tp}, {sizes})",
+            path=it,
+            hint="copy every rank folder back; each holds that rank's shards and optimizer state",
+        )
+    warnings: list[Warning_] = []
+    for key in sorted(set(ranks) - want):
+        warnings.append(
+            Warning_(
+                "extra-rank-file",
+                f"{ranks[key].name} is beyond the sizes args declare "
+                f"(TP={tp}, PP={pp}{f', EP={ep}' if ep > 1 else ''}): left over from another run? Move it out of "
+                "the folder",
+                str(ranks[key].relative_to(root)),
+            )
+        )
+    objs, files = _rank_files(want, ranks, cache, root, obj0, tp, pp, vpp, coords)
+    if ep > 1:
+        model, names_by_rank, local, origin, tied_copies = _model_ep(objs, ep, args, cache, ranks, root)
+    else:
+        model, names_by_rank, local, origin, tied_copies = _model(objs, tp, pp, args, cache, ranks, root)
+    distributed = bool(args.get("use_distributed_optimizer")) or any((d / DISTRIB).is_file() for d in ranks.values())
+    optim, groups, steps = _optimizer(
+        objs, names_by_rank, local, model, origin, tp, distributed, cache, ranks, warnings, coords
+    )
+    tree: dict[str, Any] = {"model": GroupNode(model)}
+    if tied_copies:
+        tree["tied_copies"] = GroupNode(tied_copies)
+    if optim is not None:
+        tree["optimizer"] = optim
+    mapped = optim is not None and "state" in optim.children
+    if distributed and not mapped:
+        tree["distributed_optimizer"] = _distrib_nodes(ranks, cache, root)
+        where = next((str((d / DISTRIB).relative_to(root)) for d in ranks.values() if (d / DISTRIB).is_file()), None)
+        warnings.append(
+            Warning_(
+                "not-mapped",
+                f"the distributed optimizer's state ({DISTRIB}: flat fp32 master and "
+                "Adam buffers per bucket) is shown as saved, not per parameter: set-lr/set-step "
+                "edit its param groups; export, convert and to-universal refuse (they would leave "
+                "the fp32 master and Adam moments behind)",
+                where,
+            )
+        )
+    sched = obj0.get("opt_param_scheduler") if isinstance(obj0.get("opt_param_scheduler"), dict) else None
+    rel0 = cache.rel(first)
+    if sched is not None:
+        tree["scheduler"] = to_node(sched, rel0)
+    tree["counters"] = GroupNode(
+        {k: ValueNode(obj0.get(k)) for k in ("iteration", "checkpoint_version", "num_floating_point_operations_so_far")}
+    )
+    tree["args"] = to_node(args, rel0)
+    warnings += _agreement(objs, ranks, root)
+    warnings += group_warnings(groups, {n: tuple(t.shape) for n, t in model.items()}, args, rel0)
+    warnings += cache.warnings()
+    return _checkpoint(
+        root, it, tag, obj0, args, (dp, tp, pp), model, tree, groups, steps, sched, files, warnings, distributed, mapped
+    )
+
+
+def _first_rank(path: Path) -> tuple[Path, Path, str, C.LoadCache, dict, Path, dict, dict[str, Any]]:
+    """(run folder, iteration folder, tag, the load cache, the rank folders, the first rank file, its object, its
+    `args`), refusing what is not a legacy iteration, a `latest` naming an absent one, and a rank file without
+    args."""
     found = _locate(path)
     if found is None:
         raise NotACheckpoint("no Megatron-LM iteration folder (mp_rank_*/model_optim_rng.pt)", path=path)
@@ -223,15 +307,21 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         raise MissingFile(f"{RANK_FILE} is missing", path=first.parent, hint="copy the rank folder back")
     obj0 = cache.load(first).obj
     args = args_of(obj0)
-    tp = as_int(args.get("tensor_model_parallel_size")) or 1
-    pp = as_int(args.get("pipeline_model_parallel_size")) or 1
-    dp = as_int(args.get("data_parallel_size"))
     if not args:
         raise CorruptCheckpoint(
             f"{first.name} holds no `args`",
             path=first,
             hint="Megatron-LM saves its launch arguments in every rank file",
         )
+    return root, it, tag, cache, ranks, first, obj0, args
+
+
+def _sizes(args: dict[str, Any], it: Path) -> tuple[int, int, int | None, int, int, str, int]:
+    """(tp, pp, dp, ep, the second number of a rank key counts up to (EP or PP), the sizes named in errors, vpp),
+    refusing the MoE layouts and multi-token prediction ckpt does not place."""
+    tp = as_int(args.get("tensor_model_parallel_size")) or 1
+    pp = as_int(args.get("pipeline_model_parallel_size")) or 1
+    dp = as_int(args.get("data_parallel_size"))
     ep = as_int(args.get("expert_model_parallel_size")) or 1
     experts = as_int(args.get("num_experts")) or 0
     refuse_grouped_gemm(args, it)
@@ -248,10 +338,6 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
     # with EP > 1 (PP 1) the folders are mp_rank_00_EEE: the second number of a rank key is the EP rank
     slots = ep if ep > 1 else pp
     sizes = f"expert_model_parallel_size={ep}" if ep > 1 else f"pipeline_model_parallel_size={pp}"
-
-    def coords(key: tuple[int, ...]) -> dict[str, int]:
-        return {"tp": key[0], "ep": key[1]} if ep > 1 else {"tp": key[0], "pp": key[1]}
-
     if as_int(args.get("mtp_num_layers")):
         raise UnsupportedCheckpoint(
             f"a Megatron-LM checkpoint with multi-token prediction (mtp_num_layers="
@@ -260,26 +346,17 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
             path=it,
         )
     vpp = as_int(args.get("virtual_pipeline_model_parallel_size")) or 0
-    warnings: list[Warning_] = []
-    want = {(t, p) for t in range(tp) for p in range(slots)}
-    gone = sorted(want - set(ranks))
-    if gone:
-        names = ", ".join(_dir_name(t, p, slots) for t, p in gone)
-        raise MissingFile(
-            f"rank folder(s) {names} missing (args: tensor_model_parallel_size={tp}, {sizes})",
-            path=it,
-            hint="copy every rank folder back; each holds that rank's shards and optimizer state",
-        )
-    for key in sorted(set(ranks) - want):
-        warnings.append(
-            Warning_(
-                "extra-rank-file",
-                f"{ranks[key].name} is beyond the sizes args declare "
-                f"(TP={tp}, PP={pp}{f', EP={ep}' if ep > 1 else ''}): left over from another run? Move it out of "
-                "the folder",
-                str(ranks[key].relative_to(root)),
-            )
-        )
+    return tp, pp, dp, ep, slots, sizes, vpp
+
+
+def _coords(ep: int, key: tuple[int, ...]) -> dict[str, int]:
+    """A rank key's coordinates: (tp, ep) at EP > 1, else (tp, pp)."""
+    return {"tp": key[0], "ep": key[1]} if ep > 1 else {"tp": key[0], "pp": key[1]}
+
+
+def _rank_files(want, ranks, cache, root, obj0, tp, pp, vpp, coords) -> tuple[dict[tuple[int, int], dict], list]:
+    """Every wanted rank's file loaded (inert) and checked against the first one (model chunks, iteration, TP/PP),
+    and the files listed (with each `distrib_optim.pt`)."""
     objs: dict[tuple[int, int], dict] = {}
     files = []
     for key in sorted(want):
@@ -324,50 +401,14 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         files.append(C.file_info(f, root, "model", coords(key)))
         if (ranks[key] / DISTRIB).is_file():
             files.append(C.file_info(ranks[key] / DISTRIB, root, "optimizer", coords(key)))
+    return objs, files
 
-    if ep > 1:
-        model, names_by_rank, local, origin, tied_copies = _model_ep(objs, ep, args, cache, ranks, root)
-    else:
-        model, names_by_rank, local, origin, tied_copies = _model(objs, tp, pp, args, cache, ranks, root)
-    distributed = bool(args.get("use_distributed_optimizer")) or any((d / DISTRIB).is_file() for d in ranks.values())
-    optim, groups, steps = _optimizer(
-        objs, names_by_rank, local, model, origin, tp, distributed, cache, ranks, warnings, coords
-    )
-    tree: dict[str, Any] = {"model": GroupNode(model)}
-    if tied_copies:
-        tree["tied_copies"] = GroupNode(tied_copies)
-    if optim is not None:
-        tree["optimizer"] = optim
-    mapped = optim is not None and "state" in optim.children
-    if distributed:
-        details_distopt = "distributed (distrib_optim.pt), " + (
-            "buckets mapped to parameters by Megatron's buffer layout" if mapped else "buckets not mapped"
-        )
-    if distributed and not mapped:
-        tree["distributed_optimizer"] = _distrib_nodes(ranks, cache, root)
-        where = next((str((d / DISTRIB).relative_to(root)) for d in ranks.values() if (d / DISTRIB).is_file()), None)
-        warnings.append(
-            Warning_(
-                "not-mapped",
-                f"the distributed optimizer's state ({DISTRIB}: flat fp32 master and "
-                "Adam buffers per bucket) is shown as saved, not per parameter: set-lr/set-step "
-                "edit its param groups; export, convert and to-universal refuse (they would leave "
-                "the fp32 master and Adam moments behind)",
-                where,
-            )
-        )
-    sched = obj0.get("opt_param_scheduler") if isinstance(obj0.get("opt_param_scheduler"), dict) else None
-    rel0 = cache.rel(first)
-    if sched is not None:
-        tree["scheduler"] = to_node(sched, rel0)
-    tree["counters"] = GroupNode(
-        {k: ValueNode(obj0.get(k)) for k in ("iteration", "checkpoint_version", "num_floating_point_operations_so_far")}
-    )
-    tree["args"] = to_node(args, rel0)
-    warnings += _agreement(objs, ranks, root)
-    warnings += group_warnings(groups, {n: tuple(t.shape) for n, t in model.items()}, args, rel0)
-    warnings += cache.warnings()
 
+def _checkpoint(
+    root, it, tag, obj0, args, sizes, model, tree, groups, steps, sched, files, warnings, distributed, mapped
+) -> Checkpoint:
+    """The Checkpoint: LRs (and the scheduler's next one), counters, details, topology."""
+    dp, tp, pp = sizes
     lrs = tuple(float(g["lr"]) for g in groups if isinstance(g.get("lr"), (int, float)))
     max_lrs = tuple(float(g["max_lr"]) for g in groups if isinstance(g.get("max_lr"), (int, float)))
     nxt = tuple(next_lr(sched, g, args) for g in groups) if sched else ()
@@ -375,30 +416,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         global_step=as_int(obj0.get("iteration")), optimizer_step=max(set(steps), key=steps.count) if steps else None
     )
     warnings += C.counter_warnings(counters, optimizer_steps_seen=steps)
-    details = {
-        "iteration": obj0.get("iteration"),
-        "checkpoint_version": obj0.get("checkpoint_version"),
-        "consumed_train_samples": args.get("consumed_train_samples"),
-        "floating_point_operations": obj0.get("num_floating_point_operations_so_far"),
-        "optimizer": (details_distopt if distributed else "Adam (per-parameter state)")
-        + chained_note(groups, len(_inner_parts(obj0.get("optimizer")))),
-        "weights": "bf16/fp16 model, fp32 master in the optimizer" if mapped else "as saved in `model`",
-    }
-    if experts_note(model, args):
-        details["experts"] = experts_note(model, args)
-    if tied_copies:
-        details["tied_embeddings"] = (
-            "output_layer.weight on the last pipeline stage is Megatron's copy of "
-            "embedding.word_embeddings.weight (tied; kept equal by the embedding group's "
-            "all-reduce): shown under tied_copies, counted once"
-        )
-    if sched:
-        details["scheduler"] = (
-            f"OptimizerParamScheduler num_steps={sched.get('num_steps')} "
-            f"({_sched_unit(args)}), "
-            f"{sched.get('lr_decay_style')}, warmup {sched.get('lr_warmup_steps')}, "
-            f"decay {sched.get('lr_decay_steps')}; next LR {', '.join(f'{x:.6g}' for x in nxt)}"
-        )
+    details = _details(obj0, args, model, groups, sched, nxt, "tied_copies" in tree, distributed, mapped)
     params = [n for n in model]
     dtypes = sorted({n.dtype for n in model.values()})
     return Checkpoint(
@@ -415,6 +433,40 @@ def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)
         dtypes=tuple(dtypes),
         details={"tag": tag if root != it else None, **details},
     )
+
+
+def _details(obj0, args, model, groups, sched, nxt, tied, distributed, mapped) -> dict[str, Any]:
+    """What `ckpt inspect` prints under details: iteration, the optimizer's kind, weights, experts, tied
+    embeddings, the scheduler."""
+    if distributed:
+        details_distopt = "distributed (distrib_optim.pt), " + (
+            "buckets mapped to parameters by Megatron's buffer layout" if mapped else "buckets not mapped"
+        )
+    details = {
+        "iteration": obj0.get("iteration"),
+        "checkpoint_version": obj0.get("checkpoint_version"),
+        "consumed_train_samples": args.get("consumed_train_samples"),
+        "floating_point_operations": obj0.get("num_floating_point_operations_so_far"),
+        "optimizer": (details_distopt if distributed else "Adam (per-parameter state)")
+        + chained_note(groups, len(_inner_parts(obj0.get("optimizer")))),
+        "weights": "bf16/fp16 model, fp32 master in the optimizer" if mapped else "as saved in `model`",
+    }
+    if experts_note(model, args):
+        details["experts"] = experts_note(model, args)
+    if tied:
+        details["tied_embeddings"] = (
+            "output_layer.weight on the last pipeline stage is Megatron's copy of "
+            "embedding.word_embeddings.weight (tied; kept equal by the embedding group's "
+            "all-reduce): shown under tied_copies, counted once"
+        )
+    if sched:
+        details["scheduler"] = (
+            f"OptimizerParamScheduler num_steps={sched.get('num_steps')} "
+            f"({_sched_unit(args)}), "
+            f"{sched.get('lr_decay_style')}, warmup {sched.get('lr_warmup_steps')}, "
+            f"decay {sched.get('lr_decay_steps')}; next LR {', '.join(f'{x:.6g}' for x in nxt)}"
+        )
+    return details
 
 
 def topology(args: dict[str, Any], dp: int | None, tp: int, pp: int) -> Topology:
@@ -451,19 +503,12 @@ def _model(objs, tp, pp, args, cache, ranks, root):
         raise UnsupportedCheckpoint(
             "a Megatron-LM checkpoint with uneven pipeline stages: ckpt does not renumber their layers yet", path=root
         )
-    # Megatron's layer offset: model chunk c (virtual pipeline rank) of stage p starts at global layer
-    # c * pp * per_chunk + p * per_chunk (per_chunk = layers / (pp * vpp); without a virtual pipeline c = 0)
-    per_chunk = layers // (pp * max(vpp, 1)) if pp else layers
-    shapes = _global_shapes(args)
     # tied embeddings with PP > 1: the last stage keeps `output_layer.weight` as a copy of the first stage's word
     # embeddings (Megatron's embedding group all-reduces their gradients so that both stay equal); Megatron's own
     # converters read the first stage's. Counted once; the copy is shown apart (`tied_copies`).
     tied = pp > 1 and not args.get("untie_embeddings_and_output_weights")
-    tied_copy: list[tuple[int, str]] = []  # (stage, local name)
-    model: dict[str, TensorNode] = {}
     names_by_rank: dict[tuple[int, int], list[str]] = {}
     local: dict[tuple[int, int], dict[str, TensorRef]] = {}
-    origin: dict[str, tuple[int, str]] = {}  # global name -> (pipeline stage, the stage's own name for it)
     for (t, p), o in sorted(objs.items()):
         refs = {}
         for c, m in enumerate([o[f"model{c}"] for c in range(vpp)] if vpp else [o["model"]]):
@@ -471,6 +516,47 @@ def _model(objs, tp, pp, args, cache, ranks, root):
                 refs.update({_local(c, str(k), vpp): v for k, v in m.items() if isinstance(v, TensorRef)})
         names_by_rank[(t, p)] = list(refs)  # in model order, chunk after chunk (as Megatron builds its groups)
         local[(t, p)] = refs
+    model, origin, tied_copy = _merge_stages(names_by_rank, local, tp, pp, vpp, tied, args, cache, ranks, root)
+    found = {int(m[2]) for n in model if (m := _LAYER.match(n))}
+    if found != set(range(layers)):
+        gone = sorted(set(range(layers)) - found)
+        raise CorruptCheckpoint(
+            f"args say num_layers={layers} but the rank files hold layers "
+            f"{_ranges(sorted(found))}: layer(s) {_ranges(gone)} missing",
+            path=root,
+            hint="the args and the files disagree: files from different runs?",
+        )
+    _check_experts(model, args, root)
+    if tied and "embedding.word_embeddings.weight" not in model and tied_copy:
+        raise CorruptCheckpoint(
+            "the last pipeline stage holds output_layer.weight, tied to word embeddings no "
+            "stage holds: files from different runs?",
+            path=root,
+        )
+    copies = {}
+    for p, key in tied_copy:
+        shards = tuple(
+            tensor_node(local[(t, p)][key], cache.rel(ranks[(t, p)] / RANK_FILE), {"tp": t, "pp": p}) for t in range(tp)
+        )
+        word = model.get("embedding.word_embeddings.weight")
+        copies[f"output_layer.weight (stage {p})"] = (
+            shards[0] if tp == 1 else TensorNode(word.shape, shards[0].dtype, shards=shards, merge=word.merge)
+        )
+    return model, names_by_rank, local, origin, copies
+
+
+def _merge_stages(names_by_rank, local, tp, pp, vpp, tied, args, cache, ranks, root):
+    """(global name -> TensorNode over its TP shards, {global name: (stage, local name)}, [(stage, local name) of
+    each tied output-layer copy]): every stage's parameters renumbered into global layers and merged over TP by
+    their rule, checked against the shapes `args` imply; a parameter no rule covers is refused by name."""
+    layers = as_int(args.get("num_layers")) or 0
+    # Megatron's layer offset: model chunk c (virtual pipeline rank) of stage p starts at global layer
+    # c * pp * per_chunk + p * per_chunk (per_chunk = layers / (pp * vpp); without a virtual pipeline c = 0)
+    per_chunk = layers // (pp * max(vpp, 1)) if pp else layers
+    shapes = _global_shapes(args)
+    tied_copy: list[tuple[int, str]] = []  # (stage, local name)
+    model: dict[str, TensorNode] = {}
+    origin: dict[str, tuple[int, str]] = {}  # global name -> (pipeline stage, the stage's own name for it)
     bad: list[str] = []
     for p in range(pp):
         for key in names_by_rank[(0, p)]:
@@ -535,32 +621,7 @@ def _model(objs, tp, pp, args, cache, ranks, root):
             "their shards form the tensor",
             path=root,
         )
-    found = {int(m[2]) for n in model if (m := _LAYER.match(n))}
-    if found != set(range(layers)):
-        gone = sorted(set(range(layers)) - found)
-        raise CorruptCheckpoint(
-            f"args say num_layers={layers} but the rank files hold layers "
-            f"{_ranges(sorted(found))}: layer(s) {_ranges(gone)} missing",
-            path=root,
-            hint="the args and the files disagree: files from different runs?",
-        )
-    _check_experts(model, args, root)
-    if tied and "embedding.word_embeddings.weight" not in model and tied_copy:
-        raise CorruptCheckpoint(
-            "the last pipeline stage holds output_layer.weight, tied to word embeddings no "
-            "stage holds: files from different runs?",
-            path=root,
-        )
-    copies = {}
-    for p, key in tied_copy:
-        shards = tuple(
-            tensor_node(local[(t, p)][key], cache.rel(ranks[(t, p)] / RANK_FILE), {"tp": t, "pp": p}) for t in range(tp)
-        )
-        word = model.get("embedding.word_embeddings.weight")
-        copies[f"output_layer.weight (stage {p})"] = (
-            shards[0] if tp == 1 else TensorNode(word.shape, shards[0].dtype, shards=shards, merge=word.merge)
-        )
-    return model, names_by_rank, local, origin, copies
+    return model, origin, tied_copy
 
 
 _LOCAL_EXPERT = re.compile(r"^(decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
@@ -691,31 +752,6 @@ def _chunk_of(key: str) -> tuple[int, str]:
     return (int(head[5:]), rest) if sep and head.startswith("model") and head[5:].isdigit() else (0, key)
 
 
-def _inner_parts(saved: Any) -> list[Any]:
-    """A saved Megatron optimizer as its inner optimizers' own dicts ({`optimizer`, `fp32_from_fp16_params`}), in
-    Megatron's order: itself, or each inner optimizer of a ChainedOptimizer (saved as a list; MoE: dense, expert);
-    a distributed optimizer's `distrib_optim.pt` of a chained one holds a list too (None where this rank is not the
-    inner optimizer's data-parallel rank 0)."""
-    return list(saved) if isinstance(saved, (list, tuple)) else [saved]
-
-
-def _part_names(names: list[str], shapes: dict[str, tuple], groups: list[dict], chained: int, args: dict) -> list[str]:
-    """The parameters (of `names`, model order) one inner optimizer of a ChainedOptimizer of `chained` holds: all of
-    them without chaining; at EP > 1 (dense, expert) the expert ones when its groups say `is_expert_parallel`."""
-    expert = {bool(g.get("is_expert_parallel")) for g in groups}
-    if not groups and chained > 1:
-        return []  # an inner optimizer without groups maps no parameter (the accounting names the lost groups)
-    if chained == 1 and (len(expert) != 1 or not expert_parallel(args)):
-        return list(names)
-    if chained > 2 or len(expert) != 1 or not expert_parallel(args):
-        raise UnsupportedCheckpoint(
-            f"a Megatron-LM legacy rank file whose optimizer is a ChainedOptimizer of {chained} other than the "
-            "(dense, expert) pair of a Mixture-of-Experts run at EP > 1: ckpt does not map its state"
-        )
-    want = expert.pop()
-    return [n for n in names if _group_key(n, shapes[n], args)[0] == want]
-
-
 def chained_note(groups: list[dict], inner: int) -> str:
     """ ", a ChainedOptimizer of 2 (dense, expert): param groups 0 dense, …" for a chained optimizer, else ""."""
     if inner < 2:
@@ -754,354 +790,6 @@ def experts_note(model: dict[str, TensorNode], args: dict) -> str | None:
         )
         + f"; dense {len(dense)} tensors, {sum(model[n].numel for n in dense):,} elements"
     )
-
-
-def _owner(group: int, offset: list[int]) -> int:
-    """The inner optimizer (of a ChainedOptimizer whose groups start at `offset`) that holds param group `group`."""
-    return max(k for k, start in enumerate(offset) if start <= group)
-
-
-def _optimizer(objs, names_by_rank, local, model, origin, tp, distributed, cache, ranks, problems, coords):
-    """(the merged `optimizer` node or None, rank 0's param groups, the Adam steps seen). Plain Adam: the param ids
-    of each rank's groups are mapped to its parameters (Megatron groups by weight decay / LR multiplier, each in
-    model order), the fp32 master from `fp32_from_fp16_params`, then merged across TP like the model. A
-    ChainedOptimizer (MoE at EP > 1: dense, expert; a list of inner optimizers) is read inner optimizer by inner
-    optimizer, each over its own parameters and numbering its own param ids; its groups follow one another (dense,
-    then expert), as `ChainedOptimizer.param_groups` lists them."""
-    o0 = objs[min(objs)]
-    args = args_of(o0)
-    parts0 = [p for p in _inner_parts(o0.get("optimizer")) if isinstance(p, dict)]
-    inner_groups = [
-        [g for g in (osd.get("param_groups") or []) if isinstance(g, dict)] for osd in inner_optimizers(parts0)
-    ]
-    groups = [g for gs in inner_groups for g in gs]
-    offset = [sum(len(gs) for gs in inner_groups[:k]) for k in range(len(inner_groups))]
-    chained = len(inner_groups)
-    steps: list[int] = []
-    per_rank: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
-    if distributed:
-        for g in groups:
-            if as_int(g.get("step")) is not None:
-                steps.append(as_int(g.get("step")))
-        for key in sorted(objs):
-            f = ranks[key] / DISTRIB
-            saved = _inner_parts(cache.load(f).obj) if f.is_file() else [None] * chained
-            shapes = {n: tuple(r.shape) for n, r in local[key].items()}
-            entries: dict[str, dict[str, Any]] | None = {} if len(saved) == chained else None
-            for k, part in enumerate(saved if entries is not None else ()):
-                mine = _part_names(names_by_rank[key], shapes, inner_groups[k], chained, args)
-                if part is None and chained > 1 and key[1] > 0:
-                    continue  # this inner optimizer's state is saved by its data-parallel rank 0's folder
-                found = (
-                    _distopt_entries(part, mine, local[key], args, cache.rel(f), coords(key))
-                    if part is not None
-                    else None
-                )
-                if found is None:
-                    entries = None
-                    break
-                entries.update(found)
-            if entries is None:
-                shown = {str(i): GroupNode({k: to_node(v, "") for k, v in g.items()}) for i, g in enumerate(groups)}
-                return GroupNode({"param_groups": GroupNode(shown)}), groups, steps
-            rule = group_rule(groups, args)  # the buffers do not record it: Megatron's own grouping rule
-            per_rank[key] = {}
-            for n, e in entries.items():
-                gi = rule(n, local[key][n].shape) if rule else None
-                inner_steps = (
-                    {as_int(g.get("step")) for g in inner_groups[_owner(gi, offset)]} if gi is not None else set()
-                )
-                step = steps[0] if steps and len(set(steps)) == 1 else None
-                if len(inner_steps) == 1 and None not in inner_steps:
-                    step = next(iter(inner_steps))
-                per_rank[key][n] = {
-                    **e,
-                    **({"step": step} if step is not None else {}),
-                    **({"param_group": gi} if gi is not None else {}),
-                }
-    if not chained and not distributed:
-        if not args.get("no_save_optim"):
-            problems.append(
-                Warning_(
-                    "optimizer-state-missing",
-                    "the rank files hold no optimizer state although args.no_save_optim is not set: a resume "
-                    "starts the optimizer afresh",
-                    cache.rel(ranks[min(objs)] / RANK_FILE),
-                )
-            )
-        return None, [], []
-    for key, o in () if distributed else objs.items():
-        parts = [p for p in _inner_parts(o.get("optimizer")) if isinstance(p, dict)]
-        if len(parts) != chained:
-            raise CorruptCheckpoint(
-                f"{ranks[key].name} holds {len(parts)} inner optimizer(s), {ranks[min(objs)].name} {chained}: files "
-                "from different runs",
-                path=ranks[key] / RANK_FILE,
-            )
-        rel = cache.rel(ranks[key] / RANK_FILE)
-        shapes = {n: tuple(r.shape) for n, r in local[key].items()}
-        entries = {}
-        for k, opt in enumerate(parts):
-            inner = opt.get("optimizer") if isinstance(opt.get("optimizer"), dict) else {}
-            state = inner.get("state") if isinstance(inner.get("state"), dict) else {}
-            gids = [list(g.get("params") or []) for g in inner.get("param_groups") or [] if isinstance(g, dict)]
-            names = _part_names(names_by_rank[key], shapes, inner_groups[k], chained, args)
-            id_shapes = {
-                i: next((tuple(v.shape) for v in s.values() if isinstance(v, TensorRef) and v.numel > 1), None)
-                for i, s in state.items()
-                if isinstance(s, dict)
-            }
-            ids = match_param_ids(gids, id_shapes, names, shapes)
-            if ids is None:
-                which = f" (inner optimizer {k} of {chained})" if chained > 1 else ""
-                raise UnsupportedCheckpoint(
-                    f"{rel}: the optimizer's{which} {sum(map(len, gids))} parameter ids do not map onto "
-                    f"the {len(names)} model parameters by group and shape: ckpt will not guess",
-                    path=ranks[key] / RANK_FILE,
-                )
-            masters = opt.get("fp32_from_fp16_params") if isinstance(opt.get("fp32_from_fp16_params"), list) else []
-            for gi, glist in enumerate(gids):
-                for pos, i in enumerate(glist):
-                    name = ids[i]
-                    e: dict[str, Any] = {"param_group": offset[k] + gi}
-                    s = state.get(i) if isinstance(state.get(i), dict) else {}
-                    for kind in ("exp_avg", "exp_avg_sq"):
-                        if isinstance(s.get(kind), TensorRef):
-                            e[kind] = tensor_node(s[kind], rel, coords(key))
-                    stepv = s.get("step")
-                    stepv = stepv.item() if isinstance(stepv, TensorRef) and stepv.numel == 1 else stepv
-                    if as_int(stepv) is not None:
-                        e["step"] = as_int(stepv)
-                        steps.append(as_int(stepv))
-                    if (
-                        gi < len(masters)
-                        and isinstance(masters[gi], list)
-                        and pos < len(masters[gi])
-                        and isinstance(masters[gi][pos], TensorRef)
-                    ):
-                        e["fp32"] = tensor_node(masters[gi][pos], rel, coords(key))
-                    entries[name] = e
-        per_rank[key] = entries
-    kinds = {k for es in per_rank.values() for e in es.values() for k in ("exp_avg", "exp_avg_sq") if k in e}
-    for key, es in sorted(per_rank.items()):
-        lost = [n for n, e in es.items() if not kinds <= set(e)]
-        if lost:
-            problems.append(
-                Warning_(
-                    "declared-mismatch",
-                    f"{len(lost)} parameter(s) its param groups list have no "
-                    f"Adam state in this rank's file ({', '.join(lost[:4])}"
-                    f"{' …' if len(lost) > 4 else ''}) while the others have it: lost state (a "
-                    "resume restarts those moments at zero)",
-                    cache.rel(ranks[key] / RANK_FILE),
-                )
-            )
-    state_out: dict[str, GroupNode] = {}
-    for gname, node in model.items():
-        p, lname = origin[gname]  # the same local name on every TP rank of its stage
-        per_tp = [per_rank[(t, p)].get(lname) for t in range(tp)]
-        if any(e is None for e in per_tp):
-            continue
-        kids: dict[str, Any] = {}
-        for k in ("fp32", "exp_avg", "exp_avg_sq"):
-            if all(k in e for e in per_tp):
-                parts = [e[k] for e in per_tp]
-                if tp == 1:
-                    kids[k] = parts[0]
-                else:
-                    kids[k] = TensorNode(node.shape, parts[0].dtype, shards=tuple(parts), merge=node.merge)
-        for k in ("step", "param_group"):
-            if k in per_tp[0]:
-                kids[k] = ValueNode(per_tp[0][k])
-        state_out[gname] = GroupNode(kids)
-    shown = {str(i): GroupNode({k: to_node(v, "") for k, v in g.items()}) for i, g in enumerate(groups)}
-    return GroupNode({"state": GroupNode(state_out), "param_groups": GroupNode(shown)}), groups, steps
-
-
-def distopt_layout(names: list[str], numel: dict[str, int], args: dict) -> tuple[dict[str, int], list[int]]:
-    """Where each parameter of one distributed-optimizer buffer (`names` in model order) starts in the legacy save's
-    coalesced world tensor, and each bucket's unpadded length, by Megatron-core 0.16's `_ParamAndGradBuffer`:
-    parameters in reverse model order, each start padded to 64 elements; one bucket, except that with PP > 1 and
-    tied embeddings the shared embedding (the first stage's word embeddings, the last stage's output weight) is a
-    bucket of its own; the bucket before it ends at its padded start, the one after it starts right at its end
-    (the save drops the padding between buckets)."""
-    shared = set()
-    if (as_int(args.get("pipeline_model_parallel_size")) or 1) > 1 and not args.get(
-        "untie_embeddings_and_output_weights"
-    ):
-        shared = {"embedding.word_embeddings.weight", "output_layer.weight"}
-    pos, rel, in_bucket = 0, 0, 0  # the bucket's saved offset, the position in it, its parameters so far
-    where: dict[str, int] = {}
-    buckets: list[int] = []
-    for n in reversed(names):
-        rel = -(-rel // 64) * 64
-        if n in shared and in_bucket:  # the bucket before it closes at its padded start
-            buckets.append(rel)
-            pos, rel, in_bucket = pos + rel, 0, 0
-        where[n] = pos + rel
-        rel += numel[n]
-        in_bucket += 1
-        if n in shared:  # a bucket of its own
-            buckets.append(rel)
-            pos, rel, in_bucket = pos + rel, 0, 0
-    if in_bucket:
-        buckets.append(rel)
-    return where, buckets
-
-
-def _distopt_entries(
-    obj: Any, names: list[str], refs: dict[str, TensorRef], args: dict, rel: str, rank: dict[str, int]
-) -> dict[str, dict[str, TensorNode]] | None:
-    """Per-parameter {fp32, exp_avg, exp_avg_sq} inside the distributed optimizer's flat buffers of one rank file, or
-    None when the layout cannot be told for sure. Megatron-core's grad buffer (`_ParamAndGradBuffer`, 0.16): one
-    buffer per (param dtype, grad dtype), parameters in REVERSE model order, each start padded to 64 elements, one
-    bucket unless a bucket size was set (`ddp_bucket_size`/`ddp_num_buckets`); with PP > 1 and tied embeddings the
-    shared embedding (the first stage's word embeddings, the last stage's output weight) is a bucket of its own
-    (`_does_param_require_new_bucket`). The saved buffers hold each bucket's `numel_unpadded` elements back to back
-    (`get_parameter_state_dp_zero` drops the padding between buckets): a bucket closed before the shared weight
-    ends at that weight's 64-padded start, the bucket after it starts right at its end. The layout is accepted only
-    when it adds up exactly."""
-    if (
-        not isinstance(obj, dict)
-        or args.get("ddp_bucket_size")
-        or args.get("ddp_num_buckets")
-        or args.get("mtp_num_layers")
-    ):
-        return None
-    chunks = [v for k, v in obj.items() if isinstance(k, int)]
-    if len(chunks) != 1 or not isinstance(chunks[0], dict):
-        return None  # several model chunks (virtual pipeline): not mapped
-    out: dict[str, dict[str, TensorNode]] = {}
-    for dkey, buf in chunks[0].items():
-        if not isinstance(buf, dict):
-            return None
-        pdtype = str(dkey[0] if isinstance(dkey, tuple) else dkey).replace("torch.", "")
-        mine = [n for n in names if refs[n].dtype == pdtype]
-        where, buckets = distopt_layout(mine, {n: refs[n].numel for n in mine}, args)
-        pos = sum(buckets)
-        flat = {k: buf.get(k) for k in ("param", "exp_avg", "exp_avg_sq")}
-        if as_int(buf.get("numel_unpadded")) != pos or not all(
-            isinstance(v, TensorRef) and v.numel >= pos for v in flat.values()
-        ):
-            return None
-        # the order is Megatron's, not written in the file: every parameter's first elements in the model weights
-        # must be its fp32 master's, rounded (Megatron copies the master into the weights after each step); a few
-        # hundred bytes per parameter, so a wrong order is refused, never shown
-        for n in mine:
-            k = min(refs[n].numel, 128)
-            try:
-                same = C.rounds_to(flat["param"].read_numpy(where[n], k), refs[n].read_numpy(0, k), pdtype)
-            except Exception:  # noqa: BLE001  unreadable bytes: not mapped (the reader reports corruption elsewhere)
-                return None
-            if not same:
-                return None
-        for n in mine:
-            out[n] = {
-                ("fp32" if k == "param" else k): TensorNode(
-                    tuple(refs[n].shape), v.dtype, (Piece(rel, v, where[n], refs[n].numel, 0, rank),)
-                )
-                for k, v in flat.items()
-            }
-    return out if set(out) == set(names) else None
-
-
-def inner_optimizers(saved: Any) -> list[dict]:
-    """The torch optimizer state dicts ({`state`, `param_groups`}) in a saved Megatron optimizer, in Megatron's
-    order: one for a plain MegatronOptimizer ({`optimizer`: {...}, `fp32_from_fp16_params`, ...}); one per inner
-    optimizer of a ChainedOptimizer (a Mixture-of-Experts run at EP > 1: dense, then expert), which
-    `ChainedOptimizer.state_dict` saves as a list (legacy) and `sharded_state_dict` as a dict keyed 0, 1
-    (torch_dist's common.pt)."""
-    if (
-        isinstance(saved, dict)
-        and saved
-        and all(isinstance(k, int) or (isinstance(k, str) and k.isdigit()) for k in saved)
-    ):
-        parts = [saved[k] for k in sorted(saved, key=int)]
-    elif isinstance(saved, (list, tuple)):
-        parts = list(saved)
-    else:
-        parts = [saved]
-    return [p["optimizer"] if isinstance(p.get("optimizer"), dict) else p for p in parts if isinstance(p, dict)]
-
-
-def expert_parallel(args: dict) -> bool:
-    """Whether Megatron-core (0.16) gave the experts their own optimizer: it marks expert weights `allreduce=False`
-    only at expert-parallel size > 1 (`tensor_parallel.layers`, `moe.experts`), and `get_megatron_optimizer` then
-    chains a second optimizer over their param groups (`is_expert_parallel: True`); at EP 1 they sit in the dense
-    groups."""
-    return bool(as_int(args.get("num_experts"))) and (as_int(args.get("expert_model_parallel_size")) or 1) > 1
-
-
-def _group_key(name: str, shape: tuple, args: dict) -> tuple[bool, float]:
-    """(is_expert_parallel, wd_mult): the param group Megatron's default grouping puts a parameter in. The routed
-    experts are `….mlp.experts.…` (a shared expert, `….mlp.shared_experts.…`, is dense)."""
-    return (expert_parallel(args) and ".mlp.experts." in f".{name}", _wd_mult(name, shape, args))
-
-
-def declared_groups(shapes: dict[str, tuple], args: dict) -> set[tuple[bool, float]] | None:
-    """The param groups (by `_group_key`) Megatron's default grouping makes for a model of these parameters; None
-    where the args ask for another grouping (a custom no-weight-decay condition, a decoupled LR)."""
-    if args.get("no_weight_decay_cond_type") or args.get("decoupled_lr") is not None:
-        return None
-    return {_group_key(name, tuple(shape), args) for name, shape in shapes.items()}
-
-
-def _found_key(g: dict) -> tuple[bool, float] | None:
-    return (bool(g.get("is_expert_parallel")), float(g["wd_mult"])) if "wd_mult" in g else None
-
-
-def missing_groups(groups: list[dict], shapes: dict[str, tuple], args: dict) -> list[str]:
-    """The param groups the args and the model declare that `groups` lacks, each named ("expert wd_mult 0"); []
-    when all are there or the grouping is not Megatron's default one."""
-    want = declared_groups(shapes, args)
-    if want is None or not all("wd_mult" in g for g in groups):
-        return []
-    have = {_found_key(g) for g in groups}
-    return [f"{'expert' if e else 'dense'} wd_mult {w:g}" for e, w in sorted(want - have)]
-
-
-def _wd_mult(name: str, shape: tuple, args: dict) -> float:
-    """Megatron's default weight-decay rule (megatron.core.optimizer.get_standard_config_overrides, 0.16): biases
-    and 1-D parameters at wd_mult 0 (q/k layer norms excepted under --apply-wd-to-qk-layernorm), the rest at 1."""
-    qk = bool(args.get("apply_wd_to_qk_layernorm")) and ("q_layernorm." in name or "k_layernorm." in name)
-    return 0.0 if (name.endswith(".bias") or len(shape) == 1) and not qk else 1.0
-
-
-def group_rule(groups: list[dict], args: dict):
-    """`(name, shape) -> param group index` by Megatron's default grouping (`_get_param_groups`: one group per
-    wd_mult, dense and expert apart at EP > 1, no LR multiplier, no decoupled LR), for the saves that do not record
-    which
-    parameter is in which group (torch_dist's common.pt, the distributed optimizer); None where the args or the
-    saved groups say another grouping (then membership is not guessed)."""
-    if args.get("no_weight_decay_cond_type") or args.get("decoupled_lr") is not None or not groups:
-        return None
-    index: dict[tuple[bool, float], int] = {}
-    for i, g in enumerate(groups):
-        key = _found_key(g)
-        if key is None or float(g.get("lr_mult", 1.0)) != 1.0 or key in index or (key[0] and not expert_parallel(args)):
-            return None
-        index[key] = i
-    return lambda name, shape: index.get(_group_key(name, tuple(shape), args))
-
-
-def group_warnings(groups: list[dict], shapes: dict[str, tuple], args: dict, where: str | None) -> list[Warning_]:
-    """Declared vs found for the param groups: Megatron's default grouping (`_get_param_groups`, no custom
-    no-weight-decay condition or decoupled LR) puts biases and 1-D parameters at wd_mult 0 and the rest at
-    wd_mult 1, so a model with both holds a group of each (and at EP > 1 the experts a pair of their own). A lost
-    group is named (its parameters would resume without their LR/weight-decay settings)."""
-    if not groups:
-        return []
-    gone = missing_groups(groups, shapes, args)
-    if not gone:
-        return []
-    return [
-        Warning_(
-            "declared-mismatch",
-            f"no param group {', '.join(gone)} although the model has parameters "
-            f"Megatron puts there ({len(groups)} group(s) saved): a param group was lost",
-            where,
-        )
-    ]
 
 
 def _distrib_nodes(ranks, cache, root) -> GroupNode:
@@ -1147,8 +835,6 @@ def next_lr(sched: dict, group: dict, args: dict | None = None) -> float:
     """The LR Megatron's OptimizerParamScheduler gives `group` at the saved `num_steps` (what the first resumed
     iteration uses): `schedules.megatron.lr_at` between the group's max_lr and min_lr, with the warm-up's start
     (`lr_warmup_init`) and a WSD schedule's decay length from the saved `args`, times the group's lr_mult."""
-    from ..schedules.megatron import lr_at
-
     args = args or {}
     gbs = args.get("global_batch_size")
     wsd = args.get("lr_wsd_decay_samples") or (
@@ -1177,8 +863,6 @@ def training_state(ck: Checkpoint):
     where that optimizer is a ChainedOptimizer saved as a list of inner ones (MoE: dense, expert): index 0 for all,
     so their groups share the one scheduler (by list position the expert one would count as a second optimizer,
     and the scheduler would be edited once for each)."""
-    from ..read.state import StateMap, StateSource
-
     root = Path(ck.path)
     srcs = [StateSource(root / f.path, f.path, index=0) for f in ck.files if f.path.endswith(RANK_FILE)]
     return StateMap(root, tuple(srcs))

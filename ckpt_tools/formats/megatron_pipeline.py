@@ -80,7 +80,11 @@ def list_layer_files(tag_dir: Path) -> dict[tuple[int, int], Path]:
 
 def open(path: Path, *, tp_patterns: tuple[str, ...] = ()) -> Checkpoint:  # noqa: A001  (format-module interface)
     """Open a pipeline checkpoint (tag folder, or its parent with `latest`). `tp_patterns` are user
-    `REGEX[=MERGE]` overrides of the TP merge rules (see `TPLayout.from_user_patterns`)."""
+    `REGEX[=MERGE]` overrides of the TP merge rules (see `TPLayout.from_user_patterns`). Reads (inert) every
+    `mp_rank_XX_model_states.pt` (param shapes per stage and TP rank, counters, scheduler, config), the
+    `layer_LL-model_TT-model_states.pt` files that hold the parameters (one TensorNode per parameter over its TP
+    shards, merged when read) and the ZeRO `*_optim_states.pt` of every rank; tensors stay lazy. Training state:
+    as for DeepSpeed, the tag folder's model- and optim-states files (`training_state`)."""
     root, tag_dir, tag = C.resolve_tag(path, MARKER)
     return _Reader(root, tag_dir, tag, tuple(tp_patterns)).build()
 
@@ -281,6 +285,9 @@ class _Reader:
     # --- the whole checkpoint -----------------------------------------------------------------------
 
     def build(self) -> Checkpoint:
+        """The checkpoint: topology from the rank files' metadata, one TP-merged tensor per parameter out of the
+        layer files, the optimizer read by DeepSpeed's own rules per model-parallel rank and merged across TP,
+        scheduler, counters, config, and the warnings collected on the way."""
         if not self.ranks:
             raise MissingFile(
                 "mp_rank_00_model_states.pt is missing (no mp_rank_*_model_states.pt files)",
@@ -301,8 +308,72 @@ class _Reader:
         layout = TPLayout.for_checkpoint(
             info if isinstance(info, dict) else None, user_patterns=self.tp_patterns, swiglu=swiglu
         )
+        shape_groups, local_shapes, stage_layers = self._stages(states, mp, tp, pp)
+        model, rules, stage_of = self._model(layout, local_shapes, stage_layers, tp, pp)
+        self._cross_check_layout(layout, rules, swiglu)
+        self._unknown_rules(layout, rules)
+        param_names = [n for n in model]
+        param_count = sum(
+            model[n].numel if rules[n].merge else sum(s.numel for s in model[n].shards) for n in param_names
+        )
+        opts = self._read_optimizers(states, shape_groups, mp, tp, dp)
+        tree: dict[str, Any] = {"model": GroupNode(model)}
+        steps_seen, lrs, stage, opt_dtype = self._optimizer_summary(opts, tree, ms0, model, rules, stage_of, tp)
+        sched_node = self._rest_of_tree(tree, ms0, info)
+        self._compare_ranks(states, tp, pp)
+        sched = C.scheduler_fields(sched_node)
+        last_epoch, step_count = C.scheduler_counters(sched)
+        base_lrs, last_lr = C.lr_from_scheduler(sched)
+        counters = Counters(
+            global_step=as_int(ms0.get("global_steps")),
+            optimizer_step=Counter(steps_seen).most_common(1)[0][0] if steps_seen else None,
+            scheduler_last_epoch=last_epoch,
+            scheduler_step_count=step_count,
+            skipped_steps=as_int(ms0.get("skipped_steps")),
+        )
+        self.warnings += C.counter_warnings(counters, optimizer_steps_seen=steps_seen)
+        if sched_node is None and isinstance(D._dig(ms0, "ds_config", "scheduler"), dict):
+            self.warn("scheduler-missing", "ds_config names a scheduler but lr_scheduler was not saved")
 
-        # each stage's parameter names (param group order kept) and which stage holds which layer
+        self.warnings += C.stray_file_warnings(self.tag_dir, self.root)
+        if self.tag_dir != self.root:
+            self.warnings += C.stray_file_warnings(self.root, self.root)
+        self.warnings += self.cache.warnings()
+        details = self._details(ms0, layout, rules, topo_source, info, sched_node, sched, opt_dtype)
+        dtypes = sorted({s.dtype for n in model.values() for s in n.shards} | ({opt_dtype} if opt_dtype else set()))
+        return Checkpoint(
+            format=FORMAT,
+            path=str(self.root),
+            topology=Topology(dp=dp, tp=tp, pp=pp, zero_stage=stage),
+            tree=GroupNode(tree),
+            counters=counters,
+            lr=LearningRates(
+                param_groups=lrs,
+                base_lrs=base_lrs,
+                last_lr=last_lr or C.ds_last_lr(sched, ms0.get("ds_config"), tuple(lrs)),
+            ),
+            parameter_count=param_count,
+            parameter_tensors=len(param_names),
+            files=tuple(self._files(tp)),
+            warnings=tuple(self.warnings),
+            dtypes=tuple(dtypes),
+            details=details,
+        )
+
+    def _unknown_rules(self, layout: TPLayout, rules: dict[str, Any]) -> None:
+        """Parameters no TP merge rule covers: warned about (their shards are shown unmerged)."""
+        unknown = [n for n, r in rules.items() if r.merge is None]
+        if unknown:
+            self.warn(
+                "tp-merge-unknown",
+                f"no TP merge rule ({layout.source}) for {len(unknown)} parameters "
+                f"({', '.join(unknown[:5])}{', ...' if len(unknown) > 5 else ''}); their shards are shown "
+                "unmerged and counted as split. Pass --pattern REGEX=MERGE to decide",
+            )
+
+    def _stages(self, states: dict[int, dict], mp: int, tp: int, pp: int) -> tuple[dict, dict, dict]:
+        """(each rank's param_shapes groups, each rank's parameter names and local shapes in param group order,
+        each stage's layers): which stage holds which layer (`self.layer_stage`), its layer files checked."""
         shape_groups = {mm: D._shape_groups(states[mm].get("param_shapes")) for mm in range(mp)}
         frozen = {
             mm: {str(k): tuple(v) for k, v in (states[mm].get("frozen_param_shapes") or {}).items()} for mm in range(mp)
@@ -324,8 +395,12 @@ class _Reader:
         self._check_layer_files(layer_stage, tp)
         self.layer_stage = layer_stage
         stage_layers = {s: sorted(lay for lay, st in layer_stage.items() if st == s) for s in range(pp)}
+        return shape_groups, local_shapes, stage_layers
 
-        # model: one logical tensor per name, one shard per TP rank
+    def _model(
+        self, layout: TPLayout, local_shapes: dict, stage_layers: dict, tp: int, pp: int
+    ) -> tuple[dict[str, TensorNode], dict[str, Any], dict[str, int]]:
+        """(one logical tensor per name, one shard per TP rank; each one's TP rule; the stage that holds it)."""
         model: dict[str, TensorNode] = {}
         rules: dict[str, Any] = {}
         stage_of: dict[str, int] = {}
@@ -354,21 +429,10 @@ class _Reader:
                 rule = layout.rule(name)
                 rules[name], stage_of[name] = rule, s
                 model[name] = _merged(shards, rule.merge, tp)
-        self._cross_check_layout(layout, rules, swiglu)
-        unknown = [n for n, r in rules.items() if r.merge is None]
-        if unknown:
-            self.warn(
-                "tp-merge-unknown",
-                f"no TP merge rule ({layout.source}) for {len(unknown)} parameters "
-                f"({', '.join(unknown[:5])}{', ...' if len(unknown) > 5 else ''}); their shards are shown "
-                "unmerged and counted as split. Pass --pattern REGEX=MERGE to decide",
-            )
-        param_names = [n for n in model]
-        param_count = sum(
-            model[n].numel if rules[n].merge else sum(s.numel for s in model[n].shards) for n in param_names
-        )
+        return model, rules, stage_of
 
-        # optimizer: DeepSpeed's own un-flattening per model-parallel rank, then merged across TP ranks
+    def _read_optimizers(self, states: dict, shape_groups: dict, mp: int, tp: int, dp: int) -> dict:
+        """DeepSpeed's own un-flattening of the optimizer, per model-parallel rank that has optimizer files."""
         opts = {}
         for mm in range(mp):
             rf = self.ranks[mm]
@@ -384,7 +448,11 @@ class _Reader:
                     else None,
                 )
                 self.warnings += opts[mm].warnings
-        tree: dict[str, Any] = {"model": GroupNode(model)}
+        return opts
+
+    def _optimizer_summary(self, opts, tree, ms0, model, rules, stage_of, tp):
+        """(Adam steps seen, the first rank's LRs, the ZeRO stage, the optimizer's dtype): the optimizer merged
+        across TP ranks into `tree`, the param group LRs compared across ranks."""
         steps_seen: list[int] = []
         lrs: tuple[float, ...] = ()
         stage = as_int(D._dig(ms0, "ds_config", "zero_optimization", "stage"))
@@ -403,7 +471,11 @@ class _Reader:
                     "param group LRs differ across ranks: "
                     + ", ".join(f"mp_rank_{mm:02d}/dp {d}: {list(v)}" for (mm, d), v in sorted(by_rank.items())),
                 )
+        return steps_seen, lrs, stage, opt_dtype
 
+    def _rest_of_tree(self, tree: dict[str, Any], ms0: dict, info: Any):
+        """Scheduler, counters, client state, universal_checkpoint_info and ds_config into `tree`; the scheduler
+        node (None when not saved)."""
         rel0 = self.rel(self.ranks[0].model_states)
         sched_node = to_node(ms0["lr_scheduler"], rel0) if isinstance(ms0.get("lr_scheduler"), dict) else None
         if sched_node is not None:
@@ -418,27 +490,11 @@ class _Reader:
             tree["universal_checkpoint_info"] = to_node(info, rel0)
         if isinstance(ms0.get("ds_config"), dict):
             tree["config"] = to_node(ms0["ds_config"], rel0)
+        return sched_node
 
-        self._compare_ranks(states, tp, pp)
-        sched = C.scheduler_fields(sched_node)
-        last_epoch, step_count = C.scheduler_counters(sched)
-        base_lrs, last_lr = C.lr_from_scheduler(sched)
-        counters = Counters(
-            global_step=as_int(ms0.get("global_steps")),
-            optimizer_step=Counter(steps_seen).most_common(1)[0][0] if steps_seen else None,
-            scheduler_last_epoch=last_epoch,
-            scheduler_step_count=step_count,
-            skipped_steps=as_int(ms0.get("skipped_steps")),
-        )
-        self.warnings += C.counter_warnings(counters, optimizer_steps_seen=steps_seen)
-        if sched_node is None and isinstance(D._dig(ms0, "ds_config", "scheduler"), dict):
-            self.warn("scheduler-missing", "ds_config names a scheduler but lr_scheduler was not saved")
-
-        self.warnings += C.stray_file_warnings(self.tag_dir, self.root)
-        if self.tag_dir != self.root:
-            self.warnings += C.stray_file_warnings(self.root, self.root)
-        self.warnings += self.cache.warnings()
-
+    def _details(self, ms0, layout, rules, topo_source, info, sched_node, sched, opt_dtype) -> dict[str, Any]:
+        """What `ckpt inspect` prints under details: the TP layout and merges, where the topology came from, the
+        layers' stages, vocab padding, the scheduler's kind."""
         merges = Counter(r.merge or "unknown" for r in rules.values())
         details = {
             "tag": self.tag,
@@ -446,7 +502,7 @@ class _Reader:
             "tp_layout": " > ".join(layout.sources),
             "tp_merges": ", ".join(f"{n} {m}" for m, n in merges.most_common()),
             "topology_from": topo_source,
-            "layer_stages": {f"{lay:02d}": s for lay, s in sorted(layer_stage.items())},
+            "layer_stages": {f"{lay:02d}": s for lay, s in sorted(self.layer_stage.items())},
             "weights": "layer files (module weights per TP rank)",
             "optimizer_dtype": opt_dtype,
         }
@@ -456,25 +512,7 @@ class _Reader:
             details["vocab_padding"] = f"padded to {padded}, original {sorted(vocab)[0]} (rows beyond are padding)"
         if sched_node is not None and "last_batch_iteration" in sched and "base_lrs" not in sched:
             details["scheduler_kind"] = "deepspeed (LR comes from the launch config)"
-        dtypes = sorted({s.dtype for n in model.values() for s in n.shards} | ({opt_dtype} if opt_dtype else set()))
-        return Checkpoint(
-            format=FORMAT,
-            path=str(self.root),
-            topology=Topology(dp=dp, tp=tp, pp=pp, zero_stage=stage),
-            tree=GroupNode(tree),
-            counters=counters,
-            lr=LearningRates(
-                param_groups=lrs,
-                base_lrs=base_lrs,
-                last_lr=last_lr or C.ds_last_lr(sched, ms0.get("ds_config"), tuple(lrs)),
-            ),
-            parameter_count=param_count,
-            parameter_tensors=len(param_names),
-            files=tuple(self._files(tp)),
-            warnings=tuple(self.warnings),
-            dtypes=tuple(dtypes),
-            details=details,
-        )
+        return details
 
     def _optimizer(
         self,
@@ -564,6 +602,4 @@ def _rng_bytes(ms: dict) -> bytes | None:
 
 
 def training_state(ck: Checkpoint):
-    from .deepspeed import training_state as tag_training_state
-
-    return tag_training_state(ck)
+    return D.training_state(ck)

@@ -134,6 +134,10 @@ _SHARD_RE = re.compile(r"-(\d{5})-of-(\d{5})\.safetensors$")
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001
+    """The safetensors file at `path`, or the folder of shards (with `*.safetensors.index.json`, read as JSON, or
+    without). Reads each shard's header only (offsets checked against the file size, dtype and shape); the
+    tensors stay lazy ranges of the files. Weights only: no `training_state` (read-only for the writing
+    commands)."""
     index_missing = False
     index = _index_file(path)
     root = path if path.is_dir() else path.parent

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..read.pickle_reader import TensorRef
-from ..read.state import is_flattened
+from ..read.state import StateMap, StateSource, is_flattened, is_optimizer_state, is_scheduler_state
 from ..read.tree import Checkpoint, GroupNode, TensorNode, Topology, iter_tensors, to_node
 from . import _common as C
 
@@ -39,8 +39,6 @@ def split_training_dict(obj: Any) -> tuple[Any, list, list, dict[str, Any]]:
     Optimizer and scheduler states are recognised by shape (`state.is_optimizer_state` / `is_scheduler_state`)
     under the usual keys or as lists (Lightning's `optimizer_states` / `lr_schedulers`); one wrapper level
     around a whole training dict (the DCP recipe's `{"app": {model, optim, scheduler}}`) is looked through."""
-    from ..read.state import is_optimizer_state, is_scheduler_state
-
     if not isinstance(obj, dict):
         return None, [], [], {"object": obj}
     if obj and all(isinstance(v, TensorRef) for v in obj.values()):
@@ -189,15 +187,16 @@ def state_nodes(
     optims: list, scheds: list, tree: dict, rel: str, names: list[str], shapes: Mapping[str, Any] | None = None
 ) -> None:
     """Put optimizer and scheduler states into `tree` as optimizer, optimizer_1, ..., scheduler, ..."""
-    from ._common import _numbered
-
     for i, osd in enumerate(optims):
-        tree[_numbered("optimizer", i)] = optimizer_tree(osd, names, rel, shapes)
+        tree[C._numbered("optimizer", i)] = optimizer_tree(osd, names, rel, shapes)
     for i, sd in enumerate(scheds):
-        tree[_numbered("scheduler", i)] = to_node(sd, rel)
+        tree[C._numbered("scheduler", i)] = to_node(sd, rel)
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001
+    """The `torch.save` file (zip or legacy) or pickle at `path`, read by the inert unpickler (never `torch.load`):
+    tensors stay lazy references to their storage records; the training dict is taken apart into model,
+    optimizer(s), scheduler(s) and client state by shape. Training state: the file itself (`training_state`)."""
     cache = C.LoadCache(path.parent)
     loaded = cache.load(path)
     rel = path.name
@@ -240,8 +239,6 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
 def training_state(ck: Checkpoint):
     """One file: a training dict, a Lightning `.ckpt` (lists of optimizer and scheduler states), an HF
     `optimizer.pt`: its state is found by shape."""
-    from ..read.state import StateMap, StateSource
-
     p = Path(ck.path)
     return StateMap(p.parent, (StateSource(p, p.name),))
 

@@ -28,6 +28,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..errors import MissingFile
+from ..read.state import StateMap, StateSource
 from ..read.tree import Checkpoint, GroupNode, Topology, Warning_, iter_tensors, to_node
 from . import _common as C
 from . import safetensors_file, torch_file
@@ -142,36 +144,19 @@ def _as_int(v: Any) -> int | None:
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001
+    """The recipe `output_dir` at `path`. Reads `recipe_state/recipe_state.pt` inert (optimizer, epochs_run,
+    seed, ...), the weights of the epoch folder saved with it (`epoch_{epochs_run - 1}`: its `*.safetensors`
+    headers through `safetensors_file.open`, or `adapter_model.safetensors` for LoRA, with `adapter_model.pt`
+    read inert for the optimizer's id order); later epoch folders (weights-only final saves) are only named.
+    Tensors stay lazy. Training state: `recipe_state/recipe_state.pt` (`training_state`)."""
     folder = path
     cache = C.LoadCache(folder)
     loaded = cache.load(folder / RECIPE_STATE)
     state = loaded.obj if isinstance(loaded.obj, dict) else {}
     rel = str(RECIPE_STATE)
     epochs_run = _as_int(state.get("epochs_run"))
-    epochs = _epochs(folder)
     warnings: list[Warning_] = []
-    details: dict[str, Any] = {
-        "recipe_state": rel,
-        "epochs": [d.name for _, d in epochs],
-        "scheduler_rebuilt": "not saved: the recipe rebuilds its scheduler from each param "
-        "group's initial_lr at the resumed step",
-    }
-    # the weights saved with the recipe state: epoch_{epochs_run - 1}
-    with_state = next((d for n, d in epochs if epochs_run is not None and n == epochs_run - 1), None)
-    if with_state is None:
-        from ..errors import MissingFile
-
-        want = f"epoch_{epochs_run - 1}" if epochs_run else "epoch_N"
-        raise MissingFile(
-            f"{rel} records epochs_run={epochs_run}, but {want}/ (the weights saved with it) is not here",
-            path=folder / want,
-            hint="restore that epoch folder: a resume reads it",
-        )
-    details["opened"] = with_state.name  # the epoch folder whose weights go with the recipe state (config.json too)
-    later = [d.name for n, d in epochs if epochs_run is not None and n >= epochs_run]
-    if later:
-        details["model_only_saves"] = later  # the final save: weights only, no recipe state
-        details["other_saves"] = later  # not part of this checkpoint (accounting leaves them to their own open)
+    with_state, details = _epoch_with_state(folder, epochs_run, rel)
     files = []
     adapter = with_state / "adapter_model.safetensors"
     if adapter.is_file():
@@ -183,38 +168,8 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     files.append(C.file_info(folder / RECIPE_STATE, folder, "optimizer"))
     model = weights.tree.children.get("model") if isinstance(weights.tree, GroupNode) else None
     model = model if isinstance(model, GroupNode) else GroupNode({})
-    shapes = {k: tuple(t.shape) for k, t in iter_tensors(model)}
     tree: dict[str, Any] = {"model": model}
-    osd = state.get("optimizer") if isinstance(state.get("optimizer"), dict) else None
-    lora_names: dict[Any, str] = {}
-    if adapter.is_file() and (with_state / "adapter_model.pt").is_file():
-        # torchtune writes the adapter twice: adapter_model.pt (its own names, module order) and the PEFT-named
-        # safetensors; the .pt gives the order the optimizer numbered the trainable parameters in
-        pt = with_state / "adapter_model.pt"
-        tune = cache.load(pt).obj
-        files.append(C.file_info(pt, folder, "model (copy in torchtune's names)"))
-        if isinstance(osd, dict):
-            lora_names = _lora_ids(osd, tune, shapes)
-    if osd is not None:
-        order = torchtune_order(list(shapes)) if not adapter.is_file() else None
-        node = torch_file.optimizer_tree(osd, order or [], rel, {n: shapes[n] for n in order} if order else None)
-        if lora_names:
-            node = _rename_state(node, lora_names)
-        tree["optimizer"] = node
-        st = node.children.get("state")
-        if isinstance(st, GroupNode) and any(k.isdigit() for k in st.children) and not lora_names:
-            why = (
-                "LoRA: the optimizer holds every parameter of the model, the folder only the adapter"
-                if adapter.is_file()
-                else "the weights are not all in torchtune's Llama-family order"
-            )
-            warnings.append(
-                Warning_(
-                    "optimizer-ids-unnamed",
-                    f"{rel}: optimizer state keyed by ids that could not be matched to parameter names ({why})",
-                    rel,
-                )
-            )
+    _optimizer(state, model, with_state, adapter, cache, folder, rel, tree, files, warnings)
     client = {k: v for k, v in state.items() if k != "optimizer"}
     tree["client_state"] = to_node(client, rel)
     counters, lrs, steps = C.training_header(tree)
@@ -262,6 +217,69 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     )
 
 
+def _epoch_with_state(folder: Path, epochs_run: int | None, rel: str) -> tuple[Path, dict[str, Any]]:
+    """(the epoch folder whose weights were saved with the recipe state: epoch_{epochs_run - 1}, the details so
+    far: the epochs present, the later weights-only saves); refused when that folder is missing."""
+    epochs = _epochs(folder)
+    details: dict[str, Any] = {
+        "recipe_state": rel,
+        "epochs": [d.name for _, d in epochs],
+        "scheduler_rebuilt": "not saved: the recipe rebuilds its scheduler from each param "
+        "group's initial_lr at the resumed step",
+    }
+    # the weights saved with the recipe state: epoch_{epochs_run - 1}
+    with_state = next((d for n, d in epochs if epochs_run is not None and n == epochs_run - 1), None)
+    if with_state is None:
+        want = f"epoch_{epochs_run - 1}" if epochs_run else "epoch_N"
+        raise MissingFile(
+            f"{rel} records epochs_run={epochs_run}, but {want}/ (the weights saved with it) is not here",
+            path=folder / want,
+            hint="restore that epoch folder: a resume reads it",
+        )
+    details["opened"] = with_state.name  # the epoch folder whose weights go with the recipe state (config.json too)
+    later = [d.name for n, d in epochs if epochs_run is not None and n >= epochs_run]
+    if later:
+        details["model_only_saves"] = later  # the final save: weights only, no recipe state
+        details["other_saves"] = later  # not part of this checkpoint (accounting leaves them to their own open)
+    return with_state, details
+
+
+def _optimizer(state, model, with_state, adapter, cache, folder, rel, tree, files, warnings) -> None:
+    """The recipe state's optimizer into `tree`, its ids named in torchtune's parameter order (full fine-tune) or
+    by `adapter_model.pt`'s order (LoRA); ids left unnamed warned about."""
+    shapes = {k: tuple(t.shape) for k, t in iter_tensors(model)}
+    osd = state.get("optimizer") if isinstance(state.get("optimizer"), dict) else None
+    lora_names: dict[Any, str] = {}
+    if adapter.is_file() and (with_state / "adapter_model.pt").is_file():
+        # torchtune writes the adapter twice: adapter_model.pt (its own names, module order) and the PEFT-named
+        # safetensors; the .pt gives the order the optimizer numbered the trainable parameters in
+        pt = with_state / "adapter_model.pt"
+        tune = cache.load(pt).obj
+        files.append(C.file_info(pt, folder, "model (copy in torchtune's names)"))
+        if isinstance(osd, dict):
+            lora_names = _lora_ids(osd, tune, shapes)
+    if osd is not None:
+        order = torchtune_order(list(shapes)) if not adapter.is_file() else None
+        node = torch_file.optimizer_tree(osd, order or [], rel, {n: shapes[n] for n in order} if order else None)
+        if lora_names:
+            node = _rename_state(node, lora_names)
+        tree["optimizer"] = node
+        st = node.children.get("state")
+        if isinstance(st, GroupNode) and any(k.isdigit() for k in st.children) and not lora_names:
+            why = (
+                "LoRA: the optimizer holds every parameter of the model, the folder only the adapter"
+                if adapter.is_file()
+                else "the weights are not all in torchtune's Llama-family order"
+            )
+            warnings.append(
+                Warning_(
+                    "optimizer-ids-unnamed",
+                    f"{rel}: optimizer state keyed by ids that could not be matched to parameter names ({why})",
+                    rel,
+                )
+            )
+
+
 def _recipe_resume(folder: Path, epoch: Path, lora: bool) -> str:
     """What `ckpt resume` says instead of replaying a torchtune checkpoint: the recipe itself resumes it (it rebuilds
     the model, the scheduler and the data from its config), with torchtune 0.6.1's overrides for this folder (the
@@ -286,7 +304,5 @@ def _recipe_resume(folder: Path, epoch: Path, lora: bool) -> str:
 
 def training_state(ck: Checkpoint):
     """`recipe_state/recipe_state.pt`: the optimizer (its param groups' `initial_lr` drive the LR on resume)."""
-    from ..read.state import StateMap, StateSource
-
     root = Path(ck.path)
     return StateMap(root, (StateSource(root / RECIPE_STATE, str(RECIPE_STATE)),))

@@ -63,6 +63,11 @@ def sniff(path: Path) -> bool:
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001
+    """The universal tag folder at `path` (or the folder whose `latest_universal` names it). Reads (inert) every
+    copied `mp_rank_*_model_states.pt` (parameter order, module weights, counters, scheduler, config), each
+    `zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt` (one whole tensor each, left lazy; a scalar step read) and
+    `zero/optimizer_state.pt` (param groups). Training state: the module has no `training_state`, so the
+    writing commands (set-lr / set-step) treat a universal checkpoint as read-only."""
     if _is_tag(path):
         root, tag_dir, tag = path, path, path.name
     else:
@@ -78,18 +83,8 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
         )
     ms = cache.load(model_files[0]).obj
     ms = ms if isinstance(ms, dict) else {}
-    # The parameters are the zero/<param>/ folders (whole tensors, every pipeline stage and TP rank merged);
-    # the copied model-states files give their order: each mp rank's file lists only its own stage's params.
-    folders = {p.name for p in zero.iterdir() if p.is_dir() and (p / "fp32.pt").is_file()} if zero.is_dir() else set()
-    listed: list[str] = []
-    for f in model_files:
-        obj = ms if f == model_files[0] else cache.load(f).obj
-        for g in _shape_groups(obj.get("param_shapes") if isinstance(obj, dict) else None):
-            listed += [n for n in g if n not in listed]
-    names = [n for n in listed if n in folders] + sorted(folders - set(listed), key=_natural)
+    names, listed, folders = _param_names(zero, model_files, ms, cache)
     warnings: list[Warning_] = []
-    state: dict[str, Any] = {}
-    steps: list[int] = []
     files = [C.file_info(p, root, "model") for p in model_files]
     for name in [n for n in listed if n not in folders]:
         warnings.append(
@@ -99,73 +94,13 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
                 str(zero.relative_to(root)),
             )
         )
-    for name in names:
-        pdir = zero / name
-        entry: dict[str, Any] = {}
-        keys = sorted(f.name[:-3] for f in pdir.iterdir() if f.name.endswith(".pt") and f.is_file())
-        for key in sorted(keys, key=lambda k: (STATE_FILES.index(k) if k in STATE_FILES else len(STATE_FILES), k)):
-            f = pdir / f"{key}.pt"
-            files.append(C.file_info(f, root, "optimizer"))
-            obj = cache.load(f).obj
-            ref = obj.get("param") if isinstance(obj, dict) else obj
-            if not isinstance(ref, TensorRef):
-                continue
-            node = tensor_node(ref, cache.rel(f))
-            if key == "step":
-                v = as_int(node.value)
-                if v is not None:
-                    steps.append(v)
-                entry["step"] = ValueNode(node.value)
-            else:
-                entry[key] = node
-            if isinstance(obj, dict) and "cat_dim" in obj and key == "fp32":
-                entry["cat_dim"] = ValueNode(obj["cat_dim"])
-        state[name] = GroupNode(entry)
-    opt_path = zero / "optimizer_state.pt"
-    osd = cache.load(opt_path).obj if opt_path.is_file() else {}
-    osd = osd if isinstance(osd, dict) else {}
-    if opt_path.is_file():
-        files.append(C.file_info(opt_path, root, "optimizer"))
-    groups = osd.get("param_groups") if isinstance(osd.get("param_groups"), list) else []
-    declared = {"the model states' param_shapes": len(_shape_groups(ms.get("param_shapes")))}
-    if isinstance(osd.get("partition_count"), list):
-        declared["partition_count"] = len(osd["partition_count"])
-    for what, n in declared.items():
-        if opt_path.is_file() and n and len(groups) != n:
-            warnings.append(
-                Warning_(
-                    "declared-mismatch",
-                    f"zero/optimizer_state.pt holds {len(groups)} param groups "
-                    f"where {what} declare(s) {n}: a param group was lost (DeepSpeed's universal "
-                    "loader pairs them by position)",
-                    "zero/optimizer_state.pt",
-                )
-            )
-            break
-    module = ms.get("module") if isinstance(ms.get("module"), dict) else {}
-    model: dict[str, Any] = {}
+    state, steps = _param_state(zero, names, root, cache, files)
+    osd, groups = _optimizer_state(zero, root, cache, files, ms, warnings)
     rel_ms = cache.rel(model_files[0])
-    for name in names:
-        ref = module.get(name)
-        fp32 = state[name].children.get("fp32") if isinstance(state.get(name), GroupNode) else None
-        if isinstance(ref, TensorRef) and ref.numel > 0 and (fp32 is None or tuple(ref.shape) == tuple(fp32.shape)):
-            model[name] = tensor_node(ref, rel_ms)  # the module's own (e.g. bf16) weight, when whole
-        elif isinstance(fp32, TensorNode):
-            model[name] = fp32
+    model = _model(names, ms, state, rel_ms)
     zs = osd.get("zero_stage")
     stage = as_int(zs.args[0]) if isinstance(zs, Opaque) and zs.args else as_int(zs)
-    tree: dict[str, Any] = {"model": GroupNode(model)}
-    opt_extras = {k: to_node(v, "zero/optimizer_state.pt") for k, v in osd.items() if k != "param_groups"}
-    tree["optimizer"] = GroupNode({"state": GroupNode(state), "param_groups": to_node(groups, ""), **opt_extras})
-    sched_node = to_node(ms["lr_scheduler"], rel_ms) if isinstance(ms.get("lr_scheduler"), dict) else None
-    if sched_node is not None:
-        tree["scheduler"] = sched_node
-    tree["counters"] = GroupNode({k: ValueNode(ms.get(k)) for k in ("global_steps", "global_samples", "skipped_steps")})
-    client = {k: v for k, v in ms.items() if k not in DS_MODEL_KEYS}
-    if client:
-        tree["client_state"] = to_node(client, rel_ms)
-    if isinstance(ms.get("ds_config"), dict):
-        tree["config"] = to_node(ms["ds_config"], rel_ms)
+    tree, sched_node = _tree(ms, model, state, osd, groups, rel_ms)
     sf = C.scheduler_fields(sched_node)
     base_lrs, last_lr = C.lr_from_scheduler(sf)
     last_epoch, step_count = C.scheduler_counters(sf)
@@ -205,6 +140,106 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
             "note": "topology is the source run's; a universal checkpoint loads at any DP size",
         },
     )
+
+
+def _param_names(zero: Path, model_files: list[Path], ms: dict, cache: C.LoadCache) -> tuple[list, list, set]:
+    """(the parameters in model order, the names the model states list, the zero/<param> folders). The parameters
+    are the zero/<param>/ folders (whole tensors, every pipeline stage and TP rank merged); the copied model-states
+    files give their order: each mp rank's file lists only its own stage's params."""
+    folders = {p.name for p in zero.iterdir() if p.is_dir() and (p / "fp32.pt").is_file()} if zero.is_dir() else set()
+    listed: list[str] = []
+    for f in model_files:
+        obj = ms if f == model_files[0] else cache.load(f).obj
+        for g in _shape_groups(obj.get("param_shapes") if isinstance(obj, dict) else None):
+            listed += [n for n in g if n not in listed]
+    names = [n for n in listed if n in folders] + sorted(folders - set(listed), key=_natural)
+    return names, listed, folders
+
+
+def _param_state(zero: Path, names: list[str], root: Path, cache: C.LoadCache, files: list) -> tuple[dict, list]:
+    """({param: its zero/<param>/*.pt state as a group}, the steps seen); every state file listed in `files`."""
+    state: dict[str, Any] = {}
+    steps: list[int] = []
+    for name in names:
+        pdir = zero / name
+        entry: dict[str, Any] = {}
+        keys = sorted(f.name[:-3] for f in pdir.iterdir() if f.name.endswith(".pt") and f.is_file())
+        for key in sorted(keys, key=lambda k: (STATE_FILES.index(k) if k in STATE_FILES else len(STATE_FILES), k)):
+            f = pdir / f"{key}.pt"
+            files.append(C.file_info(f, root, "optimizer"))
+            obj = cache.load(f).obj
+            ref = obj.get("param") if isinstance(obj, dict) else obj
+            if not isinstance(ref, TensorRef):
+                continue
+            node = tensor_node(ref, cache.rel(f))
+            if key == "step":
+                v = as_int(node.value)
+                if v is not None:
+                    steps.append(v)
+                entry["step"] = ValueNode(node.value)
+            else:
+                entry[key] = node
+            if isinstance(obj, dict) and "cat_dim" in obj and key == "fp32":
+                entry["cat_dim"] = ValueNode(obj["cat_dim"])
+        state[name] = GroupNode(entry)
+    return state, steps
+
+
+def _optimizer_state(zero, root, cache, files, ms, warnings) -> tuple[dict, list]:
+    """(zero/optimizer_state.pt's dict, its param groups); groups fewer or more than declared warned about."""
+    opt_path = zero / "optimizer_state.pt"
+    osd = cache.load(opt_path).obj if opt_path.is_file() else {}
+    osd = osd if isinstance(osd, dict) else {}
+    if opt_path.is_file():
+        files.append(C.file_info(opt_path, root, "optimizer"))
+    groups = osd.get("param_groups") if isinstance(osd.get("param_groups"), list) else []
+    declared = {"the model states' param_shapes": len(_shape_groups(ms.get("param_shapes")))}
+    if isinstance(osd.get("partition_count"), list):
+        declared["partition_count"] = len(osd["partition_count"])
+    for what, n in declared.items():
+        if opt_path.is_file() and n and len(groups) != n:
+            warnings.append(
+                Warning_(
+                    "declared-mismatch",
+                    f"zero/optimizer_state.pt holds {len(groups)} param groups "
+                    f"where {what} declare(s) {n}: a param group was lost (DeepSpeed's universal "
+                    "loader pairs them by position)",
+                    "zero/optimizer_state.pt",
+                )
+            )
+            break
+    return osd, groups
+
+
+def _model(names: list[str], ms: dict, state: dict, rel_ms: str) -> dict[str, Any]:
+    """Each parameter's weight: the module's own (e.g. bf16) when whole, else its fp32 master."""
+    module = ms.get("module") if isinstance(ms.get("module"), dict) else {}
+    model: dict[str, Any] = {}
+    for name in names:
+        ref = module.get(name)
+        fp32 = state[name].children.get("fp32") if isinstance(state.get(name), GroupNode) else None
+        if isinstance(ref, TensorRef) and ref.numel > 0 and (fp32 is None or tuple(ref.shape) == tuple(fp32.shape)):
+            model[name] = tensor_node(ref, rel_ms)  # the module's own (e.g. bf16) weight, when whole
+        elif isinstance(fp32, TensorNode):
+            model[name] = fp32
+    return model
+
+
+def _tree(ms: dict, model: dict, state: dict, osd: dict, groups: list, rel_ms: str) -> tuple[dict[str, Any], Any]:
+    """(the tree: model, optimizer, scheduler, counters, client state, config; the scheduler node or None)."""
+    tree: dict[str, Any] = {"model": GroupNode(model)}
+    opt_extras = {k: to_node(v, "zero/optimizer_state.pt") for k, v in osd.items() if k != "param_groups"}
+    tree["optimizer"] = GroupNode({"state": GroupNode(state), "param_groups": to_node(groups, ""), **opt_extras})
+    sched_node = to_node(ms["lr_scheduler"], rel_ms) if isinstance(ms.get("lr_scheduler"), dict) else None
+    if sched_node is not None:
+        tree["scheduler"] = sched_node
+    tree["counters"] = GroupNode({k: ValueNode(ms.get(k)) for k in ("global_steps", "global_samples", "skipped_steps")})
+    client = {k: v for k, v in ms.items() if k not in DS_MODEL_KEYS}
+    if client:
+        tree["client_state"] = to_node(client, rel_ms)
+    if isinstance(ms.get("ds_config"), dict):
+        tree["config"] = to_node(ms["ds_config"], rel_ms)
+    return tree, sched_node
 
 
 def logical_layout(ck: Checkpoint) -> dict[str, Any]:
