@@ -137,3 +137,87 @@ def test_the_wheel_lists_every_package_and_installs_the_cli_as_ckpt_cli():
                 assert node.module.split(".")[0] != "cli", f"{path.name}: from {node.module} import ..."
             if isinstance(node, ast.Import):
                 assert all(a.name.split(".")[0] != "cli" for a in node.names), path.name
+
+
+def _functions(path: Path):
+    """(qualified name, first line, last line) of every function in `path`, nested ones too."""
+    tree = ast.parse(path.read_text())
+    out = []
+
+    def walk(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.append((f"{prefix}{child.name}", child.lineno, child.end_lineno))
+                walk(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                walk(child, f"{prefix}{child.name}.")
+            else:
+                walk(child, prefix)
+
+    walk(tree, "")
+    return out
+
+
+#: worker scripts that run only under torchtitan / torchtune, which this suite's machine does not install: they
+#: are split when a run of them can prove the split (issue 43 leaves them as they are)
+UNTESTED_HERE = {
+    "samples/workers/torchtitan_run.py",
+    "samples/workers/torchtune_run.py",
+    "samples/workers/ds_torchtitan.py",
+}
+
+
+def test_functions_read_in_one_screen_and_modules_stay_under_a_thousand_lines():
+    long_functions, long_modules = [], []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).as_posix()
+        if rel in UNTESTED_HERE:
+            continue
+        lines = path.read_text().count("\n")
+        if lines > 1000:
+            long_modules.append(f"{rel}: {lines}")
+        long_functions += [
+            f"{rel}:{name} {end - start + 1}" for name, start, end in _functions(path) if end - start >= 80
+        ]
+    assert long_functions == []
+    assert long_modules == []
+
+
+def _says_why(lines: list[str], i: int) -> bool:
+    """Line i (0-based) carries a `# lazy:` comment, or sits in a block of imports the line above opens with one."""
+    if "# lazy:" in lines[i]:
+        return True
+    while i > 0 and lines[i - 1].strip().startswith(("import ", "from ")):
+        i -= 1
+    return i > 0 and lines[i - 1].strip().startswith("# lazy:")
+
+
+def test_imports_sit_at_the_top_unless_a_comment_says_why_not():
+    """An import inside a function is either a torch (or other optional, heavy) dependency kept out of the
+    torch-free core, with a `# lazy:` comment on its line or the line above saying so, or it moves to the top."""
+    unexplained = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).as_posix()
+        if rel in UNTESTED_HERE:
+            continue
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for sub in ast.walk(node):
+                if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                    if not _says_why(lines, sub.lineno - 1):
+                        unexplained.append(f"{rel}:{sub.lineno}: {lines[sub.lineno - 1].strip()}")
+    assert unexplained == []
+
+
+def test_operations_hold_no_branch_per_format():
+    """ops/ work on the tree, the state map and the logical view: a format's particulars come from its module (a
+    hook or a fact it puts on the tree), never from an `if ck.format == ...` in an operation."""
+    branches = []
+    pattern = re.compile(r"\.format\s*(==|!=)\s*[\"']|\.format\s+(not\s+)?in\b|\.format\.startswith")
+    for path in sorted((PKG / "ops").glob("*.py")):
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line.split("#")[0]):
+                branches.append(f"ops/{path.name}:{i}: {line.strip()}")
+    assert branches == []
