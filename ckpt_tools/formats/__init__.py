@@ -57,11 +57,7 @@ def format_module(name: str) -> FormatModule:
     return cast(FormatModule, importlib.import_module(f"{__name__}.{name}"))
 
 
-#: the name `view.logical` imports (kept for it)
-_module = format_module
-
-
-def _by_format(fmt: str) -> FormatModule | None:
+def module_of_format(fmt: str) -> FormatModule | None:
     """The format module whose FORMAT id is `fmt` (what `Checkpoint.format` carries), or None."""
     for name in FORMAT_MODULES:
         mod = format_module(name)
@@ -84,7 +80,7 @@ def editable_format_ids() -> tuple[str, ...]:
 def training_state(ck: Checkpoint) -> StateMap:
     """Where `ck`'s training state lives (`ckpt_tools.read.state.StateMap`), as its format module says; a format
     without a `training_state` is read-only for the writing commands."""
-    mod = _by_format(ck.format)
+    mod = module_of_format(ck.format)
     if isinstance(mod, EditableFormatModule):
         return mod.training_state(ck)
     return StateMap(

@@ -74,7 +74,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ..errors import CkptError
-from ..formats import FORMAT_MODULES, _module
+from ..formats import module_of_format
 from ..formats.torch_file import match_param_ids
 from ..read import qkv
 from ..read.pickle_reader import FdCache, LazyTensorRef
@@ -204,20 +204,12 @@ def open_any(ck: Checkpoint | str | os.PathLike) -> Checkpoint:
     return open_checkpoint(Path(ck))
 
 
-def _format_module(ck: Checkpoint):
-    for name in FORMAT_MODULES:
-        mod = _module(name)
-        if mod is not None and getattr(mod, "FORMAT", None) == ck.format:
-            return mod
-    return None
-
-
 def layout(ck: Checkpoint | str | os.PathLike) -> dict[str, Any]:
     """{"order": [...], "frozen": [...], "tied": {alias: source}, "buffers": [...], "groups": [[names of
     param group 0], ...]}, as far as the format module's `logical_layout` knows them (empty otherwise)."""
     ck = open_any(ck)
     out: dict[str, Any] = {"order": [], "frozen": [], "tied": {}, "buffers": [], "groups": []}
-    mod = _format_module(ck)
+    mod = module_of_format(ck.format)
     fn = getattr(mod, "logical_layout", None) if mod is not None else None
     if fn is not None:
         got = fn(ck) or {}
