@@ -25,8 +25,6 @@ from ckpt_tools import formats
 from ckpt_tools.errors import CkptError
 from ckpt_tools.read.safe_load import import_deepspeed
 from ckpt_tools.read.tree import GroupNode, Node, OpaqueNode, TensorNode, ValueNode
-from ckpt_tools.resume.deepspeed import SUPPORTED_FORMATS
-from ckpt_tools.resume.frameworks import FRAMEWORK_OF_FORMAT
 from ckpt_tools.train.procgroup import under_torchrun as job_rank
 
 
@@ -486,7 +484,10 @@ def works_on(command: str) -> tuple[str, ...]:
     if kind == "training_state":
         return formats.editable_format_ids()
     if kind == "resume":
-        ids = set(SUPPORTED_FORMATS) | set(FRAMEWORK_OF_FORMAT)
+        # lazy: the resume planners import most of ckpt_tools; only this hint needs their table
+        from ckpt_tools.resume.frameworks import FRAMEWORK_OF_FORMAT
+
+        ids = set(FRAMEWORK_OF_FORMAT)
         return tuple(f for f in formats.format_ids() if f in ids)
     return tuple(f for f in formats.format_ids() if f in kind)
 

@@ -9,7 +9,7 @@ import importlib.util
 import json
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 from rich.markup import escape
@@ -17,9 +17,21 @@ from rich.table import Table
 from tqdm import tqdm
 
 from ckpt_tools.errors import CkptError
-from ckpt_tools.resume import frameworks as ops
 
 from . import output
+
+if TYPE_CHECKING:
+    from ckpt_tools.resume.frameworks import ResumeResult
+
+
+def _ops():
+    """`ckpt_tools.resume.frameworks`, imported when `ckpt resume` runs."""
+    # lazy: the resume planners and runners import most of ckpt_tools; every other command and `ckpt --help` start
+    # without them
+    from ckpt_tools.resume import frameworks
+
+    return frameworks
+
 
 _PATH = typer.Argument(
     ...,
@@ -173,8 +185,8 @@ def resume_cmd(
     if plot is not None:
         output.require("matplotlib", extra="all", what="--plot")
     override = _read_config(config)
-    ref = ops.load_reference(reference) if reference else None
-    plan = ops.plan_resume(
+    ref = _ops().load_reference(reference) if reference else None
+    plan = _ops().plan_resume(
         path,
         steps=steps,
         nproc=nproc,
@@ -197,7 +209,7 @@ def resume_cmd(
         plan, steps, json_out or quiet, reference=ref, loss_tol=loss_tol, jump_tol=jump_tol, work_dir=work_dir
     )
     if record_reference is not None:
-        record_reference.write_text(json.dumps(ops.reference_doc(result), indent=1) + "\n")
+        record_reference.write_text(json.dumps(_ops().reference_doc(result), indent=1) + "\n")
     if plot is not None:
         _plot(result, plot, ref)
     if json_out:
@@ -232,7 +244,7 @@ def _require_framework(plan: Any) -> None:
         output.require("deepspeed", extra="train", what="ckpt resume")
 
 
-def _run(plan: Any, steps: int, quiet_bar: bool, **run: Any) -> ops.ResumeResult:
+def _run(plan: Any, steps: int, quiet_bar: bool, **run: Any) -> ResumeResult:
     """`run_resume` under a progress bar (none with --json / --quiet): converting, starting, one tick per step."""
     # a conversion runs in this process and imports DeepSpeed, which logs to the terminal: its lines go above
     # the bar, not into it (imported before the bar is drawn, so its import-time line comes first)
@@ -260,12 +272,12 @@ def _run(plan: Any, steps: int, quiet_bar: bool, **run: Any) -> ops.ResumeResult
 
     try:
         with logs:
-            return ops.run_resume(plan, on_event=on_event, **run)
+            return _ops().run_resume(plan, on_event=on_event, **run)
     finally:
         bar.close()
 
 
-def _render(result: ops.ResumeResult, quiet: bool) -> None:
+def _render(result: ResumeResult, quiet: bool) -> None:
     con = output.console()
     p = result.plan
     s = getattr(p, "saved", None)
@@ -317,7 +329,7 @@ def _render(result: ops.ResumeResult, quiet: bool) -> None:
     con.print(v)
 
 
-def _plot(result: ops.ResumeResult, path: Path, ref: dict[int, float] | None) -> None:
+def _plot(result: ResumeResult, path: Path, ref: dict[int, float] | None) -> None:
     import matplotlib  # lazy: matplotlib only for --plot (an optional extra)
 
     matplotlib.use("Agg")

@@ -565,7 +565,7 @@ def test_export_hf_refuses_what_neither_gpt2_nor_llama_holds():
     LayerNorm, SwiGLU with biases, GPT-2 with an untied output or grouped-query attention, interleaved rotary pairs)
     is one CkptError naming it, before anything is written."""
     from ckpt_tools.errors import CkptError
-    from ckpt_tools.view.logical import _plain
+    from ckpt_tools.view.logical import node_to_display as _plain
     from ckpt_tools.ops import hf_map
 
     gpt = _plain(ckpt_tools.open_checkpoint(sample("megatron_lm", TP2)).tree.children["args"])

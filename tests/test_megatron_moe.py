@@ -925,7 +925,7 @@ def test_export_hf_of_gpt2_shaped_moe_is_refused_by_name(tmp_path, name):
 
 def _llama_moe_args(**change) -> dict:
     """The saved args of the EP 2 sample made Llama-shaped (what `megatron_moe_mixtral_ep2_*` passes), changed."""
-    from ckpt_tools.view.logical import _plain
+    from ckpt_tools.view.logical import node_to_display as _plain
 
     args = _plain(ckpt_tools.open_checkpoint(sample("megatron_lm", EP2)).tree.children["args"])
     llama = {

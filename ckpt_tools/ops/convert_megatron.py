@@ -24,19 +24,10 @@ def read_checked_config(ck, hf_config: str) -> tuple[dict[str, Any], str]:
     return cfg, where
 
 
-def source_view(
-    ck,
-    hf_config: str | None = None,
-    seq_length: int | None = None,
-    lr_scheduler: str | None = None,
-    drop_norm_decay: bool = False,
-    *,
-    n_kv_heads: int | None = None,
-):
-    """`view.torchtitan.source_view` with the `--hf-config` found and checked (`read_checked_config`)."""
-    return torchtitan.source_view(
-        ck, hf_config, seq_length, lr_scheduler, drop_norm_decay, n_kv_heads=n_kv_heads, read=read_checked_config
-    )
+def source_view(ck, *args: Any, **kwargs: Any):
+    """`view.torchtitan.source_view` (same arguments) with the `--hf-config` found and checked
+    (`read_checked_config`)."""
+    return torchtitan.source_view(ck, *args, **kwargs, read=read_checked_config)
 
 
 def tp_drift(ck) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from dataclasses import astuple
 from pathlib import Path
 from typing import Any, Callable
 
@@ -14,6 +15,7 @@ from ..formats import training_state
 from ..read import pickle_reader
 from ..read.tree import Checkpoint, GroupNode, node_to_python
 from .common import (
+    PlannerOptions,
     FrameworkPlan,
     _check_pickles,
     _finite,
@@ -45,18 +47,13 @@ def installed_accelerate_counts_loosely() -> bool:
 def plan_accelerate(
     ck: Checkpoint,
     path: Path,
-    *,
-    steps: int,
-    nproc: int | None,
-    device: str,
-    model: str,
-    scheduler: str | None,
-    trust_pickles: bool,
+    opts: PlannerOptions,
     counts_loosely: Callable[[], bool] = installed_accelerate_counts_loosely,
 ) -> FrameworkPlan:
     """Validate, read every saved model / optimizer / scheduler (`optimizer`, `optimizer_1`, ...) into a replica
     spec with its expected LRs, look at the custom-object files, choose the world size, build the plan.
     `counts_loosely`: how the installed Accelerate counts custom-object files."""
+    steps, nproc, device, model, scheduler, trust_pickles = astuple(opts)
     if model not in ("auto", "model-free", "replica"):
         raise CkptError(f"--model {model!r}: Accelerate checkpoints resume model-free here", hint="drop --model")
     folder = Path(ck.path)

@@ -43,6 +43,19 @@ class ResumeOptions:
 
 
 @dataclass(frozen=True)
+class PlannerOptions:
+    """What the HF Trainer, Accelerate, DCP and Lightning planners take from `ckpt resume`'s options, the device
+    already resolved (`frameworks._planner_options`)."""
+
+    steps: int
+    nproc: int | None
+    device: str
+    model: str
+    scheduler: str | None
+    trust_pickles: bool
+
+
+@dataclass(frozen=True)
 class FrameworkPlan:
     """Everything decided before any process starts. Field names follow `ResumePlan` where they mean the same
     (the CLI renders both); `frameworks.run_resume` hands it to `framework_run.run_framework`, which starts the

@@ -4,12 +4,14 @@ resumed update must use from the saved scheduler (`torch_schedules`)."""
 
 from __future__ import annotations
 
+from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
 from ..errors import CkptError
 from ..read.tree import Checkpoint, GroupNode, node_to_python
 from .common import (
+    PlannerOptions,
     FrameworkPlan,
     _expected_lrs,
     _replica_model,
@@ -25,16 +27,11 @@ from .torch_schedules import torch_expected_lrs
 def plan_dcp(
     ck: Checkpoint,
     path: Path,
-    *,
-    steps: int,
-    nproc: int | None,
-    device: str,
-    model: str,
-    scheduler: str | None,
-    trust_pickles: bool,
+    opts: PlannerOptions,
 ) -> FrameworkPlan:
     """Validate, build the replica's parameters and optimizer groups, derive the expected LRs from the saved
     scheduler, build the plan."""
+    steps, nproc, device, model, scheduler, trust_pickles = astuple(opts)
     if model not in ("auto", "model-free", "replica"):
         raise CkptError(f"--model {model!r}: DCP checkpoints resume model-free here", hint="drop --model")
     folder = Path(ck.path)

@@ -31,10 +31,10 @@ from ..view.checkpoint import open_checkpoint
 from ..view.logical import with_kv_heads
 from .accelerate import installed_accelerate_counts_loosely as _installed_accelerate_counts_loosely
 from .accelerate import plan_accelerate
-from .common import FrameworkPlan, ResumeOptions, _check_pickles, _device
+from .common import FrameworkPlan, PlannerOptions, ResumeOptions, _check_pickles, _device
 from .dcp import plan_dcp
 from .deepspeed import SUPPORTED_FORMATS, ResumePlan, plan_deepspeed
-from .deepspeed_run import Converter, ckpt_to_universal, load_reference, reference_doc, run_deepspeed
+from .deepspeed_run import load_reference, reference_doc, run_deepspeed
 from .framework_run import run_framework
 from .hf_trainer import plan_hf_trainer
 from .lightning import plan_lightning
@@ -183,39 +183,32 @@ def _refuse_deepspeed_options(ck: Checkpoint, p: Path, o: ResumeOptions) -> None
             )
 
 
-def _planner_options(ck: Checkpoint, p: Path, o: ResumeOptions, device: str) -> dict[str, Any]:
-    """The keywords of the HF Trainer, Accelerate, DCP and Lightning planners; --megatron-args refused."""
+def _planner_options(ck: Checkpoint, p: Path, o: ResumeOptions, device: str) -> PlannerOptions:
+    """The options of the HF Trainer, Accelerate, DCP and Lightning planners; --megatron-args refused."""
     if o.framework_args:
         raise CkptError(
             f"--megatron-args applies to Megatron-LM checkpoints; this is {ck.format}",
             path=p,
             hint="drop --megatron-args",
         )
-    return {
-        "steps": o.steps,
-        "nproc": o.nproc,
-        "device": device,
-        "model": o.model,
-        "scheduler": o.scheduler,
-        "trust_pickles": o.trust_pickles,
-    }
+    return PlannerOptions(o.steps, o.nproc, device, o.model, o.scheduler, o.trust_pickles)
 
 
 def _hf_trainer(ck: Checkpoint, p: Path, o: ResumeOptions, device: str) -> FrameworkPlan:
-    return plan_hf_trainer(ck, p, **_planner_options(ck, p, o, device))
+    return plan_hf_trainer(ck, p, _planner_options(ck, p, o, device))
 
 
 def _accelerate(ck: Checkpoint, p: Path, o: ResumeOptions, device: str) -> FrameworkPlan:
-    kw = _planner_options(ck, p, o, device)
-    return plan_accelerate(ck, p, **kw, counts_loosely=_installed_accelerate_counts_loosely)
+    opts = _planner_options(ck, p, o, device)
+    return plan_accelerate(ck, p, opts, counts_loosely=_installed_accelerate_counts_loosely)
 
 
 def _dcp(ck: Checkpoint, p: Path, o: ResumeOptions, device: str) -> FrameworkPlan:
-    return plan_dcp(ck, p, **_planner_options(ck, p, o, device))
+    return plan_dcp(ck, p, _planner_options(ck, p, o, device))
 
 
 def _lightning(ck: Checkpoint, p: Path, o: ResumeOptions, device: str) -> FrameworkPlan:
-    return plan_lightning(ck, p, **_planner_options(ck, p, o, device))
+    return plan_lightning(ck, p, _planner_options(ck, p, o, device))
 
 
 def _megatron(ck: Checkpoint, p: Path, o: ResumeOptions, device: str) -> FrameworkPlan:
@@ -241,34 +234,19 @@ _no_planner = _framework(None)
 # --- running ---------------------------------------------------------------------------------------
 
 
-def run_resume(
-    plan: ResumePlan | FrameworkPlan,
-    *,
-    on_event: Callable[[dict], None] | None = None,
-    converter: Converter = ckpt_to_universal,
-    reference: dict[int, float] | None = None,
-    loss_tol: float = 1e-3,
-    jump_tol: float = 0.1,
-    work_dir: str | os.PathLike | None = None,
-    timeout: float = 3600,
-) -> ResumeResult:
-    """Run the plan with its framework's runner (`run_framework` for a `FrameworkPlan`, else `run_deepspeed`) and
-    judge the records. Scratch files go to `work_dir` (kept) or a temporary folder (removed), never into the
-    checkpoint folder. `converter` and `jump_tol` apply to DeepSpeed only."""
+def run_resume(plan: ResumePlan | FrameworkPlan, **options: Any) -> ResumeResult:
+    """Run the plan with its framework's runner and judge the records: `deepspeed_run.run_deepspeed` and its
+    keywords (on_event, converter, reference, loss_tol, jump_tol, work_dir, timeout) for a `ResumePlan`,
+    `framework_run.run_framework` for a `FrameworkPlan` (the same keywords but `converter` and `jump_tol`, which
+    apply to DeepSpeed only; `work_dir` is its `keep`). Scratch files go to `work_dir` (kept) or a temporary folder
+    (removed), never into the checkpoint folder."""
     if isinstance(plan, FrameworkPlan):
-        return run_framework(
-            plan, on_event=on_event, keep=work_dir, reference=reference, loss_tol=loss_tol, timeout=timeout
-        )
-    return run_deepspeed(
-        plan,
-        on_event=on_event,
-        converter=converter,
-        reference=reference,
-        loss_tol=loss_tol,
-        jump_tol=jump_tol,
-        work_dir=work_dir,
-        timeout=timeout,
-    )
+        options.pop("converter", None)
+        options.pop("jump_tol", None)
+        if "work_dir" in options:
+            options["keep"] = options.pop("work_dir")
+        return run_framework(plan, **options)
+    return run_deepspeed(plan, **options)
 
 
 __all__ = [

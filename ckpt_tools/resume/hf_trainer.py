@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from ..errors import CkptError
 from ..formats import hf_trainer as fmt
 from ..read.meta import meta_device
 from ..read.tree import Checkpoint, GroupNode, node_to_python
-from .common import FrameworkPlan, _check_pickles, _finite, _saved_state, _tensor_specs, inert_to_json
+from .common import PlannerOptions, FrameworkPlan, _check_pickles, _finite, _saved_state, _tensor_specs, inert_to_json
 from .verdict import SavedState, mismatch
 
 
@@ -72,16 +73,11 @@ def hf_expected_lrs(args: dict[str, Any], saved: SavedState, steps: int) -> tupl
 def plan_hf_trainer(
     ck: Checkpoint,
     path: Path,
-    *,
-    steps: int,
-    nproc: int | None,
-    device: str,
-    model: str,
-    scheduler: str | None,
-    trust_pickles: bool,
+    opts: PlannerOptions,
 ) -> FrameworkPlan:
     """Validate the checkpoint-N folder and the options, read the Trainer's arguments and the saved state, choose
     the world size and the number of updates, build the plan."""
+    steps, nproc, device, model, scheduler, trust_pickles = astuple(opts)
     folder = fmt.checkpoint_folder(ck)
     _refuse_hf(ck, path, folder, model=model, scheduler=scheduler, trust_pickles=trust_pickles)
     args = _finite(inert_to_json(node_to_python(ck.tree.children["training_args"])))

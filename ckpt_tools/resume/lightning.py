@@ -4,12 +4,14 @@ update must use from the saved scheduler (`torch_schedules`), stepped per step o
 
 from __future__ import annotations
 
+from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
 from ..errors import CkptError
 from ..read.tree import Checkpoint
 from .common import (
+    PlannerOptions,
     FrameworkPlan,
     _expected_lrs,
     _match_groups,
@@ -27,16 +29,11 @@ from .torch_schedules import torch_expected_lrs
 def plan_lightning(
     ck: Checkpoint,
     path: Path,
-    *,
-    steps: int,
-    nproc: int | None,
-    device: str,
-    model: str,
-    scheduler: str | None,
-    trust_pickles: bool,
+    opts: PlannerOptions,
 ) -> FrameworkPlan:
     """Validate, match the optimizer groups to the saved weights, tell a per-step from a per-epoch scheduler,
     derive the expected LRs, build the plan (one process)."""
+    steps, nproc, device, model, scheduler, trust_pickles = astuple(opts)
     if model not in ("auto", "model-free", "replica"):
         raise CkptError(f"--model {model!r}: Lightning checkpoints resume model-free here", hint="drop --model")
     if nproc not in (None, 1):

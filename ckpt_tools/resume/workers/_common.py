@@ -27,7 +27,6 @@ from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ckpt_tools.read import safe_load
 
@@ -135,6 +134,9 @@ def local_slice(full: torch.Tensor, like: Any) -> torch.Tensor:
     """The part of the full (unsharded) tensor `full` that DTensor `like` holds on this rank (no collective)."""
     if not hasattr(like, "device_mesh") or full.dim() == 0:
         return full
+    # lazy: torch.distributed.tensor costs ~0.7 s to import; only FSDP2 (DTensor) resumes reach this line
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
     return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))].clone()
 
