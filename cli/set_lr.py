@@ -119,8 +119,7 @@ def confirm_and_write(
         if not _confirm(f"{verb} {len(plan.writes)} files in {plan.root}{again}?", plan.root):
             con.print("nothing written")
             raise typer.Exit(DECLINED)
-    command = plan.command.split()[0] if plan.command and plan.command.strip() else "write"
-    with _bar(sum(w.nbytes for w in plan.writes), json_out, command) as bar:
+    with _bar(sum(w.nbytes for w in plan.writes), json_out, io.command_verb(plan.command)) as bar:
         return io.execute(plan, backup_dir=backup_dir, progress=bar.update, copy=copy)
 
 

@@ -292,13 +292,17 @@ class Interrupted(KeyboardInterrupt):
     back or left, and where. A KeyboardInterrupt, so code that stops on Ctrl-C still stops."""
 
 
-def _slug(command: str) -> str:
-    """The transaction folder's last word: the command's verb ("set-lr"; letters, digits and dashes). Read before
-    any work (`check_places`, `recover`): a plan without a command (None, "" or blanks) is named "write", and one
-    whose command is no string fails before anything changed."""
+def command_verb(command: str | None) -> str:
+    """A plan's command's first word ("set-lr"), or "write" for a plan without one (None, "" or blanks); a command
+    that is no string fails here, before anything changed."""
     words = command.split() if command else []
-    verb = words[0] if words else ""
-    return "".join(ch if ch.isalnum() else "-" for ch in verb) or "write"
+    return words[0] if words else "write"
+
+
+def _slug(command: str) -> str:
+    """The transaction folder's last word: the command's verb (`command_verb`; letters, digits and dashes). Read
+    before any work (`check_places`, `recover`)."""
+    return "".join(ch if ch.isalnum() else "-" for ch in command_verb(command))
 
 
 @dataclass
