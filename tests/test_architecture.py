@@ -213,9 +213,12 @@ def test_imports_sit_at_the_top_unless_a_comment_says_why_not():
 
 def test_operations_hold_no_branch_per_format():
     """ops/ work on the tree, the state map and the logical view: a format's particulars come from its module (a
-    hook or a fact it puts on the tree), never from an `if ck.format == ...` in an operation."""
+    hook or a fact it puts on the tree), never from an `if ck.format == ...` in an operation, nor from the name of
+    the module that read it (`detect(path).__name__`)."""
     branches = []
-    pattern = re.compile(r"\.format\s*(==|!=)\s*[\"']|\.format\s+(not\s+)?in\b|\.format\.startswith")
+    pattern = re.compile(
+        r"\.format\s*(==|!=)\s*[\"']|\.format\s+(not\s+)?in\b|\.format\.startswith|(?<![)\w])\w*\.__name__"
+    )
     for path in sorted((PKG / "ops").glob("*.py")):
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if pattern.search(line.split("#")[0]):

@@ -14,6 +14,7 @@ import pytest
 from ckpt_tools import formats
 from ckpt_tools.errors import CkptError
 from ckpt_tools.formats import EditableFormatModule, FormatModule, format_module
+from ckpt_tools.formats._protocol import UniversalSourceModule
 
 
 def _params(fn) -> list[str]:
@@ -48,8 +49,23 @@ def test_the_format_ids_are_unique_and_the_editable_ones_are_those_with_training
     assert {"deepspeed_zero", "dcp", "megatron_legacy", "megatron_torch_dist"} <= editable
 
 
+def test_the_modules_to_universal_converts_say_so_by_their_hook():
+    """`ckpt to-universal` asks a format module for its source (`universal_source`), never which module it is:
+    exactly the formats holding a DeepSpeed tag folder have the hook, with the interface's parameters."""
+    hooked = {n for n in formats.FORMAT_MODULES if isinstance(format_module(n), UniversalSourceModule)}
+    assert hooked == {"deepspeed", "deepspeed_moe", "megatron_pipeline", "accelerate", "hf_trainer"}
+    for n in hooked:
+        hook = format_module(n).universal_source
+        assert list(inspect.signature(hook).parameters) == ["path", "tp_patterns"], n
+        assert inspect.getdoc(hook), n
+
+
 def test_the_protocol_members_each_say_their_contract():
-    for proto, members in ((FormatModule, ("sniff", "open")), (EditableFormatModule, ("training_state",))):
+    for proto, members in (
+        (FormatModule, ("sniff", "open")),
+        (EditableFormatModule, ("training_state",)),
+        (UniversalSourceModule, ("universal_source",)),
+    ):
         for m in members:
             assert inspect.getdoc(getattr(proto, m)), (proto, m)
 

@@ -8,7 +8,7 @@ its global names), so that the registry (`formats.detect`, `claim`, `enclosing`,
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from ..read.state import StateMap
 from ..read.tree import Checkpoint
@@ -51,4 +51,24 @@ class EditableFormatModule(FormatModule, Protocol):
         by shape, or a read-only StateMap saying why they would not edit it. Cheap: it works from `ck`
         (its files and details), at most lists a folder or reads a small marker file (`latest`); it loads
         no pickle itself."""
+        ...
+
+
+class UniversalSource(NamedTuple):
+    """What `ckpt to-universal` converts, as a format module's `universal_source` hook finds it."""
+
+    ck: Checkpoint  #: the checkpoint, opened by its reader (with the user's TP patterns where it takes them)
+    tag_dir: Path  #: the DeepSpeed tag folder holding the rank files (`mp_rank_*` / `*_optim_states.pt`)
+    kind: str  #: "pipeline" (Megatron-DeepSpeed layer files) or "zero" (ZeRO partitions)
+    opened_at: Path  #: the path `ck` was opened from: the one its refusals and accounting name
+
+
+@runtime_checkable
+class UniversalSourceModule(FormatModule, Protocol):
+    """A format module whose checkpoints `ckpt to-universal` converts (those that hold a DeepSpeed tag folder).
+    `ops.to_universal` asks the module, never branches on which module it is."""
+
+    def universal_source(self, path: Path, tp_patterns: tuple[str, ...] = ()) -> UniversalSource:
+        """The checkpoint at `path` opened for conversion to a DeepSpeed universal checkpoint, with its tag
+        folder; a `CkptError` naming the fix where `path` holds no DeepSpeed tag folder."""
         ...

@@ -30,6 +30,7 @@ from ..read.tree import (
 from ..read.state import StateMap, StateSource
 from . import _common as C
 from . import dcp, deepspeed, deepspeed_moe
+from ._protocol import UniversalSource
 from .deepspeed import tag_state_sources
 from .safetensors_file import read_header
 from .torch_file import optimizer_tree
@@ -291,3 +292,9 @@ def logical_layout(ck: Checkpoint) -> dict[str, Any]:
         dirs = [d for d in sorted(root.iterdir()) if d.is_dir() and any(d.glob("*mp_rank_*_model_states.pt"))]
         tag_dir = dirs[0] if len(dirs) == 1 else None
     return deepspeed.model_layout(tag_dir) if tag_dir is not None else {}
+
+
+def universal_source(path: Path, tp_patterns: tuple[str, ...] = ()) -> UniversalSource:
+    """For `ckpt to-universal`: the DeepSpeed tag folder this checkpoint holds (a refusal naming the fix where it
+    holds none)."""
+    return deepspeed_moe.zero_tag_source(path)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import UnsupportedCheckpoint, CorruptCheckpoint, MissingFile, NotACheckpoint
+from ..errors import CkptError, UnsupportedCheckpoint, CorruptCheckpoint, MissingFile, NotACheckpoint
 from ..read.pickle_reader import Opaque, TensorRef
 from ..read.state import StateMap, StateSource
 from ..read.tree import (
@@ -40,6 +40,7 @@ from ..read.tree import (
 )
 from ..read.tree import piece as make_piece
 from . import _common as C
+from ._protocol import UniversalSource
 
 FORMAT = "deepspeed_zero"
 _MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -949,3 +950,27 @@ def training_state(ck: Checkpoint):
     tag = ck.details.get("tag")
     tag_dir = root / tag if tag and (root / tag).is_dir() else root
     return StateMap(root, tuple(tag_state_sources(root, tag_dir)))
+
+
+def zero_tag_dir(path: Path) -> Path:
+    """The DeepSpeed tag folder inside `path` that `ckpt to-universal` converts: a DeepSpeed run folder's (named by
+    `latest`); Accelerate's `pytorch_model/`, a plain DeepSpeed tag folder named by `latest`; an HF Trainer
+    `checkpoint-N/` holding `global_stepN/` named by `latest` the same way. A refusal naming the fix otherwise."""
+    try:
+        _, tag_dir, _ = C.resolve_tag(path, "*mp_rank_*_model_states.pt")
+    except CkptError:
+        raise UnsupportedCheckpoint(
+            "no DeepSpeed tag folder inside",
+            path=path,
+            hint="to-universal converts DeepSpeed ZeRO, Megatron-DeepSpeed pipeline, "
+            "Accelerate+DeepSpeed checkpoints and HF Trainer+DeepSpeed "
+            "checkpoint-N folders (pass one checkpoint-N)",
+        ) from None
+    return tag_dir
+
+
+def universal_source(path: Path, tp_patterns: tuple[str, ...] = ()) -> UniversalSource:
+    """For `ckpt to-universal`: the tag folder (`zero_tag_dir`); `detect` gave this module, not `deepspeed_moe`, so
+    it holds no expert files."""
+    tag_dir = zero_tag_dir(path)
+    return UniversalSource(open(tag_dir), tag_dir, "zero", tag_dir)

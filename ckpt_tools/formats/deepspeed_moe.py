@@ -36,6 +36,7 @@ from ..read.pickle_reader import TensorRef
 from ..read.tree import Checkpoint, TensorNode, Warning_, as_int, tensor_node
 from . import _common as C
 from . import deepspeed as D
+from ._protocol import UniversalSource
 from .torch_file import match_param_ids
 
 FORMAT = "deepspeed_moe"
@@ -89,6 +90,20 @@ def open_any(path: Path) -> Checkpoint:
     if any(_EXPERT.match(p.name) for p in tag_dir.iterdir()):
         return open(tag_dir)
     return D.open(path)
+
+
+def universal_source(path: Path, tp_patterns: tuple[str, ...] = ()) -> UniversalSource:
+    """For `ckpt to-universal`: every expert under its global name, with its state from the ZeRO partitions of its
+    expert-parallel rank (`tp_patterns` are not this reader's: the TP rules come from the checkpoint)."""
+    _, tag_dir, _ = C.resolve_tag(path, D._STATE_GLOB)
+    return UniversalSource(open(path), tag_dir, "zero", path)
+
+
+def zero_tag_source(path: Path) -> UniversalSource:
+    """For `ckpt to-universal`, the DeepSpeed tag folder inside `path` (`deepspeed.zero_tag_dir`), read by
+    `open_any`."""
+    tag_dir = D.zero_tag_dir(path)
+    return UniversalSource(open_any(tag_dir), tag_dir, "zero", tag_dir)
 
 
 def open(path: Path) -> Checkpoint:  # noqa: A001  (the format-module interface)

@@ -46,6 +46,7 @@ from ..read.tree import (
 )
 from . import _common as C
 from . import deepspeed as D
+from ._protocol import UniversalSource
 
 FORMAT = "deepspeed_pipeline"
 MARKER = "layer_*-model_*-model_states.pt"
@@ -76,6 +77,13 @@ def list_layer_files(tag_dir: Path) -> dict[tuple[int, int], Path]:
         if m:
             out[(int(m[1]), int(m[2]))] = p
     return out
+
+
+def universal_source(path: Path, tp_patterns: tuple[str, ...] = ()) -> UniversalSource:
+    """For `ckpt to-universal`: the pipeline's layer files merged by the user's TP patterns, and its tag folder."""
+    ck = open(path, tp_patterns=tuple(tp_patterns))
+    _, tag_dir, _ = C.resolve_tag(path, MARKER)
+    return UniversalSource(ck, tag_dir, "pipeline", path)
 
 
 def open(path: Path, *, tp_patterns: tuple[str, ...] = ()) -> Checkpoint:  # noqa: A001  (format-module interface)

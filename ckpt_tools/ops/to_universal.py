@@ -61,8 +61,8 @@ from typing import Any, Callable, Sequence
 from ..errors import CkptError, UnsupportedCheckpoint
 from ..formats import _common as C
 from ..formats import deepspeed as D
-from ..formats import deepspeed_moe, detect
-from ..formats import megatron_pipeline as M
+from ..formats import detect
+from ..formats._protocol import UniversalSourceModule
 from ..read.tensor_read import read_tensor
 from ..read.tp_layout import TPLayout
 from ..read.tree import Checkpoint, GroupNode, TensorNode, ValueNode
@@ -96,55 +96,22 @@ def _open_source(
     path: Path, patterns: Sequence[str], *, allow_unread: bool = False, trust_pickles: bool = False
 ) -> tuple[Checkpoint, Path, str]:
     """(checkpoint, tag folder, kind) for the inputs we convert, refused while it is not the whole checkpoint
-    (`accounting.require_whole`)."""
+    (`accounting.require_whole`). The format module says what it converts (its `universal_source` hook)."""
     mod = detect(path)
-    name = mod.__name__.rsplit(".", 1)[-1]
     if path.is_file():
         guard(mod.open(path), path, "to-universal", allow_unread=allow_unread, trust_pickles=trust_pickles)
-    if name == "megatron_pipeline":
-        ck = guard(
-            M.open(path, tp_patterns=tuple(patterns)),
-            path,
-            "to-universal",
-            allow_unread=allow_unread,
-            trust_pickles=trust_pickles,
+    if not isinstance(mod, UniversalSourceModule):
+        raise UnsupportedCheckpoint(
+            f"to-universal does not convert {mod.FORMAT} checkpoints",
+            path=path,
+            hint=f"it converts DeepSpeed ZeRO, Megatron-DeepSpeed pipeline and "
+            f"Accelerate+DeepSpeed checkpoints; for this one: ckpt convert {path} OUT "
+            "--to deepspeed-universal (weights and optimizer state), or `ckpt export` "
+            "(plain weights)",
         )
-        _, tag_dir, _ = C.resolve_tag(path, M.MARKER)
-        return ck, tag_dir, "pipeline"
-    if name == "deepspeed_moe":
-        # every expert under its global name, with its state from the ZeRO partitions of its expert-parallel rank
-        _, tag_dir, _ = C.resolve_tag(path, D._STATE_GLOB)
-        ck = guard(mod.open(path), path, "to-universal", allow_unread=allow_unread, trust_pickles=trust_pickles)
-        return ck, tag_dir, "zero"
-    if name in ("deepspeed", "accelerate", "hf_trainer"):
-        # Accelerate + DeepSpeed: `pytorch_model/` is a plain DeepSpeed tag folder named by `latest`; an HF
-        # Trainer + DeepSpeed `checkpoint-N/` holds `global_stepN/` named by `latest` the same way
-        try:
-            _, tag_dir, _ = C.resolve_tag(path, "*mp_rank_*_model_states.pt")
-        except CkptError:
-            raise UnsupportedCheckpoint(
-                "no DeepSpeed tag folder inside",
-                path=path,
-                hint="to-universal converts DeepSpeed ZeRO, Megatron-DeepSpeed pipeline, "
-                "Accelerate+DeepSpeed checkpoints and HF Trainer+DeepSpeed "
-                "checkpoint-N folders (pass one checkpoint-N)",
-            ) from None
-        ck = guard(
-            deepspeed_moe.open_any(tag_dir),
-            tag_dir,
-            "to-universal",
-            allow_unread=allow_unread,
-            trust_pickles=trust_pickles,
-        )
-        return ck, tag_dir, "zero"
-    raise UnsupportedCheckpoint(
-        f"to-universal does not convert {name} checkpoints",
-        path=path,
-        hint=f"it converts DeepSpeed ZeRO, Megatron-DeepSpeed pipeline and "
-        f"Accelerate+DeepSpeed checkpoints; for this one: ckpt convert {path} OUT "
-        "--to deepspeed-universal (weights and optimizer state), or `ckpt export` "
-        "(plain weights)",
-    )
+    src = mod.universal_source(path, tuple(patterns))
+    ck = guard(src.ck, src.opened_at, "to-universal", allow_unread=allow_unread, trust_pickles=trust_pickles)
+    return ck, src.tag_dir, src.kind
 
 
 def handles(path: str | os.PathLike) -> bool:
