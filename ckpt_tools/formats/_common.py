@@ -14,7 +14,19 @@ from ..read import pickle_reader
 from ..read.state import COUNTER_KEYS
 from ..schedules import deepspeed as ds_schedule
 from ..errors import MissingFile, NotACheckpoint
-from ..read.tree import Counters, FileInfo, GroupNode, LearningRates, Node, Warning_, as_int, floats, scalar
+from ..read.tree import (
+    Checkpoint,
+    Counters,
+    FileInfo,
+    GroupNode,
+    LearningRates,
+    Node,
+    Topology,
+    Warning_,
+    as_int,
+    floats,
+    scalar,
+)
 
 #: names that a loader globbing the folder could pick up by mistake, or that show a hand edit
 _STRAY_RE = re.compile(r"(\.orig|\.bak|\.backup|\.old|\.tmp|\.swp|~)$|^\.#|\.pt\.\d+$")
@@ -209,6 +221,61 @@ def scheduler_counters(fields: dict[str, Any]) -> tuple[int | None, int | None]:
     """(last_epoch, _step_count); DeepSpeed's own schedulers save `last_batch_iteration` instead."""
     last = fields.get("last_epoch", fields.get("last_batch_iteration"))
     return as_int(last), as_int(fields.get("_step_count"))
+
+
+def in_order(children: dict[str, Any], order: tuple[str, ...]) -> dict[str, Any]:
+    """A tree's top-level children in the order a framework's pieces read (`order`), the others after them."""
+    return dict(sorted(children.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
+
+
+def tensor_totals(tensors: list[Any]) -> tuple[int, int, tuple[str, ...]]:
+    """(elements, tensors, dtypes) of a model's TensorNodes: a Checkpoint's parameter_count, parameter_tensors and
+    dtypes."""
+    return sum(t.numel for t in tensors), len(tensors), tuple(sorted({t.dtype for t in tensors}))
+
+
+def checkpoint_of(
+    fmt: str,
+    path: Path,
+    topology: Topology,
+    tree: dict[str, Any],
+    counters: Counters,
+    lrs: LearningRates,
+    totals: tuple[int, int, tuple[str, ...]],
+    files: list[FileInfo],
+    warnings: list[Warning_],
+    details: dict[str, Any],
+) -> Checkpoint:
+    """The Checkpoint a reader returns, from the pieces every reader collects: `tree` its top-level children,
+    `totals` the model's (elements, tensors, dtypes) as `tensor_totals` gives them."""
+    count, ntensors, dtypes = totals
+    return Checkpoint(
+        format=fmt,
+        path=str(path),
+        topology=topology,
+        tree=GroupNode(tree),
+        counters=counters,
+        lr=lrs,
+        parameter_count=count,
+        parameter_tensors=ntensors,
+        files=tuple(files),
+        warnings=tuple(warnings),
+        dtypes=tuple(dtypes),
+        details=details,
+    )
+
+
+def deepspeed_counters(ms: dict[str, Any], sched: dict[str, Any], optimizer_steps: list[int]) -> Counters:
+    """A DeepSpeed engine's counters: global and skipped steps from its model states `ms`, the scheduler's from
+    its fields, and the Adam step most of the optimizer's parameters (`optimizer_steps`, one each) hold."""
+    last_epoch, step_count = scheduler_counters(sched)
+    return Counters(
+        global_step=as_int(ms.get("global_steps")),
+        optimizer_step=max(set(optimizer_steps), key=optimizer_steps.count) if optimizer_steps else None,
+        scheduler_last_epoch=last_epoch,
+        scheduler_step_count=step_count,
+        skipped_steps=as_int(ms.get("skipped_steps")),
+    )
 
 
 def param_group_lrs(groups: Node | None) -> tuple[float, ...]:

@@ -100,30 +100,16 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     model_keys = [k for k in tree if k == "model" or re.fullmatch(r"(model|pytorch_model)_\d+", k)]
     model_tensors = [t for k in model_keys for _, t in iter_tensors(tree[k])]
     if inner is not None:
-        count, ntensors, dtypes = inner.parameter_count, inner.parameter_tensors, inner.dtypes
+        totals = inner.parameter_count, inner.parameter_tensors, inner.dtypes
     else:
-        count, ntensors = sum(t.numel for t in model_tensors), len(model_tensors)
-        dtypes = tuple(sorted({t.dtype for t in model_tensors}))
+        totals = C.tensor_totals(model_tensors)
     if len(model_keys) > 1:
         details["models"] = len(model_keys)
     topo = Topology(dp=world, tp=1, pp=1, zero_stage=inner.topology.zero_stage if inner is not None else None)
     details["world_size"] = world
     order = ("model", "optimizer", "scheduler", "counters", "rng", "client_state", "config")
-    tree = dict(sorted(tree.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
-    return Checkpoint(
-        format=FORMAT,
-        path=str(path),
-        topology=topo,
-        tree=GroupNode(tree),
-        counters=counters,
-        lr=lrs,
-        parameter_count=count,
-        parameter_tensors=ntensors,
-        files=tuple(files),
-        warnings=tuple(warnings),
-        dtypes=tuple(dtypes),
-        details=details,
-    )
+    tree = C.in_order(tree, order)
+    return C.checkpoint_of(FORMAT, path, topo, tree, counters, lrs, totals, files, warnings, details)
 
 
 def _inner(path: Path, tree: dict, files: list, warnings: list, details: dict) -> Checkpoint | None:

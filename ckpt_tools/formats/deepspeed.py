@@ -600,35 +600,16 @@ def build(
     if "scheduler" in tree and "last_batch_iteration" in sched and "base_lrs" not in sched:
         details["scheduler_kind"] = "deepspeed (LR comes from the launch config)"
     details.update(ext.details if ext else {})
-    return Checkpoint(
-        format=fmt,
-        path=str(root),
-        topology=Topology(dp=dp_size, tp=mp_size, pp=1, zero_stage=stage, ep=ext.ep if ext else None),
-        tree=GroupNode(tree),
-        counters=counters,
-        lr=lrs,
-        parameter_count=param_count,
-        parameter_tensors=param_tensors,
-        files=tuple(files),
-        warnings=tuple(warnings),
-        dtypes=tuple(dtypes),
-        details=details,
-    )
+    topo = Topology(dp=dp_size, tp=mp_size, pp=1, zero_stage=stage, ep=ext.ep if ext else None)
+    totals = param_count, param_tensors, tuple(dtypes)
+    return C.checkpoint_of(fmt, root, topo, tree, counters, lrs, totals, files, warnings, details)
 
 
 def _counters_and_lrs(ms: dict, sched: dict, opt: ZeroOptimizer | None) -> tuple[Counters, LearningRates]:
     """The counters (model states, the scheduler, the most common Adam step) and the LRs (the first DP rank's
     param groups; the scheduler's, else the one ds_config's scheduler gives at the saved step)."""
     base_lrs, last_lr = C.lr_from_scheduler(sched)
-    last_epoch, step_count = C.scheduler_counters(sched)
-    opt_steps = opt.steps_seen if opt else []
-    counters = Counters(
-        global_step=as_int(ms.get("global_steps")),
-        optimizer_step=max(set(opt_steps), key=opt_steps.count) if opt_steps else None,
-        scheduler_last_epoch=last_epoch,
-        scheduler_step_count=step_count,
-        skipped_steps=as_int(ms.get("skipped_steps")),
-    )
+    counters = C.deepspeed_counters(ms, sched, opt.steps_seen if opt else [])
     lrs = opt.lrs_by_rank[min(opt.lrs_by_rank)] if opt and opt.lrs_by_rank else ()
     last_lr = last_lr or C.ds_last_lr(sched, ms.get("ds_config"), lrs)
     return counters, LearningRates(param_groups=lrs, base_lrs=base_lrs, last_lr=last_lr)

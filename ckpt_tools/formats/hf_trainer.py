@@ -114,34 +114,19 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     warnings += C.counter_warnings(counters, optimizer_steps_seen=steps)
     warnings += C.stray_file_warnings(folder, path) + cache.warnings()
     if inner is not None:
-        count, ntensors, dtypes = inner.parameter_count, inner.parameter_tensors, inner.dtypes
+        totals = inner.parameter_count, inner.parameter_tensors, inner.dtypes
         if weights is not None and inner.details.get("weights") is None:
-            count, ntensors, dtypes = weights.parameter_count, weights.parameter_tensors, weights.dtypes
+            totals = weights.parameter_count, weights.parameter_tensors, weights.dtypes
     elif weights is not None:
-        count, ntensors, dtypes = weights.parameter_count, weights.parameter_tensors, weights.dtypes
+        totals = weights.parameter_count, weights.parameter_tensors, weights.dtypes
     else:
-        model_tensors = [t for _, t in iter_tensors(tree["model"])] if "model" in tree else []
-        count, ntensors = sum(t.numel for t in model_tensors), len(model_tensors)
-        dtypes = tuple(sorted({t.dtype for t in model_tensors}))
+        totals = C.tensor_totals([t for _, t in iter_tensors(tree["model"])] if "model" in tree else [])
     topo = Topology(dp=world, tp=1, pp=1, zero_stage=inner.topology.zero_stage if inner is not None else None)
     order = ("model", "optimizer", "scheduler", "trainer_state", "counters", "rng", "training_args", "config")
-    tree = dict(sorted(tree.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
+    tree = C.in_order(tree, order)
     if details.get("checkpoints"):
         tree["checkpoints"] = ValueNode(details["checkpoints"])
-    return Checkpoint(
-        format=FORMAT,
-        path=str(path),
-        topology=topo,
-        tree=GroupNode(tree),
-        counters=counters,
-        lr=lrs,
-        parameter_count=count,
-        parameter_tensors=ntensors,
-        files=tuple(files),
-        warnings=tuple(warnings),
-        dtypes=tuple(dtypes),
-        details=details,
-    )
+    return C.checkpoint_of(FORMAT, path, topo, tree, counters, lrs, totals, files, warnings, details)
 
 
 def _inner(folder: Path, path: Path, tree: dict, files: list, warnings: list, details: dict) -> Checkpoint | None:

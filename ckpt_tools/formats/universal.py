@@ -19,7 +19,6 @@ from ..errors import NotACheckpoint
 from ..read.pickle_reader import Opaque, TensorRef
 from ..read.tree import (
     Checkpoint,
-    Counters,
     GroupNode,
     LearningRates,
     TensorNode,
@@ -103,14 +102,7 @@ def open(path: Path) -> Checkpoint:  # noqa: A001
     tree, sched_node = _tree(ms, model, state, osd, groups, rel_ms)
     sf = C.scheduler_fields(sched_node)
     base_lrs, last_lr = C.lr_from_scheduler(sf)
-    last_epoch, step_count = C.scheduler_counters(sf)
-    counters = Counters(
-        global_step=as_int(ms.get("global_steps")),
-        optimizer_step=max(set(steps), key=steps.count) if steps else None,
-        scheduler_last_epoch=last_epoch,
-        scheduler_step_count=step_count,
-        skipped_steps=as_int(ms.get("skipped_steps")),
-    )
+    counters = C.deepspeed_counters(ms, sf, steps)
     warnings += C.counter_warnings(counters, optimizer_steps_seen=steps)
     warnings += C.stray_file_warnings(tag_dir, root) + cache.warnings()
     lrs = C.param_group_lrs(tree["optimizer"].children["param_groups"])

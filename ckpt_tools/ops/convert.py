@@ -655,9 +655,7 @@ def _execute_job(
         len(plan.params),
         total if job.rank == 0 else fig["bytes"],
         verify,
-        converted=sum(f["params"] for f in figs),
-        resumed=sum(f["resumed"] for f in figs),
-        ranks=figs,
+        **shares.job_figures(figs),
     )
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..write.shares import JobFigures
+
 TARGETS = ("dcp", "torch", "deepspeed-universal", "megatron")
 DCP_LAYOUTS = ("fsdp2", "torchtitan", "recipe")
 #: tensors are written in this many dim-0 chunks (parameter i's chunk r in `__<r>_<i+1>.distcp`), as FSDP2 at DP=2
@@ -146,14 +148,9 @@ def step_tensor(value: float):
 
 
 @dataclass(frozen=True)
-class ConvertResult:
+class ConvertResult(JobFigures):
     out: Path
     params: int
     bytes_written: int
     verified: bool
     problems: tuple[str, ...] = ()
-    #: a many-process job (`_execute_job`): pieces converted by this run and found finished in the journal, and
-    #: each rank's figures ({rank, host, params, resumed, bytes, seconds})
-    converted: int = -1
-    resumed: int = 0
-    ranks: tuple[dict, ...] = ()

@@ -42,6 +42,7 @@ from ..errors import CkptError, UnsupportedCheckpoint
 from ..formats import detect
 from ..read import gate
 from ..read.pickle_reader import FdCache
+from ..read.pickle_records import DTYPE_SIZE
 from ..read.tensor_read import source_ranges
 from ..read.tp_layout import SOURCE_PRESET
 from ..read.tree import Checkpoint, TensorNode
@@ -67,18 +68,6 @@ _ST_DTYPE = {
     "uint8": "U8",
     "bool": "BOOL",
 }
-_SIZE = {
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "float64": 8,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-}
 _DTYPE_ARG = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", None: None}
 HF_CONFIG_FILES = ("config.json", "generation_config.json")
 
@@ -103,7 +92,7 @@ class ExportTensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _SIZE[self.dtype]
+        return math.prod(self.shape) * DTYPE_SIZE[self.dtype]
 
     def read(self):
         x = self.source.read(self.dtype)
@@ -326,7 +315,7 @@ def _tensors(
             raise UnsupportedCheckpoint(
                 f"no TP merge rule for {t.name}", path=src, hint="pass --pattern REGEX=MERGE for it"
             )
-        if t.dtype not in _SIZE:
+        if t.dtype not in _ST_DTYPE:
             raise UnsupportedCheckpoint(
                 f"{t.name} has dtype {t.dtype}, which safetensors export does not write",
                 path=src,

@@ -690,9 +690,7 @@ def _execute_job(
         len(plan.params),
         total if job.rank == 0 else fig["bytes"],
         _count_files(plan.out) if job.rank == 0 else 0,
-        converted=sum(f["params"] for f in figs),
-        resumed=sum(f["resumed"] for f in figs),
-        ranks=figs,
+        **shares.job_figures(figs),
     )
 
 

@@ -23,6 +23,7 @@ from ..read.tensor_read import read_tensor, source_ranges
 from ..read.tp_layout import Rule, merge_shards
 from ..read.tree import TensorNode
 from ..write.pickle_writer import _pickle_tree
+from ..write.shares import JobFigures
 from ..write.torch_zip import archive_name, copy_file, save, tensor_record
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")  # what DeepSpeed's ZeRO-3 universal loader reads (and only that)
@@ -298,7 +299,7 @@ def _convert_one(job: ParamJob, zero_dir: Path, steps: dict[int, _Prepared], fds
 
 
 @dataclass(frozen=True)
-class UniversalResult:
+class UniversalResult(JobFigures):
     """What `execute` did."""
 
     out: Path
@@ -307,11 +308,6 @@ class UniversalResult:
     bytes_written: int
     files: int
     problems: tuple[str, ...] = ()
-    #: a many-process job: parameters converted by this run and found finished in the journal, and each
-    #: rank's figures ({rank, host, params, resumed, bytes, seconds})
-    converted: int = -1
-    resumed: int = 0
-    ranks: tuple[dict, ...] = ()
 
 
 def convert_params(

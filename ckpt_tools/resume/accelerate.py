@@ -17,6 +17,7 @@ from ..read.tree import Checkpoint, GroupNode, node_to_python
 from .common import (
     PlannerOptions,
     FrameworkPlan,
+    plan_header,
     _check_pickles,
     _finite,
     _groups_of,
@@ -76,13 +77,7 @@ def plan_accelerate(
     )
     want = None if all(r is None for r in expected_rows) else expected_rows
     return FrameworkPlan(
-        framework="accelerate",
-        path=str(path),
-        saved=saved,
-        steps=steps,
-        device=device,
-        nproc=n,
-        dp=n,
+        **plan_header("accelerate", path, saved, steps, device, n),
         model="model-free replica (synthetic loss)",
         load_dir=str(folder.resolve()),
         expected_lrs=tuple(None if r is None else tuple(r) for r in want) if want else None,

@@ -56,18 +56,26 @@ class PlannerOptions:
 
 
 @dataclass(frozen=True)
-class FrameworkPlan:
-    """Everything decided before any process starts. Field names follow `ResumePlan` where they mean the same
-    (the CLI renders both); `frameworks.run_resume` hands it to `framework_run.run_framework`, which starts the
-    worker `framework` names."""
+class RunPlan:
+    """What every resume plan holds first (DeepSpeed's `ResumePlan` and the other frameworks' `FrameworkPlan`; the
+    CLI renders both): the checkpoint as given, what it saved, the run's length and device, the processes and
+    the data-parallel size."""
 
-    framework: str
     path: str
     saved: SavedState
     steps: int
     device: str
     nproc: int
     dp: int
+
+
+@dataclass(frozen=True)
+class FrameworkPlan(RunPlan):
+    """Everything decided before any process starts. Field names follow `ResumePlan` where they mean the same;
+    `frameworks.run_resume` hands it to `framework_run.run_framework`, which starts the worker `framework`
+    names."""
+
+    framework: str
     model: str  # "real (config.json)" or "model-free"
     load_dir: str
     expected_lrs: tuple[tuple[float, ...] | None, ...] | None  # per update (None: not determined)
@@ -96,6 +104,22 @@ class FrameworkPlan:
                 **self.worker,
             }
         )
+
+
+def plan_header(
+    framework: str, path: Path, saved: SavedState, steps: int, device: str, nproc: int, dp: int | None = None
+) -> dict[str, Any]:
+    """The FrameworkPlan fields every planner fills the same way: which framework, the checkpoint as given, what it
+    saved, the run's length and device, the processes and the data-parallel size (default: every process)."""
+    return {
+        "framework": framework,
+        "path": str(path),
+        "saved": saved,
+        "steps": steps,
+        "device": device,
+        "nproc": nproc,
+        "dp": nproc if dp is None else dp,
+    }
 
 
 # --- reading what the checkpoint says -------------------------------------------------------------
@@ -174,7 +198,9 @@ def _optimizer_kind(groups: list[dict[str, Any]]) -> str:
     )
 
 
-_HYPER = (
+#: the optimizer-group hyper-parameters a replica's groups take from the saved ones (the DeepSpeed worker's
+#: optimizer takes all but `maximize`)
+GROUP_HYPERPARAMS = (
     "lr",
     "betas",
     "eps",
@@ -191,7 +217,7 @@ _HYPER = (
 
 
 def _hyper(g: dict[str, Any]) -> dict[str, Any]:
-    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k in _HYPER}
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k in GROUP_HYPERPARAMS}
 
 
 def _match_groups(

@@ -13,6 +13,7 @@ from ..read.tree import Checkpoint, GroupNode, node_to_python
 from .common import (
     PlannerOptions,
     FrameworkPlan,
+    plan_header,
     _expected_lrs,
     _replica_model,
     _saved_scheduler,
@@ -70,13 +71,7 @@ def plan_dcp(
         specs, groups, names_by_group, sched, kind, fused=fused, scheduler_position_only=bool(position_only)
     )
     return FrameworkPlan(
-        framework="dcp",
-        path=str(path),
-        saved=saved,
-        steps=steps,
-        device=device,
-        nproc=n,
-        dp=n,
+        **plan_header("dcp", path, saved, steps, device, n),
         model="model-free FSDP2 replica (synthetic loss)",
         load_dir=str(folder.resolve()),
         expected_lrs=_expected_lrs(rows),

@@ -34,7 +34,7 @@ from ..read import gate
 from ..read.meta import meta_device
 from ..read.tree import Checkpoint, GroupNode
 from ..view.checkpoint import open_checkpoint
-from .common import ResumeOptions, _device, _gpus
+from .common import ResumeOptions, RunPlan, _device, _gpus
 from .verdict import SavedState, _names, mismatch, saved_state
 
 SUPPORTED_FORMATS = ("deepspeed_zero", "deepspeed_pipeline", "deepspeed_universal")
@@ -44,15 +44,9 @@ SUPPORTED_FORMATS = ("deepspeed_zero", "deepspeed_pipeline", "deepspeed_universa
 
 
 @dataclass(frozen=True)
-class ResumePlan:
+class ResumePlan(RunPlan):
     """Everything decided before any process starts; `worker_plan()` is what the worker reads."""
 
-    path: str
-    saved: SavedState
-    steps: int
-    device: str
-    nproc: int
-    dp: int
     tp: int
     pp: int
     model: str

@@ -20,7 +20,7 @@ from ..schedules.deepspeed import DS_SCHEDULERS, lr_at as _ds_scheduler_lr
 from ..train.processes import launch as _launch, scratch_folder
 from ..view.checkpoint import open_checkpoint
 from .deepspeed import ResumePlan
-from .verdict import Check, CheckRow, ResumeResult, StepRecord, lrs_close
+from .verdict import Check, CheckRow, ResumeResult, StepRecord, judged, lrs_close
 
 #: the process each rank runs: DeepSpeed's engine loads the checkpoint and trains
 WORKER_MODULE = "ckpt_tools.resume.workers.deepspeed"
@@ -243,15 +243,8 @@ def _global_step(s: Any, records: list[StepRecord]) -> Check:
     rows = [
         CheckRow(r.step, s.global_step + i + 1, r.step, r.step == s.global_step + i + 1) for i, r in enumerate(records)
     ]
-    ok = all(r.ok for r in rows)
-    return Check(
-        "global step",
-        "pass" if ok else "fail",
-        f"continues from the saved global_steps={s.global_step}"
-        if ok
-        else f"does not continue from the saved global_steps={s.global_step}",
-        tuple(rows),
-    )
+    saved = f"the saved global_steps={s.global_step}"
+    return judged("global step", rows, f"continues from {saved}", f"does not continue from {saved}")
 
 
 def _optimizer_step(s: Any, records: list[StepRecord]) -> Check:
@@ -262,14 +255,12 @@ def _optimizer_step(s: Any, records: list[StepRecord]) -> Check:
         # a skipped step (fp16 overflow) does not advance Adam
         want = s.optimizer_step + i + 1 - (r.skipped_steps - (s.skipped_steps or 0))
         rows.append(CheckRow(r.step, want, r.optimizer_step, r.optimizer_step == want))
-    ok = all(r.ok for r in rows)
-    return Check(
+    saved = f"the saved {s.optimizer_step}"
+    return judged(
         "optimizer step",
-        "pass" if ok else "fail",
-        f"Adam step continues from the saved {s.optimizer_step}"
-        if ok
-        else f"Adam step does not continue from the saved {s.optimizer_step} (reset?)",
-        tuple(rows),
+        rows,
+        f"Adam step continues from {saved}",
+        f"Adam step does not continue from {saved} (reset?)",
     )
 
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from ..train.processes import launch, scratch_folder
 from .common import FrameworkPlan
-from .verdict import Check, CheckRow, ResumeResult, StepRecord, lrs_close
+from .verdict import Check, CheckRow, ResumeResult, StepRecord, judged, lrs_close
 
 #: the process each rank runs, by framework
 WORKERS = {
@@ -104,15 +104,8 @@ def _global_step(plan: FrameworkPlan, records: list[StepRecord]) -> Check:
     rows = tuple(
         CheckRow(r.step, s.global_step + i + 1, r.step, r.step == s.global_step + i + 1) for i, r in enumerate(records)
     )
-    ok = all(r.ok for r in rows) and bool(rows)
-    return Check(
-        "global step",
-        "pass" if ok else "fail",
-        f"continues from the saved global step {s.global_step}"
-        if ok
-        else f"does not continue from the saved global step {s.global_step}",
-        rows,
-    )
+    saved = f"the saved global step {s.global_step}"
+    return judged("global step", rows, f"continues from {saved}", f"does not continue from {saved}", need_rows=True)
 
 
 def _optimizer_step(plan: FrameworkPlan, records: list[StepRecord]) -> Check:
@@ -130,15 +123,8 @@ def _optimizer_step(plan: FrameworkPlan, records: list[StepRecord]) -> Check:
         CheckRow(r.step, base + i + 1, r.optimizer_step, r.optimizer_step == base + i + 1)
         for i, r in enumerate(records)
     )
-    ok = all(r.ok for r in rows) and bool(rows)
-    return Check(
-        "optimizer step",
-        "pass" if ok else "fail",
-        f"Adam step continues from {src}"
-        if ok
-        else f"Adam step does not continue from {src} (optimizer state not loaded?)",
-        rows,
-    )
+    failed = f"Adam step does not continue from {src} (optimizer state not loaded?)"
+    return judged("optimizer step", rows, f"Adam step continues from {src}", failed, need_rows=True)
 
 
 def _learning_rate(plan: FrameworkPlan, records: list[StepRecord]) -> Check:

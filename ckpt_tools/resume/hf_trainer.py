@@ -15,7 +15,16 @@ from ..errors import CkptError
 from ..formats import hf_trainer as fmt
 from ..read.meta import meta_device
 from ..read.tree import Checkpoint, GroupNode, node_to_python
-from .common import PlannerOptions, FrameworkPlan, _check_pickles, _finite, _saved_state, _tensor_specs, inert_to_json
+from .common import (
+    PlannerOptions,
+    FrameworkPlan,
+    plan_header,
+    _check_pickles,
+    _finite,
+    _saved_state,
+    _tensor_specs,
+    inert_to_json,
+)
 from .verdict import SavedState, mismatch
 
 
@@ -103,13 +112,7 @@ def plan_hf_trainer(
     ref, ref_src = _hf_log_reference(folder, range(gstep + 1, gstep + steps + 1))
     ds_cfg = args.get("deepspeed")
     return FrameworkPlan(
-        framework="hf_trainer",
-        path=str(path),
-        saved=saved,
-        steps=steps,
-        device=device,
-        nproc=n,
-        dp=n,
+        **plan_header("hf_trainer", path, saved, steps, device, n),
         model=f"{json.loads((folder / 'config.json').read_text()).get('model_type', '?')} from config.json",
         load_dir=str(folder.resolve()),
         expected_lrs=tuple(tuple(x) for x in want) if want else None,

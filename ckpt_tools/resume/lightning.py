@@ -13,6 +13,7 @@ from ..read.tree import Checkpoint
 from .common import (
     PlannerOptions,
     FrameworkPlan,
+    plan_header,
     _expected_lrs,
     _match_groups,
     _replica_model,
@@ -64,13 +65,7 @@ def plan_lightning(
     saved = _saved_state(ck, sched, global_step=gstep, optimizer_step=ck.counters.optimizer_step, dp=1)
     spec = _replica_model(specs, groups, names_by_group, sched, kind)
     return FrameworkPlan(
-        framework="lightning",
-        path=str(path),
-        saved=saved,
-        steps=steps,
-        device=device,
-        nproc=1,
-        dp=1,
+        **plan_header("lightning", path, saved, steps, device, 1),
         model="model-free LightningModule (synthetic loss)",
         load_dir=str(Path(ck.path).resolve()),
         expected_lrs=_expected_lrs(rows),

@@ -16,7 +16,7 @@ from ..read import pickle_reader as pr
 from ..read.tree import Checkpoint, GroupNode, node_to_python
 from ..schedules.megatron import expected_lrs
 from ..write.megatron_write import _dist_iter, rank_files
-from .common import FrameworkPlan, _expected_lrs, _gpus, inert_to_json
+from .common import FrameworkPlan, plan_header, _expected_lrs, _gpus, inert_to_json
 from .verdict import SavedState
 
 
@@ -104,13 +104,7 @@ def plan_megatron(
     )
     tp, pp, n = sizes.tp, sizes.pp, sizes.n
     return FrameworkPlan(
-        framework="megatron",
-        path=str(path),
-        saved=saved,
-        steps=steps,
-        device=device,
-        nproc=n,
-        dp=n // (tp * pp),
+        **plan_header("megatron", path, saved, steps, device, n, dp=n // (tp * pp)),
         model="real (Megatron-LM GPT from the saved args)",
         load_dir=str(Path(ck.path).resolve()),
         expected_lrs=_expected_lrs(rows) if rows else None,

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from ..read.tree import Checkpoint, GroupNode, node_to_python
 
@@ -148,6 +148,13 @@ class Check:
     status: str
     detail: str
     rows: tuple[CheckRow, ...] = ()
+
+
+def judged(name: str, rows: Sequence[CheckRow], passed: str, failed: str, *, need_rows: bool = False) -> Check:
+    """A check that passes where every row does (and, with `need_rows`, where there is a row at all), saying
+    `passed` or `failed`."""
+    ok = all(r.ok for r in rows) and (bool(rows) or not need_rows)
+    return Check(name, "pass" if ok else "fail", passed if ok else failed, tuple(rows))
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,22 @@ from .io import put_in_place
 JOURNAL = ".journal"
 
 
+@dataclass(frozen=True, kw_only=True)
+class JobFigures:
+    """What a converter's result adds for a many-process job: the pieces converted by this run and those found
+    finished in the journal, and each rank's figures ({rank, host, params, resumed, bytes, seconds}). -1
+    converted: not a job."""
+
+    converted: int = -1
+    resumed: int = 0
+    ranks: tuple[dict, ...] = ()
+
+
+def job_figures(figs: Any) -> dict[str, Any]:
+    """`JobFigures`' fields from every rank's figures (`Journal.figures`)."""
+    return {"converted": sum(f["params"] for f in figs), "resumed": sum(f["resumed"] for f in figs), "ranks": figs}
+
+
 class RankLost(CkptError):
     """A rank of the job died or stopped answering; nothing was put in place."""
 

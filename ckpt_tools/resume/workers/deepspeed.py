@@ -38,6 +38,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ckpt_tools.resume.common import GROUP_HYPERPARAMS
 from ckpt_tools.resume.workers._common import adam_step_or_none, emit, load_callable
 from ckpt_tools.samples.workers import _common as c
 from ckpt_tools.train import replica as R
@@ -125,19 +126,7 @@ BUILTIN_MODELS: dict[str, Callable[[SetupContext], TrainSetup]] = {"tiny-gpt": t
 
 # --- the model-free replica ---------------------------------------------------------------------------
 
-_GROUP_KEYS = (
-    "lr",
-    "betas",
-    "eps",
-    "weight_decay",
-    "amsgrad",
-    "momentum",
-    "dampening",
-    "nesterov",
-    "initial_lr",
-    "max_lr",
-    "min_lr",
-)
+_GROUP_KEYS = tuple(k for k in GROUP_HYPERPARAMS if k != "maximize")
 
 
 def lambda_from_spec(spec: str | None, n_groups: int) -> Any:
