@@ -784,8 +784,6 @@ def _write_legacy(
             if progress:  # in the plan's units (the source's bytes): its share per rank file written
                 k, n = p * tp + t, pp * tp
                 progress(plan.nbytes * (k + 1) // n - plan.nbytes * k // n)
-    # as it always was: the test is the source's common tree (it shadowed the `common` parameter), always truthy,
-    # so every call writes the iteration file, `common=False` too
-    if run.common:
+    if common:  # a job's shares leave it to rank 0's finish
         (root / LATEST).write_text(str(iteration))
     return written
