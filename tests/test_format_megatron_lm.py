@@ -745,13 +745,13 @@ def test_ckpt_resume_megatron_on_cuda_is_planned_for_nccl(tmp_path, monkeypatch)
     monkeypatch.setattr(F, "_gpus", lambda: 1)
     ck = ckpt_tools.open_checkpoint(sample("megatron_lm", TP2_DIST))
     with pytest.raises(ckpt_tools.CkptError, match="need 2 GPUs; 1 visible"):
-        F._plan_megatron(ck, Path(ck.path), steps=2, nproc=None, device="cuda", model="auto")
-    plan = F._plan_megatron(ck, Path(ck.path), steps=2, nproc=None, device="cuda", model="auto", tp=1)
+        F.plan_megatron(ck, Path(ck.path), steps=2, nproc=None, device="cuda", model="auto")
+    plan = F.plan_megatron(ck, Path(ck.path), steps=2, nproc=None, device="cuda", model="auto", tp=1)
     assert (plan.device, plan.nproc, plan.tp) == ("cuda", 1, 1)
     assert "--no-load-rng" in plan.worker["run_argv"]
     assert any(n.startswith("RNG: the saved CUDA generator states are not CUDA's") for n in plan.notes), plan.notes
     assert any("on CUDA: NCCL" in n for n in plan.notes) and not any("CPU run-time" in n for n in plan.notes)
-    cpu = F._plan_megatron(ck, Path(ck.path), steps=2, nproc=1, device="cpu", model="auto", tp=1)
+    cpu = F.plan_megatron(ck, Path(ck.path), steps=2, nproc=1, device="cpu", model="auto", tp=1)
     assert "--no-load-rng" not in cpu.worker["run_argv"] and any("CPU run-time" in n for n in cpu.notes)
 
 

@@ -21,6 +21,7 @@ import torch
 
 from conftest import LOSS_REL_TOL, loss_tol, manifest, manifest_of, sample
 from ckpt_tools.resume import frameworks as ops
+from ckpt_tools.schedules.deepspeed import lr_at as ds_lr_at
 
 CLI = [sys.executable, "-c", "from ckpt_cli.main import main; main()"]
 
@@ -321,7 +322,7 @@ def test_ds_scheduler_formulas_match_deepspeed(kind, params):
         if position >= 0:
             sched.step(position)
         want = [g["lr"] for g in sched.optimizer.param_groups]
-        got = ops._ds_scheduler_lr({"type": kind, "params": params}, position, lrs)
+        got = ds_lr_at({"type": kind, "params": params}, position, lrs)
         assert all(math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15) for a, b in zip(got, want)), (position, got, want)
 
 

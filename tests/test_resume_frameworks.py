@@ -20,6 +20,9 @@ from conftest import manifest, run_cli, sample
 from ckpt_tools import open_checkpoint
 from ckpt_tools.errors import CkptError
 from ckpt_tools.resume import frameworks as rf
+from ckpt_tools.resume.framework_run import _custom_state
+from ckpt_tools.resume.hf_trainer import hf_lambda
+from ckpt_tools.resume.torch_schedules import torch_expected_lrs, torch_scheduler_kind
 
 ROWS = ("global step", "optimizer step", "learning rate", "optimizer state", "loss")
 
@@ -66,7 +69,7 @@ def test_hf_schedule_formula_matches_transformers(kind):
     sched = get_scheduler(kind, opt, num_warmup_steps=3, num_training_steps=11)
     for step in range(12):
         want = opt.param_groups[0]["lr"]
-        got = rf.hf_lambda(kind, step, warmup=3, total=11, kwargs={})
+        got = hf_lambda(kind, step, warmup=3, total=11, kwargs={})
         assert got == pytest.approx(want, rel=1e-12, abs=1e-15), (kind, step)
         opt.step()
         sched.step()
@@ -96,8 +99,8 @@ def test_torch_schedules_chained_from_saved_state():
             sched.step()
         state = json.loads(json.dumps(sched.state_dict(), default=list))
         groups = [dict(g, params=[]) for g in opt.state_dict()["param_groups"]]
-        assert rf.torch_scheduler_kind(state) == name
-        rows, _ = rf.torch_expected_lrs(state, groups, 6)
+        assert torch_scheduler_kind(state) == name
+        rows, _ = torch_expected_lrs(state, groups, 6)
         for k in range(6):
             assert rows[k] == pytest.approx([g["lr"] for g in opt.param_groups], rel=1e-9), (name, k)
             opt.step()
@@ -188,7 +191,7 @@ def test_accelerate_stray_custom_checkpoint_orig(tmp_path, monkeypatch):
     monkeypatch.setattr(rf, "_installed_accelerate_counts_loosely", lambda: True)
     loose = rf.plan_resume(open_checkpoint(ck), ck, steps=2, device="cpu")
     assert loose.worker["stray_effect"] == "fail"
-    row = rf._custom_state(loose, result.loaded)
+    row = _custom_state(loose, result.loaded)
     assert row.status == "fail" and "does not restore" in row.detail
 
 

@@ -41,12 +41,6 @@ from .lightning import plan_lightning
 from .megatron import plan_megatron
 from .verdict import ResumeResult
 
-# Names tests read from this module (tests/test_resume.py, tests/test_resume_frameworks.py); kept so that their
-# bodies stay as they are.
-from ..schedules.deepspeed import lr_at as _ds_scheduler_lr  # noqa: F401
-from .framework_run import _custom_state  # noqa: F401
-from .hf_trainer import hf_lambda  # noqa: F401
-from .torch_schedules import torch_expected_lrs, torch_scheduler_kind  # noqa: F401
 
 #: checkpoint format -> the framework that resumes it
 FRAMEWORK_OF_FORMAT = {

@@ -128,10 +128,6 @@ def plan_megatron(
     )
 
 
-#: the name tests/test_format_megatron_lm.py calls the planner by
-_plan_megatron = plan_megatron
-
-
 def _refuse(ck: Checkpoint, path: Path, args: dict[str, Any], tp: int | None, pp: int | None) -> str:
     """What this resume cannot relaunch, refused in one line: no saved args, a Mixture-of-Experts run at other
     sizes, the distributed optimizer, no Megatron-LM checkout. Returns the checkout (MEGATRON_LM_DIR)."""
