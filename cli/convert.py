@@ -9,11 +9,11 @@ import os
 from typing import Optional
 
 import typer
-from rich.markup import escape
 
 from ckpt_tools.errors import CkptError
 
 from . import output
+from .output import escape
 
 
 def convert_cmd(

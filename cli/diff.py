@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.markup import escape
 
 from . import output
+from .output import escape
 
 
 def diff_cmd(

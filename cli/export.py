@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.markup import escape
 
 from ckpt_tools.errors import CkptError
 
 from . import output
+from .output import escape
 from .to_universal import _bar
 
 

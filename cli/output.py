@@ -34,6 +34,13 @@ def print_json(doc: Any) -> None:
     sys.stdout.write(json.dumps(doc, indent=indent, default=repr) + "\n")
 
 
+def escape(text: str) -> str:
+    """rich's markup escape (`[` in a path or a message is not a style)."""
+    from rich.markup import escape as rich_escape  # lazy: rich only where a person reads the output
+
+    return rich_escape(text)
+
+
 def console(stderr: bool = False):
     from rich.console import Console  # lazy: rich only where a person reads the output (startup of --json runs)
 

@@ -12,13 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import typer
-from rich.markup import escape
-from rich.table import Table
-from tqdm import tqdm
 
 from ckpt_tools.errors import CkptError
 
 from . import output
+from .output import escape
 
 if TYPE_CHECKING:
     from ckpt_tools.resume.frameworks import ResumeResult
@@ -250,6 +248,8 @@ def _run(plan: Any, steps: int, quiet_bar: bool, **run: Any) -> ResumeResult:
     # the bar, not into it (imported before the bar is drawn, so its import-time line comes first)
     converting = getattr(plan, "convert_from", None) is not None
     logs = output.deepspeed_logs_above_bars() if converting and not quiet_bar else nullcontext()
+    from tqdm import tqdm  # lazy: the bar only when a resume runs
+
     bar = tqdm(
         total=steps,
         desc=f"starting {output.plural(plan.nproc, 'process', 'processes')}",
@@ -278,6 +278,8 @@ def _run(plan: Any, steps: int, quiet_bar: bool, **run: Any) -> ResumeResult:
 
 
 def _render(result: ResumeResult, quiet: bool) -> None:
+    from rich.table import Table  # lazy: rich's tables only for the verdict a person reads
+
     con = output.console()
     p = result.plan
     s = getattr(p, "saved", None)

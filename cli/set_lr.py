@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.markup import escape
 
 from . import output
+from .output import escape
 
 _BACKUP_HELP = (
     "where the backups and the journal go, and the new files are staged when it is on the "

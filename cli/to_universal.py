@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.markup import escape
 
 from ckpt_tools.errors import CkptError
 
 from . import output
+from .output import escape
 
 
 def _bar(total: int, disable: bool, desc: str):

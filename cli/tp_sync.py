@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.markup import escape
 
 from ckpt_tools.write import io
 from typing import TYPE_CHECKING
@@ -17,6 +16,7 @@ if TYPE_CHECKING:  # the ops module (and what it imports) loads only when the co
 from ckpt_tools.errors import CkptError
 
 from . import output
+from .output import escape
 from .set_lr import _BACKUP_HELP, _COPY_HELP, _undo_hint, confirm_and_write, written_line
 
 _PATTERN_HELP = "REGEX (replicated) or REGEX=MERGE naming TP-replicated parameters the checkpoint does not declare"
