@@ -24,7 +24,6 @@ import multiprocessing
 import os
 import shlex
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -283,19 +282,8 @@ class Hooks:
 
 def run_pretrain(argv: list[str], hooks: Hooks) -> None:
     """Megatron's own `pretrain` (pretrain_gpt.py's entry) on `argv`, to its `--exit-interval` exit."""
-    from megatron.training import pretrain  # lazy: Megatron is importable only after import_megatron
-
-    datasets, model_provider, model_type, forward_step, embedding_ranks = W._pretrain_entry()
-    sys.argv = [sys.argv[0], *argv]
     try:
-        pretrain(
-            datasets,
-            model_provider,
-            model_type,
-            forward_step,
-            args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-            get_embedding_ranks=embedding_ranks,
-        )
+        W.pretrain_gpt(argv)
     except SystemExit as e:  # --exit-interval: Megatron's train loop ends with sys.exit(0)
         if e.code not in (0, None):
             raise

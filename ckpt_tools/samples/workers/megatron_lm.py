@@ -682,6 +682,23 @@ def _pretrain_entry() -> tuple[Any, ...]:
     )
 
 
+def pretrain_gpt(argv: list[str]) -> None:
+    """Megatron's own `pretrain` as `pretrain_gpt.py` runs it, on the command line `argv` (Megatron's argument
+    parser reads sys.argv)."""
+    from megatron.training import pretrain  # lazy: called after import_megatron (its path)
+
+    datasets, model_provider, model_type, forward_step, embedding_ranks = _pretrain_entry()
+    sys.argv = [sys.argv[0], *argv]
+    pretrain(
+        datasets,
+        model_provider,
+        model_type,
+        forward_step,
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+        get_embedding_ranks=embedding_ranks,
+    )
+
+
 def _shared_tempdir(prefix: str) -> Path:
     """One temporary folder for all ranks (rank 0 makes it, the others get its name)."""
     name = [tempfile.mkdtemp(prefix=prefix) if torch.distributed.get_rank() == 0 else None]
@@ -699,18 +716,7 @@ def make_sample(args: argparse.Namespace, work: Path) -> int:
     torch.distributed.barrier()
     recorder = Recorder()
     recorder.install()
-    datasets, model_provider, model_type, forward_step, embedding_ranks = _pretrain_entry()
-    from megatron.training import pretrain  # lazy: called after import_megatron (its path)
-
-    sys.argv = [sys.argv[0], *megatron_argv(v, save=ckpt, load=None, work=work)]
-    pretrain(
-        datasets,
-        model_provider,
-        model_type,
-        forward_step,
-        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-        get_embedding_ranks=embedding_ranks,
-    )
+    pretrain_gpt(megatron_argv(v, save=ckpt, load=None, work=work))
     if recorder.saved is None:
         raise RuntimeError("Megatron did not save a checkpoint")
     per_rank: list[Any] = [None] * torch.distributed.get_world_size()
@@ -842,24 +848,13 @@ def resume_sample(args: argparse.Namespace, work: Path) -> int:
     no save) with the variant's command line plus `--megatron-args`; rank 0 writes every rank's LR per resumed
     iteration to `args.record` (JSON: [{rank, tp_rank, dp_rank, history: [{iteration, lr, loss}]}])."""
     from megatron.core import parallel_state as ps  # lazy: called after import_megatron (its path)
-    from megatron.training import pretrain  # lazy: as above
 
     v = VARIANTS[args.sample]
     recorder = Recorder()
     recorder.install()
-    datasets, model_provider, model_type, forward_step, embedding_ranks = _pretrain_entry()
-
     argv = megatron_argv(v, save=None, load=args.resume.resolve(), work=work)
     argv[argv.index("--train-iters") + 1] = str(ITERATIONS + args.steps)
-    sys.argv = [sys.argv[0], *argv, *shlex.split(args.megatron_args or "")]
-    pretrain(
-        datasets,
-        model_provider,
-        model_type,
-        forward_step,
-        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-        get_embedding_ranks=embedding_ranks,
-    )
+    pretrain_gpt([*argv, *shlex.split(args.megatron_args or "")])
     mine = {
         "rank": torch.distributed.get_rank(),
         "tp_rank": ps.get_tensor_model_parallel_rank(),
