@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import LOSS_REL_TOL, loss_tol, manifest, manifest_of, sample
+from conftest import LOSS_REL_TOL, ROOT, loss_tol, manifest, manifest_of, sample
 from ckpt_tools.resume import frameworks as ops
 from ckpt_tools.schedules.deepspeed import lr_at as ds_lr_at
 
@@ -90,6 +90,44 @@ def test_same_topology_resume_is_bitwise_continuous(name, fresh_sample, tmp_path
     assert "bitwise equal" in c["loss"]["detail"]
     # the recorded reference reads back as the same step -> loss map
     assert ops.load_reference(ref_out) == {r["step"]: r["loss"] for r in doc["records"]}
+
+
+#: one sample of every resume planner; the DeepSpeed ones cover both `--model auto` answers
+_TORCH_FREE_PLANS = {
+    "deepspeed/zero2_lambdalr": "tiny-gpt",
+    "deepspeed/zero2_tied_frozen": "replica",
+    "universal/zero2_bf16_universal": "tiny-gpt",
+    "megatron/gpt_tp2_pp2": "megatron-gpt",
+    "fsdp/fsdp2_dcp": "model-free FSDP2 replica (synthetic loss)",
+    "accelerate/accelerate_ddp": "model-free replica (synthetic loss)",
+    "lightning/onecycle.ckpt": "model-free LightningModule (synthetic loss)",
+}
+
+
+def test_resume_is_planned_in_a_torch_free_ckpt_process():
+    """Planning a resume (the model `--model auto` picks, the model-free replica's layout, the device) imports
+    no torch in the `ckpt` process: only the launched workers pay for it. torch is made unimportable here."""
+    code = (
+        "import json, sys; sys.modules['torch'] = None\n"
+        "from ckpt_tools.resume.frameworks import plan_resume\n"
+        "print(json.dumps({s: plan_resume(f'sample_ckpts/{s}', steps=2, device='cpu').model for s in sys.argv[1:]}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *_TORCH_FREE_PLANS], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == _TORCH_FREE_PLANS
+
+
+def test_the_torch_free_tiny_gpt_shapes_are_the_models():
+    """`--model auto` tells the bundled tiny GPT by `tiny_gpt_shapes`, without torch: the same names, shapes and
+    order as `TinyGPT(cfg).named_parameters()`, for the samples' config and another one."""
+    from ckpt_tools.train.gpt_config import tiny_gpt_shapes
+    from ckpt_tools.train.models import GPTConfig, TinyGPT
+
+    for cfg in (GPTConfig(), GPTConfig(vocab_size=100, seq_len=8, hidden=48, n_layers=3, n_heads=6, ffn_mult=2)):
+        want = [(n, tuple(p.shape)) for n, p in TinyGPT(cfg).named_parameters()]
+        assert list(tiny_gpt_shapes(cfg).items()) == want
 
 
 def test_committed_sample_resumes_within_tolerance():

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..read.state import COUNTER_KEYS, is_scheduler_state
 from ..read.tree import node_to_python
+from ..train.replica_layout import infer_torch_scheduler
 from .convert_plan import MOVED_CHILDREN
 
 
@@ -36,8 +37,6 @@ def translate_scheduler(
 def _torch_scheduler(state: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None, list[str], list[str]]:
     """`translate_scheduler` of a state that is not DeepSpeed's: a torch scheduler's as it is, Megatron's
     OptimizerParamScheduler listed as not moved."""
-    from ..train.replica import infer_torch_scheduler  # lazy: train.replica imports torch at top
-
     megatron = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "num_steps")
     if all(k in state for k in megatron):
         # Megatron-LM's OptimizerParamScheduler: a closed form over SAMPLES with a clamp at min_lr; no torch

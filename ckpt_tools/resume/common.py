@@ -5,6 +5,7 @@ and the pieces a model-free replica is built from (parameters, optimizer groups,
 
 from __future__ import annotations
 
+import glob
 import importlib
 import math
 import os
@@ -250,19 +251,29 @@ def _match_groups(
 
 
 def _device(device: str) -> str:
+    if device not in ("cpu", "cuda", "auto"):
+        raise CkptError(f"--device {device!r}: use cpu, cuda or auto")
+    if device == "cpu":
+        return device
     gpus = _gpus()
     if device == "auto":
         return "cuda" if gpus else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise CkptError(f"--device {device!r}: use cpu, cuda or auto")
-    if device == "cuda" and not gpus:
+    if not gpus:
         raise CkptError("--device cuda: no CUDA device is visible", hint="use --device cpu")
     return device
 
 
+#: the device files a GPU driver makes (NVIDIA's, ROCm's, WSL's): where none exists, no process on this machine
+#: sees a CUDA device, so the count is 0 without importing torch (1-2 CPU s the `ckpt` process need not spend)
+GPU_DEVICE_FILES = ("/dev/nvidia*", "/dev/kfd", "/dev/dxg")
+
+
 def _gpus() -> int:
-    """The CUDA devices this process sees (0 without CUDA); the DeepSpeed planner asks the same."""
-    import torch  # lazy: torch only to count the GPUs; planning stays importable without it
+    """The CUDA devices this process sees (0 without CUDA); the DeepSpeed planner asks the same. torch is asked
+    only on a machine with a GPU driver's device file (`GPU_DEVICE_FILES`)."""
+    if not any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES):
+        return 0
+    import torch  # lazy: torch only to count the GPUs of a machine with a GPU driver; planning stays torch-free
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 

@@ -33,6 +33,8 @@ from ..ops.to_universal import zero3_group_warnings
 from ..read import gate
 from ..read.meta import meta_device
 from ..read.tree import Checkpoint, GroupNode
+from ..train import replica_layout as R
+from ..train.gpt_config import tiny_gpt_shapes
 from ..view.checkpoint import open_checkpoint
 from .common import ResumeOptions, RunPlan, _device, _gpus
 from .verdict import SavedState, _names, mismatch, saved_state
@@ -117,15 +119,8 @@ def _auto_model(ck: Checkpoint, layout: dict[str, Any] | None) -> str:
         return "megatron-gpt"
     if layout is None:
         return "tiny-gpt"
-    try:
-        from ..train.models import GPTConfig, TinyGPT  # lazy: torch only to compare with the bundled model
-
-        with meta_device():
-            known = {n: tuple(p.shape) for n, p in TinyGPT(GPTConfig()).named_parameters()}
-    except Exception:  # noqa: BLE001  no torch model to compare with: model-free
-        return "replica"
     have = {p["name"]: tuple(p["shape"]) for p in layout["specs"]}
-    return "tiny-gpt" if known == have else "replica"
+    return "tiny-gpt" if tiny_gpt_shapes() == have else "replica"
 
 
 def check_model_matches(model: str, layout: dict[str, Any], ctx_fields: dict[str, Any], path: Path) -> str | None:
@@ -185,8 +180,6 @@ def _against(against: str | os.PathLike | None, layout: dict[str, Any] | None, m
         return None
     if model != "replica" or layout is None:
         raise CkptError("--against is used by the model-free optimizer-state check only", hint="add --model replica")
-    from ..train import replica as R  # lazy: the replica module imports torch
-
     a = Path(against)
     ck = open_checkpoint(a)
     if ck.format not in SUPPORTED_FORMATS:
@@ -209,8 +202,6 @@ def replica_layout_for(
     """The JSON layout the worker builds the replica from: parameter specs in the model's order, tied aliases,
     buffers, param groups (members and saved hyper-parameters), the torch optimizer / scheduler to rebuild
     when the launch config names none, the synthetic gradient's seed and clip."""
-    from ..train import replica as R  # lazy: the replica module imports torch
-
     lay = R.replica_layout(ck)
     opts = list(saved.group_options)
     groups = [{"names": names, "options": opts[i] if i < len(opts) else {}} for i, names in enumerate(lay["groups"])]
@@ -431,9 +422,7 @@ def _layout(
     except ValueError as e:
         layout_error = str(e)
     try:
-        from ..train.replica import replica_layout  # lazy: the replica module imports torch
-
-        lay = replica_layout(ck)
+        lay = R.replica_layout(ck)
         return {"specs": [asdict(x) for x in lay["specs"]]}, layout_error
     except ValueError:
         return None, layout_error

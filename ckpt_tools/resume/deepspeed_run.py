@@ -18,6 +18,7 @@ from ..ops.to_universal import execute, plan_to_universal
 from ..read.tree import Checkpoint, GroupNode, TensorNode, ValueNode
 from ..schedules.deepspeed import DS_SCHEDULERS, lr_at as _ds_scheduler_lr
 from ..train.processes import launch as _launch, scratch_folder
+from ..train.replica_layout import LAMBDA_SCHEDULERS, infer_torch_scheduler
 from ..view.checkpoint import open_checkpoint
 from .deepspeed import ResumePlan
 from .verdict import Check, CheckRow, ResumeResult, StepRecord, judged, lrs_close
@@ -118,12 +119,11 @@ def expected_lrs(plan: ResumePlan, setup: dict[str, Any]) -> tuple[list[list[flo
         )
     if s.scheduler_state == "deepspeed":
         return None, "the checkpoint has a DeepSpeed scheduler state but the launch config names no scheduler"
-    # lazy: the replica module imports torch
-    from ..train.replica import LAMBDA_SCHEDULERS, expected_torch_lrs, infer_torch_scheduler
-
     values = setup.get("lambda_values")
     cls = infer_torch_scheduler(s.scheduler_saved) if s.scheduler_saved else None
     if s.scheduler_state == "torch" and cls and cls not in LAMBDA_SCHEDULERS:
+        from ..train.replica import expected_torch_lrs  # lazy: torch replays the saved torch scheduler
+
         try:
             want = expected_torch_lrs(
                 s.scheduler_saved, list(s.param_group_lrs), plan.steps, saved_groups=list(s.group_options)

@@ -6,24 +6,11 @@ embeddings, layer norms, attention and MLP linears with biases, a separate LM he
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int = 64
-    seq_len: int = 16
-    hidden: int = 32
-    n_layers: int = 2
-    n_heads: int = 4
-    ffn_mult: int = 4
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+from .gpt_config import GPTConfig
 
 
 class Block(nn.Module):
