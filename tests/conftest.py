@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
+import forkserver
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # One thread per process for torch's CPU kernels in the workers and in every process they start (`ckpt` commands,
@@ -246,15 +248,12 @@ def copy_sample(tmp_path):
     return _copy
 
 
-def run_cli(*args, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `ckpt ARGS...` the way a user does (a fresh process), capturing output; never raises on exit codes."""
-    return subprocess.run(
-        [sys.executable, "-c", "from ckpt_cli.main import main; main()", *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+def run_cli(
+    *args, timeout: float = 300, env: dict | None = None, input: str | None = None
+) -> subprocess.CompletedProcess:
+    """Run `ckpt ARGS...` in a process of its own (`forkserver`: a fork of an interpreter that has imported ckpt
+    and torch, else a fresh one), stdin `input` (else empty), capturing output; never raises on exit codes."""
+    return forkserver.run([str(a) for a in args], cwd=ROOT, env=env, input=input, timeout=timeout)
 
 
 def run_on_terminal(

@@ -19,11 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import LOSS_REL_TOL, ROOT, loss_tol, manifest, manifest_of, sample
+from conftest import LOSS_REL_TOL, ROOT, loss_tol, manifest, manifest_of, run_cli, sample
 from ckpt_tools.resume import frameworks as ops
 from ckpt_tools.schedules.deepspeed import lr_at as ds_lr_at
 
-CLI = [sys.executable, "-c", "from ckpt_cli.main import main; main()"]
 
 # Re-topology tolerance on the loss (absolute, loss ~4.1), against a run made on this machine. The resumed run
 # sees the uninterrupted run's global batch and the same fp32 master weights, so what differs is only the order
@@ -34,7 +33,7 @@ RETOPOLOGY_LOSS_TOL = 1e-4
 
 
 def ckpt(*args, expect=0, env=None):
-    proc = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=300, env=env)
+    proc = run_cli(*args, env=env)
     assert proc.returncode == expect, f"exit {proc.returncode} (wanted {expect}):\n{proc.stdout}\n{proc.stderr}"
     return proc
 

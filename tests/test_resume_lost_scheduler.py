@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve()
-CLI = [sys.executable, "-c", "from ckpt_cli.main import main; main()"]
 STEPS_BEFORE_SAVE = 4
 PEAK_LR = 2e-3
 
@@ -70,7 +69,9 @@ def make_checkpoint(out: Path) -> None:
 
 
 def ckpt(*args, expect: int) -> subprocess.CompletedProcess:
-    proc = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=600)
+    from conftest import run_cli  # this file is also the ranks' script: conftest only where tests run
+
+    proc = run_cli(*args, timeout=600)
     assert proc.returncode == expect, f"exit {proc.returncode} (wanted {expect}):\n{proc.stdout}\n{proc.stderr}"
     return proc
 

@@ -10,23 +10,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import sample
+from conftest import run_cli, sample
 from ckpt_tools.resume import frameworks as ops
 from ckpt_tools.train import replica as R
 
-CLI = [sys.executable, "-c", "from ckpt_cli.main import main; main()"]
-
 
 def ckpt(*args, expect=0, env=None):
-    proc = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=300, env=env)
+    proc = run_cli(*args, env=env)
     assert proc.returncode == expect, f"exit {proc.returncode} (wanted {expect}):\n{proc.stdout}\n{proc.stderr}"
     return proc
 

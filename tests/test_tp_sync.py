@@ -18,7 +18,7 @@ import ckpt_tools
 from ckpt_tools.write import io
 from ckpt_tools.ops import tp_sync as ops
 
-from conftest import ROOT, fail_at, manifest, sample
+from conftest import ROOT, fail_at, manifest, run_cli, sample
 
 GROUP = "megatron"
 DRIFTED = "gpt_tp2_pp2_drifted"
@@ -39,16 +39,6 @@ def snapshot(folder: Path) -> dict[str, str]:
         for p in sorted(folder.rglob("*"))
         if p.is_file()
     }
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", "from ckpt_cli.main import main; main()", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 # --- a direct comparison: torch.load of the files, un-flattened by hand -------------------------------------

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_on_terminal
+from conftest import ROOT, run_cli, run_on_terminal
 from hostile.runner import snapshot
 
 from ckpt_tools.write import io
@@ -37,6 +37,8 @@ def ckpt(*args, prefix=(), answer: str | None = None, env=None) -> subprocess.Co
     (/dev/null: no terminal)."""
     e = {**os.environ, **(env or {})}
     e.pop("CKPT_DEBUG", None)
+    if not prefix:
+        return run_cli(*args, env=e, input=answer)
     stdin = {"input": answer} if answer is not None else {"stdin": subprocess.DEVNULL}
     return subprocess.run(
         [*prefix, *CLI, *map(str, args)], cwd=ROOT, capture_output=True, text=True, env=e, timeout=300, **stdin
