@@ -14,8 +14,9 @@ What it saves, measured on the suite (2 cores): `import ckpt_cli.main` is ~0.17 
 What it does not stand in for, and where a fresh interpreter is still started:
 - a start-up or import question (torch-free commands, a missing extra, the time to start): those tests build
   their own `python -c` command line;
-- an environment that differs from the server's in what is read while interpreters start or torch is imported
-  (`PYTHON*`, `TORCH*`, `OMP_*`, the locale, ...: `_START_UP_KEYS`): `cli` falls back to a fresh process;
+- an environment given to one call that differs from the server's in what is read while interpreters start or
+  torch is imported (`PYTHON*`, `TORCH*`, `OMP_*`, the locale, ...: `_START_UP_KEYS`) gets a fresh process; where
+  the test process's own environment changed so, a new server is started with it;
 - a process a test signals, watches or runs on a terminal (`test_signals`, `test_kill9`, `run_on_terminal`);
 - `CKPT_TEST_FRESH_PROCESS=1` makes every call a fresh process (the suite before this server, to compare).
 """
@@ -148,6 +149,12 @@ class _Server:
         self.sock = mine
         self.reader, self.writer = mine.makefile("r"), mine.makefile("w")
 
+    def close(self) -> None:
+        """End the server: it exits when its socket closes."""
+        for f in (self.writer, self.reader, self.sock):
+            f.close()
+        self.proc.wait(timeout=60)
+
     def fits(self, env: dict[str, str]) -> bool:
         """Whether a child of this server starts as a fresh interpreter with `env` would."""
         keys = (set(env) | set(self.env)) - set(_IGNORED_KEYS)
@@ -175,9 +182,14 @@ _SERVER: _Server | None = None
 
 
 def _server() -> _Server | None:
+    """This test process's server; a new one when this process's own environment changed in a start-up key since
+    the last started (an import here sets TORCHINDUCTOR_CACHE_DIR, a test sets a variable for good)."""
     global _SERVER
     if os.environ.get("CKPT_TEST_FRESH_PROCESS") == "1":
         return None
+    if _SERVER is not None and _SERVER.owner == os.getpid() and not _SERVER.fits(dict(os.environ)):
+        _SERVER.close()
+        _SERVER = None
     if _SERVER is None or _SERVER.owner != os.getpid() or _SERVER.proc.poll() is not None:
         _SERVER = _Server()
     return _SERVER
