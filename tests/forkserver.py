@@ -23,6 +23,7 @@ What it does not stand in for, and where a fresh interpreter is still started:
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -109,7 +110,6 @@ def _child(req: dict) -> None:
 
 
 def _run_main() -> int:
-    import atexit
     import traceback
 
     from ckpt_cli.main import main
@@ -179,6 +179,13 @@ class _Server:
 
 
 _SERVER: _Server | None = None
+
+
+@atexit.register
+def _close() -> None:
+    """The test process ends: its server ends too, waited for (no orphan, its CPU time counted in this one's)."""
+    if _SERVER is not None and _SERVER.owner == os.getpid():
+        _SERVER.close()
 
 
 def _server() -> _Server | None:

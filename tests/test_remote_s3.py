@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_cli
+
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_ckpts"
 
@@ -117,21 +119,13 @@ def _env(endpoint: str, **extra) -> dict:
         AWS_ENDPOINT_URL=endpoint,
         AWS_SHARED_CREDENTIALS_FILE="/nonexistent",
         AWS_CONFIG_FILE="/nonexistent",
-        PYTHONPATH=str(ROOT),
     )
     env.update(extra)
     return env
 
 
 def ckpt(*args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", "from ckpt_cli.main import main; main()", *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+    return run_cli(*args, env=env, timeout=timeout)
 
 
 def url(sample: str) -> str:
