@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 #: environment keys read while an interpreter starts or torch (or a library it loads) is imported: a call whose
@@ -73,11 +74,14 @@ def serve(fd: int) -> None:
         if pid == 0:
             sock.close()
             _child(json.loads(line))  # never returns
-        writer.write(f"{pid}\n")
-        writer.flush()
-        _, status = os.waitpid(pid, 0)
-        writer.write(f"{os.waitstatus_to_exitcode(status)}\n")
-        writer.flush()
+        try:
+            writer.write(f"{pid}\n")
+            writer.flush()
+            _, status = os.waitpid(pid, 0)
+            writer.write(f"{os.waitstatus_to_exitcode(status)}\n")
+            writer.flush()
+        except OSError:  # the caller is gone (it gave up on a command past its timeout): the child was reaped
+            return
 
 
 def _child(req: dict) -> None:
@@ -85,21 +89,23 @@ def _child(req: dict) -> None:
     code, running the atexit handlers as an interpreter's exit does."""
     code = 1
     try:
+        for fd, path, flags in (
+            (0, req["stdin"], os.O_RDONLY),
+            (1, req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+            (2, req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+        ):
+            opened = os.open(path, flags, 0o600)
+            os.dup2(opened, fd)
+            os.close(opened)
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
         tempfile.tempdir = None  # TMPDIR is read again, from the caller's environment
-        for fd, path, flags in (
-            (0, req["stdin"], os.O_RDONLY),
-            (1, req["stdout"], os.O_WRONLY | os.O_TRUNC),
-            (2, req["stderr"], os.O_WRONLY | os.O_TRUNC),
-        ):
-            opened = os.open(path, flags)
-            os.dup2(opened, fd)
-            os.close(opened)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.argv = ["-c", *req["argv"]]
         code = _run_main()
+    except BaseException:  # noqa: BLE001  the child could not become the command (a missing folder): say why
+        traceback.print_exc()
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -110,8 +116,6 @@ def _child(req: dict) -> None:
 
 
 def _run_main() -> int:
-    import traceback
-
     from ckpt_cli.main import main
 
     try:
@@ -169,12 +173,12 @@ class _Server:
         try:
             line = self.reader.readline()
         except TimeoutError:
-            os.kill(pid, signal.SIGKILL)  # as subprocess.run's timeout: the child is killed, then waited for
-            self.sock.settimeout(None)
-            self.reader.readline()
+            # as subprocess.run's timeout: the child is killed. A socket file that timed out cannot be read
+            # again, so this server ends (it reaps the child first) and the next call starts another
+            os.kill(pid, signal.SIGKILL)
+            self.close()
             raise subprocess.TimeoutExpired(argv, timeout) from None
-        finally:
-            self.sock.settimeout(None)
+        self.sock.settimeout(None)
         return int(line)
 
 
@@ -219,10 +223,10 @@ def run(
         stdin = {"input": input} if input is not None else {"stdin": subprocess.DEVNULL}
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, **stdin)
     with tempfile.TemporaryDirectory(prefix="ckpt-test-cli-") as tmp:
-        paths = {n: os.path.join(tmp, n) for n in ("stdin", "stdout", "stderr")}
-        for name, path in paths.items():
-            with open(path, "w") as f:
-                f.write((input or "") if name == "stdin" else "")
-        rc = server.run(argv, str(cwd), env, paths["stdin"], paths["stdout"], paths["stderr"], timeout)
-        out, err = (Path(paths[n]).read_text() for n in ("stdout", "stderr"))
-    return subprocess.CompletedProcess(argv, rc, out, err)
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")  # the child creates them
+        stdin = os.devnull
+        if input is not None:
+            stdin = os.path.join(tmp, "stdin")
+            Path(stdin).write_text(input)
+        rc = server.run(argv, str(cwd), env, stdin, str(out), str(err), timeout)
+        return subprocess.CompletedProcess(argv, rc, out.read_text(), err.read_text())

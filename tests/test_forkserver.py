@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import re
+import socket
+import subprocess
+import time
 
 import forkserver
 import pytest
@@ -56,3 +59,26 @@ def test_the_callers_folder_environment_and_stdin_reach_the_command(copy_sample,
         results.append((no.returncode, yes.returncode, out, sorted(os.listdir(tmp))))
     assert results[0] == results[1]
     assert results[0][0] != 0 and results[0][1] == 0  # "no" wrote nothing, "yes" wrote the edit
+
+
+def test_a_command_past_its_timeout_is_killed_and_the_next_one_runs(monkeypatch):
+    """As subprocess.run's timeout: a command that does not end in time is killed and TimeoutExpired raised; the
+    next command runs (in a new server: the old one's socket timed out). The command waits on an S3 endpoint that
+    accepts the connection and never answers."""
+    monkeypatch.delenv("CKPT_TEST_FRESH_PROCESS", raising=False)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        env = {
+            **os.environ,
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{silent.getsockname()[1]}",
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+        started = time.monotonic()
+        with pytest.raises(subprocess.TimeoutExpired):
+            forkserver.run(["inspect", "s3://bucket/run/global_step4"], cwd=ROOT, env=env, timeout=3)
+        assert time.monotonic() - started < 30
+    after = forkserver.run(["inspect", str(sample("deepspeed", "zero2_bf16")), "-q"], cwd=ROOT)
+    assert after.returncode == 0, after.stderr
