@@ -158,21 +158,10 @@ def _functions(path: Path):
     return out
 
 
-#: worker scripts that run only under torchtitan / torchtune, which this suite's machine does not install: they
-#: are split when a run of them can prove the split (issue 43 leaves them as they are)
-UNTESTED_HERE = {
-    "samples/workers/torchtitan_run.py",
-    "samples/workers/torchtune_run.py",
-    "samples/workers/ds_torchtitan.py",
-}
-
-
 def test_functions_read_in_one_screen_and_modules_stay_under_a_thousand_lines():
     long_functions, long_modules = [], []
     for path in sorted(PKG.rglob("*.py")):
         rel = path.relative_to(PKG).as_posix()
-        if rel in UNTESTED_HERE:
-            continue
         lines = path.read_text().count("\n")
         if lines > 1000:
             long_modules.append(f"{rel}: {lines}")
@@ -198,8 +187,6 @@ def test_imports_sit_at_the_top_unless_a_comment_says_why_not():
     unexplained = []
     for path in sorted(PKG.rglob("*.py")):
         rel = path.relative_to(PKG).as_posix()
-        if rel in UNTESTED_HERE:
-            continue
         lines = path.read_text().splitlines()
         for node in ast.walk(ast.parse("\n".join(lines))):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):

@@ -40,14 +40,18 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from ckpt_tools.samples.workers import torchtitan_run as tt
+from ckpt_tools.train.procgroup import leave
+
 TAG = "global_step3"
 SAVED_STEPS = 3
 
 
 def _batches(config, rank: int, world: int):
     tokenizer = config.tokenizer.build(tokenizer_path=config.hf_assets_path)
-    from ckpt_tools.samples.workers import torchtitan_run as tt
-
     loader = config.dataloader.build(
         dp_world_size=world,
         dp_rank=rank,
@@ -60,9 +64,6 @@ def _batches(config, rank: int, world: int):
 
 
 def _update(engine, model, loss_fn, batch, world: int) -> float:
-    import torch
-    import torch.distributed as dist
-
     input_dict, labels = batch
     extra = {k: v for k, v in input_dict.items() if k != "input"}
     if extra.get("positions") is not None:
@@ -83,6 +84,7 @@ def _whole_state(engine) -> dict[str, dict[str, Any]]:
     parameter's fragment address, `ds_pipeline.master_and_moments`: DeepSpeed 0.19.8's
     `safe_get_full_optimizer_state` fails outside the first param group) put together by
     `ds_pipeline.gather_whole`; the master under "param"."""
+    # lazy: ds_pipeline imports DeepSpeed at its top, which must come after torchtitan's CPU shims (see main)
     from ckpt_tools.samples.workers.ds_pipeline import gather_whole, master_and_moments
 
     local, shapes = {}, {}
@@ -98,7 +100,7 @@ def _whole_state(engine) -> dict[str, dict[str, Any]]:
     }
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None, help="DeepSpeed checkpoint folder to write (global_step3)")
     p.add_argument(
@@ -112,89 +114,118 @@ def main() -> None:
     args = p.parse_args()
     if (args.out is None) == (args.load_universal is None):
         p.error("give exactly one of --out or --load-universal")
+    return args
+
+
+def _job_config(work: Path):
+    """torchtitan's own job config of the torchtitan sample (its local assets under `work`), parsed by its
+    ConfigManager: the tokenizer, loader and loss are built from it."""
+    # lazy: torchtitan is imported only after tt.apply_cpu_shims() (it picks its device at import)
+    from torchtitan.config import ConfigManager
+
+    assets, dataset = tt.write_assets(work / "assets")
+    os.environ["HF_DATASETS_CACHE"] = str(work / "hf_cache")
+    return ConfigManager().parse_args(
+        tt.trainer_argv(assets=assets, dataset=dataset, dump=work / "dump", ckpt_folder=work / "unused")
+    )
+
+
+def _model():
+    """The torchtitan sample's llama3 with the stock wq/wk/wv, built by torchtitan on the meta device and
+    initialised by its own `init_weights` (seeded)."""
+    torch.manual_seed(tt.SEED)
+    with torch.device("meta"):
+        model = tt.model_config(fuse_qkv=False).build()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    return model
+
+
+def _optimizer(model, with_schedule: bool):
+    """AdamW with torchtitan's two param groups, and (when training from scratch) the warm-up LambdaLR."""
+    norm = [p for n, p in model.named_parameters() if re.search(tt.NORM_PATTERN, n)]
+    rest = [p for n, p in model.named_parameters() if not re.search(tt.NORM_PATTERN, n)]
+    opt = torch.optim.AdamW(
+        [
+            {"params": norm, "lr": tt.NORM_LR, "weight_decay": 0.0},
+            {"params": rest, "lr": tt.LR, "weight_decay": tt.WEIGHT_DECAY},
+        ],
+        betas=tt.BETAS,
+        eps=tt.EPS,
+        fused=True,
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / tt.WARMUP)) if with_schedule else None
+    return opt, sched
+
+
+def _ds_config(world: int, load_universal: bool) -> dict[str, Any]:
+    cfg = {
+        "train_micro_batch_size_per_gpu": tt.LOCAL_BATCH,
+        "train_batch_size": tt.LOCAL_BATCH * world,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1000,
+        "zero_optimization": {"stage": 1},
+    }
+    if load_universal:
+        cfg["checkpoint"] = {"load_universal": True}
+    return cfg
+
+
+def _run(args: argparse.Namespace, work: Path, rank: int, world: int) -> None:
+    """Train and save (--out) or load the universal checkpoint (--load-universal), then the recorded update."""
+    # lazy: DeepSpeed is imported after tt.apply_cpu_shims(), as the module docstring says
+    import deepspeed
+
+    config = _job_config(work)
+    model = _model()
+    opt, sched = _optimizer(model, with_schedule=args.out is not None)
+    cfg = _ds_config(world, load_universal=args.load_universal is not None)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
+    # the loss torchtitan's ChunkedLossWrapper applies per sequence chunk, here on the whole sequence (a sum
+    # over tokens / the global token count either way); the wrapper itself runs the lm_head's backward inside
+    # the loss call, outside DeepSpeed's engine.backward
+    loss_fn = config.loss.loss_fn.build(compile_config=config.compile)
+    if args.out is not None:
+        batches = _batches(config, rank, world)
+        for _ in range(SAVED_STEPS):
+            _update(engine, model, loss_fn, next(batches), world)
+        engine.save_checkpoint(str(args.out), tag=TAG)
+    else:
+        path, _ = engine.load_checkpoint(str(args.load_universal), load_lr_scheduler_states=False)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed loaded nothing from {args.load_universal}")
+    lrs = [float(g["lr"]) for g in engine.optimizer.param_groups]
+    loss = _update(engine, model, loss_fn, next(_batches(config, rank, world)), world)
+    params = _whole_state(engine)
+    if rank == 0:
+        adam = sorted({float(st["step"]) for st in engine.optimizer.optimizer.state.values() if "step" in st})
+        torch.save(
+            {"params": params, "lr": lrs, "loss": loss, "step": SAVED_STEPS + 1, "adam_steps": adam}, args.record
+        )
+        print(f"DS step {SAVED_STEPS + 1}: lr {lrs}, loss {loss}", flush=True)
+
+
+def main() -> None:
+    args = _parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    from ckpt_tools.samples.workers import torchtitan_run as tt
-
     tt.apply_cpu_shims()
+    # lazy: as in _run
     import deepspeed
-    import torch
-    import torch.distributed as dist
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     work = Path(tempfile.mkdtemp(prefix=f"ckpt_ds_torchtitan_r{rank}_"))
     code = 0
     try:
-        from torchtitan.config import ConfigManager
-
-        assets, dataset = tt.write_assets(work / "assets")
-        os.environ["HF_DATASETS_CACHE"] = str(work / "hf_cache")
-        config = ConfigManager().parse_args(
-            tt.trainer_argv(assets=assets, dataset=dataset, dump=work / "dump", ckpt_folder=work / "unused")
-        )
-        torch.manual_seed(tt.SEED)
-        with torch.device("meta"):
-            model = tt.model_config(fuse_qkv=False).build()
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            model.init_weights(buffer_device=torch.device("cpu"))
-        norm = [p for n, p in model.named_parameters() if re.search(tt.NORM_PATTERN, n)]
-        rest = [p for n, p in model.named_parameters() if not re.search(tt.NORM_PATTERN, n)]
-        opt = torch.optim.AdamW(
-            [
-                {"params": norm, "lr": tt.NORM_LR, "weight_decay": 0.0},
-                {"params": rest, "lr": tt.LR, "weight_decay": tt.WEIGHT_DECAY},
-            ],
-            betas=tt.BETAS,
-            eps=tt.EPS,
-            fused=True,
-        )
-        sched = (
-            torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / tt.WARMUP))
-            if args.out is not None
-            else None
-        )
-        cfg = {
-            "train_micro_batch_size_per_gpu": tt.LOCAL_BATCH,
-            "train_batch_size": tt.LOCAL_BATCH * world,
-            "gradient_accumulation_steps": 1,
-            "gradient_clipping": 1.0,
-            "steps_per_print": 1000,
-            "zero_optimization": {"stage": 1},
-        }
-        if args.load_universal is not None:
-            cfg["checkpoint"] = {"load_universal": True}
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
-        # the loss torchtitan's ChunkedLossWrapper applies per sequence chunk, here on the whole sequence (a sum
-        # over tokens / the global token count either way); the wrapper itself runs the lm_head's backward inside
-        # the loss call, outside DeepSpeed's engine.backward
-        loss_fn = config.loss.loss_fn.build(compile_config=config.compile)
-        if args.out is not None:
-            batches = _batches(config, rank, world)
-            for _ in range(SAVED_STEPS):
-                _update(engine, model, loss_fn, next(batches), world)
-            engine.save_checkpoint(str(args.out), tag=TAG)
-        else:
-            path, _ = engine.load_checkpoint(str(args.load_universal), load_lr_scheduler_states=False)
-            if path is None:
-                raise RuntimeError(f"DeepSpeed loaded nothing from {args.load_universal}")
-        lrs = [float(g["lr"]) for g in engine.optimizer.param_groups]
-        loss = _update(engine, model, loss_fn, next(_batches(config, rank, world)), world)
-        params = _whole_state(engine)
-        if rank == 0:
-            adam = sorted({float(st["step"]) for st in engine.optimizer.optimizer.state.values() if "step" in st})
-            torch.save(
-                {"params": params, "lr": lrs, "loss": loss, "step": SAVED_STEPS + 1, "adam_steps": adam}, args.record
-            )
-            print(f"DS step {SAVED_STEPS + 1}: lr {lrs}, loss {loss}", flush=True)
+        _run(args, work, rank, world)
     except BaseException:
         traceback.print_exc()
         code = 1
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    from ckpt_tools.train.procgroup import leave
-
     leave(code, barrier=code == 0)
 
 

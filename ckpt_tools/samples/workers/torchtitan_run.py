@@ -96,6 +96,23 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import torch
+import torch._utils
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import WordLevel
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.distributed_c10d import _set_pg_timeout
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.attention.flex_attention import AuxOutput, create_mask
+
+from ckpt_tools.samples.workers._common import check_mode_parser
+from ckpt_tools.train.manifest import write_manifest
+from ckpt_tools.train.procgroup import leave
+
 SAMPLES = ("torchtitan_real", "torchtitan_gqa", "torchtitan_onegroup", "torchtitan_split")
 #: the grouped-query variant (not bundled: tests make it where torchtitan is installed): 4 heads in 2 KV groups
 N_KV_HEADS = {"torchtitan_real": None, "torchtitan_gqa": 2, "torchtitan_onegroup": None, "torchtitan_split": None}
@@ -144,6 +161,7 @@ CPU_FLAGS = ["--parallelism.spmd-backend", "partial_dtensor"]
 def model_config(fuse_qkv: bool = True, n_kv_heads: int | None = None):
     """The sample's llama3 (torchtitan's own builders): fused wqkv (llama3's default) or the stock wq/wk/wv;
     `n_kv_heads` < 4: grouped-query attention."""
+    # lazy: torchtitan is imported only after apply_cpu_shims() (it picks its device at import); the same below
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.llama3 import (
         Llama3Model,
@@ -180,7 +198,7 @@ def torchtitan_tiny_gqa():
 def torchtitan_tiny_onegroup():
     """`torchtitan_tiny` with torchtitan's own stock optimizer, `default_adamw(lr=LR)` (what its llama3 configs use):
     one AdamW param group, weight decay 0.1 on every parameter, the norms included (not bundled: tests make it)."""
-    from torchtitan.components.optimizer import default_adamw
+    from torchtitan.components.optimizer import default_adamw  # lazy: after apply_cpu_shims(), as above
 
     return torchtitan_tiny(optimizer=default_adamw(lr=LR))
 
@@ -193,6 +211,7 @@ def torchtitan_tiny_split():
 
 def torchtitan_tiny(n_kv_heads: int | None = None, optimizer=None, fuse_qkv: bool = True):
     """Like torchtitan's `llama3_debugmodel`, with a llama3 small enough for a bundled sample."""
+    # lazy: these imports run after apply_cpu_shims(), as in model_config
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.metrics import MetricsProcessor
@@ -263,9 +282,6 @@ _WORDS = (
 def write_assets(folder: Path) -> tuple[Path, Path]:
     """A character-level tokenizer (tokenizer.json + tokenizer_config.json) and a c4-like JSON dataset.
     Returns (hf_assets_path, dataset_path)."""
-    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import WordLevel
-
     chars = list(" abcdefghijklmnopqrstuvwxyz0123456789.,'-!?")
     vocab = {BOS: 0, EOS: 1, UNK: 2, **{ch: i + 3 for i, ch in enumerate(chars)}}
     assert len(vocab) <= VOCAB
@@ -292,18 +308,13 @@ def write_assets(folder: Path) -> tuple[Path, Path]:
 
 def apply_cpu_shims() -> None:
     """The run-time changes listed in the module docstring; call before anything imports torchtitan."""
-    import torch
-    import torch._utils
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
     if "torchtitan.tools.utils" in sys.modules:
         raise RuntimeError("apply_cpu_shims() must run before torchtitan is imported")
     # 1. device selection
     real = torch._utils._get_available_device_type
     torch._utils._get_available_device_type = lambda: real() or "cpu"
     try:
-        import torchtitan.tools.utils as tt_utils
+        import torchtitan.tools.utils as tt_utils  # lazy: the point of this function: imported with the shim in place
     finally:
         torch._utils._get_available_device_type = real
     if tt_utils.device_type != "cpu":
@@ -313,8 +324,7 @@ def apply_cpu_shims() -> None:
     tt_utils.device_module = _CpuDeviceModule()
 
     # 2. flex_attention -> SDPA with the same mask
-    from torch.nn.attention.flex_attention import AuxOutput, create_mask
-    from torchtitan.models.common import attention as tt_attention
+    from torchtitan.models.common import attention as tt_attention  # lazy: after the device shim above
 
     def sdpa_flex(q, k, v, *, score_mod, block_mask, scale, enable_gqa, return_aux, kernel_options):
         if score_mod is not None:
@@ -333,8 +343,7 @@ def apply_cpu_shims() -> None:
     tt_attention.FlexAttention.compiled_flex_attn = staticmethod(sdpa_flex)
 
     # 3. gloo lacks PREMUL_SUM
-    import torchtitan.distributed.fsdp as tt_fsdp
-    from torch.distributed.fsdp import FSDPModule
+    import torchtitan.distributed.fsdp as tt_fsdp  # lazy: after the device shim above
 
     real_disable = tt_fsdp.disable_fsdp_gradient_division
 
@@ -348,8 +357,6 @@ def apply_cpu_shims() -> None:
 
     # 4. torch.distributed.set_timeout
     if not hasattr(dist, "set_timeout"):
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
         dist.set_timeout = lambda timeout, group=None: _set_pg_timeout(timeout, group)
 
 
@@ -358,8 +365,6 @@ class _CpuDeviceModule:
     memory stats, peak reset, cache flush), answered for the host: no accelerator memory statistics exist."""
 
     def __getattr__(self, name: str) -> Any:
-        import torch
-
         return getattr(torch.cpu, name)
 
     @staticmethod
@@ -464,10 +469,6 @@ class Recorder:
         return sorted(steps)
 
     def snapshot(self, state_dict: dict[str, Any], checkpoint_id: str) -> dict[str, Any]:
-        import torch.distributed as dist
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-        from torch.distributed.checkpoint.stateful import Stateful
-
         plain = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
         flat, _ = flatten_state_dict(plain)
         keys = sorted(flat)
@@ -512,6 +513,7 @@ def _plain(v: Any) -> Any:
 
 
 def build_trainer(argv: list[str]):
+    # lazy: torchtitan, after apply_cpu_shims()
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import init_logger
 
@@ -529,8 +531,6 @@ def finish(trainer) -> None:
 
 
 def make(sample: str, out: Path) -> None:
-    import torch.distributed as dist
-
     target = (out / sample).resolve()
     if target.exists() and any(target.iterdir()):
         raise SystemExit(f"{target} exists and is not empty")
@@ -554,21 +554,10 @@ def make(sample: str, out: Path) -> None:
 
 
 def write_make_manifest(sample, target, config, trainer, model, rec: Recorder, argv, work: Path) -> None:
+    # lazy: torchtitan (its version), after apply_cpu_shims()
     import torchtitan
 
-    from ckpt_tools.train.manifest import write_manifest
-
-    count = sum(p.numel() for p in model.parameters())
-    tensors = sum(1 for _ in model.parameters())
-    full = [s for s in rec.saves if s["kind"] == "full"]
-    model_only = [s for s in rec.saves if s["kind"] == "model_only"]
-    if len(full) != 1 or len(model_only) != 1:
-        raise RuntimeError(f"expected one full and one model-only save, got {[s['folder'] for s in rec.saves]}")
-    saved = full[0]
-    on_disk = sorted(p.name for p in target.iterdir())
-    if on_disk != sorted(s["folder"] for s in rec.saves):
-        raise RuntimeError(f"{target} holds {on_disk}, expected {[s['folder'] for s in rec.saves]}")
-    sched_cfg = config.lr_scheduler
+    saved, model_only = _the_two_saves(rec, target)
     write_manifest(
         target,
         sample=sample,
@@ -578,7 +567,7 @@ def write_make_manifest(sample, target, config, trainer, model, rec: Recorder, a
         steps=saved["step"],
         counters={**saved["counters"], "optimizer_step": _one(saved["counters"]["optimizer_step"])},
         lr=saved["lr"],
-        parameters={"count": int(count), "tensors": int(tensors)},
+        parameters={"count": int(sum(p.numel() for p in model.parameters())), "tensors": len(list(model.parameters()))},
         extra={
             "producer": "torchtitan Trainer (real)",
             "saved_model_keys": [
@@ -593,39 +582,14 @@ def write_make_manifest(sample, target, config, trainer, model, rec: Recorder, a
             "torchtitan_version": getattr(torchtitan, "__version__", None),
             "layout": "torchtitan",
             "full_save": saved["folder"],
-            "model_only_save": model_only[0]["folder"],
+            "model_only_save": model_only["folder"],
             "saves": rec.saves,
             "history": rec.history,
             "history_note": "one entry per training step (1-based; the save at step N holds the state after "
             "update N): 'lr' is the LR of each param group (group order: norms, rest) that update "
             "used (read before it), 'lr_after' after the scheduler stepped, 'loss' and "
             "'grad_norm' what torchtitan logged (loss averaged over both ranks)",
-            "config": {
-                "lr": [pg.optimizer_kwargs["lr"] for pg in config.optimizer.param_groups],
-                "param_group_patterns": [pg.pattern for pg in config.optimizer.param_groups],
-                "weight_decay": [pg.optimizer_kwargs["weight_decay"] for pg in config.optimizer.param_groups],
-                "warmup_steps": sched_cfg.warmup_steps,
-                "decay_ratio": sched_cfg.decay_ratio,
-                "decay_type": sched_cfg.decay_type,
-                "min_lr_factor": sched_cfg.min_lr_factor,
-                "lr_scheduler_total_steps": sched_cfg.total_steps,
-                "training_steps": config.training.steps,
-                "checkpoint_interval": config.checkpoint.interval,
-                "last_save_model_only": config.checkpoint.last_save_model_only,
-                "export_dtype": config.checkpoint.export_dtype,
-                "local_batch_size": config.training.local_batch_size,
-                "seq_len": config.training.seq_len,
-                "model": {
-                    "dim": DIM,
-                    "n_heads": N_HEADS,
-                    "n_layers": N_LAYERS,
-                    "hidden_dim": HIDDEN_DIM,
-                    "vocab_size": VOCAB,
-                    "fuse_qkv": FUSE_QKV[sample],
-                    "n_kv_heads": N_KV_HEADS[sample] or N_HEADS,
-                },
-                "seed": SEED,
-            },
+            "config": _run_config(config, sample),
             "trainer_argv": [a.replace(str(target), "<sample>").replace(str(work), "<per-rank temp>") for a in argv],
             "cpu_shims": CPU_SHIMS,
             "cpu_flags": CPU_FLAGS,
@@ -635,6 +599,49 @@ def write_make_manifest(sample, target, config, trainer, model, rec: Recorder, a
             "saved per-parameter optimizer.param_groups.<fqn>.lr drives the first resumed step",
         },
     )
+
+
+def _the_two_saves(rec: Recorder, target: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the full save, the model-only save) the Recorder saw; the sample folder must hold exactly their folders."""
+    full = [s for s in rec.saves if s["kind"] == "full"]
+    model_only = [s for s in rec.saves if s["kind"] == "model_only"]
+    if len(full) != 1 or len(model_only) != 1:
+        raise RuntimeError(f"expected one full and one model-only save, got {[s['folder'] for s in rec.saves]}")
+    on_disk = sorted(p.name for p in target.iterdir())
+    if on_disk != sorted(s["folder"] for s in rec.saves):
+        raise RuntimeError(f"{target} holds {on_disk}, expected {[s['folder'] for s in rec.saves]}")
+    return full[0], model_only[0]
+
+
+def _run_config(config, sample: str) -> dict[str, Any]:
+    """The job config's optimizer, schedule, checkpoint and batch settings, and the model's size."""
+    sched_cfg = config.lr_scheduler
+    return {
+        "lr": [pg.optimizer_kwargs["lr"] for pg in config.optimizer.param_groups],
+        "param_group_patterns": [pg.pattern for pg in config.optimizer.param_groups],
+        "weight_decay": [pg.optimizer_kwargs["weight_decay"] for pg in config.optimizer.param_groups],
+        "warmup_steps": sched_cfg.warmup_steps,
+        "decay_ratio": sched_cfg.decay_ratio,
+        "decay_type": sched_cfg.decay_type,
+        "min_lr_factor": sched_cfg.min_lr_factor,
+        "lr_scheduler_total_steps": sched_cfg.total_steps,
+        "training_steps": config.training.steps,
+        "checkpoint_interval": config.checkpoint.interval,
+        "last_save_model_only": config.checkpoint.last_save_model_only,
+        "export_dtype": config.checkpoint.export_dtype,
+        "local_batch_size": config.training.local_batch_size,
+        "seq_len": config.training.seq_len,
+        "model": {
+            "dim": DIM,
+            "n_heads": N_HEADS,
+            "n_layers": N_LAYERS,
+            "hidden_dim": HIDDEN_DIM,
+            "vocab_size": VOCAB,
+            "fuse_qkv": FUSE_QKV[sample],
+            "n_kv_heads": N_KV_HEADS[sample] or N_HEADS,
+        },
+        "seed": SEED,
+    }
 
 
 def _one(values: list[float]) -> int | None:
@@ -670,8 +677,8 @@ def check(
     dump: Path | None = None,
     config_fn: str = CONFIG_FN,
 ) -> None:
-    import torch.distributed as dist
-
+    """Resume from `step_folder` in torchtitan's Trainer for `steps` steps; print each step's LR and loss beside
+    the uninterrupted run's, and write them (with every rank's LRs) to `record`; `dump`: the whole state after."""
     step_folder = step_folder.resolve()
     name = step_folder.name
     if not name.startswith("step-"):
@@ -681,79 +688,56 @@ def check(
     try:
         assets, dataset = write_assets(work / "assets")
         os.environ["HF_DATASETS_CACHE"] = str(work / "hf_cache")
+        resume = ["--checkpoint.load-step", str(load_step), "--checkpoint.load-only"]
+        steps_args = ["--training.steps", str(load_step + steps), "--lr-scheduler.total-steps", str(STEPS)]
         argv = trainer_argv(
             assets=assets,
             dataset=dataset,
             dump=work / "dump",
             ckpt_folder=step_folder.parent,
-            extra=[
-                "--checkpoint.load-step",
-                str(load_step),
-                "--checkpoint.load-only",
-                "--training.steps",
-                str(load_step + steps),
-                "--lr-scheduler.total-steps",
-                str(STEPS),
-                *trainer_args,
-            ],
+            extra=[*resume, *steps_args, *trainer_args],
             config_fn=config_fn,
         )
-        config, trainer = build_trainer(argv)
+        _, trainer = build_trainer(argv)
         rec = Recorder(trainer)
         trainer.train()
         dist.barrier()
-        records = [
-            {
-                "step": h["step"],
-                "lr": h["lr"],
-                "lr_after": h["lr_after"],
-                "scheduler_last_epoch": h["scheduler_last_epoch"],
-                "loss": h.get("loss"),
-            }
-            for h in rec.history
-        ]
+        keys = ("step", "lr", "lr_after", "scheduler_last_epoch")
+        records = [{**{k: h[k] for k in keys}, "loss": h.get("loss")} for h in rec.history]
         # every rank's own optimizer LRs (each rank steps its own shard's param groups)
         per_rank: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, [{"step": h["step"], "lr": h["lr"]} for h in rec.history])
         if dump is not None:
-            import torch
-
             state = full_state(trainer.model_parts[0], rec.optimizers())
             if rank() == 0:
                 torch.save(state, dump)
         if rank() == 0:
-            original = _original_history(step_folder)
-            for r in records:
-                print(
-                    f"RESUMED step {r['step']}: lr {r['lr']} (after scheduler step {r['lr_after']}), "
-                    f"scheduler last_epoch {r['scheduler_last_epoch']}, loss {r['loss']}",
-                    flush=True,
-                )
-                o = original.get(r["step"])
-                if o is not None:
-                    same = o["lr"] == r["lr"] and abs(o["loss"] - r["loss"]) < 1e-5
-                    r["uninterrupted"] = {"lr": o["lr"], "loss": o["loss"], "same": same}
-                    print(
-                        f"UNINTERRUPTED step {r['step']}: lr {o['lr']}, loss {o['loss']} -> "
-                        f"{'SAME' if same else 'DIFFERENT'}",
-                        flush=True,
-                    )
+            _compare_with_uninterrupted(records, _original_history(step_folder))
             if record is not None:
-                record.write_text(
-                    json.dumps(
-                        {
-                            "loaded_step": load_step,
-                            "trainer_args": list(trainer_args),
-                            "records": records,
-                            "ranks": per_rank,
-                        },
-                        indent=1,
-                    )
-                    + "\n"
-                )
+                result = {"loaded_step": load_step, "trainer_args": list(trainer_args), "records": records}
+                record.write_text(json.dumps({**result, "ranks": per_rank}, indent=1) + "\n")
         finish(trainer)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _compare_with_uninterrupted(records: list[dict[str, Any]], original: dict[int, dict[str, Any]]) -> None:
+    """Print each resumed step, and beside it the uninterrupted run's same step (SAME: equal LR, loss within
+    1e-5); the comparison is added to the record as "uninterrupted"."""
+    for r in records:
+        print(
+            f"RESUMED step {r['step']}: lr {r['lr']} (after scheduler step {r['lr_after']}), "
+            f"scheduler last_epoch {r['scheduler_last_epoch']}, loss {r['loss']}",
+            flush=True,
+        )
+        o = original.get(r["step"])
+        if o is not None:
+            same = o["lr"] == r["lr"] and abs(o["loss"] - r["loss"]) < 1e-5
+            r["uninterrupted"] = {"lr": o["lr"], "loss": o["loss"], "same": same}
+            print(
+                f"UNINTERRUPTED step {r['step']}: lr {o['lr']}, loss {o['loss']} -> {'SAME' if same else 'DIFFERENT'}",
+                flush=True,
+            )
 
 
 def _original_history(step_folder: Path) -> dict[int, dict[str, Any]]:
@@ -770,9 +754,6 @@ def forward_logits(step_folder: Path, tokens: list[list[int]], n_kv_heads: int |
     built by torchtitan, its state dict (wq/wk/wv, split by its save hook) filled by `dcp.load` from the step folder
     and loaded through its merge hook, the attention mask from its own `get_attention_masks` (one document per
     row: causal). Single process; the CPU shims applied first."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-
     apply_cpu_shims()
     with torch.device("meta"):
         model = model_config(n_kv_heads=n_kv_heads).build()
@@ -796,16 +777,12 @@ def forward_logits(step_folder: Path, tokens: list[list[int]], n_kv_heads: int |
 def logits_main() -> None:
     """`python -c "from ckpt_tools.samples.workers.torchtitan_run import logits_main; logits_main()" STEP OUT.pt
     TOKENS_JSON [N_KV_HEADS]`: torch.save of `forward_logits` (N_KV_HEADS: the grouped-query variant's)."""
-    import torch
-
     step, out, tokens = sys.argv[1:4]
     kv = int(sys.argv[4]) if len(sys.argv) > 4 else None  # the KV heads of the grouped-query variant
     torch.save(forward_logits(Path(step), json.loads(tokens), kv), out)
 
 
 def main() -> None:
-    from ckpt_tools.samples.workers._common import check_mode_parser
-
     p = check_mode_parser(
         "Make (or resume-check) the real torchtitan sample.",
         SAMPLES,
@@ -855,8 +832,6 @@ def main() -> None:
     except BaseException:
         traceback.print_exc()
         code = 1
-    from ckpt_tools.train.procgroup import leave
-
     leave(code, barrier=code == 0)
 
 

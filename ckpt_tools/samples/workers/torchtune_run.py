@@ -132,6 +132,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from ckpt_tools.samples.workers._common import check_mode_parser
+from ckpt_tools.train.manifest import write_manifest
+
 SAMPLES = ("torchtune_full", "torchtune_lora")
 RECIPES = {"torchtune_full": "full_finetune_single_device", "torchtune_lora": "lora_finetune_single_device"}
 TORCHTUNE_VERSION = "0.6.1"
@@ -192,8 +197,10 @@ def corpus() -> list[str]:
 def train_bpe(texts: list[str]) -> dict[bytes, int]:
     """A tiny byte-level BPE in tiktoken's format: single bytes (ranks 0..95), then N_MERGES merges, each the most
     frequent adjacent pair in the corpus's pre-tokenized pieces (CL100K pattern, as Llama3Tokenizer splits)."""
+    # torchtune and its dependencies are imported only in this worker, after set_env() (huggingface_hub and datasets
+    # read the HF_* settings at import); the same for every torchtune import below
+    # lazy: as said above
     import regex
-
     from torchtune.models.llama3._tokenizer import CL100K_PATTERN
 
     ranks: dict[bytes, int] = {bytes([b]): i for i, b in enumerate(BASE_BYTES)}
@@ -223,8 +230,7 @@ def train_bpe(texts: list[str]) -> dict[bytes, int]:
 
 def write_inputs(folder: Path) -> dict[str, Path]:
     """The pretrained HF folder (only the files transformers writes), the tokenizer files and the data."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # lazy: after set_env(), as in train_bpe
 
     special = {tok: VOCAB - len(SPECIAL_TOKENS) + i for i, tok in enumerate(SPECIAL_TOKENS)}
     hf = folder / "pretrained"
@@ -269,8 +275,8 @@ def write_inputs(folder: Path) -> dict[str, Path]:
 # --- the config ------------------------------------------------------------------------------------------------
 
 
-def recipe_config(sample: str, inputs: dict[str, Path], *, output_dir: Path, log_dir: Path) -> dict[str, Any]:
-    """The YAML config (as a dict) a user would write for this run, in the layout of torchtune's own configs."""
+def _model_section(sample: str) -> dict[str, Any]:
+    """The config's `model:` section: torchtune's llama3 builder (or its LoRA variant) with the sample's sizes."""
     model: dict[str, Any] = {
         "vocab_size": VOCAB,
         "num_layers": N_LAYERS,
@@ -282,19 +288,23 @@ def recipe_config(sample: str, inputs: dict[str, Path], *, output_dir: Path, log
         "rope_base": ROPE_BASE,
         "norm_eps": NORM_EPS,
     }
-    if sample == "torchtune_lora":
-        model = {
-            "_component_": "torchtune.models.llama3.lora_llama3",
-            "lora_attn_modules": list(LORA_MODULES),
-            "apply_lora_to_mlp": False,
-            "apply_lora_to_output": False,
-            **model,
-            "lora_rank": LORA_RANK,
-            "lora_alpha": LORA_ALPHA,
-            "lora_dropout": 0.0,
-        }
-    else:
-        model = {"_component_": "torchtune.models.llama3.llama3", **model}
+    if sample != "torchtune_lora":
+        return {"_component_": "torchtune.models.llama3.llama3", **model}
+    return {
+        "_component_": "torchtune.models.llama3.lora_llama3",
+        "lora_attn_modules": list(LORA_MODULES),
+        "apply_lora_to_mlp": False,
+        "apply_lora_to_output": False,
+        **model,
+        "lora_rank": LORA_RANK,
+        "lora_alpha": LORA_ALPHA,
+        "lora_dropout": 0.0,
+    }
+
+
+def recipe_config(sample: str, inputs: dict[str, Path], *, output_dir: Path, log_dir: Path) -> dict[str, Any]:
+    """The YAML config (as a dict) a user would write for this run, in the layout of torchtune's own configs."""
+    model = _model_section(sample)
     cfg: dict[str, Any] = {
         "output_dir": str(output_dir),
         "model": model,
@@ -356,6 +366,7 @@ def recipe_config(sample: str, inputs: dict[str, Path], *, output_dir: Path, log
 
 def recipe_file(sample: str) -> Path:
     """The recipe file `tune run <name>` executes (torchtune's registry; ROOT/recipes/<file_path>)."""
+    # lazy: torchtune, after set_env() (see train_bpe)
     import torchtune
     from torchtune._recipe_registry import get_all_recipes
 
@@ -376,6 +387,7 @@ def recipe_class(sample: str):
 
 def parse_config(cfg_file: Path, overrides: list[str]):
     """What the recipe's `@config.parse` does with `--config FILE key=value ...` (without its sys.exit)."""
+    # lazy: torchtune, after set_env() (see train_bpe)
     from torchtune.config._parse import TuneRecipeArgumentParser
     from torchtune.config._utils import _merge_yaml_and_cli_args
 
@@ -454,7 +466,7 @@ class Recorder:
         adapter_only: bool = False,
         **kwargs,
     ) -> dict[str, Any]:
-        from torchtune import training
+        from torchtune import training  # lazy: torchtune, after set_env() (see train_bpe)
 
         epoch = kwargs.get("epoch", epoch)
         r = self.recipe
@@ -525,7 +537,7 @@ def _listing(folder: Path, prefix: str) -> dict[str, int]:
 def run_recipe(sample: str, cfg_file: Path, overrides: list[str], *, stop_after: int | None = None):
     """The body of the recipe's `recipe_main`, with the observers attached between setup and train.
     Returns (cfg, recipe, recorder, stopped_early)."""
-    from torchtune import config
+    from torchtune import config  # lazy: torchtune, after set_env() (see train_bpe)
 
     cls = recipe_class(sample)
     cfg = parse_config(cfg_file, overrides)
@@ -543,7 +555,7 @@ def run_recipe(sample: str, cfg_file: Path, overrides: list[str], *, stop_after:
 
 
 def write_yaml(cfg: dict[str, Any], path: Path) -> Path:
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # lazy: torchtune's dependency, not ckpt's (see train_bpe)
 
     OmegaConf.save(OmegaConf.create(cfg), path)
     return path
@@ -600,6 +612,7 @@ def hf_names(recipe, sample: str) -> dict[str, str]:
     """torchtune name -> the name the checkpointer saves it under, by torchtune's own converter applied to the live
     model's tensors: convert_weights.tune_to_hf (full model, model-*.safetensors) or tune_to_peft_adapter_weights
     (LoRA adapter, adapter_model.safetensors), as FullModelHFCheckpointer.save_checkpoint runs them."""
+    # lazy: torchtune, after set_env() (see train_bpe)
     from torchtune.models import convert_weights
     from torchtune.modules.peft import get_adapter_state_dict
 
@@ -615,53 +628,12 @@ def hf_names(recipe, sample: str) -> dict[str, str]:
 
 
 def write_make_manifest(sample, target: Path, cfg, cfg_dict, recipe, rec: Recorder, work: Path) -> None:
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # lazy: torchtune's dependency, not ckpt's (see train_bpe)
 
-    from ckpt_tools.train.manifest import write_manifest
-
-    model = recipe._model
-    named = list(model.named_parameters())
-    count = sum(p.numel() for _, p in named)
-    tensors = len(named)
-    inter = [s for s in rec.saves if s["intermediate"]]
-    final = [s for s in rec.saves if not s["intermediate"]]
-    if len(inter) != 1 or len(final) != 1:
-        raise RuntimeError(f"expected one intermediate and one final save, got {[s['folder'] for s in rec.saves]}")
-    saved, last = inter[0], final[0]
-    opt_ids = [i for g in saved["optimizer"]["param_groups"] for i in g["params"]]
-    if opt_ids != list(range(len(named))):
-        raise RuntimeError(f"optimizer ids {opt_ids} are not the model's parameter order 0..{len(named) - 1}")
-    on_disk = _listing(target, prefix=".")
-    on_disk = {k[2:]: v for k, v in on_disk.items()}
-    written = {**saved["files_written"], **last["files_written"]}
-    extra_files = sorted(set(on_disk) - set(written))
-    if extra_files != ["torchtune_config.yaml"]:
-        raise RuntimeError(f"unexpected files beside the saves: {extra_files}")
+    named = list(recipe._model.named_parameters())
+    saved, last = _the_two_saves(rec, len(named))
     trainable = [n for n, p in named if p.requires_grad]
-    model_files = sorted(
-        k.split("/", 1)[1]
-        for k in saved["files_written"]
-        if k.startswith(saved["folder"] + "/model-") and k.endswith(".safetensors")
-    )
-    resume_from = {
-        "epoch_folder": saved["folder"],
-        "recipe_state": "recipe_state/recipe_state.pt",
-        "checkpoint_files": [f"{saved['folder']}/{f}" for f in model_files],
-        "how": "torchtune 0.6.1: resume_from_checkpoint=True, checkpointer.checkpoint_files = these paths "
-        "(relative to the checkpointer's output_dir), recipe_checkpoint = recipe_state/recipe_state.pt",
-    }
-    if sample == "torchtune_lora":
-        resume_from["adapter_checkpoint"] = f"{saved['folder']}/adapter_model.pt"
-        resume_from["checkpoint_files"] = list(cfg_dict["checkpointer"]["checkpoint_files"])
-        resume_from["how"] = (
-            "torchtune 0.6.1 LoRA: resume_from_checkpoint=True; the base model is read from "
-            "checkpointer.checkpoint_dir + checkpoint_files (the ORIGINAL pretrained folder, not in "
-            "the sample), adapter_checkpoint = epoch_N/adapter_model.pt (without it torchtune takes "
-            "the largest epoch_N, i.e. the final save), recipe_checkpoint = "
-            "recipe_state/recipe_state.pt"
-        )
     placeholders = {str(target): "<sample>", str(work): "<temp>"}
-    config_plain = _replace_paths(OmegaConf.to_container(cfg, resolve=True), placeholders)
     write_manifest(
         target,
         sample=sample,
@@ -671,7 +643,7 @@ def write_make_manifest(sample, target: Path, cfg, cfg_dict, recipe, rec: Record
         steps=saved["counters"]["global_step"],
         counters=saved["counters"],
         lr=saved["lr"],
-        parameters={"count": int(count), "tensors": int(tensors)},
+        parameters={"count": int(sum(p.numel() for _, p in named)), "tensors": len(named)},
         extra={
             "producer": f"torchtune recipe {RECIPES[sample]} (real; torchtune's FullModelHFCheckpointer wrote the "
             "saves)",
@@ -682,7 +654,7 @@ def write_make_manifest(sample, target: Path, cfg, cfg_dict, recipe, rec: Record
             "layout": "torchtune",
             "intermediate_save": saved["folder"],
             "final_save": last["folder"],
-            "resume_from": resume_from,
+            "resume_from": _resume_from(sample, saved, cfg_dict),
             "saves": rec.saves,
             "history": rec.history,
             "history_note": HISTORY_NOTE,
@@ -696,30 +668,12 @@ def write_make_manifest(sample, target: Path, cfg, cfg_dict, recipe, rec: Record
                 "tensors": len(trainable),
             },
             "hf_names": hf_names(recipe, sample),
-            "hf_names_note": (
-                "torchtune adapter name -> the PEFT name it is saved under in "
-                "epoch_N/adapter_model.safetensors (adapter_model.pt keeps the torchtune names); "
-                "q_proj lora_b is stored permuted to HF's rotary layout (tune_to_peft_adapter_weights)"
-                if sample == "torchtune_lora"
-                else "torchtune name -> the HF name it is saved under in epoch_N/model-*.safetensors; "
-                "q_proj/k_proj weights are stored permuted to HF's rotary layout (tune_to_hf)"
-            ),
-            "files": on_disk,
+            "hf_names_note": HF_NAMES_NOTE[sample],
+            "files": _files_beside_the_saves(target, saved, last),
             "torchtune_config_yaml_note": "torchtune_config.yaml is written by torchtune's DiskLogger.log_config "
             "into cfg.output_dir; its paths name the run's temporary input folder",
-            "config": config_plain,
-            "model": {
-                "builder": cfg_dict["model"]["_component_"],
-                "vocab_size": VOCAB,
-                "embed_dim": DIM,
-                "num_layers": N_LAYERS,
-                "num_heads": N_HEADS,
-                "num_kv_heads": N_KV_HEADS,
-                "intermediate_dim": INTERMEDIATE,
-                "max_seq_len": MODEL_MAX_SEQ_LEN,
-                "rope_base": ROPE_BASE,
-                "hf_input": "transformers LlamaForCausalLM.save_pretrained (seed 0), untied lm_head",
-            },
+            "config": _replace_paths(OmegaConf.to_container(cfg, resolve=True), placeholders),
+            "model": _model_description(cfg_dict),
             "tokenizer": f"torchtune llama3_tokenizer on a tiktoken BPE trained here ({len(BASE_BYTES)} bytes + "
             f"{N_MERGES} merges) + {len(SPECIAL_TOKENS)} special tokens at ids "
             f"{VOCAB - len(SPECIAL_TOKENS)}-{VOCAB - 1}; max_seq_len {TOKENIZER_MAX_SEQ_LEN}",
@@ -734,21 +688,96 @@ def write_make_manifest(sample, target: Path, cfg, cfg_dict, recipe, rec: Record
             "global_step = epochs_run * steps_per_epoch and builds LambdaLR(last_epoch = "
             "global_step - 1), whose base LR is each param group's saved initial_lr",
             "run_time_changes": RUN_TIME_CHANGES,
-            "lora": (
-                {
-                    "rank": LORA_RANK,
-                    "alpha": LORA_ALPHA,
-                    "modules": list(LORA_MODULES),
-                    "save_adapter_weights_only": True,
-                    "why_adapter_only": "with save_adapter_weights_only False, torchtune 0.6.1 merges the adapter "
-                    "in place into the live base weights at each save on CPU ({k: v.cpu()} "
-                    "does not copy), corrupting the rest of the run",
-                }
-                if sample == "torchtune_lora"
-                else None
-            ),
+            "lora": LORA_DESCRIPTION if sample == "torchtune_lora" else None,
         },
     )
+
+
+def _the_two_saves(rec: Recorder, n_params: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the intermediate save, the final save) the Recorder saw; the optimizer's integer ids must be the model's
+    parameter order."""
+    inter = [s for s in rec.saves if s["intermediate"]]
+    final = [s for s in rec.saves if not s["intermediate"]]
+    if len(inter) != 1 or len(final) != 1:
+        raise RuntimeError(f"expected one intermediate and one final save, got {[s['folder'] for s in rec.saves]}")
+    saved = inter[0]
+    opt_ids = [i for g in saved["optimizer"]["param_groups"] for i in g["params"]]
+    if opt_ids != list(range(n_params)):
+        raise RuntimeError(f"optimizer ids {opt_ids} are not the model's parameter order 0..{n_params - 1}")
+    return saved, final[0]
+
+
+def _files_beside_the_saves(target: Path, saved: dict[str, Any], last: dict[str, Any]) -> dict[str, int]:
+    """Every file in the sample folder (path -> size): the two saves' files and torchtune_config.yaml, nothing else."""
+    on_disk = {k[2:]: v for k, v in _listing(target, prefix=".").items()}
+    written = {**saved["files_written"], **last["files_written"]}
+    extra_files = sorted(set(on_disk) - set(written))
+    if extra_files != ["torchtune_config.yaml"]:
+        raise RuntimeError(f"unexpected files beside the saves: {extra_files}")
+    return on_disk
+
+
+def _resume_from(sample: str, saved: dict[str, Any], cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    """How torchtune 0.6.1 resumes from the intermediate save (the check mode's settings)."""
+    folder = saved["folder"]
+    if sample == "torchtune_lora":
+        return {
+            "epoch_folder": folder,
+            "recipe_state": "recipe_state/recipe_state.pt",
+            "checkpoint_files": list(cfg_dict["checkpointer"]["checkpoint_files"]),
+            "how": "torchtune 0.6.1 LoRA: resume_from_checkpoint=True; the base model is read from "
+            "checkpointer.checkpoint_dir + checkpoint_files (the ORIGINAL pretrained folder, not in "
+            "the sample), adapter_checkpoint = epoch_N/adapter_model.pt (without it torchtune takes "
+            "the largest epoch_N, i.e. the final save), recipe_checkpoint = "
+            "recipe_state/recipe_state.pt",
+            "adapter_checkpoint": f"{folder}/adapter_model.pt",
+        }
+    model_files = sorted(
+        k.split("/", 1)[1]
+        for k in saved["files_written"]
+        if k.startswith(folder + "/model-") and k.endswith(".safetensors")
+    )
+    return {
+        "epoch_folder": folder,
+        "recipe_state": "recipe_state/recipe_state.pt",
+        "checkpoint_files": [f"{folder}/{f}" for f in model_files],
+        "how": "torchtune 0.6.1: resume_from_checkpoint=True, checkpointer.checkpoint_files = these paths "
+        "(relative to the checkpointer's output_dir), recipe_checkpoint = recipe_state/recipe_state.pt",
+    }
+
+
+def _model_description(cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "builder": cfg_dict["model"]["_component_"],
+        "vocab_size": VOCAB,
+        "embed_dim": DIM,
+        "num_layers": N_LAYERS,
+        "num_heads": N_HEADS,
+        "num_kv_heads": N_KV_HEADS,
+        "intermediate_dim": INTERMEDIATE,
+        "max_seq_len": MODEL_MAX_SEQ_LEN,
+        "rope_base": ROPE_BASE,
+        "hf_input": "transformers LlamaForCausalLM.save_pretrained (seed 0), untied lm_head",
+    }
+
+
+HF_NAMES_NOTE = {
+    "torchtune_lora": "torchtune adapter name -> the PEFT name it is saved under in "
+    "epoch_N/adapter_model.safetensors (adapter_model.pt keeps the torchtune names); "
+    "q_proj lora_b is stored permuted to HF's rotary layout (tune_to_peft_adapter_weights)",
+    "torchtune_full": "torchtune name -> the HF name it is saved under in epoch_N/model-*.safetensors; "
+    "q_proj/k_proj weights are stored permuted to HF's rotary layout (tune_to_hf)",
+}
+
+LORA_DESCRIPTION = {
+    "rank": LORA_RANK,
+    "alpha": LORA_ALPHA,
+    "modules": list(LORA_MODULES),
+    "save_adapter_weights_only": True,
+    "why_adapter_only": "with save_adapter_weights_only False, torchtune 0.6.1 merges the adapter "
+    "in place into the live base weights at each save on CPU ({k: v.cpu()} "
+    "does not copy), corrupting the rest of the run",
+}
 
 
 RUN_TIME_CHANGES = [
@@ -804,6 +833,8 @@ def _locate(path: Path) -> tuple[Path, Path, dict[str, Any] | None]:
 
 
 def check(sample: str, path: Path, record: Path | None, steps: int | None, tune_args: list[str]) -> int:
+    """Resume the sample in torchtune's own recipe (in a scratch copy: the sample is only read), print each
+    resumed step beside the uninterrupted run's, and write what happened to `record`."""
     sample_dir, epoch_dir, manifest = _locate(path)
     before = _digests(sample_dir)
     work = Path(tempfile.mkdtemp(prefix="ckpt_torchtune_check_"))
@@ -815,54 +846,12 @@ def check(sample: str, path: Path, record: Path | None, steps: int | None, tune_
         # a scratch copy of the sample folder, so the sample itself is only read
         scratch = work / sample_dir.name
         shutil.copytree(sample_dir, scratch)
-        cfg_dict = recipe_config(sample, inputs, output_dir=scratch, log_dir=work / "logs")
-        ck = cfg_dict["checkpointer"]
-        ck["recipe_checkpoint"] = "recipe_state/recipe_state.pt"
-        if sample == "torchtune_lora":
-            # 0.6.1 LoRA resume: base weights from checkpoint_dir (the pretrained folder, rebuilt identically);
-            # without adapter_checkpoint torchtune takes the LARGEST epoch folder's adapter (the final save)
-            ck["adapter_checkpoint"] = f"{epoch_dir.name}/adapter_model.pt"
-        else:
-            ck["checkpoint_dir"] = str(epoch_dir)
-            ck["checkpoint_files"] = [
-                f"{epoch_dir.name}/{p.name}" for p in sorted(epoch_dir.glob("model-*.safetensors"))
-            ]
-        cfg_dict["resume_from_checkpoint"] = True
+        cfg_dict = _resume_config(sample, inputs, scratch, epoch_dir, work)
         cfg_file = write_yaml(cfg_dict, work / f"{sample}_resume.yaml")
-        total = EPOCHS * MAX_STEPS_PER_EPOCH
         cfg, recipe, rec, stopped = run_recipe(sample, cfg_file, list(tune_args), stop_after=steps)
         original = {h["step"]: h for h in (manifest or {}).get("extra", {}).get("history", [])}
-        records = []
-        all_same = True
-        for h in rec.history:
-            r = {
-                k: h.get(k)
-                for k in (
-                    "step",
-                    "epoch",
-                    "lr",
-                    "lr_after",
-                    "optimizer_step",
-                    "loss",
-                    "logged_lr",
-                    "scheduler_last_epoch",
-                )
-            }
-            o = original.get(h["step"])
-            line = f"RESUMED step {r['step']}: lr {r['lr']} loss {r['loss']}"
-            if o is not None:
-                same_lr = o["lr"] == r["lr"]
-                same_loss = o.get("loss") is not None and abs(o["loss"] - r["loss"]) <= 1e-6 * max(1.0, abs(o["loss"]))
-                r["uninterrupted"] = {"lr": o["lr"], "loss": o.get("loss"), "same_lr": same_lr, "same_loss": same_loss}
-                all_same = all_same and same_lr and same_loss
-                line += (
-                    f" | uninterrupted lr {o['lr']} loss {o.get('loss')} -> "
-                    f"{'SAME' if same_lr and same_loss else 'DIFFERENT'}"
-                )
-            print(line, flush=True)
-            records.append(r)
-        after = _digests(sample_dir)
-        if after != before:
+        records, all_same = _compare_with_uninterrupted(rec.history, original)
+        if _digests(sample_dir) != before:
             raise RuntimeError("the check changed the sample folder")
         result = {
             "sample": sample,
@@ -873,7 +862,7 @@ def check(sample: str, path: Path, record: Path | None, steps: int | None, tune_
             "resumed_state": {
                 "epochs_run_loaded": records and records[0]["epoch"],
                 "global_step_at_start": recipe.global_step - len(rec.history),
-                "num_training_steps": total,
+                "num_training_steps": EPOCHS * MAX_STEPS_PER_EPOCH,
             },
             "records": records,
             "matches_uninterrupted": all_same if original else None,
@@ -888,9 +877,50 @@ def check(sample: str, path: Path, record: Path | None, steps: int | None, tune_
         shutil.rmtree(work, ignore_errors=True)
 
 
-def main() -> None:
-    from ckpt_tools.samples.workers._common import check_mode_parser
+def _resume_config(sample: str, inputs: dict[str, Path], scratch: Path, epoch_dir: Path, work: Path):
+    """The run's config with torchtune 0.6.1's resume settings, its output_dir the scratch copy."""
+    cfg_dict = recipe_config(sample, inputs, output_dir=scratch, log_dir=work / "logs")
+    ck = cfg_dict["checkpointer"]
+    ck["recipe_checkpoint"] = "recipe_state/recipe_state.pt"
+    if sample == "torchtune_lora":
+        # 0.6.1 LoRA resume: base weights from checkpoint_dir (the pretrained folder, rebuilt identically);
+        # without adapter_checkpoint torchtune takes the LARGEST epoch folder's adapter (the final save)
+        ck["adapter_checkpoint"] = f"{epoch_dir.name}/adapter_model.pt"
+    else:
+        ck["checkpoint_dir"] = str(epoch_dir)
+        ck["checkpoint_files"] = [f"{epoch_dir.name}/{p.name}" for p in sorted(epoch_dir.glob("model-*.safetensors"))]
+    cfg_dict["resume_from_checkpoint"] = True
+    return cfg_dict
 
+
+_RECORDED = ("step", "epoch", "lr", "lr_after", "optimizer_step", "loss", "logged_lr", "scheduler_last_epoch")
+
+
+def _compare_with_uninterrupted(
+    history: list[dict[str, Any]], original: dict[int, dict[str, Any]]
+) -> tuple[list[dict[str, Any]], bool]:
+    """(one record per resumed step, whether every step had the uninterrupted run's LR and loss); each record
+    printed, with the uninterrupted step beside it where the manifest has one (loss within 1e-6 relative)."""
+    records, all_same = [], True
+    for h in history:
+        r = {k: h.get(k) for k in _RECORDED}
+        o = original.get(h["step"])
+        line = f"RESUMED step {r['step']}: lr {r['lr']} loss {r['loss']}"
+        if o is not None:
+            same_lr = o["lr"] == r["lr"]
+            same_loss = o.get("loss") is not None and abs(o["loss"] - r["loss"]) <= 1e-6 * max(1.0, abs(o["loss"]))
+            r["uninterrupted"] = {"lr": o["lr"], "loss": o.get("loss"), "same_lr": same_lr, "same_loss": same_loss}
+            all_same = all_same and same_lr and same_loss
+            line += (
+                f" | uninterrupted lr {o['lr']} loss {o.get('loss')} -> "
+                f"{'SAME' if same_lr and same_loss else 'DIFFERENT'}"
+            )
+        print(line, flush=True)
+        records.append(r)
+    return records, all_same
+
+
+def main() -> None:
     p = check_mode_parser(
         "Make (or resume-check) the torchtune recipe samples.",
         SAMPLES,
