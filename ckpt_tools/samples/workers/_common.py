@@ -123,6 +123,22 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def jsonable(v: Any) -> Any:
+    """An optimizer param-group value as a manifest holds it: tuples and lists as lists (element by element), a
+    one-element tensor as its number, anything else as it is."""
+    if isinstance(v, (tuple, list)):
+        return [jsonable(x) for x in v]
+    if hasattr(v, "item") and getattr(v, "numel", lambda: 2)() == 1:
+        return v.item()
+    return v
+
+
+def the_one_value(values: list[float]) -> int | None:
+    """The Adam step count, as an int, when every parameter has the same one (`values` is the set of them, sorted);
+    None when they differ or there is none."""
+    return int(values[0]) if len(values) == 1 else None
+
+
 def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 

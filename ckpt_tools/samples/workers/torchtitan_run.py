@@ -109,7 +109,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.attention.flex_attention import AuxOutput, create_mask
 
-from ckpt_tools.samples.workers._common import check_mode_parser
+from ckpt_tools.samples.workers._common import check_mode_parser, jsonable, rank, the_one_value
 from ckpt_tools.train.manifest import write_manifest
 from ckpt_tools.train.procgroup import leave
 
@@ -418,10 +418,6 @@ def trainer_argv(
     ]
 
 
-def rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
 class Recorder:
     """Wraps a live Trainer's train_step / metrics log / dcp_save to record what happened (no behaviour change)."""
 
@@ -462,7 +458,7 @@ class Recorder:
         return self.trainer.lr_schedulers.schedulers[0]
 
     def group_values(self, key: str) -> list[Any]:
-        return [_plain(g.get(key)) for opt in self.optimizers() for g in opt.param_groups]
+        return [jsonable(g.get(key)) for opt in self.optimizers() for g in opt.param_groups]
 
     def adam_steps(self) -> list[float]:
         steps = {float(s["step"]) for opt in self.optimizers() for s in opt.state.values() if "step" in s}
@@ -502,14 +498,6 @@ class Recorder:
             "weight_decay": self.group_values("weight_decay"),
             "param_names": self.group_values("param_names"),
         }
-
-
-def _plain(v: Any) -> Any:
-    if isinstance(v, tuple):
-        return list(v)
-    if hasattr(v, "item") and getattr(v, "numel", lambda: 2)() == 1:
-        return v.item()
-    return v
 
 
 def build_trainer(argv: list[str]):
@@ -565,7 +553,7 @@ def write_make_manifest(sample, target, config, trainer, model, rec: Recorder, a
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
         topology={"dp": DP, "tp": 1, "pp": 1, "zero_stage": None},
         steps=saved["step"],
-        counters={**saved["counters"], "optimizer_step": _one(saved["counters"]["optimizer_step"])},
+        counters={**saved["counters"], "optimizer_step": the_one_value(saved["counters"]["optimizer_step"])},
         lr=saved["lr"],
         parameters={"count": int(sum(p.numel() for p in model.parameters())), "tensors": len(list(model.parameters()))},
         extra={
@@ -642,10 +630,6 @@ def _run_config(config, sample: str) -> dict[str, Any]:
         },
         "seed": SEED,
     }
-
-
-def _one(values: list[float]) -> int | None:
-    return int(values[0]) if len(values) == 1 else None
 
 
 # --- check (resume) ----------------------------------------------------------------------------------------
