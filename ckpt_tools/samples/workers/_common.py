@@ -123,19 +123,20 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def jsonable(v: Any) -> Any:
+def param_group_value(v: Any) -> Any:
     """An optimizer param-group value as a manifest holds it: tuples and lists as lists (element by element), a
-    one-element tensor as its number, anything else as it is."""
+    one-element tensor as its number, anything else as it is (not `read.tree.jsonable`, which turns objects into
+    their repr and knows no tensors)."""
     if isinstance(v, (tuple, list)):
-        return [jsonable(x) for x in v]
+        return [param_group_value(x) for x in v]
     if hasattr(v, "item") and getattr(v, "numel", lambda: 2)() == 1:
         return v.item()
     return v
 
 
-def the_one_value(values: list[float]) -> int | None:
-    """The Adam step count, as an int, when every parameter has the same one (`values` is the set of them, sorted);
-    None when they differ or there is none."""
+def shared_adam_step(values: list[float]) -> int | None:
+    """The Adam step, as an int, when every parameter has the same one (`values`: the sorted set of them); None
+    when they differ or there is none (`adam_step` of a live optimizer raises instead)."""
     return int(values[0]) if len(values) == 1 else None
 
 

@@ -84,7 +84,7 @@ def _whole_state(engine) -> dict[str, dict[str, Any]]:
     parameter's fragment address, `ds_pipeline.master_and_moments`: DeepSpeed 0.19.8's
     `safe_get_full_optimizer_state` fails outside the first param group) put together by
     `ds_pipeline.gather_whole`; the master under "param"."""
-    # lazy: ds_pipeline imports DeepSpeed at its top, which must come after torchtitan's CPU shims (see main)
+    # lazy: ds_pipeline imports DeepSpeed at its top; DeepSpeed is kept after torchtitan's CPU shims (see _run)
     from ckpt_tools.samples.workers.ds_pipeline import gather_whole, master_and_moments
 
     local, shapes = {}, {}
@@ -175,7 +175,7 @@ def _ds_config(world: int, load_universal: bool) -> dict[str, Any]:
 
 def _run(args: argparse.Namespace, work: Path, rank: int, world: int) -> None:
     """Train and save (--out) or load the universal checkpoint (--load-universal), then the recorded update."""
-    # lazy: DeepSpeed is imported after tt.apply_cpu_shims(), as the module docstring says
+    # lazy: DeepSpeed is imported after tt.apply_cpu_shims(), the order this worker was measured in
     import deepspeed
 
     config = _job_config(work)

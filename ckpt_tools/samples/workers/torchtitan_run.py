@@ -109,7 +109,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.attention.flex_attention import AuxOutput, create_mask
 
-from ckpt_tools.samples.workers._common import check_mode_parser, jsonable, rank, the_one_value
+from ckpt_tools.samples.workers._common import check_mode_parser, param_group_value, rank, shared_adam_step
 from ckpt_tools.train.manifest import write_manifest
 from ckpt_tools.train.procgroup import leave
 
@@ -458,7 +458,7 @@ class Recorder:
         return self.trainer.lr_schedulers.schedulers[0]
 
     def group_values(self, key: str) -> list[Any]:
-        return [jsonable(g.get(key)) for opt in self.optimizers() for g in opt.param_groups]
+        return [param_group_value(g.get(key)) for opt in self.optimizers() for g in opt.param_groups]
 
     def adam_steps(self) -> list[float]:
         steps = {float(s["step"]) for opt in self.optimizers() for s in opt.state.values() if "step" in s}
@@ -553,7 +553,7 @@ def write_make_manifest(sample, target, config, trainer, model, rec: Recorder, a
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
         topology={"dp": DP, "tp": 1, "pp": 1, "zero_stage": None},
         steps=saved["step"],
-        counters={**saved["counters"], "optimizer_step": the_one_value(saved["counters"]["optimizer_step"])},
+        counters={**saved["counters"], "optimizer_step": shared_adam_step(saved["counters"]["optimizer_step"])},
         lr=saved["lr"],
         parameters={"count": int(sum(p.numel() for p in model.parameters())), "tensors": len(list(model.parameters()))},
         extra={

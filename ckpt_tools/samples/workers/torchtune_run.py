@@ -134,7 +134,7 @@ from typing import Any
 
 import torch
 
-from ckpt_tools.samples.workers._common import check_mode_parser, jsonable, the_one_value
+from ckpt_tools.samples.workers._common import check_mode_parser, param_group_value, shared_adam_step
 from ckpt_tools.train.manifest import write_manifest
 
 SAMPLES = ("torchtune_full", "torchtune_lora")
@@ -445,7 +445,7 @@ class Recorder:
         return self.recipe._lr_scheduler
 
     def group_values(self, key: str) -> list[Any]:
-        return [jsonable(g.get(key)) for g in self.recipe._optimizer.param_groups]
+        return [param_group_value(g.get(key)) for g in self.recipe._optimizer.param_groups]
 
     def adam_steps(self) -> list[int]:
         return sorted({int(s["step"]) for s in self.recipe._optimizer.state.values() if "step" in s})
@@ -456,7 +456,7 @@ class Recorder:
         )
 
     def _post_step(self, optimizer, args, kwargs) -> None:
-        self.history[-1]["optimizer_step"] = the_one_value(self.adam_steps())
+        self.history[-1]["optimizer_step"] = shared_adam_step(self.adam_steps())
 
     def snapshot(
         self,
@@ -484,7 +484,7 @@ class Recorder:
                 "max_steps_per_epoch": r.max_steps_per_epoch,
                 "steps_per_epoch": r._steps_per_epoch,
                 "seed": r.seed,
-                "optimizer_step": the_one_value(self.adam_steps()),
+                "optimizer_step": shared_adam_step(self.adam_steps()),
                 "scheduler_last_epoch": sched.last_epoch,
                 "scheduler_step_count": sched._step_count,
             },
@@ -502,7 +502,7 @@ class Recorder:
         if training.OPT_KEY in state_dict:
             osd = state_dict[training.OPT_KEY]
             snap["optimizer"] = {
-                "param_groups": [{k: jsonable(v) for k, v in g.items()} for g in osd["param_groups"]],
+                "param_groups": [{k: param_group_value(v) for k, v in g.items()} for g in osd["param_groups"]],
                 "state_ids": sorted(osd["state"]),
                 "state_fields": sorted({f for s in osd["state"].values() for f in s}),
             }
